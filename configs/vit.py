@@ -1,0 +1,75 @@
+r"""ViT on a tfds dataset: `get_config('<model>,<dataset>[,<regime>]')`.
+
+  <model>:   ti16, s16, s32, b16, b32, l16, l32, h14, g14, G14, or any name that
+             vit_jax.models.create accepts (e.g. ViT-B_8).
+  <dataset>: imagenet2012, imagenet21k, cifar10, cifar100, oxford_iiit_pet,
+             oxford_flowers102, fashion_mnist_local, or any tfds name.
+  <regime>:  pretrain (default) or finetune.
+
+Examples:
+  # ViT-B/16 pretraining on ImageNet-21k (paper Sec. 4.1: 90 epochs, batch 4096, Adam lr 1e-3,
+  # weight decay 0.03, dropout 0.1, representation layer, sigmoid loss, head bias -10).
+  python -m vit_jax.main --config configs/vit.py:b16,imagenet21k --workdir gs://b/b16_i21k \
+      --config.data.data_dir=gs://b/tensorflow_datasets
+  # Fine-tuning schedule for CIFAR-10 (SGD momentum 0.9, 10k steps, batch 512, cosine, lr 0.03).
+  python -m vit_jax.main --config configs/vit.py:b16,cifar10,finetune --workdir /tmp/b16_c10
+
+The schedule lengths below are the paper's; on one CPU they take years, so shorten them
+with --config.total_steps=... for a look.
+"""
+
+from vit_jax import defaults
+
+MODELS = {
+    "ti16": "ViT-Ti_16", "s16": "ViT-S_16", "s32": "ViT-S_32", "b16": "ViT-B_16",
+    "b32": "ViT-B_32", "l16": "ViT-L_16", "l32": "ViT-L_32", "h14": "ViT-H_14",
+    "g14": "ViT-g_14", "G14": "ViT-G_14",
+}
+
+# name -> (train split, eval split, pretraining epochs, fine-tuning steps).
+DATASETS = {
+    "imagenet2012": ("train[:99%]", "validation", 300, 20_000),
+    "imagenet21k": ("train[:99%]", "train[99%:]", 90, 20_000),
+    "cifar10": ("train[:98%]", "test", 300, 10_000),
+    "cifar100": ("train[:98%]", "test", 300, 10_000),
+    "oxford_iiit_pet": ("train[:90%]", "test", 300, 500),
+    "oxford_flowers102": ("train[:90%]", "test", 300, 500),
+    "fashion_mnist_local": ("train", "test", 30, 2_000),
+}
+
+
+def get_config(arg: str = "b16,imagenet2012"):
+  """Returns the config for '<model>,<dataset>[,<regime>]' (see the module docstring)."""
+  parts = arg.split(",")
+  if len(parts) not in (2, 3):
+    raise ValueError(f"configs/vit.py expects '<model>,<dataset>[,<regime>]', got {arg!r}.")
+  model, dataset = parts[:2]
+  regime = parts[2] if len(parts) == 3 else "pretrain"
+  model_name = MODELS.get(model, model)
+  train_split, eval_split, epochs, finetune_steps = DATASETS.get(
+      dataset, ("train", "test", 300, 10_000))
+
+  pretrain = regime == "pretrain"
+  overrides = {}
+  if pretrain and dataset in ("imagenet21k", "imagenet2012"):
+    # Pretraining on large data uses dropout 0.1 and a representation layer of width D.
+    overrides["dropout_rate"] = 0.1
+  config = defaults.get_config(model_name, dataset, **overrides)
+  if pretrain and dataset in ("imagenet21k", "imagenet2012"):
+    config.model.representation_size = config.model.hidden_size
+  config.regime = regime
+  config.data.train_split = train_split
+  config.data.eval_split = eval_split
+  if pretrain:
+    config.batch_size = 4096
+    config.num_epochs = float(epochs)
+    config.data.image_size = 224
+    config.data.augment = "inception_crop"
+    if dataset == "imagenet21k":
+      config.optim.weight_decay = 0.03
+  else:
+    config.batch_size = 512
+    config.total_steps = finetune_steps
+    config.data.image_size = 384
+    config.data.augment = "inception_crop"
+  return config

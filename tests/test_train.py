@@ -1,0 +1,271 @@
+"""Tests of the training loop, optimizer, schedules, configs and the `vit_jax.main` entry point."""
+
+import glob
+import math
+import os
+import pathlib
+import subprocess
+import sys
+
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import pytest
+
+from tests import data_utils
+from vit_jax import defaults
+from vit_jax import optim
+from vit_jax import train
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+CONFIGS = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "configs").glob("*.py"))
+# Every shipped config file with the arguments it is run with in the consumed-keys test.
+SHIPPED = [("configs/fashion_mnist.py", None),
+           ("configs/vit.py", "ti16,cifar10"),
+           ("configs/vit.py", "b16,imagenet21k"),
+           ("configs/vit.py", "b16,imagenet2012,finetune")]
+
+
+# ----------------------------------------------------------------------------- schedules
+
+
+def test_cosine_schedule_matches_reference_values():
+  base, total, warmup = 0.03, 100, 10
+  lr = optim.lr_schedule(base, total, warmup, "cosine")
+  # optax counts updates from 0; the reference numbers steps from 1.
+  np.testing.assert_allclose(lr(0), base / warmup, rtol=1e-6)  # step 1
+  np.testing.assert_allclose(lr(warmup - 1), base, rtol=1e-6)  # end of warmup
+  step = 55  # progress = (55 - 10) / 90 = 0.5
+  np.testing.assert_allclose(lr(step - 1), base * 0.5 * (1 + math.cos(math.pi * 0.5)), rtol=1e-6)
+  np.testing.assert_allclose(lr(total - 1), 0.0, atol=1e-9)  # step = total: zero
+  assert float(lr(total + 5)) == pytest.approx(0.0, abs=1e-9)  # clipped afterwards
+
+
+def test_linear_and_constant_schedules():
+  lr = optim.lr_schedule(1e-3, 110, 10, "linear")
+  np.testing.assert_allclose(lr(0), 1e-4, rtol=1e-6)
+  np.testing.assert_allclose(lr(59), 1e-3 * 0.5, rtol=1e-6)  # step 60: progress 0.5
+  np.testing.assert_allclose(lr(109), 0.0, atol=1e-10)
+  const = optim.lr_schedule(0.1, 50, 0, "constant")
+  np.testing.assert_allclose([const(0), const(49)], [0.1, 0.1], rtol=1e-6)
+  with_end = optim.lr_schedule(1.0, 10, 0, "cosine", end_lr=0.1)
+  np.testing.assert_allclose(with_end(9), 0.1, rtol=1e-6)
+
+
+def test_schedule_rejects_bad_arguments():
+  with pytest.raises(ValueError, match="warmup_steps=100 must be smaller"):
+    optim.lr_schedule(0.1, 100, 100, "cosine")
+  with pytest.raises(ValueError, match="Unknown schedule 'step'"):
+    optim.lr_schedule(0.1, 100, 0, "step")
+
+
+# ----------------------------------------------------------------------------- regimes
+
+
+def _tiny_config(regime="pretrain"):
+  config = defaults.get_config("ViT-custom", "fashion_mnist_local", hidden_size=8, mlp_dim=16,
+                               num_heads=2, num_layers=1, patch_size=4)
+  config.regime = regime
+  return config
+
+
+def test_regime_defaults_follow_the_paper():
+  pre = optim.resolve_regime(_tiny_config("pretrain"))
+  assert (pre.optim.optimizer, pre.optim.schedule, pre.loss) == ("adamw", "linear", "sigmoid_xent")
+  assert (pre.optim.lr, pre.optim.b1, pre.optim.b2, pre.optim.weight_decay) == (1e-3, 0.9, 0.999, 0.1)
+  assert pre.model.head_bias_init == -10.0
+  fine = optim.resolve_regime(_tiny_config("finetune"))
+  assert (fine.optim.optimizer, fine.optim.schedule, fine.loss) == ("sgd", "cosine", "softmax_xent")
+  assert (fine.optim.momentum, fine.optim.grad_clip_norm, fine.optim.weight_decay) == (0.9, 1.0, 0.0)
+  assert (fine.optim.warmup_steps, fine.model.head_bias_init) == (500, 0.0)
+
+
+def test_regime_keeps_explicit_values_and_rejects_unknown_regime():
+  config = _tiny_config("finetune")
+  config.optim.lr = 0.01
+  config.loss = "sigmoid_xent"
+  resolved = optim.resolve_regime(config)
+  assert (resolved.optim.lr, resolved.loss) == (0.01, "sigmoid_xent")
+  assert config.optim.optimizer is None  # The caller's config is not modified.
+  config.regime = "pretraining"
+  with pytest.raises(ValueError, match="'pretraining' is not a regime"):
+    optim.resolve_regime(config)
+
+
+def test_losses_give_reference_values():
+  logits = jnp.array([[2.0, 0.0, -1.0], [0.5, 0.5, 0.5]])
+  labels = jnp.array([[1.0, 0.0, 0.0], [0.0, 1.0, 1.0]])
+  softmax = optim.loss_fn(logits, labels, "softmax_xent")
+  log_p = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+  np.testing.assert_allclose(softmax, [-log_p[0, 0], -(log_p[1, 1] + log_p[1, 2]) / 2], rtol=1e-6)
+  sigmoid = optim.loss_fn(logits, labels, "sigmoid_xent")
+  p = 1 / (1 + np.exp(-np.asarray(logits)))
+  expected = -(labels * np.log(p) + (1 - labels) * np.log(1 - p)).sum(-1)
+  np.testing.assert_allclose(sigmoid, expected, rtol=1e-5)
+
+
+def test_sgd_finetune_optimizer_clips_and_uses_momentum():
+  config = optim.resolve_regime(_tiny_config("finetune"))
+  config.optim.warmup_steps = 0
+  config.optim.schedule = "constant"
+  config.optim.lr = 0.5
+  tx = optim.make_optimizer(config.optim, total_steps=10)
+  params = {"kernel": jnp.zeros(2)}
+  state = tx.init(params)
+  grads = {"kernel": jnp.array([3.0, 4.0])}  # global norm 5 -> clipped to 1: [0.6, 0.8]
+  updates, state = tx.update(grads, state, params)
+  np.testing.assert_allclose(updates["kernel"], [-0.3, -0.4], rtol=1e-6)
+  updates, state = tx.update(grads, state, params)  # momentum 0.9: 1.9 * clipped grad
+  np.testing.assert_allclose(updates["kernel"], [-0.57, -0.76], rtol=1e-6)
+
+
+def test_batch_size_and_schedule_length_checks():
+  train.check_batch_size(512, 2, 8)
+  with pytest.raises(ValueError, match=r"multiple of 16\. Use --config.batch_size=496 or 512"):
+    train.check_batch_size(500, 2, 8)
+  config = _tiny_config()
+  with pytest.raises(ValueError, match="exactly one of config.total_steps and config.num_epochs"):
+    train.num_train_steps(config, 1000)
+  config.num_epochs = 2.5
+  assert train.num_train_steps(config, 1000) == math.ceil(2.5 * 1000 / config.batch_size)
+
+
+# ----------------------------------------------------------------------------- configs
+
+
+def _load_config(path, arg):
+  from vit_jax import main  # pylint: disable=g-import-not-at-top
+  return main._load_config_file(f"{path}:{arg}" if arg else path)
+
+
+def test_shipped_configs_are_covered():
+  """Every configs/*.py is exercised by the consumed-keys test below."""
+  assert sorted({p for p, _ in SHIPPED}) == CONFIGS
+
+
+@pytest.mark.parametrize("path,arg", SHIPPED)
+def test_shipped_configs_build_and_resolve(path, arg):
+  config = _load_config(path, arg)
+  assert config.is_locked
+  resolved = optim.resolve_regime(config)
+  from vit_jax import models  # pylint: disable=g-import-not-at-top
+  models.model_config(resolved.model_name, **resolved.model.to_dict())
+
+
+def _record_consumed_keys(monkeypatch):
+  """Patches ConfigDict to record (keys of the section, key) for every read of a key."""
+  seen = set()
+  original = ml_collections.ConfigDict.__getitem__
+
+  def getitem(self, key):
+    seen.add((tuple(sorted(self._fields)), key))
+    return original(self, key)
+
+  monkeypatch.setattr(ml_collections.ConfigDict, "__getitem__", getitem)
+  return seen
+
+
+def _leaf_keys(config):
+  for key, value in config.items():
+    if isinstance(value, ml_collections.ConfigDict):
+      yield from _leaf_keys(value)
+    else:
+      yield tuple(sorted(config.keys())), key
+
+
+@pytest.mark.slow
+def test_every_config_key_is_consumed(tmp_path, monkeypatch):
+  """Runs each shipped config for two steps on tiny data; every key must be read by the code."""
+  folder = data_utils.make_image_folder(str(tmp_path / "images"), num_classes=3, per_class=4,
+                                        size=8)
+  seen = _record_consumed_keys(monkeypatch)
+  unread = None
+  for i, (path, arg) in enumerate(SHIPPED):
+    config = _load_config(path, arg)
+    all_keys = set(_leaf_keys(config))
+    with config.unlocked():
+      # Same keys, tiny values: a 2-step run on an 8x8 image folder.
+      config.data.image_folder = folder
+      config.data.image_size = 8
+      config.data.shuffle_buffer = 16
+      config.model.update(hidden_size=8, mlp_dim=16, num_heads=2, num_layers=1,
+                          patch_size=(4, 4))
+      if config.model.representation_size is not None:
+        config.model.representation_size = 8
+      config.batch_size = 4
+      config.total_steps, config.num_epochs = 2, None
+      config.optim.warmup_steps = 1
+      config.log_every_steps = config.eval_every_steps = config.checkpoint_every_steps = 1
+    results = train.train_and_evaluate(config, str(tmp_path / f"run{i}"))
+    assert results["step"] == 2 and 0.0 <= results["test/accuracy"] <= 1.0
+    unread = (all_keys - seen) if unread is None else (unread & (all_keys - seen))
+  assert not unread, f"Config keys no code reads: {sorted(k for _, k in unread)}"
+
+
+# ----------------------------------------------------------------------------- main
+
+
+def _run_main(*args, timeout=300):
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  return subprocess.run([sys.executable, "-m", "vit_jax.main", *args], cwd=ROOT, env=env,
+                        capture_output=True, text=True, timeout=timeout)
+
+
+def test_unknown_config_key_fails_with_a_clear_message(tmp_path):
+  proc = _run_main("--config", "configs/fashion_mnist.py", "--workdir", str(tmp_path),
+                   "--config.unknown_key=1")
+  assert proc.returncode == 2, proc.stderr[-2000:]
+  assert "Unknown config key 'unknown_key'" in proc.stderr
+  assert "Keys there:" in proc.stderr
+  proc = _run_main("--config", "configs/fashion_mnist.py", "--workdir", str(tmp_path),
+                   "--config.optim.learning_rate=0.1")
+  assert proc.returncode == 2
+  assert "Unknown config key 'optim.learning_rate'" in proc.stderr
+  assert not list(tmp_path.iterdir())  # Nothing was started.
+
+
+def _scalars(workdir):
+  """{tag: {step: value}} from the TensorBoard event files in workdir."""
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  out = {}
+  for path in glob.glob(os.path.join(workdir, "events.out.tfevents.*")):
+    for event in tf.compat.v1.train.summary_iterator(path):
+      for value in event.summary.value:
+        number = float(tf.make_ndarray(value.tensor)) if value.HasField("tensor") else value.simple_value
+        out.setdefault(value.tag, {})[event.step] = number
+  return out
+
+
+@pytest.mark.slow
+def test_main_trains_writes_metrics_and_resumes(tmp_path):
+  folder = data_utils.make_image_folder(str(tmp_path / "images"), num_classes=3, per_class=5,
+                                        size=8)
+  workdir = str(tmp_path / "workdir")
+  common = ["--config", "configs/fashion_mnist.py", "--workdir", workdir,
+            f"--config.data.image_folder={folder}", "--config.data.image_size=8",
+            "--config.model.hidden_size=8", "--config.model.mlp_dim=16",
+            "--config.model.num_heads=2", "--config.model.num_layers=1",
+            "--config.model.patch_size=(4,4)", "--config.batch_size=4",
+            "--config.num_epochs=None", "--config.optim.warmup_steps=1",
+            "--config.log_every_steps=2", "--config.eval_every_steps=2",
+            "--config.checkpoint_every_steps=2"]
+  first = _run_main(*common, "--config.total_steps=4")
+  assert first.returncode == 0, first.stderr[-3000:]
+  assert "Final evaluation at step 4: test/accuracy=" in first.stdout
+  assert sorted(os.listdir(os.path.join(workdir, "checkpoints"))) == ["2", "4"]
+  scalars = _scalars(workdir)
+  assert sorted(scalars["train/loss"]) == [2, 4]
+  assert sorted(scalars["test/accuracy"]) == [2, 4]
+
+  second = _run_main(*common, "--config.total_steps=6")
+  assert second.returncode == 0, second.stderr[-3000:]
+  assert "Resuming from the checkpoint at step 4" in second.stderr
+  assert "Final evaluation at step 6" in second.stdout
+  scalars = _scalars(workdir)
+  assert sorted(scalars["train/loss"]) == [2, 4, 6]  # Steps 1-4 were not trained again.
+  assert sorted(os.listdir(os.path.join(workdir, "checkpoints")))[-1] == "6"
+
+  third = _run_main(*common, "--config.total_steps=6")  # Finished: no more training.
+  assert third.returncode == 0, third.stderr[-3000:]
+  assert "already finished its 6 steps" in third.stderr
+  assert sorted(_scalars(workdir)["train/loss"]) == [2, 4, 6]

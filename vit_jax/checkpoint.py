@@ -1,0 +1,436 @@
+"""Loading and saving model parameters.
+
+Formats read by :func:`load`:
+
+* **Official ``.npz``** (google-research/vision_transformer releases and ``vit_jax`` test files):
+  a flat ``np.savez`` archive whose keys are ``/``-joined parameter paths without a ``params``
+  prefix, e.g. ``Transformer/encoderblock_0/MlpBlock_3/Dense_0/kernel``. Files from 2020 use the
+  pre-Linen module numbering inside each block (``LayerNorm_0``, ``MultiHeadDotProductAttention_1``,
+  ``LayerNorm_2``, ``MlpBlock_3``); they are renumbered to the Linen names (``LayerNorm_0``,
+  ``MultiHeadDotProductAttention_0``, ``LayerNorm_1``, ``MlpBlock_0``) that the model uses.
+  GroupNorm ``gn*/scale|bias`` stored as ``(1, 1, 1, C)`` are reshaped to ``(C,)``. Archives are
+  always read with ``allow_pickle=False``; object arrays are rejected.
+* **Orbax checkpoints written by the training loop**: ``CheckpointManager(<workdir>/checkpoints)``
+  saving ``ocp.args.Composite(state=ocp.args.StandardSave(state))`` with
+  ``state = {'step', 'params', 'opt_state', 'model_state'}``. ``load`` accepts the workdir, the
+  ``checkpoints`` directory (latest finalized step) or one step directory, restores only
+  ``params`` and ``model_state`` as NumPy arrays (no target needed, the optimizer state is not
+  read), and returns ``{'params': params, **model_state}``.
+
+Paths may be local or, for any ``scheme://`` path such as ``gs://bucket/x.npz``, go through
+``tf.io.gfile`` (TensorFlow is imported lazily, only for such paths; Orbax reads remote
+directories itself).
+
+Layout: ``load`` never changes the encoder layout. ``.npz`` files are always in the unrolled
+``encoderblock_{i}`` layout; an Orbax checkpoint of a ``scan=True`` model holds a stacked
+``encoderblock``. Convert explicitly::
+
+  from vit_jax.models import scan_params, unscan_params
+  variables = load('ViT-B_16.npz')
+  variables = scan_params(variables, num_layers=12)   # for create(..., scan=True)
+"""
+
+from __future__ import annotations
+
+import errno
+import io
+import os
+import re
+from collections.abc import Mapping
+from typing import Any, Dict, Optional
+
+import numpy as np
+
+from vit_jax.models import layout
+
+__all__ = [
+    'ACCEPTED_FORMATS', 'convert_pre_linen', 'fix_groupnorm', 'flatten_params', 'load',
+    'load_npz', 'load_orbax', 'save_npz', 'unflatten_params',
+]
+
+ACCEPTED_FORMATS = (
+    "an official ViT '.npz' file (flat '/'-joined parameter names, Linen or pre-Linen numbering), "
+    "or an Orbax checkpoint written by the training loop (a workdir containing 'checkpoints/', a "
+    "'checkpoints' directory of numbered steps, or one step directory containing 'state/')")
+
+# Name of the Composite item the training loop saves the train state under.
+_STATE_ITEM = 'state'
+_ZIP_MAGICS = (b'PK\x03\x04', b'PK\x05\x06')
+_NPY_MAGIC = b'\x93NUMPY'
+
+
+# ----------------------------------------------------------------------------------------------
+# Flat <-> nested trees.
+# ----------------------------------------------------------------------------------------------
+
+
+def flatten_params(tree: Mapping, sep: str = '/') -> Dict[str, Any]:
+  """Flattens a nested mapping into ``{'a/b/c': leaf}`` (keys in insertion order).
+
+  Args:
+    tree: nested ``dict``/``FrozenDict`` (e.g. ``variables['params']``); leaves are anything that
+      is not a mapping. Empty sub-mappings are dropped (they cannot be represented).
+    sep: separator.
+
+  Returns:
+    A flat dict.
+
+  Raises:
+    ValueError: if a key contains ``sep`` (the flattening would be ambiguous) or is not a str.
+  """
+  flat: Dict[str, Any] = {}
+
+  def visit(node, prefix):
+    for key, value in node.items():
+      if not isinstance(key, str) or sep in key:
+        raise ValueError(f'Cannot flatten key {key!r} (must be a str without {sep!r})')
+      path = f'{prefix}{sep}{key}' if prefix else key
+      if isinstance(value, Mapping):
+        visit(value, path)
+      else:
+        flat[path] = value
+
+  if not isinstance(tree, Mapping):
+    raise ValueError(f'flatten_params expects a mapping, got {type(tree).__name__}')
+  visit(tree, '')
+  return flat
+
+
+def unflatten_params(flat: Mapping[str, Any], sep: str = '/') -> Dict[str, Any]:
+  """Inverse of :func:`flatten_params`: ``{'a/b': x}`` -> ``{'a': {'b': x}}``.
+
+  Raises:
+    ValueError: if a path is both a leaf and a prefix of another path, or has empty components.
+  """
+  tree: Dict[str, Any] = {}
+  for path, value in flat.items():
+    parts = path.split(sep)
+    if any(not p for p in parts):
+      raise ValueError(f'Invalid parameter path {path!r}')
+    node = tree
+    for part in parts[:-1]:
+      child = node.setdefault(part, {})
+      if not isinstance(child, dict):
+        raise ValueError(f'{path!r} conflicts with the leaf {part!r} of another path')
+      node = child
+    if parts[-1] in node:
+      raise ValueError(f'Duplicate or conflicting parameter path {path!r}')
+    node[parts[-1]] = value
+  return tree
+
+
+# ----------------------------------------------------------------------------------------------
+# Name fixes for official files.
+# ----------------------------------------------------------------------------------------------
+
+_NUMBERED = re.compile(r'^(.*)_(\d+)$')
+
+
+def convert_pre_linen(tree: Any) -> Any:
+  """Renumbers pre-Linen module names to Linen names, recursively.
+
+  Pre-Linen flax numbered all child modules of a parent in one sequence
+  (``LayerNorm_0, MultiHeadDotProductAttention_1, LayerNorm_2, MlpBlock_3``); Linen numbers each
+  class separately (``LayerNorm_0, MultiHeadDotProductAttention_0, LayerNorm_1, MlpBlock_0``). In
+  every mapping the keys ``<prefix>_<n>`` are grouped by prefix, sorted by ``n`` and renumbered
+  ``0, 1, ...``. Trees already in Linen numbering (contiguous from 0) are returned unchanged.
+  Returns a new plain-dict tree; leaves are not copied.
+  """
+  if not isinstance(tree, Mapping):
+    return tree
+  groups: Dict[str, list] = {}
+  for key in tree:
+    m = _NUMBERED.match(key)
+    if m:
+      groups.setdefault(m.group(1), []).append((int(m.group(2)), key))
+  rename = {}
+  for prefix, items in groups.items():
+    for new_index, (_, key) in enumerate(sorted(items)):
+      rename[key] = f'{prefix}_{new_index}'
+  return {rename.get(k, k): convert_pre_linen(v) for k, v in tree.items()}
+
+
+def fix_groupnorm(tree: Any) -> Any:
+  """Reshapes GroupNorm ``gn*/scale`` and ``gn*/bias`` from ``(1, 1, 1, C)`` to ``(C,)``.
+
+  Older hybrid (R+ViT) files store them 4-D. Returns a new plain-dict tree.
+  """
+
+  def visit(node, parent):
+    out = {}
+    for key, value in node.items():
+      if isinstance(value, Mapping):
+        out[key] = visit(value, key)
+      elif (parent.startswith('gn') and key in ('scale', 'bias') and np.ndim(value) == 4
+            and all(d == 1 for d in np.shape(value)[:3])):
+        out[key] = np.reshape(value, (-1,))
+      else:
+        out[key] = value
+    return out
+
+  return visit(tree, '') if isinstance(tree, Mapping) else tree
+
+
+# ----------------------------------------------------------------------------------------------
+# File system access: local paths with os, 'scheme://' paths with tf.io.gfile.
+# ----------------------------------------------------------------------------------------------
+
+
+def _is_remote(path: str) -> bool:
+  return '://' in path
+
+
+def _gfile():
+  try:
+    import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  except ImportError as e:  # pragma: no cover - tensorflow is a project dependency.
+    raise ImportError('Reading remote paths (e.g. gs://) needs TensorFlow (tf.io.gfile)') from e
+  return tf.io.gfile
+
+
+def _exists(path: str) -> bool:
+  return _gfile().exists(path) if _is_remote(path) else os.path.exists(path)
+
+
+def _isdir(path: str) -> bool:
+  return _gfile().isdir(path) if _is_remote(path) else os.path.isdir(path)
+
+
+def _listdir(path: str):
+  if _is_remote(path):
+    return [name.rstrip('/') for name in _gfile().listdir(path)]
+  return os.listdir(path)
+
+
+def _open(path: str, mode: str):
+  return _gfile().GFile(path, mode) if _is_remote(path) else open(path, mode)
+
+
+def _join(path: str, *names: str) -> str:
+  if _is_remote(path):
+    return '/'.join([path.rstrip('/'), *names])
+  return os.path.join(path, *names)
+
+
+def _normalize(path: Any) -> str:
+  path = os.fspath(path)
+  if not isinstance(path, str):
+    path = os.fsdecode(path)
+  return path if _is_remote(path) else os.path.expanduser(path)
+
+
+def _not_found(path: str, what: str = 'No checkpoint') -> FileNotFoundError:
+  return FileNotFoundError(errno.ENOENT, f'{what} at {path!r}', path)
+
+
+# ----------------------------------------------------------------------------------------------
+# Loading.
+# ----------------------------------------------------------------------------------------------
+
+
+def load(path: Any) -> Dict[str, Any]:
+  """Loads model variables from an official ``.npz`` file or an Orbax training checkpoint.
+
+  Args:
+    path: local path or ``scheme://`` path (``gs://``) of a ``.npz`` file, a training workdir, its
+      ``checkpoints`` directory (the latest finalized step is used) or one step directory.
+
+  Returns:
+    ``{'params': nested dict of np.ndarray, **other collections}`` ready for ``model.apply``
+    (Linen names, unchanged encoder layout; see the module docstring to convert layouts).
+
+  Raises:
+    FileNotFoundError: nothing exists at ``path`` (or a checkpoint directory holds no step).
+    ValueError: the file/directory is not one of the accepted formats, or an ``.npz`` contains
+      object (pickled) arrays.
+  """
+  path = _normalize(path)
+  if not _exists(path):
+    raise _not_found(path)
+  if _isdir(path):
+    return load_orbax(path)
+  with _open(path, 'rb') as f:
+    magic = f.read(6)
+  if magic[:4] in _ZIP_MAGICS:
+    return load_npz(path)
+  if magic == _NPY_MAGIC:
+    raise ValueError(f'{path!r} is a single-array .npy file, not a checkpoint. '
+                     f'Accepted formats: {ACCEPTED_FORMATS}')
+  raise ValueError(f'Unrecognised checkpoint format at {path!r}. Accepted formats: '
+                   f'{ACCEPTED_FORMATS}')
+
+
+def load_npz(path: Any) -> Dict[str, Any]:
+  """Loads an official flat ``.npz`` file; returns ``{'params': nested dict of np.ndarray}``.
+
+  Keys are ``/``-split into a nested dict (a leading ``params/`` on every key is removed), the
+  pre-Linen numbering is converted (:func:`convert_pre_linen`) and GroupNorm parameters are
+  squeezed (:func:`fix_groupnorm`). Never unpickles.
+
+  Raises:
+    FileNotFoundError: missing file.
+    ValueError: not an ``.npz`` archive, empty, or containing object arrays.
+  """
+  path = _normalize(path)
+  if not _exists(path):
+    raise _not_found(path, 'No .npz file')
+  with _open(path, 'rb') as f:
+    data = f.read() if _is_remote(path) else None
+  source = io.BytesIO(data) if data is not None else path
+  try:
+    archive = np.load(source, allow_pickle=False)
+  except ValueError as e:
+    raise ValueError(f'{path!r} is not a readable .npz archive ({e}). Accepted formats: '
+                     f'{ACCEPTED_FORMATS}') from None
+  if not isinstance(archive, np.lib.npyio.NpzFile):
+    raise ValueError(f'{path!r} is not an .npz archive. Accepted formats: {ACCEPTED_FORMATS}')
+  flat = {}
+  with archive:
+    for key in archive.files:
+      try:
+        value = archive[key]
+      except ValueError as e:
+        raise ValueError(
+            f'{path!r}: array {key!r} is an object (pickled) array; refusing to unpickle it '
+            f'(np.load(allow_pickle=False)). Checkpoints must hold numeric arrays only.') from e
+      if value.dtype.hasobject:
+        raise ValueError(f'{path!r}: array {key!r} has object dtype; refusing it.')
+      flat[key] = value
+  if not flat:
+    raise ValueError(f'{path!r} contains no arrays')
+  if all(k.startswith('params/') for k in flat):
+    flat = {k[len('params/'):]: v for k, v in flat.items()}
+  params = fix_groupnorm(convert_pre_linen(unflatten_params(flat)))
+  return {'params': params}
+
+
+def _has(path: str, name: str) -> bool:
+  return _exists(_join(path, name))
+
+
+def _is_pytree_item(path: str) -> bool:
+  # An Orbax PyTree item directory has a '_METADATA' file (and 'manifest.ocdbt' with OCDBT).
+  return _has(path, '_METADATA') and _isdir(path)
+
+
+def _latest_step_dir(path: str) -> Optional[str]:
+  """Newest numbered step directory of ``path`` holding a finalized PyTree item, or None."""
+  # Orbax writes into '<step>.orbax-checkpoint-tmp-*' and renames when done, so digit-only names
+  # are finalized steps (on GCS the item's commit marker is checked through '_METADATA').
+  steps = {int(n): n for n in _listdir(path) if n.isdigit()}
+  for step in sorted(steps, reverse=True):
+    candidate = _join(path, steps[step])
+    if _is_pytree_item(candidate) or _is_pytree_item(_join(candidate, _STATE_ITEM)):
+      return candidate
+  return None
+
+
+def _find_state_item(path: str) -> str:
+  """Returns the Orbax PyTree item directory holding the train state for ``path``."""
+  if _isdir(_join(path, 'checkpoints')):  # A workdir.
+    path = _join(path, 'checkpoints')
+  for candidate in (path, _join(path, _STATE_ITEM)):
+    if _is_pytree_item(candidate):
+      return candidate
+  step_dir = _latest_step_dir(path)
+  if step_dir is not None:
+    for candidate in (step_dir, _join(step_dir, _STATE_ITEM)):
+      if _is_pytree_item(candidate):
+        return candidate
+  is_manager_dir = os.path.basename(path.rstrip('/')) == 'checkpoints'
+  if is_manager_dir or any(n.isdigit() for n in _listdir(path)):
+    raise _not_found(path, 'No finalized Orbax checkpoint step')
+  raise ValueError(f'Unrecognised checkpoint directory {path!r}. Accepted formats: '
+                   f'{ACCEPTED_FORMATS}')
+
+
+def load_orbax(path: Any) -> Dict[str, Any]:
+  """Loads ``params`` and ``model_state`` from an Orbax checkpoint of the training loop.
+
+  Args:
+    path: a workdir (containing ``checkpoints/``), a ``checkpoints`` directory (latest step), a
+      step directory (containing ``state/``) or the ``state`` item directory itself.
+
+  Returns:
+    ``{'params': ..., **model_state}`` with NumPy leaves, in the layout they were saved in.
+
+  Raises:
+    FileNotFoundError: missing path or no finalized step.
+    ValueError: not an Orbax checkpoint, or one without a ``params`` entry.
+  """
+  import jax  # pylint: disable=g-import-not-at-top
+  import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
+
+  path = _normalize(path)
+  if not _exists(path):
+    raise _not_found(path)
+  item = _find_state_item(path)
+  checkpointer = ocp.PyTreeCheckpointer()
+  metadata = checkpointer.metadata(item)
+  tree = getattr(getattr(metadata, 'item_metadata', metadata), 'tree', None)
+  if tree is None:  # Older Orbax: the metadata is the tree itself.
+    tree = getattr(metadata, 'tree', metadata)
+  if not isinstance(tree, Mapping) or 'params' not in tree:
+    keys = sorted(tree) if isinstance(tree, Mapping) else type(tree).__name__
+    raise ValueError(f'Orbax checkpoint {item!r} has no "params" entry (top level: {keys}). '
+                     f'Accepted formats: {ACCEPTED_FORMATS}')
+  wanted = {'params': tree['params']}
+  if isinstance(tree.get('model_state'), Mapping):
+    wanted['model_state'] = tree['model_state']
+  restore_args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), wanted)
+  restored = checkpointer.restore(
+      item, args=ocp.args.PyTreeRestore(item=wanted, restore_args=restore_args,
+                                        partial_restore=True))
+  to_dict = lambda t: {k: to_dict(v) for k, v in t.items()} if isinstance(t, Mapping) else t
+  variables = {'params': to_dict(restored['params'])}
+  for name, collection in to_dict(restored.get('model_state') or {}).items():
+    if name == 'params':
+      raise ValueError(f'{item!r}: model_state must not contain a "params" collection')
+    variables[name] = collection
+  return variables
+
+
+# ----------------------------------------------------------------------------------------------
+# Saving.
+# ----------------------------------------------------------------------------------------------
+
+
+def save_npz(path: Any, params: Mapping) -> None:
+  """Writes parameters as an official-layout flat ``.npz`` (Linen names, unrolled, float32).
+
+  Args:
+    path: destination (local or ``scheme://``); written as given (no ``.npz`` is appended);
+      local parent directories are created.
+    params: a params tree, or a variables dict with a ``'params'`` key (only ``params`` is
+      written). A scanned tree (stacked ``encoderblock``) is first converted to
+      ``encoderblock_{i}``. JAX arrays are fetched to host; non-standard float dtypes
+      (``bfloat16``) are written as float32, like the published files.
+
+  Raises:
+    ValueError: for non-numeric leaves or keys that cannot be flattened.
+  """
+  path = _normalize(path)
+  if isinstance(params, Mapping) and isinstance(params.get('params'), Mapping):
+    params = params['params']
+  if layout.is_scanned(params):
+    params = layout.unscan_params(params)
+  flat = {}
+  for key, value in sorted(flatten_params(params).items()):
+    array = np.asarray(value)
+    if array.dtype.kind not in 'biufV' or array.dtype.hasobject:
+      raise ValueError(f'Parameter {key!r} has non-numeric dtype {array.dtype}')
+    if array.dtype.kind == 'V':  # ml_dtypes (bfloat16, float8_*): store float32.
+      try:
+        array = array.astype(np.float32)
+      except (TypeError, ValueError):
+        raise ValueError(f'Parameter {key!r} has non-numeric dtype {array.dtype}') from None
+    flat[key] = array
+  if _is_remote(path):
+    buffer = io.BytesIO()
+    np.savez(buffer, **flat)
+    with _open(path, 'wb') as f:
+      f.write(buffer.getvalue())
+  else:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, 'wb') as f:
+      np.savez(f, **flat)

@@ -1,0 +1,249 @@
+"""Offline TFDS builder for Fashion-MNIST: `fashion_mnist_local`.
+
+Reads the four original IDX files (as shipped by the Debian package
+`dataset-fashion-mnist` under `/usr/share/datasets/fashion-mnist/`, or by the
+original Zalando release) and produces exactly the features of tfds's own
+`fashion_mnist` builder:
+
+  * `image`: `tfds.features.Image(shape=(28, 28, 1))`, uint8, PNG-encoded.
+  * `label`: `tfds.features.ClassLabel` with the 10 Fashion-MNIST names.
+
+Splits: `train` (60000 examples) and `test` (10000 examples) (for the real
+files; the counts come from the IDX headers).
+
+Unlike tfds's `fashion_mnist`, nothing is ever downloaded: the files are read
+from `manual_dir` (`tfds.download.DownloadConfig(manual_dir=...)`, i.e.
+`config.data.manual_dir` in vit_jax), defaulting to the Debian path. Importing
+`vit_jax.data` registers the builder, so
+`tfds.builder('fashion_mnist_local', data_dir=...)` works.
+
+Preparation writes PNGs with a small numpy/zlib encoder (~35 us per image
+vs ~90 us for tfds's TF-graph encoder; decodes to the same pixels), so
+preparing all 70000 examples takes ~7 s on 2 CPU cores.
+"""
+
+from __future__ import annotations
+
+import gzip
+import os
+import struct
+import zlib
+from typing import Dict, Iterator, Optional, Tuple
+
+from absl import logging
+import numpy as np
+import tensorflow_datasets as tfds
+
+#: Where the Debian package `dataset-fashion-mnist` installs the IDX files.
+DEBIAN_DIR = '/usr/share/datasets/fashion-mnist'
+
+#: Class names, in label order (identical to tfds `fashion_mnist`).
+LABEL_NAMES = (
+    'T-shirt/top',
+    'Trouser',
+    'Pullover',
+    'Dress',
+    'Coat',
+    'Sandal',
+    'Shirt',
+    'Sneaker',
+    'Bag',
+    'Ankle boot',
+)
+
+IMAGE_SHAPE = (28, 28, 1)
+
+#: split name -> (images file, labels file, expected number of examples).
+SPLIT_FILES: Dict[str, Tuple[str, str, int]] = {
+    'train': ('train-images-idx3-ubyte.gz', 'train-labels-idx1-ubyte.gz', 60000),
+    'test': ('t10k-images-idx3-ubyte.gz', 't10k-labels-idx1-ubyte.gz', 10000),
+}
+
+# IDX magic numbers: 0x00 0x00 <dtype 0x08 = uint8> <number of dimensions>.
+_IMAGES_MAGIC = 0x00000803
+_LABELS_MAGIC = 0x00000801
+
+MISSING_FILES_HINT = (
+    'Install the Debian package `dataset-fashion-mnist` '
+    '(`apt-get install dataset-fashion-mnist`, which puts the IDX files in '
+    f'{DEBIAN_DIR}) or set `config.data.manual_dir` to a directory containing '
+    + ', '.join(f for v in SPLIT_FILES.values() for f in v[:2])
+    + '.'
+)
+
+
+class IdxFormatError(ValueError):
+  """An IDX file is malformed (bad magic number, header or size)."""
+
+
+def read_idx(path: str, expected_magic: int,
+             expected_count: Optional[int] = None) -> np.ndarray:
+  """Reads a (gzip-compressed or raw) IDX file of uint8 into a numpy array.
+
+  IDX format (http://yann.lecun.com/exdb/mnist/): a big-endian int32 magic
+  number `0x000008NN` (0x08 = unsigned byte data, NN = number of dimensions),
+  then NN big-endian int32 dimension sizes, then the row-major uint8 data.
+
+  Args:
+    path: file path; read through gzip if it ends with `.gz`.
+    expected_magic: `0x00000803` for images, `0x00000801` for labels.
+    expected_count: if given, the first dimension must equal it.
+
+  Returns:
+    uint8 array of the shape declared in the header, e.g. [N, 28, 28] images
+    or [N] labels.
+
+  Raises:
+    FileNotFoundError: the file does not exist.
+    IdxFormatError: wrong magic number, truncated file, trailing bytes or a
+      count different from `expected_count`.
+  """
+  opener = gzip.open if path.endswith('.gz') else open
+  with opener(path, 'rb') as f:
+    data = f.read()
+  if len(data) < 4:
+    raise IdxFormatError(f'{path}: file too short ({len(data)} bytes) for an '
+                         'IDX header.')
+  (magic,) = struct.unpack('>i', data[:4])
+  if magic != expected_magic:
+    raise IdxFormatError(
+        f'{path}: bad IDX magic number 0x{magic:08x}, expected '
+        f'0x{expected_magic:08x} ({"images" if expected_magic == _IMAGES_MAGIC else "labels"}).')
+  ndim = magic & 0xFF
+  header_len = 4 + 4 * ndim
+  if len(data) < header_len:
+    raise IdxFormatError(f'{path}: truncated IDX header.')
+  dims = struct.unpack(f'>{ndim}i', data[4:header_len])
+  size = int(np.prod(dims))
+  if len(data) - header_len != size:
+    raise IdxFormatError(
+        f'{path}: header declares shape {dims} ({size} bytes of data) but the '
+        f'file holds {len(data) - header_len} bytes of data.')
+  if expected_count is not None and dims[0] != expected_count:
+    raise IdxFormatError(
+        f'{path}: holds {dims[0]} examples, expected {expected_count}.')
+  return np.frombuffer(data, dtype=np.uint8, offset=header_len).reshape(dims)
+
+
+def encode_png_gray(image: np.ndarray) -> bytes:
+  """Encodes a [H, W] or [H, W, 1] uint8 array as an 8-bit grayscale PNG."""
+  image = np.asarray(image, dtype=np.uint8)
+  if image.ndim == 3:
+    image = image[..., 0]
+  h, w = image.shape
+  raw = np.zeros((h, w + 1), np.uint8)  # Filter byte 0 (None) on every row.
+  raw[:, 1:] = image
+
+  def chunk(tag: bytes, payload: bytes) -> bytes:
+    return (struct.pack('>I', len(payload)) + tag + payload +
+            struct.pack('>I', zlib.crc32(tag + payload) & 0xFFFFFFFF))
+
+  ihdr = struct.pack('>IIBBBBB', w, h, 8, 0, 0, 0, 0)
+  return (b'\x89PNG\r\n\x1a\n' + chunk(b'IHDR', ihdr) +
+          chunk(b'IDAT', zlib.compress(raw.tobytes(), 6)) + chunk(b'IEND', b''))
+
+
+def load_split(directory: str, split: str) -> Tuple[np.ndarray, np.ndarray]:
+  """Loads one split from IDX files in `directory`.
+
+  Args:
+    directory: folder holding the four `*-ubyte.gz` files.
+    split: 'train' or 'test'.
+
+  Returns:
+    (images uint8 [N, 28, 28], labels uint8 [N] in [0, 10)). N is normally
+    60000 (train) / 10000 (test); other counts (e.g. tiny test fixtures) are
+    accepted with a warning.
+
+  Raises:
+    FileNotFoundError: a file is missing; the message says how to get them.
+    IdxFormatError: a file is malformed (magic number, header, truncated or
+      trailing data), images are not 28x28, labels are out of range, or the
+      image and label counts differ.
+  """
+  images_file, labels_file, count = SPLIT_FILES[split]
+  paths = [os.path.join(directory, images_file),
+           os.path.join(directory, labels_file)]
+  missing = [p for p in paths if not os.path.exists(p)]
+  if missing:
+    raise FileNotFoundError(
+        f'Fashion-MNIST IDX file(s) not found: {", ".join(missing)}. '
+        + MISSING_FILES_HINT)
+  images = read_idx(paths[0], _IMAGES_MAGIC)
+  # Images and labels must pair up one to one.
+  labels = read_idx(paths[1], _LABELS_MAGIC, expected_count=images.shape[0])
+  if images.shape[0] != count:
+    logging.warning('%s holds %d examples; the Fashion-MNIST %s split has %d.',
+                    paths[0], images.shape[0], split, count)
+  if images.shape[1:] != IMAGE_SHAPE[:2]:
+    raise IdxFormatError(f'{paths[0]}: images have shape {images.shape[1:]}, '
+                         f'expected {IMAGE_SHAPE[:2]}.')
+  if labels.ndim != 1:
+    raise IdxFormatError(f'{paths[1]}: labels must be 1-D, got {labels.shape}.')
+  if labels.size and labels.max() >= len(LABEL_NAMES):
+    raise IdxFormatError(f'{paths[1]}: label {labels.max()} out of range '
+                         f'[0, {len(LABEL_NAMES)}).')
+  return images, labels
+
+
+class FashionMnistLocal(tfds.core.GeneratorBasedBuilder):
+  """Fashion-MNIST from local IDX files (no network). Same features as `fashion_mnist`."""
+
+  VERSION = tfds.core.Version('1.0.0')
+  RELEASE_NOTES = {'1.0.0': 'Offline builder reading the original IDX files.'}
+  MANUAL_DOWNLOAD_INSTRUCTIONS = (
+      'Put train-images-idx3-ubyte.gz, train-labels-idx1-ubyte.gz, '
+      't10k-images-idx3-ubyte.gz and t10k-labels-idx1-ubyte.gz in manual_dir. '
+      f'Without manual_dir, {DEBIAN_DIR} is used. ' + MISSING_FILES_HINT)
+  #: vit_jax marker: this builder prepares from local files only.
+  VIT_JAX_OFFLINE = True
+
+  def _info(self) -> tfds.core.DatasetInfo:
+    return tfds.core.DatasetInfo(
+        builder=self,
+        description=(
+            "Fashion-MNIST (Zalando's article images): 60,000 train and 10,000 "
+            'test 28x28 grayscale images in 10 classes, read from local IDX '
+            'files.'),
+        features=tfds.features.FeaturesDict({
+            'image': tfds.features.Image(shape=IMAGE_SHAPE),
+            'label': tfds.features.ClassLabel(names=list(LABEL_NAMES)),
+        }),
+        supervised_keys=('image', 'label'),
+        homepage='https://github.com/zalandoresearch/fashion-mnist',
+    )
+
+  def download_and_prepare(self, *, download_dir=None, download_config=None,
+                           **kwargs):
+    # Remember an explicit manual_dir: without one the Debian path is used
+    # (tfds's own default, <data_dir>/downloads/manual, is checked too).
+    self._explicit_manual_dir = (
+        os.fspath(download_config.manual_dir)
+        if download_config is not None and download_config.manual_dir
+        else None)
+    return super().download_and_prepare(
+        download_dir=download_dir, download_config=download_config, **kwargs)
+
+  def _source_dir(self) -> str:
+    explicit = getattr(self, '_explicit_manual_dir', None)
+    if explicit:
+      return os.path.expanduser(explicit)
+    default_manual = os.path.join(os.fspath(self.data_dir_root), 'downloads',
+                                  'manual')
+    if all(os.path.exists(os.path.join(default_manual, f))
+           for v in SPLIT_FILES.values() for f in v[:2]):
+      return default_manual
+    return DEBIAN_DIR
+
+  def _split_generators(self, dl_manager):
+    del dl_manager  # Nothing is downloaded.
+    directory = self._source_dir()
+    # Load (and validate) everything before writing anything.
+    data = {split: load_split(directory, split) for split in SPLIT_FILES}
+    return {split: self._generate_examples(*arrays)
+            for split, arrays in data.items()}
+
+  def _generate_examples(self, images: np.ndarray,
+                         labels: np.ndarray) -> Iterator[Tuple[int, dict]]:
+    for i in range(len(labels)):
+      yield i, {'image': encode_png_gray(images[i]), 'label': int(labels[i])}

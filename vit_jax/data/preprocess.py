@@ -1,0 +1,210 @@
+"""Per-example image / label preprocessing (TensorFlow ops, used in tf.data).
+
+Reproduces the official vit_jax `input_pipeline`:
+
+* training, `augment='inception_crop'`: Inception-style random crop
+  (`sample_distorted_bounding_box`, area in [min_area, 1], aspect ratio in
+  [3/4, 4/3], whole image when no box is found), bilinear resize to S x S,
+  random left-right flip;
+* eval: bilinear resize of the whole image to S x S (no center crop);
+* pixels mapped to [-1, 1] (`x / 127.5 - 1`), or ImageNet mean/std.
+
+All randomness is *stateless*, keyed by a per-example seed, so that
+augmentations are a deterministic function of (seed, epoch, index in epoch)
+and do not depend on tf.data threading or on where a run was resumed.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import tensorflow as tf
+
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
+
+
+def to_rgb(image: tf.Tensor) -> tf.Tensor:
+  """[H, W, C] image with C in {1, 3, 4} -> [H, W, 3] (gray tiled, alpha dropped)."""
+  image = tf.convert_to_tensor(image)
+  channels = image.shape[-1]
+  if channels == 3:
+    return image
+  if channels == 1:
+    return tf.image.grayscale_to_rgb(image)
+  if channels == 4:
+    return image[..., :3]
+  if channels is None:  # Unknown statically: handle 1/3/4 dynamically.
+    c = tf.shape(image)[-1]
+    image = tf.cond(c == 1, lambda: tf.tile(image, [1, 1, 3]),
+                    lambda: image[..., :3])
+    return tf.ensure_shape(image, [None, None, 3])
+  raise ValueError(f'Images must have 1, 3 or 4 channels, got {channels}.')
+
+
+def decode_rgb(image: tf.Tensor, encoded: bool) -> tf.Tensor:
+  """Returns a uint8 [H, W, 3] image.
+
+  Args:
+    image: encoded PNG/JPEG/BMP/GIF bytes (tf.string scalar) if `encoded`,
+      else an image tensor [H, W, C], C in {1, 3, 4}, any dtype (non-uint8 is
+      converted with `tf.image.convert_image_dtype`, i.e. floats in [0, 1]).
+    encoded: see above.
+
+  Grayscale images become 3 identical channels; alpha is dropped.
+  """
+  if encoded:
+    img = tf.io.decode_image(image, channels=3, expand_animations=False)
+    return tf.ensure_shape(img, [None, None, 3])
+  if image.dtype != tf.uint8:
+    image = tf.image.convert_image_dtype(image, tf.uint8, saturate=True)
+  return to_rgb(image)
+
+
+def _crop_window(shape: tf.Tensor, seed: tf.Tensor,
+                 min_area: float) -> tf.Tensor:
+  """Inception crop window [y, x, h, w] for an image of `shape` [H, W, C]."""
+  begin, size, _ = tf.image.stateless_sample_distorted_bounding_box(
+      shape,
+      bounding_boxes=tf.zeros([1, 0, 4], tf.float32),
+      seed=seed,
+      min_object_covered=0.0,
+      aspect_ratio_range=(3. / 4., 4. / 3.),
+      area_range=(min_area, 1.0),
+      max_attempts=10,
+      use_image_if_no_bounding_boxes=True)
+  return tf.stack([begin[0], begin[1], size[0], size[1]])
+
+
+def inception_crop(image: tf.Tensor, encoded: bool, seed: tf.Tensor,
+                   min_area: float) -> tf.Tensor:
+  """Inception-style random crop (not resized); returns uint8 [h, w, 3].
+
+  For JPEG bytes the crop is fused with decoding (`decode_and_crop_jpeg`),
+  like the official vit_jax / big_vision pipelines.
+
+  Args:
+    image: encoded bytes or decoded uint8 [H, W, 3] (see `decode_rgb`).
+    encoded: whether `image` is encoded bytes.
+    seed: int32/int64 [2] stateless seed.
+    min_area: minimum crop area fraction, in (0, 1].
+  """
+  if not encoded:
+    image = decode_rgb(image, encoded=False)
+    w = _crop_window(tf.shape(image), seed, min_area)
+    return image[w[0]:w[0] + w[2], w[1]:w[1] + w[3]]
+
+  def jpeg():
+    w = _crop_window(tf.image.extract_jpeg_shape(image), seed, min_area)
+    return tf.image.decode_and_crop_jpeg(image, w, channels=3)
+
+  def other():
+    img = decode_rgb(image, encoded=True)
+    w = _crop_window(tf.shape(img), seed, min_area)
+    return img[w[0]:w[0] + w[2], w[1]:w[1] + w[3]]
+
+  return tf.ensure_shape(tf.cond(tf.io.is_jpeg(image), jpeg, other),
+                         [None, None, 3])
+
+
+def resize(image: tf.Tensor, size: int) -> tf.Tensor:
+  """Bilinear resize of [H, W, 3] or [B, H, W, 3] to float32 [(B,) size, size, 3].
+
+  Values stay in [0, 255]. Images already of static size `size` are only cast.
+  """
+  if tuple(image.shape[-3:-1]) == (size, size):
+    return tf.cast(image, tf.float32)
+  image = tf.image.resize(image, [size, size], method='bilinear')
+  return tf.clip_by_value(image, 0., 255.)
+
+
+def normalize(image: tf.Tensor, normalization: str) -> tf.Tensor:
+  """Maps float pixels in [0, 255] to model inputs.
+
+  'minus_one_to_one': x / 127.5 - 1, in [-1, 1] (ViT / official vit_jax).
+  'imagenet': (x / 255 - mean) / std with the ImageNet mean / std (T2T-ViT),
+  in about [-2.118, 2.640].
+
+  Raises:
+    ValueError: unknown normalization.
+  """
+  if normalization == 'minus_one_to_one':
+    return image / 127.5 - 1.
+  if normalization == 'imagenet':
+    return (image / 255. - tf.constant(IMAGENET_MEAN)) / tf.constant(
+        IMAGENET_STD)
+  raise ValueError(f'Unknown config.data.normalization={normalization!r}; '
+                   "use 'minus_one_to_one' or 'imagenet'.")
+
+
+def train_image(image: tf.Tensor, *, encoded: bool,
+                seed: Optional[tf.Tensor], size: int, augment: str,
+                min_area: float, normalization: Optional[str]) -> tf.Tensor:
+  """Decodes + augments one training image -> float32 [size, size, 3].
+
+  Args:
+    image: encoded bytes or decoded image (see `decode_rgb`).
+    encoded: whether `image` is encoded bytes.
+    seed: int64 [2] stateless seed of this example (unused, may be None, for
+      augment='none').
+    size: output side S.
+    augment: 'inception_crop' | 'flip' | 'none'.
+    min_area: Inception crop minimum area fraction.
+    normalization: see `normalize`; None: return pixels in [0, 255] (the
+      pipeline then normalizes whole batches at once, which is faster).
+
+  Raises:
+    ValueError: unknown `augment` or `normalization`.
+  """
+  if augment not in ('inception_crop', 'flip', 'none'):
+    raise ValueError(f'Unknown config.data.augment={augment!r}; use '
+                     "'inception_crop', 'flip' or 'none'.")
+  if augment != 'none':
+    crop_seed, flip_seed = tf.unstack(
+        tf.random.experimental.stateless_split(seed, 2))
+  if augment == 'inception_crop':
+    image = inception_crop(image, encoded, crop_seed, min_area)
+  else:
+    image = decode_rgb(image, encoded)
+  image = resize(image, size)
+  if augment != 'none':
+    image = tf.image.stateless_random_flip_left_right(image, flip_seed)
+  return image if normalization is None else normalize(image, normalization)
+
+
+def eval_image(image: tf.Tensor, *, encoded: bool, size: int,
+               normalization: Optional[str]) -> tf.Tensor:
+  """Decodes + bilinear-resizes one eval image -> float32 [size, size, 3].
+
+  `normalization=None` returns pixels in [0, 255] (see `normalize`).
+  """
+  image = resize(decode_rgb(image, encoded), size)
+  return image if normalization is None else normalize(image, normalization)
+
+
+def targets(label: tf.Tensor, num_classes: int, multi_label: bool) -> tf.Tensor:
+  """float32 [num_classes] one-hot (int label) or multi-hot (int [n] labels).
+
+  An empty label set gives all zeros.
+  """
+  label = tf.cast(label, tf.int32)
+  if multi_label:
+    hot = tf.reduce_sum(tf.one_hot(label, num_classes, dtype=tf.float32), 0)
+    return tf.minimum(hot, 1.)
+  return tf.one_hot(label, num_classes, dtype=tf.float32)
+
+
+def fold_in(key: tf.Tensor, data) -> tf.Tensor:
+  """New int64 [2] key from `key` and an integer (both halves random).
+
+  (`stateless_fold_in` alone returns keys of the form [x, 0].)
+  """
+  folded = tf.random.experimental.stateless_fold_in(key, data)
+  return tf.random.stateless_uniform([2], seed=folded, minval=None,
+                                     maxval=None, dtype=tf.int64)
+
+
+def seed_key(seed: int) -> tf.Tensor:
+  """int64 [2] root key of a run from a python int seed (any size/sign)."""
+  mask = 2**63 - 1
+  return tf.constant([(int(seed) >> 63) & mask, int(seed) & mask], tf.int64)

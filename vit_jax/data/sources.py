@@ -1,0 +1,316 @@
+"""Dataset sources: resolve `config.data` to a tfds builder and read splits.
+
+Three kinds of sources are supported, all exposed as a `Source`:
+
+* a registered tfds name (`tfds.builder(name, data_dir=...)`), prepared on
+  demand only when that is possible offline;
+* a directory of a prepared tfds dataset (`tfds.builder_from_directory`);
+* an image folder `root/<split>/<class>/*.{jpg,jpeg,png}`
+  (`tfds.folder_dataset.ImageFolder`).
+
+A `Source` reads a split (any tfds split spec, including slices such as
+'train[:98%]' and `tfds.even_splits` sub-splits) as a `tf.data.Dataset` of
+`{'image': ..., 'label': ...}` where the image is either the *encoded* bytes
+(tf.string, decoded later, after shuffling, so that shuffle buffers stay
+small and decoding can fuse with cropping) or an already decoded uint8
+[H, W, 3] tensor.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any, List, Optional, Tuple
+
+import tensorflow as tf
+import tensorflow_datasets as tfds
+
+SplitArg = Any  # str or tfds AbstractSplit (e.g. a tfds.even_splits item).
+
+
+@dataclasses.dataclass(frozen=True)
+class LabelSpec:
+  """How the label feature maps to targets.
+
+  Attributes:
+    key: feature name holding the labels.
+    num_classes: number of classes C (targets have shape [C]).
+    multi_label: True for a Sequence(ClassLabel) feature (multi-hot targets).
+    mask_unlabeled_eval: eval examples with an empty label set get mask=False
+      (ImageNet ReaL: unlabeled images are skipped, as in the ViT paper).
+  """
+  key: str
+  num_classes: int
+  multi_label: bool
+  mask_unlabeled_eval: bool = False
+
+
+def _looks_like_path(name: str) -> bool:
+  if name.startswith(('/', '.', '~')) or '://' in name:
+    return True
+  return '/' in name and os.path.isdir(name)
+
+
+def _find_builder_dir(path: str) -> str:
+  """Returns the folder holding dataset_info.json at or below `path`."""
+  path = os.path.expanduser(path)
+  if tf.io.gfile.exists(os.path.join(path, 'dataset_info.json')):
+    return path
+  # Allow pointing at <data_dir>/<name> or <data_dir>/<name>/<config>: take
+  # the lexicographically largest version found at most two levels down.
+  candidates = sorted(
+      tf.io.gfile.glob(os.path.join(path, '*', 'dataset_info.json')) +
+      tf.io.gfile.glob(os.path.join(path, '*', '*', 'dataset_info.json')))
+  if not candidates:
+    raise FileNotFoundError(
+        f'config.data.name={path!r} looks like a path, but no prepared tfds '
+        'dataset (a folder with dataset_info.json, e.g. '
+        '~/tensorflow_datasets/mnist/3.0.1) was found there or below.')
+  return os.path.dirname(candidates[-1])
+
+
+def _can_prepare_offline(builder) -> bool:
+  return bool(getattr(builder, 'VIT_JAX_OFFLINE', False) or
+              getattr(builder, 'MANUAL_DOWNLOAD_INSTRUCTIONS', None))
+
+
+def _prepare(builder, name: str, data_cfg) -> None:
+  """Prepares `builder` offline, or raises a clear error."""
+  where = data_cfg.data_dir or '$TFDS_DATA_DIR or ~/tensorflow_datasets'
+  build_hint = (
+      f'Prepare it where there is network access (`tfds build {name} '
+      '--data_dir=DIR`), copy DIR here and set config.data.data_dir=DIR.')
+  if not data_cfg.prepare:
+    raise FileNotFoundError(
+        f'Dataset {name!r} is not prepared in {where} and config.data.prepare '
+        f'is False. Set prepare=True (offline builders only) or: {build_hint}')
+  if not _can_prepare_offline(builder):
+    raise FileNotFoundError(
+        f'Dataset {name!r} is not prepared in {where}, and vit_jax never '
+        f'downloads datasets (its builder needs the network). {build_hint}')
+  download_config = tfds.download.DownloadConfig(
+      manual_dir=(os.path.expanduser(data_cfg.manual_dir)
+                  if data_cfg.manual_dir else None),
+      try_download_gcs=False)
+  try:
+    builder.download_and_prepare(download_config=download_config)
+  except Exception as e:  # Let it through, with a hint.
+    if hasattr(e, 'add_note'):
+      e.add_note(
+          f'vit_jax: preparing {name!r} into {where} failed (manual_dir='
+          f'{data_cfg.manual_dir!r}). Nothing is downloaded: put the source '
+          'files in config.data.manual_dir. ' + build_hint)
+    raise
+
+
+class Source:
+  """A dataset to read: a tfds builder (or image folder) + label handling."""
+
+  def __init__(self, builder, name: str, image_key: str, label: LabelSpec,
+               image_folder_examples=None):
+    self.builder = builder
+    self.name = name
+    self.image_key = image_key
+    self.label = label
+    self._image_folder_examples = image_folder_examples
+
+  @property
+  def is_image_folder(self) -> bool:
+    return self._image_folder_examples is not None
+
+  def num_examples(self, split: SplitArg) -> int:
+    """Number of examples of `split` (a spec like 'train[:10%]' or subsplit)."""
+    if self.is_image_folder:
+      return sum(len(paths) for paths, _ in self._folder_slices(split))
+    return int(self.builder.info.splits[split].num_examples)
+
+  def _folder_slices(self, split):
+    abs_instructions = tfds.core.splits.AbstractSplit.from_spec(
+        split).to_absolute(self.builder.info.splits)
+    out = []
+    for ai in abs_instructions:
+      examples = self._image_folder_examples[ai.splitname]
+      chunk = examples[(ai.from_ or 0):ai.to]
+      label_feature = self.builder.info.features['label']
+      out.append(([e.image_path for e in chunk],
+                  [label_feature.str2int(e.label) for e in chunk]))
+    return out
+
+  @property
+  def _image_is_encoded(self) -> bool:
+    if self.is_image_folder:
+      return True
+    feature = self.builder.info.features[self.image_key]
+    return (isinstance(feature, tfds.features.Image) and
+            tf.as_dtype(feature.np_dtype) == tf.uint8)
+
+  def read(self, split: SplitArg, *, decode: bool,
+           shuffle_files: bool = False,
+           file_seed: Optional[tf.Tensor] = None) -> tf.data.Dataset:
+    """Reads `split` as a finite dataset of {'image', 'label'} dicts.
+
+    Args:
+      split: tfds split spec or sub-split object.
+      decode: if True, 'image' is a decoded uint8 [H, W, 3] tensor; else it may
+        be the encoded bytes (tf.string), to be decoded with
+        `preprocess.decode_rgb` (or fused crop-decoding).
+      shuffle_files: shuffle the file (tfds shard / image file) order.
+      file_seed: int64 seed (python int or scalar tensor) of that shuffle.
+
+    Returns:
+      `tf.data.Dataset` of {'image': tf.string or uint8 [H, W, 3],
+      'label': int64 [] or int64 [None] (multi-label)}; deterministic order
+      for a given seed.
+    """
+    from vit_jax.data import preprocess  # pylint: disable=g-import-not-at-top
+    if self.is_image_folder:
+      paths, labels = [], []
+      for p, l in self._folder_slices(split):
+        paths += p
+        labels += l
+      ds = tf.data.Dataset.from_tensor_slices(
+          {'image': tf.constant(paths, tf.string),
+           'label': tf.constant(labels, tf.int64)})
+      if shuffle_files:
+        ds = ds.shuffle(max(len(paths), 1), seed=file_seed,
+                        reshuffle_each_iteration=False)
+      ds = ds.map(lambda ex: {'image': tf.io.read_file(ex['image']),
+                              'label': ex['label']})
+    else:
+      decoders = None
+      if self._image_is_encoded:
+        decoders = {self.image_key: tfds.decode.SkipDecoding()}
+      read_config = tfds.ReadConfig(
+          shuffle_seed=file_seed if shuffle_files else None,
+          shuffle_reshuffle_each_iteration=False if shuffle_files else None)
+      ds = self.builder.as_dataset(split=split, shuffle_files=shuffle_files,
+                                   decoders=decoders, read_config=read_config)
+      ikey, lkey = self.image_key, self.label.key
+      ds = ds.map(lambda ex: {'image': ex[ikey], 'label': ex[lkey]})
+    if decode or not self._image_is_encoded:
+      encoded = self._image_is_encoded
+      ds = ds.map(
+          lambda ex: {'image': self.decode(ex['image'], encoded),
+                      'label': ex['label']},
+          num_parallel_calls=tf.data.AUTOTUNE)
+    return ds
+
+  def decode(self, image: tf.Tensor, encoded: bool) -> tf.Tensor:
+    """`preprocess.decode_rgb` + the static [H, W, 3] shape when known."""
+    from vit_jax.data import preprocess  # pylint: disable=g-import-not-at-top
+    image = preprocess.decode_rgb(image, encoded)
+    hw = self.static_image_hw
+    return image if hw is None else tf.ensure_shape(image, [*hw, 3])
+
+  @property
+  def static_image_hw(self) -> Optional[Tuple[int, int]]:
+    """(H, W) if every image of the dataset has that size (from the features)."""
+    if self.is_image_folder:
+      return None
+    shape = getattr(self.builder.info.features[self.image_key], 'shape', None)
+    if shape is None or len(shape) != 3 or None in shape[:2]:
+      return None
+    return int(shape[0]), int(shape[1])
+
+  @property
+  def images_encoded_after_read(self) -> bool:
+    """Whether `read(decode=False)` yields encoded bytes."""
+    return self._image_is_encoded
+
+
+def _label_spec(builder, name: str, label_key: Optional[str]) -> LabelSpec:
+  features = builder.info.features
+  is_real = name.split('/')[0].split(':')[0] == 'imagenet2012_real'
+  if label_key is None:
+    if is_real and 'real_label' in features:
+      label_key = 'real_label'
+    elif 'label' in features:
+      label_key = 'label'
+    elif 'labels' in features:
+      label_key = 'labels'
+    else:
+      raise KeyError(
+          f'Dataset {name!r} has no "label" or "labels" feature; set '
+          f'config.data.label_key to one of {sorted(features.keys())}.')
+  if label_key not in features:
+    raise KeyError(f'config.data.label_key={label_key!r} is not a feature of '
+                   f'{name!r}; features: {sorted(features.keys())}.')
+  feature = features[label_key]
+  if isinstance(feature, tfds.features.ClassLabel):
+    return LabelSpec(label_key, feature.num_classes, multi_label=False)
+  if (isinstance(feature, tfds.features.Sequence) and
+      isinstance(feature.feature, tfds.features.ClassLabel)):
+    return LabelSpec(label_key, feature.feature.num_classes, multi_label=True,
+                     mask_unlabeled_eval=(label_key == 'real_label'))
+  raise TypeError(
+      f'Feature {label_key!r} of {name!r} is a {type(feature).__name__}; '
+      'expected tfds.features.ClassLabel (single label) or '
+      'tfds.features.Sequence(ClassLabel) (multi-label).')
+
+
+def _config_key(data_cfg) -> Tuple:
+  return (data_cfg.name, data_cfg.image_folder, data_cfg.data_dir,
+          data_cfg.manual_dir, bool(data_cfg.prepare), data_cfg.image_key,
+          data_cfg.label_key)
+
+
+def _make_source(data_cfg) -> Source:
+  """Builds the `Source` for `config.data` (uncached)."""
+  name, image_key, label_key = (data_cfg.name, data_cfg.image_key,
+                                data_cfg.label_key)
+  if data_cfg.image_folder:
+    root = os.path.expanduser(data_cfg.image_folder)
+    if not tf.io.gfile.isdir(root):
+      raise FileNotFoundError(
+          f'config.data.image_folder={data_cfg.image_folder!r} is not a '
+          'directory.')
+    builder = tfds.folder_dataset.ImageFolder(root)
+    # The (deterministically ordered) per-split file lists: reading them
+    # ourselves gives split slicing ('train[:10%]', even_splits), which
+    # ImageFolder.as_dataset does not support, and seeded file shuffling.
+    examples = getattr(builder, '_split_examples', None)
+    if examples is None:
+      raise RuntimeError('This tensorflow_datasets version does not expose '
+                         'ImageFolder._split_examples; vit_jax needs it.')
+    if not builder.info.splits:
+      raise FileNotFoundError(
+          f'No images found under {root}/<split>/<class>/*.{{jpg,jpeg,png}}.')
+    label = _label_spec(builder, root, label_key or 'label')
+    return Source(builder, root, 'image', label,
+                  image_folder_examples=dict(examples))
+  if not name:
+    raise ValueError('Set config.data.name (or config.data.image_folder).')
+  if _looks_like_path(name):
+    builder = tfds.builder_from_directory(_find_builder_dir(name))
+  else:
+    builder = tfds.builder(name, data_dir=data_cfg.data_dir)
+    if not builder.is_prepared():
+      _prepare(builder, name, data_cfg)
+  if image_key not in builder.info.features:
+    raise KeyError(f'config.data.image_key={image_key!r} is not a feature of '
+                   f'{name!r}; features: {sorted(builder.info.features)}.')
+  return Source(builder, name, image_key, _label_spec(builder, name, label_key))
+
+
+_SOURCES = {}
+
+
+def get_source(data_cfg) -> Source:
+  """Returns the (memoized) `Source` for `config.data`, preparing if needed.
+
+  Raises:
+    FileNotFoundError: dataset not prepared and cannot be prepared offline,
+      missing image folder / builder directory / manual files.
+    KeyError, TypeError: unusable image or label feature.
+  """
+  key = _config_key(data_cfg)
+  if key not in _SOURCES:
+    _SOURCES[key] = _make_source(data_cfg)
+  return _SOURCES[key]
+
+
+def splits_for_processes(split: SplitArg, process_count: int) -> List[SplitArg]:
+  """`tfds.even_splits(split, process_count, drop_remainder=False)`."""
+  if process_count == 1:
+    return [split]
+  return tfds.even_splits(split, n=process_count, drop_remainder=False)

@@ -1,0 +1,80 @@
+"""The default training config that every `configs/*.py` file starts from.
+
+`get_config(model_name, dataset)` returns a locked `ml_collections.ConfigDict`: every key that
+`vit_jax.train` reads, with its default. Config files change values, never add keys, so a
+typo in `--config.some_key=...` is an error. Fields whose default is None are typed
+placeholders: they can be overridden from the command line, and the regime fields among them
+(optimizer, lr, schedule, loss, head bias, ...) are filled by `vit_jax.optim.resolve_regime`.
+"""
+
+from __future__ import annotations
+
+import ml_collections
+from ml_collections import config_dict
+
+from vit_jax import data
+from vit_jax import models
+
+
+def get_config(model_name: str = "ViT-B_16", dataset: str = "imagenet2012",
+               **model_overrides) -> ml_collections.ConfigDict:
+  """Returns the full default config for `model_name` trained on tfds `dataset`.
+
+  Args:
+    model_name: any name `vit_jax.models.create` accepts, e.g. 'ViT-B_16'.
+    dataset: a tfds name (or a prepared tfds directory), see `vit_jax.data.get_default_config`.
+    **model_overrides: model fields that differ from the named variant (e.g. num_layers=4).
+
+  Returns:
+    A locked ConfigDict (values may change, keys may not).
+  """
+  config = ml_collections.ConfigDict()
+  # 'pretrain' (Adam, linear decay, sigmoid xent, head bias -10) or 'finetune' (SGD momentum,
+  # cosine decay, softmax xent, grad clip 1): see vit_jax.optim.REGIME_DEFAULTS.
+  config.regime = "pretrain"
+  config.seed = 0
+
+  # Model: the name picks the family and variant; `model` holds every field of that variant,
+  # resolved, so each can be overridden (--config.model.num_layers=4).
+  config.model_name = model_name
+  config.model = ml_collections.ConfigDict(models.model_config(model_name, **model_overrides))
+  for key, value in list(config.model.items()):
+    if value is None:  # e.g. representation_size: keep it overridable with the right type.
+      config.model[key] = config_dict.placeholder(int)
+  config.model.head_bias_init = config_dict.placeholder(float)  # Regime default if None.
+
+  config.data = data.get_default_config()
+  config.data.name = dataset
+
+  # Schedule length: exactly one of total_steps or num_epochs (epochs of data.train_split).
+  config.batch_size = 4096  # Global batch over all devices and hosts (images per update).
+  config.grad_accum_steps = 1  # Split each batch into this many sequential micro-batches.
+  config.total_steps = config_dict.placeholder(int)
+  config.num_epochs = config_dict.placeholder(float)
+
+  # Loss: 'softmax_xent' or 'sigmoid_xent' (None: the regime's).
+  config.loss = config_dict.placeholder(str)
+  config.label_smoothing = 0.0
+
+  # Optimizer (None: the regime's default, see vit_jax.optim.REGIME_DEFAULTS).
+  config.optim = ml_collections.ConfigDict()
+  config.optim.optimizer = config_dict.placeholder(str)  # 'adamw' or 'sgd'.
+  config.optim.lr = config_dict.placeholder(float)  # Peak learning rate.
+  config.optim.weight_decay = config_dict.placeholder(float)  # Decoupled, kernels only.
+  config.optim.b1 = config_dict.placeholder(float)  # Adam.
+  config.optim.b2 = config_dict.placeholder(float)  # Adam.
+  config.optim.momentum = config_dict.placeholder(float)  # SGD.
+  config.optim.schedule = config_dict.placeholder(str)  # 'linear', 'cosine' or 'constant'.
+  config.optim.warmup_steps = config_dict.placeholder(int)
+  config.optim.end_lr = 0.0
+  config.optim.grad_clip_norm = config_dict.placeholder(float)  # 0 disables clipping.
+
+  # Periodic work, in optimizer steps.
+  config.log_every_steps = 50
+  config.eval_every_steps = 1000  # Also evaluated at the end of training.
+  config.checkpoint_every_steps = 1000  # Also saved at the end of training.
+  config.keep_checkpoints = 3  # Most recent checkpoints kept on disk.
+  config.async_checkpointing = True
+
+  config.lock()
+  return config

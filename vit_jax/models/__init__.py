@@ -1,0 +1,246 @@
+"""Model registry: build a model from its name, e.g. ``create('ViT-B_16', num_classes=1000)``.
+
+Names
+  * ``ViT-{size}_{patch}`` / ``ViT-{size}/{patch}`` (the two official spellings), also
+    ``vit-{size}{patch}`` / ``vit_{size}_{patch}``; ``size`` in Ti, S, B, L, H, g, G (the size
+    letter is case-insensitive except ``g`` (giant) vs ``G`` (gigantic)), ``patch`` any positive
+    int (``ViT-Ti_4``).
+  * ``ViT-custom``: every architecture field comes from the overrides (``hidden_size``,
+    ``mlp_dim``, ``num_heads``, ``num_layers``, ``patch_size`` are required).
+  * ``R50+ViT-B_16`` (hybrid) and ``T2T-ViT-14`` families are recognised but not implemented yet
+    (``NotImplementedError``).
+
+Overrides are the model's configuration fields, flat (see :data:`OVERRIDE_KEYS`). Sizes follow
+the ViT paper, Table 1, and the official ``configs/models.py`` (REFERENCE.md section 1).
+
+Adding a family is one :class:`Family` entry in :data:`FAMILIES`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Any, Callable, Dict, Optional, Tuple
+
+import flax.linen as nn
+
+from vit_jax.models import layout
+from vit_jax.models.layout import is_scanned, scan_params, unscan_params
+from vit_jax.models.vit import CLASSIFIERS, VisionTransformer, patch_pair, validate_config
+
+__all__ = [
+    'CLASSIFIERS', 'FAMILIES', 'Family', 'MODEL_NAMES', 'OVERRIDE_KEYS', 'VIT_SIZES',
+    'VisionTransformer', 'create', 'is_scanned', 'layout', 'model_config', 'resolve',
+    'scan_params', 'unscan_params',
+]
+
+#: ViT sizes: (num_layers, hidden_size, mlp_dim, num_heads, dropout_rate) — paper Table 1 and the
+#: official configs (L and H use dropout 0.1; g and G specify none, 0.0 here).
+VIT_SIZES: Dict[str, Tuple[int, int, int, int, float]] = {
+    'Ti': (12, 192, 768, 3, 0.0),
+    'S': (12, 384, 1536, 6, 0.0),
+    'B': (12, 768, 3072, 12, 0.0),
+    'L': (24, 1024, 4096, 16, 0.1),
+    'H': (32, 1280, 5120, 16, 0.1),
+    'g': (40, 1408, 6144, 16, 0.0),
+    'G': (48, 1664, 8192, 16, 0.0),
+}
+
+_VIT_DEFAULTS: Dict[str, Any] = dict(
+    classifier='token',
+    representation_size=None,
+    dropout_rate=0.0,
+    attention_dropout_rate=0.0,
+    head_bias_init=0.0,
+    dtype='float32',
+    param_dtype='float32',
+    scan=False,
+    remat=False,
+)
+
+#: Keys accepted as overrides by ``create`` / ``model_config`` for the ViT family.
+OVERRIDE_KEYS: Tuple[str, ...] = (
+    'hidden_size', 'mlp_dim', 'num_heads', 'num_layers', 'patch_size', 'classifier',
+    'representation_size', 'dropout_rate', 'attention_dropout_rate', 'head_bias_init', 'dtype',
+    'param_dtype', 'scan', 'remat')
+
+_REQUIRED_CUSTOM = ('hidden_size', 'mlp_dim', 'num_heads', 'num_layers', 'patch_size')
+
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+  """One model family of the registry.
+
+  Attributes:
+    name: family name used in messages ('ViT').
+    pattern: regex that a model name must fully match.
+    base_config: ``match -> dict`` of the configuration before overrides.
+    module: the ``flax.linen.Module`` class built by ``create``, or ``None`` if the family is
+      known but not implemented yet (``create``/``model_config`` raise NotImplementedError).
+    override_keys: override keys accepted for this family.
+    forms: description of the accepted names, used in error messages.
+    required: override keys that must be given (for fully custom names).
+    validate: ``config -> None`` raising ValueError for invalid values.
+  """
+
+  name: str
+  pattern: re.Pattern
+  base_config: Callable[[re.Match], Dict[str, Any]]
+  module: Optional[type]
+  override_keys: Tuple[str, ...]
+  forms: str
+  required: Tuple[str, ...] = ()
+  validate: Optional[Callable[..., None]] = None
+
+
+_SIZE_ALIASES = {'ti': 'Ti', 's': 'S', 'b': 'B', 'l': 'L', 'h': 'H'}
+
+
+def _vit_config(match: re.Match) -> Dict[str, Any]:
+  raw = match.group('size')
+  size = raw if raw in ('g', 'G') else _SIZE_ALIASES[raw.lower()]
+  num_layers, hidden, mlp, heads, dropout = VIT_SIZES[size]
+  return dict(_VIT_DEFAULTS, num_layers=num_layers, hidden_size=hidden, mlp_dim=mlp,
+              num_heads=heads, dropout_rate=dropout, patch_size=int(match.group('patch')))
+
+
+def _not_implemented(_):
+  return {}
+
+
+FAMILIES: Tuple[Family, ...] = (
+    Family(
+        name='ViT',
+        pattern=re.compile(r'(?i:vit)[-_ ]?(?P<size>(?i:ti|s|b|l|h)|g|G)[-_/]?(?P<patch>\d+)'),
+        base_config=_vit_config,
+        module=VisionTransformer,
+        override_keys=OVERRIDE_KEYS,
+        forms="'ViT-{Ti,S,B,L,H,g,G}_{patch}' or 'ViT-{size}/{patch}' (e.g. 'ViT-B_16', "
+              "'ViT-B/16', 'vit-b16', 'ViT-Ti_4')",
+        validate=validate_config,
+    ),
+    Family(
+        name='ViT-custom',
+        pattern=re.compile(r'(?i:vit[-_]custom)'),
+        base_config=lambda _: dict(_VIT_DEFAULTS),
+        module=VisionTransformer,
+        override_keys=OVERRIDE_KEYS,
+        forms="'ViT-custom' (hidden_size, mlp_dim, num_heads, num_layers, patch_size given as "
+              "overrides)",
+        required=_REQUIRED_CUSTOM,
+        validate=validate_config,
+    ),
+    Family(
+        name='R+ViT (hybrid)',
+        pattern=re.compile(r'R\d+(?:x\d+)?\+ViT.*'),
+        base_config=_not_implemented,
+        module=None,
+        override_keys=(),
+        forms="'R50+ViT-B_16' (hybrid ResNet + ViT)",
+    ),
+    Family(
+        name='T2T-ViT',
+        pattern=re.compile(r'(?i:t2t)[-_].*'),
+        base_config=_not_implemented,
+        module=None,
+        override_keys=(),
+        forms="'T2T-ViT-14', 'T2T-ViT_t-14' (Tokens-to-Token ViT)",
+    ),
+)
+
+#: Canonical names of the official ViT configurations, plus 'ViT-custom'.
+MODEL_NAMES: Tuple[str, ...] = (
+    'ViT-Ti_16', 'ViT-S_16', 'ViT-S_32', 'ViT-B_8', 'ViT-B_16', 'ViT-B_32', 'ViT-L_16',
+    'ViT-L_32', 'ViT-H_14', 'ViT-g_14', 'ViT-G_14', 'ViT-custom')
+
+
+def _valid_forms() -> str:
+  return '; '.join(f.forms for f in FAMILIES)
+
+
+def resolve(name: str) -> Tuple[Family, re.Match]:
+  """Finds the registry family of a model name.
+
+  Args:
+    name: a model name such as 'ViT-B_16'.
+
+  Returns:
+    ``(family, match)``.
+
+  Raises:
+    ValueError: if no family accepts the name (the message lists the valid forms).
+  """
+  if not isinstance(name, str):
+    raise ValueError(f'Model name must be a string, got {name!r}. Valid forms: {_valid_forms()}')
+  for family in FAMILIES:
+    match = family.pattern.fullmatch(name.strip())
+    if match:
+      return family, match
+  raise ValueError(f'Unknown model name {name!r}. Valid forms: {_valid_forms()}. '
+                   f'Official names: {", ".join(MODEL_NAMES)}')
+
+
+def model_config(name: str, **overrides: Any) -> Dict[str, Any]:
+  """Resolves a model name plus overrides into the model's configuration fields.
+
+  Args:
+    name: model name (see the module docstring).
+    **overrides: configuration fields replacing the defaults of ``name`` (:data:`OVERRIDE_KEYS`).
+
+  Returns:
+    A new dict with every configuration field of the model class except ``num_classes``
+    (``patch_size`` as an ``(h, w)`` tuple); ``Family.module(num_classes=..., **config)`` builds
+    the model.
+
+  Raises:
+    ValueError: unknown name; invalid values (e.g. classifier not in {'token', 'gap'}); missing
+      required overrides for 'ViT-custom'.
+    TypeError: unknown override keys (the message lists the valid keys).
+    NotImplementedError: the family is recognised but not implemented yet (hybrid, T2T).
+  """
+  family, match = resolve(name)
+  if family.module is None:
+    raise NotImplementedError(
+        f'Model {name!r} belongs to the {family.name} family, which is not implemented yet. '
+        f'Implemented forms: {"; ".join(f.forms for f in FAMILIES if f.module is not None)}')
+  unknown = sorted(set(overrides) - set(family.override_keys))
+  if unknown:
+    raise TypeError(f'Unknown override(s) {unknown} for model {name!r}. '
+                    f'Valid keys: {", ".join(family.override_keys)}')
+  missing = [k for k in family.required if k not in overrides]
+  if missing:
+    raise ValueError(f'Model {name!r} needs the overrides {missing} '
+                     f'(required: {", ".join(family.required)})')
+  config = family.base_config(match)
+  config.update(overrides)
+  if 'patch_size' in config:
+    config['patch_size'] = patch_pair(config['patch_size'])
+  if family.validate is not None:
+    family.validate(num_classes=None, **config)
+  return config
+
+
+def create(name: str, *, num_classes: Optional[int], **overrides: Any) -> nn.Module:
+  """Builds an (uninitialised) model from its registry name.
+
+  Example::
+
+    model = create('ViT-S_32', num_classes=1000, representation_size=384, num_layers=4)
+    variables = model.init(jax.random.key(0), jnp.zeros((1, 224, 224, 3)), train=False)
+    logits = model.apply(variables, images, train=False)  # [B, 1000] float32
+
+  Args:
+    name: model name, e.g. 'ViT-B_16' or 'ViT-B/16' (see the module docstring).
+    num_classes: number of classes of the head; ``None`` for a headless feature extractor.
+    **overrides: configuration fields (:data:`OVERRIDE_KEYS`), e.g. ``dtype=jnp.bfloat16``.
+
+  Returns:
+    The ``flax.linen.Module`` (for ViT names a :class:`VisionTransformer`).
+
+  Raises:
+    ValueError, TypeError, NotImplementedError: as :func:`model_config`; ValueError for an
+      invalid ``num_classes``.
+  """
+  config = model_config(name, **overrides)
+  family, _ = resolve(name)
+  return family.module(num_classes=num_classes, **config)

@@ -1,0 +1,169 @@
+"""Conversion between the unrolled and the scanned (``nn.scan``) parameter layouts.
+
+Unrolled (official, what ``.npz`` checkpoints hold)::
+
+  Transformer/encoderblock_0/LayerNorm_0/scale        (D,)
+  ...
+  Transformer/encoderblock_{L-1}/LayerNorm_0/scale    (D,)
+
+Scanned (``VisionTransformer(scan=True)``)::
+
+  Transformer/encoderblock/LayerNorm_0/scale          (L, D)
+
+Both functions are pure (the input tree is not modified), accept a ``params`` tree or a whole
+variables dict (``{'params': ..., ...}``: every collection is converted), accept ``dict`` and
+``FrozenDict`` nodes and return plain nested ``dict`` trees. Leaves may be NumPy or JAX arrays;
+NumPy leaves stay NumPy.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from typing import Any, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+#: Name of the scanned block subtree; unrolled blocks are named ``f'{BLOCK_PREFIX}_{i}'``.
+BLOCK_PREFIX = 'encoderblock'
+
+
+def _to_dict(tree: Any) -> Any:
+  if isinstance(tree, Mapping):
+    return {k: _to_dict(v) for k, v in tree.items()}
+  return tree
+
+
+def _stack(leaves):
+  if all(isinstance(x, np.ndarray) for x in leaves):
+    return np.stack(leaves, axis=0)
+  return jnp.stack(leaves, axis=0)
+
+
+def _block_indices(node: Mapping, prefix: str) -> dict:
+  pattern = re.compile(rf'^{re.escape(prefix)}_(\d+)$')
+  found = {}
+  for key in node:
+    m = pattern.match(str(key))
+    if m:
+      found[int(m.group(1))] = key
+  return found
+
+
+def scan_params(params: Any, num_layers: Optional[int] = None, *,
+                prefix: str = BLOCK_PREFIX) -> dict:
+  """Stacks ``encoderblock_{i}`` subtrees into one ``encoderblock`` subtree (leading axis L).
+
+  Args:
+    params: nested params (or variables) dict in the unrolled layout.
+    num_layers: expected number of blocks; ``None`` accepts whatever is present.
+    prefix: block name prefix (``'encoderblock'``).
+
+  Returns:
+    A new nested dict in which every mapping holding ``{prefix}_0 .. {prefix}_{L-1}`` holds
+    ``{prefix}`` instead, each leaf of shape ``(L, *shape)``.
+
+  Raises:
+    ValueError: if no ``{prefix}_{i}`` blocks are found (e.g. the tree is already scanned), the
+      block indices are not ``0..L-1``, their count differs from ``num_layers``, the blocks do not
+      have identical structure/shapes, or the same mapping already has a ``{prefix}`` entry.
+  """
+  count = [0]
+
+  def convert(node):
+    if not isinstance(node, Mapping):
+      return node
+    blocks = _block_indices(node, prefix)
+    out = {}
+    for key, value in node.items():
+      if key not in blocks.values():
+        out[key] = convert(value)
+    if not blocks:
+      return out
+    n = len(blocks)
+    if sorted(blocks) != list(range(n)):
+      raise ValueError(
+          f'{prefix}_{{i}} indices must be 0..{n - 1}, found {sorted(blocks)}')
+    if num_layers is not None and n != num_layers:
+      raise ValueError(f'Expected {num_layers} {prefix}_{{i}} blocks, found {n}')
+    if prefix in out:
+      raise ValueError(f'Tree has both {prefix!r} and {prefix}_{{i}} entries; cannot scan it')
+    subtrees = [_to_dict(node[blocks[i]]) for i in range(n)]
+    ref = jax.tree.structure(subtrees[0])
+    for i, sub in enumerate(subtrees[1:], start=1):
+      if jax.tree.structure(sub) != ref:
+        raise ValueError(f'{prefix}_{i} has a different structure from {prefix}_0')
+      shapes = [np.shape(x) for x in jax.tree.leaves(sub)]
+      if shapes != [np.shape(x) for x in jax.tree.leaves(subtrees[0])]:
+        raise ValueError(f'{prefix}_{i} has different leaf shapes from {prefix}_0')
+    out[prefix] = jax.tree.map(lambda *xs: _stack(xs), *subtrees)
+    count[0] += n
+    return out
+
+  result = convert(params)
+  if count[0] == 0:
+    raise ValueError(
+        f'No {prefix}_{{i}} subtrees found: nothing to scan (is the tree already in the scanned '
+        f'layout, with a single {prefix!r} entry?)')
+  return result
+
+
+def unscan_params(params: Any, *, prefix: str = BLOCK_PREFIX) -> dict:
+  """Splits a stacked ``encoderblock`` subtree into ``encoderblock_{i}`` subtrees.
+
+  Args:
+    params: nested params (or variables) dict in the scanned layout.
+    prefix: block name prefix (``'encoderblock'``).
+
+  Returns:
+    A new nested dict in which every ``{prefix}`` mapping with leaves of shape ``(L, *shape)`` is
+    replaced by ``{prefix}_0 .. {prefix}_{L-1}`` with leaves of shape ``shape``.
+
+  Raises:
+    ValueError: if no ``{prefix}`` subtree is found (e.g. the tree is already unrolled), its
+      leaves disagree on the leading axis, or the mapping also has ``{prefix}_{i}`` entries.
+  """
+  count = [0]
+
+  def convert(node):
+    if not isinstance(node, Mapping):
+      return node
+    out = {}
+    for key, value in node.items():
+      if key == prefix and isinstance(value, Mapping):
+        continue
+      out[key] = convert(value)
+    stacked = node.get(prefix)
+    if not isinstance(stacked, Mapping):
+      return out
+    if _block_indices(node, prefix):
+      raise ValueError(f'Tree has both {prefix!r} and {prefix}_{{i}} entries; cannot unscan it')
+    stacked = _to_dict(stacked)
+    leaves = jax.tree.leaves(stacked)
+    lengths = {np.shape(x)[0] if np.ndim(x) else None for x in leaves}
+    if len(lengths) != 1 or None in lengths:
+      raise ValueError(f'Leaves under {prefix!r} must share one leading (layer) axis, '
+                       f'found {sorted(map(str, lengths))}')
+    (n,) = lengths
+    for i in range(n):
+      out[f'{prefix}_{i}'] = jax.tree.map(lambda x, i=i: x[i], stacked)
+    count[0] += n
+    return out
+
+  result = convert(params)
+  if count[0] == 0:
+    raise ValueError(
+        f'No stacked {prefix!r} subtree found: nothing to unscan (is the tree already in the '
+        f'unrolled {prefix}_{{i}} layout?)')
+  return result
+
+
+def is_scanned(params: Any, *, prefix: str = BLOCK_PREFIX) -> bool:
+  """True if any mapping in ``params`` has a stacked ``{prefix}`` subtree (scanned layout)."""
+  if not isinstance(params, Mapping):
+    return False
+  if isinstance(params.get(prefix), Mapping):
+    return True
+  return any(is_scanned(v, prefix=prefix) for v in params.values())

@@ -1,0 +1,450 @@
+"""Vision Transformer (ViT) in Flax linen.
+
+Implements the model of Dosovitskiy et al., "An Image is Worth 16x16 Words" (ICLR 2021), eq. 1-4:
+
+  z_0     = [x_class; x_p^1 E; ...; x_p^N E] + E_pos             (eq. 1)
+  z'_l    = MSA(LN(z_{l-1})) + z_{l-1}                           (eq. 2)
+  z_l     = MLP(LN(z'_l)) + z'_l                                  (eq. 3)
+  y       = LN(z_L^0)                                             (eq. 4)
+
+with the numerics and the in-memory parameter names of the official implementation
+(google-research/vision_transformer, ``vit_jax/models_vit.py``), so that the published checkpoints
+load without renaming (see ``vit_jax.checkpoint``). Parameter tree of a model with
+``classifier='token'`` and ``representation_size=R``::
+
+  embedding/{kernel (P, P, 3, D), bias (D,)}
+  cls (1, 1, D)
+  Transformer/posembed_input/pos_embedding (1, N + 1, D)
+  Transformer/encoderblock_{i}/LayerNorm_0/{scale, bias} (D,)
+  Transformer/encoderblock_{i}/MultiHeadDotProductAttention_0/
+      {query,key,value}/kernel (D, heads, D/heads), {query,key,value}/bias (heads, D/heads),
+      out/kernel (heads, D/heads, D), out/bias (D,)
+  Transformer/encoderblock_{i}/LayerNorm_1/{scale, bias} (D,)
+  Transformer/encoderblock_{i}/MlpBlock_0/Dense_0/{kernel (D, MLP), bias (MLP,)}
+  Transformer/encoderblock_{i}/MlpBlock_0/Dense_1/{kernel (MLP, D), bias (D,)}
+  Transformer/encoder_norm/{scale, bias} (D,)
+  pre_logits/{kernel (D, R), bias (R,)}          (only when representation_size is set)
+  head/{kernel (R or D, num_classes), bias (num_classes,)}
+
+With ``scan=True`` the ``encoderblock_{i}`` subtrees are replaced by a single ``encoderblock``
+subtree whose leaves have a leading axis of size ``num_layers``; convert between the two layouts
+with :func:`vit_jax.models.layout.scan_params` / :func:`~vit_jax.models.layout.unscan_params`.
+
+This module has no training dependencies (no optax, no TensorFlow).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Tuple, Union
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+Array = jax.Array
+Dtype = Any
+
+#: Pooling modes accepted by :class:`VisionTransformer`.
+CLASSIFIERS = ('token', 'gap')
+
+#: LayerNorm epsilon of the official model (flax default; PyTorch's would be 1e-5).
+LAYERNORM_EPSILON = 1e-6
+
+
+def patch_pair(patch_size: Union[int, Tuple[int, int]]) -> Tuple[int, int]:
+  """Normalises a patch size to a ``(height, width)`` tuple of positive ints.
+
+  Args:
+    patch_size: an int ``P`` (square ``P x P`` patches) or a pair ``(Ph, Pw)``.
+
+  Returns:
+    ``(Ph, Pw)`` as Python ints.
+
+  Raises:
+    ValueError: if the value is not a positive int or a pair of positive ints.
+  """
+  if isinstance(patch_size, bool):
+    raise ValueError(f'patch_size must be an int or a (height, width) pair, got {patch_size!r}')
+  if isinstance(patch_size, int):
+    pair = (patch_size, patch_size)
+  else:
+    try:
+      pair = tuple(patch_size)
+    except TypeError:
+      raise ValueError(
+          f'patch_size must be an int or a (height, width) pair, got {patch_size!r}') from None
+  if (len(pair) != 2 or any(isinstance(p, bool) or not isinstance(p, int) or p <= 0
+                            for p in pair)):
+    raise ValueError(
+        f'patch_size must be a positive int or a pair of positive ints, got {patch_size!r}')
+  return int(pair[0]), int(pair[1])
+
+
+def _check_positive_int(field: str, value: Any, allow_none: bool = False) -> None:
+  if value is None and allow_none:
+    return
+  if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+    extra = ' or None' if allow_none else ''
+    raise ValueError(f'{field} must be a positive int{extra}, got {value!r}')
+
+
+def _check_rate(field: str, value: Any) -> None:
+  if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value < 1.0:
+    raise ValueError(f'{field} must be a float in [0, 1), got {value!r}')
+
+
+class IdentityLayer(nn.Module):
+  """Returns its input unchanged (float array of any shape, same dtype).
+
+  Exists only so that ``capture_intermediates`` records a ``pre_logits`` entry when there is no
+  representation layer, as in the official ``models_vit.py``. Has no parameters; raises nothing.
+  """
+
+  @nn.compact
+  def __call__(self, x: Array) -> Array:
+    return x
+
+
+class AddPositionEmbs(nn.Module):
+  """Adds a learned position embedding ``pos_embedding`` of shape ``(1, N, D)`` (ViT eq. 1).
+
+  Attributes:
+    posemb_init: initialiser of the embedding; officially ``normal(stddev=0.02)``.
+    param_dtype: dtype of the stored parameter (float32).
+
+  Input ``[B, N, D]`` in any float dtype; output ``[B, N, D]`` in the input's dtype (the embedding
+  is cast to it). Raises ValueError if the input is not rank 3, or if an existing (loaded)
+  ``pos_embedding`` has a different token count or width than the input, with a hint on how to
+  resize it.
+  """
+
+  posemb_init: nn.initializers.Initializer = nn.initializers.normal(stddev=0.02)
+  param_dtype: Dtype = jnp.float32
+
+  @nn.compact
+  def __call__(self, inputs: Array) -> Array:
+    if inputs.ndim != 3:
+      raise ValueError(f'AddPositionEmbs expects [batch, tokens, width], got shape {inputs.shape}')
+    shape = (1, inputs.shape[1], inputs.shape[2])
+    if self.has_variable('params', 'pos_embedding'):
+      existing = self.get_variable('params', 'pos_embedding')
+      if tuple(existing.shape) != shape:
+        raise ValueError(
+            f'pos_embedding has shape {tuple(existing.shape)} but the input gives {shape} '
+            f'(tokens, width). The parameters were made for another image size / patch size: '
+            f'apply the model at the resolution the parameters were trained at, or resize the '
+            f'position embedding when loading for fine-tuning.')
+    pos_embedding = self.param('pos_embedding', self.posemb_init, shape, self.param_dtype)
+    return inputs + pos_embedding.astype(inputs.dtype)
+
+
+class MlpBlock(nn.Module):
+  """Transformer MLP: Dense(mlp_dim) -> tanh-GELU -> Dropout -> Dense(out) -> Dropout.
+
+  Kernels xavier_uniform, biases normal(stddev=1e-6), as the official ``models_vit.MlpBlock``
+  (the MLP of ViT eq. 3). Raises nothing itself.
+
+  Attributes:
+    mlp_dim: hidden width.
+    out_dim: output width; ``None`` means the input width.
+    dropout_rate: dropout probability after the activation and after the output projection.
+    dtype: computation dtype; param_dtype: parameter dtype.
+
+  Input ``[..., D]``, output ``[..., out_dim or D]`` in ``dtype``. Needs the ``'dropout'`` rng
+  when ``deterministic=False`` and ``dropout_rate > 0``.
+  """
+
+  mlp_dim: int
+  out_dim: Optional[int] = None
+  dropout_rate: float = 0.0
+  dtype: Dtype = jnp.float32
+  param_dtype: Dtype = jnp.float32
+
+  @nn.compact
+  def __call__(self, inputs: Array, *, deterministic: bool) -> Array:
+    out_dim = inputs.shape[-1] if self.out_dim is None else self.out_dim
+    dense = lambda features: nn.Dense(  # pylint: disable=g-long-lambda
+        features=features,
+        dtype=self.dtype,
+        param_dtype=self.param_dtype,
+        kernel_init=nn.initializers.xavier_uniform(),
+        bias_init=nn.initializers.normal(stddev=1e-6))
+    x = dense(self.mlp_dim)(inputs)
+    x = nn.gelu(x, approximate=True)
+    x = nn.Dropout(rate=self.dropout_rate)(x, deterministic=deterministic)
+    x = dense(out_dim)(x)
+    x = nn.Dropout(rate=self.dropout_rate)(x, deterministic=deterministic)
+    return x
+
+
+class EncoderBlock(nn.Module):
+  """Pre-LN Transformer encoder block (ViT eq. 2-3).
+
+  ``x = x + Dropout(MHA(LN_0(x)))``; ``x = x + MLP(LN_1(x))``. Attention kernels xavier_uniform,
+  attention dropout not broadcast over heads, LayerNorm eps 1e-6: as the official
+  ``Encoder1DBlock``.
+
+  Attributes:
+    mlp_dim, num_heads: MLP width and number of attention heads.
+    dropout_rate: dropout after attention and inside the MLP.
+    attention_dropout_rate: dropout on the attention weights.
+    dtype: computation dtype; param_dtype: parameter dtype.
+    scanned: if True, ``__call__`` returns ``(x, None)`` (the carry/output pair ``nn.scan`` needs).
+
+  Input ``[B, N, D]``, output ``[B, N, D]`` in ``dtype``. ``deterministic`` (a Python bool,
+  positional so that ``nn.remat`` can make it static) disables dropout.
+  """
+
+  mlp_dim: int
+  num_heads: int
+  dropout_rate: float = 0.0
+  attention_dropout_rate: float = 0.0
+  dtype: Dtype = jnp.float32
+  param_dtype: Dtype = jnp.float32
+  scanned: bool = False
+
+  @nn.compact
+  def __call__(self, inputs: Array, deterministic: bool):
+    if inputs.ndim != 3:
+      raise ValueError(f'EncoderBlock expects [batch, tokens, width], got shape {inputs.shape}')
+    x = nn.LayerNorm(epsilon=LAYERNORM_EPSILON, dtype=self.dtype,
+                     param_dtype=self.param_dtype)(inputs)
+    x = nn.MultiHeadDotProductAttention(
+        num_heads=self.num_heads,
+        dtype=self.dtype,
+        param_dtype=self.param_dtype,
+        kernel_init=nn.initializers.xavier_uniform(),
+        broadcast_dropout=False,
+        dropout_rate=self.attention_dropout_rate,
+        deterministic=deterministic,
+        force_fp32_for_softmax=True,
+    )(x, x)
+    x = nn.Dropout(rate=self.dropout_rate)(x, deterministic=deterministic)
+    x = x + inputs
+    y = nn.LayerNorm(epsilon=LAYERNORM_EPSILON, dtype=self.dtype, param_dtype=self.param_dtype)(x)
+    y = MlpBlock(mlp_dim=self.mlp_dim, dropout_rate=self.dropout_rate, dtype=self.dtype,
+                 param_dtype=self.param_dtype)(y, deterministic=deterministic)
+    out = x + y
+    return (out, None) if self.scanned else out
+
+
+class Encoder(nn.Module):
+  """Position embedding, dropout, ``num_layers`` encoder blocks and the final LayerNorm (eq. 1-4).
+
+  Mirrors the official ``models_vit.Encoder``.
+
+  Named ``Transformer`` inside :class:`VisionTransformer`; children ``posembed_input``,
+  ``encoderblock_{i}`` (or one stacked ``encoderblock`` with ``scan=True``) and ``encoder_norm``.
+
+  Attributes:
+    num_layers, mlp_dim, num_heads, dropout_rate, attention_dropout_rate: see
+      :class:`VisionTransformer`.
+    dtype: computation dtype; param_dtype: parameter dtype.
+    scan: run the blocks with ``nn.scan`` (one compiled block body, stacked parameters).
+    remat: rematerialise each block in the backward pass (``nn.remat``).
+
+  Input ``[B, N, D]`` (any float dtype), output ``[B, N, D]`` in ``dtype``. With ``train=True``
+  and a dropout rate > 0 the ``'dropout'`` rng is required. Raises ValueError for a non-rank-3
+  input or a loaded ``pos_embedding`` of the wrong shape.
+  """
+
+  num_layers: int
+  mlp_dim: int
+  num_heads: int
+  dropout_rate: float = 0.0
+  attention_dropout_rate: float = 0.0
+  dtype: Dtype = jnp.float32
+  param_dtype: Dtype = jnp.float32
+  scan: bool = False
+  remat: bool = False
+
+  @nn.compact
+  def __call__(self, x: Array, *, train: bool) -> Array:
+    deterministic = not train
+    x = AddPositionEmbs(param_dtype=self.param_dtype, name='posembed_input')(x)
+    x = nn.Dropout(rate=self.dropout_rate)(x, deterministic=deterministic)
+
+    block_cls = EncoderBlock
+    if self.remat:
+      # static_argnums counts `self` as 0: argument 2 is `deterministic`.
+      block_cls = nn.remat(block_cls, prevent_cse=not self.scan, static_argnums=(2,))
+    block_kwargs = dict(
+        mlp_dim=self.mlp_dim,
+        num_heads=self.num_heads,
+        dropout_rate=self.dropout_rate,
+        attention_dropout_rate=self.attention_dropout_rate,
+        dtype=self.dtype,
+        param_dtype=self.param_dtype,
+    )
+    if self.scan:
+      stack = nn.scan(
+          block_cls,
+          variable_axes={'params': 0, 'intermediates': 0},
+          split_rngs={'params': True, 'dropout': True},
+          in_axes=nn.broadcast,
+          length=self.num_layers)
+      x, _ = stack(scanned=True, name='encoderblock', **block_kwargs)(x, deterministic)
+    else:
+      for i in range(self.num_layers):
+        x = block_cls(name=f'encoderblock_{i}', **block_kwargs)(x, deterministic)
+    return nn.LayerNorm(epsilon=LAYERNORM_EPSILON, dtype=self.dtype,
+                        param_dtype=self.param_dtype, name='encoder_norm')(x)
+
+
+class VisionTransformer(nn.Module):
+  """Vision Transformer classifier (ViT paper eq. 1-4, official ``models_vit.VisionTransformer``).
+
+  The image is cut into ``Ph x Pw`` patches by a stride-P convolution ``embedding``, the grid is
+  flattened row-major into ``N = (H/Ph)(W/Pw)`` tokens, a zero-initialised class token ``cls`` is
+  prepended (``classifier='token'``), a learned position embedding is added, the tokens go through
+  the pre-LN encoder, and the class token (``'token'``) or the mean of all tokens after the final
+  LayerNorm (``'gap'``, no class token) is pooled, optionally passed through
+  ``pre_logits`` = Dense(representation_size) + tanh, and classified by a zero-initialised
+  ``head`` whose bias starts at ``head_bias_init``.
+
+  Attributes:
+    num_classes: classes of the ``head``; ``None`` returns the pooled features (no head).
+    patch_size: int or ``(Ph, Pw)``.
+    hidden_size: token width D.
+    mlp_dim: MLP hidden width.
+    num_heads: attention heads (must divide ``hidden_size``).
+    num_layers: encoder blocks.
+    classifier: ``'token'`` or ``'gap'``.
+    representation_size: width of the ``pre_logits`` layer, or ``None`` for none.
+    dropout_rate: dropout after the position embedding, after attention and in the MLPs.
+    attention_dropout_rate: dropout on attention weights.
+    head_bias_init: initial value of the head bias (official pretraining: -10 with sigmoid loss).
+    dtype: computation dtype (e.g. ``jnp.bfloat16``); activations are kept in this dtype.
+    param_dtype: parameter dtype (float32).
+    scan: run the blocks with ``nn.scan`` (parameters stacked under ``Transformer/encoderblock``).
+    remat: rematerialise every block in the backward pass.
+
+  Call ``model.apply(variables, images, train=False)``:
+    images: ``[B, H, W, C]`` (C=3 for the published weights), float32 in [-1, 1] as the official
+      preprocessing; H and W must be multiples of the patch size.
+    train: enables dropout; then ``rngs={'dropout': key}`` is required if any rate is > 0.
+    Returns ``[B, num_classes]`` float32 logits (``[B, representation_size or D]`` features if
+    ``num_classes is None``), whatever ``dtype`` is.
+
+  Raises:
+    ValueError: at construction for an unknown ``classifier``, a non-positive size, a
+      ``hidden_size`` not divisible by ``num_heads``, a bad ``patch_size`` or dropout rate; at
+      apply time for a non-rank-4 input, an image side not divisible by the patch size, or loaded
+      ``pos_embedding`` of the wrong shape.
+  """
+
+  num_classes: Optional[int]
+  patch_size: Union[int, Tuple[int, int]]
+  hidden_size: int
+  mlp_dim: int
+  num_heads: int
+  num_layers: int
+  classifier: str = 'token'
+  representation_size: Optional[int] = None
+  dropout_rate: float = 0.0
+  attention_dropout_rate: float = 0.0
+  head_bias_init: float = 0.0
+  dtype: Dtype = jnp.float32
+  param_dtype: Dtype = jnp.float32
+  scan: bool = False
+  remat: bool = False
+
+  def __post_init__(self):
+    validate_config(
+        num_classes=self.num_classes, patch_size=self.patch_size, hidden_size=self.hidden_size,
+        mlp_dim=self.mlp_dim, num_heads=self.num_heads, num_layers=self.num_layers,
+        classifier=self.classifier, representation_size=self.representation_size,
+        dropout_rate=self.dropout_rate, attention_dropout_rate=self.attention_dropout_rate,
+        dtype=self.dtype, param_dtype=self.param_dtype)
+    super().__post_init__()
+
+  @nn.compact
+  def __call__(self, inputs: Array, *, train: bool) -> Array:
+    if inputs.ndim != 4:
+      raise ValueError(
+          f'VisionTransformer expects images of shape [batch, height, width, channels] (NHWC), '
+          f'got shape {inputs.shape}')
+    dtype = jnp.dtype(self.dtype or jnp.float32)
+    param_dtype = jnp.dtype(self.param_dtype or jnp.float32)
+    ph, pw = patch_pair(self.patch_size)
+    _, height, width, _ = inputs.shape
+    for side, size, patch in (('height', height, ph), ('width', width, pw)):
+      if size % patch:
+        lower = size // patch * patch
+        raise ValueError(
+            f'Image {side} {size} is not divisible by the patch size {patch} '
+            f'(patch_size={self.patch_size!r}, image {height}x{width}). Resize or crop the images '
+            f'to a multiple of {patch} (e.g. {lower or patch} or {lower + patch}), or choose a '
+            f'patch size that divides {size}.')
+
+    x = nn.Conv(features=self.hidden_size, kernel_size=(ph, pw), strides=(ph, pw),
+                padding='VALID', dtype=dtype, param_dtype=param_dtype, name='embedding')(inputs)
+    n, gh, gw, c = x.shape
+    x = jnp.reshape(x, (n, gh * gw, c))  # Row-major: token index = row * gw + col.
+
+    if self.classifier == 'token':
+      cls = self.param('cls', nn.initializers.zeros, (1, 1, c), param_dtype)
+      cls = jnp.broadcast_to(cls.astype(x.dtype), (n, 1, c))
+      x = jnp.concatenate([cls, x], axis=1)
+
+    x = Encoder(num_layers=self.num_layers, mlp_dim=self.mlp_dim, num_heads=self.num_heads,
+                dropout_rate=self.dropout_rate,
+                attention_dropout_rate=self.attention_dropout_rate, dtype=dtype,
+                param_dtype=param_dtype, scan=self.scan, remat=self.remat,
+                name='Transformer')(x, train=train)
+
+    if self.classifier == 'token':
+      x = x[:, 0]
+    else:  # 'gap'
+      x = jnp.mean(x, axis=1)
+
+    if self.representation_size is not None:
+      x = nn.Dense(self.representation_size, dtype=dtype, param_dtype=param_dtype,
+                   name='pre_logits')(x)
+      x = jnp.tanh(x)
+    else:
+      x = IdentityLayer(name='pre_logits')(x)
+
+    if self.num_classes is None:
+      return x.astype(jnp.float32)
+    x = nn.Dense(self.num_classes, dtype=dtype, param_dtype=param_dtype,
+                 kernel_init=nn.initializers.zeros,
+                 bias_init=nn.initializers.constant(self.head_bias_init), name='head')(x)
+    return x.astype(jnp.float32)
+
+
+def validate_config(*, num_classes, patch_size, hidden_size, mlp_dim, num_heads, num_layers,
+                    classifier, representation_size, dropout_rate, attention_dropout_rate,
+                    dtype=jnp.float32, param_dtype=jnp.float32, **unused) -> None:
+  """Checks the fields of a :class:`VisionTransformer` configuration.
+
+  Args: the model fields (extra keyword arguments are ignored).
+
+  Raises:
+    ValueError: naming the offending field, for an unknown ``classifier`` (not in
+      ``CLASSIFIERS``), non-positive sizes, ``hidden_size % num_heads != 0``, a bad patch size, a
+      dropout rate outside [0, 1), or a ``dtype``/``param_dtype`` that is not a float dtype.
+  """
+  del unused
+  if classifier not in CLASSIFIERS:
+    raise ValueError(f'classifier must be one of {CLASSIFIERS}, got {classifier!r}')
+  _check_positive_int('num_classes', num_classes, allow_none=True)
+  for field, value in (('hidden_size', hidden_size), ('mlp_dim', mlp_dim),
+                       ('num_heads', num_heads), ('num_layers', num_layers)):
+    _check_positive_int(field, value)
+  _check_positive_int('representation_size', representation_size, allow_none=True)
+  if hidden_size % num_heads:
+    raise ValueError(f'hidden_size ({hidden_size}) must be divisible by num_heads ({num_heads})')
+  patch_pair(patch_size)
+  _check_rate('dropout_rate', dropout_rate)
+  _check_rate('attention_dropout_rate', attention_dropout_rate)
+  for field, value in (('dtype', dtype), ('param_dtype', param_dtype)):
+    if value is None:
+      continue
+    try:
+      ok = jnp.issubdtype(jnp.dtype(value), jnp.floating)
+    except TypeError:
+      ok = False
+    if not ok:
+      raise ValueError(f'{field} must be a floating dtype (e.g. jnp.float32, jnp.bfloat16), '
+                       f'got {value!r}')

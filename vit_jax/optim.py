@@ -1,0 +1,190 @@
+"""Optimizers, learning-rate schedules and losses of the ViT pretraining and fine-tuning regimes.
+
+The two regimes of the ViT paper (Dosovitskiy et al., 2021, Sec. 4.1 and Appendix B.1) differ in
+optimizer, schedule, loss and head initialisation. A config selects one with `config.regime`;
+every field that depends on the regime defaults to None in the config and is filled from
+`REGIME_DEFAULTS` by `resolve_regime`, so `--config.regime=finetune` alone switches all of them,
+and any single field can still be overridden (`--config.lr=0.01`).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import optax
+
+# Paper Sec. 4.1 / Appendix B.1 and the official fine-tuning configs (REFERENCE.md section 3).
+REGIME_DEFAULTS = {
+    # Adam (b1 0.9, b2 0.999) with decoupled weight decay, linear warmup then linear decay,
+    # sigmoid cross-entropy with the head bias at -10.
+    "pretrain": dict(
+        optimizer="adamw",
+        lr=1e-3,
+        weight_decay=0.1,
+        b1=0.9,
+        b2=0.999,
+        momentum=0.9,
+        schedule="linear",
+        warmup_steps=10_000,
+        grad_clip_norm=1.0,
+        loss="sigmoid_xent",
+        head_bias_init=-10.0,
+    ),
+    # SGD momentum 0.9, global-norm clipping at 1, cosine decay with 500 warmup steps,
+    # no weight decay, softmax cross-entropy with a zero head.
+    "finetune": dict(
+        optimizer="sgd",
+        lr=0.03,
+        weight_decay=0.0,
+        b1=0.9,
+        b2=0.999,
+        momentum=0.9,
+        schedule="cosine",
+        warmup_steps=500,
+        grad_clip_norm=1.0,
+        loss="softmax_xent",
+        head_bias_init=0.0,
+    ),
+}
+
+SCHEDULES = ("linear", "cosine", "constant")
+LOSSES = ("softmax_xent", "sigmoid_xent")
+OPTIMIZERS = ("adamw", "sgd")
+
+
+def resolve_regime(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+  """Returns a copy of `config` with every None regime field set to the regime's default.
+
+  Fields filled: `config.loss`, `config.model.head_bias_init` and the other keys of
+  `REGIME_DEFAULTS[config.regime]` under `config.optim`.
+
+  Raises:
+    ValueError: `config.regime` is not 'pretrain' or 'finetune', or a resolved value is not one
+      of the known optimizers, schedules or losses.
+  """
+  if config.regime not in REGIME_DEFAULTS:
+    raise ValueError(
+        f"config.regime={config.regime!r} is not a regime; use one of "
+        f"{sorted(REGIME_DEFAULTS)} (--config.regime=pretrain or --config.regime=finetune).")
+  defaults = REGIME_DEFAULTS[config.regime]
+  config = ml_collections.ConfigDict(config.to_dict())  # Unlocked copy; the caller's stays as is.
+  for key, value in defaults.items():
+    section = {"head_bias_init": config.model, "loss": config}.get(key, config.optim)
+    if section.get(key) is None:
+      section[key] = value
+  for name, value, allowed in (("optim.optimizer", config.optim.optimizer, OPTIMIZERS),
+                               ("optim.schedule", config.optim.schedule, SCHEDULES),
+                               ("loss", config.loss, LOSSES)):
+    if value not in allowed:
+      raise ValueError(f"config.{name}={value!r} is not supported; choose one of {list(allowed)}.")
+  return config
+
+
+def lr_schedule(base_lr: float, total_steps: int, warmup_steps: int = 0,
+                decay: str = "cosine", end_lr: float = 0.0) -> Callable[[jax.Array], jax.Array]:
+  """The learning rate as a function of optax's 0-based update count.
+
+  Reproduces the official vit_jax schedule, which numbers steps from 1:
+  `lr(step) = base * min(1, step / warmup) * f(progress)` with
+  `progress = clip((step - warmup) / (total - warmup), 0, 1)` and
+  `f = 0.5 * (1 + cos(pi * progress))` ('cosine'), `1 - progress` ('linear') or 1 ('constant');
+  the decayed part is interpolated towards `end_lr`. So the first update uses `base / warmup`
+  and the last (step = total) uses `end_lr` (0 by default) for the decaying schedules.
+
+  Args:
+    base_lr: peak learning rate (after warmup).
+    total_steps: number of optimizer updates in the whole run (> 0).
+    warmup_steps: linear warmup length in updates (0 disables warmup; must be < total_steps).
+    decay: 'cosine', 'linear' or 'constant'.
+    end_lr: learning rate reached at `total_steps`.
+
+  Returns:
+    A function `count -> lr` (float32 scalar) usable as an optax schedule.
+
+  Raises:
+    ValueError: unknown `decay`, `total_steps <= 0`, or `warmup_steps >= total_steps`.
+  """
+  if decay not in SCHEDULES:
+    raise ValueError(f"Unknown schedule {decay!r}; choose one of {list(SCHEDULES)}.")
+  if total_steps <= 0:
+    raise ValueError(f"total_steps must be positive, got {total_steps}.")
+  if warmup_steps >= total_steps:
+    raise ValueError(f"warmup_steps={warmup_steps} must be smaller than total_steps={total_steps}; "
+                     "lower --config.optim.warmup_steps or train longer.")
+
+  def schedule(count):
+    step = jnp.asarray(count, jnp.float32) + 1.0  # optax counts from 0, the reference from 1.
+    progress = jnp.clip((step - warmup_steps) / (total_steps - warmup_steps), 0.0, 1.0)
+    if decay == "cosine":
+      factor = 0.5 * (1.0 + jnp.cos(math.pi * progress))
+    elif decay == "linear":
+      factor = 1.0 - progress
+    else:
+      factor = jnp.ones_like(progress)
+    lr = end_lr + (base_lr - end_lr) * factor
+    if warmup_steps > 0:
+      lr = lr * jnp.minimum(1.0, step / warmup_steps)
+    return lr
+
+  return schedule
+
+
+def _decay_mask(params):
+  """True for the leaves that get weight decay: the kernels (matrices), as in big_vision."""
+  return jax.tree_util.tree_map_with_path(
+      lambda path, _: getattr(path[-1], "key", None) == "kernel", params)
+
+
+def make_optimizer(optim: ml_collections.ConfigDict, total_steps: int) -> optax.GradientTransformation:
+  """Builds the optax optimizer of a resolved `config.optim` (see `resolve_regime`).
+
+  'adamw': Adam with decoupled weight decay `lr * weight_decay * w`, applied to kernels only
+  (the ViT paper's "weight decay 0.1" at lr 1e-3 is a per-step decay of 1e-4).
+  'sgd': SGD with momentum (`optim.momentum`, 0.9 by default); decoupled weight decay if > 0.
+  Both are preceded by clipping at global norm `optim.grad_clip_norm` when it is set.
+
+  Raises:
+    ValueError: unknown optimizer or schedule (see `lr_schedule`).
+  """
+  schedule = lr_schedule(optim.lr, total_steps, optim.warmup_steps, optim.schedule, optim.end_lr)
+  parts = []
+  if optim.grad_clip_norm:
+    parts.append(optax.clip_by_global_norm(optim.grad_clip_norm))
+  if optim.optimizer == "adamw":
+    parts.append(optax.adamw(schedule, b1=optim.b1, b2=optim.b2,
+                             weight_decay=optim.weight_decay, mask=_decay_mask))
+  elif optim.optimizer == "sgd":
+    if optim.weight_decay:
+      parts.append(optax.add_decayed_weights(optim.weight_decay, mask=_decay_mask))
+    parts.append(optax.sgd(schedule, momentum=optim.momentum))
+  else:
+    raise ValueError(f"Unknown optimizer {optim.optimizer!r}; choose one of {list(OPTIMIZERS)}.")
+  return optax.chain(*parts)
+
+
+def loss_fn(logits: jax.Array, labels: jax.Array, kind: str, label_smoothing: float = 0.0) -> jax.Array:
+  """Per-example training loss.
+
+  Args:
+    logits: `[B, C]` float32.
+    labels: `[B, C]` float32 one-hot (single-label) or multi-hot (multi-label) targets.
+    kind: 'softmax_xent' (targets normalised to sum to one, as big_vision does for multi-hot) or
+      'sigmoid_xent' (sum over classes of per-class binary cross-entropy, the ViT pretraining loss).
+    label_smoothing: mixes the targets with the uniform distribution (softmax_xent only).
+
+  Returns:
+    `[B]` float32 losses.
+  """
+  logits = logits.astype(jnp.float32)
+  if kind == "softmax_xent":
+    targets = labels / jnp.maximum(labels.sum(-1, keepdims=True), 1e-8)
+    if label_smoothing:
+      targets = optax.smooth_labels(targets, label_smoothing)
+    return optax.softmax_cross_entropy(logits, targets)
+  if kind == "sigmoid_xent":
+    return optax.sigmoid_binary_cross_entropy(logits, labels).sum(-1)
+  raise ValueError(f"Unknown loss {kind!r}; choose one of {list(LOSSES)}.")

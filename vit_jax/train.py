@@ -1,0 +1,315 @@
+"""The training loop: pretraining or fine-tuning a ViT, with evaluation and orbax checkpoints.
+
+Read it top to bottom: `train_and_evaluate` goes through the phases in order
+  1. config: regime defaults, checks that fail before any expensive work;
+  2. data: dataset facts, the per-process train iterator and the exact (padded) eval set;
+  3. model, optimizer, and the device mesh the arrays live on;
+  4. state: restored from the latest checkpoint of `workdir`, or freshly initialised;
+  5. the jitted train and eval steps;
+  6. the loop: train, log, evaluate, checkpoint;
+  7. the end: final evaluation, last checkpoint, results returned.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import time
+from typing import Any
+
+from absl import logging
+from clu import metric_writers
+from clu import periodic_actions
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import optax
+import orbax.checkpoint as ocp
+
+from vit_jax import data
+from vit_jax import models
+from vit_jax import optim
+
+State = dict[str, Any]  # {'step': int32[], 'params': ..., 'opt_state': ...}
+
+
+def num_train_steps(config: ml_collections.ConfigDict, num_train_examples: int) -> int:
+  """Optimizer updates of the whole run: `config.total_steps`, or epochs converted to steps.
+
+  Raises:
+    ValueError: neither or both of `total_steps` and `num_epochs` are set.
+  """
+  if (config.total_steps is None) == (config.num_epochs is None):
+    raise ValueError("Set exactly one of config.total_steps and config.num_epochs "
+                     f"(got total_steps={config.total_steps}, num_epochs={config.num_epochs}).")
+  if config.total_steps is not None:
+    return config.total_steps
+  return math.ceil(config.num_epochs * num_train_examples / config.batch_size)
+
+
+def check_batch_size(batch_size: int, grad_accum_steps: int, num_devices: int) -> None:
+  """Fails early when the global batch cannot be split over devices and micro-batches.
+
+  Raises:
+    ValueError: `batch_size` is not a multiple of `grad_accum_steps * num_devices`.
+  """
+  unit = grad_accum_steps * num_devices
+  if batch_size <= 0 or batch_size % unit:
+    lower, upper = max(unit, batch_size // unit * unit), (batch_size // unit + 1) * unit
+    raise ValueError(
+        f"config.batch_size={batch_size} cannot be split into {grad_accum_steps} micro-batch(es) "
+        f"over {num_devices} device(s): it must be a multiple of {unit}. "
+        f"Use --config.batch_size={lower} or {upper}.")
+
+
+def _eval_name(split: str) -> str:
+  """'test' -> 'test', 'train[98%:]' -> 'train_98': a TensorBoard-friendly name of a split."""
+  return re.sub(r"[^A-Za-z0-9]+", "_", split).strip("_")
+
+
+def _model_fields(config: ml_collections.ConfigDict) -> dict[str, Any]:
+  """The model's fields from `config.model`, dtypes as numpy dtypes."""
+  fields = {key: config.model[key] for key in config.model}
+  for key in ("dtype", "param_dtype"):
+    if isinstance(fields.get(key), str):
+      fields[key] = jnp.dtype(fields[key])
+  return fields
+
+
+def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
+  """Trains (or resumes training) and evaluates; returns the final evaluation metrics.
+
+  Rerunning with the same `workdir` resumes from its latest checkpoint at the saved step and
+  finishes the schedule; a finished run does no more training (it only evaluates again).
+
+  Args:
+    config: a config from `configs/*.py` (see `vit_jax.defaults.get_config`).
+    workdir: where checkpoints (`checkpoints/`) and TensorBoard events go (local or gs://).
+
+  Returns:
+    `{'<split>/accuracy': top-1 (precision@1 for multi-label data), '<split>/top5_accuracy'
+    (with >= 5 classes), '<split>/loss', 'step'}` of the final evaluation.
+
+  Raises:
+    ValueError: an inconsistent config (batch size, schedule length, regime, ...).
+    FloatingPointError: the training loss became NaN or Inf (the last good checkpoint is kept).
+  """
+  # 1. Config: fill in the regime's defaults and check what can be checked before any work.
+  config = optim.resolve_regime(config)
+  check_batch_size(config.batch_size, config.grad_accum_steps, jax.device_count())
+  writer = metric_writers.create_default_writer(
+      workdir, just_logging=jax.process_index() > 0, asynchronous=True)
+  writer.write_hparams({k: v for k, v in _flatten(config.to_dict()).items()
+                        if isinstance(v, (int, float, str, bool))})
+
+  # 2. Data: each process reads its own part; eval visits every example exactly once.
+  info = data.get_info(config.data)
+  total_steps = num_train_steps(config, info.num_train_examples)
+  logging.info("Dataset %s: %d classes (%s), %d train and %d eval examples, images %s.",
+               config.data.image_folder or config.data.name, info.num_classes,
+               "multi-label" if info.multi_label else "single-label",
+               info.num_train_examples, info.num_eval_examples, info.image_shape)
+
+  # 3. Model, optimizer, and the mesh: the batch is split over all devices ('data' axis) and
+  # the parameters are replicated.
+  model = models.create(config.model_name, num_classes=info.num_classes, **_model_fields(config))
+  schedule = optim.lr_schedule(config.optim.lr, total_steps, config.optim.warmup_steps,
+                               config.optim.schedule, config.optim.end_lr)
+  tx = optim.make_optimizer(config.optim, total_steps)
+  mesh = jax.sharding.Mesh(np.asarray(jax.devices()), ("data",))
+  batch_sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
+  replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+
+  def init_state(rng) -> State:
+    images = jnp.zeros((1, *info.image_shape), jnp.float32)
+    params = model.init({"params": rng}, images, train=False)["params"]
+    return {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": tx.init(params)}
+
+  # 4. State: the latest checkpoint in workdir if there is one, else a fresh initialisation.
+  ckpt_dir = _join(workdir, "checkpoints")
+  manager = ocp.CheckpointManager(
+      ckpt_dir,
+      options=ocp.CheckpointManagerOptions(
+          save_interval_steps=config.checkpoint_every_steps,
+          max_to_keep=config.keep_checkpoints,
+          enable_async_checkpointing=config.async_checkpointing,
+      ),
+  )
+  rng = jax.random.PRNGKey(config.seed)
+  init_rng, dropout_rng = jax.random.split(rng)
+  abstract_state = jax.eval_shape(init_state, init_rng)
+  abstract_state = jax.tree.map(
+      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated), abstract_state)
+  latest = manager.latest_step()
+  if latest is not None:
+    logging.info("Resuming from the checkpoint at step %d in %s.", latest, ckpt_dir)
+    state = manager.restore(latest, args=ocp.args.Composite(
+        state=ocp.args.StandardRestore(abstract_state)))["state"]
+  else:
+    state = jax.jit(init_state, out_shardings=replicated)(init_rng)
+  start_step = int(state["step"])
+  num_params = sum(x.size for x in jax.tree.leaves(state["params"]))
+  logging.info("Model %s: %s parameters; %d of %d steps done.", config.model_name,
+               f"{num_params:,}", start_step, total_steps)
+
+  # 5. The jitted steps. The train step donates the old state, so its buffers are reused.
+  accum = config.grad_accum_steps
+
+  def loss_of(params, images, labels, rng):
+    logits = model.apply({"params": params}, images, train=True, rngs={"dropout": rng})
+    return optim.loss_fn(logits, labels, config.loss, config.label_smoothing).mean()
+
+  def train_step(state: State, batch: dict[str, jax.Array]) -> tuple[State, dict[str, jax.Array]]:
+    step_rng = jax.random.fold_in(dropout_rng, state["step"])
+    grad_fn = jax.value_and_grad(loss_of)
+    if accum == 1:
+      loss, grads = grad_fn(state["params"], batch["image"], batch["labels"], step_rng)
+    else:
+      # Micro-batch i takes examples i, i+accum, ...: every micro-batch is spread over all
+      # devices, so each one keeps the whole mesh busy.
+      micro = jax.tree.map(
+          lambda x: jnp.swapaxes(x.reshape(-1, accum, *x.shape[1:]), 0, 1), batch)
+
+      def accumulate(carry, xs):
+        micro_batch, i = xs
+        loss, grads = grad_fn(state["params"], micro_batch["image"], micro_batch["labels"],
+                              jax.random.fold_in(step_rng, i))
+        return jax.tree.map(jnp.add, carry, (loss, grads)), None
+
+      zeros = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, state["params"]))
+      (loss, grads), _ = jax.lax.scan(accumulate, zeros, (micro, jnp.arange(accum)))
+      loss, grads = jax.tree.map(lambda x: x / accum, (loss, grads))
+    updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
+    new_state = {"step": state["step"] + 1,
+                 "params": optax.apply_updates(state["params"], updates),
+                 "opt_state": opt_state}
+    metrics = {"loss": loss, "grad_norm": optax.global_norm(grads), "lr": schedule(state["step"])}
+    return new_state, metrics
+
+  def eval_step(params, batch: dict[str, jax.Array]) -> dict[str, jax.Array]:
+    logits = model.apply({"params": params}, batch["image"], train=False)
+    labels, mask = batch["labels"], batch["mask"]
+    # A prediction is a hit when the top class is among the true labels: top-1 accuracy for
+    # one-hot labels, precision@1 for multi-hot ones (the ViT paper's ImageNet-21k/JFT metric).
+    top1 = jnp.argmax(logits, axis=-1)
+    hit1 = jnp.take_along_axis(labels, top1[:, None], axis=-1)[:, 0] > 0
+    sums = {"count": mask.sum(), "correct": (hit1 & mask).sum(),
+            "loss": jnp.where(mask, optim.loss_fn(logits, labels, config.loss), 0.0).sum()}
+    if info.num_classes >= 5:
+      top5 = jax.lax.top_k(logits, 5)[1]
+      hit5 = (jnp.take_along_axis(labels, top5, axis=-1) > 0).any(axis=-1)
+      sums["correct_top5"] = (hit5 & mask).sum()
+    return sums
+
+  p_train_step = jax.jit(train_step, in_shardings=(replicated, batch_sharding),
+                         out_shardings=(replicated, replicated), donate_argnums=0)
+  p_eval_step = jax.jit(eval_step, in_shardings=(replicated, batch_sharding),
+                        out_shardings=replicated)
+
+  def to_global(batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
+    return {k: jax.make_array_from_process_local_data(batch_sharding, v) for k, v in batch.items()}
+
+  eval_ds = data.create_eval_dataset(config.data, global_batch_size=config.batch_size)
+  eval_name = _eval_name(config.data.eval_split)
+
+  def evaluate(params, step: int) -> dict[str, float]:
+    totals: dict[str, float] = {}
+    for batch in eval_ds:
+      for k, v in jax.device_get(p_eval_step(params, to_global(batch))).items():
+        totals[k] = totals.get(k, 0) + v
+    count = int(totals.pop("count"))
+    results = {f"{eval_name}/accuracy": totals["correct"] / count,
+               f"{eval_name}/loss": totals["loss"] / count}
+    if "correct_top5" in totals:
+      results[f"{eval_name}/top5_accuracy"] = totals["correct_top5"] / count
+    writer.write_scalars(step, results)
+    logging.info("Evaluated %d examples of '%s' at step %d: %s", count, config.data.eval_split,
+                 step, ", ".join(f"{k}={v:.4f}" for k, v in results.items()))
+    return results
+
+  # 6. The loop. Metrics of step s are fetched after step s+1 was dispatched, so the host
+  # never stalls the device; a NaN/Inf loss stops the run one step later at the latest.
+  train_iter = data.create_train_iterator(config.data, global_batch_size=config.batch_size,
+                                          seed=config.seed, start_step=start_step)
+  progress = periodic_actions.ReportProgress(num_train_steps=total_steps, writer=writer,
+                                             every_steps=config.log_every_steps)
+  train_metrics: list[dict[str, np.ndarray]] = []
+  pending = None  # (step, device metrics) of the step dispatched last.
+  last_log_time, last_log_step = time.time(), start_step
+  results: dict[str, float] = {}
+  for step in range(start_step + 1, total_steps + 1):
+    with jax.profiler.StepTraceAnnotation("train", step_num=step):
+      batch = to_global(next(train_iter))
+      state, metrics = p_train_step(state, batch)
+    if pending is not None:
+      train_metrics.append(_check_finite(*pending, manager))
+    pending = (step, metrics)
+    progress(step)
+
+    if step % config.log_every_steps == 0 or step == total_steps:
+      train_metrics.append(_check_finite(*pending, manager))
+      pending = None
+      now = time.time()
+      summary = {f"train/{k}": float(np.mean([m[k] for m in train_metrics]))
+                 for k in train_metrics[0]}
+      summary["train/images_per_sec"] = (step - last_log_step) * config.batch_size / (now - last_log_time)
+      writer.write_scalars(step, summary)
+      train_metrics, last_log_time, last_log_step = [], now, step
+
+    is_last = step == total_steps
+    if step % config.eval_every_steps == 0 or is_last:
+      with progress.timed("eval"):
+        results = evaluate(state["params"], step)
+    if manager.should_save(step) or is_last:
+      if pending is not None:  # Never checkpoint parameters that a NaN update produced.
+        train_metrics.append(_check_finite(*pending, manager))
+        pending = None
+      with progress.timed("checkpoint"):
+        manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state)),
+                     force=is_last)
+
+  # 7. The end: a run that was already finished only evaluates again.
+  if start_step >= total_steps:
+    logging.info("The run in %s already finished its %d steps; evaluating only.", workdir,
+                 total_steps)
+    results = evaluate(state["params"], start_step)
+  manager.wait_until_finished()
+  manager.close()
+  writer.flush()
+  writer.close()
+  results["step"] = max(start_step, total_steps)
+  return results
+
+
+def _check_finite(step: int, metrics: dict[str, jax.Array],
+                  manager: ocp.CheckpointManager) -> dict[str, np.ndarray]:
+  """Fetches a step's metrics; stops the run if its loss or gradient norm is not finite."""
+  metrics = jax.device_get(metrics)
+  if not (np.isfinite(metrics["loss"]) and np.isfinite(metrics["grad_norm"])):
+    manager.wait_until_finished()
+    raise FloatingPointError(
+        f"Training diverged at step {step}: loss={metrics['loss']}, "
+        f"grad_norm={metrics['grad_norm']}. The last good checkpoint (step "
+        f"{manager.latest_step()}) is kept; lower --config.optim.lr, lengthen "
+        "--config.optim.warmup_steps or set --config.optim.grad_clip_norm, then rerun.")
+  return metrics
+
+
+def _join(workdir: str, name: str):
+  """`workdir/name` as an epath (local paths and gs:// alike), absolute for orbax."""
+  from etils import epath  # pylint: disable=g-import-not-at-top
+  path = epath.Path(workdir)
+  if not str(workdir).startswith("gs://"):
+    path = path.absolute()
+  return path / name
+
+
+def _flatten(tree: dict, prefix: str = "") -> dict[str, Any]:
+  out = {}
+  for k, v in tree.items():
+    if isinstance(v, dict):
+      out.update(_flatten(v, f"{prefix}{k}."))
+    else:
+      out[f"{prefix}{k}"] = v
+  return out
