@@ -7,6 +7,7 @@ import pathlib
 import subprocess
 import sys
 
+import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
@@ -124,10 +125,16 @@ def test_batch_size_and_schedule_length_checks():
   with pytest.raises(ValueError, match=r"multiple of 16\. Use --config.batch_size=496 or 512"):
     train.check_batch_size(500, 2, 8)
   config = _tiny_config()
-  with pytest.raises(ValueError, match="exactly one of config.total_steps and config.num_epochs"):
+  with pytest.raises(ValueError, match="Set the schedule length"):
     train.num_train_steps(config, 1000)
+  config.batch_size = 64
   config.num_epochs = 2.5
-  assert train.num_train_steps(config, 1000) == math.ceil(2.5 * 1000 / config.batch_size)
+  assert train.num_train_steps(config, 1000) == 40  # ceil(2500 / 64)
+  config.total_steps = 7  # Takes precedence over epochs.
+  assert train.num_train_steps(config, 1000) == 7
+  config.total_steps = 0
+  with pytest.raises(ValueError, match="0 training steps"):
+    train.num_train_steps(config, 1000)
 
 
 # ----------------------------------------------------------------------------- configs
@@ -186,6 +193,7 @@ def test_every_config_key_is_consumed(tmp_path, monkeypatch):
     with config.unlocked():
       # Same keys, tiny values: a 2-step run on an 8x8 image folder.
       config.data.image_folder = folder
+      config.data.train_split, config.data.eval_split = "train", "test"
       config.data.image_size = 8
       config.data.shuffle_buffer = 16
       config.model.update(hidden_size=8, mlp_dim=16, num_heads=2, num_layers=1,
@@ -193,7 +201,7 @@ def test_every_config_key_is_consumed(tmp_path, monkeypatch):
       if config.model.representation_size is not None:
         config.model.representation_size = 8
       config.batch_size = 4
-      config.total_steps, config.num_epochs = 2, None
+      config.total_steps = 2
       config.optim.warmup_steps = 1
       config.log_every_steps = config.eval_every_steps = config.checkpoint_every_steps = 1
     results = train.train_and_evaluate(config, str(tmp_path / f"run{i}"))
@@ -231,8 +239,9 @@ def _scalars(workdir):
   for path in glob.glob(os.path.join(workdir, "events.out.tfevents.*")):
     for event in tf.compat.v1.train.summary_iterator(path):
       for value in event.summary.value:
-        number = float(tf.make_ndarray(value.tensor)) if value.HasField("tensor") else value.simple_value
-        out.setdefault(value.tag, {})[event.step] = number
+        number = tf.make_ndarray(value.tensor) if value.HasField("tensor") else value.simple_value
+        if np.ndim(number) == 0 and np.asarray(number).dtype.kind == "f":  # Scalars, not hparams.
+          out.setdefault(value.tag, {})[event.step] = float(number)
   return out
 
 
@@ -246,7 +255,7 @@ def test_main_trains_writes_metrics_and_resumes(tmp_path):
             "--config.model.hidden_size=8", "--config.model.mlp_dim=16",
             "--config.model.num_heads=2", "--config.model.num_layers=1",
             "--config.model.patch_size=(4,4)", "--config.batch_size=4",
-            "--config.num_epochs=None", "--config.optim.warmup_steps=1",
+            "--config.optim.warmup_steps=1",
             "--config.log_every_steps=2", "--config.eval_every_steps=2",
             "--config.checkpoint_every_steps=2"]
   first = _run_main(*common, "--config.total_steps=4")
@@ -269,3 +278,66 @@ def test_main_trains_writes_metrics_and_resumes(tmp_path):
   assert third.returncode == 0, third.stderr[-3000:]
   assert "already finished its 6 steps" in third.stderr
   assert sorted(_scalars(workdir)["train/loss"]) == [2, 4, 6]
+
+
+def _tiny_folder_config(folder, **overrides):
+  config = _tiny_config("finetune")
+  config.data.image_folder = folder
+  config.data.image_size = 8
+  config.data.augment = "none"
+  config.data.shuffle_buffer = 16
+  config.batch_size = 4
+  config.total_steps = 2
+  config.optim.warmup_steps = 0
+  config.log_every_steps = config.eval_every_steps = config.checkpoint_every_steps = 1
+  config.async_checkpointing = False
+  for key, value in overrides.items():
+    section, _, name = key.rpartition(".")
+    (config[section] if section else config)[name] = value
+  return config
+
+
+@pytest.mark.slow
+def test_gradient_accumulation_matches_the_full_batch(tmp_path):
+  """Two micro-batches of 2 give the same update as one batch of 4 (no dropout)."""
+  from vit_jax import checkpoint  # pylint: disable=g-import-not-at-top
+  folder = data_utils.make_image_folder(str(tmp_path / "images"), num_classes=3, per_class=4,
+                                        size=8)
+  params = []
+  for accum in (1, 2):
+    workdir = str(tmp_path / f"accum{accum}")
+    config = _tiny_folder_config(folder, grad_accum_steps=accum, total_steps=1)
+    train.train_and_evaluate(config, workdir)
+    params.append(checkpoint.load(workdir)["params"])
+  first = jax.tree_util.tree_leaves(params[0])
+  second = jax.tree_util.tree_leaves(params[1])
+  assert len(first) == len(second) > 0
+  for a, b in zip(first, second):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+  with pytest.raises(ValueError, match="cannot be split into 3 micro-batch"):
+    train.train_and_evaluate(_tiny_folder_config(folder, grad_accum_steps=3),
+                             str(tmp_path / "accum3"))
+
+
+@pytest.mark.slow
+def test_nan_loss_stops_the_run_and_keeps_the_last_good_checkpoint(tmp_path, monkeypatch):
+  """From the third batch on the images are NaN: the run stops at step 3, step 2 is kept."""
+  from vit_jax import checkpoint  # pylint: disable=g-import-not-at-top
+  folder = data_utils.make_image_folder(str(tmp_path / "images"), num_classes=3, per_class=4,
+                                        size=8)
+  create = train.data.create_train_iterator
+
+  def poisoned(*args, **kwargs):
+    for i, batch in enumerate(create(*args, **kwargs)):
+      if i >= 2:
+        batch = dict(batch, image=np.full_like(batch["image"], np.nan))
+      yield batch
+
+  monkeypatch.setattr(train.data, "create_train_iterator", poisoned)
+  workdir = str(tmp_path / "workdir")
+  with pytest.raises(FloatingPointError, match=r"Training diverged at step 3: loss=nan.*"
+                     r"The last good checkpoint \(step 2\) is kept"):
+    train.train_and_evaluate(_tiny_folder_config(folder, total_steps=10), workdir)
+  assert sorted(os.listdir(os.path.join(workdir, "checkpoints"))) == ["1", "2"]
+  kept = checkpoint.load(workdir)["params"]
+  assert all(np.isfinite(x).all() for x in jax.tree_util.tree_leaves(kept))

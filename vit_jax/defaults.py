@@ -46,7 +46,7 @@ def get_config(model_name: str = "ViT-B_16", dataset: str = "imagenet2012",
   config.data = data.get_default_config()
   config.data.name = dataset
 
-  # Schedule length: exactly one of total_steps or num_epochs (epochs of data.train_split).
+  # Schedule length: total_steps if set, else num_epochs (epochs of data.train_split).
   config.batch_size = 4096  # Global batch over all devices and hosts (images per update).
   config.grad_accum_steps = 1  # Split each batch into this many sequential micro-batches.
   config.total_steps = config_dict.placeholder(int)

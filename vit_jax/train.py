@@ -35,17 +35,24 @@ State = dict[str, Any]  # {'step': int32[], 'params': ..., 'opt_state': ...}
 
 
 def num_train_steps(config: ml_collections.ConfigDict, num_train_examples: int) -> int:
-  """Optimizer updates of the whole run: `config.total_steps`, or epochs converted to steps.
+  """Optimizer updates of the whole run.
+
+  `config.total_steps` when it is set (so `--config.total_steps=N` overrides a config's
+  epochs), else `config.num_epochs` epochs of `num_train_examples` at `config.batch_size`.
 
   Raises:
-    ValueError: neither or both of `total_steps` and `num_epochs` are set.
+    ValueError: neither is set, or the result is not positive.
   """
-  if (config.total_steps is None) == (config.num_epochs is None):
-    raise ValueError("Set exactly one of config.total_steps and config.num_epochs "
-                     f"(got total_steps={config.total_steps}, num_epochs={config.num_epochs}).")
   if config.total_steps is not None:
-    return config.total_steps
-  return math.ceil(config.num_epochs * num_train_examples / config.batch_size)
+    steps = config.total_steps
+  elif config.num_epochs is not None:
+    steps = math.ceil(config.num_epochs * num_train_examples / config.batch_size)
+  else:
+    raise ValueError("Set the schedule length: --config.total_steps=N or --config.num_epochs=E.")
+  if steps <= 0:
+    raise ValueError(f"The run has {steps} training steps; set a positive "
+                     "--config.total_steps or --config.num_epochs.")
+  return steps
 
 
 def check_batch_size(batch_size: int, grad_accum_steps: int, num_devices: int) -> None:
@@ -131,7 +138,6 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   manager = ocp.CheckpointManager(
       ckpt_dir,
       options=ocp.CheckpointManagerOptions(
-          save_interval_steps=config.checkpoint_every_steps,
           max_to_keep=config.keep_checkpoints,
           enable_async_checkpointing=config.async_checkpointing,
       ),
@@ -181,10 +187,10 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
       (loss, grads), _ = jax.lax.scan(accumulate, zeros, (micro, jnp.arange(accum)))
       loss, grads = jax.tree.map(lambda x: x / accum, (loss, grads))
     updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
-    new_state = {"step": state["step"] + 1,
-                 "params": optax.apply_updates(state["params"], updates),
-                 "opt_state": opt_state}
-    metrics = {"loss": loss, "grad_norm": optax.global_norm(grads), "lr": schedule(state["step"])}
+    params = optax.apply_updates(state["params"], updates)
+    new_state = {"step": state["step"] + 1, "params": params, "opt_state": opt_state}
+    metrics = {"loss": loss, "grad_norm": optax.global_norm(grads),
+               "param_norm": optax.global_norm(params), "lr": schedule(state["step"])}
     return new_state, metrics
 
   def eval_step(params, batch: dict[str, jax.Array]) -> dict[str, jax.Array]:
@@ -219,6 +225,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
       for k, v in jax.device_get(p_eval_step(params, to_global(batch))).items():
         totals[k] = totals.get(k, 0) + v
     count = int(totals.pop("count"))
+    if count == 0:
+      raise ValueError(f"The eval split '{config.data.eval_split}' has no (labelled) examples; "
+                       "set --config.data.eval_split to a non-empty split.")
     results = {f"{eval_name}/accuracy": totals["correct"] / count,
                f"{eval_name}/loss": totals["loss"] / count}
     if "correct_top5" in totals:
@@ -261,13 +270,13 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     if step % config.eval_every_steps == 0 or is_last:
       with progress.timed("eval"):
         results = evaluate(state["params"], step)
-    if manager.should_save(step) or is_last:
+    if step % config.checkpoint_every_steps == 0 or is_last:
       if pending is not None:  # Never checkpoint parameters that a NaN update produced.
         train_metrics.append(_check_finite(*pending, manager))
         pending = None
       with progress.timed("checkpoint"):
         manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state)),
-                     force=is_last)
+                     force=True)
 
   # 7. The end: a run that was already finished only evaluates again.
   if start_step >= total_steps:
@@ -284,13 +293,13 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
 
 def _check_finite(step: int, metrics: dict[str, jax.Array],
                   manager: ocp.CheckpointManager) -> dict[str, np.ndarray]:
-  """Fetches a step's metrics; stops the run if its loss or gradient norm is not finite."""
+  """Fetches a step's metrics; stops the run if its loss, gradients or new parameters are not finite."""
   metrics = jax.device_get(metrics)
-  if not (np.isfinite(metrics["loss"]) and np.isfinite(metrics["grad_norm"])):
+  if not all(np.isfinite(metrics[k]) for k in ("loss", "grad_norm", "param_norm")):
     manager.wait_until_finished()
     raise FloatingPointError(
         f"Training diverged at step {step}: loss={metrics['loss']}, "
-        f"grad_norm={metrics['grad_norm']}. The last good checkpoint (step "
+        f"grad_norm={metrics['grad_norm']}, param_norm={metrics['param_norm']}. The last good checkpoint (step "
         f"{manager.latest_step()}) is kept; lower --config.optim.lr, lengthen "
         "--config.optim.warmup_steps or set --config.optim.grad_clip_norm, then rerun.")
   return metrics

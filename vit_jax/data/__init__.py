@@ -12,23 +12,7 @@ API:
   create_eval_dataset(config.data, global_batch_size)
 """
 
-import importlib
-import importlib.resources
-import importlib.resources.abc
-import sys
-
 import tensorflow as tf
-
-# tensorflow_datasets 4.9.x uses the `importlib_resources` backport to locate
-# a builder's code (`DatasetBuilder.code_path`, needed by
-# `download_and_prepare` for any builder defined in a package) but only
-# declares it as a dependency for Python < 3.9
-# (github.com/tensorflow/datasets/issues/11212). The stdlib module has the
-# API it uses (`.abc.Traversable`), so alias it when the backport is missing.
-try:
-  importlib.import_module('importlib_resources')
-except ImportError:
-  sys.modules['importlib_resources'] = importlib.resources
 
 for _kind in ('GPU', 'TPU'):
   try:

@@ -162,7 +162,6 @@ class Source:
       'label': int64 [] or int64 [None] (multi-label)}; deterministic order
       for a given seed.
     """
-    from vit_jax.data import preprocess  # pylint: disable=g-import-not-at-top
     if self.is_image_folder:
       paths, labels = [], []
       for p, l in self._folder_slices(split):
