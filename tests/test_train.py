@@ -110,7 +110,7 @@ def test_sgd_finetune_optimizer_clips_and_uses_momentum():
   config.optim.warmup_steps = 0
   config.optim.schedule = "constant"
   config.optim.lr = 0.5
-  tx = optim.make_optimizer(config.optim, total_steps=10)
+  tx = optim.make_optimizer(config.optim, optim.lr_schedule(0.5, 10, 0, "constant"))
   params = {"kernel": jnp.zeros(2)}
   state = tx.init(params)
   grads = {"kernel": jnp.array([3.0, 4.0])}  # global norm 5 -> clipped to 1: [0.6, 0.8]

@@ -139,8 +139,11 @@ def _decay_mask(params):
       lambda path, _: getattr(path[-1], "key", None) == "kernel", params)
 
 
-def make_optimizer(optim: ml_collections.ConfigDict, total_steps: int) -> optax.GradientTransformation:
+def make_optimizer(optim: ml_collections.ConfigDict,
+                   schedule: Callable[[jax.Array], jax.Array]) -> optax.GradientTransformation:
   """Builds the optax optimizer of a resolved `config.optim` (see `resolve_regime`).
+
+  `schedule` is the learning rate as a function of the update count (see `lr_schedule`).
 
   'adamw': Adam with decoupled weight decay `lr * weight_decay * w`, applied to kernels only
   (the ViT paper's "weight decay 0.1" at lr 1e-3 is a per-step decay of 1e-4).
@@ -148,9 +151,8 @@ def make_optimizer(optim: ml_collections.ConfigDict, total_steps: int) -> optax.
   Both are preceded by clipping at global norm `optim.grad_clip_norm` when it is set.
 
   Raises:
-    ValueError: unknown optimizer or schedule (see `lr_schedule`).
+    ValueError: unknown optimizer.
   """
-  schedule = lr_schedule(optim.lr, total_steps, optim.warmup_steps, optim.schedule, optim.end_lr)
   parts = []
   if optim.grad_clip_norm:
     parts.append(optax.clip_by_global_norm(optim.grad_clip_norm))

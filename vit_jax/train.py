@@ -123,7 +123,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   model = models.create(config.model_name, num_classes=info.num_classes, **_model_fields(config))
   schedule = optim.lr_schedule(config.optim.lr, total_steps, config.optim.warmup_steps,
                                config.optim.schedule, config.optim.end_lr)
-  tx = optim.make_optimizer(config.optim, total_steps)
+  tx = optim.make_optimizer(config.optim, schedule)
   mesh = jax.sharding.Mesh(np.asarray(jax.devices()), ("data",))
   batch_sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
   replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
