@@ -341,3 +341,38 @@ def test_nan_loss_stops_the_run_and_keeps_the_last_good_checkpoint(tmp_path, mon
   assert sorted(os.listdir(os.path.join(workdir, "checkpoints"))) == ["1", "2"]
   kept = checkpoint.load(workdir)["params"]
   assert all(np.isfinite(x).all() for x in jax.tree_util.tree_leaves(kept))
+
+
+def test_eval_sums_count_hits_precision_at_1_and_skip_padding():
+  logits = jnp.array([[5.0, 1, 0, 0, 0, 0],   # top1 = 0 (a true label): hit
+                      [1.0, 5, 4, 3, 2, 0],   # top1 = 1, true {5}: miss; 5 ranks 6th: no top-5 hit
+                      [0.0, 1, 2, 3, 4, 5],   # top1 = 5, true {2, 5}: hit
+                      [9.0, 0, 0, 0, 0, 0]])  # padding: ignored although it would hit
+  labels = jnp.array([[1.0, 0, 0, 1, 0, 0],
+                      [0.0, 0, 0, 0, 0, 1],
+                      [0.0, 0, 1, 0, 0, 1],
+                      [1.0, 0, 0, 0, 0, 0]])
+  mask = jnp.array([True, True, True, False])
+  sums = train.eval_sums(logits, labels, mask, "sigmoid_xent")
+  assert (int(sums["count"]), int(sums["correct"]), int(sums["correct_top5"])) == (3, 2, 2)
+  per_example = optim.loss_fn(logits, labels, "sigmoid_xent")
+  np.testing.assert_allclose(sums["loss"], per_example[:3].sum(), rtol=1e-6)
+  assert "correct_top5" not in train.eval_sums(logits[:, :4], labels[:, :4], mask, "softmax_xent")
+
+
+@pytest.mark.slow
+def test_multi_label_pretraining_runs_with_sigmoid_loss(tmp_path):
+  """The ImageNet-21k/JFT path: multi-hot targets, sigmoid loss, head bias -10, precision@1."""
+  name = data_utils.make_multilabel_dataset(str(tmp_path / "tfds"))
+  config = _tiny_config("pretrain")
+  config.data.name = name
+  config.data.data_dir = str(tmp_path / "tfds")
+  config.data.image_size = 8
+  config.data.shuffle_buffer = 16
+  config.batch_size = 4
+  config.total_steps = 3
+  config.optim.warmup_steps = 1
+  config.log_every_steps = config.eval_every_steps = config.checkpoint_every_steps = 3
+  results = train.train_and_evaluate(config, str(tmp_path / "workdir"))
+  assert results["step"] == 3
+  assert 0.0 <= results["test/accuracy"] <= 1.0 and np.isfinite(results["test/loss"])

@@ -70,6 +70,32 @@ def check_batch_size(batch_size: int, grad_accum_steps: int, num_devices: int) -
         f"Use --config.batch_size={lower} or {upper}.")
 
 
+def eval_sums(logits: jax.Array, labels: jax.Array, mask: jax.Array,
+              loss: str) -> dict[str, jax.Array]:
+  """Sums of one eval batch over its real (unmasked) examples.
+
+  A prediction is a hit when the top-scoring class is among the true labels: top-1 accuracy for
+  one-hot labels, precision@1 for multi-hot ones (the ViT paper's ImageNet-21k / JFT metric).
+
+  Args:
+    logits: `[B, C]`; labels: `[B, C]` one-hot or multi-hot; mask: `[B]` bool, False for padding.
+    loss: the loss kind of `vit_jax.optim.loss_fn`.
+
+  Returns:
+    int32 `count` (real examples), `correct` (top-1 hits), `correct_top5` (hits among the top 5,
+    only when C >= 5) and float32 `loss` (summed per-example loss).
+  """
+  top1 = jnp.argmax(logits, axis=-1)
+  hit1 = jnp.take_along_axis(labels, top1[:, None], axis=-1)[:, 0] > 0
+  sums = {"count": mask.sum(dtype=jnp.int32), "correct": (hit1 & mask).sum(dtype=jnp.int32),
+          "loss": jnp.where(mask, optim.loss_fn(logits, labels, loss), 0.0).sum()}
+  if logits.shape[-1] >= 5:
+    top5 = jax.lax.top_k(logits, 5)[1]
+    hit5 = (jnp.take_along_axis(labels, top5, axis=-1) > 0).any(axis=-1)
+    sums["correct_top5"] = (hit5 & mask).sum(dtype=jnp.int32)
+  return sums
+
+
 def _eval_name(split: str) -> str:
   """'test' -> 'test', 'train[98%:]' -> 'train_98': a TensorBoard-friendly name of a split."""
   return re.sub(r"[^A-Za-z0-9]+", "_", split).strip("_")
@@ -195,18 +221,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
 
   def eval_step(params, batch: dict[str, jax.Array]) -> dict[str, jax.Array]:
     logits = model.apply({"params": params}, batch["image"], train=False)
-    labels, mask = batch["labels"], batch["mask"]
-    # A prediction is a hit when the top class is among the true labels: top-1 accuracy for
-    # one-hot labels, precision@1 for multi-hot ones (the ViT paper's ImageNet-21k/JFT metric).
-    top1 = jnp.argmax(logits, axis=-1)
-    hit1 = jnp.take_along_axis(labels, top1[:, None], axis=-1)[:, 0] > 0
-    sums = {"count": mask.sum(), "correct": (hit1 & mask).sum(),
-            "loss": jnp.where(mask, optim.loss_fn(logits, labels, config.loss), 0.0).sum()}
-    if info.num_classes >= 5:
-      top5 = jax.lax.top_k(logits, 5)[1]
-      hit5 = (jnp.take_along_axis(labels, top5, axis=-1) > 0).any(axis=-1)
-      sums["correct_top5"] = (hit5 & mask).sum()
-    return sums
+    return eval_sums(logits, batch["labels"], batch["mask"], config.loss)
 
   p_train_step = jax.jit(train_step, in_shardings=(replicated, batch_sharding),
                          out_shardings=(replicated, replicated), donate_argnums=0)
