@@ -232,6 +232,22 @@ def test_unknown_config_key_fails_with_a_clear_message(tmp_path):
   assert not list(tmp_path.iterdir())  # Nothing was started.
 
 
+def test_bad_config_values_fail_in_one_line_before_the_workdir_is_touched(tmp_path):
+  workdir = tmp_path / "never_created"
+  proc = _run_main("--config", "configs/fashion_mnist.py", "--workdir", str(workdir),
+                   "--config.data.image_size=30")
+  assert proc.returncode == 2, proc.stderr[-2000:]
+  fatal = [l for l in proc.stderr.splitlines() if l.startswith("FATAL:")]
+  assert fatal and "Image height 30 is not divisible by the patch size 7" in fatal[0]
+  assert "Traceback" not in proc.stderr
+  assert not workdir.exists()
+  proc = _run_main("--config", "configs/fashion_mnist.py", "--workdir", str(workdir),
+                   "--config.data.name=no_such_dataset")
+  assert proc.returncode == 2
+  assert "config.data.name='no_such_dataset' is neither a registered tfds dataset" in proc.stderr
+  assert not workdir.exists()
+
+
 def _scalars(workdir):
   """{tag: {step: value}} from the TensorBoard event files in workdir."""
   import tensorflow as tf  # pylint: disable=g-import-not-at-top

@@ -1,3 +1,3 @@
-"""vit_jax: Vision Transformer (ViT) and Tokens-to-Token ViT in JAX/Flax."""
+"""vit_jax: the Vision Transformer (ViT) in JAX/Flax; Tokens-to-Token ViT is planned (issue #3)."""
 
 __version__ = "0.1.0"

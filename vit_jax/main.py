@@ -113,7 +113,13 @@ def main(argv):
   # Imported here so that --help and flag errors answer before TensorFlow and JAX load.
   from vit_jax import train  # pylint: disable=g-import-not-at-top
   logging.info("Config:\n%s", _CONFIG.value)
-  results = train.train_and_evaluate(_CONFIG.value, _WORKDIR.value)
+  try:
+    results = train.train_and_evaluate(_CONFIG.value, _WORKDIR.value)
+  except train.ConfigError as e:
+    if logging.get_verbosity() >= 1:
+      raise
+    sys.stderr.write(f"FATAL: {e}\n(--verbosity=1 shows the traceback.)\n")
+    sys.exit(2)
   step = results.pop("step")
   print(f"Final evaluation at step {step}: "
         + ", ".join(f"{k}={v:.4f}" for k, v in sorted(results.items())), flush=True)

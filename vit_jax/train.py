@@ -12,6 +12,7 @@ Read it top to bottom: `train_and_evaluate` goes through the phases in order
 
 from __future__ import annotations
 
+import contextlib
 import math
 import re
 import time
@@ -32,6 +33,23 @@ from vit_jax import models
 from vit_jax import optim
 
 State = dict[str, Any]  # {'step': int32[], 'params': ..., 'opt_state': ...}
+
+
+class ConfigError(ValueError):
+  """A config that cannot run, found before any work starts; the message says what to change."""
+
+
+@contextlib.contextmanager
+def _config_errors():
+  """Turns the setup's ValueError, TypeError, KeyError, FileNotFoundError and
+  NotImplementedError into a ConfigError (the original stays attached as __cause__)."""
+  try:
+    yield
+  except ConfigError:
+    raise
+  except (ValueError, TypeError, KeyError, FileNotFoundError, NotImplementedError) as e:
+    message = e.args[0] if len(e.args) == 1 and isinstance(e.args[0], str) else str(e)
+    raise ConfigError(message) from e
 
 
 def num_train_steps(config: ml_collections.ConfigDict, num_train_examples: int) -> int:
@@ -125,41 +143,52 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     (with >= 5 classes), '<split>/loss', 'step'}` of the final evaluation.
 
   Raises:
-    ValueError: an inconsistent config (batch size, schedule length, regime, ...).
+    ConfigError: (a ValueError) the config cannot run: batch size, schedule length, regime,
+      dataset, model name or image size; raised before anything is written to `workdir`.
     FloatingPointError: the training loss became NaN or Inf (the last good checkpoint is kept).
   """
-  # 1. Config: fill in the regime's defaults and check what can be checked before any work.
-  config = optim.resolve_regime(config)
-  check_batch_size(config.batch_size, config.grad_accum_steps, jax.device_count())
+  # 1. Config: fill in the regime's defaults. Everything up to the abstract state is a cheap
+  # check of the config, done before anything is written to the workdir.
+  with _config_errors():
+    config = optim.resolve_regime(config)
+    check_batch_size(config.batch_size, config.grad_accum_steps, jax.device_count())
+
+    # 2. Data: each process reads its own part; eval visits every example exactly once.
+    info = data.get_info(config.data)
+    total_steps = num_train_steps(config, info.num_train_examples)
+    logging.info("Dataset %s: %d classes (%s), %d train and %d eval examples, images %s.",
+                 config.data.image_folder or config.data.name, info.num_classes,
+                 "multi-label" if info.multi_label else "single-label",
+                 info.num_train_examples, info.num_eval_examples, info.image_shape)
+
+    # 3. Model, optimizer, and the mesh: the batch is split over all devices ('data' axis) and
+    # the parameters are replicated.
+    model = models.create(config.model_name, num_classes=info.num_classes,
+                          **_model_fields(config))
+    schedule = optim.lr_schedule(config.optim.lr, total_steps, config.optim.warmup_steps,
+                                 config.optim.schedule, config.optim.end_lr)
+    tx = optim.make_optimizer(config.optim, schedule)
+    mesh = jax.sharding.Mesh(np.asarray(jax.devices()), ("data",))
+    batch_sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
+    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+
+    def init_state(rng) -> State:
+      images = jnp.zeros((1, *info.image_shape), jnp.float32)
+      params = model.init({"params": rng}, images, train=False)["params"]
+      return {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": tx.init(params)}
+
+    # Shapes only (nothing allocated); this is where an image size the patch does not divide
+    # is reported.
+    init_rng, dropout_rng = jax.random.split(jax.random.PRNGKey(config.seed))
+    abstract_state = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated),
+        jax.eval_shape(init_state, init_rng))
+
+  # 4. State: the latest checkpoint in workdir if there is one, else a fresh initialisation.
   writer = metric_writers.create_default_writer(
       workdir, just_logging=jax.process_index() > 0, asynchronous=True)
   writer.write_hparams({k: v for k, v in _flatten(config.to_dict()).items()
                         if isinstance(v, (int, float, str, bool))})
-
-  # 2. Data: each process reads its own part; eval visits every example exactly once.
-  info = data.get_info(config.data)
-  total_steps = num_train_steps(config, info.num_train_examples)
-  logging.info("Dataset %s: %d classes (%s), %d train and %d eval examples, images %s.",
-               config.data.image_folder or config.data.name, info.num_classes,
-               "multi-label" if info.multi_label else "single-label",
-               info.num_train_examples, info.num_eval_examples, info.image_shape)
-
-  # 3. Model, optimizer, and the mesh: the batch is split over all devices ('data' axis) and
-  # the parameters are replicated.
-  model = models.create(config.model_name, num_classes=info.num_classes, **_model_fields(config))
-  schedule = optim.lr_schedule(config.optim.lr, total_steps, config.optim.warmup_steps,
-                               config.optim.schedule, config.optim.end_lr)
-  tx = optim.make_optimizer(config.optim, schedule)
-  mesh = jax.sharding.Mesh(np.asarray(jax.devices()), ("data",))
-  batch_sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
-  replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-
-  def init_state(rng) -> State:
-    images = jnp.zeros((1, *info.image_shape), jnp.float32)
-    params = model.init({"params": rng}, images, train=False)["params"]
-    return {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": tx.init(params)}
-
-  # 4. State: the latest checkpoint in workdir if there is one, else a fresh initialisation.
   ckpt_dir = _join(workdir, "checkpoints")
   manager = ocp.CheckpointManager(
       ckpt_dir,
@@ -168,11 +197,6 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
           enable_async_checkpointing=config.async_checkpointing,
       ),
   )
-  rng = jax.random.PRNGKey(config.seed)
-  init_rng, dropout_rng = jax.random.split(rng)
-  abstract_state = jax.eval_shape(init_state, init_rng)
-  abstract_state = jax.tree.map(
-      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated), abstract_state)
   latest = manager.latest_step()
   if latest is not None:
     logging.info("Resuming from the checkpoint at step %d in %s.", latest, ckpt_dir)

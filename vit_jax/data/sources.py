@@ -262,7 +262,8 @@ def _make_source(data_cfg) -> Source:
     if not tf.io.gfile.isdir(root):
       raise FileNotFoundError(
           f'config.data.image_folder={data_cfg.image_folder!r} is not a '
-          'directory.')
+          'directory; it should hold <split>/<class>/*.{jpg,jpeg,png}, e.g. '
+          'train/cat/1.jpg and test/cat/2.jpg.')
     builder = tfds.folder_dataset.ImageFolder(root)
     # The (deterministically ordered) per-split file lists: reading them
     # ourselves gives split slicing ('train[:10%]', even_splits), which
@@ -282,7 +283,15 @@ def _make_source(data_cfg) -> Source:
   if _looks_like_path(name):
     builder = tfds.builder_from_directory(_find_builder_dir(name))
   else:
-    builder = tfds.builder(name, data_dir=data_cfg.data_dir)
+    try:
+      builder = tfds.builder(name, data_dir=data_cfg.data_dir)
+    except tfds.core.registered.DatasetNotFoundError:
+      raise ValueError(
+          f'config.data.name={name!r} is neither a registered tfds dataset nor a '
+          'directory. Use a tfds name (e.g. cifar10, imagenet2012, '
+          'fashion_mnist_local), the path of a prepared tfds dataset, or '
+          '--config.data.image_folder=ROOT for ROOT/{train,test}/<class>/*.jpg.'
+      ) from None
     if not builder.is_prepared():
       _prepare(builder, name, data_cfg)
   if image_key not in builder.info.features:
