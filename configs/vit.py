@@ -60,6 +60,11 @@ def get_config(arg: str = "b16,imagenet2012"):
   config.regime = regime
   config.data.train_split = train_split
   config.data.eval_split = eval_split
+  if dataset == "imagenet2012":
+    # Also report ImageNet ReaL (paper Table 2); needs tfds 'imagenet2012_real' prepared in
+    # data_dir. --config.extra_eval.name="" turns it off.
+    config.extra_eval.name = "imagenet2012_real"
+    config.extra_eval.split = "validation"
   if pretrain:
     config.batch_size = 4096
     config.num_epochs = float(epochs)

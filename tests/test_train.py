@@ -183,8 +183,10 @@ def _leaf_keys(config):
 @pytest.mark.slow
 def test_every_config_key_is_consumed(tmp_path, monkeypatch):
   """Runs each shipped config for two steps on tiny data; every key must be read by the code."""
-  folder = data_utils.make_image_folder(str(tmp_path / "images"), num_classes=3, per_class=4,
-                                        size=8)
+  folder = data_utils.make_image_folder(str(tmp_path / "images"),
+                                        num_classes=data_utils.MULTILABEL_NUM_CLASSES,
+                                        per_class=2, size=8)
+  multi_label = data_utils.make_multilabel_dataset(str(tmp_path / "tfds"))
   seen = _record_consumed_keys(monkeypatch)
   unread = None
   for i, (path, arg) in enumerate(SHIPPED):
@@ -194,6 +196,8 @@ def test_every_config_key_is_consumed(tmp_path, monkeypatch):
       # Same keys, tiny values: a 2-step run on an 8x8 image folder.
       config.data.image_folder = folder
       config.data.train_split, config.data.eval_split = "train", "test"
+      if config.extra_eval.name:  # ImageNet ReaL in the ImageNet config: a tiny stand-in.
+        config.extra_eval.name, config.extra_eval.split = multi_label, "test"
       config.data.image_size = 8
       config.data.shuffle_buffer = 16
       config.model.update(hidden_size=8, mlp_dim=16, num_heads=2, num_layers=1,
@@ -206,6 +210,8 @@ def test_every_config_key_is_consumed(tmp_path, monkeypatch):
       config.log_every_steps = config.eval_every_steps = config.checkpoint_every_steps = 1
     results = train.train_and_evaluate(config, str(tmp_path / f"run{i}"))
     assert results["step"] == 2 and 0.0 <= results["test/accuracy"] <= 1.0
+    if config.extra_eval.name:
+      assert 0.0 <= results["1_0_0_test/accuracy"] <= 1.0  # '<dir basename>_<split>' 
     unread = (all_keys - seen) if unread is None else (unread & (all_keys - seen))
   assert not unread, f"Config keys no code reads: {sorted(k for _, k in unread)}"
 
@@ -392,3 +398,15 @@ def test_multi_label_pretraining_runs_with_sigmoid_loss(tmp_path):
   results = train.train_and_evaluate(config, str(tmp_path / "workdir"))
   assert results["step"] == 3
   assert 0.0 <= results["test/accuracy"] <= 1.0 and np.isfinite(results["test/loss"])
+
+
+def test_extra_eval_with_other_classes_is_a_config_error(tmp_path):
+  folder = data_utils.make_image_folder(str(tmp_path / "images"), num_classes=3, per_class=2,
+                                        size=8)
+  multi_label = data_utils.make_multilabel_dataset(str(tmp_path / "tfds"))  # 5 classes
+  config = _tiny_folder_config(folder, **{"extra_eval.name": multi_label,
+                                          "extra_eval.split": "test"})
+  workdir = tmp_path / "workdir"
+  with pytest.raises(train.ConfigError, match="has 5 classes, the training data 3"):
+    train.train_and_evaluate(config, str(workdir))
+  assert not workdir.exists()

@@ -46,6 +46,13 @@ def get_config(model_name: str = "ViT-B_16", dataset: str = "imagenet2012",
   config.data = data.get_default_config()
   config.data.name = dataset
 
+  # An optional second evaluation set with the same classes and preprocessing, reported under
+  # '<name>_<split>/accuracy': e.g. name='imagenet2012_real', split='validation' for the
+  # ImageNet ReaL labels the ViT paper reports (images without a ReaL label are skipped).
+  config.extra_eval = ml_collections.ConfigDict()
+  config.extra_eval.name = config_dict.placeholder(str)  # tfds name or prepared directory.
+  config.extra_eval.split = "validation"
+
   # Schedule length: total_steps if set, else num_epochs (epochs of data.train_split).
   config.batch_size = 4096  # Global batch over all devices and hosts (images per update).
   config.grad_accum_steps = 1  # Split each batch into this many sequential micro-batches.

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 import re
 import time
 from typing import Any
@@ -177,6 +178,24 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
       params = model.init({"params": rng}, images, train=False)["params"]
       return {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": tx.init(params)}
 
+    # Evaluation sets: data.eval_split, and optionally another dataset with the same classes
+    # and preprocessing (e.g. ImageNet ReaL labels next to the ImageNet validation labels).
+    evals = {_eval_name(config.data.eval_split): (
+        config.data.eval_split,
+        data.create_eval_dataset(config.data, global_batch_size=config.batch_size))}
+    if config.extra_eval.name:
+      extra = ml_collections.ConfigDict(config.data.to_dict())
+      extra.update(name=config.extra_eval.name, eval_split=config.extra_eval.split,
+                   image_folder=None)
+      extra_ds = data.create_eval_dataset(extra, global_batch_size=config.batch_size)
+      extra_classes = extra_ds.dataset.element_spec["labels"].shape[-1]
+      if extra_classes != info.num_classes:
+        raise ValueError(
+            f"config.extra_eval.name={config.extra_eval.name!r} has {extra_classes} classes, "
+            f"the training data {info.num_classes}: an extra eval needs the same label set.")
+      base = os.path.basename(config.extra_eval.name.rstrip("/"))
+      evals[_eval_name(f"{base}_{config.extra_eval.split}")] = (config.extra_eval.split, extra_ds)
+
     # Shapes only (nothing allocated); this is where an image size the patch does not divide
     # is reported.
     init_rng, dropout_rng = jax.random.split(jax.random.PRNGKey(config.seed))
@@ -255,25 +274,25 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   def to_global(batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
     return {k: jax.make_array_from_process_local_data(batch_sharding, v) for k, v in batch.items()}
 
-  eval_ds = data.create_eval_dataset(config.data, global_batch_size=config.batch_size)
-  eval_name = _eval_name(config.data.eval_split)
-
   def evaluate(params, step: int) -> dict[str, float]:
-    totals: dict[str, float] = {}
-    for batch in eval_ds:
-      for k, v in jax.device_get(p_eval_step(params, to_global(batch))).items():
-        totals[k] = totals.get(k, 0) + v
-    count = int(totals.pop("count"))
-    if count == 0:
-      raise ValueError(f"The eval split '{config.data.eval_split}' has no (labelled) examples; "
-                       "set --config.data.eval_split to a non-empty split.")
-    results = {f"{eval_name}/accuracy": totals["correct"] / count,
-               f"{eval_name}/loss": totals["loss"] / count}
-    if "correct_top5" in totals:
-      results[f"{eval_name}/top5_accuracy"] = totals["correct_top5"] / count
+    results = {}
+    for name, (split, eval_ds) in evals.items():
+      totals: dict[str, float] = {}
+      for batch in eval_ds:
+        for k, v in jax.device_get(p_eval_step(params, to_global(batch))).items():
+          totals[k] = totals.get(k, 0) + v
+      count = int(totals.pop("count"))
+      if count == 0:
+        raise ValueError(f"The eval split '{split}' has no (labelled) examples; choose a "
+                         "non-empty split (--config.data.eval_split / extra_eval.split).")
+      metrics = {f"{name}/accuracy": totals["correct"] / count,
+                 f"{name}/loss": totals["loss"] / count}
+      if "correct_top5" in totals:
+        metrics[f"{name}/top5_accuracy"] = totals["correct_top5"] / count
+      logging.info("Evaluated %d examples of '%s' at step %d: %s", count, split, step,
+                   ", ".join(f"{k}={v:.4f}" for k, v in metrics.items()))
+      results.update(metrics)
     writer.write_scalars(step, results)
-    logging.info("Evaluated %d examples of '%s' at step %d: %s", count, config.data.eval_split,
-                 step, ", ".join(f"{k}={v:.4f}" for k, v in results.items()))
     return results
 
   # 6. The loop. Metrics of step s are fetched after step s+1 was dispatched, so the host
