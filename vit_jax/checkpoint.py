@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import errno
 import io
+import logging
 import os
 import re
 from collections.abc import Mapping
@@ -358,7 +359,6 @@ def load_orbax(path: Any) -> Dict[str, Any]:
     FileNotFoundError: missing path or no finalized step.
     ValueError: not an Orbax checkpoint, or one without a ``params`` entry.
   """
-  import jax  # pylint: disable=g-import-not-at-top
   import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
 
   path = _normalize(path)
@@ -366,6 +366,25 @@ def load_orbax(path: Any) -> Dict[str, Any]:
     raise _not_found(path)
   item = _find_state_item(path)
   checkpointer = ocp.PyTreeCheckpointer()
+  # Reading the 'state' item on its own, Orbax looks for the step's _CHECKPOINT_METADATA in the
+  # item directory and warns that it is missing; that file is one level up and not needed here.
+  absl_logger = logging.getLogger('absl')
+  absl_logger.addFilter(_ignore_missing_step_metadata)
+  try:
+    return _restore_params(checkpointer, item)
+  finally:
+    absl_logger.removeFilter(_ignore_missing_step_metadata)
+
+
+def _ignore_missing_step_metadata(record: logging.LogRecord) -> bool:
+  return 'Metadata file does not exist' not in record.getMessage()
+
+
+def _restore_params(checkpointer, item: str) -> Dict[str, Any]:
+  """Restores params and model_state of one 'state' item as NumPy arrays."""
+  import jax  # pylint: disable=g-import-not-at-top
+  import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
+
   metadata = checkpointer.metadata(item)
   tree = getattr(getattr(metadata, 'item_metadata', metadata), 'tree', None)
   if tree is None:  # Older Orbax: the metadata is the tree itself.

@@ -325,6 +325,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
       train_metrics, last_log_time, last_log_step = [], now, step
 
     is_last = step == total_steps
+    paused = time.time()  # Evaluation and checkpointing do not count in train/images_per_sec.
     if step % config.eval_every_steps == 0 or is_last:
       with progress.timed("eval"):
         results = evaluate(state["params"], step)
@@ -335,6 +336,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
       with progress.timed("checkpoint"):
         manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state)),
                      force=True)
+    last_log_time += time.time() - paused
 
   # 7. The end: a run that was already finished only evaluates again.
   if start_step >= total_steps:
