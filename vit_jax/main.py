@@ -9,9 +9,9 @@ Examples:
   # ViT-B/16 on ImageNet (tfds 'imagenet2012', manual download), pretraining regime.
   python -m vit_jax.main --config configs/vit.py:b16,imagenet2012 --workdir gs://bucket/b16 \
       --config.data.data_dir=gs://bucket/tensorflow_datasets
-  # The same config in the fine-tuning regime (SGD momentum, cosine, grad clip 1).
-  python -m vit_jax.main --config configs/vit.py:b16,cifar10 --workdir /tmp/b16 \
-      --config.regime=finetune --config.total_steps=10000 --config.batch_size=512
+  # ViT-B/16 fine-tuning schedule on CIFAR-10 (SGD momentum, cosine, grad clip 1, 10k steps).
+  python -m vit_jax.main --config configs/vit.py:b16,cifar10,finetune --workdir /tmp/b16_c10
+  # Any regime field alone: --config.regime=finetune switches optimizer, schedule and loss.
 
 Every config field can be overridden with --config.<key>=<value> (nested keys with dots, e.g.
 --config.model.num_layers=4, --config.data.image_size=384); an unknown key stops with an error
