@@ -297,10 +297,6 @@ def test_unknown_name():
 def test_future_families_are_not_implemented_yet():
   with pytest.raises(NotImplementedError, match='hybrid'):
     models.create('R50+ViT-B_16', num_classes=10)
-  with pytest.raises(NotImplementedError, match='T2T'):
-    models.create('T2T-ViT-14', num_classes=10)
-  with pytest.raises(NotImplementedError, match='T2T'):
-    models.model_config('T2T-ViT_t-24')
 
 
 def test_unknown_override_key():

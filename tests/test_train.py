@@ -15,6 +15,7 @@ import pytest
 
 from tests import data_utils
 from vit_jax import defaults
+from vit_jax import models as models_lib
 from vit_jax import optim
 from vit_jax import train
 
@@ -410,3 +411,30 @@ def test_extra_eval_with_other_classes_is_a_config_error(tmp_path):
   with pytest.raises(train.ConfigError, match="has 5 classes, the training data 3"):
     train.train_and_evaluate(config, str(workdir))
   assert not workdir.exists()
+
+
+@pytest.mark.slow
+def test_t2t_trains_and_keeps_its_fixed_tables_out_of_training(tmp_path):
+  """T2T-ViT's sinusoid table and Performer features ride in 'model_state': saved, not trained."""
+  from vit_jax import checkpoint  # pylint: disable=g-import-not-at-top
+  folder = data_utils.make_image_folder(str(tmp_path / "images"), num_classes=3, per_class=4,
+                                        size=16)
+  config = defaults.get_config("T2T-ViT-custom", "unused", embed_dim=16, depth=1, num_heads=2,
+                               mlp_ratio=2.0, token_dim=8, tokens_type="performer")
+  config.regime = "finetune"
+  config.data.image_folder = folder
+  config.data.image_size = 16
+  config.data.augment = "none"
+  config.batch_size = 4
+  config.total_steps = 2
+  config.optim.warmup_steps = 0
+  workdir = str(tmp_path / "workdir")
+  results = train.train_and_evaluate(config, workdir)
+  assert results["step"] == 2
+  variables = checkpoint.load(workdir)
+  assert sorted(variables) == ["constants", "params"]
+  model = models_lib.create("T2T-ViT-custom", num_classes=3, **config.model.to_dict())
+  fresh = model.init(jax.random.PRNGKey(0), jnp.zeros((1, 16, 16, 3)), train=False)
+  # The sinusoid table is a function of the shape only: unchanged by training.
+  np.testing.assert_array_equal(variables["constants"]["pos_embed"], fresh["constants"]["pos_embed"])
+  assert "pos_embed" not in variables["params"]

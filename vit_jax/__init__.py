@@ -1,3 +1,3 @@
-"""vit_jax: the Vision Transformer (ViT) in JAX/Flax; Tokens-to-Token ViT is planned (issue #3)."""
+"""vit_jax: Vision Transformer (ViT) and Tokens-to-Token ViT (T2T-ViT) in JAX/Flax."""
 
 __version__ = "0.1.0"

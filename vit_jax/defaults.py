@@ -41,7 +41,8 @@ def get_config(model_name: str = "ViT-B_16", dataset: str = "imagenet2012",
   for key, value in list(config.model.items()):
     if value is None:  # e.g. representation_size: keep it overridable with the right type.
       config.model[key] = config_dict.placeholder(int)
-  config.model.head_bias_init = config_dict.placeholder(float)  # Regime default if None.
+  if "head_bias_init" in config.model:  # ViT: the regime's default (-10 or 0) if None.
+    config.model.head_bias_init = config_dict.placeholder(float)
 
   config.data = data.get_default_config()
   config.data.name = dataset

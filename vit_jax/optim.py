@@ -59,8 +59,8 @@ OPTIMIZERS = ("adamw", "sgd")
 def resolve_regime(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   """Returns a copy of `config` with every None regime field set to the regime's default.
 
-  Fields filled: `config.loss`, `config.model.head_bias_init` and the other keys of
-  `REGIME_DEFAULTS[config.regime]` under `config.optim`.
+  Fields filled: `config.loss`, `config.model.head_bias_init` (for models that have it) and
+  the other keys of `REGIME_DEFAULTS[config.regime]` under `config.optim`.
 
   Raises:
     ValueError: `config.regime` is not 'pretrain' or 'finetune', or a resolved value is not one
@@ -74,6 +74,8 @@ def resolve_regime(config: ml_collections.ConfigDict) -> ml_collections.ConfigDi
   config = ml_collections.ConfigDict(config.to_dict())  # Unlocked copy; the caller's stays as is.
   for key, value in defaults.items():
     section = {"head_bias_init": config.model, "loss": config}.get(key, config.optim)
+    if key not in section:  # e.g. T2T-ViT has no head bias option.
+      continue
     if section.get(key) is None:
       section[key] = value
   for name, value, allowed in (("optim.optimizer", config.optim.optimizer, OPTIMIZERS),

@@ -33,7 +33,10 @@ from vit_jax import data
 from vit_jax import models
 from vit_jax import optim
 
-State = dict[str, Any]  # {'step': int32[], 'params': ..., 'opt_state': ...}
+# {'step': int32[], 'params': ..., 'opt_state': ..., 'model_state': ...}. 'model_state' holds the
+# model's variable collections other than 'params' (e.g. T2T-ViT's fixed sinusoid table and
+# Performer features): saved and restored with the rest, never trained; absent when empty.
+State = dict[str, Any]
 
 
 class ConfigError(ValueError):
@@ -175,8 +178,12 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
 
     def init_state(rng) -> State:
       images = jnp.zeros((1, *info.image_shape), jnp.float32)
-      params = model.init({"params": rng}, images, train=False)["params"]
-      return {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": tx.init(params)}
+      variables = dict(model.init({"params": rng}, images, train=False))
+      params = variables.pop("params")
+      state = {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": tx.init(params)}
+      if variables:
+        state["model_state"] = variables
+      return state
 
     # Evaluation sets: data.eval_split, and optionally another dataset with the same classes
     # and preprocessing (e.g. ImageNet ReaL labels next to the ImageNet validation labels).
@@ -231,15 +238,21 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   # 5. The jitted steps. The train step donates the old state, so its buffers are reused.
   accum = config.grad_accum_steps
 
-  def loss_of(params, images, labels, rng):
-    logits = model.apply({"params": params}, images, train=True, rngs={"dropout": rng})
+  def variables_of(state: State, params=None) -> dict[str, Any]:
+    """What `model.apply` takes: the parameters and the untrained collections."""
+    return {"params": state["params"] if params is None else params,
+            **state.get("model_state", {})}
+
+  def loss_of(params, state, images, labels, rng):
+    logits = model.apply(variables_of(state, params), images, train=True,
+                         rngs={"dropout": rng})
     return optim.loss_fn(logits, labels, config.loss, config.label_smoothing).mean()
 
   def train_step(state: State, batch: dict[str, jax.Array]) -> tuple[State, dict[str, jax.Array]]:
     step_rng = jax.random.fold_in(dropout_rng, state["step"])
     grad_fn = jax.value_and_grad(loss_of)
     if accum == 1:
-      loss, grads = grad_fn(state["params"], batch["image"], batch["labels"], step_rng)
+      loss, grads = grad_fn(state["params"], state, batch["image"], batch["labels"], step_rng)
     else:
       # Micro-batch i takes examples i, i+accum, ...: every micro-batch is spread over all
       # devices, so each one keeps the whole mesh busy.
@@ -248,8 +261,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
 
       def accumulate(carry, xs):
         micro_batch, i = xs
-        loss, grads = grad_fn(state["params"], micro_batch["image"], micro_batch["labels"],
-                              jax.random.fold_in(step_rng, i))
+        loss, grads = grad_fn(state["params"], state, micro_batch["image"],
+                              micro_batch["labels"], jax.random.fold_in(step_rng, i))
         return jax.tree.map(jnp.add, carry, (loss, grads)), None
 
       zeros = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, state["params"]))
@@ -257,13 +270,13 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
       loss, grads = jax.tree.map(lambda x: x / accum, (loss, grads))
     updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
     params = optax.apply_updates(state["params"], updates)
-    new_state = {"step": state["step"] + 1, "params": params, "opt_state": opt_state}
+    new_state = dict(state, step=state["step"] + 1, params=params, opt_state=opt_state)
     metrics = {"loss": loss, "grad_norm": optax.global_norm(grads),
                "param_norm": optax.global_norm(params), "lr": schedule(state["step"])}
     return new_state, metrics
 
-  def eval_step(params, batch: dict[str, jax.Array]) -> dict[str, jax.Array]:
-    logits = model.apply({"params": params}, batch["image"], train=False)
+  def eval_step(state: State, batch: dict[str, jax.Array]) -> dict[str, jax.Array]:
+    logits = model.apply(variables_of(state), batch["image"], train=False)
     return eval_sums(logits, batch["labels"], batch["mask"], config.loss)
 
   p_train_step = jax.jit(train_step, in_shardings=(replicated, batch_sharding),
@@ -274,12 +287,12 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   def to_global(batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
     return {k: jax.make_array_from_process_local_data(batch_sharding, v) for k, v in batch.items()}
 
-  def evaluate(params, step: int) -> dict[str, float]:
+  def evaluate(state: State, step: int) -> dict[str, float]:
     results = {}
     for name, (split, eval_ds) in evals.items():
       totals: dict[str, float] = {}
       for batch in eval_ds:
-        for k, v in jax.device_get(p_eval_step(params, to_global(batch))).items():
+        for k, v in jax.device_get(p_eval_step(state, to_global(batch))).items():
           totals[k] = totals.get(k, 0) + v
       count = int(totals.pop("count"))
       if count == 0:
@@ -328,7 +341,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     paused = time.time()  # Evaluation and checkpointing do not count in train/images_per_sec.
     if step % config.eval_every_steps == 0 or is_last:
       with progress.timed("eval"):
-        results = evaluate(state["params"], step)
+        results = evaluate(state, step)
     if step % config.checkpoint_every_steps == 0 or is_last:
       if pending is not None:  # Never checkpoint parameters that a NaN update produced.
         train_metrics.append(_check_finite(*pending, manager))
@@ -342,7 +355,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   if start_step >= total_steps:
     logging.info("The run in %s already finished its %d steps; evaluating only.", workdir,
                  total_steps)
-    results = evaluate(state["params"], start_step)
+    results = evaluate(state, start_step)
   manager.wait_until_finished()
   manager.close()
   writer.flush()

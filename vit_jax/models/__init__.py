@@ -7,8 +7,16 @@ Names
     int (``ViT-Ti_4``).
   * ``ViT-custom``: every architecture field comes from the overrides (``hidden_size``,
     ``mlp_dim``, ``num_heads``, ``num_layers``, ``patch_size`` are required).
-  * ``R50+ViT-B_16`` (hybrid) and ``T2T-ViT-14`` families are recognised but not implemented yet
-    (``NotImplementedError``).
+  * ``T2T-ViT-{7,10,12,14,19,24}`` (Performer T2T module) and ``T2T-ViT_t-{14,19,24}``
+    (Transformer T2T module): Tokens-to-Token ViT (:class:`vit_jax.models.t2t.T2TViT`), sizes of
+    :data:`T2T_SIZES` (REFERENCE.md section 2); the spelling is case-insensitive and ``-``/``_``
+    are interchangeable (``t2t_vit_t_14``). Overrides: :data:`T2T_OVERRIDE_KEYS`.
+  * ``T2T-ViT-custom``: ``embed_dim``, ``depth``, ``num_heads``, ``mlp_ratio`` are required
+    overrides (``token_dim`` 64 and ``tokens_type`` 'performer' by default).
+  * ``R50+ViT-B_16`` (hybrid) is recognised but not implemented yet (``NotImplementedError``).
+
+T2T models have two variable collections: ``init`` returns ``'params'`` (trainable) and
+``'constants'`` (the fixed sinusoid table and Performer random features); ``apply`` needs both.
 
 Overrides are the model's configuration fields, flat (see :data:`OVERRIDE_KEYS`). Sizes follow
 the ViT paper, Table 1, and the official ``configs/models.py`` (REFERENCE.md section 1).
@@ -25,13 +33,16 @@ from typing import Any, Callable, Dict, Optional, Tuple
 import flax.linen as nn
 
 from vit_jax.models import layout
+from vit_jax.models import t2t
 from vit_jax.models.layout import is_scanned, scan_params, unscan_params
+from vit_jax.models.t2t import T2TViT
 from vit_jax.models.vit import CLASSIFIERS, VisionTransformer, patch_pair, validate_config
 
 __all__ = [
-    'CLASSIFIERS', 'FAMILIES', 'Family', 'MODEL_NAMES', 'OVERRIDE_KEYS', 'VIT_SIZES',
-    'VisionTransformer', 'create', 'is_scanned', 'layout', 'model_config', 'resolve',
-    'scan_params', 'unscan_params',
+    'CLASSIFIERS', 'FAMILIES', 'Family', 'MODEL_NAMES', 'OVERRIDE_KEYS', 'T2TViT',
+    'T2T_MODEL_NAMES', 'T2T_OVERRIDE_KEYS', 'T2T_SIZES', 'VIT_SIZES', 'VisionTransformer',
+    'create', 'is_scanned', 'layout', 'model_config', 'resolve', 'scan_params', 't2t',
+    'unscan_params',
 ]
 
 #: ViT sizes: (num_layers, hidden_size, mlp_dim, num_heads, dropout_rate) — paper Table 1 and the
@@ -108,6 +119,45 @@ def _not_implemented(_):
   return {}
 
 
+#: T2T-ViT sizes by depth: (embed_dim, depth, num_heads, mlp_ratio), official ``t2t_vit.py``
+#: (REFERENCE.md section 2). All use token_dim 64. Depths 7, 10, 12 exist only with the
+#: Performer T2T module; 14, 19, 24 with both.
+T2T_SIZES: Dict[int, Tuple[int, int, int, float]] = {
+    7: (256, 7, 4, 2.0),
+    10: (256, 10, 4, 2.0),
+    12: (256, 12, 4, 2.0),
+    14: (384, 14, 6, 3.0),
+    19: (448, 19, 7, 3.0),
+    24: (512, 24, 8, 3.0),
+}
+
+_T2T_DEFAULTS: Dict[str, Any] = dict(
+    token_dim=64,
+    tokens_type='performer',
+    qk_scale=None,
+    drop_path_rate=0.1,
+    dtype='float32',
+    param_dtype='float32',
+)
+
+#: Keys accepted as overrides by ``create`` / ``model_config`` for the T2T-ViT families (the
+#: reference's constructor names).
+T2T_OVERRIDE_KEYS: Tuple[str, ...] = (
+    'embed_dim', 'depth', 'num_heads', 'mlp_ratio', 'token_dim', 'tokens_type',
+    'drop_path_rate', 'qk_scale', 'dtype', 'param_dtype')
+
+_T2T_REQUIRED_CUSTOM = ('embed_dim', 'depth', 'num_heads', 'mlp_ratio')
+
+
+def _t2t_config(match: re.Match) -> Dict[str, Any]:
+  transformer = match.group('t') is not None
+  size = int(match.group('t_depth') if transformer else match.group('depth'))
+  embed_dim, depth, heads, mlp_ratio = T2T_SIZES[size]
+  tokens_type = 'transformer' if transformer else 'performer'
+  return dict(_T2T_DEFAULTS, embed_dim=embed_dim, depth=depth, num_heads=heads,
+              mlp_ratio=mlp_ratio, tokens_type=tokens_type)
+
+
 FAMILIES: Tuple[Family, ...] = (
     Family(
         name='ViT',
@@ -140,13 +190,32 @@ FAMILIES: Tuple[Family, ...] = (
     ),
     Family(
         name='T2T-ViT',
-        pattern=re.compile(r'(?i:t2t)[-_].*'),
-        base_config=_not_implemented,
-        module=None,
-        override_keys=(),
-        forms="'T2T-ViT-14', 'T2T-ViT_t-14' (Tokens-to-Token ViT)",
+        pattern=re.compile(
+            r'(?i:t2t[-_]vit)(?:[-_](?P<t>(?i:t))[-_](?P<t_depth>14|19|24)'
+            r'|[-_](?P<depth>7|10|12|14|19|24))'),
+        base_config=_t2t_config,
+        module=T2TViT,
+        override_keys=T2T_OVERRIDE_KEYS,
+        forms="'T2T-ViT-{7,10,12,14,19,24}' (Performer T2T) or 'T2T-ViT_t-{14,19,24}' "
+              "(Transformer T2T) (Tokens-to-Token ViT)",
+        validate=t2t.validate_config,
+    ),
+    Family(
+        name='T2T-ViT-custom',
+        pattern=re.compile(r'(?i:t2t[-_]vit[-_]custom)'),
+        base_config=lambda _: dict(_T2T_DEFAULTS),
+        module=T2TViT,
+        override_keys=T2T_OVERRIDE_KEYS,
+        forms="'T2T-ViT-custom' (embed_dim, depth, num_heads, mlp_ratio given as overrides)",
+        required=_T2T_REQUIRED_CUSTOM,
+        validate=t2t.validate_config,
     ),
 )
+
+#: Canonical names of the official T2T-ViT configurations, plus 'T2T-ViT-custom'.
+T2T_MODEL_NAMES: Tuple[str, ...] = (
+    'T2T-ViT-7', 'T2T-ViT-10', 'T2T-ViT-12', 'T2T-ViT-14', 'T2T-ViT-19', 'T2T-ViT-24',
+    'T2T-ViT_t-14', 'T2T-ViT_t-19', 'T2T-ViT_t-24', 'T2T-ViT-custom')
 
 #: Canonical names of the official ViT configurations, plus 'ViT-custom'.
 MODEL_NAMES: Tuple[str, ...] = (
@@ -177,7 +246,7 @@ def resolve(name: str) -> Tuple[Family, re.Match]:
     if match:
       return family, match
   raise ValueError(f'Unknown model name {name!r}. Valid forms: {_valid_forms()}. '
-                   f'Official names: {", ".join(MODEL_NAMES)}')
+                   f'Official names: {", ".join(MODEL_NAMES + T2T_MODEL_NAMES)}')
 
 
 def model_config(name: str, **overrides: Any) -> Dict[str, Any]:
@@ -185,7 +254,8 @@ def model_config(name: str, **overrides: Any) -> Dict[str, Any]:
 
   Args:
     name: model name (see the module docstring).
-    **overrides: configuration fields replacing the defaults of ``name`` (:data:`OVERRIDE_KEYS`).
+    **overrides: configuration fields replacing the defaults of ``name`` (:data:`OVERRIDE_KEYS`
+      for ViT names, :data:`T2T_OVERRIDE_KEYS` for T2T-ViT names).
 
   Returns:
     A new dict with every configuration field of the model class except ``num_classes``
@@ -194,9 +264,9 @@ def model_config(name: str, **overrides: Any) -> Dict[str, Any]:
 
   Raises:
     ValueError: unknown name; invalid values (e.g. classifier not in {'token', 'gap'}); missing
-      required overrides for 'ViT-custom'.
+      required overrides for 'ViT-custom' / 'T2T-ViT-custom'.
     TypeError: unknown override keys (the message lists the valid keys).
-    NotImplementedError: the family is recognised but not implemented yet (hybrid, T2T).
+    NotImplementedError: the family is recognised but not implemented yet (hybrid).
   """
   family, match = resolve(name)
   if family.module is None:
@@ -232,10 +302,13 @@ def create(name: str, *, num_classes: Optional[int], **overrides: Any) -> nn.Mod
   Args:
     name: model name, e.g. 'ViT-B_16' or 'ViT-B/16' (see the module docstring).
     num_classes: number of classes of the head; ``None`` for a headless feature extractor.
-    **overrides: configuration fields (:data:`OVERRIDE_KEYS`), e.g. ``dtype=jnp.bfloat16``.
+    **overrides: configuration fields (:data:`OVERRIDE_KEYS`, :data:`T2T_OVERRIDE_KEYS`), e.g.
+      ``dtype=jnp.bfloat16``.
 
   Returns:
-    The ``flax.linen.Module`` (for ViT names a :class:`VisionTransformer`).
+    The ``flax.linen.Module``: a :class:`VisionTransformer` for ViT names, a
+    :class:`~vit_jax.models.t2t.T2TViT` for T2T-ViT names (whose ``init`` returns ``'params'``
+    and ``'constants'``; ``apply`` needs both).
 
   Raises:
     ValueError, TypeError, NotImplementedError: as :func:`model_config`; ValueError for an

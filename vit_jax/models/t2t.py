@@ -1,0 +1,705 @@
+"""Tokens-to-Token ViT (T2T-ViT) in Flax linen.
+
+Implements Yuan et al., "Tokens-to-Token ViT: Training Vision Transformers from Scratch on
+ImageNet" (ICCV 2021) with the numerics of the official PyTorch code
+(yitu-opensource/T2T-ViT, ``models/t2t_vit.py``, ``token_performer.py``,
+``token_transformer.py``, ``transformer_block.py``; REFERENCE.md section 2):
+
+  T2T module   image -> soft split 0 (unfold k7/s4/p2) -> T2T layer ``attention1``
+               -> tokens back to an (h, w, c) map -> soft split 1 (k3/s2/p1) -> ``attention2``
+               -> map -> soft split 2 (k3/s2/p1) -> ``project`` Linear(9 token_dim -> D)
+  backbone     [cls_token; tokens] + pos_embed (fixed sinusoid table) -> ``blocks_{i}`` (pre-LN)
+               -> ``norm`` -> ``head`` on token 0
+
+Soft split = zero-padded unfold; each patch vector is channel-major (feature index
+``c*k*k + i*k + j``) and tokens are row-major. Each stage gives ``floor((H + 2p - k)/s) + 1``
+tokens per side (224 px -> 56 -> 28 -> 14: 196 tokens; 200 px -> 169 tokens). Unlike the
+reference, the sinusoid table is sized from this actual token count, so any image size works;
+non-square images work too.
+
+Variables (``model.init`` returns two collections):
+
+* ``'params'``: exactly the trainable parameters.
+* ``'constants'``: the fixed tables that the reference stores in its state_dict with
+  ``requires_grad=False``: ``pos_embed`` (1, N + 1, D) and, for the Performer T2T module,
+  ``tokens_to_token/attention{1,2}/w`` (m, token_dim). Pass both collections to ``apply``; do not
+  give ``'constants'`` to an optimizer.
+
+Parameter names map one-to-one to the PyTorch state_dict keys: ``.`` becomes ``/``, a numeric
+component is joined to the one before it with ``_`` (``blocks.3`` -> ``blocks_3``,
+``mlp.0`` -> ``mlp_0``), Linear ``weight`` (out, in) -> ``kernel`` (in, out) (transposed),
+LayerNorm ``weight`` -> ``scale``, ``bias`` -> ``bias``::
+
+  PyTorch key                                    Flax variable
+  cls_token (1, 1, D)                            params/cls_token (1, 1, D)
+  pos_embed (1, N+1, D)                          constants/pos_embed (1, N+1, D)
+  tokens_to_token.project.{weight,bias}          params/tokens_to_token/project/{kernel,bias}
+  -- tokens_type='transformer', a = attention1 (in 147 = 3*7*7) or attention2 (in 9*token_dim):
+  tokens_to_token.a.norm1.{weight,bias}          params/tokens_to_token/a/norm1/{scale,bias}
+  tokens_to_token.a.attn.qkv.weight (3t, in)     params/tokens_to_token/a/attn/qkv/kernel (in, 3t)
+  tokens_to_token.a.attn.proj.{weight,bias}      params/tokens_to_token/a/attn/proj/{kernel,bias}
+  tokens_to_token.a.norm2.{weight,bias}          params/tokens_to_token/a/norm2/{scale,bias}
+  tokens_to_token.a.mlp.fc{1,2}.{weight,bias}    params/tokens_to_token/a/mlp/fc{1,2}/{kernel,bias}
+  -- tokens_type='performer':
+  tokens_to_token.a.w (m, t)                     constants/tokens_to_token/a/w (m, t)
+  tokens_to_token.a.kqv.{weight,bias}            params/tokens_to_token/a/kqv/{kernel,bias}
+  tokens_to_token.a.proj.{weight,bias}           params/tokens_to_token/a/proj/{kernel,bias}
+  tokens_to_token.a.norm{1,2}.{weight,bias}      params/tokens_to_token/a/norm{1,2}/{scale,bias}
+  tokens_to_token.a.mlp.{0,2}.{weight,bias}      params/tokens_to_token/a/mlp_{0,2}/{kernel,bias}
+  -- backbone:
+  blocks.i.norm{1,2}.{weight,bias}               params/blocks_i/norm{1,2}/{scale,bias}
+  blocks.i.attn.qkv.weight (3D, D)               params/blocks_i/attn/qkv/kernel (D, 3D)
+  blocks.i.attn.proj.{weight,bias}               params/blocks_i/attn/proj/{kernel,bias}
+  blocks.i.mlp.fc{1,2}.{weight,bias}             params/blocks_i/mlp/fc{1,2}/{kernel,bias}
+  norm.{weight,bias}                             params/norm/{scale,bias}
+  head.{weight,bias}                             params/head/{kernel,bias}
+
+:func:`from_torch_state_dict` performs this conversion. Initialisation follows the reference:
+Linear kernels truncated normal (std 0.02), biases 0, LayerNorm 1/0, ``cls_token`` truncated
+normal (std 0.02), Performer ``w`` = orthogonal random (m, token_dim) times sqrt(m).
+
+Numerics: LayerNorm eps 1e-5 (two-pass variance, as PyTorch), exact (erf) GELU, softmax in
+float32, the Performer feature map and its linear attention always in float32 (as the reference's
+``x.float()``), whatever ``dtype`` is. Logits are float32.
+
+This module has no training dependencies (no optax, no TensorFlow).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Dict, Mapping, Optional, Sequence, Tuple, Union
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+Array = jax.Array
+Dtype = Any
+
+#: T2T module types accepted by :class:`T2TViT` (the reference's ``tokens_type``).
+TOKENS_TYPES = ('performer', 'transformer')
+
+#: LayerNorm epsilon of the reference (PyTorch default).
+LAYERNORM_EPSILON = 1e-5
+
+#: Soft split stages: (kernel, stride, padding), as the reference's three ``nn.Unfold``.
+SOFT_SPLITS: Tuple[Tuple[int, int, int], ...] = ((7, 4, 2), (3, 2, 1), (3, 2, 1))
+
+#: Performer: random features m = int(token_dim * PERFORMER_KERNEL_RATIO); eps of the normaliser.
+PERFORMER_KERNEL_RATIO = 0.5
+PERFORMER_EPSILON = 1e-8
+
+_linear_init = nn.initializers.truncated_normal(stddev=0.02)
+
+
+def _gelu(x: Array) -> Array:
+  return nn.gelu(x, approximate=False)
+
+
+def _layer_norm(name: str, dtype: Dtype, param_dtype: Dtype) -> nn.LayerNorm:
+  return nn.LayerNorm(epsilon=LAYERNORM_EPSILON, use_fast_variance=False, dtype=dtype,
+                      param_dtype=param_dtype, name=name)
+
+
+def _dense(features: int, name: str, dtype: Dtype, param_dtype: Dtype,
+           use_bias: bool = True) -> nn.Dense:
+  return nn.Dense(features, use_bias=use_bias, dtype=dtype, param_dtype=param_dtype,
+                  kernel_init=_linear_init, bias_init=nn.initializers.zeros, name=name)
+
+
+def soft_split_size(size: int, kernel: int, stride: int, padding: int) -> int:
+  """Output length of one unfold along one side: ``floor((size + 2p - k)/s) + 1``.
+
+  Raises ValueError if the result is not positive (image too small).
+  """
+  out = (size + 2 * padding - kernel) // stride + 1
+  if out <= 0:
+    raise ValueError(f'Image side {size} is too small for an unfold with kernel {kernel}, '
+                     f'stride {stride}, padding {padding}')
+  return out
+
+
+def token_grid(height: int, width: int) -> Tuple[int, int]:
+  """Token grid ``(h, w)`` after the three soft splits of an ``height x width`` image.
+
+  E.g. 224x224 -> (14, 14) (196 tokens), 384 -> (24, 24), 200 -> (13, 13) (169 tokens).
+  Raises ValueError for an image too small for a stage.
+  """
+  for kernel, stride, padding in SOFT_SPLITS:
+    height = soft_split_size(height, kernel, stride, padding)
+    width = soft_split_size(width, kernel, stride, padding)
+  return height, width
+
+
+def soft_split(x: Array, kernel: int, stride: int, padding: int) -> Array:
+  """Unfold (PyTorch ``nn.Unfold``) of an NHWC map into row-major tokens.
+
+  Args:
+    x: ``[B, H, W, C]`` map, any dtype.
+    kernel, stride, padding: square unfold geometry; padding is with zeros.
+
+  Returns:
+    ``[B, h * w, C * k * k]`` in ``x.dtype``, token index ``row * w + col``, feature index
+    ``c*k*k + i*k + j`` (channel-major, as ``nn.Unfold``). Built from strided slices only, so it
+    is exact on every backend (no matmul precision involved).
+  """
+  b, height, width, c = x.shape
+  oh = soft_split_size(height, kernel, stride, padding)
+  ow = soft_split_size(width, kernel, stride, padding)
+  x = jnp.pad(x, ((0, 0), (padding, padding), (padding, padding), (0, 0)))
+  taps = [
+      x[:, i:i + stride * (oh - 1) + 1:stride, j:j + stride * (ow - 1) + 1:stride, :]
+      for i in range(kernel) for j in range(kernel)
+  ]
+  patches = jnp.stack(taps, axis=-1)  # [B, oh, ow, C, k*k]: channel-major flattening below.
+  return patches.reshape(b, oh * ow, c * kernel * kernel)
+
+
+def sinusoid_table(num_positions: int, width: int) -> np.ndarray:
+  """Fixed sinusoid position table ``(1, num_positions, width)`` float32.
+
+  ``angle[pos, j] = pos / 10000**(2*(j//2)/width)``; ``sin`` on even ``j``, ``cos`` on odd ``j``
+  (interleaved), computed in float64 and cast to float32, bit-for-bit the reference's table.
+  """
+  pos = np.arange(num_positions, dtype=np.float64)[:, None]
+  j = np.arange(width)
+  angle = pos / np.power(10000.0, 2 * (j // 2) / width)[None, :]
+  table = np.where(j % 2 == 0, np.sin(angle), np.cos(angle))
+  return table[None].astype(np.float32)
+
+
+def performer_features(x: Array, w: Array) -> Array:
+  """Positive random features of the Performer: ``exp(x w^T - |x|^2/2) / sqrt(m)``.
+
+  Args:
+    x: ``[..., d]`` any float dtype; cast to float32 first (the reference's ``x.float()``).
+    w: ``(m, d)`` random feature matrix.
+
+  Returns:
+    ``[..., m]`` float32, always (also under bfloat16 compute).
+  """
+  x = x.astype(jnp.float32)
+  w = w.astype(jnp.float32)
+  m = w.shape[0]
+  half_sq_norm = jnp.sum(x * x, axis=-1, keepdims=True) / 2
+  wx = jnp.einsum('...d,md->...m', x, w, precision=jax.lax.Precision.HIGHEST)
+  return jnp.exp(wx - half_sq_norm) / math.sqrt(m)
+
+
+def _require_constant(module: nn.Module, name: str) -> None:
+  # Outside init a missing fixed table means the caller passed only {'params': ...}.
+  if not module.has_variable('constants', name) and not module.is_mutable_collection('constants'):
+    raise ValueError(
+        f"The variables lack the fixed table 'constants/{'/'.join(module.path + (name,))}'. "
+        f"T2T-ViT keeps its sinusoid table and Performer features in the 'constants' collection: "
+        f"pass both collections, model.apply({{'params': ..., 'constants': ...}}, ...), as "
+        f"returned by init or from_torch_state_dict.")
+
+
+def _orthogonal_features(key: Array, m: int, dim: int) -> Array:
+  # Rows orthonormal (m <= dim), scaled by sqrt(m): the reference's orthogonal_(randn) * sqrt(m).
+  return nn.initializers.orthogonal()(key, (m, dim), jnp.float32) * math.sqrt(m)
+
+
+class DropPath(nn.Module):
+  """Stochastic depth: zeroes whole samples with probability ``rate``, rescales the rest.
+
+  Input ``[B, ...]``, same shape and dtype out. Active only when ``deterministic=False`` and
+  ``rate > 0``; then needs the ``'dropout'`` rng.
+  """
+
+  rate: float = 0.0
+
+  @nn.compact
+  def __call__(self, x: Array, *, deterministic: bool) -> Array:
+    if deterministic or self.rate == 0.0:
+      return x
+    keep = 1.0 - self.rate
+    shape = (x.shape[0],) + (1,) * (x.ndim - 1)
+    mask = jax.random.bernoulli(self.make_rng('dropout'), keep, shape)
+    return jnp.where(mask, x / keep, jnp.zeros_like(x))
+
+
+class Mlp(nn.Module):
+  """``fc1`` -> exact GELU -> ``fc2`` (reference ``transformer_block.Mlp``).
+
+  Input ``[..., D]``, output ``[..., out_dim]`` in ``dtype``.
+  """
+
+  hidden_dim: int
+  out_dim: int
+  dtype: Dtype = jnp.float32
+  param_dtype: Dtype = jnp.float32
+
+  @nn.compact
+  def __call__(self, x: Array) -> Array:
+    x = _dense(self.hidden_dim, 'fc1', self.dtype, self.param_dtype)(x)
+    x = _gelu(x)
+    return _dense(self.out_dim, 'fc2', self.dtype, self.param_dtype)(x)
+
+
+class TokenTransformerAttention(nn.Module):
+  """Single-head attention of the Transformer T2T layer, changing the width ``in -> token_dim``.
+
+  ``q, k, v = split(qkv(x))`` (no bias); ``y = softmax((q * in**-0.5) k^T) v``;
+  returns ``v + proj(y)`` (the residual comes from v, the input has another width). The scale uses
+  the INPUT width (147**-0.5, then (9 token_dim)**-0.5), as the reference.
+
+  Input ``[B, L, in]``, output ``[B, L, token_dim]`` in ``dtype``.
+  """
+
+  token_dim: int
+  dtype: Dtype = jnp.float32
+  param_dtype: Dtype = jnp.float32
+
+  @nn.compact
+  def __call__(self, x: Array) -> Array:
+    scale = x.shape[-1] ** -0.5
+    qkv = _dense(3 * self.token_dim, 'qkv', self.dtype, self.param_dtype, use_bias=False)(x)
+    q, k, v = jnp.split(qkv, 3, axis=-1)
+    logits = jnp.einsum('bqd,bkd->bqk', q * scale, k).astype(jnp.float32)
+    attn = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
+    y = jnp.einsum('bqk,bkd->bqd', attn, v)
+    y = _dense(self.token_dim, 'proj', self.dtype, self.param_dtype)(y)
+    return v + y
+
+
+class TokenTransformer(nn.Module):
+  """Transformer T2T layer (reference ``Token_transformer``, MLP ratio 1).
+
+  ``y = attn(norm1(x))``; ``y + mlp(norm2(y))``. Children ``norm1``, ``attn/{qkv,proj}``,
+  ``norm2``, ``mlp/{fc1,fc2}``. Input ``[B, L, in]``, output ``[B, L, token_dim]`` in ``dtype``.
+  """
+
+  token_dim: int
+  dtype: Dtype = jnp.float32
+  param_dtype: Dtype = jnp.float32
+
+  @nn.compact
+  def __call__(self, x: Array) -> Array:
+    y = _layer_norm('norm1', self.dtype, self.param_dtype)(x)
+    y = TokenTransformerAttention(self.token_dim, self.dtype, self.param_dtype, name='attn')(y)
+    z = _layer_norm('norm2', self.dtype, self.param_dtype)(y)
+    return y + Mlp(self.token_dim, self.token_dim, self.dtype, self.param_dtype, name='mlp')(z)
+
+
+class TokenPerformer(nn.Module):
+  """Performer T2T layer (reference ``Token_performer``), linear attention with random features.
+
+  ``k, q, v = split(kqv(norm1(x)))`` (k, q, v order, with bias); with ``phi`` =
+  :func:`performer_features` and the fixed ``w`` (m, token_dim), ``m = int(token_dim * 0.5)``:
+  ``y = phi(q) (phi(k)^T v) / (phi(q) . sum_t phi(k_t) + 1e-8)``, all in float32;
+  ``y = v + proj(y)``; returns ``y + mlp_2(gelu(mlp_0(norm2(y))))``.
+
+  ``w`` lives in the ``'constants'`` collection; at init it is drawn from the ``'params'`` rng.
+  Input ``[B, L, in]``, output ``[B, L, token_dim]`` in ``dtype``.
+  """
+
+  token_dim: int
+  dtype: Dtype = jnp.float32
+  param_dtype: Dtype = jnp.float32
+
+  @nn.compact
+  def __call__(self, x: Array) -> Array:
+    m = int(self.token_dim * PERFORMER_KERNEL_RATIO)
+    _require_constant(self, 'w')
+    w = self.variable('constants', 'w', lambda: _orthogonal_features(
+        self.make_rng('params'), m, self.token_dim)).value
+    if tuple(w.shape) != (m, self.token_dim):
+      raise ValueError(f'Performer w has shape {tuple(w.shape)}, expected {(m, self.token_dim)}')
+    h = _layer_norm('norm1', self.dtype, self.param_dtype)(x)
+    kqv = _dense(3 * self.token_dim, 'kqv', self.dtype, self.param_dtype)(h)
+    k, q, v = jnp.split(kqv, 3, axis=-1)
+    kp = performer_features(k, w)  # [B, T, m] float32
+    qp = performer_features(q, w)
+    hi = jax.lax.Precision.HIGHEST
+    v32 = v.astype(jnp.float32)
+    denom = jnp.einsum('btm,bm->bt', qp, jnp.sum(kp, axis=1), precision=hi)[..., None]
+    kptv = jnp.einsum('btd,btm->bdm', v32, kp, precision=hi)
+    y = jnp.einsum('btm,bdm->btd', qp, kptv, precision=hi) / (denom + PERFORMER_EPSILON)
+    y = _dense(self.token_dim, 'proj', self.dtype, self.param_dtype)(y.astype(self.dtype))
+    y = v + y
+    z = _layer_norm('norm2', self.dtype, self.param_dtype)(y)
+    z = _dense(self.token_dim, 'mlp_0', self.dtype, self.param_dtype)(z)
+    z = _dense(self.token_dim, 'mlp_2', self.dtype, self.param_dtype)(_gelu(z))
+    return y + z
+
+
+class TokensToToken(nn.Module):
+  """The T2T module: three soft splits, two T2T layers and ``project`` (reference ``T2T_module``).
+
+  Attributes:
+    tokens_type: ``'performer'`` or ``'transformer'``.
+    token_dim: width of the T2T layers (64 in all released models).
+    embed_dim: output width D.
+    dtype, param_dtype: computation / parameter dtypes.
+
+  Input ``[B, H, W, C]`` images; output ``[B, h * w, D]`` in ``dtype`` with ``(h, w)`` =
+  :func:`token_grid` ``(H, W)``. Sows the unfold outputs ``soft_split{0,1,2}`` ``[B, L, C*k*k]``
+  in ``'intermediates'``.
+  """
+
+  tokens_type: str
+  token_dim: int
+  embed_dim: int
+  dtype: Dtype = jnp.float32
+  param_dtype: Dtype = jnp.float32
+
+  @nn.compact
+  def __call__(self, x: Array) -> Array:
+    layer_cls = TokenPerformer if self.tokens_type == 'performer' else TokenTransformer
+    for stage, (kernel, stride, padding) in enumerate(SOFT_SPLITS):
+      b, height, width, _ = x.shape
+      oh = soft_split_size(height, kernel, stride, padding)
+      ow = soft_split_size(width, kernel, stride, padding)
+      x = soft_split(x, kernel, stride, padding)
+      self.sow('intermediates', f'soft_split{stage}', x)
+      if stage < 2:
+        x = layer_cls(self.token_dim, self.dtype, self.param_dtype,
+                      name=f'attention{stage + 1}')(x)
+        x = x.reshape(b, oh, ow, x.shape[-1])  # Tokens back to a row-major (h, w, c) map.
+    return _dense(self.embed_dim, 'project', self.dtype, self.param_dtype)(x)
+
+
+class Attention(nn.Module):
+  """Multi-head self-attention with a fused ``qkv`` (no bias), reference ``Attention``.
+
+  ``scale`` = ``qk_scale`` or ``head_dim**-0.5``, applied to ``q k^T``; softmax in float32.
+  Input / output ``[B, N, D]`` in ``dtype``.
+  """
+
+  num_heads: int
+  qk_scale: Optional[float] = None
+  dtype: Dtype = jnp.float32
+  param_dtype: Dtype = jnp.float32
+
+  @nn.compact
+  def __call__(self, x: Array) -> Array:
+    b, n, d = x.shape
+    head_dim = d // self.num_heads
+    scale = self.qk_scale if self.qk_scale is not None else head_dim ** -0.5
+    qkv = _dense(3 * d, 'qkv', self.dtype, self.param_dtype, use_bias=False)(x)
+    qkv = qkv.reshape(b, n, 3, self.num_heads, head_dim)
+    q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]  # [B, N, heads, head_dim]
+    logits = jnp.einsum('bqhd,bkhd->bhqk', q, k).astype(jnp.float32) * scale
+    attn = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
+    y = jnp.einsum('bhqk,bkhd->bqhd', attn, v).reshape(b, n, d)
+    return _dense(d, 'proj', self.dtype, self.param_dtype)(y)
+
+
+class Block(nn.Module):
+  """Pre-LN backbone block (reference ``transformer_block.Block``).
+
+  ``x + drop_path(attn(norm1(x)))``, then ``x + drop_path(mlp(norm2(x)))``; MLP hidden
+  ``int(D * mlp_ratio)``, exact GELU. Input / output ``[B, N, D]`` in ``dtype``.
+  """
+
+  num_heads: int
+  mlp_ratio: float
+  qk_scale: Optional[float] = None
+  drop_path: float = 0.0
+  dtype: Dtype = jnp.float32
+  param_dtype: Dtype = jnp.float32
+
+  @nn.compact
+  def __call__(self, x: Array, *, deterministic: bool) -> Array:
+    d = x.shape[-1]
+    drop = DropPath(self.drop_path, name='drop_path')
+    y = _layer_norm('norm1', self.dtype, self.param_dtype)(x)
+    y = Attention(self.num_heads, self.qk_scale, self.dtype, self.param_dtype, name='attn')(y)
+    x = x + drop(y, deterministic=deterministic)
+    y = _layer_norm('norm2', self.dtype, self.param_dtype)(x)
+    y = Mlp(int(d * self.mlp_ratio), d, self.dtype, self.param_dtype, name='mlp')(y)
+    return x + drop(y, deterministic=deterministic)
+
+
+class T2TViT(nn.Module):
+  """T2T-ViT classifier (reference ``T2T_ViT``).
+
+  Attributes:
+    num_classes: classes of the ``head``; ``None`` returns the class-token feature after ``norm``.
+    embed_dim: token width D.
+    depth: backbone blocks.
+    num_heads: attention heads (must divide ``embed_dim``).
+    mlp_ratio: backbone MLP hidden width = ``int(embed_dim * mlp_ratio)``.
+    token_dim: width of the T2T layers.
+    tokens_type: ``'performer'`` or ``'transformer'``.
+    qk_scale: attention scale of the backbone; ``None`` means ``head_dim**-0.5``. The released
+      weights were trained with ``embed_dim**-0.5``.
+    drop_path_rate: stochastic depth, linear from 0 (first block) to this (last block).
+    dtype: computation dtype (e.g. ``jnp.bfloat16``); param_dtype: parameter dtype.
+
+  Call ``model.apply(variables, images, train=False)`` with ``variables`` holding ``'params'`` and
+  ``'constants'`` (as returned by ``init``):
+    images: ``[B, H, W, C]`` float32 NHWC (ImageNet mean/std normalised for the released weights).
+    train: enables drop path; then ``rngs={'dropout': key}`` is required if the rate is > 0.
+    Returns ``[B, num_classes]`` float32 logits (``[B, D]`` features if ``num_classes is None``).
+    Sows ``pos_drop`` (tokens after the class token and the position table) and the
+    ``tokens_to_token/soft_split{0,1,2}`` unfold outputs in ``'intermediates'``.
+
+  Raises:
+    ValueError: at construction for invalid fields (see :func:`validate_config`); at apply time
+      for a non-rank-4 input, an image too small for the soft splits, or a loaded ``pos_embed``
+      whose token count / width does not match the image (e.g. constants made for 224 px applied at
+      384 px: re-create the constants with ``init`` at the new size or :func:`sinusoid_table`).
+  """
+
+  num_classes: Optional[int]
+  embed_dim: int
+  depth: int
+  num_heads: int
+  mlp_ratio: float
+  token_dim: int = 64
+  tokens_type: str = 'performer'
+  qk_scale: Optional[float] = None
+  drop_path_rate: float = 0.0
+  dtype: Dtype = jnp.float32
+  param_dtype: Dtype = jnp.float32
+
+  def __post_init__(self):
+    validate_config(
+        num_classes=self.num_classes, embed_dim=self.embed_dim, depth=self.depth,
+        num_heads=self.num_heads, mlp_ratio=self.mlp_ratio, token_dim=self.token_dim,
+        tokens_type=self.tokens_type, qk_scale=self.qk_scale,
+        drop_path_rate=self.drop_path_rate, dtype=self.dtype, param_dtype=self.param_dtype)
+    super().__post_init__()
+
+  @nn.compact
+  def __call__(self, inputs: Array, *, train: bool) -> Array:
+    if inputs.ndim != 4:
+      raise ValueError(f'T2TViT expects images of shape [batch, height, width, channels] (NHWC), '
+                       f'got shape {inputs.shape}')
+    dtype = jnp.dtype(self.dtype or jnp.float32)
+    param_dtype = jnp.dtype(self.param_dtype or jnp.float32)
+    token_grid(inputs.shape[1], inputs.shape[2])  # Clear error for too-small images.
+
+    x = TokensToToken(self.tokens_type, self.token_dim, self.embed_dim, dtype, param_dtype,
+                      name='tokens_to_token')(inputs.astype(dtype))
+    b, n, d = x.shape
+    cls = self.param('cls_token', _linear_init, (1, 1, d), param_dtype)
+    x = jnp.concatenate([jnp.broadcast_to(cls.astype(x.dtype), (b, 1, d)), x], axis=1)
+    _require_constant(self, 'pos_embed')
+    pos = self.variable('constants', 'pos_embed', lambda: jnp.asarray(sinusoid_table(n + 1, d)))
+    if tuple(pos.value.shape) != (1, n + 1, d):
+      raise ValueError(
+          f'pos_embed has shape {tuple(pos.value.shape)} but the image {inputs.shape[1]}x'
+          f'{inputs.shape[2]} gives {(1, n + 1, d)} (tokens + class token, width). The table is '
+          f'fixed: rebuild it with sinusoid_table({n + 1}, {d}) (or init) for this image size.')
+    x = x + pos.value.astype(x.dtype)
+    self.sow('intermediates', 'pos_drop', x)
+
+    rates = np.linspace(0.0, self.drop_path_rate, self.depth)  # As torch.linspace.
+    for i in range(self.depth):
+      x = Block(self.num_heads, self.mlp_ratio, self.qk_scale, float(rates[i]), dtype,
+                param_dtype, name=f'blocks_{i}')(x, deterministic=not train)
+    x = _layer_norm('norm', dtype, param_dtype)(x)
+    x = x[:, 0]
+    if self.num_classes is None:
+      return x.astype(jnp.float32)
+    x = _dense(self.num_classes, 'head', dtype, param_dtype)(x)
+    return x.astype(jnp.float32)
+
+
+def _check_positive_int(field: str, value: Any, allow_none: bool = False) -> None:
+  if value is None and allow_none:
+    return
+  if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+    extra = ' or None' if allow_none else ''
+    raise ValueError(f'{field} must be a positive int{extra}, got {value!r}')
+
+
+def validate_config(*, num_classes, embed_dim, depth, num_heads, mlp_ratio, token_dim=64,
+                    tokens_type='performer', qk_scale=None, drop_path_rate=0.0,
+                    dtype=jnp.float32, param_dtype=jnp.float32, **unused) -> None:
+  """Checks the fields of a :class:`T2TViT` configuration.
+
+  Args: the model fields (extra keyword arguments are ignored).
+
+  Raises:
+    ValueError: naming the offending field: ``tokens_type`` not in ``TOKENS_TYPES``, non-positive
+      sizes, ``embed_dim % num_heads != 0``, ``token_dim < 2`` with a performer (no random
+      features), ``mlp_ratio`` or ``qk_scale`` not positive, ``drop_path_rate`` outside [0, 1),
+      or a non-float ``dtype``/``param_dtype``.
+  """
+  del unused
+  if tokens_type not in TOKENS_TYPES:
+    raise ValueError(f'tokens_type must be one of {TOKENS_TYPES}, got {tokens_type!r}')
+  _check_positive_int('num_classes', num_classes, allow_none=True)
+  for field, value in (('embed_dim', embed_dim), ('depth', depth), ('num_heads', num_heads),
+                       ('token_dim', token_dim)):
+    _check_positive_int(field, value)
+  if embed_dim % num_heads:
+    raise ValueError(f'embed_dim ({embed_dim}) must be divisible by num_heads ({num_heads})')
+  if tokens_type == 'performer' and int(token_dim * PERFORMER_KERNEL_RATIO) < 1:
+    raise ValueError(f'token_dim must be >= 2 for the performer T2T module, got {token_dim}')
+  for field, value, optional in (('mlp_ratio', mlp_ratio, False), ('qk_scale', qk_scale, True)):
+    if value is None and optional:
+      continue
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+      raise ValueError(f'{field} must be a positive number{" or None" if optional else ""}, '
+                       f'got {value!r}')
+  if (isinstance(drop_path_rate, bool) or not isinstance(drop_path_rate, (int, float))
+      or not 0.0 <= drop_path_rate < 1.0):
+    raise ValueError(f'drop_path_rate must be a float in [0, 1), got {drop_path_rate!r}')
+  for field, value in (('dtype', dtype), ('param_dtype', param_dtype)):
+    if value is None:
+      continue
+    try:
+      ok = jnp.issubdtype(jnp.dtype(value), jnp.floating)
+    except TypeError:
+      ok = False
+    if not ok:
+      raise ValueError(f'{field} must be a floating dtype (e.g. jnp.float32, jnp.bfloat16), '
+                       f'got {value!r}')
+
+
+# ------------------------------------------------------------------------------------------------
+# PyTorch state_dict conversion.
+# ------------------------------------------------------------------------------------------------
+
+
+def torch_key_to_flax(key: str) -> Tuple[str, Tuple[str, ...]]:
+  """Maps one PyTorch state_dict key to ``(collection, path)`` in our variables.
+
+  E.g. ``'blocks.3.attn.qkv.weight'`` -> ``('params', ('blocks_3', 'attn', 'qkv', 'kernel'))``,
+  ``'pos_embed'`` -> ``('constants', ('pos_embed',))``. A leading ``'module.'`` is stripped.
+  ``weight`` becomes ``kernel`` for Linear layers and ``scale`` for LayerNorms (told apart by the
+  module name: ``norm*`` is a LayerNorm). Pure string mapping; raises nothing.
+  """
+  if key.startswith('module.'):
+    key = key[len('module.'):]
+  parts = []
+  for part in key.split('.'):
+    if part.isdigit() and parts:
+      parts[-1] = f'{parts[-1]}_{part}'
+    else:
+      parts.append(part)
+  if parts[-1] == 'weight' and len(parts) > 1:
+    parts[-1] = 'scale' if parts[-2].startswith('norm') else 'kernel'
+  collection = 'constants' if parts[-1] in ('pos_embed', 'w') else 'params'
+  return collection, tuple(parts)
+
+
+def _flatten(tree: Mapping[str, Any], prefix: Tuple[str, ...] = ()) -> Dict[Tuple[str, ...], Any]:
+  flat = {}
+  for k, v in tree.items():
+    if isinstance(v, Mapping):
+      flat.update(_flatten(v, prefix + (k,)))
+    else:
+      flat[prefix + (k,)] = v
+  return flat
+
+
+def _unflatten(flat: Mapping[Tuple[str, ...], Any]) -> Dict[str, Any]:
+  tree: Dict[str, Any] = {}
+  for path, value in flat.items():
+    node = tree
+    for p in path[:-1]:
+      node = node.setdefault(p, {})
+    node[path[-1]] = value
+  return tree
+
+
+def _image_size_from_pos_embed(state_dict: Mapping[str, Any]) -> Tuple[int, int]:
+  for key, value in state_dict.items():
+    if key.split('.')[-1] == 'pos_embed' and key.count('.') <= 1:
+      n = int(np.shape(value)[1]) - 1
+      side = math.isqrt(n)
+      if side * side == n:
+        return 16 * side, 16 * side  # 16 g px gives a g x g token grid.
+      raise ValueError(f'pos_embed has {n} token rows, not a square grid: pass image_size')
+  raise ValueError('The state_dict has no pos_embed: pass image_size')
+
+
+def from_torch_state_dict(
+    state_dict: Mapping[str, Any],
+    model: T2TViT,
+    *,
+    image_size: Union[None, int, Sequence[int]] = None,
+) -> Dict[str, Dict[str, Any]]:
+  """Converts a PyTorch T2T-ViT state_dict into this module's variables.
+
+  Pure: reads only its arguments (no files, no torch needed); arrays are copied.
+
+  Args:
+    state_dict: PyTorch key -> array (numpy, or anything ``np.asarray`` accepts), e.g. the
+      ``state_dict_ema`` of a released checkpoint or ``np.load('state_dict_ema.npz')``. Keys may
+      start with ``'module.'``.
+    model: the :class:`T2TViT` the variables are for; its shapes are checked.
+    image_size: ``H`` or ``(H, W)`` the model will be applied at (fixes the ``pos_embed`` rows);
+      default: the square image of the checkpoint's own table (16 x its grid side).
+
+  Returns:
+    ``{'params': ..., 'constants': ...}`` nested dicts of numpy arrays in ``model.param_dtype``
+    (constants float32), Linear kernels transposed to Flax's (in, out) layout; ready for
+    ``model.apply(variables, images, train=False)``.
+
+  Raises:
+    ValueError: listing every missing key, unexpected key and shape mismatch together (PyTorch
+      names and shapes), e.g. a 1000-class head loaded into a 10-class model, a Performer
+      checkpoint into a Transformer-T2T model, or ``pos_embed`` for another image size.
+  """
+  if image_size is None:
+    height, width = _image_size_from_pos_embed(state_dict)
+  elif isinstance(image_size, int):
+    height = width = image_size
+  else:
+    height, width = (int(s) for s in image_size)
+  shapes = jax.eval_shape(
+      lambda: model.init(jax.random.key(0), jnp.zeros((1, height, width, 3), jnp.float32),
+                         train=False))
+  expected = {}
+  for collection in ('params', 'constants'):
+    for path, leaf in _flatten(shapes.get(collection, {})).items():
+      expected[(collection,) + path] = leaf
+
+  converted: Dict[Tuple[str, ...], np.ndarray] = {}
+  unexpected, mismatched, mismatched_paths = [], [], set()
+  for key, value in state_dict.items():
+    collection, path = torch_key_to_flax(key)
+    full = (collection,) + path
+    array = np.asarray(value)
+    if path[-1] == 'kernel' and array.ndim == 2:
+      array = array.T  # PyTorch Linear weight (out, in) -> Flax kernel (in, out).
+    if full not in expected:
+      unexpected.append(f'{key} {tuple(np.shape(value))}')
+      continue
+    want = expected[full]
+    if tuple(array.shape) != tuple(want.shape):
+      torch_shape = tuple(np.shape(value))
+      want_torch = tuple(want.shape[::-1]) if path[-1] == 'kernel' else tuple(want.shape)
+      mismatched.append(f'{key}: checkpoint {torch_shape}, model {want_torch}')
+      mismatched_paths.add(full)
+      continue
+    converted[full] = np.array(array, dtype=want.dtype)
+  missing = [_flax_to_torch_name(p) for p in expected
+             if p not in converted and p not in mismatched_paths]
+  if missing or unexpected or mismatched:
+    lines = ['The state_dict does not fit the model '
+             f'(tokens_type={model.tokens_type!r}, embed_dim={model.embed_dim}, '
+             f'depth={model.depth}, num_classes={model.num_classes}, image {height}x{width}):']
+    if missing:
+      lines.append(f'  missing keys ({len(missing)}): {", ".join(sorted(missing))}')
+    if unexpected:
+      lines.append(f'  unexpected keys ({len(unexpected)}): {", ".join(unexpected)}')
+    if mismatched:
+      lines.append(f'  shape mismatches ({len(mismatched)}): {"; ".join(mismatched)}')
+    raise ValueError('\n'.join(lines))
+  tree = _unflatten(converted)
+  return {'params': tree.get('params', {}), 'constants': tree.get('constants', {})}
+
+
+def _flax_to_torch_name(full_path: Tuple[str, ...]) -> str:
+  """Inverse of :func:`torch_key_to_flax` (for error messages): ('params', 'blocks_0', ...)."""
+  parts = []
+  for part in full_path[1:]:
+    head, sep, tail = part.rpartition('_')
+    if sep and tail.isdigit() and head in ('blocks', 'mlp'):
+      parts.extend([head, tail])
+    else:
+      parts.append(part)
+  if parts[-1] in ('kernel', 'scale'):
+    parts[-1] = 'weight'
+  return '.'.join(parts)
