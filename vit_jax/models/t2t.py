@@ -75,6 +75,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from vit_jax.models import vit
+
 Array = jax.Array
 Dtype = Any
 
@@ -543,16 +545,7 @@ def validate_config(*, num_classes, embed_dim, depth, num_heads, mlp_ratio, toke
   if (isinstance(drop_path_rate, bool) or not isinstance(drop_path_rate, (int, float))
       or not 0.0 <= drop_path_rate < 1.0):
     raise ValueError(f'drop_path_rate must be a float in [0, 1), got {drop_path_rate!r}')
-  for field, value in (('dtype', dtype), ('param_dtype', param_dtype)):
-    if value is None:
-      continue
-    try:
-      ok = jnp.issubdtype(jnp.dtype(value), jnp.floating)
-    except TypeError:
-      ok = False
-    if not ok:
-      raise ValueError(f'{field} must be a floating dtype (e.g. jnp.float32, jnp.bfloat16), '
-                       f'got {value!r}')
+  vit.check_float_dtypes(dtype=dtype, param_dtype=param_dtype)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -413,6 +413,20 @@ class VisionTransformer(nn.Module):
     return x.astype(jnp.float32)
 
 
+def check_float_dtypes(**dtypes: Any) -> None:
+  """Raises ValueError naming each field whose value (if not None) is not a floating dtype."""
+  for field, value in dtypes.items():
+    if value is None:
+      continue
+    try:
+      ok = jnp.issubdtype(jnp.dtype(value), jnp.floating)
+    except TypeError:
+      ok = False
+    if not ok:
+      raise ValueError(f'{field} must be a floating dtype (e.g. jnp.float32, jnp.bfloat16), '
+                       f'got {value!r}')
+
+
 def validate_config(*, num_classes, patch_size, hidden_size, mlp_dim, num_heads, num_layers,
                     classifier, representation_size, dropout_rate, attention_dropout_rate,
                     dtype=jnp.float32, param_dtype=jnp.float32, **unused) -> None:
@@ -438,13 +452,4 @@ def validate_config(*, num_classes, patch_size, hidden_size, mlp_dim, num_heads,
   patch_pair(patch_size)
   _check_rate('dropout_rate', dropout_rate)
   _check_rate('attention_dropout_rate', attention_dropout_rate)
-  for field, value in (('dtype', dtype), ('param_dtype', param_dtype)):
-    if value is None:
-      continue
-    try:
-      ok = jnp.issubdtype(jnp.dtype(value), jnp.floating)
-    except TypeError:
-      ok = False
-    if not ok:
-      raise ValueError(f'{field} must be a floating dtype (e.g. jnp.float32, jnp.bfloat16), '
-                       f'got {value!r}')
+  check_float_dtypes(dtype=dtype, param_dtype=param_dtype)
