@@ -17,6 +17,20 @@ Formats read by :func:`load`:
   ``params`` and ``model_state`` as NumPy arrays (no target needed, the optimizer state is not
   read), and returns ``{'params': params, **model_state}``.
 
+* **PyTorch checkpoints** (``.pth``, ``.pth.tar``, ``.pt``; recognised by content: a zip archive
+  with one ``<name>/data.pkl``), e.g. the released T2T-ViT files: a timm ``CheckpointSaver`` dict
+  (``state_dict``, ``state_dict_ema``, ``epoch``, ``args``, ...) or a plain state dict. Read
+  without torch and without running code (:mod:`vit_jax.torch_pickle`: a whitelisting unpickler;
+  any other global such as ``posix.system`` is refused). Only the zip format of
+  ``torch.save`` (torch >= 1.6) is read; the legacy format is refused. :func:`load_pth` returns
+  the raw PyTorch state dict (names -> ``np.ndarray``; ``state_dict_ema`` preferred); ``load(path,
+  model=model)`` converts it for a :class:`~vit_jax.models.t2t.T2TViT` with
+  :func:`vit_jax.models.t2t.from_torch_state_dict` (the model's structure is needed)::
+
+    model = models.create('T2T-ViT-14', num_classes=1000)
+    variables = load('81.5_T2T_ViT_14.pth.tar', model=model)   # {'params', 'constants'}
+    logits = model.apply(variables, images, train=False)
+
 Paths may be local or, for any ``scheme://`` path such as ``gs://bucket/x.npz``, go through
 ``tf.io.gfile`` (TensorFlow is imported lazily, only for such paths; Orbax reads remote
 directories itself).
@@ -45,14 +59,20 @@ import numpy as np
 from vit_jax.models import layout
 
 __all__ = [
-    'ACCEPTED_FORMATS', 'convert_pre_linen', 'fix_groupnorm', 'flatten_params', 'load',
-    'load_npz', 'load_orbax', 'save_npz', 'unflatten_params',
+    'ACCEPTED_FORMATS', 'TORCH_SUFFIXES', 'convert_pre_linen', 'fix_groupnorm', 'flatten_params',
+    'load', 'load_npz', 'load_orbax', 'load_pth', 'save_npz', 'unflatten_params',
 ]
 
 ACCEPTED_FORMATS = (
     "an official ViT '.npz' file (flat '/'-joined parameter names, Linen or pre-Linen numbering), "
     "or an Orbax checkpoint written by the training loop (a workdir containing 'checkpoints/', a "
-    "'checkpoints' directory of numbered steps, or one step directory containing 'state/')")
+    "'checkpoints' directory of numbered steps, or one step directory containing 'state/'), "
+    "or a PyTorch T2T-ViT checkpoint ('.pth', '.pth.tar', '.pt' in the zip format of torch.save "
+    ">= 1.6; load(path, model=t2t_model))")
+
+# File names treated as PyTorch checkpoints (a zip with '<name>/data.pkl' is one whatever its name).
+TORCH_SUFFIXES = ('.pth', '.pth.tar', '.pt')
+_PICKLE_MAGIC = b'\x80'
 
 # Name of the Composite item the training loop saves the train state under.
 _STATE_ITEM = 'state'
@@ -229,21 +249,34 @@ def _not_found(path: str, what: str = 'No checkpoint') -> FileNotFoundError:
 # ----------------------------------------------------------------------------------------------
 
 
-def load(path: Any) -> Dict[str, Any]:
-  """Loads model variables from an official ``.npz`` file or an Orbax training checkpoint.
+def load(path: Any, *, model: Any = None, use_ema: bool = True,
+         image_size: Any = None) -> Dict[str, Any]:
+  """Loads model variables from an official ``.npz``, an Orbax checkpoint or a PyTorch file.
 
   Args:
     path: local path or ``scheme://`` path (``gs://``) of a ``.npz`` file, a training workdir, its
-      ``checkpoints`` directory (the latest finalized step is used) or one step directory.
+      ``checkpoints`` directory (the latest finalized step is used), one step directory, or a
+      PyTorch ``.pth``/``.pth.tar``/``.pt`` checkpoint (zip format).
+    model: for PyTorch checkpoints only (required there): the
+      :class:`~vit_jax.models.t2t.T2TViT` (from ``vit_jax.models.create``) the weights are for;
+      the state dict is converted with :func:`vit_jax.models.t2t.from_torch_state_dict`. Ignored
+      for ``.npz`` and Orbax checkpoints.
+    use_ema: PyTorch checkpoints only: prefer ``state_dict_ema`` (see :func:`load_pth`).
+    image_size: PyTorch checkpoints only: passed to ``from_torch_state_dict`` (default: the
+      checkpoint's own ``pos_embed`` grid).
 
   Returns:
     ``{'params': nested dict of np.ndarray, **other collections}`` ready for ``model.apply``
-    (Linen names, unchanged encoder layout; see the module docstring to convert layouts).
+    (Linen names, unchanged encoder layout; see the module docstring to convert layouts). For a
+    PyTorch checkpoint: ``{'params': ..., 'constants': ...}``.
 
   Raises:
     FileNotFoundError: nothing exists at ``path`` (or a checkpoint directory holds no step).
-    ValueError: the file/directory is not one of the accepted formats, or an ``.npz`` contains
-      object (pickled) arrays.
+    ValueError: the file/directory is not one of the accepted formats, an ``.npz`` contains
+      object (pickled) arrays, a PyTorch file is given without ``model`` or does not fit it, or
+      is in the legacy (non-zip) torch format.
+    vit_jax.torch_pickle.UnsafePickleError: a PyTorch file's pickle names a global other than
+      tensors and plain containers (nothing is executed).
   """
   path = _normalize(path)
   if not _exists(path):
@@ -252,6 +285,11 @@ def load(path: Any) -> Dict[str, Any]:
     return load_orbax(path)
   with _open(path, 'rb') as f:
     magic = f.read(6)
+  is_torch_name = path.lower().endswith(TORCH_SUFFIXES)
+  if (magic[:4] in _ZIP_MAGICS and _is_torch_zip(path)) or (
+      is_torch_name and magic[:4] not in _ZIP_MAGICS) or (
+          magic[:1] == _PICKLE_MAGIC):
+    return _load_torch_variables(path, model=model, use_ema=use_ema, image_size=image_size)
   if magic[:4] in _ZIP_MAGICS:
     return load_npz(path)
   if magic == _NPY_MAGIC:
@@ -259,6 +297,103 @@ def load(path: Any) -> Dict[str, Any]:
                      f'Accepted formats: {ACCEPTED_FORMATS}')
   raise ValueError(f'Unrecognised checkpoint format at {path!r}. Accepted formats: '
                    f'{ACCEPTED_FORMATS}')
+
+
+def _load_torch_variables(path: str, *, model: Any, use_ema: bool,
+                          image_size: Any) -> Dict[str, Any]:
+  from vit_jax.models import t2t  # pylint: disable=g-import-not-at-top
+  if model is None:
+    raise ValueError(
+        f'{path!r} is a PyTorch checkpoint: converting it into Flax variables needs the model. '
+        'Pass model= (e.g. load(path, model=vit_jax.models.create("T2T-ViT-14", '
+        'num_classes=1000))), or use vit_jax.checkpoint.load_pth(path) for the raw PyTorch state '
+        'dict (names -> np.ndarray).')
+  if not isinstance(model, t2t.T2TViT):
+    raise ValueError(f'load(model=...) of a PyTorch checkpoint supports T2T-ViT models only '
+                     f'(vit_jax.models.t2t.T2TViT), got {type(model).__name__}')
+  state_dict = load_pth(path, use_ema=use_ema)
+  return t2t.from_torch_state_dict(state_dict, model, image_size=image_size)
+
+
+def _read_torch_file(path: str) -> Any:
+  """Loads a torch zip-format file safely (:mod:`vit_jax.torch_pickle`); tensors -> ndarray."""
+  from vit_jax import torch_pickle  # pylint: disable=g-import-not-at-top
+  if _is_remote(path):
+    with _open(path, 'rb') as f:
+      return torch_pickle.load_torch_zip(io.BytesIO(f.read()), name=path)
+  return torch_pickle.load_torch_zip(path)
+
+
+def _is_torch_zip(path: str) -> bool:
+  from vit_jax import torch_pickle  # pylint: disable=g-import-not-at-top
+  if _is_remote(path):
+    with _open(path, 'rb') as f:
+      return torch_pickle.is_torch_zip(io.BytesIO(f.read()))
+  return torch_pickle.is_torch_zip(path)
+
+
+_STATE_DICT_KEYS = ('state_dict_ema', 'state_dict')
+
+
+def _is_state_dict(obj: Any) -> bool:
+  return (isinstance(obj, Mapping) and len(obj) > 0 and
+          all(isinstance(k, str) and isinstance(v, np.ndarray) for k, v in obj.items()))
+
+
+def load_pth(path: Any, *, use_ema: bool = True) -> Dict[str, np.ndarray]:
+  """Reads the PyTorch state dict of a ``torch.save`` zip-format checkpoint, without torch.
+
+  Nothing in the file is executed: the pickle is read by a whitelisting unpickler
+  (:mod:`vit_jax.torch_pickle`) that builds tensors as NumPy arrays and refuses any other global.
+
+  Args:
+    path: local or ``scheme://`` path of a ``.pth``/``.pth.tar``/``.pt`` file.
+    use_ema: if the file is a training checkpoint holding ``state_dict_ema`` (timm's
+      ``CheckpointSaver``, as the released T2T-ViT weights), return that; otherwise (or with
+      ``use_ema=False``) return its ``state_dict``. A file that is a plain state dict (a mapping
+      of names to tensors) is returned as is.
+
+  Returns:
+    ``{PyTorch name: np.ndarray}`` in the saved order and dtype (e.g. ``blocks.0.attn.qkv.weight``
+    of shape ``(out, in)``), a leading ``module.`` (DataParallel / ModelEma) stripped.
+
+  Raises:
+    FileNotFoundError: missing file.
+    ValueError: not a zip-format torch file (legacy torch format: re-save it with a recent torch),
+      or no state dict in it (the error lists its top-level keys).
+    vit_jax.torch_pickle.UnsafePickleError: the pickle names a global other than tensors and plain
+      containers.
+  """
+  path = _normalize(path)
+  if not _exists(path) or _isdir(path):
+    raise _not_found(path, 'No PyTorch checkpoint file')
+  obj = _read_torch_file(path)
+  state_dict = None
+  if isinstance(obj, Mapping):
+    keys = _STATE_DICT_KEYS if use_ema else _STATE_DICT_KEYS[1:]
+    for key in keys:
+      if key in obj and obj[key] is not None:
+        state_dict = obj[key]
+        if not _is_state_dict(state_dict):
+          raise ValueError(f'{path!r}: {key!r} is not a mapping of names to tensors '
+                           f'(got {type(state_dict).__name__})')
+        break
+    if state_dict is None and _is_state_dict(obj):
+      state_dict = obj
+  if state_dict is None:
+    if isinstance(obj, Mapping):
+      top = ', '.join(repr(k) for k in obj)
+      raise ValueError(f'{path!r} holds no state dict: expected a "state_dict_ema" (with '
+                       f'use_ema=True) or "state_dict" entry, or a plain mapping of names to '
+                       f'tensors; top-level keys: [{top}]')
+    raise ValueError(f'{path!r} holds a {type(obj).__name__}, not a state dict')
+  out: Dict[str, np.ndarray] = {}
+  for key, value in state_dict.items():
+    name = key[len('module.'):] if key.startswith('module.') else key
+    if name in out:
+      raise ValueError(f'{path!r}: duplicate parameter {name!r} after stripping "module."')
+    out[name] = value
+  return out
 
 
 def load_npz(path: Any) -> Dict[str, Any]:
