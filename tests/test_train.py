@@ -23,6 +23,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 CONFIGS = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "configs").glob("*.py"))
 # Every shipped config file with the arguments it is run with in the consumed-keys test.
 SHIPPED = [("configs/fashion_mnist.py", None),
+           ("configs/t2t_fashion_mnist.py", None),
            ("configs/vit.py", "ti16,cifar10"),
            ("configs/vit.py", "b16,imagenet21k"),
            ("configs/vit.py", "b16,imagenet2012,finetune")]
@@ -201,9 +202,12 @@ def test_every_config_key_is_consumed(tmp_path, monkeypatch):
         config.extra_eval.name, config.extra_eval.split = multi_label, "test"
       config.data.image_size = 8
       config.data.shuffle_buffer = 16
-      config.model.update(hidden_size=8, mlp_dim=16, num_heads=2, num_layers=1,
-                          patch_size=(4, 4))
-      if config.model.representation_size is not None:
+      if "embed_dim" in config.model:  # T2T-ViT
+        config.model.update(embed_dim=16, depth=1, num_heads=2, token_dim=8)
+      else:
+        config.model.update(hidden_size=8, mlp_dim=16, num_heads=2, num_layers=1,
+                            patch_size=(4, 4))
+      if config.model.get("representation_size") is not None:
         config.model.representation_size = 8
       config.batch_size = 4
       config.total_steps = 2
