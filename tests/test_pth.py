@@ -4,11 +4,9 @@ hand-written torch-layout zips (module. prefix, strides, dtypes, byte order), le
 """
 
 import argparse
-import ast
 import collections
 import functools
 import io
-import json
 import os
 import pathlib
 import pickle
@@ -21,6 +19,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+from tests import t2t_fixtures
 from vit_jax import checkpoint
 from vit_jax import models
 from vit_jax import torch_pickle
@@ -35,21 +34,9 @@ RTOL = ATOL = 1e-5
 # ------------------------------------------------------------------------------------------------
 
 
-def _eval_constant(node):
-  if isinstance(node, ast.Constant):
-    return node.value
-  if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
-    return -_eval_constant(node.operand)
-  if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Pow):
-    return _eval_constant(node.left) ** _eval_constant(node.right)
-  raise ValueError(f'Unsupported constructor argument {ast.dump(node)}')
-
-
 @functools.lru_cache(maxsize=None)
 def _golden_model(name):
-  constructor = json.loads((FIXTURES / name / 'config.json').read_text())['constructor']
-  call = ast.parse(constructor, mode='eval').body
-  kwargs = {kw.arg: _eval_constant(kw.value) for kw in call.keywords}
+  kwargs = dict(t2t_fixtures.constructor_kwargs(name))
   kwargs.pop('img_size')
   num_classes = kwargs.pop('num_classes')
   return models.create('T2T-ViT-custom', num_classes=num_classes, **kwargs)

@@ -1,7 +1,6 @@
 """Tests of vit_jax.models.t2t (T2T-ViT): sizes, golden logits vs the official PyTorch code,
 token counts, fixed tables, state_dict conversion, float32 Performer features, registry."""
 
-import ast
 import functools
 import json
 import math
@@ -13,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from tests import t2t_fixtures
 from vit_jax import models
 from vit_jax.models import t2t
 
@@ -39,27 +39,8 @@ PARAM_COUNTS = (
 # ------------------------------------------------------------------------------------------------
 
 
-def _eval_constant(node):
-  """Evaluates numbers and ``a ** b`` / unary minus in the recorded constructor call."""
-  if isinstance(node, ast.Constant):
-    return node.value
-  if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
-    return -_eval_constant(node.operand)
-  if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Pow):
-    return _eval_constant(node.left) ** _eval_constant(node.right)
-  raise ValueError(f'Unsupported constructor argument {ast.dump(node)}')
-
-
-@functools.lru_cache(maxsize=None)
-def _fixture_kwargs(name):
-  """The official constructor kwargs recorded in config.json (e.g. qk_scale=64**-0.5)."""
-  constructor = json.loads((FIXTURES / name / 'config.json').read_text())['constructor']
-  call = ast.parse(constructor, mode='eval').body
-  return {kw.arg: _eval_constant(kw.value) for kw in call.keywords}
-
-
 def _golden_model(name, **extra):
-  kwargs = dict(_fixture_kwargs(name))
+  kwargs = dict(t2t_fixtures.constructor_kwargs(name))
   image_size = kwargs.pop('img_size')
   num_classes = kwargs.pop('num_classes')
   kwargs.update(extra)
@@ -180,7 +161,7 @@ def test_golden_intermediates(name):
   _, ours = _golden_run(name)
   with np.load(FIXTURES / name / 'intermediates.npz', allow_pickle=False) as f:
     ref = {k: f[k] for k in f.files}
-  depth = _fixture_kwargs(name)['depth']
+  depth = t2t_fixtures.constructor_kwargs(name)['depth']
   pairs = {
       # nn.Unfold gives (B, C*k*k, L); our tokens are (B, L, C*k*k).
       'tokens_to_token.soft_split0': 'tokens_to_token/soft_split0',

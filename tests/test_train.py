@@ -23,7 +23,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 CONFIGS = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "configs").glob("*.py"))
 # Every shipped config file with the arguments it is run with in the consumed-keys test.
 SHIPPED = [("configs/fashion_mnist.py", None),
-           ("configs/t2t_fashion_mnist.py", None),
+           ("configs/fashion_mnist.py", "t2t"),
            ("configs/vit.py", "ti16,cifar10"),
            ("configs/vit.py", "b16,imagenet21k"),
            ("configs/vit.py", "b16,imagenet2012,finetune")]
