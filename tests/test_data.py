@@ -456,3 +456,102 @@ def test_fashion_mnist_real_debian_files(tmp_path):
   assert len(ds) == 5
   counts = sum(b['labels'].sum(0) for b in ds)
   np.testing.assert_array_equal(counts, 1000.)
+
+
+def test_eval_resize_and_center_crop_matches_pil():
+  """crop_pct 0.9 at 20 px: shorter side -> 22 (bicubic), longer 29, central 20 x 20 crop."""
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  from PIL import Image, ImageFilter  # pylint: disable=g-import-not-at-top
+  from vit_jax.data import preprocess  # pylint: disable=g-import-not-at-top
+  noise = (np.random.default_rng(0).random((60, 80, 3)) * 255).astype(np.uint8)
+  image = np.asarray(Image.fromarray(noise).filter(ImageFilter.GaussianBlur(2)))
+  reference = np.asarray(Image.fromarray(image).resize((29, 22), Image.BICUBIC), np.float32)
+  reference = reference[1:21, 4:24]  # torchvision CenterCrop: round((22-20)/2), round((29-20)/2)
+  out = preprocess.resize_and_center_crop(tf.constant(image), 20, 0.9).numpy()
+  assert out.shape == (20, 20, 3)
+  np.testing.assert_allclose(out, reference, atol=1.0)  # PIL rounds to uint8.
+  batch = preprocess.resize_and_center_crop(tf.constant(np.stack([image, image.T.copy().T])),
+                                            20, 0.9).numpy()
+  np.testing.assert_array_equal(batch[0], out)
+  tall = preprocess.resize_and_center_crop(tf.constant(image.transpose(1, 0, 2)), 20, 0.9)
+  assert tall.shape == (20, 20, 3)
+  with pytest.raises(ValueError, match='eval_crop_pct=1.5 must be in'):
+    preprocess.resize_and_center_crop(tf.constant(image), 20, 1.5)
+
+
+def test_eval_dataset_with_crop_pct(folder):
+  config = data.get_default_config()
+  config.image_folder = folder
+  config.image_size = 8
+  config.eval_crop_pct = 0.875
+  batch = next(iter(data.create_eval_dataset(config, global_batch_size=4)))
+  assert batch['image'].shape == (4, 8, 8, 3)
+  assert -1.0 <= batch['image'].min() and batch['image'].max() <= 1.0
+
+
+# -------------------------------------------------- T2T-ViT recipe augmentations
+
+
+_RECIPE = dict(randaugment_num_layers=2, randaugment_magnitude=9.,
+               randaugment_magnitude_std=0.5, random_erasing=0.5,
+               mixup_alpha=0.8, cutmix_alpha=1.0, normalization='imagenet')
+
+
+def test_recipe_augmentations_deterministic_and_resumable(folder):
+  cfg = _cfg(image_folder=folder, augment='inception_crop', image_size=16,
+             **_RECIPE)
+
+  def batches(start_step=0, n=5):
+    it = data.create_train_iterator(cfg, 4, seed=0, start_step=start_step,
+                                    process_index=0, process_count=1)
+    return _take(it, n)
+
+  a = batches()
+  plain = _take(data.create_train_iterator(
+      _cfg(image_folder=folder, augment='inception_crop', image_size=16,
+           normalization='imagenet'), 4, seed=0, process_index=0,
+      process_count=1), 5)
+  assert not any(np.array_equal(x['image'], y['image'])
+                 for x, y in zip(a, plain))
+  for batch in a:
+    np.testing.assert_allclose(batch['labels'].sum(1), 1., rtol=1e-6)
+  # Mixed targets (not one-hot) in some batch.
+  assert any((b['labels'] != b['labels'].round()).any() for b in a)
+  for start in (2, 4):
+    for x, y in zip(a[start:], batches(start, n=5 - start)):
+      np.testing.assert_array_equal(x['image'], y['image'])
+      np.testing.assert_array_equal(x['labels'], y['labels'])
+
+
+def test_mixup_pairs_each_image_with_the_reversed_batch(folder):
+  """Constant images: pixel = lam x_i + (1 - lam) x_(B-1-i), same lam for the labels."""
+  common = dict(image_folder=folder, augment='none', image_size=4)
+  mixed = _take(data.create_train_iterator(
+      _cfg(mixup_alpha=0.8, **common), 4, seed=0, process_index=0,
+      process_count=1), 3)
+  plain = _take(data.create_train_iterator(
+      _cfg(**common), 4, seed=0, process_index=0, process_count=1), 3)
+  checked = 0
+  for m, p in zip(mixed, plain):
+    x, xr = p['image'][:, 0, 0, 0], p['image'][::-1, 0, 0, 0]
+    for i in range(4):
+      if abs(x[i] - xr[i]) < 1e-3:
+        continue
+      lam = (m['image'][i, 0, 0, 0] - xr[i]) / (x[i] - xr[i])
+      assert 0. <= lam <= 1.
+      np.testing.assert_allclose(
+          m['labels'][i], lam * p['labels'][i] + (1 - lam) * p['labels'][::-1][i],
+          atol=1e-4)
+      checked += 1
+  assert checked >= 4
+
+
+def test_recipe_config_errors(folder):
+  for key, value, message in [
+      ('randaugment_num_layers', -1, 'randaugment_num_layers must be an int >= 0'),
+      ('randaugment_magnitude', 11., r'randaugment_magnitude must be in \[0, 10\]'),
+      ('random_erasing', 1.5, 'random_erasing is a probability'),
+      ('mixup_alpha', -0.1, 'mixup_alpha must be >= 0'),
+      ('eval_crop_pct', 0., r'eval_crop_pct must be in \(0, 1\]')]:
+    with pytest.raises(ValueError, match=message):
+      data.get_info(_cfg(image_folder=folder, **{key: value}))

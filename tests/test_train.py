@@ -24,6 +24,7 @@ CONFIGS = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "configs").glob("*.py
 # Every shipped config file with the arguments it is run with in the consumed-keys test.
 SHIPPED = [("configs/fashion_mnist.py", None),
            ("configs/fashion_mnist.py", "t2t"),
+           ("configs/t2t.py", "14"),
            ("configs/vit.py", "ti16,cifar10"),
            ("configs/vit.py", "b16,imagenet21k"),
            ("configs/vit.py", "b16,imagenet2012,finetune")]
@@ -55,9 +56,37 @@ def test_linear_and_constant_schedules():
   np.testing.assert_allclose(with_end(9), 0.1, rtol=1e-6)
 
 
+def test_timm_style_warmup_from_init_lr_and_cooldown():
+  # T2T-ViT recipe shape: warmup from 1e-6, cosine to end_lr, then a cooldown at end_lr.
+  lr = optim.lr_schedule(1e-3, 120, 10, "cosine", 1e-5, warmup_init_lr=1e-6, cooldown_steps=10)
+  np.testing.assert_allclose(lr(-1), 1e-6, rtol=1e-6)  # step 0 (before the first update)
+  np.testing.assert_allclose(lr(4), 1e-6 + (1e-3 - 1e-6) * 0.5, rtol=1e-6)  # step 5 of 10
+  np.testing.assert_allclose(lr(9), 1e-3, rtol=1e-6)
+  step = 60  # progress = (60 - 10) / (120 - 10 - 10) = 0.5
+  np.testing.assert_allclose(lr(step - 1), 1e-5 + (1e-3 - 1e-5) * 0.5, rtol=1e-6)
+  np.testing.assert_allclose([lr(109), lr(115), lr(119)], [1e-5] * 3, rtol=1e-5)  # cooldown
+
+
+def test_schedule_from_config_scales_lr_and_converts_epochs():
+  config = defaults.get_config("T2T-ViT-7", "imagenet2012")
+  config.optim.update(lr=5e-4, lr_base_batch_size=512, warmup_epochs=2.0, cooldown_epochs=1.0,
+                      schedule="cosine", warmup_init_lr=0.0)
+  # 1024 images per batch, 50 updates per epoch: peak 1e-3, warmup 100, cooldown 50 updates.
+  lr = optim.schedule_from_config(config.optim, batch_size=1024, total_steps=500,
+                                  steps_per_epoch=50)
+  np.testing.assert_allclose(lr(99), 1e-3, rtol=1e-6)
+  np.testing.assert_allclose(lr(49), 0.5e-3, rtol=1e-6)
+  np.testing.assert_allclose(lr(449), 0.0, atol=1e-12)  # decay ends 50 updates early
+  config.optim.lr_base_batch_size = 0
+  with pytest.raises(ValueError, match="lr_base_batch_size=0 must be positive"):
+    optim.schedule_from_config(config.optim, batch_size=8, total_steps=5, steps_per_epoch=1)
+
+
 def test_schedule_rejects_bad_arguments():
-  with pytest.raises(ValueError, match="warmup_steps=100 must be smaller"):
+  with pytest.raises(ValueError, match=r"warmup_steps=100 \(\+ cooldown_steps=0\) must be smaller"):
     optim.lr_schedule(0.1, 100, 100, "cosine")
+  with pytest.raises(ValueError, match="cooldown_steps=60\\) must be smaller"):
+    optim.lr_schedule(0.1, 100, 40, "cosine", cooldown_steps=60)
   with pytest.raises(ValueError, match="Unknown schedule 'step'"):
     optim.lr_schedule(0.1, 100, 0, "step")
 
@@ -212,6 +241,8 @@ def test_every_config_key_is_consumed(tmp_path, monkeypatch):
       config.batch_size = 4
       config.total_steps = 2
       config.optim.warmup_steps = 1
+      if config.optim.warmup_epochs is not None:  # The T2T recipe: 2 of 16 images per epoch.
+        config.optim.warmup_epochs = config.optim.cooldown_epochs = 0.125
       config.log_every_steps = config.eval_every_steps = config.checkpoint_every_steps = 1
     results = train.train_and_evaluate(config, str(tmp_path / f"run{i}"))
     assert results["step"] == 2 and 0.0 <= results["test/accuracy"] <= 1.0
@@ -442,3 +473,27 @@ def test_t2t_trains_and_keeps_its_fixed_tables_out_of_training(tmp_path):
   # The sinusoid table is a function of the shape only: unchanged by training.
   np.testing.assert_array_equal(variables["constants"]["pos_embed"], fresh["constants"]["pos_embed"])
   assert "pos_embed" not in variables["params"]
+
+
+def test_t2t_qk_scale_is_a_float_override():
+  """The released T2T-ViT weights need qk_scale = D**-0.5 (a float) from the command line."""
+  config = defaults.get_config("T2T-ViT-14", "imagenet2012")
+  assert config.model.qk_scale is None  # head_dim**-0.5, the from-scratch default.
+  config.model.qk_scale = 384 ** -0.5
+  model = models_lib.create(config.model_name, num_classes=10, **config.model.to_dict())
+  assert model.qk_scale == pytest.approx(0.0510310363)
+
+
+def test_t2t_weight_decay_skips_class_token_norms_biases_and_tables():
+  """As the T2T-ViT recipe: decay on the Linear kernels only (tables are not parameters)."""
+  model = models_lib.create("T2T-ViT-custom", num_classes=3, embed_dim=16, depth=1,
+                            num_heads=2, mlp_ratio=2.0, token_dim=8)
+  variables = jax.eval_shape(
+      lambda: model.init(jax.random.PRNGKey(0), jnp.zeros((1, 32, 32, 3)), train=False))
+  from vit_jax import checkpoint  # pylint: disable=g-import-not-at-top
+  mask = checkpoint.flatten_params(optim._decay_mask(variables["params"]))  # pylint: disable=protected-access
+  decayed = sorted(k for k, v in mask.items() if v)
+  assert decayed == sorted(k for k in mask if k.endswith("/kernel"))
+  assert len(decayed) == 14  # 2 T2T layers x 4, project, one block x 4, head.
+  assert not any(mask[k] for k in mask if k == "cls_token" or "norm" in k or k.endswith("bias"))
+  assert "pos_embed" not in mask and all("/w" not in k for k in mask)

@@ -60,7 +60,9 @@ from vit_jax.models import layout
 
 __all__ = [
     'ACCEPTED_FORMATS', 'TORCH_SUFFIXES', 'convert_pre_linen', 'fix_groupnorm', 'flatten_params',
-    'load', 'load_npz', 'load_orbax', 'load_pth', 'save_npz', 'unflatten_params',
+    'init_for_finetuning', 'is_torch_checkpoint', 'load', 'load_for_finetuning',
+    'load_torch_as_saved', 'load_npz', 'load_orbax', 'load_pth',
+    'save_npz', 'unflatten_params',
 ]
 
 ACCEPTED_FORMATS = (
@@ -261,7 +263,8 @@ def load(path: Any, *, model: Any = None, use_ema: bool = True,
       :class:`~vit_jax.models.t2t.T2TViT` (from ``vit_jax.models.create``) the weights are for;
       the state dict is converted with :func:`vit_jax.models.t2t.from_torch_state_dict`. Ignored
       for ``.npz`` and Orbax checkpoints.
-    use_ema: PyTorch checkpoints only: prefer ``state_dict_ema`` (see :func:`load_pth`).
+    use_ema: prefer the parameter EMA: ``state_dict_ema`` of a PyTorch checkpoint (see
+      :func:`load_pth`), ``ema_params`` of an Orbax checkpoint (see :func:`load_orbax`).
     image_size: PyTorch checkpoints only: passed to ``from_torch_state_dict`` (default: the
       checkpoint's own ``pos_embed`` grid).
 
@@ -282,14 +285,11 @@ def load(path: Any, *, model: Any = None, use_ema: bool = True,
   if not _exists(path):
     raise _not_found(path)
   if _isdir(path):
-    return load_orbax(path)
+    return load_orbax(path, use_ema=use_ema)
+  if is_torch_checkpoint(path):
+    return _load_torch_variables(path, model=model, use_ema=use_ema, image_size=image_size)
   with _open(path, 'rb') as f:
     magic = f.read(6)
-  is_torch_name = path.lower().endswith(TORCH_SUFFIXES)
-  if (magic[:4] in _ZIP_MAGICS and _is_torch_zip(path)) or (
-      is_torch_name and magic[:4] not in _ZIP_MAGICS) or (
-          magic[:1] == _PICKLE_MAGIC):
-    return _load_torch_variables(path, model=model, use_ema=use_ema, image_size=image_size)
   if magic[:4] in _ZIP_MAGICS:
     return load_npz(path)
   if magic == _NPY_MAGIC:
@@ -297,6 +297,15 @@ def load(path: Any, *, model: Any = None, use_ema: bool = True,
                      f'Accepted formats: {ACCEPTED_FORMATS}')
   raise ValueError(f'Unrecognised checkpoint format at {path!r}. Accepted formats: '
                    f'{ACCEPTED_FORMATS}')
+
+
+def is_torch_checkpoint(path: str) -> bool:
+  """A torch zip (one '<name>/data.pkl'), a raw pickle, or a non-zip file with a torch suffix."""
+  with _open(path, 'rb') as f:
+    magic = f.read(6)
+  is_torch_name = path.lower().endswith(TORCH_SUFFIXES)
+  return bool((magic[:4] in _ZIP_MAGICS and _is_torch_zip(path)) or (
+      is_torch_name and magic[:4] not in _ZIP_MAGICS) or magic[:1] == _PICKLE_MAGIC)
 
 
 def _load_torch_variables(path: str, *, model: Any, use_ema: bool,
@@ -480,12 +489,14 @@ def _find_state_item(path: str) -> str:
                    f'{ACCEPTED_FORMATS}')
 
 
-def load_orbax(path: Any) -> Dict[str, Any]:
+def load_orbax(path: Any, *, use_ema: bool = True) -> Dict[str, Any]:
   """Loads ``params`` and ``model_state`` from an Orbax checkpoint of the training loop.
 
   Args:
     path: a workdir (containing ``checkpoints/``), a ``checkpoints`` directory (latest step), a
       step directory (containing ``state/``) or the ``state`` item directory itself.
+    use_ema: return the parameter EMA (``ema_params``, saved by runs with
+      ``config.ema_decay > 0``) as ``params`` when the checkpoint has one.
 
   Returns:
     ``{'params': ..., **model_state}`` with NumPy leaves, in the layout they were saved in.
@@ -506,7 +517,7 @@ def load_orbax(path: Any) -> Dict[str, Any]:
   absl_logger = logging.getLogger('absl')
   absl_logger.addFilter(_ignore_missing_step_metadata)
   try:
-    return _restore_params(checkpointer, item)
+    return _restore_params(checkpointer, item, use_ema=use_ema)
   finally:
     absl_logger.removeFilter(_ignore_missing_step_metadata)
 
@@ -515,8 +526,8 @@ def _ignore_missing_step_metadata(record: logging.LogRecord) -> bool:
   return 'Metadata file does not exist' not in record.getMessage()
 
 
-def _restore_params(checkpointer, item: str) -> Dict[str, Any]:
-  """Restores params and model_state of one 'state' item as NumPy arrays."""
+def _restore_params(checkpointer, item: str, *, use_ema: bool) -> Dict[str, Any]:
+  """Restores params (or ema_params) and model_state of one 'state' item as NumPy arrays."""
   import jax  # pylint: disable=g-import-not-at-top
   import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
 
@@ -528,13 +539,17 @@ def _restore_params(checkpointer, item: str) -> Dict[str, Any]:
     keys = sorted(tree) if isinstance(tree, Mapping) else type(tree).__name__
     raise ValueError(f'Orbax checkpoint {item!r} has no "params" entry (top level: {keys}). '
                      f'Accepted formats: {ACCEPTED_FORMATS}')
-  wanted = {'params': tree['params']}
+  params_key = 'ema_params' if use_ema and isinstance(tree.get('ema_params'), Mapping) else 'params'
+  wanted = {'params': tree[params_key]}
   if isinstance(tree.get('model_state'), Mapping):
     wanted['model_state'] = tree['model_state']
   restore_args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), wanted)
   restored = checkpointer.restore(
-      item, args=ocp.args.PyTreeRestore(item=wanted, restore_args=restore_args,
-                                        partial_restore=True))
+      item, args=ocp.args.PyTreeRestore(
+          item={params_key if k == 'params' else k: v for k, v in wanted.items()},
+          restore_args={params_key if k == 'params' else k: v for k, v in restore_args.items()},
+          partial_restore=True))
+  restored = {'params' if k == params_key else k: v for k, v in restored.items()}
   to_dict = lambda t: {k: to_dict(v) for k, v in t.items()} if isinstance(t, Mapping) else t
   variables = {'params': to_dict(restored['params'])}
   for name, collection in to_dict(restored.get('model_state') or {}).items():
@@ -588,3 +603,124 @@ def save_npz(path: Any, params: Mapping) -> None:
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, 'wb') as f:
       np.savez(f, **flat)
+
+
+# ----------------------------------------------------------------------------------------------
+# Initialising a model for fine-tuning from a checkpoint of another task or resolution.
+# ----------------------------------------------------------------------------------------------
+
+#: Parameters re-initialised when their shape differs (a new class count): the classifier head.
+HEAD_KEYS = ('params/head/kernel', 'params/head/bias')
+#: Fixed tables a model regenerates for its own input size (T2T-ViT's sinusoid position table):
+#: taken from the fresh initialisation when the token count differs.
+REGENERATED_KEYS = ('constants/pos_embed',)
+
+
+def init_for_finetuning(loaded: Mapping, fresh: Mapping) -> Dict[str, Any]:
+  """Variables for fine-tuning: the checkpoint's weights fitted to a new task and resolution.
+
+  The *fine-tuning* intent, as opposed to :func:`load` (restore for evaluation, everything as
+  saved). Starting from ``loaded`` (the checkpoint) it takes from ``fresh`` (the new model's own
+  initialisation) only what is designed to be replaced:
+
+  * the head (``head/kernel``, ``head/bias``) when its shape differs, i.e. another class count
+    (the official ViT and T2T-ViT fine-tuning code re-initialise it);
+  * T2T-ViT's fixed sinusoid table (``constants/pos_embed``) when the token count differs: it is
+    regenerated for the new input size, as the T2T-ViT reference does (its table is a function
+    of the token count, nothing learned is lost). The Performer random features ``w`` are kept
+    from the checkpoint (the weights were trained with them).
+
+  The encoder layout follows ``fresh`` (a scanned checkpoint fits an unrolled model and back).
+
+  Args:
+    loaded: ``{'params': ..., **collections}`` from :func:`load` (NumPy or JAX leaves).
+    fresh: the same structure from ``model.init`` (or its ``jax.eval_shape``) of the model to
+      fine-tune: only its tree structure, shapes and dtypes are read, except for the replaced
+      entries, whose values are taken.
+
+  Returns:
+    ``{'params': ..., **collections}`` with ``fresh``'s structure, leaves cast to ``fresh``'s dtypes.
+
+  Raises:
+    ValueError: listing every missing key, unexpected key and shape mismatch together (other
+      than the replaced entries above), e.g. a checkpoint of another model size, or a ViT
+      position embedding for another grid (resize it first).
+  """
+  fresh_flat = flatten_params(fresh)
+  loaded = dict(loaded)
+  fresh_scanned = layout.is_scanned(fresh.get('params', {}))
+  if layout.is_scanned(loaded.get('params', {})) != fresh_scanned:
+    convert = layout.scan_params if fresh_scanned else layout.unscan_params
+    loaded['params'] = convert(loaded['params'])
+  loaded_flat = flatten_params(loaded)
+  out, replaced, mismatched = {}, [], []
+  for key, want in fresh_flat.items():
+    if key not in loaded_flat:
+      continue
+    have = loaded_flat[key]
+    if tuple(np.shape(have)) == tuple(want.shape):
+      out[key] = np.asarray(have).astype(want.dtype)
+    elif key in HEAD_KEYS + REGENERATED_KEYS:
+      out[key] = want
+      replaced.append(f'{key} {tuple(np.shape(have))} -> {tuple(want.shape)}')
+    else:
+      mismatched.append(f'{key}: checkpoint {tuple(np.shape(have))}, model {tuple(want.shape)}')
+  missing = [k for k in fresh_flat if k not in loaded_flat]
+  unexpected = [f'{k} {tuple(np.shape(v))}' for k, v in loaded_flat.items() if k not in fresh_flat]
+  if missing or unexpected or mismatched:
+    lines = ['The checkpoint does not fit the model to fine-tune (only the head, for another '
+             'class count, and the T2T sinusoid table are replaced):']
+    if missing:
+      lines.append(f'  missing keys ({len(missing)}): {", ".join(missing)}')
+    if unexpected:
+      lines.append(f'  unexpected keys ({len(unexpected)}): {", ".join(unexpected)}')
+    if mismatched:
+      lines.append(f'  shape mismatches ({len(mismatched)}): {"; ".join(mismatched)}')
+    raise ValueError('\n'.join(lines))
+  if replaced:
+    logging.getLogger('absl').info('Fine-tuning init: replaced %s', '; '.join(replaced))
+  return unflatten_params(out)
+
+
+def load_torch_as_saved(path: Any, model: Any, *, use_ema: bool = True) -> Dict[str, Any]:
+  """Converts a PyTorch T2T-ViT file for ``model``'s architecture at the file's own class count
+  and input size (read from its ``head.weight`` and ``pos_embed``), whatever ``model``'s are.
+
+  Raises:
+    ValueError: ``model`` is not a T2T-ViT, or the file does not fit its architecture.
+  """
+  from vit_jax.models import t2t  # pylint: disable=g-import-not-at-top
+  path = _normalize(path)
+  if not isinstance(model, t2t.T2TViT):
+    raise ValueError(f'{path!r} is a PyTorch checkpoint; only T2T-ViT models load those, '
+                     f'not {type(model).__name__}.')
+  state_dict = load_pth(path, use_ema=use_ema)
+  head = [np.shape(v)[0] for k, v in state_dict.items() if k.split('.')[-2:] == ['head', 'weight']]
+  if head:
+    model = model.clone(num_classes=int(head[0]))
+  return t2t.from_torch_state_dict(state_dict, model)
+
+
+def load_for_finetuning(path: Any, model: Any, fresh: Mapping, *,
+                        use_ema: bool = True) -> Dict[str, Any]:
+  """:func:`load` a checkpoint of any class count and resolution, then :func:`init_for_finetuning`.
+
+  A PyTorch T2T-ViT file is converted for a copy of ``model`` with the checkpoint's own class
+  count and input size (read from its ``head.weight`` and ``pos_embed``), so that a released
+  1000-class, 224 px file initialises e.g. a 10-class model at 384 px.
+
+  Args:
+    path: as for :func:`load`.
+    model: the model to fine-tune (from ``vit_jax.models.create``).
+    fresh: its initial variables (see :func:`init_for_finetuning`).
+    use_ema: prefer the checkpoint's parameter EMA when it has one.
+
+  Raises:
+    The errors of :func:`load` and :func:`init_for_finetuning`.
+  """
+  path = _normalize(path)
+  if _exists(path) and not _isdir(path) and is_torch_checkpoint(path):
+    loaded = load_torch_as_saved(path, model, use_ema=use_ema)
+  else:
+    loaded = load(path, model=model, use_ema=use_ema)
+  return init_for_finetuning(loaded, fresh)

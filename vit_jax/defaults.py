@@ -16,6 +16,11 @@ from vit_jax import data
 from vit_jax import models
 
 
+# Model fields whose None default stands for a float (the others are ints, e.g.
+# representation_size): T2T-ViT's attention scale (None: head_dim**-0.5).
+_FLOAT_MODEL_FIELDS = {"qk_scale": float}
+
+
 def get_config(model_name: str = "ViT-B_16", dataset: str = "imagenet2012",
                **model_overrides) -> ml_collections.ConfigDict:
   """Returns the full default config for `model_name` trained on tfds `dataset`.
@@ -40,7 +45,7 @@ def get_config(model_name: str = "ViT-B_16", dataset: str = "imagenet2012",
   config.model = ml_collections.ConfigDict(models.model_config(model_name, **model_overrides))
   for key, value in list(config.model.items()):
     if value is None:  # e.g. representation_size: keep it overridable with the right type.
-      config.model[key] = config_dict.placeholder(int)
+      config.model[key] = config_dict.placeholder(_FLOAT_MODEL_FIELDS.get(key, int))
   if "head_bias_init" in config.model:  # ViT: the regime's default (-10 or 0) if None.
     config.model.head_bias_init = config_dict.placeholder(float)
 
@@ -74,8 +79,27 @@ def get_config(model_name: str = "ViT-B_16", dataset: str = "imagenet2012",
   config.optim.momentum = config_dict.placeholder(float)  # SGD.
   config.optim.schedule = config_dict.placeholder(str)  # 'linear', 'cosine' or 'constant'.
   config.optim.warmup_steps = config_dict.placeholder(int)
-  config.optim.end_lr = 0.0
+  config.optim.end_lr = 0.0  # Learning rate at the end of the decay.
+  # Recipes stated in epochs or at a reference batch (T2T-ViT: "lr 5e-4 at batch 512, 10 warmup
+  # epochs from 1e-6, cosine to 1e-5, 10 cooldown epochs"); see optim.schedule_from_config.
+  config.optim.lr_base_batch_size = config_dict.placeholder(int)  # lr *= batch_size / this.
+  config.optim.warmup_epochs = config_dict.placeholder(float)  # Replaces warmup_steps if set.
+  config.optim.warmup_init_lr = 0.0  # The warmup rises from this rate.
+  config.optim.cooldown_steps = 0  # Updates at end_lr after the decay (part of the run).
+  config.optim.cooldown_epochs = config_dict.placeholder(float)  # Replaces cooldown_steps.
   config.optim.grad_clip_norm = config_dict.placeholder(float)  # 0 disables clipping.
+
+  # Exponential moving average of the parameters (timm ModelEmaV2: ema = d * ema + (1 - d) *
+  # params after every update), evaluated next to the parameters ('<split>_ema/...') and saved
+  # in the checkpoint ('ema_params'); 0 disables it. T2T-ViT recipe: 0.99996.
+  config.ema_decay = 0.0
+
+  # Fine-tuning: initialise from this checkpoint (official .npz, T2T .pth.tar, our orbax
+  # checkpoint or workdir, or `python -m vit_jax.convert` output) when the workdir has no
+  # checkpoint yet. The head is re-initialised when the class count differs, T2T's sinusoid
+  # table is regenerated for the new token count; see vit_jax.checkpoint.init_for_finetuning.
+  config.init_from = config_dict.placeholder(str)
+  config.init_from_ema = True  # Take the checkpoint's EMA weights when it has them.
 
   # Periodic work, in optimizer steps.
   config.log_every_steps = 50

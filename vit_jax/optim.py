@@ -87,40 +87,55 @@ def resolve_regime(config: ml_collections.ConfigDict) -> ml_collections.ConfigDi
 
 
 def lr_schedule(base_lr: float, total_steps: int, warmup_steps: int = 0,
-                decay: str = "cosine", end_lr: float = 0.0) -> Callable[[jax.Array], jax.Array]:
+                decay: str = "cosine", end_lr: float = 0.0, *, warmup_init_lr: float = 0.0,
+                cooldown_steps: int = 0) -> Callable[[jax.Array], jax.Array]:
   """The learning rate as a function of optax's 0-based update count.
 
   Reproduces the official vit_jax schedule, which numbers steps from 1:
   `lr(step) = base * min(1, step / warmup) * f(progress)` with
-  `progress = clip((step - warmup) / (total - warmup), 0, 1)` and
+  `progress = clip((step - warmup) / (total - cooldown - warmup), 0, 1)` and
   `f = 0.5 * (1 + cos(pi * progress))` ('cosine'), `1 - progress` ('linear') or 1 ('constant');
   the decayed part is interpolated towards `end_lr`. So the first update uses `base / warmup`
   and the last (step = total) uses `end_lr` (0 by default) for the decaying schedules.
+
+  Two additions give the timm `CosineLRScheduler` of the T2T-ViT recipe (REFERENCE.md section 3):
+  the warmup rises linearly from `warmup_init_lr` instead of 0
+  (`lr = init + (decayed - init) * min(1, step / warmup)`), and the last `cooldown_steps`
+  updates stay at `end_lr` (the decay ends `cooldown_steps` before `total_steps`). Unlike timm's
+  per-epoch steps, the rate changes every update, and the decay starts after the warmup.
 
   Args:
     base_lr: peak learning rate (after warmup).
     total_steps: number of optimizer updates in the whole run (> 0).
     warmup_steps: linear warmup length in updates (0 disables warmup; must be < total_steps).
     decay: 'cosine', 'linear' or 'constant'.
-    end_lr: learning rate reached at `total_steps`.
+    end_lr: learning rate reached at the end of the decay.
+    warmup_init_lr: learning rate the warmup starts from (at step 0).
+    cooldown_steps: updates at `end_lr` after the decay, included in `total_steps`.
 
   Returns:
     A function `count -> lr` (float32 scalar) usable as an optax schedule.
 
   Raises:
-    ValueError: unknown `decay`, `total_steps <= 0`, or `warmup_steps >= total_steps`.
+    ValueError: unknown `decay`, `total_steps <= 0`, or `warmup_steps + cooldown_steps >=
+      total_steps`.
   """
   if decay not in SCHEDULES:
     raise ValueError(f"Unknown schedule {decay!r}; choose one of {list(SCHEDULES)}.")
   if total_steps <= 0:
     raise ValueError(f"total_steps must be positive, got {total_steps}.")
-  if warmup_steps >= total_steps:
-    raise ValueError(f"warmup_steps={warmup_steps} must be smaller than total_steps={total_steps}; "
-                     "lower --config.optim.warmup_steps or train longer.")
+  if warmup_steps < 0 or cooldown_steps < 0:
+    raise ValueError(f"warmup_steps={warmup_steps} and cooldown_steps={cooldown_steps} must be >= 0.")
+  if warmup_steps + cooldown_steps >= total_steps:
+    raise ValueError(
+        f"warmup_steps={warmup_steps} (+ cooldown_steps={cooldown_steps}) must be smaller than "
+        f"total_steps={total_steps}; lower --config.optim.warmup_steps (or warmup_epochs, "
+        "cooldown_epochs) or train longer.")
+  decay_steps = total_steps - cooldown_steps - warmup_steps
 
   def schedule(count):
     step = jnp.asarray(count, jnp.float32) + 1.0  # optax counts from 0, the reference from 1.
-    progress = jnp.clip((step - warmup_steps) / (total_steps - warmup_steps), 0.0, 1.0)
+    progress = jnp.clip((step - warmup_steps) / decay_steps, 0.0, 1.0)
     if decay == "cosine":
       factor = 0.5 * (1.0 + jnp.cos(math.pi * progress))
     elif decay == "linear":
@@ -129,10 +144,39 @@ def lr_schedule(base_lr: float, total_steps: int, warmup_steps: int = 0,
       factor = jnp.ones_like(progress)
     lr = end_lr + (base_lr - end_lr) * factor
     if warmup_steps > 0:
-      lr = lr * jnp.minimum(1.0, step / warmup_steps)
+      lr = warmup_init_lr + (lr - warmup_init_lr) * jnp.minimum(1.0, step / warmup_steps)
     return lr
 
   return schedule
+
+
+def schedule_from_config(optim: ml_collections.ConfigDict, *, batch_size: int,
+                         total_steps: int, steps_per_epoch: float) -> Callable[[jax.Array], jax.Array]:
+  """`lr_schedule` of a resolved `config.optim`, with its epoch fields turned into steps.
+
+  The peak rate is `optim.lr`, times `batch_size / optim.lr_base_batch_size` when that is set
+  (the linear scaling rule of the T2T-ViT and DeiT recipes: "lr 5e-4 at batch 512").
+  `optim.warmup_epochs` / `optim.cooldown_epochs`, when set, replace `warmup_steps` /
+  `cooldown_steps` (rounded to whole updates at `steps_per_epoch` updates per epoch).
+
+  Raises:
+    ValueError: see `lr_schedule`; a non-positive `lr_base_batch_size`.
+  """
+  lr = optim.lr
+  if optim.get("lr_base_batch_size") is not None:
+    if optim.lr_base_batch_size <= 0:
+      raise ValueError(f"config.optim.lr_base_batch_size={optim.lr_base_batch_size} must be "
+                       "positive (or None to use config.optim.lr as it is).")
+    lr = lr * batch_size / optim.lr_base_batch_size
+
+  def steps(epochs_key: str, steps_key: str) -> int:
+    if optim.get(epochs_key) is not None:
+      return int(round(optim[epochs_key] * steps_per_epoch))
+    return int(optim.get(steps_key) or 0)
+
+  return lr_schedule(lr, total_steps, steps("warmup_epochs", "warmup_steps"), optim.schedule,
+                     optim.end_lr, warmup_init_lr=optim.get("warmup_init_lr") or 0.0,
+                     cooldown_steps=steps("cooldown_epochs", "cooldown_steps"))
 
 
 def _decay_mask(params):

@@ -13,6 +13,7 @@ Read it top to bottom: `train_and_evaluate` goes through the phases in order
 from __future__ import annotations
 
 import contextlib
+import itertools
 import math
 import os
 import re
@@ -29,13 +30,15 @@ import numpy as np
 import optax
 import orbax.checkpoint as ocp
 
+from vit_jax import checkpoint
 from vit_jax import data
 from vit_jax import models
 from vit_jax import optim
 
-# {'step': int32[], 'params': ..., 'opt_state': ..., 'model_state': ...}. 'model_state' holds the
-# model's variable collections other than 'params' (e.g. T2T-ViT's fixed sinusoid table and
-# Performer features): saved and restored with the rest, never trained; absent when empty.
+# {'step': int32[], 'params': ..., 'opt_state': ..., 'model_state': ..., 'ema_params': ...}.
+# 'model_state' holds the model's variable collections other than 'params' (e.g. T2T-ViT's fixed
+# sinusoid table and Performer features): saved and restored with the rest, never trained; absent
+# when empty. 'ema_params' (only with config.ema_decay > 0) is the moving average of 'params'.
 State = dict[str, Any]
 
 
@@ -169,21 +172,37 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     # the parameters are replicated.
     model = models.create(config.model_name, num_classes=info.num_classes,
                           **_model_fields(config))
-    schedule = optim.lr_schedule(config.optim.lr, total_steps, config.optim.warmup_steps,
-                                 config.optim.schedule, config.optim.end_lr)
+    schedule = optim.schedule_from_config(
+        config.optim, batch_size=config.batch_size, total_steps=total_steps,
+        steps_per_epoch=info.num_train_examples / config.batch_size)
+    if not 0.0 <= config.ema_decay < 1.0:
+      raise ValueError(f"config.ema_decay={config.ema_decay} must be in [0, 1) (0 disables the "
+                       "parameter EMA; the T2T-ViT recipe uses 0.99996).")
+    init_from, init_from_ema = config.init_from, config.init_from_ema
+    if init_from and not os.path.exists(init_from) and "://" not in init_from:
+      raise FileNotFoundError(f"config.init_from={init_from!r} does not exist; give an "
+                              "official .npz, a .pth.tar, an orbax checkpoint or a workdir.")
     tx = optim.make_optimizer(config.optim, schedule)
     mesh = jax.sharding.Mesh(np.asarray(jax.devices()), ("data",))
     batch_sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
     replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
 
-    def init_state(rng) -> State:
-      images = jnp.zeros((1, *info.image_shape), jnp.float32)
-      variables = dict(model.init({"params": rng}, images, train=False))
+    def state_from_variables(variables: dict[str, Any]) -> State:
+      variables = dict(variables)
       params = variables.pop("params")
       state = {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": tx.init(params)}
       if variables:
         state["model_state"] = variables
+      if config.ema_decay:
+        state["ema_params"] = params
       return state
+
+    def init_variables(rng) -> dict[str, Any]:
+      images = jnp.zeros((1, *info.image_shape), jnp.float32)
+      return dict(model.init({"params": rng}, images, train=False))
+
+    def init_state(rng) -> State:
+      return state_from_variables(init_variables(rng))
 
     # Evaluation sets: data.eval_split, and optionally another dataset with the same classes
     # and preprocessing (e.g. ImageNet ReaL labels next to the ImageNet validation labels).
@@ -210,7 +229,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated),
         jax.eval_shape(init_state, init_rng))
 
-  # 4. State: the latest checkpoint in workdir if there is one, else a fresh initialisation.
+  # 4. State: the latest checkpoint in workdir if there is one, else the fine-tuning init from
+  # config.init_from (new head, regenerated tables), else a fresh initialisation.
   writer = metric_writers.create_default_writer(
       workdir, just_logging=jax.process_index() > 0, asynchronous=True)
   writer.write_hparams({k: v for k, v in _flatten(config.to_dict()).items()
@@ -228,6 +248,13 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     logging.info("Resuming from the checkpoint at step %d in %s.", latest, ckpt_dir)
     state = manager.restore(latest, args=ocp.args.Composite(
         state=ocp.args.StandardRestore(abstract_state)))["state"]
+  elif init_from:
+    logging.info("Initialising from %s for fine-tuning.", init_from)
+    with _config_errors():
+      variables = checkpoint.load_for_finetuning(
+          init_from, model, jax.device_get(jax.jit(init_variables)(init_rng)),
+          use_ema=init_from_ema)
+    state = jax.jit(state_from_variables, out_shardings=replicated)(variables)
   else:
     state = jax.jit(init_state, out_shardings=replicated)(init_rng)
   start_step = int(state["step"])
@@ -271,6 +298,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
     params = optax.apply_updates(state["params"], updates)
     new_state = dict(state, step=state["step"] + 1, params=params, opt_state=opt_state)
+    if config.ema_decay:
+      new_state["ema_params"] = optax.incremental_update(params, state["ema_params"],
+                                                         1.0 - config.ema_decay)
     metrics = {"loss": loss, "grad_norm": optax.global_norm(grads),
                "param_norm": optax.global_norm(params), "lr": schedule(state["step"])}
     return new_state, metrics
@@ -287,12 +317,19 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   def to_global(batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
     return {k: jax.make_array_from_process_local_data(batch_sharding, v) for k, v in batch.items()}
 
+  # The parameters evaluated: the trained ones, and their EMA as '<split>_ema/...' if kept.
+  weights = {"": lambda state: state}
+  if config.ema_decay:
+    weights["_ema"] = lambda state: dict(state, params=state["ema_params"])
+
   def evaluate(state: State, step: int) -> dict[str, float]:
     results = {}
-    for name, (split, eval_ds) in evals.items():
+    for (name, (split, eval_ds)), (suffix, select) in itertools.product(
+        evals.items(), weights.items()):
+      name += suffix
       totals: dict[str, float] = {}
       for batch in eval_ds:
-        for k, v in jax.device_get(p_eval_step(state, to_global(batch))).items():
+        for k, v in jax.device_get(p_eval_step(select(state), to_global(batch))).items():
           totals[k] = totals.get(k, 0) + v
       count = int(totals.pop("count"))
       if count == 0:

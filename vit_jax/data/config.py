@@ -59,10 +59,32 @@ def get_default_config() -> ml_collections.ConfigDict:
   # [inception_crop_min_area, 1] of the image with aspect ratio in [3/4, 4/3],
   # resized to S, + random left-right flip; the ViT fine-tuning recipe),
   # 'flip' (resize to S + random left-right flip), 'none' (resize to S).
-  # Eval always resizes the full image to S (bilinear).
+  # Eval resizes the full image to S (bilinear) unless eval_crop_pct is set (below).
   c.augment = 'inception_crop'
   # Minimum fraction of the image area kept by the Inception crop.
   c.inception_crop_min_area = 0.05
+  # Extra training augmentations of the T2T-ViT / DeiT ImageNet recipe (timm's), off by
+  # default; see vit_jax.data.augment. All are seeded by (seed, step), so resuming is exact.
+  # RandAugment after the crop / flip (timm 'rand-m9-mstd0.5-inc1'): this many ops per image
+  # (0 disables), each with probability 0.5, magnitude ~ N(magnitude, magnitude_std) in [0, 10].
+  c.randaugment_num_layers = 0
+  c.randaugment_magnitude = 9.0
+  c.randaugment_magnitude_std = 0.5
+  # Random erasing after normalization: with this probability one rectangle (2%-33% of the
+  # area, aspect ratio 0.3-3.3) is filled with standard-normal noise (timm mode 'pixel').
+  c.random_erasing = 0.0
+  # Mixup / CutMix of each process's batch with its reverse (timm Mixup, mode 'batch'): with
+  # probability mix_prob a batch is mixed, by CutMix with probability mix_switch_prob when both
+  # alphas are > 0; lambda ~ Beta(alpha, alpha) (CutMix: corrected to the pasted area); labels
+  # become lambda * y + (1 - lambda) * y_reversed. 0 disables each.
+  c.mixup_alpha = 0.0
+  c.cutmix_alpha = 0.0
+  c.mix_switch_prob = 0.5
+  c.mix_prob = 1.0
+  # Eval resizing: None resizes the whole image to S (bilinear; the official ViT eval); a
+  # fraction p resizes the shorter side to floor(S / p) (bicubic) and takes the central S x S
+  # crop (timm; T2T-ViT uses 0.9).
+  c.eval_crop_pct = config_dict.placeholder(float)
   # Pixel normalization: 'minus_one_to_one' (x / 127.5 - 1, values in [-1, 1],
   # the ViT convention) or 'imagenet' ((x / 255 - mean) / std with ImageNet
   # mean (0.485, 0.456, 0.406) and std (0.229, 0.224, 0.225), values in about

@@ -23,6 +23,7 @@ import numpy as np
 import tensorflow as tf
 import tensorflow_datasets as tfds
 
+from vit_jax.data import augment
 from vit_jax.data import config as config_lib
 from vit_jax.data import preprocess
 from vit_jax.data import sources
@@ -65,6 +66,28 @@ def _validate(data_cfg) -> None:
                      f'got {data_cfg.inception_crop_min_area!r}.')
   if data_cfg.shuffle_buffer < 1:
     raise ValueError('config.data.shuffle_buffer must be >= 1.')
+  if (not isinstance(data_cfg.randaugment_num_layers, int) or
+      data_cfg.randaugment_num_layers < 0):
+    raise ValueError('config.data.randaugment_num_layers must be an int >= 0 '
+                     f'(0 disables RandAugment), got '
+                     f'{data_cfg.randaugment_num_layers!r}.')
+  if not 0. <= data_cfg.randaugment_magnitude <= 10.:
+    raise ValueError('config.data.randaugment_magnitude must be in [0, 10] '
+                     f'(timm: 9), got {data_cfg.randaugment_magnitude!r}.')
+  if data_cfg.randaugment_magnitude_std < 0.:
+    raise ValueError('config.data.randaugment_magnitude_std must be >= 0, got '
+                     f'{data_cfg.randaugment_magnitude_std!r}.')
+  for key in ('random_erasing', 'mix_switch_prob', 'mix_prob'):
+    if not 0. <= data_cfg[key] <= 1.:
+      raise ValueError(f'config.data.{key} is a probability: it must be in '
+                       f'[0, 1], got {data_cfg[key]!r}.')
+  for key in ('mixup_alpha', 'cutmix_alpha'):
+    if data_cfg[key] < 0.:
+      raise ValueError(f'config.data.{key} must be >= 0 (0 disables it), got '
+                       f'{data_cfg[key]!r}.')
+  if data_cfg.eval_crop_pct is not None and not 0. < data_cfg.eval_crop_pct <= 1.:
+    raise ValueError('config.data.eval_crop_pct must be in (0, 1] or None, got '
+                     f'{data_cfg.eval_crop_pct!r}.')
 
 
 def _processes(process_index: Optional[int],
@@ -101,13 +124,15 @@ def _num_examples(source: sources.Source, split, what: str) -> int:
 _EPOCH_STRIDE = 2**32  # > examples per epoch of one process.
 
 
-def _vectorizable(source: sources.Source, augment: str) -> bool:
+def _vectorizable(source: sources.Source, augment: str,
+                  per_example_extras: bool = False) -> bool:
   """Whether resize / flip can run on whole batches (much faster in tf.data).
 
-  Needs images of one static size (e.g. Fashion-MNIST's 28x28) and no
-  per-example crop.
+  Needs images of one static size (e.g. Fashion-MNIST's 28x28), no
+  per-example crop and no RandAugment / random erasing.
   """
-  return augment != 'inception_crop' and source.static_image_hw is not None
+  return (augment != 'inception_crop' and not per_example_extras and
+          source.static_image_hw is not None)
 
 
 def _options(data_cfg) -> tf.data.Options:
@@ -179,7 +204,8 @@ def create_train_iterator(data_cfg, global_batch_size: int, seed: int,
     'image':  float32 [b, S, S, 3]; in [-1, 1] for normalization
               'minus_one_to_one', (x/255 - mean)/std for 'imagenet'.
     'labels': float32 [b, C]; one-hot (ClassLabel) or multi-hot
-              (Sequence(ClassLabel)) targets in {0, 1}.
+              (Sequence(ClassLabel)) targets in {0, 1}; with Mixup / CutMix,
+              lam * y + (1 - lam) * y_reversed.
 
   Pipeline (as the official vit_jax input_pipeline, plus determinism):
   this process reads `tfds.split_for_jax_process(train_split)` (even split
@@ -195,6 +221,10 @@ def create_train_iterator(data_cfg, global_batch_size: int, seed: int,
   have one static size (e.g. Fashion-MNIST) and augment != 'inception_crop',
   resize / flip / one-hot / normalization run on whole batches (flip
   seeded by the batch's first element), which is ~10x faster in tf.data.
+  The T2T-ViT recipe's extras (`vit_jax.data.augment`), when configured, in
+  the order of timm's loader: RandAugment on each cropped and flipped image;
+  after normalization, Mixup / CutMix of each batch with its reverse (seeded
+  by the batch's first element), then random erasing of each image.
 
   Resume: the example stream is a deterministic function of (seed, dataset
   files, split, process_count, process_index, shuffle_buffer, cache, augment
@@ -234,7 +264,11 @@ def create_train_iterator(data_cfg, global_batch_size: int, seed: int,
   label = source.label
   cache = bool(data_cfg.cache)
   encoded = (not cache) and source.images_encoded_after_read
-  vectorized = _vectorizable(source, data_cfg.augment)
+  randaugment = data_cfg.randaugment_num_layers > 0
+  erasing = data_cfg.random_erasing > 0
+  mixing = (data_cfg.mixup_alpha > 0 or data_cfg.cutmix_alpha > 0) and (
+      data_cfg.mix_prob > 0)
+  vectorized = _vectorizable(source, data_cfg.augment, randaugment)
   if cache:
     # Decoded, un-augmented images of this process's split, kept in memory
     # and shared by all epochs (filled during the first epoch).
@@ -242,6 +276,8 @@ def create_train_iterator(data_cfg, global_batch_size: int, seed: int,
   run_key = preprocess.seed_key(seed)
   shuffle_root = preprocess.fold_in(run_key, 0)
   augment_root = preprocess.fold_in(run_key, 1)
+  mix_root = preprocess.fold_in(run_key, 2)
+  erase_root = preprocess.fold_in(run_key, 3)
 
   @tf.autograph.experimental.do_not_convert
   def epoch_examples(epoch):
@@ -261,12 +297,18 @@ def create_train_iterator(data_cfg, global_batch_size: int, seed: int,
     if vectorized:  # Only decode here; the rest is done per batch.
       image = source.decode(ex['image'], encoded) if encoded else ex['image']
     else:
+      seed = preprocess.fold_in(augment_root, i)
       image = preprocess.train_image(
           ex['image'], encoded=encoded,
-          seed=(preprocess.fold_in(augment_root, i)
-                if data_cfg.augment != 'none' else None),
+          seed=seed if data_cfg.augment != 'none' else None,
           size=data_cfg.image_size, augment=data_cfg.augment,
           min_area=data_cfg.inception_crop_min_area, normalization=None)
+      if randaugment:  # On the cropped, flipped uint8 image, as timm does.
+        image = tf.cast(augment.rand_augment(
+            tf.cast(tf.round(image), tf.uint8), preprocess.fold_in(seed, 1),
+            num_layers=data_cfg.randaugment_num_layers,
+            magnitude=data_cfg.randaugment_magnitude,
+            magnitude_std=data_cfg.randaugment_magnitude_std), tf.float32)
     lab = ex['label']
     if label.multi_label:  # Ragged label sets -> fixed-size multi-hot.
       lab = preprocess.targets(lab, label.num_classes, True)
@@ -285,8 +327,21 @@ def create_train_iterator(data_cfg, global_batch_size: int, seed: int,
     labels = ex['label']
     if not label.multi_label:
       labels = preprocess.targets(labels, label.num_classes, False)
-    return {'image': preprocess.normalize(image, data_cfg.normalization),
-            'labels': labels}
+    image = preprocess.normalize(image, data_cfg.normalization)
+    # Then as timm's loader for T2T-ViT: Mixup / CutMix of the batch, then
+    # random erasing of each image (noise N(0, 1) in normalized units).
+    if mixing:  # One mixing decision per batch (and per process), as timm.
+      image, labels = augment.mixup_cutmix(
+          image, labels, preprocess.fold_in(mix_root, ids[0]),
+          mixup_alpha=data_cfg.mixup_alpha, cutmix_alpha=data_cfg.cutmix_alpha,
+          switch_prob=data_cfg.mix_switch_prob, prob=data_cfg.mix_prob)
+    if erasing:
+      image = tf.map_fn(
+          lambda args: augment.random_erasing(
+              args[0], preprocess.fold_in(erase_root, args[1]),
+              probability=data_cfg.random_erasing),
+          (image, ids), fn_output_signature=tf.float32)
+    return {'image': image, 'labels': labels}
 
   ds = tf.data.Dataset.range(start_epoch, 2**62).flat_map(epoch_examples)
   if offset:
@@ -342,7 +397,8 @@ def create_eval_dataset(data_cfg, global_batch_size: int, *,
   empty split (e.g. 'train[99%:]' of a tiny test set) logs a warning and
   yields one fully-masked batch.
   Images are resized to S x S (bilinear, whole image, no crop) as in the
-  official vit_jax eval pipeline. For ImageNet ReaL ('real_label'), images
+  official vit_jax eval pipeline, or with `config.eval_crop_pct` set, resized
+  and centre-cropped as timm / T2T-ViT do (`preprocess.resize_and_center_crop`). For ImageNet ReaL ('real_label'), images
   with no label get mask=False (skipped, as in the ViT paper).
 
   Args:
@@ -383,7 +439,8 @@ def create_eval_dataset(data_cfg, global_batch_size: int, *,
     else:
       image = preprocess.eval_image(ex['image'], encoded=encoded,
                                     size=data_cfg.image_size,
-                                    normalization=None)
+                                    normalization=None,
+                                    crop_pct=data_cfg.eval_crop_pct)
     lab = ex['label']
     mask = tf.constant(True)
     if label.mask_unlabeled_eval:
@@ -396,8 +453,11 @@ def create_eval_dataset(data_cfg, global_batch_size: int, *,
   @tf.autograph.experimental.do_not_convert
   def per_batch(ex):
     image = ex['image']
-    if vectorized:
+    if vectorized and data_cfg.eval_crop_pct is None:
       image = preprocess.resize(image, data_cfg.image_size)
+    elif vectorized:
+      image = preprocess.resize_and_center_crop(image, data_cfg.image_size,
+                                                data_cfg.eval_crop_pct)
     labels = ex['label']
     if not label.multi_label:
       labels = preprocess.targets(labels, label.num_classes, False)

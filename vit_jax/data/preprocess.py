@@ -16,6 +16,7 @@ and do not depend on tf.data threading or on where a run was resumed.
 
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import tensorflow as tf
@@ -172,13 +173,51 @@ def train_image(image: tf.Tensor, *, encoded: bool,
   return image if normalization is None else normalize(image, normalization)
 
 
-def eval_image(image: tf.Tensor, *, encoded: bool, size: int,
-               normalization: Optional[str]) -> tf.Tensor:
-  """Decodes + bilinear-resizes one eval image -> float32 [size, size, 3].
+def resize_and_center_crop(image: tf.Tensor, size: int,
+                           crop_pct: float) -> tf.Tensor:
+  """timm's eval transform: [(B,) H, W, 3] -> float32 [(B,) size, size, 3].
 
+  Resizes the shorter side to floor(size / crop_pct) (the longer one in
+  proportion, truncated, as torchvision's `Resize(int)`), bicubic with
+  antialiasing (close to PIL's), then takes the central size x size crop
+  (offsets rounded as torchvision's `CenterCrop`). Values stay in [0, 255].
+  T2T-ViT evaluates with crop_pct 0.9 (224 px: resize to 248, crop 224).
+
+  Raises:
+    ValueError: crop_pct not in (0, 1].
+  """
+  if not 0. < crop_pct <= 1.:
+    raise ValueError(f'config.data.eval_crop_pct={crop_pct} must be in (0, 1].')
+  scale = math.floor(size / crop_pct)
+  shape = tf.shape(image)
+  h, w = tf.cast(shape[-3], tf.float64), tf.cast(shape[-2], tf.float64)
+  short = tf.minimum(h, w)
+  scale_t = tf.constant(scale, tf.float64)
+  new_h = tf.cast(tf.where(h <= w, scale_t, tf.floor(scale_t * h / short)), tf.int32)
+  new_w = tf.cast(tf.where(w < h, scale_t, tf.floor(scale_t * w / short)), tf.int32)
+  image = tf.image.resize(tf.cast(image, tf.float32), tf.stack([new_h, new_w]),
+                          method='bicubic', antialias=True)
+  top = tf.cast(tf.round((new_h - size) / 2), tf.int32)
+  left = tf.cast(tf.round((new_w - size) / 2), tf.int32)
+  image = image[..., top:top + size, left:left + size, :]
+  return tf.clip_by_value(image, 0., 255.)
+
+
+def eval_image(image: tf.Tensor, *, encoded: bool, size: int,
+               normalization: Optional[str],
+               crop_pct: Optional[float] = None) -> tf.Tensor:
+  """Decodes + resizes one eval image -> float32 [size, size, 3].
+
+  `crop_pct=None`: bilinear resize of the whole image (the official ViT
+  eval); else `resize_and_center_crop` (timm / T2T-ViT).
   `normalization=None` returns pixels in [0, 255] (see `normalize`).
   """
-  image = resize(decode_rgb(image, encoded), size)
+  image = decode_rgb(image, encoded)
+  if crop_pct is None:
+    image = resize(image, size)
+  else:
+    image = resize_and_center_crop(image, size, crop_pct)
+    image = tf.ensure_shape(image, [size, size, 3])
   return image if normalization is None else normalize(image, normalization)
 
 
