@@ -69,7 +69,7 @@ def test_t2t_finetuning_init_new_classes_and_resolution():
 def test_same_task_finetuning_init_keeps_head_and_logits():
   model = models.create('T2T-ViT-custom', num_classes=10, **_fixture_overrides())
   variables = checkpoint.load_for_finetuning(PERFORMER / 'checkpoint.pth.tar', model,
-                                             _init(model, 64))
+                                             _init(model, 64), reset_head=False)
   np.testing.assert_allclose(_fixture_logits(model, variables),
                              np.load(PERFORMER / 'logits.npy'), rtol=1e-5, atol=1e-5)
 
@@ -87,6 +87,69 @@ def test_finetuning_init_lists_every_mismatch():
   assert 'head' not in message  # The head is replaced, not an error.
 
 
+def _posemb_fixture(name):
+  import json  # pylint: disable=g-import-not-at-top
+  return json.loads((FIXTURES / name / 'config.json').read_text())
+
+
+@pytest.mark.parametrize('name,source,classifier,representation_size,seed', [
+    ('posemb_resize', 'vit_tiny', 'token', None, 3),
+    ('posemb_resize_gap_repr', 'vit_tiny_gap_repr', 'gap', 16, 4),
+])
+def test_official_finetuning_init_fixtures(name, source, classifier, representation_size, seed):
+  """The official load_pretrained into a 48 px, 5-class model: same table, head, pre_logits."""
+  info = _posemb_fixture(name)
+  model = models.create('ViT-custom', num_classes=5, classifier=classifier,
+                        representation_size=representation_size, **_vit_tiny_fields())
+  fresh = jax.device_get(model.init(jax.random.PRNGKey(seed), jnp.ones((1, 48, 48, 3)),
+                                    train=False))
+  variables = checkpoint.init_for_finetuning(checkpoint.load(FIXTURES / source / 'params.npz'),
+                                             fresh)
+  flat = checkpoint.flatten_params(variables['params'])
+  posemb = flat['Transformer/posembed_input/pos_embedding']
+  assert list(posemb.shape) == info['pos_embedding_shape']
+  np.testing.assert_allclose(posemb, np.load(FIXTURES / name / 'pos_embedding.npy'), atol=1e-6)
+  with np.load(FIXTURES / name / 'loaded_params_linen.npz', allow_pickle=False) as official:
+    assert sorted(official.files) == sorted(flat)
+    for key in official.files:  # Head = the fresh init (zeros); pre_logits kept; rest copied.
+      np.testing.assert_allclose(flat[key], official[key], atol=1e-6, err_msg=key)
+  for key, facts in info['head_and_pre_logits'].items():
+    assert facts['equals_init_params'] == np.array_equal(
+        flat[key], checkpoint.flatten_params(fresh['params'])[key]), key
+  inputs = np.load(FIXTURES / name / 'inputs.npy')
+  logits = jax.jit(lambda v, x: model.apply(v, x, train=False))(variables, inputs)
+  np.testing.assert_allclose(logits, np.load(FIXTURES / name / 'logits.npy'), atol=1e-6)
+
+
+def test_resize_posemb_corners_aligned_gap_and_non_square():
+  grid = np.arange(4, dtype=np.float32).reshape(1, 4, 1)  # [[0, 1], [2, 3]], 'gap': no class row
+  out = checkpoint.resize_posemb(grid, 9, has_class_token=False)
+  np.testing.assert_allclose(out[0, :, 0], [0, .5, 1, 1, 1.5, 2, 2, 2.5, 3])
+  with_cls = np.concatenate([np.full((1, 1, 1), 7.), grid], axis=1)
+  out = checkpoint.resize_posemb(with_cls, 1 + 2 * 3, has_class_token=True, new_grid=(2, 3))
+  np.testing.assert_allclose(out[0, :, 0], [7, 0, .5, 1, 2, 2.5, 3])  # Class row unchanged.
+  with pytest.raises(ValueError, match='12 grid tokens, not a square grid: pass its grid'):
+    checkpoint.resize_posemb(with_cls, 13, has_class_token=True)
+  with pytest.raises(ValueError, match='grid 3x3 does not match its 12'):
+    checkpoint.resize_posemb(with_cls, 13, has_class_token=True, new_grid=(3, 3))
+
+
+def test_non_square_finetuning_224x320():
+  """A square 2x2-grid checkpoint into a 2x3 grid model (the official code asserts here)."""
+  fields = dict(_vit_tiny_fields(), patch_size=16)
+  saved = jax.device_get(models.create('ViT-custom', num_classes=4, **fields).init(
+      jax.random.PRNGKey(0), jnp.ones((1, 32, 32, 3)), train=False))
+  model = models.create('ViT-custom', num_classes=3, **fields)
+  fresh = jax.device_get(model.init(jax.random.PRNGKey(1), jnp.ones((1, 32, 48, 3)),
+                                    train=False))
+  variables = checkpoint.init_for_finetuning(saved, fresh, grid=(2, 3))
+  posemb = variables['params']['Transformer']['posembed_input']['pos_embedding']
+  old = saved['params']['Transformer']['posembed_input']['pos_embedding']
+  assert posemb.shape == (1, 7, 32)
+  np.testing.assert_array_equal(posemb[:, 0], old[:, 0])
+  np.testing.assert_allclose(posemb[0, 2], (old[0, 1] + old[0, 2]) / 2, rtol=1e-6)
+
+
 def test_vit_finetuning_init_resets_head_and_converts_layout():
   saved = checkpoint.load(FIXTURES / 'vit_tiny' / 'params.npz')
   num_classes = saved['params']['head']['kernel'].shape[1]
@@ -102,14 +165,14 @@ def test_vit_finetuning_init_resets_head_and_converts_layout():
   np.testing.assert_array_equal(
       unscanned['Transformer']['encoderblock_0']['MlpBlock_0']['Dense_0']['kernel'],
       saved['params']['Transformer']['encoderblock_0']['MlpBlock_0']['Dense_0']['kernel'])
-  # A grid the checkpoint's position embedding does not have is an error, not a silent reset;
-  # so is a missing parameter. All are listed together.
+  # Another width, and a missing parameter: all listed together.
   del saved['params']['Transformer']['encoder_norm']
+  wide = models.create('ViT-custom', num_classes=3, **dict(_vit_tiny_fields(), hidden_size=48))
   with pytest.raises(ValueError) as info:
-    checkpoint.init_for_finetuning(saved, _init(model, size * 2))
+    checkpoint.init_for_finetuning(saved, _init(wide, size))
   message = str(info.value)
   assert ('params/Transformer/posembed_input/pos_embedding: checkpoint (1, 65, 32), '
-          'model (1, 257, 32)') in message
+          'model (1, 65, 48)') in message
   assert 'missing keys (2): ' in message
   assert {'params/Transformer/encoder_norm/scale', 'params/Transformer/encoder_norm/bias'} <= set(
       message.split('missing keys (2): ')[1].split('\n')[0].split(', '))
@@ -171,7 +234,8 @@ def test_init_from_that_does_not_fit_is_a_config_error(tmp_path):
   with pytest.raises(train.ConfigError, match='missing keys'):
     train.train_and_evaluate(config, str(tmp_path / 'workdir'))
   config.init_from = str(tmp_path / 'nothing_here.npz')
-  with pytest.raises(train.ConfigError, match='config.init_from=.*does not exist'):
+  with pytest.raises(train.ConfigError, match=r'nothing_here.npz.*\(config.init_from or '
+                     r'config.pretrained_dir\), does not exist'):
     train.train_and_evaluate(config, str(tmp_path / 'workdir2'))
   assert not (tmp_path / 'workdir2').exists()
 
@@ -224,3 +288,105 @@ def test_convert_bad_input_is_explained(tmp_path, capsys):
   assert 'exists; choose a new destination or pass --overwrite' in capsys.readouterr().err
   assert convert.main([str(tmp_path / 'missing.npz'), str(tmp_path / 'y')]) == 2
   assert 'missing.npz' in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------ export round trip
+
+
+def _tiny_vit_run(tmp_path, name, **overrides):
+  folder = data_utils.make_image_folder(str(tmp_path / 'images'), num_classes=3, per_class=4,
+                                        size=16)
+  config = defaults.get_config('ViT-custom', 'unused', **dict(_vit_tiny_fields(), scan=True))
+  config.regime = 'finetune'
+  config.data.image_folder = folder
+  config.data.image_size = 16
+  config.data.augment = 'none'
+  config.batch_size = 4
+  config.total_steps = 2
+  config.optim.warmup_steps = 0
+  for key, value in overrides.items():
+    config[key] = value
+  workdir = str(tmp_path / name)
+  train.train_and_evaluate(config, workdir)
+  return config, workdir
+
+
+def test_export_fine_tuned_checkpoint_to_official_npz_and_back(tmp_path):
+  """workdir (scanned layout) -> official .npz -> load: bitwise equal, same logits."""
+  config, workdir = _tiny_vit_run(tmp_path, 'run')
+  npz = tmp_path / 'exported.npz'
+  assert convert.main([workdir, str(npz)]) == 0
+  ours = checkpoint.load(workdir)
+  assert models.is_scanned(ours['params'])
+  exported = checkpoint.load(npz)
+  assert not models.is_scanned(exported['params'])
+  flat_ours = checkpoint.flatten_params(models.unscan_params(ours['params']))
+  flat_exported = checkpoint.flatten_params(exported['params'])
+  assert sorted(flat_ours) == sorted(flat_exported)
+  for key, value in flat_ours.items():
+    np.testing.assert_array_equal(flat_exported[key], value, err_msg=key)
+  with np.load(npz, allow_pickle=False) as f:  # The official key layout.
+    assert 'Transformer/encoderblock_1/MultiHeadDotProductAttention_0/query/kernel' in f.files
+  images = np.random.default_rng(0).uniform(-1, 1, (2, 16, 16, 3)).astype(np.float32)
+  scanned = models.create('ViT-custom', num_classes=3, **dict(_vit_tiny_fields(), scan=True))
+  unrolled = models.create('ViT-custom', num_classes=3, **_vit_tiny_fields())
+  np.testing.assert_allclose(unrolled.apply(exported, images, train=False),
+                             scanned.apply(ours, images, train=False), rtol=1e-5, atol=1e-6)
+
+
+def test_pretrained_dir_convention(tmp_path):
+  """init_from = '{pretrained_dir}/{model_name}.npz', as the official fine-tuning configs."""
+  _, workdir = _tiny_vit_run(tmp_path, 'pretrain')
+  pretrained = tmp_path / 'pretrained'
+  assert convert.main([workdir, str(pretrained / 'ViT-custom.npz')]) == 0
+  _, finetuned = _tiny_vit_run(tmp_path, 'finetune', pretrained_dir=str(pretrained),
+                               total_steps=1)
+  assert checkpoint.load(finetuned)['params']['Transformer']['encoderblock']['LayerNorm_0'][
+      'scale'].shape == (2, 32)
+  with pytest.raises(train.ConfigError, match='ViT-custom.npz'):
+    _tiny_vit_run(tmp_path, 'missing', pretrained_dir=str(tmp_path / 'nowhere'))
+
+
+# ------------------------------------------------------------------------------ end to end
+
+
+def _fmnist_config(data_dir, image_size, total_steps, **overrides):
+  config = defaults.get_config('ViT-custom', 'fashion_mnist_local', hidden_size=64, mlp_dim=128,
+                               num_heads=4, num_layers=3, patch_size=7)
+  config.regime = 'pretrain'
+  config.loss = 'softmax_xent'
+  config.model.head_bias_init = 0.0
+  config.optim.update(lr=2e-3, weight_decay=0.05, schedule='cosine', warmup_steps=30)
+  config.data.update(data_dir=data_dir, image_size=image_size, augment='flip', cache=True,
+                     eval_split='test[:2000]', shuffle_buffer=10_000)
+  config.batch_size = 128
+  config.total_steps = total_steps
+  config.log_every_steps = config.eval_every_steps = config.checkpoint_every_steps = total_steps
+  for key, value in overrides.items():
+    if isinstance(value, dict):
+      config[key].update(value)
+    else:
+      config[key] = value
+  return config
+
+
+@pytest.mark.slow
+def test_pretrain_28px_export_then_finetune_56px_beats_scratch(tmp_path):
+  """Pretrain at 28 px, export to .npz, fine-tune at 56 px (position embedding 4x4 -> 8x8):
+  the short fine-tuning schedule beats the same schedule from scratch."""
+  data_dir = str(tmp_path / 'tfds')
+  pretrained = train.train_and_evaluate(_fmnist_config(data_dir, 28, 300), str(tmp_path / 'pre'))
+  npz = tmp_path / 'pretrained.npz'
+  assert convert.main([str(tmp_path / 'pre'), str(npz)]) == 0
+  # The same short fine-tuning schedule (the 'finetune' regime: SGD momentum, lr 0.03, cosine)
+  # from the exported weights and from scratch.
+  short = dict(regime='finetune', optim=dict(optimizer=None, lr=None, weight_decay=None,
+                                             schedule=None, warmup_steps=10))
+  finetuned = train.train_and_evaluate(
+      _fmnist_config(data_dir, 56, 60, init_from=str(npz), **short), str(tmp_path / 'fine'))
+  scratch = train.train_and_evaluate(_fmnist_config(data_dir, 56, 60, **short),
+                                     str(tmp_path / 'scratch'))
+  print(f"pretrained (28 px, 300 steps): {pretrained['test_2000/accuracy']:.4f}; "
+        f"fine-tuned (56 px, 60 steps): {finetuned['test_2000/accuracy']:.4f}; "
+        f"scratch (56 px, 60 steps): {scratch['test_2000/accuracy']:.4f}")
+  assert finetuned['test_2000/accuracy'] > scratch['test_2000/accuracy'] + 0.05

@@ -96,10 +96,17 @@ def get_config(model_name: str = "ViT-B_16", dataset: str = "imagenet2012",
 
   # Fine-tuning: initialise from this checkpoint (official .npz, T2T .pth.tar, our orbax
   # checkpoint or workdir, or `python -m vit_jax.convert` output) when the workdir has no
-  # checkpoint yet. The head is re-initialised when the class count differs, T2T's sinusoid
-  # table is regenerated for the new token count; see vit_jax.checkpoint.init_for_finetuning.
+  # checkpoint yet. The head is re-initialised, ViT's pre_logits dropped if the model has no
+  # representation layer, ViT's position embedding resized to the new grid and T2T's sinusoid
+  # table regenerated; see vit_jax.checkpoint.init_for_finetuning.
   config.init_from = config_dict.placeholder(str)
+  # The official convention instead: init_from = '{pretrained_dir}/{model_name}.npz'
+  # (e.g. gs://vit_models/imagenet21k with model_name 'ViT-B_16').
+  config.pretrained_dir = config_dict.placeholder(str)
   config.init_from_ema = True  # Take the checkpoint's EMA weights when it has them.
+  # True: a new head always (official ViT). False: keep the checkpoint's head when the class
+  # count is the same (T2T-ViT reference; e.g. ImageNet fine-tuning at a higher resolution).
+  config.init_reset_head = True
 
   # Periodic work, in optimizer steps.
   config.log_every_steps = 50

@@ -178,9 +178,13 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     if not 0.0 <= config.ema_decay < 1.0:
       raise ValueError(f"config.ema_decay={config.ema_decay} must be in [0, 1) (0 disables the "
                        "parameter EMA; the T2T-ViT recipe uses 0.99996).")
-    init_from, init_from_ema = config.init_from, config.init_from_ema
+    init_from = config.init_from
+    if not init_from and config.pretrained_dir:  # The official '<dir>/<model_name>.npz'.
+      init_from = f"{config.pretrained_dir.rstrip('/')}/{config.model_name}.npz"
+    init_from_ema, init_reset_head = config.init_from_ema, config.init_reset_head
     if init_from and not os.path.exists(init_from) and "://" not in init_from:
-      raise FileNotFoundError(f"config.init_from={init_from!r} does not exist; give an "
+      raise FileNotFoundError(f"The checkpoint to fine-tune from, {init_from!r} (config.init_from "
+                              "or config.pretrained_dir), does not exist; give an "
                               "official .npz, a .pth.tar, an orbax checkpoint or a workdir.")
     tx = optim.make_optimizer(config.optim, schedule)
     mesh = jax.sharding.Mesh(np.asarray(jax.devices()), ("data",))
@@ -253,7 +257,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     with _config_errors():
       variables = checkpoint.load_for_finetuning(
           init_from, model, jax.device_get(jax.jit(init_variables)(init_rng)),
-          use_ema=init_from_ema)
+          use_ema=init_from_ema, reset_head=init_reset_head)
     state = jax.jit(state_from_variables, out_shardings=replicated)(variables)
   else:
     state = jax.jit(init_state, out_shardings=replicated)(init_rng)
