@@ -121,6 +121,23 @@ def test_official_finetuning_init_fixtures(name, source, classifier, representat
   np.testing.assert_allclose(logits, np.load(FIXTURES / name / 'logits.npy'), atol=1e-6)
 
 
+def test_hybrid_finetuning_init_resizes_the_grid():
+  """R+ViT fixture (32 px, ResNet stride 8 -> 4x4 tokens) into a 48 px (6x6), 3-class model."""
+  fields = dict(_vit_tiny_fields(), patch_size=1, resnet_num_layers=(2, 1))
+  model = models.create('R+ViT-custom', num_classes=3, **fields)
+  fresh = _init(model, 48)
+  saved = checkpoint.load(FIXTURES / 'vit_hybrid_tiny' / 'params.npz')  # GroupNorm (1,1,1,C)
+  variables = checkpoint.init_for_finetuning(saved, fresh)
+  flat, flat_saved = (checkpoint.flatten_params(v['params']) for v in (variables, saved))
+  posemb = flat['Transformer/posembed_input/pos_embedding']
+  assert posemb.shape == (1, 1 + 6 * 6, 32)
+  np.testing.assert_array_equal(posemb[:, 0],
+                                flat_saved['Transformer/posembed_input/pos_embedding'][:, 0])
+  np.testing.assert_array_equal(flat['block2/unit1/gn_proj/scale'],
+                                flat_saved['block2/unit1/gn_proj/scale'])
+  np.testing.assert_array_equal(flat['head/kernel'], np.zeros((32, 3)))
+
+
 def test_resize_posemb_corners_aligned_gap_and_non_square():
   grid = np.arange(4, dtype=np.float32).reshape(1, 4, 1)  # [[0, 1], [2, 3]], 'gap': no class row
   out = checkpoint.resize_posemb(grid, 9, has_class_token=False)

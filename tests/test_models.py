@@ -294,11 +294,6 @@ def test_unknown_name():
     models.model_config('ResNet50')
 
 
-def test_future_families_are_not_implemented_yet():
-  with pytest.raises(NotImplementedError, match='hybrid'):
-    models.create('R50+ViT-B_16', num_classes=10)
-
-
 def test_unknown_override_key():
   with pytest.raises(TypeError, match=r"(?s)\['hidden_dim'\].*hidden_size.*mlp_dim.*remat"):
     models.create('ViT-B_16', num_classes=10, hidden_dim=768)

@@ -13,7 +13,18 @@ Names
     are interchangeable (``t2t_vit_t_14``). Overrides: :data:`T2T_OVERRIDE_KEYS`.
   * ``T2T-ViT-custom``: ``embed_dim``, ``depth``, ``num_heads``, ``mlp_ratio`` are required
     overrides (``token_dim`` 64 and ``tokens_type`` 'performer' by default).
-  * ``R50+ViT-B_16`` (hybrid) is recognised but not implemented yet (``NotImplementedError``).
+  * Hybrids (ResNet stem + ViT, :mod:`vit_jax.models.resnet`), the five official configurations
+    of :data:`HYBRID_CONFIGS`: ``R50+ViT-B_16``, ``R50+ViT-L_32``, ``R26+ViT-B_32``,
+    ``R26+ViT-S_32``, ``R+ViT-Ti_16``. Also spelled with ``/`` (``R50+ViT-B/16``), in lower case
+    (``r50+vit-b16``) or in the AugReg file style (``R26_S_32``, ``R_Ti_16``). The number after
+    the size is the *effective* patch size the name advertises, not ``patch_size``: R50+ViT-B/16
+    embeds the 1/16 ResNet feature map with ``patch_size=(1, 1)``, and R+ViT-Ti/16 has a 4x stem
+    and 8x8 patches, i.e. a total stride of 32 (7x7 tokens at 224 px) whatever its name says.
+    Overrides: :data:`HYBRID_OVERRIDE_KEYS` (the ViT keys plus ``resnet_num_layers``, e.g.
+    ``(3, 4, 9)``, and ``resnet_width_factor``).
+  * ``R+ViT-custom``: a hybrid whose architecture fields all come from the overrides
+    (``hidden_size``, ``mlp_dim``, ``num_heads``, ``num_layers``, ``patch_size`` and
+    ``resnet_num_layers`` are required; ``resnet_width_factor`` defaults to 1).
 
 T2T models have two variable collections: ``init`` returns ``'params'`` (trainable) and
 ``'constants'`` (the fixed sinusoid table and Performer random features); ``apply`` needs both.
@@ -33,16 +44,17 @@ from typing import Any, Callable, Dict, Optional, Tuple
 import flax.linen as nn
 
 from vit_jax.models import layout
+from vit_jax.models import resnet
 from vit_jax.models import t2t
 from vit_jax.models.layout import is_scanned, scan_params, unscan_params
 from vit_jax.models.t2t import T2TViT
 from vit_jax.models.vit import CLASSIFIERS, VisionTransformer, patch_pair, validate_config
 
 __all__ = [
-    'CLASSIFIERS', 'FAMILIES', 'Family', 'MODEL_NAMES', 'OVERRIDE_KEYS', 'T2TViT',
-    'T2T_MODEL_NAMES', 'T2T_OVERRIDE_KEYS', 'T2T_SIZES', 'VIT_SIZES', 'VisionTransformer',
-    'create', 'is_scanned', 'layout', 'model_config', 'resolve', 'scan_params', 't2t',
-    'unscan_params',
+    'CLASSIFIERS', 'FAMILIES', 'Family', 'HYBRID_CONFIGS', 'HYBRID_MODEL_NAMES',
+    'HYBRID_OVERRIDE_KEYS', 'MODEL_NAMES', 'OVERRIDE_KEYS', 'T2TViT', 'T2T_MODEL_NAMES',
+    'T2T_OVERRIDE_KEYS', 'T2T_SIZES', 'VIT_SIZES', 'VisionTransformer', 'create', 'is_scanned',
+    'layout', 'model_config', 'resnet', 'resolve', 'scan_params', 't2t', 'unscan_params',
 ]
 
 #: ViT sizes: (num_layers, hidden_size, mlp_dim, num_heads, dropout_rate) — paper Table 1 and the
@@ -115,8 +127,47 @@ def _vit_config(match: re.Match) -> Dict[str, Any]:
               num_heads=heads, dropout_rate=dropout, patch_size=int(match.group('patch')))
 
 
-def _not_implemented(_):
-  return {}
+#: Keys accepted as overrides for the hybrid (R+ViT) family: the ViT keys plus the ResNet stem.
+HYBRID_OVERRIDE_KEYS: Tuple[str, ...] = OVERRIDE_KEYS + ('resnet_num_layers',
+                                                         'resnet_width_factor')
+
+_HYBRID_REQUIRED_CUSTOM = _REQUIRED_CUSTOM + ('resnet_num_layers',)
+
+#: The official hybrids (``configs/models.py`` of google-research/vision_transformer), keyed by
+#: (ResNet depth in the name, ViT size, effective patch size in the name):
+#: (resnet_num_layers, patch_size, dropout_rate). The ViT part is the size of
+#: :data:`VIT_SIZES`; all use resnet width factor 1. The official configs derive R50+ViT-B/16
+#: from B/16 but raise its dropout to 0.1, R50+ViT-L/32 from L/16 (dropout 0.1), R26+ViT-B/32
+#: from B/32 and R26+ViT-S/32 from S/16 (dropout 0.0).
+HYBRID_CONFIGS: Dict[Tuple[str, str, int], Tuple[Tuple[int, ...], int, float]] = {
+    ('', 'Ti', 16): ((), 8, 0.0),              # R+ViT-Ti_16: stem stride 4 x patch 8 = 32.
+    ('50', 'B', 16): ((3, 4, 9), 1, 0.1),      # R50+ViT-B_16: stride 16.
+    ('26', 'B', 32): ((2, 2, 2, 2), 1, 0.0),   # R26+ViT-B_32: stride 32.
+    ('26', 'S', 32): ((2, 2, 2, 2), 1, 0.0),   # R26+ViT-S_32: stride 32.
+    ('50', 'L', 32): ((3, 4, 6, 3), 1, 0.1),   # R50+ViT-L_32: stride 32.
+}
+
+#: Canonical names of the official hybrid configurations, plus 'R+ViT-custom'.
+HYBRID_MODEL_NAMES: Tuple[str, ...] = (
+    'R+ViT-Ti_16', 'R50+ViT-B_16', 'R26+ViT-B_32', 'R26+ViT-S_32', 'R50+ViT-L_32',
+    'R+ViT-custom')
+
+
+def _hybrid_config(match: re.Match) -> Dict[str, Any]:
+  raw = match.group('size')
+  size = raw if raw in ('g', 'G') else _SIZE_ALIASES[raw.lower()]
+  key = (match.group('depth'), size, int(match.group('patch')))
+  if key not in HYBRID_CONFIGS:
+    raise ValueError(
+        f'{match.group(0)!r} is not one of the official hybrid models '
+        f'({", ".join(HYBRID_MODEL_NAMES[:-1])}). For another combination use \'R+ViT-custom\' '
+        f'with the overrides {", ".join(_HYBRID_REQUIRED_CUSTOM)}, or an official name with '
+        f'overrides (e.g. resnet_num_layers=(3, 4, 6, 3)).')
+  resnet_num_layers, patch, dropout = HYBRID_CONFIGS[key]
+  num_layers, hidden, mlp, heads, _ = VIT_SIZES[size]
+  return dict(_VIT_DEFAULTS, num_layers=num_layers, hidden_size=hidden, mlp_dim=mlp,
+              num_heads=heads, dropout_rate=dropout, patch_size=patch,
+              resnet_num_layers=resnet_num_layers, resnet_width_factor=1)
 
 
 #: T2T-ViT sizes by depth: (embed_dim, depth, num_heads, mlp_ratio), official ``t2t_vit.py``
@@ -182,11 +233,27 @@ FAMILIES: Tuple[Family, ...] = (
     ),
     Family(
         name='R+ViT (hybrid)',
-        pattern=re.compile(r'R\d+(?:x\d+)?\+ViT.*'),
-        base_config=_not_implemented,
-        module=None,
-        override_keys=(),
-        forms="'R50+ViT-B_16' (hybrid ResNet + ViT)",
+        pattern=re.compile(
+            r'(?i:r)(?P<depth>\d*)(?:\+(?i:vit)[-_ ]?|_)(?P<size>(?i:ti|s|b|l|h)|g|G)[-_/]?'
+            r'(?P<patch>\d+)'),
+        base_config=_hybrid_config,
+        module=VisionTransformer,
+        override_keys=HYBRID_OVERRIDE_KEYS,
+        forms="'R50+ViT-B_16', 'R50+ViT-L_32', 'R26+ViT-B_32', 'R26+ViT-S_32', 'R+ViT-Ti_16' "
+              "(hybrid ResNet + ViT; also 'R50+ViT-B/16', 'r50+vit-b16', AugReg style "
+              "'R26_S_32')",
+        validate=validate_config,
+    ),
+    Family(
+        name='R+ViT-custom',
+        pattern=re.compile(r'(?i:r\+vit[-_]custom)'),
+        base_config=lambda _: dict(_VIT_DEFAULTS, resnet_width_factor=1),
+        module=VisionTransformer,
+        override_keys=HYBRID_OVERRIDE_KEYS,
+        forms="'R+ViT-custom' (hidden_size, mlp_dim, num_heads, num_layers, patch_size, "
+              "resnet_num_layers given as overrides)",
+        required=_HYBRID_REQUIRED_CUSTOM,
+        validate=validate_config,
     ),
     Family(
         name='T2T-ViT',
@@ -246,7 +313,8 @@ def resolve(name: str) -> Tuple[Family, re.Match]:
     if match:
       return family, match
   raise ValueError(f'Unknown model name {name!r}. Valid forms: {_valid_forms()}. '
-                   f'Official names: {", ".join(MODEL_NAMES + T2T_MODEL_NAMES)}')
+                   f'Official names: '
+                   f'{", ".join(MODEL_NAMES + HYBRID_MODEL_NAMES + T2T_MODEL_NAMES)}')
 
 
 def model_config(name: str, **overrides: Any) -> Dict[str, Any]:
@@ -255,18 +323,20 @@ def model_config(name: str, **overrides: Any) -> Dict[str, Any]:
   Args:
     name: model name (see the module docstring).
     **overrides: configuration fields replacing the defaults of ``name`` (:data:`OVERRIDE_KEYS`
-      for ViT names, :data:`T2T_OVERRIDE_KEYS` for T2T-ViT names).
+      for ViT names, :data:`HYBRID_OVERRIDE_KEYS` for hybrid names, :data:`T2T_OVERRIDE_KEYS`
+      for T2T-ViT names).
 
   Returns:
     A new dict with every configuration field of the model class except ``num_classes``
-    (``patch_size`` as an ``(h, w)`` tuple); ``Family.module(num_classes=..., **config)`` builds
-    the model.
+    (``patch_size`` as an ``(h, w)`` tuple, ``resnet_num_layers`` as a tuple);
+    ``Family.module(num_classes=..., **config)`` builds the model.
 
   Raises:
-    ValueError: unknown name; invalid values (e.g. classifier not in {'token', 'gap'}); missing
-      required overrides for 'ViT-custom' / 'T2T-ViT-custom'.
+    ValueError: unknown name (also a hybrid-looking name that is not an official hybrid);
+      invalid values (e.g. classifier not in {'token', 'gap'}); missing required overrides for
+      'ViT-custom' / 'R+ViT-custom' / 'T2T-ViT-custom'.
     TypeError: unknown override keys (the message lists the valid keys).
-    NotImplementedError: the family is recognised but not implemented yet (hybrid).
+    NotImplementedError: the family is recognised but not implemented yet (none at present).
   """
   family, match = resolve(name)
   if family.module is None:
@@ -285,6 +355,10 @@ def model_config(name: str, **overrides: Any) -> Dict[str, Any]:
   config.update(overrides)
   if 'patch_size' in config:
     config['patch_size'] = patch_pair(config['patch_size'])
+  layers = config.get('resnet_num_layers')
+  if (layers is not None and not isinstance(layers, (str, bytes))
+      and isinstance(layers, (list, tuple))):
+    config['resnet_num_layers'] = tuple(layers)  # Hashable, and as ml_collections stores it.
   if family.validate is not None:
     family.validate(num_classes=None, **config)
   return config
@@ -302,11 +376,11 @@ def create(name: str, *, num_classes: Optional[int], **overrides: Any) -> nn.Mod
   Args:
     name: model name, e.g. 'ViT-B_16' or 'ViT-B/16' (see the module docstring).
     num_classes: number of classes of the head; ``None`` for a headless feature extractor.
-    **overrides: configuration fields (:data:`OVERRIDE_KEYS`, :data:`T2T_OVERRIDE_KEYS`), e.g.
-      ``dtype=jnp.bfloat16``.
+    **overrides: configuration fields (:data:`OVERRIDE_KEYS`, :data:`HYBRID_OVERRIDE_KEYS`,
+      :data:`T2T_OVERRIDE_KEYS`), e.g. ``dtype=jnp.bfloat16``.
 
   Returns:
-    The ``flax.linen.Module``: a :class:`VisionTransformer` for ViT names, a
+    The ``flax.linen.Module``: a :class:`VisionTransformer` for ViT and hybrid names, a
     :class:`~vit_jax.models.t2t.T2TViT` for T2T-ViT names (whose ``init`` returns ``'params'``
     and ``'constants'``; ``apply`` needs both).
 

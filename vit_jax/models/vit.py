@@ -26,6 +26,11 @@ load without renaming (see ``vit_jax.checkpoint``). Parameter tree of a model wi
   pre_logits/{kernel (D, R), bias (R,)}          (only when representation_size is set)
   head/{kernel (R or D, num_classes), bias (num_classes,)}
 
+Hybrid models (``resnet_num_layers`` set; ViT paper Sec. 3.1) first run the BiT ResNet stem of
+:mod:`vit_jax.models.resnet` and embed its feature map instead of the pixels; its parameters sit
+at the top level next to ``embedding`` (``conv_root``, ``gn_root``, ``block{s}/unit{u}/...``), as
+in the official model, and ``embedding/kernel`` becomes ``(P, P, C_resnet, D)``.
+
 With ``scan=True`` the ``encoderblock_{i}`` subtrees are replaced by a single ``encoderblock``
 subtree whose leaves have a leading axis of size ``num_layers``; convert between the two layouts
 with :func:`vit_jax.models.layout.scan_params` / :func:`~vit_jax.models.layout.unscan_params`.
@@ -40,6 +45,8 @@ from typing import Any, Optional, Tuple, Union
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+
+from vit_jax.models import resnet
 
 Array = jax.Array
 Dtype = Any
@@ -318,18 +325,25 @@ class VisionTransformer(nn.Module):
     param_dtype: parameter dtype (float32).
     scan: run the blocks with ``nn.scan`` (parameters stacked under ``Transformer/encoderblock``).
     remat: rematerialise every block in the backward pass.
+    resnet_num_layers: ``None`` for a plain ViT; for a hybrid (R+ViT), the number of bottleneck
+      units of each ResNet stage, e.g. ``(3, 4, 9)`` for R50+ViT-B/16, ``()`` for the root
+      (conv + max-pool, stride 4) only. The stem's total stride is ``4 * 2^(stages - 1)``.
+    resnet_width_factor: ResNet width multiplier (root width ``64 * resnet_width_factor``);
+      ignored without ``resnet_num_layers``.
 
   Call ``model.apply(variables, images, train=False)``:
     images: ``[B, H, W, C]`` (C=3 for the published weights), float32 in [-1, 1] as the official
-      preprocessing; H and W must be multiples of the patch size.
+      preprocessing; H and W must be multiples of the patch size (of the total stride, ResNet
+      stride x patch size, for hybrids).
     train: enables dropout; then ``rngs={'dropout': key}`` is required if any rate is > 0.
     Returns ``[B, num_classes]`` float32 logits (``[B, representation_size or D]`` features if
     ``num_classes is None``), whatever ``dtype`` is.
 
   Raises:
     ValueError: at construction for an unknown ``classifier``, a non-positive size, a
-      ``hidden_size`` not divisible by ``num_heads``, a bad ``patch_size`` or dropout rate; at
-      apply time for a non-rank-4 input, an image side not divisible by the patch size, or loaded
+      ``hidden_size`` not divisible by ``num_heads``, a bad ``patch_size``, dropout rate or
+      ``resnet_num_layers``/``resnet_width_factor``; at apply time for a non-rank-4 input, an
+      image side not divisible by the patch size (the total stride for hybrids), or loaded
       ``pos_embedding`` of the wrong shape.
   """
 
@@ -348,6 +362,8 @@ class VisionTransformer(nn.Module):
   param_dtype: Dtype = jnp.float32
   scan: bool = False
   remat: bool = False
+  resnet_num_layers: Optional[Tuple[int, ...]] = None
+  resnet_width_factor: float = 1
 
   def __post_init__(self):
     validate_config(
@@ -355,7 +371,8 @@ class VisionTransformer(nn.Module):
         mlp_dim=self.mlp_dim, num_heads=self.num_heads, num_layers=self.num_layers,
         classifier=self.classifier, representation_size=self.representation_size,
         dropout_rate=self.dropout_rate, attention_dropout_rate=self.attention_dropout_rate,
-        dtype=self.dtype, param_dtype=self.param_dtype)
+        dtype=self.dtype, param_dtype=self.param_dtype,
+        resnet_num_layers=self.resnet_num_layers, resnet_width_factor=self.resnet_width_factor)
     super().__post_init__()
 
   @nn.compact
@@ -368,17 +385,33 @@ class VisionTransformer(nn.Module):
     param_dtype = jnp.dtype(self.param_dtype or jnp.float32)
     ph, pw = patch_pair(self.patch_size)
     _, height, width, _ = inputs.shape
+    hybrid = self.resnet_num_layers is not None
+    stem = resnet.resnet_stride(self.resnet_num_layers) if hybrid else 1
     for side, size, patch in (('height', height, ph), ('width', width, pw)):
-      if size % patch:
-        lower = size // patch * patch
+      stride = stem * patch
+      if size % stride:
+        lower = size // stride * stride
+        if hybrid:
+          what = (f'the total stride {stride} (ResNet stem stride {stem} x patch size {patch}; '
+                  f'resnet_num_layers={tuple(self.resnet_num_layers)!r}, '
+                  f'patch_size={self.patch_size!r}, image {height}x{width})')
+          fix = 'or change patch_size / the number of ResNet stages.'
+        else:
+          what = (f'the patch size {patch} (patch_size={self.patch_size!r}, image '
+                  f'{height}x{width})')
+          fix = f'or choose a patch size that divides {size}.'
         raise ValueError(
-            f'Image {side} {size} is not divisible by the patch size {patch} '
-            f'(patch_size={self.patch_size!r}, image {height}x{width}). Resize or crop the images '
-            f'to a multiple of {patch} (e.g. {lower or patch} or {lower + patch}), or choose a '
-            f'patch size that divides {size}.')
+            f'Image {side} {size} is not divisible by {what}. Resize or crop the images to a '
+            f'multiple of {stride} (e.g. {lower or stride} or {lower + stride}), {fix}')
+
+    x = inputs
+    if hybrid:
+      x = resnet.resnet_stem(x, num_layers=self.resnet_num_layers,
+                             width_factor=self.resnet_width_factor, dtype=dtype,
+                             param_dtype=param_dtype)
 
     x = nn.Conv(features=self.hidden_size, kernel_size=(ph, pw), strides=(ph, pw),
-                padding='VALID', dtype=dtype, param_dtype=param_dtype, name='embedding')(inputs)
+                padding='VALID', dtype=dtype, param_dtype=param_dtype, name='embedding')(x)
     n, gh, gw, c = x.shape
     x = jnp.reshape(x, (n, gh * gw, c))  # Row-major: token index = row * gw + col.
 
@@ -429,7 +462,8 @@ def check_float_dtypes(**dtypes: Any) -> None:
 
 def validate_config(*, num_classes, patch_size, hidden_size, mlp_dim, num_heads, num_layers,
                     classifier, representation_size, dropout_rate, attention_dropout_rate,
-                    dtype=jnp.float32, param_dtype=jnp.float32, **unused) -> None:
+                    dtype=jnp.float32, param_dtype=jnp.float32, resnet_num_layers=None,
+                    resnet_width_factor=1, **unused) -> None:
   """Checks the fields of a :class:`VisionTransformer` configuration.
 
   Args: the model fields (extra keyword arguments are ignored).
@@ -437,7 +471,9 @@ def validate_config(*, num_classes, patch_size, hidden_size, mlp_dim, num_heads,
   Raises:
     ValueError: naming the offending field, for an unknown ``classifier`` (not in
       ``CLASSIFIERS``), non-positive sizes, ``hidden_size % num_heads != 0``, a bad patch size, a
-      dropout rate outside [0, 1), or a ``dtype``/``param_dtype`` that is not a float dtype.
+      dropout rate outside [0, 1), a ``dtype``/``param_dtype`` that is not a float dtype, or a bad
+      hybrid stem (``resnet_num_layers`` not a tuple of positive ints or None;
+      ``64 * resnet_width_factor`` not a positive multiple of 32).
   """
   del unused
   if classifier not in CLASSIFIERS:
@@ -453,3 +489,4 @@ def validate_config(*, num_classes, patch_size, hidden_size, mlp_dim, num_heads,
   _check_rate('dropout_rate', dropout_rate)
   _check_rate('attention_dropout_rate', attention_dropout_rate)
   check_float_dtypes(dtype=dtype, param_dtype=param_dtype)
+  resnet.validate_resnet(resnet_num_layers, resnet_width_factor)
