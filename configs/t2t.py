@@ -1,7 +1,7 @@
 r"""T2T-ViT trained from scratch with its ImageNet recipe: `get_config('<model>[,<dataset>]')`.
 
   <model>:   7, 10, 12, 14, 19, 24 (Performer T2T module), t14, t19, t24 (Transformer T2T
-             module), or any name vit_jax.models.create accepts (e.g. T2T-ViT_t-14).
+             module), or the full name of one of these variants (e.g. T2T-ViT_t-14).
   <dataset>: imagenet2012 (default) or any tfds name / prepared directory.
 
 The recipe of the official T2T-ViT code (REFERENCE.md section 3; timm's train.py defaults):
@@ -61,7 +61,16 @@ def get_config(arg: str = "14,imagenet2012"):
   dataset = parts[1] if len(parts) == 2 else "imagenet2012"
   lr, weight_decay = _lr_and_weight_decay(model_name)
 
-  config = defaults.get_config(model_name, dataset, drop_path_rate=0.1)
+  try:
+    config = defaults.get_config(model_name, dataset, drop_path_rate=0.1)
+  except (ValueError, KeyError) as e:
+    raise ValueError(f"configs/t2t.py: unknown model {parts[0]!r}; use one of "
+                     f"{', '.join(MODELS)} or a variant's full name such as 'T2T-ViT_t-14' "
+                     f"({e})") from None
+  if config.model_name and "custom" in str(config.model_name).lower():
+    raise ValueError("configs/t2t.py is the recipe of the nine T2T-ViT variants; for a custom "
+                     "size start from configs/fashion_mnist.py:t2t or override "
+                     "--config.model.embed_dim/depth/... of a variant.")
   config.regime = "pretrain"  # Training from scratch; every regime field is set below.
   config.loss = "softmax_xent"
   config.label_smoothing = 0.1

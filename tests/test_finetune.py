@@ -188,8 +188,8 @@ def test_vit_finetuning_init_resets_head_and_converts_layout():
   with pytest.raises(ValueError) as info:
     checkpoint.init_for_finetuning(saved, _init(wide, size))
   message = str(info.value)
-  assert ('params/Transformer/posembed_input/pos_embedding: checkpoint (1, 65, 32), '
-          'model (1, 65, 48)') in message
+  assert 'shape mismatches (' in message and '... and ' in message  # Long lists are cut.
+  assert 'The checkpoint is a ViT with patch_size=4, hidden_size=32, num_layers=2' in message
   assert 'missing keys (2): ' in message
   assert {'params/Transformer/encoder_norm/scale', 'params/Transformer/encoder_norm/bias'} <= set(
       message.split('missing keys (2): ')[1].split('\n')[0].split(', '))
@@ -248,8 +248,9 @@ def test_training_from_init_from_with_ema(tmp_path):
 def test_init_from_that_does_not_fit_is_a_config_error(tmp_path):
   config = _folder_config(tmp_path, init_from=str(PERFORMER / 'checkpoint.pth.tar'))
   config.model.depth = 3
-  with pytest.raises(train.ConfigError, match='missing keys'):
+  with pytest.raises(train.ConfigError, match=r'(?s)missing keys.*depth=2, mlp_ratio=2.0'):
     train.train_and_evaluate(config, str(tmp_path / 'workdir'))
+  assert not (tmp_path / 'workdir').exists()  # Stopped before writing anything.
   config.init_from = str(tmp_path / 'nothing_here.npz')
   with pytest.raises(train.ConfigError, match=r'nothing_here.npz.*\(config.init_from or '
                      r'config.pretrained_dir\), does not exist'):
@@ -304,7 +305,16 @@ def test_convert_bad_input_is_explained(tmp_path, capsys):
   assert convert.main([str(FIXTURES / 'vit_tiny' / 'params.npz'), str(tmp_path / 'taken')]) == 2
   assert 'exists; choose a new destination or pass --overwrite' in capsys.readouterr().err
   assert convert.main([str(tmp_path / 'missing.npz'), str(tmp_path / 'y')]) == 2
-  assert 'missing.npz' in capsys.readouterr().err
+  assert capsys.readouterr().err == f"error: No checkpoint at '{tmp_path / 'missing.npz'}'\n"
+  assert convert.main([str(pth), str(tmp_path / 'z'), '--model', 'T2T-ViT-custom', *sets,
+                       '--set=num_classes=10']) == 2
+  assert 'class count (and the input size) are read from the file' in capsys.readouterr().err
+  # State-dict arrays saved with numpy keep PyTorch names: not an official ViT .npz.
+  assert convert.main([str(PERFORMER / 'state_dict_ema.npz'), str(tmp_path / 'w')]) == 2
+  assert 'holds PyTorch state-dict names' in capsys.readouterr().err
+  assert convert.main([str(FIXTURES / 'vit_tiny' / 'params.npz'), str(tmp_path / 'v'),
+                       '--model', 'T2T-ViT-14']) == 0
+  assert 'apply to PyTorch files only' in capsys.readouterr().err
 
 
 # ------------------------------------------------------------------------------ export round trip
@@ -407,3 +417,25 @@ def test_pretrain_28px_export_then_finetune_56px_beats_scratch(tmp_path):
         f"fine-tuned (56 px, 60 steps): {finetuned['test_2000/accuracy']:.4f}; "
         f"scratch (56 px, 60 steps): {scratch['test_2000/accuracy']:.4f}")
   assert finetuned['test_2000/accuracy'] > scratch['test_2000/accuracy'] + 0.05
+
+
+def test_restore_for_evaluation_checks_the_model():
+  """load(path, model=, image_size=) restores everything as saved, or lists what does not fit."""
+  path = FIXTURES / 'vit_tiny' / 'params.npz'
+  model = models.create('ViT-custom', num_classes=10, **_vit_tiny_fields())
+  variables = checkpoint.load(path, model=model, image_size=32)
+  np.testing.assert_allclose(jax.jit(lambda v, x: model.apply(v, x, train=False))(
+      variables, np.load(FIXTURES / 'vit_tiny' / 'inputs.npy')),
+      np.load(FIXTURES / 'vit_tiny' / 'logits.npy'), atol=1e-5)
+  with pytest.raises(ValueError) as info:  # Another class count and resolution: not for eval.
+    checkpoint.load(path, model=models.create('ViT-custom', num_classes=5, representation_size=8,
+                                              **_vit_tiny_fields()), image_size=48)
+  message = str(info.value)
+  assert 'does not fit the model' in message
+  assert 'missing keys (2): ' in message and 'params/pre_logits/kernel' in message
+  assert 'params/head/kernel: checkpoint (32, 10), model (8, 5)' in message
+  assert 'pos_embedding: checkpoint (1, 65, 32), model (1, 145, 32)' in message
+  scanned = models.create('ViT-custom', num_classes=10, **dict(_vit_tiny_fields(), scan=True))
+  with pytest.raises(ValueError, match='per-layer encoder layout; convert it with '
+                     'vit_jax.models.scan_params first'):
+    checkpoint.load(path, model=scanned, image_size=32)

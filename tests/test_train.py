@@ -288,6 +288,15 @@ def test_bad_config_values_fail_in_one_line_before_the_workdir_is_touched(tmp_pa
   assert proc.returncode == 2
   assert "config.data.name='no_such_dataset' is neither a registered tfds dataset" in proc.stderr
   assert not workdir.exists()
+  proc = _run_main("--config", "configs/fashion_mnist.py", "--workdir", str(workdir),
+                   "--config.label_smoothing=1.5")
+  assert proc.returncode == 2 and "config.label_smoothing=1.5 must be in [0, 1)" in proc.stderr
+  # A config file that refuses its argument: one line, the file's own message, no traceback.
+  proc = _run_main("--config", "configs/t2t.py:99", "--workdir", str(workdir))
+  assert proc.returncode == 2 and "Traceback" not in proc.stderr
+  fatal = [l for l in proc.stderr.splitlines() if l.startswith("FATAL:")]
+  assert fatal and "configs/t2t.py: unknown model '99'; use one of 7, 10, 12" in fatal[0]
+  assert not workdir.exists()
 
 
 def _scalars(workdir):

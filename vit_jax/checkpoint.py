@@ -61,7 +61,7 @@ from vit_jax.models import layout
 
 __all__ = [
     'ACCEPTED_FORMATS', 'TORCH_SUFFIXES', 'convert_pre_linen', 'fix_groupnorm', 'flatten_params',
-    'init_for_finetuning', 'is_torch_checkpoint', 'resize_posemb', 'load', 'load_for_finetuning',
+    'check_fits', 'describe_architecture', 'init_for_finetuning', 'is_torch_checkpoint', 'resize_posemb', 'load', 'load_for_finetuning',
     'load_torch_as_saved', 'load_npz', 'load_orbax', 'load_pth',
     'save_npz', 'unflatten_params',
 ]
@@ -260,14 +260,16 @@ def load(path: Any, *, model: Any = None, use_ema: bool = True,
     path: local path or ``scheme://`` path (``gs://``) of a ``.npz`` file, a training workdir, its
       ``checkpoints`` directory (the latest finalized step is used), one step directory, or a
       PyTorch ``.pth``/``.pth.tar``/``.pt`` checkpoint (zip format).
-    model: for PyTorch checkpoints only (required there): the
-      :class:`~vit_jax.models.t2t.T2TViT` (from ``vit_jax.models.create``) the weights are for;
-      the state dict is converted with :func:`vit_jax.models.t2t.from_torch_state_dict`. Ignored
-      for ``.npz`` and Orbax checkpoints.
+    model: the model (from ``vit_jax.models.create``) the weights are for. Required for PyTorch
+      checkpoints (a :class:`~vit_jax.models.t2t.T2TViT`; the state dict is converted with
+      :func:`vit_jax.models.t2t.from_torch_state_dict`). For ``.npz`` and Orbax checkpoints,
+      given together with ``image_size``, the restored variables are checked against the model
+      (restore for evaluation: everything must fit as saved, the head included).
     use_ema: prefer the parameter EMA: ``state_dict_ema`` of a PyTorch checkpoint (see
       :func:`load_pth`), ``ema_params`` of an Orbax checkpoint (see :func:`load_orbax`).
-    image_size: PyTorch checkpoints only: passed to ``from_torch_state_dict`` (default: the
-      checkpoint's own ``pos_embed`` grid).
+    image_size: ``H`` or ``(H, W)`` the model will run at. PyTorch checkpoints: passed to
+      ``from_torch_state_dict`` (default: the checkpoint's own ``pos_embed`` grid). Others: see
+      ``model``.
 
   Returns:
     ``{'params': nested dict of np.ndarray, **other collections}`` ready for ``model.apply``
@@ -277,8 +279,9 @@ def load(path: Any, *, model: Any = None, use_ema: bool = True,
   Raises:
     FileNotFoundError: nothing exists at ``path`` (or a checkpoint directory holds no step).
     ValueError: the file/directory is not one of the accepted formats, an ``.npz`` contains
-      object (pickled) arrays, a PyTorch file is given without ``model`` or does not fit it, or
-      is in the legacy (non-zip) torch format.
+      object (pickled) arrays, a PyTorch file is given without ``model``, the variables do not
+      fit ``model`` (listing every missing key, unexpected key and shape mismatch), or a torch
+      file is in the legacy (non-zip) format.
     vit_jax.torch_pickle.UnsafePickleError: a PyTorch file's pickle names a global other than
       tensors and plain containers (nothing is executed).
   """
@@ -286,9 +289,123 @@ def load(path: Any, *, model: Any = None, use_ema: bool = True,
   if not _exists(path):
     raise _not_found(path)
   if _isdir(path):
-    return load_orbax(path, use_ema=use_ema)
-  if is_torch_checkpoint(path):
+    variables = load_orbax(path, use_ema=use_ema)
+  elif is_torch_checkpoint(path):
     return _load_torch_variables(path, model=model, use_ema=use_ema, image_size=image_size)
+  else:
+    variables = _load_file(path)
+  if model is not None and image_size is not None:
+    check_fits(variables, _expected_variables(model, image_size), what=path)
+  return variables
+
+
+def _expected_variables(model: Any, image_size: Any) -> Dict[str, Any]:
+  """``jax.eval_shape`` of ``model.init`` at ``image_size`` (``H`` or ``(H, W)``)."""
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  height, width = (image_size, image_size) if isinstance(image_size, int) else image_size
+  return jax.eval_shape(lambda: model.init(
+      jax.random.key(0), jnp.zeros((1, int(height), int(width), 3), jnp.float32), train=False))
+
+
+_MAX_LISTED = 8  # Entries listed per kind of problem; the rest are counted.
+
+
+def _listing(items, sep: str) -> str:
+  shown = sep.join(items[:_MAX_LISTED])
+  return shown + (f'{sep}... and {len(items) - _MAX_LISTED} more' if len(items) > _MAX_LISTED
+                  else '')
+
+
+def mismatch_report(header: str, missing, unexpected, mismatched,
+                    hint: Optional[str] = None) -> str:
+  """The message of a checkpoint that does not fit: counts, the first entries, and a hint."""
+  lines = [header]
+  if missing:
+    lines.append(f'  missing keys ({len(missing)}): {_listing(missing, ", ")}')
+  if unexpected:
+    lines.append(f'  unexpected keys ({len(unexpected)}): {_listing(unexpected, ", ")}')
+  if mismatched:
+    lines.append(f'  shape mismatches ({len(mismatched)}): {_listing(mismatched, "; ")}')
+  if hint:
+    lines.append(f'  {hint}')
+  return '\n'.join(lines)
+
+
+def describe_architecture(variables: Mapping) -> Optional[str]:
+  """The architecture fields a checkpoint's shapes imply, for error messages (None if unknown).
+
+  ViT: ``patch_size``, ``hidden_size``, ``num_layers``, ``num_heads``, ``mlp_dim``,
+  ``representation_size`` and the class count, read from ``embedding``, the encoder blocks,
+  ``pre_logits`` and ``head``; T2T-ViT: ``embed_dim``, ``depth``, ``mlp_ratio``, ``token_dim``,
+  ``tokens_type`` and the class count.
+  """
+  flat = flatten_params(variables)
+  shape = lambda key: tuple(np.shape(flat[key])) if key in flat else None
+  head = shape('params/head/kernel')
+  classes = f', {head[-1]} classes' if head else ''
+  if shape('params/embedding/kernel'):
+    kh, kw, _, width = shape('params/embedding/kernel')
+    blocks = {k.split('/')[2] for k in flat if k.startswith('params/Transformer/encoderblock')}
+    query = next((np.shape(v) for k, v in flat.items()
+                  if k.endswith('MultiHeadDotProductAttention_0/query/kernel')), None)
+    mlp = next((np.shape(v)[-1] for k, v in flat.items()
+                if k.endswith('MlpBlock_0/Dense_0/kernel')), None)
+    layers = (int(np.shape(flat[next(k for k in flat if '/encoderblock/' in k)])[0])
+              if blocks == {'encoderblock'} else len(blocks))
+    fields = [f'patch_size={kh if kh == kw else (kh, kw)}', f'hidden_size={width}',
+              f'num_layers={layers}']
+    if query is not None:
+      fields.append(f'num_heads={query[-2]}')
+    if mlp is not None:
+      fields.append(f'mlp_dim={mlp}')
+    pre_logits = shape('params/pre_logits/kernel')
+    fields.append(f'representation_size={pre_logits[-1] if pre_logits else None}')
+    stem = ' with a ResNet stem' if 'params/conv_root/kernel' in flat else ''
+    return f'The checkpoint is a ViT{stem} with {", ".join(fields)}{classes}.'
+  if shape('params/cls_token') and shape('params/tokens_to_token/project/kernel'):
+    width = shape('params/cls_token')[-1]
+    depth = len({k.split('/')[1] for k in flat if k.startswith('params/blocks_')})
+    fc1 = shape('params/blocks_0/mlp/fc1/kernel')
+    token_dim = shape('params/tokens_to_token/project/kernel')[0] // 9
+    performer = any(k.endswith('attention1/w') for k in flat)
+    fields = [f'embed_dim={width}', f'depth={depth}',
+              f'mlp_ratio={fc1[-1] / width if fc1 else None}', f'token_dim={token_dim}',
+              f"tokens_type={'performer' if performer else 'transformer'!r}"]
+    return f'The checkpoint is a T2T-ViT with {", ".join(fields)}{classes}.'
+  return None
+
+
+def check_fits(variables: Mapping, expected: Mapping, *, what: str = 'The checkpoint') -> None:
+  """Checks that ``variables`` has exactly the keys and shapes of ``expected``.
+
+  Args:
+    variables: ``{'params': ..., **collections}`` (e.g. from :func:`load`).
+    expected: the same from ``model.init`` or its ``jax.eval_shape``. A scanned checkpoint
+      for an unrolled model (or the reverse) is reported as such, with the conversion to use.
+
+  Raises:
+    ValueError: listing every missing key, unexpected key and shape mismatch together.
+  """
+  have, want = flatten_params(variables), flatten_params(expected)
+  missing = [k for k in want if k not in have]
+  unexpected = [f'{k} {tuple(np.shape(v))}' for k, v in have.items() if k not in want]
+  mismatched = [f'{k}: checkpoint {tuple(np.shape(have[k]))}, model {tuple(want[k].shape)}'
+                for k in want if k in have and tuple(np.shape(have[k])) != tuple(want[k].shape)]
+  if missing or unexpected or mismatched:
+    header = f'{what} does not fit the model:'
+    scanned = layout.is_scanned(variables.get('params', {}))
+    if scanned != layout.is_scanned(expected.get('params', {})):
+      header += (' it is in the ' + ('scanned' if scanned else 'per-layer') + ' encoder layout; '
+                 'convert it with vit_jax.models.' + ('unscan_params' if scanned else
+                                                      'scan_params') + ' first.')
+    hint = describe_architecture(variables)
+    raise ValueError(mismatch_report(header, missing, unexpected, mismatched,
+                                      hint and hint + ' Build the model with these values.'))
+
+
+def _load_file(path: str) -> Dict[str, Any]:
+  """An official ``.npz`` (anything else is refused with the reason)."""
   with _open(path, 'rb') as f:
     magic = f.read(6)
   if magic[:4] in _ZIP_MAGICS:
@@ -444,6 +561,12 @@ def load_npz(path: Any) -> Dict[str, Any]:
       flat[key] = value
   if not flat:
     raise ValueError(f'{path!r} contains no arrays')
+  if not any('/' in k for k in flat) and any('.' in k for k in flat):
+    example = next(k for k in flat if '.' in k)
+    raise ValueError(
+        f'{path!r} holds PyTorch state-dict names (e.g. {example!r}), not the official ViT '
+        "'/'-joined Flax names. Load the PyTorch checkpoint itself (.pth.tar, with model=...), "
+        'or convert the arrays with vit_jax.models.t2t.from_torch_state_dict.')
   if all(k.startswith('params/') for k in flat):
     flat = {k[len('params/'):]: v for k, v in flat.items()}
   params = fix_groupnorm(convert_pre_linen(unflatten_params(flat)))
@@ -744,15 +867,12 @@ def init_for_finetuning(loaded: Mapping, fresh: Mapping, *, reset_head: bool = T
   unexpected = [f'{k} {tuple(np.shape(v))}' for k, v in loaded_flat.items()
                 if k not in fresh_flat and k not in dropped]
   if missing or unexpected or mismatched:
-    lines = ['The checkpoint does not fit the model to fine-tune (only the head, pre_logits, '
-             'the position embedding and the T2T sinusoid table may differ):']
-    if missing:
-      lines.append(f'  missing keys ({len(missing)}): {", ".join(missing)}')
-    if unexpected:
-      lines.append(f'  unexpected keys ({len(unexpected)}): {", ".join(unexpected)}')
-    if mismatched:
-      lines.append(f'  shape mismatches ({len(mismatched)}): {"; ".join(mismatched)}')
-    raise ValueError('\n'.join(lines))
+    hint = describe_architecture(loaded)
+    raise ValueError(mismatch_report(
+        'The checkpoint does not fit the model to fine-tune (only the head, pre_logits, the '
+        'position embedding and the T2T sinusoid table may differ):',
+        missing, unexpected, mismatched,
+        hint and hint + ' Set the model fields (--config.model.*) to these values.'))
   if notes:
     logging.getLogger('absl').info('Fine-tuning init: %s', '; '.join(notes))
   return unflatten_params(out)

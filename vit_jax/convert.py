@@ -54,9 +54,15 @@ def read(src: str, *, model_name: Optional[str] = None, use_ema: bool = True,
       raise ValueError(f'{src} is a PyTorch checkpoint: name its model with --model (e.g. '
                        '--model T2T-ViT-14 or --model T2T-ViT_t-14).')
     from vit_jax import models  # pylint: disable=g-import-not-at-top
-    # The file's own class count and input size are used, whatever these are.
-    model = models.create(model_name, num_classes=1000, **(overrides or {}))
+    overrides = dict(overrides or {})
+    if 'num_classes' in overrides:
+      raise ValueError('--set num_classes: the class count (and the input size) are read from '
+                       "the file's head.weight and pos_embed; drop it.")
+    model = models.create(model_name, num_classes=1000, **overrides)
     return checkpoint.load_torch_as_saved(src, model, use_ema=use_ema)
+  if model_name or overrides:
+    print(f'note: --model/--set apply to PyTorch files only; {src} needs neither (ignored).',
+          file=sys.stderr)
   return checkpoint.load(src, use_ema=use_ema)
 
 
@@ -131,11 +137,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   parser.add_argument('--overwrite', action='store_true', help='replace an existing DST')
   args = parser.parse_args(argv)
   try:
+    if os.path.exists(args.dst) and not args.overwrite:  # Before the (long) read.
+      raise FileExistsError(f'{args.dst} exists; choose a new destination or pass --overwrite.')
     variables = read(args.src, model_name=args.model, use_ema=not args.no_ema,
                      overrides=dict(_parse_setting(s) for s in args.set))
     kind = write(variables, args.dst, overwrite=args.overwrite)
   except (ValueError, TypeError, FileNotFoundError, FileExistsError) as e:
-    print(f'error: {e}', file=sys.stderr)
+    reason = e.strerror if isinstance(e, OSError) and e.strerror else e
+    print(f'error: {reason}', file=sys.stderr)
     return 2
   print(f'Wrote {kind} {args.dst} from {args.src}:\n{_summary(variables)}')
   return 0

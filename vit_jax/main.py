@@ -81,14 +81,26 @@ def unknown_override_message(argv: list[str]) -> str | None:
   return None
 
 
+def _without_traceback(message: str) -> str:
+  """ml_collections puts the config file's traceback in its flag error: keep the first line
+  (which flag) and the exception's own line (what is wrong)."""
+  if "Traceback (most recent call last)" not in message:
+    return message
+  head = message.split("Traceback (most recent call last)")[0].strip()
+  last = [line for line in message.splitlines() if line.strip()][-1]
+  return f"{head} {last}"
+
+
 def parse_flags(argv: list[str]) -> list[str]:
   """absl's flag parsing, with a clear message for a mistyped `--config.<key>`."""
   try:
     return flags.FLAGS(argv)
   except flags.Error as e:
-    message = unknown_override_message(argv) or str(e)
+    message = unknown_override_message(argv) or _without_traceback(str(e))
   except (AttributeError, KeyError) as e:  # ml_collections' error for an unknown key.
     message = unknown_override_message(argv) or f"Bad --config override: {e}"
+  except (ValueError, TypeError) as e:  # The config file's get_config(arg) refused its arg.
+    message = unknown_override_message(argv) or f"Bad --config: {e}"
   sys.stderr.write(f"FATAL: {message}\nPass --help to see the flags.\n")
   sys.exit(2)
 

@@ -175,6 +175,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     schedule = optim.schedule_from_config(
         config.optim, batch_size=config.batch_size, total_steps=total_steps,
         steps_per_epoch=info.num_train_examples / config.batch_size)
+    if not 0.0 <= config.label_smoothing < 1.0:
+      raise ValueError(f"config.label_smoothing={config.label_smoothing} must be in [0, 1) "
+                       "(the T2T-ViT recipe uses 0.1).")
     if not 0.0 <= config.ema_decay < 1.0:
       raise ValueError(f"config.ema_decay={config.ema_decay} must be in [0, 1) (0 disables the "
                        "parameter EMA; the T2T-ViT recipe uses 0.99996).")
@@ -233,13 +236,26 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated),
         jax.eval_shape(init_state, init_rng))
 
+    # The fine-tuning initialisation, read now so that a checkpoint that does not fit stops the
+    # run before the workdir is touched; a workdir that has a checkpoint resumes from it instead.
+    ckpt_dir = _join(workdir, "checkpoints")
+    resuming = ckpt_dir.exists() and any(p.name.isdigit() for p in ckpt_dir.iterdir())
+    finetune_variables = None
+    if init_from and resuming:
+      logging.info("Not initialising from %s: resuming from the checkpoints in %s.", init_from,
+                   ckpt_dir)
+    elif init_from:
+      logging.info("Initialising from %s for fine-tuning.", init_from)
+      finetune_variables = checkpoint.load_for_finetuning(
+          init_from, model, jax.device_get(jax.jit(init_variables)(init_rng)),
+          use_ema=init_from_ema, reset_head=init_reset_head)
+
   # 4. State: the latest checkpoint in workdir if there is one, else the fine-tuning init from
   # config.init_from (new head, regenerated tables), else a fresh initialisation.
   writer = metric_writers.create_default_writer(
       workdir, just_logging=jax.process_index() > 0, asynchronous=True)
   writer.write_hparams({k: v for k, v in _flatten(config.to_dict()).items()
                         if isinstance(v, (int, float, str, bool))})
-  ckpt_dir = _join(workdir, "checkpoints")
   manager = ocp.CheckpointManager(
       ckpt_dir,
       options=ocp.CheckpointManagerOptions(
@@ -252,13 +268,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     logging.info("Resuming from the checkpoint at step %d in %s.", latest, ckpt_dir)
     state = manager.restore(latest, args=ocp.args.Composite(
         state=ocp.args.StandardRestore(abstract_state)))["state"]
-  elif init_from:
-    logging.info("Initialising from %s for fine-tuning.", init_from)
-    with _config_errors():
-      variables = checkpoint.load_for_finetuning(
-          init_from, model, jax.device_get(jax.jit(init_variables)(init_rng)),
-          use_ema=init_from_ema, reset_head=init_reset_head)
-    state = jax.jit(state_from_variables, out_shardings=replicated)(variables)
+  elif finetune_variables is not None:
+    state = jax.jit(state_from_variables, out_shardings=replicated)(finetune_variables)
+    del finetune_variables
   else:
     state = jax.jit(init_state, out_shardings=replicated)(init_rng)
   start_step = int(state["step"])
@@ -363,6 +375,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     with jax.profiler.StepTraceAnnotation("train", step_num=step):
       batch = to_global(next(train_iter))
       state, metrics = p_train_step(state, batch)
+    if step == start_step + 1:  # Compiled now: the throughput is measured from here.
+      last_log_time, last_log_step = time.time(), step
     if pending is not None:
       train_metrics.append(_check_finite(*pending, manager))
     pending = (step, metrics)
@@ -374,7 +388,10 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
       now = time.time()
       summary = {f"train/{k}": float(np.mean([m[k] for m in train_metrics]))
                  for k in train_metrics[0]}
-      summary["train/images_per_sec"] = (step - last_log_step) * config.batch_size / (now - last_log_time)
+      summary["train/lr"] = float(train_metrics[-1]["lr"])  # The rate now, not the mean.
+      if step > last_log_step:  # (Not for a window that only held the compiling step.)
+        summary["train/images_per_sec"] = ((step - last_log_step) * config.batch_size /
+                                           (now - last_log_time))
       writer.write_scalars(step, summary)
       train_metrics, last_log_time, last_log_step = [], now, step
 

@@ -670,16 +670,18 @@ def from_torch_state_dict(
   missing = [_flax_to_torch_name(p) for p in expected
              if p not in converted and p not in mismatched_paths]
   if missing or unexpected or mismatched:
-    lines = ['The state_dict does not fit the model '
-             f'(tokens_type={model.tokens_type!r}, embed_dim={model.embed_dim}, '
-             f'depth={model.depth}, num_classes={model.num_classes}, image {height}x{width}):']
-    if missing:
-      lines.append(f'  missing keys ({len(missing)}): {", ".join(sorted(missing))}')
-    if unexpected:
-      lines.append(f'  unexpected keys ({len(unexpected)}): {", ".join(unexpected)}')
-    if mismatched:
-      lines.append(f'  shape mismatches ({len(mismatched)}): {"; ".join(mismatched)}')
-    raise ValueError('\n'.join(lines))
+    from vit_jax import checkpoint  # pylint: disable=g-import-not-at-top
+    as_saved = {}
+    for key, value in state_dict.items():
+      collection, path = torch_key_to_flax(key)
+      as_saved[(collection,) + path] = np.asarray(value).T if path[-1] == 'kernel' else value
+    hint = checkpoint.describe_architecture(_unflatten(as_saved))
+    raise ValueError(checkpoint.mismatch_report(
+        'The state_dict does not fit the model '
+        f'(tokens_type={model.tokens_type!r}, embed_dim={model.embed_dim}, depth={model.depth}, '
+        f'token_dim={model.token_dim}, num_classes={model.num_classes}, image {height}x{width}):',
+        sorted(missing), unexpected, mismatched,
+        hint and hint + ' Build the model with these values.'))
   tree = _unflatten(converted)
   return {'params': tree.get('params', {}), 'constants': tree.get('constants', {})}
 
