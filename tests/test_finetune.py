@@ -37,7 +37,7 @@ def _fixture_logits(model, variables, name='t2t_tiny_performer'):
 
 def _init(model, size):
   init = jax.jit(lambda rng: model.init(rng, jnp.zeros((1, size, size, 3)), train=False))
-  return jax.device_get(init(jax.random.PRNGKey(1)))
+  return models.unbox(jax.device_get(init(jax.random.PRNGKey(1))))  # Plain arrays.
 
 
 # ------------------------------------------------------------------------------ init_for_finetuning
@@ -154,8 +154,8 @@ def test_resize_posemb_corners_aligned_gap_and_non_square():
 def test_non_square_finetuning_224x320():
   """A square 2x2-grid checkpoint into a 2x3 grid model (the official code asserts here)."""
   fields = dict(_vit_tiny_fields(), patch_size=16)
-  saved = jax.device_get(models.create('ViT-custom', num_classes=4, **fields).init(
-      jax.random.PRNGKey(0), jnp.ones((1, 32, 32, 3)), train=False))
+  saved = models.unbox(jax.device_get(models.create('ViT-custom', num_classes=4, **fields).init(
+      jax.random.PRNGKey(0), jnp.ones((1, 32, 32, 3)), train=False)))
   model = models.create('ViT-custom', num_classes=3, **fields)
   fresh = jax.device_get(model.init(jax.random.PRNGKey(1), jnp.ones((1, 32, 48, 3)),
                                     train=False))
@@ -252,8 +252,8 @@ def test_init_from_that_does_not_fit_is_a_config_error(tmp_path):
     train.train_and_evaluate(config, str(tmp_path / 'workdir'))
   assert not (tmp_path / 'workdir').exists()  # Stopped before writing anything.
   config.init_from = str(tmp_path / 'nothing_here.npz')
-  with pytest.raises(train.ConfigError, match=r'nothing_here.npz.*\(config.init_from or '
-                     r'config.pretrained_dir\), does not exist'):
+  with pytest.raises(train.ConfigError,
+                     match=r'nothing_here.npz.*\(config.init_from\), does not exist'):
     train.train_and_evaluate(config, str(tmp_path / 'workdir2'))
   assert not (tmp_path / 'workdir2').exists()
 
@@ -315,6 +315,12 @@ def test_convert_bad_input_is_explained(tmp_path, capsys):
   assert convert.main([str(FIXTURES / 'vit_tiny' / 'params.npz'), str(tmp_path / 'v'),
                        '--model', 'T2T-ViT-14']) == 0
   assert 'apply to PyTorch files only' in capsys.readouterr().err
+  # The source is never replaced, and only directories and .npz files are written.
+  assert convert.main([str(tmp_path / 'v'), str(tmp_path / 'v'), '--overwrite']) == 2
+  assert 'the source is never replaced' in capsys.readouterr().err
+  assert (tmp_path / 'v').is_dir()
+  assert convert.main([str(tmp_path / 'v'), str(tmp_path / 'out.pth')]) == 2
+  assert 'a directory (Orbax checkpoint) or a .npz file' in capsys.readouterr().err
 
 
 # ------------------------------------------------------------------------------ export round trip
@@ -370,7 +376,8 @@ def test_pretrained_dir_convention(tmp_path):
                                total_steps=1)
   assert checkpoint.load(finetuned)['params']['Transformer']['encoderblock']['LayerNorm_0'][
       'scale'].shape == (2, 32)
-  with pytest.raises(train.ConfigError, match='ViT-custom.npz'):
+  with pytest.raises(train.ConfigError,
+                     match=r'ViT-custom.npz.*\(config.pretrained_dir/<model_name>.npz\)'):
     _tiny_vit_run(tmp_path, 'missing', pretrained_dir=str(tmp_path / 'nowhere'))
 
 
@@ -435,7 +442,27 @@ def test_restore_for_evaluation_checks_the_model():
   assert 'missing keys (2): ' in message and 'params/pre_logits/kernel' in message
   assert 'params/head/kernel: checkpoint (32, 10), model (8, 5)' in message
   assert 'pos_embedding: checkpoint (1, 65, 32), model (1, 145, 32)' in message
+  with pytest.raises(ValueError, match='Only the position table differs: the checkpoint is for '
+                     'another image size'):
+    checkpoint.load(path, model=model, image_size=48)
+  with pytest.raises(ValueError, match='must be a variables dict'):
+    checkpoint.init_for_finetuning(variables['params'], variables)
   scanned = models.create('ViT-custom', num_classes=10, **dict(_vit_tiny_fields(), scan=True))
   with pytest.raises(ValueError, match='per-layer encoder layout; convert it with '
                      'vit_jax.models.scan_params first'):
     checkpoint.load(path, model=scanned, image_size=32)
+
+
+def test_hybrid_mismatch_names_the_resnet_stages():
+  saved = checkpoint.load(FIXTURES / 'vit_hybrid_tiny' / 'params.npz')
+  model = models.create('R+ViT-custom', num_classes=10,
+                        **dict(_vit_tiny_fields(), patch_size=1, resnet_num_layers=(3, 1)))
+  with pytest.raises(ValueError, match=r'a ResNet stem with .*resnet_num_layers=\(2, 1\)'):
+    checkpoint.check_fits(saved, models.unbox(jax.eval_shape(
+        lambda: model.init(jax.random.key(0), jnp.zeros((1, 32, 32, 3)), train=False))))
+
+
+def test_square_patch_override_from_the_command_line_form():
+  """--config.model.patch_size=4 on a tuple field arrives as (4,): a square patch."""
+  model = models.create('ViT-custom', num_classes=2, **dict(_vit_tiny_fields(), patch_size=(4,)))
+  assert models.vit.patch_pair(model.patch_size) == (4, 4)

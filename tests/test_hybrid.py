@@ -39,8 +39,9 @@ def _fixture_model(**extra):
 
 
 def _abstract_variables(model, size):
-  return jax.eval_shape(
-      lambda: model.init(jax.random.key(0), jnp.zeros((1, size, size, 3)), train=False))
+  # Unboxed: init gives the parameters boxed with their logical axis names.
+  return models.unbox(jax.eval_shape(
+      lambda: model.init(jax.random.key(0), jnp.zeros((1, size, size, 3)), train=False)))
 
 
 def _param_shapes(model, size):
@@ -295,8 +296,8 @@ def test_non_square_images():
   model = models.create('R50+ViT-B_16', num_classes=10, num_layers=1)
   shapes = _param_shapes(model, 224)
   assert shapes['Transformer/posembed_input/pos_embedding'] == (1, 197, 768)
-  abstract = jax.eval_shape(
-      lambda: model.init(jax.random.key(0), jnp.zeros((1, 224, 320, 3)), train=False))
+  abstract = models.unbox(jax.eval_shape(
+      lambda: model.init(jax.random.key(0), jnp.zeros((1, 224, 320, 3)), train=False)))
   assert abstract['params']['Transformer']['posembed_input']['pos_embedding'].shape == (
       1, 14 * 20 + 1, 768)
 

@@ -70,7 +70,8 @@ def _init_and_apply(model, init_inputs, inputs):
   """``(variables, model.apply(variables, inputs, train=False))`` in one compilation."""
 
   def fn(key, x0, x):
-    variables = model.init(key, x0, train=False)
+    # Plain arrays: init boxes the parameters with their logical axis names.
+    variables = models.unbox(model.init(key, x0, train=False))
     return variables, model.apply(variables, x, train=False)
 
   # An 'rbg' key compiles the initialisers about twice as fast on CPU as the default threefry.

@@ -93,11 +93,13 @@ def flatten_params(tree: Mapping, sep: str = '/') -> Dict[str, Any]:
 
   Args:
     tree: nested ``dict``/``FrozenDict`` (e.g. ``variables['params']``); leaves are anything that
-      is not a mapping. Empty sub-mappings are dropped (they cannot be represented).
+      is not a mapping. Empty sub-mappings are dropped (they cannot be represented). Leaves
+      boxed with logical axis names (``nn.LogicallyPartitioned``, as ``model.init`` returns
+      them) are unboxed (:func:`vit_jax.models.layout.unbox`).
     sep: separator.
 
   Returns:
-    A flat dict.
+    A flat dict of plain (unboxed) leaves.
 
   Raises:
     ValueError: if a key contains ``sep`` (the flattening would be ambiguous) or is not a str.
@@ -112,7 +114,7 @@ def flatten_params(tree: Mapping, sep: str = '/') -> Dict[str, Any]:
       if isinstance(value, Mapping):
         visit(value, path)
       else:
-        flat[path] = value
+        flat[path] = layout.unbox(value)
 
   if not isinstance(tree, Mapping):
     raise ValueError(f'flatten_params expects a mapping, got {type(tree).__name__}')
@@ -304,8 +306,8 @@ def _expected_variables(model: Any, image_size: Any) -> Dict[str, Any]:
   import jax  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   height, width = (image_size, image_size) if isinstance(image_size, int) else image_size
-  return jax.eval_shape(lambda: model.init(
-      jax.random.key(0), jnp.zeros((1, int(height), int(width), 3), jnp.float32), train=False))
+  return layout.unbox(jax.eval_shape(lambda: model.init(
+      jax.random.key(0), jnp.zeros((1, int(height), int(width), 3), jnp.float32), train=False)))
 
 
 _MAX_LISTED = 8  # Entries listed per kind of problem; the rest are counted.
@@ -361,6 +363,14 @@ def describe_architecture(variables: Mapping) -> Optional[str]:
       fields.append(f'mlp_dim={mlp}')
     pre_logits = shape('params/pre_logits/kernel')
     fields.append(f'representation_size={pre_logits[-1] if pre_logits else None}')
+    units = {}
+    for key in flat:
+      match = re.match(r'params/block(\d+)/unit(\d+)/', key)
+      if match:
+        stage, unit = int(match.group(1)), int(match.group(2))
+        units[stage] = max(units.get(stage, 0), unit)
+    if 'params/conv_root/kernel' in flat:
+      fields.append(f'resnet_num_layers={tuple(units[s] for s in sorted(units))}')
     stem = ' with a ResNet stem' if 'params/conv_root/kernel' in flat else ''
     return f'The checkpoint is a ViT{stem} with {", ".join(fields)}{classes}.'
   if shape('params/cls_token') and shape('params/tokens_to_token/project/kernel'):
@@ -381,12 +391,14 @@ def check_fits(variables: Mapping, expected: Mapping, *, what: str = 'The checkp
 
   Args:
     variables: ``{'params': ..., **collections}`` (e.g. from :func:`load`).
-    expected: the same from ``model.init`` or its ``jax.eval_shape``. A scanned checkpoint
-      for an unrolled model (or the reverse) is reported as such, with the conversion to use.
+    expected: the same from ``model.init`` or its ``jax.eval_shape`` (boxed with logical axis
+      names or plain). A scanned checkpoint for an unrolled model (or the reverse) is reported
+      as such, with the conversion to use.
 
   Raises:
     ValueError: listing every missing key, unexpected key and shape mismatch together.
   """
+  variables, expected = layout.unbox(variables), layout.unbox(expected)
   have, want = flatten_params(variables), flatten_params(expected)
   missing = [k for k in want if k not in have]
   unexpected = [f'{k} {tuple(np.shape(v))}' for k, v in have.items() if k not in want]
@@ -400,8 +412,14 @@ def check_fits(variables: Mapping, expected: Mapping, *, what: str = 'The checkp
                  'convert it with vit_jax.models.' + ('unscan_params' if scanned else
                                                       'scan_params') + ' first.')
     hint = describe_architecture(variables)
-    raise ValueError(mismatch_report(header, missing, unexpected, mismatched,
-                                      hint and hint + ' Build the model with these values.'))
+    if hint:
+      hint += ' Build the model with these values.'
+    if not missing and not unexpected and all(POSEMB_KEY in m or 'pos_embed' in m
+                                              for m in mismatched):
+      hint = ('Only the position table differs: the checkpoint is for another image size. '
+              'Evaluate at the size it was trained at, or use init_for_finetuning '
+              '(--config.init_from) to resize it for a new resolution.')
+    raise ValueError(mismatch_report(header, missing, unexpected, mismatched, hint))
 
 
 def _load_file(path: str) -> Dict[str, Any]:
@@ -819,19 +837,27 @@ def init_for_finetuning(loaded: Mapping, fresh: Mapping, *, reset_head: bool = T
 
   Args:
     loaded: ``{'params': ..., **collections}`` from :func:`load` (NumPy or JAX leaves).
-    fresh: the same structure from ``model.init`` of the model to fine-tune: the replaced
-      entries take its values; of the rest only the structure, shapes and dtypes are read.
+    fresh: the same structure from ``model.init`` of the model to fine-tune (boxed with logical
+      axis names or plain): the replaced entries take its values; of the rest only the
+      structure, shapes and dtypes are read.
     reset_head: see above.
     grid: the model's token grid ``(rows, columns)``, needed only for non-square grids (e.g.
       ``(14, 20)`` at 224x320 px with patch 16); checkpoint_grid likewise for the checkpoint's.
 
   Returns:
-    ``{'params': ..., **collections}`` with ``fresh``'s structure, leaves cast to ``fresh``'s dtypes.
+    ``{'params': ..., **collections}`` with ``fresh``'s structure, plain (unboxed) leaves cast to
+    ``fresh``'s dtypes.
 
   Raises:
     ValueError: listing every missing key, unexpected key and shape mismatch together, e.g. a
       checkpoint of another model size.
   """
+  fresh, loaded = layout.unbox(fresh), layout.unbox(loaded)
+  for name, tree in (('loaded', loaded), ('fresh', fresh)):
+    if not isinstance(tree, Mapping) or 'params' not in tree:
+      raise ValueError(f'init_for_finetuning: {name} must be a variables dict '
+                       "{'params': ..., **collections} (as checkpoint.load and model.init "
+                       f"return), not a bare params tree (top level: {sorted(tree)[:5]}).")
   fresh_flat = flatten_params(fresh)
   loaded = dict(loaded)
   fresh_scanned = layout.is_scanned(fresh.get('params', {}))
@@ -850,6 +876,9 @@ def init_for_finetuning(loaded: Mapping, fresh: Mapping, *, reset_head: bool = T
     if key in HEAD_KEYS and (reset_head or not same_shape):
       out[key] = np.asarray(want)
       notes.append(f're-initialised {change}')
+    elif key in HEAD_KEYS:
+      out[key] = np.asarray(have).astype(want.dtype)
+      notes.append(f'kept {key} (reset_head=False, same class count)')
     elif same_shape:
       out[key] = np.asarray(have).astype(want.dtype)
     elif key == POSEMB_KEY and np.ndim(have) == 3 and np.shape(have)[2] == want.shape[2]:

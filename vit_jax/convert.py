@@ -75,6 +75,8 @@ def write(variables: Dict[str, Any], dst: str, *, overwrite: bool = False) -> st
   """
   if os.path.exists(dst) and not overwrite:
     raise FileExistsError(f'{dst} exists; choose a new destination or pass --overwrite.')
+  from vit_jax.models import layout  # pylint: disable=g-import-not-at-top
+  variables = layout.unbox(variables)  # Plain arrays (model.init boxes them with axis names).
   extra = sorted(k for k in variables if k != 'params')
   if dst.endswith('.npz'):
     if extra:
@@ -137,6 +139,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   parser.add_argument('--overwrite', action='store_true', help='replace an existing DST')
   args = parser.parse_args(argv)
   try:
+    src, dst = os.path.realpath(args.src), os.path.realpath(args.dst)
+    if src == dst or dst.startswith(src + os.sep) or src.startswith(dst + os.sep):
+      raise ValueError(f'{args.dst} is (or contains, or is inside) the source {args.src}: '
+                       'write to a new path, the source is never replaced.')
+    if args.dst.lower().endswith(('.pth', '.pt', '.tar', '.npy', '.pkl', '.msgpack')):
+      raise ValueError(f'{args.dst}: the destination is a directory (Orbax checkpoint) or a '
+                       '.npz file; other formats are not written.')
     if os.path.exists(args.dst) and not args.overwrite:  # Before the (long) read.
       raise FileExistsError(f'{args.dst} exists; choose a new destination or pass --overwrite.')
     variables = read(args.src, model_name=args.model, use_ema=not args.no_ema,

@@ -14,6 +14,7 @@ from ml_collections import config_dict
 
 from vit_jax import data
 from vit_jax import models
+from vit_jax import sharding
 
 
 # Model fields whose None default stands for a float (the others are ints, e.g.
@@ -107,6 +108,10 @@ def get_config(model_name: str = "ViT-B_16", dataset: str = "imagenet2012",
   # True: a new head always (official ViT). False: keep the checkpoint's head when the class
   # count is the same (T2T-ViT reference; e.g. ImageNet fine-tuning at a higher resolution).
   config.init_reset_head = True
+
+  # The device mesh ('data', 'fsdp', 'tensor' sizes; -1 = the rest) and the logical-axis rules:
+  # data parallelism, FSDP and tensor parallelism are choices here; see vit_jax.sharding.
+  config.mesh = sharding.get_default_config()
 
   # Periodic work, in optimizer steps.
   config.log_every_steps = 50

@@ -36,7 +36,42 @@ _CONFIG = config_flags.DEFINE_config_file(
 _WORKDIR = flags.DEFINE_string(
     "workdir", None, "Directory (local or gs://) for checkpoints and TensorBoard logs; "
     "reusing it resumes the run.")
+_COORDINATOR = flags.DEFINE_string(
+    "coordinator_address", None, "Multi-process runs on CPU/GPU clusters: host:port of process "
+    "0 (or $JAX_COORDINATOR_ADDRESS). TPU pods need none of these: every worker runs the same "
+    "command and jax.distributed finds the others.")
+_NUM_PROCESSES = flags.DEFINE_integer(
+    "num_processes", None, "Number of processes (or $JAX_NUM_PROCESSES), with --coordinator_address.")
+_PROCESS_ID = flags.DEFINE_integer(
+    "process_id", None, "This process's index in [0, num_processes) (or $JAX_PROCESS_ID).")
 flags.mark_flags_as_required(["config", "workdir"])
+
+
+def initialize_distributed() -> None:
+  """Calls `jax.distributed.initialize` when this is one process of several.
+
+  Explicit: --coordinator_address/--num_processes/--process_id or the JAX_COORDINATOR_ADDRESS,
+  JAX_NUM_PROCESSES, JAX_PROCESS_ID environment variables (CPU and GPU clusters; on CPU the
+  cross-process collectives use gloo). Automatic: a multi-host Cloud TPU slice (its metadata
+  names several workers). A single process does nothing.
+  """
+  import jax  # pylint: disable=g-import-not-at-top
+  address = _COORDINATOR.value or os.environ.get("JAX_COORDINATOR_ADDRESS")
+  if address:
+    num = _NUM_PROCESSES.value or int(os.environ.get("JAX_NUM_PROCESSES", "0")) or None
+    pid = _PROCESS_ID.value if _PROCESS_ID.value is not None else (
+        int(os.environ["JAX_PROCESS_ID"]) if "JAX_PROCESS_ID" in os.environ else None)
+    if num is None or pid is None:
+      raise app.UsageError("--coordinator_address needs --num_processes and --process_id (or "
+                           "JAX_NUM_PROCESSES and JAX_PROCESS_ID).")
+    if os.environ.get("JAX_PLATFORMS", "").startswith("cpu"):
+      jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(coordinator_address=address, num_processes=num, process_id=pid)
+  elif "," in os.environ.get("TPU_WORKER_HOSTNAMES", ""):  # A multi-host TPU slice.
+    jax.distributed.initialize()
+  if jax.process_count() > 1:
+    logging.info("Process %d of %d; %d local of %d devices.", jax.process_index(),
+                 jax.process_count(), jax.local_device_count(), jax.device_count())
 
 
 def _load_config_file(spec: str):
@@ -122,6 +157,7 @@ def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"Unexpected arguments: {' '.join(argv[1:])}")
   logging.get_absl_handler().addFilter(_QuietLibraries())
+  initialize_distributed()
   # Imported here so that --help and flag errors answer before TensorFlow and JAX load.
   from vit_jax import train  # pylint: disable=g-import-not-at-top
   logging.info("Config:\n%s", _CONFIG.value)

@@ -180,9 +180,15 @@ def schedule_from_config(optim: ml_collections.ConfigDict, *, batch_size: int,
 
 
 def _decay_mask(params):
-  """True for the leaves that get weight decay: the kernels (matrices), as in big_vision."""
-  return jax.tree_util.tree_map_with_path(
-      lambda path, _: getattr(path[-1], "key", None) == "kernel", params)
+  """True for the leaves that get weight decay: the kernels (matrices), as in big_vision.
+
+  The name is the last dict key of the leaf's path, so boxed parameters (logical axis metadata,
+  see vit_jax.models) are decided by their name too.
+  """
+  def is_kernel(path, _):
+    keys = [p.key for p in path if isinstance(p, jax.tree_util.DictKey)]
+    return bool(keys) and keys[-1] == "kernel"
+  return jax.tree_util.tree_map_with_path(is_kernel, params)
 
 
 def make_optimizer(optim: ml_collections.ConfigDict,

@@ -23,6 +23,7 @@ from typing import Any
 from absl import logging
 from clu import metric_writers
 from clu import periodic_actions
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import ml_collections
@@ -34,6 +35,7 @@ from vit_jax import checkpoint
 from vit_jax import data
 from vit_jax import models
 from vit_jax import optim
+from vit_jax import sharding
 
 # {'step': int32[], 'params': ..., 'opt_state': ..., 'model_state': ..., 'ema_params': ...}.
 # 'model_state' holds the model's variable collections other than 'params' (e.g. T2T-ViT's fixed
@@ -80,18 +82,22 @@ def num_train_steps(config: ml_collections.ConfigDict, num_train_examples: int) 
   return steps
 
 
-def check_batch_size(batch_size: int, grad_accum_steps: int, num_devices: int) -> None:
-  """Fails early when the global batch cannot be split over devices and micro-batches.
+def check_batch_size(batch_size: int, grad_accum_steps: int, num_shards: int) -> None:
+  """Fails early when the global batch cannot be split into micro-batches and batch shards.
+
+  Args:
+    num_shards: how many ways the mesh splits the batch (data x fsdp devices with the default
+      rules; see `vit_jax.sharding.data_parallel_size`).
 
   Raises:
-    ValueError: `batch_size` is not a multiple of `grad_accum_steps * num_devices`.
+    ValueError: `batch_size` is not a multiple of `grad_accum_steps * num_shards`.
   """
-  unit = grad_accum_steps * num_devices
+  unit = grad_accum_steps * num_shards
   if batch_size <= 0 or batch_size % unit:
     lower, upper = max(unit, batch_size // unit * unit), (batch_size // unit + 1) * unit
     raise ValueError(
         f"config.batch_size={batch_size} cannot be split into {grad_accum_steps} micro-batch(es) "
-        f"over {num_devices} device(s): it must be a multiple of {unit}. "
+        f"over {num_shards} batch shard(s) of the device mesh: it must be a multiple of {unit}. "
         f"Use --config.batch_size={lower} or {upper}.")
 
 
@@ -158,7 +164,20 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   # check of the config, done before anything is written to the workdir.
   with _config_errors():
     config = optim.resolve_regime(config)
-    check_batch_size(config.batch_size, config.grad_accum_steps, jax.device_count())
+    # The device mesh and the rules that map the models' logical axes onto it
+    # (vit_jax.sharding): data parallelism, FSDP and tensor parallelism are mesh sizes.
+    mesh = sharding.create_mesh(config.mesh)
+    rules = sharding.parse_rules(config.mesh.rules, mesh.axis_names)
+    check_batch_size(config.batch_size, config.grad_accum_steps,
+                     sharding.data_parallel_size(mesh, rules))
+
+    def in_mesh(fn):
+      """Runs (and so traces) `fn` with the mesh and rules that the models' logical
+      activation constraints resolve against."""
+      def run(*args):
+        with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
+          return fn(*args)
+      return run
 
     # 2. Data: each process reads its own part; eval visits every example exactly once.
     info = data.get_info(config.data)
@@ -168,8 +187,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
                  "multi-label" if info.multi_label else "single-label",
                  info.num_train_examples, info.num_eval_examples, info.image_shape)
 
-    # 3. Model, optimizer, and the mesh: the batch is split over all devices ('data' axis) and
-    # the parameters are replicated.
+    # 3. Model and optimizer.
     model = models.create(config.model_name, num_classes=info.num_classes,
                           **_model_fields(config))
     schedule = optim.schedule_from_config(
@@ -186,12 +204,12 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
       init_from = f"{config.pretrained_dir.rstrip('/')}/{config.model_name}.npz"
     init_from_ema, init_reset_head = config.init_from_ema, config.init_reset_head
     if init_from and not os.path.exists(init_from) and "://" not in init_from:
-      raise FileNotFoundError(f"The checkpoint to fine-tune from, {init_from!r} (config.init_from "
-                              "or config.pretrained_dir), does not exist; give an "
-                              "official .npz, a .pth.tar, an orbax checkpoint or a workdir.")
+      source = "config.init_from" if config.init_from else "config.pretrained_dir/<model_name>.npz"
+      raise FileNotFoundError(f"The checkpoint to fine-tune from, {init_from!r} ({source}), does "
+                              "not exist; give an official .npz, a .pth.tar, an orbax checkpoint "
+                              "or a workdir.")
     tx = optim.make_optimizer(config.optim, schedule)
-    mesh = jax.sharding.Mesh(np.asarray(jax.devices()), ("data",))
-    batch_sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
+    batch_sharding = sharding.batch_sharding(mesh, rules)
     replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
 
     def state_from_variables(variables: dict[str, Any]) -> State:
@@ -204,9 +222,13 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
         state["ema_params"] = params
       return state
 
-    def init_variables(rng) -> dict[str, Any]:
+    def init_boxed(rng) -> dict[str, Any]:
+      """model.init: parameters boxed with their logical axis names."""
       images = jnp.zeros((1, *info.image_shape), jnp.float32)
       return dict(model.init({"params": rng}, images, train=False))
+
+    def init_variables(rng) -> dict[str, Any]:
+      return nn.unbox(init_boxed(rng))
 
     def init_state(rng) -> State:
       return state_from_variables(init_variables(rng))
@@ -232,9 +254,15 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     # Shapes only (nothing allocated); this is where an image size the patch does not divide
     # is reported.
     init_rng, dropout_rng = jax.random.split(jax.random.PRNGKey(config.seed))
+    shapes = jax.eval_shape(init_state, init_rng)
+    # Where every array of the state lives: parameters (and their EMA, and the optimizer's
+    # moments) by their logical axes and the rules; the step and counters replicated.
+    state_shardings = sharding.state_shardings(shapes, jax.eval_shape(init_boxed, init_rng),
+                                               mesh, rules)
     abstract_state = jax.tree.map(
-        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated),
-        jax.eval_shape(init_state, init_rng))
+        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), shapes, state_shardings)
+    logging.info("%s", sharding.check_replication(
+        shapes["params"], state_shardings["params"], mesh, config.mesh.max_replicated_fraction))
 
     # The fine-tuning initialisation, read now so that a checkpoint that does not fit stops the
     # run before the workdir is touched; a workdir that has a checkpoint resumes from it instead.
@@ -269,10 +297,11 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     state = manager.restore(latest, args=ocp.args.Composite(
         state=ocp.args.StandardRestore(abstract_state)))["state"]
   elif finetune_variables is not None:
-    state = jax.jit(state_from_variables, out_shardings=replicated)(finetune_variables)
+    state = jax.jit(state_from_variables, out_shardings=state_shardings)(finetune_variables)
     del finetune_variables
   else:
-    state = jax.jit(init_state, out_shardings=replicated)(init_rng)
+    # (Outside the mesh context: flax's DenseGeneral initialisers reshape boxed kernels.)
+    state = jax.jit(init_state, out_shardings=state_shardings)(init_rng)
   start_step = int(state["step"])
   num_params = sum(x.size for x in jax.tree.leaves(state["params"]))
   logging.info("Model %s: %s parameters; %d of %d steps done.", config.model_name,
@@ -325,10 +354,10 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     logits = model.apply(variables_of(state), batch["image"], train=False)
     return eval_sums(logits, batch["labels"], batch["mask"], config.loss)
 
-  p_train_step = jax.jit(train_step, in_shardings=(replicated, batch_sharding),
-                         out_shardings=(replicated, replicated), donate_argnums=0)
-  p_eval_step = jax.jit(eval_step, in_shardings=(replicated, batch_sharding),
-                        out_shardings=replicated)
+  p_train_step = in_mesh(jax.jit(train_step, in_shardings=(state_shardings, batch_sharding),
+                                 out_shardings=(state_shardings, replicated), donate_argnums=0))
+  p_eval_step = in_mesh(jax.jit(eval_step, in_shardings=(state_shardings, batch_sharding),
+                                out_shardings=replicated))
 
   def to_global(batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
     return {k: jax.make_array_from_process_local_data(batch_sharding, v) for k, v in batch.items()}

@@ -29,6 +29,25 @@ Names
 T2T models have two variable collections: ``init`` returns ``'params'`` (trainable) and
 ``'constants'`` (the fixed sinusoid table and Performer random features); ``apply`` needs both.
 
+Logical axes (sharding): every parameter of the three families carries logical axis names
+(``nn.with_logical_partitioning``; the names are :data:`LOGICAL_AXIS_NAMES`, the assignment per
+parameter is listed in :mod:`vit_jax.models.vit` and :mod:`vit_jax.models.t2t`), so
+``model.init`` returns its ``'params'`` leaves as ``nn.LogicallyPartitioned`` boxes (values,
+shapes and names exactly those of plain arrays). ``model.apply`` takes boxed or plain variables.
+:func:`unbox` strips the boxes (plain arrays); :func:`abstract_variables` is the boxed
+``jax.eval_shape`` of ``init``; :func:`logical_axes` returns the tree of logical
+``PartitionSpec`` s of a model (``jax.eval_shape`` only; ``PartitionSpec()`` for T2T-ViT's
+un-annotated ``'constants'``); ``nn.logical_to_mesh_sharding`` with a mesh's rules turns it into
+shardings. The code that reads ``init`` output (:mod:`vit_jax.checkpoint`'s ``flatten_params``,
+``check_fits``, ``init_for_finetuning``, ``save_npz``; :func:`scan_params` /
+:func:`unscan_params`; ``t2t.from_torch_state_dict``) unboxes it itself. The main activations
+are constrained with ``nn.with_logical_constraint`` (``('batch', 'length', 'embed')`` tokens,
+``('batch', 'length', 'mlp')`` MLP hidden units), which does nothing unless
+``nn.logical_axis_rules`` and a mesh are active::
+
+  variables = unbox(model.init(rng, images, train=False))     # plain arrays
+  specs = logical_axes(model, (224, 224))                     # {'params': PartitionSpec tree}
+
 Overrides are the model's configuration fields, flat (see :data:`OVERRIDE_KEYS`). Sizes follow
 the ViT paper, Table 1, and the official ``configs/models.py`` (REFERENCE.md section 1).
 
@@ -39,22 +58,26 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from typing import Any, Callable, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, Optional, Sequence, Tuple
 
 import flax.linen as nn
+import jax
+import jax.numpy as jnp
 
 from vit_jax.models import layout
 from vit_jax.models import resnet
 from vit_jax.models import t2t
-from vit_jax.models.layout import is_scanned, scan_params, unscan_params
+from vit_jax.models.layout import (LOGICAL_AXIS_NAMES, is_scanned, scan_params, unbox,
+                                   unscan_params)
 from vit_jax.models.t2t import T2TViT
 from vit_jax.models.vit import CLASSIFIERS, VisionTransformer, patch_pair, validate_config
 
 __all__ = [
     'CLASSIFIERS', 'FAMILIES', 'Family', 'HYBRID_CONFIGS', 'HYBRID_MODEL_NAMES',
-    'HYBRID_OVERRIDE_KEYS', 'MODEL_NAMES', 'OVERRIDE_KEYS', 'T2TViT', 'T2T_MODEL_NAMES',
-    'T2T_OVERRIDE_KEYS', 'T2T_SIZES', 'VIT_SIZES', 'VisionTransformer', 'create', 'is_scanned',
-    'layout', 'model_config', 'resnet', 'resolve', 'scan_params', 't2t', 'unscan_params',
+    'HYBRID_OVERRIDE_KEYS', 'LOGICAL_AXIS_NAMES', 'MODEL_NAMES', 'OVERRIDE_KEYS', 'T2TViT',
+    'T2T_MODEL_NAMES', 'T2T_OVERRIDE_KEYS', 'T2T_SIZES', 'VIT_SIZES', 'VisionTransformer',
+    'abstract_variables', 'create', 'is_scanned', 'layout', 'logical_axes', 'model_config',
+    'resnet', 'resolve', 'scan_params', 't2t', 'unbox', 'unscan_params',
 ]
 
 #: ViT sizes: (num_layers, hidden_size, mlp_dim, num_heads, dropout_rate) — paper Table 1 and the
@@ -391,3 +414,55 @@ def create(name: str, *, num_classes: Optional[int], **overrides: Any) -> nn.Mod
   config = model_config(name, **overrides)
   family, _ = resolve(name)
   return family.module(num_classes=num_classes, **config)
+
+
+def _image_batch_shape(image_shape: Sequence[int]) -> Tuple[int, int, int, int]:
+  shape = tuple(int(s) for s in image_shape)
+  if len(shape) == 2:
+    shape += (3,)
+  if len(shape) != 3:
+    raise ValueError(f'image_shape must be (height, width) or (height, width, channels), got '
+                     f'{tuple(image_shape)!r}')
+  return (1,) + shape
+
+
+def abstract_variables(model: nn.Module, image_shape: Sequence[int] = (224, 224)) -> Any:
+  """``jax.eval_shape`` of ``model.init`` on one ``image_shape`` image: nothing is allocated.
+
+  Args:
+    model: a model of :func:`create`.
+    image_shape: ``(H, W)`` or ``(H, W, C)`` (C defaults to 3); it fixes the position tables.
+
+  Returns:
+    The variables as ``jax.ShapeDtypeStruct`` leaves, the parameters still boxed
+    (``nn.LogicallyPartitioned``) with their logical axis names.
+
+  Raises:
+    ValueError: a malformed ``image_shape``, or one the model cannot take (see the model).
+  """
+  shape = _image_batch_shape(image_shape)
+  return jax.eval_shape(
+      lambda: model.init(jax.random.key(0), jnp.zeros(shape, jnp.float32), train=False))
+
+
+def logical_axes(model: nn.Module, image_shape: Sequence[int] = (224, 224)) -> Any:
+  """The logical ``PartitionSpec`` of every variable of ``model`` (``jax.eval_shape`` only).
+
+  Example: ``logical_axes(create('ViT-B_16', num_classes=10))['params']['head']['kernel']`` is
+  ``PartitionSpec('embed', 'classes')``. Map it onto a mesh with
+  ``nn.logical_to_mesh_sharding(specs, mesh, rules)``.
+
+  Args:
+    model: a model of :func:`create`.
+    image_shape: ``(H, W)`` or ``(H, W, C)``, as for :func:`abstract_variables`.
+
+  Returns:
+    ``nn.get_partition_spec`` of :func:`abstract_variables`: the variables' tree with a
+    ``jax.sharding.PartitionSpec`` of logical names (one per array axis, names from
+    :data:`LOGICAL_AXIS_NAMES` or None) at every parameter, and ``PartitionSpec()`` (replicated)
+    at the un-annotated T2T-ViT ``'constants'``.
+
+  Raises:
+    ValueError: as :func:`abstract_variables`.
+  """
+  return nn.get_partition_spec(abstract_variables(model, image_shape))

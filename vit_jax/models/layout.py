@@ -13,7 +13,14 @@ Scanned (``VisionTransformer(scan=True)``)::
 Both functions are pure (the input tree is not modified), accept a ``params`` tree or a whole
 variables dict (``{'params': ..., ...}``: every collection is converted), accept ``dict`` and
 ``FrozenDict`` nodes and return plain nested ``dict`` trees. Leaves may be NumPy or JAX arrays;
-NumPy leaves stay NumPy.
+NumPy leaves stay NumPy. Boxed leaves (``nn.LogicallyPartitioned``, what ``model.init`` returns,
+see :func:`unbox`) are unboxed first: the logical names are not carried over.
+
+Logical axes: every parameter of the models is created with ``nn.with_logical_partitioning``,
+so ``model.init`` returns its ``'params'`` as ``nn.LogicallyPartitioned`` boxes carrying one
+logical axis name (or None) per array axis, from :data:`LOGICAL_AXIS_NAMES`. :func:`unbox`
+strips the boxes (plain arrays, same values); :func:`logical_axes` gives the tree of logical
+``PartitionSpec`` s of a model without allocating anything.
 """
 
 from __future__ import annotations
@@ -22,12 +29,75 @@ import re
 from collections.abc import Mapping
 from typing import Any, Optional
 
+from flax.core import FrozenDict
+from flax.core import meta
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 #: Name of the scanned block subtree; unrolled blocks are named ``f'{BLOCK_PREFIX}_{i}'``.
 BLOCK_PREFIX = 'encoderblock'
+
+
+#: The logical axis names used by the models' parameters and activations (a mesh's rules map
+#: some of them onto mesh axes; an unmapped name is unsharded):
+#:
+#: ``batch`` examples; ``length`` tokens; ``embed`` the model width (ViT ``hidden_size``, T2T-ViT
+#: ``embed_dim``); ``mlp`` the MLP hidden units; ``heads`` attention heads; ``kv`` the per-head
+#: width; ``qkv`` a fused query/key/value output axis (T2T-ViT ``qkv``/``kqv`` kernels, and the
+#: input of the backbone's attention ``proj``); ``classes`` the head's outputs; ``norm`` the
+#: LayerNorm/GroupNorm scale and bias; ``conv_in``/``conv_out`` ResNet convolution channels;
+#: ``layers`` the stacked axis of scanned blocks (``scan=True``); ``tokens`` the T2T layers'
+#: width (``token_dim``); ``patch`` reserved for patch (convolution window) axes, which are
+#: left None.
+LOGICAL_AXIS_NAMES = ('batch', 'length', 'embed', 'mlp', 'heads', 'kv', 'qkv', 'classes', 'norm',
+                      'conv_in', 'conv_out', 'layers', 'tokens', 'patch')
+
+
+def _strip(box: Any) -> Any:
+  # A box's own value, without the sharding constraint that ``box.unbox()`` adds under a mesh.
+  if isinstance(box, meta.Partitioned):  # Includes nn.LogicallyPartitioned.
+    return box.unbox(apply_constraint=False)
+  return box.unbox()
+
+
+def unbox(tree: Any) -> Any:
+  """Strips Flax axis-metadata boxes (``nn.LogicallyPartitioned``) from a tree.
+
+  ``model.init`` returns the parameters boxed with their logical axis names; ``model.apply``
+  takes boxed and plain variables alike. Use this for plain arrays (e.g. to compare, save or
+  feed an optimizer that looks at key paths). Unlike ``flax.linen.unbox`` it never adds a
+  sharding constraint (it is meant for host-side code; inside ``jax.jit`` under a mesh,
+  ``nn.unbox`` also constrains each value to its sharding).
+
+  Args:
+    tree: any pytree (variables, params, or a ``jax.eval_shape`` of them); ``dict`` and
+      ``FrozenDict`` containers are kept as they are.
+
+  Returns:
+    The same structure (mappings keep their key order) with every box replaced by its value
+    (the same array object); a tree without boxes is returned as it is.
+  """
+  return _unbox(tree) if _has_box(tree) else tree
+
+
+def _has_box(tree: Any) -> bool:
+  if isinstance(tree, meta.AxisMetadata):
+    return True
+  if isinstance(tree, Mapping):  # Any keys (jax.tree_util would sort them).
+    return any(_has_box(v) for v in tree.values())
+  leaves = jax.tree_util.tree_leaves(tree, is_leaf=meta.is_axis_metadata)
+  return any(isinstance(x, meta.AxisMetadata) for x in leaves)
+
+
+def _unbox(tree: Any) -> Any:
+  if isinstance(tree, meta.AxisMetadata):
+    return _unbox(_strip(tree))
+  if isinstance(tree, FrozenDict):
+    return FrozenDict({k: _unbox(v) for k, v in tree.items()})
+  if isinstance(tree, Mapping):
+    return {k: _unbox(v) for k, v in tree.items()}
+  return meta.map_axis_meta(lambda box: _unbox(_strip(box)), tree)
 
 
 def _to_dict(tree: Any) -> Any:
@@ -71,6 +141,7 @@ def scan_params(params: Any, num_layers: Optional[int] = None, *,
       have identical structure/shapes, or the same mapping already has a ``{prefix}`` entry.
   """
   count = [0]
+  params = unbox(params)
 
   def convert(node):
     if not isinstance(node, Mapping):
@@ -126,6 +197,7 @@ def unscan_params(params: Any, *, prefix: str = BLOCK_PREFIX) -> dict:
       leaves disagree on the leading axis, or the mapping also has ``{prefix}_{i}`` entries.
   """
   count = [0]
+  params = unbox(params)
 
   def convert(node):
     if not isinstance(node, Mapping):

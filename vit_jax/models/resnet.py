@@ -38,6 +38,11 @@ Parameter tree (all convolutions without bias; kernels HWIO)::
 These names sit at the top level of the model's ``params`` (next to ``embedding``), as in the
 official model: :func:`resnet_stem` creates the modules inside the calling module's scope.
 
+Logical axes (``nn.with_logical_partitioning``; see :mod:`vit_jax.models.vit`): conv kernels
+``(None, None, 'conv_in', 'conv_out')``, GroupNorm scale and bias ``('norm',)``; the feature
+maps after the root and after every unit are constrained to ``('batch', None, None,
+'conv_out')`` (a no-op without ``nn.logical_axis_rules`` and a mesh).
+
 Padding: SAME follows XLA (the odd extra padding pixel goes at the end, e.g. a 3x3/2 window on
 a 16-pixel side is padded (0, 1)); max-pool pads with -inf.
 """
@@ -62,6 +67,14 @@ GROUPNORM_EPSILON = 1e-6
 
 #: Width of the root convolution for ``width_factor = 1``.
 BASE_WIDTH = 64
+
+#: Logical axes of a conv kernel (HWIO) and of a feature map (NHWC).
+KERNEL_AXES = (None, None, 'conv_in', 'conv_out')
+FEATURE_AXES = ('batch', None, None, 'conv_out')
+
+
+def _constrain(x: Array) -> Array:
+  return nn.with_logical_constraint(x, FEATURE_AXES)
 
 
 def standardize_weight(kernel: Array, eps: float = WEIGHT_STANDARDIZATION_EPSILON) -> Array:
@@ -111,7 +124,8 @@ class StdConv(nn.Module):
     if x.ndim != 4:
       raise ValueError(f'StdConv expects [batch, height, width, channels], got shape {x.shape}')
     shape = (*self.kernel_size, x.shape[-1], self.features)
-    kernel = self.param('kernel', self.kernel_init, shape, self.param_dtype)
+    kernel = self.param('kernel', nn.with_logical_partitioning(self.kernel_init, KERNEL_AXES),
+                        shape, self.param_dtype)
     kernel = standardize_weight(kernel)
     x, kernel = x.astype(self.dtype), kernel.astype(self.dtype)
     return jax.lax.conv_general_dilated(
@@ -123,7 +137,9 @@ def _group_norm(name: str, dtype: Dtype, param_dtype: Dtype, zero_scale: bool = 
   return nn.GroupNorm(
       num_groups=GROUPNORM_GROUPS, epsilon=GROUPNORM_EPSILON, dtype=dtype,
       param_dtype=param_dtype,
-      scale_init=nn.initializers.zeros if zero_scale else nn.initializers.ones, name=name)
+      scale_init=nn.with_logical_partitioning(
+          nn.initializers.zeros if zero_scale else nn.initializers.ones, ('norm',)),
+      bias_init=nn.with_logical_partitioning(nn.initializers.zeros, ('norm',)), name=name)
 
 
 class BottleneckUnit(nn.Module):
@@ -164,7 +180,7 @@ class BottleneckUnit(nn.Module):
     y = nn.relu(norm('gn1')(conv(self.features, 1, (1, 1), 'conv1')(x)))
     y = nn.relu(norm('gn2')(conv(self.features, 3, strides, 'conv2')(y)))
     y = norm('gn3', zero_scale=True)(conv(out_features, 1, (1, 1), 'conv3')(y))
-    return nn.relu(residual + y)
+    return _constrain(nn.relu(residual + y))
 
 
 class ResNetStage(nn.Module):
@@ -232,6 +248,7 @@ def resnet_stem(x: Array, *, num_layers: Sequence[int], width_factor: float = 1,
   x = _group_norm('gn_root', dtype, param_dtype)(x)
   x = nn.relu(x)
   x = nn.max_pool(x, window_shape=(3, 3), strides=(2, 2), padding='SAME')
+  x = _constrain(x)
   for s, units in enumerate(tuple(num_layers)):
     x = ResNetStage(num_units=int(units), features=width * 2 ** s,
                     first_stride=(1, 1) if s == 0 else (2, 2), dtype=dtype,

@@ -62,6 +62,27 @@ Numerics: LayerNorm eps 1e-5 (two-pass variance, as PyTorch), exact (erf) GELU, 
 float32, the Performer feature map and its linear attention always in float32 (as the reference's
 ``x.float()``), whatever ``dtype`` is. Logits are float32.
 
+Logical axes: every parameter is created with ``nn.with_logical_partitioning``, so
+``model.init`` returns the ``'params'`` as ``nn.LogicallyPartitioned`` boxes carrying one logical
+axis name per array axis (names in :data:`vit_jax.models.layout.LOGICAL_AXIS_NAMES`; values and
+initialisers unchanged). ``apply`` accepts boxed or plain variables; :func:`vit_jax.models.unbox`
+gives plain arrays, :func:`vit_jax.models.logical_axes` the ``PartitionSpec`` tree. The
+``'constants'`` are not annotated (replicated; ``PartitionSpec()``)::
+
+  cls_token (None, None, 'embed')
+  tokens_to_token/attention{1,2}: qkv / kqv kernel (None, 'qkv'), kqv bias ('qkv',);
+      proj, mlp/fc{1,2}, mlp_{0,2} kernels (None, 'tokens'), biases ('tokens',)
+  tokens_to_token/project kernel (None, 'embed'), bias ('embed',)
+  blocks_i/attn/qkv kernel ('embed', 'qkv'); attn/proj kernel ('qkv', 'embed'), bias ('embed',)
+  blocks_i/mlp/fc1 kernel ('embed', 'mlp'), bias ('mlp',); fc2 ('mlp', 'embed'), bias ('embed',)
+  every LayerNorm scale / bias ('norm',)
+  head kernel ('embed', 'classes'), bias ('classes',)
+
+Activations are constrained (``nn.with_logical_constraint``, a no-op without
+``nn.logical_axis_rules``) to ``('batch', 'length', 'embed')`` after ``project``, after the
+position table and at every block boundary, the backbone MLP hidden units to ``('batch',
+'length', 'mlp')`` (the T2T layers' MLP hidden to ``('batch', 'length', 'tokens')``).
+
 This module has no training dependencies (no optax, no TensorFlow).
 """
 
@@ -75,6 +96,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from vit_jax.models import layout
 from vit_jax.models import vit
 
 Array = jax.Array
@@ -95,6 +117,17 @@ PERFORMER_EPSILON = 1e-8
 
 _linear_init = nn.initializers.truncated_normal(stddev=0.02)
 
+_partitioned = nn.with_logical_partitioning
+_constrain = vit.constrain
+_TOKENS_AXES = vit.TOKENS_AXES
+
+Axes = Tuple[Optional[str], ...]
+
+#: Logical axes of the T2T layers' kernels: (input, output). The inputs (unfolded patches, the
+#: fused q/k/v) stay unnamed; the fused q/k/v output is 'qkv', the other outputs 'tokens'.
+_T2T_QKV_AXES: Axes = (None, 'qkv')
+_T2T_AXES: Axes = (None, 'tokens')
+
 
 def _gelu(x: Array) -> Array:
   return nn.gelu(x, approximate=False)
@@ -102,13 +135,17 @@ def _gelu(x: Array) -> Array:
 
 def _layer_norm(name: str, dtype: Dtype, param_dtype: Dtype) -> nn.LayerNorm:
   return nn.LayerNorm(epsilon=LAYERNORM_EPSILON, use_fast_variance=False, dtype=dtype,
-                      param_dtype=param_dtype, name=name)
+                      param_dtype=param_dtype,
+                      scale_init=_partitioned(nn.initializers.ones, ('norm',)),
+                      bias_init=_partitioned(nn.initializers.zeros, ('norm',)), name=name)
 
 
-def _dense(features: int, name: str, dtype: Dtype, param_dtype: Dtype,
+def _dense(features: int, name: str, dtype: Dtype, param_dtype: Dtype, axes: Axes,
            use_bias: bool = True) -> nn.Dense:
+  """A reference Linear; ``axes`` are the kernel's logical (input, output) axis names."""
   return nn.Dense(features, use_bias=use_bias, dtype=dtype, param_dtype=param_dtype,
-                  kernel_init=_linear_init, bias_init=nn.initializers.zeros, name=name)
+                  kernel_init=_partitioned(_linear_init, axes),
+                  bias_init=_partitioned(nn.initializers.zeros, axes[1:]), name=name)
 
 
 def soft_split_size(size: int, kernel: int, stride: int, padding: int) -> int:
@@ -227,6 +264,10 @@ class DropPath(nn.Module):
 class Mlp(nn.Module):
   """``fc1`` -> exact GELU -> ``fc2`` (reference ``transformer_block.Mlp``).
 
+  ``fc1_axes`` / ``fc2_axes``: logical (input, output) names of the kernels (the backbone's
+  defaults; the T2T layers use ``(None, 'tokens')`` for both). A rank-3 hidden activation is
+  constrained to ``('batch', 'length', fc1_axes[1])``.
+
   Input ``[..., D]``, output ``[..., out_dim]`` in ``dtype``.
   """
 
@@ -234,12 +275,15 @@ class Mlp(nn.Module):
   out_dim: int
   dtype: Dtype = jnp.float32
   param_dtype: Dtype = jnp.float32
+  fc1_axes: Axes = ('embed', 'mlp')
+  fc2_axes: Axes = ('mlp', 'embed')
 
   @nn.compact
   def __call__(self, x: Array) -> Array:
-    x = _dense(self.hidden_dim, 'fc1', self.dtype, self.param_dtype)(x)
+    x = _dense(self.hidden_dim, 'fc1', self.dtype, self.param_dtype, self.fc1_axes)(x)
+    x = _constrain(x, ('batch', 'length', self.fc1_axes[1]))
     x = _gelu(x)
-    return _dense(self.out_dim, 'fc2', self.dtype, self.param_dtype)(x)
+    return _dense(self.out_dim, 'fc2', self.dtype, self.param_dtype, self.fc2_axes)(x)
 
 
 class TokenTransformerAttention(nn.Module):
@@ -259,12 +303,13 @@ class TokenTransformerAttention(nn.Module):
   @nn.compact
   def __call__(self, x: Array) -> Array:
     scale = x.shape[-1] ** -0.5
-    qkv = _dense(3 * self.token_dim, 'qkv', self.dtype, self.param_dtype, use_bias=False)(x)
+    qkv = _dense(3 * self.token_dim, 'qkv', self.dtype, self.param_dtype, _T2T_QKV_AXES,
+                 use_bias=False)(x)
     q, k, v = jnp.split(qkv, 3, axis=-1)
     logits = jnp.einsum('bqd,bkd->bqk', q * scale, k).astype(jnp.float32)
     attn = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
     y = jnp.einsum('bqk,bkd->bqd', attn, v)
-    y = _dense(self.token_dim, 'proj', self.dtype, self.param_dtype)(y)
+    y = _dense(self.token_dim, 'proj', self.dtype, self.param_dtype, _T2T_AXES)(y)
     return v + y
 
 
@@ -284,7 +329,8 @@ class TokenTransformer(nn.Module):
     y = _layer_norm('norm1', self.dtype, self.param_dtype)(x)
     y = TokenTransformerAttention(self.token_dim, self.dtype, self.param_dtype, name='attn')(y)
     z = _layer_norm('norm2', self.dtype, self.param_dtype)(y)
-    return y + Mlp(self.token_dim, self.token_dim, self.dtype, self.param_dtype, name='mlp')(z)
+    return y + Mlp(self.token_dim, self.token_dim, self.dtype, self.param_dtype,
+                   fc1_axes=_T2T_AXES, fc2_axes=_T2T_AXES, name='mlp')(z)
 
 
 class TokenPerformer(nn.Module):
@@ -312,7 +358,7 @@ class TokenPerformer(nn.Module):
     if tuple(w.shape) != (m, self.token_dim):
       raise ValueError(f'Performer w has shape {tuple(w.shape)}, expected {(m, self.token_dim)}')
     h = _layer_norm('norm1', self.dtype, self.param_dtype)(x)
-    kqv = _dense(3 * self.token_dim, 'kqv', self.dtype, self.param_dtype)(h)
+    kqv = _dense(3 * self.token_dim, 'kqv', self.dtype, self.param_dtype, _T2T_QKV_AXES)(h)
     k, q, v = jnp.split(kqv, 3, axis=-1)
     kp = performer_features(k, w)  # [B, T, m] float32
     qp = performer_features(q, w)
@@ -321,11 +367,13 @@ class TokenPerformer(nn.Module):
     denom = jnp.einsum('btm,bm->bt', qp, jnp.sum(kp, axis=1), precision=hi)[..., None]
     kptv = jnp.einsum('btd,btm->bdm', v32, kp, precision=hi)
     y = jnp.einsum('btm,bdm->btd', qp, kptv, precision=hi) / (denom + PERFORMER_EPSILON)
-    y = _dense(self.token_dim, 'proj', self.dtype, self.param_dtype)(y.astype(self.dtype))
+    y = _dense(self.token_dim, 'proj', self.dtype, self.param_dtype,
+               _T2T_AXES)(y.astype(self.dtype))
     y = v + y
     z = _layer_norm('norm2', self.dtype, self.param_dtype)(y)
-    z = _dense(self.token_dim, 'mlp_0', self.dtype, self.param_dtype)(z)
-    z = _dense(self.token_dim, 'mlp_2', self.dtype, self.param_dtype)(_gelu(z))
+    z = _dense(self.token_dim, 'mlp_0', self.dtype, self.param_dtype, _T2T_AXES)(z)
+    z = _constrain(z, ('batch', 'length', 'tokens'))
+    z = _dense(self.token_dim, 'mlp_2', self.dtype, self.param_dtype, _T2T_AXES)(_gelu(z))
     return y + z
 
 
@@ -362,7 +410,8 @@ class TokensToToken(nn.Module):
         x = layer_cls(self.token_dim, self.dtype, self.param_dtype,
                       name=f'attention{stage + 1}')(x)
         x = x.reshape(b, oh, ow, x.shape[-1])  # Tokens back to a row-major (h, w, c) map.
-    return _dense(self.embed_dim, 'project', self.dtype, self.param_dtype)(x)
+    x = _dense(self.embed_dim, 'project', self.dtype, self.param_dtype, (None, 'embed'))(x)
+    return _constrain(x, _TOKENS_AXES)
 
 
 class Attention(nn.Module):
@@ -382,13 +431,14 @@ class Attention(nn.Module):
     b, n, d = x.shape
     head_dim = d // self.num_heads
     scale = self.qk_scale if self.qk_scale is not None else head_dim ** -0.5
-    qkv = _dense(3 * d, 'qkv', self.dtype, self.param_dtype, use_bias=False)(x)
+    qkv = _dense(3 * d, 'qkv', self.dtype, self.param_dtype, ('embed', 'qkv'),
+                 use_bias=False)(x)
     qkv = qkv.reshape(b, n, 3, self.num_heads, head_dim)
     q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]  # [B, N, heads, head_dim]
     logits = jnp.einsum('bqhd,bkhd->bhqk', q, k).astype(jnp.float32) * scale
     attn = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
     y = jnp.einsum('bhqk,bkhd->bqhd', attn, v).reshape(b, n, d)
-    return _dense(d, 'proj', self.dtype, self.param_dtype)(y)
+    return _dense(d, 'proj', self.dtype, self.param_dtype, ('qkv', 'embed'))(y)
 
 
 class Block(nn.Module):
@@ -409,12 +459,13 @@ class Block(nn.Module):
   def __call__(self, x: Array, *, deterministic: bool) -> Array:
     d = x.shape[-1]
     drop = DropPath(self.drop_path, name='drop_path')
+    x = _constrain(x, _TOKENS_AXES)
     y = _layer_norm('norm1', self.dtype, self.param_dtype)(x)
     y = Attention(self.num_heads, self.qk_scale, self.dtype, self.param_dtype, name='attn')(y)
-    x = x + drop(y, deterministic=deterministic)
+    x = _constrain(x + drop(y, deterministic=deterministic), _TOKENS_AXES)
     y = _layer_norm('norm2', self.dtype, self.param_dtype)(x)
     y = Mlp(int(d * self.mlp_ratio), d, self.dtype, self.param_dtype, name='mlp')(y)
-    return x + drop(y, deterministic=deterministic)
+    return _constrain(x + drop(y, deterministic=deterministic), _TOKENS_AXES)
 
 
 class T2TViT(nn.Module):
@@ -480,7 +531,8 @@ class T2TViT(nn.Module):
     x = TokensToToken(self.tokens_type, self.token_dim, self.embed_dim, dtype, param_dtype,
                       name='tokens_to_token')(inputs.astype(dtype))
     b, n, d = x.shape
-    cls = self.param('cls_token', _linear_init, (1, 1, d), param_dtype)
+    cls = self.param('cls_token', _partitioned(_linear_init, (None, None, 'embed')), (1, 1, d),
+                     param_dtype)
     x = jnp.concatenate([jnp.broadcast_to(cls.astype(x.dtype), (b, 1, d)), x], axis=1)
     _require_constant(self, 'pos_embed')
     pos = self.variable('constants', 'pos_embed', lambda: jnp.asarray(sinusoid_table(n + 1, d)))
@@ -489,7 +541,7 @@ class T2TViT(nn.Module):
           f'pos_embed has shape {tuple(pos.value.shape)} but the image {inputs.shape[1]}x'
           f'{inputs.shape[2]} gives {(1, n + 1, d)} (tokens + class token, width). The table is '
           f'fixed: rebuild it with sinusoid_table({n + 1}, {d}) (or init) for this image size.')
-    x = x + pos.value.astype(x.dtype)
+    x = _constrain(x + pos.value.astype(x.dtype), _TOKENS_AXES)
     self.sow('intermediates', 'pos_drop', x)
 
     rates = np.linspace(0.0, self.drop_path_rate, self.depth)  # As torch.linspace.
@@ -500,7 +552,7 @@ class T2TViT(nn.Module):
     x = x[:, 0]
     if self.num_classes is None:
       return x.astype(jnp.float32)
-    x = _dense(self.num_classes, 'head', dtype, param_dtype)(x)
+    x = _dense(self.num_classes, 'head', dtype, param_dtype, ('embed', 'classes'))(x)
     return x.astype(jnp.float32)
 
 
@@ -640,9 +692,9 @@ def from_torch_state_dict(
     height = width = image_size
   else:
     height, width = (int(s) for s in image_size)
-  shapes = jax.eval_shape(
+  shapes = layout.unbox(jax.eval_shape(
       lambda: model.init(jax.random.key(0), jnp.zeros((1, height, width, 3), jnp.float32),
-                         train=False))
+                         train=False)))
   expected = {}
   for collection in ('params', 'constants'):
     for path, leaf in _flatten(shapes.get(collection, {})).items():

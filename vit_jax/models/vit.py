@@ -35,17 +35,44 @@ With ``scan=True`` the ``encoderblock_{i}`` subtrees are replaced by a single ``
 subtree whose leaves have a leading axis of size ``num_layers``; convert between the two layouts
 with :func:`vit_jax.models.layout.scan_params` / :func:`~vit_jax.models.layout.unscan_params`.
 
+Logical axes: every parameter is created with ``nn.with_logical_partitioning``, so
+``model.init`` returns the ``params`` as ``nn.LogicallyPartitioned`` boxes that carry one logical
+axis name per array axis (``nn.get_partition_spec`` reads them; names in
+:data:`vit_jax.models.layout.LOGICAL_AXIS_NAMES`). Names, shapes, values and initialisers are
+those of the plain model. ``model.apply`` accepts boxed or plain variables; for plain arrays use
+:func:`vit_jax.models.unbox` (``flax.linen.unbox`` inside ``jit``), and for the tree of
+``PartitionSpec`` s :func:`vit_jax.models.logical_axes`::
+
+  embedding/kernel (None, None, None, 'embed')    embedding/bias ('embed',)
+  cls (None, None, 'embed')                       pos_embedding (None, 'length', 'embed')
+  LayerNorm_*/encoder_norm scale, bias ('norm',)
+  {query,key,value}/kernel ('embed', 'heads', 'kv')   {query,key,value}/bias ('heads', 'kv')
+  out/kernel ('heads', 'kv', 'embed')             out/bias ('embed',)
+  MlpBlock_0/Dense_0 kernel ('embed', 'mlp'), bias ('mlp',)
+  MlpBlock_0/Dense_1 kernel ('mlp', 'embed'), bias ('embed',)
+  pre_logits kernel ('embed', None), bias (None,)
+  head kernel ('embed', 'classes'), bias ('classes',)
+  ResNet stem: conv kernels (None, None, 'conv_in', 'conv_out'), GroupNorm ('norm',)
+
+With ``scan=True`` the stacked block parameters have ``'layers'`` prepended. The main activations
+are constrained with ``nn.with_logical_constraint``: the tokens to ``('batch', 'length',
+'embed')`` after the embedding and at every block boundary, the MLP hidden units to ``('batch',
+'length', 'mlp')``, the ResNet feature maps to ``('batch', None, None, 'conv_out')``. Without
+``nn.logical_axis_rules`` (and a mesh) these constraints do nothing.
+
 This module has no training dependencies (no optax, no TensorFlow).
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Optional, Tuple, Union
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from vit_jax.models import layout
 from vit_jax.models import resnet
 
 Array = jax.Array
@@ -57,12 +84,63 @@ CLASSIFIERS = ('token', 'gap')
 #: LayerNorm epsilon of the official model (flax default; PyTorch's would be 1e-5).
 LAYERNORM_EPSILON = 1e-6
 
+#: Logical axes of the token sequence and of the MLP hidden activations.
+TOKENS_AXES = ('batch', 'length', 'embed')
+MLP_HIDDEN_AXES = ('batch', 'length', 'mlp')
+
+_partitioned = nn.with_logical_partitioning
+
+
+class _DenseGeneralInitBox(nn.LogicallyPartitioned):
+  """Transient box of a ``DenseGeneral`` initialiser (attention q/k/v/out kernels and biases).
+
+  ``nn.DenseGeneral`` calls its initialiser with the *flattened* 2-D (1-D for biases) shape,
+  unboxes the result and reshapes it to the real shape (flax issue #3676). Under a global mesh
+  the unboxing of an ``nn.LogicallyPartitioned`` would apply the sharding constraint of the
+  real shape's names to the flat array and fail. This box does not constrain, and turns itself
+  into a plain ``nn.LogicallyPartitioned`` once the value has its real shape
+  (``replace_boxed``), so only standard boxes are stored.
+  """
+
+  def unbox(self, apply_constraint: bool = True) -> Any:
+    del apply_constraint
+    return self.value
+
+  def replace_boxed(self, val: Any) -> nn.LogicallyPartitioned:
+    return nn.LogicallyPartitioned(val, self.names, mesh=self.mesh, rules=self.rules)
+
+
+def _dense_general_partitioned(init_fn: Any, names: Tuple[Optional[str], ...]) -> Any:
+  """``nn.with_logical_partitioning(init_fn, names)`` for ``nn.DenseGeneral`` parameters."""
+
+  @functools.wraps(init_fn)
+  def wrapper(*args, **kwargs):
+    return _DenseGeneralInitBox(init_fn(*args, **kwargs), names)
+
+  return wrapper
+
+
+def constrain(x: Array, names: Tuple[Optional[str], ...]) -> Array:
+  """``nn.with_logical_constraint(x, names)`` when the ranks agree, else ``x`` unchanged.
+
+  A no-op without ``nn.logical_axis_rules`` (and a mesh) in context.
+  """
+  if x.ndim != len(names):
+    return x
+  return nn.with_logical_constraint(x, names)
+
+
+def _layer_norm(dtype: Dtype, param_dtype: Dtype, name: Optional[str] = None) -> nn.LayerNorm:
+  return nn.LayerNorm(epsilon=LAYERNORM_EPSILON, dtype=dtype, param_dtype=param_dtype,
+                      scale_init=_partitioned(nn.initializers.ones, ('norm',)),
+                      bias_init=_partitioned(nn.initializers.zeros, ('norm',)), name=name)
+
 
 def patch_pair(patch_size: Union[int, Tuple[int, int]]) -> Tuple[int, int]:
   """Normalises a patch size to a ``(height, width)`` tuple of positive ints.
 
   Args:
-    patch_size: an int ``P`` (square ``P x P`` patches) or a pair ``(Ph, Pw)``.
+    patch_size: an int ``P`` (square ``P x P`` patches; also ``(P,)``) or a pair ``(Ph, Pw)``.
 
   Returns:
     ``(Ph, Pw)`` as Python ints.
@@ -80,6 +158,8 @@ def patch_pair(patch_size: Union[int, Tuple[int, int]]) -> Tuple[int, int]:
     except TypeError:
       raise ValueError(
           f'patch_size must be an int or a (height, width) pair, got {patch_size!r}') from None
+    if len(pair) == 1:  # '--config.model.patch_size=4' on a tuple field gives (4,): square.
+      pair = pair * 2
   if (len(pair) != 2 or any(isinstance(p, bool) or not isinstance(p, int) or p <= 0
                             for p in pair)):
     raise ValueError(
@@ -134,14 +214,17 @@ class AddPositionEmbs(nn.Module):
       raise ValueError(f'AddPositionEmbs expects [batch, tokens, width], got shape {inputs.shape}')
     shape = (1, inputs.shape[1], inputs.shape[2])
     if self.has_variable('params', 'pos_embedding'):
-      existing = self.get_variable('params', 'pos_embedding')
+      # Boxed (nn.LogicallyPartitioned) or plain, as given to apply.
+      existing = layout.unbox(self.get_variable('params', 'pos_embedding'))
       if tuple(existing.shape) != shape:
         raise ValueError(
             f'pos_embedding has shape {tuple(existing.shape)} but the input gives {shape} '
             f'(tokens, width). The parameters were made for another image size / patch size: '
             f'apply the model at the resolution the parameters were trained at, or resize the '
             f'position embedding when loading for fine-tuning.')
-    pos_embedding = self.param('pos_embedding', self.posemb_init, shape, self.param_dtype)
+    pos_embedding = self.param('pos_embedding',
+                               _partitioned(self.posemb_init, (None, 'length', 'embed')),
+                               shape, self.param_dtype)
     return inputs + pos_embedding.astype(inputs.dtype)
 
 
@@ -158,7 +241,9 @@ class MlpBlock(nn.Module):
     dtype: computation dtype; param_dtype: parameter dtype.
 
   Input ``[..., D]``, output ``[..., out_dim or D]`` in ``dtype``. Needs the ``'dropout'`` rng
-  when ``deterministic=False`` and ``dropout_rate > 0``.
+  when ``deterministic=False`` and ``dropout_rate > 0``. Kernels ``('embed', 'mlp')`` /
+  ``('mlp', 'embed')``; a rank-3 hidden activation is constrained to ``('batch', 'length',
+  'mlp')``.
   """
 
   mlp_dim: int
@@ -170,16 +255,17 @@ class MlpBlock(nn.Module):
   @nn.compact
   def __call__(self, inputs: Array, *, deterministic: bool) -> Array:
     out_dim = inputs.shape[-1] if self.out_dim is None else self.out_dim
-    dense = lambda features: nn.Dense(  # pylint: disable=g-long-lambda
+    dense = lambda features, axes: nn.Dense(  # pylint: disable=g-long-lambda
         features=features,
         dtype=self.dtype,
         param_dtype=self.param_dtype,
-        kernel_init=nn.initializers.xavier_uniform(),
-        bias_init=nn.initializers.normal(stddev=1e-6))
-    x = dense(self.mlp_dim)(inputs)
+        kernel_init=_partitioned(nn.initializers.xavier_uniform(), axes),
+        bias_init=_partitioned(nn.initializers.normal(stddev=1e-6), axes[1:]))
+    x = dense(self.mlp_dim, ('embed', 'mlp'))(inputs)
+    x = constrain(x, MLP_HIDDEN_AXES)
     x = nn.gelu(x, approximate=True)
     x = nn.Dropout(rate=self.dropout_rate)(x, deterministic=deterministic)
-    x = dense(out_dim)(x)
+    x = dense(out_dim, ('mlp', 'embed'))(x)
     x = nn.Dropout(rate=self.dropout_rate)(x, deterministic=deterministic)
     return x
 
@@ -214,24 +300,29 @@ class EncoderBlock(nn.Module):
   def __call__(self, inputs: Array, deterministic: bool):
     if inputs.ndim != 3:
       raise ValueError(f'EncoderBlock expects [batch, tokens, width], got shape {inputs.shape}')
-    x = nn.LayerNorm(epsilon=LAYERNORM_EPSILON, dtype=self.dtype,
-                     param_dtype=self.param_dtype)(inputs)
+    inputs = constrain(inputs, TOKENS_AXES)
+    x = _layer_norm(self.dtype, self.param_dtype)(inputs)
     x = nn.MultiHeadDotProductAttention(
         num_heads=self.num_heads,
         dtype=self.dtype,
         param_dtype=self.param_dtype,
-        kernel_init=nn.initializers.xavier_uniform(),
+        kernel_init=_dense_general_partitioned(nn.initializers.xavier_uniform(),
+                                               ('embed', 'heads', 'kv')),
+        bias_init=_dense_general_partitioned(nn.initializers.zeros, ('heads', 'kv')),
+        out_kernel_init=_dense_general_partitioned(nn.initializers.xavier_uniform(),
+                                                   ('heads', 'kv', 'embed')),
+        out_bias_init=_dense_general_partitioned(nn.initializers.zeros, ('embed',)),
         broadcast_dropout=False,
         dropout_rate=self.attention_dropout_rate,
         deterministic=deterministic,
         force_fp32_for_softmax=True,
     )(x, x)
     x = nn.Dropout(rate=self.dropout_rate)(x, deterministic=deterministic)
-    x = x + inputs
-    y = nn.LayerNorm(epsilon=LAYERNORM_EPSILON, dtype=self.dtype, param_dtype=self.param_dtype)(x)
+    x = constrain(x + inputs, TOKENS_AXES)
+    y = _layer_norm(self.dtype, self.param_dtype)(x)
     y = MlpBlock(mlp_dim=self.mlp_dim, dropout_rate=self.dropout_rate, dtype=self.dtype,
                  param_dtype=self.param_dtype)(y, deterministic=deterministic)
-    out = x + y
+    out = constrain(x + y, TOKENS_AXES)
     return (out, None) if self.scanned else out
 
 
@@ -270,6 +361,7 @@ class Encoder(nn.Module):
     deterministic = not train
     x = AddPositionEmbs(param_dtype=self.param_dtype, name='posembed_input')(x)
     x = nn.Dropout(rate=self.dropout_rate)(x, deterministic=deterministic)
+    x = constrain(x, TOKENS_AXES)
 
     block_cls = EncoderBlock
     if self.remat:
@@ -289,13 +381,13 @@ class Encoder(nn.Module):
           variable_axes={'params': 0, 'intermediates': 0},
           split_rngs={'params': True, 'dropout': True},
           in_axes=nn.broadcast,
-          length=self.num_layers)
+          length=self.num_layers,
+          metadata_params={nn.PARTITION_NAME: 'layers'})
       x, _ = stack(scanned=True, name='encoderblock', **block_kwargs)(x, deterministic)
     else:
       for i in range(self.num_layers):
         x = block_cls(name=f'encoderblock_{i}', **block_kwargs)(x, deterministic)
-    return nn.LayerNorm(epsilon=LAYERNORM_EPSILON, dtype=self.dtype,
-                        param_dtype=self.param_dtype, name='encoder_norm')(x)
+    return _layer_norm(self.dtype, self.param_dtype, name='encoder_norm')(x)
 
 
 class VisionTransformer(nn.Module):
@@ -411,12 +503,17 @@ class VisionTransformer(nn.Module):
                              param_dtype=param_dtype)
 
     x = nn.Conv(features=self.hidden_size, kernel_size=(ph, pw), strides=(ph, pw),
-                padding='VALID', dtype=dtype, param_dtype=param_dtype, name='embedding')(x)
+                padding='VALID', dtype=dtype, param_dtype=param_dtype,
+                kernel_init=_partitioned(nn.linear.default_kernel_init,
+                                         (None, None, None, 'embed')),
+                bias_init=_partitioned(nn.initializers.zeros, ('embed',)), name='embedding')(x)
     n, gh, gw, c = x.shape
     x = jnp.reshape(x, (n, gh * gw, c))  # Row-major: token index = row * gw + col.
+    x = constrain(x, TOKENS_AXES)
 
     if self.classifier == 'token':
-      cls = self.param('cls', nn.initializers.zeros, (1, 1, c), param_dtype)
+      cls = self.param('cls', _partitioned(nn.initializers.zeros, (None, None, 'embed')),
+                       (1, 1, c), param_dtype)
       cls = jnp.broadcast_to(cls.astype(x.dtype), (n, 1, c))
       x = jnp.concatenate([cls, x], axis=1)
 
@@ -433,6 +530,8 @@ class VisionTransformer(nn.Module):
 
     if self.representation_size is not None:
       x = nn.Dense(self.representation_size, dtype=dtype, param_dtype=param_dtype,
+                   kernel_init=_partitioned(nn.linear.default_kernel_init, ('embed', None)),
+                   bias_init=_partitioned(nn.initializers.zeros, (None,)),
                    name='pre_logits')(x)
       x = jnp.tanh(x)
     else:
@@ -441,8 +540,10 @@ class VisionTransformer(nn.Module):
     if self.num_classes is None:
       return x.astype(jnp.float32)
     x = nn.Dense(self.num_classes, dtype=dtype, param_dtype=param_dtype,
-                 kernel_init=nn.initializers.zeros,
-                 bias_init=nn.initializers.constant(self.head_bias_init), name='head')(x)
+                 kernel_init=_partitioned(nn.initializers.zeros, ('embed', 'classes')),
+                 bias_init=_partitioned(nn.initializers.constant(self.head_bias_init),
+                                        ('classes',)),
+                 name='head')(x)
     return x.astype(jnp.float32)
 
 

@@ -1,0 +1,201 @@
+"""The device mesh, the logical-axis rules, and sharded training on 8 simulated CPU devices."""
+
+import json
+import pathlib
+import subprocess
+import sys
+
+import jax
+import ml_collections
+import numpy as np
+import pytest
+
+from tests import data_utils
+from tests import sharding_worker
+from vit_jax import checkpoint
+from vit_jax import models
+from vit_jax import sharding
+from vit_jax import train
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+MESHES = ("data=8", "data=2,fsdp=4", "data=2,tensor=4", "fsdp=2,tensor=4")
+
+
+def _mesh_cfg(**sizes):
+  cfg = sharding.get_default_config()
+  cfg.update(sizes)
+  return cfg
+
+
+# ------------------------------------------------------------------------------ config checks
+
+
+def test_axis_sizes_fill_the_rest_and_check_the_device_count():
+  assert sharding.axis_sizes(_mesh_cfg(), 8) == {"data": 8, "fsdp": 1, "tensor": 1}
+  assert sharding.axis_sizes(_mesh_cfg(data=2, fsdp=-1), 8) == {"data": 2, "fsdp": 4, "tensor": 1}
+  assert sharding.axis_sizes(_mesh_cfg(data=-1, dcn_data=2, tensor=2), 8) == {
+      "data": 4, "fsdp": 1, "tensor": 2}
+  with pytest.raises(ValueError, match=r"data=2 x fsdp=4 x tensor=1 has 8 devices but there are "
+                     r"4 \(jax.device_count\(\)\)\. .*--config.mesh.data=-1"):
+    sharding.axis_sizes(_mesh_cfg(data=2, fsdp=4), 4)
+  with pytest.raises(ValueError, match="cannot fill 8 devices: the fixed axes use 3"):
+    sharding.axis_sizes(_mesh_cfg(tensor=3), 8)
+  with pytest.raises(ValueError, match="at most one -1"):
+    sharding.axis_sizes(_mesh_cfg(fsdp=-1), 8)
+
+
+def test_rules_parse_and_name_only_mesh_axes():
+  rules = dict(sharding.parse_rules("embed=,mlp=fsdp,batch=data+fsdp+tensor"))
+  assert rules["embed"] is None and rules["mlp"] == "fsdp"
+  assert rules["batch"] == ("data", "fsdp", "tensor") and rules["heads"] == "tensor"
+  with pytest.raises(ValueError, match="names the mesh axis 'fsdq', which is not one of"):
+    sharding.parse_rules("embed=fsdq")
+  with pytest.raises(ValueError, match="is not 'logical=mesh_axis'"):
+    sharding.parse_rules("embed")
+
+
+def test_batch_that_the_mesh_cannot_split_is_a_config_error():
+  with pytest.raises(ValueError, match=r"batch_size=12 cannot be split into 2 micro-batch\(es\) "
+                     r"over 4 batch shard\(s\).*--config.batch_size=8 or 16"):
+    train.check_batch_size(12, 2, 4)
+
+
+def test_fsdp_that_leaves_most_bytes_replicated_is_refused():
+  devices = np.asarray(jax.devices() * 4)[:4]  # Shapes only: a 4-way mesh of one CPU device.
+  mesh = jax.sharding.Mesh(devices.reshape(1, 4, 1), sharding.MESH_AXES)
+  model = models.create("ViT-custom", num_classes=10, hidden_size=64, mlp_dim=256, num_heads=4,
+                        num_layers=2, patch_size=4)
+  boxed = jax.eval_shape(lambda: model.init(jax.random.key(0), np.zeros((1, 16, 16, 3)),
+                                            train=False))
+  params = models.unbox(boxed)["params"]
+  shardings = sharding.variable_shardings(boxed, mesh, sharding.parse_rules(""))["params"]
+  report = sharding.check_replication(params, shardings, mesh, 0.5)
+  assert "replicated on every device" in report
+  kernel = shardings["Transformer"]["encoderblock_0"]["MlpBlock_0"]["Dense_0"]["kernel"]
+  assert kernel.shard_shape((64, 256)) == (16, 256)  # 'embed' split 4 ways over fsdp.
+  unsharded = sharding.variable_shardings(boxed, mesh, sharding.parse_rules("embed="))["params"]
+  with pytest.raises(ValueError, match="FSDP was asked for .* stay replicated"):
+    sharding.check_replication(params, unsharded, mesh, 0.5)
+
+
+# ------------------------------------------------------------------------------ 8 devices
+
+
+def _run_worker(*args):
+  proc = subprocess.run([sys.executable, str(ROOT / "tests" / "sharding_worker.py"), *args],
+                        cwd=ROOT, capture_output=True, text=True, timeout=900)
+  assert proc.returncode == 0, proc.stderr[-4000:]
+
+
+def _load(out, name):
+  with np.load(out / f"{name}.npz") as f:
+    params = {k: f[k] for k in f.files}
+  return params, json.loads((out / f"{name}.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+  return data_utils.make_image_folder(str(tmp_path_factory.mktemp("images")), num_classes=3,
+                                      per_class=8, size=16)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["vit", "t2t"])
+def test_meshes_train_like_one_device(tmp_path, folder, family):
+  """3 steps on data=8, data=2 x fsdp=4, data=2 x tensor=4, fsdp=2 x tensor=4 (8 simulated
+  CPU devices) give the loss and parameters of the 1-device run (relative difference <= 1e-5)."""
+  config = sharding_worker.tiny_config(family, folder)
+  train.train_and_evaluate(config, str(tmp_path / "one"))
+  expected = checkpoint.flatten_params(checkpoint.load(str(tmp_path / "one"))["params"])
+  expected_losses = sharding_worker.train_losses(str(tmp_path / "one"))
+  assert sorted(expected_losses) == [1, 2, 3]
+  out = tmp_path / "out"
+  out.mkdir()
+  _run_worker("train", "--devices", "8", "--family", family, "--folder", folder, "--out",
+              str(out), "--meshes", ";".join(MESHES))
+  for mesh in MESHES:
+    params, info = _load(out, mesh.replace(",", "_").replace("=", ""))
+    losses = {int(k): v for k, v in info["losses"].items()}
+    np.testing.assert_allclose([losses[s] for s in (1, 2, 3)],
+                               [expected_losses[s] for s in (1, 2, 3)], rtol=1e-5, err_msg=mesh)
+    assert sorted(params) == sorted(expected)
+    for key, value in expected.items():
+      np.testing.assert_allclose(params[key], value, rtol=1e-5, atol=1e-6,
+                                 err_msg=f"{mesh}: {key}")
+    split = info["shard_shape"] != info["shape"]
+    assert split == (mesh != "data=8"), (mesh, info)  # The MLP kernel really is split.
+
+
+@pytest.mark.slow
+def test_checkpoint_saved_on_8_devices_restores_on_4_and_on_1(tmp_path, folder):
+  out8 = tmp_path / "out8"
+  out8.mkdir()
+  _run_worker("train", "--devices", "8", "--family", "vit", "--folder", folder, "--out",
+              str(out8), "--meshes", "data=8")
+  saved, _ = _load(out8, "data8")
+  workdir = str(out8 / "run_data8")
+  out4 = tmp_path / "out4"
+  out4.mkdir()
+  _run_worker("restore", "--devices", "4", "--family", "vit", "--folder", folder, "--out",
+              str(out4), "--workdir", workdir, "--meshes", "data=2,fsdp=2")
+  restored, info = _load(out4, "data2_fsdp2")
+  assert info["shard_shape"] != info["shape"]  # Restored already split over fsdp.
+  restored_1 = checkpoint.flatten_params(
+      sharding_worker.restore_on_mesh(workdir, sharding_worker.tiny_config("vit", folder))[
+          "params"])
+  for key, value in saved.items():
+    np.testing.assert_array_equal(restored[key], value, err_msg=key)
+    np.testing.assert_array_equal(np.asarray(restored_1[key]), value, err_msg=key)
+
+
+# ------------------------------------------------------------------------------ two processes
+
+
+def _free_port():
+  import socket  # pylint: disable=g-import-not-at-top
+  with socket.socket() as s:
+    s.bind(("localhost", 0))
+    return s.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_two_processes_train_like_one(tmp_path):
+  """Two `python -m vit_jax.main` processes (2 CPU devices each) on a localhost coordinator.
+
+  The 8 training images are exactly one global batch, so every step sees all of them in both
+  runs (each process reads its own 4): the losses and parameters must match the 1-process run.
+  """
+  import os  # pylint: disable=g-import-not-at-top
+  folder = data_utils.make_image_folder(str(tmp_path / "images"), num_classes=2,
+                                        per_class={"train": 4, "test": 3}, size=16)
+  config = sharding_worker.tiny_config("vit", folder)
+  config.data.shuffle_buffer = 8
+  train.train_and_evaluate(config, str(tmp_path / "one"))
+  expected = checkpoint.flatten_params(checkpoint.load(str(tmp_path / "one"))["params"])
+  expected_losses = sharding_worker.train_losses(str(tmp_path / "one"))
+
+  workdir = tmp_path / "two"
+  port = _free_port()
+  overrides = [f"--config.data.image_folder={folder}", "--config.data.shuffle_buffer=8"]
+  procs = []
+  for pid in range(2):
+    env = dict(os.environ, JAX_PLATFORMS="cpu",
+               XLA_FLAGS="--xla_force_host_platform_device_count=2")
+    procs.append(subprocess.Popen(
+        [sys.executable, "-m", "vit_jax.main", "--config", f"{sharding_worker.__file__}",
+         "--workdir", str(workdir), f"--coordinator_address=localhost:{port}",
+         "--num_processes=2", f"--process_id={pid}", *overrides],
+        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+  outputs = [p.communicate(timeout=600) for p in procs]
+  for p, (_, err) in zip(procs, outputs):
+    assert p.returncode == 0, err[-4000:]
+  assert "Process 0 of 2; 2 local of 4 devices" in outputs[0][1]
+  # One metrics stream (process 0 writes events) and one checkpoint.
+  assert len(list(workdir.glob("events.out.tfevents.*"))) == 1
+  assert sorted(p.name for p in (workdir / "checkpoints").iterdir()) == ["3"]
+  losses = sharding_worker.train_losses(str(workdir))
+  np.testing.assert_allclose([losses[s] for s in (1, 2, 3)],
+                             [expected_losses[s] for s in (1, 2, 3)], rtol=1e-5)
+  params = checkpoint.flatten_params(checkpoint.load(str(workdir))["params"])
+  for key, value in expected.items():
+    np.testing.assert_allclose(params[key], value, rtol=1e-5, atol=1e-6, err_msg=key)

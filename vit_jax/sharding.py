@@ -1,0 +1,278 @@
+"""The device mesh, the logical-axis rules, and the shardings of the train state.
+
+Every parameter and main activation of the models carries *logical* axis names ('embed', 'mlp',
+'heads', 'batch', ...; see ``vit_jax.models``). One small rule table maps them onto the axes of
+a device mesh, so data parallelism, FSDP and tensor parallelism are choices of mesh sizes, not of
+code:
+
+=====================  ==========================================================================
+mesh (config.mesh)     what happens with the default rules (:data:`DEFAULT_RULES`)
+=====================  ==========================================================================
+data=-1                pure data parallelism: the batch is split, parameters are replicated
+data=2, fsdp=4         FSDP: the batch is split 8 ways; parameters and optimizer state are split
+                       over 'fsdp' along their hidden-size ('embed') axis and gathered per layer
+data=2, tensor=4       tensor parallelism: attention heads, the MLP hidden units and the fused
+                       q/k/v outputs are split over 'tensor'; the batch over 'data'
+fsdp=2, tensor=4       both
+=====================  ==========================================================================
+
+The mesh is built with ``jax.experimental.mesh_utils`` so that the last (innermost) axis,
+'tensor', gets the fastest interconnect (devices of one chip / host), then 'fsdp', then 'data';
+``config.mesh.dcn_data > 1`` adds a data-parallel axis across slices (multi-slice TPU: ICI inside
+a slice, DCN between slices).
+
+The names follow Flax's logical partitioning (``nn.with_logical_partitioning``,
+``nn.logical_axis_rules``, ``nn.logical_to_mesh_sharding``); a logical name without a rule is
+unsharded, and a mesh axis is used at most once per array (the first logical axis that claims it
+wins, so activations ('batch', 'length', 'embed') split the batch over data x fsdp and keep
+'embed' whole).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from typing import Any, Dict, Optional, Sequence, Tuple
+
+import flax.linen as nn
+import jax
+from jax.experimental import mesh_utils
+import ml_collections
+import numpy as np
+
+#: The mesh axes, outermost first: the last one gets the fastest interconnect.
+MESH_AXES: Tuple[str, ...] = ("data", "fsdp", "tensor")
+
+Rules = Tuple[Tuple[str, Any], ...]
+
+#: logical axis -> mesh axis (or axes). Logical names of the models without a rule stay whole.
+DEFAULT_RULES: Rules = (
+    ("batch", ("data", "fsdp")),
+    ("embed", "fsdp"),
+    ("mlp", "tensor"),
+    ("heads", "tensor"),
+    ("qkv", "tensor"),
+    ("conv_out", "tensor"),
+)
+
+
+def get_default_config() -> ml_collections.ConfigDict:
+  """`config.mesh`: axis sizes (-1: all the devices the other axes leave) and rule overrides."""
+  c = ml_collections.ConfigDict()
+  c.data = -1
+  c.fsdp = 1
+  c.tensor = 1
+  # Data parallelism across TPU slices (multi-slice over DCN); 1 for one slice or host group.
+  c.dcn_data = 1
+  # Changes to DEFAULT_RULES, 'logical=mesh_axis[+mesh_axis],...'; an empty right side leaves
+  # the logical axis unsharded. E.g. 'embed=,mlp=fsdp' or 'batch=data+fsdp+tensor'.
+  c.rules = ""
+  # Stop at startup when FSDP is requested (fsdp > 1) but more than this fraction of the
+  # parameter bytes would still be replicated on every device.
+  c.max_replicated_fraction = 0.5
+  return c
+
+
+def axis_sizes(mesh_cfg: ml_collections.ConfigDict, num_devices: int) -> Dict[str, int]:
+  """Resolves -1 in `config.mesh` and checks the product against the device count.
+
+  Returns:
+    {'data': ..., 'fsdp': ..., 'tensor': ...}, the data size including `dcn_data`.
+
+  Raises:
+    ValueError: a size that is 0 or below -1, more than one -1, or sizes whose product is not
+      `num_devices`; the message says which values would fit.
+  """
+  sizes = {axis: int(mesh_cfg[axis]) for axis in MESH_AXES}
+  dcn = int(mesh_cfg.dcn_data)
+  if dcn < 1:
+    raise ValueError(f"config.mesh.dcn_data={dcn} must be >= 1.")
+  bad = [a for a, s in sizes.items() if s == 0 or s < -1]
+  free = [a for a, s in sizes.items() if s == -1]
+  if bad or len(free) > 1:
+    raise ValueError(
+        f"config.mesh sizes {sizes} must be positive, with at most one -1 ('the rest'); "
+        f"e.g. --config.mesh.data=-1 --config.mesh.fsdp=1 --config.mesh.tensor=1.")
+  fixed = math.prod(s for s in sizes.values() if s != -1) * dcn
+  if free:
+    if num_devices % fixed:
+      raise ValueError(
+          f"config.mesh {_describe(sizes, dcn)} cannot fill {num_devices} devices: the fixed "
+          f"axes use {fixed}, which does not divide {num_devices}. Choose sizes whose product "
+          f"divides {num_devices}.")
+    sizes[free[0]] = num_devices // fixed
+  elif fixed != num_devices:
+    raise ValueError(
+        f"config.mesh {_describe(sizes, dcn)} has {fixed} devices but there are {num_devices} "
+        f"(jax.device_count()). Make the product of the sizes {num_devices}, or set one axis to "
+        "-1 (e.g. --config.mesh.data=-1) to use the rest.")
+  sizes["data"] *= dcn
+  return sizes
+
+
+def _describe(sizes: Dict[str, int], dcn: int) -> str:
+  text = " x ".join(f"{a}={s}" for a, s in sizes.items())
+  return text + (f" x dcn_data={dcn}" if dcn > 1 else "")
+
+
+def create_mesh(mesh_cfg: ml_collections.ConfigDict,
+                devices: Optional[Sequence[Any]] = None) -> jax.sharding.Mesh:
+  """The device mesh of `config.mesh`, axes ('data', 'fsdp', 'tensor').
+
+  Devices are arranged by `mesh_utils.create_device_mesh` (physical topology aware on TPU: the
+  innermost axis on the fastest links), or `create_hybrid_device_mesh` when `dcn_data > 1`.
+
+  Raises:
+    ValueError: see `axis_sizes`.
+  """
+  devices = list(jax.devices() if devices is None else devices)
+  sizes = axis_sizes(mesh_cfg, len(devices))
+  shape = tuple(sizes[a] for a in MESH_AXES)
+  dcn = int(mesh_cfg.dcn_data)
+  if dcn > 1:
+    ici = (shape[0] // dcn,) + shape[1:]
+    grid = mesh_utils.create_hybrid_device_mesh(ici, (dcn, 1, 1), devices)
+  elif devices[0].platform == "cpu":  # No topology to respect; keep the order (deterministic).
+    grid = np.asarray(devices).reshape(shape)
+  else:
+    grid = mesh_utils.create_device_mesh(shape, devices)
+  return jax.sharding.Mesh(grid, MESH_AXES)
+
+
+def parse_rules(text: str, mesh_axes: Sequence[str] = MESH_AXES,
+                base: Rules = DEFAULT_RULES) -> Rules:
+  """`base` with the changes of `config.mesh.rules` ('embed=,mlp=fsdp,batch=data+fsdp').
+
+  Raises:
+    ValueError: a malformed entry, or a rule naming a mesh axis that does not exist.
+  """
+  rules = dict(base)
+  for entry in filter(None, (e.strip() for e in (text or "").split(","))):
+    match = re.fullmatch(r"([A-Za-z_][\w]*)\s*=\s*([\w+]*)", entry)
+    if not match:
+      raise ValueError(f"config.mesh.rules entry {entry!r} is not 'logical=mesh_axis' "
+                       "(e.g. 'embed=fsdp', 'batch=data+fsdp', 'mlp=' for unsharded).")
+    logical, target = match.groups()
+    axes = tuple(a for a in target.split("+") if a)
+    unknown = [a for a in axes if a not in mesh_axes]
+    if unknown:
+      raise ValueError(f"config.mesh.rules entry {entry!r} names the mesh axis "
+                       f"{unknown[0]!r}, which is not one of {tuple(mesh_axes)}.")
+    rules[logical] = axes[0] if len(axes) == 1 else (axes or None)
+  for logical, target in rules.items():
+    axes = (target,) if isinstance(target, str) else tuple(target or ())
+    unknown = [a for a in axes if a not in mesh_axes]
+    if unknown:
+      raise ValueError(f"The sharding rule {logical!r} -> {target!r} names the mesh axis "
+                       f"{unknown[0]!r}, which is not one of {tuple(mesh_axes)}.")
+  return tuple(rules.items())
+
+
+def batch_axes(rules: Rules) -> Tuple[str, ...]:
+  """The mesh axes the batch ('batch') is split over."""
+  target = dict(rules).get("batch")
+  return (target,) if isinstance(target, str) else tuple(target or ())
+
+
+def batch_sharding(mesh: jax.sharding.Mesh, rules: Rules) -> jax.sharding.NamedSharding:
+  """Sharding of `[B, ...]` input batches: B split over the 'batch' rule's mesh axes."""
+  return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(batch_axes(rules) or None))
+
+
+def data_parallel_size(mesh: jax.sharding.Mesh, rules: Rules) -> int:
+  """How many ways the batch is split (the product of the batch axes' sizes)."""
+  return math.prod(mesh.shape[a] for a in batch_axes(rules))
+
+
+def variable_shardings(abstract_variables: Any, mesh: jax.sharding.Mesh, rules: Rules) -> Any:
+  """NamedShardings of (unboxed) variables from the boxed output of `jax.eval_shape(model.init)`.
+
+  Leaves without logical names (e.g. T2T-ViT's fixed tables) are replicated.
+  """
+  specs = nn.get_partition_spec(abstract_variables)
+  return nn.logical_to_mesh_sharding(specs, mesh, rules)
+
+
+def like_params(tree: Any, params: Any, param_shardings: Any,
+                default: jax.sharding.NamedSharding) -> Any:
+  """Shardings for a tree whose param-shaped subtrees mirror `params` (optimizer state).
+
+  A leaf of `tree` gets the sharding of the parameter with the same dict-key path and shape
+  (e.g. Adam's mu/nu of a kernel get the kernel's); anything else (counts, scalars) gets `default`.
+  """
+  by_path = {}
+  for (path, leaf), sharding in zip(jax.tree_util.tree_leaves_with_path(params),
+                                    jax.tree_util.tree_leaves(param_shardings)):
+    by_path[_dict_keys(path)] = (tuple(leaf.shape), sharding)
+
+  def pick(path, leaf):
+    found = by_path.get(_dict_keys(path))
+    return found[1] if found and found[0] == tuple(np.shape(leaf)) else default
+
+  return jax.tree_util.tree_map_with_path(pick, tree)
+
+
+def state_shardings(shapes: Dict[str, Any], boxed_variables: Any, mesh: jax.sharding.Mesh,
+                    rules: Rules) -> Dict[str, Any]:
+  """NamedShardings of the train state `{'step', 'params', 'opt_state', 'model_state',
+  'ema_params'}` (see `vit_jax.train`), or of any subset of it (e.g. a checkpoint's metadata).
+
+  Args:
+    shapes: the state's leaves (arrays or `jax.ShapeDtypeStruct`s), unboxed.
+    boxed_variables: `jax.eval_shape(model.init, ...)`, parameters boxed with logical names.
+    mesh, rules: see `create_mesh`, `parse_rules`.
+
+  Returns:
+    The same structure as `shapes`: 'params' and 'ema_params' by their logical axes,
+    'model_state' likewise (unannotated tables replicated), optimizer moments like their
+    parameters, and everything else (step, counts) replicated.
+  """
+  replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+  variables = dict(variable_shardings(boxed_variables, mesh, rules))
+  params = variables.pop("params")
+  out = {}
+  for key, tree in shapes.items():
+    if key in ("params", "ema_params"):
+      out[key] = params
+    elif key == "model_state":
+      out[key] = {name: variables.get(name, jax.tree.map(lambda _: replicated, value))
+                  for name, value in tree.items()}
+    else:
+      out[key] = like_params(tree, shapes["params"], params, replicated)
+  return out
+
+
+def _dict_keys(path) -> Tuple[str, ...]:
+  return tuple(str(p.key) for p in path if isinstance(p, jax.tree_util.DictKey))
+
+
+def replicated_bytes(abstract_params: Any, shardings: Any) -> Tuple[int, int]:
+  """(bytes of parameters every device holds whole, bytes of all parameters)."""
+  replicated = total = 0
+  for leaf, sharding in zip(jax.tree_util.tree_leaves(abstract_params),
+                            jax.tree_util.tree_leaves(shardings)):
+    size = math.prod(leaf.shape) * np.dtype(leaf.dtype).itemsize
+    total += size
+    if tuple(sharding.shard_shape(tuple(leaf.shape))) == tuple(leaf.shape):
+      replicated += size
+  return replicated, total
+
+
+def check_replication(abstract_params: Any, shardings: Any, mesh: jax.sharding.Mesh,
+                      max_fraction: float) -> str:
+  """A one-line report of the parameter layout; fails when FSDP leaves most bytes replicated.
+
+  Raises:
+    ValueError: `mesh.shape['fsdp'] > 1` and more than `max_fraction` of the parameter bytes
+      are replicated (the rules do not shard the large kernels: check config.mesh.rules).
+  """
+  replicated, total = replicated_bytes(abstract_params, shardings)
+  fraction = replicated / max(total, 1)
+  report = (f"Mesh {dict(mesh.shape)}: {total / 2**20:.1f} MiB of parameters, "
+            f"{fraction:.1%} replicated on every device.")
+  if mesh.shape.get("fsdp", 1) > 1 and fraction > max_fraction:
+    raise ValueError(
+        f"{report} FSDP was asked for (config.mesh.fsdp={mesh.shape['fsdp']}) but more than "
+        f"{max_fraction:.0%} of the parameter bytes stay replicated: the rules do not split the "
+        "large kernels over 'fsdp' (check config.mesh.rules, e.g. 'embed=fsdp').")
+  return report
