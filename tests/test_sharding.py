@@ -199,3 +199,15 @@ def test_two_processes_train_like_one(tmp_path):
   params = checkpoint.flatten_params(checkpoint.load(str(workdir))["params"])
   for key, value in expected.items():
     np.testing.assert_allclose(params[key], value, rtol=1e-5, atol=1e-6, err_msg=key)
+
+
+@pytest.mark.parametrize("accelerator,hosts,multi", [
+    ("v3-8", "", False), ("v3-32", "", True), ("v4-8", "", False), ("v4-16", "", True),
+    ("v5litepod-8", "", False), ("v5litepod-16", "", True), ("", "", False),
+    ("", "10.0.0.1,10.0.0.2", True)])
+def test_multi_host_tpu_detection(monkeypatch, accelerator, hosts, multi):
+  """jax.distributed starts by itself only on a TPU slice with several hosts."""
+  from vit_jax import main  # pylint: disable=g-import-not-at-top
+  monkeypatch.setenv("TPU_ACCELERATOR_TYPE", accelerator)
+  monkeypatch.setenv("TPU_WORKER_HOSTNAMES", hosts)
+  assert main._on_multi_host_tpu() == multi  # pylint: disable=protected-access

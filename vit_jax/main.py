@@ -23,6 +23,7 @@ import difflib
 import importlib.util
 import logging as py_logging
 import os
+import re
 import sys
 
 from absl import app
@@ -47,6 +48,17 @@ _PROCESS_ID = flags.DEFINE_integer(
 flags.mark_flags_as_required(["config", "workdir"])
 
 
+def _on_multi_host_tpu() -> bool:
+  """A Cloud TPU VM that is one worker of several (before any JAX backend starts)."""
+  hosts = os.environ.get("TPU_WORKER_HOSTNAMES", "")
+  if "," in hosts:
+    return True
+  accelerator = os.environ.get("TPU_ACCELERATOR_TYPE", "")  # e.g. 'v3-32'
+  match = re.fullmatch(r"v\d+[a-z]*-(\d+)", accelerator)
+  # The number counts TensorCores (v2-v5p) or chips (v5e, v6e); one host has at most 8.
+  return bool(match) and int(match.group(1)) > 8
+
+
 def initialize_distributed() -> None:
   """Calls `jax.distributed.initialize` when this is one process of several.
 
@@ -67,8 +79,8 @@ def initialize_distributed() -> None:
     if os.environ.get("JAX_PLATFORMS", "").startswith("cpu"):
       jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(coordinator_address=address, num_processes=num, process_id=pid)
-  elif "," in os.environ.get("TPU_WORKER_HOSTNAMES", ""):  # A multi-host TPU slice.
-    jax.distributed.initialize()
+  elif _on_multi_host_tpu():
+    jax.distributed.initialize()  # Finds the coordinator and the workers from the TPU metadata.
   if jax.process_count() > 1:
     logging.info("Process %d of %d; %d local of %d devices.", jax.process_index(),
                  jax.process_count(), jax.local_device_count(), jax.device_count())
