@@ -60,10 +60,10 @@ import numpy as np
 from vit_jax.models import layout
 
 __all__ = [
-    'ACCEPTED_FORMATS', 'TORCH_SUFFIXES', 'convert_pre_linen', 'fix_groupnorm', 'flatten_params',
-    'check_fits', 'describe_architecture', 'init_for_finetuning', 'is_torch_checkpoint', 'resize_posemb', 'load', 'load_for_finetuning',
-    'load_torch_as_saved', 'load_npz', 'load_orbax', 'load_pth',
-    'save_npz', 'unflatten_params',
+    'ACCEPTED_FORMATS', 'TORCH_SUFFIXES', 'check_fits', 'convert_pre_linen',
+    'describe_architecture', 'fix_groupnorm', 'flatten_params', 'init_for_finetuning',
+    'is_torch_checkpoint', 'load', 'load_for_finetuning', 'load_npz', 'load_orbax', 'load_pth',
+    'load_torch_as_saved', 'mismatch_report', 'resize_posemb', 'save_npz', 'unflatten_params',
 ]
 
 ACCEPTED_FORMATS = (
@@ -282,7 +282,7 @@ def load(path: Any, *, model: Any = None, use_ema: bool = True,
     FileNotFoundError: nothing exists at ``path`` (or a checkpoint directory holds no step).
     ValueError: the file/directory is not one of the accepted formats, an ``.npz`` contains
       object (pickled) arrays, a PyTorch file is given without ``model``, the variables do not
-      fit ``model`` (listing every missing key, unexpected key and shape mismatch), or a torch
+      fit ``model`` (see :func:`check_fits`), or a torch
       file is in the legacy (non-zip) format.
     vit_jax.torch_pickle.UnsafePickleError: a PyTorch file's pickle names a global other than
       tensors and plain containers (nothing is executed).
@@ -396,7 +396,8 @@ def check_fits(variables: Mapping, expected: Mapping, *, what: str = 'The checkp
       as such, with the conversion to use.
 
   Raises:
-    ValueError: listing every missing key, unexpected key and shape mismatch together.
+    ValueError: with the counts of missing keys, unexpected keys and shape mismatches, the first
+      entries of each (:func:`mismatch_report`) and the architecture the checkpoint implies.
   """
   variables, expected = layout.unbox(variables), layout.unbox(expected)
   have, want = flatten_params(variables), flatten_params(expected)
@@ -849,8 +850,8 @@ def init_for_finetuning(loaded: Mapping, fresh: Mapping, *, reset_head: bool = T
     ``fresh``'s dtypes.
 
   Raises:
-    ValueError: listing every missing key, unexpected key and shape mismatch together, e.g. a
-      checkpoint of another model size.
+    ValueError: with the counts and first entries of the missing keys, unexpected keys and
+      shape mismatches (:func:`mismatch_report`), e.g. a checkpoint of another model size.
   """
   fresh, loaded = layout.unbox(fresh), layout.unbox(loaded)
   for name, tree in (('loaded', loaded), ('fresh', fresh)):

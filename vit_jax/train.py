@@ -1,10 +1,11 @@
 """The training loop: pretraining or fine-tuning a ViT, with evaluation and orbax checkpoints.
 
 Read it top to bottom: `train_and_evaluate` goes through the phases in order
-  1. config: regime defaults, checks that fail before any expensive work;
+  1. config: regime defaults, the device mesh, checks that fail before any expensive work;
   2. data: dataset facts, the per-process train iterator and the exact (padded) eval set;
-  3. model, optimizer, and the device mesh the arrays live on;
-  4. state: restored from the latest checkpoint of `workdir`, or freshly initialised;
+  3. model, optimizer, and where every array of the state lives on the mesh;
+  4. state: restored from the latest checkpoint of `workdir` (onto this mesh), else the
+     fine-tuning init of `config.init_from`, else a fresh initialisation;
   5. the jitted train and eval steps;
   6. the loop: train, log, evaluate, checkpoint;
   7. the end: final evaluation, last checkpoint, results returned.
@@ -300,7 +301,6 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     state = jax.jit(state_from_variables, out_shardings=state_shardings)(finetune_variables)
     del finetune_variables
   else:
-    # (Outside the mesh context: flax's DenseGeneral initialisers reshape boxed kernels.)
     state = jax.jit(init_state, out_shardings=state_shardings)(init_rng)
   start_step = int(state["step"])
   num_params = sum(x.size for x in jax.tree.leaves(state["params"]))

@@ -682,9 +682,10 @@ def from_torch_state_dict(
     ``model.apply(variables, images, train=False)``.
 
   Raises:
-    ValueError: listing every missing key, unexpected key and shape mismatch together (PyTorch
-      names and shapes), e.g. a 1000-class head loaded into a 10-class model, a Performer
-      checkpoint into a Transformer-T2T model, or ``pos_embed`` for another image size.
+    ValueError: with the counts and first entries of the missing keys, unexpected keys and
+      shape mismatches (PyTorch names and shapes), e.g. a 1000-class head loaded into a
+      10-class model, a Performer checkpoint into a Transformer-T2T model, or ``pos_embed`` for
+      another image size.
   """
   if image_size is None:
     height, width = _image_size_from_pos_embed(state_dict)
