@@ -1,0 +1,46 @@
+"""Analytic FLOP counts against the quoted figures and XLA's cost analysis; the Table 2 MFUs."""
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from vit_jax import flops
+from vit_jax import models
+
+B16 = dict(hidden_size=768, mlp_dim=3072, num_layers=12, patch_size=16)
+
+
+def test_vit_b16_forward_is_17_6_g_multiply_adds():
+  macs = flops.vit_forward_macs(**B16, image_size=224)
+  # 196 patches + class token: embedding 115.6M, 12 x 1.454G per layer, head 0.77M.
+  assert macs == 196 * 768 * 768 + 12 * (4 * 197 * 768**2 + 2 * 197**2 * 768
+                                         + 2 * 197 * 768 * 3072) + 768 * 1000
+  assert 17.5e9 < macs < 17.6e9
+  assert flops.vit_forward_macs(**B16, image_size=(224, 320)) > macs  # 14 x 20 patches.
+  with pytest.raises(ValueError, match="not divisible by the patch size 16"):
+    flops.vit_forward_macs(**B16, image_size=200)
+
+
+def test_compiled_cost_analysis_agrees_with_the_analytic_count():
+  """XLA counts the matrix products plus the elementwise work: within 3% above."""
+  model = models.create("ViT-B_16", num_classes=1000)
+  variables = models.unbox(jax.eval_shape(
+      lambda: model.init(jax.random.key(0), jnp.zeros((1, 224, 224, 3)), train=False)))
+  compiled = jax.jit(lambda v, x: model.apply(v, x, train=False)).lower(
+      variables, jax.ShapeDtypeStruct((1, 224, 224, 3), jnp.float32)).compile()
+  cost = compiled.cost_analysis()
+  cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+  analytic = 2 * flops.vit_forward_macs(**B16, image_size=224)
+  assert 1.0 <= cost["flops"] / analytic < 1.03
+
+
+def test_table2_implied_utilisation():
+  """ViT paper Table 2 core-days imply 38%, 22% and 32% of the TPU v3 bf16 peak."""
+  mfus = {(run.model, run.dataset): run.mfu for run in flops.TABLE2}
+  assert mfus[("ViT-L/16", "ImageNet-21k")] == pytest.approx(0.38, abs=0.005)
+  assert mfus[("ViT-L/16", "JFT-300M")] == pytest.approx(0.22, abs=0.005)
+  assert mfus[("ViT-H/14", "JFT-300M")] == pytest.approx(0.32, abs=0.005)
+  run = flops.TABLE2[0]  # 90 epochs of 14M images at 123 GFLOPs per forward pass.
+  assert run.flops == pytest.approx(3 * 2 * run.forward_macs * 90 * 14e6)
+  assert flops.core_days(run.flops, run.mfu) == pytest.approx(230)
+  assert "| ViT-H/14 | JFT-300M | 14 | 334.6 |" in flops.table2_markdown()
