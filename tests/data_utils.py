@@ -232,3 +232,16 @@ __all__: Sequence[str] = [
     'idx_pixel_value', 'MULTILABEL_NUM_CLASSES', 'MULTILABEL_TEST_START',
     'TinyMultiLabel',
 ]
+
+
+def folder_run_config(model_name: str, folder: str, image_size: int, *,
+                      total_steps: int = 2, batch_size: int = 4, **model_fields):
+  """A short 'finetune'-regime run on an image folder: no augmentation, no warmup."""
+  from vit_jax import defaults  # pylint: disable=g-import-not-at-top
+  config = defaults.get_config(model_name, 'unused', **model_fields)
+  config.regime = 'finetune'
+  config.data.update(image_folder=folder, image_size=image_size, augment='none')
+  config.batch_size = batch_size
+  config.total_steps = total_steps
+  config.optim.warmup_steps = 0
+  return config

@@ -211,15 +211,9 @@ def _vit_tiny_image_size():
 def _folder_config(tmp_path, **overrides):
   folder = data_utils.make_image_folder(str(tmp_path / 'images'), num_classes=3, per_class=4,
                                         size=32)
-  config = defaults.get_config('T2T-ViT-custom', 'unused', **_fixture_overrides())
-  config.regime = 'finetune'
-  config.data.image_folder = folder
-  config.data.image_size = 32
-  config.data.augment = 'none'
+  config = data_utils.folder_run_config('T2T-ViT-custom', folder, 32, total_steps=1,
+                                        **_fixture_overrides())
   config.data.normalization = 'imagenet'
-  config.batch_size = 4
-  config.total_steps = 1
-  config.optim.warmup_steps = 0
   config.optim.schedule = 'constant'
   for key, value in overrides.items():
     config[key] = value
@@ -329,14 +323,8 @@ def test_convert_bad_input_is_explained(tmp_path, capsys):
 def _tiny_vit_run(tmp_path, name, **overrides):
   folder = data_utils.make_image_folder(str(tmp_path / 'images'), num_classes=3, per_class=4,
                                         size=16)
-  config = defaults.get_config('ViT-custom', 'unused', **dict(_vit_tiny_fields(), scan=True))
-  config.regime = 'finetune'
-  config.data.image_folder = folder
-  config.data.image_size = 16
-  config.data.augment = 'none'
-  config.batch_size = 4
-  config.total_steps = 2
-  config.optim.warmup_steps = 0
+  config = data_utils.folder_run_config('ViT-custom', folder, 16,
+                                        **dict(_vit_tiny_fields(), scan=True))
   for key, value in overrides.items():
     config[key] = value
   workdir = str(tmp_path / name)

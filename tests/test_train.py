@@ -463,15 +463,9 @@ def test_t2t_trains_and_keeps_its_fixed_tables_out_of_training(tmp_path):
   from vit_jax import checkpoint  # pylint: disable=g-import-not-at-top
   folder = data_utils.make_image_folder(str(tmp_path / "images"), num_classes=3, per_class=4,
                                         size=16)
-  config = defaults.get_config("T2T-ViT-custom", "unused", embed_dim=16, depth=1, num_heads=2,
-                               mlp_ratio=2.0, token_dim=8, tokens_type="performer")
-  config.regime = "finetune"
-  config.data.image_folder = folder
-  config.data.image_size = 16
-  config.data.augment = "none"
-  config.batch_size = 4
-  config.total_steps = 2
-  config.optim.warmup_steps = 0
+  config = data_utils.folder_run_config("T2T-ViT-custom", folder, 16, embed_dim=16, depth=1,
+                                        num_heads=2, mlp_ratio=2.0, token_dim=8,
+                                        tokens_type="performer")
   workdir = str(tmp_path / "workdir")
   results = train.train_and_evaluate(config, workdir)
   assert results["step"] == 2
