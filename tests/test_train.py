@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from tests import data_utils
+from vit_jax import cli
 from vit_jax import defaults
 from vit_jax import models as models_lib
 from vit_jax import optim
@@ -172,8 +173,7 @@ def test_batch_size_and_schedule_length_checks():
 
 
 def _load_config(path, arg):
-  from vit_jax import main  # pylint: disable=g-import-not-at-top
-  return main._load_config_file(f"{path}:{arg}" if arg else path)
+  return cli.load_config_file(f"{path}:{arg}" if arg else path)
 
 
 def test_shipped_configs_are_covered():

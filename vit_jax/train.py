@@ -9,12 +9,17 @@ Read it top to bottom: `train_and_evaluate` goes through the phases in order
   5. the jitted train and eval steps;
   6. the loop: train, log, evaluate, checkpoint;
   7. the end: final evaluation, last checkpoint, results returned.
+A `vit_jax.accounting.CostAccountant` times each part (training steps, compilation, evaluation,
+checkpointing, input) and reports the run's cost in TPU-core-days, FLOPs and MFU: in the log,
+as TensorBoard scalars 'cost/...', in every checkpoint (so a resumed run adds up all its
+attempts) and in `workdir/cost.json`.
 """
 
 from __future__ import annotations
 
 import contextlib
 import itertools
+import json
 import math
 import os
 import re
@@ -32,8 +37,10 @@ import numpy as np
 import optax
 import orbax.checkpoint as ocp
 
+from vit_jax import accounting
 from vit_jax import checkpoint
 from vit_jax import data
+from vit_jax import flops
 from vit_jax import models
 from vit_jax import optim
 from vit_jax import sharding
@@ -165,6 +172,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   # check of the config, done before anything is written to the workdir.
   with _config_errors():
     config = optim.resolve_regime(config)
+    # The compute account starts now: the program's time includes the set-up below.
+    accountant = accounting.CostAccountant(
+        accounting.local_hardware(str(config.model.dtype)), config.batch_size)
     # The device mesh and the rules that map the models' logical axes onto it
     # (vit_jax.sharding): data parallelism, FSDP and tensor parallelism are mesh sizes.
     mesh = sharding.create_mesh(config.mesh)
@@ -293,10 +303,16 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
       ),
   )
   latest = manager.latest_step()
+  cost_json = _join(workdir, "cost.json")
   if latest is not None:
     logging.info("Resuming from the checkpoint at step %d in %s.", latest, ckpt_dir)
-    state = manager.restore(latest, args=ocp.args.Composite(
-        state=ocp.args.StandardRestore(abstract_state)))["state"]
+    items = {"state": ocp.args.StandardRestore(abstract_state)}
+    if (ckpt_dir / str(latest) / "cost").exists():
+      items["cost"] = ocp.args.JsonRestore()
+    restored = manager.restore(latest, args=ocp.args.Composite(**items))
+    state = restored["state"]
+    accountant.resume(_latest_cost(restored["cost"] if "cost" in items else None, cost_json),
+                      start_step=latest)
   elif finetune_variables is not None:
     state = jax.jit(state_from_variables, out_shardings=state_shardings)(finetune_variables)
     del finetune_variables
@@ -354,10 +370,22 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     logits = model.apply(variables_of(state), batch["image"], train=False)
     return eval_sums(logits, batch["labels"], batch["mask"], config.loss)
 
-  p_train_step = in_mesh(jax.jit(train_step, in_shardings=(state_shardings, batch_sharding),
-                                 out_shardings=(state_shardings, replicated), donate_argnums=0))
-  p_eval_step = in_mesh(jax.jit(eval_step, in_shardings=(state_shardings, batch_sharding),
-                                out_shardings=replicated))
+  p_train_step = jax.jit(train_step, in_shardings=(state_shardings, batch_sharding),
+                         out_shardings=(state_shardings, replicated), donate_argnums=0)
+  p_eval_step = jax.jit(eval_step, in_shardings=(state_shardings, batch_sharding),
+                        out_shardings=replicated)
+  executables = {}
+
+  def compiled(step_fn, state: State, batch: dict[str, jax.Array]):
+    """`step_fn` compiled for this batch shape, ahead of time so that compilation is timed
+    apart (and the train step's FLOPs are read from XLA's cost analysis)."""
+    key = (step_fn, tuple((k, v.shape) for k, v in batch.items()))
+    if key not in executables:
+      with accountant.timed("compile"):
+        executables[key] = in_mesh(lambda s, b: step_fn.lower(s, b).compile())(state, batch)
+        if step_fn is p_train_step:
+          _account_step_flops(accountant, executables[key], model, info.image_shape)
+    return executables[key]
 
   def to_global(batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
     return {k: jax.make_array_from_process_local_data(batch_sharding, v) for k, v in batch.items()}
@@ -374,7 +402,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
       name += suffix
       totals: dict[str, float] = {}
       for batch in eval_ds:
-        for k, v in jax.device_get(p_eval_step(select(state), to_global(batch))).items():
+        batch = to_global(batch)
+        sums = compiled(p_eval_step, select(state), batch)(select(state), batch)
+        for k, v in jax.device_get(sums).items():
           totals[k] = totals.get(k, 0) + v
       count = int(totals.pop("count"))
       if count == 0:
@@ -400,55 +430,114 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   pending = None  # (step, device metrics) of the step dispatched last.
   last_log_time, last_log_step = time.time(), start_step
   results: dict[str, float] = {}
-  for step in range(start_step + 1, total_steps + 1):
-    with jax.profiler.StepTraceAnnotation("train", step_num=step):
-      batch = to_global(next(train_iter))
-      state, metrics = p_train_step(state, batch)
-    if step == start_step + 1:  # Compiled now: the throughput is measured from here.
-      last_log_time, last_log_step = time.time(), step
-    if pending is not None:
-      train_metrics.append(_check_finite(*pending, manager))
-    pending = (step, metrics)
-    progress(step)
 
-    if step % config.log_every_steps == 0 or step == total_steps:
-      train_metrics.append(_check_finite(*pending, manager))
-      pending = None
-      now = time.time()
-      summary = {f"train/{k}": float(np.mean([m[k] for m in train_metrics]))
-                 for k in train_metrics[0]}
-      summary["train/lr"] = float(train_metrics[-1]["lr"])  # The rate now, not the mean.
-      if step > last_log_step:  # (Not for a window that only held the compiling step.)
-        summary["train/images_per_sec"] = ((step - last_log_step) * config.batch_size /
-                                           (now - last_log_time))
-      writer.write_scalars(step, summary)
-      train_metrics, last_log_time, last_log_step = [], now, step
+  def save_cost(step: int) -> dict[str, Any]:
+    """The cost so far: to the log, TensorBoard and workdir/cost.json (process 0)."""
+    report = accountant.report(step)
+    writer.write_scalars(step, accounting.scalars(report))
+    logging.info("Step %d: %s", step, accounting.summary(report))
+    if jax.process_index() == 0:
+      partial = cost_json.parent / "cost.json.partial"  # Never a half-written cost.json.
+      partial.write_text(json.dumps(report, indent=1))
+      partial.replace(cost_json)
+    return report
 
-    is_last = step == total_steps
-    paused = time.time()  # Evaluation and checkpointing do not count in train/images_per_sec.
-    if step % config.eval_every_steps == 0 or is_last:
-      with progress.timed("eval"):
-        results = evaluate(state, step)
-    if step % config.checkpoint_every_steps == 0 or is_last:
-      if pending is not None:  # Never checkpoint parameters that a NaN update produced.
+  # Everything in this block counts as training time except what the nested `timed` blocks
+  # take out: waiting for input, compiling, evaluating and checkpointing.
+  with accountant.timed("train"):
+    for step in range(start_step + 1, total_steps + 1):
+      with jax.profiler.StepTraceAnnotation("train", step_num=step):
+        with accountant.timed("input"):
+          batch = to_global(next(train_iter))
+        state, metrics = compiled(p_train_step, state, batch)(state, batch)
+        accountant.count_step()
+      if step == start_step + 1:  # Compiled now: the throughput is measured from here.
+        last_log_time, last_log_step = time.time(), step
+      if pending is not None:
+        train_metrics.append(_check_finite(*pending, manager))
+      pending = (step, metrics)
+      progress(step)
+
+      if step % config.log_every_steps == 0 or step == total_steps:
         train_metrics.append(_check_finite(*pending, manager))
         pending = None
-      with progress.timed("checkpoint"):
-        manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state)),
-                     force=True)
-    last_log_time += time.time() - paused
+        now = time.time()
+        summary = {f"train/{k}": float(np.mean([m[k] for m in train_metrics]))
+                   for k in train_metrics[0]}
+        summary["train/lr"] = float(train_metrics[-1]["lr"])  # The rate now, not the mean.
+        if step > last_log_step:  # (Not for a window that only held the compiling step.)
+          summary["train/images_per_sec"] = ((step - last_log_step) * config.batch_size /
+                                             (now - last_log_time))
+        writer.write_scalars(step, summary)
+        save_cost(step)
+        train_metrics, last_log_time, last_log_step = [], now, step
+
+      is_last = step == total_steps
+      evaluating = step % config.eval_every_steps == 0 or is_last
+      saving = step % config.checkpoint_every_steps == 0 or is_last
+      if evaluating or saving:
+        # The steps in flight are training time: finish them before the clock switches.
+        jax.block_until_ready(state)
+      paused = time.time()  # Evaluation and checkpointing do not count in train/images_per_sec.
+      if evaluating:
+        with accountant.timed("eval"):
+          results = evaluate(state, step)
+      if saving:
+        if pending is not None:  # Never checkpoint parameters that a NaN update produced.
+          train_metrics.append(_check_finite(*pending, manager))
+          pending = None
+        with accountant.timed("checkpoint"):
+          manager.save(step, args=ocp.args.Composite(
+              state=ocp.args.StandardSave(state),
+              cost=ocp.args.JsonSave(accountant.report(step))), force=True)
+      last_log_time += time.time() - paused
 
   # 7. The end: a run that was already finished only evaluates again.
   if start_step >= total_steps:
     logging.info("The run in %s already finished its %d steps; evaluating only.", workdir,
                  total_steps)
-    results = evaluate(state, start_step)
-  manager.wait_until_finished()
+    with accountant.timed("eval"):
+      results = evaluate(state, start_step)
+  with accountant.timed("checkpoint"):
+    manager.wait_until_finished()
   manager.close()
+  save_cost(max(start_step, total_steps))
   writer.flush()
   writer.close()
   results["step"] = max(start_step, total_steps)
   return results
+
+
+def _account_step_flops(accountant: accounting.CostAccountant, executable, model,
+                        image_shape) -> None:
+  """Gives `accountant` the train step's FLOPs: XLA's count and the analytic one, compared."""
+  cost = executable.cost_analysis()
+  cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+  # The compiled module is one device's share of the SPMD program.
+  compiled = cost["flops"] * jax.device_count() if cost and cost.get("flops") else None
+  analytic = flops.training_flops(flops.model_forward_macs(model, image_shape),
+                                  accountant.batch_size)
+  accountant.set_step_flops(compiled, analytic)
+  ratio = f"{compiled / analytic:.3f}" if compiled else "n/a"
+  logging.info("FLOPs per training step: %s by XLA's cost analysis, %.4g analytic (3 x the "
+               "forward matmuls); ratio %s. MFU uses the analytic count.",
+               f"{compiled:.4g}" if compiled else "unavailable", analytic, ratio)
+  if compiled and not 0.97 <= compiled / analytic <= 1.15:
+    logging.info("The counts differ: XLA counts a loop body once (scan over layers, gradient "
+                 "accumulation) and counts rematerialised work; the analytic count is the "
+                 "model's useful work.")
+
+
+def _latest_cost(from_checkpoint: dict[str, Any] | None, cost_json) -> dict[str, Any] | None:
+  """The account to continue: the checkpoint's, or workdir/cost.json when that one holds more
+  (time spent after the last checkpoint by an attempt that was killed, which was paid for)."""
+  try:
+    on_disk = json.loads(cost_json.read_text()) if cost_json.exists() else None
+  except (ValueError, OSError) as e:
+    logging.warning("Ignoring %s (%s); the checkpoint's cost account is used.", cost_json, e)
+    on_disk = None
+  candidates = [r for r in (from_checkpoint, on_disk) if r and r.get("attempts")]
+  return max(candidates, key=lambda r: r["seconds"]["program"], default=None)
 
 
 def _check_finite(step: int, metrics: dict[str, jax.Array],

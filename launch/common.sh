@@ -1,0 +1,211 @@
+# shellcheck shell=bash
+# Helpers for launch/tpu.sh, which sources this file: messages, settings and their checks,
+# accelerator types, and the two ways gcloud is called (run_gcloud for commands that act, which
+# --dry-run prints instead; query for read-only look-ups, which --dry-run skips).
+
+# Namerefs, ${var,,} and "${empty_array[@]}" under `set -u` need bash >= 4.4 (macOS ships 3.2).
+if ((BASH_VERSINFO[0] < 4 || (BASH_VERSINFO[0] == 4 && BASH_VERSINFO[1] < 4))); then
+  echo "launch/tpu.sh needs bash >= 4.4, this is ${BASH_VERSION} (on macOS: brew install bash)." >&2
+  exit 2
+fi
+
+PROG="${PROG:-launch/tpu.sh}"
+
+# ---------------------------------------------------------------------------------------------
+# Messages
+# ---------------------------------------------------------------------------------------------
+
+info() { printf '%s\n' "$*" >&2; }
+warn() { printf '%s: warning: %s\n' "$PROG" "$*" >&2; }
+die() {
+  printf '%s: error: %s\n' "$PROG" "$*" >&2
+  exit 1
+}
+
+# ---------------------------------------------------------------------------------------------
+# Settings
+# ---------------------------------------------------------------------------------------------
+
+# is_true VALUE: 1/true/yes/on are true; 0/false/no/off/empty are false; anything else is an error.
+is_true() {
+  case "${1,,}" in
+    1 | true | yes | y | on) return 0 ;;
+    0 | false | no | n | off | '') return 1 ;;
+    *) die "expected a boolean (1/0, true/false, yes/no), got '$1'" ;;
+  esac
+}
+
+dry_run() { is_true "${DRY_RUN:-0}"; }
+
+# require VAR FLAG DESCRIPTION...: stop with a message that names the setting when VAR is empty.
+require() {
+  local var="$1" flag="$2"
+  shift 2
+  if [[ -z "${!var:-}" ]]; then
+    die "$var is not set: pass $flag or export $var=... ($*)"
+  fi
+}
+
+# require_location: name, zone and project are set and well-formed; sets LOCATION, the flags that
+# every TPU command gets (so a stale `gcloud config` default never picks the project or zone), and
+# the default queued resource id.
+require_location() {
+  require TPU_NAME "--name NAME" "the TPU VM's name"
+  require TPU_ZONE "--zone ZONE" "e.g. us-central1-a; 'gcloud compute tpus locations list' lists them"
+  require TPU_PROJECT "--project PROJECT" "the Google Cloud project id; see 'gcloud config get-value project'"
+  [[ "$TPU_NAME" =~ ^[a-z]([-a-z0-9]*[a-z0-9])?$ ]] ||
+    die "TPU_NAME '$TPU_NAME' is not a valid TPU name (lowercase letters, digits and '-', starting with a letter)"
+  [[ "$TPU_ZONE" =~ ^[a-z]+-[a-z]+[0-9]+-[a-z]$ ]] ||
+    die "TPU_ZONE '$TPU_ZONE' does not look like a zone (e.g. us-central1-a, europe-west4-a): a region alone is not enough"
+  LOCATION=("--zone=$TPU_ZONE" "--project=$TPU_PROJECT")
+  TPU_QR_NAME="${TPU_QR_NAME:-$TPU_NAME-qr}"
+}
+
+# ---------------------------------------------------------------------------------------------
+# Accelerator types
+# ---------------------------------------------------------------------------------------------
+
+# validate_type TYPE: a generation and a size, e.g. v3-8, v3-32, v4-32, v5litepod-16, v5p-8, v6e-8.
+validate_type() {
+  local type="$1" gen size
+  if [[ "$type" =~ ^v5e-([0-9]+)$ ]]; then
+    die "accelerator type '$type': gcloud calls TPU v5e 'v5litepod', use --type v5litepod-${BASH_REMATCH[1]}"
+  fi
+  if [[ ! "$type" =~ ^(v2|v3|v4|v5p|v5litepod|v6e)-([0-9]+)$ ]]; then
+    die "accelerator type '$type' is not GENERATION-SIZE with GENERATION one of v2, v3, v4, v5p, v5litepod, v6e (e.g. v3-8, v3-32, v4-32, v5litepod-16, v5p-8, v6e-8)"
+  fi
+  gen="${BASH_REMATCH[1]}"
+  size="${BASH_REMATCH[2]}"
+  if ((size < 1 || (size & (size - 1)) != 0)); then
+    die "accelerator type '$type': the size must be a power of two (e.g. ${gen}-8, ${gen}-32)"
+  fi
+  case "$gen" in
+    v2 | v3 | v4 | v5p) ((size >= 8)) || die "accelerator type '$type': the smallest $gen slice is ${gen}-8" ;;
+  esac
+}
+
+# num_hosts TYPE: how many TPU VM workers a slice has. The size counts TensorCores for v2-v5p
+# (8 per host) and chips for v5e/v6e (up to 8 on a single host, 4 per host in a pod).
+num_hosts() {
+  local gen="${1%-*}" size="${1##*-}"
+  case "$gen" in
+    v5litepod | v6e) if ((size <= 8)); then echo 1; else echo $((size / 4)); fi ;;
+    *) echo $(((size + 7) / 8)) ;;
+  esac
+}
+
+# default_runtime_version TYPE: the TPU VM software image for a generation.
+default_runtime_version() {
+  case "${1%-*}" in
+    v5litepod) echo v2-alpha-tpuv5-lite ;;
+    v5p) echo v2-alpha-tpuv5 ;;
+    v6e) echo v2-alpha-tpuv6e ;;
+    *) echo tpu-ubuntu2204-base ;;
+  esac
+}
+
+# ---------------------------------------------------------------------------------------------
+# Quoting and running commands
+# ---------------------------------------------------------------------------------------------
+
+# quote_args ARG...: one line that a POSIX shell reads back as exactly these arguments. Plain words
+# stay bare; anything else is single-quoted (newlines kept, so remote scripts stay readable).
+quote_args() {
+  local arg out=()
+  for arg in "$@"; do
+    if [[ "$arg" =~ ^[A-Za-z0-9_./:=,@%+-]+$ ]]; then
+      out+=("$arg")
+    else
+      out+=("'${arg//\'/\'\\\'\'}'")
+    fi
+  done
+  printf '%s\n' "${out[*]}"
+}
+
+# run_gcloud ARG...: run `gcloud ARG...`, echoing it to stderr first; with --dry-run print it to
+# stdout instead and run nothing.
+run_gcloud() {
+  if dry_run; then
+    quote_args gcloud "$@"
+    return 0
+  fi
+  info "+ $(quote_args gcloud "$@")"
+  gcloud "$@"
+}
+
+# ssh_worker WORKER SCRIPT: run a shell script on one worker (a number) or on every worker (all).
+ssh_worker() {
+  run_gcloud compute tpus tpu-vm ssh "$TPU_NAME" "${LOCATION[@]}" "--worker=$1" "--command=$2"
+}
+
+# ---------------------------------------------------------------------------------------------
+# Read-only queries (never run under --dry-run: the callers skip them)
+# ---------------------------------------------------------------------------------------------
+
+need_gcloud() {
+  command -v gcloud >/dev/null 2>&1 ||
+    die "gcloud not found on PATH: install the Google Cloud CLI (https://cloud.google.com/sdk/docs/install) and run 'gcloud auth login'"
+}
+
+# query OUTVAR ARG...: run the read-only `gcloud ARG...` and store what it prints in OUTVAR.
+# Returns 1 when the resource does not exist; stops on any other failure (not logged in, API not
+# enabled, no permission, wrong project), so that is never mistaken for "does not exist".
+query() {
+  local -n query_out="$1"
+  shift
+  local errors
+  errors="$(mktemp)"
+  if query_out="$(gcloud "$@" 2>"$errors")"; then
+    rm -f "$errors"
+    return 0
+  fi
+  if grep -qiE 'not[ _]?found' "$errors"; then
+    rm -f "$errors"
+    return 1
+  fi
+  query_out="$(grep -v '^[[:space:]]*$' "$errors" | tail -n 3)"
+  rm -f "$errors"
+  die "'gcloud $*' failed: ${query_out:-no error message}"
+}
+
+# describe_tpu: sets TPU_STATE and TPU_ACTUAL_TYPE; returns 1 when the TPU does not exist.
+describe_tpu() {
+  local out
+  TPU_STATE=''
+  TPU_ACTUAL_TYPE=''
+  query out compute tpus tpu-vm describe "$TPU_NAME" "${LOCATION[@]}" \
+    '--format=value(state,acceleratorType)' || return 1
+  read -r TPU_STATE TPU_ACTUAL_TYPE <<<"$out" || true
+  TPU_ACTUAL_TYPE="${TPU_ACTUAL_TYPE##*/}"  # in case the API answers with a resource path
+}
+
+# describe_queued_resource: sets QR_STATE; returns 1 when the queued resource does not exist.
+describe_queued_resource() {
+  QR_STATE=''
+  query QR_STATE compute tpus queued-resources describe "$TPU_QR_NAME" "${LOCATION[@]}" \
+    '--format=value(state.state)'
+}
+
+# require_ready_tpu: stop unless the TPU exists and is READY; fills in TPU_TYPE from the TPU when
+# unset and refuses a TPU_TYPE that does not match the real one.
+require_ready_tpu() {
+  if ! describe_tpu; then
+    if describe_queued_resource; then
+      die "TPU $TPU_NAME does not exist yet: its queued resource $TPU_QR_NAME is $QR_STATE (wait for ACTIVE; '$PROG status' shows it)"
+    fi
+    die "TPU $TPU_NAME not found in zone $TPU_ZONE of project $TPU_PROJECT: create it first ('$PROG create ...'), or check --name/--zone/--project"
+  fi
+  if [[ "$TPU_STATE" != READY ]]; then
+    case "$TPU_STATE" in
+      PREEMPTED | TERMINATED)
+        die "TPU $TPU_NAME is $TPU_STATE: its workers are gone. Recreate it ('$PROG delete', 'create', 'setup'), then 'run' with the same --workdir resumes from the last checkpoint" ;;
+      *) die "TPU $TPU_NAME is ${TPU_STATE:-in an unknown state}, not READY: wait for it ('$PROG status')" ;;
+    esac
+  fi
+  if [[ -n "$TPU_ACTUAL_TYPE" ]]; then
+    if [[ -n "${TPU_TYPE:-}" && "$TPU_TYPE" != "$TPU_ACTUAL_TYPE" ]]; then
+      die "TPU_TYPE is $TPU_TYPE but TPU $TPU_NAME is a $TPU_ACTUAL_TYPE: fix --type/TPU_TYPE or --name"
+    fi
+    TPU_TYPE="$TPU_ACTUAL_TYPE"
+  fi
+}

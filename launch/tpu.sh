@@ -1,0 +1,685 @@
+#!/usr/bin/env bash
+# Cloud TPU VMs for vit_jax, from a single v3-8 to a multi-host pod: create the TPU, install the
+# project on every worker, start the same training command on all of them, follow the logs,
+# stop, delete. `launch/tpu.sh --help` documents every command and setting; launch/README.md has
+# worked examples.
+# shellcheck source-path=SCRIPTDIR
+set -euo pipefail
+
+PROG="$0"
+LAUNCH_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+REPO_ROOT="$(dirname "$LAUNCH_DIR")"
+# shellcheck source=common.sh
+source "$LAUNCH_DIR/common.sh"
+
+# Each worker keeps the project, its virtual environment and the training logs in ~/vit_jax; the
+# source archive travels to ~/vit_jax-src.tar.gz.
+REMOTE_ARCHIVE="vit_jax-src.tar.gz"
+# Seconds `run` watches the new training processes before reporting success: enough to catch a
+# bad config key or a missing dataset, which fail while the program starts.
+START_CHECK_SECONDS=20
+
+usage() {
+  cat <<EOF
+Usage: $PROG COMMAND [options] [--config.key=value ...] [-- extra args]
+
+Run vit_jax on a Cloud TPU VM, a single host (v3-8) or a multi-host pod (v3-32, v4-32, ...).
+
+Commands:
+  create   Create the TPU VM, or with --queued a queued resource that creates it once capacity
+           is free. Does nothing if it already exists. Arguments after -- go to gcloud's create
+           (e.g. -- --network=NET --subnetwork=SUBNET).
+  setup    Copy this checkout to every worker (a git archive of HEAD plus uncommitted edits to
+           tracked files), or with --repo clone a git repository there, and install it with
+           pip install -e '.[tpu]' into ~/vit_jax/.venv. Safe to rerun (after a code change too).
+  run      On every worker: stop a previous vit_jax.main, kill other processes holding the TPU,
+           remove /tmp/libtpu_lockfile, then start in the background (it survives the ssh
+           session) python -m vit_jax.main --config CONFIG --workdir WORKDIR [overrides],
+           logging to ~/vit_jax/logs/ (latest.log points at the newest). --config.key=value
+           arguments and anything after -- are passed to vit_jax.main. Rerunning with the same
+           --workdir resumes from the latest checkpoint.
+  logs     Follow the training log of one worker (--worker N, default 0). Ctrl-C stops following,
+           not training.
+  status   The TPU's state and type (and its queued resource), and on each worker whether
+           training runs and the last log line.
+  stop     Stop training on every worker (the TPU keeps running, and billing).
+  delete   Delete the TPU, or its queued resource (with the TPU) when one exists. Asks first;
+           --yes (or FORCE=1) skips the question, which is required when stdin is not a terminal.
+
+Settings (a flag, or the environment variable; the flag wins):
+  --name NAME             TPU_NAME             TPU VM name (required)
+  --zone ZONE             TPU_ZONE             zone, e.g. us-central1-a, europe-west4-a (required)
+  --project PROJECT       TPU_PROJECT          Google Cloud project id (required)
+  --type TYPE             TPU_TYPE             accelerator type: v3-8, v3-32, v4-32, v5litepod-16,
+                                               v5p-8, v6e-8, ... Required by create; the other
+                                               commands read it from the TPU (with --dry-run,
+                                               run needs it). --accelerator-type is an alias.
+  --runtime-version V     TPU_RUNTIME_VERSION  TPU VM image; default tpu-ubuntu2204-base (v2-v4),
+                                               v2-alpha-tpuv5-lite (v5litepod), v2-alpha-tpuv5
+                                               (v5p), v2-alpha-tpuv6e (v6e)
+  --spot                  TPU_SPOT=1           Spot capacity: cheaper, can be preempted any time
+  --preemptible           TPU_PREEMPTIBLE=1    legacy preemptible TPU (not with --queued or --spot)
+  --reserved              TPU_RESERVED=1       use the project's reserved capacity
+  --queued                TPU_QUEUED=1         create through a queued resource (waits for capacity;
+                                               the usual way to get pods and Spot TPUs)
+  --qr-name ID            TPU_QR_NAME          queued resource id (default NAME-qr)
+  --config CONFIG         TPU_CONFIG           run: e.g. configs/vit.py:b16,imagenet2012 (required)
+  --workdir DIR           TPU_WORKDIR          run: gets checkpoints (DIR/checkpoints), TensorBoard
+                                               events and cost.json (required; gs://... on a
+                                               multi-host TPU)
+  --bucket BUCKET         TPU_BUCKET           run: TFDS data_dir defaults to
+                                               gs://BUCKET/tensorflow_datasets
+  --data-dir DIR          TPU_DATA_DIR         run: TFDS data_dir (--config.data.data_dir), gs://...
+  --repo URL              TPU_REPO             setup: clone this git URL on the workers instead of
+                                               copying the checkout
+  --ref REF               TPU_REF              setup: branch, tag or commit of --repo (default HEAD)
+  --worker N                                   logs: which worker (default 0)
+  --lines N                                    logs: lines of history to show (default 100)
+  --no-follow                                  logs: print and exit instead of following
+  --yes, -y               FORCE=1              delete: do not ask
+  --dry-run               DRY_RUN=1            print the gcloud commands instead of running them
+                                               (and skip the checks that need gcloud)
+  --help, -h                                   this help
+
+Examples (a v3-8; a pod is the same with --type v3-32 --queued and a gs:// workdir):
+  export TPU_NAME=vit-v3-8 TPU_ZONE=europe-west4-a TPU_PROJECT=my-project TPU_TYPE=v3-8
+  $PROG create --spot
+  $PROG setup
+  $PROG run --config configs/vit.py:b16,imagenet2012 --workdir gs://my-bucket/b16_i1k \\
+      --bucket my-bucket --config.batch_size=1024
+  $PROG logs
+  $PROG delete
+EOF
+}
+
+# ---------------------------------------------------------------------------------------------
+# Command line
+# ---------------------------------------------------------------------------------------------
+
+EXTRA_ARGS=()  # --config.key=value overrides and everything after --
+LOG_WORKER=0
+LOG_LINES=100
+LOG_FOLLOW=1
+
+parse_options() {
+  local arg opt value inline
+  while (($# > 0)); do
+    arg="$1"
+    shift
+    case "$arg" in
+      --)
+        EXTRA_ARGS+=("$@")
+        break
+        ;;
+      --config.*)  # a vit_jax.main config override, passed through as it is
+        EXTRA_ARGS+=("$arg")
+        continue
+        ;;
+    esac
+    # Accept both `--flag value` and `--flag=value`.
+    opt="$arg"
+    value=""
+    inline=0
+    if [[ "$arg" == --*=* ]]; then
+      opt="${arg%%=*}"
+      value="${arg#*=}"
+      inline=1
+    fi
+    case "$opt" in
+      --name | --zone | --project | --type | --accelerator-type | --runtime-version | --qr-name | \
+        --config | --workdir | --bucket | --data-dir | --repo | --ref | --worker | --lines)
+        if ((!inline)); then
+          (($# > 0)) || die "$opt needs a value"
+          value="$1"
+          shift
+        fi
+        [[ -n "$value" ]] || die "$opt needs a non-empty value"
+        ;;
+      *)
+        ((!inline)) || die "$opt takes no value"
+        ;;
+    esac
+    case "$opt" in
+      --name) TPU_NAME="$value" ;;
+      --zone) TPU_ZONE="$value" ;;
+      --project) TPU_PROJECT="$value" ;;
+      --type | --accelerator-type) TPU_TYPE="$value" ;;
+      --runtime-version) TPU_RUNTIME_VERSION="$value" ;;
+      --qr-name) TPU_QR_NAME="$value" ;;
+      --config) TPU_CONFIG="$value" ;;
+      --workdir) TPU_WORKDIR="$value" ;;
+      --bucket) TPU_BUCKET="$value" ;;
+      --data-dir) TPU_DATA_DIR="$value" ;;
+      --repo) TPU_REPO="$value" ;;
+      --ref) TPU_REF="$value" ;;
+      --worker) LOG_WORKER="$value" ;;
+      --lines) LOG_LINES="$value" ;;
+      --spot) TPU_SPOT=1 ;;
+      --preemptible) TPU_PREEMPTIBLE=1 ;;
+      --reserved) TPU_RESERVED=1 ;;
+      --queued) TPU_QUEUED=1 ;;
+      --no-follow) LOG_FOLLOW=0 ;;
+      --yes | -y) FORCE=1 ;;
+      --dry-run) DRY_RUN=1 ;;
+      -h | --help)
+        usage
+        exit 0
+        ;;
+      -*) die "unknown option '$arg' (see '$PROG --help'; vit_jax.main flags go after --)" ;;
+      *) die "unexpected argument '$arg': options take the form --flag VALUE, config overrides --config.key=value" ;;
+    esac
+  done
+}
+
+# hint COMMAND [ARGS...]: the command line to type next, with this TPU's location spelled out.
+hint() {
+  quote_args "$PROG" "$1" --name "$TPU_NAME" --zone "$TPU_ZONE" --project "$TPU_PROJECT" "${@:2}"
+}
+
+# confirm QUESTION: go on only after a 'y' typed on a terminal (or with --yes / FORCE=1).
+confirm() {
+  local answer=""
+  if is_true "${FORCE:-0}"; then
+    return 0
+  fi
+  if [[ ! -t 0 ]]; then
+    die "refusing to delete without confirmation: stdin is not a terminal. Pass --yes (or FORCE=1) to delete"
+  fi
+  read -r -p "$1 [y/N] " answer || true
+  case "${answer,,}" in
+    y | yes) return 0 ;;
+    *) die "not deleted" ;;
+  esac
+}
+
+# ---------------------------------------------------------------------------------------------
+# Scripts that run on the workers (POSIX sh, through `gcloud compute tpus tpu-vm ssh --command`)
+# ---------------------------------------------------------------------------------------------
+
+# The training process, matched by its command line. The pattern is anchored on the python
+# executable so that it never matches the ssh shell running these scripts (whose own command line
+# contains "vit_jax.main" too, and would otherwise kill itself).
+remote_training_pattern() {
+  cat <<'EOF'
+pattern='^[^ ]*python[0-9.]* -m vit_jax[.]main( |$)'
+EOF
+}
+
+# Sets $worker to this worker's number (from the TPU VM metadata; the hostname if unavailable).
+remote_worker_number() {
+  cat <<'EOF'
+worker="$(curl -sf -m 5 -H 'Metadata-Flavor: Google' \
+  http://metadata.google.internal/computeMetadata/v1/instance/attributes/agent-worker-number \
+  || hostname)"
+EOF
+}
+
+# Stops vit_jax.main: SIGTERM, up to 30 s to exit, then SIGKILL.
+remote_stop_training() {
+  cat <<'EOF'
+if pgrep -f "$pattern" >/dev/null; then
+  echo "worker $worker: stopping vit_jax.main (pid $(pgrep -f "$pattern" | tr '\n' ' '))"
+  sudo pkill -TERM -f "$pattern" || true
+  waited=0
+  while pgrep -f "$pattern" >/dev/null && [ "$waited" -lt 30 ]; do
+    sleep 1
+    waited=$((waited + 1))
+  done
+  sudo pkill -KILL -f "$pattern" || true
+fi
+EOF
+}
+
+# Frees the TPU for a new run: any other process holding it (an old job, a notebook) makes the
+# next start fail with "TPU in use", and so does a stale libtpu lock file.
+remote_free_tpu() {
+  cat <<'EOF'
+# TPU devices: /dev/accel* on v2-v4, /dev/vfio/* on v5e, v5p and v6e.
+holders="$(sudo lsof -t /dev/accel* /dev/vfio/* 2>/dev/null | sort -u | tr '\n' ' ' || true)"
+if [ -n "${holders% }" ]; then
+  echo "worker $worker: killing processes still holding the TPU: $holders"
+  echo "$holders" | xargs sudo kill -9 || true
+  sleep 2
+fi
+sudo rm -f /tmp/libtpu_lockfile
+EOF
+}
+
+# remote_setup_script: unpack or clone the source into ~/vit_jax and install it in a venv.
+remote_setup_script() {
+  cat <<'EOF'
+set -eu
+mkdir -p "$HOME/vit_jax"
+cd "$HOME/vit_jax"
+rm -f .venv/.setup-ok
+EOF
+  if [[ -n "${TPU_REPO:-}" ]]; then
+    # `git init` + `fetch` also works in a directory that holds a previous install.
+    echo "[ -d .git ] || git init --quiet"
+    quote_args git fetch --quiet --depth=1 "$TPU_REPO" "${TPU_REF:-HEAD}"
+    echo "git checkout --quiet --force FETCH_HEAD"
+  else
+    echo "tar -xzf \"\$HOME/$REMOTE_ARCHIVE\""
+    echo "rm -f \"\$HOME/$REMOTE_ARCHIVE\""
+  fi
+  cat <<'EOF'
+if ! python3 -c 'import sys; sys.exit(sys.version_info < (3, 10))'; then
+  echo "$(hostname): vit_jax needs Python >= 3.10, this image has $(python3 --version 2>&1): use a newer --runtime-version" >&2
+  exit 1
+fi
+if [ ! -x .venv/bin/pip ]; then
+  rm -rf .venv
+  # Ubuntu's python3 has no ensurepip until python3-venv is installed. Right after boot
+  # unattended-upgrades may hold the apt lock: wait for it rather than fail.
+  if ! python3 -m venv .venv 2>/dev/null; then
+    rm -rf .venv
+    sudo apt-get -o DPkg::Lock::Timeout=600 update -qq
+    sudo DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout=600 install -y -qq python3-venv >/dev/null
+    python3 -m venv .venv
+  fi
+fi
+.venv/bin/pip install --quiet --upgrade pip
+.venv/bin/pip install --quiet -e '.[tpu]'
+.venv/bin/python -c 'import vit_jax'
+touch .venv/.setup-ok
+echo "$(hostname): vit_jax installed in $HOME/vit_jax (.venv)"
+EOF
+}
+
+# remote_run_script ARG...: start python -m vit_jax.main ARG... in the background on a worker.
+remote_run_script() {
+  cat <<'EOF'
+set -eu
+if ! cd "$HOME/vit_jax" 2>/dev/null || [ ! -f .venv/.setup-ok ]; then
+  echo "$(hostname): vit_jax is not installed in ~/vit_jax: run 'launch/tpu.sh setup' first" >&2
+  exit 3
+fi
+EOF
+  remote_training_pattern
+  remote_worker_number
+  remote_stop_training
+  remote_free_tpu
+  cat <<'EOF'
+mkdir -p logs
+log="logs/train-$(date +%Y%m%d-%H%M%S)-worker$worker.log"
+ln -sfn "${log#logs/}" logs/latest.log
+# setsid + nohup: a new session, so a dropped ssh connection does not stop training.
+EOF
+  # shellcheck disable=SC2016  # $log is the worker's variable
+  echo "PYTHONUNBUFFERED=1 setsid nohup $(quote_args .venv/bin/python -m vit_jax.main "$@")" \
+    '>"$log" 2>&1 </dev/null &'
+  cat <<EOF
+echo "worker \$worker: started vit_jax.main (pid \$!), log ~/vit_jax/\$log"
+# A bad config key or a missing dataset stops the program while it starts: report it now.
+sleep $START_CHECK_SECONDS
+EOF
+  cat <<'EOF'
+if ! pgrep -f "$pattern" >/dev/null; then
+  echo "worker $worker: vit_jax.main has already exited; the end of ~/vit_jax/$log:" >&2
+  tail -n 30 "$log" >&2
+  exit 1
+fi
+EOF
+}
+
+remote_stop_script() {
+  echo "set -eu"
+  remote_training_pattern
+  remote_worker_number
+  remote_stop_training
+  cat <<'EOF'
+echo "worker $worker: vit_jax.main is not running"
+EOF
+}
+
+remote_status_script() {
+  echo "set -eu"
+  remote_training_pattern
+  remote_worker_number
+  cat <<'EOF'
+if [ ! -f "$HOME/vit_jax/.venv/.setup-ok" ]; then
+  echo "worker $worker: vit_jax is not installed (run 'launch/tpu.sh setup')"
+elif pids="$(pgrep -f "$pattern")"; then
+  echo "worker $worker: training RUNNING (pid $(echo "$pids" | tr '\n' ' '))"
+else
+  echo "worker $worker: training not running"
+fi
+log="$HOME/vit_jax/logs/latest.log"
+if [ -e "$log" ]; then
+  echo "worker $worker: $(readlink "$log"): $(tail -n 1 "$log")"
+fi
+EOF
+}
+
+remote_logs_script() {
+  cat <<'EOF'
+log="$HOME/vit_jax/logs/latest.log"
+if [ ! -e "$log" ]; then
+  echo "$(hostname): no training log in ~/vit_jax/logs yet: start training with 'launch/tpu.sh run'" >&2
+  exit 1
+fi
+EOF
+  if ((LOG_FOLLOW)); then
+    echo "exec tail -n $LOG_LINES -F \"\$log\""
+  else
+    echo "exec tail -n $LOG_LINES \"\$log\""
+  fi
+}
+
+# ---------------------------------------------------------------------------------------------
+# Local checks
+# ---------------------------------------------------------------------------------------------
+
+# check_capacity_flags: --spot / --preemptible / --queued combinations gcloud would reject late.
+check_capacity_flags() {
+  if is_true "${TPU_SPOT:-0}" && is_true "${TPU_PREEMPTIBLE:-0}"; then
+    die "--spot and --preemptible exclude each other (Spot is the newer form of preemptible)"
+  fi
+  if is_true "${TPU_QUEUED:-0}" && is_true "${TPU_PREEMPTIBLE:-0}"; then
+    die "queued resources take --spot, not --preemptible"
+  fi
+  if is_true "${TPU_RESERVED:-0}" && { is_true "${TPU_SPOT:-0}" || is_true "${TPU_PREEMPTIBLE:-0}"; }; then
+    die "--reserved excludes --spot and --preemptible"
+  fi
+}
+
+# check_config_file: the config file must exist in the checkout that setup copies (a typo would
+# otherwise only show up on the workers).
+check_config_file() {
+  local file="${TPU_CONFIG%%:*}"
+  if [[ -n "${TPU_REPO:-}" || "$file" == /* ]]; then
+    return 0  # the workers' copy comes from elsewhere
+  fi
+  [[ -f "$REPO_ROOT/$file" ]] ||
+    die "config file '$file' (from --config $TPU_CONFIG) not found in $REPO_ROOT: give a path relative to the project root, e.g. configs/vit.py:b16,imagenet2012"
+}
+
+# check_gcs_url WHAT VALUE: a value that starts with gs: must be a whole gs://BUCKET[/PATH] URL
+# (gs:/bucket or gs:bucket would become a local directory named "gs:").
+check_gcs_url() {
+  if [[ "$2" == gs:* && ! "$2" =~ ^gs://[a-z0-9][-a-z0-9_.]*[a-z0-9](/.*)?$ ]]; then
+    die "$1 '$2' is not a gs://BUCKET/PATH URL"
+  fi
+}
+
+# check_bucket_region URL...: warn when a bucket is missing/unreadable or lives in another region
+# than the TPU (slow input and cross-region egress charges).
+check_bucket_region() {
+  local url bucket bucket_location region="${TPU_ZONE%-*}" seen=" "
+  for url in "$@"; do
+    [[ "$url" == gs://* ]] || continue
+    bucket="${url#gs://}"
+    bucket="${bucket%%/*}"
+    [[ "$seen" != *" $bucket "* ]] || continue
+    seen+="$bucket "
+    if ! bucket_location="$(gcloud storage buckets describe "gs://$bucket" '--format=value(location)' 2>/dev/null)"; then
+      warn "cannot read bucket gs://$bucket (it does not exist, or you lack storage.buckets.get): training fails if the workers cannot use $url"
+      continue
+    fi
+    bucket_location="${bucket_location,,}"
+    if [[ "$bucket_location" =~ ^[a-z]+-[a-z]+[0-9]+$ && "$bucket_location" != "$region" ]]; then
+      warn "bucket gs://$bucket is in $bucket_location but the TPU in $region: reading data across regions is slow and billed as egress"
+    fi
+  done
+}
+
+# ---------------------------------------------------------------------------------------------
+# Commands
+# ---------------------------------------------------------------------------------------------
+
+cmd_create() {
+  local version capacity=() hosts
+  require_location
+  require TPU_TYPE "--type TYPE" "the accelerator type, e.g. v3-8 or v3-32"
+  validate_type "$TPU_TYPE"
+  check_capacity_flags
+  hosts="$(num_hosts "$TPU_TYPE")"
+  version="${TPU_RUNTIME_VERSION:-$(default_runtime_version "$TPU_TYPE")}"
+  is_true "${TPU_SPOT:-0}" && capacity+=(--spot)
+  is_true "${TPU_PREEMPTIBLE:-0}" && capacity+=(--preemptible)
+  is_true "${TPU_RESERVED:-0}" && capacity+=(--reserved)
+
+  if ! dry_run; then
+    need_gcloud
+    if describe_tpu; then
+      case "$TPU_STATE" in
+        PREEMPTED | TERMINATED)
+          die "TPU $TPU_NAME exists but is $TPU_STATE: delete it first ('$(hint delete)'), then create it again" ;;
+      esac
+      if [[ -n "$TPU_ACTUAL_TYPE" && "$TPU_ACTUAL_TYPE" != "$TPU_TYPE" ]]; then
+        warn "TPU $TPU_NAME is a $TPU_ACTUAL_TYPE, not the $TPU_TYPE asked for: delete it or pick another --name"
+      fi
+      info "TPU $TPU_NAME already exists (${TPU_STATE:-state unknown}, ${TPU_ACTUAL_TYPE:-type unknown}): nothing to create."
+      return 0
+    fi
+    # Checked with or without --queued: a pending request must not be doubled by a second one.
+    if describe_queued_resource; then
+      case "$QR_STATE" in
+        FAILED | SUSPENDED)
+          die "queued resource $TPU_QR_NAME exists but is $QR_STATE: delete it ('$(hint delete)'), then create again" ;;
+      esac
+      info "Queued resource $TPU_QR_NAME already exists (${QR_STATE:-state unknown}): nothing to create."
+      return 0
+    fi
+  fi
+
+  if is_true "${TPU_QUEUED:-0}"; then
+    run_gcloud compute tpus queued-resources create "$TPU_QR_NAME" "--node-id=$TPU_NAME" \
+      "${LOCATION[@]}" "--accelerator-type=$TPU_TYPE" "--runtime-version=$version" \
+      "${capacity[@]}" "${EXTRA_ARGS[@]}"
+    if ! dry_run; then
+      info "Queued resource $TPU_QR_NAME requested: TPU $TPU_NAME ($TPU_TYPE, $hosts worker(s)) is created when capacity is free."
+      info "Watch it go WAITING_FOR_RESOURCES -> PROVISIONING -> ACTIVE with: $(hint status)"
+    fi
+  else
+    run_gcloud compute tpus tpu-vm create "$TPU_NAME" "${LOCATION[@]}" \
+      "--accelerator-type=$TPU_TYPE" "--version=$version" "${capacity[@]}" "${EXTRA_ARGS[@]}"
+  fi
+  info "Next: $(hint setup)"
+}
+
+# make_archive OUT: this checkout as a .tar.gz: HEAD plus uncommitted edits to tracked files.
+make_archive() {
+  local out="$1" tree untracked
+  if ! git -C "$REPO_ROOT" rev-parse --is-inside-work-tree >/dev/null 2>&1; then
+    warn "$REPO_ROOT is not a git checkout: copying the directory (without .git, .venv and caches)"
+    tar -C "$REPO_ROOT" --exclude=.git --exclude=.venv --exclude=__pycache__ \
+      --exclude='*.egg-info' -czf "$out" .
+    return 0
+  fi
+  untracked="$(git -C "$REPO_ROOT" ls-files --others --exclude-standard | head -n 5 | tr '\n' ' ')"
+  [[ -z "$untracked" ]] || warn "untracked files are not copied (git add them to include them): $untracked"
+  # `git stash create` snapshots tracked changes as a commit without touching the working tree or
+  # the stash list; it prints nothing when there are none.
+  tree="$(git -C "$REPO_ROOT" stash create 2>/dev/null || true)"
+  git -C "$REPO_ROOT" archive --format=tar.gz -o "$out" "${tree:-HEAD}"
+}
+
+cmd_setup() {
+  local tmp archive
+  require_location
+  if ! dry_run; then
+    need_gcloud
+    require_ready_tpu
+  fi
+  if [[ -z "${TPU_REPO:-}" ]]; then
+    if dry_run; then
+      archive="/tmp/$REMOTE_ARCHIVE"
+      quote_args git -C "$REPO_ROOT" archive --format=tar.gz -o "$archive" HEAD
+    else
+      tmp="$(mktemp -d)"
+      # shellcheck disable=SC2064  # expand $tmp now: it is local to this function
+      trap "rm -rf '$tmp'" EXIT
+      archive="$tmp/$REMOTE_ARCHIVE"
+      make_archive "$archive"
+    fi
+    run_gcloud compute tpus tpu-vm scp "$archive" "$TPU_NAME:$REMOTE_ARCHIVE" "${LOCATION[@]}" \
+      --worker=all
+  fi
+  ssh_worker all "$(remote_setup_script)"
+  info "Next: $(hint run --config CONFIG --workdir gs://BUCKET/RUN)"
+}
+
+cmd_run() {
+  local hosts data_dir="${TPU_DATA_DIR:-}" data_override="" arg train_args
+  require_location
+  require TPU_CONFIG "--config CONFIG" "e.g. configs/vit.py:b16,imagenet2012"
+  require TPU_WORKDIR "--workdir DIR" "where checkpoints, TensorBoard events and cost.json go, e.g. gs://BUCKET/b16_i1k"
+  check_config_file
+  for arg in "${EXTRA_ARGS[@]}"; do
+    case "$arg" in
+      --config | --config=* | --workdir | --workdir=*)
+        die "'$arg' among the extra arguments: give the config and workdir as --config/--workdir options of $PROG only" ;;
+    esac
+  done
+  if dry_run; then
+    require TPU_TYPE "--type TYPE" "--dry-run does not ask the TPU for its type"
+  else
+    need_gcloud
+    require_ready_tpu
+  fi
+  validate_type "$TPU_TYPE"
+  hosts="$(num_hosts "$TPU_TYPE")"
+
+  check_gcs_url --workdir "$TPU_WORKDIR"
+  # On a pod every worker writes its share of each checkpoint into the same directory: it has to
+  # be shared storage. A local path would give each worker its own partial checkpoints.
+  if [[ "$TPU_WORKDIR" != gs://* ]]; then
+    if ((hosts > 1)); then
+      die "--workdir $TPU_WORKDIR is not on GCS, but a $TPU_TYPE has $hosts workers: each would write its own checkpoints on its own disk and the run could not resume. Use --workdir gs://${TPU_BUCKET:-BUCKET}/NAME"
+    fi
+    warn "--workdir $TPU_WORKDIR is on the TPU VM's disk: checkpoints, TensorBoard events and cost.json are lost when the TPU is deleted or preempted (use gs://BUCKET/NAME)"
+  fi
+  # TFDS data: --data-dir, else gs://BUCKET/tensorflow_datasets; a --config.data.data_dir=...
+  # override among the extra arguments wins over both.
+  if [[ -z "$data_dir" && -n "${TPU_BUCKET:-}" ]]; then
+    data_dir="gs://${TPU_BUCKET#gs://}"
+    data_dir="${data_dir%/}/tensorflow_datasets"
+  fi
+  for arg in "${EXTRA_ARGS[@]}"; do
+    if [[ "$arg" == --config.data.data_dir=* ]]; then
+      data_dir=""
+      data_override="${arg#*=}"
+    fi
+  done
+  check_gcs_url "--data-dir (or --bucket)" "$data_dir"
+  check_gcs_url "--config.data.data_dir" "$data_override"
+  if ((hosts > 1)) && [[ -z "$data_dir" && -z "$data_override" ]]; then
+    warn "no --data-dir or --bucket: each of the $hosts workers reads TFDS data from its own ~/tensorflow_datasets (pass --data-dir gs://BUCKET/tensorflow_datasets)"
+  fi
+  if ! dry_run; then
+    check_bucket_region "$TPU_WORKDIR" "${data_dir:-$data_override}"
+  fi
+
+  train_args=("--config=$TPU_CONFIG" "--workdir=$TPU_WORKDIR")
+  [[ -z "$data_dir" ]] || train_args+=("--config.data.data_dir=$data_dir")
+  train_args+=("${EXTRA_ARGS[@]}")
+  ssh_worker all "$(remote_run_script "${train_args[@]}")"
+  dry_run && return 0
+
+  info "Training runs on all $hosts worker(s) of $TPU_NAME; logs in ~/vit_jax/logs on each worker."
+  info "  follow worker 0:   $(hint logs)"
+  info "  another worker:    $(hint logs --worker 1)"
+  info "  state:             $(hint status)"
+  info "  stop:              $(hint stop)"
+  info "  TensorBoard:       tensorboard --logdir $TPU_WORKDIR"
+  info "Rerunning the same 'run' command resumes from the latest checkpoint in $TPU_WORKDIR/checkpoints."
+}
+
+cmd_logs() {
+  require_location
+  [[ "$LOG_WORKER" =~ ^[0-9]+$ ]] || die "--worker must be a worker number (0, 1, ...), got '$LOG_WORKER'"
+  [[ "$LOG_LINES" =~ ^[0-9]+$ ]] || die "--lines must be a number, got '$LOG_LINES'"
+  if ! dry_run; then
+    need_gcloud
+    require_ready_tpu
+  fi
+  if [[ -n "${TPU_TYPE:-}" ]]; then
+    validate_type "$TPU_TYPE"
+    ((LOG_WORKER < $(num_hosts "$TPU_TYPE"))) ||
+      die "--worker $LOG_WORKER: a $TPU_TYPE has workers 0 to $(($(num_hosts "$TPU_TYPE") - 1))"
+  fi
+  ssh_worker "$LOG_WORKER" "$(remote_logs_script)"
+}
+
+cmd_status() {
+  require_location
+  if dry_run; then
+    quote_args gcloud compute tpus tpu-vm describe "$TPU_NAME" "${LOCATION[@]}"
+    ssh_worker all "$(remote_status_script)"
+    return 0
+  fi
+  need_gcloud
+  if describe_queued_resource; then
+    info "Queued resource $TPU_QR_NAME: ${QR_STATE:-state unknown}"
+  fi
+  if ! describe_tpu; then
+    info "TPU $TPU_NAME: does not exist in zone $TPU_ZONE of project $TPU_PROJECT"
+    [[ -n "$QR_STATE" ]] || return 1
+    return 0
+  fi
+  info "TPU $TPU_NAME: ${TPU_STATE:-state unknown}, ${TPU_ACTUAL_TYPE:-type unknown}${TPU_ACTUAL_TYPE:+, $(num_hosts "$TPU_ACTUAL_TYPE") worker(s)}"
+  if [[ "$TPU_STATE" != READY ]]; then
+    return 0
+  fi
+  ssh_worker all "$(remote_status_script)"
+}
+
+cmd_stop() {
+  require_location
+  if ! dry_run; then
+    need_gcloud
+    require_ready_tpu
+  fi
+  ssh_worker all "$(remote_stop_script)"
+  info "The TPU is still running (and billed): '$(hint delete)' deletes it."
+}
+
+cmd_delete() {
+  local qr_exists=0 tpu_exists=0 what=""
+  require_location
+  if dry_run; then
+    if is_true "${TPU_QUEUED:-0}"; then
+      run_gcloud compute tpus queued-resources delete "$TPU_QR_NAME" "${LOCATION[@]}" --force --quiet
+    else
+      run_gcloud compute tpus tpu-vm delete "$TPU_NAME" "${LOCATION[@]}" --quiet
+    fi
+    return 0
+  fi
+  need_gcloud
+  # A TPU made through a queued resource is deleted with it (--force deletes its TPU first).
+  describe_queued_resource && qr_exists=1
+  describe_tpu && tpu_exists=1
+  if ((!qr_exists && !tpu_exists)); then
+    info "Nothing to delete: neither TPU $TPU_NAME nor queued resource $TPU_QR_NAME exists in zone $TPU_ZONE of project $TPU_PROJECT."
+    return 0
+  fi
+  ((tpu_exists)) && what="TPU $TPU_NAME (${TPU_ACTUAL_TYPE:-type unknown}, ${TPU_STATE:-state unknown})"
+  ((qr_exists)) && what="${what:+$what and }queued resource $TPU_QR_NAME (${QR_STATE:-state unknown})"
+  confirm "Delete $what in $TPU_ZONE, project $TPU_PROJECT? Training stops and the workers' disks go (gs:// data stays)."
+  if ((qr_exists)); then
+    run_gcloud compute tpus queued-resources delete "$TPU_QR_NAME" "${LOCATION[@]}" --force --quiet
+  else
+    run_gcloud compute tpus tpu-vm delete "$TPU_NAME" "${LOCATION[@]}" --quiet
+  fi
+}
+
+main() {
+  local command="${1:-}"
+  case "$command" in
+    -h | --help | help)
+      usage
+      exit 0
+      ;;
+    '')
+      usage >&2
+      exit 2
+      ;;
+    create | setup | run | logs | status | stop | delete) shift ;;
+    *) die "unknown command '$command' (one of: create setup run logs status stop delete; see '$PROG --help')" ;;
+  esac
+  parse_options "$@"
+  "cmd_$command"
+}
+
+main "$@"

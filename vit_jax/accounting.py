@@ -1,0 +1,380 @@
+"""Compute accounting: what a run costs in TPU-core-days (the ViT paper's unit), FLOPs and MFU.
+
+The ViT paper (Table 2) compares models by pretraining cost in TPUv3-core-days: cores x days.
+`CostAccountant` keeps that account for a training run: it splits the wall time into training
+steps, compilation, evaluation, checkpointing, input waiting and the rest, turns seconds into
+core-days (and chip-days) for the training steps alone and for the whole program, and, from the
+FLOPs of one step, the achieved FLOP/s and the model FLOP utilisation (MFU). Its record is saved
+in every checkpoint and restored with it, so a preempted and resumed run reports the cost of all
+its attempts.
+
+What a JAX device is differs by hardware (`hardware`):
+  TPU v2, v3        one device = one TensorCore; 2 cores per chip (a v3-8 has 8 devices, 4 chips)
+  TPU v4, v5p       one device = one chip of 2 TensorCores (megacore; a v4-8 has 4 devices)
+  TPU v5e, v6e      one device = one chip of 1 TensorCore (a v5litepod-8 has 8 devices)
+  GPU, CPU          devices, reported as device-days (a CPU has no cores in this sense)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import re
+import time
+from typing import Any, Callable, Iterator, Optional
+
+SECONDS_PER_DAY = 86_400
+
+#: The wall-time categories; 'other' is the program's time outside them (start-up, dataset
+#: preparation, initialisation or restore, writing summaries).
+CATEGORIES = ("train", "compile", "eval", "checkpoint", "input")
+
+
+@dataclasses.dataclass(frozen=True)
+class _Kind:
+  pattern: str  # Regular expression matched against jax's `device.device_kind`.
+  cores_per_device: Optional[int]  # TensorCores per JAX device (TPU only).
+  cores_per_chip: Optional[int]
+  peak: dict[str, float]  # Dense matmul FLOP/s of one JAX device, by compute dtype.
+
+
+# Published dense peaks. On TPU a float32 matmul at JAX's default precision runs as one
+# bfloat16 pass, so float32 has the bfloat16 peak; on Ampere and later GPUs float32 matmuls
+# use TF32 by default. Order matters: the first match wins ('TPU v5 lite' before 'TPU v5').
+_KINDS = (
+    _Kind(r"TPU v2", 1, 2, {"bfloat16": 22.5e12, "float32": 22.5e12}),
+    _Kind(r"TPU v3", 1, 2, {"bfloat16": 61.5e12, "float32": 61.5e12}),
+    _Kind(r"TPU v4 ?lite", 1, 1, {"bfloat16": 137.5e12, "float32": 137.5e12}),
+    _Kind(r"TPU v4", 2, 2, {"bfloat16": 275e12, "float32": 275e12}),
+    _Kind(r"TPU v5 ?lite|TPU v5e", 1, 1, {"bfloat16": 197e12, "float32": 197e12}),
+    _Kind(r"TPU v5p?", 2, 2, {"bfloat16": 459e12, "float32": 459e12}),
+    _Kind(r"TPU v6 ?lite|TPU v6e", 1, 1, {"bfloat16": 918e12, "float32": 918e12}),
+    _Kind(r"V100", None, None, {"float16": 125e12, "float32": 15.7e12}),
+    _Kind(r"A100", None, None, {"bfloat16": 312e12, "float16": 312e12, "float32": 156e12}),
+    _Kind(r"H100|H200|GH200", None, None,
+          {"bfloat16": 989e12, "float16": 989e12, "float32": 494e12}),
+    _Kind(r"L4", None, None, {"bfloat16": 121e12, "float16": 121e12, "float32": 60e12}),
+)
+
+# Cloud TPU accelerator types ('v3-256'): the family, whether the number counts TensorCores
+# (v2-v5p) or chips (v5e, v6e), and the device kind its JAX devices report.
+_ACCELERATORS = {
+    "v2": ("TPU v2", "cores"), "v3": ("TPU v3", "cores"), "v4": ("TPU v4", "cores"),
+    "v5p": ("TPU v5p", "cores"), "v5litepod": ("TPU v5 lite", "chips"),
+    "v5e": ("TPU v5 lite", "chips"), "v6e": ("TPU v6 lite", "chips"),
+}
+_GPUS = {"v100": "Tesla V100", "a100": "NVIDIA A100", "h100": "NVIDIA H100",
+         "h200": "NVIDIA H200", "l4": "NVIDIA L4"}
+
+_measured_cpu_peak: Optional[float] = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Hardware:
+  """The devices a run uses, and how they translate into cores, chips and peak FLOP/s.
+
+  Attributes:
+    device_kind: jax's `device_kind`, e.g. 'TPU v3', 'TPU v4', 'cpu', 'NVIDIA H100 80GB HBM3'.
+    platform: 'tpu', 'gpu' or 'cpu'.
+    num_devices: JAX devices over all processes.
+    cores: TensorCores (TPU only, else None).
+    chips: chips (TPU only, else None).
+    peak_flops_per_device: dense FLOP/s of one device for the compute dtype, or None if unknown.
+    peak_source: where the peak comes from ('published', 'measured: ...', 'unknown').
+  """
+  device_kind: str
+  platform: str
+  num_devices: int
+  cores: Optional[int]
+  chips: Optional[int]
+  peak_flops_per_device: Optional[float]
+  peak_source: str
+
+  @property
+  def unit(self) -> str:
+    """What the '-days' figures count: 'core' on TPU, else 'device'."""
+    return "core" if self.cores is not None else "device"
+
+  @property
+  def units(self) -> int:
+    """Cores on TPU, devices elsewhere: the divisor of images/s/core."""
+    return self.cores if self.cores is not None else self.num_devices
+
+  def describe(self) -> str:
+    """E.g. '8 x TPU v3 (8 cores, 4 chips), peak 61.5 TFLOP/s per device (published)'."""
+    counts = f" ({self.cores} cores, {self.chips} chips)" if self.cores is not None else ""
+    peak = ("peak unknown" if self.peak_flops_per_device is None else
+            f"peak {self.peak_flops_per_device / 1e12:.4g} TFLOP/s per device "
+            f"({self.peak_source})")
+    return f"{self.num_devices} x {self.device_kind}{counts}, {peak}"
+
+
+def hardware(device_kind: str, num_devices: int, dtype: str = "float32",
+             platform: Optional[str] = None,
+             peak_flops_per_device: Optional[float] = None) -> Hardware:
+  """Cores, chips and peak FLOP/s of `num_devices` JAX devices of `device_kind`.
+
+  Args:
+    device_kind: jax's `device.device_kind` ('TPU v3', 'TPU v4', 'TPU v5 lite', 'cpu', ...).
+    num_devices: all devices of the run (`jax.device_count()`).
+    dtype: the model's compute dtype; picks the peak.
+    platform: 'tpu', 'gpu' or 'cpu'; guessed from `device_kind` if None.
+    peak_flops_per_device: overrides the table (e.g. a measured CPU peak).
+
+  Returns:
+    A `Hardware`. Unknown TPU generations and GPUs get `peak_flops_per_device=None` (MFU is then
+    reported as unavailable); an unknown TPU is counted as one core per device.
+  """
+  if platform is None:
+    platform = ("tpu" if device_kind.startswith("TPU") else
+                "cpu" if device_kind.lower() == "cpu" else "gpu")
+  kind = next((k for k in _KINDS if re.search(k.pattern, device_kind)), None)
+  cores = chips = None
+  if platform == "tpu":
+    per_device = kind.cores_per_device if kind and kind.cores_per_device else 1
+    per_chip = kind.cores_per_chip if kind and kind.cores_per_chip else per_device
+    cores = num_devices * per_device
+    chips = max(1, cores // per_chip)
+  dtype = str(dtype)
+  source = "published"
+  if peak_flops_per_device is None and kind is not None:
+    peak_flops_per_device = kind.peak.get(dtype)
+  elif peak_flops_per_device is not None:
+    source = "given"
+  if peak_flops_per_device is None:
+    source = "unknown"
+  return Hardware(device_kind, platform, num_devices, cores, chips, peak_flops_per_device, source)
+
+
+def accelerator(name: str, dtype: str = "bfloat16") -> Hardware:
+  """The `Hardware` of a Cloud TPU accelerator type or a GPU count, for estimates.
+
+  Args:
+    name: 'v3-8', 'v3-256', 'v4-32' (the number counts TensorCores for v2, v3, v4 and v5p),
+      'v5litepod-16', 'v5e-16', 'v6e-8' (chips), or a GPU count such as 'a100-8', 'h100-8'.
+
+  Raises:
+    ValueError: an unknown name, listing the accepted forms.
+  """
+  match = re.fullmatch(r"([a-z0-9]+)-(\d+)", name.strip().lower())
+  family = match.group(1) if match else None
+  if match and family in _ACCELERATORS:
+    kind, counts = _ACCELERATORS[family]
+    count = int(match.group(2))
+    spec = next(k for k in _KINDS if re.search(k.pattern, kind))
+    devices = count // spec.cores_per_device if counts == "cores" else count
+    if devices < 1 or (counts == "cores" and count % spec.cores_per_device):
+      raise ValueError(f"Accelerator {name!r}: {count} is not a whole number of "
+                       f"{kind} chips ({spec.cores_per_device} cores each).")
+    return hardware(kind, devices, dtype, platform="tpu")
+  if match and family in _GPUS:
+    return hardware(_GPUS[family], int(match.group(2)), dtype, platform="gpu")
+  raise ValueError(
+      f"Unknown accelerator {name!r}: give a Cloud TPU type such as v3-8, v3-256, v4-32, v5p-8 "
+      f"(TensorCores), v5litepod-16 or v6e-8 (chips), or a GPU count: "
+      f"{', '.join(f'{g}-8' for g in _GPUS)}.")
+
+
+def measure_cpu_peak(size: int = 2048, repeats: int = 3) -> float:
+  """Dense float32 FLOP/s of this host's CPU backend: the best of `repeats` `size`^3 matmuls.
+
+  A CPU has no honest published peak for XLA's matmuls; this measures one (once per process,
+  about a second) so that a CPU run still reports an MFU. Shared by all local CPU devices.
+  """
+  global _measured_cpu_peak
+  if _measured_cpu_peak is None:
+    import jax  # pylint: disable=g-import-not-at-top
+    import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+    x = jnp.ones((size, size), jnp.float32)
+    matmul = jax.jit(lambda a: a @ a)
+    matmul(x).block_until_ready()
+    best = float("inf")
+    for _ in range(repeats):
+      start = time.perf_counter()
+      matmul(x).block_until_ready()
+      best = min(best, time.perf_counter() - start)
+    _measured_cpu_peak = 2 * size**3 / best
+  return _measured_cpu_peak
+
+
+def local_hardware(dtype: str = "float32") -> Hardware:
+  """The `Hardware` of this JAX program: all devices of all processes (CPU peak measured)."""
+  import jax  # pylint: disable=g-import-not-at-top
+  device = jax.devices()[0]
+  if device.platform == "cpu":
+    peak = measure_cpu_peak() / jax.local_device_count()
+    hw = hardware("cpu", jax.device_count(), dtype, "cpu", peak_flops_per_device=peak)
+    return dataclasses.replace(hw, peak_source="measured: float32 2048^3 matmul")
+  return hardware(device.device_kind, jax.device_count(), dtype, device.platform)
+
+
+class CostAccountant:
+  """Keeps a run's compute account; `report()` is what goes to cost.json and the checkpoints.
+
+  Usage in a training loop (see `vit_jax.train`):
+
+    accountant = CostAccountant(local_hardware(dtype), batch_size)
+    accountant.resume(previous_report)           # After a restore: earlier attempts.
+    with accountant.timed("train"):              # The loop; nested categories are
+      with accountant.timed("input"): batch = ...  # subtracted from the enclosing one.
+      state = step(state, batch); accountant.count_step()
+      with accountant.timed("eval"): ...
+    report = accountant.report(step)
+
+  Time is wall time from `clock` (seconds). Days of training = seconds in 'train' / 86,400;
+  days of the program = seconds since the accountant was created (every category and the rest)
+  / 86,400. Core-days multiply by TensorCores, chip-days by chips, device-days by devices.
+  """
+
+  def __init__(self, hw: Hardware, batch_size: int,
+               clock: Callable[[], float] = time.monotonic):
+    self.hardware = hw
+    self.batch_size = batch_size
+    self._clock = clock
+    self._start = clock()
+    self._seconds = dict.fromkeys(CATEGORIES, 0.0)
+    # The open `timed` blocks, outermost first: [category, start time, seconds in children].
+    self._open: list[list[Any]] = []
+    self._steps = 0
+    self._start_step = 0
+    self._previous: list[dict[str, Any]] = []
+    self.flops_per_step: Optional[float] = None  # From XLA's cost analysis of the step.
+    self.model_flops_per_step: Optional[float] = None  # Analytic: 3 x forward matmuls.
+
+  @contextlib.contextmanager
+  def timed(self, category: str) -> Iterator[None]:
+    """Counts the wall time of the block in `category`, minus that of nested `timed` blocks.
+
+    Raises:
+      KeyError: an unknown category (one of `CATEGORIES`).
+    """
+    if category not in self._seconds:
+      raise KeyError(f"Unknown cost category {category!r}; use one of {CATEGORIES}.")
+    start = self._clock()
+    self._open.append([category, start, 0.0])
+    try:
+      yield
+    finally:
+      elapsed = self._clock() - start
+      self._seconds[category] += elapsed - self._open.pop()[2]
+      if self._open:
+        self._open[-1][2] += elapsed
+
+  def _seconds_now(self) -> dict[str, float]:
+    """Seconds per category, the open blocks' time so far included."""
+    seconds = dict(self._seconds)
+    now = self._clock()
+    for i, (category, start, in_children) in enumerate(self._open):
+      in_open_child = now - self._open[i + 1][1] if i + 1 < len(self._open) else 0.0
+      seconds[category] += now - start - in_children - in_open_child
+    return seconds
+
+  def count_step(self, steps: int = 1) -> None:
+    """Records `steps` optimizer updates of `batch_size` images each."""
+    self._steps += steps
+
+  def set_step_flops(self, compiled: Optional[float], analytic: Optional[float]) -> None:
+    """The FLOPs of one training step of the global batch.
+
+    Args:
+      compiled: from XLA's cost analysis of the compiled step (all devices together). It counts
+        a loop body once (a model scanned over its layers, gradient accumulation) and counts
+        rematerialised work; it is reported next to the analytic count.
+      analytic: 3 x the forward pass's matmul FLOPs x batch (`vit_jax.flops`); the MFU uses it
+        (model FLOPs, the usual definition: recomputation is not useful work).
+    """
+    self.flops_per_step, self.model_flops_per_step = compiled, analytic
+
+  def resume(self, report: Optional[dict[str, Any]], start_step: int) -> None:
+    """Continues the account of an earlier `report()` (from a checkpoint or cost.json)."""
+    self._previous = list(report["attempts"]) if report else []
+    self._start_step = start_step
+
+  def _attempt(self, step: int) -> dict[str, Any]:
+    """This process's attempt so far."""
+    hw = self.hardware
+    seconds = self._seconds_now()
+    program = self._clock() - self._start
+    seconds["other"] = max(0.0, program - sum(seconds.values()))
+    seconds["program"] = program
+    model_flops = (self.model_flops_per_step or 0.0) * self._steps
+    return {
+        "device_kind": hw.device_kind, "platform": hw.platform, "devices": hw.num_devices,
+        "cores": hw.cores, "chips": hw.chips, "peak_flops_per_device": hw.peak_flops_per_device,
+        "start_step": self._start_step, "end_step": step, "steps": self._steps,
+        "images": self._steps * self.batch_size, "seconds": seconds,
+        "flops_per_step": self.flops_per_step, "model_flops_per_step": self.model_flops_per_step,
+        "model_flops": model_flops,
+    }
+
+  def report(self, step: int) -> dict[str, Any]:
+    """The cumulative account of all attempts up to now, as a JSON-able dict.
+
+    Keys: 'hardware' (this attempt's), 'step', 'restarts', 'images_seen', 'seconds' (per
+    category, 'other' and 'program', summed over attempts), 'train' and 'program' (each with
+    'device_days', and on TPU 'core_days' and 'chip_days'), 'flops_per_step',
+    'model_flops_per_step', 'model_flops', 'achieved_flops_per_sec', 'mfu' (0..1 or None),
+    'images_per_sec_per_core' (per device off TPU) and 'attempts' (one record per start).
+    """
+    attempts = self._previous + [self._attempt(step)]
+    seconds = {k: sum(a["seconds"].get(k, 0.0) for a in attempts)
+               for k in (*CATEGORIES, "other", "program")}
+
+    def days(part: str, count: str) -> Optional[float]:
+      if any(a[count] is None for a in attempts):
+        return None
+      return sum(a["seconds"][part] * a[count] for a in attempts) / SECONDS_PER_DAY
+
+    figures = {part: {f"{unit}_days": days(part, unit + "s") for unit in ("device", "core", "chip")}
+               for part in ("train", "program")}
+    train_unit_seconds = sum(a["seconds"]["train"] * (a["cores"] or a["devices"])
+                             for a in attempts)
+    images = sum(a["images"] for a in attempts)
+    # MFU over the attempts whose peak is known: model FLOPs / (train seconds x peak x devices).
+    known = [a for a in attempts if a["peak_flops_per_device"] and a["model_flops_per_step"]]
+    capacity = sum(a["seconds"]["train"] * a["peak_flops_per_device"] * a["devices"]
+                   for a in known)
+    train_seconds = sum(a["seconds"]["train"] for a in known)
+    model_flops = sum(a["model_flops"] for a in attempts)
+    hw = self.hardware
+    return {
+        "hardware": {"device_kind": hw.device_kind, "platform": hw.platform,
+                     "devices": hw.num_devices, "cores": hw.cores, "chips": hw.chips,
+                     "unit": hw.unit, "peak_flops_per_device": hw.peak_flops_per_device,
+                     "peak_source": hw.peak_source},
+        "step": step, "batch_size": self.batch_size, "restarts": len(attempts) - 1,
+        "images_seen": images, "seconds": seconds, **figures,
+        "flops_per_step": self.flops_per_step, "model_flops_per_step": self.model_flops_per_step,
+        "model_flops": model_flops,
+        "achieved_flops_per_sec": (sum(a["model_flops"] for a in known) / train_seconds
+                                   if train_seconds else None),
+        "mfu": (sum(a["model_flops"] for a in known) / capacity) if capacity else None,
+        "images_per_sec_per_core": images / train_unit_seconds if train_unit_seconds else None,
+        "attempts": attempts,
+    }
+
+
+def scalars(report: dict[str, Any]) -> dict[str, float]:
+  """TensorBoard scalars of a `report()`: 'cost/<name>' for every figure that is known."""
+  out = {f"cost/{part}_{unit}": report[part][unit] for part in ("train", "program")
+         for unit in ("core_days", "chip_days", "device_days") if report[part][unit] is not None}
+  out.update({f"cost/seconds_{k}": v for k, v in report["seconds"].items()})
+  for key in ("mfu", "images_per_sec_per_core", "achieved_flops_per_sec", "flops_per_step",
+              "model_flops_per_step", "restarts", "images_seen"):
+    if report[key] is not None:
+      out[f"cost/{key}"] = float(report[key])
+  return out
+
+
+def summary(report: dict[str, Any]) -> str:
+  """One progress line, e.g. 'cost: 12.0 TPU v3 core-days (11.2 training), MFU 38.1%, ...'."""
+  unit = report["hardware"]["unit"]
+  kind = report["hardware"]["device_kind"]
+  program, train = report["program"][f"{unit}_days"], report["train"][f"{unit}_days"]
+  mfu = "MFU unavailable" if report["mfu"] is None else f"MFU {report['mfu']:.1%}"
+  rate = report["images_per_sec_per_core"]
+  rate = "" if rate is None else f", {rate:,.1f} images/s/{unit}"
+  seconds = report["seconds"]
+  split = ", ".join(f"{k} {seconds[k]:.0f}" for k in (*CATEGORIES, "other"))
+  return (f"cost: {program:.4g} {kind} {unit}-days ({train:.4g} in training steps), {mfu}"
+          f"{rate}, {report['restarts']} restart(s); seconds: {split}")

@@ -1,0 +1,92 @@
+"""Command-line helpers shared by `vit_jax.main` and `vit_jax.cost`: flag parsing with clear
+errors for a config file or a `--config.<key>` override that is wrong, and quiet library logs."""
+
+from __future__ import annotations
+
+import difflib
+import importlib.util
+import logging as py_logging
+import os
+import sys
+
+from absl import flags
+from absl import logging
+
+
+def load_config_file(spec: str):
+  """Imports `path[:arg]` the way --config does and returns its get_config(arg)."""
+  path, _, arg = spec.partition(":")
+  module_spec = importlib.util.spec_from_file_location("_vit_jax_config", path)
+  module = importlib.util.module_from_spec(module_spec)
+  module_spec.loader.exec_module(module)
+  return module.get_config(arg) if arg else module.get_config()
+
+
+def unknown_override_message(argv: list[str]) -> str | None:
+  """Names the first `--config.<key>` in `argv` that the config file does not define.
+
+  Returns:
+    A message naming the key, the valid keys at that level and the closest match, or None if
+    every override names an existing key (or the config file itself cannot be loaded).
+  """
+  spec = next((a.split("=", 1)[1] for a in argv if a.startswith("--config=")), None)
+  if spec is None and "--config" in argv[:-1]:
+    spec = argv[argv.index("--config") + 1]
+  if spec is None:
+    return None
+  try:
+    config = load_config_file(spec)
+  except Exception:  # pylint: disable=broad-except
+    return None  # Let the flag parser report the real problem with the file.
+  for arg in argv:
+    if not arg.startswith("--config."):
+      continue
+    path = arg[len("--config."):].split("=", 1)[0]
+    node, keys = config, path.split(".")
+    for depth, key in enumerate(keys):
+      children = list(node.keys()) if hasattr(node, "keys") else []
+      if key not in children:
+        where = ".".join(keys[:depth]) or "the top level"
+        close = difflib.get_close_matches(key, children, n=1)
+        hint = f" Did you mean '{'.'.join(keys[:depth] + close)}'?" if close else ""
+        return (f"Unknown config key '{path}' in '{arg}': the config {spec} has no '{key}' at "
+                f"{where}. Keys there: {', '.join(sorted(children))}.{hint}")
+      node = node[key]
+  return None
+
+
+def _without_traceback(message: str) -> str:
+  """ml_collections puts the config file's traceback in its flag error: keep the first line
+  (which flag) and the exception's own line (what is wrong)."""
+  if "Traceback (most recent call last)" not in message:
+    return message
+  head = message.split("Traceback (most recent call last)")[0].strip()
+  last = [line for line in message.splitlines() if line.strip()][-1]
+  return f"{head} {last}"
+
+
+def parse_flags(argv: list[str]) -> list[str]:
+  """absl's flag parsing, with a clear message for a mistyped `--config.<key>`."""
+  try:
+    return flags.FLAGS(argv)
+  except flags.Error as e:
+    message = unknown_override_message(argv) or _without_traceback(str(e))
+  except (AttributeError, KeyError) as e:  # ml_collections' error for an unknown key.
+    message = unknown_override_message(argv) or f"Bad --config override: {e}"
+  except (ValueError, TypeError) as e:  # The config file's get_config(arg) refused its arg.
+    message = unknown_override_message(argv) or f"Bad --config: {e}"
+  sys.stderr.write(f"FATAL: {message}\nPass --help to see the flags.\n")
+  sys.exit(2)
+
+
+class QuietLibraries(py_logging.Filter):
+  """Keeps INFO lines of vit_jax and clu (progress, metrics); other libraries' from WARNING.
+
+  orbax and jax log every checkpoint's internals at INFO; run with --verbosity=1 to see them.
+  """
+
+  def filter(self, record: py_logging.LogRecord) -> bool:
+    if record.levelno >= py_logging.WARNING or logging.get_verbosity() >= 1:
+      return True
+    path = record.pathname.replace(os.sep, "/")
+    return "/vit_jax/" in path or "/clu/" in path
