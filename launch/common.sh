@@ -65,22 +65,37 @@ require_location() {
 # Accelerator types
 # ---------------------------------------------------------------------------------------------
 
+# The largest slice of each generation (TensorCores for v2-v5p, chips for v5e/v6e).
+declare -A MAX_TYPE_SIZE=([v2]=512 [v3]=2048 [v4]=4096 [v5p]=12288 [v5litepod]=256 [v6e]=256)
+
 # validate_type TYPE: a generation and a size, e.g. v3-8, v3-32, v4-32, v5litepod-16, v5p-8, v6e-8.
 validate_type() {
-  local type="$1" gen size
+  local type="$1" gen size max
   if [[ "$type" =~ ^v5e-([0-9]+)$ ]]; then
     die "accelerator type '$type': gcloud calls TPU v5e 'v5litepod', use --type v5litepod-${BASH_REMATCH[1]}"
   fi
-  if [[ ! "$type" =~ ^(v2|v3|v4|v5p|v5litepod|v6e)-([0-9]+)$ ]]; then
+  if [[ ! "$type" =~ ^(v2|v3|v4|v5p|v5litepod|v6e)-([1-9][0-9]{0,5})$ ]]; then
     die "accelerator type '$type' is not GENERATION-SIZE with GENERATION one of v2, v3, v4, v5p, v5litepod, v6e (e.g. v3-8, v3-32, v4-32, v5litepod-16, v5p-8, v6e-8)"
   fi
   gen="${BASH_REMATCH[1]}"
   size="${BASH_REMATCH[2]}"
-  if ((size < 1 || (size & (size - 1)) != 0)); then
-    die "accelerator type '$type': the size must be a power of two (e.g. ${gen}-8, ${gen}-32)"
-  fi
+  max="${MAX_TYPE_SIZE[$gen]}"
   case "$gen" in
     v2 | v3 | v4 | v5p) ((size >= 8)) || die "accelerator type '$type': the smallest $gen slice is ${gen}-8" ;;
+  esac
+  ((size <= max)) || die "accelerator type '$type': the largest $gen slice is ${gen}-$max"
+  case "$gen" in
+    v4 | v5p)
+      # 3D slices AxBxC of whole 4-chip hosts (8 TensorCores); above 64 chips every side is a
+      # multiple of 4 (4x4x12 is a v4-384, 16x16x24 the v5p-12288), so a multiple of 128.
+      if ((size % 8 != 0 || (size > 128 && size % 128 != 0))); then
+        die "accelerator type '$type': the size must be a multiple of 8, and above 128 a multiple of 128 (e.g. ${gen}-32, ${gen}-384)"
+      fi
+      ;;
+    *)
+      (((size & (size - 1)) == 0)) ||
+        die "accelerator type '$type': the size must be a power of two (e.g. ${gen}-8, ${gen}-32)"
+      ;;
   esac
 }
 
@@ -122,11 +137,24 @@ quote_args() {
   printf '%s\n' "${out[*]}"
 }
 
+# A dry run prints the commands instead of running them. Files that the real run writes into a
+# fresh temporary directory are named "$DRY_TMP/FILE" there: the printed command reads
+# "$tmp"/FILE, after a line tmp="$(mktemp -d)" that the caller prints first.
+DRY_TMP='@DRY_TMP@'
+
+# print_command ARG...: the command as quote_args prints it, with $DRY_TMP as "$tmp".
+print_command() {
+  # shellcheck disable=SC2016  # the literal text "$tmp", for the shell that runs the output
+  local line tmp_ref='"$tmp"'
+  line="$(quote_args "$@")"
+  printf '%s\n' "${line//"$DRY_TMP"/$tmp_ref}"
+}
+
 # run_gcloud ARG...: run `gcloud ARG...`, echoing it to stderr first; with --dry-run print it to
 # stdout instead and run nothing.
 run_gcloud() {
   if dry_run; then
-    quote_args gcloud "$@"
+    print_command gcloud "$@"
     return 0
   fi
   info "+ $(quote_args gcloud "$@")"
@@ -149,7 +177,8 @@ need_gcloud() {
 
 # query OUTVAR ARG...: run the read-only `gcloud ARG...` and store what it prints in OUTVAR.
 # Returns 1 when the resource does not exist; stops on any other failure (not logged in, API not
-# enabled, no permission, wrong project), so that is never mistaken for "does not exist".
+# enabled, no permission, wrong project), so that is never mistaken for "does not exist", and
+# shows gcloud's whole message: its advice ("Please run: $ gcloud auth login") is in the middle.
 query() {
   local -n query_out="$1"
   shift
@@ -163,9 +192,10 @@ query() {
     rm -f "$errors"
     return 1
   fi
-  query_out="$(grep -v '^[[:space:]]*$' "$errors" | tail -n 3)"
+  # Leading blank lines dropped (trailing ones go with the command substitution).
+  query_out="$(sed -e '/[^[:space:]]/,$!d' "$errors")"
   rm -f "$errors"
-  die "'gcloud $*' failed: ${query_out:-no error message}"
+  die "$(quote_args gcloud "$@") failed:"$'\n'"${query_out:-(gcloud printed no error message)}"
 }
 
 # describe_tpu: sets TPU_STATE and TPU_ACTUAL_TYPE; returns 1 when the TPU does not exist.

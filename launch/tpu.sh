@@ -31,7 +31,10 @@ Commands:
            (e.g. -- --network=NET --subnetwork=SUBNET).
   setup    Copy this checkout to every worker (a git archive of HEAD plus uncommitted edits to
            tracked files), or with --repo clone a git repository there, and install it with
-           pip install -e '.[tpu]' into ~/vit_jax/.venv. Safe to rerun (after a code change too).
+           pip install -e '.[tpu]' into ~/vit_jax/.venv, made with the first of python3.13,
+           python3.12, python3.11, python3 that is >= 3.11 (on the Ubuntu 22.04 images, whose
+           python3 is 3.10, it apt-get installs python3.11 and python3.11-venv). Safe to rerun
+           (after a code change too); a venv of an older Python is made again.
   run      On every worker: stop a previous vit_jax.main, kill other processes holding the TPU,
            remove /tmp/libtpu_lockfile, then start in the background (it survives the ssh
            session) python -m vit_jax.main --config CONFIG --workdir WORKDIR [overrides],
@@ -77,11 +80,16 @@ Settings (a flag, or the environment variable; the flag wins):
   --lines N                                    logs: lines of history to show (default 100)
   --no-follow                                  logs: print and exit instead of following
   --yes, -y               FORCE=1              delete: do not ask
-  --dry-run               DRY_RUN=1            print the gcloud commands instead of running them
-                                               (and skip the checks that need gcloud)
+  --dry-run               DRY_RUN=1            print the commands instead of running them (and
+                                               skip the checks that need gcloud). delete cannot
+                                               know whether the TPU came from a queued resource:
+                                               it prints the tpu-vm delete (with --queued the
+                                               queued-resources delete) and the other one as a
+                                               '# if ...' comment
   --help, -h                                   this help
 
-Examples (a v3-8; a pod is the same with --type v3-32 --queued and a gs:// workdir):
+Examples (a v3-8; a pod is the same with --type v3-32 --queued, 'status' until the TPU is
+READY before setup, and a gs:// workdir):
   export TPU_NAME=vit-v3-8 TPU_ZONE=europe-west4-a TPU_PROJECT=my-project TPU_TYPE=v3-8
   $PROG create --spot
   $PROG setup
@@ -263,20 +271,44 @@ EOF
     echo "rm -f \"\$HOME/$REMOTE_ARCHIVE\""
   fi
   cat <<'EOF'
-if ! python3 -c 'import sys; sys.exit(sys.version_info < (3, 10))'; then
-  echo "$(hostname): vit_jax needs Python >= 3.10, this image has $(python3 --version 2>&1): use a newer --runtime-version" >&2
-  exit 1
-fi
-if [ ! -x .venv/bin/pip ]; then
+# vit_jax (jax, flax, orbax, numpy) needs Python >= 3.11; the TPU VM images are Ubuntu 22.04,
+# whose python3 is 3.10: then the venv gets the python3.11 package of Ubuntu.
+new_enough() { "$1" -c 'import sys; sys.exit(sys.version_info < (3, 11))' >/dev/null 2>&1; }
+apt_install() {
+  # Right after boot unattended-upgrades may hold the apt lock: wait for it rather than fail.
+  sudo apt-get -o DPkg::Lock::Timeout=600 update -qq &&
+    sudo DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout=600 install -y -qq "$@" >/dev/null
+}
+# A venv from an older setup (made by Python 3.10) or a broken one is made again.
+if [ -e .venv ] && ! { [ -x .venv/bin/pip ] && new_enough .venv/bin/python; }; then
+  old="$(.venv/bin/python --version 2>&1)" || old="no working python"
+  echo "$(hostname): recreating ~/vit_jax/.venv (it has $old, vit_jax needs Python >= 3.11)"
   rm -rf .venv
-  # Ubuntu's python3 has no ensurepip until python3-venv is installed. Right after boot
-  # unattended-upgrades may hold the apt lock: wait for it rather than fail.
-  if ! python3 -m venv .venv 2>/dev/null; then
-    rm -rf .venv
-    sudo apt-get -o DPkg::Lock::Timeout=600 update -qq
-    sudo DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout=600 install -y -qq python3-venv >/dev/null
-    python3 -m venv .venv
+fi
+if [ ! -d .venv ]; then
+  python=""
+  for candidate in python3.13 python3.12 python3.11 python3; do
+    if command -v "$candidate" >/dev/null 2>&1 && new_enough "$candidate"; then
+      python="$candidate"
+      break
+    fi
+  done
+  if [ -z "$python" ]; then
+    echo "$(hostname): vit_jax needs Python >= 3.11, this image has $(python3 --version 2>&1): installing python3.11 and python3.11-venv with apt-get"
+    if ! apt_install python3.11 python3.11-venv || ! new_enough python3.11; then
+      echo "$(hostname): vit_jax needs Python >= 3.11, and installing python3.11 failed: use a --runtime-version with Python >= 3.11" >&2
+      exit 1
+    fi
+    python=python3.11
   fi
+  # An Ubuntu python has no ensurepip until its -venv package (python3-venv, python3.12-venv) is
+  # installed.
+  if ! "$python" -m venv .venv >/dev/null 2>&1; then
+    rm -rf .venv
+    apt_install "$python-venv"
+    "$python" -m venv .venv
+  fi
+  echo "$(hostname): created ~/vit_jax/.venv with $(.venv/bin/python --version 2>&1)"
 fi
 .venv/bin/pip install --quiet --upgrade pip
 .venv/bin/pip install --quiet -e '.[tpu]'
@@ -459,6 +491,7 @@ cmd_create() {
           die "queued resource $TPU_QR_NAME exists but is $QR_STATE: delete it ('$(hint delete)'), then create again" ;;
       esac
       info "Queued resource $TPU_QR_NAME already exists (${QR_STATE:-state unknown}): nothing to create."
+      info "Next: $(hint status) (wait for READY), then $(hint setup)"
       return 0
     fi
   fi
@@ -468,31 +501,51 @@ cmd_create() {
       "${LOCATION[@]}" "--accelerator-type=$TPU_TYPE" "--runtime-version=$version" \
       "${capacity[@]}" "${EXTRA_ARGS[@]}"
     if ! dry_run; then
-      info "Queued resource $TPU_QR_NAME requested: TPU $TPU_NAME ($TPU_TYPE, $hosts worker(s)) is created when capacity is free."
-      info "Watch it go WAITING_FOR_RESOURCES -> PROVISIONING -> ACTIVE with: $(hint status)"
+      info "Queued resource $TPU_QR_NAME requested: TPU $TPU_NAME ($TPU_TYPE, $hosts worker(s)) is created when capacity is free (WAITING_FOR_RESOURCES -> PROVISIONING -> ACTIVE)."
     fi
+    # setup needs a READY TPU, which takes from minutes to days here.
+    info "Next: $(hint status) (wait for READY), then $(hint setup)"
   else
     run_gcloud compute tpus tpu-vm create "$TPU_NAME" "${LOCATION[@]}" \
       "--accelerator-type=$TPU_TYPE" "--version=$version" "${capacity[@]}" "${EXTRA_ARGS[@]}"
+    info "Next: $(hint setup)"
   fi
-  info "Next: $(hint setup)"
 }
 
-# make_archive OUT: this checkout as a .tar.gz: HEAD plus uncommitted edits to tracked files.
-make_archive() {
-  local out="$1" tree untracked
+# archive_command OUT: sets ARCHIVE_CMD to the command that writes this checkout as a .tar.gz to
+# OUT (HEAD plus uncommitted edits to tracked files) and ARCHIVE_NOTE to what it holds; warns
+# about untracked files, which it leaves out. Runs only read-only git commands, also in a dry run.
+archive_command() {
+  local out="$1" rev untracked
   if ! git -C "$REPO_ROOT" rev-parse --is-inside-work-tree >/dev/null 2>&1; then
     warn "$REPO_ROOT is not a git checkout: copying the directory (without .git, .venv and caches)"
-    tar -C "$REPO_ROOT" --exclude=.git --exclude=.venv --exclude=__pycache__ \
-      --exclude='*.egg-info' -czf "$out" .
+    ARCHIVE_CMD=(tar -C "$REPO_ROOT" --exclude=.git --exclude=.venv --exclude=__pycache__
+      '--exclude=*.egg-info' -czf "$out" .)
+    ARCHIVE_NOTE="the directory $REPO_ROOT"
     return 0
   fi
   untracked="$(git -C "$REPO_ROOT" ls-files --others --exclude-standard | head -n 5 | tr '\n' ' ')"
   [[ -z "$untracked" ]] || warn "untracked files are not copied (git add them to include them): $untracked"
   # `git stash create` snapshots tracked changes as a commit without touching the working tree or
   # the stash list; it prints nothing when there are none.
-  tree="$(git -C "$REPO_ROOT" stash create 2>/dev/null || true)"
-  git -C "$REPO_ROOT" archive --format=tar.gz -o "$out" "${tree:-HEAD}"
+  rev="$(git -C "$REPO_ROOT" stash create 2>/dev/null || true)"
+  if [[ -n "$rev" ]]; then
+    ARCHIVE_NOTE="HEAD plus uncommitted edits to tracked files (commit $rev from 'git stash create')"
+  else
+    ARCHIVE_NOTE="HEAD ($(git -C "$REPO_ROOT" rev-parse --short HEAD 2>/dev/null || echo 'no commit'); no uncommitted edits)"
+  fi
+  ARCHIVE_CMD=(git -C "$REPO_ROOT" archive --format=tar.gz -o "$out" "${rev:-HEAD}")
+}
+
+# run_local ARG...: run a local command, echoing it to stderr first; with --dry-run print it to
+# stdout instead.
+run_local() {
+  if dry_run; then
+    print_command "$@"
+    return 0
+  fi
+  info "+ $(quote_args "$@")"
+  "$@"
 }
 
 cmd_setup() {
@@ -503,18 +556,28 @@ cmd_setup() {
     require_ready_tpu
   fi
   if [[ -z "${TPU_REPO:-}" ]]; then
+    # The archive goes through a fresh temporary directory; a dry run prints the same steps, with
+    # the directory in a shell variable (see DRY_TMP).
     if dry_run; then
-      archive="/tmp/$REMOTE_ARCHIVE"
-      quote_args git -C "$REPO_ROOT" archive --format=tar.gz -o "$archive" HEAD
+      # shellcheck disable=SC2016  # printed for the shell that runs the dry run's output
+      printf '%s\n' 'tmp="$(mktemp -d)"'
+      tmp="$DRY_TMP"
     else
       tmp="$(mktemp -d)"
       # shellcheck disable=SC2064  # expand $tmp now: it is local to this function
       trap "rm -rf '$tmp'" EXIT
-      archive="$tmp/$REMOTE_ARCHIVE"
-      make_archive "$archive"
     fi
+    archive="$tmp/$REMOTE_ARCHIVE"
+    archive_command "$archive"
+    if dry_run; then
+      printf '# %s\n' "$ARCHIVE_NOTE"
+    else
+      info "Copying $ARCHIVE_NOTE"
+    fi
+    run_local "${ARCHIVE_CMD[@]}"
     run_gcloud compute tpus tpu-vm scp "$archive" "$TPU_NAME:$REMOTE_ARCHIVE" "${LOCATION[@]}" \
       --worker=all
+    run_local rm -rf "$tmp"
   fi
   ssh_worker all "$(remote_setup_script)"
   info "Next: $(hint run --config CONFIG --workdir gs://BUCKET/RUN)"
@@ -639,10 +702,18 @@ cmd_delete() {
   local qr_exists=0 tpu_exists=0 what=""
   require_location
   if dry_run; then
+    # The real run deletes the queued resource when it exists, else the TPU; a dry run does not
+    # ask gcloud which, so it prints the one --queued says and the other as a comment.
+    local delete_qr=(gcloud compute tpus queued-resources delete "$TPU_QR_NAME" "${LOCATION[@]}" --force --quiet)
+    local delete_tpu=(gcloud compute tpus tpu-vm delete "$TPU_NAME" "${LOCATION[@]}" --quiet)
     if is_true "${TPU_QUEUED:-0}"; then
-      run_gcloud compute tpus queued-resources delete "$TPU_QR_NAME" "${LOCATION[@]}" --force --quiet
+      print_command "${delete_qr[@]}"
+      printf '# if queued resource %s does not exist (%s was created without --queued), the real delete runs this instead:\n# %s\n' \
+        "$TPU_QR_NAME" "$TPU_NAME" "$(print_command "${delete_tpu[@]}")"
     else
-      run_gcloud compute tpus tpu-vm delete "$TPU_NAME" "${LOCATION[@]}" --quiet
+      print_command "${delete_tpu[@]}"
+      printf '# if %s was created through a queued resource (create --queued), the real delete runs this instead, which deletes the TPU with it:\n# %s\n' \
+        "$TPU_NAME" "$(print_command "${delete_qr[@]}")"
     fi
     return 0
   fi

@@ -152,7 +152,8 @@ def test_gpu_and_cpu_are_reported_as_devices():
 
 @pytest.mark.parametrize("name, devices, cores, chips", [
     ("v3-8", 8, 8, 4), ("v3-256", 256, 256, 128), ("v4-32", 16, 32, 16),
-    ("v5p-8", 4, 8, 4), ("v5litepod-16", 16, 16, 16), ("v6e-8", 8, 8, 8), ("a100-8", 8, None, None),
+    ("v5p-8", 4, 8, 4), ("v5litepod-16", 16, 16, 16), ("v6e-8", 8, 8, 8), ("v4-384", 192, 384, 192),
+    ("a100-8", 8, None, None),
 ])
 def test_accelerator_types(name, devices, cores, chips):
   hw = accounting.accelerator(name)
@@ -162,8 +163,11 @@ def test_accelerator_types(name, devices, cores, chips):
 def test_accelerator_type_errors():
   with pytest.raises(ValueError, match="Unknown accelerator 'v9-8'.*v3-8, v3-256"):
     accounting.accelerator("v9-8")
-  with pytest.raises(ValueError, match="not a whole number of TPU v4 chips"):
-    accounting.accelerator("v4-7")
+  for name in ("v4-7", "v3-24", "v3-0", "v3-4096", "v5litepod-2", "h100-0"):
+    with pytest.raises(ValueError, match="does not exist|Unknown accelerator"):
+      accounting.accelerator(name)
+  with pytest.raises(ValueError, match="Cloud TPU calls it v5litepod-16"):
+    accounting.accelerator("v5e-16")
 
 
 # ----------------------------------------------------------------------------- FLOP counts
@@ -226,6 +230,14 @@ def test_estimator_cli_prints_table2_and_an_estimate():
   assert 225 < float(line.split()[1].replace(",", "")) < 240, proc.stdout
   proc = _run_cost("--config", "configs/vit.py:b16,cifar10", "--accelerator", "v9-8")
   assert proc.returncode == 2 and "FATAL: Unknown accelerator 'v9-8'" in proc.stderr
+  for args, message in [(("--config", "configs/nope.py"), "The config file 'configs/nope.py'"),
+                        ((), "Give --config="),
+                        (("--config", "configs/fashion_mnist.py", "--num_train_examples=0"),
+                         "--num_train_examples=0 must be positive"),
+                        (("--config", "configs/fashion_mnist.py", "--mfu=2"), "--mfu=2.0 must be")]:
+    proc = _run_cost(*args)
+    assert proc.returncode == 2 and f"FATAL: {message}" in proc.stderr, (args, proc.stderr[-800:])
+    assert "Traceback" not in proc.stderr
 
 
 # ----------------------------------------------------------------------------- training runs

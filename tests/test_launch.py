@@ -6,8 +6,8 @@ queries from environment variables: FAKE_TPU is what
 `tpu-vm describe --format=value(state,acceleratorType)` prints (unset: the TPU does not exist,
 exit 1), FAKE_QR the same for the queued resource, FAKE_BUCKET_LOCATION for
 `storage buckets describe`; FAKE_ERROR makes every call fail with that message. The scripts that
-`--command` carries to the workers are checked with `sh -n` and shellcheck; they are never
-executed here (they kill processes).
+`--command` carries to the workers are checked with `sh -n` and shellcheck; only setup's is
+executed here, against fake python, apt-get and sudo (the others kill processes).
 """
 
 import os
@@ -16,6 +16,7 @@ import shlex
 import shutil
 import subprocess
 import sys
+import tarfile
 from pathlib import Path
 
 import pytest
@@ -215,10 +216,25 @@ def test_missing_command_settings_are_refused(tpu):
     ("v3_8", "is not GENERATION-SIZE"), ("v3", "is not GENERATION-SIZE"),
     ("V3-8", "is not GENERATION-SIZE"), ("v7-8", "is not GENERATION-SIZE"),
     ("v5e-16", "use --type v5litepod-16"), ("v3-12", "power of two"), ("v3-4", "smallest v3 slice"),
+    ("v3-08", "is not GENERATION-SIZE"), ("v3-0", "is not GENERATION-SIZE"),
+    ("v2-1024", "the largest v2 slice is v2-512"), ("v2-2048", "the largest v2 slice is v2-512"),
+    ("v3-4096", "the largest v3 slice is v3-2048"), ("v4-8192", "the largest v4 slice is v4-4096"),
+    ("v5p-16384", "the largest v5p slice is v5p-12288"),
+    ("v5litepod-512", "the largest v5litepod slice is v5litepod-256"),
+    ("v6e-512", "the largest v6e slice is v6e-256"), ("v4-200", "a multiple of 128"),
+    ("v5p-12", "a multiple of 8"), ("v6e-12", "power of two"),
 ])
 def test_bad_accelerator_type_is_refused(tpu, type_, message):
   fails(tpu("create", "--dry-run", "--type", type_, **v3_8()), f"accelerator type '{type_}'",
         message)
+
+
+@pytest.mark.parametrize("type_", [
+    "v2-512", "v3-2048", "v4-4096", "v4-384", "v4-1536", "v5p-12288", "v5p-896", "v5litepod-1",
+    "v5litepod-256", "v6e-256"])
+def test_largest_and_non_power_of_two_slices_are_accepted(tpu, type_):
+  out = ok(tpu("create", "--dry-run", "--type", type_, **v3_8())).stdout
+  assert f"--accelerator-type={type_} " in out
 
 
 @pytest.mark.parametrize("type_,version", [
@@ -264,7 +280,12 @@ def test_create_spot_preemptible_reserved_and_gcloud_passthrough(tpu):
 
 
 def test_create_v3_32_queued_spot(tpu):
-  ok(tpu("create", "--queued", "--spot", **v3_32()))
+  result = ok(tpu("create", "--queued", "--spot", **v3_32()))
+  # setup fails until the TPU is READY: the next step is status.
+  assert ("tpu.sh status --name vit-v3-32 --zone europe-west4-a --project my-proj "
+          "(wait for READY), then ") in result.stderr
+  (next_line,) = [l for l in result.stderr.splitlines() if l.startswith("Next:")]
+  assert next_line.endswith("tpu.sh setup --name vit-v3-32 --zone europe-west4-a --project my-proj")
   assert tpu.calls() == [
       describe("vit-v3-32"),
       describe_qr("vit-v3-32-qr"),
@@ -333,6 +354,144 @@ def test_setup_copies_the_checkout_to_all_workers(tpu, checkout, tmp_path, env):
                            text=True, check=True).stdout
   assert content == "# edited, not committed\n"
   assert "Next:" in result.stderr
+
+
+# A fake interpreter for the remote setup script: @VERSION@ and @NEW@ (1: >= 3.11) are filled in.
+# `-m venv DIR` makes DIR/bin/python (this script) and DIR/bin/pip; every call is logged.
+FAKE_PYTHON = r"""#!/bin/sh
+echo "python@VERSION@ $*" >>"$FAKE_LOG"
+case "$1" in
+  --version) echo "Python @VERSION@" ;;
+  -c) case "$2" in *version_info*) [ @NEW@ = 1 ] || exit 1 ;; esac ;;
+  -m)
+    [ "$2" = venv ] || exit 1
+    if [ -n "${FAKE_NO_ENSUREPIP:-}" ] && [ ! -e "$FAKE_BIN/ensurepip" ]; then exit 1; fi
+    mkdir -p "$3/bin"
+    cp "$0" "$3/bin/python"
+    printf '#!/bin/sh\necho "pip $*" >>"$FAKE_LOG"\n' >"$3/bin/pip"
+    chmod +x "$3/bin/pip" ;;
+esac
+"""
+FAKE_APT_GET = r"""#!/bin/sh
+echo "apt-get $*" >>"$FAKE_LOG"
+case " $* " in
+  *" install "*)
+    [ -z "${FAKE_APT_FAIL:-}" ] || exit 100
+    case " $* " in *" python3.11 "*) cp "$FAKE_BIN/.python3.11" "$FAKE_BIN/python3.11" ;; esac
+    case " $* " in *-venv" "*) touch "$FAKE_BIN/ensurepip" ;; esac ;;
+esac
+"""
+
+
+def fake_python(version):
+  new = int(tuple(map(int, version.split(".")[:2])) >= (3, 11))
+  return FAKE_PYTHON.replace("@VERSION@", version).replace("@NEW@", str(new))
+
+
+class Worker:
+  """A home directory and a PATH of only fakes and the few tools setup's script needs."""
+
+  def __init__(self, tmp_path, pythons):
+    self.home = tmp_path / "worker"
+    self.bin = tmp_path / "worker-bin"
+    self.log = tmp_path / "worker.log"
+    self.home.mkdir(parents=True)
+    self.bin.mkdir()
+    for tool in ("sh", "tar", "gzip", "mkdir", "rm", "cp", "chmod", "touch", "hostname", "env"):
+      (self.bin / tool).symlink_to(shutil.which(tool))
+    files = {"sudo": '#!/bin/sh\necho "sudo $*" >>"$FAKE_LOG"\nexec env "$@"\n',
+             "apt-get": FAKE_APT_GET, ".python3.11": fake_python("3.11.0")}
+    files.update({name: fake_python(version) for name, version in pythons.items()})
+    for name, text in files.items():
+      (self.bin / name).write_text(text)
+      (self.bin / name).chmod(0o755)
+
+  def setup(self, script, **env):
+    """Runs setup's script as on a worker, after its scp; returns the result and the log."""
+    with tarfile.open(self.home / "vit_jax-src.tar.gz", "w:gz") as tar:
+      tar.add(REPO / "pyproject.toml", "pyproject.toml")
+    self.log.unlink(missing_ok=True)
+    result = subprocess.run(
+        [str(self.bin / "sh"), "-c", script], cwd=self.home, capture_output=True, text=True,
+        timeout=30, env={"PATH": str(self.bin), "HOME": str(self.home), "FAKE_LOG": str(self.log),
+                         "FAKE_BIN": str(self.bin), **env})
+    return result, (self.log.read_text().splitlines() if self.log.exists() else [])
+
+
+@pytest.fixture
+def setup_script(tpu):
+  out = ok(tpu("setup", "--dry-run", **v3_8())).stdout
+  (script,) = [a for a in shlex.split(out, comments=True) if a.startswith("--command=")]
+  return script[len("--command="):]
+
+
+APT_INSTALL_311 = ("apt-get -o DPkg::Lock::Timeout=600 install -y -qq python3.11 python3.11-venv")
+
+
+def test_setup_installs_python_3_11_on_ubuntu_22_04(setup_script, tmp_path):
+  """The TPU VM images have python3 = 3.10: the venv is made with Ubuntu's python3.11."""
+  worker = Worker(tmp_path, {"python3": "3.10.12"})
+  result, log = worker.setup(setup_script)
+  assert result.returncode == 0, result.stdout + result.stderr
+  assert "vit_jax needs Python >= 3.11, this image has Python 3.10.12" in result.stdout
+  assert "sudo apt-get -o DPkg::Lock::Timeout=600 update -qq" in log
+  assert f"sudo DEBIAN_FRONTEND=noninteractive {APT_INSTALL_311}" in log
+  assert "python3.11.0 -m venv .venv" in log
+  assert "pip install --quiet -e .[tpu]" in log
+  assert (worker.home / "vit_jax" / ".venv" / ".setup-ok").exists()
+  assert "created ~/vit_jax/.venv with Python 3.11.0" in result.stdout
+  # Rerun: the venv is kept, nothing installed.
+  result, log = worker.setup(setup_script)
+  assert result.returncode == 0, result.stdout + result.stderr
+  assert not any(line.startswith(("apt-get", "sudo")) for line in log)
+  assert not any("-m venv" in line for line in log)
+
+
+def test_setup_picks_the_newest_python(setup_script, tmp_path):
+  worker = Worker(tmp_path, {"python3": "3.10.12", "python3.12": "3.12.3", "python3.11": "3.11.9"})
+  result, log = worker.setup(setup_script)
+  assert result.returncode == 0, result.stdout + result.stderr
+  assert "python3.12.3 -m venv .venv" in log
+  assert not any(line.startswith("apt-get") for line in log)
+  worker = Worker(tmp_path / "b", {"python3": "3.12.3"})  # e.g. an Ubuntu 24.04 image
+  result, log = worker.setup(setup_script)
+  assert result.returncode == 0, result.stdout + result.stderr
+  assert "python3.12.3 -m venv .venv" in log
+
+
+def test_setup_installs_the_venv_package_of_the_chosen_python(setup_script, tmp_path):
+  worker = Worker(tmp_path, {"python3": "3.12.3"})
+  result, log = worker.setup(setup_script, FAKE_NO_ENSUREPIP="1")
+  assert result.returncode == 0, result.stdout + result.stderr
+  assert ("sudo DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout=600 install -y -qq "
+          "python3-venv") in log
+
+
+def test_setup_recreates_a_venv_of_an_older_python(setup_script, tmp_path):
+  worker = Worker(tmp_path, {"python3": "3.10.12"})
+  venv = worker.home / "vit_jax" / ".venv"
+  (venv / "bin").mkdir(parents=True)  # what the old setup made with python3 = 3.10
+  (venv / "bin" / "python").write_text(fake_python("3.10.12"))
+  (venv / "bin" / "pip").write_text("#!/bin/sh\n")
+  for name in ("python", "pip"):
+    (venv / "bin" / name).chmod(0o755)
+  (venv / "stale").touch()
+  result, log = worker.setup(setup_script)
+  assert result.returncode == 0, result.stdout + result.stderr
+  assert "recreating ~/vit_jax/.venv (it has Python 3.10.12, vit_jax needs Python >= 3.11)" in (
+      result.stdout)
+  assert not (venv / "stale").exists()
+  assert "python3.11.0 -m venv .venv" in log
+  assert (venv / ".setup-ok").exists()
+
+
+def test_setup_fails_clearly_without_python_3_11(setup_script, tmp_path):
+  worker = Worker(tmp_path, {"python3": "3.10.12"})
+  result, log = worker.setup(setup_script, FAKE_APT_FAIL="1")
+  assert result.returncode == 1
+  assert "vit_jax needs Python >= 3.11, and installing python3.11 failed" in result.stderr
+  assert not any(line.startswith("pip") for line in log)
+  assert not (worker.home / "vit_jax" / ".venv" / ".setup-ok").exists()
 
 
 def test_setup_clone_mode(tpu):
@@ -463,8 +622,34 @@ def test_gcloud_errors_are_not_taken_for_a_missing_tpu(tpu):
   error = ("ERROR: (gcloud.compute.tpus.tpu-vm.describe) "
            "You do not currently have an active account selected.")
   for command in ("create", "setup", "status", "delete"):
-    fails(tpu(command, "--yes", **v3_8(FAKE_ERROR=error)), "failed: " + error)
+    fails(tpu(command, "--yes", **v3_8(FAKE_ERROR=error)), "failed:\n" + error + "\n")
     assert len(tpu.calls()) == 1  # the describe, and nothing after it
+
+
+# What gcloud 528 prints without an account: the advice is in the middle, not at the end.
+NO_ACCOUNT = """ERROR: (gcloud.compute.tpus.tpu-vm.describe) You do not currently have an active account selected.
+Please run:
+
+  $ gcloud auth login
+
+to obtain new credentials.
+
+If you have already logged in with a different account, run:
+
+  $ gcloud config set account ACCOUNT
+
+to select an already authenticated account to use."""
+
+
+def test_gcloud_errors_are_shown_whole(tpu):
+  for command in ("setup", "run", "delete"):
+    result = fails(tpu(command, "--yes", "--config", CONFIG, "--workdir", "gs://b/x",
+                       **v3_8(FAKE_ERROR="\n" + NO_ACCOUNT + "\n\n")))
+    first, rest = result.stderr.split("\n", 1)
+    assert "tpu.sh: error: gcloud compute tpus " in first and " describe vit-v3-8" in first
+    assert first.endswith("' failed:")  # ...'--format=value(...)' failed:
+    assert rest == NO_ACCOUNT + "\n"  # every line, blank ones inside included
+    assert len(tpu.calls()) == 1
 
 
 def test_run_refuses_malformed_gcs_urls(tpu):
@@ -612,10 +797,9 @@ def test_dry_run_prints_commands_and_runs_nothing(tpu, args):
     result = ok(tpu(*args, *dry, **env))
     assert tpu.calls() == []  # gcloud never ran, not even to describe
     out = result.stdout
-    assert out.startswith("gcloud ") or out.startswith("git -C ")
+    assert out.startswith("gcloud ") or out.startswith('tmp="$(mktemp -d)"\n')
     # The output is shell: pasted into bash (the fake gcloud on PATH), it runs gcloud commands.
-    subprocess.run(["bash", "-c", out.replace("git -C", "true git -C")], env=tpu.base_env,
-                   check=True)
+    subprocess.run(["bash", "-c", out], env=tpu.base_env, check=True)
     recorded = tpu.calls()
     assert recorded and all(call[:2] == ["compute", "tpus"] for call in recorded)
 
@@ -632,6 +816,66 @@ def test_dry_run_matches_the_real_commands(tpu):
     dry = ok(tpu(*args, "--dry-run", **v3_32())).stdout
     subprocess.run(["bash", "-c", dry], env=tpu.base_env, check=True)
     assert tpu.calls() == real, args
+
+
+def test_dry_run_setup_prints_the_real_steps(tpu, checkout, tmp_path):
+  """The same archive (with uncommitted edits) through a temporary directory, and the warning."""
+  (checkout / "configs" / "vit.py").write_text("# edited, not committed\n")
+  (checkout / "notes.txt").write_text("untracked\n")
+  copy = tmp_path / "copied.tar.gz"
+  try:
+    real = ok(tpu("setup", **v3_32(FAKE_TPU="READY\tv3-32")))
+    real_calls = [c for c in tpu.calls() if c[3:4] != ["describe"]]
+    dry = ok(tpu("setup", "--dry-run", **v3_32()))
+    assert tpu.calls() == []
+    lines = dry.stdout.splitlines()
+    assert lines[0] == 'tmp="$(mktemp -d)"'
+    assert lines[1].startswith("# HEAD plus uncommitted edits to tracked files (commit ")
+    assert lines[2].startswith(f"git -C {checkout} archive --format=tar.gz "
+                               '-o "$tmp"/vit_jax-src.tar.gz ')
+    assert not lines[2].endswith(" HEAD")  # the commit of `git stash create`
+    assert lines[3].startswith('gcloud compute tpus tpu-vm scp "$tmp"/vit_jax-src.tar.gz ')
+    assert lines[4] == 'rm -rf "$tmp"'
+    warning = "untracked files are not copied (git add them to include them): notes.txt"
+    assert warning in real.stderr and warning in dry.stderr
+    # Pasted into a shell, the dry run copies the same archive and makes the same gcloud calls.
+    subprocess.run(["bash", "-c", dry.stdout], env={**tpu.base_env, "FAKE_SCP_COPY": str(copy)},
+                   check=True)
+    dry_calls = tpu.calls()
+  finally:
+    subprocess.run(["git", "checkout", "-q", "--", "configs/vit.py"], cwd=checkout, check=True)
+    (checkout / "notes.txt").unlink()
+  for calls in (real_calls, dry_calls):
+    calls[0][4] = Path(calls[0][4]).name  # the temporary directories differ
+  assert dry_calls == real_calls
+  content = subprocess.run(["tar", "-xzOf", str(copy), "configs/vit.py"], capture_output=True,
+                           text=True, check=True).stdout
+  assert content == "# edited, not committed\n"
+  # Without uncommitted edits: HEAD.
+  lines = ok(tpu("setup", "--dry-run", **v3_32())).stdout.splitlines()
+  assert lines[1].startswith("# HEAD (") and lines[2].endswith(" HEAD")
+
+
+def test_dry_run_delete_shows_both_alternatives(tpu):
+  """A dry run cannot know whether the TPU came from a queued resource: both are printed."""
+  tpu_delete = shlex.join(["gcloud", *DELETE_V3_8]).replace("vit-v3-8", "vit-v3-32")
+  qr_delete = shlex.join(["gcloud", *DELETE_QR])
+  out = ok(tpu("delete", "--yes", "--dry-run", **v3_32())).stdout
+  assert out.splitlines() == [
+      tpu_delete,
+      "# if vit-v3-32 was created through a queued resource (create --queued), the real delete "
+      "runs this instead, which deletes the TPU with it:",
+      "# " + qr_delete]
+  out = ok(tpu("delete", "--yes", "--dry-run", "--queued", **v3_32())).stdout
+  assert out.splitlines() == [
+      qr_delete,
+      "# if queued resource vit-v3-32-qr does not exist (vit-v3-32 was created without --queued), "
+      "the real delete runs this instead:",
+      "# " + tpu_delete]
+  assert "--dry-run" in ok(tpu("--help")).stdout and "'# if ...'" in ok(tpu("--help")).stdout
+  # The real delete of a queued TPU is the commented alternative of a dry run without --queued.
+  ok(tpu("delete", "--yes", **v3_32(FAKE_TPU="READY\tv3-32", FAKE_QR="ACTIVE")))
+  assert tpu.calls()[-1] == DELETE_QR
 
 
 # --------------------------------------------------------------------------------------------
@@ -666,7 +910,8 @@ def test_remote_scripts_are_valid_posix_sh(tpu, tmp_path):
   scripts = []
   for args in DRY_RUNS + [("logs", "--no-follow")]:
     out = ok(tpu(*args, "--dry-run", **v3_32())).stdout
-    scripts += [a[len("--command="):] for a in shlex.split(out) if a.startswith("--command=")]
+    scripts += [a[len("--command="):] for a in shlex.split(out, comments=True)
+                if a.startswith("--command=")]
   assert len(scripts) == 7  # setup (copy, clone), run, logs (twice), status, stop
   for i, script in enumerate(scripts):
     path = tmp_path / f"remote{i}.sh"

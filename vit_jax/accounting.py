@@ -56,12 +56,12 @@ _KINDS = (
     _Kind(r"L4", None, None, {"bfloat16": 121e12, "float16": 121e12, "float32": 60e12}),
 )
 
-# Cloud TPU accelerator types ('v3-256'): the family, whether the number counts TensorCores
-# (v2-v5p) or chips (v5e, v6e), and the device kind its JAX devices report.
+# Cloud TPU accelerator types ('v3-256'): the device kind their JAX devices report, whether the
+# number counts TensorCores (v2-v5p) or chips (v5e, v6e), and the largest slice.
 _ACCELERATORS = {
-    "v2": ("TPU v2", "cores"), "v3": ("TPU v3", "cores"), "v4": ("TPU v4", "cores"),
-    "v5p": ("TPU v5p", "cores"), "v5litepod": ("TPU v5 lite", "chips"),
-    "v5e": ("TPU v5 lite", "chips"), "v6e": ("TPU v6 lite", "chips"),
+    "v2": ("TPU v2", "cores", 512), "v3": ("TPU v3", "cores", 2048),
+    "v4": ("TPU v4", "cores", 4096), "v5p": ("TPU v5p", "cores", 12288),
+    "v5litepod": ("TPU v5 lite", "chips", 256), "v6e": ("TPU v6 lite", "chips", 256),
 }
 _GPUS = {"v100": "Tesla V100", "a100": "NVIDIA A100", "h100": "NVIDIA H100",
          "h200": "NVIDIA H200", "l4": "NVIDIA L4"}
@@ -81,6 +81,7 @@ class Hardware:
     chips: chips (TPU only, else None).
     peak_flops_per_device: dense FLOP/s of one device for the compute dtype, or None if unknown.
     peak_source: where the peak comes from ('published', 'measured: ...', 'unknown').
+    dtype: the compute dtype the peak is for.
   """
   device_kind: str
   platform: str
@@ -89,6 +90,7 @@ class Hardware:
   chips: Optional[int]
   peak_flops_per_device: Optional[float]
   peak_source: str
+  dtype: str = "float32"
 
   @property
   def unit(self) -> str:
@@ -105,7 +107,7 @@ class Hardware:
     counts = f" ({self.cores} cores, {self.chips} chips)" if self.cores is not None else ""
     peak = ("peak unknown" if self.peak_flops_per_device is None else
             f"peak {self.peak_flops_per_device / 1e12:.4g} TFLOP/s per device "
-            f"({self.peak_source})")
+            f"({self.dtype}, {self.peak_source})")
     return f"{self.num_devices} x {self.device_kind}{counts}, {peak}"
 
 
@@ -143,7 +145,8 @@ def hardware(device_kind: str, num_devices: int, dtype: str = "float32",
     source = "given"
   if peak_flops_per_device is None:
     source = "unknown"
-  return Hardware(device_kind, platform, num_devices, cores, chips, peak_flops_per_device, source)
+  return Hardware(device_kind, platform, num_devices, cores, chips, peak_flops_per_device, source,
+                  dtype)
 
 
 def accelerator(name: str, dtype: str = "bfloat16") -> Hardware:
@@ -151,23 +154,36 @@ def accelerator(name: str, dtype: str = "bfloat16") -> Hardware:
 
   Args:
     name: 'v3-8', 'v3-256', 'v4-32' (the number counts TensorCores for v2, v3, v4 and v5p),
-      'v5litepod-16', 'v5e-16', 'v6e-8' (chips), or a GPU count such as 'a100-8', 'h100-8'.
+      'v5litepod-16', 'v6e-8' (chips), or a GPU count such as 'a100-8', 'h100-8'.
 
   Raises:
-    ValueError: an unknown name, listing the accepted forms.
+    ValueError: an unknown name or a slice size that does not exist, listing the valid forms.
   """
   match = re.fullmatch(r"([a-z0-9]+)-(\d+)", name.strip().lower())
   family = match.group(1) if match else None
+  if family == "v5e":
+    raise ValueError(f"Accelerator {name!r}: Cloud TPU calls it v5litepod-{match.group(2)}.")
   if match and family in _ACCELERATORS:
-    kind, counts = _ACCELERATORS[family]
+    kind, counts, largest = _ACCELERATORS[family]
     count = int(match.group(2))
     spec = next(k for k in _KINDS if re.search(k.pattern, kind))
+    # The slice sizes launch/tpu.sh accepts too: v2, v3 powers of two from 8; v5e, v6e 1, 4 and
+    # powers of two from 8; v4, v5p multiples of 8 up to 128, then multiples of 128.
+    power_of_two = count > 0 and count & (count - 1) == 0
+    if family in ("v4", "v5p"):
+      valid = count >= 8 and count % (8 if count <= 128 else 128) == 0
+    else:
+      valid = power_of_two and (count >= 8 or (counts == "chips" and count in (1, 4)))
+    if not valid or count > largest:
+      unit = {"v4": "TensorCores (8, 16, 24, ..., 128, 256, 384, ...)",
+              "v5p": "TensorCores (8, 16, 24, ..., 128, 256, 384, ...)"}.get(
+                  family, "TensorCores (8, 16, 32, ...)" if counts == "cores" else
+                  "chips (1, 4, 8, 16, ...)")
+      raise ValueError(f"Accelerator {name!r} does not exist: the number after '{family}-' "
+                       f"counts {unit}, at most {largest}; e.g. {family}-8.")
     devices = count // spec.cores_per_device if counts == "cores" else count
-    if devices < 1 or (counts == "cores" and count % spec.cores_per_device):
-      raise ValueError(f"Accelerator {name!r}: {count} is not a whole number of "
-                       f"{kind} chips ({spec.cores_per_device} cores each).")
     return hardware(kind, devices, dtype, platform="tpu")
-  if match and family in _GPUS:
+  if match and family in _GPUS and int(match.group(2)) > 0:
     return hardware(_GPUS[family], int(match.group(2)), dtype, platform="gpu")
   raise ValueError(
       f"Unknown accelerator {name!r}: give a Cloud TPU type such as v3-8, v3-256, v4-32, v5p-8 "
@@ -227,11 +243,12 @@ class CostAccountant:
   """
 
   def __init__(self, hw: Hardware, batch_size: int,
-               clock: Callable[[], float] = time.monotonic):
+               clock: Callable[[], float] = time.monotonic, start: Optional[float] = None):
+    """`start`: when the program started, on `clock` (default: now)."""
     self.hardware = hw
     self.batch_size = batch_size
     self._clock = clock
-    self._start = clock()
+    self._start = clock() if start is None else start
     self._seconds = dict.fromkeys(CATEGORIES, 0.0)
     # The open `timed` blocks, outermost first: [category, start time, seconds in children].
     self._open: list[list[Any]] = []

@@ -29,9 +29,7 @@ def unknown_override_message(argv: list[str]) -> str | None:
     A message naming the key, the valid keys at that level and the closest match, or None if
     every override names an existing key (or the config file itself cannot be loaded).
   """
-  spec = next((a.split("=", 1)[1] for a in argv if a.startswith("--config=")), None)
-  if spec is None and "--config" in argv[:-1]:
-    spec = argv[argv.index("--config") + 1]
+  spec = config_spec(argv)
   if spec is None:
     return None
   try:
@@ -65,8 +63,25 @@ def _without_traceback(message: str) -> str:
   return f"{head} {last}"
 
 
+def config_spec(argv: list[str]) -> str | None:
+  """The `path[:arg]` of `--config` in `argv`, or None."""
+  spec = next((a.split("=", 1)[1] for a in argv if a.startswith("--config=")), None)
+  if spec is None and "--config" in argv[:-1]:
+    spec = argv[argv.index("--config") + 1]
+  return spec
+
+
 def parse_flags(argv: list[str]) -> list[str]:
-  """absl's flag parsing, with a clear message for a mistyped `--config.<key>`."""
+  """absl's flag parsing, with a clear message for a missing config file or a mistyped
+  `--config.<key>` (instead of ml_collections' traceback)."""
+  spec = config_spec(argv)
+  path = spec.partition(":")[0] if spec else None
+  if path and not os.path.isfile(path):
+    here = sorted(p for p in os.listdir("configs") if p.endswith(".py")) if os.path.isdir(
+        "configs") else []
+    known = f" The configs here: {', '.join('configs/' + p for p in here)}." if here else ""
+    sys.stderr.write(f"FATAL: The config file {path!r} (--config={spec}) does not exist.{known}\n")
+    sys.exit(2)
   try:
     return flags.FLAGS(argv)
   except flags.Error as e:

@@ -74,6 +74,9 @@ def dataset_facts(config, num_train_examples=None, num_classes=None) -> tuple[in
     ValueError: the dataset is unknown and not prepared; the message names the flags to give.
   """
   name = config.data.image_folder or config.data.name
+  for flag, value in (("num_train_examples", num_train_examples), ("num_classes", num_classes)):
+    if value is not None and value <= 0:
+      raise ValueError(f"--{flag}={value} must be positive.")
   if num_train_examples and num_classes:
     return num_train_examples, num_classes, "given"
   if name in KNOWN_DATASETS:
@@ -110,6 +113,8 @@ def estimate(config, accelerator: str, mfu: float, num_train_examples=None,
 
   if not 0 < mfu <= 1:
     raise ValueError(f"--mfu={mfu} must be in (0, 1], e.g. 0.35 for 35%.")
+  if config.batch_size <= 0:
+    raise ValueError(f"config.batch_size={config.batch_size} must be positive.")
   config = optim.resolve_regime(config)
   hw = accounting.accelerator(accelerator, str(config.model.dtype))
   examples, classes, source = dataset_facts(config, num_train_examples, num_classes)
@@ -150,15 +155,21 @@ def format_estimate(est: dict, accelerator: str) -> str:
       ("training", f"{est['training_flops']:.4g} FLOPs (3 forward passes per image)"),
       ("accelerator", f"{accelerator}: {hw.describe()}"),
       ("assumed MFU", f"{est['mfu']:.0%}"),
-      ("wall time", f"{est['days']:,.2f} days ({est['days'] * 24:,.1f} hours)"),
+      ("wall time", f"{est['days']:,.2f} days ({est['days'] * 24:,.1f} hours)"
+                    if est["days"] >= 0.1 else f"{est['days'] * 24 * 60:,.3g} minutes"),
   ]
   if est["core_days"] is not None:
-    rows.append(("TPU-core-days", f"{est['core_days']:,.1f} {hw.device_kind} core-days "
-                                  f"({est['chip_days']:,.1f} chip-days)"))
+    rows.append(("TPU-core-days", f"{_days(est['core_days'])} {hw.device_kind} core-days "
+                                  f"({_days(est['chip_days'])} chip-days)"))
   else:
-    rows.append(("device-days", f"{est['device_days']:,.1f} {hw.device_kind} device-days"))
+    rows.append(("device-days", f"{_days(est['device_days'])} {hw.device_kind} device-days"))
   width = max(len(k) for k, _ in rows)
   return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
+
+
+def _days(days: float) -> str:
+  """'251.3' for large figures, three significant digits for small ones ('0.00412')."""
+  return f"{days:,.1f}" if days >= 10 else f"{days:.3g}"
 
 
 def table2() -> str:
@@ -208,7 +219,9 @@ def main(argv):
           "303M; a TPU v3 core peaks at 61.5 TFLOP/s (bfloat16).")
     return
   if _CONFIG.value is None:
-    raise app.UsageError("Give --config=configs/<file>.py[:<args>] (or --table2).")
+    sys.stderr.write("FATAL: Give --config=configs/<file>.py[:<args>] (or --table2); "
+                     "--helpfull lists every flag.\n")
+    sys.exit(2)
   try:
     est = estimate(_CONFIG.value, _ACCELERATOR.value, _MFU.value, _NUM_TRAIN_EXAMPLES.value,
                    _NUM_CLASSES.value)

@@ -89,6 +89,10 @@ def get_config(model_name: str = "ViT-B_16", dataset: str = "imagenet2012",
   config.optim.cooldown_steps = 0  # Updates at end_lr after the decay (part of the run).
   config.optim.cooldown_epochs = config_dict.placeholder(float)  # Replaces cooldown_steps.
   config.optim.grad_clip_norm = config_dict.placeholder(float)  # 0 disables clipping.
+  # Large runs: an update whose gradients are NaN/Inf is skipped (parameters and optimizer state
+  # unchanged, counted in train/skipped_updates) up to this many times in a row; the next one
+  # stops the run. 0 (default): the first non-finite loss stops the run.
+  config.optim.max_skipped_updates = 0
 
   # Exponential moving average of the parameters (timm ModelEmaV2: ema = d * ema + (1 - d) *
   # params after every update), evaluated next to the parameters ('<split>_ema/...') and saved

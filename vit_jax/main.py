@@ -19,6 +19,10 @@ that names it. Rerunning the same command with the same --workdir resumes from t
 checkpoint there; checkpoints go to DIR/checkpoints, TensorBoard events to DIR, the run's
 compute cost (TPU-core-days, FLOPs, MFU; all attempts) to DIR/cost.json. To predict a run's cost
 before starting it: python -m vit_jax.cost --config ... --accelerator v3-256.
+
+Exit codes: 0 done; 1 failed (e.g. the loss diverged, a checkpoint could not be saved: the message
+says which checkpoint is intact); 2 a bad config or flag, found before any work; 75 preempted
+(SIGTERM): the checkpoint of the current step was saved, rerun the same command to resume.
 """
 
 import os
@@ -30,6 +34,7 @@ from absl import flags
 from absl import logging
 from ml_collections import config_flags
 
+import vit_jax
 from vit_jax import cli
 
 _CONFIG = config_flags.DEFINE_config_file(
@@ -96,12 +101,21 @@ def main(argv):
   from vit_jax import train  # pylint: disable=g-import-not-at-top
   logging.info("Config:\n%s", _CONFIG.value)
   try:
-    results = train.train_and_evaluate(_CONFIG.value, _WORKDIR.value)
+    results = train.train_and_evaluate(_CONFIG.value, _WORKDIR.value,
+                                       program_start=vit_jax.STARTED)
   except train.ConfigError as e:
     if logging.get_verbosity() >= 1:
       raise
     sys.stderr.write(f"FATAL: {e}\n(--verbosity=1 shows the traceback.)\n")
     sys.exit(2)
+  except train.Preempted as e:
+    logging.warning("%s", e)
+    sys.exit(train.PREEMPTED_EXIT_CODE)
+  except (train.CheckpointSaveError, FloatingPointError, train.data.BadImageError) as e:
+    if logging.get_verbosity() >= 1:
+      raise
+    sys.stderr.write(f"FATAL: {e}\n(--verbosity=1 shows the traceback.)\n")
+    sys.exit(1)
   step = results.pop("step")
   print(f"Final evaluation at step {step}: "
         + ", ".join(f"{k}={v:.4f}" for k, v in sorted(results.items())), flush=True)

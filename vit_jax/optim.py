@@ -200,7 +200,9 @@ def make_optimizer(optim: ml_collections.ConfigDict,
   'adamw': Adam with decoupled weight decay `lr * weight_decay * w`, applied to kernels only
   (the ViT paper's "weight decay 0.1" at lr 1e-3 is a per-step decay of 1e-4).
   'sgd': SGD with momentum (`optim.momentum`, 0.9 by default); decoupled weight decay if > 0.
-  Both are preceded by clipping at global norm `optim.grad_clip_norm` when it is set.
+  Both are preceded by clipping at global norm `optim.grad_clip_norm` when it is set, and, with
+  `optim.max_skipped_updates` = N > 0, wrapped in `optax.apply_if_finite`: an update with
+  non-finite gradients is skipped, up to N in a row.
 
   Raises:
     ValueError: unknown optimizer.
@@ -217,7 +219,14 @@ def make_optimizer(optim: ml_collections.ConfigDict,
     parts.append(optax.sgd(schedule, momentum=optim.momentum))
   else:
     raise ValueError(f"Unknown optimizer {optim.optimizer!r}; choose one of {list(OPTIMIZERS)}.")
-  return optax.chain(*parts)
+  tx = optax.chain(*parts)
+  if optim.get("max_skipped_updates", 0):
+    if optim.max_skipped_updates < 0:
+      raise ValueError(f"config.optim.max_skipped_updates={optim.max_skipped_updates} must be >= 0.")
+    # Zero updates for non-finite gradients; after that many in a row the NaNs go through
+    # (and the training loop stops the run).
+    tx = optax.apply_if_finite(tx, max_consecutive_errors=optim.max_skipped_updates)
+  return tx
 
 
 def loss_fn(logits: jax.Array, labels: jax.Array, kind: str, label_smoothing: float = 0.0) -> jax.Array:

@@ -23,6 +23,8 @@ import json
 import math
 import os
 import re
+import signal
+import threading
 import time
 from typing import Any
 
@@ -56,15 +58,34 @@ class ConfigError(ValueError):
   """A config that cannot run, found before any work starts; the message says what to change."""
 
 
+#: `python -m vit_jax.main` exits with this code after a preemption notice (SIGTERM) once the
+#: checkpoint of the current step is saved: EX_TEMPFAIL, "try again" (rerun to resume).
+PREEMPTED_EXIT_CODE = 75
+
+
+class Preempted(Exception):
+  """Training stopped at a preemption notice after saving the checkpoint of `step`."""
+
+  def __init__(self, step: int, workdir: str):
+    super().__init__(f"Preempted: saved the checkpoint of step {step} in {workdir}; rerun the "
+                     "same command to resume from it.")
+    self.step = step
+
+
+class CheckpointSaveError(OSError):
+  """Saving a checkpoint failed (e.g. the disk is full); the earlier checkpoints are intact."""
+
+
 @contextlib.contextmanager
 def _config_errors():
-  """Turns the setup's ValueError, TypeError, KeyError, FileNotFoundError and
-  NotImplementedError into a ConfigError (the original stays attached as __cause__)."""
+  """Turns the setup's ValueError, TypeError, KeyError, FileNotFoundError, NotImplementedError
+  and PermissionError into a ConfigError (the original stays attached as __cause__)."""
   try:
     yield
   except ConfigError:
     raise
-  except (ValueError, TypeError, KeyError, FileNotFoundError, NotImplementedError) as e:
+  except (ValueError, TypeError, KeyError, FileNotFoundError, NotImplementedError,
+          PermissionError) as e:
     message = e.args[0] if len(e.args) == 1 and isinstance(e.args[0], str) else str(e)
     raise ConfigError(message) from e
 
@@ -109,6 +130,25 @@ def check_batch_size(batch_size: int, grad_accum_steps: int, num_shards: int) ->
         f"Use --config.batch_size={lower} or {upper}.")
 
 
+def check_workdir(workdir: str) -> None:
+  """Fails early when a local `workdir` cannot be created or written (nothing is created here).
+
+  Raises:
+    PermissionError: the directory, or its nearest existing ancestor, is not a writable
+      directory (e.g. a read-only filesystem, or a file in the way). gs:// paths are not checked.
+  """
+  if "://" in workdir:
+    return
+  path = os.path.abspath(workdir)
+  while not os.path.exists(path):
+    path = os.path.dirname(path)
+  if not os.path.isdir(path) or not os.access(path, os.W_OK | os.X_OK):
+    what = "is not a directory" if not os.path.isdir(path) else "is not writable"
+    where = "" if path == os.path.abspath(workdir) else " (where it would be created)"
+    raise PermissionError(f"--workdir {workdir!r} cannot be used: {path}{where} {what}. Choose "
+                          "a directory you can write to (or a gs:// path).")
+
+
 def eval_sums(logits: jax.Array, labels: jax.Array, mask: jax.Array,
               loss: str) -> dict[str, jax.Array]:
   """Sums of one eval batch over its real (unmasked) examples.
@@ -149,7 +189,8 @@ def _model_fields(config: ml_collections.ConfigDict) -> dict[str, Any]:
   return fields
 
 
-def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
+def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
+                       program_start: float | None = None) -> dict[str, float]:
   """Trains (or resumes training) and evaluates; returns the final evaluation metrics.
 
   Rerunning with the same `workdir` resumes from its latest checkpoint at the saved step and
@@ -158,6 +199,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   Args:
     config: a config from `configs/*.py` (see `vit_jax.defaults.get_config`).
     workdir: where checkpoints (`checkpoints/`) and TensorBoard events go (local or gs://).
+    program_start: `time.monotonic()` when the program started (`vit_jax.STARTED` from
+      `vit_jax.main`): the compute account's program time counts from there (default: now).
 
   Returns:
     `{'<split>/accuracy': top-1 (precision@1 for multi-label data), '<split>/top5_accuracy'
@@ -174,7 +217,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     config = optim.resolve_regime(config)
     # The compute account starts now: the program's time includes the set-up below.
     accountant = accounting.CostAccountant(
-        accounting.local_hardware(str(config.model.dtype)), config.batch_size)
+        accounting.local_hardware(str(config.model.dtype)), config.batch_size,
+        start=program_start)
     # The device mesh and the rules that map the models' logical axes onto it
     # (vit_jax.sharding): data parallelism, FSDP and tensor parallelism are mesh sizes.
     mesh = sharding.create_mesh(config.mesh)
@@ -197,6 +241,10 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
                  config.data.image_folder or config.data.name, info.num_classes,
                  "multi-label" if info.multi_label else "single-label",
                  info.num_train_examples, info.num_eval_examples, info.image_shape)
+    if info.num_skipped_images:
+      logging.warning("%d undecodable images were left out of %s (config.data.bad_images="
+                      "'skip').", info.num_skipped_images,
+                      config.data.image_folder or config.data.name)
 
     # 3. Model and optimizer.
     model = models.create(config.model_name, num_classes=info.num_classes,
@@ -219,6 +267,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
       raise FileNotFoundError(f"The checkpoint to fine-tune from, {init_from!r} ({source}), does "
                               "not exist; give an official .npz, a .pth.tar, an orbax checkpoint "
                               "or a workdir.")
+    check_workdir(workdir)
     tx = optim.make_optimizer(config.optim, schedule)
     batch_sharding = sharding.batch_sharding(mesh, rules)
     replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
@@ -300,6 +349,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
       options=ocp.CheckpointManagerOptions(
           max_to_keep=config.keep_checkpoints,
           enable_async_checkpointing=config.async_checkpointing,
+          # A save that a crash or a full disk interrupted leaves a '<step>.orbax-checkpoint-tmp'
+          # directory (never a step directory): removed here, in the background.
+          cleanup_tmp_directories=True,
       ),
   )
   latest = manager.latest_step()
@@ -309,7 +361,13 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     items = {"state": ocp.args.StandardRestore(abstract_state)}
     if (ckpt_dir / str(latest) / "cost").exists():
       items["cost"] = ocp.args.JsonRestore()
-    restored = manager.restore(latest, args=ocp.args.Composite(**items))
+    try:
+      restored = manager.restore(latest, args=ocp.args.Composite(**items))
+    except (ValueError, KeyError, TypeError) as e:
+      raise ConfigError(
+          f"The checkpoint of step {latest} in {ckpt_dir} does not fit this config's model and "
+          f"optimizer ({str(e).splitlines()[0][:300]}). Rerun with the config it was trained "
+          "with, or start a new run in another --workdir.") from e
     state = restored["state"]
     accountant.resume(_latest_cost(restored["cost"] if "cost" in items else None, cost_json),
                       start_step=latest)
@@ -325,6 +383,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
 
   # 5. The jitted steps. The train step donates the old state, so its buffers are reused.
   accum = config.grad_accum_steps
+  skipping = config.optim.max_skipped_updates > 0  # See optim.make_optimizer.
 
   def variables_of(state: State, params=None) -> dict[str, Any]:
     """What `model.apply` takes: the parameters and the untrained collections."""
@@ -364,6 +423,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
                                                          1.0 - config.ema_decay)
     metrics = {"loss": loss, "grad_norm": optax.global_norm(grads),
                "param_norm": optax.global_norm(params), "lr": schedule(state["step"])}
+    if skipping:  # optax.apply_if_finite made this update zero.
+      metrics["skipped"] = 1.0 - jnp.isfinite(metrics["grad_norm"]).astype(jnp.float32)
     return new_state, metrics
 
   def eval_step(state: State, batch: dict[str, jax.Array]) -> dict[str, jax.Array]:
@@ -442,9 +503,19 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
       partial.replace(cost_json)
     return report
 
+  def save_checkpoint(step: int) -> None:
+    """Saves `state` as step `step` (once: a step already saved is not saved again)."""
+    if step in manager.all_steps():
+      return
+    with accountant.timed("checkpoint"), _save_errors(manager, step):
+      manager.save(step, args=ocp.args.Composite(
+          state=ocp.args.StandardSave(state),
+          cost=ocp.args.JsonSave(accountant.report(step))), force=True)
+
   # Everything in this block counts as training time except what the nested `timed` blocks
   # take out: waiting for input, compiling, evaluating and checkpointing.
-  with accountant.timed("train"):
+  preempted = False
+  with accountant.timed("train"), _sigterm_notice() as notice:
     for step in range(start_step + 1, total_steps + 1):
       with jax.profiler.StepTraceAnnotation("train", step_num=step):
         with accountant.timed("input"):
@@ -454,16 +525,24 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
       if step == start_step + 1:  # Compiled now: the throughput is measured from here.
         last_log_time, last_log_step = time.time(), step
       if pending is not None:
-        train_metrics.append(_check_finite(*pending, manager))
+        train_metrics.append(_check_finite(*pending, manager, skipping))
       pending = (step, metrics)
       progress(step)
 
       if step % config.log_every_steps == 0 or step == total_steps:
-        train_metrics.append(_check_finite(*pending, manager))
+        train_metrics.append(_check_finite(*pending, manager, skipping))
         pending = None
         now = time.time()
-        summary = {f"train/{k}": float(np.mean([m[k] for m in train_metrics]))
-                   for k in train_metrics[0]}
+        # Means over the window (skipped updates' non-finite values left out).
+        summary = {f"train/{k}": float(np.mean([m[k] for m in train_metrics
+                                                 if np.isfinite(m[k])] or [np.nan]))
+                   for k in train_metrics[0] if k != "skipped"}
+        if skipping:
+          summary["train/skipped_updates"] = float(sum(m["skipped"] for m in train_metrics))
+          if summary["train/skipped_updates"]:
+            logging.warning("Step %d: skipped %d update(s) with non-finite gradients in the last "
+                            "%d steps.", step, summary["train/skipped_updates"],
+                            len(train_metrics))
         summary["train/lr"] = float(train_metrics[-1]["lr"])  # The rate now, not the mean.
         if step > last_log_step:  # (Not for a window that only held the compiling step.)
           summary["train/images_per_sec"] = ((step - last_log_step) * config.batch_size /
@@ -473,8 +552,11 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
         train_metrics, last_log_time, last_log_step = [], now, step
 
       is_last = step == total_steps
-      evaluating = step % config.eval_every_steps == 0 or is_last
-      saving = step % config.checkpoint_every_steps == 0 or is_last
+      # A preemption notice (SIGTERM here, or on any host of a pod: orbax's sync point, the
+      # same step on every host) saves this step and stops without evaluating.
+      preempted = notice.is_set() or manager.reached_preemption(step)
+      evaluating = (step % config.eval_every_steps == 0 or is_last) and not preempted
+      saving = step % config.checkpoint_every_steps == 0 or is_last or preempted
       if evaluating or saving:
         # The steps in flight are training time: finish them before the clock switches.
         jax.block_until_ready(state)
@@ -484,13 +566,12 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
           results = evaluate(state, step)
       if saving:
         if pending is not None:  # Never checkpoint parameters that a NaN update produced.
-          train_metrics.append(_check_finite(*pending, manager))
+          train_metrics.append(_check_finite(*pending, manager, skipping))
           pending = None
-        with accountant.timed("checkpoint"):
-          manager.save(step, args=ocp.args.Composite(
-              state=ocp.args.StandardSave(state),
-              cost=ocp.args.JsonSave(accountant.report(step))), force=True)
+        save_checkpoint(step)
       last_log_time += time.time() - paused
+      if preempted:
+        break
 
   # 7. The end: a run that was already finished only evaluates again.
   if start_step >= total_steps:
@@ -498,14 +579,60 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
                  total_steps)
     with accountant.timed("eval"):
       results = evaluate(state, start_step)
-  with accountant.timed("checkpoint"):
+  with accountant.timed("checkpoint"), _save_errors(manager, manager.latest_step()):
     manager.wait_until_finished()
   manager.close()
-  save_cost(max(start_step, total_steps))
+  last_step = step if preempted else max(start_step, total_steps)
+  save_cost(last_step)
   writer.flush()
   writer.close()
-  results["step"] = max(start_step, total_steps)
+  if preempted:
+    raise Preempted(last_step, workdir)
+  results["step"] = last_step
   return results
+
+
+@contextlib.contextmanager
+def _sigterm_notice():
+  """Yields a `threading.Event` that SIGTERM sets (the previous handler is restored after).
+
+  Only in a single-process run on the main thread: with several processes jax's preemption
+  service handles SIGTERM and `CheckpointManager.reached_preemption` reports it.
+  """
+  notice = threading.Event()
+  if jax.process_count() > 1 or threading.current_thread() is not threading.main_thread():
+    yield notice
+    return
+  previous = signal.signal(signal.SIGTERM, lambda *_: notice.set())
+  try:
+    yield notice
+  finally:
+    signal.signal(signal.SIGTERM, previous)
+
+
+@contextlib.contextmanager
+def _save_errors(manager: ocp.CheckpointManager, step):
+  """Turns a failed save (full disk, no permission) into a `CheckpointSaveError` that says
+  what is intact and what to do."""
+  try:
+    yield
+  except (OSError, ValueError, RuntimeError) as e:
+    text = str(e)
+    if not isinstance(e, OSError) and not re.search(
+        r"No space left|RESOURCE_EXHAUSTED|Permission denied|PERMISSION_DENIED|os_error", text):
+      raise
+    kept = [s for s in manager.all_steps() if s != step]
+    intact = (f"the checkpoint of step {max(kept)} is intact" if kept else
+              "there is no earlier checkpoint")
+    full = "No space left" in text or "RESOURCE_EXHAUSTED" in text
+    cause = "No space left on device" if full else text.splitlines()[0][:300]
+    raise CheckpointSaveError(
+        f"Saving a checkpoint in {manager.directory} failed (step {step}, or the save before "
+        f"it, which runs in the background): {cause}. {intact.capitalize()} (the partial save "
+        "is removed at the next start); "
+        + ("free disk space (or lower --config.keep_checkpoints)" if full else
+           "make the checkpoint directory writable")
+        + " and rerun the same command to resume.") from e
 
 
 def _account_step_flops(accountant: accounting.CostAccountant, executable, model,
@@ -540,17 +667,23 @@ def _latest_cost(from_checkpoint: dict[str, Any] | None, cost_json) -> dict[str,
   return max(candidates, key=lambda r: r["seconds"]["program"], default=None)
 
 
-def _check_finite(step: int, metrics: dict[str, jax.Array],
-                  manager: ocp.CheckpointManager) -> dict[str, np.ndarray]:
+def _check_finite(step: int, metrics: dict[str, jax.Array], manager: ocp.CheckpointManager,
+                  skipping: bool = False) -> dict[str, np.ndarray]:
   """Fetches a step's metrics; stops the run if its loss, gradients or new parameters are not finite."""
   metrics = jax.device_get(metrics)
-  if not all(np.isfinite(metrics[k]) for k in ("loss", "grad_norm", "param_norm")):
+  # When skipping is on, a non-finite loss only skips its update; the run stops once the
+  # parameters themselves are not finite (optax.apply_if_finite let the update through after
+  # config.optim.max_skipped_updates in a row).
+  watched = ("param_norm",) if skipping else ("loss", "grad_norm", "param_norm")
+  if not all(np.isfinite(metrics[k]) for k in watched):
     manager.wait_until_finished()
+    skipped = " after the maximum of skipped updates in a row" if skipping else ""
     raise FloatingPointError(
-        f"Training diverged at step {step}: loss={metrics['loss']}, "
-        f"grad_norm={metrics['grad_norm']}, param_norm={metrics['param_norm']}. The last good checkpoint (step "
-        f"{manager.latest_step()}) is kept; lower --config.optim.lr, lengthen "
-        "--config.optim.warmup_steps or set --config.optim.grad_clip_norm, then rerun.")
+        f"Training diverged at step {step}{skipped}: loss={metrics['loss']}, "
+        f"grad_norm={metrics['grad_norm']}, param_norm={metrics['param_norm']}. The last good "
+        f"checkpoint (step {manager.latest_step()}) is kept; lower --config.optim.lr, lengthen "
+        "--config.optim.warmup_steps, set --config.optim.grad_clip_norm or allow skipping with "
+        "--config.optim.max_skipped_updates=N, then rerun.")
   return metrics
 
 

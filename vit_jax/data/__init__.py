@@ -10,6 +10,8 @@ API:
   get_info(config.data) -> DatasetInfo
   create_train_iterator(config.data, global_batch_size, seed, start_step=0)
   create_eval_dataset(config.data, global_batch_size)
+  BadImageError  # raised by iterating them for undecodable images
+  find_undecodable(paths) -> list of the paths that cannot be decoded
 """
 
 import tensorflow as tf
@@ -24,6 +26,7 @@ del _kind
 # pylint: disable=g-import-not-at-top,wrong-import-position
 from vit_jax.data import fashion_mnist_local  # Registers the builder.
 from vit_jax.data.config import AUGMENTATIONS
+from vit_jax.data.config import BAD_IMAGES
 from vit_jax.data.config import get_default_config
 from vit_jax.data.config import NORMALIZATIONS
 from vit_jax.data.pipeline import create_eval_dataset
@@ -33,10 +36,12 @@ from vit_jax.data.pipeline import EvalDataset
 from vit_jax.data.pipeline import get_info
 from vit_jax.data.pipeline import local_batch_size
 from vit_jax.data.pipeline import TrainIterator
+from vit_jax.data.sources import BadImageError
+from vit_jax.data.sources import find_undecodable
 
 __all__ = [
-    'AUGMENTATIONS', 'NORMALIZATIONS', 'DatasetInfo', 'EvalDataset',
-    'TrainIterator', 'create_eval_dataset', 'create_train_iterator',
-    'fashion_mnist_local', 'get_default_config', 'get_info',
-    'local_batch_size',
+    'AUGMENTATIONS', 'BAD_IMAGES', 'NORMALIZATIONS', 'BadImageError',
+    'DatasetInfo', 'EvalDataset', 'TrainIterator', 'create_eval_dataset',
+    'create_train_iterator', 'fashion_mnist_local', 'find_undecodable',
+    'get_default_config', 'get_info', 'local_batch_size',
 ]

@@ -7,6 +7,21 @@ from ml_collections import config_dict
 AUGMENTATIONS = ('inception_crop', 'flip', 'none')
 #: Allowed values of `config.data.normalization`.
 NORMALIZATIONS = ('minus_one_to_one', 'imagenet')
+#: Allowed values of `config.data.bad_images`.
+BAD_IMAGES = ('fail', 'skip')
+
+
+def check_bad_images(value) -> str:
+  """Returns `value` if it is a valid `config.data.bad_images`.
+
+  Raises:
+    ValueError: naming the field and its valid values.
+  """
+  if value not in BAD_IMAGES:
+    raise ValueError(f'Unknown config.data.bad_images={value!r}; choose one of '
+                     f'{BAD_IMAGES} (fail with the file names, or skip '
+                     'undecodable images).')
+  return value
 
 
 def get_default_config() -> ml_collections.ConfigDict:
@@ -102,6 +117,26 @@ def get_default_config() -> ml_collections.ConfigDict:
   c.cache = False
   # Parallelism of the decode / augment maps; -1 = tf.data.AUTOTUNE.
   c.num_parallel_calls = -1
+
+  # Images that cannot be decoded: corrupt, truncated or empty files, files
+  # that are not images. 'fail': reading one raises
+  # `vit_jax.data.BadImageError` naming the file(s) (image folders: every
+  # undecodable file of the split being read, found by a parallel validation
+  # pass after the first decoding error; tfds datasets: dataset, split and
+  # TensorFlow's message) and the fix. 'skip': an image folder is validated
+  # once when it is opened (every file of every split fully decoded, in
+  # parallel, cached per folder; see `sources.find_undecodable` for the cost)
+  # and undecodable files are left out of all splits before slicing, so the
+  # counts of `get_info` exclude them (`DatasetInfo.num_skipped_images`), one
+  # warning names them and the data order stays deterministic / resumable;
+  # for tfds datasets undecodable examples are dropped while reading
+  # (tf.data `ignore_errors`, one warning each): their number is not known
+  # in advance, `get_info` counts include them, and a resumed run is exact
+  # only if none was dropped before the resume step.
+  # Valid but unusual images are decoded in both modes, to RGB: grayscale and
+  # CMYK JPEGs; RGBA, palette, grayscale and 16-bit PNGs; PNGs named .jpg (and
+  # JPEGs named .png); images smaller than image_size (upsampled).
+  c.bad_images = 'fail'
 
   # Feature holding the image.
   c.image_key = 'image'

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Dict, Iterator, Optional, Tuple
+from typing import Callable, Dict, Iterator, Optional, Tuple
 
 from absl import logging
 import numpy as np
@@ -42,12 +42,18 @@ class DatasetInfo:
       For ImageNet ReaL this counts the unlabeled images too, which eval
       batches mask out (sum `mask` for the number of scored examples).
     image_shape: (S, S, 3) after preprocessing.
+    num_skipped_images: images left out because they cannot be decoded
+      (`config.data.bad_images='skip'`): for an image folder, the undecodable
+      files of all its splits (the counts above exclude them); None for a
+      tfds dataset in 'skip' mode (dropped while reading: not known in
+      advance; the counts above include them); 0 in 'fail' mode.
   """
   num_classes: int
   multi_label: bool
   num_train_examples: int
   num_eval_examples: int
   image_shape: Tuple[int, int, int]
+  num_skipped_images: Optional[int] = 0
 
 
 def _validate(data_cfg) -> None:
@@ -88,6 +94,28 @@ def _validate(data_cfg) -> None:
   if data_cfg.eval_crop_pct is not None and not 0. < data_cfg.eval_crop_pct <= 1.:
     raise ValueError('config.data.eval_crop_pct must be in (0, 1] or None, got '
                      f'{data_cfg.eval_crop_pct!r}.')
+  config_lib.check_bad_images(data_cfg.bad_images)
+
+
+# What iterating a pipeline raises when an image cannot be decoded.
+_DECODE_ERRORS = (tf.errors.InvalidArgumentError, tf.errors.DataLossError)
+# error -> the BadImageError explaining it, or None (see Source.bad_image_error).
+_Diagnose = Callable[[Exception], Optional[sources.BadImageError]]
+
+
+def _diagnoser(source: sources.Source, split, split_name: str) -> _Diagnose:
+  return lambda error: source.bad_image_error(error, split, split_name)
+
+
+def _next_batch(it: Iterator, diagnose: Optional[_Diagnose]):
+  """next(it), with decoding errors turned into `BadImageError`s."""
+  try:
+    return next(it)
+  except _DECODE_ERRORS as e:
+    bad = diagnose(e) if diagnose is not None else None
+    if bad is None:
+      raise
+    raise bad from e
 
 
 def _processes(process_index: Optional[int],
@@ -149,7 +177,7 @@ def get_info(data_cfg) -> DatasetInfo:
   offline (see `config.data.prepare`).
 
   Raises:
-    ValueError: invalid config field or split.
+    ValueError: invalid config field (e.g. `bad_images`) or split.
     FileNotFoundError: dataset not prepared and not preparable offline,
       missing manual files (message says how to get them).
     KeyError / TypeError: missing or unsupported image / label feature.
@@ -164,11 +192,16 @@ def get_info(data_cfg) -> DatasetInfo:
                                        'config.data.train_split'),
       num_eval_examples=_num_examples(source, data_cfg.eval_split,
                                       'config.data.eval_split'),
-      image_shape=(s, s, 3))
+      image_shape=(s, s, 3),
+      num_skipped_images=source.num_skipped_images)
 
 
 class TrainIterator:
   """Infinite iterator of this process's training batches (numpy dicts).
+
+  `next()` raises `BadImageError` (a ValueError naming the files) when an
+  image cannot be decoded (`config.data.bad_images='fail'`); the iterator is
+  unusable afterwards.
 
   Attributes:
     dataset: the underlying batched `tf.data.Dataset`.
@@ -178,19 +211,21 @@ class TrainIterator:
   """
 
   def __init__(self, dataset: tf.data.Dataset, local_batch: int,
-               examples_per_epoch: int, start_epoch: int, start_offset: int):
+               examples_per_epoch: int, start_epoch: int, start_offset: int,
+               diagnose: Optional[_Diagnose] = None):
     self.dataset = dataset
     self.local_batch_size = local_batch
     self.examples_per_epoch = examples_per_epoch
     self.start_epoch = start_epoch
     self.start_offset = start_offset
     self._it = dataset.as_numpy_iterator()
+    self._diagnose = diagnose
 
   def __iter__(self) -> 'TrainIterator':
     return self
 
   def __next__(self) -> Dict[str, np.ndarray]:
-    return next(self._it)
+    return _next_batch(self._it, self._diagnose)
 
 
 def create_train_iterator(data_cfg, global_batch_size: int, seed: int,
@@ -235,6 +270,14 @@ def create_train_iterator(data_cfg, global_batch_size: int, seed: int,
   Cost: the skip reads (but does not decode/augment) up to one epoch of
   records; with cache=True the cache is filled first as usual.
 
+  Undecodable images (`config.data.bad_images`): 'fail' makes `next()` raise
+  `BadImageError` when one is reached (image folders: naming every
+  undecodable file of this process's split, found by a validation pass);
+  'skip' leaves them out of image folders up front (the stream above is then
+  that of the folder without them) and drops them from tfds datasets while
+  decoding (ignore_errors: resuming is exact only if none was dropped
+  before the resume step).
+
   Args:
     data_cfg: `config.data` (see `get_default_config`).
     global_batch_size: batch size summed over all processes.
@@ -247,6 +290,8 @@ def create_train_iterator(data_cfg, global_batch_size: int, seed: int,
     ValueError: global_batch_size not a multiple of process_count, invalid
       config, empty split.
     Plus the errors of `get_info` (dataset missing / not preparable).
+    BadImageError (a ValueError), from `next()`: an undecodable image, in
+      'fail' mode.
   """
   _validate(data_cfg)
   pi, pc = _processes(process_index, process_count)
@@ -272,7 +317,7 @@ def create_train_iterator(data_cfg, global_batch_size: int, seed: int,
   if cache:
     # Decoded, un-augmented images of this process's split, kept in memory
     # and shared by all epochs (filled during the first epoch).
-    cached = source.read(split, decode=True).cache()
+    cached = source.drop_undecodable(source.read(split, decode=True)).cache()
   run_key = preprocess.seed_key(seed)
   shuffle_root = preprocess.fold_in(run_key, 0)
   augment_root = preprocess.fold_in(run_key, 1)
@@ -348,10 +393,13 @@ def create_train_iterator(data_cfg, global_batch_size: int, seed: int,
     ds = ds.skip(offset)
   if not vectorized or encoded or label.multi_label:
     ds = ds.map(per_example, num_parallel_calls=data_cfg.num_parallel_calls)
+    if encoded:
+      ds = source.drop_undecodable(ds)
   ds = ds.batch(b, drop_remainder=True)
   ds = ds.map(per_batch, num_parallel_calls=data_cfg.num_parallel_calls)
   ds = ds.prefetch(data_cfg.prefetch).with_options(_options(data_cfg))
-  return TrainIterator(ds, b, n, start_epoch, offset)
+  return TrainIterator(ds, b, n, start_epoch, offset,
+                       _diagnoser(source, split, data_cfg.train_split))
 
 
 class EvalDataset:
@@ -361,6 +409,8 @@ class EvalDataset:
     'image':  float32 [b, S, S, 3] (same normalization as training),
     'labels': float32 [b, C] one-/multi-hot,
     'mask':   bool [b]; False for padding (and unlabeled ReaL images).
+  Iterating raises `BadImageError` (a ValueError naming the files) when an
+  image cannot be decoded (`config.data.bad_images='fail'`).
 
   Attributes:
     dataset: the batched `tf.data.Dataset`.
@@ -370,14 +420,22 @@ class EvalDataset:
   """
 
   def __init__(self, dataset: tf.data.Dataset, num_batches: int,
-               num_examples: int, local_batch: int):
+               num_examples: int, local_batch: int,
+               diagnose: Optional[_Diagnose] = None):
     self.dataset = dataset
     self.num_batches = num_batches
     self.num_examples = num_examples
     self.local_batch_size = local_batch
+    self._diagnose = diagnose
 
   def __iter__(self) -> Iterator[Dict[str, np.ndarray]]:
-    return self.dataset.as_numpy_iterator()
+    it = self.dataset.as_numpy_iterator()
+    while True:
+      try:
+        batch = _next_batch(it, self._diagnose)
+      except StopIteration:
+        return
+      yield batch
 
   def __len__(self) -> int:
     return self.num_batches
@@ -401,6 +459,13 @@ def create_eval_dataset(data_cfg, global_batch_size: int, *,
   and centre-cropped as timm / T2T-ViT do (`preprocess.resize_and_center_crop`). For ImageNet ReaL ('real_label'), images
   with no label get mask=False (skipped, as in the ViT paper).
 
+  Undecodable images (`config.data.bad_images`): 'fail' makes iterating
+  raise `BadImageError` naming them (image folders: all undecodable files
+  of this process's part of the split); 'skip' leaves them out of image
+  folders up front and drops them from tfds datasets while decoding (the
+  batches are then padded to the same `len(eval_ds)`; `num_examples`
+  counts the dropped ones too).
+
   Args:
     data_cfg: `config.data`.
     global_batch_size: batch size summed over processes.
@@ -413,6 +478,8 @@ def create_eval_dataset(data_cfg, global_batch_size: int, *,
   Raises:
     ValueError: global_batch_size not a multiple of process_count, bad split
       or config. Plus the errors of `get_info`.
+    BadImageError (a ValueError), while iterating: an undecodable image, in
+      'fail' mode.
   """
   _validate(data_cfg)
   pi, pc = _processes(process_index, process_count)
@@ -477,17 +544,21 @@ def create_eval_dataset(data_cfg, global_batch_size: int, *,
       'mask': tf.constant(False),
       '_real': tf.constant(False),
   }
-  padding = tf.data.Dataset.from_tensors(pad_element).repeat(
-      num_batches * b - n)
+  # Enough padding for num_batches full batches, even if examples are dropped
+  # (bad_images='skip' on tfds data).
+  padding = tf.data.Dataset.from_tensors(pad_element).repeat()
   if n:
     ds = source.read(per_process[pi], decode=cache)
     if cache:
-      ds = ds.cache()
+      ds = source.drop_undecodable(ds).cache()
     ds = ds.map(per_example, num_parallel_calls=data_cfg.num_parallel_calls)
+    if encoded:
+      ds = source.drop_undecodable(ds)
     ds = ds.concatenate(padding)
   else:  # More processes than examples (tfds cannot read an empty split).
     ds = padding
-  ds = ds.batch(b, drop_remainder=True)
+  ds = ds.take(num_batches * b).batch(b, drop_remainder=True)
   ds = ds.map(per_batch, num_parallel_calls=data_cfg.num_parallel_calls)
   ds = ds.prefetch(data_cfg.prefetch).with_options(_options(data_cfg))
-  return EvalDataset(ds, num_batches, n, b)
+  return EvalDataset(ds, num_batches, n, b,
+                     _diagnoser(source, per_process[pi], split))

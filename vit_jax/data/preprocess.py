@@ -52,7 +52,16 @@ def decode_rgb(image: tf.Tensor, encoded: bool) -> tf.Tensor:
       converted with `tf.image.convert_image_dtype`, i.e. floats in [0, 1]).
     encoded: see above.
 
-  Grayscale images become 3 identical channels; alpha is dropped.
+  Grayscale images become 3 identical channels; alpha is dropped. Encoded
+  images are recognised by content, not file name (a PNG named .jpg is
+  fine); TensorFlow's decoders also convert CMYK / YCCK JPEGs (Adobe
+  inverted CMYK included) to RGB, expand palette PNGs and scale 16-bit PNGs
+  to uint8 (all tested in tests/reliability/test_bad_data.py).
+
+  Raises:
+    tf.errors.InvalidArgumentError (when run, e.g. inside tf.data): the bytes
+      are not a decodable image; the pipelines turn it into
+      `sources.BadImageError` or skip the image (`config.data.bad_images`).
   """
   if encoded:
     img = tf.io.decode_image(image, channels=3, expand_animations=False)
