@@ -291,6 +291,10 @@ def test_bad_config_values_fail_in_one_line_before_the_workdir_is_touched(tmp_pa
   proc = _run_main("--config", "configs/fashion_mnist.py", "--workdir", str(workdir),
                    "--config.label_smoothing=1.5")
   assert proc.returncode == 2 and "config.label_smoothing=1.5 must be in [0, 1)" in proc.stderr
+  proc = _run_main("--config", "configs/fashion_mnist.py", "--workdir", str(workdir),
+                   "--config.batch_size=abc")  # A wrong type.
+  assert proc.returncode == 2
+  assert "FATAL: flag --config.batch_size=abc: invalid literal for int()" in proc.stderr
   # A config file that refuses its argument: one line, the file's own message, no traceback.
   proc = _run_main("--config", "configs/t2t.py:99", "--workdir", str(workdir))
   assert proc.returncode == 2 and "Traceback" not in proc.stderr

@@ -665,6 +665,47 @@ def load_orbax(path: Any, *, use_ema: bool = True) -> Dict[str, Any]:
     absl_logger.removeFilter(_ignore_missing_step_metadata)
 
 
+def check_state_fits(state_dir: Any, abstract_state: Mapping) -> None:
+  """Checks a saved training state's parameters against the run's, from metadata only.
+
+  Args:
+    state_dir: the 'state' item of a training checkpoint (`<workdir>/checkpoints/<step>/state`).
+    abstract_state: the run's state tree (arrays or `jax.ShapeDtypeStruct`s); its 'params' and
+      'model_state' are compared by name and shape (nothing is read but the metadata).
+
+  Raises:
+    ValueError: names or shapes differ; the message lists them (counts and the first 8) and
+      what the checkpoint's model is.
+  """
+  import jax  # pylint: disable=g-import-not-at-top
+  import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
+
+  absl_logger = logging.getLogger('absl')
+  absl_logger.addFilter(_ignore_missing_step_metadata)
+  try:
+    metadata = ocp.PyTreeCheckpointer().metadata(state_dir)
+  finally:
+    absl_logger.removeFilter(_ignore_missing_step_metadata)
+  tree = getattr(getattr(metadata, 'item_metadata', metadata), 'tree', None)
+  if tree is None:
+    tree = getattr(metadata, 'tree', metadata)
+  as_structs = lambda t: jax.tree.map(lambda x: jax.ShapeDtypeStruct(tuple(x.shape), x.dtype), t)
+  saved = {k: v for name in ('params', 'model_state') if isinstance(tree.get(name), Mapping)
+           for k, v in flatten_params({name: as_structs(tree[name])}).items()}
+  wanted = {k: v for name in ('params', 'model_state') if name in abstract_state
+            for k, v in flatten_params({name: abstract_state[name]}).items()}
+  missing = sorted(set(wanted) - set(saved))
+  unexpected = sorted(set(saved) - set(wanted))
+  mismatched = [f'{k}: saved {tuple(saved[k].shape)}, this run {tuple(wanted[k].shape)}'
+                for k in sorted(set(saved) & set(wanted))
+                if tuple(saved[k].shape) != tuple(wanted[k].shape)]
+  if missing or unexpected or mismatched:
+    described = (describe_architecture({'params': as_structs(tree['params'])})
+                 if isinstance(tree.get('params'), Mapping) else None)
+    raise ValueError(mismatch_report(f'The checkpoint {state_dir} does not fit this model:',
+                                     missing, unexpected, mismatched, described))
+
+
 def _ignore_missing_step_metadata(record: logging.LogRecord) -> bool:
   return 'Metadata file does not exist' not in record.getMessage()
 

@@ -1,6 +1,7 @@
 """The training loop: pretraining or fine-tuning a ViT, with evaluation and orbax checkpoints.
 
-Read it top to bottom: `train_and_evaluate` goes through the phases in order
+Read it top to bottom: `train_and_evaluate` (the body of `_train_and_evaluate`) goes through
+the phases in order
   1. config: regime defaults, the device mesh, checks that fail before any expensive work;
   2. data: dataset facts, the per-process train iterator and the exact (padded) eval set;
   3. model, optimizer, and where every array of the state lives on the mesh;
@@ -73,7 +74,8 @@ class Preempted(Exception):
 
 
 class CheckpointSaveError(OSError):
-  """Saving a checkpoint failed (e.g. the disk is full); the earlier checkpoints are intact."""
+  """Writing to the workdir failed (e.g. the disk is full): a checkpoint (the earlier ones are
+  intact) or the TensorBoard events."""
 
 
 @contextlib.contextmanager
@@ -208,9 +210,22 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
 
   Raises:
     ConfigError: (a ValueError) the config cannot run: batch size, schedule length, regime,
-      dataset, model name or image size; raised before anything is written to `workdir`.
+      dataset, model name or image size, a workdir that cannot be written or holds another
+      model's checkpoints; raised before anything is written to `workdir`.
     FloatingPointError: the training loss became NaN or Inf (the last good checkpoint is kept).
+    Preempted: SIGTERM (from the start of the set-up on): the next training step was saved.
+    CheckpointSaveError: writing to the workdir failed (e.g. a full disk); earlier checkpoints
+      are intact.
+    vit_jax.data.BadImageError: an image cannot be decoded (config.data.bad_images='fail').
   """
+  with _sigterm_notice() as notice:
+    return _train_and_evaluate(config, workdir, program_start, notice)
+
+
+def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
+                        program_start: float | None, notice: threading.Event
+                        ) -> dict[str, float]:
+  """`train_and_evaluate`; `notice` is set by a preemption notice (SIGTERM)."""
   # 1. Config: fill in the regime's defaults. Everything up to the abstract state is a cheap
   # check of the config, done before anything is written to the workdir.
   with _config_errors():
@@ -241,10 +256,6 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
                  config.data.image_folder or config.data.name, info.num_classes,
                  "multi-label" if info.multi_label else "single-label",
                  info.num_train_examples, info.num_eval_examples, info.image_shape)
-    if info.num_skipped_images:
-      logging.warning("%d undecodable images were left out of %s (config.data.bad_images="
-                      "'skip').", info.num_skipped_images,
-                      config.data.image_folder or config.data.name)
 
     # 3. Model and optimizer.
     model = models.create(config.model_name, num_classes=info.num_classes,
@@ -314,7 +325,14 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
     # Shapes only (nothing allocated); this is where an image size the patch does not divide
     # is reported.
     init_rng, dropout_rng = jax.random.split(jax.random.PRNGKey(config.seed))
-    shapes = jax.eval_shape(init_state, init_rng)
+    try:
+      shapes = jax.eval_shape(init_state, init_rng)
+    except ValueError as e:
+      if "is not divisible by" not in str(e):
+        raise
+      raise ValueError(f"{e} (Training resizes every image to config.data.image_size="
+                       f"{config.data.image_size}: set --config.data.image_size to such a "
+                       "multiple.)") from e
     # Where every array of the state lives: parameters (and their EMA, and the optimizer's
     # moments) by their logical axes and the rules; the step and counters replicated.
     state_shardings = sharding.state_shardings(shapes, jax.eval_shape(init_boxed, init_rng),
@@ -327,7 +345,15 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
     # The fine-tuning initialisation, read now so that a checkpoint that does not fit stops the
     # run before the workdir is touched; a workdir that has a checkpoint resumes from it instead.
     ckpt_dir = _join(workdir, "checkpoints")
-    resuming = ckpt_dir.exists() and any(p.name.isdigit() for p in ckpt_dir.iterdir())
+    saved_steps = sorted(int(p.name) for p in ckpt_dir.iterdir()
+                         if p.name.isdigit()) if ckpt_dir.exists() else []
+    resuming = bool(saved_steps)
+    if resuming:  # A checkpoint of another model: said now, from its metadata.
+      try:
+        checkpoint.check_state_fits(ckpt_dir / str(saved_steps[-1]) / "state", shapes)
+      except ValueError as e:
+        raise ValueError(f"{e}\n  Rerun with the config it was trained with, or start a new "
+                         "run in another --workdir.") from e
     finetune_variables = None
     if init_from and resuming:
       logging.info("Not initialising from %s: resuming from the checkpoints in %s.", init_from,
@@ -339,11 +365,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
           use_ema=init_from_ema, reset_head=init_reset_head)
 
   # 4. State: the latest checkpoint in workdir if there is one, else the fine-tuning init from
-  # config.init_from (new head, regenerated tables), else a fresh initialisation.
-  writer = metric_writers.create_default_writer(
-      workdir, just_logging=jax.process_index() > 0, asynchronous=True)
-  writer.write_hparams({k: v for k, v in _flatten(config.to_dict()).items()
-                        if isinstance(v, (int, float, str, bool))})
+  # config.init_from (new head, regenerated tables), else a fresh initialisation. Then the
+  # TensorBoard writer (so that a run refused here leaves no events file behind).
   manager = ocp.CheckpointManager(
       ckpt_dir,
       options=ocp.CheckpointManagerOptions(
@@ -363,11 +386,11 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
       items["cost"] = ocp.args.JsonRestore()
     try:
       restored = manager.restore(latest, args=ocp.args.Composite(**items))
-    except (ValueError, KeyError, TypeError) as e:
+    except (ValueError, KeyError, TypeError) as e:  # E.g. another optimizer's state.
       raise ConfigError(
-          f"The checkpoint of step {latest} in {ckpt_dir} does not fit this config's model and "
-          f"optimizer ({str(e).splitlines()[0][:300]}). Rerun with the config it was trained "
-          "with, or start a new run in another --workdir.") from e
+          f"The checkpoint of step {latest} in {ckpt_dir} does not fit this config's "
+          f"optimizer or state ({str(e).splitlines()[0][:300]}). Rerun with the config it was "
+          "trained with, or start a new run in another --workdir.") from e
     state = restored["state"]
     accountant.resume(_latest_cost(restored["cost"] if "cost" in items else None, cost_json),
                       start_step=latest)
@@ -377,6 +400,15 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
   else:
     state = jax.jit(init_state, out_shardings=state_shardings)(init_rng)
   start_step = int(state["step"])
+  try:
+    writer = metric_writers.create_default_writer(
+        workdir, just_logging=jax.process_index() > 0, asynchronous=True)
+  except Exception as e:  # pylint: disable=broad-except  (TensorFlow's errors are not OSErrors)
+    raise CheckpointSaveError(
+        f"Cannot write the TensorBoard events to {workdir}: {str(e).splitlines()[0][:300]}. "
+        "Free disk space or fix the permissions there, then rerun the same command.") from e
+  writer.write_hparams({k: v for k, v in _flatten(config.to_dict()).items()
+                        if isinstance(v, (int, float, str, bool))})
   num_params = sum(x.size for x in jax.tree.leaves(state["params"]))
   logging.info("Model %s: %s parameters; %d of %d steps done.", config.model_name,
                f"{num_params:,}", start_step, total_steps)
@@ -515,7 +547,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
   # Everything in this block counts as training time except what the nested `timed` blocks
   # take out: waiting for input, compiling, evaluating and checkpointing.
   preempted = False
-  with accountant.timed("train"), _sigterm_notice() as notice:
+  with accountant.timed("train"):
     for step in range(start_step + 1, total_steps + 1):
       with jax.profiler.StepTraceAnnotation("train", step_num=step):
         with accountant.timed("input"):
@@ -561,14 +593,14 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
         # The steps in flight are training time: finish them before the clock switches.
         jax.block_until_ready(state)
       paused = time.time()  # Evaluation and checkpointing do not count in train/images_per_sec.
-      if evaluating:
-        with accountant.timed("eval"):
-          results = evaluate(state, step)
-      if saving:
+      if saving:  # Before the evaluation, which can fail (e.g. on an undecodable eval image).
         if pending is not None:  # Never checkpoint parameters that a NaN update produced.
           train_metrics.append(_check_finite(*pending, manager, skipping))
           pending = None
         save_checkpoint(step)
+      if evaluating:
+        with accountant.timed("eval"):
+          results = evaluate(state, step)
       last_log_time += time.time() - paused
       if preempted:
         break

@@ -443,3 +443,14 @@ def test_train_and_evaluate_with_a_truncated_jpeg(tmp_path):
   results = train.train_and_evaluate(_run_config(root, bad_images='skip'),
                                      str(tmp_path / 'skip'))
   assert results['step'] == 3 and 0. <= results['test/accuracy'] <= 1.
+
+
+def test_a_bad_eval_image_stops_the_run_after_its_checkpoint(tmp_path):
+  """The checkpoint of a step is saved before that step's evaluation, which can fail."""
+  from vit_jax import train  # pylint: disable=g-import-not-at-top
+  root, paths = _folder(tmp_path, {'test/class_1/cut.jpg': BROKEN['truncated.jpg']})
+  workdir = tmp_path / 'workdir'
+  with pytest.raises(data.BadImageError, match="split 'test'") as e:
+    train.train_and_evaluate(_run_config(root), str(workdir))
+  assert e.value.paths == [paths['test/class_1/cut.jpg']]
+  assert sorted(os.listdir(workdir / 'checkpoints')) == ['3']

@@ -189,6 +189,9 @@ def test_a_full_disk_keeps_the_last_checkpoint(tmp_path):
     assert "No space left on device" in fatal and "; free disk space" in fatal
     intact = int(fatal.split("The checkpoint of step ")[1].split()[0])
     assert (workdir / "checkpoints" / str(intact)).exists()
+    assert [p for p in os.listdir(workdir / "checkpoints") if "tmp" in p]  # The partial save.
+    # The user frees disk space, as the message says, and reruns.
+    subprocess.run(["mount", "-o", "remount,size=8m", str(mount)], check=True)
     rerun = subprocess.run(
         _main_args(folder, workdir, f"--config.total_steps={intact}",
                    "--config.model.mlp_dim=1024", width=32),
@@ -224,9 +227,15 @@ def test_non_finite_loss_stops_or_is_skipped(tmp_path, monkeypatch):
 def test_a_workdir_of_another_model_is_refused(tmp_path):
   folder, workdir = _folder(tmp_path), str(tmp_path / "workdir")
   train.train_and_evaluate(_tiny(folder, 2), workdir)
-  with pytest.raises(train.ConfigError, match=r"The checkpoint of step 2 in .* does not fit this "
-                     r"config's model and optimizer .*another --workdir"):
+  before = sorted(os.listdir(workdir))
+  with pytest.raises(train.ConfigError) as error:
     train.train_and_evaluate(_tiny(folder, 4, **{"model.hidden_size": 16}), workdir)
+  message = str(error.value)
+  assert "checkpoints/2/state does not fit this model:\n  shape mismatches (22): " in message
+  assert "params/Transformer/encoder_norm/bias: saved (8,), this run (16,)" in message
+  assert "The checkpoint is a ViT with patch_size=4, hidden_size=8, num_layers=1" in message
+  assert message.endswith("start a new run in another --workdir.")
+  assert sorted(os.listdir(workdir)) == before  # No events file of the refused run.
 
 
 def test_a_workdir_that_cannot_be_written_fails_before_any_work(tmp_path):
