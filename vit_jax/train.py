@@ -643,9 +643,9 @@ def _sigterm_notice():
 
 
 @contextlib.contextmanager
-def _save_errors(manager: ocp.CheckpointManager, step):
+def _save_errors(manager: ocp.CheckpointManager, step: int | None):
   """Turns a failed save (full disk, no permission) into a `CheckpointSaveError` that says
-  what is intact and what to do."""
+  what is intact and what to do. `step`: the save being made (None: the last one)."""
   try:
     yield
   except (OSError, ValueError, RuntimeError) as e:
@@ -654,12 +654,13 @@ def _save_errors(manager: ocp.CheckpointManager, step):
         r"No space left|RESOURCE_EXHAUSTED|Permission denied|PERMISSION_DENIED|os_error", text):
       raise
     kept = [s for s in manager.all_steps() if s != step]
+    which = "the last save" if step is None else f"step {step}"
     intact = (f"the checkpoint of step {max(kept)} is intact" if kept else
               "there is no earlier checkpoint")
     full = "No space left" in text or "RESOURCE_EXHAUSTED" in text
     cause = "No space left on device" if full else text.splitlines()[0][:300]
     raise CheckpointSaveError(
-        f"Saving a checkpoint in {manager.directory} failed (step {step}, or the save before "
+        f"Saving a checkpoint in {manager.directory} failed ({which}, or the save before "
         f"it, which runs in the background): {cause}. {intact.capitalize()} (the partial save "
         "is removed at the next start); "
         + ("free disk space (or lower --config.keep_checkpoints)" if full else
