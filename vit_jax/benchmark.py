@@ -9,9 +9,15 @@ Usage:
 Examples:
   # ViT-B/16, batch 8 at 224 px: our training step and inference beside timm's, 3 rounds.
   python -m vit_jax.benchmark ViT-B_16 --batch 8 --compare timm --rounds 3 --json b16.json
-  # Only the compile time of ViT-H/14's training step, with the layers scanned and not.
+  # Only the compile time of ViT-H/14's training step, scanned (the default) and unrolled.
   python -m vit_jax.benchmark ViT-H_14 --batch 1 --mode train --compile-only
-  python -m vit_jax.benchmark ViT-H_14 --batch 1 --mode train --compile-only --override scan=True
+  python -m vit_jax.benchmark ViT-H_14 --batch 1 --mode train --compile-only --override scan=False
+
+Our model runs with the execution settings `python -m vit_jax.main` trains with
+(`vit_jax.models.TRAINING_DEFAULTS`; for ViTs: scan=True, remat=True,
+remat_policy='dots_with_no_batch_dims_saveable'), each replaceable with --override (e.g.
+--override scan=False --override remat=False for the plain unrolled model). timm runs its
+default model, without gradient checkpointing unless --override remat=True is given.
 
 What is measured, for every model and mode (one row each):
   train      one step of `vit_jax.train`: forward, backward, global-norm clipping at 1, AdamW
@@ -140,8 +146,28 @@ def parse_override(text: str) -> tuple[str, Any]:
     return key.strip(), value
 
 
+def training_overrides(model: str, overrides: dict[str, Any]) -> dict[str, Any]:
+  """`overrides` plus the training defaults of `model`'s execution fields not overridden.
+
+  These are what `python -m vit_jax.main` trains with (`vit_jax.models.TRAINING_DEFAULTS`:
+  for ViTs a scanned encoder, each block rematerialised keeping the dense projections' outputs),
+  so the benchmark measures the step a user gets. Raises BenchmarkError for an unknown model.
+  """
+  from vit_jax import models  # pylint: disable=g-import-not-at-top
+  try:
+    fields = models.model_config(model, **overrides)
+  except (ValueError, TypeError, NotImplementedError) as e:
+    raise BenchmarkError(str(e)) from e
+  return {**{k: v for k, v in models.TRAINING_DEFAULTS.items()
+             if k in fields and k not in overrides}, **overrides}
+
+
 def model_fields(model: str, overrides: dict[str, Any], dtype: str) -> dict[str, Any]:
-  """The resolved model configuration (`models.model_config`) at compute dtype `dtype`.
+  """The resolved model configuration measured: `models.model_config` of the training overrides.
+
+  Args:
+    model, overrides: as given on the command line; `training_overrides` adds the defaults.
+    dtype: the compute dtype.
 
   Raises:
     BenchmarkError: unknown model name, bad override or a value the model rejects.
@@ -150,7 +176,7 @@ def model_fields(model: str, overrides: dict[str, Any], dtype: str) -> dict[str,
   if "dtype" in overrides:
     raise BenchmarkError("Give the compute dtype with --dtype, not --override dtype=...")
   try:
-    return models.model_config(model, **overrides, dtype=dtype)
+    return models.model_config(model, **training_overrides(model, overrides), dtype=dtype)
   except (ValueError, TypeError, NotImplementedError) as e:
     raise BenchmarkError(str(e)) from e
 
@@ -302,7 +328,8 @@ def measure_ours(model: str, *, batch: int, resolution: int, dtype: str = "float
   rss_after_imports = _rss_now_mib()
   overrides = dict(overrides or {})
   config = model_fields(model, overrides, dtype)
-  net = models.create(model, num_classes=num_classes, **dict(overrides, dtype=jnp.dtype(dtype)))
+  net = models.create(model, num_classes=num_classes,
+                      **dict(training_overrides(model, overrides), dtype=jnp.dtype(dtype)))
   image_shape = (resolution, resolution, 3)
   try:
     macs = flops.model_forward_macs(net, image_shape)
@@ -399,6 +426,7 @@ def measure_ours(model: str, *, batch: int, resolution: int, dtype: str = "float
       "framework": "ours", "model": model, "overrides": overrides, "mode": mode,
       "batch": batch, "resolution": resolution, "dtype": dtype, "num_classes": num_classes,
       "num_params": int(num_params), "scan": bool(config.get("scan")),
+      "remat": bool(config.get("remat")), "remat_policy": config.get("remat_policy"),
       "compile_only": compile_only, "warmup_steps": warmup, "timed_steps": 0 if compile_only
       else steps, "lower_seconds": lower_seconds, "compile_seconds": compile_seconds,
       "first_step_seconds": first, "flops_per_step_xla": xla_flops,
@@ -550,6 +578,82 @@ def _thread_facts() -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------------------------------------
+# The input pipeline.
+
+#: Inputs that `measure_input` reads: the offline Fashion-MNIST builder (28 x 28 grayscale PNGs,
+#: upsampled) and a generated folder of 500 x 375 JPEGs (about ImageNet's mean size).
+INPUTS = ("fashion_mnist", "jpeg")
+INPUT_LABELS = {"fashion_mnist": "Fashion-MNIST (28x28 PNG)",
+                "jpeg": "JPEG folder (500x375 JPEG)"}
+JPEG_SIZE = (375, 500)  # height, width
+JPEG_COUNT = 256
+
+
+def _write_jpeg_folder(root: str, count: int = JPEG_COUNT) -> None:
+  """`count` JPEGs of JPEG_SIZE (smooth random colour fields, quality 90) in root/train/<class>/."""
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  rng = np.random.default_rng(0)
+  height, width = JPEG_SIZE
+  for i in range(count):
+    folder = os.path.join(root, "train", f"class{i % 4}")
+    os.makedirs(folder, exist_ok=True)
+    coarse = rng.uniform(0, 255, (height // 25, width // 25, 3)).astype(np.float32)
+    image = tf.image.resize(coarse, (height, width), method="bicubic")
+    image += rng.normal(0, 8, (height, width, 3))  # Some texture, as in photographs.
+    image = tf.cast(tf.clip_by_value(image, 0, 255), tf.uint8)
+    tf.io.write_file(os.path.join(folder, f"{i:04d}.jpg"), tf.io.encode_jpeg(image, quality=90))
+
+
+def measure_input(source: str, *, batch: int, resolution: int, warmup: int = 2,
+                  steps: int = 20, data_dir: Optional[str] = None) -> dict[str, Any]:
+  """Images/s of the training input pipeline (`vit_jax.data.create_train_iterator`) alone.
+
+  The training configuration's data settings (`vit_jax.data.get_default_config`: Inception crop
+  fused with the decoding, random flip, bilinear resize to `resolution`, [-1, 1] normalisation,
+  AUTOTUNE parallelism, prefetch) on:
+    'fashion_mnist': the offline Fashion-MNIST builder (prepared into `data_dir`, default the
+      tfds data_dir, from the Debian package's files on first use);
+    'jpeg': a generated image folder of JPEG_COUNT 500 x 375 JPEGs (in a temporary directory).
+  After `warmup` batches, `steps` batches are drawn as fast as the pipeline delivers them:
+  images/s = batch * steps / elapsed seconds (the pipeline's throughput, prefetching included).
+
+  Raises:
+    BenchmarkError: an unknown source or sizes; the data cannot be found or prepared.
+  """
+  if source not in INPUTS:
+    raise BenchmarkError(f"input must be one of {INPUTS}, got {source!r}.")
+  _check_sizes(batch, resolution, warmup, steps)
+  from vit_jax import data  # pylint: disable=g-import-not-at-top
+  cfg = data.get_default_config()
+  cfg.image_size = resolution
+  cfg.shuffle_buffer = 1024
+  if data_dir:
+    cfg.data_dir = data_dir
+  with tempfile.TemporaryDirectory(prefix="vit_jax_input_") as tmp:
+    if source == "jpeg":
+      _write_jpeg_folder(tmp)
+      cfg.image_folder = tmp
+      cfg.train_split = "train"
+      cfg.eval_split = "train"
+    try:
+      iterator = data.create_train_iterator(cfg, batch, seed=0, process_index=0,
+                                            process_count=1)
+    except (ValueError, FileNotFoundError) as e:
+      raise BenchmarkError(f"input {source}: {e}") from e
+    for _ in range(warmup + 1):
+      next(iterator)
+    start = time.perf_counter()
+    for _ in range(steps):
+      images = next(iterator)["image"]
+    seconds = time.perf_counter() - start
+  return {"framework": "input", "input": source, "batch": batch, "resolution": resolution,
+          "image_shape": list(images.shape[1:]), "augment": cfg.augment,
+          "timed_steps": steps, "seconds": seconds, "images_per_sec": batch * steps / seconds,
+          "peak_rss_mib": _peak_rss_mib(), "threads": _thread_facts()}
+
+
+# ---------------------------------------------------------------------------------------------
 # Subprocesses.
 
 
@@ -562,7 +666,10 @@ def _worker(spec_path: str, out_path: str) -> int:
     os.sched_setaffinity(0, cores)
   framework = spec.pop("framework")
   try:
-    if framework == "ours":
+    if framework == "input":
+      spec.pop("threads", None)
+      result = measure_input(**spec)
+    elif framework == "ours":
       spec.pop("threads", None)
       spec.pop("analytic_flops", None)
       spec.pop("device", None)
@@ -594,7 +701,8 @@ def run_in_subprocess(spec: dict[str, Any], timeout: Optional[float] = None) -> 
     spec_path, out_path = os.path.join(tmp, "spec.json"), os.path.join(tmp, "result.json")
     with open(spec_path, "w", encoding="utf-8") as f:
       json.dump(spec, f)
-    what = f"{spec['model']} {spec['mode']} ({spec['framework']})"
+    what = (f"the {spec['source']} input pipeline" if spec["framework"] == "input" else
+            f"{spec['model']} {spec['mode']} ({spec['framework']})")
     try:
       proc = subprocess.run([sys.executable, "-m", "vit_jax.benchmark", "--worker", spec_path,
                              out_path], env=env, capture_output=True, text=True,
@@ -749,7 +857,22 @@ def format_report(report: dict[str, Any]) -> str:
             + (f", over {args['rounds']} rounds" if args["rounds"] > 1 else ""))
   parts = [f"batch {args['batch']}, {args['resolution']}x{args['resolution']} px, "
            f"{args['dtype']}, {env['threads']} thread(s) on {env['available_cores']} core(s) "
-           f"({env['cpu_model']}); {timing}", _table(headers, rows)]
+           f"({env['cpu_model']}); {timing}"]
+  if rows:
+    parts.append(_table(headers, rows))
+  if report.get("inputs"):
+    train = [r["images_per_sec"] for r in report["results"]
+             if r["mode"] == "train" and r["framework"] == "ours" and r.get("images_per_sec")]
+    headers = ["input pipeline", "augment", "images/s", "peak RSS MiB"]
+    if train:
+      headers.append("x our fastest training step")
+    rows = []
+    for r in report["inputs"]:
+      rows.append([INPUT_LABELS[r["input"]], r["augment"], _fmt(r["images_per_sec"], "sig"),
+                   _fmt(r["peak_rss_mib"], ".0f")]
+                  + ([_fmt(r["images_per_sec"] / max(train), ".1f")] if train else []))
+    parts += ["The training input pipeline alone (vit_jax.data, same batch, resolution and "
+              "threads; > 1x: it is not the bottleneck):", _table(headers, rows)]
   if report["comparisons"]:
     headers = ["model", "timm model", "mode", "ours images/s", "timm images/s", "ratio",
                "ours peak RSS MiB", "timm peak RSS MiB", "ratio"]
@@ -769,12 +892,15 @@ def run(models_: Sequence[str], *, batch: int = 8, resolution: int = 224,
         overrides: Optional[dict[str, Any]] = None, num_classes: int = 1000,
         threads: Optional[int] = None, compare: Optional[str] = None, rounds: int = 1,
         compile_only: bool = False, timeout: Optional[float] = None,
-        progress=None) -> dict[str, Any]:
+        inputs: Sequence[str] = (), progress=None) -> dict[str, Any]:
   """Measures every model and mode (and timm's, with compare='timm') in fresh subprocesses.
+
+  `inputs` (names in INPUTS) also measures the training input pipeline alone
+  (`measure_input`, one subprocess each, same batch, resolution and threads).
 
   Returns:
     The report: 'args', 'environment', 'results' (medians over rounds; each round's figures
-    under 'rounds'), 'comparisons' (ours / timm), 'notes', 'units'.
+    under 'rounds'), 'comparisons' (ours / timm), 'inputs', 'notes', 'units'.
 
   Raises:
     BenchmarkError: bad input (checked before anything runs); MeasurementFailed.
@@ -809,7 +935,7 @@ def run(models_: Sequence[str], *, batch: int = 8, resolution: int = 224,
   for model in models_:
     model_fields(model, overrides, dtype)
     net = models.create(model, num_classes=num_classes,
-                        **dict(overrides, dtype=jnp.dtype(dtype)))
+                        **dict(training_overrides(model, overrides), dtype=jnp.dtype(dtype)))
     try:  # Traced with abstract shapes: a resolution the model cannot take fails here.
       macs = flops.model_forward_macs(net, (resolution, resolution, 3))
     except ValueError as e:
@@ -822,7 +948,7 @@ def run(models_: Sequence[str], *, batch: int = 8, resolution: int = 224,
       except NoTimmModel as e:
         notes.append(str(e))
     plans.append((model, macs, with_timm))
-  if any(models.model_config(m, **overrides).get("scan") for m in models_):
+  if any(model_fields(m, overrides, dtype).get("scan") for m in models_):
     notes.append("scan=True: XLA's cost analysis counts the scanned layer body once, so "
                  "'GFLOPs XLA' is far below the analytic count; the utilisation uses the "
                  "analytic count.")
@@ -854,6 +980,15 @@ def run(models_: Sequence[str], *, batch: int = 8, resolution: int = 224,
             peak.update(flops=result["peak_flops_per_device"], platform=result["platform"])
           per_framework[framework].append(result)
       results += [_aggregate(r) for r in per_framework.values() if r]
+  input_results = []
+  for source in inputs:
+    if source not in INPUTS:
+      raise BenchmarkError(f"input must be one of {INPUTS}, got {source!r}.")
+    if progress:
+      progress(f"[input pipeline] {source} ...")
+    input_results.append(run_in_subprocess(
+        dict(framework="input", source=source, batch=batch, resolution=resolution,
+             threads=threads, cores=cores), timeout))
   if compile_only:
     notes.append("--compile-only: the step was lowered and compiled on abstract shapes, not "
                  "run; peak RSS is the compilation's.")
@@ -874,9 +1009,11 @@ def run(models_: Sequence[str], *, batch: int = 8, resolution: int = 224,
       "args": {"models": list(models_), "batch": batch, "resolution": resolution,
                "dtype": dtype, "modes": list(modes), "warmup": warmup, "steps": steps,
                "overrides": overrides, "num_classes": num_classes, "threads": threads,
-               "compare": compare, "rounds": rounds, "compile_only": compile_only},
+               "compare": compare, "rounds": rounds, "compile_only": compile_only,
+               "inputs": list(inputs)},
       "environment": dict(environment(threads), measured_on=_measured_on(results)),
-      "results": results, "comparisons": _comparisons(results), "notes": notes,
+      "results": results, "comparisons": _comparisons(results), "inputs": input_results,
+      "notes": notes,
       "units": UNITS,
   }
 
@@ -946,6 +1083,10 @@ def _parser() -> argparse.ArgumentParser:
                            "parameters; for compile times of large models)")
   parser.add_argument("--timeout", type=float, default=3600.0,
                       help="seconds one measuring process may take (default 3600)")
+  parser.add_argument("--input-pipeline", action="store_true",
+                      help="also measure the training input pipeline alone (images/s of "
+                           "vit_jax.data with Inception crop at --resolution): Fashion-MNIST "
+                           "(offline builder) and a generated folder of 500x375 JPEGs")
   parser.add_argument("--json", metavar="PATH", default=None,
                       help="also write the report (results, ratios, environment, units) as JSON")
   parser.add_argument("--worker", nargs=2, metavar=("SPEC", "OUT"), help=argparse.SUPPRESS)
@@ -959,8 +1100,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = _parser().parse_args(argv)
     if args.worker:
       return _worker(*args.worker)
-    if not args.models:
-      raise BenchmarkError("Name at least one model, e.g. python -m vit_jax.benchmark ViT-B_16")
+    if not args.models and not args.input_pipeline:
+      raise BenchmarkError("Name at least one model, e.g. python -m vit_jax.benchmark ViT-B_16 "
+                           "(or measure only the input pipeline: --input-pipeline)")
     overrides = dict(parse_override(o) for o in args.override)
     modes = MODES if args.mode == "both" else (args.mode,)
     rounds = args.rounds or (3 if args.compare else 1)
@@ -972,6 +1114,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                  modes=modes, warmup=args.warmup, steps=args.steps, overrides=overrides,
                  num_classes=args.num_classes, threads=args.threads, compare=args.compare,
                  rounds=rounds, compile_only=args.compile_only, timeout=args.timeout,
+                 inputs=INPUTS if args.input_pipeline else (),
                  progress=lambda m: print(m, file=sys.stderr, flush=True))
   except BenchmarkError as e:
     print(f"vit_jax.benchmark: error: {e}", file=sys.stderr)

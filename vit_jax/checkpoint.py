@@ -702,8 +702,14 @@ def check_state_fits(state_dir: Any, abstract_state: Mapping) -> None:
   if missing or unexpected or mismatched:
     described = (describe_architecture({'params': as_structs(tree['params'])})
                  if isinstance(tree.get('params'), Mapping) else None)
-    raise ValueError(mismatch_report(f'The checkpoint {state_dir} does not fit this model:',
-                                     missing, unexpected, mismatched, described))
+    header = f'The checkpoint {state_dir} does not fit this model:'
+    scanned = lambda keys: any('/encoderblock/' in k for k in keys)  # pylint: disable=g-long-lambda
+    if saved and wanted and scanned(saved) != scanned(wanted):
+      setting = 'True' if scanned(saved) else 'False'
+      header += (f' it was written with the {"scanned" if scanned(saved) else "per-layer"} '
+                 f'encoder layout: resume with --config.model.scan={setting} (the training '
+                 f'default is True).')
+    raise ValueError(mismatch_report(header, missing, unexpected, mismatched, described))
 
 
 def _ignore_missing_step_metadata(record: logging.LogRecord) -> bool:

@@ -43,7 +43,11 @@ def get_config(model_name: str = "ViT-B_16", dataset: str = "imagenet2012",
   # Model: the name picks the family and variant; `model` holds every field of that variant,
   # resolved, so each can be overridden (--config.model.num_layers=4).
   config.model_name = model_name
-  config.model = ml_collections.ConfigDict(models.model_config(model_name, **model_overrides))
+  fields = models.model_config(model_name, **model_overrides)
+  # The execution fields train as models.TRAINING_DEFAULTS says (scanned, rematerialised ViT).
+  fields.update({k: v for k, v in models.TRAINING_DEFAULTS.items()
+                 if k in fields and k not in model_overrides})
+  config.model = ml_collections.ConfigDict(fields)
   for key, value in list(config.model.items()):
     if value is None:  # e.g. representation_size: keep it overridable with the right type.
       config.model[key] = config_dict.placeholder(_FLOAT_MODEL_FIELDS.get(key, int))

@@ -236,6 +236,11 @@ def test_a_workdir_of_another_model_is_refused(tmp_path):
   assert "The checkpoint is a ViT with patch_size=4, hidden_size=8, num_layers=1" in message
   assert message.endswith("start a new run in another --workdir.")
   assert sorted(os.listdir(workdir)) == before  # No events file of the refused run.
+  # The same model in the other encoder layout (the training default is scanned).
+  with pytest.raises(train.ConfigError, match=r"written with the scanned encoder layout: resume "
+                     r"with --config\.model\.scan=True"):
+    train.train_and_evaluate(_tiny(folder, 4, **{"model.scan": False}), workdir)
+  assert sorted(os.listdir(workdir)) == before
 
 
 def test_a_workdir_that_cannot_be_written_fails_before_any_work(tmp_path):

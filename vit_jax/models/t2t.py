@@ -96,6 +96,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from vit_jax.models import attention
 from vit_jax.models import layout
 from vit_jax.models import vit
 
@@ -433,11 +434,10 @@ class Attention(nn.Module):
     scale = self.qk_scale if self.qk_scale is not None else head_dim ** -0.5
     qkv = _dense(3 * d, 'qkv', self.dtype, self.param_dtype, ('embed', 'qkv'),
                  use_bias=False)(x)
-    qkv = qkv.reshape(b, n, 3, self.num_heads, head_dim)
-    q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]  # [B, N, heads, head_dim]
-    logits = jnp.einsum('bqhd,bkhd->bhqk', q, k).astype(jnp.float32) * scale
-    attn = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
-    y = jnp.einsum('bhqk,bkhd->bqhd', attn, v).reshape(b, n, d)
+    # [3, B, heads, N, head_dim]: the layout the batched products of the core want (issue 9).
+    q, k, v = qkv.reshape(b, n, 3, self.num_heads, head_dim).transpose(2, 0, 3, 1, 4)
+    y = attention.dot_product_attention(q, k, v, logits_scale=scale)
+    y = y.transpose(0, 2, 1, 3).reshape(b, n, d)
     return _dense(d, 'proj', self.dtype, self.param_dtype, ('qkv', 'embed'))(y)
 
 

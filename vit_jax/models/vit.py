@@ -65,13 +65,13 @@ This module has no training dependencies (no optax, no TensorFlow).
 
 from __future__ import annotations
 
-import functools
 from typing import Any, Optional, Tuple, Union
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from vit_jax.models import attention
 from vit_jax.models import layout
 from vit_jax.models import resnet
 
@@ -84,40 +84,21 @@ CLASSIFIERS = ('token', 'gap')
 #: LayerNorm epsilon of the official model (flax default; PyTorch's would be 1e-5).
 LAYERNORM_EPSILON = 1e-6
 
+#: ``remat_policy`` values: names in ``jax.checkpoint_policies`` of what a rematerialised block
+#: keeps from its forward pass for the backward pass (everything else is recomputed).
+#: 'nothing_saveable' keeps only the block's input (full rematerialisation, least memory);
+#: 'dots_with_no_batch_dims_saveable' also keeps the outputs of the dense projections (q, k, v,
+#: attention output, both MLP layers) and recomputes the LayerNorms, the attention weights
+#: (softmax of q k^T) and the GELU: with ``scan=True`` this is the fastest setting on CPU as
+#: well as a quarter of the memory of no remat (issue 9 measurements in README "Benchmarks").
+REMAT_POLICIES = ('nothing_saveable', 'dots_with_no_batch_dims_saveable', 'dots_saveable',
+                  'everything_saveable')
+
 #: Logical axes of the token sequence and of the MLP hidden activations.
 TOKENS_AXES = ('batch', 'length', 'embed')
 MLP_HIDDEN_AXES = ('batch', 'length', 'mlp')
 
 _partitioned = nn.with_logical_partitioning
-
-
-class _DenseGeneralInitBox(nn.LogicallyPartitioned):
-  """Transient box of a ``DenseGeneral`` initialiser (attention q/k/v/out kernels and biases).
-
-  ``nn.DenseGeneral`` calls its initialiser with the *flattened* 2-D (1-D for biases) shape,
-  unboxes the result and reshapes it to the real shape (flax issue #3676). Under a global mesh
-  the unboxing of an ``nn.LogicallyPartitioned`` would apply the sharding constraint of the
-  real shape's names to the flat array and fail. This box does not constrain, and turns itself
-  into a plain ``nn.LogicallyPartitioned`` once the value has its real shape
-  (``replace_boxed``), so only standard boxes are stored.
-  """
-
-  def unbox(self, apply_constraint: bool = True) -> Any:
-    del apply_constraint
-    return self.value
-
-  def replace_boxed(self, val: Any) -> nn.LogicallyPartitioned:
-    return nn.LogicallyPartitioned(val, self.names, mesh=self.mesh, rules=self.rules)
-
-
-def _dense_general_partitioned(init_fn: Any, names: Tuple[Optional[str], ...]) -> Any:
-  """``nn.with_logical_partitioning(init_fn, names)`` for ``nn.DenseGeneral`` parameters."""
-
-  @functools.wraps(init_fn)
-  def wrapper(*args, **kwargs):
-    return _DenseGeneralInitBox(init_fn(*args, **kwargs), names)
-
-  return wrapper
 
 
 def constrain(x: Array, names: Tuple[Optional[str], ...]) -> Array:
@@ -302,21 +283,13 @@ class EncoderBlock(nn.Module):
       raise ValueError(f'EncoderBlock expects [batch, tokens, width], got shape {inputs.shape}')
     inputs = constrain(inputs, TOKENS_AXES)
     x = _layer_norm(self.dtype, self.param_dtype)(inputs)
-    x = nn.MultiHeadDotProductAttention(
+    x = attention.MultiHeadDotProductAttention(
         num_heads=self.num_heads,
+        dropout_rate=self.attention_dropout_rate,
         dtype=self.dtype,
         param_dtype=self.param_dtype,
-        kernel_init=_dense_general_partitioned(nn.initializers.xavier_uniform(),
-                                               ('embed', 'heads', 'kv')),
-        bias_init=_dense_general_partitioned(nn.initializers.zeros, ('heads', 'kv')),
-        out_kernel_init=_dense_general_partitioned(nn.initializers.xavier_uniform(),
-                                                   ('heads', 'kv', 'embed')),
-        out_bias_init=_dense_general_partitioned(nn.initializers.zeros, ('embed',)),
-        broadcast_dropout=False,
-        dropout_rate=self.attention_dropout_rate,
-        deterministic=deterministic,
-        force_fp32_for_softmax=True,
-    )(x, x)
+        name='MultiHeadDotProductAttention_0',
+    )(x, deterministic=deterministic)
     x = nn.Dropout(rate=self.dropout_rate)(x, deterministic=deterministic)
     x = constrain(x + inputs, TOKENS_AXES)
     y = _layer_norm(self.dtype, self.param_dtype)(x)
@@ -340,6 +313,7 @@ class Encoder(nn.Module):
     dtype: computation dtype; param_dtype: parameter dtype.
     scan: run the blocks with ``nn.scan`` (one compiled block body, stacked parameters).
     remat: rematerialise each block in the backward pass (``nn.remat``).
+    remat_policy: what a rematerialised block keeps, one of :data:`REMAT_POLICIES`.
 
   Input ``[B, N, D]`` (any float dtype), output ``[B, N, D]`` in ``dtype``. With ``train=True``
   and a dropout rate > 0 the ``'dropout'`` rng is required. Raises ValueError for a non-rank-3
@@ -355,6 +329,7 @@ class Encoder(nn.Module):
   param_dtype: Dtype = jnp.float32
   scan: bool = False
   remat: bool = False
+  remat_policy: str = 'nothing_saveable'
 
   @nn.compact
   def __call__(self, x: Array, *, train: bool) -> Array:
@@ -366,7 +341,8 @@ class Encoder(nn.Module):
     block_cls = EncoderBlock
     if self.remat:
       # static_argnums counts `self` as 0: argument 2 is `deterministic`.
-      block_cls = nn.remat(block_cls, prevent_cse=not self.scan, static_argnums=(2,))
+      block_cls = nn.remat(block_cls, prevent_cse=not self.scan, static_argnums=(2,),
+                           policy=getattr(jax.checkpoint_policies, self.remat_policy))
     block_kwargs = dict(
         mlp_dim=self.mlp_dim,
         num_heads=self.num_heads,
@@ -416,7 +392,10 @@ class VisionTransformer(nn.Module):
     dtype: computation dtype (e.g. ``jnp.bfloat16``); activations are kept in this dtype.
     param_dtype: parameter dtype (float32).
     scan: run the blocks with ``nn.scan`` (parameters stacked under ``Transformer/encoderblock``).
-    remat: rematerialise every block in the backward pass.
+    remat: rematerialise every block in the backward pass. On XLA:CPU the memory saving was
+      measured only with ``scan=True`` (unrolled, the temporaries stayed the same size).
+    remat_policy: what a rematerialised block keeps for the backward pass, a name in
+      :data:`REMAT_POLICIES` (``jax.checkpoint_policies``); default 'nothing_saveable'.
     resnet_num_layers: ``None`` for a plain ViT; for a hybrid (R+ViT), the number of bottleneck
       units of each ResNet stage, e.g. ``(3, 4, 9)`` for R50+ViT-B/16, ``()`` for the root
       (conv + max-pool, stride 4) only. The stem's total stride is ``4 * 2^(stages - 1)``.
@@ -454,6 +433,7 @@ class VisionTransformer(nn.Module):
   param_dtype: Dtype = jnp.float32
   scan: bool = False
   remat: bool = False
+  remat_policy: str = 'nothing_saveable'
   resnet_num_layers: Optional[Tuple[int, ...]] = None
   resnet_width_factor: float = 1
 
@@ -463,7 +443,7 @@ class VisionTransformer(nn.Module):
         mlp_dim=self.mlp_dim, num_heads=self.num_heads, num_layers=self.num_layers,
         classifier=self.classifier, representation_size=self.representation_size,
         dropout_rate=self.dropout_rate, attention_dropout_rate=self.attention_dropout_rate,
-        dtype=self.dtype, param_dtype=self.param_dtype,
+        dtype=self.dtype, param_dtype=self.param_dtype, remat_policy=self.remat_policy,
         resnet_num_layers=self.resnet_num_layers, resnet_width_factor=self.resnet_width_factor)
     super().__post_init__()
 
@@ -521,6 +501,7 @@ class VisionTransformer(nn.Module):
                 dropout_rate=self.dropout_rate,
                 attention_dropout_rate=self.attention_dropout_rate, dtype=dtype,
                 param_dtype=param_dtype, scan=self.scan, remat=self.remat,
+                remat_policy=self.remat_policy,
                 name='Transformer')(x, train=train)
 
     if self.classifier == 'token':
@@ -563,7 +544,8 @@ def check_float_dtypes(**dtypes: Any) -> None:
 
 def validate_config(*, num_classes, patch_size, hidden_size, mlp_dim, num_heads, num_layers,
                     classifier, representation_size, dropout_rate, attention_dropout_rate,
-                    dtype=jnp.float32, param_dtype=jnp.float32, resnet_num_layers=None,
+                    dtype=jnp.float32, param_dtype=jnp.float32,
+                    remat_policy='nothing_saveable', resnet_num_layers=None,
                     resnet_width_factor=1, **unused) -> None:
   """Checks the fields of a :class:`VisionTransformer` configuration.
 
@@ -572,7 +554,8 @@ def validate_config(*, num_classes, patch_size, hidden_size, mlp_dim, num_heads,
   Raises:
     ValueError: naming the offending field, for an unknown ``classifier`` (not in
       ``CLASSIFIERS``), non-positive sizes, ``hidden_size % num_heads != 0``, a bad patch size, a
-      dropout rate outside [0, 1), a ``dtype``/``param_dtype`` that is not a float dtype, or a bad
+      dropout rate outside [0, 1), a ``dtype``/``param_dtype`` that is not a float dtype, a
+      ``remat_policy`` not in ``REMAT_POLICIES``, or a bad
       hybrid stem (``resnet_num_layers`` not a tuple of positive ints or None;
       ``64 * resnet_width_factor`` not a positive multiple of 32).
   """
@@ -590,4 +573,6 @@ def validate_config(*, num_classes, patch_size, hidden_size, mlp_dim, num_heads,
   _check_rate('dropout_rate', dropout_rate)
   _check_rate('attention_dropout_rate', attention_dropout_rate)
   check_float_dtypes(dtype=dtype, param_dtype=param_dtype)
+  if remat_policy not in REMAT_POLICIES:
+    raise ValueError(f'remat_policy must be one of {REMAT_POLICIES}, got {remat_policy!r}')
   resnet.validate_resnet(resnet_num_layers, resnet_width_factor)

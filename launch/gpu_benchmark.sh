@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# bfloat16 training throughput and MFU of ViT-B/16 and ViT-L/16 at 224 px, at batch 64 and 256,
+# on one GPU: the device check of issue 9, a few minutes on an H100/H200-class GPU.
+#
+# Usage (from the repository root, with a JAX that has a GPU backend, e.g.
+# pip install -e . 'jax[cuda13]'):
+#   launch/gpu_benchmark.sh [OUT_DIR]        (default: $OUT if set, else ./gpu_benchmark)
+#
+# Each batch size is one `python -m vit_jax.benchmark` run (training step only: forward, backward,
+# AdamW, bfloat16 compute with float32 parameters and a float32 loss, the training defaults
+# scan=True + remat 'dots_with_no_batch_dims_saveable'). It prints the table and writes
+# OUT_DIR/bf16_b{64,256}.{txt,json}. '% of peak' is the MFU: the analytic model FLOPs
+# (3 x 2 x forward MACs per image, no recomputation counted) per second over the published dense
+# bfloat16 peak of the GPU (vit_jax.accounting). Device memory peaks are in the JSON.
+# Exit status: 0, 1 when a measurement failed, 2 when JAX sees no GPU.
+set -euo pipefail
+
+out="${1:-${OUT:-gpu_benchmark}}"
+mkdir -p "$out"
+
+if ! python -c 'import jax, sys; sys.exit(jax.default_backend() != "gpu")'; then
+  echo "gpu_benchmark.sh: error: JAX sees no GPU (backend: $(python -c 'import jax; print(jax.default_backend())' 2>/dev/null || echo 'jax missing')). Install a CUDA build of JAX, e.g. pip install 'jax[cuda13]'." >&2
+  exit 2
+fi
+python -c 'import jax; print("devices:", jax.devices())'
+
+for batch in 64 256; do
+  python -m vit_jax.benchmark ViT-B_16 ViT-L_16 --dtype bfloat16 --mode train \
+    --batch "$batch" --warmup 3 --steps 10 --timeout 240 \
+    --json "$out/bf16_b${batch}.json" | tee "$out/bf16_b${batch}.txt"
+done

@@ -1,0 +1,107 @@
+"""The ViT attention layer (vit_jax.models.attention) and the training execution defaults."""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from vit_jax import defaults
+from vit_jax import models
+from vit_jax.models import attention
+from vit_jax.models import vit
+
+X = jax.random.normal(jax.random.key(0), (2, 5, 32))
+
+
+def _ours_and_flax_params():
+  ours = attention.MultiHeadDotProductAttention(num_heads=4)
+  params = ours.init(jax.random.key(1), X, deterministic=True)
+  return ours, models.unbox(params)
+
+
+def test_same_parameters_and_outputs_as_flax_attention():
+  ours, params = _ours_and_flax_params()
+  shapes = jax.tree.map(jnp.shape, params["params"])
+  assert shapes == {"query": {"kernel": (32, 4, 8), "bias": (4, 8)},
+                    "key": {"kernel": (32, 4, 8), "bias": (4, 8)},
+                    "value": {"kernel": (32, 4, 8), "bias": (4, 8)},
+                    "out": {"kernel": (4, 8, 32), "bias": (32,)}}
+  # Non-zero biases so that every term is compared.
+  params = jax.tree.map(lambda p: p + 0.1 * jax.random.normal(jax.random.key(2), p.shape),
+                        params)
+  reference = nn.MultiHeadDotProductAttention(num_heads=4, deterministic=True)
+  expected = reference.apply(params, X, X)
+  got = ours.apply(params, X, deterministic=True)
+  np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_initialisers_match_dense_general():
+  _, params = _ours_and_flax_params()
+  limit = np.sqrt(6 / (32 + 32))  # xavier_uniform over the (32, 4 * 8) projection.
+  for name in ("query", "key", "value", "out"):
+    kernel = np.abs(np.asarray(params["params"][name]["kernel"]))
+    assert 0.9 * limit < kernel.max() <= limit
+    np.testing.assert_array_equal(params["params"][name]["bias"], 0.0)
+
+
+def test_gpu_branch_computes_the_same(monkeypatch):
+  ours, params = _ours_and_flax_params()
+  expected = ours.apply(params, X, deterministic=True)
+  # On GPU the core is jax.nn.dot_product_attention (cuDNN when it applies, else XLA).
+  monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+  got = jax.jit(lambda p, x: ours.apply(p, x, deterministic=True))(params, X)
+  np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_attention_dropout_zeroes_weights_and_rescales():
+  q = k = jnp.zeros((1, 1, 4, 2))  # Uniform weights 1/4.
+  v = jnp.ones((1, 1, 4, 2))
+  y = attention.dot_product_attention(q, k, v, dropout_rate=0.5,
+                                      dropout_rng=jax.random.key(0))
+  # Each output is (kept weights) * 2 / 4: a multiple of 0.5, 1 in expectation.
+  values = np.asarray(y).ravel()
+  np.testing.assert_allclose(values * 2, np.round(values * 2), atol=1e-6)
+  np.testing.assert_allclose(attention.dot_product_attention(q, k, v), 1.0, rtol=1e-6)
+
+
+def test_width_not_divisible_by_heads():
+  with pytest.raises(ValueError, match="not divisible by num_heads=5"):
+    attention.MultiHeadDotProductAttention(num_heads=5).init(jax.random.key(0), X,
+                                                             deterministic=True)
+
+
+def test_remat_policy_is_validated():
+  with pytest.raises(ValueError, match="remat_policy must be one of"):
+    models.create("ViT-Ti_16", num_classes=10, remat=True, remat_policy="dots")
+
+
+@pytest.mark.parametrize("policy", vit.REMAT_POLICIES)
+def test_every_remat_policy_gives_the_same_gradients(policy):
+  fields = dict(hidden_size=16, mlp_dim=32, num_heads=2, num_layers=2, patch_size=4)
+  images = jax.random.normal(jax.random.key(0), (2, 8, 8, 3))
+  plain = models.create("ViT-custom", num_classes=3, **fields)
+  variables = models.unbox(plain.init(jax.random.key(1), images, train=False))
+  remat = models.create("ViT-custom", num_classes=3, scan=True, remat=True,
+                        remat_policy=policy, **fields)
+
+  def grads(model, params):
+    loss = lambda p: jnp.sum(model.apply({"params": p}, images, train=False) ** 2 +
+                             model.apply({"params": p}, images, train=False))
+    return jax.grad(loss)(params)
+
+  expected = models.scan_params(grads(plain, variables["params"]), num_layers=2)
+  got = grads(remat, models.scan_params(variables["params"], num_layers=2))
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6),
+               got, expected)
+
+
+def test_training_config_scans_and_rematerialises_unless_overridden():
+  config = defaults.get_config("ViT-Ti_16", "cifar10")
+  assert (config.model.scan, config.model.remat, config.model.remat_policy) == (
+      True, True, "dots_with_no_batch_dims_saveable")
+  config = defaults.get_config("ViT-Ti_16", "cifar10", scan=False, remat=False)
+  assert not config.model.scan and not config.model.remat
+  # The model itself defaults to the unrolled encoder with the official per-layer names.
+  assert models.model_config("ViT-Ti_16")["scan"] is False
+  assert "scan" not in defaults.get_config("T2T-ViT-14", "cifar10").model
