@@ -4,7 +4,7 @@ Usage:
   python -m vit_jax.benchmark MODEL [MODEL ...] [--batch 8] [--resolution 224]
       [--dtype float32|bfloat16] [--mode train|inference|both] [--warmup 2] [--steps 5]
       [--threads N] [--override KEY=VALUE ...] [--compare timm] [--rounds R] [--compile-only]
-      [--json PATH]
+      [--input-pipeline] [--json PATH]
 
 Examples:
   # ViT-B/16, batch 8 at 224 px: our training step and inference beside timm's, 3 rounds.
@@ -40,6 +40,12 @@ What is measured, for every model and mode (one row each):
   Achieved FLOP/s = analytic FLOPs / median step time, as a fraction of the device's peak
   (`accounting.local_hardware`: a measured float32 2048^3 matmul on CPU, the published table on
   GPU/TPU); timm's rows use the same analytic count and peak.
+
+--input-pipeline also measures the training input pipeline alone (`measure_input`): images/s
+of `vit_jax.data.create_train_iterator` with the training defaults (Inception crop fused with
+decoding, flip, resize to --resolution, normalisation, prefetch) at the same batch and threads,
+on the offline Fashion-MNIST builder and on a generated folder of 500x375 JPEGs, with the
+multiple of our fastest measured training step (> 1: the input is not the bottleneck).
 
 Threads (--threads N, default: every core this process may run on): the subprocesses are
 pinned to N cores (`sched_setaffinity`); JAX's CPU client sizes its intra-op (Eigen) thread
