@@ -112,7 +112,8 @@ _VIT_DEFAULTS: Dict[str, Any] = dict(
 #: are rematerialised keeping the dense projections' outputs was both the fastest and the leanest
 #: training step measured on CPU (README "Benchmarks"; e.g. ViT-B/16 at batch 8: 2.6 GiB peak
 #: instead of 3.8), and one compiled block body compiles in a fraction of the time. Checkpoints
-#: then hold the stacked ``encoderblock`` layout; loading converts between the layouts.
+#: then hold the stacked ``encoderblock`` layout; fine-tuning (``checkpoint.init_for_finetuning``)
+#: converts between the layouts and ``checkpoint.save_npz`` writes the official one.
 TRAINING_DEFAULTS: Dict[str, Any] = dict(
     scan=True, remat=True, remat_policy='dots_with_no_batch_dims_saveable')
 
