@@ -16,12 +16,13 @@
 set -euo pipefail
 
 out="${1:-${OUT:-gpu_benchmark}}"
-mkdir -p "$out"
 
-if ! python -c 'import jax, sys; sys.exit(jax.default_backend() != "gpu")'; then
-  echo "gpu_benchmark.sh: error: JAX sees no GPU (backend: $(python -c 'import jax; print(jax.default_backend())' 2>/dev/null || echo 'jax missing')). Install a CUDA build of JAX, e.g. pip install 'jax[cuda13]'." >&2
+backend="$(python -c 'import jax; print(jax.default_backend())' 2>/dev/null || echo 'jax missing')"
+if [[ "$backend" != "gpu" ]]; then
+  echo "gpu_benchmark.sh: error: JAX sees no GPU (backend: $backend). Install a CUDA build of JAX, e.g. pip install 'jax[cuda13]' (and the project: pip install -e .)." >&2
   exit 2
 fi
+mkdir -p "$out"
 python -c 'import jax; print("devices:", jax.devices())'
 
 for batch in 64 256; do

@@ -269,3 +269,4 @@ def test_gpu_script_refuses_a_machine_without_gpu(tmp_path):
   assert proc.returncode == 2 and not proc.stdout
   assert "error: JAX sees no GPU (backend: cpu)" in proc.stderr
   assert "pip install 'jax[cuda13]'" in proc.stderr
+  assert not (tmp_path / "out").exists()  # Nothing created on a machine it refuses.

@@ -878,7 +878,8 @@ def format_report(report: dict[str, Any]) -> str:
                    _fmt(r["peak_rss_mib"], ".0f")]
                   + ([_fmt(r["images_per_sec"] / max(train), ".1f")] if train else []))
     parts += ["The training input pipeline alone (vit_jax.data, same batch, resolution and "
-              "threads; > 1x: it is not the bottleneck):", _table(headers, rows)]
+              "threads" + ("; > 1x: it is not the bottleneck):" if train else "):"),
+              _table(headers, rows)]
   if report["comparisons"]:
     headers = ["model", "timm model", "mode", "ours images/s", "timm images/s", "ratio",
                "ours peak RSS MiB", "timm peak RSS MiB", "ratio"]
@@ -1073,7 +1074,7 @@ def _parser() -> argparse.ArgumentParser:
                       help="cores / threads for both frameworks (default: all cores this "
                            "process may use); see 'Threads' above")
   parser.add_argument("--override", action="append", default=[], metavar="KEY=VALUE",
-                      help="a model field, repeatable: e.g. --override scan=True, "
+                      help="a model field, repeatable: e.g. --override scan=False, "
                            "--override num_layers=4 (values are Python literals)")
   parser.add_argument("--num-classes", type=_int_at_least(1), default=1000,
                       help="classes of the head (default 1000)")
