@@ -55,14 +55,17 @@ def test_gpu_branch_computes_the_same(monkeypatch):
 
 
 def test_attention_dropout_zeroes_weights_and_rescales():
-  q = k = jnp.zeros((1, 1, 4, 2))  # Uniform weights 1/4.
-  v = jnp.ones((1, 1, 4, 2))
-  y = attention.dot_product_attention(q, k, v, dropout_rate=0.5,
-                                      dropout_rng=jax.random.key(0))
-  # Each output is (kept weights) * 2 / 4: a multiple of 0.5, 1 in expectation.
-  values = np.asarray(y).ravel()
-  np.testing.assert_allclose(values * 2, np.round(values * 2), atol=1e-6)
+  q = k = jnp.zeros((1, 2, 64, 2))  # Uniform weights 1/64 over 64 keys.
+  v = jnp.ones((1, 2, 64, 2))
   np.testing.assert_allclose(attention.dot_product_attention(q, k, v), 1.0, rtol=1e-6)
+  y = np.asarray(attention.dot_product_attention(q, k, v, dropout_rate=0.5,
+                                                 dropout_rng=jax.random.key(0)))
+  # Each output is (kept weights) * 2 / 64: a multiple of 1/32, 1 in expectation.
+  kept = y[..., 0] * 32
+  np.testing.assert_allclose(kept, np.round(kept), atol=1e-4)
+  assert (kept != 32).any() and 0.8 < y.mean() < 1.2  # Dropped, rescaled, not broadcast:
+  assert len(np.unique(np.round(kept))) > 10  # each query row keeps its own weights.
+  np.testing.assert_array_equal(y[..., 0], y[..., 1])  # One weight per key, for every dim.
 
 
 def test_width_not_divisible_by_heads():
