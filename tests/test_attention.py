@@ -107,4 +107,8 @@ def test_training_config_scans_and_rematerialises_unless_overridden():
   assert not config.model.scan and not config.model.remat
   # The model itself defaults to the unrolled encoder with the official per-layer names.
   assert models.model_config("ViT-Ti_16")["scan"] is False
-  assert "scan" not in defaults.get_config("T2T-ViT-14", "cifar10").model
+  # T2T-ViT trains with its backbone scanned and rematerialised the same way.
+  config = defaults.get_config("T2T-ViT-14", "cifar10")
+  assert (config.model.scan, config.model.remat, config.model.remat_policy) == (
+      True, True, "dots_with_no_batch_dims_saveable")
+  assert models.model_config("T2T-ViT-14")["scan"] is False

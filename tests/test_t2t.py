@@ -332,3 +332,78 @@ def test_drop_path_only_in_training():
   assert not np.allclose(train_a, eval_a) and not np.allclose(train_a, train_b)
   with pytest.raises(Exception, match='dropout'):
     jax.eval_shape(functools.partial(model.apply, train=True), variables, images)
+
+
+# ------------------------------------------------------------------------------------------------
+# Scanned and rematerialised backbone (the training default, models.TRAINING_DEFAULTS).
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize('name', GOLDEN)
+def test_scanned_backbone_loads_the_reference_weights(name):
+  model, _ = _golden_model(name, scan=True, remat=True,
+                           remat_policy='dots_with_no_batch_dims_saveable')
+  variables = t2t.from_torch_state_dict(_load_state_dict(name), model)
+  params = variables['params']
+  depth = model.depth
+  assert 'blocks' in params and not any(k.startswith('blocks_') for k in params)
+  assert params['blocks']['attn']['qkv']['kernel'].shape == (depth, model.embed_dim,
+                                                             3 * model.embed_dim)
+  unrolled, _ = _golden_model(name)
+  assert _count(params) == _count(_init_shapes(unrolled, 32)['params'])
+  inputs = np.load(FIXTURES / name / 'inputs_nhwc.npy')
+  with jax.default_matmul_precision('highest'):
+    logits = jax.jit(functools.partial(model.apply, train=False))(variables, inputs)
+  np.testing.assert_allclose(logits, np.load(FIXTURES / name / 'logits.npy'), rtol=RTOL,
+                             atol=ATOL)
+  # The layout converts both ways; the unrolled tree is the reference's blocks.i.
+  back = models.unscan_params(params)
+  assert models.is_scanned(params) and not models.is_scanned(back)
+  assert [f'blocks_{i}' for i in range(depth)] == sorted(k for k in back if k.startswith('blocks'))
+  from vit_jax import checkpoint  # pylint: disable=g-import-not-at-top
+  assert f'depth={depth}' in checkpoint.describe_architecture(variables)
+
+
+@pytest.mark.parametrize('policy', ['nothing_saveable', 'dots_with_no_batch_dims_saveable'])
+def test_scanned_rematerialised_gradients_equal_the_unrolled_ones(policy):
+  plain, image_size = _golden_model('t2t_tiny_performer', drop_path_rate=0.0)
+  fast = plain.clone(scan=True, remat=True, remat_policy=policy)
+  images = jax.random.normal(jax.random.key(0), (2, image_size, image_size, 3))
+  variables = _init(plain, images)
+
+  def grads(model, params):
+    loss = lambda p: jnp.sum(model.apply(dict(variables, params=p), images, train=True) ** 2)
+    return jax.jit(jax.grad(loss))(params)
+
+  expected = grads(plain, variables['params'])
+  got = models.unscan_params(grads(fast, models.scan_params(variables['params'])))
+  assert jax.tree.structure(got) == jax.tree.structure(models.unbox(expected))
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6),
+               got, models.unbox(expected))
+  with pytest.raises(ValueError, match='remat_policy must be one of'):
+    plain.clone(remat_policy='dots')
+
+
+def test_scanned_blocks_keep_their_own_drop_path_rate():
+  # Rates are linspace(0, rate, depth): one block gets 0 (no drop path at all), two blocks get
+  # 0 and the full rate. A scanned stack must give each block its rate, not one shared value.
+  model, image_size = _golden_model('t2t_tiny_transformer', drop_path_rate=0.5, depth=1,
+                                    scan=True)
+  images = jax.random.normal(jax.random.key(0), (8, image_size, image_size, 3))
+
+  def train_and_eval(model):
+    variables = _init(model, images, seed=1)
+    train = jax.jit(lambda v, key: model.apply(v, images, train=True, rngs={'dropout': key}))
+    return train(variables, jax.random.key(2)), model.apply(variables, images, train=False)
+
+  trained, evaluated = train_and_eval(model)
+  np.testing.assert_allclose(trained, evaluated, rtol=1e-6, atol=1e-6)
+  trained, evaluated = train_and_eval(model.clone(depth=2))
+  assert not np.allclose(trained, evaluated)
+  # The dynamic rate of DropPath: whole samples dropped with that probability, the rest scaled.
+  x = jnp.ones((4000, 3))
+  y = t2t.DropPath().apply({}, x, deterministic=False, rate=jnp.float32(0.25),
+                           rngs={'dropout': jax.random.key(4)})
+  kept = np.asarray(y[:, 0] != 0)
+  assert abs(kept.mean() - 0.75) < 0.03
+  np.testing.assert_allclose(np.asarray(y)[kept], 1 / 0.75, rtol=1e-6)

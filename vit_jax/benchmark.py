@@ -14,7 +14,7 @@ Examples:
   python -m vit_jax.benchmark ViT-H_14 --batch 1 --mode train --compile-only --override scan=False
 
 Our model runs with the execution settings `python -m vit_jax.main` trains with
-(`vit_jax.models.TRAINING_DEFAULTS`; for ViTs: scan=True, remat=True,
+(`vit_jax.models.TRAINING_DEFAULTS`; for ViT and T2T-ViT: scan=True, remat=True,
 remat_policy='dots_with_no_batch_dims_saveable'), each replaceable with --override (e.g.
 --override scan=False --override remat=False for the plain unrolled model). timm runs its
 default model, without gradient checkpointing unless --override remat=True is given.
@@ -156,7 +156,8 @@ def training_overrides(model: str, overrides: dict[str, Any]) -> dict[str, Any]:
   """`overrides` plus the training defaults of `model`'s execution fields not overridden.
 
   These are what `python -m vit_jax.main` trains with (`vit_jax.models.TRAINING_DEFAULTS`:
-  for ViTs a scanned encoder, each block rematerialised keeping the dense projections' outputs),
+  for ViT and T2T-ViT a scanned encoder, each block rematerialised keeping the dense
+  projections' outputs),
   so the benchmark measures the step a user gets. Raises BenchmarkError for an unknown model.
   """
   from vit_jax import models  # pylint: disable=g-import-not-at-top

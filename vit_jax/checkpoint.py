@@ -37,7 +37,8 @@ directories itself).
 
 Layout: ``load`` never changes the encoder layout. ``.npz`` files are always in the unrolled
 ``encoderblock_{i}`` layout; an Orbax checkpoint of a ``scan=True`` model holds a stacked
-``encoderblock``. Convert explicitly::
+``encoderblock`` (T2T-ViT: ``blocks``; a ``.pth.tar`` converts into the layout of the ``model``
+given). Convert explicitly::
 
   from vit_jax.models import scan_params, unscan_params
   variables = load('ViT-B_16.npz')
@@ -375,8 +376,11 @@ def describe_architecture(variables: Mapping) -> Optional[str]:
     return f'The checkpoint is a ViT{stem} with {", ".join(fields)}{classes}.'
   if shape('params/cls_token') and shape('params/tokens_to_token/project/kernel'):
     width = shape('params/cls_token')[-1]
-    depth = len({k.split('/')[1] for k in flat if k.startswith('params/blocks_')})
-    fc1 = shape('params/blocks_0/mlp/fc1/kernel')
+    if shape('params/blocks/mlp/fc1/kernel'):  # Scanned: (depth, D, MLP).
+      depth, *fc1 = shape('params/blocks/mlp/fc1/kernel')
+    else:
+      depth = len({k.split('/')[1] for k in flat if k.startswith('params/blocks_')})
+      fc1 = shape('params/blocks_0/mlp/fc1/kernel')
     token_dim = shape('params/tokens_to_token/project/kernel')[0] // 9
     performer = any(k.endswith('attention1/w') for k in flat)
     fields = [f'embed_dim={width}', f'depth={depth}',
@@ -703,7 +707,7 @@ def check_state_fits(state_dir: Any, abstract_state: Mapping) -> None:
     described = (describe_architecture({'params': as_structs(tree['params'])})
                  if isinstance(tree.get('params'), Mapping) else None)
     header = f'The checkpoint {state_dir} does not fit this model:'
-    scanned = lambda keys: any('/encoderblock/' in k for k in keys)  # pylint: disable=g-long-lambda
+    scanned = lambda keys: any(f'/{p}/' in k for k in keys for p in layout.BLOCK_PREFIXES)
     if saved and wanted and scanned(saved) != scanned(wanted):
       setting = 'True' if scanned(saved) else 'False'
       header += (f' it was written with the {"scanned" if scanned(saved) else "per-layer"} '

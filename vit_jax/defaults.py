@@ -44,7 +44,7 @@ def get_config(model_name: str = "ViT-B_16", dataset: str = "imagenet2012",
   # resolved, so each can be overridden (--config.model.num_layers=4).
   config.model_name = model_name
   fields = models.model_config(model_name, **model_overrides)
-  # The execution fields train as models.TRAINING_DEFAULTS says (scanned, rematerialised ViT).
+  # The execution fields train as models.TRAINING_DEFAULTS says (scanned, rematerialised blocks).
   fields.update({k: v for k, v in models.TRAINING_DEFAULTS.items()
                  if k in fields and k not in model_overrides})
   config.model = ml_collections.ConfigDict(fields)

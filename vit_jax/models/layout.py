@@ -10,6 +10,10 @@ Scanned (``VisionTransformer(scan=True)``)::
 
   Transformer/encoderblock/LayerNorm_0/scale          (L, D)
 
+T2T-ViT's backbone likewise: ``blocks_{i}/norm1/scale`` (D,) unrolled (the reference's
+``blocks.i``), ``blocks/norm1/scale`` (depth, D) with ``T2TViT(scan=True)``. The functions below
+convert every block prefix of :data:`BLOCK_PREFIXES` unless given one ``prefix``.
+
 Both functions are pure (the input tree is not modified), accept a ``params`` tree or a whole
 variables dict (``{'params': ..., ...}``: every collection is converted), accept ``dict`` and
 ``FrozenDict`` nodes and return plain nested ``dict`` trees. Leaves may be NumPy or JAX arrays;
@@ -37,6 +41,9 @@ import numpy as np
 
 #: Name of the scanned block subtree; unrolled blocks are named ``f'{BLOCK_PREFIX}_{i}'``.
 BLOCK_PREFIX = 'encoderblock'
+
+#: The block prefixes of all families: ViT's encoder and T2T-ViT's backbone.
+BLOCK_PREFIXES = (BLOCK_PREFIX, 'blocks')
 
 
 #: The logical axis names used by the models' parameters and activations (a mesh's rules map
@@ -122,14 +129,19 @@ def _block_indices(node: Mapping, prefix: str) -> dict:
   return found
 
 
+def _prefixes(prefix: Optional[str]) -> tuple:
+  return BLOCK_PREFIXES if prefix is None else (prefix,)
+
+
 def scan_params(params: Any, num_layers: Optional[int] = None, *,
-                prefix: str = BLOCK_PREFIX) -> dict:
+                prefix: Optional[str] = None) -> dict:
   """Stacks ``encoderblock_{i}`` subtrees into one ``encoderblock`` subtree (leading axis L).
 
   Args:
     params: nested params (or variables) dict in the unrolled layout.
     num_layers: expected number of blocks; ``None`` accepts whatever is present.
-    prefix: block name prefix (``'encoderblock'``).
+    prefix: block name prefix (``'encoderblock'`` or T2T-ViT's ``'blocks'``); ``None``: each of
+      :data:`BLOCK_PREFIXES`.
 
   Returns:
     A new nested dict in which every mapping holding ``{prefix}_0 .. {prefix}_{L-1}`` holds
@@ -146,13 +158,15 @@ def scan_params(params: Any, num_layers: Optional[int] = None, *,
   def convert(node):
     if not isinstance(node, Mapping):
       return node
-    blocks = _block_indices(node, prefix)
-    out = {}
-    for key, value in node.items():
-      if key not in blocks.values():
-        out[key] = convert(value)
-    if not blocks:
-      return out
+    found = {p: _block_indices(node, p) for p in _prefixes(prefix)}
+    block_keys = {key for blocks in found.values() for key in blocks.values()}
+    out = {key: convert(value) for key, value in node.items() if key not in block_keys}
+    for p, blocks in found.items():
+      if blocks:
+        stack_blocks(node, out, p, blocks)
+    return out
+
+  def stack_blocks(node, out, prefix, blocks):
     n = len(blocks)
     if sorted(blocks) != list(range(n)):
       raise ValueError(
@@ -171,22 +185,23 @@ def scan_params(params: Any, num_layers: Optional[int] = None, *,
         raise ValueError(f'{prefix}_{i} has different leaf shapes from {prefix}_0')
     out[prefix] = jax.tree.map(lambda *xs: _stack(xs), *subtrees)
     count[0] += n
-    return out
 
   result = convert(params)
   if count[0] == 0:
+    names = ' or '.join(f'{p}_{{i}}' for p in _prefixes(prefix))
     raise ValueError(
-        f'No {prefix}_{{i}} subtrees found: nothing to scan (is the tree already in the scanned '
-        f'layout, with a single {prefix!r} entry?)')
+        f'No {names} subtrees found: nothing to scan (is the tree already in the scanned '
+        f'layout, with a single {" or ".join(map(repr, _prefixes(prefix)))} entry?)')
   return result
 
 
-def unscan_params(params: Any, *, prefix: str = BLOCK_PREFIX) -> dict:
+def unscan_params(params: Any, *, prefix: Optional[str] = None) -> dict:
   """Splits a stacked ``encoderblock`` subtree into ``encoderblock_{i}`` subtrees.
 
   Args:
     params: nested params (or variables) dict in the scanned layout.
-    prefix: block name prefix (``'encoderblock'``).
+    prefix: block name prefix (``'encoderblock'`` or T2T-ViT's ``'blocks'``); ``None``: each of
+      :data:`BLOCK_PREFIXES`.
 
   Returns:
     A new nested dict in which every ``{prefix}`` mapping with leaves of shape ``(L, *shape)`` is
@@ -202,14 +217,14 @@ def unscan_params(params: Any, *, prefix: str = BLOCK_PREFIX) -> dict:
   def convert(node):
     if not isinstance(node, Mapping):
       return node
-    out = {}
-    for key, value in node.items():
-      if key == prefix and isinstance(value, Mapping):
-        continue
-      out[key] = convert(value)
-    stacked = node.get(prefix)
-    if not isinstance(stacked, Mapping):
-      return out
+    stacked = [p for p in _prefixes(prefix) if isinstance(node.get(p), Mapping)]
+    out = {key: convert(value) for key, value in node.items() if key not in stacked}
+    for p in stacked:
+      split_blocks(node, out, p)
+    return out
+
+  def split_blocks(node, out, prefix):
+    stacked = node[prefix]
     if _block_indices(node, prefix):
       raise ValueError(f'Tree has both {prefix!r} and {prefix}_{{i}} entries; cannot unscan it')
     stacked = _to_dict(stacked)
@@ -222,20 +237,23 @@ def unscan_params(params: Any, *, prefix: str = BLOCK_PREFIX) -> dict:
     for i in range(n):
       out[f'{prefix}_{i}'] = jax.tree.map(lambda x, i=i: x[i], stacked)
     count[0] += n
-    return out
 
   result = convert(params)
   if count[0] == 0:
     raise ValueError(
-        f'No stacked {prefix!r} subtree found: nothing to unscan (is the tree already in the '
-        f'unrolled {prefix}_{{i}} layout?)')
+        f'No stacked {" or ".join(map(repr, _prefixes(prefix)))} subtree found: nothing to '
+        f'unscan (is the tree already in the unrolled '
+        f'{" or ".join(p + "_{i}" for p in _prefixes(prefix))} layout?)')
   return result
 
 
-def is_scanned(params: Any, *, prefix: str = BLOCK_PREFIX) -> bool:
-  """True if any mapping in ``params`` has a stacked ``{prefix}`` subtree (scanned layout)."""
+def is_scanned(params: Any, *, prefix: Optional[str] = None) -> bool:
+  """True if any mapping in ``params`` has a stacked ``{prefix}`` subtree (scanned layout).
+
+  ``prefix`` None looks for each of :data:`BLOCK_PREFIXES`.
+  """
   if not isinstance(params, Mapping):
     return False
-  if isinstance(params.get(prefix), Mapping):
+  if any(isinstance(params.get(p), Mapping) for p in _prefixes(prefix)):
     return True
   return any(is_scanned(v, prefix=prefix) for v in params.values())

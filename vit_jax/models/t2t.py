@@ -11,6 +11,12 @@ ImageNet" (ICCV 2021) with the numerics of the official PyTorch code
   backbone     [cls_token; tokens] + pos_embed (fixed sinusoid table) -> ``blocks_{i}`` (pre-LN)
                -> ``norm`` -> ``head`` on token 0
 
+With ``scan=True`` the backbone runs under ``nn.scan`` and its ``blocks_{i}`` subtrees become one
+``blocks`` subtree whose leaves have a leading ``depth`` axis (logical axis ``'layers'``);
+``remat`` / ``remat_policy`` rematerialise each block as ViT's do. Training uses both
+(``vit_jax.models.TRAINING_DEFAULTS``): T2T-ViT-14 at batch 8 trains at 4.0 images/s on a 2-core
+CPU instead of 2.1 unrolled, with 1.8 GiB peak memory instead of 2.8 (issue 9).
+
 Soft split = zero-padded unfold; each patch vector is channel-major (feature index
 ``c*k*k + i*k + j``) and tokens are row-major. Each stage gives ``floor((H + 2p - k)/s) + 1``
 tokens per side (224 px -> 56 -> 28 -> 14: 196 tokens; 200 px -> 169 tokens). Unlike the
@@ -75,6 +81,7 @@ gives plain arrays, :func:`vit_jax.models.logical_axes` the ``PartitionSpec`` tr
   tokens_to_token/project kernel (None, 'embed'), bias ('embed',)
   blocks_i/attn/qkv kernel ('embed', 'qkv'); attn/proj kernel ('qkv', 'embed'), bias ('embed',)
   blocks_i/mlp/fc1 kernel ('embed', 'mlp'), bias ('mlp',); fc2 ('mlp', 'embed'), bias ('embed',)
+  (scanned: blocks/... with 'layers' first, e.g. blocks/mlp/fc1/kernel ('layers', 'embed', 'mlp'))
   every LayerNorm scale / bias ('norm',)
   head kernel ('embed', 'classes'), bias ('classes',)
 
@@ -88,6 +95,7 @@ This module has no training dependencies (no optax, no TensorFlow).
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any, Dict, Mapping, Optional, Sequence, Tuple, Union
 
@@ -247,16 +255,17 @@ class DropPath(nn.Module):
   """Stochastic depth: zeroes whole samples with probability ``rate``, rescales the rest.
 
   Input ``[B, ...]``, same shape and dtype out. Active only when ``deterministic=False`` and
-  ``rate > 0``; then needs the ``'dropout'`` rng.
+  ``rate > 0``; then needs the ``'dropout'`` rng. ``rate`` given to the call (a traced scalar,
+  e.g. one scanned block's rate) replaces the attribute; it is always applied, even when 0.
   """
 
   rate: float = 0.0
 
   @nn.compact
-  def __call__(self, x: Array, *, deterministic: bool) -> Array:
-    if deterministic or self.rate == 0.0:
+  def __call__(self, x: Array, *, deterministic: bool, rate: Optional[Array] = None) -> Array:
+    if deterministic or (rate is None and self.rate == 0.0):
       return x
-    keep = 1.0 - self.rate
+    keep = 1.0 - (self.rate if rate is None else rate)
     shape = (x.shape[0],) + (1,) * (x.ndim - 1)
     mask = jax.random.bernoulli(self.make_rng('dropout'), keep, shape)
     return jnp.where(mask, x / keep, jnp.zeros_like(x))
@@ -446,6 +455,11 @@ class Block(nn.Module):
 
   ``x + drop_path(attn(norm1(x)))``, then ``x + drop_path(mlp(norm2(x)))``; MLP hidden
   ``int(D * mlp_ratio)``, exact GELU. Input / output ``[B, N, D]`` in ``dtype``.
+
+  ``deterministic`` (a Python bool, positional so that ``nn.remat`` can make it static) disables
+  drop path. ``drop_path_rate``, a scalar array, replaces the ``drop_path`` attribute (how
+  ``nn.scan`` gives each stacked block its own rate); with ``scanned=True`` the call returns
+  ``(x, None)``, the carry/output pair ``nn.scan`` needs.
   """
 
   num_heads: int
@@ -454,18 +468,21 @@ class Block(nn.Module):
   drop_path: float = 0.0
   dtype: Dtype = jnp.float32
   param_dtype: Dtype = jnp.float32
+  scanned: bool = False
 
   @nn.compact
-  def __call__(self, x: Array, *, deterministic: bool) -> Array:
+  def __call__(self, x: Array, deterministic: bool, drop_path_rate: Optional[Array] = None):
     d = x.shape[-1]
-    drop = DropPath(self.drop_path, name='drop_path')
+    drop = functools.partial(DropPath(self.drop_path, name='drop_path'),
+                             deterministic=deterministic, rate=drop_path_rate)
     x = _constrain(x, _TOKENS_AXES)
     y = _layer_norm('norm1', self.dtype, self.param_dtype)(x)
     y = Attention(self.num_heads, self.qk_scale, self.dtype, self.param_dtype, name='attn')(y)
-    x = _constrain(x + drop(y, deterministic=deterministic), _TOKENS_AXES)
+    x = _constrain(x + drop(y), _TOKENS_AXES)
     y = _layer_norm('norm2', self.dtype, self.param_dtype)(x)
     y = Mlp(int(d * self.mlp_ratio), d, self.dtype, self.param_dtype, name='mlp')(y)
-    return _constrain(x + drop(y, deterministic=deterministic), _TOKENS_AXES)
+    x = _constrain(x + drop(y), _TOKENS_AXES)
+    return (x, None) if self.scanned else x
 
 
 class T2TViT(nn.Module):
@@ -483,6 +500,15 @@ class T2TViT(nn.Module):
       weights were trained with ``embed_dim**-0.5``.
     drop_path_rate: stochastic depth, linear from 0 (first block) to this (last block).
     dtype: computation dtype (e.g. ``jnp.bfloat16``); param_dtype: parameter dtype.
+    scan: run the backbone blocks with ``nn.scan``: their parameters are stacked under one
+      ``blocks`` subtree (leading axis ``depth``, logical axis ``'layers'``) instead of
+      ``blocks_{i}``; :func:`vit_jax.models.scan_params` / ``unscan_params`` convert, and
+      :func:`from_torch_state_dict` returns the layout of ``model``. The T2T module stays
+      unrolled (two layers). Each block keeps its own drop-path rate; the random draws differ
+      from the unrolled model's (the dropout rng is split per block by ``nn.scan``).
+    remat: rematerialise every backbone block in the backward pass (``nn.remat``).
+    remat_policy: what a rematerialised block keeps, a name in
+      :data:`vit_jax.models.vit.REMAT_POLICIES`; default 'nothing_saveable'.
 
   Call ``model.apply(variables, images, train=False)`` with ``variables`` holding ``'params'`` and
   ``'constants'`` (as returned by ``init``):
@@ -510,13 +536,17 @@ class T2TViT(nn.Module):
   drop_path_rate: float = 0.0
   dtype: Dtype = jnp.float32
   param_dtype: Dtype = jnp.float32
+  scan: bool = False
+  remat: bool = False
+  remat_policy: str = 'nothing_saveable'
 
   def __post_init__(self):
     validate_config(
         num_classes=self.num_classes, embed_dim=self.embed_dim, depth=self.depth,
         num_heads=self.num_heads, mlp_ratio=self.mlp_ratio, token_dim=self.token_dim,
         tokens_type=self.tokens_type, qk_scale=self.qk_scale,
-        drop_path_rate=self.drop_path_rate, dtype=self.dtype, param_dtype=self.param_dtype)
+        drop_path_rate=self.drop_path_rate, dtype=self.dtype, param_dtype=self.param_dtype,
+        remat_policy=self.remat_policy)
     super().__post_init__()
 
   @nn.compact
@@ -545,9 +575,20 @@ class T2TViT(nn.Module):
     self.sow('intermediates', 'pos_drop', x)
 
     rates = np.linspace(0.0, self.drop_path_rate, self.depth)  # As torch.linspace.
-    for i in range(self.depth):
-      x = Block(self.num_heads, self.mlp_ratio, self.qk_scale, float(rates[i]), dtype,
-                param_dtype, name=f'blocks_{i}')(x, deterministic=not train)
+    block_cls = (vit.rematerialised(Block, self.remat_policy, scan=self.scan)
+                 if self.remat else Block)
+    block_kwargs = dict(num_heads=self.num_heads, mlp_ratio=self.mlp_ratio,
+                        qk_scale=self.qk_scale, dtype=dtype, param_dtype=param_dtype)
+    if self.scan:
+      # The per-block drop-path rates are scanned over with the parameters (axis 0); without
+      # drop path (or in eval) no rate is passed and the blocks skip it statically.
+      scanned_rates = (jnp.asarray(rates, jnp.float32),) if self.drop_path_rate and train else ()
+      stack = vit.scanned(block_cls, self.depth,
+                          in_axes=(nn.broadcast,) + (0,) * len(scanned_rates))
+      x, _ = stack(scanned=True, name='blocks', **block_kwargs)(x, not train, *scanned_rates)
+    else:
+      for i in range(self.depth):
+        x = block_cls(drop_path=float(rates[i]), name=f'blocks_{i}', **block_kwargs)(x, not train)
     x = _layer_norm('norm', dtype, param_dtype)(x)
     x = x[:, 0]
     if self.num_classes is None:
@@ -566,7 +607,8 @@ def _check_positive_int(field: str, value: Any, allow_none: bool = False) -> Non
 
 def validate_config(*, num_classes, embed_dim, depth, num_heads, mlp_ratio, token_dim=64,
                     tokens_type='performer', qk_scale=None, drop_path_rate=0.0,
-                    dtype=jnp.float32, param_dtype=jnp.float32, **unused) -> None:
+                    dtype=jnp.float32, param_dtype=jnp.float32,
+                    remat_policy='nothing_saveable', **unused) -> None:
   """Checks the fields of a :class:`T2TViT` configuration.
 
   Args: the model fields (extra keyword arguments are ignored).
@@ -575,7 +617,8 @@ def validate_config(*, num_classes, embed_dim, depth, num_heads, mlp_ratio, toke
     ValueError: naming the offending field: ``tokens_type`` not in ``TOKENS_TYPES``, non-positive
       sizes, ``embed_dim % num_heads != 0``, ``token_dim < 2`` with a performer (no random
       features), ``mlp_ratio`` or ``qk_scale`` not positive, ``drop_path_rate`` outside [0, 1),
-      or a non-float ``dtype``/``param_dtype``.
+      a non-float ``dtype``/``param_dtype``, or ``remat_policy`` not in
+      :data:`vit_jax.models.vit.REMAT_POLICIES`.
   """
   del unused
   if tokens_type not in TOKENS_TYPES:
@@ -598,6 +641,8 @@ def validate_config(*, num_classes, embed_dim, depth, num_heads, mlp_ratio, toke
       or not 0.0 <= drop_path_rate < 1.0):
     raise ValueError(f'drop_path_rate must be a float in [0, 1), got {drop_path_rate!r}')
   vit.check_float_dtypes(dtype=dtype, param_dtype=param_dtype)
+  if remat_policy not in vit.REMAT_POLICIES:
+    raise ValueError(f'remat_policy must be one of {vit.REMAT_POLICIES}, got {remat_policy!r}')
 
 
 # ------------------------------------------------------------------------------------------------
@@ -678,7 +723,8 @@ def from_torch_state_dict(
 
   Returns:
     ``{'params': ..., 'constants': ...}`` nested dicts of numpy arrays in ``model.param_dtype``
-    (constants float32), Linear kernels transposed to Flax's (in, out) layout; ready for
+    (constants float32), Linear kernels transposed to Flax's (in, out) layout, the backbone
+    stacked under ``blocks`` if ``model.scan`` (``blocks_{i}`` otherwise); ready for
     ``model.apply(variables, images, train=False)``.
 
   Raises:
@@ -693,9 +739,10 @@ def from_torch_state_dict(
     height = width = image_size
   else:
     height, width = (int(s) for s in image_size)
+  unrolled = model.clone(scan=False, remat=False)  # The checkpoint's per-block layout.
   shapes = layout.unbox(jax.eval_shape(
-      lambda: model.init(jax.random.key(0), jnp.zeros((1, height, width, 3), jnp.float32),
-                         train=False)))
+      lambda: unrolled.init(jax.random.key(0), jnp.zeros((1, height, width, 3), jnp.float32),
+                            train=False)))
   expected = {}
   for collection in ('params', 'constants'):
     for path, leaf in _flatten(shapes.get(collection, {})).items():
@@ -736,7 +783,10 @@ def from_torch_state_dict(
         sorted(missing), unexpected, mismatched,
         hint and hint + ' Build the model with these values.'))
   tree = _unflatten(converted)
-  return {'params': tree.get('params', {}), 'constants': tree.get('constants', {})}
+  params = tree.get('params', {})
+  if model.scan:
+    params = layout.scan_params(params, model.depth, prefix='blocks')
+  return {'params': params, 'constants': tree.get('constants', {})}
 
 
 def _flax_to_torch_name(full_path: Tuple[str, ...]) -> str:

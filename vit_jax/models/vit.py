@@ -251,6 +251,36 @@ class MlpBlock(nn.Module):
     return x
 
 
+def rematerialised(block_cls: type, policy: str, *, scan: bool) -> type:
+  """The block class rematerialised in the backward pass (``nn.remat``), keeping ``policy``'s saves.
+
+  ``block_cls.__call__(x, deterministic, ...)`` must take the Python bool ``deterministic`` as
+  its second positional argument (it is made static). ``policy`` is one of
+  :data:`REMAT_POLICIES` (a ``jax.checkpoint_policies`` name). Common subexpression elimination
+  is prevented only outside ``nn.scan`` (``scan``), whose loop already keeps XLA from merging
+  the recomputation into the forward pass.
+  """
+  # static_argnums counts `self` as 0: argument 2 is `deterministic`.
+  return nn.remat(block_cls, prevent_cse=not scan, static_argnums=(2,),
+                  policy=getattr(jax.checkpoint_policies, policy))
+
+
+def scanned(block_cls: type, length: int, *, in_axes: Any) -> type:
+  """The block class run ``length`` times in a loop (``nn.scan``), its parameters stacked.
+
+  The block's call must return ``(x, None)`` (carry, no output). Parameters get a leading axis
+  of size ``length`` with the logical axis name ``'layers'``; each copy gets its own
+  ``'params'`` and ``'dropout'`` rngs. ``in_axes`` says how the call's arguments after ``x`` are
+  passed: ``nn.broadcast`` the same to every copy, 0 sliced along their leading axis.
+  """
+  return nn.scan(block_cls,
+                 variable_axes={'params': 0, 'intermediates': 0},
+                 split_rngs={'params': True, 'dropout': True},
+                 in_axes=in_axes,
+                 length=length,
+                 metadata_params={nn.PARTITION_NAME: 'layers'})
+
+
 class EncoderBlock(nn.Module):
   """Pre-LN Transformer encoder block (ViT eq. 2-3).
 
@@ -338,11 +368,8 @@ class Encoder(nn.Module):
     x = nn.Dropout(rate=self.dropout_rate)(x, deterministic=deterministic)
     x = constrain(x, TOKENS_AXES)
 
-    block_cls = EncoderBlock
-    if self.remat:
-      # static_argnums counts `self` as 0: argument 2 is `deterministic`.
-      block_cls = nn.remat(block_cls, prevent_cse=not self.scan, static_argnums=(2,),
-                           policy=getattr(jax.checkpoint_policies, self.remat_policy))
+    block_cls = (rematerialised(EncoderBlock, self.remat_policy, scan=self.scan)
+                 if self.remat else EncoderBlock)
     block_kwargs = dict(
         mlp_dim=self.mlp_dim,
         num_heads=self.num_heads,
@@ -352,13 +379,7 @@ class Encoder(nn.Module):
         param_dtype=self.param_dtype,
     )
     if self.scan:
-      stack = nn.scan(
-          block_cls,
-          variable_axes={'params': 0, 'intermediates': 0},
-          split_rngs={'params': True, 'dropout': True},
-          in_axes=nn.broadcast,
-          length=self.num_layers,
-          metadata_params={nn.PARTITION_NAME: 'layers'})
+      stack = scanned(block_cls, self.num_layers, in_axes=nn.broadcast)
       x, _ = stack(scanned=True, name='encoderblock', **block_kwargs)(x, deterministic)
     else:
       for i in range(self.num_layers):
