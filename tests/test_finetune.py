@@ -436,7 +436,7 @@ def test_restore_for_evaluation_checks_the_model():
   with pytest.raises(ValueError, match='must be a variables dict'):
     checkpoint.init_for_finetuning(variables['params'], variables)
   scanned = models.create('ViT-custom', num_classes=10, **dict(_vit_tiny_fields(), scan=True))
-  with pytest.raises(ValueError, match='per-layer encoder layout; convert it with '
+  with pytest.raises(ValueError, match='per-layer block layout; convert it with '
                      'vit_jax.models.scan_params first'):
     checkpoint.load(path, model=scanned, image_size=32)
 

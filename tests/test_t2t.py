@@ -400,6 +400,9 @@ def test_scanned_blocks_keep_their_own_drop_path_rate():
   np.testing.assert_allclose(trained, evaluated, rtol=1e-6, atol=1e-6)
   trained, evaluated = train_and_eval(model.clone(depth=2))
   assert not np.allclose(trained, evaluated)
+  # A traced rate must not promote bfloat16 activations (the scan carry keeps its dtype).
+  trained, _ = train_and_eval(model.clone(depth=2, dtype='bfloat16'))
+  assert trained.dtype == jnp.float32 and np.all(np.isfinite(trained))
   # The dynamic rate of DropPath: whole samples dropped with that probability, the rest scaled.
   x = jnp.ones((4000, 3))
   y = t2t.DropPath().apply({}, x, deterministic=False, rate=jnp.float32(0.25),

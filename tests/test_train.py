@@ -480,6 +480,13 @@ def test_t2t_trains_and_keeps_its_fixed_tables_out_of_training(tmp_path):
   # The sinusoid table is a function of the shape only: unchanged by training.
   np.testing.assert_array_equal(variables["constants"]["pos_embed"], fresh["constants"]["pos_embed"])
   assert "pos_embed" not in variables["params"]
+  # Trained with the backbone scanned (the default): resuming unrolled is refused, and the
+  # message describes the checkpoint from its parameters and fixed tables (a Performer).
+  assert "blocks" in variables["params"] and config.model.scan
+  config.model.scan = False
+  with pytest.raises(train.ConfigError, match=r"(?s)written with the scanned block layout: resume "
+                     r"with --config\.model\.scan=True.*depth=1.*tokens_type='performer'"):
+    train.train_and_evaluate(config, workdir)
 
 
 def test_t2t_qk_scale_is_a_float_override():

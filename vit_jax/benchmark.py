@@ -1060,7 +1060,7 @@ def _parser() -> argparse.ArgumentParser:
                       help="images per step (default 8)")
   parser.add_argument("--resolution", type=_int_at_least(1), default=224,
                       help="square image side in pixels; the patch size must divide it "
-                           "(default 224)")
+                           "(T2T-ViT: any side the three soft splits accept) (default 224)")
   parser.add_argument("--dtype", choices=DTYPES, default="float32",
                       help="compute dtype; parameters stay float32 (timm: torch.autocast for "
                            "bfloat16) (default float32)")

@@ -413,7 +413,7 @@ def check_fits(variables: Mapping, expected: Mapping, *, what: str = 'The checkp
     header = f'{what} does not fit the model:'
     scanned = layout.is_scanned(variables.get('params', {}))
     if scanned != layout.is_scanned(expected.get('params', {})):
-      header += (' it is in the ' + ('scanned' if scanned else 'per-layer') + ' encoder layout; '
+      header += (' it is in the ' + ('scanned' if scanned else 'per-layer') + ' block layout; '
                  'convert it with vit_jax.models.' + ('unscan_params' if scanned else
                                                       'scan_params') + ' first.')
     hint = describe_architecture(variables)
@@ -704,14 +704,17 @@ def check_state_fits(state_dir: Any, abstract_state: Mapping) -> None:
                 for k in sorted(set(saved) & set(wanted))
                 if tuple(saved[k].shape) != tuple(wanted[k].shape)]
   if missing or unexpected or mismatched:
-    described = (describe_architecture({'params': as_structs(tree['params'])})
+    # With the fixed tables ('model_state'): they tell a Performer T2T module from a Transformer.
+    described = (describe_architecture({name: as_structs(tree[name])
+                                        for name in ('params', 'model_state')
+                                        if isinstance(tree.get(name), Mapping)})
                  if isinstance(tree.get('params'), Mapping) else None)
     header = f'The checkpoint {state_dir} does not fit this model:'
     scanned = lambda keys: any(f'/{p}/' in k for k in keys for p in layout.BLOCK_PREFIXES)
     if saved and wanted and scanned(saved) != scanned(wanted):
       setting = 'True' if scanned(saved) else 'False'
       header += (f' it was written with the {"scanned" if scanned(saved) else "per-layer"} '
-                 f'encoder layout: resume with --config.model.scan={setting} (the training '
+                 f'block layout: resume with --config.model.scan={setting} (the training '
                  f'default is True).')
     raise ValueError(mismatch_report(header, missing, unexpected, mismatched, described))
 

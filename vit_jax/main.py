@@ -15,10 +15,14 @@ Examples:
 
 Every config field can be overridden with --config.<key>=<value> (nested keys with dots, e.g.
 --config.model.num_layers=4, --config.data.image_size=384); an unknown key stops with an error
-that names it. Rerunning the same command with the same --workdir resumes from the latest
-checkpoint there; checkpoints go to DIR/checkpoints, TensorBoard events to DIR, the run's
-compute cost (TPU-core-days, FLOPs, MFU; all attempts) to DIR/cost.json. To predict a run's cost
-before starting it: python -m vit_jax.cost --config ... --accelerator v3-256.
+that names it. The config printed at the start lists every field with its value; the model's
+are its architecture plus how the blocks run: --config.model.scan / remat (True by default
+for training; False/False for the plain unrolled model) and --config.model.remat_policy (one
+of vit_jax.models.vit.REMAT_POLICIES). Rerunning the same command with the same --workdir
+resumes from the latest checkpoint there; checkpoints go to DIR/checkpoints, TensorBoard
+events to DIR, the run's compute cost (TPU-core-days, FLOPs, MFU; all attempts) to
+DIR/cost.json. To predict a run's cost before starting it:
+python -m vit_jax.cost --config ... --accelerator v3-256.
 
 Exit codes: 0 done; 1 failed (e.g. the loss diverged, a checkpoint could not be saved: the message
 says which checkpoint is intact); 2 a bad config or flag, found before any work; 75 preempted

@@ -237,7 +237,7 @@ def test_a_workdir_of_another_model_is_refused(tmp_path):
   assert message.endswith("start a new run in another --workdir.")
   assert sorted(os.listdir(workdir)) == before  # No events file of the refused run.
   # The same model in the other encoder layout (the training default is scanned).
-  with pytest.raises(train.ConfigError, match=r"written with the scanned encoder layout: resume "
+  with pytest.raises(train.ConfigError, match=r"written with the scanned block layout: resume "
                      r"with --config\.model\.scan=True"):
     train.train_and_evaluate(_tiny(folder, 4, **{"model.scan": False}), workdir)
   assert sorted(os.listdir(workdir)) == before

@@ -7,9 +7,9 @@ parameters under the same names and shapes, so the official checkpoints load unc
   {query,key,value}/kernel (D, heads, D/heads)   {query,key,value}/bias (heads, D/heads)
   out/kernel (heads, D/heads, D)                 out/bias (D,)
 
-What differs is the order of the computation, chosen by measurement (issue 9; ViT-B/16 block,
-batch 8, 2-core CPU, forward of the attention layer 91 ms with the flax module, 52 ms here,
-PyTorch's fused ``scaled_dot_product_attention`` path 49 ms):
+What differs is the order of the computation, chosen by measurement (README "Benchmarks";
+ViT-B/16 block, batch 8, 2-core CPU, forward of the attention layer 91 ms with the flax module,
+52 ms here, PyTorch's fused ``scaled_dot_product_attention`` path 49 ms):
 
 * the projections write ``q, k, v`` directly in the ``[B, heads, N, D/heads]`` layout that the
   two batched matrix products want (``einsum('bnd,dhk->bhnk')``), and the output projection

@@ -15,7 +15,7 @@ With ``scan=True`` the backbone runs under ``nn.scan`` and its ``blocks_{i}`` su
 ``blocks`` subtree whose leaves have a leading ``depth`` axis (logical axis ``'layers'``);
 ``remat`` / ``remat_policy`` rematerialise each block as ViT's do. Training uses both
 (``vit_jax.models.TRAINING_DEFAULTS``): T2T-ViT-14 at batch 8 trains at 4.0 images/s on a 2-core
-CPU instead of 2.1 unrolled, with 1.8 GiB peak memory instead of 2.8 (issue 9).
+CPU instead of 2.1 unrolled, with 1.8 GiB peak memory instead of 2.8 (README "Benchmarks").
 
 Soft split = zero-padded unfold; each patch vector is channel-major (feature index
 ``c*k*k + i*k + j``) and tokens are row-major. Each stage gives ``floor((H + 2p - k)/s) + 1``
@@ -268,7 +268,8 @@ class DropPath(nn.Module):
     keep = 1.0 - (self.rate if rate is None else rate)
     shape = (x.shape[0],) + (1,) * (x.ndim - 1)
     mask = jax.random.bernoulli(self.make_rng('dropout'), keep, shape)
-    return jnp.where(mask, x / keep, jnp.zeros_like(x))
+    divisor = keep if rate is None else jnp.asarray(keep, x.dtype)  # Keep x's dtype (bfloat16).
+    return jnp.where(mask, x / divisor, jnp.zeros_like(x))
 
 
 class Mlp(nn.Module):
@@ -443,7 +444,7 @@ class Attention(nn.Module):
     scale = self.qk_scale if self.qk_scale is not None else head_dim ** -0.5
     qkv = _dense(3 * d, 'qkv', self.dtype, self.param_dtype, ('embed', 'qkv'),
                  use_bias=False)(x)
-    # [3, B, heads, N, head_dim]: the layout the batched products of the core want (issue 9).
+    # [3, B, heads, N, head_dim]: the layout the batched products of the core want (measured).
     q, k, v = qkv.reshape(b, n, 3, self.num_heads, head_dim).transpose(2, 0, 3, 1, 4)
     y = attention.dot_product_attention(q, k, v, logits_scale=scale)
     y = y.transpose(0, 2, 1, 3).reshape(b, n, d)
@@ -546,7 +547,7 @@ class T2TViT(nn.Module):
         num_heads=self.num_heads, mlp_ratio=self.mlp_ratio, token_dim=self.token_dim,
         tokens_type=self.tokens_type, qk_scale=self.qk_scale,
         drop_path_rate=self.drop_path_rate, dtype=self.dtype, param_dtype=self.param_dtype,
-        remat_policy=self.remat_policy)
+        scan=self.scan, remat=self.remat, remat_policy=self.remat_policy)
     super().__post_init__()
 
   @nn.compact
@@ -607,7 +608,7 @@ def _check_positive_int(field: str, value: Any, allow_none: bool = False) -> Non
 
 def validate_config(*, num_classes, embed_dim, depth, num_heads, mlp_ratio, token_dim=64,
                     tokens_type='performer', qk_scale=None, drop_path_rate=0.0,
-                    dtype=jnp.float32, param_dtype=jnp.float32,
+                    dtype=jnp.float32, param_dtype=jnp.float32, scan=False, remat=False,
                     remat_policy='nothing_saveable', **unused) -> None:
   """Checks the fields of a :class:`T2TViT` configuration.
 
@@ -617,8 +618,8 @@ def validate_config(*, num_classes, embed_dim, depth, num_heads, mlp_ratio, toke
     ValueError: naming the offending field: ``tokens_type`` not in ``TOKENS_TYPES``, non-positive
       sizes, ``embed_dim % num_heads != 0``, ``token_dim < 2`` with a performer (no random
       features), ``mlp_ratio`` or ``qk_scale`` not positive, ``drop_path_rate`` outside [0, 1),
-      a non-float ``dtype``/``param_dtype``, or ``remat_policy`` not in
-      :data:`vit_jax.models.vit.REMAT_POLICIES`.
+      a non-float ``dtype``/``param_dtype``, or bad execution fields (``scan``/``remat`` not a
+      bool, ``remat_policy`` not in :data:`vit_jax.models.vit.REMAT_POLICIES`).
   """
   del unused
   if tokens_type not in TOKENS_TYPES:
@@ -641,8 +642,7 @@ def validate_config(*, num_classes, embed_dim, depth, num_heads, mlp_ratio, toke
       or not 0.0 <= drop_path_rate < 1.0):
     raise ValueError(f'drop_path_rate must be a float in [0, 1), got {drop_path_rate!r}')
   vit.check_float_dtypes(dtype=dtype, param_dtype=param_dtype)
-  if remat_policy not in vit.REMAT_POLICIES:
-    raise ValueError(f'remat_policy must be one of {vit.REMAT_POLICIES}, got {remat_policy!r}')
+  vit.check_execution_fields(scan=scan, remat=remat, remat_policy=remat_policy)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -90,7 +90,7 @@ LAYERNORM_EPSILON = 1e-6
 #: 'dots_with_no_batch_dims_saveable' also keeps the outputs of the dense projections (q, k, v,
 #: attention output, both MLP layers) and recomputes the LayerNorms, the attention weights
 #: (softmax of q k^T) and the GELU: with ``scan=True`` this is the fastest setting on CPU as
-#: well as a quarter of the memory of no remat (issue 9 measurements in README "Benchmarks").
+#: well as a quarter of the memory of no remat (measurements in README "Benchmarks").
 REMAT_POLICIES = ('nothing_saveable', 'dots_with_no_batch_dims_saveable', 'dots_saveable',
                   'everything_saveable')
 
@@ -464,7 +464,8 @@ class VisionTransformer(nn.Module):
         mlp_dim=self.mlp_dim, num_heads=self.num_heads, num_layers=self.num_layers,
         classifier=self.classifier, representation_size=self.representation_size,
         dropout_rate=self.dropout_rate, attention_dropout_rate=self.attention_dropout_rate,
-        dtype=self.dtype, param_dtype=self.param_dtype, remat_policy=self.remat_policy,
+        dtype=self.dtype, param_dtype=self.param_dtype, scan=self.scan, remat=self.remat,
+        remat_policy=self.remat_policy,
         resnet_num_layers=self.resnet_num_layers, resnet_width_factor=self.resnet_width_factor)
     super().__post_init__()
 
@@ -563,9 +564,23 @@ def check_float_dtypes(**dtypes: Any) -> None:
                        f'got {value!r}')
 
 
+def check_execution_fields(*, scan: Any, remat: Any, remat_policy: Any) -> None:
+  """Checks the fields that choose how the blocks run (both families have them).
+
+  Raises:
+    ValueError: ``scan`` or ``remat`` not a bool (e.g. the string 'maybe', which would read as
+      True), or ``remat_policy`` not in :data:`REMAT_POLICIES`.
+  """
+  for field, value in (('scan', scan), ('remat', remat)):
+    if not isinstance(value, bool):
+      raise ValueError(f'{field} must be True or False, got {value!r}')
+  if remat_policy not in REMAT_POLICIES:
+    raise ValueError(f'remat_policy must be one of {REMAT_POLICIES}, got {remat_policy!r}')
+
+
 def validate_config(*, num_classes, patch_size, hidden_size, mlp_dim, num_heads, num_layers,
                     classifier, representation_size, dropout_rate, attention_dropout_rate,
-                    dtype=jnp.float32, param_dtype=jnp.float32,
+                    dtype=jnp.float32, param_dtype=jnp.float32, scan=False, remat=False,
                     remat_policy='nothing_saveable', resnet_num_layers=None,
                     resnet_width_factor=1, **unused) -> None:
   """Checks the fields of a :class:`VisionTransformer` configuration.
@@ -575,8 +590,8 @@ def validate_config(*, num_classes, patch_size, hidden_size, mlp_dim, num_heads,
   Raises:
     ValueError: naming the offending field, for an unknown ``classifier`` (not in
       ``CLASSIFIERS``), non-positive sizes, ``hidden_size % num_heads != 0``, a bad patch size, a
-      dropout rate outside [0, 1), a ``dtype``/``param_dtype`` that is not a float dtype, a
-      ``remat_policy`` not in ``REMAT_POLICIES``, or a bad
+      dropout rate outside [0, 1), a ``dtype``/``param_dtype`` that is not a float dtype, bad
+      execution fields (:func:`check_execution_fields`), or a bad
       hybrid stem (``resnet_num_layers`` not a tuple of positive ints or None;
       ``64 * resnet_width_factor`` not a positive multiple of 32).
   """
@@ -594,6 +609,5 @@ def validate_config(*, num_classes, patch_size, hidden_size, mlp_dim, num_heads,
   _check_rate('dropout_rate', dropout_rate)
   _check_rate('attention_dropout_rate', attention_dropout_rate)
   check_float_dtypes(dtype=dtype, param_dtype=param_dtype)
-  if remat_policy not in REMAT_POLICIES:
-    raise ValueError(f'remat_policy must be one of {REMAT_POLICIES}, got {remat_policy!r}')
+  check_execution_fields(scan=scan, remat=remat, remat_policy=remat_policy)
   resnet.validate_resnet(resnet_num_layers, resnet_width_factor)
