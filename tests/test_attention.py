@@ -112,3 +112,20 @@ def test_training_config_scans_and_rematerialises_unless_overridden():
   assert (config.model.scan, config.model.remat, config.model.remat_policy) == (
       True, True, "dots_with_no_batch_dims_saveable")
   assert models.model_config("T2T-ViT-14")["scan"] is False
+
+
+@pytest.mark.parametrize("name", ["ViT-Ti_16", "T2T-ViT-7"])
+def test_execution_fields_must_be_booleans_and_known_policies(name):
+  # A string such as 'maybe' would read as True: both families refuse it by name.
+  for field, value in (("scan", "maybe"), ("remat", 1)):
+    with pytest.raises(ValueError, match=f"{field} must be True or False, got {value!r}"):
+      models.create(name, num_classes=3, **{field: value})
+  with pytest.raises(ValueError, match="remat_policy must be one of .*got 'dots'"):
+    models.create(name, num_classes=3, remat_policy="dots")
+  # The benchmark's --override goes through the same check (it once measured 'maybe' as True).
+  from vit_jax import benchmark  # pylint: disable=g-import-not-at-top
+  with pytest.raises(benchmark.BenchmarkError, match="scan must be True or False"):
+    benchmark.training_overrides(name, dict([benchmark.parse_override("scan=maybe")]))
+  model = models.create(name, num_classes=3, scan=True, remat=True,
+                        remat_policy="dots_saveable")
+  assert (model.scan, model.remat, model.remat_policy) == (True, True, "dots_saveable")
