@@ -331,6 +331,8 @@ def test_main_trains_writes_metrics_and_resumes(tmp_path):
             "--config.checkpoint_every_steps=2"]
   first = _run_main(*common, "--config.total_steps=4")
   assert first.returncode == 0, first.stderr[-3000:]
+  if cli.huge_pages_environment({}) is not None:  # It re-executed itself with huge pages.
+    assert "malloc: transparent huge pages for large allocations" in first.stderr
   assert "Final evaluation at step 4: test/accuracy=" in first.stdout
   assert sorted(os.listdir(os.path.join(workdir, "checkpoints"))) == ["2", "4"]
   scalars = _scalars(workdir)

@@ -53,6 +53,13 @@ pool from NPROC=N (which XLA reads, otherwise the schedulable cores), torch gets
 `torch.set_num_threads(N)` and OMP_NUM_THREADS=N. The counts used, XLA_FLAGS, the versions and
 the CPU are recorded in the JSON under 'environment'.
 
+Memory allocator: like `vit_jax.main`, the command re-executes itself with
+GLIBC_TUNABLES=glibc.malloc.hugetlb=1 (glibc >= 2.35, transparent huge pages 'madvise' or
+'always'; `vit_jax.cli.huge_pages_environment`), and every measuring subprocess, timm's
+included, inherits it, so both frameworks run under the same allocator. XLA:CPU allocates each
+step's temporaries afresh, and without huge pages it page-faults on all of them every step.
+VIT_JAX_HUGE_PAGES=0 measures without (a note in the report says which).
+
 --compare timm runs timm's equivalent model (`timm.create_model('vit_base_patch16_224',
 pretrained=False, num_classes=..., img_size=...)` for ViT-B_16; Ti, S, L, H likewise; other
 architectures through timm's keyword arguments) with the same batch, resolution, dtype
@@ -581,7 +588,8 @@ def _thread_facts() -> dict[str, Any]:
   affinity = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
   return {"cpu_affinity": affinity, "NPROC": os.environ.get("NPROC"),
           "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS"),
-          "XLA_FLAGS": os.environ.get("XLA_FLAGS", "")}
+          "XLA_FLAGS": os.environ.get("XLA_FLAGS", ""),
+          "GLIBC_TUNABLES": os.environ.get("GLIBC_TUNABLES", "")}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1006,6 +1014,12 @@ def run(models_: Sequence[str], *, batch: int = 8, resolution: int = 224,
   if any(r.get("torchvision_ops") is False for r in results):
     notes.append("torchvision's C++ ops did not load next to this torch (a mismatched wheel); "
                  "timm's ViT does not use them (see _import_timm).")
+  tunables = os.environ.get("GLIBC_TUNABLES", "")
+  notes.append(f"malloc: GLIBC_TUNABLES={tunables}, the same for both frameworks (huge pages "
+               "for large allocations, as vit_jax.main trains; VIT_JAX_HUGE_PAGES=0 measures "
+               "without)." if "glibc.malloc.hugetlb=1" in tunables else
+               "malloc: glibc's defaults, no huge pages (VIT_JAX_HUGE_PAGES=0, or not "
+               "supported here).")
   if peak["platform"] == "cpu" and peak["flops"]:
     notes.append(f"CPU peak: {peak['flops'] / 1e9:.0f} GFLOP/s, XLA's own float32 2048^3 "
                  "matmul (for bfloat16 too) measured once in this run (it moves with the "
@@ -1140,6 +1154,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 def _cli() -> None:
   if "--worker" not in sys.argv:
+    # As vit_jax.main trains; the measuring subprocesses, timm's too, inherit the environment.
+    from vit_jax import cli  # pylint: disable=g-import-not-at-top
+    cli.reexec_with_huge_pages()
     # The parent only traces shapes to check the input: keep it off any accelerator (the
     # measuring subprocesses use the default backend).
     import jax  # pylint: disable=g-import-not-at-top
