@@ -138,8 +138,11 @@ def test_frameworks_alternate_in_fresh_processes_and_ratios_are_reported(monkeyp
   fake = _FakeWorkers()
   monkeypatch.setattr(benchmark, "run_in_subprocess", fake)
   monkeypatch.setattr(benchmark, "_missing_bench_packages", lambda: [])
+  monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.hugetlb=1")
   report = benchmark.run(["ViT-Ti_16", "T2T-ViT-14"], batch=2, resolution=32, modes=("train",),
                          warmup=0, steps=1, compare="timm", rounds=3)
+  assert ("malloc: huge pages for large allocations (GLIBC_TUNABLES=glibc.malloc.hugetlb=1, "
+          "timm's processes too).") in report["notes"]
   # Ti: ours first (it measures the CPU peak, then given to the rest), the order flips every
   # round; T2T-ViT has no timm model, so only ours.
   assert fake.calls == [("ours", "train", None), ("timm", "train", 1e11),

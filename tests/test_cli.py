@@ -30,6 +30,20 @@ def test_huge_pages_environment_adds_the_tunable_and_keeps_the_rest():
   assert env["GLIBC_TUNABLES"] == "glibc.malloc.arena_max=2:glibc.malloc.hugetlb=1"
 
 
+def test_huge_pages_switch_reads_on_and_off_and_refuses_anything_else():
+  on = dict(glibc=(2, 36), thp_mode="madvise")
+  for value in ("", "1", "true", "Yes", " on "):
+    assert cli.huge_pages_environment({cli.HUGE_PAGES_SWITCH: value}, **on) is not None, value
+  for value in ("0", " 0 ", "false", "No", "OFF"):
+    assert cli.huge_pages_environment({cli.HUGE_PAGES_SWITCH: value}, **on) is None, value
+  with pytest.raises(ValueError, match="VIT_JAX_HUGE_PAGES='garbage' is neither on"):
+    cli.huge_pages_environment({cli.HUGE_PAGES_SWITCH: "garbage"}, **on)
+  proc = subprocess.run([sys.executable, "-m", "vit_jax.main", "--help"], cwd=ROOT,
+                        env=_environ(**{cli.HUGE_PAGES_SWITCH: "garbage"}), capture_output=True,
+                        text=True, timeout=120)
+  assert proc.returncode == 2 and proc.stderr.startswith("FATAL: VIT_JAX_HUGE_PAGES='garbage'")
+
+
 @pytest.mark.parametrize("environ, glibc, thp_mode", [
     ({cli.HUGE_PAGES_SWITCH: "0"}, (2, 36), "madvise"),  # Switched off.
     ({"GLIBC_TUNABLES": "glibc.malloc.hugetlb=0"}, (2, 36), "madvise"),  # The user's choice.

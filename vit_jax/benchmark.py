@@ -1015,11 +1015,11 @@ def run(models_: Sequence[str], *, batch: int = 8, resolution: int = 224,
     notes.append("torchvision's C++ ops did not load next to this torch (a mismatched wheel); "
                  "timm's ViT does not use them (see _import_timm).")
   tunables = os.environ.get("GLIBC_TUNABLES", "")
-  notes.append(f"malloc: GLIBC_TUNABLES={tunables}, the same for both frameworks (huge pages "
-               "for large allocations, as vit_jax.main trains; VIT_JAX_HUGE_PAGES=0 measures "
-               "without)." if "glibc.malloc.hugetlb=1" in tunables else
-               "malloc: glibc's defaults, no huge pages (VIT_JAX_HUGE_PAGES=0, or not "
-               "supported here).")
+  timm_too = ", timm's processes too" if any(r["framework"] == "timm" for r in results) else ""
+  notes.append(f"malloc: huge pages for large allocations (GLIBC_TUNABLES={tunables}{timm_too})."
+               if "glibc.malloc.hugetlb=1" in tunables else
+               f"malloc: no huge pages (GLIBC_TUNABLES={tunables or 'unset'}{timm_too}): "
+               "VIT_JAX_HUGE_PAGES=0, a glibc.malloc.hugetlb of your own, or not supported here.")
   if peak["platform"] == "cpu" and peak["flops"]:
     notes.append(f"CPU peak: {peak['flops'] / 1e9:.0f} GFLOP/s, XLA's own float32 2048^3 "
                  "matmul (for bfloat16 too) measured once in this run (it moves with the "

@@ -98,8 +98,10 @@ def parse_flags(argv: list[str]) -> list[str]:
 #: The glibc tunable that makes malloc advise transparent huge pages (`MADV_HUGEPAGE`) for the
 #: memory it maps (glibc >= 2.35). See `huge_pages_environment`.
 HUGE_PAGES_TUNABLE = "glibc.malloc.hugetlb=1"
-#: Set to 0 to run without `HUGE_PAGES_TUNABLE` (the entry points then never re-execute).
+#: Set to 0 (or false, no, off) to run without `HUGE_PAGES_TUNABLE` (the entry points then never
+#: re-execute); unset, empty, 1, true, yes or on: the default, with it.
 HUGE_PAGES_SWITCH = "VIT_JAX_HUGE_PAGES"
+_SWITCH_OFF, _SWITCH_ON = ("0", "false", "no", "off"), ("", "1", "true", "yes", "on")
 _THP_MODE_FILE = "/sys/kernel/mm/transparent_hugepage/enabled"
 
 
@@ -141,9 +143,16 @@ def huge_pages_environment(environ=None, glibc=None, thp_mode=None) -> dict[str,
     The new environment (`GLIBC_TUNABLES` with `HUGE_PAGES_TUNABLE` appended), or None when
     there is nothing to do: `VIT_JAX_HUGE_PAGES=0`, a `glibc.malloc.hugetlb` already in
     `GLIBC_TUNABLES` (the user's own choice is kept), no glibc >= 2.35, or huge pages 'never'.
+
+  Raises:
+    ValueError: `VIT_JAX_HUGE_PAGES` is neither on (1, true, yes, on) nor off (0, false, no, off).
   """
   environ = os.environ if environ is None else environ
-  if environ.get(HUGE_PAGES_SWITCH, "1").strip() == "0":
+  switch = environ.get(HUGE_PAGES_SWITCH, "").strip().lower()
+  if switch not in _SWITCH_OFF + _SWITCH_ON:
+    raise ValueError(f"{HUGE_PAGES_SWITCH}={environ[HUGE_PAGES_SWITCH]!r} is neither on (1, true, "
+                     "yes, on) nor off (0, false, no, off); set one of those or unset it.")
+  if switch in _SWITCH_OFF:
     return None
   tunables = environ.get("GLIBC_TUNABLES", "")
   if "glibc.malloc.hugetlb" in tunables:
@@ -161,8 +170,13 @@ def reexec_with_huge_pages() -> None:
   Call it first thing in a program's `if __name__ == "__main__":` block (it re-runs the whole
   command line, `sys.orig_argv`, with the same interpreter and process id). Returns without
   doing anything when `huge_pages_environment` returns None, so the re-executed process goes on.
+  Exits with status 2 and a one-line message if `VIT_JAX_HUGE_PAGES` has a value it cannot read.
   """
-  env = huge_pages_environment()
+  try:
+    env = huge_pages_environment()
+  except ValueError as e:
+    sys.stderr.write(f"FATAL: {e}\n")
+    sys.exit(2)
   if env is None or not getattr(sys, "orig_argv", None):
     return
   sys.stdout.flush()

@@ -24,10 +24,11 @@ events to DIR, the run's compute cost (TPU-core-days, FLOPs, MFU; all attempts) 
 DIR/cost.json. To predict a run's cost before starting it:
 python -m vit_jax.cost --config ... --accelerator v3-256.
 
-On Linux with glibc >= 2.35 the command first re-executes itself with
-GLIBC_TUNABLES=glibc.malloc.hugetlb=1, so that XLA:CPU's step buffers get transparent huge pages
-instead of a page fault per 4 KiB at every step (about 10% of a small model's CPU step);
-VIT_JAX_HUGE_PAGES=0 turns this off (vit_jax.cli.huge_pages_environment).
+On Linux with glibc >= 2.35 and the kernel's transparent huge pages on 'madvise' or 'always',
+the command first re-executes itself with glibc.malloc.hugetlb=1 added to GLIBC_TUNABLES, so
+that XLA:CPU's step buffers get huge pages instead of a page fault per 4 KiB at every step
+(about 10% of a small model's CPU step). VIT_JAX_HUGE_PAGES=0 turns this off; a
+glibc.malloc.hugetlb already in GLIBC_TUNABLES is kept (vit_jax.cli.huge_pages_environment).
 
 Exit codes: 0 done; 1 failed (e.g. the loss diverged, a checkpoint could not be saved: the message
 says which checkpoint is intact); 2 a bad config or flag, found before any work; 75 preempted
@@ -106,8 +107,8 @@ def main(argv):
     raise app.UsageError(f"Unexpected arguments: {' '.join(argv[1:])}")
   logging.get_absl_handler().addFilter(cli.QuietLibraries())
   if cli.HUGE_PAGES_TUNABLE in os.environ.get("GLIBC_TUNABLES", ""):
-    logging.info("malloc: transparent huge pages for large allocations (GLIBC_TUNABLES=%s; "
-                 "%s=0 runs without).", os.environ["GLIBC_TUNABLES"], cli.HUGE_PAGES_SWITCH)
+    logging.info("malloc: transparent huge pages for large allocations (GLIBC_TUNABLES=%s).",
+                 os.environ["GLIBC_TUNABLES"])
   initialize_distributed()
   # Imported here so that --help and flag errors answer before TensorFlow and JAX load.
   from vit_jax import train  # pylint: disable=g-import-not-at-top
