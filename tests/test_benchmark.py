@@ -162,6 +162,15 @@ def test_frameworks_alternate_in_fresh_processes_and_ratios_are_reported(monkeyp
   assert "Ours / timm" in text and "vit_tiny_patch16_224" in text and "1.25" in text
 
 
+def test_report_says_when_malloc_has_no_huge_pages(monkeypatch):
+  monkeypatch.setattr(benchmark, "run_in_subprocess", _FakeWorkers())
+  monkeypatch.delenv("GLIBC_TUNABLES", raising=False)
+  report = benchmark.run(["ViT-Ti_16"], batch=2, resolution=32, modes=("inference",), warmup=0,
+                         steps=1)
+  assert ("malloc: no huge pages (GLIBC_TUNABLES=unset): VIT_JAX_HUGE_PAGES=0, a "
+          "glibc.malloc.hugetlb of your own, or not supported here.") in report["notes"]
+
+
 def test_timm_equivalents():
   assert benchmark.timm_equivalent("ViT-B_16") == ("vit_base_patch16_224", {}, False)
   assert benchmark.timm_equivalent("ViT-Ti/16")[0] == "vit_tiny_patch16_224"
