@@ -102,7 +102,7 @@ def test_every_remat_policy_gives_the_same_gradients(policy):
 def test_training_config_scans_and_rematerialises_unless_overridden():
   config = defaults.get_config("ViT-Ti_16", "cifar10")
   assert (config.model.scan, config.model.remat, config.model.remat_policy) == (
-      True, True, "dots_with_no_batch_dims_saveable")
+      True, True, "dots_and_attention_saveable")
   config = defaults.get_config("ViT-Ti_16", "cifar10", scan=False, remat=False)
   assert not config.model.scan and not config.model.remat
   # The model itself defaults to the unrolled encoder with the official per-layer names.
@@ -110,7 +110,7 @@ def test_training_config_scans_and_rematerialises_unless_overridden():
   # T2T-ViT trains with its backbone scanned and rematerialised the same way.
   config = defaults.get_config("T2T-ViT-14", "cifar10")
   assert (config.model.scan, config.model.remat, config.model.remat_policy) == (
-      True, True, "dots_with_no_batch_dims_saveable")
+      True, True, "dots_and_attention_saveable")
   assert models.model_config("T2T-ViT-14")["scan"] is False
 
 

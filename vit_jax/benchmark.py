@@ -15,8 +15,10 @@ Examples:
 
 Our model runs with the execution settings `python -m vit_jax.main` trains with
 (`vit_jax.models.TRAINING_DEFAULTS`; for ViT and T2T-ViT: scan=True, remat=True,
-remat_policy='dots_with_no_batch_dims_saveable'), each replaceable with --override (e.g.
---override scan=False --override remat=False for the plain unrolled model). timm runs its
+remat_policy='dots_and_attention_saveable'), each replaceable with --override (e.g.
+--override scan=False --override remat=False for the plain unrolled model). On a CPU its
+attention runs in vit_jax's fused kernel (vit_jax.models.fused_attention); the environment
+variable VIT_JAX_FUSED_ATTENTION=0 measures XLA's attention instead. timm runs its
 default model, without gradient checkpointing unless --override remat=True is given.
 
 What is measured, for every model and mode (one row each):
@@ -418,6 +420,8 @@ def measure_ours(model: str, *, batch: int, resolution: int, dtype: str = "float
   cost = compiled.cost_analysis()
   cost = cost[0] if isinstance(cost, (list, tuple)) else cost
   xla_flops = float(cost["flops"]) if cost and cost.get("flops") else None
+  # Which attention core the step runs: vit_jax's fused CPU kernel is a custom call by name.
+  fused = 'custom_call_target="vit_jax_attention_forward"' in compiled.as_text()
 
   times: list[float] = []
   first = None
@@ -441,7 +445,7 @@ def measure_ours(model: str, *, batch: int, resolution: int, dtype: str = "float
       "batch": batch, "resolution": resolution, "dtype": dtype, "num_classes": num_classes,
       "num_params": int(num_params), "scan": bool(config.get("scan")),
       "remat": bool(config.get("remat")), "remat_policy": config.get("remat_policy"),
-      "compile_only": compile_only, "warmup_steps": warmup, "timed_steps": 0 if compile_only
+      "attention_core": "fused CPU kernel" if fused else "XLA", "compile_only": compile_only, "warmup_steps": warmup, "timed_steps": 0 if compile_only
       else steps, "lower_seconds": lower_seconds, "compile_seconds": compile_seconds,
       "first_step_seconds": first, "flops_per_step_xla": xla_flops,
       "flops_per_step_analytic": float(analytic),
@@ -1014,6 +1018,14 @@ def run(models_: Sequence[str], *, batch: int = 8, resolution: int = 224,
   if any(r.get("torchvision_ops") is False for r in results):
     notes.append("torchvision's C++ ops did not load next to this torch (a mismatched wheel); "
                  "timm's ViT does not use them (see _import_timm).")
+  cores_used = sorted({r["attention_core"] for r in results if r.get("attention_core")})
+  if "fused CPU kernel" in cores_used:
+    notes.append("attention (ours): vit_jax's fused CPU kernel (vit_jax.models.fused_attention; "
+                 "VIT_JAX_FUSED_ATTENTION=0 measures XLA's instead). Its products are in the "
+                 "analytic count, not in 'GFLOPs XLA' (XLA cannot see into a custom call).")
+  elif cores_used and results[0].get("platform") == "cpu":
+    from vit_jax.models import fused_attention  # pylint: disable=g-import-not-at-top
+    notes.append(f"attention (ours): XLA's; the fused CPU kernel is {fused_attention.status()}.")
   tunables = os.environ.get("GLIBC_TUNABLES", "")
   timm_too = ", timm's processes too" if any(r["framework"] == "timm" for r in results) else ""
   notes.append(f"malloc: huge pages for large allocations (GLIBC_TUNABLES={tunables}{timm_too})."

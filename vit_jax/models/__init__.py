@@ -109,7 +109,8 @@ _VIT_DEFAULTS: Dict[str, Any] = dict(
 #: Execution fields that training (``vit_jax.defaults.get_config``, so ``vit_jax.main``, and
 #: ``vit_jax.benchmark``) sets unless they are overridden; the models' own defaults stay the plain
 #: unrolled encoder with the official per-layer parameter names. A scanned encoder whose blocks
-#: are rematerialised keeping the dense projections' outputs was both the fastest and the leanest
+#: are rematerialised keeping the dense projections' outputs (and, on CPU, the fused attention
+#: kernel's output: ``'dots_and_attention_saveable'``) was both the fastest and the leanest
 #: training step measured on CPU (README "Benchmarks"; e.g. ViT-B/16 at batch 8: 2.6 GiB peak
 #: instead of 3.8; T2T-ViT-14 at batch 8: 4.0 images/s instead of 2.1, 1.8 GiB peak instead of
 #: 2.8), and one compiled block body compiles in a fraction of the time. Checkpoints then hold the
@@ -117,7 +118,7 @@ _VIT_DEFAULTS: Dict[str, Any] = dict(
 #: (``checkpoint.init_for_finetuning``) converts between the layouts and ``checkpoint.save_npz``
 #: writes the official one. Both families (and the hybrids) take these fields.
 TRAINING_DEFAULTS: Dict[str, Any] = dict(
-    scan=True, remat=True, remat_policy='dots_with_no_batch_dims_saveable')
+    scan=True, remat=True, remat_policy='dots_and_attention_saveable')
 
 #: Keys accepted as overrides by ``create`` / ``model_config`` for the ViT family.
 OVERRIDE_KEYS: Tuple[str, ...] = (

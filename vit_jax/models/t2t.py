@@ -105,6 +105,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from vit_jax.models import attention
+from vit_jax.models import fused_attention
 from vit_jax.models import layout
 from vit_jax.models import vit
 
@@ -444,10 +445,14 @@ class Attention(nn.Module):
     scale = self.qk_scale if self.qk_scale is not None else head_dim ** -0.5
     qkv = _dense(3 * d, 'qkv', self.dtype, self.param_dtype, ('embed', 'qkv'),
                  use_bias=False)(x)
-    # [3, B, heads, N, head_dim]: the layout the batched products of the core want (measured).
-    q, k, v = qkv.reshape(b, n, 3, self.num_heads, head_dim).transpose(2, 0, 3, 1, 4)
-    y = attention.dot_product_attention(q, k, v, logits_scale=scale)
-    y = y.transpose(0, 2, 1, 3).reshape(b, n, d)
+    qkv = qkv.reshape(b, n, 3, self.num_heads, head_dim)
+    if fused_attention.usable(qkv.shape, qkv.dtype, dropout=False):
+      y = fused_attention.attention(qkv, logits_scale=scale)  # The fused CPU kernel.
+    else:
+      # [3, B, heads, N, head_dim]: the layout XLA's batched products want (measured).
+      q, k, v = qkv.transpose(2, 0, 3, 1, 4)
+      y = attention.dot_product_attention(q, k, v, logits_scale=scale).transpose(0, 2, 1, 3)
+    y = y.reshape(b, n, d)
     return _dense(d, 'proj', self.dtype, self.param_dtype, ('qkv', 'embed'))(y)
 
 

@@ -65,13 +65,14 @@ This module has no training dependencies (no optax, no TensorFlow).
 
 from __future__ import annotations
 
-from typing import Any, Optional, Tuple, Union
+from typing import Any, Callable, Optional, Tuple, Union
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
 from vit_jax.models import attention
+from vit_jax.models import fused_attention
 from vit_jax.models import layout
 from vit_jax.models import resnet
 
@@ -89,10 +90,29 @@ LAYERNORM_EPSILON = 1e-6
 #: 'nothing_saveable' keeps only the block's input (full rematerialisation, least memory);
 #: 'dots_with_no_batch_dims_saveable' also keeps the outputs of the dense projections (q, k, v,
 #: attention output, both MLP layers) and recomputes the LayerNorms, the attention weights
-#: (softmax of q k^T) and the GELU: with ``scan=True`` this is the fastest setting on CPU as
-#: well as a quarter of the memory of no remat (measurements in README "Benchmarks").
-REMAT_POLICIES = ('nothing_saveable', 'dots_with_no_batch_dims_saveable', 'dots_saveable',
-                  'everything_saveable')
+#: (softmax of q k^T) and the GELU: with ``scan=True`` a quarter of the memory of no remat;
+#: 'dots_and_attention_saveable' (vit_jax's own) keeps as much and, where the fused CPU
+#: attention kernel runs (:mod:`vit_jax.models.fused_attention`), also its output and per-row
+#: log-sum-exp, so the kernel's forward is not run again in the backward pass: the fastest
+#: setting on CPU (measurements in README "Benchmarks"); elsewhere it equals the previous one.
+REMAT_POLICIES = ('nothing_saveable', 'dots_with_no_batch_dims_saveable',
+                  'dots_and_attention_saveable', 'dots_saveable', 'everything_saveable')
+
+
+def remat_policy(name: str) -> Callable[..., bool]:
+  """The ``jax.checkpoint`` policy called ``name``, one of :data:`REMAT_POLICIES`.
+
+  Raises:
+    ValueError: an unknown name (listing the valid ones).
+  """
+  if name not in REMAT_POLICIES:
+    raise ValueError(f'remat_policy must be one of {REMAT_POLICIES}, got {name!r}')
+  policies = jax.checkpoint_policies
+  if name == 'dots_and_attention_saveable':
+    return policies.save_from_both_policies(
+        policies.dots_with_no_batch_dims_saveable,
+        policies.save_only_these_names(*fused_attention.RESIDUAL_NAMES))
+  return getattr(policies, name)
 
 #: Logical axes of the token sequence and of the MLP hidden activations.
 TOKENS_AXES = ('batch', 'length', 'embed')
@@ -256,13 +276,13 @@ def rematerialised(block_cls: type, policy: str, *, scan: bool) -> type:
 
   ``block_cls.__call__(x, deterministic, ...)`` must take the Python bool ``deterministic`` as
   its second positional argument (it is made static). ``policy`` is one of
-  :data:`REMAT_POLICIES` (a ``jax.checkpoint_policies`` name). Common subexpression elimination
+  :data:`REMAT_POLICIES` (see :func:`remat_policy`). Common subexpression elimination
   is prevented only outside ``nn.scan`` (``scan``), whose loop already keeps XLA from merging
   the recomputation into the forward pass.
   """
   # static_argnums counts `self` as 0: argument 2 is `deterministic`.
   return nn.remat(block_cls, prevent_cse=not scan, static_argnums=(2,),
-                  policy=getattr(jax.checkpoint_policies, policy))
+                  policy=remat_policy(policy))
 
 
 def scanned(block_cls: type, length: int, *, in_axes: Any) -> type:
