@@ -114,6 +114,7 @@ def remat_policy(name: str) -> Callable[..., bool]:
         policies.save_only_these_names(*fused_attention.RESIDUAL_NAMES))
   return getattr(policies, name)
 
+
 #: Logical axes of the token sequence and of the MLP hidden activations.
 TOKENS_AXES = ('batch', 'length', 'embed')
 MLP_HIDDEN_AXES = ('batch', 'length', 'mlp')
