@@ -5,7 +5,7 @@ in pyproject.toml).
 that `vit_jax.models.fused_attention` loads with ctypes and registers as two XLA FFI targets.
 It compiles against the XLA FFI headers that jaxlib ships (a build requirement), takes about
 25 s, and is optional: without a C++17 compiler the install still succeeds and the models use
-XLA's attention (`vit_jax.models.fused_attention.library()` says why).
+XLA's attention (`vit_jax.models.fused_attention.status()` says why).
 """
 
 import os

@@ -104,3 +104,14 @@ def test_huge_pages_remove_the_page_faults_of_xlas_fresh_temporaries():
   assert faults["default"] > 0.5 * 128 * 256, faults
   # ... and with 2-MiB pages, 64 per call at most.
   assert faults["huge"] < 0.1 * faults["default"], faults
+
+
+def test_main_refuses_a_fused_attention_switch_it_cannot_read(tmp_path):
+  workdir = tmp_path / "run"
+  proc = subprocess.run(
+      [sys.executable, "-m", "vit_jax.main", "--config", "configs/fashion_mnist.py",
+       "--workdir", str(workdir)], cwd=ROOT, env=_environ(VIT_JAX_FUSED_ATTENTION="fast"),
+      capture_output=True, text=True, timeout=300)
+  assert proc.returncode == 2, proc.stderr[-2000:]
+  assert "FATAL: VIT_JAX_FUSED_ATTENTION='fast' is neither on" in proc.stderr
+  assert not workdir.exists()  # Stopped before any work.

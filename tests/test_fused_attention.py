@@ -86,6 +86,10 @@ def test_usable_only_where_the_kernel_applies(monkeypatch):
   assert not fused_attention.usable((2, 197, 3, 3, 24), jnp.float32, dropout=False)
   monkeypatch.setenv(fused_attention.SWITCH, 'off')
   assert not fused_attention.usable(shape, jnp.float32, dropout=False)
+  assert fused_attention.status() == f'off ({fused_attention.SWITCH}=off)'
+  monkeypatch.setenv(fused_attention.SWITCH, 'fast')  # Neither on nor off: refused, not guessed.
+  with pytest.raises(ValueError, match='VIT_JAX_FUSED_ATTENTION=.fast. is neither on'):
+    fused_attention.usable(shape, jnp.float32, dropout=False)
 
 
 @needs_kernel

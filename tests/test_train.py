@@ -334,6 +334,8 @@ def test_main_trains_writes_metrics_and_resumes(tmp_path):
   if cli.huge_pages_environment({}) is not None:  # It re-executed itself with huge pages.
     assert "malloc: transparent huge pages for large allocations" in first.stderr
   assert "Final evaluation at step 4: test/accuracy=" in first.stdout
+  # Head size 4: the fused CPU kernel does not apply, and the log says so (not just "available").
+  assert "Attention: XLA's; the fused CPU kernel is " in first.stderr
   assert sorted(os.listdir(os.path.join(workdir, "checkpoints"))) == ["2", "4"]
   scalars = _scalars(workdir)
   assert sorted(scalars["train/loss"]) == [2, 4]

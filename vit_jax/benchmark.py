@@ -17,8 +17,10 @@ Our model runs with the execution settings `python -m vit_jax.main` trains with
 (`vit_jax.models.TRAINING_DEFAULTS`; for ViT and T2T-ViT: scan=True, remat=True,
 remat_policy='dots_and_attention_saveable'), each replaceable with --override (e.g.
 --override scan=False --override remat=False for the plain unrolled model). On a CPU its
-attention runs in vit_jax's fused kernel (vit_jax.models.fused_attention); the environment
-variable VIT_JAX_FUSED_ATTENTION=0 measures XLA's attention instead. timm runs its
+attention runs in vit_jax's fused kernel (vit_jax.models.fused_attention) when it is float32
+with a head size divisible by 16 and no attention dropout (so not with --dtype bfloat16), on
+one device; the environment variable VIT_JAX_FUSED_ATTENTION=0 measures XLA's attention
+instead. The report's notes say which ran. timm runs its
 default model, without gradient checkpointing unless --override remat=True is given.
 
 What is measured, for every model and mode (one row each):
@@ -941,6 +943,11 @@ def run(models_: Sequence[str], *, batch: int = 8, resolution: int = 224,
                          "process may use.")
   if compare not in (None, "timm"):
     raise BenchmarkError(f"--compare {compare!r}: only 'timm' is supported.")
+  from vit_jax.models import fused_attention  # pylint: disable=g-import-not-at-top
+  try:
+    fused_attention.enabled()
+  except ValueError as e:  # VIT_JAX_FUSED_ATTENTION is neither on nor off.
+    raise BenchmarkError(str(e)) from e
   if compare and compile_only:
     raise BenchmarkError("--compile-only measures only our compilation; drop --compare timm.")
   if compare:
@@ -1024,7 +1031,6 @@ def run(models_: Sequence[str], *, batch: int = 8, resolution: int = 224,
                  "VIT_JAX_FUSED_ATTENTION=0 measures XLA's instead). Its products are in the "
                  "analytic count, not in 'GFLOPs XLA' (XLA cannot see into a custom call).")
   elif cores_used and results[0].get("platform") == "cpu":
-    from vit_jax.models import fused_attention  # pylint: disable=g-import-not-at-top
     notes.append(f"attention (ours): XLA's; the fused CPU kernel is {fused_attention.status()}.")
   tunables = os.environ.get("GLIBC_TUNABLES", "")
   timm_too = ", timm's processes too" if any(r["framework"] == "timm" for r in results) else ""

@@ -29,9 +29,10 @@ the command first re-executes itself with glibc.malloc.hugetlb=1 added to GLIBC_
 that XLA:CPU's step buffers get huge pages instead of a page fault per 4 KiB at every step
 (about 10% of a small model's CPU step). VIT_JAX_HUGE_PAGES=0 turns this off; a
 glibc.malloc.hugetlb already in GLIBC_TUNABLES is kept (vit_jax.cli.huge_pages_environment).
-On a CPU, attention runs in vit_jax's fused kernel (vit_jax.models.fused_attention: float32, one
-device, built at install time with a C++ compiler); the log says whether it is on, and
-VIT_JAX_FUSED_ATTENTION=0 turns it off.
+On a CPU, attention runs in vit_jax's fused kernel (vit_jax.models.fused_attention; built at
+install time with a C++ compiler) for float32 attention with a head size divisible by 16 and no
+attention dropout, on one device; the log says which attention the training step runs, and
+VIT_JAX_FUSED_ATTENTION=0 turns the kernel off.
 
 Exit codes: 0 done; 1 failed (e.g. the loss diverged, a checkpoint could not be saved: the message
 says which checkpoint is intact); 2 a bad config or flag, found before any work; 75 preempted
@@ -113,10 +114,12 @@ def main(argv):
     logging.info("malloc: transparent huge pages for large allocations (GLIBC_TUNABLES=%s).",
                  os.environ["GLIBC_TUNABLES"])
   initialize_distributed()
-  import jax  # pylint: disable=g-import-not-at-top
-  if jax.default_backend() == "cpu":
-    from vit_jax.models import fused_attention  # pylint: disable=g-import-not-at-top
-    logging.info("Attention: the fused CPU kernel is %s.", fused_attention.status())
+  from vit_jax.models import fused_attention  # pylint: disable=g-import-not-at-top
+  try:
+    fused_attention.enabled()
+  except ValueError as e:  # VIT_JAX_FUSED_ATTENTION is neither on nor off.
+    sys.stderr.write(f"FATAL: {e}\n")
+    sys.exit(2)
   # Imported here so that --help and flag errors answer before TensorFlow and JAX load.
   from vit_jax import train  # pylint: disable=g-import-not-at-top
   logging.info("Config:\n%s", _CONFIG.value)

@@ -47,6 +47,7 @@ from vit_jax import flops
 from vit_jax import models
 from vit_jax import optim
 from vit_jax import sharding
+from vit_jax.models import fused_attention
 
 # {'step': int32[], 'params': ..., 'opt_state': ..., 'model_state': ..., 'ema_params': ...}.
 # 'model_state' holds the model's variable collections other than 'params' (e.g. T2T-ViT's fixed
@@ -670,7 +671,10 @@ def _save_errors(manager: ocp.CheckpointManager, step: int | None):
 
 def _account_step_flops(accountant: accounting.CostAccountant, executable, model,
                         image_shape) -> None:
-  """Gives `accountant` the train step's FLOPs: XLA's count and the analytic one, compared."""
+  """Gives `accountant` the train step's FLOPs: XLA's count and the analytic one, compared.
+
+  On CPU also logs which attention the compiled step runs (the fused kernel is a custom call).
+  """
   cost = executable.cost_analysis()
   cost = cost[0] if isinstance(cost, (list, tuple)) else cost
   # The compiled module is one device's share of the SPMD program.
@@ -686,6 +690,11 @@ def _account_step_flops(accountant: accounting.CostAccountant, executable, model
     logging.info("The counts differ: XLA counts a loop body once (scan over layers, gradient "
                  "accumulation) and counts rematerialised work; the analytic count is the "
                  "model's useful work.")
+  if jax.default_backend() == "cpu":  # Which attention the compiled step runs.
+    if fused_attention.FORWARD_TARGET in executable.as_text():
+      logging.info("Attention: vit_jax's fused CPU kernel (not in XLA's FLOPs count).")
+    else:
+      logging.info("Attention: XLA's; the fused CPU kernel is %s.", fused_attention.status())
 
 
 def _latest_cost(from_checkpoint: dict[str, Any] | None, cost_json) -> dict[str, Any] | None:

@@ -37,7 +37,8 @@ import numpy as np
 
 Array = jax.Array
 
-#: Environment variable that turns the kernel off when '0', 'false', 'no' or 'off'.
+#: Environment variable that turns the kernel off: 0, false, no or off (unset, empty, 1, true,
+#: yes or on: the default, on where usable). Any other value is an error.
 SWITCH = 'VIT_JAX_FUSED_ATTENTION'
 #: Names of the saved forward results, for ``jax.checkpoint_policies.save_only_these_names``.
 RESIDUAL_NAMES = ('attention_out', 'attention_lse')
@@ -46,7 +47,10 @@ RESIDUAL_NAMES = ('attention_out', 'attention_lse')
 FORWARD_TARGET = 'vit_jax_attention_forward'
 BACKWARD_TARGET = 'vit_jax_attention_backward'
 TARGETS = (FORWARD_TARGET, BACKWARD_TARGET)
-_OFF = ('0', 'false', 'no', 'off')
+#: When the models use the kernel (:func:`usable`), for messages.
+CONDITIONS = ('float32 attention with a head size divisible by 16 and no attention dropout, on a '
+              'single-device CPU backend')
+_OFF, _ON = ('0', 'false', 'no', 'off'), ('', '1', 'true', 'yes', 'on')
 
 
 @functools.cache
@@ -61,8 +65,8 @@ def library() -> Tuple[Optional[str], str]:
   here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   paths = sorted(glob.glob(os.path.join(here, '_fused_attention*.so')))
   if not paths:
-    return None, (f'the extension vit_jax/_fused_attention*.so was not built (install a C++ '
-                  f'compiler, e.g. `apt-get install g++`, then `pip install -e .` again)')
+    return None, ('the extension vit_jax/_fused_attention*.so was not built (install a C++ '
+                  'compiler, e.g. `apt-get install g++`, then `pip install -e .` again)')
   try:
     lib = ctypes.CDLL(paths[0])
     jax.ffi.register_ffi_target(FORWARD_TARGET, jax.ffi.pycapsule(lib.VitJaxAttentionForward),
@@ -74,11 +78,21 @@ def library() -> Tuple[Optional[str], str]:
   return paths[0], ''
 
 
+def _switched_off() -> bool:
+  value = os.environ.get(SWITCH, '').strip().lower()
+  if value not in _OFF + _ON:
+    raise ValueError(f'{SWITCH}={os.environ[SWITCH]!r} is neither on (1, true, yes, on) nor off '
+                     '(0, false, no, off); set one of those or unset it.')
+  return value in _OFF
+
+
 def enabled() -> bool:
-  """False when the environment switch :data:`SWITCH` says off; the library loads otherwise."""
-  if os.environ.get(SWITCH, '').strip().lower() in _OFF:
-    return False
-  return library()[0] is not None
+  """False when the environment switch :data:`SWITCH` says off; the library loads otherwise.
+
+  Raises:
+    ValueError: :data:`SWITCH` has a value that is neither on nor off.
+  """
+  return not _switched_off() and library()[0] is not None
 
 
 def macs(target_name: str, qkv_shape: Tuple[int, ...]) -> int:
@@ -94,14 +108,17 @@ def macs(target_name: str, qkv_shape: Tuple[int, ...]) -> int:
 
 
 def status() -> str:
-  """One line for logs and reports: whether the kernel is on, and why not if it is off."""
-  if os.environ.get(SWITCH, '').strip().lower() in _OFF:
+  """One line for logs and reports: whether the kernel is on, and why not if it is off.
+
+  Raises:
+    ValueError: :data:`SWITCH` has a value that is neither on nor off.
+  """
+  if _switched_off():
     return f'off ({SWITCH}={os.environ[SWITCH]})'
   path, reason = library()
   if path is None:
     return f'off: {reason}'
-  return ('on for float32 attention with a head size divisible by 16 on a single-device CPU '
-          'backend')
+  return f'available (the models use it for {CONDITIONS})'
 
 
 def usable(shape: Tuple[int, ...], dtype: Any, *, dropout: bool) -> bool:
@@ -149,7 +166,8 @@ _attention.defvjp(_attention_fwd, _attention_bwd)
 def attention(qkv: Array, *, logits_scale: float) -> Array:
   """``softmax(logits_scale * q k^T) v`` for every image and head, by the fused kernel.
 
-  Differentiable (``jax.custom_vjp``; the backward is the kernel's too).
+  Differentiable (``jax.custom_vjp``; the backward is the kernel's too). Called directly it runs
+  whatever :data:`SWITCH` says (the switch steers the models, through :func:`usable`).
 
   Args:
     qkv: ``[B, N, 3, heads, Dh]`` float32, queries, keys and values stacked on axis 2 (the
@@ -165,6 +183,7 @@ def attention(qkv: Array, *, logits_scale: float) -> Array:
     ValueError: a shape or dtype the kernel does not take, or the kernel unavailable (with the
       reason); :func:`usable` says beforehand.
   """
+  qkv = jnp.asarray(qkv)
   if qkv.ndim != 5 or qkv.shape[2] != 3:
     raise ValueError(f'fused attention needs qkv of shape [B, N, 3, heads, Dh], got {qkv.shape}')
   if qkv.shape[-1] % 16 or qkv.dtype != jnp.float32:
