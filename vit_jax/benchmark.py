@@ -343,6 +343,7 @@ def measure_ours(model: str, *, batch: int, resolution: int, dtype: str = "float
   import ml_collections  # pylint: disable=g-import-not-at-top
   import optax  # pylint: disable=g-import-not-at-top
   from vit_jax import accounting, flops, models, optim  # pylint: disable=g-import-not-at-top
+  from vit_jax.models import fused_attention  # pylint: disable=g-import-not-at-top
   rss_after_imports = _rss_now_mib()
   overrides = dict(overrides or {})
   config = model_fields(model, overrides, dtype)
@@ -422,8 +423,7 @@ def measure_ours(model: str, *, batch: int, resolution: int, dtype: str = "float
   cost = compiled.cost_analysis()
   cost = cost[0] if isinstance(cost, (list, tuple)) else cost
   xla_flops = float(cost["flops"]) if cost and cost.get("flops") else None
-  # Which attention core the step runs: vit_jax's fused CPU kernel is a custom call by name.
-  fused = 'custom_call_target="vit_jax_attention_forward"' in compiled.as_text()
+  fused = fused_attention.called_by(compiled)  # Which attention the step runs.
 
   times: list[float] = []
   first = None
@@ -447,8 +447,9 @@ def measure_ours(model: str, *, batch: int, resolution: int, dtype: str = "float
       "batch": batch, "resolution": resolution, "dtype": dtype, "num_classes": num_classes,
       "num_params": int(num_params), "scan": bool(config.get("scan")),
       "remat": bool(config.get("remat")), "remat_policy": config.get("remat_policy"),
-      "attention_core": "fused CPU kernel" if fused else "XLA", "compile_only": compile_only, "warmup_steps": warmup, "timed_steps": 0 if compile_only
-      else steps, "lower_seconds": lower_seconds, "compile_seconds": compile_seconds,
+      "attention_core": "fused CPU kernel" if fused else "XLA", "compile_only": compile_only,
+      "warmup_steps": warmup, "timed_steps": 0 if compile_only else steps,
+      "lower_seconds": lower_seconds, "compile_seconds": compile_seconds,
       "first_step_seconds": first, "flops_per_step_xla": xla_flops,
       "flops_per_step_analytic": float(analytic),
       "xla_to_analytic": xla_flops / analytic if xla_flops else None,

@@ -691,7 +691,7 @@ def _account_step_flops(accountant: accounting.CostAccountant, executable, model
                  "accumulation) and counts rematerialised work; the analytic count is the "
                  "model's useful work.")
   if jax.default_backend() == "cpu":  # Which attention the compiled step runs.
-    if fused_attention.FORWARD_TARGET in executable.as_text():
+    if fused_attention.called_by(executable):
       logging.info("Attention: vit_jax's fused CPU kernel (not in XLA's FLOPs count).")
     else:
       logging.info("Attention: XLA's; the fused CPU kernel is %s.", fused_attention.status())

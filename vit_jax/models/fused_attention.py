@@ -107,6 +107,11 @@ def macs(target_name: str, qkv_shape: Tuple[int, ...]) -> int:
   return products * b * heads * n * n * head_dim
 
 
+def called_by(compiled: Any) -> bool:
+  """Whether a compiled computation (``jax.stages.Compiled``) runs the kernel's forward."""
+  return f'custom_call_target="{FORWARD_TARGET}"' in compiled.as_text()
+
+
 def status() -> str:
   """One line for logs and reports: whether the kernel is on, and why not if it is off.
 
