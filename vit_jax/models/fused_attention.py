@@ -87,7 +87,7 @@ def _switched_off() -> bool:
 
 
 def enabled() -> bool:
-  """False when the environment switch :data:`SWITCH` says off; the library loads otherwise.
+  """True when the kernel is built and loads and :data:`SWITCH` does not say off.
 
   Raises:
     ValueError: :data:`SWITCH` has a value that is neither on nor off.
