@@ -11,22 +11,18 @@ warmup steps, weight decay 0.05, softmax cross-entropy, random flips.
 
 'vit' (default): ViT with 7x7 patches on the 28x28 images (a 4x4 grid, 16 tokens + class
 token), hidden size D=96, 4 layers, 4 heads, MLP 192; 316,234 parameters.
-Measured on a 2-core CPU with the training defaults (scanned, rematerialised encoder): 89.1% test
-accuracy (top-1; top-5 99.8%) in about 6 min of training (13 to 16 steps/s), plus ~11 s for the
-one-off preparation of the tfds dataset (unrolled, before the scanned default: 89.4% in 5 min
-44 s; 600 steps of each here: 14.9 steps/s scanned, 13.1 unrolled).
+Expected on a 2-core CPU: 89.1% test accuracy (top-1; top-5 99.8%) in about 6 minutes, the
+one-off preparation of the tfds dataset (~11 s) included (docs/benchmarks.md).
 
 't2t': T2T-ViT with a Performer T2T module (token_dim 32), then D=96, 4 blocks, 4 heads, MLP
 ratio 2, no drop path (too short a schedule to need it); 376,272 trainable parameters. Images
 are resized to 40x40 so that the three soft splits (unfold 7/4/2, 3/2/1, 3/2/1) give
 10x10 -> 5x5 -> 3x3 = 9 tokens, and normalised with the ImageNet mean/std as in the T2T-ViT
-code. Measured on a 2-core CPU with the training defaults (scanned, rematerialised backbone):
-90.5% test accuracy (top-5 99.9%) in 10 min 43 s of wall time, 8.1 steps/s (577 s of training
-steps); unrolled, before the scanned default: 90.3% in 10 min 27 s. 400 steps of each: 8.1 to 8.8
-steps/s scanned, 7.2 to 7.9 unrolled.
+code. Expected on a 2-core CPU: 90.5% test accuracy (top-5 99.9%) in about 11 minutes of wall
+time (docs/benchmarks.md).
 """
 
-from vit_jax import defaults
+from vit_jax import config as config_lib
 
 MODELS = {
     "vit": ("ViT-custom", dict(hidden_size=96, mlp_dim=192, num_heads=4, num_layers=4,
@@ -37,13 +33,15 @@ MODELS = {
 }
 
 
+ARGS = config_lib.args.Spec("configs/fashion_mnist.py", ("model",),
+                            choices={"model": tuple(MODELS)}, defaults={"model": "vit"})
+
+
 def get_config(arg: str = "vit"):
   """Returns the Fashion-MNIST config for `arg` in {'vit', 't2t'} (see the module docstring)."""
-  arg = arg or "vit"
-  if arg not in MODELS:
-    raise ValueError(f"configs/fashion_mnist.py takes 'vit' or 't2t', got {arg!r}.")
+  arg = ARGS.parse(arg)["model"]
   model_name, model_fields = MODELS[arg]
-  config = defaults.get_config(model_name, "fashion_mnist_local", **model_fields)
+  config = config_lib.get_config(model_name, "fashion_mnist_local", **model_fields)
   config.regime = "pretrain"  # Training from scratch, with the settings below for a small set:
   config.loss = "softmax_xent"  # single-label data: softmax (and a zero ViT head bias).
   if "head_bias_init" in config.model:

@@ -4,7 +4,7 @@ r"""T2T-ViT trained from scratch with its ImageNet recipe: `get_config('<model>[
              module), or the full name of one of these variants (e.g. T2T-ViT_t-14).
   <dataset>: imagenet2012 (default) or any tfds name / prepared directory.
 
-The recipe of the official T2T-ViT code (REFERENCE.md section 3; timm's train.py defaults):
+The recipe of the official T2T-ViT code (docs/reference.md section 3; timm's train.py defaults):
   * AdamW (b1 0.9, b2 0.999), lr 5e-4 at batch 512, scaled linearly with the global batch
     (`optim.lr_base_batch_size=512`); 1e-3 for T2T-ViT-7/10/12. Decoupled weight decay 0.05
     (0.03 for 7/10/12, 0.065 for 19/24) on the kernels only: the class token, norms, biases and
@@ -31,7 +31,7 @@ Fine-tune released weights instead: configs/t2t.py:14 with
 (384**-0.5: the released weights use D**-0.5) and a shorter schedule.
 """
 
-from vit_jax import defaults
+from vit_jax import config as config_lib
 
 MODELS = {
     "7": "T2T-ViT-7", "10": "T2T-ViT-10", "12": "T2T-ViT-12", "14": "T2T-ViT-14",
@@ -52,19 +52,23 @@ def _lr_and_weight_decay(model_name: str):
   return 5e-4, 0.05
 
 
+ARGS = config_lib.args.Spec(
+    "configs/t2t.py", ("model", "dataset"),
+    defaults={"model": "14", "dataset": "imagenet2012"},
+    help={"model": f"{', '.join(MODELS)} or a variant's full name"})
+
+
 def get_config(arg: str = "14,imagenet2012"):
   """Returns the T2T-ViT recipe config for '<model>[,<dataset>]' (see the module docstring)."""
-  parts = (arg or "14").split(",")
-  if len(parts) > 2:
-    raise ValueError(f"configs/t2t.py expects '<model>[,<dataset>]', got {arg!r}.")
-  model_name = MODELS.get(parts[0], parts[0])
-  dataset = parts[1] if len(parts) == 2 else "imagenet2012"
+  args = ARGS.parse(arg)
+  model_name = MODELS.get(args["model"], args["model"])
+  dataset = args["dataset"]
   lr, weight_decay = _lr_and_weight_decay(model_name)
 
   try:
-    config = defaults.get_config(model_name, dataset, drop_path_rate=0.1)
+    config = config_lib.get_config(model_name, dataset, drop_path_rate=0.1)
   except (ValueError, KeyError) as e:
-    raise ValueError(f"configs/t2t.py: unknown model {parts[0]!r}; use one of "
+    raise ValueError(f"configs/t2t.py: unknown model {args['model']!r}; use one of "
                      f"{', '.join(MODELS)} or a variant's full name such as 'T2T-ViT_t-14' "
                      f"({e})") from None
   if config.model_name and "custom" in str(config.model_name).lower():

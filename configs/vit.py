@@ -18,7 +18,7 @@ The schedule lengths below are the paper's; on one CPU they take years, so short
 with --config.total_steps=... for a look.
 """
 
-from vit_jax import defaults
+from vit_jax import config as config_lib
 
 MODELS = {
     "ti16": "ViT-Ti_16", "s16": "ViT-S_16", "s32": "ViT-S_32", "b16": "ViT-B_16",
@@ -38,13 +38,17 @@ DATASETS = {
 }
 
 
+ARGS = config_lib.args.Spec(
+    "configs/vit.py", ("model", "dataset", "regime"),
+    choices={"regime": tuple(config_lib.REGIME_DEFAULTS)}, defaults={"regime": "pretrain"},
+    help={"model": f"{', '.join(MODELS)} or a name vit_jax.models.create accepts",
+          "dataset": "a tfds name, e.g. imagenet2012, cifar10"})
+
+
 def get_config(arg: str = "b16,imagenet2012"):
   """Returns the config for '<model>,<dataset>[,<regime>]' (see the module docstring)."""
-  parts = arg.split(",")
-  if len(parts) not in (2, 3):
-    raise ValueError(f"configs/vit.py expects '<model>,<dataset>[,<regime>]', got {arg!r}.")
-  model, dataset = parts[:2]
-  regime = parts[2] if len(parts) == 3 else "pretrain"
+  args = ARGS.parse(arg)
+  model, dataset, regime = args["model"], args["dataset"], args["regime"]
   model_name = MODELS.get(model, model)
   train_split, eval_split, epochs, finetune_steps = DATASETS.get(
       dataset, ("train", "test", 300, 10_000))
@@ -54,7 +58,7 @@ def get_config(arg: str = "b16,imagenet2012"):
   if pretrain and dataset in ("imagenet21k", "imagenet2012"):
     # Pretraining on large data uses dropout 0.1 and a representation layer of width D.
     overrides["dropout_rate"] = 0.1
-  config = defaults.get_config(model_name, dataset, **overrides)
+  config = config_lib.get_config(model_name, dataset, **overrides)
   if pretrain and dataset in ("imagenet21k", "imagenet2012"):
     config.model.representation_size = config.model.hidden_size
   config.regime = regime

@@ -6,9 +6,11 @@
 # pip install -e . 'jax[cuda13]'):
 #   launch/gpu_benchmark.sh [OUT_DIR]        (default: $OUT if set, else ./gpu_benchmark)
 #
-# Each batch size is one `python -m vit_jax.benchmark` run (training step only: forward, backward,
-# AdamW, bfloat16 compute with float32 parameters and a float32 loss, the training defaults
-# scan=True + remat 'dots_with_no_batch_dims_saveable'). It prints the table and writes
+# Each batch size is one `python -m vit_jax.benchmark` run (training step only: the trainer's own
+# step, vit_jax.step, in the pretraining regime: forward, backward, AdamW, bfloat16 compute with
+# float32 parameters and a float32 loss, the training defaults scan=True + remat
+# 'dots_and_attention_saveable', the attention 'auto' picks for the GPU, cuDNN's fused attention
+# in bfloat16; the report's notes say which ran and why). It prints the table and writes
 # OUT_DIR/bf16_b{64,256}.{txt,json}. '% of peak' is the MFU: the analytic model FLOPs
 # (3 x 2 x forward MACs per image, no recomputation counted) per second over the published dense
 # bfloat16 peak of the GPU (vit_jax.accounting). Device memory peaks are in the JSON.

@@ -31,10 +31,11 @@ Commands:
            (e.g. -- --network=NET --subnetwork=SUBNET).
   setup    Copy this checkout to every worker (a git archive of HEAD plus uncommitted edits to
            tracked files), or with --repo clone a git repository there, and install it with
-           pip install -e '.[tpu]' into ~/vit_jax/.venv, made with the first of python3.13,
-           python3.12, python3.11, python3 that is >= 3.11 (on the Ubuntu 22.04 images, whose
-           python3 is 3.10, it apt-get installs python3.11 and python3.11-venv). Safe to rerun
-           (after a code change too); a venv of an older Python is made again.
+           pip install -e '.[tpu]' into ~/vit_jax/.venv, made with the first of python3.12,
+           python3.13, python3 that is 3.12 or 3.13, so that the newest jax is installed (on the
+           Ubuntu 22.04 images, whose python3 is 3.10, it installs uv from PyPI with pip and
+           CPython 3.12 with uv). Safe to rerun (after a code change too); a venv of an older
+           Python is made again.
   run      On every worker: stop a previous vit_jax.main, kill other processes holding the TPU,
            remove /tmp/libtpu_lockfile, then start in the background (it survives the ssh
            session) python -m vit_jax.main --config CONFIG --workdir WORKDIR [overrides],
@@ -271,41 +272,51 @@ EOF
     echo "rm -f \"\$HOME/$REMOTE_ARCHIVE\""
   fi
   cat <<'EOF'
-# vit_jax (jax, flax, orbax, numpy) needs Python >= 3.11; the TPU VM images are Ubuntu 22.04,
-# whose python3 is 3.10: then the venv gets the python3.11 package of Ubuntu.
-new_enough() { "$1" -c 'import sys; sys.exit(sys.version_info < (3, 11))' >/dev/null 2>&1; }
+# vit_jax takes the newest jax, flax and orbax on Python 3.12 or 3.13 (pyproject.toml: jax >= 0.11
+# needs 3.12; tensorflow-cpu has no 3.14 wheels). The TPU VM images are Ubuntu 22.04, whose python3
+# is 3.10 and whose apt has no 3.12: then CPython 3.12 comes from uv (a static binary from PyPI;
+# the interpreter is a python-build-standalone build) into ~/.local/share/uv/python, without root
+# or apt, the same build on every worker of a pod.
+usable() { "$1" -c 'import sys; sys.exit(sys.version_info[:2] not in ((3, 12), (3, 13)))' >/dev/null 2>&1; }
 apt_install() {
   # Right after boot unattended-upgrades may hold the apt lock: wait for it rather than fail.
   sudo apt-get -o DPkg::Lock::Timeout=600 update -qq &&
     sudo DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout=600 install -y -qq "$@" >/dev/null
 }
-# A venv from an older setup (made by Python 3.10) or a broken one is made again.
-if [ -e .venv ] && ! { [ -x .venv/bin/pip ] && new_enough .venv/bin/python; }; then
+# install_python: pip for the image's python3 (apt's python3-pip if it has none), uv with it,
+# CPython 3.12 with uv; sets $python to it.
+install_python() {
+  python3 -m pip --version >/dev/null 2>&1 || apt_install python3-pip || return 1
+  python3 -m pip install --user --quiet --disable-pip-version-check 'uv>=0.13,<0.14' || return 1
+  "$HOME/.local/bin/uv" python install 3.12 || return 1
+  python="$("$HOME/.local/bin/uv" python find --managed-python 3.12)" && usable "$python"
+}
+# A venv from an older setup (made by Python 3.10 or 3.11) or a broken one is made again.
+if [ -e .venv ] && ! { [ -x .venv/bin/pip ] && usable .venv/bin/python; }; then
   old="$(.venv/bin/python --version 2>&1)" || old="no working python"
-  echo "$(hostname): recreating ~/vit_jax/.venv (it has $old, vit_jax needs Python >= 3.11)"
+  echo "$(hostname): recreating ~/vit_jax/.venv (it has $old, vit_jax needs Python 3.12 or 3.13 for the newest jax)"
   rm -rf .venv
 fi
 if [ ! -d .venv ]; then
   python=""
-  for candidate in python3.13 python3.12 python3.11 python3; do
-    if command -v "$candidate" >/dev/null 2>&1 && new_enough "$candidate"; then
+  for candidate in python3.12 python3.13 python3; do
+    if command -v "$candidate" >/dev/null 2>&1 && usable "$candidate"; then
       python="$candidate"
       break
     fi
   done
   if [ -z "$python" ]; then
-    echo "$(hostname): vit_jax needs Python >= 3.11, this image has $(python3 --version 2>&1): installing python3.11 and python3.11-venv with apt-get"
-    if ! apt_install python3.11 python3.11-venv || ! new_enough python3.11; then
-      echo "$(hostname): vit_jax needs Python >= 3.11, and installing python3.11 failed: use a --runtime-version with Python >= 3.11" >&2
+    echo "$(hostname): vit_jax needs Python 3.12 or 3.13 for the newest jax, this image has $(python3 --version 2>&1): installing Python 3.12 with uv"
+    if ! install_python; then
+      echo "$(hostname): installing Python 3.12 with uv failed (above; it needs PyPI and GitHub's python-build-standalone releases, or UV_PYTHON_INSTALL_MIRROR): use a --runtime-version whose image has Python 3.12" >&2
       exit 1
     fi
-    python=python3.11
   fi
   # An Ubuntu python has no ensurepip until its -venv package (python3-venv, python3.12-venv) is
-  # installed.
+  # installed; uv's has it.
   if ! "$python" -m venv .venv >/dev/null 2>&1; then
     rm -rf .venv
-    apt_install "$python-venv"
+    case "$python" in */*) ;; *) apt_install "$python-venv" ;; esac
     "$python" -m venv .venv
   fi
   echo "$(hostname): created ~/vit_jax/.venv with $(.venv/bin/python --version 2>&1)"

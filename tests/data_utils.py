@@ -237,8 +237,8 @@ __all__: Sequence[str] = [
 def folder_run_config(model_name: str, folder: str, image_size: int, *,
                       total_steps: int = 2, batch_size: int = 4, **model_fields):
   """A short 'finetune'-regime run on an image folder: no augmentation, no warmup."""
-  from vit_jax import defaults  # pylint: disable=g-import-not-at-top
-  config = defaults.get_config(model_name, 'unused', **model_fields)
+  from vit_jax import config as config_lib  # pylint: disable=g-import-not-at-top
+  config = config_lib.get_config(model_name, 'unused', **model_fields)
   config.regime = 'finetune'
   config.data.update(image_folder=folder, image_size=image_size, augment='none')
   config.batch_size = batch_size

@@ -18,14 +18,14 @@ import sys
 
 def tiny_config(family: str, folder: str, mesh: str = ""):
   """A 3-step run on the 16 px image folder; the same for every mesh."""
-  from vit_jax import defaults  # pylint: disable=g-import-not-at-top
+  from vit_jax import config as config_lib  # pylint: disable=g-import-not-at-top
   if family == "vit":
-    config = defaults.get_config("ViT-custom", "unused", hidden_size=32, mlp_dim=64, num_heads=4,
+    config = config_lib.get_config("ViT-custom", "unused", hidden_size=32, mlp_dim=64, num_heads=4,
                                  num_layers=2, patch_size=4)
   else:
-    config = defaults.get_config("T2T-ViT-custom", "unused", embed_dim=32, depth=2, num_heads=4,
-                                 mlp_ratio=2.0, token_dim=16, tokens_type="transformer",
-                                 drop_path_rate=0.0)
+    config = config_lib.get_config("T2T-ViT-custom", "unused", embed_dim=32, depth=2, num_heads=4,
+                                   mlp_ratio=2.0, token_dim=16, tokens_type="transformer",
+                                   drop_path_rate=0.0)
   config.regime = "finetune"
   config.optim.warmup_steps = 0
   config.data.image_folder = folder
@@ -71,12 +71,12 @@ def restore_on_mesh(workdir: str, config):
   from vit_jax import checkpoint, models, sharding  # pylint: disable=g-import-not-at-top
   mesh = sharding.create_mesh(config.mesh)
   rules = sharding.parse_rules(config.mesh.rules, mesh.axis_names)
-  from vit_jax import optim, train  # pylint: disable=g-import-not-at-top
-  fields = train._model_fields(optim.resolve_regime(config))  # pylint: disable=protected-access
+  from vit_jax import config as config_lib  # pylint: disable=g-import-not-at-top
+  fields = dict(config_lib.fill_regime(config).model.to_dict(), attention="xla")
   model = models.create(config.model_name, num_classes=3, **fields)
   boxed = jax.eval_shape(lambda: model.init(jax.random.key(0), jnp.zeros((1, 16, 16, 3)),
                                             train=False))
-  item = checkpoint._find_state_item(workdir)  # pylint: disable=protected-access
+  item = checkpoint.workdir.find_state_item(workdir)
   metadata = ocp.PyTreeCheckpointer().metadata(item)
   tree = getattr(getattr(metadata, "item_metadata", metadata), "tree", None) or metadata.tree
   shapes = jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype), dict(tree))

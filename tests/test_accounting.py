@@ -1,5 +1,6 @@
 """Compute accounting: core-days with a fake clock, the device table, the per-run cost.json and
-checkpointed counters (a killed and resumed run adds up its attempts), and the estimator."""
+checkpointed counters (a killed and resumed run adds up its attempts). The estimator's tests are
+in tests/tools/test_cost.py."""
 
 import json
 import os
@@ -12,7 +13,6 @@ import pytest
 
 from tests import data_utils
 from vit_jax import accounting
-from vit_jax import cost
 from vit_jax import flops
 from vit_jax import models
 from vit_jax import train
@@ -179,65 +179,11 @@ def test_traced_count_equals_the_formula_and_the_t2t_paper():
   for scan in (False, True):  # A scanned model's loop body counts once per layer.
     model = models.create("ViT-B_16", num_classes=1000, scan=scan)
     assert flops.model_forward_macs(model, (224, 224, 3)) == formula
-  # T2T-ViT paper / REFERENCE.md section 2: 4.8 G and 6.1 G MACs at 224 px.
+  # T2T-ViT paper / docs/reference.md section 2: 4.8 G and 6.1 G MACs at 224 px.
   t14 = flops.model_forward_macs(models.create("T2T-ViT-14", num_classes=1000), (224, 224, 3))
   t_t14 = flops.model_forward_macs(models.create("T2T-ViT_t-14", num_classes=1000),
                                    (224, 224, 3))
   assert round(t14 / 1e9, 1) == 4.8 and round(t_t14 / 1e9, 1) == 6.1
-
-
-# ----------------------------------------------------------------------------- estimator
-
-
-def test_estimator_counts_the_configured_schedule():
-  config = train.optim.resolve_regime(
-      data_utils.folder_run_config("ViT-B_16", "unused", 224, total_steps=1000,
-                                   batch_size=512))
-  est = cost.estimate(config, "v3-256", 0.5, num_train_examples=1_000_000, num_classes=1000)
-  macs = flops.vit_forward_macs(hidden_size=768, mlp_dim=3072, num_layers=12, patch_size=16,
-                                image_size=224)
-  assert est["training_flops"] == 6 * macs * 512 * 1000
-  assert est["days"] == pytest.approx(est["training_flops"] / (0.5 * 256 * 61.5e12) / DAY)
-  assert est["core_days"] == pytest.approx(est["days"] * 256)
-  assert est["chip_days"] == pytest.approx(est["days"] * 128)
-  assert est["parameters"] == 86_567_656
-
-
-def test_estimator_sizes_known_datasets_without_data():
-  assert cost.split_size("train[:99%]", {"train": 1_281_167}) == 1_268_355
-  assert cost.split_size("train+validation", {"train": 10, "validation": 5}) == 15
-  with pytest.raises(ValueError, match="does not fit the splits"):
-    cost.split_size("test", {"train": 10})
-
-
-def _run_cost(*args):
-  env = dict(os.environ, JAX_PLATFORMS="cpu")
-  return subprocess.run([sys.executable, "-m", "vit_jax.cost", *args], cwd=ROOT, env=env,
-                        capture_output=True, text=True, timeout=300)
-
-
-def test_estimator_cli_prints_table2_and_an_estimate():
-  proc = _run_cost("--table2")
-  assert proc.returncode == 0, proc.stderr[-2000:]
-  assert "| ViT-L/16 | ImageNet-21k | 90 | 123.2 | 4.66e+20 | 0.23k | 38% |" in proc.stdout
-  assert "| ViT-H/14 | JFT-300M | 14 | 334.6 | 4.26e+21 | 2.5k | 32% |" in proc.stdout
-  assert "Assumptions:" in proc.stdout
-  proc = _run_cost("--config", "configs/vit.py:l16,imagenet21k", "--accelerator", "v3-256",
-                   "--mfu", "0.38")
-  assert proc.returncode == 0, proc.stderr[-2000:]
-  # The paper's 90 epochs of 14M images at the 38% that Table 2 implies: about 0.23k.
-  line = next(l for l in proc.stdout.splitlines() if l.startswith("TPU-core-days"))
-  assert 225 < float(line.split()[1].replace(",", "")) < 240, proc.stdout
-  proc = _run_cost("--config", "configs/vit.py:b16,cifar10", "--accelerator", "v9-8")
-  assert proc.returncode == 2 and "FATAL: Unknown accelerator 'v9-8'" in proc.stderr
-  for args, message in [(("--config", "configs/nope.py"), "The config file 'configs/nope.py'"),
-                        ((), "Give --config="),
-                        (("--config", "configs/fashion_mnist.py", "--num_train_examples=0"),
-                         "--num_train_examples=0 must be positive"),
-                        (("--config", "configs/fashion_mnist.py", "--mfu=2"), "--mfu=2.0 must be")]:
-    proc = _run_cost(*args)
-    assert proc.returncode == 2 and f"FATAL: {message}" in proc.stderr, (args, proc.stderr[-800:])
-    assert "Traceback" not in proc.stderr
 
 
 # ----------------------------------------------------------------------------- training runs

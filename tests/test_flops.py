@@ -7,7 +7,7 @@ import pytest
 
 from vit_jax import flops
 from vit_jax import models
-from vit_jax.models import fused_attention
+from vit_jax.kernels import cpu_attention
 
 B16 = dict(hidden_size=768, mlp_dim=3072, num_layers=12, patch_size=16)
 
@@ -23,10 +23,9 @@ def test_vit_b16_forward_is_17_6_g_multiply_adds():
     flops.vit_forward_macs(**B16, image_size=200)
 
 
-def test_compiled_cost_analysis_agrees_with_the_analytic_count(monkeypatch):
+def test_compiled_cost_analysis_agrees_with_the_analytic_count():
   """XLA counts the matrix products plus the elementwise work: within 3% above."""
-  monkeypatch.setenv(fused_attention.SWITCH, "0")  # XLA cannot count inside the fused kernel.
-  model = models.create("ViT-B_16", num_classes=1000)
+  model = models.create("ViT-B_16", num_classes=1000)  # XLA's attention (the default).
   variables = models.unbox(jax.eval_shape(
       lambda: model.init(jax.random.key(0), jnp.zeros((1, 224, 224, 3)), train=False)))
   compiled = jax.jit(lambda v, x: model.apply(v, x, train=False)).lower(
@@ -37,10 +36,9 @@ def test_compiled_cost_analysis_agrees_with_the_analytic_count(monkeypatch):
   assert 1.0 <= cost["flops"] / analytic < 1.03
 
 
-def test_compiled_training_step_agrees_with_three_forward_passes(monkeypatch):
+def test_compiled_training_step_agrees_with_three_forward_passes():
   """A ViT-B/16 AdamW step (forward, backward, update) by XLA: within 3% of 3 x the forward."""
-  monkeypatch.setenv(fused_attention.SWITCH, "0")  # XLA cannot count inside the fused kernel.
-  model = models.create("ViT-B_16", num_classes=1000)
+  model = models.create("ViT-B_16", num_classes=1000)  # XLA's attention (the default).
   images = jax.ShapeDtypeStruct((2, 224, 224, 3), jnp.float32)
   labels = jax.ShapeDtypeStruct((2, 1000), jnp.float32)
   params = models.unbox(jax.eval_shape(
@@ -75,14 +73,16 @@ def test_table2_implied_utilisation():
   assert "| ViT-H/14 | JFT-300M | 14 | 334.6 |" in flops.table2_markdown()
 
 
-def test_the_count_is_the_same_whichever_attention_runs(monkeypatch):
+def test_the_count_is_the_same_whichever_attention_runs():
   """The fused CPU kernel's products (inside an ffi_call) are counted like XLA's dot_generals."""
   model = models.create("ViT-Ti_16", num_classes=10)
-  with_kernel = flops.model_forward_macs(model, (64, 64, 3))
-  monkeypatch.setenv(fused_attention.SWITCH, "0")
-  assert flops.model_forward_macs(model, (64, 64, 3)) == with_kernel == flops.vit_forward_macs(
+  xla = flops.model_forward_macs(model, (64, 64, 3))
+  if cpu_attention.library()[0] is not None:
+    kernel = models.create("ViT-Ti_16", num_classes=10, attention="cpu_kernel")
+    assert flops.model_forward_macs(kernel, (64, 64, 3)) == xla
+  assert xla == flops.vit_forward_macs(
       hidden_size=192, mlp_dim=768, num_layers=12, patch_size=16, image_size=64, num_classes=10)
   qkv = jax.ShapeDtypeStruct((2, 17, 3, 3, 64), jnp.float32)
-  forward = jax.make_jaxpr(lambda a: fused_attention.attention(a, logits_scale=1.0))(qkv)
-  if fused_attention.library()[0] is not None:  # 2 products of 17 x 17 x 64 per image and head.
+  forward = jax.make_jaxpr(lambda a: cpu_attention.attention(a, logits_scale=1.0))(qkv)
+  if cpu_attention.library()[0] is not None:  # 2 products of 17 x 17 x 64 per image and head.
     assert flops.jaxpr_macs(forward.jaxpr) == 2 * 2 * 3 * 17 * 17 * 64

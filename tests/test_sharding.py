@@ -13,6 +13,7 @@ import pytest
 from tests import data_utils
 from tests import sharding_worker
 from vit_jax import checkpoint
+from vit_jax import config as config_lib
 from vit_jax import models
 from vit_jax import sharding
 from vit_jax import train
@@ -22,7 +23,7 @@ MESHES = ("data=8", "data=2,fsdp=4", "data=2,tensor=4", "fsdp=2,tensor=4")
 
 
 def _mesh_cfg(**sizes):
-  cfg = sharding.get_default_config()
+  cfg = config_lib.defaults.mesh_config()
   cfg.update(sizes)
   return cfg
 
@@ -57,7 +58,7 @@ def test_rules_parse_and_name_only_mesh_axes():
 def test_batch_that_the_mesh_cannot_split_is_a_config_error():
   with pytest.raises(ValueError, match=r"batch_size=12 cannot be split into 2 micro-batch\(es\) "
                      r"over 4 batch shard\(s\).*--config.batch_size=8 or 16"):
-    train.check_batch_size(12, 2, 4)
+    config_lib.check_batch_size(12, 2, 4)
 
 
 def test_fsdp_that_leaves_most_bytes_replicated_is_refused():
@@ -199,15 +200,3 @@ def test_two_processes_train_like_one(tmp_path):
   params = checkpoint.flatten_params(checkpoint.load(str(workdir))["params"])
   for key, value in expected.items():
     np.testing.assert_allclose(params[key], value, rtol=1e-5, atol=1e-6, err_msg=key)
-
-
-@pytest.mark.parametrize("accelerator,hosts,multi", [
-    ("v3-8", "", False), ("v3-32", "", True), ("v4-8", "", False), ("v4-16", "", True),
-    ("v5litepod-8", "", False), ("v5litepod-16", "", True), ("", "", False),
-    ("", "10.0.0.1,10.0.0.2", True)])
-def test_multi_host_tpu_detection(monkeypatch, accelerator, hosts, multi):
-  """jax.distributed starts by itself only on a TPU slice with several hosts."""
-  from vit_jax import main  # pylint: disable=g-import-not-at-top
-  monkeypatch.setenv("TPU_ACCELERATOR_TYPE", accelerator)
-  monkeypatch.setenv("TPU_WORKER_HOSTNAMES", hosts)
-  assert main._on_multi_host_tpu() == multi  # pylint: disable=protected-access

@@ -23,6 +23,9 @@ import re
 import time
 from typing import Any, Callable, Iterator, Optional
 
+from absl import logging
+import numpy as np
+
 SECONDS_PER_DAY = 86_400
 
 #: The wall-time categories; 'other' is the program's time outside them (start-up, dataset
@@ -286,6 +289,12 @@ class CostAccountant:
       seconds[category] += now - start - in_children - in_open_child
     return seconds
 
+  def training_seconds(self) -> float:
+    """Seconds of this attempt in 'train' and 'input' so far: the clock of the throughput and
+    ETA (compilation, evaluation and checkpoints excluded)."""
+    seconds = self._seconds_now()
+    return seconds["train"] + seconds["input"]
+
   def count_step(self, steps: int = 1) -> None:
     """Records `steps` optimizer updates of `batch_size` images each."""
     self._steps += steps
@@ -371,6 +380,15 @@ class CostAccountant:
     }
 
 
+def latest_report(from_checkpoint: Optional[dict[str, Any]],
+                  from_disk: Optional[dict[str, Any]]) -> Optional[dict[str, Any]]:
+  """The account to continue after a restore: the checkpoint's, or `WORKDIR/cost.json`'s when
+  that one holds more program time (an attempt killed after its last checkpoint was paid for).
+  """
+  candidates = [r for r in (from_checkpoint, from_disk) if r and r.get("attempts")]
+  return max(candidates, key=lambda r: r["seconds"]["program"], default=None)
+
+
 def scalars(report: dict[str, Any]) -> dict[str, float]:
   """TensorBoard scalars of a `report()`: 'cost/<name>' for every figure that is known."""
   out = {f"cost/{part}_{unit}": report[part][unit] for part in ("train", "program")
@@ -395,3 +413,82 @@ def summary(report: dict[str, Any]) -> str:
   split = ", ".join(f"{k} {seconds[k]:.0f}" for k in (*CATEGORIES, "other"))
   return (f"cost: {program:.4g} {kind} {unit}-days ({train:.4g} in training steps), {mfu}"
           f"{rate}, {report['restarts']} restart(s); seconds: {split}")
+
+
+def account_step_flops(accountant: CostAccountant, executable, model: Any,
+                       image_shape: tuple[int, int, int], num_devices: int) -> None:
+  """Gives `accountant` the train step's FLOPs: XLA's count (of `executable`, one device's
+  share of the SPMD program, times `num_devices`) and the analytic count of `model` at
+  `image_shape` (3 x the forward matmuls, `vit_jax.flops`), compared in the log."""
+  from vit_jax import flops  # pylint: disable=g-import-not-at-top
+  cost = executable.cost_analysis()
+  cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+  # The compiled module is one device's share of the SPMD program.
+  compiled = cost["flops"] * num_devices if cost and cost.get("flops") else None
+  analytic = flops.training_flops(flops.model_forward_macs(model, image_shape),
+                                  accountant.batch_size)
+  accountant.set_step_flops(compiled, analytic)
+  ratio = f"{compiled / analytic:.3f}" if compiled else "n/a"
+  logging.info("FLOPs per training step: %s by XLA's cost analysis, %.4g analytic (3 x the "
+               "forward matmuls); ratio %s. MFU uses the analytic count.",
+               f"{compiled:.4g}" if compiled else "unavailable", analytic, ratio)
+  if compiled and not 0.97 <= compiled / analytic <= 1.15:
+    logging.info("The counts differ: XLA counts a loop body once (scan over layers, gradient "
+                 "accumulation) and counts rematerialised work; the analytic count is the "
+                 "model's useful work.")
+
+
+class Progress:
+  """The training metrics since the last log line, and the progress read from the clock.
+
+  The throughput (steps/s, images/s) and the ETA come from the accountant's training time
+  (`CostAccountant.training_seconds`: the steps and their input, not compilation, evaluation or
+  checkpoints), so they agree with the cost report.
+  """
+
+  def __init__(self, accountant: CostAccountant, batch_size: int, total_steps: int,
+               start_step: int):
+    self._accountant, self._batch_size, self._total = accountant, batch_size, total_steps
+    self._metrics: list[dict[str, np.ndarray]] = []
+    self.restart(start_step)
+
+  def restart(self, step: int) -> None:
+    """Measures the throughput from here (after the compiling step)."""
+    self._step, self._seconds = step, self._accountant.training_seconds()
+
+  def add(self, metrics: dict[str, np.ndarray]) -> None:
+    """One step's fetched metrics (float scalars: 'loss', 'lr', ... and maybe 'skipped')."""
+    self._metrics.append(metrics)
+
+  def summary(self, step: int, skipping: bool) -> dict[str, float]:
+    """Means over the window (skipped updates' non-finite values left out), the rate now,
+    images/s of the training clock (steps and input), and one progress line with the ETA."""
+    metrics, self._metrics = self._metrics, []
+    out = {f"train/{k}": float(np.mean([m[k] for m in metrics if np.isfinite(m[k])] or [np.nan]))
+           for k in metrics[0] if k != "skipped"}
+    out["train/lr"] = float(metrics[-1]["lr"])
+    if skipping:
+      out["train/skipped_updates"] = float(sum(m["skipped"] for m in metrics))
+      if out["train/skipped_updates"]:
+        logging.warning("Step %d: skipped %d update(s) with non-finite gradients in the last "
+                        "%d steps.", step, out["train/skipped_updates"], len(metrics))
+    seconds = self._accountant.training_seconds() - self._seconds
+    rate = ""
+    if step > self._step and seconds > 0:  # (Not a window of the compiling step alone.)
+      steps_per_sec = (step - self._step) / seconds
+      out["train/steps_per_sec"] = steps_per_sec
+      out["train/images_per_sec"] = steps_per_sec * self._batch_size
+      rate = (f", {steps_per_sec:.3g} steps/s ({out['train/images_per_sec']:,.0f} images/s), "
+              f"ETA {duration((self._total - step) / steps_per_sec)}")
+    logging.info("Step %d/%d (%.1f%%): loss %.4f%s.", step, self._total,
+                 100 * step / self._total, out["train/loss"], rate)
+    self._step, self._seconds = step, self._accountant.training_seconds()
+    return out
+
+
+def duration(seconds: float) -> str:
+  """'1 h 05 min', '5 min 20 s', '12 s'."""
+  seconds = int(round(seconds))
+  if seconds >= 3600:
+    return f"{seconds // 3600} h {seconds % 3600 // 60:02d} min"
+  return f"{seconds // 60} min {seconds % 60:02d} s" if seconds >= 60 else f"{seconds} s"

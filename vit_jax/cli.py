@@ -1,17 +1,15 @@
-"""Command-line helpers shared by `vit_jax.main`, `vit_jax.cost` and `vit_jax.benchmark`: flag
-parsing with clear errors for a config file or a `--config.<key>` override that is wrong, quiet
-library logs, and glibc's malloc set to back large allocations with huge pages."""
+"""Flag parsing shared by `vit_jax.main` and the tools: a clear one-line error (exit 2) for a
+config file that does not exist, refuses its argument, or a `--config.<key>` override that names
+no key (with the keys there and the closest match), instead of ml_collections' traceback."""
 
 from __future__ import annotations
 
 import difflib
 import importlib.util
-import logging as py_logging
 import os
 import sys
 
 from absl import flags
-from absl import logging
 
 
 def load_config_file(spec: str):
@@ -93,105 +91,3 @@ def parse_flags(argv: list[str]) -> list[str]:
     message = unknown_override_message(argv) or f"Bad --config: {e}"
   sys.stderr.write(f"FATAL: {message}\nPass --help to see the flags.\n")
   sys.exit(2)
-
-
-#: The glibc tunable that makes malloc advise transparent huge pages (`MADV_HUGEPAGE`) for the
-#: memory it maps (glibc >= 2.35). See `huge_pages_environment`.
-HUGE_PAGES_TUNABLE = "glibc.malloc.hugetlb=1"
-#: Set to 0 (or false, no, off) to run without `HUGE_PAGES_TUNABLE` (the entry points then never
-#: re-execute); unset, empty, 1, true, yes or on: the default, with it.
-HUGE_PAGES_SWITCH = "VIT_JAX_HUGE_PAGES"
-_SWITCH_OFF, _SWITCH_ON = ("0", "false", "no", "off"), ("", "1", "true", "yes", "on")
-_THP_MODE_FILE = "/sys/kernel/mm/transparent_hugepage/enabled"
-
-
-def _glibc_version() -> tuple[int, ...] | None:
-  try:
-    name, version = os.confstr("CS_GNU_LIBC_VERSION").split()  # e.g. "glibc 2.36"
-    return tuple(int(p) for p in version.split(".")[:2]) if name == "glibc" else None
-  except (AttributeError, ValueError, OSError):
-    return None
-
-
-def _thp_mode() -> str | None:
-  """The kernel's transparent huge page mode ('always', 'madvise' or 'never'), or None."""
-  try:
-    with open(_THP_MODE_FILE, encoding="ascii") as f:
-      text = f.read()
-  except OSError:
-    return None
-  chosen = [w[1:-1] for w in text.split() if w.startswith("[")]
-  return chosen[0] if chosen else None
-
-
-def huge_pages_environment(environ=None, glibc=None, thp_mode=None) -> dict[str, str] | None:
-  """The environment to re-execute with so that malloc backs large allocations with huge pages.
-
-  Why: XLA:CPU allocates a step's temporary buffers (e.g. 664 MiB for the ViT-Ti/16 training
-  step at batch 32) afresh at every execution, and glibc serves allocations over 32 MiB with a
-  new `mmap`, so every step first-touches all of it: 173,000 4-KiB page faults per step, about
-  a tenth of the step on a 2-core CPU. With `HUGE_PAGES_TUNABLE` glibc advises `MADV_HUGEPAGE`
-  on those mappings and the kernel maps 2-MiB pages instead: under 400 faults per step (README
-  "Benchmarks"). glibc reads `GLIBC_TUNABLES` only when a process starts, hence the re-exec.
-
-  Args:
-    environ: the current environment (default `os.environ`).
-    glibc: glibc's `(major, minor)`; `()` for another C library (default: this process's).
-    thp_mode: the kernel's transparent huge page mode, '' for none (default: read from sysfs).
-
-  Returns:
-    The new environment (`GLIBC_TUNABLES` with `HUGE_PAGES_TUNABLE` appended), or None when
-    there is nothing to do: `VIT_JAX_HUGE_PAGES=0`, a `glibc.malloc.hugetlb` already in
-    `GLIBC_TUNABLES` (the user's own choice is kept), no glibc >= 2.35, or huge pages 'never'.
-
-  Raises:
-    ValueError: `VIT_JAX_HUGE_PAGES` is neither on (1, true, yes, on) nor off (0, false, no, off).
-  """
-  environ = os.environ if environ is None else environ
-  switch = environ.get(HUGE_PAGES_SWITCH, "").strip().lower()
-  if switch not in _SWITCH_OFF + _SWITCH_ON:
-    raise ValueError(f"{HUGE_PAGES_SWITCH}={environ[HUGE_PAGES_SWITCH]!r} is neither on (1, true, "
-                     "yes, on) nor off (0, false, no, off); set one of those or unset it.")
-  if switch in _SWITCH_OFF:
-    return None
-  tunables = environ.get("GLIBC_TUNABLES", "")
-  if "glibc.malloc.hugetlb" in tunables:
-    return None
-  glibc = (_glibc_version() or ()) if glibc is None else tuple(glibc)
-  thp_mode = (_thp_mode() or "") if thp_mode is None else thp_mode
-  if not glibc or glibc < (2, 35) or thp_mode not in ("always", "madvise"):
-    return None
-  return dict(environ, GLIBC_TUNABLES=":".join(t for t in (tunables, HUGE_PAGES_TUNABLE) if t))
-
-
-def reexec_with_huge_pages() -> None:
-  """Replaces this process by the same command under `huge_pages_environment`, if it has one.
-
-  Call it first thing in a program's `if __name__ == "__main__":` block (it re-runs the whole
-  command line, `sys.orig_argv`, with the same interpreter and process id). Returns without
-  doing anything when `huge_pages_environment` returns None, so the re-executed process goes on.
-  Exits with status 2 and a one-line message if `VIT_JAX_HUGE_PAGES` has a value it cannot read.
-  """
-  try:
-    env = huge_pages_environment()
-  except ValueError as e:
-    sys.stderr.write(f"FATAL: {e}\n")
-    sys.exit(2)
-  if env is None or not getattr(sys, "orig_argv", None):
-    return
-  sys.stdout.flush()
-  sys.stderr.flush()
-  os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], env)
-
-
-class QuietLibraries(py_logging.Filter):
-  """Keeps INFO lines of vit_jax and clu (progress, metrics); other libraries' from WARNING.
-
-  orbax and jax log every checkpoint's internals at INFO; run with --verbosity=1 to see them.
-  """
-
-  def filter(self, record: py_logging.LogRecord) -> bool:
-    if record.levelno >= py_logging.WARNING or logging.get_verbosity() >= 1:
-      return True
-    path = record.pathname.replace(os.sep, "/")
-    return "/vit_jax/" in path or "/clu/" in path

@@ -2,7 +2,7 @@
 
 The ViT paper compares models by pretraining cost in TPUv3-core-days (cores x days; Table 2).
 This module counts the matrix work of the model by hand, so that a run's cost can be predicted
-before it starts, and reproduces the compute column of Table 2 (REFERENCE.md section 4): given
+before it starts, and reproduces the compute column of Table 2 (docs/reference.md section 4): given
 the reported core-days it shows the model FLOP utilisation (MFU) each figure implies.
 
 Conventions: one multiply-add (MAC) = 2 FLOPs; training costs 3 forward passes (the backward
@@ -22,7 +22,7 @@ import jax
 from jax.extend import core as jax_core
 import jax.numpy as jnp
 
-from vit_jax.models import fused_attention
+from vit_jax.kernels import cpu_attention
 
 SECONDS_PER_DAY = 86_400
 
@@ -64,7 +64,7 @@ def jaxpr_macs(jaxpr: jax_core.Jaxpr) -> int:
   """Multiply-adds of the matrix products in a jaxpr: every `dot_general` and convolution.
 
   Also the products inside calls of the fused CPU attention kernel (`ffi_call`s, see
-  `vit_jax.models.fused_attention.macs`), so the count does not depend on which attention ran.
+  `vit_jax.kernels.cpu_attention.macs`), so the count does not depend on which attention ran.
 
   Walks nested jaxprs (jit, remat, custom derivatives, cond branches); a `scan` body counts
   `length` times (XLA's own cost analysis counts a loop body once, which under-reports a model
@@ -81,8 +81,8 @@ def jaxpr_macs(jaxpr: jax_core.Jaxpr) -> int:
       lhs_shape = eqn.invars[0].aval.shape
       total += out_size * math.prod(lhs_shape[d] for d in lhs_contracting)
     elif (eqn.primitive.name == "ffi_call"
-          and eqn.params.get("target_name") in fused_attention.TARGETS):
-      total += fused_attention.macs(eqn.params["target_name"], eqn.invars[0].aval.shape)
+          and eqn.params.get("target_name") in cpu_attention.TARGETS):
+      total += cpu_attention.macs(eqn.params["target_name"], eqn.invars[0].aval.shape)
     elif eqn.primitive.name == "conv_general_dilated":
       kernel_shape = eqn.invars[1].aval.shape
       kernel_spec = eqn.params["dimension_numbers"].rhs_spec  # (out, in, *spatial) positions.
@@ -138,7 +138,7 @@ def core_days(flops: float, mfu: float,
 
 @dataclasses.dataclass(frozen=True)
 class PaperRun:
-  """One pretraining run of the ViT paper's Table 2 (REFERENCE.md section 4)."""
+  """One pretraining run of the ViT paper's Table 2 (docs/reference.md section 4)."""
   model: str
   dataset: str
   epochs: float
@@ -177,7 +177,7 @@ TABLE2: Sequence[PaperRun] = (
 
 
 def table2_markdown() -> str:
-  """The Table 2 reproduction as a Markdown table (for README.md)."""
+  """The Table 2 reproduction as a Markdown table (for docs/compute_cost.md)."""
   lines = ["| model | data | epochs | forward GFLOPs/image | training FLOPs | reported "
            "TPUv3-core-days | implied MFU |", "|---|---|---|---|---|---|---|"]
   for run in TABLE2:

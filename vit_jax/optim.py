@@ -1,89 +1,25 @@
 """Optimizers, learning-rate schedules and losses of the ViT pretraining and fine-tuning regimes.
 
 The two regimes of the ViT paper (Dosovitskiy et al., 2021, Sec. 4.1 and Appendix B.1) differ in
-optimizer, schedule, loss and head initialisation. A config selects one with `config.regime`;
-every field that depends on the regime defaults to None in the config and is filled from
-`REGIME_DEFAULTS` by `resolve_regime`, so `--config.regime=finetune` alone switches all of them,
-and any single field can still be overridden (`--config.lr=0.01`).
+optimizer, schedule, loss and head initialisation; their values are
+`vit_jax.config.REGIME_DEFAULTS`, filled into a config by `vit_jax.config.resolve`. This module
+builds what a resolved `config.optim` describes: the schedule (`schedule_from_config`), the optax
+optimizer (`make_optimizer`) and the per-example loss (`loss_fn`).
 """
 
 from __future__ import annotations
 
 import math
-from typing import Callable
+from typing import Callable, Optional
 
 import jax
 import jax.numpy as jnp
 import ml_collections
 import optax
 
-# Paper Sec. 4.1 / Appendix B.1 and the official fine-tuning configs (REFERENCE.md section 3).
-REGIME_DEFAULTS = {
-    # Adam (b1 0.9, b2 0.999) with decoupled weight decay, linear warmup then linear decay,
-    # sigmoid cross-entropy with the head bias at -10.
-    "pretrain": dict(
-        optimizer="adamw",
-        lr=1e-3,
-        weight_decay=0.1,
-        b1=0.9,
-        b2=0.999,
-        momentum=0.9,
-        schedule="linear",
-        warmup_steps=10_000,
-        grad_clip_norm=1.0,
-        loss="sigmoid_xent",
-        head_bias_init=-10.0,
-    ),
-    # SGD momentum 0.9, global-norm clipping at 1, cosine decay with 500 warmup steps,
-    # no weight decay, softmax cross-entropy with a zero head.
-    "finetune": dict(
-        optimizer="sgd",
-        lr=0.03,
-        weight_decay=0.0,
-        b1=0.9,
-        b2=0.999,
-        momentum=0.9,
-        schedule="cosine",
-        warmup_steps=500,
-        grad_clip_norm=1.0,
-        loss="softmax_xent",
-        head_bias_init=0.0,
-    ),
-}
-
 SCHEDULES = ("linear", "cosine", "constant")
 LOSSES = ("softmax_xent", "sigmoid_xent")
 OPTIMIZERS = ("adamw", "sgd")
-
-
-def resolve_regime(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
-  """Returns a copy of `config` with every None regime field set to the regime's default.
-
-  Fields filled: `config.loss`, `config.model.head_bias_init` (for models that have it) and
-  the other keys of `REGIME_DEFAULTS[config.regime]` under `config.optim`.
-
-  Raises:
-    ValueError: `config.regime` is not 'pretrain' or 'finetune', or a resolved value is not one
-      of the known optimizers, schedules or losses.
-  """
-  if config.regime not in REGIME_DEFAULTS:
-    raise ValueError(
-        f"config.regime={config.regime!r} is not a regime; use one of "
-        f"{sorted(REGIME_DEFAULTS)} (--config.regime=pretrain or --config.regime=finetune).")
-  defaults = REGIME_DEFAULTS[config.regime]
-  config = ml_collections.ConfigDict(config.to_dict())  # Unlocked copy; the caller's stays as is.
-  for key, value in defaults.items():
-    section = {"head_bias_init": config.model, "loss": config}.get(key, config.optim)
-    if key not in section:  # e.g. T2T-ViT has no head bias option.
-      continue
-    if section.get(key) is None:
-      section[key] = value
-  for name, value, allowed in (("optim.optimizer", config.optim.optimizer, OPTIMIZERS),
-                               ("optim.schedule", config.optim.schedule, SCHEDULES),
-                               ("loss", config.loss, LOSSES)):
-    if value not in allowed:
-      raise ValueError(f"config.{name}={value!r} is not supported; choose one of {list(allowed)}.")
-  return config
 
 
 def lr_schedule(base_lr: float, total_steps: int, warmup_steps: int = 0,
@@ -98,7 +34,7 @@ def lr_schedule(base_lr: float, total_steps: int, warmup_steps: int = 0,
   the decayed part is interpolated towards `end_lr`. So the first update uses `base / warmup`
   and the last (step = total) uses `end_lr` (0 by default) for the decaying schedules.
 
-  Two additions give the timm `CosineLRScheduler` of the T2T-ViT recipe (REFERENCE.md section 3):
+  Two additions give the timm `CosineLRScheduler` of the T2T-ViT recipe (docs/reference.md section 3):
   the warmup rises linearly from `warmup_init_lr` instead of 0
   (`lr = init + (decayed - init) * min(1, step / warmup)`), and the last `cooldown_steps`
   updates stay at `end_lr` (the decay ends `cooldown_steps` before `total_steps`). Unlike timm's
@@ -151,16 +87,19 @@ def lr_schedule(base_lr: float, total_steps: int, warmup_steps: int = 0,
 
 
 def schedule_from_config(optim: ml_collections.ConfigDict, *, batch_size: int,
-                         total_steps: int, steps_per_epoch: float) -> Callable[[jax.Array], jax.Array]:
-  """`lr_schedule` of a resolved `config.optim`, with its epoch fields turned into steps.
+                         total_steps: int,
+                         steps_per_epoch: Optional[float] = None) -> Callable[[jax.Array], jax.Array]:
+  """`lr_schedule` of a resolved `config.optim`.
 
   The peak rate is `optim.lr`, times `batch_size / optim.lr_base_batch_size` when that is set
-  (the linear scaling rule of the T2T-ViT and DeiT recipes: "lr 5e-4 at batch 512").
-  `optim.warmup_epochs` / `optim.cooldown_epochs`, when set, replace `warmup_steps` /
-  `cooldown_steps` (rounded to whole updates at `steps_per_epoch` updates per epoch).
+  (the linear scaling rule of the T2T-ViT and DeiT recipes: "lr 5e-4 at batch 512"). The warmup
+  and cooldown are `optim.warmup_steps` / `optim.cooldown_steps`; `vit_jax.config.resolve` has
+  turned `warmup_epochs` / `cooldown_epochs` into those. For an unresolved config give
+  `steps_per_epoch` and the epoch fields are converted here (rounded to whole updates).
 
   Raises:
-    ValueError: see `lr_schedule`; a non-positive `lr_base_batch_size`.
+    ValueError: see `lr_schedule`; a non-positive `lr_base_batch_size`; epoch fields without
+      `steps_per_epoch`.
   """
   lr = optim.lr
   if optim.get("lr_base_batch_size") is not None:
@@ -169,14 +108,18 @@ def schedule_from_config(optim: ml_collections.ConfigDict, *, batch_size: int,
                        "positive (or None to use config.optim.lr as it is).")
     lr = lr * batch_size / optim.lr_base_batch_size
 
-  def steps(epochs_key: str, steps_key: str) -> int:
-    if optim.get(epochs_key) is not None:
-      return int(round(optim[epochs_key] * steps_per_epoch))
-    return int(optim.get(steps_key) or 0)
+  def steps(name: str) -> int:
+    epochs = optim.get(f"{name}_epochs")
+    if epochs is not None:
+      if steps_per_epoch is None:
+        raise ValueError(f"config.optim.{name}_epochs needs the epoch length: resolve the "
+                         "config (vit_jax.config.resolve) or pass steps_per_epoch.")
+      return int(round(epochs * steps_per_epoch))
+    return int(optim.get(f"{name}_steps") or 0)
 
-  return lr_schedule(lr, total_steps, steps("warmup_epochs", "warmup_steps"), optim.schedule,
-                     optim.end_lr, warmup_init_lr=optim.get("warmup_init_lr") or 0.0,
-                     cooldown_steps=steps("cooldown_epochs", "cooldown_steps"))
+  return lr_schedule(lr, total_steps, steps("warmup"), optim.schedule, optim.end_lr,
+                     warmup_init_lr=optim.get("warmup_init_lr") or 0.0,
+                     cooldown_steps=steps("cooldown"))
 
 
 def _decay_mask(params):
@@ -193,7 +136,7 @@ def _decay_mask(params):
 
 def make_optimizer(optim: ml_collections.ConfigDict,
                    schedule: Callable[[jax.Array], jax.Array]) -> optax.GradientTransformation:
-  """Builds the optax optimizer of a resolved `config.optim` (see `resolve_regime`).
+  """Builds the optax optimizer of a resolved `config.optim` (see `vit_jax.config.resolve`).
 
   `schedule` is the learning rate as a function of the update count (see `lr_schedule`).
 

@@ -16,6 +16,7 @@ data=2, tensor=4       tensor parallelism: attention heads, the MLP hidden units
 fsdp=2, tensor=4       both
 =====================  ==========================================================================
 
+The sizes and rule changes are `config.mesh` (defaults: `vit_jax.config.defaults.mesh_config`).
 The mesh is built with ``jax.experimental.mesh_utils`` so that the last (innermost) axis,
 'tensor', gets the fastest interconnect (devices of one chip / host), then 'fsdp', then 'data';
 ``config.mesh.dcn_data > 1`` adds a data-parallel axis across slices (multi-slice TPU: ICI inside
@@ -54,23 +55,6 @@ DEFAULT_RULES: Rules = (
     ("qkv", "tensor"),
     ("conv_out", "tensor"),
 )
-
-
-def get_default_config() -> ml_collections.ConfigDict:
-  """`config.mesh`: axis sizes (-1: all the devices the other axes leave) and rule overrides."""
-  c = ml_collections.ConfigDict()
-  c.data = -1
-  c.fsdp = 1
-  c.tensor = 1
-  # Data parallelism across TPU slices (multi-slice over DCN); 1 for one slice or host group.
-  c.dcn_data = 1
-  # Changes to DEFAULT_RULES, 'logical=mesh_axis[+mesh_axis],...'; an empty right side leaves
-  # the logical axis unsharded. E.g. 'embed=,mlp=fsdp' or 'batch=data+fsdp+tensor'.
-  c.rules = ""
-  # Stop at startup when FSDP is requested (fsdp > 1) but more than this fraction of the
-  # parameter bytes would still be replicated on every device.
-  c.max_replicated_fraction = 0.5
-  return c
 
 
 def axis_sizes(mesh_cfg: ml_collections.ConfigDict, num_devices: int) -> Dict[str, int]:

@@ -1,12 +1,12 @@
 """vit_jax input pipelines (tf.data / tfds -> numpy batches).
 
-This package is the only place in vit_jax that imports TensorFlow. At import
-it hides all GPUs/TPUs from TensorFlow so that tf.data never grabs an
-accelerator (they belong to JAX), and it registers the offline
-`fashion_mnist_local` tfds builder.
+This package is the only place in vit_jax that reads data with TensorFlow. At import it hides
+all GPUs/TPUs from TensorFlow (`vit_jax.platform.hide_accelerators_from_tensorflow`) so that
+tf.data never grabs an accelerator (they belong to JAX), and it registers the offline
+`fashion_mnist_local` tfds builder. The defaults of `config.data` are
+`vit_jax.config.defaults.data_config`.
 
 API:
-  get_default_config() -> ml_collections.ConfigDict   # config.data defaults
   get_info(config.data) -> DatasetInfo
   create_train_iterator(config.data, global_batch_size, seed, start_step=0)
   create_eval_dataset(config.data, global_batch_size)
@@ -14,21 +14,12 @@ API:
   find_undecodable(paths) -> list of the paths that cannot be decoded
 """
 
-import tensorflow as tf
+from vit_jax import platform as _platform
 
-for _kind in ('GPU', 'TPU'):
-  try:
-    tf.config.set_visible_devices([], _kind)
-  except (RuntimeError, ValueError):  # Already initialized / unknown kind.
-    pass
-del _kind
+_platform.hide_accelerators_from_tensorflow()
 
 # pylint: disable=g-import-not-at-top,wrong-import-position
 from vit_jax.data import fashion_mnist_local  # Registers the builder.
-from vit_jax.data.config import AUGMENTATIONS
-from vit_jax.data.config import BAD_IMAGES
-from vit_jax.data.config import get_default_config
-from vit_jax.data.config import NORMALIZATIONS
 from vit_jax.data.pipeline import create_eval_dataset
 from vit_jax.data.pipeline import create_train_iterator
 from vit_jax.data.pipeline import DatasetInfo
@@ -40,8 +31,7 @@ from vit_jax.data.sources import BadImageError
 from vit_jax.data.sources import find_undecodable
 
 __all__ = [
-    'AUGMENTATIONS', 'BAD_IMAGES', 'NORMALIZATIONS', 'BadImageError',
-    'DatasetInfo', 'EvalDataset', 'TrainIterator', 'create_eval_dataset',
+    'BadImageError', 'DatasetInfo', 'EvalDataset', 'TrainIterator', 'create_eval_dataset',
     'create_train_iterator', 'fashion_mnist_local', 'find_undecodable',
-    'get_default_config', 'get_info', 'local_batch_size',
+    'get_info', 'local_batch_size',
 ]

@@ -23,8 +23,8 @@ import numpy as np
 import tensorflow as tf
 import tensorflow_datasets as tfds
 
+from vit_jax import config as config_lib
 from vit_jax.data import augment
-from vit_jax.data import config as config_lib
 from vit_jax.data import preprocess
 from vit_jax.data import sources
 
@@ -57,44 +57,8 @@ class DatasetInfo:
 
 
 def _validate(data_cfg) -> None:
-  if data_cfg.augment not in config_lib.AUGMENTATIONS:
-    raise ValueError(f'Unknown config.data.augment={data_cfg.augment!r}; '
-                     f'choose one of {config_lib.AUGMENTATIONS}.')
-  if data_cfg.normalization not in config_lib.NORMALIZATIONS:
-    raise ValueError(
-        f'Unknown config.data.normalization={data_cfg.normalization!r}; '
-        f'choose one of {config_lib.NORMALIZATIONS}.')
-  if not isinstance(data_cfg.image_size, int) or data_cfg.image_size <= 0:
-    raise ValueError('config.data.image_size must be a positive int, got '
-                     f'{data_cfg.image_size!r}.')
-  if not 0. < data_cfg.inception_crop_min_area <= 1.:
-    raise ValueError('config.data.inception_crop_min_area must be in (0, 1], '
-                     f'got {data_cfg.inception_crop_min_area!r}.')
-  if data_cfg.shuffle_buffer < 1:
-    raise ValueError('config.data.shuffle_buffer must be >= 1.')
-  if (not isinstance(data_cfg.randaugment_num_layers, int) or
-      data_cfg.randaugment_num_layers < 0):
-    raise ValueError('config.data.randaugment_num_layers must be an int >= 0 '
-                     f'(0 disables RandAugment), got '
-                     f'{data_cfg.randaugment_num_layers!r}.')
-  if not 0. <= data_cfg.randaugment_magnitude <= 10.:
-    raise ValueError('config.data.randaugment_magnitude must be in [0, 10] '
-                     f'(timm: 9), got {data_cfg.randaugment_magnitude!r}.')
-  if data_cfg.randaugment_magnitude_std < 0.:
-    raise ValueError('config.data.randaugment_magnitude_std must be >= 0, got '
-                     f'{data_cfg.randaugment_magnitude_std!r}.')
-  for key in ('random_erasing', 'mix_switch_prob', 'mix_prob'):
-    if not 0. <= data_cfg[key] <= 1.:
-      raise ValueError(f'config.data.{key} is a probability: it must be in '
-                       f'[0, 1], got {data_cfg[key]!r}.')
-  for key in ('mixup_alpha', 'cutmix_alpha'):
-    if data_cfg[key] < 0.:
-      raise ValueError(f'config.data.{key} must be >= 0 (0 disables it), got '
-                       f'{data_cfg[key]!r}.')
-  if data_cfg.eval_crop_pct is not None and not 0. < data_cfg.eval_crop_pct <= 1.:
-    raise ValueError('config.data.eval_crop_pct must be in (0, 1] or None, got '
-                     f'{data_cfg.eval_crop_pct!r}.')
-  config_lib.check_bad_images(data_cfg.bad_images)
+  """Every value of `config.data` in range (`vit_jax.config.validate_data`)."""
+  config_lib.validate_data(data_cfg)
 
 
 # What iterating a pipeline raises when an image cannot be decoded.
@@ -279,7 +243,7 @@ def create_train_iterator(data_cfg, global_batch_size: int, seed: int,
   before the resume step).
 
   Args:
-    data_cfg: `config.data` (see `get_default_config`).
+    data_cfg: `config.data` (see `vit_jax.config.defaults.data_config`).
     global_batch_size: batch size summed over all processes.
     seed: python int, the data seed.
     start_step: number of training steps already taken (for resuming).

@@ -35,7 +35,7 @@ import numpy as np
 import tensorflow as tf
 import tensorflow_datasets as tfds
 
-from vit_jax.data import config as config_lib
+from vit_jax import config as config_lib
 
 SplitArg = Any  # str or tfds AbstractSplit (e.g. a tfds.even_splits item).
 
@@ -117,9 +117,8 @@ def find_undecodable(paths: Sequence[str],
   decoding raises (corrupt, truncated, empty, not an image, unreadable) are
   the bad ones. Valid grayscale / CMYK JPEGs and RGBA / palette / 16-bit PNGs
   (whatever their file name) pass. Cost: one full decode per image, the
-  work of one epoch of decoding, scaling with the CPU cores; measured on 2
-  (shared) cores: ~900 ImageNet-sized JPEGs/s (500x375, 75 KB; i.e. ~25 min
-  for ImageNet's 1.28M training images there), ~11000 32x32 PNGs/s.
+  work of one epoch of decoding, scaling with the CPU cores (docs/benchmarks.md
+  has measured rates).
 
   Args:
     paths: file paths (str), local or any tf.io.gfile filesystem.
@@ -287,7 +286,7 @@ class Source:
     self.name = name
     self.image_key = image_key
     self.label = label
-    self.bad_images = config_lib.check_bad_images(bad_images)
+    self.bad_images = config_lib.check_value('data.bad_images', bad_images)
     self.skipped_images = tuple(skipped_images)
     self._image_folder_examples = image_folder_examples
     self._folder_split_infos = None
@@ -516,7 +515,7 @@ def _make_source(data_cfg) -> Source:
   """Builds the `Source` for `config.data` (uncached)."""
   name, image_key, label_key = (data_cfg.name, data_cfg.image_key,
                                 data_cfg.label_key)
-  bad_images = config_lib.check_bad_images(data_cfg.bad_images)
+  bad_images = config_lib.check_value('data.bad_images', data_cfg.bad_images)
   if data_cfg.image_folder:
     root = os.path.expanduser(data_cfg.image_folder)
     if not tf.io.gfile.isdir(root):
@@ -580,7 +579,7 @@ def get_source(data_cfg) -> Source:
     KeyError, TypeError: unusable image or label feature.
     ValueError: invalid `config.data.bad_images`.
   """
-  config_lib.check_bad_images(data_cfg.bad_images)
+  config_lib.check_value('data.bad_images', data_cfg.bad_images)
   key = _config_key(data_cfg)
   if key not in _SOURCES:
     _SOURCES[key] = _make_source(data_cfg)

@@ -9,7 +9,7 @@ Names
     ``mlp_dim``, ``num_heads``, ``num_layers``, ``patch_size`` are required).
   * ``T2T-ViT-{7,10,12,14,19,24}`` (Performer T2T module) and ``T2T-ViT_t-{14,19,24}``
     (Transformer T2T module): Tokens-to-Token ViT (:class:`vit_jax.models.t2t.T2TViT`), sizes of
-    :data:`T2T_SIZES` (REFERENCE.md section 2); the spelling is case-insensitive and ``-``/``_``
+    :data:`T2T_SIZES` (docs/reference.md section 2); the spelling is case-insensitive and ``-``/``_``
     are interchangeable (``t2t_vit_t_14``). Overrides: :data:`T2T_OVERRIDE_KEYS`.
   * ``T2T-ViT-custom``: ``embed_dim``, ``depth``, ``num_heads``, ``mlp_ratio`` are required
     overrides (``token_dim`` 64 and ``tokens_type`` 'performer' by default).
@@ -40,7 +40,7 @@ shapes and names exactly those of plain arrays). ``model.apply`` takes boxed or 
 un-annotated ``'constants'``); ``nn.logical_to_mesh_sharding`` with a mesh's rules turns it into
 shardings. The code that reads ``init`` output (:mod:`vit_jax.checkpoint`'s ``flatten_params``,
 ``check_fits``, ``init_for_finetuning``, ``save_npz``; :func:`scan_params` /
-:func:`unscan_params`; ``t2t.from_torch_state_dict``) unboxes it itself. The main activations
+:func:`unscan_params`; ``t2t_torch.from_torch_state_dict``) unboxes it itself. The main activations
 are constrained with ``nn.with_logical_constraint`` (``('batch', 'length', 'embed')`` tokens,
 ``('batch', 'length', 'mlp')`` MLP hidden units), which does nothing unless
 ``nn.logical_axis_rules`` and a mesh are active::
@@ -49,7 +49,7 @@ are constrained with ``nn.with_logical_constraint`` (``('batch', 'length', 'embe
   specs = logical_axes(model, (224, 224))                     # {'params': PartitionSpec tree}
 
 Overrides are the model's configuration fields, flat (see :data:`OVERRIDE_KEYS`). Sizes follow
-the ViT paper, Table 1, and the official ``configs/models.py`` (REFERENCE.md section 1).
+the ViT paper, Table 1, and the official ``configs/models.py`` (docs/reference.md section 1).
 
 Adding a family is one :class:`Family` entry in :data:`FAMILIES`.
 """
@@ -64,6 +64,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from vit_jax.models import attention
 from vit_jax.models import layout
 from vit_jax.models import resnet
 from vit_jax.models import t2t
@@ -72,12 +73,15 @@ from vit_jax.models.layout import (LOGICAL_AXIS_NAMES, is_scanned, scan_params, 
 from vit_jax.models.t2t import T2TViT
 from vit_jax.models.vit import CLASSIFIERS, VisionTransformer, patch_pair, validate_config
 
+#: Values of the models' ``attention`` field (:mod:`vit_jax.models.attention`).
+ATTENTION_IMPLEMENTATIONS = attention.IMPLEMENTATIONS
+
 __all__ = [
-    'CLASSIFIERS', 'FAMILIES', 'Family', 'HYBRID_CONFIGS', 'HYBRID_MODEL_NAMES',
+    'ATTENTION_IMPLEMENTATIONS', 'CLASSIFIERS', 'FAMILIES', 'Family', 'HYBRID_CONFIGS', 'HYBRID_MODEL_NAMES',
     'HYBRID_OVERRIDE_KEYS', 'LOGICAL_AXIS_NAMES', 'MODEL_NAMES', 'OVERRIDE_KEYS', 'T2TViT',
-    'T2T_MODEL_NAMES', 'T2T_OVERRIDE_KEYS', 'T2T_SIZES', 'TRAINING_DEFAULTS', 'VIT_SIZES',
-    'VisionTransformer', 'abstract_variables', 'create', 'is_scanned', 'layout', 'logical_axes',
-    'model_config',
+    'T2T_MODEL_NAMES', 'T2T_OVERRIDE_KEYS', 'T2T_SIZES', 'VIT_SIZES',
+    'VisionTransformer', 'abstract_variables', 'attention', 'create', 'head_dim', 'is_scanned',
+    'layout', 'logical_axes', 'model_config',
     'resnet', 'resolve', 'scan_params', 't2t', 'unbox', 'unscan_params',
 ]
 
@@ -104,27 +108,14 @@ _VIT_DEFAULTS: Dict[str, Any] = dict(
     scan=False,
     remat=False,
     remat_policy='nothing_saveable',
+    attention='xla',
 )
-
-#: Execution fields that training (``vit_jax.defaults.get_config``, so ``vit_jax.main``, and
-#: ``vit_jax.benchmark``) sets unless they are overridden; the models' own defaults stay the plain
-#: unrolled encoder with the official per-layer parameter names. A scanned encoder whose blocks
-#: are rematerialised keeping the dense projections' outputs (and, on CPU, the fused attention
-#: kernel's output: ``'dots_and_attention_saveable'``) was both the fastest and the leanest
-#: training step measured on CPU (README "Benchmarks"; e.g. ViT-B/16 at batch 8: 2.6 GiB peak
-#: instead of 3.8; T2T-ViT-14 at batch 8: 4.0 images/s instead of 2.1, 1.8 GiB peak instead of
-#: 2.8), and one compiled block body compiles in a fraction of the time. Checkpoints then hold the
-#: stacked ``encoderblock`` (T2T-ViT: ``blocks``) layout; fine-tuning
-#: (``checkpoint.init_for_finetuning``) converts between the layouts and ``checkpoint.save_npz``
-#: writes the official one. Both families (and the hybrids) take these fields.
-TRAINING_DEFAULTS: Dict[str, Any] = dict(
-    scan=True, remat=True, remat_policy='dots_and_attention_saveable')
 
 #: Keys accepted as overrides by ``create`` / ``model_config`` for the ViT family.
 OVERRIDE_KEYS: Tuple[str, ...] = (
     'hidden_size', 'mlp_dim', 'num_heads', 'num_layers', 'patch_size', 'classifier',
     'representation_size', 'dropout_rate', 'attention_dropout_rate', 'head_bias_init', 'dtype',
-    'param_dtype', 'scan', 'remat', 'remat_policy')
+    'param_dtype', 'scan', 'remat', 'remat_policy', 'attention')
 
 _REQUIRED_CUSTOM = ('hidden_size', 'mlp_dim', 'num_heads', 'num_layers', 'patch_size')
 
@@ -210,7 +201,7 @@ def _hybrid_config(match: re.Match) -> Dict[str, Any]:
 
 
 #: T2T-ViT sizes by depth: (embed_dim, depth, num_heads, mlp_ratio), official ``t2t_vit.py``
-#: (REFERENCE.md section 2). All use token_dim 64. Depths 7, 10, 12 exist only with the
+#: (docs/reference.md section 2). All use token_dim 64. Depths 7, 10, 12 exist only with the
 #: Performer T2T module; 14, 19, 24 with both.
 T2T_SIZES: Dict[int, Tuple[int, int, int, float]] = {
     7: (256, 7, 4, 2.0),
@@ -231,13 +222,15 @@ _T2T_DEFAULTS: Dict[str, Any] = dict(
     scan=False,
     remat=False,
     remat_policy='nothing_saveable',
+    attention='xla',
 )
 
 #: Keys accepted as overrides by ``create`` / ``model_config`` for the T2T-ViT families (the
 #: reference's constructor names).
 T2T_OVERRIDE_KEYS: Tuple[str, ...] = (
     'embed_dim', 'depth', 'num_heads', 'mlp_ratio', 'token_dim', 'tokens_type',
-    'drop_path_rate', 'qk_scale', 'dtype', 'param_dtype', 'scan', 'remat', 'remat_policy')
+    'drop_path_rate', 'qk_scale', 'dtype', 'param_dtype', 'scan', 'remat', 'remat_policy',
+    'attention')
 
 _T2T_REQUIRED_CUSTOM = ('embed_dim', 'depth', 'num_heads', 'mlp_ratio')
 
@@ -433,6 +426,20 @@ def create(name: str, *, num_classes: Optional[int], **overrides: Any) -> nn.Mod
   config = model_config(name, **overrides)
   family, _ = resolve(name)
   return family.module(num_classes=num_classes, **config)
+
+
+def head_dim(name: str, **overrides: Any) -> int:
+  """The head size of the backbone attention of a model: ``D / heads``.
+
+  Args:
+    name, overrides: as :func:`model_config`.
+
+  Raises:
+    As :func:`model_config`.
+  """
+  config = model_config(name, **overrides)
+  width = config['hidden_size'] if 'hidden_size' in config else config['embed_dim']
+  return width // config['num_heads']
 
 
 def _image_batch_shape(image_shape: Sequence[int]) -> Tuple[int, int, int, int]:

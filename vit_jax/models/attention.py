@@ -1,4 +1,4 @@
-"""Multi-head self-attention of ViT, with the official parameter names and a faster layout.
+"""Multi-head self-attention of both model families, with one dispatch over its implementations.
 
 :class:`MultiHeadDotProductAttention` computes what ``flax.linen.MultiHeadDotProductAttention``
 computes for self-attention (the MSA of ViT eq. 2, Vaswani et al. eq. 1) and stores the same
@@ -7,43 +7,45 @@ parameters under the same names and shapes, so the official checkpoints load unc
   {query,key,value}/kernel (D, heads, D/heads)   {query,key,value}/bias (heads, D/heads)
   out/kernel (heads, D/heads, D)                 out/bias (D,)
 
-What differs is the order of the computation, chosen by measurement (README "Benchmarks"),
-along one of three paths:
+T2T-ViT's backbone attention (``vit_jax.models.t2t.Attention``, a fused ``qkv`` without bias)
+goes through the same :func:`self_attention`. Which implementation runs is a model field,
+``attention``, one of :data:`IMPLEMENTATIONS`; the models never look at the machine (the
+choice for a set of target devices is made once, outside the models, by
+``vit_jax.dispatch.choose_attention``):
 
-* **CPU, the fused kernel** (:mod:`vit_jax.models.fused_attention`; float32, one device, no
-  attention dropout, head size divisible by 16): the three kernels are stacked at compute time
-  into one ``[D, 3, heads, D/heads]`` product that writes ``[B, N, 3, heads, D/heads]``, the
-  kernel's input; its output ``[B, N, heads, D/heads]`` feeds the output projection. Both
-  projections are then plain matrix products without transposes. ViT-Ti/16 training at batch 32
-  on 2 cores: 12% shorter steps than the next path.
-* **Otherwise on CPU and on TPU**: the projections write ``q, k, v`` directly in the
-  ``[B, heads, N, D/heads]`` layout that XLA's two batched matrix products of
+* ``'xla'`` (every platform): the projections write ``q, k, v`` directly in the
+  ``[B, heads, N, D/heads]`` layout that XLA's two batched products of
   :func:`dot_product_attention` want (``einsum('bnd,dhk->bhnk')``), and the output projection
-  reads it (``einsum('bhqk,hkd->bqd')``), so XLA inserts no transposes between them (flax's
-  ``[B, N, heads, D/heads]`` made XLA:CPU transpose around every batched product; ViT-B/16
-  attention layer forward at batch 8: 91 ms with the flax module, 52 ms here). A fused QKV
-  product gained nothing on this path, so it keeps three, which also keeps their sharding over
-  the ``'heads'`` logical axis free of communication.
-* **GPU**, when no attention dropout is active: ``jax.nn.dot_product_attention`` (cuDNN's fused
-  flash-attention kernel for bfloat16/float16 inputs, XLA otherwise).
+  reads it, so XLA inserts no transposes between them. Supports attention dropout.
+* ``'cpu_kernel'`` (XLA:CPU, one device, float32, head size a multiple of 16, no attention
+  dropout): the three kernels are stacked at compute time into one ``[D, 3, heads, D/heads]``
+  product that writes ``[B, N, 3, heads, D/heads]``, the input of vit_jax's fused kernel
+  (:mod:`vit_jax.kernels.cpu_attention`), whose ``[B, N, heads, D/heads]`` output feeds the
+  output projection.
+* ``'cudnn'`` (GPU, bfloat16/float16, no attention dropout):
+  ``jax.nn.dot_product_attention(implementation='cudnn')`` on ``[B, N, heads, D/heads]``.
 
-The paths differ by float32 rounding only (the tests compare them and the official logits).
+The implementations differ by floating-point rounding only (the tests compare them and the
+official logits).
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any, Optional, Tuple
+from typing import Any, Optional, Sequence, Tuple
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from vit_jax.models import fused_attention
+from vit_jax.kernels import cpu_attention
 
 Array = jax.Array
 Dtype = Any
+
+#: Values of the models' ``attention`` field (see the module docstring).
+IMPLEMENTATIONS = ('xla', 'cudnn', 'cpu_kernel')
 
 
 def dot_product_attention(query: Array, key: Array, value: Array, *,
@@ -111,6 +113,64 @@ class _Projection(nn.Module):
     return kernel, bias
 
 
+def check_implementation(implementation: Any) -> None:
+  """Raises ValueError unless ``implementation`` is one of :data:`IMPLEMENTATIONS`."""
+  if implementation not in IMPLEMENTATIONS:
+    raise ValueError(f'attention must be one of {IMPLEMENTATIONS}, got {implementation!r} (a '
+                     "training config's 'auto' is resolved by vit_jax.dispatch.choose_attention "
+                     'from the target devices).')
+
+
+def self_attention(x: Array, projections: Sequence[Tuple[Array, Optional[Array]]], *,
+                   implementation: str, logits_scale: float, scale_query: bool = False,
+                   dropout_rate: float = 0.0, dropout_rng: Optional[Array] = None
+                   ) -> Tuple[Array, str]:
+  """The attention core of both families, ``softmax(scale q k^T) v`` per head, dispatched.
+
+  Args:
+    x: ``[B, N, D]`` tokens in the compute dtype.
+    projections: ``(kernel [D, heads, Dh], bias [heads, Dh] or None)`` of the query, key and
+      value, in that order, cast to ``x``'s dtype.
+    implementation: one of :data:`IMPLEMENTATIONS` (see the module docstring).
+    logits_scale: the factor of ``q . k`` (``Dh ** -0.5`` by default in both families).
+    scale_query: apply the scale to the query before the product on the 'xla' path, as the
+      official ViT (flax) does, instead of to the float32 logits as T2T-ViT's reference does.
+    dropout_rate: attention dropout on the weights (the 'xla' path only; 0 elsewhere).
+    dropout_rng: its key; None disables dropout.
+
+  Returns:
+    ``(y, layout)``: the per-head outputs and their layout, ``'bhnk'`` (``[B, heads, N, Dh]``)
+    or ``'bnhk'`` (``[B, N, heads, Dh]``), for the output projection's einsum.
+
+  Raises:
+    ValueError: an unknown implementation, or dropout asked of one that has none.
+  """
+  check_implementation(implementation)
+  if dropout_rate > 0.0 and dropout_rng is not None and implementation != 'xla':
+    raise ValueError(f"attention={implementation!r} has no attention dropout; use 'xla' for a "
+                     'model with attention_dropout_rate > 0 in training.')
+  dtype = x.dtype
+  if implementation == 'cpu_kernel':
+    kernel = jnp.stack([k.astype(dtype) for k, _ in projections], axis=1)
+    qkv = jnp.einsum('bnd,dthk->bnthk', x, kernel)
+    if projections[0][1] is not None:
+      qkv = qkv + jnp.stack([b.astype(dtype) for _, b in projections], axis=0)
+    return cpu_attention.attention(qkv, logits_scale=logits_scale), 'bnhk'
+  layout = 'bnhk' if implementation == 'cudnn' else 'bhnk'
+  query, key, value = (
+      jnp.einsum(f'bnd,dhk->{layout}', x, k.astype(dtype))
+      + (0 if b is None else b.astype(dtype)[:, None, :] if layout == 'bhnk'
+         else b.astype(dtype)) for k, b in projections)
+  if implementation == 'cudnn':
+    return jax.nn.dot_product_attention(query, key, value, scale=logits_scale,
+                                        implementation='cudnn'), layout
+  if scale_query:  # As flax: q / sqrt(Dh), a division (the same float32 rounding).
+    query = query / jnp.asarray(1.0 / logits_scale, dtype)
+  return dot_product_attention(query, key, value,
+                               logits_scale=None if scale_query else logits_scale,
+                               dropout_rate=dropout_rate, dropout_rng=dropout_rng), layout
+
+
 class MultiHeadDotProductAttention(nn.Module):
   """Multi-head self-attention, the ``MultiHeadDotProductAttention_0`` of the official ViT blocks.
 
@@ -124,16 +184,19 @@ class MultiHeadDotProductAttention(nn.Module):
     num_heads: heads; must divide the input width D.
     dropout_rate: dropout on the attention weights (needs the ``'dropout'`` rng when active).
     dtype: computation dtype; param_dtype: parameter dtype.
+    attention: the implementation, one of :data:`IMPLEMENTATIONS`.
 
   Input ``[B, N, D]``; output ``[B, N, D]`` in ``dtype``. ``deterministic`` disables dropout.
   Logical axes: kernels ``('embed', 'heads', 'kv')`` / ``('heads', 'kv', 'embed')``, biases
-  ``('heads', 'kv')`` / ``('embed',)``. Raises ValueError if ``num_heads`` does not divide D.
+  ``('heads', 'kv')`` / ``('embed',)``. Raises ValueError if ``num_heads`` does not divide D,
+  or as :func:`self_attention`.
   """
 
   num_heads: int
   dropout_rate: float = 0.0
   dtype: Dtype = jnp.float32
   param_dtype: Dtype = jnp.float32
+  attention: str = 'xla'
 
   @nn.compact
   def __call__(self, x: Array, *, deterministic: bool) -> Array:
@@ -144,39 +207,14 @@ class MultiHeadDotProductAttention(nn.Module):
     heads, head_dim = self.num_heads, width // self.num_heads
     x = x.astype(self.dtype)
     dropout = self.dropout_rate > 0.0 and not deterministic
-    fused = fused_attention.usable((*x.shape[:2], 3, heads, head_dim), self.dtype,
-                                   dropout=dropout)
-    kernels, biases = {}, {}
-    for name in ('query', 'key', 'value'):
-      kernels[name], biases[name] = _Projection(
-          (width, heads, head_dim), ('embed', 'heads', 'kv'), (heads, head_dim), ('heads', 'kv'),
-          fan_in_axes=1, param_dtype=self.param_dtype, name=name)()
-    if fused:
-      # One [D, 3 * D] product writes q, k, v as [B, N, 3, heads, Dh], the fused CPU kernel's
-      # input, and its output [B, N, heads, Dh] feeds the output projection: no transposes.
-      kernel = jnp.stack([kernels[n] for n in ('query', 'key', 'value')], axis=1)
-      bias = jnp.stack([biases[n] for n in ('query', 'key', 'value')], axis=0)
-      qkv = (jnp.einsum('bnd,dthk->bnthk', x, kernel.astype(self.dtype))
-             + bias.astype(self.dtype))
-      y = fused_attention.attention(qkv, logits_scale=1.0 / math.sqrt(head_dim))
-      layout = 'bnhk'
-    else:
-      # XLA's batched products want [B, heads, N, Dh]; the projections write it directly.
-      query, key, value = (
-          jnp.einsum('bnd,dhk->bhnk', x, kernels[n].astype(self.dtype))
-          + biases[n].astype(self.dtype)[:, None, :] for n in ('query', 'key', 'value'))
-      query = query / jnp.asarray(math.sqrt(head_dim), self.dtype)
-      layout = 'bhnk'
-      if not dropout and jax.default_backend() == 'gpu':
-        # [B, N, heads, Dh] for jax.nn.dot_product_attention; scale=1: the query is scaled.
-        to_bnhd = lambda a: jnp.swapaxes(a, 1, 2)  # pylint: disable=g-long-lambda
-        y = jnp.swapaxes(jax.nn.dot_product_attention(
-            to_bnhd(query), to_bnhd(key), to_bnhd(value), scale=1.0), 1, 2)
-      else:
-        y = dot_product_attention(
-            query, key, value, dropout_rate=self.dropout_rate if dropout else 0.0,
-            dropout_rng=self.make_rng('dropout') if dropout else None)
-
+    projections = [
+        _Projection((width, heads, head_dim), ('embed', 'heads', 'kv'), (heads, head_dim),
+                    ('heads', 'kv'), fan_in_axes=1, param_dtype=self.param_dtype, name=name)()
+        for name in ('query', 'key', 'value')]
+    y, layout = self_attention(
+        x, projections, implementation=self.attention, logits_scale=1.0 / math.sqrt(head_dim),
+        scale_query=True, dropout_rate=self.dropout_rate if dropout else 0.0,
+        dropout_rng=self.make_rng('dropout') if dropout else None)
     kernel, bias = _Projection((heads, head_dim, width), ('heads', 'kv', 'embed'), (width,),
                                ('embed',), fan_in_axes=2, param_dtype=self.param_dtype,
                                name='out')()

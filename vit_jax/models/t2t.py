@@ -3,7 +3,7 @@
 Implements Yuan et al., "Tokens-to-Token ViT: Training Vision Transformers from Scratch on
 ImageNet" (ICCV 2021) with the numerics of the official PyTorch code
 (yitu-opensource/T2T-ViT, ``models/t2t_vit.py``, ``token_performer.py``,
-``token_transformer.py``, ``transformer_block.py``; REFERENCE.md section 2):
+``token_transformer.py``, ``transformer_block.py``; docs/reference.md section 2):
 
   T2T module   image -> soft split 0 (unfold k7/s4/p2) -> T2T layer ``attention1``
                -> tokens back to an (h, w, c) map -> soft split 1 (k3/s2/p1) -> ``attention2``
@@ -14,8 +14,7 @@ ImageNet" (ICCV 2021) with the numerics of the official PyTorch code
 With ``scan=True`` the backbone runs under ``nn.scan`` and its ``blocks_{i}`` subtrees become one
 ``blocks`` subtree whose leaves have a leading ``depth`` axis (logical axis ``'layers'``);
 ``remat`` / ``remat_policy`` rematerialise each block as ViT's do. Training uses both
-(``vit_jax.models.TRAINING_DEFAULTS``): T2T-ViT-14 at batch 8 trains at 4.0 images/s on a 2-core
-CPU instead of 2.1 unrolled, with 1.8 GiB peak memory instead of 2.8 (README "Benchmarks").
+(``vit_jax.config.TRAINING_DEFAULTS``; the measurements are in docs/benchmarks.md).
 
 Soft split = zero-padded unfold; each patch vector is channel-major (feature index
 ``c*k*k + i*k + j``) and tokens are row-major. Each stage gives ``floor((H + 2p - k)/s) + 1``
@@ -31,36 +30,10 @@ Variables (``model.init`` returns two collections):
   ``tokens_to_token/attention{1,2}/w`` (m, token_dim). Pass both collections to ``apply``; do not
   give ``'constants'`` to an optimizer.
 
-Parameter names map one-to-one to the PyTorch state_dict keys: ``.`` becomes ``/``, a numeric
-component is joined to the one before it with ``_`` (``blocks.3`` -> ``blocks_3``,
-``mlp.0`` -> ``mlp_0``), Linear ``weight`` (out, in) -> ``kernel`` (in, out) (transposed),
-LayerNorm ``weight`` -> ``scale``, ``bias`` -> ``bias``::
-
-  PyTorch key                                    Flax variable
-  cls_token (1, 1, D)                            params/cls_token (1, 1, D)
-  pos_embed (1, N+1, D)                          constants/pos_embed (1, N+1, D)
-  tokens_to_token.project.{weight,bias}          params/tokens_to_token/project/{kernel,bias}
-  -- tokens_type='transformer', a = attention1 (in 147 = 3*7*7) or attention2 (in 9*token_dim):
-  tokens_to_token.a.norm1.{weight,bias}          params/tokens_to_token/a/norm1/{scale,bias}
-  tokens_to_token.a.attn.qkv.weight (3t, in)     params/tokens_to_token/a/attn/qkv/kernel (in, 3t)
-  tokens_to_token.a.attn.proj.{weight,bias}      params/tokens_to_token/a/attn/proj/{kernel,bias}
-  tokens_to_token.a.norm2.{weight,bias}          params/tokens_to_token/a/norm2/{scale,bias}
-  tokens_to_token.a.mlp.fc{1,2}.{weight,bias}    params/tokens_to_token/a/mlp/fc{1,2}/{kernel,bias}
-  -- tokens_type='performer':
-  tokens_to_token.a.w (m, t)                     constants/tokens_to_token/a/w (m, t)
-  tokens_to_token.a.kqv.{weight,bias}            params/tokens_to_token/a/kqv/{kernel,bias}
-  tokens_to_token.a.proj.{weight,bias}           params/tokens_to_token/a/proj/{kernel,bias}
-  tokens_to_token.a.norm{1,2}.{weight,bias}      params/tokens_to_token/a/norm{1,2}/{scale,bias}
-  tokens_to_token.a.mlp.{0,2}.{weight,bias}      params/tokens_to_token/a/mlp_{0,2}/{kernel,bias}
-  -- backbone:
-  blocks.i.norm{1,2}.{weight,bias}               params/blocks_i/norm{1,2}/{scale,bias}
-  blocks.i.attn.qkv.weight (3D, D)               params/blocks_i/attn/qkv/kernel (D, 3D)
-  blocks.i.attn.proj.{weight,bias}               params/blocks_i/attn/proj/{kernel,bias}
-  blocks.i.mlp.fc{1,2}.{weight,bias}             params/blocks_i/mlp/fc{1,2}/{kernel,bias}
-  norm.{weight,bias}                             params/norm/{scale,bias}
-  head.{weight,bias}                             params/head/{kernel,bias}
-
-:func:`from_torch_state_dict` performs this conversion. Initialisation follows the reference:
+Parameter names map one-to-one to the PyTorch state_dict keys of the reference
+(``blocks.3.attn.qkv.weight`` -> ``params/blocks_3/attn/qkv/kernel``, transposed);
+:mod:`vit_jax.models.t2t_torch` has the table and converts a state_dict
+(``from_torch_state_dict``). Initialisation follows the reference:
 Linear kernels truncated normal (std 0.02), biases 0, LayerNorm 1/0, ``cls_token`` truncated
 normal (std 0.02), Performer ``w`` = orthogonal random (m, token_dim) times sqrt(m).
 
@@ -97,15 +70,14 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Any, Dict, Mapping, Optional, Sequence, Tuple, Union
+from typing import Any, Optional, Tuple
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from vit_jax.models import attention
-from vit_jax.models import fused_attention
+from vit_jax.models import attention as attention_lib
 from vit_jax.models import layout
 from vit_jax.models import vit
 
@@ -244,7 +216,7 @@ def _require_constant(module: nn.Module, name: str) -> None:
         f"The variables lack the fixed table 'constants/{'/'.join(module.path + (name,))}'. "
         f"T2T-ViT keeps its sinusoid table and Performer features in the 'constants' collection: "
         f"pass both collections, model.apply({{'params': ..., 'constants': ...}}, ...), as "
-        f"returned by init or from_torch_state_dict.")
+        f"returned by init or t2t_torch.from_torch_state_dict.")
 
 
 def _orthogonal_features(key: Array, m: int, dim: int) -> Array:
@@ -426,10 +398,25 @@ class TokensToToken(nn.Module):
     return _constrain(x, _TOKENS_AXES)
 
 
+class _QkvKernel(nn.Module):
+  """The reference's fused ``qkv`` Linear without bias: only its ``kernel`` ``(D, 3 D)``."""
+
+  features: int
+  param_dtype: Dtype = jnp.float32
+
+  @nn.compact
+  def __call__(self, width: int) -> Array:
+    return self.param('kernel', _partitioned(_linear_init, ('embed', 'qkv')),
+                      (width, self.features), self.param_dtype)
+
+
 class Attention(nn.Module):
   """Multi-head self-attention with a fused ``qkv`` (no bias), reference ``Attention``.
 
   ``scale`` = ``qk_scale`` or ``head_dim**-0.5``, applied to ``q k^T``; softmax in float32.
+  The ``qkv/kernel`` ``(D, 3 D)`` is read as ``(D, 3, heads, head_dim)``, the reference's
+  ``reshape(B, N, 3, heads, head_dim)`` of its output, and runs through ViT's dispatch
+  (:func:`vit_jax.models.attention.self_attention`, implementation ``attention``).
   Input / output ``[B, N, D]`` in ``dtype``.
   """
 
@@ -437,21 +424,20 @@ class Attention(nn.Module):
   qk_scale: Optional[float] = None
   dtype: Dtype = jnp.float32
   param_dtype: Dtype = jnp.float32
+  attention: str = 'xla'
 
   @nn.compact
   def __call__(self, x: Array) -> Array:
     b, n, d = x.shape
     head_dim = d // self.num_heads
     scale = self.qk_scale if self.qk_scale is not None else head_dim ** -0.5
-    qkv = _dense(3 * d, 'qkv', self.dtype, self.param_dtype, ('embed', 'qkv'),
-                 use_bias=False)(x)
-    qkv = qkv.reshape(b, n, 3, self.num_heads, head_dim)
-    if fused_attention.usable(qkv.shape, qkv.dtype, dropout=False):
-      y = fused_attention.attention(qkv, logits_scale=scale)  # The fused CPU kernel.
-    else:
-      # [3, B, heads, N, head_dim]: the layout XLA's batched products want (measured).
-      q, k, v = qkv.transpose(2, 0, 3, 1, 4)
-      y = attention.dot_product_attention(q, k, v, logits_scale=scale).transpose(0, 2, 1, 3)
+    kernel = _QkvKernel(3 * d, self.param_dtype, name='qkv')(d)
+    kernel = kernel.reshape(d, 3, self.num_heads, head_dim)
+    projections = [(kernel[:, i], None) for i in range(3)]
+    y, layout_ = attention_lib.self_attention(x.astype(self.dtype), projections,
+                                          implementation=self.attention, logits_scale=scale)
+    if layout_ == 'bhnk':
+      y = y.transpose(0, 2, 1, 3)
     y = y.reshape(b, n, d)
     return _dense(d, 'proj', self.dtype, self.param_dtype, ('qkv', 'embed'))(y)
 
@@ -475,6 +461,7 @@ class Block(nn.Module):
   dtype: Dtype = jnp.float32
   param_dtype: Dtype = jnp.float32
   scanned: bool = False
+  attention: str = 'xla'
 
   @nn.compact
   def __call__(self, x: Array, deterministic: bool, drop_path_rate: Optional[Array] = None):
@@ -483,7 +470,8 @@ class Block(nn.Module):
                              deterministic=deterministic, rate=drop_path_rate)
     x = _constrain(x, _TOKENS_AXES)
     y = _layer_norm('norm1', self.dtype, self.param_dtype)(x)
-    y = Attention(self.num_heads, self.qk_scale, self.dtype, self.param_dtype, name='attn')(y)
+    y = Attention(self.num_heads, self.qk_scale, self.dtype, self.param_dtype,
+                  self.attention, name='attn')(y)
     x = _constrain(x + drop(y), _TOKENS_AXES)
     y = _layer_norm('norm2', self.dtype, self.param_dtype)(x)
     y = Mlp(int(d * self.mlp_ratio), d, self.dtype, self.param_dtype, name='mlp')(y)
@@ -509,12 +497,14 @@ class T2TViT(nn.Module):
     scan: run the backbone blocks with ``nn.scan``: their parameters are stacked under one
       ``blocks`` subtree (leading axis ``depth``, logical axis ``'layers'``) instead of
       ``blocks_{i}``; :func:`vit_jax.models.scan_params` / ``unscan_params`` convert, and
-      :func:`from_torch_state_dict` returns the layout of ``model``. The T2T module stays
-      unrolled (two layers). Each block keeps its own drop-path rate; the random draws differ
+      :func:`vit_jax.models.t2t_torch.from_torch_state_dict` returns the layout of ``model``.
+      The T2T module stays unrolled (two layers). Each block keeps its own drop-path rate; the random draws differ
       from the unrolled model's (the dropout rng is split per block by ``nn.scan``).
     remat: rematerialise every backbone block in the backward pass (``nn.remat``).
     remat_policy: what a rematerialised block keeps, a name in
       :data:`vit_jax.models.vit.REMAT_POLICIES`; default 'nothing_saveable'.
+    attention: the backbone attention's implementation, one of
+      :data:`vit_jax.models.attention.IMPLEMENTATIONS` (the T2T module's attention is XLA's).
 
   Call ``model.apply(variables, images, train=False)`` with ``variables`` holding ``'params'`` and
   ``'constants'`` (as returned by ``init``):
@@ -545,6 +535,7 @@ class T2TViT(nn.Module):
   scan: bool = False
   remat: bool = False
   remat_policy: str = 'nothing_saveable'
+  attention: str = 'xla'
 
   def __post_init__(self):
     validate_config(
@@ -552,7 +543,8 @@ class T2TViT(nn.Module):
         num_heads=self.num_heads, mlp_ratio=self.mlp_ratio, token_dim=self.token_dim,
         tokens_type=self.tokens_type, qk_scale=self.qk_scale,
         drop_path_rate=self.drop_path_rate, dtype=self.dtype, param_dtype=self.param_dtype,
-        scan=self.scan, remat=self.remat, remat_policy=self.remat_policy)
+        scan=self.scan, remat=self.remat, remat_policy=self.remat_policy,
+        attention=self.attention)
     super().__post_init__()
 
   @nn.compact
@@ -584,7 +576,8 @@ class T2TViT(nn.Module):
     block_cls = (vit.rematerialised(Block, self.remat_policy, scan=self.scan)
                  if self.remat else Block)
     block_kwargs = dict(num_heads=self.num_heads, mlp_ratio=self.mlp_ratio,
-                        qk_scale=self.qk_scale, dtype=dtype, param_dtype=param_dtype)
+                        qk_scale=self.qk_scale, dtype=dtype, param_dtype=param_dtype,
+                        attention=self.attention)
     if self.scan:
       # The per-block drop-path rates are scanned over with the parameters (axis 0); without
       # drop path (or in eval) no rate is passed and the blocks skip it statically.
@@ -614,7 +607,7 @@ def _check_positive_int(field: str, value: Any, allow_none: bool = False) -> Non
 def validate_config(*, num_classes, embed_dim, depth, num_heads, mlp_ratio, token_dim=64,
                     tokens_type='performer', qk_scale=None, drop_path_rate=0.0,
                     dtype=jnp.float32, param_dtype=jnp.float32, scan=False, remat=False,
-                    remat_policy='nothing_saveable', **unused) -> None:
+                    remat_policy='nothing_saveable', attention='xla', **unused) -> None:
   """Checks the fields of a :class:`T2TViT` configuration.
 
   Args: the model fields (extra keyword arguments are ignored).
@@ -647,162 +640,5 @@ def validate_config(*, num_classes, embed_dim, depth, num_heads, mlp_ratio, toke
       or not 0.0 <= drop_path_rate < 1.0):
     raise ValueError(f'drop_path_rate must be a float in [0, 1), got {drop_path_rate!r}')
   vit.check_float_dtypes(dtype=dtype, param_dtype=param_dtype)
-  vit.check_execution_fields(scan=scan, remat=remat, remat_policy=remat_policy)
-
-
-# ------------------------------------------------------------------------------------------------
-# PyTorch state_dict conversion.
-# ------------------------------------------------------------------------------------------------
-
-
-def torch_key_to_flax(key: str) -> Tuple[str, Tuple[str, ...]]:
-  """Maps one PyTorch state_dict key to ``(collection, path)`` in our variables.
-
-  E.g. ``'blocks.3.attn.qkv.weight'`` -> ``('params', ('blocks_3', 'attn', 'qkv', 'kernel'))``,
-  ``'pos_embed'`` -> ``('constants', ('pos_embed',))``. A leading ``'module.'`` is stripped.
-  ``weight`` becomes ``kernel`` for Linear layers and ``scale`` for LayerNorms (told apart by the
-  module name: ``norm*`` is a LayerNorm). Pure string mapping; raises nothing.
-  """
-  if key.startswith('module.'):
-    key = key[len('module.'):]
-  parts = []
-  for part in key.split('.'):
-    if part.isdigit() and parts:
-      parts[-1] = f'{parts[-1]}_{part}'
-    else:
-      parts.append(part)
-  if parts[-1] == 'weight' and len(parts) > 1:
-    parts[-1] = 'scale' if parts[-2].startswith('norm') else 'kernel'
-  collection = 'constants' if parts[-1] in ('pos_embed', 'w') else 'params'
-  return collection, tuple(parts)
-
-
-def _flatten(tree: Mapping[str, Any], prefix: Tuple[str, ...] = ()) -> Dict[Tuple[str, ...], Any]:
-  flat = {}
-  for k, v in tree.items():
-    if isinstance(v, Mapping):
-      flat.update(_flatten(v, prefix + (k,)))
-    else:
-      flat[prefix + (k,)] = v
-  return flat
-
-
-def _unflatten(flat: Mapping[Tuple[str, ...], Any]) -> Dict[str, Any]:
-  tree: Dict[str, Any] = {}
-  for path, value in flat.items():
-    node = tree
-    for p in path[:-1]:
-      node = node.setdefault(p, {})
-    node[path[-1]] = value
-  return tree
-
-
-def _image_size_from_pos_embed(state_dict: Mapping[str, Any]) -> Tuple[int, int]:
-  for key, value in state_dict.items():
-    if key.split('.')[-1] == 'pos_embed' and key.count('.') <= 1:
-      n = int(np.shape(value)[1]) - 1
-      side = math.isqrt(n)
-      if side * side == n:
-        return 16 * side, 16 * side  # 16 g px gives a g x g token grid.
-      raise ValueError(f'pos_embed has {n} token rows, not a square grid: pass image_size')
-  raise ValueError('The state_dict has no pos_embed: pass image_size')
-
-
-def from_torch_state_dict(
-    state_dict: Mapping[str, Any],
-    model: T2TViT,
-    *,
-    image_size: Union[None, int, Sequence[int]] = None,
-) -> Dict[str, Dict[str, Any]]:
-  """Converts a PyTorch T2T-ViT state_dict into this module's variables.
-
-  Pure: reads only its arguments (no files, no torch needed); arrays are copied.
-
-  Args:
-    state_dict: PyTorch key -> array (numpy, or anything ``np.asarray`` accepts), e.g. the
-      ``state_dict_ema`` of a released checkpoint or ``np.load('state_dict_ema.npz')``. Keys may
-      start with ``'module.'``.
-    model: the :class:`T2TViT` the variables are for; its shapes are checked.
-    image_size: ``H`` or ``(H, W)`` the model will be applied at (fixes the ``pos_embed`` rows);
-      default: the square image of the checkpoint's own table (16 x its grid side).
-
-  Returns:
-    ``{'params': ..., 'constants': ...}`` nested dicts of numpy arrays in ``model.param_dtype``
-    (constants float32), Linear kernels transposed to Flax's (in, out) layout, the backbone
-    stacked under ``blocks`` if ``model.scan`` (``blocks_{i}`` otherwise); ready for
-    ``model.apply(variables, images, train=False)``.
-
-  Raises:
-    ValueError: with the counts and first entries of the missing keys, unexpected keys and
-      shape mismatches (PyTorch names and shapes), e.g. a 1000-class head loaded into a
-      10-class model, a Performer checkpoint into a Transformer-T2T model, or ``pos_embed`` for
-      another image size.
-  """
-  if image_size is None:
-    height, width = _image_size_from_pos_embed(state_dict)
-  elif isinstance(image_size, int):
-    height = width = image_size
-  else:
-    height, width = (int(s) for s in image_size)
-  unrolled = model.clone(scan=False, remat=False)  # The checkpoint's per-block layout.
-  shapes = layout.unbox(jax.eval_shape(
-      lambda: unrolled.init(jax.random.key(0), jnp.zeros((1, height, width, 3), jnp.float32),
-                            train=False)))
-  expected = {}
-  for collection in ('params', 'constants'):
-    for path, leaf in _flatten(shapes.get(collection, {})).items():
-      expected[(collection,) + path] = leaf
-
-  converted: Dict[Tuple[str, ...], np.ndarray] = {}
-  unexpected, mismatched, mismatched_paths = [], [], set()
-  for key, value in state_dict.items():
-    collection, path = torch_key_to_flax(key)
-    full = (collection,) + path
-    array = np.asarray(value)
-    if path[-1] == 'kernel' and array.ndim == 2:
-      array = array.T  # PyTorch Linear weight (out, in) -> Flax kernel (in, out).
-    if full not in expected:
-      unexpected.append(f'{key} {tuple(np.shape(value))}')
-      continue
-    want = expected[full]
-    if tuple(array.shape) != tuple(want.shape):
-      torch_shape = tuple(np.shape(value))
-      want_torch = tuple(want.shape[::-1]) if path[-1] == 'kernel' else tuple(want.shape)
-      mismatched.append(f'{key}: checkpoint {torch_shape}, model {want_torch}')
-      mismatched_paths.add(full)
-      continue
-    converted[full] = np.array(array, dtype=want.dtype)
-  missing = [_flax_to_torch_name(p) for p in expected
-             if p not in converted and p not in mismatched_paths]
-  if missing or unexpected or mismatched:
-    from vit_jax import checkpoint  # pylint: disable=g-import-not-at-top
-    as_saved = {}
-    for key, value in state_dict.items():
-      collection, path = torch_key_to_flax(key)
-      as_saved[(collection,) + path] = np.asarray(value).T if path[-1] == 'kernel' else value
-    hint = checkpoint.describe_architecture(_unflatten(as_saved))
-    raise ValueError(checkpoint.mismatch_report(
-        'The state_dict does not fit the model '
-        f'(tokens_type={model.tokens_type!r}, embed_dim={model.embed_dim}, depth={model.depth}, '
-        f'token_dim={model.token_dim}, num_classes={model.num_classes}, image {height}x{width}):',
-        sorted(missing), unexpected, mismatched,
-        hint and hint + ' Build the model with these values.'))
-  tree = _unflatten(converted)
-  params = tree.get('params', {})
-  if model.scan:
-    params = layout.scan_params(params, model.depth, prefix='blocks')
-  return {'params': params, 'constants': tree.get('constants', {})}
-
-
-def _flax_to_torch_name(full_path: Tuple[str, ...]) -> str:
-  """Inverse of :func:`torch_key_to_flax` (for error messages): ('params', 'blocks_0', ...)."""
-  parts = []
-  for part in full_path[1:]:
-    head, sep, tail = part.rpartition('_')
-    if sep and tail.isdigit() and head in ('blocks', 'mlp'):
-      parts.extend([head, tail])
-    else:
-      parts.append(part)
-  if parts[-1] in ('kernel', 'scale'):
-    parts[-1] = 'weight'
-  return '.'.join(parts)
+  vit.check_execution_fields(scan=scan, remat=remat, remat_policy=remat_policy,
+                             attention=attention)

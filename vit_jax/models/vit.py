@@ -71,8 +71,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from vit_jax.models import attention
-from vit_jax.models import fused_attention
+from vit_jax.kernels import cpu_attention
+from vit_jax.models import attention as attention_lib
 from vit_jax.models import layout
 from vit_jax.models import resnet
 
@@ -92,9 +92,9 @@ LAYERNORM_EPSILON = 1e-6
 #: attention output, both MLP layers) and recomputes the LayerNorms, the attention weights
 #: (softmax of q k^T) and the GELU: with ``scan=True`` a quarter of the memory of no remat;
 #: 'dots_and_attention_saveable' (vit_jax's own) keeps as much and, where the fused CPU
-#: attention kernel runs (:mod:`vit_jax.models.fused_attention`), also its output and per-row
-#: log-sum-exp, so the kernel's forward is not run again in the backward pass: the fastest
-#: setting on CPU (measurements in README "Benchmarks"); elsewhere it equals the previous one.
+#: attention kernel runs (``attention='cpu_kernel'``, :mod:`vit_jax.kernels.cpu_attention`),
+#: also its output and per-row log-sum-exp, so the kernel's forward is not run again in the
+#: backward pass; elsewhere it equals the previous one.
 REMAT_POLICIES = ('nothing_saveable', 'dots_with_no_batch_dims_saveable',
                   'dots_and_attention_saveable', 'dots_saveable', 'everything_saveable')
 
@@ -111,7 +111,7 @@ def remat_policy(name: str) -> Callable[..., bool]:
   if name == 'dots_and_attention_saveable':
     return policies.save_from_both_policies(
         policies.dots_with_no_batch_dims_saveable,
-        policies.save_only_these_names(*fused_attention.RESIDUAL_NAMES))
+        policies.save_only_these_names(*cpu_attention.RESIDUAL_NAMES))
   return getattr(policies, name)
 
 
@@ -315,6 +315,7 @@ class EncoderBlock(nn.Module):
     attention_dropout_rate: dropout on the attention weights.
     dtype: computation dtype; param_dtype: parameter dtype.
     scanned: if True, ``__call__`` returns ``(x, None)`` (the carry/output pair ``nn.scan`` needs).
+    attention: the attention implementation (:data:`vit_jax.models.attention.IMPLEMENTATIONS`).
 
   Input ``[B, N, D]``, output ``[B, N, D]`` in ``dtype``. ``deterministic`` (a Python bool,
   positional so that ``nn.remat`` can make it static) disables dropout.
@@ -327,6 +328,7 @@ class EncoderBlock(nn.Module):
   dtype: Dtype = jnp.float32
   param_dtype: Dtype = jnp.float32
   scanned: bool = False
+  attention: str = 'xla'
 
   @nn.compact
   def __call__(self, inputs: Array, deterministic: bool):
@@ -334,11 +336,12 @@ class EncoderBlock(nn.Module):
       raise ValueError(f'EncoderBlock expects [batch, tokens, width], got shape {inputs.shape}')
     inputs = constrain(inputs, TOKENS_AXES)
     x = _layer_norm(self.dtype, self.param_dtype)(inputs)
-    x = attention.MultiHeadDotProductAttention(
+    x = attention_lib.MultiHeadDotProductAttention(
         num_heads=self.num_heads,
         dropout_rate=self.attention_dropout_rate,
         dtype=self.dtype,
         param_dtype=self.param_dtype,
+        attention=self.attention,
         name='MultiHeadDotProductAttention_0',
     )(x, deterministic=deterministic)
     x = nn.Dropout(rate=self.dropout_rate)(x, deterministic=deterministic)
@@ -365,6 +368,7 @@ class Encoder(nn.Module):
     scan: run the blocks with ``nn.scan`` (one compiled block body, stacked parameters).
     remat: rematerialise each block in the backward pass (``nn.remat``).
     remat_policy: what a rematerialised block keeps, one of :data:`REMAT_POLICIES`.
+    attention: the attention implementation (:data:`vit_jax.models.attention.IMPLEMENTATIONS`).
 
   Input ``[B, N, D]`` (any float dtype), output ``[B, N, D]`` in ``dtype``. With ``train=True``
   and a dropout rate > 0 the ``'dropout'`` rng is required. Raises ValueError for a non-rank-3
@@ -381,6 +385,7 @@ class Encoder(nn.Module):
   scan: bool = False
   remat: bool = False
   remat_policy: str = 'nothing_saveable'
+  attention: str = 'xla'
 
   @nn.compact
   def __call__(self, x: Array, *, train: bool) -> Array:
@@ -398,6 +403,7 @@ class Encoder(nn.Module):
         attention_dropout_rate=self.attention_dropout_rate,
         dtype=self.dtype,
         param_dtype=self.param_dtype,
+        attention=self.attention,
     )
     if self.scan:
       stack = scanned(block_cls, self.num_layers, in_axes=nn.broadcast)
@@ -443,6 +449,8 @@ class VisionTransformer(nn.Module):
       (conv + max-pool, stride 4) only. The stem's total stride is ``4 * 2^(stages - 1)``.
     resnet_width_factor: ResNet width multiplier (root width ``64 * resnet_width_factor``);
       ignored without ``resnet_num_layers``.
+    attention: how attention runs, one of :data:`vit_jax.models.attention.IMPLEMENTATIONS`
+      ('xla' by default; the training config chooses from the target devices).
 
   Call ``model.apply(variables, images, train=False)``:
     images: ``[B, H, W, C]`` (C=3 for the published weights), float32 in [-1, 1] as the official
@@ -478,6 +486,7 @@ class VisionTransformer(nn.Module):
   remat_policy: str = 'nothing_saveable'
   resnet_num_layers: Optional[Tuple[int, ...]] = None
   resnet_width_factor: float = 1
+  attention: str = 'xla'
 
   def __post_init__(self):
     validate_config(
@@ -486,7 +495,7 @@ class VisionTransformer(nn.Module):
         classifier=self.classifier, representation_size=self.representation_size,
         dropout_rate=self.dropout_rate, attention_dropout_rate=self.attention_dropout_rate,
         dtype=self.dtype, param_dtype=self.param_dtype, scan=self.scan, remat=self.remat,
-        remat_policy=self.remat_policy,
+        remat_policy=self.remat_policy, attention=self.attention,
         resnet_num_layers=self.resnet_num_layers, resnet_width_factor=self.resnet_width_factor)
     super().__post_init__()
 
@@ -544,7 +553,7 @@ class VisionTransformer(nn.Module):
                 dropout_rate=self.dropout_rate,
                 attention_dropout_rate=self.attention_dropout_rate, dtype=dtype,
                 param_dtype=param_dtype, scan=self.scan, remat=self.remat,
-                remat_policy=self.remat_policy,
+                remat_policy=self.remat_policy, attention=self.attention,
                 name='Transformer')(x, train=train)
 
     if self.classifier == 'token':
@@ -585,25 +594,28 @@ def check_float_dtypes(**dtypes: Any) -> None:
                        f'got {value!r}')
 
 
-def check_execution_fields(*, scan: Any, remat: Any, remat_policy: Any) -> None:
+def check_execution_fields(*, scan: Any, remat: Any, remat_policy: Any,
+                           attention: Any = 'xla') -> None:
   """Checks the fields that choose how the blocks run (both families have them).
 
   Raises:
     ValueError: ``scan`` or ``remat`` not a bool (e.g. the string 'maybe', which would read as
-      True), or ``remat_policy`` not in :data:`REMAT_POLICIES`.
+      True), ``remat_policy`` not in :data:`REMAT_POLICIES`, or ``attention`` not in
+      :data:`vit_jax.models.attention.IMPLEMENTATIONS`.
   """
   for field, value in (('scan', scan), ('remat', remat)):
     if not isinstance(value, bool):
       raise ValueError(f'{field} must be True or False, got {value!r}')
   if remat_policy not in REMAT_POLICIES:
     raise ValueError(f'remat_policy must be one of {REMAT_POLICIES}, got {remat_policy!r}')
+  attention_lib.check_implementation(attention)
 
 
 def validate_config(*, num_classes, patch_size, hidden_size, mlp_dim, num_heads, num_layers,
                     classifier, representation_size, dropout_rate, attention_dropout_rate,
                     dtype=jnp.float32, param_dtype=jnp.float32, scan=False, remat=False,
                     remat_policy='nothing_saveable', resnet_num_layers=None,
-                    resnet_width_factor=1, **unused) -> None:
+                    resnet_width_factor=1, attention='xla', **unused) -> None:
   """Checks the fields of a :class:`VisionTransformer` configuration.
 
   Args: the model fields (extra keyword arguments are ignored).
@@ -630,5 +642,62 @@ def validate_config(*, num_classes, patch_size, hidden_size, mlp_dim, num_heads,
   _check_rate('dropout_rate', dropout_rate)
   _check_rate('attention_dropout_rate', attention_dropout_rate)
   check_float_dtypes(dtype=dtype, param_dtype=param_dtype)
-  check_execution_fields(scan=scan, remat=remat, remat_policy=remat_policy)
+  check_execution_fields(scan=scan, remat=remat, remat_policy=remat_policy, attention=attention)
   resnet.validate_resnet(resnet_num_layers, resnet_width_factor)
+
+
+# ------------------------------------------------------------------------------------------------
+# Checkpoint names: what a checkpoint's parameter shapes say about the ViT that wrote it.
+# ------------------------------------------------------------------------------------------------
+
+#: The learned position embedding (``[1, T, D]``, class token row first with classifier 'token')
+#: as a '/'-joined variable name: resized to the new token grid when fine-tuning at another
+#: resolution (:func:`vit_jax.checkpoint.resize_posemb`).
+POSEMB_KEY = 'params/Transformer/posembed_input/pos_embedding'
+
+
+def describe_architecture(shapes: dict) -> Optional[str]:
+  """The ViT fields that a checkpoint's parameter shapes imply, for error messages.
+
+  Args:
+    shapes: ``'/'``-joined variable names (collection first, e.g.
+      ``'params/embedding/kernel'``) -> shape (a tuple of ints), per-layer (``encoderblock_{i}``)
+      or scanned (``encoderblock``, layers first); names as in the official checkpoints.
+
+  Returns:
+    ``'The checkpoint is a ViT[ with a ResNet stem] with patch_size=.., hidden_size=..,
+    num_layers=.., num_heads=.., mlp_dim=.., representation_size=..[, resnet_num_layers=..][, N
+    classes].'``, or None when the shapes are not a ViT's (no 4-D ``embedding/kernel``).
+  """
+  embedding = shapes.get('params/embedding/kernel')
+  if not embedding or len(embedding) != 4:
+    return None
+  kh, kw, _, width = embedding
+  head = shapes.get('params/head/kernel')
+  classes = f', {head[-1]} classes' if head else ''
+  blocks = {k.split('/')[2] for k in shapes if k.startswith('params/Transformer/encoderblock')}
+  query = next((s for k, s in shapes.items()
+                if k.endswith('MultiHeadDotProductAttention_0/query/kernel')), None)
+  mlp = next((s[-1] for k, s in shapes.items() if k.endswith('MlpBlock_0/Dense_0/kernel')), None)
+  layers = (int(shapes[next(k for k in shapes if '/encoderblock/' in k)][0])
+            if blocks == {'encoderblock'} else len(blocks))
+  fields = [f'patch_size={kh if kh == kw else (kh, kw)}', f'hidden_size={width}',
+            f'num_layers={layers}']
+  if query is not None:
+    fields.append(f'num_heads={query[-2]}')
+  if mlp is not None:
+    fields.append(f'mlp_dim={mlp}')
+  pre_logits = shapes.get('params/pre_logits/kernel')
+  fields.append(f'representation_size={pre_logits[-1] if pre_logits else None}')
+  hybrid = 'params/conv_root/kernel' in shapes
+  if hybrid:  # ResNet stem: params/block{stage}/unit{unit}/..., both counted from 1.
+    units = {}
+    for key in shapes:
+      parts = key.split('/')
+      if (len(parts) > 3 and parts[1][:5] == 'block' and parts[1][5:].isdigit()
+          and parts[2][:4] == 'unit' and parts[2][4:].isdigit()):
+        stage = int(parts[1][5:])
+        units[stage] = max(units.get(stage, 0), int(parts[2][4:]))
+    fields.append(f'resnet_num_layers={tuple(units[s] for s in sorted(units))}')
+  stem = ' with a ResNet stem' if hybrid else ''
+  return f'The checkpoint is a ViT{stem} with {", ".join(fields)}{classes}.'

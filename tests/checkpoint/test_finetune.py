@@ -1,0 +1,459 @@
+"""Fine-tuning from a checkpoint (head reset, T2T table regenerated), EMA, and the converter CLI."""
+
+import pathlib
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from tests import data_utils
+from tests import t2t_fixtures
+from vit_jax import checkpoint
+from vit_jax.tools import convert
+from vit_jax.config import defaults
+from vit_jax import models
+from vit_jax import train
+
+# Outputs compared with the reference implementations' fixtures: highest matmul precision.
+pytestmark = pytest.mark.golden
+
+FIXTURES = pathlib.Path(__file__).parents[1] / 'fixtures'
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+PERFORMER = FIXTURES / 't2t_tiny_performer'
+
+
+def _fixture_overrides(name='t2t_tiny_performer'):
+  kwargs = dict(t2t_fixtures.constructor_kwargs(name))
+  kwargs.pop('img_size')
+  kwargs.pop('num_classes')
+  return kwargs
+
+
+def _fixture_logits(model, variables, name='t2t_tiny_performer'):
+  inputs = np.load(FIXTURES / name / 'inputs_nhwc.npy', allow_pickle=False)
+  with jax.default_matmul_precision('highest'):
+    return np.asarray(jax.jit(lambda v, x: model.apply(v, x, train=False))(variables, inputs))
+
+
+def _init(model, size):
+  init = jax.jit(lambda rng: model.init(rng, jnp.zeros((1, size, size, 3)), train=False))
+  return models.unbox(jax.device_get(init(jax.random.PRNGKey(1))))  # Plain arrays.
+
+
+# ------------------------------------------------------------------------------ init_for_finetuning
+
+
+def test_t2t_finetuning_init_new_classes_and_resolution():
+  """A 10-class, 64 px checkpoint initialises a 3-class model at 32 px: new head, new table."""
+  model = models.create('T2T-ViT-custom', num_classes=3, **_fixture_overrides())
+  fresh = _init(model, 32)
+  variables = checkpoint.load_for_finetuning(PERFORMER / 'checkpoint.pth.tar', model, fresh)
+  saved = checkpoint.load(PERFORMER / 'checkpoint.pth.tar',
+                          model=models.create('T2T-ViT-custom', num_classes=10,
+                                              **_fixture_overrides()))
+  flat, flat_saved, flat_fresh = (checkpoint.flatten_params(v) for v in (variables, saved, fresh))
+  assert list(flat) == list(flat_fresh)
+  for key, value in flat.items():
+    if key in ('params/head/kernel', 'params/head/bias', 'constants/pos_embed'):
+      np.testing.assert_array_equal(value, flat_fresh[key], err_msg=key)
+    else:  # Everything else is the checkpoint's, the Performer features included.
+      np.testing.assert_array_equal(value, flat_saved[key], err_msg=key)
+  assert flat['params/head/kernel'].shape == (64, 3)
+  # 32 px -> 2 x 2 tokens + class token; the table is regenerated (sinusoid of 5 positions).
+  np.testing.assert_array_equal(flat['constants/pos_embed'],
+                                models.t2t.sinusoid_table(5, 64))
+  logits = jax.jit(lambda v: model.apply(v, jnp.ones((2, 32, 32, 3)), train=False))(variables)
+  assert logits.shape == (2, 3) and np.isfinite(np.asarray(logits)).all()
+
+
+def test_same_task_finetuning_init_keeps_head_and_logits():
+  model = models.create('T2T-ViT-custom', num_classes=10, **_fixture_overrides())
+  variables = checkpoint.load_for_finetuning(PERFORMER / 'checkpoint.pth.tar', model,
+                                             _init(model, 64), reset_head=False)
+  np.testing.assert_allclose(_fixture_logits(model, variables),
+                             np.load(PERFORMER / 'logits.npy'), rtol=1e-5, atol=1e-5)
+
+
+def test_finetuning_init_lists_every_mismatch():
+  overrides = dict(_fixture_overrides(), depth=3, token_dim=8)
+  model = models.create('T2T-ViT-custom', num_classes=3, **overrides)
+  with pytest.raises(ValueError) as info:
+    checkpoint.load_for_finetuning(PERFORMER / 'checkpoint.pth.tar', model,
+                                   _init(models.create('T2T-ViT-custom', num_classes=3,
+                                                       **overrides), 64))
+  message = str(info.value)  # A PyTorch file: its own names and shapes.
+  assert 'missing keys' in message and 'blocks.2.attn.qkv.weight' in message
+  assert 'tokens_to_token.attention1.proj.weight: checkpoint (16, 16), model (8, 8)' in message
+  assert 'head' not in message  # The head is replaced, not an error.
+
+
+def _posemb_fixture(name):
+  import json  # pylint: disable=g-import-not-at-top
+  return json.loads((FIXTURES / name / 'config.json').read_text())
+
+
+@pytest.mark.parametrize('name,source,classifier,representation_size,seed', [
+    ('posemb_resize', 'vit_tiny', 'token', None, 3),
+    ('posemb_resize_gap_repr', 'vit_tiny_gap_repr', 'gap', 16, 4),
+])
+def test_official_finetuning_init_fixtures(name, source, classifier, representation_size, seed):
+  """The official load_pretrained into a 48 px, 5-class model: same table, head, pre_logits."""
+  info = _posemb_fixture(name)
+  model = models.create('ViT-custom', num_classes=5, classifier=classifier,
+                        representation_size=representation_size, **_vit_tiny_fields())
+  fresh = jax.device_get(model.init(jax.random.PRNGKey(seed), jnp.ones((1, 48, 48, 3)),
+                                    train=False))
+  variables = checkpoint.init_for_finetuning(checkpoint.load(FIXTURES / source / 'params.npz'),
+                                             fresh)
+  flat = checkpoint.flatten_params(variables['params'])
+  posemb = flat['Transformer/posembed_input/pos_embedding']
+  assert list(posemb.shape) == info['pos_embedding_shape']
+  np.testing.assert_allclose(posemb, np.load(FIXTURES / name / 'pos_embedding.npy'), atol=1e-6)
+  with np.load(FIXTURES / name / 'loaded_params_linen.npz', allow_pickle=False) as official:
+    assert sorted(official.files) == sorted(flat)
+    for key in official.files:  # Head = the fresh init (zeros); pre_logits kept; rest copied.
+      np.testing.assert_allclose(flat[key], official[key], atol=1e-6, err_msg=key)
+  for key, facts in info['head_and_pre_logits'].items():
+    assert facts['equals_init_params'] == np.array_equal(
+        flat[key], checkpoint.flatten_params(fresh['params'])[key]), key
+  inputs = np.load(FIXTURES / name / 'inputs.npy')
+  logits = jax.jit(lambda v, x: model.apply(v, x, train=False))(variables, inputs)
+  np.testing.assert_allclose(logits, np.load(FIXTURES / name / 'logits.npy'), atol=1e-6)
+
+
+def test_hybrid_finetuning_init_resizes_the_grid():
+  """R+ViT fixture (32 px, ResNet stride 8 -> 4x4 tokens) into a 48 px (6x6), 3-class model."""
+  fields = dict(_vit_tiny_fields(), patch_size=1, resnet_num_layers=(2, 1))
+  model = models.create('R+ViT-custom', num_classes=3, **fields)
+  fresh = _init(model, 48)
+  saved = checkpoint.load(FIXTURES / 'vit_hybrid_tiny' / 'params.npz')  # GroupNorm (1,1,1,C)
+  variables = checkpoint.init_for_finetuning(saved, fresh)
+  flat, flat_saved = (checkpoint.flatten_params(v['params']) for v in (variables, saved))
+  posemb = flat['Transformer/posembed_input/pos_embedding']
+  assert posemb.shape == (1, 1 + 6 * 6, 32)
+  np.testing.assert_array_equal(posemb[:, 0],
+                                flat_saved['Transformer/posembed_input/pos_embedding'][:, 0])
+  np.testing.assert_array_equal(flat['block2/unit1/gn_proj/scale'],
+                                flat_saved['block2/unit1/gn_proj/scale'])
+  np.testing.assert_array_equal(flat['head/kernel'], np.zeros((32, 3)))
+
+
+def test_resize_posemb_corners_aligned_gap_and_non_square():
+  grid = np.arange(4, dtype=np.float32).reshape(1, 4, 1)  # [[0, 1], [2, 3]], 'gap': no class row
+  out = checkpoint.resize_posemb(grid, 9, has_class_token=False)
+  np.testing.assert_allclose(out[0, :, 0], [0, .5, 1, 1, 1.5, 2, 2, 2.5, 3])
+  with_cls = np.concatenate([np.full((1, 1, 1), 7.), grid], axis=1)
+  out = checkpoint.resize_posemb(with_cls, 1 + 2 * 3, has_class_token=True, new_grid=(2, 3))
+  np.testing.assert_allclose(out[0, :, 0], [7, 0, .5, 1, 2, 2.5, 3])  # Class row unchanged.
+  with pytest.raises(ValueError, match='12 grid tokens, not a square grid: pass its grid'):
+    checkpoint.resize_posemb(with_cls, 13, has_class_token=True)
+  with pytest.raises(ValueError, match='grid 3x3 does not match its 12'):
+    checkpoint.resize_posemb(with_cls, 13, has_class_token=True, new_grid=(3, 3))
+
+
+def test_non_square_finetuning_224x320():
+  """A square 2x2-grid checkpoint into a 2x3 grid model (the official code asserts here)."""
+  fields = dict(_vit_tiny_fields(), patch_size=16)
+  saved = models.unbox(jax.device_get(models.create('ViT-custom', num_classes=4, **fields).init(
+      jax.random.PRNGKey(0), jnp.ones((1, 32, 32, 3)), train=False)))
+  model = models.create('ViT-custom', num_classes=3, **fields)
+  fresh = jax.device_get(model.init(jax.random.PRNGKey(1), jnp.ones((1, 32, 48, 3)),
+                                    train=False))
+  variables = checkpoint.init_for_finetuning(saved, fresh, grid=(2, 3))
+  posemb = variables['params']['Transformer']['posembed_input']['pos_embedding']
+  old = saved['params']['Transformer']['posembed_input']['pos_embedding']
+  assert posemb.shape == (1, 7, 32)
+  np.testing.assert_array_equal(posemb[:, 0], old[:, 0])
+  np.testing.assert_allclose(posemb[0, 2], (old[0, 1] + old[0, 2]) / 2, rtol=1e-6)
+
+
+def test_vit_finetuning_init_resets_head_and_converts_layout():
+  saved = checkpoint.load(FIXTURES / 'vit_tiny' / 'params.npz')
+  num_classes = saved['params']['head']['kernel'].shape[1]
+  config = models.model_config('ViT-custom', **_vit_tiny_fields())
+  model = models.create('ViT-custom', num_classes=num_classes + 2, **dict(config, scan=True))
+  size = _vit_tiny_image_size()
+  fresh = _init(model, size)
+  variables = checkpoint.init_for_finetuning(saved, fresh)
+  assert models.is_scanned(variables['params'])
+  np.testing.assert_array_equal(variables['params']['head']['kernel'],
+                                fresh['params']['head']['kernel'])
+  unscanned = models.unscan_params(variables['params'])
+  np.testing.assert_array_equal(
+      unscanned['Transformer']['encoderblock_0']['MlpBlock_0']['Dense_0']['kernel'],
+      saved['params']['Transformer']['encoderblock_0']['MlpBlock_0']['Dense_0']['kernel'])
+  # Another width, and a missing parameter: all listed together.
+  del saved['params']['Transformer']['encoder_norm']
+  wide = models.create('ViT-custom', num_classes=3, **dict(_vit_tiny_fields(), hidden_size=48))
+  with pytest.raises(ValueError) as info:
+    checkpoint.init_for_finetuning(saved, _init(wide, size))
+  message = str(info.value)
+  assert 'shape mismatches (' in message and '... and ' in message  # Long lists are cut.
+  assert 'The checkpoint is a ViT with patch_size=4, hidden_size=32, num_layers=2' in message
+  assert 'missing keys (2): ' in message
+  assert {'params/Transformer/encoder_norm/scale', 'params/Transformer/encoder_norm/bias'} <= set(
+      message.split('missing keys (2): ')[1].split('\n')[0].split(', '))
+  assert 'params/head' not in message
+
+
+def _vit_tiny_fields():
+  """The fixture's model (patch 4, D 32, MLP 64, 2 heads, 2 layers) at 32 x 32 px."""
+  return dict(hidden_size=32, mlp_dim=64, num_heads=2, num_layers=2, patch_size=4)
+
+
+def _vit_tiny_image_size():
+  return 32
+
+
+# ------------------------------------------------------------------------------ training: init_from, EMA
+
+
+def _folder_config(tmp_path, **overrides):
+  folder = data_utils.make_image_folder(str(tmp_path / 'images'), num_classes=3, per_class=4,
+                                        size=32)
+  config = data_utils.folder_run_config('T2T-ViT-custom', folder, 32, total_steps=1,
+                                        **_fixture_overrides())
+  config.data.normalization = 'imagenet'
+  config.optim.schedule = 'constant'
+  for key, value in overrides.items():
+    config[key] = value
+  return config
+
+
+def test_training_from_init_from_with_ema(tmp_path):
+  """init_from sets the first parameters; the EMA after one update is d * p0 + (1 - d) * p1."""
+  config = _folder_config(tmp_path, init_from=str(PERFORMER / 'checkpoint.pth.tar'),
+                          ema_decay=0.25)
+  workdir = str(tmp_path / 'workdir')
+  results = train.train_and_evaluate(config, workdir)
+  assert {'test/accuracy', 'test_ema/accuracy', 'test_ema/loss'} <= set(results)
+  model = models.create('T2T-ViT-custom', num_classes=3, **_fixture_overrides())
+  p0 = checkpoint.load_for_finetuning(PERFORMER / 'checkpoint.pth.tar', model, _init(model, 32))
+  p1 = checkpoint.load(workdir, use_ema=False)
+  ema = checkpoint.load(workdir)  # use_ema=True by default.
+  kqv = ('tokens_to_token', 'attention1', 'kqv', 'kernel')
+  pick = lambda v: v['params'][kqv[0]][kqv[1]][kqv[2]][kqv[3]]
+  assert not np.allclose(pick(p1), pick(p0))  # One SGD update happened.
+  np.testing.assert_allclose(pick(ema), 0.25 * pick(p0) + 0.75 * pick(p1), rtol=1e-6, atol=1e-7)
+  np.testing.assert_array_equal(ema['constants']['tokens_to_token']['attention1']['w'],
+                                p0['constants']['tokens_to_token']['attention1']['w'])
+
+
+def test_init_from_that_does_not_fit_is_a_config_error(tmp_path):
+  config = _folder_config(tmp_path, init_from=str(PERFORMER / 'checkpoint.pth.tar'))
+  config.model.depth = 3
+  with pytest.raises(train.ConfigError, match=r'(?s)missing keys.*depth=2, mlp_ratio=2.0'):
+    train.train_and_evaluate(config, str(tmp_path / 'workdir'))
+  assert not (tmp_path / 'workdir').exists()  # Stopped before writing anything.
+  config.init_from = str(tmp_path / 'nothing_here.npz')
+  with pytest.raises(train.ConfigError,
+                     match=r'nothing_here.npz.*\(config.init_from\), does not exist'):
+    train.train_and_evaluate(config, str(tmp_path / 'workdir2'))
+  assert not (tmp_path / 'workdir2').exists()
+
+
+# ------------------------------------------------------------------------------ python -m vit_jax.convert
+
+
+def _run_convert(*args):
+  return subprocess.run([sys.executable, '-m', 'vit_jax.convert', *map(str, args)], cwd=ROOT,
+                        capture_output=True, text=True, timeout=120)
+
+
+def test_convert_pth_to_orbax_reproduces_logits(tmp_path):
+  dst = tmp_path / 't2t_orbax'
+  sets = [f'--set={k}={v!r}' for k, v in _fixture_overrides().items()]
+  run = _run_convert(PERFORMER / 'checkpoint.pth.tar', dst, '--model', 'T2T-ViT-custom', *sets)
+  assert run.returncode == 0, run.stderr
+  assert 'Wrote Orbax checkpoint' in run.stdout and 'constants:' in run.stdout
+  variables = checkpoint.load(dst)
+  model = models.create('T2T-ViT-custom', num_classes=10, **_fixture_overrides())
+  np.testing.assert_allclose(_fixture_logits(model, variables), np.load(PERFORMER / 'logits.npy'),
+                             rtol=1e-5, atol=1e-5)
+  # The written directory is a valid init_from: same task, same weights.
+  again = checkpoint.load_for_finetuning(dst, model, _init(model, 64))
+  np.testing.assert_array_equal(checkpoint.flatten_params(again)['params/cls_token'],
+                                checkpoint.flatten_params(variables)['params/cls_token'])
+
+
+def test_convert_npz_orbax_npz_round_trip(tmp_path):
+  src = FIXTURES / 'vit_tiny' / 'params_linen.npz'  # Written back with the Linen names.
+  assert convert.main([str(src), str(tmp_path / 'orbax')]) == 0
+  assert convert.main([str(tmp_path / 'orbax'), str(tmp_path / 'back.npz')]) == 0
+  with np.load(src, allow_pickle=False) as a, np.load(tmp_path / 'back.npz',
+                                                      allow_pickle=False) as b:
+    assert sorted(a.files) == sorted(b.files)
+    for key in a.files:
+      np.testing.assert_array_equal(a[key], b[key], err_msg=key)
+
+
+def test_convert_bad_input_is_explained(tmp_path, capsys):
+  pth = PERFORMER / 'checkpoint.pth.tar'
+  assert convert.main([str(pth), str(tmp_path / 'x')]) == 2
+  assert 'name its model with --model' in capsys.readouterr().err
+  sets = [f'--set={k}={v!r}' for k, v in _fixture_overrides().items()]
+  assert convert.main([str(pth), str(tmp_path / 'x.npz'), '--model', 'T2T-ViT-custom', *sets]) == 2
+  assert 'give a directory as the destination' in capsys.readouterr().err
+  assert not (tmp_path / 'x.npz').exists()
+  (tmp_path / 'taken').mkdir()
+  assert convert.main([str(FIXTURES / 'vit_tiny' / 'params.npz'), str(tmp_path / 'taken')]) == 2
+  assert 'exists; choose a new destination or pass --overwrite' in capsys.readouterr().err
+  assert convert.main([str(tmp_path / 'missing.npz'), str(tmp_path / 'y')]) == 2
+  assert capsys.readouterr().err == f"error: No checkpoint at '{tmp_path / 'missing.npz'}'\n"
+  assert convert.main([str(pth), str(tmp_path / 'z'), '--model', 'T2T-ViT-custom', *sets,
+                       '--set=num_classes=10']) == 2
+  assert 'class count (and the input size) are read from the file' in capsys.readouterr().err
+  # State-dict arrays saved with numpy keep PyTorch names: not an official ViT .npz.
+  assert convert.main([str(PERFORMER / 'state_dict_ema.npz'), str(tmp_path / 'w')]) == 2
+  assert 'holds PyTorch state-dict names' in capsys.readouterr().err
+  assert convert.main([str(FIXTURES / 'vit_tiny' / 'params.npz'), str(tmp_path / 'v'),
+                       '--model', 'T2T-ViT-14']) == 0
+  assert 'apply to PyTorch files only' in capsys.readouterr().err
+  # The source is never replaced, and only directories and .npz files are written.
+  assert convert.main([str(tmp_path / 'v'), str(tmp_path / 'v'), '--overwrite']) == 2
+  assert 'the source is never replaced' in capsys.readouterr().err
+  assert (tmp_path / 'v').is_dir()
+  assert convert.main([str(tmp_path / 'v'), str(tmp_path / 'out.pth')]) == 2
+  assert 'a directory (Orbax checkpoint) or a .npz file' in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------ export round trip
+
+
+def _tiny_vit_run(tmp_path, name, **overrides):
+  folder = data_utils.make_image_folder(str(tmp_path / 'images'), num_classes=3, per_class=4,
+                                        size=16)
+  config = data_utils.folder_run_config('ViT-custom', folder, 16,
+                                        **dict(_vit_tiny_fields(), scan=True))
+  for key, value in overrides.items():
+    config[key] = value
+  workdir = str(tmp_path / name)
+  train.train_and_evaluate(config, workdir)
+  return config, workdir
+
+
+def test_export_fine_tuned_checkpoint_to_official_npz_and_back(tmp_path):
+  """workdir (scanned layout) -> official .npz -> load: bitwise equal, same logits."""
+  config, workdir = _tiny_vit_run(tmp_path, 'run')
+  npz = tmp_path / 'exported.npz'
+  assert convert.main([workdir, str(npz)]) == 0
+  ours = checkpoint.load(workdir)
+  assert models.is_scanned(ours['params'])
+  exported = checkpoint.load(npz)
+  assert not models.is_scanned(exported['params'])
+  flat_ours = checkpoint.flatten_params(models.unscan_params(ours['params']))
+  flat_exported = checkpoint.flatten_params(exported['params'])
+  assert sorted(flat_ours) == sorted(flat_exported)
+  for key, value in flat_ours.items():
+    np.testing.assert_array_equal(flat_exported[key], value, err_msg=key)
+  with np.load(npz, allow_pickle=False) as f:  # The official key layout.
+    assert 'Transformer/encoderblock_1/MultiHeadDotProductAttention_0/query/kernel' in f.files
+  images = np.random.default_rng(0).uniform(-1, 1, (2, 16, 16, 3)).astype(np.float32)
+  scanned = models.create('ViT-custom', num_classes=3, **dict(_vit_tiny_fields(), scan=True))
+  unrolled = models.create('ViT-custom', num_classes=3, **_vit_tiny_fields())
+  np.testing.assert_allclose(unrolled.apply(exported, images, train=False),
+                             scanned.apply(ours, images, train=False), rtol=1e-5, atol=1e-6)
+
+
+def test_pretrained_dir_convention(tmp_path):
+  """init_from = '{pretrained_dir}/{model_name}.npz', as the official fine-tuning configs."""
+  _, workdir = _tiny_vit_run(tmp_path, 'pretrain')
+  pretrained = tmp_path / 'pretrained'
+  assert convert.main([workdir, str(pretrained / 'ViT-custom.npz')]) == 0
+  _, finetuned = _tiny_vit_run(tmp_path, 'finetune', pretrained_dir=str(pretrained),
+                               total_steps=1)
+  assert checkpoint.load(finetuned)['params']['Transformer']['encoderblock']['LayerNorm_0'][
+      'scale'].shape == (2, 32)
+  with pytest.raises(train.ConfigError,
+                     match=r'ViT-custom.npz.*\(config.pretrained_dir/<model_name>.npz\)'):
+    _tiny_vit_run(tmp_path, 'missing', pretrained_dir=str(tmp_path / 'nowhere'))
+
+
+# ------------------------------------------------------------------------------ end to end
+
+
+def _fmnist_config(data_dir, image_size, total_steps, **overrides):
+  config = defaults.get_config('ViT-custom', 'fashion_mnist_local', hidden_size=64, mlp_dim=128,
+                               num_heads=4, num_layers=3, patch_size=7)
+  config.regime = 'pretrain'
+  config.loss = 'softmax_xent'
+  config.model.head_bias_init = 0.0
+  config.optim.update(lr=2e-3, weight_decay=0.05, schedule='cosine', warmup_steps=30)
+  config.data.update(data_dir=data_dir, image_size=image_size, augment='flip', cache=True,
+                     eval_split='test[:2000]', shuffle_buffer=10_000)
+  config.batch_size = 128
+  config.total_steps = total_steps
+  config.log_every_steps = config.eval_every_steps = config.checkpoint_every_steps = total_steps
+  for key, value in overrides.items():
+    if isinstance(value, dict):
+      config[key].update(value)
+    else:
+      config[key] = value
+  return config
+
+
+@pytest.mark.slow
+def test_pretrain_28px_export_then_finetune_56px_beats_scratch(tmp_path):
+  """Pretrain at 28 px, export to .npz, fine-tune at 56 px (position embedding 4x4 -> 8x8):
+  the short fine-tuning schedule beats the same schedule from scratch."""
+  data_dir = str(tmp_path / 'tfds')
+  pretrained = train.train_and_evaluate(_fmnist_config(data_dir, 28, 300), str(tmp_path / 'pre'))
+  npz = tmp_path / 'pretrained.npz'
+  assert convert.main([str(tmp_path / 'pre'), str(npz)]) == 0
+  # The same short fine-tuning schedule (the 'finetune' regime: SGD momentum, lr 0.03, cosine)
+  # from the exported weights and from scratch.
+  short = dict(regime='finetune', optim=dict(optimizer=None, lr=None, weight_decay=None,
+                                             schedule=None, warmup_steps=10))
+  finetuned = train.train_and_evaluate(
+      _fmnist_config(data_dir, 56, 60, init_from=str(npz), **short), str(tmp_path / 'fine'))
+  scratch = train.train_and_evaluate(_fmnist_config(data_dir, 56, 60, **short),
+                                     str(tmp_path / 'scratch'))
+  print(f"pretrained (28 px, 300 steps): {pretrained['test_2000/accuracy']:.4f}; "
+        f"fine-tuned (56 px, 60 steps): {finetuned['test_2000/accuracy']:.4f}; "
+        f"scratch (56 px, 60 steps): {scratch['test_2000/accuracy']:.4f}")
+  assert finetuned['test_2000/accuracy'] > scratch['test_2000/accuracy'] + 0.05
+
+
+def test_restore_for_evaluation_checks_the_model():
+  """load(path, model=, image_size=) restores everything as saved, or lists what does not fit."""
+  path = FIXTURES / 'vit_tiny' / 'params.npz'
+  model = models.create('ViT-custom', num_classes=10, **_vit_tiny_fields())
+  variables = checkpoint.load(path, model=model, image_size=32)
+  np.testing.assert_allclose(jax.jit(lambda v, x: model.apply(v, x, train=False))(
+      variables, np.load(FIXTURES / 'vit_tiny' / 'inputs.npy')),
+      np.load(FIXTURES / 'vit_tiny' / 'logits.npy'), atol=1e-5)
+  with pytest.raises(ValueError) as info:  # Another class count and resolution: not for eval.
+    checkpoint.load(path, model=models.create('ViT-custom', num_classes=5, representation_size=8,
+                                              **_vit_tiny_fields()), image_size=48)
+  message = str(info.value)
+  assert 'does not fit the model' in message
+  assert 'missing keys (2): ' in message and 'params/pre_logits/kernel' in message
+  assert 'params/head/kernel: checkpoint (32, 10), model (8, 5)' in message
+  assert 'pos_embedding: checkpoint (1, 65, 32), model (1, 145, 32)' in message
+  with pytest.raises(ValueError, match='Only the position table differs: the checkpoint is for '
+                     'another image size'):
+    checkpoint.load(path, model=model, image_size=48)
+  with pytest.raises(ValueError, match='must be a variables dict'):
+    checkpoint.init_for_finetuning(variables['params'], variables)
+  scanned = models.create('ViT-custom', num_classes=10, **dict(_vit_tiny_fields(), scan=True))
+  with pytest.raises(ValueError, match='per-layer block layout; convert it with '
+                     'vit_jax.models.scan_params first'):
+    checkpoint.load(path, model=scanned, image_size=32)
+
+
+def test_hybrid_mismatch_names_the_resnet_stages():
+  saved = checkpoint.load(FIXTURES / 'vit_hybrid_tiny' / 'params.npz')
+  model = models.create('R+ViT-custom', num_classes=10,
+                        **dict(_vit_tiny_fields(), patch_size=1, resnet_num_layers=(3, 1)))
+  with pytest.raises(ValueError, match=r'a ResNet stem with .*resnet_num_layers=\(2, 1\)'):
+    checkpoint.check_fits(saved, models.unbox(jax.eval_shape(
+        lambda: model.init(jax.random.key(0), jnp.zeros((1, 32, 32, 3)), train=False))))
+
+
+def test_square_patch_override_from_the_command_line_form():
+  """--config.model.patch_size=4 on a tuple field arrives as (4,): a square patch."""
+  model = models.create('ViT-custom', num_classes=2, **dict(_vit_tiny_fields(), patch_size=(4,)))
+  assert models.vit.patch_pair(model.patch_size) == (4, 4)

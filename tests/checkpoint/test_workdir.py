@@ -1,0 +1,250 @@
+"""Tests of vit_jax.checkpoint.workdir: the run directory (Workdir) and its checkpoints
+(Checkpoints): exact save/restore round trips, keep-K, idempotent saves, states that do not fit,
+cost.json/config.json, and failed saves reported with the intact step."""
+
+import errno
+import json
+import logging
+import os
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import orbax.checkpoint as ocp
+import pytest
+
+from vit_jax import checkpoint
+from vit_jax.checkpoint import workdir as workdir_lib
+
+
+def _state(step, scale=1.0, tx=None):
+  """A small train state: {'step', 'params', 'opt_state', 'model_state'} with known values."""
+  params = {'dense': {'kernel': jnp.arange(6, dtype=jnp.float32).reshape(2, 3) * scale,
+                      'bias': jnp.full((3,), 0.5 * scale, jnp.float32)}}
+  tx = tx or optax.adam(1e-3)
+  return {'step': jnp.asarray(step, jnp.int32), 'params': params, 'opt_state': tx.init(params),
+          'model_state': {'constants': {'table': jnp.ones((2,), jnp.float32) * step}}}
+
+
+def _abstract(state):
+  sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), state)
+
+
+def _manager(path, keep=None):
+  return checkpoint.Workdir(path).checkpoints(keep=keep, asynchronous=False)
+
+
+def test_layout_paths(tmp_path):
+  work = checkpoint.Workdir(str(tmp_path / 'run'))
+  assert work.path == str(tmp_path / 'run')
+  assert str(work.checkpoints_dir) == str(tmp_path / 'run' / 'checkpoints')
+  assert str(work.cost_json) == str(tmp_path / 'run' / 'cost.json')
+  assert str(work.config_json) == str(tmp_path / 'run' / 'config.json')
+  remote = checkpoint.Workdir('gs://bucket/run')
+  assert str(remote.checkpoints_dir) == 'gs://bucket/run/checkpoints'
+  assert remote.check_writable() is None  # gs:// is not checked.
+  relative = checkpoint.Workdir('relative/run')
+  assert str(relative.cost_json) == os.path.abspath('relative/run/cost.json')
+  assert not (tmp_path / 'run').exists()  # Nothing is created by looking.
+  assert work.saved_steps() == [] and work.read_cost() is None and work.read_config() is None
+  work.check_state_fits(_abstract(_state(0)))  # Nothing saved: nothing to check.
+
+
+def test_save_restore_round_trip_is_exact(tmp_path):
+  state = _state(7, scale=1.5)
+  cost = {'attempts': 1, 'seconds': {'program': 12.5}}
+  config = {'model_name': 'ViT-Ti_16', 'batch_size': 32, 'mesh': {'shape': [1, 1]}}
+  saved = _manager(str(tmp_path))
+  saved.save(7, state, cost=cost, config=config)
+  assert saved.latest_step() == 7 and saved.all_steps() == [7]
+  saved.close()
+  assert sorted(os.listdir(tmp_path / 'checkpoints' / '7')) == [
+      '_CHECKPOINT_METADATA', 'commit_success.txt', 'config', 'cost', 'state']
+
+  again = _manager(str(tmp_path))
+  restored, restored_cost = again.restore(7, _abstract(_state(0)))
+  chex.assert_trees_all_equal(jax.device_get(restored), jax.device_get(state))
+  assert int(restored['step']) == 7
+  np.testing.assert_array_equal(restored['params']['dense']['kernel'],
+                                [[0.0, 1.5, 3.0], [4.5, 6.0, 7.5]])
+  assert restored_cost == cost
+  # The resolved config is an item of the step, for later tools.
+  config_item = ocp.Checkpointer(ocp.JsonCheckpointHandler()).restore(
+      tmp_path / 'checkpoints' / '7' / 'config')
+  assert config_item == config
+  again.close()
+  # The readers find the same parameters (and model_state) as NumPy.
+  variables = checkpoint.load(str(tmp_path))
+  np.testing.assert_array_equal(variables['params']['dense']['bias'], [0.75, 0.75, 0.75])
+  np.testing.assert_array_equal(variables['constants']['table'], [7.0, 7.0])
+
+
+def test_restore_of_a_checkpoint_without_cost(tmp_path):
+  manager = ocp.CheckpointManager(tmp_path / 'checkpoints')  # As written before the cost item.
+  manager.save(3, args=ocp.args.Composite(state=ocp.args.StandardSave(_state(3))))
+  manager.wait_until_finished()
+  manager.close()
+  saved = _manager(str(tmp_path))
+  state, cost = saved.restore(3, _abstract(_state(0)))
+  assert cost is None and int(state['step']) == 3
+  saved.close()
+
+
+def test_keep_preserves_the_newest_steps(tmp_path):
+  saved = _manager(str(tmp_path), keep=2)
+  for step in (1, 2, 3, 4):
+    saved.save(step, _state(step), cost={'step': step})
+  saved.wait_until_finished()
+  assert saved.all_steps() == [3, 4]
+  saved.close()
+  assert sorted(os.listdir(tmp_path / 'checkpoints')) == ['3', '4']
+  assert checkpoint.Workdir(str(tmp_path)).saved_steps() == [3, 4]
+  with pytest.raises(ValueError, match='keep must be a positive int or None'):
+    _manager(str(tmp_path), keep=0)
+
+
+def test_saving_a_saved_step_again_is_a_no_op(tmp_path):
+  saved = _manager(str(tmp_path))
+  saved.save(5, _state(5), cost={'n': 1})
+  saved.save(5, _state(5, scale=-1.0), cost={'n': 2})
+  state, cost = saved.restore(5, _abstract(_state(0)))
+  assert cost == {'n': 1}
+  np.testing.assert_array_equal(state['params']['dense']['bias'], [0.5, 0.5, 0.5])
+  assert saved.reached_preemption(5) is False
+  saved.close()
+
+
+def test_a_state_that_does_not_fit(tmp_path):
+  saved = _manager(str(tmp_path))
+  saved.save(2, _state(2), cost={})
+  other_optimizer = _abstract(_state(0, tx=optax.sgd(0.1, momentum=0.9)))
+  with pytest.raises(ValueError, match=r"The checkpoint of step 2 in .*checkpoints does not fit "
+                     r"this config's optimizer or state \(.*\)\. Rerun with the config it was "
+                     r"trained with, or start a new run in another --workdir\."):
+    saved.restore(2, other_optimizer)
+  saved.close()
+  # The parameters of another model: said from the metadata, before anything is restored.
+  wider = _state(0)
+  wider['params']['dense']['bias'] = jnp.zeros((4,), jnp.float32)
+  with pytest.raises(ValueError) as info:
+    checkpoint.Workdir(str(tmp_path)).check_state_fits(_abstract(wider))
+  message = str(info.value)
+  assert message.startswith(f'The checkpoint {tmp_path}/checkpoints/2/state does not fit this '
+                            'model:\n  shape mismatches (1): params/dense/bias: saved (3,), this '
+                            'run (4,)')
+  assert message.endswith('\n  Rerun with the config it was trained with, or start a new run in '
+                          'another --workdir.')
+  checkpoint.Workdir(str(tmp_path)).check_state_fits(_abstract(_state(0)))  # The same: fine.
+
+
+def test_cost_and_config_json_are_written_atomically(tmp_path, monkeypatch, caplog):
+  work = checkpoint.Workdir(str(tmp_path / 'run'))
+  report = {'attempts': 2, 'seconds': {'program': 30.0}}
+  work.write_cost(report)
+  work.write_config({'seed': 0, 'optim': {'lr': 0.001}})
+  assert sorted(os.listdir(tmp_path / 'run')) == ['config.json', 'cost.json']  # No .partial.
+  assert work.read_cost() == report
+  assert work.read_config() == {'seed': 0, 'optim': {'lr': 0.001}}
+  assert json.loads((tmp_path / 'run' / 'cost.json').read_text()) == report
+  # A write that dies half-way leaves the previous file whole.
+  real_write_text = type(work.cost_json).write_text
+
+  def dies(self, text, *args, **kwargs):
+    real_write_text(self, text[:5], *args, **kwargs)
+    raise OSError(errno.ENOSPC, 'No space left on device')
+
+  monkeypatch.setattr(type(work.cost_json), 'write_text', dies)
+  with pytest.raises(OSError, match='No space left'):
+    work.write_cost({'attempts': 3})
+  monkeypatch.undo()
+  assert work.read_cost() == report
+  # Unreadable: the cost is ignored with a warning; the config is an error naming the file.
+  (tmp_path / 'run' / 'cost.json').write_text('{"attempts": ')
+  with caplog.at_level(logging.WARNING):
+    assert work.read_cost() is None
+  assert 'Ignoring' in caplog.text and 'cost.json' in caplog.text
+  (tmp_path / 'run' / 'config.json').write_text('not json')
+  with pytest.raises(ValueError, match=r'config.json is not valid JSON'):
+    work.read_config()
+  # Only process 0 writes.
+  monkeypatch.setattr(jax, 'process_index', lambda: 1)
+  other = checkpoint.Workdir(str(tmp_path / 'other'))
+  other.write_cost(report)
+  other.write_config({})
+  assert not (tmp_path / 'other').exists()
+
+
+def test_a_full_disk_names_the_intact_checkpoint(tmp_path, monkeypatch):
+  real_save = ocp.CheckpointManager.save
+
+  def save(self, step, *args, **kwargs):
+    if step == 4:  # The disk fills up during the second save.
+      raise OSError(errno.ENOSPC, 'No space left on device')
+    return real_save(self, step, *args, **kwargs)
+
+  monkeypatch.setattr(ocp.CheckpointManager, 'save', save)
+  saved = _manager(str(tmp_path))
+  saved.save(2, _state(2), cost={})
+  with pytest.raises(checkpoint.CheckpointSaveError) as info:
+    saved.save(4, _state(4), cost={})
+  assert str(info.value) == (
+      f'Saving a checkpoint in {tmp_path}/checkpoints failed (step 4, or the save before it, '
+      'which runs in the background): No space left on device. The checkpoint of step 2 is '
+      'intact (the partial save is removed at the next start); free disk space (or lower '
+      '--config.keep_checkpoints) and rerun the same command to resume.')
+  assert isinstance(info.value, OSError)
+
+  def wait(self):
+    raise RuntimeError('Async save failed: Permission denied: /x')
+
+  monkeypatch.setattr(ocp.CheckpointManager, 'wait_until_finished', wait)
+  with pytest.raises(checkpoint.CheckpointSaveError,
+                     match=r'\(the last save, .*Permission denied.* The checkpoint of step 2 is '
+                     r'intact .*make the checkpoint directory writable'):
+    saved.wait_until_finished()
+
+  def other_failure(self):
+    raise RuntimeError('some bug')
+
+  monkeypatch.setattr(ocp.CheckpointManager, 'wait_until_finished', other_failure)
+  with pytest.raises(RuntimeError, match='^some bug$'):  # Not a disk problem: unchanged.
+    saved.wait_until_finished()
+  monkeypatch.undo()
+  saved.close()
+
+
+def test_saved_steps_are_finalized_steps_only(tmp_path):
+  saved = _manager(str(tmp_path))
+  saved.save(2, _state(2), cost={})
+  saved.close()
+  (tmp_path / 'checkpoints' / '6.orbax-checkpoint-tmp-123').mkdir()
+  (tmp_path / 'checkpoints' / 'notes').mkdir()
+  assert checkpoint.Workdir(str(tmp_path)).saved_steps() == [2]
+
+
+def test_check_writable(tmp_path):
+  checkpoint.Workdir(str(tmp_path / 'new' / 'run')).check_writable()  # Created later.
+  blocker = tmp_path / 'file'
+  blocker.write_text('')
+  with pytest.raises(PermissionError, match=r"--workdir '.*file/run' cannot be used: .*file "
+                     r'\(where it would be created\) is not a directory'):
+    checkpoint.Workdir(str(blocker / 'run')).check_writable()
+  assert not (tmp_path / 'new').exists()
+
+
+def test_only_workdir_spells_the_layout():
+  """The layout's names live in workdir.py; the other checkpoint modules use its constants."""
+  names = ("'checkpoints'", "'state'", "'cost'", "'cost.json'", "'config.json'",
+           '"checkpoints"', '"state"', '"cost"', '"cost.json"', '"config.json"')
+  package = os.path.dirname(workdir_lib.__file__)
+  convert = os.path.join(os.path.dirname(package), 'convert.py')
+  for path in [os.path.join(package, f) for f in os.listdir(package) if f.endswith('.py')] + [
+      convert]:
+    if path == workdir_lib.__file__:
+      continue
+    with open(path) as f:
+      text = f.read()
+    assert not [n for n in names if n in text], path

@@ -1,0 +1,266 @@
+"""The training config: defaults, the shipped configs, `resolve` (regime, lengths, ranges,
+attention) and the parser of the configs' arguments (vit_jax.config)."""
+
+import json
+import pathlib
+
+import jax
+import ml_collections
+import pytest
+
+from tests import data_utils
+from vit_jax import cli
+from vit_jax import config as config_lib
+from vit_jax import models as models_lib
+from vit_jax import train
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+CONFIGS = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "configs").glob("*.py"))
+# Every shipped config file with the arguments it is run with in the consumed-keys test.
+SHIPPED = [("configs/fashion_mnist.py", None),
+           ("configs/fashion_mnist.py", "t2t"),
+           ("configs/t2t.py", "14"),
+           ("configs/vit.py", "ti16,cifar10"),
+           ("configs/vit.py", "b16,imagenet21k"),
+           ("configs/vit.py", "b16,imagenet2012,finetune")]
+CPU = jax.devices()[:1]
+
+
+def _tiny_config(regime="pretrain"):
+  config = config_lib.get_config("ViT-custom", "fashion_mnist_local", hidden_size=8, mlp_dim=16,
+                                 num_heads=2, num_layers=1, patch_size=4)
+  config.regime = regime
+  return config
+
+
+def _resolve(config, examples=1000, classes=10, devices=CPU):
+  return config_lib.resolve(config, num_train_examples=examples, num_classes=classes,
+                            devices=devices)
+
+
+# ----------------------------------------------------------------------------- regimes
+
+
+def test_regime_defaults_follow_the_paper():
+  pre = config_lib.fill_regime(_tiny_config("pretrain"))
+  assert (pre.optim.optimizer, pre.optim.schedule, pre.loss) == ("adamw", "linear", "sigmoid_xent")
+  assert (pre.optim.lr, pre.optim.b1, pre.optim.b2, pre.optim.weight_decay) == (1e-3, 0.9, 0.999, 0.1)
+  assert pre.model.head_bias_init == -10.0
+  fine = config_lib.fill_regime(_tiny_config("finetune"))
+  assert (fine.optim.optimizer, fine.optim.schedule, fine.loss) == ("sgd", "cosine", "softmax_xent")
+  assert (fine.optim.momentum, fine.optim.grad_clip_norm, fine.optim.weight_decay) == (0.9, 1.0, 0.0)
+  assert (fine.optim.warmup_steps, fine.model.head_bias_init) == (500, 0.0)
+
+
+def test_regime_keeps_explicit_values_and_rejects_unknown_regime():
+  config = _tiny_config("finetune")
+  config.optim.lr = 0.01
+  config.loss = "sigmoid_xent"
+  resolved = config_lib.fill_regime(config)
+  assert (resolved.optim.lr, resolved.loss) == (0.01, "sigmoid_xent")
+  assert config.optim.optimizer is None  # The caller's config is not modified.
+  config.regime = "pretraining"
+  with pytest.raises(ValueError, match=r"config.regime='pretraining' must be one of "
+                     r"\('pretrain', 'finetune'\)"):
+    config_lib.fill_regime(config)
+
+
+def test_batch_size_and_schedule_length_checks():
+  config_lib.check_batch_size(512, 2, 8)
+  with pytest.raises(ValueError, match=r"multiple of 16\. Use --config.batch_size=496 or 512"):
+    config_lib.check_batch_size(500, 2, 8)
+  config = _tiny_config()
+  with pytest.raises(ValueError, match="Set the schedule length"):
+    config_lib.num_train_steps(config, 1000)
+  config.batch_size = 64
+  config.num_epochs = 2.5
+  assert config_lib.num_train_steps(config, 1000) == 40  # ceil(2500 / 64)
+  config.total_steps = 7  # Takes precedence over epochs.
+  assert config_lib.num_train_steps(config, 1000) == 7
+  config.total_steps = 0
+  with pytest.raises(ValueError, match="0 training steps"):
+    config_lib.num_train_steps(config, 1000)
+
+
+# ----------------------------------------------------------------------------- resolve
+
+
+def test_resolve_fills_lengths_classes_and_attention_and_locks():
+  config = config_lib.get_config("T2T-ViT-7", "imagenet2012")
+  config.batch_size = 100
+  config.num_epochs = 3.0
+  config.optim.update(warmup_epochs=1.0, cooldown_epochs=0.5, warmup_steps=99)
+  resolved = _resolve(config, examples=1000, classes=7)
+  assert resolved.is_locked and not config.optim.warmup_epochs is None  # The input is unchanged.
+  assert (resolved.total_steps, resolved.optim.warmup_steps, resolved.optim.cooldown_steps) == (
+      30, 10, 5)
+  assert resolved.optim.warmup_epochs is None and resolved.optim.cooldown_epochs is None
+  assert resolved.num_classes == 7 and resolved.loss == "sigmoid_xent"
+  assert resolved.model.attention in models_lib.ATTENTION_IMPLEMENTATIONS
+  # Resolving a resolved config changes nothing: what config.json holds reproduces the run.
+  again = _resolve(config_lib.from_json(config_lib.to_json(resolved)), examples=1000, classes=7)
+  assert json.loads(config_lib.to_json(again)) == json.loads(config_lib.to_json(resolved))
+
+
+def test_resolve_takes_pretrained_dir_and_refuses_a_missing_checkpoint(tmp_path):
+  config = _tiny_config()
+  config.total_steps = 10
+  config.optim.warmup_steps = 1
+  config.pretrained_dir = str(tmp_path)
+  with pytest.raises(FileNotFoundError, match=r"ViT-custom.npz' \(config.pretrained_dir"):
+    _resolve(config)
+  (tmp_path / "ViT-custom.npz").write_bytes(b"")
+  assert _resolve(config).init_from == f"{tmp_path}/ViT-custom.npz"
+
+
+@pytest.mark.parametrize("key,value,message", [
+    ("optim.lr", -1.0, r"config.optim.lr=-1.0 must be > 0 \(the peak learning rate\)"),
+    ("batch_size", 0, r"config.batch_size=0 must be a positive int"),
+    ("optim.b2", 1.0, r"config.optim.b2=1.0 must be in \[0, 1\)"),
+    ("label_smoothing", 1.5, r"config.label_smoothing=1.5 must be in \[0, 1\)"),
+    ("keep_checkpoints", 0, r"config.keep_checkpoints=0 must be a positive int"),
+    ("optim.max_skipped_updates", -2, r"max_skipped_updates=-2 must be an int >= 0"),
+    ("data.prefetch", -1, r"config.data.prefetch=-1 must be an int >= 0"),
+    ("data.eval_crop_pct", 1.5, r"eval_crop_pct=1.5 must be in \(0, 1\] or None"),
+    ("data.augment", "crop", r"config.data.augment='crop' must be one of"),
+    ("loss", "hinge", r"config.loss='hinge' must be one of \('softmax_xent', 'sigmoid_xent'\)"),
+    ("mesh.max_replicated_fraction", 2.0, r"must be in \[0, 1\] \(a probability\)"),
+    ("model.attention", "flash", r"config.model.attention='flash' is not one of"),
+])
+def test_resolve_refuses_values_out_of_range_naming_the_flag(key, value, message):
+  config = _tiny_config()
+  config.total_steps = 10
+  config.optim.warmup_steps = 1
+  section, _, name = key.rpartition(".")
+  with config.unlocked():
+    (config[section] if section else config)[name] = value
+  with pytest.raises(ValueError, match=message):
+    _resolve(config)
+
+
+def test_resolve_refuses_a_mesh_or_batch_the_devices_cannot_take():
+  config = _tiny_config()
+  config.total_steps, config.optim.warmup_steps, config.batch_size = 10, 1, 6
+  config.grad_accum_steps = 4
+  with pytest.raises(ValueError, match="cannot be split into 4 micro-batch"):
+    _resolve(config)
+  config.grad_accum_steps, config.mesh.data = 1, 2
+  with pytest.raises(ValueError, match="has 2 devices but there are 1"):
+    _resolve(config)
+
+
+# ----------------------------------------------------------------------------- configs/*.py
+
+
+def _load_config(path, arg):
+  return cli.load_config_file(f"{path}:{arg}" if arg else path)
+
+
+def test_shipped_configs_are_covered():
+  """Every configs/*.py is exercised by the consumed-keys test below."""
+  assert sorted({p for p, _ in SHIPPED}) == CONFIGS
+
+
+@pytest.mark.parametrize("path,arg", SHIPPED)
+def test_shipped_configs_build_and_resolve(path, arg):
+  config = _load_config(path, arg)
+  assert config.is_locked
+  resolved = _resolve(config, examples=1_281_167, classes=1000)
+  fields = dict(resolved.model.to_dict())
+  assert fields.pop("attention") in models_lib.ATTENTION_IMPLEMENTATIONS
+  models_lib.model_config(resolved.model_name, **fields)
+
+
+def test_config_arguments_are_parsed_one_way():
+  spec = config_lib.args.Spec("configs/x.py", ("model", "dataset", "regime"),
+                              choices={"regime": ("pretrain", "finetune")},
+                              defaults={"regime": "pretrain"})
+  assert spec.parse("b16,cifar10") == {"model": "b16", "dataset": "cifar10", "regime": "pretrain"}
+  assert spec.parse("b16,regime=finetune,dataset=c") == {
+      "model": "b16", "dataset": "c", "regime": "finetune"}
+  assert spec.usage() == "configs/x.py:<model>,<dataset>[,<regime>]"
+  for arg, message in [("b16", r"needs <dataset>: use configs/x.py:<model>,<dataset>\[,<regime>\]"),
+                       ("a,b,c,d", "takes at most 3 values"),
+                       ("a,b,regime=tune", "<regime> must be one of pretrain, finetune"),
+                       ("a,b,size=3", "unknown field 'size'"),
+                       ("model=a,b", "follows a 'name=value' item"),
+                       ("a,model=b,dataset=c", "'model' is given twice")]:
+    with pytest.raises(ValueError, match=message):
+      spec.parse(arg)
+  with pytest.raises(ValueError, match=r"configs/vit.py: <regime> must be one of pretrain, "
+                     "finetune, got 'tune'"):
+    _load_config("configs/vit.py", "b16,cifar10,tune")
+  with pytest.raises(ValueError, match="configs/fashion_mnist.py: <model> must be one of vit, t2t"):
+    _load_config("configs/fashion_mnist.py", "resnet")
+
+
+def _record_consumed_keys(monkeypatch):
+  """Patches ConfigDict to record (keys of the section, key) for every read of a key."""
+  seen = set()
+  original = ml_collections.ConfigDict.__getitem__
+
+  def getitem(self, key):
+    seen.add((tuple(sorted(self._fields)), key))
+    return original(self, key)
+
+  monkeypatch.setattr(ml_collections.ConfigDict, "__getitem__", getitem)
+  return seen
+
+
+def _leaf_keys(config):
+  for key, value in config.items():
+    if isinstance(value, ml_collections.ConfigDict):
+      yield from _leaf_keys(value)
+    else:
+      yield tuple(sorted(config.keys())), key
+
+
+@pytest.mark.slow
+def test_every_config_key_is_consumed(tmp_path, monkeypatch):
+  """Runs each shipped config for two steps on tiny data; every key must be read by the code."""
+  folder = data_utils.make_image_folder(str(tmp_path / "images"),
+                                        num_classes=data_utils.MULTILABEL_NUM_CLASSES,
+                                        per_class=2, size=8)
+  multi_label = data_utils.make_multilabel_dataset(str(tmp_path / "tfds"))
+  seen = _record_consumed_keys(monkeypatch)
+  unread = None
+  for i, (path, arg) in enumerate(SHIPPED):
+    config = _load_config(path, arg)
+    all_keys = set(_leaf_keys(config))
+    with config.unlocked():
+      # Same keys, tiny values: a 2-step run on an 8x8 image folder.
+      config.data.image_folder = folder
+      config.data.train_split, config.data.eval_split = "train", "test"
+      if config.extra_eval.name:  # ImageNet ReaL in the ImageNet config: a tiny stand-in.
+        config.extra_eval.name, config.extra_eval.split = multi_label, "test"
+      config.data.image_size = 8
+      config.data.shuffle_buffer = 16
+      if "embed_dim" in config.model:  # T2T-ViT
+        config.model.update(embed_dim=16, depth=1, num_heads=2, token_dim=8)
+      else:
+        config.model.update(hidden_size=8, mlp_dim=16, num_heads=2, num_layers=1,
+                            patch_size=(4, 4))
+      if config.model.get("representation_size") is not None:
+        config.model.representation_size = 8
+      config.batch_size = 4
+      config.total_steps = 2
+      config.optim.warmup_steps = 1
+      if config.optim.warmup_epochs is not None:  # The T2T recipe: 2 of 16 images per epoch.
+        config.optim.warmup_epochs = config.optim.cooldown_epochs = 0.125
+      config.log_every_steps = config.eval_every_steps = config.checkpoint_every_steps = 1
+    results = train.train_and_evaluate(config, str(tmp_path / f"run{i}"))
+    assert results["step"] == 2 and 0.0 <= results["test/accuracy"] <= 1.0
+    if config.extra_eval.name:
+      assert 0.0 <= results["1_0_0_test/accuracy"] <= 1.0  # '<dir basename>_<split>' 
+    unread = (all_keys - seen) if unread is None else (unread & (all_keys - seen))
+  assert not unread, f"Config keys no code reads: {sorted(k for _, k in unread)}"
+
+
+def test_t2t_qk_scale_is_a_float_override():
+  """The released T2T-ViT weights need qk_scale = D**-0.5 (a float) from the command line."""
+  config = config_lib.get_config("T2T-ViT-14", "imagenet2012")
+  assert config.model.qk_scale is None  # head_dim**-0.5, the from-scratch default.
+  config.model.qk_scale = 384 ** -0.5
+  fields = dict(config.model.to_dict(), attention="xla")
+  model = models_lib.create(config.model_name, num_classes=10, **fields)
+  assert model.qk_scale == pytest.approx(0.0510310363)

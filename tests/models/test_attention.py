@@ -1,0 +1,177 @@
+"""The ViT attention layer (vit_jax.models.attention) and the training execution defaults."""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from vit_jax import config as config_lib
+from vit_jax import models
+from vit_jax.kernels import cpu_attention
+from vit_jax.models import attention
+from vit_jax.models import vit
+
+X = jax.random.normal(jax.random.key(0), (2, 5, 32))
+
+
+def _ours_and_flax_params():
+  ours = attention.MultiHeadDotProductAttention(num_heads=4)
+  params = ours.init(jax.random.key(1), X, deterministic=True)
+  return ours, models.unbox(params)
+
+
+def test_same_parameters_and_outputs_as_flax_attention():
+  ours, params = _ours_and_flax_params()
+  shapes = jax.tree.map(jnp.shape, params["params"])
+  assert shapes == {"query": {"kernel": (32, 4, 8), "bias": (4, 8)},
+                    "key": {"kernel": (32, 4, 8), "bias": (4, 8)},
+                    "value": {"kernel": (32, 4, 8), "bias": (4, 8)},
+                    "out": {"kernel": (4, 8, 32), "bias": (32,)}}
+  # Non-zero biases so that every term is compared.
+  params = jax.tree.map(lambda p: p + 0.1 * jax.random.normal(jax.random.key(2), p.shape),
+                        params)
+  reference = nn.MultiHeadDotProductAttention(num_heads=4, deterministic=True)
+  expected = reference.apply(params, X, X)
+  got = ours.apply(params, X, deterministic=True)
+  np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_initialisers_match_dense_general():
+  _, params = _ours_and_flax_params()
+  limit = np.sqrt(6 / (32 + 32))  # xavier_uniform over the (32, 4 * 8) projection.
+  for name in ("query", "key", "value", "out"):
+    kernel = np.abs(np.asarray(params["params"][name]["kernel"]))
+    assert 0.9 * limit < kernel.max() <= limit
+    np.testing.assert_array_equal(params["params"][name]["bias"], 0.0)
+
+
+def test_cudnn_path_computes_the_same(monkeypatch):
+  """attention='cudnn' (GPU) on this CPU: the same call with XLA's implementation of
+  jax.nn.dot_product_attention, which checks its [B, N, heads, Dh] layout and scaling."""
+  ours, params = _ours_and_flax_params()
+  expected = ours.apply(params, X, deterministic=True)
+  original = jax.nn.dot_product_attention
+  calls = []
+
+  def on_xla(*args, implementation=None, **kwargs):
+    calls.append(implementation)
+    return original(*args, implementation="xla", **kwargs)
+
+  monkeypatch.setattr(jax.nn, "dot_product_attention", on_xla)
+  cudnn = attention.MultiHeadDotProductAttention(num_heads=4, attention="cudnn")
+  got = jax.jit(lambda p, x: cudnn.apply(p, x, deterministic=True))(params, X)
+  assert calls == ["cudnn"]
+  np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
+
+
+needs_kernel = pytest.mark.skipif(cpu_attention.library()[0] is None,
+                                  reason="the fused CPU attention kernel was not built")
+
+
+@needs_kernel
+@pytest.mark.parametrize("name,fields", [
+    ("ViT-custom", dict(hidden_size=32, mlp_dim=32, num_heads=2, num_layers=2, patch_size=4)),
+    ("T2T-ViT-custom", dict(embed_dim=32, depth=2, num_heads=2, mlp_ratio=1.0, token_dim=8,
+                            drop_path_rate=0.0)),
+])
+def test_both_families_give_the_same_logits_and_gradients_with_the_cpu_kernel(name, fields):
+  """One dispatch for ViT and T2T-ViT: 'cpu_kernel' equals 'xla' (head size 16)."""
+  images = jax.random.normal(jax.random.key(0), (2, 32, 32, 3))
+  xla = models.create(name, num_classes=3, **fields)
+  variables = models.unbox(xla.init(jax.random.key(1), images, train=False))
+  kernel = models.create(name, num_classes=3, attention="cpu_kernel", **fields)
+
+  def loss_and_grads(model):
+    loss = lambda p: jnp.sum(model.apply(dict(variables, params=p), images, train=False) ** 2)
+    return jax.jit(jax.value_and_grad(loss))(variables["params"])
+
+  (loss_x, grads_x), (loss_k, grads_k) = loss_and_grads(xla), loss_and_grads(kernel)
+  np.testing.assert_allclose(loss_k, loss_x, rtol=1e-5)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6),
+               grads_k, grads_x)
+
+
+def test_unknown_implementation_is_refused_by_both_families():
+  for name in ("ViT-Ti_16", "T2T-ViT-7"):
+    with pytest.raises(ValueError, match=r"attention must be one of \('xla', 'cudnn', "
+                       r"'cpu_kernel'\), got 'auto'"):
+      models.create(name, num_classes=3, attention="auto")
+
+
+def test_attention_dropout_zeroes_weights_and_rescales():
+  q = k = jnp.zeros((1, 2, 64, 2))  # Uniform weights 1/64 over 64 keys.
+  v = jnp.ones((1, 2, 64, 2))
+  np.testing.assert_allclose(attention.dot_product_attention(q, k, v), 1.0, rtol=1e-6)
+  y = np.asarray(attention.dot_product_attention(q, k, v, dropout_rate=0.5,
+                                                 dropout_rng=jax.random.key(0)))
+  # Each output is (kept weights) * 2 / 64: a multiple of 1/32, 1 in expectation.
+  kept = y[..., 0] * 32
+  np.testing.assert_allclose(kept, np.round(kept), atol=1e-4)
+  assert (kept != 32).any() and 0.8 < y.mean() < 1.2  # Dropped, rescaled, not broadcast:
+  assert len(np.unique(np.round(kept))) > 10  # each query row keeps its own weights.
+  np.testing.assert_array_equal(y[..., 0], y[..., 1])  # One weight per key, for every dim.
+
+
+def test_width_not_divisible_by_heads():
+  with pytest.raises(ValueError, match="not divisible by num_heads=5"):
+    attention.MultiHeadDotProductAttention(num_heads=5).init(jax.random.key(0), X,
+                                                             deterministic=True)
+
+
+def test_remat_policy_is_validated():
+  with pytest.raises(ValueError, match="remat_policy must be one of"):
+    models.create("ViT-Ti_16", num_classes=10, remat=True, remat_policy="dots")
+
+
+@pytest.mark.parametrize("policy", vit.REMAT_POLICIES)
+def test_every_remat_policy_gives_the_same_gradients(policy):
+  fields = dict(hidden_size=16, mlp_dim=32, num_heads=2, num_layers=2, patch_size=4)
+  images = jax.random.normal(jax.random.key(0), (2, 8, 8, 3))
+  plain = models.create("ViT-custom", num_classes=3, **fields)
+  variables = models.unbox(plain.init(jax.random.key(1), images, train=False))
+  remat = models.create("ViT-custom", num_classes=3, scan=True, remat=True,
+                        remat_policy=policy, **fields)
+
+  def grads(model, params):
+    loss = lambda p: jnp.sum(model.apply({"params": p}, images, train=False) ** 2 +
+                             model.apply({"params": p}, images, train=False))
+    return jax.grad(loss)(params)
+
+  expected = models.scan_params(grads(plain, variables["params"]), num_layers=2)
+  got = grads(remat, models.scan_params(variables["params"], num_layers=2))
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6),
+               got, expected)
+
+
+def test_training_config_scans_and_rematerialises_unless_overridden():
+  config = config_lib.get_config("ViT-Ti_16", "cifar10")
+  assert (config.model.scan, config.model.remat, config.model.remat_policy) == (
+      True, True, "dots_and_attention_saveable")
+  config = config_lib.get_config("ViT-Ti_16", "cifar10", scan=False, remat=False)
+  assert not config.model.scan and not config.model.remat
+  # The model itself defaults to the unrolled encoder with the official per-layer names.
+  assert models.model_config("ViT-Ti_16")["scan"] is False
+  # T2T-ViT trains with its backbone scanned and rematerialised the same way.
+  config = config_lib.get_config("T2T-ViT-14", "cifar10")
+  assert (config.model.scan, config.model.remat, config.model.remat_policy) == (
+      True, True, "dots_and_attention_saveable")
+  assert models.model_config("T2T-ViT-14")["scan"] is False
+
+
+@pytest.mark.parametrize("name", ["ViT-Ti_16", "T2T-ViT-7"])
+def test_execution_fields_must_be_booleans_and_known_policies(name):
+  # A string such as 'maybe' would read as True: both families refuse it by name.
+  for field, value in (("scan", "maybe"), ("remat", 1)):
+    with pytest.raises(ValueError, match=f"{field} must be True or False, got {value!r}"):
+      models.create(name, num_classes=3, **{field: value})
+  with pytest.raises(ValueError, match="remat_policy must be one of .*got 'dots'"):
+    models.create(name, num_classes=3, remat_policy="dots")
+  # The benchmark's --override goes through the same check (it once measured 'maybe' as True).
+  from vit_jax.tools.benchmark import common, ours  # pylint: disable=g-import-not-at-top
+  with pytest.raises(common.BenchmarkError, match="scan must be True or False"):
+    ours.benchmark_config(name, batch=1, resolution=224,
+                          overrides=dict([common.parse_override("scan=maybe")]))
+  model = models.create(name, num_classes=3, scan=True, remat=True,
+                        remat_policy="dots_saveable")
+  assert (model.scan, model.remat, model.remat_policy) == (True, True, "dots_saveable")

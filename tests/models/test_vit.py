@@ -1,0 +1,513 @@
+"""Tests of vit_jax.models: registry, parameter counts/names, golden logits, scan/remat/dtype."""
+
+import functools
+import json
+import pathlib
+import subprocess
+import sys
+
+import chex
+import flax
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from vit_jax import checkpoint
+from vit_jax import models
+from vit_jax.models import layout
+
+# Outputs compared with the reference implementations' fixtures: highest matmul precision.
+pytestmark = pytest.mark.golden
+
+FIXTURES = pathlib.Path(__file__).parents[1] / 'fixtures'
+GOLDEN = ('vit_tiny', 'vit_tiny_gap_repr')
+RTOL = ATOL = 1e-5
+
+
+# ------------------------------------------------------------------------------------------------
+# Helpers.
+# ------------------------------------------------------------------------------------------------
+
+
+def _fixture_overrides(name):
+  """Registry overrides reproducing the official constructor kwargs of a fixture."""
+  kwargs = json.loads((FIXTURES / name / 'config.json').read_text())['kwargs']
+  t = kwargs['transformer']
+  return kwargs['num_classes'], dict(
+      patch_size=tuple(kwargs['patches']['size']), hidden_size=kwargs['hidden_size'],
+      mlp_dim=t['mlp_dim'], num_heads=t['num_heads'], num_layers=t['num_layers'],
+      dropout_rate=t['dropout_rate'], attention_dropout_rate=t['attention_dropout_rate'],
+      classifier=kwargs['classifier'], representation_size=kwargs['representation_size'])
+
+
+def _golden_model(name, **extra):
+  num_classes, overrides = _fixture_overrides(name)
+  overrides.update(extra)
+  return models.create('ViT-custom', num_classes=num_classes, **overrides)
+
+
+def _golden(name):
+  inputs = np.load(FIXTURES / name / 'inputs.npy')
+  logits = np.load(FIXTURES / name / 'logits.npy')
+  variables = checkpoint.load(FIXTURES / name / 'params_linen.npz')
+  return variables, inputs, logits
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled_apply(model, train, capture_intermediates):
+  # Modules are hashable dataclasses: equal models share one compilation. (On CPU, XLA
+  # compilation dominates the run time of these tests; eager applies compile every op.)
+  def fn(variables, inputs, rngs):
+    return model.apply(variables, inputs, train=train, rngs=rngs,
+                       capture_intermediates=capture_intermediates)
+  return jax.jit(fn)
+
+
+def _apply(model, variables, inputs, *, train, capture_intermediates=False, rngs=None):
+  """Jitted ``model.apply(variables, inputs, train=train, ...)``."""
+  return _compiled_apply(model, train, capture_intermediates)(variables, inputs, rngs)
+
+
+def _init_and_apply(model, init_inputs, inputs):
+  """``(variables, model.apply(variables, inputs, train=False))`` in one compilation."""
+
+  def fn(key, x0, x):
+    # Plain arrays: init boxes the parameters with their logical axis names.
+    variables = models.unbox(model.init(key, x0, train=False))
+    return variables, model.apply(variables, x, train=False)
+
+  # An 'rbg' key compiles the initialisers about twice as fast on CPU as the default threefry.
+  return jax.jit(fn)(jax.random.key(0, impl='rbg'), init_inputs, inputs)
+
+
+def _param_shapes(model, size):
+  abstract = jax.eval_shape(
+      lambda: model.init(jax.random.key(0), jnp.zeros((1, size, size, 3)), train=False))
+  return {k: v.shape for k, v in checkpoint.flatten_params(abstract['params']).items()}
+
+
+def _count(shapes):
+  return sum(int(np.prod(s)) for s in shapes.values())
+
+
+# ------------------------------------------------------------------------------------------------
+# Parameter counts and names (jax.eval_shape: nothing is allocated).
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize('name,size,overrides,expected', [
+    ('ViT-Ti_16', 224, {}, 5_717_416),
+    ('ViT-S_16', 224, {}, 22_050_664),
+    ('ViT-B_16', 224, {}, 86_567_656),
+    ('ViT-B_32', 224, {}, 88_224_232),
+    ('ViT-L_16', 224, {}, 304_326_632),
+    ('ViT-L_32', 224, {}, 306_535_400),
+    ('ViT-H_14', 224, {}, 632_045_800),
+    ('ViT-B_16', 384, {}, 86_859_496),
+    ('ViT-B_16', 224, {'representation_size': 768, 'num_classes': 21_843}, 103_186_515),
+])
+def test_official_parameter_counts(name, size, overrides, expected):
+  overrides = dict(overrides)
+  num_classes = overrides.pop('num_classes', 1000)
+  shapes = _param_shapes(models.create(name, num_classes=num_classes, **overrides), size)
+  assert _count(shapes) == expected
+
+
+def test_scan_and_remat_keep_the_parameter_count():
+  shapes = _param_shapes(models.create('ViT-B/16', num_classes=1000, scan=True, remat=True), 224)
+  assert _count(shapes) == 86_567_656
+  assert shapes['Transformer/encoderblock/MultiHeadDotProductAttention_0/query/kernel'] == (
+      12, 768, 12, 64)
+  assert not any('encoderblock_' in k for k in shapes)
+
+
+def test_b16_parameter_names_and_shapes():
+  shapes = _param_shapes(models.create('ViT-B_16', num_classes=1000), 224)
+  block = 'Transformer/encoderblock_11'
+  expected = {
+      'embedding/kernel': (16, 16, 3, 768),
+      'embedding/bias': (768,),
+      'cls': (1, 1, 768),
+      'Transformer/posembed_input/pos_embedding': (1, 197, 768),
+      f'{block}/LayerNorm_0/scale': (768,),
+      f'{block}/LayerNorm_0/bias': (768,),
+      f'{block}/MultiHeadDotProductAttention_0/query/kernel': (768, 12, 64),
+      f'{block}/MultiHeadDotProductAttention_0/query/bias': (12, 64),
+      f'{block}/MultiHeadDotProductAttention_0/key/kernel': (768, 12, 64),
+      f'{block}/MultiHeadDotProductAttention_0/value/kernel': (768, 12, 64),
+      f'{block}/MultiHeadDotProductAttention_0/out/kernel': (12, 64, 768),
+      f'{block}/MultiHeadDotProductAttention_0/out/bias': (768,),
+      f'{block}/LayerNorm_1/scale': (768,),
+      f'{block}/MlpBlock_0/Dense_0/kernel': (768, 3072),
+      f'{block}/MlpBlock_0/Dense_0/bias': (3072,),
+      f'{block}/MlpBlock_0/Dense_1/kernel': (3072, 768),
+      f'{block}/MlpBlock_0/Dense_1/bias': (768,),
+      'Transformer/encoder_norm/scale': (768,),
+      'head/kernel': (768, 1000),
+      'head/bias': (1000,),
+  }
+  for key, shape in expected.items():
+    assert shapes[key] == shape, key
+  assert 'Transformer/encoderblock_12/LayerNorm_0/scale' not in shapes
+  assert not any(k.startswith('pre_logits') for k in shapes)
+  # 12 blocks x 16 leaves + embedding(2) + cls + pos + encoder_norm(2) + head(2).
+  assert len(shapes) == 12 * 16 + 8
+
+
+def test_larger_sizes_shapes():
+  h14 = _param_shapes(models.create('ViT-H_14', num_classes=1000), 224)
+  assert h14['Transformer/posembed_input/pos_embedding'] == (1, 257, 1280)
+  assert h14['embedding/kernel'] == (14, 14, 3, 1280)
+  assert 'Transformer/encoderblock_31/MlpBlock_0/Dense_0/kernel' in h14
+  assert h14['Transformer/encoderblock_31/MlpBlock_0/Dense_0/kernel'] == (1280, 5120)
+  gap = _param_shapes(models.create('ViT-S/16', num_classes=10, classifier='gap',
+                                    representation_size=100), 64)
+  assert 'cls' not in gap
+  assert gap['Transformer/posembed_input/pos_embedding'] == (1, 16, 384)
+  assert gap['pre_logits/kernel'] == (384, 100)
+  assert gap['head/kernel'] == (100, 10)
+
+
+def test_loaded_fixture_tree_matches_model_tree_exactly():
+  for name in GOLDEN:
+    model = _golden_model(name)
+    expected = _param_shapes(model, 32)
+    for fname in ('params.npz', 'params_linen.npz'):
+      loaded = checkpoint.load(FIXTURES / name / fname)
+      got = {k: v.shape for k, v in checkpoint.flatten_params(loaded['params']).items()}
+      assert got == expected, (name, fname)
+
+
+# ------------------------------------------------------------------------------------------------
+# Registry.
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize('size,layers,hidden,mlp,heads,dropout', [
+    ('Ti', 12, 192, 768, 3, 0.0),
+    ('S', 12, 384, 1536, 6, 0.0),
+    ('B', 12, 768, 3072, 12, 0.0),
+    ('L', 24, 1024, 4096, 16, 0.1),
+    ('H', 32, 1280, 5120, 16, 0.1),
+    ('g', 40, 1408, 6144, 16, 0.0),
+    ('G', 48, 1664, 8192, 16, 0.0),
+])
+def test_size_table(size, layers, hidden, mlp, heads, dropout):
+  config = models.model_config(f'ViT-{size}_14')
+  assert (config['num_layers'], config['hidden_size'], config['mlp_dim'], config['num_heads'],
+          config['dropout_rate']) == (layers, hidden, mlp, heads, dropout)
+  assert config['patch_size'] == (14, 14)
+  assert config['attention_dropout_rate'] == 0.0
+  assert config['classifier'] == 'token' and config['representation_size'] is None
+
+
+def test_name_spellings():
+  reference = models.model_config('ViT-B_16')
+  for spelling in ('ViT-B/16', 'vit-b16', 'vit_b_16', 'ViT-B16', 'vit-B/16'):
+    assert models.model_config(spelling) == reference, spelling
+  assert models.model_config('ViT-Ti_4')['patch_size'] == (4, 4)
+  assert models.model_config('vit-ti16')['hidden_size'] == 192
+  assert models.model_config('ViT-g_14')['hidden_size'] == 1408
+  assert models.model_config('ViT-G_14')['hidden_size'] == 1664
+  for name in models.MODEL_NAMES:
+    if name != 'ViT-custom':
+      assert isinstance(models.create(name, num_classes=3), models.VisionTransformer)
+
+
+def test_example_and_official_initialisers():
+  """The documented example, with the official initialisers checked on its fresh parameters."""
+  model = models.create('ViT-S_32', num_classes=1000, representation_size=384, num_layers=4)
+  assert isinstance(model, models.VisionTransformer)
+  assert (model.num_layers, model.hidden_size, model.representation_size) == (4, 384, 384)
+  images = jax.random.uniform(jax.random.key(1), (2, 64, 64, 3), minval=-1, maxval=1)
+  variables, logits = _init_and_apply(model, images[:1], images)
+  chex.assert_shape(logits, (2, 1000))
+  chex.assert_type(logits, jnp.float32)
+  np.testing.assert_array_equal(logits, 0.0)  # zero-initialised head kernel, bias 0
+  params = variables['params']
+  assert set(params['Transformer']) == {
+      'posembed_input', 'encoder_norm', *(f'encoderblock_{i}' for i in range(4))}
+  np.testing.assert_array_equal(params['head']['kernel'], 0.0)
+  np.testing.assert_array_equal(params['head']['bias'], 0.0)
+  np.testing.assert_array_equal(params['cls'], 0.0)
+  pos = np.asarray(params['Transformer']['posembed_input']['pos_embedding'])
+  assert pos.shape == (1, 5, 384) and 0.018 < pos.std() < 0.022  # normal(0.02)
+  block = params['Transformer']['encoderblock_3']
+  mlp_bias = np.asarray(block['MlpBlock_0']['Dense_0']['bias'])
+  assert 0 < np.abs(mlp_bias).max() < 1e-5  # normal(1e-6)
+  attention = block['MultiHeadDotProductAttention_0']
+  np.testing.assert_array_equal(attention['query']['bias'], 0.0)
+  # xavier_uniform over the (384, 6 * 64) projection: limit sqrt(6 / (384 + 384)).
+  limit = np.sqrt(6 / 768)
+  query = np.abs(np.asarray(attention['query']['kernel']))
+  assert 0.99 * limit < query.max() <= limit
+  mlp = np.abs(np.asarray(block['MlpBlock_0']['Dense_0']['kernel']))
+  assert 0.99 * np.sqrt(6 / (384 + 1536)) < mlp.max() <= np.sqrt(6 / (384 + 1536))
+  np.testing.assert_array_equal(block['LayerNorm_0']['scale'], 1.0)
+
+
+def test_head_bias_init():
+  model = models.create('ViT-custom', num_classes=7, patch_size=4, hidden_size=16, mlp_dim=32,
+                        num_heads=2, num_layers=1, head_bias_init=-10.0)
+  # An 'rbg' key compiles the initialisers about twice as fast on CPU.
+  fn = jax.jit(lambda k, x: model.apply(model.init(k, x, train=False), x, train=False))
+  logits = fn(jax.random.key(0, impl='rbg'), jnp.ones((2, 8, 8, 3)))
+  np.testing.assert_array_equal(logits, -10.0)
+
+
+def test_config_overrides():
+  config = models.model_config('ViT-B_16', patch_size=(8, 4), dtype='bfloat16', scan=True)
+  assert config['patch_size'] == (8, 4) and config['scan'] is True
+  assert config['dtype'] == 'bfloat16' and config['hidden_size'] == 768
+  assert set(config) == set(models.OVERRIDE_KEYS)
+  model = models.create('ViT-B_16', num_classes=5, **{**config, 'num_layers': 2})
+  shapes = _param_shapes(model, 32)
+  assert shapes['embedding/kernel'] == (8, 4, 3, 768)
+  assert shapes['Transformer/posembed_input/pos_embedding'] == (1, 4 * 8 + 1, 768)
+  assert shapes['Transformer/encoderblock/LayerNorm_0/scale'] == (2, 768)
+
+
+def test_custom_name_needs_the_architecture():
+  model = models.create('ViT-custom', num_classes=2, patch_size=2, hidden_size=8, mlp_dim=16,
+                        num_heads=2, num_layers=1)
+  assert model.hidden_size == 8
+  with pytest.raises(ValueError, match='mlp_dim'):
+    models.create('ViT-custom', num_classes=2, patch_size=2, hidden_size=8, num_heads=2,
+                  num_layers=1)
+
+
+def test_headless_model_returns_features():
+  model = models.create('ViT-custom', num_classes=None, patch_size=4, hidden_size=16, mlp_dim=32,
+                        num_heads=2, num_layers=1, representation_size=12)
+  shapes = _param_shapes(model, 8)
+  assert not any(k.startswith('head/') for k in shapes)
+  rng = np.random.default_rng(0)
+  params = checkpoint.unflatten_params(
+      {k: rng.normal(size=s).astype(np.float32) for k, s in shapes.items()})
+  features = _apply(model, {'params': params}, jnp.ones((3, 8, 8, 3)), train=False)
+  chex.assert_shape(features, (3, 12))
+  chex.assert_type(features, jnp.float32)
+  assert np.all(np.abs(features) <= 1.0) and np.abs(features).max() > 0.1  # tanh(pre_logits)
+
+
+def test_unknown_name():
+  with pytest.raises(ValueError, match=r"(?s)Unknown model name 'ViT-Q_16'.*ViT-B_16"):
+    models.create('ViT-Q_16', num_classes=10)
+  with pytest.raises(ValueError, match='Valid forms'):
+    models.model_config('ResNet50')
+
+
+def test_unknown_override_key():
+  with pytest.raises(TypeError, match=r"(?s)\['hidden_dim'\].*hidden_size.*mlp_dim.*remat"):
+    models.create('ViT-B_16', num_classes=10, hidden_dim=768)
+
+
+def test_invalid_values():
+  with pytest.raises(ValueError, match="classifier must be one of \\('token', 'gap'\\)"):
+    models.create('ViT-B_16', num_classes=10, classifier='unpooled')
+  with pytest.raises(ValueError, match='classifier'):  # Direct construction is checked too.
+    models.VisionTransformer(num_classes=10, patch_size=4, hidden_size=8, mlp_dim=8,
+                             num_heads=2, num_layers=1, classifier='cls')
+  with pytest.raises(ValueError, match='divisible by num_heads'):
+    models.create('ViT-B_16', num_classes=10, num_heads=5)
+  with pytest.raises(ValueError, match='patch_size'):
+    models.create('ViT-B_16', num_classes=10, patch_size=0)
+  with pytest.raises(ValueError, match='dropout_rate'):
+    models.create('ViT-B_16', num_classes=10, dropout_rate=1.5)
+  with pytest.raises(ValueError, match='num_classes'):
+    models.create('ViT-B_16', num_classes=0)
+  with pytest.raises(ValueError, match='dtype must be a floating dtype'):
+    models.create('ViT-B_16', num_classes=10, dtype='bfloat17')
+  with pytest.raises(ValueError, match='param_dtype'):
+    models.create('ViT-B_16', num_classes=10, param_dtype=jnp.int32)
+
+
+def test_image_size_not_divisible_by_patch():
+  model = models.create('ViT-Ti_16', num_classes=10, num_layers=1)
+  with pytest.raises(ValueError, match=r'(?s)Image height 200 is not divisible by the patch '
+                                       r'size 16.*multiple of 16 \(e\.g\. 192 or 208\).*patch'):
+    model.init(jax.random.key(0), jnp.zeros((1, 200, 224, 3)), train=False)
+  with pytest.raises(ValueError, match='Image width 30 is not divisible by the patch size 16'):
+    model.init(jax.random.key(0), jnp.zeros((1, 32, 30, 3)), train=False)
+  with pytest.raises(ValueError, match=r'\[batch, height, width, channels\]'):
+    model.init(jax.random.key(0), jnp.zeros((32, 32, 3)), train=False)
+
+
+def test_wrong_resolution_for_loaded_params():
+  variables, inputs, _ = _golden('vit_tiny')
+  model = _golden_model('vit_tiny')
+  with pytest.raises(ValueError, match=r'pos_embedding has shape \(1, 65, 32\).*\(1, 17, 32\)'):
+    model.apply(variables, inputs[:, :16, :16], train=False)
+
+
+def test_models_package_has_no_training_imports():
+  code = ('import sys, vit_jax.models, vit_jax.checkpoint as c;'
+          'c.load("%s");'
+          'bad = [m for m in ("optax", "tensorflow", "tensorflow_datasets") if m in sys.modules];'
+          'assert not bad, bad' % (FIXTURES / 'vit_tiny' / 'params.npz'))
+  subprocess.run([sys.executable, '-c', code], check=True, timeout=120)
+
+
+# ------------------------------------------------------------------------------------------------
+# Golden numerics against the official implementation.
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize('name', GOLDEN)
+@pytest.mark.parametrize('fname', ['params.npz', 'params_linen.npz'])
+def test_golden_logits(name, fname):
+  model = _golden_model(name)
+  variables = checkpoint.load(FIXTURES / name / fname)
+  inputs = np.load(FIXTURES / name / 'inputs.npy')
+  reference = np.load(FIXTURES / name / 'logits.npy')
+  logits = model.apply(variables, inputs, train=False)
+  chex.assert_type(logits, jnp.float32)
+  np.testing.assert_allclose(logits, reference, rtol=RTOL, atol=ATOL)
+  jitted = jax.jit(lambda v, x: model.apply(v, x, train=False))(variables, inputs)
+  np.testing.assert_allclose(jitted, reference, rtol=RTOL, atol=ATOL)
+  # The two samples differ, so a batch-mixing bug cannot pass.
+  assert np.abs(reference[0] - reference[1]).max() > 0.1
+
+
+@pytest.mark.parametrize('name', GOLDEN)
+def test_golden_intermediates(name):
+  model = _golden_model(name)
+  variables, inputs, _ = _golden(name)
+  _, state = _apply(model, variables, inputs, train=False, capture_intermediates=True)
+  captured = {k[:-len('/__call__')]: v[0] for k, v in
+              checkpoint.flatten_params(state['intermediates']).items()}
+  with np.load(FIXTURES / name / 'intermediates.npz') as reference:
+    assert set(reference.files) <= set(captured)
+    for key in reference.files:
+      np.testing.assert_allclose(captured[key], reference[key], rtol=RTOL, atol=ATOL,
+                                 err_msg=key)
+
+
+def test_gap_pooling_uses_all_tokens_after_encoder_norm():
+  model = _golden_model('vit_tiny_gap_repr')
+  variables, inputs, _ = _golden('vit_tiny_gap_repr')
+  _, state = _apply(model, variables, inputs, train=False, capture_intermediates=True)
+  encoded = state['intermediates']['Transformer']['encoder_norm']['__call__'][0]
+  dense = variables['params']['pre_logits']
+  pre = np.asarray(encoded).mean(axis=1) @ dense['kernel'] + dense['bias']
+  head = variables['params']['head']
+  np.testing.assert_allclose(np.tanh(pre) @ head['kernel'] + head['bias'],
+                             np.load(FIXTURES / 'vit_tiny_gap_repr' / 'logits.npy'),
+                             rtol=RTOL, atol=ATOL)
+
+
+# ------------------------------------------------------------------------------------------------
+# scan / remat / dtype / dropout.
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize('name', GOLDEN)
+def test_scan_matches_unrolled(name):
+  variables, inputs, reference = _golden(name)
+  scanned = layout.scan_params(variables, num_layers=2)
+  block = scanned['params']['Transformer']['encoderblock']
+  assert block['MlpBlock_0']['Dense_0']['kernel'].shape == (2, 32, 64)
+  assert 'encoderblock_0' not in scanned['params']['Transformer']
+  model = _golden_model(name, scan=True)
+  # The scanned model creates exactly this tree.
+  init_shapes = _param_shapes(model, 32)
+  got = {k: v.shape for k, v in checkpoint.flatten_params(scanned['params']).items()}
+  assert got == init_shapes
+  logits = _apply(model, scanned, inputs, train=False)
+  np.testing.assert_allclose(logits, reference, rtol=RTOL, atol=ATOL)
+  # Round trip is exact.
+  back = layout.unscan_params(scanned)
+  chex.assert_trees_all_equal(back, variables)
+
+
+@pytest.mark.parametrize('scan', [False, True])
+def test_remat_matches(scan):
+  variables, inputs, reference = _golden('vit_tiny')
+  if scan:
+    variables = layout.scan_params(variables, 2)
+  plain = _golden_model('vit_tiny', scan=scan)
+  remat = _golden_model('vit_tiny', scan=scan, remat=True)
+
+  def loss(model, params):
+    logits = model.apply({'params': params}, inputs, train=False)
+    return jnp.sum(logits ** 2), logits
+
+  def value_and_grad(model):
+    return jax.jit(jax.value_and_grad(functools.partial(loss, model), has_aux=True))(
+        variables['params'])
+
+  (_, logits), g_remat = value_and_grad(remat)
+  np.testing.assert_allclose(logits, reference, rtol=RTOL, atol=ATOL)
+  _, g_plain = value_and_grad(plain)
+  chex.assert_trees_all_close(g_remat, g_plain, rtol=1e-5, atol=1e-6)
+  assert float(jnp.abs(g_plain['embedding']['kernel']).max()) > 0
+
+
+def test_bfloat16_compute():
+  variables, inputs, reference = _golden('vit_tiny')
+  model = _golden_model('vit_tiny', dtype=jnp.bfloat16)
+  logits, state = _apply(model, variables, inputs, train=False, capture_intermediates=True)
+  chex.assert_type(logits, jnp.float32)
+  error = np.abs(np.asarray(logits) - reference).max()
+  assert 1e-5 < error < 0.1, error  # bf16 really used, and still close.
+  params = jax.eval_shape(lambda: model.init(jax.random.key(0), inputs, train=False))['params']
+  assert {x.dtype for x in jax.tree.leaves(params)} == {jnp.dtype(jnp.float32)}
+  hidden = state['intermediates']['Transformer']['encoderblock_0']['__call__'][0]
+  assert hidden.dtype == jnp.bfloat16
+  # Also with scan and a string dtype.
+  scanned = _golden_model('vit_tiny', dtype='bfloat16', scan=True)
+  logits_scan = _apply(scanned, layout.scan_params(variables), inputs, train=False)
+  assert np.abs(np.asarray(logits_scan) - reference).max() < 0.1
+
+
+@pytest.mark.parametrize('scan', [False, True])
+def test_dropout_only_in_training(scan):
+  variables, inputs, reference = _golden('vit_tiny')
+  if scan:
+    variables = layout.scan_params(variables)
+  model = _golden_model('vit_tiny', dropout_rate=0.1, attention_dropout_rate=0.1, scan=scan)
+  # train=False: dropout off, golden logits.
+  np.testing.assert_allclose(_apply(model, variables, inputs, train=False), reference,
+                             rtol=RTOL, atol=ATOL)
+  with pytest.raises(flax.errors.InvalidRngError, match='dropout'):
+    model.apply(variables, inputs, train=True)
+  train = jax.jit(lambda v, x, key: model.apply(v, x, train=True, rngs={'dropout': key}))
+  a = train(variables, inputs, jax.random.key(1))
+  a2 = train(variables, inputs, jax.random.key(1))
+  b = train(variables, inputs, jax.random.key(2))
+  np.testing.assert_array_equal(a, a2)
+  assert np.abs(np.asarray(a) - reference).max() > 1e-3
+  assert np.abs(np.asarray(a) - np.asarray(b)).max() > 1e-3
+
+
+def test_attention_dropout_alone_changes_outputs():
+  variables, inputs, reference = _golden('vit_tiny')
+  model = _golden_model('vit_tiny', attention_dropout_rate=0.2)
+  out = _apply(model, variables, inputs, train=True, rngs={'dropout': jax.random.key(0)})
+  assert np.abs(np.asarray(out) - reference).max() > 1e-3
+
+
+# ------------------------------------------------------------------------------------------------
+# Layout conversion.
+# ------------------------------------------------------------------------------------------------
+
+
+def test_scan_unscan_errors_and_variants():
+  variables, _, _ = _golden('vit_tiny')
+  with pytest.raises(ValueError, match='Expected 3'):
+    layout.scan_params(variables, num_layers=3)
+  scanned = layout.scan_params(variables['params'])  # params tree, not variables
+  assert layout.is_scanned(scanned) and not layout.is_scanned(variables)
+  with pytest.raises(ValueError, match='already in the scanned'):
+    layout.scan_params(scanned)
+  with pytest.raises(ValueError, match='already in the\\s+unrolled'):
+    layout.unscan_params(variables)
+  frozen = flax.core.freeze(variables)
+  chex.assert_trees_all_equal(layout.scan_params(frozen)['params'], scanned)
+  gap = {'Transformer': {'encoderblock_0': {'w': np.zeros(2)},
+                         'encoderblock_2': {'w': np.zeros(2)}}}
+  with pytest.raises(ValueError, match='0..1'):
+    layout.scan_params(gap)
+  # NumPy leaves stay NumPy.
+  assert isinstance(scanned['Transformer']['encoderblock']['LayerNorm_0']['scale'], np.ndarray)

@@ -1,0 +1,124 @@
+"""Host set-up (vit_jax.platform): malloc's huge pages for XLA:CPU's step buffers, and the
+multi-process switch."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from vit_jax import platform
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SUPPORTED = platform.huge_pages_environment({}) is not None
+needs_huge_pages = pytest.mark.skipif(
+    not SUPPORTED, reason="no glibc >= 2.35 with transparent huge pages on this machine")
+
+
+def _environ(**extra):
+  env = {k: v for k, v in os.environ.items()
+         if k not in ("GLIBC_TUNABLES", platform.HUGE_PAGES_SWITCH)}
+  env.update(JAX_PLATFORMS="cpu", **extra)
+  return env
+
+
+def test_huge_pages_environment_adds_the_tunable_and_keeps_the_rest():
+  env = platform.huge_pages_environment({"HOME": "/h"}, glibc=(2, 36), thp_mode="madvise")
+  assert env == {"HOME": "/h", "GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"}
+  env = platform.huge_pages_environment({"GLIBC_TUNABLES": "glibc.malloc.arena_max=2"},
+                                   glibc=(2, 35), thp_mode="always")
+  assert env["GLIBC_TUNABLES"] == "glibc.malloc.arena_max=2:glibc.malloc.hugetlb=1"
+
+
+def test_huge_pages_switch_reads_on_and_off_and_refuses_anything_else():
+  on = dict(glibc=(2, 36), thp_mode="madvise")
+  for value in ("", "1", "true", "Yes", " on "):
+    assert platform.huge_pages_environment({platform.HUGE_PAGES_SWITCH: value}, **on) is not None, value
+  for value in ("0", " 0 ", "false", "No", "OFF"):
+    assert platform.huge_pages_environment({platform.HUGE_PAGES_SWITCH: value}, **on) is None, value
+  with pytest.raises(ValueError, match="VIT_JAX_HUGE_PAGES='garbage' is neither on"):
+    platform.huge_pages_environment({platform.HUGE_PAGES_SWITCH: "garbage"}, **on)
+  proc = subprocess.run([sys.executable, "-m", "vit_jax.main", "--help"], cwd=ROOT,
+                        env=_environ(**{platform.HUGE_PAGES_SWITCH: "garbage"}), capture_output=True,
+                        text=True, timeout=120)
+  assert proc.returncode == 2 and proc.stderr.startswith("FATAL: VIT_JAX_HUGE_PAGES='garbage'")
+
+
+@pytest.mark.parametrize("environ, glibc, thp_mode", [
+    ({platform.HUGE_PAGES_SWITCH: "0"}, (2, 36), "madvise"),  # Switched off.
+    ({"GLIBC_TUNABLES": "glibc.malloc.hugetlb=0"}, (2, 36), "madvise"),  # The user's choice.
+    ({"GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"}, (2, 36), "madvise"),  # Already re-executed.
+    ({}, (2, 34), "madvise"),  # glibc before the tunable existed.
+    ({}, (), "madvise"),  # Not glibc (e.g. musl).
+    ({}, (2, 36), "never"),  # The kernel's huge pages are off.
+    ({}, (2, 36), ""),  # No transparent huge pages at all.
+])
+def test_huge_pages_environment_leaves_the_process_alone(environ, glibc, thp_mode):
+  assert platform.huge_pages_environment(environ, glibc=glibc, thp_mode=thp_mode) is None
+
+
+_REEXEC = ("import os, sys, json; from vit_jax import platform; print('before', flush=True); "
+           "platform.reexec_with_huge_pages(); "
+           "print(json.dumps([sys.argv, os.environ.get('GLIBC_TUNABLES')]))")
+
+
+@needs_huge_pages
+def test_reexec_runs_the_same_command_line_once_with_the_tunable():
+  proc = subprocess.run([sys.executable, "-c", _REEXEC, "a b", "--flag=1"], cwd=ROOT,
+                        env=_environ(), capture_output=True, text=True, timeout=120, check=True)
+  lines = proc.stdout.splitlines()
+  # "before" twice: the first process printed it and was replaced; the second went on.
+  assert lines[:2] == ["before", "before"] and len(lines) == 3, proc.stdout
+  argv, tunables = json.loads(lines[2])
+  assert argv == ["-c", "a b", "--flag=1"] and tunables == platform.HUGE_PAGES_TUNABLE
+
+  off = subprocess.run([sys.executable, "-c", _REEXEC], cwd=ROOT, capture_output=True,
+                       env=_environ(**{platform.HUGE_PAGES_SWITCH: "0"}), text=True, timeout=120,
+                       check=True)
+  assert off.stdout.splitlines()[0] == "before" and json.loads(off.stdout.splitlines()[1])[1] is None
+
+
+# A jitted function whose 128 MiB temporary (the [1024, 32768] float32 product) XLA:CPU
+# allocates afresh at every call; prints the minor page faults of the 3rd-5th calls.
+_FAULTS = """
+import resource, jax, jax.numpy as jnp
+f = jax.jit(lambda x, w: jnp.sum(jnp.tanh(x @ w), axis=0) @ jnp.tanh(x @ w).T)
+x, w = jnp.ones((1024, 16)), jnp.ones((16, 32768)) / 16
+for _ in range(2):
+  jax.block_until_ready(f(x, w))
+before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+for _ in range(3):
+  jax.block_until_ready(f(x, w))
+print((resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / 3)
+"""
+
+
+@needs_huge_pages
+def test_huge_pages_remove_the_page_faults_of_xlas_fresh_temporaries():
+  faults = {}
+  for name, tunables in (("default", ""), ("huge", platform.HUGE_PAGES_TUNABLE)):
+    proc = subprocess.run([sys.executable, "-c", _FAULTS], cwd=ROOT, timeout=300, check=True,
+                          env=_environ(GLIBC_TUNABLES=tunables), capture_output=True, text=True)
+    faults[name] = float(proc.stdout.split()[-1])
+  # 4-KiB pages: a fault per page of the 128 MiB temporary (32,768) at every call ...
+  assert faults["default"] > 0.5 * 128 * 256, faults
+  # ... and with 2-MiB pages, 64 per call at most.
+  assert faults["huge"] < 0.1 * faults["default"], faults
+
+
+def test_distributed_needs_the_process_count_and_index():
+  with pytest.raises(ValueError, match="--coordinator_address needs --num_processes and "
+                     "--process_id"):
+    platform.initialize_distributed("localhost:1234", num_processes=2)
+
+
+@pytest.mark.parametrize("accelerator,hosts,multi", [
+    ("v3-8", "", False), ("v3-32", "", True), ("v4-8", "", False), ("v4-16", "", True),
+    ("v5litepod-8", "", False), ("v5litepod-16", "", True), ("", "", False),
+    ("", "10.0.0.1,10.0.0.2", True)])
+def test_multi_host_tpu_detection(monkeypatch, accelerator, hosts, multi):
+  """jax.distributed starts by itself only on a TPU slice with several hosts."""
+  monkeypatch.setenv("TPU_ACCELERATOR_TYPE", accelerator)
+  monkeypatch.setenv("TPU_WORKER_HOSTNAMES", hosts)
+  assert platform._on_multi_host_tpu() == multi  # pylint: disable=protected-access

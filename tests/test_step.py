@@ -1,0 +1,126 @@
+"""The train state and the steps (vit_jax.step): the step functions on tiny models, and the
+setup that binds a resolved config to a mesh."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from vit_jax import config as config_lib
+from vit_jax import optim
+from vit_jax import step as step_lib
+
+
+def _setup(**changes):
+  config = config_lib.get_config("ViT-custom", "fashion_mnist_local", hidden_size=8, mlp_dim=16,
+                                 num_heads=2, num_layers=1, patch_size=4, attention="xla")
+  config.regime = "finetune"
+  config.update(batch_size=4, total_steps=10)
+  config.optim.warmup_steps = 0
+  config.data.image_size = 8
+  for key, value in changes.items():
+    section, _, name = key.rpartition(".")
+    (config[section] if section else config)[name] = value
+  resolved = config_lib.resolve(config, num_train_examples=16, num_classes=3,
+                                devices=jax.devices()[:1])
+  return step_lib.build(resolved, image_shape=(8, 8, 3), devices=jax.devices()[:1])
+
+
+def _batch(seed=0, size=4):
+  images = jax.random.normal(jax.random.key(seed), (size, 8, 8, 3))
+  labels = jax.nn.one_hot(jnp.arange(size) % 3, 3)
+  return {"image": images, "labels": labels}
+
+
+def test_eval_sums_count_hits_precision_at_1_and_skip_padding():
+  logits = jnp.array([[5.0, 1, 0, 0, 0, 0],   # top1 = 0 (a true label): hit
+                      [1.0, 5, 4, 3, 2, 0],   # top1 = 1, true {5}: miss; 5 ranks 6th: no top-5 hit
+                      [0.0, 1, 2, 3, 4, 5],   # top1 = 5, true {2, 5}: hit
+                      [9.0, 0, 0, 0, 0, 0]])  # padding: ignored although it would hit
+  labels = jnp.array([[1.0, 0, 0, 1, 0, 0],
+                      [0.0, 0, 0, 0, 0, 1],
+                      [0.0, 0, 1, 0, 0, 1],
+                      [1.0, 0, 0, 0, 0, 0]])
+  mask = jnp.array([True, True, True, False])
+  sums = step_lib.eval_sums(logits, labels, mask, "sigmoid_xent")
+  assert (int(sums["count"]), int(sums["correct"]), int(sums["correct_top5"])) == (3, 2, 2)
+  per_example = optim.loss_fn(logits, labels, "sigmoid_xent")
+  np.testing.assert_allclose(sums["loss"], per_example[:3].sum(), rtol=1e-6)
+  assert "correct_top5" not in step_lib.eval_sums(logits[:, :4], labels[:, :4], mask,
+                                                  "softmax_xent")
+
+
+def test_setup_shapes_and_shardings_come_without_allocation():
+  setup = _setup(ema_decay=0.9)
+  state = setup.abstract_state
+  assert sorted(state) == ["ema_params", "opt_state", "params", "step"]
+  assert state["params"]["head"]["kernel"].shape == (8, 3)
+  assert state["step"].sharding.is_fully_replicated
+  batch = setup.abstract_batch(4, eval_batch=True)
+  assert batch["image"].shape == (4, 8, 8, 3) and batch["mask"].shape == (4,)
+
+
+def test_train_step_lowers_the_loss_and_keeps_an_ema():
+  setup = _setup(ema_decay=0.5, **{"optim.lr": 0.3})
+  state = jax.jit(setup.init_state, out_shardings=setup.state_shardings)(setup.init_rng)
+  train = setup.compile(setup.jit_train_step(), setup.abstract_state, setup.abstract_batch(4))
+  batch = _batch()
+  head = lambda tree: np.asarray(tree["head"]["kernel"])
+  start = head(state["params"])  # A copy: the step donates the old state.
+  losses = []
+  for _ in range(6):
+    state, metrics = train(state, batch)
+    losses.append(float(metrics["loss"]))
+  assert int(state["step"]) == 6
+  assert losses[-1] < losses[0] - 0.1, losses  # One repeated batch: it is learned.
+  # ema = 0.5 ema + 0.5 params after every update: between the start and now.
+  assert not np.allclose(head(state["ema_params"]), head(state["params"]))
+  assert not np.allclose(head(state["ema_params"]), start)
+  assert sorted(metrics) == ["grad_norm", "loss", "lr", "param_norm"]
+
+
+def test_gradient_accumulation_gives_the_full_batch_update():
+  """Two micro-batches of 2 give the same update as one batch of 4 (no dropout)."""
+  updated = []
+  for accum in (1, 2):
+    setup = _setup(grad_accum_steps=accum)
+    state = jax.jit(setup.init_state)(setup.init_rng)
+    state, metrics = jax.jit(setup.train_step_fn())(state, _batch())
+    updated.append((state["params"], float(metrics["loss"])))
+  for a, b in zip(jax.tree.leaves(updated[0][0]), jax.tree.leaves(updated[1][0])):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+  assert updated[0][1] == pytest.approx(updated[1][1], rel=1e-5)
+
+
+def test_skipped_update_leaves_the_state_unchanged():
+  setup = _setup(**{"optim.max_skipped_updates": 2})
+  state = jax.jit(setup.init_state)(setup.init_rng)
+  bad = dict(_batch(), image=jnp.full((4, 8, 8, 3), jnp.nan))
+  new_state, metrics = jax.jit(setup.train_step_fn())(state, bad)
+  assert float(metrics["skipped"]) == 1.0
+  for a, b in zip(jax.tree.leaves(state["params"]), jax.tree.leaves(new_state["params"])):
+    np.testing.assert_array_equal(a, b)
+
+
+def test_eval_step_sums_the_masked_batch():
+  setup = _setup()
+  state = jax.jit(setup.init_state)(setup.init_rng)
+  batch = dict(_batch(), mask=jnp.array([True, True, True, False]))
+  sums = jax.jit(step_lib.make_eval_step(setup.model, loss="softmax_xent"))(state, batch)
+  assert int(sums["count"]) == 3
+  # A zero-initialised head: uniform logits, loss log(3) per real example.
+  np.testing.assert_allclose(float(sums["loss"]), 3 * np.log(3), rtol=1e-5)
+
+
+def test_image_size_the_patch_does_not_divide_names_the_flag():
+  with pytest.raises(ValueError, match=r"not divisible by the patch size 4.*"
+                     r"--config.data.image_size"):
+    config = config_lib.get_config("ViT-custom", "x", hidden_size=8, mlp_dim=16, num_heads=2,
+                                   num_layers=1, patch_size=4, attention="xla")
+    config.update(batch_size=4, total_steps=10)
+    config.optim.warmup_steps = 0
+    config.data.image_size = 10
+    resolved = config_lib.resolve(config, num_train_examples=16, num_classes=3,
+                                  devices=jax.devices()[:1])
+    step_lib.build(resolved, image_shape=(10, 10, 3))

@@ -1,0 +1,179 @@
+"""Initialising a model for fine-tuning from a checkpoint of another task or resolution.
+
+The *fine-tuning* intent (:func:`init_for_finetuning`), as opposed to
+:func:`vit_jax.checkpoint.load` (restore for evaluation, everything as saved): the head is
+re-initialised, ViT's ``pre_logits`` dropped when the new model has none, ViT's position
+embedding resized to the new token grid (:func:`resize_posemb`) and T2T-ViT's fixed sinusoid table
+regenerated; everything else must fit exactly.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Mapping
+from typing import Any, Dict, Optional, Sequence, Tuple
+
+import numpy as np
+
+from vit_jax.checkpoint.tree import (describe_architecture, flatten_params, mismatch_report,
+                                     unflatten_params)
+from vit_jax.models import layout
+from vit_jax.models import vit
+
+#: The classifier head, re-initialised for fine-tuning (always, as the official ViT code does, or
+#: only for another class count with ``reset_head=False``).
+HEAD_KEYS = ('params/head/kernel', 'params/head/bias')
+#: ViT's optional representation layer, dropped when the model to fine-tune has none.
+PRE_LOGITS_PREFIX = 'params/pre_logits/'
+#: ViT's learned position embedding, resized to the new token grid.
+POSEMB_KEY = vit.POSEMB_KEY
+#: Fixed tables a model regenerates for its own input size (T2T-ViT's sinusoid position table):
+#: taken from the fresh initialisation when the token count differs.
+REGENERATED_KEYS = ('constants/pos_embed',)
+
+
+def _grid_of(num_tokens: int, grid: Optional[Sequence[int]], what: str) -> Tuple[int, int]:
+  """``grid`` as (gh, gw), checked against ``num_tokens``; square by default."""
+  if grid is None:
+    side = math.isqrt(num_tokens)
+    if side * side != num_tokens:
+      raise ValueError(f'The {what} position embedding has {num_tokens} grid tokens, not a square '
+                       f'grid: pass its grid (rows, columns) explicitly.')
+    return side, side
+  gh, gw = (int(g) for g in grid)
+  if gh * gw != num_tokens:
+    raise ValueError(f'The {what} grid {gh}x{gw} does not match its {num_tokens} position '
+                     'embedding rows.')
+  return gh, gw
+
+
+def resize_posemb(posemb: np.ndarray, num_tokens: int, *, has_class_token: bool,
+                  old_grid: Optional[Sequence[int]] = None,
+                  new_grid: Optional[Sequence[int]] = None) -> np.ndarray:
+  """Resizes a learned ViT position embedding to another token grid.
+
+  As google-research/vision_transformer's ``load_pretrained`` (docs/reference.md section 1): the
+  class-token row (first row, if any) is kept unchanged; the grid rows, reshaped to
+  ``(gh_old, gw_old, D)``, are resampled to ``(gh_new, gw_new, D)`` bilinearly with the corners
+  aligned (``scipy.ndimage.zoom(order=1)``: a 2x2 grid ``[[0, 1], [2, 3]]`` becomes
+  ``[[0, .5, 1], [1, 1.5, 2], [2, 2.5, 3]]``). Unlike the official code, 'gap' models (no class
+  token row) and non-square grids (e.g. 224x320 px) work: pass the grids.
+
+  Args:
+    posemb: ``[1, T_old, D]`` with ``T_old = (1 if has_class_token) + gh_old * gw_old``.
+    num_tokens: ``T_new``, the new table's rows (class token included).
+    has_class_token: whether row 0 belongs to the class token (classifier 'token').
+    old_grid, new_grid: ``(rows, columns)`` of the token grids; square when None.
+
+  Returns:
+    ``[1, T_new, D]``, the input's dtype.
+
+  Raises:
+    ValueError: a grid that does not match its row count, or is not square when not given.
+  """
+  posemb = np.asarray(posemb)
+  first = 1 if has_class_token else 0
+  token_rows, grid_rows = posemb[:, :first], posemb[0, first:]
+  gh, gw = _grid_of(grid_rows.shape[0], old_grid, 'checkpoint')
+  nh, nw = _grid_of(num_tokens - first, new_grid, "model's")
+  from scipy import ndimage  # pylint: disable=g-import-not-at-top
+  grid = grid_rows.reshape(gh, gw, -1)
+  grid = ndimage.zoom(grid, (nh / gh, nw / gw, 1), order=1)
+  grid = grid.reshape(1, nh * nw, -1)
+  return np.concatenate([token_rows, grid], axis=1).astype(posemb.dtype)
+
+
+def init_for_finetuning(loaded: Mapping, fresh: Mapping, *, reset_head: bool = True,
+                        grid: Optional[Sequence[int]] = None,
+                        checkpoint_grid: Optional[Sequence[int]] = None) -> Dict[str, Any]:
+  """Variables for fine-tuning: the checkpoint's weights fitted to a new task and resolution.
+
+  The *fine-tuning* intent, as opposed to :func:`vit_jax.checkpoint.load` (restore for
+  evaluation, everything as saved). Starting from ``loaded`` (the checkpoint) it replaces only
+  what is designed to change:
+
+  * the head (``head/kernel``, ``head/bias``) takes ``fresh``'s values: always (the official ViT
+    ``load_pretrained``), or with ``reset_head=False`` only when the class count differs (the
+    T2T-ViT reference; e.g. to go on fine-tuning ImageNet at a higher resolution);
+  * ViT's ``pre_logits`` is dropped when the model has no representation layer, and kept when
+    it has one (official behaviour);
+  * ViT's position embedding is resized to the model's token grid (:func:`resize_posemb`);
+  * T2T-ViT's fixed sinusoid table (``constants/pos_embed``) is regenerated for the new token
+    count (taken from ``fresh``), as the T2T-ViT reference does; the Performer random features
+    ``w`` are kept from the checkpoint (the weights were trained with them).
+
+  Everything else must fit exactly. The encoder layout follows ``fresh`` (a scanned checkpoint
+  fits an unrolled model and back).
+
+  Args:
+    loaded: ``{'params': ..., **collections}`` from :func:`vit_jax.checkpoint.load` (NumPy or
+      JAX leaves).
+    fresh: the same structure from ``model.init`` of the model to fine-tune (boxed with logical
+      axis names or plain): the replaced entries take its values; of the rest only the
+      structure, shapes and dtypes are read.
+    reset_head: see above.
+    grid: the model's token grid ``(rows, columns)``, needed only for non-square grids (e.g.
+      ``(14, 20)`` at 224x320 px with patch 16); checkpoint_grid likewise for the checkpoint's.
+
+  Returns:
+    ``{'params': ..., **collections}`` with ``fresh``'s structure, plain (unboxed) leaves cast to
+    ``fresh``'s dtypes.
+
+  Raises:
+    ValueError: with the counts and first entries of the missing keys, unexpected keys and
+      shape mismatches (:func:`mismatch_report`), e.g. a checkpoint of another model size.
+  """
+  fresh, loaded = layout.unbox(fresh), layout.unbox(loaded)
+  for name, tree in (('loaded', loaded), ('fresh', fresh)):
+    if not isinstance(tree, Mapping) or 'params' not in tree:
+      raise ValueError(f'init_for_finetuning: {name} must be a variables dict '
+                       "{'params': ..., **collections} (as checkpoint.load and model.init "
+                       f"return), not a bare params tree (top level: {sorted(tree)[:5]}).")
+  fresh_flat = flatten_params(fresh)
+  loaded = dict(loaded)
+  fresh_scanned = layout.is_scanned(fresh.get('params', {}))
+  if layout.is_scanned(loaded.get('params', {})) != fresh_scanned:
+    convert = layout.scan_params if fresh_scanned else layout.unscan_params
+    loaded['params'] = convert(loaded['params'])
+  loaded_flat = flatten_params(loaded)
+  has_pre_logits = any(k.startswith(PRE_LOGITS_PREFIX) for k in fresh_flat)
+  out, notes, mismatched = {}, [], []
+  for key, want in fresh_flat.items():
+    if key not in loaded_flat:
+      continue
+    have = loaded_flat[key]
+    same_shape = tuple(np.shape(have)) == tuple(want.shape)
+    change = f'{key} {tuple(np.shape(have))} -> {tuple(want.shape)}'
+    if key in HEAD_KEYS and (reset_head or not same_shape):
+      out[key] = np.asarray(want)
+      notes.append(f're-initialised {change}')
+    elif key in HEAD_KEYS:
+      out[key] = np.asarray(have).astype(want.dtype)
+      notes.append(f'kept {key} (reset_head=False, same class count)')
+    elif same_shape:
+      out[key] = np.asarray(have).astype(want.dtype)
+    elif key == POSEMB_KEY and np.ndim(have) == 3 and np.shape(have)[2] == want.shape[2]:
+      out[key] = resize_posemb(have, want.shape[1], has_class_token='params/cls' in fresh_flat,
+                               old_grid=checkpoint_grid, new_grid=grid).astype(want.dtype)
+      notes.append(f'resized {change}')
+    elif key in REGENERATED_KEYS:
+      out[key] = np.asarray(want)
+      notes.append(f'regenerated {change}')
+    else:
+      mismatched.append(f'{key}: checkpoint {tuple(np.shape(have))}, model {tuple(want.shape)}')
+  missing = [k for k in fresh_flat if k not in loaded_flat]
+  dropped = [k for k in loaded_flat if k.startswith(PRE_LOGITS_PREFIX) and not has_pre_logits]
+  notes += [f'dropped {k}' for k in dropped]
+  unexpected = [f'{k} {tuple(np.shape(v))}' for k, v in loaded_flat.items()
+                if k not in fresh_flat and k not in dropped]
+  if missing or unexpected or mismatched:
+    hint = describe_architecture(loaded)
+    raise ValueError(mismatch_report(
+        'The checkpoint does not fit the model to fine-tune (only the head, pre_logits, the '
+        'position embedding and the T2T sinusoid table may differ):',
+        missing, unexpected, mismatched,
+        hint and hint + ' Set the model fields (--config.model.*) to these values.'))
+  if notes:
+    logging.getLogger('absl').info('Fine-tuning init: %s', '; '.join(notes))
+  return unflatten_params(out)

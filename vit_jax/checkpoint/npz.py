@@ -1,0 +1,168 @@
+"""Official ViT ``.npz`` files: reading (with the name fixes of older files) and writing.
+
+The google-research/vision_transformer releases are flat ``np.savez`` archives whose keys are
+``/``-joined parameter paths without a ``params`` prefix, e.g.
+``Transformer/encoderblock_0/MlpBlock_3/Dense_0/kernel``, always in the unrolled
+``encoderblock_{i}`` layout. Files from 2020 use the pre-Linen module numbering inside each block
+(``LayerNorm_0``, ``MultiHeadDotProductAttention_1``, ``LayerNorm_2``, ``MlpBlock_3``); they are
+renumbered to the Linen names (``LayerNorm_0``, ``MultiHeadDotProductAttention_0``,
+``LayerNorm_1``, ``MlpBlock_0``) that the model uses (:func:`convert_pre_linen`). GroupNorm
+``gn*/scale|bias`` stored as ``(1, 1, 1, C)`` are reshaped to ``(C,)`` (:func:`fix_groupnorm`).
+Archives are always read with ``allow_pickle=False``; object arrays are refused.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import re
+from collections.abc import Mapping
+from typing import Any, Dict
+
+import numpy as np
+
+from vit_jax.checkpoint import formats
+from vit_jax.checkpoint import paths
+from vit_jax.checkpoint.tree import flatten_params, unflatten_params
+from vit_jax.models import layout
+
+_NUMBERED = re.compile(r'^(.*)_(\d+)$')
+
+
+def convert_pre_linen(tree: Any) -> Any:
+  """Renumbers pre-Linen module names to Linen names, recursively.
+
+  Pre-Linen flax numbered all child modules of a parent in one sequence
+  (``LayerNorm_0, MultiHeadDotProductAttention_1, LayerNorm_2, MlpBlock_3``); Linen numbers each
+  class separately (``LayerNorm_0, MultiHeadDotProductAttention_0, LayerNorm_1, MlpBlock_0``). In
+  every mapping the keys ``<prefix>_<n>`` are grouped by prefix, sorted by ``n`` and renumbered
+  ``0, 1, ...``. Trees already in Linen numbering (contiguous from 0) are returned unchanged.
+  Returns a new plain-dict tree; leaves are not copied.
+  """
+  if not isinstance(tree, Mapping):
+    return tree
+  groups: Dict[str, list] = {}
+  for key in tree:
+    m = _NUMBERED.match(key)
+    if m:
+      groups.setdefault(m.group(1), []).append((int(m.group(2)), key))
+  rename = {}
+  for prefix, items in groups.items():
+    for new_index, (_, key) in enumerate(sorted(items)):
+      rename[key] = f'{prefix}_{new_index}'
+  return {rename.get(k, k): convert_pre_linen(v) for k, v in tree.items()}
+
+
+def fix_groupnorm(tree: Any) -> Any:
+  """Reshapes GroupNorm ``gn*/scale`` and ``gn*/bias`` from ``(1, 1, 1, C)`` to ``(C,)``.
+
+  Older hybrid (R+ViT) files store them 4-D. Returns a new plain-dict tree.
+  """
+
+  def visit(node, parent):
+    out = {}
+    for key, value in node.items():
+      if isinstance(value, Mapping):
+        out[key] = visit(value, key)
+      elif (parent.startswith('gn') and key in ('scale', 'bias') and np.ndim(value) == 4
+            and all(d == 1 for d in np.shape(value)[:3])):
+        out[key] = np.reshape(value, (-1,))
+      else:
+        out[key] = value
+    return out
+
+  return visit(tree, '') if isinstance(tree, Mapping) else tree
+
+
+def load_npz(path: Any) -> Dict[str, Any]:
+  """Loads an official flat ``.npz`` file; returns ``{'params': nested dict of np.ndarray}``.
+
+  Keys are ``/``-split into a nested dict (a leading ``params/`` on every key is removed), the
+  pre-Linen numbering is converted (:func:`convert_pre_linen`) and GroupNorm parameters are
+  squeezed (:func:`fix_groupnorm`). Never unpickles.
+
+  Args:
+    path: local or ``scheme://`` path of the ``.npz`` file.
+
+  Raises:
+    FileNotFoundError: missing file.
+    ValueError: not an ``.npz`` archive, empty, containing object arrays, or holding PyTorch
+      state-dict names.
+  """
+  path = paths.normalize(path)
+  if not paths.exists(path):
+    raise paths.not_found(path, 'No .npz file')
+  source = io.BytesIO(paths.read_bytes(path)) if paths.is_remote(path) else path
+  try:
+    archive = np.load(source, allow_pickle=False)
+  except ValueError as e:
+    raise ValueError(f'{path!r} is not a readable .npz archive ({e}). Accepted formats: '
+                     f'{formats.ACCEPTED_FORMATS}') from None
+  if not isinstance(archive, np.lib.npyio.NpzFile):
+    raise ValueError(f'{path!r} is not an .npz archive. Accepted formats: '
+                     f'{formats.ACCEPTED_FORMATS}')
+  flat = {}
+  with archive:
+    for key in archive.files:
+      try:
+        value = archive[key]
+      except ValueError as e:
+        raise ValueError(
+            f'{path!r}: array {key!r} is an object (pickled) array; refusing to unpickle it '
+            f'(np.load(allow_pickle=False)). Checkpoints must hold numeric arrays only.') from e
+      if value.dtype.hasobject:
+        raise ValueError(f'{path!r}: array {key!r} has object dtype; refusing it.')
+      flat[key] = value
+  if not flat:
+    raise ValueError(f'{path!r} contains no arrays')
+  if not any('/' in k for k in flat) and any('.' in k for k in flat):
+    example = next(k for k in flat if '.' in k)
+    raise ValueError(
+        f'{path!r} holds PyTorch state-dict names (e.g. {example!r}), not the official ViT '
+        "'/'-joined Flax names. Load the PyTorch checkpoint itself (.pth.tar, with model=...), "
+        'or convert the arrays with vit_jax.models.t2t_torch.from_torch_state_dict.')
+  if all(k.startswith('params/') for k in flat):
+    flat = {k[len('params/'):]: v for k, v in flat.items()}
+  params = fix_groupnorm(convert_pre_linen(unflatten_params(flat)))
+  return {'params': params}
+
+
+def save_npz(path: Any, params: Mapping) -> None:
+  """Writes parameters as an official-layout flat ``.npz`` (Linen names, unrolled, float32).
+
+  Args:
+    path: destination (local or ``scheme://``); written as given (no ``.npz`` is appended);
+      local parent directories are created.
+    params: a params tree, or a variables dict with a ``'params'`` key (only ``params`` is
+      written). A scanned tree (stacked ``encoderblock``) is first converted to
+      ``encoderblock_{i}``. JAX arrays are fetched to host; non-standard float dtypes
+      (``bfloat16``) are written as float32, like the published files.
+
+  Raises:
+    ValueError: for non-numeric leaves or keys that cannot be flattened.
+  """
+  path = paths.normalize(path)
+  if isinstance(params, Mapping) and isinstance(params.get('params'), Mapping):
+    params = params['params']
+  if layout.is_scanned(params):
+    params = layout.unscan_params(params)
+  flat = {}
+  for key, value in sorted(flatten_params(params).items()):
+    array = np.asarray(value)
+    if array.dtype.kind not in 'biufV' or array.dtype.hasobject:
+      raise ValueError(f'Parameter {key!r} has non-numeric dtype {array.dtype}')
+    if array.dtype.kind == 'V':  # ml_dtypes (bfloat16, float8_*): store float32.
+      try:
+        array = array.astype(np.float32)
+      except (TypeError, ValueError):
+        raise ValueError(f'Parameter {key!r} has non-numeric dtype {array.dtype}') from None
+    flat[key] = array
+  if paths.is_remote(path):
+    buffer = io.BytesIO()
+    np.savez(buffer, **flat)
+    with paths.open_file(path, 'wb') as f:
+      f.write(buffer.getvalue())
+  else:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, 'wb') as f:
+      np.savez(f, **flat)

@@ -1,0 +1,182 @@
+"""Orbax PyTree items: reading model variables as NumPy, checking shapes, writing variables.
+
+An *item* is one Orbax PyTree directory (it holds ``_METADATA``): the ``state`` item of a
+training checkpoint, ``{'step', 'params', 'opt_state', 'model_state'[, 'ema_params']}``, or a
+variables checkpoint ``{'params', 'model_state'}`` written by :func:`save_orbax` (what
+``python -m vit_jax.convert`` writes). Where items sit in a run directory is
+:mod:`vit_jax.checkpoint.workdir`'s business; this module only reads and writes items.
+
+Only ``params`` (or ``ema_params``) and ``model_state`` are read, as NumPy arrays, without a
+target and without reading the optimizer state. The encoder layout is the one saved (a
+``scan=True`` model's stacked ``encoderblock``/``blocks``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from collections.abc import Mapping
+from typing import Any, Dict
+
+import numpy as np
+
+from vit_jax.checkpoint import paths
+from vit_jax.checkpoint.tree import describe_architecture, flatten_params, mismatch_report
+from vit_jax.models import layout
+
+#: The file that marks an Orbax PyTree item directory (with 'manifest.ocdbt' under OCDBT).
+_ITEM_MARKER = '_METADATA'
+
+
+def is_item(path: str) -> bool:
+  """Whether ``path`` (local or ``scheme://``) is an Orbax PyTree item directory."""
+  return paths.exists(paths.join(path, _ITEM_MARKER)) and paths.isdir(path)
+
+
+def _ignore_missing_step_metadata(record: logging.LogRecord) -> bool:
+  return 'Metadata file does not exist' not in record.getMessage()
+
+
+@contextlib.contextmanager
+def _quiet_item_reads():
+  # Reading an item on its own, Orbax looks for the step's _CHECKPOINT_METADATA in the item
+  # directory and warns that it is missing; that file is one level up and not needed here.
+  absl_logger = logging.getLogger('absl')
+  absl_logger.addFilter(_ignore_missing_step_metadata)
+  try:
+    yield
+  finally:
+    absl_logger.removeFilter(_ignore_missing_step_metadata)
+
+
+def item_tree(item: Any) -> Any:
+  """The metadata tree of an item: its nested structure with shape/dtype leaves (no arrays)."""
+  import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
+  with _quiet_item_reads():
+    metadata = ocp.PyTreeCheckpointer().metadata(item)
+  tree = getattr(getattr(metadata, 'item_metadata', metadata), 'tree', None)
+  if tree is None:  # Older Orbax: the metadata is the tree itself.
+    tree = getattr(metadata, 'tree', metadata)
+  return tree
+
+
+def _to_dict(tree: Any) -> Any:
+  return {k: _to_dict(v) for k, v in tree.items()} if isinstance(tree, Mapping) else tree
+
+
+def read_variables(item: Any, *, use_ema: bool = True) -> Dict[str, Any]:
+  """Restores ``params`` (or ``ema_params``) and ``model_state`` of one item as NumPy arrays.
+
+  Args:
+    item: the item directory (local or ``gs://``).
+    use_ema: return the parameter EMA (``ema_params``, saved by runs with
+      ``config.ema_decay > 0``) as ``params`` when the item has one.
+
+  Returns:
+    ``{'params': ..., **model_state}``: nested dicts of ``np.ndarray`` in the saved layout.
+
+  Raises:
+    ValueError: the item has no ``params`` entry, or its ``model_state`` holds a ``params``
+      collection.
+  """
+  import jax  # pylint: disable=g-import-not-at-top
+  import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
+
+  tree = item_tree(item)
+  if not isinstance(tree, Mapping) or 'params' not in tree:
+    keys = sorted(tree) if isinstance(tree, Mapping) else type(tree).__name__
+    raise ValueError(f'Orbax checkpoint {str(item)!r} has no "params" entry (top level: {keys}): '
+                     'it is neither a training checkpoint nor a variables checkpoint of vit_jax.')
+  params_key = 'ema_params' if use_ema and isinstance(tree.get('ema_params'), Mapping) else 'params'
+  wanted = {params_key: tree[params_key]}
+  if isinstance(tree.get('model_state'), Mapping):
+    wanted['model_state'] = tree['model_state']
+  restore_args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), wanted)
+  with _quiet_item_reads():
+    restored = ocp.PyTreeCheckpointer().restore(
+        item, args=ocp.args.PyTreeRestore(item=wanted, restore_args=restore_args,
+                                          partial_restore=True))
+  variables = {'params': _to_dict(restored[params_key])}
+  for name, collection in _to_dict(restored.get('model_state') or {}).items():
+    if name == 'params':
+      raise ValueError(f'{str(item)!r}: model_state must not contain a "params" collection')
+    variables[name] = collection
+  return variables
+
+
+def check_state_fits(state_dir: Any, abstract_state: Mapping) -> None:
+  """Checks a saved training state's parameters against the run's, from metadata only.
+
+  Args:
+    state_dir: the ``state`` item of a training checkpoint (see
+      :meth:`vit_jax.checkpoint.workdir.Workdir.check_state_fits` for the run directory's).
+    abstract_state: the run's state tree (arrays or ``jax.ShapeDtypeStruct``); its ``params``
+      and ``model_state`` are compared by name and shape (nothing is read but the metadata).
+
+  Raises:
+    ValueError: names or shapes differ; the message lists them (counts and the first 8), what
+      the checkpoint's model is, and the ``scan`` setting when only the block layout differs.
+  """
+  import jax  # pylint: disable=g-import-not-at-top
+
+  tree = item_tree(state_dir)
+  as_structs = lambda t: jax.tree.map(lambda x: jax.ShapeDtypeStruct(tuple(x.shape), x.dtype), t)
+  kept = ('params', 'model_state')
+  saved = {k: v for name in kept if isinstance(tree.get(name), Mapping)
+           for k, v in flatten_params({name: as_structs(tree[name])}).items()}
+  wanted = {k: v for name in kept if name in abstract_state
+            for k, v in flatten_params({name: abstract_state[name]}).items()}
+  missing = sorted(set(wanted) - set(saved))
+  unexpected = sorted(set(saved) - set(wanted))
+  mismatched = [f'{k}: saved {tuple(saved[k].shape)}, this run {tuple(wanted[k].shape)}'
+                for k in sorted(set(saved) & set(wanted))
+                if tuple(saved[k].shape) != tuple(wanted[k].shape)]
+  if not (missing or unexpected or mismatched):
+    return
+  # With the fixed tables ('model_state'): they tell a Performer T2T module from a Transformer.
+  described = (describe_architecture({name: as_structs(tree[name]) for name in kept
+                                      if isinstance(tree.get(name), Mapping)})
+               if isinstance(tree.get('params'), Mapping) else None)
+  header = f'The checkpoint {state_dir} does not fit this model:'
+  scanned = lambda keys: any(f'/{p}/' in k for k in keys for p in layout.BLOCK_PREFIXES)
+  if saved and wanted and scanned(saved) != scanned(wanted):
+    setting = 'True' if scanned(saved) else 'False'
+    header += (f' it was written with the {"scanned" if scanned(saved) else "per-layer"} '
+               f'block layout: resume with --config.model.scan={setting} (the training '
+               f'default is True).')
+  raise ValueError(mismatch_report(header, missing, unexpected, mismatched, described))
+
+
+def save_orbax(path: Any, variables: Mapping, *, overwrite: bool = False) -> None:
+  """Writes model variables as an Orbax item ``{'params': ..., 'model_state': {...}}``.
+
+  The format of the training checkpoints' ``state`` item without the step and optimizer state:
+  :func:`vit_jax.checkpoint.load` reads it back, and ``--config.init_from`` fine-tunes from it.
+
+  Args:
+    path: the new directory (local, made absolute, or ``gs://``).
+    variables: ``{'params': ..., **collections}`` (boxed or plain, NumPy or JAX leaves); every
+      collection other than ``params`` (e.g. T2T-ViT's ``constants``) goes in ``model_state``.
+    overwrite: replace an existing ``path``.
+
+  Raises:
+    ValueError: ``variables`` has no ``params``.
+    FileExistsError: ``path`` exists and ``overwrite`` is False.
+  """
+  import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
+  from etils import epath  # pylint: disable=g-import-not-at-top
+
+  variables = layout.unbox(variables)  # Plain arrays (model.init boxes them with axis names).
+  if not isinstance(variables, Mapping) or 'params' not in variables:
+    raise ValueError("save_orbax expects variables {'params': ..., **collections}.")
+  path = os.fspath(path)
+  target = epath.Path(path if paths.is_remote(path) else os.path.abspath(path))
+  if target.exists() and not overwrite:
+    raise FileExistsError(f'{path} exists; choose a new destination or pass overwrite=True.')
+  tree = {'params': variables['params']}
+  extra = {k: v for k, v in variables.items() if k != 'params'}
+  if extra:
+    tree['model_state'] = dict(sorted(extra.items()))
+  with ocp.StandardCheckpointer() as checkpointer:
+    checkpointer.save(target, tree, force=overwrite)

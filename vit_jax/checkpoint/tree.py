@@ -1,0 +1,134 @@
+"""Variable trees: flat ``'a/b/c'`` names <-> nested dicts, and whether a checkpoint fits a model.
+
+The model families own what their names mean (:func:`vit_jax.models.vit.describe_architecture`,
+:func:`vit_jax.models.t2t_torch.describe_architecture`); this module asks each of them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Dict, Optional
+
+import numpy as np
+
+from vit_jax.models import layout
+from vit_jax.models import t2t_torch
+from vit_jax.models import vit
+from vit_jax.models.mismatch import mismatch_report
+
+__all__ = ['check_fits', 'describe_architecture', 'flatten_params', 'mismatch_report',
+           'unflatten_params']
+
+
+def flatten_params(tree: Mapping, sep: str = '/') -> Dict[str, Any]:
+  """Flattens a nested mapping into ``{'a/b/c': leaf}`` (keys in insertion order).
+
+  Args:
+    tree: nested ``dict``/``FrozenDict`` (e.g. ``variables['params']``); leaves are anything that
+      is not a mapping. Empty sub-mappings are dropped (they cannot be represented). Leaves
+      boxed with logical axis names (``nn.LogicallyPartitioned``, as ``model.init`` returns
+      them) are unboxed (:func:`vit_jax.models.layout.unbox`).
+    sep: separator.
+
+  Returns:
+    A flat dict of plain (unboxed) leaves.
+
+  Raises:
+    ValueError: if a key contains ``sep`` (the flattening would be ambiguous) or is not a str.
+  """
+  flat: Dict[str, Any] = {}
+
+  def visit(node, prefix):
+    for key, value in node.items():
+      if not isinstance(key, str) or sep in key:
+        raise ValueError(f'Cannot flatten key {key!r} (must be a str without {sep!r})')
+      path = f'{prefix}{sep}{key}' if prefix else key
+      if isinstance(value, Mapping):
+        visit(value, path)
+      else:
+        flat[path] = layout.unbox(value)
+
+  if not isinstance(tree, Mapping):
+    raise ValueError(f'flatten_params expects a mapping, got {type(tree).__name__}')
+  visit(tree, '')
+  return flat
+
+
+def unflatten_params(flat: Mapping[str, Any], sep: str = '/') -> Dict[str, Any]:
+  """Inverse of :func:`flatten_params`: ``{'a/b': x}`` -> ``{'a': {'b': x}}``.
+
+  Raises:
+    ValueError: if a path is both a leaf and a prefix of another path, or has empty components.
+  """
+  tree: Dict[str, Any] = {}
+  for path, value in flat.items():
+    parts = path.split(sep)
+    if any(not p for p in parts):
+      raise ValueError(f'Invalid parameter path {path!r}')
+    node = tree
+    for part in parts[:-1]:
+      child = node.setdefault(part, {})
+      if not isinstance(child, dict):
+        raise ValueError(f'{path!r} conflicts with the leaf {part!r} of another path')
+      node = child
+    if parts[-1] in node:
+      raise ValueError(f'Duplicate or conflicting parameter path {path!r}')
+    node[parts[-1]] = value
+  return tree
+
+
+def describe_architecture(variables: Mapping) -> Optional[str]:
+  """The architecture fields a checkpoint's shapes imply, for error messages (None if unknown).
+
+  ViT: ``patch_size``, ``hidden_size``, ``num_layers``, ``num_heads``, ``mlp_dim``,
+  ``representation_size`` and the class count, read from ``embedding``, the encoder blocks,
+  ``pre_logits`` and ``head``; T2T-ViT: ``embed_dim``, ``depth``, ``mlp_ratio``, ``token_dim``,
+  ``tokens_type`` and the class count.
+
+  Args:
+    variables: ``{'params': ..., **collections}`` with array or ``jax.ShapeDtypeStruct``
+      leaves (only shapes are read).
+  """
+  shapes = {k: tuple(int(d) for d in np.shape(v))
+            for k, v in flatten_params(variables).items()}
+  return vit.describe_architecture(shapes) or t2t_torch.describe_architecture(shapes)
+
+
+def check_fits(variables: Mapping, expected: Mapping, *, what: str = 'The checkpoint') -> None:
+  """Checks that ``variables`` has exactly the keys and shapes of ``expected``.
+
+  Args:
+    variables: ``{'params': ..., **collections}`` (e.g. from :func:`vit_jax.checkpoint.load`).
+    expected: the same from ``model.init`` or its ``jax.eval_shape`` (boxed with logical axis
+      names or plain). A scanned checkpoint for an unrolled model (or the reverse) is reported
+      as such, with the conversion to use.
+    what: how the message calls ``variables`` (e.g. its path).
+
+  Raises:
+    ValueError: with the counts of missing keys, unexpected keys and shape mismatches, the first
+      entries of each (:func:`mismatch_report`) and the architecture the checkpoint implies; or,
+      when only the position table differs, that the checkpoint is for another image size.
+  """
+  variables, expected = layout.unbox(variables), layout.unbox(expected)
+  have, want = flatten_params(variables), flatten_params(expected)
+  missing = [k for k in want if k not in have]
+  unexpected = [f'{k} {tuple(np.shape(v))}' for k, v in have.items() if k not in want]
+  mismatched = [f'{k}: checkpoint {tuple(np.shape(have[k]))}, model {tuple(want[k].shape)}'
+                for k in want if k in have and tuple(np.shape(have[k])) != tuple(want[k].shape)]
+  if not (missing or unexpected or mismatched):
+    return
+  header = f'{what} does not fit the model:'
+  scanned = layout.is_scanned(variables.get('params', {}))
+  if scanned != layout.is_scanned(expected.get('params', {})):
+    header += (' it is in the ' + ('scanned' if scanned else 'per-layer') + ' block layout; '
+               'convert it with vit_jax.models.' + ('unscan_params' if scanned else
+                                                    'scan_params') + ' first.')
+  hint = describe_architecture(variables)
+  if hint:
+    hint += ' Build the model with these values.'
+  if not missing and not unexpected and all(vit.POSEMB_KEY in m or 'pos_embed' in m
+                                            for m in mismatched):
+    hint = ('Only the position table differs: the checkpoint is for another image size. '
+            'Evaluate at the size it was trained at, or use init_for_finetuning '
+            '(--config.init_from) to resize it for a new resolution.')
+  raise ValueError(mismatch_report(header, missing, unexpected, mismatched, hint))

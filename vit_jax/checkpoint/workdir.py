@@ -1,0 +1,387 @@
+"""The run directory (``--workdir``): the only code that knows its layout.
+
+::
+
+  WORKDIR/
+    config.json               the resolved config of the run (Workdir.write_config)
+    cost.json                 the cost account so far (Workdir.write_cost; accounting.py)
+    checkpoints/              an Orbax CheckpointManager directory (Checkpoints)
+      <step>/                 a finalized step (a save in progress: '<step>.orbax-checkpoint-tmp*')
+        state/                the train state {'step', 'params', 'opt_state', 'model_state'
+                              [, 'ema_params']} (StandardSave)
+        cost/                 the cost account at that step (JsonSave)
+        config/               the resolved config (JsonSave; steps saved with one)
+    events.out.tfevents.*     TensorBoard (clu's writer; not this module's)
+
+Local paths and ``gs://`` alike (through ``etils.epath``; local paths are made absolute, as Orbax
+needs). The training loop uses :class:`Workdir` and :class:`Checkpoints`; the readers
+(:func:`load_orbax`, hence ``vit_jax.checkpoint.load`` and ``python -m vit_jax.convert``) find the
+train state through :func:`find_state_item`. Orbax options are the non-deprecated ones: a
+preservation policy (``LatestN``) keeps the newest checkpoints.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import re
+from typing import Any, Dict, Iterator, List, Optional, Tuple
+
+from vit_jax.checkpoint import orbax
+from vit_jax.checkpoint import paths
+
+#: Names inside WORKDIR.
+CHECKPOINTS_DIR = 'checkpoints'
+CONFIG_JSON = 'config.json'
+COST_JSON = 'cost.json'
+#: Items of one checkpoint step.
+STATE_ITEM = 'state'
+COST_ITEM = 'cost'
+CONFIG_ITEM = 'config'
+
+#: The Orbax paths that the readers accept, in words (for error messages).
+ORBAX_PATHS = (f"a workdir containing '{CHECKPOINTS_DIR}/', a '{CHECKPOINTS_DIR}' directory of "
+               f"numbered steps, or one step directory containing '{STATE_ITEM}/'")
+
+_RERUN_HINT = 'Rerun with the config it was trained with, or start a new run in another --workdir.'
+
+
+class CheckpointSaveError(OSError):
+  """Writing to the workdir failed (e.g. the disk is full): a checkpoint (the earlier ones are
+  intact) or the TensorBoard events."""
+
+
+def _epath(path: str):
+  from etils import epath  # pylint: disable=g-import-not-at-top
+  return epath.Path(path if paths.is_remote(path) else os.path.abspath(path))
+
+
+def _is_process_0() -> bool:
+  import jax  # pylint: disable=g-import-not-at-top
+  return jax.process_index() == 0
+
+
+def _write_json_atomically(path, value: Dict[str, Any]) -> None:
+  """``path`` (an epath) gets ``value`` as JSON; readers never see a half-written file."""
+  partial = path.parent / f'{path.name}.partial'
+  partial.write_text(json.dumps(value, indent=1))
+  partial.replace(path)
+
+
+class Workdir:
+  """A run directory (local or ``gs://``); nothing is created until something is written.
+
+  Attributes:
+    path: the directory as given (a str).
+    checkpoints_dir, cost_json, config_json: ``etils.epath.Path`` of ``checkpoints/``,
+      ``cost.json`` and ``config.json`` (absolute for local paths).
+  """
+
+  def __init__(self, path: Any):
+    self.path = os.fspath(path)
+    root = _epath(self.path)
+    self.checkpoints_dir = root / CHECKPOINTS_DIR
+    self.cost_json = root / COST_JSON
+    self.config_json = root / CONFIG_JSON
+
+  def __repr__(self) -> str:
+    return f'Workdir({self.path!r})'
+
+  def check_writable(self) -> None:
+    """Fails early when a local workdir cannot be created or written (nothing is created here).
+
+    Raises:
+      PermissionError: the directory, or its nearest existing ancestor, is not a writable
+        directory (e.g. a read-only filesystem, or a file in the way). ``gs://`` paths are not
+        checked.
+    """
+    if paths.is_remote(self.path):
+      return
+    path = os.path.abspath(self.path)
+    while not os.path.exists(path):
+      path = os.path.dirname(path)
+    if not os.path.isdir(path) or not os.access(path, os.W_OK | os.X_OK):
+      what = 'is not a directory' if not os.path.isdir(path) else 'is not writable'
+      where = '' if path == os.path.abspath(self.path) else ' (where it would be created)'
+      raise PermissionError(f'--workdir {self.path!r} cannot be used: {path}{where} {what}. '
+                            'Choose a directory you can write to (or a gs:// path).')
+
+  def saved_steps(self) -> List[int]:
+    """The finalized checkpoint steps, ascending (``[]`` without ``checkpoints/``).
+
+    From the directory listing (Orbax's finalization check: a save in progress or cut short
+    is not a step), without opening a ``CheckpointManager``.
+    """
+    import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
+    if not self.checkpoints_dir.exists():
+      return []
+    return sorted(ocp.path.step.checkpoint_steps(self.checkpoints_dir))
+
+  def check_state_fits(self, abstract_state: Any) -> None:
+    """Checks the latest saved train state against the run's, from its metadata only.
+
+    Args:
+      abstract_state: the run's state tree (arrays or ``jax.ShapeDtypeStruct``); its
+        ``params`` and ``model_state`` are compared by name and shape.
+
+    Raises:
+      ValueError: the checkpoint is of another model (the message lists the differences, the
+        checkpoint's architecture, and what to do). Nothing saved: no check.
+    """
+    steps = self.saved_steps()
+    if not steps:
+      return
+    try:
+      orbax.check_state_fits(self.checkpoints_dir / str(steps[-1]) / STATE_ITEM, abstract_state)
+    except ValueError as e:
+      raise ValueError(f'{e}\n  {_RERUN_HINT}') from e
+
+  def write_config(self, config: Dict[str, Any]) -> None:
+    """Writes ``WORKDIR/config.json`` atomically (process 0 only; the directory is created).
+
+    Raises:
+      TypeError: a value is not JSON-serialisable (resolve the config to plain values first).
+    """
+    if _is_process_0():
+      self.config_json.parent.mkdir(parents=True, exist_ok=True)
+      _write_json_atomically(self.config_json, config)
+
+  def read_config(self) -> Optional[Dict[str, Any]]:
+    """``WORKDIR/config.json``, or None when there is none.
+
+    Raises:
+      ValueError: the file is not valid JSON (the message names it).
+    """
+    if not self.config_json.exists():
+      return None
+    try:
+      return json.loads(self.config_json.read_text())
+    except ValueError as e:
+      raise ValueError(f'{self.config_json} is not valid JSON ({e}); restore it or delete '
+                       'it.') from e
+
+  def write_cost(self, report: Dict[str, Any]) -> None:
+    """Writes ``WORKDIR/cost.json`` atomically (``cost.json.partial`` then a rename; process 0)."""
+    if _is_process_0():
+      self.cost_json.parent.mkdir(parents=True, exist_ok=True)
+      _write_json_atomically(self.cost_json, report)
+
+  def read_cost(self) -> Optional[Dict[str, Any]]:
+    """``WORKDIR/cost.json``, or None when it is missing or unreadable (with a warning)."""
+    try:
+      return json.loads(self.cost_json.read_text()) if self.cost_json.exists() else None
+    except (ValueError, OSError) as e:
+      logging.getLogger('absl').warning(
+          "Ignoring %s (%s); the checkpoint's cost account is used.", self.cost_json, e)
+      return None
+
+  def checkpoints(self, *, keep: Optional[int], asynchronous: bool) -> 'Checkpoints':
+    """The run's checkpoints (``WORKDIR/checkpoints``); see :class:`Checkpoints`."""
+    return Checkpoints(self.checkpoints_dir, keep=keep, asynchronous=asynchronous)
+
+
+class Checkpoints:
+  """The numbered checkpoints of a run: an ``orbax.checkpoint.CheckpointManager``.
+
+  Keeps the newest ``keep`` finalized steps (``LatestN`` preservation policy; ``None``: all).
+  A save that a crash or a full disk interrupted leaves a ``<step>.orbax-checkpoint-tmp*``
+  directory (never a step): it is removed when this object is created, in the background.
+  Create and use it on every process of a multi-host run (Orbax coordinates them).
+
+  Args:
+    directory: the ``checkpoints`` directory (``Workdir.checkpoints_dir``).
+    keep: how many of the newest checkpoints to keep (a positive int), or None for all.
+    asynchronous: write checkpoints in a background thread (``save`` returns once the arrays
+      are copied to host memory); :meth:`wait_until_finished` waits for the last one.
+
+  Raises:
+    ValueError: ``keep`` is not a positive int or None.
+  """
+
+  def __init__(self, directory: Any, *, keep: Optional[int], asynchronous: bool):
+    import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
+    if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
+      raise ValueError(f'keep must be a positive int or None (keep all), got {keep!r}.')
+    self._manager = ocp.CheckpointManager(
+        directory,
+        options=ocp.CheckpointManagerOptions(
+            preservation_policy=ocp.checkpoint_managers.LatestN(n=keep),
+            enable_async_checkpointing=bool(asynchronous),
+            cleanup_tmp_directories=True,
+        ),
+    )
+
+  @property
+  def directory(self):
+    """The ``checkpoints`` directory (an ``etils.epath.Path``)."""
+    return self._manager.directory
+
+  def latest_step(self) -> Optional[int]:
+    return self._manager.latest_step()
+
+  def all_steps(self) -> List[int]:
+    return sorted(self._manager.all_steps())
+
+  def save(self, step: int, state: Any, *, cost: Dict[str, Any],
+           config: Optional[Dict[str, Any]] = None) -> None:
+    """Saves ``state`` as step ``step``, with the cost account (and the resolved config).
+
+    A step already saved is not saved again (e.g. the last step, saved by a preemption notice
+    and again at the end). Items: ``state`` (StandardSave), ``cost`` (JsonSave) and, when given,
+    ``config`` (JsonSave).
+
+    Raises:
+      CheckpointSaveError: the save failed (full disk, no permission; for an asynchronous save
+        possibly the one before): the message names the intact checkpoint and what to do.
+    """
+    if step in self._manager.all_steps():
+      return
+    import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
+    items = {STATE_ITEM: ocp.args.StandardSave(state), COST_ITEM: ocp.args.JsonSave(cost)}
+    if config is not None:
+      items[CONFIG_ITEM] = ocp.args.JsonSave(config)
+    with self._save_errors(step):
+      self._manager.save(step, args=ocp.args.Composite(**items), force=True)
+
+  def restore(self, step: int, abstract_state: Any) -> Tuple[Any, Optional[Dict[str, Any]]]:
+    """Restores step ``step`` onto ``abstract_state``'s shardings.
+
+    Args:
+      step: a saved step (see :meth:`all_steps`).
+      abstract_state: the run's state as ``jax.ShapeDtypeStruct`` leaves with shardings.
+
+    Returns:
+      ``(state, cost)``: the train state, and the cost account saved with it (None for a
+      checkpoint without one).
+
+    Raises:
+      ValueError: the state does not fit (e.g. another optimizer's state); the message names
+        the fix.
+      FileNotFoundError: no such step.
+    """
+    import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
+    items = {STATE_ITEM: ocp.args.StandardRestore(abstract_state)}
+    has_cost = (self.directory / str(step) / COST_ITEM).exists()
+    if has_cost:
+      items[COST_ITEM] = ocp.args.JsonRestore()
+    try:
+      restored = self._manager.restore(step, args=ocp.args.Composite(**items))
+    except (ValueError, KeyError, TypeError) as e:  # E.g. another optimizer's state.
+      raise ValueError(
+          f"The checkpoint of step {step} in {self.directory} does not fit this config's "
+          f'optimizer or state ({str(e).splitlines()[0][:300] if str(e) else type(e).__name__}). '
+          f'{_RERUN_HINT}') from e
+    return restored[STATE_ITEM], (restored[COST_ITEM] if has_cost else None)
+
+  def reached_preemption(self, step: int) -> bool:
+    """Whether a preemption notice reached this step (the same step on every host)."""
+    return self._manager.reached_preemption(step)
+
+  def wait_until_finished(self) -> None:
+    """Waits for a save in the background to finish.
+
+    Raises:
+      CheckpointSaveError: it failed (see :meth:`save`).
+    """
+    with self._save_errors(None):
+      self._manager.wait_until_finished()
+
+  def close(self) -> None:
+    self._manager.close()
+
+  @contextlib.contextmanager
+  def _save_errors(self, step: Optional[int]) -> Iterator[None]:
+    """Turns a failed save (full disk, no permission) into a CheckpointSaveError that says
+    what is intact and what to do. ``step``: the save being made (None: the last one)."""
+    try:
+      yield
+    except (OSError, ValueError, RuntimeError) as e:
+      text = str(e)
+      if not isinstance(e, OSError) and not re.search(
+          r'No space left|RESOURCE_EXHAUSTED|Permission denied|PERMISSION_DENIED|os_error', text):
+        raise
+      kept = [s for s in self._manager.all_steps() if s != step]
+      which = 'the last save' if step is None else f'step {step}'
+      intact = (f'the checkpoint of step {max(kept)} is intact' if kept else
+                'there is no earlier checkpoint')
+      full = 'No space left' in text or 'RESOURCE_EXHAUSTED' in text
+      cause = 'No space left on device' if full else text.splitlines()[0][:300] if text else (
+          type(e).__name__)
+      raise CheckpointSaveError(
+          f'Saving a checkpoint in {self.directory} failed ({which}, or the save before '
+          f'it, which runs in the background): {cause}. {intact.capitalize()} (the partial save '
+          'is removed at the next start); '
+          + ('free disk space (or lower --config.keep_checkpoints)' if full else
+             'make the checkpoint directory writable')
+          + ' and rerun the same command to resume.') from e
+
+
+# ------------------------------------------------------------------------------------------------
+# Reading: from any path a user gives to the train state item of its latest step.
+# ------------------------------------------------------------------------------------------------
+
+
+def _latest_step_dir(path: str) -> Optional[str]:
+  """Newest numbered step directory of ``path`` holding a finalized item, or None."""
+  # Orbax writes into '<step>.orbax-checkpoint-tmp-*' and renames when done, so digit-only names
+  # are finalized steps (on GCS the item's commit marker is checked through '_METADATA').
+  steps = {int(n): n for n in paths.listdir(path) if n.isdigit()}
+  for step in sorted(steps, reverse=True):
+    candidate = paths.join(path, steps[step])
+    if orbax.is_item(candidate) or orbax.is_item(paths.join(candidate, STATE_ITEM)):
+      return candidate
+  return None
+
+
+def find_state_item(path: Any) -> str:
+  """The Orbax item holding the model variables for ``path``.
+
+  Args:
+    path: a workdir (containing ``checkpoints/``), a ``checkpoints`` directory (its latest
+      finalized step), a step directory (containing ``state/``), or an item directory itself
+      (a ``state`` item, or a variables checkpoint from ``python -m vit_jax.convert``).
+
+  Raises:
+    FileNotFoundError: a checkpoints directory without a finalized step.
+    ValueError: a directory that is none of these.
+  """
+  path = paths.normalize(path)
+  if paths.isdir(paths.join(path, CHECKPOINTS_DIR)):  # A workdir.
+    path = paths.join(path, CHECKPOINTS_DIR)
+  for candidate in (path, paths.join(path, STATE_ITEM)):
+    if orbax.is_item(candidate):
+      return candidate
+  step_dir = _latest_step_dir(path)
+  if step_dir is not None:
+    for candidate in (step_dir, paths.join(step_dir, STATE_ITEM)):
+      if orbax.is_item(candidate):
+        return candidate
+  is_manager_dir = paths.basename(path) == CHECKPOINTS_DIR
+  if is_manager_dir or any(n.isdigit() for n in paths.listdir(path)):
+    raise paths.not_found(path, 'No finalized Orbax checkpoint step')
+  raise ValueError(f'Unrecognised checkpoint directory {path!r}: a directory is read as an Orbax '
+                   f'checkpoint, {ORBAX_PATHS}, or a variables checkpoint written by '
+                   'python -m vit_jax.convert.')
+
+
+def load_orbax(path: Any, *, use_ema: bool = True) -> Dict[str, Any]:
+  """Loads ``params`` and ``model_state`` from an Orbax checkpoint of the training loop.
+
+  Args:
+    path: see :func:`find_state_item` (a workdir, ``checkpoints`` directory, step or item).
+    use_ema: return the parameter EMA (``ema_params``, saved by runs with
+      ``config.ema_decay > 0``) as ``params`` when the checkpoint has one.
+
+  Returns:
+    ``{'params': ..., **model_state}`` with NumPy leaves, in the layout they were saved in.
+
+  Raises:
+    FileNotFoundError: missing path or no finalized step.
+    ValueError: not an Orbax checkpoint, or one without a ``params`` entry.
+  """
+  path = paths.normalize(path)
+  if not paths.exists(path):
+    raise paths.not_found(path)
+  return orbax.read_variables(find_state_item(path), use_ema=use_ema)

@@ -1,0 +1,93 @@
+"""The argument of a config file, `configs/<file>.py:<arg>`, parsed one way for every file.
+
+A config file declares its fields and calls `parse`:
+
+  ARGS = args.Spec("configs/vit.py", ("model", "dataset", "regime"),
+                   choices={"regime": ("pretrain", "finetune")},
+                   defaults={"regime": "pretrain"})
+  def get_config(arg=""):
+    a = ARGS.parse(arg)          # {'model': 'b16', 'dataset': 'cifar10', 'regime': 'pretrain'}
+
+An argument is comma-separated values in the declared order (`b16,cifar10`), or `name=value`
+items in any order (`model=b16,regime=finetune`), or a mix (positional values first). Values are
+strings; a field without a default must be given; a field with `choices` must be one of them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Mapping, Optional, Sequence
+
+
+@dataclasses.dataclass(frozen=True)
+class Spec:
+  """What a config file's argument holds.
+
+  Attributes:
+    file: the config file's path as users type it (for messages), e.g. 'configs/vit.py'.
+    fields: the field names, in positional order.
+    choices: for some fields, the accepted values (shown in errors).
+    defaults: values of the optional fields (the others are required).
+    help: for each field, a few words shown in errors (e.g. 'ti16, s16, ... or a model name').
+  """
+
+  file: str
+  fields: Sequence[str]
+  choices: Mapping[str, Sequence[str]] = dataclasses.field(default_factory=dict)
+  defaults: Mapping[str, Optional[str]] = dataclasses.field(default_factory=dict)
+  help: Mapping[str, str] = dataclasses.field(default_factory=dict)
+
+  def usage(self) -> str:
+    """E.g. "configs/vit.py:<model>,<dataset>[,<regime>]"."""
+    text = ""
+    for i, field in enumerate(self.fields):
+      sep = "," if i else ""
+      text += f"{sep}<{field}>" if field not in self.defaults else f"[{sep}<{field}>]"
+    return f"{self.file}:{text}"
+
+  def _describe(self, field: str) -> str:
+    if field in self.choices:
+      return f"one of {', '.join(self.choices[field])}"
+    return self.help.get(field, "")
+
+  def parse(self, arg: Optional[str]) -> dict[str, Optional[str]]:
+    """The fields of `arg`, defaults filled in.
+
+    Raises:
+      ValueError: too many values, an unknown or repeated field name, a missing required field,
+        or a value outside a field's choices; the message shows the usage and the valid values.
+    """
+    values: dict[str, Optional[str]] = {}
+    items = [item.strip() for item in (arg or "").split(",")] if arg else []
+    positional = True
+    for index, item in enumerate(items):
+      name, sep, value = item.partition("=")
+      if sep:
+        positional = False
+        name = name.strip()
+        if name not in self.fields:
+          raise ValueError(f"{self.file}: unknown field {name!r} in {arg!r}; the fields are "
+                           f"{', '.join(self.fields)} (usage: {self.usage()}).")
+      elif not positional:
+        raise ValueError(f"{self.file}: the value {item!r} in {arg!r} follows a 'name=value' "
+                         f"item; put plain values first (usage: {self.usage()}).")
+      elif index >= len(self.fields):
+        raise ValueError(f"{self.file} takes at most {len(self.fields)} values, got "
+                         f"{len(items)} in {arg!r} (usage: {self.usage()}).")
+      else:
+        name, value = self.fields[index], item
+      if name in values:
+        raise ValueError(f"{self.file}: {name!r} is given twice in {arg!r}.")
+      values[name] = value.strip()
+    for field in self.fields:
+      if field not in values or values[field] == "":
+        if field not in self.defaults:
+          described = self._describe(field)
+          raise ValueError(f"{self.file} needs <{field}>"
+                           + (f" ({described})" if described else "")
+                           + f": use {self.usage()}.")
+        values[field] = self.defaults[field]
+      elif field in self.choices and values[field] not in self.choices[field]:
+        raise ValueError(f"{self.file}: <{field}> must be {self._describe(field)}, got "
+                         f"{values[field]!r} (usage: {self.usage()}).")
+    return values

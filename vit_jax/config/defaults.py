@@ -1,0 +1,314 @@
+"""Every key of the training config, with its default and what it means: the one place defaults live.
+
+`get_config(model_name, dataset, **model_overrides)` returns a locked `ml_collections.ConfigDict`.
+Config files (`configs/*.py`) change values, never add keys, so a typo in `--config.some_key=...`
+is an error. A field whose default is None is a typed placeholder: the regime fields among them
+(optimizer, lr, schedule, loss, head bias, ...) are filled from `REGIME_DEFAULTS`, the schedule
+length from the dataset, by `vit_jax.config.resolve`, which also checks every value.
+
+The sections: the run (regime, seed, schedule length, loss, EMA, fine-tuning init, periodic
+work), `model` (the registry's fields of `model_name`, see `vit_jax.models`), `optim`, `data`
+(`vit_jax.data`), `extra_eval` and `mesh` (`vit_jax.sharding`).
+"""
+
+from __future__ import annotations
+
+import ml_collections
+from ml_collections import config_dict
+
+from vit_jax import models
+
+#: The two regimes of the ViT paper (Sec. 4.1 and App. B.1; docs/reference.md section 3). Every
+#: key is a config field that is None by default and filled from here by `resolve`, so
+#: `--config.regime=finetune` switches all of them and a single override still wins.
+REGIME_DEFAULTS = {
+    # Adam (0.9, 0.999) with decoupled weight decay, linear warmup then linear decay, sigmoid
+    # cross-entropy with the head bias at -10.
+    "pretrain": dict(optimizer="adamw", lr=1e-3, weight_decay=0.1, b1=0.9, b2=0.999,
+                     momentum=0.9, schedule="linear", warmup_steps=10_000, grad_clip_norm=1.0,
+                     loss="sigmoid_xent", head_bias_init=-10.0),
+    # SGD momentum 0.9, global-norm clipping at 1, cosine decay after 500 warmup steps, no
+    # weight decay, softmax cross-entropy with a zero head.
+    "finetune": dict(optimizer="sgd", lr=0.03, weight_decay=0.0, b1=0.9, b2=0.999,
+                     momentum=0.9, schedule="cosine", warmup_steps=500, grad_clip_norm=1.0,
+                     loss="softmax_xent", head_bias_init=0.0),
+}
+
+#: How the blocks run in training unless a config overrides it: a scanned encoder (one
+#: compiled block body, stacked parameters) whose blocks are rematerialised keeping the dense
+#: projections' outputs and the fused CPU attention kernel's residuals. Both model families
+#: take these fields; the models' own defaults stay the plain unrolled encoder with the
+#: official per-layer names (docs/benchmarks.md has the measurements behind the choice).
+TRAINING_DEFAULTS = dict(scan=True, remat=True, remat_policy="dots_and_attention_saveable")
+
+#: `config.model.attention`: 'auto' picks, from the devices the step is compiled for, the
+#: fastest implementation that can run there (`vit_jax.dispatch.choose_attention`).
+ATTENTION_CHOICES = ("auto",) + models.ATTENTION_IMPLEMENTATIONS
+
+#: Values of `config.data.augment`, `config.data.normalization`, `config.data.bad_images`.
+AUGMENTATIONS = ("inception_crop", "flip", "none")
+NORMALIZATIONS = ("minus_one_to_one", "imagenet")
+BAD_IMAGES = ("fail", "skip")
+
+# Model fields whose None default stands for a float (the others are ints, e.g.
+# representation_size): T2T-ViT's attention scale (None: head_dim**-0.5).
+_FLOAT_MODEL_FIELDS = {"qk_scale": float}
+
+
+def model_config(model_name: str, **model_overrides) -> ml_collections.ConfigDict:
+  """`config.model`: every field of the named variant, resolved, plus how the blocks run.
+
+  Raises:
+    ValueError, TypeError: an unknown model name or override (see `vit_jax.models.model_config`).
+  """
+  model_overrides = dict(model_overrides)
+  attention = model_overrides.pop("attention", "auto")  # Resolved from the target devices.
+  fields = models.model_config(model_name, **model_overrides)
+  fields.update({k: v for k, v in TRAINING_DEFAULTS.items()
+                 if k in fields and k not in model_overrides})
+  fields["attention"] = attention
+  model = ml_collections.ConfigDict(fields)
+  for key, value in list(model.items()):
+    if value is None:  # e.g. representation_size: keep it overridable with the right type.
+      model[key] = config_dict.placeholder(_FLOAT_MODEL_FIELDS.get(key, int))
+  if "head_bias_init" in model:  # ViT: the regime's default (-10 or 0) if None.
+    model.head_bias_init = config_dict.placeholder(float)
+  return model
+
+
+def optim_config() -> ml_collections.ConfigDict:
+  """`config.optim` (None: the regime's default, see `REGIME_DEFAULTS`)."""
+  c = ml_collections.ConfigDict()
+  c.optimizer = config_dict.placeholder(str)  # 'adamw' or 'sgd'.
+  c.lr = config_dict.placeholder(float)  # Peak learning rate.
+  c.weight_decay = config_dict.placeholder(float)  # Decoupled, kernels only.
+  c.b1 = config_dict.placeholder(float)  # Adam.
+  c.b2 = config_dict.placeholder(float)  # Adam.
+  c.momentum = config_dict.placeholder(float)  # SGD.
+  c.schedule = config_dict.placeholder(str)  # 'linear', 'cosine' or 'constant'.
+  c.warmup_steps = config_dict.placeholder(int)
+  c.end_lr = 0.0  # Learning rate at the end of the decay.
+  # Recipes stated in epochs or at a reference batch (T2T-ViT: "lr 5e-4 at batch 512, 10 warmup
+  # epochs from 1e-6, cosine to 1e-5, 10 cooldown epochs"); see optim.schedule_from_config.
+  c.lr_base_batch_size = config_dict.placeholder(int)  # lr *= batch_size / this.
+  c.warmup_epochs = config_dict.placeholder(float)  # Replaces warmup_steps if set.
+  c.warmup_init_lr = 0.0  # The warmup rises from this rate.
+  c.cooldown_steps = 0  # Updates at end_lr after the decay (part of the run).
+  c.cooldown_epochs = config_dict.placeholder(float)  # Replaces cooldown_steps if set.
+  c.grad_clip_norm = config_dict.placeholder(float)  # 0 disables clipping.
+  # Large runs: an update whose gradients are NaN/Inf is skipped (parameters and optimizer state
+  # unchanged, counted in train/skipped_updates) up to this many times in a row; the next one
+  # stops the run. 0 (default): the first non-finite loss stops the run.
+  c.max_skipped_updates = 0
+  return c
+
+
+def data_config() -> ml_collections.ConfigDict:
+  """`config.data`: the input pipeline (`vit_jax.data`).
+
+  The defaults reproduce the official ViT fine-tuning input pipeline (Inception crop + flip for
+  training, a plain bilinear resize for evaluation, pixels scaled to [-1, 1]) on the offline
+  Fashion-MNIST builder, so that they work without network access.
+  """
+  c = ml_collections.ConfigDict()
+  # Dataset: a registered tfds name ('imagenet2012', 'cifar10', 'fashion_mnist_local',
+  # 'imagenet21k', 'imagenet2012_real', 'name/config', 'name:1.2.3', ...) OR the directory of a
+  # prepared tfds dataset (the version folder holding dataset_info.json, or a folder above it;
+  # read with `tfds.builder_from_directory`: bring your own TFRecords with a feature spec this
+  # way). A name is a path when it starts with '/', '.', '~', contains '://', or is an existing
+  # directory. Ignored if `image_folder` is set.
+  c.name = "fashion_mnist_local"
+  # Root of an image-folder dataset: root/<split>/<class>/*.{jpg,jpeg,png}, read with
+  # `tfds.folder_dataset.ImageFolder`; split names are the subfolder names (e.g. 'train',
+  # 'test'), class names are sorted.
+  c.image_folder = config_dict.placeholder(str)
+  # tfds data_dir (local path or gs://...); None = tfds default ($TFDS_DATA_DIR or
+  # ~/tensorflow_datasets).
+  c.data_dir = config_dict.placeholder(str)
+  # Directory with manually downloaded source files, passed as
+  # `tfds.download.DownloadConfig(manual_dir=...)` when preparing (e.g. the ImageNet tars; for
+  # 'fashion_mnist_local' the IDX files, default /usr/share/datasets/fashion-mnist from the
+  # Debian package `dataset-fashion-mnist`).
+  c.manual_dir = config_dict.placeholder(str)
+  # Call `download_and_prepare` if the dataset is not prepared in data_dir yet. Only for
+  # builders that prepare from local files (manual_dir builders and offline builders like
+  # 'fashion_mnist_local'); nothing is ever downloaded, builders that need the network raise an
+  # error with a hint instead.
+  c.prepare = True
+
+  # Splits, with tfds slicing syntax ('train[:98%]', 'train[1000:]', 'train+validation', ...).
+  c.train_split = "train"
+  c.eval_split = "test"
+
+  # Side S of the square [S, S, 3] images fed to the model.
+  c.image_size = 224
+  # Training augmentation: 'inception_crop' (random crop covering [inception_crop_min_area, 1]
+  # of the image with aspect ratio in [3/4, 4/3], resized to S, + random left-right flip; the
+  # ViT fine-tuning recipe), 'flip' (resize to S + random left-right flip), 'none' (resize to
+  # S). Eval resizes the full image to S (bilinear) unless eval_crop_pct is set (below).
+  c.augment = "inception_crop"
+  # Minimum fraction of the image area kept by the Inception crop.
+  c.inception_crop_min_area = 0.05
+  # Extra training augmentations of the T2T-ViT / DeiT ImageNet recipe (timm's), off by
+  # default; see vit_jax.data.augment. All are seeded by (seed, step), so resuming is exact.
+  # RandAugment after the crop / flip (timm 'rand-m9-mstd0.5-inc1'): this many ops per image
+  # (0 disables), each with probability 0.5, magnitude ~ N(magnitude, magnitude_std) in [0, 10].
+  c.randaugment_num_layers = 0
+  c.randaugment_magnitude = 9.0
+  c.randaugment_magnitude_std = 0.5
+  # Random erasing after normalization: with this probability one rectangle (2%-33% of the
+  # area, aspect ratio 0.3-3.3) is filled with standard-normal noise (timm mode 'pixel').
+  c.random_erasing = 0.0
+  # Mixup / CutMix of each process's batch with its reverse (timm Mixup, mode 'batch'): with
+  # probability mix_prob a batch is mixed, by CutMix with probability mix_switch_prob when both
+  # alphas are > 0; lambda ~ Beta(alpha, alpha) (CutMix: corrected to the pasted area); labels
+  # become lambda * y + (1 - lambda) * y_reversed. 0 disables each.
+  c.mixup_alpha = 0.0
+  c.cutmix_alpha = 0.0
+  c.mix_switch_prob = 0.5
+  c.mix_prob = 1.0
+  # Eval resizing: None resizes the whole image to S (bilinear; the official ViT eval); a
+  # fraction p resizes the shorter side to floor(S / p) (bicubic) and takes the central S x S
+  # crop (timm; T2T-ViT uses 0.9).
+  c.eval_crop_pct = config_dict.placeholder(float)
+  # Pixel normalization: 'minus_one_to_one' (x / 127.5 - 1, values in [-1, 1], the ViT
+  # convention) or 'imagenet' ((x / 255 - mean) / std with the ImageNet mean (0.485, 0.456,
+  # 0.406) and std (0.229, 0.224, 0.225), the T2T-ViT / timm convention).
+  c.normalization = "minus_one_to_one"
+
+  # Examples in the training shuffle buffer (per process). The buffer holds encoded images
+  # (decoded ones if cache=True).
+  c.shuffle_buffer = 50_000
+  # Batches prefetched by tf.data.
+  c.prefetch = 2
+  # Cache the decoded, un-augmented images in memory before shuffling (train) and before
+  # resizing (eval). Good for small datasets (Fashion-MNIST, CIFAR); the whole split of this
+  # process must fit in host RAM.
+  c.cache = False
+  # Parallelism of the decode / augment maps; -1 = tf.data.AUTOTUNE.
+  c.num_parallel_calls = -1
+
+  # Images that cannot be decoded (corrupt, truncated or empty files, files that are not
+  # images). 'fail': reading one raises `vit_jax.data.BadImageError` naming the file(s) (image
+  # folders: every undecodable file of the split being read, found by a parallel validation
+  # pass after the first decoding error; tfds datasets: dataset, split and TensorFlow's
+  # message) and the fix. 'skip': an image folder is validated once when it is opened (every
+  # file of every split decoded, in parallel, cached per folder) and undecodable files are
+  # left out of all splits before slicing, so the counts exclude them and one warning names
+  # them; for tfds datasets undecodable examples are dropped while reading (tf.data
+  # `ignore_errors`, one warning each), and a resumed run is exact only if none was dropped
+  # before the resume step. Valid but unusual images (grayscale and CMYK JPEGs; RGBA, palette,
+  # grayscale and 16-bit PNGs; misnamed files; images smaller than image_size) are decoded to
+  # RGB in both modes.
+  c.bad_images = "fail"
+
+  # Feature holding the image.
+  c.image_key = "image"
+  # Feature holding the labels; None = auto: 'real_label' for 'imagenet2012_real', else 'label'
+  # or 'labels' (whichever exists). A ClassLabel feature gives one-hot targets; a
+  # Sequence(ClassLabel) feature (imagenet21k-style or your own multi-label set) gives
+  # multi-hot targets. For 'real_label' (ImageNet ReaL) eval examples without any label are
+  # masked out, i.e. skipped as in the ViT paper.
+  c.label_key = config_dict.placeholder(str)
+  return c
+
+
+def mesh_config() -> ml_collections.ConfigDict:
+  """`config.mesh`: axis sizes (-1: all the devices the other axes leave) and rule changes."""
+  c = ml_collections.ConfigDict()
+  c.data = -1
+  c.fsdp = 1
+  c.tensor = 1
+  # Data parallelism across TPU slices (multi-slice over DCN); 1 for one slice or host group.
+  c.dcn_data = 1
+  # Changes to vit_jax.sharding.DEFAULT_RULES, 'logical=mesh_axis[+mesh_axis],...'; an empty
+  # right side leaves the logical axis unsharded. E.g. 'embed=,mlp=fsdp' or
+  # 'batch=data+fsdp+tensor'.
+  c.rules = ""
+  # Stop at startup when FSDP is requested (fsdp > 1) but more than this fraction of the
+  # parameter bytes would still be replicated on every device.
+  c.max_replicated_fraction = 0.5
+  return c
+
+
+def get_config(model_name: str = "ViT-B_16", dataset: str = "imagenet2012",
+               **model_overrides) -> ml_collections.ConfigDict:
+  """The full default config for `model_name` trained on tfds `dataset`.
+
+  Args:
+    model_name: any name `vit_jax.models.create` accepts, e.g. 'ViT-B_16'.
+    dataset: a tfds name or a prepared tfds directory (`config.data.name`).
+    **model_overrides: model fields that differ from the named variant (e.g. num_layers=4).
+
+  Returns:
+    A locked ConfigDict (values may change, keys may not).
+
+  Raises:
+    ValueError, TypeError: an unknown model name or override.
+  """
+  config = ml_collections.ConfigDict()
+  # 'pretrain' or 'finetune': the defaults of REGIME_DEFAULTS for every None regime field.
+  config.regime = "pretrain"
+  config.seed = 0
+
+  # Model: the name picks the family and variant; `model` holds every field of that variant,
+  # resolved, so each can be overridden (--config.model.num_layers=4).
+  config.model_name = model_name
+  config.model = model_config(model_name, **model_overrides)
+  # Classes of the head; None: the dataset's (the resolved config records the number).
+  config.num_classes = config_dict.placeholder(int)
+
+  config.data = data_config()
+  config.data.name = dataset
+
+  # An optional second evaluation set with the same classes and preprocessing, reported under
+  # '<name>_<split>/accuracy': e.g. name='imagenet2012_real', split='validation' for the
+  # ImageNet ReaL labels the ViT paper reports (images without a ReaL label are skipped).
+  config.extra_eval = ml_collections.ConfigDict()
+  config.extra_eval.name = config_dict.placeholder(str)  # tfds name or prepared directory.
+  config.extra_eval.split = "validation"
+
+  # Schedule length: total_steps if set, else num_epochs (epochs of data.train_split).
+  config.batch_size = 4096  # Global batch over all devices and hosts (images per update).
+  config.grad_accum_steps = 1  # Split each batch into this many sequential micro-batches.
+  config.total_steps = config_dict.placeholder(int)
+  config.num_epochs = config_dict.placeholder(float)
+
+  # Loss: 'softmax_xent' or 'sigmoid_xent' (None: the regime's).
+  config.loss = config_dict.placeholder(str)
+  config.label_smoothing = 0.0
+
+  config.optim = optim_config()
+
+  # Exponential moving average of the parameters (timm ModelEmaV2: ema = d * ema + (1 - d) *
+  # params after every update), evaluated next to the parameters ('<split>_ema/...') and saved
+  # in the checkpoint ('ema_params'); 0 disables it. T2T-ViT recipe: 0.99996.
+  config.ema_decay = 0.0
+
+  # Fine-tuning: initialise from this checkpoint (official .npz, T2T .pth.tar, our orbax
+  # checkpoint or workdir, or `python -m vit_jax.convert` output) when the workdir has no
+  # checkpoint yet. The head is re-initialised, ViT's pre_logits dropped if the model has no
+  # representation layer, ViT's position embedding resized to the new grid and T2T's sinusoid
+  # table regenerated; see vit_jax.checkpoint.init_for_finetuning.
+  config.init_from = config_dict.placeholder(str)
+  # The official convention instead: init_from = '{pretrained_dir}/{model_name}.npz'
+  # (e.g. gs://vit_models/imagenet21k with model_name 'ViT-B_16').
+  config.pretrained_dir = config_dict.placeholder(str)
+  config.init_from_ema = True  # Take the checkpoint's EMA weights when it has them.
+  # True: a new head always (official ViT). False: keep the checkpoint's head when the class
+  # count is the same (T2T-ViT reference; e.g. ImageNet fine-tuning at a higher resolution).
+  config.init_reset_head = True
+
+  # The device mesh ('data', 'fsdp', 'tensor' sizes; -1 = the rest) and the logical-axis rules:
+  # data parallelism, FSDP and tensor parallelism are choices here; see vit_jax.sharding.
+  config.mesh = mesh_config()
+
+  # Periodic work, in optimizer steps.
+  config.log_every_steps = 50
+  config.eval_every_steps = 1000  # Also evaluated at the end of training.
+  config.checkpoint_every_steps = 1000  # Also saved at the end of training.
+  config.keep_checkpoints = 3  # Most recent checkpoints kept on disk.
+  config.async_checkpointing = True
+
+  config.lock()
+  return config

@@ -1,0 +1,310 @@
+"""The one place a config becomes what runs: regime filled in, lengths in steps, every value checked.
+
+`resolve(config, dataset=..., devices=...)` returns the fully resolved, validated, locked config
+that `vit_jax.train` runs, logs and saves as `WORKDIR/config.json`, and that the benchmark and the
+pod pre-flight compile: the regime's defaults in every None regime field, the schedule length and
+the warmup and cooldown in optimizer steps, the class count, the fine-tuning source, and the
+attention implementation chosen for the devices the step is compiled for. Everything a run can
+get wrong in its config is refused here, before any work, with a message that names the field,
+its value, the valid range and the fix.
+
+The range checks of each section are tables (`_RUN_RANGES`, `_OPTIM_RANGES`, `_DATA_RANGES`);
+`validate_data` is the `config.data` part alone, which the input pipeline calls for configs built
+without `resolve`.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Any, Callable, Optional, Sequence
+
+from absl import logging
+import ml_collections
+
+from vit_jax import dispatch
+from vit_jax import models
+from vit_jax import optim
+from vit_jax import sharding
+from vit_jax.config import defaults
+
+
+def _number(value: Any) -> bool:
+  return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _integer(value: Any) -> bool:
+  return isinstance(value, int) and not isinstance(value, bool)
+
+
+# A range check: (what the value must be, the test). None passes wherever `optional`.
+_Check = tuple[str, Callable[[Any], bool]]
+_POSITIVE_INT: _Check = ("a positive int", lambda v: _integer(v) and v > 0)
+_NON_NEGATIVE_INT: _Check = ("an int >= 0", lambda v: _integer(v) and v >= 0)
+_POSITIVE: _Check = ("> 0", lambda v: _number(v) and v > 0)
+_NON_NEGATIVE: _Check = (">= 0", lambda v: _number(v) and v >= 0)
+_UNIT: _Check = ("in [0, 1)", lambda v: _number(v) and 0 <= v < 1)
+_PROBABILITY: _Check = ("in [0, 1] (a probability)", lambda v: _number(v) and 0 <= v <= 1)
+_FRACTION: _Check = ("in (0, 1]", lambda v: _number(v) and 0 < v <= 1)
+_BOOL: _Check = ("True or False", lambda v: isinstance(v, bool))
+
+
+def _one_of(choices: Sequence[Any]) -> _Check:
+  return (f"one of {tuple(choices)}", lambda v: v in choices)
+
+
+# key: (check, None allowed, what the field is / a hint).
+_RUN_RANGES = {
+    "regime": (_one_of(tuple(defaults.REGIME_DEFAULTS)), False,
+               "--config.regime=pretrain or --config.regime=finetune"),
+    "seed": (("an int", _integer), False, ""),
+    "batch_size": (_POSITIVE_INT, False, "the global batch, images per update"),
+    "grad_accum_steps": (_POSITIVE_INT, False, "micro-batches per update"),
+    "total_steps": (_POSITIVE_INT, True, "optimizer updates of the run"),
+    "num_epochs": (_POSITIVE, True, "epochs of data.train_split"),
+    "num_classes": (_POSITIVE_INT, True, "None: the dataset's"),
+    "loss": (_one_of(optim.LOSSES), False, ""),
+    "label_smoothing": (_UNIT, False, "the T2T-ViT recipe uses 0.1"),
+    "ema_decay": (_UNIT, False, "0 disables the parameter EMA; the T2T-ViT recipe uses 0.99996"),
+    "init_from_ema": (_BOOL, False, ""),
+    "init_reset_head": (_BOOL, False, ""),
+    "log_every_steps": (_POSITIVE_INT, False, ""),
+    "eval_every_steps": (_POSITIVE_INT, False, ""),
+    "checkpoint_every_steps": (_POSITIVE_INT, False, ""),
+    "keep_checkpoints": (_POSITIVE_INT, False, "the most recent checkpoints kept"),
+    "async_checkpointing": (_BOOL, False, ""),
+}
+_OPTIM_RANGES = {
+    "optimizer": (_one_of(optim.OPTIMIZERS), False, ""),
+    "lr": (_POSITIVE, False, "the peak learning rate"),
+    "weight_decay": (_NON_NEGATIVE, False, "decoupled, on the kernels"),
+    "b1": (_UNIT, False, "Adam's first-moment decay"),
+    "b2": (_UNIT, False, "Adam's second-moment decay"),
+    "momentum": (_UNIT, False, "SGD's momentum"),
+    "schedule": (_one_of(optim.SCHEDULES), False, ""),
+    "warmup_steps": (_NON_NEGATIVE_INT, False, ""),
+    "end_lr": (_NON_NEGATIVE, False, ""),
+    "lr_base_batch_size": (("positive", lambda v: _integer(v) and v > 0), True,
+                           "or None to use config.optim.lr as it is"),
+    "warmup_epochs": (_NON_NEGATIVE, True, ""),
+    "warmup_init_lr": (_NON_NEGATIVE, False, ""),
+    "cooldown_steps": (_NON_NEGATIVE_INT, False, ""),
+    "cooldown_epochs": (_NON_NEGATIVE, True, ""),
+    "grad_clip_norm": (_NON_NEGATIVE, False, "0 disables clipping"),
+    "max_skipped_updates": (_NON_NEGATIVE_INT, False, "0: the first non-finite loss stops"),
+}
+_DATA_RANGES = {
+    "augment": (_one_of(defaults.AUGMENTATIONS), False, ""),
+    "normalization": (_one_of(defaults.NORMALIZATIONS), False, ""),
+    "bad_images": (_one_of(defaults.BAD_IMAGES), False,
+                   "fail with the file names, or skip undecodable images"),
+    "image_size": (_POSITIVE_INT, False, "the side of the square images the model sees"),
+    "inception_crop_min_area": (_FRACTION, False, ""),
+    "shuffle_buffer": (("an int >= 1", lambda v: _integer(v) and v >= 1), False, ""),
+    "prefetch": (_NON_NEGATIVE_INT, False, ""),
+    "num_parallel_calls": (("-1 (AUTOTUNE) or an int >= 1",
+                            lambda v: _integer(v) and (v == -1 or v >= 1)), False, ""),
+    "randaugment_num_layers": (_NON_NEGATIVE_INT, False, "0 disables RandAugment"),
+    "randaugment_magnitude": (("in [0, 10]", lambda v: _number(v) and 0 <= v <= 10), False,
+                              "timm: 9"),
+    "randaugment_magnitude_std": (_NON_NEGATIVE, False, ""),
+    "random_erasing": (_PROBABILITY, False, ""),
+    "mix_switch_prob": (_PROBABILITY, False, ""),
+    "mix_prob": (_PROBABILITY, False, ""),
+    "mixup_alpha": (_NON_NEGATIVE, False, "0 disables it"),
+    "cutmix_alpha": (_NON_NEGATIVE, False, "0 disables it"),
+    "eval_crop_pct": (_FRACTION, True, "None resizes the whole image"),
+}
+
+
+def _check_ranges(section: Any, ranges: dict, prefix: str) -> None:
+  for key, ((expected, ok), optional, hint) in ranges.items():
+    value = section[key]
+    if value is None and optional:
+      continue
+    if not ok(value):
+      expected += " or None" if optional else ""
+      hint = f" ({hint})" if hint else ""
+      raise ValueError(f"config.{prefix}{key}={value!r} must be {expected}{hint}; set "
+                       f"--config.{prefix}{key} to such a value.")
+
+
+def check_value(path: str, value: Any) -> Any:
+  """Checks one field's value against its range, e.g. `check_value('data.bad_images', v)`.
+
+  Returns:
+    `value`.
+
+  Raises:
+    ValueError: as `resolve`, for this field; KeyError: a path without a range.
+  """
+  section, _, key = path.rpartition(".")
+  ranges = {"": _RUN_RANGES, "optim": _OPTIM_RANGES, "data": _DATA_RANGES}[section]
+  _check_ranges({key: value}, {key: ranges[key]}, f"{section}." if section else "")
+  return value
+
+
+def validate_data(data_config: ml_collections.ConfigDict) -> None:
+  """Checks every value of a `config.data` against its range (see `_DATA_RANGES`).
+
+  Raises:
+    ValueError: naming the field, its value, the valid range and the flag to set.
+  """
+  _check_ranges(data_config, _DATA_RANGES, "data.")
+
+
+def fill_regime(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+  """A copy of `config` with every None regime field set from `REGIME_DEFAULTS[config.regime]`.
+
+  Fields filled: `config.loss`, `config.model.head_bias_init` (ViT; T2T-ViT has none) and the
+  other keys under `config.optim`. Values already set are kept.
+
+  Raises:
+    ValueError: `config.regime` is not a regime.
+  """
+  _check_ranges(config, {"regime": _RUN_RANGES["regime"]}, "")
+  config = ml_collections.ConfigDict(config.to_dict())  # Unlocked; the caller's is unchanged.
+  for key, value in defaults.REGIME_DEFAULTS[config.regime].items():
+    section = {"head_bias_init": config.model, "loss": config}.get(key, config.optim)
+    if key in section and section.get(key) is None:
+      section[key] = value
+  return config
+
+
+def num_train_steps(config: ml_collections.ConfigDict, num_train_examples: int) -> int:
+  """Optimizer updates of the whole run.
+
+  `config.total_steps` when it is set (so `--config.total_steps=N` overrides a config's epochs),
+  else `config.num_epochs` epochs of `num_train_examples` at `config.batch_size`.
+
+  Raises:
+    ValueError: neither is set, or the result is not positive.
+  """
+  if config.total_steps is not None:
+    steps = config.total_steps
+  elif config.num_epochs is not None:
+    steps = math.ceil(config.num_epochs * num_train_examples / config.batch_size)
+  else:
+    raise ValueError("Set the schedule length: --config.total_steps=N or --config.num_epochs=E.")
+  if steps <= 0:
+    raise ValueError(f"The run has {steps} training steps; set a positive "
+                     "--config.total_steps or --config.num_epochs.")
+  return steps
+
+
+def check_batch_size(batch_size: int, grad_accum_steps: int, num_shards: int) -> None:
+  """Fails when the global batch cannot be split into micro-batches and batch shards.
+
+  Args:
+    num_shards: how many ways the mesh splits the batch (`vit_jax.sharding.data_parallel_size`).
+
+  Raises:
+    ValueError: `batch_size` is not a multiple of `grad_accum_steps * num_shards`.
+  """
+  unit = grad_accum_steps * num_shards
+  if batch_size <= 0 or batch_size % unit:
+    lower, upper = max(unit, batch_size // unit * unit), (batch_size // unit + 1) * unit
+    raise ValueError(
+        f"config.batch_size={batch_size} cannot be split into {grad_accum_steps} micro-batch(es) "
+        f"over {num_shards} batch shard(s) of the device mesh: it must be a multiple of {unit}. "
+        f"Use --config.batch_size={lower} or {upper}.")
+
+
+def _model_fields(config: ml_collections.ConfigDict) -> dict[str, Any]:
+  """`config.model` as keyword arguments of `vit_jax.models.create` (tuples kept as tuples)."""
+  return {key: config.model[key] for key in config.model}
+
+
+def _resolve_schedule(config: ml_collections.ConfigDict, num_train_examples: int) -> None:
+  """Fills total_steps, warmup_steps and cooldown_steps (epochs -> steps) and checks them."""
+  config.total_steps = num_train_steps(config, num_train_examples)
+  steps_per_epoch = num_train_examples / config.batch_size
+  optim_config = config.optim
+  for name in ("warmup", "cooldown"):
+    epochs = optim_config[f"{name}_epochs"]
+    if epochs is not None:  # An epoch count replaces the step count.
+      optim_config[f"{name}_steps"] = int(round(epochs * steps_per_epoch))
+      optim_config[f"{name}_epochs"] = None
+  optim.schedule_from_config(optim_config, batch_size=config.batch_size,
+                             total_steps=config.total_steps)  # Raises for a bad length.
+
+
+def _resolve_init_from(config: ml_collections.ConfigDict) -> None:
+  """`init_from` from `pretrained_dir` (the official '<dir>/<model_name>.npz'); must exist."""
+  if not config.init_from and config.pretrained_dir:
+    config.init_from = f"{config.pretrained_dir.rstrip('/')}/{config.model_name}.npz"
+    source = "config.pretrained_dir/<model_name>.npz"
+  else:
+    source = "config.init_from"
+  path = config.init_from
+  if path and "://" not in path and not os.path.exists(os.path.expanduser(path)):
+    raise FileNotFoundError(f"The checkpoint to fine-tune from, {path!r} ({source}), does not "
+                            "exist; give an official .npz, a .pth.tar, an orbax checkpoint or a "
+                            "workdir.")
+
+
+def attention_choice(config: ml_collections.ConfigDict, requested: str,
+                     devices: Sequence[Any]) -> dispatch.Choice:
+  """`vit_jax.dispatch.choose_attention` for the model of `config` and the request `requested`
+  ('auto' or an implementation) on `devices`: the implementation and the reason.
+
+  Raises:
+    ValueError: as `choose_attention`, or an unknown model field.
+  """
+  fields = _model_fields(config)
+  fields.pop("attention", None)
+  return dispatch.choose_attention(
+      requested, devices=devices, dtype=config.model.get("dtype", "float32"),
+      head_dim=models.head_dim(config.model_name, **fields),
+      dropout=bool(config.model.get("attention_dropout_rate")))
+
+
+def resolve(config: ml_collections.ConfigDict, *, num_train_examples: int, num_classes: int,
+            devices: Optional[Sequence[Any]] = None) -> ml_collections.ConfigDict:
+  """The fully resolved, validated config: what runs, what is logged and saved.
+
+  Args:
+    config: a config of `configs/*.py` (see `vit_jax.config.get_config`), any overrides applied.
+    num_train_examples: examples in `config.data.train_split` (all hosts), for epoch lengths.
+    num_classes: the dataset's classes (used when `config.num_classes` is None).
+    devices: the devices the step will be compiled for (default `jax.devices()`): they size the
+      mesh and choose the attention implementation.
+
+  Returns:
+    A new locked ConfigDict: regime fields filled, `total_steps` set, warmup and cooldown in steps
+    (their epoch fields None), `num_classes` set, `init_from` set from `pretrained_dir`, and
+    `model.attention` a concrete implementation ('xla', 'cudnn' or 'cpu_kernel').
+
+  Raises:
+    ValueError: a value out of range or of the wrong type (naming the field, the range and the
+      flag), an unknown regime, optimizer, schedule, loss, model or model field, a schedule whose
+      warmup is not shorter than the run, a mesh that does not fit the devices, a batch the
+      mesh cannot split, an attention implementation that cannot run on the devices.
+    TypeError: an unknown model field.
+    FileNotFoundError: `init_from` (or `pretrained_dir`'s file) does not exist.
+  """
+  import jax  # pylint: disable=g-import-not-at-top
+  devices = list(jax.devices() if devices is None else devices)
+  config = fill_regime(config)
+  for section, ranges, prefix in ((config, _RUN_RANGES, ""), (config.optim, _OPTIM_RANGES, "optim."),
+                                  (config.data, _DATA_RANGES, "data.")):
+    _check_ranges(section, ranges, prefix)
+  if config.num_classes is None:
+    config.num_classes = int(num_classes)
+  fields = _model_fields(config)
+  requested = fields.pop("attention")
+  models.model_config(config.model_name, **fields)  # Every model field checked.
+  _resolve_schedule(config, num_train_examples)
+  _resolve_init_from(config)
+
+  sizes = sharding.axis_sizes(config.mesh, len(devices))
+  rules = sharding.parse_rules(config.mesh.rules)
+  _check_ranges(config.mesh, {"max_replicated_fraction": (_PROBABILITY, False, "")}, "mesh.")
+  check_batch_size(config.batch_size, config.grad_accum_steps,
+                   math.prod(sizes[a] for a in sharding.batch_axes(rules)))
+
+  choice = attention_choice(config, requested, devices)
+  config.model.attention = choice.implementation
+  logging.info("Attention: %s (%s).", choice.implementation, choice.reason)
+  config.lock()
+  return config

@@ -1,0 +1,315 @@
+"""The train state and the steps: one definition that the trainer, the benchmark and the pod
+pre-flight compile.
+
+  setup = step.build(config, image_shape=(224, 224, 3))    # a resolved config (vit_jax.config)
+  state = jax.jit(setup.init_state, out_shardings=setup.state_shardings)(setup.init_rng)
+  train = setup.compile(setup.jit_train_step(), setup.abstract_state,
+                        setup.abstract_batch(config.batch_size))
+  state, metrics = train(state, batch)     # batch: {'image': [B, H, W, 3], 'labels': [B, C]}
+
+The state is a dict: `{'step': int32[], 'params', 'opt_state', 'model_state', 'ema_params'}`.
+'model_state' holds the model's variable collections other than 'params' (T2T-ViT's fixed
+sinusoid table and Performer features): saved and restored with the rest, never trained; absent
+when empty. 'ema_params' (only with `config.ema_decay > 0`) is the moving average of 'params'.
+
+`make_train_step` and `make_eval_step` are the pure step functions; `Setup` binds them to a
+config, a device mesh and the shardings of the state and the batch (`jax.jit` with
+`NamedSharding`s and donation of the old state), and compiles them ahead of time inside the mesh
+and the logical-axis rules that the models' activation constraints resolve against.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Optional, Sequence
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import ml_collections
+import optax
+
+from vit_jax import models
+from vit_jax import optim
+from vit_jax import sharding
+
+State = dict[str, Any]
+Batch = dict[str, jax.Array]
+Metrics = dict[str, jax.Array]
+
+
+def create_model(config: ml_collections.ConfigDict) -> nn.Module:
+  """The model of a resolved config: `config.model_name` with the fields of `config.model`.
+
+  Raises:
+    ValueError, TypeError: as `vit_jax.models.create`.
+  """
+  fields = {key: config.model[key] for key in config.model}
+  for key in ("dtype", "param_dtype"):
+    if isinstance(fields.get(key), str):
+      fields[key] = jnp.dtype(fields[key])
+  return models.create(config.model_name, num_classes=config.num_classes, **fields)
+
+
+def state_from_variables(variables: dict[str, Any], tx: optax.GradientTransformation, *,
+                         ema: bool) -> State:
+  """The train state at step 0 of `variables` (`{'params', **collections}`, plain arrays)."""
+  variables = dict(variables)
+  params = variables.pop("params")
+  state = {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": tx.init(params)}
+  if variables:
+    state["model_state"] = variables
+  if ema:
+    state["ema_params"] = params
+  return state
+
+
+def variables_of(state: State, params: Any = None) -> dict[str, Any]:
+  """What `model.apply` takes: the parameters (or `params`) and the untrained collections."""
+  return {"params": state["params"] if params is None else params,
+          **state.get("model_state", {})}
+
+
+def eval_sums(logits: jax.Array, labels: jax.Array, mask: jax.Array,
+              loss: str) -> dict[str, jax.Array]:
+  """Sums of one eval batch over its real (unmasked) examples.
+
+  A prediction is a hit when the top-scoring class is among the true labels: top-1 accuracy for
+  one-hot labels, precision@1 for multi-hot ones (the ViT paper's ImageNet-21k / JFT metric).
+
+  Args:
+    logits: `[B, C]`; labels: `[B, C]` one-hot or multi-hot; mask: `[B]` bool, False for padding.
+    loss: the loss kind of `vit_jax.optim.loss_fn`.
+
+  Returns:
+    int32 `count` (real examples), `correct` (top-1 hits), `correct_top5` (hits among the top 5,
+    only when C >= 5) and float32 `loss` (summed per-example loss).
+  """
+  top1 = jnp.argmax(logits, axis=-1)
+  hit1 = jnp.take_along_axis(labels, top1[:, None], axis=-1)[:, 0] > 0
+  sums = {"count": mask.sum(dtype=jnp.int32), "correct": (hit1 & mask).sum(dtype=jnp.int32),
+          "loss": jnp.where(mask, optim.loss_fn(logits, labels, loss), 0.0).sum()}
+  if logits.shape[-1] >= 5:
+    top5 = jax.lax.top_k(logits, 5)[1]
+    hit5 = (jnp.take_along_axis(labels, top5, axis=-1) > 0).any(axis=-1)
+    sums["correct_top5"] = (hit5 & mask).sum(dtype=jnp.int32)
+  return sums
+
+
+def make_train_step(model: nn.Module, tx: optax.GradientTransformation,
+                    schedule: Callable[[jax.Array], jax.Array], *, loss: str,
+                    dropout_rng: jax.Array, label_smoothing: float = 0.0,
+                    grad_accum_steps: int = 1, ema_decay: float = 0.0,
+                    skip_nonfinite: bool = False) -> Callable[[State, Batch], tuple[State, Metrics]]:
+  """The training step: forward, backward, optimizer update, EMA and metrics.
+
+  Args:
+    model: the Flax model (`create_model`).
+    tx: the optimizer (`vit_jax.optim.make_optimizer`); schedule: its learning rate per update.
+    loss: 'softmax_xent' or 'sigmoid_xent' (`vit_jax.optim.loss_fn`), label_smoothing its
+      smoothing.
+    dropout_rng: folded with the step number (and the micro-batch) for dropout and drop path.
+    grad_accum_steps: split each batch into this many sequential micro-batches; micro-batch i
+      takes examples i, i + n, ... so that each one is spread over all devices. The gradient is
+      their mean, as the full batch's.
+    ema_decay: > 0 keeps `ema_params = d * ema_params + (1 - d) * params` after each update.
+    skip_nonfinite: the optimizer is wrapped in `optax.apply_if_finite`; report 'skipped'.
+
+  Returns:
+    `step(state, batch) -> (state, metrics)`: batch `{'image': [B, H, W, C] float32, 'labels':
+    [B, C] float32}`; metrics (float32 scalars) 'loss' (mean over the batch), 'grad_norm',
+    'param_norm' (global L2 norms), 'lr' (the rate of this update), and 'skipped' (1.0 when
+    `skip_nonfinite` and the update was skipped).
+  """
+
+  def loss_of(params, state, images, labels, rng):
+    logits = model.apply(variables_of(state, params), images, train=True, rngs={"dropout": rng})
+    return optim.loss_fn(logits, labels, loss, label_smoothing).mean()
+
+  grad_fn = jax.value_and_grad(loss_of)
+
+  def train_step(state: State, batch: Batch) -> tuple[State, Metrics]:
+    step_rng = jax.random.fold_in(dropout_rng, state["step"])
+    if grad_accum_steps == 1:
+      loss_value, grads = grad_fn(state["params"], state, batch["image"], batch["labels"],
+                                  step_rng)
+    else:
+      micro = jax.tree.map(lambda x: jnp.swapaxes(
+          x.reshape(-1, grad_accum_steps, *x.shape[1:]), 0, 1), batch)
+
+      def accumulate(carry, xs):
+        micro_batch, i = xs
+        out = grad_fn(state["params"], state, micro_batch["image"], micro_batch["labels"],
+                      jax.random.fold_in(step_rng, i))
+        return jax.tree.map(jnp.add, carry, out), None
+
+      zeros = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, state["params"]))
+      (loss_value, grads), _ = jax.lax.scan(accumulate, zeros,
+                                            (micro, jnp.arange(grad_accum_steps)))
+      loss_value, grads = jax.tree.map(lambda x: x / grad_accum_steps, (loss_value, grads))
+    updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
+    params = optax.apply_updates(state["params"], updates)
+    new_state = dict(state, step=state["step"] + 1, params=params, opt_state=opt_state)
+    if ema_decay:
+      new_state["ema_params"] = optax.incremental_update(params, state["ema_params"],
+                                                         1.0 - ema_decay)
+    metrics = {"loss": loss_value, "grad_norm": optax.tree.norm(grads),
+               "param_norm": optax.tree.norm(params), "lr": schedule(state["step"])}
+    if skip_nonfinite:  # optax.apply_if_finite made this update zero.
+      metrics["skipped"] = 1.0 - jnp.isfinite(metrics["grad_norm"]).astype(jnp.float32)
+    return new_state, metrics
+
+  return train_step
+
+
+def make_eval_step(model: nn.Module, *, loss: str) -> Callable[[State, Batch], Metrics]:
+  """`step(state, batch) -> eval_sums(...)` of the state's parameters on a masked eval batch
+  (`{'image', 'labels', 'mask'}`); evaluate the EMA with `dict(state, params=ema_params)`."""
+
+  def eval_step(state: State, batch: Batch) -> Metrics:
+    logits = model.apply(variables_of(state), batch["image"], train=False)
+    return eval_sums(logits, batch["labels"], batch["mask"], loss)
+
+  return eval_step
+
+
+@dataclasses.dataclass(frozen=True)
+class Setup:
+  """A resolved config bound to a model, an optimizer, a device mesh and shardings.
+
+  Attributes:
+    config: the resolved config (`vit_jax.config.resolve`).
+    model, tx, schedule: the model, optimizer and learning-rate schedule of `config`.
+    mesh, rules: the device mesh (`vit_jax.sharding.create_mesh`) and the logical-axis rules.
+    image_shape: `(H, W, C)` of the model's input.
+    init_rng, dropout_rng: keys derived from `config.seed`.
+    abstract_state: the state as `jax.ShapeDtypeStruct`s with their shardings (nothing
+      allocated); state_shardings: the same tree of `NamedSharding`s.
+    batch_sharding: the sharding of `[B, ...]` input arrays (B over the batch axes).
+    boxed_variables: `jax.eval_shape` of `model.init`, parameters boxed with logical axes.
+  """
+
+  config: ml_collections.ConfigDict
+  model: nn.Module
+  tx: optax.GradientTransformation
+  schedule: Callable[[jax.Array], jax.Array]
+  mesh: jax.sharding.Mesh
+  rules: sharding.Rules
+  image_shape: tuple[int, int, int]
+  init_rng: jax.Array
+  dropout_rng: jax.Array
+  abstract_state: State
+  state_shardings: Any
+  batch_sharding: jax.sharding.NamedSharding
+  boxed_variables: Any
+
+  def init_variables(self, rng: jax.Array) -> dict[str, Any]:
+    """`model.init` on one image, plain (unboxed) arrays."""
+    return nn.unbox(self.boxed_init(rng))
+
+  def boxed_init(self, rng: jax.Array) -> dict[str, Any]:
+    """`model.init` on one image, parameters boxed with their logical axis names."""
+    images = jnp.zeros((1, *self.image_shape), jnp.float32)
+    return dict(self.model.init({"params": rng}, images, train=False))
+
+  def init_state(self, rng: jax.Array) -> State:
+    """A fresh state (jit it with `out_shardings=self.state_shardings`)."""
+    return self.state_from_variables(self.init_variables(rng))
+
+  def state_from_variables(self, variables: dict[str, Any]) -> State:
+    """The state at step 0 of loaded variables (e.g. a fine-tuning initialisation)."""
+    return state_from_variables(variables, self.tx, ema=bool(self.config.ema_decay))
+
+  def train_step_fn(self) -> Callable[[State, Batch], tuple[State, Metrics]]:
+    """`make_train_step` with this config's loss, accumulation, EMA and skipping."""
+    c = self.config
+    return make_train_step(
+        self.model, self.tx, self.schedule, loss=c.loss, dropout_rng=self.dropout_rng,
+        label_smoothing=c.label_smoothing, grad_accum_steps=c.grad_accum_steps,
+        ema_decay=c.ema_decay, skip_nonfinite=c.optim.max_skipped_updates > 0)
+
+  def jit_train_step(self):
+    """The train step jitted over the mesh: state and batch sharded, the old state donated."""
+    replicated = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
+    return jax.jit(self.train_step_fn(), in_shardings=(self.state_shardings, self.batch_sharding),
+                   out_shardings=(self.state_shardings, replicated), donate_argnums=0)
+
+  def jit_eval_step(self):
+    """The eval step jitted over the mesh (sums replicated)."""
+    replicated = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
+    return jax.jit(make_eval_step(self.model, loss=self.config.loss),
+                   in_shardings=(self.state_shardings, self.batch_sharding),
+                   out_shardings=replicated)
+
+  def abstract_batch(self, batch_size: int, *, eval_batch: bool = False) -> Batch:
+    """`{'image', 'labels'[, 'mask']}` as `jax.ShapeDtypeStruct`s of a global batch."""
+    spec = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=self.batch_sharding)
+    batch = {"image": spec((batch_size, *self.image_shape), jnp.float32),
+             "labels": spec((batch_size, self.config.num_classes), jnp.float32)}
+    if eval_batch:
+      batch["mask"] = spec((batch_size,), jnp.bool_)
+    return batch
+
+  def in_mesh(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+    """`fn` run (and so traced) with this mesh and rules active, for the models' logical
+    activation constraints."""
+
+    def run(*args, **kwargs):
+      with jax.set_mesh(self.mesh), nn.logical_axis_rules(self.rules):
+        return fn(*args, **kwargs)
+
+    return run
+
+  def compile(self, jitted, *args) -> jax.stages.Compiled:
+    """`jitted.lower(*args).compile()` inside the mesh and rules; args may be abstract."""
+    return self.in_mesh(lambda *a: jitted.lower(*a).compile())(*args)
+
+
+def build(config: ml_collections.ConfigDict, *, image_shape: Sequence[int],
+          devices: Optional[Sequence[Any]] = None) -> Setup:
+  """Binds a resolved config to its model, optimizer, mesh and shardings (nothing allocated).
+
+  Args:
+    config: resolved by `vit_jax.config.resolve` for the same devices.
+    image_shape: `(H, W, C)` of the input images (`vit_jax.data.DatasetInfo.image_shape`).
+    devices: the devices of the mesh (default `jax.devices()`); e.g. a TPU topology's devices
+      to compile for a slice from any host.
+
+  Returns:
+    A `Setup`.
+
+  Raises:
+    ValueError: the image size is not a multiple of the patch size (with the flag to change), a
+      mesh that does not fit the devices, or FSDP that leaves most parameters replicated.
+  """
+  model = create_model(config)
+  schedule = optim.schedule_from_config(config.optim, batch_size=config.batch_size,
+                                        total_steps=config.total_steps)
+  tx = optim.make_optimizer(config.optim, schedule)
+  mesh = sharding.create_mesh(config.mesh, devices)
+  rules = sharding.parse_rules(config.mesh.rules, mesh.axis_names)
+  init_rng, dropout_rng = jax.random.split(jax.random.PRNGKey(config.seed))
+  image_shape = tuple(int(s) for s in image_shape)
+
+  partial = Setup(config=config, model=model, tx=tx, schedule=schedule, mesh=mesh, rules=rules,
+                  image_shape=image_shape, init_rng=init_rng, dropout_rng=dropout_rng,
+                  abstract_state={}, state_shardings=None, batch_sharding=None,
+                  boxed_variables=None)
+  try:
+    shapes = jax.eval_shape(partial.init_state, init_rng)
+  except ValueError as e:
+    if "is not divisible by" not in str(e):
+      raise
+    raise ValueError(f"{e} (Training resizes every image to config.data.image_size="
+                     f"{config.data.image_size}: set --config.data.image_size to such a "
+                     "multiple.)") from e
+  boxed = jax.eval_shape(partial.boxed_init, init_rng)
+  # Parameters (and their EMA, and the optimizer's moments) by their logical axes and the rules;
+  # the step and counters replicated.
+  state_shardings = sharding.state_shardings(shapes, boxed, mesh, rules)
+  abstract_state = jax.tree.map(
+      lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), shapes, state_shardings)
+  return dataclasses.replace(partial, abstract_state=abstract_state,
+                             state_shardings=state_shardings,
+                             batch_sharding=sharding.batch_sharding(mesh, rules),
+                             boxed_variables=boxed)

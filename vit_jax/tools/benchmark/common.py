@@ -1,0 +1,142 @@
+"""What every part of the benchmark shares: its modes, units, errors and the timing helpers.
+
+Nothing here imports JAX or torch, so the command line can check its input before any backend
+starts.
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+import resource
+import statistics
+import sys
+import time
+from typing import Any, Callable, Optional
+
+MODES = ("train", "inference")
+DTYPES = ("float32", "bfloat16")
+
+#: What the JSON's numbers are in.
+UNITS = {
+    "images_per_sec": "images/s (batch / median step time)",
+    "step_seconds": "s (median of the timed steps)",
+    "step_seconds_all": "s (every timed step)",
+    "lower_seconds": "s (jax.jit(...).lower)", "compile_seconds": "s (.compile())",
+    "first_step_seconds": "s (first execution after compiling; timm: first eager step)",
+    "peak_rss_mib": "MiB (ru_maxrss of the measuring process)",
+    "rss_after_imports_mib": "MiB (VmRSS before the model is built)",
+    "device_peak_mib": "MiB (peak_bytes_in_use of device 0; None on CPU)",
+    "flops_per_step_xla": "FLOPs (XLA cost analysis of the compiled step)",
+    "flops_per_step_analytic": "FLOPs (2 x forward MACs x batch, x3 for training)",
+    "achieved_flops_per_sec": "FLOP/s (analytic FLOPs / median step time)",
+    "fraction_of_peak": "0..1 (achieved / peak_flops_per_device)",
+    "peak_flops_per_device": "FLOP/s",
+}
+
+
+class BenchmarkError(Exception):
+  """Bad input: the command line prints the message and exits with status 2."""
+
+
+class NoTimmModel(BenchmarkError):
+  """The model has no timm equivalent."""
+
+
+class MeasurementFailed(RuntimeError):
+  """A measuring subprocess failed (e.g. out of memory): exit status 1."""
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+  """'num_layers=4' -> ('num_layers', 4); values are Python literals, else strings.
+
+  Raises:
+    BenchmarkError: `text` is not KEY=VALUE.
+  """
+  key, sep, value = text.partition("=")
+  if not sep or not key.strip():
+    raise BenchmarkError(f"--override {text!r} is not KEY=VALUE (e.g. --override num_layers=4).")
+  value = value.strip()
+  lowered = value.lower()
+  if lowered in ("true", "false"):
+    return key.strip(), lowered == "true"
+  try:
+    return key.strip(), ast.literal_eval(value)
+  except (ValueError, SyntaxError):
+    return key.strip(), value
+
+
+def check_sizes(batch: int, resolution: int, warmup: int, steps: int) -> None:
+  """Raises BenchmarkError unless batch, resolution, steps >= 1 and warmup >= 0 (ints)."""
+  for name, value, least in (("batch", batch, 1), ("resolution", resolution, 1),
+                             ("warmup", warmup, 0), ("steps", steps, 1)):
+    if isinstance(value, bool) or not isinstance(value, int) or value < least:
+      raise BenchmarkError(f"{name} must be an integer >= {least}, got {value!r}.")
+
+
+def check_mode_and_dtype(mode: str, dtype: str) -> None:
+  """Raises BenchmarkError for a mode not in MODES or a dtype not in DTYPES."""
+  if mode not in MODES:
+    raise BenchmarkError(f"mode must be one of {MODES}, got {mode!r}.")
+  if dtype not in DTYPES:
+    raise BenchmarkError(f"dtype must be one of {DTYPES}, got {dtype!r}.")
+
+
+def rss_now_mib() -> Optional[float]:
+  """This process's resident set now (VmRSS) in MiB; None where /proc is missing."""
+  try:
+    with open("/proc/self/status", encoding="ascii") as f:
+      for line in f:
+        if line.startswith("VmRSS:"):
+          return int(line.split()[1]) / 1024
+  except OSError:
+    pass
+  return None
+
+
+def peak_rss_mib() -> float:
+  """This process's peak resident set in MiB (ru_maxrss is KiB on Linux, bytes on macOS)."""
+  peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+  return peak / 2**20 if sys.platform == "darwin" else peak / 1024
+
+
+def timed(fn: Callable[[], Any], steps: int) -> list[float]:
+  """Seconds of each of `steps` calls of `fn` (which must wait for its own results)."""
+  times = []
+  for _ in range(steps):
+    start = time.perf_counter()
+    fn()
+    times.append(time.perf_counter() - start)
+  return times
+
+
+def fill_rates(result: dict[str, Any], batch: int, times: list[float]) -> None:
+  """Fills the throughput and utilisation fields of `result` from the timed steps (None
+  without timed steps): median step time, images/s, achieved FLOP/s and fraction of peak."""
+  result.update(step_seconds=None, step_seconds_all=times, images_per_sec=None,
+                achieved_flops_per_sec=None, fraction_of_peak=None)
+  if not times:
+    return
+  median = statistics.median(times)
+  result.update(step_seconds=median, step_seconds_all=times, images_per_sec=batch / median)
+  if result.get("flops_per_step_analytic"):
+    result["achieved_flops_per_sec"] = result["flops_per_step_analytic"] / median
+    if result.get("peak_flops_per_device"):
+      result["fraction_of_peak"] = (result["achieved_flops_per_sec"]
+                                    / result["peak_flops_per_device"])
+
+
+def thread_facts() -> dict[str, Any]:
+  """The cores this process may run on and the variables that size its thread pools."""
+  affinity = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
+  return {"cpu_affinity": affinity, "NPROC": os.environ.get("NPROC"),
+          "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS"),
+          "XLA_FLAGS": os.environ.get("XLA_FLAGS", ""),
+          "GLIBC_TUNABLES": os.environ.get("GLIBC_TUNABLES", "")}
+
+
+def available_cores() -> list[int]:
+  """The cores this process may run on (all of them where affinity is unknown)."""
+  if hasattr(os, "sched_getaffinity"):
+    return sorted(os.sched_getaffinity(0))
+  return list(range(os.cpu_count() or 1))

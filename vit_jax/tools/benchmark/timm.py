@@ -1,0 +1,212 @@
+"""timm's side of the benchmark: the timm model equivalent to one of ours, measured in PyTorch.
+
+Needs the optional extra `pip install -e '.[bench]'` (torch and timm); `timm_equivalent` needs
+neither. (Inside this package `import timm` is still the timm library: imports are absolute.)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import sys
+from typing import Any, Optional
+
+from vit_jax.tools.benchmark.common import check_mode_and_dtype
+from vit_jax.tools.benchmark.common import check_sizes
+from vit_jax.tools.benchmark.common import fill_rates
+from vit_jax.tools.benchmark.common import NoTimmModel
+from vit_jax.tools.benchmark.common import peak_rss_mib
+from vit_jax.tools.benchmark.common import rss_now_mib
+from vit_jax.tools.benchmark.common import thread_facts
+from vit_jax.tools.benchmark.common import timed
+
+#: timm names of the official ViT sizes (timm 1.0 `vit_{size}_patch{P}_224`).
+TIMM_SIZES = {"Ti": "tiny", "S": "small", "B": "base", "L": "large", "H": "huge"}
+#: (size, patch) pairs timm registers under their own name; others go through keyword arguments.
+TIMM_NAMED = {("Ti", 16), ("S", 16), ("S", 32), ("B", 8), ("B", 16), ("B", 32), ("L", 16),
+              ("L", 32), ("H", 14)}
+#: Architecture fields that the timm model receives as keyword arguments when they differ from
+#: the named configuration.
+_ARCH_KEYS = ("hidden_size", "mlp_dim", "num_heads", "num_layers", "patch_size", "classifier")
+
+
+def timm_equivalent(model: str, overrides: Optional[dict[str, Any]] = None
+                    ) -> tuple[str, dict[str, Any], bool]:
+  """The timm model that matches one of ours: `(name, create_model kwargs, grad checkpointing)`.
+
+  The official sizes map to timm's names (ViT-B_16 -> 'vit_base_patch16_224', Ti -> tiny,
+  S -> small, L -> large, H -> huge); a changed architecture (overrides, 'ViT-custom', another
+  patch size) is passed as timm's keyword arguments (embed_dim, depth, num_heads, mlp_ratio,
+  patch_size, class_token / global_pool), dropout as pos_drop_rate / proj_drop_rate /
+  attn_drop_rate, and remat=True as timm's gradient checkpointing.
+
+  Raises:
+    NoTimmModel: T2T-ViT, hybrids, ViT-g/G and representation_size have no timm equivalent.
+  """
+  from vit_jax import models  # pylint: disable=g-import-not-at-top
+  overrides = dict(overrides or {})
+  family, match = models.resolve(model)
+  if family.name not in ("ViT", "ViT-custom"):
+    raise NoTimmModel(f"{model}: timm has no {family.name} model; only ours is measured "
+                      "(the timm comparison covers plain ViTs).")
+  config = models.model_config(model, **overrides)
+  if config.get("representation_size"):
+    raise NoTimmModel(f"{model}: timm's ViT has no representation (pre_logits) layer; only "
+                      "ours is measured.")
+  kwargs: dict[str, Any] = {}
+  if family.name == "ViT":
+    size = match.group("size")
+    size = size if size in ("g", "G") else {k.lower(): k for k in TIMM_SIZES}[size.lower()]
+    if size not in TIMM_SIZES:
+      raise NoTimmModel(f"{model}: ViT-{size} has no timm equivalent; only ours is measured.")
+    patch = int(match.group("patch"))
+    base = models.model_config(model)
+    name = (f"vit_{TIMM_SIZES[size]}_patch{patch}_224" if (size, patch) in TIMM_NAMED else
+            f"vit_{TIMM_SIZES[size]}_patch16_224")
+    changed = (size, patch) not in TIMM_NAMED or any(config[k] != base[k] for k in _ARCH_KEYS)
+  else:
+    name, changed = "vit_base_patch16_224", True
+  if changed:
+    ph, pw = config["patch_size"]
+    kwargs.update(embed_dim=config["hidden_size"], depth=config["num_layers"],
+                  num_heads=config["num_heads"],
+                  mlp_ratio=config["mlp_dim"] / config["hidden_size"],
+                  patch_size=ph if ph == pw else (ph, pw))
+    if config["classifier"] == "gap":
+      kwargs.update(class_token=False, global_pool="avg")
+  if config.get("dropout_rate"):
+    kwargs.update(pos_drop_rate=config["dropout_rate"], proj_drop_rate=config["dropout_rate"])
+  if config.get("attention_dropout_rate"):
+    kwargs["attn_drop_rate"] = config["attention_dropout_rate"]
+  return name, kwargs, bool(config.get("remat"))
+
+
+def missing_bench_packages() -> list[str]:
+  """The packages of the 'bench' extra that cannot be imported."""
+  return [name for name in ("torch", "timm") if importlib.util.find_spec(name) is None]
+
+
+def _training_step(net, images, labels, autocast, sync):
+  """timm's training step: zero_grad, forward, `CrossEntropyLoss`, backward,
+  `clip_grad_norm_(1.0)`, `torch.optim.AdamW(lr=1e-3, betas=(0.9, 0.999))` with weight decay 0.1
+  on the matrices (not on biases, norms, `pos_embed`, `cls_token`)."""
+  import torch  # pylint: disable=g-import-not-at-top
+  net.train()
+  skip = set(net.no_weight_decay()) if hasattr(net, "no_weight_decay") else set()
+  decay, no_decay = [], []
+  for pname, param in net.named_parameters():
+    (decay if param.ndim >= 2 and pname not in skip else no_decay).append(param)
+  opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1},
+                           {"params": no_decay, "weight_decay": 0.0}],
+                          lr=1e-3, betas=(0.9, 0.999))
+  loss_fn = torch.nn.CrossEntropyLoss()
+
+  def run():
+    opt.zero_grad(set_to_none=True)
+    with autocast:
+      logits = net(images)
+    loss = loss_fn(logits.float(), labels)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(net.parameters(), 1.0)
+    opt.step()
+    loss.item()
+    sync()
+
+  return run
+
+
+def measure_timm(model: str, *, batch: int, resolution: int, dtype: str = "float32",
+                 mode: str = "train", warmup: int = 2, steps: int = 5,
+                 overrides: Optional[dict[str, Any]] = None, num_classes: int = 1000,
+                 threads: Optional[int] = None, peak_flops: Optional[float] = None,
+                 analytic_flops: Optional[float] = None, device: str = "cpu"
+                 ) -> dict[str, Any]:
+  """Measures timm's equivalent of `model` (see `timm_equivalent`) in this process.
+
+  The same batch, resolution and dtype (bfloat16: `torch.autocast`) as `ours.measure_ours`;
+  training as `_training_step`; inference `model.eval()` under `torch.inference_mode()`.
+  `analytic_flops` and `peak_flops` (ours) give the utilisation; `threads` is
+  `torch.set_num_threads`; device 'gpu' runs on CUDA when torch has it.
+
+  Raises:
+    NoTimmModel: see `timm_equivalent`; BenchmarkError: bad sizes; ImportError without torch.
+  """
+  check_mode_and_dtype(mode, dtype)
+  check_sizes(batch, resolution, warmup, steps)
+  name, kwargs, checkpointing = timm_equivalent(model, overrides)
+  timm, torchvision_ops = _import_timm()
+  import torch  # pylint: disable=g-import-not-at-top
+  rss_after_imports = rss_now_mib()
+  if threads:
+    torch.set_num_threads(threads)
+  torch.manual_seed(0)
+  dev = torch.device("cuda" if device == "gpu" and torch.cuda.is_available() else "cpu")
+  net = timm.create_model(name, pretrained=False, num_classes=num_classes, img_size=resolution,
+                          **kwargs).to(dev)
+  if checkpointing:
+    net.set_grad_checkpointing(True)
+  num_params = sum(p.numel() for p in net.parameters())
+  images = torch.randn(batch, 3, resolution, resolution, device=dev)
+  labels = torch.randint(0, num_classes, (batch,), device=dev)
+  autocast = (torch.autocast(dev.type, dtype=torch.bfloat16) if dtype == "bfloat16"
+              else contextlib.nullcontext())
+  sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+  if mode == "train":
+    run = _training_step(net, images, labels, autocast, sync)
+  else:
+    net.eval()
+
+    def run():
+      with torch.inference_mode(), autocast:
+        net(images)
+      sync()
+
+  first = timed(run, 1)[0]
+  timed(run, warmup)
+  times = timed(run, steps)
+  result: dict[str, Any] = {
+      "framework": "timm", "model": model, "timm_model": name, "timm_kwargs": kwargs,
+      "grad_checkpointing": checkpointing, "overrides": dict(overrides or {}), "mode": mode,
+      "batch": batch, "resolution": resolution, "dtype": dtype, "num_classes": num_classes,
+      "num_params": int(num_params), "warmup_steps": warmup, "timed_steps": steps,
+      "lower_seconds": None, "compile_seconds": None, "first_step_seconds": first,
+      "flops_per_step_xla": None, "flops_per_step_analytic": analytic_flops,
+      "peak_rss_mib": peak_rss_mib(), "rss_after_imports_mib": rss_after_imports,
+      "device_peak_mib": (torch.cuda.max_memory_allocated() / 2**20 if dev.type == "cuda"
+                          else None),
+      "platform": "gpu" if dev.type == "cuda" else "cpu", "device_kind": str(dev),
+      "torchvision_ops": torchvision_ops,
+      "peak_flops_per_device": peak_flops, "peak_source": "ours (same device)",
+      "threads": dict(thread_facts(), torch_num_threads=torch.get_num_threads(),
+                      torch_num_interop_threads=torch.get_num_interop_threads()),
+  }
+  fill_rates(result, batch, times)
+  return result
+
+
+def _import_timm():
+  """`import timm`, also next to a torchvision whose C++ ops do not load.
+
+  torchvision 0.28 fails on import when its `_C` extension cannot load (e.g. a CUDA torchvision
+  wheel beside a CPU-only torch): it registers fake kernels for `torchvision::nms` and `qnms`
+  without checking that the ops exist. timm imports torchvision, but its ViT uses none of its
+  ops, so the two schemas are declared and the import retried.
+
+  Returns:
+    `(timm module, whether torchvision's ops loaded)`.
+  """
+  import torch  # pylint: disable=g-import-not-at-top
+  try:
+    import timm  # pylint: disable=g-import-not-at-top
+    return timm, True
+  except RuntimeError as e:
+    if "torchvision::" not in str(e):
+      raise
+  for name in [m for m in sys.modules if m.split(".")[0] in ("torchvision", "timm")]:
+    del sys.modules[name]
+  library = torch.library.Library("torchvision", "FRAGMENT")
+  for op in ("nms", "qnms"):
+    library.define(f"{op}(Tensor dets, Tensor scores, float iou_threshold) -> Tensor")
+  _import_timm.library = library  # Registrations last as long as the library object.
+  import timm  # pylint: disable=g-import-not-at-top,redefined-outer-name
+  return timm, False

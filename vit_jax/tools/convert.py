@@ -1,0 +1,164 @@
+"""Converts model checkpoints between formats: ``python -m vit_jax.convert SRC DST``.
+
+Reads anything :func:`vit_jax.checkpoint.load` reads (an official ViT ``.npz``, a T2T-ViT
+``.pth.tar``, an Orbax checkpoint or training workdir of this project) and writes
+
+* a **directory** ``DST``: an Orbax checkpoint of ``{'params': ..., 'model_state': {...}}`` (the
+  fixed tables of T2T-ViT go in ``model_state``), the format of this project's training
+  checkpoints without the optimizer state. ``vit_jax.checkpoint.load(DST)`` restores it and
+  ``--config.init_from=DST`` fine-tunes from it;
+* a file ending in ``.npz``: the official ViT layout (flat ``/``-joined Linen names,
+  ``encoderblock_{i}``), for models with parameters only (ViT; a T2T-ViT needs its fixed tables,
+  so write it to a directory).
+
+Examples::
+
+  python -m vit_jax.convert 81.5_T2T_ViT_14.pth.tar /ckpt/t2t_vit_14 --model T2T-ViT-14
+  python -m vit_jax.convert /workdirs/vit_b16_cifar /ckpt/vit_b16_cifar.npz
+  python -m vit_jax.convert ViT-B_16.npz /ckpt/vit_b16
+
+It prints what it wrote (format, parameter count, collections). Exit status 2 on bad input, with
+the reason; an existing ``DST`` is never overwritten unless ``--overwrite`` is given.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import os
+import sys
+from typing import Any, Dict, Optional, Sequence, Tuple
+
+import numpy as np
+
+from vit_jax import checkpoint
+
+
+def read(src: str, *, model_name: Optional[str] = None, use_ema: bool = True,
+         overrides: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
+  """Loads ``src`` as ``{'params': ..., **collections}`` of NumPy arrays.
+
+  Args:
+    src: any path :func:`vit_jax.checkpoint.load` accepts.
+    model_name: needed for PyTorch (T2T-ViT) files only: the variant, e.g. 'T2T-ViT-14'; the
+      class count and input size are read from the file (``head.weight``, ``pos_embed``).
+    use_ema: prefer the checkpoint's parameter EMA (``state_dict_ema`` / ``ema_params``).
+    overrides: model fields for ``vit_jax.models.create`` (e.g. ``embed_dim`` of a
+      'T2T-ViT-custom' model).
+
+  Raises:
+    FileNotFoundError: nothing at ``src``.
+    ValueError: a PyTorch file without ``model_name``, plus the errors of ``checkpoint.load``.
+  """
+  if checkpoint.detect(src) == checkpoint.formats.PYTORCH:
+    if not model_name:
+      raise ValueError(f'{src} is a PyTorch checkpoint: name its model with --model (e.g. '
+                       '--model T2T-ViT-14 or --model T2T-ViT_t-14).')
+    from vit_jax import models  # pylint: disable=g-import-not-at-top
+    overrides = dict(overrides or {})
+    if 'num_classes' in overrides:
+      raise ValueError('--set num_classes: the class count (and the input size) are read from '
+                       "the file's head.weight and pos_embed; drop it.")
+    model = models.create(model_name, num_classes=1000, **overrides)
+    return checkpoint.load_torch_as_saved(src, model, use_ema=use_ema)
+  if model_name or overrides:
+    print(f'note: --model/--set apply to PyTorch files only; {src} needs neither (ignored).',
+          file=sys.stderr)
+  return checkpoint.load(src, use_ema=use_ema)
+
+
+def write(variables: Dict[str, Any], dst: str, *, overwrite: bool = False) -> str:
+  """Writes ``variables`` to ``dst`` (a ``.npz`` file or an Orbax directory); returns the format.
+
+  Raises:
+    FileExistsError: ``dst`` exists and ``overwrite`` is False.
+    ValueError: ``.npz`` requested for variables with collections other than ``params``.
+  """
+  if os.path.exists(dst) and not overwrite:
+    raise FileExistsError(f'{dst} exists; choose a new destination or pass --overwrite.')
+  from vit_jax.models import layout  # pylint: disable=g-import-not-at-top
+  variables = layout.unbox(variables)  # Plain arrays (model.init boxes them with axis names).
+  if dst.endswith('.npz'):
+    extra = sorted(k for k in variables if k != 'params')
+    if extra:
+      raise ValueError(
+          f'The model has fixed tables besides its parameters ({", ".join(extra)}), which the '
+          'official .npz layout cannot hold; give a directory as the destination (an Orbax '
+          'checkpoint).')
+    checkpoint.save_npz(dst, variables['params'])
+    return 'official ViT .npz'
+  checkpoint.save_orbax(dst, variables, overwrite=overwrite)
+  return 'Orbax checkpoint'
+
+
+def _summary(variables: Dict[str, Any]) -> str:
+  lines = []
+  for name, tree in variables.items():
+    leaves = checkpoint.flatten_params(tree)
+    count = sum(int(np.size(v)) for v in leaves.values())
+    dtypes = sorted({str(np.asarray(v).dtype) for v in leaves.values()})
+    lines.append(f'  {name}: {len(leaves)} arrays, {count:,} values ({", ".join(dtypes)})')
+  return '\n'.join(lines)
+
+
+def _parse_setting(text: str) -> Tuple[str, Any]:
+  """'embed_dim=64' -> ('embed_dim', 64); a non-literal value stays a string ('performer')."""
+  key, sep, value = text.partition('=')
+  if not sep or not key:
+    raise ValueError(f'--set {text!r}: expected KEY=VALUE, e.g. --set embed_dim=64.')
+  try:
+    return key, ast.literal_eval(value)
+  except (ValueError, SyntaxError):
+    return key, value
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+  parser = argparse.ArgumentParser(
+      prog='python -m vit_jax.convert',
+      description=__doc__.split('\n\n')[0] + ' DST is an Orbax checkpoint directory, or an '
+      'official-layout .npz file (ViT parameters only).',
+      formatter_class=argparse.RawDescriptionHelpFormatter,
+      epilog='Examples:\n'
+      '  python -m vit_jax.convert 81.5_T2T_ViT_14.pth.tar /ckpt/t2t_vit_14 --model T2T-ViT-14\n'
+      '  python -m vit_jax.convert /workdirs/vit_cifar /ckpt/vit_cifar.npz\n'
+      'Then fine-tune with --config.init_from=/ckpt/t2t_vit_14.')
+  parser.add_argument('src', help='.npz, .pth/.pth.tar/.pt (T2T-ViT), Orbax checkpoint or '
+                      'training workdir (its latest step)')
+  parser.add_argument('dst', help='a new directory (Orbax checkpoint) or a path ending in .npz')
+  parser.add_argument('--model', help='model name, required for PyTorch files '
+                      '(T2T-ViT-7/10/12/14/19/24, T2T-ViT_t-14/19/24)')
+  parser.add_argument('--set', action='append', default=[], metavar='KEY=VALUE',
+                      help='a model field for --model, repeatable (e.g. --set embed_dim=64 for '
+                      'T2T-ViT-custom); values are Python literals')
+  parser.add_argument('--no_ema', action='store_true',
+                      help='take the trained weights rather than their EMA when the source has both')
+  parser.add_argument('--overwrite', action='store_true', help='replace an existing DST')
+  args = parser.parse_args(argv)
+  try:
+    src, dst = os.path.realpath(args.src), os.path.realpath(args.dst)
+    if src == dst or dst.startswith(src + os.sep) or src.startswith(dst + os.sep):
+      raise ValueError(f'{args.dst} is (or contains, or is inside) the source {args.src}: '
+                       'write to a new path, the source is never replaced.')
+    if args.dst.lower().endswith(('.pth', '.pt', '.tar', '.npy', '.pkl', '.msgpack')):
+      raise ValueError(f'{args.dst}: the destination is a directory (Orbax checkpoint) or a '
+                       '.npz file; other formats are not written.')
+    if os.path.exists(args.dst) and not args.overwrite:  # Before the (long) read.
+      raise FileExistsError(f'{args.dst} exists; choose a new destination or pass --overwrite.')
+    variables = read(args.src, model_name=args.model, use_ema=not args.no_ema,
+                     overrides=dict(_parse_setting(s) for s in args.set))
+    kind = write(variables, args.dst, overwrite=args.overwrite)
+  except (ValueError, TypeError, FileNotFoundError, FileExistsError) as e:
+    reason = e.strerror if isinstance(e, OSError) and e.strerror else e
+    print(f'error: {reason}', file=sys.stderr)
+    return 2
+  print(f'Wrote {kind} {args.dst} from {args.src}:\n{_summary(variables)}')
+  return 0
+
+
+def run_main() -> None:
+  """`python -m vit_jax.convert`: `main()`'s status as the exit code."""
+  sys.exit(main())
+
+
+if __name__ == '__main__':
+  run_main()

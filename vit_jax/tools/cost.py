@@ -1,0 +1,249 @@
+r"""Predicts what a training run costs before it runs: FLOPs, TPU-core-days and wall time.
+
+Usage:
+  python -m vit_jax.cost --config configs/<file>.py:<args> [--config.key=value ...] \
+      [--accelerator v3-256] [--mfu 0.35]
+  python -m vit_jax.cost --table2
+
+Examples:
+  # ViT-L/16 pretraining on ImageNet-21k (90 epochs, batch 4096) on a TPU v3-256 at 35% MFU.
+  python -m vit_jax.cost --config configs/vit.py:l16,imagenet21k --accelerator v3-256
+  # The same on a v4-128 at 50% MFU; any config override works as in vit_jax.main.
+  python -m vit_jax.cost --config configs/vit.py:l16,imagenet21k --accelerator v4-128 \
+      --mfu 0.5 --config.batch_size=2048
+  # The ViT paper's Table 2: the MFU that each reported TPUv3-core-days figure implies.
+  python -m vit_jax.cost --table2
+
+The model's forward pass is traced with abstract shapes (nothing is compiled, allocated or
+trained) and its matrix products counted (`vit_jax.flops.model_forward_macs`); training costs 3
+forward passes (forward + backward). Training FLOPs = 3 x 2 x MACs x batch x steps, where steps
+come from the config (`total_steps`, or `num_epochs` of `data.train_split`). Wall time =
+FLOPs / (MFU x peak FLOP/s of the accelerator); core-days = wall days x TensorCores. Evaluation,
+compilation and input stalls are not included: `workdir/cost.json` of a real run measures them.
+The dataset's size comes from --num_train_examples, else from a table of well-known datasets
+(no download needed), else from the prepared tfds dataset.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from absl import app
+from absl import flags
+from absl import logging
+from ml_collections import config_flags
+
+from vit_jax import cli
+from vit_jax import platform
+
+# Split sizes and classes of datasets that are large or need a manual download, so that an
+# estimate needs no data. ImageNet-21k: the fall 2011 release the ViT paper uses (14M images),
+# with the 21,843 classes of the official checkpoints.
+KNOWN_DATASETS = {
+    "imagenet2012": ({"train": 1_281_167, "validation": 50_000}, 1000),
+    "imagenet21k": ({"train": 14_197_122}, 21_843),
+    "cifar10": ({"train": 50_000, "test": 10_000}, 10),
+    "cifar100": ({"train": 50_000, "test": 10_000}, 100),
+    "oxford_iiit_pet": ({"train": 3_680, "test": 3_669}, 37),
+    "oxford_flowers102": ({"train": 1_020, "validation": 1_020, "test": 6_149}, 102),
+    "fashion_mnist": ({"train": 60_000, "test": 10_000}, 10),
+    "fashion_mnist_local": ({"train": 60_000, "test": 10_000}, 10),
+}
+
+
+def split_size(split: str, sizes: dict[str, int]) -> int:
+  """Examples in a tfds split spec ('train[:99%]', 'train+validation') of splits of `sizes`.
+
+  Raises:
+    ValueError: the spec names a split that is not in `sizes`.
+  """
+  import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top
+  infos = {name: tfds.core.SplitInfo(name=name, shard_lengths=[n], num_bytes=0,
+                                     filename_template=None) for name, n in sizes.items()}
+  try:
+    parts = tfds.core.ReadInstruction.from_spec(split).to_absolute(infos)
+  except (KeyError, ValueError, AssertionError) as e:
+    raise ValueError(f"Split {split!r} does not fit the splits {sorted(sizes)}: {e}") from e
+  return sum((p.to if p.to is not None else sizes[p.splitname]) - (p.from_ or 0) for p in parts)
+
+
+def dataset_facts(config, num_train_examples=None, num_classes=None) -> tuple[int, int, str]:
+  """(train examples, classes, where they come from) for `config.data`.
+
+  Raises:
+    ValueError: the dataset is unknown and not prepared; the message names the flags to give.
+  """
+  name = config.data.image_folder or config.data.name
+  for flag, value in (("num_train_examples", num_train_examples), ("num_classes", num_classes)):
+    if value is not None and value <= 0:
+      raise ValueError(f"--{flag}={value} must be positive.")
+  if num_train_examples and num_classes:
+    return num_train_examples, num_classes, "given"
+  if name in KNOWN_DATASETS:
+    sizes, classes = KNOWN_DATASETS[name]
+    return (num_train_examples or split_size(config.data.train_split, sizes),
+            num_classes or classes, f"{name}'s published size")
+  from vit_jax import data  # pylint: disable=g-import-not-at-top
+  try:
+    info = data.get_info(config.data)
+  except Exception as e:  # pylint: disable=broad-except
+    raise ValueError(
+        f"Cannot size the dataset {name!r} ({e}). Give --num_train_examples=N and "
+        "--num_classes=C.") from e
+  return (num_train_examples or info.num_train_examples, num_classes or info.num_classes,
+          "the prepared dataset")
+
+
+def estimate(config, accelerator: str, mfu: float, num_train_examples=None,
+             num_classes=None) -> dict:
+  """The predicted cost of training `config` on `accelerator` at utilisation `mfu`.
+
+  Returns:
+    A dict: model, parameters, image_size, forward_macs (per image), steps, images,
+    training_flops, hardware (a `vit_jax.accounting.Hardware`), days (wall), core_days and
+    chip_days (TPU; None elsewhere), device_days, and dataset (where its size came from).
+
+  Raises:
+    ValueError: a bad accelerator, MFU, dataset or config (e.g. an image size the patch size
+      does not divide).
+  """
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  from vit_jax import accounting, flops, models, step  # pylint: disable=g-import-not-at-top
+  from vit_jax import config as config_lib  # pylint: disable=g-import-not-at-top
+
+  if not 0 < mfu <= 1:
+    raise ValueError(f"--mfu={mfu} must be in (0, 1], e.g. 0.35 for 35%.")
+  if config.batch_size <= 0:
+    raise ValueError(f"config.batch_size={config.batch_size} must be positive.")
+  config = config_lib.fill_regime(config)  # An unlocked copy; the regime's fields filled.
+  hw = accounting.accelerator(accelerator, str(config.model.dtype))
+  examples, classes, source = dataset_facts(config, num_train_examples, num_classes)
+  steps = config_lib.num_train_steps(config, examples)
+  if config.num_classes is None:
+    config.num_classes = classes
+  # Every attention implementation does the same products: count them with XLA's, which traces
+  # on any host.
+  config.model.attention = "xla"
+  model = step.create_model(config)
+  size = config.data.image_size
+  image_shape = (size, size, 3)
+  macs = flops.model_forward_macs(model, image_shape)
+  variables = jax.eval_shape(
+      lambda: model.init(jax.random.key(0), jnp.zeros((1, *image_shape)), train=False))
+  parameters = sum(x.size for x in jax.tree.leaves(models.unbox(variables)["params"]))
+  images = steps * config.batch_size
+  training = flops.training_flops(macs, images)
+  seconds = training / (mfu * hw.peak_flops_per_device * hw.num_devices)
+  days = seconds / accounting.SECONDS_PER_DAY
+  return {
+      "model": config.model_name, "parameters": parameters, "image_size": size,
+      "forward_macs": macs, "batch_size": config.batch_size, "steps": steps, "images": images,
+      "epochs": images / examples, "train_examples": examples, "dataset": source,
+      "training_flops": training, "hardware": hw, "mfu": mfu, "days": days,
+      "device_days": days * hw.num_devices,
+      "core_days": days * hw.cores if hw.cores else None,
+      "chip_days": days * hw.chips if hw.chips else None,
+  }
+
+
+def format_estimate(est: dict, accelerator: str) -> str:
+  """The estimate as an aligned two-column table."""
+  hw = est["hardware"]
+  rows = [
+      ("model", f"{est['model']}, {est['parameters']:,} parameters, {est['image_size']} px"),
+      ("forward pass", f"{2 * est['forward_macs'] / 1e9:,.2f} GFLOPs per image "
+                       f"({est['forward_macs'] / 1e9:,.2f} G multiply-adds, matmuls only)"),
+      ("schedule", f"{est['steps']:,} steps of {est['batch_size']:,} images = "
+                   f"{est['images']:.4g} images ({est['epochs']:.4g} epochs of "
+                   f"{est['train_examples']:,}, {est['dataset']})"),
+      ("training", f"{est['training_flops']:.4g} FLOPs (3 forward passes per image)"),
+      ("accelerator", f"{accelerator}: {hw.describe()}"),
+      ("assumed MFU", f"{est['mfu']:.0%}"),
+      ("wall time", f"{est['days']:,.2f} days ({est['days'] * 24:,.1f} hours)"
+                    if est["days"] >= 0.1 else f"{est['days'] * 24 * 60:,.3g} minutes"),
+  ]
+  if est["core_days"] is not None:
+    rows.append(("TPU-core-days", f"{_days(est['core_days'])} {hw.device_kind} core-days "
+                                  f"({_days(est['chip_days'])} chip-days)"))
+  else:
+    rows.append(("device-days", f"{_days(est['device_days'])} {hw.device_kind} device-days"))
+  width = max(len(k) for k, _ in rows)
+  return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
+
+
+def _days(days: float) -> str:
+  """'251.3' for large figures, three significant digits for small ones ('0.00412')."""
+  return f"{days:,.1f}" if days >= 10 else f"{days:.3g}"
+
+
+def table2() -> str:
+  """The ViT paper's Table 2 compute column, each model counted by tracing this project's own
+  model (which agrees with `vit_jax.flops.vit_forward_macs`), as a Markdown table."""
+  from vit_jax import flops, models  # pylint: disable=g-import-not-at-top
+  for run in flops.TABLE2:
+    model = models.create(run.model.replace("/", "_"), num_classes=run.num_classes,
+                          representation_size=run.hidden_size)
+    traced = flops.model_forward_macs(model, (run.image_size, run.image_size, 3))
+    if traced != run.forward_macs:
+      raise AssertionError(f"{run.model}: traced {traced} MACs, formula {run.forward_macs}.")
+  return flops.table2_markdown()
+
+
+def _define_flags() -> None:
+  """The command line's flags (defined only when run as a program, so that importing this
+  module next to `vit_jax.main`, which also has --config, is fine)."""
+  global _CONFIG, _ACCELERATOR, _MFU, _NUM_TRAIN_EXAMPLES, _NUM_CLASSES, _TABLE2
+  _CONFIG = config_flags.DEFINE_config_file(
+      "config", None, "Training config, as for vit_jax.main: configs/<file>.py[:<args>], with "
+      "--config.key=value overrides.", lock_config=True)
+  _ACCELERATOR = flags.DEFINE_string(
+      "accelerator", "v3-8", "Cloud TPU type (v3-8, v3-256, v4-32, v5p-8: the number counts "
+      "TensorCores; v5litepod-16, v6e-8: chips) or a GPU count (a100-8, h100-8).")
+  _MFU = flags.DEFINE_float(
+      "mfu", 0.35, "Assumed model FLOP utilisation, 0..1 (the ViT paper's Table 2 implies 0.22 to "
+      "0.38 on TPU v3; see --table2).")
+  _NUM_TRAIN_EXAMPLES = flags.DEFINE_integer(
+      "num_train_examples", None, "Examples in config.data.train_split (default: known datasets' "
+      "sizes, else the prepared tfds dataset's).")
+  _NUM_CLASSES = flags.DEFINE_integer(
+      "num_classes", None, "Classes of the dataset (default: as for --num_train_examples).")
+  _TABLE2 = flags.DEFINE_bool(
+      "table2", False, "Print the ViT paper's Table 2 compute column with the MFU each reported "
+      "TPUv3-core-days figure implies, counted from this project's models.")
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f"Unexpected arguments: {' '.join(argv[1:])}")
+  logging.get_absl_handler().addFilter(platform.QuietLibraries())
+  if _TABLE2.value:
+    print(table2())
+    print("\nAssumptions: forward FLOPs of the matrix products at 224 px with a representation "
+          "layer of width D; training = 3 forward passes; ImageNet-21k = 14M images, JFT-300M = "
+          "303M; a TPU v3 core peaks at 61.5 TFLOP/s (bfloat16).")
+    return
+  if _CONFIG.value is None:
+    sys.stderr.write("FATAL: Give --config=configs/<file>.py[:<args>] (or --table2); "
+                     "--helpfull lists every flag.\n")
+    sys.exit(2)
+  try:
+    est = estimate(_CONFIG.value, _ACCELERATOR.value, _MFU.value, _NUM_TRAIN_EXAMPLES.value,
+                   _NUM_CLASSES.value)
+  except ValueError as e:
+    sys.stderr.write(f"FATAL: {e}\n")
+    sys.exit(2)
+  print(format_estimate(est, _ACCELERATOR.value))
+
+
+def run_main() -> None:
+  """The program (`python -m vit_jax.cost`): absl's flags, then `main`."""
+  os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")
+  sys.modules["__main__"].__doc__ = __doc__  # absl's --help shows the program's docstring.
+  _define_flags()
+  app.run(main, flags_parser=cli.parse_flags)
+
+
+if __name__ == "__main__":
+  run_main()
