@@ -245,3 +245,31 @@ def folder_run_config(model_name: str, folder: str, image_size: int, *,
   config.total_steps = total_steps
   config.optim.warmup_steps = 0
   return config
+
+
+def skip_cpu_peak_measurement(monkeypatch) -> None:
+  """Makes `vit_jax.accounting.measure_cpu_peak` return 1e11 FLOP/s without measuring.
+
+  The measurement (about a second of 2048^3 matmuls, once per process) starts every
+  `train_and_evaluate` that is the first of its process; a test of a config that is refused
+  before any work (and so reports no cost) need not pay it.
+  """
+  from vit_jax import accounting  # pylint: disable=g-import-not-at-top
+  monkeypatch.setattr(accounting, 'measure_cpu_peak', lambda *args, **kwargs: 1e11)
+
+
+def override(config, overrides: dict):
+  """Sets {'section.key': value} in `config` in place, as `--config.section.key=value` would.
+
+  Returns `config`. A key the config does not have raises (KeyError/AttributeError from
+  ml_collections) unless the config is unlocked.
+  """
+  for key, value in overrides.items():
+    section, _, name = key.rpartition(".")
+    (config[section] if section else config)[name] = value
+  return config
+
+
+def main_flags(overrides: dict) -> list:
+  """`overrides` as the `--config.<key>=<value>` flags of `python -m vit_jax.main`."""
+  return [f"--config.{key}={value}" for key, value in overrides.items()]

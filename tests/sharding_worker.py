@@ -116,7 +116,9 @@ def main(argv):
   parser.add_argument("--meshes", required=True)
   parser.add_argument("--workdir")
   args = parser.parse_args(argv)
-  os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={args.devices}"
+  # Appended: the flags inherited from tests/conftest.py (fast compilation) stay in force.
+  os.environ["XLA_FLAGS"] = (f"{os.environ.get('XLA_FLAGS', '')} "
+                             f"--xla_force_host_platform_device_count={args.devices}").strip()
   os.environ["JAX_PLATFORMS"] = "cpu"
   import jax  # pylint: disable=g-import-not-at-top
   assert jax.device_count() == args.devices, jax.devices()

@@ -36,6 +36,7 @@ def test_compiled_cost_analysis_agrees_with_the_analytic_count():
   assert 1.0 <= cost["flops"] / analytic < 1.03
 
 
+@pytest.mark.slow
 def test_compiled_training_step_agrees_with_three_forward_passes():
   """A ViT-B/16 AdamW step (forward, backward, update) by XLA: within 3% of 3 x the forward."""
   model = models.create("ViT-B_16", num_classes=1000)  # XLA's attention (the default).

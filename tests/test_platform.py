@@ -94,6 +94,7 @@ print((resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / 3)
 """
 
 
+@pytest.mark.slow
 @needs_huge_pages
 def test_huge_pages_remove_the_page_faults_of_xlas_fresh_temporaries():
   faults = {}

@@ -7,6 +7,7 @@ import numpy as np
 import optax
 import pytest
 
+from tests import data_utils
 from vit_jax import config as config_lib
 from vit_jax import optim
 from vit_jax import step as step_lib
@@ -19,9 +20,7 @@ def _setup(**changes):
   config.update(batch_size=4, total_steps=10)
   config.optim.warmup_steps = 0
   config.data.image_size = 8
-  for key, value in changes.items():
-    section, _, name = key.rpartition(".")
-    (config[section] if section else config)[name] = value
+  data_utils.override(config, changes)
   resolved = config_lib.resolve(config, num_train_examples=16, num_classes=3,
                                 devices=jax.devices()[:1])
   return step_lib.build(resolved, image_shape=(8, 8, 3), devices=jax.devices()[:1])
@@ -80,6 +79,7 @@ def test_train_step_lowers_the_loss_and_keeps_an_ema():
   assert sorted(metrics) == ["grad_norm", "loss", "lr", "param_norm"]
 
 
+@pytest.mark.slow
 def test_gradient_accumulation_gives_the_full_batch_update():
   """Two micro-batches of 2 give the same update as one batch of 4 (no dropout)."""
   updated = []
@@ -93,6 +93,7 @@ def test_gradient_accumulation_gives_the_full_batch_update():
   assert updated[0][1] == pytest.approx(updated[1][1], rel=1e-5)
 
 
+@pytest.mark.slow
 def test_skipped_update_leaves_the_state_unchanged():
   setup = _setup(**{"optim.max_skipped_updates": 2})
   state = jax.jit(setup.init_state)(setup.init_rng)

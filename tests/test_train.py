@@ -1,8 +1,10 @@
 """The training loop (vit_jax.train) and the `vit_jax.main` entry point, end to end on tiny data."""
 
 import glob
+import logging
 import os
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -12,6 +14,7 @@ import numpy as np
 import pytest
 
 from tests import data_utils
+from vit_jax import cli
 from vit_jax import config as config_lib
 from vit_jax import platform
 from vit_jax import models as models_lib
@@ -36,46 +39,63 @@ def _run_main(*args, timeout=300):
                         capture_output=True, text=True, timeout=timeout)
 
 
-def test_unknown_config_key_fails_with_a_clear_message(tmp_path):
-  proc = _run_main("--config", "configs/fashion_mnist.py", "--workdir", str(tmp_path),
-                   "--config.unknown_key=1")
-  assert proc.returncode == 2, proc.stderr[-2000:]
-  assert "Unknown config key 'unknown_key'" in proc.stderr
-  assert "Keys there:" in proc.stderr
-  proc = _run_main("--config", "configs/fashion_mnist.py", "--workdir", str(tmp_path),
-                   "--config.optim.learning_rate=0.1")
-  assert proc.returncode == 2
-  assert "Unknown config key 'optim.learning_rate'" in proc.stderr
-  assert not list(tmp_path.iterdir())  # Nothing was started.
+def test_an_unknown_config_key_is_named_with_the_keys_there():
+  """The message `python -m vit_jax.main` stops with (exit code 2: the slow test below)."""
+  config = ["--config", "configs/fashion_mnist.py"]
+  message = cli.unknown_override_message([*config, "--config.unknown_key=1"])
+  assert message.startswith("Unknown config key 'unknown_key' in '--config.unknown_key=1': the "
+                            "config configs/fashion_mnist.py has no 'unknown_key' at the top "
+                            "level. Keys there: async_checkpointing, batch_size, ")
+  message = cli.unknown_override_message([*config, "--config.optim.learning_rate=0.1"])
+  assert message.startswith("Unknown config key 'optim.learning_rate' in "
+                            "'--config.optim.learning_rate=0.1'")
+  assert "has no 'learning_rate' at optim. Keys there: b1, b2, " in message
+  assert cli.unknown_override_message([*config, "--config.optim.lr=0.1"]) is None
 
 
-def test_bad_config_values_fail_in_one_line_before_the_workdir_is_touched(tmp_path):
+def test_bad_config_values_stop_the_run_before_the_workdir_is_touched(tmp_path, monkeypatch):
+  """Refused in the config phase of `train_and_evaluate`, with a message naming the value."""
+  data_utils.skip_cpu_peak_measurement(monkeypatch)
+  folder = data_utils.make_image_folder(str(tmp_path / "images"), num_classes=3, per_class=1,
+                                        size=8)
   workdir = tmp_path / "never_created"
-  proc = _run_main("--config", "configs/fashion_mnist.py", "--workdir", str(workdir),
-                   "--config.data.image_size=30")
-  assert proc.returncode == 2, proc.stderr[-2000:]
-  fatal = [l for l in proc.stderr.splitlines() if l.startswith("FATAL:")]
-  assert fatal and "Image height 30 is not divisible by the patch size 7" in fatal[0]
-  assert "Traceback" not in proc.stderr
-  assert not workdir.exists()
-  proc = _run_main("--config", "configs/fashion_mnist.py", "--workdir", str(workdir),
-                   "--config.data.name=no_such_dataset")
-  assert proc.returncode == 2
-  assert "config.data.name='no_such_dataset' is neither a registered tfds dataset" in proc.stderr
-  assert not workdir.exists()
-  proc = _run_main("--config", "configs/fashion_mnist.py", "--workdir", str(workdir),
-                   "--config.label_smoothing=1.5")
-  assert proc.returncode == 2 and "config.label_smoothing=1.5 must be in [0, 1)" in proc.stderr
-  proc = _run_main("--config", "configs/fashion_mnist.py", "--workdir", str(workdir),
-                   "--config.batch_size=abc")  # A wrong type.
-  assert proc.returncode == 2
-  assert "FATAL: flag --config.batch_size=abc: invalid literal for int()" in proc.stderr
-  # A config file that refuses its argument: one line, the file's own message, no traceback.
-  proc = _run_main("--config", "configs/t2t.py:99", "--workdir", str(workdir))
-  assert proc.returncode == 2 and "Traceback" not in proc.stderr
-  fatal = [l for l in proc.stderr.splitlines() if l.startswith("FATAL:")]
-  assert fatal and "configs/t2t.py: unknown model '99'; use one of 7, 10, 12" in fatal[0]
-  assert not workdir.exists()
+  for overrides, message in [
+      ({"data.image_size": 30}, "Image height 30 is not divisible by the patch size 4"),
+      ({"data.image_folder": None, "data.name": "no_such_dataset"},
+       "config.data.name='no_such_dataset' is neither a registered tfds dataset"),
+      ({"label_smoothing": 1.5}, "config.label_smoothing=1.5 must be in [0, 1)")]:
+    with pytest.raises(train.ConfigError, match=re.escape(message)):
+      train.train_and_evaluate(_tiny_folder_config(folder, **overrides), str(workdir))
+    assert not workdir.exists()
+
+
+@pytest.mark.slow
+def test_main_stops_on_bad_flags_and_configs_with_one_line_and_exit_code_2(tmp_path):
+  """`python -m vit_jax.main`: a bad flag, a config file that refuses its argument and a config
+  refused by the config phase each end with one FATAL line, no traceback and exit code 2,
+  before the workdir is created."""
+  folder = data_utils.make_image_folder(str(tmp_path / "images"), num_classes=3, per_class=1,
+                                        size=8)
+  workdir = tmp_path / "never_created"
+  fashion_mnist = ["--config", "configs/fashion_mnist.py", "--workdir", str(workdir)]
+  for args, message in [
+      ([*fashion_mnist, "--config.unknown_key=1"],
+       "FATAL: Unknown config key 'unknown_key' in '--config.unknown_key=1'"),
+      ([*fashion_mnist, "--config.batch_size=abc"],  # A wrong type.
+       "FATAL: flag --config.batch_size=abc: invalid literal for int()"),
+      # A config file that refuses its argument: the file's own message.
+      (["--config", "configs/t2t.py:99", "--workdir", str(workdir)],
+       "configs/t2t.py: unknown model '99'; use one of 7, 10, 12"),
+      # Refused by the config phase of the training (vit_jax.train.ConfigError).
+      ([*fashion_mnist, f"--config.data.image_folder={folder}", "--config.data.image_size=30",
+        "--config.total_steps=1000"],
+       "FATAL: Image height 30 is not divisible by the patch size 7")]:
+    proc = _run_main(*args)
+    assert proc.returncode == 2, (args, proc.stderr[-2000:])
+    fatal = [l for l in proc.stderr.splitlines() if l.startswith("FATAL:")]
+    assert len(fatal) == 1 and message in fatal[0], (args, proc.stderr[-2000:])
+    assert "Traceback" not in proc.stderr
+    assert not workdir.exists()
 
 
 def _scalars(workdir):
@@ -92,19 +112,19 @@ def _scalars(workdir):
 
 
 @pytest.mark.slow
-def test_main_trains_writes_metrics_and_resumes(tmp_path):
+def test_main_trains_writes_metrics_and_resumes(tmp_path, caplog):
+  """`python -m vit_jax.main` trains 4 steps; the same config with a longer schedule resumes at
+  step 4 (run in this process: resuming is `train_and_evaluate`'s), then only evaluates."""
   folder = data_utils.make_image_folder(str(tmp_path / "images"), num_classes=3, per_class=5,
                                         size=8)
   workdir = str(tmp_path / "workdir")
-  common = ["--config", "configs/fashion_mnist.py", "--workdir", workdir,
-            f"--config.data.image_folder={folder}", "--config.data.image_size=8",
-            "--config.model.hidden_size=8", "--config.model.mlp_dim=16",
-            "--config.model.num_heads=2", "--config.model.num_layers=1",
-            "--config.model.patch_size=(4,4)", "--config.batch_size=4",
-            "--config.optim.warmup_steps=1",
-            "--config.log_every_steps=2", "--config.eval_every_steps=2",
-            "--config.checkpoint_every_steps=2"]
-  first = _run_main(*common, "--config.total_steps=4")
+  overrides = {"data.image_folder": folder, "data.image_size": 8, "model.hidden_size": 8,
+               "model.mlp_dim": 16, "model.num_heads": 2, "model.num_layers": 1,
+               "model.patch_size": (4, 4), "batch_size": 4, "optim.warmup_steps": 1,
+               "log_every_steps": 2, "eval_every_steps": 2, "checkpoint_every_steps": 2}
+  first = _run_main("--config", "configs/fashion_mnist.py", "--workdir", workdir,
+                    *data_utils.main_flags(overrides),
+                    "--config.total_steps=4")
   assert first.returncode == 0, first.stderr[-3000:]
   if platform.huge_pages_environment({}) is not None:  # It re-executed itself with huge pages.
     assert "malloc: transparent huge pages for large allocations" in first.stderr
@@ -120,17 +140,22 @@ def test_main_trains_writes_metrics_and_resumes(tmp_path):
   assert sorted(scalars["train/loss"]) == [2, 4]
   assert sorted(scalars["test/accuracy"]) == [2, 4]
 
-  second = _run_main(*common, "--config.total_steps=6")
-  assert second.returncode == 0, second.stderr[-3000:]
-  assert "Resuming from the checkpoint at step 4" in second.stderr
-  assert "Final evaluation at step 6" in second.stdout
+  def rerun(total_steps):
+    config = data_utils.override(cli.load_config_file("configs/fashion_mnist.py"),
+                  dict(overrides, total_steps=total_steps))
+    caplog.clear()
+    with caplog.at_level(logging.INFO):
+      results = train.train_and_evaluate(config, workdir)
+    return results, caplog.text
+
+  results, log = rerun(6)
+  assert "Resuming from the checkpoint at step 4" in log and results["step"] == 6
   scalars = _scalars(workdir)
   assert sorted(scalars["train/loss"]) == [2, 4, 6]  # Steps 1-4 were not trained again.
   assert sorted(os.listdir(os.path.join(workdir, "checkpoints")))[-1] == "6"
 
-  third = _run_main(*common, "--config.total_steps=6")  # Finished: no more training.
-  assert third.returncode == 0, third.stderr[-3000:]
-  assert "already finished its 6 steps" in third.stderr
+  results, log = rerun(6)  # Finished: no more training.
+  assert "already finished its 6 steps" in log and results["step"] == 6
   assert sorted(_scalars(workdir)["train/loss"]) == [2, 4, 6]
 
 
@@ -145,10 +170,7 @@ def _tiny_folder_config(folder, **overrides):
   config.optim.warmup_steps = 0
   config.log_every_steps = config.eval_every_steps = config.checkpoint_every_steps = 1
   config.async_checkpointing = False
-  for key, value in overrides.items():
-    section, _, name = key.rpartition(".")
-    (config[section] if section else config)[name] = value
-  return config
+  return data_utils.override(config, overrides)
 
 
 @pytest.mark.slow
@@ -193,7 +215,8 @@ def test_multi_label_pretraining_runs_with_sigmoid_loss(tmp_path):
   assert 0.0 <= results["test/accuracy"] <= 1.0 and np.isfinite(results["test/loss"])
 
 
-def test_extra_eval_with_other_classes_is_a_config_error(tmp_path):
+def test_extra_eval_with_other_classes_is_a_config_error(tmp_path, monkeypatch):
+  data_utils.skip_cpu_peak_measurement(monkeypatch)
   folder = data_utils.make_image_folder(str(tmp_path / "images"), num_classes=3, per_class=2,
                                         size=8)
   multi_label = data_utils.make_multilabel_dataset(str(tmp_path / "tfds"))  # 5 classes
@@ -221,7 +244,8 @@ def test_t2t_trains_and_keeps_its_fixed_tables_out_of_training(tmp_path):
   assert sorted(variables) == ["constants", "params"]
   model = models_lib.create("T2T-ViT-custom", num_classes=3,
                             **dict(config.model.to_dict(), attention="xla"))
-  fresh = model.init(jax.random.PRNGKey(0), jnp.zeros((1, 16, 16, 3)), train=False)
+  fresh = jax.jit(lambda x: model.init(jax.random.PRNGKey(0), x, train=False))(  # Eager: slow.
+      jnp.zeros((1, 16, 16, 3)))
   # The sinusoid table is a function of the shape only: unchanged by training.
   np.testing.assert_array_equal(variables["constants"]["pos_embed"], fresh["constants"]["pos_embed"])
   assert "pos_embed" not in variables["params"]

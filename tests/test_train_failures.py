@@ -3,7 +3,9 @@ disk during a save, a partial checkpoint left by a crash, and non-finite updates
 
 import errno
 import json
+import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -16,6 +18,7 @@ import pytest
 
 from tests import data_utils
 from vit_jax import checkpoint
+from vit_jax import cli
 from vit_jax import optim
 from vit_jax import train
 
@@ -28,14 +31,32 @@ def _folder(tmp_path):
                                       size=8)
 
 
-def _main_args(folder, workdir, *extra, width=8):
+def _main_overrides(folder, width=8, **extra):
+  """The `--config.<key>` overrides of a tiny run of configs/fashion_mnist.py on `folder`."""
+  return {"data.image_folder": folder, "data.image_size": 8, "model.hidden_size": width,
+          "model.mlp_dim": 2 * width, "model.num_heads": 2, "model.num_layers": 1,
+          "model.patch_size": (4, 4), "batch_size": 4, "optim.warmup_steps": 1,
+          "eval_every_steps": 100000, **extra}
+
+
+def _main_args(workdir, overrides):
+  """`python -m vit_jax.main` with `overrides` as --config.<key>=<value> flags."""
   return [sys.executable, "-m", "vit_jax.main", "--config", "configs/fashion_mnist.py",
-          "--workdir", str(workdir), f"--config.data.image_folder={folder}",
-          "--config.data.image_size=8", f"--config.model.hidden_size={width}",
-          f"--config.model.mlp_dim={2 * width}", "--config.model.num_heads=2",
-          "--config.model.num_layers=1", "--config.model.patch_size=(4,4)",
-          "--config.batch_size=4", "--config.optim.warmup_steps=1",
-          "--config.eval_every_steps=100000", *extra]
+          "--workdir", str(workdir), *data_utils.main_flags(overrides)]
+
+
+def _main_config(overrides):
+  """The config that `_main_args(workdir, overrides)` runs, for `train_and_evaluate` in this
+  process (where the test is about resuming, not about the command line)."""
+  return data_utils.override(cli.load_config_file("configs/fashion_mnist.py"), overrides)
+
+
+def _resume(overrides, workdir, caplog):
+  """Reruns the config of `overrides` in `workdir` in this process; returns (results, log)."""
+  caplog.clear()
+  with caplog.at_level(logging.INFO):
+    results = train.train_and_evaluate(_main_config(overrides), str(workdir))
+  return results, caplog.text
 
 
 def _wait_for(predicate, proc, timeout=240):
@@ -60,13 +81,13 @@ def _params(workdir):
 
 
 @pytest.mark.slow
-def test_sigterm_saves_the_current_step_exits_75_and_the_rerun_resumes(tmp_path):
+def test_sigterm_saves_the_current_step_exits_75_and_the_rerun_resumes(tmp_path, caplog):
   folder, workdir = _folder(tmp_path), tmp_path / "workdir"
   # checkpoint_every_steps=1: the preemption save falls on a step that is saved anyway.
-  args = _main_args(folder, workdir, "--config.log_every_steps=5",
-                    "--config.checkpoint_every_steps=1", "--config.keep_checkpoints=2")
-  proc = subprocess.Popen(args + ["--config.total_steps=1000000"], cwd=ROOT, env=ENV,
-                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+  overrides = _main_overrides(folder, log_every_steps=5, checkpoint_every_steps=1,
+                              keep_checkpoints=2)
+  proc = subprocess.Popen(_main_args(workdir, dict(overrides, total_steps=1000000)), cwd=ROOT,
+                          env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
   try:
     assert _wait_for(lambda: _step_in_cost_json(workdir) >= 10, proc), proc.communicate()[1][-3000:]
     proc.send_signal(signal.SIGTERM)
@@ -81,25 +102,24 @@ def test_sigterm_saves_the_current_step_exits_75_and_the_rerun_resumes(tmp_path)
   assert steps[-1] == step
   assert json.loads((workdir / "cost.json").read_text())["step"] == step
 
-  rerun = subprocess.run(args + [f"--config.total_steps={step + 3}"], cwd=ROOT, env=ENV,
-                         capture_output=True, text=True, timeout=300)
-  assert rerun.returncode == 0, rerun.stderr[-3000:]
-  assert f"Resuming from the checkpoint at step {step}" in rerun.stderr
-  assert f"Final evaluation at step {step + 3}" in rerun.stdout
+  # The rerun (here in this process) resumes from the saved step.
+  results, log = _resume(dict(overrides, total_steps=step + 3), workdir, caplog)
+  assert f"Resuming from the checkpoint at step {step}" in log
+  assert results["step"] == step + 3
 
 
 @pytest.mark.slow
-def test_sigkill_and_resume_end_with_the_same_parameters_bitwise(tmp_path):
+def test_sigkill_and_resume_end_with_the_same_parameters_bitwise(tmp_path, caplog):
+  """A run killed after its first checkpoint and resumed ends where an uninterrupted run does
+  (the uninterrupted run and the resumption run in this process)."""
   folder = _folder(tmp_path)
   total = 120
-  extra = ["--config.log_every_steps=10", "--config.checkpoint_every_steps=10",
-           f"--config.total_steps={total}", "--config.data.augment=flip"]
-  straight = subprocess.run(_main_args(folder, tmp_path / "straight", *extra, width=32),
-                            cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
-  assert straight.returncode == 0, straight.stderr[-3000:]
+  overrides = _main_overrides(folder, width=32, log_every_steps=10, checkpoint_every_steps=10,
+                              total_steps=total, **{"data.augment": "flip"})
+  train.train_and_evaluate(_main_config(overrides), str(tmp_path / "straight"))
 
   workdir = tmp_path / "killed"
-  proc = subprocess.Popen(_main_args(folder, workdir, *extra, width=32), cwd=ROOT, env=ENV,
+  proc = subprocess.Popen(_main_args(workdir, overrides), cwd=ROOT, env=ENV,
                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
   try:
     # Killed somewhere after the first checkpoint: possibly in the middle of a save.
@@ -112,10 +132,8 @@ def test_sigkill_and_resume_end_with_the_same_parameters_bitwise(tmp_path):
   killed_at = _step_in_cost_json(workdir)
   assert killed_at < total
 
-  resumed = subprocess.run(_main_args(folder, workdir, *extra, width=32), cwd=ROOT, env=ENV,
-                           capture_output=True, text=True, timeout=300)
-  assert resumed.returncode == 0, resumed.stderr[-3000:]
-  assert "Resuming from the checkpoint at step" in resumed.stderr
+  results, log = _resume(overrides, workdir, caplog)
+  assert "Resuming from the checkpoint at step" in log and results["step"] == total
   expected, got = _params(tmp_path / "straight"), _params(workdir)
   assert expected.keys() == got.keys()
   for key in expected:
@@ -138,9 +156,20 @@ def _tiny(folder, total_steps, **overrides):
   return config
 
 
-def test_a_partial_checkpoint_is_ignored_and_removed(tmp_path):
-  folder, workdir = _folder(tmp_path), str(tmp_path / "workdir")
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+  """(folder, workdir) of a 4-step `_tiny` run (checkpoints 2 and 4), shared by the tests of this
+  module that read it; a test that changes it works on a copy."""
+  tmp = tmp_path_factory.mktemp("trained")
+  folder, workdir = _folder(tmp), str(tmp / "workdir")
   train.train_and_evaluate(_tiny(folder, 4), workdir)
+  return folder, workdir
+
+
+@pytest.mark.slow
+def test_a_partial_checkpoint_is_ignored_and_removed(trained, tmp_path):
+  folder, workdir = trained[0], str(tmp_path / "workdir")
+  shutil.copytree(trained[1], workdir)
   partial = os.path.join(workdir, "checkpoints", "6.orbax-checkpoint-tmp")
   os.makedirs(os.path.join(partial, "state.orbax-checkpoint-tmp"))
   with open(os.path.join(partial, "state.orbax-checkpoint-tmp", "half_written"), "wb") as f:
@@ -150,6 +179,7 @@ def test_a_partial_checkpoint_is_ignored_and_removed(tmp_path):
   assert sorted(os.listdir(os.path.join(workdir, "checkpoints"))) == ["2", "4", "6"]
 
 
+@pytest.mark.slow
 def test_a_failed_save_names_the_intact_checkpoint(tmp_path, monkeypatch):
   folder, workdir = _folder(tmp_path), str(tmp_path / "workdir")
   real_save = ocp.CheckpointManager.save
@@ -170,8 +200,9 @@ def test_a_failed_save_names_the_intact_checkpoint(tmp_path, monkeypatch):
 
 
 @pytest.mark.slow
-def test_a_full_disk_keeps_the_last_checkpoint(tmp_path):
-  """A real 2 MiB filesystem: the second checkpoint does not fit, the first stays readable."""
+def test_a_full_disk_keeps_the_last_checkpoint(tmp_path, caplog):
+  """A real 2 MiB filesystem: the second checkpoint does not fit, the first stays readable;
+  `python -m vit_jax.main` exits with 1 and one FATAL line, the rerun (in this process) resumes."""
   mount = tmp_path / "small_disk"
   mount.mkdir()
   if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mount)],
@@ -180,10 +211,10 @@ def test_a_full_disk_keeps_the_last_checkpoint(tmp_path):
   try:
     folder, workdir = _folder(tmp_path), mount / "workdir"
     # About 0.85 MiB per checkpoint (70k parameters and two Adam moments): the third does not fit.
+    overrides = _main_overrides(folder, width=32, **{"model.mlp_dim": 1024})
     proc = subprocess.run(
-        _main_args(folder, workdir, "--config.total_steps=6", "--config.log_every_steps=2",
-                   "--config.checkpoint_every_steps=2", "--config.model.mlp_dim=1024",
-                   "--config.async_checkpointing=false", width=32),
+        _main_args(workdir, dict(overrides, total_steps=6, log_every_steps=2,
+                                 checkpoint_every_steps=2, async_checkpointing=False)),
         cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 1, proc.stderr[-3000:]
     fatal = next(l for l in proc.stderr.splitlines() if l.startswith("FATAL:"))
@@ -193,17 +224,14 @@ def test_a_full_disk_keeps_the_last_checkpoint(tmp_path):
     assert [p for p in os.listdir(workdir / "checkpoints") if "tmp" in p]  # The partial save.
     # The user frees disk space, as the message says, and reruns.
     subprocess.run(["mount", "-o", "remount,size=8m", str(mount)], check=True)
-    rerun = subprocess.run(
-        _main_args(folder, workdir, f"--config.total_steps={intact}",
-                   "--config.model.mlp_dim=1024", width=32),
-        cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
-    assert rerun.returncode == 0, rerun.stderr[-3000:]
-    assert f"Resuming from the checkpoint at step {intact}" in rerun.stderr
+    _, log = _resume(dict(overrides, total_steps=intact), workdir, caplog)
+    assert f"Resuming from the checkpoint at step {intact}" in log
     assert not [p for p in os.listdir(workdir / "checkpoints") if "tmp" in p]
   finally:
     subprocess.run(["umount", str(mount)], check=False)
 
 
+@pytest.mark.slow
 def test_non_finite_loss_stops_or_is_skipped(tmp_path, monkeypatch):
   folder = _folder(tmp_path)
   real_loss = optim.loss_fn
@@ -225,14 +253,14 @@ def test_non_finite_loss_stops_or_is_skipped(tmp_path, monkeypatch):
   assert all(np.isfinite(v).all() for v in _params(workdir).values())
 
 
-def test_a_workdir_of_another_model_is_refused(tmp_path):
-  folder, workdir = _folder(tmp_path), str(tmp_path / "workdir")
-  train.train_and_evaluate(_tiny(folder, 2), workdir)
+@pytest.mark.slow
+def test_a_workdir_of_another_model_is_refused(trained):
+  folder, workdir = trained  # Only read: the refused runs write nothing.
   before = sorted(os.listdir(workdir))
   with pytest.raises(train.ConfigError) as error:
     train.train_and_evaluate(_tiny(folder, 4, **{"model.hidden_size": 16}), workdir)
   message = str(error.value)
-  assert "checkpoints/2/state does not fit this model:\n  shape mismatches (22): " in message
+  assert "checkpoints/4/state does not fit this model:\n  shape mismatches (22): " in message
   assert "params/Transformer/encoder_norm/bias: saved (8,), this run (16,)" in message
   assert "The checkpoint is a ViT with patch_size=4, hidden_size=8, num_layers=1" in message
   assert message.endswith("start a new run in another --workdir.")
@@ -244,7 +272,8 @@ def test_a_workdir_of_another_model_is_refused(tmp_path):
   assert sorted(os.listdir(workdir)) == before
 
 
-def test_a_workdir_that_cannot_be_written_fails_before_any_work(tmp_path):
+def test_a_workdir_that_cannot_be_written_fails_before_any_work(tmp_path, monkeypatch):
+  data_utils.skip_cpu_peak_measurement(monkeypatch)
   folder = _folder(tmp_path)
   blocker = tmp_path / "a_file"
   blocker.write_text("not a directory")

@@ -3,8 +3,9 @@
 The two regimes of the ViT paper (Dosovitskiy et al., 2021, Sec. 4.1 and Appendix B.1) differ in
 optimizer, schedule, loss and head initialisation; their values are
 `vit_jax.config.REGIME_DEFAULTS`, filled into a config by `vit_jax.config.resolve`. This module
-builds what a resolved `config.optim` describes: the schedule (`schedule_from_config`), the optax
-optimizer (`make_optimizer`) and the per-example loss (`loss_fn`).
+builds what a resolved config describes: the schedule (`schedule_from_config`) and the optax
+optimizer (`make_optimizer`) of `config.optim`, and the per-example loss (`loss_fn`) of
+`config.loss` and `config.label_smoothing`.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The device mesh, the logical-axis rules, and the shardings of the train state.
+"""The device mesh, the logical-axis rules, and the shardings of the train state and the batch.
 
 Every parameter and main activation of the models carries *logical* axis names ('embed', 'mlp',
 'heads', 'batch', ...; see ``vit_jax.models``). One small rule table maps them onto the axes of

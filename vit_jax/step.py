@@ -21,6 +21,7 @@ and the logical-axis rules that the models' activation constraints resolve again
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Callable, Optional, Sequence
 
 import flax.linen as nn
@@ -32,6 +33,7 @@ import optax
 from vit_jax import models
 from vit_jax import optim
 from vit_jax import sharding
+from vit_jax.kernels import cpu_attention
 
 State = dict[str, Any]
 Batch = dict[str, jax.Array]
@@ -62,6 +64,13 @@ def state_from_variables(variables: dict[str, Any], tx: optax.GradientTransforma
   if ema:
     state["ema_params"] = params
   return state
+
+
+def boxed_init(model: nn.Module, image_shape: Sequence[int], rng: jax.Array) -> dict[str, Any]:
+  """`model.init` on one `[1, H, W, C]` image of zeros: the variables, parameters boxed with
+  their logical axis names (`nn.LogicallyPartitioned`)."""
+  images = jnp.zeros((1, *image_shape), jnp.float32)
+  return dict(model.init({"params": rng}, images, train=False))
 
 
 def variables_of(state: State, params: Any = None) -> dict[str, Any]:
@@ -205,12 +214,7 @@ class Setup:
 
   def init_variables(self, rng: jax.Array) -> dict[str, Any]:
     """`model.init` on one image, plain (unboxed) arrays."""
-    return nn.unbox(self.boxed_init(rng))
-
-  def boxed_init(self, rng: jax.Array) -> dict[str, Any]:
-    """`model.init` on one image, parameters boxed with their logical axis names."""
-    images = jnp.zeros((1, *self.image_shape), jnp.float32)
-    return dict(self.model.init({"params": rng}, images, train=False))
+    return nn.unbox(boxed_init(self.model, self.image_shape, rng))
 
   def init_state(self, rng: jax.Array) -> State:
     """A fresh state (jit it with `out_shardings=self.state_shardings`)."""
@@ -260,6 +264,13 @@ class Setup:
 
     return run
 
+  def compiled_attention(self, compiled: jax.stages.Compiled) -> str:
+    """Which attention a compiled step runs: "vit_jax's fused CPU kernel" when its program
+    calls the kernel, else the model's `attention` implementation."""
+    if cpu_attention.called_by(compiled):
+      return "vit_jax's fused CPU kernel"
+    return self.config.model.attention
+
   def compile(self, jitted, *args) -> jax.stages.Compiled:
     """`jitted.lower(*args).compile()` inside the mesh and rules; args may be abstract."""
     return self.in_mesh(lambda *a: jitted.lower(*a).compile())(*args)
@@ -291,25 +302,25 @@ def build(config: ml_collections.ConfigDict, *, image_shape: Sequence[int],
   init_rng, dropout_rng = jax.random.split(jax.random.PRNGKey(config.seed))
   image_shape = tuple(int(s) for s in image_shape)
 
-  partial = Setup(config=config, model=model, tx=tx, schedule=schedule, mesh=mesh, rules=rules,
-                  image_shape=image_shape, init_rng=init_rng, dropout_rng=dropout_rng,
-                  abstract_state={}, state_shardings=None, batch_sharding=None,
-                  boxed_variables=None)
+  def init_state(rng):
+    variables = nn.unbox(boxed_init(model, image_shape, rng))
+    return state_from_variables(variables, tx, ema=bool(config.ema_decay))
+
   try:
-    shapes = jax.eval_shape(partial.init_state, init_rng)
+    shapes = jax.eval_shape(init_state, init_rng)
   except ValueError as e:
     if "is not divisible by" not in str(e):
       raise
     raise ValueError(f"{e} (Training resizes every image to config.data.image_size="
                      f"{config.data.image_size}: set --config.data.image_size to such a "
                      "multiple.)") from e
-  boxed = jax.eval_shape(partial.boxed_init, init_rng)
+  boxed = jax.eval_shape(functools.partial(boxed_init, model, image_shape), init_rng)
   # Parameters (and their EMA, and the optimizer's moments) by their logical axes and the rules;
   # the step and counters replicated.
   state_shardings = sharding.state_shardings(shapes, boxed, mesh, rules)
   abstract_state = jax.tree.map(
       lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), shapes, state_shardings)
-  return dataclasses.replace(partial, abstract_state=abstract_state,
-                             state_shardings=state_shardings,
-                             batch_sharding=sharding.batch_sharding(mesh, rules),
-                             boxed_variables=boxed)
+  return Setup(config=config, model=model, tx=tx, schedule=schedule, mesh=mesh, rules=rules,
+               image_shape=image_shape, init_rng=init_rng, dropout_rng=dropout_rng,
+               abstract_state=abstract_state, state_shardings=state_shardings,
+               batch_sharding=sharding.batch_sharding(mesh, rules), boxed_variables=boxed)

@@ -38,7 +38,6 @@ from vit_jax import evaluation
 from vit_jax import sharding
 from vit_jax import step as step_lib
 from vit_jax.checkpoint import CheckpointSaveError
-from vit_jax.kernels import cpu_attention
 
 
 class ConfigError(ValueError):
@@ -110,7 +109,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
                  f"{num_params:,}", start_step, total_steps)
 
     # ---------------------------------------------------------------------------------------
-    # 3. Steps: jitted over the mesh, compiled ahead of time (timed as 'compile').
+    # 3. Steps: jitted over the mesh; each is compiled ahead of its first call for a batch shape
+    # (timed as 'compile'), then cached.
     # ---------------------------------------------------------------------------------------
     train_step, eval_step = setup.jit_train_step(), setup.jit_eval_step()
     compiled_steps = {}
@@ -124,8 +124,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
           accounting.account_step_flops(accountant, compiled_steps[key], setup.model,
                                         setup.image_shape, setup.mesh.size)
           logging.info("Attention in the compiled training step: %s.",
-                       "vit_jax's fused CPU kernel" if cpu_attention.called_by(
-                           compiled_steps[key]) else config.model.attention)
+                       setup.compiled_attention(compiled_steps[key]))
       return compiled_steps[key]
 
     def to_global(batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:

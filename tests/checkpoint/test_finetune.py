@@ -46,6 +46,7 @@ def _init(model, size):
 # ------------------------------------------------------------------------------ init_for_finetuning
 
 
+@pytest.mark.slow
 def test_t2t_finetuning_init_new_classes_and_resolution():
   """A 10-class, 64 px checkpoint initialises a 3-class model at 32 px: new head, new table."""
   model = models.create('T2T-ViT-custom', num_classes=3, **_fixture_overrides())
@@ -69,6 +70,7 @@ def test_t2t_finetuning_init_new_classes_and_resolution():
   assert logits.shape == (2, 3) and np.isfinite(np.asarray(logits)).all()
 
 
+@pytest.mark.slow
 def test_same_task_finetuning_init_keeps_head_and_logits():
   model = models.create('T2T-ViT-custom', num_classes=10, **_fixture_overrides())
   variables = checkpoint.load_for_finetuning(PERFORMER / 'checkpoint.pth.tar', model,
@@ -77,6 +79,7 @@ def test_same_task_finetuning_init_keeps_head_and_logits():
                              np.load(PERFORMER / 'logits.npy'), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_finetuning_init_lists_every_mismatch():
   overrides = dict(_fixture_overrides(), depth=3, token_dim=8)
   model = models.create('T2T-ViT-custom', num_classes=3, **overrides)
@@ -95,6 +98,7 @@ def _posemb_fixture(name):
   return json.loads((FIXTURES / name / 'config.json').read_text())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('name,source,classifier,representation_size,seed', [
     ('posemb_resize', 'vit_tiny', 'token', None, 3),
     ('posemb_resize_gap_repr', 'vit_tiny_gap_repr', 'gap', 16, 4),
@@ -124,6 +128,7 @@ def test_official_finetuning_init_fixtures(name, source, classifier, representat
   np.testing.assert_allclose(logits, np.load(FIXTURES / name / 'logits.npy'), atol=1e-6)
 
 
+@pytest.mark.slow
 def test_hybrid_finetuning_init_resizes_the_grid():
   """R+ViT fixture (32 px, ResNet stride 8 -> 4x4 tokens) into a 48 px (6x6), 3-class model."""
   fields = dict(_vit_tiny_fields(), patch_size=1, resnet_num_layers=(2, 1))
@@ -154,6 +159,7 @@ def test_resize_posemb_corners_aligned_gap_and_non_square():
     checkpoint.resize_posemb(with_cls, 13, has_class_token=True, new_grid=(3, 3))
 
 
+@pytest.mark.slow
 def test_non_square_finetuning_224x320():
   """A square 2x2-grid checkpoint into a 2x3 grid model (the official code asserts here)."""
   fields = dict(_vit_tiny_fields(), patch_size=16)
@@ -170,6 +176,7 @@ def test_non_square_finetuning_224x320():
   np.testing.assert_allclose(posemb[0, 2], (old[0, 1] + old[0, 2]) / 2, rtol=1e-6)
 
 
+@pytest.mark.slow
 def test_vit_finetuning_init_resets_head_and_converts_layout():
   saved = checkpoint.load(FIXTURES / 'vit_tiny' / 'params.npz')
   num_classes = saved['params']['head']['kernel'].shape[1]
@@ -223,6 +230,7 @@ def _folder_config(tmp_path, **overrides):
   return config
 
 
+@pytest.mark.slow
 def test_training_from_init_from_with_ema(tmp_path):
   """init_from sets the first parameters; the EMA after one update is d * p0 + (1 - d) * p1."""
   config = _folder_config(tmp_path, init_from=str(PERFORMER / 'checkpoint.pth.tar'),
@@ -242,6 +250,7 @@ def test_training_from_init_from_with_ema(tmp_path):
                                 p0['constants']['tokens_to_token']['attention1']['w'])
 
 
+@pytest.mark.slow
 def test_init_from_that_does_not_fit_is_a_config_error(tmp_path):
   config = _folder_config(tmp_path, init_from=str(PERFORMER / 'checkpoint.pth.tar'))
   config.model.depth = 3
@@ -263,6 +272,7 @@ def _run_convert(*args):
                         capture_output=True, text=True, timeout=120)
 
 
+@pytest.mark.slow
 def test_convert_pth_to_orbax_reproduces_logits(tmp_path):
   dst = tmp_path / 't2t_orbax'
   sets = [f'--set={k}={v!r}' for k, v in _fixture_overrides().items()]
@@ -335,6 +345,7 @@ def _tiny_vit_run(tmp_path, name, **overrides):
   return config, workdir
 
 
+@pytest.mark.slow
 def test_export_fine_tuned_checkpoint_to_official_npz_and_back(tmp_path):
   """workdir (scanned layout) -> official .npz -> load: bitwise equal, same logits."""
   config, workdir = _tiny_vit_run(tmp_path, 'run')
@@ -358,6 +369,7 @@ def test_export_fine_tuned_checkpoint_to_official_npz_and_back(tmp_path):
                              scanned.apply(ours, images, train=False), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_pretrained_dir_convention(tmp_path):
   """init_from = '{pretrained_dir}/{model_name}.npz', as the official fine-tuning configs."""
   _, workdir = _tiny_vit_run(tmp_path, 'pretrain')
@@ -382,9 +394,9 @@ def _fmnist_config(data_dir, image_size, total_steps, **overrides):
   config.loss = 'softmax_xent'
   config.model.head_bias_init = 0.0
   config.optim.update(lr=2e-3, weight_decay=0.05, schedule='cosine', warmup_steps=30)
-  config.data.update(data_dir=data_dir, image_size=image_size, augment='flip', cache=True,
-                     eval_split='test[:2000]', shuffle_buffer=10_000)
-  config.batch_size = 128
+  config.data.update(data_dir=data_dir, image_size=image_size, augment='flip', cache=False,
+                     eval_split='test[:1000]', shuffle_buffer=10_000)
+  config.batch_size = 64
   config.total_steps = total_steps
   config.log_every_steps = config.eval_every_steps = config.checkpoint_every_steps = total_steps
   for key, value in overrides.items():
@@ -400,7 +412,7 @@ def test_pretrain_28px_export_then_finetune_56px_beats_scratch(tmp_path):
   """Pretrain at 28 px, export to .npz, fine-tune at 56 px (position embedding 4x4 -> 8x8):
   the short fine-tuning schedule beats the same schedule from scratch."""
   data_dir = str(tmp_path / 'tfds')
-  pretrained = train.train_and_evaluate(_fmnist_config(data_dir, 28, 300), str(tmp_path / 'pre'))
+  pretrained = train.train_and_evaluate(_fmnist_config(data_dir, 28, 200), str(tmp_path / 'pre'))
   npz = tmp_path / 'pretrained.npz'
   assert convert.main([str(tmp_path / 'pre'), str(npz)]) == 0
   # The same short fine-tuning schedule (the 'finetune' regime: SGD momentum, lr 0.03, cosine)
@@ -408,13 +420,14 @@ def test_pretrain_28px_export_then_finetune_56px_beats_scratch(tmp_path):
   short = dict(regime='finetune', optim=dict(optimizer=None, lr=None, weight_decay=None,
                                              schedule=None, warmup_steps=10))
   finetuned = train.train_and_evaluate(
-      _fmnist_config(data_dir, 56, 60, init_from=str(npz), **short), str(tmp_path / 'fine'))
-  scratch = train.train_and_evaluate(_fmnist_config(data_dir, 56, 60, **short),
+      _fmnist_config(data_dir, 56, 40, init_from=str(npz), **short), str(tmp_path / 'fine'))
+  scratch = train.train_and_evaluate(_fmnist_config(data_dir, 56, 40, **short),
                                      str(tmp_path / 'scratch'))
-  print(f"pretrained (28 px, 300 steps): {pretrained['test_2000/accuracy']:.4f}; "
-        f"fine-tuned (56 px, 60 steps): {finetuned['test_2000/accuracy']:.4f}; "
-        f"scratch (56 px, 60 steps): {scratch['test_2000/accuracy']:.4f}")
-  assert finetuned['test_2000/accuracy'] > scratch['test_2000/accuracy'] + 0.05
+  # Measured: 0.71, 0.57 and 0.44 (batch 64, the first 1000 test images).
+  print(f"pretrained (28 px, 200 steps): {pretrained['test_1000/accuracy']:.4f}; "
+        f"fine-tuned (56 px, 40 steps): {finetuned['test_1000/accuracy']:.4f}; "
+        f"scratch (56 px, 40 steps): {scratch['test_1000/accuracy']:.4f}")
+  assert finetuned['test_1000/accuracy'] > scratch['test_1000/accuracy'] + 0.05
 
 
 def test_restore_for_evaluation_checks_the_model():

@@ -446,6 +446,7 @@ def test_train_and_evaluate_with_a_truncated_jpeg(tmp_path):
   assert results['step'] == 3 and 0. <= results['test/accuracy'] <= 1.
 
 
+@pytest.mark.slow
 def test_a_bad_eval_image_stops_the_run_after_its_checkpoint(tmp_path):
   """The checkpoint of a step is saved before that step's evaluation, which can fail."""
   from vit_jax import train  # pylint: disable=g-import-not-at-top

@@ -442,6 +442,7 @@ def test_png_encoder_roundtrip():
   np.testing.assert_array_equal(decoded, img)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(
     not os.path.exists(os.path.join(fml.DEBIAN_DIR,
                                     'train-images-idx3-ubyte.gz')),
@@ -498,6 +499,7 @@ _RECIPE = dict(randaugment_num_layers=2, randaugment_magnitude=9.,
                mixup_alpha=0.8, cutmix_alpha=1.0, normalization='imagenet')
 
 
+@pytest.mark.slow
 def test_recipe_augmentations_deterministic_and_resumable(folder):
   cfg = _cfg(image_folder=folder, augment='inception_crop', image_size=16,
              **_RECIPE)

@@ -69,6 +69,7 @@ needs_kernel = pytest.mark.skipif(cpu_attention.library()[0] is None,
                                   reason="the fused CPU attention kernel was not built")
 
 
+@pytest.mark.slow
 @needs_kernel
 @pytest.mark.parametrize("name,fields", [
     ("ViT-custom", dict(hidden_size=32, mlp_dim=32, num_heads=2, num_layers=2, patch_size=4)),
@@ -79,7 +80,7 @@ def test_both_families_give_the_same_logits_and_gradients_with_the_cpu_kernel(na
   """One dispatch for ViT and T2T-ViT: 'cpu_kernel' equals 'xla' (head size 16)."""
   images = jax.random.normal(jax.random.key(0), (2, 32, 32, 3))
   xla = models.create(name, num_classes=3, **fields)
-  variables = models.unbox(xla.init(jax.random.key(1), images, train=False))
+  variables = models.unbox(jax.jit(lambda x: xla.init(jax.random.key(1), x, train=False))(images))
   kernel = models.create(name, num_classes=3, attention="cpu_kernel", **fields)
 
   def loss_and_grads(model):
@@ -124,6 +125,7 @@ def test_remat_policy_is_validated():
     models.create("ViT-Ti_16", num_classes=10, remat=True, remat_policy="dots")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("policy", vit.REMAT_POLICIES)
 def test_every_remat_policy_gives_the_same_gradients(policy):
   fields = dict(hidden_size=16, mlp_dim=32, num_heads=2, num_layers=2, patch_size=4)

@@ -292,6 +292,7 @@ def test_activation_constraints(key):
     assert 'sharding_constraint' in trace()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('key', ['vit', 'vit_scan', 'hybrid', 't2t_performer'])
 def test_init_and_apply_under_a_mesh(key):
   """Also the attention kernels, which nn.DenseGeneral initialises flat (flax issue #3676)."""

@@ -124,6 +124,7 @@ def test_loaded_fixture_tree_matches_model_tree_exactly():
   assert not any(k.startswith(('conv_root/bias', 'ResNet', 'resnet')) for k in expected)
 
 
+@pytest.mark.slow
 def test_bfloat16_compute_keeps_float32_params_and_logits():
   model = _fixture_model(dtype='bfloat16')
   variables = checkpoint.load(FIXTURE / 'params.npz')
@@ -134,6 +135,7 @@ def test_bfloat16_compute_keeps_float32_params_and_logits():
   np.testing.assert_allclose(logits, np.load(FIXTURE / 'logits.npy'), atol=0.1)
 
 
+@pytest.mark.slow
 def test_fresh_initialisation_follows_the_official_one():
   """StdConv kernels lecun_normal without bias, GroupNorm scale 1 / bias 0, gn3 scale 0."""
   model = _fixture_model(num_layers=1)

@@ -188,6 +188,7 @@ def test_golden_intermediates(name):
                                err_msg=torch_name)
 
 
+@pytest.mark.slow
 def test_fixed_tables_live_in_constants():
   model, image_size = _golden_model('t2t_tiny_performer')
   variables = _init(model, jnp.zeros((1, image_size, image_size, 3)), seed=3)
@@ -290,6 +291,7 @@ def test_soft_split_is_channel_major_unfold():
       np.testing.assert_array_equal(out[:, r * ow + c], patch.transpose(0, 3, 1, 2).reshape(2, -1))
 
 
+@pytest.mark.slow
 def test_performer_features_stay_float32_under_bfloat16():
   w = t2t._orthogonal_features(jax.random.key(0), 4, 8)  # pylint: disable=protected-access
   x = jax.random.normal(jax.random.key(1), (2, 5, 8)).astype(jnp.bfloat16)
@@ -323,6 +325,7 @@ def test_performer_features_stay_float32_under_bfloat16():
   assert logits.dtype == jnp.float32 and np.all(np.isfinite(logits))
 
 
+@pytest.mark.slow
 def test_drop_path_only_in_training():
   model, image_size = _golden_model('t2t_tiny_transformer', drop_path_rate=0.5, depth=4)
   images = jax.random.normal(jax.random.key(0), (8, image_size, image_size, 3))
@@ -368,6 +371,7 @@ def test_scanned_backbone_loads_the_reference_weights(name):
   assert f'depth={depth}' in checkpoint.describe_architecture(variables)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('policy', ['nothing_saveable', 'dots_with_no_batch_dims_saveable'])
 def test_scanned_rematerialised_gradients_equal_the_unrolled_ones(policy):
   plain, image_size = _golden_model('t2t_tiny_performer', drop_path_rate=0.0)
@@ -388,6 +392,7 @@ def test_scanned_rematerialised_gradients_equal_the_unrolled_ones(policy):
     plain.clone(remat_policy='dots')
 
 
+@pytest.mark.slow
 def test_scanned_blocks_keep_their_own_drop_path_rate():
   # Rates are linspace(0, rate, depth): one block gets 0 (no drop path at all), two blocks get
   # 0 and the full rate. A scanned stack must give each block its rate, not one shared value.
@@ -398,7 +403,8 @@ def test_scanned_blocks_keep_their_own_drop_path_rate():
   def train_and_eval(model):
     variables = _init(model, images, seed=1)
     train = jax.jit(lambda v, key: model.apply(v, images, train=True, rngs={'dropout': key}))
-    return train(variables, jax.random.key(2)), model.apply(variables, images, train=False)
+    evaluate = jax.jit(lambda v: model.apply(v, images, train=False))  # Eager is slow on CPU.
+    return train(variables, jax.random.key(2)), evaluate(variables)
 
   trained, evaluated = train_and_eval(model)
   np.testing.assert_allclose(trained, evaluated, rtol=1e-6, atol=1e-6)

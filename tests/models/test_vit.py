@@ -215,6 +215,7 @@ def test_name_spellings():
       assert isinstance(models.create(name, num_classes=3), models.VisionTransformer)
 
 
+@pytest.mark.slow
 def test_example_and_official_initialisers():
   """The documented example, with the official initialisers checked on its fresh parameters."""
   model = models.create('ViT-S_32', num_classes=1000, representation_size=384, num_layers=4)
@@ -247,6 +248,7 @@ def test_example_and_official_initialisers():
   np.testing.assert_array_equal(block['LayerNorm_0']['scale'], 1.0)
 
 
+@pytest.mark.slow
 def test_head_bias_init():
   model = models.create('ViT-custom', num_classes=7, patch_size=4, hidden_size=16, mlp_dim=32,
                         num_heads=2, num_layers=1, head_bias_init=-10.0)
@@ -341,6 +343,7 @@ def test_wrong_resolution_for_loaded_params():
     model.apply(variables, inputs[:, :16, :16], train=False)
 
 
+@pytest.mark.slow
 def test_models_package_has_no_training_imports():
   code = ('import sys, vit_jax.models, vit_jax.checkpoint as c;'
           'c.load("%s");'
@@ -421,6 +424,7 @@ def test_scan_matches_unrolled(name):
   chex.assert_trees_all_equal(back, variables)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('scan', [False, True])
 def test_remat_matches(scan):
   variables, inputs, reference = _golden('vit_tiny')

@@ -50,6 +50,7 @@ def train_result():
                            batch=2, resolution=64, mode="train", warmup=0, steps=2)
 
 
+@pytest.mark.slow
 def test_training_step_measurement(train_result):
   r = train_result
   assert r["images_per_sec"] > 0 and len(r["step_seconds_all"]) == 2
@@ -97,6 +98,7 @@ def test_bfloat16_inference():
   assert r["dtype"] == "bfloat16" and r["images_per_sec"] > 0 and r["flops_per_step_xla"] > 0
 
 
+@pytest.mark.slow
 def test_compile_only_of_a_scanned_model_counts_the_layer_body_once():
   overrides = dict(TINY, num_layers=4, scan=True)
   r = ours.measure_ours("ViT-custom", overrides=overrides, batch=2, resolution=64,
@@ -108,6 +110,7 @@ def test_compile_only_of_a_scanned_model_counts_the_layer_body_once():
   assert r["xla_to_analytic"] < 0.6  # One of four layers counted.
 
 
+@pytest.mark.slow
 def test_cli_writes_json_with_the_expected_keys(tmp_path):
   out = tmp_path / "bench.json"
   proc = _cli("ViT-custom", *TINY_FLAGS, "--batch", "2", "--resolution", "64", "--warmup", "0",

@@ -57,6 +57,7 @@ def test_estimator_sizes_known_datasets_without_data():
     cost.split_size("test", {"train": 10})
 
 
+@pytest.mark.slow
 def test_estimator_does_not_import_the_trainer():
   code = ("import sys; from vit_jax import config; from vit_jax.tools import cost; "
           "c = config.get_config('ViT-Ti_16', 'cifar10'); c.total_steps = 10; "
@@ -74,6 +75,7 @@ def _run_cost(*args):
                         capture_output=True, text=True, timeout=300, check=False)
 
 
+@pytest.mark.slow
 def test_estimator_cli_prints_table2_and_an_estimate():
   proc = _run_cost("--table2")
   assert proc.returncode == 0, proc.stderr[-2000:]

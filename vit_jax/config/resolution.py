@@ -1,6 +1,7 @@
 """The one place a config becomes what runs: regime filled in, lengths in steps, every value checked.
 
-`resolve(config, dataset=..., devices=...)` returns the fully resolved, validated, locked config
+`resolve(config, num_train_examples=..., num_classes=..., devices=...)` returns the fully
+resolved, validated, locked config
 that `vit_jax.train` runs, logs and saves as `WORKDIR/config.json`, and that the benchmark and the
 pod pre-flight compile: the regime's defaults in every None regime field, the schedule length and
 the warmup and cooldown in optimizer steps, the class count, the fine-tuning source, and the

@@ -2,7 +2,7 @@
 
 The top-level ``setup.py`` loads this file by its path (it must not import the ``vit_jax``
 package, whose dependencies need not be installed while the package is being built) and adds
-:func:`extensions` to the build. ``measure.py`` uses :func:`compile_command` to build variants
+:func:`extensions` to the build. ``vit_jax/tools/measure_attention.py`` uses :func:`compile_command` to build variants
 restricted to one instruction set.
 
 ``cpu_attention.cc`` becomes ``vit_jax/kernels/_cpu_attention*.so``, a plain shared library that

@@ -76,7 +76,7 @@ def load(path: str) -> Tuple[Optional[str], str]:
   """Loads the kernel library at ``path`` and registers its two FFI targets for the CPU.
 
   :func:`library` calls this once for the installed library; a measuring script may call it
-  first, in a fresh process, with a build of one variant (``vit_jax/kernels/measure.py``).
+  first, in a fresh process, with a build of one variant (``vit_jax/tools/measure_attention.py``).
 
   Returns:
     ``(path, '')`` when loaded, ``(None, reason)`` when the file cannot be loaded or lacks the

@@ -1,4 +1,4 @@
-"""Multi-head self-attention of both model families, with one dispatch over its implementations.
+"""Multi-head self-attention of both model families, one function over its implementations.
 
 :class:`MultiHeadDotProductAttention` computes what ``flax.linen.MultiHeadDotProductAttention``
 computes for self-attention (the MSA of ViT eq. 2, Vaswani et al. eq. 1) and stores the same
@@ -125,7 +125,8 @@ def self_attention(x: Array, projections: Sequence[Tuple[Array, Optional[Array]]
                    implementation: str, logits_scale: float, scale_query: bool = False,
                    dropout_rate: float = 0.0, dropout_rng: Optional[Array] = None
                    ) -> Tuple[Array, str]:
-  """The attention core of both families, ``softmax(scale q k^T) v`` per head, dispatched.
+  """The attention core of both families, ``softmax(scale q k^T) v`` per head, by the
+  implementation the model's ``attention`` field names.
 
   Args:
     x: ``[B, N, D]`` tokens in the compute dtype.

@@ -415,7 +415,8 @@ class Attention(nn.Module):
 
   ``scale`` = ``qk_scale`` or ``head_dim**-0.5``, applied to ``q k^T``; softmax in float32.
   The ``qkv/kernel`` ``(D, 3 D)`` is read as ``(D, 3, heads, head_dim)``, the reference's
-  ``reshape(B, N, 3, heads, head_dim)`` of its output, and runs through ViT's dispatch
+  ``reshape(B, N, 3, heads, head_dim)`` of its output, and runs through the same
+  function as ViT's attention
   (:func:`vit_jax.models.attention.self_attention`, implementation ``attention``).
   Input / output ``[B, N, D]`` in ``dtype``.
   """

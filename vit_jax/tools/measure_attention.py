@@ -1,7 +1,7 @@
 """Measures every variant of the CPU attention kernel against XLA's attention on this CPU.
 
 Usage:
-  python -m vit_jax.kernels.measure [--isa avx2 baseline] [--core] [--step]
+  python -m vit_jax.tools.measure_attention [--isa avx2 baseline] [--core] [--step]
       [--models ViT-Ti_16 ViT-S_16] [--batch 32] [--rounds 3] [--steps 5] [--repeats 10]
       [--threads N] [--json PATH]
 
@@ -165,7 +165,7 @@ def _worker(spec: dict[str, Any]) -> dict[str, Any]:
 
 def _run_worker(spec: dict[str, Any], environ: Optional[dict[str, str]] = None
                 ) -> dict[str, Any]:
-  out = subprocess.run([sys.executable, '-m', 'vit_jax.kernels.measure', '--worker',
+  out = subprocess.run([sys.executable, '-m', 'vit_jax.tools.measure_attention', '--worker',
                         json.dumps(spec)], capture_output=True, text=True, check=False,
                        env=environ)
   if out.returncode:
@@ -272,7 +272,7 @@ def format_summary(report: dict[str, Any]) -> str:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
   parser = argparse.ArgumentParser(
-      prog='python -m vit_jax.kernels.measure', description=__doc__,
+      prog='python -m vit_jax.tools.measure_attention', description=__doc__,
       formatter_class=argparse.RawDescriptionHelpFormatter)
   from vit_jax.kernels import cpu_attention  # pylint: disable=import-outside-toplevel
   parser.add_argument('--isa', nargs='+', choices=cpu_attention.ISAS,
