@@ -70,9 +70,15 @@ def config_spec(argv: list[str]) -> str | None:
   return spec
 
 
+_HELP_FLAGS = ("--help", "--helpshort", "--helpfull", "--helpxml", "-?")
+
+
 def parse_flags(argv: list[str]) -> list[str]:
   """absl's flag parsing, with a clear message for a missing config file or a mistyped
-  `--config.<key>` (instead of ml_collections' traceback)."""
+  `--config.<key>` (instead of ml_collections' traceback), and exit code 0 after `--help`.
+
+  Returns the arguments that are not flags (absl's `argv`). Exits 2 with one `FATAL:` line for a
+  bad flag or config, 0 after printing the help asked for."""
   spec = config_spec(argv)
   path = spec.partition(":")[0] if spec else None
   if path and not os.path.isfile(path):
@@ -83,6 +89,12 @@ def parse_flags(argv: list[str]) -> list[str]:
     sys.exit(2)
   try:
     return flags.FLAGS(argv)
+  except SystemExit as e:
+    # absl prints the help asked for (--help, --helpshort, --helpfull, -?) and exits 1; asking
+    # for help is not a failure (exit code 1 means one in vit_jax.main's table).
+    if e.code == 1 and any(a.split("=")[0] in _HELP_FLAGS for a in argv[1:]):
+      sys.exit(0)
+    raise
   except flags.Error as e:
     message = unknown_override_message(argv) or _without_traceback(str(e))
   except (AttributeError, KeyError) as e:  # ml_collections' error for an unknown key.

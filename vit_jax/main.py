@@ -1,8 +1,5 @@
 r"""Trains and evaluates a Vision Transformer: pretraining or fine-tuning, one CPU to a TPU pod.
 
-(The module owns the program's flags, the call of `vit_jax.platform.setup`, and the exit codes;
-the training is `vit_jax.train.train_and_evaluate`.)
-
 Usage:
   python -m vit_jax.main --config configs/<file>.py[:<args>] --workdir DIR [--config.key=value ...]
 
