@@ -6,6 +6,8 @@ accelerators, quiet library logs.
      process start, so it re-executes the same command line once);
   2. `setup(...)`: log filters, `jax.distributed` for multi-process runs, TensorFlow's view of
      the accelerators hidden (tf.data must never grab a GPU/TPU that belongs to JAX).
+The training loop holds `sigterm_notice()` while it runs: a preemption notice (SIGTERM) becomes
+an event that the loop checks at every step.
 
 Huge pages: XLA:CPU allocates a step's temporary buffers afresh at every execution, and glibc
 serves allocations over 32 MiB with a new `mmap`, so every step first-touches all of them, one
@@ -17,10 +19,13 @@ kept; a library user exports `GLIBC_TUNABLES=glibc.malloc.hugetlb=1` before star
 
 from __future__ import annotations
 
+import contextlib
 import logging as py_logging
 import os
 import re
+import signal
 import sys
+import threading
 from typing import Optional
 
 from absl import logging
@@ -197,3 +202,22 @@ def setup(*, coordinator_address: Optional[str] = None, num_processes: Optional[
   os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")  # TensorFlow's C++ INFO lines.
   hide_accelerators_from_tensorflow()
   initialize_distributed(coordinator_address, num_processes, process_id)
+
+
+@contextlib.contextmanager
+def sigterm_notice():
+  """Yields a `threading.Event` that SIGTERM sets (the previous handler is restored after).
+
+  Only in a single-process run on the main thread: with several processes jax's preemption
+  service handles SIGTERM and `Checkpoints.reached_preemption` reports it.
+  """
+  import jax  # pylint: disable=g-import-not-at-top  (not at import: --help stays fast)
+  notice = threading.Event()
+  if jax.process_count() > 1 or threading.current_thread() is not threading.main_thread():
+    yield notice
+    return
+  previous = signal.signal(signal.SIGTERM, lambda *_: notice.set())
+  try:
+    yield notice
+  finally:
+    signal.signal(signal.SIGTERM, previous)

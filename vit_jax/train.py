@@ -20,12 +20,9 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import signal
-import threading
 from typing import Any, Optional
 
 from absl import logging
-from clu import metric_writers
 import jax
 import ml_collections
 import numpy as np
@@ -35,9 +32,10 @@ from vit_jax import checkpoint
 from vit_jax import config as config_lib
 from vit_jax import data
 from vit_jax import evaluation
+from vit_jax import platform
 from vit_jax import sharding
 from vit_jax import step as step_lib
-from vit_jax.checkpoint import CheckpointSaveError
+from vit_jax.checkpoint import CheckpointSaveError  # noqa: F401  (re-exported: main catches it)
 
 
 class ConfigError(ValueError):
@@ -86,7 +84,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
       are intact.
     vit_jax.data.BadImageError: an image cannot be decoded (config.data.bad_images='fail').
   """
-  with _sigterm_notice() as notice:
+  with platform.sigterm_notice() as notice:
     # ---------------------------------------------------------------------------------------
     # 1. Config. Cheap checks of everything, before anything is written to the workdir.
     # ---------------------------------------------------------------------------------------
@@ -103,7 +101,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
                                       asynchronous=config.async_checkpointing)
     state = _initial_state(run, checkpoints)
     start_step, total_steps = int(state["step"]), config.total_steps
-    writer = _writer(run_dir, config)
+    # After the restore, so that a refused run leaves no events file.
+    writer = run_dir.metric_writer(checkpoint.flatten_params(config.to_dict(), sep="."))
     num_params = sum(x.size for x in jax.tree.leaves(state["params"]))
     logging.info("Model %s: %s parameters; %d of %d steps done.", config.model_name,
                  f"{num_params:,}", start_step, total_steps)
@@ -112,30 +111,12 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
     # 3. Steps: jitted over the mesh; each is compiled ahead of its first call for a batch shape
     # (timed as 'compile'), then cached.
     # ---------------------------------------------------------------------------------------
-    train_step, eval_step = setup.jit_train_step(), setup.jit_eval_step()
-    compiled_steps = {}
-
-    def compiled(jitted, state, batch):
-      key = (jitted, tuple((k, v.shape) for k, v in batch.items()))
-      if key not in compiled_steps:
-        with accountant.timed("compile"):
-          compiled_steps[key] = setup.compile(jitted, state, batch)
-        if jitted is train_step:
-          accounting.account_step_flops(accountant, compiled_steps[key], setup.model,
-                                        setup.image_shape, setup.mesh.size)
-          logging.info("Attention in the compiled training step: %s.",
-                       setup.compiled_attention(compiled_steps[key]))
-      return compiled_steps[key]
-
-    def to_global(batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
-      return {k: jax.make_array_from_process_local_data(setup.batch_sharding, v)
-              for k, v in batch.items()}
+    steps = _CompiledSteps(setup, accountant)
 
     def evaluate(state, step: int) -> dict[str, float]:
       with accountant.timed("eval"):
-        results = evaluation.evaluate(state, run.evals, bool(config.ema_decay),
-                                      lambda s, b: compiled(eval_step, s, b)(s, b), to_global,
-                                      step)
+        results = evaluation.evaluate(state, run.evals, bool(config.ema_decay), steps.eval,
+                                      steps.to_global, step)
         writer.write_scalars(step, results)
       return results
 
@@ -161,8 +142,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
       for step in range(start_step + 1, total_steps + 1):
         with jax.profiler.StepTraceAnnotation("train", step_num=step):
           with accountant.timed("input"):
-            batch = to_global(next(train_iter))
-          state, metrics = compiled(train_step, state, batch)(state, batch)
+            batch = steps.to_global(next(train_iter))
+          state, metrics = steps.train(state, batch)
           accountant.count_step()
         if step == start_step + 1:  # Compiled now: the throughput is measured from here.
           window.restart(step)
@@ -213,6 +194,44 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
     if preempted:
       raise Preempted(last_step, workdir)
     return dict(results, step=last_step)
+
+
+class _CompiledSteps:
+  """The train and eval steps of a `step.Setup`, each compiled ahead of its first call for a
+  batch shape (timed as 'compile' by the accountant; the training step's FLOPs and attention
+  are recorded then), and cached; batches become global arrays on the mesh."""
+
+  def __init__(self, setup: step_lib.Setup, accountant: accounting.CostAccountant):
+    self._setup, self._accountant = setup, accountant
+    self._train_step, self._eval_step = setup.jit_train_step(), setup.jit_eval_step()
+    self._cache = {}
+
+  def _compiled(self, jitted, state, batch) -> jax.stages.Compiled:
+    key = (jitted, tuple((k, v.shape) for k, v in batch.items()))
+    if key not in self._cache:
+      setup = self._setup
+      with self._accountant.timed("compile"):
+        self._cache[key] = setup.compile(jitted, state, batch)
+      if jitted is self._train_step:
+        accounting.account_step_flops(self._accountant, self._cache[key], setup.model,
+                                      setup.image_shape, setup.mesh.size)
+        logging.info("Attention in the compiled training step: %s.",
+                     setup.compiled_attention(self._cache[key]))
+    return self._cache[key]
+
+  def train(self, state, batch):
+    """`(state, metrics)` after one update on the global `batch`."""
+    return self._compiled(self._train_step, state, batch)(state, batch)
+
+  def eval(self, state, batch):
+    """The metric sums of the global `batch` (`step.make_eval_step`)."""
+    return self._compiled(self._eval_step, state, batch)(state, batch)
+
+  def to_global(self, batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
+    """This process's part of the batch (`[B / processes, ...]`) -> global arrays `[B, ...]`
+    with the mesh's batch sharding."""
+    return {k: jax.make_array_from_process_local_data(self._setup.batch_sharding, v)
+            for k, v in batch.items()}
 
 
 @dataclasses.dataclass
@@ -290,21 +309,6 @@ def _initial_state(run: _Run, checkpoints: checkpoint.Checkpoints) -> step_lib.S
   return jax.jit(setup.init_state, out_shardings=setup.state_shardings)(setup.init_rng)
 
 
-def _writer(run_dir: checkpoint.Workdir, config: ml_collections.ConfigDict):
-  """clu's TensorBoard writer (process 0; the others only log), after the restore, so that a
-  refused run leaves no events file; the config's scalar fields as hparams."""
-  try:
-    writer = metric_writers.create_default_writer(
-        run_dir.path, just_logging=jax.process_index() > 0, asynchronous=True)
-  except Exception as e:  # pylint: disable=broad-except  (TensorFlow's errors are not OSErrors)
-    raise CheckpointSaveError(
-        f"Cannot write the TensorBoard events to {run_dir.path}: {str(e).splitlines()[0][:300]}. "
-        "Free disk space or fix the permissions there, then rerun the same command.") from e
-  flat = checkpoint.flatten_params(config.to_dict(), sep=".")
-  writer.write_hparams({k: v for k, v in flat.items() if isinstance(v, (int, float, str, bool))})
-  return writer
-
-
 @contextlib.contextmanager
 def _config_errors():
   """Turns the set-up's ValueError, TypeError, KeyError, FileNotFoundError, NotImplementedError
@@ -317,24 +321,6 @@ def _config_errors():
           PermissionError) as e:
     message = e.args[0] if len(e.args) == 1 and isinstance(e.args[0], str) else str(e)
     raise ConfigError(message) from e
-
-
-@contextlib.contextmanager
-def _sigterm_notice():
-  """Yields a `threading.Event` that SIGTERM sets (the previous handler is restored after).
-
-  Only in a single-process run on the main thread: with several processes jax's preemption
-  service handles SIGTERM and `Checkpoints.reached_preemption` reports it.
-  """
-  notice = threading.Event()
-  if jax.process_count() > 1 or threading.current_thread() is not threading.main_thread():
-    yield notice
-    return
-  previous = signal.signal(signal.SIGTERM, lambda *_: notice.set())
-  try:
-    yield notice
-  finally:
-    signal.signal(signal.SIGTERM, previous)
 
 
 def _check_finite(step: int, metrics: dict[str, jax.Array], checkpoints: checkpoint.Checkpoints,

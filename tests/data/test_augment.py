@@ -13,6 +13,7 @@ import pytest
 import tensorflow as tf
 
 from vit_jax.data import augment as aug
+from vit_jax.data.augment import randaugment
 
 SEED = tf.constant([1, 2], tf.int64)
 # The functions under test need no AutoGraph; converting the test lambdas
@@ -436,7 +437,7 @@ def test_rand_augment_uses_apply_op():
     for i, name in enumerate(names):
       seed = _seed(i)
       np.testing.assert_array_equal(
-          aug._apply_indexed(x, names, tf.constant(i), 7.3, seed, FILL),
+          randaugment._apply_indexed(x, names, tf.constant(i), 7.3, seed, FILL),
           aug.apply_op(x, name, 7.3, seed), err_msg=name)
 
 

@@ -10,7 +10,7 @@ from vit_jax import config as config_lib
 from vit_jax import models
 from vit_jax.kernels import cpu_attention
 from vit_jax.models import attention
-from vit_jax.models import vit
+from vit_jax.models import execution
 
 X = jax.random.normal(jax.random.key(0), (2, 5, 32))
 
@@ -126,7 +126,7 @@ def test_remat_policy_is_validated():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("policy", vit.REMAT_POLICIES)
+@pytest.mark.parametrize("policy", execution.REMAT_POLICIES)
 def test_every_remat_policy_gives_the_same_gradients(policy):
   fields = dict(hidden_size=16, mlp_dim=32, num_heads=2, num_layers=2, patch_size=4)
   images = jax.random.normal(jax.random.key(0), (2, 8, 8, 3))

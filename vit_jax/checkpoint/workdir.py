@@ -11,7 +11,7 @@
                               [, 'ema_params']} (StandardSave)
         cost/                 the cost account at that step (JsonSave)
         config/               the resolved config (JsonSave; steps saved with one)
-    events.out.tfevents.*     TensorBoard (clu's writer; not this module's)
+    events.out.tfevents.*     TensorBoard scalars and hparams (Workdir.metric_writer: clu's)
 
 Local paths and ``gs://`` alike (through ``etils.epath``; local paths are made absolute, as Orbax
 needs). The training loop uses :class:`Workdir` and :class:`Checkpoints`; the readers
@@ -176,6 +176,27 @@ class Workdir:
       logging.getLogger('absl').warning(
           "Ignoring %s (%s); the checkpoint's cost account is used.", self.cost_json, e)
       return None
+
+  def metric_writer(self, hparams: Dict[str, Any]):
+    """clu's TensorBoard writer into the workdir (asynchronous; process 0 writes events, the
+    others only log), with ``hparams``' int, float, str and bool values written as hparams.
+
+    Raises:
+      CheckpointSaveError: the events file cannot be created (e.g. a full disk).
+    """
+    import jax  # pylint: disable=g-import-not-at-top
+    from clu import metric_writers  # pylint: disable=g-import-not-at-top
+    try:
+      writer = metric_writers.create_default_writer(
+          self.path, just_logging=jax.process_index() > 0, asynchronous=True)
+    except Exception as e:  # pylint: disable=broad-except  (TensorFlow's are not OSErrors)
+      raise CheckpointSaveError(
+          f'Cannot write the TensorBoard events to {self.path}: '
+          f'{str(e).splitlines()[0][:300]}. Free disk space or fix the permissions there, then '
+          'rerun the same command.') from e
+    writer.write_hparams({k: v for k, v in hparams.items()
+                          if isinstance(v, (int, float, str, bool))})
+    return writer
 
   def checkpoints(self, *, keep: Optional[int], asynchronous: bool) -> 'Checkpoints':
     """The run's checkpoints (``WORKDIR/checkpoints``); see :class:`Checkpoints`."""

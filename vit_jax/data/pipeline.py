@@ -192,6 +192,77 @@ class TrainIterator:
     return _next_batch(self._it, self._diagnose)
 
 
+class _TrainMaps:
+  """The per-example and per-batch maps of the training pipeline, keyed by element ids
+  (epoch * 2**32 + index in epoch) so that every augmentation is a function of (seed, id).
+
+  per_example: decode; unless `vectorized`, also crop/flip/resize (`preprocess.train_image`)
+    and RandAugment on the uint8 image; multi-hot label sets.
+  per_batch: when `vectorized`, flip and resize whole batches; one-hot targets, normalization,
+    then timm's order for T2T-ViT: Mixup / CutMix of the batch, random erasing of each image.
+  """
+
+  def __init__(self, data_cfg, source, encoded: bool, vectorized: bool, *, augment_key,
+               mix_key, erase_key):
+    self.data_cfg, self.source = data_cfg, source
+    self.encoded, self.vectorized = encoded, vectorized
+    self.augment_key, self.mix_key, self.erase_key = augment_key, mix_key, erase_key
+    self.mixing = (data_cfg.mixup_alpha > 0 or data_cfg.cutmix_alpha > 0) and (
+        data_cfg.mix_prob > 0)
+
+  @tf.autograph.experimental.do_not_convert
+  def per_example(self, i, ex):
+    if self.vectorized:  # Only decode here; the rest is done per batch.
+      image = self.source.decode(ex['image'], self.encoded) if self.encoded else ex['image']
+    else:
+      seed = preprocess.fold_in(self.augment_key, i)
+      image = preprocess.train_image(
+          ex['image'], encoded=self.encoded,
+          seed=seed if self.data_cfg.augment != 'none' else None,
+          size=self.data_cfg.image_size, augment=self.data_cfg.augment,
+          min_area=self.data_cfg.inception_crop_min_area, normalization=None)
+      # RandAugment on the cropped, flipped uint8 image, as timm does.
+      if self.data_cfg.randaugment_num_layers > 0:
+        image = tf.cast(augment.rand_augment(
+            tf.cast(tf.round(image), tf.uint8), preprocess.fold_in(seed, 1),
+            num_layers=self.data_cfg.randaugment_num_layers,
+            magnitude=self.data_cfg.randaugment_magnitude,
+            magnitude_std=self.data_cfg.randaugment_magnitude_std), tf.float32)
+    lab = ex['label']
+    if self.source.label.multi_label:  # Ragged label sets -> fixed-size multi-hot.
+      lab = preprocess.targets(lab, self.source.label.num_classes, True)
+    return i, {'image': image, 'label': lab}
+
+  @tf.autograph.experimental.do_not_convert
+  def per_batch(self, ids, ex):
+    image = ex['image']
+    if self.vectorized:
+      if self.data_cfg.augment == 'flip':
+        # Independent flip of each image, on the (small, uint8) source images:
+        # bilinear resizing commutes with flipping.
+        image = tf.image.stateless_random_flip_left_right(
+            image, preprocess.fold_in(self.augment_key, ids[0]))
+      image = preprocess.resize(image, self.data_cfg.image_size)
+    labels = ex['label']
+    if not self.source.label.multi_label:
+      labels = preprocess.targets(labels, self.source.label.num_classes, False)
+    image = preprocess.normalize(image, self.data_cfg.normalization)
+    # Then as timm's loader for T2T-ViT: Mixup / CutMix of the batch, then
+    # random erasing of each image (noise N(0, 1) in normalized units).
+    if self.mixing:  # One mixing decision per batch (and per process), as timm.
+      image, labels = augment.mixup_cutmix(
+          image, labels, preprocess.fold_in(self.mix_key, ids[0]),
+          mixup_alpha=self.data_cfg.mixup_alpha, cutmix_alpha=self.data_cfg.cutmix_alpha,
+          switch_prob=self.data_cfg.mix_switch_prob, prob=self.data_cfg.mix_prob)
+    if self.data_cfg.random_erasing > 0:
+      image = tf.map_fn(
+          lambda args: augment.random_erasing(
+              args[0], preprocess.fold_in(self.erase_key, args[1]),
+              probability=self.data_cfg.random_erasing),
+          (image, ids), fn_output_signature=tf.float32)
+    return {'image': image, 'labels': labels}
+
+
 def create_train_iterator(data_cfg, global_batch_size: int, seed: int,
                           start_step: int = 0, *,
                           process_index: Optional[int] = None,
@@ -270,23 +341,16 @@ def create_train_iterator(data_cfg, global_batch_size: int, seed: int,
     raise ValueError(f'Process {pi}/{pc} has no training examples in '
                      f'{data_cfg.train_split!r} of {source.name!r}.')
   start_epoch, offset = divmod(start_step * b, n)
-  label = source.label
   cache = bool(data_cfg.cache)
   encoded = (not cache) and source.images_encoded_after_read
-  randaugment = data_cfg.randaugment_num_layers > 0
-  erasing = data_cfg.random_erasing > 0
-  mixing = (data_cfg.mixup_alpha > 0 or data_cfg.cutmix_alpha > 0) and (
-      data_cfg.mix_prob > 0)
-  vectorized = _vectorizable(source, data_cfg.augment, randaugment)
+  vectorized = _vectorizable(source, data_cfg.augment,
+                             data_cfg.randaugment_num_layers > 0)
   if cache:
     # Decoded, un-augmented images of this process's split, kept in memory
     # and shared by all epochs (filled during the first epoch).
     cached = source.drop_undecodable(source.read(split, decode=True)).cache()
   run_key = preprocess.seed_key(seed)
   shuffle_root = preprocess.fold_in(run_key, 0)
-  augment_root = preprocess.fold_in(run_key, 1)
-  mix_root = preprocess.fold_in(run_key, 2)
-  erase_root = preprocess.fold_in(run_key, 3)
 
   @tf.autograph.experimental.do_not_convert
   def epoch_examples(epoch):
@@ -301,66 +365,20 @@ def create_train_iterator(data_cfg, global_batch_size: int, seed: int,
     # Element ids epoch * 2**32 + index-in-epoch key the augmentations.
     return ds.enumerate(start=epoch * _EPOCH_STRIDE)
 
-  @tf.autograph.experimental.do_not_convert
-  def per_example(i, ex):
-    if vectorized:  # Only decode here; the rest is done per batch.
-      image = source.decode(ex['image'], encoded) if encoded else ex['image']
-    else:
-      seed = preprocess.fold_in(augment_root, i)
-      image = preprocess.train_image(
-          ex['image'], encoded=encoded,
-          seed=seed if data_cfg.augment != 'none' else None,
-          size=data_cfg.image_size, augment=data_cfg.augment,
-          min_area=data_cfg.inception_crop_min_area, normalization=None)
-      if randaugment:  # On the cropped, flipped uint8 image, as timm does.
-        image = tf.cast(augment.rand_augment(
-            tf.cast(tf.round(image), tf.uint8), preprocess.fold_in(seed, 1),
-            num_layers=data_cfg.randaugment_num_layers,
-            magnitude=data_cfg.randaugment_magnitude,
-            magnitude_std=data_cfg.randaugment_magnitude_std), tf.float32)
-    lab = ex['label']
-    if label.multi_label:  # Ragged label sets -> fixed-size multi-hot.
-      lab = preprocess.targets(lab, label.num_classes, True)
-    return i, {'image': image, 'label': lab}
-
-  @tf.autograph.experimental.do_not_convert
-  def per_batch(ids, ex):
-    image = ex['image']
-    if vectorized:
-      if data_cfg.augment == 'flip':
-        # Independent flip of each image, on the (small, uint8) source images:
-        # bilinear resizing commutes with flipping.
-        image = tf.image.stateless_random_flip_left_right(
-            image, preprocess.fold_in(augment_root, ids[0]))
-      image = preprocess.resize(image, data_cfg.image_size)
-    labels = ex['label']
-    if not label.multi_label:
-      labels = preprocess.targets(labels, label.num_classes, False)
-    image = preprocess.normalize(image, data_cfg.normalization)
-    # Then as timm's loader for T2T-ViT: Mixup / CutMix of the batch, then
-    # random erasing of each image (noise N(0, 1) in normalized units).
-    if mixing:  # One mixing decision per batch (and per process), as timm.
-      image, labels = augment.mixup_cutmix(
-          image, labels, preprocess.fold_in(mix_root, ids[0]),
-          mixup_alpha=data_cfg.mixup_alpha, cutmix_alpha=data_cfg.cutmix_alpha,
-          switch_prob=data_cfg.mix_switch_prob, prob=data_cfg.mix_prob)
-    if erasing:
-      image = tf.map_fn(
-          lambda args: augment.random_erasing(
-              args[0], preprocess.fold_in(erase_root, args[1]),
-              probability=data_cfg.random_erasing),
-          (image, ids), fn_output_signature=tf.float32)
-    return {'image': image, 'labels': labels}
+  maps = _TrainMaps(data_cfg, source, encoded, vectorized,
+                    augment_key=preprocess.fold_in(run_key, 1),
+                    mix_key=preprocess.fold_in(run_key, 2),
+                    erase_key=preprocess.fold_in(run_key, 3))
 
   ds = tf.data.Dataset.range(start_epoch, 2**62).flat_map(epoch_examples)
   if offset:
     ds = ds.skip(offset)
-  if not vectorized or encoded or label.multi_label:
-    ds = ds.map(per_example, num_parallel_calls=data_cfg.num_parallel_calls)
+  if not vectorized or encoded or source.label.multi_label:
+    ds = ds.map(maps.per_example, num_parallel_calls=data_cfg.num_parallel_calls)
     if encoded:
       ds = source.drop_undecodable(ds)
   ds = ds.batch(b, drop_remainder=True)
-  ds = ds.map(per_batch, num_parallel_calls=data_cfg.num_parallel_calls)
+  ds = ds.map(maps.per_batch, num_parallel_calls=data_cfg.num_parallel_calls)
   ds = ds.prefetch(data_cfg.prefetch).with_options(_options(data_cfg))
   return TrainIterator(ds, b, n, start_epoch, offset,
                        _diagnoser(source, split, data_cfg.train_split))
@@ -420,8 +438,9 @@ def create_eval_dataset(data_cfg, global_batch_size: int, *,
   yields one fully-masked batch.
   Images are resized to S x S (bilinear, whole image, no crop) as in the
   official vit_jax eval pipeline, or with `config.eval_crop_pct` set, resized
-  and centre-cropped as timm / T2T-ViT do (`preprocess.resize_and_center_crop`). For ImageNet ReaL ('real_label'), images
-  with no label get mask=False (skipped, as in the ViT paper).
+  and centre-cropped as timm / T2T-ViT do (`preprocess.resize_and_center_crop`).
+  For ImageNet ReaL ('real_label'), images with no label get mask=False
+  (skipped, as in the ViT paper).
 
   Undecodable images (`config.data.bad_images`): 'fail' makes iterating
   raise `BadImageError` naming them (image folders: all undecodable files

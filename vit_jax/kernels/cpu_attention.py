@@ -19,7 +19,8 @@ partitioner cannot split a custom call).
 
 Residuals: the forward saves its output and the per-row log-sum-exp, named
 ``'attention_out'`` and ``'attention_lse'`` for remat policies (see
-``vit_jax.models.vit.REMAT_POLICIES``); the backward recomputes the attention weights from them.
+``vit_jax.models.execution.REMAT_POLICIES``); the backward recomputes the attention weights from
+them.
 """
 
 from __future__ import annotations

@@ -79,7 +79,7 @@ import numpy as np
 
 from vit_jax.models import attention as attention_lib
 from vit_jax.models import layout
-from vit_jax.models import vit
+from vit_jax.models import execution
 
 Array = jax.Array
 Dtype = Any
@@ -100,8 +100,8 @@ PERFORMER_EPSILON = 1e-8
 _linear_init = nn.initializers.truncated_normal(stddev=0.02)
 
 _partitioned = nn.with_logical_partitioning
-_constrain = vit.constrain
-_TOKENS_AXES = vit.TOKENS_AXES
+_constrain = execution.constrain
+_TOKENS_AXES = execution.TOKENS_AXES
 
 Axes = Tuple[Optional[str], ...]
 
@@ -503,7 +503,7 @@ class T2TViT(nn.Module):
       from the unrolled model's (the dropout rng is split per block by ``nn.scan``).
     remat: rematerialise every backbone block in the backward pass (``nn.remat``).
     remat_policy: what a rematerialised block keeps, a name in
-      :data:`vit_jax.models.vit.REMAT_POLICIES`; default 'nothing_saveable'.
+      :data:`vit_jax.models.execution.REMAT_POLICIES`; default 'nothing_saveable'.
     attention: the backbone attention's implementation, one of
       :data:`vit_jax.models.attention.IMPLEMENTATIONS` (the T2T module's attention is XLA's).
 
@@ -574,7 +574,7 @@ class T2TViT(nn.Module):
     self.sow('intermediates', 'pos_drop', x)
 
     rates = np.linspace(0.0, self.drop_path_rate, self.depth)  # As torch.linspace.
-    block_cls = (vit.rematerialised(Block, self.remat_policy, scan=self.scan)
+    block_cls = (execution.rematerialised(Block, self.remat_policy, scan=self.scan)
                  if self.remat else Block)
     block_kwargs = dict(num_heads=self.num_heads, mlp_ratio=self.mlp_ratio,
                         qk_scale=self.qk_scale, dtype=dtype, param_dtype=param_dtype,
@@ -583,7 +583,7 @@ class T2TViT(nn.Module):
       # The per-block drop-path rates are scanned over with the parameters (axis 0); without
       # drop path (or in eval) no rate is passed and the blocks skip it statically.
       scanned_rates = (jnp.asarray(rates, jnp.float32),) if self.drop_path_rate and train else ()
-      stack = vit.scanned(block_cls, self.depth,
+      stack = execution.scanned(block_cls, self.depth,
                           in_axes=(nn.broadcast,) + (0,) * len(scanned_rates))
       x, _ = stack(scanned=True, name='blocks', **block_kwargs)(x, not train, *scanned_rates)
     else:
@@ -618,7 +618,7 @@ def validate_config(*, num_classes, embed_dim, depth, num_heads, mlp_ratio, toke
       sizes, ``embed_dim % num_heads != 0``, ``token_dim < 2`` with a performer (no random
       features), ``mlp_ratio`` or ``qk_scale`` not positive, ``drop_path_rate`` outside [0, 1),
       a non-float ``dtype``/``param_dtype``, or bad execution fields (``scan``/``remat`` not a
-      bool, ``remat_policy`` not in :data:`vit_jax.models.vit.REMAT_POLICIES`).
+      bool, ``remat_policy`` not in :data:`vit_jax.models.execution.REMAT_POLICIES`).
   """
   del unused
   if tokens_type not in TOKENS_TYPES:
@@ -640,6 +640,6 @@ def validate_config(*, num_classes, embed_dim, depth, num_heads, mlp_ratio, toke
   if (isinstance(drop_path_rate, bool) or not isinstance(drop_path_rate, (int, float))
       or not 0.0 <= drop_path_rate < 1.0):
     raise ValueError(f'drop_path_rate must be a float in [0, 1), got {drop_path_rate!r}')
-  vit.check_float_dtypes(dtype=dtype, param_dtype=param_dtype)
-  vit.check_execution_fields(scan=scan, remat=remat, remat_policy=remat_policy,
+  execution.check_float_dtypes(dtype=dtype, param_dtype=param_dtype)
+  execution.check_execution_fields(scan=scan, remat=remat, remat_policy=remat_policy,
                              attention=attention)

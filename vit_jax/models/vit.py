@@ -65,14 +65,14 @@ This module has no training dependencies (no optax, no TensorFlow).
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional, Tuple, Union
+from typing import Any, Optional, Tuple, Union
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from vit_jax.kernels import cpu_attention
 from vit_jax.models import attention as attention_lib
+from vit_jax.models import execution
 from vit_jax.models import layout
 from vit_jax.models import resnet
 
@@ -85,51 +85,11 @@ CLASSIFIERS = ('token', 'gap')
 #: LayerNorm epsilon of the official model (flax default; PyTorch's would be 1e-5).
 LAYERNORM_EPSILON = 1e-6
 
-#: ``remat_policy`` values: names in ``jax.checkpoint_policies`` of what a rematerialised block
-#: keeps from its forward pass for the backward pass (everything else is recomputed).
-#: 'nothing_saveable' keeps only the block's input (full rematerialisation, least memory);
-#: 'dots_with_no_batch_dims_saveable' also keeps the outputs of the dense projections (q, k, v,
-#: attention output, both MLP layers) and recomputes the LayerNorms, the attention weights
-#: (softmax of q k^T) and the GELU: with ``scan=True`` a quarter of the memory of no remat;
-#: 'dots_and_attention_saveable' (vit_jax's own) keeps as much and, where the fused CPU
-#: attention kernel runs (``attention='cpu_kernel'``, :mod:`vit_jax.kernels.cpu_attention`),
-#: also its output and per-row log-sum-exp, so the kernel's forward is not run again in the
-#: backward pass; elsewhere it equals the previous one.
-REMAT_POLICIES = ('nothing_saveable', 'dots_with_no_batch_dims_saveable',
-                  'dots_and_attention_saveable', 'dots_saveable', 'everything_saveable')
-
-
-def remat_policy(name: str) -> Callable[..., bool]:
-  """The ``jax.checkpoint`` policy called ``name``, one of :data:`REMAT_POLICIES`.
-
-  Raises:
-    ValueError: an unknown name (listing the valid ones).
-  """
-  if name not in REMAT_POLICIES:
-    raise ValueError(f'remat_policy must be one of {REMAT_POLICIES}, got {name!r}')
-  policies = jax.checkpoint_policies
-  if name == 'dots_and_attention_saveable':
-    return policies.save_from_both_policies(
-        policies.dots_with_no_batch_dims_saveable,
-        policies.save_only_these_names(*cpu_attention.RESIDUAL_NAMES))
-  return getattr(policies, name)
-
-
-#: Logical axes of the token sequence and of the MLP hidden activations.
-TOKENS_AXES = ('batch', 'length', 'embed')
+#: Logical axes of the token sequence (as in `execution`) and of the MLP hidden activations.
+TOKENS_AXES = execution.TOKENS_AXES
 MLP_HIDDEN_AXES = ('batch', 'length', 'mlp')
 
 _partitioned = nn.with_logical_partitioning
-
-
-def constrain(x: Array, names: Tuple[Optional[str], ...]) -> Array:
-  """``nn.with_logical_constraint(x, names)`` when the ranks agree, else ``x`` unchanged.
-
-  A no-op without ``nn.logical_axis_rules`` (and a mesh) in context.
-  """
-  if x.ndim != len(names):
-    return x
-  return nn.with_logical_constraint(x, names)
 
 
 def _layer_norm(dtype: Dtype, param_dtype: Dtype, name: Optional[str] = None) -> nn.LayerNorm:
@@ -264,42 +224,12 @@ class MlpBlock(nn.Module):
         kernel_init=_partitioned(nn.initializers.xavier_uniform(), axes),
         bias_init=_partitioned(nn.initializers.normal(stddev=1e-6), axes[1:]))
     x = dense(self.mlp_dim, ('embed', 'mlp'))(inputs)
-    x = constrain(x, MLP_HIDDEN_AXES)
+    x = execution.constrain(x, MLP_HIDDEN_AXES)
     x = nn.gelu(x, approximate=True)
     x = nn.Dropout(rate=self.dropout_rate)(x, deterministic=deterministic)
     x = dense(out_dim, ('mlp', 'embed'))(x)
     x = nn.Dropout(rate=self.dropout_rate)(x, deterministic=deterministic)
     return x
-
-
-def rematerialised(block_cls: type, policy: str, *, scan: bool) -> type:
-  """The block class rematerialised in the backward pass (``nn.remat``), keeping ``policy``'s saves.
-
-  ``block_cls.__call__(x, deterministic, ...)`` must take the Python bool ``deterministic`` as
-  its second positional argument (it is made static). ``policy`` is one of
-  :data:`REMAT_POLICIES` (see :func:`remat_policy`). Common subexpression elimination
-  is prevented only outside ``nn.scan`` (``scan``), whose loop already keeps XLA from merging
-  the recomputation into the forward pass.
-  """
-  # static_argnums counts `self` as 0: argument 2 is `deterministic`.
-  return nn.remat(block_cls, prevent_cse=not scan, static_argnums=(2,),
-                  policy=remat_policy(policy))
-
-
-def scanned(block_cls: type, length: int, *, in_axes: Any) -> type:
-  """The block class run ``length`` times in a loop (``nn.scan``), its parameters stacked.
-
-  The block's call must return ``(x, None)`` (carry, no output). Parameters get a leading axis
-  of size ``length`` with the logical axis name ``'layers'``; each copy gets its own
-  ``'params'`` and ``'dropout'`` rngs. ``in_axes`` says how the call's arguments after ``x`` are
-  passed: ``nn.broadcast`` the same to every copy, 0 sliced along their leading axis.
-  """
-  return nn.scan(block_cls,
-                 variable_axes={'params': 0, 'intermediates': 0},
-                 split_rngs={'params': True, 'dropout': True},
-                 in_axes=in_axes,
-                 length=length,
-                 metadata_params={nn.PARTITION_NAME: 'layers'})
 
 
 class EncoderBlock(nn.Module):
@@ -334,7 +264,7 @@ class EncoderBlock(nn.Module):
   def __call__(self, inputs: Array, deterministic: bool):
     if inputs.ndim != 3:
       raise ValueError(f'EncoderBlock expects [batch, tokens, width], got shape {inputs.shape}')
-    inputs = constrain(inputs, TOKENS_AXES)
+    inputs = execution.constrain(inputs, TOKENS_AXES)
     x = _layer_norm(self.dtype, self.param_dtype)(inputs)
     x = attention_lib.MultiHeadDotProductAttention(
         num_heads=self.num_heads,
@@ -345,11 +275,11 @@ class EncoderBlock(nn.Module):
         name='MultiHeadDotProductAttention_0',
     )(x, deterministic=deterministic)
     x = nn.Dropout(rate=self.dropout_rate)(x, deterministic=deterministic)
-    x = constrain(x + inputs, TOKENS_AXES)
+    x = execution.constrain(x + inputs, TOKENS_AXES)
     y = _layer_norm(self.dtype, self.param_dtype)(x)
     y = MlpBlock(mlp_dim=self.mlp_dim, dropout_rate=self.dropout_rate, dtype=self.dtype,
                  param_dtype=self.param_dtype)(y, deterministic=deterministic)
-    out = constrain(x + y, TOKENS_AXES)
+    out = execution.constrain(x + y, TOKENS_AXES)
     return (out, None) if self.scanned else out
 
 
@@ -367,7 +297,8 @@ class Encoder(nn.Module):
     dtype: computation dtype; param_dtype: parameter dtype.
     scan: run the blocks with ``nn.scan`` (one compiled block body, stacked parameters).
     remat: rematerialise each block in the backward pass (``nn.remat``).
-    remat_policy: what a rematerialised block keeps, one of :data:`REMAT_POLICIES`.
+    remat_policy: what a rematerialised block keeps, one of
+      :data:`vit_jax.models.execution.REMAT_POLICIES`.
     attention: the attention implementation (:data:`vit_jax.models.attention.IMPLEMENTATIONS`).
 
   Input ``[B, N, D]`` (any float dtype), output ``[B, N, D]`` in ``dtype``. With ``train=True``
@@ -392,9 +323,9 @@ class Encoder(nn.Module):
     deterministic = not train
     x = AddPositionEmbs(param_dtype=self.param_dtype, name='posembed_input')(x)
     x = nn.Dropout(rate=self.dropout_rate)(x, deterministic=deterministic)
-    x = constrain(x, TOKENS_AXES)
+    x = execution.constrain(x, TOKENS_AXES)
 
-    block_cls = (rematerialised(EncoderBlock, self.remat_policy, scan=self.scan)
+    block_cls = (execution.rematerialised(EncoderBlock, self.remat_policy, scan=self.scan)
                  if self.remat else EncoderBlock)
     block_kwargs = dict(
         mlp_dim=self.mlp_dim,
@@ -406,7 +337,7 @@ class Encoder(nn.Module):
         attention=self.attention,
     )
     if self.scan:
-      stack = scanned(block_cls, self.num_layers, in_axes=nn.broadcast)
+      stack = execution.scanned(block_cls, self.num_layers, in_axes=nn.broadcast)
       x, _ = stack(scanned=True, name='encoderblock', **block_kwargs)(x, deterministic)
     else:
       for i in range(self.num_layers):
@@ -443,7 +374,8 @@ class VisionTransformer(nn.Module):
     remat: rematerialise every block in the backward pass. On XLA:CPU the memory saving was
       measured only with ``scan=True`` (unrolled, the temporaries stayed the same size).
     remat_policy: what a rematerialised block keeps for the backward pass, a name in
-      :data:`REMAT_POLICIES` (``jax.checkpoint_policies``); default 'nothing_saveable'.
+      :data:`vit_jax.models.execution.REMAT_POLICIES` (``jax.checkpoint_policies``); default
+      'nothing_saveable'.
     resnet_num_layers: ``None`` for a plain ViT; for a hybrid (R+ViT), the number of bottleneck
       units of each ResNet stage, e.g. ``(3, 4, 9)`` for R50+ViT-B/16, ``()`` for the root
       (conv + max-pool, stride 4) only. The stem's total stride is ``4 * 2^(stages - 1)``.
@@ -541,7 +473,7 @@ class VisionTransformer(nn.Module):
                 bias_init=_partitioned(nn.initializers.zeros, ('embed',)), name='embedding')(x)
     n, gh, gw, c = x.shape
     x = jnp.reshape(x, (n, gh * gw, c))  # Row-major: token index = row * gw + col.
-    x = constrain(x, TOKENS_AXES)
+    x = execution.constrain(x, TOKENS_AXES)
 
     if self.classifier == 'token':
       cls = self.param('cls', _partitioned(nn.initializers.zeros, (None, None, 'embed')),
@@ -580,37 +512,6 @@ class VisionTransformer(nn.Module):
     return x.astype(jnp.float32)
 
 
-def check_float_dtypes(**dtypes: Any) -> None:
-  """Raises ValueError naming each field whose value (if not None) is not a floating dtype."""
-  for field, value in dtypes.items():
-    if value is None:
-      continue
-    try:
-      ok = jnp.issubdtype(jnp.dtype(value), jnp.floating)
-    except TypeError:
-      ok = False
-    if not ok:
-      raise ValueError(f'{field} must be a floating dtype (e.g. jnp.float32, jnp.bfloat16), '
-                       f'got {value!r}')
-
-
-def check_execution_fields(*, scan: Any, remat: Any, remat_policy: Any,
-                           attention: Any = 'xla') -> None:
-  """Checks the fields that choose how the blocks run (both families have them).
-
-  Raises:
-    ValueError: ``scan`` or ``remat`` not a bool (e.g. the string 'maybe', which would read as
-      True), ``remat_policy`` not in :data:`REMAT_POLICIES`, or ``attention`` not in
-      :data:`vit_jax.models.attention.IMPLEMENTATIONS`.
-  """
-  for field, value in (('scan', scan), ('remat', remat)):
-    if not isinstance(value, bool):
-      raise ValueError(f'{field} must be True or False, got {value!r}')
-  if remat_policy not in REMAT_POLICIES:
-    raise ValueError(f'remat_policy must be one of {REMAT_POLICIES}, got {remat_policy!r}')
-  attention_lib.check_implementation(attention)
-
-
 def validate_config(*, num_classes, patch_size, hidden_size, mlp_dim, num_heads, num_layers,
                     classifier, representation_size, dropout_rate, attention_dropout_rate,
                     dtype=jnp.float32, param_dtype=jnp.float32, scan=False, remat=False,
@@ -641,8 +542,9 @@ def validate_config(*, num_classes, patch_size, hidden_size, mlp_dim, num_heads,
   patch_pair(patch_size)
   _check_rate('dropout_rate', dropout_rate)
   _check_rate('attention_dropout_rate', attention_dropout_rate)
-  check_float_dtypes(dtype=dtype, param_dtype=param_dtype)
-  check_execution_fields(scan=scan, remat=remat, remat_policy=remat_policy, attention=attention)
+  execution.check_float_dtypes(dtype=dtype, param_dtype=param_dtype)
+  execution.check_execution_fields(scan=scan, remat=remat, remat_policy=remat_policy,
+                                   attention=attention)
   resnet.validate_resnet(resnet_num_layers, resnet_width_factor)
 
 

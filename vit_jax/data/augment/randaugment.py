@@ -1,29 +1,10 @@
-"""T2T-ViT / DeiT ImageNet training augmentations (TensorFlow ops).
+"""RandAugment as T2T-ViT and DeiT train with it: timm's
+`rand_augment_transform('rand-m9-mstd0.5-inc1')`.
 
-Reproduces, as TensorFlow ops usable eagerly and inside `tf.data` maps, the
-timm (pytorch-image-models) augmentations that T2T-ViT and DeiT train with:
-
-* `rand_augment`: timm `rand_augment_transform('rand-m9-mstd0.5-inc1')`
-  (RandAugment with timm's op list, level mappings, per-op probability 0.5 and
-  Gaussian magnitude noise), with every op defined as PIL's `ImageOps` /
-  `ImageEnhance` / `Image.transform` define it (see the op functions below);
-* `random_erasing`: timm `RandomErasing(mode='pixel')`, applied to one
-  normalized image;
-* `mixup_cutmix`: timm `Mixup(mode='batch', correct_lam=True)` on a batch of
-  images and label vectors.
-
-All randomness is *stateless*: every function takes an int64 [2] `seed` and its
-output is a deterministic function of (inputs, seed, arguments), so that a
-resumed run sees exactly the augmentations of an uninterrupted one. Random
-numbers are not those of timm (which uses Python's / numpy's global RNGs), only
-their distributions are.
-
-Known differences from timm / PIL (documented where they occur):
-* geometric ops always interpolate bilinearly (timm picks bilinear or bicubic
-  at random when `interpolation='random'`, as in T2T-ViT; DeiT uses bicubic),
-  with float32 rather than float64 arithmetic: a pixel can differ by 1 from
-  PIL's;
-* Posterize with 0 bits gives black (as PIL < 9 did; current PIL raises).
+The ops are those of PIL (`ImageOps`, `ImageEnhance`, `Image.transform`) on uint8 [H, W, 3]
+images, as TensorFlow ops; then timm's level -> argument mappings, its op lists, and the policy
+(`rand_augment`: `num_layers` ops drawn with replacement, each applied with probability 0.5, at a
+Gaussian-perturbed magnitude). Differences from timm / PIL: see `vit_jax.data.augment`.
 """
 
 from __future__ import annotations
@@ -32,6 +13,8 @@ import math
 from typing import Optional, Sequence, Tuple, Union
 
 import tensorflow as tf
+
+from vit_jax.data.augment import stateless
 
 # timm `_HPARAMS_DEFAULT` uses `img_mean` as the fill of geometric ops; timm's
 # `transforms_imagenet_train` sets it to round(255 * IMAGENET_DEFAULT_MEAN).
@@ -56,31 +39,6 @@ RAND_INCREASING_TRANSFORMS = (
 
 Number = Union[int, float, tf.Tensor]
 Fill = Sequence[int]
-
-# ---------------------------------------------------------------- helpers
-
-# The functions below use Python control flow only on Python values and build
-# graphs directly; AutoGraph (which tf.data applies to map functions and
-# everything they call) has nothing to convert and would only slow tracing.
-_no_autograph = tf.autograph.experimental.do_not_convert
-
-
-def _split(seed: tf.Tensor, num: int):
-  """`num` independent int64 [2] seeds derived from `seed`."""
-  seed = tf.convert_to_tensor(seed)
-  return tf.unstack(tf.random.experimental.stateless_split(seed, num))
-
-
-def _uniform(seed: tf.Tensor, dtype=tf.float64) -> tf.Tensor:
-  """Scalar uniform in [0, 1)."""
-  return tf.random.stateless_uniform([], seed=seed, dtype=dtype)
-
-
-def _randint(seed: tf.Tensor, low, high) -> tf.Tensor:
-  """Scalar int32 uniform in [low, high) (`high` > `low`, may be tensors)."""
-  return tf.random.stateless_uniform([], seed=seed, minval=low, maxval=high,
-                                     dtype=tf.int32)
-
 
 def _check_uint8_rgb(image: tf.Tensor) -> tf.Tensor:
   image = tf.convert_to_tensor(image)
@@ -127,7 +85,7 @@ def _ramp() -> tf.Tensor:
   return tf.range(256, dtype=tf.int32)
 
 
-@_no_autograph
+@stateless.no_autograph
 def grayscale(image: tf.Tensor) -> tf.Tensor:
   """PIL `convert('L')` of a uint8 [H, W, 3] image -> int32 [H, W] in [0, 255].
 
@@ -199,13 +157,13 @@ def _equalize_lut(image: tf.Tensor) -> tf.Tensor:
   return tf.where(identity[:, None], _ramp()[None, :], lut)
 
 
-@_no_autograph
+@stateless.no_autograph
 def invert(image: tf.Tensor) -> tf.Tensor:
   """PIL `ImageOps.invert`: 255 - x (uint8 [H, W, 3] -> same)."""
   return _apply_luts(_check_uint8_rgb(image), _invert_lut())
 
 
-@_no_autograph
+@stateless.no_autograph
 def posterize(image: tf.Tensor, bits: Number) -> tf.Tensor:
   """PIL `ImageOps.posterize`: keep the top `bits` bits of every channel.
 
@@ -217,7 +175,7 @@ def posterize(image: tf.Tensor, bits: Number) -> tf.Tensor:
   return _apply_luts(_check_uint8_rgb(image), _posterize_lut(bits))
 
 
-@_no_autograph
+@stateless.no_autograph
 def solarize(image: tf.Tensor, threshold: Number) -> tf.Tensor:
   """PIL `ImageOps.solarize`: x < threshold ? x : 255 - x.
 
@@ -226,7 +184,7 @@ def solarize(image: tf.Tensor, threshold: Number) -> tf.Tensor:
   return _apply_luts(_check_uint8_rgb(image), _solarize_lut(threshold))
 
 
-@_no_autograph
+@stateless.no_autograph
 def solarize_add(image: tf.Tensor, addition: Number,
                  threshold: Number = 128) -> tf.Tensor:
   """timm `solarize_add`: x < threshold ? min(255, x + addition) : x."""
@@ -234,7 +192,7 @@ def solarize_add(image: tf.Tensor, addition: Number,
                      _solarize_add_lut(addition, threshold))
 
 
-@_no_autograph
+@stateless.no_autograph
 def auto_contrast(image: tf.Tensor) -> tf.Tensor:
   """PIL `ImageOps.autocontrast` (cutoff 0): per-channel min/max stretch.
 
@@ -247,7 +205,7 @@ def auto_contrast(image: tf.Tensor) -> tf.Tensor:
   return _apply_luts(image, _auto_contrast_lut(image))
 
 
-@_no_autograph
+@stateless.no_autograph
 def equalize(image: tf.Tensor) -> tf.Tensor:
   """PIL `ImageOps.equalize`: per-channel histogram equalisation.
 
@@ -279,7 +237,7 @@ def _black_degenerate(image: tf.Tensor) -> tf.Tensor:
   return tf.zeros([], tf.int32)
 
 
-@_no_autograph
+@stateless.no_autograph
 def color(image: tf.Tensor, factor: Number) -> tf.Tensor:
   """PIL `ImageEnhance.Color`: blend of the grayscale image (factor 0) and
   the image (factor 1); see `grayscale` and `_blend`."""
@@ -287,7 +245,7 @@ def color(image: tf.Tensor, factor: Number) -> tf.Tensor:
   return _blend(_gray_degenerate(image), image, factor)
 
 
-@_no_autograph
+@stateless.no_autograph
 def contrast(image: tf.Tensor, factor: Number) -> tf.Tensor:
   """PIL `ImageEnhance.Contrast`: blend of a constant image (factor 0) with
   the image (factor 1). The constant is int(mean(grayscale) + 0.5)."""
@@ -295,7 +253,7 @@ def contrast(image: tf.Tensor, factor: Number) -> tf.Tensor:
   return _blend(_mean_degenerate(image), image, factor)
 
 
-@_no_autograph
+@stateless.no_autograph
 def brightness(image: tf.Tensor, factor: Number) -> tf.Tensor:
   """PIL `ImageEnhance.Brightness`: blend of black (factor 0) with the image
   (factor 1): (UINT8) clip(factor * x)."""
@@ -303,7 +261,7 @@ def brightness(image: tf.Tensor, factor: Number) -> tf.Tensor:
   return _blend(_black_degenerate(image), image, factor)
 
 
-@_no_autograph
+@stateless.no_autograph
 def smooth(image: tf.Tensor) -> tf.Tensor:
   """PIL `image.filter(ImageFilter.SMOOTH)` of a uint8 [H, W, 3] image.
 
@@ -326,7 +284,7 @@ def smooth(image: tf.Tensor) -> tf.Tensor:
   return tf.cast(out, tf.uint8)
 
 
-@_no_autograph
+@stateless.no_autograph
 def sharpness(image: tf.Tensor, factor: Number) -> tf.Tensor:
   """PIL `ImageEnhance.Sharpness`: blend of `smooth(image)` (factor 0) with
   the image (factor 1); factor 2 sharpens."""
@@ -355,7 +313,7 @@ def _rotate_matrix(degrees: Number, height: tf.Tensor,
                  -sin, cos, -sin * -cx + cos * -cy + cy)
 
 
-@_no_autograph
+@stateless.no_autograph
 def affine(image: tf.Tensor, matrix: Union[Sequence[Number], tf.Tensor],
            fill: Fill = IMAGENET_FILL) -> tf.Tensor:
   """PIL `img.transform(size, Image.AFFINE, matrix, BILINEAR, fillcolor=fill)`.
@@ -417,7 +375,7 @@ def _size(image: tf.Tensor):
   return shape[0], shape[1]
 
 
-@_no_autograph
+@stateless.no_autograph
 def rotate(image: tf.Tensor, degrees: Number,
            fill: Fill = IMAGENET_FILL) -> tf.Tensor:
   """PIL `img.rotate(degrees, BILINEAR, fillcolor=fill)`: counter-clockwise
@@ -429,21 +387,21 @@ def rotate(image: tf.Tensor, degrees: Number,
   return affine(image, _rotate_matrix(degrees, *_size(image)), fill)
 
 
-@_no_autograph
+@stateless.no_autograph
 def shear_x(image: tf.Tensor, factor: Number,
             fill: Fill = IMAGENET_FILL) -> tf.Tensor:
   """timm `shear_x`: PIL affine (1, factor, 0, 0, 1, 0)."""
   return affine(image, [1., factor, 0., 0., 1., 0.], fill)
 
 
-@_no_autograph
+@stateless.no_autograph
 def shear_y(image: tf.Tensor, factor: Number,
             fill: Fill = IMAGENET_FILL) -> tf.Tensor:
   """timm `shear_y`: PIL affine (1, 0, 0, factor, 1, 0)."""
   return affine(image, [1., 0., 0., factor, 1., 0.], fill)
 
 
-@_no_autograph
+@stateless.no_autograph
 def translate_x(image: tf.Tensor, pixels: Number,
                 fill: Fill = IMAGENET_FILL) -> tf.Tensor:
   """timm `translate_x_abs`: PIL affine (1, 0, pixels, 0, 1, 0), i.e. the
@@ -451,7 +409,7 @@ def translate_x(image: tf.Tensor, pixels: Number,
   return affine(image, [1., 0., pixels, 0., 1., 0.], fill)
 
 
-@_no_autograph
+@stateless.no_autograph
 def translate_y(image: tf.Tensor, pixels: Number,
                 fill: Fill = IMAGENET_FILL) -> tf.Tensor:
   """timm `translate_y_abs`: PIL affine (1, 0, 0, 0, 1, pixels), i.e. the
@@ -459,7 +417,7 @@ def translate_y(image: tf.Tensor, pixels: Number,
   return affine(image, [1., 0., 0., 0., 1., pixels], fill)
 
 
-@_no_autograph
+@stateless.no_autograph
 def translate_x_rel(image: tf.Tensor, fraction: Number,
                     fill: Fill = IMAGENET_FILL) -> tf.Tensor:
   """timm `translate_x_rel`: `translate_x` by fraction * W pixels."""
@@ -467,7 +425,7 @@ def translate_x_rel(image: tf.Tensor, fraction: Number,
   return translate_x(image, tf.cast(fraction, tf.float64) * width, fill)
 
 
-@_no_autograph
+@stateless.no_autograph
 def translate_y_rel(image: tf.Tensor, fraction: Number,
                     fill: Fill = IMAGENET_FILL) -> tf.Tensor:
   """timm `translate_y_rel`: `translate_y` by fraction * H pixels."""
@@ -482,7 +440,7 @@ def translate_y_rel(image: tf.Tensor, fraction: Number,
 
 def _random_sign(seed: tf.Tensor) -> tf.Tensor:
   """timm `_randomly_negate`: -1 or +1 with probability 1/2 (float64)."""
-  return tf.where(_uniform(seed) > 0.5, tf.constant(-1., tf.float64),
+  return tf.where(stateless.uniform(seed) > 0.5, tf.constant(-1., tf.float64),
                   tf.constant(1., tf.float64))
 
 
@@ -588,7 +546,7 @@ def _level(name: str, magnitude: tf.Tensor, sign: tf.Tensor) -> tf.Tensor:
   return level_fn(magnitude, sign)
 
 
-@_no_autograph
+@stateless.no_autograph
 def level_to_arg(name: str, magnitude: Number,
                  seed: tf.Tensor) -> Optional[tf.Tensor]:
   """timm `LEVEL_TO_ARG[name](magnitude)`: the op argument (float64 scalar).
@@ -665,7 +623,7 @@ def _apply_indexed(image: tf.Tensor, names: Sequence[str], index: tf.Tensor,
   return out
 
 
-@_no_autograph
+@stateless.no_autograph
 def apply_op(image: tf.Tensor, name: str, magnitude: Number, seed: tf.Tensor,
              *, fill: Fill = IMAGENET_FILL) -> tf.Tensor:
   """Applies one timm RandAugment op at a given (already sampled) magnitude.
@@ -699,7 +657,7 @@ def apply_op(image: tf.Tensor, name: str, magnitude: Number, seed: tf.Tensor,
   return out
 
 
-@_no_autograph
+@stateless.no_autograph
 def sample_magnitude(seed: tf.Tensor, magnitude: float = 9.,
                      magnitude_std: float = 0.5) -> tf.Tensor:
   """timm `AugmentOp` magnitude: float64 scalar in [0, 10].
@@ -709,14 +667,14 @@ def sample_magnitude(seed: tf.Tensor, magnitude: float = 9.,
   """
   m = tf.constant(float(magnitude), tf.float64)
   if magnitude_std == float('inf'):
-    m = _uniform(seed) * m
+    m = stateless.uniform(seed) * m
   elif magnitude_std > 0:
     m = m + magnitude_std * tf.random.stateless_normal([], seed=seed,
                                                        dtype=tf.float64)
   return tf.clip_by_value(m, 0., MAX_LEVEL)
 
 
-@_no_autograph
+@stateless.no_autograph
 def rand_augment(image: tf.Tensor, seed: tf.Tensor, *, num_layers: int = 2,
                  magnitude: float = 9., magnitude_std: float = 0.5,
                  increasing: bool = True,
@@ -751,212 +709,15 @@ def rand_augment(image: tf.Tensor, seed: tf.Tensor, *, num_layers: int = 2,
                      f'{magnitude!r}, {magnitude_std!r}.')
   names = RAND_INCREASING_TRANSFORMS if increasing else RAND_TRANSFORMS
   out = image
-  for layer_seed in (_split(seed, num_layers) if num_layers else []):
-    choice_seed, prob_seed, mag_seed, op_seed = _split(layer_seed, 4)
-    index = _randint(choice_seed, 0, len(names))
+  for layer_seed in (stateless.split(seed, num_layers) if num_layers else []):
+    choice_seed, prob_seed, mag_seed, op_seed = stateless.split(layer_seed, 4)
+    index = stateless.randint(choice_seed, 0, len(names))
 
     def augment(x=out, index=index, mag_seed=mag_seed, op_seed=op_seed):
       m = sample_magnitude(mag_seed, magnitude, magnitude_std)
       return _apply_indexed(x, names, index, m, op_seed, fill)
 
     # timm AugmentOp: skipped when random() > prob (0.5).
-    out = tf.cond(_uniform(prob_seed) <= 0.5, augment, lambda x=out: x)
+    out = tf.cond(stateless.uniform(prob_seed) <= 0.5, augment, lambda x=out: x)
     out.set_shape(image.shape)
   return out
-
-
-# --------------------------------------------------------- random erasing
-
-
-@_no_autograph
-def random_erasing(image: tf.Tensor, seed: tf.Tensor, *,
-                   probability: float = 0.25, min_area: float = 0.02,
-                   max_area: float = 1 / 3, min_aspect: float = 0.3,
-                   max_count: int = 1) -> tf.Tensor:
-  """timm `RandomErasing(mode='pixel')` on one normalized image.
-
-  With probability `probability` erase `count` rectangles (count = 1 if
-  max_count == 1, else uniform in [1, max_count]). Each is looked for with up
-  to 10 attempts: target area uniform in [min_area, max_area] * H * W / count,
-  aspect ratio log-uniform in [min_aspect, 1 / min_aspect], h =
-  round(sqrt(area * aspect)), w = round(sqrt(area / aspect)) (round half to
-  even, as Python's round), accepted if h < H and w < W; top-left uniform in
-  [0, H - h] x [0, W - w]. Erased pixels get independent N(0, 1) values per
-  pixel and channel. A rectangle with no accepted attempt is skipped.
-
-  Args:
-    image: float [H, W, C] (already normalized).
-    seed: int64 [2] stateless seed.
-  Returns:
-    Same dtype and shape as `image`.
-  Raises:
-    ValueError: probability outside [0, 1], not 0 < min_area <= max_area,
-      min_aspect <= 0 or max_count < 1.
-  """
-  if not 0. <= probability <= 1.:
-    raise ValueError(f'probability must be in [0, 1], got {probability!r}.')
-  if not 0. < min_area <= max_area:
-    raise ValueError('Need 0 < min_area <= max_area, got '
-                     f'{min_area!r}, {max_area!r}.')
-  if not min_aspect > 0.:
-    raise ValueError(f'min_aspect must be > 0, got {min_aspect!r}.')
-  if not isinstance(max_count, int) or max_count < 1:
-    raise ValueError(f'max_count must be an int >= 1, got {max_count!r}.')
-  image = tf.convert_to_tensor(image)
-  if not image.dtype.is_floating:
-    raise ValueError('random_erasing expects a float (normalized) image, got '
-                     f'{image.dtype.name}.')
-  prob_seed, count_seed, boxes_seed = _split(seed, 3)
-  log_aspect = (math.log(min_aspect), math.log(1. / min_aspect))
-
-  def erase():
-    shape = tf.shape(image)
-    height, width = shape[0], shape[1]
-    area = tf.cast(height * width, tf.float64)
-    if max_count > 1:
-      count = _randint(count_seed, 1, max_count + 1)
-    else:
-      count = tf.constant(1, tf.int32)
-    rows = tf.range(height)[:, None]
-    cols = tf.range(width)[None, :]
-    out = image
-    for k, box_seed in enumerate(_split(boxes_seed, max_count)):
-      area_seed, aspect_seed, top_seed, left_seed, noise_seed = _split(
-          box_seed, 5)
-      target = tf.random.stateless_uniform(
-          [10], area_seed, min_area, max_area, tf.float64) * area / tf.cast(
-              count, tf.float64)
-      aspect = tf.exp(tf.random.stateless_uniform(
-          [10], aspect_seed, log_aspect[0], log_aspect[1], tf.float64))
-      hs = tf.cast(tf.round(tf.sqrt(target * aspect)), tf.int32)
-      ws = tf.cast(tf.round(tf.sqrt(target / aspect)), tf.int32)
-      fits = (hs < height) & (ws < width)
-      first = tf.argmax(tf.cast(fits, tf.int32), output_type=tf.int32)
-      found = tf.reduce_any(fits) & (k < count)
-      h = tf.where(found, hs[first], 0)
-      w = tf.where(found, ws[first], 0)
-      top = _randint(top_seed, 0, height - h + 1)
-      left = _randint(left_seed, 0, width - w + 1)
-      box = ((rows >= top) & (rows < top + h) & (cols >= left) &
-             (cols < left + w))
-      noise = tf.random.stateless_normal(shape, noise_seed, dtype=image.dtype)
-      out = tf.where(box[..., None], noise, out)
-    return out
-
-  out = tf.cond(_uniform(prob_seed) < probability, erase, lambda: image)
-  out.set_shape(image.shape)
-  return out
-
-
-# ---------------------------------------------------------- mixup / cutmix
-
-
-def _beta(seed: tf.Tensor, alpha: tf.Tensor) -> tf.Tensor:
-  """Beta(alpha, alpha) float64 scalar from two stateless Gamma(alpha) draws."""
-  seed_a, seed_b = _split(seed, 2)
-  a = tf.random.stateless_gamma([], seed_a, alpha, dtype=tf.float64)
-  b = tf.random.stateless_gamma([], seed_b, alpha, dtype=tf.float64)
-  total = a + b
-  # Both can underflow to 0 only for tiny alpha, where Beta is ~Bernoulli.
-  return tf.where(total > 0., a / tf.where(total > 0., total, 1.),
-                  tf.cast(a >= b, tf.float64))
-
-
-@_no_autograph
-def mixup_cutmix(images: tf.Tensor, labels: tf.Tensor, seed: tf.Tensor, *,
-                 mixup_alpha: float = 0.8, cutmix_alpha: float = 1.0,
-                 switch_prob: float = 0.5, prob: float = 1.0,
-                 return_lam: bool = False):
-  """timm `Mixup(mode='batch', correct_lam=True)` on one batch.
-
-  One decision per batch: with probability `prob` mix, else leave the batch
-  unchanged (lam = 1). If both alphas are > 0, CutMix with probability
-  `switch_prob`, else Mixup; if only one is > 0, that one. lam ~ Beta(alpha,
-  alpha) of the chosen method. The partner of example i is example B - 1 - i.
-
-  * Mixup: x = lam * x + (1 - lam) * x_partner.
-  * CutMix: timm `rand_bbox`: cut h, w = int(H * sqrt(1 - lam)), int(W *
-    sqrt(1 - lam)); centre (cy, cx) uniform integers in [0, H) x [0, W); rows
-    clip(cy -+ h // 2, 0, H), columns likewise; the box is copied from the
-    partner and lam becomes 1 - box_area / (H * W).
-  * labels = lam * labels + (1 - lam) * labels_partner (timm mixes smoothed
-    one-hot targets; mixing is linear, so smoothing before or after is the
-    same).
-
-  Mixing is linear, so it commutes with normalization up to rounding: T2T-ViT
-  (timm's prefetcher path, `FastCollateMixup`) mixes uint8 images, rounding
-  Mixup blends to integers, before normalizing and random erasing; to
-  reproduce that, mix float images in [0, 255] and round.
-
-  Args:
-    images: float [B, H, W, C].
-    labels: float [B, K] label vectors (one-hot, smoothed or multi-hot).
-    seed: int64 [2] stateless seed of this batch.
-    mixup_alpha, cutmix_alpha: Beta parameters; a method is on if its alpha
-      is > 0 (at least one must be).
-    switch_prob: probability of CutMix when both are on.
-    prob: probability of mixing a batch at all.
-    return_lam: also return the (corrected) lam, float32 scalar.
-  Returns:
-    (images, labels), or (images, labels, lam) if `return_lam`; same dtypes
-    and shapes as the inputs.
-  Raises:
-    ValueError: a negative alpha, both alphas 0, or switch_prob / prob
-      outside [0, 1].
-  """
-  if mixup_alpha < 0 or cutmix_alpha < 0:
-    raise ValueError('mixup_alpha and cutmix_alpha must be >= 0, got '
-                     f'{mixup_alpha!r}, {cutmix_alpha!r}.')
-  if mixup_alpha == 0 and cutmix_alpha == 0:
-    raise ValueError('One of mixup_alpha, cutmix_alpha must be > 0 (to '
-                     'disable mixing, use prob=0 or do not call this).')
-  for arg_name, value in (('switch_prob', switch_prob), ('prob', prob)):
-    if not 0. <= value <= 1.:
-      raise ValueError(f'{arg_name} must be in [0, 1], got {value!r}.')
-  images = tf.convert_to_tensor(images)
-  labels = tf.convert_to_tensor(labels)
-  apply_seed, switch_seed, lam_seed, cy_seed, cx_seed = _split(seed, 5)
-
-  do_mix = _uniform(apply_seed) < prob
-  if mixup_alpha > 0 and cutmix_alpha > 0:
-    use_cutmix = _uniform(switch_seed) < switch_prob
-  else:
-    use_cutmix = tf.constant(cutmix_alpha > 0)
-  alpha = tf.where(use_cutmix, tf.constant(float(cutmix_alpha), tf.float64),
-                   tf.constant(float(mixup_alpha), tf.float64))
-  # A disabled method's alpha is 0; it is never selected (avoid Gamma(0)).
-  lam = tf.where(do_mix, _beta(lam_seed, tf.maximum(alpha, 1e-12)),
-                 tf.constant(1., tf.float64))
-  reversed_images = images[::-1]
-
-  def cutmix():
-    shape = tf.shape(images)
-    height, width = shape[1], shape[2]
-    ratio = tf.sqrt(1. - lam)
-    cut_h = tf.cast(tf.floor(tf.cast(height, tf.float64) * ratio), tf.int32)
-    cut_w = tf.cast(tf.floor(tf.cast(width, tf.float64) * ratio), tf.int32)
-    cy = _randint(cy_seed, 0, height)
-    cx = _randint(cx_seed, 0, width)
-    y0 = tf.clip_by_value(cy - cut_h // 2, 0, height)
-    y1 = tf.clip_by_value(cy + cut_h // 2, 0, height)
-    x0 = tf.clip_by_value(cx - cut_w // 2, 0, width)
-    x1 = tf.clip_by_value(cx + cut_w // 2, 0, width)
-    rows = tf.range(height)[:, None]
-    cols = tf.range(width)[None, :]
-    box = (rows >= y0) & (rows < y1) & (cols >= x0) & (cols < x1)
-    mixed = tf.where(box[None, :, :, None], reversed_images, images)
-    box_area = tf.cast((y1 - y0) * (x1 - x0), tf.float64)
-    return mixed, 1. - box_area / tf.cast(height * width, tf.float64)
-
-  def mixup():
-    lam_x = tf.cast(lam, images.dtype)
-    return (images * lam_x + reversed_images * tf.cast(1. - lam, images.dtype),
-            lam)
-
-  mixed, lam = tf.cond(do_mix & use_cutmix, cutmix, mixup)
-  mixed.set_shape(images.shape)
-  lam_y = tf.cast(lam, labels.dtype)
-  mixed_labels = labels * lam_y + labels[::-1] * tf.cast(1. - lam, labels.dtype)
-  if return_lam:
-    return mixed, mixed_labels, tf.cast(lam, tf.float32)
-  return mixed, mixed_labels

@@ -1,0 +1,29 @@
+"""Stateless randomness shared by the augmentations: every random number is a function of an
+int64 [2] seed (`tf.random.stateless_*`), so a resumed run sees exactly the augmentations of an
+uninterrupted one."""
+
+from __future__ import annotations
+
+import tensorflow as tf
+
+# The functions below use Python control flow only on Python values and build
+# graphs directly; AutoGraph (which tf.data applies to map functions and
+# everything they call) has nothing to convert and would only slow tracing.
+no_autograph = tf.autograph.experimental.do_not_convert
+
+
+def split(seed: tf.Tensor, num: int):
+  """`num` independent int64 [2] seeds derived from `seed`."""
+  seed = tf.convert_to_tensor(seed)
+  return tf.unstack(tf.random.experimental.stateless_split(seed, num))
+
+
+def uniform(seed: tf.Tensor, dtype=tf.float64) -> tf.Tensor:
+  """Scalar uniform in [0, 1)."""
+  return tf.random.stateless_uniform([], seed=seed, dtype=dtype)
+
+
+def randint(seed: tf.Tensor, low, high) -> tf.Tensor:
+  """Scalar int32 uniform in [low, high) (`high` > `low`, may be tensors)."""
+  return tf.random.stateless_uniform([], seed=seed, minval=low, maxval=high,
+                                     dtype=tf.int32)
