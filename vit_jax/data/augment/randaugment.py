@@ -40,6 +40,7 @@ RAND_INCREASING_TRANSFORMS = (
 Number = Union[int, float, tf.Tensor]
 Fill = Sequence[int]
 
+
 def _check_uint8_rgb(image: tf.Tensor) -> tf.Tensor:
   image = tf.convert_to_tensor(image)
   if image.dtype != tf.uint8:
