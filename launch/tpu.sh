@@ -36,7 +36,16 @@ Commands:
            Ubuntu 22.04 images, whose python3 is 3.10, it installs uv from PyPI with pip and
            CPython 3.12 with uv). Safe to rerun (after a code change too); a venv of an older
            Python is made again.
-  run      On every worker: stop a previous vit_jax.main, kill other processes holding the TPU,
+  preflight
+           Here, on this machine (no TPU, no gcloud): compile the training step of --config for
+           TPU_TYPE with libtpu's TPU compiler (python -m vit_jax.preflight) and print its memory
+           per device against the HBM, or the overrides that would fit. Takes the same --config
+           and --config.key=value overrides as run; anything after -- goes to vit_jax.preflight
+           (e.g. -- --largest_batch). Exit code 0 fits, 1 does not, 2 a bad config or no libtpu
+           (pip install -e '.[tpu]' into .venv). Uses .venv/bin/python of this checkout, else
+           python3 (TPU_PREFLIGHT_PYTHON overrides).
+  run      With --preflight, first run preflight here and start nothing if it does not fit.
+           On every worker: stop a previous vit_jax.main, kill other processes holding the TPU,
            remove /tmp/libtpu_lockfile, then start in the background (it survives the ssh
            session) python -m vit_jax.main --config CONFIG --workdir WORKDIR [overrides],
            logging to ~/vit_jax/logs/ (latest.log points at the newest). --config.key=value
@@ -77,6 +86,8 @@ Settings (a flag, or the environment variable; the flag wins):
   --repo URL              TPU_REPO             setup: clone this git URL on the workers instead of
                                                copying the checkout
   --ref REF               TPU_REF              setup: branch, tag or commit of --repo (default HEAD)
+  --preflight             TPU_PREFLIGHT=1      run: compile the step for TPU_TYPE here first (see
+                                               preflight) and refuse to start if it does not fit
   --worker N                                   logs: which worker (default 0)
   --lines N                                    logs: lines of history to show (default 100)
   --no-follow                                  logs: print and exit instead of following
@@ -167,6 +178,7 @@ parse_options() {
       --preemptible) TPU_PREEMPTIBLE=1 ;;
       --reserved) TPU_RESERVED=1 ;;
       --queued) TPU_QUEUED=1 ;;
+      --preflight) TPU_PREFLIGHT=1 ;;
       --no-follow) LOG_FOLLOW=0 ;;
       --yes | -y) FORCE=1 ;;
       --dry-run) DRY_RUN=1 ;;
@@ -645,6 +657,13 @@ cmd_run() {
     check_bucket_region "$TPU_WORKDIR" "${data_dir:-$data_override}"
   fi
 
+  if is_true "${TPU_PREFLIGHT:-0}"; then
+    local status=0
+    cmd_preflight || status=$?
+    ((status == 0)) ||
+      die "pre-flight: the step of $TPU_CONFIG does not fit a $TPU_TYPE or cannot be compiled (exit $status, see above); nothing was started on the workers. Apply the overrides it prints, or run without --preflight."
+  fi
+
   train_args=("--config=$TPU_CONFIG" "--workdir=$TPU_WORKDIR")
   [[ -z "$data_dir" ]] || train_args+=("--config.data.data_dir=$data_dir")
   train_args+=("${EXTRA_ARGS[@]}")
@@ -658,6 +677,34 @@ cmd_run() {
   info "  stop:              $(hint stop)"
   info "  TensorBoard:       tensorboard --logdir $TPU_WORKDIR"
   info "Rerunning the same 'run' command resumes from the latest checkpoint in $TPU_WORKDIR/checkpoints."
+}
+
+# preflight_command: the local vit_jax.preflight command of the config, type and overrides.
+preflight_command() {
+  local python="${TPU_PREFLIGHT_PYTHON:-}"
+  if [[ -z "$python" ]]; then
+    python="python3"
+    [[ ! -x "$REPO_ROOT/.venv/bin/python" ]] || python="$REPO_ROOT/.venv/bin/python"
+  fi
+  PREFLIGHT_CMD=("$python" -m vit_jax.preflight "--config=$TPU_CONFIG"
+    "--accelerator=$TPU_TYPE" "${EXTRA_ARGS[@]}")
+}
+
+cmd_preflight() {
+  local status=0
+  require TPU_CONFIG "--config CONFIG" "e.g. configs/vit.py:b16,imagenet2012"
+  require TPU_TYPE "--type TYPE" "the accelerator type to compile for, e.g. v3-32"
+  validate_type "$TPU_TYPE"
+  check_config_file
+  preflight_command
+  if dry_run; then
+    print_command cd "$REPO_ROOT"
+    print_command "${PREFLIGHT_CMD[@]}"
+    return 0
+  fi
+  info "+ $(quote_args "${PREFLIGHT_CMD[@]}")"
+  (cd "$REPO_ROOT" && "${PREFLIGHT_CMD[@]}") || status=$?
+  return "$status"
 }
 
 cmd_logs() {
@@ -757,8 +804,8 @@ main() {
       usage >&2
       exit 2
       ;;
-    create | setup | run | logs | status | stop | delete) shift ;;
-    *) die "unknown command '$command' (one of: create setup run logs status stop delete; see '$PROG --help')" ;;
+    create | setup | preflight | run | logs | status | stop | delete) shift ;;
+    *) die "unknown command '$command' (one of: create setup preflight run logs status stop delete; see '$PROG --help')" ;;
   esac
   parse_options "$@"
   "cmd_$command"

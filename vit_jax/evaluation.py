@@ -33,12 +33,12 @@ def eval_sets(config: ml_collections.ConfigDict, info: data.DatasetInfo) -> dict
   """
   evals = {eval_name(config.data.eval_split): (
       config.data.eval_split,
-      data.create_eval_dataset(config.data, global_batch_size=config.batch_size))}
+      data.create_eval_dataset(config.data, global_batch_size=config.eval_batch_size))}
   if config.extra_eval.name:
     extra = ml_collections.ConfigDict(config.data.to_dict())
     extra.update(name=config.extra_eval.name, eval_split=config.extra_eval.split,
                  image_folder=None)
-    extra_ds = data.create_eval_dataset(extra, global_batch_size=config.batch_size)
+    extra_ds = data.create_eval_dataset(extra, global_batch_size=config.eval_batch_size)
     extra_classes = extra_ds.dataset.element_spec["labels"].shape[-1]
     if extra_classes != info.num_classes:
       raise ValueError(

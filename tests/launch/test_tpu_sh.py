@@ -170,8 +170,9 @@ def test_help(tpu):
   for args in (["--help"], ["-h"], ["help"], ["run", "--help"], ["delete", "-h"]):
     out = ok(tpu(*args)).stdout
     assert out.startswith("Usage:")
-    for word in ("create", "setup", "run", "logs", "status", "stop", "delete", "TPU_NAME",
-                 "TPU_ZONE", "TPU_PROJECT", "TPU_TYPE", "--dry-run", "--queued", "--spot"):
+    for word in ("create", "setup", "preflight", "run", "logs", "status", "stop", "delete",
+                 "TPU_NAME", "TPU_ZONE", "TPU_PROJECT", "TPU_TYPE", "--dry-run", "--queued",
+                 "--spot", "--preflight"):
       assert word in out
   assert tpu().returncode == 2
   fails(tpu("launch"), "unknown command 'launch'")
@@ -630,6 +631,56 @@ def test_run_quotes_overrides_exactly(tpu):
       ".venv/bin/python", "-m", "vit_jax.main", "--config=configs/vit.py:b16,cifar10,finetune",
       "--workdir=gs://bkt/it's here", "--config.model.name=ViT-B/16", "--config.note=a b $HOME",
       "--alsologtostderr"]
+
+
+# A stand-in for the local Python of `preflight`: records its working directory and arguments
+# in $FAKE_PREFLIGHT_LOG and exits with $FAKE_PREFLIGHT_RC (the real one compiles for minutes).
+FAKE_PREFLIGHT = """#!/bin/sh
+{ pwd; printf '%s\\n' "$@"; } >"$FAKE_PREFLIGHT_LOG"
+echo "pre-flight report"
+exit "${FAKE_PREFLIGHT_RC:-0}"
+"""
+
+
+@pytest.fixture
+def fake_preflight(tpu, tmp_path):
+  python = tmp_path / "bin" / "fake-python"
+  python.write_text(FAKE_PREFLIGHT)
+  python.chmod(0o755)
+  log = tmp_path / "preflight.log"
+  return {"TPU_PREFLIGHT_PYTHON": str(python), "FAKE_PREFLIGHT_LOG": str(log)}, log
+
+
+def test_preflight_compiles_here_with_the_run_arguments(tpu, checkout, fake_preflight):
+  env, log = fake_preflight
+  result = ok(tpu("preflight", "--config", CONFIG, "--config.batch_size=512", "--",
+                  "--largest_batch", TPU_TYPE="v3-32", **env))
+  assert "pre-flight report" in result.stdout
+  assert log.read_text().splitlines() == [
+      str(checkout), "-m", "vit_jax.preflight", f"--config={CONFIG}", "--accelerator=v3-32",
+      "--config.batch_size=512", "--largest_batch"]
+  assert tpu.calls() == []  # Nothing asked of gcloud: no TPU needed.
+  for rc in (1, 2):  # Does not fit, bad config: the same exit code.
+    assert tpu("preflight", "--config", CONFIG, TPU_TYPE="v3-8", FAKE_PREFLIGHT_RC=str(rc),
+               **env).returncode == rc
+  fails(tpu("preflight", "--config", CONFIG, **env), "TPU_TYPE is not set")
+  fails(tpu("preflight", "--config", CONFIG, "--type", "v3-12", **env), "v3-12")
+  out = ok(tpu("preflight", "--dry-run", "--config", CONFIG, TPU_TYPE="v3-8", **env)).stdout
+  assert f"-m vit_jax.preflight --config={CONFIG} --accelerator=v3-8" in out
+
+
+def test_run_with_preflight_starts_nothing_when_the_step_does_not_fit(tpu, fake_preflight):
+  env, log = fake_preflight
+  args = ("run", "--preflight", "--config", CONFIG, "--workdir", "gs://bkt/x",
+          "--config.batch_size=4096")
+  result = fails(tpu(*args, FAKE_PREFLIGHT_RC="1", **v3_8(FAKE_TPU="READY\tv3-8"), **env),
+                 "pre-flight: the step of configs/vit.py:b16,imagenet2012 does not fit a v3-8",
+                 "nothing was started on the workers")
+  assert "pre-flight report" in result.stdout
+  assert "--config.batch_size=4096" in log.read_text().splitlines()
+  assert not any("ssh" in call for call in tpu.calls())
+  ok(tpu(*args, **v3_8(FAKE_TPU="READY\tv3-8"), **env))
+  assert any("ssh" in call for call in tpu.calls())
 
 
 def test_run_refuses_a_local_workdir_on_a_pod(tpu):

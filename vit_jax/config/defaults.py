@@ -271,6 +271,9 @@ def get_config(model_name: str = "ViT-B_16", dataset: str = "imagenet2012",
   # Schedule length: total_steps if set, else num_epochs (epochs of data.train_split).
   config.batch_size = 4096  # Global batch over all devices and hosts (images per update).
   config.grad_accum_steps = 1  # Split each batch into this many sequential micro-batches.
+  # Global batch of the eval step (None: batch_size). The eval step has no accumulation: lower
+  # it when evaluating a large batch does not fit (python -m vit_jax.preflight says).
+  config.eval_batch_size = config_dict.placeholder(int)
   config.total_steps = config_dict.placeholder(int)
   config.num_epochs = config_dict.placeholder(float)
 

@@ -61,6 +61,7 @@ _RUN_RANGES = {
     "seed": (("an int", _integer), False, ""),
     "batch_size": (_POSITIVE_INT, False, "the global batch, images per update"),
     "grad_accum_steps": (_POSITIVE_INT, False, "micro-batches per update"),
+    "eval_batch_size": (_POSITIVE_INT, True, "None: batch_size"),
     "total_steps": (_POSITIVE_INT, True, "optimizer updates of the run"),
     "num_epochs": (_POSITIVE, True, "epochs of data.train_split"),
     "num_classes": (_POSITIVE_INT, True, "None: the dataset's"),
@@ -273,8 +274,9 @@ def resolve(config: ml_collections.ConfigDict, *, num_train_examples: int, num_c
 
   Returns:
     A new locked ConfigDict: regime fields filled, `total_steps` set, warmup and cooldown in steps
-    (their epoch fields None), `num_classes` set, `init_from` set from `pretrained_dir`, and
-    `model.attention` a concrete implementation ('xla', 'cudnn' or 'cpu_kernel').
+    (their epoch fields None), `num_classes` and `eval_batch_size` set, `init_from` set from
+    `pretrained_dir`, and `model.attention` a concrete implementation ('xla', 'cudnn' or
+    'cpu_kernel').
 
   Raises:
     ValueError: a value out of range or of the wrong type (naming the field, the range and the
@@ -301,8 +303,14 @@ def resolve(config: ml_collections.ConfigDict, *, num_train_examples: int, num_c
   sizes = sharding.axis_sizes(config.mesh, len(devices))
   rules = sharding.parse_rules(config.mesh.rules)
   _check_ranges(config.mesh, {"max_replicated_fraction": (_PROBABILITY, False, "")}, "mesh.")
-  check_batch_size(config.batch_size, config.grad_accum_steps,
-                   math.prod(sizes[a] for a in sharding.batch_axes(rules)))
+  shards = math.prod(sizes[a] for a in sharding.batch_axes(rules))
+  check_batch_size(config.batch_size, config.grad_accum_steps, shards)
+  if config.eval_batch_size is None:
+    config.eval_batch_size = config.batch_size
+  elif config.eval_batch_size % shards:
+    raise ValueError(f"config.eval_batch_size={config.eval_batch_size} must be a multiple of the "
+                     f"{shards} batch shard(s) of the device mesh; set --config.eval_batch_size "
+                     "to such a multiple.")
 
   choice = attention_choice(config, requested, devices)
   config.model.attention = choice.implementation

@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# The figures of docs/pods.md's pre-flight table: for each of the papers' models, the largest
+# per-core batch (a power of two) whose training step the TPU compiler accepts on a slice, in
+# float32 and bfloat16 compute, data parallel and with FSDP over every core of the slice.
+# Needs libtpu (pip install -e '.[tpu]'); each cell compiles once that fits (one to four minutes
+# on 2 CPU cores) after quick refusals. Usage: docs/preflight_table.sh [SLICE...] > table.log
+set -euo pipefail
+cd "$(dirname "$0")/.."
+slices=("${@:-v3-8}")
+models=("configs/vit.py:b16,imagenet2012" "configs/vit.py:l16,imagenet2012"
+        "configs/vit.py:h14,imagenet2012" "configs/t2t.py:14" "configs/t2t.py:24")
+for accelerator in "${slices[@]}"; do
+  for dtype in bfloat16 float32; do
+    for mesh in "" "--config.mesh.data=1 --config.mesh.fsdp=-1"; do
+      for config in "${models[@]}"; do
+        echo "=== $accelerator $config $dtype ${mesh:-data-parallel}"
+        # shellcheck disable=SC2086  # $mesh is two flags or none
+        python -m vit_jax.preflight --config "$config" --accelerator "$accelerator" \
+          --config.model.dtype="$dtype" $mesh --config.total_steps=1000000 --largest_batch \
+          --noeval 2>&1 |
+          grep -E "per device:|Largest|DOES NOT|FATAL|^total|^temporaries" || true
+      done
+    done
+  done
+done

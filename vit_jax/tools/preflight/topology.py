@@ -1,0 +1,132 @@
+"""A Cloud TPU slice as compile-only devices: its topology, hosts and HBM, without a TPU.
+
+`libtpu` (the `tpu` extra) describes any TPU topology on any host:
+`jax.experimental.topologies.get_topology_desc('v3:2x2', 'tpu')` returns the 8 devices of a
+v3-8 (4 chips of 2 TensorCores) with their coordinates and hosts, and a step jitted over a mesh
+of them is compiled by the real TPU compiler. Nothing runs and nothing is allocated.
+
+Accelerator names are Cloud TPU's, as `vit_jax.accounting.accelerator` takes them: the number
+counts TensorCores for v2, v3, v4 and v5p (a v4 or v5p device is one chip of two cores,
+"megacore"), chips for v5e (`v5litepod-N`) and v6e. The chip grids are the shapes Cloud TPU
+gives the slices (2-D for v2, v3, v5e and v6e, 3-D for v4 and v5p; for v4/v5p sizes that are
+not powers of two, one of the valid shapes). Hosts: 4 chips each, except the single-host v5e and
+v6e slices of up to 8 chips.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import math
+import os
+import re
+from typing import Any
+
+from vit_jax import accounting
+
+#: What installs the TPU compiler (the project's `tpu` extra pins the libtpu of its jax).
+INSTALL_LINE = "pip install -e '.[tpu]'   (or: pip install 'jax[tpu]')"
+
+# Cloud TPU family -> (topology prefix, 3-D grid, megacore).
+_FAMILIES = {
+    "v2": ("v2", False, False), "v3": ("v3", False, False), "v4": ("v4", True, True),
+    "v5p": ("v5", True, True), "v5litepod": ("v5e", False, False), "v6e": ("v6e", False, False),
+}
+
+# Environment that keeps libtpu from looking for a TPU host of its own (metadata server,
+# worker names) while it describes a topology, and from taking the one-process-per-host TPU
+# lock (/tmp/libtpu_lockfile), so that several pre-flights, or one beside a training run on a
+# TPU VM, can compile at once; set only where not already set.
+_QUIET_LIBTPU = {"TPU_SKIP_MDS_QUERY": "1", "TPU_ACCELERATOR_TYPE": "v3-8",
+                 "TPU_WORKER_HOSTNAMES": "localhost", "ALLOW_MULTIPLE_LIBTPU_LOAD": "1"}
+
+
+class MissingLibtpuError(RuntimeError):
+  """libtpu is not installed: no TPU compiler on this host."""
+
+  def __init__(self):
+    super().__init__(f"libtpu is not installed, so there is no TPU compiler here. Install it "
+                     f"with: {INSTALL_LINE}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Slice:
+  """A TPU slice's compile-only devices and what they have.
+
+  Attributes:
+    accelerator: the Cloud TPU name, e.g. 'v3-8'.
+    topology: libtpu's topology name, e.g. 'v3:2x2' (chips per axis).
+    hardware: cores, chips, peak FLOP/s and HBM per device (`vit_jax.accounting.Hardware`).
+    devices: the compile-only `jax.Device`s of the whole slice, every host's.
+    num_hosts: the hosts (processes) of the slice.
+  """
+  accelerator: str
+  topology: str
+  hardware: accounting.Hardware
+  devices: tuple[Any, ...]
+  num_hosts: int
+
+  @property
+  def hbm_bytes(self) -> int:
+    """Published HBM of one device, bytes."""
+    return self.hardware.hbm_bytes_per_device
+
+  def describe(self) -> str:
+    """E.g. 'v3-8 (topology v3:2x2): 8 devices of TPU v3 on 1 host, 16 GiB HBM each'."""
+    return (f"{self.accelerator} (topology {self.topology}): {len(self.devices)} devices of "
+            f"{self.hardware.device_kind} on {self.num_hosts} host"
+            f"{'s' if self.num_hosts > 1 else ''}, {self.hbm_bytes / 2**30:.4g} GiB HBM each")
+
+
+def chip_grid(chips: int, three_d: bool) -> tuple[int, ...]:
+  """The chip grid of a slice of `chips` chips: (x, y) or (x, y, z), x <= y (<= z).
+
+  2-D: the squarest power-of-two grid (4 -> 2x2, 32 -> 4x8, 128 -> 8x16). 3-D: from 2x2x1, each
+  doubling doubles the last axis that is smaller than the one after it, else z (8 -> 2x2x2,
+  32 -> 2x4x4, 64 -> 4x4x4, 128 -> 4x4x8); other sizes are 2x2xN up to 64 chips, then 4x4xN.
+  """
+  if not three_d:
+    x = 2 ** (int(math.log2(chips)) // 2) if chips & (chips - 1) == 0 else 1
+    return (x, chips // x)
+  if chips & (chips - 1) == 0:
+    grid = [2, 2, 1] if chips >= 4 else [1, 1, chips]
+    while math.prod(grid) < chips:
+      smaller = [i for i in (1, 0) if grid[i] < grid[i + 1]]
+      grid[smaller[0] if smaller else 2] *= 2
+    return tuple(grid)
+  side = 2 if chips <= 64 else 4
+  return (side, side, chips // (side * side))
+
+
+def tpu_slice(accelerator: str) -> Slice:
+  """The compile-only devices of a Cloud TPU slice, e.g. `tpu_slice('v3-32')`.
+
+  Raises:
+    ValueError: not a TPU accelerator name, or a slice size that does not exist (the message
+      lists the valid forms).
+    MissingLibtpuError: libtpu is not installed (the message gives the install line).
+  """
+  hardware = accounting.accelerator(accelerator, "bfloat16")  # Raises for a bad name.
+  family = re.fullmatch(r"([a-z0-9]+)-\d+", accelerator.strip().lower()).group(1)
+  if family not in _FAMILIES:
+    raise ValueError(f"Pre-flight compiles for TPUs; {accelerator!r} is not a Cloud TPU type "
+                     "(e.g. v3-8, v4-32, v5p-8, v5litepod-16, v6e-8).")
+  if importlib.util.find_spec("libtpu") is None:
+    raise MissingLibtpuError()
+  prefix, three_d, megacore = _FAMILIES[family]
+  grid = chip_grid(hardware.chips, three_d)
+  name = f"{prefix}:{'x'.join(str(n) for n in grid)}"
+  options: dict[str, Any] = {}
+  if megacore:
+    options["chip_config_name"] = "megacore"
+  if family in ("v5litepod", "v6e") and hardware.chips <= 8:
+    options["chips_per_host_bounds"] = (*grid, 1)  # One host holds the whole slice.
+  for key, value in _QUIET_LIBTPU.items():
+    os.environ.setdefault(key, value)
+  from jax.experimental import topologies  # pylint: disable=g-import-not-at-top
+  devices = tuple(topologies.get_topology_desc(name, "tpu", **options).devices)
+  if len(devices) != hardware.num_devices:
+    raise AssertionError(f"{accelerator}: libtpu's topology {name} has {len(devices)} devices, "
+                         f"expected {hardware.num_devices}.")
+  num_hosts = len({d.process_index for d in devices})
+  return Slice(accelerator, name, hardware, devices, num_hosts)
