@@ -19,7 +19,7 @@ info() { printf '%s\n' "$*" >&2; }
 warn() { printf '%s: warning: %s\n' "$PROG" "$*" >&2; }
 die() {
   printf '%s: error: %s\n' "$PROG" "$*" >&2
-  exit 1
+  exit "${DIE_STATUS:-1}"  # 2 for preflight, whose 1 means "does not fit"
 }
 
 # ---------------------------------------------------------------------------------------------

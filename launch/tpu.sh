@@ -41,10 +41,11 @@ Commands:
            TPU_TYPE with libtpu's TPU compiler (python -m vit_jax.preflight) and print its memory
            per device against the HBM, or the overrides that would fit. Takes the same --config
            and --config.key=value overrides as run; anything after -- goes to vit_jax.preflight
-           (e.g. -- --largest_batch). Exit code 0 fits, 1 does not, 2 a bad config or no libtpu
-           (pip install -e '.[tpu]' into .venv). Uses .venv/bin/python of this checkout, else
+           (e.g. -- --largest_batch). Exit code 0 fits, 1 does not, 2 a bad setting or config,
+           or no libtpu (pip install -e '.[tpu]' into .venv). Uses .venv/bin/python of this checkout, else
            python3 (TPU_PREFLIGHT_PYTHON overrides).
-  run      With --preflight, first run preflight here and start nothing if it does not fit.
+  run      With --preflight, first run preflight here (before anything is asked of gcloud when
+           TPU_TYPE is set) and start nothing if it does not fit.
            On every worker: stop a previous vit_jax.main, kill other processes holding the TPU,
            remove /tmp/libtpu_lockfile, then start in the background (it survives the ssh
            session) python -m vit_jax.main --config CONFIG --workdir WORKDIR [overrides],
@@ -618,6 +619,10 @@ cmd_run() {
         die "'$arg' among the extra arguments: give the config and workdir as --config/--workdir options of $PROG only" ;;
     esac
   done
+  # With --preflight and a known type, compile first: before gcloud or the TPU is needed.
+  if is_true "${TPU_PREFLIGHT:-0}" && [[ -n "${TPU_TYPE:-}" ]]; then
+    run_preflight
+  fi
   if dry_run; then
     require TPU_TYPE "--type TYPE" "--dry-run does not ask the TPU for its type"
   else
@@ -626,6 +631,9 @@ cmd_run() {
   fi
   validate_type "$TPU_TYPE"
   hosts="$(num_hosts "$TPU_TYPE")"
+  if is_true "${TPU_PREFLIGHT:-0}" && [[ -z "${PREFLIGHT_DONE:-}" ]]; then
+    run_preflight  # The type came from the TPU.
+  fi
 
   check_gcs_url --workdir "$TPU_WORKDIR"
   # On a pod every worker writes its share of each checkpoint into the same directory: it has to
@@ -655,13 +663,6 @@ cmd_run() {
   fi
   if ! dry_run; then
     check_bucket_region "$TPU_WORKDIR" "${data_dir:-$data_override}"
-  fi
-
-  if is_true "${TPU_PREFLIGHT:-0}"; then
-    local status=0
-    cmd_preflight || status=$?
-    ((status == 0)) ||
-      die "pre-flight: the step of $TPU_CONFIG does not fit a $TPU_TYPE or cannot be compiled (exit $status, see above); nothing was started on the workers. Apply the overrides it prints, or run without --preflight."
   fi
 
   train_args=("--config=$TPU_CONFIG" "--workdir=$TPU_WORKDIR")
@@ -705,6 +706,15 @@ cmd_preflight() {
   info "+ $(quote_args "${PREFLIGHT_CMD[@]}")"
   (cd "$REPO_ROOT" && "${PREFLIGHT_CMD[@]}") || status=$?
   return "$status"
+}
+
+# run_preflight: run's --preflight; stops the run unless the step fits.
+run_preflight() {
+  local status=0
+  cmd_preflight || status=$?
+  PREFLIGHT_DONE=1
+  ((status == 0)) ||
+    die "pre-flight: the step of $TPU_CONFIG does not fit a $TPU_TYPE or cannot be compiled (exit $status, see above); nothing was started on the workers. Apply the overrides it prints, or run without --preflight."
 }
 
 cmd_logs() {
@@ -804,7 +814,11 @@ main() {
       usage >&2
       exit 2
       ;;
-    create | setup | preflight | run | logs | status | stop | delete) shift ;;
+    preflight)
+      DIE_STATUS=2  # as vit_jax.preflight: 1 means "does not fit", 2 a bad setting
+      shift
+      ;;
+    create | setup | run | logs | status | stop | delete) shift ;;
     *) die "unknown command '$command' (one of: create setup preflight run logs status stop delete; see '$PROG --help')" ;;
   esac
   parse_options "$@"

@@ -39,22 +39,19 @@ class _Kind:
   cores_per_device: Optional[int]  # TensorCores per JAX device (TPU only).
   cores_per_chip: Optional[int]
   peak: dict[str, float]  # Dense matmul FLOP/s of one JAX device, by compute dtype.
-  hbm_gib: Optional[float] = None  # Published HBM of one JAX device, GiB (TPU only).
 
 
-# Published dense peaks and HBM per JAX device (a v2/v3 chip's HBM is split between its two
-# cores; a v4/v5p device is a whole chip). On TPU a float32 matmul at JAX's default precision
-# runs as one bfloat16 pass, so float32 has the bfloat16 peak; on Ampere and later GPUs float32
-# matmuls use TF32 by default. Order matters: the first match wins ('TPU v5 lite' before
-# 'TPU v5').
+# Published dense peaks. On TPU a float32 matmul at JAX's default precision runs as one
+# bfloat16 pass, so float32 has the bfloat16 peak; on Ampere and later GPUs float32 matmuls
+# use TF32 by default. Order matters: the first match wins ('TPU v5 lite' before 'TPU v5').
 _KINDS = (
-    _Kind(r"TPU v2", 1, 2, {"bfloat16": 22.5e12, "float32": 22.5e12}, 8),
-    _Kind(r"TPU v3", 1, 2, {"bfloat16": 61.5e12, "float32": 61.5e12}, 16),
-    _Kind(r"TPU v4 ?lite", 1, 1, {"bfloat16": 137.5e12, "float32": 137.5e12}, 8),
-    _Kind(r"TPU v4", 2, 2, {"bfloat16": 275e12, "float32": 275e12}, 32),
-    _Kind(r"TPU v5 ?lite|TPU v5e", 1, 1, {"bfloat16": 197e12, "float32": 197e12}, 16),
-    _Kind(r"TPU v5p?", 2, 2, {"bfloat16": 459e12, "float32": 459e12}, 95),
-    _Kind(r"TPU v6 ?lite|TPU v6e", 1, 1, {"bfloat16": 918e12, "float32": 918e12}, 32),
+    _Kind(r"TPU v2", 1, 2, {"bfloat16": 22.5e12, "float32": 22.5e12}),
+    _Kind(r"TPU v3", 1, 2, {"bfloat16": 61.5e12, "float32": 61.5e12}),
+    _Kind(r"TPU v4 ?lite", 1, 1, {"bfloat16": 137.5e12, "float32": 137.5e12}),
+    _Kind(r"TPU v4", 2, 2, {"bfloat16": 275e12, "float32": 275e12}),
+    _Kind(r"TPU v5 ?lite|TPU v5e", 1, 1, {"bfloat16": 197e12, "float32": 197e12}),
+    _Kind(r"TPU v5p?", 2, 2, {"bfloat16": 459e12, "float32": 459e12}),
+    _Kind(r"TPU v6 ?lite|TPU v6e", 1, 1, {"bfloat16": 918e12, "float32": 918e12}),
     _Kind(r"V100", None, None, {"float16": 125e12, "float32": 15.7e12}),
     _Kind(r"A100", None, None, {"bfloat16": 312e12, "float16": 312e12, "float32": 156e12}),
     _Kind(r"H100|H200|GH200", None, None,
@@ -88,8 +85,6 @@ class Hardware:
     peak_flops_per_device: dense FLOP/s of one device for the compute dtype, or None if unknown.
     peak_source: where the peak comes from ('published', 'measured: ...', 'unknown').
     dtype: the compute dtype the peak is for.
-    hbm_bytes_per_device: published HBM of one device in bytes (TPU), else None. The compiler
-      leaves programs a little less (a v3 core's 16 GiB: 15.48 GiB).
   """
   device_kind: str
   platform: str
@@ -99,7 +94,6 @@ class Hardware:
   peak_flops_per_device: Optional[float]
   peak_source: str
   dtype: str = "float32"
-  hbm_bytes_per_device: Optional[int] = None
 
   @property
   def unit(self) -> str:
@@ -154,9 +148,8 @@ def hardware(device_kind: str, num_devices: int, dtype: str = "float32",
     source = "given"
   if peak_flops_per_device is None:
     source = "unknown"
-  hbm = int(kind.hbm_gib * 2**30) if kind is not None and kind.hbm_gib else None
   return Hardware(device_kind, platform, num_devices, cores, chips, peak_flops_per_device, source,
-                  dtype, hbm)
+                  dtype)
 
 
 def accelerator(name: str, dtype: str = "bfloat16") -> Hardware:

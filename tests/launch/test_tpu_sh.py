@@ -663,8 +663,12 @@ def test_preflight_compiles_here_with_the_run_arguments(tpu, checkout, fake_pref
   for rc in (1, 2):  # Does not fit, bad config: the same exit code.
     assert tpu("preflight", "--config", CONFIG, TPU_TYPE="v3-8", FAKE_PREFLIGHT_RC=str(rc),
                **env).returncode == rc
-  fails(tpu("preflight", "--config", CONFIG, **env), "TPU_TYPE is not set")
-  fails(tpu("preflight", "--config", CONFIG, "--type", "v3-12", **env), "v3-12")
+  # Its own refusals exit 2 as well (1 would read as "does not fit").
+  for args, message in ((("--config", CONFIG), "TPU_TYPE is not set"),
+                        (("--config", CONFIG, "--type", "v3-12"), "v3-12"),
+                        (("--type", "v3-8"), "TPU_CONFIG is not set"),
+                        (("--config", "configs/nope.py", "--type", "v3-8"), "nope.py")):
+    assert fails(tpu("preflight", *args, **env), message).returncode == 2
   out = ok(tpu("preflight", "--dry-run", "--config", CONFIG, TPU_TYPE="v3-8", **env)).stdout
   assert f"-m vit_jax.preflight --config={CONFIG} --accelerator=v3-8" in out
 
@@ -678,9 +682,14 @@ def test_run_with_preflight_starts_nothing_when_the_step_does_not_fit(tpu, fake_
                  "nothing was started on the workers")
   assert "pre-flight report" in result.stdout
   assert "--config.batch_size=4096" in log.read_text().splitlines()
-  assert not any("ssh" in call for call in tpu.calls())
+  assert tpu.calls() == []  # With TPU_TYPE known, it compiles before asking gcloud anything.
   ok(tpu(*args, **v3_8(FAKE_TPU="READY\tv3-8"), **env))
   assert any("ssh" in call for call in tpu.calls())
+  # Without TPU_TYPE the type comes from the TPU, then pre-flight runs, before the workers.
+  fails(tpu(*args, FAKE_PREFLIGHT_RC="1", **v3_8(TPU_TYPE=None, FAKE_TPU="READY\tv3-32"),
+            **env), "does not fit a v3-32")
+  assert "--accelerator=v3-32" in log.read_text().splitlines()
+  assert tpu.calls() == [describe("vit-v3-8")]
 
 
 def test_run_refuses_a_local_workdir_on_a_pod(tpu):

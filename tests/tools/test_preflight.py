@@ -97,6 +97,24 @@ def test_candidates_come_in_order_and_keep_earlier_levers():
       {**lean, "batch_size": 32}, {**lean, "batch_size": 16}, {**lean, "batch_size": 8}]
 
 
+def test_a_step_fits_only_with_its_inputs_in_the_hbm():
+  """The compiler checks the temporaries alone; the state and batch are in HBM too."""
+  gib = 2**30
+  memory = fit.Memory(state={"params": gib, "opt_state": 2 * gib}, batch=gib // 4,
+                      temporaries=12 * gib, code=gib // 64, outputs=0)
+  accepted = fit.StepCheck("train", True, memory, hbm=int(15.48 * gib))
+  assert accepted.needs == memory.total == int((15.25 + 1 / 64) * gib)
+  assert accepted.fits and accepted.verdict == ""
+  tight = fit.StepCheck("train", True, memory, hbm=15 * gib)
+  assert not tight.fits
+  assert "accepted its temporaries (12.00 GiB), but with the train state and the batch it " \
+         "needs 15.27 GiB of the 15.00 GiB" in tight.verdict
+  refused = fit.StepCheck("train", False, fit.Memory(state=memory.state, batch=memory.batch),
+                          hbm=15 * gib, required=20 * gib, message="RESOURCE_EXHAUSTED: ...")
+  assert not refused.fits and refused.needs == int(23.25 * gib)
+  assert refused.verdict == "the train step: RESOURCE_EXHAUSTED: ..."
+
+
 def test_not_a_tpu_or_no_such_slice_is_refused():
   with pytest.raises(ValueError, match="not a Cloud TPU type"):
     topology.tpu_slice("a100-8")
@@ -131,6 +149,9 @@ def test_missing_libtpu_exits_2_with_the_install_line():
 def test_tiny_models_compile_for_v3_and_v4_slices_and_fit(model, accelerator, devices, hosts):
   tpu = topology.tpu_slice(accelerator)
   assert (len(tpu.devices), tpu.num_hosts) == (devices, hosts)
+  # The compiler's own figure: a little less than a v3 core's 16 GiB, a v4 chip's 32 GiB.
+  published = 16 if accelerator.startswith("v3") else 32
+  assert published - 1.5 < tpu.hbm_bytes / 2**30 < published
   vit = model is TINY_VIT
   result = fit.check(_config(model), tpu, eval_step=vit)  # T2T-ViT: the train step alone.
   assert result.fits and result.train.fits and (result.eval.fits if vit else not result.eval)
@@ -164,7 +185,7 @@ def test_oversized_batch_gets_a_suggestion_that_fits_when_applied():
   config = _config(TINY_VIT, **OVERSIZED)
   first = fit.check(config, tpu)
   assert not first.fits and first.refused is first.train and first.eval.fits
-  assert first.train.required > tpu.hbm_bytes and first.train.available < tpu.hbm_bytes
+  assert first.train.required > tpu.hbm_bytes and not first.train.accepted
   seen = []
   found = search.suggest(config, first, functools.partial(fit.check, tpu=tpu),
                          report=seen.append)
@@ -194,7 +215,9 @@ def test_command_line_exit_codes():
                         "--noeval"])
   assert too_big.returncode == 1, too_big.stderr
   assert "DOES NOT FIT: the train step: RESOURCE_EXHAUSTED" in too_big.stdout
-  assert "needs 41." in too_big.stdout
+  assert "needs 42.21 GiB+ > 15.48 GiB" in too_big.stdout  # Temporaries, state and batch.
   bad = _preflight([*_flags(TINY_VIT, batch_size=60), "--accelerator", "v3-8"])
   assert bad.returncode == 2 and "must be a multiple of 8" in bad.stderr
   assert "Traceback" not in bad.stderr
+  stray = _preflight([*_flags(TINY_VIT), "--accelerator", "v3-8", "--largest_batch", "true"])
+  assert stray.returncode == 2 and "FATAL: Unexpected arguments: true" in stray.stderr

@@ -44,7 +44,7 @@ from ml_collections import config_flags
 from vit_jax import cli
 from vit_jax import platform
 from vit_jax import sharding
-from vit_jax.tools.preflight import fit as fit
+from vit_jax.tools.preflight import fit
 from vit_jax.tools.preflight import search
 from vit_jax.tools.preflight import topology
 
@@ -70,10 +70,9 @@ def _memory_rows(result: fit.Result) -> list[tuple[str, ...]]:
     rows.append((label, *(_size(getattr(s.memory, attr)) for s in steps)))
 
   def total(s: fit.StepCheck) -> str:
-    if s.fits:
-      return f"{_size(s.memory.total)} of {_size(hbm)} ({s.memory.total / hbm:.0%})"
-    needs = f"needs {_size(s.required)}" if s.required else "refused"
-    return f"{needs} > {_size(s.available or hbm)}"
+    if s.accepted:
+      return f"{_size(s.needs)} of {_size(hbm)} ({s.needs / hbm:.0%})"
+    return f"needs {_size(s.needs)}+ > {_size(hbm)}"
 
   rows.append(("total", *(total(s) for s in steps)))
   rows.append(("compile time", *(f"{s.seconds:.1f} s" for s in steps)))
@@ -112,7 +111,7 @@ def format_result(result: fit.Result) -> str:
 def _verdict(result: fit.Result) -> str:
   if result.fits:
     return f"FITS: peak {_size(result.peak)} per device of {_size(result.slice.hbm_bytes)}."
-  return f"DOES NOT FIT: the {result.refused.name} step: {result.refused.message}"
+  return f"DOES NOT FIT: {result.refused.verdict}"
 
 
 def _attempt_line(attempt: search.Attempt) -> str:
@@ -126,8 +125,8 @@ def _attempt_line(attempt: search.Attempt) -> str:
     return f"  {flags_text or '(as is)'}: {names} step fit{'s' * (len(r.steps) == 1)}, " \
            f"peak {_size(r.peak)} ({seconds:.0f} s)"
   step = r.refused
-  needs = f"needs {_size(step.required)}" if step.required else "refused"
-  return f"  {flags_text or '(as is)'}: {step.name} step does not fit ({needs}, {seconds:.0f} s)"
+  return (f"  {flags_text or '(as is)'}: {step.name} step does not fit (needs "
+          f"{_size(step.needs)}{'' if step.accepted else '+'}, {seconds:.0f} s)")
 
 
 def run(config, accelerator: str, *, suggest: bool = True, eval_step: bool = True,
@@ -152,7 +151,9 @@ def run(config, accelerator: str, *, suggest: bool = True, eval_step: bool = Tru
     if result is None:
       print("DOES NOT FIT even at 1 image per device.", file=out)
       return 1
-    print(f"Largest batch per device (power of two): {per_device}, global "
+    cap = (f" (the search starts at {search.LARGEST_BATCH_LIMIT}: more may fit)"
+           if per_device == search.LARGEST_BATCH_LIMIT else "")
+    print(f"Largest batch per device (power of two): {per_device}{cap}, global "
           f"{result.config.batch_size:,}.\n{format_result(result)}", file=out)
     return 0
   result = checker(config)
@@ -186,10 +187,11 @@ def _define_flags() -> None:
   _SUGGEST = flags.DEFINE_bool(
       "suggest", True, "When the step does not fit, compile smaller changes and print the "
       "first overrides that fit (--nosuggest: only the verdict).")
-  _EVAL = flags.DEFINE_bool("eval", True, "Also compile the eval step (at config.batch_size).")
+  _EVAL = flags.DEFINE_bool("eval", True, "Also compile the eval step (at "
+                            "config.eval_batch_size, default config.batch_size).")
   _LARGEST = flags.DEFINE_bool(
-      "largest_batch", False, "Instead: find the largest per-device batch (a power of two, "
-      "accumulation 1) that fits this config on the slice.")
+      "largest_batch", False, "Instead: find the largest per-device batch (a power of two up "
+      "to 1024, accumulation 1) that fits this config on the slice.")
   _NUM_TRAIN_EXAMPLES = flags.DEFINE_integer(
       "num_train_examples", None, "Examples in config.data.train_split, for a dataset that is "
       "not a well-known one (it sizes epoch-based schedules).")
@@ -198,8 +200,10 @@ def _define_flags() -> None:
 
 
 def main(argv) -> None:
-  if len(argv) > 1:
-    raise app.UsageError(f"Unexpected arguments: {' '.join(argv[1:])}")
+  if len(argv) > 1:  # Exit 2, not absl's 1: here 1 means "does not fit".
+    sys.stderr.write(f"FATAL: Unexpected arguments: {' '.join(argv[1:])} (flags take the form "
+                     "--flag=value, e.g. --largest_batch or --nolargest_batch).\n")
+    sys.exit(2)
   logging.get_absl_handler().addFilter(platform.QuietLibraries())
   logging.set_verbosity(logging.WARNING)  # The report says what the INFO lines would.
   import jax  # pylint: disable=g-import-not-at-top

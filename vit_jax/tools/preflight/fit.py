@@ -3,11 +3,13 @@
 The steps are the trainer's own (`vit_jax.step.build`: the config's model, mesh, logical-axis
 rules, compute dtype, remat and accumulation), lowered with abstract inputs (`jax.ShapeDtypeStruct`
 with their shardings) and compiled by libtpu's TPU compiler for the slice's compile-only devices.
-The compiler lays out every buffer of the program and refuses one that does not fit the HBM
-("RESOURCE_EXHAUSTED: Ran out of memory on HBM ..."); that refusal, or its absence, is the
-answer. A compiled step's `memory_analysis()` gives its per-device arguments (the train state's
-shard and the batch's), temporaries (activations, gradients, optimizer update, collectives'
-buffers) and code.
+The compiler lays out every buffer of the program and refuses one whose temporaries do not fit
+the HBM ("RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory required for HLO
+temporaries (20.42G) exceeds available HBM (15.48G)"). It does not count the inputs, which are
+in HBM too when the step runs: a compiled step's `memory_analysis()` gives its temporaries
+(activations, gradients, optimizer update, collectives' buffers) and code, the shardings give
+the train state's and the batch's shards, and the step fits when the compiler accepted it and
+their sum is within the HBM.
 """
 
 from __future__ import annotations
@@ -87,25 +89,53 @@ class Memory:
 class StepCheck:
   """One step compiled for the slice.
 
+  The compiler checks only the program's temporaries against the HBM; the train state and the
+  batch are in HBM too when the step runs, so a step fits when the compiler accepts it and its
+  total (state, batch, temporaries, code) is within the device's HBM.
+
   Attributes:
     name: 'train' or 'eval'.
-    fits: the TPU compiler accepted the program.
+    accepted: the TPU compiler compiled the program.
     memory: its per-device memory (only the state and batch when refused).
-    required: what the refused program asked for, bytes (from the compiler's message), else None.
-    available: the HBM the compiler leaves programs, bytes, when its message says, else None.
+    hbm: the device's HBM for a program, bytes (`topology.Slice.hbm_bytes`).
+    required: the temporaries a refused program asked for, bytes (the compiler's message).
     message: the compiler's refusal, else ''.
     seconds: compile time (tracing and lowering included).
     xla_flops: XLA's FLOP count of the per-device program (a scanned loop's body counted once:
       partial with `scan=True`), or None.
   """
   name: str
-  fits: bool
+  accepted: bool
   memory: Memory
-  required: Optional[int]
-  available: Optional[int]
-  message: str
-  seconds: float
-  xla_flops: Optional[float]
+  hbm: int
+  required: Optional[int] = None
+  message: str = ""
+  seconds: float = 0.0
+  xla_flops: Optional[float] = None
+
+  @property
+  def needs(self) -> int:
+    """Per-device bytes the step needs: the compiled total, or for a refused program the
+    temporaries it asked for plus the state and batch (at least)."""
+    if self.accepted:
+      return self.memory.total
+    return (self.required or 0) + sum(self.memory.state.values()) + self.memory.batch
+
+  @property
+  def fits(self) -> bool:
+    return self.accepted and self.memory.total <= self.hbm
+
+  @property
+  def verdict(self) -> str:
+    """Why it does not fit, in one line ('' when it fits)."""
+    if self.fits:
+      return ""
+    if not self.accepted:
+      return f"the {self.name} step: {self.message}"
+    return (f"the {self.name} step: the compiler accepted its temporaries "
+            f"({self.memory.temporaries / GIB:.2f} GiB), but with the train state and the batch "
+            f"it needs {self.memory.total / GIB:.2f} GiB of the {self.hbm / GIB:.2f} GiB per "
+            "device.")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -189,8 +219,9 @@ def _is_refusal(error: Exception) -> bool:
   return "RESOURCE_EXHAUSTED" in text or "Ran out of memory" in text
 
 
-def compile_step(setup: step_lib.Setup, name: str) -> StepCheck:
-  """Compiles the 'train' or 'eval' step of `setup` for its mesh with abstract inputs.
+def compile_step(setup: step_lib.Setup, name: str, hbm: int) -> StepCheck:
+  """Compiles the 'train' or 'eval' step of `setup` for its mesh with abstract inputs; `hbm`:
+  the device's HBM for a program, bytes.
 
   Raises:
     jax.errors.JaxRuntimeError: the compiler failed for a reason other than memory.
@@ -209,10 +240,9 @@ def compile_step(setup: step_lib.Setup, name: str) -> StepCheck:
   except Exception as e:  # pylint: disable=broad-except
     if not _is_refusal(e):
       raise
-    required, available = parse_refusal(str(e))
+    required, _ = parse_refusal(str(e))
     message = str(e).strip().splitlines()[0]
-    return StepCheck(name, False, known, required, available, message,
-                     time.perf_counter() - start, None)
+    return StepCheck(name, False, known, hbm, required, message, time.perf_counter() - start)
   seconds = time.perf_counter() - start
   stats = compiled.memory_analysis()
   memory = dataclasses.replace(
@@ -223,8 +253,8 @@ def compile_step(setup: step_lib.Setup, name: str) -> StepCheck:
   if isinstance(analysis, (list, tuple)):  # Older jax: one dict per program.
     analysis = analysis[0] if analysis else {}
   xla_flops = (analysis or {}).get("flops")
-  return StepCheck(name, True, memory, None, None, "", seconds,
-                   float(xla_flops) if xla_flops is not None else None)
+  return StepCheck(name, True, memory, hbm, seconds=seconds,
+                   xla_flops=float(xla_flops) if xla_flops is not None else None)
 
 
 def resolve(config: ml_collections.ConfigDict, tpu: topology.Slice, *,
@@ -272,8 +302,8 @@ def check(config: ml_collections.ConfigDict, tpu: topology.Slice, *, train_step:
   sharding.check_replication(params, shardings, setup.mesh,
                              resolved.mesh.max_replicated_fraction)  # Raises as the trainer.
   replicated, total = sharding.replicated_bytes(params, shardings)
-  train = compile_step(setup, "train") if train_step else None
-  evaluation = compile_step(setup, "eval") if eval_step else None
+  train = compile_step(setup, "train", tpu.hbm_bytes) if train_step else None
+  evaluation = compile_step(setup, "eval", tpu.hbm_bytes) if eval_step else None
   shards = sharding.data_parallel_size(setup.mesh, setup.rules)
   macs = flops.model_forward_macs(setup.model, setup.image_shape)
   return Result(

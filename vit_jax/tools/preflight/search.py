@@ -146,9 +146,13 @@ def suggest(config: ml_collections.ConfigDict, first: fit.Result, run: Runner,
       return None
 
 
+#: Where `largest_batch` starts: per-device batches above it are not tried.
+LARGEST_BATCH_LIMIT = 1024
+
+
 def largest_batch(config: ml_collections.ConfigDict, tpu: topology.Slice,
                   run: Runner,
-                  limit: int = 1024,
+                  limit: int = LARGEST_BATCH_LIMIT,
                   report: Callable[[int, fit.Result], None] = lambda b, r: None,
                   ) -> tuple[int, Optional[fit.Result]]:
   """The largest per-device batch, a power of two up to `limit`, with which `config` fits.

@@ -25,7 +25,7 @@ from typing import Any
 from vit_jax import accounting
 
 #: What installs the TPU compiler (the project's `tpu` extra pins the libtpu of its jax).
-INSTALL_LINE = "pip install -e '.[tpu]'   (or: pip install 'jax[tpu]')"
+INSTALL_LINE = "pip install -e '.[tpu]'  (in the checkout)"
 
 # Cloud TPU family -> (topology prefix, 3-D grid, megacore).
 _FAMILIES = {
@@ -56,26 +56,53 @@ class Slice:
   Attributes:
     accelerator: the Cloud TPU name, e.g. 'v3-8'.
     topology: libtpu's topology name, e.g. 'v3:2x2' (chips per axis).
-    hardware: cores, chips, peak FLOP/s and HBM per device (`vit_jax.accounting.Hardware`).
+    hardware: cores, chips and peak FLOP/s (`vit_jax.accounting.Hardware`).
     devices: the compile-only `jax.Device`s of the whole slice, every host's.
     num_hosts: the hosts (processes) of the slice.
+    hbm_bytes: the HBM of one device that the compiler gives a program, bytes (a v3 core's
+      16 GiB leaves 15.48 GiB; see `available_hbm`).
   """
   accelerator: str
   topology: str
   hardware: accounting.Hardware
   devices: tuple[Any, ...]
   num_hosts: int
-
-  @property
-  def hbm_bytes(self) -> int:
-    """Published HBM of one device, bytes."""
-    return self.hardware.hbm_bytes_per_device
+  hbm_bytes: int
 
   def describe(self) -> str:
-    """E.g. 'v3-8 (topology v3:2x2): 8 devices of TPU v3 on 1 host, 16 GiB HBM each'."""
+    """E.g. 'v3-8 (topology v3:2x2): 8 devices of TPU v3 on 1 host, 15.48 GiB of HBM each'."""
     return (f"{self.accelerator} (topology {self.topology}): {len(self.devices)} devices of "
             f"{self.hardware.device_kind} on {self.num_hosts} host"
-            f"{'s' if self.num_hosts > 1 else ''}, {self.hbm_bytes / 2**30:.4g} GiB HBM each")
+            f"{'s' if self.num_hosts > 1 else ''}, {self.hbm_bytes / 2**30:.2f} GiB of HBM each "
+            "for a program")
+
+
+def available_hbm(device: Any) -> int:
+  """The HBM of `device` that the TPU compiler gives one program, bytes.
+
+  Read from the compiler itself: a program that needs 2 TiB of temporaries (a sort of 2^38
+  numbers) is refused at once with "... exceeds available HBM (15.48G)".
+
+  Raises:
+    RuntimeError: the compiler did not refuse, or said no figure.
+  """
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+
+  def huge(x):
+    rows = jax.lax.broadcasted_iota(jnp.float32, (2**16, 2**22), 1) * x
+    return jnp.sort(rows, axis=-1)[:, 0].sum()
+
+  spec = jax.ShapeDtypeStruct((), jnp.float32,
+                              sharding=jax.sharding.SingleDeviceSharding(device))
+  try:
+    jax.jit(huge).lower(spec).compile()
+  except Exception as e:  # pylint: disable=broad-except
+    found = re.search(r"available HBM \(([\d.]+)([KMGT])\)", str(e))
+    if found:
+      return int(float(found.group(1)) * 1024 ** "KMGT".index(found.group(2)) * 1024)
+    raise RuntimeError(f"The TPU compiler gave no HBM figure: {str(e)[:300]}") from e
+  raise RuntimeError("The TPU compiler accepted a 2 TiB program; cannot read its HBM.")
 
 
 def chip_grid(chips: int, three_d: bool) -> tuple[int, ...]:
@@ -129,4 +156,4 @@ def tpu_slice(accelerator: str) -> Slice:
     raise AssertionError(f"{accelerator}: libtpu's topology {name} has {len(devices)} devices, "
                          f"expected {hardware.num_devices}.")
   num_hosts = len({d.process_index for d in devices})
-  return Slice(accelerator, name, hardware, devices, num_hosts)
+  return Slice(accelerator, name, hardware, devices, num_hosts, available_hbm(devices[0]))
