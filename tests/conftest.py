@@ -7,8 +7,6 @@
   float32 on every backend, so the same tolerances hold on TPU and GPU (whose default precision
   rounds matmul inputs to bfloat16 or TF32).
 * Tests marked `slow` are the end-to-end runs; `python -m pytest -m "not slow"` is the fast tier.
-  They run first: with `-n 2` the workers then finish together on the many short tests instead of
-  one waiting for the other's long last test.
 * Compiling dominates the suite's time, so the tests (and the programs they start, which inherit
   the environment) compile with LLVM's optimisations off (`--xla_backend_optimization_level=0`:
   the same HLO programs, less optimised machine code) and share one JAX compilation cache for
@@ -43,8 +41,3 @@ def _golden_precision(request):
     return
   with jax.default_matmul_precision("highest"):
     yield
-
-
-def pytest_collection_modifyitems(items):
-  """The tests marked `slow` first, each group in collection order (the same in every worker)."""
-  items.sort(key=lambda item: item.get_closest_marker("slow") is None)

@@ -56,7 +56,7 @@ def candidates(resolved: ml_collections.ConfigDict, num_devices: int,
   """The candidate overrides of `suggest`, in order, for a config resolved for the slice.
 
   Args:
-    resolved: the config as it runs on the slice (`check.resolve`).
+    resolved: the config as it runs on the slice (`fit.resolve`).
     num_devices: the slice's devices; batch_shards: how many ways its mesh splits the batch.
   """
   base: Overrides = {}
