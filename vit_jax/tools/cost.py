@@ -191,6 +191,17 @@ def table2() -> str:
   return flops.table2_markdown()
 
 
+def define_dataset_size_flags():
+  """--num_train_examples and --num_classes (`dataset_facts`' overrides), for the tools that
+  size a dataset without reading it; returns their flag holders."""
+  examples = flags.DEFINE_integer(
+      "num_train_examples", None, "Examples in config.data.train_split (default: known datasets' "
+      "sizes, else the prepared tfds dataset's); they size epoch-based schedules.")
+  classes = flags.DEFINE_integer(
+      "num_classes", None, "Classes of the dataset (default: as for --num_train_examples).")
+  return examples, classes
+
+
 def _define_flags() -> None:
   """The command line's flags (defined only when run as a program, so that importing this
   module next to `vit_jax.main`, which also has --config, is fine)."""
@@ -204,11 +215,7 @@ def _define_flags() -> None:
   _MFU = flags.DEFINE_float(
       "mfu", 0.35, "Assumed model FLOP utilisation, 0..1 (the ViT paper's Table 2 implies 0.22 to "
       "0.38 on TPU v3; see --table2).")
-  _NUM_TRAIN_EXAMPLES = flags.DEFINE_integer(
-      "num_train_examples", None, "Examples in config.data.train_split (default: known datasets' "
-      "sizes, else the prepared tfds dataset's).")
-  _NUM_CLASSES = flags.DEFINE_integer(
-      "num_classes", None, "Classes of the dataset (default: as for --num_train_examples).")
+  _NUM_TRAIN_EXAMPLES, _NUM_CLASSES = define_dataset_size_flags()
   _TABLE2 = flags.DEFINE_bool(
       "table2", False, "Print the ViT paper's Table 2 compute column with the MFU each reported "
       "TPUv3-core-days figure implies, counted from this project's models.")

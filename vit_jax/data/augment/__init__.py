@@ -25,22 +25,21 @@ Known differences from timm / PIL (documented where they occur):
   PIL's;
 * Posterize with 0 bits gives black (as PIL < 9 did; current PIL raises).
 
-Modules: `randaugment` (the PIL-equivalent ops, timm's level mappings and op lists, the
-RandAugment policy), `erasing` (random erasing), `mixing` (Mixup / CutMix), `stateless` (the
-seeded random numbers all of them draw). This package exports their public names.
+Modules: `pil_ops` (the PIL-equivalent ops), `randaugment` (timm's level mappings and op
+lists, the RandAugment policy), `erasing` (random erasing), `mixing` (Mixup / CutMix),
+`stateless` (the seeded random numbers all of them draw). This package exports their public names.
 """
 
 from vit_jax.data.augment.erasing import random_erasing
 from vit_jax.data.augment.mixing import mixup_cutmix
-from vit_jax.data.augment.randaugment import (IMAGENET_FILL, MAX_LEVEL, OP_NAMES,
-                                              RAND_INCREASING_TRANSFORMS, RAND_TRANSFORMS,
-                                              apply_op, auto_contrast, brightness, color,
-                                              contrast, equalize, grayscale, invert,
-                                              level_to_arg, posterize, rand_augment, rotate,
-                                              sample_magnitude, sharpness, shear_x, shear_y,
-                                              smooth, solarize, solarize_add, translate_x,
-                                              translate_x_rel, translate_y, translate_y_rel,
-                                              affine)
+from vit_jax.data.augment.pil_ops import (IMAGENET_FILL, affine, auto_contrast, brightness,
+                                          color, contrast, equalize, grayscale, invert,
+                                          posterize, rotate, sharpness, shear_x, shear_y, smooth,
+                                          solarize, solarize_add, translate_x, translate_x_rel,
+                                          translate_y, translate_y_rel)
+from vit_jax.data.augment.randaugment import (MAX_LEVEL, OP_NAMES, RAND_INCREASING_TRANSFORMS,
+                                              RAND_TRANSFORMS, apply_op, level_to_arg,
+                                              rand_augment, sample_magnitude)
 
 __all__ = [
     'IMAGENET_FILL',

@@ -44,6 +44,7 @@ from ml_collections import config_flags
 from vit_jax import cli
 from vit_jax import platform
 from vit_jax import sharding
+from vit_jax.tools import cost
 from vit_jax.tools.preflight import fit
 from vit_jax.tools.preflight import search
 from vit_jax.tools.preflight import topology
@@ -192,11 +193,7 @@ def _define_flags() -> None:
   _LARGEST = flags.DEFINE_bool(
       "largest_batch", False, "Instead: find the largest per-device batch (a power of two up "
       "to 1024, accumulation 1) that fits this config on the slice.")
-  _NUM_TRAIN_EXAMPLES = flags.DEFINE_integer(
-      "num_train_examples", None, "Examples in config.data.train_split, for a dataset that is "
-      "not a well-known one (it sizes epoch-based schedules).")
-  _NUM_CLASSES = flags.DEFINE_integer(
-      "num_classes", None, "Classes of the dataset (as for --num_train_examples).")
+  _NUM_TRAIN_EXAMPLES, _NUM_CLASSES = cost.define_dataset_size_flags()
 
 
 def main(argv) -> None:

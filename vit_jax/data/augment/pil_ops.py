@@ -1,0 +1,419 @@
+"""The image ops of RandAugment, as PIL defines them, in TensorFlow: uint8 [H, W, 3] in and out.
+
+PIL's `ImageOps` (invert, posterize, solarize, auto-contrast, equalize: look-up tables per
+channel), `ImageEnhance` (color, contrast, brightness, sharpness: a blend with a degenerate
+image) and `Image.transform` (affine: rotate, shear, translate, bilinear, filled outside), usable
+eagerly and inside `tf.data` maps. `vit_jax.data.augment.randaugment` maps timm's levels onto
+them and draws the policy; the underscore helpers (look-up tables, degenerate images, affine
+matrices) are shared with it, within this package. Differences from PIL: see
+`vit_jax.data.augment`.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence, Tuple, Union
+
+import tensorflow as tf
+
+from vit_jax.data.augment import stateless
+
+# timm `_HPARAMS_DEFAULT` uses `img_mean` as the fill of geometric ops; timm's
+# `transforms_imagenet_train` sets it to round(255 * IMAGENET_DEFAULT_MEAN).
+IMAGENET_FILL = (124, 116, 104)
+
+Number = Union[int, float, tf.Tensor]
+Fill = Sequence[int]
+
+
+def _check_uint8_rgb(image: tf.Tensor) -> tf.Tensor:
+  image = tf.convert_to_tensor(image)
+  if image.dtype != tf.uint8:
+    raise ValueError(f'Expected a uint8 [H, W, 3] image, got dtype '
+                     f'{image.dtype.name}.')
+  if image.shape.rank is not None and (image.shape.rank != 3 or
+                                       image.shape[-1] not in (None, 3)):
+    raise ValueError(f'Expected a uint8 [H, W, 3] image, got shape '
+                     f'{image.shape}.')
+  return image
+
+
+def _check_fill(fill: Fill) -> Tuple[int, int, int]:
+  fill = tuple(int(v) for v in fill)
+  if len(fill) != 3 or not all(0 <= v <= 255 for v in fill):
+    raise ValueError(f'fill must be 3 ints in [0, 255], got {fill!r}.')
+  return fill
+
+
+def _to_uint8_trunc(x: tf.Tensor) -> tf.Tensor:
+  """float -> uint8 like C's `(UINT8)` after clipping to [0, 255]."""
+  return tf.cast(tf.floor(tf.clip_by_value(x, 0., 255.)), tf.uint8)
+
+
+def _histograms(image: tf.Tensor) -> tf.Tensor:
+  """int32 [3, 256] per-channel histograms of a uint8 [H, W, 3] image."""
+  idx = tf.cast(image, tf.int32) + tf.constant([0, 256, 512], tf.int32)
+  hist = tf.math.bincount(tf.reshape(idx, [-1]), minlength=768, maxlength=768,
+                          dtype=tf.int32)
+  return tf.reshape(hist, [3, 256])
+
+
+def _apply_luts(image: tf.Tensor, luts: tf.Tensor) -> tf.Tensor:
+  """PIL `Image.point`: per-channel lookup in int [3, 256] (or [256]) tables,
+  whose values are clipped to [0, 255] as PIL does."""
+  luts = tf.clip_by_value(tf.cast(luts, tf.int32), 0, 255)
+  luts = tf.reshape(tf.broadcast_to(luts, [3, 256]), [-1])
+  idx = tf.cast(image, tf.int32) + tf.constant([0, 256, 512], tf.int32)
+  return tf.cast(tf.gather(luts, idx), tf.uint8)
+
+
+def _ramp() -> tf.Tensor:
+  return tf.range(256, dtype=tf.int32)
+
+
+@stateless.no_autograph
+def grayscale(image: tf.Tensor) -> tf.Tensor:
+  """PIL `convert('L')` of a uint8 [H, W, 3] image -> int32 [H, W] in [0, 255].
+
+  ITU-R 601-2 luma in PIL's fixed point:
+  (19595 R + 38470 G + 7471 B + 2**15) >> 16.
+  """
+  x = tf.cast(image, tf.int32)
+  l = x[..., 0] * 19595 + x[..., 1] * 38470 + x[..., 2] * 7471 + 32768
+  return tf.bitwise.right_shift(l, 16)
+
+
+def _blend(degenerate: tf.Tensor, image: tf.Tensor,
+           factor: Number) -> tf.Tensor:
+  """PIL `Image.blend(degenerate, image, factor)` (as `ImageEnhance` uses it).
+
+  float32 arithmetic as in PIL's C code: out = (UINT8) clip(d + f * (i - d))
+  (truncation; clipping only matters when extrapolating, factor > 1 or < 0).
+  `degenerate` broadcasts against `image`.
+  """
+  alpha = tf.cast(factor, tf.float32)
+  d = tf.cast(degenerate, tf.float32)
+  return _to_uint8_trunc(d + alpha * (tf.cast(image, tf.float32) - d))
+
+
+# ------------------------------------------- lookup-table (pixel) op tables
+
+
+def _invert_lut() -> tf.Tensor:
+  return 255 - _ramp()
+
+
+def _posterize_lut(bits: Number) -> tf.Tensor:
+  shift = tf.clip_by_value(8 - tf.cast(bits, tf.int32), 0, 8)
+  return tf.bitwise.bitwise_and(_ramp(), 256 - tf.bitwise.left_shift(1, shift))
+
+
+def _solarize_lut(threshold: Number) -> tf.Tensor:
+  ramp = _ramp()
+  return tf.where(ramp < tf.cast(threshold, tf.int32), ramp, 255 - ramp)
+
+
+def _solarize_add_lut(addition: Number, threshold: Number = 128) -> tf.Tensor:
+  ramp = _ramp()
+  added = tf.minimum(ramp + tf.cast(addition, tf.int32), 255)
+  return tf.where(ramp < tf.cast(threshold, tf.int32), added, ramp)
+
+
+def _auto_contrast_lut(image: tf.Tensor) -> tf.Tensor:
+  nonzero = tf.cast(_histograms(image) > 0, tf.int32)
+  lo = tf.argmax(nonzero, axis=1, output_type=tf.int32)
+  hi = 255 - tf.argmax(nonzero[:, ::-1], axis=1, output_type=tf.int32)
+  valid = hi > lo
+  scale = 255. / tf.cast(tf.where(valid, hi - lo, 1), tf.float64)
+  offset = -tf.cast(lo, tf.float64) * scale
+  lut = tf.floor(tf.cast(_ramp(), tf.float64)[None, :] * scale[:, None] +
+                 offset[:, None])
+  lut = tf.cast(tf.clip_by_value(lut, 0., 255.), tf.int32)
+  return tf.where(valid[:, None], lut, _ramp()[None, :])
+
+
+def _equalize_lut(image: tf.Tensor) -> tf.Tensor:
+  h = _histograms(image)
+  nonzero = tf.cast(h > 0, tf.int32)
+  last = 255 - tf.argmax(nonzero[:, ::-1], axis=1, output_type=tf.int32)
+  step = (tf.reduce_sum(h, axis=1) - tf.gather(h, last, batch_dims=1)) // 255
+  safe_step = tf.maximum(step, 1)[:, None]
+  lut = (safe_step // 2 + tf.cumsum(h, axis=1, exclusive=True)) // safe_step
+  identity = (tf.reduce_sum(nonzero, axis=1) <= 1) | (step == 0)
+  return tf.where(identity[:, None], _ramp()[None, :], lut)
+
+
+@stateless.no_autograph
+def invert(image: tf.Tensor) -> tf.Tensor:
+  """PIL `ImageOps.invert`: 255 - x (uint8 [H, W, 3] -> same)."""
+  return _apply_luts(_check_uint8_rgb(image), _invert_lut())
+
+
+@stateless.no_autograph
+def posterize(image: tf.Tensor, bits: Number) -> tf.Tensor:
+  """PIL `ImageOps.posterize`: keep the top `bits` bits of every channel.
+
+  Args:
+    image: uint8 [H, W, 3].
+    bits: int in [0, 8]; >= 8 is the identity (timm skips PIL then), 0 gives
+      black (PIL < 9 behaviour; current PIL rejects 0).
+  """
+  return _apply_luts(_check_uint8_rgb(image), _posterize_lut(bits))
+
+
+@stateless.no_autograph
+def solarize(image: tf.Tensor, threshold: Number) -> tf.Tensor:
+  """PIL `ImageOps.solarize`: x < threshold ? x : 255 - x.
+
+  `threshold` is an int; 256 is the identity, 0 inverts everything.
+  """
+  return _apply_luts(_check_uint8_rgb(image), _solarize_lut(threshold))
+
+
+@stateless.no_autograph
+def solarize_add(image: tf.Tensor, addition: Number,
+                 threshold: Number = 128) -> tf.Tensor:
+  """timm `solarize_add`: x < threshold ? min(255, x + addition) : x."""
+  return _apply_luts(_check_uint8_rgb(image),
+                     _solarize_add_lut(addition, threshold))
+
+
+@stateless.no_autograph
+def auto_contrast(image: tf.Tensor) -> tf.Tensor:
+  """PIL `ImageOps.autocontrast` (cutoff 0): per-channel min/max stretch.
+
+  For each channel with min `lo` < max `hi`, x -> int(x * s - lo * s) with
+  s = 255 / (hi - lo) (float64, truncated, clipped to [0, 255]), so that `lo`
+  maps to 0 and `hi` to 255 (or 254: e.g. for [50, 100] the float64 value is
+  254.99999999999997, PIL's result too); constant channels are unchanged.
+  """
+  image = _check_uint8_rgb(image)
+  return _apply_luts(image, _auto_contrast_lut(image))
+
+
+@stateless.no_autograph
+def equalize(image: tf.Tensor) -> tf.Tensor:
+  """PIL `ImageOps.equalize`: per-channel histogram equalisation.
+
+  Per channel with histogram h: step = (sum(h) - h[last non-empty bin]) // 255;
+  lut[i] = (step // 2 + sum(h[:i])) // step (integer arithmetic, clipped to
+  255 like `Image.point`); the identity if the channel has <= 1 distinct value
+  or step == 0 (so always for images of <= 256 pixels).
+  """
+  image = _check_uint8_rgb(image)
+  return _apply_luts(image, _equalize_lut(image))
+
+
+# ----------------------------------------------- blend (ImageEnhance) ops
+
+
+def _gray_degenerate(image: tf.Tensor) -> tf.Tensor:
+  return grayscale(image)[..., None]
+
+
+def _mean_degenerate(image: tf.Tensor) -> tf.Tensor:
+  gray = grayscale(image)
+  total = tf.cast(tf.reduce_sum(tf.cast(gray, tf.int64)), tf.float64)
+  count = tf.cast(tf.size(gray, out_type=tf.int64), tf.float64)
+  return tf.floor(total / count + 0.5)
+
+
+def _black_degenerate(image: tf.Tensor) -> tf.Tensor:
+  del image
+  return tf.zeros([], tf.int32)
+
+
+@stateless.no_autograph
+def color(image: tf.Tensor, factor: Number) -> tf.Tensor:
+  """PIL `ImageEnhance.Color`: blend of the grayscale image (factor 0) and
+  the image (factor 1); see `grayscale` and `_blend`."""
+  image = _check_uint8_rgb(image)
+  return _blend(_gray_degenerate(image), image, factor)
+
+
+@stateless.no_autograph
+def contrast(image: tf.Tensor, factor: Number) -> tf.Tensor:
+  """PIL `ImageEnhance.Contrast`: blend of a constant image (factor 0) with
+  the image (factor 1). The constant is int(mean(grayscale) + 0.5)."""
+  image = _check_uint8_rgb(image)
+  return _blend(_mean_degenerate(image), image, factor)
+
+
+@stateless.no_autograph
+def brightness(image: tf.Tensor, factor: Number) -> tf.Tensor:
+  """PIL `ImageEnhance.Brightness`: blend of black (factor 0) with the image
+  (factor 1): (UINT8) clip(factor * x)."""
+  image = _check_uint8_rgb(image)
+  return _blend(_black_degenerate(image), image, factor)
+
+
+@stateless.no_autograph
+def smooth(image: tf.Tensor) -> tf.Tensor:
+  """PIL `image.filter(ImageFilter.SMOOTH)` of a uint8 [H, W, 3] image.
+
+  3x3 kernel [[1, 1, 1], [1, 5, 1], [1, 1, 1]] / 13, rounded to nearest (the
+  exact sum / 13 is never a half-integer); the one-pixel border is copied
+  unchanged, as PIL does (images smaller than 3x3 are returned unchanged).
+  """
+  image = _check_uint8_rgb(image)
+  kernel = tf.constant([[1., 1., 1.], [1., 5., 1.], [1., 1., 1.]])
+  kernel = tf.tile(kernel[:, :, None, None], [1, 1, 3, 1])
+  sums = tf.nn.depthwise_conv2d(tf.cast(image, tf.float32)[None], kernel,
+                                [1, 1, 1, 1], 'SAME')[0]
+  smoothed = (2 * tf.cast(sums, tf.int32) + 13) // 26
+  shape = tf.shape(image)
+  rows = tf.range(shape[0])[:, None]
+  cols = tf.range(shape[1])[None, :]
+  inner = ((rows > 0) & (rows < shape[0] - 1) & (cols > 0) &
+           (cols < shape[1] - 1))
+  out = tf.where(inner[..., None], smoothed, tf.cast(image, tf.int32))
+  return tf.cast(out, tf.uint8)
+
+
+@stateless.no_autograph
+def sharpness(image: tf.Tensor, factor: Number) -> tf.Tensor:
+  """PIL `ImageEnhance.Sharpness`: blend of `smooth(image)` (factor 0) with
+  the image (factor 1); factor 2 sharpens."""
+  image = _check_uint8_rgb(image)
+  return _blend(smooth(image), image, factor)
+
+
+# ---------------------------------------------------------- geometric ops
+
+
+def _matrix(*values) -> tf.Tensor:
+  """float64 [6] PIL affine matrix from numbers / scalar tensors."""
+  return tf.stack([tf.cast(v, tf.float64) for v in values])
+
+
+def _rotate_matrix(degrees: Number, height: tf.Tensor,
+                   width: tf.Tensor) -> tf.Tensor:
+  """PIL `Image.rotate`'s matrix (about (W / 2, H / 2), no expand)."""
+  degrees = tf.math.floormod(tf.cast(degrees, tf.float64), 360.)
+  angle = -degrees * (math.pi / 180.)
+  cos = tf.round(tf.cos(angle) * 1e15) / 1e15
+  sin = tf.round(tf.sin(angle) * 1e15) / 1e15
+  cx = tf.cast(width, tf.float64) / 2.
+  cy = tf.cast(height, tf.float64) / 2.
+  return _matrix(cos, sin, cos * -cx + sin * -cy + cx,
+                 -sin, cos, -sin * -cx + cos * -cy + cy)
+
+
+@stateless.no_autograph
+def affine(image: tf.Tensor, matrix: Union[Sequence[Number], tf.Tensor],
+           fill: Fill = IMAGENET_FILL) -> tf.Tensor:
+  """PIL `img.transform(size, Image.AFFINE, matrix, BILINEAR, fillcolor=fill)`.
+
+  Output pixel (x, y) (centre at (X, Y) = (x + .5, y + .5), PIL's convention)
+  samples the input at (a X + b Y + c, d X + e Y + f) with (a, b, c, d, e, f)
+  = `matrix`. Points outside [0, W) x [0, H) get `fill`; inside, bilinear
+  interpolation with edge clamping, truncated to uint8 like PIL.
+
+  Implemented with `ImageProjectiveTransformV3` (float32; PIL uses float64:
+  a pixel can differ from PIL's by 1 where the interpolated value is within
+  ~1e-3 of an integer).
+
+  Args:
+    image: uint8 [H, W, 3].
+    matrix: 6 numbers / scalar tensors, or a float [6] tensor.
+    fill: RGB fill of uncovered pixels.
+  Returns:
+    uint8 [H, W, 3].
+  """
+  image = _check_uint8_rgb(image)
+  fill = _check_fill(fill)
+  if isinstance(matrix, (list, tuple)):
+    matrix = _matrix(*matrix)
+  a, b, c, d, e, f = tf.unstack(tf.cast(matrix, tf.float64), num=6)
+  shape = tf.shape(image)
+  height, width = shape[0], shape[1]
+  # PIL's coordinates of output pixel centres (float64 as in PIL) decide which
+  # pixels are covered.
+  xs = tf.range(tf.cast(width, tf.float64)) + 0.5
+  ys = tf.range(tf.cast(height, tf.float64))[:, None] + 0.5
+  x_in = a * xs + b * ys + c
+  y_in = d * xs + e * ys + f
+  valid = ((x_in >= 0.) & (x_in < tf.cast(width, tf.float64)) &
+           (y_in >= 0.) & (y_in < tf.cast(height, tf.float64)))
+  # The same map in TF's integer pixel-centre coordinates (PIL's - 0.5).
+  # fill_mode NEAREST clamps coordinates to the image, which is PIL's edge
+  # clamping of bilinear neighbours; uncovered pixels are filled below.
+  zero = tf.zeros([], tf.float64)
+  transform = tf.stack([a, b, c + 0.5 * (a + b) - 0.5,
+                        d, e, f + 0.5 * (d + e) - 0.5, zero, zero])
+  out = tf.raw_ops.ImageProjectiveTransformV3(
+      images=tf.cast(image, tf.float32)[None],
+      transforms=tf.cast(transform, tf.float32)[None],
+      output_shape=shape[:2],
+      fill_value=tf.constant(0., tf.float32),
+      interpolation='BILINEAR',
+      fill_mode='NEAREST')[0]
+  # PIL truncates its float64 result; 1e-3 absorbs float32 rounding (e.g.
+  # interpolating between equal values must give that value).
+  out = _to_uint8_trunc(out + 1e-3)
+  out = tf.where(valid[..., None], out, tf.constant(fill, tf.uint8))
+  out.set_shape(image.shape)
+  return out
+
+
+def _size(image: tf.Tensor):
+  shape = tf.shape(image)
+  return shape[0], shape[1]
+
+
+@stateless.no_autograph
+def rotate(image: tf.Tensor, degrees: Number,
+           fill: Fill = IMAGENET_FILL) -> tf.Tensor:
+  """PIL `img.rotate(degrees, BILINEAR, fillcolor=fill)`: counter-clockwise
+  about the image centre (W / 2, H / 2), same size, uncovered pixels `fill`.
+
+  The matrix is PIL's (angle taken mod 360, cos / sin rounded to 15
+  decimals), so 90 degrees on a square image is exactly np.rot90.
+  """
+  return affine(image, _rotate_matrix(degrees, *_size(image)), fill)
+
+
+@stateless.no_autograph
+def shear_x(image: tf.Tensor, factor: Number,
+            fill: Fill = IMAGENET_FILL) -> tf.Tensor:
+  """timm `shear_x`: PIL affine (1, factor, 0, 0, 1, 0)."""
+  return affine(image, [1., factor, 0., 0., 1., 0.], fill)
+
+
+@stateless.no_autograph
+def shear_y(image: tf.Tensor, factor: Number,
+            fill: Fill = IMAGENET_FILL) -> tf.Tensor:
+  """timm `shear_y`: PIL affine (1, 0, 0, factor, 1, 0)."""
+  return affine(image, [1., 0., 0., factor, 1., 0.], fill)
+
+
+@stateless.no_autograph
+def translate_x(image: tf.Tensor, pixels: Number,
+                fill: Fill = IMAGENET_FILL) -> tf.Tensor:
+  """timm `translate_x_abs`: PIL affine (1, 0, pixels, 0, 1, 0), i.e. the
+  content moves `pixels` to the left (right if negative)."""
+  return affine(image, [1., 0., pixels, 0., 1., 0.], fill)
+
+
+@stateless.no_autograph
+def translate_y(image: tf.Tensor, pixels: Number,
+                fill: Fill = IMAGENET_FILL) -> tf.Tensor:
+  """timm `translate_y_abs`: PIL affine (1, 0, 0, 0, 1, pixels), i.e. the
+  content moves `pixels` up (down if negative)."""
+  return affine(image, [1., 0., 0., 0., 1., pixels], fill)
+
+
+@stateless.no_autograph
+def translate_x_rel(image: tf.Tensor, fraction: Number,
+                    fill: Fill = IMAGENET_FILL) -> tf.Tensor:
+  """timm `translate_x_rel`: `translate_x` by fraction * W pixels."""
+  width = tf.cast(_size(image)[1], tf.float64)
+  return translate_x(image, tf.cast(fraction, tf.float64) * width, fill)
+
+
+@stateless.no_autograph
+def translate_y_rel(image: tf.Tensor, fraction: Number,
+                    fill: Fill = IMAGENET_FILL) -> tf.Tensor:
+  """timm `translate_y_rel`: `translate_y` by fraction * H pixels."""
+  height = tf.cast(_size(image)[0], tf.float64)
+  return translate_y(image, tf.cast(fraction, tf.float64) * height, fill)
