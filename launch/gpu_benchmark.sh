@@ -5,6 +5,7 @@
 # Usage (from the repository root, with a JAX that has a GPU backend, e.g.
 # pip install -e . 'jax[cuda13]'):
 #   launch/gpu_benchmark.sh [OUT_DIR]        (default: $OUT if set, else ./gpu_benchmark)
+#   launch/gpu_benchmark.sh -h | --help      (the usage; a directory named like an option: -- DIR)
 #
 # Each batch size is one `python -m vit_jax.benchmark` run (training step only: the trainer's own
 # step, vit_jax.step, in the pretraining regime: forward, backward, AdamW, bfloat16 compute with
@@ -14,21 +15,59 @@
 # OUT_DIR/bf16_b{64,256}.{txt,json}. '% of peak' is the MFU: the analytic model FLOPs
 # (3 x 2 x forward MACs per image, no recomputation counted) per second over the published dense
 # bfloat16 peak of the GPU (vit_jax.accounting). Device memory peaks are in the JSON.
-# Exit status: 0, 1 when a measurement failed, 2 when JAX sees no GPU.
+# Exit status: 0, 1 when a measurement failed, 2 for a bad argument or when JAX sees no GPU.
 set -euo pipefail
 
-out="${1:-${OUT:-gpu_benchmark}}"
+PROG="launch/gpu_benchmark.sh"
+
+usage() {
+  cat <<EOF
+Usage: $PROG [OUT_DIR]
+
+bfloat16 training throughput and MFU of ViT-B/16 and ViT-L/16 at 224 px, batch 64 and 256, on
+one GPU (python -m vit_jax.benchmark). Writes OUT_DIR/bf16_b{64,256}.{txt,json}; OUT_DIR
+defaults to \$OUT if set, else ./gpu_benchmark. A directory whose name starts with '-' goes
+after --: $PROG -- -dir.
+
+Options:
+  -h, --help   this help
+
+Exit status: 0, 1 when a measurement failed, 2 for a bad argument or when JAX sees no GPU.
+EOF
+}
+
+die() {
+  printf '%s: error: %s\n' "$PROG" "$*" >&2
+  exit 2
+}
+
+dirs=()
+while (($#)); do
+  case "$1" in
+    -h | --help) usage; exit 0 ;;
+    --) shift; dirs+=("$@"); break ;;
+    -*) die "unknown option '$1' (see '$PROG --help')" ;;
+    *) dirs+=("$1") ;;
+  esac
+  shift
+done
+if ((${#dirs[@]} > 1)); then
+  die "one OUT_DIR at most, got ${#dirs[@]}: ${dirs[*]} (see '$PROG --help')"
+fi
+if ((${#dirs[@]} == 1)) && [[ -z "${dirs[0]}" ]]; then
+  die "OUT_DIR is empty: give a directory, or none for \$OUT or ./gpu_benchmark"
+fi
+out="${dirs[0]:-${OUT:-gpu_benchmark}}"
 
 backend="$(python -c 'import jax; print(jax.default_backend())' 2>/dev/null || echo 'jax missing')"
 if [[ "$backend" != "gpu" ]]; then
-  echo "gpu_benchmark.sh: error: JAX sees no GPU (backend: $backend). Install a CUDA build of JAX, e.g. pip install 'jax[cuda13]' (and the project: pip install -e .)." >&2
-  exit 2
+  die "JAX sees no GPU (backend: $backend). Install a CUDA build of JAX, e.g. pip install 'jax[cuda13]' (and the project: pip install -e .)."
 fi
-mkdir -p "$out"
+mkdir -p -- "$out"
 python -c 'import jax; print("devices:", jax.devices())'
 
 for batch in 64 256; do
   python -m vit_jax.benchmark ViT-B_16 ViT-L_16 --dtype bfloat16 --mode train \
     --batch "$batch" --warmup 3 --steps 10 --timeout 240 \
-    --json "$out/bf16_b${batch}.json" | tee "$out/bf16_b${batch}.txt"
+    --json="$out/bf16_b${batch}.json" | tee -- "$out/bf16_b${batch}.txt"
 done

@@ -122,6 +122,53 @@ def test_mfu_images_per_core_and_restarts_add_up():
   assert report["mfu"] == pytest.approx(1.5e18 / (100 * 8 * 61.5e12 + 50 * 4 * 275e12))
 
 
+def test_an_evaluate_only_rerun_keeps_the_flops_and_core_days():
+  """A finished run resumed to evaluate only compiles no training step: its report keeps the
+  saved FLOPs per step (it wrote null before), and a CPU rerun keeps the TPU core-days."""
+  acct, clock = _accountant("TPU v3", 8, batch_size=4096)
+  acct.set_step_flops(compiled=1.01e15, analytic=1e15)
+  with acct.timed("train"):
+    clock.advance(100.0)
+    acct.count_step(1000)
+  saved = json.loads(json.dumps(acct.report(step=1000)))  # As in cost.json.
+
+  rerun, clock2 = _accountant("TPU v3", 8, batch_size=4096)
+  rerun.resume(saved, start_step=1000)
+  with rerun.timed("eval"):
+    clock2.advance(30.0)
+  report = rerun.report(step=1000)
+  assert (report["flops_per_step"], report["model_flops_per_step"]) == (1.01e15, 1e15)
+  assert report["attempts"][1]["flops_per_step"] is None  # This attempt compiled none.
+  assert report["attempts"][1]["steps"] == 0 and report["restarts"] == 1
+  assert report["mfu"] == pytest.approx(1e18 / (100 * 8 * 61.5e12))
+  assert report["train"]["core_days"] == pytest.approx(100 * 8 / DAY)
+
+  # A cost.json written by the old code (null at the top) is repaired from the attempts.
+  damaged = json.loads(json.dumps(report))
+  damaged["flops_per_step"] = damaged["model_flops_per_step"] = None
+  on_cpu, clock3 = _accountant("cpu", 1, batch_size=4096)
+  on_cpu.resume(damaged, start_step=1000)
+  with on_cpu.timed("train"):  # The training loop runs no step: a few microseconds.
+    clock3.advance(1e-5)
+  with on_cpu.timed("eval"):
+    clock3.advance(60.0)
+  report = on_cpu.report(step=1000)
+  assert (report["flops_per_step"], report["model_flops_per_step"]) == (1.01e15, 1e15)
+  # Training happened on TPU only: its core-days stand; the CPU's program time has no cores.
+  assert report["train"]["core_days"] == pytest.approx(100 * 8 / DAY)
+  assert report["program"]["core_days"] is None
+  assert report["program"]["device_days"] == pytest.approx((100 * 8 + 30 * 8 + 60) / DAY)
+  assert report["train"]["device_days"] == pytest.approx((100 * 8 + 1e-5) / DAY)
+
+  # Compiling a step (here: another batch size's) replaces the saved figures; another batch
+  # size does not inherit them.
+  other, _ = _accountant("TPU v3", 8, batch_size=1024)
+  other.resume(saved, start_step=1000)
+  assert other.report(step=1000)["flops_per_step"] is None
+  other.set_step_flops(compiled=2.6e14, analytic=2.5e14)
+  assert other.report(step=1000)["flops_per_step"] == 2.6e14
+
+
 @pytest.mark.parametrize("kind, devices, cores, chips, peak", [
     ("TPU v2", 8, 8, 4, 22.5e12),
     ("TPU v5 lite", 8, 8, 8, 197e12),
@@ -242,6 +289,17 @@ def test_a_run_writes_its_cost_and_a_resumed_run_continues_it(tmp_path):
   assert scalars["cost/restarts"][6] == 1
   assert scalars["cost/program_device_days"][6] == pytest.approx(
       second["program"]["device_days"], rel=1e-5)
+
+  # An evaluate-only rerun of the finished run compiles no training step: the FLOPs stay (they
+  # were written as null before).
+  train.train_and_evaluate(_tiny_run(folder, 6), workdir)
+  third = json.loads(open(os.path.join(workdir, "cost.json")).read())
+  assert third["restarts"] == 2 and third["attempts"][2]["steps"] == 0
+  assert third["attempts"][2]["flops_per_step"] is None
+  assert second["flops_per_step"] is not None
+  assert (third["flops_per_step"], third["model_flops_per_step"]) == (
+      second["flops_per_step"], second["model_flops_per_step"])
+  assert third["mfu"] == pytest.approx(second["mfu"])
 
 
 def _scalars(workdir):

@@ -83,6 +83,33 @@ def test_losses_give_reference_values():
   np.testing.assert_allclose(sigmoid, expected, rtol=1e-5)
 
 
+def test_label_smoothing_applies_to_both_losses():
+  """eps=0.3, K=3 classes: targets * 0.7 + 0.1 (big_vision's onehot(on=0.8, off=0.1)).
+
+  logits z = [2, 0, -1]: logsumexp(z) = 2.1698460; log sigmoid(z) = [-0.1269280, -0.6931472,
+  -1.3132617], log sigmoid(-z) = [-2.1269280, -0.6931472, -0.3132617].
+  """
+  logits = jnp.array([[2.0, 0.0, -1.0], [2.0, 0.0, -1.0]])
+  labels = jnp.array([[1.0, 0.0, 0.0], [0.0, 1.0, 1.0]])  # one-hot; multi-hot (two labels)
+  # softmax: one-hot -> [0.8, 0.1, 0.1]: 2.1698460 - (0.8 * 2 + 0.1 * 0 - 0.1 * 1) = 0.6698460.
+  # Multi-hot -> normalised [0, 0.5, 0.5] -> [0.1, 0.45, 0.45]: 2.1698460 + 0.25 = 2.4198460.
+  np.testing.assert_allclose(optim.loss_fn(logits, labels, "softmax_xent", 0.3),
+                             [0.6698460, 2.4198460], rtol=1e-6)
+  # sigmoid: one-hot -> [0.8, 0.1, 0.1]: (0.8 * 0.1269280 + 0.2 * 2.1269280) + 0.6931472
+  # + (0.1 * 1.3132617 + 0.9 * 0.3132617) = 0.5269280 + 0.6931472 + 0.4132617 = 1.6333369.
+  # Multi-hot [0, 1, 1] -> [0.1, 0.8, 0.8] (both positives stay equal, none is diluted):
+  # (0.1 * 0.1269280 + 0.9 * 2.1269280) + 0.6931472 + (0.8 * 1.3132617 + 0.2 * 0.3132617)
+  # = 1.9269280 + 0.6931472 + 1.1132617 = 3.7333369.
+  np.testing.assert_allclose(optim.loss_fn(logits, labels, "sigmoid_xent", 0.3),
+                             [1.6333369, 3.7333369], rtol=1e-6)
+  # eps=0 is the unsmoothed loss; smoothing changed the sigmoid loss (it used to be ignored).
+  unsmoothed = optim.loss_fn(logits, labels, "sigmoid_xent", 0.0)
+  np.testing.assert_allclose(unsmoothed[0], 0.1269280 + 0.6931472 + 0.3132617, rtol=1e-6)
+  for eps in (-0.1, 1.0, 1.5):
+    with pytest.raises(ValueError, match=f"label_smoothing={eps} must be in \\[0, 1\\)"):
+      optim.loss_fn(logits, labels, "sigmoid_xent", eps)
+
+
 def test_sgd_finetune_optimizer_clips_and_uses_momentum():
   config = config_lib.get_config("ViT-custom", "fashion_mnist_local", hidden_size=8,
                                  mlp_dim=16, num_heads=2, num_layers=1, patch_size=4)

@@ -168,8 +168,11 @@ def test_two_processes_train_like_one(tmp_path):
 
   The 8 training images are exactly one global batch, so every step sees all of them in both
   runs (each process reads its own 4): the losses and parameters must match the 1-process run.
+  First, while another run holds the workdir, process 0 is refused the lock and both processes
+  stop with its FATAL line (exit 2).
   """
   import os  # pylint: disable=g-import-not-at-top
+  import socket  # pylint: disable=g-import-not-at-top
   folder = data_utils.make_image_folder(str(tmp_path / "images"), num_classes=2,
                                         per_class={"train": 4, "test": 3}, size=16)
   config = sharding_worker.tiny_config("vit", folder)
@@ -179,20 +182,35 @@ def test_two_processes_train_like_one(tmp_path):
   expected_losses = sharding_worker.train_losses(str(tmp_path / "one"))
 
   workdir = tmp_path / "two"
-  port = _free_port()
   overrides = [f"--config.data.image_folder={folder}", "--config.data.shuffle_buffer=8"]
-  procs = []
-  for pid in range(2):
-    env = dict(os.environ, JAX_PLATFORMS="cpu",
-               XLA_FLAGS="--xla_force_host_platform_device_count=2")
-    procs.append(subprocess.Popen(
-        [sys.executable, "-m", "vit_jax.main", "--config", f"{sharding_worker.__file__}",
-         "--workdir", str(workdir), f"--coordinator_address=localhost:{port}",
-         "--num_processes=2", f"--process_id={pid}", *overrides],
-        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-  outputs = [p.communicate(timeout=600) for p in procs]
+
+  def run_two_processes():
+    port, procs = _free_port(), []
+    for pid in range(2):
+      env = dict(os.environ, JAX_PLATFORMS="cpu",
+                 XLA_FLAGS="--xla_force_host_platform_device_count=2")
+      procs.append(subprocess.Popen(
+          [sys.executable, "-m", "vit_jax.main", "--config", f"{sharding_worker.__file__}",
+           "--workdir", str(workdir), f"--coordinator_address=localhost:{port}",
+           "--num_processes=2", f"--process_id={pid}", *overrides],
+          cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    return procs, [p.communicate(timeout=600) for p in procs]
+
+  # While another run holds the workdir, process 0 is refused its lock and both processes stop.
+  with checkpoint.WorkdirLock(str(workdir)):
+    procs, outputs = run_two_processes()
+  for p, (_, err) in zip(procs, outputs):
+    assert p.returncode == 2, err[-4000:]
+    fatal = [l for l in err.splitlines() if l.startswith("FATAL:")]
+    assert len(fatal) == 1 and fatal[0].startswith(
+        f"FATAL: --workdir {workdir} is in use by another run (host {socket.gethostname()}, "
+        f"pid {os.getpid()}, started "), err[-4000:]
+  assert os.listdir(workdir) == []
+
+  procs, outputs = run_two_processes()
   for p, (_, err) in zip(procs, outputs):
     assert p.returncode == 0, err[-4000:]
+  assert not (workdir / "lock.json").exists()
   assert "Process 0 of 2; 2 local of 4 devices" in outputs[0][1]
   # One metrics stream (process 0 writes events) and one checkpoint.
   assert len(list(workdir.glob("events.out.tfevents.*"))) == 1

@@ -1,5 +1,6 @@
-"""Fault injection: SIGTERM (preemption) and SIGKILL of a running `python -m vit_jax.main`, a full
-disk during a save, a partial checkpoint left by a crash, and non-finite updates."""
+"""Fault injection: SIGTERM (preemption) and SIGKILL of a running `python -m vit_jax.main`, a second
+run on a workdir in use, a full disk during a save, a partial checkpoint left by a crash, and
+non-finite updates."""
 
 import errno
 import json
@@ -7,6 +8,7 @@ import logging
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -90,6 +92,16 @@ def test_sigterm_saves_the_current_step_exits_75_and_the_rerun_resumes(tmp_path,
                           env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
   try:
     assert _wait_for(lambda: _step_in_cost_json(workdir) >= 10, proc), proc.communicate()[1][-3000:]
+    # A second run on the same workdir (another learning rate) is refused while this one runs.
+    second = subprocess.run(_main_args(workdir, dict(overrides, **{"optim.lr": 0.5})), cwd=ROOT,
+                            env=ENV, capture_output=True, text=True, timeout=300)
+    assert second.returncode == 2, second.stderr[-3000:]
+    fatal = [l for l in second.stderr.splitlines() if l.startswith("FATAL:")]
+    assert len(fatal) == 1 and "Traceback" not in second.stderr
+    assert fatal[0].startswith(f"FATAL: --workdir {workdir} is in use by another run (host ")
+    assert f", pid {proc.pid}, started " in fatal[0] and "python -m vit_jax.main" in fatal[0]
+    assert proc.poll() is None  # The first run goes on.
+    assert json.loads((workdir / "config.json").read_text())["optim"]["lr"] != 0.5
     proc.send_signal(signal.SIGTERM)
     _, stderr = proc.communicate(timeout=120)
   finally:
@@ -134,6 +146,8 @@ def test_sigkill_and_resume_end_with_the_same_parameters_bitwise(tmp_path, caplo
 
   results, log = _resume(overrides, workdir, caplog)
   assert "Resuming from the checkpoint at step" in log and results["step"] == total
+  assert f"Taking over the lock of host {socket.gethostname()}, pid {proc.pid}, started" in log
+  assert not (workdir / "lock.json").exists()
   expected, got = _params(tmp_path / "straight"), _params(workdir)
   assert expected.keys() == got.keys()
   for key in expected:
@@ -201,8 +215,9 @@ def test_a_failed_save_names_the_intact_checkpoint(tmp_path, monkeypatch):
 
 @pytest.mark.slow
 def test_a_full_disk_keeps_the_last_checkpoint(tmp_path, caplog):
-  """A real 2 MiB filesystem: the second checkpoint does not fit, the first stays readable;
-  `python -m vit_jax.main` exits with 1 and one FATAL line, the rerun (in this process) resumes."""
+  """A real 2 MiB filesystem: a checkpoint does not fit, the one before stays readable;
+  `python -m vit_jax.main` (saving in the background) exits with 1 and one FATAL line, the rerun
+  (in this process) resumes and removes a partial save."""
   mount = tmp_path / "small_disk"
   mount.mkdir()
   if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mount)],
@@ -214,14 +229,18 @@ def test_a_full_disk_keeps_the_last_checkpoint(tmp_path, caplog):
     overrides = _main_overrides(folder, width=32, **{"model.mlp_dim": 1024})
     proc = subprocess.run(
         _main_args(workdir, dict(overrides, total_steps=6, log_every_steps=2,
-                                 checkpoint_every_steps=2, async_checkpointing=False)),
+                                 checkpoint_every_steps=2)),
         cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 1, proc.stderr[-3000:]
-    fatal = next(l for l in proc.stderr.splitlines() if l.startswith("FATAL:"))
+    # The FATAL line ends the output, with no library traceback before it: either the save was
+    # refused before it started (too little free space) or Orbax's failure is reported.
+    lines = proc.stderr.splitlines()
+    assert lines[-2].startswith("FATAL: ") and lines[-1] == "(--verbosity=1 shows the traceback.)"
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    fatal = lines[-2]
     assert "No space left on device" in fatal and "; free disk space" in fatal
     intact = int(fatal.split("The checkpoint of step ")[1].split()[0])
-    assert (workdir / "checkpoints" / str(intact)).exists()
-    assert [p for p in os.listdir(workdir / "checkpoints") if "tmp" in p]  # The partial save.
+    assert 2 <= intact < 6 and (workdir / "checkpoints" / str(intact) / "state").exists()
     # The user frees disk space, as the message says, and reruns.
     subprocess.run(["mount", "-o", "remount,size=8m", str(mount)], check=True)
     _, log = _resume(dict(overrides, total_steps=intact), workdir, caplog)

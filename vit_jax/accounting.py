@@ -260,6 +260,9 @@ class CostAccountant:
     self._previous: list[dict[str, Any]] = []
     self.flops_per_step: Optional[float] = None  # From XLA's cost analysis of the step.
     self.model_flops_per_step: Optional[float] = None  # Analytic: 3 x forward matmuls.
+    # The resumed account's (flops_per_step, model_flops_per_step): reported while this attempt
+    # has compiled no training step (an evaluate-only rerun of a finished run).
+    self._resumed_flops: tuple[Optional[float], Optional[float]] = (None, None)
 
   @contextlib.contextmanager
   def timed(self, category: str) -> Iterator[None]:
@@ -312,9 +315,21 @@ class CostAccountant:
     self.flops_per_step, self.model_flops_per_step = compiled, analytic
 
   def resume(self, report: Optional[dict[str, Any]], start_step: int) -> None:
-    """Continues the account of an earlier `report()` (from a checkpoint or cost.json)."""
+    """Continues the account of an earlier `report()` (from a checkpoint or cost.json).
+
+    Its attempts are kept, and its FLOPs per step (the report's, else the latest attempt's that
+    has them: an older cost.json may have `flops_per_step: null` at the top after an
+    evaluate-only rerun) are reported until this attempt compiles a training step
+    (`set_step_flops`); only for the same `batch_size`, which they are the FLOPs of.
+    """
     self._previous = list(report["attempts"]) if report else []
     self._start_step = start_step
+    self._resumed_flops = (None, None)
+    if report and report.get("batch_size") == self.batch_size:
+      self._resumed_flops = tuple(
+          next((r[key] for r in (report, *reversed(self._previous)) if r.get(key) is not None),
+               None)
+          for key in ("flops_per_step", "model_flops_per_step"))
 
   def _attempt(self, step: int) -> dict[str, Any]:
     """This process's attempt so far."""
@@ -341,15 +356,23 @@ class CostAccountant:
     'device_days', and on TPU 'core_days' and 'chip_days'), 'flops_per_step',
     'model_flops_per_step', 'model_flops', 'achieved_flops_per_sec', 'mfu' (0..1 or None),
     'images_per_sec_per_core' (per device off TPU) and 'attempts' (one record per start).
+    The FLOPs per step are this attempt's, else the resumed account's (see `resume`); each
+    attempt's record has its own (None when it compiled no training step).
     """
     attempts = self._previous + [self._attempt(step)]
     seconds = {k: sum(a["seconds"].get(k, 0.0) for a in attempts)
                for k in (*CATEGORIES, "other", "program")}
 
     def days(part: str, count: str) -> Optional[float]:
-      if any(a[count] is None for a in attempts):
+      # An attempt without that unit (cores off TPU) makes the figure unknown only if it worked
+      # in that part: a CPU rerun that only evaluates (no step, the empty loop's microseconds
+      # in 'train') keeps the TPU training core-days.
+      def worked(a):
+        return a["steps"] > 0 if part == "train" else a["seconds"][part] > 0
+      if all(a[count] is None for a in attempts) or any(
+          a[count] is None and worked(a) for a in attempts):
         return None
-      return sum(a["seconds"][part] * a[count] for a in attempts) / SECONDS_PER_DAY
+      return sum(a["seconds"][part] * (a[count] or 0) for a in attempts) / SECONDS_PER_DAY
 
     figures = {part: {f"{unit}_days": days(part, unit + "s") for unit in ("device", "core", "chip")}
                for part in ("train", "program")}
@@ -363,6 +386,9 @@ class CostAccountant:
     train_seconds = sum(a["seconds"]["train"] for a in known)
     model_flops = sum(a["model_flops"] for a in attempts)
     hw = self.hardware
+    flops_per_step, model_flops_per_step = self._resumed_flops
+    if self.flops_per_step is not None or self.model_flops_per_step is not None:
+      flops_per_step, model_flops_per_step = self.flops_per_step, self.model_flops_per_step
     return {
         "hardware": {"device_kind": hw.device_kind, "platform": hw.platform,
                      "devices": hw.num_devices, "cores": hw.cores, "chips": hw.chips,
@@ -370,7 +396,7 @@ class CostAccountant:
                      "peak_source": hw.peak_source},
         "step": step, "batch_size": self.batch_size, "restarts": len(attempts) - 1,
         "images_seen": images, "seconds": seconds, **figures,
-        "flops_per_step": self.flops_per_step, "model_flops_per_step": self.model_flops_per_step,
+        "flops_per_step": flops_per_step, "model_flops_per_step": model_flops_per_step,
         "model_flops": model_flops,
         "achieved_flops_per_sec": (sum(a["model_flops"] for a in known) / train_seconds
                                    if train_seconds else None),

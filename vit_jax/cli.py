@@ -79,6 +79,9 @@ def parse_flags(argv: list[str]) -> list[str]:
 
   Returns the arguments that are not flags (absl's `argv`). Exits 2 with one `FATAL:` line for a
   bad flag or config, 0 after printing the help asked for."""
+  # absl answers --help and -?; most programs also answer -h (absl would call it unknown).
+  end = argv.index("--") if "--" in argv else len(argv)
+  argv = ["--help" if a == "-h" and i < end else a for i, a in enumerate(argv)]
   spec = config_spec(argv)
   path = spec.partition(":")[0] if spec else None
   if path and not os.path.isfile(path):

@@ -174,24 +174,49 @@ def make_optimizer(optim: ml_collections.ConfigDict,
 
 
 def loss_fn(logits: jax.Array, labels: jax.Array, kind: str, label_smoothing: float = 0.0) -> jax.Array:
-  """Per-example training loss.
+  """Per-example training loss, with label smoothing for both losses.
+
+  Label smoothing (`config.label_smoothing` = eps in [0, 1), K = C classes) works as
+  big_vision's `onehot(K, on=..., off=...)` preprocessing op, which maps every entry of a one- or
+  multi-hot vector affinely (1 -> on, 0 -> off) whatever the loss, with timm's values
+  (its Mixup targets and its `BinaryCrossEntropy`): on = 1 - eps + eps / K, off = eps / K, i.e.
+  `optax.smooth_labels`, `targets * (1 - eps) + eps / K`, element-wise.
+
+  - 'softmax_xent': the targets are first normalised to sum to one (as big_vision does for
+    multi-hot labels: k labels get 1/k each), then smoothed; they still sum to one. With eps=0.1
+    and K=3 a one-hot [1, 0, 0] becomes [0.9333, 0.0333, 0.0333].
+  - 'sigmoid_xent': every class is a binary problem; the raw one-/multi-hot targets are smoothed
+    element-wise (no normalisation): a positive becomes 1 - eps + eps/K, a negative eps/K,
+    however many positives an example has (multi-label data such as JFT or ImageNet-21k keeps
+    all its positives equal). With eps=0.1 and K=3, [0, 1, 1] becomes [0.0333, 0.9333, 0.9333].
+
+  The map is affine, so it commutes with Mixup / CutMix (`lam * y1 + (1 - lam) * y2` targets).
+  Evaluation losses are computed without smoothing (`vit_jax.step`).
 
   Args:
-    logits: `[B, C]` float32.
-    labels: `[B, C]` float32 one-hot (single-label) or multi-hot (multi-label) targets.
-    kind: 'softmax_xent' (targets normalised to sum to one, as big_vision does for multi-hot) or
-      'sigmoid_xent' (sum over classes of per-class binary cross-entropy, the ViT pretraining loss).
-    label_smoothing: mixes the targets with the uniform distribution (softmax_xent only).
+    logits: `[B, C]` (any float dtype; computed in float32).
+    labels: `[B, C]` float one-hot (single-label) or multi-hot (multi-label) targets in [0, 1].
+    kind: 'softmax_xent' or 'sigmoid_xent' (sum over classes of per-class binary cross-entropy,
+      the ViT pretraining loss).
+    label_smoothing: eps, a Python float in [0, 1); 0 leaves the targets as they are.
 
   Returns:
     `[B]` float32 losses.
+
+  Raises:
+    ValueError: unknown `kind`; `label_smoothing` outside [0, 1).
   """
+  if not 0.0 <= label_smoothing < 1.0:
+    raise ValueError(f"label_smoothing={label_smoothing} must be in [0, 1) "
+                     "(--config.label_smoothing=0.1 is the T2T-ViT recipe's).")
   logits = logits.astype(jnp.float32)
+  labels = labels.astype(jnp.float32)
   if kind == "softmax_xent":
     targets = labels / jnp.maximum(labels.sum(-1, keepdims=True), 1e-8)
     if label_smoothing:
       targets = optax.smooth_labels(targets, label_smoothing)
     return optax.softmax_cross_entropy(logits, targets)
   if kind == "sigmoid_xent":
-    return optax.sigmoid_binary_cross_entropy(logits, labels).sum(-1)
+    targets = optax.smooth_labels(labels, label_smoothing) if label_smoothing else labels
+    return optax.sigmoid_binary_cross_entropy(logits, targets).sum(-1)
   raise ValueError(f"Unknown loss {kind!r}; choose one of {list(LOSSES)}.")

@@ -117,16 +117,28 @@ def reexec_with_huge_pages() -> None:
 
 
 class QuietLibraries(py_logging.Filter):
-  """Keeps INFO lines of vit_jax and clu (progress, metrics); other libraries' from WARNING.
+  """Keeps INFO lines of vit_jax and clu (progress, metrics); other libraries' from WARNING, as
+  one line each, without their tracebacks.
 
-  orbax and jax log every checkpoint's internals at INFO; run with --verbosity=1 to see them.
+  orbax and jax log every checkpoint's internals at INFO, and a failed save (e.g. a full disk)
+  as an error with a traceback from each of its threads, before vit_jax reports the failure as
+  one `FATAL:` line; run with --verbosity=1 to see all of it.
   """
 
   def filter(self, record: py_logging.LogRecord) -> bool:
-    if record.levelno >= py_logging.WARNING or logging.get_verbosity() >= 1:
+    if logging.get_verbosity() >= 1:
       return True
     path = record.pathname.replace(os.sep, "/")
-    return "/vit_jax/" in path or "/clu/" in path
+    ours = "/vit_jax/" in path or "/clu/" in path
+    if ours:
+      return True
+    if record.levelno < py_logging.WARNING:
+      return False
+    if record.exc_info or "\n" in str(record.msg):
+      message = record.getMessage().splitlines()
+      record.msg, record.args = (message[0][:300] if message else ""), None
+      record.exc_info, record.exc_text = None, None
+    return True
 
 
 def _on_multi_host_tpu() -> bool:
@@ -162,7 +174,7 @@ def initialize_distributed(coordinator_address: Optional[str] = None,
     if num is None or pid is None:
       raise ValueError("--coordinator_address needs --num_processes and --process_id (or "
                        "JAX_NUM_PROCESSES and JAX_PROCESS_ID).")
-    if os.environ.get("JAX_PLATFORMS", "").startswith("cpu"):
+    if (jax.config.jax_platforms or os.environ.get("JAX_PLATFORMS") or "").startswith("cpu"):
       jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(coordinator_address=address, num_processes=num, process_id=pid)
   elif _on_multi_host_tpu():
@@ -170,6 +182,41 @@ def initialize_distributed(coordinator_address: Optional[str] = None,
   if jax.process_count() > 1:
     logging.info("Process %d of %d; %d local of %d devices.", jax.process_index(),
                  jax.process_count(), jax.local_device_count(), jax.device_count())
+
+
+#: PCI vendor id of Google's TPU chips (what JAX itself looks for in /sys/bus/pci/devices).
+_GOOGLE_PCI_VENDOR = "0x1ae0"
+
+
+def _has_tpu_chips() -> bool:
+  import glob  # pylint: disable=g-import-not-at-top
+  for vendor in glob.glob("/sys/bus/pci/devices/*/vendor"):
+    try:
+      with open(vendor, encoding="ascii") as f:
+        if f.read().strip() == _GOOGLE_PCI_VENDOR:
+          return True
+    except OSError:
+      continue
+  return False
+
+
+def skip_absent_tpu() -> None:
+  """Keeps JAX from starting a TPU backend on a host without TPU chips.
+
+  With libtpu installed (the `tpu` extra, for `python -m vit_jax.preflight`) JAX tries the TPU
+  backend on any host, and on one without TPU chips libtpu prints a page of errors before JAX
+  falls back to the CPU. Here JAX is told to use the CPU instead, unless `JAX_PLATFORMS` /
+  `jax_platforms` was chosen, TPU chips are on the PCI bus, or a GPU plugin is installed.
+  """
+  import importlib.util  # pylint: disable=g-import-not-at-top
+  import jax  # pylint: disable=g-import-not-at-top
+  if jax.config.jax_platforms or importlib.util.find_spec("libtpu") is None:
+    return
+  gpu_plugins = ("jax_cuda12_plugin", "jax_cuda13_plugin", "jax_rocm60_plugin",
+                 "jax_rocm7_plugin")
+  if _has_tpu_chips() or any(importlib.util.find_spec(p) for p in gpu_plugins):
+    return
+  jax.config.update("jax_platforms", "cpu")
 
 
 def hide_accelerators_from_tensorflow() -> None:
@@ -188,9 +235,10 @@ def hide_accelerators_from_tensorflow() -> None:
 
 def setup(*, coordinator_address: Optional[str] = None, num_processes: Optional[int] = None,
           process_id: Optional[int] = None) -> None:
-  """The set-up of a program that trains or compiles: log filters, multi-process JAX
-  (`initialize_distributed` with these arguments), TensorFlow off the accelerators, and a log
-  line when the huge-pages tunable is active.
+  """The set-up of a program that trains or compiles: log filters, no TPU backend on a host
+  without TPU chips (`skip_absent_tpu`), multi-process JAX (`initialize_distributed` with these
+  arguments), TensorFlow off the accelerators, and a log line when the huge-pages tunable is
+  active.
 
   Raises:
     ValueError: as `initialize_distributed`.
@@ -200,6 +248,7 @@ def setup(*, coordinator_address: Optional[str] = None, num_processes: Optional[
     logging.info("malloc: transparent huge pages for large allocations (GLIBC_TUNABLES=%s).",
                  os.environ["GLIBC_TUNABLES"])
   os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")  # TensorFlow's C++ INFO lines.
+  skip_absent_tpu()
   hide_accelerators_from_tensorflow()
   initialize_distributed(coordinator_address, num_processes, process_id)
 

@@ -76,20 +76,22 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
 
   Raises:
     ConfigError: (a ValueError) the config cannot run: a value out of range, batch size,
-      schedule length, dataset, model name or image size, a workdir that cannot be written or
-      holds another model's checkpoints; raised before anything is written to `workdir`.
+      schedule length, dataset, model name or image size, a workdir that cannot be written,
+      holds another model's checkpoints or is in use by another run (its lock, `lock.json`);
+      raised before anything is written to `workdir`.
     FloatingPointError: the training loss became NaN or Inf (the last good checkpoint is kept).
     Preempted: SIGTERM (from the start of the set-up on): the current step was saved.
     CheckpointSaveError: writing to the workdir failed (e.g. a full disk); earlier checkpoints
       are intact.
     vit_jax.data.BadImageError: an image cannot be decoded (config.data.bad_images='fail').
   """
-  with platform.sigterm_notice() as notice:
+  with platform.sigterm_notice() as notice, contextlib.ExitStack() as held:
     # ---------------------------------------------------------------------------------------
-    # 1. Config. Cheap checks of everything, before anything is written to the workdir.
+    # 1. Config. Cheap checks of everything, before anything is written to the workdir; the
+    # workdir's lock is held from then on (released however the run ends).
     # ---------------------------------------------------------------------------------------
     with _config_errors():
-      run = _prepare(config, workdir, program_start)
+      run = _prepare(config, workdir, program_start, held)
     config, setup, accountant, run_dir = run.config, run.setup, run.accountant, run.run_dir
     logging.info("Config (resolved):\n%s", config)
 
@@ -99,10 +101,12 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
     run_dir.write_config(config.to_dict())
     checkpoints = run_dir.checkpoints(keep=config.keep_checkpoints,
                                       asynchronous=config.async_checkpointing)
+    held.push(_finishing(checkpoints))  # A failure waits for the save in flight to complete.
     state = _initial_state(run, checkpoints)
     start_step, total_steps = int(state["step"]), config.total_steps
     # After the restore, so that a refused run leaves no events file.
     writer = run_dir.metric_writer(checkpoint.flatten_params(config.to_dict(), sep="."))
+    held.push(_closing(writer))  # Its pending lines are written before a failure is reported.
     num_params = sum(x.size for x in jax.tree.leaves(state["params"]))
     logging.info("Model %s: %s parameters; %d of %d steps done.", config.model_name,
                  f"{num_params:,}", start_step, total_steps)
@@ -189,8 +193,6 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
     checkpoints.close()
     last_step = step if preempted else max(start_step, total_steps)
     save_cost(last_step)
-    writer.flush()
-    writer.close()
     if preempted:
       raise Preempted(last_step, workdir)
     return dict(results, step=last_step)
@@ -246,12 +248,14 @@ class _Run:
 
 
 def _prepare(config: ml_collections.ConfigDict, workdir: str,
-             program_start: Optional[float]) -> _Run:
-  """Phase 1: the dataset's facts, the resolved config, the workdir, the model, mesh and
-  shardings, the eval sets and the fine-tuning checkpoint; writes nothing.
+             program_start: Optional[float], held: contextlib.ExitStack) -> _Run:
+  """Phase 1: the dataset's facts, the resolved config, the workdir and its lock (pushed on
+  `held`), the model, mesh and shardings, the eval sets and the fine-tuning checkpoint; writes
+  nothing but the lock.
 
   Raises:
     ValueError, TypeError, KeyError, FileNotFoundError, PermissionError: what refuses the run.
+    checkpoint.WorkdirInUseError: another run holds the workdir.
   """
   info = data.get_info(config.data)
   config = config_lib.resolve(config, num_train_examples=info.num_train_examples,
@@ -262,6 +266,9 @@ def _prepare(config: ml_collections.ConfigDict, workdir: str,
       start=program_start)
   run_dir = checkpoint.Workdir(workdir)
   run_dir.check_writable()
+  lock = run_dir.lock(timeout_s=config.workdir_lock_timeout)
+  checkpoint.acquire_on_all_processes(lock)
+  held.push(lock)  # Released at the end; a refused run also removes the directories it made.
   logging.info("Dataset %s: %d classes (%s), %d train and %d eval examples, images %s.",
                config.data.image_folder or config.data.name, info.num_classes,
                "multi-label" if info.multi_label else "single-label",
@@ -309,16 +316,52 @@ def _initial_state(run: _Run, checkpoints: checkpoint.Checkpoints) -> step_lib.S
   return jax.jit(setup.init_state, out_shardings=setup.state_shardings)(setup.init_rng)
 
 
+def _finishing(checkpoints: checkpoint.Checkpoints):
+  """The `__exit__` that, when the run fails, completes the checkpoint save in flight (an
+  asynchronous one would be cut short by the exit) and closes the manager; its own errors are
+  logged only (the failure in flight is the one to report)."""
+
+  def finish(exc_type, exc, traceback) -> bool:
+    del exc, traceback
+    if exc_type is not None:
+      try:
+        checkpoints.wait_until_finished()
+        checkpoints.close()
+      except Exception as e:  # pylint: disable=broad-except
+        logging.debug("Completing the checkpoint save after the failure: %s", e)
+    return False
+
+  return finish
+
+
+def _closing(writer):
+  """The `__exit__` that closes the metric writer: a failure to write its last events is raised
+  after a successful run, and stays unreported after a failed one (the failure in flight is the
+  one to report)."""
+
+  def close(exc_type, exc, traceback) -> bool:
+    del exc, traceback
+    try:
+      writer.close()
+    except Exception as e:  # pylint: disable=broad-except
+      if exc_type is None:
+        raise  # A CheckpointSaveError for a full disk (Workdir.metric_writer).
+      logging.debug("Closing the metric writer after the failure: %s", e)
+    return False
+
+  return close
+
+
 @contextlib.contextmanager
 def _config_errors():
-  """Turns the set-up's ValueError, TypeError, KeyError, FileNotFoundError, NotImplementedError
-  and PermissionError into a ConfigError (the original stays attached as __cause__)."""
+  """Turns the set-up's ValueError, TypeError, KeyError, FileNotFoundError, NotImplementedError,
+  PermissionError and WorkdirInUseError into a ConfigError (the original stays attached as __cause__)."""
   try:
     yield
   except ConfigError:
     raise
   except (ValueError, TypeError, KeyError, FileNotFoundError, NotImplementedError,
-          PermissionError) as e:
+          PermissionError, checkpoint.WorkdirInUseError) as e:
     message = e.args[0] if len(e.args) == 1 and isinstance(e.args[0], str) else str(e)
     raise ConfigError(message) from e
 

@@ -312,7 +312,7 @@ def test_convert_bad_input_is_explained(tmp_path, capsys):
   assert convert.main([str(FIXTURES / 'vit_tiny' / 'params.npz'), str(tmp_path / 'taken')]) == 2
   assert 'exists; choose a new destination or pass --overwrite' in capsys.readouterr().err
   assert convert.main([str(tmp_path / 'missing.npz'), str(tmp_path / 'y')]) == 2
-  assert capsys.readouterr().err == f"error: No checkpoint at '{tmp_path / 'missing.npz'}'\n"
+  assert capsys.readouterr().err == f"FATAL: No checkpoint at '{tmp_path / 'missing.npz'}'\n"
   assert convert.main([str(pth), str(tmp_path / 'z'), '--model', 'T2T-ViT-custom', *sets,
                        '--set=num_classes=10']) == 2
   assert 'class count (and the input size) are read from the file' in capsys.readouterr().err
@@ -328,6 +328,25 @@ def test_convert_bad_input_is_explained(tmp_path, capsys):
   assert (tmp_path / 'v').is_dir()
   assert convert.main([str(tmp_path / 'v'), str(tmp_path / 'out.pth')]) == 2
   assert 'a directory (Orbax checkpoint) or a .npz file' in capsys.readouterr().err
+  assert convert.main([str(pth), str(tmp_path / 'u'), '--model', 'T2T-ViT-99']) == 2
+  assert capsys.readouterr().err.startswith("FATAL: Unknown model name 'T2T-ViT-99'.")
+
+
+def test_convert_summary_counts_the_arrays_written(tmp_path, capsys):
+  """A scanned Orbax checkpoint (stacked encoderblock) -> .npz: the summary counts the
+  unrolled arrays the .npz holds, not the scanned tree's."""
+  variables = checkpoint.load(FIXTURES / 'vit_tiny' / 'params_linen.npz')
+  scanned = models.scan_params(variables, num_layers=2)
+  checkpoint.save_orbax(tmp_path / 'scanned', scanned)
+  assert convert.main([str(tmp_path / 'scanned'), str(tmp_path / 'out.npz')]) == 0
+  with np.load(tmp_path / 'out.npz', allow_pickle=False) as f:
+    written = len(f.files)
+  scanned_count = len(checkpoint.flatten_params(scanned['params']))
+  assert written > scanned_count  # 2 blocks: their 12 stacked arrays become 24.
+  out = capsys.readouterr().out
+  assert f'  params: {written} arrays, ' in out, out
+  assert convert.main([str(tmp_path / 'scanned'), str(tmp_path / 'again')]) == 0
+  assert f'  params: {scanned_count} arrays, ' in capsys.readouterr().out  # Orbax: as saved.
 
 
 # ------------------------------------------------------------------------------ export round trip

@@ -389,7 +389,8 @@ def test_out_of_bounds_tensor_record_is_refused(tmp_path):
   store = _Store(np.arange(4, dtype=np.float32), '0')
   path = _write_torch_zip(tmp_path / 'oob.pth',
                           {'state_dict': {'w': _Tensor(store, 1, (2, 2), (2, 1))}})
-  with pytest.raises(pickle.UnpicklingError, match='reach element 4 of a storage of 4'):
+  with pytest.raises(pickle.UnpicklingError,
+                     match="would reach element 4 of storage '0', which holds 4"):
     checkpoint.load_pth(path)
 
 

@@ -157,8 +157,12 @@ def test_cost_and_config_json_are_written_atomically(tmp_path, monkeypatch, capl
     raise OSError(errno.ENOSPC, 'No space left on device')
 
   monkeypatch.setattr(type(work.cost_json), 'write_text', dies)
-  with pytest.raises(OSError, match='No space left'):
+  with pytest.raises(checkpoint.CheckpointSaveError) as info:  # main: one FATAL line, exit 1.
     work.write_cost({'attempts': 3})
+  assert str(info.value) == (
+      f"Writing {tmp_path}/run/cost.json failed: No space left on device. The checkpoints "
+      'already saved are intact; free disk space (or make the workdir writable) and rerun the '
+      'same command to resume.')
   monkeypatch.undo()
   assert work.read_cost() == report
   # Unreadable: the cost is ignored with a warning; the config is an error naming the file.
@@ -214,6 +218,56 @@ def test_a_full_disk_names_the_intact_checkpoint(tmp_path, monkeypatch):
     saved.wait_until_finished()
   monkeypatch.undo()
   saved.close()
+
+
+def test_a_save_that_cannot_fit_is_refused_before_it_starts(tmp_path, monkeypatch):
+  saved = _manager(str(tmp_path))
+  saved.save(2, _state(2), cost={})
+  state_bytes = sum(x.nbytes for x in jax.tree.leaves(_state(4)))
+  needed = int(state_bytes * 1.1) + (256 << 10)
+  usage = workdir_lib.shutil.disk_usage(tmp_path)
+  monkeypatch.setattr(workdir_lib.shutil, 'disk_usage',
+                      lambda path: usage._replace(free=needed - 1))
+  with pytest.raises(checkpoint.CheckpointSaveError) as info:
+    saved.save(4, _state(4), cost={})
+  assert str(info.value) == (
+      f'Not enough disk space for the checkpoint of step 4 in {tmp_path}/checkpoints: it needs '
+      f'about {needed / 2**20:.2f} MiB, {(needed - 1) / 2**20:.2f} MiB are free (No space left on '
+      'device). The checkpoint of step 2 is intact; free disk space (or lower '
+      '--config.keep_checkpoints) and rerun the same command to resume.')
+  assert sorted(os.listdir(tmp_path / 'checkpoints')) == ['2']  # Nothing of step 4 written.
+  monkeypatch.setattr(workdir_lib.shutil, 'disk_usage', lambda path: usage._replace(free=needed))
+  saved.save(4, _state(4), cost={})
+  assert saved.all_steps() == [2, 4]
+  saved.close()
+
+
+def test_events_that_cannot_be_written_are_a_checkpoint_save_error(tmp_path):
+  class Full:  # What clu's writer raises from TensorFlow's file writer on a full disk.
+    def write_scalars(self, step, scalars):
+      raise RuntimeError('RESOURCE_EXHAUSTED: /run/events.out.tfevents.1; No space left on device')
+
+    def flush(self):
+      raise KeyError('a bug')
+
+  writer = workdir_lib._EventsWriter(Full(), str(tmp_path))  # pylint: disable=protected-access
+  with pytest.raises(checkpoint.CheckpointSaveError) as info:
+    writer.write_scalars(2, {'loss': 1.0})
+  assert str(info.value) == (
+      f'Writing the TensorBoard events to {tmp_path} failed: RESOURCE_EXHAUSTED: '
+      '/run/events.out.tfevents.1; No space left on device. The checkpoints already saved are '
+      'intact; free disk space (or make the workdir writable) and rerun the same command to '
+      'resume.')
+  with pytest.raises(KeyError, match='a bug'):  # Not the disk's: unchanged.
+    writer.flush()
+
+
+def test_an_empty_workdir_is_refused():
+  for path in ('', '  '):
+    with pytest.raises(ValueError, match=r"^--workdir is empty: give the directory of the run "
+                       r"\(local or gs://\), e\.g\. --workdir /tmp/vit_run; an empty one would "
+                       r"mean the current directory\.$"):
+      checkpoint.Workdir(path)
 
 
 def test_saved_steps_are_finalized_steps_only(tmp_path):

@@ -1,6 +1,7 @@
 """Tests of the vit_jax input pipeline (vit_jax.data). Fast, CPU only."""
 
 import collections
+import logging
 import os
 
 import numpy as np
@@ -9,7 +10,11 @@ import pytest
 from vit_jax import data
 from vit_jax import config as config_lib
 from vit_jax.data import fashion_mnist_local as fml
+from vit_jax.data import memory as memory_lib
+from vit_jax.data import pipeline
+from vit_jax.data import sources
 from tests import data_utils
+import tensorflow as tf  # pylint: disable=g-import-not-at-top,wrong-import-order
 
 S = 4  # Tiny image side: images are constant, so any size works.
 
@@ -558,3 +563,102 @@ def test_recipe_config_errors(folder):
       ('eval_crop_pct', 0., r'eval_crop_pct=0.0 must be in \(0, 1\]')]:
     with pytest.raises(ValueError, match=message):
       data.get_info(_cfg(image_folder=folder, **{key: value}))
+
+
+# ------------------------------------------------------ shuffle buffer memory
+
+
+def test_shuffle_memory_of_static_size_images(fake_fmnist):
+  """Fashion-MNIST: 20 train images of 28 x 28 (stored as PNGs, decoded to RGB)."""
+  source = sources.get_source(fake_fmnist)
+  cfg = fake_fmnist.copy_and_resolve_references()
+  cfg.cache, cfg.shuffle_buffer = True, 8
+  memory = memory_lib.estimate_shuffle_memory(cfg, source, 'train', 20)
+  # Decoded uint8 28 x 28 x 3 = 2352 bytes + 600 of tf.data per element; the cache holds all 20.
+  assert memory == memory_lib.ShuffleMemory(
+      buffer_elements=8, bytes_per_element=2952, decoded=True, cache_elements=20, sampled=0)
+  assert (memory.buffer_bytes, memory.cache_bytes, memory.total_bytes) == (
+      8 * 2952, 20 * 2952, 20 * 2952)
+  # Without the cache the buffer holds the PNG bytes of the records (decoded after it).
+  cfg.cache, cfg.shuffle_buffer = False, 64
+  memory = memory_lib.estimate_shuffle_memory(cfg, source, 'train', 20)
+  import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top
+  records = tfds.builder('fashion_mnist_local', data_dir=cfg.data_dir).as_dataset(
+      split='train', decoders={'image': tfds.decode.SkipDecoding()})
+  pngs = [ex['image'] for ex in records.take(16).as_numpy_iterator()]
+  assert len(pngs) == 16 and all(png.startswith(b'\x89PNG') for png in pngs)
+  pngs = [len(png) for png in pngs]
+  assert memory == memory_lib.ShuffleMemory(
+      buffer_elements=20, bytes_per_element=round(np.mean(pngs)) + 600, decoded=False,
+      cache_elements=0, sampled=16)
+  assert memory.total_bytes == 20 * (round(np.mean(pngs)) + 600)
+
+
+def test_shuffle_memory_of_an_image_folder(tmp_path):
+  """12 train PNGs of 8 x 6, plus one of 20 x 20: the mean of what the buffer holds."""
+  root = data_utils.make_image_folder(str(tmp_path / 'f'), num_classes=3, per_class=4,
+                                      size=(8, 6))
+  big = tf.fill([20, 20, 3], tf.constant(7, tf.uint8))
+  with open(os.path.join(root, 'train', 'class_0', 'big.png'), 'wb') as f:
+    f.write(tf.io.encode_png(big).numpy())
+  files = [os.path.join(d, n) for d, _, names in os.walk(os.path.join(root, 'train'))
+           for n in names]
+  cfg = _cfg(image_folder=root, shuffle_buffer=5)
+  source = sources.get_source(cfg)
+  memory = memory_lib.estimate_shuffle_memory(cfg, source, 'train', 13)
+  # Encoded: the files' bytes (all 13 sampled, the sample is 16).
+  mean_file = round(sum(os.path.getsize(p) for p in files) / 13)
+  assert memory == memory_lib.ShuffleMemory(5, mean_file + 600, False, 0, 13)
+  # Cached: decoded (12 x 144 + 1200) / 13 = 225.2 -> 225 bytes, + 600.
+  cfg.cache = True
+  memory = memory_lib.estimate_shuffle_memory(cfg, source, 'train', 13)
+  assert memory == memory_lib.ShuffleMemory(5, 825, True, 13, 13)
+  assert memory.total_bytes == 13 * 825  # The buffer shares the cache's tensors.
+  # A sample of 2: the first two files in split order, both 8 x 6.
+  memory = memory_lib.estimate_shuffle_memory(cfg, source, 'train', 13, sample=2)
+  assert (memory.bytes_per_element, memory.sampled) == (144 + 600, 2)
+
+
+def test_shuffle_memory_log_and_warnings(caplog):
+  imagenet = memory_lib.ShuffleMemory(buffer_elements=50_000, bytes_per_element=110_000,
+                                         decoded=False, cache_elements=0, sampled=16)
+  gib = 2**30
+  with caplog.at_level(logging.INFO):
+    assert memory_lib.log_shuffle_memory(imagenet, ' (process 0 of 1)', 16 * gib) is None
+    caplog.clear()
+    warning = memory_lib.log_shuffle_memory(imagenet, '', 8 * gib)
+  info, warn = caplog.records
+  assert info.levelname == 'INFO' and info.getMessage() == (
+      'Input pipeline host memory: shuffle buffer 50,000 elements x 107.4 KiB (encoded images, '
+      'mean of 16 read; +600 B per element) = 5.1 GiB; total ~5.1 GiB of 8.0 GiB host RAM '
+      '(64%).')
+  # 5.5e9 bytes > half of 8 GiB; a quarter of 8 GiB is 19,522 elements of 110,000 bytes.
+  assert warn.levelname == 'WARNING' and warn.getMessage() == warning == (
+      "The shuffle buffer (50,000 elements x 107.4 KiB, config.data.shuffle_buffer) needs "
+      "~5.1 GiB, more than 50% of this host's 8.0 GiB of RAM: the process may be killed for "
+      "lack of memory. Lower it, e.g. --config.data.shuffle_buffer=19522 (a quarter of the "
+      "RAM).")
+  # ImageNet's 1,281,167 training images decoded at ~400 x 350 (+600 B) in the cache: 501.6 GiB.
+  cached = memory_lib.ShuffleMemory(50_000, 420_400, True, 1_281_167, 16)
+  caplog.clear()
+  with caplog.at_level(logging.INFO):
+    warning = memory_lib.log_shuffle_memory(cached, '', 128 * gib)
+  assert 'the cache (config.data.cache) holds 1,281,167 decoded images = 501.6 GiB' in (
+      caplog.records[0].getMessage())
+  assert warning.startswith('The in-memory cache of decoded training images '
+                            '(config.data.cache) needs ~501.6 GiB, more than 50%')
+  assert warning.endswith('Set --config.data.cache=False (images are then decoded every epoch '
+                          'and the shuffle buffer holds encoded bytes).')
+
+
+def test_train_iterator_logs_its_shuffle_memory(folder, caplog):
+  cfg = _cfg(image_folder=folder, cache=True)
+  with caplog.at_level(logging.INFO):
+    data.create_train_iterator(cfg, 4, seed=0, process_index=1, process_count=2)
+  lines = [r.getMessage() for r in caplog.records if 'host memory' in r.getMessage()]
+  # Process 1 of 2 reads 6 of the 12 train images, decoded 8 x 6 x 3 = 144 bytes (+600).
+  assert len(lines) == 1 and lines[0].startswith(
+      'Input pipeline host memory (process 1 of 2): shuffle buffer 6 elements x 744 B (decoded '
+      'uint8 images, mean of 6 read; +600 B per element) = 4.4 KiB; the cache '
+      '(config.data.cache) holds 6 decoded images = 4.4 KiB, whose tensors the buffer shares; '
+      'total ~4.4 KiB of '), lines

@@ -18,9 +18,10 @@
   logits = model.apply(variables, images, train=False)
 
 The package: :mod:`.workdir` (the run directory's layout: ``Workdir``, ``Checkpoints``, the
-training loop's saves and restores), :mod:`.finetune` (:func:`init_for_finetuning`,
-:func:`resize_posemb`), :mod:`.tree` (flat names, :func:`check_fits`), :mod:`.formats`
-(:func:`detect`), :mod:`.paths` (local and ``gs://`` files).
+training loop's saves and restores), :mod:`.lock` (one run per workdir), :mod:`.finetune`
+(:func:`init_for_finetuning`, :func:`resize_posemb`), :mod:`.tree` (flat names,
+:func:`check_fits`), :mod:`.formats` (:func:`detect`), :mod:`.paths` (local and ``gs://``
+files).
 
 Paths may be local or ``scheme://`` (``gs://bucket/x.npz``; files go through ``tf.io.gfile``,
 imported only for such paths; Orbax reads remote directories itself).
@@ -56,12 +57,16 @@ from vit_jax.checkpoint.formats import (ACCEPTED_FORMATS, TORCH_SUFFIXES, detect
 from vit_jax.checkpoint.npz import convert_pre_linen, fix_groupnorm, load_npz, save_npz
 from vit_jax.checkpoint.orbax import check_state_fits, save_orbax
 from vit_jax.checkpoint.pytorch import load_pth, load_torch_as_saved
+from vit_jax.checkpoint.torch_pickle import DamagedCheckpointError
 from vit_jax.checkpoint.tree import (check_fits, describe_architecture, flatten_params,
                                      mismatch_report, unflatten_params)
+from vit_jax.checkpoint.lock import WorkdirInUseError, WorkdirLock, acquire_on_all_processes
 from vit_jax.checkpoint.workdir import CheckpointSaveError, Checkpoints, Workdir, load_orbax
 
 __all__ = [
-    'ACCEPTED_FORMATS', 'CheckpointSaveError', 'Checkpoints', 'TORCH_SUFFIXES', 'Workdir',
+    'ACCEPTED_FORMATS', 'CheckpointSaveError', 'Checkpoints', 'DamagedCheckpointError',
+    'TORCH_SUFFIXES', 'Workdir',
+    'WorkdirInUseError', 'WorkdirLock', 'acquire_on_all_processes',
     'check_fits', 'check_state_fits', 'convert_pre_linen', 'describe_architecture', 'detect',
     'fix_groupnorm', 'flatten_params', 'init_for_finetuning', 'is_torch_checkpoint', 'load',
     'load_for_finetuning', 'load_npz', 'load_orbax', 'load_pth', 'load_torch_as_saved',
@@ -113,8 +118,10 @@ def load(path: Any, *, model: Any = None, use_ema: bool = True,
     ValueError: the file/directory is not one of the accepted formats, an ``.npz`` contains
       object (pickled) arrays, a PyTorch file is given without ``model``, the variables do not
       fit ``model`` (see :func:`check_fits`), or a torch file is in the legacy (non-zip) format.
+    DamagedCheckpointError: a truncated, corrupt or hand-made file (a ValueError; the message
+      names the file, the damage and the fix).
     vit_jax.checkpoint.torch_pickle.UnsafePickleError: a PyTorch file's pickle names a global
-      other than tensors and plain containers (nothing is executed).
+      other than tensors and plain containers (nothing is executed; also a ValueError).
   """
   path = paths.normalize(path)
   return _read(path, detect(path), model=model, use_ema=use_ema, image_size=image_size)

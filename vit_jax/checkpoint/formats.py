@@ -8,6 +8,8 @@
 * any other zip archive -> ``'npz'`` (:mod:`.npz`).
 
 Only the first bytes of a file are read (and, for a zip, its member list); nothing is unpickled.
+A file that starts as a zip but whose directory cannot be read (a truncated download) raises
+:class:`DamagedCheckpointError`, whatever its name.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from typing import Any
 from vit_jax.checkpoint import paths
 from vit_jax.checkpoint import torch_pickle
 from vit_jax.checkpoint import workdir
+from vit_jax.checkpoint.torch_pickle import DamagedCheckpointError  # noqa: F401 (raised by detect)
 
 ACCEPTED_FORMATS = (
     "an official ViT '.npz' file (flat '/'-joined parameter names, Linen or pre-Linen numbering), "
@@ -32,7 +35,6 @@ TORCH_SUFFIXES = ('.pth', '.pth.tar', '.pt')
 #: The values :func:`detect` returns.
 NPZ, PYTORCH, ORBAX = 'npz', 'pytorch', 'orbax'
 
-_ZIP_MAGICS = (b'PK\x03\x04', b'PK\x05\x06')
 _NPY_MAGIC = b'\x93NUMPY'
 _PICKLE_MAGIC = b'\x80'
 
@@ -45,6 +47,9 @@ def detect(path: Any) -> str:
 
   Raises:
     FileNotFoundError: nothing exists at ``path``.
+    DamagedCheckpointError: a zip archive (by its first bytes) whose directory cannot be read,
+      e.g. a truncated download (a ``ValueError``; the message names the file, its size and the
+      fix).
     ValueError: a file of no accepted format (the message names it and lists the accepted ones),
       e.g. a single-array ``.npy`` file or text.
   """
@@ -56,7 +61,7 @@ def detect(path: Any) -> str:
   magic = paths.read_head(path, 6)
   if _is_torch(path, magic):
     return PYTORCH
-  if magic[:4] in _ZIP_MAGICS:
+  if magic[:4] in torch_pickle.ZIP_MAGICS:
     return NPZ
   if magic == _NPY_MAGIC:
     raise ValueError(f'{path!r} is a single-array .npy file, not a checkpoint. '
@@ -70,13 +75,15 @@ def is_torch_checkpoint(path: Any) -> bool:
 
   Raises:
     OSError: the file cannot be read (e.g. ``FileNotFoundError``, or a directory).
+    DamagedCheckpointError: a zip archive whose directory cannot be read.
   """
   path = paths.normalize(path)
   return _is_torch(path, paths.read_head(path, 6))
 
 
 def _is_torch(path: str, magic: bytes) -> bool:
-  if magic[:4] in _ZIP_MAGICS:
+  if magic[:4] in torch_pickle.ZIP_MAGICS:
     source = io.BytesIO(paths.read_bytes(path)) if paths.is_remote(path) else path
-    return torch_pickle.is_torch_zip(source)
+    with torch_pickle.open_zip(source, path) as archive:
+      return torch_pickle.has_torch_layout(archive.namelist())
   return path.lower().endswith(TORCH_SUFFIXES) or magic[:1] == _PICKLE_MAGIC

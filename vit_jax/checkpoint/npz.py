@@ -8,21 +8,29 @@ The google-research/vision_transformer releases are flat ``np.savez`` archives w
 renumbered to the Linen names (``LayerNorm_0``, ``MultiHeadDotProductAttention_0``,
 ``LayerNorm_1``, ``MlpBlock_0``) that the model uses (:func:`convert_pre_linen`). GroupNorm
 ``gn*/scale|bias`` stored as ``(1, 1, 1, C)`` are reshaped to ``(C,)`` (:func:`fix_groupnorm`).
-Archives are always read with ``allow_pickle=False``; object arrays are refused.
+Arrays are read with ``allow_pickle=False``; object arrays are refused.
+
+Damaged files raise :class:`~vit_jax.checkpoint.torch_pickle.DamagedCheckpointError` (a
+``ValueError``) naming the file, what cannot be read and the fix: a zip directory that cannot be
+read (a truncated download), a member whose CRC or compressed data is wrong, or a member whose
+``.npy`` header declares more bytes than the member holds (checked before anything is allocated).
 """
 
 from __future__ import annotations
 
 import io
+import math
 import os
 import re
+import zipfile
 from collections.abc import Mapping
-from typing import Any, Dict
+from typing import Any, Dict, Iterator, Tuple
 
 import numpy as np
 
 from vit_jax.checkpoint import formats
 from vit_jax.checkpoint import paths
+from vit_jax.checkpoint import torch_pickle
 from vit_jax.checkpoint.tree import flatten_params, unflatten_params
 from vit_jax.models import layout
 
@@ -74,6 +82,87 @@ def fix_groupnorm(tree: Any) -> Any:
   return visit(tree, '') if isinstance(tree, Mapping) else tree
 
 
+class _Archive:
+  """An ``.npz`` file open for reading: its zip archive, name (for errors) and size in bytes."""
+
+  def __init__(self, path: Any):
+    path = paths.normalize(path)
+    if not paths.exists(path):
+      raise paths.not_found(path, 'No .npz file')
+    if paths.isdir(path):
+      raise ValueError(f'{path!r} is a directory, not an .npz file')
+    if paths.read_head(path, 4) not in torch_pickle.ZIP_MAGICS:
+      raise ValueError(f'{path!r} is not an .npz archive (not a zip file). Accepted formats: '
+                       f'{formats.ACCEPTED_FORMATS}')
+    source = io.BytesIO(paths.read_bytes(path)) if paths.is_remote(path) else path
+    self.path, self.size = path, torch_pickle.file_size(source)
+    self.zip = torch_pickle.open_zip(source, path)
+
+  def damaged(self, info: zipfile.ZipInfo, problem: str) -> ValueError:
+    return torch_pickle.DamagedCheckpointError(
+        f'{self.path!r} is truncated or damaged: its member {info.filename!r} {problem}; the '
+        f'file has {self.size:,} bytes. Download or copy it again.')
+
+  def members(self) -> Iterator[Tuple[str, zipfile.ZipInfo]]:
+    """``(array name, member)`` for every member (``<name>.npy``); other members are refused."""
+    for info in self.zip.infolist():
+      if info.is_dir():
+        continue
+      if not info.filename.endswith('.npy'):
+        raise ValueError(f'{self.path!r}: member {info.filename!r} is not a .npy array; an .npz '
+                         'checkpoint holds only arrays (np.savez).')
+      yield info.filename[:-len('.npy')], info
+
+  def header(self, info: zipfile.ZipInfo) -> Tuple[Tuple[int, ...], np.dtype]:
+    """The shape and dtype that ``info``'s ``.npy`` header declares, checked against the bytes
+    the member holds; object dtypes are refused (nothing is unpickled)."""
+    key = info.filename[:-len('.npy')]
+    try:
+      with self.zip.open(info) as f:
+        version = np.lib.format.read_magic(f)
+        # Version 3.0 differs from 2.0 only in the encoding of field names (utf8).
+        reader = (np.lib.format.read_array_header_1_0 if version == (1, 0) else
+                  np.lib.format.read_array_header_2_0)
+        shape, _, dtype = reader(f)
+        data_bytes = info.file_size - f.tell()
+    except (ValueError, *torch_pickle.MEMBER_ERRORS) as e:
+      raise self.damaged(info, f'cannot be read ({e})') from None
+    if dtype.hasobject:
+      raise ValueError(
+          f'{self.path!r}: array {key!r} is an object (pickled) array; refusing to unpickle it '
+          f'(np.load(allow_pickle=False)). Checkpoints must hold numeric arrays only.')
+    nbytes = math.prod(shape) * dtype.itemsize
+    if data_bytes < nbytes:
+      raise self.damaged(info, f'declares a {dtype} array of shape {shape} ({nbytes:,} bytes) '
+                         f'but holds {max(data_bytes, 0):,} bytes')
+    return tuple(shape), dtype
+
+  def read(self, info: zipfile.ZipInfo) -> np.ndarray:
+    self.header(info)
+    try:
+      with self.zip.open(info) as f:
+        return np.lib.format.read_array(f, allow_pickle=False)
+    except (ValueError, *torch_pickle.MEMBER_ERRORS) as e:
+      raise self.damaged(info, f'cannot be read ({e})') from None
+
+  def __enter__(self):
+    return self
+
+  def __exit__(self, *exc):
+    self.zip.close()
+
+
+def read_npz_index(path: Any) -> Dict[str, Tuple[Tuple[int, ...], np.dtype]]:
+  """``{array name: (shape, dtype)}`` of the ``.npz`` file at ``path``, from the ``.npy``
+  headers only (no array is read). Names as stored (``/``-joined, no renaming).
+
+  Raises:
+    FileNotFoundError, ValueError, DamagedCheckpointError: as :func:`load_npz`.
+  """
+  with _Archive(path) as archive:
+    return {key: archive.header(info) for key, info in archive.members()}
+
+
 def load_npz(path: Any) -> Dict[str, Any]:
   """Loads an official flat ``.npz`` file; returns ``{'params': nested dict of np.ndarray}``.
 
@@ -86,33 +175,14 @@ def load_npz(path: Any) -> Dict[str, Any]:
 
   Raises:
     FileNotFoundError: missing file.
-    ValueError: not an ``.npz`` archive, empty, containing object arrays, or holding PyTorch
-      state-dict names.
+    vit_jax.checkpoint.DamagedCheckpointError: a truncated or corrupt file (its zip directory or
+      a member cannot be read, a header declares more than its member holds); a ``ValueError``.
+    ValueError: not an ``.npz`` archive, empty, containing object arrays or other members than
+      ``.npy`` arrays, or holding PyTorch state-dict names.
   """
-  path = paths.normalize(path)
-  if not paths.exists(path):
-    raise paths.not_found(path, 'No .npz file')
-  source = io.BytesIO(paths.read_bytes(path)) if paths.is_remote(path) else path
-  try:
-    archive = np.load(source, allow_pickle=False)
-  except ValueError as e:
-    raise ValueError(f'{path!r} is not a readable .npz archive ({e}). Accepted formats: '
-                     f'{formats.ACCEPTED_FORMATS}') from None
-  if not isinstance(archive, np.lib.npyio.NpzFile):
-    raise ValueError(f'{path!r} is not an .npz archive. Accepted formats: '
-                     f'{formats.ACCEPTED_FORMATS}')
-  flat = {}
-  with archive:
-    for key in archive.files:
-      try:
-        value = archive[key]
-      except ValueError as e:
-        raise ValueError(
-            f'{path!r}: array {key!r} is an object (pickled) array; refusing to unpickle it '
-            f'(np.load(allow_pickle=False)). Checkpoints must hold numeric arrays only.') from e
-      if value.dtype.hasobject:
-        raise ValueError(f'{path!r}: array {key!r} has object dtype; refusing it.')
-      flat[key] = value
+  with _Archive(path) as archive:
+    path = archive.path
+    flat = {key: archive.read(info) for key, info in archive.members()}
   if not flat:
     raise ValueError(f'{path!r} contains no arrays')
   if not any('/' in k for k in flat) and any('.' in k for k in flat):

@@ -45,6 +45,14 @@ def open_file(path: str, mode: str):
   return _gfile().GFile(path, mode) if is_remote(path) else open(path, mode)
 
 
+def remove(path: str) -> None:
+  """Deletes the file at ``path``."""
+  if is_remote(path):
+    _gfile().remove(path)
+  else:
+    os.remove(path)
+
+
 def read_head(path: str, size: int) -> bytes:
   """The first ``size`` bytes of the file at ``path`` (fewer if it is shorter)."""
   with open_file(path, 'rb') as f:

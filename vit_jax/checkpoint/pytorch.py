@@ -5,7 +5,9 @@ E.g. the released T2T-ViT files: a timm ``CheckpointSaver`` dict (``state_dict``
 ``state_dict_ema``, ``epoch``, ``args``, ...) or a plain state dict. The pickle is read by a
 whitelisting unpickler (:mod:`vit_jax.checkpoint.torch_pickle`): tensors become NumPy arrays and
 any other global such as ``posix.system`` is refused. Only the zip format of ``torch.save``
-(torch >= 1.6) is read; the legacy format is refused with the way to re-save it.
+(torch >= 1.6) is read; the legacy format is refused with the way to re-save it. A truncated,
+corrupt or hand-made file (e.g. a tensor addressing more than its storage) raises
+:class:`~vit_jax.checkpoint.torch_pickle.DamagedCheckpointError`. Every error is a ``ValueError``.
 
 :func:`load_pth` returns the raw state dict (PyTorch names -> ``np.ndarray``); converting it into
 Flax variables needs the model's structure and the family's name mapping
@@ -63,8 +65,12 @@ def load_pth(path: Any, *, use_ema: bool = True) -> Dict[str, np.ndarray]:
     FileNotFoundError: missing file.
     ValueError: not a zip-format torch file (legacy torch format: re-save it with a recent torch),
       or no state dict in it (the error lists its top-level keys).
+    vit_jax.checkpoint.DamagedCheckpointError: a truncated or corrupt file (its zip directory or
+      a member cannot be read), or a damaged or hand-made one: a member declaring more bytes than
+      the file, a tensor addressing more elements than its storage holds, tensors adding up to
+      more than the file (see :mod:`.torch_pickle`). A ``ValueError``.
     vit_jax.checkpoint.torch_pickle.UnsafePickleError: the pickle names a global other than
-      tensors and plain containers.
+      tensors and plain containers (a ``ValueError`` and a ``pickle.UnpicklingError``).
   """
   path = paths.normalize(path)
   if not paths.exists(path) or paths.isdir(path):

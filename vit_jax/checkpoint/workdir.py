@@ -5,6 +5,8 @@
   WORKDIR/
     config.json               the resolved config of the run (Workdir.write_config)
     cost.json                 the cost account so far (Workdir.write_cost; accounting.py)
+    lock.json                 while a run holds the workdir: its host, pid, start, command
+                              (Workdir.lock; lock.py)
     checkpoints/              an Orbax CheckpointManager directory (Checkpoints)
       <step>/                 a finalized step (a save in progress: '<step>.orbax-checkpoint-tmp*')
         state/                the train state {'step', 'params', 'opt_state', 'model_state'
@@ -23,12 +25,15 @@ preservation policy (``LatestN``) keeps the newest checkpoints.
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import logging
 import os
 import re
+import shutil
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
+from vit_jax.checkpoint import lock as lock_lib
 from vit_jax.checkpoint import orbax
 from vit_jax.checkpoint import paths
 
@@ -64,10 +69,23 @@ def _is_process_0() -> bool:
 
 
 def _write_json_atomically(path, value: Dict[str, Any]) -> None:
-  """``path`` (an epath) gets ``value`` as JSON; readers never see a half-written file."""
+  """``path`` (an epath) gets ``value`` as JSON; readers never see a half-written file.
+
+  Raises:
+    CheckpointSaveError: the file cannot be written (e.g. a full disk); the previous version of
+      the file stays (only the ``.partial`` beside it is affected).
+  """
+  text = json.dumps(value, indent=1)  # A TypeError here is a bug, not the disk's.
   partial = path.parent / f'{path.name}.partial'
-  partial.write_text(json.dumps(value, indent=1))
-  partial.replace(path)
+  try:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial.write_text(text)
+    partial.replace(path)
+  except OSError as e:
+    cause = 'No space left on device' if e.errno == errno.ENOSPC else (e.strerror or str(e))
+    raise CheckpointSaveError(
+        f'Writing {path} failed: {cause}. The checkpoints already saved are intact; free disk '
+        'space (or make the workdir writable) and rerun the same command to resume.') from e
 
 
 class Workdir:
@@ -75,12 +93,19 @@ class Workdir:
 
   Attributes:
     path: the directory as given (a str).
+
+  Raises:
+    ValueError: an empty ``path`` (it would be the current directory).
     checkpoints_dir, cost_json, config_json: ``etils.epath.Path`` of ``checkpoints/``,
       ``cost.json`` and ``config.json`` (absolute for local paths).
   """
 
   def __init__(self, path: Any):
     self.path = os.fspath(path)
+    if not str(self.path).strip():
+      raise ValueError('--workdir is empty: give the directory of the run (local or gs://), '
+                       'e.g. --workdir /tmp/vit_run; an empty one would mean the current '
+                       'directory.')
     root = _epath(self.path)
     self.checkpoints_dir = root / CHECKPOINTS_DIR
     self.cost_json = root / COST_JSON
@@ -107,6 +132,10 @@ class Workdir:
       where = '' if path == os.path.abspath(self.path) else ' (where it would be created)'
       raise PermissionError(f'--workdir {self.path!r} cannot be used: {path}{where} {what}. '
                             'Choose a directory you can write to (or a gs:// path).')
+
+  def lock(self, *, timeout_s: float) -> 'lock_lib.WorkdirLock':
+    """The workdir's lock (``WORKDIR/lock.json``; not yet taken): see :mod:`.lock`."""
+    return lock_lib.WorkdirLock(self.path, timeout_s=timeout_s)
 
   def saved_steps(self) -> List[int]:
     """The finalized checkpoint steps, ascending (``[]`` without ``checkpoints/``).
@@ -143,9 +172,9 @@ class Workdir:
 
     Raises:
       TypeError: a value is not JSON-serialisable (resolve the config to plain values first).
+      CheckpointSaveError: it cannot be written (e.g. a full disk).
     """
     if _is_process_0():
-      self.config_json.parent.mkdir(parents=True, exist_ok=True)
       _write_json_atomically(self.config_json, config)
 
   def read_config(self) -> Optional[Dict[str, Any]]:
@@ -163,9 +192,12 @@ class Workdir:
                        'it.') from e
 
   def write_cost(self, report: Dict[str, Any]) -> None:
-    """Writes ``WORKDIR/cost.json`` atomically (``cost.json.partial`` then a rename; process 0)."""
+    """Writes ``WORKDIR/cost.json`` atomically (``cost.json.partial`` then a rename; process 0).
+
+    Raises:
+      CheckpointSaveError: it cannot be written (e.g. a full disk).
+    """
     if _is_process_0():
-      self.cost_json.parent.mkdir(parents=True, exist_ok=True)
       _write_json_atomically(self.cost_json, report)
 
   def read_cost(self) -> Optional[Dict[str, Any]]:
@@ -182,7 +214,8 @@ class Workdir:
     others only log), with ``hparams``' int, float, str and bool values written as hparams.
 
     Raises:
-      CheckpointSaveError: the events file cannot be created (e.g. a full disk).
+      CheckpointSaveError: the events file cannot be created (e.g. a full disk); the writer's
+        methods raise it too when the events cannot be written.
     """
     import jax  # pylint: disable=g-import-not-at-top
     from clu import metric_writers  # pylint: disable=g-import-not-at-top
@@ -194,6 +227,7 @@ class Workdir:
           f'Cannot write the TensorBoard events to {self.path}: '
           f'{str(e).splitlines()[0][:300]}. Free disk space or fix the permissions there, then '
           'rerun the same command.') from e
+    writer = _EventsWriter(writer, self.path)
     writer.write_hparams({k: v for k, v in hparams.items()
                           if isinstance(v, (int, float, str, bool))})
     return writer
@@ -201,6 +235,39 @@ class Workdir:
   def checkpoints(self, *, keep: Optional[int], asynchronous: bool) -> 'Checkpoints':
     """The run's checkpoints (``WORKDIR/checkpoints``); see :class:`Checkpoints`."""
     return Checkpoints(self.checkpoints_dir, keep=keep, asynchronous=asynchronous)
+
+
+#: What a failed write says when the disk or the permissions are the cause (TensorFlow's and
+#: orbax's errors are not OSErrors).
+_DISK_ERROR = re.compile(r'No space left|RESOURCE_EXHAUSTED|Permission denied|PERMISSION_DENIED|'
+                         r'os_error')
+
+
+class _EventsWriter:
+  """A clu metric writer whose failures to write the events (a full disk, no permission), in
+  any method, are a :class:`CheckpointSaveError` that says what to do; other errors unchanged."""
+
+  def __init__(self, writer: Any, path: str):
+    self._writer, self._path = writer, path
+
+  def __getattr__(self, name: str) -> Any:
+    method = getattr(self._writer, name)
+    if not callable(method):
+      return method
+
+    def call(*args, **kwargs):
+      try:
+        return method(*args, **kwargs)
+      except Exception as e:  # pylint: disable=broad-except
+        if not isinstance(e, OSError) and not _DISK_ERROR.search(str(e)):
+          raise
+        raise CheckpointSaveError(
+            f'Writing the TensorBoard events to {self._path} failed: '
+            f'{str(e).splitlines()[0][:300] if str(e) else type(e).__name__}. The checkpoints '
+            'already saved are intact; free disk space (or make the workdir writable) and rerun '
+            'the same command to resume.') from e
+
+    return call
 
 
 class Checkpoints:
@@ -259,12 +326,47 @@ class Checkpoints:
     """
     if step in self._manager.all_steps():
       return
+    self._check_free_space(step, state)
     import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
     items = {STATE_ITEM: ocp.args.StandardSave(state), COST_ITEM: ocp.args.JsonSave(cost)}
     if config is not None:
       items[CONFIG_ITEM] = ocp.args.JsonSave(config)
     with self._save_errors(step):
       self._manager.save(step, args=ocp.args.Composite(**items), force=True)
+
+  def _check_free_space(self, step: int, state: Any) -> None:
+    """Refuses a save that cannot fit on a local disk, before Orbax starts writing it.
+
+    The estimate: this process's share of the state's bytes plus 10% and 256 KiB for Orbax's
+    metadata (the oldest checkpoint is deleted only after the new one is complete). Remote
+    directories are not checked.
+
+    Raises:
+      CheckpointSaveError: less free space than the estimate (measured again after the save in
+        flight completes), or the save in flight failed.
+    """
+    import jax  # pylint: disable=g-import-not-at-top
+    directory = str(self.directory)
+    if paths.is_remote(directory):
+      return
+    state_bytes = sum(int(getattr(x, 'nbytes', 0)) for x in jax.tree.leaves(state))
+    needed = int(state_bytes / jax.process_count() * 1.1) + (256 << 10)
+    probe = directory
+    while not os.path.isdir(probe):
+      probe = os.path.dirname(probe)
+    free = shutil.disk_usage(probe).free
+    if free < needed:  # Once the save in flight (if any) is complete, for the real figures.
+      self.wait_until_finished()
+      free = shutil.disk_usage(probe).free
+    if free < needed:
+      kept = self._manager.all_steps()
+      intact = (f'The checkpoint of step {max(kept)} is intact' if kept else
+                'There is no earlier checkpoint')
+      raise CheckpointSaveError(
+          f'Not enough disk space for the checkpoint of step {step} in {directory}: it needs '
+          f'about {_mib(needed)}, {_mib(free)} are free (No space left on device). {intact}; '
+          'free disk space (or lower --config.keep_checkpoints) and rerun the same command to '
+          'resume.')
 
   def restore(self, step: int, abstract_state: Any) -> Tuple[Any, Optional[Dict[str, Any]]]:
     """Restores step ``step`` onto ``abstract_state``'s shardings.
@@ -320,8 +422,7 @@ class Checkpoints:
       yield
     except (OSError, ValueError, RuntimeError) as e:
       text = str(e)
-      if not isinstance(e, OSError) and not re.search(
-          r'No space left|RESOURCE_EXHAUSTED|Permission denied|PERMISSION_DENIED|os_error', text):
+      if not isinstance(e, OSError) and not _DISK_ERROR.search(text):
         raise
       kept = [s for s in self._manager.all_steps() if s != step]
       which = 'the last save' if step is None else f'step {step}'
@@ -337,6 +438,10 @@ class Checkpoints:
           + ('free disk space (or lower --config.keep_checkpoints)' if full else
              'make the checkpoint directory writable')
           + ' and rerun the same command to resume.') from e
+
+
+def _mib(num_bytes: int) -> str:
+  return f'{num_bytes / 2**20:.2f} MiB'
 
 
 # ------------------------------------------------------------------------------------------------

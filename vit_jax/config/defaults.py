@@ -312,6 +312,9 @@ def get_config(model_name: str = "ViT-B_16", dataset: str = "imagenet2012",
   config.checkpoint_every_steps = 1000  # Also saved at the end of training.
   config.keep_checkpoints = 3  # Most recent checkpoints kept on disk.
   config.async_checkpointing = True
+  # One run per workdir (WORKDIR/lock.json): on gs:// the lock is held by a heartbeat, and one
+  # whose heartbeat is older than this many seconds (its run gone) is taken over.
+  config.workdir_lock_timeout = 600
 
   config.lock()
   return config

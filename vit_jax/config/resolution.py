@@ -75,6 +75,8 @@ _RUN_RANGES = {
     "checkpoint_every_steps": (_POSITIVE_INT, False, ""),
     "keep_checkpoints": (_POSITIVE_INT, False, "the most recent checkpoints kept"),
     "async_checkpointing": (_BOOL, False, ""),
+    "workdir_lock_timeout": (_POSITIVE, False, "seconds without a heartbeat before a gs:// "
+                             "workdir's lock is stale"),
 }
 _OPTIM_RANGES = {
     "optimizer": (_one_of(optim.OPTIMIZERS), False, ""),

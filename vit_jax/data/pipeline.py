@@ -25,6 +25,7 @@ import tensorflow_datasets as tfds
 
 from vit_jax import config as config_lib
 from vit_jax.data import augment
+from vit_jax.data import memory
 from vit_jax.data import preprocess
 from vit_jax.data import sources
 
@@ -305,6 +306,11 @@ def create_train_iterator(data_cfg, global_batch_size: int, seed: int,
   Cost: the skip reads (but does not decode/augment) up to one epoch of
   records; with cache=True the cache is filled first as usual.
 
+  Host memory: one INFO line at the start gives this process's estimate of
+  the shuffle buffer (and the cache), a WARNING when it exceeds half of the
+  host's RAM (`vit_jax.data.memory`; reads up to 16 images to measure
+  them).
+
   Undecodable images (`config.data.bad_images`): 'fail' makes `next()` raise
   `BadImageError` when one is reached (image folders: naming every
   undecodable file of this process's split, found by a validation pass);
@@ -345,6 +351,8 @@ def create_train_iterator(data_cfg, global_batch_size: int, seed: int,
   encoded = (not cache) and source.images_encoded_after_read
   vectorized = _vectorizable(source, data_cfg.augment,
                              data_cfg.randaugment_num_layers > 0)
+  memory.log_shuffle_memory(memory.estimate_shuffle_memory(data_cfg, source, split, n),
+                            f' (process {pi} of {pc})')
   if cache:
     # Decoded, un-augmented images of this process's split, kept in memory
     # and shared by all epochs (filled during the first epoch).

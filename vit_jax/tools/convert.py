@@ -17,21 +17,31 @@ Examples::
   python -m vit_jax.convert /workdirs/vit_b16_cifar /ckpt/vit_b16_cifar.npz
   python -m vit_jax.convert ViT-B_16.npz /ckpt/vit_b16
 
-It prints what it wrote (format, parameter count, collections). Exit status 2 on bad input, with
-the reason; an existing ``DST`` is never overwritten unless ``--overwrite`` is given.
+It prints what it wrote (format, and per collection the arrays and values in the layout written:
+an ``.npz`` holds the unrolled ``encoderblock_{i}`` arrays of a scanned checkpoint). Bad input
+(a missing, truncated, damaged or refused ``SRC``, a bad ``--model``, an existing ``DST``) is one
+line ``FATAL: <problem and fix>`` on stderr and exit status 2, as ``python -m vit_jax.main``; a
+failure while writing is one ``FATAL:`` line and exit status 1. An existing ``DST`` is never
+overwritten unless ``--overwrite`` is given.
 """
 
 from __future__ import annotations
 
 import argparse
 import ast
+import math
 import os
 import sys
-from typing import Any, Dict, Optional, Sequence, Tuple
+from typing import Any, Dict, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
 from vit_jax import checkpoint
+from vit_jax.checkpoint import npz
+
+#: The errors of bad input (exit status 2); any other OSError while writing is status 1.
+_INPUT_ERRORS = (ValueError, TypeError, KeyError, FileNotFoundError, FileExistsError,
+                 PermissionError, IsADirectoryError, NotADirectoryError)
 
 
 def read(src: str, *, model_name: Optional[str] = None, use_ema: bool = True,
@@ -48,7 +58,9 @@ def read(src: str, *, model_name: Optional[str] = None, use_ema: bool = True,
 
   Raises:
     FileNotFoundError: nothing at ``src``.
-    ValueError: a PyTorch file without ``model_name``, plus the errors of ``checkpoint.load``.
+    ValueError: a PyTorch file without ``model_name``, an unknown ``model_name``, plus the errors
+      of ``checkpoint.load`` (e.g. ``checkpoint.DamagedCheckpointError`` for a truncated or
+      corrupt file, ``UnsafePickleError`` for a refused pickle: both ValueErrors).
   """
   if checkpoint.detect(src) == checkpoint.formats.PYTORCH:
     if not model_name:
@@ -91,14 +103,44 @@ def write(variables: Dict[str, Any], dst: str, *, overwrite: bool = False) -> st
   return 'Orbax checkpoint'
 
 
-def _summary(variables: Dict[str, Any]) -> str:
+def written_arrays(variables: Dict[str, Any], dst: str) -> Dict[str, Dict[str, Tuple]]:
+  """``{collection: {name: (shape, dtype)}}`` of what :func:`write` wrote to ``dst``.
+
+  For a ``.npz``, read from the written file's ``.npy`` headers (its layout: unrolled
+  ``encoderblock_{i}`` arrays, float32 for bfloat16); for an Orbax directory, ``variables``
+  (written as they are).
+  """
+  if dst.endswith('.npz'):
+    return {'params': npz.read_npz_index(dst)}
+  return {name: {key: (np.shape(value), np.asarray(value).dtype)
+                 for key, value in checkpoint.flatten_params(tree).items()}
+          for name, tree in variables.items()}
+
+
+def _summary(written: Mapping[str, Mapping[str, Tuple]]) -> str:
   lines = []
-  for name, tree in variables.items():
-    leaves = checkpoint.flatten_params(tree)
-    count = sum(int(np.size(v)) for v in leaves.values())
-    dtypes = sorted({str(np.asarray(v).dtype) for v in leaves.values()})
-    lines.append(f'  {name}: {len(leaves)} arrays, {count:,} values ({", ".join(dtypes)})')
+  for name, arrays in written.items():
+    count = sum(math.prod(shape) for shape, _ in arrays.values())
+    dtypes = sorted({str(dtype) for _, dtype in arrays.values()})
+    lines.append(f'  {name}: {len(arrays)} arrays, {count:,} values ({", ".join(dtypes)})')
   return '\n'.join(lines)
+
+
+def _reason(error: Exception) -> str:
+  """One line: the error's message (an OSError's with its file name)."""
+  if isinstance(error, OSError) and error.strerror:
+    reason = error.strerror
+    if error.filename is not None and os.fsdecode(error.filename) not in reason:
+      reason = f'{reason}: {os.fsdecode(error.filename)!r}'
+    return reason
+  if isinstance(error, KeyError) and len(error.args) == 1:
+    return str(error.args[0])
+  return str(error)
+
+
+def _fatal(error: Exception, code: int) -> int:
+  print(f'FATAL: {_reason(error)}', file=sys.stderr)
+  return code
 
 
 def _parse_setting(text: str) -> Tuple[str, Any]:
@@ -112,8 +154,17 @@ def _parse_setting(text: str) -> Tuple[str, Any]:
     return key, value
 
 
+class _Parser(argparse.ArgumentParser):
+  """argparse, with a usage error as the usage and one ``FATAL:`` line (exit status 2)."""
+
+  def error(self, message):
+    self.print_usage(sys.stderr)
+    self.exit(2, f'FATAL: {message}\n')
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
-  parser = argparse.ArgumentParser(
+  """Runs the converter on ``argv`` (default: the command line); returns the exit status."""
+  parser = _Parser(
       prog='python -m vit_jax.convert',
       description=__doc__.split('\n\n')[0] + ' DST is an Orbax checkpoint directory, or an '
       'official-layout .npz file (ViT parameters only).',
@@ -147,11 +198,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     variables = read(args.src, model_name=args.model, use_ema=not args.no_ema,
                      overrides=dict(_parse_setting(s) for s in args.set))
     kind = write(variables, args.dst, overwrite=args.overwrite)
-  except (ValueError, TypeError, FileNotFoundError, FileExistsError) as e:
-    reason = e.strerror if isinstance(e, OSError) and e.strerror else e
-    print(f'error: {reason}', file=sys.stderr)
-    return 2
-  print(f'Wrote {kind} {args.dst} from {args.src}:\n{_summary(variables)}')
+    written = written_arrays(variables, args.dst)
+  except _INPUT_ERRORS as e:
+    return _fatal(e, 2)
+  except OSError as e:  # E.g. the disk filled while writing.
+    return _fatal(e, 1)
+  print(f'Wrote {kind} {args.dst} from {args.src}:\n{_summary(written)}')
   return 0
 
 

@@ -1,0 +1,144 @@
+"""One run per workdir (vit_jax.checkpoint.lock): the flock of local workdirs, the heartbeat of
+gs:// ones (run here on a local directory), stale locks, and what a refused run leaves."""
+
+import json
+import logging
+import os
+import socket
+import sys
+import threading
+import time
+import types
+
+import pytest
+
+from vit_jax.checkpoint import lock as lock_lib
+
+
+def _record(path):
+  return json.loads((path / "lock.json").read_text())
+
+
+def test_a_second_lock_is_refused_naming_the_holder_and_the_release_deletes_the_file(
+    tmp_path, monkeypatch):
+  workdir = tmp_path / "run"
+  # As `python -m vit_jax.main --config c.py` (argv[0] is then the module's file).
+  monkeypatch.setattr(sys, "argv", ["/src/vit_jax/main.py", "--config", "c.py"])
+  monkeypatch.setattr(sys.modules["__main__"], "__spec__", types.SimpleNamespace(
+      name="vit_jax.main"), raising=False)
+  with lock_lib.WorkdirLock(str(workdir)) as first:
+    record = _record(workdir)
+    assert record["host"] == socket.gethostname() and record["pid"] == os.getpid()
+    assert record["command"] == "python -m vit_jax.main --config c.py"
+    before = (workdir / "lock.json").read_bytes()
+    with pytest.raises(lock_lib.WorkdirInUseError) as error:
+      lock_lib.WorkdirLock(str(workdir)).acquire()
+    message = str(error.value)
+    assert message.startswith(f"--workdir {workdir} is in use by another run (host "
+                              f"{socket.gethostname()}, pid {os.getpid()}, started "
+                              f"{record['started']}, 0 s ago: python -m vit_jax.main "
+                              "--config c.py)")
+    assert message.endswith(f"choose another --workdir. If that run is gone and its lock "
+                            f"remains, delete {workdir}/lock.json.")
+    assert (workdir / "lock.json").read_bytes() == before  # The holder's record is untouched.
+    assert first.held
+  assert not (workdir / "lock.json").exists() and workdir.is_dir()
+
+
+def test_runs_started_at_the_same_moment_get_one_lock(tmp_path):
+  barrier, outcomes = threading.Barrier(8), []
+  locks = [lock_lib.WorkdirLock(str(tmp_path / "run")) for _ in range(8)]
+
+  def take(lock):
+    barrier.wait()
+    try:
+      lock.acquire()
+      outcomes.append("held")
+    except lock_lib.WorkdirInUseError:
+      outcomes.append("refused")
+
+  threads = [threading.Thread(target=take, args=(lock,)) for lock in locks]
+  for thread in threads:
+    thread.start()
+  for thread in threads:
+    thread.join()
+  assert sorted(outcomes) == ["held"] + ["refused"] * 7
+  holder = next(lock for lock in locks if lock.held)
+  assert _record(tmp_path / "run")["token"] == holder._token  # pylint: disable=protected-access
+  holder.release()
+
+
+def test_a_lock_left_by_a_killed_run_is_taken_over_with_a_warning(tmp_path, caplog):
+  workdir = tmp_path / "run"
+  workdir.mkdir()
+  left = {"host": "tpu-worker-0", "pid": 4242, "started": "2026-12-01T10:00:00+00:00",
+          "command": "python -m vit_jax.main --config configs/vit.py:b16"}
+  (workdir / "lock.json").write_text(json.dumps(left))  # The file of a run that never released.
+  with caplog.at_level(logging.WARNING), lock_lib.WorkdirLock(str(workdir)):
+    assert _record(workdir)["pid"] == os.getpid()
+  assert ("Taking over the lock of host tpu-worker-0, pid 4242, started 2026-12-01T10:00:00+00:00:"
+          " python -m vit_jax.main --config configs/vit.py:b16: a run that ended without "
+          "releasing it") in caplog.text
+
+
+def test_a_refused_run_removes_the_directories_its_lock_created(tmp_path):
+  with pytest.raises(ValueError, match="refused"):
+    with lock_lib.WorkdirLock(str(tmp_path / "new" / "run")):
+      assert (tmp_path / "new" / "run" / "lock.json").exists()
+      raise ValueError("refused")
+  assert not (tmp_path / "new").exists()
+  # A run that wrote something keeps its directory.
+  with pytest.raises(ValueError):
+    with lock_lib.WorkdirLock(str(tmp_path / "kept")):
+      (tmp_path / "kept" / "config.json").write_text("{}")
+      raise ValueError("refused")
+  assert sorted(os.listdir(tmp_path / "kept")) == ["config.json"]
+
+
+def _heartbeat_lock(path, **kwargs):
+  return lock_lib.WorkdirLock(str(path), heartbeat=True, settle_s=0.01, **kwargs)
+
+
+def test_a_heartbeat_lock_refuses_a_live_holder_and_takes_over_a_stale_one(tmp_path, caplog):
+  """The gs:// protocol, on a local directory: a fresh heartbeat is in use, an old one (or the
+  record of a process of this host that is gone) is stale."""
+  workdir = tmp_path / "run"
+  with _heartbeat_lock(workdir, timeout_s=0.4) as holder:
+    time.sleep(0.5)  # Longer than the timeout: the holder's heartbeat (every 0.1 s) keeps it.
+    with pytest.raises(lock_lib.WorkdirInUseError, match=r"its heartbeat is 0 s old, a lock is "
+                       r"stale after config\.workdir_lock_timeout=0\.4 s"):
+      _heartbeat_lock(workdir, timeout_s=0.4).acquire()
+    assert _record(workdir)["token"] == holder._token  # pylint: disable=protected-access
+  assert not (workdir / "lock.json").exists()
+
+  now = time.time()
+  stale = [{"host": "tpu-worker-0", "pid": 1, "heartbeat_unix": now - 700},
+           {"host": socket.gethostname(), "pid": 2 ** 22 + 1, "heartbeat_unix": now}]
+  for record in stale:
+    (workdir / "lock.json").write_text(json.dumps(record))
+    caplog.clear()
+    with caplog.at_level(logging.WARNING), _heartbeat_lock(workdir):
+      assert _record(workdir)["pid"] == os.getpid()
+    assert f"Taking over the stale lock of host {record['host']}, pid {record['pid']}" in caplog.text
+  (workdir / "lock.json").write_text(json.dumps(dict(stale[0], heartbeat_unix=now - 10)))
+  with pytest.raises(lock_lib.WorkdirInUseError, match="its heartbeat is 10 s old"):
+    _heartbeat_lock(workdir).acquire()
+
+
+def test_a_heartbeat_lock_written_at_the_same_moment_by_two_runs_goes_to_the_last(tmp_path,
+                                                                              monkeypatch):
+  workdir = tmp_path / "run"
+  other = {"host": "tpu-worker-1", "pid": 77, "started": "2026-12-02T05:00:00+00:00",
+           "command": "python -m vit_jax.main", "heartbeat_unix": time.time(), "token": "x"}
+  real_sleep = time.sleep
+
+  def settle(seconds):  # While this run waits, another one writes its record over it.
+    (workdir / "lock.json").write_text(json.dumps(other))
+    real_sleep(seconds)
+
+  monkeypatch.setattr(lock_lib.time, "sleep", settle)
+  with pytest.raises(lock_lib.WorkdirInUseError, match=r"in use by another run \(host "
+                     r"tpu-worker-1, pid 77, started 2026-12-02T05:00:00\+00:00: python -m "
+                     r"vit_jax.main\), which wrote the lock at the same moment"):
+    _heartbeat_lock(workdir).acquire()
+  assert _record(workdir) == other  # The winner's record stays.

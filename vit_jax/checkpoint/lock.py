@@ -1,0 +1,352 @@
+"""One run per workdir: ``WORKDIR/lock.json``, taken before a run writes anything.
+
+Two runs writing one workdir would interleave their checkpoints, TensorBoard curves and cost
+account without either noticing. The training loop holds a :class:`WorkdirLock` for its whole
+life (on a pod, process 0 alone takes it and every process learns the outcome:
+:func:`acquire_on_all_processes`). The file names the holder: host, pid, start time, command,
+so the run refused can say who holds the workdir.
+
+How the lock is held:
+
+* **Local paths** (also NFS): ``fcntl.flock`` on ``lock.json``. The operating system releases it
+  when the process ends, however it ends, so a lock cannot go stale: a run killed by SIGKILL or a
+  lost machine leaves the file, and the next run takes it over with a warning naming the run
+  that never released it. Release unlinks the file while still holding the lock, and a taker
+  checks that the file it locked is still the one at the path (otherwise it retries), so unlink
+  and take-over never race.
+* **gs:// and other remote paths** (no file locks): a heartbeat. The holder writes the file,
+  waits ``settle_s`` and reads it back (of two runs writing at once, the one whose record is
+  there holds the lock, the other stops), then rewrites the heartbeat every
+  ``timeout_s / 4``. A record whose heartbeat is older than ``timeout_s`` (``config.
+  workdir_lock_timeout``; or written by a process of this host that is gone) is stale and taken
+  over with a warning. Host clocks are assumed synchronised to well under ``timeout_s``.
+"""
+
+from __future__ import annotations
+
+import datetime
+import errno
+import json
+import logging
+import os
+import socket
+import sys
+import threading
+import time
+import uuid
+from typing import Any, Dict, Optional
+
+from vit_jax.checkpoint import paths
+
+#: The lock file, inside WORKDIR.
+LOCK_JSON = 'lock.json'
+
+_log = logging.getLogger('absl')
+
+
+class WorkdirInUseError(RuntimeError):
+  """Another live run holds the workdir's lock; the message names it and what to do."""
+
+
+def _process_start(pid: int) -> Optional[str]:
+  """The start time of process ``pid`` (clock ticks since boot, Linux), or None: with the pid it
+  identifies a process even after the pid is reused."""
+  try:
+    with open(f'/proc/{pid}/stat', 'rb') as f:
+      stat = f.read().decode('ascii', 'replace')
+    return stat.rsplit(')', 1)[1].split()[19]  # Field 22 of proc(5), after the command name.
+  except (OSError, IndexError):
+    return None
+
+
+def _process_alive(pid: Any, start: Any) -> bool:
+  """Whether process ``pid`` of this host runs and is the one that started at ``start``."""
+  if not isinstance(pid, int) or pid <= 0:
+    return False
+  try:
+    os.kill(pid, 0)
+  except ProcessLookupError:
+    return False
+  except PermissionError:
+    pass  # Exists, another user's.
+  return start is None or _process_start(pid) in (None, start)
+
+
+def _record(token: str) -> Dict[str, Any]:
+  now = time.time()
+  return {
+      'host': socket.gethostname(), 'pid': os.getpid(), 'pid_start': _process_start(os.getpid()),
+      'started': datetime.datetime.fromtimestamp(now, datetime.timezone.utc).isoformat(
+          timespec='seconds'),
+      'started_unix': now, 'heartbeat_unix': now, 'command': _command(), 'token': token,
+  }
+
+
+def _command() -> str:
+  """This process's command line, ``python -m <module>`` for a module run as a program."""
+  spec = getattr(sys.modules.get('__main__'), '__spec__', None)
+  module = spec.name.removesuffix('.__main__') if spec is not None and spec.name else None
+  program = f'python -m {module}' if module else ' '.join(sys.argv[:1])
+  return ' '.join([program, *sys.argv[1:]])[:1000]
+
+
+def describe(record: Optional[Dict[str, Any]]) -> str:
+  """The holder of a lock in words: host, pid, start time (and how long ago), command."""
+  if not record:
+    return 'a run that left no record'
+  ago = ''
+  if isinstance(record.get('started_unix'), (int, float)):
+    ago = f', {_duration(time.time() - record["started_unix"])} ago'
+  command = record.get('command') or '?'
+  return (f"host {record.get('host', '?')}, pid {record.get('pid', '?')}, started "
+          f"{record.get('started', '?')}{ago}: {command}")
+
+
+def _duration(seconds: float) -> str:
+  seconds = max(0, int(seconds))
+  if seconds < 120:
+    return f'{seconds} s'
+  if seconds < 7200:
+    return f'{seconds // 60} min'
+  return f'{seconds / 3600:.1f} h'
+
+
+def _parse(text: str) -> Optional[Dict[str, Any]]:
+  try:
+    record = json.loads(text)
+  except ValueError:
+    return None
+  return record if isinstance(record, dict) else None
+
+
+class WorkdirLock:
+  """The lock of one workdir (see the module docstring); a context manager.
+
+  Args:
+    workdir: the run directory (local or ``gs://``); a local one is created if missing (and
+      removed again on release if it is still empty: a refused run leaves nothing).
+    timeout_s: heartbeat locks: a heartbeat older than this makes the lock stale (seconds).
+    settle_s: heartbeat locks: how long to wait before reading the record back (seconds).
+    heartbeat: hold the lock by heartbeat (default: for remote paths; a local filesystem
+      without ``flock`` falls back to it too).
+
+  Raises (from :meth:`acquire`):
+    WorkdirInUseError: a live run holds the lock (the message names it).
+    PermissionError: the lock file cannot be written.
+  """
+
+  def __init__(self, workdir: str, *, timeout_s: float = 600.0, settle_s: float = 2.0,
+               heartbeat: Optional[bool] = None):
+    self.workdir = workdir
+    self.timeout_s, self.settle_s = float(timeout_s), float(settle_s)
+    remote = paths.is_remote(workdir)
+    self.heartbeat = remote if heartbeat is None else bool(heartbeat)
+    self.path = paths.join(workdir, LOCK_JSON) if remote else os.path.join(
+        os.path.abspath(workdir), LOCK_JSON)
+    self._token = uuid.uuid4().hex
+    self._fd: Optional[int] = None
+    self._created: list[str] = []  # Local directories this lock created.
+    self._stop = threading.Event()
+    self._heartbeat: Optional[threading.Thread] = None
+    self.held = False
+
+  def __enter__(self) -> 'WorkdirLock':
+    self.acquire()
+    return self
+
+  def __exit__(self, *exc) -> None:
+    self.release(remove_created_dirs=exc[0] is not None)
+
+  def _in_use(self, holder: Optional[Dict[str, Any]], why: str = '') -> WorkdirInUseError:
+    return WorkdirInUseError(
+        f'--workdir {self.workdir} is in use by another run ({describe(holder)}){why}. Two runs '
+        'in one workdir would overwrite each other\'s checkpoints: wait for it to finish or stop '
+        'it, or choose another --workdir. If that run is gone and its lock remains, delete '
+        f'{self.path}.')
+
+  def acquire(self) -> None:
+    """Takes the lock, or raises :class:`WorkdirInUseError`; logs a take-over of a stale one."""
+    if not paths.is_remote(self.workdir):
+      self._make_dirs()
+    if not self.heartbeat:
+      try:
+        self._acquire_local()
+      except OSError as e:
+        if e.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP):
+          raise
+        _log.warning('%s: no file locks on this filesystem (%s); holding the lock by heartbeat.',
+                     self.path, e.strerror)
+        self.heartbeat = True
+    if self.heartbeat:
+      self._acquire_heartbeat()
+    self.held = True
+
+  # -- local: flock -------------------------------------------------------------------------------
+
+  def _make_dirs(self) -> None:
+    missing, path = [], os.path.dirname(self.path)
+    while not os.path.isdir(path):
+      missing.append(path)
+      path = os.path.dirname(path)
+    for directory in reversed(missing):
+      try:
+        os.mkdir(directory)
+        self._created.append(directory)
+      except FileExistsError:
+        pass
+
+  def _acquire_local(self) -> None:
+    import fcntl  # pylint: disable=g-import-not-at-top  (POSIX only)
+    while True:
+      fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+      try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+      except OSError as e:
+        holder = _parse(_read_fd(fd))
+        os.close(fd)
+        if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+          raise self._in_use(holder) from None
+        raise
+      try:  # Still the file at the path (not one a releasing run just unlinked)?
+        same = os.fstat(fd).st_ino == os.stat(self.path).st_ino
+      except FileNotFoundError:
+        same = False
+      if same:
+        break
+      os.close(fd)
+    previous = _parse(_read_fd(fd))
+    if previous:
+      _log.warning('Taking over the lock of %s: a run that ended without releasing it (killed, '
+                   'or its machine lost); its checkpoints are resumed from.', describe(previous))
+    _write_fd(fd, json.dumps(_record(self._token), indent=1))
+    self._fd = fd
+
+  # -- heartbeat (remote paths) ------------------------------------------------------------------
+
+  def _read_record(self) -> Optional[Dict[str, Any]]:
+    try:
+      return _parse(paths.read_bytes(self.path).decode('utf-8', 'replace'))
+    except (OSError, ValueError):
+      return None if not paths.exists(self.path) else {}
+
+  def _is_stale(self, record: Dict[str, Any]) -> bool:
+    heartbeat = record.get('heartbeat_unix')
+    if not isinstance(heartbeat, (int, float)) or time.time() - heartbeat > self.timeout_s:
+      return True
+    return record.get('host') == socket.gethostname() and not _process_alive(
+        record.get('pid'), record.get('pid_start'))
+
+  def _write_record(self, record: Dict[str, Any]) -> None:
+    """Writes ``record``; readers never see half of it (an object store writes whole objects; a
+    local file is written beside and renamed)."""
+    text = json.dumps(record, indent=1).encode()
+    if paths.is_remote(self.path):
+      with paths.open_file(self.path, 'wb') as f:
+        f.write(text)
+      return
+    partial = f'{self.path}.{self._token}'
+    with open(partial, 'wb') as f:
+      f.write(text)
+    os.replace(partial, self.path)
+
+  def _acquire_heartbeat(self) -> None:
+    holder = self._read_record() if paths.exists(self.path) else None
+    if holder is not None:
+      if not self._is_stale(holder):
+        beat = holder.get('heartbeat_unix')
+        age = f'; its heartbeat is {_duration(time.time() - beat)} old' if isinstance(
+            beat, (int, float)) else ''
+        raise self._in_use(holder, f'{age}, a lock is stale after config.workdir_lock_timeout='
+                           f'{self.timeout_s:g} s')
+      _log.warning('Taking over the stale lock of %s (no heartbeat for over %g s, or its process '
+                   'is gone).', describe(holder), self.timeout_s)
+    record = _record(self._token)
+    self._write_record(record)
+    time.sleep(self.settle_s)
+    back = self._read_record()
+    if not back or back.get('token') != self._token:
+      raise self._in_use(back, ', which wrote the lock at the same moment')
+    self._heartbeat = threading.Thread(target=self._beat, args=(record,), daemon=True,
+                                       name='workdir-lock-heartbeat')
+    self._heartbeat.start()
+
+  def _beat(self, record: Dict[str, Any]) -> None:
+    while not self._stop.wait(self.timeout_s / 4):
+      try:
+        current = self._read_record()
+        if current and current.get('token') != self._token:
+          _log.error('The lock of %s was taken over by %s, which found it stale: two runs now '
+                     'write this workdir.', self.workdir, describe(current))
+          return
+        self._write_record(dict(record, heartbeat_unix=time.time()))
+      except Exception as e:  # pylint: disable=broad-except  (keep training; retry next beat)
+        _log.warning('Could not renew the lock %s: %s', self.path, e)
+
+  # -- release ------------------------------------------------------------------------------------
+
+  def release(self, *, remove_created_dirs: bool = False) -> None:
+    """Releases the lock (deleting the file); with ``remove_created_dirs`` also the directories
+    the lock created, if nothing else was written there. Never raises."""
+    if not self.held:
+      return
+    self.held = False
+    try:
+      if self._fd is not None:
+        os.unlink(self.path)  # While holding the flock: see the module docstring.
+        os.close(self._fd)
+        self._fd = None
+      else:
+        self._stop.set()
+        if self._heartbeat is not None:
+          self._heartbeat.join()
+        current = self._read_record()
+        if current and current.get('token') == self._token:
+          paths.remove(self.path)
+    except OSError as e:
+      _log.warning('Could not release the lock %s: %s', self.path, e)
+    if remove_created_dirs:
+      for directory in reversed(self._created):
+        try:
+          os.rmdir(directory)
+        except OSError:
+          break
+
+
+def _read_fd(fd: int) -> str:
+  os.lseek(fd, 0, os.SEEK_SET)
+  chunks = []
+  while chunk := os.read(fd, 65536):
+    chunks.append(chunk)
+  return b''.join(chunks).decode('utf-8', 'replace')
+
+
+def _write_fd(fd: int, text: str) -> None:
+  os.lseek(fd, 0, os.SEEK_SET)
+  os.ftruncate(fd, 0)
+  os.write(fd, text.encode())
+  os.fsync(fd)
+
+
+def acquire_on_all_processes(lock: WorkdirLock) -> None:
+  """Process 0 takes ``lock``; every process of a multi-process run gets the same outcome.
+
+  Raises:
+    WorkdirInUseError: on every process when process 0 could not take it (the holder named).
+  """
+  import jax  # pylint: disable=g-import-not-at-top
+  if jax.process_count() == 1:
+    lock.acquire()
+    return
+  from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  message = b''
+  if jax.process_index() == 0:
+    try:
+      lock.acquire()
+    except (WorkdirInUseError, OSError) as e:
+      message = str(e).encode()[:4095] or b'?'
+  buffer = np.zeros(4096, np.uint8)
+  buffer[:len(message)] = np.frombuffer(message, np.uint8)
+  message = bytes(np.asarray(multihost_utils.broadcast_one_to_all(buffer))).rstrip(b'\0')
+  if message:
+    raise WorkdirInUseError(message.decode('utf-8', 'replace'))

@@ -1,0 +1,180 @@
+"""Host memory of the training input pipeline: the shuffle buffer and the cache of decoded
+images, estimated and logged once at the start by `vit_jax.data.create_train_iterator`
+(`estimate_shuffle_memory`, `log_shuffle_memory`); docs/data.md has the measurements behind
+the constants.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Optional
+
+from absl import logging
+import numpy as np
+import tensorflow as tf
+
+from vit_jax.data import sources
+
+
+#: tf.data's cost of one buffered element besides its image bytes (the element's tensors and
+#: the label): measured 350-600 bytes in a shuffle buffer, ~1.1 KiB in the cache (docs/data.md).
+ELEMENT_OVERHEAD_BYTES = 600
+#: Elements read to measure the image bytes of datasets without a static image size.
+MEMORY_SAMPLE = 16
+
+
+@dataclasses.dataclass(frozen=True)
+class ShuffleMemory:
+  """The host memory the training pipeline's shuffle buffer and cache hold, in one process.
+
+  Attributes:
+    buffer_elements: elements in the shuffle buffer: min(config.data.shuffle_buffer, n), n the
+      examples of this process's part of the train split.
+    bytes_per_element: one element as it sits in the buffer: its image (decoded uint8
+      H x W x 3 at the stored size, or the encoded file bytes) + `ELEMENT_OVERHEAD_BYTES`.
+    decoded: whether the buffer holds decoded images (config.data.cache, or a dataset that
+      stores decoded images) rather than the encoded bytes decoded after the shuffle.
+    cache_elements: examples in the in-memory cache of decoded images: n with
+      config.data.cache, else 0.
+    sampled: how many images `bytes_per_element` is the mean of; 0 when it is exact (decoded
+      images of a dataset with one static image size), None when none could be read.
+  """
+  buffer_elements: int
+  bytes_per_element: int
+  decoded: bool
+  cache_elements: int
+  sampled: Optional[int]
+
+  @property
+  def buffer_bytes(self) -> int:
+    return self.buffer_elements * self.bytes_per_element
+
+  @property
+  def cache_bytes(self) -> int:
+    return self.cache_elements * self.bytes_per_element
+
+  @property
+  def total_bytes(self) -> int:
+    """The cache's bytes when caching (the buffer then holds the cache's own tensors, no copy:
+    measured), else the buffer's."""
+    return self.cache_bytes if self.cache_elements else self.buffer_bytes
+
+
+def _sample_image_bytes(source: sources.Source, split, decoded: bool,
+                        sample: int) -> list:
+  """Bytes of the first `sample` images of `split`, decoded (uint8 H*W*3) or encoded."""
+  if source.is_image_folder:  # Only the files needed (read_file is the encoded element).
+    paths = source.split_paths(split)[:sample]
+    ds = tf.data.Dataset.from_tensor_slices(tf.constant(paths, tf.string)).map(
+        lambda p: {'image': tf.io.read_file(p)})
+    if decoded:
+      ds = ds.map(lambda ex: {'image': source.decode(ex['image'], True)})
+  else:
+    ds = source.read(split, decode=decoded).take(sample)
+  try:
+    return [ex['image'].nbytes if decoded else len(ex['image'])
+            for ex in ds.ignore_errors().as_numpy_iterator()]
+  except tf.errors.OpError:  # Unreadable: the pipeline itself will say why.
+    return []
+
+
+def estimate_shuffle_memory(data_cfg, source: sources.Source, split, num_examples: int, *,
+                            sample: int = MEMORY_SAMPLE) -> ShuffleMemory:
+  """Estimates the host memory of `create_train_iterator`'s shuffle buffer and cache.
+
+  The buffer holds min(shuffle_buffer, num_examples) elements as read: encoded image bytes
+  (decoded after the shuffle), or decoded uint8 images of their stored size when
+  `config.data.cache` is set (the cache holds all `num_examples` of them; the buffer shares
+  its tensors) or the dataset stores decoded images. An image's bytes are exact for decoded
+  images of one static size (H x W x 3), else the mean over the first `sample` images of
+  `split` (read, and decoded if they are decoded in the buffer; undecodable ones left out).
+
+  Args:
+    data_cfg: `config.data` (`shuffle_buffer`, `cache`).
+    source: the dataset (`sources.get_source`).
+    split: this process's part of the train split (spec or sub-split).
+    num_examples: n, the examples of `split`.
+    sample: images read when the size is not static.
+
+  Returns:
+    A `ShuffleMemory` (bytes per process).
+  """
+  cache = bool(data_cfg.cache)
+  decoded = cache or not source.images_encoded_after_read
+  hw = source.static_image_hw
+  if decoded and hw is not None:
+    image_bytes, sampled = hw[0] * hw[1] * 3, 0
+  else:
+    sizes = _sample_image_bytes(source, split, decoded, sample)
+    image_bytes, sampled = (round(float(np.mean(sizes))), len(sizes)) if sizes else (0, None)
+  return ShuffleMemory(
+      buffer_elements=min(int(data_cfg.shuffle_buffer), num_examples),
+      bytes_per_element=image_bytes + ELEMENT_OVERHEAD_BYTES, decoded=decoded,
+      cache_elements=num_examples if cache else 0, sampled=sampled)
+
+
+def host_memory_bytes() -> Optional[int]:
+  """This host's RAM in bytes (`SC_PHYS_PAGES * SC_PAGE_SIZE`), or the container's cgroup memory
+  limit when that is lower; None when neither can be read."""
+  try:
+    total = os.sysconf('SC_PHYS_PAGES') * os.sysconf('SC_PAGE_SIZE')
+  except (ValueError, OSError, AttributeError):
+    total = None
+  for path in ('/sys/fs/cgroup/memory.max', '/sys/fs/cgroup/memory/memory.limit_in_bytes'):
+    try:
+      with open(path) as f:
+        limit = int(f.read().strip())  # 'max': no limit (ValueError).
+    except (OSError, ValueError):
+      continue
+    total = limit if total is None else min(total, limit)
+  return total
+
+
+def _size(n: float) -> str:
+  for unit in ('B', 'KiB', 'MiB', 'GiB'):
+    if n < 1024 or unit == 'GiB':
+      return f'{n:.0f} {unit}' if unit == 'B' else f'{n:.1f} {unit}'
+    n /= 1024
+
+
+def log_shuffle_memory(memory: ShuffleMemory, process: str = '',
+                       ram_bytes: Optional[int] = None, share: float = 0.5) -> Optional[str]:
+  """Logs one INFO line with `memory`, and a WARNING naming the fix when its total exceeds
+  `share` of the host's RAM (`ram_bytes`, default `host_memory_bytes()`).
+
+  The fix: `--config.data.cache=False` when the cache alone is too big, else a shuffle buffer
+  of about a quarter of the RAM (`--config.data.shuffle_buffer=N`).
+
+  Returns:
+    The warning's text, or None.
+  """
+  ram = host_memory_bytes() if ram_bytes is None else ram_bytes
+  m = memory
+  what = 'decoded uint8 images' if m.decoded else 'encoded images'
+  how = ('exact' if m.sampled == 0 else 'size unknown: no image read' if m.sampled is None
+         else f'mean of {m.sampled} read')
+  cache = (f'; the cache (config.data.cache) holds {m.cache_elements:,} decoded images = '
+           f'{_size(m.cache_bytes)}, whose tensors the buffer shares' if m.cache_elements else '')
+  of_ram = f' of {_size(ram)} host RAM ({m.total_bytes / ram:.0%})' if ram else ''
+  logging.info('Input pipeline host memory%s: shuffle buffer %s elements x %s (%s, %s; '
+               '+%d B per element) = %s%s; total ~%s%s.', process, f'{m.buffer_elements:,}',
+               _size(m.bytes_per_element), what, how, ELEMENT_OVERHEAD_BYTES,
+               _size(m.buffer_bytes), cache, _size(m.total_bytes), of_ram)
+  if not ram or m.total_bytes <= share * ram:
+    return None
+  if m.cache_elements:
+    message = (f'The in-memory cache of decoded training images (config.data.cache) needs '
+               f'~{_size(m.cache_bytes)}, more than {share:.0%} of this host\'s '
+               f'{_size(ram)} of RAM: the process may be killed for lack of memory. Set '
+               '--config.data.cache=False (images are then decoded every epoch and the shuffle '
+               'buffer holds encoded bytes).')
+  else:
+    fits = max(1, int(ram // 4 // m.bytes_per_element))
+    message = (f'The shuffle buffer ({m.buffer_elements:,} elements x '
+               f'{_size(m.bytes_per_element)}, config.data.shuffle_buffer) needs '
+               f'~{_size(m.buffer_bytes)}, more than {share:.0%} of this host\'s {_size(ram)} of '
+               'RAM: the process may be killed for lack of memory. Lower it, e.g. '
+               f'--config.data.shuffle_buffer={fits} (a quarter of the RAM).')
+  logging.warning('%s', message)
+  return message
