@@ -123,3 +123,21 @@ def test_multi_host_tpu_detection(monkeypatch, accelerator, hosts, multi):
   monkeypatch.setenv("TPU_ACCELERATOR_TYPE", accelerator)
   monkeypatch.setenv("TPU_WORKER_HOSTNAMES", hosts)
   assert platform._on_multi_host_tpu() == multi  # pylint: disable=protected-access
+
+
+def test_background_threads_tracebacks_go_to_the_debug_log(capsys):
+  """What tensorstore's threads print through sys.excepthook after a failed save: logged at
+  DEBUG off the main thread; the main thread's errors reach the previous hook."""
+  import threading  # pylint: disable=g-import-not-at-top
+  seen = []
+  hook = platform.quiet_background_excepthook(lambda *exc: seen.append(exc[1]))
+  try:
+    raise RuntimeError("Event loop is closed")
+  except RuntimeError as e:
+    error = e
+  thread = threading.Thread(target=hook, args=(RuntimeError, error, error.__traceback__))
+  thread.start()
+  thread.join()
+  assert seen == [] and capsys.readouterr().err == ""
+  hook(RuntimeError, error, error.__traceback__)  # On the main thread.
+  assert seen == [error]

@@ -35,8 +35,10 @@ get huge pages instead of a page fault per 4 KiB at every step; VIT_JAX_HUGE_PAG
 off (vit_jax.platform).
 
 Exit codes: 0 done; 1 failed (e.g. the loss diverged, a checkpoint could not be saved: the message
-says which checkpoint is intact); 2 a bad config or flag, found before any work; 75 preempted
-(SIGTERM): the checkpoint of the current step was saved, rerun the same command to resume.
+says which checkpoint is intact); 2 a bad config or flag, an unusable fine-tuning checkpoint
+or a workdir in use by another run, found before any work; 75 preempted (SIGTERM): the
+checkpoint of the current step was saved, rerun the same command to resume; 130 interrupted
+(Ctrl-C): rerun to resume from the latest checkpoint.
 """
 
 import sys
@@ -95,6 +97,10 @@ def main(argv):
     sys.exit(train.PREEMPTED_EXIT_CODE)
   except (train.CheckpointSaveError, FloatingPointError, train.data.BadImageError) as e:
     _fatal(e, 1)
+  except KeyboardInterrupt:  # Ctrl-C: the save in flight was completed, the lock released.
+    sys.stderr.write(f"Interrupted (Ctrl-C): rerun the same command to resume from the latest "
+                     f"checkpoint in {_WORKDIR.value}.\n")
+    sys.exit(130)
   step = results.pop("step")
   print(f"Final evaluation at step {step}: "
         + ", ".join(f"{k}={v:.4f}" for k, v in sorted(results.items())), flush=True)

@@ -141,6 +141,29 @@ class QuietLibraries(py_logging.Filter):
     return True
 
 
+def quiet_background_excepthook(previous=None):
+  """A `sys.excepthook` that, off the main thread, logs the traceback at DEBUG instead of
+  printing it (all of it with --verbosity=1).
+
+  Libraries' C++ threads report their Python errors through `PyErr_Print`, hence
+  `sys.excepthook`: e.g. tensorstore, when a checkpoint save fails on a full disk, prints a
+  `RuntimeError: Event loop is closed` traceback per pending write after orbax has closed its
+  event loop, before vit_jax reports the failure as one `FATAL:` line. The main thread's
+  uncaught errors (vit_jax's own) go to `previous` (default: the current hook) unchanged.
+  """
+  previous = previous or sys.excepthook
+
+  def hook(exc_type, exc, tb):
+    if threading.current_thread() is threading.main_thread() or logging.get_verbosity() >= 1:
+      return previous(exc_type, exc, tb)
+    import traceback  # pylint: disable=g-import-not-at-top
+    logging.debug("A library's background thread raised:\n%s",
+                  "".join(traceback.format_exception(exc_type, exc, tb)))
+    return None
+
+  return hook
+
+
 def _on_multi_host_tpu() -> bool:
   """A Cloud TPU VM that is one worker of several (before any JAX backend starts)."""
   hosts = os.environ.get("TPU_WORKER_HOSTNAMES", "")
@@ -235,7 +258,8 @@ def hide_accelerators_from_tensorflow() -> None:
 
 def setup(*, coordinator_address: Optional[str] = None, num_processes: Optional[int] = None,
           process_id: Optional[int] = None) -> None:
-  """The set-up of a program that trains or compiles: log filters, no TPU backend on a host
+  """The set-up of a program that trains or compiles: log filters (and libraries' background
+  threads' tracebacks at DEBUG: `quiet_background_excepthook`), no TPU backend on a host
   without TPU chips (`skip_absent_tpu`), multi-process JAX (`initialize_distributed` with these
   arguments), TensorFlow off the accelerators, and a log line when the huge-pages tunable is
   active.
@@ -244,6 +268,7 @@ def setup(*, coordinator_address: Optional[str] = None, num_processes: Optional[
     ValueError: as `initialize_distributed`.
   """
   logging.get_absl_handler().addFilter(QuietLibraries())
+  sys.excepthook = quiet_background_excepthook()
   if HUGE_PAGES_TUNABLE in os.environ.get("GLIBC_TUNABLES", ""):
     logging.info("malloc: transparent huge pages for large allocations (GLIBC_TUNABLES=%s).",
                  os.environ["GLIBC_TUNABLES"])

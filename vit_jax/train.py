@@ -380,10 +380,13 @@ def _check_finite(step: int, metrics: dict[str, jax.Array], checkpoints: checkpo
   if not all(np.isfinite(metrics[k]) for k in watched):
     checkpoints.wait_until_finished()
     skipped = " after the maximum of skipped updates in a row" if skipping else ""
+    latest = checkpoints.latest_step()
+    kept = ("There is no checkpoint yet" if latest is None else
+            f"The last good checkpoint (step {latest}) is kept")
     raise FloatingPointError(
         f"Training diverged at step {step}{skipped}: loss={metrics['loss']}, "
-        f"grad_norm={metrics['grad_norm']}, param_norm={metrics['param_norm']}. The last good "
-        f"checkpoint (step {checkpoints.latest_step()}) is kept; lower --config.optim.lr, "
+        f"grad_norm={metrics['grad_norm']}, param_norm={metrics['param_norm']}. {kept}; "
+        "lower --config.optim.lr, "
         "lengthen --config.optim.warmup_steps, set --config.optim.grad_clip_norm or allow "
         "skipping with --config.optim.max_skipped_updates=N, then rerun.")
   return metrics

@@ -262,6 +262,31 @@ def test_events_that_cannot_be_written_are_a_checkpoint_save_error(tmp_path):
     writer.flush()
 
 
+def test_a_damaged_step_names_itself_and_the_step_to_resume_from(tmp_path):
+  saved = _manager(str(tmp_path))
+  for step in (2, 4):
+    saved.save(step, _state(step), cost={})
+  saved.close()
+  data = [p for p in (tmp_path / 'checkpoints' / '4' / 'state').rglob('*')
+          if p.is_file() and '/d/' in str(p)]
+  assert data
+  for path in data:  # Truncated, as by a copy cut short.
+    path.write_bytes(path.read_bytes()[:100])
+  with pytest.raises(ValueError) as info:
+    _manager(str(tmp_path)).restore(4, _abstract(_state(4)))
+  directory = tmp_path / 'checkpoints'
+  assert str(info.value).startswith(f'The checkpoint of step 4 in {directory} cannot be read (')
+  assert str(info.value).endswith(
+      f'): it is damaged. Move it away (mv {directory}/4 {directory}/4.damaged) to resume from '
+      'step 2, then rerun the same command.')
+  # A step directory without its metadata (an interrupted copy): refused from the metadata.
+  (directory / '6' / 'state').mkdir(parents=True)
+  with pytest.raises(ValueError, match=r'^The checkpoint of step 6 in .* cannot be read \(.*\): '
+                     r'it is damaged\. Move it away \(mv .*/6 .*/6\.damaged\) to resume from '
+                     r'step 4, then rerun the same command\.$'):
+    checkpoint.Workdir(str(tmp_path)).check_state_fits(_abstract(_state(6)))
+
+
 def test_an_empty_workdir_is_refused():
   for path in ('', '  '):
     with pytest.raises(ValueError, match=r"^--workdir is empty: give the directory of the run "

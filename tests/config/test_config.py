@@ -115,6 +115,8 @@ def test_resolve_takes_pretrained_dir_and_refuses_a_missing_checkpoint(tmp_path)
 
 @pytest.mark.parametrize("key,value,message", [
     ("optim.lr", -1.0, r"config.optim.lr=-1.0 must be > 0 \(the peak learning rate\)"),
+    ("optim.lr", float("inf"), r"config.optim.lr=inf must be > 0"),
+    ("workdir_lock_timeout", 0, r"config.workdir_lock_timeout=0 must be > 0 \(seconds without "),
     ("batch_size", 0, r"config.batch_size=0 must be a positive int"),
     ("optim.b2", 1.0, r"config.optim.b2=1.0 must be in \[0, 1\)"),
     ("label_smoothing", 1.5, r"config.label_smoothing=1.5 must be in \[0, 1\)"),

@@ -158,11 +158,14 @@ class WorkdirLock:
     self.release(remove_created_dirs=exc[0] is not None)
 
   def _in_use(self, holder: Optional[Dict[str, Any]], why: str = '') -> WorkdirInUseError:
+    # A flock is held by a live process only; a heartbeat lock may outlive its run.
+    gone = (f' If that run is gone (e.g. its machine was lost), its lock is taken over once its '
+            f'heartbeat is {self.timeout_s:g} s old, or delete {self.path}.'
+            if self.heartbeat else '')
     return WorkdirInUseError(
         f'--workdir {self.workdir} is in use by another run ({describe(holder)}){why}. Two runs '
         'in one workdir would overwrite each other\'s checkpoints: wait for it to finish or stop '
-        'it, or choose another --workdir. If that run is gone and its lock remains, delete '
-        f'{self.path}.')
+        f'it, or choose another --workdir.{gone}')
 
   def acquire(self) -> None:
     """Takes the lock, or raises :class:`WorkdirInUseError`; logs a take-over of a stale one."""
@@ -256,8 +259,7 @@ class WorkdirLock:
         beat = holder.get('heartbeat_unix')
         age = f'; its heartbeat is {_duration(time.time() - beat)} old' if isinstance(
             beat, (int, float)) else ''
-        raise self._in_use(holder, f'{age}, a lock is stale after config.workdir_lock_timeout='
-                           f'{self.timeout_s:g} s')
+        raise self._in_use(holder, age)
       _log.warning('Taking over the stale lock of %s (no heartbeat for over %g s, or its process '
                    'is gone).', describe(holder), self.timeout_s)
     record = _record(self._token)
@@ -292,7 +294,11 @@ class WorkdirLock:
     self.held = False
     try:
       if self._fd is not None:
-        os.unlink(self.path)  # While holding the flock: see the module docstring.
+        try:  # While holding the flock (see the module docstring); not a file put there since.
+          if os.stat(self.path).st_ino == os.fstat(self._fd).st_ino:
+            os.unlink(self.path)
+        except FileNotFoundError:
+          pass
         os.close(self._fd)
         self._fd = None
       else:

@@ -157,15 +157,20 @@ class Workdir:
 
     Raises:
       ValueError: the checkpoint is of another model (the message lists the differences, the
-        checkpoint's architecture, and what to do). Nothing saved: no check.
+        checkpoint's architecture, and what to do), or its metadata cannot be read (a damaged
+        or incomplete step: the message says how to resume from the one before). Nothing
+        saved: no check.
     """
     steps = self.saved_steps()
     if not steps:
       return
+    state_dir = self.checkpoints_dir / str(steps[-1]) / STATE_ITEM
     try:
-      orbax.check_state_fits(self.checkpoints_dir / str(steps[-1]) / STATE_ITEM, abstract_state)
+      orbax.check_state_fits(state_dir, abstract_state)
     except ValueError as e:
       raise ValueError(f'{e}\n  {_RERUN_HINT}') from e
+    except Exception as e:  # pylint: disable=broad-except  (orbax: missing or broken metadata)
+      raise damaged_step_error(self.checkpoints_dir, steps, e) from e
 
   def write_config(self, config: Dict[str, Any]) -> None:
     """Writes ``WORKDIR/config.json`` atomically (process 0 only; the directory is created).
@@ -241,6 +246,25 @@ class Workdir:
 #: orbax's errors are not OSErrors).
 _DISK_ERROR = re.compile(r'No space left|RESOURCE_EXHAUSTED|Permission denied|PERMISSION_DENIED|'
                          r'os_error')
+
+
+#: What a failed read of a saved step says when its files are damaged (tensorstore's errors).
+_DAMAGE = re.compile(r'OUT_OF_RANGE|DATA_LOSS|NOT_FOUND|Error reading|error while reading|'
+                     r'not valid for value|No such file|Unexpected end|checksum', re.IGNORECASE)
+
+
+def damaged_step_error(directory: Any, steps: List[int], error: Exception,
+                       step: Optional[int] = None) -> ValueError:
+  """The error for a saved step that cannot be read (a truncated file, a missing metadata file):
+  names the step, the cause and how to resume from the step before it."""
+  step = max(steps) if step is None else step
+  earlier = [s for s in steps if s < step]
+  cause = str(error).splitlines()[0][:300] if str(error) else type(error).__name__
+  resume = (f'to resume from step {max(earlier)}' if earlier else 'to start afresh')
+  return ValueError(
+      f'The checkpoint of step {step} in {directory} cannot be read ({cause}): it is damaged. '
+      f'Move it away (mv {directory}/{step} {directory}/{step}.damaged) {resume}, then rerun '
+      'the same command.')
 
 
 class _EventsWriter:
@@ -380,9 +404,8 @@ class Checkpoints:
       checkpoint without one).
 
     Raises:
-      ValueError: the state does not fit (e.g. another optimizer's state); the message names
-        the fix.
-      FileNotFoundError: no such step.
+      ValueError: the state does not fit (e.g. another optimizer's state), or the step's files
+        are damaged (e.g. truncated); the message names the fix.
     """
     import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
     items = {STATE_ITEM: ocp.args.StandardRestore(abstract_state)}
@@ -391,8 +414,10 @@ class Checkpoints:
       items[COST_ITEM] = ocp.args.JsonRestore()
     try:
       restored = self._manager.restore(step, args=ocp.args.Composite(**items))
-    except (ValueError, KeyError, TypeError) as e:  # E.g. another optimizer's state.
-      raise ValueError(
+    except Exception as e:  # pylint: disable=broad-except
+      if _DAMAGE.search(str(e)) or not isinstance(e, (ValueError, KeyError, TypeError)):
+        raise damaged_step_error(self.directory, self.all_steps(), e, step) from e
+      raise ValueError(  # E.g. another optimizer's state.
           f"The checkpoint of step {step} in {self.directory} does not fit this config's "
           f'optimizer or state ({str(e).splitlines()[0][:300] if str(e) else type(e).__name__}). '
           f'{_RERUN_HINT}') from e

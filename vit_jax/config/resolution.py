@@ -31,7 +31,8 @@ from vit_jax.config import defaults
 
 
 def _number(value: Any) -> bool:
-  return isinstance(value, (int, float)) and not isinstance(value, bool)
+  """A finite int or float (not a bool, NaN or infinity)."""
+  return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def _integer(value: Any) -> bool:
