@@ -171,17 +171,21 @@ class WorkdirLock:
     """Takes the lock, or raises :class:`WorkdirInUseError`; logs a take-over of a stale one."""
     if not paths.is_remote(self.workdir):
       self._make_dirs()
-    if not self.heartbeat:
-      try:
-        self._acquire_local()
-      except OSError as e:
-        if e.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP):
-          raise
-        _log.warning('%s: no file locks on this filesystem (%s); holding the lock by heartbeat.',
-                     self.path, e.strerror)
-        self.heartbeat = True
-    if self.heartbeat:
-      self._acquire_heartbeat()
+    try:
+      if not self.heartbeat:
+        try:
+          self._acquire_local()
+        except OSError as e:
+          if e.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP):
+            raise
+          _log.warning('%s: no file locks on this filesystem (%s); holding the lock by '
+                       'heartbeat.', self.path, e.strerror)
+          self.heartbeat = True
+      if self.heartbeat:
+        self._acquire_heartbeat()
+    except BaseException:
+      self._remove_created_dirs()
+      raise
     self.held = True
 
   # -- local: flock -------------------------------------------------------------------------------
@@ -311,11 +315,15 @@ class WorkdirLock:
     except OSError as e:
       _log.warning('Could not release the lock %s: %s', self.path, e)
     if remove_created_dirs:
-      for directory in reversed(self._created):
-        try:
-          os.rmdir(directory)
-        except OSError:
-          break
+      self._remove_created_dirs()
+
+  def _remove_created_dirs(self) -> None:
+    """Removes the directories :meth:`acquire` created, innermost first, while they are empty."""
+    for directory in reversed(self._created):
+      try:
+        os.rmdir(directory)
+      except OSError:
+        break
 
 
 def _read_fd(fd: int) -> str:
