@@ -431,7 +431,7 @@ def test_pretrain_28px_export_then_finetune_56px_beats_scratch(tmp_path):
   """Pretrain at 28 px, export to .npz, fine-tune at 56 px (position embedding 4x4 -> 8x8):
   the short fine-tuning schedule beats the same schedule from scratch."""
   data_dir = str(tmp_path / 'tfds')
-  pretrained = train.train_and_evaluate(_fmnist_config(data_dir, 28, 200), str(tmp_path / 'pre'))
+  pretrained = train.train_and_evaluate(_fmnist_config(data_dir, 28, 100), str(tmp_path / 'pre'))
   npz = tmp_path / 'pretrained.npz'
   assert convert.main([str(tmp_path / 'pre'), str(npz)]) == 0
   # The same short fine-tuning schedule (the 'finetune' regime: SGD momentum, lr 0.03, cosine)
@@ -442,8 +442,8 @@ def test_pretrain_28px_export_then_finetune_56px_beats_scratch(tmp_path):
       _fmnist_config(data_dir, 56, 40, init_from=str(npz), **short), str(tmp_path / 'fine'))
   scratch = train.train_and_evaluate(_fmnist_config(data_dir, 56, 40, **short),
                                      str(tmp_path / 'scratch'))
-  # Measured: 0.71, 0.57 and 0.44 (batch 64, the first 1000 test images).
-  print(f"pretrained (28 px, 200 steps): {pretrained['test_1000/accuracy']:.4f}; "
+  # Measured: 0.62, 0.53 and 0.44 (batch 64, the first 1000 test images).
+  print(f"pretrained (28 px, 100 steps): {pretrained['test_1000/accuracy']:.4f}; "
         f"fine-tuned (56 px, 40 steps): {finetuned['test_1000/accuracy']:.4f}; "
         f"scratch (56 px, 40 steps): {scratch['test_1000/accuracy']:.4f}")
   assert finetuned['test_1000/accuracy'] > scratch['test_1000/accuracy'] + 0.05

@@ -158,3 +158,43 @@ def test_a_heartbeat_lock_written_at_the_same_moment_by_two_runs_goes_to_the_las
                      r"vit_jax.main\), which wrote the lock at the same moment"):
     _heartbeat_lock(workdir).acquire()
   assert _record(workdir) == other  # The winner's record stays.
+
+
+@pytest.mark.parametrize("process", [0, 1])
+def test_on_a_pod_process_0_takes_the_lock_and_every_process_gets_its_outcome(
+    tmp_path, monkeypatch, process):
+  """Two processes as two hosts of a pod see them: process 0 is refused (another run holds the
+  workdir) and broadcasts the refusal; process 1 never touches the file and raises it too."""
+  import jax  # pylint: disable=g-import-not-at-top
+  from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+  workdir = tmp_path / "run"
+  holder = lock_lib.WorkdirLock(str(workdir))
+  holder.acquire()
+  refusal = {}
+
+  def broadcast(buffer):  # Process 0's buffer reaches every process.
+    if jax.process_index() == 0:
+      refusal["buffer"] = buffer.copy()
+    return refusal["buffer"]
+
+  monkeypatch.setattr(jax, "process_count", lambda: 2)
+  monkeypatch.setattr(jax, "process_index", lambda: 0)
+  monkeypatch.setattr(multihost_utils, "broadcast_one_to_all", broadcast)
+  with pytest.raises(lock_lib.WorkdirInUseError) as on_0:
+    lock_lib.acquire_on_all_processes(lock_lib.WorkdirLock(str(workdir)))
+  if process == 1:  # The same buffer, received by a process that does not read the file.
+    monkeypatch.setattr(jax, "process_index", lambda: 1)
+    other = lock_lib.WorkdirLock(str(tmp_path / "elsewhere"))
+    with pytest.raises(lock_lib.WorkdirInUseError) as on_1:
+      lock_lib.acquire_on_all_processes(other)
+    assert str(on_1.value) == str(on_0.value) and not other.held
+    assert not (tmp_path / "elsewhere").exists()
+  assert str(on_0.value).startswith(f"--workdir {workdir} is in use by another run (host ")
+  holder.release()
+  # Free: process 0 takes it, nothing is broadcast as a refusal.
+  monkeypatch.setattr(jax, "process_index", lambda: 0)
+  refusal.clear()
+  taken = lock_lib.WorkdirLock(str(workdir))
+  lock_lib.acquire_on_all_processes(taken)
+  assert taken.held and not bytes(refusal["buffer"]).rstrip(b"\0")
+  taken.release()
