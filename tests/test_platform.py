@@ -125,19 +125,20 @@ def test_multi_host_tpu_detection(monkeypatch, accelerator, hosts, multi):
   assert platform._on_multi_host_tpu() == multi  # pylint: disable=protected-access
 
 
-def test_background_threads_tracebacks_go_to_the_debug_log(capsys):
-  """What tensorstore's threads print through sys.excepthook after a failed save: logged at
-  DEBUG off the main thread; the main thread's errors reach the previous hook."""
-  import threading  # pylint: disable=g-import-not-at-top
+def test_errors_that_c_code_cannot_raise_go_to_the_debug_log(capsys):
+  """What tensorstore's threads report after a failed save or restore (`PyErr_WriteUnraisable`
+  without an object) is logged at DEBUG; an object's unraisable error reaches the previous hook."""
+  import types  # pylint: disable=g-import-not-at-top
   seen = []
-  hook = platform.quiet_background_excepthook(lambda *exc: seen.append(exc[1]))
+  hook = platform.quiet_unraisable_hook(seen.append)
   try:
     raise RuntimeError("Event loop is closed")
   except RuntimeError as e:
     error = e
-  thread = threading.Thread(target=hook, args=(RuntimeError, error, error.__traceback__))
-  thread.start()
-  thread.join()
+  unraisable = types.SimpleNamespace(exc_type=RuntimeError, exc_value=error,
+                                     exc_traceback=error.__traceback__, err_msg=None, object=None)
+  hook(unraisable)
   assert seen == [] and capsys.readouterr().err == ""
-  hook(RuntimeError, error, error.__traceback__)  # On the main thread.
-  assert seen == [error]
+  of_an_object = types.SimpleNamespace(**dict(vars(unraisable), object=object()))
+  hook(of_an_object)
+  assert seen == [of_an_object]

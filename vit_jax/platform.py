@@ -141,24 +141,26 @@ class QuietLibraries(py_logging.Filter):
     return True
 
 
-def quiet_background_excepthook(previous=None):
-  """A `sys.excepthook` that, off the main thread, logs the traceback at DEBUG instead of
-  printing it (all of it with --verbosity=1).
+def quiet_unraisable_hook(previous=None):
+  """A `sys.unraisablehook` that logs at DEBUG, instead of printing, the errors that C code
+  reports without a Python object (all of them printed with --verbosity=1).
 
-  Libraries' C++ threads report their Python errors through `PyErr_Print`, hence
-  `sys.excepthook`: e.g. tensorstore, when a checkpoint save fails on a full disk, prints a
-  `RuntimeError: Event loop is closed` traceback per pending write after orbax has closed its
-  event loop, before vit_jax reports the failure as one `FATAL:` line. The main thread's
-  uncaught errors (vit_jax's own) go to `previous` (default: the current hook) unchanged.
+  Libraries' C++ threads report a Python error they cannot raise through
+  `PyErr_WriteUnraisable(NULL)`: e.g. tensorstore, when a checkpoint save or restore fails (a full
+  disk, a damaged file), prints a bare `RuntimeError: Event loop is closed` traceback for each of
+  its pending callbacks after orbax has closed its event loop, before vit_jax reports the failure
+  as one `FATAL:` line. Unraisable errors of Python objects (a failing `__del__`) go to
+  `previous` (default: the current hook) unchanged.
   """
-  previous = previous or sys.excepthook
+  previous = previous or sys.unraisablehook
 
-  def hook(exc_type, exc, tb):
-    if threading.current_thread() is threading.main_thread() or logging.get_verbosity() >= 1:
-      return previous(exc_type, exc, tb)
+  def hook(unraisable):
+    if unraisable.object is not None or logging.get_verbosity() >= 1:
+      return previous(unraisable)
     import traceback  # pylint: disable=g-import-not-at-top
-    logging.debug("A library's background thread raised:\n%s",
-                  "".join(traceback.format_exception(exc_type, exc, tb)))
+    logging.debug("A library reported an error it could not raise:\n%s", "".join(
+        traceback.format_exception(unraisable.exc_type, unraisable.exc_value,
+                                   unraisable.exc_traceback)))
     return None
 
   return hook
@@ -258,8 +260,8 @@ def hide_accelerators_from_tensorflow() -> None:
 
 def setup(*, coordinator_address: Optional[str] = None, num_processes: Optional[int] = None,
           process_id: Optional[int] = None) -> None:
-  """The set-up of a program that trains or compiles: log filters (and libraries' background
-  threads' tracebacks at DEBUG: `quiet_background_excepthook`), no TPU backend on a host
+  """The set-up of a program that trains or compiles: log filters (and the errors libraries'
+  C++ threads cannot raise at DEBUG: `quiet_unraisable_hook`), no TPU backend on a host
   without TPU chips (`skip_absent_tpu`), multi-process JAX (`initialize_distributed` with these
   arguments), TensorFlow off the accelerators, and a log line when the huge-pages tunable is
   active.
@@ -268,7 +270,7 @@ def setup(*, coordinator_address: Optional[str] = None, num_processes: Optional[
     ValueError: as `initialize_distributed`.
   """
   logging.get_absl_handler().addFilter(QuietLibraries())
-  sys.excepthook = quiet_background_excepthook()
+  sys.unraisablehook = quiet_unraisable_hook()
   if HUGE_PAGES_TUNABLE in os.environ.get("GLIBC_TUNABLES", ""):
     logging.info("malloc: transparent huge pages for large allocations (GLIBC_TUNABLES=%s).",
                  os.environ["GLIBC_TUNABLES"])

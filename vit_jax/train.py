@@ -355,7 +355,8 @@ def _closing(writer):
 @contextlib.contextmanager
 def _config_errors():
   """Turns the set-up's ValueError, TypeError, KeyError, FileNotFoundError, NotImplementedError,
-  PermissionError and WorkdirInUseError into a ConfigError (the original stays attached as __cause__)."""
+  PermissionError and WorkdirInUseError into a ConfigError (the original stays attached as
+  __cause__)."""
   try:
     yield
   except ConfigError:

@@ -281,7 +281,8 @@ def test_a_damaged_step_names_itself_and_the_step_to_resume_from(tmp_path):
       'step 2, then rerun the same command.')
   # A step directory without its metadata (an interrupted copy): refused from the metadata.
   (directory / '6' / 'state').mkdir(parents=True)
-  with pytest.raises(ValueError, match=r'^The checkpoint of step 6 in .* cannot be read \(.*\): '
+  with pytest.raises(ValueError, match=r'^The checkpoint of step 6 in .* cannot be read \(its '
+                     r'metadata cannot be read\): '
                      r'it is damaged\. Move it away \(mv .*/6 .*/6\.damaged\) to resume from '
                      r'step 4, then rerun the same command\.$'):
     checkpoint.Workdir(str(tmp_path)).check_state_fits(_abstract(_state(6)))

@@ -20,6 +20,11 @@ How the lock is held:
   ``timeout_s / 4``. A record whose heartbeat is older than ``timeout_s`` (``config.
   workdir_lock_timeout``; or written by a process of this host that is gone) is stale and taken
   over with a warning. Host clocks are assumed synchronised to well under ``timeout_s``.
+
+The record (JSON): ``host``, ``pid``, ``pid_start`` (the process's start in clock ticks since
+boot, from ``/proc``; it tells a reused pid apart), ``started`` (ISO 8601, UTC) and
+``started_unix`` / ``heartbeat_unix`` (seconds since the epoch), ``command`` (``python -m
+vit_jax.main ...``), ``token`` (random, this lock's identity).
 """
 
 from __future__ import annotations
@@ -168,7 +173,12 @@ class WorkdirLock:
         f'it, or choose another --workdir.{gone}')
 
   def acquire(self) -> None:
-    """Takes the lock, or raises :class:`WorkdirInUseError`; logs a take-over of a stale one."""
+    """Takes the lock; logs a take-over of a stale one (a WARNING naming its holder).
+
+    Raises:
+      WorkdirInUseError: a live run holds it (the message names the holder and what to do).
+      OSError: the lock file cannot be created or written (e.g. ``PermissionError``).
+    """
     if not paths.is_remote(self.workdir):
       self._make_dirs()
     try:

@@ -170,7 +170,10 @@ class Workdir:
     except ValueError as e:
       raise ValueError(f'{e}\n  {_RERUN_HINT}') from e
     except Exception as e:  # pylint: disable=broad-except  (orbax: missing or broken metadata)
-      raise damaged_step_error(self.checkpoints_dir, steps, e) from e
+      # Orbax's own AttributeError/TypeError/KeyError on a broken step say nothing to a user.
+      cause = None if isinstance(e, OSError) or _DAMAGE.search(str(e)) else (
+          'its metadata cannot be read')
+      raise damaged_step_error(self.checkpoints_dir, steps, e, cause=cause) from e
 
   def write_config(self, config: Dict[str, Any]) -> None:
     """Writes ``WORKDIR/config.json`` atomically (process 0 only; the directory is created).
@@ -254,12 +257,13 @@ _DAMAGE = re.compile(r'OUT_OF_RANGE|DATA_LOSS|NOT_FOUND|Error reading|error whil
 
 
 def damaged_step_error(directory: Any, steps: List[int], error: Exception,
-                       step: Optional[int] = None) -> ValueError:
+                       step: Optional[int] = None, cause: Optional[str] = None) -> ValueError:
   """The error for a saved step that cannot be read (a truncated file, a missing metadata file):
-  names the step, the cause and how to resume from the step before it."""
+  names the step, the cause (default: the first line of ``error``) and how to resume from the
+  step before it. ``step`` defaults to the newest of ``steps``."""
   step = max(steps) if step is None else step
   earlier = [s for s in steps if s < step]
-  cause = str(error).splitlines()[0][:300] if str(error) else type(error).__name__
+  cause = cause or (str(error).splitlines()[0][:300] if str(error) else type(error).__name__)
   resume = (f'to resume from step {max(earlier)}' if earlier else 'to start afresh')
   return ValueError(
       f'The checkpoint of step {step} in {directory} cannot be read ({cause}): it is damaged. '
