@@ -42,6 +42,7 @@ checkpoint of the current step was saved, rerun the same command to resume; 130 
 """
 
 import sys
+import traceback
 
 from absl import app
 from absl import flags
@@ -70,10 +71,12 @@ flags.mark_flags_as_required(["config", "workdir"])
 
 
 def _fatal(error: Exception, code: int) -> None:
-  """One FATAL line and exit `code`; the traceback with --verbosity=1."""
+  """One FATAL line and exit `code`; with --verbosity=1 the traceback first (same exit code)."""
   if logging.get_verbosity() >= 1:
-    raise error
-  sys.stderr.write(f"FATAL: {error}\n(--verbosity=1 shows the traceback.)\n")
+    traceback.print_exception(error)
+    sys.stderr.write(f"FATAL: {error}\n")
+  else:
+    sys.stderr.write(f"FATAL: {error}\n(--verbosity=1 shows the traceback.)\n")
   sys.exit(code)
 
 

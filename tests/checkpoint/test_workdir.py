@@ -277,13 +277,13 @@ def test_a_damaged_step_names_itself_and_the_step_to_resume_from(tmp_path):
   directory = tmp_path / 'checkpoints'
   assert str(info.value).startswith(f'The checkpoint of step 4 in {directory} cannot be read (')
   assert str(info.value).endswith(
-      f'): it is damaged. Move it away (mv {directory}/4 {directory}/4.damaged) to resume from '
+      f'): it is damaged or incomplete. Move it away (mv {directory}/4 {directory}/4.damaged) to resume from '
       'step 2, then rerun the same command.')
   # A step directory without its metadata (an interrupted copy): refused from the metadata.
   (directory / '6' / 'state').mkdir(parents=True)
   with pytest.raises(ValueError, match=r'^The checkpoint of step 6 in .* cannot be read \(its '
                      r'metadata cannot be read\): '
-                     r'it is damaged\. Move it away \(mv .*/6 .*/6\.damaged\) to resume from '
+                     r'it is damaged or incomplete\. Move it away \(mv .*/6 .*/6\.damaged\) to resume from '
                      r'step 4, then rerun the same command\.$'):
     checkpoint.Workdir(str(tmp_path)).check_state_fits(_abstract(_state(6)))
 

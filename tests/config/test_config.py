@@ -115,7 +115,7 @@ def test_resolve_takes_pretrained_dir_and_refuses_a_missing_checkpoint(tmp_path)
 
 @pytest.mark.parametrize("key,value,message", [
     ("optim.lr", -1.0, r"config.optim.lr=-1.0 must be > 0 \(the peak learning rate\)"),
-    ("optim.lr", float("inf"), r"config.optim.lr=inf must be > 0"),
+    ("optim.lr", float("inf"), r"config.optim.lr=inf must be finite and > 0 \(the peak"),
     ("workdir_lock_timeout", 0, r"config.workdir_lock_timeout=0 must be > 0 \(seconds without "),
     ("batch_size", 0, r"config.batch_size=0 must be a positive int"),
     ("optim.b2", 1.0, r"config.optim.b2=1.0 must be in \[0, 1\)"),

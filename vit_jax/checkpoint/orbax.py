@@ -14,6 +14,7 @@ target and without reading the optimizer state. The encoder layout is the one sa
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import os
 from collections.abc import Mapping
@@ -117,10 +118,13 @@ def check_state_fits(state_dir: Any, abstract_state: Mapping) -> None:
   Raises:
     ValueError: names or shapes differ; the message lists them (counts and the first 8), what
       the checkpoint's model is, and the ``scan`` setting when only the block layout differs.
+    FileNotFoundError: the item has no readable metadata (an empty or incomplete step).
   """
   import jax  # pylint: disable=g-import-not-at-top
 
   tree = item_tree(state_dir)
+  if not isinstance(tree, Mapping):  # Orbax found no item metadata (an empty or cut step).
+    raise FileNotFoundError(errno.ENOENT, 'its metadata cannot be read', str(state_dir))
   as_structs = lambda t: jax.tree.map(lambda x: jax.ShapeDtypeStruct(tuple(x.shape), x.dtype), t)
   kept = ('params', 'model_state')
   saved = {k: v for name in kept if isinstance(tree.get(name), Mapping)

@@ -167,13 +167,13 @@ class Workdir:
     state_dir = self.checkpoints_dir / str(steps[-1]) / STATE_ITEM
     try:
       orbax.check_state_fits(state_dir, abstract_state)
-    except ValueError as e:
-      raise ValueError(f'{e}\n  {_RERUN_HINT}') from e
-    except Exception as e:  # pylint: disable=broad-except  (orbax: missing or broken metadata)
-      # Orbax's own AttributeError/TypeError/KeyError on a broken step say nothing to a user.
-      cause = None if isinstance(e, OSError) or _DAMAGE.search(str(e)) else (
-          'its metadata cannot be read')
+    except OSError as e:  # No readable metadata (orbax.check_state_fits), or unreadable files.
+      cause = e.strerror if isinstance(e, FileNotFoundError) and e.strerror else None
       raise damaged_step_error(self.checkpoints_dir, steps, e, cause=cause) from e
+    except ValueError as e:
+      if _DAMAGE.search(str(e)):  # Tensorstore's read errors of damaged files.
+        raise damaged_step_error(self.checkpoints_dir, steps, e) from e
+      raise ValueError(f'{e}\n  {_RERUN_HINT}') from e
 
   def write_config(self, config: Dict[str, Any]) -> None:
     """Writes ``WORKDIR/config.json`` atomically (process 0 only; the directory is created).
@@ -266,7 +266,8 @@ def damaged_step_error(directory: Any, steps: List[int], error: Exception,
   cause = cause or (str(error).splitlines()[0][:300] if str(error) else type(error).__name__)
   resume = (f'to resume from step {max(earlier)}' if earlier else 'to start afresh')
   return ValueError(
-      f'The checkpoint of step {step} in {directory} cannot be read ({cause}): it is damaged. '
+      f'The checkpoint of step {step} in {directory} cannot be read ({cause}): it is damaged '
+      'or incomplete. '
       f'Move it away (mv {directory}/{step} {directory}/{step}.damaged) {resume}, then rerun '
       'the same command.')
 

@@ -129,6 +129,8 @@ def _check_ranges(section: Any, ranges: dict, prefix: str) -> None:
       continue
     if not ok(value):
       expected += " or None" if optional else ""
+      if isinstance(value, float) and not math.isfinite(value):
+        expected = f"finite and {expected}"
       hint = f" ({hint})" if hint else ""
       raise ValueError(f"config.{prefix}{key}={value!r} must be {expected}{hint}; set "
                        f"--config.{prefix}{key} to such a value.")
