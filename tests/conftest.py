@@ -41,3 +41,28 @@ def _golden_precision(request):
     return
   with jax.default_matmul_precision("highest"):
     yield
+
+
+@pytest.fixture(scope="session")
+def tiny_workdir(tmp_path_factory):
+  """A finished training run of a tiny ViT (hidden size 8, one layer, 4x4 patches, 8 px) on a
+  3-class image folder (`tests/data_utils.make_image_folder`, 5 images per class and split):
+  12 steps of batch 5 at lr 0.1 (no EMA), checkpoints at steps 6 and 12. Returns
+  `(workdir, image_folder, results)`, `results` what `train_and_evaluate` returned (the final
+  'test/accuracy'). Shared by the tests that use a trained model (predict, evaluate, few-shot);
+  read-only for them."""
+  from tests import data_utils  # pylint: disable=g-import-not-at-top
+  from vit_jax import config as config_lib  # pylint: disable=g-import-not-at-top
+  from vit_jax import train  # pylint: disable=g-import-not-at-top
+  root = tmp_path_factory.mktemp("tiny_run")
+  folder = data_utils.make_image_folder(str(root / "images"), num_classes=3, per_class=5, size=8)
+  config = config_lib.get_config("ViT-custom", "unused", hidden_size=8, mlp_dim=16, num_heads=2,
+                                 num_layers=1, patch_size=4)
+  data_utils.override(config, {
+      "regime": "finetune", "data.image_folder": folder, "data.image_size": 8,
+      "data.augment": "none", "data.shuffle_buffer": 16, "batch_size": 5, "total_steps": 12,
+      "optim.warmup_steps": 0, "optim.lr": 0.1, "log_every_steps": 6, "eval_every_steps": 12,
+      "checkpoint_every_steps": 6, "async_checkpointing": False})
+  workdir = str(root / "workdir")
+  results = train.train_and_evaluate(config, workdir)
+  return workdir, folder, results

@@ -76,7 +76,20 @@ def test_train_step_lowers_the_loss_and_keeps_an_ema():
   # ema = 0.5 ema + 0.5 params after every update: between the start and now.
   assert not np.allclose(head(state["ema_params"]), head(state["params"]))
   assert not np.allclose(head(state["ema_params"]), start)
-  assert sorted(metrics) == ["grad_norm", "loss", "lr", "param_norm"]
+  assert sorted(metrics) == ["accuracy", "grad_norm", "loss", "lr", "param_norm"]
+  # The repeated batch is learned: the top class of each of the 4 images is its label.
+  assert float(metrics["accuracy"]) == 1.0, losses
+
+
+def test_train_accuracy_is_top1_precision_at_1_or_the_mixup_weight():
+  logits = jnp.array([[3.0, 1, 0], [0.0, 2, 1], [0.0, 1, 5], [4.0, 0, 1]])
+  one_hot = jnp.eye(3)[jnp.array([0, 2, 2, 1])]  # Hits: examples 0 and 2.
+  assert float(step_lib.train_accuracy(logits, one_hot)) == 0.5
+  multi_hot = jnp.array([[1.0, 1, 0], [0.0, 1, 1], [0.0, 0, 0], [1.0, 0, 1]])
+  assert float(step_lib.train_accuracy(logits, multi_hot)) == 0.75  # Precision@1.
+  mixed = 0.7 * one_hot + 0.3 * jnp.eye(3)[jnp.array([1, 1, 0, 0])]  # Mixup, lambda = 0.7.
+  # Top classes 0, 1, 2, 0 carry the weights 0.7, 0.3, 0.7, 0.3.
+  np.testing.assert_allclose(float(step_lib.train_accuracy(logits, mixed)), 0.5, rtol=1e-6)
 
 
 @pytest.mark.slow
@@ -87,10 +100,11 @@ def test_gradient_accumulation_gives_the_full_batch_update():
     setup = _setup(grad_accum_steps=accum)
     state = jax.jit(setup.init_state)(setup.init_rng)
     state, metrics = jax.jit(setup.train_step_fn())(state, _batch())
-    updated.append((state["params"], float(metrics["loss"])))
+    updated.append((state["params"], float(metrics["loss"]), float(metrics["accuracy"])))
   for a, b in zip(jax.tree.leaves(updated[0][0]), jax.tree.leaves(updated[1][0])):
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
   assert updated[0][1] == pytest.approx(updated[1][1], rel=1e-5)
+  assert updated[0][2] == updated[1][2]  # The mean of the micro-batches' accuracies.
 
 
 @pytest.mark.slow

@@ -1,6 +1,7 @@
 """The training loop (vit_jax.train) and the `vit_jax.main` entry point, end to end on tiny data."""
 
 import glob
+import json
 import logging
 import os
 import pathlib
@@ -63,7 +64,9 @@ def test_bad_config_values_stop_the_run_before_the_workdir_is_touched(tmp_path, 
       ({"data.image_size": 30}, "Image height 30 is not divisible by the patch size 4"),
       ({"data.image_folder": None, "data.name": "no_such_dataset"},
        "config.data.name='no_such_dataset' is neither a registered tfds dataset"),
-      ({"label_smoothing": 1.5}, "config.label_smoothing=1.5 must be in [0, 1)")]:
+      ({"label_smoothing": 1.5}, "config.label_smoothing=1.5 must be in [0, 1)"),
+      ({"fewshot.every_steps": 1, "fewshot.train_split": "validation"},
+       "Bad config.fewshot.train_split='validation'")]:
     with pytest.raises(train.ConfigError, match=re.escape(message)):
       train.train_and_evaluate(_tiny_folder_config(folder, **overrides), str(workdir))
     assert not workdir.exists()
@@ -121,14 +124,16 @@ def test_main_trains_writes_metrics_and_resumes(tmp_path, caplog):
   overrides = {"data.image_folder": folder, "data.image_size": 8, "model.hidden_size": 8,
                "model.mlp_dim": 16, "model.num_heads": 2, "model.num_layers": 1,
                "model.patch_size": (4, 4), "batch_size": 4, "optim.warmup_steps": 1,
-               "log_every_steps": 2, "eval_every_steps": 2, "checkpoint_every_steps": 2}
+               "log_every_steps": 2, "eval_every_steps": 2, "checkpoint_every_steps": 2,
+               "fewshot.every_steps": 4, "fewshot.shots": (1, 2), "fewshot.seeds": 2}
   first = _run_main("--config", "configs/fashion_mnist.py", "--workdir", workdir,
                     *data_utils.main_flags(overrides),
                     "--config.total_steps=4")
   assert first.returncode == 0, first.stderr[-3000:]
   if platform.huge_pages_environment({}) is not None:  # It re-executed itself with huge pages.
     assert "malloc: transparent huge pages for large allocations" in first.stderr
-  assert "Final evaluation at step 4: test/accuracy=" in first.stdout
+  assert first.stdout.startswith("Final evaluation at step 4: fewshot/images_1shot=")
+  assert ", test/accuracy=" in first.stdout
   # Head size 4: the fused CPU kernel does not apply; the log says why and what the step runs.
   assert "Attention: xla (the fused CPU kernel does not apply: the head size 4" in first.stderr
   assert "Attention in the compiled training step: xla." in first.stderr
@@ -136,9 +141,15 @@ def test_main_trains_writes_metrics_and_resumes(tmp_path, caplog):
   saved = config_lib.from_json(open(os.path.join(workdir, "config.json")).read())
   assert saved.total_steps == 4 and saved.num_classes == 3 and saved.loss == "softmax_xent"
   assert sorted(os.listdir(os.path.join(workdir, "checkpoints"))) == ["2", "4"]
+  with open(os.path.join(workdir, "dataset.json")) as f:
+    assert json.load(f)["label_names"] == ["class_0", "class_1", "class_2"]
   scalars = _scalars(workdir)
   assert sorted(scalars["train/loss"]) == [2, 4]
+  assert sorted(scalars["train/accuracy"]) == [2, 4]
+  assert all(0 <= v <= 1 for v in scalars["train/accuracy"].values())
   assert sorted(scalars["test/accuracy"]) == [2, 4]
+  assert ", accuracy " in first.stderr  # On the progress line, beside the loss.
+  assert sorted(scalars["fewshot/images_2shot"]) == [4]
 
   def rerun(total_steps):
     config = data_utils.override(cli.load_config_file("configs/fashion_mnist.py"),
@@ -153,6 +164,8 @@ def test_main_trains_writes_metrics_and_resumes(tmp_path, caplog):
   scalars = _scalars(workdir)
   assert sorted(scalars["train/loss"]) == [2, 4, 6]  # Steps 1-4 were not trained again.
   assert sorted(os.listdir(os.path.join(workdir, "checkpoints")))[-1] == "6"
+  assert sorted(scalars["fewshot/images_2shot"]) == [4, 6]
+  assert "fewshot/images_2shot_std" in results
 
   results, log = rerun(6)  # Finished: no more training.
   assert "already finished its 6 steps" in log and results["step"] == 6

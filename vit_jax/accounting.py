@@ -506,8 +506,9 @@ class Progress:
       out["train/images_per_sec"] = steps_per_sec * self._batch_size
       rate = (f", {steps_per_sec:.3g} steps/s ({out['train/images_per_sec']:,.0f} images/s), "
               f"ETA {duration((self._total - step) / steps_per_sec)}")
-    logging.info("Step %d/%d (%.1f%%): loss %.4f%s.", step, self._total,
-                 100 * step / self._total, out["train/loss"], rate)
+    accuracy = (f", accuracy {out['train/accuracy']:.4f}" if "train/accuracy" in out else "")
+    logging.info("Step %d/%d (%.1f%%): loss %.4f%s%s.", step, self._total,
+                 100 * step / self._total, out["train/loss"], accuracy, rate)
     self._step, self._seconds = step, self._accountant.training_seconds()
     return out
 

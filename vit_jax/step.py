@@ -105,6 +105,16 @@ def eval_sums(logits: jax.Array, labels: jax.Array, mask: jax.Array,
   return sums
 
 
+def train_accuracy(logits: jax.Array, labels: jax.Array) -> jax.Array:
+  """The mean over the batch of `labels[argmax(logits)]`, clipped to [0, 1]: top-1 accuracy for
+  one-hot labels, precision@1 for multi-hot ones (as `eval_sums`), and for mixed labels (mixup,
+  CutMix: weights lambda and 1 - lambda) the expected top-1 accuracy against the mixture, i.e.
+  lambda when the top class is the first image's. logits, labels: `[B, C]`; float32 scalar."""
+  top1 = jnp.argmax(logits, axis=-1)
+  hit = jnp.take_along_axis(labels.astype(jnp.float32), top1[:, None], axis=-1)[:, 0]
+  return jnp.clip(hit, 0.0, 1.0).mean()
+
+
 def make_train_step(model: nn.Module, tx: optax.GradientTransformation,
                     schedule: Callable[[jax.Array], jax.Array], *, loss: str,
                     dropout_rng: jax.Array, label_smoothing: float = 0.0,
@@ -126,22 +136,23 @@ def make_train_step(model: nn.Module, tx: optax.GradientTransformation,
 
   Returns:
     `step(state, batch) -> (state, metrics)`: batch `{'image': [B, H, W, C] float32, 'labels':
-    [B, C] float32}`; metrics (float32 scalars) 'loss' (mean over the batch), 'grad_norm',
-    'param_norm' (global L2 norms), 'lr' (the rate of this update), and 'skipped' (1.0 when
+    [B, C] float32}`; metrics (float32 scalars) 'loss' (mean over the batch), 'accuracy'
+    (`train_accuracy`, of the logits with dropout), 'grad_norm', 'param_norm' (global L2 norms), 'lr' (the rate of this update), and 'skipped' (1.0 when
     `skip_nonfinite` and the update was skipped).
   """
 
   def loss_of(params, state, images, labels, rng):
     logits = model.apply(variables_of(state, params), images, train=True, rngs={"dropout": rng})
-    return optim.loss_fn(logits, labels, loss, label_smoothing).mean()
+    return (optim.loss_fn(logits, labels, loss, label_smoothing).mean(),
+            train_accuracy(logits, labels))
 
-  grad_fn = jax.value_and_grad(loss_of)
+  grad_fn = jax.value_and_grad(loss_of, has_aux=True)
 
   def train_step(state: State, batch: Batch) -> tuple[State, Metrics]:
     step_rng = jax.random.fold_in(dropout_rng, state["step"])
     if grad_accum_steps == 1:
-      loss_value, grads = grad_fn(state["params"], state, batch["image"], batch["labels"],
-                                  step_rng)
+      (loss_value, accuracy), grads = grad_fn(state["params"], state, batch["image"],
+                                              batch["labels"], step_rng)
     else:
       micro = jax.tree.map(lambda x: jnp.swapaxes(
           x.reshape(-1, grad_accum_steps, *x.shape[1:]), 0, 1), batch)
@@ -152,23 +163,38 @@ def make_train_step(model: nn.Module, tx: optax.GradientTransformation,
                       jax.random.fold_in(step_rng, i))
         return jax.tree.map(jnp.add, carry, out), None
 
-      zeros = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, state["params"]))
-      (loss_value, grads), _ = jax.lax.scan(accumulate, zeros,
-                                            (micro, jnp.arange(grad_accum_steps)))
-      loss_value, grads = jax.tree.map(lambda x: x / grad_accum_steps, (loss_value, grads))
+      zeros = ((jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32)),
+               jax.tree.map(jnp.zeros_like, state["params"]))
+      ((loss_value, accuracy), grads), _ = jax.lax.scan(
+          accumulate, zeros, (micro, jnp.arange(grad_accum_steps)))
+      loss_value, accuracy, grads = jax.tree.map(lambda x: x / grad_accum_steps,
+                                                 (loss_value, accuracy, grads))
     updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
     params = optax.apply_updates(state["params"], updates)
     new_state = dict(state, step=state["step"] + 1, params=params, opt_state=opt_state)
     if ema_decay:
       new_state["ema_params"] = optax.incremental_update(params, state["ema_params"],
                                                          1.0 - ema_decay)
-    metrics = {"loss": loss_value, "grad_norm": optax.tree.norm(grads),
+    metrics = {"loss": loss_value, "accuracy": accuracy, "grad_norm": optax.tree.norm(grads),
                "param_norm": optax.tree.norm(params), "lr": schedule(state["step"])}
     if skip_nonfinite:  # optax.apply_if_finite made this update zero.
       metrics["skipped"] = 1.0 - jnp.isfinite(metrics["grad_norm"]).astype(jnp.float32)
     return new_state, metrics
 
   return train_step
+
+
+def make_features_step(model: nn.Module) -> Callable[[State, jax.Array], jax.Array]:
+  """`step(state, images) -> [B, F]` float32 pre-logit features of `[B, H, W, C]` images: the
+  model without its head (`num_classes=None`: ViT's `pre_logits` output, the representation
+  layer's when there is one; T2T-ViT's normed class token), as the ViT paper's few-shot linear
+  evaluation uses them (Sec. 4.1). The head's parameters are ignored."""
+  trunk = model.clone(num_classes=None)
+
+  def features_step(state: State, images: jax.Array) -> jax.Array:
+    return trunk.apply(variables_of(state), images, train=False)
+
+  return features_step
 
 
 def make_eval_step(model: nn.Module, *, loss: str) -> Callable[[State, Batch], Metrics]:
@@ -238,12 +264,27 @@ class Setup:
     return jax.jit(self.train_step_fn(), in_shardings=(self.state_shardings, self.batch_sharding),
                    out_shardings=(self.state_shardings, replicated), donate_argnums=0)
 
-  def jit_eval_step(self):
-    """The eval step jitted over the mesh (sums replicated)."""
+  @property
+  def variables_shardings(self) -> dict[str, Any]:
+    """The shardings of the state's 'params' (and 'model_state'): of a state that only
+    evaluates, e.g. `{'params': ..., 'model_state': ...}` loaded from a checkpoint."""
+    return {k: v for k, v in self.state_shardings.items() if k in ("params", "model_state")}
+
+  def jit_eval_step(self, *, variables_only: bool = False):
+    """The eval step jitted over the mesh (sums replicated); `variables_only`: for a state of
+    'params' (and 'model_state') only (`variables_shardings`)."""
     replicated = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
+    shardings = self.variables_shardings if variables_only else self.state_shardings
     return jax.jit(make_eval_step(self.model, loss=self.config.loss),
-                   in_shardings=(self.state_shardings, self.batch_sharding),
-                   out_shardings=replicated)
+                   in_shardings=(shardings, self.batch_sharding), out_shardings=replicated)
+
+  def jit_features_step(self):
+    """`make_features_step` jitted over the mesh: `(state, images [B, H, W, C]) -> [B, F]`
+    (the features sharded over the batch axes, as the images); `state` holds 'params' (and
+    'model_state') only, with `variables_shardings`."""
+    return jax.jit(make_features_step(self.model),
+                   in_shardings=(self.variables_shardings, self.batch_sharding),
+                   out_shardings=self.batch_sharding)
 
   def abstract_batch(self, batch_size: int, *, eval_batch: bool = False) -> Batch:
     """`{'image', 'labels'[, 'mask']}` as `jax.ShapeDtypeStruct`s of a global batch."""

@@ -36,6 +36,7 @@ from vit_jax import platform
 from vit_jax import sharding
 from vit_jax import step as step_lib
 from vit_jax.checkpoint import CheckpointSaveError  # noqa: F401  (re-exported: main catches it)
+from vit_jax.evaluation import fewshot
 
 
 class ConfigError(ValueError):
@@ -65,8 +66,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
 
   Args:
     config: a config from `configs/*.py` (see `vit_jax.config.get_config`).
-    workdir: where checkpoints, `config.json`, `cost.json` and TensorBoard events go (local or
-      gs://; layout: `vit_jax.checkpoint.Workdir`).
+    workdir: where checkpoints, `config.json`, `dataset.json`, `cost.json` and TensorBoard
+      events go (local or gs://; layout: `vit_jax.checkpoint.Workdir`).
     program_start: `time.monotonic()` when the program started (`vit_jax.STARTED` from
       `vit_jax.main`): the compute account's program time counts from there (default: now).
 
@@ -99,6 +100,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
     # 2. State: the latest checkpoint, else the fine-tuning initialisation, else a fresh one.
     # ---------------------------------------------------------------------------------------
     run_dir.write_config(config.to_dict())
+    run_dir.write_dataset(run.dataset)
     checkpoints = run_dir.checkpoints(keep=config.keep_checkpoints,
                                       asynchronous=config.async_checkpointing)
     held.push(_finishing(checkpoints))  # A failure waits for the save in flight to complete.
@@ -116,11 +118,21 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
     # (timed as 'compile'), then cached.
     # ---------------------------------------------------------------------------------------
     steps = _CompiledSteps(setup, accountant)
+    fewshot_eval = run.fewshot  # Few-shot linear evaluation (config.fewshot), of the parameters.
 
     def evaluate(state, step: int) -> dict[str, float]:
       with accountant.timed("eval"):
         results = evaluation.evaluate(state, run.evals, bool(config.ema_decay), steps.eval,
                                       steps.to_global, step)
+        writer.write_scalars(step, results)
+      return results
+
+    def evaluate_fewshot(state, step: int) -> dict[str, float]:
+      """The few-shot scalars of the parameters' features ({} when config.fewshot is off)."""
+      if fewshot_eval is None:
+        return {}
+      with accountant.timed("eval"):
+        results = fewshot_eval.run({k: state[k] for k in setup.variables_shardings})
         writer.write_scalars(step, results)
       return results
 
@@ -167,7 +179,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
         preempted = notice.is_set() or checkpoints.reached_preemption(step)
         saving = step % config.checkpoint_every_steps == 0 or is_last or preempted
         evaluating = (step % config.eval_every_steps == 0 or is_last) and not preempted
-        if saving or evaluating:
+        fewshot_due = fewshot_eval is not None and not preempted and (
+            step % config.fewshot.every_steps == 0 or is_last)
+        if saving or evaluating or fewshot_due:
           jax.block_until_ready(state)  # The steps in flight are training time.
         if saving:  # Before the evaluation, which can fail (e.g. an undecodable eval image).
           if pending is not None:  # Never checkpoint parameters that a NaN update produced.
@@ -175,9 +189,11 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
             pending = None
           with accountant.timed("checkpoint"):
             checkpoints.save(step, state, cost=accountant.report(step),
-                             config=config.to_dict())
+                             config=config.to_dict(), dataset=run.dataset)
         if evaluating:
           results = evaluate(state, step)
+        if fewshot_due:
+          results = dict(results, **evaluate_fewshot(state, step))
         if preempted:
           break
 
@@ -187,7 +203,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
     if start_step >= total_steps:
       logging.info("The run in %s already finished its %d steps; evaluating only.", workdir,
                    total_steps)
-      results = evaluate(state, start_step)
+      results = dict(evaluate(state, start_step), **evaluate_fewshot(state, start_step))
     with accountant.timed("checkpoint"):
       checkpoints.wait_until_finished()
     checkpoints.close()
@@ -245,6 +261,20 @@ class _Run:
   setup: step_lib.Setup
   evals: dict[str, Any]
   finetune: Optional[dict[str, Any]]  # The fine-tuning initialisation, if any.
+  dataset: dict[str, Any]  # The training data's record (`dataset_record`).
+  fewshot: Optional[fewshot.Evaluator] = None  # config.fewshot's evaluator, when on.
+
+
+def dataset_record(config: ml_collections.ConfigDict, info: data.DatasetInfo) -> dict[str, Any]:
+  """What a workdir records of its training data (`WORKDIR/dataset.json` and every checkpoint's
+  'dataset' item), so that the workdir alone describes its model's outputs: `name` (tfds name
+  or image folder), `label_names` (C class names in label order), `num_classes`, `multi_label`,
+  `image_shape` `[H, W, C]` after preprocessing, `num_train_examples`, `num_eval_examples`."""
+  return {"name": config.data.image_folder or config.data.name,
+          "label_names": list(info.label_names), "num_classes": info.num_classes,
+          "multi_label": info.multi_label, "image_shape": list(info.image_shape),
+          "num_train_examples": info.num_train_examples,
+          "num_eval_examples": info.num_eval_examples}
 
 
 def _prepare(config: ml_collections.ConfigDict, workdir: str,
@@ -278,6 +308,10 @@ def _prepare(config: ml_collections.ConfigDict, workdir: str,
       setup.abstract_state["params"], setup.state_shardings["params"], setup.mesh,
       config.mesh.max_replicated_fraction))
   evals = evaluation.eval_sets(config, info)
+  fewshot_eval = None
+  if config.fewshot.every_steps:  # Its datasets and splits are checked now, before any write.
+    fewshot_eval = fewshot.Evaluator.from_config(
+        config, setup, compile_timer=lambda: accountant.timed("compile"))
   resuming = bool(run_dir.saved_steps())
   if resuming:  # A checkpoint of another model is refused now, from its metadata.
     run_dir.check_state_fits(setup.abstract_state)
@@ -291,7 +325,8 @@ def _prepare(config: ml_collections.ConfigDict, workdir: str,
     finetune = checkpoint.load_for_finetuning(
         config.init_from, setup.model, fresh, use_ema=config.init_from_ema,
         reset_head=config.init_reset_head)
-  return _Run(config, accountant, run_dir, setup, evals, finetune)
+  return _Run(config, accountant, run_dir, setup, evals, finetune, dataset_record(config, info),
+              fewshot_eval)
 
 
 def _initial_state(run: _Run, checkpoints: checkpoint.Checkpoints) -> step_lib.State:

@@ -5,6 +5,7 @@ import logging
 import os
 
 import numpy as np
+from PIL import Image
 import pytest
 
 from vit_jax import data
@@ -89,7 +90,8 @@ def test_info_image_folder(folder):
   info = data.get_info(_cfg(image_folder=folder))
   assert info == data.DatasetInfo(num_classes=3, multi_label=False,
                                   num_train_examples=12, num_eval_examples=15,
-                                  image_shape=(S, S, 3))
+                                  image_shape=(S, S, 3),
+                                  label_names=('class_0', 'class_1', 'class_2'))
 
 
 def test_invalid_config_errors(folder):
@@ -338,7 +340,8 @@ def test_real_label_masks_unlabeled_eval(multilabel):
 
 def test_fashion_mnist_local_from_fake_idx(fake_fmnist):
   info = data.get_info(fake_fmnist)
-  assert info == data.DatasetInfo(10, False, 20, 10, (S, S, 3))
+  assert info == data.DatasetInfo(10, False, 20, 10, (S, S, 3),
+                                  label_names=tuple(fml.LABEL_NAMES))
   import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top
   builder = tfds.builder('fashion_mnist_local', data_dir=fake_fmnist.data_dir)
   assert builder.info.features['image'].shape == (28, 28, 1)
@@ -463,6 +466,15 @@ def test_fashion_mnist_real_debian_files(tmp_path):
   assert len(ds) == 5
   counts = sum(b['labels'].sum(0) for b in ds)
   np.testing.assert_array_equal(counts, 1000.)
+  # Exported in the IDX files' order (tfds stores them shuffled): the published test images.
+  from vit_jax.tools import export_images  # pylint: disable=g-import-not-at-top
+  images, labels = fml.load_split(fml.DEBIAN_DIR, 'test')
+  written = export_images.export('fashion_mnist_local', 'test[2:5]', str(tmp_path / 'png'),
+                                 data_dir=str(tmp_path))
+  for i, path in enumerate(written):
+    name = fml.LABEL_NAMES[labels[2 + i]].replace('/', '_')
+    assert os.path.basename(path) == f'{i}_{name}.png'
+    np.testing.assert_array_equal(np.asarray(Image.open(path)), images[2 + i])
 
 
 def test_eval_resize_and_center_crop_matches_pil():

@@ -184,3 +184,18 @@ def save_orbax(path: Any, variables: Mapping, *, overwrite: bool = False) -> Non
     tree['model_state'] = dict(sorted(extra.items()))
   with ocp.StandardCheckpointer() as checkpointer:
     checkpointer.save(target, tree, force=overwrite)
+
+
+def read_json_item(item: Any) -> Any:
+  """The value of a JSON item of a checkpoint step (Orbax's ``JsonSave``, e.g. ``config``).
+
+  Raises:
+    ValueError: the item cannot be read (the message names it).
+  """
+  import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
+  try:
+    with _quiet_item_reads():
+      return ocp.Checkpointer(ocp.JsonCheckpointHandler()).restore(item)
+  except Exception as e:  # pylint: disable=broad-except  (orbax/tensorstore errors vary)
+    raise ValueError(f'Cannot read the checkpoint item {str(item)!r}: '
+                     f'{str(e).splitlines()[0][:200] if str(e) else type(e).__name__}') from e

@@ -4,6 +4,8 @@
 
   WORKDIR/
     config.json               the resolved config of the run (Workdir.write_config)
+    dataset.json              the training data's facts: class names in label order, class
+                              count, multi-label or not, image shape (Workdir.write_dataset)
     cost.json                 the cost account so far (Workdir.write_cost; accounting.py)
     lock.json                 while a run holds the workdir: its host, pid, start, command
                               (Workdir.lock; lock.py)
@@ -13,6 +15,7 @@
                               [, 'ema_params']} (StandardSave)
         cost/                 the cost account at that step (JsonSave)
         config/               the resolved config (JsonSave; steps saved with one)
+        dataset/              dataset.json's record (JsonSave; steps saved with one)
     events.out.tfevents.*     TensorBoard scalars and hparams (Workdir.metric_writer: clu's)
 
 Local paths and ``gs://`` alike (through ``etils.epath``; local paths are made absolute, as Orbax
@@ -41,10 +44,12 @@ from vit_jax.checkpoint import paths
 CHECKPOINTS_DIR = 'checkpoints'
 CONFIG_JSON = 'config.json'
 COST_JSON = 'cost.json'
+DATASET_JSON = 'dataset.json'
 #: Items of one checkpoint step.
 STATE_ITEM = 'state'
 COST_ITEM = 'cost'
 CONFIG_ITEM = 'config'
+DATASET_ITEM = 'dataset'
 
 #: The Orbax paths that the readers accept, in words (for error messages).
 ORBAX_PATHS = (f"a workdir containing '{CHECKPOINTS_DIR}/', a '{CHECKPOINTS_DIR}' directory of "
@@ -110,6 +115,7 @@ class Workdir:
     self.checkpoints_dir = root / CHECKPOINTS_DIR
     self.cost_json = root / COST_JSON
     self.config_json = root / CONFIG_JSON
+    self.dataset_json = root / DATASET_JSON
 
   def __repr__(self) -> str:
     return f'Workdir({self.path!r})'
@@ -198,6 +204,17 @@ class Workdir:
     except ValueError as e:
       raise ValueError(f'{self.config_json} is not valid JSON ({e}); restore it or delete '
                        'it.') from e
+
+  def write_dataset(self, record: Dict[str, Any]) -> None:
+    """Writes ``WORKDIR/dataset.json`` atomically (process 0): the training data's facts that
+    a workdir needs to describe its model (``label_names``, ``num_classes``, ``multi_label``,
+    ``image_shape``, ``name``; see ``vit_jax.train``).
+
+    Raises:
+      CheckpointSaveError: it cannot be written (e.g. a full disk).
+    """
+    if _is_process_0():
+      _write_json_atomically(self.dataset_json, record)
 
   def write_cost(self, report: Dict[str, Any]) -> None:
     """Writes ``WORKDIR/cost.json`` atomically (``cost.json.partial`` then a rename; process 0).
@@ -342,12 +359,14 @@ class Checkpoints:
     return sorted(self._manager.all_steps())
 
   def save(self, step: int, state: Any, *, cost: Dict[str, Any],
-           config: Optional[Dict[str, Any]] = None) -> None:
-    """Saves ``state`` as step ``step``, with the cost account (and the resolved config).
+           config: Optional[Dict[str, Any]] = None,
+           dataset: Optional[Dict[str, Any]] = None) -> None:
+    """Saves ``state`` as step ``step``, with the cost account (and the resolved config and the
+    dataset record).
 
     A step already saved is not saved again (e.g. the last step, saved by a preemption notice
     and again at the end). Items: ``state`` (StandardSave), ``cost`` (JsonSave) and, when given,
-    ``config`` (JsonSave).
+    ``config`` and ``dataset`` (JsonSave).
 
     Raises:
       CheckpointSaveError: the save failed (full disk, no permission; for an asynchronous save
@@ -360,6 +379,8 @@ class Checkpoints:
     items = {STATE_ITEM: ocp.args.StandardSave(state), COST_ITEM: ocp.args.JsonSave(cost)}
     if config is not None:
       items[CONFIG_ITEM] = ocp.args.JsonSave(config)
+    if dataset is not None:
+      items[DATASET_ITEM] = ocp.args.JsonSave(dataset)
     with self._save_errors(step):
       self._manager.save(step, args=ocp.args.Composite(**items), force=True)
 

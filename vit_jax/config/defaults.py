@@ -8,7 +8,8 @@ length from the dataset, by `vit_jax.config.resolve`, which also checks every va
 
 The sections: the run (regime, seed, schedule length, loss, EMA, fine-tuning init, periodic
 work), `model` (the registry's fields of `model_name`, see `vit_jax.models`), `optim`, `data`
-(`vit_jax.data`), `extra_eval` and `mesh` (`vit_jax.sharding`).
+(`vit_jax.data`), `extra_eval`, `mesh` (`vit_jax.sharding`) and `fewshot`
+(`vit_jax.evaluation.fewshot`).
 """
 
 from __future__ import annotations
@@ -231,6 +232,33 @@ def mesh_config() -> ml_collections.ConfigDict:
   return c
 
 
+def fewshot_config() -> ml_collections.ConfigDict:
+  """`config.fewshot`: few-shot linear evaluation of the pre-logit features during training
+  (ViT paper Sec. 4.1 and App. B; `vit_jax.evaluation.fewshot`, docs/evaluation.md), scalars
+  'fewshot/<dataset>_<k>shot' (mean over the seeds) and '..._std'."""
+  c = ml_collections.ConfigDict()
+  # Every this many steps, and at the end of training; 0 (default): off.
+  c.every_steps = 0
+  # tfds names or prepared directories, read with the training config's eval preprocessing
+  # (--config.fewshot.datasets=cifar10,oxford_iiit_pet); empty: the training data itself.
+  c.datasets = ()
+  # The split the shots are drawn from and the split measured; None: the training data's
+  # config.data.train_split / eval_split for the training data, 'train' / 'test' for the others.
+  c.train_split = config_dict.placeholder(str)
+  c.eval_split = config_dict.placeholder(str)
+  c.shots = (1, 5, 10, 25)  # Training examples per class of each probe.
+  c.seeds = 3  # Draws of the shots per k (seeds 0 .. seeds-1).
+  # The ridge penalty: one value (big_vision's 2^10), or several, the best of each draw chosen
+  # on held-out training examples (never on the eval split).
+  c.l2_regs = (1024.0,)
+  # Training examples kept per class: the first ones of the train split in reading order; None:
+  # max(shots) * seeds (+ 10 held-out ones with several l2_regs). Reading stops when all are in.
+  c.train_per_class = config_dict.placeholder(int)
+  # Eval examples used, the first ones of the eval split; None: all of them.
+  c.max_eval_examples = config_dict.placeholder(int)
+  return c
+
+
 def get_config(model_name: str = "ViT-B_16", dataset: str = "imagenet2012",
                **model_overrides) -> ml_collections.ConfigDict:
   """The full default config for `model_name` trained on tfds `dataset`.
@@ -315,6 +343,8 @@ def get_config(model_name: str = "ViT-B_16", dataset: str = "imagenet2012",
   # One run per workdir (WORKDIR/lock.json): on gs:// the lock is held by a heartbeat, and one
   # whose heartbeat is older than this many seconds (its run gone) is taken over.
   config.workdir_lock_timeout = 600
+
+  config.fewshot = fewshot_config()
 
   config.lock()
   return config

@@ -120,6 +120,15 @@ _DATA_RANGES = {
     "cutmix_alpha": (_NON_NEGATIVE, False, "0 disables it"),
     "eval_crop_pct": (_FRACTION, True, "None resizes the whole image"),
 }
+_SPLIT: _Check = ("a non-empty split name", lambda v: isinstance(v, str) and bool(v.strip()))
+_FEWSHOT_RANGES = {
+    "every_steps": (_NON_NEGATIVE_INT, False, "0 turns few-shot evaluation off"),
+    "seeds": (_POSITIVE_INT, False, "draws of the shots per k"),
+    "train_split": (_SPLIT, True, "None: the training data's train split, else 'train'"),
+    "eval_split": (_SPLIT, True, "None: the training data's eval split, else 'test'"),
+    "train_per_class": (_POSITIVE_INT, True, "None: max(shots) * seeds"),
+    "max_eval_examples": (_POSITIVE_INT, True, "None: the whole eval split"),
+}
 
 
 def _check_ranges(section: Any, ranges: dict, prefix: str) -> None:
@@ -146,9 +155,73 @@ def check_value(path: str, value: Any) -> Any:
     ValueError: as `resolve`, for this field; KeyError: a path without a range.
   """
   section, _, key = path.rpartition(".")
-  ranges = {"": _RUN_RANGES, "optim": _OPTIM_RANGES, "data": _DATA_RANGES}[section]
+  ranges = {"": _RUN_RANGES, "optim": _OPTIM_RANGES, "data": _DATA_RANGES,
+            "fewshot": _FEWSHOT_RANGES}[section]
   _check_ranges({key: value}, {key: ranges[key]}, f"{section}." if section else "")
   return value
+
+
+def _fewshot_list(fewshot: ml_collections.ConfigDict, key: str, expected: str, example: str,
+                  item: Callable[[Any], Any]) -> tuple:
+  """`config.fewshot.<key>` as a tuple of `item(v)`, or a ValueError naming the flag."""
+  value = fewshot[key]
+  error = ValueError(f"config.fewshot.{key}={value!r} must be {expected}; set "
+                     f"--config.fewshot.{key} to such a value, e.g. "
+                     f"--config.fewshot.{key}={example}.")
+  if not isinstance(value, (list, tuple)):
+    raise error
+  try:
+    return tuple(item(v) for v in value)
+  except ValueError:
+    raise error from None
+
+
+def resolve_fewshot(fewshot: ml_collections.ConfigDict) -> None:
+  """Checks `config.fewshot` (`vit_jax.config.defaults.fewshot_config`) and normalises it in
+  place: `datasets` split at commas (`--config.fewshot.datasets=cifar10,dtd` arrives as one
+  string), `shots` sorted, `l2_regs` floats.
+
+  Raises:
+    ValueError: naming the field, its value, the valid range and the flag to set.
+  """
+  _check_ranges(fewshot, _FEWSHOT_RANGES, "fewshot.")
+
+  def name(v):
+    if not isinstance(v, str) or not all(part.strip() for part in v.split(",")):
+      raise ValueError
+    return tuple(part.strip() for part in v.split(","))
+
+  def count(v):
+    if not (_integer(v) and v > 0):
+      raise ValueError
+    return v
+
+  def penalty(v):
+    if not (_number(v) and v > 0):
+      raise ValueError
+    return float(v)
+
+  datasets = sum(_fewshot_list(fewshot, "datasets", "a tuple of tfds names or prepared "
+                               "directories (empty: the training data)", "cifar10,dtd", name), ())
+  if len(set(datasets)) != len(datasets):
+    raise ValueError(f"config.fewshot.datasets={fewshot.datasets!r} names a dataset twice; "
+                     "list each once in --config.fewshot.datasets.")
+  shots = _fewshot_list(fewshot, "shots", "a non-empty tuple of distinct positive ints",
+                        "1,5,10,25", count)
+  if not shots or len(set(shots)) != len(shots):
+    raise ValueError(f"config.fewshot.shots={fewshot.shots!r} must be a non-empty tuple of "
+                     "distinct positive ints; set --config.fewshot.shots to such a value, e.g. "
+                     "--config.fewshot.shots=1,5,10,25.")
+  l2_regs = _fewshot_list(fewshot, "l2_regs", "a non-empty tuple of numbers > 0 (the ridge "
+                          "penalties)", "1024.0", penalty)
+  if not l2_regs:
+    raise ValueError("config.fewshot.l2_regs=() must hold at least one number > 0; set "
+                     "--config.fewshot.l2_regs=1024.0 (big_vision's value), or several.")
+  if fewshot.train_per_class is not None and fewshot.train_per_class < max(shots):
+    raise ValueError(f"config.fewshot.train_per_class={fewshot.train_per_class} keeps fewer "
+                     f"training examples per class than the largest shot count, {max(shots)}; "
+                     f"set --config.fewshot.train_per_class to at least {max(shots)} (or None).")
+  fewshot.update(datasets=datasets, shots=tuple(sorted(shots)), l2_regs=l2_regs)
 
 
 def validate_data(data_config: ml_collections.ConfigDict) -> None:
@@ -297,6 +370,8 @@ def resolve(config: ml_collections.ConfigDict, *, num_train_examples: int, num_c
   for section, ranges, prefix in ((config, _RUN_RANGES, ""), (config.optim, _OPTIM_RANGES, "optim."),
                                   (config.data, _DATA_RANGES, "data.")):
     _check_ranges(section, ranges, prefix)
+  if "fewshot" in config:
+    resolve_fewshot(config.fewshot)
   if config.num_classes is None:
     config.num_classes = int(num_classes)
   fields = _model_fields(config)

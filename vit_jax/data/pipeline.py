@@ -48,6 +48,8 @@ class DatasetInfo:
       files of all its splits (the counts above exclude them); None for a
       tfds dataset in 'skip' mode (dropped while reading: not known in
       advance; the counts above include them); 0 in 'fail' mode.
+    label_names: the C class names in label order (the tfds ClassLabel's
+      names; an image folder's class folder names, sorted).
   """
   num_classes: int
   multi_label: bool
@@ -55,6 +57,7 @@ class DatasetInfo:
   num_eval_examples: int
   image_shape: Tuple[int, int, int]
   num_skipped_images: Optional[int] = 0
+  label_names: Tuple[str, ...] = ()
 
 
 def _validate(data_cfg) -> None:
@@ -158,7 +161,8 @@ def get_info(data_cfg) -> DatasetInfo:
       num_eval_examples=_num_examples(source, data_cfg.eval_split,
                                       'config.data.eval_split'),
       image_shape=(s, s, 3),
-      num_skipped_images=source.num_skipped_images)
+      num_skipped_images=source.num_skipped_images,
+      label_names=source.label.names)
 
 
 class TrainIterator:

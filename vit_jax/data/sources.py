@@ -203,11 +203,14 @@ class LabelSpec:
     multi_label: True for a Sequence(ClassLabel) feature (multi-hot targets).
     mask_unlabeled_eval: eval examples with an empty label set get mask=False
       (ImageNet ReaL: unlabeled images are skipped, as in the ViT paper).
+    names: the class names in label order (the ClassLabel feature's names: an
+      image folder's class folders, sorted), C strings.
   """
   key: str
   num_classes: int
   multi_label: bool
   mask_unlabeled_eval: bool = False
+  names: Tuple[str, ...] = ()
 
 
 def _looks_like_path(name: str) -> bool:
@@ -494,11 +497,13 @@ def _label_spec(builder, name: str, label_key: Optional[str]) -> LabelSpec:
                    f'{name!r}; features: {sorted(features.keys())}.')
   feature = features[label_key]
   if isinstance(feature, tfds.features.ClassLabel):
-    return LabelSpec(label_key, feature.num_classes, multi_label=False)
+    return LabelSpec(label_key, feature.num_classes, multi_label=False,
+                     names=tuple(feature.names))
   if (isinstance(feature, tfds.features.Sequence) and
       isinstance(feature.feature, tfds.features.ClassLabel)):
     return LabelSpec(label_key, feature.feature.num_classes, multi_label=True,
-                     mask_unlabeled_eval=(label_key == 'real_label'))
+                     mask_unlabeled_eval=(label_key == 'real_label'),
+                     names=tuple(feature.feature.names))
   raise TypeError(
       f'Feature {label_key!r} of {name!r} is a {type(feature).__name__}; '
       'expected tfds.features.ClassLabel (single label) or '

@@ -65,7 +65,7 @@ This module has no training dependencies (no optax, no TensorFlow).
 
 from __future__ import annotations
 
-from typing import Any, Optional, Tuple, Union
+from typing import Any, Dict, Optional, Tuple, Union
 
 import flax.linen as nn
 import jax
@@ -558,8 +558,8 @@ def validate_config(*, num_classes, patch_size, hidden_size, mlp_dim, num_heads,
 POSEMB_KEY = 'params/Transformer/posembed_input/pos_embedding'
 
 
-def describe_architecture(shapes: dict) -> Optional[str]:
-  """The ViT fields that a checkpoint's parameter shapes imply, for error messages.
+def architecture_fields(shapes: dict) -> Optional[Dict[str, Any]]:
+  """The ViT fields that a checkpoint's parameter shapes imply.
 
   Args:
     shapes: ``'/'``-joined variable names (collection first, e.g.
@@ -567,32 +567,30 @@ def describe_architecture(shapes: dict) -> Optional[str]:
       or scanned (``encoderblock``, layers first); names as in the official checkpoints.
 
   Returns:
-    ``'The checkpoint is a ViT[ with a ResNet stem] with patch_size=.., hidden_size=..,
-    num_layers=.., num_heads=.., mlp_dim=.., representation_size=..[, resnet_num_layers=..][, N
-    classes].'``, or None when the shapes are not a ViT's (no 4-D ``embedding/kernel``).
+    ``{'patch_size', 'hidden_size', 'num_layers', 'num_heads', 'mlp_dim',
+    'representation_size', 'classifier', 'num_classes'[, 'resnet_num_layers',
+    'resnet_width_factor']}`` (``num_heads``/``mlp_dim`` None when their kernels are missing,
+    ``num_classes`` None without a head), or None when the shapes are not a ViT's (no 4-D
+    ``embedding/kernel``).
   """
   embedding = shapes.get('params/embedding/kernel')
   if not embedding or len(embedding) != 4:
     return None
   kh, kw, _, width = embedding
   head = shapes.get('params/head/kernel')
-  classes = f', {head[-1]} classes' if head else ''
   blocks = {k.split('/')[2] for k in shapes if k.startswith('params/Transformer/encoderblock')}
   query = next((s for k, s in shapes.items()
                 if k.endswith('MultiHeadDotProductAttention_0/query/kernel')), None)
   mlp = next((s[-1] for k, s in shapes.items() if k.endswith('MlpBlock_0/Dense_0/kernel')), None)
   layers = (int(shapes[next(k for k in shapes if '/encoderblock/' in k)][0])
             if blocks == {'encoderblock'} else len(blocks))
-  fields = [f'patch_size={kh if kh == kw else (kh, kw)}', f'hidden_size={width}',
-            f'num_layers={layers}']
-  if query is not None:
-    fields.append(f'num_heads={query[-2]}')
-  if mlp is not None:
-    fields.append(f'mlp_dim={mlp}')
   pre_logits = shapes.get('params/pre_logits/kernel')
-  fields.append(f'representation_size={pre_logits[-1] if pre_logits else None}')
-  hybrid = 'params/conv_root/kernel' in shapes
-  if hybrid:  # ResNet stem: params/block{stage}/unit{unit}/..., both counted from 1.
+  fields = dict(patch_size=kh if kh == kw else (kh, kw), hidden_size=width, num_layers=layers,
+                num_heads=query[-2] if query is not None else None, mlp_dim=mlp,
+                representation_size=pre_logits[-1] if pre_logits else None,
+                classifier='token' if 'params/cls' in shapes else 'gap',
+                num_classes=head[-1] if head else None)
+  if 'params/conv_root/kernel' in shapes:  # ResNet stem: params/block{stage}/unit{unit}/...
     units = {}
     for key in shapes:
       parts = key.split('/')
@@ -600,6 +598,29 @@ def describe_architecture(shapes: dict) -> Optional[str]:
           and parts[2][:4] == 'unit' and parts[2][4:].isdigit()):
         stage = int(parts[1][5:])
         units[stage] = max(units.get(stage, 0), int(parts[2][4:]))
-    fields.append(f'resnet_num_layers={tuple(units[s] for s in sorted(units))}')
-  stem = ' with a ResNet stem' if hybrid else ''
-  return f'The checkpoint is a ViT{stem} with {", ".join(fields)}{classes}.'
+    fields['resnet_num_layers'] = tuple(units[s] for s in sorted(units))
+    fields['resnet_width_factor'] = shapes['params/conv_root/kernel'][-1] / 64
+  return fields
+
+
+def describe_architecture(shapes: dict) -> Optional[str]:
+  """The ViT fields that a checkpoint's parameter shapes imply, for error messages.
+
+  Args:
+    shapes: as for :func:`architecture_fields`.
+
+  Returns:
+    ``'The checkpoint is a ViT[ with a ResNet stem] with patch_size=.., hidden_size=..,
+    num_layers=.., num_heads=.., mlp_dim=.., representation_size=..[, resnet_num_layers=..][, N
+    classes].'``, or None when the shapes are not a ViT's (no 4-D ``embedding/kernel``).
+  """
+  fields = architecture_fields(shapes)
+  if fields is None:
+    return None
+  names = ['patch_size', 'hidden_size', 'num_layers', 'num_heads', 'mlp_dim',
+           'representation_size', 'resnet_num_layers']
+  text = ', '.join(f'{k}={fields[k]}' for k in names
+                   if k in fields and (fields[k] is not None or k == 'representation_size'))
+  stem = ' with a ResNet stem' if 'resnet_num_layers' in fields else ''
+  classes = f', {fields["num_classes"]} classes' if fields['num_classes'] else ''
+  return f'The checkpoint is a ViT{stem} with {text}{classes}.'

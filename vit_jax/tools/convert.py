@@ -28,7 +28,6 @@ overwritten unless ``--overwrite`` is given.
 from __future__ import annotations
 
 import argparse
-import ast
 import math
 import os
 import sys
@@ -38,11 +37,7 @@ import numpy as np
 
 from vit_jax import checkpoint
 from vit_jax.checkpoint import npz
-
-#: The errors of bad input (exit status 2); any other OSError while writing is status 1.
-_INPUT_ERRORS = (ValueError, TypeError, KeyError, FileNotFoundError, FileExistsError,
-                 PermissionError, IsADirectoryError, NotADirectoryError)
-
+from vit_jax.tools import common
 
 def read(src: str, *, model_name: Optional[str] = None, use_ema: bool = True,
          overrides: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
@@ -126,45 +121,9 @@ def _summary(written: Mapping[str, Mapping[str, Tuple]]) -> str:
   return '\n'.join(lines)
 
 
-def _reason(error: Exception) -> str:
-  """One line: the error's message (an OSError's with its file name)."""
-  if isinstance(error, OSError) and error.strerror:
-    reason = error.strerror
-    if error.filename is not None and os.fsdecode(error.filename) not in reason:
-      reason = f'{reason}: {os.fsdecode(error.filename)!r}'
-    return reason
-  if isinstance(error, KeyError) and len(error.args) == 1:
-    return str(error.args[0])
-  return str(error)
-
-
-def _fatal(error: Exception, code: int) -> int:
-  print(f'FATAL: {_reason(error)}', file=sys.stderr)
-  return code
-
-
-def _parse_setting(text: str) -> Tuple[str, Any]:
-  """'embed_dim=64' -> ('embed_dim', 64); a non-literal value stays a string ('performer')."""
-  key, sep, value = text.partition('=')
-  if not sep or not key:
-    raise ValueError(f'--set {text!r}: expected KEY=VALUE, e.g. --set embed_dim=64.')
-  try:
-    return key, ast.literal_eval(value)
-  except (ValueError, SyntaxError):
-    return key, value
-
-
-class _Parser(argparse.ArgumentParser):
-  """argparse, with a usage error as the usage and one ``FATAL:`` line (exit status 2)."""
-
-  def error(self, message):
-    self.print_usage(sys.stderr)
-    self.exit(2, f'FATAL: {message}\n')
-
-
 def main(argv: Optional[Sequence[str]] = None) -> int:
   """Runs the converter on ``argv`` (default: the command line); returns the exit status."""
-  parser = _Parser(
+  parser = common.Parser(
       prog='python -m vit_jax.convert',
       description=__doc__.split('\n\n')[0] + ' DST is an Orbax checkpoint directory, or an '
       'official-layout .npz file (ViT parameters only).',
@@ -196,13 +155,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if os.path.exists(args.dst) and not args.overwrite:  # Before the (long) read.
       raise FileExistsError(f'{args.dst} exists; choose a new destination or pass --overwrite.')
     variables = read(args.src, model_name=args.model, use_ema=not args.no_ema,
-                     overrides=dict(_parse_setting(s) for s in args.set))
+                     overrides=dict(common.parse_setting(s) for s in args.set))
     kind = write(variables, args.dst, overwrite=args.overwrite)
     written = written_arrays(variables, args.dst)
-  except _INPUT_ERRORS as e:
-    return _fatal(e, 2)
+  except common.INPUT_ERRORS as e:
+    return common.fatal(e, 2)
   except OSError as e:  # E.g. the disk filled while writing.
-    return _fatal(e, 1)
+    return common.fatal(e, 1)
   print(f'Wrote {kind} {args.dst} from {args.src}:\n{_summary(written)}')
   return 0
 

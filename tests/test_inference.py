@@ -1,0 +1,129 @@
+"""A trained model from any source (vit_jax.inference, vit_jax.checkpoint.runs): the workdir
+describes itself (config, class names), the official files get their papers' evaluation
+settings, and the Runner reproduces the reference logits."""
+
+import json
+import os
+import shutil
+
+import numpy as np
+import pytest
+
+from vit_jax import data
+from vit_jax import inference
+from vit_jax.checkpoint import runs
+
+FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures")
+NPZ = os.path.join(FIXTURES, "vit_tiny", "params.npz")
+PTH = os.path.join(FIXTURES, "t2t_tiny_performer", "checkpoint.pth.tar")
+T2T_FIELDS = dict(embed_dim=64, depth=2, num_heads=2, mlp_ratio=2.0, token_dim=16,
+                  tokens_type="performer", qk_scale=64 ** -0.5)
+
+
+@pytest.mark.golden
+def test_an_official_npz_gets_its_architecture_from_the_shapes_and_the_reference_logits():
+  trained = inference.load(NPZ)
+  assert trained.config.model_name == "ViT-custom"
+  model = trained.config.model
+  assert (tuple(model.patch_size), model.hidden_size, model.num_layers, model.num_heads,
+          model.mlp_dim, model.classifier, model.scan) == ((4, 4), 32, 2, 2, 64, "token", False)
+  # 8x8 grid of 4x4 patches (65 rows with the class token): 32 px, the official preprocessing.
+  assert trained.image_size == 32 and trained.config.data.normalization == "minus_one_to_one"
+  assert trained.config.data.eval_crop_pct is None and trained.config.loss == "softmax_xent"
+  assert trained.num_classes == 10 and trained.label_names is None and trained.step is None
+  logits = inference.Runner(trained).logits(np.load(os.path.join(FIXTURES, "vit_tiny",
+                                                                 "inputs.npy")))
+  np.testing.assert_allclose(logits, np.load(os.path.join(FIXTURES, "vit_tiny", "logits.npy")),
+                             atol=2e-5)
+  probabilities = trained.probabilities(logits)
+  np.testing.assert_allclose(probabilities.sum(-1), 1.0, rtol=1e-6)
+  assert (probabilities.argmax(-1) == logits.argmax(-1)).all()
+
+
+@pytest.mark.slow
+@pytest.mark.golden
+def test_a_t2t_pth_tar_reads_its_class_count_and_size_and_evaluates_with_the_t2t_crop():
+  trained = inference.load(PTH, model_name="T2T-ViT-custom", overrides=T2T_FIELDS)
+  assert trained.image_size == 64 and trained.num_classes == 10  # pos_embed: 4x4 + 1 rows.
+  assert (trained.config.data.normalization, trained.config.data.eval_crop_pct) == ("imagenet",
+                                                                                    0.9)
+  runner = inference.Runner(trained)
+  images = np.load(os.path.join(FIXTURES, "t2t_tiny_performer", "inputs_nhwc.npy"))
+  np.testing.assert_allclose(runner.logits(images), np.load(
+      os.path.join(FIXTURES, "t2t_tiny_performer", "logits.npy")), atol=2e-5)  # The EMA.
+  features = runner.features(images)
+  assert features.shape == (2, 64) and np.isfinite(features).all()
+
+
+def test_bad_sources_are_one_clear_error(tmp_path):
+  with pytest.raises(FileNotFoundError, match=r"does not exist: give a training workdir"):
+    inference.load(tmp_path / "nothing")
+  with pytest.raises(ValueError, match=r"PyTorch checkpoint: name its model with --model"):
+    inference.load(PTH)
+  with pytest.raises(ValueError, match=r"params.npz does not fit --model ViT-B_16. The checkpoint "
+                     r"is a ViT with patch_size=4, hidden_size=32, num_layers=2, .* 10 classes. "
+                     r"Name the model these weights are of \(an .npz needs no --model"):
+    inference.load(NPZ, model_name="ViT-B_16")
+  with pytest.raises(ValueError, match=r"checkpoint.pth.tar does not fit --model T2T-ViT-14. The "
+                     r"checkpoint is a T2T-ViT with embed_dim=64, depth=2, .* 10 classes. Name"):
+    inference.load(PTH, model_name="T2T-ViT-14")
+  with pytest.raises(ValueError, match=r"--num-classes 5 does not match .*its head has 10"):
+    inference.load(NPZ, num_classes=5)
+  with pytest.raises(ValueError, match=r"--step applies to training workdirs"):
+    inference.load(NPZ, step=3)
+  with pytest.raises(ValueError, match=r"is not a T2T-ViT|not one"):
+    inference.load(PTH, model_name="ViT-B_16")
+  empty = tmp_path / "empty"
+  empty.mkdir()
+  with pytest.raises(ValueError, match="Unrecognised checkpoint directory"):
+    inference.load(empty)
+  runner = inference.Runner(inference.load(NPZ))
+  with pytest.raises(ValueError, match=r"the model takes \[B, 32, 32, 3\]"):
+    runner.logits(np.zeros((1, 28, 28, 3), np.float32))
+
+
+@pytest.mark.slow
+def test_a_workdir_rebuilds_its_model_labels_and_preprocessing(tiny_workdir, tmp_path,
+                                                                monkeypatch):
+  workdir, _, _ = tiny_workdir
+  record = json.load(open(os.path.join(workdir, "dataset.json")))
+  assert record["label_names"] == ["class_0", "class_1", "class_2"]
+  assert (record["num_classes"], record["multi_label"], record["image_shape"],
+          record["num_train_examples"]) == (3, False, [8, 8, 3], 15)
+
+  trained = inference.load(workdir)
+  assert trained.step == 12 and trained.label_names == ("class_0", "class_1", "class_2")
+  assert trained.description == f"{workdir} (step 12, parameters)"
+  assert trained.image_size == 8 and trained.config.model.scan  # The layout it was trained in.
+  images = np.random.default_rng(0).uniform(-1, 1, (3, 8, 8, 3)).astype(np.float32)
+  logits = inference.Runner(trained).logits(images)
+  assert logits.shape == (3, 3)
+
+  # An earlier step, a step directory, the checkpoints directory: the same run.
+  assert inference.load(workdir, step=6).step == 6
+  assert inference.load(os.path.join(workdir, "checkpoints", "6")).label_names == (
+      "class_0", "class_1", "class_2")
+  assert inference.load(os.path.join(workdir, "checkpoints")).step == 12
+  with pytest.raises(FileNotFoundError, match=r"Step 7 is not saved .* saved steps are \[6, 12\]"):
+    inference.load(workdir, step=7)
+  with pytest.raises(ValueError, match=r"training workdir of ViT-custom: its saved config "
+                     "rebuilds the model; drop --model"):
+    inference.load(workdir, model_name="ViT-custom", overrides={"hidden_size": 8})
+
+  # A run saved before the dataset record existed: the names from its data while it is there.
+  old = tmp_path / "old"
+  shutil.copytree(workdir, old)
+  os.remove(old / "dataset.json")
+  for step in (6, 12):
+    shutil.rmtree(old / "checkpoints" / str(step) / "dataset")
+  assert runs.read_run(old).dataset is None
+  older = inference.load(old)
+  assert older.label_names == ("class_0", "class_1", "class_2")
+  np.testing.assert_allclose(inference.Runner(older).logits(images), logits, rtol=1e-6)
+
+  def unreadable(data_config):
+    raise FileNotFoundError(f"{data_config.image_folder} is gone")
+
+  monkeypatch.setattr(data, "get_info", unreadable)  # Then without names, the rest as before.
+  older = inference.load(old)
+  assert older.label_names is None and older.label_name(2) == "2"

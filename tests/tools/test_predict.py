@@ -1,0 +1,274 @@
+"""`python -m vit_jax.predict` and `vit_jax.predict.Predictor`: the official fixtures and a trained
+workdir through the predictor, the eval preprocessing of image files, the bad inputs of the
+command (one FATAL line, exit 2; an undecodable image among good ones skipped with a warning)."""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import numpy as np
+from PIL import Image
+import pytest
+import tensorflow as tf
+
+from vit_jax.data import preprocess
+from vit_jax.tools import predict
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+FIXTURES = ROOT / "tests" / "fixtures"
+NPZ = str(FIXTURES / "vit_tiny" / "params.npz")
+PTH = str(FIXTURES / "t2t_tiny_performer" / "checkpoint.pth.tar")
+T2T_FIELDS = dict(embed_dim=64, depth=2, num_heads=2, mlp_ratio=2.0, token_dim=16,
+                  tokens_type="performer", qk_scale=0.125)
+
+
+def _softmax(logits):
+  e = np.exp(logits - logits.max(-1, keepdims=True))
+  return e / e.sum(-1, keepdims=True)
+
+
+@pytest.fixture(scope="module")
+def npz_predictor():
+  return predict.Predictor(NPZ, batch_size=2)
+
+
+def _write_png(path, array):
+  Image.fromarray(array).save(path)
+  return str(path)
+
+
+def _random_image(seed, shape):
+  return np.random.default_rng(seed).integers(0, 256, shape, dtype=np.uint8)
+
+
+def test_the_shim_exports_the_predictor_without_importing_jax():
+  code = ("import sys, vit_jax.predict as p; assert 'jax' not in sys.modules; "
+          "from vit_jax.predict import Predictor, Prediction; "
+          "print(Predictor.__module__, Prediction._fields)")
+  out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                       check=True).stdout
+  assert out.strip() == "vit_jax.tools.predict ('label', 'index', 'probability')"
+
+
+@pytest.mark.golden
+def test_an_official_npz_predicts_the_softmax_of_its_reference_logits(npz_predictor):
+  inputs = np.load(FIXTURES / "vit_tiny" / "inputs.npy")
+  expected = _softmax(np.load(FIXTURES / "vit_tiny" / "logits.npy").astype(np.float64))
+  top = npz_predictor.predict_inputs(inputs, top_k=10)
+  assert npz_predictor.label_names is None and npz_predictor.image_size == 32
+  for row, predictions in zip(expected, top):
+    assert [p.index for p in predictions] == list(np.argsort(-row, kind="stable"))
+    assert [p.label for p in predictions] == [str(p.index) for p in predictions]
+    np.testing.assert_allclose([p.probability for p in predictions], np.sort(row)[::-1],
+                               atol=1e-5)
+  assert len(npz_predictor.predict_inputs(inputs, top_k=3)[0]) == 3
+  with pytest.raises(ValueError, match=r"top_k=0: give 1 or more classes per image"):
+    npz_predictor.predict_inputs(inputs, top_k=0)
+
+
+def _with_head(path, num_classes, seed=0):
+  """The vit_tiny fixture with a random head of ``num_classes`` (an official-format .npz)."""
+  with np.load(NPZ) as fixture:
+    arrays = {k: fixture[k] for k in fixture.files}
+  rng = np.random.default_rng(seed)
+  # Small logits: sigmoids far from 1, so that the order of the probabilities is the logits'.
+  arrays["head/kernel"] = rng.normal(0, 0.05, (32, num_classes)).astype(np.float32)
+  arrays["head/bias"] = np.zeros(num_classes, np.float32)
+  np.savez(path, **arrays)
+  return str(path)
+
+
+@pytest.mark.slow
+def test_official_imagenet_heads_get_the_imagenet_names_and_their_loss(tmp_path):
+  """1,000 classes: ImageNet-1k names, softmax; 21,843: ImageNet-21k names, sigmoids."""
+  image = _random_image(5, (32, 32, 3))
+  predictor = predict.Predictor(_with_head(tmp_path / "in1k.npz", 1000), batch_size=1)
+  assert predictor.label_names[0] == "tench" and predictor.trained.config.loss == "softmax_xent"
+  top = predictor.predict(image, top_k=3)[0]
+  assert [p.label for p in top] == [predictor.label_names[p.index] for p in top]
+  probabilities = predictor.probabilities(image)[0]
+  assert probabilities.sum() == pytest.approx(1.0, abs=1e-5)
+  predictor = predict.Predictor(_with_head(tmp_path / "in21k.npz", 21843), batch_size=1)
+  assert predictor.label_names[-1] == "knothole" and predictor.trained.multi_label
+  logits = predictor.runner.logits(predictor.preprocess(image)[None])[0]
+  top = predictor.predict(image, top_k=2)[0]
+  assert top[0].probability == pytest.approx(1 / (1 + np.exp(-logits.max())), abs=1e-6)
+  assert top[0].label == predictor.label_names[int(logits.argmax())]
+
+
+@pytest.mark.slow
+@pytest.mark.golden
+def test_a_t2t_pth_tar_predicts_the_softmax_of_its_reference_ema_logits():
+  predictor = predict.Predictor(PTH, model_name="T2T-ViT-custom", overrides=T2T_FIELDS,
+                                batch_size=2)
+  inputs = np.load(FIXTURES / "t2t_tiny_performer" / "inputs_nhwc.npy")
+  expected = _softmax(np.load(FIXTURES / "t2t_tiny_performer" / "logits.npy").astype(np.float64))
+  for row, predictions in zip(expected, predictor.predict_inputs(inputs, top_k=10)):
+    assert [p.index for p in predictions] == list(np.argsort(-row, kind="stable"))
+    np.testing.assert_allclose([p.probability for p in predictions], np.sort(row)[::-1],
+                               atol=1e-5)
+  # Files get the T2T-ViT evaluation: resize to 64 / 0.9 = 71 px, central 64 px, mean/std.
+  data = predictor.trained.config.data
+  assert (data.image_size, data.eval_crop_pct, data.normalization) == (64, 0.9, "imagenet")
+
+
+def test_a_file_is_preprocessed_as_the_eval_pipeline_and_pil_and_arrays_as_the_file(
+    npz_predictor, tmp_path):
+  """A 20x13 RGB PNG predicted through its path has the probabilities of `Runner.logits` of
+  `preprocess.eval_image` of the file's bytes; the same pixels as a PIL image or an array give
+  the same; a grey image is the grey value in three channels (as `decode_rgb` makes it)."""
+  rgb = _random_image(0, (20, 13, 3))
+  path = _write_png(tmp_path / "rgb.png", rgb)
+  trained, runner = npz_predictor.trained, npz_predictor.runner
+  reference = preprocess.eval_image(tf.io.read_file(path), encoded=True, size=32,
+                                    normalization="minus_one_to_one", crop_pct=None).numpy()
+  expected = trained.probabilities(runner.logits(reference[None]))[0]
+  np.testing.assert_array_equal(npz_predictor.preprocess(path), reference)
+  for image in (path, pathlib.Path(path), Image.open(path), rgb, np.concatenate(
+      [rgb, np.full((20, 13, 1), 255, np.uint8)], -1)):  # RGBA: the alpha is dropped.
+    np.testing.assert_allclose(npz_predictor.probabilities(image)[0], expected, atol=1e-6)
+  top = npz_predictor.predict([path, rgb], top_k=2)
+  assert [len(t) for t in top] == [2, 2] and top[0] == top[1]
+  assert top[0][0].index == int(np.argmax(expected))
+  assert top[0][0].probability == pytest.approx(float(expected.max()), abs=1e-6)
+
+  grey = _random_image(1, (9, 9))
+  grey_path = _write_png(tmp_path / "grey.png", grey)
+  as_rgb = np.repeat(grey[..., None], 3, -1)
+  np.testing.assert_array_equal(npz_predictor.preprocess(grey_path),
+                                npz_predictor.preprocess(as_rgb))
+  np.testing.assert_array_equal(npz_predictor.preprocess(grey),
+                                npz_predictor.preprocess(as_rgb))
+  np.testing.assert_array_equal(npz_predictor.preprocess(Image.fromarray(grey)),
+                                npz_predictor.preprocess(as_rgb))
+  with pytest.raises(ValueError, match=r"an array of shape \(4, 4, 2\); an image is \[H, W\]"):
+    npz_predictor.predict(np.zeros((4, 4, 2), np.uint8))
+
+
+def test_a_workdir_predicts_the_class_names_of_its_image_folder(tiny_workdir):
+  workdir, folder, _ = tiny_workdir
+  with open(os.path.join(workdir, "dataset.json")) as f:
+    assert json.load(f)["label_names"] == ["class_0", "class_1", "class_2"]
+  predictor = predict.Predictor(workdir, batch_size=4)
+  assert predictor.label_names == ("class_0", "class_1", "class_2")
+  assert predictor.trained.step == 12
+  paths = [os.path.join(folder, "test", f"class_{c}", "img_0.png") for c in range(3)]
+  top = predictor.predict(paths, top_k=3)
+  for predictions in top:
+    assert sorted(p.label for p in predictions) == ["class_0", "class_1", "class_2"]
+    assert [p.label for p in predictions] == [f"class_{p.index}" for p in predictions]
+    assert sum(p.probability for p in predictions) == pytest.approx(1.0, abs=1e-5)
+
+
+@pytest.mark.slow
+def test_the_command_on_a_workdir_prints_its_class_names(tiny_workdir, capsys):
+  workdir, folder, _ = tiny_workdir
+  paths = [os.path.join(folder, "test", f"class_{c}", "img_0.png") for c in range(3)]
+  top = predict.Predictor(workdir).predict(paths, top_k=3)
+  code, out, _ = _main(capsys, workdir, *paths, "--top-k", "3", "--json")
+  assert code == 0
+  assert [[(p["label"], p["index"]) for p in r["predictions"]] for r in json.loads(out)] == [
+      [(p.label, p.index) for p in predictions] for predictions in top]
+  code, out, _ = _main(capsys, workdir, paths[0], "--top-k", "1")
+  assert code == 0
+  assert out.splitlines()[0] == f"# {workdir} (step 12, parameters): 3 classes (softmax)"
+  assert out.splitlines()[2:4] == [paths[0], f"  {100 * top[0][0].probability:6.2f}%  "
+                                   f"{top[0][0].label}"]
+
+
+def _main(capsys, *argv):
+  code = predict.main([str(a) for a in argv])
+  out, err = capsys.readouterr()
+  return code, out, err
+
+
+def test_bad_inputs_are_one_fatal_line_and_exit_status_2(capsys, tmp_path):
+  image = _write_png(tmp_path / "a.png", _random_image(2, (8, 8, 3)))
+  (tmp_path / "empty").mkdir()
+  (tmp_path / "empty" / "notes.txt").write_text("no images here")
+  for argv, message in [
+      ([tmp_path / "no_model", image],
+       f"FATAL: {tmp_path / 'no_model'} does not exist: give a training workdir"),
+      ([NPZ, tmp_path / "missing.png"],
+       f"FATAL: {tmp_path / 'missing.png'} does not exist: give image files or folders of them."),
+      ([NPZ, tmp_path / "empty"],
+       f"FATAL: {tmp_path / 'empty'} has no image files (.jpg .jpeg .png .bmp .gif .webp, in it "
+       "or its subfolders): give image files or a folder of them."),
+      ([NPZ, image, "--top-k", "0"], "FATAL: --top-k 0: give 1 or more classes per image."),
+      ([NPZ, image, "--batch-size", "0"],
+       "FATAL: --batch-size 0: give 1 or more images per batch."),
+      ([NPZ, image, "--model", "ViT-B_16"], f"FATAL: {NPZ}")]:
+    code, out, err = _main(capsys, *argv)
+    assert (code, out) == (2, ""), (argv, err)
+    assert err.count("\n") == 1 and err.startswith(message), (argv, err)
+  # The wrong model names what the weights are.
+  assert "ViT-B_16" in err and "Traceback" not in err
+
+
+def test_an_undecodable_image_is_skipped_and_only_bad_images_exit_2(capsys, tmp_path,
+                                                                    monkeypatch, npz_predictor):
+  # The command's model: the module's predictor (of the same file), compiled once.
+  batches = []
+  monkeypatch.setattr(predict, "Predictor",
+                      lambda trained, batch_size: batches.append(batch_size) or npz_predictor)
+  good = [_write_png(tmp_path / f"{i}.png", _random_image(i, (8, 8, 3))) for i in range(2)]
+  bad = tmp_path / "broken.png"
+  bad.write_bytes(b"this is not a PNG")
+  empty = tmp_path / "empty.jpg"
+  empty.write_bytes(b"")
+  code, out, err = _main(capsys, NPZ, tmp_path, "--json", "--top-k", "2", "--batch-size", "2")
+  assert code == 0
+  warnings = [line for line in err.splitlines() if line.startswith("WARNING: skipped")]
+  assert warnings == [
+      f"WARNING: skipped {bad}: not a decodable image: Unknown image file format. One of JPEG, "
+      "JPEG XL, PNG, GIF, BMP, WebP required.",
+      f"WARNING: skipped {empty}: not a decodable image: Input is empty."]
+  records = json.loads(out)
+  assert [r["path"] for r in records] == good
+  for record in records:
+    assert [sorted(p) for p in record["predictions"]] == [["index", "label", "probability"]] * 2
+    assert record["predictions"][0]["label"] is None  # The .npz has no class names.
+  assert "predict: 4/4 images" in err  # Two batches: the progress line.
+  assert batches == [2]
+
+  code, out, err = _main(capsys, NPZ, good[0], "--top-k", "2")  # Text.
+  lines = out.splitlines()
+  assert (code, lines[0], lines[2], lines[5:]) == (
+      0, f"# {NPZ}: 10 classes (softmax, no class names)", good[0], [""])
+  for line, prediction in zip(lines[3:5], records[0]["predictions"]):
+    assert line == f"  {100 * prediction['probability']:6.2f}%  class {prediction['index']}"
+
+  code, out, err = _main(capsys, NPZ, bad, empty)
+  assert (code, out) == (2, "")
+  assert err.splitlines()[-1] == ("FATAL: none of the 2 image file(s) could be decoded (see the "
+                                  "warnings above): give JPEG, PNG, GIF, BMP or WebP images.")
+  assert err.count("WARNING: skipped") == 2
+
+
+@pytest.mark.slow
+def test_the_command_prints_text_and_json(tmp_path):
+  folder = tmp_path / "images"
+  (folder / "sub").mkdir(parents=True)
+  paths = [_write_png(folder / "b.png", _random_image(3, (10, 10, 3))),
+           _write_png(folder / "sub" / "a.PNG", _random_image(4, (40, 30, 3)))]
+  (folder / "readme.txt").write_text("not an image, and not taken from a folder")
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+
+  def run(*args):
+    return subprocess.run([sys.executable, "-m", "vit_jax.predict", NPZ, *args], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=300)
+
+  proc = run(str(folder), "--json", "--top-k", "3")
+  assert proc.returncode == 0, proc.stderr
+  records = json.loads(proc.stdout)
+  assert [r["path"] for r in records] == sorted(paths)
+  for record in records:
+    probabilities = [p["probability"] for p in record["predictions"]]
+    assert probabilities == sorted(probabilities, reverse=True) and len(probabilities) == 3
+
+  proc = run(str(tmp_path / "nothing.png"))
+  assert proc.returncode == 2
+  assert proc.stderr.strip().splitlines()[-1] == (
+      f"FATAL: {tmp_path / 'nothing.png'} does not exist: give image files or folders of them.")

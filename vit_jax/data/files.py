@@ -1,0 +1,141 @@
+"""Single image files and arrays, preprocessed exactly as the eval pipeline preprocesses images.
+
+Used by ``python -m vit_jax.predict``:
+
+  paths = files.list_images('/photos')                  # the image files under a folder, sorted
+  x = files.eval_input('/photos/cat.jpg', size=224, normalization='minus_one_to_one')
+  # -> float32 [224, 224, 3], as `preprocess.eval_image` makes it in the eval pipeline
+
+Files are read with ``tf.io.gfile`` (local paths or any TensorFlow filesystem, e.g. ``gs://``) and
+decoded by content with ``tf.io.decode_image`` (JPEG, PNG, GIF (first frame), BMP, WebP; grey
+images become three equal channels, alpha is dropped), then resized (or resized and centrally
+cropped) and normalised by `vit_jax.data.preprocess.eval_image`.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from typing import Any, List, Optional
+
+import numpy as np
+import tensorflow as tf
+
+from vit_jax.data import preprocess
+from vit_jax.data.sources import BadImageError
+
+#: File name endings (lower case) that `list_images` takes for images.
+IMAGE_EXTENSIONS = ('.jpg', '.jpeg', '.png', '.bmp', '.gif', '.webp')
+
+
+def is_image_name(path: str) -> bool:
+  """Whether ``path`` ends in one of `IMAGE_EXTENSIONS` (any case)."""
+  return str(path).lower().endswith(IMAGE_EXTENSIONS)
+
+
+def list_images(folder: str, recursive: bool = True) -> List[str]:
+  """The image files (by name: `IMAGE_EXTENSIONS`) in ``folder`` and, when ``recursive``, in
+  its subfolders; hidden files and folders (names starting with '.') are left out.
+
+  Returns:
+    The paths (``folder`` joined with the relative path), sorted.
+
+  Raises:
+    FileNotFoundError: ``folder`` is not a directory.
+  """
+  folder = str(folder)
+  if not tf.io.gfile.isdir(folder):
+    raise FileNotFoundError(f'{folder} is not a directory.')
+  found = []
+  for root, dirs, names in tf.io.gfile.walk(folder):
+    dirs[:] = sorted(d for d in dirs if not d.startswith('.'))
+    found += [os.path.join(root, n) for n in names
+              if not n.startswith('.') and is_image_name(n)]
+    if not recursive:
+      break
+  return sorted(found)
+
+
+def read_bytes(path: str) -> bytes:
+  """The contents of the file ``path``.
+
+  Raises:
+    FileNotFoundError: no file there; IsADirectoryError: a directory; PermissionError: not
+      readable.
+  """
+  path = str(path)
+  try:
+    if tf.io.gfile.isdir(path):
+      raise IsADirectoryError(f'{path} is a directory, not an image file.')
+    with tf.io.gfile.GFile(path, 'rb') as f:
+      return f.read()
+  except tf.errors.NotFoundError as e:
+    raise FileNotFoundError(f'{path} does not exist.') from e
+  except tf.errors.PermissionDeniedError as e:
+    raise PermissionError(f'{path} cannot be read (permission denied).') from e
+
+
+def _tf_reason(error: tf.errors.OpError) -> str:
+  """The first line of a TensorFlow error, without its op name and function prefix."""
+  text = (getattr(error, 'message', '') or str(error)).strip().splitlines()
+  text = re.sub(r'^\{\{function_node [^}]*\}\}\s*', '', text[0] if text else '')
+  return re.sub(r'\s*\[Op:\w+\]( name:.*)?$', '', text).strip() or type(error).__name__
+
+
+def eval_input(image: Any, *, size: int, normalization: Optional[str],
+               crop_pct: Optional[float] = None, name: Optional[str] = None) -> np.ndarray:
+  """One image as the model's eval input: float32 ``[size, size, 3]``.
+
+  The preprocessing is `preprocess.eval_image` (that of the eval pipeline): decoding to uint8
+  RGB (`preprocess.decode_rgb`), then a bilinear resize to ``size`` (``crop_pct=None``) or the
+  resize-and-central-crop of ``crop_pct``, then ``normalization`` ('minus_one_to_one',
+  'imagenet', or None for pixels in [0, 255]).
+
+  Args:
+    image: a file path (str or ``os.PathLike``); encoded image bytes; a NumPy array or
+      TensorFlow tensor ``[H, W]`` or ``[H, W, C]`` with C in {1, 3, 4}, uint8 (other dtypes are
+      converted by ``tf.image.convert_image_dtype``: floats in [0, 1]); or a PIL image.
+    size, normalization, crop_pct: ``config.data.image_size``, ``.normalization``,
+      ``.eval_crop_pct`` of the model.
+    name: how errors name the image (default: its path, or 'the image').
+
+  Raises:
+    BadImageError (a ValueError): a file or bytes that are not a decodable image (the message
+      names the file).
+    FileNotFoundError, IsADirectoryError, PermissionError: a path that is not a readable file.
+    ValueError: an array of another shape than above.
+  """
+  kwargs = dict(size=int(size), normalization=normalization, crop_pct=crop_pct)
+  if isinstance(image, (str, os.PathLike)):
+    name = name or os.fspath(image)
+    image = read_bytes(os.fspath(image))
+  if isinstance(image, bytes):
+    name = name or 'the image'
+    try:
+      out = preprocess.eval_image(tf.constant(image), encoded=True, **kwargs)
+    except (tf.errors.InvalidArgumentError, tf.errors.UnimplementedError) as e:
+      raise BadImageError(f'{name} is not a decodable image: {_tf_reason(e)}',
+                          paths=[name]) from e
+    return out.numpy()
+  array = _as_array(image, name or 'the image')
+  return preprocess.eval_image(tf.convert_to_tensor(array), encoded=False, **kwargs).numpy()
+
+
+def _as_array(image: Any, name: str) -> np.ndarray:
+  """A PIL image or array -> an array ``[H, W, C]``, C in {1, 3, 4}."""
+  if hasattr(image, 'mode') and hasattr(image, 'convert'):  # A PIL image (PIL is optional).
+    if image.mode not in ('L', 'RGB', 'RGBA'):
+      image = image.convert('RGBA' if 'A' in image.mode or 'transparency' in image.info
+                            else 'RGB')
+    image = np.asarray(image)
+  array = image.numpy() if isinstance(image, tf.Tensor) else np.asarray(image)
+  if array.ndim == 2:
+    array = array[..., None]
+  if array.ndim != 3 or array.shape[-1] not in (1, 3, 4) or 0 in array.shape:
+    raise ValueError(f'{name}: an array of shape {array.shape}; an image is [H, W] or '
+                     '[H, W, C] with C = 1, 3 or 4 (uint8, or floats in [0, 1]).')
+  if array.dtype == bool or not (np.issubdtype(array.dtype, np.integer)
+                                 or np.issubdtype(array.dtype, np.floating)):
+    raise ValueError(f'{name}: an array of dtype {array.dtype}; give uint8 pixels (or floats '
+                     'in [0, 1]).')
+  return array

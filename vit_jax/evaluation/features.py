@@ -1,0 +1,111 @@
+"""Pre-logit features of a dataset, sharded like the eval step, gathered onto every process.
+
+  featurizer = Featurizer(setup)                  # a `vit_jax.step.Setup`
+  kept = collect(featurizer, variables, eval_ds, num_classes=10, per_class=75)
+  kept.features   # float32 [N, F], rows in reading order; kept.labels: int64 [N]
+
+`Featurizer` runs `Setup.jit_features_step()` (the model without its head, the batch sharded over
+the mesh's batch axes) on `vit_jax.data.EvalDataset` batches; `collect` keeps the real examples,
+optionally only the first ones of each class, and stops reading early. Used by few-shot linear
+evaluation (`vit_jax.evaluation.fewshot`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from typing import Any, Callable, ContextManager, Iterable, Optional
+
+import jax
+from jax.experimental import multihost_utils
+import numpy as np
+
+
+class Featurizer:
+  """`vit_jax.step.Setup.jit_features_step`, compiled once per batch shape, on this process's
+  batches; outputs gathered onto every process as numpy (`process_allgather`).
+
+  Args:
+    setup: the `vit_jax.step.Setup` of the model.
+    compile_timer: `() -> context manager` around each compilation (e.g.
+      `lambda: accountant.timed('compile')`).
+  """
+
+  def __init__(self, setup: Any, compile_timer: Optional[Callable[[], ContextManager]] = None):
+    self._setup, self._jitted = setup, setup.jit_features_step()
+    self._timer = compile_timer or contextlib.nullcontext
+    self._compiled: dict[Any, Any] = {}
+
+  def to_global(self, local: np.ndarray) -> jax.Array:
+    """This process's `[b, ...]` rows -> the global `[B, ...]` array, batch-sharded."""
+    return jax.make_array_from_process_local_data(self._setup.batch_sharding, local)
+
+  def gather(self, local: np.ndarray) -> np.ndarray:
+    """This process's `[b, ...]` rows -> the global `[B, ...]` rows (numpy, every process),
+    in the order of `features`' rows."""
+    return np.asarray(multihost_utils.process_allgather(self.to_global(local), tiled=True))
+
+  def features(self, variables: dict[str, Any], images: np.ndarray) -> np.ndarray:
+    """float32 [B, F] of the global batch whose local part is `images` [b, H, W, 3].
+
+    Args:
+      variables: `{'params', ['model_state']}` placed with `setup.variables_shardings`.
+    """
+    images = self.to_global(images)
+    key = (images.shape, images.dtype)
+    if key not in self._compiled:
+      with self._timer():
+        self._compiled[key] = self._setup.compile(self._jitted, variables, images)
+    out = self._compiled[key](variables, images)
+    return np.asarray(multihost_utils.process_allgather(out, tiled=True), np.float32)
+
+
+@dataclasses.dataclass(frozen=True)
+class Collected:
+  """What `collect` kept: float32 [N, F] `features`, int64 [N] `labels`, and `read`, the real
+  examples read (all processes)."""
+  features: np.ndarray
+  labels: np.ndarray
+  read: int
+
+
+def collect(featurizer: Featurizer, variables: dict[str, Any], batches: Iterable[dict],
+            *, num_classes: int, per_class: Optional[int] = None,
+            max_examples: Optional[int] = None) -> Collected:
+  """The features and labels of a dataset's real examples in reading order.
+
+  Batches are `vit_jax.data.EvalDataset` batches ('image', one-hot 'labels', 'mask'). Which
+  examples are kept and when reading stops is decided from the gathered labels and masks, the
+  same on every process, so every process runs the same steps (no multi-host deadlock); a batch
+  with nothing to keep is not featurised.
+
+  Args:
+    per_class: keep only the first `per_class` examples of each class; stop reading once every
+      class has them.
+    max_examples: keep only the first `max_examples` examples; stop reading then.
+
+  Returns:
+    `Collected` (features in the global batches' row order).
+  """
+  counts = np.zeros(num_classes, np.int64)
+  features, labels, read, kept = [], [], 0, 0
+  for batch in batches:
+    label = featurizer.gather(np.argmax(batch["labels"], axis=-1).astype(np.int32))
+    keep = featurizer.gather(np.asarray(batch["mask"], bool)).copy()
+    read += int(keep.sum())
+    if per_class is not None:
+      for i in np.flatnonzero(keep):
+        keep[i] = counts[label[i]] < per_class
+        counts[label[i]] += keep[i]
+    if max_examples is not None:
+      keep &= np.cumsum(keep) <= max_examples - kept
+    if keep.any():
+      features.append(featurizer.features(variables, batch["image"])[keep])
+      labels.append(label[keep].astype(np.int64))
+      kept += int(keep.sum())
+    if ((per_class is not None and (counts >= per_class).all())
+        or (max_examples is not None and kept >= max_examples)):
+      break
+  if not labels:
+    return Collected(np.zeros((0, 0), np.float32), np.zeros(0, np.int64), read)
+  return Collected(np.concatenate(features), np.concatenate(labels), read)

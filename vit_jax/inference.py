@@ -1,0 +1,501 @@
+"""A trained model from any source, ready to predict, evaluate and give features.
+
+  trained = inference.load('/tmp/vit_fmnist')          # a workdir: its latest step, EMA if kept
+  runner = inference.Runner(trained)                    # placed on this host's devices
+  logits = runner.logits(images)                        # [B, H, W, 3], preprocessed -> [B, C]
+  probs = trained.probabilities(logits)                 # softmax or sigmoid, as it was trained
+  names = trained.label_names                           # ('T-shirt/top', 'Trouser', ...)
+
+A source is a training workdir (or its ``checkpoints`` directory, or one step), an official ViT
+``.npz``, a T2T-ViT ``.pth``/``.pth.tar``, or a variables checkpoint of
+``python -m vit_jax.convert``. A workdir describes itself: every step saves the resolved config
+(model, preprocessing, loss) and the training data's record (class names; see
+``vit_jax.train.dataset_record``). For the official files a config is made up from what the
+weights imply and the papers' evaluation settings:
+
+* ``.npz`` (ViT, R+ViT): the architecture from the parameter shapes (``--model`` optional, and
+  checked when given), the image size from the position embedding's grid, pixels in [-1, 1],
+  a plain resize (the official evaluation); 21,843 classes (ImageNet-21k) are scored with a
+  sigmoid, others with a softmax; ImageNet-1k/21k class names from ``vit_jax.labels``.
+* ``.pth.tar`` (T2T-ViT): ``model_name`` is required (the file does not name its variant); the
+  class count and image size from ``head.weight`` and ``pos_embed``; ImageNet mean/std and the
+  T2T-ViT evaluation crop (resize to size / 0.9, central crop).
+
+`Runner` places the variables on a mesh of the local devices with the shardings of training
+(`vit_jax.step.Setup`; a config whose mesh does not fit these devices falls back to data
+parallelism), and runs the jitted eval, logits and feature steps on global batches.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Dict, Optional, Sequence, Tuple
+
+from absl import logging
+import jax
+from jax.experimental import multihost_utils
+import ml_collections
+import numpy as np
+
+from vit_jax import checkpoint
+from vit_jax import config as config_lib
+from vit_jax import models
+from vit_jax import sharding
+from vit_jax import step as step_lib
+from vit_jax.checkpoint import formats
+from vit_jax.checkpoint import orbax
+from vit_jax.checkpoint import paths
+from vit_jax.checkpoint import runs
+
+#: Classes of the official ImageNet-21k checkpoints (pretrained with a sigmoid loss).
+IMAGENET21K_CLASSES = 21843
+
+#: What a source can be, in words (for error messages).
+SOURCES = ('a training workdir (or its checkpoints/ or one step directory), an official ViT '
+           '.npz, a T2T-ViT .pth/.pth.tar, or a directory written by python -m vit_jax.convert')
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainedModel:
+  """A model's config, variables and class names, as loaded by :func:`load`.
+
+  Attributes:
+    config: a resolved ``ml_collections.ConfigDict`` as training uses it: ``model_name``,
+      ``model.*``, ``num_classes``, ``loss``, ``data.{image_size, normalization,
+      eval_crop_pct}`` (the eval preprocessing), ``eval_batch_size``, ``mesh``; the attention
+      implementation chosen for the local devices.
+    variables: ``{'params': ..., **collections}`` of NumPy arrays, in ``config.model``'s layout.
+    label_names: the ``num_classes`` class names in label order, or None when unknown.
+    multi_label: the model was trained on multi-hot labels (scores are independent sigmoids).
+    step: the checkpoint's training step (None for files without one).
+    description: where the weights came from, for logs (e.g. ``'/w (step 4688, EMA)'``).
+  """
+
+  config: ml_collections.ConfigDict
+  variables: Dict[str, Any]
+  label_names: Optional[Tuple[str, ...]]
+  multi_label: bool
+  step: Optional[int]
+  description: str
+
+  @property
+  def model(self):
+    """The Flax module (``vit_jax.step.create_model`` of the config)."""
+    return step_lib.create_model(self.config)
+
+  @property
+  def num_classes(self) -> int:
+    return int(self.config.num_classes)
+
+  @property
+  def image_size(self) -> int:
+    """``S``: the model's input is ``[B, S, S, 3]``."""
+    return int(self.config.data.image_size)
+
+  def probabilities(self, logits: np.ndarray) -> np.ndarray:
+    """``[B, C]`` logits -> ``[B, C]`` float32 probabilities: a softmax for a model trained with
+    ``softmax_xent``, independent sigmoids for ``sigmoid_xent`` (then rows need not sum to 1)."""
+    logits = np.asarray(logits, np.float64)
+    if self.config.loss == 'sigmoid_xent':
+      return (1.0 / (1.0 + np.exp(-logits))).astype(np.float32)
+    shifted = np.exp(logits - logits.max(axis=-1, keepdims=True))
+    return (shifted / shifted.sum(axis=-1, keepdims=True)).astype(np.float32)
+
+  def label_name(self, index: int) -> str:
+    """The name of class ``index`` (its number as text when the names are unknown)."""
+    if self.label_names and 0 <= index < len(self.label_names):
+      return self.label_names[index]
+    return str(index)
+
+  def data_config(self, *, name: Optional[str] = None, image_folder: Optional[str] = None,
+                  split: Optional[str] = None, **changes: Any) -> ml_collections.ConfigDict:
+    """The model's ``config.data`` (its eval preprocessing) for another dataset or split:
+    ``name`` (tfds) or ``image_folder`` replaces the training data, ``split`` the eval split."""
+    data = ml_collections.ConfigDict(self.config.data.to_dict())
+    if image_folder is not None:
+      data.image_folder, data.name = image_folder, None
+    elif name is not None:
+      data.name, data.image_folder = name, None
+    if split is not None:
+      data.eval_split = split
+    data.update(changes)
+    return data
+
+
+def _as_tuples(value: Any) -> Any:
+  return tuple(_as_tuples(v) for v in value) if isinstance(value, list) else value
+
+
+def _for_devices(config: ml_collections.ConfigDict,
+                 devices: Sequence[Any]) -> ml_collections.ConfigDict:
+  """``config`` for running on ``devices``: its mesh when it fits them (else data parallel), an
+  eval batch the mesh can split, the attention implementation chosen for them."""
+  config = ml_collections.ConfigDict(config.to_dict())
+  try:
+    sharding.axis_sizes(config.mesh, len(devices))
+  except ValueError:
+    config.mesh.update(data=-1, fsdp=1, tensor=1, dcn_data=1)
+  sizes = sharding.axis_sizes(config.mesh, len(devices))
+  shards = math.prod(sizes[a] for a in sharding.batch_axes(sharding.parse_rules(config.mesh.rules)))
+  batch = int(config.eval_batch_size or config.batch_size or shards)
+  config.eval_batch_size = -(-batch // shards) * shards
+  config.model.attention = config_lib.attention_choice(config, 'auto', devices).implementation
+  return config
+
+
+def _label_names(dataset: Optional[Dict[str, Any]], num_classes: int
+                 ) -> Tuple[Optional[Tuple[str, ...]], Optional[bool]]:
+  if not dataset:
+    return None, None
+  names = tuple(dataset.get('label_names') or ()) or None
+  if names is not None and len(names) != num_classes:
+    names = None  # E.g. a head for another class count than the recorded data.
+  return names, dataset.get('multi_label')
+
+
+def _update(config: ml_collections.ConfigDict, saved: Dict[str, Any]) -> None:
+  """Sets ``config``'s keys to the ``saved`` values (lists back to tuples); keys that this
+  version no longer has are left out."""
+  for key, value in saved.items():
+    if key not in config:
+      continue
+    if isinstance(config[key], ml_collections.ConfigDict) and isinstance(value, dict):
+      _update(config[key], value)
+    else:
+      config[key] = _as_tuples(value)
+
+
+def saved_config(saved: Dict[str, Any]) -> ml_collections.ConfigDict:
+  """The config of a run from its saved dict (``config.json``), on top of this version's
+  defaults: a key added since the run was saved keeps its default (an eval batch that was not
+  recorded is the training batch).
+
+  Raises:
+    ValueError, TypeError: the saved model name or fields are not valid any more.
+  """
+  model = {k: _as_tuples(v) for k, v in (saved.get('model') or {}).items()}
+  dataset = (saved.get('data') or {}).get('name') or 'imagenet2012'
+  config = config_lib.get_config(saved['model_name'], dataset, **model)
+  config.unlock()
+  _update(config, saved)
+  if config.eval_batch_size is None:
+    config.eval_batch_size = config.batch_size
+  return config
+
+
+def _from_run(path: str, run: runs.SavedRun, use_ema: bool, model_name: Optional[str],
+              overrides: Dict[str, Any]) -> TrainedModel:
+  config = saved_config(run.config)
+  if model_name and models.resolve(model_name)[0] is not models.resolve(config.model_name)[0]:
+    raise ValueError(f'{path} holds a {config.model_name} trained by vit_jax: its config '
+                     f'rebuilds the model; drop --model {model_name}.')
+  if model_name or overrides:
+    raise ValueError(f'{path} is a training workdir of {config.model_name}: its saved config '
+                     'rebuilds the model; drop --model/--set.')
+  variables = orbax.read_variables(run.state_item, use_ema=use_ema)
+  names, multi_label = _label_names(run.dataset, int(config.num_classes))
+  if run.dataset is None:  # Saved before the record existed: ask the dataset, if it is here.
+    names = _names_from_data(config)
+  if multi_label is None:
+    multi_label = config.loss == 'sigmoid_xent'
+  weights = 'EMA parameters' if use_ema and run.has_ema else 'parameters'
+  return TrainedModel(config, variables, names, bool(multi_label), run.step,
+                      f'{path} (step {run.step}, {weights})')
+
+
+def _names_from_data(config: ml_collections.ConfigDict) -> Optional[Tuple[str, ...]]:
+  """The class names of the run's training data, when it is available on this machine (a run
+  saved before the workdir recorded them); None otherwise."""
+  from vit_jax import data  # pylint: disable=g-import-not-at-top  (TensorFlow)
+  try:
+    names = data.get_info(config.data).label_names
+  except Exception as e:  # pylint: disable=broad-except  (not prepared here, moved, ...)
+    logging.info('No class names for the run: its dataset is not readable here (%s).', e)
+    return None
+  return tuple(names) if len(names) == int(config.num_classes) else None
+
+
+def _official_config(model_name: str, num_classes: int, image_size: int, *, normalization: str,
+                     eval_crop_pct: Optional[float], overrides: Dict[str, Any]
+                     ) -> ml_collections.ConfigDict:
+  """A config for weights that came without one: the evaluation settings of their paper."""
+  overrides = dict(overrides, scan=False, remat=False)
+  config = config_lib.get_config(model_name, 'imagenet2012', **overrides)
+  config.regime = 'pretrain' if num_classes == IMAGENET21K_CLASSES else 'finetune'
+  config = config_lib.fill_regime(config)
+  config.num_classes = num_classes
+  config.total_steps, config.optim.warmup_steps = 1, 0  # Never trained: any valid schedule.
+  config.batch_size = config.eval_batch_size = 64
+  config.data.image_size = image_size
+  config.data.normalization = normalization
+  config.data.eval_crop_pct = eval_crop_pct
+  return config
+
+
+def _grid_side(tokens: int, what: str) -> int:
+  side = math.isqrt(tokens)
+  if side * side != tokens:
+    raise ValueError(f'{what} has {tokens} position(s), not a square grid: give image_size '
+                     '(--image-size).')
+  return side
+
+
+def _shapes(variables: Dict[str, Any]) -> Dict[str, Tuple[int, ...]]:
+  return {k: tuple(np.shape(v)) for k, v in checkpoint.flatten_params(variables).items()}
+
+
+def _from_vit_weights(path: str, variables: Dict[str, Any], model_name: Optional[str],
+                      num_classes: Optional[int], image_size: Optional[int],
+                      overrides: Dict[str, Any]) -> TrainedModel:
+  shapes = _shapes(variables)
+  fields = models.vit.architecture_fields(shapes)
+  if fields is None:
+    raise ValueError(f'{path} holds no ViT parameters (no embedding/kernel); a T2T-ViT file '
+                     'needs --model (e.g. T2T-ViT-14).')
+  classes = fields.pop('num_classes')
+  if classes is None:
+    raise ValueError(f'{path} has no classification head (head/kernel): a feature extractor '
+                     'cannot predict classes.')
+  if num_classes is not None and int(num_classes) != classes:
+    raise ValueError(f"--num-classes {num_classes} does not match {path}: its head has "
+                     f"{classes} classes; drop --num-classes (the head decides).")
+  if model_name is None:
+    hybrid = 'resnet_num_layers' in fields
+    model_name = 'R+ViT-custom' if hybrid else 'ViT-custom'
+    if not hybrid:
+      fields.pop('resnet_width_factor', None)
+    fields.update(overrides)
+  else:
+    fields = dict(overrides)
+    if 'params/pre_logits/kernel' in shapes and 'representation_size' not in fields:
+      fields['representation_size'] = shapes['params/pre_logits/kernel'][-1]
+  if image_size is None:
+    posemb = shapes.get(checkpoint.POSEMB_KEY)
+    tokens = posemb[1] - (1 if 'params/cls' in shapes else 0) if posemb else 0
+    model = models.create(model_name, num_classes=classes, **fields)
+    stride = models.patch_pair(model.patch_size)[0]
+    if model.resnet_num_layers is not None:
+      stride *= models.resnet.resnet_stride(model.resnet_num_layers)
+    image_size = _grid_side(tokens, f'{path} (position embedding)') * stride
+  config = _official_config(model_name, classes, int(image_size),
+                            normalization='minus_one_to_one', eval_crop_pct=None,
+                            overrides=fields)
+  return TrainedModel(config, variables, _official_names(classes),
+                      classes == IMAGENET21K_CLASSES, None, path)
+
+
+def _official_names(num_classes: int) -> Optional[Tuple[str, ...]]:
+  from vit_jax import labels  # pylint: disable=g-import-not-at-top
+  return labels.official_label_names(num_classes)
+
+
+def _from_torch(path: str, model_name: Optional[str], num_classes: Optional[int],
+                image_size: Optional[int], use_ema: bool,
+                overrides: Dict[str, Any]) -> TrainedModel:
+  if not model_name:
+    raise ValueError(f'{path} is a PyTorch checkpoint: name its model with --model (e.g. '
+                     '--model T2T-ViT-14 or --model T2T-ViT_t-14).')
+  model = models.create(model_name, num_classes=1000, **overrides)
+  if not isinstance(model, models.T2TViT):
+    raise ValueError(f'{path} is a PyTorch checkpoint, read as a T2T-ViT; --model '
+                     f'{model_name} is not one (T2T-ViT-7/10/12/14/19/24, T2T-ViT_t-14/19/24).')
+  try:
+    variables = checkpoint.load_torch_as_saved(path, model, use_ema=use_ema)
+  except ValueError as e:
+    lines = [line.strip() for line in str(e).splitlines()]
+    if isinstance(e, checkpoint.DamagedCheckpointError) or 'does not fit' not in lines[0]:
+      raise
+    implied = next((line for line in lines if line.startswith('The checkpoint is')), '')
+    raise ValueError(f'{path} does not fit --model {model_name}. '
+                     f'{implied.replace(" Build the model with these values.", "")} Name the '
+                     'model these weights are of (with --set KEY=VALUE for the fields of '
+                     'T2T-ViT-custom).') from e
+  shapes = _shapes(variables)
+  classes = shapes['params/head/kernel'][-1]
+  if num_classes is not None and int(num_classes) != classes:
+    raise ValueError(f"--num-classes {num_classes} does not match {path}: its head has "
+                     f"{classes} classes; drop --num-classes (the head decides).")
+  if image_size is None:  # Three soft splits: a total stride of 16 (4 x 2 x 2).
+    tokens = shapes['constants/pos_embed'][1] - 1
+    image_size = _grid_side(tokens, f'{path} (pos_embed)') * 16
+  config = _official_config(model_name, classes, int(image_size), normalization='imagenet',
+                            eval_crop_pct=0.9, overrides=overrides)
+  return TrainedModel(config, variables, _official_names(classes),
+                      classes == IMAGENET21K_CLASSES, None, path)
+
+
+def load(source: Any, *, step: Optional[int] = None, use_ema: bool = True,
+         model_name: Optional[str] = None, num_classes: Optional[int] = None,
+         image_size: Optional[int] = None, overrides: Optional[Dict[str, Any]] = None,
+         devices: Optional[Sequence[Any]] = None) -> TrainedModel:
+  """Loads a trained model, its eval preprocessing and its class names from ``source``.
+
+  Args:
+    source: a training workdir, its ``checkpoints`` directory or one step directory; an official
+      ViT ``.npz``; a T2T-ViT ``.pth``/``.pth.tar``/``.pt``; or a ``python -m vit_jax.convert``
+      directory (local or ``gs://``).
+    step: the workdir's step to load (default: the latest).
+    use_ema: the parameter EMA when the checkpoint has one (``config.ema_decay > 0`` runs, the
+      ``state_dict_ema`` of T2T-ViT files).
+    model_name: required for ``.pth.tar`` files and ViT-less convert directories (e.g.
+      'T2T-ViT-14'); optional for ``.npz`` (checked against the shapes); refused for workdirs.
+    num_classes: checked against the head when given.
+    image_size: ``S`` of ``[S, S]`` inputs (default: from the position embedding's grid).
+    overrides: model fields for ``model_name`` (e.g. ``{'embed_dim': 64}`` of T2T-ViT-custom).
+    devices: the devices it will run on (default ``jax.devices()``): the mesh and attention.
+
+  Returns:
+    A :class:`TrainedModel`, its variables checked against the model.
+
+  Raises:
+    FileNotFoundError: nothing at ``source``, no finalized step, or ``step`` not saved.
+    ValueError: not a checkpoint of a known format, a model that does not fit the weights (the
+      message says which architecture they imply), a PyTorch file without ``model_name``, a
+      class count other than the head's; the damaged-file errors of ``vit_jax.checkpoint.load``
+      (``DamagedCheckpointError``, ``UnsafePickleError``: ValueErrors).
+  """
+  path = paths.normalize(source)
+  if not str(path).strip():
+    raise ValueError(f'No source given: give {SOURCES}.')
+  if not paths.exists(path):
+    raise FileNotFoundError(f'{path} does not exist: give {SOURCES}.')
+  overrides = dict(overrides or {})
+  fmt = checkpoint.detect(path)
+  if fmt == formats.ORBAX:
+    run = runs.read_run(path, step=step)
+    if run.config is not None:
+      trained = _from_run(path, run, use_ema, model_name, overrides)
+    else:  # A convert directory: weights only.
+      variables = orbax.read_variables(run.state_item, use_ema=use_ema)
+      if models.vit.architecture_fields(_shapes(variables)) is None:
+        trained = _from_t2t_variables(path, variables, model_name, num_classes, image_size,
+                                      overrides)
+      else:
+        trained = _from_vit_weights(path, variables, model_name, num_classes, image_size,
+                                    overrides)
+  elif step is not None:
+    raise ValueError(f'--step applies to training workdirs; {path} is a single checkpoint file.')
+  elif fmt == formats.PYTORCH:
+    trained = _from_torch(path, model_name, num_classes, image_size, use_ema, overrides)
+  else:
+    trained = _from_vit_weights(path, checkpoint.load_npz(path), model_name, num_classes,
+                                image_size, overrides)
+  config = _for_devices(trained.config, list(jax.devices() if devices is None else devices))
+  model = step_lib.create_model(config)
+  try:
+    checkpoint.check_fits(trained.variables, models.abstract_variables(
+        model, (config.data.image_size, config.data.image_size)), what=path)
+  except ValueError as e:
+    if not model_name:
+      raise
+    implied = checkpoint.describe_architecture(trained.variables) or ''
+    raise ValueError(f'{path} does not fit --model {model_name}. {implied} Name the model these '
+                     'weights are of (an .npz needs no --model: its shapes give it).') from e
+  return dataclasses.replace(trained, config=config)
+
+
+def _from_t2t_variables(path: str, variables: Dict[str, Any], model_name: Optional[str],
+                        num_classes: Optional[int], image_size: Optional[int],
+                        overrides: Dict[str, Any]) -> TrainedModel:
+  """A convert directory of a T2T-ViT (its fixed tables in 'constants')."""
+  if not model_name:
+    raise ValueError(f'{path} holds weights without a config: name the model with --model (e.g. '
+                     '--model T2T-ViT-14).')
+  shapes = _shapes(variables)
+  classes = shapes.get('params/head/kernel', (None,))[-1]
+  if classes is None or (num_classes is not None and int(num_classes) != classes):
+    raise ValueError(f'{path}: its head has {classes} classes, --num-classes {num_classes}.')
+  if image_size is None:
+    tokens = shapes.get('constants/pos_embed', (1, 1))[1] - 1
+    image_size = _grid_side(tokens, f'{path} (pos_embed)') * 16
+  config = _official_config(model_name, classes, int(image_size), normalization='imagenet',
+                            eval_crop_pct=0.9, overrides=overrides)
+  return TrainedModel(config, variables, _official_names(classes),
+                      classes == IMAGENET21K_CLASSES, None, path)
+
+
+class Runner:
+  """A :class:`TrainedModel` placed on a device mesh, with its jitted steps.
+
+  Attributes:
+    trained: the model.
+    setup: the ``vit_jax.step.Setup`` of its config on these devices (mesh, shardings).
+    state: ``{'params', ['model_state']}`` as global arrays with the training shardings.
+    batch_size: the global eval batch (``config.eval_batch_size``, a multiple of the batch
+      shards).
+  """
+
+  def __init__(self, trained: TrainedModel, *, devices: Optional[Sequence[Any]] = None):
+    self.trained = trained
+    config = trained.config
+    size = int(config.data.image_size)
+    self.setup = step_lib.build(config, image_shape=(size, size, 3), devices=devices)
+    variables = dict(trained.variables)
+    state = {'params': variables.pop('params')}
+    if variables:
+      state['model_state'] = variables
+    self.state = jax.device_put(state, self.setup.variables_shardings)
+    self.batch_size = int(config.eval_batch_size)
+    self._steps: Dict[str, Any] = {}
+
+  def _run(self, name: str, *args):
+    if name not in self._steps:
+      jitted = {'eval': lambda: self.setup.jit_eval_step(variables_only=True),
+                'features': self.setup.jit_features_step,
+                'logits': self._jit_logits}[name]()
+      self._steps[name] = jitted
+    return self.setup.in_mesh(self._steps[name])(self.state, *args)
+
+  def _jit_logits(self):
+    model = self.setup.model
+
+    def logits(state, images):
+      return model.apply(step_lib.variables_of(state), images, train=False)
+
+    return jax.jit(logits, in_shardings=(self.setup.variables_shardings,
+                                         self.setup.batch_sharding),
+                   out_shardings=self.setup.batch_sharding)
+
+  def to_global(self, batch: Dict[str, np.ndarray]) -> Dict[str, jax.Array]:
+    """This process's part of a batch (``[B / processes, ...]``) -> global arrays ``[B, ...]``."""
+    return {k: jax.make_array_from_process_local_data(self.setup.batch_sharding, v)
+            for k, v in batch.items()}
+
+  def _padded(self, images: np.ndarray, fn: str) -> np.ndarray:
+    """Runs ``fn`` on one process's images in batches of ``batch_size``, padding the last."""
+    images = np.asarray(images, np.float32)
+    if images.ndim != 4 or images.shape[1:] != (self.trained.image_size,) * 2 + (3,):
+      s = self.trained.image_size
+      raise ValueError(f'Images of shape {images.shape}: the model takes [B, {s}, {s}, 3] '
+                       '(preprocessed as its config.data says).')
+    local = self.batch_size // jax.process_count()
+    out = []
+    for start in range(0, len(images), local):
+      chunk = images[start:start + local]
+      padded = np.concatenate([chunk, np.zeros((local - len(chunk),) + chunk.shape[1:],
+                                               np.float32)]) if len(chunk) < local else chunk
+      result = self._run(fn, self.to_global({'image': padded})['image'])
+      local_part = np.asarray(multihost_utils.global_array_to_host_local_array(
+          result, self.setup.mesh, self.setup.batch_sharding.spec))
+      out.append(local_part[:len(chunk)])
+    width = self.trained.num_classes if fn == 'logits' else None
+    return np.concatenate(out) if out else np.zeros((0, width or 0), np.float32)
+
+  def logits(self, images: np.ndarray) -> np.ndarray:
+    """float32 ``[B, S, S, 3]`` preprocessed images of this process -> ``[B, C]`` logits.
+
+    Raises:
+      ValueError: images of another shape than the model's input.
+    """
+    return self._padded(images, 'logits')
+
+  def features(self, images: np.ndarray) -> np.ndarray:
+    """float32 ``[B, S, S, 3]`` preprocessed images of this process -> ``[B, F]`` pre-logit
+    features (``vit_jax.step.make_features_step``)."""
+    return self._padded(images, 'features')
+
+  def eval_sums(self, batch: Dict[str, np.ndarray]) -> Dict[str, np.ndarray]:
+    """The eval step's sums (``vit_jax.step.eval_sums``) of one process-local eval batch
+    (``{'image', 'labels', 'mask'}``), summed over all processes."""
+    return jax.device_get(self._run('eval', self.to_global(batch)))

@@ -1,0 +1,87 @@
+"""Writes ``imagenet1k.txt`` and ``imagenet21k.txt`` beside this file from timm's data files.
+
+A maintenance script, never imported by the package::
+
+  pip download timm==1.0.15 --no-deps -d /tmp/timmdl
+  python vit_jax/labels/make_label_files.py /tmp/timmdl/timm-1.0.15-py3-none-any.whl
+
+(the argument may also be an unpacked ``timm/data/_info`` directory). It reads
+
+* ``imagenet_synsets.txt``: the 1,000 ILSVRC-2012 synsets in label order (sorted WordNet ids);
+* ``imagenet21k_goog_synsets.txt``: the 21,843 ImageNet-21k synsets of Google's release (fall 2011
+  plus two classes) in label order (sorted ids), the order of the official ViT 21k heads;
+* ``imagenet_synset_to_lemma.txt``: ``synset<TAB>lemma, lemma, ...`` (WordNet lemmas),
+
+and writes one readable name per class, per line, in label order (see :func:`short_names`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import sys
+import zipfile
+from typing import Dict, List, Sequence
+
+#: Output file -> timm's synset list of that label set.
+OUTPUTS = {'imagenet1k.txt': 'imagenet_synsets.txt',
+           'imagenet21k.txt': 'imagenet21k_goog_synsets.txt'}
+LEMMAS = 'imagenet_synset_to_lemma.txt'
+EXPECTED_COUNTS = {'imagenet1k.txt': 1000, 'imagenet21k.txt': 21843}
+_INFO = 'timm/data/_info/'
+
+
+def read_timm_file(source: str, name: str) -> str:
+  """The text of ``timm/data/_info/<name>`` from a timm wheel (zip) or an ``_info`` directory."""
+  if zipfile.is_zipfile(source):
+    with zipfile.ZipFile(source) as wheel:
+      return wheel.read(_INFO + name).decode('utf-8')
+  with open(os.path.join(source, name), encoding='utf-8') as f:
+    return f.read()
+
+
+def short_names(synsets: Sequence[str], lemmas: Dict[str, List[str]]) -> List[str]:
+  """One name per synset, unique (ignoring case) within ``synsets``.
+
+  The name is the synset's first WordNet lemma ('tench' for 'tench, Tinca tinca'). Where
+  several classes of the set share it, a class with a second lemma is named 'first (second)'
+  ('maillot (tank suit)'); a name still shared after that gets the synset id
+  ('crane (n02012849)').
+  """
+  names = [lemmas[s][0] for s in synsets]
+  counts = collections.Counter(n.lower() for n in names)
+  names = [f'{lemmas[s][0]} ({lemmas[s][1]})' if counts[n.lower()] > 1 and len(lemmas[s]) > 1
+           else n for s, n in zip(synsets, names)]
+  counts = collections.Counter(n.lower() for n in names)
+  names = [f'{lemmas[s][0]} ({s})' if counts[n.lower()] > 1 else n
+           for s, n in zip(synsets, names)]
+  assert len({n.lower() for n in names}) == len(names), 'names are not unique'
+  return names
+
+
+def main(argv: Sequence[str]) -> int:
+  parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
+  parser.add_argument('timm', help='a timm wheel (.whl) or its unpacked timm/data/_info folder')
+  parser.add_argument('--out', default=os.path.dirname(os.path.abspath(__file__)),
+                      help='output folder (default: beside this script)')
+  args = parser.parse_args(argv)
+  lemmas = {}
+  for line in read_timm_file(args.timm, LEMMAS).splitlines():
+    if line.strip():
+      synset, text = line.split('\t', 1)
+      lemmas[synset] = [w.strip() for w in text.split(',') if w.strip()]
+  for out, synset_file in OUTPUTS.items():
+    synsets = read_timm_file(args.timm, synset_file).split()
+    if len(synsets) != EXPECTED_COUNTS[out]:
+      raise SystemExit(f'{synset_file}: {len(synsets)} synsets, expected {EXPECTED_COUNTS[out]}.')
+    names = short_names(synsets, lemmas)
+    with open(os.path.join(args.out, out), 'w', encoding='utf-8', newline='\n') as f:
+      f.write('\n'.join(names) + '\n')
+    print(f'Wrote {os.path.join(args.out, out)}: {len(names)} names '
+          f'({names[0]!r} ... {names[-1]!r}).')
+  return 0
+
+
+if __name__ == '__main__':
+  sys.exit(main(sys.argv[1:]))

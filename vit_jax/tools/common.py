@@ -1,0 +1,115 @@
+"""What the command-line tools share: the usage-error parser, the one-line ``FATAL:`` report,
+``--set KEY=VALUE`` model fields, and the SOURCE arguments of the tools that use a trained model
+(``predict``, ``evaluate``, ``fewshot``; loaded with ``vit_jax.inference.load``).
+
+Bad input (a missing or refused file, a wrong model, bad flags) is one line
+``FATAL: <problem and fix>`` on stderr and exit status 2; a failure while working (e.g. writing
+an output) is exit status 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import os
+import sys
+from typing import Any, Tuple
+
+#: The errors of bad input (exit status 2).
+INPUT_ERRORS = (ValueError, TypeError, KeyError, FileNotFoundError, FileExistsError,
+                PermissionError, IsADirectoryError, NotADirectoryError, NotImplementedError)
+
+
+def reason(error: Exception) -> str:
+  """One line: the error's message (an OSError's with its file name; the lines of a multi-line
+  message joined)."""
+  if isinstance(error, OSError) and error.strerror:
+    text = error.strerror
+    if error.filename is not None and os.fsdecode(error.filename) not in text:
+      text = f'{text}: {os.fsdecode(error.filename)!r}'
+    return text
+  if isinstance(error, KeyError) and len(error.args) == 1:
+    return str(error.args[0])
+  text = ' '.join(line.strip() for line in str(error).splitlines() if line.strip())
+  return text or type(error).__name__
+
+
+def fatal(error: Exception, code: int) -> int:
+  """Prints ``FATAL: <reason>`` to stderr; returns ``code`` (the exit status)."""
+  print(f'FATAL: {reason(error)}', file=sys.stderr)
+  return code
+
+
+def parse_setting(text: str) -> Tuple[str, Any]:
+  """'embed_dim=64' -> ('embed_dim', 64); a non-literal value stays a string ('performer').
+
+  Raises:
+    ValueError: not KEY=VALUE.
+  """
+  key, sep, value = text.partition('=')
+  if not sep or not key:
+    raise ValueError(f'--set {text!r}: expected KEY=VALUE, e.g. --set embed_dim=64.')
+  try:
+    return key, ast.literal_eval(value)
+  except (ValueError, SyntaxError):
+    return key, value
+
+
+class Parser(argparse.ArgumentParser):
+  """argparse, with a usage error as the usage and one ``FATAL:`` line (exit status 2)."""
+
+  def error(self, message):
+    self.print_usage(sys.stderr)
+    self.exit(2, f'FATAL: {message}\n')
+
+
+def add_source_arguments(parser: argparse.ArgumentParser) -> None:
+  """SOURCE and the flags of ``vit_jax.inference.load``: --step, --model, --set,
+  --num-classes, --image-size, --no-ema."""
+  parser.add_argument('source', metavar='SOURCE',
+                      help='a training workdir (its latest step; or its checkpoints/ or one step '
+                      'directory), an official ViT .npz, a T2T-ViT .pth/.pth.tar, or a '
+                      'directory written by python -m vit_jax.convert')
+  parser.add_argument('--step', type=int, help="a workdir's step (default: the latest)")
+  parser.add_argument('--model', help='the model of a .pth.tar (required: T2T-ViT-7/10/12/14/'
+                      '19/24, T2T-ViT_t-14/19/24) or of an .npz (optional: read from its '
+                      'shapes, checked when given); a workdir names its own')
+  parser.add_argument('--set', action='append', default=[], metavar='KEY=VALUE',
+                      help='a model field for --model, repeatable (e.g. --set embed_dim=64 for '
+                      'T2T-ViT-custom); values are Python literals')
+  parser.add_argument('--num-classes', type=int,
+                      help='checked against the head of the weights (they decide)')
+  parser.add_argument('--image-size', type=int,
+                      help='input side S (default: from the position embedding grid)')
+  parser.add_argument('--no-ema', action='store_true',
+                      help='the trained weights rather than their EMA when the source has both')
+
+
+def load_source(args: argparse.Namespace):
+  """``vit_jax.inference.load`` of the parsed SOURCE arguments (see
+  :func:`add_source_arguments`). Raises what ``load`` raises."""
+  from vit_jax import inference  # pylint: disable=g-import-not-at-top
+  return inference.load(args.source, step=args.step, use_ema=not args.no_ema,
+                        model_name=args.model, num_classes=args.num_classes,
+                        image_size=args.image_size,
+                        overrides=dict(parse_setting(s) for s in args.set))
+
+
+def run_program(main, *, quiet_tensorflow: bool = False) -> None:
+  """Runs a tool's ``main()`` as the program: the set-up first (``vit_jax.platform.setup``:
+  quiet libraries, no TPU backend without TPU chips, multi-host JAX from the environment,
+  TensorFlow off the accelerators), then ``main()``'s status as the exit code.
+
+  Args:
+    main: ``() -> int``, the exit status.
+    quiet_tensorflow: TensorFlow's C++ warnings off (``TF_CPP_MIN_LOG_LEVEL=2`` unless set),
+      for tools that report undecodable images themselves.
+  """
+  if quiet_tensorflow:
+    os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
+  from vit_jax import platform  # pylint: disable=g-import-not-at-top
+  try:
+    platform.setup()
+  except ValueError as e:
+    sys.exit(fatal(e, 2))
+  sys.exit(main())

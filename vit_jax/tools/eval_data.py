@@ -1,0 +1,222 @@
+"""The data of ``python -m vit_jax.evaluate``: which dataset and split, checked against the model.
+
+``--data NAME[:SPLIT]`` (a tfds name or a prepared dataset's directory; SPLIT any tfds split
+spec), ``--image-folder DIR [--split S]``, ``--real`` (the ImageNet ReaL labels), or the model's
+own training data (workdirs). The result, :class:`EvalData`, carries the model's
+``config.data`` (its eval preprocessing) pointed at that data, for
+``vit_jax.data.create_eval_dataset``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+from typing import Any, List, Optional, Tuple
+
+#: ``--real``: the tfds dataset of the ImageNet ReaL labels, its split and label feature.
+REAL_DATASET, REAL_SPLIT, REAL_LABEL_KEY = 'imagenet2012_real', 'validation', 'real_label'
+REAL_CLASSES = 1000
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalData:
+  """The data to evaluate on, checked against the model.
+
+  Attributes:
+    config: the model's ``config.data`` for this dataset, ``eval_split`` set to ``split``.
+    name: the tfds name or dataset directory, or the image folder.
+    split: the tfds split spec evaluated.
+    num_classes: C, the data's classes (= the model's).
+    multi_label: multi-hot labels (precision@1; no per-class accuracy or confusion matrix).
+    label_names: the data's C class names (tfds ClassLabel names, or the class folders).
+    num_examples: examples in the split (ReaL: unlabelled ones included; they are masked).
+    label_key: the label feature read (e.g. 'label', 'real_label').
+  """
+
+  config: Any
+  name: str
+  split: str
+  num_classes: int
+  multi_label: bool
+  label_names: Tuple[str, ...]
+  num_examples: int
+  label_key: str = 'label'
+
+  @property
+  def label(self) -> str:
+    return f'{self.name}:{self.split}'
+
+
+_VERSION = re.compile(r'^\d+(\.\d+)*$')
+
+
+def parse_data(text: str) -> Tuple[str, Optional[str]]:
+  """'cifar10:test[:50%]' -> ('cifar10', 'test[:50%]'); 'mnist:3.0.1' (a tfds version) and
+  'gs://b/ds' stay names; 'cifar10' -> ('cifar10', None)."""
+  scheme, sep, rest = text.partition('://')
+  prefix = scheme + sep if sep else ''
+  rest = rest if sep else text
+  parts = rest.split(':', 2)
+  name = parts[0]
+  tail = parts[1:]
+  if tail and _VERSION.match(tail[0].split('[')[0]):  # name:VERSION[:SPLIT]
+    name, tail = f'{name}:{tail[0]}', tail[1:]
+  split = ':'.join(tail) if tail else None
+  if not name:
+    raise ValueError(f'--data {text!r}: expected NAME[:SPLIT], e.g. --data '
+                     'fashion_mnist_local:test.')
+  return prefix + name, split or None
+
+
+def _is_path(name: str) -> bool:
+  return name.startswith(('/', '.', '~')) or '://' in name or os.path.isdir(name)
+
+
+def _splits(source) -> List[str]:
+  return sorted(source.builder.info.splits.keys())
+
+
+def _get_source(cfg, what: str):
+  """``vit_jax.data.sources.get_source`` with this tool's messages for an unknown dataset."""
+  import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top
+  from vit_jax.data import sources  # pylint: disable=g-import-not-at-top
+  if cfg.name and not cfg.image_folder and not _is_path(cfg.name):
+    try:
+      tfds.builder(cfg.name, data_dir=cfg.data_dir)
+    except tfds.core.registered.DatasetNotFoundError:
+      raise ValueError(
+          f'{what}: no tfds dataset is registered under that name (nor is it a directory): '
+          'give a tfds name (e.g. fashion_mnist_local, cifar10), the path of a prepared tfds '
+          'dataset, or --image-folder DIR.') from None
+  try:
+    return sources.get_source(cfg)
+  except FileNotFoundError as e:  # Not prepared: this tool's flag rather than the config key.
+    message = str(e).replace('set config.data.data_dir=DIR', 'pass --data-dir DIR')
+    if message == str(e):
+      raise
+    raise FileNotFoundError(message) from e
+
+
+def _real_config(trained, split: Optional[str], data_dir: Optional[str]):
+  """The data config of ``--real``, after checking the model and the prepared dataset."""
+  import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top
+  if trained.num_classes != REAL_CLASSES:
+    raise ValueError(f'--real scores the ImageNet ReaL labels of the {REAL_CLASSES} ImageNet '
+                     f'classes; this model has {trained.num_classes} classes: evaluate it with '
+                     '--data or --image-folder instead.')
+  cfg = trained.data_config(name=REAL_DATASET, split=split or REAL_SPLIT,
+                            label_key=REAL_LABEL_KEY, image_key='image')
+  if data_dir:
+    cfg.data_dir = data_dir
+  if not tfds.builder(REAL_DATASET, data_dir=cfg.data_dir).is_prepared():
+    where = cfg.data_dir or '$TFDS_DATA_DIR or ~/tensorflow_datasets'
+    raise FileNotFoundError(
+        f'--real: the tfds dataset {REAL_DATASET} is not prepared in {where}. It needs the '
+        'ImageNet validation images, a manual download (ILSVRC2012_img_val.tar from '
+        'image-net.org): put the file in DIR, run `tfds build imagenet2012_real '
+        '--manual_dir=DIR --data_dir=DATA` and pass --data-dir DATA.')
+  return cfg
+
+
+def _default_split(source, own_split: Optional[str], what: str) -> str:
+  if own_split:
+    return own_split
+  names = _splits(source)
+  for split in ('test', 'validation'):
+    if split in names:
+      return split
+  raise ValueError(f'{what} has no test or validation split (its splits: {", ".join(names)}): '
+                   'name one, e.g. --split train or --data NAME:train[:10%].')
+
+
+def precheck(*, data: Optional[str] = None, image_folder: Optional[str] = None,
+             split: Optional[str] = None) -> None:
+  """The checks of the data arguments that need neither the model nor the data (before the
+  model is loaded).
+
+  Raises:
+    FileNotFoundError: ``image_folder`` is not a directory.
+    ValueError: ``data`` is not NAME[:SPLIT], or names a split besides ``split``.
+  """
+  from vit_jax.checkpoint import paths  # pylint: disable=g-import-not-at-top
+  if image_folder and not paths.isdir(paths.normalize(image_folder)):
+    raise FileNotFoundError(f'--image-folder {image_folder}: no such directory; give a folder '
+                            'of <split>/<class>/*.jpg (e.g. test/cat/1.jpg).')
+  if data:
+    data_split = parse_data(data)[1]
+    if data_split and split:
+      raise ValueError(f'--data {data} names a split and --split {split} another: give one.')
+
+
+def choose_data(trained, *, data: Optional[str] = None, image_folder: Optional[str] = None,
+                split: Optional[str] = None, real: bool = False, data_dir: Optional[str] = None,
+                skip_bad_images: bool = False) -> EvalData:
+  """The data to evaluate ``trained`` (a ``vit_jax.inference.TrainedModel``) on, checked.
+
+  Args:
+    data: 'NAME[:SPLIT]' of a tfds dataset; image_folder: an image folder's root; real: the
+      ImageNet ReaL labels; none of them: the model's training data (workdirs only).
+    split: the split (instead of ':SPLIT'); data_dir: the tfds data directory.
+    skip_bad_images: leave undecodable images out (``config.data.bad_images='skip'``).
+
+  Raises:
+    ValueError: no data for a model without a training dataset, an unknown dataset or split,
+      an empty split, a class count other than the model's, ``--real`` for a model without
+      1000 classes, conflicting arguments.
+    FileNotFoundError: a missing image folder, one without images, a dataset not prepared.
+    KeyError, TypeError: a dataset without a usable label feature (``vit_jax.data.sources``).
+  """
+  if sum(bool(x) for x in (data, image_folder, real)) > 1:
+    raise ValueError('Give one of --data, --image-folder and --real.')
+  precheck(data=data, image_folder=image_folder, split=split)
+  own = trained.config.data
+  if real:
+    cfg, what = _real_config(trained, split, data_dir), f'--real ({REAL_DATASET})'
+  else:
+    if image_folder:
+      cfg, what = trained.data_config(image_folder=image_folder), f'--image-folder {image_folder}'
+    elif data:
+      name, data_split = parse_data(data)
+      split = split or data_split
+      cfg, what = trained.data_config(name=name), f'--data {name}'
+    elif trained.step is None:
+      raise ValueError(f'{trained.description} is not a training workdir, so it has no dataset '
+                       'of its own: give --data NAME[:SPLIT] or --image-folder DIR.')
+    else:
+      cfg, what = trained.data_config(), f'the training data ({own.image_folder or own.name})'
+    if data_dir:
+      cfg.data_dir = data_dir
+  if skip_bad_images:
+    cfg.bad_images = 'skip'
+  source = _get_source(cfg, what)
+  same_data = (cfg.name, cfg.image_folder) == (own.name, own.image_folder)
+  split = split or _default_split(source, own.eval_split if same_data else None, what)
+  try:
+    count = source.num_examples(split)
+  except Exception as e:  # pylint: disable=broad-except  (tfds: KeyError, ValueError, ...)
+    raise ValueError(f'{what} has no split {split!r} (its splits: {", ".join(_splits(source))}): '
+                     'choose one with --split or --data NAME:SPLIT.') from e
+  if count == 0 and cfg.image_folder:
+    pattern = f'{source.name}/{split}/<class>/*.{{jpg,jpeg,png}}'
+    raise FileNotFoundError(f'{what}: split {split!r} has no images ({pattern}); choose '
+                            'another split.')
+  if count == 0:
+    raise ValueError(f'{what}: split {split!r} has no examples; choose another split.')
+  label = source.label
+  if label.num_classes != trained.num_classes:
+    shown = ', '.join(label.names[:5]) + (', ...' if len(label.names) > 5 else '')
+    raise ValueError(
+        f"{what} has {label.num_classes} classes ({shown}); the model's head has "
+        f'{trained.num_classes}: evaluate it on data with the same {trained.num_classes} '
+        'classes, in the same order.')
+  names = trained.label_names
+  if names and set(names) == set(label.names) and tuple(names) != tuple(label.names):
+    raise ValueError(
+        f"{what} has the model's classes in another order (the data's: "
+        f"{', '.join(label.names[:3])}, ...; the model's: {', '.join(names[:3])}, ...; an image "
+        "folder's classes are its folder names, sorted): give the data the model's class order "
+        '(e.g. folders named 0_<name>, 1_<name>, ...).')
+  cfg.eval_split = split
+  return EvalData(cfg, source.name, split, label.num_classes, label.multi_label,
+                  tuple(label.names), count, label.key)

@@ -1,0 +1,278 @@
+"""The results of ``python -m vit_jax.evaluate``: ``metrics.json``, the confusion matrix (a PNG
+picture and a CSV table) and the printed summary.
+
+The picture is drawn with matplotlib's object-oriented API on the Agg canvas (no display, no
+global pyplot state). Rows are the true classes, columns the predicted ones; each row is divided
+by its count, so a cell is the fraction of that class's examples predicted as the column's class
+and the diagonal is the per-class accuracy (recall). Class names label the axes when there are
+at most ``MAX_NAMED_CLASSES`` classes, class indices otherwise.
+"""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import io
+import json
+import math
+import os
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+from vit_jax.tools.eval_data import EvalData
+
+METRICS_JSON = 'metrics.json'
+CONFUSION_PNG = 'confusion_matrix.png'
+CONFUSION_CSV = 'confusion_matrix.csv'
+
+
+@dataclasses.dataclass(frozen=True)
+class Result:
+  """The sums of an evaluation.
+
+  Attributes:
+    count: the examples scored (with labels); correct, correct_top5: top-1 (precision@1) and
+      top-5 hits (top-5: None with < 5 classes); loss: the mean loss.
+    confusion: int64 ``[C, C]``, ``confusion[t, p]`` examples of class t predicted as p; None
+      for multi-label data.
+    batch_size: the global eval batch used.
+  """
+
+  count: int
+  correct: int
+  correct_top5: Optional[int]
+  loss: float
+  confusion: Optional[np.ndarray]
+  batch_size: int
+
+  @property
+  def accuracy(self) -> float:
+    return self.correct / self.count
+
+  @property
+  def top5_accuracy(self) -> Optional[float]:
+    return None if self.correct_top5 is None else self.correct_top5 / self.count
+
+
+#: Up to this many classes, the axes carry the class names (else indices).
+MAX_NAMED_CLASSES = 30
+#: Up to this many classes, every cell shows its percentage.
+MAX_ANNOTATED_CLASSES = 15
+
+
+def normalized_rows(confusion: np.ndarray) -> np.ndarray:
+  """``[C, C]`` counts -> float64 ``[C, C]`` rows summing to 1 (a row without examples: 0)."""
+  confusion = np.asarray(confusion, np.float64)
+  totals = confusion.sum(axis=1, keepdims=True)
+  return np.divide(confusion, totals, out=np.zeros_like(confusion), where=totals > 0)
+
+
+def _short(name: str, width: int = 24) -> str:
+  return name if len(name) <= width else name[:width - 1] + '\u2026'
+
+
+def png_bytes(confusion: np.ndarray, names: Optional[Sequence[str]], title: str) -> bytes:
+  """The picture of ``confusion`` (int ``[C, C]``, rows true classes) as PNG bytes.
+
+  Args:
+    confusion: counts; ``confusion[t, p]`` examples of class ``t`` predicted as ``p``.
+    names: the ``C`` class names (axis labels when ``C <= MAX_NAMED_CLASSES``), or None.
+    title: the figure's title (e.g. the model, the data and the accuracy).
+  """
+  from matplotlib.backends import backend_agg  # pylint: disable=g-import-not-at-top
+  from matplotlib import figure  # pylint: disable=g-import-not-at-top
+  rows = normalized_rows(confusion)
+  classes = rows.shape[0]
+  named = names is not None and classes <= MAX_NAMED_CLASSES
+  side = min(max(6.0, 0.42 * classes + 3.0), 16.0) if classes <= MAX_NAMED_CLASSES else 12.0
+  fig = figure.Figure(figsize=(side + 1.5, side), dpi=100 if classes <= 300 else 150)
+  backend_agg.FigureCanvasAgg(fig)
+  ax = fig.add_subplot()
+  image = ax.imshow(rows, cmap='Blues', vmin=0.0, vmax=1.0, interpolation='nearest')
+  fig.colorbar(image, ax=ax, fraction=0.046, pad=0.04, label='fraction of the true class')
+  if classes <= MAX_NAMED_CLASSES:
+    ticks = np.arange(classes)
+    labels = [_short(n) for n in names] if named else [str(i) for i in ticks]
+    ax.set_xticks(ticks, labels, rotation=90 if named else 0, fontsize=9)
+    ax.set_yticks(ticks, labels, fontsize=9)
+  if classes <= MAX_ANNOTATED_CLASSES:  # Percent of the row; '<1' for a few, empty for none.
+    for t in range(classes):
+      for p in range(classes):
+        if confusion[t, p]:
+          text = f'{100 * rows[t, p]:.0f}' if rows[t, p] >= 0.005 else '<1'
+          ax.text(p, t, text, ha='center', va='center', fontsize=8,
+                  color='white' if rows[t, p] > 0.5 else 'black')
+  ax.set_xlabel('predicted class')
+  ax.set_ylabel('true class')
+  ax.set_title(title, fontsize=10, wrap=True)
+  fig.tight_layout()
+  buffer = io.BytesIO()
+  fig.savefig(buffer, format='png')
+  return buffer.getvalue()
+
+
+def csv_text(confusion: np.ndarray, names: Optional[Sequence[str]]) -> str:
+  """``confusion`` as CSV: a header ``true \\ predicted, <class>...``, then one row of counts
+  per true class, led by its name (or index)."""
+  labels = list(names) if names is not None else [str(i) for i in range(len(confusion))]
+  out = io.StringIO()
+  writer = csv.writer(out, lineterminator='\n')
+  writer.writerow(['true \\ predicted', *labels])
+  for label, row in zip(labels, np.asarray(confusion)):
+    writer.writerow([label, *(int(v) for v in row)])
+  return out.getvalue()
+
+
+def preprocessing(data_cfg) -> Dict[str, Any]:
+  """The eval preprocessing of ``config.data``, as recorded in metrics.json."""
+  size, crop = int(data_cfg.image_size), data_cfg.eval_crop_pct
+  if crop is None:
+    resize = f'bilinear resize of the whole image to {size}x{size}'
+  else:
+    resize = (f'bicubic resize of the shorter side to {math.floor(size / crop)}, central '
+              f'{size}x{size} crop')
+  values = {'minus_one_to_one': 'pixels / 127.5 - 1, in [-1, 1]',
+            'imagenet': '(pixels / 255 - ImageNet mean) / ImageNet std'}
+  return {'image_size': size, 'eval_crop_pct': crop, 'normalization': data_cfg.normalization,
+          'description': f'{resize}; {values.get(data_cfg.normalization, data_cfg.normalization)}'}
+
+
+def class_names(trained, eval_data: EvalData) -> Tuple[str, ...]:
+  """The names to show: the model's (e.g. readable ImageNet names), else the data's."""
+  return tuple(trained.label_names or eval_data.label_names
+               or (str(i) for i in range(eval_data.num_classes)))
+
+
+def names_note(trained, eval_data) -> Optional[str]:
+  """A note when the model and the data both name their classes, differently (classes are
+  matched by index: e.g. WordNet ids in a tfds ImageNet and readable names for the model)."""
+  if not (trained.label_names and eval_data.label_names):
+    return None
+  if tuple(trained.label_names) == tuple(eval_data.label_names):
+    return None
+  return (f"note: the data's class names differ from the model's (class 0: "
+          f"{eval_data.label_names[0]!r} in the data, {trained.label_names[0]!r} for the "
+          'model); classes are matched by index.')
+
+
+def metrics_dict(trained, eval_data: EvalData, result: Result) -> Dict[str, Any]:
+  """What ``metrics.json`` holds (see docs/evaluation.md)."""
+  names = class_names(trained, eval_data)
+  out = {
+      'source': trained.description, 'step': trained.step, 'model': trained.config.model_name,
+      'data': {'name': eval_data.name, 'split': eval_data.split,
+               'image_folder': bool(eval_data.config.image_folder),
+               'num_classes': eval_data.num_classes, 'multi_label': eval_data.multi_label,
+               'label_key': eval_data.label_key,
+               'bad_images': eval_data.config.bad_images},
+      'preprocessing': preprocessing(eval_data.config),
+      'batch_size': result.batch_size,
+      'metric': 'precision@1' if eval_data.multi_label else 'top-1 accuracy',
+      'count': result.count, 'correct': result.correct, 'accuracy': result.accuracy,
+      'top5_accuracy': result.top5_accuracy, 'loss': result.loss,
+      'loss_function': trained.config.loss,
+  }
+  if result.confusion is None:
+    out['per_class'] = None
+    out['note'] = ('multi-label data: per-class accuracy and the confusion matrix are not '
+                   'computed (a prediction is correct when its top class is among the labels).')
+  else:
+    counts = result.confusion.sum(axis=1)
+    out['per_class'] = [
+        {'index': c, 'name': names[c], 'count': int(counts[c]),
+         'correct': int(result.confusion[c, c]),
+         'accuracy': float(result.confusion[c, c] / counts[c]) if counts[c] else None}
+        for c in range(eval_data.num_classes)]
+    out['files'] = {'confusion_matrix_png': CONFUSION_PNG, 'confusion_matrix_csv': CONFUSION_CSV}
+  return out
+
+
+def workdir_of(source: str) -> Optional[str]:
+  """The training workdir of a SOURCE that is one (or its checkpoints/, or one step), else None."""
+  from vit_jax.checkpoint import paths  # pylint: disable=g-import-not-at-top
+  path = paths.normalize(source).rstrip('/')
+  if not paths.is_remote(path):
+    path = os.path.abspath(path)
+  parent = lambda p: p.rsplit('/', 1)[0] if paths.is_remote(p) else os.path.dirname(p)
+  if paths.isdir(paths.join(path, 'checkpoints')):
+    return path
+  if paths.basename(path) == 'checkpoints':
+    return parent(path)
+  if paths.isdir(paths.join(path, 'state')) and paths.basename(parent(path)) == 'checkpoints':
+    return parent(parent(path))
+  return None
+
+
+def default_out(source: str, trained, eval_data: EvalData, *, no_ema: bool = False) -> str:
+  """``<workdir>/eval_<data>_<split>_step<N>[_no_ema]`` for a workdir, else
+  ``./eval_<file>_<data>_<split>``."""
+  from vit_jax import evaluation  # pylint: disable=g-import-not-at-top
+  data_name = os.path.basename(eval_data.name.rstrip('/')) or eval_data.name
+  name = evaluation.eval_name(f'{data_name}_{eval_data.split}')
+  workdir = workdir_of(source) if trained.step is not None else None
+  if workdir is not None:
+    from vit_jax.checkpoint import paths  # pylint: disable=g-import-not-at-top
+    return paths.join(workdir, f'eval_{name}_step{trained.step}' + ('_no_ema' if no_ema else ''))
+  stem = os.path.basename(source.rstrip('/')).split('.')[0] or 'model'
+  return os.path.join('.', f'eval_{evaluation.eval_name(stem)}_{name}')
+
+
+def check_out(out: str, overwrite: bool) -> None:
+  """Refuses to replace an earlier result in ``out`` (before any work).
+
+  Raises:
+    FileExistsError: ``out`` holds a metrics.json and ``overwrite`` is False.
+    NotADirectoryError: ``out`` is a file.
+  """
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  if tf.io.gfile.exists(out) and not tf.io.gfile.isdir(out):
+    raise NotADirectoryError(f'--out {out} is a file: give a directory.')
+  if tf.io.gfile.exists(os.path.join(out, METRICS_JSON)) and not overwrite:
+    raise FileExistsError(f'{out} already holds a result ({METRICS_JSON}): pass --overwrite to '
+                          'replace it, or --out DIR for another directory.')
+
+
+def write_outputs(out: str, metrics: Dict[str, Any], confusion: Optional[np.ndarray],
+                  names: Sequence[str], title: str) -> List[str]:
+  """Writes the confusion matrix PNG and CSV (single-label data), then metrics.json, into
+  ``out`` (made if needed): a failure part-way leaves no metrics.json, so a rerun is not refused.
+  Returns the names written, metrics.json first. Raises OSError (tf.errors too) when writing
+  fails."""
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  tf.io.gfile.makedirs(out)
+  files = {}
+  if confusion is not None:
+    files[CONFUSION_PNG] = png_bytes(confusion, names, title)
+    files[CONFUSION_CSV] = csv_text(confusion, names).encode()
+  files[METRICS_JSON] = json.dumps(metrics, indent=1).encode() + b'\n'
+  for name, content in files.items():
+    with tf.io.gfile.GFile(os.path.join(out, name), 'wb') as f:
+      f.write(content)
+  return [METRICS_JSON] + [name for name in files if name != METRICS_JSON]
+
+
+def summary(metrics: Dict[str, Any], eval_data: EvalData) -> str:
+  """The human summary printed by the command."""
+  label = 'precision@1' if eval_data.multi_label else 'accuracy'
+  lines = [f"Evaluated {metrics['source']} on {eval_data.label}",
+           f"  {metrics['count']} examples, batch {metrics['batch_size']}; "
+           f"{metrics['preprocessing']['description']}",
+           f"  {label:<15} {metrics['accuracy']:.4f}  ({metrics['correct']} of "
+           f"{metrics['count']})"]
+  if metrics['top5_accuracy'] is not None:
+    lines.append(f"  {'top-5 accuracy':<15} {metrics['top5_accuracy']:.4f}")
+  lines.append(f"  {'loss':<15} {metrics['loss']:.4f}")
+  per_class = [c for c in metrics['per_class'] or () if c['accuracy'] is not None]
+  if per_class and len(metrics['per_class']) <= 10:
+    width = max(len(c['name']) for c in per_class)
+    lines.append('  per class:')
+    lines += [f"    {c['name']:<{width}}  {c['accuracy']:.4f}  ({c['correct']} of {c['count']})"
+              for c in per_class]
+  elif per_class:
+    ranked = sorted(per_class, key=lambda c: (c['accuracy'], c['index']))
+    show = lambda cs: ', '.join(f"{c['name']} {c['accuracy']:.3f}" for c in cs)
+    lines.append(f'  per class: lowest {show(ranked[:5])}; highest {show(ranked[::-1][:5])}')
+  elif metrics['per_class'] is None:
+    lines.append('  per class: skipped (multi-label data)')
+  return '\n'.join(lines)

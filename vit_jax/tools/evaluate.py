@@ -1,0 +1,243 @@
+"""Evaluates a trained model on a dataset: ``python -m vit_jax.evaluate SOURCE [--data ...]``.
+
+SOURCE is anything ``vit_jax.inference.load`` reads: a training workdir (its latest step or
+``--step``, the parameter EMA when the run kept one unless ``--no-ema``), an official ViT
+``.npz``, a T2T-ViT ``.pth.tar`` (with ``--model``), a ``python -m vit_jax.convert`` directory.
+The data is
+
+* ``--data NAME[:SPLIT]``: a tfds dataset (a registered name or a prepared dataset's
+  directory), SPLIT any tfds split spec (default: ``test``, else ``validation``; for the model's
+  own training dataset, the split it was evaluated on);
+* ``--image-folder DIR [--split test]``: ``DIR/<split>/<class>/*.{jpg,jpeg,png}``, classes in
+  the sorted order of their folder names;
+* ``--real``: the ImageNet ReaL labels (tfds ``imagenet2012_real``, split ``validation``, label
+  ``real_label``) of a 1000-class ImageNet model: precision@1 over the labelled images;
+* none of them: a workdir's own training dataset and eval split (its config).
+
+Every example is evaluated exactly once (``vit_jax.data.create_eval_dataset``), with the model's
+eval preprocessing (its ``config.data``: image size, resize or central crop, normalization) and
+the training's eval step (``vit_jax.step.eval_sums``) at the config's eval batch size, so the
+accuracy of a workdir on its own eval split is the one its training reported at that step.
+Reported: top-1 accuracy (precision@1 for multi-label data, as in training), top-5 accuracy
+(>= 5 classes), the mean loss of the training's loss function, the per-class accuracy and the
+confusion matrix (single-label data), written to ``--out`` (default
+``<workdir>/eval_<data>_<split>_step<N>/`` for a workdir, else
+``./eval_<file>_<data>_<split>/``): ``metrics.json``, ``confusion_matrix.png`` (rows normalised)
+and ``confusion_matrix.csv`` (counts). An existing result is never replaced unless
+``--overwrite`` is given.
+
+Bad input (a missing or refused SOURCE, a missing folder or one without images, an unknown
+dataset or split, a class count that differs from the model's head, ``--real`` for another
+model or without the prepared dataset, an existing result) is one line ``FATAL: <problem and
+fix>`` on stderr and exit status 2; a failure while writing the results is exit status 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import sys
+from typing import Any, Callable, Dict, Optional, Sequence
+
+import numpy as np
+
+from vit_jax.tools import common
+from vit_jax.tools import eval_data as eval_data_lib
+from vit_jax.tools import eval_report
+
+EvalData = eval_data_lib.EvalData
+Result = eval_report.Result
+
+
+def _batch_shards(config) -> int:
+  import jax  # pylint: disable=g-import-not-at-top
+  from vit_jax import sharding  # pylint: disable=g-import-not-at-top
+  sizes = sharding.axis_sizes(config.mesh, len(jax.devices()))
+  return math.prod(sizes[a] for a in sharding.batch_axes(sharding.parse_rules(config.mesh.rules)))
+
+
+def _eval_step(runner) -> Callable[..., Any]:
+  """``(state, batch) -> (sums, top1)``: the training's eval sums (``vit_jax.step.eval_sums``,
+  replicated) and the int32 ``[B]`` top-1 classes (sharded as the batch), of one forward pass."""
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  from vit_jax import step as step_lib  # pylint: disable=g-import-not-at-top
+  setup, loss = runner.setup, runner.trained.config.loss
+
+  def step(state, batch):
+    logits = setup.model.apply(step_lib.variables_of(state), batch['image'], train=False)
+    sums = step_lib.eval_sums(logits, batch['labels'], batch['mask'], loss)
+    return sums, jnp.argmax(logits, axis=-1).astype(jnp.int32)
+
+  replicated = jax.sharding.NamedSharding(setup.mesh, jax.sharding.PartitionSpec())
+  jitted = jax.jit(step, in_shardings=(setup.variables_shardings, setup.batch_sharding),
+                   out_shardings=(replicated, setup.batch_sharding))
+  return setup.in_mesh(jitted)
+
+
+def evaluate(trained, eval_data: EvalData, *, batch_size: Optional[int] = None,
+             progress: Optional[Callable[[int, int], None]] = None) -> Result:
+  """Evaluates ``trained`` on every example of ``eval_data`` exactly once.
+
+  Args:
+    trained: a ``vit_jax.inference.TrainedModel``.
+    eval_data: from ``vit_jax.tools.eval_data.choose_data``.
+    batch_size: the global batch (default: the config's ``eval_batch_size``); a multiple of the
+      device mesh's batch shards.
+    progress: called with (batches done, batches) after each batch.
+
+  Returns:
+    A :class:`Result`, summed over all processes.
+
+  Raises:
+    ValueError: a batch size that the mesh cannot split; a split without labelled examples;
+      ``vit_jax.data.BadImageError`` for an undecodable image.
+  """
+  import jax  # pylint: disable=g-import-not-at-top
+  from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+  from vit_jax import data  # pylint: disable=g-import-not-at-top
+  from vit_jax import inference  # pylint: disable=g-import-not-at-top
+  config = trained.config
+  if batch_size is not None:
+    shards = _batch_shards(config)
+    if batch_size <= 0 or batch_size % shards:
+      raise ValueError(f'--batch-size {batch_size} must be a positive multiple of the {shards} '
+                       'batch shard(s) of the device mesh.')
+    config = type(config)(config.to_dict())
+    config.eval_batch_size = batch_size
+    trained = dataclasses.replace(trained, config=config)
+  runner = inference.Runner(trained)
+  dataset = data.create_eval_dataset(eval_data.config, global_batch_size=runner.batch_size)
+  step = _eval_step(runner)
+  totals: Dict[str, Any] = {}
+  classes = eval_data.num_classes
+  confusion = None if eval_data.multi_label else np.zeros((classes, classes), np.int64)
+  for i, batch in enumerate(dataset):
+    sums, top1 = step(runner.state, runner.to_global(batch))
+    for k, v in jax.device_get(sums).items():  # Summed as vit_jax.evaluation.evaluate does.
+      totals[k] = totals.get(k, 0) + v
+    if confusion is not None:
+      predicted = np.asarray(multihost_utils.global_array_to_host_local_array(
+          top1, runner.setup.mesh, runner.setup.batch_sharding.spec))
+      mask = np.asarray(batch['mask'], bool)
+      true = np.argmax(batch['labels'], axis=-1)
+      np.add.at(confusion, (true[mask], predicted[mask]), 1)
+    if progress is not None:
+      progress(i + 1, len(dataset))
+  if confusion is not None and jax.process_count() > 1:
+    confusion = np.asarray(multihost_utils.process_allgather(confusion)).sum(axis=0)
+  count = int(totals.pop('count'))
+  if count == 0:
+    raise ValueError(f'{eval_data.label} has no labelled examples: choose another split.')
+  top5 = totals.get('correct_top5')
+  return eval_report.Result(count, int(totals['correct']), None if top5 is None else int(top5),
+                            float(totals['loss'] / count), confusion, runner.batch_size)
+
+
+def _progress(done: int, total: int) -> None:
+  if sys.stderr.isatty():
+    print(f'\rEvaluating: batch {done} of {total}', end='\n' if done == total else '',
+          file=sys.stderr, flush=True)
+
+
+def _parser() -> argparse.ArgumentParser:
+  parser = common.Parser(
+      prog='python -m vit_jax.evaluate',
+      description='Evaluates a trained model on every example of a dataset split: top-1 and\n'
+      'top-5 accuracy, loss, per-class accuracy and a confusion matrix, written as\n'
+      'metrics.json, confusion_matrix.png and confusion_matrix.csv.',
+      formatter_class=argparse.RawDescriptionHelpFormatter,
+      epilog='Examples:\n'
+      '  python -m vit_jax.evaluate /tmp/vit_fmnist\n'
+      '  python -m vit_jax.evaluate ViT-B_16.npz --data imagenet2012:validation\n'
+      '  python -m vit_jax.evaluate 81.5_T2T_ViT_14.pth.tar --model T2T-ViT-14 --real\n'
+      '  python -m vit_jax.evaluate /tmp/vit_fmnist --image-folder ~/fmnist_images --split test')
+  common.add_source_arguments(parser)
+  parser.add_argument('--data', metavar='NAME[:SPLIT]',
+                      help="a tfds dataset (name or prepared directory) and split (default: "
+                      "test, else validation; the workdir's eval split for its own dataset)")
+  parser.add_argument('--image-folder', metavar='DIR',
+                      help='DIR/<split>/<class>/*.{jpg,jpeg,png} (default split: test)')
+  parser.add_argument('--real', action='store_true',
+                      help='ImageNet ReaL labels (tfds imagenet2012_real, validation split), '
+                      'for 1000-class ImageNet models')
+  parser.add_argument('--split', help='the split to evaluate (a tfds split spec)')
+  parser.add_argument('--data-dir', metavar='DIR', help='the tfds data directory')
+  parser.add_argument('--out', metavar='DIR',
+                      help='where the results go (default: <workdir>/eval_<data>_<split>_step<N> '
+                      'for a workdir, else ./eval_<file>_<data>_<split>)')
+  parser.add_argument('--overwrite', action='store_true',
+                      help='replace an earlier result in the output directory')
+  parser.add_argument('--batch-size', type=int,
+                      help="the global eval batch (default: the config's eval_batch_size)")
+  parser.add_argument('--skip-bad-images', action='store_true',
+                      help='leave undecodable images out (default: stop, naming them)')
+  parser.add_argument('--json', action='store_true',
+                      help='print the metrics as JSON instead of the summary')
+  return parser
+
+
+def _bad_images_error(error) -> ValueError:
+  if not error.paths:
+    return ValueError(f'An image of split {error.split!r} of {error.dataset} cannot be decoded; '
+                      'rebuild the dataset without it, or pass --skip-bad-images.')
+  shown = ', '.join(error.paths[:8]) + (f' and {len(error.paths) - 8} more'
+                                        if len(error.paths) > 8 else '')
+  return ValueError(f'{len(error.paths)} image(s) of split {error.split!r} of {error.dataset} '
+                    f'cannot be decoded: {shown}; remove or replace them, or pass '
+                    '--skip-bad-images to leave them out.')
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+  """Runs the evaluation on ``argv`` (default: the command line); returns the exit status."""
+  parser = _parser()
+  args = parser.parse_args(argv)
+  if sum(bool(x) for x in (args.data, args.image_folder, args.real)) > 1:
+    parser.error('give one of --data, --image-folder and --real.')
+  if args.batch_size is not None and args.batch_size <= 0:
+    parser.error(f'--batch-size {args.batch_size}: give a positive number.')
+  from vit_jax import data  # pylint: disable=g-import-not-at-top
+  import jax  # pylint: disable=g-import-not-at-top
+  try:  # The cheap checks first, then the model, the data, the evaluation.
+    eval_data_lib.precheck(data=args.data, image_folder=args.image_folder, split=args.split)
+    if args.out:
+      eval_report.check_out(args.out, args.overwrite)
+    trained = common.load_source(args)
+    chosen = eval_data_lib.choose_data(
+        trained, data=args.data, image_folder=args.image_folder, split=args.split,
+        real=args.real, data_dir=args.data_dir, skip_bad_images=args.skip_bad_images)
+    out = args.out or eval_report.default_out(args.source, trained, chosen, no_ema=args.no_ema)
+    eval_report.check_out(out, args.overwrite)
+    note = eval_report.names_note(trained, chosen)
+    if note:
+      print(note, file=sys.stderr)
+    result = evaluate(trained, chosen, batch_size=args.batch_size, progress=_progress)
+  except data.BadImageError as e:
+    return common.fatal(_bad_images_error(e), 2)
+  except common.INPUT_ERRORS as e:
+    return common.fatal(e, 2)
+  metrics = dict(eval_report.metrics_dict(trained, chosen, result), out=out)
+  if jax.process_index() == 0:
+    title = (f'{trained.description}\non {chosen.label}: accuracy {result.accuracy:.4f} '
+             f'({result.correct} of {result.count})')
+    try:
+      written = eval_report.write_outputs(out, metrics, result.confusion,
+                                          eval_report.class_names(trained, chosen), title)
+    except Exception as e:  # pylint: disable=broad-except  (OSError, tf.errors.OpError)
+      return common.fatal(e, 1)
+    if args.json:
+      print(json.dumps(metrics, indent=1))
+    else:
+      print(eval_report.summary(metrics, chosen))
+      print(f"Wrote {', '.join(written)} to {out}")
+  return 0
+
+
+def run_main() -> None:
+  """``python -m vit_jax.evaluate``: ``main()`` as the program (``vit_jax.tools.common.run_program``)."""
+  common.run_program(main)
+
+if __name__ == '__main__':
+  run_main()

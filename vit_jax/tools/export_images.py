@@ -1,0 +1,106 @@
+"""Writes examples of a dataset as PNG files named by their labels, e.g. to try predict on.
+
+  python -m vit_jax.tools.export_images --data fashion_mnist_local --split 'test[:10]' --out DIR
+
+writes ``DIR/<index>_<label>.png`` (``0_Ankle boot.png``, ``1_Pullover.png``, ...): ``index``
+is the example's position in the split (zero-padded to the same width; for
+``fashion_mnist_local`` the position in the published IDX files, which tfds stores shuffled,
+else tfds's order), ``label`` its
+class name from the dataset's ClassLabel feature ('/' and other characters that cannot be in a
+file name become '_'; several labels are joined with '+'). The images are the decoded pixels
+(`vit_jax.data.sources.Source.read`), written losslessly as PNG (one channel when the three are
+equal). The dataset is found (and prepared, offline builders only) as ``config.data.name`` is
+in training. Bad input is one ``FATAL:`` line and exit status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import sys
+from typing import List, Optional, Sequence
+
+from vit_jax.tools import common
+
+
+def _file_label(names: Sequence[str], label) -> str:
+  labels = [int(label)] if getattr(label, 'ndim', 0) == 0 else [int(x) for x in label]
+  text = '+'.join(names[i] if i < len(names) else str(i) for i in labels) or 'none'
+  return re.sub(r'[^\w .,()+-]', '_', text)
+
+
+def _examples(source, data: str, split: str):
+  """The split's examples as numpy dicts: in the IDX files' order for 'fashion_mnist_local' (the
+  order Fashion-MNIST is published in; tfds stores a builder's examples shuffled), else as tfds
+  reads them."""
+  if data != 'fashion_mnist_local':
+    yield from source.read(split, decode=True).as_numpy_iterator()
+    return
+  import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top
+  from vit_jax.data import fashion_mnist_local  # pylint: disable=g-import-not-at-top
+  splits = source.builder.info.splits
+  for instruction in tfds.core.ReadInstruction.from_spec(split).to_absolute(splits):
+    images, labels = fashion_mnist_local.load_split(
+        source.builder._source_dir(), instruction.splitname)  # pylint: disable=protected-access
+    end = splits[instruction.splitname].num_examples if instruction.to is None else instruction.to
+    for i in range(instruction.from_ or 0, end):
+      yield {'image': images[i][..., None], 'label': labels[i]}
+
+
+def export(data: str, split: str, out: str, data_dir: Optional[str] = None) -> List[str]:
+  """Writes the examples of ``split`` of the tfds dataset ``data`` to ``out`` as PNG files.
+
+  Returns:
+    The paths written, in example order.
+
+  Raises:
+    ValueError, FileNotFoundError, KeyError, TypeError: an unknown dataset or split, or one
+      that cannot be prepared offline (``vit_jax.data.get_info``'s errors).
+  """
+  from vit_jax.config import defaults  # pylint: disable=g-import-not-at-top
+  from vit_jax.data import sources  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  config = defaults.data_config()
+  config.name, config.data_dir = data, data_dir
+  source = sources.get_source(config)
+  count = source.num_examples(split)
+  width = len(str(max(count - 1, 0)))
+  os.makedirs(out, exist_ok=True)
+  written = []
+  for index, example in enumerate(_examples(source, data, split)):
+    image = example['image']
+    if (image == image[..., :1]).all():
+      image = image[..., :1]
+    label = _file_label(source.label.names, example['label'])
+    path = os.path.join(out, f'{index:0{width}d}_{label}.png')
+    with open(path, 'wb') as f:
+      f.write(tf.io.encode_png(np.ascontiguousarray(image)).numpy())
+    written.append(path)
+  return written
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+  """Runs the command on ``argv`` (default: the command line); returns the exit status."""
+  parser = common.Parser(prog='python -m vit_jax.tools.export_images',
+                         description=__doc__.split('\n\n')[0],
+                         formatter_class=argparse.RawDescriptionHelpFormatter,
+                         epilog=__doc__.split('\n\n', 1)[1])
+  parser.add_argument('--data', required=True, help='a tfds dataset name or prepared directory')
+  parser.add_argument('--split', default='test[:10]', help="tfds split (default 'test[:10]')")
+  parser.add_argument('--out', required=True, help='folder to write to (created)')
+  parser.add_argument('--data-dir', help='tfds data_dir (default: tfds\'s)')
+  args = parser.parse_args(argv)
+  try:
+    written = export(args.data, args.split, args.out, args.data_dir)
+  except common.INPUT_ERRORS as e:
+    return common.fatal(e, 2)
+  except OSError as e:
+    return common.fatal(e, 1)
+  print(f'Wrote {len(written)} images to {args.out}.')
+  return 0
+
+
+if __name__ == '__main__':
+  sys.exit(main())

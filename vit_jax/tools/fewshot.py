@@ -1,0 +1,210 @@
+"""Few-shot linear evaluation of a trained model's features: ``python -m vit_jax.fewshot``.
+
+  python -m vit_jax.fewshot SOURCE [--data NAME | --image-folder DIR] [--train-split SPLIT]
+      [--eval-split SPLIT] [--shots 1,5,10,25] [--seeds 3] [--l2-regs 1024] [--json]
+
+SOURCE is anything ``vit_jax.inference.load`` reads (a training workdir, an official ``.npz``, a
+T2T-ViT ``.pth.tar`` with ``--model``, a ``python -m vit_jax.convert`` directory). The model
+without its head featurises the first examples of each class of the train split (in reading
+order, only as many as the shots and seeds need) and the eval split, with the model's eval
+preprocessing; for each k a closed-form ridge regression to {-1, 1} targets is fitted on k
+examples per class drawn with each seed and scored on the eval split (ViT paper Sec. 4.1;
+the protocol and its differences from big_vision's: docs/evaluation.md,
+``vit_jax.evaluation.fewshot``). It prints the accuracy per k, mean +- standard deviation over the
+seeds, or with ``--json`` one JSON object.
+
+Without ``--data``/``--image-folder`` a workdir is evaluated on its own training data (its
+train and eval splits); other datasets default to the splits 'train' and 'test'.
+
+Bad input (a missing or refused SOURCE, an unknown dataset or split, a folder without images,
+more shots than a class has examples, bad flags) is one line ``FATAL: <problem and fix>`` on
+stderr and exit status 2, as ``python -m vit_jax.main``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any, Optional, Sequence
+
+from vit_jax.tools import common
+
+
+def _positive(kind, example: str, many: bool = False):
+  """An argparse type: a number of `kind` > 0, or with `many` '1,5,10' -> (1, 5, 10)."""
+  noun = 'integer' if kind is int else 'number'
+  what = f'comma-separated {noun}s > 0' if many else f'an {noun} > 0'
+
+  def parse(text: str):
+    try:
+      values = tuple(kind(v) for v in text.split(',')) if many else (kind(text),)
+    except ValueError:
+      values = ()
+    if not values or any(not v > 0 for v in values):
+      raise argparse.ArgumentTypeError(f'{text!r} is not {what} (e.g. {example})')
+    return values if many else values[0]
+
+  return parse
+
+
+_DESCRIPTION = """\
+Few-shot linear accuracy of a trained model's frozen pre-logit features (ViT paper Sec. 4.1):
+per k, a closed-form ridge regression to {-1, 1} targets fitted on k training examples per class
+(the first ones of each class in the train split), scored on the eval split; mean +- std over
+the seeds."""
+
+
+def _parser() -> common.Parser:
+  parser = common.Parser(
+      prog='python -m vit_jax.fewshot', description=_DESCRIPTION,
+      formatter_class=argparse.RawDescriptionHelpFormatter,
+      epilog='Examples:\n'
+      '  python -m vit_jax.fewshot /tmp/vit_fmnist                 # its Fashion-MNIST splits\n'
+      '  python -m vit_jax.fewshot ViT-B_16.npz --data cifar10 --shots 10 --json\n'
+      '  python -m vit_jax.fewshot /tmp/vit_fmnist --image-folder ~/flowers --seeds 5\n'
+      'Output: per k, the eval accuracy (mean +- std over the seeds). Protocol: '
+      'docs/evaluation.md.')
+  common.add_source_arguments(parser)
+  data = parser.add_mutually_exclusive_group()
+  data.add_argument('--data', metavar='NAME',
+                    help='a tfds name or prepared tfds directory (default: a workdir\'s own '
+                    'training data)')
+  data.add_argument('--image-folder', metavar='DIR',
+                    help='an image folder, DIR/<split>/<class>/*.{jpg,jpeg,png}')
+  parser.add_argument('--data-dir', help='the tfds data_dir (default: the model config\'s, '
+                      'else $TFDS_DATA_DIR or ~/tensorflow_datasets)')
+  parser.add_argument('--train-split', help="the split the shots are drawn from, tfds slicing "
+                      "allowed (default: the workdir's train split for its own data, else "
+                      "'train')")
+  parser.add_argument('--eval-split', help="the split measured (default: the workdir's eval "
+                      "split for its own data, else 'test')")
+  parser.add_argument('--shots', type=_positive(int, '1,5,10,25', many=True),
+                      default=(1, 5, 10, 25),
+                      metavar='K,K,...', help='training examples per class of each probe '
+                      '(default 1,5,10,25)')
+  parser.add_argument('--seeds', type=_positive(int, '3'), default=3, metavar='N',
+                      help='draws of the shots per k: seeds 0..N-1 (default 3)')
+  parser.add_argument('--l2-regs', type=_positive(float, '1024 or 1,32,1024', many=True),
+                      default=(1024.0,),
+                      metavar='L2,...', help='the ridge penalty (default 1024, big_vision\'s); '
+                      'several: the best of each draw, chosen on held-out training examples')
+  parser.add_argument('--train-per-class', type=_positive(int, '75'), metavar='N',
+                      help='training examples kept per class, the first ones read (default: '
+                      'max(shots) x seeds, +10 with several --l2-regs)')
+  parser.add_argument('--max-eval-examples', type=_positive(int, '10000'), metavar='N',
+                      help='use only the first N eval examples (default: all)')
+  parser.add_argument('--batch-size', type=_positive(int, '256'), metavar='B',
+                      help="the features step's global batch (default: the model's eval batch)")
+  parser.add_argument('--json', action='store_true', help='print one JSON object instead')
+  return parser
+
+
+#: The data settings as this tool's flags, in `make_task`'s messages.
+_FLAGS = {'--config.data.image_folder': '--image-folder', 'config.data.image_folder':
+          '--image-folder', 'config.data.train_split': '--train-split',
+          'config.data.eval_split': '--eval-split', 'config.data.name': '--data'}
+
+
+def _data_config(trained, args):
+  """The model's eval preprocessing on the requested dataset and splits."""
+  if args.data is None and args.image_folder is None:
+    if trained.step is None:
+      raise ValueError(f'{args.source} is not a training workdir, so it has no training data to '
+                       'evaluate on: give --data NAME (tfds) or --image-folder DIR.')
+    data_config = trained.data_config()
+    splits = (data_config.train_split, data_config.eval_split)
+  else:
+    data_config = trained.data_config(name=args.data, image_folder=args.image_folder,
+                                      label_key=None)
+    splits = ('train', 'test')
+  data_config.update(train_split=args.train_split or splits[0],
+                     eval_split=args.eval_split or splits[1], cache=False)
+  if args.data_dir:
+    data_config.data_dir = args.data_dir
+  return data_config
+
+
+def _check_batch_size(runner, batch_size: int) -> None:
+  """Raises ValueError: `batch_size` is not a multiple of the mesh's batch shards."""
+  from vit_jax import sharding  # pylint: disable=g-import-not-at-top
+  shards = sharding.data_parallel_size(runner.setup.mesh, runner.setup.rules)
+  if batch_size % shards:
+    raise ValueError(f'--batch-size {batch_size} must be a multiple of the {shards} batch '
+                     f'shard(s) of the device mesh; use --batch-size '
+                     f'{max(shards, batch_size // shards * shards)}.')
+
+
+def evaluate(args) -> dict[str, Any]:
+  """Loads SOURCE, featurises the dataset and runs the protocol; returns the report (a dict:
+  'source', 'dataset', 'train_split', 'eval_split', 'train_examples', 'train_read',
+  'eval_examples', 'seeds', 'l2_regs', 'results' {k: {'mean', 'std', 'accuracies', 'l2'}},
+  'scalars').
+
+  Raises:
+    The input errors of `vit_jax.inference.load`, `vit_jax.evaluation.fewshot.make_task` and
+    `Evaluator.evaluate` (ValueError, FileNotFoundError, ...; NotEnoughExamplesError).
+  """
+  for flag, value in (('--shots', args.shots), ('--l2-regs', args.l2_regs)):
+    if len(set(value)) != len(value):
+      raise ValueError(f'{flag} {",".join(str(v) for v in value)} repeats a value; list each '
+                       'once.')
+  shots, seeds = tuple(sorted(args.shots)), args.seeds
+  if args.train_per_class and args.train_per_class < max(shots):
+    raise ValueError(f'--train-per-class {args.train_per_class} is below the largest shot '
+                     f'count {max(shots)}; give at least {max(shots)}.')
+  trained = common.load_source(args)
+  from vit_jax import inference  # pylint: disable=g-import-not-at-top  (JAX, TensorFlow)
+  from vit_jax.evaluation import features
+  from vit_jax.evaluation import fewshot
+  data_config = _data_config(trained, args)
+  batch_size = args.batch_size or int(trained.config.eval_batch_size)
+  task = fewshot.make_task(data_config, global_batch_size=batch_size, flags=_FLAGS)
+  runner = inference.Runner(trained)  # After the data's checks: placing a model takes a while.
+  _check_batch_size(runner, batch_size)
+  evaluator = fewshot.Evaluator(
+      [task], features.Featurizer(runner.setup), shots=shots, seeds=seeds,
+      l2_regs=args.l2_regs, train_per_class=args.train_per_class,
+      max_eval_examples=args.max_eval_examples,
+      hint='lower --shots or give a larger --train-split')
+  [result] = evaluator.evaluate(runner.state)
+  return {
+      'source': trained.description, 'dataset': data_config.image_folder or data_config.name,
+      'train_split': data_config.train_split, 'eval_split': data_config.eval_split,
+      'train_examples': result.pool, 'train_read': result.read, 'eval_examples': result.test,
+      'seeds': seeds, 'l2_regs': list(evaluator.l2_regs),
+      'results': {str(k): {'mean': r.mean, 'std': r.std, 'accuracies': list(r.accuracies),
+                           'l2': list(r.l2_regs)} for k, r in result.shots.items()},
+      'scalars': fewshot.scalars(task.name, result.shots)}
+
+
+def table(report: dict[str, Any]) -> str:
+  """The report as text: a header and one line per k, 'mean +- std' over the seeds."""
+  l2 = ', '.join(f'{v:g}' for v in report['l2_regs'])
+  lines = [f"Few-shot linear evaluation of {report['source']}",
+           f"on {report['dataset']}: {report['train_examples']} training examples kept of "
+           f"{report['train_read']} read from '{report['train_split']}', "
+           f"{report['eval_examples']} eval examples of '{report['eval_split']}'; "
+           f"{report['seeds']} seed(s), l2 {l2}.",
+           f"{'shots':>5}  accuracy (mean +- std over seeds)"]
+  for k, r in report['results'].items():
+    lines.append(f"{k:>5}  {100 * r['mean']:6.2f}% +- {100 * r['std']:.2f}%")
+  return '\n'.join(lines)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+  """Runs the tool on ``argv`` (default: the command line); returns the exit status."""
+  args = _parser().parse_args(argv)
+  try:
+    report = evaluate(args)
+  except common.INPUT_ERRORS as e:
+    return common.fatal(e, 2)
+  print(json.dumps(report, indent=1) if args.json else table(report), flush=True)
+  return 0
+
+
+def run_main() -> None:
+  """``python -m vit_jax.fewshot``: ``main()`` as the program (``vit_jax.tools.common.run_program``)."""
+  common.run_program(main)
+
+if __name__ == '__main__':
+  run_main()

@@ -1,0 +1,345 @@
+"""Predicts the classes of images with a trained model: ``python -m vit_jax.predict``.
+
+  python -m vit_jax.predict /tmp/vit_fmnist photo.png more_images/ [--top-k 5] [--json]
+  python -m vit_jax.predict ViT-B_16.npz cat.jpg                   # ImageNet-21k names
+  python -m vit_jax.predict 81.5_T2T_ViT_14.pth.tar cat.jpg --model T2T-ViT-14
+
+SOURCE is anything `vit_jax.inference.load` reads: a training workdir (its latest step, or
+``--step``; the parameter EMA when the run kept one, ``--no-ema`` for the trained weights), an
+official ViT ``.npz`` or a T2T-ViT ``.pth.tar`` (with ``--model``). Each image is preprocessed
+as the model's eval pipeline does it (`vit_jax.data.files.eval_input`: the config's image size,
+resize or resize-and-central-crop, value range or mean/std) and scored with a softmax, or with
+independent sigmoids for a model trained with a sigmoid loss (e.g. the ImageNet-21k ones: then
+the probabilities of an image need not sum to 1).
+
+A folder stands for the image files (.jpg .jpeg .png .bmp .gif .webp, any case) in it and in its
+subfolders, sorted; hidden files are left out. A file named on the command line is decoded
+whatever its name. Images are read and predicted in batches (``--batch-size``, default the
+model's eval batch, at most the number of images), with a progress line on stderr when there is
+more than one batch.
+
+Output: per image its path, then the top-k classes, most probable first, as
+``  97.12%  Ankle boot`` (``class 3`` when the source has no class names); ``--json``
+prints one JSON list instead: ``[{"path", "predictions": [{"label", "index", "probability"}]}]``
+(``label`` null without class names, ``probability`` in [0, 1]).
+
+Exit status: 0 when at least one image was predicted (an image that cannot be read or decoded
+is skipped with one line ``WARNING: skipped <path>: <reason>`` on stderr); 2 for bad input, as
+one line ``FATAL: <problem and fix>`` on stderr: a missing or unusable SOURCE, a model that does
+not fit it, a missing path, a folder without image files, no image that can be decoded, bad
+flags; 1 for a system error (OSError) while predicting.
+
+In Python (e.g. a notebook)::
+
+  from vit_jax.predict import Predictor
+  predictor = Predictor('/tmp/vit_fmnist')
+  predictor.predict(['shoe.png', pil_image, uint8_array])  # per image [Prediction(label, ...)]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import sys
+from typing import Any, Dict, Iterable, List, NamedTuple, Optional, Sequence, Tuple
+
+import numpy as np
+
+from vit_jax.tools import common
+
+
+class Prediction(NamedTuple):
+  """One class of an image's prediction.
+
+  Attributes:
+    label: the class name (its number as text when the model has no class names).
+    index: the class number, in [0, C).
+    probability: in [0, 1]: softmax, or the class's own sigmoid for multi-label models.
+  """
+  label: str
+  index: int
+  probability: float
+
+
+class Predictor:
+  """A trained model, loaded once, that predicts the classes of images.
+
+  ``Predictor(source, batch_size=None, **load_kwargs)`` loads ``source`` with
+  ``vit_jax.inference.load`` or takes an already loaded ``inference.TrainedModel``, and places
+  it on the local devices (``inference.Runner``; one process).
+
+  Args:
+    source: a path ``vit_jax.inference.load`` reads, or an ``inference.TrainedModel``.
+    batch_size: images per device step (rounded up to a multiple of the device count; the last
+      batch is padded); default the config's ``eval_batch_size``. Small batches suit a few
+      images: every step computes a whole batch.
+    **load_kwargs: for ``inference.load``: ``step``, ``use_ema``, ``model_name``,
+      ``num_classes``, ``image_size``, ``overrides``.
+
+  Raises:
+    What ``inference.load`` raises (FileNotFoundError, ValueError); ValueError for a
+    ``batch_size`` < 1 or load options with a loaded model.
+
+  Attributes:
+    trained: the ``inference.TrainedModel`` (config, variables, label names).
+    runner: its ``inference.Runner``.
+  """
+
+  def __init__(self, source: Any, *, batch_size: Optional[int] = None, **load_kwargs: Any):
+    from vit_jax import inference  # pylint: disable=g-import-not-at-top
+    if isinstance(source, inference.TrainedModel):
+      if load_kwargs:
+        raise ValueError(f'{sorted(load_kwargs)}: a loaded TrainedModel takes no load options.')
+      trained = source
+    else:
+      trained = inference.load(source, **load_kwargs)
+    if batch_size is not None:
+      trained = _with_batch_size(trained, batch_size)
+    self.trained = trained
+    self.runner = inference.Runner(trained)
+
+  @property
+  def label_names(self) -> Optional[Tuple[str, ...]]:
+    """The class names in label order, or None when the source has none."""
+    return self.trained.label_names
+
+  @property
+  def image_size(self) -> int:
+    """``S``: inputs are ``[S, S, 3]`` after preprocessing."""
+    return self.trained.image_size
+
+  def preprocess(self, image: Any, name: Optional[str] = None) -> np.ndarray:
+    """One image -> the model's float32 ``[S, S, 3]`` input, preprocessed as in evaluation.
+
+    Args:
+      image: a file path, encoded bytes, a PIL image, or a NumPy array ``[H, W]`` /
+        ``[H, W, C]`` (C in {1, 3, 4}; uint8, or floats in [0, 1]); any size.
+      name: how errors name the image.
+
+    Raises:
+      vit_jax.data.BadImageError (a ValueError): not a decodable image (names the file).
+      FileNotFoundError, IsADirectoryError, PermissionError: a path that is not a readable file.
+      ValueError: an array of another shape.
+    """
+    from vit_jax.data import files  # pylint: disable=g-import-not-at-top
+    data = self.trained.config.data
+    return files.eval_input(image, size=int(data.image_size), normalization=data.normalization,
+                            crop_pct=data.eval_crop_pct, name=name)
+
+  def probabilities(self, images: Any) -> np.ndarray:
+    """float32 ``[B, C]`` class probabilities of ``images`` (see :meth:`predict`)."""
+    images = _as_list(images)
+    size = self.image_size
+    inputs = (np.stack([self.preprocess(x) for x in images]) if images
+              else np.zeros((0, size, size, 3), np.float32))
+    return self.trained.probabilities(self.runner.logits(inputs))
+
+  def predict(self, images: Any, top_k: int = 5) -> List[List[Prediction]]:
+    """The ``top_k`` most probable classes of each image.
+
+    Args:
+      images: one image or a sequence of them (a 4-D array ``[B, H, W, C]`` is B images); an
+        image is what :meth:`preprocess` takes.
+      top_k: classes per image (at most C).
+
+    Returns:
+      Per image, a list of ``top_k`` :class:`Prediction`, most probable first (ties: the lower
+      class number first).
+
+    Raises:
+      What :meth:`preprocess` raises; ValueError for ``top_k`` < 1.
+    """
+    _check_top_k(top_k)
+    return self.top(self.probabilities(images), top_k)
+
+  def predict_inputs(self, inputs: np.ndarray, top_k: int = 5) -> List[List[Prediction]]:
+    """:meth:`predict` of already preprocessed inputs: float32 ``[B, S, S, 3]``."""
+    _check_top_k(top_k)
+    return self.top(self.trained.probabilities(self.runner.logits(inputs)), top_k)
+
+  def top(self, probabilities: np.ndarray, top_k: int) -> List[List[Prediction]]:
+    """``[B, C]`` probabilities -> per row the ``top_k`` classes, most probable first."""
+    probabilities = np.asarray(probabilities)
+    order = np.argsort(-probabilities, axis=-1, kind='stable')[:, :top_k]
+    return [[Prediction(self.trained.label_name(int(i)), int(i), float(row[i])) for i in idx]
+            for row, idx in zip(probabilities, order)]
+
+
+def _check_top_k(top_k: int) -> None:
+  if int(top_k) < 1:
+    raise ValueError(f'top_k={top_k}: give 1 or more classes per image.')
+
+
+def _as_list(images: Any) -> List[Any]:
+  """One image or several -> a list of images."""
+  if isinstance(images, (str, bytes, os.PathLike)) or hasattr(images, 'convert'):
+    return [images]
+  if isinstance(images, np.ndarray) and images.ndim in (2, 3):
+    return [images]
+  return list(images)
+
+
+def _with_batch_size(trained: Any, batch_size: int) -> Any:
+  """``trained`` (an ``inference.TrainedModel``) with ``config.eval_batch_size`` set to
+  ``batch_size`` rounded up to a multiple of the device count (so any mesh can split it)."""
+  import jax  # pylint: disable=g-import-not-at-top
+  import ml_collections  # pylint: disable=g-import-not-at-top
+  if int(batch_size) < 1:
+    raise ValueError(f'batch_size={batch_size}: give 1 or more images per batch.')
+  devices = jax.device_count()
+  config = ml_collections.ConfigDict(trained.config.to_dict())
+  config.eval_batch_size = math.ceil(int(batch_size) / devices) * devices
+  return dataclasses.replace(trained, config=config)
+
+
+# ------------------------------------------------------------------------------- the command
+
+
+def _parser() -> common.Parser:
+  doc = __doc__.split('\n\n')
+  parser = common.Parser(
+      prog='python -m vit_jax.predict',
+      description=doc[0] + '\n\n' + doc[2] + '\n\n' + doc[3],
+      formatter_class=argparse.RawDescriptionHelpFormatter,
+      epilog='\n\n'.join(doc[4:6]) + '\n\nExamples:\n' + doc[1])
+  common.add_source_arguments(parser)
+  parser.add_argument('images', nargs='+', metavar='IMAGE_OR_FOLDER',
+                      help='image files, or folders of them (searched recursively)')
+  parser.add_argument('--top-k', type=int, default=5, help='classes per image (default 5)')
+  parser.add_argument('--json', action='store_true',
+                      help='print one JSON document instead of text')
+  parser.add_argument('--batch-size', type=int,
+                      help="images per step (default: the model's eval batch)")
+  return parser
+
+
+def image_paths(arguments: Sequence[str]) -> List[str]:
+  """The image files of the IMAGE_OR_FOLDER arguments, in argument order (a folder's sorted),
+  each once.
+
+  Raises:
+    FileNotFoundError: a path that does not exist.
+    ValueError: a folder without image files.
+  """
+  from vit_jax.data import files  # pylint: disable=g-import-not-at-top
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  found: Dict[str, None] = {}
+  for arg in arguments:
+    if tf.io.gfile.isdir(arg):
+      listed = files.list_images(arg)
+      if not listed:
+        raise ValueError(f'{arg} has no image files ({" ".join(files.IMAGE_EXTENSIONS)}, in it '
+                         'or its subfolders): give image files or a folder of them.')
+      found.update(dict.fromkeys(listed))
+    elif tf.io.gfile.exists(arg):
+      found[arg] = None
+    else:
+      raise FileNotFoundError(f'{arg} does not exist: give image files or folders of them.')
+  return list(found)
+
+
+def _batches(items: Sequence[str], size: int) -> Iterable[Sequence[str]]:
+  for start in range(0, len(items), size):
+    yield items[start:start + size]
+
+
+def _text(path: str, predictions: List[Prediction], named: bool) -> str:
+  lines = [path] + [f'  {100 * p.probability:6.2f}%  {p.label if named else f"class {p.index}"}'
+                    for p in predictions]
+  return '\n'.join(lines) + '\n'
+
+
+class _Progress:
+  """'predict: 128/1000 images' on stderr after each batch ('\\r'-updated on a terminal)."""
+
+  def __init__(self, total: int, batches: int):
+    self.total, self.done, self.shown = total, 0, batches > 1
+    self.tty = sys.stderr.isatty()
+
+  def update(self, count: int) -> None:
+    self.done += count
+    if self.shown:
+      end = '' if self.tty and self.done < self.total else '\n'
+      print(f'{chr(13) if self.tty else ""}predict: {self.done}/{self.total} images', end=end,
+            file=sys.stderr, flush=True)
+
+
+def _without_path(text: str, path: str) -> str:
+  """'x.png is not a decodable image: ...' -> 'not a decodable image: ...' (after the path)."""
+  for prefix in (f'{path} is ', f'{path} '):
+    if text.startswith(prefix):
+      return text[len(prefix):]
+  return text
+
+
+def _header(trained: Any) -> str:
+  kind = 'sigmoid' if trained.config.loss == 'sigmoid_xent' else 'softmax'
+  names = '' if trained.label_names else ', no class names'
+  return f'# {trained.description}: {trained.num_classes} classes ({kind}{names})\n'
+
+
+def _predict_paths(predictor: Predictor, paths: Sequence[str], batch: int, top_k: int,
+                   as_json: bool) -> Tuple[int, List[Dict[str, Any]]]:
+  """Predicts ``paths`` batch by batch, printing text results (after a header line) as they
+  come; returns the number predicted and the JSON records."""
+  from vit_jax.data import BadImageError  # pylint: disable=g-import-not-at-top
+  named = predictor.label_names is not None
+  records, predicted = [], 0
+  progress = _Progress(len(paths), math.ceil(len(paths) / batch))
+  for chunk in _batches(paths, batch):
+    good, inputs = [], []
+    for path in chunk:
+      try:
+        inputs.append(predictor.preprocess(path))
+        good.append(path)
+      except (BadImageError, OSError) as e:
+        print(f'WARNING: skipped {path}: {_without_path(common.reason(e), path)}',
+              file=sys.stderr)
+    if good and not as_json and not predicted:
+      print(_header(predictor.trained), flush=True)
+    for path, top in zip(good, predictor.predict_inputs(np.stack(inputs), top_k) if good else []):
+      if as_json:
+        records.append({'path': path, 'predictions': [
+            {'label': p.label if named else None, 'index': p.index,
+             'probability': p.probability} for p in top]})
+      else:
+        print(_text(path, top, named), flush=True)
+    predicted += len(good)
+    progress.update(len(chunk))
+  return predicted, records
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+  """Runs the command on ``argv`` (default: the command line); returns the exit status."""
+  args = _parser().parse_args(argv)
+  try:
+    if args.top_k < 1:
+      raise ValueError(f'--top-k {args.top_k}: give 1 or more classes per image.')
+    if args.batch_size is not None and args.batch_size < 1:
+      raise ValueError(f'--batch-size {args.batch_size}: give 1 or more images per batch.')
+    paths = image_paths(args.images)
+    trained = common.load_source(args)
+    batch = min(args.batch_size or int(trained.config.eval_batch_size), len(paths))
+    predictor = Predictor(trained, batch_size=batch)
+    predicted, records = _predict_paths(predictor, paths, batch, args.top_k, args.json)
+    if not predicted:
+      raise ValueError(f'none of the {len(paths)} image file(s) could be decoded (see the '
+                       'warnings above): give JPEG, PNG, GIF, BMP or WebP images.')
+  except common.INPUT_ERRORS as e:
+    return common.fatal(e, 2)
+  except OSError as e:
+    return common.fatal(e, 1)
+  if args.json:
+    print(json.dumps(records, indent=1))
+  return 0
+
+
+def run_main() -> None:
+  """``python -m vit_jax.predict``: ``main()`` as the program (``vit_jax.tools.common.run_program``)."""
+  common.run_program(main, quiet_tensorflow=True)
+
+if __name__ == '__main__':
+  run_main()
