@@ -203,8 +203,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 
 def run_main() -> None:
-  """``python -m vit_jax.fewshot``: ``main()`` as the program (``vit_jax.tools.common.run_program``)."""
-  common.run_program(main)
+  """``python -m vit_jax.fewshot``: ``main()`` run by ``common.run_program``."""
+  common.run_program(main, quiet_tensorflow=True)
 
 if __name__ == '__main__':
   run_main()

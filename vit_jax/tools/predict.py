@@ -338,7 +338,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 
 def run_main() -> None:
-  """``python -m vit_jax.predict``: ``main()`` as the program (``vit_jax.tools.common.run_program``)."""
+  """``python -m vit_jax.predict``: ``main()`` run by ``common.run_program``."""
   common.run_program(main, quiet_tensorflow=True)
 
 if __name__ == '__main__':
