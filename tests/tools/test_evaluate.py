@@ -331,6 +331,11 @@ def test_the_model_s_classes_in_another_order_are_refused(folder10):
       "class_0, class_1, class_2, ...; the model's: class_9, class_8, class_7, ...; an image "
       "folder's classes are its folder names, sorted): give the data the model's class order "
       "(e.g. folders named 0_<name>, 1_<name>, ...).")
+  # The same names up to case and punctuation ('T-shirt/top' cannot name a folder): refused too.
+  spelled = tuple(f"Class-{c}" for c in (1, 0, *range(2, 10)))
+  with pytest.raises(ValueError, match="has the model's classes in another order"):
+    eval_data.choose_data(dataclasses.replace(trained, label_names=spelled),
+                          image_folder=folder10)
   chosen = eval_data.choose_data(trained, image_folder=folder10)
   other = dataclasses.replace(trained, label_names=tuple(f"n{c}" for c in range(10)))
   assert eval_report.names_note(trained, chosen) is None

@@ -147,6 +147,7 @@ def test_a_file_is_preprocessed_as_the_eval_pipeline_and_pil_and_arrays_as_the_f
     npz_predictor.predict(np.zeros((4, 4, 2), np.uint8))
 
 
+@pytest.mark.slow  # The shared tiny training run (tests/conftest.py) costs 10 s.
 def test_a_workdir_predicts_the_class_names_of_its_image_folder(tiny_workdir):
   workdir, folder, _ = tiny_workdir
   with open(os.path.join(workdir, "dataset.json")) as f:

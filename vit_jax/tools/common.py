@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import ast
 import os
+import signal
 import sys
 from typing import Any, Tuple
 
@@ -56,7 +57,11 @@ def parse_setting(text: str) -> Tuple[str, Any]:
 
 
 class Parser(argparse.ArgumentParser):
-  """argparse, with a usage error as the usage and one ``FATAL:`` line (exit status 2)."""
+  """argparse, with a usage error as the usage and one ``FATAL:`` line (exit status 2), and
+  the help's reST literals (````x````) shown as plain text."""
+
+  def format_help(self):
+    return super().format_help().replace('``', '')
 
   def error(self, message):
     self.print_usage(sys.stderr)
@@ -95,18 +100,22 @@ def load_source(args: argparse.Namespace):
                         overrides=dict(parse_setting(s) for s in args.set))
 
 
-def run_program(main, *, quiet_tensorflow: bool = False) -> None:
+def run_program(main) -> None:
   """Runs a tool's ``main()`` as the program: the set-up first (``vit_jax.platform.setup``:
   quiet libraries, no TPU backend without TPU chips, multi-host JAX from the environment,
-  TensorFlow off the accelerators), then ``main()``'s status as the exit code.
+  TensorFlow off the accelerators; TensorFlow's C++ warnings off, ``TF_CPP_MIN_LOG_LEVEL=2``
+  unless set, as the tools report undecodable images themselves), then ``main()``'s status as
+  the exit code. ``--help`` answers without the set-up; a closed pipe (``... | head``) ends the
+  program quietly.
 
   Args:
     main: ``() -> int``, the exit status.
-    quiet_tensorflow: TensorFlow's C++ warnings off (``TF_CPP_MIN_LOG_LEVEL=2`` unless set),
-      for tools that report undecodable images themselves.
   """
-  if quiet_tensorflow:
-    os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
+  if hasattr(signal, 'SIGPIPE'):  # `... | head`: end quietly, as shell tools do.
+    signal.signal(signal.SIGPIPE, signal.SIG_DFL)
+  if any(arg in ('-h', '--help') for arg in sys.argv[1:]):
+    sys.exit(main())  # The help, without the set-up's imports (JAX, TensorFlow).
+  os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
   from vit_jax import platform  # pylint: disable=g-import-not-at-top
   try:
     platform.setup()

@@ -51,6 +51,18 @@ class EvalData:
 _VERSION = re.compile(r'^\d+(\.\d+)*$')
 
 
+
+def _normalized(name: str) -> str:
+  """'T-shirt/top' and 'T-shirt_top' (a folder cannot hold '/') -> 't_shirt_top'."""
+  return re.sub(r'[^0-9a-z]+', '_', name.lower()).strip('_')
+
+
+def _same_set_other_order(model_names, data_names) -> bool:
+  """The same class names up to case and punctuation, in another order (an image folder's
+  classes are its folder names, sorted)."""
+  model, data = [_normalized(n) for n in model_names], [_normalized(n) for n in data_names]
+  return sorted(model) == sorted(data) and model != data
+
 def parse_data(text: str) -> Tuple[str, Optional[str]]:
   """'cifar10:test[:50%]' -> ('cifar10', 'test[:50%]'); 'mnist:3.0.1' (a tfds version) and
   'gs://b/ds' stay names; 'cifar10' -> ('cifar10', None)."""
@@ -211,7 +223,7 @@ def choose_data(trained, *, data: Optional[str] = None, image_folder: Optional[s
         f'{trained.num_classes}: evaluate it on data with the same {trained.num_classes} '
         'classes, in the same order.')
   names = trained.label_names
-  if names and set(names) == set(label.names) and tuple(names) != tuple(label.names):
+  if names and _same_set_other_order(names, label.names):
     raise ValueError(
         f"{what} has the model's classes in another order (the data's: "
         f"{', '.join(label.names[:3])}, ...; the model's: {', '.join(names[:3])}, ...; an image "

@@ -100,7 +100,7 @@ def png_bytes(confusion: np.ndarray, names: Optional[Sequence[str]], title: str)
     for t in range(classes):
       for p in range(classes):
         if confusion[t, p]:
-          text = f'{100 * rows[t, p]:.0f}' if rows[t, p] >= 0.005 else '<1'
+          text = f'{100 * rows[t, p]:.0f}' if rows[t, p] >= 0.01 else '<1'
           ax.text(p, t, text, ha='center', va='center', fontsize=8,
                   color='white' if rows[t, p] > 0.5 else 'black')
   ax.set_xlabel('predicted class')

@@ -153,7 +153,11 @@ def _parser() -> argparse.ArgumentParser:
       '  python -m vit_jax.evaluate /tmp/vit_fmnist\n'
       '  python -m vit_jax.evaluate ViT-B_16.npz --data imagenet2012:validation\n'
       '  python -m vit_jax.evaluate 81.5_T2T_ViT_14.pth.tar --model T2T-ViT-14 --real\n'
-      '  python -m vit_jax.evaluate /tmp/vit_fmnist --image-folder ~/fmnist_images --split test')
+      '  python -m vit_jax.evaluate /tmp/vit_fmnist --image-folder ~/fmnist_images --split test\n'
+      'Exit status: 0 done; 2 bad input, before any work (one FATAL line on stderr: a missing\n'
+      "or unusable SOURCE, a model that does not fit it, data with other classes than the model's,\n"
+      'an undecodable image (see --skip-bad-images), an output folder that already holds a\n'
+      'result (see --overwrite), bad flags); 1 a failure while writing the results.')
   common.add_source_arguments(parser)
   parser.add_argument('--data', metavar='NAME[:SPLIT]',
                       help="a tfds dataset (name or prepared directory) and split (default: "

@@ -50,8 +50,8 @@ def _positive(kind, example: str, many: bool = False):
 _DESCRIPTION = """\
 Few-shot linear accuracy of a trained model's frozen pre-logit features (ViT paper Sec. 4.1):
 per k, a closed-form ridge regression to {-1, 1} targets fitted on k training examples per class
-(the first ones of each class in the train split), scored on the eval split; mean +- std over
-the seeds."""
+(drawn with each seed from the first examples of each class in the train split), scored on the
+eval split; mean +- std over the seeds."""
 
 
 def _parser() -> common.Parser:
@@ -63,7 +63,10 @@ def _parser() -> common.Parser:
       '  python -m vit_jax.fewshot ViT-B_16.npz --data cifar10 --shots 10 --json\n'
       '  python -m vit_jax.fewshot /tmp/vit_fmnist --image-folder ~/flowers --seeds 5\n'
       'Output: per k, the eval accuracy (mean +- std over the seeds). Protocol: '
-      'docs/evaluation.md.')
+      'docs/evaluation.md.\n'
+      'Exit status: 0 done; 2 bad input (one FATAL line on stderr: a missing or unusable\n'
+      'SOURCE, an unknown dataset or split, a folder without images, more shots than a class\n'
+      'has examples, bad flags).')
   common.add_source_arguments(parser)
   data = parser.add_mutually_exclusive_group()
   data.add_argument('--data', metavar='NAME',
@@ -204,7 +207,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 def run_main() -> None:
   """``python -m vit_jax.fewshot``: ``main()`` run by ``common.run_program``."""
-  common.run_program(main, quiet_tensorflow=True)
+  common.run_program(main)
 
 if __name__ == '__main__':
   run_main()
