@@ -8,7 +8,8 @@ Read `train_and_evaluate` top to bottom; its phases are marked:
   2. State: the latest checkpoint of the workdir, else the fine-tuning initialisation, else a
      fresh one;
   3. Steps: the jitted train and eval steps of `vit_jax.step`, compiled ahead of time;
-  4. Loop: train, log, checkpoint, evaluate;
+  4. Loop: train, log, checkpoint, evaluate (and the few-shot linear evaluation,
+     `vit_jax.evaluation.fewshot`, when `config.fewshot.every_steps` is set);
   5. End: the final evaluation and checkpoint, the results.
 One clock, a `vit_jax.accounting.CostAccountant`, times each part (training steps, input,
 compilation, evaluation, checkpointing): the throughput and ETA in the log come from its training
@@ -73,7 +74,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
 
   Returns:
     `{'<split>/accuracy': top-1 (precision@1 for multi-label data), '<split>/top5_accuracy'
-    (with >= 5 classes), '<split>/loss', 'step'}` of the final evaluation.
+    (with >= 5 classes), '<split>/loss', 'step'}` of the final evaluation, and with
+    `config.fewshot.every_steps` the few-shot scalars ('fewshot/<data>_<k>shot[_std]').
 
   Raises:
     ConfigError: (a ValueError) the config cannot run: a value out of range, batch size,
