@@ -4,6 +4,10 @@ Each process reads its part of the eval split, padded to whole batches with mask
 (`vit_jax.data.create_eval_dataset`); the compiled eval step (`vit_jax.step.make_eval_step`)
 returns sums over the real examples, which are added up here. A prediction is a hit when its top
 class is among the true labels: top-1 accuracy, or precision@1 for multi-label data.
+
+The package's other modules: `fewshot` (few-shot linear evaluation: its tasks and evaluator),
+`linear_probe` (the closed-form ridge probe and the k-shot draws), `features` (the pre-logit
+features of a dataset, sharded like the eval step).
 """
 
 from __future__ import annotations
