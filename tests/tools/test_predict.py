@@ -268,8 +268,5 @@ def test_the_command_prints_text_and_json(tmp_path):
   for record in records:
     probabilities = [p["probability"] for p in record["predictions"]]
     assert probabilities == sorted(probabilities, reverse=True) and len(probabilities) == 3
-
-  proc = run(str(tmp_path / "nothing.png"))
-  assert proc.returncode == 2
-  assert proc.stderr.strip().splitlines()[-1] == (
-      f"FATAL: {tmp_path / 'nothing.png'} does not exist: give image files or folders of them.")
+  # Bad input's FATAL line and exit status 2: in process (the bad-input tests above), the
+  # program's wiring of main()'s status being the same.
