@@ -121,20 +121,12 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
     # ---------------------------------------------------------------------------------------
     steps = _CompiledSteps(setup, accountant)
     fewshot_eval = run.fewshot  # Few-shot linear evaluation (config.fewshot), of the parameters.
+    evaluate_fewshot = _fewshot_evaluation(run, accountant, writer)
 
     def evaluate(state, step: int) -> dict[str, float]:
       with accountant.timed("eval"):
         results = evaluation.evaluate(state, run.evals, bool(config.ema_decay), steps.eval,
                                       steps.to_global, step)
-        writer.write_scalars(step, results)
-      return results
-
-    def evaluate_fewshot(state, step: int) -> dict[str, float]:
-      """The few-shot scalars of the parameters' features ({} when config.fewshot is off)."""
-      if fewshot_eval is None:
-        return {}
-      with accountant.timed("eval"):
-        results = fewshot_eval.run({k: state[k] for k in setup.variables_shardings})
         writer.write_scalars(step, results)
       return results
 
@@ -351,6 +343,22 @@ def _initial_state(run: _Run, checkpoints: checkpoint.Checkpoints) -> step_lib.S
     variables, run.finetune = run.finetune, None
     return jax.jit(setup.state_from_variables, out_shardings=setup.state_shardings)(variables)
   return jax.jit(setup.init_state, out_shardings=setup.state_shardings)(setup.init_rng)
+
+
+def _fewshot_evaluation(run: _Run, accountant: accounting.CostAccountant, writer):
+  """`(state, step) -> {'fewshot/<data>_<k>shot[_std]': accuracy}` of the state's parameters
+  (`vit_jax.evaluation.fewshot`), written to TensorBoard and timed as eval; `{}` when
+  `config.fewshot` is off."""
+
+  def evaluate_fewshot(state, step: int) -> dict[str, float]:
+    if run.fewshot is None:
+      return {}
+    with accountant.timed("eval"):
+      results = run.fewshot.run({k: state[k] for k in run.setup.variables_shardings})
+      writer.write_scalars(step, results)
+    return results
+
+  return evaluate_fewshot
 
 
 def _finishing(checkpoints: checkpoint.Checkpoints):
