@@ -23,6 +23,22 @@ def test_vit_b16_forward_is_17_6_g_multiply_adds():
     flops.vit_forward_macs(**B16, image_size=200)
 
 
+def test_map_head_is_counted_and_the_position_table_is_not():
+  tiny = dict(hidden_size=16, mlp_dim=24, num_layers=1, patch_size=8, image_size=16,
+              num_classes=3)
+  gap = flops.vit_forward_macs(**tiny, classifier="gap")
+  mapped = flops.vit_forward_macs(**tiny, classifier="map")
+  d, n, m = 16, 4, 24  # The probe's q and out, k and v of the 4 tokens, 2 products, the MLP.
+  assert mapped - gap == 2 * d * d + 2 * n * d * d + 2 * n * d + 2 * d * m == 3456
+  fields = {k: v for k, v in tiny.items() if k not in ("image_size", "num_classes")}
+  for posemb in ("learn", "sincos2d"):
+    model = models.create("ViT-custom", num_classes=3, num_heads=2, classifier="map",
+                          posemb=posemb, gelu_approximate=False, **fields)
+    assert flops.model_forward_macs(model, (16, 16, 3)) == mapped
+  with pytest.raises(ValueError, match="classifier must be 'token', 'gap' or 'map', got 'cls'"):
+    flops.vit_forward_macs(**tiny, classifier="cls")
+
+
 def test_compiled_cost_analysis_agrees_with_the_analytic_count():
   """XLA counts the matrix products plus the elementwise work: within 3% above."""
   model = models.create("ViT-B_16", num_classes=1000)  # XLA's attention (the default).

@@ -8,7 +8,8 @@ the reported core-days it shows the model FLOP utilisation (MFU) each figure imp
 Conventions: one multiply-add (MAC) = 2 FLOPs; training costs 3 forward passes (the backward
 pass is about twice the forward: gradients with respect to activations and to weights); only the
 matrix products are counted (embedding, q/k/v/out projections, the two attention products, MLP,
-pre_logits, head), as is usual; LayerNorm, softmax, GELU and additions are a few percent more.
+the 'map' head's attention and MLP, pre_logits, head), as is usual; LayerNorm, softmax, GELU and
+additions are a few percent more.
 """
 
 from __future__ import annotations
@@ -39,14 +40,19 @@ def vit_forward_macs(*, hidden_size: int, mlp_dim: int, num_layers: int, patch_s
   Per image, with N patches of P x P x C pixels, T = N (+1 with a class token) tokens, hidden
   size D, MLP size M and L layers:
     embedding N P^2 C D; per layer 4 T D^2 (q, k, v, out) + 2 T^2 D (q k^T and attention x v)
-    + 2 T D M (MLP); pre_logits D R; head (R or D) x classes.
+    + 2 T D M (MLP); classifier 'map' (big_vision's MAPHead: one probe query over the T = N
+    tokens) 2 D^2 (probe's q, out) + 2 N D^2 (k, v) + 2 N D (q k^T, attention x v) + 2 D M (its
+    MLP); pre_logits D R; head (R or D) x classes. The position embedding ('learn' or the fixed
+    'sincos2d' table) and the GELU variant are elementwise: not counted.
 
   Returns:
     MACs (int); FLOPs are twice that. ViT-B/16 at 224 px: 17.56 G MACs (35.1 GFLOPs).
 
   Raises:
-    ValueError: an image side the patch size does not divide.
+    ValueError: an image side the patch size does not divide, or an unknown classifier.
   """
+  if classifier not in ("token", "gap", "map"):
+    raise ValueError(f"classifier must be 'token', 'gap' or 'map', got {classifier!r}.")
   height, width = (image_size, image_size) if isinstance(image_size, int) else image_size
   if height % patch_size or width % patch_size:
     raise ValueError(f"Image {height}x{width} is not divisible by the patch size {patch_size}.")
@@ -55,9 +61,11 @@ def vit_forward_macs(*, hidden_size: int, mlp_dim: int, num_layers: int, patch_s
   d = hidden_size
   embedding = patches * patch_size * patch_size * channels * d
   per_layer = 4 * tokens * d * d + 2 * tokens * tokens * d + 2 * tokens * d * mlp_dim
+  pooling = (2 * d * d + 2 * tokens * d * d + 2 * tokens * d + 2 * d * mlp_dim
+             if classifier == "map" else 0)
   features = representation_size or d
   pre_logits = d * representation_size if representation_size else 0
-  return embedding + num_layers * per_layer + pre_logits + features * num_classes
+  return embedding + num_layers * per_layer + pooling + pre_logits + features * num_classes
 
 
 def jaxpr_macs(jaxpr: jax_core.Jaxpr) -> int:

@@ -6,9 +6,9 @@
   probs = trained.probabilities(logits)                 # softmax or sigmoid, as it was trained
   names = trained.label_names                           # ('T-shirt/top', 'Trouser', ...)
 
-A source is a training workdir (or its ``checkpoints`` directory, or one step), an official ViT
-``.npz``, a T2T-ViT ``.pth``/``.pth.tar``, or a variables checkpoint of
-``python -m vit_jax.convert``. A workdir describes itself: every step saves the resolved config
+A source is a training workdir (or its ``checkpoints`` directory, or one step), an official or
+big_vision ViT ``.npz``, a transformers ViT directory, a timm ``.safetensors`` file, a T2T-ViT
+``.pth``/``.pth.tar``, or a variables checkpoint of ``python -m vit_jax.convert``. A workdir describes itself: every step saves the resolved config
 (model, preprocessing, loss) and the training data's record (class names; see
 ``vit_jax.train.dataset_record``). For the official files a config is made up from what the
 weights imply and the papers' evaluation settings:
@@ -17,6 +17,10 @@ weights imply and the papers' evaluation settings:
   checked when given), the image size from the position embedding's grid, pixels in [-1, 1],
   a plain resize (the official evaluation); 21,843 classes (ImageNet-21k) are scored with a
   sigmoid, others with a softmax; ImageNet-1k/21k class names from ``vit_jax.labels``.
+* transformers / timm (``vit_jax.checkpoint.ecosystem``): as ``.npz``, plus the numerics the
+  weights need (GELU, LayerNorm epsilon), transformers' class names (``id2label``) and
+  normalization (``preprocessor_config.json``); a timm file of a non-standard width needs
+  ``num_heads`` (``--set num_heads=N``).
 * ``.pth.tar`` (T2T-ViT): ``model_name`` is required (the file does not name its variant); the
   class count and image size from ``head.weight`` and ``pos_embed``; ImageNet mean/std and the
   T2T-ViT evaluation crop (resize to size / 0.9, central crop).
@@ -43,6 +47,7 @@ from vit_jax import config as config_lib
 from vit_jax import models
 from vit_jax import sharding
 from vit_jax import step as step_lib
+from vit_jax.checkpoint import ecosystem
 from vit_jax.checkpoint import formats
 from vit_jax.checkpoint import orbax
 from vit_jax.checkpoint import paths
@@ -52,8 +57,9 @@ from vit_jax.checkpoint import runs
 IMAGENET21K_CLASSES = 21843
 
 #: What a source can be, in words (for error messages).
-SOURCES = ('a training workdir (or its checkpoints/ or one step directory), an official ViT '
-           '.npz, a T2T-ViT .pth/.pth.tar, or a directory written by python -m vit_jax.convert')
+SOURCES = ('a training workdir (or its checkpoints/ or one step directory), an official or '
+           'big_vision ViT .npz, a transformers ViT directory, a timm .safetensors file, a '
+           'T2T-ViT .pth/.pth.tar, or a directory written by python -m vit_jax.convert')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -270,8 +276,14 @@ def _from_vit_weights(path: str, variables: Dict[str, Any], model_name: Optional
     fields = dict(overrides)
     if 'params/pre_logits/kernel' in shapes and 'representation_size' not in fields:
       fields['representation_size'] = shapes['params/pre_logits/kernel'][-1]
+    implied = models.vit.architecture_fields(shapes)
+    for key in ('classifier', 'posemb'):  # What the weights compute, whatever the name says.
+      fields.setdefault(key, implied[key])
   if image_size is None:
     posemb = shapes.get(checkpoint.POSEMB_KEY)
+    if posemb is None:
+      raise ValueError(f"{path} has no learned position table (posemb='sincos2d', which fits "
+                       'any resolution): give the image size (--image-size, e.g. 224).')
     tokens = posemb[1] - (1 if 'params/cls' in shapes else 0) if posemb else 0
     model = models.create(model_name, num_classes=classes, **fields)
     stride = models.patch_pair(model.patch_size)[0]
@@ -283,6 +295,46 @@ def _from_vit_weights(path: str, variables: Dict[str, Any], model_name: Optional
                             overrides=fields)
   return TrainedModel(config, variables, _official_names(classes),
                       classes == IMAGENET21K_CLASSES, None, path)
+
+
+def _from_foreign(path: str, fmt: str, model_name: Optional[str], num_classes: Optional[int],
+                  image_size: Optional[int], overrides: Dict[str, Any]) -> TrainedModel:
+  """A transformers or timm ViT: its numerics and class names from the file, the preprocessing
+  of its ``preprocessor_config.json`` when there is one (else pixels in [-1, 1], as the
+  google/vit-* and timm augreg models)."""
+  heads = overrides.get('num_heads')
+  if heads is None and model_name:
+    try:
+      heads = models.model_config(model_name, **overrides).get('num_heads')
+    except (ValueError, TypeError):  # E.g. ViT-custom without its fields: reported later.
+      heads = None
+  foreign = ecosystem.read(path, fmt, num_heads=heads)
+  numerics = {k: foreign.fields[k] for k in ecosystem.NUMERICS}
+  trained = _from_vit_weights(path, foreign.variables, model_name, num_classes,
+                              image_size or foreign.image_size, {**numerics, **overrides})
+  names = foreign.label_names or trained.label_names
+  normalization = _hf_normalization(path) if fmt == formats.HF else None
+  config = trained.config
+  if normalization:
+    config = ml_collections.ConfigDict(config.to_dict())
+    config.data.normalization = normalization
+  return dataclasses.replace(trained, config=config, label_names=names,
+                             description=f'{path} ({foreign.family})')
+
+
+def _hf_normalization(path: str) -> Optional[str]:
+  """'minus_one_to_one' or 'imagenet' from a transformers directory's
+  ``preprocessor_config.json`` (``image_mean``), None without one or for other values."""
+  import json  # pylint: disable=g-import-not-at-top
+  file = paths.join(ecosystem.hf_directory(path), 'preprocessor_config.json')
+  if not paths.exists(file):
+    return None
+  try:
+    mean = [round(float(m), 3) for m in json.loads(paths.read_bytes(file)).get('image_mean', [])]
+  except (ValueError, TypeError):
+    return None
+  return {(0.5, 0.5, 0.5): 'minus_one_to_one', (0.485, 0.456, 0.406): 'imagenet'}.get(
+      tuple(mean))
 
 
 def _official_names(num_classes: int) -> Optional[Tuple[str, ...]]:
@@ -378,6 +430,8 @@ def load(source: Any, *, step: Optional[int] = None, use_ema: bool = True,
     raise ValueError(f'--step applies to training workdirs; {path} is a single checkpoint file.')
   elif fmt == formats.PYTORCH:
     trained = _from_torch(path, model_name, num_classes, image_size, use_ema, overrides)
+  elif fmt in (formats.HF, formats.TIMM):
+    trained = _from_foreign(path, fmt, model_name, num_classes, image_size, overrides)
   else:
     trained = _from_vit_weights(path, checkpoint.load_npz(path), model_name, num_classes,
                                 image_size, overrides)

@@ -321,7 +321,7 @@ def test_convert_bad_input_is_explained(tmp_path, capsys):
   assert 'holds PyTorch state-dict names' in capsys.readouterr().err
   assert convert.main([str(FIXTURES / 'vit_tiny' / 'params.npz'), str(tmp_path / 'v'),
                        '--model', 'T2T-ViT-14']) == 0
-  assert 'apply to PyTorch files only' in capsys.readouterr().err
+  assert 'apply to PyTorch and timm files only' in capsys.readouterr().err
   # The source is never replaced, and only directories and .npz files are written.
   assert convert.main([str(tmp_path / 'v'), str(tmp_path / 'v'), '--overwrite']) == 2
   assert 'the source is never replaced' in capsys.readouterr().err

@@ -3,6 +3,7 @@ attention) and the parser of the configs' arguments (vit_jax.config)."""
 
 import json
 import pathlib
+import shutil
 
 import jax
 import ml_collections
@@ -109,7 +110,7 @@ def test_resolve_takes_pretrained_dir_and_refuses_a_missing_checkpoint(tmp_path)
   config.pretrained_dir = str(tmp_path)
   with pytest.raises(FileNotFoundError, match=r"ViT-custom.npz' \(config.pretrained_dir"):
     _resolve(config)
-  (tmp_path / "ViT-custom.npz").write_bytes(b"")
+  shutil.copy(ROOT / "tests" / "fixtures" / "vit_tiny" / "params.npz", tmp_path / "ViT-custom.npz")
   assert _resolve(config).init_from == f"{tmp_path}/ViT-custom.npz"
 
 

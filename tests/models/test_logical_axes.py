@@ -160,6 +160,25 @@ def test_pre_logits_names():
   assert flat['params/pre_logits/bias'] == P(None)
 
 
+def test_map_head_names_and_no_position_parameter_with_sincos2d():
+  model = models.create('ViT-custom', num_classes=3, classifier='map', posemb='sincos2d',
+                        hidden_size=16, mlp_dim=24, num_heads=2, num_layers=1, patch_size=8)
+  flat = _flat_specs(models.logical_axes(model, (16, 16)))
+  head, attn = 'params/MAPHead_0/', 'params/MAPHead_0/MultiHeadDotProductAttention_0/'
+  assert {k: v for k, v in flat.items() if k.startswith(head)} == {
+      head + 'probe': P(None, None, 'embed'),
+      attn + 'query/kernel': P('embed', 'heads', 'kv'), attn + 'query/bias': P('heads', 'kv'),
+      attn + 'key/kernel': P('embed', 'heads', 'kv'), attn + 'key/bias': P('heads', 'kv'),
+      attn + 'value/kernel': P('embed', 'heads', 'kv'), attn + 'value/bias': P('heads', 'kv'),
+      attn + 'out/kernel': P('heads', 'kv', 'embed'), attn + 'out/bias': P('embed'),
+      head + 'LayerNorm_0/scale': P('norm'), head + 'LayerNorm_0/bias': P('norm'),
+      head + 'MlpBlock_0/Dense_0/kernel': P('embed', 'mlp'),
+      head + 'MlpBlock_0/Dense_0/bias': P('mlp'),
+      head + 'MlpBlock_0/Dense_1/kernel': P('mlp', 'embed'),
+      head + 'MlpBlock_0/Dense_1/bias': P('embed')}
+  assert not any('posembed_input' in k or k == 'params/cls' for k in flat)
+
+
 def test_scanned_names_start_with_layers():
   _, abstract, specs = _big('ViT-B_16-scan')
   flat = _flat_specs(specs)

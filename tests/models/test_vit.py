@@ -306,7 +306,7 @@ def test_unknown_override_key():
 
 
 def test_invalid_values():
-  with pytest.raises(ValueError, match="classifier must be one of \\('token', 'gap'\\)"):
+  with pytest.raises(ValueError, match="classifier must be one of \\('token', 'gap', 'map'\\)"):
     models.create('ViT-B_16', num_classes=10, classifier='unpooled')
   with pytest.raises(ValueError, match='classifier'):  # Direct construction is checked too.
     models.VisionTransformer(num_classes=10, patch_size=4, hidden_size=8, mlp_dim=8,
@@ -515,3 +515,297 @@ def test_scan_unscan_errors_and_variants():
     layout.scan_params(gap)
   # NumPy leaves stay NumPy.
   assert isinstance(scanned['Transformer']['encoderblock']['LayerNorm_0']['scale'], np.ndarray)
+
+
+# ------------------------------------------------------------------------------------------------
+# The other ecosystems' options: 'map' pooling and 'sincos2d' (big_vision), the exact GELU (timm,
+# transformers) and the LayerNorm epsilon (transformers: 1e-12).
+# ------------------------------------------------------------------------------------------------
+
+TINY = dict(hidden_size=16, mlp_dim=24, num_heads=2, num_layers=1, patch_size=8)
+
+
+def _random_variables(model, height, width, seed=0):
+  """Plain float32 variables of ``model`` for ``height x width`` images, every value random
+  (normal, std 0.5: the zero/one initialisers would hide a wrong bias or LayerNorm)."""
+  abstract = models.unbox(jax.eval_shape(
+      lambda: model.init(jax.random.key(0), jnp.zeros((1, height, width, 3)), train=False)))
+  rng = np.random.default_rng(seed)
+  return jax.tree.map(lambda x: rng.normal(0, 0.5, x.shape).astype(np.float32), abstract)
+
+
+def _capture_encoder(module, method_name):
+  return isinstance(module, models.vit.Encoder) and method_name == '__call__'
+
+
+def _np_layer_norm(x, p, eps):
+  mean = x.mean(-1, keepdims=True)
+  var = ((x - mean) ** 2).mean(-1, keepdims=True)
+  return (x - mean) / np.sqrt(var + eps) * p['scale'] + p['bias']
+
+
+def _np_gelu(x, approximate):
+  if approximate:  # Hendrycks & Gimpel's tanh approximation.
+    return 0.5 * x * (1 + np.tanh(np.sqrt(2 / np.pi) * (x + 0.044715 * x ** 3)))
+  from scipy import special  # pylint: disable=g-import-not-at-top
+  return 0.5 * x * (1 + special.erf(x / np.sqrt(2)))
+
+
+def _np_mlp(x, p, approximate):
+  hidden = _np_gelu(x @ p['Dense_0']['kernel'] + p['Dense_0']['bias'], approximate)
+  return hidden @ p['Dense_1']['kernel'] + p['Dense_1']['bias']
+
+
+def _np_map_head(tokens, p, eps, approximate):
+  """big_vision's MAPHead written out: the probe attends to the tokens, then LN + MLP residual."""
+  att = p['MultiHeadDotProductAttention_0']
+  head_dim = att['query']['bias'].shape[1]
+  probe = np.broadcast_to(p['probe'], (tokens.shape[0], 1, tokens.shape[2]))
+
+  def proj(x, name):
+    return np.einsum('bnd,dhk->bhnk', x, att[name]['kernel']) + att[name]['bias'][:, None, :]
+
+  q, k, v = proj(probe, 'query'), proj(tokens, 'key'), proj(tokens, 'value')
+  logits = np.einsum('bhqk,bhnk->bhqn', q, k) / np.sqrt(head_dim)
+  weights = np.exp(logits - logits.max(-1, keepdims=True))
+  weights /= weights.sum(-1, keepdims=True)
+  x = np.einsum('bhqn,bhnk,hkd->bqd', weights, v, att['out']['kernel']) + att['out']['bias']
+  x = x + _np_mlp(_np_layer_norm(x, p['LayerNorm_0'], eps), p['MlpBlock_0'], approximate)
+  return x[:, 0]
+
+
+def _np_sincos(height, width, width_d):
+  """MoCo v3 / big_vision's 2-D sin-cos table, token by token (row-major), in float64."""
+  quarter = width_d // 4
+  omega = 1.0 / 10000.0 ** (np.arange(quarter) / (quarter - 1))
+  rows = [np.concatenate([np.sin(c * omega), np.cos(c * omega), np.sin(r * omega),
+                          np.cos(r * omega)]) for r in range(height) for c in range(width)]
+  return np.stack(rows)[None]
+
+
+def test_map_head_parameter_tree_count_and_architecture_fields():
+  model = models.create('ViT-custom', num_classes=3, classifier='map', **TINY)
+  shapes = _param_shapes(model, 16)
+  attn = 'MultiHeadDotProductAttention_0/'
+  assert {k[len('MAPHead_0/'):]: v for k, v in shapes.items() if k.startswith('MAPHead_0/')} == {
+      'probe': (1, 1, 16),
+      attn + 'query/kernel': (16, 2, 8), attn + 'query/bias': (2, 8),
+      attn + 'key/kernel': (16, 2, 8), attn + 'key/bias': (2, 8),
+      attn + 'value/kernel': (16, 2, 8), attn + 'value/bias': (2, 8),
+      attn + 'out/kernel': (2, 8, 16), attn + 'out/bias': (16,),
+      'LayerNorm_0/scale': (16,), 'LayerNorm_0/bias': (16,),
+      'MlpBlock_0/Dense_0/kernel': (16, 24), 'MlpBlock_0/Dense_0/bias': (24,),
+      'MlpBlock_0/Dense_1/kernel': (24, 16), 'MlpBlock_0/Dense_1/bias': (16,)}
+  assert 'cls' not in shapes
+  assert shapes['Transformer/posembed_input/pos_embedding'] == (1, 4, 16)  # No class row.
+  # embedding 8*8*3*16 + 16 = 3088; position table 4*16 = 64; the block: 2 LayerNorms 2*32,
+  # attention 4*(16*16 + 16) = 1088, MLP 16*24 + 24 + 24*16 + 16 = 808, so 1960; encoder_norm 32;
+  # MAP head: probe 16 + attention 1088 + LayerNorm 32 + MLP 808 = 1944; head 16*3 + 3 = 51.
+  assert _count(shapes) == 3088 + 64 + 1960 + 32 + 1944 + 51 == 7139
+  sincos = _param_shapes(models.create('ViT-custom', num_classes=3, classifier='map',
+                                       posemb='sincos2d', **TINY), 16)
+  assert set(shapes) - set(sincos) == {'Transformer/posembed_input/pos_embedding'}
+  assert _count(sincos) == 7139 - 64
+  fields = models.vit.architecture_fields({f'params/{k}': v for k, v in sincos.items()})
+  assert fields == dict(patch_size=8, hidden_size=16, num_layers=1, num_heads=2, mlp_dim=24,
+                        representation_size=None, classifier='map', posemb='sincos2d',
+                        num_classes=3)
+  assert models.vit.describe_architecture({f'params/{k}': v for k, v in sincos.items()}) == (
+      'The checkpoint is a ViT with patch_size=8, hidden_size=16, num_layers=1, num_heads=2, '
+      "mlp_dim=24, representation_size=None, classifier='map', posemb='sincos2d', 3 classes.")
+  learn = models.vit.architecture_fields({f'params/{k}': v for k, v in shapes.items()})
+  assert (learn['classifier'], learn['posemb']) == ('map', 'learn')
+  # Without the probe: 'token' with a class token, else 'gap'.
+  plain = {f'params/{k}': v for k, v in shapes.items() if not k.startswith('MAPHead_0/')}
+  assert models.vit.architecture_fields(plain)['classifier'] == 'gap'
+  assert models.vit.architecture_fields({**plain, 'params/cls': (1, 1, 16)})['classifier'] == (
+      'token')
+  assert 'classifier' not in models.vit.describe_architecture(plain)
+
+
+def test_map_head_is_attention_pooling_by_hand_with_the_exact_gelu_and_epsilon():
+  eps = 0.1  # Far from 1e-6: a LayerNorm that ignored it would be off by ~5%.
+  model = models.create('ViT-custom', num_classes=None, classifier='map', gelu_approximate=False,
+                        layer_norm_epsilon=eps, **TINY)
+  variables = _random_variables(model, 16, 16)
+  images = np.random.default_rng(1).uniform(-1, 1, (2, 16, 16, 3)).astype(np.float32)
+  features, state = _apply(model, variables, images, train=False,
+                           capture_intermediates=_capture_encoder)
+  # The encoder's output, after encoder_norm: the head's input.
+  encoded = np.asarray(state['intermediates']['Transformer']['__call__'][0], np.float64)
+  p = jax.tree.map(lambda x: np.asarray(x, np.float64), variables['params'])
+  expected = _np_map_head(encoded, p['MAPHead_0'], eps, approximate=False)
+  assert features.shape == (2, 16)
+  np.testing.assert_allclose(features, expected, rtol=1e-5, atol=1e-5)
+  assert np.abs(expected - _np_map_head(encoded, p['MAPHead_0'], eps, True)).max() > 1e-4
+  assert np.abs(expected - _np_map_head(encoded, p['MAPHead_0'], 1e-6, False)).max() > 1e-3
+  # The layout conversions leave the head alone (it has no encoderblock_{i}).
+  scanned = layout.scan_params(variables)
+  chex.assert_trees_all_equal(scanned['params']['MAPHead_0'], variables['params']['MAPHead_0'])
+  chex.assert_trees_all_equal(layout.unscan_params(scanned), variables)
+
+
+def test_sincos2d_table_and_model():
+  table = jax.jit(models.vit.posemb_sincos_2d, static_argnums=(0, 1, 2))(3, 5, 32)
+  assert table.shape == (1, 15, 32) and table.dtype == jnp.float32
+  np.testing.assert_allclose(table, _np_sincos(3, 5, 32), rtol=0, atol=3e-6)
+  assert jax.eval_shape(lambda: models.vit.posemb_sincos_2d(2, 2, 8, dtype=jnp.bfloat16)
+                        ).dtype == jnp.bfloat16
+  for bad in (6, 4):
+    with pytest.raises(ValueError, match=f'multiple of 4 and at least 8, got {bad}'):
+      models.vit.posemb_sincos_2d(2, 2, bad)
+  # A 2x3 grid (16x24 px): rows and columns are not interchangeable.
+  sincos = models.create('ViT-custom', num_classes=None, posemb='sincos2d', **TINY)
+  variables = _random_variables(sincos, 16, 24)
+  assert 'posembed_input' not in variables['params']['Transformer']
+  learn = models.create('ViT-custom', num_classes=None, **TINY)
+  learned = jax.tree.map(lambda x: x, variables)
+  learned['params']['Transformer']['posembed_input'] = {'pos_embedding': np.concatenate(
+      [np.zeros((1, 1, 16), np.float32), _np_sincos(2, 3, 16).astype(np.float32)], axis=1)}
+  images = np.random.default_rng(2).uniform(-1, 1, (2, 16, 24, 3)).astype(np.float32)
+  both = jax.jit(lambda v, w, x: (sincos.apply(v, x, train=False),  # One compilation.
+                                  learn.apply(w, x, train=False)))
+  np.testing.assert_allclose(*both(variables, learned, images), rtol=1e-5, atol=1e-5)
+  # No parameter depends on the grid: any resolution applies (traced only).
+  out = jax.eval_shape(lambda v, x: sincos.apply(v, x, train=False), variables,
+                       jax.ShapeDtypeStruct((1, 40, 32, 3), jnp.float32))
+  assert out.shape == (1, 16)
+
+
+def _walk(jaxpr):
+  from jax.extend import core as jax_core  # pylint: disable=g-import-not-at-top
+  for eqn in jaxpr.eqns:
+    yield eqn
+    for param in eqn.params.values():
+      for sub in param if isinstance(param, (list, tuple)) else (param,):
+        if isinstance(sub, jax_core.ClosedJaxpr):
+          yield from _walk(sub.jaxpr)
+        elif isinstance(sub, jax_core.Jaxpr):
+          yield from _walk(sub)
+
+
+def test_gelu_and_epsilon_reach_every_mlp_and_layer_norm():
+  """Traced only: 2 blocks x 2 LayerNorms + encoder_norm + the head's = 6 epsilons (one
+  add of the literal each); 2 blocks' MLPs + the head's = 3 GELUs (erfc exact, tanh otherwise).
+  (The scanned and rematerialised blocks take the same keyword arguments.)"""
+  from jax.extend import core as jax_core  # pylint: disable=g-import-not-at-top
+
+  def counts(**fields):
+    model = models.create('ViT-custom', num_classes=3, classifier='map',
+                          **dict(TINY, num_layers=2), **fields)
+    variables = models.unbox(models.abstract_variables(model, (16, 16)))
+    jaxpr = jax.make_jaxpr(lambda v, x: model.apply(v, x, train=False))(
+        variables, jax.ShapeDtypeStruct((1, 16, 16, 3), jnp.float32)).jaxpr
+    eqns = list(_walk(jaxpr))
+    names = [e.primitive.name for e in eqns]
+    epsilons = sum(e.primitive.name == 'add' and any(
+        isinstance(v, jax_core.Literal) and np.isclose(float(v.val), 0.0123, rtol=1e-6)
+        for v in e.invars) for e in eqns)
+    # jax.nn.gelu(approximate=False) computes x/2 * erfc(-x/sqrt(2)).
+    return names.count('erf') + names.count('erfc'), names.count('tanh'), epsilons
+
+  exact = counts(gelu_approximate=False, layer_norm_epsilon=0.0123)
+  default = counts(layer_norm_epsilon=0.0123)
+  assert exact == (3, 0, 6) and default == (0, 3, 6)
+
+
+def test_gelu_approximate_false_is_the_exact_erf_gelu():
+  x = np.random.default_rng(3).normal(0, 2, (2, 3, 8)).astype(np.float32)
+  exact = models.vit.MlpBlock(mlp_dim=16, gelu_approximate=False)
+  shapes = jax.eval_shape(lambda: exact.init(jax.random.key(0), x, deterministic=True))
+  rng = np.random.default_rng(4)
+  variables = jax.tree.map(lambda s: rng.normal(0, 0.5, s.shape).astype(np.float32),
+                           models.unbox(shapes))
+  p = jax.tree.map(lambda a: np.asarray(a, np.float64), variables['params'])
+  both = jax.jit(lambda v, x: (exact.apply(v, x, deterministic=True),  # One compilation.
+                               models.vit.MlpBlock(mlp_dim=16).apply(v, x, deterministic=True)))
+  got, tanh = both(variables, x)
+  np.testing.assert_allclose(got, _np_mlp(x.astype(np.float64), p, approximate=False),
+                             rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(tanh, _np_mlp(x.astype(np.float64), p, approximate=True),
+                             rtol=1e-5, atol=1e-5)
+  assert np.abs(np.asarray(tanh) - np.asarray(got)).max() > 1e-4
+
+
+def test_ecosystem_fields_in_the_registry():
+  config = models.model_config('ViT-custom', classifier='map', posemb='sincos2d',
+                               gelu_approximate=False, layer_norm_epsilon=1e-12, **TINY)
+  assert {k: config[k] for k in ('classifier', 'posemb', 'gelu_approximate',
+                                 'layer_norm_epsilon')} == dict(
+      classifier='map', posemb='sincos2d', gelu_approximate=False, layer_norm_epsilon=1e-12)
+  model = models.create('ViT-custom', num_classes=3, **config)
+  assert (model.classifier, model.posemb, model.gelu_approximate,
+          model.layer_norm_epsilon) == ('map', 'sincos2d', False, 1e-12)
+  defaults = models.model_config('ViT-B_16')
+  assert (defaults['classifier'], defaults['posemb'], defaults['gelu_approximate'],
+          defaults['layer_norm_epsilon']) == ('token', 'learn', True, 1e-6)
+  hybrid = models.create('R50+ViT-B_16', num_classes=3, classifier='map', posemb='sincos2d',
+                         gelu_approximate=False, layer_norm_epsilon=1e-12)
+  assert (hybrid.classifier, hybrid.posemb) == ('map', 'sincos2d')
+  with pytest.raises(TypeError, match=r"Unknown override\(s\) \['gelu_approximate'\]"):
+    models.create('T2T-ViT-14', num_classes=3, gelu_approximate=False)
+
+
+@pytest.mark.parametrize('field,value,message', [
+    ('classifier', 'MAP', r"classifier must be one of \('token', 'gap', 'map'\), got 'MAP'"),
+    ('posemb', 'sincos', r"posemb must be one of \('learn', 'sincos2d'\), got 'sincos'"),
+    ('gelu_approximate', 'yes', r"gelu_approximate must be a bool \(True: tanh approximation, "
+                                r"False: exact erf GELU\), got 'yes'"),
+    ('gelu_approximate', 1, 'gelu_approximate must be a bool .*, got 1'),
+    ('layer_norm_epsilon', 0.0, r'layer_norm_epsilon must be a positive float \(e.g. 1e-6\), '
+                                'got 0.0'),
+    ('layer_norm_epsilon', -1e-6, 'layer_norm_epsilon must be a positive float .*got -1e-06'),
+    ('layer_norm_epsilon', '1e-6', "layer_norm_epsilon must be a positive float .*got '1e-6'"),
+    ('layer_norm_epsilon', True, 'layer_norm_epsilon must be a positive float .*got True'),
+    ('layer_norm_epsilon', float('nan'), 'layer_norm_epsilon must be a positive float .*got nan'),
+    ('layer_norm_epsilon', float('inf'), 'layer_norm_epsilon must be a positive float .*got inf'),
+])
+def test_ecosystem_fields_bad_values(field, value, message):
+  with pytest.raises(ValueError, match=message):
+    models.create('ViT-custom', num_classes=3, **TINY, **{field: value})
+  with pytest.raises(ValueError, match=message):  # Direct construction is checked too.
+    models.VisionTransformer(num_classes=3, **TINY, **{field: value})
+
+
+@pytest.mark.parametrize('hidden_size', [4, 6, 12 + 2])
+def test_sincos2d_needs_a_width_divisible_by_4(hidden_size):
+  with pytest.raises(ValueError, match=(
+      r"posemb='sincos2d' needs a hidden_size that is a multiple of 4 and at least 8, got "
+      rf"hidden_size={hidden_size}; use posemb='learn' or another width")):
+    models.create('ViT-custom', num_classes=3, **dict(TINY, hidden_size=hidden_size),
+                  posemb='sincos2d')
+  models.create('ViT-custom', num_classes=3, **dict(TINY, hidden_size=hidden_size))  # 'learn'.
+
+
+def test_finetuning_init_of_map_and_sincos2d_models():
+  def zeros(model, side):  # A fresh init's structure (the head's values are those taken).
+    return jax.tree.map(lambda s: np.zeros(s.shape, s.dtype),
+                        models.unbox(models.abstract_variables(model, (side, side))))
+
+  # sincos2d: nothing to resize, at any resolution; the head is re-initialised.
+  sincos = models.create('ViT-custom', num_classes=3, classifier='map', posemb='sincos2d', **TINY)
+  loaded = _random_variables(sincos, 16, 16)
+  fresh_model = models.create('ViT-custom', num_classes=5, classifier='map', posemb='sincos2d',
+                              **TINY)
+  out = checkpoint.init_for_finetuning(loaded, zeros(fresh_model, 24))
+  assert out['params']['head']['kernel'].shape == (16, 5)
+  assert not np.any(out['params']['head']['kernel'])
+  del out['params']['head'], loaded['params']['head']
+  chex.assert_trees_all_equal(out, loaded)
+  # 'map' with a learned table: no class-token row, the 2x2 grid resized to 3x3.
+  learn = models.create('ViT-custom', num_classes=3, classifier='map', **TINY)
+  loaded = _random_variables(learn, 16, 16)
+  out = checkpoint.init_for_finetuning(loaded, zeros(learn, 24))
+  table = loaded['params']['Transformer']['posembed_input']['pos_embedding']
+  resized = out['params']['Transformer']['posembed_input']['pos_embedding']
+  assert resized.shape == (1, 9, 16)
+  np.testing.assert_array_equal(resized, checkpoint.resize_posemb(table, 9,
+                                                                  has_class_token=False))
+  np.testing.assert_array_equal(resized[0, [0, 2, 6, 8]], table[0, [0, 1, 2, 3]])  # Corners.
+  # The two position embeddings do not mix: the report names the parameter and the checkpoint.
+  with pytest.raises(ValueError, match=r'(?s)unexpected keys \(1\): '
+                     r'params/Transformer/posembed_input/pos_embedding \(1, 4, 16\)'):
+    checkpoint.init_for_finetuning(loaded, zeros(fresh_model, 16))
+  with pytest.raises(ValueError, match=r"(?s)missing keys \(1\): params/Transformer/posembed_"
+                     r"input/pos_embedding.*classifier='map', posemb='sincos2d', 3 classes"):
+    checkpoint.init_for_finetuning(_random_variables(sincos, 16, 16), zeros(learn, 16))

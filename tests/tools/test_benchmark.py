@@ -251,6 +251,8 @@ def test_timm_equivalents():
   name, kwargs, _ = timm_lib.timm_equivalent("ViT-custom", dict(TINY, classifier="gap"))
   assert kwargs == dict(embed_dim=128, depth=2, num_heads=2, mlp_ratio=4.0, patch_size=8,
                         class_token=False, global_pool="avg")
+  _, kwargs, _ = timm_lib.timm_equivalent("ViT-custom", dict(TINY, classifier="map"))
+  assert kwargs["class_token"] is False and kwargs["global_pool"] == "map"
   for model in ("T2T-ViT-14", "R50+ViT-B_16"):
     with pytest.raises(common.NoTimmModel, match="timm has no"):
       timm_lib.timm_equivalent(model)

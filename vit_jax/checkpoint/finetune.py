@@ -63,7 +63,8 @@ def resize_posemb(posemb: np.ndarray, num_tokens: int, *, has_class_token: bool,
   Args:
     posemb: ``[1, T_old, D]`` with ``T_old = (1 if has_class_token) + gh_old * gw_old``.
     num_tokens: ``T_new``, the new table's rows (class token included).
-    has_class_token: whether row 0 belongs to the class token (classifier 'token').
+    has_class_token: whether row 0 belongs to the class token (classifier 'token'; 'gap' and
+      'map' models have no class token).
     old_grid, new_grid: ``(rows, columns)`` of the token grids; square when None.
 
   Returns:
@@ -98,7 +99,10 @@ def init_for_finetuning(loaded: Mapping, fresh: Mapping, *, reset_head: bool = T
     T2T-ViT reference; e.g. to go on fine-tuning ImageNet at a higher resolution);
   * ViT's ``pre_logits`` is dropped when the model has no representation layer, and kept when
     it has one (official behaviour);
-  * ViT's position embedding is resized to the model's token grid (:func:`resize_posemb`);
+  * ViT's learned position embedding is resized to the model's token grid
+    (:func:`resize_posemb`; no class-token row for classifier 'gap' and 'map', which have no
+    ``cls``); a ``posemb='sincos2d'`` model has no such parameter (its fixed table follows the
+    input), so there is nothing to resize;
   * T2T-ViT's fixed sinusoid table (``constants/pos_embed``) is regenerated for the new token
     count (taken from ``fresh``), as the T2T-ViT reference does; the Performer random features
     ``w`` are kept from the checkpoint (the weights were trained with them).

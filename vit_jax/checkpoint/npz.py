@@ -28,6 +28,7 @@ from typing import Any, Dict, Iterator, Tuple
 
 import numpy as np
 
+from vit_jax.checkpoint import big_vision
 from vit_jax.checkpoint import formats
 from vit_jax.checkpoint import paths
 from vit_jax.checkpoint import torch_pickle
@@ -168,7 +169,8 @@ def load_npz(path: Any) -> Dict[str, Any]:
 
   Keys are ``/``-split into a nested dict (a leading ``params/`` on every key is removed), the
   pre-Linen numbering is converted (:func:`convert_pre_linen`) and GroupNorm parameters are
-  squeezed (:func:`fix_groupnorm`). Never unpickles.
+  squeezed (:func:`fix_groupnorm`). A big_vision file is converted to the official layout
+  (:mod:`.big_vision`: position table, MAP head, scanned blocks unrolled). Never unpickles.
 
   Args:
     path: local or ``scheme://`` path of the ``.npz`` file.
@@ -194,6 +196,8 @@ def load_npz(path: Any) -> Dict[str, Any]:
   if all(k.startswith('params/') for k in flat):
     flat = {k[len('params/'):]: v for k, v in flat.items()}
   params = fix_groupnorm(convert_pre_linen(unflatten_params(flat)))
+  if big_vision.is_big_vision(params):
+    params = big_vision.to_official(params)
   return {'params': params}
 
 

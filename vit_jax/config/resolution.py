@@ -319,8 +319,47 @@ def _resolve_init_from(config: ml_collections.ConfigDict) -> None:
   path = config.init_from
   if path and "://" not in path and not os.path.exists(os.path.expanduser(path)):
     raise FileNotFoundError(f"The checkpoint to fine-tune from, {path!r} ({source}), does not "
-                            "exist; give an official .npz, a .pth.tar, an orbax checkpoint or a "
-                            "workdir.")
+                            "exist; give an official or big_vision .npz, a transformers ViT "
+                            "directory, a timm .safetensors, a .pth.tar, an orbax checkpoint or "
+                            "a workdir.")
+  if path:
+    _numerics_from_init(config, path)
+
+
+def _numerics_from_init(config: ml_collections.ConfigDict, path: str) -> None:
+  """`config.model`'s numerics set from the weights `init_from` names, so that fine-tuning
+  starts from what the weights compute: a transformers or timm ViT's GELU, LayerNorm epsilon,
+  pooling and position embedding (`vit_jax.checkpoint.ecosystem.NUMERICS`), a big_vision
+  `.npz`'s pooling ('map', 'gap') and position embedding ('sincos2d'); logged when changed.
+  ViT models only; other files are left to the fine-tuning load's checks."""
+  if "gelu_approximate" not in config.model:  # Not a ViT (T2T-ViT).
+    return
+  from vit_jax import checkpoint  # pylint: disable=g-import-not-at-top  (a cycle at import)
+  from vit_jax.checkpoint import ecosystem, npz  # pylint: disable=g-import-not-at-top
+  fmt = checkpoint.detect(path)
+  if fmt in (ecosystem.HF, ecosystem.TIMM):
+    fields = ecosystem.read_fields(path, fmt, num_heads=config.model.num_heads)
+    family = "a transformers ViT" if fmt == ecosystem.HF else "a timm ViT"
+  elif fmt == checkpoint.formats.NPZ:
+    names = [k[len("params/"):] if k.startswith("params/") else k
+             for k in npz.read_npz_index(path)]
+    if "embedding/kernel" not in names:  # Not a ViT's .npz: left to the load's checks.
+      return
+    # The raw names of an official or big_vision file (`vit_jax.checkpoint.big_vision`).
+    fields = {"posemb": "learn" if any(k.endswith("pos_embedding") for k in names)
+                        else "sincos2d",
+              "classifier": "map" if any(k.startswith(("MAPHead_0/", "probe")) for k in names)
+                            else "token" if "cls" in names else "gap"}
+    family = "an .npz"
+  else:
+    return
+  changed = {k: v for k, v in fields.items()
+             if k in ecosystem.NUMERICS and k in config.model and config.model[k] != v}
+  for key, value in changed.items():
+    config.model[key] = value
+  if changed:
+    logging.info("init_from %s is %s: %s set from the weights.", path, family,
+                 ", ".join(f"model.{k}={v!r}" for k, v in changed.items()))
 
 
 def attention_choice(config: ml_collections.ConfigDict, requested: str,
@@ -374,11 +413,11 @@ def resolve(config: ml_collections.ConfigDict, *, num_train_examples: int, num_c
     resolve_fewshot(config.fewshot)
   if config.num_classes is None:
     config.num_classes = int(num_classes)
+  _resolve_init_from(config)  # May set the model's numerics from the weights.
   fields = _model_fields(config)
   requested = fields.pop("attention")
   models.model_config(config.model_name, **fields)  # Every model field checked.
   _resolve_schedule(config, num_train_examples)
-  _resolve_init_from(config)
 
   sizes = sharding.axis_sizes(config.mesh, len(devices))
   rules = sharding.parse_rules(config.mesh.rules)

@@ -50,6 +50,11 @@ are constrained with ``nn.with_logical_constraint`` (``('batch', 'length', 'embe
 
 Overrides are the model's configuration fields, flat (see :data:`OVERRIDE_KEYS`). Sizes follow
 the ViT paper, Table 1, and the official ``configs/models.py`` (docs/reference.md section 1).
+ViT and hybrid names also take the fields that the other ecosystems' ViTs need
+(:class:`VisionTransformer`): ``classifier='map'`` and ``posemb='sincos2d'`` (big_vision),
+``gelu_approximate=False`` (timm, transformers) and ``layer_norm_epsilon`` (transformers: 1e-12),
+e.g. ``create('ViT-custom', num_classes=10, hidden_size=64, mlp_dim=128, num_heads=2,
+num_layers=2, patch_size=8, classifier='map', posemb='sincos2d')``.
 
 Adding a family is one :class:`Family` entry in :data:`FAMILIES`.
 """
@@ -71,14 +76,16 @@ from vit_jax.models import t2t
 from vit_jax.models.layout import (LOGICAL_AXIS_NAMES, is_scanned, scan_params, unbox,
                                    unscan_params)
 from vit_jax.models.t2t import T2TViT
-from vit_jax.models.vit import CLASSIFIERS, VisionTransformer, patch_pair, validate_config
+from vit_jax.models.vit import (CLASSIFIERS, POSEMBS, VisionTransformer, patch_pair,
+                                validate_config)
 
 #: Values of the models' ``attention`` field (:mod:`vit_jax.models.attention`).
 ATTENTION_IMPLEMENTATIONS = attention.IMPLEMENTATIONS
 
 __all__ = [
     'ATTENTION_IMPLEMENTATIONS', 'CLASSIFIERS', 'FAMILIES', 'Family', 'HYBRID_CONFIGS', 'HYBRID_MODEL_NAMES',
-    'HYBRID_OVERRIDE_KEYS', 'LOGICAL_AXIS_NAMES', 'MODEL_NAMES', 'OVERRIDE_KEYS', 'T2TViT',
+    'HYBRID_OVERRIDE_KEYS', 'LOGICAL_AXIS_NAMES', 'MODEL_NAMES', 'OVERRIDE_KEYS', 'POSEMBS',
+    'T2TViT',
     'T2T_MODEL_NAMES', 'T2T_OVERRIDE_KEYS', 'T2T_SIZES', 'VIT_SIZES',
     'VisionTransformer', 'abstract_variables', 'attention', 'create', 'head_dim', 'is_scanned',
     'layout', 'logical_axes', 'model_config',
@@ -109,13 +116,17 @@ _VIT_DEFAULTS: Dict[str, Any] = dict(
     remat=False,
     remat_policy='nothing_saveable',
     attention='xla',
+    gelu_approximate=True,
+    layer_norm_epsilon=1e-6,
+    posemb='learn',
 )
 
 #: Keys accepted as overrides by ``create`` / ``model_config`` for the ViT family.
 OVERRIDE_KEYS: Tuple[str, ...] = (
     'hidden_size', 'mlp_dim', 'num_heads', 'num_layers', 'patch_size', 'classifier',
     'representation_size', 'dropout_rate', 'attention_dropout_rate', 'head_bias_init', 'dtype',
-    'param_dtype', 'scan', 'remat', 'remat_policy', 'attention')
+    'param_dtype', 'scan', 'remat', 'remat_policy', 'attention', 'gelu_approximate',
+    'layer_norm_epsilon', 'posemb')
 
 _REQUIRED_CUSTOM = ('hidden_size', 'mlp_dim', 'num_heads', 'num_layers', 'patch_size')
 
@@ -368,8 +379,8 @@ def model_config(name: str, **overrides: Any) -> Dict[str, Any]:
 
   Raises:
     ValueError: unknown name (also a hybrid-looking name that is not an official hybrid);
-      invalid values (e.g. classifier not in {'token', 'gap'}); missing required overrides for
-      'ViT-custom' / 'R+ViT-custom' / 'T2T-ViT-custom'.
+      invalid values (e.g. classifier not in {'token', 'gap', 'map'}); missing required overrides
+      for 'ViT-custom' / 'R+ViT-custom' / 'T2T-ViT-custom'.
     TypeError: unknown override keys (the message lists the valid keys).
     NotImplementedError: the family is recognised but not implemented yet (none at present).
   """

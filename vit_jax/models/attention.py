@@ -27,6 +27,11 @@ choice for a set of target devices is made once, outside the models, by
 
 The implementations differ by floating-point rounding only (the tests compare them and the
 official logits).
+
+Cross-attention (queries from one sequence, keys and values from another: the multihead attention
+pooling of big_vision's ``MAPHead``, whose learned probe attends to the encoder's tokens) is
+:func:`cross_attention`, reached through :class:`MultiHeadDotProductAttention` with ``inputs_kv``;
+it has the XLA path only (the fused kernels are self-attention kernels) and the same parameters.
 """
 
 from __future__ import annotations
@@ -172,8 +177,44 @@ def self_attention(x: Array, projections: Sequence[Tuple[Array, Optional[Array]]
                                dropout_rate=dropout_rate, dropout_rng=dropout_rng), layout
 
 
+def cross_attention(x_q: Array, x_kv: Array, projections: Sequence[Tuple[Array, Array]], *,
+                    logits_scale: float, dropout_rate: float = 0.0,
+                    dropout_rng: Optional[Array] = None) -> Array:
+  """Multi-head attention of ``x_q``'s tokens over ``x_kv``'s, as flax's
+  ``MultiHeadDotProductAttention(inputs_q, inputs_kv)`` computes it (XLA only).
+
+  ``q = x_q W_q + b_q`` divided by ``1 / logits_scale`` (flax's ``q / sqrt(Dh)``), ``k``, ``v``
+  from ``x_kv`` likewise, then :func:`dot_product_attention` (float32 softmax).
+
+  Args:
+    x_q: ``[B, Nq, D]`` query tokens in the compute dtype; x_kv: ``[B, Nk, D]``, same dtype.
+    projections: ``(kernel [D, heads, Dh], bias [heads, Dh])`` of the query, key and value, in
+      that order, cast to ``x_q``'s dtype.
+    logits_scale: the factor of ``q . k`` (``Dh ** -0.5``).
+    dropout_rate, dropout_rng: attention dropout, as :func:`dot_product_attention`.
+
+  Returns:
+    ``[B, heads, Nq, Dh]`` (layout ``'bhnk'``) in ``x_q``'s dtype.
+
+  Raises:
+    ValueError: ``x_q`` and ``x_kv`` of another rank than 3 or of different batch or width.
+  """
+  if x_q.ndim != 3 or x_kv.ndim != 3 or x_q.shape[0] != x_kv.shape[0] or (
+      x_q.shape[-1] != x_kv.shape[-1]):
+    raise ValueError(f'cross_attention expects queries [batch, Nq, D] and keys/values [batch, Nk, '
+                     f'D] of one batch and width, got {x_q.shape} and {x_kv.shape}')
+  dtype = x_q.dtype
+  query, key, value = (jnp.einsum('bnd,dhk->bhnk', x.astype(dtype), k.astype(dtype))
+                       + b.astype(dtype)[:, None, :]
+                       for x, (k, b) in zip((x_q, x_kv, x_kv), projections))
+  query = query / jnp.asarray(1.0 / logits_scale, dtype)  # As flax: q / sqrt(Dh).
+  return dot_product_attention(query, key, value, dropout_rate=dropout_rate,
+                               dropout_rng=dropout_rng)
+
+
 class MultiHeadDotProductAttention(nn.Module):
-  """Multi-head self-attention, the ``MultiHeadDotProductAttention_0`` of the official ViT blocks.
+  """Multi-head self-attention, the ``MultiHeadDotProductAttention_0`` of the official ViT blocks
+  (and, with ``inputs_kv``, cross-attention: big_vision's ``MAPHead_0``).
 
   ``q = x W_q + b_q`` (scaled by ``1/sqrt(D/heads)``), ``k``, ``v`` likewise,
   ``y = concat_heads(softmax(q k^T) v) W_out + b_out``. Kernels xavier_uniform over the
@@ -188,9 +229,13 @@ class MultiHeadDotProductAttention(nn.Module):
     attention: the implementation, one of :data:`IMPLEMENTATIONS`.
 
   Input ``[B, N, D]``; output ``[B, N, D]`` in ``dtype``. ``deterministic`` disables dropout.
+  With ``inputs_kv`` ``[B, Nk, D]`` the queries come from the input and the keys and values from
+  ``inputs_kv`` (:func:`cross_attention`, the 'xla' path only; same parameters); the output is
+  ``[B, N, D]``.
   Logical axes: kernels ``('embed', 'heads', 'kv')`` / ``('heads', 'kv', 'embed')``, biases
   ``('heads', 'kv')`` / ``('embed',)``. Raises ValueError if ``num_heads`` does not divide D,
-  or as :func:`self_attention`.
+  for ``inputs_kv`` with ``attention`` other than 'xla', or as :func:`self_attention` /
+  :func:`cross_attention`.
   """
 
   num_heads: int
@@ -200,11 +245,15 @@ class MultiHeadDotProductAttention(nn.Module):
   attention: str = 'xla'
 
   @nn.compact
-  def __call__(self, x: Array, *, deterministic: bool) -> Array:
+  def __call__(self, x: Array, *, deterministic: bool, inputs_kv: Optional[Array] = None
+               ) -> Array:
     width = x.shape[-1]
     if width % self.num_heads:
       raise ValueError(f'The token width {width} is not divisible by num_heads='
                        f'{self.num_heads}.')
+    if inputs_kv is not None and self.attention != 'xla':
+      raise ValueError(f"Cross-attention (inputs_kv) runs with attention='xla' only, got "
+                       f'{self.attention!r}.')
     heads, head_dim = self.num_heads, width // self.num_heads
     x = x.astype(self.dtype)
     dropout = self.dropout_rate > 0.0 and not deterministic
@@ -212,10 +261,16 @@ class MultiHeadDotProductAttention(nn.Module):
         _Projection((width, heads, head_dim), ('embed', 'heads', 'kv'), (heads, head_dim),
                     ('heads', 'kv'), fan_in_axes=1, param_dtype=self.param_dtype, name=name)()
         for name in ('query', 'key', 'value')]
-    y, layout = self_attention(
-        x, projections, implementation=self.attention, logits_scale=1.0 / math.sqrt(head_dim),
-        scale_query=True, dropout_rate=self.dropout_rate if dropout else 0.0,
-        dropout_rng=self.make_rng('dropout') if dropout else None)
+    rate = self.dropout_rate if dropout else 0.0
+    rng = self.make_rng('dropout') if dropout else None
+    if inputs_kv is None:
+      y, layout = self_attention(
+          x, projections, implementation=self.attention, logits_scale=1.0 / math.sqrt(head_dim),
+          scale_query=True, dropout_rate=rate, dropout_rng=rng)
+    else:
+      y, layout = cross_attention(x, inputs_kv.astype(self.dtype), projections,
+                                  logits_scale=1.0 / math.sqrt(head_dim), dropout_rate=rate,
+                                  dropout_rng=rng), 'bhnk'
     kernel, bias = _Projection((heads, head_dim, width), ('heads', 'kv', 'embed'), (width,),
                                ('embed',), fan_in_axes=2, param_dtype=self.param_dtype,
                                name='out')()

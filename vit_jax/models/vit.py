@@ -26,6 +26,20 @@ load without renaming (see ``vit_jax.checkpoint``). Parameter tree of a model wi
   pre_logits/{kernel (D, R), bias (R,)}          (only when representation_size is set)
   head/{kernel (R or D, num_classes), bias (num_classes,)}
 
+``classifier='gap'`` and ``'map'`` models have no ``cls`` and a ``(1, N, D)`` position embedding;
+``'map'`` (big_vision's multihead attention pooling, :class:`MAPHead`) adds, as big_vision
+writes it::
+
+  MAPHead_0/probe (1, 1, D)
+  MAPHead_0/MultiHeadDotProductAttention_0/...   (as in the encoder blocks, heads = num_heads)
+  MAPHead_0/LayerNorm_0/{scale, bias} (D,)
+  MAPHead_0/MlpBlock_0/Dense_0/{kernel (D, MLP), bias (MLP,)}
+  MAPHead_0/MlpBlock_0/Dense_1/{kernel (MLP, D), bias (D,)}
+
+``posemb='sincos2d'`` (big_vision's fixed 2-D sin-cos table, :func:`posemb_sincos_2d`) has no
+``Transformer/posembed_input``: the table is computed for the token grid of the input and added
+to the patch tokens before the class token is prepended (the class token gets none).
+
 Hybrid models (``resnet_num_layers`` set; ViT paper Sec. 3.1) first run the BiT ResNet stem of
 :mod:`vit_jax.models.resnet` and embed its feature map instead of the pixels; its parameters sit
 at the top level next to ``embedding`` (``conv_root``, ``gn_root``, ``block{s}/unit{u}/...``), as
@@ -45,6 +59,7 @@ those of the plain model. ``model.apply`` accepts boxed or plain variables; for 
 
   embedding/kernel (None, None, None, 'embed')    embedding/bias ('embed',)
   cls (None, None, 'embed')                       pos_embedding (None, 'length', 'embed')
+  MAPHead_0/probe (None, None, 'embed')           (the head's attention, LayerNorm, MLP: as below)
   LayerNorm_*/encoder_norm scale, bias ('norm',)
   {query,key,value}/kernel ('embed', 'heads', 'kv')   {query,key,value}/bias ('heads', 'kv')
   out/kernel ('heads', 'kv', 'embed')             out/bias ('embed',)
@@ -65,11 +80,14 @@ This module has no training dependencies (no optax, no TensorFlow).
 
 from __future__ import annotations
 
+import math
+import numbers
 from typing import Any, Dict, Optional, Tuple, Union
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from vit_jax.models import attention as attention_lib
 from vit_jax.models import execution
@@ -79,10 +97,16 @@ from vit_jax.models import resnet
 Array = jax.Array
 Dtype = Any
 
-#: Pooling modes accepted by :class:`VisionTransformer`.
-CLASSIFIERS = ('token', 'gap')
+#: Pooling modes accepted by :class:`VisionTransformer`: the class token, the mean of the tokens,
+#: or big_vision's multihead attention pooling (:class:`MAPHead`).
+CLASSIFIERS = ('token', 'gap', 'map')
 
-#: LayerNorm epsilon of the official model (flax default; PyTorch's would be 1e-5).
+#: Position embeddings accepted by :class:`VisionTransformer`: learned (the official ViT's) or
+#: big_vision's fixed 2-D sin-cos table (:func:`posemb_sincos_2d`).
+POSEMBS = ('learn', 'sincos2d')
+
+#: Default LayerNorm epsilon, the official model's (flax default; PyTorch's would be 1e-5, the
+#: ``google/vit-*`` configs of transformers have 1e-12): ``layer_norm_epsilon``.
 LAYERNORM_EPSILON = 1e-6
 
 #: Logical axes of the token sequence (as in `execution`) and of the MLP hidden activations.
@@ -92,8 +116,9 @@ MLP_HIDDEN_AXES = ('batch', 'length', 'mlp')
 _partitioned = nn.with_logical_partitioning
 
 
-def _layer_norm(dtype: Dtype, param_dtype: Dtype, name: Optional[str] = None) -> nn.LayerNorm:
-  return nn.LayerNorm(epsilon=LAYERNORM_EPSILON, dtype=dtype, param_dtype=param_dtype,
+def _layer_norm(dtype: Dtype, param_dtype: Dtype, name: Optional[str] = None,
+                epsilon: float = LAYERNORM_EPSILON) -> nn.LayerNorm:
+  return nn.LayerNorm(epsilon=epsilon, dtype=dtype, param_dtype=param_dtype,
                       scale_init=_partitioned(nn.initializers.ones, ('norm',)),
                       bias_init=_partitioned(nn.initializers.zeros, ('norm',)), name=name)
 
@@ -140,6 +165,43 @@ def _check_positive_int(field: str, value: Any, allow_none: bool = False) -> Non
 def _check_rate(field: str, value: Any) -> None:
   if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value < 1.0:
     raise ValueError(f'{field} must be a float in [0, 1), got {value!r}')
+
+
+def posemb_sincos_2d(height: int, width: int, features: int, temperature: float = 10_000.0,
+                     dtype: Dtype = jnp.float32) -> Array:
+  """big_vision's fixed 2-D sin-cos position table (MoCo v3, Chen et al. 2021), ``'sincos2d'``.
+
+  For the ``height x width`` token grid flattened row-major (token ``r * width + c`` at
+  ``y = r``, ``x = c``), with ``F = features / 4`` and
+  ``omega_i = 1 / temperature ** (i / (F - 1))`` for ``i = 0 .. F-1``, token ``(y, x)`` gets
+  ``[sin(x omega), cos(x omega), sin(y omega), cos(y omega)]``. Computed in float32 as big_vision
+  does, then cast.
+
+  Args:
+    height, width: the token grid (rows, columns).
+    features: the token width D; a multiple of 4, at least 8.
+    temperature: the base of the frequencies (10000 in big_vision).
+    dtype: the dtype of the result.
+
+  Returns:
+    ``[1, height * width, features]`` in ``dtype``.
+
+  Raises:
+    ValueError: ``features`` not a multiple of 4 or under 8.
+  """
+  if features % 4 or features // 4 < 2:
+    raise ValueError(f'The sincos2d position table needs a width that is a multiple of 4 and at '
+                     f'least 8, got {features}.')
+  y, x = jnp.mgrid[:height, :width]
+  quarter = features // 4
+  omega = jnp.arange(quarter, dtype=jnp.float32) / (quarter - 1)
+  omega = 1.0 / (temperature ** omega)
+  # Outer products (big_vision's einsum 'm,d->md'), written as broadcasts: one float32 multiply
+  # per entry either way, and no dot_general for the FLOP counter (vit_jax.flops) to count.
+  y = y.reshape(-1, 1).astype(jnp.float32) * omega
+  x = x.reshape(-1, 1).astype(jnp.float32) * omega
+  table = jnp.concatenate([jnp.sin(x), jnp.cos(x), jnp.sin(y), jnp.cos(y)], axis=1)
+  return table.astype(dtype)[None]
 
 
 class IdentityLayer(nn.Module):
@@ -191,7 +253,7 @@ class AddPositionEmbs(nn.Module):
 
 
 class MlpBlock(nn.Module):
-  """Transformer MLP: Dense(mlp_dim) -> tanh-GELU -> Dropout -> Dense(out) -> Dropout.
+  """Transformer MLP: Dense(mlp_dim) -> GELU -> Dropout -> Dense(out) -> Dropout.
 
   Kernels xavier_uniform, biases normal(stddev=1e-6), as the official ``models_vit.MlpBlock``
   (the MLP of ViT eq. 3). Raises nothing itself.
@@ -201,6 +263,8 @@ class MlpBlock(nn.Module):
     out_dim: output width; ``None`` means the input width.
     dropout_rate: dropout probability after the activation and after the output projection.
     dtype: computation dtype; param_dtype: parameter dtype.
+    gelu_approximate: True (default) for the tanh approximation of GELU (the official ViT,
+      big_vision, flax's ``nn.gelu``); False for the exact erf GELU (timm, transformers).
 
   Input ``[..., D]``, output ``[..., out_dim or D]`` in ``dtype``. Needs the ``'dropout'`` rng
   when ``deterministic=False`` and ``dropout_rate > 0``. Kernels ``('embed', 'mlp')`` /
@@ -213,6 +277,7 @@ class MlpBlock(nn.Module):
   dropout_rate: float = 0.0
   dtype: Dtype = jnp.float32
   param_dtype: Dtype = jnp.float32
+  gelu_approximate: bool = True
 
   @nn.compact
   def __call__(self, inputs: Array, *, deterministic: bool) -> Array:
@@ -225,7 +290,7 @@ class MlpBlock(nn.Module):
         bias_init=_partitioned(nn.initializers.normal(stddev=1e-6), axes[1:]))
     x = dense(self.mlp_dim, ('embed', 'mlp'))(inputs)
     x = execution.constrain(x, MLP_HIDDEN_AXES)
-    x = nn.gelu(x, approximate=True)
+    x = nn.gelu(x, approximate=bool(self.gelu_approximate))
     x = nn.Dropout(rate=self.dropout_rate)(x, deterministic=deterministic)
     x = dense(out_dim, ('mlp', 'embed'))(x)
     x = nn.Dropout(rate=self.dropout_rate)(x, deterministic=deterministic)
@@ -236,8 +301,8 @@ class EncoderBlock(nn.Module):
   """Pre-LN Transformer encoder block (ViT eq. 2-3).
 
   ``x = x + Dropout(MHA(LN_0(x)))``; ``x = x + MLP(LN_1(x))``. Attention kernels xavier_uniform,
-  attention dropout not broadcast over heads, LayerNorm eps 1e-6: as the official
-  ``Encoder1DBlock``.
+  attention dropout not broadcast over heads, LayerNorm eps 1e-6 and tanh GELU by default: as the
+  official ``Encoder1DBlock``.
 
   Attributes:
     mlp_dim, num_heads: MLP width and number of attention heads.
@@ -246,6 +311,8 @@ class EncoderBlock(nn.Module):
     dtype: computation dtype; param_dtype: parameter dtype.
     scanned: if True, ``__call__`` returns ``(x, None)`` (the carry/output pair ``nn.scan`` needs).
     attention: the attention implementation (:data:`vit_jax.models.attention.IMPLEMENTATIONS`).
+    gelu_approximate: the MLP's GELU (:class:`MlpBlock`).
+    layer_norm_epsilon: the epsilon of both LayerNorms.
 
   Input ``[B, N, D]``, output ``[B, N, D]`` in ``dtype``. ``deterministic`` (a Python bool,
   positional so that ``nn.remat`` can make it static) disables dropout.
@@ -259,13 +326,15 @@ class EncoderBlock(nn.Module):
   param_dtype: Dtype = jnp.float32
   scanned: bool = False
   attention: str = 'xla'
+  gelu_approximate: bool = True
+  layer_norm_epsilon: float = LAYERNORM_EPSILON
 
   @nn.compact
   def __call__(self, inputs: Array, deterministic: bool):
     if inputs.ndim != 3:
       raise ValueError(f'EncoderBlock expects [batch, tokens, width], got shape {inputs.shape}')
     inputs = execution.constrain(inputs, TOKENS_AXES)
-    x = _layer_norm(self.dtype, self.param_dtype)(inputs)
+    x = _layer_norm(self.dtype, self.param_dtype, epsilon=self.layer_norm_epsilon)(inputs)
     x = attention_lib.MultiHeadDotProductAttention(
         num_heads=self.num_heads,
         dropout_rate=self.attention_dropout_rate,
@@ -276,9 +345,10 @@ class EncoderBlock(nn.Module):
     )(x, deterministic=deterministic)
     x = nn.Dropout(rate=self.dropout_rate)(x, deterministic=deterministic)
     x = execution.constrain(x + inputs, TOKENS_AXES)
-    y = _layer_norm(self.dtype, self.param_dtype)(x)
+    y = _layer_norm(self.dtype, self.param_dtype, epsilon=self.layer_norm_epsilon)(x)
     y = MlpBlock(mlp_dim=self.mlp_dim, dropout_rate=self.dropout_rate, dtype=self.dtype,
-                 param_dtype=self.param_dtype)(y, deterministic=deterministic)
+                 param_dtype=self.param_dtype,
+                 gelu_approximate=self.gelu_approximate)(y, deterministic=deterministic)
     out = execution.constrain(x + y, TOKENS_AXES)
     return (out, None) if self.scanned else out
 
@@ -288,7 +358,8 @@ class Encoder(nn.Module):
 
   Mirrors the official ``models_vit.Encoder``.
 
-  Named ``Transformer`` inside :class:`VisionTransformer`; children ``posembed_input``,
+  Named ``Transformer`` inside :class:`VisionTransformer`; children ``posembed_input`` (only with
+  ``posemb='learn'``; with 'sincos2d' the model adds the fixed table before the class token),
   ``encoderblock_{i}`` (or one stacked ``encoderblock`` with ``scan=True``) and ``encoder_norm``.
 
   Attributes:
@@ -300,6 +371,8 @@ class Encoder(nn.Module):
     remat_policy: what a rematerialised block keeps, one of
       :data:`vit_jax.models.execution.REMAT_POLICIES`.
     attention: the attention implementation (:data:`vit_jax.models.attention.IMPLEMENTATIONS`).
+    gelu_approximate, layer_norm_epsilon: the blocks' GELU and every LayerNorm's epsilon.
+    posemb: 'learn' adds the learned ``posembed_input``; 'sincos2d' adds nothing here.
 
   Input ``[B, N, D]`` (any float dtype), output ``[B, N, D]`` in ``dtype``. With ``train=True``
   and a dropout rate > 0 the ``'dropout'`` rng is required. Raises ValueError for a non-rank-3
@@ -317,11 +390,15 @@ class Encoder(nn.Module):
   remat: bool = False
   remat_policy: str = 'nothing_saveable'
   attention: str = 'xla'
+  gelu_approximate: bool = True
+  layer_norm_epsilon: float = LAYERNORM_EPSILON
+  posemb: str = 'learn'
 
   @nn.compact
   def __call__(self, x: Array, *, train: bool) -> Array:
     deterministic = not train
-    x = AddPositionEmbs(param_dtype=self.param_dtype, name='posembed_input')(x)
+    if self.posemb == 'learn':
+      x = AddPositionEmbs(param_dtype=self.param_dtype, name='posembed_input')(x)
     x = nn.Dropout(rate=self.dropout_rate)(x, deterministic=deterministic)
     x = execution.constrain(x, TOKENS_AXES)
 
@@ -335,6 +412,8 @@ class Encoder(nn.Module):
         dtype=self.dtype,
         param_dtype=self.param_dtype,
         attention=self.attention,
+        gelu_approximate=self.gelu_approximate,
+        layer_norm_epsilon=self.layer_norm_epsilon,
     )
     if self.scan:
       stack = execution.scanned(block_cls, self.num_layers, in_axes=nn.broadcast)
@@ -342,7 +421,52 @@ class Encoder(nn.Module):
     else:
       for i in range(self.num_layers):
         x = block_cls(name=f'encoderblock_{i}', **block_kwargs)(x, deterministic)
-    return _layer_norm(self.dtype, self.param_dtype, name='encoder_norm')(x)
+    return _layer_norm(self.dtype, self.param_dtype, name='encoder_norm',
+                       epsilon=self.layer_norm_epsilon)(x)
+
+
+class MAPHead(nn.Module):
+  """Multihead attention pooling, big_vision's ``MAPHead`` (``classifier='map'``).
+
+  A learned probe ``[1, 1, D]`` (xavier_uniform), tiled over the batch, is the single query of a
+  multi-head attention over the encoder's output tokens (keys and values; flax's
+  ``MultiHeadDotProductAttention`` math: ``q / sqrt(D/heads)``, float32 softmax, no dropout);
+  then ``x = x + MlpBlock(LayerNorm(x))`` (no dropout, as big_vision) and the one token is
+  returned. Parameters ``probe``, ``MultiHeadDotProductAttention_0/{query,key,value,out}``,
+  ``LayerNorm_0``, ``MlpBlock_0/Dense_{0,1}``: big_vision's names and shapes.
+
+  Attributes:
+    num_heads: attention heads (the model's); mlp_dim: the MLP's hidden width (the model's).
+    gelu_approximate, layer_norm_epsilon: as the encoder's.
+    dtype: computation dtype; param_dtype: parameter dtype.
+
+  Input ``[B, N, D]`` (after the encoder's final LayerNorm), output ``[B, D]`` in ``dtype``.
+  Raises ValueError for an input that is not rank 3, or ``num_heads`` not dividing D.
+  """
+
+  num_heads: int
+  mlp_dim: int
+  gelu_approximate: bool = True
+  layer_norm_epsilon: float = LAYERNORM_EPSILON
+  dtype: Dtype = jnp.float32
+  param_dtype: Dtype = jnp.float32
+
+  @nn.compact
+  def __call__(self, x: Array) -> Array:
+    if x.ndim != 3:
+      raise ValueError(f'MAPHead expects [batch, tokens, width], got shape {x.shape}')
+    n, _, d = x.shape
+    probe = self.param('probe', _partitioned(nn.initializers.xavier_uniform(),
+                                             (None, None, 'embed')), (1, 1, d), self.param_dtype)
+    probe = jnp.broadcast_to(probe.astype(self.dtype), (n, 1, d))
+    x = attention_lib.MultiHeadDotProductAttention(
+        num_heads=self.num_heads, dtype=self.dtype, param_dtype=self.param_dtype,
+        attention='xla', name='MultiHeadDotProductAttention_0',
+    )(probe, inputs_kv=x, deterministic=True)
+    y = _layer_norm(self.dtype, self.param_dtype, epsilon=self.layer_norm_epsilon)(x)
+    x = x + MlpBlock(mlp_dim=self.mlp_dim, dtype=self.dtype, param_dtype=self.param_dtype,
+                     gelu_approximate=self.gelu_approximate)(y, deterministic=True)
+    return x[:, 0]
 
 
 class VisionTransformer(nn.Module):
@@ -350,11 +474,13 @@ class VisionTransformer(nn.Module):
 
   The image is cut into ``Ph x Pw`` patches by a stride-P convolution ``embedding``, the grid is
   flattened row-major into ``N = (H/Ph)(W/Pw)`` tokens, a zero-initialised class token ``cls`` is
-  prepended (``classifier='token'``), a learned position embedding is added, the tokens go through
-  the pre-LN encoder, and the class token (``'token'``) or the mean of all tokens after the final
-  LayerNorm (``'gap'``, no class token) is pooled, optionally passed through
-  ``pre_logits`` = Dense(representation_size) + tanh, and classified by a zero-initialised
-  ``head`` whose bias starts at ``head_bias_init``.
+  prepended (``classifier='token'``), a learned position embedding is added (``posemb='learn'``;
+  with ``'sincos2d'`` a fixed table is added to the patch tokens before the class token is
+  prepended), the tokens go through the pre-LN encoder, and the class token (``'token'``), the
+  mean of all tokens after the final LayerNorm (``'gap'``, no class token) or their multihead
+  attention pooling (``'map'``, :class:`MAPHead`, no class token) is pooled, optionally passed
+  through ``pre_logits`` = Dense(representation_size) + tanh, and classified by a
+  zero-initialised ``head`` whose bias starts at ``head_bias_init``.
 
   Attributes:
     num_classes: classes of the ``head``; ``None`` returns the pooled features (no head).
@@ -363,7 +489,8 @@ class VisionTransformer(nn.Module):
     mlp_dim: MLP hidden width.
     num_heads: attention heads (must divide ``hidden_size``).
     num_layers: encoder blocks.
-    classifier: ``'token'`` or ``'gap'``.
+    classifier: ``'token'``, ``'gap'`` or ``'map'`` (:data:`CLASSIFIERS`; 'map' is big_vision's
+      ``MAPHead`` pooling, with the model's ``num_heads`` and ``mlp_dim``).
     representation_size: width of the ``pre_logits`` layer, or ``None`` for none.
     dropout_rate: dropout after the position embedding, after attention and in the MLPs.
     attention_dropout_rate: dropout on attention weights.
@@ -382,7 +509,16 @@ class VisionTransformer(nn.Module):
     resnet_width_factor: ResNet width multiplier (root width ``64 * resnet_width_factor``);
       ignored without ``resnet_num_layers``.
     attention: how attention runs, one of :data:`vit_jax.models.attention.IMPLEMENTATIONS`
-      ('xla' by default; the training config chooses from the target devices).
+      ('xla' by default; the training config chooses from the target devices). The 'map' head's
+      cross-attention always runs the 'xla' path.
+    gelu_approximate: the GELU of every MLP (encoder blocks and the 'map' head): True (default)
+      the tanh approximation (official JAX ViT, big_vision, flax's ``nn.gelu``), False the exact
+      erf GELU (timm, transformers ``hidden_act='gelu'``).
+    layer_norm_epsilon: epsilon of every LayerNorm (blocks, ``encoder_norm``, the 'map' head); a
+      positive float, 1e-6 by default (transformers' ``google/vit-*`` configs: 1e-12).
+    posemb: ``'learn'`` (default; ``Transformer/posembed_input/pos_embedding``, class token row
+      included) or ``'sincos2d'`` (big_vision's fixed table, :func:`posemb_sincos_2d`: no
+      parameter, works at any resolution; needs ``hidden_size`` a multiple of 4, at least 8).
 
   Call ``model.apply(variables, images, train=False)``:
     images: ``[B, H, W, C]`` (C=3 for the published weights), float32 in [-1, 1] as the official
@@ -393,8 +529,9 @@ class VisionTransformer(nn.Module):
     ``num_classes is None``), whatever ``dtype`` is.
 
   Raises:
-    ValueError: at construction for an unknown ``classifier``, a non-positive size, a
-      ``hidden_size`` not divisible by ``num_heads``, a bad ``patch_size``, dropout rate or
+    ValueError: at construction for an unknown ``classifier`` or ``posemb``, a non-positive size,
+      a ``hidden_size`` not divisible by ``num_heads`` (or, with 'sincos2d', by 4), a bad
+      ``patch_size``, dropout rate, ``gelu_approximate``, ``layer_norm_epsilon`` or
       ``resnet_num_layers``/``resnet_width_factor``; at apply time for a non-rank-4 input, an
       image side not divisible by the patch size (the total stride for hybrids), or loaded
       ``pos_embedding`` of the wrong shape.
@@ -419,6 +556,9 @@ class VisionTransformer(nn.Module):
   resnet_num_layers: Optional[Tuple[int, ...]] = None
   resnet_width_factor: float = 1
   attention: str = 'xla'
+  gelu_approximate: bool = True
+  layer_norm_epsilon: float = LAYERNORM_EPSILON
+  posemb: str = 'learn'
 
   def __post_init__(self):
     validate_config(
@@ -428,7 +568,9 @@ class VisionTransformer(nn.Module):
         dropout_rate=self.dropout_rate, attention_dropout_rate=self.attention_dropout_rate,
         dtype=self.dtype, param_dtype=self.param_dtype, scan=self.scan, remat=self.remat,
         remat_policy=self.remat_policy, attention=self.attention,
-        resnet_num_layers=self.resnet_num_layers, resnet_width_factor=self.resnet_width_factor)
+        resnet_num_layers=self.resnet_num_layers, resnet_width_factor=self.resnet_width_factor,
+        gelu_approximate=self.gelu_approximate, layer_norm_epsilon=self.layer_norm_epsilon,
+        posemb=self.posemb)
     super().__post_init__()
 
   @nn.compact
@@ -473,6 +615,8 @@ class VisionTransformer(nn.Module):
                 bias_init=_partitioned(nn.initializers.zeros, ('embed',)), name='embedding')(x)
     n, gh, gw, c = x.shape
     x = jnp.reshape(x, (n, gh * gw, c))  # Row-major: token index = row * gw + col.
+    if self.posemb == 'sincos2d':  # big_vision: before the class token, which gets none.
+      x = x + posemb_sincos_2d(gh, gw, c, dtype=x.dtype)
     x = execution.constrain(x, TOKENS_AXES)
 
     if self.classifier == 'token':
@@ -486,12 +630,19 @@ class VisionTransformer(nn.Module):
                 attention_dropout_rate=self.attention_dropout_rate, dtype=dtype,
                 param_dtype=param_dtype, scan=self.scan, remat=self.remat,
                 remat_policy=self.remat_policy, attention=self.attention,
+                gelu_approximate=self.gelu_approximate,
+                layer_norm_epsilon=self.layer_norm_epsilon, posemb=self.posemb,
                 name='Transformer')(x, train=train)
 
     if self.classifier == 'token':
       x = x[:, 0]
-    else:  # 'gap'
+    elif self.classifier == 'gap':
       x = jnp.mean(x, axis=1)
+    else:  # 'map'
+      x = MAPHead(num_heads=self.num_heads, mlp_dim=self.mlp_dim,
+                  gelu_approximate=self.gelu_approximate,
+                  layer_norm_epsilon=self.layer_norm_epsilon, dtype=dtype,
+                  param_dtype=param_dtype, name='MAPHead_0')(x)
 
     if self.representation_size is not None:
       x = nn.Dense(self.representation_size, dtype=dtype, param_dtype=param_dtype,
@@ -516,7 +667,8 @@ def validate_config(*, num_classes, patch_size, hidden_size, mlp_dim, num_heads,
                     classifier, representation_size, dropout_rate, attention_dropout_rate,
                     dtype=jnp.float32, param_dtype=jnp.float32, scan=False, remat=False,
                     remat_policy='nothing_saveable', resnet_num_layers=None,
-                    resnet_width_factor=1, attention='xla', **unused) -> None:
+                    resnet_width_factor=1, attention='xla', gelu_approximate=True,
+                    layer_norm_epsilon=LAYERNORM_EPSILON, posemb='learn', **unused) -> None:
   """Checks the fields of a :class:`VisionTransformer` configuration.
 
   Args: the model fields (extra keyword arguments are ignored).
@@ -525,13 +677,25 @@ def validate_config(*, num_classes, patch_size, hidden_size, mlp_dim, num_heads,
     ValueError: naming the offending field, for an unknown ``classifier`` (not in
       ``CLASSIFIERS``), non-positive sizes, ``hidden_size % num_heads != 0``, a bad patch size, a
       dropout rate outside [0, 1), a ``dtype``/``param_dtype`` that is not a float dtype, bad
-      execution fields (:func:`check_execution_fields`), or a bad
+      execution fields (:func:`check_execution_fields`), a bad
       hybrid stem (``resnet_num_layers`` not a tuple of positive ints or None;
-      ``64 * resnet_width_factor`` not a positive multiple of 32).
+      ``64 * resnet_width_factor`` not a positive multiple of 32), ``gelu_approximate`` not a
+      bool, ``layer_norm_epsilon`` not a positive finite number, ``posemb`` not in
+      :data:`POSEMBS`, or 'sincos2d' with a ``hidden_size`` not a multiple of 4 or under 8.
   """
   del unused
   if classifier not in CLASSIFIERS:
     raise ValueError(f'classifier must be one of {CLASSIFIERS}, got {classifier!r}')
+  if posemb not in POSEMBS:
+    raise ValueError(f'posemb must be one of {POSEMBS}, got {posemb!r}')
+  if not isinstance(gelu_approximate, (bool, np.bool_)):
+    raise ValueError(f'gelu_approximate must be a bool (True: tanh approximation, False: exact '
+                     f'erf GELU), got {gelu_approximate!r}')
+  if (isinstance(layer_norm_epsilon, (bool, np.bool_))
+      or not isinstance(layer_norm_epsilon, numbers.Real)
+      or not 0.0 < float(layer_norm_epsilon) < math.inf):
+    raise ValueError(f'layer_norm_epsilon must be a positive float (e.g. 1e-6), got '
+                     f'{layer_norm_epsilon!r}')
   _check_positive_int('num_classes', num_classes, allow_none=True)
   for field, value in (('hidden_size', hidden_size), ('mlp_dim', mlp_dim),
                        ('num_heads', num_heads), ('num_layers', num_layers)):
@@ -539,6 +703,9 @@ def validate_config(*, num_classes, patch_size, hidden_size, mlp_dim, num_heads,
   _check_positive_int('representation_size', representation_size, allow_none=True)
   if hidden_size % num_heads:
     raise ValueError(f'hidden_size ({hidden_size}) must be divisible by num_heads ({num_heads})')
+  if posemb == 'sincos2d' and (hidden_size % 4 or hidden_size < 8):
+    raise ValueError(f"posemb='sincos2d' needs a hidden_size that is a multiple of 4 and at least "
+                     f"8, got hidden_size={hidden_size}; use posemb='learn' or another width.")
   patch_pair(patch_size)
   _check_rate('dropout_rate', dropout_rate)
   _check_rate('attention_dropout_rate', attention_dropout_rate)
@@ -568,10 +735,12 @@ def architecture_fields(shapes: dict) -> Optional[Dict[str, Any]]:
 
   Returns:
     ``{'patch_size', 'hidden_size', 'num_layers', 'num_heads', 'mlp_dim',
-    'representation_size', 'classifier', 'num_classes'[, 'resnet_num_layers',
+    'representation_size', 'classifier', 'posemb', 'num_classes'[, 'resnet_num_layers',
     'resnet_width_factor']}`` (``num_heads``/``mlp_dim`` None when their kernels are missing,
-    ``num_classes`` None without a head), or None when the shapes are not a ViT's (no 4-D
-    ``embedding/kernel``).
+    ``num_classes`` None without a head; ``classifier`` 'map' with ``MAPHead_0/probe``, 'token'
+    with ``cls``, else 'gap'; ``posemb`` 'sincos2d' without :data:`POSEMB_KEY`, else 'learn'), or
+    None when the shapes are not a ViT's (no 4-D ``embedding/kernel``). ``gelu_approximate`` and
+    ``layer_norm_epsilon`` leave no trace in the shapes: they are not returned.
   """
   embedding = shapes.get('params/embedding/kernel')
   if not embedding or len(embedding) != 4:
@@ -588,7 +757,9 @@ def architecture_fields(shapes: dict) -> Optional[Dict[str, Any]]:
   fields = dict(patch_size=kh if kh == kw else (kh, kw), hidden_size=width, num_layers=layers,
                 num_heads=query[-2] if query is not None else None, mlp_dim=mlp,
                 representation_size=pre_logits[-1] if pre_logits else None,
-                classifier='token' if 'params/cls' in shapes else 'gap',
+                classifier=('map' if 'params/MAPHead_0/probe' in shapes
+                            else 'token' if 'params/cls' in shapes else 'gap'),
+                posemb='learn' if POSEMB_KEY in shapes else 'sincos2d',
                 num_classes=head[-1] if head else None)
   if 'params/conv_root/kernel' in shapes:  # ResNet stem: params/block{stage}/unit{unit}/...
     units = {}
@@ -611,8 +782,9 @@ def describe_architecture(shapes: dict) -> Optional[str]:
 
   Returns:
     ``'The checkpoint is a ViT[ with a ResNet stem] with patch_size=.., hidden_size=..,
-    num_layers=.., num_heads=.., mlp_dim=.., representation_size=..[, resnet_num_layers=..][, N
-    classes].'``, or None when the shapes are not a ViT's (no 4-D ``embedding/kernel``).
+    num_layers=.., num_heads=.., mlp_dim=.., representation_size=..[, resnet_num_layers=..][,
+    classifier='map'][, posemb='sincos2d'][, N classes].'``, or None when the shapes are not a
+    ViT's (no 4-D ``embedding/kernel``).
   """
   fields = architecture_fields(shapes)
   if fields is None:
@@ -621,6 +793,10 @@ def describe_architecture(shapes: dict) -> Optional[str]:
            'representation_size', 'resnet_num_layers']
   text = ', '.join(f'{k}={fields[k]}' for k in names
                    if k in fields and (fields[k] is not None or k == 'representation_size'))
+  if fields['classifier'] == 'map':  # ('token' and 'gap' are not named, as before.)
+    text += ", classifier='map'"
+  if fields['posemb'] != 'learn':
+    text += f", posemb={fields['posemb']!r}"
   stem = ' with a ResNet stem' if 'resnet_num_layers' in fields else ''
   classes = f', {fields["num_classes"]} classes' if fields['num_classes'] else ''
   return f'The checkpoint is a ViT{stem} with {text}{classes}.'

@@ -73,15 +73,17 @@ def add_source_arguments(parser: argparse.ArgumentParser) -> None:
   --num-classes, --image-size, --no-ema."""
   parser.add_argument('source', metavar='SOURCE',
                       help='a training workdir (its latest step; or its checkpoints/ or one step '
-                      'directory), an official ViT .npz, a T2T-ViT .pth/.pth.tar, or a '
-                      'directory written by python -m vit_jax.convert')
+                      'directory), an official or big_vision ViT .npz, a transformers ViT '
+                      'directory (config.json + model.safetensors), a timm .safetensors, a '
+                      'T2T-ViT .pth/.pth.tar, or a directory written by python -m vit_jax.convert')
   parser.add_argument('--step', type=int, help="a workdir's step (default: the latest)")
   parser.add_argument('--model', help='the model of a .pth.tar (required: T2T-ViT-7/10/12/14/'
                       '19/24, T2T-ViT_t-14/19/24) or of an .npz (optional: read from its '
                       'shapes, checked when given); a workdir names its own')
   parser.add_argument('--set', action='append', default=[], metavar='KEY=VALUE',
                       help='a model field for --model, repeatable (e.g. --set embed_dim=64 for '
-                      'T2T-ViT-custom); values are Python literals')
+                      'T2T-ViT-custom; --set num_heads=N for a timm file of a non-standard '
+                      'width); values are Python literals')
   parser.add_argument('--num-classes', type=int,
                       help='checked against the head of the weights (they decide)')
   parser.add_argument('--image-size', type=int,

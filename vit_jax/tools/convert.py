@@ -1,7 +1,8 @@
 """Converts model checkpoints between formats: ``python -m vit_jax.convert SRC DST``.
 
-Reads anything :func:`vit_jax.checkpoint.load` reads (an official ViT ``.npz``, a T2T-ViT
-``.pth.tar``, an Orbax checkpoint or training workdir of this project) and writes
+Reads anything :func:`vit_jax.checkpoint.load` reads (an official or big_vision ViT ``.npz``, a
+transformers ViT directory, a timm ``.safetensors``, a T2T-ViT ``.pth.tar``, an Orbax
+checkpoint or training workdir of this project) and writes
 
 * a **directory** ``DST``: an Orbax checkpoint of ``{'params': ..., 'model_state': {...}}`` (the
   fixed tables of T2T-ViT go in ``model_state``), the format of this project's training
@@ -9,13 +10,22 @@ Reads anything :func:`vit_jax.checkpoint.load` reads (an official ViT ``.npz``, 
   ``--config.init_from=DST`` fine-tunes from it;
 * a file ending in ``.npz``: the official ViT layout (flat ``/``-joined Linen names,
   ``encoderblock_{i}``), for models with parameters only (ViT; a T2T-ViT needs its fixed tables,
-  so write it to a directory).
+  so write it to a directory);
+* with ``--to timm``: a timm ``VisionTransformer`` ``.safetensors`` file, and the
+  ``timm.create_model(...)`` call that loads it with no code (printed, and kept in the file's
+  metadata); with ``--to hf``: a transformers ViT directory (``model.safetensors`` and
+  ``config.json``, class names in ``id2label``) that ``ViTForImageClassification.from_pretrained``
+  loads. Per-layer and scanned runs alike; what the target cannot express (a hybrid, a
+  ``pre_logits`` layer, 'gap'/'map' pooling for transformers, timm with another LayerNorm
+  epsilon) is refused by name (:func:`vit_jax.checkpoint.ecosystem.write`).
 
 Examples::
 
   python -m vit_jax.convert 81.5_T2T_ViT_14.pth.tar /ckpt/t2t_vit_14 --model T2T-ViT-14
   python -m vit_jax.convert /workdirs/vit_b16_cifar /ckpt/vit_b16_cifar.npz
   python -m vit_jax.convert ViT-B_16.npz /ckpt/vit_b16
+  python -m vit_jax.convert /workdirs/vit_cifar /export/vit_cifar_hf --to hf
+  python -m vit_jax.convert /workdirs/vit_cifar /export/vit_cifar.safetensors --to timm
 
 It prints what it wrote (format, and per collection the arrays and values in the layout written:
 an ``.npz`` holds the unrolled ``encoderblock_{i}`` arrays of a scanned checkpoint). Bad input
@@ -68,9 +78,13 @@ def read(src: str, *, model_name: Optional[str] = None, use_ema: bool = True,
                        "the file's head.weight and pos_embed; drop it.")
     model = models.create(model_name, num_classes=1000, **overrides)
     return checkpoint.load_torch_as_saved(src, model, use_ema=use_ema)
+  fmt = checkpoint.detect(src)
+  if fmt in (checkpoint.formats.HF, checkpoint.formats.TIMM):  # timm: the heads may be needed.
+    from vit_jax.checkpoint import ecosystem  # pylint: disable=g-import-not-at-top
+    return ecosystem.read(src, fmt, num_heads=(overrides or {}).get('num_heads')).variables
   if model_name or overrides:
-    print(f'note: --model/--set apply to PyTorch files only; {src} needs neither (ignored).',
-          file=sys.stderr)
+    print(f'note: --model/--set apply to PyTorch and timm files only; {src} needs neither '
+          '(ignored).', file=sys.stderr)
   return checkpoint.load(src, use_ema=use_ema)
 
 
@@ -96,6 +110,32 @@ def write(variables: Dict[str, Any], dst: str, *, overwrite: bool = False) -> st
     return 'official ViT .npz'
   checkpoint.save_orbax(dst, variables, overwrite=overwrite)
   return 'Orbax checkpoint'
+
+
+def export(src: str, dst: str, to: str, *, model_name: Optional[str] = None,
+           use_ema: bool = True, overrides: Optional[Dict[str, Any]] = None) -> str:
+  """Writes the ViT at ``src`` as timm (``to='timm'``) or transformers (``to='hf'``) weights.
+
+  The model, its numerics and its class names come from the source
+  (:func:`vit_jax.inference.load`: a workdir's saved config, a file's shapes and headers).
+
+  Returns:
+    The Python that loads the result in the target library.
+
+  Raises:
+    ValueError: what :func:`vit_jax.inference.load` raises, a T2T-ViT, or what the target cannot
+      express (:func:`vit_jax.checkpoint.ecosystem.write`).
+  """
+  from vit_jax import inference  # pylint: disable=g-import-not-at-top
+  from vit_jax.checkpoint import ecosystem  # pylint: disable=g-import-not-at-top
+  trained = inference.load(src, use_ema=use_ema, model_name=model_name, overrides=overrides)
+  fields = dict(trained.config.model.to_dict(), num_classes=trained.config.num_classes)
+  if 'hidden_size' not in fields:
+    raise ValueError(f'{src} is a {trained.config.model_name}: only ViTs are written for timm '
+                     'and transformers.')
+  return ecosystem.write(dst, trained.variables['params'], fields, to=to,
+                         image_size=int(trained.config.data.image_size),
+                         label_names=trained.label_names)
 
 
 def written_arrays(variables: Dict[str, Any], dst: str) -> Dict[str, Dict[str, Tuple]]:
@@ -134,7 +174,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
       'Then fine-tune with --config.init_from=/ckpt/t2t_vit_14.')
   parser.add_argument('src', help='.npz, .pth/.pth.tar/.pt (T2T-ViT), Orbax checkpoint or '
                       'training workdir (its latest step)')
-  parser.add_argument('dst', help='a new directory (Orbax checkpoint) or a path ending in .npz')
+  parser.add_argument('dst', help='a new directory (Orbax checkpoint) or a path ending in .npz; '
+                      'with --to timm a .safetensors file, with --to hf a directory (or its '
+                      'model.safetensors path)')
+  parser.add_argument('--to', choices=('timm', 'hf'),
+                      help='write timm (VisionTransformer .safetensors) or Hugging Face '
+                      'transformers (config.json + model.safetensors) weights of a ViT')
   parser.add_argument('--model', help='model name, required for PyTorch files '
                       '(T2T-ViT-7/10/12/14/19/24, T2T-ViT_t-14/19/24)')
   parser.add_argument('--set', action='append', default=[], metavar='KEY=VALUE',
@@ -151,11 +196,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                        'write to a new path, the source is never replaced.')
     if args.dst.lower().endswith(('.pth', '.pt', '.tar', '.npy', '.pkl', '.msgpack')):
       raise ValueError(f'{args.dst}: the destination is a directory (Orbax checkpoint) or a '
-                       '.npz file; other formats are not written.')
+                       '.npz file, or with --to timm|hf safetensors; other formats are not '
+                       'written.')
+    overrides = dict(common.parse_setting(s) for s in args.set)
+    if args.to:
+      return _export(args, overrides)
+    if args.dst.endswith('.safetensors'):
+      raise ValueError(f'{args.dst}: say which library the .safetensors is for: --to timm or '
+                       '--to hf.')
     if os.path.exists(args.dst) and not args.overwrite:  # Before the (long) read.
       raise FileExistsError(f'{args.dst} exists; choose a new destination or pass --overwrite.')
     variables = read(args.src, model_name=args.model, use_ema=not args.no_ema,
-                     overrides=dict(common.parse_setting(s) for s in args.set))
+                     overrides=overrides)
     kind = write(variables, args.dst, overwrite=args.overwrite)
     written = written_arrays(variables, args.dst)
   except common.INPUT_ERRORS as e:
@@ -163,6 +215,27 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   except OSError as e:  # E.g. the disk filled while writing.
     return common.fatal(e, 1)
   print(f'Wrote {kind} {args.dst} from {args.src}:\n{_summary(written)}')
+  return 0
+
+
+def _export(args: argparse.Namespace, overrides: Dict[str, Any]) -> int:
+  """``--to timm|hf``: refuses existing outputs (unless --overwrite) before the read, writes,
+  prints what was written and how to load it."""
+  from vit_jax.checkpoint import ecosystem  # pylint: disable=g-import-not-at-top
+  if args.to == 'timm' and not args.dst.endswith('.safetensors'):
+    raise ValueError(f'{args.dst}: --to timm writes a .safetensors file; name it so.')
+  if args.to == 'hf' and args.dst.endswith('.npz'):
+    raise ValueError(f'{args.dst}: --to hf writes a directory (or its model.safetensors).')
+  outputs = ecosystem.output_paths(args.dst, args.to)
+  existing = [p for p in outputs if os.path.exists(p)]
+  if existing and not args.overwrite:
+    raise FileExistsError(f'{", ".join(existing)} exist(s); choose a new destination or pass '
+                          '--overwrite.')
+  load = export(args.src, args.dst, args.to, model_name=args.model, use_ema=not args.no_ema,
+                overrides=overrides)
+  library = 'timm' if args.to == 'timm' else 'transformers'
+  sizes = ', '.join(f'{p} ({os.path.getsize(p):,} bytes)' for p in outputs)
+  print(f'Wrote {library} weights of {args.src}: {sizes}\nLoad them with:\n  {load}')
   return 0
 
 

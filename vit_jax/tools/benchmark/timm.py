@@ -37,8 +37,11 @@ def timm_equivalent(model: str, overrides: Optional[dict[str, Any]] = None
   The official sizes map to timm's names (ViT-B_16 -> 'vit_base_patch16_224', Ti -> tiny,
   S -> small, L -> large, H -> huge); a changed architecture (overrides, 'ViT-custom', another
   patch size) is passed as timm's keyword arguments (embed_dim, depth, num_heads, mlp_ratio,
-  patch_size, class_token / global_pool), dropout as pos_drop_rate / proj_drop_rate /
-  attn_drop_rate, and remat=True as timm's gradient checkpointing.
+  patch_size, class_token / global_pool: 'avg' for classifier 'gap', 'map' for 'map'), dropout as
+  pos_drop_rate / proj_drop_rate / attn_drop_rate, and remat=True as timm's gradient
+  checkpointing. What changes no compute is not passed: posemb='sincos2d' (timm's learned table is
+  the same addition), gelu_approximate and layer_norm_epsilon (timm's exact GELU costs the same
+  elementwise work as the tanh one).
 
   Raises:
     NoTimmModel: T2T-ViT, hybrids, ViT-g/G and representation_size have no timm equivalent.
@@ -74,6 +77,8 @@ def timm_equivalent(model: str, overrides: Optional[dict[str, Any]] = None
                   patch_size=ph if ph == pw else (ph, pw))
     if config["classifier"] == "gap":
       kwargs.update(class_token=False, global_pool="avg")
+    elif config["classifier"] == "map":  # timm's AttentionPoolLatent: big_vision's MAPHead.
+      kwargs.update(class_token=False, global_pool="map")
   if config.get("dropout_rate"):
     kwargs.update(pos_drop_rate=config["dropout_rate"], proj_drop_rate=config["dropout_rate"])
   if config.get("attention_dropout_rate"):

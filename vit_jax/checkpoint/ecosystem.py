@@ -1,0 +1,270 @@
+"""The other libraries' ViT weights: Hugging Face transformers and timm ``.safetensors``, read
+and written without torch.
+
+* :func:`read` converts a transformers ViT directory (:mod:`.hf_vit`) or a timm file
+  (:mod:`.timm_vit`) to this project's params tree, exactly, with the model fields the weights
+  need (:class:`Foreign`): the architecture, and the numerics that differ by library,
+  ``gelu_approximate`` (transformers' ``hidden_act``; timm's exact GELU), ``layer_norm_epsilon``
+  (transformers' ``layer_norm_eps``, 1e-12 on the Hub; timm's 1e-6), ``classifier`` and
+  ``posemb``. A model built with other numerics computes other logits: :func:`check_numerics`
+  refuses it for evaluation.
+* :func:`write` exports a ViT to either library (``python -m vit_jax.convert SRC OUT --to
+  timm|hf``), refusing by name what the target cannot express.
+
+big_vision's ``.npz`` files need no conversion step here: :func:`vit_jax.checkpoint.load_npz`
+reads their layout itself (:mod:`.big_vision`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+
+import numpy as np
+
+from vit_jax.checkpoint import hf_vit
+from vit_jax.checkpoint import paths
+from vit_jax.checkpoint import safetensors_file
+from vit_jax.checkpoint import timm_vit
+from vit_jax.models import layout
+
+#: :func:`vit_jax.checkpoint.detect`'s values for these formats.
+HF, TIMM = 'hf', 'timm'
+
+#: The model fields that change what the same weights compute (checked by
+#: :func:`check_numerics`, set from ``init_from`` by the training config).
+NUMERICS = ('classifier', 'posemb', 'gelu_approximate', 'layer_norm_epsilon')
+
+_FAMILY = {HF: 'transformers ViT', TIMM: 'timm ViT'}
+
+
+@dataclasses.dataclass(frozen=True)
+class Foreign:
+  """Weights read from another library, in this project's layout.
+
+  Attributes:
+    variables: ``{'params': nested dict of np.ndarray}`` (per-layer blocks).
+    fields: the :func:`vit_jax.models.create` keywords the weights need (architecture and
+      :data:`NUMERICS`; ``num_classes`` None without a head).
+    image_size: the side of the square images the position table is for (None if unknown).
+    label_names: class names (transformers' ``id2label``) or None.
+    family: 'transformers ViT' or 'timm ViT'.
+  """
+
+  variables: Dict[str, Any]
+  fields: Dict[str, Any]
+  image_size: Optional[int]
+  label_names: Optional[Tuple[str, ...]]
+  family: str
+
+
+def hf_directory(path: str) -> Optional[str]:
+  """The transformers directory ``path`` is (or whose weight file it is), else None: one that
+  holds ``config.json`` and ``model.safetensors`` (or its shard index)."""
+  directory = path if paths.isdir(path) else os.path.dirname(path) or '.'
+  if not paths.exists(paths.join(directory, hf_vit.CONFIG_FILE)):
+    return None
+  if paths.isdir(path):
+    has_weights = any(paths.exists(paths.join(directory, f))
+                      for f in (hf_vit.WEIGHTS_FILE, hf_vit.INDEX_FILE))
+    return directory if has_weights else None
+  return directory
+
+
+def detect_file(path: str) -> str:
+  """:data:`HF` or :data:`TIMM` for a ``.safetensors`` file, from its tensor names.
+
+  Raises:
+    ValueError: transformers names without a ``config.json`` beside the file, or names of
+      neither library.
+  """
+  index, _ = safetensors_file.read_header(path)
+  if hf_vit.is_hf_names(index):
+    if hf_directory(path) is None:
+      raise ValueError(f'{path} holds transformers ViT weights but no config.json lies beside '
+                       'it: keep the directory save_pretrained wrote (or the Hub repository) '
+                       'together, and give the directory.')
+    return HF
+  if timm_vit.is_timm_names(index):
+    return TIMM
+  shown = ', '.join(sorted(index)[:4])
+  raise ValueError(f'{path} is a .safetensors file of neither a transformers ViT nor a timm '
+                   f'VisionTransformer (its tensors: {shown}, ...).')
+
+
+def _hf_shapes(directory: str) -> Dict[str, Tuple[int, ...]]:
+  shapes = {}
+  for file in hf_vit.weight_files(directory):
+    shapes.update({k: v[0] for k, v in safetensors_file.read_header(file)[0].items()})
+  return shapes
+
+
+def read_fields(path: str, fmt: str, num_heads: Optional[int] = None) -> Dict[str, Any]:
+  """The model fields (and ``image_size``) the weights at ``path`` need, from the headers only.
+
+  Args:
+    path: a transformers directory (or its weight file), or a timm ``.safetensors`` file.
+    fmt: :data:`HF` or :data:`TIMM` (:func:`vit_jax.checkpoint.detect`).
+    num_heads: the heads, when known (timm files do not record them).
+
+  Raises:
+    ValueError, FileNotFoundError: as :func:`read`.
+  """
+  if fmt == HF:
+    directory = hf_directory(path)
+    return hf_vit.fields_from(_hf_shapes(directory), hf_vit.read_config(directory), directory)
+  index, metadata = safetensors_file.read_header(path)
+  return timm_vit.fields_from({k: v[0] for k, v in index.items()}, metadata, path, num_heads)
+
+
+def read(path: str, fmt: str, num_heads: Optional[int] = None) -> Foreign:
+  """Reads transformers or timm ViT weights into this project's layout (exactly).
+
+  Args:
+    path: a transformers directory (``config.json`` + ``model.safetensors`` or shards), its
+      weight file, or a timm ``.safetensors`` file; local or ``gs://``.
+    fmt: :data:`HF` or :data:`TIMM`.
+    num_heads: the heads when known (the model's): needed for timm files of non-standard widths.
+
+  Raises:
+    FileNotFoundError: a transformers directory without its weights or config.
+    ValueError: another model type or activation, a timm variant without an equivalent here
+      (named), unknown tensor names, heads that cannot be told.
+    DamagedCheckpointError: a truncated or corrupt file.
+  """
+  fields = read_fields(path, fmt, num_heads)
+  image_size = fields.pop('image_size', None)
+  if fmt == HF:
+    directory = hf_directory(path)
+    arrays = {}
+    for file in hf_vit.weight_files(directory):
+      arrays.update(safetensors_file.read(file)[0])
+    params = hf_vit.from_hf(arrays, fields['num_heads'], directory)
+    names = hf_vit.label_names(hf_vit.read_config(directory), fields['num_classes'])
+  else:
+    arrays, _ = safetensors_file.read(path)
+    params = timm_vit.from_timm(arrays, fields['num_heads'], path)
+    names = None
+  return Foreign({'params': params}, fields, image_size, names, _FAMILY[fmt])
+
+
+def check_numerics(fields: Mapping[str, Any], model: Any, path: str) -> None:
+  """Refuses a ``model`` whose :data:`NUMERICS` differ from what the weights need.
+
+  Raises:
+    ValueError: naming each differing field with the file's value and the model's, and the
+      keywords to build the model with.
+  """
+  differ = [(k, fields[k], getattr(model, k, None)) for k in NUMERICS
+            if k in fields and getattr(model, k, None) != fields[k]]
+  if not differ:
+    return
+  listed = ', '.join(f'{k}={want!r} (the model has {have!r})' for k, want, have in differ)
+  fix = ', '.join(f'{k}={want!r}' for k, want, _ in differ)
+  raise ValueError(f'{path} computes with {listed}: build the model with {fix} '
+                   '(vit_jax.checkpoint.model_fields(path) gives every field), or its logits '
+                   'will not be the source library\'s.')
+
+
+def _exportable(fields: Mapping[str, Any], to: str) -> None:
+  """Raises ValueError for what the target library's ViT cannot express."""
+  name = {'hf': 'transformers ViT', 'timm': 'timm VisionTransformer'}[to]
+  problems = []
+  if fields.get('resnet_num_layers') is not None:
+    problems.append('a ResNet stem (R+ViT hybrid)')
+  if 'hidden_size' not in fields:
+    problems.append('not a ViT (T2T-ViT has another layout)')
+  if to == 'hf':
+    if fields.get('classifier', 'token') != 'token':
+      problems.append(f"classifier={fields['classifier']!r} (ViTForImageClassification "
+                      'classifies the class token)')
+    if fields.get('representation_size') and fields.get('num_classes'):
+      problems.append('a pre_logits layer before the head (ViTForImageClassification has none)')
+    if not isinstance(fields.get('patch_size'), int):
+      problems.append(f"non-square patches {fields.get('patch_size')}")
+  else:
+    if fields.get('representation_size'):
+      problems.append('a pre_logits layer (representation_size; timm has none)')
+    epsilon = fields.get('layer_norm_epsilon', 1e-6)
+    if epsilon != timm_vit.TIMM_LAYER_NORM_EPSILON:
+      problems.append(f'LayerNorm epsilon {epsilon} (timm builds 1e-6; export with --to hf)')
+  if problems:
+    raise ValueError(f"The model cannot be written as a {name}: it has {'; '.join(problems)}.")
+
+
+def _hf_paths(dst: str) -> Tuple[str, str]:
+  if dst.endswith(safetensors_file.SUFFIX):
+    return dst, os.path.join(os.path.dirname(dst) or '.', hf_vit.CONFIG_FILE)
+  return os.path.join(dst, hf_vit.WEIGHTS_FILE), os.path.join(dst, hf_vit.CONFIG_FILE)
+
+
+def output_paths(dst: str, to: str) -> List[str]:
+  """The files :func:`write` writes for ``dst`` (to check for existing ones first)."""
+  return list(_hf_paths(dst)) if to == 'hf' else [dst]
+
+
+def write(dst: str, params: Mapping[str, Any], fields: Mapping[str, Any], *, to: str,
+          image_size: int, label_names: Optional[Sequence[str]] = None) -> str:
+  """Writes a ViT's parameters as transformers (``to='hf'``) or timm (``to='timm'``) weights.
+
+  Args:
+    dst: timm: the ``.safetensors`` file. transformers: a directory (``model.safetensors`` and
+      ``config.json`` are written in it), or a ``.safetensors`` path (``config.json`` beside it;
+      ``from_pretrained`` reads ``model.safetensors``).
+    params: the params tree, per-layer or scanned (unrolled first); boxed or plain.
+    fields: the model's fields (``config.model`` of a run, plus ``num_classes``).
+    to: 'hf' or 'timm'.
+    image_size: the side of the square images it runs at (transformers' config; timm's call).
+    label_names: class names for transformers' ``id2label``.
+
+  Returns:
+    How to load the result in the target library (one line of Python).
+
+  Raises:
+    ValueError: what the target cannot express (named), e.g. a hybrid, ``classifier`` other
+      than 'token' for transformers, a ``pre_logits`` layer, timm with another LayerNorm epsilon.
+  """
+  fields = dict(fields)
+  if 'patch_size' in fields:  # A config's (P, P) pair: square patches are one int for both.
+    from vit_jax.models import vit  # pylint: disable=g-import-not-at-top
+    ph, pw = vit.patch_pair(fields['patch_size'])
+    fields['patch_size'] = ph if ph == pw else (ph, pw)
+  _exportable(fields, to)
+  params = layout.unbox(params)
+  if layout.is_scanned(params):
+    params = layout.unscan_params(params)
+  params = _materialise_posemb(params, fields, image_size)
+  if to == 'hf':
+    weights, config_path = _hf_paths(dst)
+    state, config = hf_vit.to_hf(params, fields, image_size=image_size, names=label_names)
+    safetensors_file.write(weights, state)
+    with open(config_path, 'w') as f:
+      json.dump(config, f, indent=2)
+    directory = os.path.dirname(weights) or '.'
+    cls = config['architectures'][0]
+    return f'transformers.{cls}.from_pretrained({directory!r})'
+  state = timm_vit.to_timm(params)
+  metadata = {timm_vit.METADATA_KEY: json.dumps(
+      {k: fields[k] for k in ('num_heads', 'gelu_approximate', 'layer_norm_epsilon',
+                              'classifier') if k in fields})}
+  call = timm_vit.create_model_call(fields, dst, image_size)
+  safetensors_file.write(dst, state, {**metadata, 'timm_create_model': call})
+  return call
+
+
+def _materialise_posemb(params: Mapping[str, Any], fields: Mapping[str, Any],
+                        image_size: int) -> Dict[str, Any]:
+  """A 'sincos2d' model's fixed table as a learned position embedding (the same values; a zero
+  class row in front with a class token), which both libraries' ViTs have."""
+  if fields.get('posemb', 'learn') != 'sincos2d':
+    return dict(params)
+  from vit_jax.models import vit  # pylint: disable=g-import-not-at-top
+  ph, pw = vit.patch_pair(fields['patch_size'])
+  width = int(fields['hidden_size'])
+  table = np.asarray(vit.posemb_sincos_2d(image_size // ph, image_size // pw, width))
+  if 'cls' in params:
+    table = np.concatenate([np.zeros((1, 1, width), table.dtype), table], axis=1)
+  encoder = dict(params['Transformer'], posembed_input={'pos_embedding': table})
+  return dict(params, Transformer=encoder)
