@@ -20,9 +20,10 @@ from vit_jax import train
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 #: Meshes of 8 devices that a tiny run must train on exactly as on one device, per family: ViT
-#: on pure data parallelism, FSDP, and FSDP with tensor parallelism; T2T-ViT (whose own rules are
-#: those of its token transformer and fixed tables) on the mesh that splits both ways.
-# Pure data parallelism (data=8) is the two-process test's mesh and the checkpoint test's.
+#: on FSDP, and on FSDP with tensor parallelism; T2T-ViT (whose own rules are those of its token
+#: transformer and fixed tables) on the mesh that splits both ways. Pure data parallelism is the
+#: two-process test's mesh (data=4 over 2 processes); the checkpoint test restores ViT's first
+#: run (data=2,fsdp=4) onto other meshes.
 MESHES = {"vit": ("data=2,fsdp=4", "fsdp=2,tensor=4"), "t2t": ("fsdp=2,tensor=4",)}
 
 
@@ -98,28 +99,49 @@ def _load(out, name):
   return params, json.loads((out / f"{name}.json").read_text())
 
 
+def _mesh_name(mesh):
+  return mesh.replace(",", "_").replace("=", "")
+
+
+def _trained(workdir):
+  """(flat parameters, {step: train/loss}) of a finished run."""
+  return (checkpoint.flatten_params(checkpoint.load(str(workdir))["params"]),
+          sharding_worker.train_losses(str(workdir)))
+
+
+# Built once per test run for all xdist workers (`shared_dir`, tests/conftest.py): the 8-device
+# runs are read by two tests, and cost tens of seconds of compiling.
+
+
 @pytest.fixture(scope="module")
-def folder(tmp_path_factory):
-  return data_utils.make_image_folder(str(tmp_path_factory.mktemp("images")), num_classes=3,
-                                      per_class=8, size=16)
+def folder(shared_dir):
+  """3 classes of 8 training and 8 test images, 16 px: a run of batch 8 sees 3 different
+  batches in its 3 steps."""
+  return str(shared_dir("sharding_images", lambda path: data_utils.make_image_folder(
+      str(path), num_classes=3, per_class=8, size=16)))
+
+
+@pytest.fixture(scope="module")
+def on_eight_devices(shared_dir, folder):
+  """`on_eight_devices(family)`: the directory where tests/sharding_worker.py trained the tiny
+  run of `family` on each mesh of MESHES[family] (8 simulated CPU devices), in one process:
+  `<mesh>.npz`, `<mesh>.json` and the run's workdir `run_<mesh>` per mesh."""
+  return lambda family: shared_dir(f"sharding_{family}_eight_devices", lambda out: _run_worker(
+      "train", "--devices", "8", "--family", family, "--folder", folder, "--out", str(out),
+      "--meshes", ";".join(MESHES[family])))
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("family", ["vit", "t2t"])
-def test_meshes_train_like_one_device(tmp_path, folder, family):
+def test_meshes_train_like_one_device(tmp_path, folder, on_eight_devices, family):
   """3 steps on each mesh of MESHES (8 simulated CPU devices) give the loss and parameters of the
   1-device run (relative difference <= 1e-5)."""
-  config = sharding_worker.tiny_config(family, folder)
-  train.train_and_evaluate(config, str(tmp_path / "one"))
-  expected = checkpoint.flatten_params(checkpoint.load(str(tmp_path / "one"))["params"])
-  expected_losses = sharding_worker.train_losses(str(tmp_path / "one"))
+  train.train_and_evaluate(sharding_worker.tiny_config(family, folder), str(tmp_path / "one"))
+  expected, expected_losses = _trained(tmp_path / "one")
   assert sorted(expected_losses) == [1, 2, 3]
-  out = tmp_path / "out"
-  out.mkdir()
-  _run_worker("train", "--devices", "8", "--family", family, "--folder", folder, "--out",
-              str(out), "--meshes", ";".join(MESHES[family]))
+  out = on_eight_devices(family)
   for mesh in MESHES[family]:
-    params, info = _load(out, mesh.replace(",", "_").replace("=", ""))
+    params, info = _load(out, _mesh_name(mesh))
     losses = {int(k): v for k, v in info["losses"].items()}
     np.testing.assert_allclose([losses[s] for s in (1, 2, 3)],
                                [expected_losses[s] for s in (1, 2, 3)], rtol=1e-5, err_msg=mesh)
@@ -127,27 +149,29 @@ def test_meshes_train_like_one_device(tmp_path, folder, family):
     for key, value in expected.items():
       np.testing.assert_allclose(params[key], value, rtol=1e-5, atol=1e-6,
                                  err_msg=f"{mesh}: {key}")
-    split = info["shard_shape"] != info["shape"]
-    assert split == (mesh != "data=8"), (mesh, info)  # The MLP kernel really is split.
+    assert info["shard_shape"] != info["shape"], (mesh, info)  # The MLP kernel really is split.
 
 
 @pytest.mark.slow
-def test_checkpoint_saved_on_8_devices_restores_on_4_and_on_1(tmp_path, folder):
-  out8 = tmp_path / "out8"
-  out8.mkdir()
-  _run_worker("train", "--devices", "8", "--family", "vit", "--folder", folder, "--out",
-              str(out8), "--meshes", "data=8")
-  saved, _ = _load(out8, "data8")
-  workdir = str(out8 / "run_data8")
+def test_checkpoint_saved_on_8_devices_restores_on_4_and_on_1(tmp_path, folder, on_eight_devices):
+  """The ViT run saved on 8 devices (FSDP: data=2, fsdp=4) restores onto a 4-device mesh that
+  splits it another way (data=2, fsdp=2) and onto one device, bit for bit."""
+  out8 = on_eight_devices("vit")
+  mesh8 = _mesh_name(MESHES["vit"][0])
+  saved, info8 = _load(out8, mesh8)  # Restored on its own 8-device mesh.
+  assert info8["shard_shape"] != info8["shape"]
+  workdir = str(out8 / f"run_{mesh8}")
   out4 = tmp_path / "out4"
   out4.mkdir()
   _run_worker("restore", "--devices", "4", "--family", "vit", "--folder", folder, "--out",
               str(out4), "--workdir", workdir, "--meshes", "data=2,fsdp=2")
   restored, info = _load(out4, "data2_fsdp2")
   assert info["shard_shape"] != info["shape"]  # Restored already split over fsdp.
+  assert info["shard_shape"] != info8["shard_shape"]  # ... in other shards than it was saved.
   restored_1 = checkpoint.flatten_params(
       sharding_worker.restore_on_mesh(workdir, sharding_worker.tiny_config("vit", folder))[
           "params"])
+  assert sorted(restored) == sorted(saved) == sorted(restored_1)
   for key, value in saved.items():
     np.testing.assert_array_equal(restored[key], value, err_msg=key)
     np.testing.assert_array_equal(np.asarray(restored_1[key]), value, err_msg=key)
@@ -176,8 +200,7 @@ def test_two_processes_train_like_one(tmp_path):
   config = sharding_worker.tiny_config("vit", folder)
   config.data.shuffle_buffer = 8
   train.train_and_evaluate(config, str(tmp_path / "one"))
-  expected = checkpoint.flatten_params(checkpoint.load(str(tmp_path / "one"))["params"])
-  expected_losses = sharding_worker.train_losses(str(tmp_path / "one"))
+  expected, expected_losses = _trained(tmp_path / "one")
 
   workdir = tmp_path / "two"
   overrides = [f"--config.data.image_folder={folder}", "--config.data.shuffle_buffer=8"]
@@ -185,8 +208,9 @@ def test_two_processes_train_like_one(tmp_path):
   def run_two_processes():
     port, procs = _free_port(), []
     for pid in range(2):
-      env = dict(os.environ, JAX_PLATFORMS="cpu",
-                 XLA_FLAGS="--xla_force_host_platform_device_count=2")
+      # Appended: the flags inherited from tests/conftest.py (fast compilation) stay in force.
+      env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=(
+          f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=2"))
       procs.append(subprocess.Popen(
           [sys.executable, "-m", "vit_jax.main", "--config", f"{sharding_worker.__file__}",
            "--workdir", str(workdir), f"--coordinator_address=localhost:{port}",

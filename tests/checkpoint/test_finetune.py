@@ -427,10 +427,10 @@ def _fmnist_config(data_dir, image_size, total_steps, **overrides):
 
 
 @pytest.mark.slow
-def test_pretrain_28px_export_then_finetune_56px_beats_scratch(tmp_path):
+def test_pretrain_28px_export_then_finetune_56px_beats_scratch(tmp_path, fashion_mnist_dir):
   """Pretrain at 28 px, export to .npz, fine-tune at 56 px (position embedding 4x4 -> 8x8):
   the short fine-tuning schedule beats the same schedule from scratch."""
-  data_dir = str(tmp_path / 'tfds')
+  data_dir = fashion_mnist_dir  # Prepared once per run (tests/conftest.py).
   pretrained = train.train_and_evaluate(_fmnist_config(data_dir, 28, 100), str(tmp_path / 'pre'))
   npz = tmp_path / 'pretrained.npz'
   assert convert.main([str(tmp_path / 'pre'), str(npz)]) == 0
@@ -439,13 +439,14 @@ def test_pretrain_28px_export_then_finetune_56px_beats_scratch(tmp_path):
   short = dict(regime='finetune', optim=dict(optimizer=None, lr=None, weight_decay=None,
                                              schedule=None, warmup_steps=10))
   finetuned = train.train_and_evaluate(
-      _fmnist_config(data_dir, 56, 40, init_from=str(npz), **short), str(tmp_path / 'fine'))
-  scratch = train.train_and_evaluate(_fmnist_config(data_dir, 56, 40, **short),
+      _fmnist_config(data_dir, 56, 20, init_from=str(npz), **short), str(tmp_path / 'fine'))
+  scratch = train.train_and_evaluate(_fmnist_config(data_dir, 56, 20, **short),
                                      str(tmp_path / 'scratch'))
-  # Measured: 0.62, 0.53 and 0.44 (batch 64, the first 1000 test images).
+  # Measured: 0.62, 0.48 and 0.38 (batch 64, the first 1000 test images; with 40 fine-tuning
+  # steps 0.53 and 0.44, the same lead).
   print(f"pretrained (28 px, 100 steps): {pretrained['test_1000/accuracy']:.4f}; "
-        f"fine-tuned (56 px, 40 steps): {finetuned['test_1000/accuracy']:.4f}; "
-        f"scratch (56 px, 40 steps): {scratch['test_1000/accuracy']:.4f}")
+        f"fine-tuned (56 px, 20 steps): {finetuned['test_1000/accuracy']:.4f}; "
+        f"scratch (56 px, 20 steps): {scratch['test_1000/accuracy']:.4f}")
   assert finetuned['test_1000/accuracy'] > scratch['test_1000/accuracy'] + 0.05
 
 

@@ -455,9 +455,10 @@ def test_png_encoder_roundtrip():
     not os.path.exists(os.path.join(fml.DEBIAN_DIR,
                                     'train-images-idx3-ubyte.gz')),
     reason='Debian package dataset-fashion-mnist not installed')
-def test_fashion_mnist_real_debian_files(tmp_path):
-  cfg = _cfg(name='fashion_mnist_local', data_dir=str(tmp_path))
-  info = data.get_info(cfg)  # Prepares from /usr/share/datasets/...
+def test_fashion_mnist_real_debian_files(tmp_path, fashion_mnist_dir):
+  # Prepared from /usr/share/datasets/... by `data.get_info` (tests/conftest.py, once per run).
+  cfg = _cfg(name='fashion_mnist_local', data_dir=fashion_mnist_dir)
+  info = data.get_info(cfg)
   assert (info.num_train_examples, info.num_eval_examples) == (60000, 10000)
   assert info.num_classes == 10 and not info.multi_label
   _, labels = fml.load_split(fml.DEBIAN_DIR, 'test')
@@ -470,7 +471,7 @@ def test_fashion_mnist_real_debian_files(tmp_path):
   from vit_jax.tools import export_images  # pylint: disable=g-import-not-at-top
   images, labels = fml.load_split(fml.DEBIAN_DIR, 'test')
   written = export_images.export('fashion_mnist_local', 'test[2:5]', str(tmp_path / 'png'),
-                                 data_dir=str(tmp_path))
+                                 data_dir=fashion_mnist_dir)
   for i, path in enumerate(written):
     name = fml.LABEL_NAMES[labels[2 + i]].replace('/', '_')
     assert os.path.basename(path) == f'{i}_{name}.png'

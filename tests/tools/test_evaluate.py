@@ -139,27 +139,36 @@ def test_a_t2t_file_on_an_image_folder_matches_a_direct_computation(folder10, tm
 
 
 @pytest.fixture(scope="module")
-def trained_run(tmp_path_factory):
+def trained_run(shared_dir):
   """(folder, workdir, the training's final results) of a 2-step run on 3 classes that keeps a
-  parameter EMA (so its evaluation reports 'test/...' and 'test_ema/...')."""
-  tmp = tmp_path_factory.mktemp("run")
-  folder = data_utils.make_image_folder(str(tmp / "images"), num_classes=3, per_class=5, size=8)
-  config = data_utils.folder_run_config("ViT-custom", folder, 8, total_steps=2, batch_size=4,
-                                        hidden_size=8, mlp_dim=16, num_heads=2, num_layers=1,
-                                        patch_size=4)
-  config.async_checkpointing = False
-  config.ema_decay = 0.5
-  config.eval_batch_size = 4  # 15 test images: 4 batches, the last one padded.
-  workdir = str(tmp / "workdir")
-  results = train.train_and_evaluate(config, workdir)
-  return folder, workdir, results
+  parameter EMA (so its evaluation reports 'test/...' and 'test_ema/...'). Trained once per run
+  for all xdist workers (`shared_dir`, tests/conftest.py): a test that writes into the workdir
+  copies it first."""
+
+  def build(root):
+    folder = data_utils.make_image_folder(str(root / "images"), num_classes=3, per_class=5,
+                                          size=8)
+    config = data_utils.folder_run_config("ViT-custom", folder, 8, total_steps=2, batch_size=4,
+                                          hidden_size=8, mlp_dim=16, num_heads=2, num_layers=1,
+                                          patch_size=4)
+    config.async_checkpointing = False
+    config.ema_decay = 0.5
+    config.eval_batch_size = 4  # 15 test images: 4 batches, the last one padded.
+    results = train.train_and_evaluate(config, str(root / "workdir"))
+    (root / "results.json").write_text(json.dumps(
+        {k: int(v) if k == "step" else float(v) for k, v in results.items()}))
+
+  root = shared_dir("evaluate_run", build)
+  return (str(root / "images"), str(root / "workdir"),
+          json.loads((root / "results.json").read_text()))
 
 
 @pytest.mark.slow
-def test_a_workdir_reproduces_its_training_evaluation_exactly(trained_run, capsys):
+def test_a_workdir_reproduces_its_training_evaluation_exactly(trained_run, tmp_path, capsys):
   """The EMA by default ('test_ema/...' of the training), the parameters with --no-ema
   ('test/...'): the same numbers, at the config's eval batch size, from the same eval step."""
   folder, workdir, results = trained_run
+  workdir = str(shutil.copytree(workdir, tmp_path / "workdir"))  # Results are written into it.
   status, stdout, fatal = _run(capsys, workdir, "--json")
   assert (status, fatal) == (0, [])
   ema = json.loads(stdout)
