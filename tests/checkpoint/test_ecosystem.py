@@ -177,8 +177,14 @@ def test_written_files_read_back_exactly(tmp_path, to, overrides):
     assert config['hidden_act'] == ('gelu' if overrides.get('gelu_approximate') is False
                                     else 'gelu_pytorch_tanh')
     assert call == f"transformers.ViTForImageClassification.from_pretrained('{dst}')"
+    processor = json.loads((dst / 'preprocessor_config.json').read_text())
+    assert (processor['size'], processor['image_mean']) == ({'height': 32, 'width': 32},
+                                                            [0.5, 0.5, 0.5])
   else:
-    assert call.startswith("timm.create_model('vit_base_patch16_224', pretrained=True")
+    assert call.startswith("timm.create_model('vit_base_patch16_224', pretrained=True, "
+                           "pretrained_cfg_overlay=dict(file=")
+    assert "input_size=(3, 32, 32), crop_pct=1.0, interpolation='bilinear'" in call
+  assert ecosystem.read(str(dst), checkpoint.detect(dst)).label_names == ('a', 'b', 'c')
 
 
 def test_what_a_library_cannot_express_is_refused_by_name(tmp_path):
@@ -228,7 +234,7 @@ def test_convert_command_exports_and_refuses_bad_requests(tmp_path, capsys):
   assert convert.main([str(src), str(tmp_path / 'u.safetensors')]) == 2
   assert '--to timm or --to hf' in capsys.readouterr().err
   assert convert.main([str(src), str(tmp_path / 'timm.safetensors'), '--to', 'hf']) == 2
-  assert 'exist(s); choose a new destination or pass --overwrite' in capsys.readouterr().err
+  assert 'already exist; choose a new destination or pass --overwrite' in capsys.readouterr().err
   timm_file = ECOSYSTEM / 'timm_vit' / 'model.safetensors'
   assert convert.main([str(timm_file), str(tmp_path / 'v.safetensors'), '--to', 'timm',
                        '--set', 'num_heads=4']) == 0

@@ -144,9 +144,9 @@ def read(path: str, fmt: str, num_heads: Optional[int] = None) -> Foreign:
     params = hf_vit.from_hf(arrays, fields['num_heads'], directory)
     names = hf_vit.label_names(hf_vit.read_config(directory), fields['num_classes'])
   else:
-    arrays, _ = safetensors_file.read(path)
+    arrays, metadata = safetensors_file.read(path)
     params = timm_vit.from_timm(arrays, fields['num_heads'], path)
-    names = None
+    names = timm_vit.label_names(metadata, fields['num_classes'])
   return Foreign({'params': params}, fields, image_size, names, _FAMILY[fmt])
 
 
@@ -202,11 +202,15 @@ def _hf_paths(dst: str) -> Tuple[str, str]:
 
 def output_paths(dst: str, to: str) -> List[str]:
   """The files :func:`write` writes for ``dst`` (to check for existing ones first)."""
-  return list(_hf_paths(dst)) if to == 'hf' else [dst]
+  if to != 'hf':
+    return [dst]
+  weights, config = _hf_paths(dst)
+  return [weights, config, os.path.join(os.path.dirname(config), hf_vit.PREPROCESSOR_FILE)]
 
 
 def write(dst: str, params: Mapping[str, Any], fields: Mapping[str, Any], *, to: str,
-          image_size: int, label_names: Optional[Sequence[str]] = None) -> str:
+          image_size: int, label_names: Optional[Sequence[str]] = None,
+          normalization: str = 'minus_one_to_one') -> str:
   """Writes a ViT's parameters as transformers (``to='hf'``) or timm (``to='timm'``) weights.
 
   Args:
@@ -217,7 +221,12 @@ def write(dst: str, params: Mapping[str, Any], fields: Mapping[str, Any], *, to:
     fields: the model's fields (``config.model`` of a run, plus ``num_classes``).
     to: 'hf' or 'timm'.
     image_size: the side of the square images it runs at (transformers' config; timm's call).
-    label_names: class names for transformers' ``id2label``.
+    label_names: class names: transformers' ``id2label``; timm: the file's metadata (read back
+      here; timm itself does not read them).
+    normalization: the pixel normalisation the model expects (``config.data.normalization``):
+      transformers' ``preprocessor_config.json`` and timm's pretrained config get its mean and
+      std, with the input size and a plain bilinear resize, so that their preprocessing
+      (``AutoImageProcessor``, ``resolve_model_data_config``) feeds what the model was trained on.
 
   Returns:
     How to load the result in the target library (one line of Python).
@@ -240,16 +249,21 @@ def write(dst: str, params: Mapping[str, Any], fields: Mapping[str, Any], *, to:
     weights, config_path = _hf_paths(dst)
     state, config = hf_vit.to_hf(params, fields, image_size=image_size, names=label_names)
     safetensors_file.write(weights, state)
-    with open(config_path, 'w') as f:
-      json.dump(config, f, indent=2)
     directory = os.path.dirname(weights) or '.'
+    for name, content in ((config_path, config),
+                          (os.path.join(directory, hf_vit.PREPROCESSOR_FILE),
+                           hf_vit.preprocessor_config(image_size, normalization))):
+      with open(name, 'w') as f:
+        json.dump(content, f, indent=2)
     cls = config['architectures'][0]
     return f'transformers.{cls}.from_pretrained({directory!r})'
   state = timm_vit.to_timm(params)
-  metadata = {timm_vit.METADATA_KEY: json.dumps(
-      {k: fields[k] for k in ('num_heads', 'gelu_approximate', 'layer_norm_epsilon',
-                              'classifier') if k in fields})}
-  call = timm_vit.create_model_call(fields, dst, image_size)
+  saved = {k: fields[k] for k in ('num_heads', 'gelu_approximate', 'layer_norm_epsilon',
+                                  'classifier') if k in fields}
+  if label_names:
+    saved['label_names'] = list(label_names)
+  metadata = {timm_vit.METADATA_KEY: json.dumps(saved)}
+  call = timm_vit.create_model_call(fields, dst, image_size, normalization)
   safetensors_file.write(dst, state, {**metadata, 'timm_create_model': call})
   return call
 

@@ -37,6 +37,7 @@ from vit_jax.checkpoint import torch_layout
 CONFIG_FILE = 'config.json'
 WEIGHTS_FILE = 'model.safetensors'
 INDEX_FILE = 'model.safetensors.index.json'
+PREPROCESSOR_FILE = 'preprocessor_config.json'
 
 #: ``hidden_act`` values -> ``gelu_approximate``.
 GELUS = {'gelu': False, 'gelu_pytorch_tanh': True, 'gelu_new': True, 'gelu_fast': True}
@@ -181,6 +182,22 @@ def fields_from(shapes: Mapping[str, Tuple[int, ...]], config: Mapping[str, Any]
   fields['image_size'] = int(size if not isinstance(size, (list, tuple)) else size[0]) if size \
       else None
   return fields
+
+
+def preprocessor_config(image_size: int, normalization: str) -> Dict[str, Any]:
+  """``preprocessor_config.json`` of a ``ViTImageProcessor`` feeding what this project's eval
+  pipeline feeds: a bilinear resize to the square size, pixels / 255, then the normalisation
+  ('minus_one_to_one': mean = std = 0.5, i.e. [-1, 1]; 'imagenet': the ImageNet mean/std)."""
+  imagenet = normalization == 'imagenet'
+  return {
+      'image_processor_type': 'ViTImageProcessor',
+      'do_resize': True, 'size': {'height': int(image_size), 'width': int(image_size)},
+      'resample': 2,  # PIL bilinear.
+      'do_rescale': True, 'rescale_factor': 1 / 255,
+      'do_normalize': True,
+      'image_mean': [0.485, 0.456, 0.406] if imagenet else [0.5, 0.5, 0.5],
+      'image_std': [0.229, 0.224, 0.225] if imagenet else [0.5, 0.5, 0.5],
+  }
 
 
 def from_hf(arrays: Mapping[str, np.ndarray], num_heads: int, path: str) -> Dict[str, Any]:

@@ -102,3 +102,6 @@ def write(path: str, arrays: Mapping[str, Any], metadata: Optional[Mapping[str, 
     return
   os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
   st_numpy.save_file(tensors, path, metadata=meta)
+  umask = os.umask(0)  # save_file creates the file 0600: the usual mode, as other writes get.
+  os.umask(umask)
+  os.chmod(path, 0o666 & ~umask)

@@ -104,8 +104,9 @@ def _check_names(canonical: Mapping[str, Any], path: str) -> None:
   for marker, what in REFUSED:
     hit = next((n for n in canonical if marker in n or n.startswith(marker)), None)
     if hit is not None:
-      raise ValueError(f'{path} is a timm ViT with {what} ({hit!r}), which this ViT has no '
-                       'equivalent for; its weights cannot be read.')
+      raise ValueError(f'{path} is a timm ViT with {what} (its tensor {hit!r}). This ViT has no '
+                       'equivalent, so these weights cannot be read; take a timm model without '
+                       'it.')
   unknown = sorted(n for n in canonical if not _CANONICAL.match(n))
   if unknown:
     shown = ', '.join(unknown[:5]) + (f' (+{len(unknown) - 5} more)' if len(unknown) > 5 else '')
@@ -170,6 +171,16 @@ def fields_from(shapes: Mapping[str, Tuple[int, ...]], metadata: Mapping[str, st
   return fields
 
 
+def label_names(metadata: Mapping[str, str], num_classes: Optional[int]
+                ) -> Optional[Tuple[str, ...]]:
+  """The class names this project wrote into a file's metadata (None otherwise)."""
+  try:
+    names = json.loads(metadata.get(METADATA_KEY, '{}')).get('label_names')
+  except ValueError:
+    return None
+  return tuple(str(n) for n in names) if names and len(names) == num_classes else None
+
+
 def from_timm(arrays: Mapping[str, np.ndarray], num_heads: int, path: str) -> Dict[str, Any]:
   """This project's params tree (per-layer) from a timm ViT state dict (exact)."""
   return torch_layout.to_params(canonical_arrays(arrays, path), num_heads)
@@ -194,12 +205,24 @@ def to_timm(params: Mapping[str, Any]) -> Dict[str, np.ndarray]:
   return out
 
 
-def create_model_call(fields: Mapping[str, Any], file: str, image_size: int) -> str:
-  """The ``timm.create_model(...)`` call that loads a file written by :func:`to_timm`."""
+def create_model_call(fields: Mapping[str, Any], file: str, image_size: int,
+                      normalization: str = 'minus_one_to_one') -> str:
+  """The ``timm.create_model(...)`` call that loads a file written by :func:`to_timm`.
+
+  timm's model name only picks the class (``VisionTransformer``) and a default config; the
+  keywords give the architecture, and the overlay the file, the class count and the evaluation
+  preprocessing (input size, a plain resize, the normalisation) that timm's
+  ``resolve_model_data_config`` returns.
+  """
   patch = fields['patch_size']
-  args = [f"'vit_base_patch16_224'", 'pretrained=True',
-          f'pretrained_cfg_overlay=dict(file={file!r}, num_classes={fields["num_classes"] or 0})',
-          f'img_size={int(image_size)}', f'patch_size={patch if isinstance(patch, int) else tuple(patch)}',
+  mean = (0.485, 0.456, 0.406) if normalization == 'imagenet' else (0.5, 0.5, 0.5)
+  std = (0.229, 0.224, 0.225) if normalization == 'imagenet' else (0.5, 0.5, 0.5)
+  size = int(image_size)
+  overlay = (f'dict(file={file!r}, num_classes={fields["num_classes"] or 0}, '
+             f'input_size=(3, {size}, {size}), crop_pct=1.0, interpolation=\'bilinear\', '
+             f'mean={mean}, std={std})')
+  args = ["'vit_base_patch16_224'", 'pretrained=True', f'pretrained_cfg_overlay={overlay}',
+          f'img_size={size}', f'patch_size={patch if isinstance(patch, int) else tuple(patch)}',
           f'embed_dim={fields["hidden_size"]}', f'depth={fields["num_layers"]}',
           f'num_heads={fields["num_heads"]}',
           f'mlp_ratio={fields["mlp_dim"] / fields["hidden_size"]!r}',

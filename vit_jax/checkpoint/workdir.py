@@ -540,7 +540,8 @@ def find_state_item(path: Any) -> str:
     raise paths.not_found(path, 'No finalized Orbax checkpoint step')
   raise ValueError(f'Unrecognised checkpoint directory {path!r}: a directory is read as an Orbax '
                    f'checkpoint, {ORBAX_PATHS}, or a variables checkpoint written by '
-                   'python -m vit_jax.convert.')
+                   'python -m vit_jax.convert, or as a Hugging Face transformers ViT when it '
+                   'holds config.json and model.safetensors.')
 
 
 def load_orbax(path: Any, *, use_ema: bool = True) -> Dict[str, Any]:

@@ -350,16 +350,18 @@ def _numerics_from_init(config: ml_collections.ConfigDict, path: str) -> None:
                         else "sincos2d",
               "classifier": "map" if any(k.startswith(("MAPHead_0/", "probe")) for k in names)
                             else "token" if "cls" in names else "gap"}
-    family = "an .npz"
+    family = ("a big_vision .npz" if fields["posemb"] == "sincos2d" or "pos_embedding" in names
+              or fields["classifier"] == "map" else "an official .npz")
   else:
     return
-  changed = {k: v for k, v in fields.items()
+  changed = {k: (config.model[k], v) for k, v in fields.items()
              if k in ecosystem.NUMERICS and k in config.model and config.model[k] != v}
-  for key, value in changed.items():
+  for key, (_, value) in changed.items():
     config.model[key] = value
-  if changed:
+  if changed:  # The weights win over the config (a flag included): they computed with these.
     logging.info("init_from %s is %s: %s set from the weights.", path, family,
-                 ", ".join(f"model.{k}={v!r}" for k, v in changed.items()))
+                 ", ".join(f"model.{k}={new!r} (was {old!r})"
+                           for k, (old, new) in changed.items()))
 
 
 def attention_choice(config: ml_collections.ConfigDict, requested: str,

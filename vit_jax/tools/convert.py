@@ -135,7 +135,8 @@ def export(src: str, dst: str, to: str, *, model_name: Optional[str] = None,
                      'and transformers.')
   return ecosystem.write(dst, trained.variables['params'], fields, to=to,
                          image_size=int(trained.config.data.image_size),
-                         label_names=trained.label_names)
+                         label_names=trained.label_names,
+                         normalization=trained.config.data.normalization)
 
 
 def written_arrays(variables: Dict[str, Any], dst: str) -> Dict[str, Dict[str, Tuple]]:
@@ -229,8 +230,9 @@ def _export(args: argparse.Namespace, overrides: Dict[str, Any]) -> int:
   outputs = ecosystem.output_paths(args.dst, args.to)
   existing = [p for p in outputs if os.path.exists(p)]
   if existing and not args.overwrite:
-    raise FileExistsError(f'{", ".join(existing)} exist(s); choose a new destination or pass '
-                          '--overwrite.')
+    raise FileExistsError(f'{", ".join(existing)} already exist'
+                          f'{"s" if len(existing) == 1 else ""}; choose a new destination or '
+                          'pass --overwrite.')
   load = export(args.src, args.dst, args.to, model_name=args.model, use_ema=not args.no_ema,
                 overrides=overrides)
   library = 'timm' if args.to == 'timm' else 'transformers'

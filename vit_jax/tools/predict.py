@@ -3,10 +3,12 @@
   python -m vit_jax.predict /tmp/vit_fmnist photo.png more_images/ [--top-k 5] [--json]
   python -m vit_jax.predict ViT-B_16.npz cat.jpg                   # ImageNet-21k names
   python -m vit_jax.predict 81.5_T2T_ViT_14.pth.tar cat.jpg --model T2T-ViT-14
+  python -m vit_jax.predict vit-base-patch16-224 cat.jpg         # a transformers directory
 
 SOURCE is anything `vit_jax.inference.load` reads: a training workdir (its latest step, or
 ``--step``; the parameter EMA when the run kept one, ``--no-ema`` for the trained weights), an
-official ViT ``.npz`` or a T2T-ViT ``.pth.tar`` (with ``--model``). Each image is preprocessed
+official or big_vision ViT ``.npz``, a transformers ViT directory, a timm ``.safetensors``
+(``--set num_heads=N`` for a non-standard width) or a T2T-ViT ``.pth.tar`` (with ``--model``). Each image is preprocessed
 as the model's eval pipeline does it (`vit_jax.data.files.eval_input`: the config's image size,
 resize or resize-and-central-crop, value range or mean/std) and scored with a softmax, or with
 independent sigmoids for a model trained with a sigmoid loss (e.g. the ImageNet-21k ones: then
