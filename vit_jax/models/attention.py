@@ -32,12 +32,23 @@ Cross-attention (queries from one sequence, keys and values from another: the mu
 pooling of big_vision's ``MAPHead``, whose learned probe attends to the encoder's tokens) is
 :func:`cross_attention`, reached through :class:`MultiHeadDotProductAttention` with ``inputs_kv``;
 it has the XLA path only (the fused kernels are self-attention kernels) and the same parameters.
+
+Intermediates: when the caller makes Flax's ``'intermediates'`` collection mutable
+(``model.apply(..., mutable=['intermediates'])`` or ``capture_intermediates=True``),
+:class:`MultiHeadDotProductAttention` (and T2T-ViT's attention modules) sow their attention
+weights, ``softmax(q k^T / sqrt(Dh))`` before dropout, float32 ``[B, heads, Nq, Nk]`` with rows
+summing to 1, as :data:`ATTENTION_WEIGHTS` (``self.sow``, so a 1-tuple). Then the XLA path runs
+whatever the ``attention`` field says (the fused CPU kernel and cuDNN do not return the
+weights; the XLA path computes the same attention up to rounding). The choice is made at trace
+time (:func:`capturing`): without the mutable collection nothing more is computed or stored,
+the traced program is the one without the feature. :mod:`vit_jax.models.intermediates` reads
+the sown values back.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any, Optional, Sequence, Tuple
+from typing import Any, Callable, Optional, Sequence, Tuple
 
 import flax.linen as nn
 import jax
@@ -52,10 +63,38 @@ Dtype = Any
 #: Values of the models' ``attention`` field (see the module docstring).
 IMPLEMENTATIONS = ('xla', 'cudnn', 'cpu_kernel')
 
+#: The Flax collection the models sow what they compute into (see the module docstring).
+INTERMEDIATES = 'intermediates'
+#: Name of the sown attention weights, float32 ``[B, heads, Nq, Nk]``, in every attention module.
+ATTENTION_WEIGHTS = 'attention_weights'
+#: Name of the sown output ``[B, N, D]`` (compute dtype) of every encoder / backbone block.
+TOKENS = 'tokens'
+
+#: Receives the float32 attention weights ``[B, heads, Nq, Nk]`` (before dropout).
+WeightsFn = Callable[[Array], Any]
+
+
+def sow_weights(module: nn.Module) -> WeightsFn:
+  """The function that sows its argument (float32 weights) as ``module``'s
+  :data:`ATTENTION_WEIGHTS` in :data:`INTERMEDIATES` (``module.sow``: a no-op when not mutable).
+  """
+  return lambda weights: module.sow(INTERMEDIATES, ATTENTION_WEIGHTS, weights)
+
+
+def capturing(module: nn.Module) -> bool:
+  """Whether ``module`` runs with :data:`INTERMEDIATES` mutable, i.e. should sow what it computes.
+
+  A Python bool at trace time (False during ``init`` and a plain ``apply``; True with
+  ``mutable=['intermediates']`` or ``capture_intermediates=True``). Raises ValueError for an
+  unbound module (flax).
+  """
+  return module.is_mutable_collection(INTERMEDIATES)
+
 
 def dot_product_attention(query: Array, key: Array, value: Array, *,
                           logits_scale: Optional[float] = None, dropout_rate: float = 0.0,
-                          dropout_rng: Optional[Array] = None) -> Array:
+                          dropout_rng: Optional[Array] = None,
+                          weights_fn: Optional[WeightsFn] = None) -> Array:
   """Softmax attention over the last two axes in the ``[B, heads, N, D/heads]`` layout.
 
   ``softmax(q k^T * logits_scale) v``, the softmax computed in float32 and cast back to the
@@ -68,6 +107,8 @@ def dot_product_attention(query: Array, key: Array, value: Array, *,
     dropout_rate: dropout on the attention weights, not broadcast over any axis (each weight is
       kept with probability ``1 - rate`` and scaled by ``1 / (1 - rate)``, as flax).
     dropout_rng: PRNG key, required when ``dropout_rate > 0``; None disables dropout.
+    weights_fn: called (at trace time) with the float32 softmax weights ``[B, heads, Nq, Nk]``
+      before dropout, e.g. to sow them; None: nothing more is done.
 
   Returns:
     ``[B, heads, Nq, Dh]`` in the input dtype.
@@ -75,7 +116,10 @@ def dot_product_attention(query: Array, key: Array, value: Array, *,
   logits = jnp.einsum('bhqd,bhkd->bhqk', query, key).astype(jnp.float32)
   if logits_scale is not None:
     logits = logits * logits_scale
-  weights = jax.nn.softmax(logits, axis=-1).astype(value.dtype)
+  weights = jax.nn.softmax(logits, axis=-1)
+  if weights_fn is not None:
+    weights_fn(weights)
+  weights = weights.astype(value.dtype)
   if dropout_rate > 0.0 and dropout_rng is not None:
     keep_prob = 1.0 - dropout_rate
     keep = jax.random.bernoulli(dropout_rng, keep_prob, weights.shape)
@@ -128,8 +172,8 @@ def check_implementation(implementation: Any) -> None:
 
 def self_attention(x: Array, projections: Sequence[Tuple[Array, Optional[Array]]], *,
                    implementation: str, logits_scale: float, scale_query: bool = False,
-                   dropout_rate: float = 0.0, dropout_rng: Optional[Array] = None
-                   ) -> Tuple[Array, str]:
+                   dropout_rate: float = 0.0, dropout_rng: Optional[Array] = None,
+                   weights_fn: Optional[WeightsFn] = None) -> Tuple[Array, str]:
   """The attention core of both families, ``softmax(scale q k^T) v`` per head, by the
   implementation the model's ``attention`` field names.
 
@@ -143,6 +187,9 @@ def self_attention(x: Array, projections: Sequence[Tuple[Array, Optional[Array]]
       official ViT (flax) does, instead of to the float32 logits as T2T-ViT's reference does.
     dropout_rate: attention dropout on the weights (the 'xla' path only; 0 elsewhere).
     dropout_rng: its key; None disables dropout.
+    weights_fn: given, the 'xla' path runs whatever ``implementation`` is (the fused kernels
+      do not return the weights) and calls it with the float32 weights ``[B, heads, N, N]``
+      (:func:`dot_product_attention`).
 
   Returns:
     ``(y, layout)``: the per-head outputs and their layout, ``'bhnk'`` (``[B, heads, N, Dh]``)
@@ -155,6 +202,8 @@ def self_attention(x: Array, projections: Sequence[Tuple[Array, Optional[Array]]
   if dropout_rate > 0.0 and dropout_rng is not None and implementation != 'xla':
     raise ValueError(f"attention={implementation!r} has no attention dropout; use 'xla' for a "
                      'model with attention_dropout_rate > 0 in training.')
+  if weights_fn is not None:
+    implementation = 'xla'
   dtype = x.dtype
   if implementation == 'cpu_kernel':
     kernel = jnp.stack([k.astype(dtype) for k, _ in projections], axis=1)
@@ -174,12 +223,14 @@ def self_attention(x: Array, projections: Sequence[Tuple[Array, Optional[Array]]
     query = query / jnp.asarray(1.0 / logits_scale, dtype)
   return dot_product_attention(query, key, value,
                                logits_scale=None if scale_query else logits_scale,
-                               dropout_rate=dropout_rate, dropout_rng=dropout_rng), layout
+                               dropout_rate=dropout_rate, dropout_rng=dropout_rng,
+                               weights_fn=weights_fn), layout
 
 
 def cross_attention(x_q: Array, x_kv: Array, projections: Sequence[Tuple[Array, Array]], *,
                     logits_scale: float, dropout_rate: float = 0.0,
-                    dropout_rng: Optional[Array] = None) -> Array:
+                    dropout_rng: Optional[Array] = None,
+                    weights_fn: Optional[WeightsFn] = None) -> Array:
   """Multi-head attention of ``x_q``'s tokens over ``x_kv``'s, as flax's
   ``MultiHeadDotProductAttention(inputs_q, inputs_kv)`` computes it (XLA only).
 
@@ -191,7 +242,8 @@ def cross_attention(x_q: Array, x_kv: Array, projections: Sequence[Tuple[Array, 
     projections: ``(kernel [D, heads, Dh], bias [heads, Dh])`` of the query, key and value, in
       that order, cast to ``x_q``'s dtype.
     logits_scale: the factor of ``q . k`` (``Dh ** -0.5``).
-    dropout_rate, dropout_rng: attention dropout, as :func:`dot_product_attention`.
+    dropout_rate, dropout_rng, weights_fn: attention dropout and the weights' receiver
+      (``[B, heads, Nq, Nk]`` float32), as :func:`dot_product_attention`.
 
   Returns:
     ``[B, heads, Nq, Dh]`` (layout ``'bhnk'``) in ``x_q``'s dtype.
@@ -209,7 +261,7 @@ def cross_attention(x_q: Array, x_kv: Array, projections: Sequence[Tuple[Array, 
                        for x, (k, b) in zip((x_q, x_kv, x_kv), projections))
   query = query / jnp.asarray(1.0 / logits_scale, dtype)  # As flax: q / sqrt(Dh).
   return dot_product_attention(query, key, value, dropout_rate=dropout_rate,
-                               dropout_rng=dropout_rng)
+                               dropout_rng=dropout_rng, weights_fn=weights_fn)
 
 
 class MultiHeadDotProductAttention(nn.Module):
@@ -232,6 +284,9 @@ class MultiHeadDotProductAttention(nn.Module):
   With ``inputs_kv`` ``[B, Nk, D]`` the queries come from the input and the keys and values from
   ``inputs_kv`` (:func:`cross_attention`, the 'xla' path only; same parameters); the output is
   ``[B, N, D]``.
+  Sows :data:`ATTENTION_WEIGHTS`, float32 ``[B, heads, N, N]`` (``[B, heads, N, Nk]`` with
+  ``inputs_kv``), softmax before dropout, when :data:`INTERMEDIATES` is mutable; then the 'xla'
+  path runs whatever ``attention`` is (see the module docstring).
   Logical axes: kernels ``('embed', 'heads', 'kv')`` / ``('heads', 'kv', 'embed')``, biases
   ``('heads', 'kv')`` / ``('embed',)``. Raises ValueError if ``num_heads`` does not divide D,
   for ``inputs_kv`` with ``attention`` other than 'xla', or as :func:`self_attention` /
@@ -263,14 +318,15 @@ class MultiHeadDotProductAttention(nn.Module):
         for name in ('query', 'key', 'value')]
     rate = self.dropout_rate if dropout else 0.0
     rng = self.make_rng('dropout') if dropout else None
+    weights_fn = sow_weights(self) if capturing(self) else None
     if inputs_kv is None:
       y, layout = self_attention(
           x, projections, implementation=self.attention, logits_scale=1.0 / math.sqrt(head_dim),
-          scale_query=True, dropout_rate=rate, dropout_rng=rng)
+          scale_query=True, dropout_rate=rate, dropout_rng=rng, weights_fn=weights_fn)
     else:
       y, layout = cross_attention(x, inputs_kv.astype(self.dtype), projections,
                                   logits_scale=1.0 / math.sqrt(head_dim), dropout_rate=rate,
-                                  dropout_rng=rng), 'bhnk'
+                                  dropout_rng=rng, weights_fn=weights_fn), 'bhnk'
     kernel, bias = _Projection((heads, head_dim, width), ('heads', 'kv', 'embed'), (width,),
                                ('embed',), fan_in_axes=2, param_dtype=self.param_dtype,
                                name='out')()

@@ -80,7 +80,9 @@ def scanned(block_cls: type, length: int, *, in_axes: Any) -> type:
   """The block class run ``length`` times in a loop (``nn.scan``), its parameters stacked.
 
   The block's call must return ``(x, None)`` (carry, no output). Parameters get a leading axis
-  of size ``length`` with the logical axis name ``'layers'``; each copy gets its own
+  of size ``length`` with the logical axis name ``'layers'``, and so do the values the blocks
+  sow into ``'intermediates'`` when it is mutable (attention weights, tokens: layer ``i`` at
+  index ``i``; :mod:`vit_jax.models.intermediates`); each copy gets its own
   ``'params'`` and ``'dropout'`` rngs. ``in_axes`` says how the call's arguments after ``x`` are
   passed: ``nn.broadcast`` the same to every copy, 0 sliced along their leading axis.
   """

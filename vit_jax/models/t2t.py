@@ -63,6 +63,23 @@ Activations are constrained (``nn.with_logical_constraint``, a no-op without
 position table and at every block boundary, the backbone MLP hidden units to ``('batch',
 'length', 'mlp')`` (the T2T layers' MLP hidden to ``('batch', 'length', 'tokens')``).
 
+Intermediates: applied with ``mutable=['intermediates']`` (or ``capture_intermediates=True``)
+the model also returns, in ``state['intermediates']``, the attention weights (float32, rows
+summing to 1) of every backbone block and of both T2T layers, and every backbone block's
+output tokens::
+
+  blocks_{i}/attn/attention_weights         [B, heads, N + 1, N + 1]  (the 'xla' path runs)
+  blocks_{i}/tokens                         [B, N + 1, D]
+  tokens_to_token/attention{1,2}/attn/attention_weights   [B, 1, L, L]  (tokens_type 'transformer')
+  tokens_to_token/attention{1,2}/attention_weights        [B, 1, L, L]  (tokens_type 'performer')
+
+(backbone with ``scan=True``: ``blocks/...`` with a leading axis of size ``depth``). The
+backbone's tokens are the class token, then the :func:`token_grid` row-major; a T2T layer's
+``L`` tokens are its soft split's grid, row-major, no class token. The Performer's weights are
+the matrix its random features imply (:class:`TokenPerformer`), formed only when captured. Off
+(a plain ``apply``), nothing is computed or stored. :mod:`vit_jax.models.intermediates` reads
+them back in depth order whatever the layout.
+
 This module has no training dependencies (no optax, no TensorFlow).
 """
 
@@ -277,7 +294,8 @@ class TokenTransformerAttention(nn.Module):
   returns ``v + proj(y)`` (the residual comes from v, the input has another width). The scale uses
   the INPUT width (147**-0.5, then (9 token_dim)**-0.5), as the reference.
 
-  Input ``[B, L, in]``, output ``[B, L, token_dim]`` in ``dtype``.
+  Input ``[B, L, in]``, output ``[B, L, token_dim]`` in ``dtype``. With ``'intermediates'``
+  mutable it sows the softmax weights as ``attention_weights``, float32 ``[B, 1, L, L]``.
   """
 
   token_dim: int
@@ -291,7 +309,10 @@ class TokenTransformerAttention(nn.Module):
                  use_bias=False)(x)
     q, k, v = jnp.split(qkv, 3, axis=-1)
     logits = jnp.einsum('bqd,bkd->bqk', q * scale, k).astype(jnp.float32)
-    attn = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
+    attn = jax.nn.softmax(logits, axis=-1)
+    if attention_lib.capturing(self):  # One head: [B, 1, L, L] float32.
+      attention_lib.sow_weights(self)(attn[:, None])
+    attn = attn.astype(v.dtype)
     y = jnp.einsum('bqk,bkd->bqd', attn, v)
     y = _dense(self.token_dim, 'proj', self.dtype, self.param_dtype, _T2T_AXES)(y)
     return v + y
@@ -327,6 +348,13 @@ class TokenPerformer(nn.Module):
 
   ``w`` lives in the ``'constants'`` collection; at init it is drawn from the ``'params'`` rng.
   Input ``[B, L, in]``, output ``[B, L, token_dim]`` in ``dtype``.
+
+  With ``'intermediates'`` mutable it sows, as ``attention_weights`` (float32 ``[B, 1, L, L]``),
+  the attention its random features imply, which the linear attention never forms:
+  ``A[s, t] = phi(q_s) . phi(k_t) / (phi(q_s) . sum_u phi(k_u) + 1e-8)``, so that ``A v`` is
+  the layer's attention output; each row sums to ``S / (S + 1e-8)`` with ``S`` its
+  denominator, i.e. 1 up to rounding for any non-negligible ``S``. It is an approximation of
+  ``softmax(q k^T)`` (with ``m`` random features), not a softmax: entries are non-negative.
   """
 
   token_dim: int
@@ -349,6 +377,9 @@ class TokenPerformer(nn.Module):
     hi = jax.lax.Precision.HIGHEST
     v32 = v.astype(jnp.float32)
     denom = jnp.einsum('btm,bm->bt', qp, jnp.sum(kp, axis=1), precision=hi)[..., None]
+    if attention_lib.capturing(self):  # The implied [B, 1, L, L] matrix, formed only now.
+      implied = jnp.einsum('bqm,bkm->bqk', qp, kp, precision=hi) / (denom + PERFORMER_EPSILON)
+      attention_lib.sow_weights(self)(implied[:, None])
     kptv = jnp.einsum('btd,btm->bdm', v32, kp, precision=hi)
     y = jnp.einsum('btm,bdm->btd', qp, kptv, precision=hi) / (denom + PERFORMER_EPSILON)
     y = _dense(self.token_dim, 'proj', self.dtype, self.param_dtype,
@@ -372,7 +403,7 @@ class TokensToToken(nn.Module):
 
   Input ``[B, H, W, C]`` images; output ``[B, h * w, D]`` in ``dtype`` with ``(h, w)`` =
   :func:`token_grid` ``(H, W)``. Sows the unfold outputs ``soft_split{0,1,2}`` ``[B, L, C*k*k]``
-  in ``'intermediates'``.
+  in ``'intermediates'`` (and, when that is mutable, ``attention{1,2}`` their attention weights).
   """
 
   tokens_type: str
@@ -418,7 +449,9 @@ class Attention(nn.Module):
   ``reshape(B, N, 3, heads, head_dim)`` of its output, and runs through the same
   function as ViT's attention
   (:func:`vit_jax.models.attention.self_attention`, implementation ``attention``).
-  Input / output ``[B, N, D]`` in ``dtype``.
+  Input / output ``[B, N, D]`` in ``dtype``. With ``'intermediates'`` mutable it sows
+  ``attention_weights``, float32 ``[B, heads, N, N]``, and runs the 'xla' path whatever
+  ``attention`` is.
   """
 
   num_heads: int
@@ -435,8 +468,10 @@ class Attention(nn.Module):
     kernel = _QkvKernel(3 * d, self.param_dtype, name='qkv')(d)
     kernel = kernel.reshape(d, 3, self.num_heads, head_dim)
     projections = [(kernel[:, i], None) for i in range(3)]
+    weights_fn = attention_lib.sow_weights(self) if attention_lib.capturing(self) else None
     y, layout_ = attention_lib.self_attention(x.astype(self.dtype), projections,
-                                          implementation=self.attention, logits_scale=scale)
+                                          implementation=self.attention, logits_scale=scale,
+                                          weights_fn=weights_fn)
     if layout_ == 'bhnk':
       y = y.transpose(0, 2, 1, 3)
     y = y.reshape(b, n, d)
@@ -452,7 +487,8 @@ class Block(nn.Module):
   ``deterministic`` (a Python bool, positional so that ``nn.remat`` can make it static) disables
   drop path. ``drop_path_rate``, a scalar array, replaces the ``drop_path`` attribute (how
   ``nn.scan`` gives each stacked block its own rate); with ``scanned=True`` the call returns
-  ``(x, None)``, the carry/output pair ``nn.scan`` needs.
+  ``(x, None)``, the carry/output pair ``nn.scan`` needs. With ``'intermediates'`` mutable it
+  sows its output as ``tokens`` (and ``attn`` its weights).
   """
 
   num_heads: int
@@ -477,6 +513,7 @@ class Block(nn.Module):
     y = _layer_norm('norm2', self.dtype, self.param_dtype)(x)
     y = Mlp(int(d * self.mlp_ratio), d, self.dtype, self.param_dtype, name='mlp')(y)
     x = _constrain(x + drop(y), _TOKENS_AXES)
+    self.sow(attention_lib.INTERMEDIATES, attention_lib.TOKENS, x)  # A no-op unless mutable.
     return (x, None) if self.scanned else x
 
 
@@ -513,7 +550,8 @@ class T2TViT(nn.Module):
     train: enables drop path; then ``rngs={'dropout': key}`` is required if the rate is > 0.
     Returns ``[B, num_classes]`` float32 logits (``[B, D]`` features if ``num_classes is None``).
     Sows ``pos_drop`` (tokens after the class token and the position table) and the
-    ``tokens_to_token/soft_split{0,1,2}`` unfold outputs in ``'intermediates'``.
+    ``tokens_to_token/soft_split{0,1,2}`` unfold outputs in ``'intermediates'``, and, there too,
+    every attention's weights and every backbone block's output (see the module docstring).
 
   Raises:
     ValueError: at construction for invalid fields (see :func:`validate_config`); at apply time

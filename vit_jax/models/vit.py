@@ -75,6 +75,21 @@ are constrained with ``nn.with_logical_constraint``: the tokens to ``('batch', '
 'length', 'mlp')``, the ResNet feature maps to ``('batch', None, None, 'conv_out')``. Without
 ``nn.logical_axis_rules`` (and a mesh) these constraints do nothing.
 
+Intermediates: applied with ``mutable=['intermediates']`` (or ``capture_intermediates=True``)
+the model also returns, in ``state['intermediates']``, each block's attention weights (float32
+``[B, heads, N, N]``, rows summing to 1; the 'xla' attention path runs whatever ``attention``
+is) and output tokens ``[B, N, D]``, and the 'map' head's ``[B, heads, 1, N]``::
+
+  Transformer/encoderblock_{i}/MultiHeadDotProductAttention_0/attention_weights
+  Transformer/encoderblock_{i}/tokens
+  MAPHead_0/MultiHeadDotProductAttention_0/attention_weights      (classifier 'map')
+
+(with ``scan=True`` under ``Transformer/encoderblock`` with a leading axis of size
+``num_layers``). Token order: the class token first with ``classifier='token'``, then the patch
+tokens row-major; no class token with 'gap' and 'map'. Off (a plain ``apply``), nothing is
+computed or stored. :mod:`vit_jax.models.intermediates` reads them back in depth order
+(``attention_maps``, ``tokens``, ``capture``) whatever the layout.
+
 This module has no training dependencies (no optax, no TensorFlow).
 """
 
@@ -315,7 +330,9 @@ class EncoderBlock(nn.Module):
     layer_norm_epsilon: the epsilon of both LayerNorms.
 
   Input ``[B, N, D]``, output ``[B, N, D]`` in ``dtype``. ``deterministic`` (a Python bool,
-  positional so that ``nn.remat`` can make it static) disables dropout.
+  positional so that ``nn.remat`` can make it static) disables dropout. With ``'intermediates'``
+  mutable it sows its output as ``tokens`` and its attention's weights as
+  ``MultiHeadDotProductAttention_0/attention_weights`` (:mod:`vit_jax.models.intermediates`).
   """
 
   mlp_dim: int
@@ -350,6 +367,7 @@ class EncoderBlock(nn.Module):
                  param_dtype=self.param_dtype,
                  gelu_approximate=self.gelu_approximate)(y, deterministic=deterministic)
     out = execution.constrain(x + y, TOKENS_AXES)
+    self.sow(attention_lib.INTERMEDIATES, attention_lib.TOKENS, out)  # A no-op unless mutable.
     return (out, None) if self.scanned else out
 
 
@@ -510,7 +528,8 @@ class VisionTransformer(nn.Module):
       ignored without ``resnet_num_layers``.
     attention: how attention runs, one of :data:`vit_jax.models.attention.IMPLEMENTATIONS`
       ('xla' by default; the training config chooses from the target devices). The 'map' head's
-      cross-attention always runs the 'xla' path.
+      cross-attention always runs the 'xla' path, and so does every attention while the
+      intermediates are captured (``mutable=['intermediates']``).
     gelu_approximate: the GELU of every MLP (encoder blocks and the 'map' head): True (default)
       the tanh approximation (official JAX ViT, big_vision, flax's ``nn.gelu``), False the exact
       erf GELU (timm, transformers ``hidden_act='gelu'``).
@@ -527,6 +546,8 @@ class VisionTransformer(nn.Module):
     train: enables dropout; then ``rngs={'dropout': key}`` is required if any rate is > 0.
     Returns ``[B, num_classes]`` float32 logits (``[B, representation_size or D]`` features if
     ``num_classes is None``), whatever ``dtype`` is.
+    With ``mutable=['intermediates']`` it returns ``(logits, state)``, ``state['intermediates']``
+    holding the attention weights and block outputs (see the module docstring).
 
   Raises:
     ValueError: at construction for an unknown ``classifier`` or ``posemb``, a non-positive size,

@@ -1,0 +1,398 @@
+"""The analysis figures (the ViT paper's Fig. 6, 7 and 14) as PNG files or uint8 RGB arrays.
+
+Drawn with matplotlib's object-oriented API on the Agg canvas: every function makes its own
+``matplotlib.figure.Figure`` (no pyplot, no global state shared between calls, no display).
+Each ``*_figure`` function returns the Figure; the function of the same name without the suffix
+writes it as a PNG and returns the path; :func:`to_rgb` renders any of them to a ``[H, W, 3]``
+uint8 array (e.g. for TensorBoard images). Sizes are fixed by the arguments (no tight bounding
+box), so a figure's pixel size is its size in inches (given per function) times ``dpi``.
+
+Images to draw on are ``[B, H, W, C]`` (or ``[B, H, W]``), ``C`` 1 or 3: uint8 shown as is,
+float images scaled per image from their minimum to their maximum (so both [0, 1] and
+normalised [-1, 1] inputs display); grayscale is shown gray.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Any, Optional, Sequence
+
+from matplotlib import colormaps
+from matplotlib import figure as mpl_figure
+from matplotlib.backends import backend_agg
+import numpy as np
+
+from vit_jax.analysis import _checks
+from vit_jax.analysis import attention_maps
+
+#: Resolution of the figures (pixels per inch).
+DPI = 100
+#: Side of one image panel, inches.
+PANEL = 2.0
+#: Height of the band for the figure title, inches.
+TITLE_BAND = 0.5
+#: Styles of :func:`overlay`: a colour map blended over the image, or the image multiplied by
+#: the map (the ViT paper's Fig. 6 / 14).
+OVERLAY_STYLES = ('heatmap', 'mask')
+
+
+def _new_figure(width: float, height: float, dpi: int) -> mpl_figure.Figure:
+  fig = mpl_figure.Figure(figsize=(width, height), dpi=dpi)
+  backend_agg.FigureCanvasAgg(fig)
+  return fig
+
+
+def write_png(fig: mpl_figure.Figure, path: str) -> str:
+  """Writes ``fig`` to ``path`` as a PNG (its parent folders created); returns ``path``."""
+  parent = os.path.dirname(os.path.abspath(path))
+  os.makedirs(parent, exist_ok=True)
+  fig.savefig(path, format='png', dpi=fig.dpi)
+  return path
+
+
+def to_rgb(fig: mpl_figure.Figure) -> np.ndarray:
+  """``fig`` rendered on its Agg canvas: ``[H, W, 3]`` uint8, ``H, W`` = size in inches x dpi."""
+  canvas = fig.canvas
+  if not isinstance(canvas, backend_agg.FigureCanvasAgg):
+    canvas = backend_agg.FigureCanvasAgg(fig)
+  canvas.draw()
+  return np.array(canvas.buffer_rgba())[..., :3]
+
+
+def display_images(images: Any) -> np.ndarray:
+  """``[B, H, W]`` / ``[B, H, W, 1 or 3]`` (uint8 or float) -> ``[B, H, W, 3]`` float in [0, 1].
+
+  uint8 is divided by 255; a float image is scaled from its minimum to its maximum (a constant
+  image becomes 0.5). Grayscale is repeated into three channels.
+  """
+  images = np.asarray(images)
+  if images.ndim == 3:
+    images = images[..., None]
+  if images.ndim != 4 or images.shape[-1] not in (1, 3):
+    raise ValueError(f'images must have shape [B, H, W] or [B, H, W, C] with C 1 (grayscale) or '
+                     f'3 (RGB), got {images.shape}')
+  if images.dtype == np.uint8:
+    out = images.astype(np.float32) / 255.0
+  else:
+    out = images.astype(np.float32)
+    _checks.finite(out, 'images')
+    low = out.min(axis=(1, 2, 3), keepdims=True)
+    span = out.max(axis=(1, 2, 3), keepdims=True) - low
+    out = np.where(span > 0, (out - low) / np.where(span > 0, span, 1.0), 0.5)
+  return np.repeat(out, 3, axis=-1) if out.shape[-1] == 1 else out
+
+
+def overlay(images: Any, maps: Any, *, alpha: float = 0.5, cmap: str = 'jet',
+            style: str = 'heatmap') -> np.ndarray:
+  """Token maps upsampled to the images and laid over them.
+
+  Args:
+    images: ``[B, H, W(, C)]`` (see :func:`display_images`).
+    maps: ``[B, gh, gw]`` in [0, 1] (e.g. :func:`vit_jax.analysis.class_token_map`), upsampled
+      bilinearly to ``H x W`` (:func:`vit_jax.analysis.upsample`; the grid is stretched over the
+      whole image).
+    alpha: the weight of the colour map in 'heatmap' style, in [0, 1].
+    cmap: a matplotlib colour map name.
+    style: 'heatmap' (``(1 - alpha) image + alpha cmap(map)``) or 'mask' (``image * map``).
+
+  Returns:
+    ``[B, H, W, 3]`` float32 in [0, 1].
+  """
+  if style not in OVERLAY_STYLES:
+    raise ValueError(f'style must be one of {OVERLAY_STYLES}, got {style!r}')
+  if not 0.0 <= alpha <= 1.0:
+    raise ValueError(f'alpha must be in [0, 1], got {alpha!r}')
+  shown = display_images(images)
+  maps = np.asarray(maps, dtype=np.float32)
+  if maps.ndim != 3 or maps.shape[0] != shown.shape[0]:
+    raise ValueError(f'maps must have shape [B, gh, gw] with B = {shown.shape[0]} images, got '
+                     f'{maps.shape}')
+  _checks.finite(maps, 'maps')
+  big = np.clip(attention_maps.upsample(maps, shown.shape[1:3]), 0.0, 1.0)
+  if style == 'mask':
+    return shown * big[..., None]
+  colours = colormaps[cmap](big)[..., :3].astype(np.float32)
+  return (1.0 - alpha) * shown + alpha * colours
+
+
+def _panel(ax, picture: np.ndarray, title: Optional[str], **kwargs) -> None:
+  ax.imshow(picture, interpolation='nearest', **kwargs)
+  ax.set_axis_off()
+  if title:
+    ax.set_title(title, fontsize=8)
+
+
+def _grid_axes(fig, rows: int, cols: int, top: float):
+  axes = np.atleast_2d(fig.subplots(rows, cols, squeeze=False))
+  fig.subplots_adjust(left=0.01, right=0.99, bottom=0.01, top=top, wspace=0.05, hspace=0.15)
+  return axes.ravel()
+
+
+def rollout_overlay_figure(images: Any, maps: Any, *, labels: Optional[Sequence[str]] = None,
+                           columns: int = 4, title: str = 'Attention rollout',
+                           alpha: float = 0.5, cmap: str = 'jet', style: str = 'heatmap',
+                           dpi: int = DPI) -> mpl_figure.Figure:
+  """Each image beside its rollout map overlaid on it (ViT paper Fig. 6 / 14).
+
+  Args:
+    images: ``[B, H, W(, C)]`` the model's inputs (see the module docstring).
+    maps: ``[B, gh, gw]`` in [0, 1], e.g. :func:`vit_jax.analysis.class_token_map` of the
+      rollout.
+    labels: optional ``B`` captions (e.g. the predicted class), shown over the overlays.
+    columns: images per row (each takes two panels: the input and the overlay).
+    title, alpha, cmap, style: the figure's title and :func:`overlay`'s options.
+    dpi: pixels per inch.
+
+  Returns:
+    The Figure: ``2 * PANEL * c`` by ``PANEL * r + TITLE_BAND`` inches, ``c = min(B,
+    columns)`` images per row, ``r = ceil(B / c)`` rows (at the default dpi, ``400 c`` by
+    ``200 r + 50`` pixels).
+  """
+  blended = overlay(images, maps, alpha=alpha, cmap=cmap, style=style)
+  shown = display_images(images)
+  count = shown.shape[0]
+  if labels is not None and len(labels) != count:
+    raise ValueError(f'labels has {len(labels)} entries for {count} images')
+  cols = max(1, min(count, int(columns)))
+  rows = math.ceil(count / cols)
+  height = PANEL * rows + TITLE_BAND
+  fig = _new_figure(2 * PANEL * cols, height, dpi)
+  axes = _grid_axes(fig, rows, 2 * cols, 1.0 - TITLE_BAND / height)
+  for ax in axes:
+    ax.set_axis_off()
+  for i in range(count):
+    _panel(axes[2 * i], shown[i], 'input')
+    _panel(axes[2 * i + 1], blended[i], labels[i] if labels is not None else 'rollout')
+  fig.suptitle(title, fontsize=10)
+  return fig
+
+
+def layer_attention_figure(image: Any, maps: Any, *, rollout_map: Any = None, columns: int = 7,
+                           title: str = "Class token's attention per layer",
+                           alpha: float = 0.5, cmap: str = 'jet',
+                           dpi: int = DPI) -> mpl_figure.Figure:
+  """One image and its per-layer attention maps (then, if given, the rollout), overlaid.
+
+  Args:
+    image: ``[H, W(, C)]`` one input image.
+    maps: ``[L, gh, gw]`` in [0, 1]: one image's maps from
+      :func:`vit_jax.analysis.layer_class_token_maps` (``[:, b]``).
+    rollout_map: optional ``[gh, gw]`` rollout map shown last.
+    columns: panels per row.
+    title, alpha, cmap: as :func:`rollout_overlay_figure`.
+    dpi: pixels per inch.
+
+  Returns:
+    The Figure: ``PANEL * c`` by ``PANEL * r + TITLE_BAND`` inches for ``p = 1 + L (+ 1)``
+    panels, ``c = min(p, columns)``, ``r = ceil(p / c)``.
+  """
+  maps = np.asarray(maps, dtype=np.float32)
+  if maps.ndim != 3:
+    raise ValueError(f'maps must have shape [layers, gh, gw] (one image), got {maps.shape}')
+  stack, names = list(maps), [f'layer {i + 1}' for i in range(maps.shape[0])]
+  if rollout_map is not None:
+    stack.append(np.asarray(rollout_map, dtype=np.float32))
+    names.append('rollout')
+    if stack[-1].shape != maps.shape[1:]:
+      raise ValueError(f'rollout_map has shape {stack[-1].shape}, the maps {maps.shape[1:]}')
+  image = np.asarray(image)
+  blended = overlay(np.repeat(image[None], len(stack), axis=0), np.stack(stack), alpha=alpha,
+                    cmap=cmap)
+  panels = 1 + len(stack)
+  cols = max(1, min(panels, int(columns)))
+  rows = math.ceil(panels / cols)
+  height = PANEL * rows + TITLE_BAND
+  fig = _new_figure(PANEL * cols, height, dpi)
+  axes = _grid_axes(fig, rows, cols, 1.0 - TITLE_BAND / height)
+  for ax in axes:
+    ax.set_axis_off()
+  _panel(axes[0], display_images(image[None])[0], 'input')
+  for ax, picture, name in zip(axes[1:], blended, names):
+    _panel(ax, picture, name)
+  fig.suptitle(title, fontsize=10)
+  return fig
+
+
+def attention_distance_figure(distances: Any, *, image_size: Any, patch_size: Any = None,
+                              title: Optional[str] = None, dpi: int = DPI) -> mpl_figure.Figure:
+  """Mean attention distance of every head against depth (ViT paper Fig. 7 right).
+
+  One dot per head and layer: ``x`` the layer (1 = lowest), ``y`` the distance in pixels; one
+  colour per head (legend, right of the plot, for up to 16 heads).
+
+  Args:
+    distances: ``[L, heads]`` pixels, :func:`vit_jax.analysis.mean_attention_distances`.
+    image_size: the input size in pixels, ``(H, W)`` or one int, named in the title.
+    patch_size: optional pixel stride of the token grid, named in the title.
+    title: replaces the default title.
+    dpi: pixels per inch.
+
+  Returns:
+    The Figure, 7 x 4.5 inches (700 x 450 pixels at the default dpi).
+  """
+  distances = np.asarray(distances, dtype=np.float64)
+  if distances.ndim != 2 or not distances.size:
+    raise ValueError(f'distances must have shape [layers, heads], got {distances.shape}')
+  _checks.finite(distances, 'distances')
+  height, width = _checks.pair(image_size, 'image_size')
+  if title is None:
+    title = f'Mean attention distance, {height}x{width} px images'
+    if patch_size is not None:
+      ph, pw = _checks.pair(patch_size, 'patch_size')
+      title += f', {ph}x{pw} px patches'
+  layers, heads = distances.shape
+  fig = _new_figure(7.0, 4.5, dpi)
+  ax = fig.add_subplot()
+  palette = colormaps['tab10' if heads <= 10 else 'tab20' if heads <= 20 else 'viridis']
+  depth = np.arange(1, layers + 1)
+  for h in range(heads):
+    colour = palette(h if heads <= 20 else h / max(1, heads - 1))
+    ax.scatter(depth, distances[:, h], s=14, color=colour, label=f'head {h + 1}')
+  ax.set_xlabel('network depth (layer)')
+  ax.set_ylabel('mean attention distance (pixels)')
+  ax.set_xlim(0.5, layers + 0.5)
+  ax.set_ylim(0.0, max(1.0, float(distances.max()) * 1.1))
+  ax.set_xticks(depth if layers <= 24 else depth[::max(1, layers // 12)])
+  ax.set_title(title, fontsize=10)
+  ax.grid(alpha=0.3)
+  if heads <= 16:
+    ax.legend(fontsize=7, loc='upper left', bbox_to_anchor=(1.01, 1.0), markerscale=0.8)
+  fig.subplots_adjust(left=0.1, right=0.84, bottom=0.12, top=0.9)
+  return fig
+
+
+def _mosaic(tiles: np.ndarray, rows: int, cols: int, gap: int, fill: float) -> np.ndarray:
+  """``[n, h, w(, C)]`` tiles into a ``rows x cols`` mosaic with ``gap``-pixel separators."""
+  n, h, w = tiles.shape[:3]
+  extra = tiles.shape[3:]
+  out = np.full((rows * (h + gap) - gap, cols * (w + gap) - gap, *extra), fill, np.float32)
+  for i in range(n):
+    r, c = divmod(i, cols)
+    out[r * (h + gap):r * (h + gap) + h, c * (w + gap):c * (w + gap) + w] = tiles[i]
+  return out
+
+
+def posemb_similarity_figure(similarity: Any, *, title: str = 'Position embedding similarity',
+                             cmap: str = 'viridis', dpi: int = DPI) -> mpl_figure.Figure:
+  """The ``gh x gw`` grid of small ``gh x gw`` cosine-similarity maps (ViT paper Fig. 7 centre).
+
+  Tile ``(r, c)`` shows the similarity of patch ``(r, c)``'s position embedding with every
+  patch's, colour range [-1, 1].
+
+  Args:
+    similarity: ``[gh, gw, gh, gw]``, :func:`vit_jax.analysis.posemb_similarity`.
+    title, cmap: the title and the colour map.
+    dpi: pixels per inch.
+
+  Returns:
+    The Figure: ``a + 2`` by ``a + 1`` inches, ``a = max(5, m / 90)`` the side of the mosaic
+    of ``m = max(gh, gw) * (max(gh, gw) + 1)`` pixels (700 x 600 pixels for grids up to 14 x 14 at
+    the default dpi).
+  """
+  similarity = np.asarray(similarity, dtype=np.float32)
+  if similarity.ndim != 4 or similarity.shape[:2] != similarity.shape[2:]:
+    raise ValueError(f'similarity must have shape [gh, gw, gh, gw], got {similarity.shape}')
+  _checks.finite(similarity, 'similarity')
+  gh, gw = similarity.shape[:2]
+  mosaic = _mosaic(similarity.reshape(gh * gw, gh, gw), gh, gw, 1, np.nan)
+  side = max(5.0, max(gh, gw) * (max(gh, gw) + 1) / 90.0)
+  width, height = side + 2.0, side + 1.0
+  fig = _new_figure(width, height, dpi)
+  ax = fig.add_axes((0.7 / width, 0.6 / height, side / width, side / height))
+  colours = colormaps[cmap].with_extremes(bad='white')
+  picture = ax.imshow(mosaic, cmap=colours, vmin=-1.0, vmax=1.0, interpolation='nearest')
+  every = max(1, math.ceil(max(gh, gw) / 14))
+  ax.set_xticks([c * (gw + 1) + (gw - 1) / 2 for c in range(0, gw, every)],
+                [str(c + 1) for c in range(0, gw, every)], fontsize=7)
+  ax.set_yticks([r * (gh + 1) + (gh - 1) / 2 for r in range(0, gh, every)],
+                [str(r + 1) for r in range(0, gh, every)], fontsize=7)
+  ax.set_xlabel('input patch column')
+  ax.set_ylabel('input patch row')
+  ax.set_title(title, fontsize=10)
+  bar = fig.add_axes(((side + 0.85) / width, 0.6 / height, 0.15 / width, side / height))
+  fig.colorbar(picture, cax=bar, label='cosine similarity')
+  return fig
+
+
+def _scaled(components: np.ndarray, scale: str) -> np.ndarray:
+  """Each component to [0, 1]: per channel or over all channels jointly (constant -> 0.5)."""
+  axes = (1, 2) if scale == 'channel' else (1, 2, 3)
+  low = components.min(axis=axes, keepdims=True)
+  span = components.max(axis=axes, keepdims=True) - low
+  return np.where(span > 0, (components - low) / np.where(span > 0, span, 1.0), 0.5)
+
+
+def filter_components_figure(components: Any, *, explained: Any = None, columns: int = 7,
+                             scale: str = 'channel', title: Optional[str] = None,
+                             dpi: int = DPI) -> mpl_figure.Figure:
+  """The principal components of the patch-embedding filters as images (ViT paper Fig. 7 left).
+
+  Args:
+    components: ``[k, P, P, C]`` from :func:`vit_jax.analysis.embedding_filter_components`,
+      ``C`` 3 (shown as RGB) or 1 (gray); row-major in the grid, first component top left.
+    explained: optional ``[k]`` explained variance ratios; their sum goes in the title.
+    columns: components per row (7: the paper's 4 x 7 grid of 28).
+    scale: 'channel' scales each channel of each component to [0, 1] on its own, 'joint' all
+      channels of a component together (keeps the colour balance).
+    title: replaces the default title.
+    dpi: pixels per inch.
+
+  Returns:
+    The Figure: ``c`` by ``r + 0.6`` inches, ``c = min(k, columns)``, ``r = ceil(k / c)`` (700 x
+    460 pixels for 28 components at the default dpi).
+
+  Raises:
+    ValueError: ``components`` not ``[k, P, P, C]`` with ``C`` 1 or 3 (a hybrid's embedding
+      filters act on ResNet features, not on pixels: there is no picture of them), or an unknown
+      ``scale``.
+  """
+  components = np.asarray(components, dtype=np.float32)
+  if components.ndim != 4 or not components.shape[0] or components.shape[-1] not in (1, 3):
+    raise ValueError(f'components must have shape [k, P, P, C] with C 1 (grayscale) or 3 (RGB) '
+                     f'input channels, got {components.shape} (a hybrid ViT embeds ResNet '
+                     f'features, not pixels: its filters have no picture)')
+  if scale not in ('channel', 'joint'):
+    raise ValueError(f"scale must be 'channel' or 'joint', got {scale!r}")
+  _checks.finite(components, 'components')
+  k, ph, pw, _ = components.shape
+  tiles = _scaled(components, scale)
+  if tiles.shape[-1] == 1:
+    tiles = np.repeat(tiles, 3, axis=-1)
+  cols = max(1, min(k, int(columns)))
+  rows = math.ceil(k / cols)
+  gap = max(1, max(ph, pw) // 8)
+  fig = _new_figure(float(cols), rows + 0.6, dpi)
+  ax = fig.add_axes((0.01, 0.01, 0.98, rows / (rows + 0.6) - 0.01))
+  _panel(ax, _mosaic(tiles, rows, cols, gap, 1.0), None)
+  if title is None:
+    title = f'First {k} principal components of the embedding filters'
+    if explained is not None:
+      title += f' ({100 * float(np.sum(explained)):.0f}% of the variance)'
+  fig.suptitle(title, fontsize=9, y=1.0 - 0.1 / (rows + 0.6), va='top')
+  return fig
+
+
+def rollout_overlay(images: Any, maps: Any, path: str, **options) -> str:
+  """:func:`rollout_overlay_figure` written to ``path`` (PNG); returns ``path``."""
+  return write_png(rollout_overlay_figure(images, maps, **options), path)
+
+
+def layer_attention(image: Any, maps: Any, path: str, **options) -> str:
+  """:func:`layer_attention_figure` written to ``path`` (PNG); returns ``path``."""
+  return write_png(layer_attention_figure(image, maps, **options), path)
+
+
+def attention_distance(distances: Any, path: str, **options) -> str:
+  """:func:`attention_distance_figure` written to ``path`` (PNG); returns ``path``."""
+  return write_png(attention_distance_figure(distances, **options), path)
+
+
+def posemb_similarity_grid(similarity: Any, path: str, **options) -> str:
+  """:func:`posemb_similarity_figure` written to ``path`` (PNG); returns ``path``."""
+  return write_png(posemb_similarity_figure(similarity, **options), path)
+
+
+def filter_components(components: Any, path: str, **options) -> str:
+  """:func:`filter_components_figure` written to ``path`` (PNG); returns ``path``."""
+  return write_png(filter_components_figure(components, **options), path)

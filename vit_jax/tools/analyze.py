@@ -1,0 +1,237 @@
+"""Looks inside a trained model: ``python -m vit_jax.analyze SOURCE --out DIR``.
+
+Writes the ViT paper's analysis figures (Sec. 4.5, Fig. 6, 7 and 14) as PNG files, and the
+numbers behind them as ``analysis.json``, for any model :func:`vit_jax.inference.load` reads
+(a training workdir, an official or big_vision ``.npz``, a transformers or timm ViT, a T2T-ViT
+``.pth.tar`` with ``--model``)::
+
+  python -m vit_jax.analyze /tmp/vit_fmnist --out /tmp/vit_fmnist_analysis
+  python -m vit_jax.analyze ViT-B_16.npz --images photos/ --out /tmp/b16_analysis
+
+* ``rollout.png``: attention rollout (Abnar & Zuidema 2020, residual-aware, heads averaged;
+  :func:`vit_jax.analysis.rollout`) of the output token over each image (Fig. 6 / 14), for the
+  first ``--overlays`` images;
+* ``layer_attention.png``: the first image, the class token's attention in every layer (heads
+  averaged; the mean over all queries for a model without a class token), and the rollout;
+* ``attention_distance.png``: mean attention distance of every head against depth, in pixels,
+  averaged over all the images analysed (Fig. 7 right; :func:`vit_jax.analysis.
+  mean_attention_distances`);
+* ``posemb_similarity.png``: cosine similarity of each patch's learned position embedding with
+  all others, on the patch grid (Fig. 7 centre; ViTs with a learned table);
+* ``filter_components.png``: the first 28 principal components of the patch-embedding filters
+  (Fig. 7 left; plain ViTs: a hybrid embeds ResNet features, T2T-ViT soft-splits).
+
+Images: ``--images`` files and folders (read as ``python -m vit_jax.predict`` reads them), or
+``--data NAME[:SPLIT]`` (a tfds dataset or prepared directory), or by default a workdir's own
+evaluation split; the first ``--num-images`` (default 128, the paper's sample), preprocessed as
+in evaluation. Attention is captured on XLA's path (``vit_jax.models.intermediates``).
+
+Bad input (a SOURCE that cannot be read, no images, an existing ``--out`` folder with results
+without ``--overwrite``) is one ``FATAL:`` line and exit status 2; a failure while writing, 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+from vit_jax.tools import common
+
+#: Files the tool writes in ``--out`` (those that apply to the model).
+OUTPUTS = ('rollout.png', 'layer_attention.png', 'attention_distance.png',
+           'posemb_similarity.png', 'filter_components.png', 'analysis.json')
+
+#: Images per forward pass (the maps take ``4 B heads N^2`` bytes per layer).
+CHUNK = 16
+
+
+def _parser() -> common.Parser:
+  parser = common.Parser(
+      prog='python -m vit_jax.analyze',
+      description=__doc__.split('\n\n')[0] + ' Figures: attention rollout over images, the '
+      'attention of every layer, mean attention distance per head against depth, position '
+      'embedding similarity, principal components of the patch-embedding filters (the ViT '
+      "paper's Fig. 6/7/14), and analysis.json with their numbers.",
+      formatter_class=argparse.RawDescriptionHelpFormatter,
+      epilog='Examples:\n'
+      '  python -m vit_jax.analyze /tmp/vit_fmnist --out /tmp/vit_fmnist_analysis\n'
+      '  python -m vit_jax.analyze ViT-B_16.npz --images photos/ --out /tmp/b16_analysis')
+  common.add_source_arguments(parser)
+  images = parser.add_mutually_exclusive_group()
+  images.add_argument('--images', nargs='+', metavar='PATH',
+                      help='image files or folders (searched recursively)')
+  images.add_argument('--data', metavar='NAME[:SPLIT]',
+                      help="a tfds dataset or prepared directory (default: a workdir's own "
+                      'evaluation split)')
+  parser.add_argument('--out', required=True, help='the folder for the figures and '
+                      'analysis.json (created)')
+  parser.add_argument('--num-images', type=int, default=128,
+                      help='images averaged for the attention distances (default 128)')
+  parser.add_argument('--overlays', type=int, default=8,
+                      help='images shown with their rollout maps (default 8)')
+  parser.add_argument('--overwrite', action='store_true',
+                      help='replace the results of an earlier analysis in --out')
+  return parser
+
+
+def _from_files(trained: Any, arguments: Sequence[str], count: int) -> Tuple[np.ndarray, List[str]]:
+  from vit_jax.data import files  # pylint: disable=g-import-not-at-top
+  from vit_jax.tools import predict  # pylint: disable=g-import-not-at-top
+  data = trained.config.data
+  paths = predict.image_paths(arguments)[:count]
+  inputs = [files.eval_input(p, size=int(data.image_size), normalization=data.normalization,
+                             crop_pct=data.eval_crop_pct, name=p) for p in paths]
+  return np.stack(inputs).astype(np.float32), [os.path.basename(p) for p in paths]
+
+
+def _from_data(trained: Any, data_arg: Optional[str], count: int
+               ) -> Tuple[np.ndarray, List[str]]:
+  from vit_jax import data  # pylint: disable=g-import-not-at-top
+  from vit_jax.tools import eval_data  # pylint: disable=g-import-not-at-top
+  chosen = eval_data.choose_data(trained, data=data_arg)
+  batch = min(count, 64)
+  inputs, labels = [], []
+  for example in data.create_eval_dataset(chosen.config, global_batch_size=batch):
+    mask = np.asarray(example['mask'], bool)
+    inputs.append(np.asarray(example['image'])[mask])
+    labels.extend(chosen.label_names[int(i)] for i in np.argmax(example['labels'], -1)[mask])
+    if len(labels) >= count:
+      break
+  return np.concatenate(inputs)[:count].astype(np.float32), labels[:count]
+
+
+def _captures(model: Any, variables: Any, inputs: np.ndarray):
+  """:func:`vit_jax.models.intermediates.capture` of ``inputs`` in chunks of :data:`CHUNK`."""
+  from vit_jax.models import intermediates  # pylint: disable=g-import-not-at-top
+  for start in range(0, len(inputs), CHUNK):
+    yield intermediates.capture(model, variables, inputs[start:start + CHUNK])
+
+
+def _param(params: Dict[str, Any], *path: str) -> Optional[np.ndarray]:
+  for key in path:
+    if not isinstance(params, dict) or key not in params:
+      return None
+    params = params[key]
+  return np.asarray(params)
+
+
+def analyze(trained: Any, inputs: np.ndarray, *, overlays: int = 8) -> Dict[str, Any]:
+  """The numbers behind the figures, for ``inputs`` (float32 ``[B, S, S, 3]``, preprocessed).
+
+  Returns:
+    ``{'model', 'image_size', 'stride', 'grid', 'prefix', 'num_images', 'attention_distance'
+    ([L][heads] pixels), 'rollout' ([overlays, gh, gw]), 'layer_maps' ([L, gh, gw] of the
+    first image), 'posemb_similarity' ([gh, gw, gh, gw] or None), 'filter_components' ([k, P,
+    P, C] or None), 'explained_variance' ([k] or None)}``; NumPy arrays.
+  """
+  from vit_jax import analysis  # pylint: disable=g-import-not-at-top
+  from vit_jax import models  # pylint: disable=g-import-not-at-top
+  from vit_jax import step as step_lib  # pylint: disable=g-import-not-at-top
+  model = step_lib.create_model(trained.config)
+  variables = models.unbox(trained.variables)
+  sums, rollouts, layer_maps, layout = None, [], None, None
+  for captured in _captures(model, variables, inputs):
+    layout = captured.layout
+    grid, stride, prefix = layout.grid, layout.stride, layout.prefix
+    per_image = np.stack([analysis.mean_attention_distance(a, grid, stride, prefix,
+                                                           per_image=True)
+                          for a in captured.attention])  # [L, B, heads]
+    sums = per_image.sum(axis=1) if sums is None else sums + per_image.sum(axis=1)
+    if len(rollouts) < overlays:
+      matrix = analysis.rollout(captured.attention)
+      rollouts.extend(analysis.class_token_map(matrix, grid, num_prefix_tokens=prefix))
+    if layer_maps is None:
+      layer_maps = analysis.layer_class_token_maps([a[:1] for a in captured.attention], grid,
+                                                   num_prefix_tokens=prefix)[:, 0]
+  params = variables['params']
+  out = dict(model=trained.config.model_name, image_size=int(inputs.shape[1]),
+             stride=list(layout.stride), grid=list(layout.grid), prefix=layout.prefix,
+             num_images=len(inputs), attention_distance=sums / len(inputs),
+             rollout=np.stack(rollouts[:overlays]), layer_maps=layer_maps,
+             posemb_similarity=None, filter_components=None, explained_variance=None)
+  table = _param(params, 'Transformer', 'posembed_input', 'pos_embedding')
+  if table is not None:
+    out['posemb_similarity'] = analysis.posemb_similarity(table, layout.grid, layout.prefix)
+  kernel = _param(params, 'embedding', 'kernel')
+  if kernel is not None and 'conv_root' not in params:
+    count = min(28, int(np.prod(kernel.shape[:3])), int(kernel.shape[-1]))
+    out['filter_components'], out['explained_variance'] = (
+        analysis.embedding_filter_components(kernel, n=count))
+  return out
+
+
+def write_figures(result: Dict[str, Any], images: np.ndarray, labels: Sequence[str],
+                  out: str) -> List[str]:
+  """Writes the PNGs and ``analysis.json`` of :func:`analyze`'s ``result`` into ``out``;
+  returns the paths written."""
+  from vit_jax.analysis import figures  # pylint: disable=g-import-not-at-top
+  os.makedirs(out, exist_ok=True)
+  shown = len(result['rollout'])
+  written = [
+      figures.rollout_overlay(images[:shown], result['rollout'], os.path.join(out, OUTPUTS[0]),
+                              labels=list(labels[:shown]) or None),
+      figures.layer_attention(images[0], result['layer_maps'], os.path.join(out, OUTPUTS[1]),
+                              rollout_map=result['rollout'][0]),
+      figures.attention_distance(result['attention_distance'], os.path.join(out, OUTPUTS[2]),
+                                 image_size=result['image_size'],
+                                 patch_size=tuple(result['stride'])),
+  ]
+  if result['posemb_similarity'] is not None:
+    written.append(figures.posemb_similarity_grid(result['posemb_similarity'],
+                                             os.path.join(out, OUTPUTS[3])))
+  if result['filter_components'] is not None:
+    written.append(figures.filter_components(result['filter_components'],
+                                             os.path.join(out, OUTPUTS[4]),
+                                             explained=result['explained_variance']))
+  numbers = {k: (v.tolist() if isinstance(v, np.ndarray) else v) for k, v in result.items()
+             if k not in ('filter_components',)}
+  path = os.path.join(out, OUTPUTS[5])
+  with open(path, 'w') as f:
+    json.dump(numbers, f)
+  return written + [path]
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+  """Runs the command on ``argv`` (default: the command line); returns the exit status."""
+  args = _parser().parse_args(argv)
+  try:
+    if args.num_images < 1 or args.overlays < 1:
+      raise ValueError('--num-images and --overlays must be 1 or more.')
+    existing = [f for f in OUTPUTS if os.path.exists(os.path.join(args.out, f))]
+    if existing and not args.overwrite:
+      raise FileExistsError(f'{args.out} already holds an analysis ({", ".join(existing)}); '
+                            'choose another --out or pass --overwrite.')
+    trained = common.load_source(args)
+    if args.images:
+      inputs, labels = _from_files(trained, args.images, args.num_images)
+    else:
+      inputs, labels = _from_data(trained, args.data, args.num_images)
+    result = analyze(trained, inputs, overlays=min(args.overlays, len(inputs)))
+  except common.INPUT_ERRORS as e:
+    return common.fatal(e, 2)
+  try:
+    written = write_figures(result, inputs, labels, args.out)
+  except OSError as e:
+    return common.fatal(e, 1)
+  distance = np.asarray(result['attention_distance'])
+  print(f'{trained.description}: {result["num_images"]} image(s), {distance.shape[0]} layers x '
+        f'{distance.shape[1]} heads; mean attention distance {distance[0].mean():.1f} px in the '
+        f'first layer, {distance[-1].mean():.1f} px in the last (image {result["image_size"]} '
+        f'px).')
+  for path in written:
+    print(f'  wrote {path}')
+  return 0
+
+
+def run_main() -> None:
+  """`python -m vit_jax.analyze`: `main()`'s status as the exit code."""
+  common.run_program(main)
+
+
+if __name__ == '__main__':
+  run_main()
