@@ -1,0 +1,94 @@
+"""What a ViT checkpoint's parameter shapes say about the model that wrote it.
+
+Read from names and shapes only (``'/'``-joined, collection first, as in the official
+checkpoints): :func:`architecture_fields` gives the :class:`vit_jax.models.vit.VisionTransformer`
+fields the shapes imply (used to build a model for an ``.npz`` or a converted file, and by the
+converters of :mod:`vit_jax.checkpoint`), :func:`describe_architecture` the sentence that the
+"does not fit" messages end with. Re-exported by :mod:`vit_jax.models.vit`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, Optional
+
+#: The learned position embedding (``[1, T, D]``, class token row first with classifier 'token')
+#: as a '/'-joined variable name: resized to the new token grid when fine-tuning at another
+#: resolution (:func:`vit_jax.checkpoint.resize_posemb`).
+POSEMB_KEY = 'params/Transformer/posembed_input/pos_embedding'
+
+
+def architecture_fields(shapes: dict) -> Optional[Dict[str, Any]]:
+  """The ViT fields that a checkpoint's parameter shapes imply.
+
+  Args:
+    shapes: ``'/'``-joined variable names (collection first, e.g.
+      ``'params/embedding/kernel'``) -> shape (a tuple of ints), per-layer (``encoderblock_{i}``)
+      or scanned (``encoderblock``, layers first); names as in the official checkpoints.
+
+  Returns:
+    ``{'patch_size', 'hidden_size', 'num_layers', 'num_heads', 'mlp_dim',
+    'representation_size', 'classifier', 'posemb', 'num_classes'[, 'resnet_num_layers',
+    'resnet_width_factor']}`` (``num_heads``/``mlp_dim`` None when their kernels are missing,
+    ``num_classes`` None without a head; ``classifier`` 'map' with ``MAPHead_0/probe``, 'token'
+    with ``cls``, else 'gap'; ``posemb`` 'sincos2d' without :data:`POSEMB_KEY`, else 'learn'), or
+    None when the shapes are not a ViT's (no 4-D ``embedding/kernel``). ``gelu_approximate`` and
+    ``layer_norm_epsilon`` leave no trace in the shapes: they are not returned.
+  """
+  embedding = shapes.get('params/embedding/kernel')
+  if not embedding or len(embedding) != 4:
+    return None
+  kh, kw, _, width = embedding
+  head = shapes.get('params/head/kernel')
+  blocks = {k.split('/')[2] for k in shapes if k.startswith('params/Transformer/encoderblock')}
+  query = next((s for k, s in shapes.items()
+                if k.endswith('MultiHeadDotProductAttention_0/query/kernel')), None)
+  mlp = next((s[-1] for k, s in shapes.items() if k.endswith('MlpBlock_0/Dense_0/kernel')), None)
+  layers = (int(shapes[next(k for k in shapes if '/encoderblock/' in k)][0])
+            if blocks == {'encoderblock'} else len(blocks))
+  pre_logits = shapes.get('params/pre_logits/kernel')
+  fields = dict(patch_size=kh if kh == kw else (kh, kw), hidden_size=width, num_layers=layers,
+                num_heads=query[-2] if query is not None else None, mlp_dim=mlp,
+                representation_size=pre_logits[-1] if pre_logits else None,
+                classifier=('map' if 'params/MAPHead_0/probe' in shapes
+                            else 'token' if 'params/cls' in shapes else 'gap'),
+                posemb='learn' if POSEMB_KEY in shapes else 'sincos2d',
+                num_classes=head[-1] if head else None)
+  if 'params/conv_root/kernel' in shapes:  # ResNet stem: params/block{stage}/unit{unit}/...
+    units = {}
+    for key in shapes:
+      parts = key.split('/')
+      if (len(parts) > 3 and parts[1][:5] == 'block' and parts[1][5:].isdigit()
+          and parts[2][:4] == 'unit' and parts[2][4:].isdigit()):
+        stage = int(parts[1][5:])
+        units[stage] = max(units.get(stage, 0), int(parts[2][4:]))
+    fields['resnet_num_layers'] = tuple(units[s] for s in sorted(units))
+    fields['resnet_width_factor'] = shapes['params/conv_root/kernel'][-1] / 64
+  return fields
+
+
+def describe_architecture(shapes: dict) -> Optional[str]:
+  """The ViT fields that a checkpoint's parameter shapes imply, for error messages.
+
+  Args:
+    shapes: as for :func:`architecture_fields`.
+
+  Returns:
+    ``'The checkpoint is a ViT[ with a ResNet stem] with patch_size=.., hidden_size=..,
+    num_layers=.., num_heads=.., mlp_dim=.., representation_size=..[, resnet_num_layers=..][,
+    classifier='map'][, posemb='sincos2d'][, N classes].'``, or None when the shapes are not a
+    ViT's (no 4-D ``embedding/kernel``).
+  """
+  fields = architecture_fields(shapes)
+  if fields is None:
+    return None
+  names = ['patch_size', 'hidden_size', 'num_layers', 'num_heads', 'mlp_dim',
+           'representation_size', 'resnet_num_layers']
+  text = ', '.join(f'{k}={fields[k]}' for k in names
+                   if k in fields and (fields[k] is not None or k == 'representation_size'))
+  if fields['classifier'] == 'map':  # ('token' and 'gap' are not named, as before.)
+    text += ", classifier='map'"
+  if fields['posemb'] != 'learn':
+    text += f", posemb={fields['posemb']!r}"
+  stem = ' with a ResNet stem' if 'resnet_num_layers' in fields else ''
+  classes = f', {fields["num_classes"]} classes' if fields['num_classes'] else ''
+  return f'The checkpoint is a ViT{stem} with {text}{classes}.'
