@@ -62,4 +62,9 @@ def get_config(arg: str = "vit"):
   config.log_every_steps = 100
   config.eval_every_steps = 1000
   config.checkpoint_every_steps = 1000
+  # TensorBoard pictures (docs/analysis.md): a grid of augmented training images at the start;
+  # at each evaluation, the attention distances of 32 test images and 8 rollout maps.
+  config.analysis.train_images = 16
+  config.analysis.attention_images = 32
+  config.analysis.rollout_images = 8
   return config

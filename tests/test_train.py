@@ -46,7 +46,7 @@ def test_an_unknown_config_key_is_named_with_the_keys_there():
   message = cli.unknown_override_message([*config, "--config.unknown_key=1"])
   assert message.startswith("Unknown config key 'unknown_key' in '--config.unknown_key=1': the "
                             "config configs/fashion_mnist.py has no 'unknown_key' at the top "
-                            "level. Keys there: async_checkpointing, batch_size, ")
+                            "level. Keys there: analysis, async_checkpointing, batch_size, ")
   message = cli.unknown_override_message([*config, "--config.optim.learning_rate=0.1"])
   assert message.startswith("Unknown config key 'optim.learning_rate' in "
                             "'--config.optim.learning_rate=0.1'")
@@ -114,6 +114,20 @@ def _scalars(workdir):
   return out
 
 
+def _images(workdir):
+  """{tag: {step: (height, width)}} of the TensorBoard images in workdir (PNG-encoded)."""
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  out = {}
+  for path in glob.glob(os.path.join(workdir, "events.out.tfevents.*")):
+    for event in tf.compat.v1.train.summary_iterator(path):
+      for value in event.summary.value:
+        if value.metadata.plugin_data.plugin_name == "images":
+          width, height, png = tf.make_ndarray(value.tensor)[:3]
+          assert png.startswith(b"\x89PNG")
+          out.setdefault(value.tag, {})[event.step] = (int(height), int(width))
+  return out
+
+
 @pytest.mark.slow
 def test_main_trains_writes_metrics_and_resumes(tmp_path, caplog):
   """`python -m vit_jax.main` trains 4 steps; the same config with a longer schedule resumes at
@@ -125,7 +139,9 @@ def test_main_trains_writes_metrics_and_resumes(tmp_path, caplog):
                "model.mlp_dim": 16, "model.num_heads": 2, "model.num_layers": 1,
                "model.patch_size": (4, 4), "batch_size": 4, "optim.warmup_steps": 1,
                "log_every_steps": 2, "eval_every_steps": 2, "checkpoint_every_steps": 2,
-               "fewshot.every_steps": 4, "fewshot.shots": (1, 2), "fewshot.seeds": 2}
+               "fewshot.every_steps": 4, "fewshot.shots": (1, 2), "fewshot.seeds": 2,
+               "analysis.attention_images": 4, "analysis.rollout_images": 2,
+               "analysis.train_images": 4}
   first = _run_main("--config", "configs/fashion_mnist.py", "--workdir", workdir,
                     *data_utils.main_flags(overrides),
                     "--config.total_steps=4")
@@ -150,6 +166,12 @@ def test_main_trains_writes_metrics_and_resumes(tmp_path, caplog):
   assert sorted(scalars["test/accuracy"]) == [2, 4]
   assert ", accuracy " in first.stderr  # On the progress line, beside the loss.
   assert sorted(scalars["fewshot/images_2shot"]) == [4]
+  # config.analysis: the attention figures at each evaluation, the training images at the start.
+  assert _images(workdir) == {"analysis/attention_distance": {2: (450, 700), 4: (450, 700)},
+                              "analysis/rollout": {2: (250, 800), 4: (250, 800)},
+                              "analysis/training_images": {0: (250, 800)}}
+  distance = scalars["analysis/attention_distance/layer_1"]  # 2x2 patches of 4 px: 0 to 5.7 px.
+  assert sorted(distance) == [2, 4] and all(0 < d < np.hypot(4, 4) for d in distance.values())
 
   def rerun(total_steps):
     config = data_utils.override(cli.load_config_file("configs/fashion_mnist.py"),
@@ -165,6 +187,7 @@ def test_main_trains_writes_metrics_and_resumes(tmp_path, caplog):
   assert sorted(scalars["train/loss"]) == [2, 4, 6]  # Steps 1-4 were not trained again.
   assert sorted(os.listdir(os.path.join(workdir, "checkpoints")))[-1] == "6"
   assert sorted(scalars["fewshot/images_2shot"]) == [4, 6]
+  assert sorted(_images(workdir)["analysis/training_images"]) == [0, 4]  # Where it resumed.
   assert "fewshot/images_2shot_std" in results
 
   results, log = rerun(6)  # Finished: no more training.

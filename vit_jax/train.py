@@ -9,7 +9,8 @@ Read `train_and_evaluate` top to bottom; its phases are marked:
      fresh one;
   3. Steps: the jitted train and eval steps of `vit_jax.step`, compiled ahead of time;
   4. Loop: train, log, checkpoint, evaluate (and the few-shot linear evaluation,
-     `vit_jax.evaluation.fewshot`, when `config.fewshot.every_steps` is set);
+     `vit_jax.evaluation.fewshot`, when `config.fewshot.every_steps` is set; attention figures
+     and training images in TensorBoard with `config.analysis`, `vit_jax.evaluation.pictures`);
   5. End: the final evaluation and checkpoint, the results.
 One clock, a `vit_jax.accounting.CostAccountant`, times each part (training steps, input,
 compilation, evaluation, checkpointing): the throughput and ETA in the log come from its training
@@ -38,6 +39,7 @@ from vit_jax import sharding
 from vit_jax import step as step_lib
 from vit_jax.checkpoint import CheckpointSaveError  # noqa: F401  (re-exported: main catches it)
 from vit_jax.evaluation import fewshot
+from vit_jax.evaluation import pictures as pictures_lib
 
 
 class ConfigError(ValueError):
@@ -122,12 +124,14 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
     steps = _CompiledSteps(setup, accountant)
     fewshot_eval = run.fewshot  # Few-shot linear evaluation (config.fewshot), of the parameters.
     evaluate_fewshot = _fewshot_evaluation(run, accountant, writer)
+    pictures = _pictures(run, steps, accountant)  # config.analysis: TensorBoard images.
 
     def evaluate(state, step: int) -> dict[str, float]:
       with accountant.timed("eval"):
         results = evaluation.evaluate(state, run.evals, bool(config.ema_decay), steps.eval,
                                       steps.to_global, step)
         writer.write_scalars(step, results)
+        pictures.attention(writer, state, step)
       return results
 
     def save_cost(step: int) -> None:
@@ -152,10 +156,13 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
       for step in range(start_step + 1, total_steps + 1):
         with jax.profiler.StepTraceAnnotation("train", step_num=step):
           with accountant.timed("input"):
-            batch = steps.to_global(next(train_iter))
+            local_batch = next(train_iter)
+            batch = steps.to_global(local_batch)
           state, metrics = steps.train(state, batch)
           accountant.count_step()
         if step == start_step + 1:  # Compiled now: the throughput is measured from here.
+          with accountant.timed("eval"):
+            pictures.training_images(writer, local_batch, start_step)
           window.restart(step)
         if pending is not None:
           window.add(_check_finite(*pending, checkpoints, skipping))
@@ -359,6 +366,16 @@ def _fewshot_evaluation(run: _Run, accountant: accounting.CostAccountant, writer
     return results
 
   return evaluate_fewshot
+
+
+def _pictures(run: _Run, steps: _CompiledSteps, accountant: accounting.CostAccountant
+              ) -> pictures_lib.Pictures:
+  """`config.analysis`'s pictures (`vit_jax.evaluation.pictures`): attention figures of the first
+  eval set's first batch at each evaluation, training images at the start."""
+  _, first_eval = next(iter(run.evals.values()))
+  return pictures_lib.Pictures(
+      run.setup, run.dataset["label_names"], lambda: next(iter(first_eval)), steps.to_global,
+      compile_timer=lambda: accountant.timed("compile"))
 
 
 def _finishing(checkpoints: checkpoint.Checkpoints):

@@ -168,6 +168,42 @@ def rollout_overlay_figure(images: Any, maps: Any, *, labels: Optional[Sequence[
   return fig
 
 
+def image_grid_figure(images: Any, *, labels: Optional[Sequence[str]] = None, columns: int = 8,
+                      title: str = 'Training images', dpi: int = DPI) -> mpl_figure.Figure:
+  """Images in a grid, each under its caption (e.g. a batch of augmented training images).
+
+  Args:
+    images: ``[B, H, W(, C)]`` (see the module docstring: float images are scaled per image).
+    labels: optional ``B`` captions (e.g. the class names).
+    columns: images per row.
+    title: the figure's title.
+    dpi: pixels per inch.
+
+  Returns:
+    The Figure: ``PANEL * c`` by ``PANEL * r + TITLE_BAND`` inches, ``c = min(B, columns)``,
+    ``r = ceil(B / c)`` (``200 c`` by ``200 r + 50`` pixels at the default dpi).
+
+  Raises:
+    ValueError: images not ``[B, H, W(, C)]`` with ``C`` 1 or 3, non-finite values, or
+      ``labels`` of another length.
+  """
+  shown = display_images(images)
+  count = shown.shape[0]
+  if labels is not None and len(labels) != count:
+    raise ValueError(f'labels has {len(labels)} entries for {count} images')
+  cols = max(1, min(count, int(columns)))
+  rows = math.ceil(count / cols)
+  height = PANEL * rows + TITLE_BAND
+  fig = _new_figure(PANEL * cols, height, dpi)
+  axes = _grid_axes(fig, rows, cols, 1.0 - TITLE_BAND / height)
+  for ax in axes:
+    ax.set_axis_off()
+  for i in range(count):
+    _panel(axes[i], shown[i], labels[i] if labels is not None else None)
+  fig.suptitle(title, fontsize=10)
+  return fig
+
+
 def layer_attention_figure(image: Any, maps: Any, *, rollout_map: Any = None, columns: int = 7,
                            title: str = "Class token's attention per layer",
                            alpha: float = 0.5, cmap: str = 'jet',

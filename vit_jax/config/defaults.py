@@ -8,8 +8,8 @@ length from the dataset, by `vit_jax.config.resolve`, which also checks every va
 
 The sections: the run (regime, seed, schedule length, loss, EMA, fine-tuning init, periodic
 work), `model` (the registry's fields of `model_name`, see `vit_jax.models`), `optim`, `data`
-(`vit_jax.data`), `extra_eval`, `mesh` (`vit_jax.sharding`) and `fewshot`
-(`vit_jax.evaluation.fewshot`).
+(`vit_jax.data`), `extra_eval`, `mesh` (`vit_jax.sharding`), `fewshot`
+(`vit_jax.evaluation.fewshot`) and `analysis` (`vit_jax.evaluation.pictures`).
 """
 
 from __future__ import annotations
@@ -259,6 +259,22 @@ def fewshot_config() -> ml_collections.ConfigDict:
   return c
 
 
+def analysis_config() -> ml_collections.ConfigDict:
+  """`config.analysis`: pictures in TensorBoard during training (`vit_jax.evaluation.pictures`;
+  the same figures as `python -m vit_jax.analyze`, docs/analysis.md). Off by default."""
+  c = ml_collections.ConfigDict()
+  # At every evaluation: the mean attention distance of every head against depth (the ViT
+  # paper's Fig. 7 right) over the first this many images of the first eval batch (lowered to
+  # config.eval_batch_size), as 'analysis/attention_distance'; 0: off.
+  c.attention_images = 0
+  # Of those, how many are shown with their attention rollout maps ('analysis/rollout').
+  c.rollout_images = 4
+  # Once when the run starts (or resumes): this many images of the first training batch as the
+  # model sees them, augmented ('analysis/training_images'); 0: off.
+  c.train_images = 0
+  return c
+
+
 def get_config(model_name: str = "ViT-B_16", dataset: str = "imagenet2012",
                **model_overrides) -> ml_collections.ConfigDict:
   """The full default config for `model_name` trained on tfds `dataset`.
@@ -345,6 +361,7 @@ def get_config(model_name: str = "ViT-B_16", dataset: str = "imagenet2012",
   config.workdir_lock_timeout = 600
 
   config.fewshot = fewshot_config()
+  config.analysis = analysis_config()
 
   config.lock()
   return config

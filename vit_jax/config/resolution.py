@@ -129,6 +129,11 @@ _FEWSHOT_RANGES = {
     "train_per_class": (_POSITIVE_INT, True, "None: max(shots) * seeds"),
     "max_eval_examples": (_POSITIVE_INT, True, "None: the whole eval split"),
 }
+_ANALYSIS_RANGES = {
+    "attention_images": (_NON_NEGATIVE_INT, False, "0 turns the attention figures off"),
+    "rollout_images": (_NON_NEGATIVE_INT, False, "0: no rollout maps"),
+    "train_images": (_NON_NEGATIVE_INT, False, "0 turns the training-image grid off"),
+}
 
 
 def _check_ranges(section: Any, ranges: dict, prefix: str) -> None:
@@ -156,7 +161,7 @@ def check_value(path: str, value: Any) -> Any:
   """
   section, _, key = path.rpartition(".")
   ranges = {"": _RUN_RANGES, "optim": _OPTIM_RANGES, "data": _DATA_RANGES,
-            "fewshot": _FEWSHOT_RANGES}[section]
+            "fewshot": _FEWSHOT_RANGES, "analysis": _ANALYSIS_RANGES}[section]
   _check_ranges({key: value}, {key: ranges[key]}, f"{section}." if section else "")
   return value
 
@@ -222,6 +227,23 @@ def resolve_fewshot(fewshot: ml_collections.ConfigDict) -> None:
                      f"training examples per class than the largest shot count, {max(shots)}; "
                      f"set --config.fewshot.train_per_class to at least {max(shots)} (or None).")
   fewshot.update(datasets=datasets, shots=tuple(sorted(shots)), l2_regs=l2_regs)
+
+
+def _resolve_analysis(config: ml_collections.ConfigDict) -> None:
+  """Checks `config.analysis` against its ranges; counts above the batches they are taken from
+  (the eval batch, the captured images, the training batch) are lowered to them, and logged, so
+  that a smaller `--config.batch_size` does not need the pictures' settings changed too."""
+  analysis = config.analysis
+  _check_ranges(analysis, _ANALYSIS_RANGES, "analysis.")
+  for key, limit_key, what in (  # In this order: rollout_images after attention_images.
+      ("attention_images", "eval_batch_size", "the eval batch"),
+      ("rollout_images", "analysis.attention_images", "config.analysis.attention_images"),
+      ("train_images", "batch_size", "the training batch")):
+    section, _, name = limit_key.rpartition(".")
+    limit = (config[section] if section else config)[name]
+    if analysis[key] > limit:
+      logging.info("config.analysis.%s=%d lowered to %d, %s.", key, analysis[key], limit, what)
+      analysis[key] = limit
 
 
 def validate_data(data_config: ml_collections.ConfigDict) -> None:
@@ -432,6 +454,8 @@ def resolve(config: ml_collections.ConfigDict, *, num_train_examples: int, num_c
     raise ValueError(f"config.eval_batch_size={config.eval_batch_size} must be a multiple of the "
                      f"{shards} batch shard(s) of the device mesh; set --config.eval_batch_size "
                      "to such a multiple.")
+  if "analysis" in config:
+    _resolve_analysis(config)
 
   choice = attention_choice(config, requested, devices)
   config.model.attention = choice.implementation

@@ -7,7 +7,8 @@ class is among the true labels: top-1 accuracy, or precision@1 for multi-label d
 
 The package's other modules: `fewshot` (few-shot linear evaluation: its tasks and evaluator),
 `linear_probe` (the closed-form ridge probe and the k-shot draws), `features` (the pre-logit
-features of a dataset, sharded like the eval step).
+features of a dataset, sharded like the eval step), `pictures` (`config.analysis`: attention
+figures and training images in TensorBoard).
 """
 
 from __future__ import annotations

@@ -1,0 +1,159 @@
+"""Pictures in TensorBoard during training (`config.analysis`): what the model attends to, and
+what the augmentation feeds it.
+
+* At every evaluation, with `config.analysis.attention_images = M > 0`: the first M images of
+  the first eval batch go through the model with its attention weights captured
+  (`vit_jax.models.intermediates`; XLA's attention path, one extra compilation), and two images
+  are written: 'analysis/attention_distance', the mean attention distance of every head against
+  depth over the M images (the ViT paper's Fig. 7 right), and 'analysis/rollout', the attention
+  rollout maps of the first `config.analysis.rollout_images` of them over the images (Fig. 6;
+  captioned with the true class, and the predicted one when it differs). The mean distances
+  are also scalars, 'analysis/attention_distance/layer_<l>' (mean over the heads, pixels).
+* Once when the run starts or resumes, with `config.analysis.train_images = K > 0`:
+  'analysis/training_images', the first K images of process 0's first training batch as the
+  model sees them (augmented, mixed; shown scaled per image), captioned with their top label.
+
+The reductions run on the device, inside the jitted capture, so that only `[L, heads]`
+distances and `[rollout_images, gh, gw]` maps leave it (never the `[M, heads, N, N]` maps);
+they compute what `vit_jax.analysis.mean_attention_distances` and `vit_jax.analysis.rollout` /
+`class_token_map` compute on the host (same definitions; in float32). The figures are those of
+`vit_jax.analysis.figures`, drawn on process 0 only. The parameters pictured are
+`state['params']` (not their EMA), as the few-shot evaluation's.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from vit_jax import step as step_lib
+from vit_jax.analysis import attention_maps
+from vit_jax.models import intermediates
+
+
+def _device_summary(model: Any, layout: intermediates.TokenLayout, count: int, shown: int
+                    ) -> Callable[[Any, dict], dict]:
+  """`(state of 'params' (and 'model_state'), global eval batch) -> {'attention_distance'
+  [L, heads] f32 pixels, 'rollout' [shown, gh, gw] f32 in [0, 1], 'logits' [shown, C], 'images'
+  [shown, H, W, C], 'labels' [shown, C]}` over the batch's first `count` images (masked ones
+  left out of the distances)."""
+  distances = jnp.asarray(attention_maps.patch_distances(layout.grid, layout.stride), jnp.float32)
+  prefix, grid = layout.prefix, layout.grid
+
+  def summarize(state, batch):
+    images, mask = batch["image"][:count], batch["mask"][:count].astype(jnp.float32)
+    logits, state = model.apply(step_lib.variables_of(state), images, train=False,
+                                mutable=[intermediates.COLLECTION])
+    maps = intermediates.unpack(model, state[intermediates.COLLECTION])["attention"]
+    per_layer = []
+    for weights in maps:  # [M, heads, N, N]: patch queries and keys, rows renormalised.
+      patches = weights[:, :, prefix:, prefix:].astype(jnp.float32)
+      patches = patches / jnp.maximum(patches.sum(-1, keepdims=True), 1e-30)
+      per_image = (patches * distances).sum(-1).mean(-1)  # [M, heads]
+      per_layer.append((per_image * mask[:, None]).sum(0) / jnp.maximum(mask.sum(), 1.0))
+    n = maps[0].shape[-1]
+    eye = jnp.eye(n, dtype=jnp.float32)
+    product = jnp.broadcast_to(eye, (shown, n, n))
+    for weights in maps:  # Residual-aware rollout of the head-mean attention, bottom first.
+      fused = 0.5 * weights[:shown].astype(jnp.float32).mean(1) + 0.5 * eye
+      product = (fused / fused.sum(-1, keepdims=True)) @ product
+    rows = product[:, 0, prefix:] if prefix else product.mean(-2)
+    rows = rows / jnp.maximum(rows.max(-1, keepdims=True), 1e-30)
+    return {"attention_distance": jnp.stack(per_layer), "rollout": rows.reshape(shown, *grid),
+            "logits": logits[:shown], "images": images[:shown], "labels": batch["labels"][:shown]}
+
+  return summarize
+
+
+class Pictures:
+  """`config.analysis`'s TensorBoard images of a run (see the module docstring).
+
+  Args:
+    setup: the run's `vit_jax.step.Setup` (model, mesh, shardings, resolved config).
+    label_names: the C class names, in label order (captions).
+    first_eval_batch: `() -> this process's first eval batch` (numpy, padded and masked, as
+      `vit_jax.data.create_eval_dataset` yields), read once, on the first evaluation.
+    to_global: this process's numpy batch -> the global batch on the mesh.
+    compile_timer: `() -> context manager` timing the capture's compilation.
+  """
+
+  def __init__(self, setup: step_lib.Setup, label_names: Sequence[str],
+               first_eval_batch: Callable[[], dict], to_global: Callable[[dict], dict],
+               compile_timer: Callable[[], Any]):
+    self._setup, self._names = setup, list(label_names)
+    self._first_eval_batch, self._to_global = first_eval_batch, to_global
+    self._compile_timer = compile_timer
+    self._options = setup.config.analysis
+    self._compiled: Optional[jax.stages.Compiled] = None
+    self._batch: Optional[dict] = None
+    height, width = setup.image_shape[:2]
+    self._layout = (intermediates.token_layout(setup.model, height, width)
+                    if self.attention_on else None)
+
+  @property
+  def attention_on(self) -> bool:
+    return self._options.attention_images > 0
+
+  def _captions(self, labels: np.ndarray, logits: Optional[np.ndarray] = None) -> list:
+    name = lambda i: self._names[i] if i < len(self._names) else str(i)
+    truth = np.argmax(labels, axis=-1)
+    if logits is None:
+      return [name(int(t)) for t in truth]
+    predicted = np.argmax(logits, axis=-1)
+    return [name(int(t)) if t == p else f"{name(int(p))} (true {name(int(t))})"
+            for t, p in zip(truth, predicted)]
+
+  def training_images(self, writer: Any, batch: dict, step: int) -> None:
+    """Writes 'analysis/training_images' at `step` from this process's numpy training `batch`
+    (`{'image' [b, H, W, C], 'labels' [b, C]}`); nothing when `train_images` is 0 or on
+    processes other than 0."""
+    count = min(self._options.train_images, len(batch["image"]))
+    if not count or jax.process_index() > 0:
+      return
+    from vit_jax.analysis import figures  # pylint: disable=g-import-not-at-top
+    captions = self._captions(np.asarray(batch["labels"][:count]))
+    fig = figures.image_grid_figure(np.asarray(batch["image"][:count]), labels=captions,
+                                    title=f"Training images as the model sees them (step {step})")
+    writer.write_images(step, {"analysis/training_images": figures.to_rgb(fig)[None]})
+
+  def attention(self, writer: Any, state: step_lib.State, step: int) -> dict[str, float]:
+    """Captures the attention of the state's parameters on the first eval images and writes
+    the figures at `step` (process 0); returns the scalars written
+    (`{'analysis/attention_distance/layer_<l>': pixels}`), `{}` when off. Runs on every process
+    (the capture is one jitted computation over the mesh)."""
+    if not self.attention_on:
+      return {}
+    setup, options = self._setup, self._options
+    variables = {k: state[k] for k in setup.variables_shardings}
+    if self._batch is None:
+      self._batch = self._to_global(self._first_eval_batch())
+    if self._compiled is None:
+      shown = min(options.rollout_images, options.attention_images)
+      replicated = jax.sharding.NamedSharding(setup.mesh, jax.sharding.PartitionSpec())
+      jitted = jax.jit(
+          _device_summary(setup.model, self._layout, options.attention_images, shown),
+          in_shardings=(setup.variables_shardings, setup.batch_sharding),
+          out_shardings=replicated)
+      with self._compile_timer():
+        self._compiled = setup.compile(jitted, variables, self._batch)
+    summary = jax.device_get(self._compiled(variables, self._batch))
+    distances = np.asarray(summary["attention_distance"], np.float64)
+    scalars = {f"analysis/attention_distance/layer_{i + 1}": float(d.mean())
+               for i, d in enumerate(distances)}
+    writer.write_scalars(step, scalars)
+    if jax.process_index() == 0:
+      from vit_jax.analysis import figures  # pylint: disable=g-import-not-at-top
+      height, width = setup.image_shape[:2]
+      pictures = {"analysis/attention_distance": figures.attention_distance_figure(
+          distances, image_size=(height, width), patch_size=self._layout.stride,
+          title=f"Mean attention distance at step {step} ({options.attention_images} images)")}
+      if len(summary["rollout"]):
+        pictures["analysis/rollout"] = figures.rollout_overlay_figure(
+            summary["images"], summary["rollout"],
+            labels=self._captions(summary["labels"], summary["logits"]),
+            title=f"Attention rollout at step {step}")
+      writer.write_images(step, {k: figures.to_rgb(v)[None] for k, v in pictures.items()})
+    return scalars
