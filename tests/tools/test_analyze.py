@@ -2,6 +2,7 @@
 and the bad inputs of the command (one FATAL line, exit 2, nothing written)."""
 
 import json
+import types
 import pathlib
 
 import numpy as np
@@ -39,6 +40,7 @@ def test_a_workdir_gets_every_figure_and_its_numbers(tiny_workdir, tmp_path, cap
   # mean distance lies in [0, 5.66].
   assert distance.shape == (1, 2) and np.all((distance >= 0) & (distance <= 4 * 2 ** 0.5))
   assert np.asarray(numbers["rollout"]).shape == (4, 2, 2)
+  assert len(numbers["predicted"]) == 4 and all(0 <= p < 3 for p in numbers["predicted"])
   similarity = np.asarray(numbers["posemb_similarity"])
   np.testing.assert_allclose(similarity.reshape(4, 4).diagonal(), 1.0, atol=1e-6)
   assert len(numbers["explained_variance"]) == 8  # min(28, 4*4*3 values, 8 filters)
@@ -64,6 +66,13 @@ def test_a_t2t_vit_file_gets_its_backbone_analysis(tmp_path, capsys):
   assert (out / "attention_distance.png").exists()
 
 
+def test_rollout_captions_show_wrong_predictions_as_training_does():
+  trained = types.SimpleNamespace(label_name=["Coat", "Pullover", "Bag"].__getitem__)
+  assert analyze._captions(trained, [1, 0], ["Coat", "Coat"], from_files=False) == [
+      "Pullover (true Coat)", "Coat"]
+  assert analyze._captions(trained, [2], ["a.jpg"], from_files=True) == ["a.jpg: Bag"]
+
+
 def test_bad_input_is_one_fatal_line(tmp_path, tiny_workdir, capsys):
   workdir, _, _ = tiny_workdir
   empty = tmp_path / "empty"
@@ -73,4 +82,6 @@ def test_bad_input_is_one_fatal_line(tmp_path, tiny_workdir, capsys):
   assert err.startswith("FATAL: ") and "no image files" in err
   assert analyze.main([str(tmp_path / "missing"), "--out", str(tmp_path / "o")]) == 2
   assert "does not exist" in capsys.readouterr().err
+  assert analyze.main([workdir, "--out", str(tmp_path / "o"), "--num-images", "0"]) == 2
+  assert capsys.readouterr().err == "FATAL: --num-images 0: must be 1 or more.\n"
   assert not (tmp_path / "o").exists()

@@ -60,6 +60,14 @@ def to_rgb(fig: mpl_figure.Figure) -> np.ndarray:
   return np.array(canvas.buffer_rgba())[..., :3]
 
 
+def prediction_caption(predicted: str, true: Optional[str] = None) -> str:
+  """A panel's caption: the predicted class, and the true one when it differs
+  ('Pullover (true Coat)'); just the prediction when the truth is unknown."""
+  if true is None or true == predicted:
+    return predicted
+  return f'{predicted} (true {true})'
+
+
 def display_images(images: Any) -> np.ndarray:
   """``[B, H, W]`` / ``[B, H, W, 1 or 3]`` (uint8 or float) -> ``[B, H, W, 3]`` float in [0, 1].
 
@@ -139,7 +147,7 @@ def rollout_overlay_figure(images: Any, maps: Any, *, labels: Optional[Sequence[
     images: ``[B, H, W(, C)]`` the model's inputs (see the module docstring).
     maps: ``[B, gh, gw]`` in [0, 1], e.g. :func:`vit_jax.analysis.class_token_map` of the
       rollout.
-    labels: optional ``B`` captions (e.g. the predicted class), shown over the overlays.
+    labels: optional ``B`` captions (e.g. :func:`prediction_caption`), shown over the overlays.
     columns: images per row (each takes two panels: the input and the overlay).
     title, alpha, cmap, style: the figure's title and :func:`overlay`'s options.
     dpi: pixels per inch.

@@ -98,13 +98,15 @@ class Pictures:
     return self._options.attention_images > 0
 
   def _captions(self, labels: np.ndarray, logits: Optional[np.ndarray] = None) -> list:
-    name = lambda i: self._names[i] if i < len(self._names) else str(i)
-    truth = np.argmax(labels, axis=-1)
+    """The top label's name of each example, or the predicted class's with the true one when
+    the prediction is wrong (`figures.prediction_caption`)."""
+    from vit_jax.analysis import figures  # pylint: disable=g-import-not-at-top
+    name = lambda i: self._names[i] if 0 <= i < len(self._names) else str(i)
+    truth = [name(int(t)) for t in np.argmax(labels, axis=-1)]
     if logits is None:
-      return [name(int(t)) for t in truth]
-    predicted = np.argmax(logits, axis=-1)
-    return [name(int(t)) if t == p else f"{name(int(p))} (true {name(int(t))})"
-            for t, p in zip(truth, predicted)]
+      return truth
+    return [figures.prediction_caption(name(int(p)), t)
+            for p, t in zip(np.argmax(logits, axis=-1), truth)]
 
   def training_images(self, writer: Any, batch: dict, step: int) -> None:
     """Writes 'analysis/training_images' at `step` from this process's numpy training `batch`

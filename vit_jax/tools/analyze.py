@@ -125,7 +125,8 @@ def analyze(trained: Any, inputs: np.ndarray, *, overlays: int = 8) -> Dict[str,
 
   Returns:
     ``{'model', 'image_size', 'stride', 'grid', 'prefix', 'num_images', 'attention_distance'
-    ([L][heads] pixels), 'rollout' ([overlays, gh, gw]), 'layer_maps' ([L, gh, gw] of the
+    ([L][heads] pixels), 'rollout' ([overlays, gh, gw]), 'predicted' (the overlays' top
+    classes, ints), 'layer_maps' ([L, gh, gw] of the
     first image), 'posemb_similarity' ([gh, gw, gh, gw] or None), 'filter_components' ([k, P,
     P, C] or None), 'explained_variance' ([k] or None)}``; NumPy arrays.
   """
@@ -134,7 +135,7 @@ def analyze(trained: Any, inputs: np.ndarray, *, overlays: int = 8) -> Dict[str,
   from vit_jax import step as step_lib  # pylint: disable=g-import-not-at-top
   model = step_lib.create_model(trained.config)
   variables = models.unbox(trained.variables)
-  sums, rollouts, layer_maps, layout = None, [], None, None
+  sums, rollouts, predicted, layer_maps, layout = None, [], [], None, None
   for captured in _captures(model, variables, inputs):
     layout = captured.layout
     grid, stride, prefix = layout.grid, layout.stride, layout.prefix
@@ -145,6 +146,7 @@ def analyze(trained: Any, inputs: np.ndarray, *, overlays: int = 8) -> Dict[str,
     if len(rollouts) < overlays:
       matrix = analysis.rollout(captured.attention)
       rollouts.extend(analysis.class_token_map(matrix, grid, num_prefix_tokens=prefix))
+      predicted.extend(int(i) for i in np.argmax(np.asarray(captured.logits), axis=-1))
     if layer_maps is None:
       layer_maps = analysis.layer_class_token_maps([a[:1] for a in captured.attention], grid,
                                                    num_prefix_tokens=prefix)[:, 0]
@@ -152,7 +154,8 @@ def analyze(trained: Any, inputs: np.ndarray, *, overlays: int = 8) -> Dict[str,
   out = dict(model=trained.config.model_name, image_size=int(inputs.shape[1]),
              stride=list(layout.stride), grid=list(layout.grid), prefix=layout.prefix,
              num_images=len(inputs), attention_distance=sums / len(inputs),
-             rollout=np.stack(rollouts[:overlays]), layer_maps=layer_maps,
+             rollout=np.stack(rollouts[:overlays]), predicted=predicted[:overlays],
+             layer_maps=layer_maps,
              posemb_similarity=None, filter_components=None, explained_variance=None)
   table = _param(params, 'Transformer', 'posembed_input', 'pos_embedding')
   if table is not None:
@@ -196,12 +199,24 @@ def write_figures(result: Dict[str, Any], images: np.ndarray, labels: Sequence[s
   return written + [path]
 
 
+def _captions(trained: Any, predicted: Sequence[int], labels: Sequence[str], *,
+              from_files: bool) -> List[str]:
+  """The rollout panels' captions: 'file.jpg: Sneaker' for files; for a dataset the predicted
+  class, with the true one when it differs (as in TensorBoard, `figures.prediction_caption`)."""
+  from vit_jax.analysis import figures  # pylint: disable=g-import-not-at-top
+  names = [trained.label_name(int(p)) for p in predicted]
+  if from_files:
+    return [f'{label}: {name}' for label, name in zip(labels, names)]
+  return [figures.prediction_caption(name, label) for name, label in zip(names, labels)]
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
   """Runs the command on ``argv`` (default: the command line); returns the exit status."""
   args = _parser().parse_args(argv)
   try:
-    if args.num_images < 1 or args.overlays < 1:
-      raise ValueError('--num-images and --overlays must be 1 or more.')
+    for flag, value in (('--num-images', args.num_images), ('--overlays', args.overlays)):
+      if value < 1:
+        raise ValueError(f'{flag} {value}: must be 1 or more.')
     existing = [f for f in OUTPUTS if os.path.exists(os.path.join(args.out, f))]
     if existing and not args.overwrite:
       raise FileExistsError(f'{args.out} already holds an analysis ({", ".join(existing)}); '
@@ -211,11 +226,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
       inputs, labels = _from_files(trained, args.images, args.num_images)
     else:
       inputs, labels = _from_data(trained, args.data, args.num_images)
+    if args.overlays > len(inputs):
+      print(f'--overlays {args.overlays} lowered to the {len(inputs)} image(s) analysed.')
     result = analyze(trained, inputs, overlays=min(args.overlays, len(inputs)))
   except common.INPUT_ERRORS as e:
     return common.fatal(e, 2)
   try:
-    written = write_figures(result, inputs, labels, args.out)
+    written = write_figures(result, inputs, _captions(trained, result['predicted'], labels,
+                                                      from_files=bool(args.images)), args.out)
   except OSError as e:
     return common.fatal(e, 1)
   distance = np.asarray(result['attention_distance'])
