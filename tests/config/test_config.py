@@ -53,6 +53,19 @@ def test_regime_defaults_follow_the_paper():
   assert (fine.optim.warmup_steps, fine.model.head_bias_init) == (500, 0.0)
 
 
+def test_vit_pretraining_presets_are_the_papers_table_3():
+  """configs/vit.py pretrains with the ViT paper's Table 3 (App. B.1) per dataset."""
+  for dataset, expected in [("imagenet2012", (300.0, 3e-3, "cosine", 0.3, 0.1)),
+                            ("imagenet21k", (90.0, 1e-3, "linear", 0.03, 0.1))]:
+    config = config_lib.fill_regime(_load_config("configs/vit.py", f"b16,{dataset}"))
+    assert (config.num_epochs, config.optim.lr, config.optim.schedule, config.optim.weight_decay,
+            config.model.dropout_rate) == expected, dataset
+    assert (config.batch_size, config.optim.warmup_steps, config.optim.grad_clip_norm,
+            config.model.representation_size) == (4096, 10_000, 1.0, 768)
+  other = config_lib.fill_regime(_load_config("configs/vit.py", "b16,cifar10"))
+  assert (other.optim.lr, other.optim.schedule, other.model.dropout_rate) == (1e-3, "linear", 0.0)
+
+
 def test_regime_keeps_explicit_values_and_rejects_unknown_regime():
   config = _tiny_config("finetune")
   config.optim.lr = 0.01
