@@ -125,14 +125,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
     fewshot_eval = run.fewshot  # Few-shot linear evaluation (config.fewshot), of the parameters.
     evaluate_fewshot = _fewshot_evaluation(run, accountant, writer)
     pictures = _pictures(run, steps, accountant)  # config.analysis: TensorBoard images.
-
-    def evaluate(state, step: int) -> dict[str, float]:
-      with accountant.timed("eval"):
-        results = evaluation.evaluate(state, run.evals, bool(config.ema_decay), steps.eval,
-                                      steps.to_global, step)
-        writer.write_scalars(step, results)
-        pictures.attention(writer, state, step)
-      return results
+    evaluate = _evaluation(run, steps, accountant, writer, pictures)
 
     def save_cost(step: int) -> None:
       report = accountant.report(step)
@@ -366,6 +359,23 @@ def _fewshot_evaluation(run: _Run, accountant: accounting.CostAccountant, writer
     return results
 
   return evaluate_fewshot
+
+
+def _evaluation(run: _Run, steps: _CompiledSteps, accountant: accounting.CostAccountant, writer,
+                pictures: pictures_lib.Pictures):
+  """`(state, step) -> metrics`: every eval set (`vit_jax.evaluation.evaluate`, with the EMA
+  when kept), written to TensorBoard with `config.analysis`'s attention pictures; timed as
+  eval."""
+
+  def evaluate(state, step: int) -> dict[str, float]:
+    with accountant.timed("eval"):
+      results = evaluation.evaluate(state, run.evals, bool(run.config.ema_decay), steps.eval,
+                                    steps.to_global, step)
+      writer.write_scalars(step, results)
+      pictures.attention(writer, state, step)
+    return results
+
+  return evaluate
 
 
 def _pictures(run: _Run, steps: _CompiledSteps, accountant: accounting.CostAccountant

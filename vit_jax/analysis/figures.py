@@ -137,6 +137,19 @@ def _grid_axes(fig, rows: int, cols: int, top: float):
   return axes.ravel()
 
 
+def _item_grid(count: int, columns: int, panels: int, dpi: int):
+  """A figure of ``count`` items, ``min(count, columns)`` per row, each ``panels`` square panels
+  side by side, under a title band; returns ``(fig, axes)`` (all axes off, row-major)."""
+  cols = max(1, min(count, int(columns)))
+  rows = math.ceil(count / cols)
+  height = PANEL * rows + TITLE_BAND
+  fig = _new_figure(panels * PANEL * cols, height, dpi)
+  axes = _grid_axes(fig, rows, panels * cols, 1.0 - TITLE_BAND / height)
+  for ax in axes:
+    ax.set_axis_off()
+  return fig, axes
+
+
 def rollout_overlay_figure(images: Any, maps: Any, *, labels: Optional[Sequence[str]] = None,
                            columns: int = 4, title: str = 'Attention rollout',
                            alpha: float = 0.5, cmap: str = 'jet', style: str = 'heatmap',
@@ -162,13 +175,7 @@ def rollout_overlay_figure(images: Any, maps: Any, *, labels: Optional[Sequence[
   count = shown.shape[0]
   if labels is not None and len(labels) != count:
     raise ValueError(f'labels has {len(labels)} entries for {count} images')
-  cols = max(1, min(count, int(columns)))
-  rows = math.ceil(count / cols)
-  height = PANEL * rows + TITLE_BAND
-  fig = _new_figure(2 * PANEL * cols, height, dpi)
-  axes = _grid_axes(fig, rows, 2 * cols, 1.0 - TITLE_BAND / height)
-  for ax in axes:
-    ax.set_axis_off()
+  fig, axes = _item_grid(count, columns, 2, dpi)
   for i in range(count):
     _panel(axes[2 * i], shown[i], 'input')
     _panel(axes[2 * i + 1], blended[i], labels[i] if labels is not None else 'rollout')
@@ -199,13 +206,7 @@ def image_grid_figure(images: Any, *, labels: Optional[Sequence[str]] = None, co
   count = shown.shape[0]
   if labels is not None and len(labels) != count:
     raise ValueError(f'labels has {len(labels)} entries for {count} images')
-  cols = max(1, min(count, int(columns)))
-  rows = math.ceil(count / cols)
-  height = PANEL * rows + TITLE_BAND
-  fig = _new_figure(PANEL * cols, height, dpi)
-  axes = _grid_axes(fig, rows, cols, 1.0 - TITLE_BAND / height)
-  for ax in axes:
-    ax.set_axis_off()
+  fig, axes = _item_grid(count, columns, 1, dpi)
   for i in range(count):
     _panel(axes[i], shown[i], labels[i] if labels is not None else None)
   fig.suptitle(title, fontsize=10)
