@@ -1,8 +1,11 @@
-r"""T2T-ViT trained from scratch with its ImageNet recipe: `get_config('<model>[,<dataset>]')`.
+r"""T2T-ViT from scratch with its ImageNet recipe: `get_config('<model>[,<dataset>][,<slice>]')`.
 
   <model>:   7, 10, 12, 14, 19, 24 (Performer T2T module), t14, t19, t24 (Transformer T2T
              module), or the full name of one of these variants (e.g. T2T-ViT_t-14).
   <dataset>: imagenet2012 (default) or any tfds name / prepared directory.
+  <slice>:   a Cloud TPU type (v3-8, v3-32, ...): keep the batch of 512 and fit it to the slice
+             (bfloat16 compute, FSDP and gradient accumulation where needed; see
+             vit_jax.config.slices and configs/vit.py); pre-flight confirms it.
 
 The recipe of the official T2T-ViT code (docs/reference.md section 3; timm's train.py defaults):
   * AdamW (b1 0.9, b2 0.999), lr 5e-4 at batch 512, scaled linearly with the global batch
@@ -53,13 +56,16 @@ def _lr_and_weight_decay(model_name: str):
 
 
 ARGS = config_lib.args.Spec(
-    "configs/t2t.py", ("model", "dataset"),
-    defaults={"model": "14", "dataset": "imagenet2012"},
-    help={"model": f"{', '.join(MODELS)} or a variant's full name"})
+    "configs/t2t.py", ("model", "dataset", "slice"),
+    defaults={"model": "14", "dataset": "imagenet2012", "slice": None},
+    help={"model": f"{', '.join(MODELS)} or a variant's full name",
+          "slice": "a Cloud TPU type, e.g. v3-8"},
+    patterns={"slice": config_lib.slices.SLICE_PATTERN})
 
 
 def get_config(arg: str = "14,imagenet2012"):
-  """Returns the T2T-ViT recipe config for '<model>[,<dataset>]' (see the module docstring)."""
+  """Returns the T2T-ViT recipe config for '<model>[,<dataset>][,<slice>]' (see the module
+  docstring)."""
   args = ARGS.parse(arg)
   model_name = MODELS.get(args["model"], args["model"])
   dataset = args["dataset"]
@@ -117,4 +123,6 @@ def get_config(arg: str = "14,imagenet2012"):
   config.log_every_steps = 100
   config.eval_every_steps = 5 * steps_per_epoch
   config.checkpoint_every_steps = steps_per_epoch
+  if args["slice"]:
+    config_lib.slices.fit_to_slice(config, args["slice"])
   return config

@@ -1,10 +1,16 @@
-r"""ViT on a tfds dataset: `get_config('<model>,<dataset>[,<regime>]')`.
+r"""ViT on a tfds dataset: `get_config('<model>,<dataset>[,<regime>][,<slice>]')`.
 
   <model>:   ti16, s16, s32, b16, b32, l16, l32, h14, g14, G14, or any name that
              vit_jax.models.create accepts (e.g. ViT-B_8).
   <dataset>: imagenet2012, imagenet21k, cifar10, cifar100, oxford_iiit_pet,
              oxford_flowers102, fashion_mnist_local, or any tfds name.
   <regime>:  pretrain (default) or finetune.
+  <slice>:   a Cloud TPU type (v3-8, v3-32, v4-64, v5litepod-16, ...): keep the recipe's batch
+             and fit it to that slice (vit_jax.config.slices): bfloat16 compute, FSDP when a
+             replicated state would crowd a device, and the fewest gradient-accumulation
+             micro-batches whose estimated memory fits; `python -m vit_jax.preflight` with the
+             same config confirms it. Without it the config is float32, data parallel, no
+             accumulation.
 
 Pretraining follows the ViT paper's Table 3 (App. B.1; Adam b1 0.9, b2 0.999, batch 4096,
 10k warmup steps, gradient clipping at global norm 1, a representation layer of width D, sigmoid
@@ -24,6 +30,8 @@ Examples:
   # weight decay 0.03, dropout 0.1, representation layer, sigmoid loss, head bias -10).
   python -m vit_jax.main --config configs/vit.py:b16,imagenet21k --workdir gs://b/b16_i21k \
       --config.data.data_dir=gs://b/tensorflow_datasets
+  # The same on a v3-8: bfloat16, 512 images per core in micro-batches; check it first.
+  python -m vit_jax.preflight --config configs/vit.py:b16,imagenet21k,v3-8 --accelerator v3-8
   # Fine-tuning schedule for CIFAR-10 (SGD momentum 0.9, 10k steps, batch 512, cosine, lr 0.03).
   python -m vit_jax.main --config configs/vit.py:b16,cifar10,finetune --workdir /tmp/b16_c10
 
@@ -57,16 +65,22 @@ DATASETS = {
     "fashion_mnist_local": ("train", "test", 30, 2_000),
 }
 
+# Classes of the heads, for the state's size when fitting to a slice (others: 1000).
+CLASSES = {"imagenet21k": 21_843, "cifar10": 10, "cifar100": 100, "oxford_iiit_pet": 37,
+           "oxford_flowers102": 102, "fashion_mnist_local": 10}
 
 ARGS = config_lib.args.Spec(
-    "configs/vit.py", ("model", "dataset", "regime"),
-    choices={"regime": tuple(config_lib.REGIME_DEFAULTS)}, defaults={"regime": "pretrain"},
+    "configs/vit.py", ("model", "dataset", "regime", "slice"),
+    choices={"regime": tuple(config_lib.REGIME_DEFAULTS)},
+    defaults={"regime": "pretrain", "slice": None},
     help={"model": f"{', '.join(MODELS)} or a name vit_jax.models.create accepts",
-          "dataset": "a tfds name, e.g. imagenet2012, cifar10"})
+          "dataset": "a tfds name, e.g. imagenet2012, cifar10",
+          "slice": "a Cloud TPU type, e.g. v3-32"},
+    patterns={"slice": config_lib.slices.SLICE_PATTERN})
 
 
 def get_config(arg: str = "b16,imagenet2012"):
-  """Returns the config for '<model>,<dataset>[,<regime>]' (see the module docstring)."""
+  """Returns the config for '<model>,<dataset>[,<regime>][,<slice>]' (see the module docstring)."""
   args = ARGS.parse(arg)
   model, dataset, regime = args["model"], args["dataset"], args["regime"]
   model_name = MODELS.get(model, model)
@@ -101,4 +115,7 @@ def get_config(arg: str = "b16,imagenet2012"):
     config.total_steps = finetune_steps
     config.data.image_size = 384
     config.data.augment = "inception_crop"
+  if args["slice"]:
+    config_lib.slices.fit_to_slice(config, args["slice"],
+                                   num_classes=CLASSES.get(dataset, 1000))
   return config

@@ -72,7 +72,8 @@ def restore_on_mesh(workdir: str, config):
   mesh = sharding.create_mesh(config.mesh)
   rules = sharding.parse_rules(config.mesh.rules, mesh.axis_names)
   from vit_jax import config as config_lib  # pylint: disable=g-import-not-at-top
-  fields = dict(config_lib.fill_regime(config).model.to_dict(), attention="xla")
+  fields = dict(config_lib.fill_regime(config).model.to_dict(), attention="xla",
+                remat_policy="dots_and_attention_saveable")  # What resolve picks on a CPU.
   model = models.create(config.model_name, num_classes=3, **fields)
   boxed = jax.eval_shape(lambda: model.init(jax.random.key(0), jnp.zeros((1, 16, 16, 3)),
                                             train=False))

@@ -1,4 +1,5 @@
-"""The choice of the attention implementation from the target devices (vit_jax.dispatch)."""
+"""How the blocks run, chosen from the target devices (vit_jax.dispatch): the attention
+implementation and the remat policy."""
 
 import dataclasses
 
@@ -62,3 +63,19 @@ def test_a_requested_implementation_that_cannot_run_is_refused():
   with pytest.raises(ValueError, match="is not one of"):
     _choose("flash")
   assert _choose("xla", devices=GPU).implementation == "xla"
+
+
+def test_auto_remat_policy_keeps_less_of_float32_and_wide_models_on_accelerators():
+  """'auto' keeps all the projections' outputs in 16-bit below ViT-L's width (or where the
+  memory is the host's), only q, k, v at twice those bytes, only block inputs at four times."""
+  choose = lambda devices, dtype, width=768: dispatch.choose_remat_policy(
+      "auto", devices=devices, dtype=dtype, width=width).implementation
+  assert choose(TPU8, "bfloat16") == choose(GPU, "float16") == "dots_and_attention_saveable"
+  assert choose(TPU8, "float32") == choose(GPU, "float32") == "qkv_saveable"
+  assert choose(TPU8, "bfloat16", 1024) == choose(GPU, "float16", 1280) == "qkv_saveable"
+  assert choose(TPU8, "float32", 1024) == choose(GPU, "float32", 1664) == "nothing_saveable"
+  assert choose(CPU, "float32", 1024) == choose(CPU, "bfloat16") == "dots_and_attention_saveable"
+  requested = dispatch.choose_remat_policy("dots_saveable", devices=TPU8, dtype="float32")
+  assert (requested.implementation, requested.reason) == ("dots_saveable", "requested")
+  with pytest.raises(ValueError, match=r"remat_policy='most' is not one of \('auto', "):
+    dispatch.choose_remat_policy("most", devices=TPU8)

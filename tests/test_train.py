@@ -279,7 +279,8 @@ def test_t2t_trains_and_keeps_its_fixed_tables_out_of_training(tmp_path):
   variables = checkpoint.load(workdir)
   assert sorted(variables) == ["constants", "params"]
   model = models_lib.create("T2T-ViT-custom", num_classes=3,
-                            **dict(config.model.to_dict(), attention="xla"))
+                            **dict(config.model.to_dict(), attention="xla",
+                                   remat_policy="dots_and_attention_saveable"))
   fresh = jax.jit(lambda x: model.init(jax.random.PRNGKey(0), x, train=False))(  # Eager: slow.
       jnp.zeros((1, 16, 16, 3)))
   # The sinusoid table is a function of the shape only: unchanged by training.

@@ -1,4 +1,5 @@
-"""Which attention implementation runs: chosen once, from the devices the step is compiled for.
+"""How the blocks run, chosen once from the devices the step is compiled for: the attention
+implementation and the remat policy.
 
 The models take the implementation as a field (`attention='xla' | 'cudnn' | 'cpu_kernel'`,
 see `vit_jax.models.attention`) and never look at the machine. `choose_attention` turns a
@@ -16,6 +17,19 @@ TPU mesh gets the TPU's choice.
                   CPU's instruction set (`cpu_attention.faster_than_xla`); else 'xla'
   CPU, several    'xla' (XLA's SPMD partitioner cannot split the kernel's custom call)
 so it never picks something slower than XLA's attention where that is known.
+
+`choose_remat_policy` turns `remat_policy='auto'` into what a rematerialised block keeps for the
+backward pass (`vit_jax.models.execution.REMAT_POLICIES`). On accelerators it goes by the
+compute dtype's bytes, doubled for models of width D >= 1024 (ViT-L, H, g, G), so that the step
+needs at most 0.8 times the per-device memory of the official unrematerialised model at the
+same batch (measured with the pre-flight for ViT-B/16 and ViT-L/16; docs/pods.md):
+  TPU, GPU   2 (bfloat16/float16, D < 1024): 'dots_and_attention_saveable' (all the dense
+             projections' outputs: only LayerNorm, softmax and GELU are recomputed)
+             4 (float32 D < 1024, or 16-bit D >= 1024): 'qkv_saveable' (only the attention's
+             query, key and value: about a seventh more FLOPs per step)
+             8 (float32, D >= 1024): 'nothing_saveable' (each block's input: a third more)
+  CPU        'dots_and_attention_saveable' (memory is the host's; the fused kernel's outputs
+             kept too)
 """
 
 from __future__ import annotations
@@ -27,9 +41,12 @@ import jax.numpy as jnp
 
 from vit_jax.kernels import cpu_attention
 from vit_jax.models import attention as attention_lib
+from vit_jax.models import execution
 
 #: What `choose_attention` accepts: 'auto' or a concrete implementation.
 CHOICES = ("auto",) + attention_lib.IMPLEMENTATIONS
+#: What `choose_remat_policy` accepts: 'auto' or a policy name.
+REMAT_CHOICES = ("auto",) + execution.REMAT_POLICIES
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,3 +131,44 @@ def choose_attention(requested: str, *, devices: Sequence[Any], dtype: Any = "fl
     return Choice("xla", "the fused CPU kernel is not known to be faster than XLA's attention "
                   f"on this CPU: {why}")
   return Choice("cpu_kernel", f"vit_jax's fused CPU kernel: {why}")
+
+
+#: Model widths (hidden size D) from which 'auto' keeps half as much (ViT-L and wider).
+WIDE = 1024
+
+
+def auto_remat_policy(platform: str, dtype: Any, width: int) -> Choice:
+  """The policy 'auto' stands for on `platform` ('tpu', 'gpu', 'cpu') at compute `dtype` for a
+  model of hidden size `width` (see the module docstring)."""
+  if platform == "cpu":
+    return Choice("dots_and_attention_saveable", "CPU: host memory; keep the projections")
+  name = jnp.dtype(dtype).name
+  load = jnp.dtype(dtype).itemsize * (2 if width >= WIDE else 1)
+  why = f"{platform.upper()}, {name}, D={width}"
+  if load <= 2:
+    return Choice("dots_and_attention_saveable", f"{why}: keep the projections' outputs")
+  if load <= 4:
+    return Choice("qkv_saveable", f"{why}: keep only q, k and v")
+  return Choice("nothing_saveable", f"{why}: keep only each block's input")
+
+
+def choose_remat_policy(requested: str, *, devices: Sequence[Any], dtype: Any = "float32",
+                        width: int = 0) -> Choice:
+  """The remat policy of a step compiled for `devices`: `requested` unless it is 'auto'.
+
+  Args:
+    requested: 'auto' or a name in `vit_jax.models.execution.REMAT_POLICIES`.
+    devices: the target devices; dtype: the models' compute dtype; width: the model's hidden
+      size D (ViT `hidden_size`, T2T-ViT `embed_dim`).
+
+  Raises:
+    ValueError: an unknown request (listing the choices), or no devices.
+  """
+  if requested not in REMAT_CHOICES:
+    raise ValueError(f"config.model.remat_policy={requested!r} is not one of {REMAT_CHOICES} "
+                     "('auto' picks from the devices and the compute dtype).")
+  if requested != "auto":
+    return Choice(requested, "requested")
+  if not devices:
+    raise ValueError("choose_remat_policy needs the target devices, got none.")
+  return auto_remat_policy(devices[0].platform, dtype, width)

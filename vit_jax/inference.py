@@ -136,7 +136,7 @@ def _as_tuples(value: Any) -> Any:
 def _for_devices(config: ml_collections.ConfigDict,
                  devices: Sequence[Any]) -> ml_collections.ConfigDict:
   """``config`` for running on ``devices``: its mesh when it fits them (else data parallel), an
-  eval batch the mesh can split, the attention implementation chosen for them."""
+  eval batch the mesh can split, the attention implementation and remat policy chosen for them."""
   config = ml_collections.ConfigDict(config.to_dict())
   try:
     sharding.axis_sizes(config.mesh, len(devices))
@@ -147,6 +147,9 @@ def _for_devices(config: ml_collections.ConfigDict,
   batch = int(config.eval_batch_size or config.batch_size or shards)
   config.eval_batch_size = -(-batch // shards) * shards
   config.model.attention = config_lib.attention_choice(config, 'auto', devices).implementation
+  remat = config_lib.remat_choice(config, devices)
+  if remat is not None:
+    config.model.remat_policy = remat.implementation
   return config
 
 

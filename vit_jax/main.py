@@ -18,7 +18,8 @@ Every config field can be overridden with --config.<key>=<value> (nested keys wi
 that names it. The log starts with the resolved config, the one that runs (regime filled in,
 schedule in steps), also saved as DIR/config.json. The model's fields are its architecture plus
 how it runs: --config.model.scan / remat (True by default for training; False/False for the
-plain unrolled model), --config.model.remat_policy (one of vit_jax.models.execution.REMAT_POLICIES)
+plain unrolled model), --config.model.remat_policy ('auto', the default, picks from the devices,
+the compute dtype and the width; or one of vit_jax.models.execution.REMAT_POLICIES)
 and --config.model.attention: 'auto' (default) picks from the devices the step runs on: XLA's
 attention on TPU, cuDNN's on GPU in bfloat16, and on a one-device CPU vit_jax's fused kernel
 where it is built and faster than XLA's on this CPU (float32, head size divisible by 16, no

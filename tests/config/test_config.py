@@ -1,6 +1,7 @@
 """The training config: defaults, the shipped configs, `resolve` (regime, lengths, ranges,
 attention) and the parser of the configs' arguments (vit_jax.config)."""
 
+import dataclasses
 import json
 import pathlib
 import shutil
@@ -142,6 +143,7 @@ def test_resolve_takes_pretrained_dir_and_refuses_a_missing_checkpoint(tmp_path)
     ("loss", "hinge", r"config.loss='hinge' must be one of \('softmax_xent', 'sigmoid_xent'\)"),
     ("mesh.max_replicated_fraction", 2.0, r"must be in \[0, 1\] \(a probability\)"),
     ("model.attention", "flash", r"config.model.attention='flash' is not one of"),
+    ("model.remat_policy", "some", r"config.model.remat_policy='some' is not one of"),
 ])
 def test_resolve_refuses_values_out_of_range_naming_the_flag(key, value, message):
   config = _tiny_config()
@@ -207,6 +209,91 @@ def test_config_arguments_are_parsed_one_way():
     _load_config("configs/vit.py", "b16,cifar10,tune")
   with pytest.raises(ValueError, match="configs/fashion_mnist.py: <model> must be one of vit, t2t"):
     _load_config("configs/fashion_mnist.py", "resnet")
+
+
+def test_a_patterned_field_takes_its_value_from_an_earlier_optional_place():
+  spec = config_lib.args.Spec("configs/x.py", ("model", "dataset", "regime", "slice"),
+                              choices={"regime": ("pretrain", "finetune")},
+                              defaults={"regime": "pretrain", "slice": None},
+                              patterns={"slice": config_lib.slices.SLICE_PATTERN})
+  expect = {"model": "b16", "dataset": "i21k", "regime": "pretrain", "slice": "v3-32"}
+  assert spec.parse("b16,i21k,v3-32") == expect
+  assert spec.parse("b16,i21k,pretrain,v3-32") == expect
+  assert spec.parse("b16,i21k,slice=v3-32") == expect
+  assert spec.parse("b16,i21k,finetune")["slice"] is None
+  # A required field is never skipped: 'v3-32' is the dataset here, and the regime stays checked.
+  assert spec.parse("b16,v3-32")["dataset"] == "v3-32"
+  with pytest.raises(ValueError, match="<regime> must be one of pretrain, finetune, got 'v3'"):
+    spec.parse("b16,i21k,v3")
+
+
+# ----------------------------------------------------------------------------- slices
+
+GIB = 2**30
+
+
+@pytest.mark.parametrize("arg, fsdp, accumulation", [
+    ("b16,imagenet21k,v3-8", 1, 4),   # 512 images per core, 128 per micro-batch.
+    ("b16,imagenet21k,v3-32", 1, 1),  # 128 per core fit at once.
+    ("l16,imagenet21k,v3-8", 4, 4),   # 4.9 GiB of replicated state: sharded over 4 cores.
+    ("l16,imagenet21k,v3-32", 4, 1),
+    ("h14,imagenet2012,v3-32", 8, 4),
+    ("b16,imagenet2012,finetune,v3-8", 1, 2),  # 384 px: 577 tokens.
+    ("b16,imagenet21k,v4-32", 1, 1),  # 16 chips of 32 GiB.
+])
+def test_a_slice_fits_the_papers_batch_with_bfloat16_fsdp_and_accumulation(arg, fsdp,
+                                                                          accumulation):
+  config = _load_config("configs/vit.py", arg)
+  fitted = _load_config("configs/vit.py", arg.rsplit(",", 1)[0])  # The same without a slice.
+  assert (fitted.model.dtype, fitted.grad_accum_steps, fitted.slice) == ("float32", 1, None)
+  assert config.batch_size == fitted.batch_size  # The recipe's batch is kept...
+  assert (config.model.dtype, config.mesh.data, config.mesh.fsdp, config.grad_accum_steps,
+          config.slice) == ("bfloat16", -1, fsdp, accumulation, arg.rsplit(",", 1)[1])
+  resolved = _resolve(config, examples=1_281_167, devices=[FakeTPU()] * (
+      config_lib.slices.accounting.accelerator(config.slice).num_devices))
+  # bfloat16 on a TPU: ViT-L and wider keep only q, k and v.
+  wide = config.model.hidden_size >= 1024
+  assert resolved.model.remat_policy == (
+      "qkv_saveable" if wide else "dots_and_attention_saveable")
+
+
+@dataclasses.dataclass(frozen=True)
+class FakeTPU:
+  platform: str = "tpu"
+  device_kind: str = "TPU v3"
+  id: int = 0
+
+
+def test_the_slice_estimate_is_the_compilers_figure_within_its_margin():
+  """ViT-B/16 at 224 px, 64 images per v3 core: the TPU compiler's temporaries (docs/pods.md)
+  are 4.00 GiB in bfloat16 with the projections kept and 2.27 GiB in float32 keeping only
+  each block's input; the estimate covers them within 25%."""
+  fields = config_lib.get_config("ViT-B_16", "imagenet2012").model.to_dict()
+  slices = config_lib.slices
+  bf16 = 64 * slices.activation_bytes(
+      "ViT-B_16", dict(fields, dtype="bfloat16", remat_policy="dots_and_attention_saveable"), 224)
+  f32 = 64 * slices.activation_bytes(
+      "ViT-B_16", dict(fields, dtype="float32", remat_policy="nothing_saveable"), 224)
+  assert 4.00 * GIB < bf16 + 0.32 * GIB < 1.25 * 4.00 * GIB  # + the float32 gradient.
+  assert 2.27 * GIB < f32 + 0.32 * GIB < 1.25 * 2.27 * GIB
+
+
+def test_a_slice_that_cannot_take_the_batch_or_the_model_is_refused():
+  with pytest.raises(ValueError, match=r"global batch 4096 cannot be split over the 24 devices "
+                     r"of v4-48.*--config.batch_size=4080"):
+    _load_config("configs/vit.py", "b16,imagenet21k,v4-48")
+  with pytest.raises(ValueError, match="a Cloud TPU type .* got 'a100-8'"):
+    _load_config("configs/vit.py", "b16,imagenet21k,slice=a100-8")
+  with pytest.raises(ValueError, match="Accelerator 'v3-12' does not exist"):
+    _load_config("configs/vit.py", "b16,imagenet21k,v3-12")
+  with pytest.raises(ValueError, match=r"does not fit a device of v5litepod-1 even one image at "
+                     r"a time \(28.0 GiB of state.*use a larger slice"):
+    _load_config("configs/vit.py", "G14,imagenet21k,v5litepod-1")
+  # Settings fitted to 32 devices are not run on 8 (nor on this CPU).
+  config = _load_config("configs/vit.py", "ti16,imagenet21k,v3-32")
+  with pytest.raises(ValueError, match=r"config.slice='v3-32': .* fitted to its 32 devices, but "
+                     r"the step runs on 8\. .* or --config.slice= to run"):
+    _resolve(config, devices=[FakeTPU()] * 8)
 
 
 def _record_consumed_keys(monkeypatch):
@@ -282,6 +369,7 @@ def test_t2t_qk_scale_is_a_float_override():
   config = config_lib.get_config("T2T-ViT-14", "imagenet2012")
   assert config.model.qk_scale is None  # head_dim**-0.5, the from-scratch default.
   config.model.qk_scale = 384 ** -0.5
-  fields = dict(config.model.to_dict(), attention="xla")
+  fields = dict(config.model.to_dict(), attention="xla",
+                remat_policy="nothing_saveable")  # What resolve picks for the devices.
   model = models_lib.create(config.model_name, num_classes=10, **fields)
   assert model.qk_scale == pytest.approx(0.0510310363)

@@ -397,6 +397,31 @@ def test_vectorized_flip_deterministic_and_resumable(tmp_path_factory, cache):
   assert any(not np.array_equal(x['image'], y['image']) for x, y in zip(a, c))
 
 
+def test_pad_crop_translates_each_image_by_its_own_offset():
+  """Each image moves by (dy, dx) in [-P, P]^2 with zeros shifted in; the batch and the
+  per-example paths draw the same kind of shifts; the seed decides them."""
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  from vit_jax.data import preprocess  # pylint: disable=g-import-not-at-top
+  images = np.random.RandomState(0).randint(1, 256, (64, 12, 10, 1)).astype(np.uint8)
+  out = preprocess.pad_crop(tf.constant(images), tf.constant([3, 4], tf.int64), 2).numpy()
+  assert out.shape == images.shape and out.dtype == np.uint8
+  shifts = []
+  for image, moved in zip(images, out):
+    padded = np.pad(image, ((2, 2), (2, 2), (0, 0)))
+    (found,) = [(dy, dx) for dy in range(5) for dx in range(5)
+                if np.array_equal(padded[dy:dy + 12, dx:dx + 10], moved)]
+    shifts.append(found)
+  assert len(set(shifts)) > 15  # Independent offsets, all 25 possible in 64 draws.
+  assert {dy for dy, _ in shifts} == {dx for _, dx in shifts} == set(range(5))
+  again = preprocess.pad_crop(tf.constant(images), tf.constant([3, 4], tf.int64), 2).numpy()
+  other = preprocess.pad_crop(tf.constant(images), tf.constant([3, 5], tf.int64), 2).numpy()
+  assert np.array_equal(out, again) and not np.array_equal(out, other)
+  one = preprocess.train_image(tf.constant(images[0]), encoded=False, seed=tf.constant(
+      [1, 2], tf.int64), size=12, augment='pad_crop', min_area=0.05, normalization=None,
+                               pad_pixels=2)
+  assert one.shape == (12, 12, 3)
+
+
 def test_inception_crop_window():
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
   from vit_jax.data import preprocess  # pylint: disable=g-import-not-at-top

@@ -1,5 +1,8 @@
 """The ViT attention layer (vit_jax.models.attention) and the training execution defaults."""
 
+import contextlib
+import io
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -125,6 +128,32 @@ def test_remat_policy_is_validated():
     models.create("ViT-Ti_16", num_classes=10, remat=True, remat_policy="dots")
 
 
+def _saved(policy, implementation="xla"):
+  """What the backward pass of a 1-layer ViT keeps from its forward (jax's own listing)."""
+  model = models.create("ViT-custom", num_classes=3, hidden_size=32, mlp_dim=128, num_heads=2,
+                        num_layers=1, patch_size=4, remat=True, remat_policy=policy,
+                        attention=implementation)
+  images = jnp.zeros((2, 8, 8, 3))
+  params = models.unbox(model.init(jax.random.key(0), images, train=False))["params"]
+  listing = io.StringIO()
+  with contextlib.redirect_stdout(listing):
+    jax.ad_checkpoint.print_saved_residuals(
+        lambda p: model.apply({"params": p}, images, train=False).sum(), params)
+  return [line.split(" from ")[0] for line in listing.getvalue().splitlines()
+          if "vit_jax/models/attention.py" in line or "flax/linen/linear.py" in line]
+
+
+def test_qkv_policy_keeps_only_the_query_key_and_value():
+  """2 images of 4 patches + class token, D=32 in 2 heads of 16; the MLP's 128-wide first
+  layer is what 'dots_and_attention_saveable' keeps besides, and 'qkv_saveable' recomputes."""
+  qkv = [f"f32[2,2,5,16] named '{name}'" for name in ("query", "key", "value")]
+  assert _saved("qkv_saveable") == qkv
+  assert _saved("dots_and_attention_saveable") == [  # (XLA's own layout of the same q, k, v.)
+      "f32[2,16,2,5] output of dot_general"] * 3 + [
+      "f32[2,5,32] output of dot_general", "f32[2,5,128] output of dot_general"]
+  assert _saved("nothing_saveable") == []
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("policy", execution.REMAT_POLICIES)
 def test_every_remat_policy_gives_the_same_gradients(policy):
@@ -149,7 +178,7 @@ def test_every_remat_policy_gives_the_same_gradients(policy):
 def test_training_config_scans_and_rematerialises_unless_overridden():
   config = config_lib.get_config("ViT-Ti_16", "cifar10")
   assert (config.model.scan, config.model.remat, config.model.remat_policy) == (
-      True, True, "dots_and_attention_saveable")
+      True, True, "auto")  # Resolved from the devices (vit_jax.dispatch).
   config = config_lib.get_config("ViT-Ti_16", "cifar10", scan=False, remat=False)
   assert not config.model.scan and not config.model.remat
   # The model itself defaults to the unrolled encoder with the official per-layer names.
@@ -157,7 +186,7 @@ def test_training_config_scans_and_rematerialises_unless_overridden():
   # T2T-ViT trains with its backbone scanned and rematerialised the same way.
   config = config_lib.get_config("T2T-ViT-14", "cifar10")
   assert (config.model.scan, config.model.remat, config.model.remat_policy) == (
-      True, True, "dots_and_attention_saveable")
+      True, True, "auto")
   assert models.model_config("T2T-ViT-14")["scan"] is False
 
 

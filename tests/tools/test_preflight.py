@@ -15,6 +15,7 @@ import ml_collections
 import pytest
 
 from vit_jax import cli
+from vit_jax import config as config_lib
 from vit_jax import flops
 from vit_jax import step
 from vit_jax.tools.preflight import cli as preflight_cli
@@ -208,6 +209,41 @@ def test_oversized_batch_gets_a_suggestion_that_fits_when_applied():
       "bfloat16", 2, 16384)
   assert found.result.micro_batch_per_device == 1024
   assert found.result.train.memory.total < tpu.hbm_bytes
+
+
+# The papers' global batches with tiny models: ViT (1 layer, D=32, 1,025 tokens of 4 px
+# patches at 128 px: the attention matrices alone take ~34 MB per image, so 512 images per core
+# need micro-batches) and T2T-ViT-7's recipe (2 blocks of width 32 at 64 px).
+SLICED = [("configs/vit.py:ti16,imagenet2012", "v3-8", {
+    "data.image_size": 128, "model.patch_size": (4, 4), "model.hidden_size": 32,
+    "model.mlp_dim": 64, "model.num_heads": 2, "model.num_layers": 1}, 2),
+          ("configs/t2t.py:7", "v3-32", {
+    "data.image_size": 64, "model.token_dim": 16, "model.embed_dim": 32, "model.depth": 2,
+    "model.num_heads": 2}, 1)]
+
+
+@requires_libtpu
+@pytest.mark.slow
+@pytest.mark.parametrize("spec, accelerator, overrides, accumulation", SLICED)
+def test_a_config_fitted_to_a_slice_compiles_and_fits_there(spec, accelerator, overrides,
+                                                            accumulation):
+  """The settings `vit_jax.config.slices` picks for the recipe's batch (as the configs'
+  <slice> argument does) are the ones the pre-flight's compile accepts."""
+  config = fit.with_overrides(cli.load_config_file(os.path.join(ROOT, spec)),
+                              {**overrides, "eval_batch_size": 64})
+  batch = config.batch_size
+  with config.unlocked():
+    settings = config_lib.slices.fit_to_slice(config, accelerator)
+  assert settings["grad_accum_steps"] == accumulation and settings["model.dtype"] == "bfloat16"
+  tpu = topology.tpu_slice(accelerator)
+  result = fit.check(config, tpu, eval_step=False, num_train_examples=1_281_167,
+                     num_classes=1000)
+  assert result.fits and result.config.batch_size == batch  # The paper's batch, unchanged.
+  assert result.micro_batch_per_device == batch // len(tpu.devices) // accumulation
+  assert result.config.model.remat_policy == "dots_and_attention_saveable"
+  # The estimate is the compiler's figure within its margin (it plans for BUDGET of the HBM).
+  estimate = settings["estimate"]["state"] + settings["estimate"]["activations"]
+  assert 0.5 * estimate < result.train.memory.total < 1.25 * estimate
 
 
 @requires_libtpu

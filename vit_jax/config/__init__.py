@@ -7,7 +7,7 @@
 
 `defaults` lists every key with its meaning; `resolve` (module `resolution`) fills the regime, the
 schedule in steps and the attention implementation and checks every value; `args` parses the
-`:<arg>` of `configs/*.py`.
+`:<arg>` of `configs/*.py`; `slices` fits a recipe's batch to a TPU slice.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from typing import Any
 import ml_collections
 
 from vit_jax.config import args
+from vit_jax.config import slices
 from vit_jax.config.defaults import ATTENTION_CHOICES
 from vit_jax.config.defaults import AUGMENTATIONS
 from vit_jax.config.defaults import BAD_IMAGES
@@ -30,13 +31,15 @@ from vit_jax.config.resolution import check_batch_size
 from vit_jax.config.resolution import check_value
 from vit_jax.config.resolution import fill_regime
 from vit_jax.config.resolution import num_train_steps
+from vit_jax.config.resolution import remat_choice
 from vit_jax.config.resolution import resolve
 from vit_jax.config.resolution import validate_data
 
 __all__ = [
     'ATTENTION_CHOICES', 'AUGMENTATIONS', 'BAD_IMAGES', 'NORMALIZATIONS', 'REGIME_DEFAULTS',
-    'TRAINING_DEFAULTS', 'args', 'attention_choice', 'check_batch_size', 'check_value', 'fill_regime', 'from_json', 'get_config',
-    'num_train_steps', 'resolve', 'to_json', 'validate_data',
+    'TRAINING_DEFAULTS', 'args', 'attention_choice', 'check_batch_size', 'check_value',
+    'fill_regime', 'from_json', 'get_config', 'num_train_steps', 'remat_choice', 'resolve',
+    'slices', 'to_json', 'validate_data',
 ]
 
 

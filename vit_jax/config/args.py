@@ -10,12 +10,17 @@ A config file declares its fields and calls `parse`:
 
 An argument is comma-separated values in the declared order (`b16,cifar10`), or `name=value`
 items in any order (`model=b16,regime=finetune`), or a mix (positional values first). Values are
-strings; a field without a default must be given; a field with `choices` must be one of them.
+strings; a field without a default must be given; a field with `choices` must be one of them. A
+field with a `pattern` (a regular expression) also takes a positional value that matches it
+from an earlier optional place, leaving the optional fields in between at their defaults:
+with fields (model, dataset, regime, slice) and slice's pattern `v[0-9].*-[0-9]+`,
+`b16,imagenet21k,v3-32` gives slice 'v3-32' and the default regime.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import re
 from typing import Mapping, Optional, Sequence
 
 
@@ -29,6 +34,9 @@ class Spec:
     choices: for some fields, the accepted values (shown in errors).
     defaults: values of the optional fields (the others are required).
     help: for each field, a few words shown in errors (e.g. 'ti16, s16, ... or a model name').
+    patterns: for some optional fields, a regular expression their values match in full; a
+      positional value that matches it lands there even where an earlier optional field
+      would have taken it.
   """
 
   file: str
@@ -36,6 +44,18 @@ class Spec:
   choices: Mapping[str, Sequence[str]] = dataclasses.field(default_factory=dict)
   defaults: Mapping[str, Optional[str]] = dataclasses.field(default_factory=dict)
   help: Mapping[str, str] = dataclasses.field(default_factory=dict)
+  patterns: Mapping[str, str] = dataclasses.field(default_factory=dict)
+
+  def _place(self, index: int, value: str) -> int:
+    """The field index a positional `value` at `index` goes to (see `patterns`)."""
+    for later in range(index, len(self.fields)):
+      field = self.fields[later]
+      if field in self.patterns and re.fullmatch(self.patterns[field], value):
+        skipped = self.fields[index:later]
+        if all(f in self.defaults and not (f in self.choices and value in self.choices[f])
+               for f in skipped):
+          return later
+    return index
 
   def usage(self) -> str:
     """E.g. "configs/vit.py:<model>,<dataset>[,<regime>]"."""
@@ -59,8 +79,8 @@ class Spec:
     """
     values: dict[str, Optional[str]] = {}
     items = [item.strip() for item in (arg or "").split(",")] if arg else []
-    positional = True
-    for index, item in enumerate(items):
+    positional, index = True, 0
+    for item in items:
       name, sep, value = item.partition("=")
       if sep:
         positional = False
@@ -75,7 +95,9 @@ class Spec:
         raise ValueError(f"{self.file} takes at most {len(self.fields)} values, got "
                          f"{len(items)} in {arg!r} (usage: {self.usage()}).")
       else:
+        index = self._place(index, item.strip())
         name, value = self.fields[index], item
+        index += 1
       if name in values:
         raise ValueError(f"{self.file}: {name!r} is given twice in {arg!r}.")
       values[name] = value.strip()

@@ -36,18 +36,20 @@ REGIME_DEFAULTS = {
 }
 
 #: How the blocks run in training unless a config overrides it: a scanned encoder (one
-#: compiled block body, stacked parameters) whose blocks are rematerialised keeping the dense
-#: projections' outputs and the fused CPU attention kernel's residuals. Both model families
+#: compiled block body, stacked parameters) whose blocks are rematerialised with the policy
+#: 'auto' picks from the target devices, the compute dtype and the width
+#: (`vit_jax.dispatch.choose_remat_policy`: on a CPU, and on TPU/GPU in 16-bit below ViT-L's
+#: width, the dense projections' outputs are kept; otherwise less). Both model families
 #: take these fields; the models' own defaults stay the plain unrolled encoder with the
 #: official per-layer names (docs/benchmarks.md has the measurements behind the choice).
-TRAINING_DEFAULTS = dict(scan=True, remat=True, remat_policy="dots_and_attention_saveable")
+TRAINING_DEFAULTS = dict(scan=True, remat=True, remat_policy="auto")
 
 #: `config.model.attention`: 'auto' picks, from the devices the step is compiled for, the
 #: fastest implementation that can run there (`vit_jax.dispatch.choose_attention`).
 ATTENTION_CHOICES = ("auto",) + models.ATTENTION_IMPLEMENTATIONS
 
 #: Values of `config.data.augment`, `config.data.normalization`, `config.data.bad_images`.
-AUGMENTATIONS = ("inception_crop", "flip", "none")
+AUGMENTATIONS = ("inception_crop", "pad_crop", "flip", "none")
 NORMALIZATIONS = ("minus_one_to_one", "imagenet")
 BAD_IMAGES = ("fail", "skip")
 
@@ -64,6 +66,8 @@ def model_config(model_name: str, **model_overrides) -> ml_collections.ConfigDic
   """
   model_overrides = dict(model_overrides)
   attention = model_overrides.pop("attention", "auto")  # Resolved from the target devices.
+  if model_overrides.get("remat_policy") == "auto":  # Also resolved there (the default).
+    del model_overrides["remat_policy"]
   fields = models.model_config(model_name, **model_overrides)
   fields.update({k: v for k, v in TRAINING_DEFAULTS.items()
                  if k in fields and k not in model_overrides})
@@ -145,11 +149,16 @@ def data_config() -> ml_collections.ConfigDict:
   c.image_size = 224
   # Training augmentation: 'inception_crop' (random crop covering [inception_crop_min_area, 1]
   # of the image with aspect ratio in [3/4, 4/3], resized to S, + random left-right flip; the
-  # ViT fine-tuning recipe), 'flip' (resize to S + random left-right flip), 'none' (resize to
-  # S). Eval resizes the full image to S (bilinear) unless eval_crop_pct is set (below).
+  # ViT fine-tuning recipe), 'pad_crop' (random translation: pad pad_crop_pixels zeros on every
+  # side and crop back to the original size at a random offset, the CIFAR / MNIST recipes'
+  # random crop with padding; then resize to S + random flip), 'flip' (resize to S + random
+  # left-right flip), 'none' (resize to S). Eval resizes the full image to S (bilinear) unless
+  # eval_crop_pct is set (below).
   c.augment = "inception_crop"
   # Minimum fraction of the image area kept by the Inception crop.
   c.inception_crop_min_area = 0.05
+  # The largest shift of 'pad_crop', in pixels of the source image.
+  c.pad_crop_pixels = 4
   # Extra training augmentations of the T2T-ViT / DeiT ImageNet recipe (timm's), off by
   # default; see vit_jax.data.augment. All are seeded by (seed, step), so resuming is exact.
   # RandAugment after the crop / flip (timm 'rand-m9-mstd0.5-inc1'): this many ops per image
@@ -315,6 +324,10 @@ def get_config(model_name: str = "ViT-B_16", dataset: str = "imagenet2012",
   # Schedule length: total_steps if set, else num_epochs (epochs of data.train_split).
   config.batch_size = 4096  # Global batch over all devices and hosts (images per update).
   config.grad_accum_steps = 1  # Split each batch into this many sequential micro-batches.
+  # The Cloud TPU slice (e.g. 'v3-32') whose devices a config's `<slice>` argument fitted the
+  # batch to (compute dtype, mesh, accumulation: vit_jax.config.slices); resolve refuses to run
+  # those settings on another number of devices. None: not fitted to a slice.
+  config.slice = config_dict.placeholder(str)
   # Global batch of the eval step (None: batch_size). The eval step has no accumulation: lower
   # it when evaluating a large batch does not fit (python -m vit_jax.preflight says).
   config.eval_batch_size = config_dict.placeholder(int)

@@ -105,6 +105,7 @@ _DATA_RANGES = {
                    "fail with the file names, or skip undecodable images"),
     "image_size": (_POSITIVE_INT, False, "the side of the square images the model sees"),
     "inception_crop_min_area": (_FRACTION, False, ""),
+    "pad_crop_pixels": (_POSITIVE_INT, False, "the largest shift of augment='pad_crop'"),
     "shuffle_buffer": (("an int >= 1", lambda v: _integer(v) and v >= 1), False, ""),
     "prefetch": (_NON_NEGATIVE_INT, False, ""),
     "num_parallel_calls": (("-1 (AUTOTUNE) or an int >= 1",
@@ -386,6 +387,22 @@ def _numerics_from_init(config: ml_collections.ConfigDict, path: str) -> None:
                            for k, (old, new) in changed.items()))
 
 
+def remat_choice(config: ml_collections.ConfigDict,
+                 devices: Sequence[Any]) -> Optional[dispatch.Choice]:
+  """`vit_jax.dispatch.choose_remat_policy` for the model of `config` on `devices` (None for a
+  model without a remat policy).
+
+  Raises:
+    ValueError: an unknown policy.
+  """
+  model = config.model
+  if "remat_policy" not in model:
+    return None
+  return dispatch.choose_remat_policy(
+      model.remat_policy, devices=devices, dtype=model.get("dtype", "float32"),
+      width=model.get("hidden_size") or model.get("embed_dim") or 0)
+
+
 def attention_choice(config: ml_collections.ConfigDict, requested: str,
                      devices: Sequence[Any]) -> dispatch.Choice:
   """`vit_jax.dispatch.choose_attention` for the model of `config` and the request `requested`
@@ -396,10 +413,31 @@ def attention_choice(config: ml_collections.ConfigDict, requested: str,
   """
   fields = _model_fields(config)
   fields.pop("attention", None)
+  if fields.get("remat_policy") == "auto":  # Any policy: the head size is all that is read.
+    fields["remat_policy"] = "nothing_saveable"
   return dispatch.choose_attention(
       requested, devices=devices, dtype=config.model.get("dtype", "float32"),
       head_dim=models.head_dim(config.model_name, **fields),
       dropout=bool(config.model.get("attention_dropout_rate")))
+
+
+def _check_slice(config: ml_collections.ConfigDict, num_devices: int) -> None:
+  """Refuses settings fitted to one slice (`config.slice`) on a different number of devices."""
+  if not config.get("slice"):  # Also a config.json written before the field existed.
+    return
+  from vit_jax import accounting  # pylint: disable=g-import-not-at-top
+  try:
+    if not isinstance(config.slice, str):
+      raise ValueError("give a Cloud TPU type such as v3-32, or None")
+    fitted = accounting.accelerator(config.slice).num_devices
+  except ValueError as e:
+    raise ValueError(f"config.slice={config.slice!r}: {e}") from None
+  if fitted != num_devices:
+    raise ValueError(
+        f"config.slice={config.slice!r}: the config's compute dtype, mesh and accumulation were "
+        f"fitted to its {fitted} devices, but the step runs on {num_devices}. Use the config "
+        f"file's <slice> argument for these devices (e.g. configs/vit.py:b16,imagenet2012,v3-8), "
+        f"or --config.slice= to run the settings as they are.")
 
 
 def resolve(config: ml_collections.ConfigDict, *, num_train_examples: int, num_classes: int,
@@ -429,6 +467,7 @@ def resolve(config: ml_collections.ConfigDict, *, num_train_examples: int, num_c
   """
   import jax  # pylint: disable=g-import-not-at-top
   devices = list(jax.devices() if devices is None else devices)
+  _check_slice(config, len(devices))
   config = fill_regime(config)
   for section, ranges, prefix in ((config, _RUN_RANGES, ""), (config.optim, _OPTIM_RANGES, "optim."),
                                   (config.data, _DATA_RANGES, "data.")):
@@ -440,6 +479,11 @@ def resolve(config: ml_collections.ConfigDict, *, num_train_examples: int, num_c
   _resolve_init_from(config)  # May set the model's numerics from the weights.
   fields = _model_fields(config)
   requested = fields.pop("attention")
+  remat = remat_choice(config, devices)  # 'auto' -> a policy, from the devices and the dtype.
+  if remat is not None:
+    config.model.remat_policy = fields["remat_policy"] = remat.implementation
+    if fields.get("remat"):
+      logging.info("Remat policy: %s (%s).", remat.implementation, remat.reason)
   models.model_config(config.model_name, **fields)  # Every model field checked.
   _resolve_schedule(config, num_train_examples)
 

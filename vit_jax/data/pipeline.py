@@ -225,7 +225,8 @@ class _TrainMaps:
           ex['image'], encoded=self.encoded,
           seed=seed if self.data_cfg.augment != 'none' else None,
           size=self.data_cfg.image_size, augment=self.data_cfg.augment,
-          min_area=self.data_cfg.inception_crop_min_area, normalization=None)
+          min_area=self.data_cfg.inception_crop_min_area, normalization=None,
+          pad_pixels=self.data_cfg.pad_crop_pixels)
       # RandAugment on the cropped, flipped uint8 image, as timm does.
       if self.data_cfg.randaugment_num_layers > 0:
         image = tf.cast(augment.rand_augment(
@@ -242,7 +243,11 @@ class _TrainMaps:
   def per_batch(self, ids, ex):
     image = ex['image']
     if self.vectorized:
-      if self.data_cfg.augment == 'flip':
+      if self.data_cfg.augment == 'pad_crop':  # Translation, then flip (as per example).
+        image = preprocess.pad_crop(
+            image, preprocess.fold_in(preprocess.fold_in(self.augment_key, ids[0]), 1),
+            self.data_cfg.pad_crop_pixels)
+      if self.data_cfg.augment in ('flip', 'pad_crop'):
         # Independent flip of each image, on the (small, uint8) source images:
         # bilinear resizing commutes with flipping.
         image = tf.image.stateless_random_flip_left_right(

@@ -6,6 +6,9 @@ Reproduces the official vit_jax `input_pipeline`:
   (`sample_distorted_bounding_box`, area in [min_area, 1], aspect ratio in
   [3/4, 4/3], whole image when no box is found), bilinear resize to S x S,
   random left-right flip;
+* training, `augment='pad_crop'`: random translation (each image padded with
+  P zero pixels on every side and cropped back at a random offset: the random
+  crop with padding of the CIFAR / MNIST recipes), resize, random flip;
 * eval: bilinear resize of the whole image to S x S (no center crop);
 * pixels mapped to [-1, 1] (`x / 127.5 - 1`), or ImageNet mean/std.
 
@@ -147,9 +150,32 @@ def normalize(image: tf.Tensor, normalization: str) -> tf.Tensor:
                    "use 'minus_one_to_one' or 'imagenet'.")
 
 
+def pad_crop(images: tf.Tensor, seed: tf.Tensor, pixels: int) -> tf.Tensor:
+  """Random translation of `[B, H, W, C]` images (or one `[H, W, C]` image): each is padded
+  with `pixels` zeros on every side and cropped back to H x W at its own random offset in
+  [0, 2 * pixels] per axis (torchvision's `RandomCrop(size, padding=pixels)`).
+
+  Args:
+    images: uint8 or float images; seed: int64 [2] stateless seed (of the batch).
+    pixels: the largest shift, > 0.
+  """
+  single = images.shape.rank == 3
+  if single:
+    images = images[None]
+  shape = tf.shape(images)
+  padded = tf.pad(images, [[0, 0], [pixels, pixels], [pixels, pixels], [0, 0]])
+  offsets = tf.random.stateless_uniform([shape[0], 2], seed, minval=0, maxval=2 * pixels + 1,
+                                        dtype=tf.int32)
+  rows = offsets[:, :1] + tf.range(shape[1])[None]  # [B, H] row indices into the padding.
+  cols = offsets[:, 1:] + tf.range(shape[2])[None]
+  out = tf.gather(tf.gather(padded, rows, axis=1, batch_dims=1), cols, axis=2, batch_dims=1)
+  return out[0] if single else out
+
+
 def train_image(image: tf.Tensor, *, encoded: bool,
                 seed: Optional[tf.Tensor], size: int, augment: str,
-                min_area: float, normalization: Optional[str]) -> tf.Tensor:
+                min_area: float, normalization: Optional[str],
+                pad_pixels: int = 4) -> tf.Tensor:
   """Decodes + augments one training image -> float32 [size, size, 3].
 
   Args:
@@ -158,17 +184,18 @@ def train_image(image: tf.Tensor, *, encoded: bool,
     seed: int64 [2] stateless seed of this example (unused, may be None, for
       augment='none').
     size: output side S.
-    augment: 'inception_crop' | 'flip' | 'none'.
+    augment: 'inception_crop' | 'pad_crop' | 'flip' | 'none'.
     min_area: Inception crop minimum area fraction.
+    pad_pixels: the largest shift of 'pad_crop' (`pad_crop`).
     normalization: see `normalize`; None: return pixels in [0, 255] (the
       pipeline then normalizes whole batches at once, which is faster).
 
   Raises:
     ValueError: unknown `augment` or `normalization`.
   """
-  if augment not in ('inception_crop', 'flip', 'none'):
+  if augment not in ('inception_crop', 'pad_crop', 'flip', 'none'):
     raise ValueError(f'Unknown config.data.augment={augment!r}; use '
-                     "'inception_crop', 'flip' or 'none'.")
+                     "'inception_crop', 'pad_crop', 'flip' or 'none'.")
   if augment != 'none':
     crop_seed, flip_seed = tf.unstack(
         tf.random.experimental.stateless_split(seed, 2))
@@ -176,6 +203,8 @@ def train_image(image: tf.Tensor, *, encoded: bool,
     image = inception_crop(image, encoded, crop_seed, min_area)
   else:
     image = decode_rgb(image, encoded)
+  if augment == 'pad_crop':
+    image = pad_crop(image, crop_seed, pad_pixels)
   image = resize(image, size)
   if augment != 'none':
     image = tf.image.stateless_random_flip_left_right(image, flip_seed)

@@ -54,6 +54,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.ad_checkpoint import checkpoint_name
 
 from vit_jax.kernels import cpu_attention
 
@@ -62,6 +63,10 @@ Dtype = Any
 
 #: Values of the models' ``attention`` field (see the module docstring).
 IMPLEMENTATIONS = ('xla', 'cudnn', 'cpu_kernel')
+
+#: ``checkpoint_name``s of the self-attention's projections (XLA and cuDNN paths: 'query',
+#: 'key', 'value'; the fused CPU kernel's stacked input: 'qkv'), for remat policies.
+QKV_NAMES = ('query', 'key', 'value', 'qkv')
 
 #: The Flax collection the models sow what they compute into (see the module docstring).
 INTERMEDIATES = 'intermediates'
@@ -210,12 +215,15 @@ def self_attention(x: Array, projections: Sequence[Tuple[Array, Optional[Array]]
     qkv = jnp.einsum('bnd,dthk->bnthk', x, kernel)
     if projections[0][1] is not None:
       qkv = qkv + jnp.stack([b.astype(dtype) for _, b in projections], axis=0)
+    qkv = checkpoint_name(qkv, QKV_NAMES[-1])
     return cpu_attention.attention(qkv, logits_scale=logits_scale), 'bnhk'
   layout = 'bnhk' if implementation == 'cudnn' else 'bhnk'
   query, key, value = (
       jnp.einsum(f'bnd,dhk->{layout}', x, k.astype(dtype))
       + (0 if b is None else b.astype(dtype)[:, None, :] if layout == 'bhnk'
          else b.astype(dtype)) for k, b in projections)
+  # Named for the remat policy 'qkv_saveable' (vit_jax.models.execution), which keeps only these.
+  query, key, value = (checkpoint_name(t, n) for t, n in zip((query, key, value), QKV_NAMES))
   if implementation == 'cudnn':
     return jax.nn.dot_product_attention(query, key, value, scale=logits_scale,
                                         implementation='cudnn'), layout

@@ -126,6 +126,8 @@ def estimate(config, accelerator: str, mfu: float, num_train_examples=None,
   # Every attention implementation does the same products: count them with XLA's, which traces
   # on any host.
   config.model.attention = "xla"
+  if config.model.get("remat_policy") == "auto":  # No policy changes a product.
+    config.model.remat_policy = "nothing_saveable"
   model = step.create_model(config)
   size = config.data.image_size
   image_shape = (size, size, 3)

@@ -21,12 +21,12 @@ What runs is the trainer's own step: the benchmark builds the training config
 resolves it for the devices it runs on (`vit_jax.config.resolve`) and compiles
 `vit_jax.step.build(config, ...).jit_train_step()`, as `python -m vit_jax.main` does. So the
 model runs with the training execution defaults (`vit_jax.config.TRAINING_DEFAULTS`: scan=True,
-remat=True, remat_policy='dots_and_attention_saveable'; --override scan=False --override
-remat=False for the plain unrolled model) and the attention implementation that training would
-choose on this machine (`config.model.attention='auto'`, `vit_jax.dispatch`: on one CPU,
-vit_jax's fused kernel where it is built, applies and is faster than XLA's on this CPU's
-instruction set; cuDNN's on a GPU in bfloat16). --override attention=xla (or cpu_kernel, cudnn)
-forces one. The report says which ran and why: the resolved implementation, the reason, and
+remat=True, remat_policy='auto', on a CPU 'dots_and_attention_saveable'; --override scan=False
+--override remat=False for the plain unrolled model) and the attention implementation that
+training would choose on this machine (`config.model.attention='auto'`, `vit_jax.dispatch`: on
+one CPU, vit_jax's fused kernel where it is built, applies and is faster than XLA's on this
+CPU's instruction set; cuDNN's on a GPU in bfloat16). --override attention=xla (or cpu_kernel,
+cudnn) forces one. The report says which ran and why: the resolved implementation, the reason, and
 whether the compiled step calls the CPU kernel (in the JSON and the notes). timm runs its default
 model, without gradient checkpointing unless --override remat=True is given.
 

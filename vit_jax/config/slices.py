@@ -1,0 +1,195 @@
+"""A recipe's global batch on a Cloud TPU slice: the compute dtype, mesh and accumulation that fit.
+
+The papers train with a global batch (ViT: 4096, T2T-ViT: 512) that a small slice cannot hold in
+one step. `fit_to_slice(config, 'v3-32')` keeps the batch (and so the recipe) and sets, for that
+slice's devices:
+
+  * `model.dtype = 'bfloat16'`: matrix products and activations in bfloat16, as TPUs are fed;
+    parameters, gradients and optimizer state stay float32 (`model.param_dtype`).
+  * `mesh.fsdp`: the parameters and optimizer state sharded over this many devices (FSDP, the
+    rest data parallel) when a replicated copy would take more than `STATE_SHARE` of a device's
+    HBM (ViT-L/16 and larger on a 16 GiB v3 core).
+  * `grad_accum_steps`: the fewest micro-batches (a divisor of the per-device batch) whose
+    activations fit beside the state, from `activation_bytes`, an estimate calibrated against the
+    TPU compiler (docs/pods.md, "A recipe on a slice"). It is an estimate: the pre-flight tool
+    (`python -m vit_jax.preflight`) compiles the step for the slice and confirms it.
+  * `slice`: the slice's name, so that `vit_jax.config.resolve` refuses to run the settings on a
+    different number of devices.
+
+Memory per device that the choice accounts for (bytes): the train state (float32 parameters,
+two Adam moments, EMA when on) divided by `mesh.fsdp`, its float32 gradient, and `micro-batch x
+activation_bytes`; the sum must stay within `BUDGET` of the HBM a program gets.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import ml_collections
+
+from vit_jax import accounting
+from vit_jax import dispatch
+from vit_jax import models
+
+GIB = 2**30
+
+#: What a Cloud TPU type looks like in a config's argument ('v3-32', 'v5litepod-16', 'v6e-8').
+SLICE_PATTERN = r"v[0-9][a-z0-9]*-[0-9]+"
+
+#: HBM that the TPU compiler gives one program on one JAX device (a TensorCore on v2 and v3, a
+#: chip on v4, v5p, v5e and v6e), GiB: its own figures, read by the pre-flight (docs/pods.md).
+PROGRAM_HBM_GIB = {"TPU v2": 7.48, "TPU v3": 15.48, "TPU v4": 30.75, "TPU v5p": 95.74,
+                   "TPU v5 lite": 15.75, "TPU v6 lite": 31.25}
+
+#: The share of the program's HBM the estimate may fill (its margin).
+BUDGET = 0.8
+#: A replicated train state (parameters, moments, gradient) above this share of the HBM is
+#: sharded (FSDP) over the fewest devices that bring it below.
+STATE_SHARE = 0.15
+
+#: Activation bytes kept per image for the backward pass, per element of the token sequences
+#: (layers x tokens x width) and byte of the compute dtype, by remat policy: fitted to the TPU
+#: compiler's temporaries for ViT-B/16 and ViT-L/16 at 224 px on a v3 core (docs/pods.md).
+ACTIVATION_FACTOR = {
+    "nothing_saveable": 4.0,
+    "qkv_saveable": 8.5,
+    "dots_with_no_batch_dims_saveable": 15.0,
+    "dots_and_attention_saveable": 15.0,
+    "dots_saveable": 17.0,
+    "everything_saveable": 24.0,
+}
+#: Without remat every intermediate of the block is kept.
+NO_REMAT_FACTOR = 24.0
+#: Copies of one block's attention matrices [heads, N, N] alive at once (float32).
+ATTENTION_COPIES = 4
+
+
+def device_hbm_bytes(device_kind: str) -> int:
+  """The HBM of one device of `device_kind` ('TPU v3', ...) that a program can use, bytes.
+
+  Raises:
+    ValueError: a device kind without a known HBM.
+  """
+  if device_kind not in PROGRAM_HBM_GIB:
+    raise ValueError(f"No HBM size is known for {device_kind!r}; the known TPUs are "
+                     f"{', '.join(PROGRAM_HBM_GIB)}.")
+  return int(PROGRAM_HBM_GIB[device_kind] * GIB)
+
+
+def _sequences(model_name: str, fields: dict[str, Any],
+               image_size: int) -> list[tuple[int, int, int, int]]:
+  """(blocks, tokens, width, heads) of the token sequences one image flows through.
+
+  ViT (and hybrids, whose ResNet stem is not counted): layers x (grid + class token) x D.
+  T2T-ViT: depth x (grid of 16 px + class token) x embed_dim, and the T2T module's two layers,
+  (S/4)^2 and (S/8)^2 tokens of token_dim (heads 0 for the Performer: no N x N matrix).
+  """
+  config = models.model_config(model_name, **dict(fields, attention="xla"))
+  if "embed_dim" in config:  # T2T-ViT.
+    grid = math.ceil(image_size / 16) ** 2
+    t2t_heads = 1 if config["tokens_type"] == "transformer" else 0
+    return [(config["depth"], grid + 1, config["embed_dim"], config["num_heads"]),
+            (1, math.ceil(image_size / 4) ** 2, config["token_dim"], t2t_heads),
+            (1, math.ceil(image_size / 8) ** 2, config["token_dim"], t2t_heads)]
+  patch = config["patch_size"]
+  patch = patch[0] if isinstance(patch, (tuple, list)) else patch
+  tokens = (image_size // patch) ** 2 + (1 if config.get("classifier", "token") == "token" else 0)
+  return [(config["num_layers"], tokens, config["hidden_size"], config["num_heads"])]
+
+
+def activation_bytes(model_name: str, fields: dict[str, Any], image_size: int) -> float:
+  """Estimated bytes of one image's activations during a training step.
+
+  What the backward pass keeps, `ACTIVATION_FACTOR[policy] x dtype bytes x blocks x tokens x
+  width` summed over the sequences, plus the attention matrices of the block being computed
+  (one at a time: logits, weights and their gradients, float32), `ATTENTION_COPIES x 4 x heads x
+  tokens^2` for the largest sequence.
+  """
+  dtype_bytes = 2 if str(fields.get("dtype", "float32")) == "bfloat16" else 4
+  factor = (ACTIVATION_FACTOR[fields.get("remat_policy", "nothing_saveable")]
+            if fields.get("remat", False) else NO_REMAT_FACTOR)
+  sequences = _sequences(model_name, fields, image_size)
+  kept = sum(factor * dtype_bytes * blocks * tokens * width
+             for blocks, tokens, width, _ in sequences)
+  attention = max(ATTENTION_COPIES * 4 * heads * tokens**2 for _, tokens, _, heads in sequences)
+  return kept + attention
+
+
+def parameter_count(model_name: str, fields: dict[str, Any], num_classes: int,
+                    image_size: int) -> int:
+  """Trainable parameters of the model (abstract `init`: nothing allocated)."""
+  import jax  # pylint: disable=import-outside-toplevel
+  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+  fields = {k: v for k, v in fields.items()  # Unset fields (None) take the model's defaults.
+            if k not in ("dtype", "param_dtype", "attention") and v is not None}
+  model = models.create(model_name, num_classes=num_classes, attention="xla", **fields)
+  shapes = jax.eval_shape(lambda: model.init(jax.random.PRNGKey(0),
+                                             jnp.zeros((1, image_size, image_size, 3)),
+                                             train=False))
+  return sum(math.prod(x.shape) for x in jax.tree.leaves(shapes["params"]))
+
+
+def fit_to_slice(config: ml_collections.ConfigDict, accelerator: str,
+                 num_classes: int = 1000) -> dict[str, Any]:
+  """Sets `config`'s dtype, mesh and accumulation for the slice `accelerator`, in place.
+
+  Args:
+    config: a config of `configs/*.py` (batch, model and image size set), unlocked.
+    accelerator: a Cloud TPU type, e.g. 'v3-8', 'v3-32', 'v4-64', 'v5litepod-16'.
+    num_classes: the head's classes when `config.num_classes` is not set (for the state's size).
+
+  Returns:
+    What was set, `{'model.dtype': 'bfloat16', 'mesh.fsdp': 1, 'mesh.data': -1,
+    'grad_accum_steps': 4, 'slice': 'v3-8'}`, plus the estimate's figures under
+    'estimate' (bytes per device: 'state', 'activations', 'budget'; 'micro_batch').
+
+  Raises:
+    ValueError: an unknown or non-TPU accelerator; a global batch the slice's devices cannot
+      split evenly (naming the batch sizes that can); a model whose state or one image's
+      activations alone exceed a device (naming the larger slice to use).
+  """
+  hardware = accounting.accelerator(accelerator)
+  if hardware.platform != "tpu":
+    raise ValueError(f"The <slice> of a config is a Cloud TPU type (v3-8, v3-32, v4-64, ...), "
+                     f"got {accelerator!r}.")
+  devices = hardware.num_devices
+  batch = int(config.batch_size)
+  if batch % devices:
+    raise ValueError(f"The global batch {batch} cannot be split over the {devices} devices of "
+                     f"{accelerator}: use a slice whose device count divides it, or "
+                     f"--config.batch_size={batch // devices * devices or devices}.")
+  hbm = device_hbm_bytes(hardware.device_kind)
+  fields = dict(config.model.to_dict(), dtype="bfloat16")
+  if fields.get("remat_policy") == "auto":  # What resolve will pick for the slice's devices.
+    width = fields.get("hidden_size") or fields.get("embed_dim") or 0
+    fields["remat_policy"] = dispatch.auto_remat_policy("tpu", "bfloat16", width).implementation
+  image_size = int(config.data.image_size)
+  classes = int(config.num_classes or num_classes)
+  params = parameter_count(config.model_name, fields, classes, image_size)
+  state_bytes_per_param = 4 * (4 + (1 if config.ema_decay else 0))  # Params, grads, 2 moments.
+  fsdp = 1
+  while fsdp < devices and params * state_bytes_per_param / fsdp > STATE_SHARE * hbm:
+    fsdp *= 2
+  fsdp = min(fsdp, devices)
+  state = params * state_bytes_per_param / fsdp
+  per_image = activation_bytes(config.model_name, fields, image_size)
+  budget = BUDGET * hbm - state
+  per_device = batch // devices
+  if budget < per_image:
+    raise ValueError(f"{config.model_name} does not fit a device of {accelerator} even one "
+                     f"image at a time ({state / GIB:.1f} GiB of state, about "
+                     f"{per_image / GIB:.2f} GiB per image): use a larger slice (more devices "
+                     "to shard the state over) or one with more HBM per device (v4, v5p).")
+  accumulation = next(a for a in range(1, per_device + 1)
+                      if per_device % a == 0 and per_device // a * per_image <= budget)
+  settings = {"model.dtype": "bfloat16", "mesh.data": -1, "mesh.fsdp": fsdp,
+              "grad_accum_steps": accumulation, "slice": accelerator}
+  config.model.dtype = "bfloat16"
+  config.mesh.data = -1
+  config.mesh.fsdp = fsdp
+  config.grad_accum_steps = accumulation
+  config.slice = accelerator
+  settings["estimate"] = {"state": state, "activations": per_device // accumulation * per_image,
+                          "budget": BUDGET * hbm, "micro_batch": per_device // accumulation}
+  return settings
