@@ -387,6 +387,17 @@ def _numerics_from_init(config: ml_collections.ConfigDict, path: str) -> None:
                            for k, (old, new) in changed.items()))
 
 
+def for_counting(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+  """`config` (unlocked, changed in place and returned) with its device-dependent execution
+  fields concrete on any host, for tracing the model to count its parameters or products
+  (`vit_jax.flops`): XLA's attention and, for 'auto', some remat policy. Neither changes a
+  parameter or a matrix product; nothing here is for running the step."""
+  config.model.attention = "xla"
+  if config.model.get("remat_policy") == "auto":
+    config.model.remat_policy = "nothing_saveable"
+  return config
+
+
 def remat_choice(config: ml_collections.ConfigDict,
                  devices: Sequence[Any]) -> Optional[dispatch.Choice]:
   """`vit_jax.dispatch.choose_remat_policy` for the model of `config` on `devices` (None for a
@@ -411,10 +422,8 @@ def attention_choice(config: ml_collections.ConfigDict, requested: str,
   Raises:
     ValueError: as `choose_attention`, or an unknown model field.
   """
-  fields = _model_fields(config)
-  fields.pop("attention", None)
-  if fields.get("remat_policy") == "auto":  # Any policy: the head size is all that is read.
-    fields["remat_policy"] = "nothing_saveable"
+  fields = _model_fields(for_counting(ml_collections.ConfigDict(config.to_dict())))
+  fields.pop("attention", None)  # The head size is all that is read.
   return dispatch.choose_attention(
       requested, devices=devices, dtype=config.model.get("dtype", "float32"),
       head_dim=models.head_dim(config.model_name, **fields),

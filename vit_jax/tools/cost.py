@@ -123,12 +123,9 @@ def estimate(config, accelerator: str, mfu: float, num_train_examples=None,
   steps = config_lib.num_train_steps(config, examples)
   if config.num_classes is None:
     config.num_classes = classes
-  # Every attention implementation does the same products: count them with XLA's, which traces
-  # on any host.
-  config.model.attention = "xla"
-  if config.model.get("remat_policy") == "auto":  # No policy changes a product.
-    config.model.remat_policy = "nothing_saveable"
-  model = step.create_model(config)
+  # Every attention implementation and remat policy does the same products: count them with
+  # ones that trace on any host.
+  model = step.create_model(config_lib.for_counting(config))
   size = config.data.image_size
   image_shape = (size, size, 3)
   macs = flops.model_forward_macs(model, image_shape)

@@ -116,9 +116,7 @@ def forward_macs(model: str, *, resolution: int, dtype: str = "float32",
   config = config_lib.fill_regime(benchmark_config(
       model, batch=1, resolution=resolution, dtype=dtype, overrides=overrides,
       num_classes=num_classes))
-  config.model.attention = "xla"
-  if config.model.get("remat_policy") == "auto":  # No policy changes a product.
-    config.model.remat_policy = "nothing_saveable"
+  config_lib.for_counting(config)
   try:
     return flops.model_forward_macs(step.create_model(config), (resolution, resolution, 3))
   except (ValueError, TypeError) as e:
