@@ -166,7 +166,8 @@ def choose_remat_policy(requested: str, *, devices: Sequence[Any], dtype: Any = 
   """
   if requested not in REMAT_CHOICES:
     raise ValueError(f"config.model.remat_policy={requested!r} is not one of {REMAT_CHOICES} "
-                     "('auto' picks from the devices and the compute dtype).")
+                     "('auto' picks from the devices and the compute dtype); set "
+                     "--config.model.remat_policy to one of them.")
   if requested != "auto":
     return Choice(requested, "requested")
   if not devices:

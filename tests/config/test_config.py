@@ -282,8 +282,9 @@ def test_a_slice_that_cannot_take_the_batch_or_the_model_is_refused():
   with pytest.raises(ValueError, match=r"global batch 4096 cannot be split over the 24 devices "
                      r"of v4-48.*--config.batch_size=4080"):
     _load_config("configs/vit.py", "b16,imagenet21k,v4-48")
-  with pytest.raises(ValueError, match="a Cloud TPU type .* got 'a100-8'"):
-    _load_config("configs/vit.py", "b16,imagenet21k,slice=a100-8")
+  for arg in ("b16,imagenet21k,slice=a100-8", "b16,imagenet21k,a100-8"):
+    with pytest.raises(ValueError, match="a Cloud TPU type .* got 'a100-8'"):
+      _load_config("configs/vit.py", arg)
   with pytest.raises(ValueError, match="Accelerator 'v3-12' does not exist"):
     _load_config("configs/vit.py", "b16,imagenet21k,v3-12")
   with pytest.raises(ValueError, match=r"does not fit a device of v5litepod-1 even one image at "

@@ -13,7 +13,7 @@ items in any order (`model=b16,regime=finetune`), or a mix (positional values fi
 strings; a field without a default must be given; a field with `choices` must be one of them. A
 field with a `pattern` (a regular expression) also takes a positional value that matches it
 from an earlier optional place, leaving the optional fields in between at their defaults:
-with fields (model, dataset, regime, slice) and slice's pattern `v[0-9][a-z0-9]*-[0-9]+`,
+with fields (model, dataset, regime, slice) and slice's pattern `[a-z][a-z0-9]*-[0-9]+`,
 `b16,imagenet21k,v3-32` gives slice 'v3-32' and the default regime.
 """
 

@@ -34,8 +34,9 @@ from vit_jax import models
 
 GIB = 2**30
 
-#: What a Cloud TPU type looks like in a config's argument ('v3-32', 'v5litepod-16', 'v6e-8').
-SLICE_PATTERN = r"v[0-9][a-z0-9]*-[0-9]+"
+#: What an accelerator looks like in a config's argument ('v3-32', 'v5litepod-16', 'v6e-8'; also
+#: 'a100-8', which `fit_to_slice` then refuses as not a TPU, naming what it takes).
+SLICE_PATTERN = r"[a-z][a-z0-9]*-[0-9]+"
 
 #: HBM that the TPU compiler gives one program on one JAX device (a TensorCore on v2 and v3, a
 #: chip on v4, v5p, v5e and v6e), GiB: its own figures, read by the pre-flight (docs/pods.md).
