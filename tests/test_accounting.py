@@ -1,25 +1,19 @@
 """Compute accounting: core-days with a fake clock, the device table, the per-run cost.json and
-checkpointed counters (a killed and resumed run adds up its attempts). The estimator's tests are
-in tests/tools/test_cost.py."""
+checkpointed counters (a killed and resumed run adds up its attempts: in
+tests/test_train_failures.py). The estimator's tests are in tests/tools/test_cost.py."""
 
 import json
 import os
-import signal
-import subprocess
-import sys
-import time
 
 import pytest
 
 from tests import data_utils
 from vit_jax import accounting
-from vit_jax import cli
 from vit_jax import flops
 from vit_jax import models
 from vit_jax import train
 
 DAY = 86_400.0
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 class FakeClock:
@@ -305,49 +299,3 @@ def test_a_run_writes_its_cost_and_a_resumed_run_continues_it(tmp_path):
 def _scalars(workdir):
   from tests.test_train import _scalars as read  # pylint: disable=g-import-not-at-top
   return read(workdir)
-
-
-@pytest.mark.slow
-def test_a_killed_run_reports_the_sum_of_its_attempts(tmp_path):
-  """SIGKILL in the middle, rerun: the total is exactly attempt 1 (as last recorded) + 2 (the
-  rerun, in this process: the account is continued from the workdir, whatever the process)."""
-  folder = data_utils.make_image_folder(str(tmp_path / "images"), num_classes=3, per_class=4,
-                                        size=8)
-  workdir = tmp_path / "workdir"
-  overrides = {"data.image_folder": folder, "data.image_size": 8, "model.hidden_size": 8,
-               "model.mlp_dim": 16, "model.num_heads": 2, "model.num_layers": 1,
-               "model.patch_size": (4, 4), "batch_size": 4, "optim.warmup_steps": 1,
-               "log_every_steps": 5, "eval_every_steps": 100000, "checkpoint_every_steps": 20}
-  env = dict(os.environ, JAX_PLATFORMS="cpu")
-  proc = subprocess.Popen([sys.executable, "-m", "vit_jax.main", "--config",
-                           "configs/fashion_mnist.py", "--workdir", str(workdir),
-                           *data_utils.main_flags(overrides),
-                           "--config.total_steps=1000000"], cwd=ROOT, env=env,
-                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-  cost_json = workdir / "cost.json"
-  deadline = time.time() + 240
-  try:
-    while time.time() < deadline and proc.poll() is None:
-      if cost_json.exists() and json.loads(cost_json.read_text())["step"] >= 45:
-        break
-      time.sleep(0.2)
-  finally:
-    proc.send_signal(signal.SIGKILL)
-    _, stderr = proc.communicate()
-  assert proc.returncode == -signal.SIGKILL, stderr[-3000:]
-  killed = json.loads(cost_json.read_text())
-  assert killed["step"] >= 45  # Past the checkpoint at step 40: that work is paid, then lost.
-
-  config = data_utils.override(cli.load_config_file("configs/fashion_mnist.py"),
-                               dict(overrides, total_steps=killed["step"] + 10))
-  train.train_and_evaluate(config, str(workdir))
-  final = json.loads(cost_json.read_text())
-  first, second = final["attempts"]
-  assert first == killed["attempts"][0]
-  assert final["restarts"] == 1 and second["start_step"] < killed["step"]
-  for part in ("train", "program"):
-    days = final[part]["device_days"]
-    assert days > killed[part]["device_days"]
-    assert days > second["seconds"][part] / DAY
-    assert days == pytest.approx((first["seconds"][part] + second["seconds"][part]) / DAY,
-                                 rel=1e-12)

@@ -123,7 +123,8 @@ def test_sigterm_saves_the_current_step_exits_75_and_the_rerun_resumes(tmp_path,
 @pytest.mark.slow
 def test_sigkill_and_resume_end_with_the_same_parameters_bitwise(tmp_path, caplog):
   """A run killed after its first checkpoint and resumed ends where an uninterrupted run does
-  (the uninterrupted run and the resumption run in this process)."""
+  (the uninterrupted run and the resumption run in this process), and its cost.json adds up
+  exactly the killed attempt (as last recorded) and the rerun."""
   folder = _folder(tmp_path)
   total = 120
   overrides = _main_overrides(folder, width=32, log_every_steps=10, checkpoint_every_steps=10,
@@ -141,8 +142,8 @@ def test_sigkill_and_resume_end_with_the_same_parameters_bitwise(tmp_path, caplo
   finally:
     proc.kill()
   assert proc.returncode == -signal.SIGKILL, "the run finished before it could be killed"
-  killed_at = _step_in_cost_json(workdir)
-  assert killed_at < total
+  killed = json.loads((workdir / "cost.json").read_text())
+  assert 10 <= killed["step"] < total  # Recorded at its first checkpoint or later.
 
   results, log = _resume(overrides, workdir, caplog)
   assert "Resuming from the checkpoint at step" in log and results["step"] == total
@@ -152,7 +153,15 @@ def test_sigkill_and_resume_end_with_the_same_parameters_bitwise(tmp_path, caplo
   assert expected.keys() == got.keys()
   for key in expected:
     np.testing.assert_array_equal(got[key], expected[key], err_msg=key)
-  assert json.loads((workdir / "cost.json").read_text())["restarts"] == 1
+  final = json.loads((workdir / "cost.json").read_text())
+  first, second = final["attempts"]
+  assert first == killed["attempts"][0]
+  assert final["restarts"] == 1 and second["start_step"] <= killed["step"]
+  for part in ("train", "program"):
+    days = final[part]["device_days"]
+    assert days > killed[part]["device_days"] and days > second["seconds"][part] / 86_400
+    assert days == pytest.approx((first["seconds"][part] + second["seconds"][part]) / 86_400,
+                                 rel=1e-12)
 
 
 def _tiny(folder, total_steps, **overrides):

@@ -364,10 +364,16 @@ def _tiny_vit_run(tmp_path, name, **overrides):
   return config, workdir
 
 
+@pytest.fixture(scope='module')
+def tiny_vit_workdir(tmp_path_factory):
+  """The workdir of a finished `_tiny_vit_run` (scanned layout), shared by the tests below."""
+  return _tiny_vit_run(tmp_path_factory.mktemp('tiny_vit'), 'run')[1]
+
+
 @pytest.mark.slow
-def test_export_fine_tuned_checkpoint_to_official_npz_and_back(tmp_path):
+def test_export_fine_tuned_checkpoint_to_official_npz_and_back(tmp_path, tiny_vit_workdir):
   """workdir (scanned layout) -> official .npz -> load: bitwise equal, same logits."""
-  config, workdir = _tiny_vit_run(tmp_path, 'run')
+  workdir = tiny_vit_workdir
   npz = tmp_path / 'exported.npz'
   assert convert.main([workdir, str(npz)]) == 0
   ours = checkpoint.load(workdir)
@@ -389,9 +395,9 @@ def test_export_fine_tuned_checkpoint_to_official_npz_and_back(tmp_path):
 
 
 @pytest.mark.slow
-def test_pretrained_dir_convention(tmp_path):
+def test_pretrained_dir_convention(tmp_path, tiny_vit_workdir):
   """init_from = '{pretrained_dir}/{model_name}.npz', as the official fine-tuning configs."""
-  _, workdir = _tiny_vit_run(tmp_path, 'pretrain')
+  workdir = tiny_vit_workdir
   pretrained = tmp_path / 'pretrained'
   assert convert.main([workdir, str(pretrained / 'ViT-custom.npz')]) == 0
   _, finetuned = _tiny_vit_run(tmp_path, 'finetune', pretrained_dir=str(pretrained),
