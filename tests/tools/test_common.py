@@ -37,3 +37,23 @@ def test_the_help_explains_exit_statuses_without_loading_jax(tool):
   assert out.returncode == 0, out.stderr
   assert "Exit status" in out.stdout and "``" not in out.stdout
   assert out.stdout.rstrip().endswith("loaded: []")
+
+
+@pytest.mark.parametrize("tool, flags, message", [
+    ("predict", ["--top-k"], "argument --top-k: expected one argument"),
+    ("evaluate", ["run", "--bogus"], "unrecognized arguments: --bogus"),
+    ("fewshot", ["run", "--shots", "five"], "argument --shots"),
+    ("analyze", ["run"], "the following arguments are required: --out"),
+])
+def test_flags_that_do_not_parse_stop_before_loading_jax(tool, flags, message):
+  """A usage error is one FATAL line and exit status 2 at once, before the set-up's imports."""
+  code = (f"import runpy, sys; sys.argv = ['x', *{flags!r}]\n"
+          "try:\n"
+          f"  runpy.run_module('vit_jax.{tool}', run_name='__main__')\n"
+          "except SystemExit as e:\n"
+          "  print('exit', e.code)\n"
+          "print('loaded:', sorted(m for m in ('jax', 'tensorflow') if m in sys.modules))")
+  out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+  assert out.stdout.split("\n")[:2] == ["exit 2", "loaded: []"], (out.stdout, out.stderr)
+  fatal = [line for line in out.stderr.splitlines() if line.startswith("FATAL:")]
+  assert len(fatal) == 1 and message in fatal[0], out.stderr

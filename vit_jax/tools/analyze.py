@@ -248,7 +248,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 def run_main() -> None:
   """`python -m vit_jax.analyze`: `main()`'s status as the exit code."""
-  common.run_program(main)
+  common.run_program(main, _parser)
 
 
 if __name__ == '__main__':

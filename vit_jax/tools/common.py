@@ -102,21 +102,26 @@ def load_source(args: argparse.Namespace):
                         overrides=dict(parse_setting(s) for s in args.set))
 
 
-def run_program(main) -> None:
+def run_program(main, parser=None) -> None:
   """Runs a tool's ``main()`` as the program: the set-up first (``vit_jax.platform.setup``:
   quiet libraries, no TPU backend without TPU chips, multi-host JAX from the environment,
   TensorFlow off the accelerators; TensorFlow's C++ warnings off, ``TF_CPP_MIN_LOG_LEVEL=2``
   unless set, as the tools report undecodable images themselves), then ``main()``'s status as
-  the exit code. ``--help`` answers without the set-up; a closed pipe (``... | head``) ends the
-  program quietly.
+  the exit code. ``--help`` and, with ``parser``, flags that do not parse answer at once,
+  without the set-up's imports of JAX and TensorFlow (seconds); a closed pipe (``... | head``)
+  ends the program quietly.
 
   Args:
     main: ``() -> int``, the exit status.
+    parser: ``() -> argparse.ArgumentParser``, the one ``main`` parses the command line with
+      (a :class:`Parser`: a bad flag exits 2 with one ``FATAL:`` line).
   """
   if hasattr(signal, 'SIGPIPE'):  # `... | head`: end quietly, as shell tools do.
     signal.signal(signal.SIGPIPE, signal.SIG_DFL)
   if any(arg in ('-h', '--help') for arg in sys.argv[1:]):
     sys.exit(main())  # The help, without the set-up's imports (JAX, TensorFlow).
+  if parser is not None:
+    parser().parse_args()  # Exits on flags that do not parse; main() parses them again.
   os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
   from vit_jax import platform  # pylint: disable=g-import-not-at-top
   try:

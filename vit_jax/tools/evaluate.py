@@ -241,7 +241,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 def run_main() -> None:
   """``python -m vit_jax.evaluate``: ``main()`` run by ``common.run_program``."""
-  common.run_program(main)
+  common.run_program(main, _parser)
 
 if __name__ == '__main__':
   run_main()
