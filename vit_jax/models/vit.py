@@ -95,36 +95,24 @@ This module has no training dependencies (no optax, no TensorFlow).
 
 from __future__ import annotations
 
-import math
-import numbers
 from typing import Any, Optional, Tuple, Union
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from vit_jax.models import attention as attention_lib
 from vit_jax.models import execution
 from vit_jax.models import layout
 from vit_jax.models import resnet
+# The fields' allowed values and their checks (re-exported: models.vit.*).
+from vit_jax.models.vit_fields import (  # noqa: F401
+    CLASSIFIERS, LAYERNORM_EPSILON, POSEMBS, patch_pair, validate_config)
 # What a checkpoint's shapes say about the ViT that wrote it (re-exported: models.vit.*).
 from vit_jax.models.vit_shapes import POSEMB_KEY, architecture_fields, describe_architecture  # noqa: F401
 
 Array = jax.Array
 Dtype = Any
-
-#: Pooling modes accepted by :class:`VisionTransformer`: the class token, the mean of the tokens,
-#: or big_vision's multihead attention pooling (:class:`MAPHead`).
-CLASSIFIERS = ('token', 'gap', 'map')
-
-#: Position embeddings accepted by :class:`VisionTransformer`: learned (the official ViT's) or
-#: big_vision's fixed 2-D sin-cos table (:func:`posemb_sincos_2d`).
-POSEMBS = ('learn', 'sincos2d')
-
-#: Default LayerNorm epsilon, the official model's (flax default; PyTorch's would be 1e-5, the
-#: ``google/vit-*`` configs of transformers have 1e-12): ``layer_norm_epsilon``.
-LAYERNORM_EPSILON = 1e-6
 
 #: Logical axes of the token sequence (as in `execution`) and of the MLP hidden activations.
 TOKENS_AXES = execution.TOKENS_AXES
@@ -138,50 +126,6 @@ def _layer_norm(dtype: Dtype, param_dtype: Dtype, name: Optional[str] = None,
   return nn.LayerNorm(epsilon=epsilon, dtype=dtype, param_dtype=param_dtype,
                       scale_init=_partitioned(nn.initializers.ones, ('norm',)),
                       bias_init=_partitioned(nn.initializers.zeros, ('norm',)), name=name)
-
-
-def patch_pair(patch_size: Union[int, Tuple[int, int]]) -> Tuple[int, int]:
-  """Normalises a patch size to a ``(height, width)`` tuple of positive ints.
-
-  Args:
-    patch_size: an int ``P`` (square ``P x P`` patches; also ``(P,)``) or a pair ``(Ph, Pw)``.
-
-  Returns:
-    ``(Ph, Pw)`` as Python ints.
-
-  Raises:
-    ValueError: if the value is not a positive int or a pair of positive ints.
-  """
-  if isinstance(patch_size, bool):
-    raise ValueError(f'patch_size must be an int or a (height, width) pair, got {patch_size!r}')
-  if isinstance(patch_size, int):
-    pair = (patch_size, patch_size)
-  else:
-    try:
-      pair = tuple(patch_size)
-    except TypeError:
-      raise ValueError(
-          f'patch_size must be an int or a (height, width) pair, got {patch_size!r}') from None
-    if len(pair) == 1:  # '--config.model.patch_size=4' on a tuple field gives (4,): square.
-      pair = pair * 2
-  if (len(pair) != 2 or any(isinstance(p, bool) or not isinstance(p, int) or p <= 0
-                            for p in pair)):
-    raise ValueError(
-        f'patch_size must be a positive int or a pair of positive ints, got {patch_size!r}')
-  return int(pair[0]), int(pair[1])
-
-
-def _check_positive_int(field: str, value: Any, allow_none: bool = False) -> None:
-  if value is None and allow_none:
-    return
-  if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-    extra = ' or None' if allow_none else ''
-    raise ValueError(f'{field} must be a positive int{extra}, got {value!r}')
-
-
-def _check_rate(field: str, value: Any) -> None:
-  if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value < 1.0:
-    raise ValueError(f'{field} must be a float in [0, 1), got {value!r}')
 
 
 def posemb_sincos_2d(height: int, width: int, features: int, temperature: float = 10_000.0,
@@ -684,55 +628,3 @@ class VisionTransformer(nn.Module):
                                         ('classes',)),
                  name='head')(x)
     return x.astype(jnp.float32)
-
-
-def validate_config(*, num_classes, patch_size, hidden_size, mlp_dim, num_heads, num_layers,
-                    classifier, representation_size, dropout_rate, attention_dropout_rate,
-                    dtype=jnp.float32, param_dtype=jnp.float32, scan=False, remat=False,
-                    remat_policy='nothing_saveable', resnet_num_layers=None,
-                    resnet_width_factor=1, attention='xla', gelu_approximate=True,
-                    layer_norm_epsilon=LAYERNORM_EPSILON, posemb='learn', **unused) -> None:
-  """Checks the fields of a :class:`VisionTransformer` configuration.
-
-  Args: the model fields (extra keyword arguments are ignored).
-
-  Raises:
-    ValueError: naming the offending field, for an unknown ``classifier`` (not in
-      ``CLASSIFIERS``), non-positive sizes, ``hidden_size % num_heads != 0``, a bad patch size, a
-      dropout rate outside [0, 1), a ``dtype``/``param_dtype`` that is not a float dtype, bad
-      execution fields (:func:`check_execution_fields`), a bad
-      hybrid stem (``resnet_num_layers`` not a tuple of positive ints or None;
-      ``64 * resnet_width_factor`` not a positive multiple of 32), ``gelu_approximate`` not a
-      bool, ``layer_norm_epsilon`` not a positive finite number, ``posemb`` not in
-      :data:`POSEMBS`, or 'sincos2d' with a ``hidden_size`` not a multiple of 4 or under 8.
-  """
-  del unused
-  if classifier not in CLASSIFIERS:
-    raise ValueError(f'classifier must be one of {CLASSIFIERS}, got {classifier!r}')
-  if posemb not in POSEMBS:
-    raise ValueError(f'posemb must be one of {POSEMBS}, got {posemb!r}')
-  if not isinstance(gelu_approximate, (bool, np.bool_)):
-    raise ValueError(f'gelu_approximate must be a bool (True: tanh approximation, False: exact '
-                     f'erf GELU), got {gelu_approximate!r}')
-  if (isinstance(layer_norm_epsilon, (bool, np.bool_))
-      or not isinstance(layer_norm_epsilon, numbers.Real)
-      or not 0.0 < float(layer_norm_epsilon) < math.inf):
-    raise ValueError(f'layer_norm_epsilon must be a positive float (e.g. 1e-6), got '
-                     f'{layer_norm_epsilon!r}')
-  _check_positive_int('num_classes', num_classes, allow_none=True)
-  for field, value in (('hidden_size', hidden_size), ('mlp_dim', mlp_dim),
-                       ('num_heads', num_heads), ('num_layers', num_layers)):
-    _check_positive_int(field, value)
-  _check_positive_int('representation_size', representation_size, allow_none=True)
-  if hidden_size % num_heads:
-    raise ValueError(f'hidden_size ({hidden_size}) must be divisible by num_heads ({num_heads})')
-  if posemb == 'sincos2d' and (hidden_size % 4 or hidden_size < 8):
-    raise ValueError(f"posemb='sincos2d' needs a hidden_size that is a multiple of 4 and at least "
-                     f"8, got hidden_size={hidden_size}; use posemb='learn' or another width.")
-  patch_pair(patch_size)
-  _check_rate('dropout_rate', dropout_rate)
-  _check_rate('attention_dropout_rate', attention_dropout_rate)
-  execution.check_float_dtypes(dtype=dtype, param_dtype=param_dtype)
-  execution.check_execution_fields(scan=scan, remat=remat, remat_policy=remat_policy,
-                                   attention=attention)
-  resnet.validate_resnet(resnet_num_layers, resnet_width_factor)
