@@ -1,10 +1,12 @@
-"""Host set-up (vit_jax.platform): malloc's huge pages for XLA:CPU's step buffers, and the
-multi-process switch."""
+"""Host set-up (vit_jax.platform): malloc's huge pages for XLA:CPU's step buffers, the
+multi-process switch, and the stop notice (SIGTERM, Ctrl-C)."""
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -142,3 +144,23 @@ def test_errors_that_c_code_cannot_raise_go_to_the_debug_log(capsys):
   of_an_object = types.SimpleNamespace(**dict(vars(unraisable), object=object()))
   hook(of_an_object)
   assert seen == [of_an_object]
+
+
+def test_sigterm_and_a_first_ctrl_c_set_the_stop_notice_and_a_second_ctrl_c_interrupts():
+  before = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
+  with platform.stop_notice() as notice:
+    assert not notice.is_set()
+    os.kill(os.getpid(), signal.SIGINT)
+    time.sleep(0.05)  # The handler runs in this (the main) thread, between bytecodes.
+    assert notice.is_set() and notice.signal == "SIGINT"
+    os.kill(os.getpid(), signal.SIGTERM)  # A later SIGTERM does not rename the first notice.
+    time.sleep(0.05)
+    assert notice.signal == "SIGINT"
+    with pytest.raises(KeyboardInterrupt):
+      os.kill(os.getpid(), signal.SIGINT)
+      time.sleep(1)
+  assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == before
+  with platform.stop_notice() as notice:
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(0.05)
+    assert notice.is_set() and notice.signal == "SIGTERM"

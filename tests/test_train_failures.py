@@ -1,4 +1,4 @@
-"""Fault injection: SIGTERM (preemption) and SIGKILL of a running `python -m vit_jax.main`, a second
+"""Fault injection: SIGTERM (preemption), Ctrl-C and SIGKILL of a running `python -m vit_jax.main`, a second
 run on a workdir in use, a full disk during a save, a partial checkpoint left by a crash, and
 non-finite updates."""
 
@@ -118,6 +118,27 @@ def test_sigterm_saves_the_current_step_exits_75_and_the_rerun_resumes(tmp_path,
   results, log = _resume(dict(overrides, total_steps=step + 3), workdir, caplog)
   assert f"Resuming from the checkpoint at step {step}" in log
   assert results["step"] == step + 3
+
+
+def test_ctrl_c_saves_the_current_step_and_says_it_was_interrupted(tmp_path, monkeypatch):
+  """A first Ctrl-C (here during the set-up, so the notice is read at the first step) saves
+  that step and stops with `Preempted(interrupted=True)`, which `main` turns into exit 130."""
+  overrides = _main_overrides(_folder(tmp_path), total_steps=50, checkpoint_every_steps=1000)
+  prepare = train._prepare  # pylint: disable=protected-access
+
+  def prepare_then_ctrl_c(*args, **kwargs):
+    os.kill(os.getpid(), signal.SIGINT)
+    return prepare(*args, **kwargs)
+
+  monkeypatch.setattr(train, "_prepare", prepare_then_ctrl_c)
+  workdir, handler = tmp_path / "workdir", signal.getsignal(signal.SIGINT)
+  with pytest.raises(train.Preempted) as e:
+    train.train_and_evaluate(_main_config(overrides), str(workdir))
+  assert e.value.interrupted and e.value.step == 1
+  assert str(e.value) == (f"Interrupted (Ctrl-C): saved the checkpoint of step 1 in {workdir}; "
+                          "rerun the same command to resume from it.")
+  assert sorted(os.listdir(workdir / "checkpoints")) == ["1"]
+  assert signal.getsignal(signal.SIGINT) is handler  # Restored.
 
 
 @pytest.mark.slow

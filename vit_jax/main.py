@@ -39,7 +39,8 @@ Exit codes: 0 done; 1 failed (e.g. the loss diverged, a checkpoint could not be 
 says which checkpoint is intact); 2 a bad config or flag, an unusable fine-tuning checkpoint
 or a workdir in use by another run, found before any work; 75 preempted (SIGTERM): the
 checkpoint of the current step was saved, rerun the same command to resume; 130 interrupted
-(Ctrl-C): rerun to resume from the latest checkpoint.
+(Ctrl-C): the first saves the current step and stops (a second stops at once, without that
+save); rerun the same command to resume.
 """
 
 import sys
@@ -53,6 +54,9 @@ from ml_collections import config_flags
 import vit_jax
 from vit_jax import cli
 from vit_jax import platform
+
+#: The exit code after Ctrl-C (128 + SIGINT, as a shell reports it).
+INTERRUPTED_EXIT_CODE = 130
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", None, "Training config: a configs/*.py file, optionally ':<arg>' for its "
@@ -98,13 +102,13 @@ def main(argv):
     _fatal(e, 2)
   except train.Preempted as e:
     logging.warning("%s", e)
-    sys.exit(train.PREEMPTED_EXIT_CODE)
+    sys.exit(INTERRUPTED_EXIT_CODE if e.interrupted else train.PREEMPTED_EXIT_CODE)
   except (train.CheckpointSaveError, FloatingPointError, train.data.BadImageError) as e:
     _fatal(e, 1)
-  except KeyboardInterrupt:  # Ctrl-C: the save in flight was completed, the lock released.
+  except KeyboardInterrupt:  # A second Ctrl-C: a save in flight completed, the lock released.
     sys.stderr.write(f"Interrupted (Ctrl-C): rerun the same command to resume from the latest "
                      f"checkpoint in {_WORKDIR.value}.\n")
-    sys.exit(130)
+    sys.exit(INTERRUPTED_EXIT_CODE)
   step = results.pop("step")
   print(f"Final evaluation at step {step}: "
         + ", ".join(f"{k}={v:.4f}" for k, v in sorted(results.items())), flush=True)

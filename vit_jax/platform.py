@@ -6,8 +6,8 @@ accelerators, quiet library logs.
      process start, so it re-executes the same command line once);
   2. `setup(...)`: log filters, `jax.distributed` for multi-process runs, TensorFlow's view of
      the accelerators hidden (tf.data must never grab a GPU/TPU that belongs to JAX).
-The training loop holds `sigterm_notice()` while it runs: a preemption notice (SIGTERM) becomes
-an event that the loop checks at every step.
+The training loop holds `stop_notice()` while it runs: a preemption notice (SIGTERM) or a first
+Ctrl-C (SIGINT) becomes an event that the loop checks at every step.
 
 Huge pages: XLA:CPU allocates a step's temporary buffers afresh at every execution, and glibc
 serves allocations over 32 MiB with a new `mmap`, so every step first-touches all of them, one
@@ -280,20 +280,47 @@ def setup(*, coordinator_address: Optional[str] = None, num_processes: Optional[
   initialize_distributed(coordinator_address, num_processes, process_id)
 
 
-@contextlib.contextmanager
-def sigterm_notice():
-  """Yields a `threading.Event` that SIGTERM sets (the previous handler is restored after).
+class StopNotice(threading.Event):
+  """An event that SIGTERM or a first Ctrl-C sets; `signal` names which ('SIGTERM', 'SIGINT')."""
 
-  Only in a single-process run on the main thread: with several processes jax's preemption
-  service handles SIGTERM and `Checkpoints.reached_preemption` reports it.
+  def __init__(self):
+    super().__init__()
+    self.signal: Optional[str] = None
+
+  def notify(self, name: str) -> None:
+    if not self.is_set():
+      self.signal = name
+      self.set()
+
+
+@contextlib.contextmanager
+def stop_notice():
+  """Yields a `StopNotice` that SIGTERM (a preemption notice) and a first Ctrl-C set; the
+  previous handlers are restored after.
+
+  The first Ctrl-C logs that the run saves its current step and stops, and makes a second one
+  raise `KeyboardInterrupt` at once (Python's default). Only in a single-process run on the
+  main thread: with several processes jax's preemption service handles SIGTERM and
+  `Checkpoints.reached_preemption` reports it, and Ctrl-C keeps its default (a save needs every
+  host).
   """
   import jax  # pylint: disable=g-import-not-at-top  (not at import: --help stays fast)
-  notice = threading.Event()
+  notice = StopNotice()
   if jax.process_count() > 1 or threading.current_thread() is not threading.main_thread():
     yield notice
     return
-  previous = signal.signal(signal.SIGTERM, lambda *_: notice.set())
+
+  def on_interrupt(*_):
+    logging.warning("Ctrl-C: saving the current step, then stopping; Ctrl-C again stops at once "
+                    "(a rerun then resumes from the latest checkpoint).")
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    notice.notify("SIGINT")
+
+  previous = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+  signal.signal(signal.SIGTERM, lambda *_: notice.notify("SIGTERM"))
+  signal.signal(signal.SIGINT, on_interrupt)
   try:
     yield notice
   finally:
-    signal.signal(signal.SIGTERM, previous)
+    for sig, handler in previous.items():
+      signal.signal(sig, handler)

@@ -52,12 +52,15 @@ PREEMPTED_EXIT_CODE = 75
 
 
 class Preempted(Exception):
-  """Training stopped at a preemption notice after saving the checkpoint of `step`."""
+  """Training stopped at a preemption notice (SIGTERM), or at a first Ctrl-C (`interrupted`),
+  after saving the checkpoint of `step`."""
 
-  def __init__(self, step: int, workdir: str):
-    super().__init__(f"Preempted: saved the checkpoint of step {step} in {workdir}; rerun the "
+  def __init__(self, step: int, workdir: str, interrupted: bool = False):
+    what = "Interrupted (Ctrl-C)" if interrupted else "Preempted"
+    super().__init__(f"{what}: saved the checkpoint of step {step} in {workdir}; rerun the "
                      "same command to resume from it.")
     self.step = step
+    self.interrupted = interrupted
 
 
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
@@ -85,12 +88,13 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
       holds another model's checkpoints or is in use by another run (its lock, `lock.json`);
       raised before anything is written to `workdir`.
     FloatingPointError: the training loss became NaN or Inf (the last good checkpoint is kept).
-    Preempted: SIGTERM (from the start of the set-up on): the current step was saved.
+    Preempted: SIGTERM or a first Ctrl-C (SIGINT), from the start of the set-up on: the current
+      step was saved (`interrupted` for Ctrl-C). A second Ctrl-C raises KeyboardInterrupt.
     CheckpointSaveError: writing to the workdir failed (e.g. a full disk); earlier checkpoints
       are intact.
     vit_jax.data.BadImageError: an image cannot be decoded (config.data.bad_images='fail').
   """
-  with platform.sigterm_notice() as notice, contextlib.ExitStack() as held:
+  with platform.stop_notice() as notice, contextlib.ExitStack() as held:
     # ---------------------------------------------------------------------------------------
     # 1. Config. Cheap checks of everything, before anything is written to the workdir; the
     # workdir's lock is held from then on (released however the run ends).
@@ -168,8 +172,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
           save_cost(step)
 
         is_last = step == total_steps
-        # A preemption notice (SIGTERM here, or on any host of a pod: Orbax's sync point, the
-        # same step on every host) saves this step and stops without evaluating.
+        # A preemption notice (SIGTERM or Ctrl-C here, or on any host of a pod: Orbax's sync
+        # point, the same step on every host) saves this step and stops without evaluating.
         preempted = notice.is_set() or checkpoints.reached_preemption(step)
         saving = step % config.checkpoint_every_steps == 0 or is_last or preempted
         evaluating = (step % config.eval_every_steps == 0 or is_last) and not preempted
@@ -204,7 +208,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
     last_step = step if preempted else max(start_step, total_steps)
     save_cost(last_step)
     if preempted:
-      raise Preempted(last_step, workdir)
+      raise Preempted(last_step, workdir, interrupted=notice.signal == "SIGINT")
     return dict(results, step=last_step)
 
 
