@@ -44,9 +44,13 @@ def test_the_help_explains_exit_statuses_without_loading_jax(tool):
     ("evaluate", ["run", "--bogus"], "unrecognized arguments: --bogus"),
     ("fewshot", ["run", "--shots", "five"], "argument --shots"),
     ("analyze", ["run"], "the following arguments are required: --out"),
+    ("predict", ["/no/such/run", "x.png"], "SOURCE '/no/such/run' does not exist: give a "
+     "training workdir"),
+    ("evaluate", ["no_such_dir"], "SOURCE 'no_such_dir' does not exist"),
 ])
 def test_flags_that_do_not_parse_stop_before_loading_jax(tool, flags, message):
-  """A usage error is one FATAL line and exit status 2 at once, before the set-up's imports."""
+  """A usage error, or a local SOURCE with nothing there, is one FATAL line and exit status 2
+  at once, before the set-up's imports."""
   code = (f"import runpy, sys; sys.argv = ['x', *{flags!r}]\n"
           "try:\n"
           f"  runpy.run_module('vit_jax.{tool}', run_name='__main__')\n"

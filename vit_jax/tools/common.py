@@ -68,14 +68,17 @@ class Parser(argparse.ArgumentParser):
     self.exit(2, f'FATAL: {message}\n')
 
 
+#: What SOURCE may be (the help of :func:`add_source_arguments`).
+SOURCE_HELP = ('a training workdir (its latest step; or its checkpoints/ or one step directory), '
+               'an official or big_vision ViT .npz, a transformers ViT directory (config.json + '
+               'model.safetensors), a timm .safetensors, a T2T-ViT .pth/.pth.tar, or a directory '
+               'written by python -m vit_jax.convert')
+
+
 def add_source_arguments(parser: argparse.ArgumentParser) -> None:
   """SOURCE and the flags of ``vit_jax.inference.load``: --step, --model, --set,
   --num-classes, --image-size, --no-ema."""
-  parser.add_argument('source', metavar='SOURCE',
-                      help='a training workdir (its latest step; or its checkpoints/ or one step '
-                      'directory), an official or big_vision ViT .npz, a transformers ViT '
-                      'directory (config.json + model.safetensors), a timm .safetensors, a '
-                      'T2T-ViT .pth/.pth.tar, or a directory written by python -m vit_jax.convert')
+  parser.add_argument('source', metavar='SOURCE', help=SOURCE_HELP)
   parser.add_argument('--step', type=int, help="a workdir's step (default: the latest)")
   parser.add_argument('--model', help='the model of a .pth.tar (required: T2T-ViT-7/10/12/14/'
                       '19/24, T2T-ViT_t-14/19/24) or of an .npz (optional: read from its '
@@ -102,14 +105,25 @@ def load_source(args: argparse.Namespace):
                         overrides=dict(parse_setting(s) for s in args.set))
 
 
+def missing_source(args: argparse.Namespace):
+  """A ``FileNotFoundError`` naming SOURCE when ``args`` has one (:func:`add_source_arguments`)
+  that is a local path with nothing there; None otherwise (remote ``scheme://`` paths are left
+  to ``vit_jax.inference.load``)."""
+  source = getattr(args, 'source', None)
+  if not isinstance(source, str) or '://' in source or os.path.exists(source):
+    return None
+  return FileNotFoundError(f'SOURCE {source!r} does not exist: give {SOURCE_HELP}.')
+
+
 def run_program(main, parser=None) -> None:
   """Runs a tool's ``main()`` as the program: the set-up first (``vit_jax.platform.setup``:
   quiet libraries, no TPU backend without TPU chips, multi-host JAX from the environment,
   TensorFlow off the accelerators; TensorFlow's C++ warnings off, ``TF_CPP_MIN_LOG_LEVEL=2``
   unless set, as the tools report undecodable images themselves), then ``main()``'s status as
   the exit code. ``--help`` and, with ``parser``, flags that do not parse answer at once,
-  without the set-up's imports of JAX and TensorFlow (seconds); a closed pipe (``... | head``)
-  ends the program quietly.
+  without the set-up's imports of JAX and TensorFlow (seconds), as does a local SOURCE with
+  nothing there (:func:`missing_source`); a closed pipe (``... | head``) ends the program
+  quietly.
 
   Args:
     main: ``() -> int``, the exit status.
@@ -120,8 +134,10 @@ def run_program(main, parser=None) -> None:
     signal.signal(signal.SIGPIPE, signal.SIG_DFL)
   if any(arg in ('-h', '--help') for arg in sys.argv[1:]):
     sys.exit(main())  # The help, without the set-up's imports (JAX, TensorFlow).
-  if parser is not None:
-    parser().parse_args()  # Exits on flags that do not parse; main() parses them again.
+  if parser is not None:  # Exits on flags that do not parse; main() parses them again.
+    missing = missing_source(parser().parse_args())
+    if missing is not None:
+      sys.exit(fatal(missing, 2))
   os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
   from vit_jax import platform  # pylint: disable=g-import-not-at-top
   try:
