@@ -1,6 +1,7 @@
 """How the transformer blocks of both model families run: rematerialised (``nn.remat``, with a
 ``jax.checkpoint`` policy), scanned (``nn.scan``, parameters stacked along ``'layers'``), with
-logical constraints on their activations; and the checks of the model fields that choose this.
+logical constraints on their activations; and the checks of the model fields that choose this,
+with the field checks both families share (positive sizes, rates in [0, 1), float dtypes).
 
 Used by :mod:`vit_jax.models.vit` and :mod:`vit_jax.models.t2t` alike; pure Flax.
 """
@@ -97,6 +98,23 @@ def scanned(block_cls: type, length: int, *, in_axes: Any) -> type:
                  in_axes=in_axes,
                  length=length,
                  metadata_params={nn.PARTITION_NAME: 'layers'})
+
+
+def check_positive_int(field: str, value: Any, allow_none: bool = False) -> None:
+  """Raises ValueError naming ``field`` unless ``value`` is an int > 0 (not a bool), or None
+  with ``allow_none``."""
+  if value is None and allow_none:
+    return
+  if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+    extra = ' or None' if allow_none else ''
+    raise ValueError(f'{field} must be a positive int{extra}, got {value!r}')
+
+
+def check_rate(field: str, value: Any) -> None:
+  """Raises ValueError naming ``field`` unless ``value`` is a number in [0, 1) (a dropout or
+  drop-path rate)."""
+  if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value < 1.0:
+    raise ValueError(f'{field} must be a float in [0, 1), got {value!r}')
 
 
 def check_float_dtypes(**dtypes: Any) -> None:

@@ -635,14 +635,6 @@ class T2TViT(nn.Module):
     return x.astype(jnp.float32)
 
 
-def _check_positive_int(field: str, value: Any, allow_none: bool = False) -> None:
-  if value is None and allow_none:
-    return
-  if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-    extra = ' or None' if allow_none else ''
-    raise ValueError(f'{field} must be a positive int{extra}, got {value!r}')
-
-
 def validate_config(*, num_classes, embed_dim, depth, num_heads, mlp_ratio, token_dim=64,
                     tokens_type='performer', qk_scale=None, drop_path_rate=0.0,
                     dtype=jnp.float32, param_dtype=jnp.float32, scan=False, remat=False,
@@ -661,10 +653,10 @@ def validate_config(*, num_classes, embed_dim, depth, num_heads, mlp_ratio, toke
   del unused
   if tokens_type not in TOKENS_TYPES:
     raise ValueError(f'tokens_type must be one of {TOKENS_TYPES}, got {tokens_type!r}')
-  _check_positive_int('num_classes', num_classes, allow_none=True)
+  execution.check_positive_int('num_classes', num_classes, allow_none=True)
   for field, value in (('embed_dim', embed_dim), ('depth', depth), ('num_heads', num_heads),
                        ('token_dim', token_dim)):
-    _check_positive_int(field, value)
+    execution.check_positive_int(field, value)
   if embed_dim % num_heads:
     raise ValueError(f'embed_dim ({embed_dim}) must be divisible by num_heads ({num_heads})')
   if tokens_type == 'performer' and int(token_dim * PERFORMER_KERNEL_RATIO) < 1:
@@ -675,9 +667,7 @@ def validate_config(*, num_classes, embed_dim, depth, num_heads, mlp_ratio, toke
     if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
       raise ValueError(f'{field} must be a positive number{" or None" if optional else ""}, '
                        f'got {value!r}')
-  if (isinstance(drop_path_rate, bool) or not isinstance(drop_path_rate, (int, float))
-      or not 0.0 <= drop_path_rate < 1.0):
-    raise ValueError(f'drop_path_rate must be a float in [0, 1), got {drop_path_rate!r}')
+  execution.check_rate('drop_path_rate', drop_path_rate)
   execution.check_float_dtypes(dtype=dtype, param_dtype=param_dtype)
   execution.check_execution_fields(scan=scan, remat=remat, remat_policy=remat_policy,
                              attention=attention)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from typing import Any, Tuple, Union
+from typing import Tuple, Union
 
 import jax.numpy as jnp
 import numpy as np
@@ -61,19 +61,6 @@ def patch_pair(patch_size: Union[int, Tuple[int, int]]) -> Tuple[int, int]:
   return int(pair[0]), int(pair[1])
 
 
-def _check_positive_int(field: str, value: Any, allow_none: bool = False) -> None:
-  if value is None and allow_none:
-    return
-  if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-    extra = ' or None' if allow_none else ''
-    raise ValueError(f'{field} must be a positive int{extra}, got {value!r}')
-
-
-def _check_rate(field: str, value: Any) -> None:
-  if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value < 1.0:
-    raise ValueError(f'{field} must be a float in [0, 1), got {value!r}')
-
-
 def validate_config(*, num_classes, patch_size, hidden_size, mlp_dim, num_heads, num_layers,
                     classifier, representation_size, dropout_rate, attention_dropout_rate,
                     dtype=jnp.float32, param_dtype=jnp.float32, scan=False, remat=False,
@@ -107,19 +94,19 @@ def validate_config(*, num_classes, patch_size, hidden_size, mlp_dim, num_heads,
       or not 0.0 < float(layer_norm_epsilon) < math.inf):
     raise ValueError(f'layer_norm_epsilon must be a positive float (e.g. 1e-6), got '
                      f'{layer_norm_epsilon!r}')
-  _check_positive_int('num_classes', num_classes, allow_none=True)
+  execution.check_positive_int('num_classes', num_classes, allow_none=True)
   for field, value in (('hidden_size', hidden_size), ('mlp_dim', mlp_dim),
                        ('num_heads', num_heads), ('num_layers', num_layers)):
-    _check_positive_int(field, value)
-  _check_positive_int('representation_size', representation_size, allow_none=True)
+    execution.check_positive_int(field, value)
+  execution.check_positive_int('representation_size', representation_size, allow_none=True)
   if hidden_size % num_heads:
     raise ValueError(f'hidden_size ({hidden_size}) must be divisible by num_heads ({num_heads})')
   if posemb == 'sincos2d' and (hidden_size % 4 or hidden_size < 8):
     raise ValueError(f"posemb='sincos2d' needs a hidden_size that is a multiple of 4 and at least "
                      f"8, got hidden_size={hidden_size}; use posemb='learn' or another width.")
   patch_pair(patch_size)
-  _check_rate('dropout_rate', dropout_rate)
-  _check_rate('attention_dropout_rate', attention_dropout_rate)
+  execution.check_rate('dropout_rate', dropout_rate)
+  execution.check_rate('attention_dropout_rate', attention_dropout_rate)
   execution.check_float_dtypes(dtype=dtype, param_dtype=param_dtype)
   execution.check_execution_fields(scan=scan, remat=remat, remat_policy=remat_policy,
                                    attention=attention)
