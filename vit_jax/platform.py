@@ -288,6 +288,8 @@ class StopNotice(threading.Event):
     self.signal: Optional[str] = None
 
   def notify(self, name: str) -> None:
+    """Sets the event, naming `name` ('SIGTERM' or 'SIGINT') as its cause unless already set
+    (the first signal names it)."""
     if not self.is_set():
       self.signal = name
       self.set()
