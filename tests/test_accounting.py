@@ -2,6 +2,7 @@
 checkpointed counters (a killed and resumed run adds up its attempts: in
 tests/test_train_failures.py). The estimator's tests are in tests/tools/test_cost.py."""
 
+import dataclasses
 import json
 import os
 
@@ -88,21 +89,21 @@ def test_eval_pauses_count_in_the_program_not_in_training():
 
 def test_mfu_images_per_core_and_restarts_add_up():
   acct, clock = _accountant("TPU v3", 8, batch_size=4096)
-  acct.set_step_flops(compiled=1.01e15, analytic=1e15)
+  acct.set_step_flops(compiled=1.01e13, analytic=1e13)
   with acct.timed("train"):
     clock.advance(100.0)
     acct.count_step(1000)
   first = acct.report(step=1000)
-  # 1e18 model FLOPs in 100 s on 8 x 61.5 TFLOP/s.
-  assert first["mfu"] == pytest.approx(1e18 / (100 * 8 * 61.5e12))
-  assert first["achieved_flops_per_sec"] == pytest.approx(1e16)
+  # 1e16 model FLOPs in 100 s on 8 x 61.5 TFLOP/s: an MFU of 20% (1e18 was 2,033%).
+  assert first["mfu"] == pytest.approx(1e16 / (100 * 8 * 61.5e12))
+  assert first["achieved_flops_per_sec"] == pytest.approx(1e14)
   assert first["images_per_sec_per_core"] == pytest.approx(4096 * 1000 / (100 * 8))
   assert first["images_seen"] == 4096 * 1000 and first["restarts"] == 0
 
   # The run is resumed on a v4-8 (4 devices, 8 cores) from the first attempt's record.
   second, clock2 = _accountant("TPU v4", 4, batch_size=4096)
   second.resume(json.loads(json.dumps(first)), start_step=1000)
-  second.set_step_flops(compiled=1e15, analytic=1e15)
+  second.set_step_flops(compiled=1e13, analytic=1e13)
   with second.timed("train"):
     clock2.advance(50.0)
     second.count_step(500)
@@ -113,14 +114,14 @@ def test_mfu_images_per_core_and_restarts_add_up():
   assert report["train"]["core_days"] == pytest.approx((100 * 8 + 50 * 8) / DAY)
   assert report["train"]["chip_days"] == pytest.approx((100 * 4 + 50 * 4) / DAY)
   assert report["images_seen"] == 4096 * 1500
-  assert report["mfu"] == pytest.approx(1.5e18 / (100 * 8 * 61.5e12 + 50 * 4 * 275e12))
+  assert report["mfu"] == pytest.approx(1.5e16 / (100 * 8 * 61.5e12 + 50 * 4 * 275e12))
 
 
 def test_an_evaluate_only_rerun_keeps_the_flops_and_core_days():
   """A finished run resumed to evaluate only compiles no training step: its report keeps the
   saved FLOPs per step (it wrote null before), and a CPU rerun keeps the TPU core-days."""
   acct, clock = _accountant("TPU v3", 8, batch_size=4096)
-  acct.set_step_flops(compiled=1.01e15, analytic=1e15)
+  acct.set_step_flops(compiled=1.01e13, analytic=1e13)
   with acct.timed("train"):
     clock.advance(100.0)
     acct.count_step(1000)
@@ -131,10 +132,10 @@ def test_an_evaluate_only_rerun_keeps_the_flops_and_core_days():
   with rerun.timed("eval"):
     clock2.advance(30.0)
   report = rerun.report(step=1000)
-  assert (report["flops_per_step"], report["model_flops_per_step"]) == (1.01e15, 1e15)
+  assert (report["flops_per_step"], report["model_flops_per_step"]) == (1.01e13, 1e13)
   assert report["attempts"][1]["flops_per_step"] is None  # This attempt compiled none.
   assert report["attempts"][1]["steps"] == 0 and report["restarts"] == 1
-  assert report["mfu"] == pytest.approx(1e18 / (100 * 8 * 61.5e12))
+  assert report["mfu"] == pytest.approx(1e16 / (100 * 8 * 61.5e12))
   assert report["train"]["core_days"] == pytest.approx(100 * 8 / DAY)
 
   # A cost.json written by the old code (null at the top) is repaired from the attempts.
@@ -147,7 +148,7 @@ def test_an_evaluate_only_rerun_keeps_the_flops_and_core_days():
   with on_cpu.timed("eval"):
     clock3.advance(60.0)
   report = on_cpu.report(step=1000)
-  assert (report["flops_per_step"], report["model_flops_per_step"]) == (1.01e15, 1e15)
+  assert (report["flops_per_step"], report["model_flops_per_step"]) == (1.01e13, 1e13)
   # Training happened on TPU only: its core-days stand; the CPU's program time has no cores.
   assert report["train"]["core_days"] == pytest.approx(100 * 8 / DAY)
   assert report["program"]["core_days"] is None
@@ -190,6 +191,69 @@ def test_gpu_and_cpu_are_reported_as_devices():
   cpu = accounting.local_hardware()
   assert cpu.platform == "cpu" and cpu.unit == "device"
   assert 1e8 < cpu.peak_flops_per_device < 1e14  # Measured with a matmul.
+
+
+def _cpu_measured(peak):
+  hw = accounting.hardware("cpu", 1, "float32", "cpu", peak_flops_per_device=peak)
+  return dataclasses.replace(hw, peak_source="measured: float32 2048^3 matmul")
+
+
+def _cpu_run(monkeypatch, remeasured_peaks, achieved=2e9):
+  """One CPU attempt of `achieved` model FLOP/s against a measured peak of 1 GFLOP/s; each
+  re-measurement gives the next of `remeasured_peaks` (one too many fails the test)."""
+  monkeypatch.setattr(accounting, "local_hardware", lambda dtype, remeasure=False: (
+      _cpu_measured(remeasured_peaks.pop(0))))
+  clock = FakeClock()
+  acct = accounting.CostAccountant(_cpu_measured(1e9), 8, clock=clock)
+  acct.set_step_flops(None, achieved)
+  with acct.timed("train"):
+    clock.advance(1.0)
+    acct.count_step(1)
+  return acct
+
+
+def test_a_cpu_peak_measured_below_the_achieved_rate_is_measured_again(monkeypatch):
+  acct = _cpu_run(monkeypatch, [5e9])
+  report = acct.report(1)
+  assert report["mfu"] == pytest.approx(0.4) and report["mfu_note"] is None
+  assert report["hardware"]["peak_flops_per_device"] == 5e9
+  assert report["achieved_flops_per_sec"] == pytest.approx(2e9)
+
+
+def test_mfu_is_never_above_one(monkeypatch):
+  """A CPU peak still below the achieved rate after a second measurement (a busy machine) makes
+  the MFU unknown, with the figures; it is measured again only once per attempt."""
+  acct = _cpu_run(monkeypatch, [1.5e9])
+  report = acct.report(1)
+  assert acct.report(1)["mfu"] is None  # (No third measurement: the list is empty.)
+  assert report["mfu"] is None and report["achieved_flops_per_sec"] == pytest.approx(2e9)
+  assert report["mfu_note"] == (
+      "MFU unknown: 2 GFLOP/s per device achieved, above the 1.5 GFLOP/s peak measured (a busy, "
+      "shared CPU measures its peak low)")
+  assert report["mfu_note"] in accounting.summary(report)
+  assert "cost/mfu" not in accounting.scalars(report)
+  # Resumed by an attempt within its peak: the MFU is that attempt's, the note says what is out.
+  second = accounting.CostAccountant(_cpu_measured(4e9), 8, clock=FakeClock())
+  second.resume(json.loads(json.dumps(report)), start_step=1)
+  second.set_step_flops(None, 2e9)
+  with second.timed("train"):
+    second._clock.advance(1.0)  # pylint: disable=protected-access
+    second.count_step(1)
+  report = second.report(2)
+  assert report["mfu"] == pytest.approx(0.5)
+  assert report["mfu_note"].startswith("MFU of the other attempts (1 of 2 left out): 2 GFLOP/s")
+
+
+def test_float32_peaks_say_which_matmuls_they_are_of():
+  assert accounting.accelerator("v3-8", "float32").describe() == (
+      "8 x TPU v3 (8 cores, 4 chips), peak 61.5 TFLOP/s per device (bfloat16 matmuls, as "
+      "float32 runs at JAX's default precision; published)")
+  assert accounting.accelerator("v3-8", "bfloat16").describe().endswith(
+      "peak 61.5 TFLOP/s per device (bfloat16; published)")
+  assert "156 TFLOP/s per device (tf32 matmuls, as float32" in accounting.accelerator(
+      "a100-8", "float32").describe()
+  assert "15.7 TFLOP/s per device (float32; published)" in accounting.accelerator(
+      "v100-8", "float32").describe()
 
 
 @pytest.mark.parametrize("name, devices, cores, chips", [

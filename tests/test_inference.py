@@ -82,6 +82,29 @@ def test_bad_sources_are_one_clear_error(tmp_path):
     runner.logits(np.zeros((1, 28, 28, 3), np.float32))
 
 
+def test_class_names_that_do_not_fit_the_head_are_refused(tmp_path):
+  """A run's head has one output per class of its data: a record naming another count is not
+  this model's (it was used silently): refused, naming the record and the fix."""
+  step_dir = tmp_path / "w" / "checkpoints" / "12"
+  (step_dir / "state").mkdir(parents=True)
+  run = runs.SavedRun(str(step_dir / "state"), 12, None, None, False, [12])
+  record = {"label_names": ["a", "b"], "multi_label": False}
+  label_names = inference._label_names  # pylint: disable=protected-access
+  assert label_names(record, 2, run) == (("a", "b"), False)
+  with pytest.raises(ValueError) as error:
+    label_names(record, 3, run)
+  assert str(error.value) == (
+      f"The dataset record {tmp_path}/w/dataset.json names 2 classes, but the model's head has 3 "
+      f"outputs: the names are not this model's; restore this run's {tmp_path}/w/dataset.json, "
+      "or delete it (the names then come from the training data, when it is on this machine).")
+  (step_dir / "dataset").mkdir()  # The step's own record.
+  with pytest.raises(ValueError, match=(
+      rf"^The dataset record of step 12 \({step_dir}/dataset\) names 2 classes, but the model's "
+      r"head has 3 outputs: the names are not this model's; the checkpoint is inconsistent: use "
+      r"another step \(--step\)\.$")):
+    label_names(record, 3, run)
+
+
 @pytest.mark.slow
 def test_a_workdir_rebuilds_its_model_labels_and_preprocessing(tiny_workdir, tmp_path,
                                                                 monkeypatch):

@@ -11,6 +11,8 @@ import time
 import pytest
 
 from vit_jax import platform
+from vit_jax import pod
+from vit_jax import stops
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SUPPORTED = platform.huge_pages_environment({}) is not None
@@ -113,7 +115,7 @@ def test_huge_pages_remove_the_page_faults_of_xlas_fresh_temporaries():
 def test_distributed_needs_the_process_count_and_index():
   with pytest.raises(ValueError, match="--coordinator_address needs --num_processes and "
                      "--process_id"):
-    platform.initialize_distributed("localhost:1234", num_processes=2)
+    pod.initialize_distributed("localhost:1234", num_processes=2)
 
 
 @pytest.mark.parametrize("accelerator,hosts,multi", [
@@ -124,7 +126,7 @@ def test_multi_host_tpu_detection(monkeypatch, accelerator, hosts, multi):
   """jax.distributed starts by itself only on a TPU slice with several hosts."""
   monkeypatch.setenv("TPU_ACCELERATOR_TYPE", accelerator)
   monkeypatch.setenv("TPU_WORKER_HOSTNAMES", hosts)
-  assert platform._on_multi_host_tpu() == multi  # pylint: disable=protected-access
+  assert pod._on_multi_host_tpu() == multi  # pylint: disable=protected-access
 
 
 def test_errors_that_c_code_cannot_raise_go_to_the_debug_log(capsys):
@@ -148,7 +150,8 @@ def test_errors_that_c_code_cannot_raise_go_to_the_debug_log(capsys):
 
 def test_sigterm_and_a_first_ctrl_c_set_the_stop_notice_and_a_second_ctrl_c_interrupts():
   before = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
-  with platform.stop_notice() as notice:
+  with stops.stop_notice() as notice:
+    notice.training()  # The first step is done (before: see the set-up's stop below).
     assert not notice.is_set()
     os.kill(os.getpid(), signal.SIGINT)
     time.sleep(0.05)  # The handler runs in this (the main) thread, between bytecodes.
@@ -160,7 +163,49 @@ def test_sigterm_and_a_first_ctrl_c_set_the_stop_notice_and_a_second_ctrl_c_inte
       os.kill(os.getpid(), signal.SIGINT)
       time.sleep(1)
   assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == before
-  with platform.stop_notice() as notice:
+  with stops.stop_notice() as notice:
+    notice.training()
     os.kill(os.getpid(), signal.SIGTERM)
     time.sleep(0.05)
     assert notice.is_set() and notice.signal == "SIGTERM"
+
+
+# ------------------------------------------------------------------ stops and pod faults
+
+
+def test_distributed_timeouts_put_jax_s_abort_after_vit_jax_s_fatal_line():
+  """The bound reaches jax.distributed (each keyword only where this jax accepts it: 0.10.2
+  accepts all three), registration and heartbeat later than vit_jax's own deadline and watch."""
+  assert pod._distributed_timeouts(60) == {  # pylint: disable=protected-access
+      "initialization_timeout": 70, "heartbeat_timeout_seconds": 90,
+      "shutdown_timeout_seconds": 60}
+
+
+def test_a_stop_in_the_set_up_waits_for_a_deferred_section_then_is_raised():
+  with stops.stop_notice() as notice:
+    with pytest.raises(stops.StopRequested) as stop:
+      with stops.deferred_stop():
+        os.kill(os.getpid(), signal.SIGTERM)
+        for _ in range(1000):  # Python runs the handler between bytecodes: here, deferred.
+          time.sleep(0)
+        finished = True
+    assert finished and stop.value.exit_code == 75 and stop.value.signal == "SIGTERM"
+    with pytest.raises(stops.StopRequested) as stop:
+      os.kill(os.getpid(), signal.SIGINT)
+      for _ in range(1000):
+        time.sleep(0)
+    assert stop.value.exit_code == 130
+    assert str(stop.value).startswith("Interrupted (Ctrl-C) during the set-up")
+    assert not notice.is_set()
+
+
+def test_stop_in_finds_a_stop_that_a_library_wrapped():
+  stop = stops.StopRequested("SIGTERM")
+  try:
+    try:
+      raise stop
+    except stops.StopRequested as e:
+      raise RuntimeError("Error calling __set_name__ on 'Field' instance") from e
+  except RuntimeError as wrapped:
+    assert stops.stop_in(wrapped) is stop
+  assert stops.stop_in(ValueError("x")) is None

@@ -21,6 +21,7 @@ import pytest
 from tests import data_utils
 from vit_jax import checkpoint
 from vit_jax import cli
+from vit_jax import data
 from vit_jax import optim
 from vit_jax import train
 
@@ -121,23 +122,26 @@ def test_sigterm_saves_the_current_step_exits_75_and_the_rerun_resumes(tmp_path,
 
 
 def test_ctrl_c_saves_the_current_step_and_says_it_was_interrupted(tmp_path, monkeypatch):
-  """A first Ctrl-C (here during the set-up, so the notice is read at the first step) saves
-  that step and stops with `Preempted(interrupted=True)`, which `main` turns into exit 130."""
+  """A first Ctrl-C in the loop (here while the second batch is read) saves that step and stops
+  with `Preempted(interrupted=True)`, which `main` turns into exit 130. (During the set-up it
+  stops at once: tests/test_pod_faults.py.)"""
   overrides = _main_overrides(_folder(tmp_path), total_steps=50, checkpoint_every_steps=1000)
-  prepare = train._prepare  # pylint: disable=protected-access
+  create = data.create_train_iterator
 
-  def prepare_then_ctrl_c(*args, **kwargs):
-    os.kill(os.getpid(), signal.SIGINT)
-    return prepare(*args, **kwargs)
+  def ctrl_c_at_the_second_batch(*args, **kwargs):
+    for i, batch in enumerate(create(*args, **kwargs)):
+      if i == 1:
+        os.kill(os.getpid(), signal.SIGINT)
+      yield batch
 
-  monkeypatch.setattr(train, "_prepare", prepare_then_ctrl_c)
+  monkeypatch.setattr(data, "create_train_iterator", ctrl_c_at_the_second_batch)
   workdir, handler = tmp_path / "workdir", signal.getsignal(signal.SIGINT)
   with pytest.raises(train.Preempted) as e:
     train.train_and_evaluate(_main_config(overrides), str(workdir))
-  assert e.value.interrupted and e.value.step == 1
-  assert str(e.value) == (f"Interrupted (Ctrl-C): saved the checkpoint of step 1 in {workdir}; "
+  assert e.value.interrupted and e.value.step == 2
+  assert str(e.value) == (f"Interrupted (Ctrl-C): saved the checkpoint of step 2 in {workdir}; "
                           "rerun the same command to resume from it.")
-  assert sorted(os.listdir(workdir / "checkpoints")) == ["1"]
+  assert sorted(os.listdir(workdir / "checkpoints")) == ["2"]
   assert signal.getsignal(signal.SIGINT) is handler  # Restored.
 
 

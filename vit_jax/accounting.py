@@ -39,24 +39,31 @@ class _Kind:
   cores_per_device: Optional[int]  # TensorCores per JAX device (TPU only).
   cores_per_chip: Optional[int]
   peak: dict[str, float]  # Dense matmul FLOP/s of one JAX device, by compute dtype.
+  # The matmul precision a dtype's peak is of, where it is not the dtype itself.
+  runs_as: dict[str, str] = dataclasses.field(default_factory=dict)
 
 
-# Published dense peaks. On TPU a float32 matmul at JAX's default precision runs as one
-# bfloat16 pass, so float32 has the bfloat16 peak; on Ampere and later GPUs float32 matmuls
-# use TF32 by default. Order matters: the first match wins ('TPU v5 lite' before 'TPU v5').
+# Published dense peaks, by the compute dtype of the model. On TPU a float32 matmul at JAX's
+# default precision runs as one bfloat16 pass, so float32 gets the bfloat16 peak; on Ampere and
+# later GPUs float32 matmuls run as TF32 by default, so float32 gets the TF32 peak. A kind's
+# `runs_as` says which precision a peak is of when it is not the dtype's own (`describe`).
+# Order matters: the first match wins ('TPU v5 lite' before 'TPU v5').
+_TPU_FLOAT32 = {"float32": "bfloat16"}
+_TF32 = {"float32": "tf32"}
 _KINDS = (
-    _Kind(r"TPU v2", 1, 2, {"bfloat16": 22.5e12, "float32": 22.5e12}),
-    _Kind(r"TPU v3", 1, 2, {"bfloat16": 61.5e12, "float32": 61.5e12}),
-    _Kind(r"TPU v4 ?lite", 1, 1, {"bfloat16": 137.5e12, "float32": 137.5e12}),
-    _Kind(r"TPU v4", 2, 2, {"bfloat16": 275e12, "float32": 275e12}),
-    _Kind(r"TPU v5 ?lite|TPU v5e", 1, 1, {"bfloat16": 197e12, "float32": 197e12}),
-    _Kind(r"TPU v5p?", 2, 2, {"bfloat16": 459e12, "float32": 459e12}),
-    _Kind(r"TPU v6 ?lite|TPU v6e", 1, 1, {"bfloat16": 918e12, "float32": 918e12}),
+    _Kind(r"TPU v2", 1, 2, {"bfloat16": 22.5e12, "float32": 22.5e12}, _TPU_FLOAT32),
+    _Kind(r"TPU v3", 1, 2, {"bfloat16": 61.5e12, "float32": 61.5e12}, _TPU_FLOAT32),
+    _Kind(r"TPU v4 ?lite", 1, 1, {"bfloat16": 137.5e12, "float32": 137.5e12}, _TPU_FLOAT32),
+    _Kind(r"TPU v4", 2, 2, {"bfloat16": 275e12, "float32": 275e12}, _TPU_FLOAT32),
+    _Kind(r"TPU v5 ?lite|TPU v5e", 1, 1, {"bfloat16": 197e12, "float32": 197e12}, _TPU_FLOAT32),
+    _Kind(r"TPU v5p?", 2, 2, {"bfloat16": 459e12, "float32": 459e12}, _TPU_FLOAT32),
+    _Kind(r"TPU v6 ?lite|TPU v6e", 1, 1, {"bfloat16": 918e12, "float32": 918e12}, _TPU_FLOAT32),
     _Kind(r"V100", None, None, {"float16": 125e12, "float32": 15.7e12}),
-    _Kind(r"A100", None, None, {"bfloat16": 312e12, "float16": 312e12, "float32": 156e12}),
+    _Kind(r"A100", None, None, {"bfloat16": 312e12, "float16": 312e12, "float32": 156e12},
+          _TF32),
     _Kind(r"H100|H200|GH200", None, None,
-          {"bfloat16": 989e12, "float16": 989e12, "float32": 494e12}),
-    _Kind(r"L4", None, None, {"bfloat16": 121e12, "float16": 121e12, "float32": 60e12}),
+          {"bfloat16": 989e12, "float16": 989e12, "float32": 494e12}, _TF32),
+    _Kind(r"L4", None, None, {"bfloat16": 121e12, "float16": 121e12, "float32": 60e12}, _TF32),
 )
 
 # Cloud TPU accelerator types ('v3-256'): the device kind their JAX devices report, whether the
@@ -85,6 +92,8 @@ class Hardware:
     peak_flops_per_device: dense FLOP/s of one device for the compute dtype, or None if unknown.
     peak_source: where the peak comes from ('published', 'measured: ...', 'unknown').
     dtype: the compute dtype the peak is for.
+    peak_precision: the matmul precision the peak is of: `dtype`, or what JAX runs that dtype's
+      matmuls as by default ('bfloat16' for float32 on TPU, 'tf32' on Ampere and later GPUs).
   """
   device_kind: str
   platform: str
@@ -94,6 +103,7 @@ class Hardware:
   peak_flops_per_device: Optional[float]
   peak_source: str
   dtype: str = "float32"
+  peak_precision: Optional[str] = None
 
   @property
   def unit(self) -> str:
@@ -106,11 +116,16 @@ class Hardware:
     return self.cores if self.cores is not None else self.num_devices
 
   def describe(self) -> str:
-    """E.g. '8 x TPU v3 (8 cores, 4 chips), peak 61.5 TFLOP/s per device (published)'."""
+    """E.g. '8 x TPU v3 (8 cores, 4 chips), peak 61.5 TFLOP/s per device (bfloat16,
+    published)'; for float32 there '(bfloat16 matmuls, as float32 runs at JAX's default
+    precision; published)'."""
     counts = f" ({self.cores} cores, {self.chips} chips)" if self.cores is not None else ""
+    precision = self.peak_precision or self.dtype
+    what = (self.dtype if precision == self.dtype else
+            f"{precision} matmuls, as {self.dtype} runs at JAX's default precision")
     peak = ("peak unknown" if self.peak_flops_per_device is None else
             f"peak {self.peak_flops_per_device / 1e12:.4g} TFLOP/s per device "
-            f"({self.dtype}, {self.peak_source})")
+            f"({what}; {self.peak_source})")
     return f"{self.num_devices} x {self.device_kind}{counts}, {peak}"
 
 
@@ -141,15 +156,16 @@ def hardware(device_kind: str, num_devices: int, dtype: str = "float32",
     cores = num_devices * per_device
     chips = max(1, cores // per_chip)
   dtype = str(dtype)
-  source = "published"
+  source, precision = "published", dtype
   if peak_flops_per_device is None and kind is not None:
     peak_flops_per_device = kind.peak.get(dtype)
+    precision = kind.runs_as.get(dtype, dtype)
   elif peak_flops_per_device is not None:
     source = "given"
   if peak_flops_per_device is None:
     source = "unknown"
   return Hardware(device_kind, platform, num_devices, cores, chips, peak_flops_per_device, source,
-                  dtype)
+                  dtype, precision)
 
 
 def accelerator(name: str, dtype: str = "bfloat16") -> Hardware:
@@ -194,14 +210,16 @@ def accelerator(name: str, dtype: str = "bfloat16") -> Hardware:
       f"{', '.join(f'{g}-8' for g in _GPUS)}.")
 
 
-def measure_cpu_peak(size: int = 2048, repeats: int = 3) -> float:
+def measure_cpu_peak(size: int = 2048, repeats: int = 3, again: bool = False) -> float:
   """Dense float32 FLOP/s of this host's CPU backend: the best of `repeats` `size`^3 matmuls.
 
   A CPU has no honest published peak for XLA's matmuls; this measures one (once per process,
-  about a second) so that a CPU run still reports an MFU. Shared by all local CPU devices.
+  about a second) so that a CPU run still reports an MFU. Shared by all local CPU devices. A
+  busy (shared) CPU measures low: `again` measures once more and the highest measurement so
+  far is returned.
   """
   global _measured_cpu_peak
-  if _measured_cpu_peak is None:
+  if _measured_cpu_peak is None or again:
     import jax  # pylint: disable=g-import-not-at-top
     import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
     x = jnp.ones((size, size), jnp.float32)
@@ -212,18 +230,20 @@ def measure_cpu_peak(size: int = 2048, repeats: int = 3) -> float:
       start = time.perf_counter()
       matmul(x).block_until_ready()
       best = min(best, time.perf_counter() - start)
-    _measured_cpu_peak = 2 * size**3 / best
+    _measured_cpu_peak = max(2 * size**3 / best, _measured_cpu_peak or 0.0)
   return _measured_cpu_peak
 
 
-def local_hardware(dtype: str = "float32") -> Hardware:
-  """The `Hardware` of this JAX program: all devices of all processes (CPU peak measured)."""
+def local_hardware(dtype: str = "float32", remeasure: bool = False) -> Hardware:
+  """The `Hardware` of this JAX program: all devices of all processes (CPU peak measured;
+  `remeasure`: once more, keeping the highest measurement, see `measure_cpu_peak`)."""
   import jax  # pylint: disable=g-import-not-at-top
   device = jax.devices()[0]
   if device.platform == "cpu":
-    peak = measure_cpu_peak() / jax.local_device_count()
+    peak = measure_cpu_peak(again=remeasure) / jax.local_device_count()
     hw = hardware("cpu", jax.device_count(), dtype, "cpu", peak_flops_per_device=peak)
-    return dataclasses.replace(hw, peak_source="measured: float32 2048^3 matmul")
+    return dataclasses.replace(hw, peak_source="measured: float32 2048^3 matmul" + (
+        ", the best of two measurements" if remeasure else ""))
   return hardware(device.device_kind, jax.device_count(), dtype, device.platform)
 
 
@@ -263,6 +283,7 @@ class CostAccountant:
     # The resumed account's (flops_per_step, model_flops_per_step): reported while this attempt
     # has compiled no training step (an evaluate-only rerun of a finished run).
     self._resumed_flops: tuple[Optional[float], Optional[float]] = (None, None)
+    self._remeasured = False  # The measured CPU peak was measured again (see `report`).
 
   @contextlib.contextmanager
   def timed(self, category: str) -> Iterator[None]:
@@ -355,11 +376,24 @@ class CostAccountant:
     category, 'other' and 'program', summed over attempts), 'train' and 'program' (each with
     'device_days', and on TPU 'core_days' and 'chip_days'), 'flops_per_step',
     'model_flops_per_step', 'model_flops', 'achieved_flops_per_sec', 'mfu' (0..1 or None),
-    'images_per_sec_per_core' (per device off TPU) and 'attempts' (one record per start).
+    'images_per_sec_per_core' (per device off TPU), 'mfu_note' (why the MFU leaves attempts
+    out, else None) and 'attempts' (one record per start).
     The FLOPs per step are this attempt's, else the resumed account's (see `resume`); each
     attempt's record has its own (None when it compiled no training step).
+
+    The MFU is never above 1: an attempt whose model FLOP/s per device exceed its peak has a
+    wrong peak (a CPU's, measured low on a busy machine). This attempt's measured CPU peak is
+    then measured once more (the higher kept); an attempt still above its peak is left out of
+    the MFU ('mfu' None when no attempt is left), and 'mfu_note' says so with the figures.
     """
-    attempts = self._previous + [self._attempt(step)]
+    current = self._attempt(step)
+    hw = self.hardware
+    if (_above_peak(current) and not self._remeasured and hw.platform == "cpu"
+        and hw.peak_source.startswith("measured")):
+      self._remeasured = True
+      self.hardware = local_hardware(hw.dtype, remeasure=True)
+      current = self._attempt(step)
+    attempts = self._previous + [current]
     seconds = {k: sum(a["seconds"].get(k, 0.0) for a in attempts)
                for k in (*CATEGORIES, "other", "program")}
 
@@ -379,11 +413,14 @@ class CostAccountant:
     train_unit_seconds = sum(a["seconds"]["train"] * (a["cores"] or a["devices"])
                              for a in attempts)
     images = sum(a["images"] for a in attempts)
-    # MFU over the attempts whose peak is known: model FLOPs / (train seconds x peak x devices).
-    known = [a for a in attempts if a["peak_flops_per_device"] and a["model_flops_per_step"]]
+    # MFU over the attempts whose peak is known and not exceeded: model FLOPs / (train seconds
+    # x peak x devices); the achieved FLOP/s over all attempts with a known peak.
+    with_peak = [a for a in attempts if a["peak_flops_per_device"] and a["model_flops_per_step"]]
+    above = [a for a in with_peak if _above_peak(a)]
+    known = [a for a in with_peak if not _above_peak(a)]
     capacity = sum(a["seconds"]["train"] * a["peak_flops_per_device"] * a["devices"]
                    for a in known)
-    train_seconds = sum(a["seconds"]["train"] for a in known)
+    train_seconds = sum(a["seconds"]["train"] for a in with_peak)
     model_flops = sum(a["model_flops"] for a in attempts)
     hw = self.hardware
     flops_per_step, model_flops_per_step = self._resumed_flops
@@ -393,17 +430,38 @@ class CostAccountant:
         "hardware": {"device_kind": hw.device_kind, "platform": hw.platform,
                      "devices": hw.num_devices, "cores": hw.cores, "chips": hw.chips,
                      "unit": hw.unit, "peak_flops_per_device": hw.peak_flops_per_device,
-                     "peak_source": hw.peak_source},
+                     "peak_source": hw.peak_source, "peak_precision": hw.peak_precision},
         "step": step, "batch_size": self.batch_size, "restarts": len(attempts) - 1,
         "images_seen": images, "seconds": seconds, **figures,
         "flops_per_step": flops_per_step, "model_flops_per_step": model_flops_per_step,
         "model_flops": model_flops,
-        "achieved_flops_per_sec": (sum(a["model_flops"] for a in known) / train_seconds
+        "achieved_flops_per_sec": (sum(a["model_flops"] for a in with_peak) / train_seconds
                                    if train_seconds else None),
         "mfu": (sum(a["model_flops"] for a in known) / capacity) if capacity else None,
+        "mfu_note": _above_peak_note(above, len(with_peak)),
         "images_per_sec_per_core": images / train_unit_seconds if train_unit_seconds else None,
         "attempts": attempts,
     }
+
+
+def _above_peak(attempt: dict[str, Any]) -> bool:
+  """Whether an attempt's model FLOP/s per device exceed its peak (which is then wrong)."""
+  peak, seconds = attempt["peak_flops_per_device"], attempt["seconds"]["train"]
+  return bool(peak and seconds and attempt["model_flops"] > peak * seconds * attempt["devices"])
+
+
+def _above_peak_note(above: list[dict[str, Any]], with_peak: int) -> Optional[str]:
+  """Why the MFU leaves out the attempts `above` their peak (of `with_peak` with one)."""
+  if not above:
+    return None
+  last = above[-1]
+  achieved = last["model_flops"] / (last["seconds"]["train"] * last["devices"])
+  which = ("MFU unknown" if len(above) == with_peak else
+           f"MFU of the other attempts ({len(above)} of {with_peak} left out)")
+  why = ("peak measured (a busy, shared CPU measures its peak low)" if last["platform"] == "cpu"
+         else f"published peak of {last['device_kind']} (a FLOP count or the table is wrong)")
+  return (f"{which}: {achieved / 1e9:.3g} GFLOP/s per device achieved, above the "
+          f"{last['peak_flops_per_device'] / 1e9:.3g} GFLOP/s {why}")
 
 
 def latest_report(from_checkpoint: Optional[dict[str, Any]],
@@ -432,7 +490,9 @@ def summary(report: dict[str, Any]) -> str:
   unit = report["hardware"]["unit"]
   kind = report["hardware"]["device_kind"]
   program, train = report["program"][f"{unit}_days"], report["train"][f"{unit}_days"]
-  mfu = "MFU unavailable" if report["mfu"] is None else f"MFU {report['mfu']:.1%}"
+  note = report.get("mfu_note")
+  mfu = (note if note and report["mfu"] is None else "MFU unavailable" if report["mfu"] is None
+         else f"MFU {report['mfu']:.1%}")
   rate = report["images_per_sec_per_core"]
   rate = "" if rate is None else f", {rate:,.1f} images/s/{unit}"
   seconds = report["seconds"]

@@ -153,14 +153,58 @@ def _for_devices(config: ml_collections.ConfigDict,
   return config
 
 
-def _label_names(dataset: Optional[Dict[str, Any]], num_classes: int
+def _label_names(dataset: Optional[Dict[str, Any]], num_classes: int, run: runs.SavedRun
                  ) -> Tuple[Optional[Tuple[str, ...]], Optional[bool]]:
+  """The class names and multi-label flag of a run's dataset record.
+
+  Raises:
+    ValueError: the record names another number of classes than the head has (a training run
+      has one output per class of its data, so the names are not this model's).
+  """
   if not dataset:
     return None, None
   names = tuple(dataset.get('label_names') or ()) or None
   if names is not None and len(names) != num_classes:
-    names = None  # E.g. a head for another class count than the recorded data.
+    layout = checkpoint.workdir  # <workdir>/checkpoints/<step>/state: the step's, the run's.
+    step_dir = run.state_item.rstrip('/').rsplit('/', 1)[0]
+    item = paths.join(step_dir, layout.DATASET_ITEM)
+    if paths.isdir(item):
+      where, fix = (f'The dataset record of step {run.step} ({item})',
+                    'the checkpoint is inconsistent: use another step (--step)')
+    else:
+      record = paths.join(step_dir.rsplit('/', 2)[0], layout.DATASET_JSON)
+      where, fix = (f'The dataset record {record}',
+                    f'restore this run\'s {record}, or delete it (the names then come from the '
+                    'training data, when it is on this machine)')
+    raise ValueError(f'{where} names {len(names)} classes, but the model\'s head has '
+                     f'{num_classes} outputs: the names are not this model\'s; {fix}.')
   return names, dataset.get('multi_label')
+
+
+def _with_kept(trained: TrainedModel, kept: Dict[str, Any], item: str) -> TrainedModel:
+  """A convert directory's model with the class names and eval preprocessing that convert kept
+  of its source (``orbax.read_export_metadata``: ``label_names``, ``multi_label``,
+  ``normalization``, ``eval_crop_pct``).
+
+  Raises:
+    ValueError: the kept names are not one per output of the head.
+  """
+  if not kept:
+    return trained
+  names = kept.get('label_names')
+  if names is not None and len(names) != trained.num_classes:
+    record = paths.join(item, orbax.EXPORT_JSON)
+    raise ValueError(f'{record} names {len(names)} classes, but the model\'s head has '
+                     f'{trained.num_classes} outputs: the names are not this model\'s; restore '
+                     'the file, or delete it (then 1,000 or 21,843 classes get the official '
+                     'ImageNet names, others their numbers).')
+  config = ml_collections.ConfigDict(trained.config.to_dict())
+  for key in ('normalization', 'eval_crop_pct'):
+    if key in kept:
+      config.data[key] = kept[key]
+  return dataclasses.replace(
+      trained, config=config, label_names=tuple(str(n) for n in names) if names else
+      trained.label_names, multi_label=bool(kept.get('multi_label', trained.multi_label)))
 
 
 def _update(config: ml_collections.ConfigDict, saved: Dict[str, Any]) -> None:
@@ -203,7 +247,7 @@ def _from_run(path: str, run: runs.SavedRun, use_ema: bool, model_name: Optional
     raise ValueError(f'{path} is a training workdir of {config.model_name}: its saved config '
                      'rebuilds the model; drop --model/--set.')
   variables = orbax.read_variables(run.state_item, use_ema=use_ema)
-  names, multi_label = _label_names(run.dataset, int(config.num_classes))
+  names, multi_label = _label_names(run.dataset, int(config.num_classes), run)
   if run.dataset is None:  # Saved before the record existed: ask the dataset, if it is here.
     names = _names_from_data(config)
   if multi_label is None:
@@ -407,8 +451,9 @@ def load(source: Any, *, step: Optional[int] = None, use_ema: bool = True,
     FileNotFoundError: nothing at ``source``, no finalized step, or ``step`` not saved.
     ValueError: not a checkpoint of a known format, a model that does not fit the weights (the
       message says which architecture they imply), a PyTorch file without ``model_name``, a
-      class count other than the head's; the damaged-file errors of ``vit_jax.checkpoint.load``
-      (``DamagedCheckpointError``, ``UnsafePickleError``: ValueErrors).
+      class count other than the head's, NaN or Inf values (named, with a finite step); the
+      damaged-file errors of ``vit_jax.checkpoint.load`` (``DamagedCheckpointError``,
+      ``UnsafePickleError``: ValueErrors).
   """
   path = paths.normalize(source)
   if not str(path).strip():
@@ -421,14 +466,17 @@ def load(source: Any, *, step: Optional[int] = None, use_ema: bool = True,
     run = runs.read_run(path, step=step)
     if run.config is not None:
       trained = _from_run(path, run, use_ema, model_name, overrides)
-    else:  # A convert directory: weights only.
+    else:  # A convert directory: weights, and what convert kept of their source.
       variables = orbax.read_variables(run.state_item, use_ema=use_ema)
+      if models.layout.is_scanned(variables['params']):  # A scanned run's: built per layer.
+        variables = models.unscan_params(variables)
+      kept = orbax.read_export_metadata(run.state_item) or {}
+      size = image_size or kept.get('image_size')
       if models.vit.architecture_fields(_shapes(variables)) is None:
-        trained = _from_t2t_variables(path, variables, model_name, num_classes, image_size,
-                                      overrides)
+        trained = _from_t2t_variables(path, variables, model_name, num_classes, size, overrides)
       else:
-        trained = _from_vit_weights(path, variables, model_name, num_classes, image_size,
-                                    overrides)
+        trained = _from_vit_weights(path, variables, model_name, num_classes, size, overrides)
+      trained = _with_kept(trained, kept, run.state_item)
   elif step is not None:
     raise ValueError(f'--step applies to training workdirs; {path} is a single checkpoint file.')
   elif fmt == formats.PYTORCH:
@@ -449,7 +497,32 @@ def load(source: Any, *, step: Optional[int] = None, use_ema: bool = True,
     implied = checkpoint.describe_architecture(trained.variables) or ''
     raise ValueError(f'{path} does not fit --model {model_name}. {implied} Name the model these '
                      'weights are of (an .npz needs no --model: its shapes give it).') from e
+  _check_finite(path, trained, use_ema)
   return dataclasses.replace(trained, config=config)
+
+
+def _check_finite(path: str, trained: TrainedModel, use_ema: bool) -> None:
+  """Refuses weights with NaN or Inf values (their outputs mean nothing), naming them and, for
+  a step of a training run, the newest earlier step without any.
+
+  Raises:
+    ValueError: the variables hold NaN or Inf values.
+  """
+  bad = checkpoint.non_finite(trained.variables)
+  if not bad:
+    return
+  what = f'{path} (step {trained.step})' if trained.step is not None else path
+  advice = 'Use weights without them (re-export or re-download the file).'
+  steps = runs.read_run(path).steps if trained.step is not None else []  # [] for a step dir.
+  if steps:
+    finite = next((s for s in reversed(steps) if s < trained.step and not checkpoint.non_finite(
+        orbax.read_variables(runs.read_run(path, step=s).state_item, use_ema=use_ema))), None)
+    advice = (f'Give --step {finite}, the newest step whose values are finite.'
+              if finite is not None else 'No earlier step of the run is finite: train it again.')
+  elif trained.step is not None:
+    advice = 'Give an earlier step of the run (its workdir, with --step).'
+  raise ValueError(f'{checkpoint.non_finite_message(what, bad)}: its outputs would be '
+                   f'meaningless. {advice}')
 
 
 def _from_t2t_variables(path: str, variables: Dict[str, Any], model_name: Optional[str],

@@ -15,9 +15,9 @@ Examples:
 
 Every config field can be overridden with --config.<key>=<value> (nested keys with dots, e.g.
 --config.model.num_layers=4, --config.data.image_size=384); an unknown key stops with an error
-that names it. The log starts with the resolved config, the one that runs (regime filled in,
-schedule in steps), also saved as DIR/config.json. The model's fields are its architecture plus
-how it runs: --config.model.scan / remat (True by default for training; False/False for the
+that names it. The resolved config, the one that runs (regime filled in, schedule in steps), is
+saved as DIR/config.json (logged too with --verbosity=1). The model's fields are its architecture
+plus how it runs: --config.model.scan / remat (True by default for training; False/False for the
 plain unrolled model), --config.model.remat_policy ('auto', the default, picks from the devices,
 the compute dtype and the width; or one of vit_jax.models.execution.REMAT_POLICIES)
 and --config.model.attention: 'auto' (default) picks from the devices the step runs on: XLA's
@@ -36,14 +36,15 @@ get huge pages instead of a page fault per 4 KiB at every step; VIT_JAX_HUGE_PAG
 off (vit_jax.platform).
 
 Exit codes: 0 done; 1 failed (e.g. the loss diverged, a checkpoint could not be saved: the message
-says which checkpoint is intact); 2 a bad config or flag, an unusable fine-tuning checkpoint
+says which checkpoint is intact; on a pod, another process died or did not register within
+--distributed_timeout seconds); 2 a bad config or flag, an unusable fine-tuning checkpoint
 or a workdir in use by another run, found before any work; 75 preempted (SIGTERM): the
-checkpoint of the current step was saved, rerun the same command to resume; 130 interrupted
-(Ctrl-C): the first saves the current step and stops (a second stops at once, without that
-save); rerun the same command to resume.
+checkpoint of the current step was saved (during the set-up: stopped at once, nothing saved),
+rerun the same command to resume; 130 interrupted (Ctrl-C): the first saves the current step and
+stops (during the set-up, or a second one: stops at once); rerun the same command to resume.
+Every exit comes with one line saying why (a failure's starts with FATAL:).
 """
 
-import sys
 import traceback
 
 from absl import app
@@ -54,9 +55,11 @@ from ml_collections import config_flags
 import vit_jax
 from vit_jax import cli
 from vit_jax import platform
+from vit_jax import pod
+from vit_jax import stops
 
-#: The exit code after Ctrl-C (128 + SIGINT, as a shell reports it).
-INTERRUPTED_EXIT_CODE = 130
+#: The exit code after Ctrl-C (`vit_jax.stops`).
+INTERRUPTED_EXIT_CODE = stops.INTERRUPTED_EXIT_CODE
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", None, "Training config: a configs/*.py file, optionally ':<arg>' for its "
@@ -72,17 +75,34 @@ _NUM_PROCESSES = flags.DEFINE_integer(
     "num_processes", None, "Number of processes (or $JAX_NUM_PROCESSES), with --coordinator_address.")
 _PROCESS_ID = flags.DEFINE_integer(
     "process_id", None, "This process's index in [0, num_processes) (or $JAX_PROCESS_ID).")
+_DISTRIBUTED_TIMEOUT = flags.DEFINE_integer(
+    "distributed_timeout", pod.DISTRIBUTED_TIMEOUT_S, "Multi-process runs (TPU pods "
+    "included): seconds that every process waits for all the others to register, and after "
+    "which a process that sends no heartbeat counts as dead; either ends every process with "
+    "exit code 1 and a FATAL line.", lower_bound=1)
 flags.mark_flags_as_required(["config", "workdir"])
 
 
-def _fatal(error: Exception, code: int) -> None:
-  """One FATAL line and exit `code`; with --verbosity=1 the traceback first (same exit code)."""
+def _fatal(error: BaseException, code: int, line: str = "") -> None:
+  """One FATAL line (`line`, default `FATAL: <error>`) and exit `code`; with --verbosity=1 the
+  traceback first (same exit code)."""
+  stop = stops.stop_in(error)  # A stop during the set-up that a library wrapped.
+  if stop is not None:
+    stops.exit_process(stop.exit_code, str(stop))
+  line = line or f"FATAL: {error}"
   if logging.get_verbosity() >= 1:
     traceback.print_exception(error)
-    sys.stderr.write(f"FATAL: {error}\n")
-  else:
-    sys.stderr.write(f"FATAL: {error}\n(--verbosity=1 shows the traceback.)\n")
-  sys.exit(code)
+    stops.exit_process(code, line)
+  stops.exit_process(code, f"{line}\n(--verbosity=1 shows the traceback.)")
+
+
+def _latest_step(workdir: str):
+  """The latest saved step in `workdir`, or None (also when it cannot be read)."""
+  from vit_jax import checkpoint  # pylint: disable=g-import-not-at-top
+  try:
+    return max(checkpoint.Workdir(workdir).saved_steps(), default=None)
+  except Exception:  # pylint: disable=broad-except
+    return None
 
 
 def main(argv):
@@ -90,7 +110,7 @@ def main(argv):
     raise app.UsageError(f"Unexpected arguments: {' '.join(argv[1:])}")
   try:
     platform.setup(coordinator_address=_COORDINATOR.value, num_processes=_NUM_PROCESSES.value,
-                   process_id=_PROCESS_ID.value)
+                   process_id=_PROCESS_ID.value, distributed_timeout_s=_DISTRIBUTED_TIMEOUT.value)
   except ValueError as e:
     raise app.UsageError(str(e)) from e
   # Imported here so that --help and flag errors answer before TensorFlow and JAX load.
@@ -101,19 +121,38 @@ def main(argv):
   except train.ConfigError as e:
     _fatal(e, 2)
   except train.Preempted as e:
-    logging.warning("%s", e)
-    sys.exit(INTERRUPTED_EXIT_CODE if e.interrupted else train.PREEMPTED_EXIT_CODE)
+    logging.warning("%s", e)  # Every process stops at this step: jax.distributed shuts down.
+    stops.exit_process(INTERRUPTED_EXIT_CODE if e.interrupted else train.PREEMPTED_EXIT_CODE,
+                       shutdown=not e.interrupted)
   except (train.CheckpointSaveError, FloatingPointError, train.data.BadImageError) as e:
     _fatal(e, 1)
   except KeyboardInterrupt:  # A second Ctrl-C: a save in flight completed, the lock released.
-    sys.stderr.write(f"Interrupted (Ctrl-C): rerun the same command to resume from the latest "
-                     f"checkpoint in {_WORKDIR.value}.\n")
-    sys.exit(INTERRUPTED_EXIT_CODE)
+    stops.exit_process(INTERRUPTED_EXIT_CODE, (
+        f"Interrupted (Ctrl-C): rerun the same command to resume from the latest checkpoint in "
+        f"{_WORKDIR.value}."))
+  except Exception as e:  # pylint: disable=broad-except
+    import jax  # pylint: disable=g-import-not-at-top
+    if jax.process_count() == 1 or stops.stop_in(e):
+      raise  # A bug (its traceback), or a stop during the set-up that an import wrapped.
+    # A pod: a collective or barrier failed because another process died (gloo's 'Connection
+    # reset by peer', a barrier's DEADLINE_EXCEEDED). Ended here, before jax's exit handler
+    # would wait for the lost process until jax aborts.
+    _fatal(e, pod.POD_FAULT_EXIT_CODE, stops.peer_lost_message(
+        e, _WORKDIR.value, _latest_step(_WORKDIR.value)))
   step = results.pop("step")
   print(f"Final evaluation at step {step}: "
         + ", ".join(f"{k}={v:.4f}" for k, v in sorted(results.items())), flush=True)
+  stops.exit_process(0, shutdown=True)
 
 
 if __name__ == "__main__":
   platform.reexec_with_huge_pages()  # First: glibc reads its tunables only at process start.
-  app.run(main, flags_parser=cli.parse_flags)
+  platform.quiet_native_logs()  # Before a config file loads JAX.
+  stops.stop_at_once_on_signals()  # Before JAX and TensorFlow load (seconds).
+  try:
+    app.run(main, flags_parser=cli.parse_flags)
+  except BaseException as e:  # pylint: disable=broad-except
+    stop = stops.stop_in(e)  # In the set-up: nothing to save.
+    if stop is None:
+      raise
+    stops.exit_process(stop.exit_code, str(stop))

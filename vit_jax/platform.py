@@ -6,8 +6,9 @@ accelerators, quiet library logs.
      process start, so it re-executes the same command line once);
   2. `setup(...)`: log filters, `jax.distributed` for multi-process runs, TensorFlow's view of
      the accelerators hidden (tf.data must never grab a GPU/TPU that belongs to JAX).
-The training loop holds `stop_notice()` while it runs: a preemption notice (SIGTERM) or a first
-Ctrl-C (SIGINT) becomes an event that the loop checks at every step.
+Stopping (SIGTERM, Ctrl-C, the process's end) is `vit_jax.stops`; `jax.distributed` and a pod's
+faults `vit_jax.pod`; the host's memory is read here (`host_memory_bytes`,
+`available_memory_bytes`).
 
 Huge pages: XLA:CPU allocates a step's temporary buffers afresh at every execution, and glibc
 serves allocations over 32 MiB with a new `mmap`, so every step first-touches all of them, one
@@ -20,15 +21,19 @@ kept; a library user exports `GLIBC_TUNABLES=glibc.malloc.hugetlb=1` before star
 from __future__ import annotations
 
 import contextlib
+import glob
+import importlib.util
 import logging as py_logging
 import os
 import re
-import signal
 import sys
-import threading
+import tempfile
 from typing import Optional
 
 from absl import logging
+
+from vit_jax import pod
+from vit_jax import stops
 
 
 #: The glibc tunable that makes malloc advise transparent huge pages (`MADV_HUGEPAGE`) for the
@@ -166,55 +171,11 @@ def quiet_unraisable_hook(previous=None):
   return hook
 
 
-def _on_multi_host_tpu() -> bool:
-  """A Cloud TPU VM that is one worker of several (before any JAX backend starts)."""
-  hosts = os.environ.get("TPU_WORKER_HOSTNAMES", "")
-  if "," in hosts:
-    return True
-  accelerator = os.environ.get("TPU_ACCELERATOR_TYPE", "")  # e.g. 'v3-32'
-  match = re.fullmatch(r"v\d+[a-z]*-(\d+)", accelerator)
-  # The number counts TensorCores (v2-v5p) or chips (v5e, v6e); one host has at most 8.
-  return bool(match) and int(match.group(1)) > 8
-
-
-def initialize_distributed(coordinator_address: Optional[str] = None,
-                           num_processes: Optional[int] = None,
-                           process_id: Optional[int] = None) -> None:
-  """Calls `jax.distributed.initialize` when this is one process of several.
-
-  Explicit: the arguments (main's --coordinator_address/--num_processes/--process_id) or the
-  JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID environment variables (CPU and GPU
-  clusters; on CPU the cross-process collectives use gloo). Automatic: a multi-host Cloud TPU
-  slice (its metadata names several workers). A single process does nothing.
-
-  Raises:
-    ValueError: a coordinator address without the process count or index.
-  """
-  import jax  # pylint: disable=g-import-not-at-top
-  address = coordinator_address or os.environ.get("JAX_COORDINATOR_ADDRESS")
-  if address:
-    num = num_processes or int(os.environ.get("JAX_NUM_PROCESSES", "0")) or None
-    pid = process_id if process_id is not None else (
-        int(os.environ["JAX_PROCESS_ID"]) if "JAX_PROCESS_ID" in os.environ else None)
-    if num is None or pid is None:
-      raise ValueError("--coordinator_address needs --num_processes and --process_id (or "
-                       "JAX_NUM_PROCESSES and JAX_PROCESS_ID).")
-    if (jax.config.jax_platforms or os.environ.get("JAX_PLATFORMS") or "").startswith("cpu"):
-      jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    jax.distributed.initialize(coordinator_address=address, num_processes=num, process_id=pid)
-  elif _on_multi_host_tpu():
-    jax.distributed.initialize()  # Finds the coordinator and the workers from the TPU metadata.
-  if jax.process_count() > 1:
-    logging.info("Process %d of %d; %d local of %d devices.", jax.process_index(),
-                 jax.process_count(), jax.local_device_count(), jax.device_count())
-
-
 #: PCI vendor id of Google's TPU chips (what JAX itself looks for in /sys/bus/pci/devices).
 _GOOGLE_PCI_VENDOR = "0x1ae0"
 
 
 def _has_tpu_chips() -> bool:
-  import glob  # pylint: disable=g-import-not-at-top
   for vendor in glob.glob("/sys/bus/pci/devices/*/vendor"):
     try:
       with open(vendor, encoding="ascii") as f:
@@ -233,7 +194,6 @@ def skip_absent_tpu() -> None:
   falls back to the CPU. Here JAX is told to use the CPU instead, unless `JAX_PLATFORMS` /
   `jax_platforms` was chosen, TPU chips are on the PCI bus, or a GPU plugin is installed.
   """
-  import importlib.util  # pylint: disable=g-import-not-at-top
   import jax  # pylint: disable=g-import-not-at-top
   if jax.config.jax_platforms or importlib.util.find_spec("libtpu") is None:
     return
@@ -244,11 +204,43 @@ def skip_absent_tpu() -> None:
   jax.config.update("jax_platforms", "cpu")
 
 
+#: The lines TensorFlow's C++ code writes to stderr while it loads, whatever TF_CPP_MIN_LOG_LEVEL
+#: says (TensorFlow 2.21): absl's notice, the oneDNN and CPU-instruction banners.
+_TF_BANNERS = re.compile(r"WARNING: All log messages before absl::InitializeLog\(\) is called|"
+                         r"\] oneDNN custom operations are on|"
+                         r"\] This TensorFlow binary is optimized|"
+                         r"^To enable the following instructions: .*rebuild TensorFlow")
+@contextlib.contextmanager
+def _without_tensorflow_banners():
+  """Passes on to stderr what is written to file descriptor 2 meanwhile, except `_TF_BANNERS`
+  (all of it with --verbosity=1)."""
+  if logging.get_verbosity() >= 1 or "tensorflow" in sys.modules:
+    yield
+    return
+  sys.stderr.flush()
+  with tempfile.TemporaryFile() as captured:
+    stops.stderr_fd = os.dup(2)
+    os.dup2(captured.fileno(), 2)
+    try:
+      yield
+    finally:
+      sys.stderr.flush()
+      os.dup2(stops.stderr_fd, 2)
+      os.close(stops.stderr_fd)
+      stops.stderr_fd = 2
+      captured.seek(0)
+      lines = captured.read().decode(errors="replace").splitlines(keepends=True)
+      sys.stderr.write("".join(l for l in lines if not _TF_BANNERS.search(l)))
+      sys.stderr.flush()
+
+
 def hide_accelerators_from_tensorflow() -> None:
   """Makes TensorFlow (tf.data, tfds) see no GPU or TPU, so it never allocates on one that
-  belongs to JAX. Does nothing if TensorFlow is not installed or already initialised."""
+  belongs to JAX; imports it without its start-up banners. Does nothing if TensorFlow is not
+  installed or already initialised."""
   try:
-    import tensorflow as tf  # pylint: disable=g-import-not-at-top
+    with _without_tensorflow_banners():
+      import tensorflow as tf  # pylint: disable=g-import-not-at-top
   except ImportError:
     return
   for kind in ("GPU", "TPU"):
@@ -258,71 +250,83 @@ def hide_accelerators_from_tensorflow() -> None:
       pass
 
 
+def quiet_native_logs(argv: Optional[list[str]] = None) -> None:
+  """Hides TensorFlow's and XLA's C++ INFO and WARNING lines (e.g. TensorFlow's 'Local rendezvous
+  is aborting' before an undecodable image is reported; errors stay): `TF_CPP_MIN_LOG_LEVEL=2`
+  unless set, 1 (warnings shown) with `--verbosity`/`-v` in `argv` (default `sys.argv`). Call it
+  before JAX loads (a config file loads it): `python -m vit_jax.main` does, first."""
+  argv = sys.argv if argv is None else argv
+  verbose = any(re.match(r"--?(verbosity|v)(=|$)", a) for a in argv[1:])
+  os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "1" if verbose else "2")
+
+
 def setup(*, coordinator_address: Optional[str] = None, num_processes: Optional[int] = None,
-          process_id: Optional[int] = None) -> None:
+          process_id: Optional[int] = None,
+          distributed_timeout_s: int = pod.DISTRIBUTED_TIMEOUT_S) -> None:
   """The set-up of a program that trains or compiles: log filters (and the errors libraries'
   C++ threads cannot raise at DEBUG: `quiet_unraisable_hook`), no TPU backend on a host
-  without TPU chips (`skip_absent_tpu`), multi-process JAX (`initialize_distributed` with these
-  arguments), TensorFlow off the accelerators, and a log line when the huge-pages tunable is
-  active.
+  without TPU chips (`skip_absent_tpu`), multi-process JAX (`pod.initialize_distributed` with
+  these arguments; `distributed_timeout_s` bounds its faults), TensorFlow off the accelerators, and
+  a log line when the huge-pages tunable is active.
 
   Raises:
-    ValueError: as `initialize_distributed`.
+    ValueError: as `pod.initialize_distributed`.
   """
   logging.get_absl_handler().addFilter(QuietLibraries())
   sys.unraisablehook = quiet_unraisable_hook()
   if HUGE_PAGES_TUNABLE in os.environ.get("GLIBC_TUNABLES", ""):
     logging.info("malloc: transparent huge pages for large allocations (GLIBC_TUNABLES=%s).",
                  os.environ["GLIBC_TUNABLES"])
-  os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")  # TensorFlow's C++ INFO lines.
+  quiet_native_logs()
   skip_absent_tpu()
   hide_accelerators_from_tensorflow()
-  initialize_distributed(coordinator_address, num_processes, process_id)
+  pod.initialize_distributed(coordinator_address, num_processes, process_id,
+                             distributed_timeout_s)
 
 
-class StopNotice(threading.Event):
-  """An event that SIGTERM or a first Ctrl-C sets; `signal` names which ('SIGTERM', 'SIGINT')."""
-
-  def __init__(self):
-    super().__init__()
-    self.signal: Optional[str] = None
-
-  def notify(self, name: str) -> None:
-    """Sets the event, naming `name` ('SIGTERM' or 'SIGINT') as its cause unless already set
-    (the first signal names it)."""
-    if not self.is_set():
-      self.signal = name
-      self.set()
-
-
-@contextlib.contextmanager
-def stop_notice():
-  """Yields a `StopNotice` that SIGTERM (a preemption notice) and a first Ctrl-C set; the
-  previous handlers are restored after.
-
-  The first Ctrl-C logs that the run saves its current step and stops, and makes a second one
-  raise `KeyboardInterrupt` at once (Python's default). Only in a single-process run on the
-  main thread: with several processes jax's preemption service handles SIGTERM and
-  `Checkpoints.reached_preemption` reports it, and Ctrl-C keeps its default (a save needs every
-  host).
-  """
-  import jax  # pylint: disable=g-import-not-at-top  (not at import: --help stays fast)
-  notice = StopNotice()
-  if jax.process_count() > 1 or threading.current_thread() is not threading.main_thread():
-    yield notice
-    return
-
-  def on_interrupt(*_):
-    logging.warning("Ctrl-C: saving the current step, then stopping; Ctrl-C again stops at once "
-                    "(a rerun then resumes from the latest checkpoint).")
-    signal.signal(signal.SIGINT, signal.default_int_handler)
-    notice.notify("SIGINT")
-
-  previous = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
-  signal.signal(signal.SIGTERM, lambda *_: notice.notify("SIGTERM"))
-  signal.signal(signal.SIGINT, on_interrupt)
+def host_memory_bytes() -> Optional[int]:
+  """This host's RAM in bytes (`SC_PHYS_PAGES * SC_PAGE_SIZE`), or the container's cgroup memory
+  limit when that is lower; None when neither can be read."""
   try:
-    yield notice
-  finally:
-    for sig, handler in previous.items():
-      signal.signal(sig, handler)
+    total = os.sysconf('SC_PHYS_PAGES') * os.sysconf('SC_PAGE_SIZE')
+  except (ValueError, OSError, AttributeError):
+    total = None
+  for path in ('/sys/fs/cgroup/memory.max', '/sys/fs/cgroup/memory/memory.limit_in_bytes'):
+    try:
+      with open(path) as f:
+        limit = int(f.read().strip())  # 'max': no limit (ValueError).
+    except (OSError, ValueError):
+      continue
+    total = limit if total is None else min(total, limit)
+  return total
+
+
+def available_memory_bytes() -> Optional[int]:
+  """The memory this process can still take, in bytes: MemAvailable of /proc/meminfo (else
+  `SC_AVPHYS_PAGES * SC_PAGE_SIZE`), lowered to what the container's cgroup limit leaves
+  (limit - usage); None when none of these can be read."""
+  available = None
+  try:
+    with open('/proc/meminfo') as f:
+      for line in f:
+        if line.startswith('MemAvailable:'):
+          available = int(line.split()[1]) * 1024  # kB
+          break
+  except (OSError, ValueError, IndexError):
+    pass
+  if available is None:
+    try:
+      available = os.sysconf('SC_AVPHYS_PAGES') * os.sysconf('SC_PAGE_SIZE')
+    except (ValueError, OSError, AttributeError):
+      pass
+  for limit_path, usage_path in (
+      ('/sys/fs/cgroup/memory.max', '/sys/fs/cgroup/memory.current'),
+      ('/sys/fs/cgroup/memory/memory.limit_in_bytes',
+       '/sys/fs/cgroup/memory/memory.usage_in_bytes')):
+    try:
+      with open(limit_path) as f, open(usage_path) as g:
+        left = int(f.read().strip()) - int(g.read().strip())  # 'max': no limit (ValueError).
+    except (OSError, ValueError):
+      continue
+    available = max(left, 0) if available is None else min(available, max(left, 0))
+  return available

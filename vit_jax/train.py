@@ -34,9 +34,9 @@ from vit_jax import checkpoint
 from vit_jax import config as config_lib
 from vit_jax import data
 from vit_jax import evaluation
-from vit_jax import platform
 from vit_jax import sharding
 from vit_jax import step as step_lib
+from vit_jax import stops
 from vit_jax.checkpoint import CheckpointSaveError  # noqa: F401  (re-exported: main catches it)
 from vit_jax.evaluation import fewshot
 from vit_jax.evaluation import pictures as pictures_lib
@@ -46,9 +46,8 @@ class ConfigError(ValueError):
   """A config that cannot run, found before any work starts; the message says what to change."""
 
 
-#: `python -m vit_jax.main` exits with this code after a preemption notice (SIGTERM) once the
-#: checkpoint of the current step is saved: EX_TEMPFAIL, "try again" (rerun to resume).
-PREEMPTED_EXIT_CODE = 75
+#: `python -m vit_jax.main`'s exit code after a preemption notice (`vit_jax.stops`).
+PREEMPTED_EXIT_CODE = stops.PREEMPTED_EXIT_CODE
 
 
 class Preempted(Exception):
@@ -88,13 +87,15 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
       holds another model's checkpoints or is in use by another run (its lock, `lock.json`);
       raised before anything is written to `workdir`.
     FloatingPointError: the training loss became NaN or Inf (the last good checkpoint is kept).
-    Preempted: SIGTERM or a first Ctrl-C (SIGINT), from the start of the set-up on: the current
-      step was saved (`interrupted` for Ctrl-C). A second Ctrl-C raises KeyboardInterrupt.
+    Preempted: SIGTERM or a first Ctrl-C (SIGINT) from the first step on: the current step was
+      saved (`interrupted` for Ctrl-C). A second Ctrl-C raises KeyboardInterrupt.
+    vit_jax.stops.StopRequested: (a BaseException) SIGTERM or Ctrl-C during the set-up or the
+      first step's compilation: stopped at once, nothing saved, the lock released.
     CheckpointSaveError: writing to the workdir failed (e.g. a full disk); earlier checkpoints
       are intact.
     vit_jax.data.BadImageError: an image cannot be decoded (config.data.bad_images='fail').
   """
-  with platform.stop_notice() as notice, contextlib.ExitStack() as held:
+  with stops.stop_notice() as notice, contextlib.ExitStack() as held:
     # ---------------------------------------------------------------------------------------
     # 1. Config. Cheap checks of everything, before anything is written to the workdir; the
     # workdir's lock is held from then on (released however the run ends).
@@ -102,21 +103,24 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
     with _config_errors():
       run = _prepare(config, workdir, program_start, held)
     config, setup, accountant, run_dir = run.config, run.setup, run.accountant, run.run_dir
-    logging.info("Config (resolved):\n%s", config)
+    logging.info("Config (resolved): %s (--verbosity=1 logs it).", run_dir.config_json)
+    logging.vlog(1, "Config (resolved):\n%s", config)
 
     # ---------------------------------------------------------------------------------------
     # 2. State: the latest checkpoint, else the fine-tuning initialisation, else a fresh one.
     # ---------------------------------------------------------------------------------------
-    run_dir.write_config(config.to_dict())
-    run_dir.write_dataset(run.dataset)
-    checkpoints = run_dir.checkpoints(keep=config.keep_checkpoints,
-                                      asynchronous=config.async_checkpointing)
-    held.push(_finishing(checkpoints))  # A failure waits for the save in flight to complete.
+    with stops.deferred_stop():  # A stop notice here stops once these are written.
+      run_dir.write_config(config.to_dict())
+      run_dir.write_dataset(run.dataset)
+      checkpoints = run_dir.checkpoints(keep=config.keep_checkpoints,
+                                        asynchronous=config.async_checkpointing)
+      held.push(_finishing(checkpoints))  # A failure waits for the save in flight to complete.
     state = _initial_state(run, checkpoints)
     start_step, total_steps = int(state["step"]), config.total_steps
     # After the restore, so that a refused run leaves no events file.
-    writer = run_dir.metric_writer(checkpoint.flatten_params(config.to_dict(), sep="."))
-    held.push(_closing(writer))  # Its pending lines are written before a failure is reported.
+    with stops.deferred_stop():
+      writer = run_dir.metric_writer(checkpoint.flatten_params(config.to_dict(), sep="."))
+      held.push(_closing(writer))  # Its pending lines are written before a failure is reported.
     num_params = sum(x.size for x in jax.tree.leaves(state["params"]))
     logging.info("Model %s: %s parameters; %d of %d steps done.", config.model_name,
                  f"{num_params:,}", start_step, total_steps)
@@ -158,6 +162,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
           state, metrics = steps.train(state, batch)
           accountant.count_step()
         if step == start_step + 1:  # Compiled now: the throughput is measured from here.
+          notice.training()  # A stop notice now saves the current step (before: stops at once).
           with accountant.timed("eval"):
             pictures.training_images(writer, local_batch, start_step)
           window.restart(step)
@@ -294,9 +299,10 @@ def _prepare(config: ml_collections.ConfigDict, workdir: str,
       start=program_start)
   run_dir = checkpoint.Workdir(workdir)
   run_dir.check_writable()
-  lock = run_dir.lock(timeout_s=config.workdir_lock_timeout)
-  checkpoint.acquire_on_all_processes(lock)
-  held.push(lock)  # Released at the end; a refused run also removes the directories it made.
+  with stops.deferred_stop():  # A stop notice stops once the lock is held (and released).
+    lock = run_dir.lock(timeout_s=config.workdir_lock_timeout)
+    checkpoint.acquire_on_all_processes(lock)
+    held.push(lock)  # Released at the end; a refused run also removes the directories it made.
   logging.info("Dataset %s: %d classes (%s), %d train and %d eval examples, images %s.",
                config.data.image_folder or config.data.name, info.num_classes,
                "multi-label" if info.multi_label else "single-label",

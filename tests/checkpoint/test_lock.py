@@ -110,6 +110,18 @@ def test_a_refused_run_removes_the_directories_its_lock_created(tmp_path):
   assert sorted(os.listdir(tmp_path / "kept")) == ["config.json"]
 
 
+def test_a_lock_json_that_is_a_directory_is_named_with_the_fix(tmp_path):
+  """Issue 37: an IsADirectoryError traceback (exit 1). Now a PermissionError, which the
+  trainer's config phase reports as one FATAL line (exit 2); the directory is left alone."""
+  (tmp_path / "run" / "lock.json" / "inside").mkdir(parents=True)
+  for heartbeat in (False, True):
+    with pytest.raises(PermissionError, match=(
+        rf"^The workdir lock {tmp_path}/run/lock.json is a directory: remove it \(it is no run's "
+        r"lock; a run writes lock.json as a file\), then rerun\.$")):
+      lock_lib.WorkdirLock(str(tmp_path / "run"), heartbeat=heartbeat, settle_s=0).acquire()
+  assert os.listdir(tmp_path / "run" / "lock.json") == ["inside"]
+
+
 def _heartbeat_lock(path, **kwargs):
   return lock_lib.WorkdirLock(str(path), heartbeat=True, settle_s=0.01, **kwargs)
 

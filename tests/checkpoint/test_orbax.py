@@ -91,10 +91,12 @@ def test_orbax_model_state_and_scanned_layout(tmp_path):
 
 def test_orbax_without_finalized_steps(tmp_path):
   (tmp_path / 'w' / 'checkpoints').mkdir(parents=True)
-  with pytest.raises(FileNotFoundError, match='No finalized Orbax checkpoint step'):
+  with pytest.raises(FileNotFoundError, match='No finalized Orbax checkpoint step at .*: the run '
+                     'has saved no checkpoint yet. Wait for its first checkpoint, or train it'):
     checkpoint.load(tmp_path / 'w')
   (tmp_path / 'w' / 'checkpoints' / '5.orbax-checkpoint-tmp-123').mkdir()
-  with pytest.raises(FileNotFoundError, match='No finalized'):
+  with pytest.raises(FileNotFoundError, match='No finalized .*: the save of step 5 is being '
+                     'written'):
     checkpoint.load(tmp_path / 'w' / 'checkpoints')
 
 
@@ -125,6 +127,34 @@ def test_save_orbax_round_trip_with_collections(tmp_path):
   assert set(checkpoint.load(dst)) == {'params'}
   with pytest.raises(ValueError, match="expects variables {'params'"):
     checkpoint.save_orbax(tmp_path / 'other', variables['params'])
+
+
+def test_save_orbax_keeps_metadata_that_the_reader_applies(tmp_path):
+  """`metadata` goes to EXPORT_JSON in the item; `inference.load` names the classes and takes
+  the preprocessing from it, for a scanned run's weights too (they are read per layer)."""
+  from vit_jax import inference  # pylint: disable=g-import-not-at-top
+  variables = checkpoint.load(TINY / 'params_linen.npz')
+  names = [f'n{i}' for i in range(10)]
+  dst = tmp_path / 'converted'
+  checkpoint.save_orbax(dst, {'params': layout.scan_params(variables['params'])},
+                        metadata={'label_names': names, 'normalization': 'imagenet',
+                                  'eval_crop_pct': 0.875, 'multi_label': True})
+  assert checkpoint.orbax.read_export_metadata(dst)['label_names'] == names
+  trained = inference.load(dst)
+  assert list(trained.label_names) == names and trained.multi_label
+  assert (trained.config.data.normalization, trained.config.data.eval_crop_pct) == (
+      'imagenet', 0.875)
+  checkpoint.save_orbax(dst, variables, overwrite=True)  # No metadata: none is left behind.
+  assert checkpoint.orbax.read_export_metadata(dst) is None
+  assert inference.load(dst).label_names is None
+  checkpoint.save_orbax(dst, variables, overwrite=True, metadata={'label_names': ['a', 'b']})
+  with pytest.raises(ValueError, match=(
+      rf"^{dst}/vit_jax_export.json names 2 classes, but the model's head has 10 outputs: the "
+      r"names are not this model's; restore the file, or delete it")):
+    inference.load(dst)
+  (dst / checkpoint.orbax.EXPORT_JSON).write_text('[1, 2]')
+  with pytest.raises(ValueError, match=r'vit_jax_export.json is not the JSON object'):
+    checkpoint.orbax.read_export_metadata(dst)
 
 
 def test_check_state_fits_names_the_differences(tmp_path):

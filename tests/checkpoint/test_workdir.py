@@ -149,14 +149,12 @@ def test_cost_and_config_json_are_written_atomically(tmp_path, monkeypatch, capl
   assert work.read_cost() == report
   assert work.read_config() == {'seed': 0, 'optim': {'lr': 0.001}}
   assert json.loads((tmp_path / 'run' / 'cost.json').read_text()) == report
-  # A write that dies half-way leaves the previous file whole.
-  real_write_text = type(work.cost_json).write_text
-
-  def dies(self, text, *args, **kwargs):
-    real_write_text(self, text[:5], *args, **kwargs)
+  # A write that dies half-way (a full disk is reported when the data is forced to it) leaves
+  # the previous file whole.
+  def dies(fd):
     raise OSError(errno.ENOSPC, 'No space left on device')
 
-  monkeypatch.setattr(type(work.cost_json), 'write_text', dies)
+  monkeypatch.setattr(os, 'fsync', dies)
   with pytest.raises(checkpoint.CheckpointSaveError) as info:  # main: one FATAL line, exit 1.
     work.write_cost({'attempts': 3})
   assert str(info.value) == (
@@ -317,6 +315,15 @@ def test_check_writable(tmp_path):
                      r'\(where it would be created\) is not a directory'):
     checkpoint.Workdir(str(blocker / 'run')).check_writable()
   assert not (tmp_path / 'new').exists()
+  run = tmp_path / 'run'
+  run.mkdir()
+  (run / 'checkpoints').write_text('not a directory')
+  with pytest.raises(PermissionError) as info:
+    checkpoint.Workdir(str(run)).check_writable()
+  assert str(info.value) == (
+      f"--workdir '{run}' cannot be used: {run}/checkpoints is a file, where the run keeps its "
+      f'checkpoint directory. Move it away (mv {run}/checkpoints {run}/checkpoints.moved) or '
+      'choose another --workdir.')
 
 
 def test_only_workdir_spells_the_layout():

@@ -97,6 +97,60 @@ def test_batch_size_and_schedule_length_checks():
     config_lib.num_train_steps(config, 1000)
 
 
+@pytest.mark.parametrize("changes,message", [
+    # Issue 37: an OverflowError 35 s into the run, after the workdir was written.
+    ({"num_epochs": 1e30}, r"config.num_epochs=1e\+30 is 4.69e\+32 steps of batch 128 over "
+     r"60,000 examples, more than the 2,147,483,647 a run can count \(its step is an int32\); "
+     r"set --config.num_epochs to at most 4.581e\+06\."),
+    ({"num_epochs": 1e308}, r"config.num_epochs=1e\+308 is inf steps"),
+    ({"num_epochs": 1.0, "optim.warmup_epochs": 1e300},
+     r"config.optim.warmup_epochs=1e\+300 is .* set --config.optim.warmup_epochs to at most"),
+    ({"total_steps": 2**31}, r"config.total_steps=2147483648 must be a positive int <= "
+     r"2,147,483,647 \(the int32 step counter\)"),
+])
+def test_step_counts_past_the_int32_step_are_refused_naming_the_value(changes, message):
+  config = _tiny_config()
+  config.batch_size = 128
+  with config.unlocked():
+    data_utils.override(config, changes)
+  with pytest.raises(ValueError, match=message):
+    _resolve(config, examples=60_000)
+
+
+def test_a_batch_larger_than_an_epoch_or_the_memory_is_refused_with_one_that_fits():
+  config = _tiny_config()
+  config.update(batch_size=1_000_000_000, num_classes=10)
+  config.data.image_size = 28
+  with pytest.raises(ValueError, match=r"config.batch_size=1000000000 is more than the 60,000 "
+                     r"training examples of an epoch \(config.data.train_split\): .* Set "
+                     r"--config.batch_size=60000 or less\."):
+    config_lib.check_host_limits(config, num_train_examples=60_000, available_bytes=2**40)
+  with pytest.raises(ValueError,
+                     match=r"train_split; 30,000 per process of 2\): .*batch_size=59997 "):
+    config_lib.check_host_limits(config, num_train_examples=60_001, process_count=2,
+                                 available_bytes=2**40, unit=7)
+  # 2 prefetched + 3 in flight float32 batches of 28 x 28 x 3 images and 10 targets: 47,240 B
+  # per image; half of 1 GiB holds 11,365 of them.
+  config.batch_size = 40_000
+  with pytest.raises(ValueError, match=r"config.batch_size=40000 needs ~1.8 GiB of host memory "
+                     r"per process for its 5 float32 batches of 28x28 images in flight "
+                     r"\(config.data.prefetch=2 \+ 3\), more than 50% of the 1.0 GiB available"
+                     r": .* Set --config.batch_size=11360 or less"):
+    config_lib.check_host_limits(config, num_train_examples=60_000, available_bytes=2**30,
+                                 unit=16)
+  config.batch_size = 11_360
+  config_lib.check_host_limits(config, num_train_examples=60_000, available_bytes=2**30)
+  # A run on this host (resolve's devices None) is checked before its schedule, which the batch
+  # sets (issue 37: --config.batch_size=1000000000 grew to 22 GB until the OOM killer ended it).
+  config = _tiny_config()
+  config.update(batch_size=1_000_000_000, num_epochs=10.0)
+  with pytest.raises(ValueError, match="is more than the 60,000 training examples of an epoch"):
+    config_lib.resolve(config, num_train_examples=60_000, num_classes=10)
+  config.batch_size = len(jax.devices()) * 10**7  # 30 TB of 224 x 224 images in flight.
+  with pytest.raises(ValueError, match=rf"config.batch_size={config.batch_size} needs ~.* GiB"):
+    config_lib.resolve(config, num_train_examples=10**12, num_classes=10)
+
+
 # ----------------------------------------------------------------------------- resolve
 
 

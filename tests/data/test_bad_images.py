@@ -7,6 +7,7 @@ Fast, CPU only (tiny images); the end-to-end runs are marked slow.
 import io
 import logging
 import os
+import re
 
 import numpy as np
 from PIL import Image
@@ -274,6 +275,34 @@ def test_skip_with_every_file_bad_fails_clearly(tmp_path):
   with pytest.raises(ValueError, match='no training examples'):
     data.create_train_iterator(cfg, 2, seed=0, process_index=0,
                                process_count=1)
+
+
+def test_links_to_nothing_and_non_utf8_names_are_named_before_any_work(
+    tmp_path):
+  """Issue 37: a link to itself stopped the run with a TensorFlow traceback
+  once the pipeline reached it (after the workdir was written); a file name
+  that is not UTF-8 gave 'utf-8' codec can't decode byte 0xe9."""
+  root, _ = _folder(tmp_path)
+  os.symlink('self.png', os.path.join(root, 'train', 'class_1', 'self.png'))
+  os.symlink('gone.png', os.path.join(root, 'test', 'class_0', 'gone.png'))
+  with pytest.raises(FileNotFoundError, match=(
+      rf'^2 image file\(s\) of image folder {root} are symbolic links that '
+      r'lead to no file \(broken, or a loop\): test/class_0/gone.png, '
+      r'train/class_1/self.png\. Remove them or point them at images, or set '
+      r'--config.data.bad_images=skip to skip them\.$')):
+    sources.get_source(_cfg(image_folder=root))
+  # 'skip' leaves them out with the undecodable files.
+  assert data.get_info(_cfg(image_folder=root, bad_images='skip')
+                       ).num_skipped_images == 2
+
+  root, _ = _folder(tmp_path, name='latin1')
+  latin1 = os.fsencode(root) + b'/train/class_1/caf\xe9.png'
+  os.link(os.path.join(root, 'train', 'class_0', 'img_0.png'), latin1)
+  with pytest.raises(ValueError, match=re.escape(
+      f'The file name {latin1!r} is not UTF-8, which TensorFlow cannot open: '
+      'rename it (e.g. convmv -f latin1 -t utf8 --notest <file>) or move it '
+      'away.')):
+    sources.get_source(_cfg(image_folder=root))
 
 
 # --------------------------------------------------- unusual, valid images

@@ -3,6 +3,7 @@ preprocessed exactly as the eval pipeline preprocesses it."""
 
 import io
 import os
+import re
 
 import numpy as np
 from PIL import Image
@@ -37,6 +38,37 @@ def test_a_folder_lists_its_image_files_sorted_and_recursively(tmp_path):
       str(tmp_path / n) for n in expected[:4]]
   with pytest.raises(FileNotFoundError, match="is not a directory"):
     files.list_images(str(tmp_path / "b.png"))
+
+
+def test_a_folder_is_listed_once_whatever_links_lead_back_into_it(tmp_path):
+  """Issue 37: `predict` on a folder with a link to its parent never finished (406,011
+  directories in 45 s): each level doubled the walk."""
+  for name in ["a.png", "sub/b.png", "other/c.png"]:
+    (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+    (tmp_path / name).write_bytes(b"")
+  (tmp_path / "sub" / "up").symlink_to("..")  # A loop.
+  (tmp_path / "sub" / "again").symlink_to(tmp_path / "sub")  # A loop to itself.
+  (tmp_path / "alias").symlink_to("other")  # A second way to a folder: listed once.
+  links = []
+  assert files.list_images(str(tmp_path), skipped_links=links) == [
+      str(tmp_path / n) for n in ["a.png", "other/c.png", "sub/b.png"]]
+  assert links == [str(tmp_path / n) for n in ["alias", "sub/again", "sub/up"]]
+  outside = tmp_path.parent / f"{tmp_path.name}_outside"
+  (outside / "back").mkdir(parents=True)
+  (outside / "d.png").write_bytes(b"")
+  (outside / "back" / "in").symlink_to(tmp_path)  # Out, and back in: followed once.
+  (tmp_path / "out").symlink_to(outside)
+  assert files.list_images(str(tmp_path)) == [
+      str(tmp_path / n) for n in ["a.png", "other/c.png", "out/d.png", "sub/b.png"]]
+  (tmp_path / "self.png").symlink_to("self.png")
+  with pytest.raises(OSError, match=rf"^{tmp_path}/self.png cannot be read: Too many levels "
+                     "of symbolic links$"):
+    files.read_bytes(str(tmp_path / "self.png"))
+  latin1 = os.fsencode(tmp_path) + b"/other/caf\xe9.png"
+  open(latin1, "wb").close()
+  with pytest.raises(ValueError, match=re.escape(f"The file name {latin1!r} is not UTF-8")):
+    files.list_images(str(tmp_path))
+  assert sources.first_non_utf8_path(str(tmp_path)) == latin1
 
 
 @pytest.mark.parametrize("crop_pct,normalization", [(None, "minus_one_to_one"),

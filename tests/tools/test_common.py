@@ -1,5 +1,6 @@
 """What the command-line tools share (vit_jax.tools.common): one-line FATAL messages, the help."""
 
+import argparse
 import subprocess
 import sys
 
@@ -61,3 +62,71 @@ def test_flags_that_do_not_parse_stop_before_loading_jax(tool, flags, message):
   assert out.stdout.split("\n")[:2] == ["exit 2", "loaded: []"], (out.stdout, out.stderr)
   fatal = [line for line in out.stderr.splitlines() if line.startswith("FATAL:")]
   assert len(fatal) == 1 and message in fatal[0], out.stderr
+
+
+def test_a_run_that_has_saved_nothing_is_refused_before_the_set_up(tmp_path):
+  """A workdir without a finalized step: one FATAL line that says what to do, told by the file
+  system before the set-up (the message's module imports JAX; TensorFlow is never loaded)."""
+  workdir = tmp_path / "run"
+  (workdir / "checkpoints" / "1000.orbax-checkpoint-tmp-17").mkdir(parents=True)
+  (workdir / "config.json").write_text('{"checkpoint_every_steps": 500}')
+  code = (f"import runpy, sys; sys.argv = ['x', {str(workdir)!r}]\n"
+          "try:\n"
+          "  runpy.run_module('vit_jax.evaluate', run_name='__main__')\n"
+          "except SystemExit as e:\n"
+          "  print('exit', e.code)\n"
+          "print('loaded:', sorted(m for m in ('jax', 'tensorflow') if m in sys.modules))")
+  out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+  assert out.stdout.split("\n")[:2] == ["exit 2", "loaded: ['jax']"], (out.stdout, out.stderr)
+  assert out.stderr.splitlines()[-1] == (
+      f"FATAL: No finalized checkpoint step at '{workdir}/checkpoints': the save of step 1000 "
+      "is being written (or was cut off; the next start of the run removes it). Wait for its "
+      f"first checkpoint, or train it first (python -m vit_jax.main --config ... --workdir "
+      f"{workdir}); then give the workdir again, or one step directory "
+      "<workdir>/checkpoints/<step>.")
+  (workdir / "checkpoints" / "1000.orbax-checkpoint-tmp-17").rmdir()
+  error = common.unsaved_run(argparse.Namespace(source=str(workdir), step=None))
+  assert common.reason(error).endswith(
+      "the run has saved no checkpoint yet. Wait for its first checkpoint (it saves every 500 "
+      "steps, checkpoint_every_steps in its config.json, and at its end), or train it first "
+      f"(python -m vit_jax.main --config ... --workdir {workdir}); then give the workdir again, "
+      "or one step directory <workdir>/checkpoints/<step>.")
+  # A step saved (its state item's marker) is left to the tool; a --step that is not is refused.
+  (workdir / "checkpoints" / "500" / "state").mkdir(parents=True)
+  (workdir / "checkpoints" / "500" / "state" / "_METADATA").write_text("{}")
+  assert common.unsaved_run(argparse.Namespace(source=str(workdir), step=None)) is None
+  error = common.unsaved_run(argparse.Namespace(source=str(workdir), step=7))
+  assert "Step 7 is not saved" in str(error) and "the saved steps are [500]" in str(error)
+  assert common.unsaved_run(argparse.Namespace(source=str(tmp_path), step=None)) is None
+
+
+def test_a_shot_count_no_class_can_give_is_refused_before_the_set_up(tmp_path):
+  """fewshot's check from the flags and the file system: an image folder's class folders (its
+  file counts bound its images from above), a known dataset's published split size."""
+  from vit_jax.tools import fewshot  # pylint: disable=g-import-not-at-top
+  parse = fewshot._parser().parse_args  # pylint: disable=protected-access
+  precheck = fewshot._precheck  # pylint: disable=protected-access
+  for c, files in (("cat", 3), ("dog", 5)):
+    (tmp_path / "images" / "train" / c).mkdir(parents=True)
+    for i in range(files):
+      (tmp_path / "images" / "train" / c / f"{i}.png").write_bytes(b"")
+  (tmp_path / "images" / "train" / "dog" / ".hidden.png").write_bytes(b"")
+  images = str(tmp_path / "images")
+  assert common.reason(precheck(parse(["m.npz", "--image-folder", images, "--shots", "1,6"]))) == (
+      f"--shots 6: no class of {images}/train has 6 images (the most files are 5, in 'dog'); "
+      "lower --shots to at most 5, or give a larger --train-split.")
+  # 4 shots: 'cat' is short, which only reading the data tells (its images may be fewer).
+  assert precheck(parse(["m.npz", "--image-folder", images, "--shots", "4"])) is None
+  assert common.reason(precheck(parse(["m.npz", "--data", "cifar10", "--shots", "5001"]))) == (
+      "--shots 5001: cifar10's split 'train' has 50,000 examples of 10 classes (its published "
+      "size), 5,000 per class on average: fewer than 5001; lower --shots, or give a larger "
+      "--train-split.")
+  assert precheck(parse(["m.npz", "--data", "cifar10", "--shots", "5000"])) is None
+  assert precheck(parse(["m.npz", "--data", "cifar10", "--train-split", "train[:10]",
+                         "--shots", "5001"])) is None  # Sliced: left to the full check.
+  # A workdir's own data, from its config.json.
+  (tmp_path / "run" / "checkpoints").mkdir(parents=True)
+  (tmp_path / "run" / "config.json").write_text(
+      '{"data": {"name": "fashion_mnist_local", "train_split": "train"}}')
+  error = precheck(parse([str(tmp_path / "run"), "--shots", "7000"]))
+  assert "fashion_mnist_local's split 'train' has 60,000 examples of 10 classes" in str(error)

@@ -19,6 +19,7 @@ from vit_jax import train
 from vit_jax.data import preprocess
 from vit_jax.tools import eval_data
 from vit_jax.tools import eval_report
+from vit_jax.tools import common
 from vit_jax.tools import evaluate
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -179,11 +180,17 @@ def test_a_workdir_reproduces_its_training_evaluation_exactly(trained_run, tmp_p
   assert ema["data"]["name"] == folder and ema["data"]["split"] == "test"
   out = os.path.join(workdir, "eval_images_test_step2")  # The default: inside the workdir.
   assert ema["out"] == out and os.path.isfile(os.path.join(out, eval_report.METRICS_JSON))
-  # A second run never replaces it silently.
+  # A second run never replaces it silently; the program says so before its set-up (the
+  # folder told by the flags, the saved steps and config.json).
   status, _, fatal = _run(capsys, workdir)
   assert status == 2 and fatal == [
       f"FATAL: {out} already holds a result (metrics.json): pass --overwrite to replace it, or "
       "--out DIR for another directory."]
+  parse = evaluate._parser().parse_args  # pylint: disable=protected-access
+  assert eval_report.planned_out(parse([workdir])) == out
+  assert eval_report.planned_out(parse([workdir, "--no-ema", "--step", "2"])) == out + "_no_ema"
+  precheck = evaluate._precheck  # pylint: disable=protected-access
+  assert f"FATAL: {common.reason(precheck(parse([workdir])))}" == fatal[0]
   status, stdout, _ = _run(capsys, workdir, "--no-ema", "--json")
   params = json.loads(stdout)
   assert status == 0 and params["out"] == out + "_no_ema"
@@ -393,6 +400,40 @@ def test_parse_data():
   assert eval_data.parse_data("imagenet2012_real/x:validation") == ("imagenet2012_real/x",
                                                                    "validation")
   assert eval_data.parse_data("gs://bucket/ds/1.0.0:test") == ("gs://bucket/ds/1.0.0", "test")
+
+
+def test_the_output_folder_is_told_before_the_set_up(tmp_path):
+  """`planned_out`: the folder of a workdir's own data (config.json), of --data NAME:SPLIT and
+  of a file; None where only the dataset can tell (its default split)."""
+  workdir = tmp_path / "w"
+  (workdir / "checkpoints" / "30" / "state").mkdir(parents=True)
+  (workdir / "checkpoints" / "30" / "state" / "_METADATA").write_text("{}")
+  (workdir / "checkpoints" / "40.orbax-checkpoint-tmp-1").mkdir()
+  (workdir / "config.json").write_text(json.dumps(
+      {"data": {"name": "fashion_mnist_local", "image_folder": None, "eval_split": "test"}}))
+  parse = evaluate._parser().parse_args  # pylint: disable=protected-access
+  w = str(workdir)
+  assert eval_report.planned_out(parse([w])) == f"{w}/eval_fashion_mnist_local_test_step30"
+  assert eval_report.planned_out(parse([w, "--data", "cifar10:train[:10%]", "--no-ema"])) == (
+      f"{w}/eval_cifar10_train_10_step30_no_ema")
+  assert eval_report.planned_out(parse([w, "--image-folder", "/x/imgs/", "--split", "val"])) == (
+      f"{w}/eval_imgs_val_step30")
+  assert eval_report.planned_out(parse([NPZ, "--real"])) == (
+      "./eval_params_imagenet2012_real_validation")
+  for unknown in ([w, "--data", "cifar10"], [w, "--image-folder", "/x"], [NPZ],
+                  [f"{w}/checkpoints", "--data", "cifar10:test"], [w, "--data", "a:b", "--real"]):
+    assert eval_report.planned_out(parse(unknown)) is None, unknown
+  out = workdir / "eval_fashion_mnist_local_test_step30"
+  out.mkdir()
+  precheck = evaluate._precheck  # pylint: disable=protected-access
+  assert precheck(parse([w])) is None
+  (out / eval_report.METRICS_JSON).write_text("{}")
+  assert isinstance(precheck(parse([w])), FileExistsError)
+  assert precheck(parse([w, "--overwrite"])) is None
+  from vit_jax import evaluation  # pylint: disable=g-import-not-at-top
+  eval_name = eval_report._eval_name  # pylint: disable=protected-access
+  for text in ("train[98%:]", "a-b:c", "test"):
+    assert eval_name(text) == evaluation.eval_name(text)
 
 
 def test_workdir_of(tmp_path):

@@ -2,6 +2,8 @@
 workdir through the predictor, the eval preprocessing of image files, the bad inputs of the
 command (one FATAL line, exit 2; an undecodable image among good ones skipped with a warning)."""
 
+import errno
+import io
 import json
 import os
 import pathlib
@@ -177,6 +179,13 @@ def test_the_command_on_a_workdir_prints_its_class_names(tiny_workdir, capsys):
   assert out.splitlines()[0] == f"# {workdir} (step 12, parameters): 3 classes (softmax)"
   assert out.splitlines()[2:4] == [paths[0], f"  {100 * top[0][0].probability:6.2f}%  "
                                    f"{top[0][0].label}"]
+  # A step's state directory is that step (issue 37: it was read as bare weights, and refused).
+  state = os.path.join(workdir, "checkpoints", "12", "state")
+  code, out, _ = _main(capsys, state, paths[0], "--top-k", "1")
+  assert (code, out.splitlines()[0]) == (0, f"# {state} (step 12, parameters): 3 classes "
+                                         "(softmax)")
+  assert out.splitlines()[2:4] == [paths[0], f"  {100 * top[0][0].probability:6.2f}%  "
+                                   f"{top[0][0].label}"]
 
 
 def _main(capsys, *argv):
@@ -189,7 +198,12 @@ def test_bad_inputs_are_one_fatal_line_and_exit_status_2(capsys, tmp_path):
   image = _write_png(tmp_path / "a.png", _random_image(2, (8, 8, 3)))
   (tmp_path / "empty").mkdir()
   (tmp_path / "empty" / "notes.txt").write_text("no images here")
+  latin1 = os.fsencode(tmp_path) + b"/caf\xe9.png"
+  os.link(image, latin1)
   for argv, message in [
+      ([NPZ, os.fsdecode(latin1)], f"FATAL: The file name {latin1!r} is not UTF-8, which "
+       "TensorFlow cannot open: rename it (e.g. convmv -f latin1 -t utf8 --notest <file>) or "
+       "move it away."),
       ([tmp_path / "no_model", image],
        f"FATAL: {tmp_path / 'no_model'} does not exist: give a training workdir"),
       ([NPZ, tmp_path / "missing.png"],
@@ -246,6 +260,53 @@ def test_an_undecodable_image_is_skipped_and_only_bad_images_exit_2(capsys, tmp_
   assert err.splitlines()[-1] == ("FATAL: none of the 2 image file(s) could be decoded (see the "
                                   "warnings above): give JPEG, PNG, GIF, BMP or WebP images.")
   assert err.count("WARNING: skipped") == 2
+
+
+def test_links_back_into_a_folder_and_a_full_disk_end_with_one_line_each(capsys, tmp_path,
+                                                                         monkeypatch,
+                                                                         npz_predictor):
+  """Issue 37: a folder with a link to its parent was walked without end; a link to itself, an
+  image that cannot be read, was a traceback; `--json` onto a full disk was a traceback."""
+  monkeypatch.setattr(predict, "Predictor", lambda trained, batch_size: npz_predictor)
+  (tmp_path / "sub").mkdir()
+  good = [_write_png(tmp_path / "a.png", _random_image(5, (8, 8, 3))),
+          _write_png(tmp_path / "sub" / "b.png", _random_image(6, (8, 8, 3)))]
+  (tmp_path / "sub" / "up").symlink_to("..")
+  (tmp_path / "self.png").symlink_to("self.png")
+  code, out, err = _main(capsys, NPZ, tmp_path, "--json", "--top-k", "1")
+  assert code == 0 and [r["path"] for r in json.loads(out)] == good
+  assert err.splitlines() == [
+      f"WARNING: not entered {tmp_path / 'sub' / 'up'}: a link to a folder already listed.",
+      f"WARNING: skipped {tmp_path / 'self.png'}: cannot be read: Too many levels of symbolic "
+      "links"]
+
+  class FullDisk(io.StringIO):
+    def write(self, text):
+      raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+  real = sys.stdout
+  for text in ([], ["--json"]):
+    monkeypatch.setattr(sys, "stdout", FullDisk())
+    code = predict.main([NPZ, good[0], *text])
+    monkeypatch.setattr(sys, "stdout", real)
+    _, err = capsys.readouterr()
+    assert (code, err) == (1, "FATAL: writing the results to standard output failed: No space "
+                              "left on device. Free space there or send the output elsewhere "
+                              "(> FILE on another disk).\n"), text
+
+
+@pytest.mark.slow
+def test_a_missing_image_is_refused_before_jax_and_tensorflow_load(tmp_path):
+  """Issue 37: refused only after 19-50 s of set-up."""
+  code = ("import sys; from vit_jax.tools import predict\n"
+          f"sys.argv = ['predict', {NPZ!r}, {str(tmp_path / 'missing.png')!r}]\n"
+          "try:\n  predict.run_main()\nexcept SystemExit as e:\n"
+          "  print(e.code, 'jax' in sys.modules, 'tensorflow' in sys.modules)")
+  proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                        timeout=60)
+  assert proc.stdout.split() == ["2", "False", "False"], proc.stderr
+  assert proc.stderr == (f"FATAL: {tmp_path / 'missing.png'} does not exist: give image files "
+                         "or folders of them.\n")
 
 
 @pytest.mark.slow

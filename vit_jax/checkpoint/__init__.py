@@ -72,7 +72,8 @@ from vit_jax.checkpoint.orbax import check_state_fits, save_orbax
 from vit_jax.checkpoint.pytorch import load_pth, load_torch_as_saved
 from vit_jax.checkpoint.torch_pickle import DamagedCheckpointError
 from vit_jax.checkpoint.tree import (check_fits, describe_architecture, flatten_params,
-                                     mismatch_report, unflatten_params)
+                                     mismatch_report, non_finite, non_finite_message,
+                                     unflatten_params)
 from vit_jax.checkpoint.lock import WorkdirInUseError, WorkdirLock, acquire_on_all_processes
 from vit_jax.checkpoint.workdir import CheckpointSaveError, Checkpoints, Workdir, load_orbax
 
@@ -83,8 +84,8 @@ __all__ = [
     'check_fits', 'check_state_fits', 'convert_pre_linen', 'describe_architecture', 'detect',
     'fix_groupnorm', 'flatten_params', 'init_for_finetuning', 'is_torch_checkpoint', 'load',
     'load_for_finetuning', 'load_npz', 'load_orbax', 'load_pth', 'load_torch_as_saved',
-    'mismatch_report', 'model_fields', 'resize_posemb', 'save_npz', 'save_orbax',
-    'unflatten_params',
+    'mismatch_report', 'model_fields', 'non_finite', 'non_finite_message', 'resize_posemb',
+    'save_npz', 'save_orbax', 'unflatten_params',
 ]
 
 
@@ -215,7 +216,8 @@ def load_for_finetuning(path: Any, model: Any, fresh: Mapping, *, use_ema: bool 
     reset_head, grid: see :func:`init_for_finetuning`.
 
   Raises:
-    The errors of :func:`load` and :func:`init_for_finetuning`.
+    ValueError: the weights hold NaN or Inf values (named); the errors of :func:`load` and
+      :func:`init_for_finetuning`.
   """
   path = paths.normalize(path)
   fmt = detect(path)
@@ -230,4 +232,8 @@ def load_for_finetuning(path: Any, model: Any, fresh: Mapping, *, use_ema: bool 
         logging.warning('Fine-tuning with other numerics than the weights were trained with: %s',
                         e)
     loaded = _read(path, fmt, model=model, use_ema=use_ema, image_size=None, evaluate=False)
+  bad = tree.non_finite(loaded)
+  if bad:
+    raise ValueError(f'{tree.non_finite_message(f"The fine-tuning checkpoint {path}", bad)}: '
+                     'fine-tune from other weights (or a step of the run before it diverged).')
   return init_for_finetuning(loaded, fresh, reset_head=reset_head, grid=grid)

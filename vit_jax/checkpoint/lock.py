@@ -137,7 +137,7 @@ class WorkdirLock:
 
   Raises (from :meth:`acquire`):
     WorkdirInUseError: a live run holds the lock (the message names it).
-    PermissionError: the lock file cannot be written.
+    PermissionError: the lock file cannot be written, or is a directory (named, with the fix).
   """
 
   def __init__(self, workdir: str, *, timeout_s: float = 600.0, settle_s: float = 2.0,
@@ -177,11 +177,17 @@ class WorkdirLock:
 
     Raises:
       WorkdirInUseError: a live run holds it (the message names the holder and what to do).
-      OSError: the lock file cannot be created or written (e.g. ``PermissionError``).
+      OSError: the lock file cannot be created or written (e.g. ``PermissionError``; also for a
+        local ``lock.json`` that is a directory or other non-file: named, with the fix).
     """
-    if not paths.is_remote(self.workdir):
+    local = not paths.is_remote(self.workdir)
+    if local:
       self._make_dirs()
     try:
+      if local and os.path.lexists(self.path) and not os.path.isfile(self.path):
+        what = 'a directory' if os.path.isdir(self.path) else 'not a regular file'
+        raise PermissionError(f'The workdir lock {self.path} is {what}: remove it (it is no '
+                              'run\'s lock; a run writes lock.json as a file), then rerun.')
       if not self.heartbeat:
         try:
           self._acquire_local()

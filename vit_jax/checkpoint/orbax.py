@@ -15,10 +15,11 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import json
 import logging
 import os
 from collections.abc import Mapping
-from typing import Any, Dict
+from typing import Any, Dict, Optional
 
 import numpy as np
 
@@ -152,7 +153,13 @@ def check_state_fits(state_dir: Any, abstract_state: Mapping) -> None:
   raise ValueError(mismatch_report(header, missing, unexpected, mismatched, described))
 
 
-def save_orbax(path: Any, variables: Mapping, *, overwrite: bool = False) -> None:
+#: The JSON file a variables checkpoint of :func:`save_orbax` keeps beside its arrays, inside
+#: the item directory: what the arrays do not say (class names, preprocessing).
+EXPORT_JSON = 'vit_jax_export.json'
+
+
+def save_orbax(path: Any, variables: Mapping, *, overwrite: bool = False,
+               metadata: Optional[Mapping[str, Any]] = None) -> None:
   """Writes model variables as an Orbax item ``{'params': ..., 'model_state': {...}}``.
 
   The format of the training checkpoints' ``state`` item without the step and optimizer state:
@@ -163,6 +170,9 @@ def save_orbax(path: Any, variables: Mapping, *, overwrite: bool = False) -> Non
     variables: ``{'params': ..., **collections}`` (boxed or plain, NumPy or JAX leaves); every
       collection other than ``params`` (e.g. T2T-ViT's ``constants``) goes in ``model_state``.
     overwrite: replace an existing ``path``.
+    metadata: JSON-able facts of the model written to ``path/EXPORT_JSON`` (read back by
+      :func:`read_export_metadata`), e.g. ``label_names``, ``multi_label``,
+      ``normalization``, ``eval_crop_pct``, ``image_size``; None writes no file.
 
   Raises:
     ValueError: ``variables`` has no ``params``.
@@ -184,6 +194,29 @@ def save_orbax(path: Any, variables: Mapping, *, overwrite: bool = False) -> Non
     tree['model_state'] = dict(sorted(extra.items()))
   with ocp.StandardCheckpointer() as checkpointer:
     checkpointer.save(target, tree, force=overwrite)
+  if metadata is not None:
+    (target / EXPORT_JSON).write_text(json.dumps(dict(metadata), indent=1) + '\n')
+
+
+def read_export_metadata(item: Any) -> Optional[Dict[str, Any]]:
+  """The facts :func:`save_orbax` kept with a variables checkpoint (``EXPORT_JSON``), or None
+  without that file.
+
+  Raises:
+    ValueError: the file is not a JSON object (the message names it and the fix).
+  """
+  path = paths.join(paths.normalize(item), EXPORT_JSON)
+  if not paths.exists(path):
+    return None
+  try:
+    facts = json.loads(paths.read_bytes(path))
+  except ValueError as e:
+    facts = e
+  if not isinstance(facts, dict):
+    raise ValueError(f'{path} is not the JSON object python -m vit_jax.convert writes: restore '
+                     'it, or delete it (the class names and preprocessing are then the '
+                     'defaults of the weights).')
+  return facts
 
 
 def read_json_item(item: Any) -> Any:

@@ -9,8 +9,10 @@ path's format.
 from __future__ import annotations
 
 import errno
+import json
 import os
-from typing import Any, List
+import posixpath
+from typing import Any, List, Optional
 
 
 def is_remote(path: str) -> bool:
@@ -83,6 +85,31 @@ def normalize(path: Any) -> str:
   return path if is_remote(path) else os.path.expanduser(path)
 
 
-def not_found(path: str, what: str = 'No checkpoint') -> FileNotFoundError:
-  """The error for a missing ``path``: ``FileNotFoundError(ENOENT, "<what> at '<path>'")``."""
-  return FileNotFoundError(errno.ENOENT, f'{what} at {path!r}', path)
+def not_found(path: str, what: str = 'No checkpoint', fix: str = '') -> FileNotFoundError:
+  """The error for a missing ``path``: ``FileNotFoundError(ENOENT, "<what> at '<path>'")``,
+  then ``: <fix>`` when given."""
+  return FileNotFoundError(errno.ENOENT, f'{what} at {path!r}' + (f': {fix}' if fix else ''),
+                           path)
+
+
+def nothing_saved_yet(checkpoints_dir: str, config_json: Optional[str]) -> str:
+  """What to do about a run's ``checkpoints`` directory without a finalized step: whether a
+  save is being written (Orbax's ``<step>.orbax-checkpoint-tmp-*``), when the first save comes
+  (``checkpoint_every_steps`` of ``config_json``, the run's ``config.json``, when readable)."""
+  names = listdir(checkpoints_dir) if isdir(checkpoints_dir) else []
+  writing = sorted(int(n.split('.')[0]) for n in names
+                   if '.orbax-checkpoint-tmp' in n and n.split('.')[0].isdigit())
+  every = None
+  if config_json and exists(config_json):
+    try:
+      every = json.loads(read_bytes(config_json)).get('checkpoint_every_steps')
+    except (ValueError, AttributeError, OSError):
+      every = None
+  state = (f'the save of step {writing[-1]} is being written (or was cut off; the next start '
+           'of the run removes it)' if writing else 'the run has saved no checkpoint yet')
+  first = (f' (it saves every {every} steps, checkpoint_every_steps in its config.json, and at '
+           'its end)' if isinstance(every, int) and not writing else '')
+  workdir = posixpath.dirname(checkpoints_dir.rstrip('/')) or '.'
+  return (f'{state}. Wait for its first checkpoint{first}, or train it first (python -m '
+          f'vit_jax.main --config ... --workdir {workdir}); then give the workdir again, or one '
+          'step directory <workdir>/checkpoints/<step>.')

@@ -83,7 +83,7 @@ def read_run(path: Any, *, step: Optional[int] = None) -> SavedRun:
 
   Args:
     path: a training workdir (containing ``checkpoints/``), its ``checkpoints`` directory, one
-      step directory (containing ``state/``), or a variables checkpoint of
+      step directory (containing ``state/``) or its ``state``, or a variables checkpoint of
       ``python -m vit_jax.convert`` (local or ``gs://``).
     step: the step to use (default: the latest finalized one). Not allowed with a step
       directory or a variables checkpoint.
@@ -99,6 +99,9 @@ def read_run(path: Any, *, step: Optional[int] = None) -> SavedRun:
   path = paths.normalize(path)
   if not paths.exists(path):
     raise paths.not_found(path)
+  parent = posixpath.dirname(path.rstrip('/'))
+  if paths.basename(path) == workdir_lib.STATE_ITEM and paths.basename(parent).isdigit():
+    path = parent  # A step's state item: read as its step (with its config and class names).
   root = None  # The workdir, when known: its config.json and dataset.json are the fallback.
   if paths.isdir(paths.join(path, workdir_lib.CHECKPOINTS_DIR)):
     root, checkpoints_dir = path, paths.join(path, workdir_lib.CHECKPOINTS_DIR)
@@ -112,7 +115,9 @@ def read_run(path: Any, *, step: Optional[int] = None) -> SavedRun:
   if checkpoints_dir is not None:
     found = _finalized_steps(checkpoints_dir)
     if not found:
-      raise paths.not_found(checkpoints_dir, 'No finalized checkpoint step')
+      config_json = paths.join(root, workdir_lib.CONFIG_JSON) if root else None
+      raise paths.not_found(checkpoints_dir, 'No finalized checkpoint step',
+                            paths.nothing_saved_yet(checkpoints_dir, config_json))
     if step is None:
       step = max(found)
     elif step not in found:

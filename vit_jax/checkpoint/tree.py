@@ -7,8 +7,10 @@ The model families own what their names mean (:func:`vit_jax.models.vit.describe
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
 from vit_jax.models import layout
@@ -17,7 +19,7 @@ from vit_jax.models import vit
 from vit_jax.models.mismatch import mismatch_report
 
 __all__ = ['check_fits', 'describe_architecture', 'flatten_params', 'mismatch_report',
-           'unflatten_params']
+           'non_finite', 'non_finite_message', 'unflatten_params']
 
 
 def flatten_params(tree: Mapping, sep: str = '/') -> Dict[str, Any]:
@@ -132,3 +134,29 @@ def check_fits(variables: Mapping, expected: Mapping, *, what: str = 'The checkp
             'Evaluate at the size it was trained at, or use init_for_finetuning '
             '(--config.init_from) to resize it for a new resolution.')
   raise ValueError(mismatch_report(header, missing, unexpected, mismatched, hint))
+
+
+def _name(path) -> str:
+  return '/'.join(str(getattr(k, 'key', getattr(k, 'name', getattr(k, 'idx', k)))) for k in path)
+
+
+def non_finite(tree: Any) -> List[str]:
+  """The names (``'params/head/kernel'``) of the floating-point leaves of ``tree`` that hold a
+  NaN or an Inf, in tree order. NumPy leaves are checked on the host; JAX arrays (sharded ones
+  too, on any number of processes) on their devices, in one jitted reduction."""
+  leaves = [(_name(p), x) for p, x in jax.tree_util.tree_flatten_with_path(layout.unbox(tree))[0]
+            if jnp.issubdtype(x.dtype if hasattr(x, 'dtype') else np.asarray(x).dtype,
+                              jnp.inexact)]
+  on_devices = [(n, x) for n, x in leaves if isinstance(x, jax.Array)]
+  bad = {n for n, x in leaves if not isinstance(x, jax.Array) and not np.isfinite(x).all()}
+  if on_devices:
+    finite = jax.jit(lambda xs: [jnp.isfinite(x).all() for x in xs])([x for _, x in on_devices])
+    bad |= {n for (n, _), ok in zip(on_devices, jax.device_get(finite)) if not ok}
+  return [n for n, _ in leaves if n in bad]
+
+
+def non_finite_message(what: str, names: List[str]) -> str:
+  """``'<what> holds NaN or Inf values in <names> (first 4 and the count)'``, for errors."""
+  shown = ', '.join(names[:4]) + (f' and {len(names) - 4} more' if len(names) > 4 else '')
+  return (f'{what} holds NaN or Inf values in {shown} ({len(names)} '
+          f'{"array" if len(names) == 1 else "arrays"})')

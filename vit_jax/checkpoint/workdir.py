@@ -36,9 +36,11 @@ import re
 import shutil
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
+from vit_jax.checkpoint import durable
 from vit_jax.checkpoint import lock as lock_lib
 from vit_jax.checkpoint import orbax
 from vit_jax.checkpoint import paths
+from vit_jax.checkpoint import tree
 
 #: Names inside WORKDIR.
 CHECKPOINTS_DIR = 'checkpoints'
@@ -74,18 +76,16 @@ def _is_process_0() -> bool:
 
 
 def _write_json_atomically(path, value: Dict[str, Any]) -> None:
-  """``path`` (an epath) gets ``value`` as JSON; readers never see a half-written file.
+  """``path`` (an epath) gets ``value`` as JSON, forced to disk; readers and a crash see the old
+  or the new file (:func:`.durable.write_atomically`).
 
   Raises:
     CheckpointSaveError: the file cannot be written (e.g. a full disk); the previous version of
       the file stays (only the ``.partial`` beside it is affected).
   """
   text = json.dumps(value, indent=1)  # A TypeError here is a bug, not the disk's.
-  partial = path.parent / f'{path.name}.partial'
   try:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    partial.write_text(text)
-    partial.replace(path)
+    durable.write_atomically(path, text)
   except OSError as e:
     cause = 'No space left on device' if e.errno == errno.ENOSPC else (e.strerror or str(e))
     raise CheckpointSaveError(
@@ -125,8 +125,8 @@ class Workdir:
 
     Raises:
       PermissionError: the directory, or its nearest existing ancestor, is not a writable
-        directory (e.g. a read-only filesystem, or a file in the way). ``gs://`` paths are not
-        checked.
+        directory (e.g. a read-only filesystem, or a file in the way), or its ``checkpoints``
+        is not a directory. ``gs://`` paths are not checked.
     """
     if paths.is_remote(self.path):
       return
@@ -138,6 +138,12 @@ class Workdir:
       where = '' if path == os.path.abspath(self.path) else ' (where it would be created)'
       raise PermissionError(f'--workdir {self.path!r} cannot be used: {path}{where} {what}. '
                             'Choose a directory you can write to (or a gs:// path).')
+    inside = os.path.join(os.path.abspath(self.path), CHECKPOINTS_DIR)
+    if os.path.lexists(inside) and not os.path.isdir(inside):
+      raise PermissionError(
+          f'--workdir {self.path!r} cannot be used: {inside} is a file, where the run keeps '
+          f'its checkpoint directory. Move it away (mv {inside} {inside}.moved) or choose '
+          'another --workdir.')
 
   def lock(self, *, timeout_s: float) -> 'lock_lib.WorkdirLock':
     """The workdir's lock (``WORKDIR/lock.json``; not yet taken): see :mod:`.lock`."""
@@ -170,6 +176,11 @@ class Workdir:
     steps = self.saved_steps()
     if not steps:
       return
+    empty = durable.damaged_files(self.checkpoints_dir / str(steps[-1]))
+    if empty:  # Data that never reached the disk: a host crash (steps of earlier versions).
+      raise damaged_step_error(
+          self.checkpoints_dir, steps, None,
+          cause=f'{len(empty)} empty files, e.g. {empty[0]}: lost in a host crash')
     state_dir = self.checkpoints_dir / str(steps[-1]) / STATE_ITEM
     try:
       orbax.check_state_fits(state_dir, abstract_state)
@@ -273,20 +284,25 @@ _DAMAGE = re.compile(r'OUT_OF_RANGE|DATA_LOSS|NOT_FOUND|Error reading|error whil
                      r'not valid for value|No such file|Unexpected end|checksum', re.IGNORECASE)
 
 
-def damaged_step_error(directory: Any, steps: List[int], error: Exception,
+def damaged_step_error(directory: Any, steps: List[int], error: Optional[Exception],
                        step: Optional[int] = None, cause: Optional[str] = None) -> ValueError:
   """The error for a saved step that cannot be read (a truncated file, a missing metadata file):
   names the step, the cause (default: the first line of ``error``) and how to resume from the
-  step before it. ``step`` defaults to the newest of ``steps``."""
+  newest step before it without empty files (:func:`.durable.damaged_files`). ``step``
+  defaults to the newest of ``steps``."""
   step = max(steps) if step is None else step
-  earlier = [s for s in steps if s < step]
+  intact = [s for s in steps if s < step and not durable.damaged_files(_join(directory, s))]
   cause = cause or (str(error).splitlines()[0][:300] if str(error) else type(error).__name__)
-  resume = (f'to resume from step {max(earlier)}' if earlier else 'to start afresh')
+  resume = (f'to resume from step {max(intact)}' if intact else 'to start afresh')
   return ValueError(
       f'The checkpoint of step {step} in {directory} cannot be read ({cause}): it is damaged '
       'or incomplete. '
       f'Move it away (mv {directory}/{step} {directory}/{step}.damaged) {resume}, then rerun '
       'the same command.')
+
+
+def _join(directory: Any, step: int) -> str:
+  return paths.join(os.fspath(directory), str(step))
 
 
 class _EventsWriter:
@@ -320,6 +336,8 @@ class Checkpoints:
   """The numbered checkpoints of a run: an ``orbax.checkpoint.CheckpointManager``.
 
   Keeps the newest ``keep`` finalized steps (``LatestN`` preservation policy; ``None``: all).
+  On a local disk a step is finalized only once its files are on stable storage
+  (:mod:`.durable`): a host crash right after a save leaves it intact.
   A save that a crash or a full disk interrupted leaves a ``<step>.orbax-checkpoint-tmp*``
   directory (never a step): it is removed when this object is created, in the background.
   Create and use it on every process of a multi-host run (Orbax coordinates them).
@@ -338,12 +356,14 @@ class Checkpoints:
     import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
     if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
       raise ValueError(f'keep must be a positive int or None (keep all), got {keep!r}.')
+    local = not paths.is_remote(os.fspath(directory))
     self._manager = ocp.CheckpointManager(
         directory,
         options=ocp.CheckpointManagerOptions(
             preservation_policy=ocp.checkpoint_managers.LatestN(n=keep),
             enable_async_checkpointing=bool(asynchronous),
             cleanup_tmp_directories=True,
+            temporary_path_class=durable.rename_class() if local else None,
         ),
     )
 
@@ -430,12 +450,36 @@ class Checkpoints:
       checkpoint without one).
 
     Raises:
-      ValueError: the state does not fit (e.g. another optimizer's state), or the step's files
-        are damaged (e.g. truncated); the message names the fix.
+      ValueError: the state does not fit (e.g. another optimizer's state), the step's files
+        are damaged (e.g. truncated), or it holds NaN or Inf values (the message names them
+        and the newest step without any); the message names the fix.
     """
+    state, cost = self._restore(step, abstract_state, with_cost=True)
+    bad = tree.non_finite(state)
+    if bad:
+      del state  # The search below restores the earlier steps one at a time.
+      finite = next((s for s in sorted(self.all_steps(), reverse=True)
+                     if s < step and self._is_finite(s, abstract_state)), None)
+      resume = f'to resume from step {finite}' if finite is not None else 'to start afresh'
+      raise ValueError(
+          f'{tree.non_finite_message(f"The checkpoint of step {step} in {self.directory}", bad)}'
+          f': it cannot be trained from. Move it away (mv {self.directory}/{step} '
+          f'{self.directory}/{step}.non_finite) {resume} (the newest step whose values are '
+          'finite), then rerun the same command.')
+    return state, cost
+
+  def _is_finite(self, step: int, abstract_state: Any) -> bool:
+    """Whether step ``step`` restores, and without NaN or Inf values."""
+    try:
+      return not tree.non_finite(self._restore(step, abstract_state)[0])
+    except ValueError:  # Damaged, or of another shape.
+      return False
+
+  def _restore(self, step: int, abstract_state: Any, with_cost: bool = False
+               ) -> Tuple[Any, Optional[Dict[str, Any]]]:
     import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
     items = {STATE_ITEM: ocp.args.StandardRestore(abstract_state)}
-    has_cost = (self.directory / str(step) / COST_ITEM).exists()
+    has_cost = with_cost and (self.directory / str(step) / COST_ITEM).exists()
     if has_cost:
       items[COST_ITEM] = ocp.args.JsonRestore()
     try:
@@ -537,7 +581,9 @@ def find_state_item(path: Any) -> str:
         return candidate
   is_manager_dir = paths.basename(path) == CHECKPOINTS_DIR
   if is_manager_dir or any(n.isdigit() for n in paths.listdir(path)):
-    raise paths.not_found(path, 'No finalized Orbax checkpoint step')
+    parent = os.path.dirname(path.rstrip('/'))
+    raise paths.not_found(path, 'No finalized Orbax checkpoint step', paths.nothing_saved_yet(
+        path, paths.join(parent or '.', CONFIG_JSON) if is_manager_dir else None))
   raise ValueError(f'Unrecognised checkpoint directory {path!r}: a directory is read as an Orbax '
                    f'checkpoint, {ORBAX_PATHS}, or a variables checkpoint written by '
                    'python -m vit_jax.convert, or as a Hugging Face transformers ViT when it '

@@ -28,6 +28,7 @@ from vit_jax.config.defaults import REGIME_DEFAULTS
 from vit_jax.config.defaults import TRAINING_DEFAULTS
 from vit_jax.config.resolution import attention_choice
 from vit_jax.config.resolution import check_batch_size
+from vit_jax.config.resolution import check_host_limits
 from vit_jax.config.resolution import check_value
 from vit_jax.config.resolution import fill_regime
 from vit_jax.config.resolution import for_counting
@@ -38,9 +39,9 @@ from vit_jax.config.resolution import validate_data
 
 __all__ = [
     'ATTENTION_CHOICES', 'AUGMENTATIONS', 'BAD_IMAGES', 'NORMALIZATIONS', 'REGIME_DEFAULTS',
-    'TRAINING_DEFAULTS', 'args', 'attention_choice', 'check_batch_size', 'check_value',
-    'fill_regime', 'for_counting', 'from_json', 'get_config', 'num_train_steps', 'remat_choice',
-    'resolve', 'slices', 'to_json', 'validate_data',
+    'TRAINING_DEFAULTS', 'args', 'attention_choice', 'check_batch_size', 'check_host_limits',
+    'check_value', 'fill_regime', 'for_counting', 'from_json', 'get_config', 'num_train_steps',
+    'remat_choice', 'resolve', 'slices', 'to_json', 'validate_data',
 ]
 
 

@@ -26,6 +26,7 @@ import ml_collections
 from vit_jax import dispatch
 from vit_jax import models
 from vit_jax import optim
+from vit_jax import platform
 from vit_jax import sharding
 from vit_jax.config import defaults
 
@@ -49,6 +50,10 @@ _UNIT: _Check = ("in [0, 1)", lambda v: _number(v) and 0 <= v < 1)
 _PROBABILITY: _Check = ("in [0, 1] (a probability)", lambda v: _number(v) and 0 <= v <= 1)
 _FRACTION: _Check = ("in (0, 1]", lambda v: _number(v) and 0 < v <= 1)
 _BOOL: _Check = ("True or False", lambda v: isinstance(v, bool))
+#: The most optimizer steps a run can count: the train state's step is an int32.
+MAX_STEPS = 2**31 - 1
+_STEP_COUNT: _Check = (f"a positive int <= {MAX_STEPS:,} (the int32 step counter)",
+                       lambda v: _integer(v) and 0 < v <= MAX_STEPS)
 
 
 def _one_of(choices: Sequence[Any]) -> _Check:
@@ -63,7 +68,7 @@ _RUN_RANGES = {
     "batch_size": (_POSITIVE_INT, False, "the global batch, images per update"),
     "grad_accum_steps": (_POSITIVE_INT, False, "micro-batches per update"),
     "eval_batch_size": (_POSITIVE_INT, True, "None: batch_size"),
-    "total_steps": (_POSITIVE_INT, True, "optimizer updates of the run"),
+    "total_steps": (_STEP_COUNT, True, "optimizer updates of the run"),
     "num_epochs": (_POSITIVE, True, "epochs of data.train_split"),
     "num_classes": (_POSITIVE_INT, True, "None: the dataset's"),
     "loss": (_one_of(optim.LOSSES), False, ""),
@@ -281,18 +286,35 @@ def num_train_steps(config: ml_collections.ConfigDict, num_train_examples: int) 
   else `config.num_epochs` epochs of `num_train_examples` at `config.batch_size`.
 
   Raises:
-    ValueError: neither is set, or the result is not positive.
+    ValueError: neither is set, or the result is not positive or over `MAX_STEPS`.
   """
   if config.total_steps is not None:
     steps = config.total_steps
   elif config.num_epochs is not None:
-    steps = math.ceil(config.num_epochs * num_train_examples / config.batch_size)
+    steps = _epochs_to_steps(
+        "num_epochs", config.num_epochs, config.num_epochs * num_train_examples / config.batch_size,
+        num_train_examples, config.batch_size, math.ceil)
   else:
     raise ValueError("Set the schedule length: --config.total_steps=N or --config.num_epochs=E.")
   if steps <= 0:
     raise ValueError(f"The run has {steps} training steps; set a positive "
                      "--config.total_steps or --config.num_epochs.")
   return steps
+
+
+def _epochs_to_steps(key: str, epochs: Any, steps: float, num_train_examples: int,
+                     batch_size: int, rounding: Callable[[float], int]) -> int:
+  """`rounding(steps)`, the steps of `epochs` (`config.<key>`); a ValueError naming it when they
+  are not finite or over `MAX_STEPS` (e.g. --config.num_epochs=1e30)."""
+  if not math.isfinite(steps) or steps > MAX_STEPS:
+    largest = MAX_STEPS * batch_size / num_train_examples
+    digits = 10.0**(math.floor(math.log10(largest)) - 3)  # Four significant digits, rounded down.
+    largest = math.floor(largest / digits) * digits
+    raise ValueError(
+        f"config.{key}={epochs!r} is {steps:.3g} steps of batch {batch_size} over "
+        f"{num_train_examples:,} examples, more than the {MAX_STEPS:,} a run can count (its step "
+        f"is an int32); set --config.{key} to at most {largest:.4g}.")
+  return rounding(steps)
 
 
 def check_batch_size(batch_size: int, grad_accum_steps: int, num_shards: int) -> None:
@@ -313,6 +335,66 @@ def check_batch_size(batch_size: int, grad_accum_steps: int, num_shards: int) ->
         f"Use --config.batch_size={lower} or {upper}.")
 
 
+#: Training batches the input pipeline and the step hold at once besides the prefetched ones:
+#: the one being assembled, the one converted to NumPy, the one on the (CPU) device.
+BATCHES_IN_FLIGHT = 3
+#: The share of the available host memory the training batches may take (the model, its
+#: activations and the shuffle buffer need the rest).
+BATCH_MEMORY_SHARE = 0.5
+
+
+def check_host_limits(config: ml_collections.ConfigDict, *, num_train_examples: int,
+                      process_count: int = 1, available_bytes: Optional[int] = None,
+                      unit: int = 1) -> None:
+  """Refuses a training batch this host cannot serve, before any work.
+
+  Per process (the global batch split over `process_count` processes, each reading
+  `num_train_examples // process_count` examples): the batch must not exceed the examples of an
+  epoch, and its `config.data.prefetch + BATCHES_IN_FLIGHT` float32 copies (images
+  `image_size**2 * 3` and targets `num_classes` wide) must fit in `BATCH_MEMORY_SHARE` of the
+  available memory (`available_bytes`, default `vit_jax.platform.available_memory_bytes()`;
+  unknown: not checked).
+
+  Args:
+    config: a config with `batch_size`, `num_classes` and `data` set.
+    unit: the batch must stay a multiple of this (micro-batches x batch shards): the batch the
+      message proposes is one.
+
+  Raises:
+    ValueError: naming `config.batch_size`, the examples or the memory, and a batch that fits.
+  """
+  batch, pc = int(config.batch_size), int(process_count)
+  local_batch, local_examples = batch // pc, num_train_examples // pc
+  per_process = f"; {local_examples:,} per process of {pc}" if pc > 1 else ""
+
+  def fitting(local: int) -> int:  # The largest global batch of `local` per process, in units.
+    return max(unit, local * pc // unit * unit)
+
+  if local_batch > local_examples:
+    raise ValueError(
+        f"config.batch_size={batch} is more than the {num_train_examples:,} training examples "
+        f"of an epoch (config.data.train_split{per_process}): every batch would hold the same "
+        f"images several times. Set --config.batch_size={fitting(local_examples)} or less.")
+  if available_bytes is None:
+    available_bytes = platform.available_memory_bytes()
+  if not available_bytes:
+    return
+  copies = int(config.data.prefetch) + BATCHES_IN_FLIGHT
+  per_image = 4 * (int(config.data.image_size) ** 2 * 3 + int(config.num_classes))
+  needed = local_batch * per_image * copies
+  allowed = BATCH_MEMORY_SHARE * available_bytes
+  if needed > allowed:
+    gib = 2.0**30
+    raise ValueError(
+        f"config.batch_size={batch} needs ~{needed / gib:.1f} GiB of host memory per process "
+        f"for its {copies} float32 batches of {config.data.image_size}x"
+        f"{config.data.image_size} images in flight (config.data.prefetch="
+        f"{config.data.prefetch} + {BATCHES_IN_FLIGHT}), more than {BATCH_MEMORY_SHARE:.0%} of "
+        f"the {available_bytes / gib:.1f} GiB available: the run would be killed for lack of "
+        f"memory. Set --config.batch_size={fitting(int(allowed // (per_image * copies)))} or "
+        "less, or lower --config.data.prefetch.")
+
+
 def _model_fields(config: ml_collections.ConfigDict) -> dict[str, Any]:
   """`config.model` as keyword arguments of `vit_jax.models.create` (tuples kept as tuples)."""
   return {key: config.model[key] for key in config.model}
@@ -326,7 +408,9 @@ def _resolve_schedule(config: ml_collections.ConfigDict, num_train_examples: int
   for name in ("warmup", "cooldown"):
     epochs = optim_config[f"{name}_epochs"]
     if epochs is not None:  # An epoch count replaces the step count.
-      optim_config[f"{name}_steps"] = int(round(epochs * steps_per_epoch))
+      optim_config[f"{name}_steps"] = _epochs_to_steps(
+          f"optim.{name}_epochs", epochs, epochs * steps_per_epoch, num_train_examples,
+          config.batch_size, lambda x: int(round(x)))
       optim_config[f"{name}_epochs"] = None
   optim.schedule_from_config(optim_config, batch_size=config.batch_size,
                              total_steps=config.total_steps)  # Raises for a bad length.
@@ -458,7 +542,8 @@ def resolve(config: ml_collections.ConfigDict, *, num_train_examples: int, num_c
     num_train_examples: examples in `config.data.train_split` (all hosts), for epoch lengths.
     num_classes: the dataset's classes (used when `config.num_classes` is None).
     devices: the devices the step will be compiled for (default `jax.devices()`): they size the
-      mesh and choose the attention implementation.
+      mesh and choose the attention implementation. None (a run on this host) also checks the
+      batch against this host's examples and memory (`check_host_limits`).
 
   Returns:
     A new locked ConfigDict: regime fields filled, `total_steps` set, warmup and cooldown in steps
@@ -469,12 +554,15 @@ def resolve(config: ml_collections.ConfigDict, *, num_train_examples: int, num_c
   Raises:
     ValueError: a value out of range or of the wrong type (naming the field, the range and the
       flag), an unknown regime, optimizer, schedule, loss, model or model field, a schedule whose
-      warmup is not shorter than the run, a mesh that does not fit the devices, a batch the
-      mesh cannot split, an attention implementation that cannot run on the devices.
+      warmup is not shorter than the run, a step count over `MAX_STEPS` (e.g. a huge
+      num_epochs), a mesh that does not fit the devices, a batch the mesh cannot split (or, with
+      `devices` None, one larger than an epoch or this host's memory), an attention
+      implementation that cannot run on the devices.
     TypeError: an unknown model field.
     FileNotFoundError: `init_from` (or `pretrained_dir`'s file) does not exist.
   """
   import jax  # pylint: disable=g-import-not-at-top
+  host = devices is None  # The run is on this host: its limits apply (`check_host_limits`).
   devices = list(jax.devices() if devices is None else devices)
   _check_slice(config, len(devices))
   config = fill_regime(config)
@@ -494,13 +582,16 @@ def resolve(config: ml_collections.ConfigDict, *, num_train_examples: int, num_c
     if fields.get("remat"):
       logging.info("Remat policy: %s (%s).", remat.implementation, remat.reason)
   models.model_config(config.model_name, **fields)  # Every model field checked.
-  _resolve_schedule(config, num_train_examples)
 
   sizes = sharding.axis_sizes(config.mesh, len(devices))
   rules = sharding.parse_rules(config.mesh.rules)
   _check_ranges(config.mesh, {"max_replicated_fraction": (_PROBABILITY, False, "")}, "mesh.")
   shards = math.prod(sizes[a] for a in sharding.batch_axes(rules))
   check_batch_size(config.batch_size, config.grad_accum_steps, shards)
+  if host:  # Before the schedule, whose length the batch sets.
+    check_host_limits(config, num_train_examples=num_train_examples,
+                      process_count=jax.process_count(), unit=config.grad_accum_steps * shards)
+  _resolve_schedule(config, num_train_examples)
   if config.eval_batch_size is None:
     config.eval_batch_size = config.batch_size
   elif config.eval_batch_size % shards:

@@ -16,13 +16,14 @@ from __future__ import annotations
 
 import os
 import re
-from typing import Any, List, Optional
+from typing import Any, Iterator, List, Optional, Tuple
 
 import numpy as np
 import tensorflow as tf
 
 from vit_jax.data import preprocess
 from vit_jax.data.sources import BadImageError
+from vit_jax.data.sources import non_utf8_name_error
 
 #: File name endings (lower case) that `list_images` takes for images.
 IMAGE_EXTENSIONS = ('.jpg', '.jpeg', '.png', '.bmp', '.gif', '.webp')
@@ -33,24 +34,85 @@ def is_image_name(path: str) -> bool:
   return str(path).lower().endswith(IMAGE_EXTENSIONS)
 
 
-def list_images(folder: str, recursive: bool = True) -> List[str]:
+def _is_utf8(name: str) -> bool:
+  try:
+    name.encode('utf-8')  # os.walk's undecodable bytes are lone surrogates ('\udcff').
+    return True
+  except UnicodeEncodeError:
+    return False
+
+
+def walk(folder: str, skipped_links: Optional[list] = None
+         ) -> Iterator[Tuple[str, List[str], List[str]]]:
+  """`os.walk(folder, followlinks=True)` that never enters a directory twice: a symbolic link to
+  a directory inside ``folder`` (a loop such as ``sub/up -> ..``, or a second name of a
+  subfolder) is not followed, as the folder is walked under its own name; a link out of it is,
+  once per directory it leads to. Top-down; the caller may prune the yielded directory list in
+  place (hidden ones, names starting with '.', are left out already). ``gs://`` and other remote
+  paths, which have no links: ``tf.io.gfile.walk``.
+
+  Args:
+    skipped_links: receives the paths of the links not followed.
+
+  Yields:
+    (directory, its subdirectories (sorted), its other entries) as `os.walk`.
+  """
+  folder = str(folder)
+  if '://' in folder:
+    for root, dirs, names in tf.io.gfile.walk(folder):
+      dirs[:] = sorted(d for d in dirs if not d.startswith('.'))
+      yield root, dirs, names
+    return
+  seen = set()
+  try:
+    info = os.stat(folder)
+    seen.add((info.st_dev, info.st_ino))
+  except OSError:
+    return
+  inside = os.path.join(os.path.realpath(folder), '')
+  for root, dirs, names in os.walk(folder, followlinks=True):
+    kept = []
+    for d in sorted(d for d in dirs if not d.startswith('.')):
+      path = os.path.join(root, d)
+      try:
+        info = os.stat(path)
+      except OSError:
+        continue
+      if (info.st_dev, info.st_ino) in seen or (
+          os.path.islink(path) and os.path.join(os.path.realpath(path), '').startswith(inside)):
+        if skipped_links is not None:
+          skipped_links.append(path)
+        continue
+      seen.add((info.st_dev, info.st_ino))
+      kept.append(d)
+    dirs[:] = kept
+    yield root, dirs, names
+
+
+def list_images(folder: str, recursive: bool = True,
+                skipped_links: Optional[list] = None) -> List[str]:
   """The image files (by name: `IMAGE_EXTENSIONS`) in ``folder`` and, when ``recursive``, in
-  its subfolders; hidden files and folders (names starting with '.') are left out.
+  its subfolders; hidden files and folders (names starting with '.') are left out. Symbolic
+  links are followed, but no directory is entered twice (`walk`): a link to a folder inside
+  ``folder`` (e.g. ``sub/up -> ..``), listed under its own name, is put in ``skipped_links``.
 
   Returns:
     The paths (``folder`` joined with the relative path), sorted.
 
   Raises:
     FileNotFoundError: ``folder`` is not a directory.
+    ValueError: an image file name that is not UTF-8 (`non_utf8_name_error`: named, with the fix).
   """
   folder = str(folder)
   if not tf.io.gfile.isdir(folder):
     raise FileNotFoundError(f'{folder} is not a directory.')
   found = []
-  for root, dirs, names in tf.io.gfile.walk(folder):
-    dirs[:] = sorted(d for d in dirs if not d.startswith('.'))
-    found += [os.path.join(root, n) for n in names
-              if not n.startswith('.') and is_image_name(n)]
+  for root, _, names in walk(folder, skipped_links):
+    for n in names:
+      if not n.startswith('.') and is_image_name(n):
+        if not _is_utf8(n) or not _is_utf8(root):
+          raise non_utf8_name_error(os.path.join(root, n))
+        found.append(os.path.join(root, n))
     if not recursive:
       break
   return sorted(found)
@@ -61,7 +123,7 @@ def read_bytes(path: str) -> bytes:
 
   Raises:
     FileNotFoundError: no file there; IsADirectoryError: a directory; PermissionError: not
-      readable.
+      readable; OSError: another reason it cannot be read (e.g. a link to itself), named.
   """
   path = str(path)
   try:
@@ -73,6 +135,8 @@ def read_bytes(path: str) -> bytes:
     raise FileNotFoundError(f'{path} does not exist.') from e
   except tf.errors.PermissionDeniedError as e:
     raise PermissionError(f'{path} cannot be read (permission denied).') from e
+  except tf.errors.OpError as e:  # E.g. a link to itself: 'Too many levels of symbolic links'.
+    raise OSError(f'{path} cannot be read: {_tf_reason(e).replace(f"{path}; ", "")}') from e
 
 
 def _tf_reason(error: tf.errors.OpError) -> str:

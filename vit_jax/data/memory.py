@@ -7,13 +7,13 @@ the constants.
 from __future__ import annotations
 
 import dataclasses
-import os
 from typing import Optional
 
 from absl import logging
 import numpy as np
 import tensorflow as tf
 
+from vit_jax import platform
 from vit_jax.data import sources
 
 
@@ -114,23 +114,6 @@ def estimate_shuffle_memory(data_cfg, source: sources.Source, split, num_example
       cache_elements=num_examples if cache else 0, sampled=sampled)
 
 
-def host_memory_bytes() -> Optional[int]:
-  """This host's RAM in bytes (`SC_PHYS_PAGES * SC_PAGE_SIZE`), or the container's cgroup memory
-  limit when that is lower; None when neither can be read."""
-  try:
-    total = os.sysconf('SC_PHYS_PAGES') * os.sysconf('SC_PAGE_SIZE')
-  except (ValueError, OSError, AttributeError):
-    total = None
-  for path in ('/sys/fs/cgroup/memory.max', '/sys/fs/cgroup/memory/memory.limit_in_bytes'):
-    try:
-      with open(path) as f:
-        limit = int(f.read().strip())  # 'max': no limit (ValueError).
-    except (OSError, ValueError):
-      continue
-    total = limit if total is None else min(total, limit)
-  return total
-
-
 def _size(n: float) -> str:
   for unit in ('B', 'KiB', 'MiB', 'GiB'):
     if n < 1024 or unit == 'GiB':
@@ -141,7 +124,7 @@ def _size(n: float) -> str:
 def log_shuffle_memory(memory: ShuffleMemory, process: str = '',
                        ram_bytes: Optional[int] = None, share: float = 0.5) -> Optional[str]:
   """Logs one INFO line with `memory`, and a WARNING naming the fix when its total exceeds
-  `share` of the host's RAM (`ram_bytes`, default `host_memory_bytes()`).
+  `share` of the host's RAM (`ram_bytes`, default `vit_jax.platform.host_memory_bytes()`).
 
   The fix: `--config.data.cache=False` when the cache alone is too big, else a shuffle buffer
   of about a quarter of the RAM (`--config.data.shuffle_buffer=N`).
@@ -149,7 +132,7 @@ def log_shuffle_memory(memory: ShuffleMemory, process: str = '',
   Returns:
     The warning's text, or None.
   """
-  ram = host_memory_bytes() if ram_bytes is None else ram_bytes
+  ram = platform.host_memory_bytes() if ram_bytes is None else ram_bytes
   m = memory
   what = 'decoded uint8 images' if m.decoded else 'encoded images'
   how = ('exact' if m.sampled == 0 else 'size unknown: no image read' if m.sampled is None

@@ -141,6 +141,39 @@ def find_undecodable(paths: Sequence[str],
   return [p for p, good in zip(paths, ok) if not good]
 
 
+def non_utf8_name_error(path: Any) -> ValueError:
+  """The error for a file name that is not UTF-8 (TensorFlow's paths are UTF-8 strings): it
+  names the path (the repr of its bytes) and the fix."""
+  raw = path if isinstance(path, bytes) else os.fsencode(path)
+  return ValueError(f'The file name {raw!r} is not UTF-8, which TensorFlow cannot open: rename '
+                    'it (e.g. convmv -f latin1 -t utf8 --notest <file>) or move it away.')
+
+
+def first_non_utf8_path(folder: str) -> Optional[bytes]:
+  """The first path under a local ``folder`` whose name is not UTF-8, as bytes (links not
+  followed); None when every name is UTF-8."""
+  for root, dirs, names in os.walk(os.fsencode(folder)):
+    for name in sorted(dirs + names):
+      try:
+        name.decode('utf-8')
+      except UnicodeDecodeError:
+        return os.path.join(root, name)
+  return None
+
+
+def _dangling_links(paths: Sequence[str]) -> List[str]:
+  """The symbolic links among local `paths` that lead to no file (broken, or a loop such as
+  `x.png -> x.png`), in the order of `paths`: one directory listing per folder, a stat per link."""
+  links = set()
+  for folder in dict.fromkeys(os.path.dirname(p) for p in paths):
+    try:
+      with os.scandir(folder or '.') as entries:
+        links.update(e.path for e in entries if e.is_symlink())
+    except OSError:
+      continue
+  return [p for p in paths if p in links and not os.path.isfile(p)]
+
+
 @dataclasses.dataclass(frozen=True)
 class _FolderSplitInfo:
   """What tfds split slicing needs of a split: its number of examples."""
@@ -528,7 +561,14 @@ def _make_source(data_cfg) -> Source:
           f'config.data.image_folder={data_cfg.image_folder!r} is not a '
           'directory; it should hold <split>/<class>/*.{jpg,jpeg,png}, e.g. '
           'train/cat/1.jpg and test/cat/2.jpg.')
-    builder = tfds.folder_dataset.ImageFolder(root)
+    try:
+      builder = tfds.folder_dataset.ImageFolder(root)
+    except UnicodeDecodeError:  # tf.io.gfile lists names as UTF-8 only.
+      raw = None if '://' in root else first_non_utf8_path(root)
+      if raw is None:
+        raise ValueError(f'A file name under {root} is not UTF-8, which TensorFlow cannot '
+                         'open: rename it.') from None
+      raise non_utf8_name_error(raw) from None
     # The (deterministically ordered) per-split file lists: reading them
     # ourselves gives split slicing ('train[:10%]', even_splits), which
     # ImageFolder.as_dataset does not support, and seeded file shuffling.
@@ -543,6 +583,13 @@ def _make_source(data_cfg) -> Source:
     examples, skipped = dict(examples), ()
     if bad_images == 'skip':
       examples, skipped = _drop_undecodable(root, examples)
+    elif '://' not in root:
+      dangling = _dangling_links([e.image_path for exs in examples.values() for e in exs])
+      if dangling:
+        raise FileNotFoundError(
+            f'{len(dangling)} image file(s) of image folder {root} are symbolic links that lead '
+            f'to no file (broken, or a loop): {_name_files(dangling, root, sep=", ")}. Remove '
+            'them or point them at images, or set --config.data.bad_images=skip to skip them.')
     return Source(builder, root, 'image', label,
                   image_folder_examples=examples, bad_images=bad_images,
                   skipped_images=skipped)
@@ -580,9 +627,11 @@ def get_source(data_cfg) -> Source:
 
   Raises:
     FileNotFoundError: dataset not prepared and cannot be prepared offline,
-      missing image folder / builder directory / manual files.
+      missing image folder / builder directory / manual files; in 'fail'
+      mode, image files that are links to nothing (named).
     KeyError, TypeError: unusable image or label feature.
-    ValueError: invalid `config.data.bad_images`.
+    ValueError: invalid `config.data.bad_images`; an image folder's file
+      name that is not UTF-8 (named, with the fix).
   """
   config_lib.check_value('data.bad_images', data_cfg.bad_images)
   key = _config_key(data_cfg)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import json
 import os
 import signal
 import sys
@@ -115,29 +116,74 @@ def missing_source(args: argparse.Namespace):
   return FileNotFoundError(f'SOURCE {source!r} does not exist: give {SOURCE_HELP}.')
 
 
-def run_program(main, parser=None) -> None:
+def unsaved_run(args: argparse.Namespace):
+  """The error of a local SOURCE that is a training run without the step asked for (no
+  finalized step yet, or ``--step`` not saved), told by the file system alone (the layout of
+  ``vit_jax.checkpoint.runs.read_run``: ``<run>/checkpoints/<step>/state/_METADATA``); None
+  otherwise. Only then is ``read_run`` called, for its message (it imports JAX, not TensorFlow:
+  about 2 s)."""
+  source, step = getattr(args, 'source', None), getattr(args, 'step', None)
+  if not isinstance(source, str) or '://' in source or not os.path.isdir(source):
+    return None
+  checkpoints = os.path.join(source, 'checkpoints')
+  if not os.path.isdir(checkpoints):
+    is_checkpoints = os.path.basename(os.path.normpath(source)) == 'checkpoints'
+    if not is_checkpoints and not any(n.isdigit() for n in os.listdir(source)):
+      return None  # Not a run (a file's directory, a convert directory, one step).
+    checkpoints = source
+  saved = {int(n) for n in os.listdir(checkpoints)
+           if n.isdigit() and os.path.isfile(os.path.join(checkpoints, n, 'state', '_METADATA'))}
+  if saved and (step is None or step in saved):
+    return None
+  from vit_jax.checkpoint import runs  # pylint: disable=g-import-not-at-top
+  try:
+    runs.read_run(source, step=step)
+  except (FileNotFoundError, ValueError) as e:
+    return e
+  return None
+
+
+def run_config(source: str):
+  """The ``config.json`` dict of a local SOURCE that is a training workdir (it has
+  ``checkpoints/``), read without the set-up; None for other sources or an unreadable file."""
+  if '://' in source or not os.path.isdir(os.path.join(source, 'checkpoints')):
+    return None
+  try:
+    with open(os.path.join(source, 'config.json'), 'rb') as f:
+      config = json.load(f)
+  except (OSError, ValueError):
+    return None
+  return config if isinstance(config, dict) else None
+
+
+def run_program(main, parser=None, precheck=None) -> None:
   """Runs a tool's ``main()`` as the program: the set-up first (``vit_jax.platform.setup``:
   quiet libraries, no TPU backend without TPU chips, multi-host JAX from the environment,
   TensorFlow off the accelerators; TensorFlow's C++ warnings off, ``TF_CPP_MIN_LOG_LEVEL=2``
   unless set, as the tools report undecodable images themselves), then ``main()``'s status as
   the exit code. ``--help`` and, with ``parser``, flags that do not parse answer at once,
   without the set-up's imports of JAX and TensorFlow (seconds), as does a local SOURCE with
-  nothing there (:func:`missing_source`); a closed pipe (``... | head``) ends the program
-  quietly.
+  nothing there (:func:`missing_source`) or a run that has not saved the step asked for
+  (:func:`unsaved_run`), and what ``precheck`` refuses; a closed pipe (``... | head``) ends the
+  program quietly.
 
   Args:
     main: ``() -> int``, the exit status.
     parser: ``() -> argparse.ArgumentParser``, the one ``main`` parses the command line with
       (a :class:`Parser`: a bad flag exits 2 with one ``FATAL:`` line).
+    precheck: ``(args) -> Exception or None``, the tool's own refusals told by the flags and
+      the file system alone, after :func:`missing_source` and :func:`unsaved_run`.
   """
   if hasattr(signal, 'SIGPIPE'):  # `... | head`: end quietly, as shell tools do.
     signal.signal(signal.SIGPIPE, signal.SIG_DFL)
   if any(arg in ('-h', '--help') for arg in sys.argv[1:]):
     sys.exit(main())  # The help, without the set-up's imports (JAX, TensorFlow).
   if parser is not None:  # Exits on flags that do not parse; main() parses them again.
-    missing = missing_source(parser().parse_args())
-    if missing is not None:
-      sys.exit(fatal(missing, 2))
+    args = parser().parse_args()
+    for check in (missing_source, unsaved_run, precheck or (lambda _: None)):
+      error = check(args)
+      if error is not None:
+        sys.exit(fatal(error, 2))
   os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
   from vit_jax import platform  # pylint: disable=g-import-not-at-top
   try:

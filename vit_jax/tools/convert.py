@@ -7,7 +7,9 @@ checkpoint or training workdir of this project) and writes
 * a **directory** ``DST``: an Orbax checkpoint of ``{'params': ..., 'model_state': {...}}`` (the
   fixed tables of T2T-ViT go in ``model_state``), the format of this project's training
   checkpoints without the optimizer state. ``vit_jax.checkpoint.load(DST)`` restores it and
-  ``--config.init_from=DST`` fine-tunes from it;
+  ``--config.init_from=DST`` fine-tunes from it. ``DST/vit_jax_export.json`` keeps what the
+  arrays do not say: the source's class names and eval preprocessing (a training run's, a
+  transformers or timm file's), which predict, evaluate and a later convert read back;
 * a file ending in ``.npz``: the official ViT layout (flat ``/``-joined Linen names,
   ``encoderblock_{i}``), for models with parameters only (ViT; a T2T-ViT needs its fixed tables,
   so write it to a directory);
@@ -51,7 +53,20 @@ from vit_jax.tools import common
 
 def read(src: str, *, model_name: Optional[str] = None, use_ema: bool = True,
          overrides: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
-  """Loads ``src`` as ``{'params': ..., **collections}`` of NumPy arrays.
+  """Loads ``src`` as ``{'params': ..., **collections}`` of NumPy arrays (see
+  :func:`read_with_facts`)."""
+  return read_with_facts(src, model_name=model_name, use_ema=use_ema, overrides=overrides)[0]
+
+
+def read_with_facts(src: str, *, model_name: Optional[str] = None, use_ema: bool = True,
+                    overrides: Optional[Dict[str, Any]] = None
+                    ) -> Tuple[Dict[str, Any], Dict[str, Any]]:
+  """Loads ``src`` as ``{'params': ..., **collections}`` of NumPy arrays, and what it says of
+  its model besides the arrays (kept by an Orbax destination, ``orbax.EXPORT_JSON``): a
+  training run's class names (``label_names``, ``multi_label``) and eval preprocessing
+  (``normalization``, ``eval_crop_pct``, ``image_size``); a transformers or timm ViT's class
+  names and image size (and a transformers directory's normalization); what an earlier Orbax
+  destination kept. No facts for ``.npz`` and PyTorch files: the class count gives their names.
 
   Args:
     src: any path :func:`vit_jax.checkpoint.load` accepts.
@@ -77,19 +92,44 @@ def read(src: str, *, model_name: Optional[str] = None, use_ema: bool = True,
       raise ValueError('--set num_classes: the class count (and the input size) are read from '
                        "the file's head.weight and pos_embed; drop it.")
     model = models.create(model_name, num_classes=1000, **overrides)
-    return checkpoint.load_torch_as_saved(src, model, use_ema=use_ema)
+    return checkpoint.load_torch_as_saved(src, model, use_ema=use_ema), {}
   fmt = checkpoint.detect(src)
   if fmt in (checkpoint.formats.HF, checkpoint.formats.TIMM):  # timm: the heads may be needed.
+    from vit_jax import inference  # pylint: disable=g-import-not-at-top
     from vit_jax.checkpoint import ecosystem  # pylint: disable=g-import-not-at-top
-    return ecosystem.read(src, fmt, num_heads=(overrides or {}).get('num_heads')).variables
+    foreign = ecosystem.read(src, fmt, num_heads=(overrides or {}).get('num_heads'))
+    facts = {'label_names': list(foreign.label_names or []) or None,
+             'image_size': foreign.image_size,
+             'normalization': (inference._hf_normalization(src)  # pylint: disable=protected-access
+                               if fmt == checkpoint.formats.HF else None)}
+    return foreign.variables, {k: v for k, v in facts.items() if v is not None}
   if model_name or overrides:
     print(f'note: --model/--set apply to PyTorch and timm files only; {src} needs neither '
           '(ignored).', file=sys.stderr)
-  return checkpoint.load(src, use_ema=use_ema)
+  return checkpoint.load(src, use_ema=use_ema), (
+      _run_facts(src) if fmt == checkpoint.formats.ORBAX else {})
 
 
-def write(variables: Dict[str, Any], dst: str, *, overwrite: bool = False) -> str:
-  """Writes ``variables`` to ``dst`` (a ``.npz`` file or an Orbax directory); returns the format.
+def _run_facts(src: str) -> Dict[str, Any]:
+  """The class names and eval preprocessing of an Orbax SOURCE (its latest step): a training
+  run's config and dataset record, or what a convert directory kept."""
+  from vit_jax.checkpoint import orbax  # pylint: disable=g-import-not-at-top
+  from vit_jax.checkpoint import runs  # pylint: disable=g-import-not-at-top
+  run = runs.read_run(src)
+  if run.config is None:
+    return orbax.read_export_metadata(run.state_item) or {}
+  data = run.config.get('data') or {}
+  facts = {k: data.get(k) for k in ('normalization', 'eval_crop_pct', 'image_size')}
+  record = run.dataset or {}
+  facts['label_names'] = record.get('label_names') or None
+  facts['multi_label'] = record.get('multi_label', run.config.get('loss') == 'sigmoid_xent')
+  return {k: v for k, v in facts.items() if v is not None}
+
+
+def write(variables: Dict[str, Any], dst: str, *, overwrite: bool = False,
+          facts: Optional[Dict[str, Any]] = None) -> str:
+  """Writes ``variables`` to ``dst`` (a ``.npz`` file or an Orbax directory, which keeps
+  ``facts``, see :func:`read_with_facts`); returns the format.
 
   Raises:
     FileExistsError: ``dst`` exists and ``overwrite`` is False.
@@ -108,7 +148,7 @@ def write(variables: Dict[str, Any], dst: str, *, overwrite: bool = False) -> st
           'checkpoint).')
     checkpoint.save_npz(dst, variables['params'])
     return 'official ViT .npz'
-  checkpoint.save_orbax(dst, variables, overwrite=overwrite)
+  checkpoint.save_orbax(dst, variables, overwrite=overwrite, metadata=facts or None)
   return 'Orbax checkpoint'
 
 
@@ -207,16 +247,30 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                        '--to hf.')
     if os.path.exists(args.dst) and not args.overwrite:  # Before the (long) read.
       raise FileExistsError(f'{args.dst} exists; choose a new destination or pass --overwrite.')
-    variables = read(args.src, model_name=args.model, use_ema=not args.no_ema,
-                     overrides=overrides)
-    kind = write(variables, args.dst, overwrite=args.overwrite)
+    variables, facts = read_with_facts(args.src, model_name=args.model,
+                                       use_ema=not args.no_ema, overrides=overrides)
+    kind = write(variables, args.dst, overwrite=args.overwrite, facts=facts)
     written = written_arrays(variables, args.dst)
   except common.INPUT_ERRORS as e:
     return common.fatal(e, 2)
   except OSError as e:  # E.g. the disk filled while writing.
     return common.fatal(e, 1)
   print(f'Wrote {kind} {args.dst} from {args.src}:\n{_summary(written)}')
+  if facts and not args.dst.endswith('.npz'):
+    print(f'  kept in {checkpoint.orbax.EXPORT_JSON}: {_facts_summary(facts)}')
+  elif facts:
+    print(f'note: an .npz holds arrays only; not kept: {_facts_summary(facts)} (write a '
+          'directory, an Orbax checkpoint, to keep them).', file=sys.stderr)
   return 0
+
+
+def _facts_summary(facts: Mapping[str, Any]) -> str:
+  names = facts.get('label_names')
+  parts = [f'{len(names)} class names ({", ".join(map(str, names[:3]))}'
+           f'{", ..." if len(names) > 3 else ""})'] if names else []
+  parts += [f'{k} {facts[k]}' for k in ('multi_label', 'normalization', 'eval_crop_pct',
+                                        'image_size') if k in facts]
+  return ', '.join(parts)
 
 
 def _export(args: argparse.Namespace, overrides: Dict[str, Any]) -> int:

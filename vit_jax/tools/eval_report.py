@@ -16,6 +16,7 @@ import io
 import json
 import math
 import os
+import re
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -204,18 +205,70 @@ def workdir_of(source: str) -> Optional[str]:
   return None
 
 
+def _eval_name(text: str) -> str:
+  """``vit_jax.evaluation.eval_name`` ('train[98%:]' -> 'train_98'), without its imports
+  (TensorFlow), for :func:`planned_out`."""
+  return re.sub(r'[^A-Za-z0-9]+', '_', text).strip('_')
+
+
+def _out_path(source: str, workdir: Optional[str], step: Optional[int], data_name: str,
+              split: str, no_ema: bool) -> str:
+  name = _eval_name(f"{os.path.basename(data_name.rstrip('/')) or data_name}_{split}")
+  if workdir is not None and step is not None:
+    join = (lambda *p: '/'.join(p)) if '://' in workdir else os.path.join
+    return join(workdir, f'eval_{name}_step{step}' + ('_no_ema' if no_ema else ''))
+  stem = os.path.basename(source.rstrip('/')).split('.')[0] or 'model'
+  return os.path.join('.', f'eval_{_eval_name(stem)}_{name}')
+
+
 def default_out(source: str, trained, eval_data: EvalData, *, no_ema: bool = False) -> str:
   """``<workdir>/eval_<data>_<split>_step<N>[_no_ema]`` for a workdir, else
   ``./eval_<file>_<data>_<split>``."""
-  from vit_jax import evaluation  # pylint: disable=g-import-not-at-top
-  data_name = os.path.basename(eval_data.name.rstrip('/')) or eval_data.name
-  name = evaluation.eval_name(f'{data_name}_{eval_data.split}')
   workdir = workdir_of(source) if trained.step is not None else None
-  if workdir is not None:
-    from vit_jax.checkpoint import paths  # pylint: disable=g-import-not-at-top
-    return paths.join(workdir, f'eval_{name}_step{trained.step}' + ('_no_ema' if no_ema else ''))
-  stem = os.path.basename(source.rstrip('/')).split('.')[0] or 'model'
-  return os.path.join('.', f'eval_{evaluation.eval_name(stem)}_{name}')
+  return _out_path(source, workdir, trained.step, eval_data.name, eval_data.split, no_ema)
+
+
+def planned_out(args) -> Optional[str]:
+  """The output folder of ``python -m vit_jax.evaluate`` ``args``, told from the flags, a local
+  workdir's saved steps and ``config.json`` alone (before the set-up); None when only the data
+  can tell (a dataset's default split) or SOURCE is remote."""
+  if args.out:
+    return args.out
+  if '://' in args.source or sum(bool(x) for x in (args.data, args.image_folder, args.real)) > 1:
+    return None
+  source = os.path.abspath(os.path.expanduser(args.source)).rstrip('/')
+  workdir, step = None, None
+  if os.path.isdir(os.path.join(source, 'checkpoints')):
+    workdir, checkpoints = source, os.path.join(source, 'checkpoints')
+    steps = [int(n) for n in os.listdir(checkpoints) if n.isdigit()
+             and os.path.isfile(os.path.join(checkpoints, n, 'state', '_METADATA'))]
+    step = args.step if args.step is not None else max(steps, default=None)
+    if step is None:
+      return None
+  elif os.path.isdir(source) and (os.path.basename(source) == 'checkpoints' or any(
+      n.isdigit() or n == 'state' for n in os.listdir(source))):
+    return None  # A run's checkpoints/ or one step: the run's folder, left to the late check.
+  if args.real:
+    from vit_jax.tools import eval_data  # pylint: disable=g-import-not-at-top
+    name, split = eval_data.REAL_DATASET, args.split or eval_data.REAL_SPLIT
+  elif args.data:
+    from vit_jax.tools import eval_data  # pylint: disable=g-import-not-at-top
+    name, split = eval_data.parse_data(args.data)
+    split = args.split or split
+  elif args.image_folder:
+    name, split = args.image_folder, args.split
+  elif workdir is not None:  # Its own data and eval split.
+    from vit_jax.tools import common  # pylint: disable=g-import-not-at-top
+    data = (common.run_config(workdir) or {}).get('data')
+    if not isinstance(data, dict):
+      return None
+    name, split = data.get('image_folder') or data.get('name'), args.split or data.get(
+        'eval_split')
+  else:
+    return None
+  if not (isinstance(name, str) and isinstance(split, str) and name and split):
+    return None
+  return _out_path(args.source, workdir, step, name, split, args.no_ema)
 
 
 def check_out(out: str, overwrite: bool) -> None:
@@ -225,10 +278,13 @@ def check_out(out: str, overwrite: bool) -> None:
     FileExistsError: ``out`` holds a metrics.json and ``overwrite`` is False.
     NotADirectoryError: ``out`` is a file.
   """
-  import tensorflow as tf  # pylint: disable=g-import-not-at-top
-  if tf.io.gfile.exists(out) and not tf.io.gfile.isdir(out):
+  exists, isdir = os.path.exists, os.path.isdir  # TensorFlow for remote paths only.
+  if '://' in out:
+    import tensorflow as tf  # pylint: disable=g-import-not-at-top
+    exists, isdir = tf.io.gfile.exists, tf.io.gfile.isdir
+  if exists(out) and not isdir(out):
     raise NotADirectoryError(f'--out {out} is a file: give a directory.')
-  if tf.io.gfile.exists(os.path.join(out, METRICS_JSON)) and not overwrite:
+  if exists(os.path.join(out, METRICS_JSON)) and not overwrite:
     raise FileExistsError(f'{out} already holds a result ({METRICS_JSON}): pass --overwrite to '
                           'replace it, or --out DIR for another directory.')
 

@@ -239,9 +239,21 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   return 0
 
 
+def _precheck(args: argparse.Namespace) -> Optional[Exception]:
+  """An earlier result in the output folder without --overwrite, when the flags and the
+  workdir tell the folder (``eval_report.planned_out``): refused before the set-up."""
+  try:
+    out = eval_report.planned_out(args)
+    if out and not args.overwrite:
+      eval_report.check_out(out, args.overwrite)
+  except common.INPUT_ERRORS as e:
+    return e
+  return None
+
+
 def run_main() -> None:
   """``python -m vit_jax.evaluate``: ``main()`` run by ``common.run_program``."""
-  common.run_program(main, _parser)
+  common.run_program(main, _parser, _precheck)
 
 if __name__ == '__main__':
   run_main()

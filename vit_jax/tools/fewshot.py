@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from typing import Any, Optional, Sequence
 
 from vit_jax.tools import common
@@ -205,9 +206,53 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   return 0
 
 
+def _precheck(args: argparse.Namespace) -> Optional[Exception]:
+  """A shot count that no class can give, told by the flags and the file system before the
+  set-up (the full check, with each class's count, comes after reading the data): more than
+  the files in every class folder of an image folder's train split (all non-hidden files
+  counted, so never fewer than its images), or more per class than a dataset of
+  ``vit_jax.tools.cost.KNOWN_DATASETS`` holds in that split (its published size)."""
+  k = max(args.shots)
+  folder, name, split = args.image_folder, args.data, args.train_split
+  if folder is None and name is None:  # A workdir's own data (its config.json).
+    data = (common.run_config(args.source) or {}).get('data')
+    if not isinstance(data, dict):
+      return None
+    folder, name = data.get('image_folder'), data.get('name')
+    split = split or data.get('train_split')
+  split = split or 'train'
+  if isinstance(folder, str) and folder:
+    split_dir = os.path.join(os.path.expanduser(folder), split)
+    if '://' in folder or not os.path.isdir(split_dir):
+      return None
+    classes = [os.path.join(split_dir, c) for c in os.listdir(split_dir)
+               if not c.startswith('.') and os.path.isdir(os.path.join(split_dir, c))]
+    entries = {c: [os.path.join(c, n) for n in os.listdir(c) if not n.startswith('.')]
+               for c in classes}
+    if any(os.path.isdir(e) for names in entries.values() for e in names):
+      return None  # Nested folders (or links to them): left to the full check, which walks them.
+    counts = {os.path.basename(c): len(names) for c, names in entries.items()}
+    most = max(counts.values(), default=k)
+    if most < k:
+      largest = max(counts, key=counts.get)
+      return ValueError(f'--shots {k}: no class of {split_dir} has {k} images (the most files '
+                        f'are {most}, in {largest!r}); lower --shots to at most {most}, or give '
+                        'a larger --train-split.')
+    return None
+  from vit_jax.tools import cost  # pylint: disable=g-import-not-at-top  (absl, no JAX)
+  sizes, classes = cost.KNOWN_DATASETS.get(name, ({}, 0))
+  examples = sizes.get(split)
+  if examples and k * classes > examples:
+    return ValueError(f"--shots {k}: {name}'s split {split!r} has {examples:,} examples of "
+                      f'{classes:,} classes (its published size), {examples // classes:,} per '
+                      f'class on average: fewer than {k}; lower --shots, or give a larger '
+                      '--train-split.')
+  return None
+
+
 def run_main() -> None:
   """``python -m vit_jax.fewshot``: ``main()`` run by ``common.run_program``."""
-  common.run_program(main, _parser)
+  common.run_program(main, _parser, _precheck)
 
 if __name__ == '__main__':
   run_main()

@@ -6,19 +6,21 @@
   python -m vit_jax.predict vit-base-patch16-224 cat.jpg         # a transformers directory
 
 SOURCE is anything `vit_jax.inference.load` reads: a training workdir (its latest step, or
-``--step``; the parameter EMA when the run kept one, ``--no-ema`` for the trained weights), an
-official or big_vision ViT ``.npz``, a transformers ViT directory, a timm ``.safetensors``
-(``--set num_heads=N`` for a non-standard width) or a T2T-ViT ``.pth.tar`` (with ``--model``). Each image is preprocessed
+``--step``; or one step, ``WORKDIR/checkpoints/N`` or its ``state`` directory; the parameter EMA
+when the run kept one, ``--no-ema`` for the trained weights), an official or big_vision ViT
+``.npz``, a transformers ViT directory, a timm ``.safetensors`` (``--set num_heads=N`` for a
+non-standard width) or a T2T-ViT ``.pth.tar`` (with ``--model``). Each image is preprocessed
 as the model's eval pipeline does it (`vit_jax.data.files.eval_input`: the config's image size,
 resize or resize-and-central-crop, value range or mean/std) and scored with a softmax, or with
 independent sigmoids for a model trained with a sigmoid loss (e.g. the ImageNet-21k ones: then
 the probabilities of an image need not sum to 1).
 
 A folder stands for the image files (.jpg .jpeg .png .bmp .gif .webp, any case) in it and in its
-subfolders, sorted; hidden files are left out. A file named on the command line is decoded
-whatever its name. Images are read and predicted in batches (``--batch-size``, default the
-model's eval batch, at most the number of images), with a progress line on stderr when there is
-more than one batch.
+subfolders, sorted; hidden files are left out, and no folder is entered twice (a link to a folder
+already listed, e.g. to its parent, is not followed: one ``WARNING: not entered`` line). A file
+named on the command line is decoded whatever its name. Images are read and predicted in
+batches (``--batch-size``, default the model's eval batch, at most the number of images), with a
+progress line on stderr when there is more than one batch.
 
 Output: per image its path, then the top-k classes, most probable first, as
 ``  97.12%  Ankle boot`` (``class 3`` when the source has no class names); ``--json``
@@ -28,8 +30,9 @@ prints one JSON list instead: ``[{"path", "predictions": [{"label", "index", "pr
 Exit status: 0 when at least one image was predicted (an image that cannot be read or decoded
 is skipped with one line ``WARNING: skipped <path>: <reason>`` on stderr); 2 for bad input, as
 one line ``FATAL: <problem and fix>`` on stderr: a missing or unusable SOURCE, a model that does
-not fit it, a missing path, a folder without image files, no image that can be decoded, bad
-flags; 1 for a system error (OSError) while predicting.
+not fit it, a missing path (refused at once, before the set-up), a folder without image files, a
+file name that is not UTF-8, no image that can be decoded, bad flags; 1 for a system error
+(OSError) while predicting, e.g. results that cannot be written (a full disk: named).
 
 In Python (e.g. a notebook)::
 
@@ -218,20 +221,39 @@ def _parser() -> common.Parser:
   return parser
 
 
+def missing_image(arguments: Sequence[str]) -> Optional[FileNotFoundError]:
+  """The error for the first local IMAGE_OR_FOLDER argument with nothing there (a broken link
+  included), without TensorFlow; None when there is none (``scheme://`` paths are not checked
+  here)."""
+  for arg in arguments:
+    if '://' not in str(arg) and not os.path.exists(arg):
+      return FileNotFoundError(f'{arg} does not exist: give image files or folders of them.')
+  return None
+
+
 def image_paths(arguments: Sequence[str]) -> List[str]:
-  """The image files of the IMAGE_OR_FOLDER arguments, in argument order (a folder's sorted),
-  each once.
+  """The image files of the IMAGE_OR_FOLDER arguments, in argument order (a folder's sorted,
+  `vit_jax.data.files.list_images`: no folder entered twice, e.g. through a link to its
+  parent; one ``WARNING: not entered`` line on stderr per link not followed), each once.
 
   Raises:
     FileNotFoundError: a path that does not exist.
-    ValueError: a folder without image files.
+    ValueError: a folder without image files; a file name that is not UTF-8 (named).
   """
   from vit_jax.data import files  # pylint: disable=g-import-not-at-top
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
   found: Dict[str, None] = {}
   for arg in arguments:
+    try:
+      arg.encode('utf-8')  # A name that is not UTF-8 arrives with lone surrogates ('\udce9').
+    except UnicodeEncodeError:
+      raise files.non_utf8_name_error(arg) from None
     if tf.io.gfile.isdir(arg):
-      listed = files.list_images(arg)
+      links: List[str] = []
+      listed = files.list_images(arg, skipped_links=links)
+      for link in links:
+        print(f'WARNING: not entered {link}: a link to a folder already listed.',
+              file=sys.stderr)
       if not listed:
         raise ValueError(f'{arg} has no image files ({" ".join(files.IMAGE_EXTENSIONS)}, in it '
                          'or its subfolders): give image files or a folder of them.')
@@ -277,6 +299,37 @@ def _without_path(text: str, path: str) -> str:
   return text
 
 
+def _stdout_name() -> str:
+  """Where standard output goes: its file's path when it is one, else 'standard output'."""
+  try:
+    target = os.readlink(f'/proc/self/fd/{sys.stdout.fileno()}')
+  except (OSError, ValueError, AttributeError):
+    return 'standard output'
+  return f'{target} (standard output)' if target.startswith('/') else 'standard output'
+
+
+def _emit(text: str) -> None:
+  """Writes ``text`` to standard output at once.
+
+  Raises:
+    OSError: it could not be written (e.g. a full disk): the message names where to and the fix;
+      what was not written is dropped (no second error at exit).
+  """
+  try:
+    sys.stdout.write(text)
+    sys.stdout.flush()
+  except OSError as e:
+    where = _stdout_name()
+    try:  # The unwritten rest would fail again when Python flushes at exit.
+      devnull = os.open(os.devnull, os.O_WRONLY)
+      os.dup2(devnull, sys.stdout.fileno())
+      os.close(devnull)
+    except (OSError, ValueError, AttributeError):
+      pass
+    raise OSError(e.errno, f'writing the results to {where} failed: {e.strerror}. Free space '
+                  'there or send the output elsewhere (> FILE on another disk).') from None
+
+
 def _header(trained: Any) -> str:
   kind = 'sigmoid' if trained.config.loss == 'sigmoid_xent' else 'softmax'
   names = '' if trained.label_names else ', no class names'
@@ -301,14 +354,14 @@ def _predict_paths(predictor: Predictor, paths: Sequence[str], batch: int, top_k
         print(f'WARNING: skipped {path}: {_without_path(common.reason(e), path)}',
               file=sys.stderr)
     if good and not as_json and not predicted:
-      print(_header(predictor.trained), flush=True)
+      _emit(_header(predictor.trained) + '\n')
     for path, top in zip(good, predictor.predict_inputs(np.stack(inputs), top_k) if good else []):
       if as_json:
         records.append({'path': path, 'predictions': [
             {'label': p.label if named else None, 'index': p.index,
              'probability': p.probability} for p in top]})
       else:
-        print(_text(path, top, named), flush=True)
+        _emit(_text(path, top, named) + '\n')
     predicted += len(good)
     progress.update(len(chunk))
   return predicted, records
@@ -330,18 +383,19 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if not predicted:
       raise ValueError(f'none of the {len(paths)} image file(s) could be decoded (see the '
                        'warnings above): give JPEG, PNG, GIF, BMP or WebP images.')
+    if args.json:
+      _emit(json.dumps(records, indent=1) + '\n')
   except common.INPUT_ERRORS as e:
     return common.fatal(e, 2)
   except OSError as e:
     return common.fatal(e, 1)
-  if args.json:
-    print(json.dumps(records, indent=1))
   return 0
 
 
 def run_main() -> None:
-  """``python -m vit_jax.predict``: ``main()`` run by ``common.run_program``."""
-  common.run_program(main, _parser)
+  """``python -m vit_jax.predict``: ``main()`` run by ``common.run_program``; a missing image
+  path is refused at once, without the set-up (`missing_image`)."""
+  common.run_program(main, _parser, lambda args: missing_image(args.images))
 
 if __name__ == '__main__':
   run_main()

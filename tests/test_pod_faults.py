@@ -1,0 +1,141 @@
+"""Stops and pod faults of `python -m vit_jax.main` (issue 37): a stop notice during the set-up
+stops at once (exit 75 / 130, nothing saved, the lock released); a process of a pod that never
+registers, or dies, ends the others within --distributed_timeout with one FATAL line (exit 1)."""
+
+import fcntl
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests import data_utils
+from tests.test_train_failures import _folder, _main_args, _main_config, _main_overrides
+from vit_jax import checkpoint
+from vit_jax import pod
+from vit_jax import stops
+from vit_jax import train
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ENV = dict(os.environ, JAX_PLATFORMS="cpu")
+
+
+def _free_port():
+  with socket.socket() as s:
+    s.bind(("localhost", 0))
+    return s.getsockname()[1]
+
+
+def _pod_args(workdir, folder, port, process_id, timeout_s):
+  return [*_main_args(workdir, _main_overrides(folder, total_steps=1000000)),
+          f"--coordinator_address=127.0.0.1:{port}", "--num_processes=2",
+          f"--process_id={process_id}", f"--distributed_timeout={timeout_s}"]
+
+
+def _fatal_lines(stderr):
+  return [line for line in stderr.splitlines() if line.startswith("FATAL:")]
+
+
+def test_a_stop_while_the_lock_is_taken_stops_once_it_is_held_and_releases_it(
+    tmp_path, monkeypatch):
+  """SIGTERM inside a `deferred_stop()` section of the set-up (taking the workdir's lock): the
+  section completes, then `StopRequested` (exit code 75) stops the run; the lock is released and
+  nothing else is written."""
+  data_utils.skip_cpu_peak_measurement(monkeypatch)
+  acquire = checkpoint.acquire_on_all_processes
+
+  def acquire_then_sigterm(lock):
+    os.kill(os.getpid(), signal.SIGTERM)
+    return acquire(lock)
+
+  monkeypatch.setattr(checkpoint, "acquire_on_all_processes", acquire_then_sigterm)
+  workdir, handler = tmp_path / "workdir", signal.getsignal(signal.SIGTERM)
+  overrides = _main_overrides(_folder(tmp_path), total_steps=5)
+  with pytest.raises(stops.StopRequested) as stop:
+    train.train_and_evaluate(_main_config(overrides), str(workdir))
+  assert stop.value.exit_code == 75 and stop.value.signal == "SIGTERM"
+  assert str(stop.value).startswith("Preempted (SIGTERM) during the set-up, before the first "
+                                    "step: stopped at once")
+  assert not workdir.exists() or os.listdir(workdir) == []  # No lock.json, nothing else.
+  assert signal.getsignal(signal.SIGTERM) is handler  # Restored.
+
+
+@pytest.mark.slow
+def test_sigterm_during_the_imports_exits_75_at_once(tmp_path):
+  workdir = tmp_path / "workdir"
+  proc = subprocess.Popen(_main_args(workdir, _main_overrides(str(tmp_path / "none"))),
+                          cwd=ROOT, env=ENV, stderr=subprocess.PIPE, text=True)
+  time.sleep(1.0)  # The command is loading JAX and TensorFlow (about 8 s here).
+  proc.send_signal(signal.SIGTERM)
+  sent = time.monotonic()
+  _, stderr = proc.communicate(timeout=60)
+  elapsed = time.monotonic() - sent
+  assert proc.returncode == 75, stderr[-3000:]
+  assert elapsed < 2.0, elapsed  # Measured: 0.0-0.1 s.
+  assert stderr.splitlines()[-1] == (
+      "Preempted (SIGTERM) during the set-up, before the first step: stopped at once with "
+      "nothing saved or half-written; rerun the same command.")
+  assert "Traceback" not in stderr and not workdir.exists()
+
+
+@pytest.mark.slow
+def test_a_process_that_never_registers_ends_its_peer_within_the_timeout(tmp_path):
+  """Process 0 of 2 alone: one FATAL line and exit 1, --distributed_timeout (3 s) after it
+  started to wait (was: jax's C++ abort, exit 134, after 300 s)."""
+  port, folder = _free_port(), _folder(tmp_path)
+  start = time.monotonic()
+  proc = subprocess.run(_pod_args(tmp_path / "workdir", folder, port, 0, 3), cwd=ROOT, env=ENV,
+                        capture_output=True, text=True, timeout=120)
+  elapsed = time.monotonic() - start
+  assert proc.returncode == 1, proc.stderr[-3000:]
+  assert _fatal_lines(proc.stderr) == [
+      f"FATAL: Process 0 of 2: not all 2 processes registered with the coordinator "
+      f"127.0.0.1:{port} within 3 s (--distributed_timeout): start every process with the same "
+      "--coordinator_address and --num_processes=2 and its own --process_id (or raise "
+      "--distributed_timeout), then rerun."]
+  assert elapsed < 3 + 20, elapsed  # The imports (about 8 s here), then the 3 s.
+  assert not (tmp_path / "workdir").exists()
+
+
+@pytest.mark.slow
+def test_a_process_killed_during_the_set_up_ends_the_other_within_the_timeout(tmp_path):
+  """SIGKILL of process 1 once both registered: process 0 ends with one FATAL line naming
+  itself and the lost peer, exit 1, within --distributed_timeout (5 s) plus its next
+  collective; the workdir's lock is released."""
+  port, folder, workdir = _free_port(), _folder(tmp_path), tmp_path / "workdir"
+  procs = [subprocess.Popen(_pod_args(workdir, folder, port, i, 5), cwd=ROOT, env=ENV,
+                            stderr=subprocess.PIPE, text=True) for i in range(2)]
+  try:
+    deadline = time.monotonic() + 120
+    while not (workdir / "lock.json").exists() and time.monotonic() < deadline:
+      time.sleep(0.05)  # Process 0 took the lock: both registered.
+    procs[1].kill()
+    killed = time.monotonic()
+    _, stderr = procs[0].communicate(timeout=120)
+    elapsed = time.monotonic() - killed
+  finally:
+    for proc in procs:
+      proc.kill()
+      proc.wait()
+  assert procs[0].returncode == pod.POD_FAULT_EXIT_CODE == 1, stderr[-3000:]
+  fatal = _fatal_lines(stderr)
+  assert len(fatal) == 1, stderr[-3000:]
+  # Its next collective fails at once (gloo: connection closed), or, when none comes within the
+  # timeout, the heartbeat watch ends it.
+  if "the run lost another process" in fatal[0]:
+    assert fatal[0].startswith("FATAL: Process 0 of 2: the run lost another process (")
+    assert fatal[0].endswith(f"there is no checkpoint in {workdir} yet: rerun the same command "
+                             "on every process to resume.")
+    assert not (workdir / "lock.json").exists()
+  else:
+    assert fatal[0] == (
+        "FATAL: Process 0 of 2: process 1 has sent no heartbeat for 5 s (--distributed_timeout): "
+        "it died or hangs, its log says why. Stopped; rerun the same command on every process "
+        "to resume from the latest checkpoint.")
+  assert elapsed < 5 + 15, elapsed  # Measured: 1.7 s (gloo), 5.8 s (heartbeat watch).
+  if (workdir / "lock.json").exists():  # Left by a watch's exit: free, so a rerun takes it over.
+    with open(workdir / "lock.json") as f:
+      fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)

@@ -1,0 +1,45 @@
+"""`python -m vit_jax.convert SRC DIR` (vit_jax.tools.convert) to an Orbax directory: it keeps
+what the arrays do not say (class names, preprocessing) for predict and evaluate. The
+converter's other tests are in tests/checkpoint/test_finetune.py and test_ecosystem.py."""
+
+import json
+import os
+
+from vit_jax import inference
+from vit_jax.checkpoint import ecosystem
+from vit_jax.checkpoint import orbax
+from vit_jax.tools import convert
+
+NPZ = os.path.join(os.path.dirname(__file__), "..", "fixtures", "vit_tiny", "params.npz")
+
+
+def test_an_orbax_conversion_keeps_the_class_names_and_preprocessing(tmp_path, capsys):
+  """A transformers ViT with class names and ImageNet normalization, converted to Orbax: its
+  model names its classes and normalizes its input as the source does (they were dropped)."""
+  trained = inference.load(NPZ)
+  names = [f"kind_{i}" for i in range(trained.num_classes)]
+  fields = dict(trained.config.model.to_dict(), num_classes=trained.num_classes)
+  ecosystem.write(str(tmp_path / "hf"), trained.variables["params"], fields, to="hf",
+                  image_size=trained.image_size, label_names=names, normalization="imagenet")
+  source = inference.load(str(tmp_path / "hf"))
+  assert list(source.label_names) == names and source.config.data.normalization == "imagenet"
+
+  assert convert.main([str(tmp_path / "hf"), str(tmp_path / "orbax")]) == 0
+  assert capsys.readouterr().out.splitlines()[-1] == (
+      "  kept in vit_jax_export.json: 10 class names (kind_0, kind_1, kind_2, ...), "
+      "normalization imagenet, image_size 32")
+  kept = json.loads((tmp_path / "orbax" / orbax.EXPORT_JSON).read_text())
+  assert kept == {"label_names": names, "image_size": 32, "normalization": "imagenet"}
+  converted = inference.load(str(tmp_path / "orbax"))
+  assert list(converted.label_names) == names
+  assert converted.config.data.normalization == "imagenet"
+  # Converted again (Orbax to Orbax), the facts travel on; to .npz there is no room for them.
+  assert convert.main([str(tmp_path / "orbax"), str(tmp_path / "again")]) == 0
+  assert list(inference.load(str(tmp_path / "again")).label_names) == names
+  capsys.readouterr()
+  assert convert.main([str(tmp_path / "orbax"), str(tmp_path / "back.npz")]) == 0
+  out, err = capsys.readouterr()
+  assert "kept in" not in out and err == (
+      "note: an .npz holds arrays only; not kept: 10 class names (kind_0, kind_1, kind_2, ...), "
+      "normalization imagenet, image_size 32 (write a directory, an Orbax checkpoint, to keep "
+      "them).\n")

@@ -1,0 +1,178 @@
+"""Multi-process runs (TPU pods, CPU and GPU clusters): `jax.distributed`, every fault bounded.
+
+`initialize_distributed` bounds the wait for every process to register, and the time after which
+a silent process counts as dead (`_watch_peers`), to `timeout_s` (main's --distributed_timeout):
+the others then end with one FATAL line and `POD_FAULT_EXIT_CODE`.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+import re
+import threading
+import time
+from typing import Optional
+
+from absl import logging
+
+from vit_jax import stops
+
+
+def _on_multi_host_tpu() -> bool:
+  """A Cloud TPU VM that is one worker of several (before any JAX backend starts)."""
+  hosts = os.environ.get("TPU_WORKER_HOSTNAMES", "")
+  if "," in hosts:
+    return True
+  accelerator = os.environ.get("TPU_ACCELERATOR_TYPE", "")  # e.g. 'v3-32'
+  match = re.fullmatch(r"v\d+[a-z]*-(\d+)", accelerator)
+  # The number counts TensorCores (v2-v5p) or chips (v5e, v6e); one host has at most 8.
+  return bool(match) and int(match.group(1)) > 8
+
+
+#: Default bound (s) of a pod's faults (main's --distributed_timeout): how long every process
+#: waits for the others to register, and how long a process may send no heartbeat before the
+#: others count it as dead.
+DISTRIBUTED_TIMEOUT_S = 60
+#: Exit code of a pod fault: a process that never registered, or was lost during the run.
+POD_FAULT_EXIT_CODE = 1
+
+
+def _distributed_timeouts(timeout_s: int) -> dict[str, int]:
+  """`jax.distributed.initialize`'s timeout keywords for a bound of `timeout_s` seconds, those of
+  them that this jax accepts (checked at run time; jax 0.10.2 accepts all three). The registration
+  and heartbeat timeouts are longer: `initialize_distributed`'s own deadline and `_watch_peers`
+  (with a FATAL line) come first, jax's (an abort in C++, exit 134) only if they could not run."""
+  import jax  # pylint: disable=g-import-not-at-top
+  wanted = {"initialization_timeout": timeout_s + 10,
+            "heartbeat_timeout_seconds": timeout_s + _JAX_HEARTBEAT_MARGIN_S,
+            "shutdown_timeout_seconds": timeout_s}
+  accepted = inspect.signature(jax.distributed.initialize).parameters
+  return {k: v for k, v in wanted.items() if k in accepted}
+
+
+#: Seconds that jax's own heartbeat timeout exceeds --distributed_timeout (see `_watch_peers`).
+_JAX_HEARTBEAT_MARGIN_S = 30
+#: Seconds between two heartbeats of `_watch_peers`.
+_BEAT_S = 1.0
+
+
+def _watch_peers(client, process_id: int, num_processes: int, timeout_s: float) -> None:
+  """Ends this process (exit `POD_FAULT_EXIT_CODE`, one FATAL line) when another process has
+  written no heartbeat to jax's key-value store for `timeout_s`, or the coordinator has not
+  answered for as long. Runs in a daemon thread; jax's own heartbeat check cannot report, it
+  aborts (its callback takes no Python function in jax 0.10), so it is set later."""
+  prefix = "vit_jax/alive/"
+  start = time.monotonic()
+  changed = {p: start for p in range(num_processes) if p != process_id}
+  seen: dict[int, str] = {}
+  failing_since, beat = None, 0
+  while True:
+    beat += 1
+    now = time.monotonic()
+    try:
+      client.key_value_set(f"{prefix}{process_id}", str(beat), allow_overwrite=True)
+      values = {k.rsplit("/", 1)[-1]: v for k, v in client.key_value_dir_get(prefix)}
+      failing_since = None
+    except (TypeError, AttributeError) as e:  # Another jax's client: no watch, jax's own abort.
+      logging.warning("No heartbeat watch of the other processes (%s).", e)
+      return
+    except Exception as e:  # pylint: disable=broad-except  (the coordinator is gone)
+      failing_since = failing_since or now
+      if now - failing_since > timeout_s:
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+        stops.exit_process(POD_FAULT_EXIT_CODE, (
+            f"FATAL: Process {process_id} of {num_processes}: the coordinator (process 0) has "
+            f"not answered for {timeout_s:g} s (--distributed_timeout; {first}): it died or "
+            "hangs, its log says why. Stopped; rerun the same command on every process to "
+            "resume from the latest checkpoint."))
+      time.sleep(_BEAT_S)
+      continue
+    for peer in changed:
+      value = values.get(str(peer))
+      if value != seen.get(peer):
+        seen[peer], changed[peer] = value, now
+      elif now - changed[peer] > timeout_s:
+        stops.exit_process(POD_FAULT_EXIT_CODE, (
+            f"FATAL: Process {process_id} of {num_processes}: process {peer} has sent no "
+            f"heartbeat for {timeout_s:g} s (--distributed_timeout): it died or hangs, its log "
+            "says why. Stopped; rerun the same command on every process to resume from the "
+            "latest checkpoint."))
+    time.sleep(_BEAT_S)
+
+
+def _start_watching_peers(timeout_s: float) -> None:
+  """`_watch_peers` in a daemon thread, once jax.distributed is initialised."""
+  import jax  # pylint: disable=g-import-not-at-top
+  from jax._src import distributed  # pylint: disable=g-import-not-at-top
+  client = getattr(distributed.global_state, "client", None)
+  if client is None or jax.process_count() == 1:
+    return
+  threading.Thread(target=_watch_peers, daemon=True, name="vit_jax-peer-watcher", args=(
+      client, jax.process_index(), jax.process_count(), timeout_s)).start()
+
+
+def _registration_deadline(timeout_s: float, message: str) -> threading.Timer:
+  """A started timer that ends the process with `POD_FAULT_EXIT_CODE` and `message` after
+  `timeout_s`, unless cancelled (jax's registration wait holds no Python lock, so it fires)."""
+  timer = threading.Timer(timeout_s, stops.exit_process, (POD_FAULT_EXIT_CODE, message))
+  timer.daemon = True
+  timer.start()
+  return timer
+
+
+def initialize_distributed(coordinator_address: Optional[str] = None,
+                           num_processes: Optional[int] = None,
+                           process_id: Optional[int] = None,
+                           timeout_s: int = DISTRIBUTED_TIMEOUT_S) -> None:
+  """Calls `jax.distributed.initialize` when this is one process of several.
+
+  Explicit: the arguments (main's --coordinator_address/--num_processes/--process_id) or the
+  JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID environment variables (CPU and GPU
+  clusters; on CPU the cross-process collectives use gloo). Automatic: a multi-host Cloud TPU
+  slice (its metadata names several workers). A single process does nothing.
+
+  `timeout_s` bounds the pod's faults: when not every process has registered with the
+  coordinator within it, this process ends (exit `POD_FAULT_EXIT_CODE`, one FATAL line), and
+  so do the others when a process sends no heartbeat for `timeout_s` (`_watch_peers`); a clean
+  end waits at most `timeout_s` for the others.
+
+  Raises:
+    ValueError: a coordinator address without the process count or index.
+  """
+  import jax  # pylint: disable=g-import-not-at-top
+  timeouts = _distributed_timeouts(timeout_s)
+  address = coordinator_address or os.environ.get("JAX_COORDINATOR_ADDRESS")
+  if address:
+    num = num_processes or int(os.environ.get("JAX_NUM_PROCESSES", "0")) or None
+    pid = process_id if process_id is not None else (
+        int(os.environ["JAX_PROCESS_ID"]) if "JAX_PROCESS_ID" in os.environ else None)
+    if num is None or pid is None:
+      raise ValueError("--coordinator_address needs --num_processes and --process_id (or "
+                       "JAX_NUM_PROCESSES and JAX_PROCESS_ID).")
+    if (jax.config.jax_platforms or os.environ.get("JAX_PLATFORMS") or "").startswith("cpu"):
+      jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    deadline = _registration_deadline(timeout_s, (
+        f"FATAL: Process {pid} of {num}: not all {num} processes registered with the "
+        f"coordinator {address} within {timeout_s} s (--distributed_timeout): start every "
+        f"process with the same --coordinator_address and --num_processes={num} and its own "
+        "--process_id (or raise --distributed_timeout), then rerun."))
+    try:
+      jax.distributed.initialize(coordinator_address=address, num_processes=num,
+                                 process_id=pid, **timeouts)
+    finally:
+      deadline.cancel()
+  elif _on_multi_host_tpu():
+    deadline = _registration_deadline(timeout_s, (
+        f"FATAL: not every worker of this TPU slice registered with jax.distributed within "
+        f"{timeout_s} s (--distributed_timeout): run the same command on every worker (launch/"
+        "tpu.sh run), or raise --distributed_timeout, then rerun."))
+    try:  # Finds the coordinator and the workers from the TPU metadata.
+      jax.distributed.initialize(**timeouts)
+    finally:
+      deadline.cancel()
+  if address or _on_multi_host_tpu():
+    _start_watching_peers(timeout_s)
+  if jax.process_count() > 1:
+    logging.info("Process %d of %d; %d local of %d devices.", jax.process_index(),
+                 jax.process_count(), jax.local_device_count(), jax.device_count())

@@ -1,0 +1,257 @@
+"""Stopping a run: SIGTERM (a preemption notice) and Ctrl-C at any moment, and the process's end.
+
+`stop_at_once_on_signals()` (first thing in `python -m vit_jax.main`, before JAX and TensorFlow
+load) makes SIGTERM and Ctrl-C raise `StopRequested` at once: before the first step there is
+nothing to save (exit 75 or 130; writes in `deferred_stop()` sections complete first).
+`train_and_evaluate` holds `stop_notice()`; from its first step on (`StopNotice.training()`) a
+preemption notice or a first Ctrl-C becomes an event that the loop checks at every step (it
+saves that step, then stops). `exit_process()` then ends the process without the interpreter's
+teardown (which can wait 20 s for a tf.data thread).
+"""
+
+from __future__ import annotations
+
+import _thread
+import contextlib
+import os
+import signal
+import sys
+import threading
+import time
+from typing import Optional
+
+from absl import logging
+
+#: The file descriptor of this process's stderr: 2, except while `vit_jax.platform` keeps
+#: TensorFlow's start-up banners out of descriptor 2 (it sets its copy of the real one here).
+stderr_fd = 2
+
+#: Exit codes after a stop notice: SIGTERM (EX_TEMPFAIL, "try again": rerun to resume) and
+#: Ctrl-C (128 + SIGINT, as a shell reports it).
+PREEMPTED_EXIT_CODE, INTERRUPTED_EXIT_CODE = 75, 130
+#: Seconds a process may still run after a stop notice during the set-up before the watcher
+#: ends it (the main thread is then inside one long C++ call, a compilation or jax.distributed's
+#: registration, or the exception was lost in a callback); longer while a `deferred_stop()`
+#: section is open, at most 4 times as long.
+STOP_GRACE_S = 5.0
+
+
+class StopRequested(BaseException):
+  """SIGTERM (`exit_code` 75) or Ctrl-C (130) during the set-up, before the first step: there is
+  nothing to save, so the run stops at once. A BaseException, as KeyboardInterrupt is, so that
+  no `except Exception` of a library swallows it."""
+
+  def __init__(self, signal_name: str):
+    self.signal = signal_name
+    interrupted = signal_name == "SIGINT"
+    self.exit_code = INTERRUPTED_EXIT_CODE if interrupted else PREEMPTED_EXIT_CODE
+    what = "Interrupted (Ctrl-C)" if interrupted else "Preempted (SIGTERM)"
+    super().__init__(f"{what} during the set-up, before the first step: stopped at once with "
+                     "nothing saved or half-written; rerun the same command.")
+
+
+class _Stops:
+  """The state of the set-up's stop handler (`_raise_stop`): `deferring` counts the open
+  `deferred_stop()` sections, `pending` names the first signal received."""
+  deferring = 0
+  pending: Optional[str] = None
+
+
+def _raise_stop(signum, frame) -> None:
+  """Raises `StopRequested` (after the open `deferred_stop()` sections). Python runs it between
+  two bytecodes of the main thread, possibly in a callback that only prints what it raises (a
+  gc callback): `StopNotice.training()` raises it again, and `_watch_stops` bounds the time."""
+  del frame
+  _Stops.pending = _Stops.pending or signal.Signals(signum).name
+  if not _Stops.deferring:
+    raise StopRequested(_Stops.pending)
+
+
+def stop_in(error: BaseException) -> Optional[StopRequested]:
+  """The `StopRequested` that `error` is or was raised from (its __cause__ / __context__ chain:
+  Python 3.11 wraps one raised in a class's `__set_name__` into a RuntimeError), or None."""
+  seen = set()
+  while error is not None and id(error) not in seen:
+    if isinstance(error, StopRequested):
+      return error
+    seen.add(id(error))
+    error = error.__cause__ or error.__context__
+  return None
+
+
+@contextlib.contextmanager
+def deferred_stop():
+  """A section that a stop notice of the set-up does not cut short (writing a file, taking the
+  workdir's lock): `StopRequested` is raised when it ends."""
+  _Stops.deferring += 1
+  try:
+    yield
+  finally:
+    _Stops.deferring -= 1
+    if not _Stops.deferring and _Stops.pending and (
+        signal.getsignal(signal.SIGTERM) is _raise_stop
+        or signal.getsignal(signal.SIGINT) is _raise_stop):
+      name, _Stops.pending = _Stops.pending, None
+      raise StopRequested(name)
+
+
+def _watch_stops(fd: int, grace_s: float) -> None:
+  """Reads the signal numbers that Python's C handler writes to `fd` (`signal.set_wakeup_fd`):
+  a process still running `grace_s` after a set-up stop (see `STOP_GRACE_S`) ends from here."""
+  while True:
+    try:
+      received = os.read(fd, 64)
+    except OSError:
+      return
+    for signum in received:
+      if signum not in (signal.SIGTERM, signal.SIGINT) or (
+          signal.getsignal(signum) is not _raise_stop):
+        continue  # The training loop's notice (it saves the step), or not a stop.
+      start = time.monotonic()
+      while time.monotonic() - start < (4 * grace_s if _Stops.deferring else grace_s):
+        time.sleep(0.05)
+      stop = StopRequested(signal.Signals(signum).name)
+      exit_process(stop.exit_code, str(stop))
+
+
+def stop_at_once_on_signals(grace_s: float = STOP_GRACE_S) -> None:
+  """From now on (first thing in `python -m vit_jax.main`, before JAX and TensorFlow load)
+  SIGTERM and Ctrl-C raise `StopRequested` in the main thread, or end the process from a
+  watcher thread when the main thread does not act within `grace_s` seconds.
+  `train_and_evaluate` reads them at its steps from its first step on (`stop_notice`). On a pod,
+  `jax.distributed.initialize` gives SIGTERM to jax's preemption service (the first step then
+  saves and stops on every process). Does nothing outside the main thread."""
+  if threading.current_thread() is not threading.main_thread():
+    return
+  signal.signal(signal.SIGTERM, _raise_stop)
+  signal.signal(signal.SIGINT, _raise_stop)
+  previous_hook = sys.unraisablehook
+
+  def stop_in_callback(unraisable):  # E.g. raised in jax's gc callback, which only prints it.
+    if isinstance(unraisable.exc_value, StopRequested):  # Raised again, out of the callback.
+      signum = signal.Signals[unraisable.exc_value.signal]
+      threading.Timer(0.05, _thread.interrupt_main, (signum,)).start()
+      return
+    previous_hook(unraisable)
+
+  sys.unraisablehook = stop_in_callback
+  read_fd, write_fd = os.pipe()
+  os.set_blocking(write_fd, False)
+  signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
+  threading.Thread(target=_watch_stops, args=(read_fd, grace_s), daemon=True,
+                   name="vit_jax-stop-watcher").start()
+
+
+def exit_process(code: int, message: Optional[str] = None, *, shutdown: bool = False):
+  """Ends the process now with exit status `code`: `message` (one line) on stderr, the logs
+  flushed, with `shutdown` `jax.distributed.shutdown()` (every process is ending: it waits at
+  most the distributed timeout for the others), then `os._exit`. Not the interpreter's teardown,
+  which can wait 20 s for a tf.data thread, or for a lost peer in jax's exit handler until jax
+  aborts. Never returns."""
+  try:
+    if message:
+      sys.stderr.flush()
+      os.write(stderr_fd, (message.rstrip("\n") + "\n").encode())
+    if shutdown and "jax" in sys.modules:
+      import jax  # pylint: disable=g-import-not-at-top
+      if getattr(jax.distributed, "is_initialized", lambda: False)():
+        jax.distributed.shutdown()
+  except Exception as e:  # pylint: disable=broad-except
+    sys.stderr.write(f"(jax.distributed.shutdown: {e})\n")
+  finally:
+    logging.flush()
+    for stream in (sys.stdout, sys.stderr):
+      try:
+        stream.flush()
+      except (OSError, ValueError):
+        pass
+    os._exit(code)  # pylint: disable=protected-access
+
+
+def peer_lost_message(error: BaseException, workdir: str, latest_step: Optional[int]) -> str:
+  """The FATAL line of a multi-process run whose collective or barrier failed: which process
+  this is, what failed (the first line of `error`), the intact checkpoint, what to do."""
+  import jax  # pylint: disable=g-import-not-at-top
+  first = (str(error).strip().splitlines() or [type(error).__name__])[0][:300]
+  kept = (f"the checkpoint of step {latest_step} in {workdir} is intact" if latest_step
+          is not None else f"there is no checkpoint in {workdir} yet")
+  return (f"FATAL: Process {jax.process_index()} of {jax.process_count()}: the run lost another "
+          f"process ({type(error).__name__}: {first}); its log says why it ended. Stopped; "
+          f"{kept}: rerun the same command on every process to resume.")
+
+
+def _nothing() -> None:
+  pass
+
+
+class StopNotice(threading.Event):
+  """An event that SIGTERM or a first Ctrl-C sets from the first step on (`training`);
+  `signal` names which ('SIGTERM', 'SIGINT')."""
+
+  def __init__(self):
+    super().__init__()
+    self.signal: Optional[str] = None
+    self._on_training = _nothing
+
+  def notify(self, name: str) -> None:
+    """Sets the event, naming `name` ('SIGTERM' or 'SIGINT') as its cause unless already set
+    (the first signal names it)."""
+    if not self.is_set():
+      self.signal = name
+      self.set()
+
+  def training(self) -> None:
+    """The first step is done: from now on a notice saves the current step, then stops.
+
+    Raises:
+      StopRequested: a set-up stop whose exception was lost (see `_raise_stop`).
+    """
+    if _Stops.pending and self._on_training is not _nothing:
+      raise StopRequested(_Stops.pending)
+    self._on_training()
+    self._on_training = _nothing
+
+
+@contextlib.contextmanager
+def stop_notice():
+  """Yields a `StopNotice`; the previous handlers are restored after.
+
+  Until `StopNotice.training()` (the set-up, the first step and its compilation) SIGTERM and
+  Ctrl-C raise `StopRequested` (`stop_at_once_on_signals`). From then on SIGTERM (a preemption
+  notice) and a first Ctrl-C set the notice; the first Ctrl-C logs that the run saves its
+  current step and stops, and makes a second one raise `KeyboardInterrupt` at once. Only on the
+  main thread. With several processes SIGTERM is jax's preemption service's
+  (`Checkpoints.reached_preemption` reports it) and Ctrl-C keeps Python's default from the first
+  step on (a save needs every host).
+  """
+  import jax  # pylint: disable=g-import-not-at-top  (not at import: --help stays fast)
+  notice = StopNotice()
+  if threading.current_thread() is not threading.main_thread():
+    yield notice
+    return
+  pod = jax.process_count() > 1
+  signals = (signal.SIGINT,) if pod else (signal.SIGTERM, signal.SIGINT)
+  previous = {sig: signal.getsignal(sig) for sig in signals}
+
+  def on_interrupt(*_):
+    logging.warning("Ctrl-C: saving the current step, then stopping; Ctrl-C again stops at once "
+                    "(a rerun then resumes from the latest checkpoint).")
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    notice.notify("SIGINT")
+
+  def on_training():
+    if pod:
+      signal.signal(signal.SIGINT, signal.default_int_handler)
+      return
+    signal.signal(signal.SIGTERM, lambda *_: notice.notify("SIGTERM"))
+    signal.signal(signal.SIGINT, on_interrupt)
+
+  notice._on_training = on_training  # pylint: disable=protected-access
+  for sig in signals:
+    signal.signal(sig, _raise_stop)
+  try:
+    yield notice
+  finally:
+    for sig, handler in previous.items():
+      signal.signal(sig, handler)
+    _Stops.pending = None  # Read (or lost with a run that ended otherwise).
