@@ -103,18 +103,11 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
     with _config_errors():
       run = _prepare(config, workdir, program_start, held)
     config, setup, accountant, run_dir = run.config, run.setup, run.accountant, run.run_dir
-    logging.info("Config (resolved): %s (--verbosity=1 logs it).", run_dir.config_json)
-    logging.vlog(1, "Config (resolved):\n%s", config)
 
     # ---------------------------------------------------------------------------------------
     # 2. State: the latest checkpoint, else the fine-tuning initialisation, else a fresh one.
     # ---------------------------------------------------------------------------------------
-    with stops.deferred_stop():  # A stop notice here stops once these are written.
-      run_dir.write_config(config.to_dict())
-      run_dir.write_dataset(run.dataset)
-      checkpoints = run_dir.checkpoints(keep=config.keep_checkpoints,
-                                        asynchronous=config.async_checkpointing)
-      held.push(_finishing(checkpoints))  # A failure waits for the save in flight to complete.
+    checkpoints = _open_workdir(run, held)
     state = _initial_state(run, checkpoints)
     start_step, total_steps = int(state["step"]), config.total_steps
     # After the restore, so that a refused run leaves no events file.
@@ -329,8 +322,22 @@ def _prepare(config: ml_collections.ConfigDict, workdir: str,
     finetune = checkpoint.load_for_finetuning(
         config.init_from, setup.model, fresh, use_ema=config.init_from_ema,
         reset_head=config.init_reset_head)
+  logging.info("Config (resolved): %s (--verbosity=1 logs it).", run_dir.config_json)
+  logging.vlog(1, "Config (resolved):\n%s", config)
   return _Run(config, accountant, run_dir, setup, evals, finetune, dataset_record(config, info),
               fewshot_eval)
+
+
+def _open_workdir(run: _Run, held: contextlib.ExitStack) -> checkpoint.Checkpoints:
+  """Writes the workdir's config.json and dataset.json and opens its checkpoints (a failure
+  then completes the save in flight: pushed on `held`); a stop notice meanwhile stops after."""
+  with stops.deferred_stop():
+    run.run_dir.write_config(run.config.to_dict())
+    run.run_dir.write_dataset(run.dataset)
+    checkpoints = run.run_dir.checkpoints(keep=run.config.keep_checkpoints,
+                                          asynchronous=run.config.async_checkpointing)
+    held.push(_finishing(checkpoints))
+  return checkpoints
 
 
 def _initial_state(run: _Run, checkpoints: checkpoint.Checkpoints) -> step_lib.State:
