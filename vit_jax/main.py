@@ -45,6 +45,7 @@ stops (during the set-up, or a second one: stops at once); rerun the same comman
 Every exit comes with one line saying why (a failure's starts with FATAL:).
 """
 
+import sys
 import traceback
 
 from absl import app
@@ -134,6 +135,9 @@ def main(argv):
     import jax  # pylint: disable=g-import-not-at-top
     if jax.process_count() == 1 or stops.stop_in(e):
       raise  # A bug (its traceback), or a stop during the set-up that an import wrapped.
+    stop = stops.received_stop()  # The others stopped too: not a fault.
+    if stop is not None:
+      stops.exit_process(stop.exit_code, str(stop))
     # A pod: a collective or barrier failed because another process died (gloo's 'Connection
     # reset by peer', a barrier's DEADLINE_EXCEEDED). Ended here, before jax's exit handler
     # would wait for the lost process until jax aborts.
@@ -146,6 +150,7 @@ def main(argv):
 
 
 if __name__ == "__main__":
+  pod.supervise(sys.argv)  # A pod: the same command as a child, for a FATAL line on any end.
   platform.reexec_with_huge_pages()  # First: glibc reads its tunables only at process start.
   platform.quiet_native_logs()  # Before a config file loads JAX.
   stops.stop_at_once_on_signals()  # Before JAX and TensorFlow load (seconds).

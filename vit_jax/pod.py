@@ -2,7 +2,8 @@
 
 `initialize_distributed` bounds the wait for every process to register, and the time after which
 a silent process counts as dead (`_watch_peers`), to `timeout_s` (main's --distributed_timeout):
-the others then end with one FATAL line and `POD_FAULT_EXIT_CODE`.
+the others then end with one FATAL line and `POD_FAULT_EXIT_CODE`. `supervise` covers the fault
+that jax ends in C++ before Python can speak (the coordinator lost).
 """
 
 from __future__ import annotations
@@ -10,6 +11,9 @@ from __future__ import annotations
 import inspect
 import os
 import re
+import signal
+import subprocess
+import sys
 import threading
 import time
 from typing import Optional
@@ -80,6 +84,7 @@ def _watch_peers(client, process_id: int, num_processes: int, timeout_s: float) 
     except Exception as e:  # pylint: disable=broad-except  (the coordinator is gone)
       failing_since = failing_since or now
       if now - failing_since > timeout_s:
+        _exit_if_stopped()
         first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
         stops.exit_process(POD_FAULT_EXIT_CODE, (
             f"FATAL: Process {process_id} of {num_processes}: the coordinator (process 0) has "
@@ -93,12 +98,20 @@ def _watch_peers(client, process_id: int, num_processes: int, timeout_s: float) 
       if value != seen.get(peer):
         seen[peer], changed[peer] = value, now
       elif now - changed[peer] > timeout_s:
+        _exit_if_stopped()
         stops.exit_process(POD_FAULT_EXIT_CODE, (
             f"FATAL: Process {process_id} of {num_processes}: process {peer} has sent no "
             f"heartbeat for {timeout_s:g} s (--distributed_timeout): it died or hangs, its log "
             "says why. Stopped; rerun the same command on every process to resume from the "
             "latest checkpoint."))
     time.sleep(_BEAT_S)
+
+
+def _exit_if_stopped() -> None:
+  """Ends the process as a stop does when it received one (`stops.received_stop`)."""
+  stop = stops.received_stop()
+  if stop is not None:
+    stops.exit_process(stop.exit_code, str(stop))
 
 
 def _start_watching_peers(timeout_s: float) -> None:
@@ -172,7 +185,52 @@ def initialize_distributed(coordinator_address: Optional[str] = None,
     finally:
       deadline.cancel()
   if address or _on_multi_host_tpu():
+    stops.hold_sigterm()  # The set-up stops at once; jax's preemption service from step 1.
     _start_watching_peers(timeout_s)
   if jax.process_count() > 1:
     logging.info("Process %d of %d; %d local of %d devices.", jax.process_index(),
                  jax.process_count(), jax.local_device_count(), jax.device_count())
+
+
+#: Set in the environment of the command that `supervise` runs (to the supervisor's pid).
+SUPERVISOR_ENV = "VIT_JAX_SUPERVISOR"
+
+
+def _several_processes(argv: list[str]) -> bool:
+  """Whether `argv` (main's, before absl reads it) or the environment asks for several processes."""
+  flag = "--coordinator_address"
+  return (any(a == flag or a.startswith(flag + "=") for a in argv)
+          or bool(os.environ.get("JAX_COORDINATOR_ADDRESS")) or _on_multi_host_tpu())
+
+
+def supervise(argv: list[str]) -> None:
+  """On a pod (`argv` or the environment ask for several processes, on Linux), runs this same
+  command as a child and ends as it ends; otherwise returns at once. First thing in main.
+
+  When the coordinator (process 0) dies, jax's client in every other process aborts in C++ within
+  a second (SIGABRT, before any Python code can run): the supervisor then writes the one FATAL line
+  and exits `POD_FAULT_EXIT_CODE`. Any other end is passed on unchanged (exit code, or death by
+  the same signal). SIGTERM is passed on to the child (a second copy of a signal sent to both is
+  harmless); Ctrl-C reaches the child from the terminal. The child dies with the supervisor
+  (PR_SET_PDEATHSIG), so a SIGKILL of either ends both."""
+  if (os.environ.get(SUPERVISOR_ENV) or not sys.platform.startswith("linux")
+      or not getattr(sys, "orig_argv", None) or not _several_processes(argv)):
+    return
+  import ctypes  # pylint: disable=g-import-not-at-top
+  prctl = ctypes.CDLL(None, use_errno=True).prctl  # Looked up before the fork.
+  children: list[subprocess.Popen] = []
+  signal.signal(signal.SIGTERM, lambda signum, _: [c.send_signal(signum) for c in children])
+  signal.signal(signal.SIGINT, lambda *_: None)  # Default again in the child (exec).
+  children.append(subprocess.Popen(
+      [sys.executable, *sys.orig_argv[1:]], env=dict(os.environ, **{SUPERVISOR_ENV: str(
+          os.getpid())}), preexec_fn=lambda: prctl(1, signal.SIGKILL)))  # 1: PR_SET_PDEATHSIG
+  code = children[0].wait()
+  if code == -signal.SIGABRT:
+    stops.exit_process(POD_FAULT_EXIT_CODE, (
+        "FATAL: This process was aborted by JAX's distributed runtime (SIGABRT; the lines above "
+        "say why: on a pod, the coordinator, process 0, or another process died). Stopped; rerun "
+        "the same command on every process to resume from the latest checkpoint."))
+  if code < 0:  # Killed by a signal: end the same way.
+    signal.signal(-code, signal.SIG_DFL)
+    os.kill(os.getpid(), -code)
+  stops.exit_process(code)

@@ -55,6 +55,8 @@ class _Stops:
   `deferred_stop()` sections, `pending` names the first signal received."""
   deferring = 0
   pending: Optional[str] = None
+  received: Optional[str] = None  # Read by `_watch_stops`, even while the main thread is busy.
+  jax_sigterm: Optional[bytes] = None  # jax's SIGTERM action, set aside by `hold_sigterm`.
 
 
 def _raise_stop(signum, frame) -> None:
@@ -62,6 +64,8 @@ def _raise_stop(signum, frame) -> None:
   two bytecodes of the main thread, possibly in a callback that only prints what it raises (a
   gc callback): `StopNotice.training()` raises it again, and `_watch_stops` bounds the time."""
   del frame
+  if _Stops.pending == signal.Signals(signum).name:
+    return  # A second copy (a pod's supervisor passes SIGTERM on): the first is on its way.
   _Stops.pending = _Stops.pending or signal.Signals(signum).name
   if not _Stops.deferring:
     raise StopRequested(_Stops.pending)
@@ -77,6 +81,14 @@ def stop_in(error: BaseException) -> Optional[StopRequested]:
     seen.add(id(error))
     error = error.__cause__ or error.__context__
   return None
+
+
+def received_stop() -> Optional[StopRequested]:
+  """The set-up's stop notice this process received (its handler may not have run yet: the
+  main thread is inside a C++ call), or None. On a pod, a process told to stop that then loses
+  a peer (stopped by the same notice) reports the stop, not the lost peer."""
+  name = _Stops.pending or _Stops.received
+  return StopRequested(name) if name else None
 
 
 @contextlib.contextmanager
@@ -107,11 +119,46 @@ def _watch_stops(fd: int, grace_s: float) -> None:
       if signum not in (signal.SIGTERM, signal.SIGINT) or (
           signal.getsignal(signum) is not _raise_stop):
         continue  # The training loop's notice (it saves the step), or not a stop.
+      _Stops.received = _Stops.received or signal.Signals(signum).name
       start = time.monotonic()
       while time.monotonic() - start < (4 * grace_s if _Stops.deferring else grace_s):
         time.sleep(0.05)
       stop = StopRequested(signal.Signals(signum).name)
       exit_process(stop.exit_code, str(stop))
+
+
+def _sigaction(new: Optional[bytes]) -> Optional[bytes]:
+  """Sets SIGTERM's action to `new` (bytes of a `struct sigaction` read here before; None: keeps
+  it) and returns the one it replaced, as opaque bytes, or None where libc cannot be reached."""
+  import ctypes  # pylint: disable=g-import-not-at-top
+  try:
+    libc = ctypes.CDLL(None, use_errno=True)
+  except OSError:
+    return None
+  old = ctypes.create_string_buffer(512)  # More than any libc's struct sigaction.
+  if libc.sigaction(signal.SIGTERM, None if new is None else ctypes.create_string_buffer(
+      new, len(old)), old) != 0:
+    return None
+  return old.raw
+
+
+def hold_sigterm() -> None:
+  """On a pod, right after `jax.distributed.initialize` took SIGTERM for its preemption service
+  (in C++): SIGTERM stops the set-up at once again (`StopRequested`, nothing to save yet).
+  `StopNotice.training()` gives SIGTERM back to jax from the first step on, whose preemption sync
+  point then makes every process save the same step."""
+  if threading.current_thread() is not threading.main_thread():
+    return
+  _Stops.jax_sigterm = _sigaction(None)
+  if _Stops.jax_sigterm is not None:
+    signal.signal(signal.SIGTERM, _raise_stop)
+
+
+def _give_sigterm_back() -> None:
+  """Gives SIGTERM back to jax's preemption service (see `hold_sigterm`)."""
+  if _Stops.jax_sigterm is not None:
+    _sigaction(_Stops.jax_sigterm)
+    _Stops.jax_sigterm = None
 
 
 def stop_at_once_on_signals(grace_s: float = STOP_GRACE_S) -> None:
@@ -130,6 +177,7 @@ def stop_at_once_on_signals(grace_s: float = STOP_GRACE_S) -> None:
   def stop_in_callback(unraisable):  # E.g. raised in jax's gc callback, which only prints it.
     if isinstance(unraisable.exc_value, StopRequested):  # Raised again, out of the callback.
       signum = signal.Signals[unraisable.exc_value.signal]
+      _Stops.pending = None  # Not a second copy (see `_raise_stop`): raise it again.
       threading.Timer(0.05, _thread.interrupt_main, (signum,)).start()
       return
     previous_hook(unraisable)
@@ -220,8 +268,8 @@ def stop_notice():
   Ctrl-C raise `StopRequested` (`stop_at_once_on_signals`). From then on SIGTERM (a preemption
   notice) and a first Ctrl-C set the notice; the first Ctrl-C logs that the run saves its
   current step and stops, and makes a second one raise `KeyboardInterrupt` at once. Only on the
-  main thread. With several processes SIGTERM is jax's preemption service's
-  (`Checkpoints.reached_preemption` reports it) and Ctrl-C keeps Python's default from the first
+  main thread. With several processes SIGTERM is jax's preemption service's from the first step
+  on (`hold_sigterm`; `Checkpoints.reached_preemption` reports it) and Ctrl-C keeps Python's default from the first
   step on (a save needs every host).
   """
   import jax  # pylint: disable=g-import-not-at-top  (not at import: --help stays fast)
@@ -242,6 +290,7 @@ def stop_notice():
   def on_training():
     if pod:
       signal.signal(signal.SIGINT, signal.default_int_handler)
+      _give_sigterm_back()
       return
     signal.signal(signal.SIGTERM, lambda *_: notice.notify("SIGTERM"))
     signal.signal(signal.SIGINT, on_interrupt)
@@ -254,4 +303,4 @@ def stop_notice():
   finally:
     for sig, handler in previous.items():
       signal.signal(sig, handler)
-    _Stops.pending = None  # Read (or lost with a run that ended otherwise).
+    _Stops.pending = _Stops.received = None  # Read (or lost with a run that ended otherwise).

@@ -377,6 +377,11 @@ def acquire_on_all_processes(lock: WorkdirLock) -> None:
       message = str(e).encode()[:4095] or b'?'
   buffer = np.zeros(4096, np.uint8)
   buffer[:len(message)] = np.frombuffer(message, np.uint8)
-  message = bytes(np.asarray(multihost_utils.broadcast_one_to_all(buffer))).rstrip(b'\0')
+  try:
+    message = bytes(np.asarray(multihost_utils.broadcast_one_to_all(buffer))).rstrip(b'\0')
+  except BaseException:  # A lost process (or a stop): the lock taken here is not kept.
+    if jax.process_index() == 0 and not message:
+      lock.release(remove_created_dirs=True)
+    raise
   if message:
     raise WorkdirInUseError(message.decode('utf-8', 'replace'))
