@@ -103,9 +103,9 @@ def _cycle(graph):
 
 
 def test_the_graph_sees_lazy_and_relative_imports(graph):
-  assert 'vit_jax.models.t2t' in graph['vit_jax.models.t2t_torch']
+  assert 'vit_jax.models.t2t' in graph['vit_jax.checkpoint.t2t_torch']
   assert 'vit_jax.checkpoint.workdir' in graph['vit_jax.checkpoint']
-  assert 'vit_jax.models' in graph['vit_jax.checkpoint']  # 'from vit_jax import models'.
+  assert 'vit_jax.models' in graph['vit_jax.checkpoint.formats']  # 'from vit_jax import models'.
 
 
 def test_no_import_cycles(graph):
@@ -123,3 +123,10 @@ def test_library_modules_do_not_import_the_tools(graph):
   bad = {name: sorted(t for t in targets if _within(t, TOOLS))
          for name, targets in graph.items() if not _within(name, TOOLS)}
   assert not {k: v for k, v in bad.items() if v}
+
+
+def test_checkpoint_code_lives_in_checkpoint(graph):
+  """File formats and their name mappings are vit_jax.checkpoint's; models/ is pure Flax."""
+  moved = ('t2t_torch', 'vit_shapes', 'mismatch')
+  assert not [m for m in moved if f'vit_jax.models.{m}' in graph]
+  assert all(f'vit_jax.checkpoint.{m}' in graph for m in moved)

@@ -1,6 +1,8 @@
 """The train state and the steps (vit_jax.step): the step functions on tiny models, and the
 setup that binds a resolved config to a mesh."""
 
+import contextlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -126,6 +128,27 @@ def test_eval_step_sums_the_masked_batch():
   assert int(sums["count"]) == 3
   # A zero-initialised head: uniform logits, loss log(3) per real example.
   np.testing.assert_allclose(float(sums["loss"]), 3 * np.log(3), rtol=1e-5)
+
+
+def test_the_compiler_compiles_once_per_shape_and_batches_go_to_the_mesh_and_back():
+  setup = _setup()
+  timed, compiled = [], []
+  compiler = step_lib.Compiler(setup, lambda: contextlib.nullcontext(timed.append(1)),
+                               lambda jitted, c: compiled.append(jitted))
+  state = jax.jit(setup.init_state, out_shardings=setup.state_shardings)(setup.init_rng)
+  variables = {k: state[k] for k in setup.variables_shardings}
+  eval_step = setup.jit_eval_step(variables_only=True, top1=True)
+  for size in (4, 4, 8):
+    local = {k: np.asarray(v) for k, v in _batch(size=size).items()}
+    local["mask"] = np.ones(size, bool)
+    batch = setup.to_global(local)
+    sums, top1 = compiler(eval_step, variables, batch)
+    assert int(sums["count"]) == size and top1.dtype == jnp.int32
+    np.testing.assert_array_equal(setup.to_local(top1), np.asarray(top1))
+    np.testing.assert_array_equal(setup.to_local(batch["image"]), local["image"])
+  assert len(timed) == 2 and compiled == [eval_step, eval_step]
+  assert step_lib.batch_shards(setup.config.mesh, 1) == 1
+  assert step_lib.batch_shards(setup.config.mesh, 4) == 4  # Data parallel.
 
 
 def test_image_size_the_patch_does_not_divide_names_the_flag():

@@ -8,23 +8,20 @@ FLOPs of one step, the achieved FLOP/s and the model FLOP utilisation (MFU). Its
 in every checkpoint and restored with it, so a preempted and resumed run reports the cost of all
 its attempts.
 
-What a JAX device is differs by hardware (`hardware`):
-  TPU v2, v3        one device = one TensorCore; 2 cores per chip (a v3-8 has 8 devices, 4 chips)
-  TPU v4, v5p       one device = one chip of 2 TensorCores (megacore; a v4-8 has 4 devices)
-  TPU v5e, v6e      one device = one chip of 1 TensorCore (a v5litepod-8 has 8 devices)
-  GPU, CPU          devices, reported as device-days (a CPU has no cores in this sense)
+The devices' facts (cores, chips, peaks) are `vit_jax.hardware`'s.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import re
 import time
 from typing import Any, Callable, Iterator, Optional
 
 from absl import logging
 import numpy as np
+
+from vit_jax import hardware as hardware_lib
 
 SECONDS_PER_DAY = 86_400
 
@@ -33,67 +30,16 @@ SECONDS_PER_DAY = 86_400
 CATEGORIES = ("train", "compile", "eval", "checkpoint", "input")
 
 
-@dataclasses.dataclass(frozen=True)
-class _Kind:
-  pattern: str  # Regular expression matched against jax's `device.device_kind`.
-  cores_per_device: Optional[int]  # TensorCores per JAX device (TPU only).
-  cores_per_chip: Optional[int]
-  peak: dict[str, float]  # Dense matmul FLOP/s of one JAX device, by compute dtype.
-  # The matmul precision a dtype's peak is of, where it is not the dtype itself.
-  runs_as: dict[str, str] = dataclasses.field(default_factory=dict)
-
-
-# Published dense peaks, by the compute dtype of the model. On TPU a float32 matmul at JAX's
-# default precision runs as one bfloat16 pass, so float32 gets the bfloat16 peak; on Ampere and
-# later GPUs float32 matmuls run as TF32 by default, so float32 gets the TF32 peak. A kind's
-# `runs_as` says which precision a peak is of when it is not the dtype's own (`describe`).
-# Order matters: the first match wins ('TPU v5 lite' before 'TPU v5').
-_TPU_FLOAT32 = {"float32": "bfloat16"}
-_TF32 = {"float32": "tf32"}
-_KINDS = (
-    _Kind(r"TPU v2", 1, 2, {"bfloat16": 22.5e12, "float32": 22.5e12}, _TPU_FLOAT32),
-    _Kind(r"TPU v3", 1, 2, {"bfloat16": 61.5e12, "float32": 61.5e12}, _TPU_FLOAT32),
-    _Kind(r"TPU v4 ?lite", 1, 1, {"bfloat16": 137.5e12, "float32": 137.5e12}, _TPU_FLOAT32),
-    _Kind(r"TPU v4", 2, 2, {"bfloat16": 275e12, "float32": 275e12}, _TPU_FLOAT32),
-    _Kind(r"TPU v5 ?lite|TPU v5e", 1, 1, {"bfloat16": 197e12, "float32": 197e12}, _TPU_FLOAT32),
-    _Kind(r"TPU v5p?", 2, 2, {"bfloat16": 459e12, "float32": 459e12}, _TPU_FLOAT32),
-    _Kind(r"TPU v6 ?lite|TPU v6e", 1, 1, {"bfloat16": 918e12, "float32": 918e12}, _TPU_FLOAT32),
-    _Kind(r"V100", None, None, {"float16": 125e12, "float32": 15.7e12}),
-    _Kind(r"A100", None, None, {"bfloat16": 312e12, "float16": 312e12, "float32": 156e12},
-          _TF32),
-    _Kind(r"H100|H200|GH200", None, None,
-          {"bfloat16": 989e12, "float16": 989e12, "float32": 494e12}, _TF32),
-    _Kind(r"L4", None, None, {"bfloat16": 121e12, "float16": 121e12, "float32": 60e12}, _TF32),
-)
-
-# Cloud TPU accelerator types ('v3-256'): the device kind their JAX devices report, whether the
-# number counts TensorCores (v2-v5p) or chips (v5e, v6e), and the largest slice.
-_ACCELERATORS = {
-    "v2": ("TPU v2", "cores", 512), "v3": ("TPU v3", "cores", 2048),
-    "v4": ("TPU v4", "cores", 4096), "v5p": ("TPU v5p", "cores", 12288),
-    "v5litepod": ("TPU v5 lite", "chips", 256), "v6e": ("TPU v6 lite", "chips", 256),
-}
-_GPUS = {"v100": "Tesla V100", "a100": "NVIDIA A100", "h100": "NVIDIA H100",
-         "h200": "NVIDIA H200", "l4": "NVIDIA L4"}
-
 _measured_cpu_peak: Optional[float] = None
 
 
 @dataclasses.dataclass(frozen=True)
 class Hardware:
-  """The devices a run uses, and how they translate into cores, chips and peak FLOP/s.
+  """The devices a run uses, as cores, chips (TPU only, else None) and peak FLOP/s.
 
-  Attributes:
-    device_kind: jax's `device_kind`, e.g. 'TPU v3', 'TPU v4', 'cpu', 'NVIDIA H100 80GB HBM3'.
-    platform: 'tpu', 'gpu' or 'cpu'.
-    num_devices: JAX devices over all processes.
-    cores: TensorCores (TPU only, else None).
-    chips: chips (TPU only, else None).
-    peak_flops_per_device: dense FLOP/s of one device for the compute dtype, or None if unknown.
-    peak_source: where the peak comes from ('published', 'measured: ...', 'unknown').
-    dtype: the compute dtype the peak is for.
-    peak_precision: the matmul precision the peak is of: `dtype`, or what JAX runs that dtype's
-      matmuls as by default ('bfloat16' for float32 on TPU, 'tf32' on Ampere and later GPUs).
+  `device_kind` is jax's; `num_devices` counts all processes'; `peak_flops_per_device` is for
+  `dtype` (None: unknown), from `peak_source` ('published', 'measured: ...', 'given',
+  'unknown'), of matmuls in `peak_precision` (`vit_jax.hardware.Kind.runs_as`).
   """
   device_kind: str
   platform: str
@@ -132,29 +78,22 @@ class Hardware:
 def hardware(device_kind: str, num_devices: int, dtype: str = "float32",
              platform: Optional[str] = None,
              peak_flops_per_device: Optional[float] = None) -> Hardware:
-  """Cores, chips and peak FLOP/s of `num_devices` JAX devices of `device_kind`.
+  """Cores, chips and peak FLOP/s of `num_devices` JAX devices of `device_kind` (jax's).
 
-  Args:
-    device_kind: jax's `device.device_kind` ('TPU v3', 'TPU v4', 'TPU v5 lite', 'cpu', ...).
-    num_devices: all devices of the run (`jax.device_count()`).
-    dtype: the model's compute dtype; picks the peak.
-    platform: 'tpu', 'gpu' or 'cpu'; guessed from `device_kind` if None.
-    peak_flops_per_device: overrides the table (e.g. a measured CPU peak).
-
-  Returns:
-    A `Hardware`. Unknown TPU generations and GPUs get `peak_flops_per_device=None` (MFU is then
-    reported as unavailable); an unknown TPU is counted as one core per device.
+  `dtype`: the compute dtype, which picks the peak; `platform`: 'tpu', 'gpu' or 'cpu', guessed
+  from `device_kind` if None; `peak_flops_per_device` overrides the table (a measured CPU peak).
+  A kind `vit_jax.hardware` does not know gets no peak (MFU unavailable), and an unknown TPU one
+  core per device.
   """
   if platform is None:
     platform = ("tpu" if device_kind.startswith("TPU") else
                 "cpu" if device_kind.lower() == "cpu" else "gpu")
-  kind = next((k for k in _KINDS if re.search(k.pattern, device_kind)), None)
+  kind = hardware_lib.kind(device_kind)
   cores = chips = None
   if platform == "tpu":
-    per_device = kind.cores_per_device if kind and kind.cores_per_device else 1
-    per_chip = kind.cores_per_chip if kind and kind.cores_per_chip else per_device
+    per_device = (kind and kind.cores_per_device) or 1
     cores = num_devices * per_device
-    chips = max(1, cores // per_chip)
+    chips = max(1, cores // ((kind and kind.cores_per_chip) or per_device))
   dtype = str(dtype)
   source, precision = "published", dtype
   if peak_flops_per_device is None and kind is not None:
@@ -169,45 +108,13 @@ def hardware(device_kind: str, num_devices: int, dtype: str = "float32",
 
 
 def accelerator(name: str, dtype: str = "bfloat16") -> Hardware:
-  """The `Hardware` of a Cloud TPU accelerator type or a GPU count, for estimates.
-
-  Args:
-    name: 'v3-8', 'v3-256', 'v4-32' (the number counts TensorCores for v2, v3, v4 and v5p),
-      'v5litepod-16', 'v6e-8' (chips), or a GPU count such as 'a100-8', 'h100-8'.
+  """The `Hardware` of an accelerator name ('v3-8', 'v5litepod-16', 'a100-8'), for estimates.
 
   Raises:
-    ValueError: an unknown name or a slice size that does not exist, listing the valid forms.
+    ValueError: as `vit_jax.hardware.accelerator`.
   """
-  match = re.fullmatch(r"([a-z0-9]+)-(\d+)", name.strip().lower())
-  family = match.group(1) if match else None
-  if family == "v5e":
-    raise ValueError(f"Accelerator {name!r}: Cloud TPU calls it v5litepod-{match.group(2)}.")
-  if match and family in _ACCELERATORS:
-    kind, counts, largest = _ACCELERATORS[family]
-    count = int(match.group(2))
-    spec = next(k for k in _KINDS if re.search(k.pattern, kind))
-    # The slice sizes launch/tpu.sh accepts too: v2, v3 powers of two from 8; v5e, v6e 1, 4 and
-    # powers of two from 8; v4, v5p multiples of 8 up to 128, then multiples of 128.
-    power_of_two = count > 0 and count & (count - 1) == 0
-    if family in ("v4", "v5p"):
-      valid = count >= 8 and count % (8 if count <= 128 else 128) == 0
-    else:
-      valid = power_of_two and (count >= 8 or (counts == "chips" and count in (1, 4)))
-    if not valid or count > largest:
-      unit = {"v4": "TensorCores (8, 16, 24, ..., 128, 256, 384, ...)",
-              "v5p": "TensorCores (8, 16, 24, ..., 128, 256, 384, ...)"}.get(
-                  family, "TensorCores (8, 16, 32, ...)" if counts == "cores" else
-                  "chips (1, 4, 8, 16, ...)")
-      raise ValueError(f"Accelerator {name!r} does not exist: the number after '{family}-' "
-                       f"counts {unit}, at most {largest}; e.g. {family}-8.")
-    devices = count // spec.cores_per_device if counts == "cores" else count
-    return hardware(kind, devices, dtype, platform="tpu")
-  if match and family in _GPUS and int(match.group(2)) > 0:
-    return hardware(_GPUS[family], int(match.group(2)), dtype, platform="gpu")
-  raise ValueError(
-      f"Unknown accelerator {name!r}: give a Cloud TPU type such as v3-8, v3-256, v4-32, v5p-8 "
-      f"(TensorCores), v5litepod-16 or v6e-8 (chips), or a GPU count: "
-      f"{', '.join(f'{g}-8' for g in _GPUS)}.")
+  kind, devices = hardware_lib.accelerator(name)
+  return hardware(kind.device_kind, devices, dtype, kind.platform)
 
 
 def measure_cpu_peak(size: int = 2048, repeats: int = 3, again: bool = False) -> float:
@@ -248,21 +155,13 @@ def local_hardware(dtype: str = "float32", remeasure: bool = False) -> Hardware:
 
 
 class CostAccountant:
-  """Keeps a run's compute account; `report()` is what goes to cost.json and the checkpoints.
+  """Keeps a run's compute account (`vit_jax.train`); `report()` goes to cost.json and the
+  checkpoints.
 
-  Usage in a training loop (see `vit_jax.train`):
-
-    accountant = CostAccountant(local_hardware(dtype), batch_size)
-    accountant.resume(previous_report)           # After a restore: earlier attempts.
-    with accountant.timed("train"):              # The loop; nested categories are
-      with accountant.timed("input"): batch = ...  # subtracted from the enclosing one.
-      state = step(state, batch); accountant.count_step()
-      with accountant.timed("eval"): ...
-    report = accountant.report(step)
-
-  Time is wall time from `clock` (seconds). Days of training = seconds in 'train' / 86,400;
-  days of the program = seconds since the accountant was created (every category and the rest)
-  / 86,400. Core-days multiply by TensorCores, chip-days by chips, device-days by devices.
+  Time is wall time from `clock` (seconds), counted in `timed` categories (a nested block's time
+  is subtracted from the enclosing one's). Days of training = seconds in 'train' / 86,400; of
+  the program, seconds since the accountant was created / 86,400. Core-days multiply by
+  TensorCores, chip-days by chips, device-days by devices.
   """
 
   def __init__(self, hw: Hardware, batch_size: int,

@@ -1,6 +1,7 @@
-"""Flag parsing shared by `vit_jax.main` and the tools: a clear one-line error (exit 2) for a
-config file that does not exist, refuses its argument, or a `--config.<key>` override that names
-no key (with the keys there and the closest match), instead of ml_collections' traceback."""
+"""Flag parsing shared by ``vit_jax.main`` and the tools: one ``FATAL:`` line (exit 2) for a
+missing config file, a refused argument, or an unknown ``--config.<key>`` (with the closest
+match), instead of ml_collections' traceback.
+"""
 
 from __future__ import annotations
 
@@ -22,11 +23,8 @@ def load_config_file(spec: str):
 
 
 def unknown_override_message(argv: list[str]) -> str | None:
-  """Names the first `--config.<key>` in `argv` that the config file does not define.
-
-  Returns:
-    A message naming the key, the valid keys at that level and the closest match, or None if
-    every override names an existing key (or the config file itself cannot be loaded).
+  """A message naming the first unknown ``--config.<key>`` in ``argv``, the valid keys there and
+  the closest match; None if all exist (or the config file cannot be loaded).
   """
   spec = config_spec(argv)
   if spec is None:
@@ -74,11 +72,10 @@ _HELP_FLAGS = ("--help", "--helpshort", "--helpfull", "--helpxml", "-?")
 
 
 def parse_flags(argv: list[str]) -> list[str]:
-  """absl's flag parsing, with a clear message for a missing config file or a mistyped
-  `--config.<key>` (instead of ml_collections' traceback), and exit code 0 after `--help`.
+  """absl's flag parsing with the messages above; returns the non-flag arguments (absl's argv).
 
-  Returns the arguments that are not flags (absl's `argv`). Exits 2 with one `FATAL:` line for a
-  bad flag or config, 0 after printing the help asked for."""
+  Exits 2 with one ``FATAL:`` line for a bad flag or config, 0 after ``--help``.
+  """
   # absl answers --help and -?; most programs also answer -h (absl would call it unknown).
   end = argv.index("--") if "--" in argv else len(argv)
   argv = ["--help" if a == "-h" and i < end else a for i, a in enumerate(argv)]

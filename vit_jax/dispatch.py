@@ -1,45 +1,34 @@
 """How the blocks run, chosen once from the devices the step is compiled for: the attention
 implementation and the remat policy.
 
-The models take the implementation as a field (`attention='xla' | 'cudnn' | 'cpu_kernel'`,
-see `vit_jax.models.attention`) and never look at the machine. `choose_attention` turns a
-config's request ('auto' or one of those) into that field from the *target* devices (their
-platform and count), not from the host that traces the step: a step lowered on a CPU host for a
-TPU mesh gets the TPU's choice.
+The models take the implementation as a field (`attention`, one of
+`vit_jax.models.attention.IMPLEMENTATIONS`) and never look at the machine. `choose_attention`
+turns a config's request ('auto' or one of those) into that field from the *target* devices
+(their platform and count), not from the host that traces the step: a step lowered on a CPU host
+for a TPU mesh gets the TPU's choice.
 
-'auto' picks
-  TPU             'xla'
-  GPU             'cudnn' (cuDNN's fused attention through `jax.nn.dot_product_attention`) for
-                  bfloat16/float16 compute without attention dropout; else 'xla'
-  CPU, 1 device   'cpu_kernel' (vit_jax's fused kernel, `vit_jax.kernels.cpu_attention`) when
-                  it is built, the compute is float32, the head size a multiple of 16, there is
-                  no attention dropout, and the kernel is faster than XLA's attention on this
-                  CPU's instruction set (`cpu_attention.faster_than_xla`); else 'xla'
-  CPU, several    'xla' (XLA's SPMD partitioner cannot split the kernel's custom call)
-so it never picks something slower than XLA's attention where that is known.
+'auto' takes the first implementation of `ATTENTION` that can run on the target devices (its
+`why_not` says None) and is worth it there: vit_jax's kernels (`vit_jax.kernels.ATTENTION`, each
+only where measured faster than XLA's attention: its `faster_than_xla`), then cuDNN's fused
+attention, then XLA's, which runs everywhere. So it never picks something slower than XLA's
+attention where that is known.
 
-`choose_remat_policy` turns `remat_policy='auto'` into what a rematerialised block keeps for the
-backward pass (`vit_jax.models.execution.REMAT_POLICIES`). On accelerators it goes by the
-compute dtype's bytes, doubled for models of width D >= 1024 (ViT-L, H, g, G), so that the step
-needs at most 0.8 times the per-device memory of the official unrematerialised model at the
-same batch (measured with the pre-flight for ViT-B/16 and ViT-L/16; docs/pods.md):
-  TPU, GPU   2 (bfloat16/float16, D < 1024): 'dots_and_attention_saveable' (all the dense
-             projections' outputs: only LayerNorm, softmax and GELU are recomputed)
-             4 (float32 D < 1024, or 16-bit D >= 1024): 'qkv_saveable' (only the attention's
-             query, key and value: about a seventh more FLOPs per step)
-             8 (float32, D >= 1024): 'nothing_saveable' (each block's input: a third more)
-  CPU        'dots_and_attention_saveable' (memory is the host's; the fused kernel's outputs
-             kept too)
+`choose_remat_policy` turns `remat_policy='auto'` into one of
+`vit_jax.models.execution.REMAT_POLICIES`: on CPU 'dots_and_attention_saveable' (the memory is
+the host's); on TPU and GPU by the compute dtype's bytes, doubled from width `WIDE`: 2
+'dots_and_attention_saveable', 4 'qkv_saveable', 8 'nothing_saveable', so that the step needs
+at most 0.8 times the per-device memory of the unrematerialised model at the same batch
+(measured with the pre-flight for ViT-B/16 and ViT-L/16; docs/pods.md).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import jax.numpy as jnp
 
-from vit_jax.kernels import cpu_attention
+from vit_jax import kernels
 from vit_jax.models import attention as attention_lib
 from vit_jax.models import execution
 
@@ -56,31 +45,36 @@ class Choice:
   reason: str
 
 
-def _why_not_cpu_kernel(devices: Sequence[Any], dtype: str, head_dim: int,
-                        dropout: bool) -> str:
-  """'' when the CPU kernel can run for these targets, else the reason it cannot."""
-  platform = devices[0].platform
-  if platform != "cpu":
-    return f"the devices are {platform.upper()}s, the kernel is for XLA:CPU"
-  if len(devices) > 1:
-    return (f"the step runs on {len(devices)} devices and XLA's SPMD partitioner cannot split "
-            "the kernel's custom call")
-  if jnp.dtype(dtype) != jnp.float32:
-    return f"the compute dtype is {jnp.dtype(dtype).name}, the kernel is float32 only"
-  if head_dim % 16:
-    return f"the head size {head_dim} is not a multiple of 16"
-  if dropout:
-    return "attention dropout is on (the kernel has none)"
-  path, reason = cpu_attention.library()
-  return "" if path else reason
+def _why_not_cudnn(devices: Sequence[Any], dtype: Any, head_dim: int,
+                   dropout: bool) -> Optional[str]:
+  """None where cuDNN's fused attention can run for these targets, else the reason."""
+  del head_dim  # cuDNN takes any head size.
+  if devices[0].platform != "gpu":
+    return "the devices are not GPUs"
+  if jnp.dtype(dtype).name not in ("bfloat16", "float16"):
+    return "it needs bfloat16 or float16 compute"
+  return "attention dropout is on" if dropout else None
+
+
+def _always() -> tuple[bool, str]:
+  return True, ""
+
+
+#: name -> (what it is, for logs; `why_not(devices, dtype, head_dim, dropout)`, None where it
+#: can run; `() -> (worth it, why)`), in the order 'auto' tries them.
+ATTENTION: dict[str, tuple[str, Callable[..., Optional[str]], Callable[[], tuple[bool, str]]]] = {
+    **{k.NAME: (k.LABEL, k.why_not, k.faster_than_xla) for k in kernels.ATTENTION},
+    "cudnn": ("cuDNN's fused attention", _why_not_cudnn, _always),
+    "xla": ("XLA's attention", lambda *unused: None, _always),
+}
 
 
 def choose_attention(requested: str, *, devices: Sequence[Any], dtype: Any = "float32",
                      head_dim: int, dropout: bool = False) -> Choice:
-  """The attention implementation for a step compiled for `devices`.
+  """The attention implementation for a step compiled for `devices` (see the module docstring).
 
   Args:
-    requested: 'auto', or 'xla', 'cudnn', 'cpu_kernel' to insist on one.
+    requested: 'auto', or one of `vit_jax.models.attention.IMPLEMENTATIONS` to insist on one.
     devices: the target devices (e.g. `mesh.devices.flat`, or a TPU topology's devices).
     dtype: the models' compute dtype.
     head_dim: the backbone attention's head size (`vit_jax.models.head_dim`).
@@ -98,39 +92,22 @@ def choose_attention(requested: str, *, devices: Sequence[Any], dtype: Any = "fl
                      "picks from the devices the step runs on).")
   if not devices:
     raise ValueError("choose_attention needs the target devices, got none.")
-  platform = devices[0].platform
-  half = jnp.dtype(dtype).name in ("bfloat16", "float16")
-  kernel_blocker = _why_not_cpu_kernel(devices, dtype, head_dim, dropout)
-  if requested == "xla":
-    return Choice("xla", "requested")
-  if requested == "cpu_kernel":
-    if kernel_blocker:
-      raise ValueError(f"config.model.attention='cpu_kernel' cannot run: {kernel_blocker}. Use "
+  if requested != "auto":
+    why = ATTENTION[requested][1](devices, dtype, head_dim, dropout)
+    if why:
+      raise ValueError(f"config.model.attention={requested!r} cannot run: {why}. Use "
                        "--config.model.attention=auto (or xla).")
-    return Choice("cpu_kernel", "requested")
-  if requested == "cudnn":
-    if platform != "gpu" or not half or dropout:
-      why = ("the devices are not GPUs" if platform != "gpu" else
-             "cuDNN's fused attention needs bfloat16 or float16 compute" if not half else
-             "attention dropout is on")
-      raise ValueError(f"config.model.attention='cudnn' cannot run: {why}. Use "
-                       "--config.model.attention=auto (or xla).")
-    return Choice("cudnn", "requested")
-  # 'auto'.
-  if platform == "gpu":
-    if half and not dropout:
-      return Choice("cudnn", "GPU with half-precision compute: cuDNN's fused attention")
-    return Choice("xla", "GPU: cuDNN's fused attention needs bfloat16/float16 compute and no "
-                  "attention dropout")
-  if platform != "cpu":
-    return Choice("xla", f"{platform.upper()}: XLA's attention")
-  if kernel_blocker:
-    return Choice("xla", f"the fused CPU kernel does not apply: {kernel_blocker}")
-  faster, why = cpu_attention.faster_than_xla()
-  if not faster:
-    return Choice("xla", "the fused CPU kernel is not known to be faster than XLA's attention "
-                  f"on this CPU: {why}")
-  return Choice("cpu_kernel", f"vit_jax's fused CPU kernel: {why}")
+    return Choice(requested, "requested")
+  passed = []
+  for name, (label, why_not, worth) in ATTENTION.items():
+    why = why_not(devices, dtype, head_dim, dropout)
+    if why is None:
+      chosen, because = worth()
+      if chosen:
+        return Choice(name, "; ".join(passed + [f"{label}: {because}" if because else label]))
+      why = f"not known to be faster than XLA's attention here: {because}"
+    passed.append(f"{label} does not apply: {why}")
+  raise AssertionError("XLA's attention runs everywhere.")
 
 
 #: Model widths (hidden size D) from which 'auto' keeps half as much (ViT-L and wider).

@@ -23,12 +23,13 @@ import jax
 from jax.extend import core as jax_core
 import jax.numpy as jnp
 
-from vit_jax.kernels import cpu_attention
+from vit_jax import hardware
+from vit_jax import kernels
 
 SECONDS_PER_DAY = 86_400
 
-#: Peak dense bfloat16 FLOP/s of one TPU v3 core (123 TFLOP/s per chip of 2 cores).
-TPU_V3_CORE_PEAK_FLOPS = 61.5e12
+#: Peak dense bfloat16 FLOP/s of one TPU v3 core (`vit_jax.hardware`).
+TPU_V3_CORE_PEAK_FLOPS = hardware.kind("TPU v3").peak["bfloat16"]
 
 
 def vit_forward_macs(*, hidden_size: int, mlp_dim: int, num_layers: int, patch_size: int,
@@ -71,8 +72,8 @@ def vit_forward_macs(*, hidden_size: int, mlp_dim: int, num_layers: int, patch_s
 def jaxpr_macs(jaxpr: jax_core.Jaxpr) -> int:
   """Multiply-adds of the matrix products in a jaxpr: every `dot_general` and convolution.
 
-  Also the products inside calls of the fused CPU attention kernel (`ffi_call`s, see
-  `vit_jax.kernels.cpu_attention.macs`), so the count does not depend on which attention ran.
+  Also the products inside calls of vit_jax's kernels (`ffi_call`s, see `vit_jax.kernels`), so
+  the count does not depend on which attention ran.
 
   Walks nested jaxprs (jit, remat, custom derivatives, cond branches); a `scan` body counts
   `length` times (XLA's own cost analysis counts a loop body once, which under-reports a model
@@ -88,9 +89,10 @@ def jaxpr_macs(jaxpr: jax_core.Jaxpr) -> int:
       (lhs_contracting, _), _ = eqn.params["dimension_numbers"]
       lhs_shape = eqn.invars[0].aval.shape
       total += out_size * math.prod(lhs_shape[d] for d in lhs_contracting)
-    elif (eqn.primitive.name == "ffi_call"
-          and eqn.params.get("target_name") in cpu_attention.TARGETS):
-      total += cpu_attention.macs(eqn.params["target_name"], eqn.invars[0].aval.shape)
+    elif eqn.primitive.name == "ffi_call":
+      target = eqn.params.get("target_name")
+      total += sum(k.macs(target, eqn.invars[0].aval.shape) for k in kernels.ATTENTION
+                   if target in k.TARGETS)
     elif eqn.primitive.name == "conv_general_dilated":
       kernel_shape = eqn.invars[1].aval.shape
       kernel_spec = eqn.params["dimension_numbers"].rhs_spec  # (out, in, *spatial) positions.

@@ -6,39 +6,31 @@
   probs = trained.probabilities(logits)                 # softmax or sigmoid, as it was trained
   names = trained.label_names                           # ('T-shirt/top', 'Trouser', ...)
 
-A source is a training workdir (or its ``checkpoints`` directory, or one step), an official or
-big_vision ViT ``.npz``, a transformers ViT directory, a timm ``.safetensors`` file, a T2T-ViT
-``.pth``/``.pth.tar``, or a variables checkpoint of ``python -m vit_jax.convert``. A workdir describes itself: every step saves the resolved config
-(model, preprocessing, loss) and the training data's record (class names; see
-``vit_jax.train.dataset_record``). For the official files a config is made up from what the
-weights imply and the papers' evaluation settings:
+A source is any of ``vit_jax.checkpoint.ACCEPTED_FORMATS``. A workdir's steps save the resolved
+config and the data's record (class names). Files get the papers' evaluation settings:
 
-* ``.npz`` (ViT, R+ViT): the architecture from the parameter shapes (``--model`` optional, and
-  checked when given), the image size from the position embedding's grid, pixels in [-1, 1],
-  a plain resize (the official evaluation); 21,843 classes (ImageNet-21k) are scored with a
-  sigmoid, others with a softmax; ImageNet-1k/21k class names from ``vit_jax.labels``.
-* transformers / timm (``vit_jax.checkpoint.ecosystem``): as ``.npz``, plus the numerics the
-  weights need (GELU, LayerNorm epsilon), transformers' class names (``id2label``) and
-  normalization (``preprocessor_config.json``); a timm file of a non-standard width needs
-  ``num_heads`` (``--set num_heads=N``).
-* ``.pth.tar`` (T2T-ViT): ``model_name`` is required (the file does not name its variant); the
-  class count and image size from ``head.weight`` and ``pos_embed``; ImageNet mean/std and the
-  T2T-ViT evaluation crop (resize to size / 0.9, central crop).
+* ``.npz`` (ViT, R+ViT): the architecture from the shapes (``--model`` optional, checked), the
+  image size from the position table, pixels in [-1, 1], a plain resize; 21,843 classes are
+  scored with a sigmoid, others a softmax; ImageNet class names from ``vit_jax.labels``.
+* transformers / timm: as ``.npz``, plus the file's numerics, class names (``id2label``) and
+  normalization (``preprocessor_config.json``); timm files of non-standard widths need
+  ``--set num_heads=N``.
+* ``.pth.tar`` (T2T-ViT): ``model_name`` required; class count and size from ``head.weight`` and
+  ``pos_embed``; ImageNet mean/std, resize to size / 0.9 and a central crop.
 
-`Runner` places the variables on a mesh of the local devices with the shardings of training
-(`vit_jax.step.Setup`; a config whose mesh does not fit these devices falls back to data
-parallelism), and runs the jitted eval, logits and feature steps on global batches.
+`Runner` places the variables on a mesh of the local devices with the training shardings
+(data parallel when the config's mesh does not fit) and runs the jitted steps on global batches.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 from typing import Any, Dict, Optional, Sequence, Tuple
 
 from absl import logging
 import jax
-from jax.experimental import multihost_utils
 import ml_collections
 import numpy as np
 
@@ -48,18 +40,16 @@ from vit_jax import models
 from vit_jax import sharding
 from vit_jax import step as step_lib
 from vit_jax.checkpoint import ecosystem
-from vit_jax.checkpoint import formats
 from vit_jax.checkpoint import orbax
 from vit_jax.checkpoint import paths
 from vit_jax.checkpoint import runs
+from vit_jax.checkpoint import vit_shapes
 
 #: Classes of the official ImageNet-21k checkpoints (pretrained with a sigmoid loss).
 IMAGENET21K_CLASSES = 21843
 
 #: What a source can be, in words (for error messages).
-SOURCES = ('a training workdir (or its checkpoints/ or one step directory), an official or '
-           'big_vision ViT .npz, a transformers ViT directory, a timm .safetensors file, a '
-           'T2T-ViT .pth/.pth.tar, or a directory written by python -m vit_jax.convert')
+SOURCES = checkpoint.ACCEPTED_FORMATS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -142,8 +132,7 @@ def _for_devices(config: ml_collections.ConfigDict,
     sharding.axis_sizes(config.mesh, len(devices))
   except ValueError:
     config.mesh.update(data=-1, fsdp=1, tensor=1, dcn_data=1)
-  sizes = sharding.axis_sizes(config.mesh, len(devices))
-  shards = math.prod(sizes[a] for a in sharding.batch_axes(sharding.parse_rules(config.mesh.rules)))
+  shards = step_lib.batch_shards(config.mesh, len(devices))
   batch = int(config.eval_batch_size or config.batch_size or shards)
   config.eval_batch_size = -(-batch // shards) * shards
   config.model.attention = config_lib.attention_choice(config, 'auto', devices).implementation
@@ -302,7 +291,7 @@ def _from_vit_weights(path: str, variables: Dict[str, Any], model_name: Optional
                       num_classes: Optional[int], image_size: Optional[int],
                       overrides: Dict[str, Any]) -> TrainedModel:
   shapes = _shapes(variables)
-  fields = models.vit.architecture_fields(shapes)
+  fields = vit_shapes.architecture_fields(shapes)
   if fields is None:
     raise ValueError(f'{path} holds no ViT parameters (no embedding/kernel); a T2T-ViT file '
                      'needs --model (e.g. T2T-ViT-14).')
@@ -323,7 +312,7 @@ def _from_vit_weights(path: str, variables: Dict[str, Any], model_name: Optional
     fields = dict(overrides)
     if 'params/pre_logits/kernel' in shapes and 'representation_size' not in fields:
       fields['representation_size'] = shapes['params/pre_logits/kernel'][-1]
-    implied = models.vit.architecture_fields(shapes)
+    implied = vit_shapes.architecture_fields(shapes)
     for key in ('classifier', 'posemb'):  # What the weights compute, whatever the name says.
       fields.setdefault(key, implied[key])
   if image_size is None:
@@ -331,12 +320,11 @@ def _from_vit_weights(path: str, variables: Dict[str, Any], model_name: Optional
     if posemb is None:
       raise ValueError(f"{path} has no learned position table (posemb='sincos2d', which fits "
                        'any resolution): give the image size (--image-size, e.g. 224).')
-    tokens = posemb[1] - (1 if 'params/cls' in shapes else 0) if posemb else 0
-    model = models.create(model_name, num_classes=classes, **fields)
-    stride = models.patch_pair(model.patch_size)[0]
-    if model.resnet_num_layers is not None:
-      stride *= models.resnet.resnet_stride(model.resnet_num_layers)
-    image_size = _grid_side(tokens, f'{path} (position embedding)') * stride
+    image_size = vit_shapes.image_size(shapes, vit_shapes.architecture_fields(shapes))
+    if image_size is None:
+      tokens = posemb[1] - (1 if 'params/cls' in shapes else 0)
+      raise ValueError(f'{path} (position embedding) has {tokens} position(s), not a square '
+                       'grid: give image_size (--image-size).')
   config = _official_config(model_name, classes, int(image_size),
                             normalization='minus_one_to_one', eval_crop_pct=None,
                             overrides=fields)
@@ -344,8 +332,9 @@ def _from_vit_weights(path: str, variables: Dict[str, Any], model_name: Optional
                       classes == IMAGENET21K_CLASSES, None, path)
 
 
-def _from_foreign(path: str, fmt: str, model_name: Optional[str], num_classes: Optional[int],
-                  image_size: Optional[int], overrides: Dict[str, Any]) -> TrainedModel:
+def _from_foreign(ckpt: checkpoint.Checkpoint, model_name: Optional[str],
+                  num_classes: Optional[int], image_size: Optional[int],
+                  overrides: Dict[str, Any]) -> TrainedModel:
   """A transformers or timm ViT: its numerics and class names from the file, the preprocessing
   of its ``preprocessor_config.json`` when there is one (else pixels in [-1, 1], as the
   google/vit-* and timm augreg models)."""
@@ -355,12 +344,13 @@ def _from_foreign(path: str, fmt: str, model_name: Optional[str], num_classes: O
       heads = models.model_config(model_name, **overrides).get('num_heads')
     except (ValueError, TypeError):  # E.g. ViT-custom without its fields: reported later.
       heads = None
-  foreign = ecosystem.read(path, fmt, num_heads=heads)
+  path = ckpt.path
+  foreign = ckpt.foreign(heads)
   numerics = {k: foreign.fields[k] for k in ecosystem.NUMERICS}
   trained = _from_vit_weights(path, foreign.variables, model_name, num_classes,
                               image_size or foreign.image_size, {**numerics, **overrides})
   names = foreign.label_names or trained.label_names
-  normalization = _hf_normalization(path) if fmt == formats.HF else None
+  normalization = _hf_normalization(ckpt.probe.hf_directory)
   config = trained.config
   if normalization:
     config = ml_collections.ConfigDict(config.to_dict())
@@ -369,11 +359,12 @@ def _from_foreign(path: str, fmt: str, model_name: Optional[str], num_classes: O
                              description=f'{path} ({foreign.family})')
 
 
-def _hf_normalization(path: str) -> Optional[str]:
+def _hf_normalization(directory: Optional[str]) -> Optional[str]:
   """'minus_one_to_one' or 'imagenet' from a transformers directory's
   ``preprocessor_config.json`` (``image_mean``), None without one or for other values."""
-  import json  # pylint: disable=g-import-not-at-top
-  file = paths.join(ecosystem.hf_directory(path), 'preprocessor_config.json')
+  if directory is None:  # A timm file.
+    return None
+  file = paths.join(directory, 'preprocessor_config.json')
   if not paths.exists(file):
     return None
   try:
@@ -389,9 +380,10 @@ def _official_names(num_classes: int) -> Optional[Tuple[str, ...]]:
   return labels.official_label_names(num_classes)
 
 
-def _from_torch(path: str, model_name: Optional[str], num_classes: Optional[int],
-                image_size: Optional[int], use_ema: bool,
+def _from_torch(ckpt: checkpoint.Checkpoint, model_name: Optional[str],
+                num_classes: Optional[int], image_size: Optional[int], use_ema: bool,
                 overrides: Dict[str, Any]) -> TrainedModel:
+  path = ckpt.path
   if not model_name:
     raise ValueError(f'{path} is a PyTorch checkpoint: name its model with --model (e.g. '
                      '--model T2T-ViT-14 or --model T2T-ViT_t-14).')
@@ -400,7 +392,7 @@ def _from_torch(path: str, model_name: Optional[str], num_classes: Optional[int]
     raise ValueError(f'{path} is a PyTorch checkpoint, read as a T2T-ViT; --model '
                      f'{model_name} is not one (T2T-ViT-7/10/12/14/19/24, T2T-ViT_t-14/19/24).')
   try:
-    variables = checkpoint.load_torch_as_saved(path, model, use_ema=use_ema)
+    variables = ckpt.read_for_finetuning(model, use_ema)
   except ValueError as e:
     lines = [line.strip() for line in str(e).splitlines()]
     if isinstance(e, checkpoint.DamagedCheckpointError) or 'does not fit' not in lines[0]:
@@ -410,18 +402,7 @@ def _from_torch(path: str, model_name: Optional[str], num_classes: Optional[int]
                      f'{implied.replace(" Build the model with these values.", "")} Name the '
                      'model these weights are of (with --set KEY=VALUE for the fields of '
                      'T2T-ViT-custom).') from e
-  shapes = _shapes(variables)
-  classes = shapes['params/head/kernel'][-1]
-  if num_classes is not None and int(num_classes) != classes:
-    raise ValueError(f"--num-classes {num_classes} does not match {path}: its head has "
-                     f"{classes} classes; drop --num-classes (the head decides).")
-  if image_size is None:  # Three soft splits: a total stride of 16 (4 x 2 x 2).
-    tokens = shapes['constants/pos_embed'][1] - 1
-    image_size = _grid_side(tokens, f'{path} (pos_embed)') * 16
-  config = _official_config(model_name, classes, int(image_size), normalization='imagenet',
-                            eval_crop_pct=0.9, overrides=overrides)
-  return TrainedModel(config, variables, _official_names(classes),
-                      classes == IMAGENET21K_CLASSES, None, path)
+  return _from_t2t_variables(path, variables, model_name, num_classes, image_size, overrides)
 
 
 def load(source: Any, *, step: Optional[int] = None, use_ema: bool = True,
@@ -431,9 +412,7 @@ def load(source: Any, *, step: Optional[int] = None, use_ema: bool = True,
   """Loads a trained model, its eval preprocessing and its class names from ``source``.
 
   Args:
-    source: a training workdir, its ``checkpoints`` directory or one step directory; an official
-      ViT ``.npz``; a T2T-ViT ``.pth``/``.pth.tar``/``.pt``; or a ``python -m vit_jax.convert``
-      directory (local or ``gs://``).
+    source: any of ``vit_jax.checkpoint.ACCEPTED_FORMATS`` (local or ``gs://``).
     step: the workdir's step to load (default: the latest).
     use_ema: the parameter EMA when the checkpoint has one (``config.ema_decay > 0`` runs, the
       ``state_dict_ema`` of T2T-ViT files).
@@ -461,31 +440,10 @@ def load(source: Any, *, step: Optional[int] = None, use_ema: bool = True,
   if not paths.exists(path):
     raise FileNotFoundError(f'{path} does not exist: give {SOURCES}.')
   overrides = dict(overrides or {})
-  fmt = checkpoint.detect(path)
-  if fmt == formats.ORBAX:
-    run = runs.read_run(path, step=step)
-    if run.config is not None:
-      trained = _from_run(path, run, use_ema, model_name, overrides)
-    else:  # A convert directory: weights, and what convert kept of their source.
-      variables = orbax.read_variables(run.state_item, use_ema=use_ema)
-      if models.layout.is_scanned(variables['params']):  # A scanned run's: built per layer.
-        variables = models.unscan_params(variables)
-      kept = orbax.read_export_metadata(run.state_item) or {}
-      size = image_size or kept.get('image_size')
-      if models.vit.architecture_fields(_shapes(variables)) is None:
-        trained = _from_t2t_variables(path, variables, model_name, num_classes, size, overrides)
-      else:
-        trained = _from_vit_weights(path, variables, model_name, num_classes, size, overrides)
-      trained = _with_kept(trained, kept, run.state_item)
-  elif step is not None:
-    raise ValueError(f'--step applies to training workdirs; {path} is a single checkpoint file.')
-  elif fmt == formats.PYTORCH:
-    trained = _from_torch(path, model_name, num_classes, image_size, use_ema, overrides)
-  elif fmt in (formats.HF, formats.TIMM):
-    trained = _from_foreign(path, fmt, model_name, num_classes, image_size, overrides)
-  else:
-    trained = _from_vit_weights(path, checkpoint.load_npz(path), model_name, num_classes,
-                                image_size, overrides)
+  ckpt = checkpoint.open(path)
+  trained = _FROM[ckpt.name](ckpt, model_name=model_name, num_classes=num_classes,
+                             image_size=image_size, use_ema=use_ema, overrides=overrides,
+                             step=step)
   config = _for_devices(trained.config, list(jax.devices() if devices is None else devices))
   model = step_lib.create_model(config)
   try:
@@ -499,6 +457,45 @@ def load(source: Any, *, step: Optional[int] = None, use_ema: bool = True,
                      'weights are of (an .npz needs no --model: its shapes give it).') from e
   _check_finite(path, trained, use_ema)
   return dataclasses.replace(trained, config=config)
+
+
+def _from_orbax(ckpt, *, model_name, num_classes, image_size, use_ema, overrides, step):
+  path = ckpt.path
+  run = runs.read_run(path, step=step)
+  if run.config is not None:
+    return _from_run(path, run, use_ema, model_name, overrides)
+  # A convert directory: weights, and what convert kept of their source.
+  variables = orbax.read_variables(run.state_item, use_ema=use_ema)
+  if models.layout.is_scanned(variables['params']):  # A scanned run's: built per layer.
+    variables = models.unscan_params(variables)
+  kept = orbax.read_export_metadata(run.state_item) or {}
+  size = image_size or kept.get('image_size')
+  if vit_shapes.architecture_fields(_shapes(variables)) is None:
+    trained = _from_t2t_variables(path, variables, model_name, num_classes, size, overrides)
+  else:
+    trained = _from_vit_weights(path, variables, model_name, num_classes, size, overrides)
+  return _with_kept(trained, kept, run.state_item)
+
+
+def _from_npz(ckpt, *, model_name, num_classes, image_size, use_ema, overrides):
+  return _from_vit_weights(ckpt.path, ckpt.read(), model_name, num_classes, image_size,
+                           overrides)
+
+
+def _one_file(read):
+  """``read`` for a checkpoint file, which has no steps."""
+  def with_step(ckpt, *, step, **kwargs):
+    if step is not None:
+      raise ValueError(f'--step applies to training workdirs; {ckpt.path} is a single '
+                       'checkpoint file.')
+    return read(ckpt, **kwargs)
+  return with_step
+
+
+#: How each checkpoint format (``vit_jax.checkpoint.formats``) becomes a TrainedModel.
+_FROM = {'orbax': _from_orbax, 'npz': _one_file(_from_npz), 'pytorch': _one_file(_from_torch),
+         'hf': _one_file(lambda ckpt, use_ema, **kw: _from_foreign(ckpt, **kw)),
+         'timm': _one_file(lambda ckpt, use_ema, **kw: _from_foreign(ckpt, **kw))}
 
 
 def _check_finite(path: str, trained: TrainedModel, use_ema: bool) -> None:
@@ -528,14 +525,16 @@ def _check_finite(path: str, trained: TrainedModel, use_ema: bool) -> None:
 def _from_t2t_variables(path: str, variables: Dict[str, Any], model_name: Optional[str],
                         num_classes: Optional[int], image_size: Optional[int],
                         overrides: Dict[str, Any]) -> TrainedModel:
-  """A convert directory of a T2T-ViT (its fixed tables in 'constants')."""
+  """A T2T-ViT's variables (a ``.pth.tar`` or a convert directory; fixed tables in
+  'constants')."""
   if not model_name:
     raise ValueError(f'{path} holds weights without a config: name the model with --model (e.g. '
                      '--model T2T-ViT-14).')
   shapes = _shapes(variables)
   classes = shapes.get('params/head/kernel', (None,))[-1]
   if classes is None or (num_classes is not None and int(num_classes) != classes):
-    raise ValueError(f'{path}: its head has {classes} classes, --num-classes {num_classes}.')
+    raise ValueError(f"--num-classes {num_classes} does not match {path}: its head has "
+                     f"{classes} classes; drop --num-classes (the head decides).")
   if image_size is None:
     tokens = shapes.get('constants/pos_embed', (1, 1))[1] - 1
     image_size = _grid_side(tokens, f'{path} (pos_embed)') * 16
@@ -568,6 +567,7 @@ class Runner:
     self.state = jax.device_put(state, self.setup.variables_shardings)
     self.batch_size = int(config.eval_batch_size)
     self._steps: Dict[str, Any] = {}
+    self._compiler = step_lib.Compiler(self.setup)
 
   def _run(self, name: str, *args):
     if name not in self._steps:
@@ -575,7 +575,7 @@ class Runner:
                 'features': self.setup.jit_features_step,
                 'logits': self._jit_logits}[name]()
       self._steps[name] = jitted
-    return self.setup.in_mesh(self._steps[name])(self.state, *args)
+    return self._compiler(self._steps[name], self.state, *args)
 
   def _jit_logits(self):
     model = self.setup.model
@@ -586,11 +586,6 @@ class Runner:
     return jax.jit(logits, in_shardings=(self.setup.variables_shardings,
                                          self.setup.batch_sharding),
                    out_shardings=self.setup.batch_sharding)
-
-  def to_global(self, batch: Dict[str, np.ndarray]) -> Dict[str, jax.Array]:
-    """This process's part of a batch (``[B / processes, ...]``) -> global arrays ``[B, ...]``."""
-    return {k: jax.make_array_from_process_local_data(self.setup.batch_sharding, v)
-            for k, v in batch.items()}
 
   def _padded(self, images: np.ndarray, fn: str) -> np.ndarray:
     """Runs ``fn`` on one process's images in batches of ``batch_size``, padding the last."""
@@ -605,10 +600,8 @@ class Runner:
       chunk = images[start:start + local]
       padded = np.concatenate([chunk, np.zeros((local - len(chunk),) + chunk.shape[1:],
                                                np.float32)]) if len(chunk) < local else chunk
-      result = self._run(fn, self.to_global({'image': padded})['image'])
-      local_part = np.asarray(multihost_utils.global_array_to_host_local_array(
-          result, self.setup.mesh, self.setup.batch_sharding.spec))
-      out.append(local_part[:len(chunk)])
+      result = self._run(fn, self.setup.to_global(padded))
+      out.append(self.setup.to_local(result)[:len(chunk)])
     width = self.trained.num_classes if fn == 'logits' else None
     return np.concatenate(out) if out else np.zeros((0, width or 0), np.float32)
 
@@ -628,4 +621,4 @@ class Runner:
   def eval_sums(self, batch: Dict[str, np.ndarray]) -> Dict[str, np.ndarray]:
     """The eval step's sums (``vit_jax.step.eval_sums``) of one process-local eval batch
     (``{'image', 'labels', 'mask'}``), summed over all processes."""
-    return jax.device_get(self._run('eval', self.to_global(batch)))
+    return jax.device_get(self._run('eval', self.setup.to_global(batch)))

@@ -20,10 +20,8 @@ saved as DIR/config.json (logged too with --verbosity=1). The model's fields are
 plus how it runs: --config.model.scan / remat (True by default for training; False/False for the
 plain unrolled model), --config.model.remat_policy ('auto', the default, picks from the devices,
 the compute dtype and the width; or one of vit_jax.models.execution.REMAT_POLICIES)
-and --config.model.attention: 'auto' (default) picks from the devices the step runs on: XLA's
-attention on TPU, cuDNN's on GPU in bfloat16, and on a one-device CPU vit_jax's fused kernel
-where it is built and faster than XLA's on this CPU (float32, head size divisible by 16, no
-attention dropout); 'xla', 'cudnn' or 'cpu_kernel' insist on one. The log says which ran and why.
+and --config.model.attention ('auto', the default, picks from the devices the step runs on:
+vit_jax.dispatch; or one implementation to insist on). The log says which ran and why.
 
 Rerunning the same command with the same --workdir resumes from the latest checkpoint there;
 checkpoints go to DIR/checkpoints, TensorBoard events to DIR, the run's compute cost

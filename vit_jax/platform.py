@@ -1,21 +1,14 @@
 """Host set-up, done once before any work: huge pages, multi-process JAX, TensorFlow kept off the
 accelerators, quiet library logs.
 
-`python -m vit_jax.main` and the tools call, in order:
-  1. `reexec_with_huge_pages()` first thing in `__main__` (glibc reads its tunables only at
-     process start, so it re-executes the same command line once);
-  2. `setup(...)`: log filters, `jax.distributed` for multi-process runs, TensorFlow's view of
-     the accelerators hidden (tf.data must never grab a GPU/TPU that belongs to JAX).
-Stopping (SIGTERM, Ctrl-C, the process's end) is `vit_jax.stops`; `jax.distributed` and a pod's
-faults `vit_jax.pod`; the host's memory is read here (`host_memory_bytes`,
-`available_memory_bytes`).
+Programs call :func:`reexec_with_huge_pages` first thing in ``__main__`` (glibc reads its
+tunables only at process start), then :func:`setup`. Stopping is ``vit_jax.stops``;
+``jax.distributed`` and a pod's faults ``vit_jax.pod``.
 
-Huge pages: XLA:CPU allocates a step's temporary buffers afresh at every execution, and glibc
-serves allocations over 32 MiB with a new `mmap`, so every step first-touches all of them, one
-page fault per 4 KiB. With `HUGE_PAGES_TUNABLE` glibc advises `MADV_HUGEPAGE` on its mappings and
-the kernel maps 2-MiB pages instead (docs/benchmarks.md has the measurements).
-`VIT_JAX_HUGE_PAGES=0` turns it off; a `glibc.malloc.hugetlb` already in `GLIBC_TUNABLES` is
-kept; a library user exports `GLIBC_TUNABLES=glibc.malloc.hugetlb=1` before starting Python.
+Huge pages: XLA:CPU allocates a step's temporaries afresh every execution and glibc serves
+allocations over 32 MiB with a new ``mmap``, so each step page-faults every 4 KiB; with
+``HUGE_PAGES_TUNABLE`` the kernel maps 2-MiB pages (docs/benchmarks.md). ``VIT_JAX_HUGE_PAGES=0``
+turns it off; a library user exports ``GLIBC_TUNABLES=glibc.malloc.hugetlb=1`` before Python.
 """
 
 from __future__ import annotations
@@ -68,21 +61,12 @@ def _thp_mode() -> str | None:
 def huge_pages_environment(environ=None, glibc=None, thp_mode=None) -> dict[str, str] | None:
   """The environment to re-execute with so that malloc backs large allocations with huge pages.
 
-  Why: see the module docstring. glibc reads `GLIBC_TUNABLES` only when a process starts,
-  hence the re-exec.
-
-  Args:
-    environ: the current environment (default `os.environ`).
-    glibc: glibc's `(major, minor)`; `()` for another C library (default: this process's).
-    thp_mode: the kernel's transparent huge page mode, '' for none (default: read from sysfs).
-
-  Returns:
-    The new environment (`GLIBC_TUNABLES` with `HUGE_PAGES_TUNABLE` appended), or None when
-    there is nothing to do: `VIT_JAX_HUGE_PAGES=0`, a `glibc.malloc.hugetlb` already in
-    `GLIBC_TUNABLES` (the user's own choice is kept), no glibc >= 2.35, or huge pages 'never'.
+  ``environ`` (default ``os.environ``), ``glibc`` ``(major, minor)`` or ``()`` for another libc,
+  ``thp_mode`` ('' for none; default from sysfs). Returns None when there is nothing to do:
+  ``VIT_JAX_HUGE_PAGES=0``, a ``glibc.malloc.hugetlb`` already set, glibc < 2.35, or THP 'never'.
 
   Raises:
-    ValueError: `VIT_JAX_HUGE_PAGES` is neither on (1, true, yes, on) nor off (0, false, no, off).
+    ValueError: ``VIT_JAX_HUGE_PAGES`` is neither on (1, true, yes, on) nor off (0, false, no, off).
   """
   environ = os.environ if environ is None else environ
   switch = environ.get(HUGE_PAGES_SWITCH, "").strip().lower()
@@ -102,12 +86,10 @@ def huge_pages_environment(environ=None, glibc=None, thp_mode=None) -> dict[str,
 
 
 def reexec_with_huge_pages() -> None:
-  """Replaces this process by the same command under `huge_pages_environment`, if it has one.
+  """Re-executes ``sys.orig_argv`` (same pid) under :func:`huge_pages_environment`, if it has one.
 
-  Call it first thing in a program's `if __name__ == "__main__":` block (it re-runs the whole
-  command line, `sys.orig_argv`, with the same interpreter and process id). Returns without
-  doing anything when `huge_pages_environment` returns None, so the re-executed process goes on.
-  Exits with status 2 and a one-line message if `VIT_JAX_HUGE_PAGES` has a value it cannot read.
+  Returns when there is nothing to do; exits 2 with one line for an unreadable
+  ``VIT_JAX_HUGE_PAGES``.
   """
   try:
     env = huge_pages_environment()
@@ -122,12 +104,10 @@ def reexec_with_huge_pages() -> None:
 
 
 class QuietLibraries(py_logging.Filter):
-  """Keeps INFO lines of vit_jax and clu (progress, metrics); other libraries' from WARNING, as
-  one line each, without their tracebacks.
+  """Keeps vit_jax's and clu's INFO lines; others' from WARNING, one line each, no traceback.
 
-  orbax and jax log every checkpoint's internals at INFO, and a failed save (e.g. a full disk)
-  as an error with a traceback from each of its threads, before vit_jax reports the failure as
-  one `FATAL:` line; run with --verbosity=1 to see all of it.
+  (orbax and jax log checkpoint internals at INFO and a failed save with a traceback per thread;
+  ``--verbosity=1`` shows all.)
   """
 
   def filter(self, record: py_logging.LogRecord) -> bool:
@@ -147,15 +127,10 @@ class QuietLibraries(py_logging.Filter):
 
 
 def quiet_unraisable_hook(previous=None):
-  """A `sys.unraisablehook` that logs at DEBUG, instead of printing, the errors that C code
-  reports without a Python object (all of them printed with --verbosity=1).
+  """A ``sys.unraisablehook`` logging at DEBUG the errors C code reports without a Python object.
 
-  Libraries' C++ threads report a Python error they cannot raise through
-  `PyErr_WriteUnraisable(NULL)`: e.g. tensorstore, when a checkpoint save or restore fails (a full
-  disk, a damaged file), prints a bare `RuntimeError: Event loop is closed` traceback for each of
-  its pending callbacks after orbax has closed its event loop, before vit_jax reports the failure
-  as one `FATAL:` line. Unraisable errors of Python objects (a failing `__del__`) go to
-  `previous` (default: the current hook) unchanged.
+  E.g. tensorstore's ``RuntimeError: Event loop is closed`` per pending callback after a failed
+  save. Errors of Python objects (a failing ``__del__``) go to ``previous`` (default: current hook).
   """
   previous = previous or sys.unraisablehook
 
@@ -187,12 +162,10 @@ def _has_tpu_chips() -> bool:
 
 
 def skip_absent_tpu() -> None:
-  """Keeps JAX from starting a TPU backend on a host without TPU chips.
+  """Keeps JAX from starting a TPU backend (libtpu prints a page of errors) on a host without TPUs.
 
-  With libtpu installed (the `tpu` extra, for `python -m vit_jax.preflight`) JAX tries the TPU
-  backend on any host, and on one without TPU chips libtpu prints a page of errors before JAX
-  falls back to the CPU. Here JAX is told to use the CPU instead, unless `JAX_PLATFORMS` /
-  `jax_platforms` was chosen, TPU chips are on the PCI bus, or a GPU plugin is installed.
+  Unless ``JAX_PLATFORMS`` / ``jax_platforms`` is set, TPU chips are on the PCI bus, or a GPU
+  plugin is installed.
   """
   import jax  # pylint: disable=g-import-not-at-top
   if jax.config.jax_platforms or importlib.util.find_spec("libtpu") is None:
@@ -235,9 +208,10 @@ def _without_tensorflow_banners():
 
 
 def hide_accelerators_from_tensorflow() -> None:
-  """Makes TensorFlow (tf.data, tfds) see no GPU or TPU, so it never allocates on one that
-  belongs to JAX; imports it without its start-up banners. Does nothing if TensorFlow is not
-  installed or already initialised."""
+  """Makes TensorFlow see no GPU or TPU (never allocating on JAX's), imported without banners.
+
+  Does nothing if TensorFlow is not installed or already initialised.
+  """
   try:
     with _without_tensorflow_banners():
       import tensorflow as tf  # pylint: disable=g-import-not-at-top
@@ -251,10 +225,11 @@ def hide_accelerators_from_tensorflow() -> None:
 
 
 def quiet_native_logs(argv: Optional[list[str]] = None) -> None:
-  """Hides TensorFlow's and XLA's C++ INFO and WARNING lines (e.g. TensorFlow's 'Local rendezvous
-  is aborting' before an undecodable image is reported; errors stay): `TF_CPP_MIN_LOG_LEVEL=2`
-  unless set, 1 (warnings shown) with `--verbosity`/`-v` in `argv` (default `sys.argv`). Call it
-  before JAX loads (a config file loads it): `python -m vit_jax.main` does, first."""
+  """Hides TensorFlow's and XLA's C++ INFO / WARNING lines: ``TF_CPP_MIN_LOG_LEVEL=2`` unless set.
+
+  1 (warnings shown) with ``--verbosity``/``-v`` in ``argv`` (default ``sys.argv``). Call it
+  before JAX loads.
+  """
   argv = sys.argv if argv is None else argv
   verbose = any(re.match(r"--?(verbosity|v)(=|$)", a) for a in argv[1:])
   os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "1" if verbose else "2")
@@ -263,14 +238,12 @@ def quiet_native_logs(argv: Optional[list[str]] = None) -> None:
 def setup(*, coordinator_address: Optional[str] = None, num_processes: Optional[int] = None,
           process_id: Optional[int] = None,
           distributed_timeout_s: int = pod.DISTRIBUTED_TIMEOUT_S) -> None:
-  """The set-up of a program that trains or compiles: log filters (and the errors libraries'
-  C++ threads cannot raise at DEBUG: `quiet_unraisable_hook`), no TPU backend on a host
-  without TPU chips (`skip_absent_tpu`), multi-process JAX (`pod.initialize_distributed` with
-  these arguments; `distributed_timeout_s` bounds its faults), TensorFlow off the accelerators, and
-  a log line when the huge-pages tunable is active.
+  """Set-up of a program that trains or compiles.
 
-  Raises:
-    ValueError: as `pod.initialize_distributed`.
+  Log filters (:class:`QuietLibraries`, :func:`quiet_unraisable_hook`), :func:`skip_absent_tpu`,
+  multi-process JAX (``pod.initialize_distributed`` with these arguments), TensorFlow off the
+  accelerators, a log line when huge pages are active. Raises ValueError as
+  ``pod.initialize_distributed``.
   """
   logging.get_absl_handler().addFilter(QuietLibraries())
   sys.unraisablehook = quiet_unraisable_hook()
@@ -302,9 +275,10 @@ def host_memory_bytes() -> Optional[int]:
 
 
 def available_memory_bytes() -> Optional[int]:
-  """The memory this process can still take, in bytes: MemAvailable of /proc/meminfo (else
-  `SC_AVPHYS_PAGES * SC_PAGE_SIZE`), lowered to what the container's cgroup limit leaves
-  (limit - usage); None when none of these can be read."""
+  """Bytes this process can still take: MemAvailable (else ``SC_AVPHYS_PAGES * SC_PAGE_SIZE``).
+
+  Lowered to the cgroup limit minus usage; None when none can be read.
+  """
   available = None
   try:
     with open('/proc/meminfo') as f:

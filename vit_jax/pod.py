@@ -1,9 +1,8 @@
-"""Multi-process runs (TPU pods, CPU and GPU clusters): `jax.distributed`, every fault bounded.
+"""Multi-process runs (TPU pods, CPU and GPU clusters): ``jax.distributed``, every fault bounded.
 
-`initialize_distributed` bounds the wait for every process to register, and the time after which
-a silent process counts as dead (`_watch_peers`), to `timeout_s` (main's --distributed_timeout):
-the others then end with one FATAL line and `POD_FAULT_EXIT_CODE`. `supervise` covers the fault
-that jax ends in C++ before Python can speak (the coordinator lost).
+:func:`initialize_distributed` bounds registration and peer silence (:func:`_watch_peers`) to
+``timeout_s`` (``--distributed_timeout``): the others then end with one FATAL line and
+``POD_FAULT_EXIT_CODE``. :func:`supervise` covers the coordinator's loss, which jax ends in C++.
 """
 
 from __future__ import annotations
@@ -43,10 +42,11 @@ POD_FAULT_EXIT_CODE = 1
 
 
 def _distributed_timeouts(timeout_s: int) -> dict[str, int]:
-  """`jax.distributed.initialize`'s timeout keywords for a bound of `timeout_s` seconds, those of
-  them that this jax accepts (checked at run time; jax 0.10.2 accepts all three). The registration
-  and heartbeat timeouts are longer: `initialize_distributed`'s own deadline and `_watch_peers`
-  (with a FATAL line) come first, jax's (an abort in C++, exit 134) only if they could not run."""
+  """``jax.distributed.initialize``'s timeout keywords (those this jax accepts) for ``timeout_s``.
+
+  Longer than ours, so that our deadline and :func:`_watch_peers` (with a FATAL line) come before
+  jax's abort in C++ (exit 134).
+  """
   import jax  # pylint: disable=g-import-not-at-top
   wanted = {"initialization_timeout": timeout_s + 10,
             "heartbeat_timeout_seconds": timeout_s + _JAX_HEARTBEAT_MARGIN_S,
@@ -62,10 +62,11 @@ _BEAT_S = 1.0
 
 
 def _watch_peers(client, process_id: int, num_processes: int, timeout_s: float) -> None:
-  """Ends this process (exit `POD_FAULT_EXIT_CODE`, one FATAL line) when another process has
-  written no heartbeat to jax's key-value store for `timeout_s`, or the coordinator has not
-  answered for as long. Runs in a daemon thread; jax's own heartbeat check cannot report, it
-  aborts (its callback takes no Python function in jax 0.10), so it is set later."""
+  """Ends this process (one FATAL line) when a peer or the coordinator is silent ``timeout_s``.
+
+  A daemon thread: jax's own heartbeat check cannot report (it aborts; its callback takes no
+  Python function in jax 0.10).
+  """
   prefix = "vit_jax/alive/"
   start = time.monotonic()
   changed = {p: start for p in range(num_processes) if p != process_id}
@@ -138,17 +139,11 @@ def initialize_distributed(coordinator_address: Optional[str] = None,
                            num_processes: Optional[int] = None,
                            process_id: Optional[int] = None,
                            timeout_s: int = DISTRIBUTED_TIMEOUT_S) -> None:
-  """Calls `jax.distributed.initialize` when this is one process of several.
+  """Calls ``jax.distributed.initialize`` when this is one process of several; else nothing.
 
-  Explicit: the arguments (main's --coordinator_address/--num_processes/--process_id) or the
-  JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID environment variables (CPU and GPU
-  clusters; on CPU the cross-process collectives use gloo). Automatic: a multi-host Cloud TPU
-  slice (its metadata names several workers). A single process does nothing.
-
-  `timeout_s` bounds the pod's faults: when not every process has registered with the
-  coordinator within it, this process ends (exit `POD_FAULT_EXIT_CODE`, one FATAL line), and
-  so do the others when a process sends no heartbeat for `timeout_s` (`_watch_peers`); a clean
-  end waits at most `timeout_s` for the others.
+  From the arguments or ``JAX_COORDINATOR_ADDRESS`` / ``JAX_NUM_PROCESSES`` / ``JAX_PROCESS_ID``
+  (CPU collectives via gloo), or automatically on a multi-host Cloud TPU slice. ``timeout_s``
+  bounds registration, peer silence and a clean end's wait.
 
   Raises:
     ValueError: a coordinator address without the process count or index.
@@ -204,15 +199,12 @@ def _several_processes(argv: list[str]) -> bool:
 
 
 def supervise(argv: list[str]) -> None:
-  """On a pod (`argv` or the environment ask for several processes, on Linux), runs this same
-  command as a child and ends as it ends; otherwise returns at once. First thing in main.
+  """On a pod (Linux), runs this command as a child and ends as it ends; else returns. Call first.
 
-  When the coordinator (process 0) dies, jax's client in every other process aborts in C++ within
-  a second (SIGABRT, before any Python code can run): the supervisor then writes the one FATAL line
-  and exits `POD_FAULT_EXIT_CODE`. Any other end is passed on unchanged (exit code, or death by
-  the same signal). SIGTERM is passed on to the child (a second copy of a signal sent to both is
-  harmless); Ctrl-C reaches the child from the terminal. The child dies with the supervisor
-  (PR_SET_PDEATHSIG), so a SIGKILL of either ends both."""
+  If the coordinator dies, jax aborts the others in C++ (SIGABRT) before Python can speak: the
+  supervisor writes the FATAL line and exits ``POD_FAULT_EXIT_CODE``. Other ends pass through
+  (code or signal); SIGTERM is forwarded; the child dies with it (PR_SET_PDEATHSIG).
+  """
   if (os.environ.get(SUPERVISOR_ENV) or not sys.platform.startswith("linux")
       or not getattr(sys, "orig_argv", None) or not _several_processes(argv)):
     return

@@ -1,32 +1,10 @@
 """The device mesh, the logical-axis rules, and the shardings of the train state and the batch.
 
-Every parameter and main activation of the models carries *logical* axis names ('embed', 'mlp',
-'heads', 'batch', ...; see ``vit_jax.models``). One small rule table maps them onto the axes of
-a device mesh, so data parallelism, FSDP and tensor parallelism are choices of mesh sizes, not of
-code:
-
-=====================  ==========================================================================
-mesh (config.mesh)     what happens with the default rules (:data:`DEFAULT_RULES`)
-=====================  ==========================================================================
-data=-1                pure data parallelism: the batch is split, parameters are replicated
-data=2, fsdp=4         FSDP: the batch is split 8 ways; parameters and optimizer state are split
-                       over 'fsdp' along their hidden-size ('embed') axis and gathered per layer
-data=2, tensor=4       tensor parallelism: attention heads, the MLP hidden units and the fused
-                       q/k/v outputs are split over 'tensor'; the batch over 'data'
-fsdp=2, tensor=4       both
-=====================  ==========================================================================
-
-The sizes and rule changes are `config.mesh` (defaults: `vit_jax.config.defaults.mesh_config`).
-The mesh is built with ``jax.experimental.mesh_utils`` so that the last (innermost) axis,
-'tensor', gets the fastest interconnect (devices of one chip / host), then 'fsdp', then 'data';
-``config.mesh.dcn_data > 1`` adds a data-parallel axis across slices (multi-slice TPU: ICI inside
-a slice, DCN between slices).
-
-The names follow Flax's logical partitioning (``nn.with_logical_partitioning``,
-``nn.logical_axis_rules``, ``nn.logical_to_mesh_sharding``); a logical name without a rule is
-unsharded, and a mesh axis is used at most once per array (the first logical axis that claims it
-wins, so activations ('batch', 'length', 'embed') split the batch over data x fsdp and keep
-'embed' whole).
+The models' logical axis names ('embed', 'mlp', 'heads', 'batch', ...) map onto the mesh axes
+('data', 'fsdp', 'tensor') through one rule table (:data:`DEFAULT_RULES`), so data parallelism,
+FSDP and tensor parallelism are choices of ``config.mesh`` sizes, not code (table in
+docs/pods.md). Flax's logical partitioning semantics: a name without a rule is unsharded, and a
+mesh axis is used at most once per array (the first logical axis claiming it wins).
 """
 
 from __future__ import annotations
@@ -58,14 +36,11 @@ DEFAULT_RULES: Rules = (
 
 
 def axis_sizes(mesh_cfg: ml_collections.ConfigDict, num_devices: int) -> Dict[str, int]:
-  """Resolves -1 in `config.mesh` and checks the product against the device count.
-
-  Returns:
-    {'data': ..., 'fsdp': ..., 'tensor': ...}, the data size including `dcn_data`.
+  """``{'data', 'fsdp', 'tensor'}`` sizes of ``config.mesh`` (-1 resolved; data x ``dcn_data``).
 
   Raises:
-    ValueError: a size that is 0 or below -1, more than one -1, or sizes whose product is not
-      `num_devices`; the message says which values would fit.
+    ValueError: a size 0 or below -1, more than one -1, or a product other than ``num_devices``
+      (the message says which values would fit).
   """
   sizes = {axis: int(mesh_cfg[axis]) for axis in MESH_AXES}
   dcn = int(mesh_cfg.dcn_data)
@@ -101,13 +76,10 @@ def _describe(sizes: Dict[str, int], dcn: int) -> str:
 
 def create_mesh(mesh_cfg: ml_collections.ConfigDict,
                 devices: Optional[Sequence[Any]] = None) -> jax.sharding.Mesh:
-  """The device mesh of `config.mesh`, axes ('data', 'fsdp', 'tensor').
+  """The device mesh of ``config.mesh``, axes ('data', 'fsdp', 'tensor').
 
-  Devices are arranged by `mesh_utils.create_device_mesh` (physical topology aware on TPU: the
-  innermost axis on the fastest links), or `create_hybrid_device_mesh` when `dcn_data > 1`.
-
-  Raises:
-    ValueError: see `axis_sizes`.
+  ``mesh_utils.create_device_mesh`` (innermost axis on the fastest links), or
+  ``create_hybrid_device_mesh`` when ``dcn_data > 1``. Raises ValueError as :func:`axis_sizes`.
   """
   devices = list(jax.devices() if devices is None else devices)
   sizes = axis_sizes(mesh_cfg, len(devices))
@@ -125,10 +97,9 @@ def create_mesh(mesh_cfg: ml_collections.ConfigDict,
 
 def parse_rules(text: str, mesh_axes: Sequence[str] = MESH_AXES,
                 base: Rules = DEFAULT_RULES) -> Rules:
-  """`base` with the changes of `config.mesh.rules` ('embed=,mlp=fsdp,batch=data+fsdp').
+  """``base`` with the changes of ``config.mesh.rules`` ('embed=,mlp=fsdp,batch=data+fsdp').
 
-  Raises:
-    ValueError: a malformed entry, or a rule naming a mesh axis that does not exist.
+  Raises ValueError for a malformed entry or an unknown mesh axis.
   """
   rules = dict(base)
   for entry in filter(None, (e.strip() for e in (text or "").split(","))):
@@ -169,9 +140,9 @@ def data_parallel_size(mesh: jax.sharding.Mesh, rules: Rules) -> int:
 
 
 def variable_shardings(abstract_variables: Any, mesh: jax.sharding.Mesh, rules: Rules) -> Any:
-  """NamedShardings of (unboxed) variables from the boxed output of `jax.eval_shape(model.init)`.
+  """NamedShardings of the unboxed variables of a boxed ``jax.eval_shape(model.init)``.
 
-  Leaves without logical names (e.g. T2T-ViT's fixed tables) are replicated.
+  Leaves without logical names (T2T-ViT's fixed tables) are replicated.
   """
   specs = nn.get_partition_spec(abstract_variables)
   return nn.logical_to_mesh_sharding(specs, mesh, rules)
@@ -179,10 +150,9 @@ def variable_shardings(abstract_variables: Any, mesh: jax.sharding.Mesh, rules: 
 
 def like_params(tree: Any, params: Any, param_shardings: Any,
                 default: jax.sharding.NamedSharding) -> Any:
-  """Shardings for a tree whose param-shaped subtrees mirror `params` (optimizer state).
+  """Shardings for a tree whose param-shaped subtrees mirror ``params`` (optimizer state).
 
-  A leaf of `tree` gets the sharding of the parameter with the same dict-key path and shape
-  (e.g. Adam's mu/nu of a kernel get the kernel's); anything else (counts, scalars) gets `default`.
+  A leaf gets the sharding of the parameter with the same key path and shape; else ``default``.
   """
   by_path = {}
   for (path, leaf), sharding in zip(jax.tree_util.tree_leaves_with_path(params),
@@ -198,18 +168,10 @@ def like_params(tree: Any, params: Any, param_shardings: Any,
 
 def state_shardings(shapes: Dict[str, Any], boxed_variables: Any, mesh: jax.sharding.Mesh,
                     rules: Rules) -> Dict[str, Any]:
-  """NamedShardings of the train state `{'step', 'params', 'opt_state', 'model_state',
-  'ema_params'}` (see `vit_jax.train`), or of any subset of it (e.g. a checkpoint's metadata).
+  """NamedShardings of the train state (``vit_jax.train``), or any subset, shaped as ``shapes``.
 
-  Args:
-    shapes: the state's leaves (arrays or `jax.ShapeDtypeStruct`s), unboxed.
-    boxed_variables: `jax.eval_shape(model.init, ...)`, parameters boxed with logical names.
-    mesh, rules: see `create_mesh`, `parse_rules`.
-
-  Returns:
-    The same structure as `shapes`: 'params' and 'ema_params' by their logical axes,
-    'model_state' likewise (unannotated tables replicated), optimizer moments like their
-    parameters, and everything else (step, counts) replicated.
+  ``params`` / ``ema_params`` / ``model_state`` by the logical axes of ``boxed_variables``
+  (``jax.eval_shape(model.init)``), optimizer moments like their parameters, the rest replicated.
   """
   replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
   variables = dict(variable_shardings(boxed_variables, mesh, rules))
@@ -246,9 +208,8 @@ def check_replication(abstract_params: Any, shardings: Any, mesh: jax.sharding.M
                       max_fraction: float) -> str:
   """A one-line report of the parameter layout; fails when FSDP leaves most bytes replicated.
 
-  Raises:
-    ValueError: `mesh.shape['fsdp'] > 1` and more than `max_fraction` of the parameter bytes
-      are replicated (the rules do not shard the large kernels: check config.mesh.rules).
+  Raises ValueError: ``fsdp > 1`` and more than ``max_fraction`` of the parameter bytes
+  replicated (check ``config.mesh.rules``).
   """
   replicated, total = replicated_bytes(abstract_params, shardings)
   fraction = replicated / max(total, 1)

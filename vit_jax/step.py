@@ -1,33 +1,35 @@
-"""The train state and the steps: one definition that the trainer, the benchmark and the pod
-pre-flight compile.
+"""The train state, the steps, and their devices: one definition that the trainer, the
+evaluation tools, the benchmark and the pod pre-flight compile.
 
   setup = step.build(config, image_shape=(224, 224, 3))    # a resolved config (vit_jax.config)
   state = jax.jit(setup.init_state, out_shardings=setup.state_shardings)(setup.init_rng)
-  train = setup.compile(setup.jit_train_step(), setup.abstract_state,
-                        setup.abstract_batch(config.batch_size))
-  state, metrics = train(state, batch)     # batch: {'image': [B, H, W, 3], 'labels': [B, C]}
+  compiler = step.Compiler(setup)                           # compiled once per input shape
+  state, metrics = compiler(setup.jit_train_step(), state, setup.to_global(local_batch))
 
 The state is a dict: `{'step': int32[], 'params', 'opt_state', 'model_state', 'ema_params'}`.
 'model_state' holds the model's variable collections other than 'params' (T2T-ViT's fixed
-sinusoid table and Performer features): saved and restored with the rest, never trained; absent
-when empty. 'ema_params' (only with `config.ema_decay > 0`) is the moving average of 'params'.
+sinusoid table and Performer features): saved and restored, never trained; absent when empty.
+'ema_params' (only with `config.ema_decay > 0`) is the moving average of 'params'.
 
-`make_train_step` and `make_eval_step` are the pure step functions; `Setup` binds them to a
-config, a device mesh and the shardings of the state and the batch (`jax.jit` with
-`NamedSharding`s and donation of the old state), and compiles them ahead of time inside the mesh
-and the logical-axis rules that the models' activation constraints resolve against.
+`make_*_step` are the pure step functions; `Setup` binds them to a config, a device mesh and the
+shardings (donating the old state), moves batches between the hosts and the mesh, and compiles
+inside the mesh and the logical-axis rules; `batch_shards` is how many ways a mesh splits a batch.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
-from typing import Any, Callable, Optional, Sequence
+import math
+from typing import Any, Callable, ContextManager, Optional, Sequence
 
 import flax.linen as nn
 import jax
+from jax.experimental import multihost_utils
 import jax.numpy as jnp
 import ml_collections
+import numpy as np
 import optax
 
 from vit_jax import models
@@ -197,13 +199,15 @@ def make_features_step(model: nn.Module) -> Callable[[State, jax.Array], jax.Arr
   return features_step
 
 
-def make_eval_step(model: nn.Module, *, loss: str) -> Callable[[State, Batch], Metrics]:
+def make_eval_step(model: nn.Module, *, loss: str, top1: bool = False) -> Callable[..., Any]:
   """`step(state, batch) -> eval_sums(...)` of the state's parameters on a masked eval batch
-  (`{'image', 'labels', 'mask'}`); evaluate the EMA with `dict(state, params=ema_params)`."""
+  (`{'image', 'labels', 'mask'}`); evaluate the EMA with `dict(state, params=ema_params)`.
+  `top1`: returns `(sums, int32 [B] top-1 classes)`."""
 
-  def eval_step(state: State, batch: Batch) -> Metrics:
+  def eval_step(state: State, batch: Batch):
     logits = model.apply(variables_of(state), batch["image"], train=False)
-    return eval_sums(logits, batch["labels"], batch["mask"], loss)
+    sums = eval_sums(logits, batch["labels"], batch["mask"], loss)
+    return (sums, jnp.argmax(logits, axis=-1).astype(jnp.int32)) if top1 else sums
 
   return eval_step
 
@@ -270,13 +274,15 @@ class Setup:
     evaluates, e.g. `{'params': ..., 'model_state': ...}` loaded from a checkpoint."""
     return {k: v for k, v in self.state_shardings.items() if k in ("params", "model_state")}
 
-  def jit_eval_step(self, *, variables_only: bool = False):
-    """The eval step jitted over the mesh (sums replicated); `variables_only`: for a state of
-    'params' (and 'model_state') only (`variables_shardings`)."""
+  def jit_eval_step(self, *, variables_only: bool = False, top1: bool = False):
+    """The eval step jitted over the mesh (sums replicated, top-1 classes sharded as the batch);
+    `variables_only`: for a state of 'params' (and 'model_state') only (`variables_shardings`);
+    `top1`: as `make_eval_step`."""
     replicated = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
     shardings = self.variables_shardings if variables_only else self.state_shardings
-    return jax.jit(make_eval_step(self.model, loss=self.config.loss),
-                   in_shardings=(shardings, self.batch_sharding), out_shardings=replicated)
+    return jax.jit(make_eval_step(self.model, loss=self.config.loss, top1=top1),
+                   in_shardings=(shardings, self.batch_sharding),
+                   out_shardings=(replicated, self.batch_sharding) if top1 else replicated)
 
   def jit_features_step(self):
     """`make_features_step` jitted over the mesh: `(state, images [B, H, W, C]) -> [B, F]`
@@ -294,6 +300,17 @@ class Setup:
     if eval_batch:
       batch["mask"] = spec((batch_size,), jnp.bool_)
     return batch
+
+  def to_global(self, local: Any) -> Any:
+    """This process's rows (a numpy array or a dict of them, `[B / processes, ...]`) -> global
+    arrays `[B, ...]` with `batch_sharding`."""
+    return jax.tree.map(
+        lambda x: jax.make_array_from_process_local_data(self.batch_sharding, x), local)
+
+  def to_local(self, array: jax.Array) -> np.ndarray:
+    """A batch-sharded global `[B, ...]` array -> this process's rows (as `to_global` took)."""
+    return np.asarray(multihost_utils.global_array_to_host_local_array(
+        array, self.mesh, self.batch_sharding.spec))
 
   def in_mesh(self, fn: Callable[..., Any]) -> Callable[..., Any]:
     """`fn` run (and so traced) with this mesh and rules active, for the models' logical
@@ -315,6 +332,40 @@ class Setup:
   def compile(self, jitted, *args) -> jax.stages.Compiled:
     """`jitted.lower(*args).compile()` inside the mesh and rules; args may be abstract."""
     return self.in_mesh(lambda *a: jitted.lower(*a).compile())(*args)
+
+
+class Compiler:
+  """Jitted steps of `setup`, each compiled (`Setup.compile`) before its first call for the
+  shapes of its arguments after the state (whose shapes are fixed), then cached. `timer()`: a
+  context manager around each compilation (e.g. `lambda: accountant.timed('compile')`);
+  `on_compile(jitted, compiled)` after it."""
+
+  def __init__(self, setup: Setup, timer: Optional[Callable[[], ContextManager]] = None,
+               on_compile: Optional[Callable[[Any, jax.stages.Compiled], None]] = None):
+    self.setup = setup
+    self._timer, self._on_compile = timer or contextlib.nullcontext, on_compile
+    self._cache: dict[Any, jax.stages.Compiled] = {}
+
+  def compiled(self, jitted, state, *args) -> jax.stages.Compiled:
+    """`jitted` compiled for `(state, *args)` (arrays or abstract), from the cache when it was."""
+    key = (jitted, tuple((x.shape, x.dtype) for x in jax.tree.leaves(args)))
+    if key not in self._cache:
+      with self._timer():
+        self._cache[key] = self.setup.compile(jitted, state, *args)
+      if self._on_compile is not None:
+        self._on_compile(jitted, self._cache[key])
+    return self._cache[key]
+
+  def __call__(self, jitted, state, *args):
+    """`jitted(state, *args)`, compiled (`compiled`)."""
+    return self.compiled(jitted, state, *args)(state, *args)
+
+
+def batch_shards(mesh_config: ml_collections.ConfigDict, num_devices: int) -> int:
+  """How many ways `config.mesh` on `num_devices` devices splits the batch (every global batch
+  is a multiple of it). Raises ValueError as `vit_jax.sharding.axis_sizes`."""
+  sizes = sharding.axis_sizes(mesh_config, num_devices)
+  return math.prod(sizes[a] for a in sharding.batch_axes(sharding.parse_rules(mesh_config.rules)))
 
 
 def build(config: ml_collections.ConfigDict, *, image_shape: Sequence[int],

@@ -1,12 +1,9 @@
 """Stopping a run: SIGTERM (a preemption notice) and Ctrl-C at any moment, and the process's end.
 
-`stop_at_once_on_signals()` (first thing in `python -m vit_jax.main`, before JAX and TensorFlow
-load) makes SIGTERM and Ctrl-C raise `StopRequested` at once: before the first step there is
-nothing to save (exit 75 or 130; writes in `deferred_stop()` sections complete first).
-`train_and_evaluate` holds `stop_notice()`; from its first step on (`StopNotice.training()`) a
-preemption notice or a first Ctrl-C becomes an event that the loop checks at every step (it
-saves that step, then stops). `exit_process()` then ends the process without the interpreter's
-teardown (which can wait 20 s for a tf.data thread).
+Before the first step (:func:`stop_at_once_on_signals`) both raise :class:`StopRequested` at
+once (nothing to save; exit 75 or 130). From the first step (:func:`stop_notice`,
+``StopNotice.training()``) they set a notice the loop checks each step (it saves, then stops).
+:func:`exit_process` skips the interpreter's teardown (which can wait for tf.data threads).
 """
 
 from __future__ import annotations
@@ -37,9 +34,10 @@ STOP_GRACE_S = 5.0
 
 
 class StopRequested(BaseException):
-  """SIGTERM (`exit_code` 75) or Ctrl-C (130) during the set-up, before the first step: there is
-  nothing to save, so the run stops at once. A BaseException, as KeyboardInterrupt is, so that
-  no `except Exception` of a library swallows it."""
+  """SIGTERM (``exit_code`` 75) or Ctrl-C (130) before the first step: stop at once.
+
+  A BaseException, like KeyboardInterrupt, so that no library's ``except Exception`` swallows it.
+  """
 
   def __init__(self, signal_name: str):
     self.signal = signal_name
@@ -60,9 +58,11 @@ class _Stops:
 
 
 def _raise_stop(signum, frame) -> None:
-  """Raises `StopRequested` (after the open `deferred_stop()` sections). Python runs it between
-  two bytecodes of the main thread, possibly in a callback that only prints what it raises (a
-  gc callback): `StopNotice.training()` raises it again, and `_watch_stops` bounds the time."""
+  """Raises :class:`StopRequested` (after open ``deferred_stop()`` sections).
+
+  It may run inside a callback that only prints what it raises (a gc callback):
+  ``StopNotice.training()`` raises it again and ``_watch_stops`` bounds the time.
+  """
   del frame
   if _Stops.pending == signal.Signals(signum).name:
     return  # A second copy (a pod's supervisor passes SIGTERM on): the first is on its way.
@@ -84,9 +84,10 @@ def stop_in(error: BaseException) -> Optional[StopRequested]:
 
 
 def received_stop() -> Optional[StopRequested]:
-  """The set-up's stop notice this process received (its handler may not have run yet: the
-  main thread is inside a C++ call), or None. On a pod, a process told to stop that then loses
-  a peer (stopped by the same notice) reports the stop, not the lost peer."""
+  """The set-up stop this process received (its handler may not have run yet), or None.
+
+  On a pod, a process told to stop that then loses a peer reports the stop, not the peer.
+  """
   name = _Stops.pending or _Stops.received
   return StopRequested(name) if name else None
 
@@ -143,10 +144,10 @@ def _sigaction(new: Optional[bytes]) -> Optional[bytes]:
 
 
 def hold_sigterm() -> None:
-  """On a pod, right after `jax.distributed.initialize` took SIGTERM for its preemption service
-  (in C++): SIGTERM stops the set-up at once again (`StopRequested`, nothing to save yet).
-  `StopNotice.training()` gives SIGTERM back to jax from the first step on, whose preemption sync
-  point then makes every process save the same step."""
+  """On a pod, after ``jax.distributed.initialize`` took SIGTERM: SIGTERM stops the set-up again.
+
+  ``StopNotice.training()`` gives it back to jax's preemption service from the first step on.
+  """
   if threading.current_thread() is not threading.main_thread():
     return
   _Stops.jax_sigterm = _sigaction(None)
@@ -162,12 +163,11 @@ def _give_sigterm_back() -> None:
 
 
 def stop_at_once_on_signals(grace_s: float = STOP_GRACE_S) -> None:
-  """From now on (first thing in `python -m vit_jax.main`, before JAX and TensorFlow load)
-  SIGTERM and Ctrl-C raise `StopRequested` in the main thread, or end the process from a
-  watcher thread when the main thread does not act within `grace_s` seconds.
-  `train_and_evaluate` reads them at its steps from its first step on (`stop_notice`). On a pod,
-  `jax.distributed.initialize` gives SIGTERM to jax's preemption service (the first step then
-  saves and stops on every process). Does nothing outside the main thread."""
+  """From now on SIGTERM and Ctrl-C raise :class:`StopRequested` in the main thread.
+
+  A watcher thread ends the process if the main thread does not act within ``grace_s``. Call it
+  first thing, before JAX and TensorFlow load. Does nothing outside the main thread.
+  """
   if threading.current_thread() is not threading.main_thread():
     return
   signal.signal(signal.SIGTERM, _raise_stop)
@@ -191,11 +191,11 @@ def stop_at_once_on_signals(grace_s: float = STOP_GRACE_S) -> None:
 
 
 def exit_process(code: int, message: Optional[str] = None, *, shutdown: bool = False):
-  """Ends the process now with exit status `code`: `message` (one line) on stderr, the logs
-  flushed, with `shutdown` `jax.distributed.shutdown()` (every process is ending: it waits at
-  most the distributed timeout for the others), then `os._exit`. Not the interpreter's teardown,
-  which can wait 20 s for a tf.data thread, or for a lost peer in jax's exit handler until jax
-  aborts. Never returns."""
+  """Ends the process now (``os._exit(code)``): ``message`` on stderr, logs flushed. Never returns.
+
+  ``shutdown``: ``jax.distributed.shutdown()`` first (waits at most the distributed timeout).
+  Skips the interpreter's teardown, which can hang on tf.data threads or a lost peer.
+  """
   try:
     if message:
       sys.stderr.flush()
@@ -251,8 +251,7 @@ class StopNotice(threading.Event):
   def training(self) -> None:
     """The first step is done: from now on a notice saves the current step, then stops.
 
-    Raises:
-      StopRequested: a set-up stop whose exception was lost (see `_raise_stop`).
+    Raises StopRequested: a set-up stop whose exception was lost (:func:`_raise_stop`).
     """
     if _Stops.pending and self._on_training is not _nothing:
       raise StopRequested(_Stops.pending)
@@ -262,15 +261,12 @@ class StopNotice(threading.Event):
 
 @contextlib.contextmanager
 def stop_notice():
-  """Yields a `StopNotice`; the previous handlers are restored after.
+  """Yields a :class:`StopNotice`; the previous handlers are restored after. Main thread only.
 
-  Until `StopNotice.training()` (the set-up, the first step and its compilation) SIGTERM and
-  Ctrl-C raise `StopRequested` (`stop_at_once_on_signals`). From then on SIGTERM (a preemption
-  notice) and a first Ctrl-C set the notice; the first Ctrl-C logs that the run saves its
-  current step and stops, and makes a second one raise `KeyboardInterrupt` at once. Only on the
-  main thread. With several processes SIGTERM is jax's preemption service's from the first step
-  on (`hold_sigterm`; `Checkpoints.reached_preemption` reports it) and Ctrl-C keeps Python's default from the first
-  step on (a save needs every host).
+  Until ``StopNotice.training()`` signals raise :class:`StopRequested`; then SIGTERM and a first
+  Ctrl-C set the notice (a second Ctrl-C raises KeyboardInterrupt). With several processes,
+  SIGTERM belongs to jax's preemption service from the first step (:func:`hold_sigterm`) and
+  Ctrl-C keeps Python's default (a save needs every host).
   """
   import jax  # pylint: disable=g-import-not-at-top  (not at import: --help stays fast)
   notice = StopNotice()

@@ -1,21 +1,11 @@
 """The training loop: pretraining or fine-tuning, with evaluation and Orbax checkpoints.
 
-Read `train_and_evaluate` top to bottom; its phases are marked:
-  1. Config: the dataset's facts, then `vit_jax.config.resolve` (regime, schedule in steps,
-     attention for these devices, every value checked), the workdir, the model, the mesh and the
-     shardings (`vit_jax.step.build`), the fine-tuning checkpoint: everything that can refuse the
-     run does so before anything is written;
-  2. State: the latest checkpoint of the workdir, else the fine-tuning initialisation, else a
-     fresh one;
-  3. Steps: the jitted train and eval steps of `vit_jax.step`, compiled ahead of time;
-  4. Loop: train, log, checkpoint, evaluate (and the few-shot linear evaluation,
-     `vit_jax.evaluation.fewshot`, when `config.fewshot.every_steps` is set; attention figures
-     and training images in TensorBoard with `config.analysis`, `vit_jax.evaluation.pictures`);
-  5. End: the final evaluation and checkpoint, the results.
-One clock, a `vit_jax.accounting.CostAccountant`, times each part (training steps, input,
-compilation, evaluation, checkpointing): the throughput and ETA in the log come from its training
-time, and it reports the run's cost in TPU-core-days, FLOPs and MFU (log, TensorBoard 'cost/...',
-every checkpoint, `WORKDIR/cost.json`). The workdir's layout belongs to `vit_jax.checkpoint`.
+Read `train_and_evaluate` top to bottom; its phases (config, state, steps, loop, end) are marked.
+Everything that can refuse a run does so in the config phase, before anything is written. One
+clock, a `vit_jax.accounting.CostAccountant`, times each part (training steps, input,
+compilation, evaluation, checkpointing): the log's throughput and ETA come from its training
+time, and it reports the run's cost (log, TensorBoard 'cost/...', every checkpoint,
+`WORKDIR/cost.json`). The workdir's layout belongs to `vit_jax.checkpoint`.
 """
 
 from __future__ import annotations
@@ -119,14 +109,14 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
                  f"{num_params:,}", start_step, total_steps)
 
     # ---------------------------------------------------------------------------------------
-    # 3. Steps: jitted over the mesh; each is compiled ahead of its first call for a batch shape
-    # (timed as 'compile'), then cached.
+    # 3. Steps: jitted over the mesh, compiled ahead of their first call per batch shape and
+    # cached (`step.Compiler`, timed as 'compile').
     # ---------------------------------------------------------------------------------------
-    steps = _CompiledSteps(setup, accountant)
+    compiler, train_step = run.compiler, run.train_step
     fewshot_eval = run.fewshot  # Few-shot linear evaluation (config.fewshot), of the parameters.
     evaluate_fewshot = _fewshot_evaluation(run, accountant, writer)
-    pictures = _pictures(run, steps, accountant)  # config.analysis: TensorBoard images.
-    evaluate = _evaluation(run, steps, accountant, writer, pictures)
+    pictures = _pictures(run)  # config.analysis: TensorBoard images.
+    evaluate = _evaluation(run, accountant, writer, pictures)
 
     def save_cost(step: int) -> None:
       report = accountant.report(step)
@@ -151,8 +141,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
         with jax.profiler.StepTraceAnnotation("train", step_num=step):
           with accountant.timed("input"):
             local_batch = next(train_iter)
-            batch = steps.to_global(local_batch)
-          state, metrics = steps.train(state, batch)
+            batch = setup.to_global(local_batch)
+          state, metrics = compiler(train_step, state, batch)
           accountant.count_step()
         if step == start_step + 1:  # Compiled now: the throughput is measured from here.
           notice.training()  # A stop notice now saves the current step (before: stops at once).
@@ -210,44 +200,6 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
     return dict(results, step=last_step)
 
 
-class _CompiledSteps:
-  """The train and eval steps of a `step.Setup`, each compiled ahead of its first call for a
-  batch shape (timed as 'compile' by the accountant; the training step's FLOPs and attention
-  are recorded then), and cached; batches become global arrays on the mesh."""
-
-  def __init__(self, setup: step_lib.Setup, accountant: accounting.CostAccountant):
-    self._setup, self._accountant = setup, accountant
-    self._train_step, self._eval_step = setup.jit_train_step(), setup.jit_eval_step()
-    self._cache = {}
-
-  def _compiled(self, jitted, state, batch) -> jax.stages.Compiled:
-    key = (jitted, tuple((k, v.shape) for k, v in batch.items()))
-    if key not in self._cache:
-      setup = self._setup
-      with self._accountant.timed("compile"):
-        self._cache[key] = setup.compile(jitted, state, batch)
-      if jitted is self._train_step:
-        accounting.account_step_flops(self._accountant, self._cache[key], setup.model,
-                                      setup.image_shape, setup.mesh.size)
-        logging.info("Attention in the compiled training step: %s.",
-                     setup.compiled_attention(self._cache[key]))
-    return self._cache[key]
-
-  def train(self, state, batch):
-    """`(state, metrics)` after one update on the global `batch`."""
-    return self._compiled(self._train_step, state, batch)(state, batch)
-
-  def eval(self, state, batch):
-    """The metric sums of the global `batch` (`step.make_eval_step`)."""
-    return self._compiled(self._eval_step, state, batch)(state, batch)
-
-  def to_global(self, batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
-    """This process's part of the batch (`[B / processes, ...]`) -> global arrays `[B, ...]`
-    with the mesh's batch sharding."""
-    return {k: jax.make_array_from_process_local_data(self._setup.batch_sharding, v)
-            for k, v in batch.items()}
-
-
 @dataclasses.dataclass
 class _Run:
   """What the set-up of a run found: the resolved config and everything built from it."""
@@ -258,6 +210,8 @@ class _Run:
   evals: dict[str, Any]
   finetune: Optional[dict[str, Any]]  # The fine-tuning initialisation, if any.
   dataset: dict[str, Any]  # The training data's record (`dataset_record`).
+  compiler: step_lib.Compiler  # Every step's compilation, timed as 'compile'.
+  train_step: Any  # `setup.jit_train_step()`.
   fewshot: Optional[fewshot.Evaluator] = None  # config.fewshot's evaluator, when on.
 
 
@@ -305,10 +259,19 @@ def _prepare(config: ml_collections.ConfigDict, workdir: str,
       setup.abstract_state["params"], setup.state_shardings["params"], setup.mesh,
       config.mesh.max_replicated_fraction))
   evals = evaluation.eval_sets(config, info)
+  train_step = setup.jit_train_step()
+
+  def on_compile(jitted, compiled: jax.stages.Compiled) -> None:
+    if jitted is train_step:  # Its FLOPs recorded, its attention logged.
+      accounting.account_step_flops(accountant, compiled, setup.model, setup.image_shape,
+                                    setup.mesh.size)
+      logging.info("Attention in the compiled training step: %s.",
+                   setup.compiled_attention(compiled))
+
+  compiler = step_lib.Compiler(setup, lambda: accountant.timed("compile"), on_compile)
   fewshot_eval = None
   if config.fewshot.every_steps:  # Its datasets and splits are checked now, before any write.
-    fewshot_eval = fewshot.Evaluator.from_config(
-        config, setup, compile_timer=lambda: accountant.timed("compile"))
+    fewshot_eval = fewshot.Evaluator.from_config(config, setup, compiler=compiler)
   resuming = bool(run_dir.saved_steps())
   if resuming:  # A checkpoint of another model is refused now, from its metadata.
     run_dir.check_state_fits(setup.abstract_state)
@@ -325,7 +288,7 @@ def _prepare(config: ml_collections.ConfigDict, workdir: str,
   logging.info("Config (resolved): %s (--verbosity=1 logs it).", run_dir.config_json)
   logging.vlog(1, "Config (resolved):\n%s", config)
   return _Run(config, accountant, run_dir, setup, evals, finetune, dataset_record(config, info),
-              fewshot_eval)
+              compiler, train_step, fewshot_eval)
 
 
 def _open_workdir(run: _Run, held: contextlib.ExitStack) -> checkpoint.Checkpoints:
@@ -378,16 +341,20 @@ def _fewshot_evaluation(run: _Run, accountant: accounting.CostAccountant, writer
   return evaluate_fewshot
 
 
-def _evaluation(run: _Run, steps: _CompiledSteps, accountant: accounting.CostAccountant, writer,
+def _evaluation(run: _Run, accountant: accounting.CostAccountant, writer,
                 pictures: pictures_lib.Pictures):
   """`(state, step) -> metrics`: every eval set (`vit_jax.evaluation.evaluate`, with the EMA
   when kept), written to TensorBoard with `config.analysis`'s attention pictures; timed as
   eval."""
+  eval_step, setup = run.setup.jit_eval_step(), run.setup
+
+  def predict(state, batch):
+    return run.compiler(eval_step, state, setup.to_global(batch))
 
   def evaluate(state, step: int) -> dict[str, float]:
     with accountant.timed("eval"):
-      results = evaluation.evaluate(state, run.evals, bool(run.config.ema_decay), steps.eval,
-                                    steps.to_global, step)
+      results = evaluation.evaluate(predict, state, run.evals,
+                                    with_ema=bool(run.config.ema_decay), step=step)
       writer.write_scalars(step, results)
       pictures.attention(writer, state, step)
     return results
@@ -395,14 +362,12 @@ def _evaluation(run: _Run, steps: _CompiledSteps, accountant: accounting.CostAcc
   return evaluate
 
 
-def _pictures(run: _Run, steps: _CompiledSteps, accountant: accounting.CostAccountant
-              ) -> pictures_lib.Pictures:
+def _pictures(run: _Run) -> pictures_lib.Pictures:
   """`config.analysis`'s pictures (`vit_jax.evaluation.pictures`): attention figures of the first
   eval set's first batch at each evaluation, training images at the start."""
   _, first_eval = next(iter(run.evals.values()))
-  return pictures_lib.Pictures(
-      run.setup, run.dataset["label_names"], lambda: next(iter(first_eval)), steps.to_global,
-      compile_timer=lambda: accountant.timed("compile"))
+  return pictures_lib.Pictures(run.setup, run.dataset["label_names"],
+                               lambda: next(iter(first_eval)), run.compiler)
 
 
 def _finishing(checkpoints: checkpoint.Checkpoints):

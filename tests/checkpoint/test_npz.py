@@ -212,6 +212,22 @@ def test_remote_paths_use_gfile(tmp_path, monkeypatch):
     checkpoint.load('gs://bucket/missing.npz')
 
 
+def test_open_detects_once_and_the_handle_reads(monkeypatch):
+  from vit_jax.checkpoint import ecosystem, formats, paths  # pylint: disable=g-import-not-at-top
+  path = str(TINY / 'params.npz')
+  probes, sniffs = [], []
+  monkeypatch.setattr(paths, 'probe', lambda *a, f=paths.probe: probes.append(a) or f(*a))
+  monkeypatch.setattr(ecosystem, 'hf_directory', lambda *a, f=ecosystem.hf_directory, **k: (
+      sniffs.append(a) or f(*a, **k)))
+  ckpt = checkpoint.open(path)
+  assert ckpt.name == 'npz' and ckpt.path == path and len(probes) == 1
+  chex.assert_trees_all_equal(ckpt.read(), checkpoint.load_npz(path))
+  assert ckpt.fields()['hidden_size'] == checkpoint.model_fields(path)['hidden_size']
+  probes.clear()
+  checkpoint.load(path)
+  assert len(probes) == 1 and not sniffs  # One detection per load, nothing re-checked.
+
+
 def test_detect_names_each_format(tmp_path):
   assert checkpoint.detect(TINY / 'params.npz') == 'npz'
   assert checkpoint.detect(str(FIXTURES / 't2t_tiny_performer' / 'checkpoint.pth.tar')) == (

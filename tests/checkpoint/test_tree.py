@@ -9,7 +9,7 @@ import pytest
 
 from vit_jax import checkpoint
 from vit_jax import models
-from vit_jax.models import mismatch
+from vit_jax.checkpoint import mismatch
 
 FIXTURES = pathlib.Path(__file__).parents[1] / 'fixtures'
 

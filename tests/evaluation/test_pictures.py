@@ -82,7 +82,7 @@ def test_training_images_are_one_grid_with_the_class_names():
   options = types.SimpleNamespace(train_images=3, attention_images=0, rollout_images=0)
   setup = types.SimpleNamespace(config=types.SimpleNamespace(analysis=options),
                                 image_shape=(8, 8, 3))
-  shown = pictures.Pictures(setup, ["shirt", "bag", "boot"], None, None, None)
+  shown = pictures.Pictures(setup, ["shirt", "bag", "boot"], None, None)
   writer = _Writer()
   shown.training_images(writer, {"image": IMAGES, "labels": LABELS}, step=7)
   grid = writer.images[("analysis/training_images", 7)]

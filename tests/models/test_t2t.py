@@ -15,7 +15,7 @@ import pytest
 from tests import t2t_fixtures
 from vit_jax import models
 from vit_jax.models import t2t
-from vit_jax.models import t2t_torch
+from vit_jax.checkpoint import t2t_torch
 
 # Outputs compared with the reference implementations' fixtures: highest matmul precision.
 pytestmark = pytest.mark.golden

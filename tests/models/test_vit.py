@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from vit_jax import checkpoint
+from vit_jax.checkpoint import vit_shapes
 from vit_jax import models
 from vit_jax.models import layout
 
@@ -606,21 +607,21 @@ def test_map_head_parameter_tree_count_and_architecture_fields():
                                        posemb='sincos2d', **TINY), 16)
   assert set(shapes) - set(sincos) == {'Transformer/posembed_input/pos_embedding'}
   assert _count(sincos) == 7139 - 64
-  fields = models.vit.architecture_fields({f'params/{k}': v for k, v in sincos.items()})
+  fields = vit_shapes.architecture_fields({f'params/{k}': v for k, v in sincos.items()})
   assert fields == dict(patch_size=8, hidden_size=16, num_layers=1, num_heads=2, mlp_dim=24,
                         representation_size=None, classifier='map', posemb='sincos2d',
                         num_classes=3)
-  assert models.vit.describe_architecture({f'params/{k}': v for k, v in sincos.items()}) == (
+  assert vit_shapes.describe_architecture({f'params/{k}': v for k, v in sincos.items()}) == (
       'The checkpoint is a ViT with patch_size=8, hidden_size=16, num_layers=1, num_heads=2, '
       "mlp_dim=24, representation_size=None, classifier='map', posemb='sincos2d', 3 classes.")
-  learn = models.vit.architecture_fields({f'params/{k}': v for k, v in shapes.items()})
+  learn = vit_shapes.architecture_fields({f'params/{k}': v for k, v in shapes.items()})
   assert (learn['classifier'], learn['posemb']) == ('map', 'learn')
   # Without the probe: 'token' with a class token, else 'gap'.
   plain = {f'params/{k}': v for k, v in shapes.items() if not k.startswith('MAPHead_0/')}
-  assert models.vit.architecture_fields(plain)['classifier'] == 'gap'
-  assert models.vit.architecture_fields({**plain, 'params/cls': (1, 1, 16)})['classifier'] == (
+  assert vit_shapes.architecture_fields(plain)['classifier'] == 'gap'
+  assert vit_shapes.architecture_fields({**plain, 'params/cls': (1, 1, 16)})['classifier'] == (
       'token')
-  assert 'classifier' not in models.vit.describe_architecture(plain)
+  assert 'classifier' not in vit_shapes.describe_architecture(plain)
 
 
 def test_map_head_is_attention_pooling_by_hand_with_the_exact_gelu_and_epsilon():

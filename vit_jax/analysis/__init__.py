@@ -1,14 +1,7 @@
-"""Looking inside a ViT: attention rollout, mean attention distance, position-embedding
-similarity and the principal components of the patch-embedding filters (the ViT paper's
-Fig. 6, 7 and 14), computed from arrays (NumPy or JAX) that the caller takes from a model.
-
-* :mod:`vit_jax.analysis.attention_maps`: :func:`rollout`, :func:`class_token_map`,
-  :func:`layer_class_token_maps`, :func:`upsample`, :func:`mean_attention_distance`,
-  :func:`mean_attention_distances`, :func:`patch_distances`.
-* :mod:`vit_jax.analysis.embeddings`: :func:`posemb_similarity`,
-  :func:`embedding_filter_components`.
-* :mod:`vit_jax.analysis.figures` (matplotlib, Agg canvas; imported on its own so that the
-  computations do not load matplotlib): the PNG figures and their uint8 RGB arrays.
+"""Looking inside a ViT (the ViT paper's Fig. 6, 7 and 14), from arrays the caller takes from a
+model: :mod:`.attention_maps` (rollout, mean attention distance), :mod:`.embeddings`
+(position-embedding similarity, filter components), and :mod:`.figures` (matplotlib, imported
+on its own so the computations do not load it).
 """
 
 from vit_jax.analysis.attention_maps import class_token_map

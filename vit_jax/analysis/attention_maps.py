@@ -1,23 +1,13 @@
 """What the attention weights of a ViT say: attention rollout and mean attention distance.
 
-Everything here takes arrays (NumPy or JAX; converted with ``np.asarray``) and returns NumPy
-arrays; nothing calls a model. The attention weights are those the models sow in
-``'intermediates'``: per encoder layer ``[B, heads, N, N]`` (rows are the queries, columns the
-keys; each row sums to 1), with ``N = num_prefix_tokens + gh * gw`` tokens: the prefix tokens
-(the class token of ``classifier='token'`` ViTs and of T2T-ViT) first, then the patch tokens
-of the ``gh x gw`` token grid flattened row-major (token ``num_prefix_tokens + r * gw + c`` is
-grid row ``r``, column ``c``).
+Arrays in (NumPy or JAX), NumPy out; nothing calls a model. Attention weights are as the
+models sow them: per layer ``[B, heads, N, N]`` (queries x keys, rows sum to 1),
+``N = num_prefix_tokens + gh * gw``, prefix (class) tokens first, then the grid row-major.
 
-Sources:
-
-* Attention rollout: Abnar & Zuidema, "Quantifying Attention Flow in Transformers" (ACL 2020),
-  section 3, as the ViT paper (Dosovitskiy et al., ICLR 2021) uses it for Fig. 6 and 14
-  (appendix D.8: attention averaged over the heads, then the layers' matrices multiplied).
-* Mean attention distance: the ViT paper's Fig. 7 (right) and appendix D.7: "the distance
-  between the query pixel and all other pixels, weighted by the attention weight", averaged over
-  128 images, per head and layer, in pixels. The paper gives no code; this follows the common
-  reproduction (Gosthipaty & Paul, "Investigating Vision Transformer representations",
-  keras.io 2022): distances between patch centres in pixels, class token left out.
+Sources: rollout, Abnar & Zuidema, "Quantifying Attention Flow in Transformers" (ACL 2020)
+section 3, as the ViT paper's Fig. 6 / 14 (appendix D.8). Mean attention distance: the ViT
+paper's Fig. 7 (right) and appendix D.7, following the common reproduction (Gosthipaty & Paul,
+keras.io 2022): distances between patch centres in pixels, class token left out.
 """
 
 from __future__ import annotations
@@ -82,29 +72,15 @@ def _check_fusion(head_fusion: str) -> None:
 
 def rollout(attentions: AttentionStack, *, residual: bool = True,
             head_fusion: str = 'mean') -> np.ndarray:
-  """Attention rollout (Abnar & Zuidema 2020, eq. in section 3; the ViT paper's Fig. 6/14).
+  """Attention rollout ``[B, N, N]`` float32 (rows sum to 1), computed in float64.
 
-  For every layer ``l`` (bottom first): the heads are fused into ``A_l`` ``[B, N, N]`` (their
-  mean by default); with ``residual`` the residual connection is accounted for as
-  ``A_l <- 0.5 A_l + 0.5 I``; each row is divided by its sum (a no-op for the mean of softmax
-  rows, needed after 'max'/'min'); then ``R = A_L @ ... @ A_2 @ A_1``. ``R[b, i, j]`` is how much
-  of output token ``i`` of the top layer comes from input token ``j`` (rows sum to 1). Computed
-  in float64.
-
-  Args:
-    attentions: the per-layer attention weights, a sequence of ``L`` arrays ``[B, heads, N, N]``
-      (queries x keys, rows summing to 1) in layer order, or one ``[L, B, heads, N, N]`` array.
-    residual: add the identity (residual-aware rollout, as the paper); False multiplies the raw
-      fused attention matrices.
-    head_fusion: one of :data:`HEAD_FUSIONS`.
-
-  Returns:
-    ``[B, N, N]`` float32, rows summing to 1.
+  Per layer, bottom first: heads fused into ``A_l`` (``head_fusion``, :data:`HEAD_FUSIONS`);
+  with ``residual``, ``A_l <- 0.5 A_l + 0.5 I``; rows normalised; ``R = A_L @ ... @ A_1``.
+  ``attentions``: ``L`` arrays ``[B, heads, N, N]`` in layer order, or one ``[L, B, heads, N, N]``.
 
   Raises:
-    ValueError: no layers, layers of different shapes, a layer not ``[B, H, N, N]``, NaN/inf or
-      negative weights, an unknown ``head_fusion``, or (without ``residual``) a fused row that
-      sums to 0.
+    ValueError: no layers, mismatched or non-``[B, H, N, N]`` layers, NaN/inf or negative
+      weights, an unknown ``head_fusion``, or (without ``residual``) a row summing to 0.
   """
   _check_fusion(head_fusion)
   layers = _layers(attentions)
@@ -139,23 +115,13 @@ def _token_maps(matrices: np.ndarray, grid: Tuple[int, int], num_prefix_tokens: 
 
 
 def class_token_map(rollout_matrix: Any, grid: Any, *, num_prefix_tokens: int = 1) -> np.ndarray:
-  """The rollout's map over the image: what the output attends to, per patch.
+  """The rollout's map over the patch grid: ``[B, N, N]`` -> ``[B, gh, gw]`` float32 in [0, 1].
 
-  With a class token (``num_prefix_tokens >= 1``; it is token 0) the class token's row of the
-  rollout over the patch tokens (prefix columns dropped); without one (``classifier='gap'`` or
-  ``'map'``, ``num_prefix_tokens=0``) the mean of all rows (every output token, as the mean
-  pooling sees them). Each map is divided by its maximum (max 1; an all-zero map stays zero).
-
-  Args:
-    rollout_matrix: ``[B, N, N]`` from :func:`rollout`.
-    grid: the token grid ``(gh, gw)`` (or one int for a square grid), ``gh * gw`` patch tokens.
-    num_prefix_tokens: tokens before the patch tokens (1: class token; 0: none).
-
-  Returns:
-    ``[B, gh, gw]`` float32 in [0, 1], row-major as the tokens.
+  The class token's row (token 0) over the patch tokens, or with ``num_prefix_tokens=0`` the
+  mean of all rows; each map divided by its maximum. ``grid``: ``(gh, gw)`` or one int.
 
   Raises:
-    ValueError: ``rollout_matrix`` not ``[B, N, N]``, a bad ``grid`` / ``num_prefix_tokens``, or
+    ValueError: not ``[B, N, N]``, a bad ``grid`` / ``num_prefix_tokens``, or
       ``N != num_prefix_tokens + gh * gw``.
   """
   matrix = np.asarray(rollout_matrix)
@@ -168,24 +134,10 @@ def class_token_map(rollout_matrix: Any, grid: Any, *, num_prefix_tokens: int = 
 
 def layer_class_token_maps(attentions: AttentionStack, grid: Any, *, num_prefix_tokens: int = 1,
                            head_fusion: str = 'mean') -> np.ndarray:
-  """The class token's attention in every layer (no rollout), as maps over the patch grid.
+  """The class token's attention per layer (no rollout) as ``[L, B, gh, gw]`` float32 in [0, 1].
 
-  Per layer the heads are fused (:func:`rollout`'s ``head_fusion``); the class token's row over
-  the patch tokens (or, with ``num_prefix_tokens=0``, the mean of all rows) is laid out on the
-  grid and divided by its maximum.
-
-  Args:
-    attentions: as for :func:`rollout`: ``L`` arrays ``[B, heads, N, N]`` or ``[L, B, heads, N,
-      N]``.
-    grid: the token grid ``(gh, gw)`` or one int.
-    num_prefix_tokens: 1 with a class token, 0 without.
-    head_fusion: one of :data:`HEAD_FUSIONS`.
-
-  Returns:
-    ``[L, B, gh, gw]`` float32 in [0, 1].
-
-  Raises:
-    ValueError: as :func:`rollout` and :func:`class_token_map`.
+  Heads fused as :func:`rollout`, rows chosen and normalised as :func:`class_token_map`, whose
+  errors (and :func:`rollout`'s) it raises.
   """
   _check_fusion(head_fusion)
   grid, num_prefix_tokens = _checks.pair(grid, 'grid'), _checks.prefix(num_prefix_tokens)
@@ -195,17 +147,9 @@ def layer_class_token_maps(attentions: AttentionStack, grid: Any, *, num_prefix_
 
 
 def upsample(maps: Any, size: Any) -> np.ndarray:
-  """Bilinear upsampling of token maps to the image: ``[..., gh, gw]`` -> ``[..., H, W]``.
+  """Bilinear upsampling ``[..., gh, gw]`` -> ``[..., H, W]`` float32; ``size``: ``(H, W)`` or int.
 
-  Each map value sits at the centre of its ``H/gh x W/gw`` cell (``scipy.ndimage.zoom``,
-  ``order=1, grid_mode=True``), edges held constant. Used to overlay maps on images.
-
-  Args:
-    maps: ``[..., gh, gw]`` float.
-    size: ``(H, W)`` in pixels, or one int.
-
-  Returns:
-    ``[..., H, W]`` float32.
+  Values sit at cell centres (``scipy.ndimage.zoom``, ``order=1, grid_mode=True``).
   """
   maps = np.asarray(maps, dtype=np.float32)
   if maps.ndim < 2:
@@ -217,13 +161,9 @@ def upsample(maps: Any, size: Any) -> np.ndarray:
 
 
 def patch_distances(grid: Any, patch_size: Any) -> np.ndarray:
-  """Euclidean distances in pixels between the centres of the grid's patches.
+  """``[gh * gw, gh * gw]`` float64 pixel distances between patch centres.
 
-  Patch ``(r, c)`` (token ``r * gw + c``) has its centre at ``((r + 0.5) ph, (c + 0.5) pw)``
-  pixels, ``(ph, pw) = patch_size`` (the stride of the token grid in pixels).
-
-  Returns:
-    ``[gh * gw, gh * gw]`` float64, in pixels.
+  Patch ``(r, c)`` is centred at ``((r + 0.5) ph, (c + 0.5) pw)``.
   """
   gh, gw = _checks.pair(grid, 'grid')
   ph, pw = _checks.pair(patch_size, 'patch_size')
@@ -234,33 +174,17 @@ def patch_distances(grid: Any, patch_size: Any) -> np.ndarray:
 
 def mean_attention_distance(attention: Any, grid: Any, patch_size: Any, num_prefix_tokens: int,
                             *, per_image: bool = False) -> np.ndarray:
-  """Mean attention distance of every head of one layer, in pixels (ViT paper Fig. 7 right).
+  """Mean attention distance of every head of one layer: ``[heads]`` float64 pixels (ViT Fig. 7).
 
-  Precisely: the prefix tokens (class token) are dropped as queries and as keys. For each image
-  ``b``, head ``h`` and patch query ``q``, the weights ``a[b, h, q, k]`` over the ``gh * gw``
-  patch keys are divided by their sum (so they sum to 1 over the patches), and
-  ``d[b, h, q] = sum_k a[b, h, q, k] * dist(q, k)``, with ``dist`` the Euclidean distance in
-  pixels between the patch centres (:func:`patch_distances`: patch ``(r, c)`` at
-  ``((r + 0.5) ph, (c + 0.5) pw)``; a query's own patch counts at distance 0). The result is the
-  mean of ``d`` over the queries and the images. Computed in float64, one image at a time.
-
-  Args:
-    attention: ``[B, heads, N, N]`` attention weights of one layer (queries x keys), ``N =
-      num_prefix_tokens + gh * gw``.
-    grid: the token grid ``(gh, gw)`` or one int.
-    patch_size: the pixel stride of the token grid, ``(ph, pw)`` or one int: the patch size for
-      a ViT, ResNet stride x patch size for a hybrid, 16 for a T2T-ViT backbone (soft splits of
-      stride 4, 2, 2). Distances scale with it.
-    num_prefix_tokens: tokens before the patches (1: class token; 0: ``'gap'``/``'map'``).
-    per_image: return ``[B, heads]`` (mean over queries only), e.g. to average several batches.
-
-  Returns:
-    ``[heads]`` float64 in pixels (``[B, heads]`` with ``per_image``).
+  Prefix tokens are dropped as queries and keys; each patch query's weights are renormalised
+  over the patches and weight :func:`patch_distances` (own patch at 0); the mean over queries
+  and images (``per_image``: ``[B, heads]``). ``patch_size``: the grid's pixel stride (patch;
+  ResNet stride x patch for hybrids; 16 for T2T-ViT).
 
   Raises:
-    ValueError: ``attention`` not ``[B, H, N, N]``, NaN/inf or negative weights, a bad
-      ``grid``/``patch_size``/``num_prefix_tokens``, ``N`` not matching them, or a patch query
-      with zero total weight on the patches.
+    ValueError: not ``[B, H, N, N]``, NaN/inf or negative weights, bad
+      ``grid``/``patch_size``/``num_prefix_tokens``, ``N`` not matching, or a query with zero
+      weight on the patches.
   """
   attention = np.asarray(attention)
   _check_attention(attention, 'attention')
@@ -280,11 +204,6 @@ def mean_attention_distance(attention: Any, grid: Any, patch_size: Any, num_pref
 
 def mean_attention_distances(attentions: AttentionStack, grid: Any, patch_size: Any,
                              num_prefix_tokens: int) -> np.ndarray:
-  """:func:`mean_attention_distance` of every layer: ``[L, heads]`` float64 pixels.
-
-  Args:
-    attentions: ``L`` arrays ``[B, heads, N, N]`` or one ``[L, B, heads, N, N]``.
-    grid, patch_size, num_prefix_tokens: as :func:`mean_attention_distance`.
-  """
+  """:func:`mean_attention_distance` of every layer: ``[L, heads]`` float64 pixels."""
   return np.stack([mean_attention_distance(layer, grid, patch_size, num_prefix_tokens)
                    for layer in _layers(attentions)])

@@ -1,11 +1,7 @@
 """What the embeddings of a ViT learned: position-embedding similarity and the principal
-components of the patch-embedding filters (the ViT paper's Fig. 7, centre and left).
+components of the patch-embedding filters (ViT paper, section 4.5 and Fig. 7 centre and left).
 
-Sources: Dosovitskiy et al., "An Image is Worth 16x16 Words" (ICLR 2021), section 4.5 and Fig. 7:
-"the top principal components of the learned embedding filters" (left, ViT-L/32) and "similarity
-of position embeddings ... cosine similarity between the position embedding of the patch with
-the indicated row and column and the position embeddings of all other patches" (centre).
-Arrays in (NumPy or JAX), NumPy arrays out; nothing calls a model.
+Arrays in (NumPy or JAX), NumPy out; nothing calls a model.
 """
 
 from __future__ import annotations
@@ -20,24 +16,12 @@ from vit_jax.analysis import _checks
 def posemb_similarity(pos_embedding: Any, grid: Any, num_prefix_tokens: int) -> np.ndarray:
   """Cosine similarity of every patch's position embedding with every other's (Fig. 7 centre).
 
-  The first ``num_prefix_tokens`` rows (the class token's) are left out; the remaining
-  ``gh * gw`` rows are the patches in row-major order. ``S[r, c, r2, c2]`` is the cosine
-  similarity of patch ``(r, c)``'s embedding with patch ``(r2, c2)``'s, computed in float64.
-
-  Args:
-    pos_embedding: ``[1, T, D]`` or ``[T, D]``, ``T = num_prefix_tokens + gh * gw``: e.g.
-      ``Transformer/posembed_input/pos_embedding`` of a ViT (``num_prefix_tokens=1`` with
-      ``classifier='token'``, else 0), :func:`vit_jax.models.vit.posemb_sincos_2d` (0), or a
-      T2T-ViT's ``constants/pos_embed`` (1).
-    grid: the token grid ``(gh, gw)`` or one int.
-    num_prefix_tokens: rows before the patches.
-
-  Returns:
-    ``[gh, gw, gh, gw]`` float32 in [-1, 1]; the diagonal ``S[r, c, r, c]`` is 1.
+  ``pos_embedding``: ``[1, T, D]`` or ``[T, D]``, ``T = num_prefix_tokens + gh * gw`` (the
+  prefix rows are left out; patches row-major). Returns ``[gh, gw, gh, gw]`` float32 in [-1, 1]
+  (float64 inside).
 
   Raises:
-    ValueError: a bad shape, ``T`` not matching ``grid`` and ``num_prefix_tokens``, NaN/inf, or
-      a patch whose embedding is all zeros (no direction: cosine undefined).
+    ValueError: a bad shape, ``T`` not matching, NaN/inf, or an all-zero patch embedding.
   """
   table = np.asarray(pos_embedding)
   if table.ndim == 3 and table.shape[0] == 1:
@@ -60,24 +44,11 @@ def posemb_similarity(pos_embedding: Any, grid: Any, num_prefix_tokens: int) -> 
 
 
 def embedding_filter_components(kernel: Any, n: int = 28) -> Tuple[np.ndarray, np.ndarray]:
-  """Principal components of the patch-embedding filters (Fig. 7 left).
+  """Principal components of the patch-embedding filters ``[Ph, Pw, C, D]`` (Fig. 7 left).
 
-  The ``D`` filters of the embedding convolution, each flattened to a ``P*P*C`` vector, are
-  centred (their mean filter subtracted) and decomposed by SVD (``X = U S V^T``, ``X`` the
-  ``[D, P*P*C]`` centred filters); the components are the rows of ``V^T`` (unit norm, in order
-  of decreasing variance), each given the sign that makes its largest-magnitude entry positive
-  (the SVD's sign is arbitrary). Computed in float64.
-
-  Args:
-    kernel: ``[Ph, Pw, C, D]`` (``embedding/kernel`` of a ViT: ``C`` is 3 for RGB, 1 for
-      grayscale, the ResNet's width for a hybrid).
-    n: how many components; fewer are returned when ``min(D, Ph*Pw*C) < n``.
-
-  Returns:
-    ``(components [k, Ph, Pw, C] float32, explained_variance_ratio [k] float64)``,
-    ``k = min(n, D, Ph*Pw*C)``; a ratio is the component's share ``s_i^2 / sum_j s_j^2`` of the
-    filters' total variance (the ratios of all components sum to 1; zero when the filters are
-    all equal).
+  The ``D`` flattened filters are centred and decomposed by SVD (float64); components are rows
+  of ``V^T``, signed so the largest-magnitude entry is positive. Returns ``(components
+  [k, Ph, Pw, C] float32, explained_variance_ratio [k] float64)``, ``k = min(n, D, Ph*Pw*C)``.
 
   Raises:
     ValueError: ``kernel`` not rank 4, NaN/inf, or ``n`` not a positive int.

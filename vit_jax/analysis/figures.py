@@ -1,15 +1,10 @@
 """The analysis figures (the ViT paper's Fig. 6, 7 and 14) as PNG files or uint8 RGB arrays.
 
-Drawn with matplotlib's object-oriented API on the Agg canvas: every function makes its own
-``matplotlib.figure.Figure`` (no pyplot, no global state shared between calls, no display).
-Each ``*_figure`` function returns the Figure; the function of the same name without the suffix
-writes it as a PNG and returns the path; :func:`to_rgb` renders any of them to a ``[H, W, 3]``
-uint8 array (e.g. for TensorBoard images). Sizes are fixed by the arguments (no tight bounding
-box), so a figure's pixel size is its size in inches (given per function) times ``dpi``.
-
-Images to draw on are ``[B, H, W, C]`` (or ``[B, H, W]``), ``C`` 1 or 3: uint8 shown as is,
-float images scaled per image from their minimum to their maximum (so both [0, 1] and
-normalised [-1, 1] inputs display); grayscale is shown gray.
+matplotlib's object-oriented API on the Agg canvas (no pyplot, no global state). Each
+``*_figure`` function returns a Figure, its namesake without the suffix writes a PNG and
+returns the path, :func:`to_rgb` renders one to ``[H, W, 3]`` uint8. A figure's pixel size is
+its size in inches times ``dpi`` (no tight bounding box). Images are ``[B, H, W(, C)]``, C 1 or
+3, shown as :func:`display_images` scales them.
 """
 
 from __future__ import annotations
@@ -69,10 +64,9 @@ def prediction_caption(predicted: str, true: Optional[str] = None) -> str:
 
 
 def display_images(images: Any) -> np.ndarray:
-  """``[B, H, W]`` / ``[B, H, W, 1 or 3]`` (uint8 or float) -> ``[B, H, W, 3]`` float in [0, 1].
+  """``[B, H, W(, 1 or 3)]`` (uint8 or float) -> ``[B, H, W, 3]`` float in [0, 1].
 
-  uint8 is divided by 255; a float image is scaled from its minimum to its maximum (a constant
-  image becomes 0.5). Grayscale is repeated into three channels.
+  uint8 is divided by 255; float is scaled per image from its min to its max (constant: 0.5).
   """
   images = np.asarray(images)
   if images.ndim == 3:
@@ -93,19 +87,10 @@ def display_images(images: Any) -> np.ndarray:
 
 def overlay(images: Any, maps: Any, *, alpha: float = 0.5, cmap: str = 'jet',
             style: str = 'heatmap') -> np.ndarray:
-  """Token maps upsampled to the images and laid over them.
+  """Token maps ``[B, gh, gw]`` in [0, 1] upsampled (:func:`vit_jax.analysis.upsample`) over images.
 
-  Args:
-    images: ``[B, H, W(, C)]`` (see :func:`display_images`).
-    maps: ``[B, gh, gw]`` in [0, 1] (e.g. :func:`vit_jax.analysis.class_token_map`), upsampled
-      bilinearly to ``H x W`` (:func:`vit_jax.analysis.upsample`; the grid is stretched over the
-      whole image).
-    alpha: the weight of the colour map in 'heatmap' style, in [0, 1].
-    cmap: a matplotlib colour map name.
-    style: 'heatmap' (``(1 - alpha) image + alpha cmap(map)``) or 'mask' (``image * map``).
-
-  Returns:
-    ``[B, H, W, 3]`` float32 in [0, 1].
+  ``style`` 'heatmap': ``(1 - alpha) image + alpha cmap(map)``; 'mask': ``image * map``.
+  Returns ``[B, H, W, 3]`` float32 in [0, 1].
   """
   if style not in OVERLAY_STYLES:
     raise ValueError(f'style must be one of {OVERLAY_STYLES}, got {style!r}')
@@ -154,21 +139,11 @@ def rollout_overlay_figure(images: Any, maps: Any, *, labels: Optional[Sequence[
                            columns: int = 4, title: str = 'Attention rollout',
                            alpha: float = 0.5, cmap: str = 'jet', style: str = 'heatmap',
                            dpi: int = DPI) -> mpl_figure.Figure:
-  """Each image beside its rollout map overlaid on it (ViT paper Fig. 6 / 14).
+  """Each image beside its rollout map ``[B, gh, gw]`` overlaid on it (ViT paper Fig. 6 / 14).
 
-  Args:
-    images: ``[B, H, W(, C)]`` the model's inputs (see the module docstring).
-    maps: ``[B, gh, gw]`` in [0, 1], e.g. :func:`vit_jax.analysis.class_token_map` of the
-      rollout.
-    labels: optional ``B`` captions (e.g. :func:`prediction_caption`), shown over the overlays.
-    columns: images per row (each takes two panels: the input and the overlay).
-    title, alpha, cmap, style: the figure's title and :func:`overlay`'s options.
-    dpi: pixels per inch.
-
-  Returns:
-    The Figure: ``2 * PANEL * c`` by ``PANEL * r + TITLE_BAND`` inches, ``c = min(B,
-    columns)`` images per row, ``r = ceil(B / c)`` rows (at the default dpi, ``400 c`` by
-    ``200 r + 50`` pixels).
+  ``labels``: optional ``B`` captions; ``columns``: images per row (two panels each); ``alpha``,
+  ``cmap``, ``style`` as :func:`overlay`. Size ``2 * PANEL * c`` by ``PANEL * r + TITLE_BAND``
+  inches, ``c = min(B, columns)``, ``r = ceil(B / c)``.
   """
   blended = overlay(images, maps, alpha=alpha, cmap=cmap, style=style)
   shown = display_images(images)
@@ -185,22 +160,11 @@ def rollout_overlay_figure(images: Any, maps: Any, *, labels: Optional[Sequence[
 
 def image_grid_figure(images: Any, *, labels: Optional[Sequence[str]] = None, columns: int = 8,
                       title: str = 'Training images', dpi: int = DPI) -> mpl_figure.Figure:
-  """Images in a grid, each under its caption (e.g. a batch of augmented training images).
-
-  Args:
-    images: ``[B, H, W(, C)]`` (see the module docstring: float images are scaled per image).
-    labels: optional ``B`` captions (e.g. the class names).
-    columns: images per row.
-    title: the figure's title.
-    dpi: pixels per inch.
-
-  Returns:
-    The Figure: ``PANEL * c`` by ``PANEL * r + TITLE_BAND`` inches, ``c = min(B, columns)``,
-    ``r = ceil(B / c)`` (``200 c`` by ``200 r + 50`` pixels at the default dpi).
+  """Images in a grid, each under its optional caption (``PANEL`` inches per image).
 
   Raises:
-    ValueError: images not ``[B, H, W(, C)]`` with ``C`` 1 or 3, non-finite values, or
-      ``labels`` of another length.
+    ValueError: images not ``[B, H, W(, C)]`` with C 1 or 3, non-finite values, or ``labels``
+      of another length.
   """
   shown = display_images(images)
   count = shown.shape[0]
@@ -217,20 +181,10 @@ def layer_attention_figure(image: Any, maps: Any, *, rollout_map: Any = None, co
                            title: str = "Class token's attention per layer",
                            alpha: float = 0.5, cmap: str = 'jet',
                            dpi: int = DPI) -> mpl_figure.Figure:
-  """One image and its per-layer attention maps (then, if given, the rollout), overlaid.
+  """One image ``[H, W(, C)]`` and its per-layer maps ``[L, gh, gw]`` (and rollout), overlaid.
 
-  Args:
-    image: ``[H, W(, C)]`` one input image.
-    maps: ``[L, gh, gw]`` in [0, 1]: one image's maps from
-      :func:`vit_jax.analysis.layer_class_token_maps` (``[:, b]``).
-    rollout_map: optional ``[gh, gw]`` rollout map shown last.
-    columns: panels per row.
-    title, alpha, cmap: as :func:`rollout_overlay_figure`.
-    dpi: pixels per inch.
-
-  Returns:
-    The Figure: ``PANEL * c`` by ``PANEL * r + TITLE_BAND`` inches for ``p = 1 + L (+ 1)``
-    panels, ``c = min(p, columns)``, ``r = ceil(p / c)``.
+  ``maps``: :func:`vit_jax.analysis.layer_class_token_maps` ``[:, b]``. ``PANEL * c`` by
+  ``PANEL * r + TITLE_BAND`` inches for ``p = 1 + L (+ 1)`` panels, ``c = min(p, columns)``.
   """
   maps = np.asarray(maps, dtype=np.float32)
   if maps.ndim != 3:
@@ -261,20 +215,10 @@ def layer_attention_figure(image: Any, maps: Any, *, rollout_map: Any = None, co
 
 def attention_distance_figure(distances: Any, *, image_size: Any, patch_size: Any = None,
                               title: Optional[str] = None, dpi: int = DPI) -> mpl_figure.Figure:
-  """Mean attention distance of every head against depth (ViT paper Fig. 7 right).
+  """Mean attention distance ``[L, heads]`` (pixels) of every head against depth (ViT Fig. 7 right).
 
-  One dot per head and layer: ``x`` the layer (1 = lowest), ``y`` the distance in pixels; one
-  colour per head (legend, right of the plot, for up to 16 heads).
-
-  Args:
-    distances: ``[L, heads]`` pixels, :func:`vit_jax.analysis.mean_attention_distances`.
-    image_size: the input size in pixels, ``(H, W)`` or one int, named in the title.
-    patch_size: optional pixel stride of the token grid, named in the title.
-    title: replaces the default title.
-    dpi: pixels per inch.
-
-  Returns:
-    The Figure, 7 x 4.5 inches (700 x 450 pixels at the default dpi).
+  One dot per head and layer, one colour per head (legend up to 16 heads); 7 x 4.5 inches.
+  ``image_size`` / ``patch_size`` are named in the title.
   """
   distances = np.asarray(distances, dtype=np.float64)
   if distances.ndim != 2 or not distances.size:
@@ -320,20 +264,11 @@ def _mosaic(tiles: np.ndarray, rows: int, cols: int, gap: int, fill: float) -> n
 
 def posemb_similarity_figure(similarity: Any, *, title: str = 'Position embedding similarity',
                              cmap: str = 'viridis', dpi: int = DPI) -> mpl_figure.Figure:
-  """The ``gh x gw`` grid of small ``gh x gw`` cosine-similarity maps (ViT paper Fig. 7 centre).
+  """The ``gh x gw`` grid of ``gh x gw`` cosine-similarity maps (ViT paper Fig. 7 centre).
 
-  Tile ``(r, c)`` shows the similarity of patch ``(r, c)``'s position embedding with every
-  patch's, colour range [-1, 1].
-
-  Args:
-    similarity: ``[gh, gw, gh, gw]``, :func:`vit_jax.analysis.posemb_similarity`.
-    title, cmap: the title and the colour map.
-    dpi: pixels per inch.
-
-  Returns:
-    The Figure: ``a + 2`` by ``a + 1`` inches, ``a = max(5, m / 90)`` the side of the mosaic
-    of ``m = max(gh, gw) * (max(gh, gw) + 1)`` pixels (700 x 600 pixels for grids up to 14 x 14 at
-    the default dpi).
+  ``similarity``: ``[gh, gw, gh, gw]`` (:func:`vit_jax.analysis.posemb_similarity`), colour
+  range [-1, 1]. ``a + 2`` by ``a + 1`` inches, ``a = max(5, m / 90)``,
+  ``m = max(gh, gw) * (max(gh, gw) + 1)``.
   """
   similarity = np.asarray(similarity, dtype=np.float32)
   if similarity.ndim != 4 or similarity.shape[:2] != similarity.shape[2:]:
@@ -371,26 +306,14 @@ def _scaled(components: np.ndarray, scale: str) -> np.ndarray:
 def filter_components_figure(components: Any, *, explained: Any = None, columns: int = 7,
                              scale: str = 'channel', title: Optional[str] = None,
                              dpi: int = DPI) -> mpl_figure.Figure:
-  """The principal components of the patch-embedding filters as images (ViT paper Fig. 7 left).
+  """Principal components ``[k, P, P, C]`` of the patch-embedding filters (ViT paper Fig. 7 left).
 
-  Args:
-    components: ``[k, P, P, C]`` from :func:`vit_jax.analysis.embedding_filter_components`,
-      ``C`` 3 (shown as RGB) or 1 (gray); row-major in the grid, first component top left.
-    explained: optional ``[k]`` explained variance ratios; their sum goes in the title.
-    columns: components per row (7: the paper's 4 x 7 grid of 28).
-    scale: 'channel' scales each channel of each component to [0, 1] on its own, 'joint' all
-      channels of a component together (keeps the colour balance).
-    title: replaces the default title.
-    dpi: pixels per inch.
-
-  Returns:
-    The Figure: ``c`` by ``r + 0.6`` inches, ``c = min(k, columns)``, ``r = ceil(k / c)`` (700 x
-    460 pixels for 28 components at the default dpi).
+  ``explained``: optional ``[k]`` ratios (sum in the title); ``scale`` 'channel' (each channel
+  to [0, 1]) or 'joint' (keeps the colour balance); ``c`` by ``r + 0.6`` inches.
 
   Raises:
-    ValueError: ``components`` not ``[k, P, P, C]`` with ``C`` 1 or 3 (a hybrid's embedding
-      filters act on ResNet features, not on pixels: there is no picture of them), or an unknown
-      ``scale``.
+    ValueError: not ``[k, P, P, C]`` with C 1 or 3 (a hybrid's filters act on ResNet features,
+      not pixels), or an unknown ``scale``.
   """
   components = np.asarray(components, dtype=np.float32)
   if components.ndim != 4 or not components.shape[0] or components.shape[-1] not in (1, 3):

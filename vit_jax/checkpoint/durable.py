@@ -1,20 +1,11 @@
 """Writes that survive a host crash: files and directory entries forced to stable storage.
 
-A file the kernel has only in its page cache is lost when the host crashes (or the filesystem
-errors) before writeback, typically within 30 s of the write; a rename can reach the disk before
-the data it names, leaving an empty file under its final name. Orbax renames a finished
-checkpoint step into place without forcing anything to disk, so here:
-
-* :func:`rename_class`, Orbax's rename commit with fsync: every file and directory of the step,
-  then the rename, then the step and the ``checkpoints`` directory (the step's own
-  ``_CHECKPOINT_METADATA`` and ``commit_success.txt``, which Orbax writes just before its
-  rename, are forced just after it: a crash in between leaves them empty, which Orbax reads
-  past with an error line; the arrays and JSON items are on disk before the step has its name);
-* :func:`write_atomically`: a small file written beside its destination, forced, renamed over
-  it, and the directory forced (``config.json``, ``dataset.json``, ``cost.json``);
-* :func:`damaged_files`: the empty files of a step (what a crash leaves of unforced data).
-
-Remote paths (``gs://``) need none of it: an object exists only once its upload completed.
+Unforced data is lost in a crash, and a rename can reach the disk before the data it names
+(an empty file under its final name); Orbax renames a finished step without forcing anything.
+:func:`rename_class` is Orbax's rename commit with fsync (the step's files, the rename, the
+directories; Orbax's own finalization files are forced just after, a crash between leaves them
+empty, which Orbax reads past); :func:`write_atomically` writes small JSON files;
+:func:`damaged_files` finds what a crash left. ``gs://`` needs none of it.
 """
 
 from __future__ import annotations
@@ -40,11 +31,7 @@ def _sync(path: str, directory: bool) -> None:
 
 
 def sync_tree(root: Any) -> None:
-  """Forces every file and directory under ``root`` (a local directory), and ``root``, to disk.
-
-  Raises:
-    OSError: a file cannot be opened or forced (e.g. an I/O error of the disk).
-  """
+  """Forces every file and directory under the local ``root``, and ``root``, to disk (OSError)."""
   root = os.fspath(root)
   for directory, _, names in os.walk(root, topdown=False):
     for name in names:
@@ -60,13 +47,10 @@ def sync_directory(path: Any) -> None:
 
 
 def write_atomically(path: Any, text: str) -> None:
-  """Writes ``text`` to ``path`` so that readers, and a crash, see the old or the new content.
+  """Writes ``text`` to ``path`` so that readers and a crash see the old or the new content.
 
-  Local: ``<path>.partial`` written and forced, renamed over ``path``, the directory forced.
-  ``gs://``: one object write. Creates the parent directory.
-
-  Raises:
-    OSError: it cannot be written (``path`` is then unchanged).
+  Local: ``<path>.partial`` forced, renamed, the directory forced; ``gs://``: one object write.
+  Creates the parent. Raises OSError (``path`` then unchanged).
   """
   from etils import epath  # pylint: disable=g-import-not-at-top
   path = epath.Path(path)
@@ -84,9 +68,8 @@ def write_atomically(path: Any, text: str) -> None:
 
 
 def damaged_files(step_dir: Any) -> List[str]:
-  """The empty files of a local checkpoint step (relative names; :data:`FINALIZATION_FILES`
-  excepted): what a crash leaves of data that was never forced to disk. ``[]`` for a remote
-  step, and for an intact one (no file Orbax writes is empty)."""
+  """The empty files of a local step (relative; :data:`FINALIZATION_FILES` excepted), ``[]`` remote.
+  """
   root = os.fspath(step_dir)
   if paths.is_remote(root):
     return []
@@ -102,10 +85,10 @@ def damaged_files(step_dir: Any) -> List[str]:
 
 @functools.lru_cache(maxsize=None)
 def rename_class() -> type:
-  """``DurableRename``: Orbax's atomic-rename commit of a checkpoint step, forced to disk (see
-  the module), for ``CheckpointManagerOptions(temporary_path_class=...)`` on local directories
-  (Orbax commits ``gs://`` steps with a marker file instead). Made on first use: importing
-  Orbax costs about a second that the readers of other formats do not need to pay."""
+  """``DurableRename`` for ``CheckpointManagerOptions(temporary_path_class=...)`` on local paths.
+
+  Made on first use: importing Orbax costs about a second other readers need not pay.
+  """
   import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
 
   class DurableRename(ocp.path.atomicity.AtomicRenameTemporaryPath):

@@ -1,18 +1,11 @@
-"""The other libraries' ViT weights: Hugging Face transformers and timm ``.safetensors``, read
-and written without torch.
+"""Hugging Face transformers and timm ViT weights (``.safetensors``), read and written without
+torch.
 
-* :func:`read` converts a transformers ViT directory (:mod:`.hf_vit`) or a timm file
-  (:mod:`.timm_vit`) to this project's params tree, exactly, with the model fields the weights
-  need (:class:`Foreign`): the architecture, and the numerics that differ by library,
-  ``gelu_approximate`` (transformers' ``hidden_act``; timm's exact GELU), ``layer_norm_epsilon``
-  (transformers' ``layer_norm_eps``, 1e-12 on the Hub; timm's 1e-6), ``classifier`` and
-  ``posemb``. A model built with other numerics computes other logits: :func:`check_numerics`
-  refuses it for evaluation.
-* :func:`write` exports a ViT to either library (``python -m vit_jax.convert SRC OUT --to
-  timm|hf``), refusing by name what the target cannot express.
-
-big_vision's ``.npz`` files need no conversion step here: :func:`vit_jax.checkpoint.load_npz`
-reads their layout itself (:mod:`.big_vision`).
+:func:`read` converts a transformers directory (:mod:`.hf_vit`) or a timm file (:mod:`.timm_vit`)
+exactly, with the model fields the weights need: the architecture and the numerics that differ
+by library (:data:`NUMERICS`; transformers' ``hidden_act`` and ``layer_norm_eps``, timm's exact
+GELU and 1e-6), which :func:`check_numerics` enforces for evaluation. :func:`write` exports a
+ViT to either library (``python -m vit_jax.convert SRC OUT --to timm|hf``).
 """
 
 from __future__ import annotations
@@ -30,7 +23,7 @@ from vit_jax.checkpoint import safetensors_file
 from vit_jax.checkpoint import timm_vit
 from vit_jax.models import layout
 
-#: :func:`vit_jax.checkpoint.detect`'s values for these formats.
+#: The format names (:mod:`.formats`).
 HF, TIMM = 'hf', 'timm'
 
 #: The model fields that change what the same weights compute (checked by
@@ -42,16 +35,10 @@ _FAMILY = {HF: 'transformers ViT', TIMM: 'timm ViT'}
 
 @dataclasses.dataclass(frozen=True)
 class Foreign:
-  """Weights read from another library, in this project's layout.
-
-  Attributes:
-    variables: ``{'params': nested dict of np.ndarray}`` (per-layer blocks).
-    fields: the :func:`vit_jax.models.create` keywords the weights need (architecture and
-      :data:`NUMERICS`; ``num_classes`` None without a head).
-    image_size: the side of the square images the position table is for (None if unknown).
-    label_names: class names (transformers' ``id2label``) or None.
-    family: 'transformers ViT' or 'timm ViT'.
-  """
+  """Weights of another library in this project's layout: ``variables`` (``{'params'}``,
+  per-layer), ``fields`` (``vit_jax.models.create`` keywords; ``num_classes`` None without a
+  head), ``image_size`` (the position table's side, or None), ``label_names`` (or None) and
+  ``family`` ('transformers ViT' or 'timm ViT')."""
 
   variables: Dict[str, Any]
   fields: Dict[str, Any]
@@ -60,21 +47,23 @@ class Foreign:
   family: str
 
 
-def hf_directory(path: str) -> Optional[str]:
+def hf_directory(path: str, is_dir: Optional[bool] = None) -> Optional[str]:
   """The transformers directory ``path`` is (or whose weight file it is), else None: one that
-  holds ``config.json`` and ``model.safetensors`` (or its shard index)."""
-  directory = path if paths.isdir(path) else os.path.dirname(path) or '.'
-  if not paths.exists(paths.join(directory, hf_vit.CONFIG_FILE)):
+  holds ``config.json`` and ``model.safetensors`` (or its shard index). ``is_dir``: whether
+  ``path`` is a directory, when the caller knows."""
+  is_dir = paths.isdir(path) if is_dir is None else is_dir
+  directory = path if is_dir else os.path.dirname(path) or '.'
+  names = set(paths.listdir(directory))  # One listing, not one look-up per file.
+  if hf_vit.CONFIG_FILE not in names:
     return None
-  if paths.isdir(path):
-    has_weights = any(paths.exists(paths.join(directory, f))
-                      for f in (hf_vit.WEIGHTS_FILE, hf_vit.INDEX_FILE))
-    return directory if has_weights else None
+  if is_dir and not names & {hf_vit.WEIGHTS_FILE, hf_vit.INDEX_FILE}:
+    return None
   return directory
 
 
-def detect_file(path: str) -> str:
-  """:data:`HF` or :data:`TIMM` for a ``.safetensors`` file, from its tensor names.
+def detect_file(path: str, directory: Optional[str]) -> str:
+  """:data:`HF` or :data:`TIMM` for a ``.safetensors`` file, from its tensor names
+  (``directory``: :func:`hf_directory` of ``path``).
 
   Raises:
     ValueError: transformers names without a ``config.json`` beside the file, or names of
@@ -82,7 +71,7 @@ def detect_file(path: str) -> str:
   """
   index, _ = safetensors_file.read_header(path)
   if hf_vit.is_hf_names(index):
-    if hf_directory(path) is None:
+    if directory is None:
       raise ValueError(f'{path} holds transformers ViT weights but no config.json lies beside '
                        'it: keep the directory save_pretrained wrote (or the Hub repository) '
                        'together, and give the directory.')
@@ -101,25 +90,19 @@ def _hf_shapes(directory: str) -> Dict[str, Tuple[int, ...]]:
   return shapes
 
 
-def read_fields(path: str, fmt: str, num_heads: Optional[int] = None) -> Dict[str, Any]:
-  """The model fields (and ``image_size``) the weights at ``path`` need, from the headers only.
-
-  Args:
-    path: a transformers directory (or its weight file), or a timm ``.safetensors`` file.
-    fmt: :data:`HF` or :data:`TIMM` (:func:`vit_jax.checkpoint.detect`).
-    num_heads: the heads, when known (timm files do not record them).
-
-  Raises:
-    ValueError, FileNotFoundError: as :func:`read`.
-  """
+def read_fields(path: str, fmt: str, num_heads: Optional[int] = None,
+                directory: Optional[str] = None) -> Dict[str, Any]:
+  """The model fields (and ``image_size``) the weights at ``path`` need, from the headers
+  only; arguments and errors as :func:`read`."""
   if fmt == HF:
-    directory = hf_directory(path)
+    directory = directory or hf_directory(path)
     return hf_vit.fields_from(_hf_shapes(directory), hf_vit.read_config(directory), directory)
   index, metadata = safetensors_file.read_header(path)
   return timm_vit.fields_from({k: v[0] for k, v in index.items()}, metadata, path, num_heads)
 
 
-def read(path: str, fmt: str, num_heads: Optional[int] = None) -> Foreign:
+def read(path: str, fmt: str, num_heads: Optional[int] = None,
+         directory: Optional[str] = None) -> Foreign:
   """Reads transformers or timm ViT weights into this project's layout (exactly).
 
   Args:
@@ -127,6 +110,7 @@ def read(path: str, fmt: str, num_heads: Optional[int] = None) -> Foreign:
       weight file, or a timm ``.safetensors`` file; local or ``gs://``.
     fmt: :data:`HF` or :data:`TIMM`.
     num_heads: the heads when known (the model's): needed for timm files of non-standard widths.
+    directory: :func:`hf_directory` of ``path`` when known.
 
   Raises:
     FileNotFoundError: a transformers directory without its weights or config.
@@ -134,16 +118,20 @@ def read(path: str, fmt: str, num_heads: Optional[int] = None) -> Foreign:
       (named), unknown tensor names, heads that cannot be told.
     DamagedCheckpointError: a truncated or corrupt file.
   """
-  fields = read_fields(path, fmt, num_heads)
-  image_size = fields.pop('image_size', None)
-  if fmt == HF:
-    directory = hf_directory(path)
+  if fmt == HF:  # Each file and the config read once; the fields from the arrays' shapes.
+    directory = directory or hf_directory(path)
     arrays = {}
     for file in hf_vit.weight_files(directory):
       arrays.update(safetensors_file.read(file)[0])
+    config = hf_vit.read_config(directory)
+    fields = hf_vit.fields_from({k: tuple(np.shape(v)) for k, v in arrays.items()}, config,
+                                directory)
+    image_size = fields.pop('image_size', None)
     params = hf_vit.from_hf(arrays, fields['num_heads'], directory)
-    names = hf_vit.label_names(hf_vit.read_config(directory), fields['num_classes'])
+    names = hf_vit.label_names(config, fields['num_classes'])
   else:
+    fields = read_fields(path, fmt, num_heads)
+    image_size = fields.pop('image_size', None)
     arrays, metadata = safetensors_file.read(path)
     params = timm_vit.from_timm(arrays, fields['num_heads'], path)
     names = timm_vit.label_names(metadata, fields['num_classes'])

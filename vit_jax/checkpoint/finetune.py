@@ -18,8 +18,8 @@ import numpy as np
 
 from vit_jax.checkpoint.tree import (describe_architecture, flatten_params, mismatch_report,
                                      unflatten_params)
+from vit_jax.checkpoint import vit_shapes
 from vit_jax.models import layout
-from vit_jax.models import vit
 
 #: The classifier head, re-initialised for fine-tuning (always, as the official ViT code does, or
 #: only for another class count with ``reset_head=False``).
@@ -27,7 +27,7 @@ HEAD_KEYS = ('params/head/kernel', 'params/head/bias')
 #: ViT's optional representation layer, dropped when the model to fine-tune has none.
 PRE_LOGITS_PREFIX = 'params/pre_logits/'
 #: ViT's learned position embedding, resized to the new token grid.
-POSEMB_KEY = vit.POSEMB_KEY
+POSEMB_KEY = vit_shapes.POSEMB_KEY
 #: Fixed tables a model regenerates for its own input size (T2T-ViT's sinusoid position table):
 #: taken from the fresh initialisation when the token count differs.
 REGENERATED_KEYS = ('constants/pos_embed',)

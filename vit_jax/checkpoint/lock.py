@@ -1,30 +1,19 @@
 """One run per workdir: ``WORKDIR/lock.json``, taken before a run writes anything.
 
-Two runs writing one workdir would interleave their checkpoints, TensorBoard curves and cost
-account without either noticing. The training loop holds a :class:`WorkdirLock` for its whole
-life (on a pod, process 0 alone takes it and every process learns the outcome:
-:func:`acquire_on_all_processes`). The file names the holder: host, pid, start time, command,
-so the run refused can say who holds the workdir.
+The training loop holds a :class:`WorkdirLock` for its life (on a pod process 0 takes it and
+every process learns the outcome: :func:`acquire_on_all_processes`); the record names the
+holder so a refused run can say who it is.
 
-How the lock is held:
+* Local paths (also NFS): ``fcntl.flock``, released by the OS however the process ends, so it
+  never goes stale (a leftover file is taken over with a warning). Release unlinks while
+  holding; a taker checks the file it locked is still the one at the path, so they never race.
+* Remote paths (no file locks): a heartbeat. Write, wait ``settle_s``, read back (the record
+  that is there wins), rewrite every ``timeout_s / 4``; a heartbeat older than ``timeout_s``
+  (or a gone process of this host) is stale. Host clocks are assumed synchronised.
 
-* **Local paths** (also NFS): ``fcntl.flock`` on ``lock.json``. The operating system releases it
-  when the process ends, however it ends, so a lock cannot go stale: a run killed by SIGKILL or a
-  lost machine leaves the file, and the next run takes it over with a warning naming the run
-  that never released it. Release unlinks the file while still holding the lock, and a taker
-  checks that the file it locked is still the one at the path (otherwise it retries), so unlink
-  and take-over never race.
-* **gs:// and other remote paths** (no file locks): a heartbeat. The holder writes the file,
-  waits ``settle_s`` and reads it back (of two runs writing at once, the one whose record is
-  there holds the lock, the other stops), then rewrites the heartbeat every
-  ``timeout_s / 4``. A record whose heartbeat is older than ``timeout_s`` (``config.
-  workdir_lock_timeout``; or written by a process of this host that is gone) is stale and taken
-  over with a warning. Host clocks are assumed synchronised to well under ``timeout_s``.
-
-The record (JSON): ``host``, ``pid``, ``pid_start`` (the process's start in clock ticks since
-boot, from ``/proc``; it tells a reused pid apart), ``started`` (ISO 8601, UTC) and
-``started_unix`` / ``heartbeat_unix`` (seconds since the epoch), ``command`` (``python -m
-vit_jax.main ...``), ``token`` (random, this lock's identity).
+Record (JSON): ``host``, ``pid``, ``pid_start`` (clock ticks since boot, tells a reused pid
+apart), ``started`` (ISO 8601 UTC), ``started_unix`` / ``heartbeat_unix`` (s), ``command``,
+``token`` (random).
 """
 
 from __future__ import annotations
@@ -125,19 +114,14 @@ def _parse(text: str) -> Optional[Dict[str, Any]]:
 
 
 class WorkdirLock:
-  """The lock of one workdir (see the module docstring); a context manager.
+  """The lock of one workdir; a context manager.
 
   Args:
-    workdir: the run directory (local or ``gs://``); a local one is created if missing (and
-      removed again on release if it is still empty: a refused run leaves nothing).
-    timeout_s: heartbeat locks: a heartbeat older than this makes the lock stale (seconds).
-    settle_s: heartbeat locks: how long to wait before reading the record back (seconds).
-    heartbeat: hold the lock by heartbeat (default: for remote paths; a local filesystem
-      without ``flock`` falls back to it too).
+    workdir: local (created if missing, removed on release if still empty) or ``gs://``.
+    timeout_s, settle_s: heartbeat locks: staleness age and read-back wait, seconds.
+    heartbeat: hold by heartbeat (default: remote paths, and local filesystems without flock).
 
-  Raises (from :meth:`acquire`):
-    WorkdirInUseError: a live run holds the lock (the message names it).
-    PermissionError: the lock file cannot be written, or is a directory (named, with the fix).
+  Raises (from :meth:`acquire`): see there.
   """
 
   def __init__(self, workdir: str, *, timeout_s: float = 600.0, settle_s: float = 2.0,
@@ -177,8 +161,8 @@ class WorkdirLock:
 
     Raises:
       WorkdirInUseError: a live run holds it (the message names the holder and what to do).
-      OSError: the lock file cannot be created or written (e.g. ``PermissionError``; also for a
-        local ``lock.json`` that is a directory or other non-file: named, with the fix).
+      OSError: the lock file cannot be created or written (e.g. ``PermissionError``; a local
+        ``lock.json`` that is not a file: named, with the fix).
     """
     local = not paths.is_remote(self.workdir)
     if local:
@@ -358,11 +342,7 @@ def _write_fd(fd: int, text: str) -> None:
 
 
 def acquire_on_all_processes(lock: WorkdirLock) -> None:
-  """Process 0 takes ``lock``; every process of a multi-process run gets the same outcome.
-
-  Raises:
-    WorkdirInUseError: on every process when process 0 could not take it (the holder named).
-  """
+  """Process 0 takes ``lock``; every process gets the same outcome (WorkdirInUseError on all)."""
   import jax  # pylint: disable=g-import-not-at-top
   if jax.process_count() == 1:
     lock.acquire()

@@ -1,19 +1,8 @@
-"""Official ViT ``.npz`` files: reading (with the name fixes of older files) and writing.
-
-The google-research/vision_transformer releases are flat ``np.savez`` archives whose keys are
-``/``-joined parameter paths without a ``params`` prefix, e.g.
-``Transformer/encoderblock_0/MlpBlock_3/Dense_0/kernel``, always in the unrolled
-``encoderblock_{i}`` layout. Files from 2020 use the pre-Linen module numbering inside each block
-(``LayerNorm_0``, ``MultiHeadDotProductAttention_1``, ``LayerNorm_2``, ``MlpBlock_3``); they are
-renumbered to the Linen names (``LayerNorm_0``, ``MultiHeadDotProductAttention_0``,
-``LayerNorm_1``, ``MlpBlock_0``) that the model uses (:func:`convert_pre_linen`). GroupNorm
-``gn*/scale|bias`` stored as ``(1, 1, 1, C)`` are reshaped to ``(C,)`` (:func:`fix_groupnorm`).
-Arrays are read with ``allow_pickle=False``; object arrays are refused.
-
-Damaged files raise :class:`~vit_jax.checkpoint.torch_pickle.DamagedCheckpointError` (a
-``ValueError``) naming the file, what cannot be read and the fix: a zip directory that cannot be
-read (a truncated download), a member whose CRC or compressed data is wrong, or a member whose
-``.npy`` header declares more bytes than the member holds (checked before anything is allocated).
+"""Official ViT ``.npz`` files (flat ``np.savez`` of ``/``-joined names, per-layer blocks):
+reading, with the fixes of older files (pre-Linen numbering: :func:`convert_pre_linen`; 4-D
+GroupNorm: :func:`fix_groupnorm`), and writing. Arrays are read with ``allow_pickle=False``.
+Truncated or corrupt files (zip directory, CRC, a ``.npy`` header declaring more bytes than its
+member holds) raise :class:`~.torch_pickle.DamagedCheckpointError` naming the file and the fix.
 """
 
 from __future__ import annotations
@@ -29,7 +18,6 @@ from typing import Any, Dict, Iterator, Tuple
 import numpy as np
 
 from vit_jax.checkpoint import big_vision
-from vit_jax.checkpoint import formats
 from vit_jax.checkpoint import paths
 from vit_jax.checkpoint import torch_pickle
 from vit_jax.checkpoint.tree import flatten_params, unflatten_params
@@ -84,18 +72,21 @@ def fix_groupnorm(tree: Any) -> Any:
 
 
 class _Archive:
-  """An ``.npz`` file open for reading: its zip archive, name (for errors) and size in bytes."""
+  """An ``.npz`` file open for reading: its zip archive, name (for errors) and size in bytes.
+  ``source``: the file (a local path or a ``BytesIO``) when the caller has checked that it is a
+  zip (:func:`vit_jax.checkpoint.open`)."""
 
-  def __init__(self, path: Any):
-    path = paths.normalize(path)
-    if not paths.exists(path):
-      raise paths.not_found(path, 'No .npz file')
-    if paths.isdir(path):
-      raise ValueError(f'{path!r} is a directory, not an .npz file')
-    if paths.read_head(path, 4) not in torch_pickle.ZIP_MAGICS:
-      raise ValueError(f'{path!r} is not an .npz archive (not a zip file). Accepted formats: '
-                       f'{formats.ACCEPTED_FORMATS}')
-    source = io.BytesIO(paths.read_bytes(path)) if paths.is_remote(path) else path
+  def __init__(self, path: Any, source: Any = None):
+    if source is None:
+      path = paths.normalize(path)
+      if not paths.exists(path):
+        raise paths.not_found(path, 'No .npz file')
+      if paths.isdir(path):
+        raise ValueError(f'{path!r} is a directory, not an .npz file')
+      if paths.read_head(path, 4) not in torch_pickle.ZIP_MAGICS:
+        raise ValueError(f'{path!r} is not an .npz archive (not a zip file); '
+                         'vit_jax.checkpoint.load reads the other formats.')
+      source = io.BytesIO(paths.read_bytes(path)) if paths.is_remote(path) else path
     self.path, self.size = path, torch_pickle.file_size(source)
     self.zip = torch_pickle.open_zip(source, path)
 
@@ -153,18 +144,18 @@ class _Archive:
     self.zip.close()
 
 
-def read_npz_index(path: Any) -> Dict[str, Tuple[Tuple[int, ...], np.dtype]]:
+def read_npz_index(path: Any, source: Any = None) -> Dict[str, Tuple[Tuple[int, ...], np.dtype]]:
   """``{array name: (shape, dtype)}`` of the ``.npz`` file at ``path``, from the ``.npy``
   headers only (no array is read). Names as stored (``/``-joined, no renaming).
 
   Raises:
     FileNotFoundError, ValueError, DamagedCheckpointError: as :func:`load_npz`.
   """
-  with _Archive(path) as archive:
+  with _Archive(path, source) as archive:
     return {key: archive.header(info) for key, info in archive.members()}
 
 
-def load_npz(path: Any) -> Dict[str, Any]:
+def load_npz(path: Any, source: Any = None) -> Dict[str, Any]:
   """Loads an official flat ``.npz`` file; returns ``{'params': nested dict of np.ndarray}``.
 
   Keys are ``/``-split into a nested dict (a leading ``params/`` on every key is removed), the
@@ -174,6 +165,7 @@ def load_npz(path: Any) -> Dict[str, Any]:
 
   Args:
     path: local or ``scheme://`` path of the ``.npz`` file.
+    source: as for :class:`_Archive`.
 
   Raises:
     FileNotFoundError: missing file.
@@ -182,7 +174,7 @@ def load_npz(path: Any) -> Dict[str, Any]:
     ValueError: not an ``.npz`` archive, empty, containing object arrays or other members than
       ``.npy`` arrays, or holding PyTorch state-dict names.
   """
-  with _Archive(path) as archive:
+  with _Archive(path, source) as archive:
     path = archive.path
     flat = {key: archive.read(info) for key, info in archive.members()}
   if not flat:
@@ -192,7 +184,7 @@ def load_npz(path: Any) -> Dict[str, Any]:
     raise ValueError(
         f'{path!r} holds PyTorch state-dict names (e.g. {example!r}), not the official ViT '
         "'/'-joined Flax names. Load the PyTorch checkpoint itself (.pth.tar, with model=...), "
-        'or convert the arrays with vit_jax.models.t2t_torch.from_torch_state_dict.')
+        'or convert the arrays with vit_jax.checkpoint.t2t_torch.from_torch_state_dict.')
   if all(k.startswith('params/') for k in flat):
     flat = {k[len('params/'):]: v for k, v in flat.items()}
   params = fix_groupnorm(convert_pre_linen(unflatten_params(flat)))

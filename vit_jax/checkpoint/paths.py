@@ -12,7 +12,7 @@ import errno
 import json
 import os
 import posixpath
-from typing import Any, List, Optional
+from typing import Any, List, Optional, Tuple
 
 
 def is_remote(path: str) -> bool:
@@ -83,6 +83,20 @@ def normalize(path: Any) -> str:
   if not isinstance(path, str):
     path = os.fsdecode(path)
   return path if is_remote(path) else os.path.expanduser(path)
+
+
+def probe(path: Any, size: int) -> Tuple[str, bool, bytes]:
+  """``(path normalized, is a directory, a file's first size bytes or b'')``.
+
+  Raises:
+    FileNotFoundError: nothing exists at ``path`` (:func:`not_found`).
+  """
+  path = normalize(path)
+  if not exists(path):
+    raise not_found(path)
+  if isdir(path):
+    return path, True, b''
+  return path, False, read_head(path, size)
 
 
 def not_found(path: str, what: str = 'No checkpoint', fix: str = '') -> FileNotFoundError:

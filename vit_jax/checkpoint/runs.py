@@ -1,9 +1,6 @@
-"""A training run read back from its directory: which step, its train state, its config and
-the record of its training data, so that a workdir alone rebuilds its model (``vit_jax.inference``).
-
-Where things are is :mod:`.workdir`'s layout: each finalized step holds the ``state`` item and,
-for runs of this version, the ``config`` and ``dataset`` JSON items; older steps fall back to
-``WORKDIR/config.json`` and ``WORKDIR/dataset.json``.
+"""A training run read back from its directory: its step, train state, config and dataset record,
+so that a workdir alone rebuilds its model. Layout: :mod:`.workdir` (older steps fall back to
+``WORKDIR/config.json`` and ``dataset.json``).
 """
 
 from __future__ import annotations
@@ -26,14 +23,11 @@ class SavedRun:
 
   Attributes:
     state_item: the Orbax item holding ``params`` (and ``ema_params``, ``model_state``).
-    step: the step number; None for a variables checkpoint (``python -m vit_jax.convert``).
-    config: the resolved training config (a dict) saved with the step, else the workdir's
-      ``config.json``; None when neither exists.
-    dataset: the training data's record (``vit_jax.train.dataset_record``: ``label_names``,
-      ``num_classes``, ``multi_label``, ``image_shape``, ``name``), same fallback; None for runs
-      saved before it was recorded.
-    has_ema: the item holds ``ema_params`` (the run kept a parameter EMA).
-    steps: every finalized step of the run, ascending (``[]`` for a variables checkpoint).
+    step: the step; None for a ``python -m vit_jax.convert`` variables checkpoint.
+    config: the resolved config saved with the step, else ``config.json``; or None.
+    dataset: the data record (``vit_jax.train.dataset_record``), same fallback; or None.
+    has_ema: the item holds ``ema_params``.
+    steps: every finalized step, ascending (``[]`` for a variables checkpoint).
   """
 
   state_item: str
@@ -79,22 +73,14 @@ def _parent_with_config(path: str, levels: int) -> Optional[str]:
 
 
 def read_run(path: Any, *, step: Optional[int] = None) -> SavedRun:
-  """Finds the step to use in a run directory and reads its config and dataset record.
+  """The :class:`SavedRun` of ``path`` (see ``workdir.find_state_item``; local or ``gs://``).
 
-  Args:
-    path: a training workdir (containing ``checkpoints/``), its ``checkpoints`` directory, one
-      step directory (containing ``state/``) or its ``state``, or a variables checkpoint of
-      ``python -m vit_jax.convert`` (local or ``gs://``).
-    step: the step to use (default: the latest finalized one). Not allowed with a step
-      directory or a variables checkpoint.
-
-  Returns:
-    A :class:`SavedRun`.
+  ``step``: default the latest finalized one; not allowed with a step directory or a variables
+  checkpoint.
 
   Raises:
-    FileNotFoundError: nothing at ``path``, no finalized step, or ``step`` is not saved there
-      (the message lists the saved steps).
-    ValueError: ``path`` is none of these, or its config/dataset record cannot be read.
+    FileNotFoundError: nothing at ``path``, no finalized step, or ``step`` not saved (listed).
+    ValueError: an unrecognised ``path``, or an unreadable config / dataset record.
   """
   path = paths.normalize(path)
   if not paths.exists(path):

@@ -52,7 +52,7 @@ import numpy as np
 __all__ = [
     'DamagedCheckpointError', 'LegacyTorchFormatError', 'MEMBER_ERRORS', 'MalformedTorchFileError',
     'Namespace', 'SafeUnpickler', 'UnsafePickleError', 'ZIP_MAGICS', 'file_size',
-    'has_torch_layout', 'is_torch_zip', 'load_torch_zip', 'open_zip', 'read_member',
+    'has_torch_layout', 'load_torch_zip', 'open_zip', 'read_member',
 ]
 
 #: The first bytes of a zip archive (a local file header; an empty archive's end record).
@@ -419,19 +419,6 @@ def has_torch_layout(names) -> bool:
     return True
   except LegacyTorchFormatError:
     return False
-
-
-def is_torch_zip(file: Union[str, BinaryIO]) -> bool:
-  """Whether ``file`` is a readable zip archive in torch.save's layout (see
-  :func:`has_torch_layout`)."""
-  try:
-    with zipfile.ZipFile(file) as archive:
-      return has_torch_layout(archive.namelist())
-  except (zipfile.BadZipFile, EOFError, ValueError, OSError):
-    return False
-  finally:
-    if hasattr(file, 'seek'):
-      file.seek(0)
 
 
 _LEGACY_HINT = ('Only the zip format that torch.save writes since torch 1.6 is read (safely, '

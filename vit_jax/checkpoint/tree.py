@@ -1,7 +1,6 @@
 """Variable trees: flat ``'a/b/c'`` names <-> nested dicts, and whether a checkpoint fits a model.
 
-The model families own what their names mean (:func:`vit_jax.models.vit.describe_architecture`,
-:func:`vit_jax.models.t2t_torch.describe_architecture`); this module asks each of them.
+What names mean is owned by :mod:`.vit_shapes` (ViT) and :mod:`.t2t_torch` (T2T-ViT).
 """
 
 from __future__ import annotations
@@ -13,10 +12,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from vit_jax.checkpoint import t2t_torch
+from vit_jax.checkpoint import vit_shapes
+from vit_jax.checkpoint.mismatch import mismatch_report
 from vit_jax.models import layout
-from vit_jax.models import t2t_torch
-from vit_jax.models import vit
-from vit_jax.models.mismatch import mismatch_report
 
 __all__ = ['check_fits', 'describe_architecture', 'flatten_params', 'mismatch_report',
            'non_finite', 'non_finite_message', 'unflatten_params']
@@ -93,7 +92,7 @@ def describe_architecture(variables: Mapping) -> Optional[str]:
   """
   shapes = {k: tuple(int(d) for d in np.shape(v))
             for k, v in flatten_params(variables).items()}
-  return vit.describe_architecture(shapes) or t2t_torch.describe_architecture(shapes)
+  return vit_shapes.describe_architecture(shapes) or t2t_torch.describe_architecture(shapes)
 
 
 def check_fits(variables: Mapping, expected: Mapping, *, what: str = 'The checkpoint') -> None:
@@ -128,7 +127,7 @@ def check_fits(variables: Mapping, expected: Mapping, *, what: str = 'The checkp
   hint = describe_architecture(variables)
   if hint:
     hint += ' Build the model with these values.'
-  if not missing and not unexpected and all(vit.POSEMB_KEY in m or 'pos_embed' in m
+  if not missing and not unexpected and all(vit_shapes.POSEMB_KEY in m or 'pos_embed' in m
                                             for m in mismatched):
     hint = ('Only the position table differs: the checkpoint is for another image size. '
             'Evaluate at the size it was trained at, or use init_for_finetuning '

@@ -3,26 +3,17 @@
 ::
 
   WORKDIR/
-    config.json               the resolved config of the run (Workdir.write_config)
-    dataset.json              the training data's facts: class names in label order, class
-                              count, multi-label or not, image shape (Workdir.write_dataset)
-    cost.json                 the cost account so far (Workdir.write_cost; accounting.py)
-    lock.json                 while a run holds the workdir: its host, pid, start, command
-                              (Workdir.lock; lock.py)
-    checkpoints/              an Orbax CheckpointManager directory (Checkpoints)
-      <step>/                 a finalized step (a save in progress: '<step>.orbax-checkpoint-tmp*')
-        state/                the train state {'step', 'params', 'opt_state', 'model_state'
-                              [, 'ema_params']} (StandardSave)
-        cost/                 the cost account at that step (JsonSave)
-        config/               the resolved config (JsonSave; steps saved with one)
-        dataset/              dataset.json's record (JsonSave; steps saved with one)
-    events.out.tfevents.*     TensorBoard scalars and hparams (Workdir.metric_writer: clu's)
+    config.json            the resolved config (Workdir.write_config)
+    dataset.json           the training data's facts (Workdir.write_dataset)
+    cost.json              the cost account so far (Workdir.write_cost; accounting.py)
+    lock.json              the holder of the workdir (Workdir.lock; lock.py)
+    checkpoints/           an Orbax CheckpointManager directory (Checkpoints)
+      <step>/              a finalized step (in progress: '<step>.orbax-checkpoint-tmp*')
+        state/ cost/ [config/ dataset/]   train state (StandardSave), the rest JsonSave
+    events.out.tfevents.*  TensorBoard scalars and hparams (Workdir.metric_writer)
 
-Local paths and ``gs://`` alike (through ``etils.epath``; local paths are made absolute, as Orbax
-needs). The training loop uses :class:`Workdir` and :class:`Checkpoints`; the readers
-(:func:`load_orbax`, hence ``vit_jax.checkpoint.load`` and ``python -m vit_jax.convert``) find the
-train state through :func:`find_state_item`. Orbax options are the non-deprecated ones: a
-preservation policy (``LatestN``) keeps the newest checkpoints.
+Local paths and ``gs://`` alike (``etils.epath``; local paths made absolute, as Orbax needs).
+Readers find the train state through :func:`find_state_item`.
 """
 
 from __future__ import annotations
@@ -61,8 +52,7 @@ _RERUN_HINT = 'Rerun with the config it was trained with, or start a new run in 
 
 
 class CheckpointSaveError(OSError):
-  """Writing to the workdir failed (e.g. the disk is full): a checkpoint (the earlier ones are
-  intact) or the TensorBoard events."""
+  """Writing to the workdir failed (e.g. a full disk); the earlier checkpoints are intact."""
 
 
 def _epath(path: str):
@@ -76,12 +66,9 @@ def _is_process_0() -> bool:
 
 
 def _write_json_atomically(path, value: Dict[str, Any]) -> None:
-  """``path`` (an epath) gets ``value`` as JSON, forced to disk; readers and a crash see the old
-  or the new file (:func:`.durable.write_atomically`).
+  """Writes ``value`` as JSON to ``path`` (an epath) with :func:`.durable.write_atomically`.
 
-  Raises:
-    CheckpointSaveError: the file cannot be written (e.g. a full disk); the previous version of
-      the file stays (only the ``.partial`` beside it is affected).
+  Raises CheckpointSaveError when it cannot be written; the previous file stays.
   """
   text = json.dumps(value, indent=1)  # A TypeError here is a bug, not the disk's.
   try:
@@ -96,13 +83,8 @@ def _write_json_atomically(path, value: Dict[str, Any]) -> None:
 class Workdir:
   """A run directory (local or ``gs://``); nothing is created until something is written.
 
-  Attributes:
-    path: the directory as given (a str).
-
-  Raises:
-    ValueError: an empty ``path`` (it would be the current directory).
-    checkpoints_dir, cost_json, config_json: ``etils.epath.Path`` of ``checkpoints/``,
-      ``cost.json`` and ``config.json`` (absolute for local paths).
+  Attributes ``path`` (str as given) and ``checkpoints_dir``, ``cost_json``, ``config_json``,
+  ``dataset_json`` (``etils.epath.Path``). Raises ValueError for an empty ``path``.
   """
 
   def __init__(self, path: Any):
@@ -121,12 +103,10 @@ class Workdir:
     return f'Workdir({self.path!r})'
 
   def check_writable(self) -> None:
-    """Fails early when a local workdir cannot be created or written (nothing is created here).
+    """Fails early when a local workdir cannot be created or written (``gs://`` is not checked).
 
-    Raises:
-      PermissionError: the directory, or its nearest existing ancestor, is not a writable
-        directory (e.g. a read-only filesystem, or a file in the way), or its ``checkpoints``
-        is not a directory. ``gs://`` paths are not checked.
+    Raises PermissionError: the directory (or its nearest existing ancestor) is not a writable
+    directory, or its ``checkpoints`` is not a directory.
     """
     if paths.is_remote(self.path):
       return
@@ -150,28 +130,17 @@ class Workdir:
     return lock_lib.WorkdirLock(self.path, timeout_s=timeout_s)
 
   def saved_steps(self) -> List[int]:
-    """The finalized checkpoint steps, ascending (``[]`` without ``checkpoints/``).
-
-    From the directory listing (Orbax's finalization check: a save in progress or cut short
-    is not a step), without opening a ``CheckpointManager``.
-    """
+    """The finalized checkpoint steps, ascending (``[]`` without ``checkpoints/``), by listing."""
     import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
     if not self.checkpoints_dir.exists():
       return []
     return sorted(ocp.path.step.checkpoint_steps(self.checkpoints_dir))
 
   def check_state_fits(self, abstract_state: Any) -> None:
-    """Checks the latest saved train state against the run's, from its metadata only.
+    """Checks the latest saved state's ``params`` / ``model_state`` against ``abstract_state``.
 
-    Args:
-      abstract_state: the run's state tree (arrays or ``jax.ShapeDtypeStruct``); its
-        ``params`` and ``model_state`` are compared by name and shape.
-
-    Raises:
-      ValueError: the checkpoint is of another model (the message lists the differences, the
-        checkpoint's architecture, and what to do), or its metadata cannot be read (a damaged
-        or incomplete step: the message says how to resume from the one before). Nothing
-        saved: no check.
+    From metadata only; no check when nothing is saved. Raises ValueError: another model's
+    checkpoint, or a damaged step (the message says how to resume).
     """
     steps = self.saved_steps()
     if not steps:
@@ -193,21 +162,12 @@ class Workdir:
       raise ValueError(f'{e}\n  {_RERUN_HINT}') from e
 
   def write_config(self, config: Dict[str, Any]) -> None:
-    """Writes ``WORKDIR/config.json`` atomically (process 0 only; the directory is created).
-
-    Raises:
-      TypeError: a value is not JSON-serialisable (resolve the config to plain values first).
-      CheckpointSaveError: it cannot be written (e.g. a full disk).
-    """
+    """Writes ``config.json`` atomically (process 0). Raises TypeError, CheckpointSaveError."""
     if _is_process_0():
       _write_json_atomically(self.config_json, config)
 
   def read_config(self) -> Optional[Dict[str, Any]]:
-    """``WORKDIR/config.json``, or None when there is none.
-
-    Raises:
-      ValueError: the file is not valid JSON (the message names it).
-    """
+    """``config.json``, or None when absent. Raises ValueError for invalid JSON."""
     if not self.config_json.exists():
       return None
     try:
@@ -217,22 +177,15 @@ class Workdir:
                        'it.') from e
 
   def write_dataset(self, record: Dict[str, Any]) -> None:
-    """Writes ``WORKDIR/dataset.json`` atomically (process 0): the training data's facts that
-    a workdir needs to describe its model (``label_names``, ``num_classes``, ``multi_label``,
-    ``image_shape``, ``name``; see ``vit_jax.train``).
+    """Writes ``dataset.json`` atomically (process 0; fields: see ``vit_jax.train``).
 
-    Raises:
-      CheckpointSaveError: it cannot be written (e.g. a full disk).
+    Raises CheckpointSaveError.
     """
     if _is_process_0():
       _write_json_atomically(self.dataset_json, record)
 
   def write_cost(self, report: Dict[str, Any]) -> None:
-    """Writes ``WORKDIR/cost.json`` atomically (``cost.json.partial`` then a rename; process 0).
-
-    Raises:
-      CheckpointSaveError: it cannot be written (e.g. a full disk).
-    """
+    """Writes ``cost.json`` atomically (process 0). Raises CheckpointSaveError."""
     if _is_process_0():
       _write_json_atomically(self.cost_json, report)
 
@@ -246,12 +199,9 @@ class Workdir:
       return None
 
   def metric_writer(self, hparams: Dict[str, Any]):
-    """clu's TensorBoard writer into the workdir (asynchronous; process 0 writes events, the
-    others only log), with ``hparams``' int, float, str and bool values written as hparams.
+    """clu's asynchronous TensorBoard writer (process 0 writes; scalar ``hparams`` as hparams).
 
-    Raises:
-      CheckpointSaveError: the events file cannot be created (e.g. a full disk); the writer's
-        methods raise it too when the events cannot be written.
+    Raises CheckpointSaveError (also from its methods) when the events cannot be written.
     """
     import jax  # pylint: disable=g-import-not-at-top
     from clu import metric_writers  # pylint: disable=g-import-not-at-top
@@ -286,10 +236,10 @@ _DAMAGE = re.compile(r'OUT_OF_RANGE|DATA_LOSS|NOT_FOUND|Error reading|error whil
 
 def damaged_step_error(directory: Any, steps: List[int], error: Optional[Exception],
                        step: Optional[int] = None, cause: Optional[str] = None) -> ValueError:
-  """The error for a saved step that cannot be read (a truncated file, a missing metadata file):
-  names the step, the cause (default: the first line of ``error``) and how to resume from the
-  newest step before it without empty files (:func:`.durable.damaged_files`). ``step``
-  defaults to the newest of ``steps``."""
+  """The ValueError for an unreadable saved step (default: the newest of ``steps``).
+
+  Names the cause (default: ``error``'s first line) and the newest intact step to resume from.
+  """
   step = max(steps) if step is None else step
   intact = [s for s in steps if s < step and not durable.damaged_files(_join(directory, s))]
   cause = cause or (str(error).splitlines()[0][:300] if str(error) else type(error).__name__)
@@ -306,8 +256,7 @@ def _join(directory: Any, step: int) -> str:
 
 
 class _EventsWriter:
-  """A clu metric writer whose failures to write the events (a full disk, no permission), in
-  any method, are a :class:`CheckpointSaveError` that says what to do; other errors unchanged."""
+  """A clu metric writer whose disk/permission failures become :class:`CheckpointSaveError`."""
 
   def __init__(self, writer: Any, path: str):
     self._writer, self._path = writer, path
@@ -335,18 +284,10 @@ class _EventsWriter:
 class Checkpoints:
   """The numbered checkpoints of a run: an ``orbax.checkpoint.CheckpointManager``.
 
-  Keeps the newest ``keep`` finalized steps (``LatestN`` preservation policy; ``None``: all).
-  On a local disk a step is finalized only once its files are on stable storage
-  (:mod:`.durable`): a host crash right after a save leaves it intact.
-  A save that a crash or a full disk interrupted leaves a ``<step>.orbax-checkpoint-tmp*``
-  directory (never a step): it is removed when this object is created, in the background.
-  Create and use it on every process of a multi-host run (Orbax coordinates them).
-
-  Args:
-    directory: the ``checkpoints`` directory (``Workdir.checkpoints_dir``).
-    keep: how many of the newest checkpoints to keep (a positive int), or None for all.
-    asynchronous: write checkpoints in a background thread (``save`` returns once the arrays
-      are copied to host memory); :meth:`wait_until_finished` waits for the last one.
+  Keeps the newest ``keep`` finalized steps (``None``: all). Local steps are finalized only once
+  on stable storage (:mod:`.durable`); interrupted saves (``*.orbax-checkpoint-tmp*``) are
+  removed in the background. Create it on every process (Orbax coordinates them).
+  ``asynchronous``: save in a background thread (:meth:`wait_until_finished`).
 
   Raises:
     ValueError: ``keep`` is not a positive int or None.
@@ -381,16 +322,9 @@ class Checkpoints:
   def save(self, step: int, state: Any, *, cost: Dict[str, Any],
            config: Optional[Dict[str, Any]] = None,
            dataset: Optional[Dict[str, Any]] = None) -> None:
-    """Saves ``state`` as step ``step``, with the cost account (and the resolved config and the
-    dataset record).
+    """Saves ``state`` as ``step`` with ``cost`` (``config``, ``dataset``); skips a saved step.
 
-    A step already saved is not saved again (e.g. the last step, saved by a preemption notice
-    and again at the end). Items: ``state`` (StandardSave), ``cost`` (JsonSave) and, when given,
-    ``config`` and ``dataset`` (JsonSave).
-
-    Raises:
-      CheckpointSaveError: the save failed (full disk, no permission; for an asynchronous save
-        possibly the one before): the message names the intact checkpoint and what to do.
+    Raises CheckpointSaveError (full disk, no permission; async: possibly the save before).
     """
     if step in self._manager.all_steps():
       return
@@ -405,15 +339,9 @@ class Checkpoints:
       self._manager.save(step, args=ocp.args.Composite(**items), force=True)
 
   def _check_free_space(self, step: int, state: Any) -> None:
-    """Refuses a save that cannot fit on a local disk, before Orbax starts writing it.
+    """Refuses a local save that cannot fit: this process's share of the state + 10% + 256 KiB.
 
-    The estimate: this process's share of the state's bytes plus 10% and 256 KiB for Orbax's
-    metadata (the oldest checkpoint is deleted only after the new one is complete). Remote
-    directories are not checked.
-
-    Raises:
-      CheckpointSaveError: less free space than the estimate (measured again after the save in
-        flight completes), or the save in flight failed.
+    Raises CheckpointSaveError.
     """
     import jax  # pylint: disable=g-import-not-at-top
     directory = str(self.directory)
@@ -439,20 +367,10 @@ class Checkpoints:
           'resume.')
 
   def restore(self, step: int, abstract_state: Any) -> Tuple[Any, Optional[Dict[str, Any]]]:
-    """Restores step ``step`` onto ``abstract_state``'s shardings.
+    """Restores ``step`` onto ``abstract_state``'s shardings; returns ``(state, cost or None)``.
 
-    Args:
-      step: a saved step (see :meth:`all_steps`).
-      abstract_state: the run's state as ``jax.ShapeDtypeStruct`` leaves with shardings.
-
-    Returns:
-      ``(state, cost)``: the train state, and the cost account saved with it (None for a
-      checkpoint without one).
-
-    Raises:
-      ValueError: the state does not fit (e.g. another optimizer's state), the step's files
-        are damaged (e.g. truncated), or it holds NaN or Inf values (the message names them
-        and the newest step without any); the message names the fix.
+    Raises ValueError: the state does not fit, the files are damaged, or it holds NaN/Inf (the
+    message names the newest finite step).
     """
     state, cost = self._restore(step, abstract_state, with_cost=True)
     bad = tree.non_finite(state)
@@ -498,11 +416,7 @@ class Checkpoints:
     return self._manager.reached_preemption(step)
 
   def wait_until_finished(self) -> None:
-    """Waits for a save in the background to finish.
-
-    Raises:
-      CheckpointSaveError: it failed (see :meth:`save`).
-    """
+    """Waits for a background save. Raises CheckpointSaveError if it failed."""
     with self._save_errors(None):
       self._manager.wait_until_finished()
 
@@ -511,8 +425,7 @@ class Checkpoints:
 
   @contextlib.contextmanager
   def _save_errors(self, step: Optional[int]) -> Iterator[None]:
-    """Turns a failed save (full disk, no permission) into a CheckpointSaveError that says
-    what is intact and what to do. ``step``: the save being made (None: the last one)."""
+    """A failed save (full disk, no permission) -> CheckpointSaveError; ``step`` None: the last."""
     try:
       yield
     except (OSError, ValueError, RuntimeError) as e:
@@ -539,9 +452,7 @@ def _mib(num_bytes: int) -> str:
   return f'{num_bytes / 2**20:.2f} MiB'
 
 
-# ------------------------------------------------------------------------------------------------
 # Reading: from any path a user gives to the train state item of its latest step.
-# ------------------------------------------------------------------------------------------------
 
 
 def _latest_step_dir(path: str) -> Optional[str]:
@@ -559,14 +470,9 @@ def _latest_step_dir(path: str) -> Optional[str]:
 def find_state_item(path: Any) -> str:
   """The Orbax item holding the model variables for ``path``.
 
-  Args:
-    path: a workdir (containing ``checkpoints/``), a ``checkpoints`` directory (its latest
-      finalized step), a step directory (containing ``state/``), or an item directory itself
-      (a ``state`` item, or a variables checkpoint from ``python -m vit_jax.convert``).
-
-  Raises:
-    FileNotFoundError: a checkpoints directory without a finalized step.
-    ValueError: a directory that is none of these.
+  ``path``: a workdir, a ``checkpoints`` directory (its latest finalized step), a step directory
+  or an item (a ``state`` item, or a ``python -m vit_jax.convert`` variables checkpoint).
+  Raises FileNotFoundError (no finalized step) or ValueError (none of these).
   """
   path = paths.normalize(path)
   if paths.isdir(paths.join(path, CHECKPOINTS_DIR)):  # A workdir.
@@ -591,19 +497,10 @@ def find_state_item(path: Any) -> str:
 
 
 def load_orbax(path: Any, *, use_ema: bool = True) -> Dict[str, Any]:
-  """Loads ``params`` and ``model_state`` from an Orbax checkpoint of the training loop.
+  """``{'params': ..., **model_state}`` (NumPy, saved layout) from a training-loop Orbax checkpoint.
 
-  Args:
-    path: see :func:`find_state_item` (a workdir, ``checkpoints`` directory, step or item).
-    use_ema: return the parameter EMA (``ema_params``, saved by runs with
-      ``config.ema_decay > 0``) as ``params`` when the checkpoint has one.
-
-  Returns:
-    ``{'params': ..., **model_state}`` with NumPy leaves, in the layout they were saved in.
-
-  Raises:
-    FileNotFoundError: missing path or no finalized step.
-    ValueError: not an Orbax checkpoint, or one without a ``params`` entry.
+  ``path``: see :func:`find_state_item`. ``use_ema``: return ``ema_params`` as ``params`` when
+  saved. Raises FileNotFoundError or ValueError (not Orbax, or no ``params``).
   """
   path = paths.normalize(path)
   if not paths.exists(path):

@@ -51,11 +51,7 @@ def to_json(config: ml_collections.ConfigDict) -> str:
 
 
 def from_json(text: str) -> ml_collections.ConfigDict:
-  """A config from `to_json`'s text (lists of the tuple fields stay lists).
-
-  Raises:
-    ValueError: the text is not a JSON object.
-  """
+  """A config from :func:`to_json`'s text (tuple fields stay lists); ValueError if not an object."""
   value: Any = json.loads(text)
   if not isinstance(value, dict):
     raise ValueError(f"A config is a JSON object, got {type(value).__name__}.")

@@ -1,6 +1,4 @@
-"""The argument of a config file, `configs/<file>.py:<arg>`, parsed one way for every file.
-
-A config file declares its fields and calls `parse`:
+"""The argument of a config file, ``configs/<file>.py:<arg>``, parsed one way for every file.
 
   ARGS = args.Spec("configs/vit.py", ("model", "dataset", "regime"),
                    choices={"regime": ("pretrain", "finetune")},
@@ -8,13 +6,9 @@ A config file declares its fields and calls `parse`:
   def get_config(arg=""):
     a = ARGS.parse(arg)          # {'model': 'b16', 'dataset': 'cifar10', 'regime': 'pretrain'}
 
-An argument is comma-separated values in the declared order (`b16,cifar10`), or `name=value`
-items in any order (`model=b16,regime=finetune`), or a mix (positional values first). Values are
-strings; a field without a default must be given; a field with `choices` must be one of them. A
-field with a `pattern` (a regular expression) also takes a positional value that matches it
-from an earlier optional place, leaving the optional fields in between at their defaults:
-with fields (model, dataset, regime, slice) and slice's pattern `[a-z][a-z0-9]*-[0-9]+`,
-`b16,imagenet21k,v3-32` gives slice 'v3-32' and the default regime.
+Comma-separated values in field order (``b16,cifar10``), ``name=value`` items in any order, or
+both (positional first); strings. A field with a ``pattern`` also takes a matching positional
+value from an earlier optional place (``b16,imagenet21k,v3-32`` -> slice 'v3-32').
 """
 
 from __future__ import annotations
@@ -31,12 +25,9 @@ class Spec:
   Attributes:
     file: the config file's path as users type it (for messages), e.g. 'configs/vit.py'.
     fields: the field names, in positional order.
-    choices: for some fields, the accepted values (shown in errors).
-    defaults: values of the optional fields (the others are required).
-    help: for each field, a few words shown in errors (e.g. 'ti16, s16, ... or a model name').
-    patterns: for some optional fields, a regular expression their values match in full; a
-      positional value that matches it lands there even where an earlier optional field
-      would have taken it.
+    choices: for some fields, the accepted values; defaults: the optional fields' values.
+    help: for each field, a few words shown in errors.
+    patterns: regular expressions some optional fields' values match in full (see module).
   """
 
   file: str
@@ -71,11 +62,10 @@ class Spec:
     return self.help.get(field, "")
 
   def parse(self, arg: Optional[str]) -> dict[str, Optional[str]]:
-    """The fields of `arg`, defaults filled in.
+    """The fields of ``arg``, defaults filled in.
 
-    Raises:
-      ValueError: too many values, an unknown or repeated field name, a missing required field,
-        or a value outside a field's choices; the message shows the usage and the valid values.
+    Raises ValueError (with the usage): too many values, an unknown or repeated name, a missing
+    required field, or a value outside a field's choices.
     """
     values: dict[str, Optional[str]] = {}
     items = [item.strip() for item in (arg or "").split(",")] if arg else []

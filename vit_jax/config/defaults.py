@@ -1,15 +1,9 @@
-"""Every key of the training config, with its default and what it means: the one place defaults live.
+"""Every key of the training config with its default and meaning: the one place defaults live.
 
-`get_config(model_name, dataset, **model_overrides)` returns a locked `ml_collections.ConfigDict`.
-Config files (`configs/*.py`) change values, never add keys, so a typo in `--config.some_key=...`
-is an error. A field whose default is None is a typed placeholder: the regime fields among them
-(optimizer, lr, schedule, loss, head bias, ...) are filled from `REGIME_DEFAULTS`, the schedule
-length from the dataset, by `vit_jax.config.resolve`, which also checks every value.
-
-The sections: the run (regime, seed, schedule length, loss, EMA, fine-tuning init, periodic
-work), `model` (the registry's fields of `model_name`, see `vit_jax.models`), `optim`, `data`
-(`vit_jax.data`), `extra_eval`, `mesh` (`vit_jax.sharding`), `fewshot`
-(`vit_jax.evaluation.fewshot`) and `analysis` (`vit_jax.evaluation.pictures`).
+:func:`get_config` returns a locked ``ml_collections.ConfigDict``; config files change values,
+never add keys, so a typo in ``--config.some_key`` is an error. A None default is a typed
+placeholder, filled (regime fields from ``REGIME_DEFAULTS``, schedule length from the dataset)
+and checked by ``vit_jax.config.resolve``.
 """
 
 from __future__ import annotations
@@ -59,10 +53,9 @@ _FLOAT_MODEL_FIELDS = {"qk_scale": float}
 
 
 def model_config(model_name: str, **model_overrides) -> ml_collections.ConfigDict:
-  """`config.model`: every field of the named variant, resolved, plus how the blocks run.
+  """``config.model``: every field of the named variant, resolved, plus how the blocks run.
 
-  Raises:
-    ValueError, TypeError: an unknown model name or override (see `vit_jax.models.model_config`).
+  Raises ValueError, TypeError as ``vit_jax.models.model_config``.
   """
   model_overrides = dict(model_overrides)
   attention = model_overrides.pop("attention", "auto")  # Resolved from the target devices.
@@ -109,36 +102,24 @@ def optim_config() -> ml_collections.ConfigDict:
 
 
 def data_config() -> ml_collections.ConfigDict:
-  """`config.data`: the input pipeline (`vit_jax.data`).
+  """``config.data``: the input pipeline (``vit_jax.data``).
 
-  The defaults reproduce the official ViT fine-tuning input pipeline (Inception crop + flip for
-  training, a plain bilinear resize for evaluation, pixels scaled to [-1, 1]) on the offline
-  Fashion-MNIST builder, so that they work without network access.
+  The defaults reproduce the official ViT fine-tuning input pipeline on the offline
+  Fashion-MNIST builder, so they work without network access.
   """
   c = ml_collections.ConfigDict()
-  # Dataset: a registered tfds name ('imagenet2012', 'cifar10', 'fashion_mnist_local',
-  # 'imagenet21k', 'imagenet2012_real', 'name/config', 'name:1.2.3', ...) OR the directory of a
-  # prepared tfds dataset (the version folder holding dataset_info.json, or a folder above it;
-  # read with `tfds.builder_from_directory`: bring your own TFRecords with a feature spec this
-  # way). A name is a path when it starts with '/', '.', '~', contains '://', or is an existing
-  # directory. Ignored if `image_folder` is set.
+  # Dataset: a registered tfds name ('cifar10', 'name/config', 'name:1.2.3') or the directory of
+  # a prepared tfds dataset (a path: starts with '/', '.', '~', has '://', or exists). Ignored
+  # if `image_folder` is set.
   c.name = "fashion_mnist_local"
-  # Root of an image-folder dataset: root/<split>/<class>/*.{jpg,jpeg,png}, read with
-  # `tfds.folder_dataset.ImageFolder`; split names are the subfolder names (e.g. 'train',
-  # 'test'), class names are sorted.
+  # Root of an image-folder dataset: root/<split>/<class>/*.{jpg,jpeg,png} (classes sorted).
   c.image_folder = config_dict.placeholder(str)
   # tfds data_dir (local path or gs://...); None = tfds default ($TFDS_DATA_DIR or
   # ~/tensorflow_datasets).
   c.data_dir = config_dict.placeholder(str)
-  # Directory with manually downloaded source files, passed as
-  # `tfds.download.DownloadConfig(manual_dir=...)` when preparing (e.g. the ImageNet tars; for
-  # 'fashion_mnist_local' the IDX files, default /usr/share/datasets/fashion-mnist from the
-  # Debian package `dataset-fashion-mnist`).
+  # tfds manual_dir for preparing (e.g. the ImageNet tars; fashion_mnist_local's IDX files).
   c.manual_dir = config_dict.placeholder(str)
-  # Call `download_and_prepare` if the dataset is not prepared in data_dir yet. Only for
-  # builders that prepare from local files (manual_dir builders and offline builders like
-  # 'fashion_mnist_local'); nothing is ever downloaded, builders that need the network raise an
-  # error with a hint instead.
+  # Prepare an unprepared dataset from local files (nothing is ever downloaded).
   c.prepare = True
 
   # Splits, with tfds slicing syntax ('train[:98%]', 'train[1000:]', 'train+validation', ...).
@@ -147,13 +128,9 @@ def data_config() -> ml_collections.ConfigDict:
 
   # Side S of the square [S, S, 3] images fed to the model.
   c.image_size = 224
-  # Training augmentation: 'inception_crop' (random crop covering [inception_crop_min_area, 1]
-  # of the image with aspect ratio in [3/4, 4/3], resized to S, + random left-right flip; the
-  # ViT fine-tuning recipe), 'pad_crop' (random translation: pad pad_crop_pixels zeros on every
-  # side and crop back to the original size at a random offset, the CIFAR / MNIST recipes'
-  # random crop with padding; then resize to S + random flip), 'flip' (resize to S + random
-  # left-right flip), 'none' (resize to S). Eval resizes the full image to S (bilinear) unless
-  # eval_crop_pct is set (below).
+  # Training augmentation (vit_jax.data.preprocess): 'inception_crop' (the ViT fine-tuning
+  # recipe), 'pad_crop' (random translation by up to pad_crop_pixels), each + resize to S and a
+  # random flip; 'flip'; 'none' (resize only).
   c.augment = "inception_crop"
   # Minimum fraction of the image area kept by the Inception crop.
   c.inception_crop_min_area = 0.05
@@ -181,9 +158,7 @@ def data_config() -> ml_collections.ConfigDict:
   # fraction p resizes the shorter side to floor(S / p) (bicubic) and takes the central S x S
   # crop (timm; T2T-ViT uses 0.9).
   c.eval_crop_pct = config_dict.placeholder(float)
-  # Pixel normalization: 'minus_one_to_one' (x / 127.5 - 1, values in [-1, 1], the ViT
-  # convention) or 'imagenet' ((x / 255 - mean) / std with the ImageNet mean (0.485, 0.456,
-  # 0.406) and std (0.229, 0.224, 0.225), the T2T-ViT / timm convention).
+  # 'minus_one_to_one' (ViT) or 'imagenet' mean/std (T2T-ViT, timm); preprocess.normalize.
   c.normalization = "minus_one_to_one"
 
   # Examples in the training shuffle buffer (per process). The buffer holds encoded images
@@ -198,27 +173,15 @@ def data_config() -> ml_collections.ConfigDict:
   # Parallelism of the decode / augment maps; -1 = tf.data.AUTOTUNE.
   c.num_parallel_calls = -1
 
-  # Images that cannot be decoded (corrupt, truncated or empty files, files that are not
-  # images). 'fail': reading one raises `vit_jax.data.BadImageError` naming the file(s) (image
-  # folders: every undecodable file of the split being read, found by a parallel validation
-  # pass after the first decoding error; tfds datasets: dataset, split and TensorFlow's
-  # message) and the fix. 'skip': an image folder is validated once when it is opened (every
-  # file of every split decoded, in parallel, cached per folder) and undecodable files are
-  # left out of all splits before slicing, so the counts exclude them and one warning names
-  # them; for tfds datasets undecodable examples are dropped while reading (tf.data
-  # `ignore_errors`, one warning each), and a resumed run is exact only if none was dropped
-  # before the resume step. Valid but unusual images (grayscale and CMYK JPEGs; RGBA, palette,
-  # grayscale and 16-bit PNGs; misnamed files; images smaller than image_size) are decoded to
-  # RGB in both modes.
+  # Undecodable images: 'fail' raises `vit_jax.data.BadImageError` naming them; 'skip' leaves
+  # them out (image folders: validated once, before slicing; tfds: dropped while reading).
+  # See docs/failures.md.
   c.bad_images = "fail"
 
   # Feature holding the image.
   c.image_key = "image"
-  # Feature holding the labels; None = auto: 'real_label' for 'imagenet2012_real', else 'label'
-  # or 'labels' (whichever exists). A ClassLabel feature gives one-hot targets; a
-  # Sequence(ClassLabel) feature (imagenet21k-style or your own multi-label set) gives
-  # multi-hot targets. For 'real_label' (ImageNet ReaL) eval examples without any label are
-  # masked out, i.e. skipped as in the ViT paper.
+  # Feature holding the labels; None: 'real_label' for 'imagenet2012_real', else 'label' or
+  # 'labels'. ClassLabel: one-hot; Sequence(ClassLabel): multi-hot targets.
   c.label_key = config_dict.placeholder(str)
   return c
 
@@ -242,9 +205,7 @@ def mesh_config() -> ml_collections.ConfigDict:
 
 
 def fewshot_config() -> ml_collections.ConfigDict:
-  """`config.fewshot`: few-shot linear evaluation of the pre-logit features during training
-  (ViT paper Sec. 4.1 and App. B; `vit_jax.evaluation.fewshot`, docs/evaluation.md), scalars
-  'fewshot/<dataset>_<k>shot' (mean over the seeds) and '..._std'."""
+  """``config.fewshot``: few-shot linear evaluation during training (docs/evaluation.md)."""
   c = ml_collections.ConfigDict()
   # Every this many steps, and at the end of training; 0 (default): off.
   c.every_steps = 0
@@ -286,18 +247,10 @@ def analysis_config() -> ml_collections.ConfigDict:
 
 def get_config(model_name: str = "ViT-B_16", dataset: str = "imagenet2012",
                **model_overrides) -> ml_collections.ConfigDict:
-  """The full default config for `model_name` trained on tfds `dataset`.
+  """The full default config for ``model_name`` on ``dataset``, locked (keys may not change).
 
-  Args:
-    model_name: any name `vit_jax.models.create` accepts, e.g. 'ViT-B_16'.
-    dataset: a tfds name or a prepared tfds directory (`config.data.name`).
-    **model_overrides: model fields that differ from the named variant (e.g. num_layers=4).
-
-  Returns:
-    A locked ConfigDict (values may change, keys may not).
-
-  Raises:
-    ValueError, TypeError: an unknown model name or override.
+  ``dataset``: a tfds name or prepared directory; ``model_overrides``: model fields differing
+  from the named variant. Raises ValueError, TypeError for an unknown model name or override.
   """
   config = ml_collections.ConfigDict()
   # 'pretrain' or 'finetune': the defaults of REGIME_DEFAULTS for every None regime field.
@@ -345,11 +298,8 @@ def get_config(model_name: str = "ViT-B_16", dataset: str = "imagenet2012",
   # in the checkpoint ('ema_params'); 0 disables it. T2T-ViT recipe: 0.99996.
   config.ema_decay = 0.0
 
-  # Fine-tuning: initialise from this checkpoint (official .npz, T2T .pth.tar, our orbax
-  # checkpoint or workdir, or `python -m vit_jax.convert` output) when the workdir has no
-  # checkpoint yet. The head is re-initialised, ViT's pre_logits dropped if the model has no
-  # representation layer, ViT's position embedding resized to the new grid and T2T's sinusoid
-  # table regenerated; see vit_jax.checkpoint.init_for_finetuning.
+  # Fine-tuning: initialise from this checkpoint (any format vit_jax.checkpoint reads) when the
+  # workdir has none yet; see vit_jax.checkpoint.init_for_finetuning.
   config.init_from = config_dict.placeholder(str)
   # The official convention instead: init_from = '{pretrained_dir}/{model_name}.npz'
   # (e.g. gs://vit_models/imagenet21k with model_name 'ViT-B_16').

@@ -442,25 +442,11 @@ def _numerics_from_init(config: ml_collections.ConfigDict, path: str) -> None:
   if "gelu_approximate" not in config.model:  # Not a ViT (T2T-ViT).
     return
   from vit_jax import checkpoint  # pylint: disable=g-import-not-at-top  (a cycle at import)
-  from vit_jax.checkpoint import ecosystem, npz  # pylint: disable=g-import-not-at-top
-  fmt = checkpoint.detect(path)
-  if fmt in (ecosystem.HF, ecosystem.TIMM):
-    fields = ecosystem.read_fields(path, fmt, num_heads=config.model.num_heads)
-    family = "a transformers ViT" if fmt == ecosystem.HF else "a timm ViT"
-  elif fmt == checkpoint.formats.NPZ:
-    names = [k[len("params/"):] if k.startswith("params/") else k
-             for k in npz.read_npz_index(path)]
-    if "embedding/kernel" not in names:  # Not a ViT's .npz: left to the load's checks.
-      return
-    # The raw names of an official or big_vision file (`vit_jax.checkpoint.big_vision`).
-    fields = {"posemb": "learn" if any(k.endswith("pos_embedding") for k in names)
-                        else "sincos2d",
-              "classifier": "map" if any(k.startswith(("MAPHead_0/", "probe")) for k in names)
-                            else "token" if "cls" in names else "gap"}
-    family = ("a big_vision .npz" if fields["posemb"] == "sincos2d" or "pos_embedding" in names
-              or fields["classifier"] == "map" else "an official .npz")
-  else:
+  from vit_jax.checkpoint import ecosystem  # pylint: disable=g-import-not-at-top
+  found = checkpoint.open(path).numerics(config.model.num_heads)
+  if found is None:  # No numerics in the file: left to the fine-tuning load's checks.
     return
+  fields, family = found
   changed = {k: (config.model[k], v) for k, v in fields.items()
              if k in ecosystem.NUMERICS and k in config.model and config.model[k] != v}
   for key, (_, value) in changed.items():

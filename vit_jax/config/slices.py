@@ -18,7 +18,8 @@ slice's devices:
 
 Memory per device that the choice accounts for (bytes): the train state (float32 parameters,
 two Adam moments, EMA when on) divided by `mesh.fsdp`, its float32 gradient, and `micro-batch x
-activation_bytes`; the sum must stay within `BUDGET` of the HBM a program gets.
+activation_bytes`; the sum must stay within `BUDGET` of the HBM a program gets
+(`vit_jax.hardware`).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import ml_collections
 
 from vit_jax import accounting
 from vit_jax import dispatch
+from vit_jax import hardware as hardware_lib
 from vit_jax import models
 
 GIB = 2**30
@@ -37,11 +39,6 @@ GIB = 2**30
 #: What an accelerator looks like in a config's argument ('v3-32', 'v5litepod-16', 'v6e-8'; also
 #: 'a100-8', which `fit_to_slice` then refuses as not a TPU, naming what it takes).
 SLICE_PATTERN = r"[a-z][a-z0-9]*-[0-9]+"
-
-#: HBM that the TPU compiler gives one program on one JAX device (a TensorCore on v2 and v3, a
-#: chip on v4, v5p, v5e and v6e), GiB: its own figures, read by the pre-flight (docs/pods.md).
-PROGRAM_HBM_GIB = {"TPU v2": 7.48, "TPU v3": 15.48, "TPU v4": 30.75, "TPU v5p": 95.74,
-                   "TPU v5 lite": 15.75, "TPU v6 lite": 31.25}
 
 #: The share of the program's HBM the estimate may fill (its margin).
 BUDGET = 0.8
@@ -64,18 +61,6 @@ ACTIVATION_FACTOR = {
 NO_REMAT_FACTOR = 24.0
 #: Copies of one block's attention matrices [heads, N, N] alive at once (float32).
 ATTENTION_COPIES = 4
-
-
-def device_hbm_bytes(device_kind: str) -> int:
-  """The HBM of one device of `device_kind` ('TPU v3', ...) that a program can use, bytes.
-
-  Raises:
-    ValueError: a device kind without a known HBM.
-  """
-  if device_kind not in PROGRAM_HBM_GIB:
-    raise ValueError(f"No HBM size is known for {device_kind!r}; the known TPUs are "
-                     f"{', '.join(PROGRAM_HBM_GIB)}.")
-  return int(PROGRAM_HBM_GIB[device_kind] * GIB)
 
 
 def _sequences(model_name: str, fields: dict[str, Any],
@@ -160,7 +145,7 @@ def fit_to_slice(config: ml_collections.ConfigDict, accelerator: str,
     raise ValueError(f"The global batch {batch} cannot be split over the {devices} devices of "
                      f"{accelerator}: use a slice whose device count divides it, or "
                      f"--config.batch_size={batch // devices * devices or devices}.")
-  hbm = device_hbm_bytes(hardware.device_kind)
+  hbm = hardware_lib.program_hbm_bytes(hardware.device_kind)
   fields = dict(config.model.to_dict(), dtype="bfloat16")
   if fields.get("remat_policy") == "auto":  # What resolve will pick for the slice's devices.
     width = fields.get("hidden_size") or fields.get("embed_dim") or 0

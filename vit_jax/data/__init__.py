@@ -1,17 +1,9 @@
-"""vit_jax input pipelines (tf.data / tfds -> numpy batches).
+"""vit_jax input pipelines (tf.data / tfds -> numpy batches): the only place that reads data
+with TensorFlow.
 
-This package is the only place in vit_jax that reads data with TensorFlow. At import it hides
-all GPUs/TPUs from TensorFlow (`vit_jax.platform.hide_accelerators_from_tensorflow`) so that
-tf.data never grabs an accelerator (they belong to JAX), and it registers the offline
-`fashion_mnist_local` tfds builder. The defaults of `config.data` are
-`vit_jax.config.defaults.data_config`.
-
-API:
-  get_info(config.data) -> DatasetInfo
-  create_train_iterator(config.data, global_batch_size, seed, start_step=0)
-  create_eval_dataset(config.data, global_batch_size)
-  BadImageError  # raised by iterating them for undecodable images
-  find_undecodable(paths) -> list of the paths that cannot be decoded
+Importing it hides the accelerators from TensorFlow (they belong to JAX) and registers the
+offline ``fashion_mnist_local`` builder. API: ``get_info``, ``create_train_iterator``,
+``create_eval_dataset`` (:mod:`.pipeline`), ``BadImageError``, ``find_undecodable``.
 """
 
 from vit_jax import platform as _platform

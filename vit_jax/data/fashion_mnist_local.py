@@ -1,25 +1,10 @@
-"""Offline TFDS builder for Fashion-MNIST: `fashion_mnist_local`.
+"""Offline TFDS builder for Fashion-MNIST: ``fashion_mnist_local``.
 
-Reads the four original IDX files (as shipped by the Debian package
-`dataset-fashion-mnist` under `/usr/share/datasets/fashion-mnist/`, or by the
-original Zalando release) and produces exactly the features of tfds's own
-`fashion_mnist` builder:
-
-  * `image`: `tfds.features.Image(shape=(28, 28, 1))`, uint8, PNG-encoded.
-  * `label`: `tfds.features.ClassLabel` with the 10 Fashion-MNIST names.
-
-Splits: `train` (60000 examples) and `test` (10000 examples) (for the real
-files; the counts come from the IDX headers).
-
-Unlike tfds's `fashion_mnist`, nothing is ever downloaded: the files are read
-from `manual_dir` (`tfds.download.DownloadConfig(manual_dir=...)`, i.e.
-`config.data.manual_dir` in vit_jax), defaulting to the Debian path. Importing
-`vit_jax.data` registers the builder, so
-`tfds.builder('fashion_mnist_local', data_dir=...)` works.
-
-Preparation writes PNGs with a small numpy/zlib encoder (faster than tfds's
-TF-graph encoder, and decoding to the same pixels); docs/benchmarks.md has the
-timings.
+Reads the four original IDX files from ``manual_dir`` (``config.data.manual_dir``; default the
+Debian ``dataset-fashion-mnist`` path) and produces exactly the features of tfds's
+``fashion_mnist`` (``image`` PNG ``(28, 28, 1)``, ``label`` ClassLabel of 10), splits ``train``
+and ``test``; nothing is downloaded. Importing ``vit_jax.data`` registers it. PNGs are written
+by a small numpy/zlib encoder (faster than tfds's, same pixels).
 """
 
 from __future__ import annotations
@@ -78,25 +63,15 @@ class IdxFormatError(ValueError):
 
 def read_idx(path: str, expected_magic: int,
              expected_count: Optional[int] = None) -> np.ndarray:
-  """Reads a (gzip-compressed or raw) IDX file of uint8 into a numpy array.
+  """A (gzipped or raw) IDX file of uint8 as a numpy array of its declared shape.
 
-  IDX format (http://yann.lecun.com/exdb/mnist/): a big-endian int32 magic
-  number `0x000008NN` (0x08 = unsigned byte data, NN = number of dimensions),
-  then NN big-endian int32 dimension sizes, then the row-major uint8 data.
-
-  Args:
-    path: file path; read through gzip if it ends with `.gz`.
-    expected_magic: `0x00000803` for images, `0x00000801` for labels.
-    expected_count: if given, the first dimension must equal it.
-
-  Returns:
-    uint8 array of the shape declared in the header, e.g. [N, 28, 28] images
-    or [N] labels.
+  IDX (yann.lecun.com/exdb/mnist): big-endian int32 magic ``0x000008NN`` (NN dimensions), NN
+  int32 sizes, row-major data. ``expected_magic``: ``0x803`` images, ``0x801`` labels.
 
   Raises:
-    FileNotFoundError: the file does not exist.
-    IdxFormatError: wrong magic number, truncated file, trailing bytes or a
-      count different from `expected_count`.
+    FileNotFoundError: no file.
+    IdxFormatError: wrong magic, truncated, trailing bytes, or a count other than
+      ``expected_count``.
   """
   opener = gzip.open if path.endswith('.gz') else open
   with opener(path, 'rb') as f:
@@ -144,22 +119,13 @@ def encode_png_gray(image: np.ndarray) -> bytes:
 
 
 def load_split(directory: str, split: str) -> Tuple[np.ndarray, np.ndarray]:
-  """Loads one split from IDX files in `directory`.
+  """``(images uint8 [N, 28, 28], labels uint8 [N])`` of 'train' or 'test' from ``directory``.
 
-  Args:
-    directory: folder holding the four `*-ubyte.gz` files.
-    split: 'train' or 'test'.
-
-  Returns:
-    (images uint8 [N, 28, 28], labels uint8 [N] in [0, 10)). N is normally
-    60000 (train) / 10000 (test); other counts (e.g. tiny test fixtures) are
-    accepted with a warning.
+  Counts other than 60000 / 10000 are accepted with a warning.
 
   Raises:
-    FileNotFoundError: a file is missing; the message says how to get them.
-    IdxFormatError: a file is malformed (magic number, header, truncated or
-      trailing data), images are not 28x28, labels are out of range, or the
-      image and label counts differ.
+    FileNotFoundError: a file is missing (the message says how to get them).
+    IdxFormatError: malformed files, images not 28x28, labels out of range, or mismatched counts.
   """
   images_file, labels_file, count = SPLIT_FILES[split]
   paths = [os.path.join(directory, images_file),

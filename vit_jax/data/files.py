@@ -1,15 +1,7 @@
-"""Single image files and arrays, preprocessed exactly as the eval pipeline preprocesses images.
+"""Single image files and arrays, preprocessed exactly as the eval pipeline does (for ``predict``).
 
-Used by ``python -m vit_jax.predict``:
-
-  paths = files.list_images('/photos')                  # the image files under a folder, sorted
-  x = files.eval_input('/photos/cat.jpg', size=224, normalization='minus_one_to_one')
-  # -> float32 [224, 224, 3], as `preprocess.eval_image` makes it in the eval pipeline
-
-Files are read with ``tf.io.gfile`` (local paths or any TensorFlow filesystem, e.g. ``gs://``) and
-decoded by content with ``tf.io.decode_image`` (JPEG, PNG, GIF (first frame), BMP, WebP; grey
-images become three equal channels, alpha is dropped), then resized (or resized and centrally
-cropped) and normalised by `vit_jax.data.preprocess.eval_image`.
+Read with ``tf.io.gfile`` (local or ``gs://``), decoded by content (JPEG, PNG, GIF first frame,
+BMP, WebP), then :func:`vit_jax.data.preprocess.eval_image`.
 """
 
 from __future__ import annotations
@@ -44,18 +36,11 @@ def _is_utf8(name: str) -> bool:
 
 def walk(folder: str, skipped_links: Optional[list] = None
          ) -> Iterator[Tuple[str, List[str], List[str]]]:
-  """`os.walk(folder, followlinks=True)` that never enters a directory twice: a symbolic link to
-  a directory inside ``folder`` (a loop such as ``sub/up -> ..``, or a second name of a
-  subfolder) is not followed, as the folder is walked under its own name; a link out of it is,
-  once per directory it leads to. Top-down; the caller may prune the yielded directory list in
-  place (hidden ones, names starting with '.', are left out already). ``gs://`` and other remote
-  paths, which have no links: ``tf.io.gfile.walk``.
+  """``os.walk(folder, followlinks=True)`` that never enters a directory twice, top-down.
 
-  Args:
-    skipped_links: receives the paths of the links not followed.
-
-  Yields:
-    (directory, its subdirectories (sorted), its other entries) as `os.walk`.
+  A link to a directory inside ``folder`` is not followed (added to ``skipped_links``); a link
+  out of it is, once per target. Hidden names are left out; the caller may prune the yielded
+  list. Remote paths use ``tf.io.gfile.walk``. Yields as ``os.walk`` (subdirectories sorted).
   """
   folder = str(folder)
   if '://' in folder:
@@ -91,17 +76,10 @@ def walk(folder: str, skipped_links: Optional[list] = None
 
 def list_images(folder: str, recursive: bool = True,
                 skipped_links: Optional[list] = None) -> List[str]:
-  """The image files (by name: `IMAGE_EXTENSIONS`) in ``folder`` and, when ``recursive``, in
-  its subfolders; hidden files and folders (names starting with '.') are left out. Symbolic
-  links are followed, but no directory is entered twice (`walk`): a link to a folder inside
-  ``folder`` (e.g. ``sub/up -> ..``), listed under its own name, is put in ``skipped_links``.
+  """The image files (``IMAGE_EXTENSIONS``) in ``folder`` (and subfolders if ``recursive``), sorted.
 
-  Returns:
-    The paths (``folder`` joined with the relative path), sorted.
-
-  Raises:
-    FileNotFoundError: ``folder`` is not a directory.
-    ValueError: an image file name that is not UTF-8 (`non_utf8_name_error`: named, with the fix).
+  Hidden names left out; no directory entered twice (:func:`walk`, ``skipped_links``).
+  Raises FileNotFoundError (not a directory) or ValueError (a non-UTF-8 file name).
   """
   folder = str(folder)
   if not tf.io.gfile.isdir(folder):
@@ -121,9 +99,7 @@ def list_images(folder: str, recursive: bool = True,
 def read_bytes(path: str) -> bytes:
   """The contents of the file ``path``.
 
-  Raises:
-    FileNotFoundError: no file there; IsADirectoryError: a directory; PermissionError: not
-      readable; OSError: another reason it cannot be read (e.g. a link to itself), named.
+  Raises FileNotFoundError, IsADirectoryError, PermissionError, or OSError (named).
   """
   path = str(path)
   try:
@@ -148,26 +124,16 @@ def _tf_reason(error: tf.errors.OpError) -> str:
 
 def eval_input(image: Any, *, size: int, normalization: Optional[str],
                crop_pct: Optional[float] = None, name: Optional[str] = None) -> np.ndarray:
-  """One image as the model's eval input: float32 ``[size, size, 3]``.
+  """One image as the model's eval input, float32 ``[size, size, 3]`` (``preprocess.eval_image``).
 
-  The preprocessing is `preprocess.eval_image` (that of the eval pipeline): decoding to uint8
-  RGB (`preprocess.decode_rgb`), then a bilinear resize to ``size`` (``crop_pct=None``) or the
-  resize-and-central-crop of ``crop_pct``, then ``normalization`` ('minus_one_to_one',
-  'imagenet', or None for pixels in [0, 255]).
-
-  Args:
-    image: a file path (str or ``os.PathLike``); encoded image bytes; a NumPy array or
-      TensorFlow tensor ``[H, W]`` or ``[H, W, C]`` with C in {1, 3, 4}, uint8 (other dtypes are
-      converted by ``tf.image.convert_image_dtype``: floats in [0, 1]); or a PIL image.
-    size, normalization, crop_pct: ``config.data.image_size``, ``.normalization``,
-      ``.eval_crop_pct`` of the model.
-    name: how errors name the image (default: its path, or 'the image').
+  ``image``: a path, encoded bytes, an array / tensor ``[H, W]`` or ``[H, W, C]`` (C in {1, 3,
+  4}; uint8 or floats in [0, 1]), or a PIL image. ``size``, ``normalization``, ``crop_pct``: the
+  model's ``config.data`` fields; ``name``: how errors name it.
 
   Raises:
-    BadImageError (a ValueError): a file or bytes that are not a decodable image (the message
-      names the file).
-    FileNotFoundError, IsADirectoryError, PermissionError: a path that is not a readable file.
-    ValueError: an array of another shape than above.
+    BadImageError (a ValueError): not a decodable image (names the file).
+    FileNotFoundError, IsADirectoryError, PermissionError: not a readable file.
+    ValueError: an array of another shape.
   """
   kwargs = dict(size=int(size), normalization=normalization, crop_pct=crop_pct)
   if isinstance(image, (str, os.PathLike)):

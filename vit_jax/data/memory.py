@@ -1,7 +1,5 @@
-"""Host memory of the training input pipeline: the shuffle buffer and the cache of decoded
-images, estimated and logged once at the start by `vit_jax.data.create_train_iterator`
-(`estimate_shuffle_memory`, `log_shuffle_memory`); docs/data.md has the measurements behind
-the constants.
+"""Host memory of the training input pipeline (shuffle buffer, cache of decoded images),
+estimated and logged once at the start; docs/data.md has the measurements behind the constants.
 """
 
 from __future__ import annotations
@@ -17,8 +15,7 @@ from vit_jax import platform
 from vit_jax.data import sources
 
 
-#: tf.data's cost of one buffered element besides its image bytes (the element's tensors and
-#: the label): measured 350-600 bytes in a shuffle buffer, ~1.1 KiB in the cache (docs/data.md).
+#: tf.data's cost of one buffered element besides its image bytes (docs/data.md).
 ELEMENT_OVERHEAD_BYTES = 600
 #: Elements read to measure the image bytes of datasets without a static image size.
 MEMORY_SAMPLE = 16
@@ -29,16 +26,12 @@ class ShuffleMemory:
   """The host memory the training pipeline's shuffle buffer and cache hold, in one process.
 
   Attributes:
-    buffer_elements: elements in the shuffle buffer: min(config.data.shuffle_buffer, n), n the
-      examples of this process's part of the train split.
-    bytes_per_element: one element as it sits in the buffer: its image (decoded uint8
-      H x W x 3 at the stored size, or the encoded file bytes) + `ELEMENT_OVERHEAD_BYTES`.
-    decoded: whether the buffer holds decoded images (config.data.cache, or a dataset that
-      stores decoded images) rather than the encoded bytes decoded after the shuffle.
-    cache_elements: examples in the in-memory cache of decoded images: n with
-      config.data.cache, else 0.
-    sampled: how many images `bytes_per_element` is the mean of; 0 when it is exact (decoded
-      images of a dataset with one static image size), None when none could be read.
+    buffer_elements: ``min(config.data.shuffle_buffer, n)``, n this process's examples.
+    bytes_per_element: an element's image (decoded ``H x W x 3`` or encoded bytes) +
+      ``ELEMENT_OVERHEAD_BYTES``.
+    decoded: the buffer holds decoded images (``cache``, or a dataset storing them).
+    cache_elements: n with ``config.data.cache``, else 0.
+    sampled: images ``bytes_per_element`` is the mean of; 0 when exact, None when none read.
   """
   buffer_elements: int
   bytes_per_element: int
@@ -56,8 +49,7 @@ class ShuffleMemory:
 
   @property
   def total_bytes(self) -> int:
-    """The cache's bytes when caching (the buffer then holds the cache's own tensors, no copy:
-    measured), else the buffer's."""
+    """The cache's bytes when caching (the buffer shares its tensors), else the buffer's."""
     return self.cache_bytes if self.cache_elements else self.buffer_bytes
 
 
@@ -81,24 +73,10 @@ def _sample_image_bytes(source: sources.Source, split, decoded: bool,
 
 def estimate_shuffle_memory(data_cfg, source: sources.Source, split, num_examples: int, *,
                             sample: int = MEMORY_SAMPLE) -> ShuffleMemory:
-  """Estimates the host memory of `create_train_iterator`'s shuffle buffer and cache.
+  """The :class:`ShuffleMemory` (bytes per process) of the train pipeline over ``split``.
 
-  The buffer holds min(shuffle_buffer, num_examples) elements as read: encoded image bytes
-  (decoded after the shuffle), or decoded uint8 images of their stored size when
-  `config.data.cache` is set (the cache holds all `num_examples` of them; the buffer shares
-  its tensors) or the dataset stores decoded images. An image's bytes are exact for decoded
-  images of one static size (H x W x 3), else the mean over the first `sample` images of
-  `split` (read, and decoded if they are decoded in the buffer; undecodable ones left out).
-
-  Args:
-    data_cfg: `config.data` (`shuffle_buffer`, `cache`).
-    source: the dataset (`sources.get_source`).
-    split: this process's part of the train split (spec or sub-split).
-    num_examples: n, the examples of `split`.
-    sample: images read when the size is not static.
-
-  Returns:
-    A `ShuffleMemory` (bytes per process).
+  Exact for decoded images of one static size, else the mean over the first ``sample`` images
+  of ``split`` (undecodable ones left out); with ``cache`` the buffer shares the cache's tensors.
   """
   cache = bool(data_cfg.cache)
   decoded = cache or not source.images_encoded_after_read
@@ -123,14 +101,11 @@ def _size(n: float) -> str:
 
 def log_shuffle_memory(memory: ShuffleMemory, process: str = '',
                        ram_bytes: Optional[int] = None, share: float = 0.5) -> Optional[str]:
-  """Logs one INFO line with `memory`, and a WARNING naming the fix when its total exceeds
-  `share` of the host's RAM (`ram_bytes`, default `vit_jax.platform.host_memory_bytes()`).
+  """Logs ``memory`` (INFO), and returns / logs a WARNING naming the fix above ``share`` of the RAM.
 
-  The fix: `--config.data.cache=False` when the cache alone is too big, else a shuffle buffer
-  of about a quarter of the RAM (`--config.data.shuffle_buffer=N`).
-
-  Returns:
-    The warning's text, or None.
+  The fix: ``--config.data.cache=False`` when the cache alone is too big, else a
+  ``--config.data.shuffle_buffer`` of about a quarter of the RAM. ``ram_bytes`` defaults to
+  ``vit_jax.platform.host_memory_bytes()``.
   """
   ram = platform.host_memory_bytes() if ram_bytes is None else ram_bytes
   m = memory

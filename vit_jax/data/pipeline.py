@@ -1,15 +1,8 @@
-"""Train / eval input pipelines (tf.data -> numpy) for vit_jax.
+"""Train / eval input pipelines (tf.data -> numpy): :func:`get_info`,
+:func:`create_train_iterator`, :func:`create_eval_dataset` (re-exported by ``vit_jax.data``).
 
-Public API (re-exported by `vit_jax.data`):
-
-  info = get_info(config.data)
-  train_iter = create_train_iterator(config.data, global_batch_size, seed,
-                                     start_step=0)
-  eval_ds = create_eval_dataset(config.data, global_batch_size)
-
-Each process reads only its own part of the data; batches are this process's
-share of the global batch (turn them into global arrays with
-`jax.make_array_from_process_local_data`).
+Each process reads its own part of the data; batches are this process's share of the global
+batch (``jax.make_array_from_process_local_data`` makes global arrays).
 """
 
 from __future__ import annotations
@@ -36,20 +29,13 @@ class DatasetInfo:
 
   Attributes:
     num_classes: C, the size of the label vectors.
-    multi_label: True if targets are multi-hot (Sequence(ClassLabel) label
-      feature, e.g. imagenet21k-style or ImageNet ReaL); use a sigmoid loss.
-    num_train_examples: examples in `config.data.train_split`, all processes.
-    num_eval_examples: examples in `config.data.eval_split`, all processes.
-      For ImageNet ReaL this counts the unlabeled images too, which eval
-      batches mask out (sum `mask` for the number of scored examples).
+    multi_label: targets are multi-hot (``Sequence(ClassLabel)``; use a sigmoid loss).
+    num_train_examples, num_eval_examples: all processes; the eval count includes ReaL's
+      unlabeled images (masked out).
     image_shape: (S, S, 3) after preprocessing.
-    num_skipped_images: images left out because they cannot be decoded
-      (`config.data.bad_images='skip'`): for an image folder, the undecodable
-      files of all its splits (the counts above exclude them); None for a
-      tfds dataset in 'skip' mode (dropped while reading: not known in
-      advance; the counts above include them); 0 in 'fail' mode.
-    label_names: the C class names in label order (the tfds ClassLabel's
-      names; an image folder's class folder names, sorted).
+    num_skipped_images: undecodable images left out (``bad_images='skip'``): an image folder's
+      count (excluded above); None for tfds in 'skip' mode (not known in advance); 0 in 'fail'.
+    label_names: the C class names in label order.
   """
   num_classes: int
   multi_label: bool
@@ -122,11 +108,8 @@ _EPOCH_STRIDE = 2**32  # > examples per epoch of one process.
 
 def _vectorizable(source: sources.Source, augment: str,
                   per_example_extras: bool = False) -> bool:
-  """Whether resize / flip can run on whole batches (much faster in tf.data).
-
-  Needs images of one static size (e.g. Fashion-MNIST's 28x28), no
-  per-example crop and no RandAugment / random erasing.
-  """
+  """Whether resize / flip can run on whole batches: one static image size, no Inception crop,
+  no per-example extras (RandAugment)."""
   return (augment != 'inception_crop' and not per_example_extras and
           source.static_image_hw is not None)
 
@@ -139,15 +122,11 @@ def _options(data_cfg) -> tf.data.Options:
 
 
 def get_info(data_cfg) -> DatasetInfo:
-  """Returns the `DatasetInfo` of `config.data`, preparing the dataset if needed.
-
-  Preparation (`download_and_prepare`) only happens for builders that work
-  offline (see `config.data.prepare`).
+  """The :class:`DatasetInfo` of ``config.data``, preparing the dataset if it works offline.
 
   Raises:
-    ValueError: invalid config field (e.g. `bad_images`) or split.
-    FileNotFoundError: dataset not prepared and not preparable offline,
-      missing manual files (message says how to get them).
+    ValueError: an invalid config field or split.
+    FileNotFoundError: not prepared and not preparable offline, or missing manual files.
     KeyError / TypeError: missing or unsupported image / label feature.
   """
   _validate(data_cfg)
@@ -168,15 +147,10 @@ def get_info(data_cfg) -> DatasetInfo:
 class TrainIterator:
   """Infinite iterator of this process's training batches (numpy dicts).
 
-  `next()` raises `BadImageError` (a ValueError naming the files) when an
-  image cannot be decoded (`config.data.bad_images='fail'`); the iterator is
-  unusable afterwards.
-
-  Attributes:
-    dataset: the underlying batched `tf.data.Dataset`.
-    local_batch_size: b = global_batch_size // process_count.
-    examples_per_epoch: examples of this process's part of the train split.
-    start_epoch, start_offset: where the stream (re)started.
+  ``next()`` raises ``BadImageError`` (a ValueError naming the files) for an undecodable image
+  in 'fail' mode; the iterator is unusable afterwards. Attributes: ``dataset``,
+  ``local_batch_size``, ``examples_per_epoch`` (this process's), ``start_epoch``,
+  ``start_offset``.
   """
 
   def __init__(self, dataset: tf.data.Dataset, local_batch: int,
@@ -198,13 +172,11 @@ class TrainIterator:
 
 
 class _TrainMaps:
-  """The per-example and per-batch maps of the training pipeline, keyed by element ids
-  (epoch * 2**32 + index in epoch) so that every augmentation is a function of (seed, id).
+  """Per-example and per-batch maps of the training pipeline, keyed by element id
+  (epoch * 2**32 + index) so that every augmentation is a function of (seed, id).
 
-  per_example: decode; unless `vectorized`, also crop/flip/resize (`preprocess.train_image`)
-    and RandAugment on the uint8 image; multi-hot label sets.
-  per_batch: when `vectorized`, flip and resize whole batches; one-hot targets, normalization,
-    then timm's order for T2T-ViT: Mixup / CutMix of the batch, random erasing of each image.
+  Order as timm's loader: crop / flip / resize, RandAugment (uint8), normalization, then per
+  batch Mixup / CutMix and random erasing; flip and resize run per batch when ``vectorized``.
   """
 
   def __init__(self, data_cfg, source, encoded: bool, vectorized: bool, *, augment_key,
@@ -278,70 +250,29 @@ def create_train_iterator(data_cfg, global_batch_size: int, seed: int,
                           process_index: Optional[int] = None,
                           process_count: Optional[int] = None
                           ) -> TrainIterator:
-  """Infinite iterator over this process's training batches.
+  """Infinite iterator over this process's training batches (``b`` = global / process count).
 
-  Yields dicts of numpy arrays, b = global_batch_size // process_count:
-    'image':  float32 [b, S, S, 3]; in [-1, 1] for normalization
-              'minus_one_to_one', (x/255 - mean)/std for 'imagenet'.
-    'labels': float32 [b, C]; one-hot (ClassLabel) or multi-hot
-              (Sequence(ClassLabel)) targets in {0, 1}; with Mixup / CutMix,
-              lam * y + (1 - lam) * y_reversed.
+  Yields ``'image'`` float32 ``[b, S, S, 3]`` (normalized per ``config.data.normalization``) and
+  ``'labels'`` float32 ``[b, C]`` one-/multi-hot (mixed with Mixup / CutMix).
 
-  Pipeline (as the official vit_jax input_pipeline, plus determinism):
-  this process reads `tfds.split_for_jax_process(train_split)` (even split
-  over processes, no example dropped); epoch e (e = 0, 1, ...) is shuffled at
-  the file level (tfds `shuffle_files`, `ReadConfig(shuffle_seed=...)`; the
-  file list for image folders) and with `shuffle(config.shuffle_buffer)`,
-  both seeded by fold_in(seed, e) (each epoch refills the buffer: no mixing
-  across epochs); images are decoded (Inception crop fused with JPEG
-  decoding), augmented with `config.augment` using stateless random ops
-  seeded by (seed, e, index in epoch), resized to S (bilinear), normalized;
-  epochs are concatenated and batched (drop_remainder=True: batches may
-  straddle epochs, nothing is dropped), then prefetched. When all images
-  have one static size (e.g. Fashion-MNIST) and augment != 'inception_crop',
-  resize / flip / one-hot / normalization run on whole batches (flip
-  seeded by the batch's first element), which is ~10x faster in tf.data.
-  The T2T-ViT recipe's extras (`vit_jax.data.augment`), when configured, in
-  the order of timm's loader: RandAugment on each cropped and flipped image;
-  after normalization, Mixup / CutMix of each batch with its reverse (seeded
-  by the batch's first element), then random erasing of each image.
+  As the official vit_jax input pipeline, plus determinism: ``tfds.split_for_jax_process``; each
+  epoch shuffled (files and ``shuffle_buffer``) with ``fold_in(seed, epoch)``; augmentations
+  stateless, seeded by (seed, epoch, index); epochs concatenated, batches may straddle them.
+  Whole batches are resized / flipped when all images have one static size.
 
-  Resume: the example stream is a deterministic function of (seed, dataset
-  files, split, process_count, process_index, shuffle_buffer, cache, augment
-  settings, image_size). `start_step=k` starts at epoch (k*b) // n and skips
-  (k*b) % n examples of it (n = examples of this process's split), so the
-  batches are EXACTLY steps k, k+1, ... of an uninterrupted run with the same
-  global batch size and those settings (augmentations included; tested).
-  Cost: the skip reads (but does not decode/augment) up to one epoch of
-  records; with cache=True the cache is filled first as usual.
-
-  Host memory: one INFO line at the start gives this process's estimate of
-  the shuffle buffer (and the cache), a WARNING when it exceeds half of the
-  host's RAM (`vit_jax.data.memory`; reads up to 16 images to measure
-  them).
-
-  Undecodable images (`config.data.bad_images`): 'fail' makes `next()` raise
-  `BadImageError` when one is reached (image folders: naming every
-  undecodable file of this process's split, found by a validation pass);
-  'skip' leaves them out of image folders up front (the stream above is then
-  that of the folder without them) and drops them from tfds datasets while
-  decoding (ignore_errors: resuming is exact only if none was dropped
-  before the resume step).
+  Resume: the stream is a function of (seed, files, split, process count and index, buffer,
+  cache, augment settings, image size); ``start_step=k`` skips ``k*b`` examples, so the batches
+  are exactly steps k, k+1, ... of an uninterrupted run (tested). The skip reads, but does not
+  decode, up to one epoch. ``bad_images='skip'`` on tfds data keeps resuming exact only if no
+  image was dropped before the resume step. Logs the host-memory estimate (docs/data.md).
 
   Args:
-    data_cfg: `config.data` (see `vit_jax.config.defaults.data_config`).
-    global_batch_size: batch size summed over all processes.
-    seed: python int, the data seed.
-    start_step: number of training steps already taken (for resuming).
-    process_index, process_count: default to `jax.process_index()` /
-      `jax.process_count()` (overridable for tests / tools).
+    data_cfg: ``config.data``; global_batch_size: over all processes; seed: the data seed;
+    start_step: steps already taken; process_index, process_count: default to jax's.
 
   Raises:
-    ValueError: global_batch_size not a multiple of process_count, invalid
-      config, empty split.
-    Plus the errors of `get_info` (dataset missing / not preparable).
-    BadImageError (a ValueError), from `next()`: an undecodable image, in
-      'fail' mode.
+    ValueError: batch size not a multiple of process_count, invalid config, empty split; and
+      :func:`get_info`'s errors. ``BadImageError`` from ``next()`` in 'fail' mode.
   """
   _validate(data_cfg)
   pi, pc = _processes(process_index, process_count)
@@ -402,20 +333,12 @@ def create_train_iterator(data_cfg, global_batch_size: int, seed: int,
 
 
 class EvalDataset:
-  """Re-iterable eval data: each `iter()` is one full pass, same order.
+  """Re-iterable eval data: each ``iter()`` is one full pass, in the same order.
 
-  Yields dicts of numpy arrays (b = global_batch_size // process_count):
-    'image':  float32 [b, S, S, 3] (same normalization as training),
-    'labels': float32 [b, C] one-/multi-hot,
-    'mask':   bool [b]; False for padding (and unlabeled ReaL images).
-  Iterating raises `BadImageError` (a ValueError naming the files) when an
-  image cannot be decoded (`config.data.bad_images='fail'`).
-
-  Attributes:
-    dataset: the batched `tf.data.Dataset`.
-    num_batches: batches per pass, identical on every process (`len()`).
-    num_examples: real examples of this process's part of the split.
-    local_batch_size: b.
+  Yields ``'image'`` float32 ``[b, S, S, 3]``, ``'labels'`` float32 ``[b, C]`` and ``'mask'``
+  bool ``[b]`` (False for padding and unlabeled ReaL images). Iterating raises
+  ``BadImageError`` in 'fail' mode. Attributes: ``dataset``, ``num_batches`` (equal on every
+  process, ``len()``), ``num_examples`` (this process's), ``local_batch_size``.
   """
 
   def __init__(self, dataset: tf.data.Dataset, num_batches: int,
@@ -444,42 +367,17 @@ def create_eval_dataset(data_cfg, global_batch_size: int, *,
                         split: Optional[str] = None,
                         process_index: Optional[int] = None,
                         process_count: Optional[int] = None) -> EvalDataset:
-  """Eval batches of this process's part of `config.data.eval_split`.
+  """Eval batches (:class:`EvalDataset`) of this process's part of ``split`` (or ``eval_split``).
 
-  Every example of the split is yielded exactly once over all processes (the
-  split is divided with `tfds.even_splits(..., drop_remainder=False)`); the
-  last batch is padded with zero examples with mask=False, and processes with
-  fewer examples get extra fully-masked batches, so every process yields
-  `len(eval_ds) = ceil(max_p n_p / b)` batches (no multi-host deadlock). An
-  empty split (e.g. 'train[99%:]' of a tiny test set) logs a warning and
-  yields one fully-masked batch.
-  Images are resized to S x S (bilinear, whole image, no crop) as in the
-  official vit_jax eval pipeline, or with `config.eval_crop_pct` set, resized
-  and centre-cropped as timm / T2T-ViT do (`preprocess.resize_and_center_crop`).
-  For ImageNet ReaL ('real_label'), images with no label get mask=False
-  (skipped, as in the ViT paper).
-
-  Undecodable images (`config.data.bad_images`): 'fail' makes iterating
-  raise `BadImageError` naming them (image folders: all undecodable files
-  of this process's part of the split); 'skip' leaves them out of image
-  folders up front and drops them from tfds datasets while decoding (the
-  batches are then padded to the same `len(eval_ds)`; `num_examples`
-  counts the dropped ones too).
-
-  Args:
-    data_cfg: `config.data`.
-    global_batch_size: batch size summed over processes.
-    split: overrides `config.data.eval_split` (e.g. to evaluate 'train[:1%]').
-    process_index, process_count: default to jax's.
-
-  Returns:
-    `EvalDataset` (see its docstring for the batch format).
+  Every example is yielded once over all processes (``tfds.even_splits``); the last batch is
+  padded with masked zeros and every process yields ``ceil(max_p n_p / b)`` batches (no
+  multi-host deadlock); an empty split gives one masked batch and a warning. Images are resized
+  to S x S (official vit_jax), or with ``eval_crop_pct`` resized and centre-cropped (timm).
+  With ``bad_images='skip'`` dropped images still count in ``num_examples``.
 
   Raises:
-    ValueError: global_batch_size not a multiple of process_count, bad split
-      or config. Plus the errors of `get_info`.
-    BadImageError (a ValueError), while iterating: an undecodable image, in
-      'fail' mode.
+    ValueError: batch size not a multiple of process_count, bad split or config; and
+      :func:`get_info`'s errors. ``BadImageError`` while iterating in 'fail' mode.
   """
   _validate(data_cfg)
   pi, pc = _processes(process_index, process_count)

@@ -1,20 +1,10 @@
 """Per-example image / label preprocessing (TensorFlow ops, used in tf.data).
 
-Reproduces the official vit_jax `input_pipeline`:
-
-* training, `augment='inception_crop'`: Inception-style random crop
-  (`sample_distorted_bounding_box`, area in [min_area, 1], aspect ratio in
-  [3/4, 4/3], whole image when no box is found), bilinear resize to S x S,
-  random left-right flip;
-* training, `augment='pad_crop'`: random translation (each image padded with
-  P zero pixels on every side and cropped back at a random offset: the random
-  crop with padding of the CIFAR / MNIST recipes), resize, random flip;
-* eval: bilinear resize of the whole image to S x S (no center crop);
-* pixels mapped to [-1, 1] (`x / 127.5 - 1`), or ImageNet mean/std.
-
-All randomness is *stateless*, keyed by a per-example seed, so that
-augmentations are a deterministic function of (seed, epoch, index in epoch)
-and do not depend on tf.data threading or on where a run was resumed.
+Reproduces the official vit_jax ``input_pipeline``: training 'inception_crop' (area in
+[min_area, 1], aspect in [3/4, 4/3]) or 'pad_crop' (random translation), bilinear resize to
+S x S, random flip; eval a bilinear resize of the whole image; pixels to [-1, 1] or ImageNet
+mean/std. Randomness is stateless, keyed by (seed, epoch, index in epoch), so augmentations do
+not depend on tf.data threading or on where a run resumed.
 """
 
 from __future__ import annotations
@@ -47,24 +37,11 @@ def to_rgb(image: tf.Tensor) -> tf.Tensor:
 
 
 def decode_rgb(image: tf.Tensor, encoded: bool) -> tf.Tensor:
-  """Returns a uint8 [H, W, 3] image.
+  """uint8 ``[H, W, 3]`` from encoded bytes (tf.string, if ``encoded``) or an ``[H, W, C]`` tensor.
 
-  Args:
-    image: encoded PNG/JPEG/BMP/GIF bytes (tf.string scalar) if `encoded`,
-      else an image tensor [H, W, C], C in {1, 3, 4}, any dtype (non-uint8 is
-      converted with `tf.image.convert_image_dtype`, i.e. floats in [0, 1]).
-    encoded: see above.
-
-  Grayscale images become 3 identical channels; alpha is dropped. Encoded
-  images are recognised by content, not file name (a PNG named .jpg is
-  fine); TensorFlow's decoders also convert CMYK / YCCK JPEGs (Adobe
-  inverted CMYK included) to RGB, expand palette PNGs and scale 16-bit PNGs
-  to uint8 (all tested in tests/reliability/test_bad_data.py).
-
-  Raises:
-    tf.errors.InvalidArgumentError (when run, e.g. inside tf.data): the bytes
-      are not a decodable image; the pipelines turn it into
-      `sources.BadImageError` or skip the image (`config.data.bad_images`).
+  C in {1, 3, 4}; non-uint8 via ``convert_image_dtype`` (floats in [0, 1]); gray repeated, alpha
+  dropped. Recognised by content, not name; CMYK JPEGs, palette and 16-bit PNGs are converted.
+  Raises ``tf.errors.InvalidArgumentError`` when run on undecodable bytes.
   """
   if encoded:
     img = tf.io.decode_image(image, channels=3, expand_animations=False)
@@ -91,16 +68,9 @@ def _crop_window(shape: tf.Tensor, seed: tf.Tensor,
 
 def inception_crop(image: tf.Tensor, encoded: bool, seed: tf.Tensor,
                    min_area: float) -> tf.Tensor:
-  """Inception-style random crop (not resized); returns uint8 [h, w, 3].
+  """Inception-style random crop (not resized), uint8 ``[h, w, 3]``; fused with JPEG decoding.
 
-  For JPEG bytes the crop is fused with decoding (`decode_and_crop_jpeg`),
-  like the official vit_jax / big_vision pipelines.
-
-  Args:
-    image: encoded bytes or decoded uint8 [H, W, 3] (see `decode_rgb`).
-    encoded: whether `image` is encoded bytes.
-    seed: int32/int64 [2] stateless seed.
-    min_area: minimum crop area fraction, in (0, 1].
+  ``seed``: int32/int64 ``[2]`` stateless seed; ``min_area``: in (0, 1].
   """
   if not encoded:
     image = decode_rgb(image, encoded=False)
@@ -121,9 +91,7 @@ def inception_crop(image: tf.Tensor, encoded: bool, seed: tf.Tensor,
 
 
 def resize(image: tf.Tensor, size: int) -> tf.Tensor:
-  """Bilinear resize of [H, W, 3] or [B, H, W, 3] to float32 [(B,) size, size, 3].
-
-  Values stay in [0, 255]. Images already of static size `size` are only cast.
+  """Bilinear resize of ``[(B,) H, W, 3]`` to float32 ``[(B,) size, size, 3]``, values in [0, 255].
   """
   if tuple(image.shape[-3:-1]) == (size, size):
     return tf.cast(image, tf.float32)
@@ -132,14 +100,10 @@ def resize(image: tf.Tensor, size: int) -> tf.Tensor:
 
 
 def normalize(image: tf.Tensor, normalization: str) -> tf.Tensor:
-  """Maps float pixels in [0, 255] to model inputs.
+  """Float pixels in [0, 255] to model inputs.
 
-  'minus_one_to_one': x / 127.5 - 1, in [-1, 1] (ViT / official vit_jax).
-  'imagenet': (x / 255 - mean) / std with the ImageNet mean / std (T2T-ViT),
-  in about [-2.118, 2.640].
-
-  Raises:
-    ValueError: unknown normalization.
+  'minus_one_to_one': ``x / 127.5 - 1`` (ViT); 'imagenet': ``(x / 255 - mean) / std`` (T2T-ViT).
+  Raises ValueError for another name.
   """
   if normalization == 'minus_one_to_one':
     return image / 127.5 - 1.
@@ -151,13 +115,10 @@ def normalize(image: tf.Tensor, normalization: str) -> tf.Tensor:
 
 
 def pad_crop(images: tf.Tensor, seed: tf.Tensor, pixels: int) -> tf.Tensor:
-  """Random translation of `[B, H, W, C]` images (or one `[H, W, C]` image): each is padded
-  with `pixels` zeros on every side and cropped back to H x W at its own random offset in
-  [0, 2 * pixels] per axis (torchvision's `RandomCrop(size, padding=pixels)`).
+  """Random translation of ``[B, H, W, C]`` (or ``[H, W, C]``) by up to ``pixels`` per axis.
 
-  Args:
-    images: uint8 or float images; seed: int64 [2] stateless seed (of the batch).
-    pixels: the largest shift, > 0.
+  Each image is zero-padded by ``pixels`` and cropped back at its own offset (torchvision's
+  ``RandomCrop(size, padding=pixels)``); ``seed``: int64 ``[2]``.
   """
   single = images.shape.rank == 3
   if single:
@@ -176,22 +137,11 @@ def train_image(image: tf.Tensor, *, encoded: bool,
                 seed: Optional[tf.Tensor], size: int, augment: str,
                 min_area: float, normalization: Optional[str],
                 pad_pixels: int = 4) -> tf.Tensor:
-  """Decodes + augments one training image -> float32 [size, size, 3].
+  """Decodes + augments one training image -> float32 ``[size, size, 3]``.
 
-  Args:
-    image: encoded bytes or decoded image (see `decode_rgb`).
-    encoded: whether `image` is encoded bytes.
-    seed: int64 [2] stateless seed of this example (unused, may be None, for
-      augment='none').
-    size: output side S.
-    augment: 'inception_crop' | 'pad_crop' | 'flip' | 'none'.
-    min_area: Inception crop minimum area fraction.
-    pad_pixels: the largest shift of 'pad_crop' (`pad_crop`).
-    normalization: see `normalize`; None: return pixels in [0, 255] (the
-      pipeline then normalizes whole batches at once, which is faster).
-
-  Raises:
-    ValueError: unknown `augment` or `normalization`.
+  ``augment``: 'inception_crop' | 'pad_crop' | 'flip' | 'none' (``seed`` int64 ``[2]``, may be
+  None for 'none'). ``normalization=None`` returns pixels in [0, 255] (the pipeline normalizes
+  whole batches). Raises ValueError for an unknown ``augment`` or ``normalization``.
   """
   if augment not in ('inception_crop', 'pad_crop', 'flip', 'none'):
     raise ValueError(f'Unknown config.data.augment={augment!r}; use '
@@ -213,16 +163,11 @@ def train_image(image: tf.Tensor, *, encoded: bool,
 
 def resize_and_center_crop(image: tf.Tensor, size: int,
                            crop_pct: float) -> tf.Tensor:
-  """timm's eval transform: [(B,) H, W, 3] -> float32 [(B,) size, size, 3].
+  """timm's eval transform: ``[(B,) H, W, 3]`` -> float32 ``[(B,) size, size, 3]`` in [0, 255].
 
-  Resizes the shorter side to floor(size / crop_pct) (the longer one in
-  proportion, truncated, as torchvision's `Resize(int)`), bicubic with
-  antialiasing (close to PIL's), then takes the central size x size crop
-  (offsets rounded as torchvision's `CenterCrop`). Values stay in [0, 255].
-  T2T-ViT evaluates with crop_pct 0.9 (224 px: resize to 248, crop 224).
-
-  Raises:
-    ValueError: crop_pct not in (0, 1].
+  Shorter side to ``floor(size / crop_pct)`` (torchvision ``Resize(int)``), bicubic with
+  antialiasing, then the central crop (torchvision ``CenterCrop`` rounding). Raises ValueError
+  for ``crop_pct`` not in (0, 1].
   """
   if not 0. < crop_pct <= 1.:
     raise ValueError(f'config.data.eval_crop_pct={crop_pct} must be in (0, 1].')
@@ -244,11 +189,10 @@ def resize_and_center_crop(image: tf.Tensor, size: int,
 def eval_image(image: tf.Tensor, *, encoded: bool, size: int,
                normalization: Optional[str],
                crop_pct: Optional[float] = None) -> tf.Tensor:
-  """Decodes + resizes one eval image -> float32 [size, size, 3].
+  """Decodes + resizes one eval image -> float32 ``[size, size, 3]``.
 
-  `crop_pct=None`: bilinear resize of the whole image (the official ViT
-  eval); else `resize_and_center_crop` (timm / T2T-ViT).
-  `normalization=None` returns pixels in [0, 255] (see `normalize`).
+  ``crop_pct=None``: bilinear resize of the whole image (official ViT), else
+  :func:`resize_and_center_crop`. ``normalization=None``: pixels in [0, 255].
   """
   image = decode_rgb(image, encoded)
   if crop_pct is None:
@@ -260,10 +204,7 @@ def eval_image(image: tf.Tensor, *, encoded: bool, size: int,
 
 
 def targets(label: tf.Tensor, num_classes: int, multi_label: bool) -> tf.Tensor:
-  """float32 [num_classes] one-hot (int label) or multi-hot (int [n] labels).
-
-  An empty label set gives all zeros.
-  """
+  """float32 ``[num_classes]`` one-hot (int label) or multi-hot (int ``[n]``; empty: zeros)."""
   label = tf.cast(label, tf.int32)
   if multi_label:
     hot = tf.reduce_sum(tf.one_hot(label, num_classes, dtype=tf.float32), 0)
@@ -272,10 +213,7 @@ def targets(label: tf.Tensor, num_classes: int, multi_label: bool) -> tf.Tensor:
 
 
 def fold_in(key: tf.Tensor, data) -> tf.Tensor:
-  """New int64 [2] key from `key` and an integer (both halves random).
-
-  (`stateless_fold_in` alone returns keys of the form [x, 0].)
-  """
+  """New int64 ``[2]`` key from ``key`` and an integer; both halves random (unlike tf's fold_in)."""
   folded = tf.random.experimental.stateless_fold_in(key, data)
   return tf.random.stateless_uniform([2], seed=folded, minval=None,
                                      maxval=None, dtype=tf.int64)

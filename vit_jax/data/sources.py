@@ -1,25 +1,12 @@
-"""Dataset sources: resolve `config.data` to a tfds builder and read splits.
+"""Dataset sources: resolve ``config.data`` to a tfds builder and read splits.
 
-Three kinds of sources are supported, all exposed as a `Source`:
-
-* a registered tfds name (`tfds.builder(name, data_dir=...)`), prepared on
-  demand only when that is possible offline;
-* a directory of a prepared tfds dataset (`tfds.builder_from_directory`);
-* an image folder `root/<split>/<class>/*.{jpg,jpeg,png}`
-  (`tfds.folder_dataset.ImageFolder`).
-
-A `Source` reads a split (any tfds split spec, including slices such as
-'train[:98%]' and `tfds.even_splits` sub-splits) as a `tf.data.Dataset` of
-`{'image': ..., 'label': ...}` where the image is either the *encoded* bytes
-(tf.string, decoded later, after shuffling, so that shuffle buffers stay
-small and decoding can fuse with cropping) or an already decoded uint8
-[H, W, 3] tensor.
-
-Images that cannot be decoded (`config.data.bad_images`): `find_undecodable`
-finds them among files with one parallel decoding pass; in 'skip' mode an
-image folder's undecodable files are left out when its `Source` is made, and
-`Source.bad_image_error` turns a decoding error of the pipeline into a
-`BadImageError` naming the files.
+A :class:`Source` is a registered tfds name (prepared on demand only when possible offline),
+a prepared tfds directory (``tfds.builder_from_directory``) or an image folder
+``root/<split>/<class>/*.{jpg,jpeg,png}``. It reads any tfds split spec as
+``{'image', 'label'}`` with the image either encoded (tf.string, decoded after the shuffle so
+buffers stay small and decoding fuses with cropping) or decoded uint8 ``[H, W, 3]``.
+Undecodable images (``config.data.bad_images``): :func:`find_undecodable`,
+:meth:`Source.bad_image_error`.
 """
 
 from __future__ import annotations
@@ -51,19 +38,12 @@ _DECODE_ERROR_RE = re.compile(
 
 
 class BadImageError(ValueError):
-  """Images of the dataset cannot be decoded (`config.data.bad_images='fail'`).
+  """Images of the dataset cannot be decoded (``config.data.bad_images='fail'``).
 
-  Raised (from the original `tf.errors.OpError`) by the train iterator and by
-  iterating an eval dataset. The message names the dataset and split, the bad
-  files (the first `MAX_NAMED_FILES` of them and their count; image folders)
-  or TensorFlow's message (tfds datasets, whose records have no file name),
-  and the fix.
-
-  Attributes:
-    paths: all undecodable files found in the split being read (image
-      folders), in file order; [] for tfds datasets.
-    dataset: image folder root or tfds dataset name.
-    split: the split being read (as configured, e.g. 'train[:90%]').
+  Raised from the ``tf.errors.OpError`` by the train iterator and eval iteration; the message
+  names the dataset, split, bad files (image folders) or TensorFlow's message (tfds), and the fix.
+  Attributes: ``paths`` (all undecodable files of the split, file order; [] for tfds),
+  ``dataset``, ``split``.
   """
 
   def __init__(self, message: str, *, paths: Sequence[str] = (),
@@ -93,12 +73,9 @@ def _name_files(paths: Sequence[str], root: Optional[str] = None,
 
 
 def _decode_check(contents: tf.Tensor) -> tf.Tensor:
-  """Decodes encoded image bytes fully, as the pipelines do; int32 [2].
+  """Decodes image bytes as the pipelines do (plus the JPEG header parse of the fused crop).
 
-  `tf.io.decode_image(channels=3)` (what eval and the non-JPEG paths run),
-  plus, for JPEGs, the header parse of the fused Inception crop
-  (`tf.image.extract_jpeg_shape`). Raises (inside tf.data) when either fails.
-  Returns (height, width).
+  Returns int32 ``[2]`` (height, width); raises inside tf.data when either fails.
   """
   image = tf.io.decode_image(contents, channels=3, expand_animations=False)
   hw = tf.shape(image)[:2]
@@ -110,22 +87,10 @@ def _decode_check(contents: tf.Tensor) -> tf.Tensor:
 
 def find_undecodable(paths: Sequence[str],
                      num_parallel_calls: int = -1) -> List[str]:
-  """Returns the files among `paths` that cannot be read and decoded.
+  """The files among ``paths`` (local or any tf.io.gfile path) that cannot be read and decoded.
 
-  One parallel tf.data pass: every file is read and fully decoded the way the
-  input pipelines decode it (see `_decode_check`); the files whose reading or
-  decoding raises (corrupt, truncated, empty, not an image, unreadable) are
-  the bad ones. Valid grayscale / CMYK JPEGs and RGBA / palette / 16-bit PNGs
-  (whatever their file name) pass. Cost: one full decode per image, the
-  work of one epoch of decoding, scaling with the CPU cores (docs/benchmarks.md
-  has measured rates).
-
-  Args:
-    paths: file paths (str), local or any tf.io.gfile filesystem.
-    num_parallel_calls: files decoded in parallel; -1 = tf.data.AUTOTUNE.
-
-  Returns:
-    The bad paths (str), in the order of `paths`.
+  One parallel tf.data pass decoding each file as the pipelines do; order of ``paths`` kept.
+  ``num_parallel_calls``: -1 = AUTOTUNE.
   """
   paths = list(paths)
   if not paths:
@@ -191,16 +156,9 @@ _UNDECODABLE_CACHE: Dict[Tuple[str, Tuple[str, ...]], Tuple[str, ...]] = {}
 
 def _drop_undecodable(root: str, examples: Dict[str, list]
                       ) -> Tuple[Dict[str, list], Tuple[str, ...]]:
-  """Leaves the undecodable files out of an image folder's split examples.
+  """``(examples without the undecodable files, bad paths)`` of an image folder's split examples.
 
-  Args:
-    root: the folder.
-    examples: split name -> list of tfds ImageFolder examples (.image_path).
-
-  Returns:
-    (the filtered examples, order kept; the bad paths). The first time (per
-    folder and process) logs one warning naming them, and info lines on the
-    validation pass and its speed.
+  Logs one warning naming them, the first time per folder and process.
   """
   paths = tuple(e.image_path for exs in examples.values() for e in exs)
   key = (root, paths)
@@ -232,12 +190,10 @@ class LabelSpec:
 
   Attributes:
     key: feature name holding the labels.
-    num_classes: number of classes C (targets have shape [C]).
-    multi_label: True for a Sequence(ClassLabel) feature (multi-hot targets).
-    mask_unlabeled_eval: eval examples with an empty label set get mask=False
-      (ImageNet ReaL: unlabeled images are skipped, as in the ViT paper).
-    names: the class names in label order (the ClassLabel feature's names: an
-      image folder's class folders, sorted), C strings.
+    num_classes: C (targets have shape ``[C]``).
+    multi_label: a ``Sequence(ClassLabel)`` feature (multi-hot targets).
+    mask_unlabeled_eval: eval examples with an empty label set get mask=False (ImageNet ReaL).
+    names: the C class names in label order.
   """
   key: str
   num_classes: int
@@ -307,12 +263,9 @@ def _prepare(builder, name: str, data_cfg) -> None:
 class Source:
   """A dataset to read: a tfds builder (or image folder) + label handling.
 
-  Attributes:
-    builder, name, image_key, label: the tfds builder, the dataset name (or
-      image folder root), the image feature and the `LabelSpec`.
-    bad_images: `config.data.bad_images` ('fail' or 'skip').
-    skipped_images: image folders in 'skip' mode: the undecodable files left
-      out of all splits (paths, in file order); else ().
+  Attributes: ``builder``, ``name`` (or folder root), ``image_key``, ``label``
+  (:class:`LabelSpec`), ``bad_images`` ('fail' / 'skip'), ``skipped_images`` (image folders in
+  'skip' mode: undecodable files left out, file order; else ()).
   """
 
   def __init__(self, builder, name: str, image_key: str, label: LabelSpec,
@@ -333,11 +286,7 @@ class Source:
 
   @property
   def num_skipped_images(self) -> Optional[int]:
-    """Images left out as undecodable; None if not known in advance.
-
-    Image folders: len(skipped_images) (0 in 'fail' mode). tfds datasets: 0
-    in 'fail' mode, None in 'skip' mode (dropped while reading).
-    """
+    """Images left out as undecodable; None for tfds in 'skip' mode (not known in advance)."""
     if self.is_image_folder or self.bad_images == 'fail':
       return len(self.skipped_images)
     return None
@@ -349,10 +298,9 @@ class Source:
             self._image_is_encoded)
 
   def drop_undecodable(self, ds: tf.data.Dataset) -> tf.data.Dataset:
-    """`ds.ignore_errors(log_warning=True)` if `drops_undecodable`, else `ds`.
+    """``ds.ignore_errors(log_warning=True)`` if ``drops_undecodable``, else ``ds``.
 
-    Apply right after a map that decodes images: examples whose decoding
-    (or anything else in that map) raises are dropped, with a warning each.
+    Apply right after the decoding map: examples whose map raises are dropped.
     """
     return ds.ignore_errors(log_warning=True) if self.drops_undecodable else ds
 
@@ -363,21 +311,11 @@ class Source:
   def bad_image_error(self, error: Exception, split: SplitArg,
                       split_name: Optional[str] = None
                       ) -> Optional[BadImageError]:
-    """Explains `error`, raised while reading `split`, as a `BadImageError`.
+    """Explains ``error`` (a ``tf.errors.OpError`` from reading ``split``) as a ``BadImageError``.
 
-    Image folders: runs `find_undecodable` over the files of `split` (one
-    decoding pass) and names them. tfds datasets: names the dataset, the
-    split and TensorFlow's message (records have no file names).
-
-    Args:
-      error: the TensorFlow error (`tf.errors.OpError`) raised by iterating.
-      split: the split that was read (spec or sub-split object).
-      split_name: how to call it in the message (default: str(split)).
-
-    Returns:
-      The `BadImageError` to raise (from `error`), or None when `error` is
-      not a decoding error (its message does not look like one, or no file of
-      the split is undecodable): re-raise `error` then.
+    Image folders: runs :func:`find_undecodable` over the split's files and names them; tfds:
+    names the dataset, split and TensorFlow's message. Returns None when ``error`` is not a
+    decoding error (re-raise it then).
     """
     if not _DECODE_ERROR_RE.search(str(error)):
       return None
@@ -441,20 +379,11 @@ class Source:
   def read(self, split: SplitArg, *, decode: bool,
            shuffle_files: bool = False,
            file_seed: Optional[tf.Tensor] = None) -> tf.data.Dataset:
-    """Reads `split` as a finite dataset of {'image', 'label'} dicts.
+    """Reads ``split`` as a finite, deterministic (for a seed) dataset of ``{'image', 'label'}``.
 
-    Args:
-      split: tfds split spec or sub-split object.
-      decode: if True, 'image' is a decoded uint8 [H, W, 3] tensor; else it may
-        be the encoded bytes (tf.string), to be decoded with
-        `preprocess.decode_rgb` (or fused crop-decoding).
-      shuffle_files: shuffle the file (tfds shard / image file) order.
-      file_seed: int64 seed (python int or scalar tensor) of that shuffle.
-
-    Returns:
-      `tf.data.Dataset` of {'image': tf.string or uint8 [H, W, 3],
-      'label': int64 [] or int64 [None] (multi-label)}; deterministic order
-      for a given seed.
+    ``decode``: 'image' decoded uint8 ``[H, W, 3]``, else possibly encoded tf.string (decode with
+    ``preprocess.decode_rgb``). ``shuffle_files`` / ``file_seed`` (int64): shuffle the file order.
+    'label' is int64 ``[]`` or ``[None]`` (multi-label).
     """
     if self.is_image_folder:
       paths, labels = [], []
@@ -620,18 +549,15 @@ _SOURCES = {}
 
 
 def get_source(data_cfg) -> Source:
-  """Returns the (memoized) `Source` for `config.data`, preparing if needed.
+  """The (memoized) :class:`Source` for ``config.data``, preparing if needed.
 
-  In 'skip' mode (`config.data.bad_images`) an image folder is validated
-  here, the first time (see `find_undecodable`).
+  In 'skip' mode an image folder is validated here, the first time.
 
   Raises:
-    FileNotFoundError: dataset not prepared and cannot be prepared offline,
-      missing image folder / builder directory / manual files; in 'fail'
-      mode, image files that are links to nothing (named).
+    FileNotFoundError: dataset not prepared and not preparable offline, a missing folder /
+      builder directory / manual files; in 'fail' mode, dangling image links.
     KeyError, TypeError: unusable image or label feature.
-    ValueError: invalid `config.data.bad_images`; an image folder's file
-      name that is not UTF-8 (named, with the fix).
+    ValueError: invalid ``bad_images``; a file name that is not UTF-8.
   """
   config_lib.check_value('data.bad_images', data_cfg.bad_images)
   key = _config_key(data_cfg)

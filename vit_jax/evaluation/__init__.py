@@ -2,7 +2,8 @@
 
 Each process reads its part of the eval split, padded to whole batches with masked examples
 (`vit_jax.data.create_eval_dataset`); the compiled eval step (`vit_jax.step.make_eval_step`)
-returns sums over the real examples, which are added up here. A prediction is a hit when its top
+returns sums over the real examples, which are added up here (`sum_batches`, the evaluator that
+the trainer and `python -m vit_jax.evaluate` run). A prediction is a hit when its top
 class is among the true labels: top-1 accuracy, or precision@1 for multi-label data.
 
 The package's other modules: `fewshot` (few-shot linear evaluation: its tasks and evaluator),
@@ -15,7 +16,7 @@ from __future__ import annotations
 
 import itertools
 import re
-from typing import Any
+from typing import Any, Callable, Iterable, Optional
 
 from absl import logging
 import jax
@@ -54,17 +55,30 @@ def eval_sets(config: ml_collections.ConfigDict, info: data.DatasetInfo) -> dict
   return evals
 
 
-def evaluate(state, evals: dict[str, Any], with_ema: bool, run_step, to_global,
-             step: int) -> dict[str, float]:
-  """Every example of every eval set exactly once, with the parameters and (if kept) their
-  EMA as '<split>_ema/...'.
+def sum_batches(predict: Callable[[Any, dict], Any], state, batches: Iterable[dict],
+                on_batch: Optional[Callable[[int, dict, Any], None]] = None) -> dict[str, Any]:
+  """The evaluator: sums over `batches` (this process's padded, masked numpy batches) of
+  `predict(state, batch)`'s replicated sums (`vit_jax.step.eval_sums`; or `(sums, outputs)`),
+  fetched to the host; `on_batch(i, batch, what predict returned)` after each batch."""
+  totals: dict[str, Any] = {}
+  for i, batch in enumerate(batches):
+    outputs = predict(state, batch)
+    for k, v in jax.device_get(outputs[0] if isinstance(outputs, tuple) else outputs).items():
+      totals[k] = totals.get(k, 0) + v
+    if on_batch is not None:
+      on_batch(i, batch, outputs)
+  return totals
+
+
+def evaluate(predict: Callable[[Any, dict], Any], state, evals: dict[str, Any], *,
+             with_ema: bool, step: int) -> dict[str, float]:
+  """Every example of every eval set exactly once (`sum_batches`), with the parameters and (if
+  kept) their EMA as '<split>_ema/...'.
 
   Args:
+    predict: `(state, this process's numpy batch) -> sums` of `vit_jax.step.make_eval_step`.
     state: the train state (`vit_jax.step`); with_ema: also evaluate `state['ema_params']`.
-    evals: `eval_sets`' {name: (split, dataset)}; each dataset yields this process's padded,
-      masked batches (numpy).
-    run_step: `(state, global batch) -> sums` of `vit_jax.step.make_eval_step`, compiled.
-    to_global: this process's numpy batch -> the global `jax.Array` batch.
+    evals: `eval_sets`' {name: (split, dataset)}.
     step: for the log line.
 
   Returns:
@@ -79,10 +93,7 @@ def evaluate(state, evals: dict[str, Any], with_ema: bool, run_step, to_global,
   results = {}
   for (name, (split, eval_ds)), (suffix, weights_state) in itertools.product(
       evals.items(), weights.items()):
-    totals: dict[str, float] = {}
-    for batch in eval_ds:
-      for k, v in jax.device_get(run_step(weights_state, to_global(batch))).items():
-        totals[k] = totals.get(k, 0) + v
+    totals = sum_batches(predict, weights_state, eval_ds)
     count = int(totals.pop("count"))
     if count == 0:
       raise ValueError(f"The eval split '{split}' has no (labelled) examples; choose a "

@@ -12,38 +12,28 @@ evaluation (`vit_jax.evaluation.fewshot`).
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-from typing import Any, Callable, ContextManager, Iterable, Optional
+from typing import Any, Iterable, Optional
 
-import jax
 from jax.experimental import multihost_utils
 import numpy as np
 
+from vit_jax import step as step_lib
+
 
 class Featurizer:
-  """`vit_jax.step.Setup.jit_features_step`, compiled once per batch shape, on this process's
-  batches; outputs gathered onto every process as numpy (`process_allgather`).
+  """`vit_jax.step.Setup.jit_features_step` on this process's batches (compiled by `compiler`,
+  default a fresh `vit_jax.step.Compiler`); outputs gathered onto every process as numpy
+  (`process_allgather`)."""
 
-  Args:
-    setup: the `vit_jax.step.Setup` of the model.
-    compile_timer: `() -> context manager` around each compilation (e.g.
-      `lambda: accountant.timed('compile')`).
-  """
-
-  def __init__(self, setup: Any, compile_timer: Optional[Callable[[], ContextManager]] = None):
+  def __init__(self, setup: step_lib.Setup, compiler: Optional[step_lib.Compiler] = None):
     self._setup, self._jitted = setup, setup.jit_features_step()
-    self._timer = compile_timer or contextlib.nullcontext
-    self._compiled: dict[Any, Any] = {}
-
-  def to_global(self, local: np.ndarray) -> jax.Array:
-    """This process's `[b, ...]` rows -> the global `[B, ...]` array, batch-sharded."""
-    return jax.make_array_from_process_local_data(self._setup.batch_sharding, local)
+    self._compiler = compiler or step_lib.Compiler(setup)
 
   def gather(self, local: np.ndarray) -> np.ndarray:
     """This process's `[b, ...]` rows -> the global `[B, ...]` rows (numpy, every process),
     in the order of `features`' rows."""
-    return np.asarray(multihost_utils.process_allgather(self.to_global(local), tiled=True))
+    return np.asarray(multihost_utils.process_allgather(self._setup.to_global(local), tiled=True))
 
   def features(self, variables: dict[str, Any], images: np.ndarray) -> np.ndarray:
     """float32 [B, F] of the global batch whose local part is `images` [b, H, W, 3].
@@ -51,12 +41,7 @@ class Featurizer:
     Args:
       variables: `{'params', ['model_state']}` placed with `setup.variables_shardings`.
     """
-    images = self.to_global(images)
-    key = (images.shape, images.dtype)
-    if key not in self._compiled:
-      with self._timer():
-        self._compiled[key] = self._setup.compile(self._jitted, variables, images)
-    out = self._compiled[key](variables, images)
+    out = self._compiler(self._jitted, variables, self._setup.to_global(images))
     return np.asarray(multihost_utils.process_allgather(out, tiled=True), np.float32)
 
 

@@ -5,43 +5,21 @@ For k shots: k labelled training images per class are featurised by the model wi
 {-1, 1} one-hot targets, solved in closed form; its argmax classifies the eval split's features.
 Reported: the accuracy averaged over several seeds (different k-shot draws) and its spread.
 
-  probe = LinearProbe.fit(features, labels, num_classes)      # [N, F], int [N]
-  probe.accuracy(test_features, test_labels, l2=1024.0)        # fraction correct
-  results = evaluate_features(pool_x, pool_y, test_x, test_y, num_classes=10,
-                              shots=(1, 5, 10, 25), seeds=3, l2_regs=(1024.0,))
   evaluator = Evaluator.from_config(config, setup)             # during training
   scalars = evaluator.run(variables)   # {'fewshot/<dataset>_<k>shot': mean, ..._std: std}
 
-The protocol follows big_vision's `big_vision/evaluators/fewshot_lsr.py` (the public reference of
-the ViT authors' evaluator); docs/evaluation.md states it in full. As there:
-  * the features are standardised per dimension with the mean and the standard deviation (+1e-5)
-    of the k-shot training set, and a constant feature `BIAS_FEATURE` = 100 is appended: its
-    weight acts as a bias, almost unregularised;
-  * targets are 2 * one_hot(label) - 1;
-  * W = (X^T X + l2 I)^-1 X^T Y is computed from one eigendecomposition: of X^T X when N >= F + 1,
-    else of X X^T, with W = X^T (X X^T + l2 I)^-1 Y (the same W); any l2 then costs one matmul;
-  * l2 = 2^10 by default (big_vision's fixed `l2_reg`);
-  * the shots of seed s: `numpy.random.default_rng(s)` permutes each class's examples (classes in
-    order) and the first k are taken, so a seed's 1-shot set is inside its 5-shot set;
-  * seeds 0, 1, ..., n-1.
-Differences:
-  * the training pool is a prefix, not the whole train split: the split is read in order and
-    only the first `train_per_class` examples of each class are kept (default max(shots) x seeds);
-    reading stops once every class has them (ImageNet's train split is never featurised whole);
-  * a class with fewer than k examples in the pool is an error (`NotEnoughExamplesError`), or,
-    during training, that k is skipped with a warning; big_vision silently uses fewer shots;
-  * with several `l2_regs`, the l2 of each (seed, k) is chosen on held-out training examples of
-    the pool (up to `HELD_OUT_PER_CLASS` per class outside the seed's shots), never on the eval
-    split, so the reported accuracy is not tuned on the data that measures it;
-  * results are the mean and standard deviation over seeds (big_vision logs each seed);
-  * the solve runs in float64 NumPy on the host (big_vision: float32 JAX on the CPU).
+The protocol is big_vision's `evaluators/fewshot_lsr.py` (the ViT authors' public evaluator):
+standardised features with a bias feature (`BIAS_FEATURE`), targets 2 * one_hot - 1, l2 = 2^10,
+the shots of seed s drawn by `numpy.random.default_rng(s)`. Its differences (a prefix of the
+train split as the pool, `NotEnoughExamplesError`, several l2 chosen on held-out pool examples,
+mean and spread over seeds, float64 on the host) and the full statement: docs/evaluation.md.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import re
-from typing import Any, Callable, ContextManager, Optional, Sequence
+from typing import Any, Optional, Sequence
 
 from absl import logging
 import ml_collections
@@ -190,9 +168,9 @@ class Evaluator:
 
   @classmethod
   def from_config(cls, config: ml_collections.ConfigDict, setup: Any, *,
-                  compile_timer: Optional[Callable[[], ContextManager]] = None) -> "Evaluator":
+                  compiler: Any = None) -> "Evaluator":
     """The evaluator of a resolved training config's `config.fewshot` (shot counts a class has
-    too few examples for are skipped with a warning).
+    too few examples for are skipped with a warning); `compiler`: as `features.Featurizer`'s.
 
     Raises:
       ValueError: as `make_task`, the message naming the `config.fewshot` flags.
@@ -200,7 +178,7 @@ class Evaluator:
     fewshot = config.fewshot
     tasks = [make_task(c, global_batch_size=config.eval_batch_size, flags=TRAINING_FLAGS)
              for c in task_data_configs(config)]
-    return cls(tasks, features_lib.Featurizer(setup, compile_timer), shots=fewshot.shots,
+    return cls(tasks, features_lib.Featurizer(setup, compiler), shots=fewshot.shots,
                seeds=fewshot.seeds, l2_regs=fewshot.l2_regs,
                train_per_class=fewshot.train_per_class,
                max_eval_examples=fewshot.max_eval_examples, strict=False,

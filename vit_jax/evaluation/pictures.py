@@ -1,24 +1,12 @@
-"""Pictures in TensorBoard during training (`config.analysis`): what the model attends to, and
-what the augmentation feeds it.
+"""Pictures in TensorBoard during training (`config.analysis`; the images and scalars written:
+docs/analysis.md): the attention of the first eval images at every evaluation (their mean
+attention distance, ViT paper Fig. 7 right, and rollout maps, Fig. 6), and the first training
+images as the model sees them when a run starts or resumes.
 
-* At every evaluation, with `config.analysis.attention_images = M > 0`: the first M images of
-  the first eval batch go through the model with its attention weights captured
-  (`vit_jax.models.intermediates`; XLA's attention path, one extra compilation), and two images
-  are written: 'analysis/attention_distance', the mean attention distance of every head against
-  depth over the M images (the ViT paper's Fig. 7 right), and 'analysis/rollout', the attention
-  rollout maps of the first `config.analysis.rollout_images` of them over the images (Fig. 6;
-  captioned with the true class, and the predicted one when it differs). The mean distances
-  are also scalars, 'analysis/attention_distance/layer_<l>' (mean over the heads, pixels).
-* Once when the run starts or resumes, with `config.analysis.train_images = K > 0`:
-  'analysis/training_images', the first K images of process 0's first training batch as the
-  model sees them (augmented, mixed; shown scaled per image), captioned with their top label.
-
-The reductions run on the device, inside the jitted capture, so that only `[L, heads]`
-distances and `[rollout_images, gh, gw]` maps leave it (never the `[M, heads, N, N]` maps);
-they compute what `vit_jax.analysis.mean_attention_distances` and `vit_jax.analysis.rollout` /
-`class_token_map` compute on the host (same definitions; in float32). The figures are those of
-`vit_jax.analysis.figures`, drawn on process 0 only. The parameters pictured are
-`state['params']` (not their EMA), as the few-shot evaluation's.
+The reductions run on the device inside the jitted capture (XLA's attention path, one extra
+compilation), so only `[L, heads]` distances and `[rollout_images, gh, gw]` maps leave it; they
+compute what `vit_jax.analysis.mean_attention_distances` and `rollout` compute on the host, in
+float32. Figures are drawn on process 0; the parameters pictured are `state['params']`.
 """
 
 from __future__ import annotations
@@ -76,18 +64,15 @@ class Pictures:
     label_names: the C class names, in label order (captions).
     first_eval_batch: `() -> this process's first eval batch` (numpy, padded and masked, as
       `vit_jax.data.create_eval_dataset` yields), read once, on the first evaluation.
-    to_global: this process's numpy batch -> the global batch on the mesh.
-    compile_timer: `() -> context manager` timing the capture's compilation.
+    compiler: the run's `vit_jax.step.Compiler` (compiles the capture).
   """
 
   def __init__(self, setup: step_lib.Setup, label_names: Sequence[str],
-               first_eval_batch: Callable[[], dict], to_global: Callable[[dict], dict],
-               compile_timer: Callable[[], Any]):
+               first_eval_batch: Callable[[], dict], compiler: step_lib.Compiler):
     self._setup, self._names = setup, list(label_names)
-    self._first_eval_batch, self._to_global = first_eval_batch, to_global
-    self._compile_timer = compile_timer
+    self._first_eval_batch, self._compiler = first_eval_batch, compiler
     self._options = setup.config.analysis
-    self._compiled: Optional[jax.stages.Compiled] = None
+    self._jitted = None
     self._batch: Optional[dict] = None
     height, width = setup.image_shape[:2]
     self._layout = (intermediates.token_layout(setup.model, height, width)
@@ -131,17 +116,15 @@ class Pictures:
     setup, options = self._setup, self._options
     variables = {k: state[k] for k in setup.variables_shardings}
     if self._batch is None:
-      self._batch = self._to_global(self._first_eval_batch())
-    if self._compiled is None:
+      self._batch = setup.to_global(self._first_eval_batch())
+    if self._jitted is None:
       shown = min(options.rollout_images, options.attention_images)
       replicated = jax.sharding.NamedSharding(setup.mesh, jax.sharding.PartitionSpec())
-      jitted = jax.jit(
+      self._jitted = jax.jit(
           _device_summary(setup.model, self._layout, options.attention_images, shown),
           in_shardings=(setup.variables_shardings, setup.batch_sharding),
           out_shardings=replicated)
-      with self._compile_timer():
-        self._compiled = setup.compile(jitted, variables, self._batch)
-    summary = jax.device_get(self._compiled(variables, self._batch))
+    summary = jax.device_get(self._compiler(self._jitted, variables, self._batch))
     distances = np.asarray(summary["attention_distance"], np.float64)
     scalars = {f"analysis/attention_distance/layer_{i + 1}": float(d.mean())
                for i, d in enumerate(distances)}

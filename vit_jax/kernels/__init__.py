@@ -3,4 +3,20 @@
 ``cpu_attention``: fused softmax attention for XLA:CPU (``cpu_attention.cc``, built by
 ``build.py`` through the top-level ``setup.py``, loaded by ``cpu_attention.py``;
 docs/kernels.md).
+
+:data:`ATTENTION` registers the attention kernels; other modules reach them only through it.
+Each gives ``NAME`` (the models' ``attention`` value), ``LABEL``, ``why_not(devices, dtype,
+head_dim, dropout)``, ``faster_than_xla()``, ``attention(qkv, logits_scale=)``,
+``RESIDUAL_NAMES``, ``TARGETS``, ``macs(target, qkv_shape)`` and ``called_by(compiled)``.
 """
+
+from typing import Any, Optional
+
+from vit_jax.kernels import cpu_attention
+
+ATTENTION = (cpu_attention,)
+
+
+def called_by(compiled: Any) -> Optional[str]:
+  """The ``LABEL`` of the kernel a ``jax.stages.Compiled`` program calls, else None."""
+  return next((k.LABEL for k in ATTENTION if k.called_by(compiled)), None)

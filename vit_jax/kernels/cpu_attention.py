@@ -9,18 +9,11 @@ C++17 compiler, e.g. Debian's ``g++``) into ``vit_jax/kernels/_cpu_attention*.so
 variant per x86-64 instruction set (:data:`ISAS`), of which the library runs the best that the
 CPU has (:func:`isa`).
 
-This module loads the library, registers its two FFI targets for the CPU platform and wraps
-them as :func:`attention`, a differentiable JAX function. It makes no choice of its own: which
-attention implementation a model runs is decided from the devices the step is compiled for, by
-the caller, with :func:`supports` (can the kernel take these inputs), :func:`library` (is it
-built) and :func:`faster_than_xla` (is it worth it on this CPU's instruction set, from
-measurements: docs/kernels.md). The kernel runs on one XLA:CPU device only (XLA's SPMD
-partitioner cannot split a custom call).
-
-Residuals: the forward saves its output and the per-row log-sum-exp, named
-``'attention_out'`` and ``'attention_lse'`` for remat policies (see
-``vit_jax.models.execution.REMAT_POLICIES``); the backward recomputes the attention weights from
-them.
+This module loads the library, registers its two FFI targets for the CPU and wraps them as
+:func:`attention`, differentiable. ``vit_jax.dispatch`` decides where it runs, from
+:func:`why_not` and :func:`faster_than_xla`; other modules reach it through
+``vit_jax.kernels.ATTENTION``. The forward saves its output and per-row log-sum-exp as
+:data:`RESIDUAL_NAMES` (for remat policies); the backward recomputes the weights from them.
 """
 
 from __future__ import annotations
@@ -30,7 +23,7 @@ import functools
 import glob
 import importlib.machinery
 import os
-from typing import Any, Optional, Tuple
+from typing import Any, Optional, Sequence, Tuple
 
 import jax
 from jax.ad_checkpoint import checkpoint_name
@@ -46,9 +39,9 @@ RESIDUAL_NAMES = ('attention_out', 'attention_lse')
 FORWARD_TARGET = 'vit_jax_attention_forward'
 BACKWARD_TARGET = 'vit_jax_attention_backward'
 TARGETS = (FORWARD_TARGET, BACKWARD_TARGET)
-#: When the kernel can run, for messages (:func:`supports` checks the inputs' part).
-CONDITIONS = ('float32 attention with a head size divisible by 16 and no attention dropout, on a '
-              'single-device CPU backend')
+#: The models' ``attention`` value that runs this kernel, and what it is, for logs.
+NAME = 'cpu_kernel'
+LABEL = 'the fused CPU kernel'
 #: The library's variants, one per x86-64 level: x86-64-v4 (AVX-512), x86-64-v3 (AVX2, FMA),
 #: the x86-64 baseline (SSE2; also every non-x86 build).
 ISAS = ('avx512', 'avx2', 'baseline')
@@ -133,16 +126,10 @@ def isa() -> Optional[str]:
 
 
 def faster_than_xla() -> Tuple[bool, str]:
-  """Whether the kernel should be chosen automatically here: faster than XLA's attention.
+  """Whether the kernel is faster than XLA's attention on this CPU, and why (a phrase for logs).
 
-  Decided per instruction set (:func:`isa`) from measurements of the whole training step with
-  the kernel and with XLA's attention (:data:`MEASURED`, docs/kernels.md), never from the
-  machine's load. Only the host CPU's variant is consulted; a caller compiling for other
-  devices decides for them (the kernel runs on XLA:CPU only).
-
-  Returns:
-    ``(faster, reason)``: ``reason`` a non-empty phrase for logs, naming the variant and the
-    measurement, or why the kernel is unavailable (then ``faster`` is False).
+  Per the variant that runs here (:func:`isa`), from measurements of the whole training step
+  (:data:`MEASURED`, docs/kernels.md), never from the machine's load. False when not built.
   """
   path, reason = library()
   if path is None:
@@ -152,13 +139,26 @@ def faster_than_xla() -> Tuple[bool, str]:
   return faster, f'its {variant} variant runs on this CPU; {why}'
 
 
-def supports(qkv_shape: Tuple[int, ...], dtype: Any) -> bool:
-  """Whether :func:`attention` takes a ``qkv`` of ``qkv_shape`` and ``dtype``.
+def why_not(devices: Sequence[Any], dtype: Any, head_dim: int, dropout: bool) -> Optional[str]:
+  """None where the kernel can run in a step compiled for ``devices``, else the reason."""
+  platform = devices[0].platform
+  if platform != 'cpu':
+    return f'the devices are {platform.upper()}s, the kernel is for XLA:CPU'
+  if len(devices) > 1:
+    return (f"the step runs on {len(devices)} devices and XLA's SPMD partitioner cannot split "
+            "the kernel's custom call")
+  if jnp.dtype(dtype) != jnp.float32:
+    return f'the compute dtype is {jnp.dtype(dtype).name}, the kernel is float32 only'
+  if head_dim % 16:
+    return f'the head size {head_dim} is not a multiple of 16'
+  if dropout:
+    return 'attention dropout is on (the kernel has none)'
+  return library()[1] or None
 
-  True for ``[B, N, 3, heads, Dh]`` (rank 5, axis 2 of size 3), float32, ``Dh % 16 == 0``. A
-  pure function of its arguments: it does not look at devices, backends, the environment or
-  whether the kernel is built (:func:`library`).
-  """
+
+def supports(qkv_shape: Tuple[int, ...], dtype: Any) -> bool:
+  """Whether :func:`attention` takes a ``qkv`` of ``qkv_shape`` and ``dtype``: float32
+  ``[B, N, 3, heads, Dh]``, ``Dh % 16 == 0``. Pure: no devices, environment or library."""
   return (len(qkv_shape) == 5 and qkv_shape[2] == 3 and qkv_shape[-1] % 16 == 0
           and jnp.dtype(dtype) == jnp.float32)
 
@@ -243,11 +243,9 @@ def attention(qkv: Array, *, logits_scale: float) -> Array:
       or the kernel unavailable (with the reason; :func:`library` says beforehand).
   """
   qkv = jnp.asarray(qkv)
-  if qkv.ndim != 5 or qkv.shape[2] != 3:
-    raise ValueError(f'fused attention needs qkv of shape [B, N, 3, heads, Dh], got {qkv.shape}')
-  if qkv.shape[-1] % 16 or qkv.dtype != jnp.float32:
-    raise ValueError(f'fused attention needs float32 and a head size divisible by 16, got '
-                     f'{qkv.dtype} and Dh={qkv.shape[-1]}')
+  if not supports(qkv.shape, qkv.dtype):
+    raise ValueError(f'fused attention needs float32 qkv [B, N, 3, heads, Dh], Dh divisible by '
+                     f'16, got {qkv.dtype} {qkv.shape}')
   path, reason = library()
   if path is None:
     raise ValueError(f'fused attention is unavailable: {reason}')

@@ -1,62 +1,22 @@
 """Model registry: build a model from its name, e.g. ``create('ViT-B_16', num_classes=1000)``.
 
-Names
-  * ``ViT-{size}_{patch}`` / ``ViT-{size}/{patch}`` (the two official spellings), also
-    ``vit-{size}{patch}`` / ``vit_{size}_{patch}``; ``size`` in Ti, S, B, L, H, g, G (the size
-    letter is case-insensitive except ``g`` (giant) vs ``G`` (gigantic)), ``patch`` any positive
-    int (``ViT-Ti_4``).
-  * ``ViT-custom``: every architecture field comes from the overrides (``hidden_size``,
-    ``mlp_dim``, ``num_heads``, ``num_layers``, ``patch_size`` are required).
-  * ``T2T-ViT-{7,10,12,14,19,24}`` (Performer T2T module) and ``T2T-ViT_t-{14,19,24}``
-    (Transformer T2T module): Tokens-to-Token ViT (:class:`vit_jax.models.t2t.T2TViT`), sizes of
-    :data:`T2T_SIZES` (docs/reference.md section 2); the spelling is case-insensitive and ``-``/``_``
-    are interchangeable (``t2t_vit_t_14``). Overrides: :data:`T2T_OVERRIDE_KEYS`.
-  * ``T2T-ViT-custom``: ``embed_dim``, ``depth``, ``num_heads``, ``mlp_ratio`` are required
-    overrides (``token_dim`` 64 and ``tokens_type`` 'performer' by default).
-  * Hybrids (ResNet stem + ViT, :mod:`vit_jax.models.resnet`), the five official configurations
-    of :data:`HYBRID_CONFIGS`: ``R50+ViT-B_16``, ``R50+ViT-L_32``, ``R26+ViT-B_32``,
-    ``R26+ViT-S_32``, ``R+ViT-Ti_16``. Also spelled with ``/`` (``R50+ViT-B/16``), in lower case
-    (``r50+vit-b16``) or in the AugReg file style (``R26_S_32``, ``R_Ti_16``). The number after
-    the size is the *effective* patch size the name advertises, not ``patch_size``: R50+ViT-B/16
-    embeds the 1/16 ResNet feature map with ``patch_size=(1, 1)``, and R+ViT-Ti/16 has a 4x stem
-    and 8x8 patches, i.e. a total stride of 32 (7x7 tokens at 224 px) whatever its name says.
-    Overrides: :data:`HYBRID_OVERRIDE_KEYS` (the ViT keys plus ``resnet_num_layers``, e.g.
-    ``(3, 4, 9)``, and ``resnet_width_factor``).
-  * ``R+ViT-custom``: a hybrid whose architecture fields all come from the overrides
-    (``hidden_size``, ``mlp_dim``, ``num_heads``, ``num_layers``, ``patch_size`` and
-    ``resnet_num_layers`` are required; ``resnet_width_factor`` defaults to 1).
+Names (one :class:`Family` each in :data:`FAMILIES`; adding a family is one entry):
+  * ``ViT-{size}_{patch}`` / ``ViT-{size}/{patch}`` (also ``vit-b16``, ``vit_b_16``); size in
+    Ti, S, B, L, H, g, G (case-insensitive except giant ``g`` vs gigantic ``G``), any patch.
+  * ``T2T-ViT-{7,10,12,14,19,24}`` (Performer) and ``T2T-ViT_t-{14,19,24}`` (Transformer T2T
+    module), :data:`T2T_SIZES`; case-insensitive, ``-``/``_`` interchangeable.
+  * Hybrids (:mod:`vit_jax.models.resnet`), :data:`HYBRID_CONFIGS`: ``R50+ViT-B_16``,
+    ``R50+ViT-L_32``, ``R26+ViT-B_32``, ``R26+ViT-S_32``, ``R+ViT-Ti_16`` (also ``/``, lower
+    case, AugReg style ``R26_S_32``). The number is the advertised patch size, not
+    ``patch_size``: R+ViT-Ti/16's real total stride is 32.
+  * ``ViT-custom``, ``R+ViT-custom``, ``T2T-ViT-custom``: the architecture from overrides
+    (``Family.required``).
 
-T2T models have two variable collections: ``init`` returns ``'params'`` (trainable) and
-``'constants'`` (the fixed sinusoid table and Performer random features); ``apply`` needs both.
-
-Logical axes (sharding): every parameter of the three families carries logical axis names
-(``nn.with_logical_partitioning``; the names are :data:`LOGICAL_AXIS_NAMES`, the assignment per
-parameter is listed in :mod:`vit_jax.models.vit` and :mod:`vit_jax.models.t2t`), so
-``model.init`` returns its ``'params'`` leaves as ``nn.LogicallyPartitioned`` boxes (values,
-shapes and names exactly those of plain arrays). ``model.apply`` takes boxed or plain variables.
-:func:`unbox` strips the boxes (plain arrays); :func:`abstract_variables` is the boxed
-``jax.eval_shape`` of ``init``; :func:`logical_axes` returns the tree of logical
-``PartitionSpec`` s of a model (``jax.eval_shape`` only; ``PartitionSpec()`` for T2T-ViT's
-un-annotated ``'constants'``); ``nn.logical_to_mesh_sharding`` with a mesh's rules turns it into
-shardings. The code that reads ``init`` output (:mod:`vit_jax.checkpoint`'s ``flatten_params``,
-``check_fits``, ``init_for_finetuning``, ``save_npz``; :func:`scan_params` /
-:func:`unscan_params`; ``t2t_torch.from_torch_state_dict``) unboxes it itself. The main activations
-are constrained with ``nn.with_logical_constraint`` (``('batch', 'length', 'embed')`` tokens,
-``('batch', 'length', 'mlp')`` MLP hidden units), which does nothing unless
-``nn.logical_axis_rules`` and a mesh are active::
-
-  variables = unbox(model.init(rng, images, train=False))     # plain arrays
-  specs = logical_axes(model, (224, 224))                     # {'params': PartitionSpec tree}
-
-Overrides are the model's configuration fields, flat (see :data:`OVERRIDE_KEYS`). Sizes follow
-the ViT paper, Table 1, and the official ``configs/models.py`` (docs/reference.md section 1).
-ViT and hybrid names also take the fields that the other ecosystems' ViTs need
-(:class:`VisionTransformer`): ``classifier='map'`` and ``posemb='sincos2d'`` (big_vision),
-``gelu_approximate=False`` (timm, transformers) and ``layer_norm_epsilon`` (transformers: 1e-12),
-e.g. ``create('ViT-custom', num_classes=10, hidden_size=64, mlp_dim=128, num_heads=2,
-num_layers=2, patch_size=8, classifier='map', posemb='sincos2d')``.
-
-Adding a family is one :class:`Family` entry in :data:`FAMILIES`.
+Overrides are the model's fields, flat (:data:`OVERRIDE_KEYS`, :data:`HYBRID_OVERRIDE_KEYS`,
+:data:`T2T_OVERRIDE_KEYS`); sizes follow the ViT paper, Table 1, and the official configs
+(docs/reference.md). Parameters carry logical axis names (:data:`LOGICAL_AXIS_NAMES`):
+``init`` returns ``nn.LogicallyPartitioned`` boxes, ``apply`` takes boxed or plain variables;
+:func:`unbox`, :func:`abstract_variables`, :func:`logical_axes` (docs/models.md, docs/pods.md).
 """
 
 from __future__ import annotations
@@ -136,14 +96,11 @@ class Family:
   """One model family of the registry.
 
   Attributes:
-    name: family name used in messages ('ViT').
+    name: family name used in messages ('ViT'); forms: the accepted names, for messages.
     pattern: regex that a model name must fully match.
     base_config: ``match -> dict`` of the configuration before overrides.
-    module: the ``flax.linen.Module`` class built by ``create``, or ``None`` if the family is
-      known but not implemented yet (``create``/``model_config`` raise NotImplementedError).
-    override_keys: override keys accepted for this family.
-    forms: description of the accepted names, used in error messages.
-    required: override keys that must be given (for fully custom names).
+    module: the ``flax.linen.Module`` class, or ``None`` if not implemented yet.
+    override_keys: accepted override keys; required: those that must be given.
     validate: ``config -> None`` raising ValueError for invalid values.
   """
 
@@ -174,12 +131,9 @@ HYBRID_OVERRIDE_KEYS: Tuple[str, ...] = OVERRIDE_KEYS + ('resnet_num_layers',
 
 _HYBRID_REQUIRED_CUSTOM = _REQUIRED_CUSTOM + ('resnet_num_layers',)
 
-#: The official hybrids (``configs/models.py`` of google-research/vision_transformer), keyed by
-#: (ResNet depth in the name, ViT size, effective patch size in the name):
-#: (resnet_num_layers, patch_size, dropout_rate). The ViT part is the size of
-#: :data:`VIT_SIZES`; all use resnet width factor 1. The official configs derive R50+ViT-B/16
-#: from B/16 but raise its dropout to 0.1, R50+ViT-L/32 from L/16 (dropout 0.1), R26+ViT-B/32
-#: from B/32 and R26+ViT-S/32 from S/16 (dropout 0.0).
+#: The official hybrids (vision_transformer ``configs/models.py``), keyed by (ResNet depth in
+#: the name, ViT size, advertised patch size): (resnet_num_layers, patch_size, dropout_rate).
+#: ViT part as :data:`VIT_SIZES`, resnet width factor 1.
 HYBRID_CONFIGS: Dict[Tuple[str, str, int], Tuple[Tuple[int, ...], int, float]] = {
     ('', 'Ti', 16): ((), 8, 0.0),              # R+ViT-Ti_16: stem stride 4 x patch 8 = 32.
     ('50', 'B', 16): ((3, 4, 9), 1, 0.1),      # R50+ViT-B_16: stride 16.
@@ -341,17 +295,7 @@ def _valid_forms() -> str:
 
 
 def resolve(name: str) -> Tuple[Family, re.Match]:
-  """Finds the registry family of a model name.
-
-  Args:
-    name: a model name such as 'ViT-B_16'.
-
-  Returns:
-    ``(family, match)``.
-
-  Raises:
-    ValueError: if no family accepts the name (the message lists the valid forms).
-  """
+  """``(family, match)`` of a model name; ValueError listing the valid forms if none accepts it."""
   if not isinstance(name, str):
     raise ValueError(f'Model name must be a string, got {name!r}. Valid forms: {_valid_forms()}')
   for family in FAMILIES:
@@ -364,25 +308,16 @@ def resolve(name: str) -> Tuple[Family, re.Match]:
 
 
 def model_config(name: str, **overrides: Any) -> Dict[str, Any]:
-  """Resolves a model name plus overrides into the model's configuration fields.
+  """The model's configuration fields (all but ``num_classes``) for ``name`` plus ``overrides``.
 
-  Args:
-    name: model name (see the module docstring).
-    **overrides: configuration fields replacing the defaults of ``name`` (:data:`OVERRIDE_KEYS`
-      for ViT names, :data:`HYBRID_OVERRIDE_KEYS` for hybrid names, :data:`T2T_OVERRIDE_KEYS`
-      for T2T-ViT names).
-
-  Returns:
-    A new dict with every configuration field of the model class except ``num_classes``
-    (``patch_size`` as an ``(h, w)`` tuple, ``resnet_num_layers`` as a tuple);
-    ``Family.module(num_classes=..., **config)`` builds the model.
+  ``patch_size`` as an ``(h, w)`` tuple, ``resnet_num_layers`` as a tuple;
+  ``Family.module(num_classes=..., **config)`` builds the model.
 
   Raises:
-    ValueError: unknown name (also a hybrid-looking name that is not an official hybrid);
-      invalid values (e.g. classifier not in {'token', 'gap', 'map'}); missing required overrides
-      for 'ViT-custom' / 'R+ViT-custom' / 'T2T-ViT-custom'.
-    TypeError: unknown override keys (the message lists the valid keys).
-    NotImplementedError: the family is recognised but not implemented yet (none at present).
+    ValueError: unknown name (also a non-official hybrid), invalid values, missing required
+      overrides of a ``*-custom`` name.
+    TypeError: unknown override keys (the message lists the valid ones).
+    NotImplementedError: a recognised family that is not implemented (none at present).
   """
   family, match = resolve(name)
   if family.module is None:
@@ -411,28 +346,15 @@ def model_config(name: str, **overrides: Any) -> Dict[str, Any]:
 
 
 def create(name: str, *, num_classes: Optional[int], **overrides: Any) -> nn.Module:
-  """Builds an (uninitialised) model from its registry name.
+  """Builds an (uninitialised) model from its registry name; ``num_classes=None``: no head.
 
   Example::
 
-    model = create('ViT-S_32', num_classes=1000, representation_size=384, num_layers=4)
+    model = create('ViT-S_32', num_classes=1000, num_layers=4)
     variables = model.init(jax.random.key(0), jnp.zeros((1, 224, 224, 3)), train=False)
     logits = model.apply(variables, images, train=False)  # [B, 1000] float32
 
-  Args:
-    name: model name, e.g. 'ViT-B_16' or 'ViT-B/16' (see the module docstring).
-    num_classes: number of classes of the head; ``None`` for a headless feature extractor.
-    **overrides: configuration fields (:data:`OVERRIDE_KEYS`, :data:`HYBRID_OVERRIDE_KEYS`,
-      :data:`T2T_OVERRIDE_KEYS`), e.g. ``dtype=jnp.bfloat16``.
-
-  Returns:
-    The ``flax.linen.Module``: a :class:`VisionTransformer` for ViT and hybrid names, a
-    :class:`~vit_jax.models.t2t.T2TViT` for T2T-ViT names (whose ``init`` returns ``'params'``
-    and ``'constants'``; ``apply`` needs both).
-
-  Raises:
-    ValueError, TypeError, NotImplementedError: as :func:`model_config`; ValueError for an
-      invalid ``num_classes``.
+  Raises as :func:`model_config`, and ValueError for an invalid ``num_classes``.
   """
   config = model_config(name, **overrides)
   family, _ = resolve(name)
@@ -440,13 +362,7 @@ def create(name: str, *, num_classes: Optional[int], **overrides: Any) -> nn.Mod
 
 
 def head_dim(name: str, **overrides: Any) -> int:
-  """The head size of the backbone attention of a model: ``D / heads``.
-
-  Args:
-    name, overrides: as :func:`model_config`.
-
-  Raises:
-    As :func:`model_config`.
+  """The backbone attention's head size ``D / heads``; arguments and errors as :func:`model_config`.
   """
   config = model_config(name, **overrides)
   width = config['hidden_size'] if 'hidden_size' in config else config['embed_dim']
@@ -464,18 +380,10 @@ def _image_batch_shape(image_shape: Sequence[int]) -> Tuple[int, int, int, int]:
 
 
 def abstract_variables(model: nn.Module, image_shape: Sequence[int] = (224, 224)) -> Any:
-  """``jax.eval_shape`` of ``model.init`` on one ``image_shape`` image: nothing is allocated.
+  """``jax.eval_shape`` of ``model.init`` on one image: ``ShapeDtypeStruct`` leaves, params boxed.
 
-  Args:
-    model: a model of :func:`create`.
-    image_shape: ``(H, W)`` or ``(H, W, C)`` (C defaults to 3); it fixes the position tables.
-
-  Returns:
-    The variables as ``jax.ShapeDtypeStruct`` leaves, the parameters still boxed
-    (``nn.LogicallyPartitioned``) with their logical axis names.
-
-  Raises:
-    ValueError: a malformed ``image_shape``, or one the model cannot take (see the model).
+  ``image_shape``: ``(H, W)`` or ``(H, W, C)`` (C defaults to 3); it fixes the position tables.
+  Raises ValueError for a malformed or unsupported ``image_shape``.
   """
   shape = _image_batch_shape(image_shape)
   return jax.eval_shape(
@@ -485,21 +393,8 @@ def abstract_variables(model: nn.Module, image_shape: Sequence[int] = (224, 224)
 def logical_axes(model: nn.Module, image_shape: Sequence[int] = (224, 224)) -> Any:
   """The logical ``PartitionSpec`` of every variable of ``model`` (``jax.eval_shape`` only).
 
-  Example: ``logical_axes(create('ViT-B_16', num_classes=10))['params']['head']['kernel']`` is
-  ``PartitionSpec('embed', 'classes')``. Map it onto a mesh with
-  ``nn.logical_to_mesh_sharding(specs, mesh, rules)``.
-
-  Args:
-    model: a model of :func:`create`.
-    image_shape: ``(H, W)`` or ``(H, W, C)``, as for :func:`abstract_variables`.
-
-  Returns:
-    ``nn.get_partition_spec`` of :func:`abstract_variables`: the variables' tree with a
-    ``jax.sharding.PartitionSpec`` of logical names (one per array axis, names from
-    :data:`LOGICAL_AXIS_NAMES` or None) at every parameter, and ``PartitionSpec()`` (replicated)
-    at the un-annotated T2T-ViT ``'constants'``.
-
-  Raises:
-    ValueError: as :func:`abstract_variables`.
+  E.g. ``logical_axes(create('ViT-B_16', num_classes=10))['params']['head']['kernel']`` is
+  ``PartitionSpec('embed', 'classes')``; T2T-ViT's ``'constants'`` get ``PartitionSpec()``.
+  Map onto a mesh with ``nn.logical_to_mesh_sharding``. Raises as :func:`abstract_variables`.
   """
   return nn.get_partition_spec(abstract_variables(model, image_shape))

@@ -7,42 +7,25 @@ parameters under the same names and shapes, so the official checkpoints load unc
   {query,key,value}/kernel (D, heads, D/heads)   {query,key,value}/bias (heads, D/heads)
   out/kernel (heads, D/heads, D)                 out/bias (D,)
 
-T2T-ViT's backbone attention (``vit_jax.models.t2t.Attention``, a fused ``qkv`` without bias)
-goes through the same :func:`self_attention`. Which implementation runs is a model field,
-``attention``, one of :data:`IMPLEMENTATIONS`; the models never look at the machine (the
-choice for a set of target devices is made once, outside the models, by
-``vit_jax.dispatch.choose_attention``):
+T2T-ViT's backbone attention (``vit_jax.models.t2t.Attention``) goes through the same
+:func:`self_attention`. The model field ``attention`` (:data:`IMPLEMENTATIONS`) says which
+implementation runs; ``vit_jax.dispatch`` chooses it, the models never look at the machine:
 
-* ``'xla'`` (every platform): the projections write ``q, k, v`` directly in the
-  ``[B, heads, N, D/heads]`` layout that XLA's two batched products of
-  :func:`dot_product_attention` want (``einsum('bnd,dhk->bhnk')``), and the output projection
-  reads it, so XLA inserts no transposes between them. Supports attention dropout.
-* ``'cpu_kernel'`` (XLA:CPU, one device, float32, head size a multiple of 16, no attention
-  dropout): the three kernels are stacked at compute time into one ``[D, 3, heads, D/heads]``
-  product that writes ``[B, N, 3, heads, D/heads]``, the input of vit_jax's fused kernel
-  (:mod:`vit_jax.kernels.cpu_attention`), whose ``[B, N, heads, D/heads]`` output feeds the
-  output projection.
-* ``'cudnn'`` (GPU, bfloat16/float16, no attention dropout):
-  ``jax.nn.dot_product_attention(implementation='cudnn')`` on ``[B, N, heads, D/heads]``.
+* ``'xla'``: ``q, k, v`` in the ``[B, heads, N, D/heads]`` layout of
+  :func:`dot_product_attention`'s two batched products (no transposes). Attention dropout.
+* ``'cudnn'``: ``jax.nn.dot_product_attention(implementation='cudnn')`` on ``[B, N, heads, Dh]``.
+* a vit_jax kernel (:data:`vit_jax.kernels.ATTENTION`): the three projections as one product
+  into ``[B, N, 3, heads, Dh]``, the kernel's input; its ``[B, N, heads, Dh]`` output feeds
+  the output projection.
 
-The implementations differ by floating-point rounding only (the tests compare them and the
-official logits).
+They differ by floating-point rounding only. Cross-attention (big_vision's ``MAPHead``:
+:func:`cross_attention`, through ``inputs_kv``) has the XLA path only.
 
-Cross-attention (queries from one sequence, keys and values from another: the multihead attention
-pooling of big_vision's ``MAPHead``, whose learned probe attends to the encoder's tokens) is
-:func:`cross_attention`, reached through :class:`MultiHeadDotProductAttention` with ``inputs_kv``;
-it has the XLA path only (the fused kernels are self-attention kernels) and the same parameters.
-
-Intermediates: when the caller makes Flax's ``'intermediates'`` collection mutable
-(``model.apply(..., mutable=['intermediates'])`` or ``capture_intermediates=True``),
-:class:`MultiHeadDotProductAttention` (and T2T-ViT's attention modules) sow their attention
-weights, ``softmax(q k^T / sqrt(Dh))`` before dropout, float32 ``[B, heads, Nq, Nk]`` with rows
-summing to 1, as :data:`ATTENTION_WEIGHTS` (``self.sow``, so a 1-tuple). Then the XLA path runs
-whatever the ``attention`` field says (the fused CPU kernel and cuDNN do not return the
-weights; the XLA path computes the same attention up to rounding). The choice is made at trace
-time (:func:`capturing`): without the mutable collection nothing more is computed or stored,
-the traced program is the one without the feature. :mod:`vit_jax.models.intermediates` reads
-the sown values back.
+Intermediates: with Flax's ``'intermediates'`` collection mutable, the attention modules sow
+their float32 weights ``[B, heads, Nq, Nk]`` (softmax before dropout) as
+:data:`ATTENTION_WEIGHTS`, computed by the XLA path whatever ``attention`` says (the fused
+kernels do not return them); decided at trace time (:func:`capturing`), so without the
+collection the traced program is unchanged. :mod:`vit_jax.models.intermediates` reads them.
 """
 
 from __future__ import annotations
@@ -56,16 +39,16 @@ import jax.numpy as jnp
 import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
-from vit_jax.kernels import cpu_attention
+from vit_jax import kernels
 
 Array = jax.Array
 Dtype = Any
 
 #: Values of the models' ``attention`` field (see the module docstring).
-IMPLEMENTATIONS = ('xla', 'cudnn', 'cpu_kernel')
+IMPLEMENTATIONS = ('xla', 'cudnn', *(k.NAME for k in kernels.ATTENTION))
 
 #: ``checkpoint_name``s of the self-attention's projections (XLA and cuDNN paths: 'query',
-#: 'key', 'value'; the fused CPU kernel's stacked input: 'qkv'), for remat policies.
+#: 'key', 'value'; a fused kernel's stacked input: 'qkv'), for remat policies.
 QKV_NAMES = ('query', 'key', 'value', 'qkv')
 
 #: The Flax collection the models sow what they compute into (see the module docstring).
@@ -210,13 +193,14 @@ def self_attention(x: Array, projections: Sequence[Tuple[Array, Optional[Array]]
   if weights_fn is not None:
     implementation = 'xla'
   dtype = x.dtype
-  if implementation == 'cpu_kernel':
+  fused = next((k for k in kernels.ATTENTION if k.NAME == implementation), None)
+  if fused is not None:
     kernel = jnp.stack([k.astype(dtype) for k, _ in projections], axis=1)
     qkv = jnp.einsum('bnd,dthk->bnthk', x, kernel)
     if projections[0][1] is not None:
       qkv = qkv + jnp.stack([b.astype(dtype) for _, b in projections], axis=0)
     qkv = checkpoint_name(qkv, QKV_NAMES[-1])
-    return cpu_attention.attention(qkv, logits_scale=logits_scale), 'bnhk'
+    return fused.attention(qkv, logits_scale=logits_scale), 'bnhk'
   layout = 'bnhk' if implementation == 'cudnn' else 'bhnk'
   query, key, value = (
       jnp.einsum(f'bnd,dhk->{layout}', x, k.astype(dtype))

@@ -14,7 +14,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from vit_jax.kernels import cpu_attention
+from vit_jax import kernels
 from vit_jax.models import attention as attention_lib
 
 Array = jax.Array
@@ -25,15 +25,17 @@ Array = jax.Array
 #: 'dots_with_no_batch_dims_saveable' also keeps the outputs of the dense projections (q, k, v,
 #: attention output, both MLP layers) and recomputes the LayerNorms, the attention weights
 #: (softmax of q k^T) and the GELU: with ``scan=True`` a quarter of the memory of no remat;
-#: 'dots_and_attention_saveable' (vit_jax's own) keeps as much and, where the fused CPU
-#: attention kernel runs (``attention='cpu_kernel'``, :mod:`vit_jax.kernels.cpu_attention`),
-#: also its output and per-row log-sum-exp, so the kernel's forward is not run again in the
-#: backward pass; elsewhere it equals the previous one. 'qkv_saveable' (vit_jax's own) keeps
-#: only the self-attention's query, key and value (and the kernel's residuals) and recomputes the
-#: output projection and the MLP's first layer: about half the memory of the previous two for
-#: about a seventh more of the step's FLOPs (``nothing_saveable``: a third more).
+#: 'dots_and_attention_saveable' (vit_jax's own) keeps as much and, where a vit_jax attention
+#: kernel runs (:data:`vit_jax.kernels.ATTENTION`), also its saved residuals, so the kernel's
+#: forward is not run again in the backward pass; elsewhere it equals the previous one.
+#: 'qkv_saveable' (vit_jax's own) keeps only the self-attention's query, key and value (and the
+#: kernel's residuals) and recomputes the output projection and the MLP's first layer: about half
+#: the memory of the previous two for about a seventh more of the step's FLOPs
+#: (``nothing_saveable``: a third more).
 REMAT_POLICIES = ('nothing_saveable', 'qkv_saveable', 'dots_with_no_batch_dims_saveable',
                   'dots_and_attention_saveable', 'dots_saveable', 'everything_saveable')
+
+_KERNEL_RESIDUALS = tuple(name for k in kernels.ATTENTION for name in k.RESIDUAL_NAMES)
 
 
 def remat_policy(name: str) -> Callable[..., bool]:
@@ -48,9 +50,9 @@ def remat_policy(name: str) -> Callable[..., bool]:
   if name == 'dots_and_attention_saveable':
     return policies.save_from_both_policies(
         policies.dots_with_no_batch_dims_saveable,
-        policies.save_only_these_names(*cpu_attention.RESIDUAL_NAMES))
+        policies.save_only_these_names(*_KERNEL_RESIDUALS))
   if name == 'qkv_saveable':
-    return policies.save_only_these_names(*attention_lib.QKV_NAMES, *cpu_attention.RESIDUAL_NAMES)
+    return policies.save_only_these_names(*attention_lib.QKV_NAMES, *_KERNEL_RESIDUALS)
   return getattr(policies, name)
 
 

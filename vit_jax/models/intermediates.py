@@ -1,55 +1,23 @@
 """What the models compute, read back: every layer's attention weights and output tokens.
 
-The attention modules of :mod:`vit_jax.models.vit` and :mod:`vit_jax.models.t2t` sow their
-attention weights, and the encoder / backbone blocks their output tokens, into Flax's
-``'intermediates'`` collection (``self.sow``) when, and only when, the caller makes that
-collection mutable::
-
-  logits, state = model.apply(variables, images, train=False, mutable=['intermediates'])
-  # or capture_intermediates=True, which also records every module's __call__ output
-
-A plain ``apply`` (and ``init``) computes and stores nothing more: the choice is made at trace
-time, the traced program is the one without the feature. While capturing, every attention runs
-XLA's path whatever the model's ``attention`` field says (the fused CPU kernel and cuDNN do not
-return the weights); the logits are the same up to floating-point rounding.
-
-The sown values sit in ``state['intermediates']`` under the module paths (each a 1-tuple, as
-``sow`` appends), per-layer or, with ``scan=True``, once with a leading layer axis::
+The attention modules sow their weights, and the blocks their output tokens, into
+``'intermediates'`` only when the caller makes it mutable (``mutable=['intermediates']`` or
+``capture_intermediates=True``); a plain ``apply`` traces the program without them. While
+capturing every attention runs XLA's path. Paths (per layer, or once with a leading layer axis
+under ``scan=True``)::
 
   ViT, hybrids   Transformer/encoderblock_{i}/MultiHeadDotProductAttention_0/attention_weights
-                 Transformer/encoderblock_{i}/tokens          (scan: Transformer/encoderblock/..)
+                 Transformer/encoderblock_{i}/tokens
                  MAPHead_0/MultiHeadDotProductAttention_0/attention_weights  (classifier 'map')
-  T2T-ViT        blocks_{i}/attn/attention_weights, blocks_{i}/tokens       (scan: blocks/..)
+  T2T-ViT        blocks_{i}/attn/attention_weights, blocks_{i}/tokens
                  tokens_to_token/attention{1,2}/attn/attention_weights      (T2T-ViT_t)
                  tokens_to_token/attention{1,2}/attention_weights           (Performer)
 
-This module hides those layouts. :func:`capture` runs the model once (jitted, eval mode) and
-returns a :class:`Captured`; :func:`attention_maps`, :func:`tokens` and
-:func:`t2t_attention_maps` return one part of it; :func:`unpack` does the reading on a
-``state['intermediates']`` the caller got itself (e.g. inside its own jitted step).
-
-Shapes (``B`` images, ``N`` tokens of the encoder / backbone, ``D`` its width):
-
-* ``attention``: one float32 ``[B, heads, N, N]`` per block, in depth order (block 0 first),
-  ``softmax(q k^T / sqrt(D / heads))`` before dropout, rows (last axis, the keys) summing to 1.
-  ``[b, h, i, j]`` is how much query token ``i`` attends to key token ``j``.
-* ``tokens``: each block's output ``[B, N, D]`` in the compute dtype (before the final
-  LayerNorm), depth order.
-* ``head_attention``: the 'map' head's float32 ``[B, heads, 1, N]`` (its learned probe is the
-  single query), else None.
-* ``t2t_attention`` (T2T-ViT): the two T2T layers' float32 ``[B, 1, L_s, L_s]`` (one head); with
-  the Performer module, the attention matrix its random features imply (rows sum to 1 up to
-  the module's 1e-8; :class:`vit_jax.models.t2t.TokenPerformer`), which the model itself never
-  forms.
-
-Token order (:class:`TokenLayout`): ``prefix`` leading non-patch tokens (1, the class token, for
-ViT with ``classifier='token'`` and for T2T-ViT's backbone; 0 for 'gap' and 'map' ViTs and for
-the T2T layers), then the patch tokens of a ``grid = (rows, cols)`` row-major (token
-``prefix + r * cols + c``), whose centres are ``stride = (sy, sx)`` input pixels apart: the
-patch size for ViT, the ResNet stride times the patch size for hybrids, 16 for T2T-ViT's
-backbone and 4 and 8 for its two T2T layers (the soft splits' strides 4, 2, 2; token ``(r, c)``
-of T2T-ViT's backbone is centred on pixel ``(16 r + 1, 16 c + 1)``, a ViT patch token on
-``(s r + (s-1)/2, ...)``: the offsets cancel in distances).
+This module hides those layouts: :func:`capture` (one jitted eval forward -> :class:`Captured`),
+:func:`unpack` (a ``state['intermediates']`` the caller got, also under ``jit``). Token order
+(:class:`TokenLayout`): ``prefix`` class tokens, then the ``grid`` row-major, centres
+``stride`` pixels apart (patch; ResNet stride x patch; 16 for T2T-ViT's backbone, 4 and 8 for
+its T2T layers). Shapes and semantics: docs/models.md.
 """
 
 from __future__ import annotations
@@ -77,7 +45,7 @@ TOKENS = attention_lib.TOKENS
 
 @dataclasses.dataclass(frozen=True)
 class TokenLayout:
-  """Where the tokens of an attention map come from (see the module docstring).
+  """Where the tokens of an attention map come from.
 
   Attributes:
     prefix: leading tokens that are not patches (the class token): 1 or 0.
@@ -97,18 +65,16 @@ class TokenLayout:
 
 @dataclasses.dataclass(frozen=True)
 class Captured:
-  """One forward pass's output and intermediates (shapes in the module docstring).
+  """One forward pass's output and intermediates (B images, N tokens, D width).
 
   Attributes:
-    logits: the model's output, float32 ``[B, num_classes]`` (features without a head).
-    attention: the encoder / backbone blocks' weights, float32 ``[B, heads, N, N]`` each, block
-      0 first.
-    tokens: the blocks' outputs ``[B, N, D]``, block 0 first.
+    logits: float32 ``[B, num_classes]`` (features without a head).
+    attention: per block, block 0 first: float32 ``[B, heads, N, N]``, softmax before dropout.
+    tokens: per block: ``[B, N, D]`` in the compute dtype (before the final LayerNorm).
     layout: the token order of ``attention`` and ``tokens``.
-    head_attention: the 'map' head's float32 ``[B, heads, 1, N]`` (keys: the encoder's tokens,
-      ``layout``), or None.
-    t2t_attention: T2T-ViT's two T2T layers' float32 ``[B, 1, L, L]``; ``()`` for ViT.
-    t2t_layouts: their token orders; ``()`` for ViT.
+    head_attention: the 'map' head's float32 ``[B, heads, 1, N]``, or None.
+    t2t_attention: T2T-ViT's two T2T layers' float32 ``[B, 1, L, L]`` (Performer: the matrix its
+      features imply); ``()`` for ViT. t2t_layouts: their token orders.
   """
 
   logits: Array
@@ -129,10 +95,7 @@ def _check_model(model: Any) -> None:
 def token_layout(model: Any, height: int, width: int) -> TokenLayout:
   """The token order of ``model``'s encoder / backbone for ``height x width`` images.
 
-  Raises:
-    TypeError: ``model`` is neither a ViT (hybrids included) nor a T2T-ViT.
-    ValueError: an image side the model cannot take (not a multiple of the patch size / total
-      stride; too small for T2T-ViT's soft splits).
+  Raises TypeError (not a ViT or T2T-ViT) or ValueError (an image size the model cannot take).
   """
   _check_model(model)
   if isinstance(model, t2t.T2TViT):
@@ -152,9 +115,7 @@ def token_layout(model: Any, height: int, width: int) -> TokenLayout:
 
 
 def t2t_layouts(model: Any, height: int, width: int) -> Tuple[TokenLayout, ...]:
-  """The token orders of T2T-ViT's two T2T layers (their soft splits' grids); ``()`` for ViT.
-
-  Raises as :func:`token_layout`.
+  """The token orders of T2T-ViT's two T2T layers; ``()`` for ViT. Raises as :func:`token_layout`.
   """
   _check_model(model)
   if not isinstance(model, t2t.T2TViT):
@@ -198,23 +159,10 @@ def _per_block(parent: Any, prefix: str, path: Tuple[str, ...], depth: int,
 
 
 def unpack(model: Any, intermediates: Any) -> dict:
-  """Reads a ``state['intermediates']`` tree of ``model`` into depth-ordered lists.
+  """``state['intermediates']`` of ``model`` as a dict of :class:`Captured`'s fields, depth order.
 
-  Works on concrete and traced arrays alike (inside ``jax.jit``), per-layer and scanned.
-
-  Args:
-    model: the :class:`~vit_jax.models.vit.VisionTransformer` or
-      :class:`~vit_jax.models.t2t.T2TViT` that was applied.
-    intermediates: ``state['intermediates']`` of ``model.apply(..., mutable=['intermediates'])``
-      (or of ``capture_intermediates=True``).
-
-  Returns:
-    ``{'attention': (...), 'tokens': (...), 'head_attention': array or None,
-    't2t_attention': (...)}`` as the fields of :class:`Captured`.
-
-  Raises:
-    TypeError: another model class.
-    ValueError: the tree lacks the sown values (not captured, or from another model).
+  ``attention``, ``tokens``, ``head_attention``, ``t2t_attention``; concrete or traced arrays,
+  per-layer or scanned. Raises TypeError (another model class) or ValueError (nothing sown).
   """
   _check_model(model)
   if isinstance(model, t2t.T2TViT):
@@ -248,22 +196,13 @@ def _forward(model: Any):
 
 
 def capture(model: Any, variables: Any, images: Any) -> Captured:
-  """Runs ``model`` once (jitted, ``train=False``) and returns its output and intermediates.
+  """Runs ``model`` once (jitted, eval) on ``images`` ``[B, H, W, C]``: a :class:`Captured`.
 
-  Args:
-    model: a :class:`~vit_jax.models.vit.VisionTransformer` (hybrids included, per-layer or
-      ``scan=True``) or a :class:`~vit_jax.models.t2t.T2TViT`.
-    variables: its variables (boxed or plain; T2T-ViT needs ``'params'`` and ``'constants'``).
-    images: ``[B, H, W, C]`` float, preprocessed as for the model's predictions.
-
-  Returns:
-    A :class:`Captured` (shapes and token order in the module docstring). Memory: the maps take
-    ``4 B heads N^2`` bytes per block; split a large batch.
+  The maps take ``4 B heads N^2`` bytes per block; split a large batch.
 
   Raises:
     TypeError: another model class.
-    ValueError: images not ``[B, H, W, C]`` or of a size the model cannot take, or variables
-      that do not fit the model (the model's own messages).
+    ValueError: bad images or variables (the model's own messages).
   """
   _check_model(model)
   if getattr(images, 'ndim', None) != 4:
@@ -289,12 +228,7 @@ def tokens(model: Any, variables: Any, images: Any) -> List[Array]:
 
 
 def t2t_attention_maps(model: Any, variables: Any, images: Any) -> List[Array]:
-  """T2T-ViT's two T2T layers' attention weights, float32 ``[B, 1, L, L]`` (:func:`capture`'s
-  ``t2t_attention``).
-
-  Raises:
-    TypeError: ``model`` is not a T2T-ViT; otherwise as :func:`capture`.
-  """
+  """:func:`capture`'s ``t2t_attention``; TypeError if ``model`` is not a T2T-ViT."""
   if not isinstance(model, t2t.T2TViT):
     raise TypeError(f'T2T-module attention exists for T2TViT models only, got '
                     f'{type(model).__name__}; use attention_maps for the encoder.')

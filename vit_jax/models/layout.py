@@ -1,30 +1,10 @@
-"""Conversion between the unrolled and the scanned (``nn.scan``) parameter layouts.
+"""Conversion between the unrolled and the scanned (``nn.scan``) parameter layouts, and unboxing.
 
-Unrolled (official, what ``.npz`` checkpoints hold)::
-
-  Transformer/encoderblock_0/LayerNorm_0/scale        (D,)
-  ...
-  Transformer/encoderblock_{L-1}/LayerNorm_0/scale    (D,)
-
-Scanned (``VisionTransformer(scan=True)``)::
-
-  Transformer/encoderblock/LayerNorm_0/scale          (L, D)
-
-T2T-ViT's backbone likewise: ``blocks_{i}/norm1/scale`` (D,) unrolled (the reference's
-``blocks.i``), ``blocks/norm1/scale`` (depth, D) with ``T2TViT(scan=True)``. The functions below
-convert every block prefix of :data:`BLOCK_PREFIXES` unless given one ``prefix``.
-
-Both functions are pure (the input tree is not modified), accept a ``params`` tree or a whole
-variables dict (``{'params': ..., ...}``: every collection is converted), accept ``dict`` and
-``FrozenDict`` nodes and return plain nested ``dict`` trees. Leaves may be NumPy or JAX arrays;
-NumPy leaves stay NumPy. Boxed leaves (``nn.LogicallyPartitioned``, what ``model.init`` returns,
-see :func:`unbox`) are unboxed first: the logical names are not carried over.
-
-Logical axes: every parameter of the models is created with ``nn.with_logical_partitioning``,
-so ``model.init`` returns its ``'params'`` as ``nn.LogicallyPartitioned`` boxes carrying one
-logical axis name (or None) per array axis, from :data:`LOGICAL_AXIS_NAMES`. :func:`unbox`
-strips the boxes (plain arrays, same values); :func:`logical_axes` gives the tree of logical
-``PartitionSpec`` s of a model without allocating anything.
+Unrolled (official, what ``.npz`` holds): ``Transformer/encoderblock_{i}/LayerNorm_0/scale``
+``(D,)``; scanned: ``Transformer/encoderblock/LayerNorm_0/scale`` ``(L, D)``. T2T-ViT likewise
+(``blocks_{i}`` / ``blocks``). The converters are pure, take a ``params`` tree or a whole
+variables dict (every collection converted), ``dict`` or ``FrozenDict``, and return plain
+nested dicts; NumPy leaves stay NumPy; boxes are dropped (:func:`unbox`).
 """
 
 from __future__ import annotations
@@ -69,21 +49,10 @@ def _strip(box: Any) -> Any:
 
 
 def unbox(tree: Any) -> Any:
-  """Strips Flax axis-metadata boxes (``nn.LogicallyPartitioned``) from a tree.
+  """Strips Flax axis-metadata boxes (``nn.LogicallyPartitioned``) from any pytree.
 
-  ``model.init`` returns the parameters boxed with their logical axis names; ``model.apply``
-  takes boxed and plain variables alike. Use this for plain arrays (e.g. to compare, save or
-  feed an optimizer that looks at key paths). Unlike ``flax.linen.unbox`` it never adds a
-  sharding constraint (it is meant for host-side code; inside ``jax.jit`` under a mesh,
-  ``nn.unbox`` also constrains each value to its sharding).
-
-  Args:
-    tree: any pytree (variables, params, or a ``jax.eval_shape`` of them); ``dict`` and
-      ``FrozenDict`` containers are kept as they are.
-
-  Returns:
-    The same structure (mappings keep their key order) with every box replaced by its value
-    (the same array object); a tree without boxes is returned as it is.
+  Same structure, each box replaced by its value (the same array). Unlike ``nn.unbox`` it never
+  adds a sharding constraint (host-side code).
   """
   return _unbox(tree) if _has_box(tree) else tree
 
@@ -135,22 +104,15 @@ def _prefixes(prefix: Optional[str]) -> tuple:
 
 def scan_params(params: Any, num_layers: Optional[int] = None, *,
                 prefix: Optional[str] = None) -> dict:
-  """Stacks ``encoderblock_{i}`` subtrees into one ``encoderblock`` subtree (leading axis L).
+  """Stacks ``{prefix}_0 .. {prefix}_{L-1}`` into one ``{prefix}`` subtree (leaves ``(L, ...)``).
 
-  Args:
-    params: nested params (or variables) dict in the unrolled layout.
-    num_layers: expected number of blocks; ``None`` accepts whatever is present.
-    prefix: block name prefix (``'encoderblock'`` or T2T-ViT's ``'blocks'``); ``None``: each of
-      :data:`BLOCK_PREFIXES`.
-
-  Returns:
-    A new nested dict in which every mapping holding ``{prefix}_0 .. {prefix}_{L-1}`` holds
-    ``{prefix}`` instead, each leaf of shape ``(L, *shape)``.
+  ``prefix``: ``'encoderblock'`` or ``'blocks'``; None: each of :data:`BLOCK_PREFIXES`.
+  ``num_layers``: expected L (None: any).
 
   Raises:
-    ValueError: if no ``{prefix}_{i}`` blocks are found (e.g. the tree is already scanned), the
-      block indices are not ``0..L-1``, their count differs from ``num_layers``, the blocks do not
-      have identical structure/shapes, or the same mapping already has a ``{prefix}`` entry.
+    ValueError: no ``{prefix}_{i}`` blocks (e.g. already scanned), indices not ``0..L-1``, a
+      count other than ``num_layers``, blocks of different structure, or a ``{prefix}`` already
+      beside them.
   """
   count = [0]
   params = unbox(params)
@@ -196,20 +158,11 @@ def scan_params(params: Any, num_layers: Optional[int] = None, *,
 
 
 def unscan_params(params: Any, *, prefix: Optional[str] = None) -> dict:
-  """Splits a stacked ``encoderblock`` subtree into ``encoderblock_{i}`` subtrees.
-
-  Args:
-    params: nested params (or variables) dict in the scanned layout.
-    prefix: block name prefix (``'encoderblock'`` or T2T-ViT's ``'blocks'``); ``None``: each of
-      :data:`BLOCK_PREFIXES`.
-
-  Returns:
-    A new nested dict in which every ``{prefix}`` mapping with leaves of shape ``(L, *shape)`` is
-    replaced by ``{prefix}_0 .. {prefix}_{L-1}`` with leaves of shape ``shape``.
+  """Splits a stacked ``{prefix}`` subtree into ``{prefix}_0 .. {prefix}_{L-1}`` (inverse of scan).
 
   Raises:
-    ValueError: if no ``{prefix}`` subtree is found (e.g. the tree is already unrolled), its
-      leaves disagree on the leading axis, or the mapping also has ``{prefix}_{i}`` entries.
+    ValueError: no ``{prefix}`` subtree (e.g. already unrolled), leaves disagreeing on the
+      leading axis, or ``{prefix}_{i}`` entries beside it.
   """
   count = [0]
   params = unbox(params)
@@ -248,9 +201,7 @@ def unscan_params(params: Any, *, prefix: Optional[str] = None) -> dict:
 
 
 def is_scanned(params: Any, *, prefix: Optional[str] = None) -> bool:
-  """True if any mapping in ``params`` has a stacked ``{prefix}`` subtree (scanned layout).
-
-  ``prefix`` None looks for each of :data:`BLOCK_PREFIXES`.
+  """True if any mapping has a stacked ``{prefix}`` subtree (None: any of :data:`BLOCK_PREFIXES`).
   """
   if not isinstance(params, Mapping):
     return False

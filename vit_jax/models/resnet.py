@@ -1,50 +1,19 @@
-"""BiT-style ResNet stem of the hybrid (R+ViT) models, in Flax linen.
+"""BiT ResNet stem of the hybrid (R+ViT) models, in Flax linen.
 
-The hybrid models of Dosovitskiy et al. (ICLR 2021, Sec. 3.1 "Hybrid Architecture") feed the
-feature map of a ResNet to the ViT patch embedding instead of raw pixels. The ResNet is the
-"Big Transfer" (BiT, Kolesnikov et al., ECCV 2020) variant: Group Normalization instead of
-BatchNorm and weight-standardised convolutions. This module reproduces the numerics and the
-parameter names of the official implementation (google-research/vision_transformer,
-``vit_jax/models_resnet.py`` and the ResNet root in ``vit_jax/models_vit.py``), so that the
-published hybrid checkpoints load unchanged.
+ViT paper Sec. 3.1 "Hybrid Architecture": the ViT patch embedding reads a ResNet's feature map.
+The ResNet is BiT's (Kolesnikov et al., ECCV 2020: GroupNorm, weight-standardised convs), with
+the numerics and parameter names of the official ``vit_jax/models_resnet.py``, so the published
+hybrid checkpoints load. ``width = 64 * width_factor``, ``num_layers = (n_1, ..., n_S)``::
 
-Structure (``width = 64 * width_factor``, ``num_layers = (n_1, ..., n_S)``)::
+  conv_root   StdConv 7x7/2, no bias; gn_root GroupNorm(32, eps 1e-6), ReLU; max-pool 3x3/2
+  block{s}    n_s bottleneck units ``unit{u}``, features width * 2^(s-1) (output 4x), the
+              first unit strided 2 (block1: 1); total stride 4 * 2^(S-1)
+  unit        relu(residual + gn3(conv3(relu(gn2(conv2(relu(gn1(conv1(x)))))))));
+              conv_proj/gn_proj on the residual when channels or stride change
 
-  conv_root   StdConv 7x7, stride 2, SAME, no bias    [B, H, W, 3]      -> [B, H/2, W/2, width]
-  gn_root     GroupNorm(32 groups, eps 1e-6), ReLU
-              max-pool 3x3, stride 2, SAME               -> [B, H/4, W/4, width]
-  block1      n_1 bottleneck units, features width, stride 1 -> [B, H/4, W/4, 4 width]
-  block{s}    n_s units, features width * 2^(s-1), first unit stride 2
-                                                         -> [B, H/2^(s+1), W/2^(s+1), 4 width 2^(s-1)]
-
-so the total stride is ``4 * 2^(S-1)`` (4 when there are no stages). Each unit ``block{s}/unit{u}``
-is a post-activation bottleneck (features f, output 4f, stride s on the first unit of a stage)::
-
-  residual = gn_proj(conv_proj(x))  (1x1, stride s)   if x has != 4f channels or s != 1, else x
-  y = relu(gn1(conv1(x)))           conv1 1x1, f
-  y = relu(gn2(conv2(y)))           conv2 3x3, f, stride s, SAME
-  y = gn3(conv3(y))                 conv3 1x1, 4f; gn3 scale initialised to zero
-  out = relu(residual + y)
-
-Parameter tree (all convolutions without bias; kernels HWIO)::
-
-  conv_root/kernel (7, 7, 3, width)
-  gn_root/{scale, bias} (width,)
-  block{s}/unit{u}/conv1/kernel (1, 1, C_in, f)   gn1/{scale, bias} (f,)
-  block{s}/unit{u}/conv2/kernel (3, 3, f, f)      gn2/{scale, bias} (f,)
-  block{s}/unit{u}/conv3/kernel (1, 1, f, 4f)     gn3/{scale, bias} (4f,)
-  block{s}/unit{u}/conv_proj/kernel (1, 1, C_in, 4f)  gn_proj/{scale, bias} (4f,)  (first units)
-
-These names sit at the top level of the model's ``params`` (next to ``embedding``), as in the
-official model: :func:`resnet_stem` creates the modules inside the calling module's scope.
-
-Logical axes (``nn.with_logical_partitioning``; see :mod:`vit_jax.models.vit`): conv kernels
-``(None, None, 'conv_in', 'conv_out')``, GroupNorm scale and bias ``('norm',)``; the feature
-maps after the root and after every unit are constrained to ``('batch', None, None,
-'conv_out')`` (a no-op without ``nn.logical_axis_rules`` and a mesh).
-
-Padding: SAME follows XLA (the odd extra padding pixel goes at the end, e.g. a 3x3/2 window on
-a 16-pixel side is padded (0, 1)); max-pool pads with -inf.
+Kernels HWIO, no bias; the names sit at the top level of ``params`` next to ``embedding``
+(:func:`resnet_stem`). Logical axes: kernels ``(None, None, 'conv_in', 'conv_out')``,
+GroupNorm ``('norm',)``. SAME padding as XLA (the odd pixel at the end); max-pool pads -inf.
 """
 
 from __future__ import annotations
@@ -78,18 +47,10 @@ def _constrain(x: Array) -> Array:
 
 
 def standardize_weight(kernel: Array, eps: float = WEIGHT_STANDARDIZATION_EPSILON) -> Array:
-  """Weight standardisation of a conv kernel, per output channel.
+  """Per-output-channel weight standardisation of an HWIO kernel (Qiao et al. 2019; BiT).
 
-  ``w = (w - mean) / (std + eps)`` with mean and (population) standard deviation over the
-  spatial and input-channel axes ``(0, 1, 2)`` of an HWIO kernel (Qiao et al., 2019; BiT). The
-  epsilon is added to the standard deviation, as in the official ``weight_standardize``.
-
-  Args:
-    kernel: ``(kh, kw, in, out)`` float array.
-    eps: added to the standard deviation.
-
-  Returns:
-    The standardised kernel, same shape and dtype.
+  ``(w - mean) / (std + eps)`` over axes ``(0, 1, 2)`` (population std; eps added to the std as
+  the official ``weight_standardize``). Same shape and dtype.
   """
   axes = (0, 1, 2)
   centered = kernel - jnp.mean(kernel, axis=axes)
@@ -97,19 +58,10 @@ def standardize_weight(kernel: Array, eps: float = WEIGHT_STANDARDIZATION_EPSILO
 
 
 class StdConv(nn.Module):
-  """2-D convolution (NHWC, HWIO kernel, SAME padding, no bias) with weight standardisation.
+  """2-D convolution (NHWC, HWIO, SAME, no bias) with weight standardisation.
 
-  The stored ``kernel`` parameter is the raw one; it is standardised by
-  :func:`standardize_weight` (in ``param_dtype``) on every call and then cast to ``dtype``.
-  Kernel initialiser: lecun_normal (the flax ``nn.Conv`` default, as the official ``StdConv``).
-
-  Attributes:
-    features: output channels.
-    kernel_size: ``(kh, kw)``.
-    strides: ``(sh, sw)``.
-    dtype: computation dtype; param_dtype: dtype of the stored kernel.
-
-  Input ``[B, H, W, C]``; output ``[B, ceil(H/sh), ceil(W/sw), features]`` in ``dtype``.
+  The stored ``kernel`` is raw (lecun_normal init); standardised in ``param_dtype`` on every call,
+  then cast to ``dtype``. ``[B, H, W, C]`` -> ``[B, ceil(H/sh), ceil(W/sw), features]``.
   """
 
   features: int
@@ -143,18 +95,11 @@ def _group_norm(name: str, dtype: Dtype, param_dtype: Dtype, zero_scale: bool = 
 
 
 class BottleneckUnit(nn.Module):
-  """Post-activation bottleneck residual unit (official ``models_resnet.ResidualUnit``).
+  """Post-activation bottleneck unit (official ``ResidualUnit``): f features, ``4 f`` out.
 
-  Children ``conv1``, ``gn1``, ``conv2``, ``gn2``, ``conv3``, ``gn3`` (scale zero-init, so a
-  freshly initialised unit is the identity on its residual branch) and, when the channel count
-  or the spatial size changes, ``conv_proj``/``gn_proj`` on the residual path.
-
-  Attributes:
-    features: bottleneck width f; the output has ``4 f`` channels.
-    strides: stride of ``conv2`` and ``conv_proj``.
-    dtype: computation dtype; param_dtype: parameter dtype.
-
-  Input ``[B, H, W, C]``; output ``[B, ceil(H/s), ceil(W/s), 4 f]`` in ``dtype``.
+  ``gn3`` scale starts at zero (a fresh unit is the identity on its residual branch);
+  ``conv_proj``/``gn_proj`` when channels or size change. ``[B, H, W, C]`` ->
+  ``[B, ceil(H/s), ceil(W/s), 4 f]``.
   """
 
   features: int
@@ -184,14 +129,7 @@ class BottleneckUnit(nn.Module):
 
 
 class ResNetStage(nn.Module):
-  """``num_units`` bottleneck units ``unit1 .. unit{n}``; only the first one is strided.
-
-  Attributes:
-    num_units: number of units (>= 1).
-    features: bottleneck width f of every unit (output ``4 f`` channels).
-    first_stride: stride of ``unit1``.
-    dtype: computation dtype; param_dtype: parameter dtype.
-  """
+  """``num_units`` bottleneck units ``unit1 .. unit{n}`` of width f; only ``unit1`` is strided."""
 
   num_units: int
   features: int
@@ -227,20 +165,10 @@ def resnet_out_channels(num_layers: Sequence[int], width_factor: float) -> int:
 
 def resnet_stem(x: Array, *, num_layers: Sequence[int], width_factor: float = 1,
                 dtype: Dtype = jnp.float32, param_dtype: Dtype = jnp.float32) -> Array:
-  """Runs the hybrid ResNet root and stages; must be called inside a compact ``__call__``.
+  """Runs the hybrid ResNet root and stages inside the calling compact ``__call__``'s scope.
 
-  The modules (``conv_root``, ``gn_root``, ``block1``, ...) are created in the scope of the
-  calling module, so their parameters sit next to the caller's own (the official layout).
-
-  Args:
-    x: images ``[B, H, W, C]``.
-    num_layers: units per stage, e.g. ``(3, 4, 9)``; ``()`` for the root only.
-    width_factor: multiplies the base width 64.
-    dtype: computation dtype; param_dtype: parameter dtype.
-
-  Returns:
-    ``[B, H/t, W/t, resnet_out_channels(...)]`` with ``t = resnet_stride(num_layers)`` (sides
-    rounded up when not divisible), in ``dtype``.
+  ``x`` ``[B, H, W, C]`` -> ``[B, H/t, W/t, resnet_out_channels(...)]`` in ``dtype``,
+  ``t = resnet_stride(num_layers)`` (sides rounded up); ``num_layers=()``: the root only.
   """
   width = root_width(width_factor)
   x = StdConv(features=width, kernel_size=(7, 7), strides=(2, 2), dtype=dtype,
@@ -259,10 +187,8 @@ def resnet_stem(x: Array, *, num_layers: Sequence[int], width_factor: float = 1,
 def validate_resnet(num_layers: Optional[Sequence[int]], width_factor: Any) -> None:
   """Checks the stem configuration.
 
-  Raises:
-    ValueError: ``num_layers`` not a sequence of positive ints (``None`` = no stem is fine), or
-      ``width_factor`` such that ``64 * width_factor`` is not a positive multiple of 32 (the
-      GroupNorm group count).
+  Raises ValueError: ``num_layers`` not a sequence of positive ints (None = no stem), or
+  ``64 * width_factor`` not a positive multiple of 32 (the GroupNorm groups).
   """
   if num_layers is None:
     return

@@ -1,86 +1,27 @@
 """Tokens-to-Token ViT (T2T-ViT) in Flax linen.
 
-Implements Yuan et al., "Tokens-to-Token ViT: Training Vision Transformers from Scratch on
-ImageNet" (ICCV 2021) with the numerics of the official PyTorch code
-(yitu-opensource/T2T-ViT, ``models/t2t_vit.py``, ``token_performer.py``,
-``token_transformer.py``, ``transformer_block.py``; docs/reference.md section 2):
+Yuan et al., "Tokens-to-Token ViT" (ICCV 2021), with the numerics of the official PyTorch code
+(yitu-opensource/T2T-ViT; docs/reference.md section 2):
 
-  T2T module   image -> soft split 0 (unfold k7/s4/p2) -> T2T layer ``attention1``
-               -> tokens back to an (h, w, c) map -> soft split 1 (k3/s2/p1) -> ``attention2``
-               -> map -> soft split 2 (k3/s2/p1) -> ``project`` Linear(9 token_dim -> D)
-  backbone     [cls_token; tokens] + pos_embed (fixed sinusoid table) -> ``blocks_{i}`` (pre-LN)
+  T2T module   image -> soft split 0 (k7/s4/p2) -> ``attention1`` -> (h, w, c) map
+               -> soft split 1 (k3/s2/p1) -> ``attention2`` -> map -> soft split 2 (k3/s2/p1)
+               -> ``project`` Linear(9 token_dim -> D)
+  backbone     [cls_token; tokens] + pos_embed (fixed sinusoid) -> ``blocks_{i}`` (pre-LN)
                -> ``norm`` -> ``head`` on token 0
 
-With ``scan=True`` the backbone runs under ``nn.scan`` and its ``blocks_{i}`` subtrees become one
-``blocks`` subtree whose leaves have a leading ``depth`` axis (logical axis ``'layers'``);
-``remat`` / ``remat_policy`` rematerialise each block as ViT's do. Training uses both
-(``vit_jax.config.TRAINING_DEFAULTS``; the measurements are in docs/benchmarks.md).
+The sinusoid table is sized from the actual token count, so any (also non-square) image size
+works. ``init`` returns ``'params'`` (trainable) and ``'constants'`` (``pos_embed`` and the
+Performer ``w``, kept in the reference's state_dict with ``requires_grad=False``): ``apply``
+needs both; never give ``'constants'`` to an optimizer. Parameter names map one-to-one to the
+reference's state_dict keys (table in :mod:`vit_jax.checkpoint.t2t_torch`); initialisation follows
+the reference. LayerNorm eps 1e-5 (two-pass variance), exact GELU, softmax and the Performer in
+float32; logits float32.
 
-Soft split = zero-padded unfold; each patch vector is channel-major (feature index
-``c*k*k + i*k + j``) and tokens are row-major. Each stage gives ``floor((H + 2p - k)/s) + 1``
-tokens per side (224 px -> 56 -> 28 -> 14: 196 tokens; 200 px -> 169 tokens). Unlike the
-reference, the sinusoid table is sized from this actual token count, so any image size works;
-non-square images work too.
-
-Variables (``model.init`` returns two collections):
-
-* ``'params'``: exactly the trainable parameters.
-* ``'constants'``: the fixed tables that the reference stores in its state_dict with
-  ``requires_grad=False``: ``pos_embed`` (1, N + 1, D) and, for the Performer T2T module,
-  ``tokens_to_token/attention{1,2}/w`` (m, token_dim). Pass both collections to ``apply``; do not
-  give ``'constants'`` to an optimizer.
-
-Parameter names map one-to-one to the PyTorch state_dict keys of the reference
-(``blocks.3.attn.qkv.weight`` -> ``params/blocks_3/attn/qkv/kernel``, transposed);
-:mod:`vit_jax.models.t2t_torch` has the table and converts a state_dict
-(``from_torch_state_dict``). Initialisation follows the reference:
-Linear kernels truncated normal (std 0.02), biases 0, LayerNorm 1/0, ``cls_token`` truncated
-normal (std 0.02), Performer ``w`` = orthogonal random (m, token_dim) times sqrt(m).
-
-Numerics: LayerNorm eps 1e-5 (two-pass variance, as PyTorch), exact (erf) GELU, softmax in
-float32, the Performer feature map and its linear attention always in float32 (as the reference's
-``x.float()``), whatever ``dtype`` is. Logits are float32.
-
-Logical axes: every parameter is created with ``nn.with_logical_partitioning``, so
-``model.init`` returns the ``'params'`` as ``nn.LogicallyPartitioned`` boxes carrying one logical
-axis name per array axis (names in :data:`vit_jax.models.layout.LOGICAL_AXIS_NAMES`; values and
-initialisers unchanged). ``apply`` accepts boxed or plain variables; :func:`vit_jax.models.unbox`
-gives plain arrays, :func:`vit_jax.models.logical_axes` the ``PartitionSpec`` tree. The
-``'constants'`` are not annotated (replicated; ``PartitionSpec()``)::
-
-  cls_token (None, None, 'embed')
-  tokens_to_token/attention{1,2}: qkv / kqv kernel (None, 'qkv'), kqv bias ('qkv',);
-      proj, mlp/fc{1,2}, mlp_{0,2} kernels (None, 'tokens'), biases ('tokens',)
-  tokens_to_token/project kernel (None, 'embed'), bias ('embed',)
-  blocks_i/attn/qkv kernel ('embed', 'qkv'); attn/proj kernel ('qkv', 'embed'), bias ('embed',)
-  blocks_i/mlp/fc1 kernel ('embed', 'mlp'), bias ('mlp',); fc2 ('mlp', 'embed'), bias ('embed',)
-  (scanned: blocks/... with 'layers' first, e.g. blocks/mlp/fc1/kernel ('layers', 'embed', 'mlp'))
-  every LayerNorm scale / bias ('norm',)
-  head kernel ('embed', 'classes'), bias ('classes',)
-
-Activations are constrained (``nn.with_logical_constraint``, a no-op without
-``nn.logical_axis_rules``) to ``('batch', 'length', 'embed')`` after ``project``, after the
-position table and at every block boundary, the backbone MLP hidden units to ``('batch',
-'length', 'mlp')`` (the T2T layers' MLP hidden to ``('batch', 'length', 'tokens')``).
-
-Intermediates: applied with ``mutable=['intermediates']`` (or ``capture_intermediates=True``)
-the model also returns, in ``state['intermediates']``, the attention weights (float32, rows
-summing to 1) of every backbone block and of both T2T layers, and every backbone block's
-output tokens::
-
-  blocks_{i}/attn/attention_weights         [B, heads, N + 1, N + 1]  (the 'xla' path runs)
-  blocks_{i}/tokens                         [B, N + 1, D]
-  tokens_to_token/attention{1,2}/attn/attention_weights   [B, 1, L, L]  (tokens_type 'transformer')
-  tokens_to_token/attention{1,2}/attention_weights        [B, 1, L, L]  (tokens_type 'performer')
-
-(backbone with ``scan=True``: ``blocks/...`` with a leading axis of size ``depth``). The
-backbone's tokens are the class token, then the :func:`token_grid` row-major; a T2T layer's
-``L`` tokens are its soft split's grid, row-major, no class token. The Performer's weights are
-the matrix its random features imply (:class:`TokenPerformer`), formed only when captured. Off
-(a plain ``apply``), nothing is computed or stored. :mod:`vit_jax.models.intermediates` reads
-them back in depth order whatever the layout.
-
-This module has no training dependencies (no optax, no TensorFlow).
+Parameters carry logical axes (:data:`vit_jax.models.layout.LOGICAL_AXIS_NAMES`; the T2T layers
+use ``'tokens'`` / ``'qkv'``, ``'constants'`` are replicated); activations are constrained to
+``('batch', 'length', 'embed')``. With ``scan=True`` the ``blocks_{i}`` become one ``blocks``
+subtree with a leading ``'layers'`` axis. Intermediates (attention weights, block tokens): see
+docs/models.md and :mod:`vit_jax.models.intermediates`.
 """
 
 from __future__ import annotations
@@ -160,10 +101,7 @@ def soft_split_size(size: int, kernel: int, stride: int, padding: int) -> int:
 
 
 def token_grid(height: int, width: int) -> Tuple[int, int]:
-  """Token grid ``(h, w)`` after the three soft splits of an ``height x width`` image.
-
-  E.g. 224x224 -> (14, 14) (196 tokens), 384 -> (24, 24), 200 -> (13, 13) (169 tokens).
-  Raises ValueError for an image too small for a stage.
+  """Token grid ``(h, w)`` after the three soft splits (224 -> (14, 14)); ValueError if too small.
   """
   for kernel, stride, padding in SOFT_SPLITS:
     height = soft_split_size(height, kernel, stride, padding)
@@ -172,16 +110,9 @@ def token_grid(height: int, width: int) -> Tuple[int, int]:
 
 
 def soft_split(x: Array, kernel: int, stride: int, padding: int) -> Array:
-  """Unfold (PyTorch ``nn.Unfold``) of an NHWC map into row-major tokens.
+  """Unfold (``nn.Unfold``, zero padding): ``[B, H, W, C]`` -> ``[B, h * w, C * k * k]``.
 
-  Args:
-    x: ``[B, H, W, C]`` map, any dtype.
-    kernel, stride, padding: square unfold geometry; padding is with zeros.
-
-  Returns:
-    ``[B, h * w, C * k * k]`` in ``x.dtype``, token index ``row * w + col``, feature index
-    ``c*k*k + i*k + j`` (channel-major, as ``nn.Unfold``). Built from strided slices only, so it
-    is exact on every backend (no matmul precision involved).
+  Tokens row-major, features channel-major (``c*k*k + i*k + j``); strided slices only, so exact.
   """
   b, height, width, c = x.shape
   oh = soft_split_size(height, kernel, stride, padding)
@@ -196,10 +127,9 @@ def soft_split(x: Array, kernel: int, stride: int, padding: int) -> Array:
 
 
 def sinusoid_table(num_positions: int, width: int) -> np.ndarray:
-  """Fixed sinusoid position table ``(1, num_positions, width)`` float32.
+  """Fixed sinusoid table ``(1, num_positions, width)`` float32, bit-for-bit the reference's.
 
-  ``angle[pos, j] = pos / 10000**(2*(j//2)/width)``; ``sin`` on even ``j``, ``cos`` on odd ``j``
-  (interleaved), computed in float64 and cast to float32, bit-for-bit the reference's table.
+  ``angle[pos, j] = pos / 10000**(2*(j//2)/width)``; sin on even ``j``, cos on odd, in float64.
   """
   pos = np.arange(num_positions, dtype=np.float64)[:, None]
   j = np.arange(width)
@@ -209,14 +139,9 @@ def sinusoid_table(num_positions: int, width: int) -> np.ndarray:
 
 
 def performer_features(x: Array, w: Array) -> Array:
-  """Positive random features of the Performer: ``exp(x w^T - |x|^2/2) / sqrt(m)``.
+  """Performer positive random features ``exp(x w^T - |x|^2/2) / sqrt(m)``.
 
-  Args:
-    x: ``[..., d]`` any float dtype; cast to float32 first (the reference's ``x.float()``).
-    w: ``(m, d)`` random feature matrix.
-
-  Returns:
-    ``[..., m]`` float32, always (also under bfloat16 compute).
+  ``x`` ``[..., d]`` (cast to float32, as the reference), ``w`` ``(m, d)``; float32 ``[..., m]``.
   """
   x = x.astype(jnp.float32)
   w = w.astype(jnp.float32)
@@ -242,11 +167,10 @@ def _orthogonal_features(key: Array, m: int, dim: int) -> Array:
 
 
 class DropPath(nn.Module):
-  """Stochastic depth: zeroes whole samples with probability ``rate``, rescales the rest.
+  """Stochastic depth on ``[B, ...]``: zeroes whole samples with probability ``rate``.
 
-  Input ``[B, ...]``, same shape and dtype out. Active only when ``deterministic=False`` and
-  ``rate > 0``; then needs the ``'dropout'`` rng. ``rate`` given to the call (a traced scalar,
-  e.g. one scanned block's rate) replaces the attribute; it is always applied, even when 0.
+  Needs the ``'dropout'`` rng when active. A ``rate`` given to the call (traced, e.g. per scanned
+  block) replaces the attribute and is always applied.
   """
 
   rate: float = 0.0
@@ -263,13 +187,9 @@ class DropPath(nn.Module):
 
 
 class Mlp(nn.Module):
-  """``fc1`` -> exact GELU -> ``fc2`` (reference ``transformer_block.Mlp``).
+  """``fc1`` -> exact GELU -> ``fc2`` (reference ``Mlp``); ``[..., D]`` -> ``[..., out_dim]``.
 
-  ``fc1_axes`` / ``fc2_axes``: logical (input, output) names of the kernels (the backbone's
-  defaults; the T2T layers use ``(None, 'tokens')`` for both). A rank-3 hidden activation is
-  constrained to ``('batch', 'length', fc1_axes[1])``.
-
-  Input ``[..., D]``, output ``[..., out_dim]`` in ``dtype``.
+  ``fc1_axes`` / ``fc2_axes``: the kernels' logical (input, output) axes.
   """
 
   hidden_dim: int
@@ -288,14 +208,10 @@ class Mlp(nn.Module):
 
 
 class TokenTransformerAttention(nn.Module):
-  """Single-head attention of the Transformer T2T layer, changing the width ``in -> token_dim``.
+  """Single-head attention of the Transformer T2T layer, ``[B, L, in]`` -> ``[B, L, token_dim]``.
 
-  ``q, k, v = split(qkv(x))`` (no bias); ``y = softmax((q * in**-0.5) k^T) v``;
-  returns ``v + proj(y)`` (the residual comes from v, the input has another width). The scale uses
-  the INPUT width (147**-0.5, then (9 token_dim)**-0.5), as the reference.
-
-  Input ``[B, L, in]``, output ``[B, L, token_dim]`` in ``dtype``. With ``'intermediates'``
-  mutable it sows the softmax weights as ``attention_weights``, float32 ``[B, 1, L, L]``.
+  ``q, k, v = split(qkv(x))`` (no bias), ``softmax((q * in**-0.5) k^T) v``, returns
+  ``v + proj(y)``: the scale uses the INPUT width and the residual comes from v, as the reference.
   """
 
   token_dim: int
@@ -321,8 +237,7 @@ class TokenTransformerAttention(nn.Module):
 class TokenTransformer(nn.Module):
   """Transformer T2T layer (reference ``Token_transformer``, MLP ratio 1).
 
-  ``y = attn(norm1(x))``; ``y + mlp(norm2(y))``. Children ``norm1``, ``attn/{qkv,proj}``,
-  ``norm2``, ``mlp/{fc1,fc2}``. Input ``[B, L, in]``, output ``[B, L, token_dim]`` in ``dtype``.
+  ``y = attn(norm1(x))``; ``y + mlp(norm2(y))``. ``[B, L, in]`` -> ``[B, L, token_dim]``.
   """
 
   token_dim: int
@@ -339,22 +254,13 @@ class TokenTransformer(nn.Module):
 
 
 class TokenPerformer(nn.Module):
-  """Performer T2T layer (reference ``Token_performer``), linear attention with random features.
+  """Performer T2T layer (reference ``Token_performer``): linear attention with random features.
 
-  ``k, q, v = split(kqv(norm1(x)))`` (k, q, v order, with bias); with ``phi`` =
-  :func:`performer_features` and the fixed ``w`` (m, token_dim), ``m = int(token_dim * 0.5)``:
-  ``y = phi(q) (phi(k)^T v) / (phi(q) . sum_t phi(k_t) + 1e-8)``, all in float32;
-  ``y = v + proj(y)``; returns ``y + mlp_2(gelu(mlp_0(norm2(y))))``.
-
-  ``w`` lives in the ``'constants'`` collection; at init it is drawn from the ``'params'`` rng.
-  Input ``[B, L, in]``, output ``[B, L, token_dim]`` in ``dtype``.
-
-  With ``'intermediates'`` mutable it sows, as ``attention_weights`` (float32 ``[B, 1, L, L]``),
-  the attention its random features imply, which the linear attention never forms:
-  ``A[s, t] = phi(q_s) . phi(k_t) / (phi(q_s) . sum_u phi(k_u) + 1e-8)``, so that ``A v`` is
-  the layer's attention output; each row sums to ``S / (S + 1e-8)`` with ``S`` its
-  denominator, i.e. 1 up to rounding for any non-negligible ``S``. It is an approximation of
-  ``softmax(q k^T)`` (with ``m`` random features), not a softmax: entries are non-negative.
+  ``k, q, v = split(kqv(norm1(x)))``; with ``phi`` = :func:`performer_features` and the fixed
+  ``w`` (m = token_dim // 2 rows, in ``'constants'``):
+  ``y = phi(q) (phi(k)^T v) / (phi(q) . sum_t phi(k_t) + 1e-8)`` in float32, ``y = v + proj(y)``,
+  returns ``y + mlp_2(gelu(mlp_0(norm2(y))))``. Captured, it sows the ``[B, 1, L, L]`` matrix
+  its features imply (an approximation of softmax, not one; docs/models.md).
   """
 
   token_dim: int
@@ -393,17 +299,9 @@ class TokenPerformer(nn.Module):
 
 
 class TokensToToken(nn.Module):
-  """The T2T module: three soft splits, two T2T layers and ``project`` (reference ``T2T_module``).
+  """T2T module (reference ``T2T_module``): ``[B, H, W, C]`` -> ``[B, h * w, D]``.
 
-  Attributes:
-    tokens_type: ``'performer'`` or ``'transformer'``.
-    token_dim: width of the T2T layers (64 in all released models).
-    embed_dim: output width D.
-    dtype, param_dtype: computation / parameter dtypes.
-
-  Input ``[B, H, W, C]`` images; output ``[B, h * w, D]`` in ``dtype`` with ``(h, w)`` =
-  :func:`token_grid` ``(H, W)``. Sows the unfold outputs ``soft_split{0,1,2}`` ``[B, L, C*k*k]``
-  in ``'intermediates'`` (and, when that is mutable, ``attention{1,2}`` their attention weights).
+  ``(h, w)`` = :func:`token_grid`. Sows the unfold outputs ``soft_split{0,1,2}``.
   """
 
   tokens_type: str
@@ -442,16 +340,10 @@ class _QkvKernel(nn.Module):
 
 
 class Attention(nn.Module):
-  """Multi-head self-attention with a fused ``qkv`` (no bias), reference ``Attention``.
+  """Multi-head self-attention, fused bias-free ``qkv`` (reference ``Attention``), ``[B, N, D]``.
 
-  ``scale`` = ``qk_scale`` or ``head_dim**-0.5``, applied to ``q k^T``; softmax in float32.
-  The ``qkv/kernel`` ``(D, 3 D)`` is read as ``(D, 3, heads, head_dim)``, the reference's
-  ``reshape(B, N, 3, heads, head_dim)`` of its output, and runs through the same
-  function as ViT's attention
-  (:func:`vit_jax.models.attention.self_attention`, implementation ``attention``).
-  Input / output ``[B, N, D]`` in ``dtype``. With ``'intermediates'`` mutable it sows
-  ``attention_weights``, float32 ``[B, heads, N, N]``, and runs the 'xla' path whatever
-  ``attention`` is.
+  The ``(D, 3 D)`` kernel is read as ``(D, 3, heads, head_dim)`` and runs through
+  :func:`vit_jax.models.attention.self_attention`; scale ``qk_scale`` or ``head_dim**-0.5``.
   """
 
   num_heads: int
@@ -479,16 +371,10 @@ class Attention(nn.Module):
 
 
 class Block(nn.Module):
-  """Pre-LN backbone block (reference ``transformer_block.Block``).
+  """Pre-LN backbone block (reference ``Block``), ``[B, N, D]`` -> ``[B, N, D]``.
 
-  ``x + drop_path(attn(norm1(x)))``, then ``x + drop_path(mlp(norm2(x)))``; MLP hidden
-  ``int(D * mlp_ratio)``, exact GELU. Input / output ``[B, N, D]`` in ``dtype``.
-
-  ``deterministic`` (a Python bool, positional so that ``nn.remat`` can make it static) disables
-  drop path. ``drop_path_rate``, a scalar array, replaces the ``drop_path`` attribute (how
-  ``nn.scan`` gives each stacked block its own rate); with ``scanned=True`` the call returns
-  ``(x, None)``, the carry/output pair ``nn.scan`` needs. With ``'intermediates'`` mutable it
-  sows its output as ``tokens`` (and ``attn`` its weights).
+  ``deterministic`` is positional so that ``nn.remat`` can make it static; ``drop_path_rate`` (an
+  array) replaces the attribute under ``nn.scan``, and ``scanned=True`` returns ``(x, None)``.
   """
 
   num_heads: int
@@ -521,43 +407,22 @@ class T2TViT(nn.Module):
   """T2T-ViT classifier (reference ``T2T_ViT``).
 
   Attributes:
-    num_classes: classes of the ``head``; ``None`` returns the class-token feature after ``norm``.
-    embed_dim: token width D.
-    depth: backbone blocks.
-    num_heads: attention heads (must divide ``embed_dim``).
-    mlp_ratio: backbone MLP hidden width = ``int(embed_dim * mlp_ratio)``.
-    token_dim: width of the T2T layers.
+    num_classes: ``head`` classes; ``None`` returns the class-token feature after ``norm``.
+    embed_dim, depth, num_heads, mlp_ratio, token_dim: sizes (MLP hidden ``int(D * mlp_ratio)``).
     tokens_type: ``'performer'`` or ``'transformer'``.
-    qk_scale: attention scale of the backbone; ``None`` means ``head_dim**-0.5``. The released
-      weights were trained with ``embed_dim**-0.5``.
-    drop_path_rate: stochastic depth, linear from 0 (first block) to this (last block).
-    dtype: computation dtype (e.g. ``jnp.bfloat16``); param_dtype: parameter dtype.
-    scan: run the backbone blocks with ``nn.scan``: their parameters are stacked under one
-      ``blocks`` subtree (leading axis ``depth``, logical axis ``'layers'``) instead of
-      ``blocks_{i}``; :func:`vit_jax.models.scan_params` / ``unscan_params`` convert, and
-      :func:`vit_jax.models.t2t_torch.from_torch_state_dict` returns the layout of ``model``.
-      The T2T module stays unrolled (two layers). Each block keeps its own drop-path rate; the random draws differ
-      from the unrolled model's (the dropout rng is split per block by ``nn.scan``).
-    remat: rematerialise every backbone block in the backward pass (``nn.remat``).
-    remat_policy: what a rematerialised block keeps, a name in
-      :data:`vit_jax.models.execution.REMAT_POLICIES`; default 'nothing_saveable'.
-    attention: the backbone attention's implementation, one of
-      :data:`vit_jax.models.attention.IMPLEMENTATIONS` (the T2T module's attention is XLA's).
+    qk_scale: backbone attention scale, ``None`` = ``head_dim**-0.5`` (the released weights
+      need ``embed_dim**-0.5``).
+    drop_path_rate: linear from 0 (first block) to this (last).
+    dtype, param_dtype, scan, remat, remat_policy, attention: as ViT's (the T2T module stays
+      unrolled and on XLA's attention).
 
-  Call ``model.apply(variables, images, train=False)`` with ``variables`` holding ``'params'`` and
-  ``'constants'`` (as returned by ``init``):
-    images: ``[B, H, W, C]`` float32 NHWC (ImageNet mean/std normalised for the released weights).
-    train: enables drop path; then ``rngs={'dropout': key}`` is required if the rate is > 0.
-    Returns ``[B, num_classes]`` float32 logits (``[B, D]`` features if ``num_classes is None``).
-    Sows ``pos_drop`` (tokens after the class token and the position table) and the
-    ``tokens_to_token/soft_split{0,1,2}`` unfold outputs in ``'intermediates'``, and, there too,
-    every attention's weights and every backbone block's output (see the module docstring).
+  ``apply({'params', 'constants'}, images [B, H, W, C] float32, train=...)`` returns
+  ``[B, num_classes]`` float32 logits (``[B, D]`` without a head); with drop path, ``train``
+  needs ``rngs={'dropout': key}``.
 
   Raises:
-    ValueError: at construction for invalid fields (see :func:`validate_config`); at apply time
-      for a non-rank-4 input, an image too small for the soft splits, or a loaded ``pos_embed``
-      whose token count / width does not match the image (e.g. constants made for 224 px applied at
-      384 px: re-create the constants with ``init`` at the new size or :func:`sinusoid_table`).
+    ValueError: invalid fields (:func:`validate_config`); a non-NHWC input, an image too small,
+      or a ``pos_embed`` made for another image size.
   """
 
   num_classes: Optional[int]
@@ -639,16 +504,7 @@ def validate_config(*, num_classes, embed_dim, depth, num_heads, mlp_ratio, toke
                     tokens_type='performer', qk_scale=None, drop_path_rate=0.0,
                     dtype=jnp.float32, param_dtype=jnp.float32, scan=False, remat=False,
                     remat_policy='nothing_saveable', attention='xla', **unused) -> None:
-  """Checks the fields of a :class:`T2TViT` configuration.
-
-  Args: the model fields (extra keyword arguments are ignored).
-
-  Raises:
-    ValueError: naming the offending field: ``tokens_type`` not in ``TOKENS_TYPES``, non-positive
-      sizes, ``embed_dim % num_heads != 0``, ``token_dim < 2`` with a performer (no random
-      features), ``mlp_ratio`` or ``qk_scale`` not positive, ``drop_path_rate`` outside [0, 1),
-      a non-float ``dtype``/``param_dtype``, or bad execution fields (``scan``/``remat`` not a
-      bool, ``remat_policy`` not in :data:`vit_jax.models.execution.REMAT_POLICIES`).
+  """Checks :class:`T2TViT` fields (extra keywords ignored); ValueError naming the field.
   """
   del unused
   if tokens_type not in TOKENS_TYPES:

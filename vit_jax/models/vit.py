@@ -1,96 +1,53 @@
-"""Vision Transformer (ViT) in Flax linen.
+"""Vision Transformer (ViT; Dosovitskiy et al., ICLR 2021, eq. 1-4) in Flax linen.
 
-Implements the model of Dosovitskiy et al., "An Image is Worth 16x16 Words" (ICLR 2021), eq. 1-4:
+  z_0  = [x_class; x_p^1 E; ...; x_p^N E] + E_pos     (eq. 1)
+  z'_l = MSA(LN(z_{l-1})) + z_{l-1}                  (eq. 2)
+  z_l  = MLP(LN(z'_l)) + z'_l                         (eq. 3)
+  y    = LN(z_L^0)                                    (eq. 4)
 
-  z_0     = [x_class; x_p^1 E; ...; x_p^N E] + E_pos             (eq. 1)
-  z'_l    = MSA(LN(z_{l-1})) + z_{l-1}                           (eq. 2)
-  z_l     = MLP(LN(z'_l)) + z'_l                                  (eq. 3)
-  y       = LN(z_L^0)                                             (eq. 4)
-
-with the numerics and the in-memory parameter names of the official implementation
-(google-research/vision_transformer, ``vit_jax/models_vit.py``), so that the published checkpoints
-load without renaming (see ``vit_jax.checkpoint``). Parameter tree of a model with
+Numerics and parameter names are the official implementation's (google-research/
+vision_transformer ``models_vit.py``), so its checkpoints load without renaming. With
 ``classifier='token'`` and ``representation_size=R``::
 
-  embedding/{kernel (P, P, 3, D), bias (D,)}
-  cls (1, 1, D)
+  embedding/{kernel (P, P, 3, D), bias (D,)}          cls (1, 1, D)
   Transformer/posembed_input/pos_embedding (1, N + 1, D)
-  Transformer/encoderblock_{i}/LayerNorm_0/{scale, bias} (D,)
+  Transformer/encoderblock_{i}/LayerNorm_{0,1}/{scale, bias} (D,)
   Transformer/encoderblock_{i}/MultiHeadDotProductAttention_0/
       {query,key,value}/kernel (D, heads, D/heads), {query,key,value}/bias (heads, D/heads),
       out/kernel (heads, D/heads, D), out/bias (D,)
-  Transformer/encoderblock_{i}/LayerNorm_1/{scale, bias} (D,)
   Transformer/encoderblock_{i}/MlpBlock_0/Dense_0/{kernel (D, MLP), bias (MLP,)}
   Transformer/encoderblock_{i}/MlpBlock_0/Dense_1/{kernel (MLP, D), bias (D,)}
   Transformer/encoder_norm/{scale, bias} (D,)
-  pre_logits/{kernel (D, R), bias (R,)}          (only when representation_size is set)
+  pre_logits/{kernel (D, R), bias (R,)}                (only with representation_size)
   head/{kernel (R or D, num_classes), bias (num_classes,)}
 
-``classifier='gap'`` and ``'map'`` models have no ``cls`` and a ``(1, N, D)`` position embedding;
-``'map'`` (big_vision's multihead attention pooling, :class:`MAPHead`) adds, as big_vision
-writes it::
+``classifier='gap'``/``'map'``: no ``cls``, a ``(1, N, D)`` table; 'map' adds big_vision's
+``MAPHead_0/{probe (1, 1, D), MultiHeadDotProductAttention_0, LayerNorm_0, MlpBlock_0}``.
+``posemb='sincos2d'``: no ``posembed_input``; the fixed table (:func:`posemb_sincos_2d`) is added
+to the patch tokens only. Hybrids (``resnet_num_layers``): the BiT stem of
+:mod:`vit_jax.models.resnet` (``conv_root``, ``gn_root``, ``block{s}/unit{u}``) feeds
+``embedding/kernel (P, P, C_resnet, D)``. ``scan=True``: one ``encoderblock`` with a leading
+``num_layers`` axis (:func:`vit_jax.models.layout.scan_params` / ``unscan_params`` convert).
 
-  MAPHead_0/probe (1, 1, D)
-  MAPHead_0/MultiHeadDotProductAttention_0/...   (as in the encoder blocks, heads = num_heads)
-  MAPHead_0/LayerNorm_0/{scale, bias} (D,)
-  MAPHead_0/MlpBlock_0/Dense_0/{kernel (D, MLP), bias (MLP,)}
-  MAPHead_0/MlpBlock_0/Dense_1/{kernel (MLP, D), bias (D,)}
+Parameters are ``nn.LogicallyPartitioned`` boxes (names in
+:data:`vit_jax.models.layout.LOGICAL_AXIS_NAMES`; :func:`vit_jax.models.unbox`,
+:func:`vit_jax.models.logical_axes`); ``apply`` takes boxed or plain variables::
 
-``posemb='sincos2d'`` (big_vision's fixed 2-D sin-cos table, :func:`posemb_sincos_2d`) has no
-``Transformer/posembed_input``: the table is computed for the token grid of the input and added
-to the patch tokens before the class token is prepended (the class token gets none).
+  embedding/kernel (None, None, None, 'embed')    cls, probe (None, None, 'embed')
+  pos_embedding (None, 'length', 'embed')         LayerNorm scale, bias ('norm',)
+  {query,key,value}/kernel ('embed', 'heads', 'kv'), bias ('heads', 'kv')
+  out/kernel ('heads', 'kv', 'embed')             Dense_0 ('embed', 'mlp'); Dense_1 ('mlp', 'embed')
+  pre_logits ('embed', None)                      head ('embed', 'classes')
+  ResNet conv kernels (None, None, 'conv_in', 'conv_out'); 'layers' first with scan=True
 
-Hybrid models (``resnet_num_layers`` set; ViT paper Sec. 3.1) first run the BiT ResNet stem of
-:mod:`vit_jax.models.resnet` and embed its feature map instead of the pixels; its parameters sit
-at the top level next to ``embedding`` (``conv_root``, ``gn_root``, ``block{s}/unit{u}/...``), as
-in the official model, and ``embedding/kernel`` becomes ``(P, P, C_resnet, D)``.
+Activations are constrained to ``('batch', 'length', 'embed')`` (tokens), ``('batch',
+'length', 'mlp')`` and ``('batch', None, None, 'conv_out')`` (no-ops without a mesh).
 
-With ``scan=True`` the ``encoderblock_{i}`` subtrees are replaced by a single ``encoderblock``
-subtree whose leaves have a leading axis of size ``num_layers``; convert between the two layouts
-with :func:`vit_jax.models.layout.scan_params` / :func:`~vit_jax.models.layout.unscan_params`.
-
-Logical axes: every parameter is created with ``nn.with_logical_partitioning``, so
-``model.init`` returns the ``params`` as ``nn.LogicallyPartitioned`` boxes that carry one logical
-axis name per array axis (``nn.get_partition_spec`` reads them; names in
-:data:`vit_jax.models.layout.LOGICAL_AXIS_NAMES`). Names, shapes, values and initialisers are
-those of the plain model. ``model.apply`` accepts boxed or plain variables; for plain arrays use
-:func:`vit_jax.models.unbox` (``flax.linen.unbox`` inside ``jit``), and for the tree of
-``PartitionSpec`` s :func:`vit_jax.models.logical_axes`::
-
-  embedding/kernel (None, None, None, 'embed')    embedding/bias ('embed',)
-  cls (None, None, 'embed')                       pos_embedding (None, 'length', 'embed')
-  MAPHead_0/probe (None, None, 'embed')           (the head's attention, LayerNorm, MLP: as below)
-  LayerNorm_*/encoder_norm scale, bias ('norm',)
-  {query,key,value}/kernel ('embed', 'heads', 'kv')   {query,key,value}/bias ('heads', 'kv')
-  out/kernel ('heads', 'kv', 'embed')             out/bias ('embed',)
-  MlpBlock_0/Dense_0 kernel ('embed', 'mlp'), bias ('mlp',)
-  MlpBlock_0/Dense_1 kernel ('mlp', 'embed'), bias ('embed',)
-  pre_logits kernel ('embed', None), bias (None,)
-  head kernel ('embed', 'classes'), bias ('classes',)
-  ResNet stem: conv kernels (None, None, 'conv_in', 'conv_out'), GroupNorm ('norm',)
-
-With ``scan=True`` the stacked block parameters have ``'layers'`` prepended. The main activations
-are constrained with ``nn.with_logical_constraint``: the tokens to ``('batch', 'length',
-'embed')`` after the embedding and at every block boundary, the MLP hidden units to ``('batch',
-'length', 'mlp')``, the ResNet feature maps to ``('batch', None, None, 'conv_out')``. Without
-``nn.logical_axis_rules`` (and a mesh) these constraints do nothing.
-
-Intermediates: applied with ``mutable=['intermediates']`` (or ``capture_intermediates=True``)
-the model also returns, in ``state['intermediates']``, each block's attention weights (float32
-``[B, heads, N, N]``, rows summing to 1; the 'xla' attention path runs whatever ``attention``
-is) and output tokens ``[B, N, D]``, and the 'map' head's ``[B, heads, 1, N]``::
-
-  Transformer/encoderblock_{i}/MultiHeadDotProductAttention_0/attention_weights
-  Transformer/encoderblock_{i}/tokens
-  MAPHead_0/MultiHeadDotProductAttention_0/attention_weights      (classifier 'map')
-
-(with ``scan=True`` under ``Transformer/encoderblock`` with a leading axis of size
-``num_layers``). Token order: the class token first with ``classifier='token'``, then the patch
-tokens row-major; no class token with 'gap' and 'map'. Off (a plain ``apply``), nothing is
-computed or stored. :mod:`vit_jax.models.intermediates` reads them back in depth order
-(``attention_maps``, ``tokens``, ``capture``) whatever the layout.
-
-This module has no training dependencies (no optax, no TensorFlow).
+With ``mutable=['intermediates']`` the model also returns each block's float32 attention
+weights ``[B, heads, N, N]`` (``.../MultiHeadDotProductAttention_0/attention_weights``, computed
+on the 'xla' path whatever ``attention`` is), its output ``tokens`` ``[B, N, D]``, and the 'map'
+head's ``[B, heads, 1, N]``; tokens are the class token (if 'token') then the patches row-major.
+:mod:`vit_jax.models.intermediates` reads them back in depth order.
 """
 
 from __future__ import annotations
@@ -108,8 +65,6 @@ from vit_jax.models import resnet
 # The fields' allowed values and their checks (re-exported: models.vit.*).
 from vit_jax.models.vit_fields import (  # noqa: F401
     CLASSIFIERS, LAYERNORM_EPSILON, POSEMBS, patch_pair, validate_config)
-# What a checkpoint's shapes say about the ViT that wrote it (re-exported: models.vit.*).
-from vit_jax.models.vit_shapes import POSEMB_KEY, architecture_fields, describe_architecture  # noqa: F401
 
 Array = jax.Array
 Dtype = Any

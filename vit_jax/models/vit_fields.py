@@ -1,8 +1,6 @@
-"""The fields of a :class:`vit_jax.models.vit.VisionTransformer`: their allowed values and the
-checks that name a bad one (``validate_config``), and the patch size's normal form.
-
-Kept apart from the module so that a configuration can be checked without building it; the
-model module re-exports every name here (``vit_jax.models.vit.CLASSIFIERS`` etc.).
+"""The fields of a :class:`vit_jax.models.vit.VisionTransformer`: allowed values, the checks that
+name a bad one (``validate_config``) and the patch size's normal form, checkable without
+building a model (re-exported by :mod:`vit_jax.models.vit`).
 """
 
 from __future__ import annotations
@@ -31,16 +29,7 @@ LAYERNORM_EPSILON = 1e-6
 
 
 def patch_pair(patch_size: Union[int, Tuple[int, int]]) -> Tuple[int, int]:
-  """Normalises a patch size to a ``(height, width)`` tuple of positive ints.
-
-  Args:
-    patch_size: an int ``P`` (square ``P x P`` patches; also ``(P,)``) or a pair ``(Ph, Pw)``.
-
-  Returns:
-    ``(Ph, Pw)`` as Python ints.
-
-  Raises:
-    ValueError: if the value is not a positive int or a pair of positive ints.
+  """``P``, ``(P,)`` or ``(Ph, Pw)`` -> ``(Ph, Pw)`` Python ints; ValueError unless positive ints.
   """
   if isinstance(patch_size, bool):
     raise ValueError(f'patch_size must be an int or a (height, width) pair, got {patch_size!r}')
@@ -67,19 +56,13 @@ def validate_config(*, num_classes, patch_size, hidden_size, mlp_dim, num_heads,
                     remat_policy='nothing_saveable', resnet_num_layers=None,
                     resnet_width_factor=1, attention='xla', gelu_approximate=True,
                     layer_norm_epsilon=LAYERNORM_EPSILON, posemb='learn', **unused) -> None:
-  """Checks the fields of a :class:`~vit_jax.models.vit.VisionTransformer` configuration.
+  """Checks :class:`~vit_jax.models.vit.VisionTransformer` fields (extra keywords ignored).
 
-  Args: the model fields (extra keyword arguments are ignored).
-
-  Raises:
-    ValueError: naming the offending field, for an unknown ``classifier`` (not in
-      ``CLASSIFIERS``), non-positive sizes, ``hidden_size % num_heads != 0``, a bad patch size, a
-      dropout rate outside [0, 1), a ``dtype``/``param_dtype`` that is not a float dtype, bad
-      execution fields (:func:`check_execution_fields`), a bad
-      hybrid stem (``resnet_num_layers`` not a tuple of positive ints or None;
-      ``64 * resnet_width_factor`` not a positive multiple of 32), ``gelu_approximate`` not a
-      bool, ``layer_norm_epsilon`` not a positive finite number, ``posemb`` not in
-      :data:`POSEMBS`, or 'sincos2d' with a ``hidden_size`` not a multiple of 4 or under 8.
+  Raises ValueError naming the field: unknown ``classifier`` or ``posemb``, non-positive sizes,
+  ``hidden_size % num_heads``, a bad patch size, a rate outside [0, 1), a non-float dtype, bad
+  execution fields, a bad hybrid stem (:func:`vit_jax.models.resnet.validate_resnet`), a
+  non-bool ``gelu_approximate``, a bad ``layer_norm_epsilon``, or 'sincos2d' with
+  ``hidden_size`` not a multiple of 4 or under 8.
   """
   del unused
   if classifier not in CLASSIFIERS:

@@ -1,33 +1,8 @@
 """Looks inside a trained model: ``python -m vit_jax.analyze SOURCE --out DIR``.
 
-Writes the ViT paper's analysis figures (Sec. 4.5, Fig. 6, 7 and 14) as PNG files, and the
-numbers behind them as ``analysis.json``, for any model :func:`vit_jax.inference.load` reads
-(a training workdir, an official or big_vision ``.npz``, a transformers or timm ViT, a T2T-ViT
-``.pth.tar`` with ``--model``)::
-
-  python -m vit_jax.analyze /tmp/vit_fmnist --out /tmp/vit_fmnist_analysis
-  python -m vit_jax.analyze ViT-B_16.npz --images photos/ --out /tmp/b16_analysis
-
-* ``rollout.png``: attention rollout (Abnar & Zuidema 2020, residual-aware, heads averaged;
-  :func:`vit_jax.analysis.rollout`) of the output token over each image (Fig. 6 / 14), for the
-  first ``--overlays`` images;
-* ``layer_attention.png``: the first image, the class token's attention in every layer (heads
-  averaged; the mean over all queries for a model without a class token), and the rollout;
-* ``attention_distance.png``: mean attention distance of every head against depth, in pixels,
-  averaged over all the images analysed (Fig. 7 right; :func:`vit_jax.analysis.
-  mean_attention_distances`);
-* ``posemb_similarity.png``: cosine similarity of each patch's learned position embedding with
-  all others, on the patch grid (Fig. 7 centre; ViTs with a learned table);
-* ``filter_components.png``: the first 28 principal components of the patch-embedding filters
-  (Fig. 7 left; plain ViTs: a hybrid embeds ResNet features, T2T-ViT soft-splits).
-
-Images: ``--images`` files and folders (read as ``python -m vit_jax.predict`` reads them), or
-``--data NAME[:SPLIT]`` (a tfds dataset or prepared directory), or by default a workdir's own
-evaluation split; the first ``--num-images`` (default 128, the paper's sample), preprocessed as
-in evaluation. Attention is captured on XLA's path (``vit_jax.models.intermediates``).
-
-Bad input (a SOURCE that cannot be read, no images, an existing ``--out`` folder with results
-without ``--overwrite``) is one ``FATAL:`` line and exit status 2; a failure while writing, 1.
+Writes the ViT paper's analysis figures (Sec. 4.5, Fig. 6, 7 and 14) as PNG files and the
+numbers behind them as ``analysis.json``, for any model :func:`vit_jax.inference.load` reads.
+Files, images and exit statuses: docs/analysis.md.
 """
 
 from __future__ import annotations
@@ -121,14 +96,12 @@ def _param(params: Dict[str, Any], *path: str) -> Optional[np.ndarray]:
 
 
 def analyze(trained: Any, inputs: np.ndarray, *, overlays: int = 8) -> Dict[str, Any]:
-  """The numbers behind the figures, for ``inputs`` (float32 ``[B, S, S, 3]``, preprocessed).
+  """The numbers behind the figures for ``inputs`` (float32 ``[B, S, S, 3]``, preprocessed).
 
-  Returns:
-    ``{'model', 'image_size', 'stride', 'grid', 'prefix', 'num_images', 'attention_distance'
-    ([L][heads] pixels), 'rollout' ([overlays, gh, gw]), 'predicted' (the overlays' top
-    classes, ints), 'layer_maps' ([L, gh, gw] of the
-    first image), 'posemb_similarity' ([gh, gw, gh, gw] or None), 'filter_components' ([k, P,
-    P, C] or None), 'explained_variance' ([k] or None)}``; NumPy arrays.
+  A dict of NumPy arrays: ``attention_distance`` ``[L][heads]`` pixels, ``rollout``
+  ``[overlays, gh, gw]``, ``predicted``, ``layer_maps`` ``[L, gh, gw]`` (first image),
+  ``posemb_similarity``, ``filter_components``, ``explained_variance`` (or None), and
+  ``model``, ``image_size``, ``stride``, ``grid``, ``prefix``, ``num_images``.
   """
   from vit_jax import analysis  # pylint: disable=g-import-not-at-top
   from vit_jax import models  # pylint: disable=g-import-not-at-top

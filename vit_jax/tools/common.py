@@ -1,10 +1,8 @@
 """What the command-line tools share: the usage-error parser, the one-line ``FATAL:`` report,
-``--set KEY=VALUE`` model fields, and the SOURCE arguments of the tools that use a trained model
-(``predict``, ``evaluate``, ``fewshot``; loaded with ``vit_jax.inference.load``).
+``--set KEY=VALUE`` model fields, and the SOURCE arguments of the tools that load a model.
 
-Bad input (a missing or refused file, a wrong model, bad flags) is one line
-``FATAL: <problem and fix>`` on stderr and exit status 2; a failure while working (e.g. writing
-an output) is exit status 1.
+Bad input is one line ``FATAL: <problem and fix>`` on stderr and exit status 2; a failure
+while working (e.g. writing an output) is exit status 1.
 """
 
 from __future__ import annotations
@@ -43,10 +41,7 @@ def fatal(error: Exception, code: int) -> int:
 
 
 def parse_setting(text: str) -> Tuple[str, Any]:
-  """'embed_dim=64' -> ('embed_dim', 64); a non-literal value stays a string ('performer').
-
-  Raises:
-    ValueError: not KEY=VALUE.
+  """'embed_dim=64' -> ('embed_dim', 64); a non-literal value stays a string. ValueError if not K=V.
   """
   key, sep, value = text.partition('=')
   if not sep or not key:
@@ -107,9 +102,8 @@ def load_source(args: argparse.Namespace):
 
 
 def missing_source(args: argparse.Namespace):
-  """A ``FileNotFoundError`` naming SOURCE when ``args`` has one (:func:`add_source_arguments`)
-  that is a local path with nothing there; None otherwise (remote ``scheme://`` paths are left
-  to ``vit_jax.inference.load``)."""
+  """A FileNotFoundError naming a local SOURCE with nothing there, else None (remote not checked).
+  """
   source = getattr(args, 'source', None)
   if not isinstance(source, str) or '://' in source or os.path.exists(source):
     return None
@@ -117,11 +111,10 @@ def missing_source(args: argparse.Namespace):
 
 
 def unsaved_run(args: argparse.Namespace):
-  """The error of a local SOURCE that is a training run without the step asked for (no
-  finalized step yet, or ``--step`` not saved), told by the file system alone (the layout of
-  ``vit_jax.checkpoint.runs.read_run``: ``<run>/checkpoints/<step>/state/_METADATA``); None
-  otherwise. Only then is ``read_run`` called, for its message (it imports JAX, not TensorFlow:
-  about 2 s)."""
+  """The error of a local SOURCE run lacking the step asked for, told by the file system, or None.
+
+  Only then is ``vit_jax.checkpoint.runs.read_run`` called, for its message (it imports JAX).
+  """
   source, step = getattr(args, 'source', None), getattr(args, 'step', None)
   if not isinstance(source, str) or '://' in source or not os.path.isdir(source):
     return None
@@ -157,22 +150,12 @@ def run_config(source: str):
 
 
 def run_program(main, parser=None, precheck=None) -> None:
-  """Runs a tool's ``main()`` as the program: the set-up first (``vit_jax.platform.setup``:
-  quiet libraries, no TPU backend without TPU chips, multi-host JAX from the environment,
-  TensorFlow off the accelerators; TensorFlow's C++ warnings off, ``TF_CPP_MIN_LOG_LEVEL=2``
-  unless set, as the tools report undecodable images themselves), then ``main()``'s status as
-  the exit code. ``--help`` and, with ``parser``, flags that do not parse answer at once,
-  without the set-up's imports of JAX and TensorFlow (seconds), as does a local SOURCE with
-  nothing there (:func:`missing_source`) or a run that has not saved the step asked for
-  (:func:`unsaved_run`), and what ``precheck`` refuses; a closed pipe (``... | head``) ends the
-  program quietly.
+  """Runs a tool's ``main()`` (``() -> int``, the exit status) as the program.
 
-  Args:
-    main: ``() -> int``, the exit status.
-    parser: ``() -> argparse.ArgumentParser``, the one ``main`` parses the command line with
-      (a :class:`Parser`: a bad flag exits 2 with one ``FATAL:`` line).
-    precheck: ``(args) -> Exception or None``, the tool's own refusals told by the flags and
-      the file system alone, after :func:`missing_source` and :func:`unsaved_run`.
+  ``--help``, flags ``parser`` refuses, :func:`missing_source`, :func:`unsaved_run` and
+  ``precheck`` (``(args) -> Exception or None``) answer first, without importing JAX or
+  TensorFlow; then ``vit_jax.platform.setup`` (TensorFlow's C++ warnings off: the tools report
+  bad images themselves) and ``main()``. A closed pipe ends the program quietly.
   """
   if hasattr(signal, 'SIGPIPE'):  # `... | head`: end quietly, as shell tools do.
     signal.signal(signal.SIGPIPE, signal.SIG_DFL)

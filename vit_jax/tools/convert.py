@@ -1,8 +1,6 @@
 """Converts model checkpoints between formats: ``python -m vit_jax.convert SRC DST``.
 
-Reads anything :func:`vit_jax.checkpoint.load` reads (an official or big_vision ViT ``.npz``, a
-transformers ViT directory, a timm ``.safetensors``, a T2T-ViT ``.pth.tar``, an Orbax
-checkpoint or training workdir of this project) and writes
+Reads any of ``vit_jax.checkpoint.ACCEPTED_FORMATS`` and writes
 
 * a **directory** ``DST``: an Orbax checkpoint of ``{'params': ..., 'model_state': {...}}`` (the
   fixed tables of T2T-ViT go in ``model_state``), the format of this project's training
@@ -61,53 +59,62 @@ def read(src: str, *, model_name: Optional[str] = None, use_ema: bool = True,
 def read_with_facts(src: str, *, model_name: Optional[str] = None, use_ema: bool = True,
                     overrides: Optional[Dict[str, Any]] = None
                     ) -> Tuple[Dict[str, Any], Dict[str, Any]]:
-  """Loads ``src`` as ``{'params': ..., **collections}`` of NumPy arrays, and what it says of
-  its model besides the arrays (kept by an Orbax destination, ``orbax.EXPORT_JSON``): a
-  training run's class names (``label_names``, ``multi_label``) and eval preprocessing
-  (``normalization``, ``eval_crop_pct``, ``image_size``); a transformers or timm ViT's class
-  names and image size (and a transformers directory's normalization); what an earlier Orbax
-  destination kept. No facts for ``.npz`` and PyTorch files: the class count gives their names.
+  """Loads ``src`` as ``{'params': ..., **collections}`` of NumPy arrays, and the facts an
+  Orbax destination keeps (``orbax.EXPORT_JSON``): a run's class names, ``multi_label`` and eval
+  preprocessing; a transformers / timm file's class names, image size (and normalization); what
+  an earlier convert kept. None for ``.npz`` and PyTorch files.
 
   Args:
-    src: any path :func:`vit_jax.checkpoint.load` accepts.
-    model_name: needed for PyTorch (T2T-ViT) files only: the variant, e.g. 'T2T-ViT-14'; the
-      class count and input size are read from the file (``head.weight``, ``pos_embed``).
-    use_ema: prefer the checkpoint's parameter EMA (``state_dict_ema`` / ``ema_params``).
-    overrides: model fields for ``vit_jax.models.create`` (e.g. ``embed_dim`` of a
-      'T2T-ViT-custom' model).
+    src: any of ``vit_jax.checkpoint.ACCEPTED_FORMATS``.
+    model_name: PyTorch (T2T-ViT) files only: the variant, e.g. 'T2T-ViT-14'.
+    use_ema: prefer the checkpoint's parameter EMA.
+    overrides: model fields for ``vit_jax.models.create`` (e.g. of 'T2T-ViT-custom').
 
   Raises:
     FileNotFoundError: nothing at ``src``.
-    ValueError: a PyTorch file without ``model_name``, an unknown ``model_name``, plus the errors
-      of ``checkpoint.load`` (e.g. ``checkpoint.DamagedCheckpointError`` for a truncated or
-      corrupt file, ``UnsafePickleError`` for a refused pickle: both ValueErrors).
+    ValueError: a PyTorch file without ``model_name``, an unknown one; the errors of
+      ``checkpoint.load`` (``DamagedCheckpointError``, ``UnsafePickleError`` are ValueErrors).
   """
-  if checkpoint.detect(src) == checkpoint.formats.PYTORCH:
-    if not model_name:
-      raise ValueError(f'{src} is a PyTorch checkpoint: name its model with --model (e.g. '
-                       '--model T2T-ViT-14 or --model T2T-ViT_t-14).')
-    from vit_jax import models  # pylint: disable=g-import-not-at-top
-    overrides = dict(overrides or {})
-    if 'num_classes' in overrides:
-      raise ValueError('--set num_classes: the class count (and the input size) are read from '
-                       "the file's head.weight and pos_embed; drop it.")
-    model = models.create(model_name, num_classes=1000, **overrides)
-    return checkpoint.load_torch_as_saved(src, model, use_ema=use_ema), {}
-  fmt = checkpoint.detect(src)
-  if fmt in (checkpoint.formats.HF, checkpoint.formats.TIMM):  # timm: the heads may be needed.
-    from vit_jax import inference  # pylint: disable=g-import-not-at-top
-    from vit_jax.checkpoint import ecosystem  # pylint: disable=g-import-not-at-top
-    foreign = ecosystem.read(src, fmt, num_heads=(overrides or {}).get('num_heads'))
-    facts = {'label_names': list(foreign.label_names or []) or None,
-             'image_size': foreign.image_size,
-             'normalization': (inference._hf_normalization(src)  # pylint: disable=protected-access
-                               if fmt == checkpoint.formats.HF else None)}
-    return foreign.variables, {k: v for k, v in facts.items() if v is not None}
+  ckpt = checkpoint.open(src)
+  return _READ[ckpt.name](ckpt, model_name, use_ema, dict(overrides or {}))
+
+
+def _read_torch(ckpt, model_name, use_ema, overrides):
+  if not model_name:
+    raise ValueError(f'{ckpt.path} is a PyTorch checkpoint: name its model with --model (e.g. '
+                     '--model T2T-ViT-14 or --model T2T-ViT_t-14).')
+  from vit_jax import models  # pylint: disable=g-import-not-at-top
+  if 'num_classes' in overrides:
+    raise ValueError('--set num_classes: the class count (and the input size) are read from '
+                     "the file's head.weight and pos_embed; drop it.")
+  model = models.create(model_name, num_classes=1000, **overrides)
+  return ckpt.read_for_finetuning(model, use_ema), {}
+
+
+def _read_foreign(ckpt, model_name, use_ema, overrides):
+  from vit_jax import inference  # pylint: disable=g-import-not-at-top
+  foreign = ckpt.foreign(overrides.get('num_heads'))  # timm: the heads may be needed.
+  facts = {'label_names': list(foreign.label_names or []) or None,
+           'image_size': foreign.image_size,
+           'normalization': inference._hf_normalization(  # pylint: disable=protected-access
+               ckpt.probe.hf_directory)}
+  return foreign.variables, {k: v for k, v in facts.items() if v is not None}
+
+
+def _read_weights(ckpt, model_name, use_ema, overrides):
   if model_name or overrides:
-    print(f'note: --model/--set apply to PyTorch and timm files only; {src} needs neither '
-          '(ignored).', file=sys.stderr)
-  return checkpoint.load(src, use_ema=use_ema), (
-      _run_facts(src) if fmt == checkpoint.formats.ORBAX else {})
+    print(f'note: --model/--set apply to PyTorch and timm files only; {ckpt.path} needs '
+          'neither (ignored).', file=sys.stderr)
+  return ckpt.read(use_ema=use_ema), {}
+
+
+def _read_orbax(ckpt, model_name, use_ema, overrides):
+  return _read_weights(ckpt, model_name, use_ema, overrides)[0], _run_facts(ckpt.path)
+
+
+#: How each format (``vit_jax.checkpoint.formats``) is read, with the facts it keeps.
+_READ = {'pytorch': _read_torch, 'hf': _read_foreign, 'timm': _read_foreign,
+         'npz': _read_weights, 'orbax': _read_orbax}
 
 
 def _run_facts(src: str) -> Dict[str, Any]:
@@ -213,8 +220,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
       '  python -m vit_jax.convert 81.5_T2T_ViT_14.pth.tar /ckpt/t2t_vit_14 --model T2T-ViT-14\n'
       '  python -m vit_jax.convert /workdirs/vit_cifar /ckpt/vit_cifar.npz\n'
       'Then fine-tune with --config.init_from=/ckpt/t2t_vit_14.')
-  parser.add_argument('src', help='.npz, .pth/.pth.tar/.pt (T2T-ViT), Orbax checkpoint or '
-                      'training workdir (its latest step)')
+  parser.add_argument('src', help=checkpoint.ACCEPTED_FORMATS)
   parser.add_argument('dst', help='a new directory (Orbax checkpoint) or a path ending in .npz; '
                       'with --to timm a .safetensors file, with --to hf a directory (or its '
                       'model.safetensors path)')

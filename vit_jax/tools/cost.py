@@ -35,6 +35,7 @@ from absl import logging
 from ml_collections import config_flags
 
 from vit_jax import cli
+from vit_jax import hardware
 from vit_jax import platform
 
 # Split sizes and classes of datasets that are large or need a manual download, so that an
@@ -210,7 +211,8 @@ def _define_flags() -> None:
       "--config.key=value overrides.", lock_config=True)
   _ACCELERATOR = flags.DEFINE_string(
       "accelerator", "v3-8", "Cloud TPU type (v3-8, v3-256, v4-32, v5p-8: the number counts "
-      "TensorCores; v5litepod-16, v6e-8: chips) or a GPU count (a100-8, h100-8).")
+      "TensorCores; v5litepod-16, v6e-8: chips) or a GPU count (a100-8); vit_jax.hardware "
+      "lists the kinds.")
   _MFU = flags.DEFINE_float(
       "mfu", 0.35, "Assumed model FLOP utilisation, 0..1 (the ViT paper's Table 2 implies 0.22 to "
       "0.38 on TPU v3; see --table2).")
@@ -228,7 +230,8 @@ def main(argv):
     print(table2())
     print("\nAssumptions: forward FLOPs of the matrix products at 224 px with a representation "
           "layer of width D; training = 3 forward passes; ImageNet-21k = 14M images, JFT-300M = "
-          "303M; a TPU v3 core peaks at 61.5 TFLOP/s (bfloat16).")
+          f"303M; a TPU v3 core peaks at {hardware.kind('TPU v3').peak['bfloat16'] / 1e12:g} "
+          "TFLOP/s (bfloat16).")
     return
   if _CONFIG.value is None:
     sys.stderr.write("FATAL: Give --config=configs/<file>.py[:<args>] (or --table2); "

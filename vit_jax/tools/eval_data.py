@@ -1,10 +1,8 @@
 """The data of ``python -m vit_jax.evaluate``: which dataset and split, checked against the model.
 
-``--data NAME[:SPLIT]`` (a tfds name or a prepared dataset's directory; SPLIT any tfds split
-spec), ``--image-folder DIR [--split S]``, ``--real`` (the ImageNet ReaL labels), or the model's
-own training data (workdirs). The result, :class:`EvalData`, carries the model's
-``config.data`` (its eval preprocessing) pointed at that data, for
-``vit_jax.data.create_eval_dataset``.
+``--data NAME[:SPLIT]``, ``--image-folder DIR [--split S]``, ``--real`` (ImageNet ReaL), or the
+model's own training data (workdirs); :class:`EvalData` carries the model's ``config.data``
+pointed at it.
 """
 
 from __future__ import annotations
@@ -25,12 +23,10 @@ class EvalData:
 
   Attributes:
     config: the model's ``config.data`` for this dataset, ``eval_split`` set to ``split``.
-    name: the tfds name or dataset directory, or the image folder.
-    split: the tfds split spec evaluated.
-    num_classes: C, the data's classes (= the model's).
-    multi_label: multi-hot labels (precision@1; no per-class accuracy or confusion matrix).
-    label_names: the data's C class names (tfds ClassLabel names, or the class folders).
-    num_examples: examples in the split (ReaL: unlabelled ones included; they are masked).
+    name: the tfds name or directory, or the image folder; split: the tfds split spec.
+    num_classes: C (= the model's); label_names: the data's C class names.
+    multi_label: multi-hot labels (precision@1; no confusion matrix).
+    num_examples: examples in the split (ReaL's unlabelled ones included, masked).
     label_key: the label feature read (e.g. 'label', 'real_label').
   """
 
@@ -144,12 +140,10 @@ def _default_split(source, own_split: Optional[str], what: str) -> str:
 
 def precheck(*, data: Optional[str] = None, image_folder: Optional[str] = None,
              split: Optional[str] = None) -> None:
-  """The checks of the data arguments that need neither the model nor the data (before the
-  model is loaded).
+  """Checks of the data arguments needing neither model nor data.
 
-  Raises:
-    FileNotFoundError: ``image_folder`` is not a directory.
-    ValueError: ``data`` is not NAME[:SPLIT], or names a split besides ``split``.
+  Raises FileNotFoundError (``image_folder`` not a directory) or ValueError (``data`` not
+  NAME[:SPLIT], or a second split).
   """
   from vit_jax.checkpoint import paths  # pylint: disable=g-import-not-at-top
   if image_folder and not paths.isdir(paths.normalize(image_folder)):
@@ -164,20 +158,15 @@ def precheck(*, data: Optional[str] = None, image_folder: Optional[str] = None,
 def choose_data(trained, *, data: Optional[str] = None, image_folder: Optional[str] = None,
                 split: Optional[str] = None, real: bool = False, data_dir: Optional[str] = None,
                 skip_bad_images: bool = False) -> EvalData:
-  """The data to evaluate ``trained`` (a ``vit_jax.inference.TrainedModel``) on, checked.
+  """The :class:`EvalData` to evaluate ``trained`` (``inference.TrainedModel``) on, checked.
 
-  Args:
-    data: 'NAME[:SPLIT]' of a tfds dataset; image_folder: an image folder's root; real: the
-      ImageNet ReaL labels; none of them: the model's training data (workdirs only).
-    split: the split (instead of ':SPLIT'); data_dir: the tfds data directory.
-    skip_bad_images: leave undecodable images out (``config.data.bad_images='skip'``).
+  ``data`` 'NAME[:SPLIT]', ``image_folder``, ``real``, or none: the training data (workdirs).
 
   Raises:
-    ValueError: no data for a model without a training dataset, an unknown dataset or split,
-      an empty split, a class count other than the model's, ``--real`` for a model without
-      1000 classes, conflicting arguments.
-    FileNotFoundError: a missing image folder, one without images, a dataset not prepared.
-    KeyError, TypeError: a dataset without a usable label feature (``vit_jax.data.sources``).
+    ValueError: no data for a model without a training dataset, unknown dataset or split, an
+      empty split, another class count, ``real`` without 1000 classes, conflicting arguments.
+    FileNotFoundError: a missing or empty image folder, a dataset not prepared.
+    KeyError, TypeError: no usable label feature.
   """
   if sum(bool(x) for x in (data, image_folder, real)) > 1:
     raise ValueError('Give one of --data, --image-folder and --real.')

@@ -1,11 +1,8 @@
-"""The results of ``python -m vit_jax.evaluate``: ``metrics.json``, the confusion matrix (a PNG
-picture and a CSV table) and the printed summary.
+"""The results of ``python -m vit_jax.evaluate``: ``metrics.json``, the confusion matrix (PNG and
+CSV) and the printed summary.
 
-The picture is drawn with matplotlib's object-oriented API on the Agg canvas (no display, no
-global pyplot state). Rows are the true classes, columns the predicted ones; each row is divided
-by its count, so a cell is the fraction of that class's examples predicted as the column's class
-and the diagonal is the per-class accuracy (recall). Class names label the axes when there are
-at most ``MAX_NAMED_CLASSES`` classes, class indices otherwise.
+The picture (matplotlib, Agg canvas) has true classes as rows, each divided by its count (the
+diagonal is per-class recall); class names label the axes up to ``MAX_NAMED_CLASSES``.
 """
 
 from __future__ import annotations
@@ -33,10 +30,9 @@ class Result:
   """The sums of an evaluation.
 
   Attributes:
-    count: the examples scored (with labels); correct, correct_top5: top-1 (precision@1) and
-      top-5 hits (top-5: None with < 5 classes); loss: the mean loss.
-    confusion: int64 ``[C, C]``, ``confusion[t, p]`` examples of class t predicted as p; None
-      for multi-label data.
+    count: examples scored; correct, correct_top5: top-1 (precision@1) and top-5 hits (None
+      with < 5 classes); loss: the mean loss.
+    confusion: int64 ``[C, C]``, ``[t, p]`` examples of class t predicted as p; None multi-label.
     batch_size: the global eval batch used.
   """
 
@@ -74,13 +70,7 @@ def _short(name: str, width: int = 24) -> str:
 
 
 def png_bytes(confusion: np.ndarray, names: Optional[Sequence[str]], title: str) -> bytes:
-  """The picture of ``confusion`` (int ``[C, C]``, rows true classes) as PNG bytes.
-
-  Args:
-    confusion: counts; ``confusion[t, p]`` examples of class ``t`` predicted as ``p``.
-    names: the ``C`` class names (axis labels when ``C <= MAX_NAMED_CLASSES``), or None.
-    title: the figure's title (e.g. the model, the data and the accuracy).
-  """
+  """The picture of ``confusion`` (int ``[C, C]``, rows true classes) as PNG bytes."""
   from matplotlib.backends import backend_agg  # pylint: disable=g-import-not-at-top
   from matplotlib import figure  # pylint: disable=g-import-not-at-top
   rows = normalized_rows(confusion)
@@ -229,9 +219,10 @@ def default_out(source: str, trained, eval_data: EvalData, *, no_ema: bool = Fal
 
 
 def planned_out(args) -> Optional[str]:
-  """The output folder of ``python -m vit_jax.evaluate`` ``args``, told from the flags, a local
-  workdir's saved steps and ``config.json`` alone (before the set-up); None when only the data
-  can tell (a dataset's default split) or SOURCE is remote."""
+  """The output folder of ``evaluate`` ``args``, told before set-up from flags and a workdir.
+
+  None when only the data can tell (a default split) or SOURCE is remote.
+  """
   if args.out:
     return args.out
   if '://' in args.source or sum(bool(x) for x in (args.data, args.image_folder, args.real)) > 1:
@@ -274,9 +265,7 @@ def planned_out(args) -> Optional[str]:
 def check_out(out: str, overwrite: bool) -> None:
   """Refuses to replace an earlier result in ``out`` (before any work).
 
-  Raises:
-    FileExistsError: ``out`` holds a metrics.json and ``overwrite`` is False.
-    NotADirectoryError: ``out`` is a file.
+  Raises FileExistsError (a metrics.json, without ``overwrite``) or NotADirectoryError.
   """
   exists, isdir = os.path.exists, os.path.isdir  # TensorFlow for remote paths only.
   if '://' in out:
@@ -291,10 +280,11 @@ def check_out(out: str, overwrite: bool) -> None:
 
 def write_outputs(out: str, metrics: Dict[str, Any], confusion: Optional[np.ndarray],
                   names: Sequence[str], title: str) -> List[str]:
-  """Writes the confusion matrix PNG and CSV (single-label data), then metrics.json, into
-  ``out`` (made if needed): a failure part-way leaves no metrics.json, so a rerun is not refused.
-  Returns the names written, metrics.json first. Raises OSError (tf.errors too) when writing
-  fails."""
+  """Writes the confusion PNG and CSV (single-label), then metrics.json, into ``out``.
+
+  metrics.json last, so a failure leaves none and a rerun is not refused. Returns the names
+  written, metrics.json first. Raises OSError (tf.errors too).
+  """
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
   tf.io.gfile.makedirs(out)
   files = {}

@@ -16,7 +16,7 @@ The data is
 
 Every example is evaluated exactly once (``vit_jax.data.create_eval_dataset``), with the model's
 eval preprocessing (its ``config.data``: image size, resize or central crop, normalization) and
-the training's eval step (``vit_jax.step.eval_sums``) at the config's eval batch size, so the
+the training's evaluator (``vit_jax.evaluation.sum_batches``) at the config's eval batch size, so the
 accuracy of a workdir on its own eval split is the one its training reported at that step.
 Reported: top-1 accuracy (precision@1 for multi-label data, as in training), top-5 accuracy
 (>= 5 classes), the mean loss of the training's loss function, the per-class accuracy and the
@@ -37,9 +37,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import math
 import sys
-from typing import Any, Callable, Dict, Optional, Sequence
+from typing import Callable, Dict, Optional, Sequence
 
 import numpy as np
 
@@ -51,35 +50,10 @@ EvalData = eval_data_lib.EvalData
 Result = eval_report.Result
 
 
-def _batch_shards(config) -> int:
-  import jax  # pylint: disable=g-import-not-at-top
-  from vit_jax import sharding  # pylint: disable=g-import-not-at-top
-  sizes = sharding.axis_sizes(config.mesh, len(jax.devices()))
-  return math.prod(sizes[a] for a in sharding.batch_axes(sharding.parse_rules(config.mesh.rules)))
-
-
-def _eval_step(runner) -> Callable[..., Any]:
-  """``(state, batch) -> (sums, top1)``: the training's eval sums (``vit_jax.step.eval_sums``,
-  replicated) and the int32 ``[B]`` top-1 classes (sharded as the batch), of one forward pass."""
-  import jax  # pylint: disable=g-import-not-at-top
-  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
-  from vit_jax import step as step_lib  # pylint: disable=g-import-not-at-top
-  setup, loss = runner.setup, runner.trained.config.loss
-
-  def step(state, batch):
-    logits = setup.model.apply(step_lib.variables_of(state), batch['image'], train=False)
-    sums = step_lib.eval_sums(logits, batch['labels'], batch['mask'], loss)
-    return sums, jnp.argmax(logits, axis=-1).astype(jnp.int32)
-
-  replicated = jax.sharding.NamedSharding(setup.mesh, jax.sharding.PartitionSpec())
-  jitted = jax.jit(step, in_shardings=(setup.variables_shardings, setup.batch_sharding),
-                   out_shardings=(replicated, setup.batch_sharding))
-  return setup.in_mesh(jitted)
-
-
 def evaluate(trained, eval_data: EvalData, *, batch_size: Optional[int] = None,
              progress: Optional[Callable[[int, int], None]] = None) -> Result:
-  """Evaluates ``trained`` on every example of ``eval_data`` exactly once.
+  """Evaluates ``trained`` on every example of ``eval_data`` exactly once: the training's
+  evaluator (``vit_jax.evaluation.sum_batches``) with a per-batch hook for the confusion matrix.
 
   Args:
     trained: a ``vit_jax.inference.TrainedModel``.
@@ -98,10 +72,12 @@ def evaluate(trained, eval_data: EvalData, *, batch_size: Optional[int] = None,
   import jax  # pylint: disable=g-import-not-at-top
   from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
   from vit_jax import data  # pylint: disable=g-import-not-at-top
+  from vit_jax import evaluation  # pylint: disable=g-import-not-at-top
   from vit_jax import inference  # pylint: disable=g-import-not-at-top
+  from vit_jax import step as step_lib  # pylint: disable=g-import-not-at-top
   config = trained.config
   if batch_size is not None:
-    shards = _batch_shards(config)
+    shards = step_lib.batch_shards(config.mesh, len(jax.devices()))
     if batch_size <= 0 or batch_size % shards:
       raise ValueError(f'--batch-size {batch_size} must be a positive multiple of the {shards} '
                        'batch shard(s) of the device mesh.')
@@ -109,23 +85,23 @@ def evaluate(trained, eval_data: EvalData, *, batch_size: Optional[int] = None,
     config.eval_batch_size = batch_size
     trained = dataclasses.replace(trained, config=config)
   runner = inference.Runner(trained)
+  setup, compiler = runner.setup, step_lib.Compiler(runner.setup)
   dataset = data.create_eval_dataset(eval_data.config, global_batch_size=runner.batch_size)
-  step = _eval_step(runner)
-  totals: Dict[str, Any] = {}
+  eval_step = setup.jit_eval_step(variables_only=True, top1=True)
   classes = eval_data.num_classes
   confusion = None if eval_data.multi_label else np.zeros((classes, classes), np.int64)
-  for i, batch in enumerate(dataset):
-    sums, top1 = step(runner.state, runner.to_global(batch))
-    for k, v in jax.device_get(sums).items():  # Summed as vit_jax.evaluation.evaluate does.
-      totals[k] = totals.get(k, 0) + v
+
+  def on_batch(i: int, batch: Dict[str, np.ndarray], outputs) -> None:
     if confusion is not None:
-      predicted = np.asarray(multihost_utils.global_array_to_host_local_array(
-          top1, runner.setup.mesh, runner.setup.batch_sharding.spec))
       mask = np.asarray(batch['mask'], bool)
       true = np.argmax(batch['labels'], axis=-1)
-      np.add.at(confusion, (true[mask], predicted[mask]), 1)
+      np.add.at(confusion, (true[mask], setup.to_local(outputs[1])[mask]), 1)
     if progress is not None:
       progress(i + 1, len(dataset))
+
+  totals = evaluation.sum_batches(
+      lambda state, batch: compiler(eval_step, state, setup.to_global(batch)), runner.state,
+      dataset, on_batch)
   if confusion is not None and jax.process_count() > 1:
     confusion = np.asarray(multihost_utils.process_allgather(confusion)).sum(axis=0)
   count = int(totals.pop('count'))

@@ -31,9 +31,9 @@ def _file_label(names: Sequence[str], label) -> str:
 
 
 def _examples(source, data: str, split: str):
-  """The split's examples as numpy dicts: in the IDX files' order for 'fashion_mnist_local' (the
-  order Fashion-MNIST is published in; tfds stores a builder's examples shuffled), else as tfds
-  reads them."""
+  """The split's examples as numpy dicts: for 'fashion_mnist_local' in the published IDX order
+  (tfds stores them shuffled), else as tfds reads them.
+  """
   if data != 'fashion_mnist_local':
     yield from source.read(split, decode=True).as_numpy_iterator()
     return
@@ -49,14 +49,9 @@ def _examples(source, data: str, split: str):
 
 
 def export(data: str, split: str, out: str, data_dir: Optional[str] = None) -> List[str]:
-  """Writes the examples of ``split`` of the tfds dataset ``data`` to ``out`` as PNG files.
+  """Writes the examples of ``split`` of ``data`` to ``out`` as PNGs; returns the paths, in order.
 
-  Returns:
-    The paths written, in example order.
-
-  Raises:
-    ValueError, FileNotFoundError, KeyError, TypeError: an unknown dataset or split, or one
-      that cannot be prepared offline (``vit_jax.data.get_info``'s errors).
+  Raises ValueError, FileNotFoundError, KeyError, TypeError as ``vit_jax.data.get_info``.
   """
   from vit_jax.config import defaults  # pylint: disable=g-import-not-at-top
   from vit_jax.data import sources  # pylint: disable=g-import-not-at-top

@@ -3,22 +3,8 @@
   python -m vit_jax.fewshot SOURCE [--data NAME | --image-folder DIR] [--train-split SPLIT]
       [--eval-split SPLIT] [--shots 1,5,10,25] [--seeds 3] [--l2-regs 1024] [--json]
 
-SOURCE is anything ``vit_jax.inference.load`` reads (a training workdir, an official ``.npz``, a
-T2T-ViT ``.pth.tar`` with ``--model``, a ``python -m vit_jax.convert`` directory). The model
-without its head featurises the first examples of each class of the train split (in reading
-order, only as many as the shots and seeds need) and the eval split, with the model's eval
-preprocessing; for each k a closed-form ridge regression to {-1, 1} targets is fitted on k
-examples per class drawn with each seed and scored on the eval split (ViT paper Sec. 4.1;
-the protocol and its differences from big_vision's: docs/evaluation.md,
-``vit_jax.evaluation.fewshot``). It prints the accuracy per k, mean +- standard deviation over the
-seeds, or with ``--json`` one JSON object.
-
-Without ``--data``/``--image-folder`` a workdir is evaluated on its own training data (its
-train and eval splits); other datasets default to the splits 'train' and 'test'.
-
-Bad input (a missing or refused SOURCE, an unknown dataset or split, a folder without images,
-more shots than a class has examples, bad flags) is one line ``FATAL: <problem and fix>`` on
-stderr and exit status 2, as ``python -m vit_jax.main``.
+The protocol (ViT paper Sec. 4.1) and its differences from big_vision's: docs/evaluation.md and
+``vit_jax.evaluation.fewshot``. Bad input is one ``FATAL:`` line and exit status 2.
 """
 
 from __future__ import annotations
@@ -139,14 +125,12 @@ def _check_batch_size(runner, batch_size: int) -> None:
 
 
 def evaluate(args) -> dict[str, Any]:
-  """Loads SOURCE, featurises the dataset and runs the protocol; returns the report (a dict:
-  'source', 'dataset', 'train_split', 'eval_split', 'train_examples', 'train_read',
-  'eval_examples', 'seeds', 'l2_regs', 'results' {k: {'mean', 'std', 'accuracies', 'l2'}},
-  'scalars').
+  """Loads SOURCE, featurises the dataset and runs the protocol; returns the report dict.
 
-  Raises:
-    The input errors of `vit_jax.inference.load`, `vit_jax.evaluation.fewshot.make_task` and
-    `Evaluator.evaluate` (ValueError, FileNotFoundError, ...; NotEnoughExamplesError).
+  Keys: 'source', 'dataset', 'train_split', 'eval_split', 'train_examples', 'train_read',
+  'eval_examples', 'seeds', 'l2_regs', 'results' {k: {'mean', 'std', 'accuracies', 'l2'}},
+  'scalars'. Raises the input errors of ``inference.load``, ``fewshot.make_task`` and
+  ``Evaluator.evaluate`` (NotEnoughExamplesError among them).
   """
   for flag, value in (('--shots', args.shots), ('--l2-regs', args.l2_regs)):
     if len(set(value)) != len(value):
@@ -207,11 +191,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 
 def _precheck(args: argparse.Namespace) -> Optional[Exception]:
-  """A shot count that no class can give, told by the flags and the file system before the
-  set-up (the full check, with each class's count, comes after reading the data): more than
-  the files in every class folder of an image folder's train split (all non-hidden files
-  counted, so never fewer than its images), or more per class than a dataset of
-  ``vit_jax.tools.cost.KNOWN_DATASETS`` holds in that split (its published size)."""
+  """A shot count no class can give, told before set-up from the flags and the file system.
+
+  An image folder's class folders (all non-hidden files counted), or a known dataset's
+  published split size (``vit_jax.tools.cost.KNOWN_DATASETS``).
+  """
   k = max(args.shots)
   folder, name, split = args.image_folder, args.data, args.train_split
   if folder is None and name is None:  # A workdir's own data (its config.json).

@@ -57,12 +57,8 @@ from vit_jax.tools import common
 
 
 class Prediction(NamedTuple):
-  """One class of an image's prediction.
-
-  Attributes:
-    label: the class name (its number as text when the model has no class names).
-    index: the class number, in [0, C).
-    probability: in [0, 1]: softmax, or the class's own sigmoid for multi-label models.
+  """One class of an image's prediction: ``label`` (name, or the number as text), ``index`` in
+  ``[0, C)``, ``probability`` in [0, 1] (softmax, or the class's sigmoid for multi-label models).
   """
   label: str
   index: int
@@ -70,27 +66,20 @@ class Prediction(NamedTuple):
 
 
 class Predictor:
-  """A trained model, loaded once, that predicts the classes of images.
-
-  ``Predictor(source, batch_size=None, **load_kwargs)`` loads ``source`` with
-  ``vit_jax.inference.load`` or takes an already loaded ``inference.TrainedModel``, and places
-  it on the local devices (``inference.Runner``; one process).
+  """A trained model, loaded once, that predicts the classes of images (one process, local devices).
 
   Args:
     source: a path ``vit_jax.inference.load`` reads, or an ``inference.TrainedModel``.
-    batch_size: images per device step (rounded up to a multiple of the device count; the last
-      batch is padded); default the config's ``eval_batch_size``. Small batches suit a few
-      images: every step computes a whole batch.
-    **load_kwargs: for ``inference.load``: ``step``, ``use_ema``, ``model_name``,
-      ``num_classes``, ``image_size``, ``overrides``.
+    batch_size: images per device step (rounded up to a multiple of the device count, the last
+      batch padded); default the config's ``eval_batch_size``.
+    **load_kwargs: ``inference.load``'s ``step``, ``use_ema``, ``model_name``, ``num_classes``,
+      ``image_size``, ``overrides``.
+
+  Attributes: ``trained`` (the ``inference.TrainedModel``), ``runner`` (its ``inference.Runner``).
 
   Raises:
-    What ``inference.load`` raises (FileNotFoundError, ValueError); ValueError for a
-    ``batch_size`` < 1 or load options with a loaded model.
-
-  Attributes:
-    trained: the ``inference.TrainedModel`` (config, variables, label names).
-    runner: its ``inference.Runner``.
+    What ``inference.load`` raises; ValueError for ``batch_size`` < 1 or load options with a
+    loaded model.
   """
 
   def __init__(self, source: Any, *, batch_size: Optional[int] = None, **load_kwargs: Any):
@@ -119,14 +108,12 @@ class Predictor:
   def preprocess(self, image: Any, name: Optional[str] = None) -> np.ndarray:
     """One image -> the model's float32 ``[S, S, 3]`` input, preprocessed as in evaluation.
 
-    Args:
-      image: a file path, encoded bytes, a PIL image, or a NumPy array ``[H, W]`` /
-        ``[H, W, C]`` (C in {1, 3, 4}; uint8, or floats in [0, 1]); any size.
-      name: how errors name the image.
+    ``image``: a path, encoded bytes, a PIL image, or an array ``[H, W]`` / ``[H, W, C]`` (C in
+    {1, 3, 4}; uint8 or floats in [0, 1]). ``name``: how errors name it.
 
     Raises:
-      vit_jax.data.BadImageError (a ValueError): not a decodable image (names the file).
-      FileNotFoundError, IsADirectoryError, PermissionError: a path that is not a readable file.
+      vit_jax.data.BadImageError (a ValueError): not a decodable image.
+      FileNotFoundError, IsADirectoryError, PermissionError: not a readable file.
       ValueError: an array of another shape.
     """
     from vit_jax.data import files  # pylint: disable=g-import-not-at-top
@@ -143,19 +130,10 @@ class Predictor:
     return self.trained.probabilities(self.runner.logits(inputs))
 
   def predict(self, images: Any, top_k: int = 5) -> List[List[Prediction]]:
-    """The ``top_k`` most probable classes of each image.
+    """Per image (one, a sequence, or ``[B, H, W, C]``), its ``top_k`` :class:`Prediction`.
 
-    Args:
-      images: one image or a sequence of them (a 4-D array ``[B, H, W, C]`` is B images); an
-        image is what :meth:`preprocess` takes.
-      top_k: classes per image (at most C).
-
-    Returns:
-      Per image, a list of ``top_k`` :class:`Prediction`, most probable first (ties: the lower
-      class number first).
-
-    Raises:
-      What :meth:`preprocess` raises; ValueError for ``top_k`` < 1.
+    Most probable first, ties by lower class number. Raises as :meth:`preprocess`; ValueError for
+    ``top_k`` < 1.
     """
     _check_top_k(top_k)
     return self.top(self.probabilities(images), top_k)
@@ -222,9 +200,10 @@ def _parser() -> common.Parser:
 
 
 def missing_image(arguments: Sequence[str]) -> Optional[FileNotFoundError]:
-  """The error for the first local IMAGE_OR_FOLDER argument with nothing there (a broken link
-  included), without TensorFlow; None when there is none (``scheme://`` paths are not checked
-  here)."""
+  """The error for the first local argument with nothing there (broken links too), or None.
+
+  Without TensorFlow; ``scheme://`` paths are not checked.
+  """
   for arg in arguments:
     if '://' not in str(arg) and not os.path.exists(arg):
       return FileNotFoundError(f'{arg} does not exist: give image files or folders of them.')
@@ -232,13 +211,11 @@ def missing_image(arguments: Sequence[str]) -> Optional[FileNotFoundError]:
 
 
 def image_paths(arguments: Sequence[str]) -> List[str]:
-  """The image files of the IMAGE_OR_FOLDER arguments, in argument order (a folder's sorted,
-  `vit_jax.data.files.list_images`: no folder entered twice, e.g. through a link to its
-  parent; one ``WARNING: not entered`` line on stderr per link not followed), each once.
+  """The image files of the IMAGE_OR_FOLDER arguments, each once, in argument order.
 
-  Raises:
-    FileNotFoundError: a path that does not exist.
-    ValueError: a folder without image files; a file name that is not UTF-8 (named).
+  Folders via ``vit_jax.data.files.list_images`` (sorted, links to listed folders skipped with a
+  ``WARNING: not entered`` line). Raises FileNotFoundError, or ValueError (a folder without
+  images, a non-UTF-8 name).
   """
   from vit_jax.data import files  # pylint: disable=g-import-not-at-top
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
@@ -309,11 +286,7 @@ def _stdout_name() -> str:
 
 
 def _emit(text: str) -> None:
-  """Writes ``text`` to standard output at once.
-
-  Raises:
-    OSError: it could not be written (e.g. a full disk): the message names where to and the fix;
-      what was not written is dropped (no second error at exit).
+  """Writes ``text`` to stdout at once; OSError naming the fix if it cannot (the rest is dropped).
   """
   try:
     sys.stdout.write(text)

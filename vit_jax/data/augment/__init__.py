@@ -1,33 +1,14 @@
-"""T2T-ViT / DeiT ImageNet training augmentations (TensorFlow ops).
+"""T2T-ViT / DeiT ImageNet training augmentations: timm's, as TensorFlow ops (eager or tf.data).
 
-Reproduces, as TensorFlow ops usable eagerly and inside `tf.data` maps, the
-timm (pytorch-image-models) augmentations that T2T-ViT and DeiT train with:
+* :func:`rand_augment`: timm ``rand_augment_transform('rand-m9-mstd0.5-inc1')`` with PIL's op
+  definitions (``pil_ops``, ``randaugment``);
+* :func:`random_erasing`: timm ``RandomErasing(mode='pixel')`` of one normalized image;
+* :func:`mixup_cutmix`: timm ``Mixup(mode='batch', correct_lam=True)`` of a batch.
 
-* `rand_augment`: timm `rand_augment_transform('rand-m9-mstd0.5-inc1')`
-  (RandAugment with timm's op list, level mappings, per-op probability 0.5 and
-  Gaussian magnitude noise), with every op defined as PIL's `ImageOps` /
-  `ImageEnhance` / `Image.transform` define it (see the op functions below);
-* `random_erasing`: timm `RandomErasing(mode='pixel')`, applied to one
-  normalized image;
-* `mixup_cutmix`: timm `Mixup(mode='batch', correct_lam=True)` on a batch of
-  images and label vectors.
-
-All randomness is *stateless*: every function takes an int64 [2] `seed` and its
-output is a deterministic function of (inputs, seed, arguments), so that a
-resumed run sees exactly the augmentations of an uninterrupted one. Random
-numbers are not those of timm (which uses Python's / numpy's global RNGs), only
-their distributions are.
-
-Known differences from timm / PIL (documented where they occur):
-* geometric ops always interpolate bilinearly (timm picks bilinear or bicubic
-  at random when `interpolation='random'`, as in T2T-ViT; DeiT uses bicubic),
-  with float32 rather than float64 arithmetic: a pixel can differ by 1 from
-  PIL's;
-* Posterize with 0 bits gives black (as PIL < 9 did; current PIL raises).
-
-Modules: `pil_ops` (the PIL-equivalent ops), `randaugment` (timm's level mappings and op
-lists, the RandAugment policy), `erasing` (random erasing), `mixing` (Mixup / CutMix),
-`stateless` (the seeded random numbers all of them draw). This package exports their public names.
+Stateless: each takes an int64 ``[2]`` seed, so a resumed run sees exactly the augmentations of
+an uninterrupted one (same distributions as timm, not its random numbers). Differences from
+timm / PIL: geometric ops always bilinear (timm: random bilinear / bicubic) in float32 (a pixel
+may differ by 1); Posterize with 0 bits gives black (PIL < 9).
 """
 
 from vit_jax.data.augment.erasing import random_erasing

@@ -14,25 +14,15 @@ def random_erasing(image: tf.Tensor, seed: tf.Tensor, *,
                    probability: float = 0.25, min_area: float = 0.02,
                    max_area: float = 1 / 3, min_aspect: float = 0.3,
                    max_count: int = 1) -> tf.Tensor:
-  """timm `RandomErasing(mode='pixel')` on one normalized image.
+  """timm ``RandomErasing(mode='pixel')`` of one normalized float ``[H, W, C]`` image (same out).
 
-  With probability `probability` erase `count` rectangles (count = 1 if
-  max_count == 1, else uniform in [1, max_count]). Each is looked for with up
-  to 10 attempts: target area uniform in [min_area, max_area] * H * W / count,
-  aspect ratio log-uniform in [min_aspect, 1 / min_aspect], h =
-  round(sqrt(area * aspect)), w = round(sqrt(area / aspect)) (round half to
-  even, as Python's round), accepted if h < H and w < W; top-left uniform in
-  [0, H - h] x [0, W - w]. Erased pixels get independent N(0, 1) values per
-  pixel and channel. A rectangle with no accepted attempt is skipped.
+  With probability ``probability`` erase ``count`` rectangles (1, or uniform in [1, max_count]),
+  each with up to 10 attempts as timm (area uniform in [min_area, max_area] * H * W / count,
+  log-uniform aspect, Python rounding); erased pixels get N(0, 1). ``seed``: int64 ``[2]``.
 
-  Args:
-    image: float [H, W, C] (already normalized).
-    seed: int64 [2] stateless seed.
-  Returns:
-    Same dtype and shape as `image`.
   Raises:
-    ValueError: probability outside [0, 1], not 0 < min_area <= max_area,
-      min_aspect <= 0 or max_count < 1.
+    ValueError: probability outside [0, 1], not 0 < min_area <= max_area, min_aspect <= 0 or
+      max_count < 1.
   """
   if not 0. <= probability <= 1.:
     raise ValueError(f'probability must be in [0, 1], got {probability!r}.')

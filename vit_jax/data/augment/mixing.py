@@ -24,42 +24,18 @@ def mixup_cutmix(images: tf.Tensor, labels: tf.Tensor, seed: tf.Tensor, *,
                  mixup_alpha: float = 0.8, cutmix_alpha: float = 1.0,
                  switch_prob: float = 0.5, prob: float = 1.0,
                  return_lam: bool = False):
-  """timm `Mixup(mode='batch', correct_lam=True)` on one batch.
+  """timm ``Mixup(mode='batch', correct_lam=True)`` of images ``[B, H, W, C]``, labels ``[B, K]``.
 
-  One decision per batch: with probability `prob` mix, else leave the batch
-  unchanged (lam = 1). If both alphas are > 0, CutMix with probability
-  `switch_prob`, else Mixup; if only one is > 0, that one. lam ~ Beta(alpha,
-  alpha) of the chosen method. The partner of example i is example B - 1 - i.
+  With probability ``prob`` mix the batch (else lam = 1): CutMix with probability ``switch_prob``
+  when both alphas are > 0, else the one that is; lam ~ Beta(alpha, alpha); example i's partner is
+  B - 1 - i. CutMix boxes as timm's ``rand_bbox``, lam corrected to ``1 - box_area / (H * W)``;
+  labels mixed by lam (linear, so it commutes with smoothing and normalization; to reproduce
+  timm's uint8 ``FastCollateMixup``, mix [0, 255] floats and round). ``seed``: int64 ``[2]``.
 
-  * Mixup: x = lam * x + (1 - lam) * x_partner.
-  * CutMix: timm `rand_bbox`: cut h, w = int(H * sqrt(1 - lam)), int(W *
-    sqrt(1 - lam)); centre (cy, cx) uniform integers in [0, H) x [0, W); rows
-    clip(cy -+ h // 2, 0, H), columns likewise; the box is copied from the
-    partner and lam becomes 1 - box_area / (H * W).
-  * labels = lam * labels + (1 - lam) * labels_partner (timm mixes smoothed
-    one-hot targets; mixing is linear, so smoothing before or after is the
-    same).
+  Returns ``(images, labels)`` (plus lam, float32, with ``return_lam``), dtypes and shapes kept.
 
-  Mixing is linear, so it commutes with normalization up to rounding: T2T-ViT
-  (timm's prefetcher path, `FastCollateMixup`) mixes uint8 images, rounding
-  Mixup blends to integers, before normalizing and random erasing; to
-  reproduce that, mix float images in [0, 255] and round.
-
-  Args:
-    images: float [B, H, W, C].
-    labels: float [B, K] label vectors (one-hot, smoothed or multi-hot).
-    seed: int64 [2] stateless seed of this batch.
-    mixup_alpha, cutmix_alpha: Beta parameters; a method is on if its alpha
-      is > 0 (at least one must be).
-    switch_prob: probability of CutMix when both are on.
-    prob: probability of mixing a batch at all.
-    return_lam: also return the (corrected) lam, float32 scalar.
-  Returns:
-    (images, labels), or (images, labels, lam) if `return_lam`; same dtypes
-    and shapes as the inputs.
   Raises:
-    ValueError: a negative alpha, both alphas 0, or switch_prob / prob
-      outside [0, 1].
+    ValueError: a negative alpha, both alphas 0, or switch_prob / prob outside [0, 1].
   """
   if mixup_alpha < 0 or cutmix_alpha < 0:
     raise ValueError('mixup_alpha and cutmix_alpha must be >= 0, got '

@@ -1,12 +1,9 @@
-"""The image ops of RandAugment, as PIL defines them, in TensorFlow: uint8 [H, W, 3] in and out.
+"""The image ops of RandAugment as PIL defines them, in TensorFlow: uint8 ``[H, W, 3]`` in and out.
 
-PIL's `ImageOps` (invert, posterize, solarize, auto-contrast, equalize: look-up tables per
-channel), `ImageEnhance` (color, contrast, brightness, sharpness: a blend with a degenerate
-image) and `Image.transform` (affine: rotate, shear, translate, bilinear, filled outside), usable
-eagerly and inside `tf.data` maps. `vit_jax.data.augment.randaugment` maps timm's levels onto
-them and draws the policy; the underscore helpers (look-up tables, degenerate images, affine
-matrices) are shared with it, within this package. Differences from PIL: see
-`vit_jax.data.augment`.
+PIL's ``ImageOps`` (look-up tables), ``ImageEnhance`` (blends with a degenerate image) and
+``Image.transform`` (affine, bilinear), eagerly and inside tf.data maps. The underscore helpers
+are shared with :mod:`vit_jax.data.augment.randaugment`; differences from PIL:
+:mod:`vit_jax.data.augment`.
 """
 
 from __future__ import annotations
@@ -73,11 +70,7 @@ def _ramp() -> tf.Tensor:
 
 @stateless.no_autograph
 def grayscale(image: tf.Tensor) -> tf.Tensor:
-  """PIL `convert('L')` of a uint8 [H, W, 3] image -> int32 [H, W] in [0, 255].
-
-  ITU-R 601-2 luma in PIL's fixed point:
-  (19595 R + 38470 G + 7471 B + 2**15) >> 16.
-  """
+  """PIL ``convert('L')``: int32 ``[H, W]``, ``(19595 R + 38470 G + 7471 B + 2**15) >> 16``."""
   x = tf.cast(image, tf.int32)
   l = x[..., 0] * 19595 + x[..., 1] * 38470 + x[..., 2] * 7471 + 32768
   return tf.bitwise.right_shift(l, 16)
@@ -85,12 +78,7 @@ def grayscale(image: tf.Tensor) -> tf.Tensor:
 
 def _blend(degenerate: tf.Tensor, image: tf.Tensor,
            factor: Number) -> tf.Tensor:
-  """PIL `Image.blend(degenerate, image, factor)` (as `ImageEnhance` uses it).
-
-  float32 arithmetic as in PIL's C code: out = (UINT8) clip(d + f * (i - d))
-  (truncation; clipping only matters when extrapolating, factor > 1 or < 0).
-  `degenerate` broadcasts against `image`.
-  """
+  """PIL ``Image.blend(degenerate, image, factor)``: uint8 ``clip(d + f * (i - d))`` in float32."""
   alpha = tf.cast(factor, tf.float32)
   d = tf.cast(degenerate, tf.float32)
   return _to_uint8_trunc(d + alpha * (tf.cast(image, tf.float32) - d))
@@ -151,22 +139,13 @@ def invert(image: tf.Tensor) -> tf.Tensor:
 
 @stateless.no_autograph
 def posterize(image: tf.Tensor, bits: Number) -> tf.Tensor:
-  """PIL `ImageOps.posterize`: keep the top `bits` bits of every channel.
-
-  Args:
-    image: uint8 [H, W, 3].
-    bits: int in [0, 8]; >= 8 is the identity (timm skips PIL then), 0 gives
-      black (PIL < 9 behaviour; current PIL rejects 0).
-  """
+  """PIL ``ImageOps.posterize``: the top ``bits`` (0-8) bits; 8 identity, 0 black (PIL < 9)."""
   return _apply_luts(_check_uint8_rgb(image), _posterize_lut(bits))
 
 
 @stateless.no_autograph
 def solarize(image: tf.Tensor, threshold: Number) -> tf.Tensor:
-  """PIL `ImageOps.solarize`: x < threshold ? x : 255 - x.
-
-  `threshold` is an int; 256 is the identity, 0 inverts everything.
-  """
+  """PIL ``ImageOps.solarize``: ``x < threshold ? x : 255 - x`` (int threshold; 256 identity)."""
   return _apply_luts(_check_uint8_rgb(image), _solarize_lut(threshold))
 
 
@@ -180,12 +159,10 @@ def solarize_add(image: tf.Tensor, addition: Number,
 
 @stateless.no_autograph
 def auto_contrast(image: tf.Tensor) -> tf.Tensor:
-  """PIL `ImageOps.autocontrast` (cutoff 0): per-channel min/max stretch.
+  """PIL ``ImageOps.autocontrast`` (cutoff 0): per-channel min/max stretch, float64 then truncated.
 
-  For each channel with min `lo` < max `hi`, x -> int(x * s - lo * s) with
-  s = 255 / (hi - lo) (float64, truncated, clipped to [0, 255]), so that `lo`
-  maps to 0 and `hi` to 255 (or 254: e.g. for [50, 100] the float64 value is
-  254.99999999999997, PIL's result too); constant channels are unchanged.
+  ``int(x * s - lo * s)``, ``s = 255 / (hi - lo)`` (``hi`` may map to 254, as PIL); constant
+  channels unchanged.
   """
   image = _check_uint8_rgb(image)
   return _apply_luts(image, _auto_contrast_lut(image))
@@ -193,12 +170,10 @@ def auto_contrast(image: tf.Tensor) -> tf.Tensor:
 
 @stateless.no_autograph
 def equalize(image: tf.Tensor) -> tf.Tensor:
-  """PIL `ImageOps.equalize`: per-channel histogram equalisation.
+  """PIL ``ImageOps.equalize``: per-channel histogram equalisation in PIL's integer arithmetic.
 
-  Per channel with histogram h: step = (sum(h) - h[last non-empty bin]) // 255;
-  lut[i] = (step // 2 + sum(h[:i])) // step (integer arithmetic, clipped to
-  255 like `Image.point`); the identity if the channel has <= 1 distinct value
-  or step == 0 (so always for images of <= 256 pixels).
+  ``step = (sum(h) - h[last]) // 255``, ``lut[i] = (step // 2 + sum(h[:i])) // step``; the
+  identity for <= 1 distinct value or ``step == 0``.
   """
   image = _check_uint8_rgb(image)
   return _apply_luts(image, _equalize_lut(image))
@@ -249,12 +224,7 @@ def brightness(image: tf.Tensor, factor: Number) -> tf.Tensor:
 
 @stateless.no_autograph
 def smooth(image: tf.Tensor) -> tf.Tensor:
-  """PIL `image.filter(ImageFilter.SMOOTH)` of a uint8 [H, W, 3] image.
-
-  3x3 kernel [[1, 1, 1], [1, 5, 1], [1, 1, 1]] / 13, rounded to nearest (the
-  exact sum / 13 is never a half-integer); the one-pixel border is copied
-  unchanged, as PIL does (images smaller than 3x3 are returned unchanged).
-  """
+  """PIL ``ImageFilter.SMOOTH``: 3x3 ``[[1,1,1],[1,5,1],[1,1,1]] / 13`` rounded; border copied."""
   image = _check_uint8_rgb(image)
   kernel = tf.constant([[1., 1., 1.], [1., 5., 1.], [1., 1., 1.]])
   kernel = tf.tile(kernel[:, :, None, None], [1, 1, 3, 1])
@@ -302,23 +272,11 @@ def _rotate_matrix(degrees: Number, height: tf.Tensor,
 @stateless.no_autograph
 def affine(image: tf.Tensor, matrix: Union[Sequence[Number], tf.Tensor],
            fill: Fill = IMAGENET_FILL) -> tf.Tensor:
-  """PIL `img.transform(size, Image.AFFINE, matrix, BILINEAR, fillcolor=fill)`.
+  """PIL ``transform(size, AFFINE, matrix, BILINEAR, fillcolor=fill)`` of uint8 ``[H, W, 3]``.
 
-  Output pixel (x, y) (centre at (X, Y) = (x + .5, y + .5), PIL's convention)
-  samples the input at (a X + b Y + c, d X + e Y + f) with (a, b, c, d, e, f)
-  = `matrix`. Points outside [0, W) x [0, H) get `fill`; inside, bilinear
-  interpolation with edge clamping, truncated to uint8 like PIL.
-
-  Implemented with `ImageProjectiveTransformV3` (float32; PIL uses float64:
-  a pixel can differ from PIL's by 1 where the interpolated value is within
-  ~1e-3 of an integer).
-
-  Args:
-    image: uint8 [H, W, 3].
-    matrix: 6 numbers / scalar tensors, or a float [6] tensor.
-    fill: RGB fill of uncovered pixels.
-  Returns:
-    uint8 [H, W, 3].
+  Output pixel centre ``(X, Y) = (x + .5, y + .5)`` samples the input at
+  ``(a X + b Y + c, d X + e Y + f)``; outside gets ``fill``. ``matrix``: 6 numbers or a float
+  ``[6]`` tensor. In float32 (PIL float64): a pixel may differ by 1 near integer values.
   """
   image = _check_uint8_rgb(image)
   fill = _check_fill(fill)
@@ -364,11 +322,9 @@ def _size(image: tf.Tensor):
 @stateless.no_autograph
 def rotate(image: tf.Tensor, degrees: Number,
            fill: Fill = IMAGENET_FILL) -> tf.Tensor:
-  """PIL `img.rotate(degrees, BILINEAR, fillcolor=fill)`: counter-clockwise
-  about the image centre (W / 2, H / 2), same size, uncovered pixels `fill`.
+  """PIL ``rotate(degrees, BILINEAR, fillcolor=fill)``: counter-clockwise about ``(W / 2, H / 2)``.
 
-  The matrix is PIL's (angle taken mod 360, cos / sin rounded to 15
-  decimals), so 90 degrees on a square image is exactly np.rot90.
+  PIL's matrix (angle mod 360, cos / sin rounded to 15 decimals): 90 degrees is ``np.rot90``.
   """
   return affine(image, _rotate_matrix(degrees, *_size(image)), fill)
 

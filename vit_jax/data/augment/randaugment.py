@@ -1,11 +1,7 @@
-"""RandAugment as T2T-ViT and DeiT train with it: timm's
-`rand_augment_transform('rand-m9-mstd0.5-inc1')`.
+"""RandAugment as T2T-ViT and DeiT train with it (timm ``'rand-m9-mstd0.5-inc1'``).
 
-The ops are those of PIL (`ImageOps`, `ImageEnhance`, `Image.transform`) on uint8 [H, W, 3]
-images, as TensorFlow ops (`vit_jax.data.augment.pil_ops`); here are timm's level -> argument
-mappings, its op lists, and the policy
-(`rand_augment`: `num_layers` ops drawn with replacement, each applied with probability 0.5, at a
-Gaussian-perturbed magnitude). Differences from timm / PIL: see `vit_jax.data.augment`.
+timm's level -> argument mappings, op lists and policy over the PIL ops of
+:mod:`vit_jax.data.augment.pil_ops`. Differences from timm / PIL: :mod:`vit_jax.data.augment`.
 """
 
 from __future__ import annotations
@@ -154,18 +150,10 @@ def _level(name: str, magnitude: tf.Tensor, sign: tf.Tensor) -> tf.Tensor:
 @stateless.no_autograph
 def level_to_arg(name: str, magnitude: Number,
                  seed: tf.Tensor) -> Optional[tf.Tensor]:
-  """timm `LEVEL_TO_ARG[name](magnitude)`: the op argument (float64 scalar).
+  """timm ``LEVEL_TO_ARG[name](magnitude)``: the op argument (float64 scalar), or None.
 
-  Rotate: +-m/10 * 30 degrees; ShearX/Y: +-m/10 * 0.3; TranslateX/YRel:
-  +-m/10 * 0.45 of the width / height; Color/Contrast/Brightness/Sharpness:
-  factor m/10 * 1.8 + 0.1; their *Increasing variants: max(0.1, 1 +- m/10 *
-  0.9); Posterize: int(m/10 * 4) bits, PosterizeIncreasing: 4 - that;
-  Solarize: threshold int(m/10 * 256), SolarizeIncreasing: 256 - that;
-  SolarizeAdd: int(m/10 * 110). '+-' is a random sign drawn from `seed`.
-  Returns None for AutoContrast, Equalize and Invert (no argument).
-
-  Raises:
-    ValueError: unknown op name.
+  None for AutoContrast, Equalize, Invert; signed ops draw their sign from ``seed``. Raises
+  ValueError for an unknown op name.
   """
   _check_op_name(name)
   if _OPS[name][0] is None:
@@ -180,12 +168,8 @@ def _switch(index: tf.Tensor, fns):
 def _apply_indexed(image: tf.Tensor, names: Sequence[str], index: tf.Tensor,
                    magnitude: tf.Tensor, seed: tf.Tensor,
                    fill: Tuple[int, int, int]) -> tf.Tensor:
-  """Applies op `names[index]` (index: int32 scalar tensor) at `magnitude`.
-
-  Equal to `apply_op(image, names[index], magnitude, seed, fill=fill)`, but
-  builds one table lookup, one blend and one affine transform shared by the
-  ops, instead of one full graph branch per op (about half the graph, and
-  faster tracing, for `rand_augment`).
+  """``apply_op(image, names[index], ...)`` for an int32 tensor ``index``, with one shared lookup,
+  blend and affine transform instead of one graph branch per op (half the graph).
   """
   magnitude = tf.cast(magnitude, tf.float64)
   sign = _random_sign(seed)
@@ -231,21 +215,10 @@ def _apply_indexed(image: tf.Tensor, names: Sequence[str], index: tf.Tensor,
 @stateless.no_autograph
 def apply_op(image: tf.Tensor, name: str, magnitude: Number, seed: tf.Tensor,
              *, fill: Fill = IMAGENET_FILL) -> tf.Tensor:
-  """Applies one timm RandAugment op at a given (already sampled) magnitude.
+  """Applies one timm RandAugment op (one of ``OP_NAMES``) at a sampled magnitude, always.
 
-  Always applies the op (no probability) and does not clip `magnitude`
-  (`rand_augment` does both).
-
-  Args:
-    image: uint8 [H, W, 3].
-    name: one of `OP_NAMES` (a Python string).
-    magnitude: level, normally in [0, 10] (Python number or scalar tensor).
-    seed: int64 [2] stateless seed (used for the random sign of some ops).
-    fill: RGB fill of pixels uncovered by geometric ops.
-  Returns:
-    uint8 [H, W, 3].
-  Raises:
-    ValueError: unknown op name, bad image dtype / shape or fill.
+  uint8 ``[H, W, 3]`` in and out; ``magnitude`` not clipped; ``seed`` int64 ``[2]``; ``fill``
+  the RGB of uncovered pixels. Raises ValueError: unknown op, bad image or fill.
   """
   image = _check_uint8_rgb(image)
   fill = _check_fill(fill)
@@ -265,10 +238,7 @@ def apply_op(image: tf.Tensor, name: str, magnitude: Number, seed: tf.Tensor,
 @stateless.no_autograph
 def sample_magnitude(seed: tf.Tensor, magnitude: float = 9.,
                      magnitude_std: float = 0.5) -> tf.Tensor:
-  """timm `AugmentOp` magnitude: float64 scalar in [0, 10].
-
-  magnitude_std == 0: `magnitude`; inf: uniform in [0, magnitude); otherwise
-  Normal(magnitude, magnitude_std); then clipped to [0, 10].
+  """timm ``AugmentOp`` magnitude, float64 in [0, 10]: fixed, uniform (std inf) or Normal, clipped.
   """
   m = tf.constant(float(magnitude), tf.float64)
   if magnitude_std == float('inf'):
@@ -284,26 +254,14 @@ def rand_augment(image: tf.Tensor, seed: tf.Tensor, *, num_layers: int = 2,
                  magnitude: float = 9., magnitude_std: float = 0.5,
                  increasing: bool = True,
                  fill: Fill = IMAGENET_FILL) -> tf.Tensor:
-  """timm RandAugment, e.g. `rand_augment_transform('rand-m9-mstd0.5-inc1')`.
+  """timm RandAugment of a uint8 ``[H, W, 3]`` image (same static shape out).
 
-  `num_layers` times: pick an op uniformly (with replacement) from
-  `RAND_INCREASING_TRANSFORMS` (or `RAND_TRANSFORMS` if not `increasing`);
-  with probability 0.5 apply it at a magnitude drawn by `sample_magnitude`
-  (fresh for every op), mapped to the op argument by `level_to_arg`.
+  ``num_layers`` times (timm 'n'; 0 = identity): an op drawn with replacement from
+  ``RAND_INCREASING_TRANSFORMS`` ('inc1'; else ``RAND_TRANSFORMS``), applied with probability
+  0.5 at a fresh :func:`sample_magnitude` (timm 'm', 'mstd'). ``fill``: timm's ``img_mean``.
 
-  Args:
-    image: uint8 [H, W, 3].
-    seed: int64 [2] stateless seed.
-    num_layers: ops per image (timm 'n', default 2); 0 is the identity.
-    magnitude: timm 'm'; magnitude_std: timm 'mstd' (inf: uniform in
-      [0, magnitude)).
-    increasing: timm 'inc1' op list (severity increases with magnitude).
-    fill: RGB fill of pixels uncovered by geometric ops (timm `img_mean`).
-  Returns:
-    uint8 [H, W, 3], same static shape.
   Raises:
-    ValueError: bad image, negative num_layers / magnitude / magnitude_std,
-      bad fill.
+    ValueError: bad image or fill, negative num_layers / magnitude / magnitude_std.
   """
   image = _check_uint8_rgb(image)
   fill = _check_fill(fill)

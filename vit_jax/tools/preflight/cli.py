@@ -182,9 +182,9 @@ def _define_flags() -> None:
       "config", None, "Training config, as for vit_jax.main: configs/<file>.py[:<args>], with "
       "--config.key=value overrides.", lock_config=True)
   _ACCELERATOR = flags.DEFINE_string(
-      "accelerator", None, "Cloud TPU type to compile for: v2-8 ... v3-8, v3-32 ... v3-2048, "
-      "v4-8 ..., v5p-8 ... (the number counts TensorCores), v5litepod-1 ... v5litepod-256, "
-      "v6e-1 ... v6e-256 (chips). Multi-host slices are compiled whole.")
+      "accelerator", None, "Cloud TPU type to compile for, e.g. v3-8, v4-32, v5p-8 (the "
+      "number counts TensorCores), v5litepod-16, v6e-8 (chips); vit_jax.hardware lists the "
+      "kinds. Multi-host slices are compiled whole.")
   _SUGGEST = flags.DEFINE_bool(
       "suggest", True, "When the step does not fit, compile smaller changes and print the "
       "first overrides that fit (--nosuggest: only the verdict).")

@@ -5,12 +5,7 @@
 v3-8 (4 chips of 2 TensorCores) with their coordinates and hosts, and a step jitted over a mesh
 of them is compiled by the real TPU compiler. Nothing runs and nothing is allocated.
 
-Accelerator names are Cloud TPU's, as `vit_jax.accounting.accelerator` takes them: the number
-counts TensorCores for v2, v3, v4 and v5p (a v4 or v5p device is one chip of two cores,
-"megacore"), chips for v5e (`v5litepod-N`) and v6e. The chip grids are the shapes Cloud TPU
-gives the slices (2-D for v2, v3, v5e and v6e, 3-D for v4 and v5p; for v4/v5p sizes that are
-not powers of two, one of the valid shapes). Hosts: 4 chips each, except the single-host v5e and
-v6e slices of up to 8 chips.
+Accelerator names, chip counts, grids and hosts per slice: `vit_jax.hardware`.
 """
 
 from __future__ import annotations
@@ -23,15 +18,10 @@ import re
 from typing import Any
 
 from vit_jax import accounting
+from vit_jax import hardware as hardware_lib
 
 #: What installs the TPU compiler (the project's `tpu` extra pins the libtpu of its jax).
 INSTALL_LINE = "pip install -e '.[tpu]'  (in the checkout)"
-
-# Cloud TPU family -> (topology prefix, 3-D grid, megacore).
-_FAMILIES = {
-    "v2": ("v2", False, False), "v3": ("v3", False, False), "v4": ("v4", True, True),
-    "v5p": ("v5", True, True), "v5litepod": ("v5e", False, False), "v6e": ("v6e", False, False),
-}
 
 # Environment that keeps libtpu from looking for a TPU host of its own (metadata server,
 # worker names) while it describes a topology, and from taking the one-process-per-host TPU
@@ -59,8 +49,7 @@ class Slice:
     hardware: cores, chips and peak FLOP/s (`vit_jax.accounting.Hardware`).
     devices: the compile-only `jax.Device`s of the whole slice, every host's.
     num_hosts: the hosts (processes) of the slice.
-    hbm_bytes: the HBM of one device that the compiler gives a program, bytes (a v3 core's
-      16 GiB leaves 15.48 GiB; see `available_hbm`).
+    hbm_bytes: the HBM of one device that the compiler gives a program, bytes (`available_hbm`).
   """
   accelerator: str
   topology: str
@@ -134,19 +123,18 @@ def tpu_slice(accelerator: str) -> Slice:
     MissingLibtpuError: libtpu is not installed (the message gives the install line).
   """
   hardware = accounting.accelerator(accelerator, "bfloat16")  # Raises for a bad name.
-  family = re.fullmatch(r"([a-z0-9]+)-\d+", accelerator.strip().lower()).group(1)
-  if family not in _FAMILIES:
+  kind = hardware_lib.kind(hardware.device_kind)
+  if kind.topology is None:
     raise ValueError(f"Pre-flight compiles for TPUs; {accelerator!r} is not a Cloud TPU type "
                      "(e.g. v3-8, v4-32, v5p-8, v5litepod-16, v6e-8).")
   if importlib.util.find_spec("libtpu") is None:
     raise MissingLibtpuError()
-  prefix, three_d, megacore = _FAMILIES[family]
-  grid = chip_grid(hardware.chips, three_d)
-  name = f"{prefix}:{'x'.join(str(n) for n in grid)}"
+  grid = chip_grid(hardware.chips, kind.grid_3d)
+  name = f"{kind.topology}:{'x'.join(str(n) for n in grid)}"
   options: dict[str, Any] = {}
-  if megacore:
+  if kind.cores_per_device > 1:
     options["chip_config_name"] = "megacore"
-  if family in ("v5litepod", "v6e") and hardware.chips <= 8:
+  if kind.single_host_chips and hardware.chips <= kind.single_host_chips:
     options["chips_per_host_bounds"] = (*grid, 1)  # One host holds the whole slice.
   for key, value in _QUIET_LIBTPU.items():
     os.environ.setdefault(key, value)

@@ -1,6 +1,6 @@
 """The message for variables that do not fit a model: counts, the first entries, and a hint.
 
-Shared by the model families' converters (:mod:`vit_jax.models.t2t_torch`) and the checkpoint
+Shared by the model families' converters (:mod:`.t2t_torch`) and the checkpoint
 readers (:mod:`vit_jax.checkpoint`), so that every "does not fit" error reads the same::
 
   The checkpoint does not fit the model:

@@ -47,8 +47,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from vit_jax.models import layout
-from vit_jax.models import mismatch
 from vit_jax.models import t2t
+from vit_jax.checkpoint import mismatch
 
 def torch_key_to_flax(key: str) -> Tuple[str, Tuple[str, ...]]:
   """Maps one PyTorch state_dict key to ``(collection, path)`` in our variables.

@@ -4,12 +4,16 @@ Read from names and shapes only (``'/'``-joined, collection first, as in the off
 checkpoints): :func:`architecture_fields` gives the :class:`vit_jax.models.vit.VisionTransformer`
 fields the shapes imply (used to build a model for an ``.npz`` or a converted file, and by the
 converters of :mod:`vit_jax.checkpoint`), :func:`describe_architecture` the sentence that the
-"does not fit" messages end with. Re-exported by :mod:`vit_jax.models.vit`.
+"does not fit" messages end with.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any, Dict, Optional
+
+from vit_jax.models import resnet
+from vit_jax.models import vit_fields
 
 #: The learned position embedding (``[1, T, D]``, class token row first with classifier 'token')
 #: as a '/'-joined variable name: resized to the new token grid when fine-tuning at another
@@ -64,6 +68,20 @@ def architecture_fields(shapes: dict) -> Optional[Dict[str, Any]]:
     fields['resnet_num_layers'] = tuple(units[s] for s in sorted(units))
     fields['resnet_width_factor'] = shapes['params/conv_root/kernel'][-1] / 64
   return fields
+
+
+def image_size(shapes: dict, fields: Dict[str, Any]) -> Optional[int]:
+  """The side of the square images the learned position table is for (tokens' grid side times
+  the total stride of ``fields``, :func:`architecture_fields`); None without a square table."""
+  table = shapes.get(POSEMB_KEY)
+  if not table:
+    return None
+  tokens = table[1] - (1 if 'params/cls' in shapes else 0)
+  stride = vit_fields.patch_pair(fields['patch_size'])[0]
+  if fields.get('resnet_num_layers') is not None:
+    stride *= resnet.resnet_stride(fields['resnet_num_layers'])
+  side = math.isqrt(tokens)
+  return side * stride if side * side == tokens else None
 
 
 def describe_architecture(shapes: dict) -> Optional[str]:

@@ -1,0 +1,124 @@
+"""Every accelerator kind vit_jax knows, one `Kind` each in `KINDS`: add a new kind there.
+
+What a JAX device is differs by kind:
+  TPU v2, v3        one TensorCore; 2 cores per chip (a v3-8 has 8 devices, 4 chips)
+  TPU v4, v5p       one chip of 2 TensorCores (megacore; a v4-8 has 4 devices)
+  TPU v5e, v6e      one chip of 1 TensorCore (a v5litepod-8 has 8 devices)
+  GPU               one GPU; CPU: no published peak (`vit_jax.accounting` measures one)
+Peaks are published dense matmul FLOP/s of one device. On TPU a float32 matmul at JAX's default
+precision runs as one bfloat16 pass, on Ampere and later GPUs as TF32: float32 gets that peak
+(`runs_as`). HBM per program is the TPU compiler's own figure (read by the pre-flight,
+docs/pods.md).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Optional
+
+GIB = 2**30
+
+
+@dataclasses.dataclass(frozen=True)
+class Kind:
+  """One accelerator kind; TPU-only fields are None elsewhere."""
+  device_kind: str  # jax's `device.device_kind`, e.g. 'TPU v3', 'NVIDIA A100'.
+  pattern: str  # Matched against jax's `device_kind`; the first kind matching wins.
+  peak: dict[str, float]  # Dense FLOP/s of one JAX device, by compute dtype.
+  runs_as: dict[str, str] = dataclasses.field(default_factory=dict)  # A peak's precision.
+  cores_per_device: Optional[int] = None  # TensorCores.
+  cores_per_chip: Optional[int] = None
+  program_hbm_gib: Optional[float] = None  # HBM the TPU compiler gives a program on a device.
+  name: Optional[str] = None  # In accelerator names: 'v3' of 'v3-8', 'a100' of 'a100-8'.
+  counts: str = "devices"  # What the number of such a name counts: 'cores', 'chips', 'devices'.
+  largest: Optional[int] = None  # The largest Cloud TPU slice, in `counts`.
+  topology: Optional[str] = None  # libtpu's topology prefix: 'v5e' of 'v5e:4x4'.
+  grid_3d: bool = False  # A 3-D torus: slices of multiples of 8 up to 128, then of 128.
+  single_host_chips: Optional[int] = None  # Slices up to this many chips are on one host.
+
+  @property
+  def platform(self) -> str:
+    return "tpu" if self.cores_per_device else "gpu"
+
+
+def _tpu(device_kind, pattern, peak, cores_per_device, cores_per_chip, hbm=None, name=None,
+         counts="cores", largest=None, topology=None, grid_3d=False, single_host_chips=None):
+  return Kind(device_kind, pattern, {"bfloat16": peak, "float32": peak}, {"float32": "bfloat16"},
+              cores_per_device, cores_per_chip, hbm, name, counts, largest, topology, grid_3d,
+              single_host_chips)
+
+
+def _gpu(device_kind, pattern, name, float32, half, ampere=True):
+  """Ampere and later GPUs also have bfloat16, and run float32 matmuls as TF32."""
+  peak = {"float32": float32, "float16": half, **({"bfloat16": half} if ampere else {})}
+  return Kind(device_kind, pattern, peak, {"float32": "tf32"} if ampere else {}, name=name)
+
+
+KINDS = (
+    _tpu("TPU v2", r"TPU v2", 22.5e12, 1, 2, 7.48, "v2", largest=512, topology="v2"),
+    _tpu("TPU v3", r"TPU v3", 61.5e12, 1, 2, 15.48, "v3", largest=2048, topology="v3"),
+    _tpu("TPU v4 lite", r"TPU v4 ?lite", 137.5e12, 1, 1),
+    _tpu("TPU v4", r"TPU v4", 275e12, 2, 2, 30.75, "v4", largest=4096, topology="v4",
+         grid_3d=True),
+    _tpu("TPU v5 lite", r"TPU v5 ?lite|TPU v5e", 197e12, 1, 1, 15.75, "v5litepod", "chips", 256,
+         "v5e", single_host_chips=8),
+    _tpu("TPU v5p", r"TPU v5p?", 459e12, 2, 2, 95.74, "v5p", largest=12288, topology="v5",
+         grid_3d=True),
+    _tpu("TPU v6 lite", r"TPU v6 ?lite|TPU v6e", 918e12, 1, 1, 31.25, "v6e", "chips", 256, "v6e",
+         single_host_chips=8),
+    _gpu("Tesla V100", r"V100", "v100", 15.7e12, 125e12, ampere=False),
+    _gpu("NVIDIA A100", r"A100", "a100", 156e12, 312e12),
+    _gpu("NVIDIA H100", r"H100|GH200", "h100", 494e12, 989e12),
+    _gpu("NVIDIA H200", r"H200", "h200", 494e12, 989e12),
+    _gpu("NVIDIA L4", r"L4", "l4", 60e12, 121e12),
+)
+
+
+def kind(device_kind: str) -> Optional[Kind]:
+  """The first `Kind` whose pattern matches jax's `device_kind`, else None."""
+  return next((k for k in KINDS if re.search(k.pattern, device_kind)), None)
+
+
+def program_hbm_bytes(device_kind: str) -> int:
+  """HBM that one program gets on one device of `device_kind` ('TPU v3', ...), bytes.
+
+  Raises:
+    ValueError: a device kind without a known HBM.
+  """
+  found = kind(device_kind)
+  if found is None or found.program_hbm_gib is None:
+    known = ", ".join(k.device_kind for k in KINDS if k.program_hbm_gib)
+    raise ValueError(f"No HBM size is known for {device_kind!r}; the known TPUs are {known}.")
+  return int(found.program_hbm_gib * GIB)
+
+
+def accelerator(name: str) -> tuple[Kind, int]:
+  """The kind and JAX device count of a Cloud TPU type ('v3-8', 'v5litepod-16') or GPU count.
+
+  Raises:
+    ValueError: an unknown name or a slice size that does not exist, listing the valid forms.
+  """
+  match = re.fullmatch(r"([a-z0-9]+)-(\d+)", name.strip().lower())
+  family, count = (match.group(1), int(match.group(2))) if match else (None, 0)
+  if family == "v5e":
+    raise ValueError(f"Accelerator {name!r}: Cloud TPU calls it v5litepod-{count}.")
+  found = next((k for k in KINDS if k.name and k.name == family), None)
+  if found and found.platform == "gpu" and count > 0:
+    return found, count
+  if found and found.platform == "tpu":
+    if found.grid_3d:
+      valid = count >= 8 and count % (8 if count <= 128 else 128) == 0
+      unit = "TensorCores (8, 16, 24, ..., 128, 256, 384, ...)"
+    else:
+      chips = found.counts == "chips"
+      valid = count > 0 and count & (count - 1) == 0 and (count >= 8 or chips and count in (1, 4))
+      unit = "chips (1, 4, 8, 16, ...)" if chips else "TensorCores (8, 16, 32, ...)"
+    if not valid or count > found.largest:
+      raise ValueError(f"Accelerator {name!r} does not exist: the number after '{family}-' "
+                       f"counts {unit}, at most {found.largest}; e.g. {family}-8.")
+    return found, count // found.cores_per_device if found.counts == "cores" else count
+  gpus = ", ".join(f"{k.name}-8" for k in KINDS if k.name and k.platform == "gpu")
+  raise ValueError(
+      f"Unknown accelerator {name!r}: give a Cloud TPU type such as v3-8, v3-256, v4-32, v5p-8 "
+      f"(TensorCores), v5litepod-16 or v6e-8 (chips), or a GPU count: {gpus}.")
