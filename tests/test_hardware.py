@@ -1,5 +1,8 @@
 """The accelerator catalogue (vit_jax.hardware): published figures, HBM, names and slices."""
 
+import pathlib
+import re
+
 import pytest
 
 from vit_jax import hardware
@@ -47,3 +50,19 @@ def test_float32_peaks_are_of_the_precision_it_runs_as():
 def test_accelerator_names(name, device_kind, devices):
   kind, count = hardware.accelerator(name)
   assert (kind.device_kind, count) == (device_kind, devices)
+
+
+def test_the_launch_scripts_slice_table_agrees_with_the_catalogue():
+  """launch/common.sh (sourced by launch/tpu.sh) validates --type with its own table of the
+  largest slice per generation, and counts chips for v5litepod and v6e: the catalogue's figures."""
+  text = (pathlib.Path(__file__).resolve().parents[1] / "launch" / "common.sh").read_text()
+  table = re.search(r"declare -A MAX_TYPE_SIZE=\(([^)]*)\)", text).group(1)
+  largest = {gen: int(size) for gen, size in re.findall(r"\[([a-z0-9]+)\]=(\d+)", table)}
+  tpus = [k for k in hardware.KINDS if k.name and k.platform == "tpu"]
+  assert largest == {k.name: k.largest for k in tpus}
+  generations = re.search(r"\^\((v2\|[a-z0-9|]+)\)-", text).group(1).split("|")
+  assert sorted(generations) == sorted(k.name for k in tpus)
+  chips = re.search(r"\n\s+([a-z0-9 |]+)\) if \(\(size <= 8\)\)", text).group(1)
+  assert {g.strip() for g in chips.split("|")} == {k.name for k in tpus if k.counts == "chips"}
+  grid_3d = re.search(r"\n\s+([a-z0-9 |]+)\)\n\s+# 3D slices", text).group(1)
+  assert {g.strip() for g in grid_3d.split("|")} == {k.name for k in tpus if k.grid_3d}

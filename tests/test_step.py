@@ -11,6 +11,7 @@ import pytest
 
 from tests import data_utils
 from vit_jax import config as config_lib
+from vit_jax import models
 from vit_jax import optim
 from vit_jax import step as step_lib
 
@@ -152,7 +153,7 @@ def test_the_compiler_compiles_once_per_shape_and_batches_go_to_the_mesh_and_bac
 
 
 def test_image_size_the_patch_does_not_divide_names_the_flag():
-  with pytest.raises(ValueError, match=r"not divisible by the patch size 4.*"
+  with pytest.raises(models.ImageSizeError, match=r"not divisible by the patch size 4.*"
                      r"--config.data.image_size"):
     config = config_lib.get_config("ViT-custom", "x", hidden_size=8, mlp_dim=16, num_heads=2,
                                    num_layers=1, patch_size=4, attention="xla")

@@ -1,14 +1,6 @@
-"""Compute accounting: what a run costs in TPU-core-days (the ViT paper's unit), FLOPs and MFU.
-
-The ViT paper (Table 2) compares models by pretraining cost in TPUv3-core-days: cores x days.
-`CostAccountant` keeps that account for a training run: it splits the wall time into training
-steps, compilation, evaluation, checkpointing, input waiting and the rest, turns seconds into
-core-days (and chip-days) for the training steps alone and for the whole program, and, from the
-FLOPs of one step, the achieved FLOP/s and the model FLOP utilisation (MFU). Its record is saved
-in every checkpoint and restored with it, so a preempted and resumed run reports the cost of all
-its attempts.
-
-The devices' facts (cores, chips, peaks) are `vit_jax.hardware`'s.
+"""What a run costs: wall time by category, TPU-core-days (the ViT paper's Table 2 unit), FLOPs
+and MFU, kept over all attempts of a resumed run (docs/compute_cost.md). The devices' facts
+(cores, chips, peaks) are `vit_jax.hardware`'s.
 """
 
 from __future__ import annotations
@@ -19,8 +11,11 @@ import time
 from typing import Any, Callable, Iterator, Optional
 
 from absl import logging
+import jax
+import jax.numpy as jnp
 import numpy as np
 
+from vit_jax import flops
 from vit_jax import hardware as hardware_lib
 
 SECONDS_PER_DAY = 86_400
@@ -35,11 +30,9 @@ _measured_cpu_peak: Optional[float] = None
 
 @dataclasses.dataclass(frozen=True)
 class Hardware:
-  """The devices a run uses, as cores, chips (TPU only, else None) and peak FLOP/s.
-
-  `device_kind` is jax's; `num_devices` counts all processes'; `peak_flops_per_device` is for
-  `dtype` (None: unknown), from `peak_source` ('published', 'measured: ...', 'given',
-  'unknown'), of matmuls in `peak_precision` (`vit_jax.hardware.Kind.runs_as`).
+  """`num_devices` (all processes') of jax's `device_kind`: cores and chips (TPU only, else None),
+  peak FLOP/s per device for `dtype` (None: unknown) from `peak_source` ('published', 'measured:
+  ...', 'given', 'unknown'), of matmuls in `peak_precision` (`vit_jax.hardware.Kind.runs_as`).
   """
   device_kind: str
   platform: str
@@ -56,15 +49,8 @@ class Hardware:
     """What the '-days' figures count: 'core' on TPU, else 'device'."""
     return "core" if self.cores is not None else "device"
 
-  @property
-  def units(self) -> int:
-    """Cores on TPU, devices elsewhere: the divisor of images/s/core."""
-    return self.cores if self.cores is not None else self.num_devices
-
   def describe(self) -> str:
-    """E.g. '8 x TPU v3 (8 cores, 4 chips), peak 61.5 TFLOP/s per device (bfloat16,
-    published)'; for float32 there '(bfloat16 matmuls, as float32 runs at JAX's default
-    precision; published)'."""
+    """E.g. '8 x TPU v3 (8 cores, 4 chips), peak 61.5 TFLOP/s per device (bfloat16, published)'."""
     counts = f" ({self.cores} cores, {self.chips} chips)" if self.cores is not None else ""
     precision = self.peak_precision or self.dtype
     what = (self.dtype if precision == self.dtype else
@@ -78,13 +64,9 @@ class Hardware:
 def hardware(device_kind: str, num_devices: int, dtype: str = "float32",
              platform: Optional[str] = None,
              peak_flops_per_device: Optional[float] = None) -> Hardware:
-  """Cores, chips and peak FLOP/s of `num_devices` JAX devices of `device_kind` (jax's).
-
-  `dtype`: the compute dtype, which picks the peak; `platform`: 'tpu', 'gpu' or 'cpu', guessed
-  from `device_kind` if None; `peak_flops_per_device` overrides the table (a measured CPU peak).
-  A kind `vit_jax.hardware` does not know gets no peak (MFU unavailable), and an unknown TPU one
-  core per device.
-  """
+  """The `Hardware` of `num_devices` devices of `device_kind` computing in `dtype` (`platform`
+  guessed from the kind if None; `peak_flops_per_device` overrides the catalogue's). An unknown
+  kind gets no peak, an unknown TPU one core per device."""
   if platform is None:
     platform = ("tpu" if device_kind.startswith("TPU") else
                 "cpu" if device_kind.lower() == "cpu" else "gpu")
@@ -108,27 +90,18 @@ def hardware(device_kind: str, num_devices: int, dtype: str = "float32",
 
 
 def accelerator(name: str, dtype: str = "bfloat16") -> Hardware:
-  """The `Hardware` of an accelerator name ('v3-8', 'v5litepod-16', 'a100-8'), for estimates.
-
-  Raises:
-    ValueError: as `vit_jax.hardware.accelerator`.
-  """
+  """The `Hardware` of an accelerator name ('v3-8', 'v5litepod-16', 'a100-8'); ValueError as
+  `vit_jax.hardware.accelerator`."""
   kind, devices = hardware_lib.accelerator(name)
   return hardware(kind.device_kind, devices, dtype, kind.platform)
 
 
 def measure_cpu_peak(size: int = 2048, repeats: int = 3, again: bool = False) -> float:
-  """Dense float32 FLOP/s of this host's CPU backend: the best of `repeats` `size`^3 matmuls.
-
-  A CPU has no honest published peak for XLA's matmuls; this measures one (once per process,
-  about a second) so that a CPU run still reports an MFU. Shared by all local CPU devices. A
-  busy (shared) CPU measures low: `again` measures once more and the highest measurement so
-  far is returned.
+  """Dense float32 FLOP/s of this host's CPU backend (all local devices): the best of `repeats`
+  `size`^3 matmuls, measured once per process; `again` measures once more and keeps the highest.
   """
   global _measured_cpu_peak
   if _measured_cpu_peak is None or again:
-    import jax  # pylint: disable=g-import-not-at-top
-    import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
     x = jnp.ones((size, size), jnp.float32)
     matmul = jax.jit(lambda a: a @ a)
     matmul(x).block_until_ready()
@@ -142,9 +115,7 @@ def measure_cpu_peak(size: int = 2048, repeats: int = 3, again: bool = False) ->
 
 
 def local_hardware(dtype: str = "float32", remeasure: bool = False) -> Hardware:
-  """The `Hardware` of this JAX program: all devices of all processes (CPU peak measured;
-  `remeasure`: once more, keeping the highest measurement, see `measure_cpu_peak`)."""
-  import jax  # pylint: disable=g-import-not-at-top
+  """The `Hardware` of all devices of this JAX program (a CPU's peak `measure_cpu_peak`'s)."""
   device = jax.devices()[0]
   if device.platform == "cpu":
     peak = measure_cpu_peak(again=remeasure) / jax.local_device_count()
@@ -155,18 +126,12 @@ def local_hardware(dtype: str = "float32", remeasure: bool = False) -> Hardware:
 
 
 class CostAccountant:
-  """Keeps a run's compute account (`vit_jax.train`); `report()` goes to cost.json and the
-  checkpoints.
-
-  Time is wall time from `clock` (seconds), counted in `timed` categories (a nested block's time
-  is subtracted from the enclosing one's). Days of training = seconds in 'train' / 86,400; of
-  the program, seconds since the accountant was created / 86,400. Core-days multiply by
-  TensorCores, chip-days by chips, device-days by devices.
-  """
+  """A run's compute account: `clock` seconds in `timed` categories (a nested block's time is
+  not the enclosing one's), from `start` (on `clock`; default now); `report()` goes to
+  cost.json and the checkpoints."""
 
   def __init__(self, hw: Hardware, batch_size: int,
                clock: Callable[[], float] = time.monotonic, start: Optional[float] = None):
-    """`start`: when the program started, on `clock` (default: now)."""
     self.hardware = hw
     self.batch_size = batch_size
     self._clock = clock
@@ -179,18 +144,13 @@ class CostAccountant:
     self._previous: list[dict[str, Any]] = []
     self.flops_per_step: Optional[float] = None  # From XLA's cost analysis of the step.
     self.model_flops_per_step: Optional[float] = None  # Analytic: 3 x forward matmuls.
-    # The resumed account's (flops_per_step, model_flops_per_step): reported while this attempt
-    # has compiled no training step (an evaluate-only rerun of a finished run).
+    # The resumed account's (flops_per_step, model_flops_per_step), until a step compiles.
     self._resumed_flops: tuple[Optional[float], Optional[float]] = (None, None)
     self._remeasured = False  # The measured CPU peak was measured again (see `report`).
 
   @contextlib.contextmanager
   def timed(self, category: str) -> Iterator[None]:
-    """Counts the wall time of the block in `category`, minus that of nested `timed` blocks.
-
-    Raises:
-      KeyError: an unknown category (one of `CATEGORIES`).
-    """
+    """Counts the block's wall time in `category` (KeyError if not in `CATEGORIES`)."""
     if category not in self._seconds:
       raise KeyError(f"Unknown cost category {category!r}; use one of {CATEGORIES}.")
     start = self._clock()
@@ -213,8 +173,7 @@ class CostAccountant:
     return seconds
 
   def training_seconds(self) -> float:
-    """Seconds of this attempt in 'train' and 'input' so far: the clock of the throughput and
-    ETA (compilation, evaluation and checkpoints excluded)."""
+    """This attempt's seconds in 'train' and 'input': the clock of the throughput and ETA."""
     seconds = self._seconds_now()
     return seconds["train"] + seconds["input"]
 
@@ -223,25 +182,13 @@ class CostAccountant:
     self._steps += steps
 
   def set_step_flops(self, compiled: Optional[float], analytic: Optional[float]) -> None:
-    """The FLOPs of one training step of the global batch.
-
-    Args:
-      compiled: from XLA's cost analysis of the compiled step (all devices together). It counts
-        a loop body once (a model scanned over its layers, gradient accumulation) and counts
-        rematerialised work; it is reported next to the analytic count.
-      analytic: 3 x the forward pass's matmul FLOPs x batch (`vit_jax.flops`); the MFU uses it
-        (model FLOPs, the usual definition: recomputation is not useful work).
-    """
+    """One step's FLOPs (global batch): `compiled` by XLA's cost analysis (all devices),
+    `analytic` 3 x the forward matmuls (`vit_jax.flops`), which the MFU uses."""
     self.flops_per_step, self.model_flops_per_step = compiled, analytic
 
   def resume(self, report: Optional[dict[str, Any]], start_step: int) -> None:
-    """Continues the account of an earlier `report()` (from a checkpoint or cost.json).
-
-    Its attempts are kept, and its FLOPs per step (the report's, else the latest attempt's that
-    has them: an older cost.json may have `flops_per_step: null` at the top after an
-    evaluate-only rerun) are reported until this attempt compiles a training step
-    (`set_step_flops`); only for the same `batch_size`, which they are the FLOPs of.
-    """
+    """Continues an earlier `report()`: its attempts, and (same `batch_size` only) its FLOPs per
+    step, else its latest attempt's that has them, until this attempt compiles a step."""
     self._previous = list(report["attempts"]) if report else []
     self._start_step = start_step
     self._resumed_flops = (None, None)
@@ -269,21 +216,12 @@ class CostAccountant:
     }
 
   def report(self, step: int) -> dict[str, Any]:
-    """The cumulative account of all attempts up to now, as a JSON-able dict.
+    """The account of all attempts so far (JSON-able): 'hardware', 'step', 'restarts',
+    'images_seen', 'seconds' by category, 'train' and 'program' {device,core,chip}_days, FLOPs,
+    'mfu' (0..1 or None), 'images_per_sec_per_core', 'mfu_note', 'attempts' (docs/compute_cost.md).
 
-    Keys: 'hardware' (this attempt's), 'step', 'restarts', 'images_seen', 'seconds' (per
-    category, 'other' and 'program', summed over attempts), 'train' and 'program' (each with
-    'device_days', and on TPU 'core_days' and 'chip_days'), 'flops_per_step',
-    'model_flops_per_step', 'model_flops', 'achieved_flops_per_sec', 'mfu' (0..1 or None),
-    'images_per_sec_per_core' (per device off TPU), 'mfu_note' (why the MFU leaves attempts
-    out, else None) and 'attempts' (one record per start).
-    The FLOPs per step are this attempt's, else the resumed account's (see `resume`); each
-    attempt's record has its own (None when it compiled no training step).
-
-    The MFU is never above 1: an attempt whose model FLOP/s per device exceed its peak has a
-    wrong peak (a CPU's, measured low on a busy machine). This attempt's measured CPU peak is
-    then measured once more (the higher kept); an attempt still above its peak is left out of
-    the MFU ('mfu' None when no attempt is left), and 'mfu_note' says so with the figures.
+    An attempt above its peak has a wrong peak: a measured CPU peak is measured again once, and
+    one still above is left out of the MFU ('mfu_note' says so).
     """
     current = self._attempt(step)
     hw = self.hardware
@@ -297,9 +235,7 @@ class CostAccountant:
                for k in (*CATEGORIES, "other", "program")}
 
     def days(part: str, count: str) -> Optional[float]:
-      # An attempt without that unit (cores off TPU) makes the figure unknown only if it worked
-      # in that part: a CPU rerun that only evaluates (no step, the empty loop's microseconds
-      # in 'train') keeps the TPU training core-days.
+      # Unknown only if an attempt without that unit (cores off TPU) worked in that part.
       def worked(a):
         return a["steps"] > 0 if part == "train" else a["seconds"][part] > 0
       if all(a[count] is None for a in attempts) or any(
@@ -309,16 +245,13 @@ class CostAccountant:
 
     figures = {part: {f"{unit}_days": days(part, unit + "s") for unit in ("device", "core", "chip")}
                for part in ("train", "program")}
-    train_unit_seconds = sum(a["seconds"]["train"] * (a["cores"] or a["devices"])
-                             for a in attempts)
+    train_unit_seconds = sum(a["seconds"]["train"] * (a["cores"] or a["devices"]) for a in attempts)
     images = sum(a["images"] for a in attempts)
-    # MFU over the attempts whose peak is known and not exceeded: model FLOPs / (train seconds
-    # x peak x devices); the achieved FLOP/s over all attempts with a known peak.
+    # MFU of the attempts whose peak is known and not exceeded; FLOP/s of all with a peak.
     with_peak = [a for a in attempts if a["peak_flops_per_device"] and a["model_flops_per_step"]]
     above = [a for a in with_peak if _above_peak(a)]
     known = [a for a in with_peak if not _above_peak(a)]
-    capacity = sum(a["seconds"]["train"] * a["peak_flops_per_device"] * a["devices"]
-                   for a in known)
+    capacity = sum(a["seconds"]["train"] * a["peak_flops_per_device"] * a["devices"] for a in known)
     train_seconds = sum(a["seconds"]["train"] for a in with_peak)
     model_flops = sum(a["model_flops"] for a in attempts)
     hw = self.hardware
@@ -365,9 +298,7 @@ def _above_peak_note(above: list[dict[str, Any]], with_peak: int) -> Optional[st
 
 def latest_report(from_checkpoint: Optional[dict[str, Any]],
                   from_disk: Optional[dict[str, Any]]) -> Optional[dict[str, Any]]:
-  """The account to continue after a restore: the checkpoint's, or `WORKDIR/cost.json`'s when
-  that one holds more program time (an attempt killed after its last checkpoint was paid for).
-  """
+  """The account to continue: the checkpoint's, or cost.json's if it holds more program time."""
   candidates = [r for r in (from_checkpoint, from_disk) if r and r.get("attempts")]
   return max(candidates, key=lambda r: r["seconds"]["program"], default=None)
 
@@ -402,13 +333,10 @@ def summary(report: dict[str, Any]) -> str:
 
 def account_step_flops(accountant: CostAccountant, executable, model: Any,
                        image_shape: tuple[int, int, int], num_devices: int) -> None:
-  """Gives `accountant` the train step's FLOPs: XLA's count (of `executable`, one device's
-  share of the SPMD program, times `num_devices`) and the analytic count of `model` at
-  `image_shape` (3 x the forward matmuls, `vit_jax.flops`), compared in the log."""
-  from vit_jax import flops  # pylint: disable=g-import-not-at-top
+  """Gives `accountant` the train step's FLOPs: XLA's of `executable` (one device's share of the
+  SPMD program) x `num_devices`, and the analytic count of `model` at `image_shape`."""
   cost = executable.cost_analysis()
   cost = cost[0] if isinstance(cost, (list, tuple)) else cost
-  # The compiled module is one device's share of the SPMD program.
   compiled = cost["flops"] * num_devices if cost and cost.get("flops") else None
   analytic = flops.training_flops(flops.model_forward_macs(model, image_shape),
                                   accountant.batch_size)
@@ -424,12 +352,8 @@ def account_step_flops(accountant: CostAccountant, executable, model: Any,
 
 
 class Progress:
-  """The training metrics since the last log line, and the progress read from the clock.
-
-  The throughput (steps/s, images/s) and the ETA come from the accountant's training time
-  (`CostAccountant.training_seconds`: the steps and their input, not compilation, evaluation or
-  checkpoints), so they agree with the cost report.
-  """
+  """The training metrics since the last log line; throughput and ETA from the accountant's
+  training time (`CostAccountant.training_seconds`), so they agree with the cost report."""
 
   def __init__(self, accountant: CostAccountant, batch_size: int, total_steps: int,
                start_step: int):
@@ -446,8 +370,8 @@ class Progress:
     self._metrics.append(metrics)
 
   def summary(self, step: int, skipping: bool) -> dict[str, float]:
-    """Means over the window (skipped updates' non-finite values left out), the rate now,
-    images/s of the training clock (steps and input), and one progress line with the ETA."""
+    """The window's means (non-finite values of skipped updates left out) and rates; logs one
+    progress line with the ETA."""
     metrics, self._metrics = self._metrics, []
     out = {f"train/{k}": float(np.mean([m[k] for m in metrics if np.isfinite(m[k])] or [np.nan]))
            for k in metrics[0] if k != "skipped"}

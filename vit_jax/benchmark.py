@@ -1,4 +1,5 @@
-"""`python -m vit_jax.benchmark`: the benchmark tool, which lives in `vit_jax.tools.benchmark`."""
+"""`python -m vit_jax.benchmark`: the benchmark tool (`vit_jax.tools.benchmark`)."""
+from vit_jax.tools.benchmark import cli
+
 if __name__ == "__main__":
-  from vit_jax.tools.benchmark import cli
   cli.run_main()

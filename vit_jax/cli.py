@@ -1,6 +1,6 @@
-"""Flag parsing shared by ``vit_jax.main`` and the tools: one ``FATAL:`` line (exit 2) for a
-missing config file, a refused argument, or an unknown ``--config.<key>`` (with the closest
-match), instead of ml_collections' traceback.
+"""absl flag parsing for ``vit_jax.main`` and the tools with ``--config`` (cost, preflight): one
+``FATAL:`` line (exit 2) for a missing config file, a refused argument, or an unknown
+``--config.<key>`` (with the closest match), instead of ml_collections' traceback.
 """
 
 from __future__ import annotations
@@ -10,11 +10,12 @@ import importlib.util
 import os
 import sys
 
+from absl import app
 from absl import flags
 
 
 def load_config_file(spec: str):
-  """Imports `path[:arg]` the way --config does and returns its get_config(arg)."""
+  """`get_config(arg)` of the config file `path[:arg]`, imported as --config does."""
   path, _, arg = spec.partition(":")
   module_spec = importlib.util.spec_from_file_location("_vit_jax_config", path)
   module = importlib.util.module_from_spec(module_spec)
@@ -23,9 +24,8 @@ def load_config_file(spec: str):
 
 
 def unknown_override_message(argv: list[str]) -> str | None:
-  """A message naming the first unknown ``--config.<key>`` in ``argv``, the valid keys there and
-  the closest match; None if all exist (or the config file cannot be loaded).
-  """
+  """A message naming the first unknown ``--config.<key>`` in ``argv``, the keys there and the
+  closest match; None if all exist (or the config file cannot be loaded)."""
   spec = config_spec(argv)
   if spec is None:
     return None
@@ -51,8 +51,7 @@ def unknown_override_message(argv: list[str]) -> str | None:
 
 
 def _without_traceback(message: str) -> str:
-  """ml_collections puts the config file's traceback in its flag error: keep the first line
-  (which flag) and the exception's own line (what is wrong)."""
+  """ml_collections' flag error without the config file's traceback: which flag, what is wrong."""
   if "Traceback (most recent call last)" not in message:
     return message
   head = message.split("Traceback (most recent call last)")[0].strip()
@@ -72,10 +71,8 @@ _HELP_FLAGS = ("--help", "--helpshort", "--helpfull", "--helpxml", "-?")
 
 
 def parse_flags(argv: list[str]) -> list[str]:
-  """absl's flag parsing with the messages above; returns the non-flag arguments (absl's argv).
-
-  Exits 2 with one ``FATAL:`` line for a bad flag or config, 0 after ``--help``.
-  """
+  """absl's flag parsing with the messages above; returns absl's argv. Exits 2 with one
+  ``FATAL:`` line for a bad flag or config, 0 after ``--help``."""
   # absl answers --help and -?; most programs also answer -h (absl would call it unknown).
   end = argv.index("--") if "--" in argv else len(argv)
   argv = ["--help" if a == "-h" and i < end else a for i, a in enumerate(argv)]
@@ -103,3 +100,10 @@ def parse_flags(argv: list[str]) -> list[str]:
     message = unknown_override_message(argv) or f"Bad --config: {e}"
   sys.stderr.write(f"FATAL: {message}\nPass --help to see the flags.\n")
   sys.exit(2)
+
+
+def run_absl(main, doc: str) -> None:
+  """Runs ``main`` as an absl program with :func:`parse_flags`; ``--help`` shows ``doc``."""
+  os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")
+  sys.modules["__main__"].__doc__ = doc
+  app.run(main, flags_parser=parse_flags)

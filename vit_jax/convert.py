@@ -1,4 +1,5 @@
-"""`python -m vit_jax.convert`: the checkpoint converter, which lives in `vit_jax.tools.convert`."""
+"""`python -m vit_jax.convert`: the checkpoint converter (`vit_jax.tools.convert`)."""
+from vit_jax.tools import convert
+
 if __name__ == "__main__":
-  from vit_jax.tools import convert
   convert.run_main()

@@ -1,24 +1,14 @@
-"""How the blocks run, chosen once from the devices the step is compiled for: the attention
-implementation and the remat policy.
+"""The attention implementation and the remat policy, chosen from the devices the step is
+compiled for (not the host that traces it); the models never look at the machine.
 
-The models take the implementation as a field (`attention`, one of
-`vit_jax.models.attention.IMPLEMENTATIONS`) and never look at the machine. `choose_attention`
-turns a config's request ('auto' or one of those) into that field from the *target* devices
-(their platform and count), not from the host that traces the step: a step lowered on a CPU host
-for a TPU mesh gets the TPU's choice.
+The 'auto' attention rule, stated here only: the first implementation of `ATTENTION` whose
+`why_not(devices, dtype, head_dim, dropout)` is None and that is worth it there: vit_jax's
+kernels (`vit_jax.kernels.ATTENTION`, each where its `faster_than_xla` says so), then cuDNN's,
+then XLA's, which runs everywhere. It never picks one measured slower than XLA's attention.
 
-'auto' takes the first implementation of `ATTENTION` that can run on the target devices (its
-`why_not` says None) and is worth it there: vit_jax's kernels (`vit_jax.kernels.ATTENTION`, each
-only where measured faster than XLA's attention: its `faster_than_xla`), then cuDNN's fused
-attention, then XLA's, which runs everywhere. So it never picks something slower than XLA's
-attention where that is known.
-
-`choose_remat_policy` turns `remat_policy='auto'` into one of
-`vit_jax.models.execution.REMAT_POLICIES`: on CPU 'dots_and_attention_saveable' (the memory is
-the host's); on TPU and GPU by the compute dtype's bytes, doubled from width `WIDE`: 2
-'dots_and_attention_saveable', 4 'qkv_saveable', 8 'nothing_saveable', so that the step needs
-at most 0.8 times the per-device memory of the unrematerialised model at the same batch
-(measured with the pre-flight for ViT-B/16 and ViT-L/16; docs/pods.md).
+The 'auto' remat policy: on CPU 'dots_and_attention_saveable'; on TPU and GPU by the compute
+dtype's bytes, doubled from width `WIDE`: 2 'dots_and_attention_saveable', 4 'qkv_saveable', 8
+'nothing_saveable' (measured: docs/pods.md).
 """
 
 from __future__ import annotations
@@ -60,8 +50,7 @@ def _always() -> tuple[bool, str]:
   return True, ""
 
 
-#: name -> (what it is, for logs; `why_not(devices, dtype, head_dim, dropout)`, None where it
-#: can run; `() -> (worth it, why)`), in the order 'auto' tries them.
+#: The attention registry, in 'auto''s order: name -> (label, `why_not`, `() -> (worth, why)`).
 ATTENTION: dict[str, tuple[str, Callable[..., Optional[str]], Callable[[], tuple[bool, str]]]] = {
     **{k.NAME: (k.LABEL, k.why_not, k.faster_than_xla) for k in kernels.ATTENTION},
     "cudnn": ("cuDNN's fused attention", _why_not_cudnn, _always),
@@ -71,22 +60,9 @@ ATTENTION: dict[str, tuple[str, Callable[..., Optional[str]], Callable[[], tuple
 
 def choose_attention(requested: str, *, devices: Sequence[Any], dtype: Any = "float32",
                      head_dim: int, dropout: bool = False) -> Choice:
-  """The attention implementation for a step compiled for `devices` (see the module docstring).
-
-  Args:
-    requested: 'auto', or one of `vit_jax.models.attention.IMPLEMENTATIONS` to insist on one.
-    devices: the target devices (e.g. `mesh.devices.flat`, or a TPU topology's devices).
-    dtype: the models' compute dtype.
-    head_dim: the backbone attention's head size (`vit_jax.models.head_dim`).
-    dropout: whether attention dropout is on in training (`attention_dropout_rate > 0`).
-
-  Returns:
-    A `Choice`: the implementation and the reason in a few words.
-
-  Raises:
-    ValueError: an unknown request, no devices, or a requested implementation that cannot run
-      on these devices for this model (the message says why and what to use instead).
-  """
+  """The implementation for `requested` ('auto' or one of `CHOICES`) on the target `devices`,
+  at compute `dtype`, head size `head_dim`, with attention `dropout` or not, and why.
+  ValueError: an unknown request, no devices, or a request that cannot run here (says why)."""
   if requested not in CHOICES:
     raise ValueError(f"config.model.attention={requested!r} is not one of {CHOICES} ('auto' "
                      "picks from the devices the step runs on).")
@@ -115,8 +91,7 @@ WIDE = 1024
 
 
 def auto_remat_policy(platform: str, dtype: Any, width: int) -> Choice:
-  """The policy 'auto' stands for on `platform` ('tpu', 'gpu', 'cpu') at compute `dtype` for a
-  model of hidden size `width` (see the module docstring)."""
+  """The policy 'auto' stands for on `platform` at compute `dtype`, hidden size `width`."""
   if platform == "cpu":
     return Choice("dots_and_attention_saveable", "CPU: host memory; keep the projections")
   name = jnp.dtype(dtype).name
@@ -131,16 +106,8 @@ def auto_remat_policy(platform: str, dtype: Any, width: int) -> Choice:
 
 def choose_remat_policy(requested: str, *, devices: Sequence[Any], dtype: Any = "float32",
                         width: int = 0) -> Choice:
-  """The remat policy of a step compiled for `devices`: `requested` unless it is 'auto'.
-
-  Args:
-    requested: 'auto' or a name in `vit_jax.models.execution.REMAT_POLICIES`.
-    devices: the target devices; dtype: the models' compute dtype; width: the model's hidden
-      size D (ViT `hidden_size`, T2T-ViT `embed_dim`).
-
-  Raises:
-    ValueError: an unknown request (listing the choices), or no devices.
-  """
+  """`requested` unless 'auto' (then `auto_remat_policy` on `devices`); ValueError: an unknown
+  request, or no devices."""
   if requested not in REMAT_CHOICES:
     raise ValueError(f"config.model.remat_policy={requested!r} is not one of {REMAT_CHOICES} "
                      "('auto' picks from the devices and the compute dtype); set "

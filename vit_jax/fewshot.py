@@ -1,4 +1,5 @@
-"""`python -m vit_jax.fewshot`: few-shot linear evaluation, which lives in `vit_jax.tools.fewshot`."""
+"""`python -m vit_jax.fewshot`: few-shot linear evaluation (`vit_jax.tools.fewshot`)."""
+from vit_jax.tools import fewshot
+
 if __name__ == "__main__":
-  from vit_jax.tools import fewshot
   fewshot.run_main()

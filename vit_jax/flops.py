@@ -1,15 +1,8 @@
-"""Analytic compute of the ViT: multiply-adds of a forward pass, and what a training run costs.
+"""Analytic compute: multiply-adds (MACs) of a forward pass, a run's cost, and the ViT paper's
+Table 2 in TPUv3-core-days with the MFU each figure implies (docs/reference.md section 4).
 
-The ViT paper compares models by pretraining cost in TPUv3-core-days (cores x days; Table 2).
-This module counts the matrix work of the model by hand, so that a run's cost can be predicted
-before it starts, and reproduces the compute column of Table 2 (docs/reference.md section 4): given
-the reported core-days it shows the model FLOP utilisation (MFU) each figure implies.
-
-Conventions: one multiply-add (MAC) = 2 FLOPs; training costs 3 forward passes (the backward
-pass is about twice the forward: gradients with respect to activations and to weights); only the
-matrix products are counted (embedding, q/k/v/out projections, the two attention products, MLP,
-the 'map' head's attention and MLP, pre_logits, head), as is usual; LayerNorm, softmax, GELU and
-additions are a few percent more.
+One MAC = 2 FLOPs; training = 3 forward passes; only matrix products are counted (LayerNorm,
+softmax, GELU and additions are a few percent more).
 """
 
 from __future__ import annotations
@@ -25,6 +18,7 @@ import jax.numpy as jnp
 
 from vit_jax import hardware
 from vit_jax import kernels
+from vit_jax import models
 
 SECONDS_PER_DAY = 86_400
 
@@ -36,27 +30,18 @@ def vit_forward_macs(*, hidden_size: int, mlp_dim: int, num_layers: int, patch_s
                      image_size: int | Tuple[int, int], num_classes: int = 1000,
                      classifier: str = "token", representation_size: Optional[int] = None,
                      channels: int = 3) -> int:
-  """Multiply-adds of one image's forward pass through a plain ViT (matrix products only).
+  """MACs of one image's forward pass through a plain ViT (ViT-B/16 at 224 px: 17.56 G).
 
-  Per image, with N patches of P x P x C pixels, T = N (+1 with a class token) tokens, hidden
-  size D, MLP size M and L layers:
-    embedding N P^2 C D; per layer 4 T D^2 (q, k, v, out) + 2 T^2 D (q k^T and attention x v)
-    + 2 T D M (MLP); classifier 'map' (big_vision's MAPHead: one probe query over the T = N
-    tokens) 2 D^2 (probe's q, out) + 2 N D^2 (k, v) + 2 N D (q k^T, attention x v) + 2 D M (its
-    MLP); pre_logits D R; head (R or D) x classes. The position embedding ('learn' or the fixed
-    'sincos2d' table) and the GELU variant are elementwise: not counted.
-
-  Returns:
-    MACs (int); FLOPs are twice that. ViT-B/16 at 224 px: 17.56 G MACs (35.1 GFLOPs).
-
-  Raises:
-    ValueError: an image side the patch size does not divide, or an unknown classifier.
+  N patches of P x P x C, T tokens, width D, MLP M: embedding N P^2 C D; per layer 4 T D^2 + 2
+  T^2 D + 2 T D M; 'map' 2 D^2 + 2 N D^2 + 2 N D + 2 D M; pre_logits D R; head (R or D) x
+  classes. ValueError: an unknown classifier; ImageSizeError: a side the patch does not divide.
   """
   if classifier not in ("token", "gap", "map"):
     raise ValueError(f"classifier must be 'token', 'gap' or 'map', got {classifier!r}.")
   height, width = (image_size, image_size) if isinstance(image_size, int) else image_size
   if height % patch_size or width % patch_size:
-    raise ValueError(f"Image {height}x{width} is not divisible by the patch size {patch_size}.")
+    raise models.ImageSizeError(
+        f"Image {height}x{width} is not divisible by the patch size {patch_size}.")
   patches = (height // patch_size) * (width // patch_size)
   tokens = patches + (1 if classifier == "token" else 0)
   d = hidden_size
@@ -70,18 +55,8 @@ def vit_forward_macs(*, hidden_size: int, mlp_dim: int, num_layers: int, patch_s
 
 
 def jaxpr_macs(jaxpr: jax_core.Jaxpr) -> int:
-  """Multiply-adds of the matrix products in a jaxpr: every `dot_general` and convolution.
-
-  Also the products inside calls of vit_jax's kernels (`ffi_call`s, see `vit_jax.kernels`), so
-  the count does not depend on which attention ran.
-
-  Walks nested jaxprs (jit, remat, custom derivatives, cond branches); a `scan` body counts
-  `length` times (XLA's own cost analysis counts a loop body once, which under-reports a model
-  scanned over its layers). Elementwise work (normalisation, softmax, GELU) is not counted.
-
-  Returns:
-    MACs (int) for the shapes the jaxpr was traced with.
-  """
+  """MACs of a jaxpr's `dot_general`s, convolutions and vit_jax kernel calls (`ffi_call`), nested
+  jaxprs included; a `scan` body counts `length` times (XLA's cost analysis counts it once)."""
   total = 0
   for eqn in jaxpr.eqns:
     out_size = math.prod(eqn.outvars[0].aval.shape) if eqn.outvars else 0
@@ -109,19 +84,8 @@ def jaxpr_macs(jaxpr: jax_core.Jaxpr) -> int:
 
 
 def model_forward_macs(model: Any, image_shape: Tuple[int, int, int]) -> int:
-  """Multiply-adds of one image's forward pass through any model of `vit_jax.models`.
-
-  Traced with abstract shapes only (nothing is allocated or compiled), so it is cheap for any
-  size: ViT-B/16 at 224 px gives 17,563,828,224 (`vit_forward_macs` exactly), T2T-ViT-14
-  4.78 G and T2T-ViT_t-14 6.09 G (the T2T-ViT paper's 4.8 G and 6.1 G).
-
-  Args:
-    model: a flax module taking `[B, H, W, C]` float32 images and `train=`.
-    image_shape: `(H, W, C)`.
-
-  Raises:
-    ValueError: the image size does not fit the model (e.g. a patch size that does not divide it).
-  """
+  """MACs of one `(H, W, C)` image's forward pass through a model of `vit_jax.models`, traced
+  abstractly (T2T-ViT-14: 4.78 G, the paper's 4.8 G). Raises as the model's apply."""
   images = jax.ShapeDtypeStruct((1, *image_shape), jnp.float32)
   variables = nn.unbox(jax.eval_shape(
       lambda x: model.init(jax.random.key(0), x, train=False), images))
@@ -148,7 +112,7 @@ def core_days(flops: float, mfu: float,
 
 @dataclasses.dataclass(frozen=True)
 class PaperRun:
-  """One pretraining run of the ViT paper's Table 2 (docs/reference.md section 4)."""
+  """One pretraining run of the ViT paper's Table 2."""
   model: str
   dataset: str
   epochs: float

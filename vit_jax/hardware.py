@@ -1,14 +1,9 @@
 """Every accelerator kind vit_jax knows, one `Kind` each in `KINDS`: add a new kind there.
 
-What a JAX device is differs by kind:
-  TPU v2, v3        one TensorCore; 2 cores per chip (a v3-8 has 8 devices, 4 chips)
-  TPU v4, v5p       one chip of 2 TensorCores (megacore; a v4-8 has 4 devices)
-  TPU v5e, v6e      one chip of 1 TensorCore (a v5litepod-8 has 8 devices)
-  GPU               one GPU; CPU: no published peak (`vit_jax.accounting` measures one)
-Peaks are published dense matmul FLOP/s of one device. On TPU a float32 matmul at JAX's default
-precision runs as one bfloat16 pass, on Ampere and later GPUs as TF32: float32 gets that peak
-(`runs_as`). HBM per program is the TPU compiler's own figure (read by the pre-flight,
-docs/pods.md).
+A JAX device is one TensorCore on TPU v2/v3 (2 per chip), one chip on v4/v5p (2 cores,
+megacore) and v5e/v6e (1 core), one GPU. Peaks: published dense matmul FLOP/s of a device; a
+float32 matmul runs as bfloat16 on TPU and TF32 on Ampere+ (`runs_as`). HBM per program: the TPU
+compiler's figure (docs/pods.md). CPUs have no peak (`vit_jax.accounting` measures one).
 """
 
 from __future__ import annotations
@@ -81,11 +76,7 @@ def kind(device_kind: str) -> Optional[Kind]:
 
 
 def program_hbm_bytes(device_kind: str) -> int:
-  """HBM that one program gets on one device of `device_kind` ('TPU v3', ...), bytes.
-
-  Raises:
-    ValueError: a device kind without a known HBM.
-  """
+  """HBM bytes one program gets on a device of `device_kind`; ValueError when not known."""
   found = kind(device_kind)
   if found is None or found.program_hbm_gib is None:
     known = ", ".join(k.device_kind for k in KINDS if k.program_hbm_gib)
@@ -94,11 +85,8 @@ def program_hbm_bytes(device_kind: str) -> int:
 
 
 def accelerator(name: str) -> tuple[Kind, int]:
-  """The kind and JAX device count of a Cloud TPU type ('v3-8', 'v5litepod-16') or GPU count.
-
-  Raises:
-    ValueError: an unknown name or a slice size that does not exist, listing the valid forms.
-  """
+  """The kind and JAX device count of a Cloud TPU type ('v3-8', 'v5litepod-16') or GPU count
+  ('a100-8'); ValueError for an unknown name or a slice that does not exist."""
   match = re.fullmatch(r"([a-z0-9]+)-(\d+)", name.strip().lower())
   family, count = (match.group(1), int(match.group(2))) if match else (None, 0)
   if family == "v5e":

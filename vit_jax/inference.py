@@ -1,25 +1,13 @@
-"""A trained model from any source, ready to predict, evaluate and give features.
+"""A trained model from any source (``vit_jax.checkpoint.ACCEPTED_FORMATS``), ready to predict,
+evaluate and give features::
 
   trained = inference.load('/tmp/vit_fmnist')          # a workdir: its latest step, EMA if kept
   runner = inference.Runner(trained)                    # placed on this host's devices
   logits = runner.logits(images)                        # [B, H, W, 3], preprocessed -> [B, C]
   probs = trained.probabilities(logits)                 # softmax or sigmoid, as it was trained
-  names = trained.label_names                           # ('T-shirt/top', 'Trouser', ...)
 
-A source is any of ``vit_jax.checkpoint.ACCEPTED_FORMATS``. A workdir's steps save the resolved
-config and the data's record (class names). Files get the papers' evaluation settings:
-
-* ``.npz`` (ViT, R+ViT): the architecture from the shapes (``--model`` optional, checked), the
-  image size from the position table, pixels in [-1, 1], a plain resize; 21,843 classes are
-  scored with a sigmoid, others a softmax; ImageNet class names from ``vit_jax.labels``.
-* transformers / timm: as ``.npz``, plus the file's numerics, class names (``id2label``) and
-  normalization (``preprocessor_config.json``); timm files of non-standard widths need
-  ``--set num_heads=N``.
-* ``.pth.tar`` (T2T-ViT): ``model_name`` required; class count and size from ``head.weight`` and
-  ``pos_embed``; ImageNet mean/std, resize to size / 0.9 and a central crop.
-
-`Runner` places the variables on a mesh of the local devices with the training shardings
-(data parallel when the config's mesh does not fit) and runs the jitted steps on global batches.
+A workdir rebuilds its model from its saved config and data record; files get their papers'
+evaluation settings (docs/checkpoints.md, "A workdir alone rebuilds its model").
 """
 
 from __future__ import annotations
@@ -36,14 +24,16 @@ import numpy as np
 
 from vit_jax import checkpoint
 from vit_jax import config as config_lib
+from vit_jax import labels
 from vit_jax import models
 from vit_jax import sharding
 from vit_jax import step as step_lib
 from vit_jax.checkpoint import ecosystem
+from vit_jax.checkpoint import mismatch
 from vit_jax.checkpoint import orbax
 from vit_jax.checkpoint import paths
-from vit_jax.checkpoint import runs
 from vit_jax.checkpoint import vit_shapes
+from vit_jax.checkpoint import workdir
 
 #: Classes of the official ImageNet-21k checkpoints (pretrained with a sigmoid loss).
 IMAGENET21K_CLASSES = 21843
@@ -54,19 +44,10 @@ SOURCES = checkpoint.ACCEPTED_FORMATS
 
 @dataclasses.dataclass(frozen=True)
 class TrainedModel:
-  """A model's config, variables and class names, as loaded by :func:`load`.
-
-  Attributes:
-    config: a resolved ``ml_collections.ConfigDict`` as training uses it: ``model_name``,
-      ``model.*``, ``num_classes``, ``loss``, ``data.{image_size, normalization,
-      eval_crop_pct}`` (the eval preprocessing), ``eval_batch_size``, ``mesh``; the attention
-      implementation chosen for the local devices.
-    variables: ``{'params': ..., **collections}`` of NumPy arrays, in ``config.model``'s layout.
-    label_names: the ``num_classes`` class names in label order, or None when unknown.
-    multi_label: the model was trained on multi-hot labels (scores are independent sigmoids).
-    step: the checkpoint's training step (None for files without one).
-    description: where the weights came from, for logs (e.g. ``'/w (step 4688, EMA)'``).
-  """
+  """A model as :func:`load` gives it: ``config`` (resolved, as training uses it; ``data`` is the
+  eval preprocessing; the attention chosen for the local devices), ``variables`` (NumPy, in
+  ``config.model``'s layout), ``label_names`` (or None), ``multi_label`` (independent sigmoids),
+  ``step`` (None for files) and ``description`` (for logs, e.g. ``'/w (step 4688, EMA)'``)."""
 
   config: ml_collections.ConfigDict
   variables: Dict[str, Any]
@@ -77,7 +58,6 @@ class TrainedModel:
 
   @property
   def model(self):
-    """The Flax module (``vit_jax.step.create_model`` of the config)."""
     return step_lib.create_model(self.config)
 
   @property
@@ -90,8 +70,7 @@ class TrainedModel:
     return int(self.config.data.image_size)
 
   def probabilities(self, logits: np.ndarray) -> np.ndarray:
-    """``[B, C]`` logits -> ``[B, C]`` float32 probabilities: a softmax for a model trained with
-    ``softmax_xent``, independent sigmoids for ``sigmoid_xent`` (then rows need not sum to 1)."""
+    """``[B, C]`` logits -> float32 ``[B, C]``: softmax, or sigmoids for ``sigmoid_xent``."""
     logits = np.asarray(logits, np.float64)
     if self.config.loss == 'sigmoid_xent':
       return (1.0 / (1.0 + np.exp(-logits))).astype(np.float32)
@@ -106,8 +85,8 @@ class TrainedModel:
 
   def data_config(self, *, name: Optional[str] = None, image_folder: Optional[str] = None,
                   split: Optional[str] = None, **changes: Any) -> ml_collections.ConfigDict:
-    """The model's ``config.data`` (its eval preprocessing) for another dataset or split:
-    ``name`` (tfds) or ``image_folder`` replaces the training data, ``split`` the eval split."""
+    """``config.data`` (the eval preprocessing) for another dataset (tfds ``name`` or
+    ``image_folder``) or eval ``split``."""
     data = ml_collections.ConfigDict(self.config.data.to_dict())
     if image_folder is not None:
       data.image_folder, data.name = image_folder, None
@@ -119,14 +98,10 @@ class TrainedModel:
     return data
 
 
-def _as_tuples(value: Any) -> Any:
-  return tuple(_as_tuples(v) for v in value) if isinstance(value, list) else value
-
-
 def _for_devices(config: ml_collections.ConfigDict,
                  devices: Sequence[Any]) -> ml_collections.ConfigDict:
-  """``config`` for running on ``devices``: its mesh when it fits them (else data parallel), an
-  eval batch the mesh can split, the attention implementation and remat policy chosen for them."""
+  """``config`` on ``devices``: its mesh if it fits (else data parallel), an eval batch the mesh
+  can split, attention and remat chosen for them."""
   config = ml_collections.ConfigDict(config.to_dict())
   try:
     sharding.axis_sizes(config.mesh, len(devices))
@@ -142,26 +117,19 @@ def _for_devices(config: ml_collections.ConfigDict,
   return config
 
 
-def _label_names(dataset: Optional[Dict[str, Any]], num_classes: int, run: runs.SavedRun
+def _label_names(dataset: Optional[Dict[str, Any]], num_classes: int, run: workdir.SavedRun
                  ) -> Tuple[Optional[Tuple[str, ...]], Optional[bool]]:
-  """The class names and multi-label flag of a run's dataset record.
-
-  Raises:
-    ValueError: the record names another number of classes than the head has (a training run
-      has one output per class of its data, so the names are not this model's).
-  """
+  """The class names and multi-label flag of a run's dataset record. Raises ValueError: it names
+  another number of classes than the head has."""
   if not dataset:
     return None, None
   names = tuple(dataset.get('label_names') or ()) or None
   if names is not None and len(names) != num_classes:
-    layout = checkpoint.workdir  # <workdir>/checkpoints/<step>/state: the step's, the run's.
-    step_dir = run.state_item.rstrip('/').rsplit('/', 1)[0]
-    item = paths.join(step_dir, layout.DATASET_ITEM)
-    if paths.isdir(item):
-      where, fix = (f'The dataset record of step {run.step} ({item})',
+    record, of_step = run.dataset_source()
+    if of_step:
+      where, fix = (f'The dataset record of step {run.step} ({record})',
                     'the checkpoint is inconsistent: use another step (--step)')
     else:
-      record = paths.join(step_dir.rsplit('/', 2)[0], layout.DATASET_JSON)
       where, fix = (f'The dataset record {record}',
                     f'restore this run\'s {record}, or delete it (the names then come from the '
                     'training data, when it is on this machine)')
@@ -171,13 +139,8 @@ def _label_names(dataset: Optional[Dict[str, Any]], num_classes: int, run: runs.
 
 
 def _with_kept(trained: TrainedModel, kept: Dict[str, Any], item: str) -> TrainedModel:
-  """A convert directory's model with the class names and eval preprocessing that convert kept
-  of its source (``orbax.read_export_metadata``: ``label_names``, ``multi_label``,
-  ``normalization``, ``eval_crop_pct``).
-
-  Raises:
-    ValueError: the kept names are not one per output of the head.
-  """
+  """A convert directory's model with what convert kept of its source (class names, eval
+  preprocessing). Raises ValueError: the kept names are not one per output of the head."""
   if not kept:
     return trained
   names = kept.get('label_names')
@@ -196,39 +159,9 @@ def _with_kept(trained: TrainedModel, kept: Dict[str, Any], item: str) -> Traine
       trained.label_names, multi_label=bool(kept.get('multi_label', trained.multi_label)))
 
 
-def _update(config: ml_collections.ConfigDict, saved: Dict[str, Any]) -> None:
-  """Sets ``config``'s keys to the ``saved`` values (lists back to tuples); keys that this
-  version no longer has are left out."""
-  for key, value in saved.items():
-    if key not in config:
-      continue
-    if isinstance(config[key], ml_collections.ConfigDict) and isinstance(value, dict):
-      _update(config[key], value)
-    else:
-      config[key] = _as_tuples(value)
-
-
-def saved_config(saved: Dict[str, Any]) -> ml_collections.ConfigDict:
-  """The config of a run from its saved dict (``config.json``), on top of this version's
-  defaults: a key added since the run was saved keeps its default (an eval batch that was not
-  recorded is the training batch).
-
-  Raises:
-    ValueError, TypeError: the saved model name or fields are not valid any more.
-  """
-  model = {k: _as_tuples(v) for k, v in (saved.get('model') or {}).items()}
-  dataset = (saved.get('data') or {}).get('name') or 'imagenet2012'
-  config = config_lib.get_config(saved['model_name'], dataset, **model)
-  config.unlock()
-  _update(config, saved)
-  if config.eval_batch_size is None:
-    config.eval_batch_size = config.batch_size
-  return config
-
-
-def _from_run(path: str, run: runs.SavedRun, use_ema: bool, model_name: Optional[str],
+def _from_run(path: str, run: workdir.SavedRun, use_ema: bool, model_name: Optional[str],
               overrides: Dict[str, Any]) -> TrainedModel:
-  config = saved_config(run.config)
+  config = config_lib.from_json(run.config)
   if model_name and models.resolve(model_name)[0] is not models.resolve(config.model_name)[0]:
     raise ValueError(f'{path} holds a {config.model_name} trained by vit_jax: its config '
                      f'rebuilds the model; drop --model {model_name}.')
@@ -247,8 +180,7 @@ def _from_run(path: str, run: runs.SavedRun, use_ema: bool, model_name: Optional
 
 
 def _names_from_data(config: ml_collections.ConfigDict) -> Optional[Tuple[str, ...]]:
-  """The class names of the run's training data, when it is available on this machine (a run
-  saved before the workdir recorded them); None otherwise."""
+  """The class names of the run's training data when it is readable here, else None."""
   from vit_jax import data  # pylint: disable=g-import-not-at-top  (TensorFlow)
   try:
     names = data.get_info(config.data).label_names
@@ -328,16 +260,15 @@ def _from_vit_weights(path: str, variables: Dict[str, Any], model_name: Optional
   config = _official_config(model_name, classes, int(image_size),
                             normalization='minus_one_to_one', eval_crop_pct=None,
                             overrides=fields)
-  return TrainedModel(config, variables, _official_names(classes),
+  return TrainedModel(config, variables, labels.official_label_names(classes),
                       classes == IMAGENET21K_CLASSES, None, path)
 
 
 def _from_foreign(ckpt: checkpoint.Checkpoint, model_name: Optional[str],
                   num_classes: Optional[int], image_size: Optional[int],
                   overrides: Dict[str, Any]) -> TrainedModel:
-  """A transformers or timm ViT: its numerics and class names from the file, the preprocessing
-  of its ``preprocessor_config.json`` when there is one (else pixels in [-1, 1], as the
-  google/vit-* and timm augreg models)."""
+  """A transformers or timm ViT: numerics and class names from the file, normalization from its
+  ``preprocessor_config.json`` (else pixels in [-1, 1])."""
   heads = overrides.get('num_heads')
   if heads is None and model_name:
     try:
@@ -360,8 +291,7 @@ def _from_foreign(ckpt: checkpoint.Checkpoint, model_name: Optional[str],
 
 
 def _hf_normalization(directory: Optional[str]) -> Optional[str]:
-  """'minus_one_to_one' or 'imagenet' from a transformers directory's
-  ``preprocessor_config.json`` (``image_mean``), None without one or for other values."""
+  """'minus_one_to_one' or 'imagenet' from ``preprocessor_config.json``'s ``image_mean``."""
   if directory is None:  # A timm file.
     return None
   file = paths.join(directory, 'preprocessor_config.json')
@@ -373,11 +303,6 @@ def _hf_normalization(directory: Optional[str]) -> Optional[str]:
     return None
   return {(0.5, 0.5, 0.5): 'minus_one_to_one', (0.485, 0.456, 0.406): 'imagenet'}.get(
       tuple(mean))
-
-
-def _official_names(num_classes: int) -> Optional[Tuple[str, ...]]:
-  from vit_jax import labels  # pylint: disable=g-import-not-at-top
-  return labels.official_label_names(num_classes)
 
 
 def _from_torch(ckpt: checkpoint.Checkpoint, model_name: Optional[str],
@@ -393,13 +318,8 @@ def _from_torch(ckpt: checkpoint.Checkpoint, model_name: Optional[str],
                      f'{model_name} is not one (T2T-ViT-7/10/12/14/19/24, T2T-ViT_t-14/19/24).')
   try:
     variables = ckpt.read_for_finetuning(model, use_ema)
-  except ValueError as e:
-    lines = [line.strip() for line in str(e).splitlines()]
-    if isinstance(e, checkpoint.DamagedCheckpointError) or 'does not fit' not in lines[0]:
-      raise
-    implied = next((line for line in lines if line.startswith('The checkpoint is')), '')
-    raise ValueError(f'{path} does not fit --model {model_name}. '
-                     f'{implied.replace(" Build the model with these values.", "")} Name the '
+  except mismatch.ModelMismatchError as e:
+    raise ValueError(f'{path} does not fit --model {model_name}. {e.implied or ""} Name the '
                      'model these weights are of (with --set KEY=VALUE for the fields of '
                      'T2T-ViT-custom).') from e
   return _from_t2t_variables(path, variables, model_name, num_classes, image_size, overrides)
@@ -409,30 +329,16 @@ def load(source: Any, *, step: Optional[int] = None, use_ema: bool = True,
          model_name: Optional[str] = None, num_classes: Optional[int] = None,
          image_size: Optional[int] = None, overrides: Optional[Dict[str, Any]] = None,
          devices: Optional[Sequence[Any]] = None) -> TrainedModel:
-  """Loads a trained model, its eval preprocessing and its class names from ``source``.
+  """The :class:`TrainedModel` of ``source`` (local or ``gs://``), checked to fit its model.
 
-  Args:
-    source: any of ``vit_jax.checkpoint.ACCEPTED_FORMATS`` (local or ``gs://``).
-    step: the workdir's step to load (default: the latest).
-    use_ema: the parameter EMA when the checkpoint has one (``config.ema_decay > 0`` runs, the
-      ``state_dict_ema`` of T2T-ViT files).
-    model_name: required for ``.pth.tar`` files and ViT-less convert directories (e.g.
-      'T2T-ViT-14'); optional for ``.npz`` (checked against the shapes); refused for workdirs.
-    num_classes: checked against the head when given.
-    image_size: ``S`` of ``[S, S]`` inputs (default: from the position embedding's grid).
-    overrides: model fields for ``model_name`` (e.g. ``{'embed_dim': 64}`` of T2T-ViT-custom).
-    devices: the devices it will run on (default ``jax.devices()``): the mesh and attention.
+  ``step``: a workdir's (default the latest); ``use_ema``: the parameter EMA when saved;
+  ``model_name``: required for ``.pth.tar`` files and T2T-ViT convert directories, checked for
+  ``.npz``, refused for workdirs; ``num_classes``: checked against the head; ``image_size``:
+  default the position table's; ``overrides``: model fields; ``devices``: default all.
 
-  Returns:
-    A :class:`TrainedModel`, its variables checked against the model.
-
-  Raises:
-    FileNotFoundError: nothing at ``source``, no finalized step, or ``step`` not saved.
-    ValueError: not a checkpoint of a known format, a model that does not fit the weights (the
-      message says which architecture they imply), a PyTorch file without ``model_name``, a
-      class count other than the head's, NaN or Inf values (named, with a finite step); the
-      damaged-file errors of ``vit_jax.checkpoint.load`` (``DamagedCheckpointError``,
-      ``UnsafePickleError``: ValueErrors).
+  Raises FileNotFoundError (nothing at ``source``, no finalized step, ``step`` not saved) or
+  ValueError (no known format, a damaged file, a model that does not fit the weights, with the
+  architecture they imply, a class count other than the head's, NaN or Inf values).
   """
   path = paths.normalize(source)
   if not str(path).strip():
@@ -461,7 +367,7 @@ def load(source: Any, *, step: Optional[int] = None, use_ema: bool = True,
 
 def _from_orbax(ckpt, *, model_name, num_classes, image_size, use_ema, overrides, step):
   path = ckpt.path
-  run = runs.read_run(path, step=step)
+  run = workdir.read_run(path, step=step)
   if run.config is not None:
     return _from_run(path, run, use_ema, model_name, overrides)
   # A convert directory: weights, and what convert kept of their source.
@@ -499,21 +405,16 @@ _FROM = {'orbax': _from_orbax, 'npz': _one_file(_from_npz), 'pytorch': _one_file
 
 
 def _check_finite(path: str, trained: TrainedModel, use_ema: bool) -> None:
-  """Refuses weights with NaN or Inf values (their outputs mean nothing), naming them and, for
-  a step of a training run, the newest earlier step without any.
-
-  Raises:
-    ValueError: the variables hold NaN or Inf values.
-  """
+  """Raises ValueError for NaN or Inf values, naming them (and a run's newest finite step)."""
   bad = checkpoint.non_finite(trained.variables)
   if not bad:
     return
   what = f'{path} (step {trained.step})' if trained.step is not None else path
   advice = 'Use weights without them (re-export or re-download the file).'
-  steps = runs.read_run(path).steps if trained.step is not None else []  # [] for a step dir.
+  steps = workdir.read_run(path).steps if trained.step is not None else []  # []: a step dir.
   if steps:
     finite = next((s for s in reversed(steps) if s < trained.step and not checkpoint.non_finite(
-        orbax.read_variables(runs.read_run(path, step=s).state_item, use_ema=use_ema))), None)
+        orbax.read_variables(workdir.find_state_item(path, s), use_ema=use_ema))), None)
     advice = (f'Give --step {finite}, the newest step whose values are finite.'
               if finite is not None else 'No earlier step of the run is finite: train it again.')
   elif trained.step is not None:
@@ -525,8 +426,7 @@ def _check_finite(path: str, trained: TrainedModel, use_ema: bool) -> None:
 def _from_t2t_variables(path: str, variables: Dict[str, Any], model_name: Optional[str],
                         num_classes: Optional[int], image_size: Optional[int],
                         overrides: Dict[str, Any]) -> TrainedModel:
-  """A T2T-ViT's variables (a ``.pth.tar`` or a convert directory; fixed tables in
-  'constants')."""
+  """A T2T-ViT's variables (a ``.pth.tar`` or a convert directory)."""
   if not model_name:
     raise ValueError(f'{path} holds weights without a config: name the model with --model (e.g. '
                      '--model T2T-ViT-14).')
@@ -540,20 +440,13 @@ def _from_t2t_variables(path: str, variables: Dict[str, Any], model_name: Option
     image_size = _grid_side(tokens, f'{path} (pos_embed)') * 16
   config = _official_config(model_name, classes, int(image_size), normalization='imagenet',
                             eval_crop_pct=0.9, overrides=overrides)
-  return TrainedModel(config, variables, _official_names(classes),
+  return TrainedModel(config, variables, labels.official_label_names(classes),
                       classes == IMAGENET21K_CLASSES, None, path)
 
 
 class Runner:
-  """A :class:`TrainedModel` placed on a device mesh, with its jitted steps.
-
-  Attributes:
-    trained: the model.
-    setup: the ``vit_jax.step.Setup`` of its config on these devices (mesh, shardings).
-    state: ``{'params', ['model_state']}`` as global arrays with the training shardings.
-    batch_size: the global eval batch (``config.eval_batch_size``, a multiple of the batch
-      shards).
-  """
+  """A :class:`TrainedModel` on a device mesh: ``setup`` (``vit_jax.step.Setup``), ``state``
+  (``{'params', ['model_state']}``, global arrays), ``batch_size`` (the global eval batch)."""
 
   def __init__(self, trained: TrainedModel, *, devices: Optional[Sequence[Any]] = None):
     self.trained = trained
@@ -606,19 +499,15 @@ class Runner:
     return np.concatenate(out) if out else np.zeros((0, width or 0), np.float32)
 
   def logits(self, images: np.ndarray) -> np.ndarray:
-    """float32 ``[B, S, S, 3]`` preprocessed images of this process -> ``[B, C]`` logits.
-
-    Raises:
-      ValueError: images of another shape than the model's input.
-    """
+    """float32 ``[B, S, S, 3]`` preprocessed images of this process -> ``[B, C]`` logits (raises
+    ValueError for another shape)."""
     return self._padded(images, 'logits')
 
   def features(self, images: np.ndarray) -> np.ndarray:
-    """float32 ``[B, S, S, 3]`` preprocessed images of this process -> ``[B, F]`` pre-logit
-    features (``vit_jax.step.make_features_step``)."""
+    """float32 ``[B, S, S, 3]`` preprocessed images of this process -> ``[B, F]`` features."""
     return self._padded(images, 'features')
 
   def eval_sums(self, batch: Dict[str, np.ndarray]) -> Dict[str, np.ndarray]:
-    """The eval step's sums (``vit_jax.step.eval_sums``) of one process-local eval batch
-    (``{'image', 'labels', 'mask'}``), summed over all processes."""
+    """The eval step's sums of one process-local batch (``{'image', 'labels', 'mask'}``), summed
+    over all processes."""
     return jax.device_get(self._run('eval', self.setup.to_global(batch)))

@@ -11,27 +11,13 @@ Examples:
       --config.data.data_dir=gs://bucket/tensorflow_datasets
   # ViT-B/16 fine-tuning schedule on CIFAR-10 (SGD momentum, cosine, grad clip 1, 10k steps).
   python -m vit_jax.main --config configs/vit.py:b16,cifar10,finetune --workdir /tmp/b16_c10
-  # Any regime field alone: --config.regime=finetune switches optimizer, schedule and loss.
 
 Every config field can be overridden with --config.<key>=<value> (nested keys with dots, e.g.
---config.model.num_layers=4, --config.data.image_size=384); an unknown key stops with an error
-that names it. The resolved config, the one that runs (regime filled in, schedule in steps), is
-saved as DIR/config.json (logged too with --verbosity=1). The model's fields are its architecture
-plus how it runs: --config.model.scan / remat (True by default for training; False/False for the
-plain unrolled model), --config.model.remat_policy ('auto', the default, picks from the devices,
-the compute dtype and the width; or one of vit_jax.models.execution.REMAT_POLICIES)
-and --config.model.attention ('auto', the default, picks from the devices the step runs on:
-vit_jax.dispatch; or one implementation to insist on). The log says which ran and why.
-
-Rerunning the same command with the same --workdir resumes from the latest checkpoint there;
-checkpoints go to DIR/checkpoints, TensorBoard events to DIR, the run's compute cost
-(TPU-core-days, FLOPs, MFU; all attempts) to DIR/cost.json. To predict a run's cost before
-starting it: python -m vit_jax.cost --config ... --accelerator v3-256.
-
-On Linux with glibc >= 2.35 and transparent huge pages on 'madvise' or 'always', the command first
-re-executes itself with glibc.malloc.hugetlb=1 in GLIBC_TUNABLES, so that XLA:CPU's step buffers
-get huge pages instead of a page fault per 4 KiB at every step; VIT_JAX_HUGE_PAGES=0 turns this
-off (vit_jax.platform).
+--config.model.num_layers=4); an unknown key stops with an error that names it. The resolved
+config is saved as DIR/config.json. Rerunning the same command resumes from the latest
+checkpoint in DIR/checkpoints; TensorBoard events go to DIR, the compute cost to DIR/cost.json.
+Where glibc allows, the command re-executes itself with huge pages for malloc
+(VIT_JAX_HUGE_PAGES=0: not; vit_jax.platform).
 
 Exit codes: 0 done; 1 failed (e.g. the loss diverged, a checkpoint could not be saved: the message
 says which checkpoint is intact; on a pod, another process died or did not register within
@@ -71,7 +57,8 @@ _COORDINATOR = flags.DEFINE_string(
     "0 (or $JAX_COORDINATOR_ADDRESS). TPU pods need none of these: every worker runs the same "
     "command and jax.distributed finds the others.")
 _NUM_PROCESSES = flags.DEFINE_integer(
-    "num_processes", None, "Number of processes (or $JAX_NUM_PROCESSES), with --coordinator_address.")
+    "num_processes", None,
+    "Number of processes (or $JAX_NUM_PROCESSES), with --coordinator_address.")
 _PROCESS_ID = flags.DEFINE_integer(
     "process_id", None, "This process's index in [0, num_processes) (or $JAX_PROCESS_ID).")
 _DISTRIBUTED_TIMEOUT = flags.DEFINE_integer(

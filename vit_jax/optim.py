@@ -1,9 +1,5 @@
-"""Optimizers, learning-rate schedules and losses of the ViT pretraining and fine-tuning regimes.
-
-Builds what a resolved config describes (regime values: ``vit_jax.config.REGIME_DEFAULTS``;
-ViT paper Sec. 4.1, App. B.1): :func:`schedule_from_config`, :func:`make_optimizer`,
-:func:`loss_fn`.
-"""
+"""The optimizers, learning-rate schedules and losses a resolved config names (the ViT paper's
+regimes, Sec. 4.1, App. B.1: ``vit_jax.config.REGIME_DEFAULTS``)."""
 
 from __future__ import annotations
 
@@ -23,25 +19,18 @@ OPTIMIZERS = ("adamw", "sgd")
 def lr_schedule(base_lr: float, total_steps: int, warmup_steps: int = 0,
                 decay: str = "cosine", end_lr: float = 0.0, *, warmup_init_lr: float = 0.0,
                 cooldown_steps: int = 0) -> Callable[[jax.Array], jax.Array]:
-  """The learning rate as a function of optax's 0-based update count (float32 scalar).
-
-  The official vit_jax schedule (steps numbered from 1): ``base * min(1, step / warmup) *
-  f(progress)``, ``progress = clip((step - warmup) / (total - cooldown - warmup), 0, 1)``, ``f``
-  cosine, linear or 1, interpolated towards ``end_lr``. For timm's ``CosineLRScheduler`` of the
-  T2T-ViT recipe (docs/reference.md section 3) the warmup starts at ``warmup_init_lr`` and the
-  last ``cooldown_steps`` (within ``total_steps``) stay at ``end_lr``; the rate changes every
-  update, not per epoch.
-
-  Raises:
-    ValueError: unknown ``decay``, ``total_steps <= 0``, or
-      ``warmup_steps + cooldown_steps >= total_steps``.
+  """The learning rate (float32) of optax's 0-based update count: the official vit_jax schedule,
+  ``base * min(1, step / warmup) * f(progress)`` (steps from 1, ``f`` cosine, linear or 1, towards
+  ``end_lr``); timm's T2T-ViT recipe warms up from ``warmup_init_lr`` and ends with
+  ``cooldown_steps`` at ``end_lr`` (docs/reference.md section 3). ValueError: bad arguments.
   """
   if decay not in SCHEDULES:
     raise ValueError(f"Unknown schedule {decay!r}; choose one of {list(SCHEDULES)}.")
   if total_steps <= 0:
     raise ValueError(f"total_steps must be positive, got {total_steps}.")
   if warmup_steps < 0 or cooldown_steps < 0:
-    raise ValueError(f"warmup_steps={warmup_steps} and cooldown_steps={cooldown_steps} must be >= 0.")
+    raise ValueError(f"warmup_steps={warmup_steps} and cooldown_steps={cooldown_steps} must be "
+                     ">= 0.")
   if warmup_steps + cooldown_steps >= total_steps:
     raise ValueError(
         f"warmup_steps={warmup_steps} (+ cooldown_steps={cooldown_steps}) must be smaller than "
@@ -66,18 +55,11 @@ def lr_schedule(base_lr: float, total_steps: int, warmup_steps: int = 0,
   return schedule
 
 
-def schedule_from_config(optim: ml_collections.ConfigDict, *, batch_size: int,
-                         total_steps: int,
-                         steps_per_epoch: Optional[float] = None) -> Callable[[jax.Array], jax.Array]:
-  """:func:`lr_schedule` of a resolved ``config.optim``.
-
-  Peak ``optim.lr``, times ``batch_size / optim.lr_base_batch_size`` when set (linear scaling
-  rule of T2T-ViT / DeiT). An unresolved config needs ``steps_per_epoch`` for its epoch fields.
-
-  Raises:
-    ValueError: as :func:`lr_schedule`; a non-positive ``lr_base_batch_size``; epoch fields
-      without ``steps_per_epoch``.
-  """
+def schedule_from_config(optim: ml_collections.ConfigDict, *, batch_size: int, total_steps: int,
+                         steps_per_epoch: Optional[float] = None
+                         ) -> Callable[[jax.Array], jax.Array]:
+  """:func:`lr_schedule` of ``config.optim``: peak ``lr`` (x ``batch_size / lr_base_batch_size``
+  when set); epoch fields need ``steps_per_epoch`` unless resolved. ValueError: bad fields."""
   lr = optim.lr
   if optim.get("lr_base_batch_size") is not None:
     if optim.lr_base_batch_size <= 0:
@@ -109,13 +91,8 @@ def _decay_mask(params):
 
 def make_optimizer(optim: ml_collections.ConfigDict,
                    schedule: Callable[[jax.Array], jax.Array]) -> optax.GradientTransformation:
-  """The optax optimizer of a resolved ``config.optim`` with ``schedule`` (:func:`lr_schedule`).
-
-  'adamw': decoupled weight decay ``lr * weight_decay * w`` on kernels only; 'sgd': momentum
-  (``optim.momentum``), decoupled decay if > 0. Optional global-norm clipping
-  (``grad_clip_norm``); ``max_skipped_updates`` = N > 0 wraps it in ``optax.apply_if_finite``.
-  Raises ValueError for an unknown optimizer.
-  """
+  """The optax optimizer of ``config.optim`` ('adamw' or 'sgd' with momentum, decoupled weight
+  decay on kernels, global-norm clipping, ``apply_if_finite`` with ``max_skipped_updates``)."""
   parts = []
   if optim.grad_clip_norm:
     parts.append(optax.clip_by_global_norm(optim.grad_clip_norm))
@@ -131,23 +108,17 @@ def make_optimizer(optim: ml_collections.ConfigDict,
   tx = optax.chain(*parts)
   if optim.get("max_skipped_updates", 0):
     if optim.max_skipped_updates < 0:
-      raise ValueError(f"config.optim.max_skipped_updates={optim.max_skipped_updates} must be >= 0.")
-    # Zero updates for non-finite gradients; after that many in a row the NaNs go through
-    # (and the training loop stops the run).
+      raise ValueError(f"config.optim.max_skipped_updates={optim.max_skipped_updates} must be "
+                       ">= 0.")
     tx = optax.apply_if_finite(tx, max_consecutive_errors=optim.max_skipped_updates)
   return tx
 
 
-def loss_fn(logits: jax.Array, labels: jax.Array, kind: str, label_smoothing: float = 0.0) -> jax.Array:
-  """Per-example training loss ``[B]`` float32 of ``logits`` ``[B, C]`` and targets ``[B, C]``.
-
-  ``kind``: 'softmax_xent' (targets normalised to sum to one first) or 'sigmoid_xent' (sum of
-  per-class binary cross-entropies, the ViT pretraining loss). ``label_smoothing`` eps in [0, 1)
-  maps every target element affinely, ``y * (1 - eps) + eps / C`` (big_vision's ``onehot``
-  with timm's values; semantics in docs/configs.md); it commutes with Mixup / CutMix.
-
-  Raises:
-    ValueError: unknown ``kind``; ``label_smoothing`` outside [0, 1).
+def loss_fn(logits: jax.Array, labels: jax.Array, kind: str,
+            label_smoothing: float = 0.0) -> jax.Array:
+  """Per-example loss ``[B]`` float32 of ``logits`` and targets ``[B, C]``: 'softmax_xent'
+  (targets normalised) or 'sigmoid_xent' (summed over classes); ``label_smoothing`` eps maps
+  each target to ``y * (1 - eps) + eps / C`` (docs/configs.md). ValueError: bad arguments.
   """
   if not 0.0 <= label_smoothing < 1.0:
     raise ValueError(f"label_smoothing={label_smoothing} must be in [0, 1) "

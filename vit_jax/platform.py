@@ -1,14 +1,9 @@
-"""Host set-up, done once before any work: huge pages, multi-process JAX, TensorFlow kept off the
-accelerators, quiet library logs.
+"""Host set-up before any work: huge pages for XLA:CPU's step buffers (docs/benchmarks.md),
+multi-process JAX, TensorFlow kept off the accelerators, quiet library logs.
 
 Programs call :func:`reexec_with_huge_pages` first thing in ``__main__`` (glibc reads its
-tunables only at process start), then :func:`setup`. Stopping is ``vit_jax.stops``;
-``jax.distributed`` and a pod's faults ``vit_jax.pod``.
-
-Huge pages: XLA:CPU allocates a step's temporaries afresh every execution and glibc serves
-allocations over 32 MiB with a new ``mmap``, so each step page-faults every 4 KiB; with
-``HUGE_PAGES_TUNABLE`` the kernel maps 2-MiB pages (docs/benchmarks.md). ``VIT_JAX_HUGE_PAGES=0``
-turns it off; a library user exports ``GLIBC_TUNABLES=glibc.malloc.hugetlb=1`` before Python.
+tunables only at process start), then :func:`setup`. It must not import JAX or TensorFlow at
+import time: ``quiet_native_logs`` runs before they load.
 """
 
 from __future__ import annotations
@@ -21,6 +16,7 @@ import os
 import re
 import sys
 import tempfile
+import traceback
 from typing import Optional
 
 from absl import logging
@@ -29,11 +25,9 @@ from vit_jax import pod
 from vit_jax import stops
 
 
-#: The glibc tunable that makes malloc advise transparent huge pages (`MADV_HUGEPAGE`) for the
-#: memory it maps (glibc >= 2.35). See `huge_pages_environment`.
+#: Makes malloc advise transparent huge pages for the memory it maps (glibc >= 2.35).
 HUGE_PAGES_TUNABLE = "glibc.malloc.hugetlb=1"
-#: Set to 0 (or false, no, off) to run without `HUGE_PAGES_TUNABLE` (the entry points then never
-#: re-execute); unset, empty, 1, true, yes or on: the default, with it.
+#: 0 (false, no, off): run without `HUGE_PAGES_TUNABLE`; unset, 1 (true, yes, on): with it.
 HUGE_PAGES_SWITCH = "VIT_JAX_HUGE_PAGES"
 _SWITCH_OFF, _SWITCH_ON = ("0", "false", "no", "off"), ("", "1", "true", "yes", "on")
 _THP_MODE_FILE = "/sys/kernel/mm/transparent_hugepage/enabled"
@@ -59,15 +53,9 @@ def _thp_mode() -> str | None:
 
 
 def huge_pages_environment(environ=None, glibc=None, thp_mode=None) -> dict[str, str] | None:
-  """The environment to re-execute with so that malloc backs large allocations with huge pages.
-
-  ``environ`` (default ``os.environ``), ``glibc`` ``(major, minor)`` or ``()`` for another libc,
-  ``thp_mode`` ('' for none; default from sysfs). Returns None when there is nothing to do:
-  ``VIT_JAX_HUGE_PAGES=0``, a ``glibc.malloc.hugetlb`` already set, glibc < 2.35, or THP 'never'.
-
-  Raises:
-    ValueError: ``VIT_JAX_HUGE_PAGES`` is neither on (1, true, yes, on) nor off (0, false, no, off).
-  """
+  """The environment to re-execute with for huge pages, or None (switched off, a hugetlb tunable
+  already set, glibc < 2.35 or THP 'never'). ``glibc``: ``(major, minor)``, ``()`` for another
+  libc; ``thp_mode``: '' for none; defaults from this host. ValueError: an unreadable switch."""
   environ = os.environ if environ is None else environ
   switch = environ.get(HUGE_PAGES_SWITCH, "").strip().lower()
   if switch not in _SWITCH_OFF + _SWITCH_ON:
@@ -86,11 +74,8 @@ def huge_pages_environment(environ=None, glibc=None, thp_mode=None) -> dict[str,
 
 
 def reexec_with_huge_pages() -> None:
-  """Re-executes ``sys.orig_argv`` (same pid) under :func:`huge_pages_environment`, if it has one.
-
-  Returns when there is nothing to do; exits 2 with one line for an unreadable
-  ``VIT_JAX_HUGE_PAGES``.
-  """
+  """Re-executes ``sys.orig_argv`` (same pid) under :func:`huge_pages_environment` if it has one;
+  exits 2 with one line for an unreadable ``VIT_JAX_HUGE_PAGES``."""
   try:
     env = huge_pages_environment()
   except ValueError as e:
@@ -104,11 +89,8 @@ def reexec_with_huge_pages() -> None:
 
 
 class QuietLibraries(py_logging.Filter):
-  """Keeps vit_jax's and clu's INFO lines; others' from WARNING, one line each, no traceback.
-
-  (orbax and jax log checkpoint internals at INFO and a failed save with a traceback per thread;
-  ``--verbosity=1`` shows all.)
-  """
+  """Keeps vit_jax's and clu's INFO lines, others' from WARNING as one line (``--verbosity=1``:
+  all)."""
 
   def filter(self, record: py_logging.LogRecord) -> bool:
     if logging.get_verbosity() >= 1:
@@ -127,17 +109,13 @@ class QuietLibraries(py_logging.Filter):
 
 
 def quiet_unraisable_hook(previous=None):
-  """A ``sys.unraisablehook`` logging at DEBUG the errors C code reports without a Python object.
-
-  E.g. tensorstore's ``RuntimeError: Event loop is closed`` per pending callback after a failed
-  save. Errors of Python objects (a failing ``__del__``) go to ``previous`` (default: current hook).
-  """
+  """A ``sys.unraisablehook`` logging at DEBUG the errors C code reports without a Python object
+  (tensorstore's after a failed save); others go to ``previous`` (default: the current hook)."""
   previous = previous or sys.unraisablehook
 
   def hook(unraisable):
     if unraisable.object is not None or logging.get_verbosity() >= 1:
       return previous(unraisable)
-    import traceback  # pylint: disable=g-import-not-at-top
     logging.debug("A library reported an error it could not raise:\n%s", "".join(
         traceback.format_exception(unraisable.exc_type, unraisable.exc_value,
                                    unraisable.exc_traceback)))
@@ -162,31 +140,27 @@ def _has_tpu_chips() -> bool:
 
 
 def skip_absent_tpu() -> None:
-  """Keeps JAX from starting a TPU backend (libtpu prints a page of errors) on a host without TPUs.
-
-  Unless ``JAX_PLATFORMS`` / ``jax_platforms`` is set, TPU chips are on the PCI bus, or a GPU
-  plugin is installed.
-  """
+  """Keeps JAX from starting a TPU backend (a page of libtpu errors) on a host without TPU chips,
+  unless ``jax_platforms`` is set or a GPU plugin is installed."""
   import jax  # pylint: disable=g-import-not-at-top
   if jax.config.jax_platforms or importlib.util.find_spec("libtpu") is None:
     return
-  gpu_plugins = ("jax_cuda12_plugin", "jax_cuda13_plugin", "jax_rocm60_plugin",
-                 "jax_rocm7_plugin")
+  gpu_plugins = ("jax_cuda12_plugin", "jax_cuda13_plugin", "jax_rocm60_plugin", "jax_rocm7_plugin")
   if _has_tpu_chips() or any(importlib.util.find_spec(p) for p in gpu_plugins):
     return
   jax.config.update("jax_platforms", "cpu")
 
 
-#: The lines TensorFlow's C++ code writes to stderr while it loads, whatever TF_CPP_MIN_LOG_LEVEL
-#: says (TensorFlow 2.21): absl's notice, the oneDNN and CPU-instruction banners.
+#: What TensorFlow 2.21's C++ writes to stderr while it loads, whatever TF_CPP_MIN_LOG_LEVEL says.
 _TF_BANNERS = re.compile(r"WARNING: All log messages before absl::InitializeLog\(\) is called|"
                          r"\] oneDNN custom operations are on|"
                          r"\] This TensorFlow binary is optimized|"
                          r"^To enable the following instructions: .*rebuild TensorFlow")
+
+
 @contextlib.contextmanager
 def _without_tensorflow_banners():
-  """Passes on to stderr what is written to file descriptor 2 meanwhile, except `_TF_BANNERS`
-  (all of it with --verbosity=1)."""
+  """Passes on what is written to file descriptor 2 meanwhile, except `_TF_BANNERS`."""
   if logging.get_verbosity() >= 1 or "tensorflow" in sys.modules:
     yield
     return
@@ -208,10 +182,8 @@ def _without_tensorflow_banners():
 
 
 def hide_accelerators_from_tensorflow() -> None:
-  """Makes TensorFlow see no GPU or TPU (never allocating on JAX's), imported without banners.
-
-  Does nothing if TensorFlow is not installed or already initialised.
-  """
+  """Makes TensorFlow (if installed and not yet initialised) see no GPU or TPU, imported without
+  banners."""
   try:
     with _without_tensorflow_banners():
       import tensorflow as tf  # pylint: disable=g-import-not-at-top
@@ -225,11 +197,8 @@ def hide_accelerators_from_tensorflow() -> None:
 
 
 def quiet_native_logs(argv: Optional[list[str]] = None) -> None:
-  """Hides TensorFlow's and XLA's C++ INFO / WARNING lines: ``TF_CPP_MIN_LOG_LEVEL=2`` unless set.
-
-  1 (warnings shown) with ``--verbosity``/``-v`` in ``argv`` (default ``sys.argv``). Call it
-  before JAX loads.
-  """
+  """``TF_CPP_MIN_LOG_LEVEL=2`` unless set (1 with ``--verbosity``/``-v`` in ``argv``, default
+  ``sys.argv``): hides TensorFlow's and XLA's C++ INFO lines. Call it before JAX loads."""
   argv = sys.argv if argv is None else argv
   verbose = any(re.match(r"--?(verbosity|v)(=|$)", a) for a in argv[1:])
   os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "1" if verbose else "2")
@@ -238,13 +207,8 @@ def quiet_native_logs(argv: Optional[list[str]] = None) -> None:
 def setup(*, coordinator_address: Optional[str] = None, num_processes: Optional[int] = None,
           process_id: Optional[int] = None,
           distributed_timeout_s: int = pod.DISTRIBUTED_TIMEOUT_S) -> None:
-  """Set-up of a program that trains or compiles.
-
-  Log filters (:class:`QuietLibraries`, :func:`quiet_unraisable_hook`), :func:`skip_absent_tpu`,
-  multi-process JAX (``pod.initialize_distributed`` with these arguments), TensorFlow off the
-  accelerators, a log line when huge pages are active. Raises ValueError as
-  ``pod.initialize_distributed``.
-  """
+  """Set-up of a program that trains or compiles: log filters, :func:`skip_absent_tpu`,
+  TensorFlow off the accelerators, ``pod.initialize_distributed`` (whose ValueError it raises)."""
   logging.get_absl_handler().addFilter(QuietLibraries())
   sys.unraisablehook = quiet_unraisable_hook()
   if HUGE_PAGES_TUNABLE in os.environ.get("GLIBC_TUNABLES", ""):
@@ -253,32 +217,36 @@ def setup(*, coordinator_address: Optional[str] = None, num_processes: Optional[
   quiet_native_logs()
   skip_absent_tpu()
   hide_accelerators_from_tensorflow()
-  pod.initialize_distributed(coordinator_address, num_processes, process_id,
-                             distributed_timeout_s)
+  pod.initialize_distributed(coordinator_address, num_processes, process_id, distributed_timeout_s)
+
+
+#: The cgroup v2 and v1 (memory limit, memory usage) files.
+_CGROUP_FILES = (('/sys/fs/cgroup/memory.max', '/sys/fs/cgroup/memory.current'),
+                 ('/sys/fs/cgroup/memory/memory.limit_in_bytes',
+                  '/sys/fs/cgroup/memory/memory.usage_in_bytes'))
+
+
+def _read_int(path: str) -> Optional[int]:
+  try:
+    with open(path) as f:
+      return int(f.read().strip())  # 'max': no limit (ValueError).
+  except (OSError, ValueError):
+    return None
 
 
 def host_memory_bytes() -> Optional[int]:
-  """This host's RAM in bytes (`SC_PHYS_PAGES * SC_PAGE_SIZE`), or the container's cgroup memory
-  limit when that is lower; None when neither can be read."""
+  """This host's RAM in bytes, or the cgroup memory limit when lower; None if unknown."""
   try:
     total = os.sysconf('SC_PHYS_PAGES') * os.sysconf('SC_PAGE_SIZE')
   except (ValueError, OSError, AttributeError):
     total = None
-  for path in ('/sys/fs/cgroup/memory.max', '/sys/fs/cgroup/memory/memory.limit_in_bytes'):
-    try:
-      with open(path) as f:
-        limit = int(f.read().strip())  # 'max': no limit (ValueError).
-    except (OSError, ValueError):
-      continue
-    total = limit if total is None else min(total, limit)
-  return total
+  limits = (_read_int(limit) for limit, _ in _CGROUP_FILES)
+  return min((v for v in (total, *limits) if v is not None), default=None)
 
 
 def available_memory_bytes() -> Optional[int]:
-  """Bytes this process can still take: MemAvailable (else ``SC_AVPHYS_PAGES * SC_PAGE_SIZE``).
-
-  Lowered to the cgroup limit minus usage; None when none can be read.
-  """
+  """Bytes this process can still take: MemAvailable (or free pages), at most the cgroup limit
+  minus usage; None if unknown."""
   available = None
   try:
     with open('/proc/meminfo') as f:
@@ -293,14 +261,6 @@ def available_memory_bytes() -> Optional[int]:
       available = os.sysconf('SC_AVPHYS_PAGES') * os.sysconf('SC_PAGE_SIZE')
     except (ValueError, OSError, AttributeError):
       pass
-  for limit_path, usage_path in (
-      ('/sys/fs/cgroup/memory.max', '/sys/fs/cgroup/memory.current'),
-      ('/sys/fs/cgroup/memory/memory.limit_in_bytes',
-       '/sys/fs/cgroup/memory/memory.usage_in_bytes')):
-    try:
-      with open(limit_path) as f, open(usage_path) as g:
-        left = int(f.read().strip()) - int(g.read().strip())  # 'max': no limit (ValueError).
-    except (OSError, ValueError):
-      continue
-    available = max(left, 0) if available is None else min(available, max(left, 0))
-  return available
+  files = [(_read_int(limit), _read_int(usage)) for limit, usage in _CGROUP_FILES]
+  left = [max(l - u, 0) for l, u in files if l is not None and u is not None]
+  return min((v for v in (available, *left) if v is not None), default=None)

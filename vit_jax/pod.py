@@ -1,12 +1,12 @@
-"""Multi-process runs (TPU pods, CPU and GPU clusters): ``jax.distributed``, every fault bounded.
-
-:func:`initialize_distributed` bounds registration and peer silence (:func:`_watch_peers`) to
-``timeout_s`` (``--distributed_timeout``): the others then end with one FATAL line and
-``POD_FAULT_EXIT_CODE``. :func:`supervise` covers the coordinator's loss, which jax ends in C++.
+"""Multi-process runs (TPU pods, CPU and GPU clusters): ``jax.distributed`` with registration
+and peer silence bounded (``--distributed_timeout``: one FATAL line, ``POD_FAULT_EXIT_CODE``);
+:func:`supervise` reports the coordinator's loss, which jax ends in C++. Imported before JAX
+loads (the supervisor never loads it): JAX is imported in functions only.
 """
 
 from __future__ import annotations
 
+import ctypes
 import inspect
 import os
 import re
@@ -33,20 +33,15 @@ def _on_multi_host_tpu() -> bool:
   return bool(match) and int(match.group(1)) > 8
 
 
-#: Default bound (s) of a pod's faults (main's --distributed_timeout): how long every process
-#: waits for the others to register, and how long a process may send no heartbeat before the
-#: others count it as dead.
+#: Default --distributed_timeout (s): the wait for registration and the longest heartbeat gap.
 DISTRIBUTED_TIMEOUT_S = 60
-#: Exit code of a pod fault: a process that never registered, or was lost during the run.
+#: Exit code of a pod fault: a process that never registered, or was lost.
 POD_FAULT_EXIT_CODE = 1
 
 
 def _distributed_timeouts(timeout_s: int) -> dict[str, int]:
-  """``jax.distributed.initialize``'s timeout keywords (those this jax accepts) for ``timeout_s``.
-
-  Longer than ours, so that our deadline and :func:`_watch_peers` (with a FATAL line) come before
-  jax's abort in C++ (exit 134).
-  """
+  """``jax.distributed.initialize``'s timeout keywords (those this jax accepts), longer than ours
+  so that our FATAL line comes before jax's abort in C++ (exit 134)."""
   import jax  # pylint: disable=g-import-not-at-top
   wanted = {"initialization_timeout": timeout_s + 10,
             "heartbeat_timeout_seconds": timeout_s + _JAX_HEARTBEAT_MARGIN_S,
@@ -62,11 +57,8 @@ _BEAT_S = 1.0
 
 
 def _watch_peers(client, process_id: int, num_processes: int, timeout_s: float) -> None:
-  """Ends this process (one FATAL line) when a peer or the coordinator is silent ``timeout_s``.
-
-  A daemon thread: jax's own heartbeat check cannot report (it aborts; its callback takes no
-  Python function in jax 0.10).
-  """
+  """Ends this process (one FATAL line) when a peer or the coordinator is silent ``timeout_s``
+  (jax's own heartbeat check aborts without a word)."""
   prefix = "vit_jax/alive/"
   start = time.monotonic()
   changed = {p: start for p in range(num_processes) if p != process_id}
@@ -128,7 +120,7 @@ def _start_watching_peers(timeout_s: float) -> None:
 
 def _registration_deadline(timeout_s: float, message: str) -> threading.Timer:
   """A started timer that ends the process with `POD_FAULT_EXIT_CODE` and `message` after
-  `timeout_s`, unless cancelled (jax's registration wait holds no Python lock, so it fires)."""
+  `timeout_s` unless cancelled."""
   timer = threading.Timer(timeout_s, stops.exit_process, (POD_FAULT_EXIT_CODE, message))
   timer.daemon = True
   timer.start()
@@ -139,15 +131,9 @@ def initialize_distributed(coordinator_address: Optional[str] = None,
                            num_processes: Optional[int] = None,
                            process_id: Optional[int] = None,
                            timeout_s: int = DISTRIBUTED_TIMEOUT_S) -> None:
-  """Calls ``jax.distributed.initialize`` when this is one process of several; else nothing.
-
-  From the arguments or ``JAX_COORDINATOR_ADDRESS`` / ``JAX_NUM_PROCESSES`` / ``JAX_PROCESS_ID``
-  (CPU collectives via gloo), or automatically on a multi-host Cloud TPU slice. ``timeout_s``
-  bounds registration, peer silence and a clean end's wait.
-
-  Raises:
-    ValueError: a coordinator address without the process count or index.
-  """
+  """``jax.distributed.initialize`` when this is one process of several (the arguments, the
+  ``JAX_COORDINATOR_ADDRESS`` / ``JAX_NUM_PROCESSES`` / ``JAX_PROCESS_ID`` environment or a
+  multi-host Cloud TPU slice). ValueError: an address without the process count or index."""
   import jax  # pylint: disable=g-import-not-at-top
   timeouts = _distributed_timeouts(timeout_s)
   address = coordinator_address or os.environ.get("JAX_COORDINATOR_ADDRESS")
@@ -192,23 +178,18 @@ SUPERVISOR_ENV = "VIT_JAX_SUPERVISOR"
 
 
 def _several_processes(argv: list[str]) -> bool:
-  """Whether `argv` (main's, before absl reads it) or the environment asks for several processes."""
+  """Whether main's `argv` or the environment asks for several processes."""
   flag = "--coordinator_address"
   return (any(a == flag or a.startswith(flag + "=") for a in argv)
           or bool(os.environ.get("JAX_COORDINATOR_ADDRESS")) or _on_multi_host_tpu())
 
 
 def supervise(argv: list[str]) -> None:
-  """On a pod (Linux), runs this command as a child and ends as it ends; else returns. Call first.
-
-  If the coordinator dies, jax aborts the others in C++ (SIGABRT) before Python can speak: the
-  supervisor writes the FATAL line and exits ``POD_FAULT_EXIT_CODE``. Other ends pass through
-  (code or signal); SIGTERM is forwarded; the child dies with it (PR_SET_PDEATHSIG).
-  """
+  """On a pod (Linux), runs this command as a child and ends as it ends (SIGTERM forwarded); a
+  child aborted by jax (SIGABRT: the coordinator died) gets a FATAL line. Call first."""
   if (os.environ.get(SUPERVISOR_ENV) or not sys.platform.startswith("linux")
       or not getattr(sys, "orig_argv", None) or not _several_processes(argv)):
     return
-  import ctypes  # pylint: disable=g-import-not-at-top
   prctl = ctypes.CDLL(None, use_errno=True).prctl  # Looked up before the fork.
   children: list[subprocess.Popen] = []
   signal.signal(signal.SIGTERM, lambda signum, _: [c.send_signal(signum) for c in children])

@@ -1,4 +1,5 @@
-"""`python -m vit_jax.preflight`: the pod pre-flight, which lives in `vit_jax.tools.preflight`."""
+"""`python -m vit_jax.preflight`: the pod pre-flight (`vit_jax.tools.preflight`)."""
+from vit_jax.tools.preflight import cli
+
 if __name__ == "__main__":
-  from vit_jax.tools.preflight import cli
   cli.run_main()

@@ -1,10 +1,5 @@
-"""The device mesh, the logical-axis rules, and the shardings of the train state and the batch.
-
-The models' logical axis names ('embed', 'mlp', 'heads', 'batch', ...) map onto the mesh axes
-('data', 'fsdp', 'tensor') through one rule table (:data:`DEFAULT_RULES`), so data parallelism,
-FSDP and tensor parallelism are choices of ``config.mesh`` sizes, not code (table in
-docs/pods.md). Flax's logical partitioning semantics: a name without a rule is unsharded, and a
-mesh axis is used at most once per array (the first logical axis claiming it wins).
+"""The device mesh, the logical-axis rules (:data:`DEFAULT_RULES`: data, FSDP and tensor
+parallelism are ``config.mesh`` sizes, docs/pods.md) and the shardings of the state and batch.
 """
 
 from __future__ import annotations
@@ -37,11 +32,7 @@ DEFAULT_RULES: Rules = (
 
 def axis_sizes(mesh_cfg: ml_collections.ConfigDict, num_devices: int) -> Dict[str, int]:
   """``{'data', 'fsdp', 'tensor'}`` sizes of ``config.mesh`` (-1 resolved; data x ``dcn_data``).
-
-  Raises:
-    ValueError: a size 0 or below -1, more than one -1, or a product other than ``num_devices``
-      (the message says which values would fit).
-  """
+  ValueError: a size 0 or below -1, two -1, or a product other than ``num_devices``."""
   sizes = {axis: int(mesh_cfg[axis]) for axis in MESH_AXES}
   dcn = int(mesh_cfg.dcn_data)
   if dcn < 1:
@@ -76,11 +67,8 @@ def _describe(sizes: Dict[str, int], dcn: int) -> str:
 
 def create_mesh(mesh_cfg: ml_collections.ConfigDict,
                 devices: Optional[Sequence[Any]] = None) -> jax.sharding.Mesh:
-  """The device mesh of ``config.mesh``, axes ('data', 'fsdp', 'tensor').
-
-  ``mesh_utils.create_device_mesh`` (innermost axis on the fastest links), or
-  ``create_hybrid_device_mesh`` when ``dcn_data > 1``. Raises ValueError as :func:`axis_sizes`.
-  """
+  """The mesh of ``config.mesh`` (innermost axis on the fastest links; hybrid with ``dcn_data``).
+  Raises as :func:`axis_sizes`."""
   devices = list(jax.devices() if devices is None else devices)
   sizes = axis_sizes(mesh_cfg, len(devices))
   shape = tuple(sizes[a] for a in MESH_AXES)
@@ -97,10 +85,8 @@ def create_mesh(mesh_cfg: ml_collections.ConfigDict,
 
 def parse_rules(text: str, mesh_axes: Sequence[str] = MESH_AXES,
                 base: Rules = DEFAULT_RULES) -> Rules:
-  """``base`` with the changes of ``config.mesh.rules`` ('embed=,mlp=fsdp,batch=data+fsdp').
-
-  Raises ValueError for a malformed entry or an unknown mesh axis.
-  """
+  """``base`` with ``config.mesh.rules`` ('embed=,mlp=fsdp,batch=data+fsdp') applied; ValueError
+  for a malformed entry or an unknown mesh axis."""
   rules = dict(base)
   for entry in filter(None, (e.strip() for e in (text or "").split(","))):
     match = re.fullmatch(r"([A-Za-z_][\w]*)\s*=\s*([\w+]*)", entry)
@@ -134,30 +120,19 @@ def batch_sharding(mesh: jax.sharding.Mesh, rules: Rules) -> jax.sharding.NamedS
   return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(batch_axes(rules) or None))
 
 
-def data_parallel_size(mesh: jax.sharding.Mesh, rules: Rules) -> int:
-  """How many ways the batch is split (the product of the batch axes' sizes)."""
-  return math.prod(mesh.shape[a] for a in batch_axes(rules))
-
-
 def variable_shardings(abstract_variables: Any, mesh: jax.sharding.Mesh, rules: Rules) -> Any:
-  """NamedShardings of the unboxed variables of a boxed ``jax.eval_shape(model.init)``.
-
-  Leaves without logical names (T2T-ViT's fixed tables) are replicated.
-  """
+  """NamedShardings of a boxed ``jax.eval_shape(model.init)``; unnamed leaves replicated."""
   specs = nn.get_partition_spec(abstract_variables)
   return nn.logical_to_mesh_sharding(specs, mesh, rules)
 
 
 def like_params(tree: Any, params: Any, param_shardings: Any,
                 default: jax.sharding.NamedSharding) -> Any:
-  """Shardings for a tree whose param-shaped subtrees mirror ``params`` (optimizer state).
-
-  A leaf gets the sharding of the parameter with the same key path and shape; else ``default``.
-  """
-  by_path = {}
-  for (path, leaf), sharding in zip(jax.tree_util.tree_leaves_with_path(params),
-                                    jax.tree_util.tree_leaves(param_shardings)):
-    by_path[_dict_keys(path)] = (tuple(leaf.shape), sharding)
+  """Shardings of a tree mirroring ``params`` (optimizer state): a leaf gets its parameter's (same
+  key path and shape), else ``default``."""
+  by_path = {_dict_keys(path): (tuple(leaf.shape), sharding)
+             for (path, leaf), sharding in zip(jax.tree_util.tree_leaves_with_path(params),
+                                               jax.tree_util.tree_leaves(param_shardings))}
 
   def pick(path, leaf):
     found = by_path.get(_dict_keys(path))
@@ -168,11 +143,8 @@ def like_params(tree: Any, params: Any, param_shardings: Any,
 
 def state_shardings(shapes: Dict[str, Any], boxed_variables: Any, mesh: jax.sharding.Mesh,
                     rules: Rules) -> Dict[str, Any]:
-  """NamedShardings of the train state (``vit_jax.train``), or any subset, shaped as ``shapes``.
-
-  ``params`` / ``ema_params`` / ``model_state`` by the logical axes of ``boxed_variables``
-  (``jax.eval_shape(model.init)``), optimizer moments like their parameters, the rest replicated.
-  """
+  """NamedShardings of (a subset of) the train state: variables by their logical axes,
+  optimizer moments like their parameters, the rest replicated."""
   replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
   variables = dict(variable_shardings(boxed_variables, mesh, rules))
   params = variables.pop("params")
@@ -206,11 +178,8 @@ def replicated_bytes(abstract_params: Any, shardings: Any) -> Tuple[int, int]:
 
 def check_replication(abstract_params: Any, shardings: Any, mesh: jax.sharding.Mesh,
                       max_fraction: float) -> str:
-  """A one-line report of the parameter layout; fails when FSDP leaves most bytes replicated.
-
-  Raises ValueError: ``fsdp > 1`` and more than ``max_fraction`` of the parameter bytes
-  replicated (check ``config.mesh.rules``).
-  """
+  """A one-line report of the parameter layout; ValueError when ``fsdp > 1`` leaves more than
+  ``max_fraction`` of the parameter bytes replicated."""
   replicated, total = replicated_bytes(abstract_params, shardings)
   fraction = replicated / max(total, 1)
   report = (f"Mesh {dict(mesh.shape)}: {total / 2**20:.1f} MiB of parameters, "

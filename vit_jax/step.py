@@ -1,19 +1,13 @@
-"""The train state, the steps, and their devices: one definition that the trainer, the
-evaluation tools, the benchmark and the pod pre-flight compile.
+"""The train state, the steps and their devices: one definition that the trainer, the tools,
+the benchmark and the pre-flight compile.
 
-  setup = step.build(config, image_shape=(224, 224, 3))    # a resolved config (vit_jax.config)
+  setup = step.build(config, image_shape=(224, 224, 3))    # a resolved config
   state = jax.jit(setup.init_state, out_shardings=setup.state_shardings)(setup.init_rng)
   compiler = step.Compiler(setup)                           # compiled once per input shape
   state, metrics = compiler(setup.jit_train_step(), state, setup.to_global(local_batch))
 
-The state is a dict: `{'step': int32[], 'params', 'opt_state', 'model_state', 'ema_params'}`.
-'model_state' holds the model's variable collections other than 'params' (T2T-ViT's fixed
-sinusoid table and Performer features): saved and restored, never trained; absent when empty.
-'ema_params' (only with `config.ema_decay > 0`) is the moving average of 'params'.
-
-`make_*_step` are the pure step functions; `Setup` binds them to a config, a device mesh and the
-shardings (donating the old state), moves batches between the hosts and the mesh, and compiles
-inside the mesh and the logical-axis rules; `batch_shards` is how many ways a mesh splits a batch.
+The state: ``{'step': int32[], 'params', 'opt_state', 'model_state' (the untrained collections,
+e.g. T2T-ViT's constants; absent when empty), 'ema_params' (with config.ema_decay > 0)}``.
 """
 
 from __future__ import annotations
@@ -35,7 +29,6 @@ import optax
 from vit_jax import models
 from vit_jax import optim
 from vit_jax import sharding
-from vit_jax.kernels import cpu_attention
 
 State = dict[str, Any]
 Batch = dict[str, jax.Array]
@@ -43,11 +36,7 @@ Metrics = dict[str, jax.Array]
 
 
 def create_model(config: ml_collections.ConfigDict) -> nn.Module:
-  """The model of a resolved config: `config.model_name` with the fields of `config.model`.
-
-  Raises:
-    ValueError, TypeError: as `vit_jax.models.create`.
-  """
+  """`config.model_name` with the fields of `config.model`; raises as `vit_jax.models.create`."""
   fields = {key: config.model[key] for key in config.model}
   for key in ("dtype", "param_dtype"):
     if isinstance(fields.get(key), str):
@@ -69,8 +58,7 @@ def state_from_variables(variables: dict[str, Any], tx: optax.GradientTransforma
 
 
 def boxed_init(model: nn.Module, image_shape: Sequence[int], rng: jax.Array) -> dict[str, Any]:
-  """`model.init` on one `[1, H, W, C]` image of zeros: the variables, parameters boxed with
-  their logical axis names (`nn.LogicallyPartitioned`)."""
+  """`model.init` on one `[1, H, W, C]` image of zeros, parameters boxed with logical axes."""
   images = jnp.zeros((1, *image_shape), jnp.float32)
   return dict(model.init({"params": rng}, images, train=False))
 
@@ -83,19 +71,9 @@ def variables_of(state: State, params: Any = None) -> dict[str, Any]:
 
 def eval_sums(logits: jax.Array, labels: jax.Array, mask: jax.Array,
               loss: str) -> dict[str, jax.Array]:
-  """Sums of one eval batch over its real (unmasked) examples.
-
-  A prediction is a hit when the top-scoring class is among the true labels: top-1 accuracy for
-  one-hot labels, precision@1 for multi-hot ones (the ViT paper's ImageNet-21k / JFT metric).
-
-  Args:
-    logits: `[B, C]`; labels: `[B, C]` one-hot or multi-hot; mask: `[B]` bool, False for padding.
-    loss: the loss kind of `vit_jax.optim.loss_fn`.
-
-  Returns:
-    int32 `count` (real examples), `correct` (top-1 hits), `correct_top5` (hits among the top 5,
-    only when C >= 5) and float32 `loss` (summed per-example loss).
-  """
+  """Sums over the unmasked rows of logits, labels `[B, C]` (one- or multi-hot), mask `[B]`:
+  int32 `count`, `correct` (top-1 among the labels: precision@1 for multi-hot, the ViT paper's
+  JFT metric), `correct_top5` (C >= 5) and float32 `loss` (`vit_jax.optim.loss_fn`)."""
   top1 = jnp.argmax(logits, axis=-1)
   hit1 = jnp.take_along_axis(labels, top1[:, None], axis=-1)[:, 0] > 0
   sums = {"count": mask.sum(dtype=jnp.int32), "correct": (hit1 & mask).sum(dtype=jnp.int32),
@@ -108,10 +86,8 @@ def eval_sums(logits: jax.Array, labels: jax.Array, mask: jax.Array,
 
 
 def train_accuracy(logits: jax.Array, labels: jax.Array) -> jax.Array:
-  """The mean over the batch of `labels[argmax(logits)]`, clipped to [0, 1]: top-1 accuracy for
-  one-hot labels, precision@1 for multi-hot ones (as `eval_sums`), and for mixed labels (mixup,
-  CutMix: weights lambda and 1 - lambda) the expected top-1 accuracy against the mixture, i.e.
-  lambda when the top class is the first image's. logits, labels: `[B, C]`; float32 scalar."""
+  """The float32 mean of `labels[argmax(logits)]` clipped to [0, 1] (`[B, C]` each): top-1
+  accuracy, precision@1, or against mixup/CutMix labels the expected top-1 accuracy."""
   top1 = jnp.argmax(logits, axis=-1)
   hit = jnp.take_along_axis(labels.astype(jnp.float32), top1[:, None], axis=-1)[:, 0]
   return jnp.clip(hit, 0.0, 1.0).mean()
@@ -121,26 +97,15 @@ def make_train_step(model: nn.Module, tx: optax.GradientTransformation,
                     schedule: Callable[[jax.Array], jax.Array], *, loss: str,
                     dropout_rng: jax.Array, label_smoothing: float = 0.0,
                     grad_accum_steps: int = 1, ema_decay: float = 0.0,
-                    skip_nonfinite: bool = False) -> Callable[[State, Batch], tuple[State, Metrics]]:
-  """The training step: forward, backward, optimizer update, EMA and metrics.
+                    skip_nonfinite: bool = False
+                    ) -> Callable[[State, Batch], tuple[State, Metrics]]:
+  """`step(state, batch) -> (state, metrics)`: forward, backward, update, EMA.
 
-  Args:
-    model: the Flax model (`create_model`).
-    tx: the optimizer (`vit_jax.optim.make_optimizer`); schedule: its learning rate per update.
-    loss: 'softmax_xent' or 'sigmoid_xent' (`vit_jax.optim.loss_fn`), label_smoothing its
-      smoothing.
-    dropout_rng: folded with the step number (and the micro-batch) for dropout and drop path.
-    grad_accum_steps: split each batch into this many sequential micro-batches; micro-batch i
-      takes examples i, i + n, ... so that each one is spread over all devices. The gradient is
-      their mean, as the full batch's.
-    ema_decay: > 0 keeps `ema_params = d * ema_params + (1 - d) * params` after each update.
-    skip_nonfinite: the optimizer is wrapped in `optax.apply_if_finite`; report 'skipped'.
-
-  Returns:
-    `step(state, batch) -> (state, metrics)`: batch `{'image': [B, H, W, C] float32, 'labels':
-    [B, C] float32}`; metrics (float32 scalars) 'loss' (mean over the batch), 'accuracy'
-    (`train_accuracy`, of the logits with dropout), 'grad_norm', 'param_norm' (global L2 norms), 'lr' (the rate of this update), and 'skipped' (1.0 when
-    `skip_nonfinite` and the update was skipped).
+  batch `{'image': [B, H, W, C], 'labels': [B, C]}` float32. `grad_accum_steps` micro-batches
+  (micro-batch i takes rows i, i + n, ..., spread over all devices) average to the batch's
+  gradient; `ema_decay` > 0 keeps `ema_params`; `skip_nonfinite`: the optimizer is wrapped in
+  `optax.apply_if_finite`. Metrics, float32 scalars: 'loss', 'accuracy' (`train_accuracy`),
+  'grad_norm', 'param_norm', 'lr' and, with `skip_nonfinite`, 'skipped'.
   """
 
   def loss_of(params, state, images, labels, rng):
@@ -187,10 +152,8 @@ def make_train_step(model: nn.Module, tx: optax.GradientTransformation,
 
 
 def make_features_step(model: nn.Module) -> Callable[[State, jax.Array], jax.Array]:
-  """`step(state, images) -> [B, F]` float32 pre-logit features of `[B, H, W, C]` images: the
-  model without its head (`num_classes=None`: ViT's `pre_logits` output, the representation
-  layer's when there is one; T2T-ViT's normed class token), as the ViT paper's few-shot linear
-  evaluation uses them (Sec. 4.1). The head's parameters are ignored."""
+  """`step(state, images [B, H, W, C]) -> [B, F]` float32: the model without its head (ViT's
+  `pre_logits`, T2T-ViT's normed class token), the ViT paper's few-shot features (Sec. 4.1)."""
   trunk = model.clone(num_classes=None)
 
   def features_step(state: State, images: jax.Array) -> jax.Array:
@@ -200,9 +163,8 @@ def make_features_step(model: nn.Module) -> Callable[[State, jax.Array], jax.Arr
 
 
 def make_eval_step(model: nn.Module, *, loss: str, top1: bool = False) -> Callable[..., Any]:
-  """`step(state, batch) -> eval_sums(...)` of the state's parameters on a masked eval batch
-  (`{'image', 'labels', 'mask'}`); evaluate the EMA with `dict(state, params=ema_params)`.
-  `top1`: returns `(sums, int32 [B] top-1 classes)`."""
+  """`step(state, {'image', 'labels', 'mask'}) -> eval_sums(...)`; with `top1`, `(sums, int32 [B]
+  top-1 classes)`. The EMA: `dict(state, params=ema_params)`."""
 
   def eval_step(state: State, batch: Batch):
     logits = model.apply(variables_of(state), batch["image"], train=False)
@@ -214,19 +176,8 @@ def make_eval_step(model: nn.Module, *, loss: str, top1: bool = False) -> Callab
 
 @dataclasses.dataclass(frozen=True)
 class Setup:
-  """A resolved config bound to a model, an optimizer, a device mesh and shardings.
-
-  Attributes:
-    config: the resolved config (`vit_jax.config.resolve`).
-    model, tx, schedule: the model, optimizer and learning-rate schedule of `config`.
-    mesh, rules: the device mesh (`vit_jax.sharding.create_mesh`) and the logical-axis rules.
-    image_shape: `(H, W, C)` of the model's input.
-    init_rng, dropout_rng: keys derived from `config.seed`.
-    abstract_state: the state as `jax.ShapeDtypeStruct`s with their shardings (nothing
-      allocated); state_shardings: the same tree of `NamedSharding`s.
-    batch_sharding: the sharding of `[B, ...]` input arrays (B over the batch axes).
-    boxed_variables: `jax.eval_shape` of `model.init`, parameters boxed with logical axes.
-  """
+  """A resolved config bound to its model, optimizer, mesh and shardings (`build`); the state
+  abstract (`ShapeDtypeStruct`s with shardings), batches `[B, ...]` split over the batch axes."""
 
   config: ml_collections.ConfigDict
   model: nn.Module
@@ -243,7 +194,6 @@ class Setup:
   boxed_variables: Any
 
   def init_variables(self, rng: jax.Array) -> dict[str, Any]:
-    """`model.init` on one image, plain (unboxed) arrays."""
     return nn.unbox(boxed_init(self.model, self.image_shape, rng))
 
   def init_state(self, rng: jax.Array) -> State:
@@ -251,7 +201,7 @@ class Setup:
     return self.state_from_variables(self.init_variables(rng))
 
   def state_from_variables(self, variables: dict[str, Any]) -> State:
-    """The state at step 0 of loaded variables (e.g. a fine-tuning initialisation)."""
+    """The state at step 0 of loaded variables (a fine-tuning initialisation)."""
     return state_from_variables(variables, self.tx, ema=bool(self.config.ema_decay))
 
   def train_step_fn(self) -> Callable[[State, Batch], tuple[State, Metrics]]:
@@ -270,14 +220,12 @@ class Setup:
 
   @property
   def variables_shardings(self) -> dict[str, Any]:
-    """The shardings of the state's 'params' (and 'model_state'): of a state that only
-    evaluates, e.g. `{'params': ..., 'model_state': ...}` loaded from a checkpoint."""
+    """The shardings of 'params' (and 'model_state'): of a state that only evaluates."""
     return {k: v for k, v in self.state_shardings.items() if k in ("params", "model_state")}
 
   def jit_eval_step(self, *, variables_only: bool = False, top1: bool = False):
-    """The eval step jitted over the mesh (sums replicated, top-1 classes sharded as the batch);
-    `variables_only`: for a state of 'params' (and 'model_state') only (`variables_shardings`);
-    `top1`: as `make_eval_step`."""
+    """The eval step jitted over the mesh (sums replicated); `variables_only`: for a state with
+    `variables_shardings`; `top1`: as `make_eval_step`."""
     replicated = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
     shardings = self.variables_shardings if variables_only else self.state_shardings
     return jax.jit(make_eval_step(self.model, loss=self.config.loss, top1=top1),
@@ -285,9 +233,7 @@ class Setup:
                    out_shardings=(replicated, self.batch_sharding) if top1 else replicated)
 
   def jit_features_step(self):
-    """`make_features_step` jitted over the mesh: `(state, images [B, H, W, C]) -> [B, F]`
-    (the features sharded over the batch axes, as the images); `state` holds 'params' (and
-    'model_state') only, with `variables_shardings`."""
+    """`make_features_step` jitted over the mesh, for a state with `variables_shardings`."""
     return jax.jit(make_features_step(self.model),
                    in_shardings=(self.variables_shardings, self.batch_sharding),
                    out_shardings=self.batch_sharding)
@@ -302,8 +248,7 @@ class Setup:
     return batch
 
   def to_global(self, local: Any) -> Any:
-    """This process's rows (a numpy array or a dict of them, `[B / processes, ...]`) -> global
-    arrays `[B, ...]` with `batch_sharding`."""
+    """This process's rows (`[B / processes, ...]`, arrays or a dict) -> global `[B, ...]`."""
     return jax.tree.map(
         lambda x: jax.make_array_from_process_local_data(self.batch_sharding, x), local)
 
@@ -313,8 +258,7 @@ class Setup:
         array, self.mesh, self.batch_sharding.spec))
 
   def in_mesh(self, fn: Callable[..., Any]) -> Callable[..., Any]:
-    """`fn` run (and so traced) with this mesh and rules active, for the models' logical
-    activation constraints."""
+    """`fn` run (and traced) with this mesh and rules active (the models' constraints)."""
 
     def run(*args, **kwargs):
       with jax.set_mesh(self.mesh), nn.logical_axis_rules(self.rules):
@@ -322,23 +266,15 @@ class Setup:
 
     return run
 
-  def compiled_attention(self, compiled: jax.stages.Compiled) -> str:
-    """Which attention a compiled step runs: "vit_jax's fused CPU kernel" when its program
-    calls the kernel, else the model's `attention` implementation."""
-    if cpu_attention.called_by(compiled):
-      return "vit_jax's fused CPU kernel"
-    return self.config.model.attention
-
   def compile(self, jitted, *args) -> jax.stages.Compiled:
     """`jitted.lower(*args).compile()` inside the mesh and rules; args may be abstract."""
     return self.in_mesh(lambda *a: jitted.lower(*a).compile())(*args)
 
 
 class Compiler:
-  """Jitted steps of `setup`, each compiled (`Setup.compile`) before its first call for the
-  shapes of its arguments after the state (whose shapes are fixed), then cached. `timer()`: a
-  context manager around each compilation (e.g. `lambda: accountant.timed('compile')`);
-  `on_compile(jitted, compiled)` after it."""
+  """Jitted steps of `setup`, compiled (`Setup.compile`) once per shapes of the arguments after
+  the state, then cached; `timer()` wraps each compilation, `on_compile(jitted, compiled)`
+  follows it."""
 
   def __init__(self, setup: Setup, timer: Optional[Callable[[], ContextManager]] = None,
                on_compile: Optional[Callable[[Any, jax.stages.Compiled], None]] = None):
@@ -362,28 +298,17 @@ class Compiler:
 
 
 def batch_shards(mesh_config: ml_collections.ConfigDict, num_devices: int) -> int:
-  """How many ways `config.mesh` on `num_devices` devices splits the batch (every global batch
-  is a multiple of it). Raises ValueError as `vit_jax.sharding.axis_sizes`."""
+  """How many ways `config.mesh` on `num_devices` devices splits the batch; raises as
+  `vit_jax.sharding.axis_sizes`."""
   sizes = sharding.axis_sizes(mesh_config, num_devices)
   return math.prod(sizes[a] for a in sharding.batch_axes(sharding.parse_rules(mesh_config.rules)))
 
 
 def build(config: ml_collections.ConfigDict, *, image_shape: Sequence[int],
           devices: Optional[Sequence[Any]] = None) -> Setup:
-  """Binds a resolved config to its model, optimizer, mesh and shardings (nothing allocated).
-
-  Args:
-    config: resolved by `vit_jax.config.resolve` for the same devices.
-    image_shape: `(H, W, C)` of the input images (`vit_jax.data.DatasetInfo.image_shape`).
-    devices: the devices of the mesh (default `jax.devices()`); e.g. a TPU topology's devices
-      to compile for a slice from any host.
-
-  Returns:
-    A `Setup`.
-
-  Raises:
-    ValueError: the image size is not a multiple of the patch size (with the flag to change), a
-      mesh that does not fit the devices, or FSDP that leaves most parameters replicated.
+  """The `Setup` of a config resolved for `devices` (default `jax.devices()`; a TPU topology's
+  to compile for a slice) and images `(H, W, C)`; nothing allocated. `models.ImageSizeError`:
+  an image size the model cannot take (naming the flag); ValueError: a mesh that does not fit.
   """
   model = create_model(config)
   schedule = optim.schedule_from_config(config.optim, batch_size=config.batch_size,
@@ -400,15 +325,11 @@ def build(config: ml_collections.ConfigDict, *, image_shape: Sequence[int],
 
   try:
     shapes = jax.eval_shape(init_state, init_rng)
-  except ValueError as e:
-    if "is not divisible by" not in str(e):
-      raise
-    raise ValueError(f"{e} (Training resizes every image to config.data.image_size="
-                     f"{config.data.image_size}: set --config.data.image_size to such a "
-                     "multiple.)") from e
+  except models.ImageSizeError as e:
+    raise models.ImageSizeError(
+        f"{e} (Training resizes every image to config.data.image_size="
+        f"{config.data.image_size}: set --config.data.image_size to a size that fits.)") from e
   boxed = jax.eval_shape(functools.partial(boxed_init, model, image_shape), init_rng)
-  # Parameters (and their EMA, and the optimizer's moments) by their logical axes and the rules;
-  # the step and counters replicated.
   state_shardings = sharding.state_shardings(shapes, boxed, mesh, rules)
   abstract_state = jax.tree.map(
       lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), shapes, state_shardings)

@@ -1,15 +1,13 @@
-"""Stopping a run: SIGTERM (a preemption notice) and Ctrl-C at any moment, and the process's end.
-
-Before the first step (:func:`stop_at_once_on_signals`) both raise :class:`StopRequested` at
-once (nothing to save; exit 75 or 130). From the first step (:func:`stop_notice`,
-``StopNotice.training()``) they set a notice the loop checks each step (it saves, then stops).
-:func:`exit_process` skips the interpreter's teardown (which can wait for tf.data threads).
+"""Stopping a run: SIGTERM (a preemption notice) and Ctrl-C raise :class:`StopRequested` during
+the set-up (nothing to save; exit 75 or 130); from the first step they set a notice the loop
+checks (it saves, then stops). Imported before JAX loads: it imports JAX only in functions.
 """
 
 from __future__ import annotations
 
 import _thread
 import contextlib
+import ctypes
 import os
 import signal
 import sys
@@ -19,25 +17,19 @@ from typing import Optional
 
 from absl import logging
 
-#: The file descriptor of this process's stderr: 2, except while `vit_jax.platform` keeps
-#: TensorFlow's start-up banners out of descriptor 2 (it sets its copy of the real one here).
+#: This process's stderr: 2, except while `vit_jax.platform` diverts descriptor 2.
 stderr_fd = 2
 
-#: Exit codes after a stop notice: SIGTERM (EX_TEMPFAIL, "try again": rerun to resume) and
-#: Ctrl-C (128 + SIGINT, as a shell reports it).
+#: Exit codes after SIGTERM (EX_TEMPFAIL: rerun to resume) and Ctrl-C (128 + SIGINT).
 PREEMPTED_EXIT_CODE, INTERRUPTED_EXIT_CODE = 75, 130
-#: Seconds a process may still run after a stop notice during the set-up before the watcher
-#: ends it (the main thread is then inside one long C++ call, a compilation or jax.distributed's
-#: registration, or the exception was lost in a callback); longer while a `deferred_stop()`
-#: section is open, at most 4 times as long.
+#: Seconds a process may run after a set-up stop before the watcher ends it (the main thread is in
+#: a long C++ call, or the exception was lost in a callback); 4 times as long in `deferred_stop()`.
 STOP_GRACE_S = 5.0
 
 
 class StopRequested(BaseException):
-  """SIGTERM (``exit_code`` 75) or Ctrl-C (130) before the first step: stop at once.
-
-  A BaseException, like KeyboardInterrupt, so that no library's ``except Exception`` swallows it.
-  """
+  """SIGTERM (``exit_code`` 75) or Ctrl-C (130) before the first step: stop at once (a
+  BaseException, so that no library's ``except Exception`` swallows it)."""
 
   def __init__(self, signal_name: str):
     self.signal = signal_name
@@ -49,8 +41,7 @@ class StopRequested(BaseException):
 
 
 class _Stops:
-  """The state of the set-up's stop handler (`_raise_stop`): `deferring` counts the open
-  `deferred_stop()` sections, `pending` names the first signal received."""
+  """The set-up stop handler's state: open `deferred_stop()` sections, the first signal."""
   deferring = 0
   pending: Optional[str] = None
   received: Optional[str] = None  # Read by `_watch_stops`, even while the main thread is busy.
@@ -58,11 +49,8 @@ class _Stops:
 
 
 def _raise_stop(signum, frame) -> None:
-  """Raises :class:`StopRequested` (after open ``deferred_stop()`` sections).
-
-  It may run inside a callback that only prints what it raises (a gc callback):
-  ``StopNotice.training()`` raises it again and ``_watch_stops`` bounds the time.
-  """
+  """Raises :class:`StopRequested` (after open ``deferred_stop()`` sections); one lost in a
+  callback is raised again by ``StopNotice.training()``, and ``_watch_stops`` bounds the time."""
   del frame
   if _Stops.pending == signal.Signals(signum).name:
     return  # A second copy (a pod's supervisor passes SIGTERM on): the first is on its way.
@@ -72,8 +60,8 @@ def _raise_stop(signum, frame) -> None:
 
 
 def stop_in(error: BaseException) -> Optional[StopRequested]:
-  """The `StopRequested` that `error` is or was raised from (its __cause__ / __context__ chain:
-  Python 3.11 wraps one raised in a class's `__set_name__` into a RuntimeError), or None."""
+  """The `StopRequested` in `error`'s __cause__ / __context__ chain (Python 3.11 wraps one raised
+  in a `__set_name__`), or None."""
   seen = set()
   while error is not None and id(error) not in seen:
     if isinstance(error, StopRequested):
@@ -84,18 +72,14 @@ def stop_in(error: BaseException) -> Optional[StopRequested]:
 
 
 def received_stop() -> Optional[StopRequested]:
-  """The set-up stop this process received (its handler may not have run yet), or None.
-
-  On a pod, a process told to stop that then loses a peer reports the stop, not the peer.
-  """
+  """The set-up stop this process received (its handler may not have run yet), or None."""
   name = _Stops.pending or _Stops.received
   return StopRequested(name) if name else None
 
 
 @contextlib.contextmanager
 def deferred_stop():
-  """A section that a stop notice of the set-up does not cut short (writing a file, taking the
-  workdir's lock): `StopRequested` is raised when it ends."""
+  """A section a set-up stop does not cut short (a file write, the lock): raised at its end."""
   _Stops.deferring += 1
   try:
     yield
@@ -109,8 +93,8 @@ def deferred_stop():
 
 
 def _watch_stops(fd: int, grace_s: float) -> None:
-  """Reads the signal numbers that Python's C handler writes to `fd` (`signal.set_wakeup_fd`):
-  a process still running `grace_s` after a set-up stop (see `STOP_GRACE_S`) ends from here."""
+  """Reads the signal numbers Python's C handler writes to `fd` (`signal.set_wakeup_fd`) and
+  ends a process still running `grace_s` after a set-up stop."""
   while True:
     try:
       received = os.read(fd, 64)
@@ -129,9 +113,8 @@ def _watch_stops(fd: int, grace_s: float) -> None:
 
 
 def _sigaction(new: Optional[bytes]) -> Optional[bytes]:
-  """Sets SIGTERM's action to `new` (bytes of a `struct sigaction` read here before; None: keeps
-  it) and returns the one it replaced, as opaque bytes, or None where libc cannot be reached."""
-  import ctypes  # pylint: disable=g-import-not-at-top
+  """Sets SIGTERM's action to `new` (opaque bytes read here before; None: keeps it); returns the
+  one replaced, or None where libc cannot be reached."""
   try:
     libc = ctypes.CDLL(None, use_errno=True)
   except OSError:
@@ -144,10 +127,8 @@ def _sigaction(new: Optional[bytes]) -> Optional[bytes]:
 
 
 def hold_sigterm() -> None:
-  """On a pod, after ``jax.distributed.initialize`` took SIGTERM: SIGTERM stops the set-up again.
-
-  ``StopNotice.training()`` gives it back to jax's preemption service from the first step on.
-  """
+  """On a pod, after ``jax.distributed.initialize`` took SIGTERM: SIGTERM stops the set-up again
+  (``StopNotice.training()`` gives it back to jax's preemption service)."""
   if threading.current_thread() is not threading.main_thread():
     return
   _Stops.jax_sigterm = _sigaction(None)
@@ -163,11 +144,8 @@ def _give_sigterm_back() -> None:
 
 
 def stop_at_once_on_signals(grace_s: float = STOP_GRACE_S) -> None:
-  """From now on SIGTERM and Ctrl-C raise :class:`StopRequested` in the main thread.
-
-  A watcher thread ends the process if the main thread does not act within ``grace_s``. Call it
-  first thing, before JAX and TensorFlow load. Does nothing outside the main thread.
-  """
+  """From now on SIGTERM and Ctrl-C raise :class:`StopRequested` in the main thread (a watcher
+  ends the process after ``grace_s``). Call it first thing, before JAX and TensorFlow load."""
   if threading.current_thread() is not threading.main_thread():
     return
   signal.signal(signal.SIGTERM, _raise_stop)
@@ -191,11 +169,8 @@ def stop_at_once_on_signals(grace_s: float = STOP_GRACE_S) -> None:
 
 
 def exit_process(code: int, message: Optional[str] = None, *, shutdown: bool = False):
-  """Ends the process now (``os._exit(code)``): ``message`` on stderr, logs flushed. Never returns.
-
-  ``shutdown``: ``jax.distributed.shutdown()`` first (waits at most the distributed timeout).
-  Skips the interpreter's teardown, which can hang on tf.data threads or a lost peer.
-  """
+  """``os._exit(code)`` (the teardown can hang on tf.data threads or a lost peer): ``message`` on
+  stderr, logs flushed, with ``shutdown`` ``jax.distributed.shutdown()`` first."""
   try:
     if message:
       sys.stderr.flush()
@@ -217,8 +192,8 @@ def exit_process(code: int, message: Optional[str] = None, *, shutdown: bool = F
 
 
 def peer_lost_message(error: BaseException, workdir: str, latest_step: Optional[int]) -> str:
-  """The FATAL line of a multi-process run whose collective or barrier failed: which process
-  this is, what failed (the first line of `error`), the intact checkpoint, what to do."""
+  """The FATAL line of a multi-process run whose collective failed: the process, `error`'s first
+  line, the intact checkpoint, what to do."""
   import jax  # pylint: disable=g-import-not-at-top
   first = (str(error).strip().splitlines() or [type(error).__name__])[0][:300]
   kept = (f"the checkpoint of step {latest_step} in {workdir} is intact" if latest_step
@@ -233,8 +208,7 @@ def _nothing() -> None:
 
 
 class StopNotice(threading.Event):
-  """An event that SIGTERM or a first Ctrl-C sets from the first step on (`training`);
-  `signal` names which ('SIGTERM', 'SIGINT')."""
+  """Set by SIGTERM or a first Ctrl-C from the first step on; `signal` names which."""
 
   def __init__(self):
     super().__init__()
@@ -242,17 +216,14 @@ class StopNotice(threading.Event):
     self._on_training = _nothing
 
   def notify(self, name: str) -> None:
-    """Sets the event, naming `name` ('SIGTERM' or 'SIGINT') as its cause unless already set
-    (the first signal names it)."""
+    """Sets the event; the first signal names it ('SIGTERM' or 'SIGINT')."""
     if not self.is_set():
       self.signal = name
       self.set()
 
   def training(self) -> None:
-    """The first step is done: from now on a notice saves the current step, then stops.
-
-    Raises StopRequested: a set-up stop whose exception was lost (:func:`_raise_stop`).
-    """
+    """The first step is done: a notice now saves the step, then stops. Raises StopRequested
+    for a set-up stop whose exception was lost."""
     if _Stops.pending and self._on_training is not _nothing:
       raise StopRequested(_Stops.pending)
     self._on_training()
@@ -261,14 +232,11 @@ class StopNotice(threading.Event):
 
 @contextlib.contextmanager
 def stop_notice():
-  """Yields a :class:`StopNotice`; the previous handlers are restored after. Main thread only.
-
-  Until ``StopNotice.training()`` signals raise :class:`StopRequested`; then SIGTERM and a first
-  Ctrl-C set the notice (a second Ctrl-C raises KeyboardInterrupt). With several processes,
-  SIGTERM belongs to jax's preemption service from the first step (:func:`hold_sigterm`) and
-  Ctrl-C keeps Python's default (a save needs every host).
+  """Yields a :class:`StopNotice` (handlers restored after): until ``training()`` signals raise
+  :class:`StopRequested`, then SIGTERM and a first Ctrl-C set it. On a pod SIGTERM is jax's
+  preemption service's from the first step and Ctrl-C keeps Python's default.
   """
-  import jax  # pylint: disable=g-import-not-at-top  (not at import: --help stays fast)
+  import jax  # pylint: disable=g-import-not-at-top  (not at import: imported before JAX loads)
   notice = StopNotice()
   if threading.current_thread() is not threading.main_thread():
     yield notice

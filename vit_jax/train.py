@@ -1,11 +1,8 @@
 """The training loop: pretraining or fine-tuning, with evaluation and Orbax checkpoints.
 
-Read `train_and_evaluate` top to bottom; its phases (config, state, steps, loop, end) are marked.
-Everything that can refuse a run does so in the config phase, before anything is written. One
-clock, a `vit_jax.accounting.CostAccountant`, times each part (training steps, input,
-compilation, evaluation, checkpointing): the log's throughput and ETA come from its training
-time, and it reports the run's cost (log, TensorBoard 'cost/...', every checkpoint,
-`WORKDIR/cost.json`). The workdir's layout belongs to `vit_jax.checkpoint`.
+Read `train_and_evaluate` top to bottom, phase by phase; everything that can refuse a run does so
+in the config phase, before anything is written. One clock, an `accounting.CostAccountant`, times
+every part and reports the run's cost.
 """
 
 from __future__ import annotations
@@ -24,6 +21,7 @@ from vit_jax import checkpoint
 from vit_jax import config as config_lib
 from vit_jax import data
 from vit_jax import evaluation
+from vit_jax import kernels
 from vit_jax import sharding
 from vit_jax import step as step_lib
 from vit_jax import stops
@@ -54,49 +52,26 @@ class Preempted(Exception):
 
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
                        program_start: Optional[float] = None) -> dict[str, float]:
-  """Trains (or resumes training) and evaluates; returns the final evaluation metrics.
-
-  Rerunning with the same `workdir` resumes from its latest checkpoint at the saved step and
-  finishes the schedule; a finished run does no more training (it only evaluates again).
-
-  Args:
-    config: a config from `configs/*.py` (see `vit_jax.config.get_config`).
-    workdir: where checkpoints, `config.json`, `dataset.json`, `cost.json` and TensorBoard
-      events go (local or gs://; layout: `vit_jax.checkpoint.Workdir`).
-    program_start: `time.monotonic()` when the program started (`vit_jax.STARTED` from
-      `vit_jax.main`): the compute account's program time counts from there (default: now).
-
-  Returns:
-    `{'<split>/accuracy': top-1 (precision@1 for multi-label data), '<split>/top5_accuracy'
-    (with >= 5 classes), '<split>/loss', 'step'}` of the final evaluation, and with
-    `config.fewshot.every_steps` the few-shot scalars ('fewshot/<data>_<k>shot[_std]').
+  """Trains (resuming from `workdir`'s latest checkpoint; a finished run only evaluates again)
+  and returns the final evaluation's metrics (`'<split>/accuracy'`, `'/top5_accuracy'`,
+  `'/loss'`, 'step', and the few-shot scalars); `program_start`: `time.monotonic()` the program
+  started (`vit_jax.STARTED`), the start of the cost account (default: now).
 
   Raises:
-    ConfigError: (a ValueError) the config cannot run: a value out of range, batch size,
-      schedule length, dataset, model name or image size, a workdir that cannot be written,
-      holds another model's checkpoints or is in use by another run (its lock, `lock.json`);
-      raised before anything is written to `workdir`.
-    FloatingPointError: the training loss became NaN or Inf (the last good checkpoint is kept).
-    Preempted: SIGTERM or a first Ctrl-C (SIGINT) from the first step on: the current step was
-      saved (`interrupted` for Ctrl-C). A second Ctrl-C raises KeyboardInterrupt.
-    vit_jax.stops.StopRequested: (a BaseException) SIGTERM or Ctrl-C during the set-up or the
-      first step's compilation: stopped at once, nothing saved, the lock released.
-    CheckpointSaveError: writing to the workdir failed (e.g. a full disk); earlier checkpoints
-      are intact.
-    vit_jax.data.BadImageError: an image cannot be decoded (config.data.bad_images='fail').
+    ConfigError: (a ValueError) the config or workdir cannot run, raised before any write.
+    FloatingPointError: the loss became NaN or Inf (the last good checkpoint is kept).
+    Preempted: SIGTERM or a first Ctrl-C from the first step on, after saving the step.
+    vit_jax.stops.StopRequested: SIGTERM or Ctrl-C during the set-up: nothing saved.
+    CheckpointSaveError: writing to the workdir failed; earlier checkpoints are intact.
+    vit_jax.data.BadImageError: an undecodable image (config.data.bad_images='fail').
   """
   with stops.stop_notice() as notice, contextlib.ExitStack() as held:
-    # ---------------------------------------------------------------------------------------
-    # 1. Config. Cheap checks of everything, before anything is written to the workdir; the
-    # workdir's lock is held from then on (released however the run ends).
-    # ---------------------------------------------------------------------------------------
+    # 1. Config: every check before any write; the workdir's lock held from then on.
     with _config_errors():
       run = _prepare(config, workdir, program_start, held)
     config, setup, accountant, run_dir = run.config, run.setup, run.accountant, run.run_dir
 
-    # ---------------------------------------------------------------------------------------
     # 2. State: the latest checkpoint, else the fine-tuning initialisation, else a fresh one.
-    # ---------------------------------------------------------------------------------------
     checkpoints = _open_workdir(run, held)
     state = _initial_state(run, checkpoints)
     start_step, total_steps = int(state["step"]), config.total_steps
@@ -108,15 +83,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
     logging.info("Model %s: %s parameters; %d of %d steps done.", config.model_name,
                  f"{num_params:,}", start_step, total_steps)
 
-    # ---------------------------------------------------------------------------------------
-    # 3. Steps: jitted over the mesh, compiled ahead of their first call per batch shape and
-    # cached (`step.Compiler`, timed as 'compile').
-    # ---------------------------------------------------------------------------------------
+    # 3. Steps: jitted over the mesh, compiled ahead of time and cached (`step.Compiler`).
     compiler, train_step = run.compiler, run.train_step
-    fewshot_eval = run.fewshot  # Few-shot linear evaluation (config.fewshot), of the parameters.
-    evaluate_fewshot = _fewshot_evaluation(run, accountant, writer)
-    pictures = _pictures(run)  # config.analysis: TensorBoard images.
-    evaluate = _evaluation(run, accountant, writer, pictures)
+    pictures, evaluate, evaluate_fewshot = _evaluations(run, accountant, writer)
 
     def save_cost(step: int) -> None:
       report = accountant.report(step)
@@ -124,10 +93,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
       logging.info("Step %d: %s", step, accounting.summary(report))
       run_dir.write_cost(report)
 
-    # ---------------------------------------------------------------------------------------
-    # 4. Loop. Metrics of step s are fetched after step s+1 was dispatched, so the host never
-    # stalls the device; a NaN/Inf loss stops the run one step later at the latest.
-    # ---------------------------------------------------------------------------------------
+    # 4. Loop: step s's metrics are fetched after step s+1 was dispatched (the host never
+    # stalls the device); a NaN/Inf loss stops the run one step later at the latest.
     train_iter = data.create_train_iterator(config.data, global_batch_size=config.batch_size,
                                             seed=config.seed, start_step=start_step)
     skipping = config.optim.max_skipped_updates > 0
@@ -165,7 +132,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
         preempted = notice.is_set() or checkpoints.reached_preemption(step)
         saving = step % config.checkpoint_every_steps == 0 or is_last or preempted
         evaluating = (step % config.eval_every_steps == 0 or is_last) and not preempted
-        fewshot_due = fewshot_eval is not None and not preempted and (
+        fewshot_due = run.fewshot is not None and not preempted and (
             step % config.fewshot.every_steps == 0 or is_last)
         if saving or evaluating or fewshot_due:
           jax.block_until_ready(state)  # The steps in flight are training time.
@@ -183,9 +150,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
         if preempted:
           break
 
-    # ---------------------------------------------------------------------------------------
     # 5. End: a run that was already finished only evaluates again.
-    # ---------------------------------------------------------------------------------------
     if start_step >= total_steps:
       logging.info("The run in %s already finished its %d steps; evaluating only.", workdir,
                    total_steps)
@@ -216,10 +181,8 @@ class _Run:
 
 
 def dataset_record(config: ml_collections.ConfigDict, info: data.DatasetInfo) -> dict[str, Any]:
-  """What a workdir records of its training data (`WORKDIR/dataset.json` and every checkpoint's
-  'dataset' item), so that the workdir alone describes its model's outputs: `name` (tfds name
-  or image folder), `label_names` (C class names in label order), `num_classes`, `multi_label`,
-  `image_shape` `[H, W, C]` after preprocessing, `num_train_examples`, `num_eval_examples`."""
+  """The training data's record in `WORKDIR/dataset.json` and every checkpoint: its name, the C
+  `label_names` in label order, counts, `multi_label`, `image_shape` `[H, W, C]`."""
   return {"name": config.data.image_folder or config.data.name,
           "label_names": list(info.label_names), "num_classes": info.num_classes,
           "multi_label": info.multi_label, "image_shape": list(info.image_shape),
@@ -229,21 +192,15 @@ def dataset_record(config: ml_collections.ConfigDict, info: data.DatasetInfo) ->
 
 def _prepare(config: ml_collections.ConfigDict, workdir: str,
              program_start: Optional[float], held: contextlib.ExitStack) -> _Run:
-  """Phase 1: the dataset's facts, the resolved config, the workdir and its lock (pushed on
-  `held`), the model, mesh and shardings, the eval sets and the fine-tuning checkpoint; writes
-  nothing but the lock.
-
-  Raises:
-    ValueError, TypeError, KeyError, FileNotFoundError, PermissionError: what refuses the run.
-    checkpoint.WorkdirInUseError: another run holds the workdir.
-  """
+  """Phase 1: the resolved config, the workdir's lock (pushed on `held`), the model, mesh, eval
+  sets and fine-tuning weights; writes nothing but the lock. Raises what `_config_errors` turns
+  into a ConfigError."""
   info = data.get_info(config.data)
   config = config_lib.resolve(config, num_train_examples=info.num_train_examples,
                               num_classes=info.num_classes)
   # The compute account starts now: the program's time includes the set-up.
   accountant = accounting.CostAccountant(
-      accounting.local_hardware(str(config.model.dtype)), config.batch_size,
-      start=program_start)
+      accounting.local_hardware(str(config.model.dtype)), config.batch_size, start=program_start)
   run_dir = checkpoint.Workdir(workdir)
   run_dir.check_writable()
   with stops.deferred_stop():  # A stop notice stops once the lock is held (and released).
@@ -266,7 +223,7 @@ def _prepare(config: ml_collections.ConfigDict, workdir: str,
       accounting.account_step_flops(accountant, compiled, setup.model, setup.image_shape,
                                     setup.mesh.size)
       logging.info("Attention in the compiled training step: %s.",
-                   setup.compiled_attention(compiled))
+                   kernels.called_by(compiled) or setup.config.model.attention)
 
   compiler = step_lib.Compiler(setup, lambda: accountant.timed("compile"), on_compile)
   fewshot_eval = None
@@ -292,8 +249,8 @@ def _prepare(config: ml_collections.ConfigDict, workdir: str,
 
 
 def _open_workdir(run: _Run, held: contextlib.ExitStack) -> checkpoint.Checkpoints:
-  """Writes the workdir's config.json and dataset.json and opens its checkpoints (a failure
-  then completes the save in flight: pushed on `held`); a stop notice meanwhile stops after."""
+  """Writes config.json and dataset.json and opens the checkpoints (`_finishing` pushed on
+  `held`)."""
   with stops.deferred_stop():
     run.run_dir.write_config(run.config.to_dict())
     run.run_dir.write_dataset(run.dataset)
@@ -304,16 +261,11 @@ def _open_workdir(run: _Run, held: contextlib.ExitStack) -> checkpoint.Checkpoin
 
 
 def _initial_state(run: _Run, checkpoints: checkpoint.Checkpoints) -> step_lib.State:
-  """Phase 2: the latest checkpoint (its cost account continued), else the fine-tuning
-  initialisation, else a fresh one; placed on the mesh with the state's shardings.
-
-  Raises:
-    ConfigError: the checkpoint's state does not fit this config (e.g. another optimizer).
-  """
+  """Phase 2: the latest checkpoint, else the fine-tuning initialisation, else a fresh state,
+  on the mesh. ConfigError: the checkpoint's state does not fit this config."""
   setup, latest = run.setup, checkpoints.latest_step()
   if latest is not None:
-    logging.info("Resuming from the checkpoint at step %d in %s.", latest,
-                 checkpoints.directory)
+    logging.info("Resuming from the checkpoint at step %d in %s.", latest, checkpoints.directory)
     with _config_errors():
       state, saved_cost = checkpoints.restore(latest, setup.abstract_state)
     run.accountant.resume(accounting.latest_report(saved_cost, run.run_dir.read_cost()),
@@ -325,28 +277,14 @@ def _initial_state(run: _Run, checkpoints: checkpoint.Checkpoints) -> step_lib.S
   return jax.jit(setup.init_state, out_shardings=setup.state_shardings)(setup.init_rng)
 
 
-def _fewshot_evaluation(run: _Run, accountant: accounting.CostAccountant, writer):
-  """`(state, step) -> {'fewshot/<data>_<k>shot[_std]': accuracy}` of the state's parameters
-  (`vit_jax.evaluation.fewshot`), written to TensorBoard and timed as eval; `{}` when
-  `config.fewshot` is off."""
-
-  def evaluate_fewshot(state, step: int) -> dict[str, float]:
-    if run.fewshot is None:
-      return {}
-    with accountant.timed("eval"):
-      results = run.fewshot.run({k: state[k] for k in run.setup.variables_shardings})
-      writer.write_scalars(step, results)
-    return results
-
-  return evaluate_fewshot
-
-
-def _evaluation(run: _Run, accountant: accounting.CostAccountant, writer,
-                pictures: pictures_lib.Pictures):
-  """`(state, step) -> metrics`: every eval set (`vit_jax.evaluation.evaluate`, with the EMA
-  when kept), written to TensorBoard with `config.analysis`'s attention pictures; timed as
-  eval."""
+def _evaluations(run: _Run, accountant: accounting.CostAccountant, writer):
+  """`(pictures, evaluate, evaluate_fewshot)`: `config.analysis`'s pictures (of the first eval
+  set's first batch), and `(state, step) -> metrics` of every eval set (with the attention
+  pictures) and of `config.fewshot` (`{}` when off), written and timed as eval."""
   eval_step, setup = run.setup.jit_eval_step(), run.setup
+  _, first_eval = next(iter(run.evals.values()))
+  pictures = pictures_lib.Pictures(setup, run.dataset["label_names"],
+                                   lambda: next(iter(first_eval)), run.compiler)
 
   def predict(state, batch):
     return run.compiler(eval_step, state, setup.to_global(batch))
@@ -359,21 +297,20 @@ def _evaluation(run: _Run, accountant: accounting.CostAccountant, writer,
       pictures.attention(writer, state, step)
     return results
 
-  return evaluate
+  def evaluate_fewshot(state, step: int) -> dict[str, float]:
+    if run.fewshot is None:
+      return {}
+    with accountant.timed("eval"):
+      results = run.fewshot.run({k: state[k] for k in setup.variables_shardings})
+      writer.write_scalars(step, results)
+    return results
 
-
-def _pictures(run: _Run) -> pictures_lib.Pictures:
-  """`config.analysis`'s pictures (`vit_jax.evaluation.pictures`): attention figures of the first
-  eval set's first batch at each evaluation, training images at the start."""
-  _, first_eval = next(iter(run.evals.values()))
-  return pictures_lib.Pictures(run.setup, run.dataset["label_names"],
-                               lambda: next(iter(first_eval)), run.compiler)
+  return pictures, evaluate, evaluate_fewshot
 
 
 def _finishing(checkpoints: checkpoint.Checkpoints):
-  """The `__exit__` that, when the run fails, completes the checkpoint save in flight (an
-  asynchronous one would be cut short by the exit) and closes the manager; its own errors are
-  logged only (the failure in flight is the one to report)."""
+  """An `__exit__` that on failure completes the save in flight and closes the manager (its own
+  errors only logged: the failure in flight is the one to report)."""
 
   def finish(exc_type, exc, traceback) -> bool:
     del exc, traceback
@@ -389,9 +326,7 @@ def _finishing(checkpoints: checkpoint.Checkpoints):
 
 
 def _closing(writer):
-  """The `__exit__` that closes the metric writer: a failure to write its last events is raised
-  after a successful run, and stays unreported after a failed one (the failure in flight is the
-  one to report)."""
+  """An `__exit__` closing the metric writer; its error is raised only after a successful run."""
 
   def close(exc_type, exc, traceback) -> bool:
     del exc, traceback
@@ -408,9 +343,8 @@ def _closing(writer):
 
 @contextlib.contextmanager
 def _config_errors():
-  """Turns the set-up's ValueError, TypeError, KeyError, FileNotFoundError, NotImplementedError,
-  PermissionError and WorkdirInUseError into a ConfigError (the original stays attached as
-  __cause__)."""
+  """The set-up's ValueError, TypeError, KeyError, FileNotFoundError, NotImplementedError,
+  PermissionError and WorkdirInUseError as a ConfigError (from the original)."""
   try:
     yield
   except ConfigError:
@@ -423,13 +357,8 @@ def _config_errors():
 
 def _check_finite(step: int, metrics: dict[str, jax.Array], checkpoints: checkpoint.Checkpoints,
                   skipping: bool = False) -> dict[str, np.ndarray]:
-  """Fetches a step's metrics; stops the run if its loss, gradients or new parameters are not
-  finite (with skipping on, only once the parameters themselves are not: optax.apply_if_finite
-  let the update through after config.optim.max_skipped_updates in a row).
-
-  Raises:
-    FloatingPointError: naming the step, the values, the checkpoint kept and the fixes.
-  """
+  """Fetches a step's metrics. FloatingPointError (naming the step, values, checkpoint kept and
+  fixes) when loss, gradients or parameters are not finite (with `skipping`: the parameters)."""
   metrics = jax.device_get(metrics)
   watched = ("param_norm",) if skipping else ("loss", "grad_norm", "param_norm")
   if not all(np.isfinite(metrics[k]) for k in watched):

@@ -118,9 +118,9 @@ def test_bad_safetensors_are_explained(tmp_path):
   with pytest.raises(checkpoint.DamagedCheckpointError, match='truncated or damaged'):
     checkpoint.load(cut)
   # Another model's tensors.
-  from vit_jax.checkpoint import safetensors_file
+  from vit_jax.checkpoint import archive
   other = tmp_path / 'other.safetensors'
-  safetensors_file.write(str(other), {'encoder.weight': np.zeros((2, 2), np.float32)})
+  archive.write_safetensors(str(other), {'encoder.weight': np.zeros((2, 2), np.float32)})
   with pytest.raises(ValueError, match='neither a transformers ViT nor a timm'):
     checkpoint.load(other)
   # timm does not record heads: a non-standard width needs them.
@@ -184,7 +184,7 @@ def test_written_files_read_back_exactly(tmp_path, to, overrides):
     assert call.startswith("timm.create_model('vit_base_patch16_224', pretrained=True, "
                            "pretrained_cfg_overlay=dict(file=")
     assert "input_size=(3, 32, 32), crop_pct=1.0, interpolation='bilinear'" in call
-  assert ecosystem.read(str(dst), checkpoint.detect(dst)).label_names == ('a', 'b', 'c')
+  assert checkpoint.open(dst).foreign().label_names == ('a', 'b', 'c')
 
 
 def test_what_a_library_cannot_express_is_refused_by_name(tmp_path):

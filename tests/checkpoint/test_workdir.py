@@ -329,15 +329,15 @@ def test_check_writable(tmp_path):
 
 
 def test_only_workdir_spells_the_layout():
-  """The layout's names live in workdir.py; the other checkpoint modules use its constants."""
+  """The layout's names live in vit_jax/rundir.py; workdir.py, the other checkpoint modules and
+  the tools that read runs use its constants."""
   names = ("'checkpoints'", "'state'", "'cost'", "'cost.json'", "'config.json'",
            '"checkpoints"', '"state"', '"cost"', '"cost.json"', '"config.json"')
   package = os.path.dirname(workdir_lib.__file__)
-  convert = os.path.join(os.path.dirname(package), 'convert.py')
-  for path in [os.path.join(package, f) for f in os.listdir(package) if f.endswith('.py')] + [
-      convert]:
-    if path == workdir_lib.__file__:
-      continue
+  root = os.path.dirname(package)
+  others = [os.path.join(root, f) for f in ('convert.py', 'inference.py', 'tools/eval_report.py')]
+  for path in [os.path.join(package, f) for f in os.listdir(package) if f.endswith('.py')] + (
+      others):
     with open(path) as f:
       text = f.read()
     if path.endswith('hf_vit.py'):  # A transformers directory's config.json, not the workdir's.

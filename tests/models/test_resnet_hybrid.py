@@ -406,13 +406,14 @@ def test_invalid_resnet_overrides():
 ])
 def test_image_size_not_divisible_by_the_total_stride(name, size, message):
   model = models.create(name, num_classes=10, num_layers=1)
-  with pytest.raises(ValueError, match=message):
+  with pytest.raises(models.ImageSizeError, match=message):
     jax.eval_shape(lambda: model.init(jax.random.key(0), jnp.zeros((1, size, 224, 3)),
                                       train=False))
 
 
 def test_image_width_not_divisible_by_the_total_stride():
   model = models.create('R50+ViT-B_16', num_classes=10, num_layers=1)
-  with pytest.raises(ValueError, match='width 200 is not divisible by the total stride 16'):
+  with pytest.raises(models.ImageSizeError,
+                     match='width 200 is not divisible by the total stride 16'):
     jax.eval_shape(lambda: model.init(jax.random.key(0), jnp.zeros((1, 224, 200, 3)),
                                       train=False))

@@ -132,7 +132,7 @@ def test_non_square_image_and_too_small_image():
   model = models.create('T2T-ViT-7', num_classes=5, depth=1)
   shapes = _init_shapes(model, 224, 160)
   assert shapes['constants']['pos_embed'].shape == (1, 14 * 10 + 1, 256)
-  with pytest.raises(ValueError, match='too small'):
+  with pytest.raises(models.ImageSizeError, match='too small'):
     _init_shapes(model, 2)
 
 

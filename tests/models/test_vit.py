@@ -328,10 +328,12 @@ def test_invalid_values():
 
 def test_image_size_not_divisible_by_patch():
   model = models.create('ViT-Ti_16', num_classes=10, num_layers=1)
-  with pytest.raises(ValueError, match=r'(?s)Image height 200 is not divisible by the patch '
-                                       r'size 16.*multiple of 16 \(e\.g\. 192 or 208\).*patch'):
+  with pytest.raises(models.ImageSizeError, match=r'(?s)Image height 200 is not divisible by the '
+                                               r'patch size 16.*multiple of 16 \(e\.g\. 192 or '
+                                               r'208\).*patch'):
     model.init(jax.random.key(0), jnp.zeros((1, 200, 224, 3)), train=False)
-  with pytest.raises(ValueError, match='Image width 30 is not divisible by the patch size 16'):
+  with pytest.raises(models.ImageSizeError,
+                     match='Image width 30 is not divisible by the patch size 16'):
     model.init(jax.random.key(0), jnp.zeros((1, 32, 30, 3)), train=False)
   with pytest.raises(ValueError, match=r'\[batch, height, width, channels\]'):
     model.init(jax.random.key(0), jnp.zeros((32, 32, 3)), train=False)

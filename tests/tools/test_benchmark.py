@@ -15,6 +15,7 @@ import pytest
 from vit_jax import flops
 from vit_jax import models
 from vit_jax.kernels import cpu_attention
+from vit_jax.tools import common as tools_common
 from vit_jax.tools.benchmark import cli
 from vit_jax.tools.benchmark import common
 from vit_jax.tools.benchmark import inputs
@@ -27,7 +28,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 # 2 layers of width 128 on 8x8 patches of 64 px images (65 tokens): the matrix products
 # dominate, so XLA's FLOPs stay within a few % of the analytic count.
 TINY = dict(hidden_size=128, mlp_dim=512, num_heads=2, num_layers=2, patch_size=8)
-TINY_FLAGS = [arg for key, value in TINY.items() for arg in ("--override", f"{key}={value}")]
+TINY_FLAGS = [arg for key, value in TINY.items() for arg in ("--set", f"{key}={value}")]
 HAVE_TIMM = all(importlib.util.find_spec(m) is not None for m in ("torch", "timm"))
 
 
@@ -169,9 +170,9 @@ def test_attention_notes_group_the_runs_with_the_same_answer():
               ("ViT-S_16", "train", "xla", "requested"))]
   assert report.attention_notes(runs + [dict(framework="timm", model="ViT-S_16")]) == [
       "attention (ours: ViT-Ti_16 train, ViT-Ti_16 inference): cpu_kernel (vit_jax's fused CPU "
-      "kernel); the compiled step calls vit_jax's fused CPU kernel (vit_jax.kernels."
-      "cpu_attention), whose products are in the analytic count, not in 'GFLOPs XLA' (XLA "
-      "cannot see into a custom call); --override attention=xla measures XLA's attention "
+      "kernel); the compiled step calls vit_jax's fused CPU kernel (vit_jax.kernels), "
+      "whose products are in the analytic count, not in 'GFLOPs XLA' (XLA "
+      "cannot see into a custom call); --set attention=xla measures XLA's attention "
       "instead.",
       "attention (ours: ViT-S_16 train): xla (requested); the compiled step does not call "
       "vit_jax's fused CPU kernel."]
@@ -259,10 +260,11 @@ def test_timm_equivalents():
 
 
 def test_overrides_are_python_literals():
-  assert common.parse_override("scan=True") == ("scan", True)
-  assert common.parse_override("num_layers=4") == ("num_layers", 4)
-  assert common.parse_override("patch_size=(8, 4)") == ("patch_size", (8, 4))
-  assert common.parse_override("classifier=gap") == ("classifier", "gap")
+  assert tools_common.parse_setting("scan=True") == ("scan", True)
+  assert tools_common.parse_setting("num_layers=4") == ("num_layers", 4)
+  assert tools_common.parse_setting("patch_size=(8, 4)") == ("patch_size", (8, 4))
+  assert tools_common.parse_setting("classifier=gap") == ("classifier", "gap")
+  assert tools_common.parse_setting(" scan = false") == ("scan", False)  # --override's forms.
 
 
 @pytest.mark.parametrize("args, message", [
@@ -273,6 +275,7 @@ def test_overrides_are_python_literals():
     (["ViT-Ti_16", "--dtype", "float16"], "argument --dtype: invalid choice"),
     (["ViT-Ti_16", "--override", "depth=3"], "Unknown override(s) ['depth']"),
     (["ViT-Ti_16", "--override", "scan"], "is not KEY=VALUE"),
+    (["ViT-Ti_16", "--set", "scan"], "is not KEY=VALUE"),
     (["ViT-Ti_16", "--override", "dtype=bfloat16"], "with --dtype"),
     (["ViT-Ti_16", "--compare", "timm", "--compile-only"], "drop --compare timm"),
     ([], "Name at least one model"),
@@ -292,7 +295,7 @@ def test_compare_timm_without_timm_says_how_to_install(monkeypatch, capsys):
 def test_bad_input_from_the_command_line_has_no_traceback():
   proc = _cli("ViT-B_16", "--resolution", "200")
   assert proc.returncode == 2 and not proc.stdout
-  assert proc.stderr.startswith("vit_jax.benchmark: error: ViT-B_16 at 200x200 px: Image height "
+  assert proc.stderr.startswith("FATAL: ViT-B_16 at 200x200 px: Image height "
                                 "200 is not divisible by the patch size 16")
   assert "Traceback" not in proc.stderr and proc.stderr.count("\n") == 1
 

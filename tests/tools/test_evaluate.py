@@ -15,6 +15,7 @@ import pytest
 
 from tests import data_utils
 from vit_jax import inference
+from vit_jax import rundir
 from vit_jax import train
 from vit_jax.data import preprocess
 from vit_jax.tools import eval_data
@@ -439,10 +440,10 @@ def test_the_output_folder_is_told_before_the_set_up(tmp_path):
 def test_workdir_of(tmp_path):
   workdir = tmp_path / "w"
   (workdir / "checkpoints" / "4" / "state").mkdir(parents=True)
-  assert eval_report.workdir_of(str(workdir)) == str(workdir)
-  assert eval_report.workdir_of(str(workdir / "checkpoints")) == str(workdir)
-  assert eval_report.workdir_of(str(workdir / "checkpoints" / "4")) == str(workdir)
-  assert eval_report.workdir_of(NPZ) is None
+  assert rundir.find(str(workdir)).workdir == str(workdir)
+  assert rundir.find(str(workdir / "checkpoints")).workdir == str(workdir)
+  assert rundir.find(str(workdir / "checkpoints" / "4")).workdir == str(workdir)
+  assert rundir.find(NPZ).workdir is None
 
 
 def test_the_confusion_matrix_picture_with_many_classes():

@@ -1,8 +1,5 @@
-"""Looking inside a ViT (the ViT paper's Fig. 6, 7 and 14), from arrays the caller takes from a
-model: :mod:`.attention_maps` (rollout, mean attention distance), :mod:`.embeddings`
-(position-embedding similarity, filter components), and :mod:`.figures` (matplotlib, imported
-on its own so the computations do not load it).
-"""
+"""Looking inside a ViT (the ViT paper's Fig. 6, 7 and 14) from arrays; :mod:`.figures` draws
+(matplotlib, imported on its own)."""
 
 from vit_jax.analysis.attention_maps import class_token_map
 from vit_jax.analysis.attention_maps import HEAD_FUSIONS

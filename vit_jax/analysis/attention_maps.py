@@ -1,29 +1,62 @@
-"""What the attention weights of a ViT say: attention rollout and mean attention distance.
-
-Arrays in (NumPy or JAX), NumPy out; nothing calls a model. Attention weights are as the
-models sow them: per layer ``[B, heads, N, N]`` (queries x keys, rows sum to 1),
-``N = num_prefix_tokens + gh * gw``, prefix (class) tokens first, then the grid row-major.
-
-Sources: rollout, Abnar & Zuidema, "Quantifying Attention Flow in Transformers" (ACL 2020)
-section 3, as the ViT paper's Fig. 6 / 14 (appendix D.8). Mean attention distance: the ViT
-paper's Fig. 7 (right) and appendix D.7, following the common reproduction (Gosthipaty & Paul,
-keras.io 2022): distances between patch centres in pixels, class token left out.
+"""Attention rollout (Abnar & Zuidema, ACL 2020, sec. 3; ViT paper Fig. 6 / 14) and mean attention
+distance (ViT paper Fig. 7 right, App. D.7, as Gosthipaty & Paul's keras.io reproduction), arrays
+in, NumPy out. Attention weights are as the models sow them: per layer ``[B, heads, N, N]``
+(queries x keys), ``N = num_prefix_tokens + gh * gw``, prefix tokens first, then the grid.
 """
 
 from __future__ import annotations
 
+import numbers
 from typing import Any, Sequence, Tuple, Union
 
 import numpy as np
 from scipy import ndimage
 
-from vit_jax.analysis import _checks
-
-#: How :func:`rollout` fuses the heads of a layer: their mean (Abnar & Zuidema, the ViT paper),
-#: or their element-wise maximum / minimum (as some rollout reproductions offer).
+#: How :func:`rollout` fuses a layer's heads: their mean (the paper's), maximum or minimum.
 HEAD_FUSIONS = ('mean', 'max', 'min')
 
 AttentionStack = Union[Sequence[Any], np.ndarray]
+
+
+def as_pair(value: Any, name: str) -> Tuple[int, int]:
+  """``value`` (a positive int or a pair of them) as ``(rows, columns)``; ValueError otherwise."""
+  items = tuple(value) if isinstance(value, (tuple, list, np.ndarray)) else (value, value)
+  if len(items) != 2 or not all(
+      isinstance(v, numbers.Integral) and not isinstance(v, bool) and v > 0 for v in items):
+    raise ValueError(f'{name} must be a positive int or a pair (rows, columns) of positive ints, '
+                     f'got {value!r}')
+  return int(items[0]), int(items[1])
+
+
+def as_prefix(value: Any) -> int:
+  """``num_prefix_tokens`` checked: a non-negative int."""
+  if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < 0:
+    raise ValueError(f'num_prefix_tokens must be a non-negative int (1 for a class token, 0 for '
+                     f"classifier='gap'/'map'), got {value!r}")
+  return int(value)
+
+
+def check_tokens(tokens: int, grid: Tuple[int, int], num_prefix_tokens: int, what: str) -> None:
+  """ValueError unless ``tokens == num_prefix_tokens + gh * gw``, with the likely fix."""
+  gh, gw = grid
+  if tokens != num_prefix_tokens + gh * gw:
+    hint = ''
+    for count in (0, 1):  # A square grid that the token count fits, if any.
+      side = int(round(max(tokens - count, 0) ** 0.5))
+      if side and side * side == tokens - count:
+        hint = f' ({tokens} tokens fit grid ({side}, {side}) with num_prefix_tokens={count})'
+        break
+    raise ValueError(
+        f'{what} has {tokens} tokens but grid {gh}x{gw} with num_prefix_tokens='
+        f'{num_prefix_tokens} needs {num_prefix_tokens + gh * gw}{hint}. Pass the token grid of '
+        f'the input (image size / patch size) and 1 prefix token for a class token, 0 for '
+        f"classifier='gap'/'map'.")
+
+
+def check_finite(array: np.ndarray, what: str) -> None:
+  """ValueError if ``array`` holds a NaN or an infinity."""
+  if not np.all(np.isfinite(array)):
+    raise ValueError(f'{what} contains NaN or infinite values; check the model and its inputs.')
 
 
 def _layers(attentions: AttentionStack) -> list:
@@ -50,19 +83,15 @@ def _check_attention(attention: np.ndarray, what: str) -> None:
   if attention.ndim != 4 or attention.shape[-1] != attention.shape[-2]:
     raise ValueError(f'{what} must have shape [batch, heads, N, N] (queries x keys), got '
                      f'{attention.shape}')
-  _checks.finite(attention, what)
+  check_finite(attention, what)
   if attention.size and attention.min() < -1e-6:
     raise ValueError(f'{what} has negative weights (min {attention.min():.3g}); pass the softmax '
                      f'attention probabilities, not the logits.')
 
 
 def _fuse(attention: np.ndarray, head_fusion: str) -> np.ndarray:
-  """``[B, H, N, N]`` -> ``[B, N, N]`` float64."""
-  if head_fusion == 'mean':
-    return attention.mean(axis=1, dtype=np.float64)
-  if head_fusion == 'max':
-    return attention.max(axis=1).astype(np.float64)
-  return attention.min(axis=1).astype(np.float64)
+  """``[B, H, N, N]`` -> ``[B, N, N]`` float64 (``head_fusion`` one of `HEAD_FUSIONS`)."""
+  return getattr(attention.astype(np.float64), head_fusion)(axis=1)
 
 
 def _check_fusion(head_fusion: str) -> None:
@@ -72,15 +101,9 @@ def _check_fusion(head_fusion: str) -> None:
 
 def rollout(attentions: AttentionStack, *, residual: bool = True,
             head_fusion: str = 'mean') -> np.ndarray:
-  """Attention rollout ``[B, N, N]`` float32 (rows sum to 1), computed in float64.
-
-  Per layer, bottom first: heads fused into ``A_l`` (``head_fusion``, :data:`HEAD_FUSIONS`);
-  with ``residual``, ``A_l <- 0.5 A_l + 0.5 I``; rows normalised; ``R = A_L @ ... @ A_1``.
-  ``attentions``: ``L`` arrays ``[B, heads, N, N]`` in layer order, or one ``[L, B, heads, N, N]``.
-
-  Raises:
-    ValueError: no layers, mismatched or non-``[B, H, N, N]`` layers, NaN/inf or negative
-      weights, an unknown ``head_fusion``, or (without ``residual``) a row summing to 0.
+  """Attention rollout ``[B, N, N]`` float32 of ``L`` layers ``[B, heads, N, N]`` (a list or one
+  ``[L, ...]`` array): heads fused into ``A_l``, with ``residual`` ``0.5 A_l + 0.5 I``, rows
+  normalised, ``R = A_L @ ... @ A_1`` in float64. ValueError: bad layers, weights or fusion.
   """
   _check_fusion(head_fusion)
   layers = _layers(attentions)
@@ -103,7 +126,7 @@ def _token_maps(matrices: np.ndarray, grid: Tuple[int, int], num_prefix_tokens: 
                 what: str) -> np.ndarray:
   """``[..., N, N]`` -> ``[..., gh, gw]``: the class token's row (or the mean row) over the
   patch tokens, each map divided by its maximum."""
-  _checks.tokens_match(matrices.shape[-1], grid, num_prefix_tokens, what)
+  check_tokens(matrices.shape[-1], grid, num_prefix_tokens, what)
   if num_prefix_tokens:
     rows = matrices[..., 0, num_prefix_tokens:]
   else:
@@ -115,58 +138,43 @@ def _token_maps(matrices: np.ndarray, grid: Tuple[int, int], num_prefix_tokens: 
 
 
 def class_token_map(rollout_matrix: Any, grid: Any, *, num_prefix_tokens: int = 1) -> np.ndarray:
-  """The rollout's map over the patch grid: ``[B, N, N]`` -> ``[B, gh, gw]`` float32 in [0, 1].
-
-  The class token's row (token 0) over the patch tokens, or with ``num_prefix_tokens=0`` the
-  mean of all rows; each map divided by its maximum. ``grid``: ``(gh, gw)`` or one int.
-
-  Raises:
-    ValueError: not ``[B, N, N]``, a bad ``grid`` / ``num_prefix_tokens``, or
-      ``N != num_prefix_tokens + gh * gw``.
+  """``[B, N, N]`` -> ``[B, gh, gw]`` float32 in [0, 1]: token 0's row over the patches (with
+  ``num_prefix_tokens=0`` the mean row), divided by its maximum. ValueError: mismatched shapes.
   """
   matrix = np.asarray(rollout_matrix)
   if matrix.ndim != 3 or matrix.shape[1] != matrix.shape[2]:
     raise ValueError(f'rollout_matrix must have shape [B, N, N] (from rollout()), got '
                      f'{matrix.shape}')
-  return _token_maps(matrix, _checks.pair(grid, 'grid'), _checks.prefix(num_prefix_tokens),
+  return _token_maps(matrix, as_pair(grid, 'grid'), as_prefix(num_prefix_tokens),
                      'rollout_matrix')
 
 
 def layer_class_token_maps(attentions: AttentionStack, grid: Any, *, num_prefix_tokens: int = 1,
                            head_fusion: str = 'mean') -> np.ndarray:
-  """The class token's attention per layer (no rollout) as ``[L, B, gh, gw]`` float32 in [0, 1].
-
-  Heads fused as :func:`rollout`, rows chosen and normalised as :func:`class_token_map`, whose
-  errors (and :func:`rollout`'s) it raises.
-  """
+  """The class token's attention per layer, ``[L, B, gh, gw]`` float32 in [0, 1] (heads fused as
+  :func:`rollout`, rows as :func:`class_token_map`)."""
   _check_fusion(head_fusion)
-  grid, num_prefix_tokens = _checks.pair(grid, 'grid'), _checks.prefix(num_prefix_tokens)
+  grid, num_prefix_tokens = as_pair(grid, 'grid'), as_prefix(num_prefix_tokens)
   layers = _layers(attentions)
   return np.stack([_token_maps(_fuse(layer, head_fusion), grid, num_prefix_tokens,
                                f'attentions[{i}]') for i, layer in enumerate(layers)])
 
 
 def upsample(maps: Any, size: Any) -> np.ndarray:
-  """Bilinear upsampling ``[..., gh, gw]`` -> ``[..., H, W]`` float32; ``size``: ``(H, W)`` or int.
-
-  Values sit at cell centres (``scipy.ndimage.zoom``, ``order=1, grid_mode=True``).
-  """
+  """Bilinear upsampling ``[..., gh, gw]`` -> ``[..., H, W]`` float32, values at cell centres."""
   maps = np.asarray(maps, dtype=np.float32)
   if maps.ndim < 2:
     raise ValueError(f'maps must have shape [..., gh, gw], got {maps.shape}')
-  height, width = _checks.pair(size, 'size')
+  height, width = as_pair(size, 'size')
   zoom = (1.0,) * (maps.ndim - 2) + (height / maps.shape[-2], width / maps.shape[-1])
   out = ndimage.zoom(maps, zoom, order=1, mode='nearest', grid_mode=True)
   return out[..., :height, :width]
 
 
 def patch_distances(grid: Any, patch_size: Any) -> np.ndarray:
-  """``[gh * gw, gh * gw]`` float64 pixel distances between patch centres.
-
-  Patch ``(r, c)`` is centred at ``((r + 0.5) ph, (c + 0.5) pw)``.
-  """
-  gh, gw = _checks.pair(grid, 'grid')
-  ph, pw = _checks.pair(patch_size, 'patch_size')
+  """``[gh * gw, gh * gw]`` float64 pixel distances between patch centres."""
+  gh, gw = as_pair(grid, 'grid')
+  ph, pw = as_pair(patch_size, 'patch_size')
   rows, cols = np.meshgrid(np.arange(gh), np.arange(gw), indexing='ij')
   centres = np.stack([(rows.ravel() + 0.5) * ph, (cols.ravel() + 0.5) * pw], axis=-1)
   return np.sqrt(((centres[:, None, :] - centres[None, :, :]) ** 2).sum(-1))
@@ -174,22 +182,14 @@ def patch_distances(grid: Any, patch_size: Any) -> np.ndarray:
 
 def mean_attention_distance(attention: Any, grid: Any, patch_size: Any, num_prefix_tokens: int,
                             *, per_image: bool = False) -> np.ndarray:
-  """Mean attention distance of every head of one layer: ``[heads]`` float64 pixels (ViT Fig. 7).
-
-  Prefix tokens are dropped as queries and keys; each patch query's weights are renormalised
-  over the patches and weight :func:`patch_distances` (own patch at 0); the mean over queries
-  and images (``per_image``: ``[B, heads]``). ``patch_size``: the grid's pixel stride (patch;
-  ResNet stride x patch for hybrids; 16 for T2T-ViT).
-
-  Raises:
-    ValueError: not ``[B, H, N, N]``, NaN/inf or negative weights, bad
-      ``grid``/``patch_size``/``num_prefix_tokens``, ``N`` not matching, or a query with zero
-      weight on the patches.
+  """Mean attention distance of one layer's heads, ``[heads]`` float64 pixels (``per_image``:
+  ``[B, heads]``): each patch query's weights renormalised over the patches, times the distance,
+  averaged. ``patch_size``: the grid's pixel stride. ValueError: bad shapes or weights.
   """
   attention = np.asarray(attention)
   _check_attention(attention, 'attention')
-  grid, num_prefix_tokens = _checks.pair(grid, 'grid'), _checks.prefix(num_prefix_tokens)
-  _checks.tokens_match(attention.shape[-1], grid, num_prefix_tokens, 'attention')
+  grid, num_prefix_tokens = as_pair(grid, 'grid'), as_prefix(num_prefix_tokens)
+  check_tokens(attention.shape[-1], grid, num_prefix_tokens, 'attention')
   distances = patch_distances(grid, patch_size)
   out = np.empty(attention.shape[:2], dtype=np.float64)
   for b in range(attention.shape[0]):

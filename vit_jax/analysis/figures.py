@@ -1,10 +1,7 @@
-"""The analysis figures (the ViT paper's Fig. 6, 7 and 14) as PNG files or uint8 RGB arrays.
-
-matplotlib's object-oriented API on the Agg canvas (no pyplot, no global state). Each
-``*_figure`` function returns a Figure, its namesake without the suffix writes a PNG and
-returns the path, :func:`to_rgb` renders one to ``[H, W, 3]`` uint8. A figure's pixel size is
-its size in inches times ``dpi`` (no tight bounding box). Images are ``[B, H, W(, C)]``, C 1 or
-3, shown as :func:`display_images` scales them.
+"""The analysis figures (the ViT paper's Fig. 6, 7 and 14), matplotlib on the Agg canvas (no
+pyplot): each ``*_figure`` returns a Figure of inches x ``dpi`` pixels, its namesake without the
+suffix writes a PNG; :func:`to_rgb` renders one to uint8 ``[H, W, 3]``. Images are
+``[B, H, W(, C)]``, C 1 or 3.
 """
 
 from __future__ import annotations
@@ -18,7 +15,6 @@ from matplotlib import figure as mpl_figure
 from matplotlib.backends import backend_agg
 import numpy as np
 
-from vit_jax.analysis import _checks
 from vit_jax.analysis import attention_maps
 
 #: Resolution of the figures (pixels per inch).
@@ -27,8 +23,7 @@ DPI = 100
 PANEL = 2.0
 #: Height of the band for the figure title, inches.
 TITLE_BAND = 0.5
-#: Styles of :func:`overlay`: a colour map blended over the image, or the image multiplied by
-#: the map (the ViT paper's Fig. 6 / 14).
+#: Styles of :func:`overlay`: a colour map blended over the image, or the image times the map.
 OVERLAY_STYLES = ('heatmap', 'mask')
 
 
@@ -40,8 +35,7 @@ def _new_figure(width: float, height: float, dpi: int) -> mpl_figure.Figure:
 
 def write_png(fig: mpl_figure.Figure, path: str) -> str:
   """Writes ``fig`` to ``path`` as a PNG (its parent folders created); returns ``path``."""
-  parent = os.path.dirname(os.path.abspath(path))
-  os.makedirs(parent, exist_ok=True)
+  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
   fig.savefig(path, format='png', dpi=fig.dpi)
   return path
 
@@ -56,18 +50,13 @@ def to_rgb(fig: mpl_figure.Figure) -> np.ndarray:
 
 
 def prediction_caption(predicted: str, true: Optional[str] = None) -> str:
-  """A panel's caption: the predicted class, and the true one when it differs
-  ('Pullover (true Coat)'); just the prediction when the truth is unknown."""
-  if true is None or true == predicted:
-    return predicted
-  return f'{predicted} (true {true})'
+  """'Pullover (true Coat)', or just the prediction when it is right or the truth unknown."""
+  return predicted if true is None or true == predicted else f'{predicted} (true {true})'
 
 
 def display_images(images: Any) -> np.ndarray:
-  """``[B, H, W(, 1 or 3)]`` (uint8 or float) -> ``[B, H, W, 3]`` float in [0, 1].
-
-  uint8 is divided by 255; float is scaled per image from its min to its max (constant: 0.5).
-  """
+  """``[B, H, W(, 1 or 3)]`` -> ``[B, H, W, 3]`` float in [0, 1]: uint8 / 255, floats scaled per
+  image from min to max (constant: 0.5)."""
   images = np.asarray(images)
   if images.ndim == 3:
     images = images[..., None]
@@ -78,7 +67,7 @@ def display_images(images: Any) -> np.ndarray:
     out = images.astype(np.float32) / 255.0
   else:
     out = images.astype(np.float32)
-    _checks.finite(out, 'images')
+    attention_maps.check_finite(out, 'images')
     low = out.min(axis=(1, 2, 3), keepdims=True)
     span = out.max(axis=(1, 2, 3), keepdims=True) - low
     out = np.where(span > 0, (out - low) / np.where(span > 0, span, 1.0), 0.5)
@@ -87,11 +76,8 @@ def display_images(images: Any) -> np.ndarray:
 
 def overlay(images: Any, maps: Any, *, alpha: float = 0.5, cmap: str = 'jet',
             style: str = 'heatmap') -> np.ndarray:
-  """Token maps ``[B, gh, gw]`` in [0, 1] upsampled (:func:`vit_jax.analysis.upsample`) over images.
-
-  ``style`` 'heatmap': ``(1 - alpha) image + alpha cmap(map)``; 'mask': ``image * map``.
-  Returns ``[B, H, W, 3]`` float32 in [0, 1].
-  """
+  """Token maps ``[B, gh, gw]`` in [0, 1] upsampled over the images: ``[B, H, W, 3]`` float32,
+  'heatmap' ``(1 - alpha) image + alpha cmap(map)`` or 'mask' ``image * map``."""
   if style not in OVERLAY_STYLES:
     raise ValueError(f'style must be one of {OVERLAY_STYLES}, got {style!r}')
   if not 0.0 <= alpha <= 1.0:
@@ -101,7 +87,7 @@ def overlay(images: Any, maps: Any, *, alpha: float = 0.5, cmap: str = 'jet',
   if maps.ndim != 3 or maps.shape[0] != shown.shape[0]:
     raise ValueError(f'maps must have shape [B, gh, gw] with B = {shown.shape[0]} images, got '
                      f'{maps.shape}')
-  _checks.finite(maps, 'maps')
+  attention_maps.check_finite(maps, 'maps')
   big = np.clip(attention_maps.upsample(maps, shown.shape[1:3]), 0.0, 1.0)
   if style == 'mask':
     return shown * big[..., None]
@@ -116,12 +102,6 @@ def _panel(ax, picture: np.ndarray, title: Optional[str], **kwargs) -> None:
     ax.set_title(title, fontsize=8)
 
 
-def _grid_axes(fig, rows: int, cols: int, top: float):
-  axes = np.atleast_2d(fig.subplots(rows, cols, squeeze=False))
-  fig.subplots_adjust(left=0.01, right=0.99, bottom=0.01, top=top, wspace=0.05, hspace=0.15)
-  return axes.ravel()
-
-
 def _item_grid(count: int, columns: int, panels: int, dpi: int):
   """A figure of ``count`` items, ``min(count, columns)`` per row, each ``panels`` square panels
   side by side, under a title band; returns ``(fig, axes)`` (all axes off, row-major)."""
@@ -129,7 +109,9 @@ def _item_grid(count: int, columns: int, panels: int, dpi: int):
   rows = math.ceil(count / cols)
   height = PANEL * rows + TITLE_BAND
   fig = _new_figure(panels * PANEL * cols, height, dpi)
-  axes = _grid_axes(fig, rows, panels * cols, 1.0 - TITLE_BAND / height)
+  axes = np.atleast_2d(fig.subplots(rows, panels * cols, squeeze=False)).ravel()
+  fig.subplots_adjust(left=0.01, right=0.99, bottom=0.01, top=1.0 - TITLE_BAND / height,
+                      wspace=0.05, hspace=0.15)
   for ax in axes:
     ax.set_axis_off()
   return fig, axes
@@ -139,12 +121,8 @@ def rollout_overlay_figure(images: Any, maps: Any, *, labels: Optional[Sequence[
                            columns: int = 4, title: str = 'Attention rollout',
                            alpha: float = 0.5, cmap: str = 'jet', style: str = 'heatmap',
                            dpi: int = DPI) -> mpl_figure.Figure:
-  """Each image beside its rollout map ``[B, gh, gw]`` overlaid on it (ViT paper Fig. 6 / 14).
-
-  ``labels``: optional ``B`` captions; ``columns``: images per row (two panels each); ``alpha``,
-  ``cmap``, ``style`` as :func:`overlay`. Size ``2 * PANEL * c`` by ``PANEL * r + TITLE_BAND``
-  inches, ``c = min(B, columns)``, ``r = ceil(B / c)``.
-  """
+  """Each image beside its rollout map ``[B, gh, gw]`` overlaid on it (ViT paper Fig. 6 / 14);
+  ``columns`` images per row, optional ``B`` captions, the rest as :func:`overlay`."""
   blended = overlay(images, maps, alpha=alpha, cmap=cmap, style=style)
   shown = display_images(images)
   count = shown.shape[0]
@@ -160,12 +138,7 @@ def rollout_overlay_figure(images: Any, maps: Any, *, labels: Optional[Sequence[
 
 def image_grid_figure(images: Any, *, labels: Optional[Sequence[str]] = None, columns: int = 8,
                       title: str = 'Training images', dpi: int = DPI) -> mpl_figure.Figure:
-  """Images in a grid, each under its optional caption (``PANEL`` inches per image).
-
-  Raises:
-    ValueError: images not ``[B, H, W(, C)]`` with C 1 or 3, non-finite values, or ``labels``
-      of another length.
-  """
+  """Images in a grid, each under its optional caption; ValueError for bad images or labels."""
   shown = display_images(images)
   count = shown.shape[0]
   if labels is not None and len(labels) != count:
@@ -181,11 +154,8 @@ def layer_attention_figure(image: Any, maps: Any, *, rollout_map: Any = None, co
                            title: str = "Class token's attention per layer",
                            alpha: float = 0.5, cmap: str = 'jet',
                            dpi: int = DPI) -> mpl_figure.Figure:
-  """One image ``[H, W(, C)]`` and its per-layer maps ``[L, gh, gw]`` (and rollout), overlaid.
-
-  ``maps``: :func:`vit_jax.analysis.layer_class_token_maps` ``[:, b]``. ``PANEL * c`` by
-  ``PANEL * r + TITLE_BAND`` inches for ``p = 1 + L (+ 1)`` panels, ``c = min(p, columns)``.
-  """
+  """One image ``[H, W(, C)]`` and its per-layer maps ``[L, gh, gw]`` (and rollout) overlaid;
+  ``maps``: :func:`vit_jax.analysis.layer_class_token_maps` ``[:, b]``."""
   maps = np.asarray(maps, dtype=np.float32)
   if maps.ndim != 3:
     raise ValueError(f'maps must have shape [layers, gh, gw] (one image), got {maps.shape}')
@@ -198,14 +168,7 @@ def layer_attention_figure(image: Any, maps: Any, *, rollout_map: Any = None, co
   image = np.asarray(image)
   blended = overlay(np.repeat(image[None], len(stack), axis=0), np.stack(stack), alpha=alpha,
                     cmap=cmap)
-  panels = 1 + len(stack)
-  cols = max(1, min(panels, int(columns)))
-  rows = math.ceil(panels / cols)
-  height = PANEL * rows + TITLE_BAND
-  fig = _new_figure(PANEL * cols, height, dpi)
-  axes = _grid_axes(fig, rows, cols, 1.0 - TITLE_BAND / height)
-  for ax in axes:
-    ax.set_axis_off()
+  fig, axes = _item_grid(1 + len(stack), columns, 1, dpi)
   _panel(axes[0], display_images(image[None])[0], 'input')
   for ax, picture, name in zip(axes[1:], blended, names):
     _panel(ax, picture, name)
@@ -215,20 +178,17 @@ def layer_attention_figure(image: Any, maps: Any, *, rollout_map: Any = None, co
 
 def attention_distance_figure(distances: Any, *, image_size: Any, patch_size: Any = None,
                               title: Optional[str] = None, dpi: int = DPI) -> mpl_figure.Figure:
-  """Mean attention distance ``[L, heads]`` (pixels) of every head against depth (ViT Fig. 7 right).
-
-  One dot per head and layer, one colour per head (legend up to 16 heads); 7 x 4.5 inches.
-  ``image_size`` / ``patch_size`` are named in the title.
-  """
+  """Mean attention distance ``[L, heads]`` (pixels) of every head against depth (ViT Fig. 7
+  right), one colour per head; ``image_size`` / ``patch_size`` named in the title."""
   distances = np.asarray(distances, dtype=np.float64)
   if distances.ndim != 2 or not distances.size:
     raise ValueError(f'distances must have shape [layers, heads], got {distances.shape}')
-  _checks.finite(distances, 'distances')
-  height, width = _checks.pair(image_size, 'image_size')
+  attention_maps.check_finite(distances, 'distances')
+  height, width = attention_maps.as_pair(image_size, 'image_size')
   if title is None:
     title = f'Mean attention distance, {height}x{width} px images'
     if patch_size is not None:
-      ph, pw = _checks.pair(patch_size, 'patch_size')
+      ph, pw = attention_maps.as_pair(patch_size, 'patch_size')
       title += f', {ph}x{pw} px patches'
   layers, heads = distances.shape
   fig = _new_figure(7.0, 4.5, dpi)
@@ -264,16 +224,12 @@ def _mosaic(tiles: np.ndarray, rows: int, cols: int, gap: int, fill: float) -> n
 
 def posemb_similarity_figure(similarity: Any, *, title: str = 'Position embedding similarity',
                              cmap: str = 'viridis', dpi: int = DPI) -> mpl_figure.Figure:
-  """The ``gh x gw`` grid of ``gh x gw`` cosine-similarity maps (ViT paper Fig. 7 centre).
-
-  ``similarity``: ``[gh, gw, gh, gw]`` (:func:`vit_jax.analysis.posemb_similarity`), colour
-  range [-1, 1]. ``a + 2`` by ``a + 1`` inches, ``a = max(5, m / 90)``,
-  ``m = max(gh, gw) * (max(gh, gw) + 1)``.
-  """
+  """The ``gh x gw`` grid of the ``[gh, gw, gh, gw]`` cosine similarities'
+  (:func:`vit_jax.analysis.posemb_similarity`) maps (ViT paper Fig. 7 centre)."""
   similarity = np.asarray(similarity, dtype=np.float32)
   if similarity.ndim != 4 or similarity.shape[:2] != similarity.shape[2:]:
     raise ValueError(f'similarity must have shape [gh, gw, gh, gw], got {similarity.shape}')
-  _checks.finite(similarity, 'similarity')
+  attention_maps.check_finite(similarity, 'similarity')
   gh, gw = similarity.shape[:2]
   mosaic = _mosaic(similarity.reshape(gh * gw, gh, gw), gh, gw, 1, np.nan)
   side = max(5.0, max(gh, gw) * (max(gh, gw) + 1) / 90.0)
@@ -306,15 +262,9 @@ def _scaled(components: np.ndarray, scale: str) -> np.ndarray:
 def filter_components_figure(components: Any, *, explained: Any = None, columns: int = 7,
                              scale: str = 'channel', title: Optional[str] = None,
                              dpi: int = DPI) -> mpl_figure.Figure:
-  """Principal components ``[k, P, P, C]`` of the patch-embedding filters (ViT paper Fig. 7 left).
-
-  ``explained``: optional ``[k]`` ratios (sum in the title); ``scale`` 'channel' (each channel
-  to [0, 1]) or 'joint' (keeps the colour balance); ``c`` by ``r + 0.6`` inches.
-
-  Raises:
-    ValueError: not ``[k, P, P, C]`` with C 1 or 3 (a hybrid's filters act on ResNet features,
-      not pixels), or an unknown ``scale``.
-  """
+  """Principal components ``[k, P, P, C]`` of the patch-embedding filters (ViT Fig. 7 left);
+  ``explained``: optional ``[k]`` ratios; ``scale`` 'channel' or 'joint' (keeps colour balance).
+  ValueError: C not 1 or 3 (a hybrid's filters act on ResNet features), an unknown ``scale``."""
   components = np.asarray(components, dtype=np.float32)
   if components.ndim != 4 or not components.shape[0] or components.shape[-1] not in (1, 3):
     raise ValueError(f'components must have shape [k, P, P, C] with C 1 (grayscale) or 3 (RGB) '
@@ -322,7 +272,7 @@ def filter_components_figure(components: Any, *, explained: Any = None, columns:
                      f'features, not pixels: its filters have no picture)')
   if scale not in ('channel', 'joint'):
     raise ValueError(f"scale must be 'channel' or 'joint', got {scale!r}")
-  _checks.finite(components, 'components')
+  attention_maps.check_finite(components, 'components')
   k, ph, pw, _ = components.shape
   tiles = _scaled(components, scale)
   if tiles.shape[-1] == 1:

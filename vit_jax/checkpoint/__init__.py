@@ -1,20 +1,10 @@
-"""Checkpoints: loading every accepted format, fine-tuning from them, and the run directory.
+"""Checkpoints: reading every accepted format (:data:`ACCEPTED_FORMATS`), fine-tuning from
+them, and the run directory.
 
 :func:`open` detects a source's format once and returns a :class:`Checkpoint` that reads its
-variables and the model fields it implies; every format is a :class:`~.formats.Format` in
-:mod:`.formats` (add one there): official and big_vision ``.npz`` (:mod:`.npz`,
-:mod:`.big_vision`), transformers directories and timm ``.safetensors`` (:mod:`.ecosystem`),
-PyTorch T2T-ViT files read without torch (:mod:`.pytorch`, :mod:`.torch_pickle`,
-:mod:`.t2t_torch`), Orbax checkpoints and workdirs (:mod:`.orbax`, :mod:`.workdir`). Paths may
-be local or ``scheme://`` (:mod:`.paths`).
-
-::
-
-  model = models.create('T2T-ViT-14', num_classes=1000)
-  variables = load('81.5_T2T_ViT_14.pth.tar', model=model)   # {'params', 'constants'}
-
-``load`` never changes the encoder layout: files are per-layer (``encoderblock_{i}``); an Orbax
-checkpoint of a ``scan=True`` model is stacked (``vit_jax.models.scan_params`` converts).
+variables and the model fields it implies; each format is a :class:`~.formats.Format` in
+:data:`~.formats.FORMATS` (add one there). Files are read per-layer (``encoderblock_{i}``); an
+Orbax checkpoint of a ``scan=True`` model stays stacked (``vit_jax.models.scan_params``).
 """
 
 from __future__ import annotations
@@ -27,17 +17,17 @@ from vit_jax.checkpoint import formats  # noqa: F401 (checkpoint.formats)
 from vit_jax.checkpoint import orbax  # noqa: F401 (checkpoint.orbax)
 from vit_jax.checkpoint import tree
 from vit_jax.checkpoint import workdir  # noqa: F401 (checkpoint.workdir)
+from vit_jax.checkpoint.archive import DamagedCheckpointError
 from vit_jax.checkpoint.finetune import (HEAD_KEYS, POSEMB_KEY, PRE_LOGITS_PREFIX,
                                          REGENERATED_KEYS, init_for_finetuning, resize_posemb)
 from vit_jax.checkpoint.formats import (ACCEPTED_FORMATS, TORCH_SUFFIXES, Checkpoint,
                                         detect, is_torch_checkpoint, open)  # noqa: A004
 from vit_jax.checkpoint.npz import convert_pre_linen, fix_groupnorm, load_npz, save_npz
 from vit_jax.checkpoint.orbax import check_state_fits, save_orbax
-from vit_jax.checkpoint.pytorch import load_pth, load_torch_as_saved
-from vit_jax.checkpoint.torch_pickle import DamagedCheckpointError
+from vit_jax.checkpoint.torch_pickle import load_pth
+from vit_jax.checkpoint.mismatch import mismatch_report
 from vit_jax.checkpoint.tree import (check_fits, describe_architecture, flatten_params,
-                                     mismatch_report, non_finite, non_finite_message,
-                                     unflatten_params)
+                                     non_finite, non_finite_message, unflatten_params)
 from vit_jax.checkpoint.lock import WorkdirInUseError, WorkdirLock, acquire_on_all_processes
 from vit_jax.checkpoint.workdir import CheckpointSaveError, Checkpoints, Workdir, load_orbax
 
@@ -55,69 +45,42 @@ __all__ = [
 
 def load(path: Any, *, model: Any = None, use_ema: bool = True,
          image_size: Any = None) -> Dict[str, Any]:
-  """Loads model variables from any accepted checkpoint (:data:`ACCEPTED_FORMATS`).
-
-  Args:
-    path: local or ``scheme://`` (``gs://``) path; a training workdir or ``checkpoints``
-      directory gives its latest finalized step.
-    model: the model (``vit_jax.models.create``) the weights are for. Required for PyTorch
-      (T2T-ViT) files (converted by :func:`.t2t_torch.from_torch_state_dict`). transformers /
-      timm: its ``num_heads`` splits the attention and its numerics must be the file's
-      (:func:`model_fields`); checked to fit at the file's image size. ``.npz`` / Orbax: checked
-      to fit when ``image_size`` is given.
-    use_ema: prefer the parameter EMA (``state_dict_ema``, ``ema_params``).
-    image_size: ``H`` or ``(H, W)`` the model runs at (PyTorch: default the ``pos_embed`` grid).
-
-  Returns:
-    ``{'params': nested dict of np.ndarray, **other collections}`` for ``model.apply``; files
-    per-layer, Orbax in the layout saved (PyTorch: ``{'params', 'constants'}``).
+  """``{'params': nested dict of np.ndarray, **collections}`` of the checkpoint at ``path``
+  (:func:`open`; a workdir gives its latest finalized step). ``model`` (required for PyTorch
+  files) is checked to fit at ``image_size`` (``H`` or ``(H, W)``; transformers / timm: the
+  file's, and their numerics must be ``model``'s); ``use_ema``: prefer the parameter EMA.
 
   Raises:
-    FileNotFoundError: nothing at ``path`` (or no step, or a transformers directory without its
-      weights).
-    ValueError: no accepted format, object arrays, a PyTorch file without ``model``, variables
-      that do not fit ``model`` (:func:`check_fits`), other numerics (named), a timm variant
-      without an equivalent, a legacy torch file; :class:`DamagedCheckpointError` and
-      :class:`~.torch_pickle.UnsafePickleError` are ValueErrors.
+    FileNotFoundError: nothing at ``path``, no finalized step.
+    ValueError: as :func:`open`; a PyTorch file without ``model``, variables that do not fit
+      (:func:`check_fits`), other numerics, an unsafe or damaged file (named).
   """
   return open(path).read(model=model, use_ema=use_ema, image_size=image_size)
 
 
 def model_fields(path: Any, *, num_heads: Optional[int] = None) -> Dict[str, Any]:
   """The :func:`vit_jax.models.create` keywords the weights at ``path`` need, with
-  ``image_size`` (the side the position table is for; None without a square one).
-
-  transformers / timm: from the headers, numerics included; ``.npz`` and Orbax: the architecture
-  from the shapes (:func:`.vit_shapes.architecture_fields`) with the official numerics.
-
-  Raises:
-    FileNotFoundError, ValueError, DamagedCheckpointError: as :func:`load`; ValueError for a
-    PyTorch (T2T-ViT) file, whose variant the file does not name.
-  """
+  ``image_size`` (the square position table's side, or None): transformers / timm from the
+  headers, numerics included; ``.npz`` and Orbax from the shapes, with the official numerics.
+  Raises as :func:`load`, and ValueError for a PyTorch file (its variant is not recorded)."""
   return open(path).fields(num_heads)
+
+
+def load_torch_as_saved(path: Any, model: Any, *, use_ema: bool = True) -> Dict[str, Any]:
+  """A PyTorch T2T-ViT file as ``model``'s variables at the file's own class count and input
+  size (:meth:`Checkpoint.read_for_finetuning`)."""
+  return open(path).read_for_finetuning(model, use_ema)
 
 
 def load_for_finetuning(path: Any, model: Any, fresh: Mapping, *, use_ema: bool = True,
                         reset_head: bool = True,
                         grid: Optional[Sequence[int]] = None) -> Dict[str, Any]:
-  """:func:`load` a checkpoint of any class count and resolution, then :func:`init_for_finetuning`.
-
-  A PyTorch T2T-ViT file is converted for a copy of ``model`` with the checkpoint's own class
-  count and input size (read from its ``head.weight`` and ``pos_embed``), so that a released
-  1000-class, 224 px file initialises e.g. a 10-class model at 384 px. A transformers or timm
-  file whose numerics differ from ``model``'s is used with a warning (the training config sets
-  them from the file: ``vit_jax.config``).
-
-  Args:
-    path: as for :func:`load`.
-    model: the model to fine-tune (from ``vit_jax.models.create``).
-    fresh: its initial variables (see :func:`init_for_finetuning`).
-    use_ema: prefer the checkpoint's parameter EMA when it has one.
-    reset_head, grid: see :func:`init_for_finetuning`.
+  """:func:`init_for_finetuning` from the checkpoint at ``path``, read at its own class count
+  and input size (a transformers or timm file of other numerics than ``model``'s with a
+  warning); ``fresh``: ``model``'s initial variables.
 
   Raises:
-    ValueError: the weights hold NaN or Inf values (named); the errors of :func:`load` and
-      :func:`init_for_finetuning`.
+    ValueError: weights holding NaN or Inf (named); as :func:`load`, :func:`init_for_finetuning`.
   """
   ckpt = open(path)
   loaded = ckpt.read_for_finetuning(model, use_ema)

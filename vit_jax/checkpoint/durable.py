@@ -1,12 +1,6 @@
-"""Writes that survive a host crash: files and directory entries forced to stable storage.
-
-Unforced data is lost in a crash, and a rename can reach the disk before the data it names
-(an empty file under its final name); Orbax renames a finished step without forcing anything.
-:func:`rename_class` is Orbax's rename commit with fsync (the step's files, the rename, the
-directories; Orbax's own finalization files are forced just after, a crash between leaves them
-empty, which Orbax reads past); :func:`write_atomically` writes small JSON files;
-:func:`damaged_files` finds what a crash left. ``gs://`` needs none of it.
-"""
+"""Writes that survive a host crash: files and directory entries forced to stable storage
+(unforced data is lost in a crash, and a rename can reach the disk before the data it names).
+``gs://`` needs none of it."""
 
 from __future__ import annotations
 
@@ -41,17 +35,10 @@ def sync_tree(root: Any) -> None:
     _sync(directory, directory=True)
 
 
-def sync_directory(path: Any) -> None:
-  """Forces the entries of the local directory ``path`` (its renames and new names) to disk."""
-  _sync(os.fspath(path), directory=True)
-
-
 def write_atomically(path: Any, text: str) -> None:
-  """Writes ``text`` to ``path`` so that readers and a crash see the old or the new content.
-
-  Local: ``<path>.partial`` forced, renamed, the directory forced; ``gs://``: one object write.
-  Creates the parent. Raises OSError (``path`` then unchanged).
-  """
+  """Writes ``text`` to ``path`` (parent created) so that readers and a crash see the old or
+  the new content: ``<path>.partial`` forced and renamed (``gs://``: one object write). Raises
+  OSError, ``path`` then unchanged."""
   from etils import epath  # pylint: disable=g-import-not-at-top
   path = epath.Path(path)
   path.parent.mkdir(parents=True, exist_ok=True)
@@ -64,7 +51,7 @@ def write_atomically(path: Any, text: str) -> None:
     f.flush()
     os.fsync(f.fileno())
   os.replace(partial, path)
-  sync_directory(path.parent)
+  _sync(os.fspath(path.parent), directory=True)
 
 
 def damaged_files(step_dir: Any) -> List[str]:
@@ -85,10 +72,9 @@ def damaged_files(step_dir: Any) -> List[str]:
 
 @functools.lru_cache(maxsize=None)
 def rename_class() -> type:
-  """``DurableRename`` for ``CheckpointManagerOptions(temporary_path_class=...)`` on local paths.
-
-  Made on first use: importing Orbax costs about a second other readers need not pay.
-  """
+  """``DurableRename`` (``CheckpointManagerOptions(temporary_path_class=...)``, local paths):
+  Orbax's rename commit with the step's files, the rename and the directories forced. Made on
+  first use: importing Orbax costs about a second other readers need not pay."""
   import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
 
   class DurableRename(ocp.path.atomicity.AtomicRenameTemporaryPath):
@@ -98,6 +84,6 @@ def rename_class() -> type:
       await super().finalize(*args, **kwargs)
       final = self.get_final()
       await asyncio.to_thread(sync_tree, final)
-      await asyncio.to_thread(sync_directory, final.parent)
+      await asyncio.to_thread(_sync, os.fspath(final.parent), True)
 
   return DurableRename

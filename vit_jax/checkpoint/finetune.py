@@ -1,11 +1,6 @@
-"""Initialising a model for fine-tuning from a checkpoint of another task or resolution.
-
-The *fine-tuning* intent (:func:`init_for_finetuning`), as opposed to
-:func:`vit_jax.checkpoint.load` (restore for evaluation, everything as saved): the head is
-re-initialised, ViT's ``pre_logits`` dropped when the new model has none, ViT's position
-embedding resized to the new token grid (:func:`resize_posemb`) and T2T-ViT's fixed sinusoid table
-regenerated; everything else must fit exactly.
-"""
+"""Initialising a model for fine-tuning from a checkpoint of another task or resolution
+(:func:`init_for_finetuning`), as opposed to :func:`vit_jax.checkpoint.load` (everything as
+saved, for evaluation)."""
 
 from __future__ import annotations
 
@@ -16,9 +11,10 @@ from typing import Any, Dict, Optional, Sequence, Tuple
 
 import numpy as np
 
+from vit_jax.checkpoint import vit_shapes
+from vit_jax.checkpoint.mismatch import ModelMismatchError
 from vit_jax.checkpoint.tree import (describe_architecture, flatten_params, mismatch_report,
                                      unflatten_params)
-from vit_jax.checkpoint import vit_shapes
 from vit_jax.models import layout
 
 #: The classifier head, re-initialised for fine-tuning (always, as the official ViT code does, or
@@ -51,24 +47,11 @@ def _grid_of(num_tokens: int, grid: Optional[Sequence[int]], what: str) -> Tuple
 def resize_posemb(posemb: np.ndarray, num_tokens: int, *, has_class_token: bool,
                   old_grid: Optional[Sequence[int]] = None,
                   new_grid: Optional[Sequence[int]] = None) -> np.ndarray:
-  """Resizes a learned ViT position embedding to another token grid.
-
-  As google-research/vision_transformer's ``load_pretrained`` (docs/reference.md section 1): the
-  class-token row (first row, if any) is kept unchanged; the grid rows, reshaped to
-  ``(gh_old, gw_old, D)``, are resampled to ``(gh_new, gw_new, D)`` bilinearly with the corners
-  aligned (``scipy.ndimage.zoom(order=1)``: a 2x2 grid ``[[0, 1], [2, 3]]`` becomes
-  ``[[0, .5, 1], [1, 1.5, 2], [2, 2.5, 3]]``). Unlike the official code, 'gap' models (no class
-  token row) and non-square grids (e.g. 224x320 px) work: pass the grids.
-
-  Args:
-    posemb: ``[1, T_old, D]`` with ``T_old = (1 if has_class_token) + gh_old * gw_old``.
-    num_tokens: ``T_new``, the new table's rows (class token included).
-    has_class_token: whether row 0 belongs to the class token (classifier 'token'; 'gap' and
-      'map' models have no class token).
-    old_grid, new_grid: ``(rows, columns)`` of the token grids; square when None.
-
-  Returns:
-    ``[1, T_new, D]``, the input's dtype.
+  """``posemb`` ``[1, T_old, D]`` resized to ``[1, num_tokens, D]`` (its dtype), as the
+  official ``load_pretrained`` (docs/reference.md section 1): the class-token row (with
+  ``has_class_token``) kept, the ``(rows, columns)`` grid (square when None) resampled
+  bilinearly with the corners aligned (``scipy.ndimage.zoom(order=1)``). Non-square grids and
+  models without a class token work too.
 
   Raises:
     ValueError: a grid that does not match its row count, or is not square when not given.
@@ -88,45 +71,21 @@ def resize_posemb(posemb: np.ndarray, num_tokens: int, *, has_class_token: bool,
 def init_for_finetuning(loaded: Mapping, fresh: Mapping, *, reset_head: bool = True,
                         grid: Optional[Sequence[int]] = None,
                         checkpoint_grid: Optional[Sequence[int]] = None) -> Dict[str, Any]:
-  """Variables for fine-tuning: the checkpoint's weights fitted to a new task and resolution.
+  """``fresh``'s variables (structure, plain leaves, dtypes) with the weights of ``loaded``
+  (``{'params', **collections}``, NumPy or JAX, per-layer or scanned) but what fine-tuning
+  changes:
 
-  The *fine-tuning* intent, as opposed to :func:`vit_jax.checkpoint.load` (restore for
-  evaluation, everything as saved). Starting from ``loaded`` (the checkpoint) it replaces only
-  what is designed to change:
-
-  * the head (``head/kernel``, ``head/bias``) takes ``fresh``'s values: always (the official ViT
-    ``load_pretrained``), or with ``reset_head=False`` only when the class count differs (the
-    T2T-ViT reference; e.g. to go on fine-tuning ImageNet at a higher resolution);
-  * ViT's ``pre_logits`` is dropped when the model has no representation layer, and kept when
-    it has one (official behaviour);
-  * ViT's learned position embedding is resized to the model's token grid
-    (:func:`resize_posemb`; no class-token row for classifier 'gap' and 'map', which have no
-    ``cls``); a ``posemb='sincos2d'`` model has no such parameter (its fixed table follows the
-    input), so there is nothing to resize;
-  * T2T-ViT's fixed sinusoid table (``constants/pos_embed``) is regenerated for the new token
-    count (taken from ``fresh``), as the T2T-ViT reference does; the Performer random features
-    ``w`` are kept from the checkpoint (the weights were trained with them).
-
-  Everything else must fit exactly. The encoder layout follows ``fresh`` (a scanned checkpoint
-  fits an unrolled model and back).
-
-  Args:
-    loaded: ``{'params': ..., **collections}`` from :func:`vit_jax.checkpoint.load` (NumPy or
-      JAX leaves).
-    fresh: the same structure from ``model.init`` of the model to fine-tune (boxed with logical
-      axis names or plain): the replaced entries take its values; of the rest only the
-      structure, shapes and dtypes are read.
-    reset_head: see above.
-    grid: the model's token grid ``(rows, columns)``, needed only for non-square grids (e.g.
-      ``(14, 20)`` at 224x320 px with patch 16); checkpoint_grid likewise for the checkpoint's.
-
-  Returns:
-    ``{'params': ..., **collections}`` with ``fresh``'s structure, plain (unboxed) leaves cast to
-    ``fresh``'s dtypes.
+  * the head takes ``fresh``'s values: always (the official ``load_pretrained``), or with
+    ``reset_head=False`` only for another class count (the T2T-ViT reference);
+  * ViT's ``pre_logits`` is dropped when ``fresh`` has none;
+  * ViT's learned position embedding is resized (:func:`resize_posemb`; ``grid`` and
+    ``checkpoint_grid``: the ``(rows, columns)`` of non-square token grids);
+  * T2T-ViT's sinusoid table (``constants/pos_embed``) is regenerated (taken from ``fresh``);
+    a Performer's random features ``w`` are kept.
 
   Raises:
-    ValueError: with the counts and first entries of the missing keys, unexpected keys and
-      shape mismatches (:func:`mismatch_report`), e.g. a checkpoint of another model size.
+    ModelMismatchError: anything else that differs (:func:`mismatch_report`), with the
+      checkpoint's architecture.
   """
   fresh, loaded = layout.unbox(fresh), layout.unbox(loaded)
   for name, tree in (('loaded', loaded), ('fresh', fresh)):
@@ -173,11 +132,11 @@ def init_for_finetuning(loaded: Mapping, fresh: Mapping, *, reset_head: bool = T
                 if k not in fresh_flat and k not in dropped]
   if missing or unexpected or mismatched:
     hint = describe_architecture(loaded)
-    raise ValueError(mismatch_report(
+    raise ModelMismatchError(mismatch_report(
         'The checkpoint does not fit the model to fine-tune (only the head, pre_logits, the '
         'position embedding and the T2T sinusoid table may differ):',
         missing, unexpected, mismatched,
-        hint and hint + ' Set the model fields (--config.model.*) to these values.'))
+        hint and hint + ' Set the model fields (--config.model.*) to these values.'), hint)
   if notes:
     logging.getLogger('absl').info('Fine-tuning init: %s', '; '.join(notes))
   return unflatten_params(out)

@@ -1,32 +1,30 @@
-"""The checkpoint formats, and :func:`open`, which detects a path's format once.
-
-Each format is a :class:`Format` in :data:`FORMATS` (tried in that order): ``sniff`` tells it from
-a :class:`Probe` (a file's first bytes and zip member list, or a directory's listing; nothing is
-unpickled), ``fields`` gives the model fields the file implies, ``read`` its variables. To add a
-format, add one here. A zip whose directory cannot be read raises
-:class:`DamagedCheckpointError`, whatever its name.
-"""
+"""The checkpoint formats, one registry (add a format here), and :func:`open`, which detects a
+source's format once: each :class:`Format` in :data:`FORMATS` (tried in order) ``sniff``s the
+:class:`Probe` detection read (nothing unpickled), gives the model ``fields`` the weights imply
+and ``read``s the variables."""
 
 from __future__ import annotations
 
 import dataclasses
-import io
 from typing import Any, Dict, Optional, Tuple
 
 from absl import logging
 import numpy as np
 
 from vit_jax import models
+from vit_jax.checkpoint import archive
 from vit_jax.checkpoint import ecosystem
+from vit_jax.checkpoint import hf_vit
 from vit_jax.checkpoint import npz
+from vit_jax.checkpoint import orbax
 from vit_jax.checkpoint import paths
-from vit_jax.checkpoint import pytorch
-from vit_jax.checkpoint import safetensors_file
+from vit_jax.checkpoint import t2t_torch
+from vit_jax.checkpoint import timm_vit
 from vit_jax.checkpoint import torch_pickle
 from vit_jax.checkpoint import tree
 from vit_jax.checkpoint import vit_shapes
 from vit_jax.checkpoint import workdir
-from vit_jax.checkpoint.torch_pickle import DamagedCheckpointError  # noqa: F401 (raised by open)
+from vit_jax.checkpoint.archive import DamagedCheckpointError  # noqa: F401 (raised by open)
 
 #: What a checkpoint source can be: the one list, quoted by every error and help text.
 ACCEPTED_FORMATS = (
@@ -37,46 +35,38 @@ ACCEPTED_FORMATS = (
     "'.pt' in the zip format of torch.save >= 1.6; load(path, model=t2t_model)), or an Orbax "
     "variables checkpoint written by python -m vit_jax.convert")
 
-#: File names treated as PyTorch checkpoints (a zip with '<name>/data.pkl' is one whatever its
-#: name).
+#: File names read as PyTorch checkpoints (as is any zip with one '<name>/data.pkl').
 TORCH_SUFFIXES = ('.pth', '.pth.tar', '.pt')
 
 #: The format names (:attr:`Checkpoint.name`).
-NPZ, PYTORCH, ORBAX = 'npz', 'pytorch', 'orbax'
-HF, TIMM = ecosystem.HF, ecosystem.TIMM
-
-_NPY_MAGIC = b'\x93NUMPY'
-_PICKLE_MAGIC = b'\x80'
+NPZ, PYTORCH, ORBAX, HF, TIMM = 'npz', 'pytorch', 'orbax', 'hf', 'timm'
 
 
 @dataclasses.dataclass
 class Probe:
-  """What detection reads of a path, once, and hands on to the reader: ``path`` (normalized),
-  ``is_dir``, ``head`` (a file's first 9 bytes), ``source`` (a zip's local path, or a
-  ``BytesIO`` of a remote zip), ``zip_names`` (its members), ``hf_directory`` (the transformers
-  directory of the path, else None), ``safetensors`` (``'hf'``/``'timm'`` for such a file)."""
+  """What detection read of a source, once, for the readers: a directory's listing (``names``)
+  or a file's first bytes (``head``) with its ``zip`` or safetensors ``header``, and the
+  transformers directory of the source and its listing (or None)."""
   path: str
-  is_dir: bool
+  names: Optional[Tuple[str, ...]]
   head: bytes = b''
-  source: Any = None
-  zip_names: Optional[Tuple[str, ...]] = None
+  zip: Optional[archive.Zip] = None
+  header: Optional[archive.Header] = None
   hf_directory: Optional[str] = None
-  safetensors: Optional[str] = None
+  hf_names: Tuple[str, ...] = ()
 
 
-def _probe(path: Any) -> Probe:
-  path, is_dir, head = paths.probe(path, 9)
-  if is_dir:
-    return Probe(path, True, hf_directory=ecosystem.hf_directory(path, is_dir=True))
-  probe = Probe(path, False, head)
-  if safetensors_file.is_safetensors(head) or path.endswith(safetensors_file.SUFFIX):
-    probe.hf_directory = ecosystem.hf_directory(path, is_dir=False)
-    probe.safetensors = ecosystem.detect_file(path, probe.hf_directory)
-  elif head[:4] in torch_pickle.ZIP_MAGICS:
-    # Read once, for detection and the reader.
-    probe.source = io.BytesIO(paths.read_bytes(path)) if paths.is_remote(path) else path
-    with torch_pickle.open_zip(probe.source, path) as archive:
-      probe.zip_names = tuple(archive.namelist())
+def _probe(source: Any) -> Probe:
+  path, names, head = paths.probe(source, 9)
+  probe = Probe(path, None if names is None else tuple(names), head)
+  if names is not None:
+    probe.hf_directory, probe.hf_names = hf_vit.find(path, names)
+  elif archive.kind(head) == 'zip':
+    probe.zip = archive.Zip.of(path)
+  elif archive.kind(head) == 'safetensors' or path.endswith(archive.SAFETENSORS_SUFFIX):
+    probe.header = archive.read_header(path, head)
+    if hf_vit.is_hf_names(probe.header[0]):
+      probe.hf_directory, probe.hf_names = hf_vit.find(path)
   return probe
 
 
@@ -91,15 +81,20 @@ def _fitted(ckpt: 'Checkpoint', variables: Dict[str, Any], model: Any, image_siz
 
 
 class Format:
-  """One checkpoint format. ``name``: its :attr:`Checkpoint.name`; ``family``: for logs."""
+  """One checkpoint format. ``name``: its :attr:`Checkpoint.name`; ``family``: for messages."""
   name = family = ''
 
   def sniff(self, probe: Probe) -> bool:
     raise NotImplementedError
 
+  def shapes(self, ckpt: 'Checkpoint') -> Dict[str, Tuple[int, ...]]:
+    """``'/'``-joined variable names -> shapes."""
+    return {k: tuple(np.shape(v)) for k, v in tree.flatten_params(ckpt.read()).items()}
+
   def fields(self, ckpt: 'Checkpoint', num_heads: Optional[int]) -> Dict[str, Any]:
-    """The ViT fields the weights need (:func:`vit_jax.checkpoint.model_fields`)."""
-    shapes = {k: tuple(np.shape(v)) for k, v in tree.flatten_params(ckpt.read()).items()}
+    """The ViT fields the weights need (:func:`vit_jax.checkpoint.model_fields`); here the
+    architecture from the shapes, with the official numerics."""
+    shapes = self.shapes(ckpt)
     fields = vit_shapes.architecture_fields(shapes)
     if fields is None:
       raise ValueError(f'{ckpt.path} holds no ViT parameters (no embedding/kernel).')
@@ -125,85 +120,108 @@ class _Npz(Format):
   name, family = NPZ, 'an official .npz'
 
   def sniff(self, probe):
-    return probe.zip_names is not None
+    return probe.zip is not None
+
+  def shapes(self, ckpt):  # From the .npy headers: no array is read.
+    return npz.read_npz_shapes(ckpt.path, ckpt.probe.zip)[0]
 
   def numerics(self, ckpt, num_heads):
-    names = [k[len('params/'):] if k.startswith('params/') else k
-             for k in npz.read_npz_index(ckpt.path, ckpt.probe.source)]
-    if 'embedding/kernel' not in names:  # Not a ViT's .npz: left to the load's checks.
+    shapes, big_vision = npz.read_npz_shapes(ckpt.path, ckpt.probe.zip)
+    fields = vit_shapes.architecture_fields(shapes)
+    if fields is None:  # Not a ViT's .npz: left to the load's checks.
       return None
-    # The raw names of an official or big_vision file (`vit_jax.checkpoint.big_vision`).
-    fields = {'posemb': 'learn' if any(k.endswith('pos_embedding') for k in names)
-                        else 'sincos2d',
-              'classifier': 'map' if any(k.startswith(('MAPHead_0/', 'probe')) for k in names)
-                            else 'token' if 'cls' in names else 'gap'}
-    big_vision = (fields['posemb'] == 'sincos2d' or 'pos_embedding' in names
-                  or fields['classifier'] == 'map')
-    return fields, 'a big_vision .npz' if big_vision else self.family
+    return ({k: fields[k] for k in ('posemb', 'classifier')},
+            'a big_vision .npz' if big_vision else self.family)
 
   def read(self, ckpt, *, model, use_ema, image_size, evaluate):
-    return _fitted(ckpt, npz.load_npz(ckpt.path, ckpt.probe.source), model, image_size,
-                   evaluate)
+    return _fitted(ckpt, npz.load_npz(ckpt.path, ckpt.probe.zip), model, image_size, evaluate)
 
 
 class _PyTorch(Format):
+  """T2T-ViT state dicts (:func:`.torch_pickle.load_pth`), converted for a model."""
   name, family = PYTORCH, 'a PyTorch T2T-ViT checkpoint'
 
   def sniff(self, probe):
-    if probe.zip_names is not None:
-      return torch_pickle.has_torch_layout(probe.zip_names)
-    return (not probe.is_dir and probe.path.lower().endswith(TORCH_SUFFIXES)
-            or probe.head[:1] == _PICKLE_MAGIC)
+    if probe.zip is not None:
+      return torch_pickle.has_torch_layout(probe.zip.names)
+    return probe.names is None and (probe.path.lower().endswith(TORCH_SUFFIXES)
+                                    or archive.kind(probe.head) == 'pickle')
 
   def fields(self, ckpt, num_heads):
     raise ValueError(f'{ckpt.path} is a PyTorch (T2T-ViT) checkpoint: its variant is not '
                      'recorded; name the model (e.g. T2T-ViT-14).')
 
-  def read(self, ckpt, *, model, use_ema, image_size, evaluate):
-    return pytorch.load_torch_variables(ckpt.path, model=model, use_ema=use_ema,
-                                        image_size=image_size, source=ckpt.probe.source)
+  def read(self, ckpt, *, model, use_ema, image_size, evaluate, as_saved=False):
+    path = ckpt.path
+    if model is None:
+      raise ValueError(
+          f'{path!r} is a PyTorch checkpoint: converting it into Flax variables needs the '
+          'model. Pass model= (e.g. load(path, model=vit_jax.models.create("T2T-ViT-14", '
+          'num_classes=1000))), or use vit_jax.checkpoint.load_pth(path) for the raw PyTorch '
+          'state dict (names -> np.ndarray).')
+    if not isinstance(model, models.T2TViT):
+      raise ValueError(f'{path!r} is a PyTorch checkpoint: only T2T-ViT models '
+                       f'(vit_jax.models.t2t.T2TViT) load those, not {type(model).__name__}.')
+    state_dict = torch_pickle.load_pth(path, use_ema=use_ema, zip_file=ckpt.probe.zip)
+    head = [np.shape(v)[0] for k, v in state_dict.items()
+            if k.split('.')[-2:] == ['head', 'weight']]
+    if as_saved and head:  # The file's own class count (and, by default, input size).
+      model = model.clone(num_classes=int(head[0]))
+    return t2t_torch.from_torch_state_dict(state_dict, model, image_size=image_size)
 
   def read_for_finetuning(self, ckpt, model, use_ema):
-    return pytorch.load_torch_as_saved(ckpt.path, model, use_ema=use_ema,
-                                       source=ckpt.probe.source)
+    return self.read(ckpt, model=model, use_ema=use_ema, image_size=None, evaluate=False,
+                     as_saved=True)
 
 
 class _Orbax(Format):
   name, family = ORBAX, 'an Orbax checkpoint'
 
   def sniff(self, probe):
-    return probe.is_dir
+    return probe.names is not None
 
   def read(self, ckpt, *, model, use_ema, image_size, evaluate):
-    return _fitted(ckpt, workdir.load_orbax(ckpt.path, use_ema=use_ema), model, image_size,
+    item = (ckpt.path if orbax.is_item(ckpt.path, ckpt.probe.names)
+            else workdir.find_state_item(ckpt.path, names=ckpt.probe.names))
+    return _fitted(ckpt, orbax.read_variables(item, use_ema=use_ema), model, image_size,
                    evaluate)
 
 
+@dataclasses.dataclass(frozen=True)
+class Foreign:
+  """transformers or timm weights read: ``variables`` (``{'params'}``, per-layer), ``fields``
+  (``models.create`` keywords), ``image_size`` and ``label_names`` (or None), ``family``."""
+  variables: Dict[str, Any]
+  fields: Dict[str, Any]
+  image_size: Optional[int]
+  label_names: Optional[Tuple[str, ...]]
+  family: str
+
+
 class _Foreign(Format):
-  """transformers (``hf``) or timm ViT weights (:mod:`.ecosystem`)."""
-
-  def __init__(self, name: str, family: str):
-    self.name, self.family = name, family
-
-  def sniff(self, probe):
-    if probe.is_dir:
-      return self.name == HF and probe.hf_directory is not None
-    return probe.safetensors == self.name
-
-  def fields(self, ckpt, num_heads):
-    return ecosystem.read_fields(ckpt.path, self.name, num_heads, ckpt.probe.hf_directory)
+  """transformers or timm ViT weights, whose numerics the files record."""
+  library = ''
 
   def numerics(self, ckpt, num_heads):
     return self.fields(ckpt, num_heads), self.family
 
+  def _read(self, ckpt: 'Checkpoint', num_heads: Optional[int]):
+    """``(params, fields with image_size, class names)``."""
+    raise NotImplementedError
+
+  def foreign(self, ckpt: 'Checkpoint', num_heads: Optional[int]) -> Foreign:
+    params, fields, names = self._read(ckpt, num_heads)
+    image_size = fields.pop('image_size', None)
+    return Foreign({'params': params}, fields, image_size, names, self.library)
+
   def read(self, ckpt, *, model, use_ema, image_size, evaluate):
-    foreign = ckpt.foreign(getattr(model, 'num_heads', None))
+    foreign = self.foreign(ckpt, getattr(model, 'num_heads', None))
     if model is not None and evaluate:
       ecosystem.check_numerics(foreign.fields, model, ckpt.path)
     return _fitted(ckpt, foreign.variables, model, image_size or foreign.image_size, evaluate)
 
   def read_for_finetuning(self, ckpt, model, use_ema):
-    foreign = ckpt.foreign(getattr(model, 'num_heads', None))
+    foreign = self.foreign(ckpt, getattr(model, 'num_heads', None))
     try:
       ecosystem.check_numerics(foreign.fields, model, ckpt.path)
     except ValueError as e:
@@ -212,9 +230,40 @@ class _Foreign(Format):
     return foreign.variables
 
 
+class _Hf(_Foreign):
+  name, family, library = HF, 'a transformers ViT', 'transformers ViT'
+
+  def sniff(self, probe):
+    if (probe.hf_directory is None and probe.header is not None
+        and hf_vit.is_hf_names(probe.header[0])):
+      raise ValueError(f'{probe.path} holds transformers ViT weights but no config.json lies '
+                       'beside it: keep the directory save_pretrained wrote (or the Hub '
+                       'repository) together, and give the directory.')
+    return probe.hf_directory is not None
+
+  def fields(self, ckpt, num_heads):
+    return hf_vit.read_fields(ckpt.probe.hf_directory, ckpt.probe.hf_names)
+
+  def _read(self, ckpt, num_heads):
+    return hf_vit.read(ckpt.probe.hf_directory, ckpt.probe.hf_names)
+
+
+class _Timm(_Foreign):
+  name, family, library = TIMM, 'a timm ViT', 'timm ViT'
+
+  def sniff(self, probe):
+    return probe.header is not None and timm_vit.is_timm_names(probe.header[0])
+
+  def fields(self, ckpt, num_heads):
+    header = ckpt.probe.header
+    return timm_vit.fields_from(archive.shapes(header), header[1], ckpt.path, num_heads)
+
+  def _read(self, ckpt, num_heads):
+    return timm_vit.read(ckpt.path, ckpt.probe.header, num_heads)
+
+
 #: Every format, in detection order (a torch zip before any zip, transformers before Orbax).
-FORMATS = (_Foreign(HF, 'a transformers ViT'), _Foreign(TIMM, 'a timm ViT'), _PyTorch(),
-           _Npz(), _Orbax())
+FORMATS = (_Hf(), _Timm(), _PyTorch(), _Npz(), _Orbax())
 
 
 @dataclasses.dataclass
@@ -235,9 +284,9 @@ class Checkpoint:
   def numerics(self, num_heads: Optional[int] = None):
     return self.format.numerics(self, num_heads)
 
-  def foreign(self, num_heads: Optional[int] = None) -> ecosystem.Foreign:
-    """transformers / timm weights with their fields and class names (:func:`ecosystem.read`)."""
-    return ecosystem.read(self.path, self.name, num_heads, self.probe.hf_directory)
+  def foreign(self, num_heads: Optional[int] = None) -> Foreign:
+    """transformers / timm weights with their fields and class names."""
+    return self.format.foreign(self, num_heads)
 
   def read(self, *, model: Any = None, use_ema: bool = True, image_size: Any = None,
            evaluate: bool = True) -> Dict[str, Any]:
@@ -256,19 +305,24 @@ def open(source: Any) -> Checkpoint:  # pylint: disable=redefined-builtin
 
   Raises:
     FileNotFoundError: nothing exists at ``source``.
-    DamagedCheckpointError: a zip archive whose directory cannot be read (a ``ValueError``).
+    DamagedCheckpointError: a zip or safetensors file whose directory or header cannot be read.
     ValueError: no accepted format (named, with :data:`ACCEPTED_FORMATS`), e.g. a single-array
-      ``.npy`` file or text; a ``.safetensors`` file of another model, or with transformers
-      names but no ``config.json`` beside it.
+      ``.npy`` file, a ``.safetensors`` file of another model, or with transformers names but
+      no ``config.json`` beside it.
   """
   probe = _probe(source)
   path = probe.path
   for fmt in FORMATS:
     if fmt.sniff(probe):
       return Checkpoint(path, fmt, probe)
-  what = 'a single-array .npy file, not a checkpoint' if probe.head[:6] == _NPY_MAGIC else None
-  raise ValueError(f'{path!r} is {what}. Accepted formats: {ACCEPTED_FORMATS}' if what else
-                   f'Unrecognised checkpoint format at {path!r}. Accepted formats: '
+  if probe.header is not None:
+    shown = ', '.join(sorted(probe.header[0])[:4])
+    raise ValueError(f'{path} is a .safetensors file of neither a transformers ViT nor a timm '
+                     f'VisionTransformer (its tensors: {shown}, ...).')
+  if archive.kind(probe.head) == 'npy':
+    raise ValueError(f'{path!r} is a single-array .npy file, not a checkpoint. Accepted '
+                     f'formats: {ACCEPTED_FORMATS}')
+  raise ValueError(f'Unrecognised checkpoint format at {path!r}. Accepted formats: '
                    f'{ACCEPTED_FORMATS}')
 
 
@@ -278,13 +332,9 @@ def detect(path: Any) -> str:
 
 
 def is_torch_checkpoint(path: Any) -> bool:
-  """Whether the file at ``path`` is read as a PyTorch checkpoint.
-
-  Raises:
-    OSError: the file cannot be read (e.g. ``FileNotFoundError``, or a directory).
-    DamagedCheckpointError: a zip archive whose directory cannot be read.
-  """
+  """Whether the file at ``path`` is read as a PyTorch checkpoint; raises OSError for a missing
+  file or a directory, DamagedCheckpointError for a zip whose directory cannot be read."""
   probe = _probe(path)
-  if probe.is_dir:
+  if probe.names is not None:
     raise IsADirectoryError(probe.path)
   return FORMATS[2].sniff(probe)

@@ -1,36 +1,20 @@
-"""Hugging Face transformers ViT weights (``config.json`` + ``model.safetensors``) to and from
-this project's ViT.
-
-A transformers ViT directory (``save_pretrained``, or a ``google/vit-*`` repository from the Hub)
-holds ``config.json`` (``model_type: 'vit'``) and ``model.safetensors`` (or shards listed in
-``model.safetensors.index.json``). Its tensors are named as transformers 4 names the modules
-(the Hub's files)::
-
-  vit.embeddings.{cls_token, position_embeddings, patch_embeddings.projection}
-  vit.encoder.layer.{i}.{layernorm_before, attention.attention.{query,key,value},
-                         attention.output.dense, layernorm_after, intermediate.dense,
-                         output.dense}
-  vit.layernorm, classifier            (ViTForImageClassification)
-  pooler.dense                         (ViTModel with its pooler: Dense + tanh on the class
-                                        token, the official pre_logits; no 'vit.' prefix)
-
-or as transformers 5 names them (``vit.layers.{i}.attention.{q,k,v,o}_proj``,
-``vit.layers.{i}.mlp.{fc1,fc2}``); both are read. The config gives what the tensors do not:
-``num_attention_heads``, ``layer_norm_eps`` (1e-12 in the google checkpoints, honoured exactly)
-and ``hidden_act`` ("gelu" is the exact GELU; "gelu_pytorch_tanh", "gelu_new", "gelu_fast"
-the tanh approximation), and ``id2label`` the class names.
-
-:func:`to_hf` writes transformers 4 names, which every transformers version reads.
+"""Hugging Face transformers ViT directories (``config.json`` + ``model.safetensors`` or the
+shards of its index) read into this project's ViT, and written. Tensor names are transformers
+4's (``vit.encoder.layer.{i}.*``; a ViTModel's ``pooler.dense`` is the official ``pre_logits``)
+or 5's (``vit.layers.{i}.*``); :func:`to_hf` writes 4's, which every version reads. The config
+gives the heads, ``layer_norm_eps``, ``hidden_act`` (:data:`GELUS`) and ``id2label``.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import re
-from typing import Any, Dict, Mapping, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
+from vit_jax.checkpoint import archive
 from vit_jax.checkpoint import paths
 from vit_jax.checkpoint import torch_layout
 
@@ -85,11 +69,8 @@ def _canonical_name(name: str) -> Optional[str]:
 
 
 def canonical(tensors: Mapping[str, Any], path: str) -> Dict[str, Any]:
-  """Canonical name -> value (arrays or shapes) of a transformers ViT state dict.
-
-  Raises:
-    ValueError: names that are not a transformers ViT's (listed).
-  """
+  """Canonical name -> value (arrays or shapes) of a transformers ViT state dict; ValueError
+  listing names that are not a transformers ViT's."""
   out, unknown = {}, []
   for name, value in tensors.items():
     new = _canonical_name(name)
@@ -105,18 +86,23 @@ def canonical(tensors: Mapping[str, Any], path: str) -> Dict[str, Any]:
   return out
 
 
-def read_config(directory: str) -> Dict[str, Any]:
-  """The ``config.json`` of a transformers directory, checked to be a ViT's.
+def find(path: str, names: Optional[Sequence[str]] = None
+         ) -> Tuple[Optional[str], Tuple[str, ...]]:
+  """``(directory, its listing)`` of the transformers directory ``path`` is (``names``: its
+  listing) or whose weight file it is; ``(None, ())`` unless it holds ``config.json`` (and, given
+  as a directory, ``model.safetensors`` or its index)."""
+  directory = path if names is not None else os.path.dirname(path) or '.'
+  listing = set(names if names is not None else paths.listdir(directory))
+  if CONFIG_FILE not in listing or (names is not None
+                                    and not listing & {WEIGHTS_FILE, INDEX_FILE}):
+    return None, ()
+  return directory, tuple(sorted(listing))
 
-  Raises:
-    FileNotFoundError: no ``config.json``.
-    ValueError: not JSON, another ``model_type`` (e.g. 'deit', 'dinov2'), or a ``hidden_act``
-      this ViT has no equivalent for.
-  """
+
+def read_config(directory: str) -> Dict[str, Any]:
+  """The ``config.json`` of a transformers directory (:func:`find`); ValueError for one not
+  JSON, of another ``model_type`` (e.g. 'deit') or a ``hidden_act`` without an equivalent."""
   path = paths.join(directory, CONFIG_FILE)
-  if not paths.exists(path):
-    raise FileNotFoundError(f'{directory} has no {CONFIG_FILE}: a transformers ViT needs its '
-                            'config (save_pretrained writes both; download both from the Hub).')
   try:
     config = json.loads(paths.read_bytes(path).decode('utf-8'))
   except (UnicodeDecodeError, ValueError) as e:
@@ -135,22 +121,17 @@ def read_config(directory: str) -> Dict[str, Any]:
   return config
 
 
-def weight_files(directory: str) -> Tuple[str, ...]:
-  """The safetensors files of a transformers directory (one, or the shards of its index).
-
-  Raises:
-    FileNotFoundError: neither ``model.safetensors`` nor its index (a directory with only
-      ``pytorch_model.bin`` is named as such).
-  """
-  single = paths.join(directory, WEIGHTS_FILE)
-  if paths.exists(single):
-    return (single,)
-  index = paths.join(directory, INDEX_FILE)
-  if paths.exists(index):
-    weight_map = json.loads(paths.read_bytes(index).decode('utf-8')).get('weight_map', {})
-    return tuple(paths.join(directory, f) for f in sorted(set(weight_map.values())))
+def weight_files(directory: str, names: Sequence[str]) -> Tuple[str, ...]:
+  """The safetensors files of a transformers directory listing ``names`` (one, or the shards
+  of its index); FileNotFoundError without (naming a ``pytorch_model.bin``)."""
+  if WEIGHTS_FILE in names:
+    return (paths.join(directory, WEIGHTS_FILE),)
+  if INDEX_FILE in names:
+    index = json.loads(paths.read_bytes(paths.join(directory, INDEX_FILE)).decode('utf-8'))
+    shards = sorted(set(index.get('weight_map', {}).values()))
+    return tuple(paths.join(directory, f) for f in shards)
   extra = (' (it has pytorch_model.bin only: take model.safetensors from the same Hub '
-           'repository)') if paths.exists(paths.join(directory, 'pytorch_model.bin')) else ''
+           'repository)') if 'pytorch_model.bin' in names else ''
   raise FileNotFoundError(f'{directory} has no {WEIGHTS_FILE}{extra}.')
 
 
@@ -171,23 +152,42 @@ def label_names(config: Mapping[str, Any], num_classes: Optional[int]
 
 def fields_from(shapes: Mapping[str, Tuple[int, ...]], config: Mapping[str, Any],
                 path: str) -> Dict[str, Any]:
-  """The model fields (:func:`vit_jax.models.create` keywords, plus ``image_size``) of a
-  transformers ViT: the architecture from the shapes, heads, GELU, LayerNorm epsilon and image
-  size from the config."""
+  """The model fields (:func:`vit_jax.models.create` keywords, plus ``image_size``): the
+  architecture from the tensor shapes, heads, GELU, LayerNorm epsilon and image size from the
+  config."""
   fields = torch_layout.shapes_to_fields(canonical(shapes, path))
   fields.update(num_heads=int(config['num_attention_heads']), posemb='learn',
                 gelu_approximate=GELUS[config.get('hidden_act', 'gelu')],
                 layer_norm_epsilon=float(config.get('layer_norm_eps', 1e-12)))
   size = config.get('image_size')
-  fields['image_size'] = int(size if not isinstance(size, (list, tuple)) else size[0]) if size \
-      else None
+  fields['image_size'] = int(np.ravel(size)[0]) if size else None
   return fields
 
 
-def preprocessor_config(image_size: int, normalization: str) -> Dict[str, Any]:
-  """``preprocessor_config.json`` of a ``ViTImageProcessor`` feeding what this project's eval
-  pipeline feeds: a bilinear resize to the square size, pixels / 255, then the normalisation
-  ('minus_one_to_one': mean = std = 0.5, i.e. [-1, 1]; 'imagenet': the ImageNet mean/std)."""
+def read_fields(directory: str, names: Sequence[str]) -> Dict[str, Any]:
+  """:func:`fields_from` a transformers directory (:func:`find`), from the headers only."""
+  shapes = {}
+  for file in weight_files(directory, names):
+    shapes.update(archive.shapes(archive.read_header(file)))
+  return fields_from(shapes, read_config(directory), directory)
+
+
+def read(directory: str, names: Sequence[str]
+         ) -> Tuple[Dict[str, Any], Dict[str, Any], Optional[Tuple[str, ...]]]:
+  """``(params, fields with image_size, class names or None)`` of a transformers directory
+  (:func:`find`), exactly; each file read once."""
+  arrays = {}
+  for file in weight_files(directory, names):
+    arrays.update(archive.read_safetensors(file))
+  config = read_config(directory)
+  fields = fields_from({k: tuple(np.shape(v)) for k, v in arrays.items()}, config, directory)
+  params = torch_layout.to_params(canonical(arrays, directory), fields['num_heads'])
+  return params, fields, label_names(config, fields['num_classes'])
+
+
+def _preprocessor_config(image_size: int, normalization: str) -> Dict[str, Any]:
+  """A ``ViTImageProcessor`` config feeding what this project's eval pipeline feeds: a
+  bilinear resize to the square size, pixels / 255, then ``normalization``'s mean and std."""
   imagenet = normalization == 'imagenet'
   return {
       'image_processor_type': 'ViTImageProcessor',
@@ -200,33 +200,54 @@ def preprocessor_config(image_size: int, normalization: str) -> Dict[str, Any]:
   }
 
 
-def from_hf(arrays: Mapping[str, np.ndarray], num_heads: int, path: str) -> Dict[str, Any]:
-  """This project's params tree (per-layer) from a transformers ViT state dict (exact)."""
-  return torch_layout.to_params(canonical(arrays, path), num_heads)
+def export_problems(fields: Mapping[str, Any]) -> List[str]:
+  """What a transformers ViT cannot express of a model with ``fields``."""
+  problems = []
+  if fields.get('classifier', 'token') != 'token':
+    problems.append(f"classifier={fields['classifier']!r} (ViTForImageClassification "
+                    'classifies the class token)')
+  if fields.get('representation_size') and fields.get('num_classes'):
+    problems.append('a pre_logits layer before the head (ViTForImageClassification has none)')
+  if not isinstance(fields.get('patch_size'), int):
+    problems.append(f"non-square patches {fields.get('patch_size')}")
+  return problems
+
+
+def output_paths(dst: str) -> List[str]:
+  """The weights, config and preprocessor config :func:`write` writes for ``dst``: a directory,
+  or a ``.safetensors`` path with the configs beside it."""
+  if dst.endswith(archive.SAFETENSORS_SUFFIX):
+    directory, weights = os.path.dirname(dst) or '.', dst
+  else:
+    directory, weights = dst, os.path.join(dst, WEIGHTS_FILE)
+  return [weights, os.path.join(directory, CONFIG_FILE),
+          os.path.join(directory, PREPROCESSOR_FILE)]
+
+
+def write(dst: str, params: Mapping[str, Any], fields: Mapping[str, Any], image_size: int,
+          label_names: Optional[Sequence[str]], normalization: str) -> str:
+  """Writes :func:`output_paths`; returns the ``from_pretrained`` call that loads them."""
+  weights, config_path, preprocessor_path = output_paths(dst)
+  state, config = to_hf(params, fields, image_size=image_size, names=label_names)
+  archive.write_safetensors(weights, state)
+  for name, content in ((config_path, config),
+                        (preprocessor_path, _preprocessor_config(image_size, normalization))):
+    with open(name, 'w') as f:
+      json.dump(content, f, indent=2)
+  return (f"transformers.{config['architectures'][0]}.from_pretrained("
+          f'{os.path.dirname(weights) or "."!r})')
 
 
 def to_hf(params: Mapping[str, Any], fields: Mapping[str, Any], *, image_size: int,
           names: Optional[Sequence[str]] = None) -> Tuple[Dict[str, np.ndarray], Dict[str, Any]]:
-  """A transformers ViT state dict (transformers 4 names) and its ``config.json`` dict.
-
-  With a head: ``ViTForImageClassification`` (``vit.`` prefix, ``classifier``); without:
-  ``ViTModel`` (its pooler from ``pre_logits`` when there is one).
-
-  Args:
-    params: per-layer params tree of a ViT with a class token.
-    fields: its model fields (``hidden_size``, ``num_layers``, ``num_heads``, ``mlp_dim``,
-      ``patch_size``, ``gelu_approximate``, ``layer_norm_epsilon``, ``num_classes``,
-      ``representation_size``).
-    image_size: the side of the square images it runs at.
-    names: class names for ``id2label`` (default ``LABEL_i``).
-  """
+  """A transformers 4 state dict and ``config.json`` of a per-layer ViT params tree with a
+  class token: ``ViTForImageClassification`` with a head, else ``ViTModel`` (its pooler from
+  ``pre_logits``). ``names``: ``id2label`` (default ``LABEL_i``)."""
   canonical_arrays = torch_layout.from_params(params)
   classify = 'head.weight' in canonical_arrays
   prefix = 'vit.' if classify else ''
-  inverse_blocks = {}
-  for hf_name, ours in _BLOCK_MODULES.items():
-    if '_proj' not in hf_name and not hf_name.startswith('mlp.'):
-      inverse_blocks[ours] = hf_name
+  inverse_blocks = {ours: hf_name for hf_name, ours in _BLOCK_MODULES.items()
+                    if '_proj' not in hf_name and not hf_name.startswith('mlp.')}
   inverse_others = {v: k for k, v in _OTHERS.items()}
   state = {}
   for name, value in canonical_arrays.items():
@@ -244,7 +265,8 @@ def to_hf(params: Mapping[str, Any], fields: Mapping[str, Any], *, image_size: i
   patch = fields['patch_size']
   config = {
       'architectures': ['ViTForImageClassification' if classify else 'ViTModel'],
-      'model_type': 'vit',
+      'model_type': 'vit', 'qkv_bias': True, 'hidden_dropout_prob': 0.0,
+      'attention_probs_dropout_prob': 0.0, 'initializer_range': 0.02, 'torch_dtype': 'float32',
       'hidden_size': int(fields['hidden_size']),
       'num_hidden_layers': int(fields['num_layers']),
       'num_attention_heads': int(fields['num_heads']),
@@ -254,12 +276,7 @@ def to_hf(params: Mapping[str, Any], fields: Mapping[str, Any], *, image_size: i
       'image_size': int(image_size),
       'patch_size': int(patch if isinstance(patch, int) else patch[0]),
       'num_channels': int(canonical_arrays['patch_embed.proj.weight'].shape[1]),
-      'qkv_bias': True,
-      'hidden_dropout_prob': 0.0,
-      'attention_probs_dropout_prob': 0.0,
-      'initializer_range': 0.02,
       'encoder_stride': int(patch if isinstance(patch, int) else patch[0]),
-      'torch_dtype': 'float32',
   }
   if labels:
     config['id2label'] = {str(i): n for i, n in enumerate(labels)}

@@ -1,19 +1,13 @@
-"""One run per workdir: ``WORKDIR/lock.json``, taken before a run writes anything.
+"""One run per workdir: ``WORKDIR/lock.json``, taken before a run writes anything, held for
+its life; its JSON record (``host``, ``pid``, ``pid_start``, ``started``, ``started_unix``,
+``heartbeat_unix``, ``command``, ``token``) names the holder.
 
-The training loop holds a :class:`WorkdirLock` for its life (on a pod process 0 takes it and
-every process learns the outcome: :func:`acquire_on_all_processes`); the record names the
-holder so a refused run can say who it is.
-
-* Local paths (also NFS): ``fcntl.flock``, released by the OS however the process ends, so it
-  never goes stale (a leftover file is taken over with a warning). Release unlinks while
-  holding; a taker checks the file it locked is still the one at the path, so they never race.
-* Remote paths (no file locks): a heartbeat. Write, wait ``settle_s``, read back (the record
-  that is there wins), rewrite every ``timeout_s / 4``; a heartbeat older than ``timeout_s``
-  (or a gone process of this host) is stale. Host clocks are assumed synchronised.
-
-Record (JSON): ``host``, ``pid``, ``pid_start`` (clock ticks since boot, tells a reused pid
-apart), ``started`` (ISO 8601 UTC), ``started_unix`` / ``heartbeat_unix`` (s), ``command``,
-``token`` (random).
+* Local paths (also NFS): ``fcntl.flock``, released by the OS however the process ends (a
+  leftover file is taken over with a warning). Release unlinks while holding; a taker checks
+  the file it locked is still the one at the path, so they never race.
+* Remote paths: a heartbeat. Write, wait ``settle_s``, read back (the record there wins),
+  rewrite every ``timeout_s / 4``; a heartbeat older than ``timeout_s`` (or a gone process of
+  this host) is stale. Host clocks are assumed synchronised.
 """
 
 from __future__ import annotations
@@ -30,6 +24,10 @@ import time
 import uuid
 from typing import Any, Dict, Optional
 
+import jax
+from jax.experimental import multihost_utils
+import numpy as np
+
 from vit_jax.checkpoint import paths
 
 #: The lock file, inside WORKDIR.
@@ -43,8 +41,8 @@ class WorkdirInUseError(RuntimeError):
 
 
 def _process_start(pid: int) -> Optional[str]:
-  """The start time of process ``pid`` (clock ticks since boot, Linux), or None: with the pid it
-  identifies a process even after the pid is reused."""
+  """The start time of process ``pid`` (clock ticks since boot, Linux; tells a reused pid
+  apart), or None."""
   try:
     with open(f'/proc/{pid}/stat', 'rb') as f:
       stat = f.read().decode('ascii', 'replace')
@@ -114,15 +112,10 @@ def _parse(text: str) -> Optional[Dict[str, Any]]:
 
 
 class WorkdirLock:
-  """The lock of one workdir; a context manager.
-
-  Args:
-    workdir: local (created if missing, removed on release if still empty) or ``gs://``.
-    timeout_s, settle_s: heartbeat locks: staleness age and read-back wait, seconds.
-    heartbeat: hold by heartbeat (default: remote paths, and local filesystems without flock).
-
-  Raises (from :meth:`acquire`): see there.
-  """
+  """The lock of ``workdir`` (local, created if missing and removed on release if still
+  empty, or ``gs://``); a context manager. ``timeout_s``, ``settle_s``: a heartbeat's staleness
+  age and read-back wait (s); ``heartbeat``: default for remote paths and filesystems without
+  flock."""
 
   def __init__(self, workdir: str, *, timeout_s: float = 600.0, settle_s: float = 2.0,
                heartbeat: Optional[bool] = None):
@@ -157,13 +150,9 @@ class WorkdirLock:
         f'it, or choose another --workdir.{gone}')
 
   def acquire(self) -> None:
-    """Takes the lock; logs a take-over of a stale one (a WARNING naming its holder).
-
-    Raises:
-      WorkdirInUseError: a live run holds it (the message names the holder and what to do).
-      OSError: the lock file cannot be created or written (e.g. ``PermissionError``; a local
-        ``lock.json`` that is not a file: named, with the fix).
-    """
+    """Takes the lock (a stale one with a WARNING naming its holder). Raises
+    WorkdirInUseError (naming the live holder and what to do) or OSError (the lock file cannot
+    be written, or a local ``lock.json`` is no file: named, with the fix)."""
     local = not paths.is_remote(self.workdir)
     if local:
       self._make_dirs()
@@ -187,8 +176,6 @@ class WorkdirLock:
       self._remove_created_dirs()
       raise
     self.held = True
-
-  # -- local: flock -------------------------------------------------------------------------------
 
   def _make_dirs(self) -> None:
     missing, path = [], os.path.dirname(self.path)
@@ -227,8 +214,6 @@ class WorkdirLock:
                    'or its machine lost); its checkpoints are resumed from.', describe(previous))
     _write_fd(fd, json.dumps(_record(self._token), indent=1))
     self._fd = fd
-
-  # -- heartbeat (remote paths) ------------------------------------------------------------------
 
   def _read_record(self) -> Optional[Dict[str, Any]]:
     try:
@@ -288,8 +273,6 @@ class WorkdirLock:
       except Exception as e:  # pylint: disable=broad-except  (keep training; retry next beat)
         _log.warning('Could not renew the lock %s: %s', self.path, e)
 
-  # -- release ------------------------------------------------------------------------------------
-
   def release(self, *, remove_created_dirs: bool = False) -> None:
     """Releases the lock (deleting the file); with ``remove_created_dirs`` also the directories
     the lock created, if nothing else was written there. Never raises."""
@@ -343,12 +326,9 @@ def _write_fd(fd: int, text: str) -> None:
 
 def acquire_on_all_processes(lock: WorkdirLock) -> None:
   """Process 0 takes ``lock``; every process gets the same outcome (WorkdirInUseError on all)."""
-  import jax  # pylint: disable=g-import-not-at-top
   if jax.process_count() == 1:
     lock.acquire()
     return
-  from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
-  import numpy as np  # pylint: disable=g-import-not-at-top
   message = b''
   if jax.process_index() == 0:
     try:

@@ -1,7 +1,5 @@
-"""The message for variables that do not fit a model: counts, the first entries, and a hint.
-
-Shared by the model families' converters (:mod:`.t2t_torch`) and the checkpoint
-readers (:mod:`vit_jax.checkpoint`), so that every "does not fit" error reads the same::
+"""Variables that do not fit a model: :class:`ModelMismatchError` and its message, the same for
+every reader (:mod:`.tree`, :mod:`.t2t_torch`, :mod:`.orbax`, :mod:`.finetune`)::
 
   The checkpoint does not fit the model:
     missing keys (2): params/head/kernel, params/head/bias
@@ -17,6 +15,15 @@ from typing import Optional, Sequence
 MAX_LISTED = 8
 
 
+class ModelMismatchError(ValueError):
+  """Variables that do not fit a model (message: :func:`mismatch_report`); ``implied``: the
+  architecture they imply, in words (``describe_architecture``), or None."""
+
+  def __init__(self, message: str, implied: Optional[str] = None):
+    super().__init__(message)
+    self.implied = implied
+
+
 def _listing(items: Sequence[str], sep: str) -> str:
   shown = sep.join(items[:MAX_LISTED])
   return shown + (f'{sep}... and {len(items) - MAX_LISTED} more' if len(items) > MAX_LISTED
@@ -25,18 +32,9 @@ def _listing(items: Sequence[str], sep: str) -> str:
 
 def mismatch_report(header: str, missing: Sequence[str], unexpected: Sequence[str],
                     mismatched: Sequence[str], hint: Optional[str] = None) -> str:
-  """The message of a checkpoint that does not fit: counts, the first entries, and a hint.
-
-  Args:
-    header: the first line (what does not fit what).
-    missing: names the model has and the checkpoint lacks.
-    unexpected: names (with shapes) the checkpoint has and the model lacks.
-    mismatched: ``'<name>: checkpoint <shape>, model <shape>'`` entries.
-    hint: a last line, e.g. the architecture the checkpoint implies and what to do.
-
-  Returns:
-    The lines joined with newlines; each kind shows its count and its first
-    :data:`MAX_LISTED` entries.
+  """``header`` (what does not fit what), then per kind its count and first :data:`MAX_LISTED`
+  entries: ``missing`` (the model's names the checkpoint lacks), ``unexpected`` (the checkpoint's,
+  with shapes), ``mismatched`` (``'<name>: checkpoint <shape>, model <shape>'``); then ``hint``.
   """
   lines = [header]
   if missing:

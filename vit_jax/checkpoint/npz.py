@@ -1,9 +1,5 @@
-"""Official ViT ``.npz`` files (flat ``np.savez`` of ``/``-joined names, per-layer blocks):
-reading, with the fixes of older files (pre-Linen numbering: :func:`convert_pre_linen`; 4-D
-GroupNorm: :func:`fix_groupnorm`), and writing. Arrays are read with ``allow_pickle=False``.
-Truncated or corrupt files (zip directory, CRC, a ``.npy`` header declaring more bytes than its
-member holds) raise :class:`~.torch_pickle.DamagedCheckpointError` naming the file and the fix.
-"""
+"""Official and big_vision ViT ``.npz`` files (flat ``np.savez`` of ``/``-joined names): read
+without unpickling into the official per-layer layout, older files fixed; and written."""
 
 from __future__ import annotations
 
@@ -13,29 +9,23 @@ import os
 import re
 import zipfile
 from collections.abc import Mapping
-from typing import Any, Dict, Iterator, Tuple
+from typing import Any, Dict, Iterator, Optional, Tuple
 
 import numpy as np
 
-from vit_jax.checkpoint import big_vision
+from vit_jax.checkpoint import archive
 from vit_jax.checkpoint import paths
-from vit_jax.checkpoint import torch_pickle
 from vit_jax.checkpoint.tree import flatten_params, unflatten_params
 from vit_jax.models import layout
 
 _NUMBERED = re.compile(r'^(.*)_(\d+)$')
+_MAP_PARTS = ('probe', 'MlpBlock_0', 'MultiHeadDotProductAttention_0', 'LayerNorm_0')
 
 
 def convert_pre_linen(tree: Any) -> Any:
-  """Renumbers pre-Linen module names to Linen names, recursively.
-
-  Pre-Linen flax numbered all child modules of a parent in one sequence
-  (``LayerNorm_0, MultiHeadDotProductAttention_1, LayerNorm_2, MlpBlock_3``); Linen numbers each
-  class separately (``LayerNorm_0, MultiHeadDotProductAttention_0, LayerNorm_1, MlpBlock_0``). In
-  every mapping the keys ``<prefix>_<n>`` are grouped by prefix, sorted by ``n`` and renumbered
-  ``0, 1, ...``. Trees already in Linen numbering (contiguous from 0) are returned unchanged.
-  Returns a new plain-dict tree; leaves are not copied.
-  """
+  """A new tree with pre-Linen numbering (one sequence per parent: ``LayerNorm_0,
+  MultiHeadDotProductAttention_1, LayerNorm_2``) renumbered per class as Linen does
+  (``LayerNorm_0, MultiHeadDotProductAttention_0, LayerNorm_1``); Linen trees are unchanged."""
   if not isinstance(tree, Mapping):
     return tree
   groups: Dict[str, list] = {}
@@ -51,10 +41,8 @@ def convert_pre_linen(tree: Any) -> Any:
 
 
 def fix_groupnorm(tree: Any) -> Any:
-  """Reshapes GroupNorm ``gn*/scale`` and ``gn*/bias`` from ``(1, 1, 1, C)`` to ``(C,)``.
-
-  Older hybrid (R+ViT) files store them 4-D. Returns a new plain-dict tree.
-  """
+  """A new tree with GroupNorm ``gn*/scale``, ``gn*/bias`` of ``(1, 1, 1, C)`` (older hybrid
+  files) reshaped to ``(C,)``."""
 
   def visit(node, parent):
     out = {}
@@ -71,112 +59,142 @@ def fix_groupnorm(tree: Any) -> Any:
   return visit(tree, '') if isinstance(tree, Mapping) else tree
 
 
-class _Archive:
-  """An ``.npz`` file open for reading: its zip archive, name (for errors) and size in bytes.
-  ``source``: the file (a local path or a ``BytesIO``) when the caller has checked that it is a
-  zip (:func:`vit_jax.checkpoint.open`)."""
-
-  def __init__(self, path: Any, source: Any = None):
-    if source is None:
-      path = paths.normalize(path)
-      if not paths.exists(path):
-        raise paths.not_found(path, 'No .npz file')
-      if paths.isdir(path):
-        raise ValueError(f'{path!r} is a directory, not an .npz file')
-      if paths.read_head(path, 4) not in torch_pickle.ZIP_MAGICS:
-        raise ValueError(f'{path!r} is not an .npz archive (not a zip file); '
-                         'vit_jax.checkpoint.load reads the other formats.')
-      source = io.BytesIO(paths.read_bytes(path)) if paths.is_remote(path) else path
-    self.path, self.size = path, torch_pickle.file_size(source)
-    self.zip = torch_pickle.open_zip(source, path)
-
-  def damaged(self, info: zipfile.ZipInfo, problem: str) -> ValueError:
-    return torch_pickle.DamagedCheckpointError(
-        f'{self.path!r} is truncated or damaged: its member {info.filename!r} {problem}; the '
-        f'file has {self.size:,} bytes. Download or copy it again.')
-
-  def members(self) -> Iterator[Tuple[str, zipfile.ZipInfo]]:
-    """``(array name, member)`` for every member (``<name>.npy``); other members are refused."""
-    for info in self.zip.infolist():
-      if info.is_dir():
-        continue
-      if not info.filename.endswith('.npy'):
-        raise ValueError(f'{self.path!r}: member {info.filename!r} is not a .npy array; an .npz '
-                         'checkpoint holds only arrays (np.savez).')
-      yield info.filename[:-len('.npy')], info
-
-  def header(self, info: zipfile.ZipInfo) -> Tuple[Tuple[int, ...], np.dtype]:
-    """The shape and dtype that ``info``'s ``.npy`` header declares, checked against the bytes
-    the member holds; object dtypes are refused (nothing is unpickled)."""
-    key = info.filename[:-len('.npy')]
-    try:
-      with self.zip.open(info) as f:
-        version = np.lib.format.read_magic(f)
-        # Version 3.0 differs from 2.0 only in the encoding of field names (utf8).
-        reader = (np.lib.format.read_array_header_1_0 if version == (1, 0) else
-                  np.lib.format.read_array_header_2_0)
-        shape, _, dtype = reader(f)
-        data_bytes = info.file_size - f.tell()
-    except (ValueError, *torch_pickle.MEMBER_ERRORS) as e:
-      raise self.damaged(info, f'cannot be read ({e})') from None
-    if dtype.hasobject:
-      raise ValueError(
-          f'{self.path!r}: array {key!r} is an object (pickled) array; refusing to unpickle it '
-          f'(np.load(allow_pickle=False)). Checkpoints must hold numeric arrays only.')
-    nbytes = math.prod(shape) * dtype.itemsize
-    if data_bytes < nbytes:
-      raise self.damaged(info, f'declares a {dtype} array of shape {shape} ({nbytes:,} bytes) '
-                         f'but holds {max(data_bytes, 0):,} bytes')
-    return tuple(shape), dtype
-
-  def read(self, info: zipfile.ZipInfo) -> np.ndarray:
-    self.header(info)
-    try:
-      with self.zip.open(info) as f:
-        return np.lib.format.read_array(f, allow_pickle=False)
-    except (ValueError, *torch_pickle.MEMBER_ERRORS) as e:
-      raise self.damaged(info, f'cannot be read ({e})') from None
-
-  def __enter__(self):
-    return self
-
-  def __exit__(self, *exc):
-    self.zip.close()
+def is_big_vision(params: Mapping[str, Any]) -> bool:
+  """Whether a ViT params tree is in big_vision's layout: a position table outside
+  ``Transformer/posembed_input`` (or none), or a MAP head."""
+  encoder = params.get('Transformer')
+  return 'embedding' in params and isinstance(encoder, Mapping) and (
+      'posembed_input' not in encoder or 'pos_embedding' in encoder
+      or any(k in params for k in ('pos_embedding', 'MAPHead_0', 'probe')))
 
 
-def read_npz_index(path: Any, source: Any = None) -> Dict[str, Tuple[Tuple[int, ...], np.dtype]]:
-  """``{array name: (shape, dtype)}`` of the ``.npz`` file at ``path``, from the ``.npy``
-  headers only (no array is read). Names as stored (``/``-joined, no renaming).
+def from_big_vision(params: Mapping[str, Any]) -> Dict[str, Any]:
+  """The official per-layer tree that computes what a big_vision (``big_vision/models/vit.py``)
+  params tree does (:func:`is_big_vision`; other trees unchanged).
 
-  Raises:
-    FileNotFoundError, ValueError, DamagedCheckpointError: as :func:`load_npz`.
+  big_vision adds its learned table (a top-level, older files ``Transformer/``,
+  ``pos_embedding``) before prepending the class token: a zero class row in front of it in the
+  official order (a table of ``g^2 + 1`` rows has it). ``posemb='sincos2d'`` stores no table; a
+  MAP head (``pool_type='map'``) is ``MAPHead_0`` (ViT-G era files: at the top level); scanned
+  blocks are unrolled. No class token nor MAP head reads as 'gap' (``pool_type='0'`` cannot be
+  told from the weights).
   """
-  with _Archive(path, source) as archive:
-    return {key: archive.header(info) for key, info in archive.members()}
+  if not is_big_vision(params):
+    return dict(params)
+  out, encoder = dict(params), dict(params['Transformer'])
+  table = out.pop('pos_embedding', None)
+  if table is None:
+    table = encoder.pop('pos_embedding', None)
+  if 'probe' in out:
+    out['MAPHead_0'] = {k: out.pop(k) for k in _MAP_PARTS if k in out}
+  if table is not None:
+    table = np.asarray(table)
+    tokens = table.shape[1]
+    if 'cls' in out and not (tokens > 1 and math.isqrt(tokens - 1) ** 2 == tokens - 1):
+      table = np.concatenate([np.zeros_like(table[:, :1]), table], axis=1)
+    encoder['posembed_input'] = {'pos_embedding': table}
+  out['Transformer'] = encoder
+  if layout.is_scanned(out, prefix='encoderblock'):
+    out = layout.unscan_params(out, prefix='encoderblock')
+  return out
 
 
-def load_npz(path: Any, source: Any = None) -> Dict[str, Any]:
-  """Loads an official flat ``.npz`` file; returns ``{'params': nested dict of np.ndarray}``.
+def _zip(path: Any) -> archive.Zip:
+  """The ``.npz`` file at ``path``, checked to be one (when no detection opened it)."""
+  path, names, head = paths.probe(path, 4, 'No .npz file')
+  if names is not None or archive.kind(head) != 'zip':
+    raise ValueError(f'{path!r} is not an .npz archive (a zip file); vit_jax.checkpoint.load '
+                     'reads the other formats.')
+  return archive.Zip.of(path)
 
-  Keys are ``/``-split into a nested dict (a leading ``params/`` on every key is removed), the
-  pre-Linen numbering is converted (:func:`convert_pre_linen`) and GroupNorm parameters are
-  squeezed (:func:`fix_groupnorm`). A big_vision file is converted to the official layout
-  (:mod:`.big_vision`: position table, MAP head, scanned blocks unrolled). Never unpickles.
 
-  Args:
-    path: local or ``scheme://`` path of the ``.npz`` file.
-    source: as for :class:`_Archive`.
+def _members(npz: archive.Zip) -> Iterator[Tuple[str, str]]:
+  """``(array name, member)`` for every member (``<name>.npy``); other members are refused."""
+  for member in npz.names:
+    if member.endswith('/'):
+      continue
+    if not member.endswith('.npy'):
+      raise ValueError(f'{npz.name!r}: member {member!r} is not a .npy array; an .npz '
+                       'checkpoint holds only arrays (np.savez).')
+    yield member[:-len('.npy')], member
+
+
+def _header(npz: archive.Zip, opened: zipfile.ZipFile, member: str
+            ) -> Tuple[Tuple[int, ...], np.dtype]:
+  """The shape and dtype the member's ``.npy`` header declares, checked against the bytes it
+  holds; object dtypes are refused (nothing is unpickled)."""
+  info = opened.getinfo(member)
+  try:
+    with opened.open(info) as f:
+      version = np.lib.format.read_magic(f)
+      # Version 3.0 differs from 2.0 only in the encoding of field names (utf8).
+      reader = (np.lib.format.read_array_header_1_0 if version == (1, 0) else
+                np.lib.format.read_array_header_2_0)
+      shape, _, dtype = reader(f)
+      data_bytes = info.file_size - f.tell()
+  except (ValueError, *archive.MEMBER_ERRORS) as e:
+    raise npz.damaged(f'its member {member!r} cannot be read ({e})') from None
+  if dtype.hasobject:
+    raise ValueError(
+        f'{npz.name!r}: array {member[:-4]!r} is an object (pickled) array; refusing to unpickle '
+        'it (np.load(allow_pickle=False)). Checkpoints must hold numeric arrays only.')
+  nbytes = math.prod(shape) * dtype.itemsize
+  if data_bytes < nbytes:
+    raise npz.damaged(f'its member {member!r} declares a {dtype} array of shape {shape} '
+                      f'({nbytes:,} bytes) but holds {max(data_bytes, 0):,} bytes')
+  return tuple(shape), dtype
+
+
+def _read(npz: archive.Zip, opened: zipfile.ZipFile, member: str) -> np.ndarray:
+  _header(npz, opened, member)
+  try:
+    with opened.open(member) as f:
+      return np.lib.format.read_array(f, allow_pickle=False)
+  except (ValueError, *archive.MEMBER_ERRORS) as e:
+    raise npz.damaged(f'its member {member!r} cannot be read ({e})') from None
+
+
+def read_npz_index(path: Any, npz: Optional[archive.Zip] = None
+                   ) -> Dict[str, Tuple[Tuple[int, ...], np.dtype]]:
+  """``{array name: (shape, dtype)}`` from the ``.npy`` headers only (names as stored); raises
+  as :func:`load_npz`."""
+  npz = npz or _zip(path)
+  with npz.open() as opened:
+    return {key: _header(npz, opened, member) for key, member in _members(npz)}
+
+
+def _params(flat: Dict[str, Any]) -> Dict[str, Any]:
+  """The nested tree of an ``.npz`` file's flat arrays: ``params/`` stripped, older files'
+  numbering and GroupNorm fixed (not yet converted from big_vision's layout)."""
+  if all(k.startswith('params/') for k in flat):
+    flat = {k[len('params/'):]: v for k, v in flat.items()}
+  return fix_groupnorm(convert_pre_linen(unflatten_params(flat)))
+
+
+def read_npz_shapes(path: Any, npz: Optional[archive.Zip] = None
+                    ) -> Tuple[Dict[str, Tuple[int, ...]], bool]:
+  """``('/'``-joined names -> shapes of what :func:`load_npz` gives, whether the file is in
+  big_vision's layout)``, from the headers only (zero-copy stand-ins for the arrays)."""
+  params = _params({k: np.broadcast_to(np.zeros((), dtype), shape)
+                    for k, (shape, dtype) in read_npz_index(path, npz).items()})
+  shapes = flatten_params({'params': from_big_vision(params)})
+  return {k: tuple(np.shape(v)) for k, v in shapes.items()}, is_big_vision(params)
+
+
+def load_npz(path: Any, npz: Optional[archive.Zip] = None) -> Dict[str, Any]:
+  """``{'params': nested dict of np.ndarray}`` of an ``.npz`` file (local or ``scheme://``;
+  ``npz``: its archive when detection opened it), in the official layout; never unpickles.
 
   Raises:
     FileNotFoundError: missing file.
-    vit_jax.checkpoint.DamagedCheckpointError: a truncated or corrupt file (its zip directory or
-      a member cannot be read, a header declares more than its member holds); a ``ValueError``.
-    ValueError: not an ``.npz`` archive, empty, containing object arrays or other members than
-      ``.npy`` arrays, or holding PyTorch state-dict names.
+    DamagedCheckpointError: a truncated or corrupt file (a ``ValueError``).
+    ValueError: not an ``.npz`` archive, empty, object arrays or other members than ``.npy``,
+      PyTorch state-dict names.
   """
-  with _Archive(path, source) as archive:
-    path = archive.path
-    flat = {key: archive.read(info) for key, info in archive.members()}
+  npz = npz or _zip(path)
+  path = npz.name
+  with npz.open() as opened:
+    flat = {key: _read(npz, opened, member) for key, member in _members(npz)}
   if not flat:
     raise ValueError(f'{path!r} contains no arrays')
   if not any('/' in k for k in flat) and any('.' in k for k in flat):
@@ -185,27 +203,16 @@ def load_npz(path: Any, source: Any = None) -> Dict[str, Any]:
         f'{path!r} holds PyTorch state-dict names (e.g. {example!r}), not the official ViT '
         "'/'-joined Flax names. Load the PyTorch checkpoint itself (.pth.tar, with model=...), "
         'or convert the arrays with vit_jax.checkpoint.t2t_torch.from_torch_state_dict.')
-  if all(k.startswith('params/') for k in flat):
-    flat = {k[len('params/'):]: v for k, v in flat.items()}
-  params = fix_groupnorm(convert_pre_linen(unflatten_params(flat)))
-  if big_vision.is_big_vision(params):
-    params = big_vision.to_official(params)
-  return {'params': params}
+  return {'params': from_big_vision(_params(flat))}
 
 
 def save_npz(path: Any, params: Mapping) -> None:
-  """Writes parameters as an official-layout flat ``.npz`` (Linen names, unrolled, float32).
-
-  Args:
-    path: destination (local or ``scheme://``); written as given (no ``.npz`` is appended);
-      local parent directories are created.
-    params: a params tree, or a variables dict with a ``'params'`` key (only ``params`` is
-      written). A scanned tree (stacked ``encoderblock``) is first converted to
-      ``encoderblock_{i}``. JAX arrays are fetched to host; non-standard float dtypes
-      (``bfloat16``) are written as float32, like the published files.
+  """Writes a params tree (or the ``params`` of variables) as an official flat ``.npz`` at
+  ``path`` (local, parents created, or ``scheme://``; no suffix added): unrolled blocks,
+  ``bfloat16`` and other ml_dtypes as float32, like the published files.
 
   Raises:
-    ValueError: for non-numeric leaves or keys that cannot be flattened.
+    ValueError: non-numeric leaves or keys that cannot be flattened.
   """
   path = paths.normalize(path)
   if isinstance(params, Mapping) and isinstance(params.get('params'), Mapping):

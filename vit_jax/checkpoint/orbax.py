@@ -1,14 +1,8 @@
-"""Orbax PyTree items: reading model variables as NumPy, checking shapes, writing variables.
-
-An *item* is one Orbax PyTree directory (it holds ``_METADATA``): the ``state`` item of a
-training checkpoint, ``{'step', 'params', 'opt_state', 'model_state'[, 'ema_params']}``, or a
-variables checkpoint ``{'params', 'model_state'}`` written by :func:`save_orbax` (what
-``python -m vit_jax.convert`` writes). Where items sit in a run directory is
-:mod:`vit_jax.checkpoint.workdir`'s business; this module only reads and writes items.
-
-Only ``params`` (or ``ema_params``) and ``model_state`` are read, as NumPy arrays, without a
-target and without reading the optimizer state. The encoder layout is the one saved (a
-``scan=True`` model's stacked ``encoderblock``/``blocks``).
+"""Orbax PyTree items (a directory holding ``_METADATA``): model variables read as NumPy,
+checked against a run's state, written. An item is the ``state`` of a training checkpoint
+(``{'step', 'params', 'opt_state', 'model_state'[, 'ema_params']}``) or a variables checkpoint
+``{'params', 'model_state'}`` (:func:`save_orbax`); where items sit in a run is
+:mod:`.workdir`'s business.
 """
 
 from __future__ import annotations
@@ -19,20 +13,25 @@ import json
 import logging
 import os
 from collections.abc import Mapping
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, Sequence
 
+import jax
 import numpy as np
 
 from vit_jax.checkpoint import paths
-from vit_jax.checkpoint.tree import describe_architecture, flatten_params, mismatch_report
+from vit_jax.checkpoint.mismatch import ModelMismatchError, mismatch_report
+from vit_jax.checkpoint.tree import describe_architecture, flatten_params
 from vit_jax.models import layout
 
 #: The file that marks an Orbax PyTree item directory (with 'manifest.ocdbt' under OCDBT).
 _ITEM_MARKER = '_METADATA'
 
 
-def is_item(path: str) -> bool:
-  """Whether ``path`` (local or ``scheme://``) is an Orbax PyTree item directory."""
+def is_item(path: str, names: Optional[Sequence[str]] = None) -> bool:
+  """Whether ``path`` (local or ``scheme://``; ``names``: its listing, when read) is an Orbax
+  PyTree item directory."""
+  if names is not None:
+    return _ITEM_MARKER in names
   return paths.exists(paths.join(path, _ITEM_MARKER)) and paths.isdir(path)
 
 
@@ -68,21 +67,13 @@ def _to_dict(tree: Any) -> Any:
 
 
 def read_variables(item: Any, *, use_ema: bool = True) -> Dict[str, Any]:
-  """Restores ``params`` (or ``ema_params``) and ``model_state`` of one item as NumPy arrays.
-
-  Args:
-    item: the item directory (local or ``gs://``).
-    use_ema: return the parameter EMA (``ema_params``, saved by runs with
-      ``config.ema_decay > 0``) as ``params`` when the item has one.
-
-  Returns:
-    ``{'params': ..., **model_state}``: nested dicts of ``np.ndarray`` in the saved layout.
+  """``{'params': ..., **model_state}`` of one item (local or ``gs://``) as NumPy, in the
+  saved layout, without the optimizer state; ``use_ema``: ``ema_params`` as ``params`` when
+  saved.
 
   Raises:
-    ValueError: the item has no ``params`` entry, or its ``model_state`` holds a ``params``
-      collection.
+    ValueError: no ``params`` entry, or a ``params`` collection in ``model_state``.
   """
-  import jax  # pylint: disable=g-import-not-at-top
   import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
 
   tree = item_tree(item)
@@ -108,20 +99,14 @@ def read_variables(item: Any, *, use_ema: bool = True) -> Dict[str, Any]:
 
 
 def check_state_fits(state_dir: Any, abstract_state: Mapping) -> None:
-  """Checks a saved training state's parameters against the run's, from metadata only.
-
-  Args:
-    state_dir: the ``state`` item of a training checkpoint (see
-      :meth:`vit_jax.checkpoint.workdir.Workdir.check_state_fits` for the run directory's).
-    abstract_state: the run's state tree (arrays or ``jax.ShapeDtypeStruct``); its ``params``
-      and ``model_state`` are compared by name and shape (nothing is read but the metadata).
+  """Compares the ``params`` and ``model_state`` names and shapes of the ``state`` item
+  ``state_dir`` (metadata only) with ``abstract_state`` (arrays or ``ShapeDtypeStruct``).
 
   Raises:
-    ValueError: names or shapes differ; the message lists them (counts and the first 8), what
-      the checkpoint's model is, and the ``scan`` setting when only the block layout differs.
+    ModelMismatchError: they differ (listed, with the checkpoint's model, and the ``scan``
+      setting when only the block layout differs).
     FileNotFoundError: the item has no readable metadata (an empty or incomplete step).
   """
-  import jax  # pylint: disable=g-import-not-at-top
 
   tree = item_tree(state_dir)
   if not isinstance(tree, Mapping):  # Orbax found no item metadata (an empty or cut step).
@@ -150,7 +135,8 @@ def check_state_fits(state_dir: Any, abstract_state: Mapping) -> None:
     header += (f' it was written with the {"scanned" if scanned(saved) else "per-layer"} '
                f'block layout: resume with --config.model.scan={setting} (the training '
                f'default is True).')
-  raise ValueError(mismatch_report(header, missing, unexpected, mismatched, described))
+  raise ModelMismatchError(mismatch_report(header, missing, unexpected, mismatched, described),
+                           described)
 
 
 #: The JSON file a variables checkpoint of :func:`save_orbax` keeps beside its arrays, inside
@@ -160,19 +146,9 @@ EXPORT_JSON = 'vit_jax_export.json'
 
 def save_orbax(path: Any, variables: Mapping, *, overwrite: bool = False,
                metadata: Optional[Mapping[str, Any]] = None) -> None:
-  """Writes model variables as an Orbax item ``{'params': ..., 'model_state': {...}}``.
-
-  The format of the training checkpoints' ``state`` item without the step and optimizer state:
-  :func:`vit_jax.checkpoint.load` reads it back, and ``--config.init_from`` fine-tunes from it.
-
-  Args:
-    path: the new directory (local, made absolute, or ``gs://``).
-    variables: ``{'params': ..., **collections}`` (boxed or plain, NumPy or JAX leaves); every
-      collection other than ``params`` (e.g. T2T-ViT's ``constants``) goes in ``model_state``.
-    overwrite: replace an existing ``path``.
-    metadata: JSON-able facts of the model written to ``path/EXPORT_JSON`` (read back by
-      :func:`read_export_metadata`), e.g. ``label_names``, ``multi_label``,
-      ``normalization``, ``eval_crop_pct``, ``image_size``; None writes no file.
+  """Writes ``{'params': ..., **collections}`` (boxed or plain) as an Orbax item at ``path``
+  (local or ``gs://``): ``params``, the other collections in ``model_state``, and JSON-able
+  ``metadata`` (e.g. ``label_names``, ``normalization``) in :data:`EXPORT_JSON`.
 
   Raises:
     ValueError: ``variables`` has no ``params``.
@@ -199,12 +175,8 @@ def save_orbax(path: Any, variables: Mapping, *, overwrite: bool = False,
 
 
 def read_export_metadata(item: Any) -> Optional[Dict[str, Any]]:
-  """The facts :func:`save_orbax` kept with a variables checkpoint (``EXPORT_JSON``), or None
-  without that file.
-
-  Raises:
-    ValueError: the file is not a JSON object (the message names it and the fix).
-  """
+  """The ``metadata`` :func:`save_orbax` kept with an item, or None; ValueError (named, with
+  the fix) for a file that is not a JSON object."""
   path = paths.join(paths.normalize(item), EXPORT_JSON)
   if not paths.exists(path):
     return None
@@ -220,11 +192,8 @@ def read_export_metadata(item: Any) -> Optional[Dict[str, Any]]:
 
 
 def read_json_item(item: Any) -> Any:
-  """The value of a JSON item of a checkpoint step (Orbax's ``JsonSave``, e.g. ``config``).
-
-  Raises:
-    ValueError: the item cannot be read (the message names it).
-  """
+  """The value of a JSON item of a checkpoint step (Orbax's ``JsonSave``, e.g. ``config``);
+  ValueError naming an item that cannot be read."""
   import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
   try:
     with _quiet_item_reads():

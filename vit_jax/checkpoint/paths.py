@@ -1,17 +1,11 @@
-"""File access for reading checkpoints: local paths with ``os``, ``scheme://`` paths with gfile.
-
-Any path containing ``://`` (``gs://bucket/x.npz``) goes through ``tf.io.gfile``; TensorFlow is
-imported only for such paths. Orbax reads and writes remote directories itself (through
-``etils.epath``), so this module serves the ``.npz`` and PyTorch readers and the detection of a
-path's format.
-"""
+"""File access for the checkpoint readers: local paths with ``os``, ``scheme://`` paths
+(``gs://bucket/x.npz``) with ``tf.io.gfile``, TensorFlow imported only for those. (Orbax reads
+remote directories itself, through ``etils.epath``.)"""
 
 from __future__ import annotations
 
 import errno
-import json
 import os
-import posixpath
 from typing import Any, List, Optional, Tuple
 
 
@@ -21,10 +15,7 @@ def is_remote(path: str) -> bool:
 
 
 def _gfile():
-  try:
-    import tensorflow as tf  # pylint: disable=g-import-not-at-top
-  except ImportError as e:  # pragma: no cover - tensorflow is a project dependency.
-    raise ImportError('Reading remote paths (e.g. gs://) needs TensorFlow (tf.io.gfile)') from e
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top  (seconds; remote paths only)
   return tf.io.gfile
 
 
@@ -85,18 +76,16 @@ def normalize(path: Any) -> str:
   return path if is_remote(path) else os.path.expanduser(path)
 
 
-def probe(path: Any, size: int) -> Tuple[str, bool, bytes]:
-  """``(path normalized, is a directory, a file's first size bytes or b'')``.
-
-  Raises:
-    FileNotFoundError: nothing exists at ``path`` (:func:`not_found`).
-  """
+def probe(path: Any, size: int, what: str = 'No checkpoint'
+          ) -> Tuple[str, Optional[List[str]], bytes]:
+  """``(path normalized, a directory's listing or None for a file, a file's first size bytes
+  or b'')``. Raises FileNotFoundError (:func:`not_found`, ``what``) when nothing is there."""
   path = normalize(path)
   if not exists(path):
-    raise not_found(path)
+    raise not_found(path, what)
   if isdir(path):
-    return path, True, b''
-  return path, False, read_head(path, size)
+    return path, listdir(path), b''
+  return path, None, read_head(path, size)
 
 
 def not_found(path: str, what: str = 'No checkpoint', fix: str = '') -> FileNotFoundError:
@@ -104,26 +93,3 @@ def not_found(path: str, what: str = 'No checkpoint', fix: str = '') -> FileNotF
   then ``: <fix>`` when given."""
   return FileNotFoundError(errno.ENOENT, f'{what} at {path!r}' + (f': {fix}' if fix else ''),
                            path)
-
-
-def nothing_saved_yet(checkpoints_dir: str, config_json: Optional[str]) -> str:
-  """What to do about a run's ``checkpoints`` directory without a finalized step: whether a
-  save is being written (Orbax's ``<step>.orbax-checkpoint-tmp-*``), when the first save comes
-  (``checkpoint_every_steps`` of ``config_json``, the run's ``config.json``, when readable)."""
-  names = listdir(checkpoints_dir) if isdir(checkpoints_dir) else []
-  writing = sorted(int(n.split('.')[0]) for n in names
-                   if '.orbax-checkpoint-tmp' in n and n.split('.')[0].isdigit())
-  every = None
-  if config_json and exists(config_json):
-    try:
-      every = json.loads(read_bytes(config_json)).get('checkpoint_every_steps')
-    except (ValueError, AttributeError, OSError):
-      every = None
-  state = (f'the save of step {writing[-1]} is being written (or was cut off; the next start '
-           'of the run removes it)' if writing else 'the run has saved no checkpoint yet')
-  first = (f' (it saves every {every} steps, checkpoint_every_steps in its config.json, and at '
-           'its end)' if isinstance(every, int) and not writing else '')
-  workdir = posixpath.dirname(checkpoints_dir.rstrip('/')) or '.'
-  return (f'{state}. Wait for its first checkpoint{first}, or train it first (python -m '
-          f'vit_jax.main --config ... --workdir {workdir}); then give the workdir again, or one '
-          'step directory <workdir>/checkpoints/<step>.')

@@ -1,21 +1,9 @@
-"""timm ``VisionTransformer`` weights (``.safetensors``) to and from this project's ViT.
-
-timm's names (``timm/models/vision_transformer.py``): ``cls_token`` (1, 1, D), ``pos_embed``
-(1, 1 + N, D; the class row first, or N rows with ``no_embed_class=True``: the class token then
-gets no position embedding, read as a zero row), ``patch_embed.proj``, ``blocks.{i}.norm1``,
-a fused ``blocks.{i}.attn.qkv`` ((3D, D): the query, key and value rows in that order, heads
-contiguous within each), ``attn.proj``, ``norm2``, ``mlp.fc1``, ``mlp.fc2``, ``norm``, ``head``;
-``attn_pool.{latent, q, kv, proj, norm, mlp}`` for ``global_pool='map'`` (big_vision's MAP
-head). LayerNorm epsilon 1e-6 and the exact (erf) GELU unless the model was built with another
-``act_layer``; the file does not say, nor how many heads there are (given by the model or taken
-from the standard ViT widths, :func:`standard_heads`).
-
-Variants without an equivalent here are refused by name (:data:`REFUSED`): the LayerNorm after
-average pooling (``fc_norm``, timm's default with ``global_pool='avg'``), register tokens,
-LayerScale, QK normalisation, a norm before the blocks (CLIP), DeiT's distillation token.
-
-Files this project writes (:func:`to_timm`) carry their model fields in the safetensors
-metadata (``vit_jax_model``), so that they read back exactly (the GELU, the heads).
+"""timm ``VisionTransformer`` weights (``.safetensors``; ``timm/models/vision_transformer.py``)
+read into this project's ViT, and written. The fused ``attn.qkv`` holds the q, k, v rows in that
+order; a ``no_embed_class`` position table gets a zero class row. A file records neither its
+heads (the model's, else :data:`STANDARD_HEADS`) nor its GELU (the exact one is read) unless
+this project wrote it (:data:`METADATA_KEY`); variants without an equivalent are refused by name
+(:data:`REFUSED`).
 """
 
 from __future__ import annotations
@@ -23,10 +11,11 @@ from __future__ import annotations
 import json
 import math
 import re
-from typing import Any, Dict, Mapping, Optional, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
+from vit_jax.checkpoint import archive
 from vit_jax.checkpoint import torch_layout
 
 #: Families of names that have no equivalent in this project's ViT, with what they are.
@@ -51,7 +40,7 @@ _CANONICAL = re.compile(
     r'(weight|bias)|attn_pool\.(latent|(q|k|v|proj|norm|mlp\.fc1|mlp\.fc2)\.(weight|bias)))$')
 
 #: Heads of the standard ViT widths (ViT paper Table 1; Ti and S from DeiT).
-_STANDARD_HEADS = {192: 3, 384: 6, 768: 12, 1024: 16, 1280: 16, 1408: 16, 1664: 16}
+STANDARD_HEADS = {192: 3, 384: 6, 768: 12, 1024: 16, 1280: 16, 1408: 16, 1664: 16}
 
 #: Safetensors metadata key of the model fields this project writes.
 METADATA_KEY = 'vit_jax_model'
@@ -66,16 +55,6 @@ def is_timm_names(names: Any) -> bool:
   return 'patch_embed.proj.weight' in names and any(n.startswith('blocks.') for n in names)
 
 
-def standard_heads(width: int) -> Optional[int]:
-  """The head count of a standard ViT of this width (None for other widths)."""
-  return _STANDARD_HEADS.get(int(width))
-
-
-def _split(value: Any, parts: int) -> Tuple[np.ndarray, ...]:
-  value = np.asarray(value)
-  return tuple(np.split(value, parts, axis=0))
-
-
 def _rename(name: str) -> Dict[str, Optional[Tuple[str, int, int]]]:
   """Canonical names a timm name becomes: ``{canonical: (timm name, chunk, chunks)}``."""
   fused = re.match(r'^(blocks\.\d+\.attn|attn_pool)\.(qkv|kv)\.(weight|bias)$', name)
@@ -87,11 +66,8 @@ def _rename(name: str) -> Dict[str, Optional[Tuple[str, int, int]]]:
 
 def canonical_shapes(shapes: Mapping[str, Tuple[int, ...]], path: str
                      ) -> Dict[str, Tuple[int, ...]]:
-  """Canonical name -> shape (see :mod:`.torch_layout`) of timm tensor shapes.
-
-  Raises:
-    ValueError: a variant without an equivalent here (named), or unknown tensor names.
-  """
+  """Canonical name -> shape (:mod:`.torch_layout`) of timm tensor shapes; ValueError for a
+  variant without an equivalent here (named) or unknown names."""
   out = {}
   for name, shape in shapes.items():
     for canonical, (_, _, chunks) in _rename(name).items():
@@ -121,7 +97,7 @@ def canonical_arrays(arrays: Mapping[str, np.ndarray], path: str) -> Dict[str, n
   out = {}
   for name, value in arrays.items():
     for canonical, (_, index, chunks) in _rename(name).items():
-      out[canonical] = _split(value, chunks)[index] if chunks > 1 else np.asarray(value)
+      out[canonical] = np.split(np.asarray(value), chunks)[index]
   _check_names(out, path)
   pos = out.get('pos_embed')
   if pos is not None and 'cls_token' in out:
@@ -133,19 +109,9 @@ def canonical_arrays(arrays: Mapping[str, np.ndarray], path: str) -> Dict[str, n
 
 def fields_from(shapes: Mapping[str, Tuple[int, ...]], metadata: Mapping[str, str],
                 path: str, num_heads: Optional[int] = None) -> Dict[str, Any]:
-  """The model fields (:func:`vit_jax.models.create` keywords) a timm file implies.
-
-  Args:
-    shapes: the file's tensor names -> shapes (timm names).
-    metadata: its safetensors metadata (:data:`METADATA_KEY` when this project wrote it).
-    path: for messages.
-    num_heads: the heads when known (the model's); else the metadata's, else the standard ViT
-      head count of the width.
-
-  Returns:
-    The architecture fields plus ``posemb='learn'``, ``gelu_approximate`` (False: timm's exact
-    GELU, unless the metadata says otherwise), ``layer_norm_epsilon`` 1e-6, ``num_heads`` and
-    ``image_size`` (the position grid times the patch size; square grids).
+  """The model fields (:func:`vit_jax.models.create` keywords, plus ``image_size``: the square
+  position grid times the patch size) of a timm file's tensor shapes and metadata; the heads
+  are ``num_heads``, else the metadata's, else :data:`STANDARD_HEADS`.
 
   Raises:
     ValueError: a refused variant, unknown names, or a width whose heads cannot be told.
@@ -155,7 +121,7 @@ def fields_from(shapes: Mapping[str, Tuple[int, ...]], metadata: Mapping[str, st
   saved = json.loads(metadata[METADATA_KEY]) if METADATA_KEY in metadata else {}
   fields.update(posemb='learn', gelu_approximate=bool(saved.get('gelu_approximate', False)),
                 layer_norm_epsilon=TIMM_LAYER_NORM_EPSILON)
-  heads = num_heads or saved.get('num_heads') or standard_heads(fields['hidden_size'])
+  heads = num_heads or saved.get('num_heads') or STANDARD_HEADS.get(fields['hidden_size'])
   if not heads:
     raise ValueError(f'{path}: a timm file does not record its attention heads, and width '
                      f'{fields["hidden_size"]} is not a standard ViT\'s; name them (the model\'s '
@@ -181,9 +147,14 @@ def label_names(metadata: Mapping[str, str], num_classes: Optional[int]
   return tuple(str(n) for n in names) if names and len(names) == num_classes else None
 
 
-def from_timm(arrays: Mapping[str, np.ndarray], num_heads: int, path: str) -> Dict[str, Any]:
-  """This project's params tree (per-layer) from a timm ViT state dict (exact)."""
-  return torch_layout.to_params(canonical_arrays(arrays, path), num_heads)
+def read(path: str, header: archive.Header, num_heads: Optional[int] = None
+         ) -> Tuple[Dict[str, Any], Dict[str, Any], Optional[Tuple[str, ...]]]:
+  """``(params, fields with image_size, class names or None)`` of the timm file at ``path``
+  with ``header`` (:func:`~.archive.read_header`), exactly."""
+  fields = fields_from(archive.shapes(header), header[1], path, num_heads)
+  arrays = canonical_arrays(archive.read_safetensors(path), path)
+  params = torch_layout.to_params(arrays, fields['num_heads'])
+  return params, fields, label_names(header[1], fields['num_classes'])
 
 
 def to_timm(params: Mapping[str, Any]) -> Dict[str, np.ndarray]:
@@ -205,15 +176,40 @@ def to_timm(params: Mapping[str, Any]) -> Dict[str, np.ndarray]:
   return out
 
 
+def export_problems(fields: Mapping[str, Any]) -> List[str]:
+  """What timm's VisionTransformer cannot express of a model with ``fields``."""
+  problems = []
+  if fields.get('representation_size'):
+    problems.append('a pre_logits layer (representation_size; timm has none)')
+  epsilon = fields.get('layer_norm_epsilon', 1e-6)
+  if epsilon != TIMM_LAYER_NORM_EPSILON:
+    problems.append(f'LayerNorm epsilon {epsilon} (timm builds 1e-6; export with --to hf)')
+  return problems
+
+
+def output_paths(dst: str) -> List[str]:
+  return [dst]
+
+
+def write(dst: str, params: Mapping[str, Any], fields: Mapping[str, Any], image_size: int,
+          label_names: Optional[Sequence[str]], normalization: str) -> str:
+  """Writes the ``.safetensors`` file ``dst``, the fields and class names in its metadata;
+  returns the ``timm.create_model`` call that loads it."""
+  saved = {k: fields[k] for k in ('num_heads', 'gelu_approximate', 'layer_norm_epsilon',
+                                  'classifier') if k in fields}
+  if label_names:
+    saved['label_names'] = list(label_names)
+  call = create_model_call(fields, dst, image_size, normalization)
+  archive.write_safetensors(dst, to_timm(params), {METADATA_KEY: json.dumps(saved),
+                                                'timm_create_model': call})
+  return call
+
+
 def create_model_call(fields: Mapping[str, Any], file: str, image_size: int,
                       normalization: str = 'minus_one_to_one') -> str:
-  """The ``timm.create_model(...)`` call that loads a file written by :func:`to_timm`.
-
-  timm's model name only picks the class (``VisionTransformer``) and a default config; the
-  keywords give the architecture, and the overlay the file, the class count and the evaluation
-  preprocessing (input size, a plain resize, the normalisation) that timm's
-  ``resolve_model_data_config`` returns.
-  """
+  """The ``timm.create_model(...)`` call that loads a file written by :func:`write`: the
+  keywords give the architecture, the overlay the file, class count and eval preprocessing
+  (``resolve_model_data_config``); the model name only picks the class."""
   patch = fields['patch_size']
   mean = (0.485, 0.456, 0.406) if normalization == 'imagenet' else (0.5, 0.5, 0.5)
   std = (0.229, 0.224, 0.225) if normalization == 'imagenet' else (0.5, 0.5, 0.5)

@@ -1,31 +1,10 @@
-"""A ViT's parameters in PyTorch's layout, and the conversion to and from this project's tree.
-
-The PyTorch ViTs (timm's ``VisionTransformer``, transformers' ``ViTModel``) hold the same
-arrays as the official JAX model in another layout: ``nn.Linear`` weights are ``(out, in)``
-where a flax kernel is ``(in, out)``, the patch convolution is ``(D, C, Ph, Pw)`` where flax's
-is ``(Ph, Pw, C, D)``, and an attention projection is one ``(D, D)`` matrix where flax splits the
-heads out, ``(D, heads, D/heads)`` (query, key, value) and ``(heads, D/heads, D)`` (output); the
-heads are contiguous blocks of ``D/heads`` rows in both. :mod:`.timm_vit` and :mod:`.hf_vit`
-rename their files' tensors to one set of **canonical names** (timm's, with the fused ``qkv``
-split into ``q``, ``k``, ``v``), which this module converts::
-
-  cls_token (1, 1, D)                      -> cls
-  pos_embed (1, T, D)                      -> Transformer/posembed_input/pos_embedding
-  patch_embed.proj.{weight, bias}          -> embedding/{kernel, bias}
-  blocks.{i}.norm1.{weight, bias}          -> Transformer/encoderblock_{i}/LayerNorm_0/{scale, bias}
-  blocks.{i}.attn.{q,k,v}.{weight, bias}   -> .../MultiHeadDotProductAttention_0/{query,key,value}
-  blocks.{i}.attn.proj.{weight, bias}      -> .../MultiHeadDotProductAttention_0/out
-  blocks.{i}.norm2                         -> .../LayerNorm_1
-  blocks.{i}.mlp.fc1, blocks.{i}.mlp.fc2   -> .../MlpBlock_0/Dense_0, Dense_1
-  norm                                     -> Transformer/encoder_norm
-  attn_pool.{latent, q, k, v, proj, norm, mlp.fc1, mlp.fc2}
-                                           -> MAPHead_0/{probe, MultiHeadDotProductAttention_0/
-                                              {query, key, value, out}, LayerNorm_0, MlpBlock_0}
-  pre_logits.{weight, bias}                -> pre_logits (Dense + tanh)
-  head.{weight, bias}                      -> head
-
-The conversion is a transpose and a reshape of every array, exact in both directions. A
-projection without bias (``qkv_bias=False``) reads as a zero bias, which computes the same.
+"""A ViT's parameters in PyTorch's layout (timm's ``VisionTransformer``, transformers'
+``ViTModel``) to and from this project's tree, exactly. :mod:`.timm_vit` and :mod:`.hf_vit`
+rename their tensors to canonical names (timm's, ``qkv`` split into ``q``, ``k``, ``v``), which
+convert by a transpose and a reshape: a Linear weight ``(out, in)`` is a kernel ``(in, out)``,
+the patch convolution ``(D, C, Ph, Pw)`` ``(Ph, Pw, C, D)``, an attention projection ``(D, D)``
+``(D, heads, D/heads)`` (``(heads, D/heads, D)`` for the output). A projection without bias
+reads as a zero bias, which computes the same.
 """
 
 from __future__ import annotations
@@ -84,7 +63,8 @@ def _norm(source: Mapping[str, np.ndarray], prefix: str) -> Dict[str, np.ndarray
 
 
 def _linear(source: Mapping[str, np.ndarray], prefix: str) -> Dict[str, np.ndarray]:
-  return {'kernel': _dense(source[f'{prefix}.weight']), 'bias': np.asarray(source[f'{prefix}.bias'])}
+  return {'kernel': _dense(source[f'{prefix}.weight']),
+          'bias': np.asarray(source[f'{prefix}.bias'])}
 
 
 def _nest(prefix: str, arrays: Mapping[str, np.ndarray]) -> Dict[str, np.ndarray]:
@@ -98,19 +78,8 @@ def num_layers(names: Any) -> int:
 
 
 def to_params(source: Mapping[str, np.ndarray], num_heads: int) -> Dict[str, Any]:
-  """This project's (official) params tree from canonical PyTorch-layout tensors.
-
-  Args:
-    source: canonical name -> array (see the module docstring); every name must be one of
-      them (the callers refuse the others by name first).
-    num_heads: attention heads (the files do not record them; the model's or the config's).
-
-  Returns:
-    The nested params tree (per-layer ``encoderblock_{i}``), float arrays as stored.
-
-  Raises:
-    KeyError: a tensor that the layout needs is missing (the callers check first).
-  """
+  """The per-layer params tree (arrays as stored) of canonical tensors (the callers refuse
+  other names first) with ``num_heads`` heads; KeyError for a missing tensor."""
   width = int(np.shape(source['patch_embed.proj.weight'])[0])
   flat = {
       'embedding/kernel': np.ascontiguousarray(
@@ -144,17 +113,8 @@ def to_params(source: Mapping[str, np.ndarray], num_heads: int) -> Dict[str, Any
 
 
 def from_params(params: Mapping[str, Any]) -> Dict[str, np.ndarray]:
-  """Canonical PyTorch-layout tensors (float32 NumPy arrays) from a per-layer params tree.
-
-  The inverse of :func:`to_params`: every array converts exactly (float32; bfloat16 params are
-  widened). The head count is read from the attention kernels.
-
-  Args:
-    params: this project's params tree (unrolled ``encoderblock_{i}``; plain arrays).
-
-  Raises:
-    KeyError: not a ViT's tree (no ``embedding``, blocks or ``encoder_norm``).
-  """
+  """Canonical float32 tensors of a per-layer params tree, the inverse of :func:`to_params`;
+  KeyError for a tree not a ViT's."""
   flat = {k: np.asarray(v, np.float32) for k, v in flatten_params(params).items()}
   out = {
       'patch_embed.proj.weight': np.transpose(flat['embedding/kernel'], (3, 2, 0, 1)),
@@ -204,13 +164,8 @@ def from_params(params: Mapping[str, Any]) -> Dict[str, np.ndarray]:
 
 
 def shapes_to_fields(shapes: Mapping[str, Tuple[int, ...]]) -> Dict[str, Any]:
-  """The ViT architecture fields that canonical tensor shapes imply (no heads: not recorded).
-
-  Returns:
-    ``{'patch_size', 'hidden_size', 'num_layers', 'mlp_dim', 'representation_size',
-    'classifier', 'num_classes'}``: classifier 'map' with an ``attn_pool``, 'token' with a
-    class token, else 'gap'.
-  """
+  """The ViT fields (no ``num_heads``: not recorded) canonical tensor shapes imply: classifier
+  'map' with an ``attn_pool``, 'token' with a class token, else 'gap'."""
   width, _, ph, pw = shapes['patch_embed.proj.weight']
   head = shapes.get('head.weight')
   pre_logits = shapes.get('pre_logits.weight')

@@ -1,38 +1,13 @@
-"""Reads PyTorch ``torch.save`` zip-format files into NumPy without torch and without running code.
+"""Reads PyTorch ``torch.save`` zip-format files (torch >= 1.6: ``<prefix>/data.pkl``, whose
+tensors name storages ``<prefix>/data/<key>`` by persistent id) into NumPy, without torch and
+without running code.
 
-A file written by ``torch.save`` (torch >= 1.6, the default "zip" format) is a zip archive::
-
-  <prefix>/data.pkl        pickled object; tensors refer to storages by persistent id
-  <prefix>/data/<key>      raw bytes of storage <key>
-  <prefix>/byteorder       'little' or 'big' (absent in files from old torch: little)
-  <prefix>/version, .format_version, .storage_alignment, ...   (not needed)
-
-:func:`load_torch_zip` unpickles ``data.pkl`` with :class:`SafeUnpickler`, whose ``find_class``
-knows only a fixed whitelist, each entry mapped to a function of this module that builds plain
-data (no torch, no imports of the named modules):
-
-* ``collections.OrderedDict``
-* ``torch._utils._rebuild_tensor_v2`` / ``_rebuild_tensor`` / ``_rebuild_parameter`` -> a
-  contiguous ``np.ndarray`` (bounds-checked against its storage)
-* ``torch.<T>Storage`` type markers (Float, Half, BFloat16 via ``ml_dtypes``, Double, Long, Int,
-  Short, Char, Byte, Bool)
-* ``builtins.set`` / ``frozenset`` / ``complex`` / ``slice``, ``_codecs.encode`` (how protocol 2
-  pickles ``bytes``; latin-1 only) and ``argparse.Namespace`` (timm saves its training ``args``
-  as one; it becomes an inert :class:`Namespace` holding the attributes).
-
-Any other global (``posix.system``, ``builtins.eval``, ``numpy...``, user classes) raises
-:class:`UnsafePickleError` before anything is called. Persistent ids must be
-``('storage', <storage type>, key, location, numel)``. The legacy (pre-1.6, non-zip) format is
-refused with :class:`LegacyTorchFormatError`.
-
-Damaged and hand-made files raise :class:`DamagedCheckpointError` (the ``.npz`` reader shares it
-and the zip helpers :func:`open_zip`, :func:`read_member`): a zip whose directory or a member
-cannot be read (truncated download, CRC mismatch), a member that declares more bytes than the
-whole file (a zip bomb), a storage smaller than its record, a tensor that addresses more elements
-than its storage holds or any element outside it (zero strides included), and tensors adding up
-to more bytes than the file (identical views of one storage, e.g. tied weights, are one array,
-counted once). So a file of ``n`` bytes never makes this reader allocate much more than ``2 n``.
-All the errors of this module are ``ValueError`` subclasses.
+:class:`SafeUnpickler` resolves only :data:`_SAFE_GLOBALS` (``OrderedDict``, torch's rebuilders
+and storage types, a few builtins, ``argparse.Namespace`` as an inert :class:`Namespace`); any
+other global raises :class:`UnsafePickleError` before anything is called. Inconsistent records
+(a member or tensors declaring more bytes than the file, a tensor outside its storage) raise
+:class:`MalformedTorchFileError`, so a file of ``n`` bytes never makes this reader allocate much
+more than ``2 n``. Every error is a ``ValueError``.
 """
 
 from __future__ import annotations
@@ -43,32 +18,16 @@ import io
 import math
 import os
 import pickle
-import zipfile
-import zlib
+import sys
+from collections.abc import Mapping
 from typing import Any, BinaryIO, Callable, Dict, Optional, Tuple, Union
 
+import ml_dtypes
 import numpy as np
 
-__all__ = [
-    'DamagedCheckpointError', 'LegacyTorchFormatError', 'MEMBER_ERRORS', 'MalformedTorchFileError',
-    'Namespace', 'SafeUnpickler', 'UnsafePickleError', 'ZIP_MAGICS', 'file_size',
-    'has_torch_layout', 'load_torch_zip', 'open_zip', 'read_member',
-]
-
-#: The first bytes of a zip archive (a local file header; an empty archive's end record).
-ZIP_MAGICS = (b'PK\x03\x04', b'PK\x05\x06')
-_FIX = 'Download or copy it again.'
-
-
-class DamagedCheckpointError(ValueError):
-  """A checkpoint file is truncated, corrupt or hand-made (also
-  ``vit_jax.checkpoint.DamagedCheckpointError``).
-
-  The message names the file, what cannot be read (its zip directory, a member, a record) and
-  the fix. A ``ValueError``, so ``python -m vit_jax.main`` reports it as one ``FATAL:`` line with
-  exit code 2.
-  """
-
+from vit_jax.checkpoint import archive as archive_lib
+from vit_jax.checkpoint import paths
+from vit_jax.checkpoint.archive import FIX, DamagedCheckpointError
 
 class MalformedTorchFileError(DamagedCheckpointError, pickle.UnpicklingError):
   """A torch file's pickle, storage or tensor records are inconsistent (damaged or hand-made)."""
@@ -82,17 +41,9 @@ class LegacyTorchFormatError(ValueError):
   """The file is not a zip-format torch checkpoint (legacy torch format or a raw pickle)."""
 
 
-def _bfloat16():
-  import ml_dtypes  # pylint: disable=g-import-not-at-top
-  return np.dtype(ml_dtypes.bfloat16)
-
-
 class _Frozen:
-  """Base of the objects ``find_class`` hands out: no ``__dict__``, attributes cannot be set.
-
-  A pickle can apply BUILD (``setattr``/``__dict__`` updates) to any object it obtained, so the
-  shared whitelist objects must not be mutable, or one file could alter how later files load.
-  """
+  """Base of the objects ``find_class`` hands out: immutable, since a pickle can apply BUILD
+  to any object it obtained and one file must not alter how later files load."""
   __slots__ = ()
 
   def __setattr__(self, name, value):
@@ -119,15 +70,11 @@ class _SafeFunction(_Frozen):
 
 class _StorageType(_Frozen):
   """Stand-in for ``torch.<Name>Storage``: carries the element dtype, cannot be called."""
-  __slots__ = ('name', '_dtype')
+  __slots__ = ('name', 'dtype')
 
   def __init__(self, name: str, dtype: Any):
     object.__setattr__(self, 'name', name)
-    object.__setattr__(self, '_dtype', dtype)
-
-  @property
-  def dtype(self) -> np.dtype:
-    return _bfloat16() if self._dtype == 'bfloat16' else np.dtype(self._dtype)
+    object.__setattr__(self, 'dtype', np.dtype(dtype))
 
   def __repr__(self):
     return f'torch.{self.name}'
@@ -135,10 +82,10 @@ class _StorageType(_Frozen):
 
 _STORAGE_TYPES = {
     name: _StorageType(name, dtype) for name, dtype in (
-        ('FloatStorage', np.float32), ('HalfStorage', np.float16), ('BFloat16Storage', 'bfloat16'),
-        ('DoubleStorage', np.float64), ('LongStorage', np.int64), ('IntStorage', np.int32),
-        ('ShortStorage', np.int16), ('CharStorage', np.int8), ('ByteStorage', np.uint8),
-        ('BoolStorage', np.bool_))
+        ('FloatStorage', np.float32), ('HalfStorage', np.float16),
+        ('BFloat16Storage', ml_dtypes.bfloat16), ('DoubleStorage', np.float64),
+        ('LongStorage', np.int64), ('IntStorage', np.int32), ('ShortStorage', np.int16),
+        ('CharStorage', np.int8), ('ByteStorage', np.uint8), ('BoolStorage', np.bool_))
 }
 
 
@@ -173,12 +120,8 @@ def _as_int_tuple(value: Any, what: str) -> Tuple[int, ...]:
 
 
 def _rebuild_tensor(storage: Any, storage_offset: Any, size: Any, stride: Any) -> np.ndarray:
-  """``torch._utils._rebuild_tensor``: a contiguous copy of the strided view of ``storage``.
-
-  The view may address neither more elements than the storage holds nor any element outside
-  it; its bytes count against the load's budget (the file's size), an identical view of the
-  same storage (tied weights) is the same array and is counted once.
-  """
+  """``torch._utils._rebuild_tensor``: a contiguous copy of the strided view of ``storage``,
+  inside it and counted against the load's budget (an identical view, tied weights, once)."""
   if not isinstance(storage, _Storage):
     raise MalformedTorchFileError('malformed tensor record: its storage is not a persistent '
                                   f'storage record (got {type(storage).__name__})')
@@ -263,16 +206,9 @@ class Namespace(metaclass=_FrozenClass):
 
 _SAFE_GLOBALS = {
     ('collections', 'OrderedDict'): collections.OrderedDict,
-    ('torch._utils', '_rebuild_tensor'): _SafeFunction(_rebuild_tensor,
-                                                       'torch._utils._rebuild_tensor'),
-    ('torch._utils', '_rebuild_tensor_v2'): _SafeFunction(_rebuild_tensor_v2,
-                                                          'torch._utils._rebuild_tensor_v2'),
-    ('torch._utils', '_rebuild_parameter'): _SafeFunction(_rebuild_parameter,
-                                                          'torch._utils._rebuild_parameter'),
-    ('builtins', 'set'): set,
-    ('builtins', 'frozenset'): frozenset,
-    ('builtins', 'complex'): complex,
-    ('builtins', 'slice'): slice,
+    **{('torch._utils', fn.__name__): _SafeFunction(fn, f'torch._utils.{fn.__name__}')
+       for fn in (_rebuild_tensor, _rebuild_tensor_v2, _rebuild_parameter)},
+    **{('builtins', cls.__name__): cls for cls in (set, frozenset, complex, slice)},
     ('_codecs', 'encode'): _SafeFunction(_codecs_encode, '_codecs.encode'),
     ('argparse', 'Namespace'): Namespace,
     **{('torch', name): marker for name, marker in _STORAGE_TYPES.items()},
@@ -281,15 +217,8 @@ _SAFE_GLOBALS = {
 
 class SafeUnpickler(pickle.Unpickler):
   """Unpickles tensors (as NumPy) and plain containers only; refuses every other global.
-
-  Args:
-    file: the pickle stream (``data.pkl``).
-    read_storage: ``(key, nbytes) -> bytes`` of ``data/<key>``, where ``nbytes`` is the size its
-      record declares (check it against the member before reading; shorter data is refused).
-    byteorder: ``'little'`` or ``'big'``, the byte order of the storages.
-    max_bytes: the most bytes all tensors together may take (see :func:`_rebuild_tensor`); the
-      file's size in :func:`load_torch_zip`. None: no bound.
-  """
+  ``read_storage(key, nbytes)``: the bytes of ``data/<key>``, whose record declares ``nbytes``;
+  ``max_bytes``: the most bytes all tensors together may take (None: no bound)."""
 
   def __init__(self, file: BinaryIO, read_storage: Callable[[str, int], bytes],
                byteorder: str = 'little', max_bytes: Optional[int] = None):
@@ -336,71 +265,11 @@ class SafeUnpickler(pickle.Unpickler):
       raise MalformedTorchFileError(f'storage {key!r} holds {len(data):,} bytes but its record '
                                     f'declares {nbytes:,}')
     raw = np.frombuffer(data, dtype=np.dtype(f'u{dtype.itemsize}'), count=numel)
-    if dtype.itemsize > 1 and self._byteorder != _native_byteorder():
+    if dtype.itemsize > 1 and self._byteorder != sys.byteorder:
       raw = raw.byteswap()
     storage = _Storage(raw.view(dtype), key, self._budget)
     self._storages[key] = storage
     return storage
-
-
-def _native_byteorder() -> str:
-  import sys  # pylint: disable=g-import-not-at-top
-  return sys.byteorder
-
-
-# ------------------------------------------------------------------------------------------------
-# Zip archives (shared with the .npz reader).
-# ------------------------------------------------------------------------------------------------
-
-#: What zipfile raises for an archive or member it cannot read: a bad directory or CRC, a
-#: corrupt deflate stream, data that ends early, an unsupported compression or encryption.
-MEMBER_ERRORS = (zipfile.BadZipFile, zlib.error, EOFError, NotImplementedError, RuntimeError)
-
-
-def file_size(file: Union[str, os.PathLike, BinaryIO]) -> int:
-  """The size in bytes of a local file or of a seekable file object (its position is kept)."""
-  if isinstance(file, (str, os.PathLike)):
-    return os.path.getsize(file)
-  position = file.tell()
-  end = file.seek(0, io.SEEK_END)
-  file.seek(position)
-  return end
-
-
-def _damaged(name: str, problem: str, size: int) -> DamagedCheckpointError:
-  return DamagedCheckpointError(f'{name!r} is truncated or damaged: {problem}; the file has '
-                                f'{size:,} bytes. {_FIX}')
-
-
-def _reason(error: BaseException) -> str:
-  return str(error) or type(error).__name__
-
-
-def open_zip(file: Union[str, os.PathLike, BinaryIO], name: str) -> zipfile.ZipFile:
-  """``zipfile.ZipFile(file)``; an archive whose directory cannot be read (a truncated download)
-  raises :class:`DamagedCheckpointError` naming ``name``, the reason and the file's size.
-
-  Raises:
-    DamagedCheckpointError: see above (also for a file that is no zip at all: call it only for
-      files that start with :data:`ZIP_MAGICS`).
-    OSError: the file cannot be opened (missing, a directory, no permission).
-  """
-  try:
-    return zipfile.ZipFile(file)
-  except (zipfile.BadZipFile, EOFError, ValueError) as e:
-    raise _damaged(name, f'its zip directory cannot be read ({_reason(e)})',
-                   file_size(file)) from None
-
-
-def read_member(archive: zipfile.ZipFile, member: Union[str, zipfile.ZipInfo], name: str,
-                size: int) -> bytes:
-  """The bytes of ``member``; CRC mismatches and corrupt data raise DamagedCheckpointError."""
-  info = member if isinstance(member, zipfile.ZipInfo) else archive.getinfo(member)
-  try:
-    return archive.read(info)
-  except MEMBER_ERRORS as e:
-    raise _damaged(name, f'its member {info.filename!r} cannot be read ({_reason(e)})',
-                   size) from None
 
 
 def _find_prefix(names) -> str:
@@ -428,68 +297,53 @@ _UNSAFE_HINT = ('Use weights from a trusted source, or re-save only the tensors 
                 'torch.save(model.state_dict(), path).')
 
 
-def _starts_with_zip_magic(file: Union[str, os.PathLike, BinaryIO]) -> bool:
-  if isinstance(file, (str, os.PathLike)):
-    with open(file, 'rb') as f:
-      return f.read(4) in ZIP_MAGICS
-  position = file.tell()
-  try:
-    return file.read(4) in ZIP_MAGICS
-  finally:
-    file.seek(position)
-
-
 def load_torch_zip(file: Union[str, BinaryIO], name: str = '') -> Any:
-  """Loads a ``torch.save`` zip-format file: tensors become contiguous ``np.ndarray``.
-
-  Args:
-    file: a local path or a seekable binary file object.
-    name: how to call the file in errors (default: ``file`` if it is a path).
-
-  Returns:
-    The saved object with every tensor replaced by an ``np.ndarray`` (``OrderedDict``s, dicts,
-    lists, tuples, numbers and strings as saved; ``argparse.Namespace`` as :class:`Namespace`).
-    Identical views of one storage (tied weights) are the same array.
-
-  Raises:
-    UnsafePickleError: the pickle names a global outside the whitelist (nothing is executed).
-    LegacyTorchFormatError: not a zip archive in the torch layout (legacy torch format, tar,
-      raw pickle, ...).
-    DamagedCheckpointError: a truncated or corrupt zip (its directory or a member cannot be
-      read); :class:`MalformedTorchFileError` (also a ``pickle.UnpicklingError``): a member
-      declaring more bytes than the file, malformed pickle, storage or tensor records, a tensor
-      addressing more than its storage, tensors adding up to more than the file.
-  """
+  """Loads a ``torch.save`` zip-format file (a local path or a seekable file object; ``name``
+  for errors): the saved object, every tensor a contiguous ``np.ndarray`` (identical views of
+  one storage, e.g. tied weights, are one array); raises as :func:`load`."""
   name = name or (os.fspath(file) if isinstance(file, (str, os.PathLike)) else '<file>')
-  if not _starts_with_zip_magic(file):
+  if archive_lib.read_head(file, 4) not in archive_lib.ZIP_MAGICS:
     raise LegacyTorchFormatError(
         f'{name!r} is not a zip archive, so not a zip-format torch checkpoint (it may be in the '
         f'legacy torch serialization format, which needs unpickling arbitrary code to read). '
         f'{_LEGACY_HINT}')
-  size = file_size(file)
-  with open_zip(file, name) as archive:
+  return load(archive_lib.Zip.of(file, name))
+
+
+def load(zip_file: archive_lib.Zip) -> Any:
+  """Loads the torch file ``zip_file`` (detected as a zip).
+
+  Raises:
+    UnsafePickleError: the pickle names a global outside the whitelist (nothing is executed).
+    LegacyTorchFormatError: no ``<name>/data.pkl`` member.
+    DamagedCheckpointError: its directory or a member cannot be read;
+      :class:`MalformedTorchFileError` for inconsistent records (see the module docstring).
+  """
+  name = zip_file.name
+  try:
+    prefix = _find_prefix(zip_file.names)
+  except LegacyTorchFormatError as e:
+    raise LegacyTorchFormatError(f'{name!r}: {e}. {_LEGACY_HINT}') from None
+  with zip_file.open() as archive:
     try:
-      prefix = _find_prefix(archive.namelist())
-    except LegacyTorchFormatError as e:
-      raise LegacyTorchFormatError(f'{name!r}: {e}. {_LEGACY_HINT}') from None
-    try:
-      return _unpickle(archive, prefix, name, size)
+      return _unpickle(zip_file, archive, prefix)
     except UnsafePickleError as e:
       raise UnsafePickleError(f'{name!r}: {e}; nothing was run. {_UNSAFE_HINT}') from None
     except MalformedTorchFileError as e:
-      raise MalformedTorchFileError(f'{name!r} is damaged or hand-made: {e}. {_FIX}') from None
+      raise MalformedTorchFileError(f'{name!r} is damaged or hand-made: {e}. {FIX}') from None
     except DamagedCheckpointError:
       raise  # A member that cannot be read: the message names the file already.
     except Exception as e:  # Malformed pickles: TypeError, EOFError, IndexError, ...
       raise MalformedTorchFileError(
           f'{name!r} is damaged or hand-made: its pickle cannot be read ({type(e).__name__}: '
-          f'{e}). {_FIX}') from None
+          f'{e}). {FIX}') from None
 
 
-def _unpickle(archive: zipfile.ZipFile, prefix: str, name: str, size: int) -> Any:
+def _unpickle(zip_file: archive_lib.Zip, archive: Any, prefix: str) -> Any:
   """Reads ``<prefix>data.pkl`` and its storages; the members read may not declare more than
-  ``size`` bytes, each or together (zip bombs), checked before anything is inflated."""
+  the file's bytes, each or together (zip bombs), checked before anything is inflated."""
   members = {info.filename: info for info in archive.infolist()}
+  size = zip_file.size
   declared = 0
 
   def read(member: str) -> bytes:
@@ -502,7 +356,7 @@ def _unpickle(archive: zipfile.ZipFile, prefix: str, name: str, size: int) -> An
     if declared > size:
       raise MalformedTorchFileError(f'its members declare {declared:,} bytes together, more than '
                                     f'the whole file ({size:,} bytes)')
-    return read_member(archive, info, name, size)
+    return zip_file.read(archive, info)
 
   byteorder = 'little'
   if prefix + 'byteorder' in members:
@@ -522,3 +376,56 @@ def _unpickle(archive: zipfile.ZipFile, prefix: str, name: str, size: int) -> An
   unpickler = SafeUnpickler(io.BytesIO(read(prefix + 'data.pkl')), read_storage, byteorder,
                             max_bytes=size)
   return unpickler.load()
+
+
+_STATE_DICT_KEYS = ('state_dict_ema', 'state_dict')
+
+
+def _is_state_dict(obj: Any) -> bool:
+  return (isinstance(obj, Mapping) and len(obj) > 0 and
+          all(isinstance(k, str) and isinstance(v, np.ndarray) for k, v in obj.items()))
+
+
+def load_pth(path: Any, *, use_ema: bool = True,
+             zip_file: Optional[archive_lib.Zip] = None) -> Dict[str, np.ndarray]:
+  """``{PyTorch name: np.ndarray}`` (``module.`` stripped) of the file at ``path`` (local or
+  ``scheme://``; ``zip_file``: its archive when detection opened it): a training checkpoint's
+  ``state_dict_ema`` (with ``use_ema``) or ``state_dict``, or a plain state dict.
+
+  Raises:
+    FileNotFoundError: missing file.
+    ValueError: a legacy (non-zip) torch file, or no state dict in it (its keys listed).
+    DamagedCheckpointError, UnsafePickleError: see above.
+  """
+  if zip_file is None:
+    path = paths.normalize(path)
+    if not paths.exists(path) or paths.isdir(path):
+      raise paths.not_found(path, 'No PyTorch checkpoint file')
+    obj = load_torch_zip(path)
+  else:
+    obj = load(zip_file)
+  state_dict = None
+  if isinstance(obj, Mapping):
+    for key in _STATE_DICT_KEYS if use_ema else _STATE_DICT_KEYS[1:]:
+      if obj.get(key) is not None:
+        state_dict = obj[key]
+        if not _is_state_dict(state_dict):
+          raise ValueError(f'{path!r}: {key!r} is not a mapping of names to tensors '
+                           f'(got {type(state_dict).__name__})')
+        break
+    if state_dict is None and _is_state_dict(obj):
+      state_dict = obj
+  if state_dict is None:
+    if isinstance(obj, Mapping):
+      top = ', '.join(repr(k) for k in obj)
+      raise ValueError(f'{path!r} holds no state dict: expected a "state_dict_ema" (with '
+                       f'use_ema=True) or "state_dict" entry, or a plain mapping of names to '
+                       f'tensors; top-level keys: [{top}]')
+    raise ValueError(f'{path!r} holds a {type(obj).__name__}, not a state dict')
+  out: Dict[str, np.ndarray] = {}
+  for key, value in state_dict.items():
+    name = key[len('module.'):] if key.startswith('module.') else key
+    if name in out:
+      raise ValueError(f'{path!r}: duplicate parameter {name!r} after stripping "module."')
+    out[name] = value
+  return out

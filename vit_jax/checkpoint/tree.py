@@ -1,7 +1,5 @@
-"""Variable trees: flat ``'a/b/c'`` names <-> nested dicts, and whether a checkpoint fits a model.
-
-What names mean is owned by :mod:`.vit_shapes` (ViT) and :mod:`.t2t_torch` (T2T-ViT).
-"""
+"""Variable trees: flat ``'a/b/c'`` names <-> nested dicts, whether a checkpoint fits a model,
+and non-finite values (what names mean: :mod:`.vit_shapes`, :mod:`.t2t_torch`)."""
 
 from __future__ import annotations
 
@@ -14,29 +12,12 @@ import numpy as np
 
 from vit_jax.checkpoint import t2t_torch
 from vit_jax.checkpoint import vit_shapes
-from vit_jax.checkpoint.mismatch import mismatch_report
+from vit_jax.checkpoint.mismatch import ModelMismatchError, mismatch_report
 from vit_jax.models import layout
 
-__all__ = ['check_fits', 'describe_architecture', 'flatten_params', 'mismatch_report',
-           'non_finite', 'non_finite_message', 'unflatten_params']
-
-
 def flatten_params(tree: Mapping, sep: str = '/') -> Dict[str, Any]:
-  """Flattens a nested mapping into ``{'a/b/c': leaf}`` (keys in insertion order).
-
-  Args:
-    tree: nested ``dict``/``FrozenDict`` (e.g. ``variables['params']``); leaves are anything that
-      is not a mapping. Empty sub-mappings are dropped (they cannot be represented). Leaves
-      boxed with logical axis names (``nn.LogicallyPartitioned``, as ``model.init`` returns
-      them) are unboxed (:func:`vit_jax.models.layout.unbox`).
-    sep: separator.
-
-  Returns:
-    A flat dict of plain (unboxed) leaves.
-
-  Raises:
-    ValueError: if a key contains ``sep`` (the flattening would be ambiguous) or is not a str.
-  """
+  """``{'a/b/c': leaf}`` of a nested mapping (insertion order; leaves unboxed, empty
+  sub-mappings dropped); ValueError for a key that is not a str or contains ``sep``."""
   flat: Dict[str, Any] = {}
 
   def visit(node, prefix):
@@ -56,11 +37,8 @@ def flatten_params(tree: Mapping, sep: str = '/') -> Dict[str, Any]:
 
 
 def unflatten_params(flat: Mapping[str, Any], sep: str = '/') -> Dict[str, Any]:
-  """Inverse of :func:`flatten_params`: ``{'a/b': x}`` -> ``{'a': {'b': x}}``.
-
-  Raises:
-    ValueError: if a path is both a leaf and a prefix of another path, or has empty components.
-  """
+  """``{'a/b': x}`` -> ``{'a': {'b': x}}``; ValueError for a path that is both a leaf and a
+  prefix of another, or has empty components."""
   tree: Dict[str, Any] = {}
   for path, value in flat.items():
     parts = path.split(sep)
@@ -79,36 +57,21 @@ def unflatten_params(flat: Mapping[str, Any], sep: str = '/') -> Dict[str, Any]:
 
 
 def describe_architecture(variables: Mapping) -> Optional[str]:
-  """The architecture fields a checkpoint's shapes imply, for error messages (None if unknown).
-
-  ViT: ``patch_size``, ``hidden_size``, ``num_layers``, ``num_heads``, ``mlp_dim``,
-  ``representation_size`` and the class count, read from ``embedding``, the encoder blocks,
-  ``pre_logits`` and ``head``; T2T-ViT: ``embed_dim``, ``depth``, ``mlp_ratio``, ``token_dim``,
-  ``tokens_type`` and the class count.
-
-  Args:
-    variables: ``{'params': ..., **collections}`` with array or ``jax.ShapeDtypeStruct``
-      leaves (only shapes are read).
-  """
+  """The ViT or T2T-ViT fields the shapes of ``variables`` (``{'params', **collections}``,
+  arrays or ``ShapeDtypeStruct``) imply, in a sentence for error messages; None if neither."""
   shapes = {k: tuple(int(d) for d in np.shape(v))
             for k, v in flatten_params(variables).items()}
   return vit_shapes.describe_architecture(shapes) or t2t_torch.describe_architecture(shapes)
 
 
 def check_fits(variables: Mapping, expected: Mapping, *, what: str = 'The checkpoint') -> None:
-  """Checks that ``variables`` has exactly the keys and shapes of ``expected``.
-
-  Args:
-    variables: ``{'params': ..., **collections}`` (e.g. from :func:`vit_jax.checkpoint.load`).
-    expected: the same from ``model.init`` or its ``jax.eval_shape`` (boxed with logical axis
-      names or plain). A scanned checkpoint for an unrolled model (or the reverse) is reported
-      as such, with the conversion to use.
-    what: how the message calls ``variables`` (e.g. its path).
+  """Checks that ``variables`` has exactly the keys and shapes of ``expected`` (``model.init``
+  or its ``eval_shape``, boxed or plain); ``what`` names ``variables`` in the message.
 
   Raises:
-    ValueError: with the counts of missing keys, unexpected keys and shape mismatches, the first
-      entries of each (:func:`mismatch_report`) and the architecture the checkpoint implies; or,
-      when only the position table differs, that the checkpoint is for another image size.
+    ModelMismatchError: the missing and unexpected keys and shape mismatches (a ValueError),
+      with the checkpoint's architecture, the conversion for another block layout, or that only
+      the position table (another image size) differs.
   """
   variables, expected = layout.unbox(variables), layout.unbox(expected)
   have, want = flatten_params(variables), flatten_params(expected)
@@ -124,7 +87,7 @@ def check_fits(variables: Mapping, expected: Mapping, *, what: str = 'The checkp
     header += (' it is in the ' + ('scanned' if scanned else 'per-layer') + ' block layout; '
                'convert it with vit_jax.models.' + ('unscan_params' if scanned else
                                                     'scan_params') + ' first.')
-  hint = describe_architecture(variables)
+  implied = hint = describe_architecture(variables)
   if hint:
     hint += ' Build the model with these values.'
   if not missing and not unexpected and all(vit_shapes.POSEMB_KEY in m or 'pos_embed' in m
@@ -132,7 +95,7 @@ def check_fits(variables: Mapping, expected: Mapping, *, what: str = 'The checkp
     hint = ('Only the position table differs: the checkpoint is for another image size. '
             'Evaluate at the size it was trained at, or use init_for_finetuning '
             '(--config.init_from) to resize it for a new resolution.')
-  raise ValueError(mismatch_report(header, missing, unexpected, mismatched, hint))
+  raise ModelMismatchError(mismatch_report(header, missing, unexpected, mismatched, hint), implied)
 
 
 def _name(path) -> str:
@@ -140,9 +103,9 @@ def _name(path) -> str:
 
 
 def non_finite(tree: Any) -> List[str]:
-  """The names (``'params/head/kernel'``) of the floating-point leaves of ``tree`` that hold a
-  NaN or an Inf, in tree order. NumPy leaves are checked on the host; JAX arrays (sharded ones
-  too, on any number of processes) on their devices, in one jitted reduction."""
+  """The names (``'params/head/kernel'``) of the floating-point leaves of ``tree`` holding a
+  NaN or an Inf, in tree order: NumPy leaves checked on the host, JAX arrays (sharded too) on
+  their devices in one jitted reduction."""
   leaves = [(_name(p), x) for p, x in jax.tree_util.tree_flatten_with_path(layout.unbox(tree))[0]
             if jnp.issubdtype(x.dtype if hasattr(x, 'dtype') else np.asarray(x).dtype,
                               jnp.inexact)]

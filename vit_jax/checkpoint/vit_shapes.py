@@ -1,11 +1,5 @@
-"""What a ViT checkpoint's parameter shapes say about the model that wrote it.
-
-Read from names and shapes only (``'/'``-joined, collection first, as in the official
-checkpoints): :func:`architecture_fields` gives the :class:`vit_jax.models.vit.VisionTransformer`
-fields the shapes imply (used to build a model for an ``.npz`` or a converted file, and by the
-converters of :mod:`vit_jax.checkpoint`), :func:`describe_architecture` the sentence that the
-"does not fit" messages end with.
-"""
+"""What a ViT checkpoint's parameter shapes (``'/'``-joined names, collection first, as in the
+official checkpoints) say about the model that wrote it."""
 
 from __future__ import annotations
 
@@ -22,22 +16,12 @@ POSEMB_KEY = 'params/Transformer/posembed_input/pos_embedding'
 
 
 def architecture_fields(shapes: dict) -> Optional[Dict[str, Any]]:
-  """The ViT fields that a checkpoint's parameter shapes imply.
-
-  Args:
-    shapes: ``'/'``-joined variable names (collection first, e.g.
-      ``'params/embedding/kernel'``) -> shape (a tuple of ints), per-layer (``encoderblock_{i}``)
-      or scanned (``encoderblock``, layers first); names as in the official checkpoints.
-
-  Returns:
-    ``{'patch_size', 'hidden_size', 'num_layers', 'num_heads', 'mlp_dim',
-    'representation_size', 'classifier', 'posemb', 'num_classes'[, 'resnet_num_layers',
-    'resnet_width_factor']}`` (``num_heads``/``mlp_dim`` None when their kernels are missing,
-    ``num_classes`` None without a head; ``classifier`` 'map' with ``MAPHead_0/probe``, 'token'
-    with ``cls``, else 'gap'; ``posemb`` 'sincos2d' without :data:`POSEMB_KEY`, else 'learn'), or
-    None when the shapes are not a ViT's (no 4-D ``embedding/kernel``). ``gelu_approximate`` and
-    ``layer_norm_epsilon`` leave no trace in the shapes: they are not returned.
-  """
+  """The :class:`~vit_jax.models.vit.VisionTransformer` fields that ``shapes`` (``'/'``-joined
+  name -> shape, per-layer or scanned) imply: the architecture (``num_heads``, ``mlp_dim`` None
+  without their kernels; the ResNet stem's), ``classifier`` ('map' with ``MAPHead_0/probe``,
+  'token' with ``cls``, else 'gap'), ``posemb`` ('sincos2d' without :data:`POSEMB_KEY`) and
+  ``num_classes`` (None without a head); not the numerics, which leave no trace. None for
+  shapes not a ViT's (no 4-D ``embedding/kernel``)."""
   embedding = shapes.get('params/embedding/kernel')
   if not embedding or len(embedding) != 4:
     return None
@@ -85,17 +69,8 @@ def image_size(shapes: dict, fields: Dict[str, Any]) -> Optional[int]:
 
 
 def describe_architecture(shapes: dict) -> Optional[str]:
-  """The ViT fields that a checkpoint's parameter shapes imply, for error messages.
-
-  Args:
-    shapes: as for :func:`architecture_fields`.
-
-  Returns:
-    ``'The checkpoint is a ViT[ with a ResNet stem] with patch_size=.., hidden_size=..,
-    num_layers=.., num_heads=.., mlp_dim=.., representation_size=..[, resnet_num_layers=..][,
-    classifier='map'][, posemb='sincos2d'][, N classes].'``, or None when the shapes are not a
-    ViT's (no 4-D ``embedding/kernel``).
-  """
+  """:func:`architecture_fields` in a sentence for error messages (``'The checkpoint is a
+  ViT[ with a ResNet stem] with patch_size=.., ...[, N classes].'``), or None."""
   fields = architecture_fields(shapes)
   if fields is None:
     return None

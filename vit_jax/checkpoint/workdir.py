@@ -1,90 +1,69 @@
-"""The run directory (``--workdir``): the only code that knows its layout.
-
-::
-
-  WORKDIR/
-    config.json            the resolved config (Workdir.write_config)
-    dataset.json           the training data's facts (Workdir.write_dataset)
-    cost.json              the cost account so far (Workdir.write_cost; accounting.py)
-    lock.json              the holder of the workdir (Workdir.lock; lock.py)
-    checkpoints/           an Orbax CheckpointManager directory (Checkpoints)
-      <step>/              a finalized step (in progress: '<step>.orbax-checkpoint-tmp*')
-        state/ cost/ [config/ dataset/]   train state (StandardSave), the rest JsonSave
-    events.out.tfevents.*  TensorBoard scalars and hparams (Workdir.metric_writer)
-
-Local paths and ``gs://`` alike (``etils.epath``; local paths made absolute, as Orbax needs).
-Readers find the train state through :func:`find_state_item`.
+"""The run directory (``--workdir``; layout: :mod:`vit_jax.rundir`): writing it, its checkpoints,
+and reading a run back (:func:`read_run`) for the trainer and every tool. Local paths and
+``gs://`` alike (local paths made absolute, as Orbax needs).
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
 import json
 import logging
 import os
+import posixpath
 import re
 import shutil
-from typing import Any, Dict, Iterator, List, Optional, Tuple
+from collections.abc import Mapping
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
+from etils import epath
+import jax
+
+from vit_jax import rundir
 from vit_jax.checkpoint import durable
 from vit_jax.checkpoint import lock as lock_lib
 from vit_jax.checkpoint import orbax
 from vit_jax.checkpoint import paths
 from vit_jax.checkpoint import tree
-
-#: Names inside WORKDIR.
-CHECKPOINTS_DIR = 'checkpoints'
-CONFIG_JSON = 'config.json'
-COST_JSON = 'cost.json'
-DATASET_JSON = 'dataset.json'
-#: Items of one checkpoint step.
-STATE_ITEM = 'state'
-COST_ITEM = 'cost'
-CONFIG_ITEM = 'config'
-DATASET_ITEM = 'dataset'
+from vit_jax.rundir import (CHECKPOINTS_DIR, CONFIG_ITEM, CONFIG_JSON, COST_ITEM, COST_JSON,
+                            DATASET_ITEM, DATASET_JSON, STATE_ITEM)
 
 #: The Orbax paths that the readers accept, in words (for error messages).
 ORBAX_PATHS = (f"a workdir containing '{CHECKPOINTS_DIR}/', a '{CHECKPOINTS_DIR}' directory of "
                f"numbered steps, or one step directory containing '{STATE_ITEM}/'")
 
 _RERUN_HINT = 'Rerun with the config it was trained with, or start a new run in another --workdir.'
+_RESUME_HINT = ('The checkpoints already saved are intact; free disk space (or make the workdir '
+                'writable) and rerun the same command to resume.')
 
 
 class CheckpointSaveError(OSError):
   """Writing to the workdir failed (e.g. a full disk); the earlier checkpoints are intact."""
 
 
-def _epath(path: str):
-  from etils import epath  # pylint: disable=g-import-not-at-top
-  return epath.Path(path if paths.is_remote(path) else os.path.abspath(path))
-
-
-def _is_process_0() -> bool:
-  import jax  # pylint: disable=g-import-not-at-top
-  return jax.process_index() == 0
-
-
-def _write_json_atomically(path, value: Dict[str, Any]) -> None:
-  """Writes ``value`` as JSON to ``path`` (an epath) with :func:`.durable.write_atomically`.
-
-  Raises CheckpointSaveError when it cannot be written; the previous file stays.
-  """
+def _write_json_atomically(path: epath.Path, value: Dict[str, Any]) -> None:
+  """Writes ``value`` as JSON (:func:`.durable.write_atomically`) on process 0. Raises
+  CheckpointSaveError when it cannot be written; the previous file stays."""
+  if jax.process_index() != 0:
+    return
   text = json.dumps(value, indent=1)  # A TypeError here is a bug, not the disk's.
   try:
     durable.write_atomically(path, text)
   except OSError as e:
     cause = 'No space left on device' if e.errno == errno.ENOSPC else (e.strerror or str(e))
-    raise CheckpointSaveError(
-        f'Writing {path} failed: {cause}. The checkpoints already saved are intact; free disk '
-        'space (or make the workdir writable) and rerun the same command to resume.') from e
+    raise CheckpointSaveError(f'Writing {path} failed: {cause}. {_RESUME_HINT}') from e
+
+
+def _first_line(error: BaseException) -> str:
+  return str(error).splitlines()[0][:300] if str(error) else type(error).__name__
 
 
 class Workdir:
-  """A run directory (local or ``gs://``); nothing is created until something is written.
+  """A run directory (local or ``gs://``), created when something is written: ``path`` (as given),
+  ``checkpoints_dir``, ``cost_json``, ``config_json``, ``dataset_json`` (``epath.Path``).
 
-  Attributes ``path`` (str as given) and ``checkpoints_dir``, ``cost_json``, ``config_json``,
-  ``dataset_json`` (``etils.epath.Path``). Raises ValueError for an empty ``path``.
+  Raises ValueError for an empty ``path``.
   """
 
   def __init__(self, path: Any):
@@ -93,7 +72,7 @@ class Workdir:
       raise ValueError('--workdir is empty: give the directory of the run (local or gs://), '
                        'e.g. --workdir /tmp/vit_run; an empty one would mean the current '
                        'directory.')
-    root = _epath(self.path)
+    root = epath.Path(self.path if paths.is_remote(self.path) else os.path.abspath(self.path))
     self.checkpoints_dir = root / CHECKPOINTS_DIR
     self.cost_json = root / COST_JSON
     self.config_json = root / CONFIG_JSON
@@ -103,11 +82,8 @@ class Workdir:
     return f'Workdir({self.path!r})'
 
   def check_writable(self) -> None:
-    """Fails early when a local workdir cannot be created or written (``gs://`` is not checked).
-
-    Raises PermissionError: the directory (or its nearest existing ancestor) is not a writable
-    directory, or its ``checkpoints`` is not a directory.
-    """
+    """Raises PermissionError early when a local workdir (or its nearest existing ancestor) is
+    not a writable directory, or its ``checkpoints`` is a file (``gs://`` is not checked)."""
     if paths.is_remote(self.path):
       return
     path = os.path.abspath(self.path)
@@ -130,18 +106,12 @@ class Workdir:
     return lock_lib.WorkdirLock(self.path, timeout_s=timeout_s)
 
   def saved_steps(self) -> List[int]:
-    """The finalized checkpoint steps, ascending (``[]`` without ``checkpoints/``), by listing."""
-    import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
-    if not self.checkpoints_dir.exists():
-      return []
-    return sorted(ocp.path.step.checkpoint_steps(self.checkpoints_dir))
+    """The finalized checkpoint steps, ascending (:func:`vit_jax.rundir.saved_steps`)."""
+    return rundir.saved_steps(self.checkpoints_dir)
 
   def check_state_fits(self, abstract_state: Any) -> None:
-    """Checks the latest saved state's ``params`` / ``model_state`` against ``abstract_state``.
-
-    From metadata only; no check when nothing is saved. Raises ValueError: another model's
-    checkpoint, or a damaged step (the message says how to resume).
-    """
+    """Checks the latest step's ``params`` / ``model_state`` against ``abstract_state``, from the
+    metadata. Raises ValueError: another model's checkpoint, or a damaged step."""
     steps = self.saved_steps()
     if not steps:
       return
@@ -163,56 +133,40 @@ class Workdir:
 
   def write_config(self, config: Dict[str, Any]) -> None:
     """Writes ``config.json`` atomically (process 0). Raises TypeError, CheckpointSaveError."""
-    if _is_process_0():
-      _write_json_atomically(self.config_json, config)
+    _write_json_atomically(self.config_json, config)
 
   def read_config(self) -> Optional[Dict[str, Any]]:
-    """``config.json``, or None when absent. Raises ValueError for invalid JSON."""
-    if not self.config_json.exists():
-      return None
-    try:
-      return json.loads(self.config_json.read_text())
-    except ValueError as e:
-      raise ValueError(f'{self.config_json} is not valid JSON ({e}); restore it or delete '
-                       'it.') from e
+    """``config.json``, or None when absent. Raises ValueError as :func:`rundir.read_json`."""
+    return rundir.read_json(self.config_json)
 
   def write_dataset(self, record: Dict[str, Any]) -> None:
-    """Writes ``dataset.json`` atomically (process 0; fields: see ``vit_jax.train``).
-
-    Raises CheckpointSaveError.
-    """
-    if _is_process_0():
-      _write_json_atomically(self.dataset_json, record)
+    """Writes ``dataset.json`` (fields: see ``vit_jax.train``) as :meth:`write_config`."""
+    _write_json_atomically(self.dataset_json, record)
 
   def write_cost(self, report: Dict[str, Any]) -> None:
     """Writes ``cost.json`` atomically (process 0). Raises CheckpointSaveError."""
-    if _is_process_0():
-      _write_json_atomically(self.cost_json, report)
+    _write_json_atomically(self.cost_json, report)
 
   def read_cost(self) -> Optional[Dict[str, Any]]:
     """``WORKDIR/cost.json``, or None when it is missing or unreadable (with a warning)."""
     try:
-      return json.loads(self.cost_json.read_text()) if self.cost_json.exists() else None
+      return rundir.read_json(self.cost_json)
     except (ValueError, OSError) as e:
       logging.getLogger('absl').warning(
           "Ignoring %s (%s); the checkpoint's cost account is used.", self.cost_json, e)
       return None
 
   def metric_writer(self, hparams: Dict[str, Any]):
-    """clu's asynchronous TensorBoard writer (process 0 writes; scalar ``hparams`` as hparams).
-
-    Raises CheckpointSaveError (also from its methods) when the events cannot be written.
-    """
-    import jax  # pylint: disable=g-import-not-at-top
-    from clu import metric_writers  # pylint: disable=g-import-not-at-top
+    """clu's asynchronous TensorBoard writer (process 0 writes) with the scalar ``hparams``.
+    Raises CheckpointSaveError (also from its methods) when the events cannot be written."""
+    from clu import metric_writers  # pylint: disable=g-import-not-at-top  (TensorFlow)
     try:
       writer = metric_writers.create_default_writer(
           self.path, just_logging=jax.process_index() > 0, asynchronous=True)
     except Exception as e:  # pylint: disable=broad-except  (TensorFlow's are not OSErrors)
       raise CheckpointSaveError(
-          f'Cannot write the TensorBoard events to {self.path}: '
-          f'{str(e).splitlines()[0][:300]}. Free disk space or fix the permissions there, then '
-          'rerun the same command.') from e
+          f'Cannot write the TensorBoard events to {self.path}: {_first_line(e)}. Free disk '
+          'space or fix the permissions there, then rerun the same command.') from e
     writer = _EventsWriter(writer, self.path)
     writer.write_hparams({k: v for k, v in hparams.items()
                           if isinstance(v, (int, float, str, bool))})
@@ -236,23 +190,17 @@ _DAMAGE = re.compile(r'OUT_OF_RANGE|DATA_LOSS|NOT_FOUND|Error reading|error whil
 
 def damaged_step_error(directory: Any, steps: List[int], error: Optional[Exception],
                        step: Optional[int] = None, cause: Optional[str] = None) -> ValueError:
-  """The ValueError for an unreadable saved step (default: the newest of ``steps``).
-
-  Names the cause (default: ``error``'s first line) and the newest intact step to resume from.
-  """
+  """The ValueError for an unreadable step (default the newest of ``steps``): the cause (default
+  ``error``'s first line) and the newest intact step to resume from."""
   step = max(steps) if step is None else step
-  intact = [s for s in steps if s < step and not durable.damaged_files(_join(directory, s))]
-  cause = cause or (str(error).splitlines()[0][:300] if str(error) else type(error).__name__)
+  intact = [s for s in steps
+            if s < step and not durable.damaged_files(paths.join(os.fspath(directory), str(s)))]
+  cause = cause or _first_line(error)
   resume = (f'to resume from step {max(intact)}' if intact else 'to start afresh')
   return ValueError(
-      f'The checkpoint of step {step} in {directory} cannot be read ({cause}): it is damaged '
-      'or incomplete. '
-      f'Move it away (mv {directory}/{step} {directory}/{step}.damaged) {resume}, then rerun '
-      'the same command.')
-
-
-def _join(directory: Any, step: int) -> str:
-  return paths.join(os.fspath(directory), str(step))
+      f'The checkpoint of step {step} in {directory} cannot be read ({cause}): it is damaged or '
+      f'incomplete. Move it away (mv {directory}/{step} {directory}/{step}.damaged) {resume}, '
+      'then rerun the same command.')
 
 
 class _EventsWriter:
@@ -272,29 +220,22 @@ class _EventsWriter:
       except Exception as e:  # pylint: disable=broad-except
         if not isinstance(e, OSError) and not _DISK_ERROR.search(str(e)):
           raise
-        raise CheckpointSaveError(
-            f'Writing the TensorBoard events to {self._path} failed: '
-            f'{str(e).splitlines()[0][:300] if str(e) else type(e).__name__}. The checkpoints '
-            'already saved are intact; free disk space (or make the workdir writable) and rerun '
-            'the same command to resume.') from e
+        raise CheckpointSaveError(f'Writing the TensorBoard events to {self._path} failed: '
+                                  f'{_first_line(e)}. {_RESUME_HINT}') from e
 
     return call
 
 
 class Checkpoints:
-  """The numbered checkpoints of a run: an ``orbax.checkpoint.CheckpointManager``.
+  """A run's numbered checkpoints (an Orbax ``CheckpointManager``; create it on every process):
+  the newest ``keep`` steps (None: all), finalized locally once on stable storage
+  (:mod:`.durable`), saved in the background when ``asynchronous``.
 
-  Keeps the newest ``keep`` finalized steps (``None``: all). Local steps are finalized only once
-  on stable storage (:mod:`.durable`); interrupted saves (``*.orbax-checkpoint-tmp*``) are
-  removed in the background. Create it on every process (Orbax coordinates them).
-  ``asynchronous``: save in a background thread (:meth:`wait_until_finished`).
-
-  Raises:
-    ValueError: ``keep`` is not a positive int or None.
+  Raises ValueError: ``keep`` is not a positive int or None.
   """
 
   def __init__(self, directory: Any, *, keep: Optional[int], asynchronous: bool):
-    import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
+    import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top  (0.3 s; not for .npz)
     if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
       raise ValueError(f'keep must be a positive int or None (keep all), got {keep!r}.')
     local = not paths.is_remote(os.fspath(directory))
@@ -309,8 +250,7 @@ class Checkpoints:
     )
 
   @property
-  def directory(self):
-    """The ``checkpoints`` directory (an ``etils.epath.Path``)."""
+  def directory(self) -> epath.Path:
     return self._manager.directory
 
   def latest_step(self) -> Optional[int]:
@@ -323,9 +263,7 @@ class Checkpoints:
            config: Optional[Dict[str, Any]] = None,
            dataset: Optional[Dict[str, Any]] = None) -> None:
     """Saves ``state`` as ``step`` with ``cost`` (``config``, ``dataset``); skips a saved step.
-
-    Raises CheckpointSaveError (full disk, no permission; async: possibly the save before).
-    """
+    Raises CheckpointSaveError (full disk, no permission; async: possibly the save before)."""
     if step in self._manager.all_steps():
       return
     self._check_free_space(step, state)
@@ -339,11 +277,8 @@ class Checkpoints:
       self._manager.save(step, args=ocp.args.Composite(**items), force=True)
 
   def _check_free_space(self, step: int, state: Any) -> None:
-    """Refuses a local save that cannot fit: this process's share of the state + 10% + 256 KiB.
-
-    Raises CheckpointSaveError.
-    """
-    import jax  # pylint: disable=g-import-not-at-top
+    """Raises CheckpointSaveError when the local disk lacks this process's share of the state
+    + 10% + 256 KiB."""
     directory = str(self.directory)
     if paths.is_remote(directory):
       return
@@ -367,11 +302,8 @@ class Checkpoints:
           'resume.')
 
   def restore(self, step: int, abstract_state: Any) -> Tuple[Any, Optional[Dict[str, Any]]]:
-    """Restores ``step`` onto ``abstract_state``'s shardings; returns ``(state, cost or None)``.
-
-    Raises ValueError: the state does not fit, the files are damaged, or it holds NaN/Inf (the
-    message names the newest finite step).
-    """
+    """``(state, cost or None)`` of ``step`` on ``abstract_state``'s shardings. Raises ValueError:
+    the state does not fit, is damaged, or holds NaN/Inf (naming the newest finite step)."""
     state, cost = self._restore(step, abstract_state, with_cost=True)
     bad = tree.non_finite(state)
     if bad:
@@ -387,7 +319,6 @@ class Checkpoints:
     return state, cost
 
   def _is_finite(self, step: int, abstract_state: Any) -> bool:
-    """Whether step ``step`` restores, and without NaN or Inf values."""
     try:
       return not tree.non_finite(self._restore(step, abstract_state)[0])
     except ValueError:  # Damaged, or of another shape.
@@ -407,12 +338,10 @@ class Checkpoints:
         raise damaged_step_error(self.directory, self.all_steps(), e, step) from e
       raise ValueError(  # E.g. another optimizer's state.
           f"The checkpoint of step {step} in {self.directory} does not fit this config's "
-          f'optimizer or state ({str(e).splitlines()[0][:300] if str(e) else type(e).__name__}). '
-          f'{_RERUN_HINT}') from e
+          f'optimizer or state ({_first_line(e)}). {_RERUN_HINT}') from e
     return restored[STATE_ITEM], (restored[COST_ITEM] if has_cost else None)
 
   def reached_preemption(self, step: int) -> bool:
-    """Whether a preemption notice reached this step (the same step on every host)."""
     return self._manager.reached_preemption(step)
 
   def wait_until_finished(self) -> None:
@@ -437,8 +366,7 @@ class Checkpoints:
       intact = (f'the checkpoint of step {max(kept)} is intact' if kept else
                 'there is no earlier checkpoint')
       full = 'No space left' in text or 'RESOURCE_EXHAUSTED' in text
-      cause = 'No space left on device' if full else text.splitlines()[0][:300] if text else (
-          type(e).__name__)
+      cause = 'No space left on device' if full else _first_line(e)
       raise CheckpointSaveError(
           f'Saving a checkpoint in {self.directory} failed ({which}, or the save before '
           f'it, which runs in the background): {cause}. {intact.capitalize()} (the partial save '
@@ -452,57 +380,118 @@ def _mib(num_bytes: int) -> str:
   return f'{num_bytes / 2**20:.2f} MiB'
 
 
-# Reading: from any path a user gives to the train state item of its latest step.
+# Reading a run back: from any path a user gives to one step's state item, config and record.
 
 
-def _latest_step_dir(path: str) -> Optional[str]:
-  """Newest numbered step directory of ``path`` holding a finalized item, or None."""
-  # Orbax writes into '<step>.orbax-checkpoint-tmp-*' and renames when done, so digit-only names
-  # are finalized steps (on GCS the item's commit marker is checked through '_METADATA').
-  steps = {int(n): n for n in paths.listdir(path) if n.isdigit()}
-  for step in sorted(steps, reverse=True):
-    candidate = paths.join(path, steps[step])
-    if orbax.is_item(candidate) or orbax.is_item(paths.join(candidate, STATE_ITEM)):
-      return candidate
-  return None
+@dataclasses.dataclass(frozen=True)
+class SavedRun:
+  """One step of a run (or a convert directory): its Orbax ``state_item``, ``step`` (None for
+  convert's), the resolved ``config`` and ``dataset`` record saved with it (else the workdir's
+  JSON files, or None), ``has_ema``, and the run's finalized ``steps`` ([]: one step given)."""
+
+  state_item: str
+  step: Optional[int]
+  config: Optional[Dict[str, Any]]
+  dataset: Optional[Dict[str, Any]]
+  has_ema: bool
+  steps: List[int]
+
+  def dataset_source(self) -> Tuple[str, bool]:
+    """Where ``dataset`` comes from: ``(the step's item, True)``, else ``(dataset.json, False)``."""
+    step_dir = posixpath.dirname(self.state_item.rstrip('/'))
+    item = paths.join(step_dir, DATASET_ITEM)
+    if paths.isdir(item):
+      return item, True
+    return paths.join(step_dir.rsplit('/', 2)[0], DATASET_JSON), False
 
 
-def find_state_item(path: Any) -> str:
-  """The Orbax item holding the model variables for ``path``.
+def _nothing_saved_yet(checkpoints: str, workdir: Optional[str]) -> str:
+  """What to do about a run's ``checkpoints`` without a finalized step: whether a save is being
+  written, when the first save comes (``checkpoint_every_steps`` of its readable config.json)."""
+  names = paths.listdir(checkpoints) if paths.isdir(checkpoints) else []
+  writing = sorted(int(n.split('.')[0]) for n in names
+                   if '.orbax-checkpoint-tmp' in n and n.split('.')[0].isdigit())
+  try:
+    config = rundir.read_json(paths.join(workdir, CONFIG_JSON)) if workdir else None
+  except (ValueError, OSError):
+    config = None
+  every = (config or {}).get('checkpoint_every_steps')
+  state = (f'the save of step {writing[-1]} is being written (or was cut off; the next start '
+           'of the run removes it)' if writing else 'the run has saved no checkpoint yet')
+  first = (f' (it saves every {every} steps, checkpoint_every_steps in its config.json, and at '
+           'its end)' if isinstance(every, int) and not writing else '')
+  return (f'{state}. Wait for its first checkpoint{first}, or train it first (python -m '
+          'vit_jax.main --config ... --workdir '
+          f"{posixpath.dirname(checkpoints.rstrip('/')) or '.'}); then give the workdir again, "
+          'or one step directory <workdir>/checkpoints/<step>.')
 
-  ``path``: a workdir, a ``checkpoints`` directory (its latest finalized step), a step directory
-  or an item (a ``state`` item, or a ``python -m vit_jax.convert`` variables checkpoint).
-  Raises FileNotFoundError (no finalized step) or ValueError (none of these).
-  """
-  path = paths.normalize(path)
-  if paths.isdir(paths.join(path, CHECKPOINTS_DIR)):  # A workdir.
-    path = paths.join(path, CHECKPOINTS_DIR)
-  for candidate in (path, paths.join(path, STATE_ITEM)):
-    if orbax.is_item(candidate):
-      return candidate
-  step_dir = _latest_step_dir(path)
-  if step_dir is not None:
-    for candidate in (step_dir, paths.join(step_dir, STATE_ITEM)):
-      if orbax.is_item(candidate):
-        return candidate
-  is_manager_dir = paths.basename(path) == CHECKPOINTS_DIR
-  if is_manager_dir or any(n.isdigit() for n in paths.listdir(path)):
-    parent = os.path.dirname(path.rstrip('/'))
-    raise paths.not_found(path, 'No finalized Orbax checkpoint step', paths.nothing_saved_yet(
-        path, paths.join(parent or '.', CONFIG_JSON) if is_manager_dir else None))
-  raise ValueError(f'Unrecognised checkpoint directory {path!r}: a directory is read as an Orbax '
-                   f'checkpoint, {ORBAX_PATHS}, or a variables checkpoint written by '
-                   'python -m vit_jax.convert, or as a Hugging Face transformers ViT when it '
-                   'holds config.json and model.safetensors.')
+
+def _locate(path: Any, step: Optional[int], missing: str, names: Optional[Sequence[str]] = None
+            ) -> Tuple[str, Optional[str], Optional[int], List[int], Optional[str]]:
+  """``(state item, step directory, step, steps, workdir)`` of ``path`` (see :func:`read_run`);
+  the step directory is None for a variables checkpoint, ``missing`` names a run without steps.
+  ``names``: the listing of ``path`` that detection read (it is normalized and exists)."""
+  if names is None:
+    path = paths.normalize(path)
+    if not paths.exists(path):
+      raise paths.not_found(path)
+  run = rundir.find(path, names)
+  if run.checkpoints is not None:
+    steps = rundir.saved_steps(run.checkpoints, readable=True)
+    if not steps:
+      raise paths.not_found(run.checkpoints, missing,
+                            _nothing_saved_yet(run.checkpoints, run.workdir))
+    if step is not None and step not in steps:
+      raise FileNotFoundError(
+          f'Step {step} is not saved in {run.checkpoints}; the saved steps are {steps}: choose '
+          'one of them (or leave out --step for the latest).')
+    step = steps[-1] if step is None else step
+    step_dir = paths.join(run.checkpoints, str(step))
+    return paths.join(step_dir, STATE_ITEM), step_dir, step, steps, run.workdir
+  if run.step_dir is not None:
+    name = paths.basename(run.step_dir)
+    if step is not None and (not name.isdigit() or int(name) != step):
+      raise ValueError(f'{path} is one checkpoint step: leave out --step (or give the workdir).')
+    return (paths.join(run.step_dir, STATE_ITEM), run.step_dir,
+            int(name) if name.isdigit() else None, [], run.workdir)
+  if not orbax.is_item(path):
+    raise ValueError(f'Unrecognised checkpoint directory {path!r}: a directory is read as an '
+                     f'Orbax checkpoint, {ORBAX_PATHS}, or a variables checkpoint written by '
+                     'python -m vit_jax.convert, or as a Hugging Face transformers ViT when it '
+                     'holds config.json and model.safetensors.')
+  if step is not None:
+    raise ValueError(f'{path} is a variables checkpoint without steps: leave out --step.')
+  return path, None, None, [], None
+
+
+def find_state_item(path: Any, step: Optional[int] = None,
+                    names: Optional[Sequence[str]] = None) -> str:
+  """The Orbax item of the model variables for ``path`` (``names``: its listing, as
+  :func:`_locate`); raises as :func:`read_run` (no reads)."""
+  return _locate(path, step, 'No finalized Orbax checkpoint step', names)[0]
+
+
+def read_run(path: Any, *, step: Optional[int] = None) -> SavedRun:
+  """The :class:`SavedRun` of ``path`` (local or ``gs://``): a workdir or its ``checkpoints``
+  (``step``: default the latest finalized), one step directory or its state item, or a variables
+  checkpoint (these two without ``step``). Raises FileNotFoundError (nothing at ``path``, no
+  finalized step, ``step`` not saved) or ValueError (unrecognised, an unreadable JSON record)."""
+  item, step_dir, step, steps, workdir = _locate(path, step, 'No finalized checkpoint step')
+  saved = orbax.item_tree(item)
+  has_ema = isinstance(saved, Mapping) and isinstance(saved.get('ema_params'), Mapping)
+  if step_dir is None:  # A variables checkpoint: no config, no record.
+    return SavedRun(item, None, None, None, has_ema, [])
+
+  def record(name: str, file: str) -> Optional[Dict[str, Any]]:
+    if paths.isdir(paths.join(step_dir, name)):
+      return orbax.read_json_item(paths.join(step_dir, name))
+    return rundir.read_json(paths.join(workdir, file)) if workdir else None
+
+  return SavedRun(item, step, record(CONFIG_ITEM, CONFIG_JSON),
+                  record(DATASET_ITEM, DATASET_JSON), has_ema, steps)
 
 
 def load_orbax(path: Any, *, use_ema: bool = True) -> Dict[str, Any]:
-  """``{'params': ..., **model_state}`` (NumPy, saved layout) from a training-loop Orbax checkpoint.
-
-  ``path``: see :func:`find_state_item`. ``use_ema``: return ``ema_params`` as ``params`` when
-  saved. Raises FileNotFoundError or ValueError (not Orbax, or no ``params``).
-  """
-  path = paths.normalize(path)
-  if not paths.exists(path):
-    raise paths.not_found(path)
+  """``{'params': ..., **model_state}`` (NumPy, saved layout) of ``path`` (as :func:`read_run`);
+  ``ema_params`` as ``params`` when saved and ``use_ema``. Raises FileNotFoundError, ValueError."""
   return orbax.read_variables(find_state_item(path), use_ema=use_ema)

@@ -13,29 +13,18 @@ schedule in steps and the attention implementation and checks every value; `args
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, Dict, Union
 
 import ml_collections
 
 from vit_jax.config import args
 from vit_jax.config import slices
-from vit_jax.config.defaults import ATTENTION_CHOICES
-from vit_jax.config.defaults import AUGMENTATIONS
-from vit_jax.config.defaults import BAD_IMAGES
-from vit_jax.config.defaults import get_config
-from vit_jax.config.defaults import NORMALIZATIONS
-from vit_jax.config.defaults import REGIME_DEFAULTS
-from vit_jax.config.defaults import TRAINING_DEFAULTS
-from vit_jax.config.resolution import attention_choice
-from vit_jax.config.resolution import check_batch_size
-from vit_jax.config.resolution import check_host_limits
-from vit_jax.config.resolution import check_value
-from vit_jax.config.resolution import fill_regime
-from vit_jax.config.resolution import for_counting
-from vit_jax.config.resolution import num_train_steps
-from vit_jax.config.resolution import remat_choice
-from vit_jax.config.resolution import resolve
-from vit_jax.config.resolution import validate_data
+from vit_jax.config.defaults import (ATTENTION_CHOICES, AUGMENTATIONS, BAD_IMAGES,
+                                     NORMALIZATIONS, REGIME_DEFAULTS, TRAINING_DEFAULTS,
+                                     get_config)
+from vit_jax.config.resolution import (attention_choice, check_batch_size, check_host_limits,
+                                       check_value, fill_regime, for_counting, num_train_steps,
+                                       remat_choice, resolve, validate_data)
 
 __all__ = [
     'ATTENTION_CHOICES', 'AUGMENTATIONS', 'BAD_IMAGES', 'NORMALIZATIONS', 'REGIME_DEFAULTS',
@@ -50,9 +39,33 @@ def to_json(config: ml_collections.ConfigDict) -> str:
   return json.dumps(config.to_dict(), indent=1, sort_keys=True, default=str)
 
 
-def from_json(text: str) -> ml_collections.ConfigDict:
-  """A config from :func:`to_json`'s text (tuple fields stay lists); ValueError if not an object."""
-  value: Any = json.loads(text)
+def _as_tuples(value: Any) -> Any:
+  return tuple(_as_tuples(v) for v in value) if isinstance(value, list) else value
+
+
+def _update(config: ml_collections.ConfigDict, saved: Dict[str, Any]) -> None:
+  """Sets ``config``'s keys to the ``saved`` values (lists as tuples); keys gone are left out."""
+  for key, value in saved.items():
+    if key not in config:
+      continue
+    if isinstance(config[key], ml_collections.ConfigDict) and isinstance(value, dict):
+      _update(config[key], value)
+    else:
+      config[key] = _as_tuples(value)
+
+
+def from_json(saved: Union[str, Dict[str, Any]]) -> ml_collections.ConfigDict:
+  """The config of :func:`to_json`'s text or dict (``WORKDIR/config.json``) on this version's
+  defaults (a key added since keeps its default; no eval batch: the training batch). Raises
+  ValueError (not a JSON object), ValueError or TypeError (a model name or field gone since)."""
+  value = json.loads(saved) if isinstance(saved, str) else saved
   if not isinstance(value, dict):
     raise ValueError(f"A config is a JSON object, got {type(value).__name__}.")
-  return ml_collections.ConfigDict(value)
+  model = {k: _as_tuples(v) for k, v in (value.get('model') or {}).items()}
+  dataset = (value.get('data') or {}).get('name') or 'imagenet2012'
+  config = get_config(value['model_name'], dataset, **model)
+  config.unlock()
+  _update(config, value)
+  if config.eval_batch_size is None:
+    config.eval_batch_size = config.batch_size
+  return config

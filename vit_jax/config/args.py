@@ -20,15 +20,9 @@ from typing import Mapping, Optional, Sequence
 
 @dataclasses.dataclass(frozen=True)
 class Spec:
-  """What a config file's argument holds.
-
-  Attributes:
-    file: the config file's path as users type it (for messages), e.g. 'configs/vit.py'.
-    fields: the field names, in positional order.
-    choices: for some fields, the accepted values; defaults: the optional fields' values.
-    help: for each field, a few words shown in errors.
-    patterns: regular expressions some optional fields' values match in full (see module).
-  """
+  """What a config file's argument holds: the ``file`` as users type it (for messages), the
+  ``fields`` in positional order, some fields' accepted ``choices``, the optional fields'
+  ``defaults``, a few words of ``help`` per field, and ``patterns`` (see the module)."""
 
   file: str
   fields: Sequence[str]
@@ -38,7 +32,7 @@ class Spec:
   patterns: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
   def _place(self, index: int, value: str) -> int:
-    """The field index a positional `value` at `index` goes to (see `patterns`)."""
+    """The field index a positional `value` at `index` goes to (`patterns`)."""
     for later in range(index, len(self.fields)):
       field = self.fields[later]
       if field in self.patterns and re.fullmatch(self.patterns[field], value):
@@ -62,11 +56,8 @@ class Spec:
     return self.help.get(field, "")
 
   def parse(self, arg: Optional[str]) -> dict[str, Optional[str]]:
-    """The fields of ``arg``, defaults filled in.
-
-    Raises ValueError (with the usage): too many values, an unknown or repeated name, a missing
-    required field, or a value outside a field's choices.
-    """
+    """The fields of ``arg``, defaults filled in. Raises ValueError (with the usage): too many
+    values, an unknown or repeated name, a missing field, a value outside the choices."""
     values: dict[str, Optional[str]] = {}
     items = [item.strip() for item in (arg or "").split(",")] if arg else []
     positional, index = True, 0

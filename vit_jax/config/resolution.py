@@ -1,17 +1,6 @@
-"""The one place a config becomes what runs: regime filled in, lengths in steps, every value checked.
-
-`resolve(config, num_train_examples=..., num_classes=..., devices=...)` returns the fully
-resolved, validated, locked config
-that `vit_jax.train` runs, logs and saves as `WORKDIR/config.json`, and that the benchmark and the
-pod pre-flight compile: the regime's defaults in every None regime field, the schedule length and
-the warmup and cooldown in optimizer steps, the class count, the fine-tuning source, and the
-attention implementation chosen for the devices the step is compiled for. Everything a run can
-get wrong in its config is refused here, before any work, with a message that names the field,
-its value, the valid range and the fix.
-
-The range checks of each section are tables (`_RUN_RANGES`, `_OPTIM_RANGES`, `_DATA_RANGES`);
-`validate_data` is the `config.data` part alone, which the input pipeline calls for configs built
-without `resolve`.
+"""The one place a config becomes what runs (`resolve`): the regime filled in, lengths in steps,
+the attention chosen for the target devices, and every value checked before any work, refused
+with the field, its value, the valid range and the fix. Ranges are the `_*_RANGES` tables.
 """
 
 from __future__ import annotations
@@ -21,13 +10,15 @@ import os
 from typing import Any, Callable, Optional, Sequence
 
 from absl import logging
+import jax
 import ml_collections
 
 from vit_jax import dispatch
+from vit_jax import hardware
 from vit_jax import models
 from vit_jax import optim
 from vit_jax import platform
-from vit_jax import sharding
+from vit_jax import step
 from vit_jax.config import defaults
 
 
@@ -157,14 +148,8 @@ def _check_ranges(section: Any, ranges: dict, prefix: str) -> None:
 
 
 def check_value(path: str, value: Any) -> Any:
-  """Checks one field's value against its range, e.g. `check_value('data.bad_images', v)`.
-
-  Returns:
-    `value`.
-
-  Raises:
-    ValueError: as `resolve`, for this field; KeyError: a path without a range.
-  """
+  """`value`, checked against the range of `path` (e.g. 'data.bad_images'); ValueError as
+  `resolve`, KeyError for a path without a range."""
   section, _, key = path.rpartition(".")
   ranges = {"": _RUN_RANGES, "optim": _OPTIM_RANGES, "data": _DATA_RANGES,
             "fewshot": _FEWSHOT_RANGES, "analysis": _ANALYSIS_RANGES}[section]
@@ -188,13 +173,8 @@ def _fewshot_list(fewshot: ml_collections.ConfigDict, key: str, expected: str, e
 
 
 def resolve_fewshot(fewshot: ml_collections.ConfigDict) -> None:
-  """Checks `config.fewshot` (`vit_jax.config.defaults.fewshot_config`) and normalises it in
-  place: `datasets` split at commas (`--config.fewshot.datasets=cifar10,dtd` arrives as one
-  string), `shots` sorted, `l2_regs` floats.
-
-  Raises:
-    ValueError: naming the field, its value, the valid range and the flag to set.
-  """
+  """Checks `config.fewshot` and normalises it in place (`datasets` split at commas, `shots`
+  sorted, `l2_regs` floats); ValueError naming the field and the flag."""
   _check_ranges(fewshot, _FEWSHOT_RANGES, "fewshot.")
 
   def name(v):
@@ -236,9 +216,7 @@ def resolve_fewshot(fewshot: ml_collections.ConfigDict) -> None:
 
 
 def _resolve_analysis(config: ml_collections.ConfigDict) -> None:
-  """Checks `config.analysis` against its ranges; counts above the batches they are taken from
-  (the eval batch, the captured images, the training batch) are lowered to them, and logged, so
-  that a smaller `--config.batch_size` does not need the pictures' settings changed too."""
+  """Checks `config.analysis`; counts above the batches they are taken from are lowered (logged)."""
   analysis = config.analysis
   _check_ranges(analysis, _ANALYSIS_RANGES, "analysis.")
   for key, limit_key, what in (  # In this order: rollout_images after attention_images.
@@ -253,23 +231,13 @@ def _resolve_analysis(config: ml_collections.ConfigDict) -> None:
 
 
 def validate_data(data_config: ml_collections.ConfigDict) -> None:
-  """Checks every value of a `config.data` against its range (see `_DATA_RANGES`).
-
-  Raises:
-    ValueError: naming the field, its value, the valid range and the flag to set.
-  """
+  """Checks a `config.data` against `_DATA_RANGES` (for configs built without `resolve`)."""
   _check_ranges(data_config, _DATA_RANGES, "data.")
 
 
 def fill_regime(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
-  """A copy of `config` with every None regime field set from `REGIME_DEFAULTS[config.regime]`.
-
-  Fields filled: `config.loss`, `config.model.head_bias_init` (ViT; T2T-ViT has none) and the
-  other keys under `config.optim`. Values already set are kept.
-
-  Raises:
-    ValueError: `config.regime` is not a regime.
-  """
+  """A copy of `config`, every None regime field (`loss`, `model.head_bias_init`, `optim.*`) set
+  from `REGIME_DEFAULTS[config.regime]`; ValueError: an unknown regime."""
   _check_ranges(config, {"regime": _RUN_RANGES["regime"]}, "")
   config = ml_collections.ConfigDict(config.to_dict())  # Unlocked; the caller's is unchanged.
   for key, value in defaults.REGIME_DEFAULTS[config.regime].items():
@@ -280,14 +248,8 @@ def fill_regime(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
 
 
 def num_train_steps(config: ml_collections.ConfigDict, num_train_examples: int) -> int:
-  """Optimizer updates of the whole run.
-
-  `config.total_steps` when it is set (so `--config.total_steps=N` overrides a config's epochs),
-  else `config.num_epochs` epochs of `num_train_examples` at `config.batch_size`.
-
-  Raises:
-    ValueError: neither is set, or the result is not positive or over `MAX_STEPS`.
-  """
+  """Optimizer updates of the run: `config.total_steps` when set, else `num_epochs` epochs.
+  ValueError: neither is set, or the result is not positive or over `MAX_STEPS`."""
   if config.total_steps is not None:
     steps = config.total_steps
   elif config.num_epochs is not None:
@@ -304,8 +266,7 @@ def num_train_steps(config: ml_collections.ConfigDict, num_train_examples: int) 
 
 def _epochs_to_steps(key: str, epochs: Any, steps: float, num_train_examples: int,
                      batch_size: int, rounding: Callable[[float], int]) -> int:
-  """`rounding(steps)`, the steps of `epochs` (`config.<key>`); a ValueError naming it when they
-  are not finite or over `MAX_STEPS` (e.g. --config.num_epochs=1e30)."""
+  """`rounding(steps)`; ValueError naming `config.<key>` when not finite or over `MAX_STEPS`."""
   if not math.isfinite(steps) or steps > MAX_STEPS:
     largest = MAX_STEPS * batch_size / num_train_examples
     digits = 10.0**(math.floor(math.log10(largest)) - 3)  # Four significant digits, rounded down.
@@ -318,14 +279,8 @@ def _epochs_to_steps(key: str, epochs: Any, steps: float, num_train_examples: in
 
 
 def check_batch_size(batch_size: int, grad_accum_steps: int, num_shards: int) -> None:
-  """Fails when the global batch cannot be split into micro-batches and batch shards.
-
-  Args:
-    num_shards: how many ways the mesh splits the batch (`vit_jax.sharding.data_parallel_size`).
-
-  Raises:
-    ValueError: `batch_size` is not a multiple of `grad_accum_steps * num_shards`.
-  """
+  """ValueError unless `batch_size` is a multiple of `grad_accum_steps * num_shards` (the mesh's
+  batch shards, `vit_jax.step.batch_shards`)."""
   unit = grad_accum_steps * num_shards
   if batch_size <= 0 or batch_size % unit:
     lower, upper = max(unit, batch_size // unit * unit), (batch_size // unit + 1) * unit
@@ -335,33 +290,19 @@ def check_batch_size(batch_size: int, grad_accum_steps: int, num_shards: int) ->
         f"Use --config.batch_size={lower} or {upper}.")
 
 
-#: Training batches the input pipeline and the step hold at once besides the prefetched ones:
-#: the one being assembled, the one converted to NumPy, the one on the (CPU) device.
+#: Batches held besides the prefetched ones: being assembled, converted, on the (CPU) device.
 BATCHES_IN_FLIGHT = 3
-#: The share of the available host memory the training batches may take (the model, its
-#: activations and the shuffle buffer need the rest).
+#: The share of the available host memory the training batches may take.
 BATCH_MEMORY_SHARE = 0.5
 
 
 def check_host_limits(config: ml_collections.ConfigDict, *, num_train_examples: int,
                       process_count: int = 1, available_bytes: Optional[int] = None,
                       unit: int = 1) -> None:
-  """Refuses a training batch this host cannot serve, before any work.
-
-  Per process (the global batch split over `process_count` processes, each reading
-  `num_train_examples // process_count` examples): the batch must not exceed the examples of an
-  epoch, and its `config.data.prefetch + BATCHES_IN_FLIGHT` float32 copies (images
-  `image_size**2 * 3` and targets `num_classes` wide) must fit in `BATCH_MEMORY_SHARE` of the
-  available memory (`available_bytes`, default `vit_jax.platform.available_memory_bytes()`;
-  unknown: not checked).
-
-  Args:
-    config: a config with `batch_size`, `num_classes` and `data` set.
-    unit: the batch must stay a multiple of this (micro-batches x batch shards): the batch the
-      message proposes is one.
-
-  Raises:
-    ValueError: naming `config.batch_size`, the examples or the memory, and a batch that fits.
+  """Refuses a batch this host cannot serve: per process, more than an epoch's examples, or
+  `data.prefetch + BATCHES_IN_FLIGHT` float32 copies over `BATCH_MEMORY_SHARE` of
+  `available_bytes` (default: `vit_jax.platform.available_memory_bytes()`; unknown: unchecked).
+  ValueError naming `config.batch_size` and a batch that fits (a multiple of `unit`).
   """
   batch, pc = int(config.batch_size), int(process_count)
   local_batch, local_examples = batch // pc, num_train_examples // pc
@@ -417,7 +358,7 @@ def _resolve_schedule(config: ml_collections.ConfigDict, num_train_examples: int
 
 
 def _resolve_init_from(config: ml_collections.ConfigDict) -> None:
-  """`init_from` from `pretrained_dir` (the official '<dir>/<model_name>.npz'); must exist."""
+  """`init_from` from `pretrained_dir` ('<dir>/<model_name>.npz'); must exist."""
   if not config.init_from and config.pretrained_dir:
     config.init_from = f"{config.pretrained_dir.rstrip('/')}/{config.model_name}.npz"
     source = "config.pretrained_dir/<model_name>.npz"
@@ -434,11 +375,8 @@ def _resolve_init_from(config: ml_collections.ConfigDict) -> None:
 
 
 def _numerics_from_init(config: ml_collections.ConfigDict, path: str) -> None:
-  """`config.model`'s numerics set from the weights `init_from` names, so that fine-tuning
-  starts from what the weights compute: a transformers or timm ViT's GELU, LayerNorm epsilon,
-  pooling and position embedding (`vit_jax.checkpoint.ecosystem.NUMERICS`), a big_vision
-  `.npz`'s pooling ('map', 'gap') and position embedding ('sincos2d'); logged when changed.
-  ViT models only; other files are left to the fine-tuning load's checks."""
+  """A ViT's `config.model` numerics (`vit_jax.checkpoint.ecosystem.NUMERICS`) set from the
+  weights `init_from` names, so that fine-tuning computes as they did; logged when changed."""
   if "gelu_approximate" not in config.model:  # Not a ViT (T2T-ViT).
     return
   from vit_jax import checkpoint  # pylint: disable=g-import-not-at-top  (a cycle at import)
@@ -458,10 +396,8 @@ def _numerics_from_init(config: ml_collections.ConfigDict, path: str) -> None:
 
 
 def for_counting(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
-  """`config` (unlocked, changed in place and returned) with its device-dependent execution
-  fields concrete on any host, for tracing the model to count its parameters or products
-  (`vit_jax.flops`): XLA's attention and, for 'auto', some remat policy. Neither changes a
-  parameter or a matrix product; nothing here is for running the step."""
+  """`config` (unlocked, changed in place) with XLA's attention and a concrete remat policy, to
+  trace the model on any host and count its parameters or products, never to run it."""
   config.model.attention = "xla"
   if config.model.get("remat_policy") == "auto":
     config.model.remat_policy = "nothing_saveable"
@@ -470,12 +406,7 @@ def for_counting(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict
 
 def remat_choice(config: ml_collections.ConfigDict,
                  devices: Sequence[Any]) -> Optional[dispatch.Choice]:
-  """`vit_jax.dispatch.choose_remat_policy` for the model of `config` on `devices` (None for a
-  model without a remat policy).
-
-  Raises:
-    ValueError: an unknown policy.
-  """
+  """`vit_jax.dispatch.choose_remat_policy` for `config`'s model on `devices` (None: no policy)."""
   model = config.model
   if "remat_policy" not in model:
     return None
@@ -486,12 +417,7 @@ def remat_choice(config: ml_collections.ConfigDict,
 
 def attention_choice(config: ml_collections.ConfigDict, requested: str,
                      devices: Sequence[Any]) -> dispatch.Choice:
-  """`vit_jax.dispatch.choose_attention` for the model of `config` and the request `requested`
-  ('auto' or an implementation) on `devices`: the implementation and the reason.
-
-  Raises:
-    ValueError: as `choose_attention`, or an unknown model field.
-  """
+  """`vit_jax.dispatch.choose_attention` of `requested` for `config`'s model on `devices`."""
   fields = _model_fields(for_counting(ml_collections.ConfigDict(config.to_dict())))
   fields.pop("attention", None)  # The head size is all that is read.
   return dispatch.choose_attention(
@@ -504,11 +430,10 @@ def _check_slice(config: ml_collections.ConfigDict, num_devices: int) -> None:
   """Refuses settings fitted to one slice (`config.slice`) on a different number of devices."""
   if not config.get("slice"):  # Also a config.json written before the field existed.
     return
-  from vit_jax import accounting  # pylint: disable=g-import-not-at-top
   try:
     if not isinstance(config.slice, str):
       raise ValueError("give a Cloud TPU type such as v3-32, or None")
-    fitted = accounting.accelerator(config.slice).num_devices
+    fitted = hardware.accelerator(config.slice)[1]
   except ValueError as e:
     raise ValueError(f"config.slice={config.slice!r}: {e}") from None
   if fitted != num_devices:
@@ -521,38 +446,27 @@ def _check_slice(config: ml_collections.ConfigDict, num_devices: int) -> None:
 
 def resolve(config: ml_collections.ConfigDict, *, num_train_examples: int, num_classes: int,
             devices: Optional[Sequence[Any]] = None) -> ml_collections.ConfigDict:
-  """The fully resolved, validated config: what runs, what is logged and saved.
+  """A new locked config: what runs, is logged and saved as `WORKDIR/config.json`.
 
   Args:
-    config: a config of `configs/*.py` (see `vit_jax.config.get_config`), any overrides applied.
-    num_train_examples: examples in `config.data.train_split` (all hosts), for epoch lengths.
-    num_classes: the dataset's classes (used when `config.num_classes` is None).
-    devices: the devices the step will be compiled for (default `jax.devices()`): they size the
-      mesh and choose the attention implementation. None (a run on this host) also checks the
-      batch against this host's examples and memory (`check_host_limits`).
-
-  Returns:
-    A new locked ConfigDict: regime fields filled, `total_steps` set, warmup and cooldown in steps
-    (their epoch fields None), `num_classes` and `eval_batch_size` set, `init_from` set from
-    `pretrained_dir`, and `model.attention` a concrete implementation ('xla', 'cudnn' or
-    'cpu_kernel').
+    config: a config of `configs/*.py`, overrides applied.
+    num_train_examples: examples of `config.data.train_split` (all hosts); num_classes: the
+      dataset's, used when `config.num_classes` is None.
+    devices: the target devices (default `jax.devices()`), which size the mesh and choose the
+      attention; None (this host runs it) also applies `check_host_limits`.
 
   Raises:
-    ValueError: a value out of range or of the wrong type (naming the field, the range and the
-      flag), an unknown regime, optimizer, schedule, loss, model or model field, a schedule whose
-      warmup is not shorter than the run, a step count over `MAX_STEPS` (e.g. a huge
-      num_epochs), a mesh that does not fit the devices, a batch the mesh cannot split (or, with
-      `devices` None, one larger than an epoch or this host's memory), an attention
-      implementation that cannot run on the devices.
+    ValueError: a bad value (naming the field, the range and the flag), an unknown name, a
+      schedule or mesh or batch that does not fit, an attention that cannot run there.
     TypeError: an unknown model field.
     FileNotFoundError: `init_from` (or `pretrained_dir`'s file) does not exist.
   """
-  import jax  # pylint: disable=g-import-not-at-top
   host = devices is None  # The run is on this host: its limits apply (`check_host_limits`).
   devices = list(jax.devices() if devices is None else devices)
   _check_slice(config, len(devices))
   config = fill_regime(config)
-  for section, ranges, prefix in ((config, _RUN_RANGES, ""), (config.optim, _OPTIM_RANGES, "optim."),
+  for section, ranges, prefix in ((config, _RUN_RANGES, ""),
+                                  (config.optim, _OPTIM_RANGES, "optim."),
                                   (config.data, _DATA_RANGES, "data.")):
     _check_ranges(section, ranges, prefix)
   if "fewshot" in config:
@@ -569,10 +483,8 @@ def resolve(config: ml_collections.ConfigDict, *, num_train_examples: int, num_c
       logging.info("Remat policy: %s (%s).", remat.implementation, remat.reason)
   models.model_config(config.model_name, **fields)  # Every model field checked.
 
-  sizes = sharding.axis_sizes(config.mesh, len(devices))
-  rules = sharding.parse_rules(config.mesh.rules)
+  shards = step.batch_shards(config.mesh, len(devices))
   _check_ranges(config.mesh, {"max_replicated_fraction": (_PROBABILITY, False, "")}, "mesh.")
-  shards = math.prod(sizes[a] for a in sharding.batch_axes(rules))
   check_batch_size(config.batch_size, config.grad_accum_steps, shards)
   if host:  # Before the schedule, whose length the batch sets.
     check_host_limits(config, num_train_examples=num_train_examples,

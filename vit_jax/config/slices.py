@@ -1,25 +1,7 @@
-"""A recipe's global batch on a Cloud TPU slice: the compute dtype, mesh and accumulation that fit.
-
-The papers train with a global batch (ViT: 4096, T2T-ViT: 512) that a small slice cannot hold in
-one step. `fit_to_slice(config, 'v3-32')` keeps the batch (and so the recipe) and sets, for that
-slice's devices:
-
-  * `model.dtype = 'bfloat16'`: matrix products and activations in bfloat16, as TPUs are fed;
-    parameters, gradients and optimizer state stay float32 (`model.param_dtype`).
-  * `mesh.fsdp`: the parameters and optimizer state sharded over this many devices (FSDP, the
-    rest data parallel) when a replicated copy would take more than `STATE_SHARE` of a device's
-    HBM (ViT-L/16 and larger on a 16 GiB v3 core).
-  * `grad_accum_steps`: the fewest micro-batches (a divisor of the per-device batch) whose
-    activations fit beside the state, from `activation_bytes`, an estimate calibrated against the
-    TPU compiler (docs/pods.md, "A recipe on a slice"). It is an estimate: the pre-flight tool
-    (`python -m vit_jax.preflight`) compiles the step for the slice and confirms it.
-  * `slice`: the slice's name, so that `vit_jax.config.resolve` refuses to run the settings on a
-    different number of devices.
-
-Memory per device that the choice accounts for (bytes): the train state (float32 parameters,
-two Adam moments, EMA when on) divided by `mesh.fsdp`, its float32 gradient, and `micro-batch x
-activation_bytes`; the sum must stay within `BUDGET` of the HBM a program gets
-(`vit_jax.hardware`).
+"""A recipe's global batch on a Cloud TPU slice: `fit_to_slice(config, 'v3-32')` keeps the batch
+and sets bfloat16 compute, FSDP when the replicated state would crowd a device, and the fewest
+micro-batches whose estimated memory fits (docs/pods.md, "A recipe on a slice"); the pre-flight
+(`python -m vit_jax.preflight`) confirms the estimate by compiling.
 """
 
 from __future__ import annotations
@@ -27,6 +9,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import jax
+import jax.numpy as jnp
 import ml_collections
 
 from vit_jax import accounting
@@ -34,28 +18,20 @@ from vit_jax import dispatch
 from vit_jax import hardware as hardware_lib
 from vit_jax import models
 
-GIB = 2**30
-
 #: What an accelerator looks like in a config's argument ('v3-32', 'v5litepod-16', 'v6e-8'; also
 #: 'a100-8', which `fit_to_slice` then refuses as not a TPU, naming what it takes).
 SLICE_PATTERN = r"[a-z][a-z0-9]*-[0-9]+"
 
 #: The share of the program's HBM the estimate may fill (its margin).
 BUDGET = 0.8
-#: A replicated train state (parameters, moments, gradient) above this share of the HBM is
-#: sharded (FSDP) over the fewest devices that bring it below.
+#: A train state above this share of the HBM is sharded (FSDP) over the fewest devices needed.
 STATE_SHARE = 0.15
 
-#: Activation bytes kept per image for the backward pass, per element of the token sequences
-#: (layers x tokens x width) and byte of the compute dtype, by remat policy: fitted to the TPU
-#: compiler's temporaries for ViT-B/16 and ViT-L/16 at 224 px on a v3 core (docs/pods.md).
+#: Activation bytes kept per image, per element of the token sequences (layers x tokens x width)
+#: and byte of the compute dtype, by remat policy: fitted to the TPU compiler (docs/pods.md).
 ACTIVATION_FACTOR = {
-    "nothing_saveable": 4.0,
-    "qkv_saveable": 8.5,
-    "dots_with_no_batch_dims_saveable": 15.0,
-    "dots_and_attention_saveable": 15.0,
-    "dots_saveable": 17.0,
-    "everything_saveable": 24.0,
+    "nothing_saveable": 4.0, "qkv_saveable": 8.5, "dots_with_no_batch_dims_saveable": 15.0,
+    "dots_and_attention_saveable": 15.0, "dots_saveable": 17.0, "everything_saveable": 24.0,
 }
 #: Without remat every intermediate of the block is kept.
 NO_REMAT_FACTOR = 24.0
@@ -65,12 +41,8 @@ ATTENTION_COPIES = 4
 
 def _sequences(model_name: str, fields: dict[str, Any],
                image_size: int) -> list[tuple[int, int, int, int]]:
-  """(blocks, tokens, width, heads) of the token sequences one image flows through.
-
-  ViT (and hybrids, whose ResNet stem is not counted): layers x (grid + class token) x D.
-  T2T-ViT: depth x (grid of 16 px + class token) x embed_dim, and the T2T module's two layers,
-  (S/4)^2 and (S/8)^2 tokens of token_dim (heads 0 for the Performer: no N x N matrix).
-  """
+  """(blocks, tokens, width, heads) of the token sequences one image flows through (a hybrid's
+  ResNet stem not counted; T2T-ViT's T2T module: (S/4)^2 and (S/8)^2 tokens, Performer heads 0)."""
   config = models.model_config(model_name, **dict(fields, attention="xla"))
   if "embed_dim" in config:  # T2T-ViT.
     grid = math.ceil(image_size / 16) ** 2
@@ -85,13 +57,9 @@ def _sequences(model_name: str, fields: dict[str, Any],
 
 
 def activation_bytes(model_name: str, fields: dict[str, Any], image_size: int) -> float:
-  """Estimated bytes of one image's activations during a training step.
-
-  What the backward pass keeps, `ACTIVATION_FACTOR[policy] x dtype bytes x blocks x tokens x
-  width` summed over the sequences, plus the attention matrices of the block being computed
-  (one at a time: logits, weights and their gradients, float32), `ATTENTION_COPIES x 4 x heads x
-  tokens^2` for the largest sequence.
-  """
+  """Estimated bytes of one image's activations in a training step: `ACTIVATION_FACTOR[policy] x
+  dtype bytes x blocks x tokens x width` over the sequences, plus one block's float32 attention
+  matrices, `ATTENTION_COPIES x 4 x heads x tokens^2`."""
   dtype_bytes = 2 if str(fields.get("dtype", "float32")) == "bfloat16" else 4
   factor = (ACTIVATION_FACTOR[fields.get("remat_policy", "nothing_saveable")]
             if fields.get("remat", False) else NO_REMAT_FACTOR)
@@ -105,8 +73,6 @@ def activation_bytes(model_name: str, fields: dict[str, Any], image_size: int) -
 def parameter_count(model_name: str, fields: dict[str, Any], num_classes: int,
                     image_size: int) -> int:
   """Trainable parameters of the model (abstract `init`: nothing allocated)."""
-  import jax  # pylint: disable=import-outside-toplevel
-  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
   fields = {k: v for k, v in fields.items()  # Unset fields (None) take the model's defaults.
             if k not in ("dtype", "param_dtype", "attention") and v is not None}
   model = models.create(model_name, num_classes=num_classes, attention="xla", **fields)
@@ -118,22 +84,16 @@ def parameter_count(model_name: str, fields: dict[str, Any], num_classes: int,
 
 def fit_to_slice(config: ml_collections.ConfigDict, accelerator: str,
                  num_classes: int = 1000) -> dict[str, Any]:
-  """Sets `config`'s dtype, mesh and accumulation for the slice `accelerator`, in place.
-
-  Args:
-    config: a config of `configs/*.py` (batch, model and image size set), unlocked.
-    accelerator: a Cloud TPU type, e.g. 'v3-8', 'v3-32', 'v4-64', 'v5litepod-16'.
-    num_classes: the head's classes when `config.num_classes` is not set (for the state's size).
+  """Sets an unlocked `config`'s dtype, mesh and accumulation for the Cloud TPU type
+  `accelerator` ('v3-8'), in place (`num_classes`: the head's when `config.num_classes` is unset).
 
   Returns:
-    What was set, `{'model.dtype': 'bfloat16', 'mesh.fsdp': 1, 'mesh.data': -1,
-    'grad_accum_steps': 4, 'slice': 'v3-8'}`, plus the estimate's figures under
-    'estimate' (bytes per device: 'state', 'activations', 'budget'; 'micro_batch').
+    What was set (`{'model.dtype', 'mesh.data', 'mesh.fsdp', 'grad_accum_steps', 'slice'}`) and
+    'estimate' (bytes per device 'state', 'activations', 'budget'; 'micro_batch').
 
   Raises:
-    ValueError: an unknown or non-TPU accelerator; a global batch the slice's devices cannot
-      split evenly (naming the batch sizes that can); a model whose state or one image's
-      activations alone exceed a device (naming the larger slice to use).
+    ValueError: a non-TPU accelerator; a batch the devices cannot split; a model that does not
+      fit a device even one image at a time (naming what to use).
   """
   hardware = accounting.accelerator(accelerator)
   if hardware.platform != "tpu":
@@ -163,19 +123,16 @@ def fit_to_slice(config: ml_collections.ConfigDict, accelerator: str,
   budget = BUDGET * hbm - state
   per_device = batch // devices
   if budget < per_image:
+    gib = hardware_lib.GIB
     raise ValueError(f"{config.model_name} does not fit a device of {accelerator} even one "
-                     f"image at a time ({state / GIB:.1f} GiB of state, about "
-                     f"{per_image / GIB:.2f} GiB per image): use a larger slice (more devices "
+                     f"image at a time ({state / gib:.1f} GiB of state, about "
+                     f"{per_image / gib:.2f} GiB per image): use a larger slice (more devices "
                      "to shard the state over) or one with more HBM per device (v4, v5p).")
   accumulation = next(a for a in range(1, per_device + 1)
                       if per_device % a == 0 and per_device // a * per_image <= budget)
   settings = {"model.dtype": "bfloat16", "mesh.data": -1, "mesh.fsdp": fsdp,
               "grad_accum_steps": accumulation, "slice": accelerator}
-  config.model.dtype = "bfloat16"
-  config.mesh.data = -1
-  config.mesh.fsdp = fsdp
-  config.grad_accum_steps = accumulation
-  config.slice = accelerator
+  config.update_from_flattened_dict(settings)
   settings["estimate"] = {"state": state, "activations": per_device // accumulation * per_image,
                           "budget": BUDGET * hbm, "micro_batch": per_device // accumulation}
   return settings

@@ -1,10 +1,6 @@
-"""Offline TFDS builder for Fashion-MNIST: ``fashion_mnist_local``.
-
-Reads the four original IDX files from ``manual_dir`` (``config.data.manual_dir``; default the
-Debian ``dataset-fashion-mnist`` path) and produces exactly the features of tfds's
-``fashion_mnist`` (``image`` PNG ``(28, 28, 1)``, ``label`` ClassLabel of 10), splits ``train``
-and ``test``; nothing is downloaded. Importing ``vit_jax.data`` registers it. PNGs are written
-by a small numpy/zlib encoder (faster than tfds's, same pixels).
+"""``fashion_mnist_local``: an offline tfds builder of Fashion-MNIST from the four IDX files in
+``manual_dir`` (default the Debian ``dataset-fashion-mnist`` path), the features and splits of
+tfds's ``fashion_mnist``. Importing ``vit_jax.data`` registers it.
 """
 
 from __future__ import annotations
@@ -23,18 +19,8 @@ import tensorflow_datasets as tfds
 DEBIAN_DIR = '/usr/share/datasets/fashion-mnist'
 
 #: Class names, in label order (identical to tfds `fashion_mnist`).
-LABEL_NAMES = (
-    'T-shirt/top',
-    'Trouser',
-    'Pullover',
-    'Dress',
-    'Coat',
-    'Sandal',
-    'Shirt',
-    'Sneaker',
-    'Bag',
-    'Ankle boot',
-)
+LABEL_NAMES = ('T-shirt/top', 'Trouser', 'Pullover', 'Dress', 'Coat', 'Sandal', 'Shirt',
+               'Sneaker', 'Bag', 'Ankle boot')
 
 IMAGE_SHAPE = (28, 28, 1)
 
@@ -49,30 +35,18 @@ _IMAGES_MAGIC = 0x00000803
 _LABELS_MAGIC = 0x00000801
 
 MISSING_FILES_HINT = (
-    'Install the Debian package `dataset-fashion-mnist` '
-    '(`apt-get install dataset-fashion-mnist`, which puts the IDX files in '
-    f'{DEBIAN_DIR}) or set `config.data.manual_dir` to a directory containing '
-    + ', '.join(f for v in SPLIT_FILES.values() for f in v[:2])
-    + '.'
-)
+    'Install the Debian package `dataset-fashion-mnist` (`apt-get install dataset-fashion-mnist`, '
+    f'which puts the IDX files in {DEBIAN_DIR}) or set `config.data.manual_dir` to a directory '
+    'containing ' + ', '.join(f for v in SPLIT_FILES.values() for f in v[:2]) + '.')
 
 
 class IdxFormatError(ValueError):
   """An IDX file is malformed (bad magic number, header or size)."""
 
 
-def read_idx(path: str, expected_magic: int,
-             expected_count: Optional[int] = None) -> np.ndarray:
-  """A (gzipped or raw) IDX file of uint8 as a numpy array of its declared shape.
-
-  IDX (yann.lecun.com/exdb/mnist): big-endian int32 magic ``0x000008NN`` (NN dimensions), NN
-  int32 sizes, row-major data. ``expected_magic``: ``0x803`` images, ``0x801`` labels.
-
-  Raises:
-    FileNotFoundError: no file.
-    IdxFormatError: wrong magic, truncated, trailing bytes, or a count other than
-      ``expected_count``.
-  """
+def read_idx(path: str, expected_magic: int, expected_count: Optional[int] = None) -> np.ndarray:
+  """A (gzipped) uint8 IDX file (yann.lecun.com/exdb/mnist; magic ``0x803`` images, ``0x801``
+  labels) as an array of its declared shape. FileNotFoundError; IdxFormatError: malformed."""
   opener = gzip.open if path.endswith('.gz') else open
   with opener(path, 'rb') as f:
     data = f.read()
@@ -95,8 +69,7 @@ def read_idx(path: str, expected_magic: int,
         f'{path}: header declares shape {dims} ({size} bytes of data) but the '
         f'file holds {len(data) - header_len} bytes of data.')
   if expected_count is not None and dims[0] != expected_count:
-    raise IdxFormatError(
-        f'{path}: holds {dims[0]} examples, expected {expected_count}.')
+    raise IdxFormatError(f'{path}: holds {dims[0]} examples, expected {expected_count}.')
   return np.frombuffer(data, dtype=np.uint8, offset=header_len).reshape(dims)
 
 
@@ -119,24 +92,16 @@ def encode_png_gray(image: np.ndarray) -> bytes:
 
 
 def load_split(directory: str, split: str) -> Tuple[np.ndarray, np.ndarray]:
-  """``(images uint8 [N, 28, 28], labels uint8 [N])`` of 'train' or 'test' from ``directory``.
-
-  Counts other than 60000 / 10000 are accepted with a warning.
-
-  Raises:
-    FileNotFoundError: a file is missing (the message says how to get them).
-    IdxFormatError: malformed files, images not 28x28, labels out of range, or mismatched counts.
-  """
+  """``(images uint8 [N, 28, 28], labels uint8 [N])`` of 'train' or 'test' (other counts with a
+  warning). FileNotFoundError (saying how to get the files); IdxFormatError: malformed."""
   images_file, labels_file, count = SPLIT_FILES[split]
-  paths = [os.path.join(directory, images_file),
-           os.path.join(directory, labels_file)]
+  paths = [os.path.join(directory, images_file), os.path.join(directory, labels_file)]
   missing = [p for p in paths if not os.path.exists(p)]
   if missing:
     raise FileNotFoundError(
         f'Fashion-MNIST IDX file(s) not found: {", ".join(missing)}. '
         + MISSING_FILES_HINT)
   images = read_idx(paths[0], _IMAGES_MAGIC)
-  # Images and labels must pair up one to one.
   labels = read_idx(paths[1], _LABELS_MAGIC, expected_count=images.shape[0])
   if images.shape[0] != count:
     logging.warning('%s holds %d examples; the Fashion-MNIST %s split has %d.',
@@ -147,8 +112,7 @@ def load_split(directory: str, split: str) -> Tuple[np.ndarray, np.ndarray]:
   if labels.ndim != 1:
     raise IdxFormatError(f'{paths[1]}: labels must be 1-D, got {labels.shape}.')
   if labels.size and labels.max() >= len(LABEL_NAMES):
-    raise IdxFormatError(f'{paths[1]}: label {labels.max()} out of range '
-                         f'[0, {len(LABEL_NAMES)}).')
+    raise IdxFormatError(f'{paths[1]}: label {labels.max()} out of range [0, {len(LABEL_NAMES)}).')
   return images, labels
 
 
@@ -157,20 +121,15 @@ class FashionMnistLocal(tfds.core.GeneratorBasedBuilder):
 
   VERSION = tfds.core.Version('1.0.0')
   RELEASE_NOTES = {'1.0.0': 'Offline builder reading the original IDX files.'}
-  MANUAL_DOWNLOAD_INSTRUCTIONS = (
-      'Put train-images-idx3-ubyte.gz, train-labels-idx1-ubyte.gz, '
-      't10k-images-idx3-ubyte.gz and t10k-labels-idx1-ubyte.gz in manual_dir. '
-      f'Without manual_dir, {DEBIAN_DIR} is used. ' + MISSING_FILES_HINT)
+  MANUAL_DOWNLOAD_INSTRUCTIONS = MISSING_FILES_HINT
   #: vit_jax marker: this builder prepares from local files only.
   VIT_JAX_OFFLINE = True
 
   def _info(self) -> tfds.core.DatasetInfo:
     return tfds.core.DatasetInfo(
-        builder=self,
-        description=(
+        builder=self, description=(
             "Fashion-MNIST (Zalando's article images): 60,000 train and 10,000 "
-            'test 28x28 grayscale images in 10 classes, read from local IDX '
-            'files.'),
+            'test 28x28 grayscale images in 10 classes, read from local IDX files.'),
         features=tfds.features.FeaturesDict({
             'image': tfds.features.Image(shape=IMAGE_SHAPE),
             'label': tfds.features.ClassLabel(names=list(LABEL_NAMES)),
@@ -179,14 +138,10 @@ class FashionMnistLocal(tfds.core.GeneratorBasedBuilder):
         homepage='https://github.com/zalandoresearch/fashion-mnist',
     )
 
-  def download_and_prepare(self, *, download_dir=None, download_config=None,
-                           **kwargs):
-    # Remember an explicit manual_dir: without one the Debian path is used
-    # (tfds's own default, <data_dir>/downloads/manual, is checked too).
-    self._explicit_manual_dir = (
-        os.fspath(download_config.manual_dir)
-        if download_config is not None and download_config.manual_dir
-        else None)
+  def download_and_prepare(self, *, download_dir=None, download_config=None, **kwargs):
+    # Without an explicit manual_dir: tfds's default if it has the files, else the Debian path.
+    self._explicit_manual_dir = (os.fspath(download_config.manual_dir) if download_config is not
+                                 None and download_config.manual_dir else None)
     return super().download_and_prepare(
         download_dir=download_dir, download_config=download_config, **kwargs)
 
@@ -194,8 +149,7 @@ class FashionMnistLocal(tfds.core.GeneratorBasedBuilder):
     explicit = getattr(self, '_explicit_manual_dir', None)
     if explicit:
       return os.path.expanduser(explicit)
-    default_manual = os.path.join(os.fspath(self.data_dir_root), 'downloads',
-                                  'manual')
+    default_manual = os.path.join(os.fspath(self.data_dir_root), 'downloads', 'manual')
     if all(os.path.exists(os.path.join(default_manual, f))
            for v in SPLIT_FILES.values() for f in v[:2]):
       return default_manual
@@ -206,8 +160,7 @@ class FashionMnistLocal(tfds.core.GeneratorBasedBuilder):
     directory = self._source_dir()
     # Load (and validate) everything before writing anything.
     data = {split: load_split(directory, split) for split in SPLIT_FILES}
-    return {split: self._generate_examples(*arrays)
-            for split, arrays in data.items()}
+    return {split: self._generate_examples(*arrays) for split, arrays in data.items()}
 
   def _generate_examples(self, images: np.ndarray,
                          labels: np.ndarray) -> Iterator[Tuple[int, dict]]:

@@ -1,13 +1,9 @@
-"""Single image files and arrays, preprocessed exactly as the eval pipeline does (for ``predict``).
-
-Read with ``tf.io.gfile`` (local or ``gs://``), decoded by content (JPEG, PNG, GIF first frame,
-BMP, WebP), then :func:`vit_jax.data.preprocess.eval_image`.
-"""
+"""Single image files (any ``tf.io.gfile`` path, decoded by content) and arrays, preprocessed as
+the eval pipeline does (:func:`vit_jax.data.preprocess.eval_image`), for ``predict``."""
 
 from __future__ import annotations
 
 import os
-import re
 from typing import Any, Iterator, List, Optional, Tuple
 
 import numpy as np
@@ -16,14 +12,10 @@ import tensorflow as tf
 from vit_jax.data import preprocess
 from vit_jax.data.sources import BadImageError
 from vit_jax.data.sources import non_utf8_name_error
+from vit_jax.data.sources import tf_message
 
 #: File name endings (lower case) that `list_images` takes for images.
 IMAGE_EXTENSIONS = ('.jpg', '.jpeg', '.png', '.bmp', '.gif', '.webp')
-
-
-def is_image_name(path: str) -> bool:
-  """Whether ``path`` ends in one of `IMAGE_EXTENSIONS` (any case)."""
-  return str(path).lower().endswith(IMAGE_EXTENSIONS)
 
 
 def _is_utf8(name: str) -> bool:
@@ -36,12 +28,9 @@ def _is_utf8(name: str) -> bool:
 
 def walk(folder: str, skipped_links: Optional[list] = None
          ) -> Iterator[Tuple[str, List[str], List[str]]]:
-  """``os.walk(folder, followlinks=True)`` that never enters a directory twice, top-down.
-
-  A link to a directory inside ``folder`` is not followed (added to ``skipped_links``); a link
-  out of it is, once per target. Hidden names are left out; the caller may prune the yielded
-  list. Remote paths use ``tf.io.gfile.walk``. Yields as ``os.walk`` (subdirectories sorted).
-  """
+  """``os.walk(folder, followlinks=True)`` (sorted, hidden names left out) that never enters a
+  directory twice: a link to a directory inside ``folder`` is not followed (added to
+  ``skipped_links``), one out of it once. Remote paths: ``tf.io.gfile.walk``."""
   folder = str(folder)
   if '://' in folder:
     for root, dirs, names in tf.io.gfile.walk(folder):
@@ -76,9 +65,8 @@ def walk(folder: str, skipped_links: Optional[list] = None
 
 def list_images(folder: str, recursive: bool = True,
                 skipped_links: Optional[list] = None) -> List[str]:
-  """The image files (``IMAGE_EXTENSIONS``) in ``folder`` (and subfolders if ``recursive``), sorted.
+  """The image files in ``folder`` (and subfolders if ``recursive``, as :func:`walk`), sorted.
 
-  Hidden names left out; no directory entered twice (:func:`walk`, ``skipped_links``).
   Raises FileNotFoundError (not a directory) or ValueError (a non-UTF-8 file name).
   """
   folder = str(folder)
@@ -87,7 +75,7 @@ def list_images(folder: str, recursive: bool = True,
   found = []
   for root, _, names in walk(folder, skipped_links):
     for n in names:
-      if not n.startswith('.') and is_image_name(n):
+      if not n.startswith('.') and n.lower().endswith(IMAGE_EXTENSIONS):
         if not _is_utf8(n) or not _is_utf8(root):
           raise non_utf8_name_error(os.path.join(root, n))
         found.append(os.path.join(root, n))
@@ -97,10 +85,7 @@ def list_images(folder: str, recursive: bool = True,
 
 
 def read_bytes(path: str) -> bytes:
-  """The contents of the file ``path``.
-
-  Raises FileNotFoundError, IsADirectoryError, PermissionError, or OSError (named).
-  """
+  """The bytes of ``path``; FileNotFoundError, IsADirectoryError, PermissionError, OSError."""
   path = str(path)
   try:
     if tf.io.gfile.isdir(path):
@@ -112,28 +97,19 @@ def read_bytes(path: str) -> bytes:
   except tf.errors.PermissionDeniedError as e:
     raise PermissionError(f'{path} cannot be read (permission denied).') from e
   except tf.errors.OpError as e:  # E.g. a link to itself: 'Too many levels of symbolic links'.
-    raise OSError(f'{path} cannot be read: {_tf_reason(e).replace(f"{path}; ", "")}') from e
-
-
-def _tf_reason(error: tf.errors.OpError) -> str:
-  """The first line of a TensorFlow error, without its op name and function prefix."""
-  text = (getattr(error, 'message', '') or str(error)).strip().splitlines()
-  text = re.sub(r'^\{\{function_node [^}]*\}\}\s*', '', text[0] if text else '')
-  return re.sub(r'\s*\[Op:\w+\]( name:.*)?$', '', text).strip() or type(error).__name__
+    raise OSError(f'{path} cannot be read: {tf_message(e).replace(f"{path}; ", "")}') from e
 
 
 def eval_input(image: Any, *, size: int, normalization: Optional[str],
                crop_pct: Optional[float] = None, name: Optional[str] = None) -> np.ndarray:
-  """One image as the model's eval input, float32 ``[size, size, 3]`` (``preprocess.eval_image``).
+  """One image as the model's eval input, float32 ``[size, size, 3]``.
 
-  ``image``: a path, encoded bytes, an array / tensor ``[H, W]`` or ``[H, W, C]`` (C in {1, 3,
-  4}; uint8 or floats in [0, 1]), or a PIL image. ``size``, ``normalization``, ``crop_pct``: the
-  model's ``config.data`` fields; ``name``: how errors name it.
+  ``image``: a path, encoded bytes, a PIL image or an array ``[H, W(, C)]`` (C in {1, 3, 4};
+  uint8 or floats in [0, 1]); ``name``: how errors name it.
 
   Raises:
-    BadImageError (a ValueError): not a decodable image (names the file).
+    BadImageError (a ValueError): not a decodable image. ValueError: an array of another shape.
     FileNotFoundError, IsADirectoryError, PermissionError: not a readable file.
-    ValueError: an array of another shape.
   """
   kwargs = dict(size=int(size), normalization=normalization, crop_pct=crop_pct)
   if isinstance(image, (str, os.PathLike)):
@@ -144,8 +120,7 @@ def eval_input(image: Any, *, size: int, normalization: Optional[str],
     try:
       out = preprocess.eval_image(tf.constant(image), encoded=True, **kwargs)
     except (tf.errors.InvalidArgumentError, tf.errors.UnimplementedError) as e:
-      raise BadImageError(f'{name} is not a decodable image: {_tf_reason(e)}',
-                          paths=[name]) from e
+      raise BadImageError(f'{name} is not a decodable image: {tf_message(e)}', paths=[name]) from e
     return out.numpy()
   array = _as_array(image, name or 'the image')
   return preprocess.eval_image(tf.convert_to_tensor(array), encoded=False, **kwargs).numpy()
@@ -155,8 +130,7 @@ def _as_array(image: Any, name: str) -> np.ndarray:
   """A PIL image or array -> an array ``[H, W, C]``, C in {1, 3, 4}."""
   if hasattr(image, 'mode') and hasattr(image, 'convert'):  # A PIL image (PIL is optional).
     if image.mode not in ('L', 'RGB', 'RGBA'):
-      image = image.convert('RGBA' if 'A' in image.mode or 'transparency' in image.info
-                            else 'RGB')
+      image = image.convert('RGBA' if 'A' in image.mode or 'transparency' in image.info else 'RGB')
     image = np.asarray(image)
   array = image.numpy() if isinstance(image, tf.Tensor) else np.asarray(image)
   if array.ndim == 2:

@@ -1,6 +1,5 @@
-"""Host memory of the training input pipeline (shuffle buffer, cache of decoded images),
-estimated and logged once at the start; docs/data.md has the measurements behind the constants.
-"""
+"""Host memory of the training pipeline's shuffle buffer and cache, estimated and logged at the
+start (the measurements behind the constants: docs/data.md)."""
 
 from __future__ import annotations
 
@@ -23,16 +22,9 @@ MEMORY_SAMPLE = 16
 
 @dataclasses.dataclass(frozen=True)
 class ShuffleMemory:
-  """The host memory the training pipeline's shuffle buffer and cache hold, in one process.
-
-  Attributes:
-    buffer_elements: ``min(config.data.shuffle_buffer, n)``, n this process's examples.
-    bytes_per_element: an element's image (decoded ``H x W x 3`` or encoded bytes) +
-      ``ELEMENT_OVERHEAD_BYTES``.
-    decoded: the buffer holds decoded images (``cache``, or a dataset storing them).
-    cache_elements: n with ``config.data.cache``, else 0.
-    sampled: images ``bytes_per_element`` is the mean of; 0 when exact, None when none read.
-  """
+  """One process's shuffle buffer and cache: elements, bytes per element (image +
+  ``ELEMENT_OVERHEAD_BYTES``), whether ``decoded``, and the images ``sampled`` (0: exact; None:
+  none read)."""
   buffer_elements: int
   bytes_per_element: int
   decoded: bool
@@ -53,8 +45,7 @@ class ShuffleMemory:
     return self.cache_bytes if self.cache_elements else self.buffer_bytes
 
 
-def _sample_image_bytes(source: sources.Source, split, decoded: bool,
-                        sample: int) -> list:
+def _sample_image_bytes(source: sources.Source, split, decoded: bool, sample: int) -> list:
   """Bytes of the first `sample` images of `split`, decoded (uint8 H*W*3) or encoded."""
   if source.is_image_folder:  # Only the files needed (read_file is the encoded element).
     paths = source.split_paths(split)[:sample]
@@ -73,11 +64,8 @@ def _sample_image_bytes(source: sources.Source, split, decoded: bool,
 
 def estimate_shuffle_memory(data_cfg, source: sources.Source, split, num_examples: int, *,
                             sample: int = MEMORY_SAMPLE) -> ShuffleMemory:
-  """The :class:`ShuffleMemory` (bytes per process) of the train pipeline over ``split``.
-
-  Exact for decoded images of one static size, else the mean over the first ``sample`` images
-  of ``split`` (undecodable ones left out); with ``cache`` the buffer shares the cache's tensors.
-  """
+  """The :class:`ShuffleMemory` of the train pipeline over ``split``: exact for decoded images of
+  one static size, else the mean over its first ``sample`` images."""
   cache = bool(data_cfg.cache)
   decoded = cache or not source.images_encoded_after_read
   hw = source.static_image_hw
@@ -101,12 +89,8 @@ def _size(n: float) -> str:
 
 def log_shuffle_memory(memory: ShuffleMemory, process: str = '',
                        ram_bytes: Optional[int] = None, share: float = 0.5) -> Optional[str]:
-  """Logs ``memory`` (INFO), and returns / logs a WARNING naming the fix above ``share`` of the RAM.
-
-  The fix: ``--config.data.cache=False`` when the cache alone is too big, else a
-  ``--config.data.shuffle_buffer`` of about a quarter of the RAM. ``ram_bytes`` defaults to
-  ``vit_jax.platform.host_memory_bytes()``.
-  """
+  """Logs ``memory``; above ``share`` of the RAM (default this host's) also a WARNING naming the
+  fix (no cache, or a quarter of the RAM's buffer), which it returns."""
   ram = platform.host_memory_bytes() if ram_bytes is None else ram_bytes
   m = memory
   what = 'decoded uint8 images' if m.decoded else 'encoded images'

@@ -1,9 +1,5 @@
-"""Train / eval input pipelines (tf.data -> numpy): :func:`get_info`,
-:func:`create_train_iterator`, :func:`create_eval_dataset` (re-exported by ``vit_jax.data``).
-
-Each process reads its own part of the data; batches are this process's share of the global
-batch (``jax.make_array_from_process_local_data`` makes global arrays).
-"""
+"""Train / eval input pipelines (tf.data -> numpy batches, this process's share of the global
+batch): :func:`get_info`, :func:`create_train_iterator`, :func:`create_eval_dataset`."""
 
 from __future__ import annotations
 
@@ -12,6 +8,7 @@ import math
 from typing import Callable, Dict, Iterator, Optional, Tuple
 
 from absl import logging
+import jax
 import numpy as np
 import tensorflow as tf
 import tensorflow_datasets as tfds
@@ -25,18 +22,10 @@ from vit_jax.data import sources
 
 @dataclasses.dataclass(frozen=True)
 class DatasetInfo:
-  """Static facts about the configured dataset.
-
-  Attributes:
-    num_classes: C, the size of the label vectors.
-    multi_label: targets are multi-hot (``Sequence(ClassLabel)``; use a sigmoid loss).
-    num_train_examples, num_eval_examples: all processes; the eval count includes ReaL's
-      unlabeled images (masked out).
-    image_shape: (S, S, 3) after preprocessing.
-    num_skipped_images: undecodable images left out (``bad_images='skip'``): an image folder's
-      count (excluded above); None for tfds in 'skip' mode (not known in advance); 0 in 'fail'.
-    label_names: the C class names in label order.
-  """
+  """The configured dataset: C = ``num_classes`` (multi-hot targets if ``multi_label``),
+  example counts of all processes (eval: ReaL's unlabeled ones included), ``image_shape`` (S, S,
+  3), ``num_skipped_images`` (``bad_images='skip'``: an image folder's count, None for tfds; 0 in
+  'fail' mode) and the C ``label_names``."""
   num_classes: int
   multi_label: bool
   num_train_examples: int
@@ -46,19 +35,10 @@ class DatasetInfo:
   label_names: Tuple[str, ...] = ()
 
 
-def _validate(data_cfg) -> None:
-  """Every value of `config.data` in range (`vit_jax.config.validate_data`)."""
-  config_lib.validate_data(data_cfg)
-
-
 # What iterating a pipeline raises when an image cannot be decoded.
 _DECODE_ERRORS = (tf.errors.InvalidArgumentError, tf.errors.DataLossError)
 # error -> the BadImageError explaining it, or None (see Source.bad_image_error).
 _Diagnose = Callable[[Exception], Optional[sources.BadImageError]]
-
-
-def _diagnoser(source: sources.Source, split, split_name: str) -> _Diagnose:
-  return lambda error: source.bad_image_error(error, split, split_name)
 
 
 def _next_batch(it: Iterator, diagnose: Optional[_Diagnose]):
@@ -72,15 +52,11 @@ def _next_batch(it: Iterator, diagnose: Optional[_Diagnose]):
     raise bad from e
 
 
-def _processes(process_index: Optional[int],
-               process_count: Optional[int]) -> Tuple[int, int]:
-  if process_index is None or process_count is None:
-    import jax  # pylint: disable=g-import-not-at-top
-    process_index = jax.process_index() if process_index is None else process_index
-    process_count = jax.process_count() if process_count is None else process_count
+def _processes(process_index: Optional[int], process_count: Optional[int]) -> Tuple[int, int]:
+  process_index = jax.process_index() if process_index is None else process_index
+  process_count = jax.process_count() if process_count is None else process_count
   if not 0 <= process_index < process_count:
-    raise ValueError(f'process_index={process_index} not in '
-                     f'[0, process_count={process_count}).')
+    raise ValueError(f'process_index={process_index} not in [0, process_count={process_count}).')
   return process_index, process_count
 
 
@@ -88,9 +64,9 @@ def local_batch_size(global_batch_size: int, process_count: int) -> int:
   """global_batch_size // process_count; ValueError if not divisible."""
   if global_batch_size <= 0 or global_batch_size % process_count:
     raise ValueError(
-        f'global_batch_size={global_batch_size} must be a positive multiple of '
-        f'the number of JAX processes ({process_count}): every process loads '
-        'global_batch_size / process_count examples per step.')
+        f'global_batch_size={global_batch_size} must be a positive multiple of the number of JAX '
+        f'processes ({process_count}): every process loads global_batch_size / process_count '
+        'examples per step.')
   return global_batch_size // process_count
 
 
@@ -98,23 +74,21 @@ def _num_examples(source: sources.Source, split, what: str) -> int:
   try:
     return source.num_examples(split)
   except Exception as e:  # pylint: disable=broad-except
-    raise ValueError(
-        f'Bad {what}={split!r} for dataset {source.name!r} (splits: '
-        f'{sorted(source.builder.info.splits.keys())}): {e}') from e
+    raise ValueError(f'Bad {what}={split!r} for dataset {source.name!r} (splits: '
+                     f'{sorted(source.builder.info.splits.keys())}): {e}') from e
 
 
 _EPOCH_STRIDE = 2**32  # > examples per epoch of one process.
 
 
-def _vectorizable(source: sources.Source, augment: str,
-                  per_example_extras: bool = False) -> bool:
+def _vectorizable(source: sources.Source, augment: str, per_example_extras: bool = False) -> bool:
   """Whether resize / flip can run on whole batches: one static image size, no Inception crop,
   no per-example extras (RandAugment)."""
   return (augment != 'inception_crop' and not per_example_extras and
           source.static_image_hw is not None)
 
 
-def _options(data_cfg) -> tf.data.Options:
+def _options() -> tf.data.Options:
   options = tf.data.Options()
   options.deterministic = True
   options.threading.max_intra_op_parallelism = 1
@@ -122,45 +96,31 @@ def _options(data_cfg) -> tf.data.Options:
 
 
 def get_info(data_cfg) -> DatasetInfo:
-  """The :class:`DatasetInfo` of ``config.data``, preparing the dataset if it works offline.
+  """The :class:`DatasetInfo` of ``config.data`` (prepared if that works offline).
 
   Raises:
     ValueError: an invalid config field or split.
-    FileNotFoundError: not prepared and not preparable offline, or missing manual files.
-    KeyError / TypeError: missing or unsupported image / label feature.
+    FileNotFoundError, KeyError, TypeError: as :func:`sources.get_source`.
   """
-  _validate(data_cfg)
+  config_lib.validate_data(data_cfg)
   source = sources.get_source(data_cfg)
   s = data_cfg.image_size
   return DatasetInfo(
-      num_classes=source.label.num_classes,
-      multi_label=source.label.multi_label,
-      num_train_examples=_num_examples(source, data_cfg.train_split,
-                                       'config.data.train_split'),
-      num_eval_examples=_num_examples(source, data_cfg.eval_split,
-                                      'config.data.eval_split'),
-      image_shape=(s, s, 3),
-      num_skipped_images=source.num_skipped_images,
-      label_names=source.label.names)
+      source.label.num_classes, source.label.multi_label,
+      _num_examples(source, data_cfg.train_split, 'config.data.train_split'),
+      _num_examples(source, data_cfg.eval_split, 'config.data.eval_split'),
+      (s, s, 3), source.num_skipped_images, source.label.names)
 
 
 class TrainIterator:
-  """Infinite iterator of this process's training batches (numpy dicts).
+  """Infinite iterator of this process's training batches (numpy dicts); ``next()`` raises
+  ``BadImageError`` for an undecodable image in 'fail' mode (the iterator is then unusable)."""
 
-  ``next()`` raises ``BadImageError`` (a ValueError naming the files) for an undecodable image
-  in 'fail' mode; the iterator is unusable afterwards. Attributes: ``dataset``,
-  ``local_batch_size``, ``examples_per_epoch`` (this process's), ``start_epoch``,
-  ``start_offset``.
-  """
-
-  def __init__(self, dataset: tf.data.Dataset, local_batch: int,
-               examples_per_epoch: int, start_epoch: int, start_offset: int,
+  def __init__(self, dataset: tf.data.Dataset, local_batch: int, examples_per_epoch: int,
                diagnose: Optional[_Diagnose] = None):
     self.dataset = dataset
     self.local_batch_size = local_batch
     self.examples_per_epoch = examples_per_epoch
-    self.start_epoch = start_epoch
-    self.start_offset = start_offset
     self._it = dataset.as_numpy_iterator()
     self._diagnose = diagnose
 
@@ -172,20 +132,16 @@ class TrainIterator:
 
 
 class _TrainMaps:
-  """Per-example and per-batch maps of the training pipeline, keyed by element id
-  (epoch * 2**32 + index) so that every augmentation is a function of (seed, id).
-
-  Order as timm's loader: crop / flip / resize, RandAugment (uint8), normalization, then per
-  batch Mixup / CutMix and random erasing; flip and resize run per batch when ``vectorized``.
-  """
+  """The training pipeline's maps, keyed by element id (epoch * 2**32 + index): every
+  augmentation is a function of (seed, id). Order as timm's loader: crop / flip / resize,
+  RandAugment (uint8), normalization, then per batch Mixup / CutMix and random erasing."""
 
   def __init__(self, data_cfg, source, encoded: bool, vectorized: bool, *, augment_key,
                mix_key, erase_key):
     self.data_cfg, self.source = data_cfg, source
     self.encoded, self.vectorized = encoded, vectorized
     self.augment_key, self.mix_key, self.erase_key = augment_key, mix_key, erase_key
-    self.mixing = (data_cfg.mixup_alpha > 0 or data_cfg.cutmix_alpha > 0) and (
-        data_cfg.mix_prob > 0)
+    self.mixing = (data_cfg.mixup_alpha > 0 or data_cfg.cutmix_alpha > 0) and data_cfg.mix_prob > 0
 
   @tf.autograph.experimental.do_not_convert
   def per_example(self, i, ex):
@@ -194,8 +150,7 @@ class _TrainMaps:
     else:
       seed = preprocess.fold_in(self.augment_key, i)
       image = preprocess.train_image(
-          ex['image'], encoded=self.encoded,
-          seed=seed if self.data_cfg.augment != 'none' else None,
+          ex['image'], encoded=self.encoded, seed=seed if self.data_cfg.augment != 'none' else None,
           size=self.data_cfg.image_size, augment=self.data_cfg.augment,
           min_area=self.data_cfg.inception_crop_min_area, normalization=None,
           pad_pixels=self.data_cfg.pad_crop_pixels)
@@ -219,9 +174,7 @@ class _TrainMaps:
         image = preprocess.pad_crop(
             image, preprocess.fold_in(preprocess.fold_in(self.augment_key, ids[0]), 1),
             self.data_cfg.pad_crop_pixels)
-      if self.data_cfg.augment in ('flip', 'pad_crop'):
-        # Independent flip of each image, on the (small, uint8) source images:
-        # bilinear resizing commutes with flipping.
+      if self.data_cfg.augment in ('flip', 'pad_crop'):  # Resizing commutes with flipping.
         image = tf.image.stateless_random_flip_left_right(
             image, preprocess.fold_in(self.augment_key, ids[0]))
       image = preprocess.resize(image, self.data_cfg.image_size)
@@ -229,8 +182,6 @@ class _TrainMaps:
     if not self.source.label.multi_label:
       labels = preprocess.targets(labels, self.source.label.num_classes, False)
     image = preprocess.normalize(image, self.data_cfg.normalization)
-    # Then as timm's loader for T2T-ViT: Mixup / CutMix of the batch, then
-    # random erasing of each image (noise N(0, 1) in normalized units).
     if self.mixing:  # One mixing decision per batch (and per process), as timm.
       image, labels = augment.mixup_cutmix(
           image, labels, preprocess.fold_in(self.mix_key, ids[0]),
@@ -245,36 +196,22 @@ class _TrainMaps:
     return {'image': image, 'labels': labels}
 
 
-def create_train_iterator(data_cfg, global_batch_size: int, seed: int,
-                          start_step: int = 0, *,
+def create_train_iterator(data_cfg, global_batch_size: int, seed: int, start_step: int = 0, *,
                           process_index: Optional[int] = None,
-                          process_count: Optional[int] = None
-                          ) -> TrainIterator:
-  """Infinite iterator over this process's training batches (``b`` = global / process count).
+                          process_count: Optional[int] = None) -> TrainIterator:
+  """This process's training batches, ``b`` = global / process count: ``'image'`` float32
+  ``[b, S, S, 3]`` (normalized), ``'labels'`` float32 ``[b, C]`` (one- or multi-hot, mixed).
 
-  Yields ``'image'`` float32 ``[b, S, S, 3]`` (normalized per ``config.data.normalization``) and
-  ``'labels'`` float32 ``[b, C]`` one-/multi-hot (mixed with Mixup / CutMix).
-
-  As the official vit_jax input pipeline, plus determinism: ``tfds.split_for_jax_process``; each
-  epoch shuffled (files and ``shuffle_buffer``) with ``fold_in(seed, epoch)``; augmentations
-  stateless, seeded by (seed, epoch, index); epochs concatenated, batches may straddle them.
-  Whole batches are resized / flipped when all images have one static size.
-
-  Resume: the stream is a function of (seed, files, split, process count and index, buffer,
-  cache, augment settings, image size); ``start_step=k`` skips ``k*b`` examples, so the batches
-  are exactly steps k, k+1, ... of an uninterrupted run (tested). The skip reads, but does not
-  decode, up to one epoch. ``bad_images='skip'`` on tfds data keeps resuming exact only if no
-  image was dropped before the resume step. Logs the host-memory estimate (docs/data.md).
-
-  Args:
-    data_cfg: ``config.data``; global_batch_size: over all processes; seed: the data seed;
-    start_step: steps already taken; process_index, process_count: default to jax's.
+  The official vit_jax pipeline made deterministic: each epoch's files and buffer shuffled with
+  ``fold_in(seed, epoch)``, augmentations seeded by (seed, epoch, index), epochs concatenated.
+  ``start_step=k`` skips ``k*b`` examples (read, not decoded): the batches are exactly steps
+  k, k+1, ... of an uninterrupted run (tfds in 'skip' mode: if nothing was dropped before).
 
   Raises:
-    ValueError: batch size not a multiple of process_count, invalid config, empty split; and
+    ValueError: batch size not a multiple of the process count, invalid config, empty split;
       :func:`get_info`'s errors. ``BadImageError`` from ``next()`` in 'fail' mode.
   """
-  _validate(data_cfg)
+  config_lib.validate_data(data_cfg)
   pi, pc = _processes(process_index, process_count)
   b = local_batch_size(global_batch_size, pc)
   if start_step < 0:
@@ -289,13 +226,10 @@ def create_train_iterator(data_cfg, global_batch_size: int, seed: int,
   start_epoch, offset = divmod(start_step * b, n)
   cache = bool(data_cfg.cache)
   encoded = (not cache) and source.images_encoded_after_read
-  vectorized = _vectorizable(source, data_cfg.augment,
-                             data_cfg.randaugment_num_layers > 0)
+  vectorized = _vectorizable(source, data_cfg.augment, data_cfg.randaugment_num_layers > 0)
   memory.log_shuffle_memory(memory.estimate_shuffle_memory(data_cfg, source, split, n),
                             f' (process {pi} of {pc})')
-  if cache:
-    # Decoded, un-augmented images of this process's split, kept in memory
-    # and shared by all epochs (filled during the first epoch).
+  if cache:  # Decoded, un-augmented images, shared by all epochs.
     cached = source.drop_undecodable(source.read(split, decode=True)).cache()
   run_key = preprocess.seed_key(seed)
   shuffle_root = preprocess.fold_in(run_key, 0)
@@ -306,11 +240,8 @@ def create_train_iterator(data_cfg, global_batch_size: int, seed: int,
     if cache:
       ds = cached
     else:
-      ds = source.read(split, decode=False, shuffle_files=True,
-                       file_seed=key[0])
-    ds = ds.shuffle(min(data_cfg.shuffle_buffer, n), seed=key[1],
-                    reshuffle_each_iteration=False)
-    # Element ids epoch * 2**32 + index-in-epoch key the augmentations.
+      ds = source.read(split, decode=False, shuffle_files=True, file_seed=key[0])
+    ds = ds.shuffle(min(data_cfg.shuffle_buffer, n), seed=key[1], reshuffle_each_iteration=False)
     return ds.enumerate(start=epoch * _EPOCH_STRIDE)
 
   maps = _TrainMaps(data_cfg, source, encoded, vectorized,
@@ -327,69 +258,55 @@ def create_train_iterator(data_cfg, global_batch_size: int, seed: int,
       ds = source.drop_undecodable(ds)
   ds = ds.batch(b, drop_remainder=True)
   ds = ds.map(maps.per_batch, num_parallel_calls=data_cfg.num_parallel_calls)
-  ds = ds.prefetch(data_cfg.prefetch).with_options(_options(data_cfg))
-  return TrainIterator(ds, b, n, start_epoch, offset,
-                       _diagnoser(source, split, data_cfg.train_split))
+  ds = ds.prefetch(data_cfg.prefetch).with_options(_options())
+  return TrainIterator(ds, b, n, lambda error: source.bad_image_error(
+      error, split, data_cfg.train_split))
 
 
 class EvalDataset:
-  """Re-iterable eval data: each ``iter()`` is one full pass, in the same order.
-
-  Yields ``'image'`` float32 ``[b, S, S, 3]``, ``'labels'`` float32 ``[b, C]`` and ``'mask'``
-  bool ``[b]`` (False for padding and unlabeled ReaL images). Iterating raises
-  ``BadImageError`` in 'fail' mode. Attributes: ``dataset``, ``num_batches`` (equal on every
-  process, ``len()``), ``num_examples`` (this process's), ``local_batch_size``.
-  """
+  """Re-iterable eval data, each pass in the same order: ``'image'`` float32 ``[b, S, S, 3]``,
+  ``'labels'`` float32 ``[b, C]``, ``'mask'`` bool ``[b]`` (False: padding, unlabeled ReaL);
+  ``num_batches`` (``len()``) is the same on every process. Raises ``BadImageError`` ('fail')."""
 
   def __init__(self, dataset: tf.data.Dataset, num_batches: int,
-               num_examples: int, local_batch: int,
                diagnose: Optional[_Diagnose] = None):
-    self.dataset = dataset
-    self.num_batches = num_batches
-    self.num_examples = num_examples
-    self.local_batch_size = local_batch
-    self._diagnose = diagnose
+    self.dataset, self.num_batches, self._diagnose = dataset, num_batches, diagnose
 
   def __iter__(self) -> Iterator[Dict[str, np.ndarray]]:
     it = self.dataset.as_numpy_iterator()
     while True:
       try:
-        batch = _next_batch(it, self._diagnose)
+        yield _next_batch(it, self._diagnose)
       except StopIteration:
         return
-      yield batch
 
   def __len__(self) -> int:
     return self.num_batches
 
 
-def create_eval_dataset(data_cfg, global_batch_size: int, *,
-                        split: Optional[str] = None,
+def create_eval_dataset(data_cfg, global_batch_size: int, *, split: Optional[str] = None,
                         process_index: Optional[int] = None,
                         process_count: Optional[int] = None) -> EvalDataset:
-  """Eval batches (:class:`EvalDataset`) of this process's part of ``split`` (or ``eval_split``).
+  """The :class:`EvalDataset` of this process's part of ``split`` (default ``eval_split``).
 
-  Every example is yielded once over all processes (``tfds.even_splits``); the last batch is
-  padded with masked zeros and every process yields ``ceil(max_p n_p / b)`` batches (no
-  multi-host deadlock); an empty split gives one masked batch and a warning. Images are resized
-  to S x S (official vit_jax), or with ``eval_crop_pct`` resized and centre-cropped (timm).
-  With ``bad_images='skip'`` dropped images still count in ``num_examples``.
+  Every example once over all processes, padded with masked zeros to ``ceil(max_p n_p / b)``
+  batches on every process (an empty split: one masked batch); resized to S x S (official), or
+  with ``eval_crop_pct`` resized and centre-cropped (timm).
 
   Raises:
-    ValueError: batch size not a multiple of process_count, bad split or config; and
+    ValueError: batch size not a multiple of the process count, bad split or config;
       :func:`get_info`'s errors. ``BadImageError`` while iterating in 'fail' mode.
   """
-  _validate(data_cfg)
+  config_lib.validate_data(data_cfg)
   pi, pc = _processes(process_index, process_count)
   b = local_batch_size(global_batch_size, pc)
   source = sources.get_source(data_cfg)
   split = data_cfg.eval_split if split is None else split
   per_process = sources.splits_for_processes(split, pc)
-  counts = [_num_examples(source, s, 'config.data.eval_split')
-            for s in per_process]
+  counts = [_num_examples(source, s, 'config.data.eval_split') for s in per_process]
   if not max(counts):
-    logging.warning('Eval split %r of %r is empty: yielding one fully-masked '
-                    'batch per pass.', split, source.name)
+    logging.warning('Eval split %r of %r is empty: yielding one fully-masked batch per pass.',
+                    split, source.name)
   num_batches = max(1, math.ceil(max(counts) / b))
   n = counts[pi]
   label = source.label
@@ -402,18 +319,15 @@ def create_eval_dataset(data_cfg, global_batch_size: int, *,
     if vectorized:  # Only decode here; resize per batch.
       image = source.decode(ex['image'], encoded) if encoded else ex['image']
     else:
-      image = preprocess.eval_image(ex['image'], encoded=encoded,
-                                    size=data_cfg.image_size,
-                                    normalization=None,
-                                    crop_pct=data_cfg.eval_crop_pct)
+      image = preprocess.eval_image(ex['image'], encoded=encoded, size=data_cfg.image_size,
+                                    normalization=None, crop_pct=data_cfg.eval_crop_pct)
     lab = ex['label']
     mask = tf.constant(True)
     if label.mask_unlabeled_eval:
       mask = tf.size(lab) > 0
     if label.multi_label:
       lab = preprocess.targets(lab, label.num_classes, True)
-    return {'image': image, 'label': lab, 'mask': mask,
-            '_real': tf.constant(True)}  # False for padding.
+    return {'image': image, 'label': lab, 'mask': mask, '_real': tf.constant(True)}
 
   @tf.autograph.experimental.do_not_convert
   def per_batch(ex):
@@ -421,29 +335,25 @@ def create_eval_dataset(data_cfg, global_batch_size: int, *,
     if vectorized and data_cfg.eval_crop_pct is None:
       image = preprocess.resize(image, data_cfg.image_size)
     elif vectorized:
-      image = preprocess.resize_and_center_crop(image, data_cfg.image_size,
-                                                data_cfg.eval_crop_pct)
+      image = preprocess.resize_and_center_crop(image, data_cfg.image_size, data_cfg.eval_crop_pct)
     labels = ex['label']
     if not label.multi_label:
       labels = preprocess.targets(labels, label.num_classes, False)
     real = ex['_real']
     image = preprocess.normalize(image, data_cfg.normalization)
     return {'image': tf.where(real[:, None, None, None], image, 0.),
-            'labels': tf.where(real[:, None], labels, 0.),
-            'mask': ex['mask']}
+            'labels': tf.where(real[:, None], labels, 0.), 'mask': ex['mask']}
 
-  # Padding: zero examples with mask=False, structured like per_example's.
+  # Padding ('_real' False): zero examples with mask=False, structured like per_example's.
   s = data_cfg.image_size
   pad_element = {
       'image': (tf.zeros([*source.static_image_hw, 3], tf.uint8) if vectorized
                 else tf.zeros([s, s, 3], tf.float32)),
       'label': (tf.zeros([label.num_classes], tf.float32) if label.multi_label
                 else tf.zeros([], tf.int64)),
-      'mask': tf.constant(False),
-      '_real': tf.constant(False),
+      'mask': tf.constant(False), '_real': tf.constant(False),
   }
-  # Enough padding for num_batches full batches, even if examples are dropped
-  # (bad_images='skip' on tfds data).
+  # Enough padding for num_batches full batches, even if examples are dropped.
   padding = tf.data.Dataset.from_tensors(pad_element).repeat()
   if n:
     ds = source.read(per_process[pi], decode=cache)
@@ -457,6 +367,6 @@ def create_eval_dataset(data_cfg, global_batch_size: int, *,
     ds = padding
   ds = ds.take(num_batches * b).batch(b, drop_remainder=True)
   ds = ds.map(per_batch, num_parallel_calls=data_cfg.num_parallel_calls)
-  ds = ds.prefetch(data_cfg.prefetch).with_options(_options(data_cfg))
-  return EvalDataset(ds, num_batches, n, b,
-                     _diagnoser(source, per_process[pi], split))
+  ds = ds.prefetch(data_cfg.prefetch).with_options(_options())
+  return EvalDataset(ds, num_batches, lambda error: source.bad_image_error(
+      error, per_process[pi], split))

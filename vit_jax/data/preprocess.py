@@ -1,10 +1,6 @@
-"""Per-example image / label preprocessing (TensorFlow ops, used in tf.data).
-
-Reproduces the official vit_jax ``input_pipeline``: training 'inception_crop' (area in
-[min_area, 1], aspect in [3/4, 4/3]) or 'pad_crop' (random translation), bilinear resize to
-S x S, random flip; eval a bilinear resize of the whole image; pixels to [-1, 1] or ImageNet
-mean/std. Randomness is stateless, keyed by (seed, epoch, index in epoch), so augmentations do
-not depend on tf.data threading or on where a run resumed.
+"""Per-example preprocessing (TensorFlow ops) as the official vit_jax ``input_pipeline``: an
+Inception crop (area in [min_area, 1], aspect in [3/4, 4/3]) or a random shift, bilinear resize,
+random flip; eval a resize; pixels to [-1, 1] or ImageNet mean/std. Randomness is stateless.
 """
 
 from __future__ import annotations
@@ -30,18 +26,14 @@ def to_rgb(image: tf.Tensor) -> tf.Tensor:
     return image[..., :3]
   if channels is None:  # Unknown statically: handle 1/3/4 dynamically.
     c = tf.shape(image)[-1]
-    image = tf.cond(c == 1, lambda: tf.tile(image, [1, 1, 3]),
-                    lambda: image[..., :3])
+    image = tf.cond(c == 1, lambda: tf.tile(image, [1, 1, 3]), lambda: image[..., :3])
     return tf.ensure_shape(image, [None, None, 3])
   raise ValueError(f'Images must have 1, 3 or 4 channels, got {channels}.')
 
 
 def decode_rgb(image: tf.Tensor, encoded: bool) -> tf.Tensor:
-  """uint8 ``[H, W, 3]`` from encoded bytes (tf.string, if ``encoded``) or an ``[H, W, C]`` tensor.
-
-  C in {1, 3, 4}; non-uint8 via ``convert_image_dtype`` (floats in [0, 1]); gray repeated, alpha
-  dropped. Recognised by content, not name; CMYK JPEGs, palette and 16-bit PNGs are converted.
-  Raises ``tf.errors.InvalidArgumentError`` when run on undecodable bytes.
+  """uint8 ``[H, W, 3]`` from encoded bytes (if ``encoded``; recognised by content) or an
+  ``[H, W, C]`` tensor (C in {1, 3, 4}, floats in [0, 1]); ``InvalidArgumentError`` if undecodable.
   """
   if encoded:
     img = tf.io.decode_image(image, channels=3, expand_animations=False)
@@ -51,27 +43,18 @@ def decode_rgb(image: tf.Tensor, encoded: bool) -> tf.Tensor:
   return to_rgb(image)
 
 
-def _crop_window(shape: tf.Tensor, seed: tf.Tensor,
-                 min_area: float) -> tf.Tensor:
+def _crop_window(shape: tf.Tensor, seed: tf.Tensor, min_area: float) -> tf.Tensor:
   """Inception crop window [y, x, h, w] for an image of `shape` [H, W, C]."""
   begin, size, _ = tf.image.stateless_sample_distorted_bounding_box(
-      shape,
-      bounding_boxes=tf.zeros([1, 0, 4], tf.float32),
-      seed=seed,
-      min_object_covered=0.0,
-      aspect_ratio_range=(3. / 4., 4. / 3.),
-      area_range=(min_area, 1.0),
-      max_attempts=10,
+      shape, bounding_boxes=tf.zeros([1, 0, 4], tf.float32), seed=seed, min_object_covered=0.0,
+      aspect_ratio_range=(3. / 4., 4. / 3.), area_range=(min_area, 1.0), max_attempts=10,
       use_image_if_no_bounding_boxes=True)
   return tf.stack([begin[0], begin[1], size[0], size[1]])
 
 
-def inception_crop(image: tf.Tensor, encoded: bool, seed: tf.Tensor,
-                   min_area: float) -> tf.Tensor:
-  """Inception-style random crop (not resized), uint8 ``[h, w, 3]``; fused with JPEG decoding.
-
-  ``seed``: int32/int64 ``[2]`` stateless seed; ``min_area``: in (0, 1].
-  """
+def inception_crop(image: tf.Tensor, encoded: bool, seed: tf.Tensor, min_area: float) -> tf.Tensor:
+  """Inception-style random crop (``seed`` ``[2]``, ``min_area`` in (0, 1]), uint8 ``[h, w, 3]``,
+  fused with JPEG decoding."""
   if not encoded:
     image = decode_rgb(image, encoded=False)
     w = _crop_window(tf.shape(image), seed, min_area)
@@ -86,13 +69,11 @@ def inception_crop(image: tf.Tensor, encoded: bool, seed: tf.Tensor,
     w = _crop_window(tf.shape(img), seed, min_area)
     return img[w[0]:w[0] + w[2], w[1]:w[1] + w[3]]
 
-  return tf.ensure_shape(tf.cond(tf.io.is_jpeg(image), jpeg, other),
-                         [None, None, 3])
+  return tf.ensure_shape(tf.cond(tf.io.is_jpeg(image), jpeg, other), [None, None, 3])
 
 
 def resize(image: tf.Tensor, size: int) -> tf.Tensor:
-  """Bilinear resize of ``[(B,) H, W, 3]`` to float32 ``[(B,) size, size, 3]``, values in [0, 255].
-  """
+  """Bilinear resize of ``[(B,) H, W, 3]`` to float32 ``[(B,) size, size, 3]`` in [0, 255]."""
   if tuple(image.shape[-3:-1]) == (size, size):
     return tf.cast(image, tf.float32)
   image = tf.image.resize(image, [size, size], method='bilinear')
@@ -100,26 +81,19 @@ def resize(image: tf.Tensor, size: int) -> tf.Tensor:
 
 
 def normalize(image: tf.Tensor, normalization: str) -> tf.Tensor:
-  """Float pixels in [0, 255] to model inputs.
-
-  'minus_one_to_one': ``x / 127.5 - 1`` (ViT); 'imagenet': ``(x / 255 - mean) / std`` (T2T-ViT).
-  Raises ValueError for another name.
-  """
+  """Pixels in [0, 255] to model inputs: 'minus_one_to_one' ``x / 127.5 - 1`` (ViT) or 'imagenet'
+  ``(x / 255 - mean) / std`` (T2T-ViT); ValueError for another name."""
   if normalization == 'minus_one_to_one':
     return image / 127.5 - 1.
   if normalization == 'imagenet':
-    return (image / 255. - tf.constant(IMAGENET_MEAN)) / tf.constant(
-        IMAGENET_STD)
+    return (image / 255. - tf.constant(IMAGENET_MEAN)) / tf.constant(IMAGENET_STD)
   raise ValueError(f'Unknown config.data.normalization={normalization!r}; '
                    "use 'minus_one_to_one' or 'imagenet'.")
 
 
 def pad_crop(images: tf.Tensor, seed: tf.Tensor, pixels: int) -> tf.Tensor:
-  """Random translation of ``[B, H, W, C]`` (or ``[H, W, C]``) by up to ``pixels`` per axis.
-
-  Each image is zero-padded by ``pixels`` and cropped back at its own offset (torchvision's
-  ``RandomCrop(size, padding=pixels)``); ``seed``: int64 ``[2]``.
-  """
+  """Random shift of ``[(B,) H, W, C]`` by up to ``pixels`` per axis (torchvision's
+  ``RandomCrop(size, padding=pixels)``), per image."""
   single = images.shape.rank == 3
   if single:
     images = images[None]
@@ -135,20 +109,15 @@ def pad_crop(images: tf.Tensor, seed: tf.Tensor, pixels: int) -> tf.Tensor:
 
 def train_image(image: tf.Tensor, *, encoded: bool,
                 seed: Optional[tf.Tensor], size: int, augment: str,
-                min_area: float, normalization: Optional[str],
-                pad_pixels: int = 4) -> tf.Tensor:
-  """Decodes + augments one training image -> float32 ``[size, size, 3]``.
-
-  ``augment``: 'inception_crop' | 'pad_crop' | 'flip' | 'none' (``seed`` int64 ``[2]``, may be
-  None for 'none'). ``normalization=None`` returns pixels in [0, 255] (the pipeline normalizes
-  whole batches). Raises ValueError for an unknown ``augment`` or ``normalization``.
+                min_area: float, normalization: Optional[str], pad_pixels: int = 4) -> tf.Tensor:
+  """One training image decoded and augmented (``seed`` int64 ``[2]``, None for 'none') ->
+  float32 ``[size, size, 3]`` (in [0, 255] with ``normalization=None``); ValueError: bad names.
   """
   if augment not in ('inception_crop', 'pad_crop', 'flip', 'none'):
     raise ValueError(f'Unknown config.data.augment={augment!r}; use '
                      "'inception_crop', 'pad_crop', 'flip' or 'none'.")
   if augment != 'none':
-    crop_seed, flip_seed = tf.unstack(
-        tf.random.experimental.stateless_split(seed, 2))
+    crop_seed, flip_seed = tf.unstack(tf.random.experimental.stateless_split(seed, 2))
   if augment == 'inception_crop':
     image = inception_crop(image, encoded, crop_seed, min_area)
   else:
@@ -161,14 +130,10 @@ def train_image(image: tf.Tensor, *, encoded: bool,
   return image if normalization is None else normalize(image, normalization)
 
 
-def resize_and_center_crop(image: tf.Tensor, size: int,
-                           crop_pct: float) -> tf.Tensor:
-  """timm's eval transform: ``[(B,) H, W, 3]`` -> float32 ``[(B,) size, size, 3]`` in [0, 255].
-
-  Shorter side to ``floor(size / crop_pct)`` (torchvision ``Resize(int)``), bicubic with
-  antialiasing, then the central crop (torchvision ``CenterCrop`` rounding). Raises ValueError
-  for ``crop_pct`` not in (0, 1].
-  """
+def resize_and_center_crop(image: tf.Tensor, size: int, crop_pct: float) -> tf.Tensor:
+  """timm's eval transform, ``[(B,) H, W, 3]`` -> float32 ``[(B,) size, size, 3]`` in [0, 255]:
+  the shorter side to ``floor(size / crop_pct)`` (bicubic), the central crop (torchvision's
+  rounding). ValueError: ``crop_pct`` not in (0, 1]."""
   if not 0. < crop_pct <= 1.:
     raise ValueError(f'config.data.eval_crop_pct={crop_pct} must be in (0, 1].')
   scale = math.floor(size / crop_pct)
@@ -186,14 +151,10 @@ def resize_and_center_crop(image: tf.Tensor, size: int,
   return tf.clip_by_value(image, 0., 255.)
 
 
-def eval_image(image: tf.Tensor, *, encoded: bool, size: int,
-               normalization: Optional[str],
+def eval_image(image: tf.Tensor, *, encoded: bool, size: int, normalization: Optional[str],
                crop_pct: Optional[float] = None) -> tf.Tensor:
-  """Decodes + resizes one eval image -> float32 ``[size, size, 3]``.
-
-  ``crop_pct=None``: bilinear resize of the whole image (official ViT), else
-  :func:`resize_and_center_crop`. ``normalization=None``: pixels in [0, 255].
-  """
+  """One eval image -> float32 ``[size, size, 3]``: resized whole (``crop_pct=None``, official
+  ViT) or :func:`resize_and_center_crop`; ``normalization=None``: in [0, 255]."""
   image = decode_rgb(image, encoded)
   if crop_pct is None:
     image = resize(image, size)
@@ -215,8 +176,7 @@ def targets(label: tf.Tensor, num_classes: int, multi_label: bool) -> tf.Tensor:
 def fold_in(key: tf.Tensor, data) -> tf.Tensor:
   """New int64 ``[2]`` key from ``key`` and an integer; both halves random (unlike tf's fold_in)."""
   folded = tf.random.experimental.stateless_fold_in(key, data)
-  return tf.random.stateless_uniform([2], seed=folded, minval=None,
-                                     maxval=None, dtype=tf.int64)
+  return tf.random.stateless_uniform([2], seed=folded, minval=None, maxval=None, dtype=tf.int64)
 
 
 def seed_key(seed: int) -> tf.Tensor:

@@ -1,12 +1,6 @@
-"""Dataset sources: resolve ``config.data`` to a tfds builder and read splits.
-
-A :class:`Source` is a registered tfds name (prepared on demand only when possible offline),
-a prepared tfds directory (``tfds.builder_from_directory``) or an image folder
-``root/<split>/<class>/*.{jpg,jpeg,png}``. It reads any tfds split spec as
-``{'image', 'label'}`` with the image either encoded (tf.string, decoded after the shuffle so
-buffers stay small and decoding fuses with cropping) or decoded uint8 ``[H, W, 3]``.
-Undecodable images (``config.data.bad_images``): :func:`find_undecodable`,
-:meth:`Source.bad_image_error`.
+"""Dataset sources: ``config.data`` -> a tfds builder (a registered name, prepared offline only,
+a prepared directory, or an image folder ``root/<split>/<class>/*.{jpg,jpeg,png}``) whose splits
+read as ``{'image', 'label'}``; undecodable images (``config.data.bad_images``) are found here.
 """
 
 from __future__ import annotations
@@ -23,75 +17,61 @@ import tensorflow as tf
 import tensorflow_datasets as tfds
 
 from vit_jax import config as config_lib
+from vit_jax.data import preprocess
 
 SplitArg = Any  # str or tfds AbstractSplit (e.g. a tfds.even_splits item).
 
 #: Bad files named in a `BadImageError` message / the 'skip' warning.
 MAX_NAMED_FILES = 8
-_FIX = ('Remove or replace them, or set --config.data.bad_images=skip to skip '
-        'undecodable images.')
-# TensorFlow errors that come from decoding an image (node / op names and the
-# decoders' messages): only these are explained as bad images.
-_DECODE_ERROR_RE = re.compile(
-    r'decode|jpeg|png|gif|bmp|webp|image file format|input is empty',
-    re.IGNORECASE)
+# TensorFlow errors from decoding an image (node / op names, the decoders' messages).
+_DECODE_ERROR_RE = re.compile(r'decode|jpeg|png|gif|bmp|webp|image file format|input is empty',
+                              re.IGNORECASE)
 
 
 class BadImageError(ValueError):
-  """Images of the dataset cannot be decoded (``config.data.bad_images='fail'``).
+  """Images cannot be decoded (``bad_images='fail'``); the message names the files and the fix.
 
-  Raised from the ``tf.errors.OpError`` by the train iterator and eval iteration; the message
-  names the dataset, split, bad files (image folders) or TensorFlow's message (tfds), and the fix.
-  Attributes: ``paths`` (all undecodable files of the split, file order; [] for tfds),
-  ``dataset``, ``split``.
+  Attributes: ``paths`` (the split's undecodable files; [] for tfds), ``dataset``, ``split``.
   """
 
-  def __init__(self, message: str, *, paths: Sequence[str] = (),
-               dataset: str = '', split: str = ''):
+  def __init__(self, message: str, *, paths: Sequence[str] = (), dataset: str = '',
+               split: str = ''):
     super().__init__(message)
     self.paths = list(paths)
     self.dataset = dataset
     self.split = split
 
 
-def _tf_message(error: Exception) -> str:
-  """First line of a TensorFlow error's message, without the function prefix."""
-  text = getattr(error, 'message', None) or str(error)
-  text = re.sub(r'^\{\{function_node [^}]*\}\}\s*', '', text.strip())
+def tf_message(error: Exception) -> str:
+  """The first line of a TensorFlow error, without its function prefix and op name."""
+  text = (getattr(error, 'message', None) or str(error)).strip()
+  text = re.sub(r'^\{\{function_node [^}]*\}\}\s*', '', text)
   text = re.sub(r'^Error in user-defined function passed to \S+ transformation '
                 r'with iterator: \S+: ', '', text)
-  return text.splitlines()[0].strip() if text else type(error).__name__
+  text = text.splitlines()[0] if text else ''
+  return re.sub(r'\s*\[Op:\w+\]( name:.*)?$', '', text).strip() or type(error).__name__
 
 
-def _name_files(paths: Sequence[str], root: Optional[str] = None,
-                sep: str = '\n  ') -> str:
+def _name_files(paths: Sequence[str], root: Optional[str] = None, sep: str = '\n  ') -> str:
   """The first MAX_NAMED_FILES paths (relative to `root`), '... and N more'."""
-  shown = [os.path.relpath(p, root) if root else p
-           for p in paths[:MAX_NAMED_FILES]]
+  shown = [os.path.relpath(p, root) if root else p for p in paths[:MAX_NAMED_FILES]]
   more = len(paths) - len(shown)
   return sep.join(shown + ([f'... and {more} more'] if more else []))
 
 
 def _decode_check(contents: tf.Tensor) -> tf.Tensor:
-  """Decodes image bytes as the pipelines do (plus the JPEG header parse of the fused crop).
-
-  Returns int32 ``[2]`` (height, width); raises inside tf.data when either fails.
-  """
+  """int32 ``[2]`` (H, W) of image bytes decoded as the pipelines do (and the fused crop's JPEG
+  header parse); raises inside tf.data when either fails."""
   image = tf.io.decode_image(contents, channels=3, expand_animations=False)
   hw = tf.shape(image)[:2]
-  jpeg_hw = tf.cond(tf.io.is_jpeg(contents),
-                    lambda: tf.image.extract_jpeg_shape(contents)[:2],
+  jpeg_hw = tf.cond(tf.io.is_jpeg(contents), lambda: tf.image.extract_jpeg_shape(contents)[:2],
                     lambda: hw)
   return tf.minimum(hw, jpeg_hw)
 
 
-def find_undecodable(paths: Sequence[str],
-                     num_parallel_calls: int = -1) -> List[str]:
-  """The files among ``paths`` (local or any tf.io.gfile path) that cannot be read and decoded.
-
-  One parallel tf.data pass decoding each file as the pipelines do; order of ``paths`` kept.
-  ``num_parallel_calls``: -1 = AUTOTUNE.
-  """
+def find_undecodable(paths: Sequence[str], num_parallel_calls: int = -1) -> List[str]:
+  """The files among ``paths`` (any tf.io.gfile path) that cannot be read and decoded, in order
+  (one parallel tf.data pass; ``num_parallel_calls`` -1: AUTOTUNE)."""
   paths = list(paths)
   if not paths:
     return []
@@ -107,16 +87,14 @@ def find_undecodable(paths: Sequence[str],
 
 
 def non_utf8_name_error(path: Any) -> ValueError:
-  """The error for a file name that is not UTF-8 (TensorFlow's paths are UTF-8 strings): it
-  names the path (the repr of its bytes) and the fix."""
+  """The ValueError for a file name that is not UTF-8 (TensorFlow cannot open it), with the fix."""
   raw = path if isinstance(path, bytes) else os.fsencode(path)
   return ValueError(f'The file name {raw!r} is not UTF-8, which TensorFlow cannot open: rename '
                     'it (e.g. convmv -f latin1 -t utf8 --notest <file>) or move it away.')
 
 
 def first_non_utf8_path(folder: str) -> Optional[bytes]:
-  """The first path under a local ``folder`` whose name is not UTF-8, as bytes (links not
-  followed); None when every name is UTF-8."""
+  """The first path (bytes) under a local ``folder`` whose name is not UTF-8, else None."""
   for root, dirs, names in os.walk(os.fsencode(folder)):
     for name in sorted(dirs + names):
       try:
@@ -127,8 +105,7 @@ def first_non_utf8_path(folder: str) -> Optional[bytes]:
 
 
 def _dangling_links(paths: Sequence[str]) -> List[str]:
-  """The symbolic links among local `paths` that lead to no file (broken, or a loop such as
-  `x.png -> x.png`), in the order of `paths`: one directory listing per folder, a stat per link."""
+  """The symbolic links among local `paths` that lead to no file (broken, or a loop), in order."""
   links = set()
   for folder in dict.fromkeys(os.path.dirname(p) for p in paths):
     try:
@@ -141,40 +118,30 @@ def _dangling_links(paths: Sequence[str]) -> List[str]:
 
 @dataclasses.dataclass(frozen=True)
 class _FolderSplitInfo:
-  """What tfds split slicing needs of a split: its number of examples."""
+  """What tfds split slicing needs of a split: its number of examples (in one shard)."""
   num_examples: int
-
-  @property
-  def shard_lengths(self) -> List[int]:
-    return [self.num_examples]
+  shard_lengths: List[int]
 
 
-# (root, all file paths) -> the undecodable ones: 'skip' validates a folder
-# once per process even if several `Source`s (configs) read it.
+# (root, all file paths) -> the undecodable ones: 'skip' validates a folder once per process.
 _UNDECODABLE_CACHE: Dict[Tuple[str, Tuple[str, ...]], Tuple[str, ...]] = {}
 
 
 def _drop_undecodable(root: str, examples: Dict[str, list]
                       ) -> Tuple[Dict[str, list], Tuple[str, ...]]:
-  """``(examples without the undecodable files, bad paths)`` of an image folder's split examples.
-
-  Logs one warning naming them, the first time per folder and process.
-  """
+  """``(examples without the undecodable files, bad paths)`` of an image folder (one warning)."""
   paths = tuple(e.image_path for exs in examples.values() for e in exs)
   key = (root, paths)
   if key not in _UNDECODABLE_CACHE:
-    logging.info("Validating the %d images under %s (data.bad_images='skip')"
-                 '...', len(paths), root)
+    logging.info("Validating the %d images under %s (data.bad_images='skip')...", len(paths), root)
     start = time.perf_counter()
     bad = tuple(find_undecodable(paths))
     seconds = time.perf_counter() - start
-    logging.info('Validated %d images in %.1f s (%.0f images/s).', len(paths),
-                 seconds, len(paths) / max(seconds, 1e-9))
-    if bad:  # Once per folder and process.
-      logging.warning(
-          "Skipping %d of %d images that cannot be decoded "
-          "(data.bad_images='skip') under %s: %s", len(bad), len(paths), root,
-          _name_files(bad, root, sep=', '))
+    logging.info('Validated %d images in %.1f s (%.0f images/s).', len(paths), seconds,
+                 len(paths) / max(seconds, 1e-9))
+    if bad:
+      logging.warning("Skipping %d of %d images that cannot be decoded (data.bad_images='skip') "
+                      'under %s: %s', len(bad), len(paths), root, _name_files(bad, root, sep=', '))
     _UNDECODABLE_CACHE[key] = bad
   bad = _UNDECODABLE_CACHE[key]
   if not bad:
@@ -186,15 +153,9 @@ def _drop_undecodable(root: str, examples: Dict[str, list]
 
 @dataclasses.dataclass(frozen=True)
 class LabelSpec:
-  """How the label feature maps to targets.
-
-  Attributes:
-    key: feature name holding the labels.
-    num_classes: C (targets have shape ``[C]``).
-    multi_label: a ``Sequence(ClassLabel)`` feature (multi-hot targets).
-    mask_unlabeled_eval: eval examples with an empty label set get mask=False (ImageNet ReaL).
-    names: the C class names in label order.
-  """
+  """The label feature ``key``: C = ``num_classes`` targets ``[C]``, multi-hot when
+  ``multi_label`` (``Sequence(ClassLabel)``); ``mask_unlabeled_eval``: eval examples without a
+  label are masked (ImageNet ReaL); ``names``: the C class names in label order."""
   key: str
   num_classes: int
   multi_label: bool
@@ -203,18 +164,15 @@ class LabelSpec:
 
 
 def _looks_like_path(name: str) -> bool:
-  if name.startswith(('/', '.', '~')) or '://' in name:
-    return True
-  return '/' in name and os.path.isdir(name)
+  return name.startswith(('/', '.', '~')) or '://' in name or '/' in name and os.path.isdir(name)
 
 
 def _find_builder_dir(path: str) -> str:
-  """Returns the folder holding dataset_info.json at or below `path`."""
+  """The folder holding dataset_info.json at `path`, else the largest version at most two
+  levels down (`<data_dir>/<name>[/<config>]`)."""
   path = os.path.expanduser(path)
   if tf.io.gfile.exists(os.path.join(path, 'dataset_info.json')):
     return path
-  # Allow pointing at <data_dir>/<name> or <data_dir>/<name>/<config>: take
-  # the lexicographically largest version found at most two levels down.
   candidates = sorted(
       tf.io.gfile.glob(os.path.join(path, '*', 'dataset_info.json')) +
       tf.io.gfile.glob(os.path.join(path, '*', '*', 'dataset_info.json')))
@@ -226,47 +184,37 @@ def _find_builder_dir(path: str) -> str:
   return os.path.dirname(candidates[-1])
 
 
-def _can_prepare_offline(builder) -> bool:
-  return bool(getattr(builder, 'VIT_JAX_OFFLINE', False) or
-              getattr(builder, 'MANUAL_DOWNLOAD_INSTRUCTIONS', None))
-
-
 def _prepare(builder, name: str, data_cfg) -> None:
-  """Prepares `builder` offline, or raises a clear error."""
+  """Prepares `builder` offline, or raises FileNotFoundError saying how."""
   where = data_cfg.data_dir or '$TFDS_DATA_DIR or ~/tensorflow_datasets'
-  build_hint = (
-      f'Prepare it where there is network access (`tfds build {name} '
-      '--data_dir=DIR`), copy DIR here and set config.data.data_dir=DIR.')
+  build_hint = (f'Prepare it where there is network access (`tfds build {name} --data_dir=DIR`), '
+                'copy DIR here and set config.data.data_dir=DIR.')
   if not data_cfg.prepare:
     raise FileNotFoundError(
-        f'Dataset {name!r} is not prepared in {where} and config.data.prepare '
-        f'is False. Set prepare=True (offline builders only) or: {build_hint}')
-  if not _can_prepare_offline(builder):
+        f'Dataset {name!r} is not prepared in {where} and config.data.prepare is False. Set '
+        f'prepare=True (offline builders only) or: {build_hint}')
+  if not (getattr(builder, 'VIT_JAX_OFFLINE', False)
+          or getattr(builder, 'MANUAL_DOWNLOAD_INSTRUCTIONS', None)):
     raise FileNotFoundError(
-        f'Dataset {name!r} is not prepared in {where}, and vit_jax never '
-        f'downloads datasets (its builder needs the network). {build_hint}')
+        f'Dataset {name!r} is not prepared in {where}, and vit_jax never downloads datasets (its '
+        f'builder needs the network). {build_hint}')
   download_config = tfds.download.DownloadConfig(
-      manual_dir=(os.path.expanduser(data_cfg.manual_dir)
-                  if data_cfg.manual_dir else None),
+      manual_dir=os.path.expanduser(data_cfg.manual_dir) if data_cfg.manual_dir else None,
       try_download_gcs=False)
   try:
     builder.download_and_prepare(download_config=download_config)
   except Exception as e:  # Let it through, with a hint.
     if hasattr(e, 'add_note'):
-      e.add_note(
-          f'vit_jax: preparing {name!r} into {where} failed (manual_dir='
-          f'{data_cfg.manual_dir!r}). Nothing is downloaded: put the source '
-          'files in config.data.manual_dir. ' + build_hint)
+      e.add_note(f'vit_jax: preparing {name!r} into {where} failed (manual_dir='
+                 f'{data_cfg.manual_dir!r}). Nothing is downloaded: put the source files in '
+                 'config.data.manual_dir. ' + build_hint)
     raise
 
 
 class Source:
-  """A dataset to read: a tfds builder (or image folder) + label handling.
-
-  Attributes: ``builder``, ``name`` (or folder root), ``image_key``, ``label``
-  (:class:`LabelSpec`), ``bad_images`` ('fail' / 'skip'), ``skipped_images`` (image folders in
-  'skip' mode: undecodable files left out, file order; else ()).
-  """
+  """A tfds builder (or image folder) ``name`` with its ``image_key`` and ``label``
+  (:class:`LabelSpec`); ``skipped_images``: an image folder's undecodable files left out
+  (``bad_images='skip'``)."""
 
   def __init__(self, builder, name: str, image_key: str, label: LabelSpec,
                image_folder_examples=None, *, bad_images: str = 'fail',
@@ -275,75 +223,55 @@ class Source:
     self.name = name
     self.image_key = image_key
     self.label = label
-    self.bad_images = config_lib.check_value('data.bad_images', bad_images)
+    self.bad_images = bad_images
     self.skipped_images = tuple(skipped_images)
     self._image_folder_examples = image_folder_examples
-    self._folder_split_infos = None
-    if image_folder_examples is not None:
-      self._folder_split_infos = {
-          split: _FolderSplitInfo(len(exs))
-          for split, exs in image_folder_examples.items()}
+    self._folder_split_infos = {split: _FolderSplitInfo(len(exs), [len(exs)])
+                                for split, exs in (image_folder_examples or {}).items()}
 
   @property
   def num_skipped_images(self) -> Optional[int]:
     """Images left out as undecodable; None for tfds in 'skip' mode (not known in advance)."""
-    if self.is_image_folder or self.bad_images == 'fail':
-      return len(self.skipped_images)
-    return None
-
-  @property
-  def drops_undecodable(self) -> bool:
-    """Whether decoded datasets must `ignore_errors` (tfds, 'skip' mode)."""
-    return (self.bad_images == 'skip' and not self.is_image_folder and
-            self._image_is_encoded)
+    return len(self.skipped_images) if self.is_image_folder or self.bad_images == 'fail' else None
 
   def drop_undecodable(self, ds: tf.data.Dataset) -> tf.data.Dataset:
-    """``ds.ignore_errors(log_warning=True)`` if ``drops_undecodable``, else ``ds``.
-
-    Apply right after the decoding map: examples whose map raises are dropped.
-    """
-    return ds.ignore_errors(log_warning=True) if self.drops_undecodable else ds
+    """After the decoding map: tfds in 'skip' mode drops the examples whose decoding raised."""
+    drops = (self.bad_images == 'skip' and not self.is_image_folder
+             and self.images_encoded_after_read)
+    return ds.ignore_errors(log_warning=True) if drops else ds
 
   def split_paths(self, split: SplitArg) -> List[str]:
     """Image folders: the files of `split`, in file order (unshuffled)."""
     return [p for paths, _ in self._folder_slices(split) for p in paths]
 
   def bad_image_error(self, error: Exception, split: SplitArg,
-                      split_name: Optional[str] = None
-                      ) -> Optional[BadImageError]:
-    """Explains ``error`` (a ``tf.errors.OpError`` from reading ``split``) as a ``BadImageError``.
-
-    Image folders: runs :func:`find_undecodable` over the split's files and names them; tfds:
-    names the dataset, split and TensorFlow's message. Returns None when ``error`` is not a
-    decoding error (re-raise it then).
-    """
+                      split_name: Optional[str] = None) -> Optional[BadImageError]:
+    """``error`` (a ``tf.errors.OpError`` reading ``split``) as a ``BadImageError`` naming the
+    undecodable files (image folders: :func:`find_undecodable`), or None if not a decoding one."""
     if not _DECODE_ERROR_RE.search(str(error)):
       return None
     split_name = str(split) if split_name is None else split_name
-    tf_message = _tf_message(error)
+    message = tf_message(error)
     if not self.is_image_folder:
       return BadImageError(
-          f'An image of split {split_name!r} of dataset {self.name!r} cannot '
-          f'be decoded (TensorFlow: {tf_message}). tfds records have no file '
-          'name: rebuild the dataset without it, or set '
-          '--config.data.bad_images=skip to skip undecodable images.',
+          f'An image of split {split_name!r} of dataset {self.name!r} cannot be decoded '
+          f'(TensorFlow: {message}). tfds records have no file name: rebuild the dataset without '
+          'it, or set --config.data.bad_images=skip to skip undecodable images.',
           dataset=self.name, split=split_name)
     paths = self.split_paths(split)
-    logging.warning('Decoding an image of split %r of %s failed (%s); looking '
-                    'for the undecodable files among its %d images.',
-                    split_name, self.name, tf_message, len(paths))
+    logging.warning('Decoding an image of split %r of %s failed (%s); looking for the '
+                    'undecodable files among its %d images.', split_name, self.name, message,
+                    len(paths))
     bad = find_undecodable(paths)
     if not bad:
       return None
-    note = ''
-    if self.bad_images == 'skip':
-      note = (' They could be decoded when the folder was validated: did they '
-              'change since?')
+    note = (' They could be decoded when the folder was validated: did they change since?'
+            if self.bad_images == 'skip' else '')
     return BadImageError(
-        f'{len(bad)} of {len(paths)} images of split {split_name!r} of image '
-        f'folder {self.name} cannot be decoded (corrupt, truncated, empty or '
-        f'not an image):\n  {_name_files(bad)}\n{_FIX}{note} (TensorFlow: '
-        f'{tf_message})', paths=bad, dataset=self.name, split=split_name)
+        f'{len(bad)} of {len(paths)} images of split {split_name!r} of image folder {self.name} '
+        f'cannot be decoded (corrupt, truncated, empty or not an image):\n  {_name_files(bad)}\n'
+        f'Remove or replace them, or set --config.data.bad_images=skip to skip undecodable '
+        f'images.{note} (TensorFlow: {message})', paths=bad, dataset=self.name, split=split_name)
 
   @property
   def is_image_folder(self) -> bool:
@@ -355,8 +283,7 @@ class Source:
       return sum(len(paths) for paths, _ in self._folder_slices(split))
     return int(self.builder.info.splits[split].num_examples)
 
-  def _folder_slices(self, split):
-    # Slices are taken of the (possibly filtered: 'skip') file lists.
+  def _folder_slices(self, split):  # Of the (in 'skip' mode filtered) file lists.
     abs_instructions = tfds.core.splits.AbstractSplit.from_spec(
         split).to_absolute(self._folder_split_infos)
     out = []
@@ -364,44 +291,33 @@ class Source:
       examples = self._image_folder_examples[ai.splitname]
       chunk = examples[(ai.from_ or 0):ai.to]
       label_feature = self.builder.info.features['label']
-      out.append(([e.image_path for e in chunk],
-                  [label_feature.str2int(e.label) for e in chunk]))
+      out.append(([e.image_path for e in chunk], [label_feature.str2int(e.label) for e in chunk]))
     return out
 
   @property
-  def _image_is_encoded(self) -> bool:
+  def images_encoded_after_read(self) -> bool:
+    """Whether `read(decode=False)` yields encoded bytes."""
     if self.is_image_folder:
       return True
     feature = self.builder.info.features[self.image_key]
-    return (isinstance(feature, tfds.features.Image) and
-            tf.as_dtype(feature.np_dtype) == tf.uint8)
+    return (isinstance(feature, tfds.features.Image) and tf.as_dtype(feature.np_dtype) == tf.uint8)
 
-  def read(self, split: SplitArg, *, decode: bool,
-           shuffle_files: bool = False,
+  def read(self, split: SplitArg, *, decode: bool, shuffle_files: bool = False,
            file_seed: Optional[tf.Tensor] = None) -> tf.data.Dataset:
-    """Reads ``split`` as a finite, deterministic (for a seed) dataset of ``{'image', 'label'}``.
-
-    ``decode``: 'image' decoded uint8 ``[H, W, 3]``, else possibly encoded tf.string (decode with
-    ``preprocess.decode_rgb``). ``shuffle_files`` / ``file_seed`` (int64): shuffle the file order.
-    'label' is int64 ``[]`` or ``[None]`` (multi-label).
-    """
+    """``split`` as a finite dataset of ``{'image', 'label'}``: uint8 ``[H, W, 3]`` images when
+    ``decode`` (else maybe encoded tf.string), int64 labels ``[]`` (multi-label ``[None]``);
+    ``file_seed`` (int64) shuffles the file order when ``shuffle_files``."""
     if self.is_image_folder:
-      paths, labels = [], []
-      for p, l in self._folder_slices(split):
-        paths += p
-        labels += l
+      slices = self._folder_slices(split)
+      paths, labels = [p for ps, _ in slices for p in ps], [l for _, ls in slices for l in ls]
       ds = tf.data.Dataset.from_tensor_slices(
-          {'image': tf.constant(paths, tf.string),
-           'label': tf.constant(labels, tf.int64)})
+          {'image': tf.constant(paths, tf.string), 'label': tf.constant(labels, tf.int64)})
       if shuffle_files:
-        ds = ds.shuffle(max(len(paths), 1), seed=file_seed,
-                        reshuffle_each_iteration=False)
-      ds = ds.map(lambda ex: {'image': tf.io.read_file(ex['image']),
-                              'label': ex['label']})
+        ds = ds.shuffle(max(len(paths), 1), seed=file_seed, reshuffle_each_iteration=False)
+      ds = ds.map(lambda ex: {'image': tf.io.read_file(ex['image']), 'label': ex['label']})
     else:
-      decoders = None
-      if self._image_is_encoded:
-        decoders = {self.image_key: tfds.decode.SkipDecoding()}
+      decoders = ({self.image_key: tfds.decode.SkipDecoding()}
+                  if self.images_encoded_after_read else None)
       read_config = tfds.ReadConfig(
           shuffle_seed=file_seed if shuffle_files else None,
           shuffle_reshuffle_each_iteration=False if shuffle_files else None)
@@ -409,17 +325,15 @@ class Source:
                                    decoders=decoders, read_config=read_config)
       ikey, lkey = self.image_key, self.label.key
       ds = ds.map(lambda ex: {'image': ex[ikey], 'label': ex[lkey]})
-    if decode or not self._image_is_encoded:
-      encoded = self._image_is_encoded
+    if decode or not self.images_encoded_after_read:
+      encoded = self.images_encoded_after_read
       ds = ds.map(
-          lambda ex: {'image': self.decode(ex['image'], encoded),
-                      'label': ex['label']},
+          lambda ex: {'image': self.decode(ex['image'], encoded), 'label': ex['label']},
           num_parallel_calls=tf.data.AUTOTUNE)
     return ds
 
   def decode(self, image: tf.Tensor, encoded: bool) -> tf.Tensor:
     """`preprocess.decode_rgb` + the static [H, W, 3] shape when known."""
-    from vit_jax.data import preprocess  # pylint: disable=g-import-not-at-top
     image = preprocess.decode_rgb(image, encoded)
     hw = self.static_image_hw
     return image if hw is None else tf.ensure_shape(image, [*hw, 3])
@@ -434,11 +348,6 @@ class Source:
       return None
     return int(shape[0]), int(shape[1])
 
-  @property
-  def images_encoded_after_read(self) -> bool:
-    """Whether `read(decode=False)` yields encoded bytes."""
-    return self._image_is_encoded
-
 
 def _label_spec(builder, name: str, label_key: Optional[str]) -> LabelSpec:
   features = builder.info.features
@@ -451,45 +360,34 @@ def _label_spec(builder, name: str, label_key: Optional[str]) -> LabelSpec:
     elif 'labels' in features:
       label_key = 'labels'
     else:
-      raise KeyError(
-          f'Dataset {name!r} has no "label" or "labels" feature; set '
-          f'config.data.label_key to one of {sorted(features.keys())}.')
+      raise KeyError(f'Dataset {name!r} has no "label" or "labels" feature; set '
+                     f'config.data.label_key to one of {sorted(features.keys())}.')
   if label_key not in features:
-    raise KeyError(f'config.data.label_key={label_key!r} is not a feature of '
-                   f'{name!r}; features: {sorted(features.keys())}.')
+    raise KeyError(f'config.data.label_key={label_key!r} is not a feature of {name!r}; '
+                   f'features: {sorted(features.keys())}.')
   feature = features[label_key]
   if isinstance(feature, tfds.features.ClassLabel):
-    return LabelSpec(label_key, feature.num_classes, multi_label=False,
-                     names=tuple(feature.names))
+    return LabelSpec(label_key, feature.num_classes, multi_label=False, names=tuple(feature.names))
   if (isinstance(feature, tfds.features.Sequence) and
       isinstance(feature.feature, tfds.features.ClassLabel)):
     return LabelSpec(label_key, feature.feature.num_classes, multi_label=True,
                      mask_unlabeled_eval=(label_key == 'real_label'),
                      names=tuple(feature.feature.names))
-  raise TypeError(
-      f'Feature {label_key!r} of {name!r} is a {type(feature).__name__}; '
-      'expected tfds.features.ClassLabel (single label) or '
-      'tfds.features.Sequence(ClassLabel) (multi-label).')
-
-
-def _config_key(data_cfg) -> Tuple:
-  return (data_cfg.name, data_cfg.image_folder, data_cfg.data_dir,
-          data_cfg.manual_dir, bool(data_cfg.prepare), data_cfg.image_key,
-          data_cfg.label_key, data_cfg.bad_images)
+  raise TypeError(f'Feature {label_key!r} of {name!r} is a {type(feature).__name__}; expected '
+                  'tfds.features.ClassLabel (single label) or tfds.features.Sequence(ClassLabel) '
+                  '(multi-label).')
 
 
 def _make_source(data_cfg) -> Source:
   """Builds the `Source` for `config.data` (uncached)."""
-  name, image_key, label_key = (data_cfg.name, data_cfg.image_key,
-                                data_cfg.label_key)
-  bad_images = config_lib.check_value('data.bad_images', data_cfg.bad_images)
+  name, image_key, label_key = (data_cfg.name, data_cfg.image_key, data_cfg.label_key)
+  bad_images = data_cfg.bad_images
   if data_cfg.image_folder:
     root = os.path.expanduser(data_cfg.image_folder)
     if not tf.io.gfile.isdir(root):
       raise FileNotFoundError(
-          f'config.data.image_folder={data_cfg.image_folder!r} is not a '
-          'directory; it should hold <split>/<class>/*.{jpg,jpeg,png}, e.g. '
-          'train/cat/1.jpg and test/cat/2.jpg.')
+          f'config.data.image_folder={data_cfg.image_folder!r} is not a directory; it should '
+          'hold <split>/<class>/*.{jpg,jpeg,png}, e.g. train/cat/1.jpg and test/cat/2.jpg.')
     try:
       builder = tfds.folder_dataset.ImageFolder(root)
     except UnicodeDecodeError:  # tf.io.gfile lists names as UTF-8 only.
@@ -498,16 +396,13 @@ def _make_source(data_cfg) -> Source:
         raise ValueError(f'A file name under {root} is not UTF-8, which TensorFlow cannot '
                          'open: rename it.') from None
       raise non_utf8_name_error(raw) from None
-    # The (deterministically ordered) per-split file lists: reading them
-    # ourselves gives split slicing ('train[:10%]', even_splits), which
-    # ImageFolder.as_dataset does not support, and seeded file shuffling.
+    # Reading the per-split file lists ourselves gives split slicing and seeded shuffling.
     examples = getattr(builder, '_split_examples', None)
     if examples is None:
-      raise RuntimeError('This tensorflow_datasets version does not expose '
-                         'ImageFolder._split_examples; vit_jax needs it.')
+      raise RuntimeError('This tensorflow_datasets version does not expose ImageFolder.'
+                         '_split_examples; vit_jax needs it.')
     if not builder.info.splits:
-      raise FileNotFoundError(
-          f'No images found under {root}/<split>/<class>/*.{{jpg,jpeg,png}}.')
+      raise FileNotFoundError(f'No images found under {root}/<split>/<class>/*.{{jpg,jpeg,png}}.')
     label = _label_spec(builder, root, label_key or 'label')
     examples, skipped = dict(examples), ()
     if bad_images == 'skip':
@@ -519,9 +414,8 @@ def _make_source(data_cfg) -> Source:
             f'{len(dangling)} image file(s) of image folder {root} are symbolic links that lead '
             f'to no file (broken, or a loop): {_name_files(dangling, root, sep=", ")}. Remove '
             'them or point them at images, or set --config.data.bad_images=skip to skip them.')
-    return Source(builder, root, 'image', label,
-                  image_folder_examples=examples, bad_images=bad_images,
-                  skipped_images=skipped)
+    return Source(builder, root, 'image', label, image_folder_examples=examples,
+                  bad_images=bad_images, skipped_images=skipped)
   if not name:
     raise ValueError('Set config.data.name (or config.data.image_folder).')
   if _looks_like_path(name):
@@ -531,16 +425,15 @@ def _make_source(data_cfg) -> Source:
       builder = tfds.builder(name, data_dir=data_cfg.data_dir)
     except tfds.core.registered.DatasetNotFoundError:
       raise ValueError(
-          f'config.data.name={name!r} is neither a registered tfds dataset nor a '
-          'directory. Use a tfds name (e.g. cifar10, imagenet2012, '
-          'fashion_mnist_local), the path of a prepared tfds dataset, or '
-          '--config.data.image_folder=ROOT for ROOT/{train,test}/<class>/*.jpg.'
+          f'config.data.name={name!r} is neither a registered tfds dataset nor a directory. Use '
+          'a tfds name (e.g. cifar10, imagenet2012, fashion_mnist_local), the path of a prepared '
+          'tfds dataset, or --config.data.image_folder=ROOT for ROOT/{train,test}/<class>/*.jpg.'
       ) from None
     if not builder.is_prepared():
       _prepare(builder, name, data_cfg)
   if image_key not in builder.info.features:
-    raise KeyError(f'config.data.image_key={image_key!r} is not a feature of '
-                   f'{name!r}; features: {sorted(builder.info.features)}.')
+    raise KeyError(f'config.data.image_key={image_key!r} is not a feature of {name!r}; '
+                   f'features: {sorted(builder.info.features)}.')
   return Source(builder, name, image_key, _label_spec(builder, name, label_key),
                 bad_images=bad_images)
 
@@ -549,18 +442,16 @@ _SOURCES = {}
 
 
 def get_source(data_cfg) -> Source:
-  """The (memoized) :class:`Source` for ``config.data``, preparing if needed.
-
-  In 'skip' mode an image folder is validated here, the first time.
+  """The (memoized) :class:`Source` of ``config.data``, prepared (and in 'skip' mode validated).
 
   Raises:
-    FileNotFoundError: dataset not prepared and not preparable offline, a missing folder /
-      builder directory / manual files; in 'fail' mode, dangling image links.
+    FileNotFoundError: not prepared nor preparable offline; missing files; dangling links.
     KeyError, TypeError: unusable image or label feature.
     ValueError: invalid ``bad_images``; a file name that is not UTF-8.
   """
   config_lib.check_value('data.bad_images', data_cfg.bad_images)
-  key = _config_key(data_cfg)
+  key = (data_cfg.name, data_cfg.image_folder, data_cfg.data_dir, data_cfg.manual_dir,
+         bool(data_cfg.prepare), data_cfg.image_key, data_cfg.label_key, data_cfg.bad_images)
   if key not in _SOURCES:
     _SOURCES[key] = _make_source(data_cfg)
   return _SOURCES[key]

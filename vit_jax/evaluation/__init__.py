@@ -1,15 +1,9 @@
-"""Exact evaluation: every example of every eval set counted once, top-1, top-5 and loss.
+"""Exact evaluation: every example of every eval set counted once (padded, masked batches), the
+eval step's sums added up here (`sum_batches`, run by the trainer and `python -m
+vit_jax.evaluate`); a hit is a top class among the true labels (precision@1 for multi-label).
 
-Each process reads its part of the eval split, padded to whole batches with masked examples
-(`vit_jax.data.create_eval_dataset`); the compiled eval step (`vit_jax.step.make_eval_step`)
-returns sums over the real examples, which are added up here (`sum_batches`, the evaluator that
-the trainer and `python -m vit_jax.evaluate` run). A prediction is a hit when its top
-class is among the true labels: top-1 accuracy, or precision@1 for multi-label data.
-
-The package's other modules: `fewshot` (few-shot linear evaluation: its tasks and evaluator),
-`linear_probe` (the closed-form ridge probe and the k-shot draws), `features` (the pre-logit
-features of a dataset, sharded like the eval step), `pictures` (`config.analysis`: attention
-figures and training images in TensorBoard).
+Also: `fewshot` (few-shot linear evaluation), `features` (pre-logit features of a dataset),
+`pictures` (`config.analysis`'s TensorBoard images).
 """
 
 from __future__ import annotations
@@ -31,19 +25,14 @@ def eval_name(split: str) -> str:
 
 
 def eval_sets(config: ml_collections.ConfigDict, info: data.DatasetInfo) -> dict[str, Any]:
-  """{name: (split, `vit_jax.data.EvalDataset`)}: `data.eval_split`, and `extra_eval` (same classes and
-  preprocessing, e.g. the ImageNet ReaL labels next to the ImageNet validation labels).
-
-  Raises:
-    ValueError: the extra eval set has another number of classes.
-  """
+  """{name: (split, `EvalDataset`)} of `data.eval_split` and `extra_eval` (same classes and
+  preprocessing, e.g. ImageNet ReaL); ValueError: an extra eval set of other classes."""
   evals = {eval_name(config.data.eval_split): (
       config.data.eval_split,
       data.create_eval_dataset(config.data, global_batch_size=config.eval_batch_size))}
   if config.extra_eval.name:
     extra = ml_collections.ConfigDict(config.data.to_dict())
-    extra.update(name=config.extra_eval.name, eval_split=config.extra_eval.split,
-                 image_folder=None)
+    extra.update(name=config.extra_eval.name, eval_split=config.extra_eval.split, image_folder=None)
     extra_ds = data.create_eval_dataset(extra, global_batch_size=config.eval_batch_size)
     extra_classes = extra_ds.dataset.element_spec["labels"].shape[-1]
     if extra_classes != info.num_classes:
@@ -57,9 +46,8 @@ def eval_sets(config: ml_collections.ConfigDict, info: data.DatasetInfo) -> dict
 
 def sum_batches(predict: Callable[[Any, dict], Any], state, batches: Iterable[dict],
                 on_batch: Optional[Callable[[int, dict, Any], None]] = None) -> dict[str, Any]:
-  """The evaluator: sums over `batches` (this process's padded, masked numpy batches) of
-  `predict(state, batch)`'s replicated sums (`vit_jax.step.eval_sums`; or `(sums, outputs)`),
-  fetched to the host; `on_batch(i, batch, what predict returned)` after each batch."""
+  """The sums over this process's `batches` of `predict(state, batch)`'s sums (or of `(sums,
+  outputs)`), on the host; `on_batch(i, batch, what predict returned)` after each batch."""
   totals: dict[str, Any] = {}
   for i, batch in enumerate(batches):
     outputs = predict(state, batch)
@@ -72,20 +60,9 @@ def sum_batches(predict: Callable[[Any, dict], Any], state, batches: Iterable[di
 
 def evaluate(predict: Callable[[Any, dict], Any], state, evals: dict[str, Any], *,
              with_ema: bool, step: int) -> dict[str, float]:
-  """Every example of every eval set exactly once (`sum_batches`), with the parameters and (if
-  kept) their EMA as '<split>_ema/...'.
-
-  Args:
-    predict: `(state, this process's numpy batch) -> sums` of `vit_jax.step.make_eval_step`.
-    state: the train state (`vit_jax.step`); with_ema: also evaluate `state['ema_params']`.
-    evals: `eval_sets`' {name: (split, dataset)}.
-    step: for the log line.
-
-  Returns:
-    `{'<name>[_ema]/accuracy', '<name>[_ema]/loss', '<name>[_ema]/top5_accuracy' (>= 5 classes)}`.
-
-  Raises:
-    ValueError: an eval split without (labelled) examples.
+  """`{'<name>[_ema]/accuracy', '.../loss', '.../top5_accuracy' (>= 5 classes)}` of every eval
+  set of `eval_sets`, with `predict(state, numpy batch) -> sums` (the eval step), for the
+  parameters and `with_ema` `state['ema_params']`. ValueError: a split without labelled examples.
   """
   weights = {"": state}
   if with_ema:
@@ -99,7 +76,8 @@ def evaluate(predict: Callable[[Any, dict], Any], state, evals: dict[str, Any], 
       raise ValueError(f"The eval split '{split}' has no (labelled) examples; choose a "
                        "non-empty split (--config.data.eval_split / extra_eval.split).")
     name += suffix
-    metrics = {f"{name}/accuracy": totals["correct"] / count, f"{name}/loss": totals["loss"] / count}
+    metrics = {f"{name}/accuracy": totals["correct"] / count,
+               f"{name}/loss": totals["loss"] / count}
     if "correct_top5" in totals:
       metrics[f"{name}/top5_accuracy"] = totals["correct_top5"] / count
     logging.info("Evaluated %d examples of '%s' at step %d: %s", count, split, step,

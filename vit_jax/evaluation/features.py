@@ -1,13 +1,7 @@
-"""Pre-logit features of a dataset, sharded like the eval step, gathered onto every process.
+"""Pre-logit features of a dataset, sharded like the eval step, gathered onto every process:
 
-  featurizer = Featurizer(setup)                  # a `vit_jax.step.Setup`
-  kept = collect(featurizer, variables, eval_ds, num_classes=10, per_class=75)
+  kept = collect(Featurizer(setup), variables, eval_ds, num_classes=10, per_class=75)
   kept.features   # float32 [N, F], rows in reading order; kept.labels: int64 [N]
-
-`Featurizer` runs `Setup.jit_features_step()` (the model without its head, the batch sharded over
-the mesh's batch axes) on `vit_jax.data.EvalDataset` batches; `collect` keeps the real examples,
-optionally only the first ones of each class, and stops reading early. Used by few-shot linear
-evaluation (`vit_jax.evaluation.fewshot`).
 """
 
 from __future__ import annotations
@@ -22,25 +16,20 @@ from vit_jax import step as step_lib
 
 
 class Featurizer:
-  """`vit_jax.step.Setup.jit_features_step` on this process's batches (compiled by `compiler`,
-  default a fresh `vit_jax.step.Compiler`); outputs gathered onto every process as numpy
-  (`process_allgather`)."""
+  """`Setup.jit_features_step` on this process's batches (compiled by `compiler`, default a new
+  one), gathered onto every process as numpy."""
 
   def __init__(self, setup: step_lib.Setup, compiler: Optional[step_lib.Compiler] = None):
     self._setup, self._jitted = setup, setup.jit_features_step()
     self._compiler = compiler or step_lib.Compiler(setup)
 
   def gather(self, local: np.ndarray) -> np.ndarray:
-    """This process's `[b, ...]` rows -> the global `[B, ...]` rows (numpy, every process),
-    in the order of `features`' rows."""
+    """This process's `[b, ...]` rows -> the global `[B, ...]` rows, as `features`' rows."""
     return np.asarray(multihost_utils.process_allgather(self._setup.to_global(local), tiled=True))
 
   def features(self, variables: dict[str, Any], images: np.ndarray) -> np.ndarray:
-    """float32 [B, F] of the global batch whose local part is `images` [b, H, W, 3].
-
-    Args:
-      variables: `{'params', ['model_state']}` placed with `setup.variables_shardings`.
-    """
+    """float32 [B, F] of the global batch whose local part is `images` [b, H, W, 3]
+    (`variables` placed with `setup.variables_shardings`)."""
     out = self._compiler(self._jitted, variables, self._setup.to_global(images))
     return np.asarray(multihost_utils.process_allgather(out, tiled=True), np.float32)
 
@@ -57,21 +46,9 @@ class Collected:
 def collect(featurizer: Featurizer, variables: dict[str, Any], batches: Iterable[dict],
             *, num_classes: int, per_class: Optional[int] = None,
             max_examples: Optional[int] = None) -> Collected:
-  """The features and labels of a dataset's real examples in reading order.
-
-  Batches are `vit_jax.data.EvalDataset` batches ('image', one-hot 'labels', 'mask'). Which
-  examples are kept and when reading stops is decided from the gathered labels and masks, the
-  same on every process, so every process runs the same steps (no multi-host deadlock); a batch
-  with nothing to keep is not featurised.
-
-  Args:
-    per_class: keep only the first `per_class` examples of each class; stop reading once every
-      class has them.
-    max_examples: keep only the first `max_examples` examples; stop reading then.
-
-  Returns:
-    `Collected` (features in the global batches' row order).
-  """
+  """The features and labels of the real examples of `EvalDataset` batches in reading order:
+  only the first `per_class` of each class / `max_examples` (reading stops once all are in).
+  Decided from the gathered labels, so every process runs the same steps."""
   counts = np.zeros(num_classes, np.int64)
   features, labels, read, kept = [], [], 0, 0
   for batch in batches:

@@ -1,12 +1,6 @@
-"""Pictures in TensorBoard during training (`config.analysis`; the images and scalars written:
-docs/analysis.md): the attention of the first eval images at every evaluation (their mean
-attention distance, ViT paper Fig. 7 right, and rollout maps, Fig. 6), and the first training
-images as the model sees them when a run starts or resumes.
-
-The reductions run on the device inside the jitted capture (XLA's attention path, one extra
-compilation), so only `[L, heads]` distances and `[rollout_images, gh, gw]` maps leave it; they
-compute what `vit_jax.analysis.mean_attention_distances` and `rollout` compute on the host, in
-float32. Figures are drawn on process 0; the parameters pictured are `state['params']`.
+"""`config.analysis`'s TensorBoard pictures (docs/analysis.md): the first eval images' mean
+attention distance (ViT Fig. 7 right) and rollout maps (Fig. 6) at every evaluation, computed on
+the device as `vit_jax.analysis` does on the host; the first training images at the start.
 """
 
 from __future__ import annotations
@@ -24,10 +18,9 @@ from vit_jax.models import intermediates
 
 def _device_summary(model: Any, layout: intermediates.TokenLayout, count: int, shown: int
                     ) -> Callable[[Any, dict], dict]:
-  """`(state of 'params' (and 'model_state'), global eval batch) -> {'attention_distance'
-  [L, heads] f32 pixels, 'rollout' [shown, gh, gw] f32 in [0, 1], 'logits' [shown, C], 'images'
-  [shown, H, W, C], 'labels' [shown, C]}` over the batch's first `count` images (masked ones
-  left out of the distances)."""
+  """`(variables, global eval batch) -> {'attention_distance' [L, heads] f32 pixels, 'rollout'
+  [shown, gh, gw] in [0, 1], 'logits', 'images', 'labels' of the first `shown`}` over the first
+  `count` images (masked ones left out)."""
   distances = jnp.asarray(attention_maps.patch_distances(layout.grid, layout.stride), jnp.float32)
   prefix, grid = layout.prefix, layout.grid
 
@@ -56,16 +49,15 @@ def _device_summary(model: Any, layout: intermediates.TokenLayout, count: int, s
   return summarize
 
 
-class Pictures:
-  """`config.analysis`'s TensorBoard images of a run (see the module docstring).
+def _figures():
+  """`vit_jax.analysis.figures`, imported when a picture is drawn (matplotlib is slow to load)."""
+  from vit_jax.analysis import figures  # pylint: disable=g-import-not-at-top  (~2 s, measured)
+  return figures
 
-  Args:
-    setup: the run's `vit_jax.step.Setup` (model, mesh, shardings, resolved config).
-    label_names: the C class names, in label order (captions).
-    first_eval_batch: `() -> this process's first eval batch` (numpy, padded and masked, as
-      `vit_jax.data.create_eval_dataset` yields), read once, on the first evaluation.
-    compiler: the run's `vit_jax.step.Compiler` (compiles the capture).
-  """
+
+class Pictures:
+  """A run's `config.analysis` pictures: `setup`'s model, the C `label_names` (captions),
+  `first_eval_batch()` (this process's, read once) and the run's `compiler`."""
 
   def __init__(self, setup: step_lib.Setup, label_names: Sequence[str],
                first_eval_batch: Callable[[], dict], compiler: step_lib.Compiler):
@@ -83,9 +75,8 @@ class Pictures:
     return self._options.attention_images > 0
 
   def _captions(self, labels: np.ndarray, logits: Optional[np.ndarray] = None) -> list:
-    """The top label's name of each example, or the predicted class's with the true one when
-    the prediction is wrong (`figures.prediction_caption`)."""
-    from vit_jax.analysis import figures  # pylint: disable=g-import-not-at-top
+    """Each example's top label name, or with `logits` `figures.prediction_caption`'s."""
+    figures = _figures()
     name = lambda i: self._names[i] if 0 <= i < len(self._names) else str(i)
     truth = [name(int(t)) for t in np.argmax(labels, axis=-1)]
     if logits is None:
@@ -95,22 +86,19 @@ class Pictures:
 
   def training_images(self, writer: Any, batch: dict, step: int) -> None:
     """Writes 'analysis/training_images' at `step` from this process's numpy training `batch`
-    (`{'image' [b, H, W, C], 'labels' [b, C]}`); nothing when `train_images` is 0 or on
-    processes other than 0."""
+    (process 0, `train_images` > 0)."""
     count = min(self._options.train_images, len(batch["image"]))
     if not count or jax.process_index() > 0:
       return
-    from vit_jax.analysis import figures  # pylint: disable=g-import-not-at-top
+    figures = _figures()
     captions = self._captions(np.asarray(batch["labels"][:count]))
     fig = figures.image_grid_figure(np.asarray(batch["image"][:count]), labels=captions,
                                     title=f"Training images as the model sees them (step {step})")
     writer.write_images(step, {"analysis/training_images": figures.to_rgb(fig)[None]})
 
   def attention(self, writer: Any, state: step_lib.State, step: int) -> dict[str, float]:
-    """Captures the attention of the state's parameters on the first eval images and writes
-    the figures at `step` (process 0); returns the scalars written
-    (`{'analysis/attention_distance/layer_<l>': pixels}`), `{}` when off. Runs on every process
-    (the capture is one jitted computation over the mesh)."""
+    """Captures the attention of `state['params']` on the first eval images (on every process)
+    and writes the figures (process 0); returns the scalars written, `{}` when off."""
     if not self.attention_on:
       return {}
     setup, options = self._setup, self._options
@@ -122,15 +110,14 @@ class Pictures:
       replicated = jax.sharding.NamedSharding(setup.mesh, jax.sharding.PartitionSpec())
       self._jitted = jax.jit(
           _device_summary(setup.model, self._layout, options.attention_images, shown),
-          in_shardings=(setup.variables_shardings, setup.batch_sharding),
-          out_shardings=replicated)
+          in_shardings=(setup.variables_shardings, setup.batch_sharding), out_shardings=replicated)
     summary = jax.device_get(self._compiler(self._jitted, variables, self._batch))
     distances = np.asarray(summary["attention_distance"], np.float64)
     scalars = {f"analysis/attention_distance/layer_{i + 1}": float(d.mean())
                for i, d in enumerate(distances)}
     writer.write_scalars(step, scalars)
     if jax.process_index() == 0:
-      from vit_jax.analysis import figures  # pylint: disable=g-import-not-at-top
+      figures = _figures()
       height, width = setup.image_shape[:2]
       pictures = {"analysis/attention_distance": figures.attention_distance_figure(
           distances, image_size=(height, width), patch_size=self._layout.stride,

@@ -1,8 +1,5 @@
-"""vit_jax's compiled kernels: each one's C++ source, its build and its JAX loader side by side.
-
-``cpu_attention``: fused softmax attention for XLA:CPU (``cpu_attention.cc``, built by
-``build.py`` through the top-level ``setup.py``, loaded by ``cpu_attention.py``;
-docs/kernels.md).
+"""vit_jax's compiled kernels, each one's C++ source, build and JAX loader side by side
+(docs/kernels.md).
 
 :data:`ATTENTION` registers the attention kernels; other modules reach them only through it.
 Each gives ``NAME`` (the models' ``attention`` value), ``LABEL``, ``why_not(devices, dtype,
@@ -18,5 +15,6 @@ ATTENTION = (cpu_attention,)
 
 
 def called_by(compiled: Any) -> Optional[str]:
-  """The ``LABEL`` of the kernel a ``jax.stages.Compiled`` program calls, else None."""
+  """The ``LABEL`` of the kernel a compiled step (``jax.stages.Compiled``) calls, else None: which
+  attention the step runs, whatever the config asked."""
   return next((k.LABEL for k in ATTENTION if k.called_by(compiled)), None)

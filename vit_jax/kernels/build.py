@@ -1,15 +1,6 @@
-"""How vit_jax's kernels are compiled: the setuptools extension, the FFI headers and the flags.
-
-The top-level ``setup.py`` loads this file by its path (it must not import the ``vit_jax``
-package, whose dependencies need not be installed while the package is being built) and adds
-:func:`extensions` to the build. ``vit_jax/tools/measure_attention.py`` uses :func:`compile_command` to build variants
-restricted to one instruction set.
-
-``cpu_attention.cc`` becomes ``vit_jax/kernels/_cpu_attention*.so``, a plain shared library that
-``cpu_attention.py`` loads with ctypes and registers as two XLA FFI targets. It compiles against
-the XLA FFI headers that jaxlib ships under ``jaxlib/include`` (jaxlib is a build requirement),
-takes about 30 s, and is optional: without a C++17 compiler the install still succeeds and
-``cpu_attention.library()`` says why the kernel is missing.
+"""How vit_jax's kernels are compiled (docs/kernels.md). ``setup.py`` loads this file by its
+path (the package's dependencies need not be installed while it builds) and adds
+:func:`extensions`; the measuring tool builds one-variant libraries with :func:`compile_command`.
 """
 
 from __future__ import annotations
@@ -30,11 +21,8 @@ ISA_MACRO = {'baseline': 0, 'avx2': 1, 'avx512': 2}
 
 
 def ffi_include_dir() -> str:
-  """jaxlib's ``include`` folder, which holds ``xla/ffi/api/ffi.h``; found without importing.
-
-  Raises:
-    RuntimeError: jaxlib is not installed, or ships no FFI headers.
-  """
+  """jaxlib's ``include`` folder (``xla/ffi/api/ffi.h``), found without importing jaxlib;
+  RuntimeError when jaxlib is missing or ships no FFI headers."""
   spec = importlib.util.find_spec('jaxlib')
   if spec is None or not spec.submodule_search_locations:
     raise RuntimeError('building the CPU attention kernel needs jaxlib (its XLA FFI headers): '
@@ -60,18 +48,9 @@ def extensions() -> list:
 
 
 def compile_command(output: str, isa: Optional[str] = None, compiler: str = 'g++') -> List[str]:
-  """The command that compiles ``cpu_attention.cc`` into the shared library ``output``.
-
-  Args:
-    output: path of the ``.so`` to write.
-    isa: one of ``ISA_MACRO``'s keys to build that variant alone (it then runs on any CPU
-      as that variant, and crashes with SIGILL on one without its instructions); None builds
-      all of them, chosen at load time, like the installed library.
-    compiler: the C++ compiler to run.
-
-  Raises:
-    ValueError: an unknown ``isa``.
-  """
+  """The command that compiles the kernel into ``output``: every variant, or ``isa`` (a key of
+  ``ISA_MACRO``) alone, which then runs as that variant on any CPU (SIGILL without its
+  instructions). ValueError: an unknown ``isa``."""
   if isa is not None and isa not in ISA_MACRO:
     raise ValueError(f'isa must be one of {sorted(ISA_MACRO)} or None, got {isa!r}')
   source = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'cpu_attention.cc')

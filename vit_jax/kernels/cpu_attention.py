@@ -1,19 +1,10 @@
-"""Fused softmax attention on XLA:CPU: vit_jax's own kernel, called through the XLA FFI.
+"""Fused softmax attention on XLA:CPU, vit_jax's own kernel through the XLA FFI (docs/kernels.md).
 
-XLA:CPU has no fused attention: it runs ``softmax(q k^T) v`` as batched matrix products with the
-softmax in separate passes, and a rematerialised block computes it twice. ``cpu_attention.cc``
-(beside this file) computes, per (image, head), the forward and FlashAttention-2's backward
-(Dao, 2023, Algorithm 2) in one pass over cache-resident tiles, using XLA's intra-op thread
-pool. ``pip install`` compiles it (``vit_jax/kernels/build.py``, used by ``setup.py``; needs a
-C++17 compiler, e.g. Debian's ``g++``) into ``vit_jax/kernels/_cpu_attention*.so``, with one
-variant per x86-64 instruction set (:data:`ISAS`), of which the library runs the best that the
-CPU has (:func:`isa`).
-
-This module loads the library, registers its two FFI targets for the CPU and wraps them as
-:func:`attention`, differentiable. ``vit_jax.dispatch`` decides where it runs, from
-:func:`why_not` and :func:`faster_than_xla`; other modules reach it through
-``vit_jax.kernels.ATTENTION``. The forward saves its output and per-row log-sum-exp as
-:data:`RESIDUAL_NAMES` (for remat policies); the backward recomputes the weights from them.
+``cpu_attention.cc`` computes, per (image, head), the forward and FlashAttention-2's backward
+(Dao, 2023, Algorithm 2) over cache-resident tiles, one variant per x86-64 level (:data:`ISAS`;
+:func:`isa`). This module loads the library ``_cpu_attention*.so`` (``build.py``), registers its
+FFI targets and wraps them as :func:`attention`, differentiable; the forward saves its output
+and per-row log-sum-exp as :data:`RESIDUAL_NAMES`. Registered in ``vit_jax.kernels.ATTENTION``.
 """
 
 from __future__ import annotations
@@ -42,13 +33,11 @@ TARGETS = (FORWARD_TARGET, BACKWARD_TARGET)
 #: The models' ``attention`` value that runs this kernel, and what it is, for logs.
 NAME = 'cpu_kernel'
 LABEL = 'the fused CPU kernel'
-#: The library's variants, one per x86-64 level: x86-64-v4 (AVX-512), x86-64-v3 (AVX2, FMA),
-#: the x86-64 baseline (SSE2; also every non-x86 build).
+#: The library's variants: x86-64-v4 (AVX-512), x86-64-v3 (AVX2, FMA), baseline (any CPU).
 ISAS = ('avx512', 'avx2', 'baseline')
 
 #: Per variant: whether it shortens the training step against XLA's attention, and the
-#: measurement that says so (docs/kernels.md has the tables and the command that reproduces
-#: them). The automatic choice uses the kernel only where this says True.
+#: measurement that says so (tables and the command: docs/kernels.md).
 MEASURED = {
     'avx512': (True, 'measured on a Zen 4 CPU with AVX-512 (2 cores): the ViT-Ti/16 training '
                "step at batch 32 took 14% less time than with XLA's attention "
@@ -67,15 +56,9 @@ _loaded: dict[str, str] = {}  # Path of each loaded library -> its variant (VitJ
 
 
 def load(path: str) -> Tuple[Optional[str], str]:
-  """Loads the kernel library at ``path`` and registers its two FFI targets for the CPU.
-
-  :func:`library` calls this once for the installed library; a measuring script may call it
-  first, in a fresh process, with a build of one variant (``vit_jax/tools/measure_attention.py``).
-
-  Returns:
-    ``(path, '')`` when loaded, ``(None, reason)`` when the file cannot be loaded or lacks the
-    kernel's symbols.
-  """
+  """Loads the library at ``path`` and registers its FFI targets: ``(path, '')``, or ``(None,
+  reason)``. :func:`library` loads the installed one; a measurement may load a one-variant build
+  first, in a fresh process."""
   try:
     lib = ctypes.CDLL(path)
     lib.VitJaxAttentionIsa.restype = ctypes.c_char_p
@@ -92,18 +75,12 @@ def load(path: str) -> Tuple[Optional[str], str]:
 
 @functools.cache
 def library() -> Tuple[Optional[str], str]:
-  """Loads the installed kernel once and registers its two FFI targets for the CPU platform.
-
-  Returns:
-    ``(path, '')`` when loaded, ``(None, reason)`` when not: the extension was not built (no C++
-    compiler at install time; reinstall with ``pip install -e .`` after installing ``g++``) or
-    could not be loaded.
-  """
+  """The installed library, loaded once: ``(path, '')``, or ``(None, reason)`` when it was not
+  built (no C++ compiler at install time) or cannot be loaded."""
   if _loaded:  # A measuring script loaded a variant first (see load): that one is registered.
     return next(iter(_loaded)), ''
   here = os.path.dirname(os.path.abspath(__file__))
-  # This interpreter's build first (each Python's install builds its own, against the headers
-  # of its jaxlib), then any other.
+  # This interpreter's build first (each builds against its own jaxlib's headers), then any.
   paths = [os.path.join(here, '_cpu_attention' + suffix)
            for suffix in importlib.machinery.EXTENSION_SUFFIXES]
   paths = [p for p in paths if os.path.isfile(p)] + sorted(
@@ -115,22 +92,15 @@ def library() -> Tuple[Optional[str], str]:
 
 
 def isa() -> Optional[str]:
-  """The variant of the kernel that runs on this CPU, one of :data:`ISAS`; None if not built.
-
-  The library picks it when it loads, as GCC's ``target_clones`` would: ``'avx512'`` where
-  the CPU has x86-64-v4 (AVX-512 F, BW, CD, DQ, VL), else ``'avx2'`` where it has x86-64-v3
-  (AVX2, FMA, BMI1/2, F16C, LZCNT, MOVBE), else ``'baseline'``.
-  """
+  """The variant that runs on this CPU (:data:`ISAS`, the best it has, as GCC's
+  ``target_clones`` picks); None if not built."""
   path, _ = library()
   return None if path is None else _loaded[path]
 
 
 def faster_than_xla() -> Tuple[bool, str]:
-  """Whether the kernel is faster than XLA's attention on this CPU, and why (a phrase for logs).
-
-  Per the variant that runs here (:func:`isa`), from measurements of the whole training step
-  (:data:`MEASURED`, docs/kernels.md), never from the machine's load. False when not built.
-  """
+  """``(faster, why)``: whether the kernel is faster than XLA's attention on this CPU, per the
+  variant that runs here, from :data:`MEASURED`; False when not built."""
   path, reason = library()
   if path is None:
     return False, f'the kernel is not available: {reason}'
@@ -164,12 +134,8 @@ def supports(qkv_shape: Tuple[int, ...], dtype: Any) -> bool:
 
 
 def macs(target_name: str, qkv_shape: Tuple[int, ...]) -> int:
-  """Multiply-adds of one call of the kernel's ``target_name`` on a ``qkv`` of ``qkv_shape``.
-
-  Per (image, head) with N tokens of head size Dh: the forward's two products (q k^T and the
-  weights times v) are 2 N^2 Dh; the backward's five (S^T, dP^T, dV, dK, dQ) 5 N^2 Dh. For
-  :func:`vit_jax.flops.jaxpr_macs`, which counts XLA's products and cannot see into the call.
-  """
+  """Multiply-adds of one call of ``target_name`` on a ``qkv`` of ``qkv_shape``: per (image,
+  head) 2 N^2 Dh forward, 5 N^2 Dh backward (for :func:`vit_jax.flops.jaxpr_macs`)."""
   b, n, _, heads, head_dim = qkv_shape
   products = {FORWARD_TARGET: 2, BACKWARD_TARGET: 5}[target_name]
   return products * b * heads * n * n * head_dim
@@ -181,8 +147,7 @@ def called_by(compiled: Any) -> bool:
 
 
 def status() -> str:
-  """One line for logs and reports: whether the kernel is built, which variant runs here, and
-  whether it is faster than XLA's attention on this CPU (:func:`faster_than_xla`)."""
+  """One line for logs: built or not, the variant, and :func:`faster_than_xla`."""
   path, reason = library()
   if path is None:
     return f'unavailable: {reason}'
@@ -223,24 +188,11 @@ _attention.defvjp(_attention_fwd, _attention_bwd)
 
 
 def attention(qkv: Array, *, logits_scale: float) -> Array:
-  """``softmax(logits_scale * q k^T) v`` for every image and head, by the fused kernel.
+  """``softmax(logits_scale * q k^T) v`` by the kernel, differentiable; XLA:CPU, one device.
 
-  Differentiable (``jax.custom_vjp``; the backward is the kernel's too). Runs on XLA:CPU only,
-  on one device; the caller decides when to use it (see the module docstring).
-
-  Args:
-    qkv: ``[B, N, 3, heads, Dh]`` float32, queries, keys and values stacked on axis 2 (the
-      output of a fused QKV projection, reshaped); ``Dh`` a multiple of 16.
-    logits_scale: multiplies the logits ``q . k`` (e.g. ``Dh ** -0.5``).
-
-  Returns:
-    ``[B, N, heads, Dh]`` float32: :func:`vit_jax.models.attention.dot_product_attention` of the
-    ``[B, heads, N, Dh]`` transposes, moved back, to float32 rounding (max abs difference about
-    1e-6 at ViT-B sizes).
-
-  Raises:
-    ValueError: a shape or dtype the kernel does not take (:func:`supports` says beforehand),
-      or the kernel unavailable (with the reason; :func:`library` says beforehand).
+  ``qkv [B, N, 3, heads, Dh]`` float32 (``Dh`` a multiple of 16) -> ``[B, N, heads, Dh]``
+  float32, XLA's result to float32 rounding. ValueError: a shape or dtype it does not take
+  (:func:`supports`), or the kernel unavailable (:func:`library`).
   """
   qkv = jnp.asarray(qkv)
   if not supports(qkv.shape, qkv.dtype):

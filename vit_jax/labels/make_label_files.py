@@ -5,14 +5,8 @@ A maintenance script, never imported by the package::
   pip download timm==1.0.15 --no-deps -d /tmp/timmdl
   python vit_jax/labels/make_label_files.py /tmp/timmdl/timm-1.0.15-py3-none-any.whl
 
-(the argument may also be an unpacked ``timm/data/_info`` directory). It reads
-
-* ``imagenet_synsets.txt``: the 1,000 ILSVRC-2012 synsets in label order (sorted WordNet ids);
-* ``imagenet21k_goog_synsets.txt``: the 21,843 ImageNet-21k synsets of Google's release (fall 2011
-  plus two classes) in label order (sorted ids), the order of the official ViT 21k heads;
-* ``imagenet_synset_to_lemma.txt``: ``synset<TAB>lemma, lemma, ...`` (WordNet lemmas),
-
-and writes one readable name per class, per line, in label order (see :func:`short_names`).
+(or an unpacked ``timm/data/_info`` directory). The synset lists and lemmas it reads:
+``README.md`` here. It writes one name per class, per line, in label order (:func:`short_names`).
 """
 
 from __future__ import annotations
@@ -42,20 +36,14 @@ def read_timm_file(source: str, name: str) -> str:
 
 
 def short_names(synsets: Sequence[str], lemmas: Dict[str, List[str]]) -> List[str]:
-  """One name per synset, unique (ignoring case) within ``synsets``.
-
-  The name is the synset's first WordNet lemma ('tench' for 'tench, Tinca tinca'). Where
-  several classes of the set share it, a class with a second lemma is named 'first (second)'
-  ('maillot (tank suit)'); a name still shared after that gets the synset id
-  ('crane (n02012849)').
-  """
+  """One name per synset, unique (ignoring case): its first WordNet lemma, 'first (second)' where
+  that is shared ('maillot (tank suit)'), then the synset id ('crane (n02012849)')."""
   names = [lemmas[s][0] for s in synsets]
   counts = collections.Counter(n.lower() for n in names)
   names = [f'{lemmas[s][0]} ({lemmas[s][1]})' if counts[n.lower()] > 1 and len(lemmas[s]) > 1
            else n for s, n in zip(synsets, names)]
   counts = collections.Counter(n.lower() for n in names)
-  names = [f'{lemmas[s][0]} ({s})' if counts[n.lower()] > 1 else n
-           for s, n in zip(synsets, names)]
+  names = [f'{lemmas[s][0]} ({s})' if counts[n.lower()] > 1 else n for s, n in zip(synsets, names)]
   assert len({n.lower() for n in names}) == len(names), 'names are not unique'
   return names
 

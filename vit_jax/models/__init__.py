@@ -1,22 +1,11 @@
-"""Model registry: build a model from its name, e.g. ``create('ViT-B_16', num_classes=1000)``.
+"""Model registry: ``create('ViT-B_16', num_classes=1000, **overrides)``; one :class:`Family`
+per name form in :data:`FAMILIES` (adding a family is one entry).
 
-Names (one :class:`Family` each in :data:`FAMILIES`; adding a family is one entry):
-  * ``ViT-{size}_{patch}`` / ``ViT-{size}/{patch}`` (also ``vit-b16``, ``vit_b_16``); size in
-    Ti, S, B, L, H, g, G (case-insensitive except giant ``g`` vs gigantic ``G``), any patch.
-  * ``T2T-ViT-{7,10,12,14,19,24}`` (Performer) and ``T2T-ViT_t-{14,19,24}`` (Transformer T2T
-    module), :data:`T2T_SIZES`; case-insensitive, ``-``/``_`` interchangeable.
-  * Hybrids (:mod:`vit_jax.models.resnet`), :data:`HYBRID_CONFIGS`: ``R50+ViT-B_16``,
-    ``R50+ViT-L_32``, ``R26+ViT-B_32``, ``R26+ViT-S_32``, ``R+ViT-Ti_16`` (also ``/``, lower
-    case, AugReg style ``R26_S_32``). The number is the advertised patch size, not
-    ``patch_size``: R+ViT-Ti/16's real total stride is 32.
-  * ``ViT-custom``, ``R+ViT-custom``, ``T2T-ViT-custom``: the architecture from overrides
-    (``Family.required``).
-
-Overrides are the model's fields, flat (:data:`OVERRIDE_KEYS`, :data:`HYBRID_OVERRIDE_KEYS`,
-:data:`T2T_OVERRIDE_KEYS`); sizes follow the ViT paper, Table 1, and the official configs
-(docs/reference.md). Parameters carry logical axis names (:data:`LOGICAL_AXIS_NAMES`):
-``init`` returns ``nn.LogicallyPartitioned`` boxes, ``apply`` takes boxed or plain variables;
-:func:`unbox`, :func:`abstract_variables`, :func:`logical_axes` (docs/models.md, docs/pods.md).
+Names: ``ViT-{Ti,S,B,L,H,g,G}_{patch}`` (also ``ViT-B/16``, ``vit-b16``); ``T2T-ViT-{7,10,12,
+14,19,24}`` and ``T2T-ViT_t-{14,19,24}``; the hybrids of :data:`HYBRID_CONFIGS` (the number is
+the advertised patch, not ``patch_size``: R+ViT-Ti/16's stride is 32); ``ViT-custom``,
+``R+ViT-custom``, ``T2T-ViT-custom`` with the architecture as overrides. Overrides are the
+model's fields; sizes: ViT paper Table 1 and the official configs (docs/reference.md).
 """
 
 from __future__ import annotations
@@ -33,6 +22,7 @@ from vit_jax.models import attention
 from vit_jax.models import layout
 from vit_jax.models import resnet
 from vit_jax.models import t2t
+from vit_jax.models.execution import ImageSizeError
 from vit_jax.models.layout import (LOGICAL_AXIS_NAMES, is_scanned, scan_params, unbox,
                                    unscan_params)
 from vit_jax.models.t2t import T2TViT
@@ -43,17 +33,16 @@ from vit_jax.models.vit import (CLASSIFIERS, POSEMBS, VisionTransformer, patch_p
 ATTENTION_IMPLEMENTATIONS = attention.IMPLEMENTATIONS
 
 __all__ = [
-    'ATTENTION_IMPLEMENTATIONS', 'CLASSIFIERS', 'FAMILIES', 'Family', 'HYBRID_CONFIGS', 'HYBRID_MODEL_NAMES',
-    'HYBRID_OVERRIDE_KEYS', 'LOGICAL_AXIS_NAMES', 'MODEL_NAMES', 'OVERRIDE_KEYS', 'POSEMBS',
-    'T2TViT',
-    'T2T_MODEL_NAMES', 'T2T_OVERRIDE_KEYS', 'T2T_SIZES', 'VIT_SIZES',
-    'VisionTransformer', 'abstract_variables', 'attention', 'create', 'head_dim', 'is_scanned',
-    'layout', 'logical_axes', 'model_config',
-    'resnet', 'resolve', 'scan_params', 't2t', 'unbox', 'unscan_params',
+    'ATTENTION_IMPLEMENTATIONS', 'CLASSIFIERS', 'FAMILIES', 'Family', 'HYBRID_CONFIGS',
+    'HYBRID_MODEL_NAMES', 'HYBRID_OVERRIDE_KEYS', 'ImageSizeError', 'LOGICAL_AXIS_NAMES',
+    'MODEL_NAMES', 'OVERRIDE_KEYS', 'POSEMBS', 'T2TViT', 'T2T_MODEL_NAMES', 'T2T_OVERRIDE_KEYS',
+    'T2T_SIZES', 'VIT_SIZES', 'VisionTransformer', 'abstract_variables', 'attention', 'create',
+    'head_dim', 'is_scanned', 'layout', 'logical_axes', 'model_config', 'resnet', 'resolve',
+    'scan_params', 't2t', 'unbox', 'unscan_params',
 ]
 
-#: ViT sizes: (num_layers, hidden_size, mlp_dim, num_heads, dropout_rate) — paper Table 1 and the
-#: official configs (L and H use dropout 0.1; g and G specify none, 0.0 here).
+#: ViT sizes: (num_layers, hidden_size, mlp_dim, num_heads, dropout_rate): paper Table 1 and the
+#: official configs (g and G specify no dropout).
 VIT_SIZES: Dict[str, Tuple[int, int, int, int, float]] = {
     'Ti': (12, 192, 768, 3, 0.0),
     'S': (12, 384, 1536, 6, 0.0),
@@ -65,23 +54,12 @@ VIT_SIZES: Dict[str, Tuple[int, int, int, int, float]] = {
 }
 
 _VIT_DEFAULTS: Dict[str, Any] = dict(
-    classifier='token',
-    representation_size=None,
-    dropout_rate=0.0,
-    attention_dropout_rate=0.0,
-    head_bias_init=0.0,
-    dtype='float32',
-    param_dtype='float32',
-    scan=False,
-    remat=False,
-    remat_policy='nothing_saveable',
-    attention='xla',
-    gelu_approximate=True,
-    layer_norm_epsilon=1e-6,
-    posemb='learn',
-)
+    classifier='token', representation_size=None, dropout_rate=0.0, attention_dropout_rate=0.0,
+    head_bias_init=0.0, dtype='float32', param_dtype='float32', scan=False, remat=False,
+    remat_policy='nothing_saveable', attention='xla', gelu_approximate=True,
+    layer_norm_epsilon=1e-6, posemb='learn')
 
-#: Keys accepted as overrides by ``create`` / ``model_config`` for the ViT family.
+#: Override keys of the ViT family.
 OVERRIDE_KEYS: Tuple[str, ...] = (
     'hidden_size', 'mlp_dim', 'num_heads', 'num_layers', 'patch_size', 'classifier',
     'representation_size', 'dropout_rate', 'attention_dropout_rate', 'head_bias_init', 'dtype',
@@ -93,16 +71,9 @@ _REQUIRED_CUSTOM = ('hidden_size', 'mlp_dim', 'num_heads', 'num_layers', 'patch_
 
 @dataclasses.dataclass(frozen=True)
 class Family:
-  """One model family of the registry.
-
-  Attributes:
-    name: family name used in messages ('ViT'); forms: the accepted names, for messages.
-    pattern: regex that a model name must fully match.
-    base_config: ``match -> dict`` of the configuration before overrides.
-    module: the ``flax.linen.Module`` class, or ``None`` if not implemented yet.
-    override_keys: accepted override keys; required: those that must be given.
-    validate: ``config -> None`` raising ValueError for invalid values.
-  """
+  """A family: names fully matching ``pattern``, ``base_config(match)`` before the overrides,
+  the ``module`` class (None: not implemented), the accepted and ``required`` override keys,
+  ``forms`` for messages and ``validate(**config)`` raising ValueError."""
 
   name: str
   pattern: re.Pattern
@@ -131,9 +102,8 @@ HYBRID_OVERRIDE_KEYS: Tuple[str, ...] = OVERRIDE_KEYS + ('resnet_num_layers',
 
 _HYBRID_REQUIRED_CUSTOM = _REQUIRED_CUSTOM + ('resnet_num_layers',)
 
-#: The official hybrids (vision_transformer ``configs/models.py``), keyed by (ResNet depth in
-#: the name, ViT size, advertised patch size): (resnet_num_layers, patch_size, dropout_rate).
-#: ViT part as :data:`VIT_SIZES`, resnet width factor 1.
+#: The official hybrids (``configs/models.py``): (depth in the name, ViT size, advertised patch)
+#: -> (resnet_num_layers, patch_size, dropout_rate); width factor 1.
 HYBRID_CONFIGS: Dict[Tuple[str, str, int], Tuple[Tuple[int, ...], int, float]] = {
     ('', 'Ti', 16): ((), 8, 0.0),              # R+ViT-Ti_16: stem stride 4 x patch 8 = 32.
     ('50', 'B', 16): ((3, 4, 9), 1, 0.1),      # R50+ViT-B_16: stride 16.
@@ -165,9 +135,8 @@ def _hybrid_config(match: re.Match) -> Dict[str, Any]:
               resnet_num_layers=resnet_num_layers, resnet_width_factor=1)
 
 
-#: T2T-ViT sizes by depth: (embed_dim, depth, num_heads, mlp_ratio), official ``t2t_vit.py``
-#: (docs/reference.md section 2). All use token_dim 64. Depths 7, 10, 12 exist only with the
-#: Performer T2T module; 14, 19, 24 with both.
+#: T2T-ViT sizes by depth: (embed_dim, depth, num_heads, mlp_ratio), official ``t2t_vit.py``;
+#: token_dim 64; 7, 10, 12 with the Performer T2T module only.
 T2T_SIZES: Dict[int, Tuple[int, int, int, float]] = {
     7: (256, 7, 4, 2.0),
     10: (256, 10, 4, 2.0),
@@ -178,20 +147,11 @@ T2T_SIZES: Dict[int, Tuple[int, int, int, float]] = {
 }
 
 _T2T_DEFAULTS: Dict[str, Any] = dict(
-    token_dim=64,
-    tokens_type='performer',
-    qk_scale=None,
-    drop_path_rate=0.1,
-    dtype='float32',
-    param_dtype='float32',
-    scan=False,
-    remat=False,
-    remat_policy='nothing_saveable',
-    attention='xla',
-)
+    token_dim=64, tokens_type='performer', qk_scale=None, drop_path_rate=0.1, dtype='float32',
+    param_dtype='float32', scan=False, remat=False, remat_policy='nothing_saveable',
+    attention='xla')
 
-#: Keys accepted as overrides by ``create`` / ``model_config`` for the T2T-ViT families (the
-#: reference's constructor names).
+#: Override keys of the T2T-ViT families (the reference's constructor names).
 T2T_OVERRIDE_KEYS: Tuple[str, ...] = (
     'embed_dim', 'depth', 'num_heads', 'mlp_ratio', 'token_dim', 'tokens_type',
     'drop_path_rate', 'qk_scale', 'dtype', 'param_dtype', 'scan', 'remat', 'remat_policy',
@@ -210,73 +170,35 @@ def _t2t_config(match: re.Match) -> Dict[str, Any]:
 
 
 FAMILIES: Tuple[Family, ...] = (
-    Family(
-        name='ViT',
-        pattern=re.compile(r'(?i:vit)[-_ ]?(?P<size>(?i:ti|s|b|l|h)|g|G)[-_/]?(?P<patch>\d+)'),
-        base_config=_vit_config,
-        module=VisionTransformer,
-        override_keys=OVERRIDE_KEYS,
-        forms="'ViT-{Ti,S,B,L,H,g,G}_{patch}' or 'ViT-{size}/{patch}' (e.g. 'ViT-B_16', "
-              "'ViT-B/16', 'vit-b16', 'ViT-Ti_4')",
-        validate=validate_config,
-    ),
-    Family(
-        name='ViT-custom',
-        pattern=re.compile(r'(?i:vit[-_]custom)'),
-        base_config=lambda _: dict(_VIT_DEFAULTS),
-        module=VisionTransformer,
-        override_keys=OVERRIDE_KEYS,
-        forms="'ViT-custom' (hidden_size, mlp_dim, num_heads, num_layers, patch_size given as "
-              "overrides)",
-        required=_REQUIRED_CUSTOM,
-        validate=validate_config,
-    ),
-    Family(
-        name='R+ViT (hybrid)',
-        pattern=re.compile(
-            r'(?i:r)(?P<depth>\d*)(?:\+(?i:vit)[-_ ]?|_)(?P<size>(?i:ti|s|b|l|h)|g|G)[-_/]?'
-            r'(?P<patch>\d+)'),
-        base_config=_hybrid_config,
-        module=VisionTransformer,
-        override_keys=HYBRID_OVERRIDE_KEYS,
-        forms="'R50+ViT-B_16', 'R50+ViT-L_32', 'R26+ViT-B_32', 'R26+ViT-S_32', 'R+ViT-Ti_16' "
-              "(hybrid ResNet + ViT; also 'R50+ViT-B/16', 'r50+vit-b16', AugReg style "
-              "'R26_S_32')",
-        validate=validate_config,
-    ),
-    Family(
-        name='R+ViT-custom',
-        pattern=re.compile(r'(?i:r\+vit[-_]custom)'),
-        base_config=lambda _: dict(_VIT_DEFAULTS, resnet_width_factor=1),
-        module=VisionTransformer,
-        override_keys=HYBRID_OVERRIDE_KEYS,
-        forms="'R+ViT-custom' (hidden_size, mlp_dim, num_heads, num_layers, patch_size, "
-              "resnet_num_layers given as overrides)",
-        required=_HYBRID_REQUIRED_CUSTOM,
-        validate=validate_config,
-    ),
-    Family(
-        name='T2T-ViT',
-        pattern=re.compile(
-            r'(?i:t2t[-_]vit)(?:[-_](?P<t>(?i:t))[-_](?P<t_depth>14|19|24)'
-            r'|[-_](?P<depth>7|10|12|14|19|24))'),
-        base_config=_t2t_config,
-        module=T2TViT,
-        override_keys=T2T_OVERRIDE_KEYS,
-        forms="'T2T-ViT-{7,10,12,14,19,24}' (Performer T2T) or 'T2T-ViT_t-{14,19,24}' "
-              "(Transformer T2T) (Tokens-to-Token ViT)",
-        validate=t2t.validate_config,
-    ),
-    Family(
-        name='T2T-ViT-custom',
-        pattern=re.compile(r'(?i:t2t[-_]vit[-_]custom)'),
-        base_config=lambda _: dict(_T2T_DEFAULTS),
-        module=T2TViT,
-        override_keys=T2T_OVERRIDE_KEYS,
-        forms="'T2T-ViT-custom' (embed_dim, depth, num_heads, mlp_ratio given as overrides)",
-        required=_T2T_REQUIRED_CUSTOM,
-        validate=t2t.validate_config,
-    ),
+    Family('ViT', re.compile(r'(?i:vit)[-_ ]?(?P<size>(?i:ti|s|b|l|h)|g|G)[-_/]?(?P<patch>\d+)'),
+           _vit_config, VisionTransformer, OVERRIDE_KEYS, validate=validate_config,
+           forms="'ViT-{Ti,S,B,L,H,g,G}_{patch}' or 'ViT-{size}/{patch}' (e.g. 'ViT-B_16', "
+                 "'ViT-B/16', 'vit-b16', 'ViT-Ti_4')"),
+    Family('ViT-custom', re.compile(r'(?i:vit[-_]custom)'), lambda _: dict(_VIT_DEFAULTS),
+           VisionTransformer, OVERRIDE_KEYS, required=_REQUIRED_CUSTOM, validate=validate_config,
+           forms="'ViT-custom' (hidden_size, mlp_dim, num_heads, num_layers, patch_size given "
+                 "as overrides)"),
+    Family('R+ViT (hybrid)', re.compile(
+        r'(?i:r)(?P<depth>\d*)(?:\+(?i:vit)[-_ ]?|_)(?P<size>(?i:ti|s|b|l|h)|g|G)[-_/]?'
+        r'(?P<patch>\d+)'), _hybrid_config, VisionTransformer, HYBRID_OVERRIDE_KEYS,
+           validate=validate_config,
+           forms="'R50+ViT-B_16', 'R50+ViT-L_32', 'R26+ViT-B_32', 'R26+ViT-S_32', 'R+ViT-Ti_16' "
+                 "(hybrid ResNet + ViT; also 'R50+ViT-B/16', 'r50+vit-b16', AugReg style "
+                 "'R26_S_32')"),
+    Family('R+ViT-custom', re.compile(r'(?i:r\+vit[-_]custom)'),
+           lambda _: dict(_VIT_DEFAULTS, resnet_width_factor=1), VisionTransformer,
+           HYBRID_OVERRIDE_KEYS, required=_HYBRID_REQUIRED_CUSTOM, validate=validate_config,
+           forms="'R+ViT-custom' (hidden_size, mlp_dim, num_heads, num_layers, patch_size, "
+                 "resnet_num_layers given as overrides)"),
+    Family('T2T-ViT', re.compile(r'(?i:t2t[-_]vit)(?:[-_](?P<t>(?i:t))[-_](?P<t_depth>14|19|24)'
+                                 r'|[-_](?P<depth>7|10|12|14|19|24))'),
+           _t2t_config, T2TViT, T2T_OVERRIDE_KEYS, validate=t2t.validate_config,
+           forms="'T2T-ViT-{7,10,12,14,19,24}' (Performer T2T) or 'T2T-ViT_t-{14,19,24}' "
+                 "(Transformer T2T) (Tokens-to-Token ViT)"),
+    Family('T2T-ViT-custom', re.compile(r'(?i:t2t[-_]vit[-_]custom)'),
+           lambda _: dict(_T2T_DEFAULTS), T2TViT, T2T_OVERRIDE_KEYS,
+           required=_T2T_REQUIRED_CUSTOM, validate=t2t.validate_config,
+           forms="'T2T-ViT-custom' (embed_dim, depth, num_heads, mlp_ratio given as overrides)"),
 )
 
 #: Canonical names of the official T2T-ViT configurations, plus 'T2T-ViT-custom'.
@@ -308,17 +230,9 @@ def resolve(name: str) -> Tuple[Family, re.Match]:
 
 
 def model_config(name: str, **overrides: Any) -> Dict[str, Any]:
-  """The model's configuration fields (all but ``num_classes``) for ``name`` plus ``overrides``.
-
-  ``patch_size`` as an ``(h, w)`` tuple, ``resnet_num_layers`` as a tuple;
-  ``Family.module(num_classes=..., **config)`` builds the model.
-
-  Raises:
-    ValueError: unknown name (also a non-official hybrid), invalid values, missing required
-      overrides of a ``*-custom`` name.
-    TypeError: unknown override keys (the message lists the valid ones).
-    NotImplementedError: a recognised family that is not implemented (none at present).
-  """
+  """The model's fields (all but ``num_classes``) for ``name`` and ``overrides``; ``patch_size``
+  an ``(h, w)`` tuple. ValueError: an unknown name, a bad value, a missing required override;
+  TypeError: an unknown override key; NotImplementedError: a family without a module."""
   family, match = resolve(name)
   if family.module is None:
     raise NotImplementedError(
@@ -336,26 +250,16 @@ def model_config(name: str, **overrides: Any) -> Dict[str, Any]:
   config.update(overrides)
   if 'patch_size' in config:
     config['patch_size'] = patch_pair(config['patch_size'])
-  layers = config.get('resnet_num_layers')
-  if (layers is not None and not isinstance(layers, (str, bytes))
-      and isinstance(layers, (list, tuple))):
-    config['resnet_num_layers'] = tuple(layers)  # Hashable, and as ml_collections stores it.
+  if isinstance(config.get('resnet_num_layers'), (list, tuple)):
+    config['resnet_num_layers'] = tuple(config['resnet_num_layers'])  # As ml_collections has it.
   if family.validate is not None:
     family.validate(num_classes=None, **config)
   return config
 
 
 def create(name: str, *, num_classes: Optional[int], **overrides: Any) -> nn.Module:
-  """Builds an (uninitialised) model from its registry name; ``num_classes=None``: no head.
-
-  Example::
-
-    model = create('ViT-S_32', num_classes=1000, num_layers=4)
-    variables = model.init(jax.random.key(0), jnp.zeros((1, 224, 224, 3)), train=False)
-    logits = model.apply(variables, images, train=False)  # [B, 1000] float32
-
-  Raises as :func:`model_config`, and ValueError for an invalid ``num_classes``.
-  """
+  """The (uninitialised) model of a registry name; ``num_classes=None``: no head. Raises as
+  :func:`model_config`, and ValueError for a bad ``num_classes``."""
   config = model_config(name, **overrides)
   family, _ = resolve(name)
   return family.module(num_classes=num_classes, **config)
@@ -380,21 +284,14 @@ def _image_batch_shape(image_shape: Sequence[int]) -> Tuple[int, int, int, int]:
 
 
 def abstract_variables(model: nn.Module, image_shape: Sequence[int] = (224, 224)) -> Any:
-  """``jax.eval_shape`` of ``model.init`` on one image: ``ShapeDtypeStruct`` leaves, params boxed.
-
-  ``image_shape``: ``(H, W)`` or ``(H, W, C)`` (C defaults to 3); it fixes the position tables.
-  Raises ValueError for a malformed or unsupported ``image_shape``.
-  """
+  """``jax.eval_shape`` of ``model.init`` on one ``(H, W[, C=3])`` image, params boxed.
+  ValueError: a malformed or unsupported ``image_shape``."""
   shape = _image_batch_shape(image_shape)
   return jax.eval_shape(
       lambda: model.init(jax.random.key(0), jnp.zeros(shape, jnp.float32), train=False))
 
 
 def logical_axes(model: nn.Module, image_shape: Sequence[int] = (224, 224)) -> Any:
-  """The logical ``PartitionSpec`` of every variable of ``model`` (``jax.eval_shape`` only).
-
-  E.g. ``logical_axes(create('ViT-B_16', num_classes=10))['params']['head']['kernel']`` is
-  ``PartitionSpec('embed', 'classes')``; T2T-ViT's ``'constants'`` get ``PartitionSpec()``.
-  Map onto a mesh with ``nn.logical_to_mesh_sharding``. Raises as :func:`abstract_variables`.
-  """
+  """The logical ``PartitionSpec`` of every variable (e.g. the head kernel's ``('embed',
+  'classes')``; T2T-ViT's constants ``()``). Raises as :func:`abstract_variables`."""
   return nn.get_partition_spec(abstract_variables(model, image_shape))

@@ -1,31 +1,12 @@
-"""Multi-head self-attention of both model families, one function over its implementations.
+"""Multi-head attention of both families, one function over its implementations (the
+``attention`` field, :data:`IMPLEMENTATIONS`; chosen by ``vit_jax.dispatch``, never here).
 
-:class:`MultiHeadDotProductAttention` computes what ``flax.linen.MultiHeadDotProductAttention``
-computes for self-attention (the MSA of ViT eq. 2, Vaswani et al. eq. 1) and stores the same
-parameters under the same names and shapes, so the official checkpoints load unchanged::
-
-  {query,key,value}/kernel (D, heads, D/heads)   {query,key,value}/bias (heads, D/heads)
-  out/kernel (heads, D/heads, D)                 out/bias (D,)
-
-T2T-ViT's backbone attention (``vit_jax.models.t2t.Attention``) goes through the same
-:func:`self_attention`. The model field ``attention`` (:data:`IMPLEMENTATIONS`) says which
-implementation runs; ``vit_jax.dispatch`` chooses it, the models never look at the machine:
-
-* ``'xla'``: ``q, k, v`` in the ``[B, heads, N, D/heads]`` layout of
-  :func:`dot_product_attention`'s two batched products (no transposes). Attention dropout.
-* ``'cudnn'``: ``jax.nn.dot_product_attention(implementation='cudnn')`` on ``[B, N, heads, Dh]``.
-* a vit_jax kernel (:data:`vit_jax.kernels.ATTENTION`): the three projections as one product
-  into ``[B, N, 3, heads, Dh]``, the kernel's input; its ``[B, N, heads, Dh]`` output feeds
-  the output projection.
-
-They differ by floating-point rounding only. Cross-attention (big_vision's ``MAPHead``:
-:func:`cross_attention`, through ``inputs_kv``) has the XLA path only.
-
-Intermediates: with Flax's ``'intermediates'`` collection mutable, the attention modules sow
-their float32 weights ``[B, heads, Nq, Nk]`` (softmax before dropout) as
-:data:`ATTENTION_WEIGHTS`, computed by the XLA path whatever ``attention`` says (the fused
-kernels do not return them); decided at trace time (:func:`capturing`), so without the
-collection the traced program is unchanged. :mod:`vit_jax.models.intermediates` reads them.
+Parameters as ``flax.linen.MultiHeadDotProductAttention``'s, so the official checkpoints load:
+``{query,key,value}/kernel (D, heads, Dh)``, ``bias (heads, Dh)``, ``out/kernel (heads, Dh, D)``.
+'xla' runs ``[B, heads, N, Dh]`` products (with dropout); 'cudnn' ``jax.nn.dot_product_attention``
+on ``[B, N, heads, Dh]``; a vit_jax kernel takes the fused ``[B, N, 3, heads, Dh]`` projection.
+They differ by rounding only. With 'intermediates' mutable the modules sow their float32 weights
+``[B, heads, Nq, Nk]`` (:data:`ATTENTION_WEIGHTS`), computed on the 'xla' path.
 """
 
 from __future__ import annotations
@@ -44,38 +25,27 @@ from vit_jax import kernels
 Array = jax.Array
 Dtype = Any
 
-#: Values of the models' ``attention`` field (see the module docstring).
+#: Values of the models' ``attention`` field.
 IMPLEMENTATIONS = ('xla', 'cudnn', *(k.NAME for k in kernels.ATTENTION))
 
-#: ``checkpoint_name``s of the self-attention's projections (XLA and cuDNN paths: 'query',
-#: 'key', 'value'; a fused kernel's stacked input: 'qkv'), for remat policies.
+#: ``checkpoint_name``s of the projections (a fused kernel's stacked input: 'qkv'), for remat.
 QKV_NAMES = ('query', 'key', 'value', 'qkv')
 
-#: The Flax collection the models sow what they compute into (see the module docstring).
+#: The Flax collection the models sow into, and the names they sow under.
 INTERMEDIATES = 'intermediates'
-#: Name of the sown attention weights, float32 ``[B, heads, Nq, Nk]``, in every attention module.
 ATTENTION_WEIGHTS = 'attention_weights'
-#: Name of the sown output ``[B, N, D]`` (compute dtype) of every encoder / backbone block.
 TOKENS = 'tokens'
 
-#: Receives the float32 attention weights ``[B, heads, Nq, Nk]`` (before dropout).
 WeightsFn = Callable[[Array], Any]
 
 
 def sow_weights(module: nn.Module) -> WeightsFn:
-  """The function that sows its argument (float32 weights) as ``module``'s
-  :data:`ATTENTION_WEIGHTS` in :data:`INTERMEDIATES` (``module.sow``: a no-op when not mutable).
-  """
+  """Sows its argument as ``module``'s :data:`ATTENTION_WEIGHTS` (a no-op when not mutable)."""
   return lambda weights: module.sow(INTERMEDIATES, ATTENTION_WEIGHTS, weights)
 
 
 def capturing(module: nn.Module) -> bool:
-  """Whether ``module`` runs with :data:`INTERMEDIATES` mutable, i.e. should sow what it computes.
-
-  A Python bool at trace time (False during ``init`` and a plain ``apply``; True with
-  ``mutable=['intermediates']`` or ``capture_intermediates=True``). Raises ValueError for an
-  unbound module (flax).
-  """
+  """Whether ``module`` runs with :data:`INTERMEDIATES` mutable (a Python bool at trace time)."""
   return module.is_mutable_collection(INTERMEDIATES)
 
 
@@ -83,24 +53,11 @@ def dot_product_attention(query: Array, key: Array, value: Array, *,
                           logits_scale: Optional[float] = None, dropout_rate: float = 0.0,
                           dropout_rng: Optional[Array] = None,
                           weights_fn: Optional[WeightsFn] = None) -> Array:
-  """Softmax attention over the last two axes in the ``[B, heads, N, D/heads]`` layout.
-
-  ``softmax(q k^T * logits_scale) v``, the softmax computed in float32 and cast back to the
-  input dtype (the official ViT's ``force_fp32_for_softmax``; T2T-ViT's reference does the same).
-
-  Args:
-    query: ``[B, heads, Nq, Dh]``; key, value: ``[B, heads, Nk, Dh]``, one float dtype.
-    logits_scale: multiplies the float32 logits; None multiplies by nothing (the caller scaled
-      the query, as flax and the official ViT do: ``q / sqrt(Dh)``).
-    dropout_rate: dropout on the attention weights, not broadcast over any axis (each weight is
-      kept with probability ``1 - rate`` and scaled by ``1 / (1 - rate)``, as flax).
-    dropout_rng: PRNG key, required when ``dropout_rate > 0``; None disables dropout.
-    weights_fn: called (at trace time) with the float32 softmax weights ``[B, heads, Nq, Nk]``
-      before dropout, e.g. to sow them; None: nothing more is done.
-
-  Returns:
-    ``[B, heads, Nq, Dh]`` in the input dtype.
-  """
+  """``softmax(q k^T * logits_scale) v``, softmax in float32 (the official ViT's
+  ``force_fp32_for_softmax``): query ``[B, heads, Nq, Dh]``, key, value ``[B, heads, Nk, Dh]`` ->
+  ``[B, heads, Nq, Dh]`` in their dtype. ``logits_scale`` None: the caller scaled the query.
+  Dropout (``dropout_rng`` None: off) is not broadcast, as flax's; ``weights_fn`` receives the
+  float32 weights before dropout."""
   logits = jnp.einsum('bhqd,bhkd->bhqk', query, key).astype(jnp.float32)
   if logits_scale is not None:
     logits = logits * logits_scale
@@ -117,11 +74,8 @@ def dot_product_attention(query: Array, key: Array, value: Array, *,
 
 
 def _flat_init(init: nn.initializers.Initializer, fan_in_axes: int) -> nn.initializers.Initializer:
-  """``init`` applied to the 2-D ``(prod(shape[:fan_in_axes]), prod(rest))`` matrix, reshaped.
-
-  This is what ``nn.DenseGeneral`` does, so that e.g. ``xavier_uniform`` of a ``(D, heads, Dh)``
-  kernel has the fans of the ``(D, D)`` projection, as in the official model.
-  """
+  """``init`` of the 2-D ``(prod(shape[:fan_in_axes]), prod(rest))`` matrix, reshaped (as
+  ``nn.DenseGeneral``: the fans of the ``(D, D)`` projection)."""
 
   def flat(rng: Array, shape: Tuple[int, ...], dtype: Any = jnp.float32) -> Array:
     matrix = (int(np.prod(shape[:fan_in_axes])), int(np.prod(shape[fan_in_axes:])))
@@ -162,29 +116,13 @@ def self_attention(x: Array, projections: Sequence[Tuple[Array, Optional[Array]]
                    implementation: str, logits_scale: float, scale_query: bool = False,
                    dropout_rate: float = 0.0, dropout_rng: Optional[Array] = None,
                    weights_fn: Optional[WeightsFn] = None) -> Tuple[Array, str]:
-  """The attention core of both families, ``softmax(scale q k^T) v`` per head, by the
-  implementation the model's ``attention`` field names.
+  """``softmax(logits_scale q k^T) v`` per head of ``x [B, N, D]`` by ``implementation``.
 
-  Args:
-    x: ``[B, N, D]`` tokens in the compute dtype.
-    projections: ``(kernel [D, heads, Dh], bias [heads, Dh] or None)`` of the query, key and
-      value, in that order, cast to ``x``'s dtype.
-    implementation: one of :data:`IMPLEMENTATIONS` (see the module docstring).
-    logits_scale: the factor of ``q . k`` (``Dh ** -0.5`` by default in both families).
-    scale_query: apply the scale to the query before the product on the 'xla' path, as the
-      official ViT (flax) does, instead of to the float32 logits as T2T-ViT's reference does.
-    dropout_rate: attention dropout on the weights (the 'xla' path only; 0 elsewhere).
-    dropout_rng: its key; None disables dropout.
-    weights_fn: given, the 'xla' path runs whatever ``implementation`` is (the fused kernels
-      do not return the weights) and calls it with the float32 weights ``[B, heads, N, N]``
-      (:func:`dot_product_attention`).
-
-  Returns:
-    ``(y, layout)``: the per-head outputs and their layout, ``'bhnk'`` (``[B, heads, N, Dh]``)
-    or ``'bnhk'`` (``[B, N, heads, Dh]``), for the output projection's einsum.
-
-  Raises:
-    ValueError: an unknown implementation, or dropout asked of one that has none.
+  ``projections``: ``(kernel [D, heads, Dh], bias [heads, Dh] or None)`` of q, k, v.
+  ``scale_query``: scale q before the product, as flax (the official ViT), not the float32 logits
+  (T2T-ViT). Dropout on 'xla' only; a ``weights_fn`` runs the 'xla' path. Returns ``(y, layout)``,
+  layout ``'bhnk'`` or ``'bnhk'``. ValueError: an unknown implementation, or dropout asked of
+  one that has none.
   """
   check_implementation(implementation)
   if dropout_rate > 0.0 and dropout_rng is not None and implementation != 'xla':
@@ -223,26 +161,9 @@ def cross_attention(x_q: Array, x_kv: Array, projections: Sequence[Tuple[Array, 
                     logits_scale: float, dropout_rate: float = 0.0,
                     dropout_rng: Optional[Array] = None,
                     weights_fn: Optional[WeightsFn] = None) -> Array:
-  """Multi-head attention of ``x_q``'s tokens over ``x_kv``'s, as flax's
-  ``MultiHeadDotProductAttention(inputs_q, inputs_kv)`` computes it (XLA only).
-
-  ``q = x_q W_q + b_q`` divided by ``1 / logits_scale`` (flax's ``q / sqrt(Dh)``), ``k``, ``v``
-  from ``x_kv`` likewise, then :func:`dot_product_attention` (float32 softmax).
-
-  Args:
-    x_q: ``[B, Nq, D]`` query tokens in the compute dtype; x_kv: ``[B, Nk, D]``, same dtype.
-    projections: ``(kernel [D, heads, Dh], bias [heads, Dh])`` of the query, key and value, in
-      that order, cast to ``x_q``'s dtype.
-    logits_scale: the factor of ``q . k`` (``Dh ** -0.5``).
-    dropout_rate, dropout_rng, weights_fn: attention dropout and the weights' receiver
-      (``[B, heads, Nq, Nk]`` float32), as :func:`dot_product_attention`.
-
-  Returns:
-    ``[B, heads, Nq, Dh]`` (layout ``'bhnk'``) in ``x_q``'s dtype.
-
-  Raises:
-    ValueError: ``x_q`` and ``x_kv`` of another rank than 3 or of different batch or width.
-  """
+  """flax's ``MultiHeadDotProductAttention(inputs_q, inputs_kv)`` on the 'xla' path: ``x_q [B, Nq,
+  D]`` over ``x_kv [B, Nk, D]`` -> ``[B, heads, Nq, Dh]``; other arguments as
+  :func:`self_attention`. ValueError: inputs not of rank 3 or of different batch or width."""
   if x_q.ndim != 3 or x_kv.ndim != 3 or x_q.shape[0] != x_kv.shape[0] or (
       x_q.shape[-1] != x_kv.shape[-1]):
     raise ValueError(f'cross_attention expects queries [batch, Nq, D] and keys/values [batch, Nk, '
@@ -257,33 +178,10 @@ def cross_attention(x_q: Array, x_kv: Array, projections: Sequence[Tuple[Array, 
 
 
 class MultiHeadDotProductAttention(nn.Module):
-  """Multi-head self-attention, the ``MultiHeadDotProductAttention_0`` of the official ViT blocks
-  (and, with ``inputs_kv``, cross-attention: big_vision's ``MAPHead_0``).
-
-  ``q = x W_q + b_q`` (scaled by ``1/sqrt(D/heads)``), ``k``, ``v`` likewise,
-  ``y = concat_heads(softmax(q k^T) v) W_out + b_out``. Kernels xavier_uniform over the
-  flattened ``(D, D)`` projections, biases zero, softmax in float32, attention dropout not
-  broadcast: the official ``Encoder1DBlock``'s ``nn.MultiHeadDotProductAttention`` with
-  ``broadcast_dropout=False``.
-
-  Attributes:
-    num_heads: heads; must divide the input width D.
-    dropout_rate: dropout on the attention weights (needs the ``'dropout'`` rng when active).
-    dtype: computation dtype; param_dtype: parameter dtype.
-    attention: the implementation, one of :data:`IMPLEMENTATIONS`.
-
-  Input ``[B, N, D]``; output ``[B, N, D]`` in ``dtype``. ``deterministic`` disables dropout.
-  With ``inputs_kv`` ``[B, Nk, D]`` the queries come from the input and the keys and values from
-  ``inputs_kv`` (:func:`cross_attention`, the 'xla' path only; same parameters); the output is
-  ``[B, N, D]``.
-  Sows :data:`ATTENTION_WEIGHTS`, float32 ``[B, heads, N, N]`` (``[B, heads, N, Nk]`` with
-  ``inputs_kv``), softmax before dropout, when :data:`INTERMEDIATES` is mutable; then the 'xla'
-  path runs whatever ``attention`` is (see the module docstring).
-  Logical axes: kernels ``('embed', 'heads', 'kv')`` / ``('heads', 'kv', 'embed')``, biases
-  ``('heads', 'kv')`` / ``('embed',)``. Raises ValueError if ``num_heads`` does not divide D,
-  for ``inputs_kv`` with ``attention`` other than 'xla', or as :func:`self_attention` /
-  :func:`cross_attention`.
-  """
+  """The official blocks' ``MultiHeadDotProductAttention_0`` (flax's, ``broadcast_dropout=False``),
+  ``[B, N, D]`` -> ``[B, N, D]`` in ``dtype``; with ``inputs_kv [B, Nk, D]`` cross-attention
+  (big_vision's ``MAPHead_0``, 'xla' only). ValueError: ``num_heads`` not dividing D,
+  ``inputs_kv`` with another ``attention``, or as :func:`self_attention`."""
 
   num_heads: int
   dropout_rate: float = 0.0

@@ -1,43 +1,35 @@
-"""What the models compute, read back: every layer's attention weights and output tokens.
+"""What the models compute, read back: every block's attention weights and output tokens.
 
-The attention modules sow their weights, and the blocks their output tokens, into
-``'intermediates'`` only when the caller makes it mutable (``mutable=['intermediates']`` or
-``capture_intermediates=True``); a plain ``apply`` traces the program without them. While
-capturing every attention runs XLA's path. Paths (per layer, or once with a leading layer axis
-under ``scan=True``)::
+The modules sow them into ``'intermediates'`` only when the caller makes it mutable, at these
+paths (per layer, or once with a leading layer axis under ``scan=True``)::
 
-  ViT, hybrids   Transformer/encoderblock_{i}/MultiHeadDotProductAttention_0/attention_weights
-                 Transformer/encoderblock_{i}/tokens
-                 MAPHead_0/MultiHeadDotProductAttention_0/attention_weights  (classifier 'map')
-  T2T-ViT        blocks_{i}/attn/attention_weights, blocks_{i}/tokens
-                 tokens_to_token/attention{1,2}/attn/attention_weights      (T2T-ViT_t)
-                 tokens_to_token/attention{1,2}/attention_weights           (Performer)
+  ViT, hybrids   Transformer/encoderblock_{i}/{MultiHeadDotProductAttention_0/attention_weights,
+                 tokens}; MAPHead_0/MultiHeadDotProductAttention_0/attention_weights ('map')
+  T2T-ViT        blocks_{i}/{attn/attention_weights, tokens}
+                 tokens_to_token/attention{1,2}[/attn]/attention_weights  (T2T-ViT_t: /attn)
 
-This module hides those layouts: :func:`capture` (one jitted eval forward -> :class:`Captured`),
-:func:`unpack` (a ``state['intermediates']`` the caller got, also under ``jit``). Token order
-(:class:`TokenLayout`): ``prefix`` class tokens, then the ``grid`` row-major, centres
-``stride`` pixels apart (patch; ResNet stride x patch; 16 for T2T-ViT's backbone, 4 and 8 for
-its T2T layers). Shapes and semantics: docs/models.md.
+:func:`capture` runs one jitted forward, :func:`unpack` reads a ``state['intermediates']`` (also
+under ``jit``). Shapes, token order and memory: docs/models.md.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import re
 from collections.abc import Mapping
 from typing import Any, List, Optional, Tuple
 
 import jax
 
 from vit_jax.models import attention as attention_lib
+from vit_jax.models import execution
+from vit_jax.models import layout as layout_lib
 from vit_jax.models import resnet
 from vit_jax.models import t2t
 from vit_jax.models import vit
 
 Array = jax.Array
 
-#: The Flax collection, and the names the modules sow under (:mod:`vit_jax.models.attention`).
 COLLECTION = attention_lib.INTERMEDIATES
 ATTENTION_WEIGHTS = attention_lib.ATTENTION_WEIGHTS
 TOKENS = attention_lib.TOKENS
@@ -45,13 +37,8 @@ TOKENS = attention_lib.TOKENS
 
 @dataclasses.dataclass(frozen=True)
 class TokenLayout:
-  """Where the tokens of an attention map come from.
-
-  Attributes:
-    prefix: leading tokens that are not patches (the class token): 1 or 0.
-    grid: ``(rows, cols)`` of the patch tokens, which follow row-major.
-    stride: ``(sy, sx)``: input pixels between the centres of neighbouring patch tokens.
-  """
+  """The token order of a map: ``prefix`` class tokens (1 or 0), then the ``grid`` ``(rows,
+  cols)`` row-major, centres ``stride`` ``(sy, sx)`` input pixels apart."""
 
   prefix: int
   grid: Tuple[int, int]
@@ -59,23 +46,14 @@ class TokenLayout:
 
   @property
   def num_tokens(self) -> int:
-    """``prefix + rows * cols``: the ``N`` of the maps."""
     return self.prefix + self.grid[0] * self.grid[1]
 
 
 @dataclasses.dataclass(frozen=True)
 class Captured:
-  """One forward pass's output and intermediates (B images, N tokens, D width).
-
-  Attributes:
-    logits: float32 ``[B, num_classes]`` (features without a head).
-    attention: per block, block 0 first: float32 ``[B, heads, N, N]``, softmax before dropout.
-    tokens: per block: ``[B, N, D]`` in the compute dtype (before the final LayerNorm).
-    layout: the token order of ``attention`` and ``tokens``.
-    head_attention: the 'map' head's float32 ``[B, heads, 1, N]``, or None.
-    t2t_attention: T2T-ViT's two T2T layers' float32 ``[B, 1, L, L]`` (Performer: the matrix its
-      features imply); ``()`` for ViT. t2t_layouts: their token orders.
-  """
+  """One forward pass: float32 ``logits``; per block, block 0 first, float32 ``attention`` ``[B,
+  heads, N, N]`` and ``tokens`` ``[B, N, D]``; the 'map' head's ``[B, heads, 1, N]``; T2T-ViT's
+  two T2T layers' ``[B, 1, L, L]`` and their layouts."""
 
   logits: Array
   attention: Tuple[Array, ...]
@@ -94,9 +72,7 @@ def _check_model(model: Any) -> None:
 
 def token_layout(model: Any, height: int, width: int) -> TokenLayout:
   """The token order of ``model``'s encoder / backbone for ``height x width`` images.
-
-  Raises TypeError (not a ViT or T2T-ViT) or ValueError (an image size the model cannot take).
-  """
+  TypeError: not a ViT or T2T-ViT; ImageSizeError: a size the model cannot take."""
   _check_model(model)
   if isinstance(model, t2t.T2TViT):
     stride = 1
@@ -108,8 +84,8 @@ def token_layout(model: Any, height: int, width: int) -> TokenLayout:
           if model.resnet_num_layers is not None else 1)
   sy, sx = stem * ph, stem * pw
   if height % sy or width % sx:
-    raise ValueError(f'Image {height}x{width} is not a multiple of the total patch stride '
-                     f'{sy}x{sx} of this model; resize or crop the images.')
+    raise execution.ImageSizeError(f'Image {height}x{width} is not a multiple of the total patch '
+                                   f'stride {sy}x{sx} of this model; resize or crop the images.')
   return TokenLayout(1 if model.classifier == 'token' else 0, (height // sy, width // sx),
                      (sy, sx))
 
@@ -146,10 +122,9 @@ def _per_block(parent: Any, prefix: str, path: Tuple[str, ...], depth: int,
   if stacked is not None:  # nn.scan: one value with a leading layer axis.
     values = tuple(stacked[i] for i in range(stacked.shape[0]))
   else:
-    pattern = re.compile(rf'^{re.escape(prefix)}_(\d+)$')
-    blocks = sorted((int(m.group(1)), key) for key in parent
-                    for m in [pattern.match(str(key))] if m)  # Numeric: _10 after _9.
-    values = tuple(v for v in (_leaf(parent[key], path) for _, key in blocks) if v is not None)
+    blocks = layout_lib.block_indices(parent, prefix)  # Numeric order: _10 after _9.
+    values = tuple(v for v in (_leaf(parent[blocks[i]], path) for i in sorted(blocks))
+                   if v is not None)
   if len(values) != depth:
     raise ValueError(
         f'Found {len(values)} sown {what} for a model of {depth} blocks: the intermediates '
@@ -159,11 +134,8 @@ def _per_block(parent: Any, prefix: str, path: Tuple[str, ...], depth: int,
 
 
 def unpack(model: Any, intermediates: Any) -> dict:
-  """``state['intermediates']`` of ``model`` as a dict of :class:`Captured`'s fields, depth order.
-
-  ``attention``, ``tokens``, ``head_attention``, ``t2t_attention``; concrete or traced arrays,
-  per-layer or scanned. Raises TypeError (another model class) or ValueError (nothing sown).
-  """
+  """``state['intermediates']`` of ``model`` as :class:`Captured`'s fields (not the logits and
+  layouts), depth order. TypeError: another model class; ValueError: nothing sown."""
   _check_model(model)
   if isinstance(model, t2t.T2TViT):
     root, prefix, attn, depth = intermediates, 'blocks', ('attn',), model.depth
@@ -190,20 +162,13 @@ def unpack(model: Any, intermediates: Any) -> dict:
 
 @functools.lru_cache(maxsize=16)
 def _forward(model: Any):
-  """One compilation per (hashable) model: eval-mode apply with the intermediates mutable."""
   return jax.jit(lambda variables, images: model.apply(variables, images, train=False,
                                                        mutable=[COLLECTION]))
 
 
 def capture(model: Any, variables: Any, images: Any) -> Captured:
-  """Runs ``model`` once (jitted, eval) on ``images`` ``[B, H, W, C]``: a :class:`Captured`.
-
-  The maps take ``4 B heads N^2`` bytes per block; split a large batch.
-
-  Raises:
-    TypeError: another model class.
-    ValueError: bad images or variables (the model's own messages).
-  """
+  """Runs ``model`` once (jitted, eval) on ``images [B, H, W, C]``. TypeError: another model
+  class; ValueError: bad images or variables."""
   _check_model(model)
   if getattr(images, 'ndim', None) != 4:
     raise ValueError(f'images must be [batch, height, width, channels] (NHWC), got shape '
@@ -216,14 +181,12 @@ def capture(model: Any, variables: Any, images: Any) -> Captured:
 
 
 def attention_maps(model: Any, variables: Any, images: Any) -> List[Array]:
-  """The encoder / backbone blocks' attention weights, float32 ``[B, heads, N, N]`` each, block 0
-  first (:func:`capture`'s ``attention``). Raises as :func:`capture`."""
+  """:func:`capture`'s ``attention`` as a list."""
   return list(capture(model, variables, images).attention)
 
 
 def tokens(model: Any, variables: Any, images: Any) -> List[Array]:
-  """The encoder / backbone blocks' outputs ``[B, N, D]``, block 0 first (:func:`capture`'s
-  ``tokens``). Raises as :func:`capture`."""
+  """:func:`capture`'s ``tokens`` as a list."""
   return list(capture(model, variables, images).tokens)
 
 

@@ -1,10 +1,7 @@
-"""Conversion between the unrolled and the scanned (``nn.scan``) parameter layouts, and unboxing.
-
-Unrolled (official, what ``.npz`` holds): ``Transformer/encoderblock_{i}/LayerNorm_0/scale``
-``(D,)``; scanned: ``Transformer/encoderblock/LayerNorm_0/scale`` ``(L, D)``. T2T-ViT likewise
-(``blocks_{i}`` / ``blocks``). The converters are pure, take a ``params`` tree or a whole
-variables dict (every collection converted), ``dict`` or ``FrozenDict``, and return plain
-nested dicts; NumPy leaves stay NumPy; boxes are dropped (:func:`unbox`).
+"""The unrolled (``encoderblock_{i}``, ``(D,)``; the official ``.npz``) and scanned
+(``encoderblock``, ``(L, D)``) parameter layouts, T2T-ViT's ``blocks_{i}``/``blocks`` likewise,
+and unboxing. The converters are pure: any variables tree in, plain nested dicts out (NumPy
+leaves stay NumPy, boxes dropped).
 """
 
 from __future__ import annotations
@@ -19,24 +16,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-#: Name of the scanned block subtree; unrolled blocks are named ``f'{BLOCK_PREFIX}_{i}'``.
+#: The scanned block subtrees (unrolled: ``f'{prefix}_{i}'``) of ViT and T2T-ViT.
 BLOCK_PREFIX = 'encoderblock'
-
-#: The block prefixes of all families: ViT's encoder and T2T-ViT's backbone.
 BLOCK_PREFIXES = (BLOCK_PREFIX, 'blocks')
 
 
-#: The logical axis names used by the models' parameters and activations (a mesh's rules map
-#: some of them onto mesh axes; an unmapped name is unsharded):
-#:
-#: ``batch`` examples; ``length`` tokens; ``embed`` the model width (ViT ``hidden_size``, T2T-ViT
-#: ``embed_dim``); ``mlp`` the MLP hidden units; ``heads`` attention heads; ``kv`` the per-head
-#: width; ``qkv`` a fused query/key/value output axis (T2T-ViT ``qkv``/``kqv`` kernels, and the
-#: input of the backbone's attention ``proj``); ``classes`` the head's outputs; ``norm`` the
-#: LayerNorm/GroupNorm scale and bias; ``conv_in``/``conv_out`` ResNet convolution channels;
-#: ``layers`` the stacked axis of scanned blocks (``scan=True``); ``tokens`` the T2T layers'
-#: width (``token_dim``); ``patch`` reserved for patch (convolution window) axes, which are
-#: left None.
+#: The logical axis names of the models' parameters and activations (``kv`` the head size,
+#: ``tokens`` the T2T layers' width), which the mesh rules map (docs/pods.md).
 LOGICAL_AXIS_NAMES = ('batch', 'length', 'embed', 'mlp', 'heads', 'kv', 'qkv', 'classes', 'norm',
                       'conv_in', 'conv_out', 'layers', 'tokens', 'patch')
 
@@ -49,11 +35,8 @@ def _strip(box: Any) -> Any:
 
 
 def unbox(tree: Any) -> Any:
-  """Strips Flax axis-metadata boxes (``nn.LogicallyPartitioned``) from any pytree.
-
-  Same structure, each box replaced by its value (the same array). Unlike ``nn.unbox`` it never
-  adds a sharding constraint (host-side code).
-  """
+  """Any pytree with its Flax boxes replaced by their values; unlike ``nn.unbox`` it never adds a
+  sharding constraint."""
   return _unbox(tree) if _has_box(tree) else tree
 
 
@@ -88,14 +71,10 @@ def _stack(leaves):
   return jnp.stack(leaves, axis=0)
 
 
-def _block_indices(node: Mapping, prefix: str) -> dict:
+def block_indices(node: Mapping, prefix: str) -> dict:
+  """``{i: key}`` of the ``{prefix}_{i}`` keys of ``node``."""
   pattern = re.compile(rf'^{re.escape(prefix)}_(\d+)$')
-  found = {}
-  for key in node:
-    m = pattern.match(str(key))
-    if m:
-      found[int(m.group(1))] = key
-  return found
+  return {int(m.group(1)): key for key in node for m in [pattern.match(str(key))] if m}
 
 
 def _prefixes(prefix: Optional[str]) -> tuple:
@@ -104,23 +83,16 @@ def _prefixes(prefix: Optional[str]) -> tuple:
 
 def scan_params(params: Any, num_layers: Optional[int] = None, *,
                 prefix: Optional[str] = None) -> dict:
-  """Stacks ``{prefix}_0 .. {prefix}_{L-1}`` into one ``{prefix}`` subtree (leaves ``(L, ...)``).
-
-  ``prefix``: ``'encoderblock'`` or ``'blocks'``; None: each of :data:`BLOCK_PREFIXES`.
-  ``num_layers``: expected L (None: any).
-
-  Raises:
-    ValueError: no ``{prefix}_{i}`` blocks (e.g. already scanned), indices not ``0..L-1``, a
-      count other than ``num_layers``, blocks of different structure, or a ``{prefix}`` already
-      beside them.
-  """
+  """Stacks ``{prefix}_0 .. {prefix}_{L-1}`` into one ``{prefix}`` (leaves ``(L, ...)``); prefix
+  None: each of :data:`BLOCK_PREFIXES`. ValueError: no blocks, indices not ``0..L-1``, not
+  ``num_layers`` of them, blocks of different structure, or a ``{prefix}`` beside them."""
   count = [0]
   params = unbox(params)
 
   def convert(node):
     if not isinstance(node, Mapping):
       return node
-    found = {p: _block_indices(node, p) for p in _prefixes(prefix)}
+    found = {p: block_indices(node, p) for p in _prefixes(prefix)}
     block_keys = {key for blocks in found.values() for key in blocks.values()}
     out = {key: convert(value) for key, value in node.items() if key not in block_keys}
     for p, blocks in found.items():
@@ -158,12 +130,8 @@ def scan_params(params: Any, num_layers: Optional[int] = None, *,
 
 
 def unscan_params(params: Any, *, prefix: Optional[str] = None) -> dict:
-  """Splits a stacked ``{prefix}`` subtree into ``{prefix}_0 .. {prefix}_{L-1}`` (inverse of scan).
-
-  Raises:
-    ValueError: no ``{prefix}`` subtree (e.g. already unrolled), leaves disagreeing on the
-      leading axis, or ``{prefix}_{i}`` entries beside it.
-  """
+  """The inverse of :func:`scan_params`. ValueError: no stacked ``{prefix}``, leaves disagreeing
+  on the leading axis, or ``{prefix}_{i}`` entries beside it."""
   count = [0]
   params = unbox(params)
 
@@ -178,7 +146,7 @@ def unscan_params(params: Any, *, prefix: Optional[str] = None) -> dict:
 
   def split_blocks(node, out, prefix):
     stacked = node[prefix]
-    if _block_indices(node, prefix):
+    if block_indices(node, prefix):
       raise ValueError(f'Tree has both {prefix!r} and {prefix}_{{i}} entries; cannot unscan it')
     stacked = _to_dict(stacked)
     leaves = jax.tree.leaves(stacked)
@@ -201,8 +169,7 @@ def unscan_params(params: Any, *, prefix: Optional[str] = None) -> dict:
 
 
 def is_scanned(params: Any, *, prefix: Optional[str] = None) -> bool:
-  """True if any mapping has a stacked ``{prefix}`` subtree (None: any of :data:`BLOCK_PREFIXES`).
-  """
+  """Whether a mapping holds a stacked ``{prefix}`` (None: any of :data:`BLOCK_PREFIXES`)."""
   if not isinstance(params, Mapping):
     return False
   if any(isinstance(params.get(p), Mapping) for p in _prefixes(prefix)):

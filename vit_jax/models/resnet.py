@@ -1,19 +1,11 @@
-"""BiT ResNet stem of the hybrid (R+ViT) models, in Flax linen.
+"""The BiT ResNet stem of the hybrids (ViT paper Sec. 3.1; Kolesnikov et al., ECCV 2020), with
+the official ``models_resnet.py``'s numerics and names, so the published hybrids load::
 
-ViT paper Sec. 3.1 "Hybrid Architecture": the ViT patch embedding reads a ResNet's feature map.
-The ResNet is BiT's (Kolesnikov et al., ECCV 2020: GroupNorm, weight-standardised convs), with
-the numerics and parameter names of the official ``vit_jax/models_resnet.py``, so the published
-hybrid checkpoints load. ``width = 64 * width_factor``, ``num_layers = (n_1, ..., n_S)``::
+  conv_root   StdConv 7x7/2; gn_root GroupNorm(32, eps 1e-6), ReLU; max-pool 3x3/2
+  block{s}    n_s bottleneck ``unit{u}``, width 64 f 2^(s-1) (output 4x), the first strided 2
+              (block1: 1); total stride 4 * 2^(S-1)
 
-  conv_root   StdConv 7x7/2, no bias; gn_root GroupNorm(32, eps 1e-6), ReLU; max-pool 3x3/2
-  block{s}    n_s bottleneck units ``unit{u}``, features width * 2^(s-1) (output 4x), the
-              first unit strided 2 (block1: 1); total stride 4 * 2^(S-1)
-  unit        relu(residual + gn3(conv3(relu(gn2(conv2(relu(gn1(conv1(x)))))))));
-              conv_proj/gn_proj on the residual when channels or stride change
-
-Kernels HWIO, no bias; the names sit at the top level of ``params`` next to ``embedding``
-(:func:`resnet_stem`). Logical axes: kernels ``(None, None, 'conv_in', 'conv_out')``,
-GroupNorm ``('norm',)``. SAME padding as XLA (the odd pixel at the end); max-pool pads -inf.
+Kernels HWIO without bias, at the top of ``params`` beside ``embedding``; SAME padding as XLA.
 """
 
 from __future__ import annotations
@@ -27,14 +19,11 @@ import jax.numpy as jnp
 Array = jax.Array
 Dtype = Any
 
-#: Epsilon added to the *standard deviation* (not the variance) in weight standardisation.
 WEIGHT_STANDARDIZATION_EPSILON = 1e-5
 
-#: GroupNorm configuration of the BiT ResNet (flax defaults, as used by the official code).
 GROUPNORM_GROUPS = 32
 GROUPNORM_EPSILON = 1e-6
 
-#: Width of the root convolution for ``width_factor = 1``.
 BASE_WIDTH = 64
 
 #: Logical axes of a conv kernel (HWIO) and of a feature map (NHWC).
@@ -47,22 +36,16 @@ def _constrain(x: Array) -> Array:
 
 
 def standardize_weight(kernel: Array, eps: float = WEIGHT_STANDARDIZATION_EPSILON) -> Array:
-  """Per-output-channel weight standardisation of an HWIO kernel (Qiao et al. 2019; BiT).
-
-  ``(w - mean) / (std + eps)`` over axes ``(0, 1, 2)`` (population std; eps added to the std as
-  the official ``weight_standardize``). Same shape and dtype.
-  """
+  """``(w - mean) / (std + eps)`` of an HWIO kernel per output channel (Qiao et al. 2019; eps on
+  the std, as the official ``weight_standardize``)."""
   axes = (0, 1, 2)
   centered = kernel - jnp.mean(kernel, axis=axes)
   return centered / (jnp.std(centered, axis=axes) + eps)
 
 
 class StdConv(nn.Module):
-  """2-D convolution (NHWC, HWIO, SAME, no bias) with weight standardisation.
-
-  The stored ``kernel`` is raw (lecun_normal init); standardised in ``param_dtype`` on every call,
-  then cast to ``dtype``. ``[B, H, W, C]`` -> ``[B, ceil(H/sh), ceil(W/sw), features]``.
-  """
+  """Weight-standardised convolution (NHWC, HWIO, SAME, no bias), ``[B, H, W, C]`` -> ``[B,
+  ceil(H/sh), ceil(W/sw), features]``; the raw ``kernel`` is standardised on every call."""
 
   features: int
   kernel_size: Tuple[int, int]
@@ -95,12 +78,8 @@ def _group_norm(name: str, dtype: Dtype, param_dtype: Dtype, zero_scale: bool = 
 
 
 class BottleneckUnit(nn.Module):
-  """Post-activation bottleneck unit (official ``ResidualUnit``): f features, ``4 f`` out.
-
-  ``gn3`` scale starts at zero (a fresh unit is the identity on its residual branch);
-  ``conv_proj``/``gn_proj`` when channels or size change. ``[B, H, W, C]`` ->
-  ``[B, ceil(H/s), ceil(W/s), 4 f]``.
-  """
+  """The official ``ResidualUnit``: ``relu(residual + gn3(conv3(...conv1(x))))``, ``4 f`` out,
+  ``gn3`` zero-initialised, ``conv_proj``/``gn_proj`` when channels or size change."""
 
   features: int
   strides: Tuple[int, int] = (1, 1)
@@ -165,11 +144,8 @@ def resnet_out_channels(num_layers: Sequence[int], width_factor: float) -> int:
 
 def resnet_stem(x: Array, *, num_layers: Sequence[int], width_factor: float = 1,
                 dtype: Dtype = jnp.float32, param_dtype: Dtype = jnp.float32) -> Array:
-  """Runs the hybrid ResNet root and stages inside the calling compact ``__call__``'s scope.
-
-  ``x`` ``[B, H, W, C]`` -> ``[B, H/t, W/t, resnet_out_channels(...)]`` in ``dtype``,
-  ``t = resnet_stride(num_layers)`` (sides rounded up); ``num_layers=()``: the root only.
-  """
+  """The root and stages, in the calling compact ``__call__``'s scope: ``[B, H, W, C]`` -> ``[B,
+  H/t, W/t, resnet_out_channels]``, ``t = resnet_stride(num_layers)``; ``()``: the root only."""
   width = root_width(width_factor)
   x = StdConv(features=width, kernel_size=(7, 7), strides=(2, 2), dtype=dtype,
               param_dtype=param_dtype, name='conv_root')(x)
@@ -185,11 +161,8 @@ def resnet_stem(x: Array, *, num_layers: Sequence[int], width_factor: float = 1,
 
 
 def validate_resnet(num_layers: Optional[Sequence[int]], width_factor: Any) -> None:
-  """Checks the stem configuration.
-
-  Raises ValueError: ``num_layers`` not a sequence of positive ints (None = no stem), or
-  ``64 * width_factor`` not a positive multiple of 32 (the GroupNorm groups).
-  """
+  """ValueError: ``num_layers`` not a sequence of positive ints (None: no stem), or ``64 *
+  width_factor`` not a positive multiple of 32 (the GroupNorm groups)."""
   if num_layers is None:
     return
   if isinstance(num_layers, (str, bytes)) or not isinstance(num_layers, Sequence):

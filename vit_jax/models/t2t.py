@@ -1,27 +1,15 @@
-"""Tokens-to-Token ViT (T2T-ViT) in Flax linen.
+"""Tokens-to-Token ViT (Yuan et al., ICCV 2021) in Flax linen, numerics of the official PyTorch
+code (yitu-opensource/T2T-ViT; docs/reference.md section 2):
 
-Yuan et al., "Tokens-to-Token ViT" (ICCV 2021), with the numerics of the official PyTorch code
-(yitu-opensource/T2T-ViT; docs/reference.md section 2):
+  T2T module   soft split 0 (k7/s4/p2) -> ``attention1`` -> soft split 1 (k3/s2/p1)
+               -> ``attention2`` -> soft split 2 (k3/s2/p1) -> ``project`` (9 token_dim -> D)
+  backbone     [cls_token; tokens] + pos_embed (fixed sinusoid) -> ``blocks_{i}`` -> ``norm``
+               -> ``head`` on token 0
 
-  T2T module   image -> soft split 0 (k7/s4/p2) -> ``attention1`` -> (h, w, c) map
-               -> soft split 1 (k3/s2/p1) -> ``attention2`` -> map -> soft split 2 (k3/s2/p1)
-               -> ``project`` Linear(9 token_dim -> D)
-  backbone     [cls_token; tokens] + pos_embed (fixed sinusoid) -> ``blocks_{i}`` (pre-LN)
-               -> ``norm`` -> ``head`` on token 0
-
-The sinusoid table is sized from the actual token count, so any (also non-square) image size
-works. ``init`` returns ``'params'`` (trainable) and ``'constants'`` (``pos_embed`` and the
-Performer ``w``, kept in the reference's state_dict with ``requires_grad=False``): ``apply``
-needs both; never give ``'constants'`` to an optimizer. Parameter names map one-to-one to the
-reference's state_dict keys (table in :mod:`vit_jax.checkpoint.t2t_torch`); initialisation follows
-the reference. LayerNorm eps 1e-5 (two-pass variance), exact GELU, softmax and the Performer in
-float32; logits float32.
-
-Parameters carry logical axes (:data:`vit_jax.models.layout.LOGICAL_AXIS_NAMES`; the T2T layers
-use ``'tokens'`` / ``'qkv'``, ``'constants'`` are replicated); activations are constrained to
-``('batch', 'length', 'embed')``. With ``scan=True`` the ``blocks_{i}`` become one ``blocks``
-subtree with a leading ``'layers'`` axis. Intermediates (attention weights, block tokens): see
-docs/models.md and :mod:`vit_jax.models.intermediates`.
+``init`` returns ``'params'`` and ``'constants'`` (``pos_embed``, the Performer ``w``; never
+trained, ``apply`` needs both). Names map one-to-one to the reference's state_dict
+(:mod:`vit_jax.checkpoint.t2t_torch`). LayerNorm eps 1e-5 (two-pass), exact GELU, softmax and
+the Performer in float32.
 """
 
 from __future__ import annotations
@@ -36,7 +24,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from vit_jax.models import attention as attention_lib
-from vit_jax.models import layout
 from vit_jax.models import execution
 
 Array = jax.Array
@@ -63,8 +50,7 @@ _TOKENS_AXES = execution.TOKENS_AXES
 
 Axes = Tuple[Optional[str], ...]
 
-#: Logical axes of the T2T layers' kernels: (input, output). The inputs (unfolded patches, the
-#: fused q/k/v) stay unnamed; the fused q/k/v output is 'qkv', the other outputs 'tokens'.
+#: Logical (input, output) axes of the T2T layers' kernels: fused q/k/v, and the others.
 _T2T_QKV_AXES: Axes = (None, 'qkv')
 _T2T_AXES: Axes = (None, 'tokens')
 
@@ -89,20 +75,17 @@ def _dense(features: int, name: str, dtype: Dtype, param_dtype: Dtype, axes: Axe
 
 
 def soft_split_size(size: int, kernel: int, stride: int, padding: int) -> int:
-  """Output length of one unfold along one side: ``floor((size + 2p - k)/s) + 1``.
-
-  Raises ValueError if the result is not positive (image too small).
-  """
+  """One unfold's output length along a side, ``floor((size + 2p - k)/s) + 1``; ImageSizeError
+  when it is not positive."""
   out = (size + 2 * padding - kernel) // stride + 1
   if out <= 0:
-    raise ValueError(f'Image side {size} is too small for an unfold with kernel {kernel}, '
-                     f'stride {stride}, padding {padding}')
+    raise execution.ImageSizeError(f'Image side {size} is too small for an unfold with kernel '
+                                   f'{kernel}, stride {stride}, padding {padding}')
   return out
 
 
 def token_grid(height: int, width: int) -> Tuple[int, int]:
-  """Token grid ``(h, w)`` after the three soft splits (224 -> (14, 14)); ValueError if too small.
-  """
+  """Token grid ``(h, w)`` after the soft splits (224 -> (14, 14)); as :func:`soft_split_size`."""
   for kernel, stride, padding in SOFT_SPLITS:
     height = soft_split_size(height, kernel, stride, padding)
     width = soft_split_size(width, kernel, stride, padding)
@@ -110,10 +93,8 @@ def token_grid(height: int, width: int) -> Tuple[int, int]:
 
 
 def soft_split(x: Array, kernel: int, stride: int, padding: int) -> Array:
-  """Unfold (``nn.Unfold``, zero padding): ``[B, H, W, C]`` -> ``[B, h * w, C * k * k]``.
-
-  Tokens row-major, features channel-major (``c*k*k + i*k + j``); strided slices only, so exact.
-  """
+  """``nn.Unfold`` (zero padding): ``[B, H, W, C]`` -> ``[B, h * w, C * k * k]``, tokens row-major,
+  features channel-major (``c*k*k + i*k + j``); strided slices only, so exact."""
   b, height, width, c = x.shape
   oh = soft_split_size(height, kernel, stride, padding)
   ow = soft_split_size(width, kernel, stride, padding)
@@ -127,10 +108,8 @@ def soft_split(x: Array, kernel: int, stride: int, padding: int) -> Array:
 
 
 def sinusoid_table(num_positions: int, width: int) -> np.ndarray:
-  """Fixed sinusoid table ``(1, num_positions, width)`` float32, bit-for-bit the reference's.
-
-  ``angle[pos, j] = pos / 10000**(2*(j//2)/width)``; sin on even ``j``, cos on odd, in float64.
-  """
+  """The reference's sinusoid table ``(1, num_positions, width)`` float32, bit for bit: sin/cos
+  of ``pos / 10000**(2*(j//2)/width)`` on even/odd ``j``, in float64."""
   pos = np.arange(num_positions, dtype=np.float64)[:, None]
   j = np.arange(width)
   angle = pos / np.power(10000.0, 2 * (j // 2) / width)[None, :]
@@ -139,10 +118,8 @@ def sinusoid_table(num_positions: int, width: int) -> np.ndarray:
 
 
 def performer_features(x: Array, w: Array) -> Array:
-  """Performer positive random features ``exp(x w^T - |x|^2/2) / sqrt(m)``.
-
-  ``x`` ``[..., d]`` (cast to float32, as the reference), ``w`` ``(m, d)``; float32 ``[..., m]``.
-  """
+  """Performer features ``exp(x w^T - |x|^2/2) / sqrt(m)``: ``x [..., d]``, ``w (m, d)`` -> float32
+  ``[..., m]``."""
   x = x.astype(jnp.float32)
   w = w.astype(jnp.float32)
   m = w.shape[0]
@@ -158,7 +135,7 @@ def _require_constant(module: nn.Module, name: str) -> None:
         f"The variables lack the fixed table 'constants/{'/'.join(module.path + (name,))}'. "
         f"T2T-ViT keeps its sinusoid table and Performer features in the 'constants' collection: "
         f"pass both collections, model.apply({{'params': ..., 'constants': ...}}, ...), as "
-        f"returned by init or t2t_torch.from_torch_state_dict.")
+        f"returned by init or vit_jax.checkpoint.t2t_torch.from_torch_state_dict.")
 
 
 def _orthogonal_features(key: Array, m: int, dim: int) -> Array:
@@ -167,11 +144,8 @@ def _orthogonal_features(key: Array, m: int, dim: int) -> Array:
 
 
 class DropPath(nn.Module):
-  """Stochastic depth on ``[B, ...]``: zeroes whole samples with probability ``rate``.
-
-  Needs the ``'dropout'`` rng when active. A ``rate`` given to the call (traced, e.g. per scanned
-  block) replaces the attribute and is always applied.
-  """
+  """Stochastic depth on ``[B, ...]`` (the ``'dropout'`` rng); a call's ``rate`` (traced, per
+  scanned block) replaces the attribute."""
 
   rate: float = 0.0
 
@@ -187,10 +161,7 @@ class DropPath(nn.Module):
 
 
 class Mlp(nn.Module):
-  """``fc1`` -> exact GELU -> ``fc2`` (reference ``Mlp``); ``[..., D]`` -> ``[..., out_dim]``.
-
-  ``fc1_axes`` / ``fc2_axes``: the kernels' logical (input, output) axes.
-  """
+  """``fc1`` -> exact GELU -> ``fc2`` (reference ``Mlp``); ``[..., D]`` -> ``[..., out_dim]``."""
 
   hidden_dim: int
   out_dim: int
@@ -208,11 +179,8 @@ class Mlp(nn.Module):
 
 
 class TokenTransformerAttention(nn.Module):
-  """Single-head attention of the Transformer T2T layer, ``[B, L, in]`` -> ``[B, L, token_dim]``.
-
-  ``q, k, v = split(qkv(x))`` (no bias), ``softmax((q * in**-0.5) k^T) v``, returns
-  ``v + proj(y)``: the scale uses the INPUT width and the residual comes from v, as the reference.
-  """
+  """The Transformer T2T layer's one head, ``[B, L, in]`` -> ``[B, L, token_dim]``: ``v +
+  proj(softmax((q * in**-0.5) k^T) v)`` (the scale of the INPUT width, as the reference)."""
 
   token_dim: int
   dtype: Dtype = jnp.float32
@@ -235,10 +203,7 @@ class TokenTransformerAttention(nn.Module):
 
 
 class TokenTransformer(nn.Module):
-  """Transformer T2T layer (reference ``Token_transformer``, MLP ratio 1).
-
-  ``y = attn(norm1(x))``; ``y + mlp(norm2(y))``. ``[B, L, in]`` -> ``[B, L, token_dim]``.
-  """
+  """Reference ``Token_transformer``: ``y = attn(norm1(x)); y + mlp(norm2(y))``."""
 
   token_dim: int
   dtype: Dtype = jnp.float32
@@ -254,14 +219,9 @@ class TokenTransformer(nn.Module):
 
 
 class TokenPerformer(nn.Module):
-  """Performer T2T layer (reference ``Token_performer``): linear attention with random features.
-
-  ``k, q, v = split(kqv(norm1(x)))``; with ``phi`` = :func:`performer_features` and the fixed
-  ``w`` (m = token_dim // 2 rows, in ``'constants'``):
-  ``y = phi(q) (phi(k)^T v) / (phi(q) . sum_t phi(k_t) + 1e-8)`` in float32, ``y = v + proj(y)``,
-  returns ``y + mlp_2(gelu(mlp_0(norm2(y))))``. Captured, it sows the ``[B, 1, L, L]`` matrix
-  its features imply (an approximation of softmax, not one; docs/models.md).
-  """
+  """Reference ``Token_performer``: ``y = v + proj(phi(q) (phi(k)^T v) / (phi(q) . sum_t phi(k_t)
+  + 1e-8))`` in float32 (``phi``: :func:`performer_features`, ``w`` fixed), then ``y +
+  mlp_2(gelu(mlp_0(norm2(y))))``."""
 
   token_dim: int
   dtype: Dtype = jnp.float32
@@ -299,10 +259,7 @@ class TokenPerformer(nn.Module):
 
 
 class TokensToToken(nn.Module):
-  """T2T module (reference ``T2T_module``): ``[B, H, W, C]`` -> ``[B, h * w, D]``.
-
-  ``(h, w)`` = :func:`token_grid`. Sows the unfold outputs ``soft_split{0,1,2}``.
-  """
+  """Reference ``T2T_module``: ``[B, H, W, C]`` -> ``[B, h * w, D]`` (:func:`token_grid`)."""
 
   tokens_type: str
   token_dim: int
@@ -340,11 +297,8 @@ class _QkvKernel(nn.Module):
 
 
 class Attention(nn.Module):
-  """Multi-head self-attention, fused bias-free ``qkv`` (reference ``Attention``), ``[B, N, D]``.
-
-  The ``(D, 3 D)`` kernel is read as ``(D, 3, heads, head_dim)`` and runs through
-  :func:`vit_jax.models.attention.self_attention`; scale ``qk_scale`` or ``head_dim**-0.5``.
-  """
+  """Reference ``Attention`` (bias-free ``qkv`` ``(D, 3 D)``) through
+  :func:`vit_jax.models.attention.self_attention`; scale ``qk_scale`` or ``head_dim**-0.5``."""
 
   num_heads: int
   qk_scale: Optional[float] = None
@@ -371,11 +325,8 @@ class Attention(nn.Module):
 
 
 class Block(nn.Module):
-  """Pre-LN backbone block (reference ``Block``), ``[B, N, D]`` -> ``[B, N, D]``.
-
-  ``deterministic`` is positional so that ``nn.remat`` can make it static; ``drop_path_rate`` (an
-  array) replaces the attribute under ``nn.scan``, and ``scanned=True`` returns ``(x, None)``.
-  """
+  """Reference ``Block``, ``[B, N, D]``; ``deterministic`` positional (static under remat);
+  ``drop_path_rate`` (traced, under ``nn.scan``) replaces ``drop_path``."""
 
   num_heads: int
   mlp_ratio: float
@@ -404,25 +355,13 @@ class Block(nn.Module):
 
 
 class T2TViT(nn.Module):
-  """T2T-ViT classifier (reference ``T2T_ViT``).
+  """The T2T-ViT classifier (reference ``T2T_ViT``); the released weights need ``qk_scale =
+  embed_dim**-0.5``; drop path rises linearly to ``drop_path_rate``; the T2T module stays
+  unrolled, on XLA's attention.
 
-  Attributes:
-    num_classes: ``head`` classes; ``None`` returns the class-token feature after ``norm``.
-    embed_dim, depth, num_heads, mlp_ratio, token_dim: sizes (MLP hidden ``int(D * mlp_ratio)``).
-    tokens_type: ``'performer'`` or ``'transformer'``.
-    qk_scale: backbone attention scale, ``None`` = ``head_dim**-0.5`` (the released weights
-      need ``embed_dim**-0.5``).
-    drop_path_rate: linear from 0 (first block) to this (last).
-    dtype, param_dtype, scan, remat, remat_policy, attention: as ViT's (the T2T module stays
-      unrolled and on XLA's attention).
-
-  ``apply({'params', 'constants'}, images [B, H, W, C] float32, train=...)`` returns
-  ``[B, num_classes]`` float32 logits (``[B, D]`` without a head); with drop path, ``train``
-  needs ``rngs={'dropout': key}``.
-
-  Raises:
-    ValueError: invalid fields (:func:`validate_config`); a non-NHWC input, an image too small,
-      or a ``pos_embed`` made for another image size.
+  ``apply({'params', 'constants'}, images [B, H, W, C] float32, train=...)`` -> float32 ``[B,
+  num_classes]`` (``[B, D]`` without a head). ValueError: bad fields, a non-NHWC input, a
+  ``pos_embed`` of another size; ImageSizeError: an image too small for the soft splits.
   """
 
   num_classes: Optional[int]
@@ -442,13 +381,7 @@ class T2TViT(nn.Module):
   attention: str = 'xla'
 
   def __post_init__(self):
-    validate_config(
-        num_classes=self.num_classes, embed_dim=self.embed_dim, depth=self.depth,
-        num_heads=self.num_heads, mlp_ratio=self.mlp_ratio, token_dim=self.token_dim,
-        tokens_type=self.tokens_type, qk_scale=self.qk_scale,
-        drop_path_rate=self.drop_path_rate, dtype=self.dtype, param_dtype=self.param_dtype,
-        scan=self.scan, remat=self.remat, remat_policy=self.remat_policy,
-        attention=self.attention)
+    validate_config(**execution.fields_of(self))
     super().__post_init__()
 
   @nn.compact
@@ -483,8 +416,7 @@ class T2TViT(nn.Module):
                         qk_scale=self.qk_scale, dtype=dtype, param_dtype=param_dtype,
                         attention=self.attention)
     if self.scan:
-      # The per-block drop-path rates are scanned over with the parameters (axis 0); without
-      # drop path (or in eval) no rate is passed and the blocks skip it statically.
+      # Per-block drop-path rates scanned with the parameters; none: skipped statically.
       scanned_rates = (jnp.asarray(rates, jnp.float32),) if self.drop_path_rate and train else ()
       stack = execution.scanned(block_cls, self.depth,
                           in_axes=(nn.broadcast,) + (0,) * len(scanned_rates))
@@ -504,8 +436,7 @@ def validate_config(*, num_classes, embed_dim, depth, num_heads, mlp_ratio, toke
                     tokens_type='performer', qk_scale=None, drop_path_rate=0.0,
                     dtype=jnp.float32, param_dtype=jnp.float32, scan=False, remat=False,
                     remat_policy='nothing_saveable', attention='xla', **unused) -> None:
-  """Checks :class:`T2TViT` fields (extra keywords ignored); ValueError naming the field.
-  """
+  """Checks :class:`T2TViT` fields (extra keywords ignored); ValueError naming the field."""
   del unused
   if tokens_type not in TOKENS_TYPES:
     raise ValueError(f'tokens_type must be one of {TOKENS_TYPES}, got {tokens_type!r}')

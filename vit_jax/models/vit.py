@@ -1,53 +1,18 @@
 """Vision Transformer (ViT; Dosovitskiy et al., ICLR 2021, eq. 1-4) in Flax linen.
 
-  z_0  = [x_class; x_p^1 E; ...; x_p^N E] + E_pos     (eq. 1)
-  z'_l = MSA(LN(z_{l-1})) + z_{l-1}                  (eq. 2)
-  z_l  = MLP(LN(z'_l)) + z'_l                         (eq. 3)
-  y    = LN(z_L^0)                                    (eq. 4)
+  z_0 = [x_class; x_p^1 E; ...; x_p^N E] + E_pos;  z'_l = MSA(LN(z_{l-1})) + z_{l-1};
+  z_l = MLP(LN(z'_l)) + z'_l;  y = LN(z_L^0)
 
-Numerics and parameter names are the official implementation's (google-research/
-vision_transformer ``models_vit.py``), so its checkpoints load without renaming. With
-``classifier='token'`` and ``representation_size=R``::
+Numerics and parameter names are the official ``models_vit.py``'s, so its checkpoints load::
 
-  embedding/{kernel (P, P, 3, D), bias (D,)}          cls (1, 1, D)
-  Transformer/posembed_input/pos_embedding (1, N + 1, D)
-  Transformer/encoderblock_{i}/LayerNorm_{0,1}/{scale, bias} (D,)
-  Transformer/encoderblock_{i}/MultiHeadDotProductAttention_0/
-      {query,key,value}/kernel (D, heads, D/heads), {query,key,value}/bias (heads, D/heads),
-      out/kernel (heads, D/heads, D), out/bias (D,)
-  Transformer/encoderblock_{i}/MlpBlock_0/Dense_0/{kernel (D, MLP), bias (MLP,)}
-  Transformer/encoderblock_{i}/MlpBlock_0/Dense_1/{kernel (MLP, D), bias (D,)}
-  Transformer/encoder_norm/{scale, bias} (D,)
-  pre_logits/{kernel (D, R), bias (R,)}                (only with representation_size)
-  head/{kernel (R or D, num_classes), bias (num_classes,)}
+  embedding/{kernel (P, P, 3, D), bias}   cls (1, 1, D)   head/{kernel, bias}
+  Transformer/posembed_input/pos_embedding (1, N + 1, D)   Transformer/encoder_norm
+  Transformer/encoderblock_{i}/{LayerNorm_0, LayerNorm_1, MultiHeadDotProductAttention_0,
+      MlpBlock_0/Dense_{0,1}}   pre_logits (with representation_size)
 
-``classifier='gap'``/``'map'``: no ``cls``, a ``(1, N, D)`` table; 'map' adds big_vision's
-``MAPHead_0/{probe (1, 1, D), MultiHeadDotProductAttention_0, LayerNorm_0, MlpBlock_0}``.
-``posemb='sincos2d'``: no ``posembed_input``; the fixed table (:func:`posemb_sincos_2d`) is added
-to the patch tokens only. Hybrids (``resnet_num_layers``): the BiT stem of
-:mod:`vit_jax.models.resnet` (``conv_root``, ``gn_root``, ``block{s}/unit{u}``) feeds
-``embedding/kernel (P, P, C_resnet, D)``. ``scan=True``: one ``encoderblock`` with a leading
-``num_layers`` axis (:func:`vit_jax.models.layout.scan_params` / ``unscan_params`` convert).
-
-Parameters are ``nn.LogicallyPartitioned`` boxes (names in
-:data:`vit_jax.models.layout.LOGICAL_AXIS_NAMES`; :func:`vit_jax.models.unbox`,
-:func:`vit_jax.models.logical_axes`); ``apply`` takes boxed or plain variables::
-
-  embedding/kernel (None, None, None, 'embed')    cls, probe (None, None, 'embed')
-  pos_embedding (None, 'length', 'embed')         LayerNorm scale, bias ('norm',)
-  {query,key,value}/kernel ('embed', 'heads', 'kv'), bias ('heads', 'kv')
-  out/kernel ('heads', 'kv', 'embed')             Dense_0 ('embed', 'mlp'); Dense_1 ('mlp', 'embed')
-  pre_logits ('embed', None)                      head ('embed', 'classes')
-  ResNet conv kernels (None, None, 'conv_in', 'conv_out'); 'layers' first with scan=True
-
-Activations are constrained to ``('batch', 'length', 'embed')`` (tokens), ``('batch',
-'length', 'mlp')`` and ``('batch', None, None, 'conv_out')`` (no-ops without a mesh).
-
-With ``mutable=['intermediates']`` the model also returns each block's float32 attention
-weights ``[B, heads, N, N]`` (``.../MultiHeadDotProductAttention_0/attention_weights``, computed
-on the 'xla' path whatever ``attention`` is), its output ``tokens`` ``[B, N, D]``, and the 'map'
-head's ``[B, heads, 1, N]``; tokens are the class token (if 'token') then the patches row-major.
-:mod:`vit_jax.models.intermediates` reads them back in depth order.
+'gap'/'map' have no ``cls`` ('map' adds big_vision's ``MAPHead_0``); 'sincos2d' no
+``posembed_input``; hybrids the BiT stem of :mod:`vit_jax.models.resnet`; ``scan=True`` one
+stacked ``encoderblock``. Logical axes, intermediates and the fields' sources: docs/models.md.
 """
 
 from __future__ import annotations
@@ -69,7 +34,6 @@ from vit_jax.models.vit_fields import (  # noqa: F401
 Array = jax.Array
 Dtype = Any
 
-#: Logical axes of the token sequence (as in `execution`) and of the MLP hidden activations.
 TOKENS_AXES = execution.TOKENS_AXES
 MLP_HIDDEN_AXES = ('batch', 'length', 'mlp')
 
@@ -85,25 +49,11 @@ def _layer_norm(dtype: Dtype, param_dtype: Dtype, name: Optional[str] = None,
 
 def posemb_sincos_2d(height: int, width: int, features: int, temperature: float = 10_000.0,
                      dtype: Dtype = jnp.float32) -> Array:
-  """big_vision's fixed 2-D sin-cos position table (MoCo v3, Chen et al. 2021), ``'sincos2d'``.
+  """big_vision's fixed 2-D sin-cos table (MoCo v3), ``[1, height * width, features]`` in ``dtype``.
 
-  For the ``height x width`` token grid flattened row-major (token ``r * width + c`` at
-  ``y = r``, ``x = c``), with ``F = features / 4`` and
-  ``omega_i = 1 / temperature ** (i / (F - 1))`` for ``i = 0 .. F-1``, token ``(y, x)`` gets
-  ``[sin(x omega), cos(x omega), sin(y omega), cos(y omega)]``. Computed in float32 as big_vision
-  does, then cast.
-
-  Args:
-    height, width: the token grid (rows, columns).
-    features: the token width D; a multiple of 4, at least 8.
-    temperature: the base of the frequencies (10000 in big_vision).
-    dtype: the dtype of the result.
-
-  Returns:
-    ``[1, height * width, features]`` in ``dtype``.
-
-  Raises:
-    ValueError: ``features`` not a multiple of 4 or under 8.
+  Token ``(y, x)`` of the row-major grid gets ``[sin(x w), cos(x w), sin(y w), cos(y w)]``,
+  ``w_i = temperature ** -(i / (F - 1))``, ``F = features / 4``; float32, then cast. ValueError:
+  ``features`` not a multiple of 4 or under 8.
   """
   if features % 4 or features // 4 < 2:
     raise ValueError(f'The sincos2d position table needs a width that is a multiple of 4 and at '
@@ -112,8 +62,7 @@ def posemb_sincos_2d(height: int, width: int, features: int, temperature: float 
   quarter = features // 4
   omega = jnp.arange(quarter, dtype=jnp.float32) / (quarter - 1)
   omega = 1.0 / (temperature ** omega)
-  # Outer products (big_vision's einsum 'm,d->md'), written as broadcasts: one float32 multiply
-  # per entry either way, and no dot_general for the FLOP counter (vit_jax.flops) to count.
+  # big_vision's einsum 'm,d->md' as broadcasts: no dot_general for vit_jax.flops to count.
   y = y.reshape(-1, 1).astype(jnp.float32) * omega
   x = x.reshape(-1, 1).astype(jnp.float32) * omega
   table = jnp.concatenate([jnp.sin(x), jnp.cos(x), jnp.sin(y), jnp.cos(y)], axis=1)
@@ -121,11 +70,7 @@ def posemb_sincos_2d(height: int, width: int, features: int, temperature: float 
 
 
 class IdentityLayer(nn.Module):
-  """Returns its input unchanged (float array of any shape, same dtype).
-
-  Exists only so that ``capture_intermediates`` records a ``pre_logits`` entry when there is no
-  representation layer, as in the official ``models_vit.py``. Has no parameters; raises nothing.
-  """
+  """The identity: a ``pre_logits`` entry for ``capture_intermediates``, as the official model."""
 
   @nn.compact
   def __call__(self, x: Array) -> Array:
@@ -133,17 +78,8 @@ class IdentityLayer(nn.Module):
 
 
 class AddPositionEmbs(nn.Module):
-  """Adds a learned position embedding ``pos_embedding`` of shape ``(1, N, D)`` (ViT eq. 1).
-
-  Attributes:
-    posemb_init: initialiser of the embedding; officially ``normal(stddev=0.02)``.
-    param_dtype: dtype of the stored parameter (float32).
-
-  Input ``[B, N, D]`` in any float dtype; output ``[B, N, D]`` in the input's dtype (the embedding
-  is cast to it). Raises ValueError if the input is not rank 3, or if an existing (loaded)
-  ``pos_embedding`` has a different token count or width than the input, with a hint on how to
-  resize it.
-  """
+  """Adds the learned ``pos_embedding`` ``(1, N, D)`` to ``[B, N, D]`` (eq. 1), in its dtype.
+  ValueError: an input not of rank 3, or a loaded table of another shape (with the fix)."""
 
   posemb_init: nn.initializers.Initializer = nn.initializers.normal(stddev=0.02)
   param_dtype: Dtype = jnp.float32
@@ -169,24 +105,8 @@ class AddPositionEmbs(nn.Module):
 
 
 class MlpBlock(nn.Module):
-  """Transformer MLP: Dense(mlp_dim) -> GELU -> Dropout -> Dense(out) -> Dropout.
-
-  Kernels xavier_uniform, biases normal(stddev=1e-6), as the official ``models_vit.MlpBlock``
-  (the MLP of ViT eq. 3). Raises nothing itself.
-
-  Attributes:
-    mlp_dim: hidden width.
-    out_dim: output width; ``None`` means the input width.
-    dropout_rate: dropout probability after the activation and after the output projection.
-    dtype: computation dtype; param_dtype: parameter dtype.
-    gelu_approximate: True (default) for the tanh approximation of GELU (the official ViT,
-      big_vision, flax's ``nn.gelu``); False for the exact erf GELU (timm, transformers).
-
-  Input ``[..., D]``, output ``[..., out_dim or D]`` in ``dtype``. Needs the ``'dropout'`` rng
-  when ``deterministic=False`` and ``dropout_rate > 0``. Kernels ``('embed', 'mlp')`` /
-  ``('mlp', 'embed')``; a rank-3 hidden activation is constrained to ``('batch', 'length',
-  'mlp')``.
-  """
+  """The official ``MlpBlock`` (eq. 3): Dense(mlp_dim), GELU (``gelu_approximate``: tanh, else
+  erf as timm), Dropout, Dense(out_dim or D), Dropout; in ``dtype``."""
 
   mlp_dim: int
   out_dim: Optional[int] = None
@@ -199,9 +119,7 @@ class MlpBlock(nn.Module):
   def __call__(self, inputs: Array, *, deterministic: bool) -> Array:
     out_dim = inputs.shape[-1] if self.out_dim is None else self.out_dim
     dense = lambda features, axes: nn.Dense(  # pylint: disable=g-long-lambda
-        features=features,
-        dtype=self.dtype,
-        param_dtype=self.param_dtype,
+        features=features, dtype=self.dtype, param_dtype=self.param_dtype,
         kernel_init=_partitioned(nn.initializers.xavier_uniform(), axes),
         bias_init=_partitioned(nn.initializers.normal(stddev=1e-6), axes[1:]))
     x = dense(self.mlp_dim, ('embed', 'mlp'))(inputs)
@@ -214,27 +132,8 @@ class MlpBlock(nn.Module):
 
 
 class EncoderBlock(nn.Module):
-  """Pre-LN Transformer encoder block (ViT eq. 2-3).
-
-  ``x = x + Dropout(MHA(LN_0(x)))``; ``x = x + MLP(LN_1(x))``. Attention kernels xavier_uniform,
-  attention dropout not broadcast over heads, LayerNorm eps 1e-6 and tanh GELU by default: as the
-  official ``Encoder1DBlock``.
-
-  Attributes:
-    mlp_dim, num_heads: MLP width and number of attention heads.
-    dropout_rate: dropout after attention and inside the MLP.
-    attention_dropout_rate: dropout on the attention weights.
-    dtype: computation dtype; param_dtype: parameter dtype.
-    scanned: if True, ``__call__`` returns ``(x, None)`` (the carry/output pair ``nn.scan`` needs).
-    attention: the attention implementation (:data:`vit_jax.models.attention.IMPLEMENTATIONS`).
-    gelu_approximate: the MLP's GELU (:class:`MlpBlock`).
-    layer_norm_epsilon: the epsilon of both LayerNorms.
-
-  Input ``[B, N, D]``, output ``[B, N, D]`` in ``dtype``. ``deterministic`` (a Python bool,
-  positional so that ``nn.remat`` can make it static) disables dropout. With ``'intermediates'``
-  mutable it sows its output as ``tokens`` and its attention's weights as
-  ``MultiHeadDotProductAttention_0/attention_weights`` (:mod:`vit_jax.models.intermediates`).
-  """
+  """The official pre-LN ``Encoder1DBlock`` (eq. 2-3), ``[B, N, D]`` in ``dtype``; ``deterministic``
+  positional (static under remat), ``scanned`` returns ``(x, None)``; sows ``tokens``."""
 
   mlp_dim: int
   num_heads: int
@@ -273,30 +172,8 @@ class EncoderBlock(nn.Module):
 
 
 class Encoder(nn.Module):
-  """Position embedding, dropout, ``num_layers`` encoder blocks and the final LayerNorm (eq. 1-4).
-
-  Mirrors the official ``models_vit.Encoder``.
-
-  Named ``Transformer`` inside :class:`VisionTransformer`; children ``posembed_input`` (only with
-  ``posemb='learn'``; with 'sincos2d' the model adds the fixed table before the class token),
-  ``encoderblock_{i}`` (or one stacked ``encoderblock`` with ``scan=True``) and ``encoder_norm``.
-
-  Attributes:
-    num_layers, mlp_dim, num_heads, dropout_rate, attention_dropout_rate: see
-      :class:`VisionTransformer`.
-    dtype: computation dtype; param_dtype: parameter dtype.
-    scan: run the blocks with ``nn.scan`` (one compiled block body, stacked parameters).
-    remat: rematerialise each block in the backward pass (``nn.remat``).
-    remat_policy: what a rematerialised block keeps, one of
-      :data:`vit_jax.models.execution.REMAT_POLICIES`.
-    attention: the attention implementation (:data:`vit_jax.models.attention.IMPLEMENTATIONS`).
-    gelu_approximate, layer_norm_epsilon: the blocks' GELU and every LayerNorm's epsilon.
-    posemb: 'learn' adds the learned ``posembed_input``; 'sincos2d' adds nothing here.
-
-  Input ``[B, N, D]`` (any float dtype), output ``[B, N, D]`` in ``dtype``. With ``train=True``
-  and a dropout rate > 0 the ``'dropout'`` rng is required. Raises ValueError for a non-rank-3
-  input or a loaded ``pos_embedding`` of the wrong shape.
-  """
+  """The official ``Encoder`` (``Transformer``): ``posembed_input`` ('learn' only), dropout, the
+  blocks and ``encoder_norm``; ``[B, N, D]`` -> ``[B, N, D]`` in ``dtype``."""
 
   num_layers: int
   mlp_dim: int
@@ -324,16 +201,10 @@ class Encoder(nn.Module):
     block_cls = (execution.rematerialised(EncoderBlock, self.remat_policy, scan=self.scan)
                  if self.remat else EncoderBlock)
     block_kwargs = dict(
-        mlp_dim=self.mlp_dim,
-        num_heads=self.num_heads,
-        dropout_rate=self.dropout_rate,
-        attention_dropout_rate=self.attention_dropout_rate,
-        dtype=self.dtype,
-        param_dtype=self.param_dtype,
-        attention=self.attention,
-        gelu_approximate=self.gelu_approximate,
-        layer_norm_epsilon=self.layer_norm_epsilon,
-    )
+        mlp_dim=self.mlp_dim, num_heads=self.num_heads, dropout_rate=self.dropout_rate,
+        attention_dropout_rate=self.attention_dropout_rate, dtype=self.dtype,
+        param_dtype=self.param_dtype, attention=self.attention,
+        gelu_approximate=self.gelu_approximate, layer_norm_epsilon=self.layer_norm_epsilon)
     if self.scan:
       stack = execution.scanned(block_cls, self.num_layers, in_axes=nn.broadcast)
       x, _ = stack(scanned=True, name='encoderblock', **block_kwargs)(x, deterministic)
@@ -345,23 +216,9 @@ class Encoder(nn.Module):
 
 
 class MAPHead(nn.Module):
-  """Multihead attention pooling, big_vision's ``MAPHead`` (``classifier='map'``).
-
-  A learned probe ``[1, 1, D]`` (xavier_uniform), tiled over the batch, is the single query of a
-  multi-head attention over the encoder's output tokens (keys and values; flax's
-  ``MultiHeadDotProductAttention`` math: ``q / sqrt(D/heads)``, float32 softmax, no dropout);
-  then ``x = x + MlpBlock(LayerNorm(x))`` (no dropout, as big_vision) and the one token is
-  returned. Parameters ``probe``, ``MultiHeadDotProductAttention_0/{query,key,value,out}``,
-  ``LayerNorm_0``, ``MlpBlock_0/Dense_{0,1}``: big_vision's names and shapes.
-
-  Attributes:
-    num_heads: attention heads (the model's); mlp_dim: the MLP's hidden width (the model's).
-    gelu_approximate, layer_norm_epsilon: as the encoder's.
-    dtype: computation dtype; param_dtype: parameter dtype.
-
-  Input ``[B, N, D]`` (after the encoder's final LayerNorm), output ``[B, D]`` in ``dtype``.
-  Raises ValueError for an input that is not rank 3, or ``num_heads`` not dividing D.
-  """
+  """big_vision's ``MAPHead`` (``classifier='map'``): a learned ``probe`` attends to the tokens,
+  then ``x + MlpBlock(LayerNorm(x))``, no dropout; ``[B, N, D]`` -> ``[B, D]`` in ``dtype``.
+  ValueError: an input not of rank 3, or ``num_heads`` not dividing D."""
 
   num_heads: int
   mlp_dim: int
@@ -389,76 +246,25 @@ class MAPHead(nn.Module):
 
 
 class VisionTransformer(nn.Module):
-  """Vision Transformer classifier (ViT paper eq. 1-4, official ``models_vit.VisionTransformer``).
+  """The ViT classifier (official ``models_vit.VisionTransformer``; sizes: ViT paper Table 1).
 
-  The image is cut into ``Ph x Pw`` patches by a stride-P convolution ``embedding``, the grid is
-  flattened row-major into ``N = (H/Ph)(W/Pw)`` tokens, a zero-initialised class token ``cls`` is
-  prepended (``classifier='token'``), a learned position embedding is added (``posemb='learn'``;
-  with ``'sincos2d'`` a fixed table is added to the patch tokens before the class token is
-  prepended), the tokens go through the pre-LN encoder, and the class token (``'token'``), the
-  mean of all tokens after the final LayerNorm (``'gap'``, no class token) or their multihead
-  attention pooling (``'map'``, :class:`MAPHead`, no class token) is pooled, optionally passed
-  through ``pre_logits`` = Dense(representation_size) + tanh, and classified by a
-  zero-initialised ``head`` whose bias starts at ``head_bias_init``.
+  Fields: ``classifier`` 'token', 'gap' or 'map' (:data:`CLASSIFIERS`); ``representation_size``
+  a tanh ``pre_logits`` layer or None; ``head_bias_init`` -10 for the official sigmoid
+  pretraining; ``remat_policy`` in :data:`vit_jax.models.execution.REMAT_POLICIES`;
+  ``resnet_num_layers`` the hybrid stem's units per stage (None: plain ViT); ``attention`` in
+  :data:`vit_jax.models.attention.IMPLEMENTATIONS`; ``posemb`` 'learn' or 'sincos2d'
+  (:data:`POSEMBS`); ``gelu_approximate`` and ``layer_norm_epsilon`` every MLP's and LayerNorm's.
 
-  Attributes:
-    num_classes: classes of the ``head``; ``None`` returns the pooled features (no head).
-    patch_size: int or ``(Ph, Pw)``.
-    hidden_size: token width D.
-    mlp_dim: MLP hidden width.
-    num_heads: attention heads (must divide ``hidden_size``).
-    num_layers: encoder blocks.
-    classifier: ``'token'``, ``'gap'`` or ``'map'`` (:data:`CLASSIFIERS`; 'map' is big_vision's
-      ``MAPHead`` pooling, with the model's ``num_heads`` and ``mlp_dim``).
-    representation_size: width of the ``pre_logits`` layer, or ``None`` for none.
-    dropout_rate: dropout after the position embedding, after attention and in the MLPs.
-    attention_dropout_rate: dropout on attention weights.
-    head_bias_init: initial value of the head bias (official pretraining: -10 with sigmoid loss).
-    dtype: computation dtype (e.g. ``jnp.bfloat16``); activations are kept in this dtype.
-    param_dtype: parameter dtype (float32).
-    scan: run the blocks with ``nn.scan`` (parameters stacked under ``Transformer/encoderblock``).
-    remat: rematerialise every block in the backward pass. On XLA:CPU the memory saving was
-      measured only with ``scan=True`` (unrolled, the temporaries stayed the same size).
-    remat_policy: what a rematerialised block keeps for the backward pass, a name in
-      :data:`vit_jax.models.execution.REMAT_POLICIES` (``jax.checkpoint_policies``); default
-      'nothing_saveable'.
-    resnet_num_layers: ``None`` for a plain ViT; for a hybrid (R+ViT), the number of bottleneck
-      units of each ResNet stage, e.g. ``(3, 4, 9)`` for R50+ViT-B/16, ``()`` for the root
-      (conv + max-pool, stride 4) only. The stem's total stride is ``4 * 2^(stages - 1)``.
-    resnet_width_factor: ResNet width multiplier (root width ``64 * resnet_width_factor``);
-      ignored without ``resnet_num_layers``.
-    attention: how attention runs, one of :data:`vit_jax.models.attention.IMPLEMENTATIONS`
-      ('xla' by default; the training config chooses from the target devices). The 'map' head's
-      cross-attention always runs the 'xla' path, and so does every attention while the
-      intermediates are captured (``mutable=['intermediates']``).
-    gelu_approximate: the GELU of every MLP (encoder blocks and the 'map' head): True (default)
-      the tanh approximation (official JAX ViT, big_vision, flax's ``nn.gelu``), False the exact
-      erf GELU (timm, transformers ``hidden_act='gelu'``).
-    layer_norm_epsilon: epsilon of every LayerNorm (blocks, ``encoder_norm``, the 'map' head); a
-      positive float, 1e-6 by default (transformers' ``google/vit-*`` configs: 1e-12).
-    posemb: ``'learn'`` (default; ``Transformer/posembed_input/pos_embedding``, class token row
-      included) or ``'sincos2d'`` (big_vision's fixed table, :func:`posemb_sincos_2d`: no
-      parameter, works at any resolution; needs ``hidden_size`` a multiple of 4, at least 8).
-
-  Call ``model.apply(variables, images, train=False)``:
-    images: ``[B, H, W, C]`` (C=3 for the published weights), float32 in [-1, 1] as the official
-      preprocessing; H and W must be multiples of the patch size (of the total stride, ResNet
-      stride x patch size, for hybrids).
-    train: enables dropout; then ``rngs={'dropout': key}`` is required if any rate is > 0.
-    Returns ``[B, num_classes]`` float32 logits (``[B, representation_size or D]`` features if
-    ``num_classes is None``), whatever ``dtype`` is.
-    With ``mutable=['intermediates']`` it returns ``(logits, state)``, ``state['intermediates']``
-    holding the attention weights and block outputs (see the module docstring).
+  ``apply(variables, images [B, H, W, C] float32, train=...)`` returns float32 ``[B,
+  num_classes]`` logits (``[B, R or D]`` features with ``num_classes=None``); H and W multiples
+  of the patch size (of the ResNet stride x patch for hybrids); ``train`` with dropout needs
+  ``rngs={'dropout': key}``.
 
   Raises:
-    ValueError: at construction for an unknown ``classifier`` or ``posemb``, a non-positive size,
-      a ``hidden_size`` not divisible by ``num_heads`` (or, with 'sincos2d', by 4), a bad
-      ``patch_size``, dropout rate, ``gelu_approximate``, ``layer_norm_epsilon`` or
-      ``resnet_num_layers``/``resnet_width_factor``; at apply time for a non-rank-4 input, an
-      image side not divisible by the patch size (the total stride for hybrids), or loaded
-      ``pos_embedding`` of the wrong shape.
+    ValueError: a bad field (:func:`validate_config`) at construction; at apply a non-NHWC
+      input or a loaded ``pos_embedding`` of the wrong shape.
+    ImageSizeError: an image side the patch size (total stride) does not divide.
   """
-
   num_classes: Optional[int]
   patch_size: Union[int, Tuple[int, int]]
   hidden_size: int
@@ -483,16 +289,7 @@ class VisionTransformer(nn.Module):
   posemb: str = 'learn'
 
   def __post_init__(self):
-    validate_config(
-        num_classes=self.num_classes, patch_size=self.patch_size, hidden_size=self.hidden_size,
-        mlp_dim=self.mlp_dim, num_heads=self.num_heads, num_layers=self.num_layers,
-        classifier=self.classifier, representation_size=self.representation_size,
-        dropout_rate=self.dropout_rate, attention_dropout_rate=self.attention_dropout_rate,
-        dtype=self.dtype, param_dtype=self.param_dtype, scan=self.scan, remat=self.remat,
-        remat_policy=self.remat_policy, attention=self.attention,
-        resnet_num_layers=self.resnet_num_layers, resnet_width_factor=self.resnet_width_factor,
-        gelu_approximate=self.gelu_approximate, layer_norm_epsilon=self.layer_norm_epsilon,
-        posemb=self.posemb)
+    validate_config(**execution.fields_of(self))
     super().__post_init__()
 
   @nn.compact
@@ -520,7 +317,7 @@ class VisionTransformer(nn.Module):
           what = (f'the patch size {patch} (patch_size={self.patch_size!r}, image '
                   f'{height}x{width})')
           fix = f'or choose a patch size that divides {size}.'
-        raise ValueError(
+        raise execution.ImageSizeError(
             f'Image {side} {size} is not divisible by {what}. Resize or crop the images to a '
             f'multiple of {stride} (e.g. {lower or stride} or {lower + stride}), {fix}')
 

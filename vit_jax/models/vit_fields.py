@@ -1,7 +1,4 @@
-"""The fields of a :class:`vit_jax.models.vit.VisionTransformer`: allowed values, the checks that
-name a bad one (``validate_config``) and the patch size's normal form, checkable without
-building a model (re-exported by :mod:`vit_jax.models.vit`).
-"""
+"""The ViT's fields checked without building a model (re-exported by :mod:`vit_jax.models.vit`)."""
 
 from __future__ import annotations
 
@@ -15,22 +12,18 @@ import numpy as np
 from vit_jax.models import execution
 from vit_jax.models import resnet
 
-#: Pooling modes accepted by the ViT: the class token, the mean of the tokens, or big_vision's
-#: multihead attention pooling (:class:`~vit_jax.models.vit.MAPHead`).
+#: Poolings: the class token, the tokens' mean, big_vision's MAPHead.
 CLASSIFIERS = ('token', 'gap', 'map')
 
-#: Position embeddings accepted by the ViT: learned (the official ViT's) or big_vision's fixed
-#: 2-D sin-cos table (:func:`~vit_jax.models.vit.posemb_sincos_2d`).
+#: Position embeddings: learned (official) or big_vision's fixed 2-D sin-cos table.
 POSEMBS = ('learn', 'sincos2d')
 
-#: Default LayerNorm epsilon, the official model's (flax default; PyTorch's would be 1e-5, the
-#: ``google/vit-*`` configs of transformers have 1e-12): ``layer_norm_epsilon``.
+#: The official (flax) LayerNorm epsilon; transformers' ``google/vit-*`` have 1e-12.
 LAYERNORM_EPSILON = 1e-6
 
 
 def patch_pair(patch_size: Union[int, Tuple[int, int]]) -> Tuple[int, int]:
-  """``P``, ``(P,)`` or ``(Ph, Pw)`` -> ``(Ph, Pw)`` Python ints; ValueError unless positive ints.
-  """
+  """``P``, ``(P,)`` or ``(Ph, Pw)`` -> ``(Ph, Pw)`` ints; ValueError unless positive ints."""
   if isinstance(patch_size, bool):
     raise ValueError(f'patch_size must be an int or a (height, width) pair, got {patch_size!r}')
   if isinstance(patch_size, int):
@@ -56,14 +49,7 @@ def validate_config(*, num_classes, patch_size, hidden_size, mlp_dim, num_heads,
                     remat_policy='nothing_saveable', resnet_num_layers=None,
                     resnet_width_factor=1, attention='xla', gelu_approximate=True,
                     layer_norm_epsilon=LAYERNORM_EPSILON, posemb='learn', **unused) -> None:
-  """Checks :class:`~vit_jax.models.vit.VisionTransformer` fields (extra keywords ignored).
-
-  Raises ValueError naming the field: unknown ``classifier`` or ``posemb``, non-positive sizes,
-  ``hidden_size % num_heads``, a bad patch size, a rate outside [0, 1), a non-float dtype, bad
-  execution fields, a bad hybrid stem (:func:`vit_jax.models.resnet.validate_resnet`), a
-  non-bool ``gelu_approximate``, a bad ``layer_norm_epsilon``, or 'sincos2d' with
-  ``hidden_size`` not a multiple of 4 or under 8.
-  """
+  """Checks the ViT's fields (extra keywords ignored); ValueError naming the bad one."""
   del unused
   if classifier not in CLASSIFIERS:
     raise ValueError(f'classifier must be one of {CLASSIFIERS}, got {classifier!r}')

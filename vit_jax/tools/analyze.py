@@ -1,8 +1,13 @@
-"""Looks inside a trained model: ``python -m vit_jax.analyze SOURCE --out DIR``.
+"""Looks inside a trained model: the ViT paper's analysis figures (Sec. 4.5, Fig. 6, 7 and 14) as
+PNG files (attention rollout over images, every layer's attention, mean attention distance per
+head against depth, position embedding similarity, principal components of the patch-embedding
+filters) and the numbers behind them in analysis.json, for any model ``inference.load`` reads.
 
-Writes the ViT paper's analysis figures (Sec. 4.5, Fig. 6, 7 and 14) as PNG files and the
-numbers behind them as ``analysis.json``, for any model :func:`vit_jax.inference.load` reads.
-Files, images and exit statuses: docs/analysis.md.
+  python -m vit_jax.analyze /tmp/vit_fmnist --out /tmp/vit_fmnist_analysis
+  python -m vit_jax.analyze ViT-B_16.npz --images photos/ --out /tmp/b16_analysis
+
+Files, images and exit statuses: docs/analysis.md. JAX, TensorFlow and matplotlib load after
+``--help`` and bad flags are answered.
 """
 
 from __future__ import annotations
@@ -10,12 +15,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
 from vit_jax.tools import common
+from vit_jax.tools import eval_data
+from vit_jax.tools import predict
 
 #: Files the tool writes in ``--out`` (those that apply to the model).
 OUTPUTS = ('rollout.png', 'layer_attention.png', 'attention_distance.png',
@@ -26,16 +32,10 @@ CHUNK = 16
 
 
 def _parser() -> common.Parser:
-  parser = common.Parser(
-      prog='python -m vit_jax.analyze',
-      description=__doc__.split('\n\n')[0] + ' Figures: attention rollout over images, the '
-      'attention of every layer, mean attention distance per head against depth, position '
-      'embedding similarity, principal components of the patch-embedding filters (the ViT '
-      "paper's Fig. 6/7/14), and analysis.json with their numbers.",
-      formatter_class=argparse.RawDescriptionHelpFormatter,
-      epilog='Examples:\n'
-      '  python -m vit_jax.analyze /tmp/vit_fmnist --out /tmp/vit_fmnist_analysis\n'
-      '  python -m vit_jax.analyze ViT-B_16.npz --images photos/ --out /tmp/b16_analysis')
+  doc = __doc__.split('\n\n')
+  parser = common.Parser(prog='python -m vit_jax.analyze', description=doc[0],
+                         formatter_class=argparse.RawDescriptionHelpFormatter,
+                         epilog='Examples:\n' + doc[1])
   common.add_source_arguments(parser)
   images = parser.add_mutually_exclusive_group()
   images.add_argument('--images', nargs='+', metavar='PATH',
@@ -55,19 +55,14 @@ def _parser() -> common.Parser:
 
 
 def _from_files(trained: Any, arguments: Sequence[str], count: int) -> Tuple[np.ndarray, List[str]]:
-  from vit_jax.data import files  # pylint: disable=g-import-not-at-top
-  from vit_jax.tools import predict  # pylint: disable=g-import-not-at-top
-  data = trained.config.data
   paths = predict.image_paths(arguments)[:count]
-  inputs = [files.eval_input(p, size=int(data.image_size), normalization=data.normalization,
-                             crop_pct=data.eval_crop_pct, name=p) for p in paths]
+  inputs = [predict.preprocess(trained, p, name=p) for p in paths]
   return np.stack(inputs).astype(np.float32), [os.path.basename(p) for p in paths]
 
 
 def _from_data(trained: Any, data_arg: Optional[str], count: int
                ) -> Tuple[np.ndarray, List[str]]:
   from vit_jax import data  # pylint: disable=g-import-not-at-top
-  from vit_jax.tools import eval_data  # pylint: disable=g-import-not-at-top
   chosen = eval_data.choose_data(trained, data=data_arg)
   batch = min(count, 64)
   inputs, labels = [], []
@@ -78,13 +73,6 @@ def _from_data(trained: Any, data_arg: Optional[str], count: int
     if len(labels) >= count:
       break
   return np.concatenate(inputs)[:count].astype(np.float32), labels[:count]
-
-
-def _captures(model: Any, variables: Any, inputs: np.ndarray):
-  """:func:`vit_jax.models.intermediates.capture` of ``inputs`` in chunks of :data:`CHUNK`."""
-  from vit_jax.models import intermediates  # pylint: disable=g-import-not-at-top
-  for start in range(0, len(inputs), CHUNK):
-    yield intermediates.capture(model, variables, inputs[start:start + CHUNK])
 
 
 def _param(params: Dict[str, Any], *path: str) -> Optional[np.ndarray]:
@@ -106,10 +94,12 @@ def analyze(trained: Any, inputs: np.ndarray, *, overlays: int = 8) -> Dict[str,
   from vit_jax import analysis  # pylint: disable=g-import-not-at-top
   from vit_jax import models  # pylint: disable=g-import-not-at-top
   from vit_jax import step as step_lib  # pylint: disable=g-import-not-at-top
+  from vit_jax.models import intermediates  # pylint: disable=g-import-not-at-top
   model = step_lib.create_model(trained.config)
   variables = models.unbox(trained.variables)
   sums, rollouts, predicted, layer_maps, layout = None, [], [], None, None
-  for captured in _captures(model, variables, inputs):
+  for start in range(0, len(inputs), CHUNK):
+    captured = intermediates.capture(model, variables, inputs[start:start + CHUNK])
     layout = captured.layout
     grid, stride, prefix = layout.grid, layout.stride, layout.prefix
     per_image = np.stack([analysis.mean_attention_distance(a, grid, stride, prefix,
@@ -143,8 +133,7 @@ def analyze(trained: Any, inputs: np.ndarray, *, overlays: int = 8) -> Dict[str,
 
 def write_figures(result: Dict[str, Any], images: np.ndarray, labels: Sequence[str],
                   out: str) -> List[str]:
-  """Writes the PNGs and ``analysis.json`` of :func:`analyze`'s ``result`` into ``out``;
-  returns the paths written."""
+  """Writes the PNGs and ``analysis.json`` of ``result`` into ``out``; returns their paths."""
   from vit_jax.analysis import figures  # pylint: disable=g-import-not-at-top
   os.makedirs(out, exist_ok=True)
   shown = len(result['rollout'])
@@ -175,7 +164,7 @@ def write_figures(result: Dict[str, Any], images: np.ndarray, labels: Sequence[s
 def _captions(trained: Any, predicted: Sequence[int], labels: Sequence[str], *,
               from_files: bool) -> List[str]:
   """The rollout panels' captions: 'file.jpg: Sneaker' for files; for a dataset the predicted
-  class, with the true one when it differs (as in TensorBoard, `figures.prediction_caption`)."""
+  class, with the true one when it differs."""
   from vit_jax.analysis import figures  # pylint: disable=g-import-not-at-top
   names = [trained.label_name(int(p)) for p in predicted]
   if from_files:
@@ -184,7 +173,7 @@ def _captions(trained: Any, predicted: Sequence[int], labels: Sequence[str], *,
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-  """Runs the command on ``argv`` (default: the command line); returns the exit status."""
+  """The command on ``argv`` (default: the command line); returns the exit status."""
   args = _parser().parse_args(argv)
   try:
     for flag, value in (('--num-images', args.num_images), ('--overlays', args.overlays)):
@@ -220,9 +209,5 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 
 def run_main() -> None:
-  """`python -m vit_jax.analyze`: `main()`'s status as the exit code."""
+  """`python -m vit_jax.analyze`."""
   common.run_program(main, _parser)
-
-
-if __name__ == '__main__':
-  run_main()

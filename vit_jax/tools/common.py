@@ -1,19 +1,20 @@
-"""What the command-line tools share: the usage-error parser, the one-line ``FATAL:`` report,
-``--set KEY=VALUE`` model fields, and the SOURCE arguments of the tools that load a model.
+"""What the command-line tools share: the parser (a usage error is one ``FATAL:`` line), the one
+``FATAL:`` report, ``--set KEY=VALUE`` fields, SOURCE arguments, and :func:`run_program`.
 
-Bad input is one line ``FATAL: <problem and fix>`` on stderr and exit status 2; a failure
-while working (e.g. writing an output) is exit status 1.
+Exit status 2: bad input; 1: a failure while working (e.g. writing an output).
 """
 
 from __future__ import annotations
 
 import argparse
 import ast
-import json
 import os
 import signal
 import sys
 from typing import Any, Tuple
+
+from vit_jax import platform
+from vit_jax import rundir
 
 #: The errors of bad input (exit status 2).
 INPUT_ERRORS = (ValueError, TypeError, KeyError, FileNotFoundError, FileExistsError,
@@ -21,8 +22,7 @@ INPUT_ERRORS = (ValueError, TypeError, KeyError, FileNotFoundError, FileExistsEr
 
 
 def reason(error: Exception) -> str:
-  """One line: the error's message (an OSError's with its file name; the lines of a multi-line
-  message joined)."""
+  """The error's message in one line (an OSError's with its file name)."""
   if isinstance(error, OSError) and error.strerror:
     text = error.strerror
     if error.filename is not None and os.fsdecode(error.filename) not in text:
@@ -41,11 +41,14 @@ def fatal(error: Exception, code: int) -> int:
 
 
 def parse_setting(text: str) -> Tuple[str, Any]:
-  """'embed_dim=64' -> ('embed_dim', 64); a non-literal value stays a string. ValueError if not K=V.
-  """
-  key, sep, value = text.partition('=')
+  """'embed_dim=64' -> ('embed_dim', 64): a Python literal (or true/false), else the string;
+  ValueError unless KEY=VALUE."""
+  key, sep, value = (part.strip() for part in text.partition('='))
   if not sep or not key:
-    raise ValueError(f'--set {text!r}: expected KEY=VALUE, e.g. --set embed_dim=64.')
+    raise ValueError(f'--set {text!r}: expected KEY=VALUE, e.g. --set embed_dim=64 ({text!r} '
+                     'is not KEY=VALUE).')
+  if value.lower() in ('true', 'false'):
+    return key, value.lower() == 'true'
   try:
     return key, ast.literal_eval(value)
   except (ValueError, SyntaxError):
@@ -53,14 +56,13 @@ def parse_setting(text: str) -> Tuple[str, Any]:
 
 
 class Parser(argparse.ArgumentParser):
-  """argparse, with a usage error as the usage and one ``FATAL:`` line (exit status 2), and
-  the help's reST literals (````x````) shown as plain text."""
+  """argparse: a usage error is one ``FATAL:`` line (exit status 2); the help shows reST
+  literals (````x````) as plain text."""
 
   def format_help(self):
     return super().format_help().replace('``', '')
 
   def error(self, message):
-    self.print_usage(sys.stderr)
     self.exit(2, f'FATAL: {message}\n')
 
 
@@ -71,18 +73,21 @@ SOURCE_HELP = ('a training workdir (its latest step; or its checkpoints/ or one 
                'written by python -m vit_jax.convert')
 
 
+def add_set_argument(parser: argparse.ArgumentParser, example: str) -> None:
+  """``--set KEY=VALUE``, repeatable, into ``args.set`` (each read by :func:`parse_setting`)."""
+  parser.add_argument('--set', action='append', default=[], metavar='KEY=VALUE',
+                      help=f'a model field, repeatable ({example}); values are Python literals')
+
+
 def add_source_arguments(parser: argparse.ArgumentParser) -> None:
-  """SOURCE and the flags of ``vit_jax.inference.load``: --step, --model, --set,
-  --num-classes, --image-size, --no-ema."""
+  """SOURCE and the flags of ``vit_jax.inference.load`` (:func:`load_source`)."""
   parser.add_argument('source', metavar='SOURCE', help=SOURCE_HELP)
   parser.add_argument('--step', type=int, help="a workdir's step (default: the latest)")
   parser.add_argument('--model', help='the model of a .pth.tar (required: T2T-ViT-7/10/12/14/'
                       '19/24, T2T-ViT_t-14/19/24) or of an .npz (optional: read from its '
                       'shapes, checked when given); a workdir names its own')
-  parser.add_argument('--set', action='append', default=[], metavar='KEY=VALUE',
-                      help='a model field for --model, repeatable (e.g. --set embed_dim=64 for '
-                      'T2T-ViT-custom; --set num_heads=N for a timm file of a non-standard '
-                      'width); values are Python literals')
+  add_set_argument(parser, 'e.g. --set embed_dim=64 for T2T-ViT-custom; --set num_heads=N for '
+                   'a timm file of a non-standard width')
   parser.add_argument('--num-classes', type=int,
                       help='checked against the head of the weights (they decide)')
   parser.add_argument('--image-size', type=int,
@@ -92,18 +97,31 @@ def add_source_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def load_source(args: argparse.Namespace):
-  """``vit_jax.inference.load`` of the parsed SOURCE arguments (see
-  :func:`add_source_arguments`). Raises what ``load`` raises."""
-  from vit_jax import inference  # pylint: disable=g-import-not-at-top
+  """``vit_jax.inference.load`` of the SOURCE arguments; raises what it raises."""
+  from vit_jax import inference  # pylint: disable=g-import-not-at-top  (JAX: after --help)
   return inference.load(args.source, step=args.step, use_ema=not args.no_ema,
                         model_name=args.model, num_classes=args.num_classes,
                         image_size=args.image_size,
                         overrides=dict(parse_setting(s) for s in args.set))
 
 
+def cpu_info() -> dict:
+  """The first processor's fields of /proc/cpuinfo ({} where it cannot be read)."""
+  cpu = {}
+  try:
+    with open('/proc/cpuinfo', encoding='utf-8', errors='replace') as f:
+      for line in f:
+        if not line.strip():
+          break  # The first processor is enough.
+        key, _, value = line.partition(':')
+        cpu[key.strip()] = value.strip()
+  except OSError:
+    pass
+  return cpu
+
+
 def missing_source(args: argparse.Namespace):
-  """A FileNotFoundError naming a local SOURCE with nothing there, else None (remote not checked).
-  """
+  """A FileNotFoundError for a local SOURCE with nothing there, else None."""
   source = getattr(args, 'source', None)
   if not isinstance(source, str) or '://' in source or os.path.exists(source):
     return None
@@ -113,24 +131,20 @@ def missing_source(args: argparse.Namespace):
 def unsaved_run(args: argparse.Namespace):
   """The error of a local SOURCE run lacking the step asked for, told by the file system, or None.
 
-  Only then is ``vit_jax.checkpoint.runs.read_run`` called, for its message (it imports JAX).
+  Only then is ``vit_jax.checkpoint.workdir.read_run`` called, for its message (it imports JAX).
   """
   source, step = getattr(args, 'source', None), getattr(args, 'step', None)
   if not isinstance(source, str) or '://' in source or not os.path.isdir(source):
     return None
-  checkpoints = os.path.join(source, 'checkpoints')
-  if not os.path.isdir(checkpoints):
-    is_checkpoints = os.path.basename(os.path.normpath(source)) == 'checkpoints'
-    if not is_checkpoints and not any(n.isdigit() for n in os.listdir(source)):
-      return None  # Not a run (a file's directory, a convert directory, one step).
-    checkpoints = source
-  saved = {int(n) for n in os.listdir(checkpoints)
-           if n.isdigit() and os.path.isfile(os.path.join(checkpoints, n, 'state', '_METADATA'))}
+  checkpoints = rundir.find(source).checkpoints
+  if checkpoints is None:
+    return None  # Not a run (a file's directory, a convert directory, one step).
+  saved = rundir.saved_steps(checkpoints, readable=True)
   if saved and (step is None or step in saved):
     return None
-  from vit_jax.checkpoint import runs  # pylint: disable=g-import-not-at-top
+  from vit_jax.checkpoint import workdir  # pylint: disable=g-import-not-at-top
   try:
-    runs.read_run(source, step=step)
+    workdir.read_run(source, step=step)
   except (FileNotFoundError, ValueError) as e:
     return e
   return None
@@ -139,23 +153,26 @@ def unsaved_run(args: argparse.Namespace):
 def run_config(source: str):
   """The ``config.json`` dict of a local SOURCE that is a training workdir (it has
   ``checkpoints/``), read without the set-up; None for other sources or an unreadable file."""
-  if '://' in source or not os.path.isdir(os.path.join(source, 'checkpoints')):
+  if '://' in source or not os.path.isdir(os.path.join(source, rundir.CHECKPOINTS_DIR)):
     return None
   try:
-    with open(os.path.join(source, 'config.json'), 'rb') as f:
-      config = json.load(f)
+    return rundir.read_json(os.path.join(source, rundir.CONFIG_JSON))
   except (OSError, ValueError):
     return None
-  return config if isinstance(config, dict) else None
 
 
-def run_program(main, parser=None, precheck=None) -> None:
+def _tool_setup() -> None:
+  os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')  # The tools report bad images themselves.
+  platform.setup()
+
+
+def run_program(main, parser=None, precheck=None, setup=_tool_setup) -> None:
   """Runs a tool's ``main()`` (``() -> int``, the exit status) as the program.
 
   ``--help``, flags ``parser`` refuses, :func:`missing_source`, :func:`unsaved_run` and
-  ``precheck`` (``(args) -> Exception or None``) answer first, without importing JAX or
-  TensorFlow; then ``vit_jax.platform.setup`` (TensorFlow's C++ warnings off: the tools report
-  bad images themselves) and ``main()``. A closed pipe ends the program quietly.
+  ``precheck`` (``(args) -> Exception or None``) answer first, before JAX or TensorFlow load;
+  then ``setup()`` (``vit_jax.platform.setup``; a ValueError exits 2) and ``main()``. A closed
+  pipe ends the program quietly.
   """
   if hasattr(signal, 'SIGPIPE'):  # `... | head`: end quietly, as shell tools do.
     signal.signal(signal.SIGPIPE, signal.SIG_DFL)
@@ -167,10 +184,8 @@ def run_program(main, parser=None, precheck=None) -> None:
       error = check(args)
       if error is not None:
         sys.exit(fatal(error, 2))
-  os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
-  from vit_jax import platform  # pylint: disable=g-import-not-at-top
   try:
-    platform.setup()
+    setup()
   except ValueError as e:
     sys.exit(fatal(e, 2))
   sys.exit(main())

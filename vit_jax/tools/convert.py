@@ -1,38 +1,21 @@
 """Converts model checkpoints between formats: ``python -m vit_jax.convert SRC DST``.
 
-Reads any of ``vit_jax.checkpoint.ACCEPTED_FORMATS`` and writes
-
-* a **directory** ``DST``: an Orbax checkpoint of ``{'params': ..., 'model_state': {...}}`` (the
-  fixed tables of T2T-ViT go in ``model_state``), the format of this project's training
-  checkpoints without the optimizer state. ``vit_jax.checkpoint.load(DST)`` restores it and
-  ``--config.init_from=DST`` fine-tunes from it. ``DST/vit_jax_export.json`` keeps what the
-  arrays do not say: the source's class names and eval preprocessing (a training run's, a
-  transformers or timm file's), which predict, evaluate and a later convert read back;
-* a file ending in ``.npz``: the official ViT layout (flat ``/``-joined Linen names,
-  ``encoderblock_{i}``), for models with parameters only (ViT; a T2T-ViT needs its fixed tables,
-  so write it to a directory);
-* with ``--to timm``: a timm ``VisionTransformer`` ``.safetensors`` file, and the
-  ``timm.create_model(...)`` call that loads it with no code (printed, and kept in the file's
-  metadata); with ``--to hf``: a transformers ViT directory (``model.safetensors`` and
-  ``config.json``, class names in ``id2label``) that ``ViTForImageClassification.from_pretrained``
-  loads. Per-layer and scanned runs alike; what the target cannot express (a hybrid, a
-  ``pre_logits`` layer, 'gap'/'map' pooling for transformers, timm with another LayerNorm
-  epsilon) is refused by name (:func:`vit_jax.checkpoint.ecosystem.write`).
+Reads any of ``vit_jax.checkpoint.ACCEPTED_FORMATS`` and writes a directory: an Orbax
+checkpoint ``{'params', 'model_state'}`` (this project's training checkpoint without the
+optimizer state; ``--config.init_from=DST`` fine-tunes from it) with ``vit_jax_export.json``
+keeping the source's class names and eval preprocessing; a file ending in .npz: the
+official ViT layout (parameters only); ``--to timm``: a timm ``.safetensors`` (and the
+``timm.create_model`` call that loads it); ``--to hf``: a transformers ViT directory. What the
+target cannot express is refused by name (``vit_jax.checkpoint.ecosystem.write``).
 
 Examples::
 
   python -m vit_jax.convert 81.5_T2T_ViT_14.pth.tar /ckpt/t2t_vit_14 --model T2T-ViT-14
   python -m vit_jax.convert /workdirs/vit_b16_cifar /ckpt/vit_b16_cifar.npz
-  python -m vit_jax.convert ViT-B_16.npz /ckpt/vit_b16
   python -m vit_jax.convert /workdirs/vit_cifar /export/vit_cifar_hf --to hf
-  python -m vit_jax.convert /workdirs/vit_cifar /export/vit_cifar.safetensors --to timm
 
-It prints what it wrote (format, and per collection the arrays and values in the layout written:
-an ``.npz`` holds the unrolled ``encoderblock_{i}`` arrays of a scanned checkpoint). Bad input
-(a missing, truncated, damaged or refused ``SRC``, a bad ``--model``, an existing ``DST``) is one
-line ``FATAL: <problem and fix>`` on stderr and exit status 2, as ``python -m vit_jax.main``; a
-failure while writing is one ``FATAL:`` line and exit status 1. An existing ``DST`` is never
-overwritten unless ``--overwrite`` is given.
+Bad input (a missing, damaged or refused SRC, a bad ``--model``, an existing DST without
+``--overwrite``) is one ``FATAL:`` line and exit status 2; a failure while writing, exit 1.
 """
 
 from __future__ import annotations
@@ -49,31 +32,14 @@ from vit_jax import checkpoint
 from vit_jax.checkpoint import npz
 from vit_jax.tools import common
 
-def read(src: str, *, model_name: Optional[str] = None, use_ema: bool = True,
-         overrides: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
-  """Loads ``src`` as ``{'params': ..., **collections}`` of NumPy arrays (see
-  :func:`read_with_facts`)."""
-  return read_with_facts(src, model_name=model_name, use_ema=use_ema, overrides=overrides)[0]
-
 
 def read_with_facts(src: str, *, model_name: Optional[str] = None, use_ema: bool = True,
                     overrides: Optional[Dict[str, Any]] = None
                     ) -> Tuple[Dict[str, Any], Dict[str, Any]]:
-  """Loads ``src`` as ``{'params': ..., **collections}`` of NumPy arrays, and the facts an
-  Orbax destination keeps (``orbax.EXPORT_JSON``): a run's class names, ``multi_label`` and eval
-  preprocessing; a transformers / timm file's class names, image size (and normalization); what
-  an earlier convert kept. None for ``.npz`` and PyTorch files.
-
-  Args:
-    src: any of ``vit_jax.checkpoint.ACCEPTED_FORMATS``.
-    model_name: PyTorch (T2T-ViT) files only: the variant, e.g. 'T2T-ViT-14'.
-    use_ema: prefer the checkpoint's parameter EMA.
-    overrides: model fields for ``vit_jax.models.create`` (e.g. of 'T2T-ViT-custom').
-
-  Raises:
-    FileNotFoundError: nothing at ``src``.
-    ValueError: a PyTorch file without ``model_name``, an unknown one; the errors of
-      ``checkpoint.load`` (``DamagedCheckpointError``, ``UnsafePickleError`` are ValueErrors).
+  """``src`` as ``{'params': ..., **collections}`` of NumPy arrays, and the facts an Orbax
+  destination keeps (``orbax.EXPORT_JSON``: class names, ``multi_label``, eval preprocessing;
+  none for ``.npz`` and PyTorch files). ``model_name`` (PyTorch files: required) and
+  ``overrides`` make the model. Raises FileNotFoundError, or ValueError as ``checkpoint.open``.
   """
   ckpt = checkpoint.open(src)
   return _READ[ckpt.name](ckpt, model_name, use_ema, dict(overrides or {}))
@@ -112,7 +78,6 @@ def _read_orbax(ckpt, model_name, use_ema, overrides):
   return _read_weights(ckpt, model_name, use_ema, overrides)[0], _run_facts(ckpt.path)
 
 
-#: How each format (``vit_jax.checkpoint.formats``) is read, with the facts it keeps.
 _READ = {'pytorch': _read_torch, 'hf': _read_foreign, 'timm': _read_foreign,
          'npz': _read_weights, 'orbax': _read_orbax}
 
@@ -121,8 +86,8 @@ def _run_facts(src: str) -> Dict[str, Any]:
   """The class names and eval preprocessing of an Orbax SOURCE (its latest step): a training
   run's config and dataset record, or what a convert directory kept."""
   from vit_jax.checkpoint import orbax  # pylint: disable=g-import-not-at-top
-  from vit_jax.checkpoint import runs  # pylint: disable=g-import-not-at-top
-  run = runs.read_run(src)
+  from vit_jax.checkpoint import workdir  # pylint: disable=g-import-not-at-top
+  run = workdir.read_run(src)
   if run.config is None:
     return orbax.read_export_metadata(run.state_item) or {}
   data = run.config.get('data') or {}
@@ -135,13 +100,9 @@ def _run_facts(src: str) -> Dict[str, Any]:
 
 def write(variables: Dict[str, Any], dst: str, *, overwrite: bool = False,
           facts: Optional[Dict[str, Any]] = None) -> str:
-  """Writes ``variables`` to ``dst`` (a ``.npz`` file or an Orbax directory, which keeps
-  ``facts``, see :func:`read_with_facts`); returns the format.
-
-  Raises:
-    FileExistsError: ``dst`` exists and ``overwrite`` is False.
-    ValueError: ``.npz`` requested for variables with collections other than ``params``.
-  """
+  """Writes ``variables`` to ``dst`` (an ``.npz`` file, or an Orbax directory that keeps
+  ``facts``); returns the format. Raises FileExistsError, or ValueError (an ``.npz`` of other
+  collections than ``params``)."""
   if os.path.exists(dst) and not overwrite:
     raise FileExistsError(f'{dst} exists; choose a new destination or pass --overwrite.')
   from vit_jax.models import layout  # pylint: disable=g-import-not-at-top
@@ -161,18 +122,9 @@ def write(variables: Dict[str, Any], dst: str, *, overwrite: bool = False,
 
 def export(src: str, dst: str, to: str, *, model_name: Optional[str] = None,
            use_ema: bool = True, overrides: Optional[Dict[str, Any]] = None) -> str:
-  """Writes the ViT at ``src`` as timm (``to='timm'``) or transformers (``to='hf'``) weights.
-
-  The model, its numerics and its class names come from the source
-  (:func:`vit_jax.inference.load`: a workdir's saved config, a file's shapes and headers).
-
-  Returns:
-    The Python that loads the result in the target library.
-
-  Raises:
-    ValueError: what :func:`vit_jax.inference.load` raises, a T2T-ViT, or what the target cannot
-      express (:func:`vit_jax.checkpoint.ecosystem.write`).
-  """
+  """Writes the ViT at ``src`` (:func:`vit_jax.inference.load`) as timm (``to='timm'``) or
+  transformers (``to='hf'``) weights; returns the Python that loads them. Raises ValueError:
+  what ``load`` raises, a T2T-ViT, or what the target cannot express."""
   from vit_jax import inference  # pylint: disable=g-import-not-at-top
   from vit_jax.checkpoint import ecosystem  # pylint: disable=g-import-not-at-top
   trained = inference.load(src, use_ema=use_ema, model_name=model_name, overrides=overrides)
@@ -187,12 +139,8 @@ def export(src: str, dst: str, to: str, *, model_name: Optional[str] = None,
 
 
 def written_arrays(variables: Dict[str, Any], dst: str) -> Dict[str, Dict[str, Tuple]]:
-  """``{collection: {name: (shape, dtype)}}`` of what :func:`write` wrote to ``dst``.
-
-  For a ``.npz``, read from the written file's ``.npy`` headers (its layout: unrolled
-  ``encoderblock_{i}`` arrays, float32 for bfloat16); for an Orbax directory, ``variables``
-  (written as they are).
-  """
+  """``{collection: {name: (shape, dtype)}}`` of what :func:`write` wrote to ``dst`` (an
+  ``.npz``'s from its headers: its layout unrolls a scanned model)."""
   if dst.endswith('.npz'):
     return {'params': npz.read_npz_index(dst)}
   return {name: {key: (np.shape(value), np.asarray(value).dtype)
@@ -210,16 +158,11 @@ def _summary(written: Mapping[str, Mapping[str, Tuple]]) -> str:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-  """Runs the converter on ``argv`` (default: the command line); returns the exit status."""
-  parser = common.Parser(
-      prog='python -m vit_jax.convert',
-      description=__doc__.split('\n\n')[0] + ' DST is an Orbax checkpoint directory, or an '
-      'official-layout .npz file (ViT parameters only).',
-      formatter_class=argparse.RawDescriptionHelpFormatter,
-      epilog='Examples:\n'
-      '  python -m vit_jax.convert 81.5_T2T_ViT_14.pth.tar /ckpt/t2t_vit_14 --model T2T-ViT-14\n'
-      '  python -m vit_jax.convert /workdirs/vit_cifar /ckpt/vit_cifar.npz\n'
-      'Then fine-tune with --config.init_from=/ckpt/t2t_vit_14.')
+  """The command on ``argv`` (default: the command line); returns the exit status."""
+  doc = __doc__.split('\n\n')
+  parser = common.Parser(prog='python -m vit_jax.convert', description='\n\n'.join(doc[:2]),
+                         formatter_class=argparse.RawDescriptionHelpFormatter,
+                         epilog='Examples:\n' + doc[3] + '\n\n' + doc[4])
   parser.add_argument('src', help=checkpoint.ACCEPTED_FORMATS)
   parser.add_argument('dst', help='a new directory (Orbax checkpoint) or a path ending in .npz; '
                       'with --to timm a .safetensors file, with --to hf a directory (or its '
@@ -229,11 +172,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                       'transformers (config.json + model.safetensors) weights of a ViT')
   parser.add_argument('--model', help='model name, required for PyTorch files '
                       '(T2T-ViT-7/10/12/14/19/24, T2T-ViT_t-14/19/24)')
-  parser.add_argument('--set', action='append', default=[], metavar='KEY=VALUE',
-                      help='a model field for --model, repeatable (e.g. --set embed_dim=64 for '
-                      'T2T-ViT-custom); values are Python literals')
+  common.add_set_argument(parser, 'for --model, e.g. --set embed_dim=64 for T2T-ViT-custom')
   parser.add_argument('--no_ema', action='store_true',
-                      help='take the trained weights rather than their EMA when the source has both')
+                      help='the trained weights rather than their EMA when the source has both')
   parser.add_argument('--overwrite', action='store_true', help='replace an existing DST')
   args = parser.parse_args(argv)
   try:
@@ -280,8 +221,7 @@ def _facts_summary(facts: Mapping[str, Any]) -> str:
 
 
 def _export(args: argparse.Namespace, overrides: Dict[str, Any]) -> int:
-  """``--to timm|hf``: refuses existing outputs (unless --overwrite) before the read, writes,
-  prints what was written and how to load it."""
+  """``--to timm|hf``: checks the outputs, writes, prints how to load them."""
   from vit_jax.checkpoint import ecosystem  # pylint: disable=g-import-not-at-top
   if args.to == 'timm' and not args.dst.endswith('.safetensors'):
     raise ValueError(f'{args.dst}: --to timm writes a .safetensors file; name it so.')
@@ -302,9 +242,5 @@ def _export(args: argparse.Namespace, overrides: Dict[str, Any]) -> int:
 
 
 def run_main() -> None:
-  """`python -m vit_jax.convert`: `main()`'s status as the exit code."""
+  """`python -m vit_jax.convert`."""
   sys.exit(main())
-
-
-if __name__ == '__main__':
-  run_main()

@@ -1,10 +1,5 @@
 r"""Predicts what a training run costs before it runs: FLOPs, TPU-core-days and wall time.
 
-Usage:
-  python -m vit_jax.cost --config configs/<file>.py:<args> [--config.key=value ...] \
-      [--accelerator v3-256] [--mfu 0.35]
-  python -m vit_jax.cost --table2
-
 Examples:
   # ViT-L/16 pretraining on ImageNet-21k (90 epochs, batch 4096) on a TPU v3-256 at 35% MFU.
   python -m vit_jax.cost --config configs/vit.py:l16,imagenet21k --accelerator v3-256
@@ -14,19 +9,16 @@ Examples:
   # The ViT paper's Table 2: the MFU that each reported TPUv3-core-days figure implies.
   python -m vit_jax.cost --table2
 
-The model's forward pass is traced with abstract shapes (nothing is compiled, allocated or
-trained) and its matrix products counted (`vit_jax.flops.model_forward_macs`); training costs 3
-forward passes (forward + backward). Training FLOPs = 3 x 2 x MACs x batch x steps, where steps
-come from the config (`total_steps`, or `num_epochs` of `data.train_split`). Wall time =
-FLOPs / (MFU x peak FLOP/s of the accelerator); core-days = wall days x TensorCores. Evaluation,
-compilation and input stalls are not included: `workdir/cost.json` of a real run measures them.
-The dataset's size comes from --num_train_examples, else from a table of well-known datasets
-(no download needed), else from the prepared tfds dataset.
+The forward pass is traced on abstract shapes and its matrix products counted
+(`vit_jax.flops`): training FLOPs = 3 x 2 x MACs x batch x steps (the config's schedule); wall
+time = FLOPs / (MFU x the accelerator's peak); core-days = wall days x TensorCores. Evaluation,
+compilation and input stalls are not included (a run's `workdir/cost.json` measures them). The
+dataset's size: --num_train_examples, else a table of well-known datasets, else the prepared
+tfds dataset. JAX loads after the flags parse (this module is imported by fewshot's --help too).
 """
 
 from __future__ import annotations
 
-import os
 import sys
 
 from absl import app
@@ -37,10 +29,10 @@ from ml_collections import config_flags
 from vit_jax import cli
 from vit_jax import hardware
 from vit_jax import platform
+from vit_jax.tools import common
 
-# Split sizes and classes of datasets that are large or need a manual download, so that an
-# estimate needs no data. ImageNet-21k: the fall 2011 release the ViT paper uses (14M images),
-# with the 21,843 classes of the official checkpoints.
+# Split sizes and classes of large or manually downloaded datasets, so that an estimate needs no
+# data. ImageNet-21k: the fall 2011 release (14M images), the official checkpoints' classes.
 KNOWN_DATASETS = {
     "imagenet2012": ({"train": 1_281_167, "validation": 50_000}, 1000),
     "imagenet21k": ({"train": 14_197_122}, 21_843),
@@ -55,10 +47,7 @@ KNOWN_DATASETS = {
 
 def split_size(split: str, sizes: dict[str, int]) -> int:
   """Examples in a tfds split spec ('train[:99%]', 'train+validation') of splits of `sizes`.
-
-  Raises:
-    ValueError: the spec names a split that is not in `sizes`.
-  """
+  Raises ValueError for a split not in `sizes`."""
   import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top
   infos = {name: tfds.core.SplitInfo(name=name, shard_lengths=[n], num_bytes=0,
                                      filename_template=None) for name, n in sizes.items()}
@@ -70,11 +59,8 @@ def split_size(split: str, sizes: dict[str, int]) -> int:
 
 
 def dataset_facts(config, num_train_examples=None, num_classes=None) -> tuple[int, int, str]:
-  """(train examples, classes, where they come from) for `config.data`.
-
-  Raises:
-    ValueError: the dataset is unknown and not prepared; the message names the flags to give.
-  """
+  """(train examples, classes, where they come from) for `config.data`. Raises ValueError for
+  an unknown dataset that is not prepared (naming the flags to give)."""
   name = config.data.image_folder or config.data.name
   for flag, value in (("num_train_examples", num_train_examples), ("num_classes", num_classes)):
     if value is not None and value <= 0:
@@ -98,16 +84,10 @@ def dataset_facts(config, num_train_examples=None, num_classes=None) -> tuple[in
 
 def estimate(config, accelerator: str, mfu: float, num_train_examples=None,
              num_classes=None) -> dict:
-  """The predicted cost of training `config` on `accelerator` at utilisation `mfu`.
-
-  Returns:
-    A dict: model, parameters, image_size, forward_macs (per image), steps, images,
-    training_flops, hardware (a `vit_jax.accounting.Hardware`), days (wall), core_days and
-    chip_days (TPU; None elsewhere), device_days, and dataset (where its size came from).
-
-  Raises:
-    ValueError: a bad accelerator, MFU, dataset or config (e.g. an image size the patch size
-      does not divide).
+  """The predicted cost of training `config` on `accelerator` at utilisation `mfu`: a dict of
+  model, parameters, image_size, forward_macs (per image), steps, images, training_flops,
+  hardware (`accounting.Hardware`), days (wall), core_days and chip_days (TPU, else None),
+  device_days, dataset (where its size came from). Raises ValueError for bad input.
   """
   import jax  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
@@ -124,8 +104,7 @@ def estimate(config, accelerator: str, mfu: float, num_train_examples=None,
   steps = config_lib.num_train_steps(config, examples)
   if config.num_classes is None:
     config.num_classes = classes
-  # Every attention implementation and remat policy does the same products: count them with
-  # ones that trace on any host.
+  # Every attention and remat policy does the same products: count with ones any host traces.
   model = step.create_model(config_lib.for_counting(config))
   size = config.data.image_size
   image_shape = (size, size, 3)
@@ -179,8 +158,7 @@ def _days(days: float) -> str:
 
 
 def table2() -> str:
-  """The ViT paper's Table 2 compute column, each model counted by tracing this project's own
-  model (which agrees with `vit_jax.flops.vit_forward_macs`), as a Markdown table."""
+  """The ViT paper's Table 2 compute column (Markdown), each count checked by tracing."""
   from vit_jax import flops, models  # pylint: disable=g-import-not-at-top
   for run in flops.TABLE2:
     model = models.create(run.model.replace("/", "_"), num_classes=run.num_classes,
@@ -191,24 +169,23 @@ def table2() -> str:
   return flops.table2_markdown()
 
 
-def define_dataset_size_flags():
-  """--num_train_examples and --num_classes (`dataset_facts`' overrides), for the tools that
-  size a dataset without reading it; returns their flag holders."""
+def define_config_flags():
+  """--config, --num_train_examples and --num_classes (`dataset_facts`); their holders."""
+  config = config_flags.DEFINE_config_file(
+      "config", None, "Training config, as for vit_jax.main: configs/<file>.py[:<args>], with "
+      "--config.key=value overrides.", lock_config=True)
   examples = flags.DEFINE_integer(
       "num_train_examples", None, "Examples in config.data.train_split (default: known datasets' "
       "sizes, else the prepared tfds dataset's); they size epoch-based schedules.")
   classes = flags.DEFINE_integer(
       "num_classes", None, "Classes of the dataset (default: as for --num_train_examples).")
-  return examples, classes
+  return config, examples, classes
 
 
 def _define_flags() -> None:
-  """The command line's flags (defined only when run as a program, so that importing this
-  module next to `vit_jax.main`, which also has --config, is fine)."""
+  """The flags, defined only when run as a program (`vit_jax.main` has --config too)."""
   global _CONFIG, _ACCELERATOR, _MFU, _NUM_TRAIN_EXAMPLES, _NUM_CLASSES, _TABLE2
-  _CONFIG = config_flags.DEFINE_config_file(
-      "config", None, "Training config, as for vit_jax.main: configs/<file>.py[:<args>], with "
-      "--config.key=value overrides.", lock_config=True)
+  _CONFIG, _NUM_TRAIN_EXAMPLES, _NUM_CLASSES = define_config_flags()
   _ACCELERATOR = flags.DEFINE_string(
       "accelerator", "v3-8", "Cloud TPU type (v3-8, v3-256, v4-32, v5p-8: the number counts "
       "TensorCores; v5litepod-16, v6e-8: chips) or a GPU count (a100-8); vit_jax.hardware "
@@ -216,7 +193,6 @@ def _define_flags() -> None:
   _MFU = flags.DEFINE_float(
       "mfu", 0.35, "Assumed model FLOP utilisation, 0..1 (the ViT paper's Table 2 implies 0.22 to "
       "0.38 on TPU v3; see --table2).")
-  _NUM_TRAIN_EXAMPLES, _NUM_CLASSES = define_dataset_size_flags()
   _TABLE2 = flags.DEFINE_bool(
       "table2", False, "Print the ViT paper's Table 2 compute column with the MFU each reported "
       "TPUv3-core-days figure implies, counted from this project's models.")
@@ -233,26 +209,18 @@ def main(argv):
           f"303M; a TPU v3 core peaks at {hardware.kind('TPU v3').peak['bfloat16'] / 1e12:g} "
           "TFLOP/s (bfloat16).")
     return
-  if _CONFIG.value is None:
-    sys.stderr.write("FATAL: Give --config=configs/<file>.py[:<args>] (or --table2); "
-                     "--helpfull lists every flag.\n")
-    sys.exit(2)
   try:
+    if _CONFIG.value is None:
+      raise ValueError("Give --config=configs/<file>.py[:<args>] (or --table2); --helpfull "
+                       "lists every flag.")
     est = estimate(_CONFIG.value, _ACCELERATOR.value, _MFU.value, _NUM_TRAIN_EXAMPLES.value,
                    _NUM_CLASSES.value)
   except ValueError as e:
-    sys.stderr.write(f"FATAL: {e}\n")
-    sys.exit(2)
+    sys.exit(common.fatal(e, 2))
   print(format_estimate(est, _ACCELERATOR.value))
 
 
 def run_main() -> None:
   """The program (`python -m vit_jax.cost`): absl's flags, then `main`."""
-  os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")
-  sys.modules["__main__"].__doc__ = __doc__  # absl's --help shows the program's docstring.
   _define_flags()
-  app.run(main, flags_parser=cli.parse_flags)
-
-
-if __name__ == "__main__":
-  run_main()
+  cli.run_absl(main, __doc__)

@@ -1,9 +1,6 @@
-"""The data of ``python -m vit_jax.evaluate``: which dataset and split, checked against the model.
-
-``--data NAME[:SPLIT]``, ``--image-folder DIR [--split S]``, ``--real`` (ImageNet ReaL), or the
-model's own training data (workdirs); :class:`EvalData` carries the model's ``config.data``
-pointed at it.
-"""
+"""The data of ``python -m vit_jax.evaluate``: ``--data NAME[:SPLIT]``, ``--image-folder DIR``,
+``--real`` (ImageNet ReaL) or a workdir's own, checked against the model (tfds is imported where
+used: ``--help`` answers without it)."""
 
 from __future__ import annotations
 
@@ -12,23 +9,16 @@ import os
 import re
 from typing import Any, List, Optional, Tuple
 
-#: ``--real``: the tfds dataset of the ImageNet ReaL labels, its split and label feature.
 REAL_DATASET, REAL_SPLIT, REAL_LABEL_KEY = 'imagenet2012_real', 'validation', 'real_label'
 REAL_CLASSES = 1000
 
 
 @dataclasses.dataclass(frozen=True)
 class EvalData:
-  """The data to evaluate on, checked against the model.
-
-  Attributes:
-    config: the model's ``config.data`` for this dataset, ``eval_split`` set to ``split``.
-    name: the tfds name or directory, or the image folder; split: the tfds split spec.
-    num_classes: C (= the model's); label_names: the data's C class names.
-    multi_label: multi-hot labels (precision@1; no confusion matrix).
-    num_examples: examples in the split (ReaL's unlabelled ones included, masked).
-    label_key: the label feature read (e.g. 'label', 'real_label').
-  """
+  """The data to evaluate on: ``config`` is the model's ``config.data`` pointed at it (its
+  ``eval_split`` = ``split``); ``name`` the tfds name or directory, or the image folder;
+  ``multi_label``: multi-hot labels (precision@1, no confusion matrix); ``num_examples``
+  counts ReaL's unlabelled ones (masked)."""
 
   config: Any
   name: str
@@ -47,7 +37,6 @@ class EvalData:
 _VERSION = re.compile(r'^\d+(\.\d+)*$')
 
 
-
 def _normalized(name: str) -> str:
   """'T-shirt/top' and 'T-shirt_top' (a folder cannot hold '/') -> 't_shirt_top'."""
   return re.sub(r'[^0-9a-z]+', '_', name.lower()).strip('_')
@@ -58,6 +47,7 @@ def _same_set_other_order(model_names, data_names) -> bool:
   classes are its folder names, sorted)."""
   model, data = [_normalized(n) for n in model_names], [_normalized(n) for n in data_names]
   return sorted(model) == sorted(data) and model != data
+
 
 def parse_data(text: str) -> Tuple[str, Optional[str]]:
   """'cifar10:test[:50%]' -> ('cifar10', 'test[:50%]'); 'mnist:3.0.1' (a tfds version) and
@@ -86,7 +76,7 @@ def _splits(source) -> List[str]:
 
 
 def _get_source(cfg, what: str):
-  """``vit_jax.data.sources.get_source`` with this tool's messages for an unknown dataset."""
+  """``vit_jax.data.sources.get_source``, with this tool's flags in its messages."""
   import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top
   from vit_jax.data import sources  # pylint: disable=g-import-not-at-top
   if cfg.name and not cfg.image_folder and not _is_path(cfg.name):
@@ -140,11 +130,8 @@ def _default_split(source, own_split: Optional[str], what: str) -> str:
 
 def precheck(*, data: Optional[str] = None, image_folder: Optional[str] = None,
              split: Optional[str] = None) -> None:
-  """Checks of the data arguments needing neither model nor data.
-
-  Raises FileNotFoundError (``image_folder`` not a directory) or ValueError (``data`` not
-  NAME[:SPLIT], or a second split).
-  """
+  """Checks needing neither model nor data. Raises FileNotFoundError (``image_folder`` not a
+  directory) or ValueError (``data`` not NAME[:SPLIT], or a second split)."""
   from vit_jax.checkpoint import paths  # pylint: disable=g-import-not-at-top
   if image_folder and not paths.isdir(paths.normalize(image_folder)):
     raise FileNotFoundError(f'--image-folder {image_folder}: no such directory; give a folder '
@@ -158,15 +145,12 @@ def precheck(*, data: Optional[str] = None, image_folder: Optional[str] = None,
 def choose_data(trained, *, data: Optional[str] = None, image_folder: Optional[str] = None,
                 split: Optional[str] = None, real: bool = False, data_dir: Optional[str] = None,
                 skip_bad_images: bool = False) -> EvalData:
-  """The :class:`EvalData` to evaluate ``trained`` (``inference.TrainedModel``) on, checked.
+  """The :class:`EvalData` of ``data`` 'NAME[:SPLIT]', ``image_folder``, ``real`` or none (a
+  workdir's training data), checked against ``trained`` (``inference.TrainedModel``).
 
-  ``data`` 'NAME[:SPLIT]', ``image_folder``, ``real``, or none: the training data (workdirs).
-
-  Raises:
-    ValueError: no data for a model without a training dataset, unknown dataset or split, an
-      empty split, another class count, ``real`` without 1000 classes, conflicting arguments.
-    FileNotFoundError: a missing or empty image folder, a dataset not prepared.
-    KeyError, TypeError: no usable label feature.
+  Raises ValueError (no data, an unknown dataset or split, an empty split, another class count
+  or order, conflicting arguments), FileNotFoundError (a missing or empty folder, a dataset not
+  prepared), KeyError or TypeError (no usable label feature).
   """
   if sum(bool(x) for x in (data, image_folder, real)) > 1:
     raise ValueError('Give one of --data, --image-folder and --real.')

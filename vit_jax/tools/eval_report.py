@@ -16,8 +16,12 @@ import os
 import re
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
+from etils import epath
 import numpy as np
 
+from vit_jax import rundir
+from vit_jax.tools import common
+from vit_jax.tools import eval_data as eval_data_lib
 from vit_jax.tools.eval_data import EvalData
 
 METRICS_JSON = 'metrics.json'
@@ -27,14 +31,9 @@ CONFUSION_CSV = 'confusion_matrix.csv'
 
 @dataclasses.dataclass(frozen=True)
 class Result:
-  """The sums of an evaluation.
-
-  Attributes:
-    count: examples scored; correct, correct_top5: top-1 (precision@1) and top-5 hits (None
-      with < 5 classes); loss: the mean loss.
-    confusion: int64 ``[C, C]``, ``[t, p]`` examples of class t predicted as p; None multi-label.
-    batch_size: the global eval batch used.
-  """
+  """The sums of an evaluation: ``count`` examples, top-1 (precision@1) and top-5 hits (None
+  with < 5 classes), the mean ``loss``, int64 ``confusion[t, p]`` (examples of class t predicted
+  as p; None multi-label) and the global ``batch_size``."""
 
   count: int
   correct: int
@@ -136,11 +135,10 @@ def class_names(trained, eval_data: EvalData) -> Tuple[str, ...]:
 
 
 def names_note(trained, eval_data) -> Optional[str]:
-  """A note when the model and the data both name their classes, differently (classes are
-  matched by index: e.g. WordNet ids in a tfds ImageNet and readable names for the model)."""
-  if not (trained.label_names and eval_data.label_names):
-    return None
-  if tuple(trained.label_names) == tuple(eval_data.label_names):
+  """A note when the model and the data name their classes differently (e.g. WordNet ids in a
+  tfds ImageNet, readable names for the model): classes are matched by index."""
+  if (not (trained.label_names and eval_data.label_names)
+      or tuple(trained.label_names) == tuple(eval_data.label_names)):
     return None
   return (f"note: the data's class names differ from the model's (class 0: "
           f"{eval_data.label_names[0]!r} in the data, {trained.label_names[0]!r} for the "
@@ -179,25 +177,8 @@ def metrics_dict(trained, eval_data: EvalData, result: Result) -> Dict[str, Any]
   return out
 
 
-def workdir_of(source: str) -> Optional[str]:
-  """The training workdir of a SOURCE that is one (or its checkpoints/, or one step), else None."""
-  from vit_jax.checkpoint import paths  # pylint: disable=g-import-not-at-top
-  path = paths.normalize(source).rstrip('/')
-  if not paths.is_remote(path):
-    path = os.path.abspath(path)
-  parent = lambda p: p.rsplit('/', 1)[0] if paths.is_remote(p) else os.path.dirname(p)
-  if paths.isdir(paths.join(path, 'checkpoints')):
-    return path
-  if paths.basename(path) == 'checkpoints':
-    return parent(path)
-  if paths.isdir(paths.join(path, 'state')) and paths.basename(parent(path)) == 'checkpoints':
-    return parent(parent(path))
-  return None
-
-
 def _eval_name(text: str) -> str:
-  """``vit_jax.evaluation.eval_name`` ('train[98%:]' -> 'train_98'), without its imports
-  (TensorFlow), for :func:`planned_out`."""
+  """``vit_jax.evaluation.eval_name`` ('train[98%:]' -> 'train_98') without TensorFlow."""
   return re.sub(r'[^A-Za-z0-9]+', '_', text).strip('_')
 
 
@@ -214,42 +195,36 @@ def _out_path(source: str, workdir: Optional[str], step: Optional[int], data_nam
 def default_out(source: str, trained, eval_data: EvalData, *, no_ema: bool = False) -> str:
   """``<workdir>/eval_<data>_<split>_step<N>[_no_ema]`` for a workdir, else
   ``./eval_<file>_<data>_<split>``."""
-  workdir = workdir_of(source) if trained.step is not None else None
+  workdir = rundir.find(source).workdir if trained.step is not None else None
   return _out_path(source, workdir, trained.step, eval_data.name, eval_data.split, no_ema)
 
 
 def planned_out(args) -> Optional[str]:
-  """The output folder of ``evaluate`` ``args``, told before set-up from flags and a workdir.
-
-  None when only the data can tell (a default split) or SOURCE is remote.
-  """
+  """The output folder of ``evaluate`` ``args``, told before set-up from flags and a workdir;
+  None when only the data can tell (a default split) or SOURCE is remote."""
   if args.out:
     return args.out
   if '://' in args.source or sum(bool(x) for x in (args.data, args.image_folder, args.real)) > 1:
     return None
   source = os.path.abspath(os.path.expanduser(args.source)).rstrip('/')
+  run = rundir.find(source)
   workdir, step = None, None
-  if os.path.isdir(os.path.join(source, 'checkpoints')):
-    workdir, checkpoints = source, os.path.join(source, 'checkpoints')
-    steps = [int(n) for n in os.listdir(checkpoints) if n.isdigit()
-             and os.path.isfile(os.path.join(checkpoints, n, 'state', '_METADATA'))]
-    step = args.step if args.step is not None else max(steps, default=None)
+  if run.workdir == source:
+    workdir = source
+    step = max(rundir.saved_steps(run.checkpoints, readable=True), default=None)
+    step = args.step if args.step is not None else step
     if step is None:
       return None
-  elif os.path.isdir(source) and (os.path.basename(source) == 'checkpoints' or any(
-      n.isdigit() or n == 'state' for n in os.listdir(source))):
+  elif run.checkpoints or run.step_dir:
     return None  # A run's checkpoints/ or one step: the run's folder, left to the late check.
   if args.real:
-    from vit_jax.tools import eval_data  # pylint: disable=g-import-not-at-top
-    name, split = eval_data.REAL_DATASET, args.split or eval_data.REAL_SPLIT
+    name, split = eval_data_lib.REAL_DATASET, args.split or eval_data_lib.REAL_SPLIT
   elif args.data:
-    from vit_jax.tools import eval_data  # pylint: disable=g-import-not-at-top
-    name, split = eval_data.parse_data(args.data)
+    name, split = eval_data_lib.parse_data(args.data)
     split = args.split or split
   elif args.image_folder:
     name, split = args.image_folder, args.split
   elif workdir is not None:  # Its own data and eval split.
-    from vit_jax.tools import common  # pylint: disable=g-import-not-at-top
     data = (common.run_config(workdir) or {}).get('data')
     if not isinstance(data, dict):
       return None
@@ -263,28 +238,20 @@ def planned_out(args) -> Optional[str]:
 
 
 def check_out(out: str, overwrite: bool) -> None:
-  """Refuses to replace an earlier result in ``out`` (before any work).
-
-  Raises FileExistsError (a metrics.json, without ``overwrite``) or NotADirectoryError.
-  """
-  exists, isdir = os.path.exists, os.path.isdir  # TensorFlow for remote paths only.
-  if '://' in out:
-    import tensorflow as tf  # pylint: disable=g-import-not-at-top
-    exists, isdir = tf.io.gfile.exists, tf.io.gfile.isdir
-  if exists(out) and not isdir(out):
+  """Raises FileExistsError (a metrics.json in ``out``, without ``overwrite``) or
+  NotADirectoryError, before any work."""
+  directory = epath.Path(out)
+  if directory.exists() and not directory.is_dir():
     raise NotADirectoryError(f'--out {out} is a file: give a directory.')
-  if exists(os.path.join(out, METRICS_JSON)) and not overwrite:
+  if (directory / METRICS_JSON).exists() and not overwrite:
     raise FileExistsError(f'{out} already holds a result ({METRICS_JSON}): pass --overwrite to '
                           'replace it, or --out DIR for another directory.')
 
 
 def write_outputs(out: str, metrics: Dict[str, Any], confusion: Optional[np.ndarray],
                   names: Sequence[str], title: str) -> List[str]:
-  """Writes the confusion PNG and CSV (single-label), then metrics.json, into ``out``.
-
-  metrics.json last, so a failure leaves none and a rerun is not refused. Returns the names
-  written, metrics.json first. Raises OSError (tf.errors too).
-  """
+  """Writes the confusion PNG and CSV (single-label), then metrics.json (last: a failure leaves
+  none, so a rerun is not refused) into ``out``; returns the names, metrics.json first."""
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
   tf.io.gfile.makedirs(out)
   files = {}

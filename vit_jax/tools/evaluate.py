@@ -1,35 +1,18 @@
-"""Evaluates a trained model on a dataset: ``python -m vit_jax.evaluate SOURCE [--data ...]``.
+"""Evaluates a trained model on every example of a dataset split once: top-1 and top-5
+accuracy, loss, per-class accuracy and a confusion matrix, written as metrics.json,
+confusion_matrix.png and confusion_matrix.csv (``--out``).
 
-SOURCE is anything ``vit_jax.inference.load`` reads: a training workdir (its latest step or
-``--step``, the parameter EMA when the run kept one unless ``--no-ema``), an official ViT
-``.npz``, a T2T-ViT ``.pth.tar`` (with ``--model``), a ``python -m vit_jax.convert`` directory.
-The data is
+  python -m vit_jax.evaluate /tmp/vit_fmnist
+  python -m vit_jax.evaluate ViT-B_16.npz --data imagenet2012:validation
+  python -m vit_jax.evaluate 81.5_T2T_ViT_14.pth.tar --model T2T-ViT-14 --real
+  python -m vit_jax.evaluate /tmp/vit_fmnist --image-folder ~/fmnist_images --split test
 
-* ``--data NAME[:SPLIT]``: a tfds dataset (a registered name or a prepared dataset's
-  directory), SPLIT any tfds split spec (default: ``test``, else ``validation``; for the model's
-  own training dataset, the split it was evaluated on);
-* ``--image-folder DIR [--split test]``: ``DIR/<split>/<class>/*.{jpg,jpeg,png}``, classes in
-  the sorted order of their folder names;
-* ``--real``: the ImageNet ReaL labels (tfds ``imagenet2012_real``, split ``validation``, label
-  ``real_label``) of a 1000-class ImageNet model: precision@1 over the labelled images;
-* none of them: a workdir's own training dataset and eval split (its config).
-
-Every example is evaluated exactly once (``vit_jax.data.create_eval_dataset``), with the model's
-eval preprocessing (its ``config.data``: image size, resize or central crop, normalization) and
-the training's evaluator (``vit_jax.evaluation.sum_batches``) at the config's eval batch size, so the
-accuracy of a workdir on its own eval split is the one its training reported at that step.
-Reported: top-1 accuracy (precision@1 for multi-label data, as in training), top-5 accuracy
-(>= 5 classes), the mean loss of the training's loss function, the per-class accuracy and the
-confusion matrix (single-label data), written to ``--out`` (default
-``<workdir>/eval_<data>_<split>_step<N>/`` for a workdir, else
-``./eval_<file>_<data>_<split>/``): ``metrics.json``, ``confusion_matrix.png`` (rows normalised)
-and ``confusion_matrix.csv`` (counts). An existing result is never replaced unless
-``--overwrite`` is given.
-
-Bad input (a missing or refused SOURCE, a missing folder or one without images, an unknown
-dataset or split, a class count that differs from the model's head, ``--real`` for another
-model or without the prepared dataset, an existing result) is one line ``FATAL: <problem and
-fix>`` on stderr and exit status 2; a failure while writing the results is exit status 1.
+The model's eval preprocessing and the training's evaluator (``vit_jax.evaluation.sum_batches``)
+at its eval batch size: a workdir on its own eval split scores what its training reported
+(docs/evaluation.md). Exit status: 0 done; 2 bad input, before any work (one FATAL line on
+stderr: a missing or unusable SOURCE, a model that does not fit it, data with other classes
+than the model's, an undecodable image (see --skip-bad-images), an output folder that already
+holds a result (see --overwrite), bad flags); 1 a failure while writing the results.
 """
 
 from __future__ import annotations
@@ -52,22 +35,13 @@ Result = eval_report.Result
 
 def evaluate(trained, eval_data: EvalData, *, batch_size: Optional[int] = None,
              progress: Optional[Callable[[int, int], None]] = None) -> Result:
-  """Evaluates ``trained`` on every example of ``eval_data`` exactly once: the training's
-  evaluator (``vit_jax.evaluation.sum_batches``) with a per-batch hook for the confusion matrix.
+  """The :class:`Result` of ``trained`` (``inference.TrainedModel``) on every example of
+  ``eval_data`` once, summed over all processes: the training's evaluator with a per-batch hook
+  for the confusion matrix. ``batch_size``: global (default the config's); ``progress(done,
+  total)`` after each batch.
 
-  Args:
-    trained: a ``vit_jax.inference.TrainedModel``.
-    eval_data: from ``vit_jax.tools.eval_data.choose_data``.
-    batch_size: the global batch (default: the config's ``eval_batch_size``); a multiple of the
-      device mesh's batch shards.
-    progress: called with (batches done, batches) after each batch.
-
-  Returns:
-    A :class:`Result`, summed over all processes.
-
-  Raises:
-    ValueError: a batch size that the mesh cannot split; a split without labelled examples;
-      ``vit_jax.data.BadImageError`` for an undecodable image.
+  Raises ValueError: a batch the mesh cannot split; no labelled example; an undecodable image
+  (``vit_jax.data.BadImageError``).
   """
   import jax  # pylint: disable=g-import-not-at-top
   from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
@@ -119,21 +93,10 @@ def _progress(done: int, total: int) -> None:
 
 
 def _parser() -> argparse.ArgumentParser:
-  parser = common.Parser(
-      prog='python -m vit_jax.evaluate',
-      description='Evaluates a trained model on every example of a dataset split: top-1 and\n'
-      'top-5 accuracy, loss, per-class accuracy and a confusion matrix, written as\n'
-      'metrics.json, confusion_matrix.png and confusion_matrix.csv.',
-      formatter_class=argparse.RawDescriptionHelpFormatter,
-      epilog='Examples:\n'
-      '  python -m vit_jax.evaluate /tmp/vit_fmnist\n'
-      '  python -m vit_jax.evaluate ViT-B_16.npz --data imagenet2012:validation\n'
-      '  python -m vit_jax.evaluate 81.5_T2T_ViT_14.pth.tar --model T2T-ViT-14 --real\n'
-      '  python -m vit_jax.evaluate /tmp/vit_fmnist --image-folder ~/fmnist_images --split test\n'
-      'Exit status: 0 done; 2 bad input, before any work (one FATAL line on stderr: a missing\n'
-      "or unusable SOURCE, a model that does not fit it, data with other classes than the model's,\n"
-      'an undecodable image (see --skip-bad-images), an output folder that already holds a\n'
-      'result (see --overwrite), bad flags); 1 a failure while writing the results.')
+  doc = __doc__.split('\n\n')
+  parser = common.Parser(prog='python -m vit_jax.evaluate', description=doc[0],
+                         formatter_class=argparse.RawDescriptionHelpFormatter,
+                         epilog='Examples:\n' + doc[1] + '\n\n' + doc[2])
   common.add_source_arguments(parser)
   parser.add_argument('--data', metavar='NAME[:SPLIT]',
                       help="a tfds dataset (name or prepared directory) and split (default: "
@@ -171,7 +134,7 @@ def _bad_images_error(error) -> ValueError:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-  """Runs the evaluation on ``argv`` (default: the command line); returns the exit status."""
+  """The command on ``argv`` (default: the command line); returns the exit status."""
   parser = _parser()
   args = parser.parse_args(argv)
   if sum(bool(x) for x in (args.data, args.image_folder, args.real)) > 1:
@@ -216,8 +179,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 
 def _precheck(args: argparse.Namespace) -> Optional[Exception]:
-  """An earlier result in the output folder without --overwrite, when the flags and the
-  workdir tell the folder (``eval_report.planned_out``): refused before the set-up."""
+  """An earlier result in the planned output folder, refused before the set-up."""
   try:
     out = eval_report.planned_out(args)
     if out and not args.overwrite:
@@ -228,8 +190,5 @@ def _precheck(args: argparse.Namespace) -> Optional[Exception]:
 
 
 def run_main() -> None:
-  """``python -m vit_jax.evaluate``: ``main()`` run by ``common.run_program``."""
+  """``python -m vit_jax.evaluate``."""
   common.run_program(main, _parser, _precheck)
-
-if __name__ == '__main__':
-  run_main()

@@ -2,15 +2,11 @@
 
   python -m vit_jax.tools.export_images --data fashion_mnist_local --split 'test[:10]' --out DIR
 
-writes ``DIR/<index>_<label>.png`` (``0_Ankle boot.png``, ``1_Pullover.png``, ...): ``index``
-is the example's position in the split (zero-padded to the same width; for
-``fashion_mnist_local`` the position in the published IDX files, which tfds stores shuffled,
-else tfds's order), ``label`` its
-class name from the dataset's ClassLabel feature ('/' and other characters that cannot be in a
-file name become '_'; several labels are joined with '+'). The images are the decoded pixels
-(`vit_jax.data.sources.Source.read`), written losslessly as PNG (one channel when the three are
-equal). The dataset is found (and prepared, offline builders only) as ``config.data.name`` is
-in training. Bad input is one ``FATAL:`` line and exit status 2.
+writes ``DIR/<index>_<label>.png`` (``0_Ankle boot.png``, ...): ``index`` is the position in
+the split (for ``fashion_mnist_local`` in the published IDX files, which tfds stores shuffled),
+``label`` the class name ('/' and other characters a file name cannot hold become '_'; several
+labels joined with '+'). The decoded pixels, lossless (one channel when the three are equal).
+Bad input is one ``FATAL:`` line and exit status 2. TensorFlow loads after the flags parse.
 """
 
 from __future__ import annotations
@@ -31,9 +27,7 @@ def _file_label(names: Sequence[str], label) -> str:
 
 
 def _examples(source, data: str, split: str):
-  """The split's examples as numpy dicts: for 'fashion_mnist_local' in the published IDX order
-  (tfds stores them shuffled), else as tfds reads them.
-  """
+  """The split's examples as numpy dicts (fashion_mnist_local: in the published IDX order)."""
   if data != 'fashion_mnist_local':
     yield from source.read(split, decode=True).as_numpy_iterator()
     return
@@ -49,10 +43,8 @@ def _examples(source, data: str, split: str):
 
 
 def export(data: str, split: str, out: str, data_dir: Optional[str] = None) -> List[str]:
-  """Writes the examples of ``split`` of ``data`` to ``out`` as PNGs; returns the paths, in order.
-
-  Raises ValueError, FileNotFoundError, KeyError, TypeError as ``vit_jax.data.get_info``.
-  """
+  """Writes the examples of ``split`` of ``data`` to ``out`` as PNGs; returns their paths.
+  Raises as ``vit_jax.data.get_info``."""
   from vit_jax.config import defaults  # pylint: disable=g-import-not-at-top
   from vit_jax.data import sources  # pylint: disable=g-import-not-at-top
   import numpy as np  # pylint: disable=g-import-not-at-top
@@ -77,7 +69,7 @@ def export(data: str, split: str, out: str, data_dir: Optional[str] = None) -> L
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-  """Runs the command on ``argv`` (default: the command line); returns the exit status."""
+  """The command on ``argv`` (default: the command line); returns the exit status."""
   parser = common.Parser(prog='python -m vit_jax.tools.export_images',
                          description=__doc__.split('\n\n')[0],
                          formatter_class=argparse.RawDescriptionHelpFormatter,

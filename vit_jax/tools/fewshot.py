@@ -1,10 +1,15 @@
-"""Few-shot linear evaluation of a trained model's features: ``python -m vit_jax.fewshot``.
+"""Few-shot linear accuracy of a trained model's frozen pre-logit features (ViT paper Sec. 4.1):
+per k, a closed-form ridge regression to {-1, 1} targets fitted on k training examples per class
+(drawn with each seed from the first examples of each class in the train split), scored on the
+eval split; mean +- std over the seeds.
 
-  python -m vit_jax.fewshot SOURCE [--data NAME | --image-folder DIR] [--train-split SPLIT]
-      [--eval-split SPLIT] [--shots 1,5,10,25] [--seeds 3] [--l2-regs 1024] [--json]
+  python -m vit_jax.fewshot /tmp/vit_fmnist                 # its Fashion-MNIST splits
+  python -m vit_jax.fewshot ViT-B_16.npz --data cifar10 --shots 10 --json
+  python -m vit_jax.fewshot /tmp/vit_fmnist --image-folder ~/flowers --seeds 5
 
-The protocol (ViT paper Sec. 4.1) and its differences from big_vision's: docs/evaluation.md and
-``vit_jax.evaluation.fewshot``. Bad input is one ``FATAL:`` line and exit status 2.
+The protocol and its differences from big_vision's: docs/evaluation.md. Exit status: 0 done; 2
+bad input (one FATAL line on stderr: a missing or unusable SOURCE, an unknown dataset or split,
+a folder without images, more shots than a class has examples, bad flags).
 """
 
 from __future__ import annotations
@@ -15,10 +20,11 @@ import os
 from typing import Any, Optional, Sequence
 
 from vit_jax.tools import common
+from vit_jax.tools import cost
 
 
 def _positive(kind, example: str, many: bool = False):
-  """An argparse type: a number of `kind` > 0, or with `many` '1,5,10' -> (1, 5, 10)."""
+  """An argparse type: a `kind` > 0, or with `many` '1,5,10' -> (1, 5, 10)."""
   noun = 'integer' if kind is int else 'number'
   what = f'comma-separated {noun}s > 0' if many else f'an {noun} > 0'
 
@@ -34,26 +40,11 @@ def _positive(kind, example: str, many: bool = False):
   return parse
 
 
-_DESCRIPTION = """\
-Few-shot linear accuracy of a trained model's frozen pre-logit features (ViT paper Sec. 4.1):
-per k, a closed-form ridge regression to {-1, 1} targets fitted on k training examples per class
-(drawn with each seed from the first examples of each class in the train split), scored on the
-eval split; mean +- std over the seeds."""
-
-
 def _parser() -> common.Parser:
-  parser = common.Parser(
-      prog='python -m vit_jax.fewshot', description=_DESCRIPTION,
-      formatter_class=argparse.RawDescriptionHelpFormatter,
-      epilog='Examples:\n'
-      '  python -m vit_jax.fewshot /tmp/vit_fmnist                 # its Fashion-MNIST splits\n'
-      '  python -m vit_jax.fewshot ViT-B_16.npz --data cifar10 --shots 10 --json\n'
-      '  python -m vit_jax.fewshot /tmp/vit_fmnist --image-folder ~/flowers --seeds 5\n'
-      'Output: per k, the eval accuracy (mean +- std over the seeds). Protocol: '
-      'docs/evaluation.md.\n'
-      'Exit status: 0 done; 2 bad input (one FATAL line on stderr: a missing or unusable\n'
-      'SOURCE, an unknown dataset or split, a folder without images, more shots than a class\n'
-      'has examples, bad flags).')
+  doc = __doc__.split('\n\n')
+  parser = common.Parser(prog='python -m vit_jax.fewshot', description=doc[0],
+                         formatter_class=argparse.RawDescriptionHelpFormatter,
+                         epilog='Examples:\n' + doc[1] + '\n\n' + doc[2])
   common.add_source_arguments(parser)
   data = parser.add_mutually_exclusive_group()
   data.add_argument('--data', metavar='NAME',
@@ -114,23 +105,10 @@ def _data_config(trained, args):
   return data_config
 
 
-def _check_batch_size(runner, batch_size: int) -> None:
-  """Raises ValueError: `batch_size` is not a multiple of the mesh's batch shards."""
-  from vit_jax import sharding  # pylint: disable=g-import-not-at-top
-  shards = sharding.data_parallel_size(runner.setup.mesh, runner.setup.rules)
-  if batch_size % shards:
-    raise ValueError(f'--batch-size {batch_size} must be a multiple of the {shards} batch '
-                     f'shard(s) of the device mesh; use --batch-size '
-                     f'{max(shards, batch_size // shards * shards)}.')
-
-
 def evaluate(args) -> dict[str, Any]:
-  """Loads SOURCE, featurises the dataset and runs the protocol; returns the report dict.
-
-  Keys: 'source', 'dataset', 'train_split', 'eval_split', 'train_examples', 'train_read',
-  'eval_examples', 'seeds', 'l2_regs', 'results' {k: {'mean', 'std', 'accuracies', 'l2'}},
-  'scalars'. Raises the input errors of ``inference.load``, ``fewshot.make_task`` and
-  ``Evaluator.evaluate`` (NotEnoughExamplesError among them).
+  """Loads SOURCE, featurises the dataset and runs the protocol; returns the report: 'source',
+  'dataset', splits, example counts, 'seeds', 'l2_regs', 'results' {k: {'mean', 'std',
+  'accuracies', 'l2'}}, 'scalars'. Raises the input errors of the loading and the protocol.
   """
   for flag, value in (('--shots', args.shots), ('--l2-regs', args.l2_regs)):
     if len(set(value)) != len(value):
@@ -142,13 +120,18 @@ def evaluate(args) -> dict[str, Any]:
                      f'count {max(shots)}; give at least {max(shots)}.')
   trained = common.load_source(args)
   from vit_jax import inference  # pylint: disable=g-import-not-at-top  (JAX, TensorFlow)
-  from vit_jax.evaluation import features
-  from vit_jax.evaluation import fewshot
+  from vit_jax import step  # pylint: disable=g-import-not-at-top
+  from vit_jax.evaluation import features  # pylint: disable=g-import-not-at-top
+  from vit_jax.evaluation import fewshot  # pylint: disable=g-import-not-at-top
   data_config = _data_config(trained, args)
   batch_size = args.batch_size or int(trained.config.eval_batch_size)
   task = fewshot.make_task(data_config, global_batch_size=batch_size, flags=_FLAGS)
   runner = inference.Runner(trained)  # After the data's checks: placing a model takes a while.
-  _check_batch_size(runner, batch_size)
+  shards = step.batch_shards(runner.setup.config.mesh, runner.setup.mesh.size)
+  if batch_size % shards:
+    raise ValueError(f'--batch-size {batch_size} must be a multiple of the {shards} batch '
+                     f'shard(s) of the device mesh; use --batch-size '
+                     f'{max(shards, batch_size // shards * shards)}.')
   evaluator = fewshot.Evaluator(
       [task], features.Featurizer(runner.setup), shots=shots, seeds=seeds,
       l2_regs=args.l2_regs, train_per_class=args.train_per_class,
@@ -166,7 +149,7 @@ def evaluate(args) -> dict[str, Any]:
 
 
 def table(report: dict[str, Any]) -> str:
-  """The report as text: a header and one line per k, 'mean +- std' over the seeds."""
+  """The report as text: a header, then per k 'mean +- std' over the seeds."""
   l2 = ', '.join(f'{v:g}' for v in report['l2_regs'])
   lines = [f"Few-shot linear evaluation of {report['source']}",
            f"on {report['dataset']}: {report['train_examples']} training examples kept of "
@@ -180,7 +163,7 @@ def table(report: dict[str, Any]) -> str:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-  """Runs the tool on ``argv`` (default: the command line); returns the exit status."""
+  """The command on ``argv`` (default: the command line); returns the exit status."""
   args = _parser().parse_args(argv)
   try:
     report = evaluate(args)
@@ -191,11 +174,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 
 def _precheck(args: argparse.Namespace) -> Optional[Exception]:
-  """A shot count no class can give, told before set-up from the flags and the file system.
-
-  An image folder's class folders (all non-hidden files counted), or a known dataset's
-  published split size (``vit_jax.tools.cost.KNOWN_DATASETS``).
-  """
+  """A shot count no class can give, told before the set-up: from an image folder's class
+  folders (non-hidden files counted) or a known dataset's published size."""
   k = max(args.shots)
   folder, name, split = args.image_folder, args.data, args.train_split
   if folder is None and name is None:  # A workdir's own data (its config.json).
@@ -223,7 +203,6 @@ def _precheck(args: argparse.Namespace) -> Optional[Exception]:
                         f'are {most}, in {largest!r}); lower --shots to at most {most}, or give '
                         'a larger --train-split.')
     return None
-  from vit_jax.tools import cost  # pylint: disable=g-import-not-at-top  (absl, no JAX)
   sizes, classes = cost.KNOWN_DATASETS.get(name, ({}, 0))
   examples = sizes.get(split)
   if examples and k * classes > examples:
@@ -235,8 +214,5 @@ def _precheck(args: argparse.Namespace) -> Optional[Exception]:
 
 
 def run_main() -> None:
-  """``python -m vit_jax.fewshot``: ``main()`` run by ``common.run_program``."""
+  """``python -m vit_jax.fewshot``."""
   common.run_program(main, _parser, _precheck)
-
-if __name__ == '__main__':
-  run_main()

@@ -1,37 +1,22 @@
 """Measures every variant of the CPU attention kernel against XLA's attention on this CPU.
 
-Usage:
   python -m vit_jax.tools.measure_attention [--isa avx2 baseline] [--core] [--step]
-      [--models ViT-Ti_16 ViT-S_16] [--batch 32] [--rounds 3] [--steps 5] [--repeats 10]
-      [--threads N] [--json PATH]
+      [--models ViT-Ti_16 ViT-S_16] [--batch 32] [--rounds 3] [--threads N] [--json PATH]
 
-For each variant (``cpu_attention.ISAS``) that this CPU can run (the installed library's own
-and the ones below it), it compiles ``cpu_attention.cc`` restricted to that variant
-(``build.compile_command(..., isa=...)``, g++ into a temporary folder) and, in a fresh process
-that loads that build in place of the installed library (``cpu_attention.load``), measures:
-
-  --core  the attention core alone, forward + backward (``jax.value_and_grad`` of a weighted
-          sum), at each model's shapes (batch --batch, 197 tokens, its heads, head size 64):
-          the kernel on ``[B, N, 3, heads, Dh]`` against
-          ``vit_jax.models.attention.dot_product_attention`` on ``[B, heads, N, Dh]`` (the
-          layout of the models' XLA path); --repeats calls of each, alternating. Wall and
-          process CPU milliseconds (all threads) per call.
-  --step  the whole training step of each model at batch --batch, the trainer's
-          (``vit_jax.step``) with the benchmark's config, compiled once with
-          ``attention='cpu_kernel'`` and once with ``attention='xla'``, in one process under
-          the huge-page allocator settings of ``vit_jax.platform.huge_pages_environment``;
-          --steps steps of each after one warm-up, alternating, so that both meet the same
-          load. Wall seconds and the process's CPU seconds (all threads) per step.
-
-Every figure is a median: over the calls or steps of a process, then over --rounds processes.
---threads N pins each process to N cores and sizes XLA's thread pool to N (``NPROC``). A
-variant this CPU lacks (e.g. avx512 on an AVX2 CPU) cannot run here and is listed as such.
-The results are the evidence for ``cpu_attention.MEASURED`` (docs/kernels.md).
+Each variant (``cpu_attention.ISAS``) this CPU can run is compiled from ``cpu_attention.cc``
+into a temporary folder and loaded in a fresh process (``cpu_attention.load``), which measures
+--core: the attention core alone, forward + backward at each model's shapes (197 tokens, head
+size 64), the kernel on ``[B, N, 3, heads, Dh]`` against XLA's on ``[B, heads, N, Dh]``; or
+--step: the benchmark's training step (``benchmark.ours``) with ``attention='cpu_kernel'`` and
+with ``'xla'``, under the huge-page malloc, alternating. Wall and process CPU time (all
+threads); medians over the calls of a process, then over --rounds processes. The evidence for
+``cpu_attention.MEASURED`` (docs/kernels.md).
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import statistics
@@ -41,18 +26,23 @@ import tempfile
 import time
 from typing import Any, Optional, Sequence
 
-#: The ViT models that can be measured, with their attention heads (head size 64 in each).
+import jax
+import jax.numpy as jnp
+
+from vit_jax import platform
+from vit_jax import step as step_lib
+from vit_jax.kernels import build
+from vit_jax.kernels import cpu_attention
+from vit_jax.models import attention as attention_lib
+from vit_jax.tools import common
+from vit_jax.tools.benchmark import ours
+
 HEADS = {'ViT-Ti_16': 3, 'ViT-S_16': 6, 'ViT-B_16': 12}
 TOKENS, HEAD_DIM = 197, 64
 
 
 def _core_worker(heads: int, batch: int, repeats: int) -> dict[str, Any]:
-  """Median and minimum ms of the kernel's and XLA's core, forward + backward, alternating:
-  wall time and the process's CPU time (all threads)."""
-  import jax  # pylint: disable=import-outside-toplevel
-  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
-  from vit_jax.kernels import cpu_attention  # pylint: disable=import-outside-toplevel
-  from vit_jax.models import attention  # pylint: disable=import-outside-toplevel
+  """Median and minimum ms (wall and CPU) of the kernel's and XLA's core, alternating."""
   scale = HEAD_DIM ** -0.5
   keys = jax.random.split(jax.random.key(0), 3)
   qkv = jax.random.normal(keys[0], (batch, TOKENS, 3, heads, HEAD_DIM), jnp.float32)
@@ -64,7 +54,7 @@ def _core_worker(heads: int, batch: int, repeats: int) -> dict[str, Any]:
     return jnp.sum(cpu_attention.attention(a, logits_scale=scale) * weights)
 
   def xla_loss(q, k, v):
-    return jnp.sum(attention.dot_product_attention(q, k, v, logits_scale=scale) * weights_xla)
+    return jnp.sum(attention_lib.dot_product_attention(q, k, v, logits_scale=scale) * weights_xla)
 
   runs = {'kernel': (jax.jit(jax.value_and_grad(kernel_loss)), (qkv,)),
           'xla': (jax.jit(jax.value_and_grad(xla_loss, argnums=(0, 1, 2))), (q, k, v))}
@@ -83,44 +73,15 @@ def _core_worker(heads: int, batch: int, repeats: int) -> dict[str, Any]:
 
 
 def _train_step(model: str, attention: str, batch: int):
-  """The trainer's compiled step for ``model`` with ``attention``, a fresh state and a batch.
-
-  The config is the benchmark's (``python -m vit_jax.benchmark``): ``vit_jax.config`` for
-  ImageNet in the pretraining regime, 224 px, 1,000 classes, float32, a 10^6-step schedule;
-  the step is ``vit_jax.step``'s, compiled for this host's devices.
-  """
-  import jax  # pylint: disable=import-outside-toplevel
-  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
-  from vit_jax import config as config_lib  # pylint: disable=import-outside-toplevel
-  from vit_jax import step  # pylint: disable=import-outside-toplevel
-  config = config_lib.get_config(model, 'imagenet2012', attention=attention)
-  config.regime = 'pretrain'
-  config.batch_size = batch
-  config.total_steps = 1_000_000
-  config.data.image_size = 224
-  config.model.dtype = 'float32'
-  config.num_classes = 1000
-  config = config_lib.resolve(config, num_train_examples=1_281_167, num_classes=1000,
-                              devices=jax.devices())
-  setup = step.build(config, image_shape=(224, 224, 3))
-  compiled = setup.compile(setup.jit_train_step(), setup.abstract_state,
-                           setup.abstract_batch(batch))
-  state = jax.jit(setup.init_state, out_shardings=setup.state_shardings)(setup.init_rng)
-  keys = jax.random.split(jax.random.key(1))
-  data = {'image': jax.random.normal(keys[0], (batch, 224, 224, 3), jnp.float32),
-          'labels': jax.nn.one_hot(jax.random.randint(keys[1], (batch,), 0, 1000), 1000)}
-  return compiled, state, jax.device_put(data, setup.batch_sharding)
+  """The benchmark's compiled training step at 224 px with ``attention``, a state and a batch."""
+  config, _ = ours.resolve(ours.benchmark_config(
+      model, batch=batch, resolution=224, overrides={'attention': attention}), jax.devices())
+  setup = step_lib.build(config, image_shape=(224, 224, 3))
+  return (ours.compile_step(setup, 'train', batch).compiled, *ours.train_inputs(setup, batch))
 
 
 def _step_worker(model: str, batch: int, steps: int) -> dict[str, Any]:
-  """Median and minimum seconds of the training step with each attention, alternating.
-
-  Both steps (``attention='xla'`` and ``'cpu_kernel'``, see :func:`_train_step`) are compiled
-  in this process, then run in turn, one step each, ``steps`` times after one warm-up each:
-  they share the machine's load alike. Also the process CPU seconds per step (all threads).
-  """
-  import jax  # pylint: disable=import-outside-toplevel
-  from vit_jax.kernels import cpu_attention  # pylint: disable=import-outside-toplevel
+  """Median and minimum seconds (wall, CPU) of the step with each attention, run in turns."""
   runs = {}
   for attention in ('xla', 'cpu_kernel'):
     compiled, state, data = _train_step(model, attention, batch)
@@ -145,11 +106,10 @@ def _step_worker(model: str, batch: int, steps: int) -> dict[str, Any]:
 
 
 def _worker(spec: dict[str, Any]) -> dict[str, Any]:
-  """Runs one measurement in this (fresh) process: loads the variant first, if one is given."""
+  """One measurement in this fresh process, after pinning its cores and loading its variant."""
   if spec.get('threads'):  # Before JAX's CPU client exists: it sizes its pool from these.
     os.sched_setaffinity(0, sorted(os.sched_getaffinity(0))[:spec['threads']])
     os.environ['NPROC'] = str(spec['threads'])
-  from vit_jax.kernels import cpu_attention  # pylint: disable=import-outside-toplevel
   if spec.get('library'):
     path, reason = cpu_attention.load(spec['library'])
     if path is None:
@@ -174,8 +134,7 @@ def _run_worker(spec: dict[str, Any], environ: Optional[dict[str, str]] = None
 
 
 def runnable_isas() -> list[str]:
-  """The variants this CPU can run: the installed library's own and those below it."""
-  from vit_jax.kernels import cpu_attention  # pylint: disable=import-outside-toplevel
+  """The installed library's variant and those below it."""
   best = cpu_attention.isa()
   if best is None:
     raise RuntimeError(f'the kernel is not built: {cpu_attention.library()[1]}')
@@ -183,8 +142,7 @@ def runnable_isas() -> list[str]:
 
 
 def build_variants(isas: Sequence[str], folder: str) -> dict[str, str]:
-  """Compiles one library per variant of ``isas`` into ``folder``; returns the paths."""
-  from vit_jax.kernels import build  # pylint: disable=import-outside-toplevel
+  """``{isa: path}`` of one library per variant compiled into ``folder``."""
   paths = {}
   for isa in isas:
     paths[isa] = os.path.join(folder, f'cpu_attention_{isa}.so')
@@ -196,32 +154,24 @@ def build_variants(isas: Sequence[str], folder: str) -> dict[str, str]:
 def measure(isas: Sequence[str], models: Sequence[str], *, core: bool, step: bool, batch: int,
             rounds: int, steps: int, repeats: int, threads: Optional[int] = None
             ) -> dict[str, Any]:
-  """Every measurement of the module docstring; the medians over rounds and every round."""
-  from vit_jax import platform  # pylint: disable=import-outside-toplevel
+  """Every measurement of the module docstring: each round, and medians over the rounds."""
   runnable = runnable_isas()
   report: dict[str, Any] = {'cannot_run_here': [i for i in isas if i not in runnable],
-                            'rounds': [], 'cpu': _cpu_name(),
+                            'rounds': [], 'cpu': common.cpu_info().get('model name', 'unknown'),
                             'threads': threads or len(os.sched_getaffinity(0))}
   isas = [i for i in isas if i in runnable]
   step_environ = platform.huge_pages_environment() or dict(os.environ)
   with tempfile.TemporaryDirectory() as folder:
     libraries = build_variants(isas, folder)
+    whats = [what for what, asked in (('core', core), ('step', step)) if asked]
     for r in range(rounds):
-      for model in models:
-        if core:
-          for isa in isas:
-            result = _run_worker({'what': 'core', 'library': libraries[isa], 'batch': batch,
-                                  'heads': HEADS[model], 'repeats': repeats,
-                                  'threads': threads})
-            report['rounds'].append(dict(result, round=r, what='core', model=model, isa=isa))
-            print(json.dumps(report['rounds'][-1]), flush=True)
-        if step:
-          for isa in isas:
-            spec = {'what': 'step', 'library': libraries[isa], 'model': model, 'batch': batch,
-                    'steps': steps, 'threads': threads}
-            result = _run_worker(spec, step_environ)
-            report['rounds'].append(dict(result, round=r, what='step', model=model, isa=isa))
-            print(json.dumps(report['rounds'][-1]), flush=True)
+      for model, what, isa in itertools.product(models, whats, isas):
+        result = _run_worker({'what': what, 'library': libraries[isa], 'model': model,
+                              'heads': HEADS[model], 'batch': batch, 'repeats': repeats,
+                              'steps': steps, 'threads': threads},
+                             step_environ if what == 'step' else None)
+        report['rounds'].append(dict(result, round=r, what=what, model=model, isa=isa))
+        print(json.dumps(report['rounds'][-1]), flush=True)
   report['summary'] = _summary(report['rounds'])
   return report
 
@@ -237,44 +187,31 @@ def _summary(rounds: list[dict[str, Any]]) -> list[dict[str, Any]]:
   return rows
 
 
-def _cpu_name() -> str:
-  try:
-    with open('/proc/cpuinfo', encoding='utf-8') as f:
-      return next((line.split(':', 1)[1].strip() for line in f
-                   if line.startswith('model name')), 'unknown')
-  except OSError:
-    return 'unknown'
-
-
 def format_summary(report: dict[str, Any]) -> str:
   """Markdown tables of the medians: the core (ms) and the training step (images/s)."""
   lines = []
-  core = [r for r in report['summary'] if r['what'] == 'core']
-  if core:
-    lines += ['| model | variant | kernel fwd+bwd (ms) | XLA fwd+bwd (ms) | kernel / XLA | '
-              'kernel CPU ms | XLA CPU ms | kernel / XLA (CPU) |', '|---' * 8 + '|']
-    lines += [f"| {r['model']} | {r['isa']} | {r['kernel_ms']:.1f} | {r['xla_ms']:.1f} | "
-              f"{r['kernel_ms'] / r['xla_ms']:.2f} | {r['kernel_cpu_ms']:.1f} | "
-              f"{r['xla_cpu_ms']:.1f} | {r['kernel_cpu_ms'] / r['xla_cpu_ms']:.2f} |"
-              for r in core]
-  step = [r for r in report['summary'] if r['what'] == 'step']
-  if step:
-    lines += ['', '| model | variant | kernel step (s) | XLA step (s) | kernel / XLA | '
-              'kernel CPU s | XLA CPU s | kernel / XLA (CPU) |', '|---' * 8 + '|']
-    lines += [f"| {r['model']} | {r['isa']} | {r['cpu_kernel_s']:.2f} | {r['xla_s']:.2f} | "
-              f"{r['cpu_kernel_s'] / r['xla_s']:.2f} | {r['cpu_kernel_cpu_s']:.2f} | "
-              f"{r['xla_cpu_s']:.2f} | {r['cpu_kernel_cpu_s'] / r['xla_cpu_s']:.2f} |"
-              for r in step]
+  for what, wall, cpu, keys, spec in (
+      ('core', 'kernel fwd+bwd (ms) | XLA fwd+bwd (ms)', 'kernel CPU ms | XLA CPU ms',
+       ('kernel_ms', 'xla_ms', 'kernel_cpu_ms', 'xla_cpu_ms'), '.1f'),
+      ('step', 'kernel step (s) | XLA step (s)', 'kernel CPU s | XLA CPU s',
+       ('cpu_kernel_s', 'xla_s', 'cpu_kernel_cpu_s', 'xla_cpu_s'), '.2f')):
+    rows = [r for r in report['summary'] if r['what'] == what]
+    if rows:
+      lines += [''] * (what == 'step') + [
+          f'| model | variant | {wall} | kernel / XLA | {cpu} | kernel / XLA (CPU) |',
+          '|---' * 8 + '|']
+    for r in rows:
+      k, x, kc, xc = (r[key] for key in keys)
+      lines.append(f"| {r['model']} | {r['isa']} | {k:{spec}} | {x:{spec}} | {k / x:.2f} | "
+                   f"{kc:{spec}} | {xc:{spec}} | {kc / xc:.2f} |")
   for isa in report['cannot_run_here']:
     lines.append(f'\n{isa}: this CPU cannot run it (no {isa} instructions); not measured.')
   return '\n'.join(lines)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-  parser = argparse.ArgumentParser(
-      prog='python -m vit_jax.tools.measure_attention', description=__doc__,
-      formatter_class=argparse.RawDescriptionHelpFormatter)
-  from vit_jax.kernels import cpu_attention  # pylint: disable=import-outside-toplevel
+  parser = common.Parser(prog='python -m vit_jax.tools.measure_attention', description=__doc__,
+                         formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument('--isa', nargs='+', choices=cpu_attention.ISAS,
                       default=list(cpu_attention.ISAS))
   parser.add_argument('--models', nargs='+', choices=sorted(HEADS),

@@ -1,44 +1,23 @@
-"""Predicts the classes of images with a trained model: ``python -m vit_jax.predict``.
+"""Predicts the classes of images with a trained model: ``python -m vit_jax.predict``; in Python,
+``Predictor`` (``from vit_jax.predict import Predictor``). docs/evaluation.md shows both.
 
   python -m vit_jax.predict /tmp/vit_fmnist photo.png more_images/ [--top-k 5] [--json]
   python -m vit_jax.predict ViT-B_16.npz cat.jpg                   # ImageNet-21k names
   python -m vit_jax.predict 81.5_T2T_ViT_14.pth.tar cat.jpg --model T2T-ViT-14
-  python -m vit_jax.predict vit-base-patch16-224 cat.jpg         # a transformers directory
 
-SOURCE is anything `vit_jax.inference.load` reads: a training workdir (its latest step, or
-``--step``; or one step, ``WORKDIR/checkpoints/N`` or its ``state`` directory; the parameter EMA
-when the run kept one, ``--no-ema`` for the trained weights), an official or big_vision ViT
-``.npz``, a transformers ViT directory, a timm ``.safetensors`` (``--set num_heads=N`` for a
-non-standard width) or a T2T-ViT ``.pth.tar`` (with ``--model``). Each image is preprocessed
-as the model's eval pipeline does it (`vit_jax.data.files.eval_input`: the config's image size,
-resize or resize-and-central-crop, value range or mean/std) and scored with a softmax, or with
-independent sigmoids for a model trained with a sigmoid loss (e.g. the ImageNet-21k ones: then
-the probabilities of an image need not sum to 1).
+Each image is preprocessed as the model's evaluation does (``vit_jax.data.files.eval_input``)
+and scored with a softmax, or with independent sigmoids for a model trained with a sigmoid loss
+(e.g. ImageNet-21k's: the probabilities need not sum to 1). A folder stands for its image files
+(.jpg .jpeg .png .bmp .gif .webp) and its subfolders', sorted, each folder once (a link to one
+already listed: a ``WARNING: not entered`` line). Output: per image its path and the top-k
+classes, ``  97.12%  Ankle boot``; ``--json``: ``[{"path", "predictions": [{"label", "index",
+"probability"}]}]``.
 
-A folder stands for the image files (.jpg .jpeg .png .bmp .gif .webp, any case) in it and in its
-subfolders, sorted; hidden files are left out, and no folder is entered twice (a link to a folder
-already listed, e.g. to its parent, is not followed: one ``WARNING: not entered`` line). A file
-named on the command line is decoded whatever its name. Images are read and predicted in
-batches (``--batch-size``, default the model's eval batch, at most the number of images), with a
-progress line on stderr when there is more than one batch.
-
-Output: per image its path, then the top-k classes, most probable first, as
-``  97.12%  Ankle boot`` (``class 3`` when the source has no class names); ``--json``
-prints one JSON list instead: ``[{"path", "predictions": [{"label", "index", "probability"}]}]``
-(``label`` null without class names, ``probability`` in [0, 1]).
-
-Exit status: 0 when at least one image was predicted (an image that cannot be read or decoded
-is skipped with one line ``WARNING: skipped <path>: <reason>`` on stderr); 2 for bad input, as
-one line ``FATAL: <problem and fix>`` on stderr: a missing or unusable SOURCE, a model that does
-not fit it, a missing path (refused at once, before the set-up), a folder without image files, a
-file name that is not UTF-8, no image that can be decoded, bad flags; 1 for a system error
-(OSError) while predicting, e.g. results that cannot be written (a full disk: named).
-
-In Python (e.g. a notebook)::
-
-  from vit_jax.predict import Predictor
-  predictor = Predictor('/tmp/vit_fmnist')
-  predictor.predict(['shoe.png', pil_image, uint8_array])  # per image [Prediction(label, ...)]
+Exit status: 0 when an image was predicted (one that cannot be decoded is skipped with a
+``WARNING: skipped <path>: <reason>`` line); 2 bad input, one ``FATAL:`` line (a missing or
+unusable SOURCE, a model that does not fit it, a missing path, a folder without images, a name
+that is not UTF-8, no decodable image, bad flags); 1 a system error while predicting (e.g. a
+full disk, named).
 """
 
 from __future__ import annotations
@@ -49,7 +28,7 @@ import json
 import math
 import os
 import sys
-from typing import Any, Dict, Iterable, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -58,28 +37,19 @@ from vit_jax.tools import common
 
 class Prediction(NamedTuple):
   """One class of an image's prediction: ``label`` (name, or the number as text), ``index`` in
-  ``[0, C)``, ``probability`` in [0, 1] (softmax, or the class's sigmoid for multi-label models).
-  """
+  ``[0, C)``, ``probability`` in [0, 1]."""
   label: str
   index: int
   probability: float
 
 
 class Predictor:
-  """A trained model, loaded once, that predicts the classes of images (one process, local devices).
+  """A trained model, loaded once, that predicts the classes of images (local devices).
 
-  Args:
-    source: a path ``vit_jax.inference.load`` reads, or an ``inference.TrainedModel``.
-    batch_size: images per device step (rounded up to a multiple of the device count, the last
-      batch padded); default the config's ``eval_batch_size``.
-    **load_kwargs: ``inference.load``'s ``step``, ``use_ema``, ``model_name``, ``num_classes``,
-      ``image_size``, ``overrides``.
-
-  Attributes: ``trained`` (the ``inference.TrainedModel``), ``runner`` (its ``inference.Runner``).
-
-  Raises:
-    What ``inference.load`` raises; ValueError for ``batch_size`` < 1 or load options with a
-    loaded model.
+  ``source``: what ``vit_jax.inference.load`` reads (``load_kwargs`` are its options), or an
+  ``inference.TrainedModel``. ``batch_size``: images per step (default the config's
+  ``eval_batch_size``), rounded up to a multiple of the device count. Raises what ``load``
+  raises; ValueError for ``batch_size`` < 1 or load options with a loaded model.
   """
 
   def __init__(self, source: Any, *, batch_size: Optional[int] = None, **load_kwargs: Any):
@@ -97,29 +67,14 @@ class Predictor:
 
   @property
   def label_names(self) -> Optional[Tuple[str, ...]]:
-    """The class names in label order, or None when the source has none."""
     return self.trained.label_names
 
   @property
   def image_size(self) -> int:
-    """``S``: inputs are ``[S, S, 3]`` after preprocessing."""
     return self.trained.image_size
 
   def preprocess(self, image: Any, name: Optional[str] = None) -> np.ndarray:
-    """One image -> the model's float32 ``[S, S, 3]`` input, preprocessed as in evaluation.
-
-    ``image``: a path, encoded bytes, a PIL image, or an array ``[H, W]`` / ``[H, W, C]`` (C in
-    {1, 3, 4}; uint8 or floats in [0, 1]). ``name``: how errors name it.
-
-    Raises:
-      vit_jax.data.BadImageError (a ValueError): not a decodable image.
-      FileNotFoundError, IsADirectoryError, PermissionError: not a readable file.
-      ValueError: an array of another shape.
-    """
-    from vit_jax.data import files  # pylint: disable=g-import-not-at-top
-    data = self.trained.config.data
-    return files.eval_input(image, size=int(data.image_size), normalization=data.normalization,
-                            crop_pct=data.eval_crop_pct, name=name)
+    return preprocess(self.trained, image, name)
 
   def probabilities(self, images: Any) -> np.ndarray:
     """float32 ``[B, C]`` class probabilities of ``images`` (see :meth:`predict`)."""
@@ -130,11 +85,8 @@ class Predictor:
     return self.trained.probabilities(self.runner.logits(inputs))
 
   def predict(self, images: Any, top_k: int = 5) -> List[List[Prediction]]:
-    """Per image (one, a sequence, or ``[B, H, W, C]``), its ``top_k`` :class:`Prediction`.
-
-    Most probable first, ties by lower class number. Raises as :meth:`preprocess`; ValueError for
-    ``top_k`` < 1.
-    """
+    """Per image (one, a sequence, or ``[B, H, W, C]``) its ``top_k`` :class:`Prediction`, most
+    probable first (ties: the lower class). Raises as :meth:`preprocess`."""
     _check_top_k(top_k)
     return self.top(self.probabilities(images), top_k)
 
@@ -149,6 +101,15 @@ class Predictor:
     order = np.argsort(-probabilities, axis=-1, kind='stable')[:, :top_k]
     return [[Prediction(self.trained.label_name(int(i)), int(i), float(row[i])) for i in idx]
             for row, idx in zip(probabilities, order)]
+
+
+def preprocess(trained: Any, image: Any, name: Optional[str] = None) -> np.ndarray:
+  """One image (a path, bytes, a PIL image, an array ``[H, W]`` / ``[H, W, C]``) -> the float32
+  ``[S, S, 3]`` input of ``trained``. Raises as ``vit_jax.data.files.eval_input``."""
+  from vit_jax.data import files  # pylint: disable=g-import-not-at-top  (TensorFlow)
+  data = trained.config.data
+  return files.eval_input(image, size=int(data.image_size), normalization=data.normalization,
+                          crop_pct=data.eval_crop_pct, name=name)
 
 
 def _check_top_k(top_k: int) -> None:
@@ -166,28 +127,21 @@ def _as_list(images: Any) -> List[Any]:
 
 
 def _with_batch_size(trained: Any, batch_size: int) -> Any:
-  """``trained`` (an ``inference.TrainedModel``) with ``config.eval_batch_size`` set to
-  ``batch_size`` rounded up to a multiple of the device count (so any mesh can split it)."""
+  """``trained`` with its eval batch ``batch_size``, rounded up to a multiple of the devices."""
   import jax  # pylint: disable=g-import-not-at-top
-  import ml_collections  # pylint: disable=g-import-not-at-top
   if int(batch_size) < 1:
     raise ValueError(f'batch_size={batch_size}: give 1 or more images per batch.')
   devices = jax.device_count()
-  config = ml_collections.ConfigDict(trained.config.to_dict())
+  config = type(trained.config)(trained.config.to_dict())
   config.eval_batch_size = math.ceil(int(batch_size) / devices) * devices
   return dataclasses.replace(trained, config=config)
 
 
-# ------------------------------------------------------------------------------- the command
-
-
 def _parser() -> common.Parser:
   doc = __doc__.split('\n\n')
-  parser = common.Parser(
-      prog='python -m vit_jax.predict',
-      description=doc[0] + '\n\n' + doc[2] + '\n\n' + doc[3],
-      formatter_class=argparse.RawDescriptionHelpFormatter,
-      epilog='\n\n'.join(doc[4:6]) + '\n\nExamples:\n' + doc[1])
+  parser = common.Parser(prog='python -m vit_jax.predict', description='\n\n'.join(doc[2:]),
+                         formatter_class=argparse.RawDescriptionHelpFormatter,
+                         epilog='Examples:\n' + doc[1])
   common.add_source_arguments(parser)
   parser.add_argument('images', nargs='+', metavar='IMAGE_OR_FOLDER',
                       help='image files, or folders of them (searched recursively)')
@@ -200,10 +154,7 @@ def _parser() -> common.Parser:
 
 
 def missing_image(arguments: Sequence[str]) -> Optional[FileNotFoundError]:
-  """The error for the first local argument with nothing there (broken links too), or None.
-
-  Without TensorFlow; ``scheme://`` paths are not checked.
-  """
+  """The error for the first local argument with nothing there (broken links too), or None."""
   for arg in arguments:
     if '://' not in str(arg) and not os.path.exists(arg):
       return FileNotFoundError(f'{arg} does not exist: give image files or folders of them.')
@@ -211,12 +162,8 @@ def missing_image(arguments: Sequence[str]) -> Optional[FileNotFoundError]:
 
 
 def image_paths(arguments: Sequence[str]) -> List[str]:
-  """The image files of the IMAGE_OR_FOLDER arguments, each once, in argument order.
-
-  Folders via ``vit_jax.data.files.list_images`` (sorted, links to listed folders skipped with a
-  ``WARNING: not entered`` line). Raises FileNotFoundError, or ValueError (a folder without
-  images, a non-UTF-8 name).
-  """
+  """The image files of the IMAGE_OR_FOLDER arguments, each once, in argument order. Raises
+  FileNotFoundError, or ValueError (a folder without images, a non-UTF-8 name)."""
   from vit_jax.data import files  # pylint: disable=g-import-not-at-top
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
   found: Dict[str, None] = {}
@@ -242,30 +189,17 @@ def image_paths(arguments: Sequence[str]) -> List[str]:
   return list(found)
 
 
-def _batches(items: Sequence[str], size: int) -> Iterable[Sequence[str]]:
-  for start in range(0, len(items), size):
-    yield items[start:start + size]
-
-
 def _text(path: str, predictions: List[Prediction], named: bool) -> str:
   lines = [path] + [f'  {100 * p.probability:6.2f}%  {p.label if named else f"class {p.index}"}'
                     for p in predictions]
   return '\n'.join(lines) + '\n'
 
 
-class _Progress:
-  """'predict: 128/1000 images' on stderr after each batch ('\\r'-updated on a terminal)."""
-
-  def __init__(self, total: int, batches: int):
-    self.total, self.done, self.shown = total, 0, batches > 1
-    self.tty = sys.stderr.isatty()
-
-  def update(self, count: int) -> None:
-    self.done += count
-    if self.shown:
-      end = '' if self.tty and self.done < self.total else '\n'
-      print(f'{chr(13) if self.tty else ""}predict: {self.done}/{self.total} images', end=end,
-            file=sys.stderr, flush=True)
+def _progress(done: int, total: int) -> None:
+  """'predict: 128/1000 images' on stderr ('\\r'-updated on a terminal)."""
+  tty = sys.stderr.isatty()
+  print(f'{chr(13) if tty else ""}predict: {done}/{total} images', file=sys.stderr, flush=True,
+        end='' if tty and done < total else '\n')
 
 
 def _without_path(text: str, path: str) -> str:
@@ -286,8 +220,7 @@ def _stdout_name() -> str:
 
 
 def _emit(text: str) -> None:
-  """Writes ``text`` to stdout at once; OSError naming the fix if it cannot (the rest is dropped).
-  """
+  """Writes ``text`` to stdout at once; OSError naming the fix if it cannot."""
   try:
     sys.stdout.write(text)
     sys.stdout.flush()
@@ -311,14 +244,12 @@ def _header(trained: Any) -> str:
 
 def _predict_paths(predictor: Predictor, paths: Sequence[str], batch: int, top_k: int,
                    as_json: bool) -> Tuple[int, List[Dict[str, Any]]]:
-  """Predicts ``paths`` batch by batch, printing text results (after a header line) as they
-  come; returns the number predicted and the JSON records."""
+  """Predicts and prints ``paths`` batch by batch; returns the count predicted, JSON records."""
   from vit_jax.data import BadImageError  # pylint: disable=g-import-not-at-top
   named = predictor.label_names is not None
   records, predicted = [], 0
-  progress = _Progress(len(paths), math.ceil(len(paths) / batch))
-  for chunk in _batches(paths, batch):
-    good, inputs = [], []
+  for start in range(0, len(paths), batch):
+    chunk, good, inputs = paths[start:start + batch], [], []
     for path in chunk:
       try:
         inputs.append(predictor.preprocess(path))
@@ -336,12 +267,13 @@ def _predict_paths(predictor: Predictor, paths: Sequence[str], batch: int, top_k
       else:
         _emit(_text(path, top, named) + '\n')
     predicted += len(good)
-    progress.update(len(chunk))
+    if len(paths) > batch:
+      _progress(start + len(chunk), len(paths))
   return predicted, records
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-  """Runs the command on ``argv`` (default: the command line); returns the exit status."""
+  """The command on ``argv`` (default: the command line); returns the exit status."""
   args = _parser().parse_args(argv)
   try:
     if args.top_k < 1:
@@ -366,9 +298,5 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 
 def run_main() -> None:
-  """``python -m vit_jax.predict``: ``main()`` run by ``common.run_program``; a missing image
-  path is refused at once, without the set-up (`missing_image`)."""
+  """``python -m vit_jax.predict``: a missing image is refused before the set-up."""
   common.run_program(main, _parser, lambda args: missing_image(args.images))
-
-if __name__ == '__main__':
-  run_main()

@@ -1,57 +1,27 @@
 """T2T-ViT / DeiT ImageNet training augmentations: timm's, as TensorFlow ops (eager or tf.data).
 
-* :func:`rand_augment`: timm ``rand_augment_transform('rand-m9-mstd0.5-inc1')`` with PIL's op
-  definitions (``pil_ops``, ``randaugment``);
-* :func:`random_erasing`: timm ``RandomErasing(mode='pixel')`` of one normalized image;
-* :func:`mixup_cutmix`: timm ``Mixup(mode='batch', correct_lam=True)`` of a batch.
-
-Stateless: each takes an int64 ``[2]`` seed, so a resumed run sees exactly the augmentations of
-an uninterrupted one (same distributions as timm, not its random numbers). Differences from
-timm / PIL: geometric ops always bilinear (timm: random bilinear / bicubic) in float32 (a pixel
-may differ by 1); Posterize with 0 bits gives black (PIL < 9).
+:func:`rand_augment` (timm ``rand_augment_transform('rand-m9-mstd0.5-inc1')`` over PIL's op
+definitions), :func:`random_erasing` (timm ``RandomErasing(mode='pixel')``), :func:`mixup_cutmix`
+(timm ``Mixup(mode='batch', correct_lam=True)``). Each takes an int64 ``[2]`` seed, so a resumed
+run sees the augmentations of an uninterrupted one (timm's distributions, not its random numbers).
+Differences from timm / PIL: geometric ops always bilinear in float32 (a pixel may differ by 1);
+Posterize with 0 bits gives black (PIL < 9).
 """
 
-from vit_jax.data.augment.erasing import random_erasing
-from vit_jax.data.augment.mixing import mixup_cutmix
-from vit_jax.data.augment.pil_ops import (IMAGENET_FILL, affine, auto_contrast, brightness,
-                                          color, contrast, equalize, grayscale, invert,
-                                          posterize, rotate, sharpness, shear_x, shear_y, smooth,
-                                          solarize, solarize_add, translate_x, translate_x_rel,
-                                          translate_y, translate_y_rel)
-from vit_jax.data.augment.randaugment import (MAX_LEVEL, OP_NAMES, RAND_INCREASING_TRANSFORMS,
-                                              RAND_TRANSFORMS, apply_op, level_to_arg,
-                                              rand_augment, sample_magnitude)
+from vit_jax.data.augment.mixing import mixup_cutmix, random_erasing
+from vit_jax.data.augment.randaugment import (IMAGENET_FILL, MAX_LEVEL, OP_NAMES,
+                                              RAND_INCREASING_TRANSFORMS, RAND_TRANSFORMS, affine,
+                                              apply_op, auto_contrast, brightness, color,
+                                              contrast, equalize, grayscale, invert, level_to_arg,
+                                              posterize, rand_augment, rotate, sample_magnitude,
+                                              sharpness, shear_x, shear_y, smooth, solarize,
+                                              solarize_add, translate_x, translate_x_rel,
+                                              translate_y, translate_y_rel)
 
 __all__ = [
-    'IMAGENET_FILL',
-    'MAX_LEVEL',
-    'OP_NAMES',
-    'RAND_INCREASING_TRANSFORMS',
-    'RAND_TRANSFORMS',
-    'affine',
-    'apply_op',
-    'auto_contrast',
-    'brightness',
-    'color',
-    'contrast',
-    'equalize',
-    'grayscale',
-    'invert',
-    'level_to_arg',
-    'mixup_cutmix',
-    'posterize',
-    'rand_augment',
-    'random_erasing',
-    'rotate',
-    'sample_magnitude',
-    'sharpness',
-    'shear_x',
-    'shear_y',
-    'smooth',
-    'solarize',
-    'solarize_add',
-    'translate_x',
-    'translate_x_rel',
-    'translate_y',
-    'translate_y_rel',
+    'IMAGENET_FILL', 'MAX_LEVEL', 'OP_NAMES', 'RAND_INCREASING_TRANSFORMS', 'RAND_TRANSFORMS',
+    'affine', 'apply_op', 'auto_contrast', 'brightness', 'color', 'contrast', 'equalize',
+    'grayscale', 'invert', 'level_to_arg', 'mixup_cutmix', 'posterize', 'rand_augment',
+    'random_erasing', 'rotate', 'sample_magnitude', 'sharpness', 'shear_x', 'shear_y', 'smooth',
+    'solarize', 'solarize_add', 'translate_x', 'translate_x_rel', 'translate_y', 'translate_y_rel',
 ]

@@ -1,7 +1,9 @@
-"""Mixup and CutMix as T2T-ViT and DeiT train with them: timm's `Mixup(mode='batch',
-correct_lam=True)` on a batch of images and label vectors."""
+"""The per-batch augmentations of T2T-ViT and DeiT, after normalization: timm's
+`Mixup(mode='batch', correct_lam=True)` (Mixup and CutMix) and `RandomErasing(mode='pixel')`."""
 
 from __future__ import annotations
+
+import math
 
 import tensorflow as tf
 
@@ -15,15 +17,13 @@ def _beta(seed: tf.Tensor, alpha: tf.Tensor) -> tf.Tensor:
   b = tf.random.stateless_gamma([], seed_b, alpha, dtype=tf.float64)
   total = a + b
   # Both can underflow to 0 only for tiny alpha, where Beta is ~Bernoulli.
-  return tf.where(total > 0., a / tf.where(total > 0., total, 1.),
-                  tf.cast(a >= b, tf.float64))
+  return tf.where(total > 0., a / tf.where(total > 0., total, 1.), tf.cast(a >= b, tf.float64))
 
 
 @stateless.no_autograph
 def mixup_cutmix(images: tf.Tensor, labels: tf.Tensor, seed: tf.Tensor, *,
                  mixup_alpha: float = 0.8, cutmix_alpha: float = 1.0,
-                 switch_prob: float = 0.5, prob: float = 1.0,
-                 return_lam: bool = False):
+                 switch_prob: float = 0.5, prob: float = 1.0, return_lam: bool = False):
   """timm ``Mixup(mode='batch', correct_lam=True)`` of images ``[B, H, W, C]``, labels ``[B, K]``.
 
   With probability ``prob`` mix the batch (else lam = 1): CutMix with probability ``switch_prob``
@@ -58,8 +58,7 @@ def mixup_cutmix(images: tf.Tensor, labels: tf.Tensor, seed: tf.Tensor, *,
   alpha = tf.where(use_cutmix, tf.constant(float(cutmix_alpha), tf.float64),
                    tf.constant(float(mixup_alpha), tf.float64))
   # A disabled method's alpha is 0; it is never selected (avoid Gamma(0)).
-  lam = tf.where(do_mix, _beta(lam_seed, tf.maximum(alpha, 1e-12)),
-                 tf.constant(1., tf.float64))
+  lam = tf.where(do_mix, _beta(lam_seed, tf.maximum(alpha, 1e-12)), tf.constant(1., tf.float64))
   reversed_images = images[::-1]
 
   def cutmix():
@@ -83,8 +82,7 @@ def mixup_cutmix(images: tf.Tensor, labels: tf.Tensor, seed: tf.Tensor, *,
 
   def mixup():
     lam_x = tf.cast(lam, images.dtype)
-    return (images * lam_x + reversed_images * tf.cast(1. - lam, images.dtype),
-            lam)
+    return (images * lam_x + reversed_images * tf.cast(1. - lam, images.dtype), lam)
 
   mixed, lam = tf.cond(do_mix & use_cutmix, cutmix, mixup)
   mixed.set_shape(images.shape)
@@ -93,3 +91,71 @@ def mixup_cutmix(images: tf.Tensor, labels: tf.Tensor, seed: tf.Tensor, *,
   if return_lam:
     return mixed, mixed_labels, tf.cast(lam, tf.float32)
   return mixed, mixed_labels
+
+
+@stateless.no_autograph
+def random_erasing(image: tf.Tensor, seed: tf.Tensor, *,
+                   probability: float = 0.25, min_area: float = 0.02,
+                   max_area: float = 1 / 3, min_aspect: float = 0.3,
+                   max_count: int = 1) -> tf.Tensor:
+  """timm ``RandomErasing(mode='pixel')`` of one normalized float ``[H, W, C]`` image (same out).
+
+  With probability ``probability`` erase ``count`` rectangles (1, or uniform in [1, max_count]),
+  each with up to 10 attempts as timm (area uniform in [min_area, max_area] * H * W / count,
+  log-uniform aspect, Python rounding); erased pixels get N(0, 1). ``seed``: int64 ``[2]``.
+
+  Raises:
+    ValueError: probability outside [0, 1], not 0 < min_area <= max_area, min_aspect <= 0 or
+      max_count < 1.
+  """
+  if not 0. <= probability <= 1.:
+    raise ValueError(f'probability must be in [0, 1], got {probability!r}.')
+  if not 0. < min_area <= max_area:
+    raise ValueError('Need 0 < min_area <= max_area, got '
+                     f'{min_area!r}, {max_area!r}.')
+  if not min_aspect > 0.:
+    raise ValueError(f'min_aspect must be > 0, got {min_aspect!r}.')
+  if not isinstance(max_count, int) or max_count < 1:
+    raise ValueError(f'max_count must be an int >= 1, got {max_count!r}.')
+  image = tf.convert_to_tensor(image)
+  if not image.dtype.is_floating:
+    raise ValueError('random_erasing expects a float (normalized) image, got '
+                     f'{image.dtype.name}.')
+  prob_seed, count_seed, boxes_seed = stateless.split(seed, 3)
+  log_aspect = (math.log(min_aspect), math.log(1. / min_aspect))
+
+  def erase():
+    shape = tf.shape(image)
+    height, width = shape[0], shape[1]
+    area = tf.cast(height * width, tf.float64)
+    if max_count > 1:
+      count = stateless.randint(count_seed, 1, max_count + 1)
+    else:
+      count = tf.constant(1, tf.int32)
+    rows = tf.range(height)[:, None]
+    cols = tf.range(width)[None, :]
+    out = image
+    for k, box_seed in enumerate(stateless.split(boxes_seed, max_count)):
+      area_seed, aspect_seed, top_seed, left_seed, noise_seed = stateless.split(box_seed, 5)
+      target = tf.random.stateless_uniform(
+          [10], area_seed, min_area, max_area, tf.float64) * area / tf.cast(
+              count, tf.float64)
+      aspect = tf.exp(tf.random.stateless_uniform(
+          [10], aspect_seed, log_aspect[0], log_aspect[1], tf.float64))
+      hs = tf.cast(tf.round(tf.sqrt(target * aspect)), tf.int32)
+      ws = tf.cast(tf.round(tf.sqrt(target / aspect)), tf.int32)
+      fits = (hs < height) & (ws < width)
+      first = tf.argmax(tf.cast(fits, tf.int32), output_type=tf.int32)
+      found = tf.reduce_any(fits) & (k < count)
+      h = tf.where(found, hs[first], 0)
+      w = tf.where(found, ws[first], 0)
+      top = stateless.randint(top_seed, 0, height - h + 1)
+      left = stateless.randint(left_seed, 0, width - w + 1)
+      box = ((rows >= top) & (rows < top + h) & (cols >= left) & (cols < left + w))
+      noise = tf.random.stateless_normal(shape, noise_seed, dtype=image.dtype)
+      out = tf.where(box[..., None], noise, out)
+    return out
+
+  out = tf.cond(stateless.uniform(prob_seed) < probability, erase, lambda: image)
+  out.set_shape(image.shape)
+  return out

@@ -1,42 +1,352 @@
-"""RandAugment as T2T-ViT and DeiT train with it (timm ``'rand-m9-mstd0.5-inc1'``).
-
-timm's level -> argument mappings, op lists and policy over the PIL ops of
-:mod:`vit_jax.data.augment.pil_ops`. Differences from timm / PIL: :mod:`vit_jax.data.augment`.
+"""RandAugment as T2T-ViT and DeiT train with it (timm ``'rand-m9-mstd0.5-inc1'``): timm's level
+-> argument mappings, op lists and policy over PIL's image ops (``ImageOps`` look-up tables,
+``ImageEnhance`` blends, ``Image.transform`` affine), in TensorFlow: uint8 ``[H, W, 3]`` in and
+out, eagerly and in tf.data. Differences: :mod:`vit_jax.data.augment`.
 """
 
 from __future__ import annotations
 
-from typing import Optional, Sequence, Tuple
+import math
+from typing import Optional, Sequence, Tuple, Union
 
 import tensorflow as tf
 
 from vit_jax.data.augment import stateless
-from vit_jax.data.augment.pil_ops import (  # The ops and the helpers their table uses.
-    affine, _apply_luts, _auto_contrast_lut, _black_degenerate, _blend, _check_fill,
-    _check_uint8_rgb, _equalize_lut, IMAGENET_FILL, Fill, _gray_degenerate, _invert_lut, _matrix, _mean_degenerate, Number,
-    _posterize_lut, _rotate_matrix, _size, smooth, _solarize_add_lut, _solarize_lut)
 
-# timm `_LEVEL_DENOM` (`_MAX_LEVEL` in older versions): magnitudes are clipped
-# to [0, 10] and divided by 10 to get the op strength.
+# timm's fill of geometric ops, `img_mean`: round(255 * IMAGENET_DEFAULT_MEAN).
+IMAGENET_FILL = (124, 116, 104)
+
+Number = Union[int, float, tf.Tensor]
+Fill = Sequence[int]
+
+
+def _check_uint8_rgb(image: tf.Tensor) -> tf.Tensor:
+  image = tf.convert_to_tensor(image)
+  if image.dtype != tf.uint8:
+    raise ValueError(f'Expected a uint8 [H, W, 3] image, got dtype {image.dtype.name}.')
+  if image.shape.rank is not None and (image.shape.rank != 3 or image.shape[-1] not in (None, 3)):
+    raise ValueError(f'Expected a uint8 [H, W, 3] image, got shape {image.shape}.')
+  return image
+
+
+def _check_fill(fill: Fill) -> Tuple[int, int, int]:
+  fill = tuple(int(v) for v in fill)
+  if len(fill) != 3 or not all(0 <= v <= 255 for v in fill):
+    raise ValueError(f'fill must be 3 ints in [0, 255], got {fill!r}.')
+  return fill
+
+
+def _to_uint8_trunc(x: tf.Tensor) -> tf.Tensor:
+  """float -> uint8 like C's `(UINT8)` after clipping to [0, 255]."""
+  return tf.cast(tf.floor(tf.clip_by_value(x, 0., 255.)), tf.uint8)
+
+
+def _histograms(image: tf.Tensor) -> tf.Tensor:
+  """int32 [3, 256] per-channel histograms of a uint8 [H, W, 3] image."""
+  idx = tf.cast(image, tf.int32) + tf.constant([0, 256, 512], tf.int32)
+  hist = tf.math.bincount(tf.reshape(idx, [-1]), minlength=768, maxlength=768, dtype=tf.int32)
+  return tf.reshape(hist, [3, 256])
+
+
+def _apply_luts(image: tf.Tensor, luts: tf.Tensor) -> tf.Tensor:
+  """PIL `Image.point`: per-channel lookup in int [3, 256] (or [256]) tables, clipped to uint8."""
+  luts = tf.clip_by_value(tf.cast(luts, tf.int32), 0, 255)
+  luts = tf.reshape(tf.broadcast_to(luts, [3, 256]), [-1])
+  idx = tf.cast(image, tf.int32) + tf.constant([0, 256, 512], tf.int32)
+  return tf.cast(tf.gather(luts, idx), tf.uint8)
+
+
+def _ramp() -> tf.Tensor:
+  return tf.range(256, dtype=tf.int32)
+
+
+@stateless.no_autograph
+def grayscale(image: tf.Tensor) -> tf.Tensor:
+  """PIL ``convert('L')``: int32 ``[H, W]``, ``(19595 R + 38470 G + 7471 B + 2**15) >> 16``."""
+  x = tf.cast(image, tf.int32)
+  l = x[..., 0] * 19595 + x[..., 1] * 38470 + x[..., 2] * 7471 + 32768
+  return tf.bitwise.right_shift(l, 16)
+
+
+def _blend(degenerate: tf.Tensor, image: tf.Tensor, factor: Number) -> tf.Tensor:
+  """PIL ``Image.blend(degenerate, image, factor)``: uint8 ``clip(d + f * (i - d))`` in float32."""
+  alpha = tf.cast(factor, tf.float32)
+  d = tf.cast(degenerate, tf.float32)
+  return _to_uint8_trunc(d + alpha * (tf.cast(image, tf.float32) - d))
+
+
+def _invert_lut() -> tf.Tensor:
+  return 255 - _ramp()
+
+
+def _posterize_lut(bits: Number) -> tf.Tensor:
+  shift = tf.clip_by_value(8 - tf.cast(bits, tf.int32), 0, 8)
+  return tf.bitwise.bitwise_and(_ramp(), 256 - tf.bitwise.left_shift(1, shift))
+
+
+def _solarize_lut(threshold: Number) -> tf.Tensor:
+  ramp = _ramp()
+  return tf.where(ramp < tf.cast(threshold, tf.int32), ramp, 255 - ramp)
+
+
+def _solarize_add_lut(addition: Number, threshold: Number = 128) -> tf.Tensor:
+  ramp = _ramp()
+  added = tf.minimum(ramp + tf.cast(addition, tf.int32), 255)
+  return tf.where(ramp < tf.cast(threshold, tf.int32), added, ramp)
+
+
+def _auto_contrast_lut(image: tf.Tensor) -> tf.Tensor:
+  nonzero = tf.cast(_histograms(image) > 0, tf.int32)
+  lo = tf.argmax(nonzero, axis=1, output_type=tf.int32)
+  hi = 255 - tf.argmax(nonzero[:, ::-1], axis=1, output_type=tf.int32)
+  valid = hi > lo
+  scale = 255. / tf.cast(tf.where(valid, hi - lo, 1), tf.float64)
+  offset = -tf.cast(lo, tf.float64) * scale
+  lut = tf.floor(tf.cast(_ramp(), tf.float64)[None, :] * scale[:, None] + offset[:, None])
+  lut = tf.cast(tf.clip_by_value(lut, 0., 255.), tf.int32)
+  return tf.where(valid[:, None], lut, _ramp()[None, :])
+
+
+def _equalize_lut(image: tf.Tensor) -> tf.Tensor:
+  h = _histograms(image)
+  nonzero = tf.cast(h > 0, tf.int32)
+  last = 255 - tf.argmax(nonzero[:, ::-1], axis=1, output_type=tf.int32)
+  step = (tf.reduce_sum(h, axis=1) - tf.gather(h, last, batch_dims=1)) // 255
+  safe_step = tf.maximum(step, 1)[:, None]
+  lut = (safe_step // 2 + tf.cumsum(h, axis=1, exclusive=True)) // safe_step
+  identity = (tf.reduce_sum(nonzero, axis=1) <= 1) | (step == 0)
+  return tf.where(identity[:, None], _ramp()[None, :], lut)
+
+
+@stateless.no_autograph
+def invert(image: tf.Tensor) -> tf.Tensor:
+  """PIL `ImageOps.invert`: 255 - x (uint8 [H, W, 3] -> same)."""
+  return _apply_luts(_check_uint8_rgb(image), _invert_lut())
+
+
+@stateless.no_autograph
+def posterize(image: tf.Tensor, bits: Number) -> tf.Tensor:
+  """PIL ``ImageOps.posterize``: the top ``bits`` (0-8) bits; 8 identity, 0 black (PIL < 9)."""
+  return _apply_luts(_check_uint8_rgb(image), _posterize_lut(bits))
+
+
+@stateless.no_autograph
+def solarize(image: tf.Tensor, threshold: Number) -> tf.Tensor:
+  """PIL ``ImageOps.solarize``: ``x < threshold ? x : 255 - x`` (int threshold; 256 identity)."""
+  return _apply_luts(_check_uint8_rgb(image), _solarize_lut(threshold))
+
+
+@stateless.no_autograph
+def solarize_add(image: tf.Tensor, addition: Number, threshold: Number = 128) -> tf.Tensor:
+  """timm `solarize_add`: x < threshold ? min(255, x + addition) : x."""
+  return _apply_luts(_check_uint8_rgb(image), _solarize_add_lut(addition, threshold))
+
+
+@stateless.no_autograph
+def auto_contrast(image: tf.Tensor) -> tf.Tensor:
+  """PIL ``ImageOps.autocontrast`` (cutoff 0): per-channel min/max stretch, float64 then truncated.
+
+  ``int(x * s - lo * s)``, ``s = 255 / (hi - lo)`` (``hi`` may map to 254, as PIL); constant
+  channels unchanged.
+  """
+  image = _check_uint8_rgb(image)
+  return _apply_luts(image, _auto_contrast_lut(image))
+
+
+@stateless.no_autograph
+def equalize(image: tf.Tensor) -> tf.Tensor:
+  """PIL ``ImageOps.equalize``: per-channel histogram equalisation in PIL's integer arithmetic.
+
+  ``step = (sum(h) - h[last]) // 255``, ``lut[i] = (step // 2 + sum(h[:i])) // step``; the
+  identity for <= 1 distinct value or ``step == 0``.
+  """
+  image = _check_uint8_rgb(image)
+  return _apply_luts(image, _equalize_lut(image))
+
+
+def _gray_degenerate(image: tf.Tensor) -> tf.Tensor:
+  return grayscale(image)[..., None]
+
+
+def _mean_degenerate(image: tf.Tensor) -> tf.Tensor:
+  gray = grayscale(image)
+  total = tf.cast(tf.reduce_sum(tf.cast(gray, tf.int64)), tf.float64)
+  count = tf.cast(tf.size(gray, out_type=tf.int64), tf.float64)
+  return tf.floor(total / count + 0.5)
+
+
+def _black_degenerate(image: tf.Tensor) -> tf.Tensor:
+  del image
+  return tf.zeros([], tf.int32)
+
+
+@stateless.no_autograph
+def color(image: tf.Tensor, factor: Number) -> tf.Tensor:
+  """PIL `ImageEnhance.Color`: blend of the grayscale image (factor 0) and the image (1)."""
+  image = _check_uint8_rgb(image)
+  return _blend(_gray_degenerate(image), image, factor)
+
+
+@stateless.no_autograph
+def contrast(image: tf.Tensor, factor: Number) -> tf.Tensor:
+  """PIL `ImageEnhance.Contrast`: blend of int(mean(grayscale) + 0.5) (factor 0) and the image."""
+  image = _check_uint8_rgb(image)
+  return _blend(_mean_degenerate(image), image, factor)
+
+
+@stateless.no_autograph
+def brightness(image: tf.Tensor, factor: Number) -> tf.Tensor:
+  """PIL `ImageEnhance.Brightness`: (UINT8) clip(factor * x)."""
+  image = _check_uint8_rgb(image)
+  return _blend(_black_degenerate(image), image, factor)
+
+
+@stateless.no_autograph
+def smooth(image: tf.Tensor) -> tf.Tensor:
+  """PIL ``ImageFilter.SMOOTH``: 3x3 ``[[1,1,1],[1,5,1],[1,1,1]] / 13`` rounded; border copied."""
+  image = _check_uint8_rgb(image)
+  kernel = tf.constant([[1., 1., 1.], [1., 5., 1.], [1., 1., 1.]])
+  kernel = tf.tile(kernel[:, :, None, None], [1, 1, 3, 1])
+  sums = tf.nn.depthwise_conv2d(tf.cast(image, tf.float32)[None], kernel, [1, 1, 1, 1], 'SAME')[0]
+  smoothed = (2 * tf.cast(sums, tf.int32) + 13) // 26
+  shape = tf.shape(image)
+  rows = tf.range(shape[0])[:, None]
+  cols = tf.range(shape[1])[None, :]
+  inner = ((rows > 0) & (rows < shape[0] - 1) & (cols > 0) & (cols < shape[1] - 1))
+  out = tf.where(inner[..., None], smoothed, tf.cast(image, tf.int32))
+  return tf.cast(out, tf.uint8)
+
+
+@stateless.no_autograph
+def sharpness(image: tf.Tensor, factor: Number) -> tf.Tensor:
+  """PIL `ImageEnhance.Sharpness`: blend of `smooth(image)` (factor 0) and the image (1)."""
+  image = _check_uint8_rgb(image)
+  return _blend(smooth(image), image, factor)
+
+
+def _matrix(*values) -> tf.Tensor:
+  """float64 [6] PIL affine matrix from numbers / scalar tensors."""
+  return tf.stack([tf.cast(v, tf.float64) for v in values])
+
+
+def _rotate_matrix(degrees: Number, height: tf.Tensor, width: tf.Tensor) -> tf.Tensor:
+  """PIL `Image.rotate`'s matrix (about (W / 2, H / 2), no expand)."""
+  degrees = tf.math.floormod(tf.cast(degrees, tf.float64), 360.)
+  angle = -degrees * (math.pi / 180.)
+  cos = tf.round(tf.cos(angle) * 1e15) / 1e15
+  sin = tf.round(tf.sin(angle) * 1e15) / 1e15
+  cx = tf.cast(width, tf.float64) / 2.
+  cy = tf.cast(height, tf.float64) / 2.
+  return _matrix(cos, sin, cos * -cx + sin * -cy + cx, -sin, cos, -sin * -cx + cos * -cy + cy)
+
+
+@stateless.no_autograph
+def affine(image: tf.Tensor, matrix: Union[Sequence[Number], tf.Tensor],
+           fill: Fill = IMAGENET_FILL) -> tf.Tensor:
+  """PIL ``transform(size, AFFINE, matrix, BILINEAR, fillcolor=fill)`` of uint8 ``[H, W, 3]``.
+
+  Output pixel centre ``(X, Y) = (x + .5, y + .5)`` samples the input at
+  ``(a X + b Y + c, d X + e Y + f)``; outside gets ``fill``. ``matrix``: 6 numbers or a float
+  ``[6]`` tensor. In float32 (PIL float64): a pixel may differ by 1 near integer values.
+  """
+  image = _check_uint8_rgb(image)
+  fill = _check_fill(fill)
+  if isinstance(matrix, (list, tuple)):
+    matrix = _matrix(*matrix)
+  a, b, c, d, e, f = tf.unstack(tf.cast(matrix, tf.float64), num=6)
+  shape = tf.shape(image)
+  height, width = shape[0], shape[1]
+  # PIL's float64 coordinates of output pixel centres decide which pixels are covered.
+  xs = tf.range(tf.cast(width, tf.float64)) + 0.5
+  ys = tf.range(tf.cast(height, tf.float64))[:, None] + 0.5
+  x_in = a * xs + b * ys + c
+  y_in = d * xs + e * ys + f
+  valid = ((x_in >= 0.) & (x_in < tf.cast(width, tf.float64)) &
+           (y_in >= 0.) & (y_in < tf.cast(height, tf.float64)))
+  # The same map in TF's pixel-centre coordinates (PIL's - 0.5); NEAREST clamps as PIL does.
+  zero = tf.zeros([], tf.float64)
+  transform = tf.stack([a, b, c + 0.5 * (a + b) - 0.5, d, e, f + 0.5 * (d + e) - 0.5, zero, zero])
+  out = tf.raw_ops.ImageProjectiveTransformV3(
+      images=tf.cast(image, tf.float32)[None], transforms=tf.cast(transform, tf.float32)[None],
+      output_shape=shape[:2], fill_value=tf.constant(0., tf.float32), interpolation='BILINEAR',
+      fill_mode='NEAREST')[0]
+  # PIL truncates its float64 result; 1e-3 absorbs float32 rounding.
+  out = _to_uint8_trunc(out + 1e-3)
+  out = tf.where(valid[..., None], out, tf.constant(fill, tf.uint8))
+  out.set_shape(image.shape)
+  return out
+
+
+def _size(image: tf.Tensor):
+  shape = tf.shape(image)
+  return shape[0], shape[1]
+
+
+@stateless.no_autograph
+def rotate(image: tf.Tensor, degrees: Number, fill: Fill = IMAGENET_FILL) -> tf.Tensor:
+  """PIL ``rotate(degrees, BILINEAR, fillcolor=fill)``: counter-clockwise about ``(W / 2, H / 2)``.
+
+  PIL's matrix (angle mod 360, cos / sin rounded to 15 decimals): 90 degrees is ``np.rot90``.
+  """
+  return affine(image, _rotate_matrix(degrees, *_size(image)), fill)
+
+
+@stateless.no_autograph
+def shear_x(image: tf.Tensor, factor: Number, fill: Fill = IMAGENET_FILL) -> tf.Tensor:
+  """timm `shear_x`: PIL affine (1, factor, 0, 0, 1, 0)."""
+  return affine(image, [1., factor, 0., 0., 1., 0.], fill)
+
+
+@stateless.no_autograph
+def shear_y(image: tf.Tensor, factor: Number, fill: Fill = IMAGENET_FILL) -> tf.Tensor:
+  """timm `shear_y`: PIL affine (1, 0, 0, factor, 1, 0)."""
+  return affine(image, [1., 0., 0., factor, 1., 0.], fill)
+
+
+@stateless.no_autograph
+def translate_x(image: tf.Tensor, pixels: Number, fill: Fill = IMAGENET_FILL) -> tf.Tensor:
+  """timm `translate_x_abs`: PIL affine (1, 0, pixels, 0, 1, 0): content moves left."""
+  return affine(image, [1., 0., pixels, 0., 1., 0.], fill)
+
+
+@stateless.no_autograph
+def translate_y(image: tf.Tensor, pixels: Number, fill: Fill = IMAGENET_FILL) -> tf.Tensor:
+  """timm `translate_y_abs`: PIL affine (1, 0, 0, 0, 1, pixels): content moves up."""
+  return affine(image, [1., 0., 0., 0., 1., pixels], fill)
+
+
+@stateless.no_autograph
+def translate_x_rel(image: tf.Tensor, fraction: Number, fill: Fill = IMAGENET_FILL) -> tf.Tensor:
+  """timm `translate_x_rel`: `translate_x` by fraction * W pixels."""
+  width = tf.cast(_size(image)[1], tf.float64)
+  return translate_x(image, tf.cast(fraction, tf.float64) * width, fill)
+
+
+@stateless.no_autograph
+def translate_y_rel(image: tf.Tensor, fraction: Number, fill: Fill = IMAGENET_FILL) -> tf.Tensor:
+  """timm `translate_y_rel`: `translate_y` by fraction * H pixels."""
+  height = tf.cast(_size(image)[0], tf.float64)
+  return translate_y(image, tf.cast(fraction, tf.float64) * height, fill)
+
+
+# timm `_LEVEL_DENOM`: magnitudes are clipped to [0, 10], divided by it for the op strength.
 MAX_LEVEL = 10.
 
 # timm `_RAND_TRANSFORMS` ('rand-...-inc0').
 RAND_TRANSFORMS = (
-    'AutoContrast', 'Equalize', 'Invert', 'Rotate', 'Posterize', 'Solarize',
-    'SolarizeAdd', 'Color', 'Contrast', 'Brightness', 'Sharpness', 'ShearX',
-    'ShearY', 'TranslateXRel', 'TranslateYRel')
+    'AutoContrast', 'Equalize', 'Invert', 'Rotate', 'Posterize', 'Solarize', 'SolarizeAdd',
+    'Color', 'Contrast', 'Brightness', 'Sharpness', 'ShearX', 'ShearY', 'TranslateXRel',
+    'TranslateYRel')
 
 # timm `_RAND_INCREASING_TRANSFORMS` ('rand-...-inc1', T2T-ViT and DeiT).
 RAND_INCREASING_TRANSFORMS = (
-    'AutoContrast', 'Equalize', 'Invert', 'Rotate', 'PosterizeIncreasing',
-    'SolarizeIncreasing', 'SolarizeAdd', 'ColorIncreasing',
-    'ContrastIncreasing', 'BrightnessIncreasing', 'SharpnessIncreasing',
-    'ShearX', 'ShearY', 'TranslateXRel', 'TranslateYRel')
+    'AutoContrast', 'Equalize', 'Invert', 'Rotate', 'PosterizeIncreasing', 'SolarizeIncreasing',
+    'SolarizeAdd', 'ColorIncreasing', 'ContrastIncreasing', 'BrightnessIncreasing',
+    'SharpnessIncreasing', 'ShearX', 'ShearY', 'TranslateXRel', 'TranslateYRel')
 
 
-# ------------------------------------------------- timm level -> argument
-# Level functions map a float64 magnitude m (and a random sign, +-1, used by
-# the ops where timm calls `_randomly_negate`) to the op argument.
+# timm's level functions: a float64 magnitude m (and a random sign where timm calls
+# `_randomly_negate`) -> the op argument.
 
 
 def _random_sign(seed: tf.Tensor) -> tf.Tensor:
@@ -55,8 +365,7 @@ def _enhance_level(m, sign):  # [0.1, 1.9].
 
 
 def _enhance_increasing_level(m, sign):  # 1 +- [0, 0.9], >= 0.1.
-  return tf.maximum(tf.constant(0.1, tf.float64),
-                    1. + m / MAX_LEVEL * .9 * sign)
+  return tf.maximum(tf.constant(0.1, tf.float64), 1. + m / MAX_LEVEL * .9 * sign)
 
 
 def _shear_level(m, sign):  # [-0.3, 0.3].
@@ -90,49 +399,36 @@ def _solarize_add_level(m, sign):  # addition in [0, 110].
   return tf.floor(m / MAX_LEVEL * 110.)
 
 
-# Every op is one of three kinds, which share the expensive image work:
-#   'lut':    fn(image, arg) -> int [3, 256] per-channel lookup tables;
-#   'blend':  fn(image) -> degenerate image (broadcastable), blended with the
-#             image by factor `arg` (PIL ImageEnhance);
-#   'affine': fn(arg, height, width) -> float64 [6] PIL affine matrix.
+# name: (level function or None, kind, fn); the kinds share the image work: 'lut' fn(image, arg)
+# -> int [3, 256] tables; 'blend' fn(image) -> the degenerate image blended by factor `arg`;
+# 'affine' fn(arg, height, width) -> float64 [6] PIL affine matrix.
 _OPS = {
-    # name: (level function or None, kind, fn)
     'AutoContrast': (None, 'lut', lambda im, a: _auto_contrast_lut(im)),
     'Equalize': (None, 'lut', lambda im, a: _equalize_lut(im)),
     'Invert': (None, 'lut', lambda im, a: _invert_lut()),
     'Rotate': (_rotate_level, 'affine', _rotate_matrix),
     'Posterize': (_posterize_level, 'lut', lambda im, a: _posterize_lut(a)),
-    'PosterizeIncreasing': (_posterize_increasing_level, 'lut',
-                            lambda im, a: _posterize_lut(a)),
+    'PosterizeIncreasing': (_posterize_increasing_level, 'lut', lambda im, a: _posterize_lut(a)),
     'Solarize': (_solarize_level, 'lut', lambda im, a: _solarize_lut(a)),
-    'SolarizeIncreasing': (_solarize_increasing_level, 'lut',
-                           lambda im, a: _solarize_lut(a)),
-    'SolarizeAdd': (_solarize_add_level, 'lut',
-                    lambda im, a: _solarize_add_lut(a)),
+    'SolarizeIncreasing': (_solarize_increasing_level, 'lut', lambda im, a: _solarize_lut(a)),
+    'SolarizeAdd': (_solarize_add_level, 'lut', lambda im, a: _solarize_add_lut(a)),
     'Color': (_enhance_level, 'blend', _gray_degenerate),
     'ColorIncreasing': (_enhance_increasing_level, 'blend', _gray_degenerate),
     'Contrast': (_enhance_level, 'blend', _mean_degenerate),
-    'ContrastIncreasing': (_enhance_increasing_level, 'blend',
-                           _mean_degenerate),
+    'ContrastIncreasing': (_enhance_increasing_level, 'blend', _mean_degenerate),
     'Brightness': (_enhance_level, 'blend', _black_degenerate),
-    'BrightnessIncreasing': (_enhance_increasing_level, 'blend',
-                             _black_degenerate),
+    'BrightnessIncreasing': (_enhance_increasing_level, 'blend', _black_degenerate),
     'Sharpness': (_enhance_level, 'blend', smooth),
     'SharpnessIncreasing': (_enhance_increasing_level, 'blend', smooth),
-    'ShearX': (_shear_level, 'affine',
-               lambda a, h, w: _matrix(1., a, 0., 0., 1., 0.)),
-    'ShearY': (_shear_level, 'affine',
-               lambda a, h, w: _matrix(1., 0., 0., a, 1., 0.)),
+    'ShearX': (_shear_level, 'affine', lambda a, h, w: _matrix(1., a, 0., 0., 1., 0.)),
+    'ShearY': (_shear_level, 'affine', lambda a, h, w: _matrix(1., 0., 0., a, 1., 0.)),
     'TranslateXRel': (_translate_rel_level, 'affine',
-                      lambda a, h, w: _matrix(
-                          1., 0., a * tf.cast(w, tf.float64), 0., 1., 0.)),
+                      lambda a, h, w: _matrix(1., 0., a * tf.cast(w, tf.float64), 0., 1., 0.)),
     'TranslateYRel': (_translate_rel_level, 'affine',
-                      lambda a, h, w: _matrix(
-                          1., 0., 0., 0., 1., a * tf.cast(h, tf.float64))),
+                      lambda a, h, w: _matrix(1., 0., 0., 0., 1., a * tf.cast(h, tf.float64))),
 }
 
-# Every op `apply_op` knows (the union of both RandAugment lists).
-OP_NAMES = tuple(_OPS)
+OP_NAMES = tuple(_OPS)  # Every op `apply_op` knows (the union of both RandAugment lists).
 
 
 def _check_op_name(name: str) -> None:
@@ -148,8 +444,7 @@ def _level(name: str, magnitude: tf.Tensor, sign: tf.Tensor) -> tf.Tensor:
 
 
 @stateless.no_autograph
-def level_to_arg(name: str, magnitude: Number,
-                 seed: tf.Tensor) -> Optional[tf.Tensor]:
+def level_to_arg(name: str, magnitude: Number, seed: tf.Tensor) -> Optional[tf.Tensor]:
   """timm ``LEVEL_TO_ARG[name](magnitude)``: the op argument (float64 scalar), or None.
 
   None for AutoContrast, Equalize, Invert; signed ops draw their sign from ``seed``. Raises
@@ -166,15 +461,12 @@ def _switch(index: tf.Tensor, fns):
 
 
 def _apply_indexed(image: tf.Tensor, names: Sequence[str], index: tf.Tensor,
-                   magnitude: tf.Tensor, seed: tf.Tensor,
-                   fill: Tuple[int, int, int]) -> tf.Tensor:
+                   magnitude: tf.Tensor, seed: tf.Tensor, fill: Tuple[int, int, int]) -> tf.Tensor:
   """``apply_op(image, names[index], ...)`` for an int32 tensor ``index``, with one shared lookup,
-  blend and affine transform instead of one graph branch per op (half the graph).
-  """
+  blend and affine transform instead of one graph branch per op (half the graph)."""
   magnitude = tf.cast(magnitude, tf.float64)
   sign = _random_sign(seed)
-  arg = tf.gather(tf.stack([_level(n, magnitude, sign) for n in names]),
-                  index)
+  arg = tf.gather(tf.stack([_level(n, magnitude, sign) for n in names]), index)
   # names[index] is op number `position` of group number `group`.
   groups = {'lut': [], 'blend': [], 'affine': []}
   positions = []
@@ -183,8 +475,7 @@ def _apply_indexed(image: tf.Tensor, names: Sequence[str], index: tf.Tensor,
     positions.append(len(members))
     members.append(name)
   present = [kind for kind, members in groups.items() if members]
-  group = tf.gather(
-      tf.constant([present.index(_OPS[n][1]) for n in names], tf.int32), index)
+  group = tf.gather(tf.constant([present.index(_OPS[n][1]) for n in names], tf.int32), index)
   position = tf.gather(tf.constant(positions, tf.int32), index)
 
   def lut_op():
@@ -202,8 +493,7 @@ def _apply_indexed(image: tf.Tensor, names: Sequence[str], index: tf.Tensor,
 
   def affine_op():
     height, width = _size(image)
-    matrices = tf.stack([_OPS[n][2](arg, height, width)
-                         for n in groups['affine']])
+    matrices = tf.stack([_OPS[n][2](arg, height, width) for n in groups['affine']])
     return affine(image, tf.gather(matrices, position), fill)
 
   fns = {'lut': lut_op, 'blend': blend_op, 'affine': affine_op}
@@ -244,15 +534,13 @@ def sample_magnitude(seed: tf.Tensor, magnitude: float = 9.,
   if magnitude_std == float('inf'):
     m = stateless.uniform(seed) * m
   elif magnitude_std > 0:
-    m = m + magnitude_std * tf.random.stateless_normal([], seed=seed,
-                                                       dtype=tf.float64)
+    m = m + magnitude_std * tf.random.stateless_normal([], seed=seed, dtype=tf.float64)
   return tf.clip_by_value(m, 0., MAX_LEVEL)
 
 
 @stateless.no_autograph
 def rand_augment(image: tf.Tensor, seed: tf.Tensor, *, num_layers: int = 2,
-                 magnitude: float = 9., magnitude_std: float = 0.5,
-                 increasing: bool = True,
+                 magnitude: float = 9., magnitude_std: float = 0.5, increasing: bool = True,
                  fill: Fill = IMAGENET_FILL) -> tf.Tensor:
   """timm RandAugment of a uint8 ``[H, W, 3]`` image (same static shape out).
 

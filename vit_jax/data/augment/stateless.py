@@ -6,9 +6,7 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-# The functions below use Python control flow only on Python values and build
-# graphs directly; AutoGraph (which tf.data applies to map functions and
-# everything they call) has nothing to convert and would only slow tracing.
+# The augmentations build graphs directly: AutoGraph has nothing to convert, it only slows tracing.
 no_autograph = tf.autograph.experimental.do_not_convert
 
 
@@ -25,5 +23,4 @@ def uniform(seed: tf.Tensor, dtype=tf.float64) -> tf.Tensor:
 
 def randint(seed: tf.Tensor, low, high) -> tf.Tensor:
   """Scalar int32 uniform in [low, high) (`high` > `low`, may be tensors)."""
-  return tf.random.stateless_uniform([], seed=seed, minval=low, maxval=high,
-                                     dtype=tf.int32)
+  return tf.random.stateless_uniform([], seed=seed, minval=low, maxval=high, dtype=tf.int32)

@@ -1,12 +1,8 @@
-"""What every part of the benchmark shares: its modes, units, errors and the timing helpers.
-
-Nothing here imports JAX or torch, so the command line can check its input before any backend
-starts.
-"""
+"""What every part of the benchmark shares: modes, units, errors, timing helpers (no JAX or
+torch: the command line checks its input before any backend starts)."""
 
 from __future__ import annotations
 
-import ast
 import os
 import resource
 import statistics
@@ -14,10 +10,10 @@ import sys
 import time
 from typing import Any, Callable, Optional
 
+
 MODES = ("train", "inference")
 DTYPES = ("float32", "bfloat16")
 
-#: What the JSON's numbers are in.
 UNITS = {
     "images_per_sec": "images/s (batch / median step time)",
     "step_seconds": "s (median of the timed steps)",
@@ -35,8 +31,8 @@ UNITS = {
 }
 
 
-class BenchmarkError(Exception):
-  """Bad input: the command line prints the message and exits with status 2."""
+class BenchmarkError(ValueError):
+  """Bad input: one FATAL line, exit status 2."""
 
 
 class NoTimmModel(BenchmarkError):
@@ -47,27 +43,10 @@ class MeasurementFailed(RuntimeError):
   """A measuring subprocess failed (e.g. out of memory): exit status 1."""
 
 
-def parse_override(text: str) -> tuple[str, Any]:
-  """'num_layers=4' -> ('num_layers', 4); values are Python literals, else strings.
-
-  Raises:
-    BenchmarkError: `text` is not KEY=VALUE.
-  """
-  key, sep, value = text.partition("=")
-  if not sep or not key.strip():
-    raise BenchmarkError(f"--override {text!r} is not KEY=VALUE (e.g. --override num_layers=4).")
-  value = value.strip()
-  lowered = value.lower()
-  if lowered in ("true", "false"):
-    return key.strip(), lowered == "true"
-  try:
-    return key.strip(), ast.literal_eval(value)
-  except (ValueError, SyntaxError):
-    return key.strip(), value
 
 
 def check_sizes(batch: int, resolution: int, warmup: int, steps: int) -> None:
-  """Raises BenchmarkError unless batch, resolution, steps >= 1 and warmup >= 0 (ints)."""
+  """Raises BenchmarkError unless batch, resolution, steps >= 1 and warmup >= 0."""
   for name, value, least in (("batch", batch, 1), ("resolution", resolution, 1),
                              ("warmup", warmup, 0), ("steps", steps, 1)):
     if isinstance(value, bool) or not isinstance(value, int) or value < least:
@@ -75,7 +54,7 @@ def check_sizes(batch: int, resolution: int, warmup: int, steps: int) -> None:
 
 
 def check_mode_and_dtype(mode: str, dtype: str) -> None:
-  """Raises BenchmarkError for a mode not in MODES or a dtype not in DTYPES."""
+  """Raises BenchmarkError for a mode or dtype not in MODES or DTYPES."""
   if mode not in MODES:
     raise BenchmarkError(f"mode must be one of {MODES}, got {mode!r}.")
   if dtype not in DTYPES:
@@ -95,7 +74,7 @@ def rss_now_mib() -> Optional[float]:
 
 
 def peak_rss_mib() -> float:
-  """This process's peak resident set in MiB (ru_maxrss is KiB on Linux, bytes on macOS)."""
+  """This process's peak resident set in MiB (ru_maxrss: KiB on Linux, bytes on macOS)."""
   peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
   return peak / 2**20 if sys.platform == "darwin" else peak / 1024
 
@@ -111,8 +90,8 @@ def timed(fn: Callable[[], Any], steps: int) -> list[float]:
 
 
 def fill_rates(result: dict[str, Any], batch: int, times: list[float]) -> None:
-  """Fills the throughput and utilisation fields of `result` from the timed steps (None
-  without timed steps): median step time, images/s, achieved FLOP/s and fraction of peak."""
+  """Fills the rate fields of `result` (median step time, images/s, FLOP/s, fraction of peak)
+  from the timed steps (None without any)."""
   result.update(step_seconds=None, step_seconds_all=times, images_per_sec=None,
                 achieved_flops_per_sec=None, fraction_of_peak=None)
   if not times:

@@ -1,5 +1,5 @@
-"""The training input pipeline alone: how many images/s `vit_jax.data` delivers, to compare with
-the training step's (> 1x: the input is not the bottleneck)."""
+"""The training input pipeline alone: the images/s `vit_jax.data` delivers (TensorFlow is imported
+where used: the benchmark's parent and timm's processes do not load it)."""
 
 from __future__ import annotations
 
@@ -13,8 +13,6 @@ from vit_jax.tools.benchmark.common import check_sizes
 from vit_jax.tools.benchmark.common import peak_rss_mib
 from vit_jax.tools.benchmark.common import thread_facts
 
-#: Inputs that `measure_input` reads: the offline Fashion-MNIST builder (28 x 28 grayscale PNGs,
-#: upsampled) and a generated folder of 500 x 375 JPEGs (about ImageNet's mean size).
 INPUTS = ("fashion_mnist", "jpeg")
 INPUT_LABELS = {"fashion_mnist": "Fashion-MNIST (28x28 PNG)",
                 "jpeg": "JPEG folder (500x375 JPEG)"}
@@ -23,8 +21,7 @@ JPEG_COUNT = 256
 
 
 def write_jpeg_folder(root: str, count: Optional[int] = None) -> None:
-  """`count` (default `JPEG_COUNT`) JPEGs of `JPEG_SIZE` (smooth random colour fields, quality
-  90) in root/train/class<i % 4>/."""
+  """`count` (default `JPEG_COUNT`) random JPEGs of `JPEG_SIZE` in root/train/class<i % 4>/."""
   import numpy as np  # pylint: disable=g-import-not-at-top
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
   rng = np.random.default_rng(0)
@@ -41,19 +38,11 @@ def write_jpeg_folder(root: str, count: Optional[int] = None) -> None:
 
 def measure_input(source: str, *, batch: int, resolution: int, warmup: int = 2,
                   steps: int = 20, data_dir: Optional[str] = None) -> dict[str, Any]:
-  """Images/s of the training input pipeline (`vit_jax.data.create_train_iterator`) alone.
+  """Images/s of `vit_jax.data.create_train_iterator` alone, with the training data defaults
+  (Inception crop, flip, resize to `resolution`), on 'fashion_mnist' (the offline builder) or
+  'jpeg' (a generated folder of `JPEG_COUNT` JPEGs): batch * steps / seconds after `warmup`.
 
-  The training config's data defaults (`vit_jax.config.get_config(...).data`: Inception crop
-  fused with the decoding, random flip, bilinear resize to `resolution`, [-1, 1]
-  normalisation, AUTOTUNE parallelism, prefetch) on:
-    'fashion_mnist': the offline Fashion-MNIST builder (prepared into `data_dir`, default the
-      tfds data_dir, from the Debian package's files on first use);
-    'jpeg': a generated image folder of `JPEG_COUNT` 500 x 375 JPEGs (in a temporary directory).
-  After `warmup` batches, `steps` batches are drawn as fast as the pipeline delivers them:
-  images/s = batch * steps / elapsed seconds (the pipeline's throughput, prefetching included).
-
-  Raises:
-    BenchmarkError: an unknown source or sizes; the data cannot be found or prepared.
+  Raises BenchmarkError: an unknown source or sizes; data that cannot be found or prepared.
   """
   if source not in INPUTS:
     raise BenchmarkError(f"input must be one of {INPUTS}, got {source!r}.")

@@ -1,21 +1,6 @@
-"""Our side of the benchmark: the trainer's very train step (or the model's forward), built and
-compiled from a resolved config as `vit_jax.train` builds and compiles it, then timed.
-
-  config = benchmark_config('ViT-B_16', batch=8, resolution=224)   # what the flags ask for
-  config, choice = resolve(config, jax.devices())                  # vit_jax.config.resolve
-  setup = vit_jax.step.build(config, image_shape=(224, 224, 3))
-  compiled = compile_step(setup, 'train', 8).compiled              # setup.jit_train_step()
-
-The config is `vit_jax.config.get_config(model, DATASET, **overrides)` in the pretraining regime
-(AdamW, global-norm clipping at 1, linear warmup and decay, sigmoid cross-entropy with the head
-bias at -10; docs/reference.md section 3), with the model's training execution defaults (scan,
-remat; `vit_jax.config.TRAINING_DEFAULTS`), the batch, `data.image_size` = the resolution,
-`model.dtype` = the compute dtype and a long schedule (`TOTAL_STEPS`). Training mode compiles
-`Setup.jit_train_step()`: the same function, shardings and donation as the trainer's, so
-`tests/tools/test_benchmark_step.py` can compare the two compiled programs' HLO. Inference mode
-compiles the model's forward in eval mode, `model.apply(variables, images, train=False)`, with
-the parameters sharded as the trainer's state (not `Setup.jit_eval_step()`, which adds the
-evaluation's loss and top-k sums: timm's inference is the bare forward too).
+"""Our side of the benchmark: the trainer's own step (`Setup.jit_train_step()`: its function,
+shardings and donation; tests/tools/test_benchmark_step.py compares the HLOs) or the bare
+forward in eval mode (as timm's inference), built from a resolved config, compiled and timed.
 """
 
 from __future__ import annotations
@@ -25,6 +10,14 @@ import json
 import time
 from typing import Any, Optional, Sequence
 
+import jax
+import jax.numpy as jnp
+
+from vit_jax import accounting
+from vit_jax import config as config_lib
+from vit_jax import flops
+from vit_jax import kernels
+from vit_jax import step
 from vit_jax.tools.benchmark.common import BenchmarkError
 from vit_jax.tools.benchmark.common import check_mode_and_dtype
 from vit_jax.tools.benchmark.common import check_sizes
@@ -34,41 +27,23 @@ from vit_jax.tools.benchmark.common import rss_now_mib
 from vit_jax.tools.benchmark.common import thread_facts
 from vit_jax.tools.benchmark.common import timed
 
-#: The dataset the config names (its `data.name`); nothing is read and no value of the step
-#: depends on it.
-DATASET = "imagenet2012"
-#: Examples of an epoch, for `vit_jax.config.resolve` (only lengths given in epochs use it, and
-#: the benchmark's are in steps): ImageNet's training split.
-NUM_TRAIN_EXAMPLES = 1_281_167
-#: Optimizer steps of the benchmark's schedule: long enough for the regime's warmup (10,000 steps
-#: in the pretraining regime), so that the schedule is valid and its constants those of a run.
-TOTAL_STEPS = 1_000_000
+DATASET = "imagenet2012"  # The config's data.name: nothing is read.
+NUM_TRAIN_EXAMPLES = 1_281_167  # ImageNet's training split, for config.resolve.
+TOTAL_STEPS = 1_000_000  # Longer than the pretraining regime's warmup: a valid schedule.
 
 
 def benchmark_config(model: str, *, batch: int, resolution: int, dtype: str = "float32",
                      overrides: Optional[dict[str, Any]] = None, num_classes: int = 1000,
                      total_steps: int = TOTAL_STEPS, warmup_steps: Optional[int] = None):
-  """The training config that the benchmark measures (not resolved yet).
+  """`vit_jax.config.get_config(model, DATASET, **overrides)` in the 'pretrain' regime with
+  `batch_size`, `data.image_size` (pixels), `model.dtype`, `num_classes` and the schedule set;
+  not resolved. `overrides` are `config.model` fields (not dtype), e.g. `{'attention': 'xla'}`.
 
-  Args:
-    model: a `vit_jax.models` name; overrides: its `config.model` fields (not dtype), e.g.
-      `{'scan': False}` or `{'attention': 'xla'}` to force an attention implementation.
-    batch: `config.batch_size`, images per step; resolution: `config.data.image_size` (pixels).
-    dtype: `config.model.dtype`, 'float32' or 'bfloat16' (parameters stay float32).
-    num_classes: `config.num_classes`, classes of the head.
-    total_steps: the schedule's length; warmup_steps: None keeps the regime's.
-
-  Returns:
-    `vit_jax.config.get_config(model, DATASET, **overrides)` in the 'pretrain' regime with those
-    values set (a locked ConfigDict; `resolve` fills and checks the rest).
-
-  Raises:
-    BenchmarkError: an unknown model name or override, or dtype given as an override.
+  Raises BenchmarkError: an unknown model name or override, or dtype as an override.
   """
-  from vit_jax import config as config_lib  # pylint: disable=g-import-not-at-top
   overrides = dict(overrides or {})
   if "dtype" in overrides:
-    raise BenchmarkError("Give the compute dtype with --dtype, not --override dtype=...")
+    raise BenchmarkError("Give the compute dtype with --dtype, not --set dtype=...")
   try:
     config = config_lib.get_config(model, DATASET, **overrides)
   except (ValueError, TypeError, NotImplementedError) as e:
@@ -85,16 +60,8 @@ def benchmark_config(model: str, *, batch: int, resolution: int, dtype: str = "f
 
 
 def resolve(config, devices: Sequence[Any]):
-  """`vit_jax.config.resolve` of a `benchmark_config` for `devices`, and the attention choice.
-
-  Returns:
-    `(resolved config, dispatch.Choice)`.
-
-  Raises:
-    BenchmarkError: what `resolve` refuses (e.g. `--override attention=cudnn` on a CPU, or a
-      batch the devices cannot split), with its message.
-  """
-  from vit_jax import config as config_lib  # pylint: disable=g-import-not-at-top
+  """`(resolved config, dispatch.Choice)`: `vit_jax.config.resolve` of a `benchmark_config`
+  for `devices`. Raises BenchmarkError with what `resolve` refuses (e.g. cudnn on a CPU)."""
   try:
     resolved = config_lib.resolve(config, num_train_examples=NUM_TRAIN_EXAMPLES,
                                   num_classes=config.num_classes, devices=devices)
@@ -106,13 +73,7 @@ def resolve(config, devices: Sequence[Any]):
 def forward_macs(model: str, *, resolution: int, dtype: str = "float32",
                  overrides: Optional[dict[str, Any]] = None, num_classes: int = 1000) -> int:
   """Multiply-adds of one image's forward pass (`vit_jax.flops.model_forward_macs`), traced on
-  abstract shapes with XLA's attention (every implementation does the same products).
-
-  Raises:
-    BenchmarkError: a bad model, override, or a resolution the model cannot take.
-  """
-  from vit_jax import config as config_lib  # pylint: disable=g-import-not-at-top
-  from vit_jax import flops, step  # pylint: disable=g-import-not-at-top
+  abstract shapes. Raises BenchmarkError: a bad model, override, or resolution."""
   config = config_lib.fill_regime(benchmark_config(
       model, batch=1, resolution=resolution, dtype=dtype, overrides=overrides,
       num_classes=num_classes))
@@ -125,15 +86,14 @@ def forward_macs(model: str, *, resolution: int, dtype: str = "float32",
 
 @dataclasses.dataclass(frozen=True)
 class CompiledStep:
-  """A step of a `vit_jax.step.Setup` compiled for abstract arguments, with its timings."""
+  """A step compiled for abstract arguments, with its timings."""
   compiled: Any  # jax.stages.Compiled
   lower_seconds: float
   compile_seconds: float
 
 
 def _lower_and_compile(setup, jitted, *args) -> CompiledStep:
-  """What `Setup.compile` does (`jitted.lower(*args).compile()` inside the mesh and the
-  logical-axis rules), with the lowering and the compilation timed apart."""
+  """`Setup.compile`, with the lowering and the compilation timed apart."""
 
   def run(*abstract):
     start = time.perf_counter()
@@ -146,26 +106,15 @@ def _lower_and_compile(setup, jitted, *args) -> CompiledStep:
 
 
 def jit_forward(setup):
-  """`model.apply(variables, images, train=False)` jitted over the mesh: variables sharded as
-  the trainer's parameters and collections, images `[B, H, W, C]` float32 as its batches.
-
-  Returns:
-    `(jitted, variables' shardings)`; logits `[B, num_classes]`.
-  """
-  import jax  # pylint: disable=g-import-not-at-top
-  from vit_jax import step  # pylint: disable=g-import-not-at-top
+  """`(jitted, variables' shardings)`: `model.apply(variables, images, train=False)` over the
+  mesh, sharded as the trainer's state and batches; images `[B, H, W, C]` float32."""
   shardings = step.variables_of(setup.state_shardings)
   forward = lambda variables, images: setup.model.apply(variables, images, train=False)
   return jax.jit(forward, in_shardings=(shardings, setup.batch_sharding)), shardings
 
 
 def compile_step(setup, mode: str, batch: int) -> CompiledStep:
-  """Compiles the benchmark's step of `setup` for a global batch of `batch` images.
-
-  mode 'train': `setup.jit_train_step()` for `setup.abstract_state` and
-  `setup.abstract_batch(batch)`, the trainer's program; 'inference': `jit_forward(setup)`.
-  """
-  from vit_jax import step  # pylint: disable=g-import-not-at-top
+  """The 'train' step or the 'inference' forward of `setup`, compiled for `batch` images."""
   abstract_batch = setup.abstract_batch(batch)
   if mode == "train":
     return _lower_and_compile(setup, setup.jit_train_step(), setup.abstract_state,
@@ -176,32 +125,29 @@ def compile_step(setup, mode: str, batch: int) -> CompiledStep:
 
 
 def compile_train_step(config, image_shape: Sequence[int], devices: Optional[Sequence[Any]] = None):
-  """The benchmark's compiled training step of a resolved config (`jax.stages.Compiled`).
-
-  Args:
-    config: resolved (`vit_jax.config.resolve`, or `resolve` here) for `devices`.
-    image_shape: `(H, W, C)` of the images; devices: the mesh's (default `jax.devices()`).
-  """
-  from vit_jax import step  # pylint: disable=g-import-not-at-top
+  """The compiled training step of a config resolved for `devices` (default all)."""
   setup = step.build(config, image_shape=image_shape, devices=devices)
   return compile_step(setup, "train", config.batch_size).compiled
 
 
+def train_inputs(setup, batch: int, with_state: bool = True):
+  """`(fresh train state or None, {'image', 'labels'})`: random float32 images `[B, H, W, C]` and
+  one-hot labels, placed as the trainer's."""
+  image_key, label_key = jax.random.split(jax.random.key(1))
+  classes = setup.config.num_classes
+  data = {"image": jax.random.normal(image_key, (batch, *setup.image_shape), jnp.float32),
+          "labels": jax.nn.one_hot(jax.random.randint(label_key, (batch,), 0, classes), classes)}
+  state = (jax.jit(setup.init_state, out_shardings=setup.state_shardings)(setup.init_rng)
+           if with_state else None)
+  return state, jax.device_put(data, setup.batch_sharding)
+
+
 def _execute(setup, compiled, mode: str, batch: int, warmup: int, steps: int
              ) -> tuple[float, list[float]]:
-  """Runs the compiled step on random images and labels: the first execution, `warmup`
-  untimed and `steps` timed ones (each waited for). Returns `(first seconds, timed seconds)`."""
-  import jax  # pylint: disable=g-import-not-at-top
-  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
-  image_key, label_key = jax.random.split(jax.random.key(1))
-  images = jax.device_put(jax.random.normal(image_key, (batch, *setup.image_shape), jnp.float32),
-                          setup.batch_sharding)
+  """Seconds of the first execution and of `steps` timed ones after `warmup` untimed ones."""
   if mode == "train":
-    classes = setup.config.num_classes
-    labels = jax.nn.one_hot(jax.random.randint(label_key, (batch,), 0, classes), classes)
-    data = {"image": images, "labels": jax.device_put(labels, setup.batch_sharding)}
-    holder = {"state": jax.jit(setup.init_state,
-                               out_shardings=setup.state_shardings)(setup.init_rng)}
+    state, data = train_inputs(setup, batch)
+    holder = {"state": state}
 
     def run():
       holder["state"], metrics = compiled(holder["state"], data)
@@ -209,6 +155,7 @@ def _execute(setup, compiled, mode: str, batch: int, warmup: int, steps: int
   else:
     _, shardings = jit_forward(setup)
     variables = jax.jit(setup.init_variables, out_shardings=shardings)(setup.init_rng)
+    images = train_inputs(setup, batch, with_state=False)[1]["image"]
 
     def run():
       jax.block_until_ready(compiled(variables, images))
@@ -223,33 +170,20 @@ def measure_ours(model: str, *, batch: int, resolution: int, dtype: str = "float
                  overrides: Optional[dict[str, Any]] = None, num_classes: int = 1000,
                  compile_only: bool = False, peak_flops: Optional[float] = None
                  ) -> dict[str, Any]:
-  """Measures the trainer's step ('train') or the forward pass ('inference') in this process.
+  """Measures the trainer's step ('train') or the forward pass ('inference') in this process:
+  `warmup` untimed steps after the first execution, then `steps` timed ones (`compile_only`:
+  only lowered and compiled). `peak_flops`: the device's peak (None: measured after the RSS).
 
-  Args:
-    model, overrides, batch, resolution, dtype, num_classes: as `benchmark_config`.
-    mode: 'train' or 'inference' (see the module docstring).
-    warmup, steps: untimed steps after the first execution, then timed steps.
-    compile_only: only lower and compile, on abstract shapes (nothing is allocated).
-    peak_flops: the device peak to compare with; None measures it (`local_hardware`) after the
-      peak RSS is read.
-
-  Returns:
-    A dict of the `common.UNITS` fields plus the configuration (the resolved config under
+  Returns a dict of the `common.UNITS` fields plus the configuration (the resolved config under
     'config'), the attention that ran ('attention', 'attention_requested', 'attention_reason',
     'attention_cpu_kernel_called': whether the compiled step calls vit_jax's CPU kernel), the
     platform, device and thread facts. The peak RSS is this whole process's (run it in a fresh
     process to isolate it).
 
-  Raises:
-    BenchmarkError: bad model, override, sizes, a resolution the model cannot take or a config
-      that `vit_jax.config.resolve` refuses.
+  Raises BenchmarkError: bad model, override, sizes or resolution, or what `resolve` refuses.
   """
   check_mode_and_dtype(mode, dtype)
   check_sizes(batch, resolution, warmup, steps)
-  import jax  # pylint: disable=g-import-not-at-top
-  from vit_jax import accounting, flops, step  # pylint: disable=g-import-not-at-top
-  from vit_jax import config as config_lib  # pylint: disable=g-import-not-at-top
-  from vit_jax.kernels import cpu_attention  # pylint: disable=g-import-not-at-top
   rss_after_imports = rss_now_mib()
   overrides = dict(overrides or {})
   requested = benchmark_config(model, batch=batch, resolution=resolution, dtype=dtype,
@@ -276,7 +210,7 @@ def measure_ours(model: str, *, batch: int, resolution: int, dtype: str = "float
       "remat_policy": config.model.get("remat_policy"), "loss": config.loss,
       "attention": config.model.attention, "attention_requested": requested.model.attention,
       "attention_reason": choice.reason,
-      "attention_cpu_kernel_called": cpu_attention.called_by(compiled.compiled),
+      "attention_cpu_kernel_called": kernels.called_by(compiled.compiled) is not None,
       "compile_only": compile_only, "warmup_steps": warmup,
       "timed_steps": 0 if compile_only else steps, "lower_seconds": compiled.lower_seconds,
       "compile_seconds": compiled.compile_seconds, "first_step_seconds": first,

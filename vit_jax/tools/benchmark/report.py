@@ -1,5 +1,4 @@
-"""The benchmark's report: the environment, medians over rounds, the ratios ours / timm, the notes,
-and the printed tables."""
+"""The benchmark's report: environment, medians over rounds, ratios ours / timm, notes, tables."""
 
 from __future__ import annotations
 
@@ -10,28 +9,13 @@ import platform
 import statistics
 from typing import Any, Optional, Sequence
 
+from vit_jax.tools import common
 from vit_jax.tools.benchmark.common import available_cores
 from vit_jax.tools.benchmark.inputs import INPUT_LABELS
 
-#: Fields of a result that are medians over rounds.
 MEDIAN_KEYS = ("images_per_sec", "step_seconds", "lower_seconds", "compile_seconds",
                "first_step_seconds", "peak_rss_mib", "device_peak_mib",
                "achieved_flops_per_sec", "fraction_of_peak", "flops_per_step_xla")
-
-
-def _cpu_info() -> dict[str, str]:
-  """The first processor's fields of /proc/cpuinfo ({} where it cannot be read)."""
-  cpu: dict[str, str] = {}
-  try:
-    with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
-      for line in f:
-        if not line.strip():
-          break  # The first processor is enough.
-        key, _, value = line.partition(":")
-        cpu[key.strip()] = value.strip()
-  except OSError:
-    pass
-  return cpu
 
 
 def environment(threads: int) -> dict[str, Any]:
@@ -42,7 +26,7 @@ def environment(threads: int) -> dict[str, Any]:
       versions[package] = importlib.metadata.version(package)
     except importlib.metadata.PackageNotFoundError:
       versions[package] = None
-  cpu = _cpu_info()
+  cpu = common.cpu_info()
   memory_gib = None
   try:
     with open("/proc/meminfo", encoding="ascii") as f:
@@ -67,7 +51,7 @@ def environment(threads: int) -> dict[str, Any]:
 
 
 def measured_on(results: list[dict[str, Any]]) -> dict[str, Any]:
-  """Where each framework ran, from its first result: device and threads."""
+  """Where each framework ran (device, threads), from its first result."""
   out = {}
   for r in results:
     if r["framework"] not in out:
@@ -77,7 +61,7 @@ def measured_on(results: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def aggregate(rounds: list[dict[str, Any]]) -> dict[str, Any]:
-  """One result from several rounds of the same configuration: medians of `MEDIAN_KEYS`."""
+  """One result of several rounds: medians of `MEDIAN_KEYS`."""
   merged = dict(rounds[0])
   for key in MEDIAN_KEYS:
     values = [r[key] for r in rounds if r.get(key) is not None]
@@ -116,7 +100,7 @@ def comparisons(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def attention_notes(results: list[dict[str, Any]]) -> list[str]:
   """Which attention our steps ran and why (`vit_jax.dispatch.choose_attention`), and whether
-  the compiled step calls vit_jax's CPU kernel (`cpu_attention.called_by`); one note per
+  the compiled step calls vit_jax's CPU kernel (`vit_jax.kernels.called_by`); one note per
   distinct answer."""
   groups: dict[tuple, list[str]] = {}
   for r in results:
@@ -129,8 +113,8 @@ def attention_notes(results: list[dict[str, Any]]) -> list[str]:
     note = f"attention (ours: {', '.join(runs)}): {implementation} ({reason})"
     if device == "cpu":
       note += ("; the compiled step calls vit_jax's fused CPU kernel "
-               "(vit_jax.kernels.cpu_attention), whose products are in the analytic count, not "
-               "in 'GFLOPs XLA' (XLA cannot see into a custom call); --override attention=xla "
+               "(vit_jax.kernels), whose products are in the analytic count, not in 'GFLOPs "
+               "XLA' (XLA cannot see into a custom call); --set attention=xla "
                "measures XLA's attention instead" if called else
                "; the compiled step does not call vit_jax's fused CPU kernel")
     notes.append(note + ".")
@@ -139,8 +123,7 @@ def attention_notes(results: list[dict[str, Any]]) -> list[str]:
 
 def result_notes(results: list[dict[str, Any]], *, compile_only: bool,
                  peak_flops: Optional[float], platform_name: str) -> list[str]:
-  """The notes that the results call for: compile-only, timm's keyword arguments and imports,
-  attention, the malloc in use, the CPU peak."""
+  """The notes the results call for (compile-only, timm, attention, malloc, the CPU peak)."""
   notes = []
   if compile_only:
     notes.append("--compile-only: the step was lowered and compiled on abstract shapes, not "
@@ -234,8 +217,7 @@ def _comparisons_table(report: dict[str, Any]) -> list[str]:
 
 
 def format_report(report: dict[str, Any]) -> str:
-  """The stdout text of a `runner.run` report: one row per model, framework and mode, the input
-  pipeline, the ratios ours / timm, then the notes."""
+  """The printed text of a `runner.run` report: results, input pipeline, ratios, notes."""
   args = report["args"]
   env = report["environment"]
   timing = ("compile only, nothing run" if args["compile_only"] else

@@ -1,10 +1,6 @@
-"""The benchmark's rounds: every measurement in a fresh subprocess, ours and timm's alternating.
-
-`run` checks the whole request first (models, overrides, sizes, threads, timm installed), then
-runs each configuration (model x mode x framework x round) as `python -m vit_jax.tools.benchmark
---worker SPEC OUT` (`worker` in that process), pinned to the requested cores, and aggregates the
-rounds into the report of `report.py`.
-"""
+"""The benchmark's rounds: `run` checks the whole request, then measures each configuration
+(model x mode x framework x round) in a fresh `python -m vit_jax.tools.benchmark --worker SPEC
+OUT` pinned to the requested cores, ours and timm's alternating, and aggregates the rounds."""
 
 from __future__ import annotations
 
@@ -16,7 +12,6 @@ import tempfile
 from typing import Any, Callable, Optional, Sequence
 
 from vit_jax.tools.benchmark import inputs as inputs_lib
-from vit_jax.tools.benchmark import ours
 from vit_jax.tools.benchmark import report as report_lib
 from vit_jax.tools.benchmark import timm as timm_lib
 from vit_jax.tools.benchmark.common import available_cores
@@ -28,12 +23,11 @@ from vit_jax.tools.benchmark.common import MODES
 from vit_jax.tools.benchmark.common import NoTimmModel
 from vit_jax.tools.benchmark.common import UNITS
 
-#: The module that the measuring subprocesses run (`python -m ... --worker SPEC OUT`).
 WORKER_MODULE = "vit_jax.tools.benchmark"
 
 
 def worker(spec_path: str, out_path: str) -> int:
-  """Entry point of a measuring subprocess: pins the threads, measures, writes JSON."""
+  """A measuring subprocess: pins its cores, measures, writes the result as JSON."""
   with open(spec_path, encoding="utf-8") as f:
     spec = json.load(f)
   cores = spec.pop("cores", None)
@@ -45,6 +39,7 @@ def worker(spec_path: str, out_path: str) -> int:
       spec.pop("threads", None)
       result = inputs_lib.measure_input(**spec)
     elif framework == "ours":
+      from vit_jax.tools.benchmark import ours  # pylint: disable=g-import-not-at-top  (_plan)
       for key in ("threads", "analytic_flops", "device"):
         spec.pop(key, None)
       result = ours.measure_ours(**spec)
@@ -59,11 +54,11 @@ def worker(spec_path: str, out_path: str) -> int:
 
 
 def run_in_subprocess(spec: dict[str, Any], timeout: Optional[float] = None) -> dict[str, Any]:
-  """Runs one measurement (`measure_ours` / `measure_timm` / `measure_input` keyword arguments
-  plus 'framework', 'threads', 'cores') in a fresh Python process and returns its result.
+  """One measurement (the keyword arguments of `measure_ours` / `measure_timm` /
+  `measure_input`, and 'framework', 'threads', 'cores') in a fresh process: its result.
 
-  Raises:
-    MeasurementFailed: the process failed, timed out or reported an error.
+  Raises MeasurementFailed (the process's last lines on stderr first): it failed, timed out or
+  reported an error.
   """
   threads = spec.get("threads")
   env = dict(os.environ)
@@ -85,10 +80,10 @@ def run_in_subprocess(spec: dict[str, Any], timeout: Optional[float] = None) -> 
     except subprocess.TimeoutExpired as e:
       raise MeasurementFailed(f"Measuring {what} took longer than --timeout {timeout:g} s.") from e
     if proc.returncode != 0 or not os.path.exists(out_path):
-      tail = "\n".join((proc.stderr or proc.stdout).strip().splitlines()[-15:])
+      print("\n".join((proc.stderr or proc.stdout).strip().splitlines()[-15:]), file=sys.stderr)
       killed = " (killed: out of memory?)" if proc.returncode in (-9, 137) else ""
       raise MeasurementFailed(f"Measuring {what} failed with exit status "
-                              f"{proc.returncode}{killed}:\n{tail}")
+                              f"{proc.returncode}{killed} (its last lines above).")
     with open(out_path, encoding="utf-8") as f:
       result = json.load(f)
   if "error" in result:
@@ -99,11 +94,7 @@ def run_in_subprocess(spec: dict[str, Any], timeout: Optional[float] = None) -> 
 def _check_request(*, batch: int, resolution: int, dtype: str, warmup: int, steps: int,
                    num_classes: int, threads: Optional[int], compare: Optional[str], rounds: int,
                    compile_only: bool, inputs: Sequence[str]) -> int:
-  """Checks the arguments of `run` that need no model; returns the thread count.
-
-  Raises:
-    BenchmarkError: naming the bad value.
-  """
+  """Checks `run`'s arguments that need no model (BenchmarkError); the thread count."""
   check_sizes(batch, resolution, warmup, steps)
   if rounds < 1:
     raise BenchmarkError(f"rounds must be >= 1, got {rounds}.")
@@ -134,11 +125,11 @@ def _check_request(*, batch: int, resolution: int, dtype: str, warmup: int, step
 
 def _plan(models_: Sequence[str], *, resolution: int, dtype: str, overrides: dict[str, Any],
           num_classes: int, compare: Optional[str]) -> tuple[list[tuple], list[str]]:
-  """Per model: `(model, forward MACs, whether timm is measured too)`, and the notes so far.
-
-  Every model's config is built and its forward traced on abstract shapes here, so that a bad
-  name, override or resolution fails before anything runs.
-  """
+  """Per model `(model, forward MACs, whether timm is measured too)`, and notes; each model is
+  traced on abstract shapes here, so that bad input fails before anything runs."""
+  # `ours` (JAX) is imported here and in `worker`: timm's processes, whose peak RSS is reported,
+  # must not load JAX.
+  from vit_jax.tools.benchmark import ours  # pylint: disable=g-import-not-at-top
   notes, plans = [], []
   scanned = False
   for model in models_:
@@ -195,17 +186,12 @@ def run(models_: Sequence[str], *, batch: int = 8, resolution: int = 224,
         compile_only: bool = False, timeout: Optional[float] = None,
         inputs: Sequence[str] = (), progress: Optional[Callable[[str], None]] = None
         ) -> dict[str, Any]:
-  """Measures every model and mode (and timm's, with compare='timm') in fresh subprocesses.
+  """Measures every model and mode (and timm's, with compare='timm'), and the input pipelines
+  `inputs` (of `inputs.INPUTS`), in fresh subprocesses.
 
-  `inputs` (names in `inputs.INPUTS`) also measures the training input pipeline alone
-  (`inputs.measure_input`, one subprocess each, same batch, resolution and threads).
-
-  Returns:
-    The report: 'args', 'environment', 'results' (medians over rounds; each round's figures
-    under 'rounds'), 'comparisons' (ours / timm), 'inputs', 'notes', 'units'.
-
-  Raises:
-    BenchmarkError: bad input (checked before anything runs); MeasurementFailed.
+  Returns the report: 'args', 'environment', 'results' (medians over rounds, each round under
+  'rounds'), 'comparisons' (ours / timm), 'inputs', 'notes', 'units'. Raises BenchmarkError (bad
+  input, before anything runs) or MeasurementFailed.
   """
   overrides = dict(overrides or {})
   threads = _check_request(batch=batch, resolution=resolution, dtype=dtype, warmup=warmup,

@@ -1,8 +1,5 @@
-"""timm's side of the benchmark: the timm model equivalent to one of ours, measured in PyTorch.
-
-Needs the optional extra `pip install -e '.[bench]'` (torch and timm); `timm_equivalent` needs
-neither. (Inside this package `import timm` is still the timm library: imports are absolute.)
-"""
+"""timm's side of the benchmark: the timm model equivalent to one of ours, measured in PyTorch
+(the optional 'bench' extra: torch and timm, imported where used; `import timm` is the library)."""
 
 from __future__ import annotations
 
@@ -20,31 +17,22 @@ from vit_jax.tools.benchmark.common import rss_now_mib
 from vit_jax.tools.benchmark.common import thread_facts
 from vit_jax.tools.benchmark.common import timed
 
-#: timm names of the official ViT sizes (timm 1.0 `vit_{size}_patch{P}_224`).
 TIMM_SIZES = {"Ti": "tiny", "S": "small", "B": "base", "L": "large", "H": "huge"}
 #: (size, patch) pairs timm registers under their own name; others go through keyword arguments.
 TIMM_NAMED = {("Ti", 16), ("S", 16), ("S", 32), ("B", 8), ("B", 16), ("B", 32), ("L", 16),
               ("L", 32), ("H", 14)}
-#: Architecture fields that the timm model receives as keyword arguments when they differ from
-#: the named configuration.
+#: Fields passed as timm's keyword arguments where they differ from the named model's.
 _ARCH_KEYS = ("hidden_size", "mlp_dim", "num_heads", "num_layers", "patch_size", "classifier")
 
 
 def timm_equivalent(model: str, overrides: Optional[dict[str, Any]] = None
                     ) -> tuple[str, dict[str, Any], bool]:
-  """The timm model that matches one of ours: `(name, create_model kwargs, grad checkpointing)`.
+  """`(timm name, create_model kwargs, grad checkpointing)` of the timm model matching ours.
 
-  The official sizes map to timm's names (ViT-B_16 -> 'vit_base_patch16_224', Ti -> tiny,
-  S -> small, L -> large, H -> huge); a changed architecture (overrides, 'ViT-custom', another
-  patch size) is passed as timm's keyword arguments (embed_dim, depth, num_heads, mlp_ratio,
-  patch_size, class_token / global_pool: 'avg' for classifier 'gap', 'map' for 'map'), dropout as
-  pos_drop_rate / proj_drop_rate / attn_drop_rate, and remat=True as timm's gradient
-  checkpointing. What changes no compute is not passed: posemb='sincos2d' (timm's learned table is
-  the same addition), gelu_approximate and layer_norm_epsilon (timm's exact GELU costs the same
-  elementwise work as the tanh one).
-
-  Raises:
-    NoTimmModel: T2T-ViT, hybrids, ViT-g/G and representation_size have no timm equivalent.
+  Official sizes map to timm's names (ViT-B_16 -> 'vit_base_patch16_224'); a changed
+  architecture goes as keyword arguments, dropout as timm's rates, remat=True as gradient
+  checkpointing; what changes no compute (posemb, GELU approximation, LayerNorm epsilon) is not
+  passed. Raises NoTimmModel for T2T-ViT, hybrids, ViT-g/G and a representation layer.
   """
   from vit_jax import models  # pylint: disable=g-import-not-at-top
   overrides = dict(overrides or {})
@@ -87,14 +75,12 @@ def timm_equivalent(model: str, overrides: Optional[dict[str, Any]] = None
 
 
 def missing_bench_packages() -> list[str]:
-  """The packages of the 'bench' extra that cannot be imported."""
+  """The packages of the 'bench' extra that are missing."""
   return [name for name in ("torch", "timm") if importlib.util.find_spec(name) is None]
 
 
 def _training_step(net, images, labels, autocast, sync):
-  """timm's training step: zero_grad, forward, `CrossEntropyLoss`, backward,
-  `clip_grad_norm_(1.0)`, `torch.optim.AdamW(lr=1e-3, betas=(0.9, 0.999))` with weight decay 0.1
-  on the matrices (not on biases, norms, `pos_embed`, `cls_token`)."""
+  """timm's training step: cross-entropy, gradient clipping at 1, AdamW (decay 0.1 on matrices)."""
   import torch  # pylint: disable=g-import-not-at-top
   net.train()
   skip = set(net.no_weight_decay()) if hasattr(net, "no_weight_decay") else set()
@@ -126,15 +112,9 @@ def measure_timm(model: str, *, batch: int, resolution: int, dtype: str = "float
                  threads: Optional[int] = None, peak_flops: Optional[float] = None,
                  analytic_flops: Optional[float] = None, device: str = "cpu"
                  ) -> dict[str, Any]:
-  """Measures timm's equivalent of `model` (see `timm_equivalent`) in this process.
-
-  The same batch, resolution and dtype (bfloat16: `torch.autocast`) as `ours.measure_ours`;
-  training as `_training_step`; inference `model.eval()` under `torch.inference_mode()`.
-  `analytic_flops` and `peak_flops` (ours) give the utilisation; `threads` is
-  `torch.set_num_threads`; device 'gpu' runs on CUDA when torch has it.
-
-  Raises:
-    NoTimmModel: see `timm_equivalent`; BenchmarkError: bad sizes; ImportError without torch.
+  """Measures timm's equivalent of `model` in this process, as `ours.measure_ours` (bfloat16:
+  `torch.autocast`; inference under `torch.inference_mode()`); `analytic_flops` and `peak_flops`
+  are ours. Raises NoTimmModel, BenchmarkError (bad sizes), ImportError without torch.
   """
   check_mode_and_dtype(mode, dtype)
   check_sizes(batch, resolution, warmup, steps)
@@ -190,16 +170,9 @@ def measure_timm(model: str, *, batch: int, resolution: int, dtype: str = "float
 
 
 def _import_timm():
-  """`import timm`, also next to a torchvision whose C++ ops do not load.
-
-  torchvision 0.28 fails on import when its `_C` extension cannot load (e.g. a CUDA torchvision
-  wheel beside a CPU-only torch): it registers fake kernels for `torchvision::nms` and `qnms`
-  without checking that the ops exist. timm imports torchvision, but its ViT uses none of its
-  ops, so the two schemas are declared and the import retried.
-
-  Returns:
-    `(timm module, whether torchvision's ops loaded)`.
-  """
+  """`(timm, whether torchvision's ops loaded)`. torchvision 0.28 fails on import when its C++
+  ops do not load (e.g. a CUDA wheel beside a CPU torch); timm's ViT uses none of them, so their
+  two schemas are declared and the import retried."""
   import torch  # pylint: disable=g-import-not-at-top
   try:
     import timm  # pylint: disable=g-import-not-at-top

@@ -6,10 +6,8 @@
   result.fits, result.train.memory.total             # per device, bytes
   found = preflight.suggest(config, result, functools.partial(preflight.check, tpu=tpu))
 
-  topology   accelerator name -> libtpu topology, compile-only devices, hosts, HBM
-  fit        resolve for the slice, build the trainer's step, compile, per-device memory
-  search     the smallest overrides that fit; the largest per-device batch
-  cli        `python -m vit_jax.preflight` (flags, report, exit codes)
+Modules: `topology` (compile-only devices), `fit` (compile, per-device memory), `search`
+(overrides that fit), `cli` (`python -m vit_jax.preflight`).
 """
 
 from vit_jax.tools.preflight.fit import check

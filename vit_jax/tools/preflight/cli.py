@@ -1,9 +1,5 @@
 r"""Pod pre-flight: compiles the real training step for a TPU slice on this machine, before paying.
 
-Usage:
-  python -m vit_jax.preflight --config configs/<file>.py:<args> --accelerator v3-32 \
-      [--config.key=value ...] [--nosuggest] [--largest_batch]
-
 Examples:
   # ViT-B/16 pretraining on ImageNet-21k on a v3-32: does the step fit a core's 16 GiB?
   python -m vit_jax.preflight --config configs/vit.py:b16,imagenet21k --accelerator v3-32 \
@@ -12,16 +8,13 @@ Examples:
   python -m vit_jax.preflight --config configs/vit.py:l16,imagenet2012 --accelerator v3-8 \
       --config.model.dtype=bfloat16 --config.mesh.fsdp=8 --config.mesh.data=1 --largest_batch
 
-It builds the trainer's own train and eval steps (`vit_jax.step`: the config's model, mesh,
-sharding rules, dtype, remat and accumulation), lowers them with abstract inputs (no data read,
-no TPU, nothing allocated) and compiles them with the TPU compiler of `libtpu` for the whole
-slice, every host's devices, as the one SPMD program that runs there. It prints per device: the
-train state's shard (parameters, optimizer state, EMA), the batch, the temporaries, the total
-against the device's HBM and whether it fits; the replicated share of the parameters; the batch
-per host, per device and per micro-batch; the FLOPs of a step; the compile time. When the step
-does not fit it compiles the smallest changes in order (bfloat16 compute, more gradient
-accumulation, FSDP over all devices, the leanest remat policy, a smaller batch) and prints the
-first overrides that fit, ready to paste.
+It compiles the trainer's own train and eval steps (`vit_jax.step`) with abstract inputs (no
+data, no TPU, nothing allocated) with libtpu's TPU compiler for the whole slice, and prints per
+device the train state's shard, the batch, the temporaries and the total against the HBM; the
+replicated share of the parameters, the batch per host, device and micro-batch, the FLOPs and
+compile time. When the step does not fit it compiles the smallest changes in order (bfloat16,
+accumulation, FSDP, the leanest remat policy, a smaller batch) and prints the first overrides
+that fit, ready to paste.
 
 Exit codes: 0 fits; 1 does not fit (the suggestion, if any, is printed); 2 a bad config or flag,
 libtpu missing (with the install line), or a compiler error other than memory.
@@ -32,18 +25,17 @@ four minutes for ViT-B to ViT-H on 2 CPU cores.
 from __future__ import annotations
 
 import functools
-import os
 import sys
 from typing import Optional
 
-from absl import app
 from absl import flags
 from absl import logging
-from ml_collections import config_flags
+import jax
 
 from vit_jax import cli
 from vit_jax import platform
 from vit_jax import sharding
+from vit_jax.tools import common
 from vit_jax.tools import cost
 from vit_jax.tools.preflight import fit
 from vit_jax.tools.preflight import search
@@ -133,12 +125,8 @@ def _attempt_line(attempt: search.Attempt) -> str:
 def run(config, accelerator: str, *, suggest: bool = True, eval_step: bool = True,
         largest_batch: bool = False, num_train_examples: Optional[int] = None,
         num_classes: Optional[int] = None, out=sys.stdout) -> int:
-  """The program without its flags: checks `config` on `accelerator`, prints, returns the exit
-  code (0 fits, 1 does not fit).
-
-  Raises:
-    ValueError: a bad accelerator or config; topology.MissingLibtpuError: no libtpu.
-  """
+  """Checks and prints `config` on `accelerator`: the exit code (0 fits, 1 does not). Raises
+  ValueError or topology.MissingLibtpuError."""
   tpu = topology.tpu_slice(accelerator)
   print(f"Pre-flight for {tpu.describe()}; compiling with libtpu's TPU compiler...", file=out,
         flush=True)
@@ -178,9 +166,7 @@ def run(config, accelerator: str, *, suggest: bool = True, eval_step: bool = Tru
 
 def _define_flags() -> None:
   global _CONFIG, _ACCELERATOR, _SUGGEST, _EVAL, _LARGEST, _NUM_TRAIN_EXAMPLES, _NUM_CLASSES
-  _CONFIG = config_flags.DEFINE_config_file(
-      "config", None, "Training config, as for vit_jax.main: configs/<file>.py[:<args>], with "
-      "--config.key=value overrides.", lock_config=True)
+  _CONFIG, _NUM_TRAIN_EXAMPLES, _NUM_CLASSES = cost.define_config_flags()
   _ACCELERATOR = flags.DEFINE_string(
       "accelerator", None, "Cloud TPU type to compile for, e.g. v3-8, v4-32, v5p-8 (the "
       "number counts TensorCores), v5litepod-16, v6e-8 (chips); vit_jax.hardware lists the "
@@ -193,45 +179,33 @@ def _define_flags() -> None:
   _LARGEST = flags.DEFINE_bool(
       "largest_batch", False, "Instead: find the largest per-device batch (a power of two up "
       "to 1024, accumulation 1) that fits this config on the slice.")
-  _NUM_TRAIN_EXAMPLES, _NUM_CLASSES = cost.define_dataset_size_flags()
 
 
 def main(argv) -> None:
   if len(argv) > 1:  # Exit 2, not absl's 1: here 1 means "does not fit".
-    sys.stderr.write(f"FATAL: Unexpected arguments: {' '.join(argv[1:])} (flags take the form "
-                     "--flag=value, e.g. --largest_batch or --nolargest_batch).\n")
-    sys.exit(2)
+    sys.exit(common.fatal(ValueError(
+        f"Unexpected arguments: {' '.join(argv[1:])} (flags take the form --flag=value, e.g. "
+        "--largest_batch or --nolargest_batch)."), 2))
   logging.get_absl_handler().addFilter(platform.QuietLibraries())
   logging.set_verbosity(logging.WARNING)  # The report says what the INFO lines would.
-  import jax  # pylint: disable=g-import-not-at-top
   # This host only traces; the TPU is described by libtpu, never opened (on a TPU VM too).
   jax.config.update("jax_platforms", "cpu")
-  if _CONFIG.value is None or not _ACCELERATOR.value:
-    sys.stderr.write("FATAL: Give --config=configs/<file>.py[:<args>] and --accelerator "
-                     "(e.g. v3-8); --help explains.\n")
-    sys.exit(2)
   try:
+    if _CONFIG.value is None or not _ACCELERATOR.value:
+      raise ValueError("Give --config=configs/<file>.py[:<args>] and --accelerator (e.g. "
+                       "v3-8); --help explains.")
     code = run(_CONFIG.value, _ACCELERATOR.value, suggest=_SUGGEST.value, eval_step=_EVAL.value,
                largest_batch=_LARGEST.value, num_train_examples=_NUM_TRAIN_EXAMPLES.value,
                num_classes=_NUM_CLASSES.value)
-  except topology.MissingLibtpuError as e:
-    sys.stderr.write(f"FATAL: {e}\n")
-    sys.exit(2)
-  except (ValueError, TypeError, KeyError) as e:
-    sys.stderr.write(f"FATAL: {e}\n")
-    sys.exit(2)
-  except Exception as e:  # pylint: disable=broad-except
-    if type(e).__name__ != "JaxRuntimeError":
-      raise
-    sys.stderr.write(f"FATAL: The TPU compiler failed (not for memory): "
-                     f"{str(e).strip().splitlines()[0]}\n")
-    sys.exit(2)
+  except (topology.MissingLibtpuError, ValueError, TypeError, KeyError) as e:
+    sys.exit(common.fatal(e, 2))
+  except jax.errors.JaxRuntimeError as e:
+    sys.exit(common.fatal(RuntimeError("The TPU compiler failed (not for memory): "
+                                       f"{str(e).strip().splitlines()[0]}"), 2))
   sys.exit(code)
 
 
 def run_main() -> None:
   """The program (`python -m vit_jax.preflight`): absl's flags, then `main`."""
-  os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")
-  sys.modules["__main__"].__doc__ = __doc__  # absl's --help shows the program's docstring.
   _define_flags()
-  app.run(main, flags_parser=cli.parse_flags)
+  cli.run_absl(main, __doc__)

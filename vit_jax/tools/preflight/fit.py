@@ -1,15 +1,10 @@
 """Compiles a config's train and eval steps for a TPU slice and reads the per-device memory.
 
-The steps are the trainer's own (`vit_jax.step.build`: the config's model, mesh, logical-axis
-rules, compute dtype, remat and accumulation), lowered with abstract inputs (`jax.ShapeDtypeStruct`
-with their shardings) and compiled by libtpu's TPU compiler for the slice's compile-only devices.
-The compiler lays out every buffer of the program and refuses one whose temporaries do not fit
-the HBM ("RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory required for HLO
-temporaries (20.42G) exceeds available HBM (15.48G)"). It does not count the inputs, which are
-in HBM too when the step runs: a compiled step's `memory_analysis()` gives its temporaries
-(activations, gradients, optimizer update, collectives' buffers) and code, the shardings give
-the train state's and the batch's shards, and the step fits when the compiler accepted it and
-their sum is within the HBM.
+The trainer's own steps (`vit_jax.step.build`), lowered with abstract inputs and compiled by
+libtpu's TPU compiler for the slice's compile-only devices. The compiler refuses a program whose
+temporaries exceed the HBM but does not count its inputs: a step fits when the compiler accepts
+it and its temporaries and code (`memory_analysis()`), train state and batch shards together
+are within the HBM.
 """
 
 from __future__ import annotations
@@ -17,7 +12,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import math
-import re
 import time
 from typing import Any, Optional
 
@@ -31,18 +25,15 @@ from vit_jax import sharding
 from vit_jax import step as step_lib
 from vit_jax.tools import cost
 from vit_jax.tools.preflight import topology
+from vit_jax.tools.preflight.topology import parse_refusal
 
 GIB = 2**30
-_UNITS = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
 
 
 def with_overrides(config: ml_collections.ConfigDict,
                    overrides: dict[str, Any]) -> ml_collections.ConfigDict:
   """A copy of `config` with `{'model.dtype': 'bfloat16', ...}` set, as `--config.<key>=` would.
-
-  Raises:
-    KeyError: a key the config does not have.
-  """
+  Raises KeyError for a key the config does not have."""
   config = copy.deepcopy(config)
   for key, value in overrides.items():
     *sections, name = key.split(".")
@@ -62,14 +53,9 @@ def flags_of(overrides: dict[str, Any]) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class Memory:
-  """A step's memory on one device, bytes.
-
-  `state` is the train state's shard by part ('params', 'opt_state', 'ema_params',
-  'model_state', 'step'); `batch` the input batch's shard (both known before compiling). From the
-  compiled program: `temporaries`, everything it allocates while it runs; `code`, its
-  executable; `outputs`, outputs that do not reuse a donated input's buffer; None when the
-  compiler refused the program.
-  """
+  """A step's memory on one device, bytes: the train state's shard by part ('params',
+  'opt_state', ...) and the batch's (known before compiling); from the compiled program (None
+  when refused) its `temporaries`, `code`, and `outputs` that reuse no donated buffer."""
   state: dict[str, int]
   batch: int
   temporaries: Optional[int] = None
@@ -87,23 +73,9 @@ class Memory:
 
 @dataclasses.dataclass(frozen=True)
 class StepCheck:
-  """One step compiled for the slice.
-
-  The compiler checks only the program's temporaries against the HBM; the train state and the
-  batch are in HBM too when the step runs, so a step fits when the compiler accepts it and its
-  total (state, batch, temporaries, code) is within the device's HBM.
-
-  Attributes:
-    name: 'train' or 'eval'.
-    accepted: the TPU compiler compiled the program.
-    memory: its per-device memory (only the state and batch when refused).
-    hbm: the device's HBM for a program, bytes (`topology.Slice.hbm_bytes`).
-    required: the temporaries a refused program asked for, bytes (the compiler's message).
-    message: the compiler's refusal, else ''.
-    seconds: compile time (tracing and lowering included).
-    xla_flops: XLA's FLOP count of the per-device program (a scanned loop's body counted once:
-      partial with `scan=True`), or None.
-  """
+  """The 'train' or 'eval' step compiled for the slice: `accepted` by the compiler (else its
+  `message` and the temporaries it `required`, bytes), its `memory`, the device's `hbm`, the
+  compile `seconds`, and XLA's FLOPs per device (partial with `scan=True`) or None."""
   name: str
   accepted: bool
   memory: Memory
@@ -115,8 +87,7 @@ class StepCheck:
 
   @property
   def needs(self) -> int:
-    """Per-device bytes the step needs: the compiled total, or for a refused program the
-    temporaries it asked for plus the state and batch (at least)."""
+    """Per-device bytes: the total, or for a refused program at least what it asked for."""
     if self.accepted:
       return self.memory.total
     return (self.required or 0) + sum(self.memory.state.values()) + self.memory.batch
@@ -140,19 +111,9 @@ class StepCheck:
 
 @dataclasses.dataclass(frozen=True)
 class Result:
-  """A config checked on a slice (`check`).
-
-  Attributes:
-    config: the resolved config, as the trainer would run it there.
-    slice: the TPU slice (`topology.Slice`).
-    train, eval: the steps (None when not compiled).
-    parameters: parameter count; parameter_bytes: their bytes (one copy).
-    replicated_fraction: the share of parameter bytes every device holds whole.
-    batch_per_host, batch_per_device: images of a step per host and per device;
-    micro_batch_per_device: per device and accumulation micro-batch.
-    train_flops: analytic FLOPs of one training step, whole slice (3 forward passes of the
-      matrix products, `vit_jax.flops`).
-  """
+  """A config checked on a slice (`check`): the resolved `config`, the steps (None when not
+  compiled), the parameters (count, bytes of one copy, share every device holds whole), the
+  images per host, device and micro-batch, and the analytic FLOPs of a training step."""
   config: ml_collections.ConfigDict
   slice: topology.Slice
   train: Optional[StepCheck]
@@ -167,22 +128,20 @@ class Result:
 
   @property
   def steps(self) -> list[StepCheck]:
-    """The compiled steps, train first."""
     return [s for s in (self.train, self.eval) if s is not None]
 
   @property
   def fits(self) -> bool:
-    """Every compiled step fits."""
     return all(s.fits for s in self.steps)
 
   @property
   def refused(self) -> Optional[StepCheck]:
-    """The first step the compiler refused, else None."""
+    """The first step that does not fit, else None."""
     return next((s for s in self.steps if not s.fits), None)
 
   @property
   def peak(self) -> Optional[int]:
-    """The larger step's per-device bytes (None when one was refused)."""
+    """The larger step's per-device bytes (None unless both fit)."""
     return max(s.memory.total for s in self.steps) if self.fits else None
 
 
@@ -195,37 +154,14 @@ def _shard_bytes(tree: Any) -> int:
   return total
 
 
-def _bytes(number: str, unit: str) -> int:
-  return int(float(number) * _UNITS[unit.upper()])
-
-
-def parse_refusal(message: str) -> tuple[Optional[int], Optional[int]]:
-  """(required, available) bytes from the TPU compiler's out-of-memory message, else None.
-
-  Two forms: "the total memory required for HLO temporaries (20.42G) exceeds available HBM
-  (15.48G)" and "Used 17.43G of 15.48G hbm" (XLA's G is GiB).
-  """
-  number = r"([\d.]+)\s*([KMGT]?)i?B?"
-  required = (re.search(rf"required for [\w ]+\({number}\)", message) or
-              re.search(rf"Used {number} of", message))
-  available = (re.search(rf"available HBM \({number}\)", message) or
-               re.search(rf"Used [\d.]+\s*[KMGT]?i?B? of {number} hbm", message))
-  return (_bytes(*required.groups()) if required else None,
-          _bytes(*available.groups()) if available else None)
-
-
 def _is_refusal(error: Exception) -> bool:
   text = str(error)
   return "RESOURCE_EXHAUSTED" in text or "Ran out of memory" in text
 
 
 def compile_step(setup: step_lib.Setup, name: str, hbm: int) -> StepCheck:
-  """Compiles the 'train' or 'eval' step of `setup` for its mesh with abstract inputs; `hbm`:
-  the device's HBM for a program, bytes.
-
-  Raises:
-    jax.errors.JaxRuntimeError: the compiler failed for a reason other than memory.
-  """
+  """Compiles the 'train' or 'eval' step of `setup` with abstract inputs against `hbm` bytes.
+  Raises jax.errors.JaxRuntimeError: the compiler failed for a reason other than memory."""
   config = setup.config
   if name == "train":
     jitted, batch = setup.jit_train_step(), setup.abstract_batch(config.batch_size)
@@ -260,14 +196,8 @@ def compile_step(setup: step_lib.Setup, name: str, hbm: int) -> StepCheck:
 def resolve(config: ml_collections.ConfigDict, tpu: topology.Slice, *,
             num_train_examples: Optional[int] = None,
             num_classes: Optional[int] = None) -> ml_collections.ConfigDict:
-  """`vit_jax.config.resolve` for the slice's devices, the dataset sized without data.
-
-  The fine-tuning source (`init_from`, `pretrained_dir`) is dropped: its weights take the same
-  memory as fresh ones and need not exist on this host.
-
-  Raises:
-    ValueError: what `resolve` refuses, or a dataset that cannot be sized (give the counts).
-  """
+  """`vit_jax.config.resolve` for the slice's devices, the dataset sized without data and the
+  fine-tuning source dropped (same memory; it need not exist here). Raises ValueError."""
   config = with_overrides(config, {"init_from": "", "pretrained_dir": ""})
   examples, classes, _ = cost.dataset_facts(config, num_train_examples, num_classes)
   return config_lib.resolve(config, num_train_examples=examples, num_classes=classes,
@@ -277,23 +207,12 @@ def resolve(config: ml_collections.ConfigDict, tpu: topology.Slice, *,
 def check(config: ml_collections.ConfigDict, tpu: topology.Slice, *, train_step: bool = True,
           eval_step: bool = True, num_train_examples: Optional[int] = None,
           num_classes: Optional[int] = None) -> Result:
-  """Compiles the trainer's steps of `config` (unresolved) for the slice `tpu`.
+  """The `Result` of compiling the trainer's steps of `config` (unresolved, overrides applied)
+  for the slice `tpu` (`topology.tpu_slice`); the eval step at `config.eval_batch_size`.
+  `num_train_examples`, `num_classes`: the dataset's size when it is not a known one.
 
-  Args:
-    config: a config of `configs/*.py`, overrides applied.
-    tpu: `topology.tpu_slice(...)`.
-    train_step: compile the train step.
-    eval_step: also compile the eval step (at `config.eval_batch_size`, as the trainer evaluates).
-    num_train_examples, num_classes: the dataset's size when it is not a known one.
-
-  Returns:
-    A `Result`; `result.fits` says whether the compiled steps fit.
-
-  Raises:
-    ValueError: the config cannot run on the slice (a bad value, a batch the mesh cannot split,
-      an image size the patch size does not divide, FSDP that leaves most parameters
-      replicated, an unknown dataset size).
-    jax.errors.JaxRuntimeError: the compiler failed for a reason other than memory.
+  Raises ValueError (the config cannot run on the slice, an unknown dataset size) or
+  jax.errors.JaxRuntimeError (the compiler failed for a reason other than memory).
   """
   resolved = resolve(config, tpu, num_train_examples=num_train_examples, num_classes=num_classes)
   size = resolved.data.image_size
@@ -304,7 +223,7 @@ def check(config: ml_collections.ConfigDict, tpu: topology.Slice, *, train_step:
   replicated, total = sharding.replicated_bytes(params, shardings)
   train = compile_step(setup, "train", tpu.hbm_bytes) if train_step else None
   evaluation = compile_step(setup, "eval", tpu.hbm_bytes) if eval_step else None
-  shards = sharding.data_parallel_size(setup.mesh, setup.rules)
+  shards = step_lib.batch_shards(setup.config.mesh, setup.mesh.size)
   macs = flops.model_forward_macs(setup.model, setup.image_shape)
   return Result(
       config=resolved, slice=tpu, train=train, eval=evaluation,

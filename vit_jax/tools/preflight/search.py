@@ -1,32 +1,22 @@
-"""When a config does not fit a slice: the smallest changes that make it fit, compiled to be sure.
-
-`suggest` tries candidates in this order, each one compiled (a refused compile is quick: the
-compiler stops at buffer assignment), and returns the first that fits:
-  1. bfloat16 compute (`model.dtype`), parameters and optimizer state staying float32;
-  2. more gradient accumulation (x2, x4, ... down to one image per device and micro-batch): the
-     same recipe, the same global batch, fewer activations at a time;
-  3. FSDP over all devices (`mesh.fsdp=-1, mesh.data=1`): parameters, gradients and optimizer
-     state split instead of replicated, then accumulation again;
-  4. the leanest remat policy ('nothing_saveable': only each block's input kept), then
-     accumulation again;
-  5. a smaller global batch (halved), which changes the recipe (the learning rate's scaling).
-Each stage keeps the previous stages' changes, so the answer is the fewest levers that fit.
-Then the eval step, which has no accumulation, is compiled with those changes and its global
-batch (`eval_batch_size`) halved until it fits.
-
-`largest_batch` finds the largest per-device batch (a power of two) that fits a config on a
-slice: the figures of docs/pods.md.
+"""When a config does not fit a slice: the fewest changes that make it fit, each compiled (a
+refused compile is quick). `suggest` tries, each stage keeping the previous ones' changes:
+  1. bfloat16 compute (parameters and optimizer state stay float32);
+  2. more gradient accumulation (x2, x4, ...): the same recipe, fewer activations at a time;
+  3. FSDP over all devices (`mesh.fsdp=-1, mesh.data=1`), then accumulation again;
+  4. remat 'nothing_saveable', then accumulation again;
+  5. a halved global batch, which changes the recipe.
+Then the eval step is compiled with them, its batch halved until it fits. `largest_batch`: the
+largest per-device batch that fits (docs/pods.md).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any, Callable, Iterator, Optional
 
 import ml_collections
 
-from vit_jax import sharding
+from vit_jax import step
 from vit_jax.tools.preflight import fit
 from vit_jax.tools.preflight import topology
 
@@ -53,12 +43,8 @@ def _accumulations(batch_size: int, accum: int, shards: int) -> Iterator[int]:
 
 def candidates(resolved: ml_collections.ConfigDict, num_devices: int,
                batch_shards: int) -> Iterator[Overrides]:
-  """The candidate overrides of `suggest`, in order, for a config resolved for the slice.
-
-  Args:
-    resolved: the config as it runs on the slice (`fit.resolve`).
-    num_devices: the slice's devices; batch_shards: how many ways its mesh splits the batch.
-  """
+  """The candidate overrides of `suggest`, in order, for a config `resolved` for the slice
+  (`fit.resolve`) of `num_devices`, whose mesh splits the batch `batch_shards` ways."""
   base: Overrides = {}
   accum, batch = resolved.grad_accum_steps, resolved.batch_size
 
@@ -102,23 +88,11 @@ def _fits(attempt: Attempt) -> bool:
 
 def suggest(config: ml_collections.ConfigDict, first: fit.Result, run: Runner,
             report: Callable[[Attempt], None] = lambda attempt: None) -> Optional[Attempt]:
-  """The first candidate (see the module docstring) with which `config` fits.
-
-  The train step's levers are tried with the train step alone; then the eval step (which has
-  no accumulation) is compiled with them, its batch (`eval_batch_size`) halved until it fits.
-
-  Args:
-    config: the unresolved config that did not fit; first: its `check` result.
-    run: `check` on the same slice (e.g. `functools.partial(check, tpu=...)`), taking
-      `train_step=` and `eval_step=`.
-    report: called with each attempt as it finishes (progress).
-
-  Returns:
-    The fitting `Attempt` (both steps compiled, the result of the last compiles), or None when
-    nothing fits down to one image per device.
-  """
+  """The first fitting candidate (module docstring) for the unresolved `config` whose `check`
+  gave `first`; `run` is `check` on the same slice (taking `train_step=`, `eval_step=`),
+  `report` sees each attempt. None when nothing fits down to one image per device."""
   num_devices = len(first.slice.devices)
-  shards = batch_shards(first.config.mesh, num_devices)
+  shards = step.batch_shards(first.config.mesh, num_devices)
   overrides: Overrides = {}
   train = first.train
   if train is not None and not train.fits:
@@ -131,7 +105,7 @@ def suggest(config: ml_collections.ConfigDict, first: fit.Result, run: Runner,
     if found is None:
       return None
     overrides, train = found.overrides, found.result.train
-    shards = batch_shards(found.result.config.mesh, num_devices)
+    shards = step.batch_shards(found.result.config.mesh, num_devices)
   eval_batch = None
   while True:
     extra = {} if eval_batch is None else {"eval_batch_size": eval_batch}
@@ -155,17 +129,10 @@ def largest_batch(config: ml_collections.ConfigDict, tpu: topology.Slice,
                   limit: int = LARGEST_BATCH_LIMIT,
                   report: Callable[[int, fit.Result], None] = lambda b, r: None,
                   ) -> tuple[int, Optional[fit.Result]]:
-  """The largest per-device batch, a power of two up to `limit`, with which `config` fits.
-
-  Halves from `limit` until the compiler accepts, so the answer compiled and twice the answer
-  was refused (or is above `limit`); refusals are quick, so this compiles one fitting program.
-  The global batch is the per-device batch times the mesh's batch shards, accumulation 1.
-
-  Returns:
-    (per-device batch, its result), or (0, None) when one image per device does not fit.
-  """
+  """(The largest per-device batch, a power of two up to `limit`, that fits, its result),
+  halving from `limit` without accumulation; (0, None) when one image does not fit."""
   probe = fit.with_overrides(config, {"grad_accum_steps": 1})
-  shards = batch_shards(probe.mesh, len(tpu.devices))
+  shards = step.batch_shards(probe.mesh, len(tpu.devices))
   per_device = limit
   while per_device >= 1:
     result = run(fit.with_overrides(probe, {"batch_size": per_device * shards}))
@@ -174,13 +141,3 @@ def largest_batch(config: ml_collections.ConfigDict, tpu: topology.Slice,
       return per_device, result
     per_device //= 2
   return 0, None
-
-
-def batch_shards(mesh: ml_collections.ConfigDict, num_devices: int) -> int:
-  """How many ways `config.mesh` splits the batch on `num_devices` devices.
-
-  Raises:
-    ValueError: a mesh that does not fit the devices (`vit_jax.sharding.axis_sizes`).
-  """
-  sizes = sharding.axis_sizes(mesh, num_devices)
-  return math.prod(sizes[a] for a in sharding.batch_axes(sharding.parse_rules(mesh.rules)))

@@ -1,11 +1,6 @@
-"""A Cloud TPU slice as compile-only devices: its topology, hosts and HBM, without a TPU.
-
-`libtpu` (the `tpu` extra) describes any TPU topology on any host:
-`jax.experimental.topologies.get_topology_desc('v3:2x2', 'tpu')` returns the 8 devices of a
-v3-8 (4 chips of 2 TensorCores) with their coordinates and hosts, and a step jitted over a mesh
-of them is compiled by the real TPU compiler. Nothing runs and nothing is allocated.
-
-Accelerator names, chip counts, grids and hosts per slice: `vit_jax.hardware`.
+"""A Cloud TPU slice as compile-only devices (its topology, hosts and HBM) without a TPU: libtpu
+(the `tpu` extra) describes any topology (`jax.experimental.topologies.get_topology_desc`), and
+the real TPU compiler compiles for it. Accelerator names and sizes: `vit_jax.hardware`.
 """
 
 from __future__ import annotations
@@ -15,18 +10,19 @@ import importlib.util
 import math
 import os
 import re
-from typing import Any
+from typing import Any, Optional
+
+import jax
+import jax.numpy as jnp
 
 from vit_jax import accounting
 from vit_jax import hardware as hardware_lib
 
-#: What installs the TPU compiler (the project's `tpu` extra pins the libtpu of its jax).
 INSTALL_LINE = "pip install -e '.[tpu]'  (in the checkout)"
+_UNITS = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
 
-# Environment that keeps libtpu from looking for a TPU host of its own (metadata server,
-# worker names) while it describes a topology, and from taking the one-process-per-host TPU
-# lock (/tmp/libtpu_lockfile), so that several pre-flights, or one beside a training run on a
-# TPU VM, can compile at once; set only where not already set.
+# Keeps libtpu from looking for a TPU host of its own and from taking the per-host TPU lock, so
+# that several pre-flights (or one beside a run on a TPU VM) compile at once; set where unset.
 _QUIET_LIBTPU = {"TPU_SKIP_MDS_QUERY": "1", "TPU_ACCELERATOR_TYPE": "v3-8",
                  "TPU_WORKER_HOSTNAMES": "localhost", "ALLOW_MULTIPLE_LIBTPU_LOAD": "1"}
 
@@ -41,16 +37,8 @@ class MissingLibtpuError(RuntimeError):
 
 @dataclasses.dataclass(frozen=True)
 class Slice:
-  """A TPU slice's compile-only devices and what they have.
-
-  Attributes:
-    accelerator: the Cloud TPU name, e.g. 'v3-8'.
-    topology: libtpu's topology name, e.g. 'v3:2x2' (chips per axis).
-    hardware: cores, chips and peak FLOP/s (`vit_jax.accounting.Hardware`).
-    devices: the compile-only `jax.Device`s of the whole slice, every host's.
-    num_hosts: the hosts (processes) of the slice.
-    hbm_bytes: the HBM of one device that the compiler gives a program, bytes (`available_hbm`).
-  """
+  """A TPU slice ('v3-8', topology 'v3:2x2'): its compile-only devices, every host's, and the
+  HBM (bytes) the compiler gives a program on one device."""
   accelerator: str
   topology: str
   hardware: accounting.Hardware
@@ -59,24 +47,33 @@ class Slice:
   hbm_bytes: int
 
   def describe(self) -> str:
-    """E.g. 'v3-8 (topology v3:2x2): 8 devices of TPU v3 on 1 host, 15.48 GiB of HBM each'."""
+    """E.g. 'v3-8 (topology v3:2x2): 8 devices of TPU v3 on 1 host, 15.48 GiB of HBM each ...'."""
     return (f"{self.accelerator} (topology {self.topology}): {len(self.devices)} devices of "
             f"{self.hardware.device_kind} on {self.num_hosts} host"
             f"{'s' if self.num_hosts > 1 else ''}, {self.hbm_bytes / 2**30:.2f} GiB of HBM each "
             "for a program")
 
 
+def _bytes(number: str, unit: str) -> int:
+  return int(float(number) * _UNITS[unit.upper()])
+
+
+def parse_refusal(message: str) -> tuple[Optional[int], Optional[int]]:
+  """(required, available) bytes in the TPU compiler's out-of-memory message ("... required for
+  HLO temporaries (20.42G) exceeds available HBM (15.48G)" or "Used 17.43G of 15.48G hbm"; G is
+  GiB), each None where absent."""
+  number = r"([\d.]+)\s*([KMGT]?)i?B?"
+  required = (re.search(rf"required for [\w ]+\({number}\)", message) or
+              re.search(rf"Used {number} of", message))
+  available = (re.search(rf"available HBM \({number}\)", message) or
+               re.search(rf"Used [\d.]+\s*[KMGT]?i?B? of {number} hbm", message))
+  return (_bytes(*required.groups()) if required else None,
+          _bytes(*available.groups()) if available else None)
+
+
 def available_hbm(device: Any) -> int:
-  """The HBM of `device` that the TPU compiler gives one program, bytes.
-
-  Read from the compiler itself: a program that needs 2 TiB of temporaries (a sort of 2^38
-  numbers) is refused at once with "... exceeds available HBM (15.48G)".
-
-  Raises:
-    RuntimeError: the compiler did not refuse, or said no figure.
-  """
-  import jax  # pylint: disable=g-import-not-at-top
-  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  """The HBM of `device` the TPU compiler gives one program, bytes: read from its refusal of a
+  2 TiB sort ("... exceeds available HBM (15.48G)"). RuntimeError when it says no figure."""
 
   def huge(x):
     rows = jax.lax.broadcasted_iota(jnp.float32, (2**16, 2**22), 1) * x
@@ -87,20 +84,17 @@ def available_hbm(device: Any) -> int:
   try:
     jax.jit(huge).lower(spec).compile()
   except Exception as e:  # pylint: disable=broad-except
-    found = re.search(r"available HBM \(([\d.]+)([KMGT])\)", str(e))
-    if found:
-      return int(float(found.group(1)) * 1024 ** "KMGT".index(found.group(2)) * 1024)
+    available = parse_refusal(str(e))[1]
+    if available:
+      return available
     raise RuntimeError(f"The TPU compiler gave no HBM figure: {str(e)[:300]}") from e
   raise RuntimeError("The TPU compiler accepted a 2 TiB program; cannot read its HBM.")
 
 
 def chip_grid(chips: int, three_d: bool) -> tuple[int, ...]:
-  """The chip grid of a slice of `chips` chips: (x, y) or (x, y, z), x <= y (<= z).
-
-  2-D: the squarest power-of-two grid (4 -> 2x2, 32 -> 4x8, 128 -> 8x16). 3-D: from 2x2x1, each
-  doubling doubles the last axis that is smaller than the one after it, else z (8 -> 2x2x2,
-  32 -> 2x4x4, 64 -> 4x4x4, 128 -> 4x4x8); other sizes are 2x2xN up to 64 chips, then 4x4xN.
-  """
+  """The chip grid of a slice: 2-D, the squarest power-of-two grid (32 -> 4x8); 3-D, from 2x2x1
+  each doubling doubles the last axis smaller than the next, else z (32 -> 2x4x4); other sizes
+  2x2xN up to 64 chips, then 4x4xN."""
   if not three_d:
     x = 2 ** (int(math.log2(chips)) // 2) if chips & (chips - 1) == 0 else 1
     return (x, chips // x)
@@ -115,13 +109,8 @@ def chip_grid(chips: int, three_d: bool) -> tuple[int, ...]:
 
 
 def tpu_slice(accelerator: str) -> Slice:
-  """The compile-only devices of a Cloud TPU slice, e.g. `tpu_slice('v3-32')`.
-
-  Raises:
-    ValueError: not a TPU accelerator name, or a slice size that does not exist (the message
-      lists the valid forms).
-    MissingLibtpuError: libtpu is not installed (the message gives the install line).
-  """
+  """The compile-only devices of a Cloud TPU slice, e.g. `tpu_slice('v3-32')`. Raises
+  ValueError (not a TPU slice that exists) or MissingLibtpuError."""
   hardware = accounting.accelerator(accelerator, "bfloat16")  # Raises for a bad name.
   kind = hardware_lib.kind(hardware.device_kind)
   if kind.topology is None:
@@ -138,7 +127,7 @@ def tpu_slice(accelerator: str) -> Slice:
     options["chips_per_host_bounds"] = (*grid, 1)  # One host holds the whole slice.
   for key, value in _QUIET_LIBTPU.items():
     os.environ.setdefault(key, value)
-  from jax.experimental import topologies  # pylint: disable=g-import-not-at-top
+  from jax.experimental import topologies  # pylint: disable=g-import-not-at-top  (after the env)
   devices = tuple(topologies.get_topology_desc(name, "tpu", **options).devices)
   if len(devices) != hardware.num_devices:
     raise AssertionError(f"{accelerator}: libtpu's topology {name} has {len(devices)} devices, "

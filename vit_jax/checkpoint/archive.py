@@ -1,0 +1,198 @@
+"""The containers of checkpoint files and the checks every reader shares: a file's kind from its
+first bytes, zip archives (``.npz``, PyTorch) and ``.safetensors`` files (a JSON header, then raw
+arrays; read with the ``safetensors`` package's NumPy API), and the one damaged-file error."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import io
+import json
+import os
+import struct
+import zipfile
+import zlib
+from typing import Any, BinaryIO, Dict, Iterator, Mapping, Optional, Tuple, Union
+
+import numpy as np
+
+from vit_jax.checkpoint import paths
+
+#: The first bytes of a zip archive (a local file header; an empty archive's end record).
+ZIP_MAGICS = (b'PK\x03\x04', b'PK\x05\x06')
+_NPY_MAGIC = b'\x93NUMPY'
+_PICKLE_MAGIC = b'\x80'
+#: The most header bytes a safetensors file may declare (the format's own limit, 100 MB).
+_MAX_SAFETENSORS_HEADER = 100_000_000
+SAFETENSORS_SUFFIX = '.safetensors'
+#: What zipfile raises for an archive or member it cannot read: a bad directory or CRC, a
+#: corrupt deflate stream, data that ends early, an unsupported compression or encryption.
+MEMBER_ERRORS = (zipfile.BadZipFile, zlib.error, EOFError, NotImplementedError, RuntimeError)
+FIX = 'Download or copy it again.'
+
+File = Union[str, os.PathLike, BinaryIO]
+
+
+class DamagedCheckpointError(ValueError):
+  """A checkpoint file is truncated, corrupt or hand-made: the message names the file, what
+  cannot be read and the fix (``vit_jax.checkpoint.DamagedCheckpointError``)."""
+
+
+def damaged(name: str, problem: str, size: int) -> DamagedCheckpointError:
+  return DamagedCheckpointError(f'{name!r} is truncated or damaged: {problem}; the file has '
+                                f'{size:,} bytes. {FIX}')
+
+
+def kind(head: bytes) -> Optional[str]:
+  """``'zip'``, ``'safetensors'``, ``'npy'``, ``'pickle'`` or None, from a file's first 9 bytes
+  (a safetensors file starts with its 8-byte little-endian header length, then ``{``)."""
+  if head[:4] in ZIP_MAGICS:
+    return 'zip'
+  if len(head) >= 9 and head[8:9] == b'{' and (
+      1 < struct.unpack('<Q', head[:8])[0] <= _MAX_SAFETENSORS_HEADER):
+    return 'safetensors'
+  if head.startswith(_NPY_MAGIC):
+    return 'npy'
+  return 'pickle' if head.startswith(_PICKLE_MAGIC) else None
+
+
+def file_size(file: File) -> int:
+  """The size in bytes of a local or remote file, or of a seekable file object (its position
+  is kept)."""
+  if isinstance(file, (str, os.PathLike)):
+    path = os.fspath(file)
+    return len(paths.read_bytes(path)) if paths.is_remote(path) else os.path.getsize(path)
+  position = file.tell()
+  end = file.seek(0, io.SEEK_END)
+  file.seek(position)
+  return end
+
+
+def read_head(file: File, size: int) -> bytes:
+  """The first ``size`` bytes of a local path or a seekable file object (its position kept)."""
+  if isinstance(file, (str, os.PathLike)):
+    return paths.read_head(os.fspath(file), size)
+  position = file.tell()
+  try:
+    return file.read(size)
+  finally:
+    file.seek(position)
+
+
+def _open_zip(file: File, name: str) -> zipfile.ZipFile:
+  """``zipfile.ZipFile(file)``; DamagedCheckpointError when its directory cannot be read."""
+  try:
+    return zipfile.ZipFile(file)
+  except (zipfile.BadZipFile, EOFError, ValueError) as e:
+    raise damaged(name, f'its zip directory cannot be read ({_reason(e)})',
+                  file_size(file)) from None
+
+
+def _reason(error: BaseException) -> str:
+  return str(error) or type(error).__name__
+
+
+@dataclasses.dataclass(frozen=True)
+class Zip:
+  """A zip archive, listed once: ``name`` (its path, for errors), ``source`` (a local path or
+  a file object; a remote file is read into memory once) and ``names`` (its members)."""
+  name: str
+  source: Any
+  names: Tuple[str, ...]
+
+  @classmethod
+  def of(cls, file: File, name: str = '') -> 'Zip':
+    """The archive of ``file``: a local or remote path, or a seekable file object."""
+    if isinstance(file, (str, os.PathLike)):
+      path = os.fspath(file)
+      name = name or path
+      file = io.BytesIO(paths.read_bytes(path)) if paths.is_remote(path) else path
+    name = name or '<file>'
+    with _open_zip(file, name) as archive:
+      return cls(name, file, tuple(archive.namelist()))
+
+  @property
+  def size(self) -> int:
+    return os.path.getsize(self.source) if isinstance(self.source, str) else file_size(self.source)
+
+  @contextlib.contextmanager
+  def open(self) -> Iterator[zipfile.ZipFile]:
+    if hasattr(self.source, 'seek'):
+      self.source.seek(0)
+    with _open_zip(self.source, self.name) as archive:
+      yield archive
+
+  def damaged(self, problem: str) -> DamagedCheckpointError:
+    return damaged(self.name, problem, self.size)
+
+  def read(self, archive: zipfile.ZipFile, info: zipfile.ZipInfo) -> bytes:
+    """The bytes of member ``info``; DamagedCheckpointError for a bad CRC or corrupt data."""
+    try:
+      return archive.read(info)
+    except MEMBER_ERRORS as e:
+      raise self.damaged(f'its member {info.filename!r} cannot be read ({_reason(e)})') from None
+
+
+#: ``({tensor name: (shape, dtype name)}, metadata)``: what a safetensors file's header says.
+Header = Tuple[Dict[str, Tuple[Tuple[int, ...], str]], Dict[str, str]]
+
+
+def read_header(path: str, head: bytes = b'') -> Header:
+  """The header of the safetensors file at ``path``, no array read (``head``: its first bytes,
+  when read); DamagedCheckpointError for a header cut short or not JSON."""
+  damaged_file = lambda problem: damaged(path, problem, file_size(path))
+  head = head if len(head) >= 8 else paths.read_head(path, 8)
+  if len(head) < 8:
+    raise damaged_file('it ends inside the header length')
+  size = struct.unpack('<Q', head[:8])[0]
+  if size > _MAX_SAFETENSORS_HEADER:
+    raise damaged_file(f'its header length ({size:,} bytes) is not a safetensors one')
+  data = paths.read_head(path, 8 + size)[8:]
+  try:
+    header = json.loads(data.decode('utf-8'))
+  except (UnicodeDecodeError, ValueError):
+    raise damaged_file(f'its {size:,}-byte JSON header cannot be read') from None
+  if not isinstance(header, dict):
+    raise damaged_file('its header is not a JSON object')
+  metadata = header.pop('__metadata__', None) or {}
+  try:
+    index = {name: (tuple(int(d) for d in entry['shape']), str(entry['dtype']))
+             for name, entry in header.items()}
+  except (KeyError, TypeError, ValueError):
+    raise damaged_file('its header does not describe tensors') from None
+  return index, {str(k): str(v) for k, v in metadata.items()}
+
+
+def shapes(header: Header) -> Dict[str, Tuple[int, ...]]:
+  return {name: shape for name, (shape, _) in header[0].items()}
+
+
+def read_safetensors(path: str) -> Dict[str, np.ndarray]:
+  """``{tensor name: array}`` of the safetensors file at ``path`` (local or ``gs://``);
+  DamagedCheckpointError for data that cannot be read (e.g. a truncated download)."""
+  from safetensors import SafetensorError  # pylint: disable=g-import-not-at-top
+  from safetensors import numpy as st_numpy  # pylint: disable=g-import-not-at-top
+  try:
+    if paths.is_remote(path):
+      return dict(st_numpy.load(paths.read_bytes(path)))
+    return dict(st_numpy.load_file(path))
+  except (SafetensorError, ValueError, TypeError) as e:
+    raise damaged(path, f'its tensors cannot be read ({e})', file_size(path)) from None
+
+
+def write_safetensors(path: str, arrays: Mapping[str, Any],
+                      metadata: Optional[Mapping[str, str]] = None) -> None:
+  """Writes ``arrays`` (as C-contiguous NumPy) to ``path`` (local parents created) with
+  ``metadata`` and ``format: 'pt'``, which transformers' ``from_pretrained`` requires."""
+  from safetensors import numpy as st_numpy  # pylint: disable=g-import-not-at-top
+  tensors = {k: np.ascontiguousarray(v) for k, v in arrays.items()}
+  meta = {'format': 'pt', **{str(k): str(v) for k, v in (metadata or {}).items()}}
+  if paths.is_remote(path):
+    with paths.open_file(path, 'wb') as f:
+      f.write(st_numpy.save(tensors, metadata=meta))
+    return
+  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+  st_numpy.save_file(tensors, path, metadata=meta)
+  umask = os.umask(0)  # save_file creates the file 0600: the usual mode, as other writes get.
+  os.umask(umask)
+  os.chmod(path, 0o666 & ~umask)

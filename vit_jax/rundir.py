@@ -1,0 +1,114 @@
+"""The run directory (``--workdir``): its layout and what the file system tells of it, read
+without JAX (the tools check a SOURCE before their set-up). :mod:`vit_jax.checkpoint.workdir`
+writes it and reads its checkpoints.
+
+::
+
+  WORKDIR/
+    config.json            the resolved config (Workdir.write_config)
+    dataset.json           the training data's facts (Workdir.write_dataset)
+    cost.json              the cost account so far (Workdir.write_cost; accounting.py)
+    lock.json              the holder of the workdir (Workdir.lock; lock.py)
+    checkpoints/           an Orbax CheckpointManager directory (Checkpoints)
+      <step>/              a finalized step (in progress: '<step>.orbax-checkpoint-tmp*')
+        state/ cost/ [config/ dataset/]   train state (StandardSave), the rest JsonSave
+    events.out.tfevents.*  TensorBoard scalars and hparams (Workdir.metric_writer)
+
+Local paths and ``gs://`` alike (``etils.epath``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, Dict, List, NamedTuple, Optional, Sequence
+
+from etils import epath
+
+CHECKPOINTS_DIR = 'checkpoints'
+CONFIG_JSON = 'config.json'
+COST_JSON = 'cost.json'
+DATASET_JSON = 'dataset.json'
+#: Items of one checkpoint step.
+STATE_ITEM = 'state'
+COST_ITEM = 'cost'
+CONFIG_ITEM = 'config'
+DATASET_ITEM = 'dataset'
+#: Orbax's markers: of a complete item, and of a committed step on remote storage.
+ITEM_MARKER = '_METADATA'
+COMMIT_MARKER = 'commit_success.txt'
+
+
+class Run(NamedTuple):
+  """What a path names of a run (None for what it does not): ``workdir`` (absolute when local),
+  ``checkpoints`` (the directory of numbered steps) or ``step_dir`` (one step)."""
+  workdir: Optional[str]
+  checkpoints: Optional[str]
+  step_dir: Optional[str]
+
+
+def _workdir_above(directory: epath.Path) -> Optional[str]:
+  """The parent of a directory of steps (or of one step's) when it is the run's: the directory is
+  named ``checkpoints`` or the parent holds ``config.json``."""
+  if '://' not in str(directory):
+    directory = epath.Path(os.path.abspath(directory))
+  is_run = directory.name == CHECKPOINTS_DIR or (directory.parent / CONFIG_JSON).exists()
+  return str(directory.parent) if is_run else None
+
+
+def find(path: Any, names: Optional[Sequence[str]] = None) -> Run:
+  """The :class:`Run` of ``path``: a workdir (it has ``checkpoints/``), its ``checkpoints`` (or
+  another directory of numbered steps), one step (it has ``state/``) or a step's state item.
+  ``names``: the directory's listing when the caller has read it (then not read again)."""
+  path = os.fspath(path)
+  directory = epath.Path(path if '://' in path else os.path.expanduser(path))
+  if names is None and not directory.is_dir():
+    return Run(None, None, None)
+  if directory.name == STATE_ITEM and directory.parent.name.isdigit():
+    directory, names = directory.parent, None
+  if (names is None or CHECKPOINTS_DIR in names) and (directory / CHECKPOINTS_DIR).is_dir():
+    root = str(directory) if '://' in str(directory) else os.path.abspath(directory)
+    return Run(root, str(directory / CHECKPOINTS_DIR), None)
+  if names is None:
+    names = [p.name for p in directory.iterdir()]
+  if directory.name == CHECKPOINTS_DIR or any(n.isdigit() for n in names):
+    return Run(_workdir_above(directory), str(directory), None)
+  if STATE_ITEM in names and (directory / STATE_ITEM).is_dir():
+    return Run(_workdir_above(directory.parent), None, str(directory))
+  return Run(None, None, None)
+
+
+def saved_steps(checkpoints: Any, *, readable: bool = False) -> List[int]:
+  """The finalized steps in ``checkpoints``, ascending (``[]`` without the directory).
+
+  Orbax writes a step as ``<step>.orbax-checkpoint-tmp-*`` and renames it when complete (remote:
+  with ``commit_success.txt``), so the digit-only names are finalized. ``readable``: only those
+  whose state item is complete, as the readers need.
+  """
+  directory = epath.Path(checkpoints)
+  if not directory.is_dir():
+    return []
+  remote = '://' in str(checkpoints)
+  steps = []
+  for step_dir in directory.iterdir():
+    marker = (step_dir / STATE_ITEM / ITEM_MARKER if readable else
+              step_dir / COMMIT_MARKER if remote else None)
+    if step_dir.name.isdigit() and step_dir.is_dir() and (marker is None or marker.exists()):
+      steps.append(int(step_dir.name))
+  return sorted(steps)
+
+
+def read_json(path: Any) -> Optional[Dict[str, Any]]:
+  """The JSON object in a run's file (e.g. ``WORKDIR/config.json``), or None without the file.
+  Raises ValueError (naming the file and the fix) when it is not a JSON object; OSError."""
+  file = epath.Path(path)
+  if not file.exists():
+    return None
+  try:
+    value = json.loads(file.read_text())
+  except ValueError as e:
+    value = e
+  if not isinstance(value, dict):
+    what = f'not valid JSON ({value})' if isinstance(value, ValueError) else 'not a JSON object'
+    raise ValueError(f'{path} is {what}; restore it or delete it.')
+  return value
