@@ -132,6 +132,13 @@ def test_a_workdir_rebuilds_its_model_labels_and_preprocessing(tiny_workdir, tmp
   with pytest.raises(ValueError, match=r"training workdir of ViT-custom: its saved config "
                      "rebuilds the model; drop --model"):
     inference.load(workdir, model_name="ViT-custom", overrides={"hidden_size": 8})
+  # What the saved config fixes is checked, not ignored (a new user's find).
+  with pytest.raises(ValueError, match=r"--num-classes 5: .* with num classes 3 .*drop "
+                     "--num-classes"):
+    inference.load(workdir, num_classes=5)
+  with pytest.raises(ValueError, match=r"--image-size 16: .* with image size 8 "):
+    inference.load(workdir, image_size=16)
+  assert inference.load(workdir, num_classes=3, image_size=8).step == 12
 
   # A run saved before the dataset record existed: the names from its data while it is there.
   old = tmp_path / "old"

@@ -335,9 +335,8 @@ def account_step_flops(accountant: CostAccountant, executable, model: Any,
                        image_shape: tuple[int, int, int], num_devices: int) -> None:
   """Gives `accountant` the train step's FLOPs: XLA's of `executable` (one device's share of the
   SPMD program) x `num_devices`, and the analytic count of `model` at `image_shape`."""
-  cost = executable.cost_analysis()
-  cost = cost[0] if isinstance(cost, (list, tuple)) else cost
-  compiled = cost["flops"] * num_devices if cost and cost.get("flops") else None
+  per_device = flops.compiled_flops(executable)
+  compiled = per_device * num_devices if per_device else None
   analytic = flops.training_flops(flops.model_forward_macs(model, image_shape),
                                   accountant.batch_size)
   accountant.set_step_flops(compiled, analytic)

@@ -26,6 +26,14 @@ SECONDS_PER_DAY = 86_400
 TPU_V3_CORE_PEAK_FLOPS = hardware.kind("TPU v3").peak["bfloat16"]
 
 
+def compiled_flops(compiled: Any) -> Optional[float]:
+  """XLA's FLOP count of one device's share of a compiled program (``jax.stages.Compiled``),
+  None where XLA gives none (it cannot see into custom calls: the CPU kernel's products)."""
+  cost = compiled.cost_analysis()
+  cost = (cost[0] if cost else None) if isinstance(cost, (list, tuple)) else cost  # Older jax.
+  return float(cost["flops"]) if cost and cost.get("flops") else None
+
+
 def vit_forward_macs(*, hidden_size: int, mlp_dim: int, num_layers: int, patch_size: int,
                      image_size: int | Tuple[int, int], num_classes: int = 1000,
                      classifier: str = "token", representation_size: Optional[int] = None,

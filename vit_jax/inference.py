@@ -160,8 +160,15 @@ def _with_kept(trained: TrainedModel, kept: Dict[str, Any], item: str) -> Traine
 
 
 def _from_run(path: str, run: workdir.SavedRun, use_ema: bool, model_name: Optional[str],
-              overrides: Dict[str, Any]) -> TrainedModel:
+              overrides: Dict[str, Any], num_classes: Optional[int] = None,
+              image_size: Optional[int] = None) -> TrainedModel:
   config = config_lib.from_json(run.config)
+  for flag, given, saved in (('--num-classes', num_classes, config.num_classes),
+                             ('--image-size', image_size, config.data.image_size)):
+    if given is not None and given != saved:
+      raise ValueError(f'{flag} {given}: {path} is a training workdir of {config.model_name} '
+                       f'with {flag[2:].replace("-", " ")} {saved} (its saved config); drop '
+                       f'{flag} (or convert it to .npz: python -m vit_jax.convert).')
   if model_name and models.resolve(model_name)[0] is not models.resolve(config.model_name)[0]:
     raise ValueError(f'{path} holds a {config.model_name} trained by vit_jax: its config '
                      f'rebuilds the model; drop --model {model_name}.')
@@ -369,7 +376,7 @@ def _from_orbax(ckpt, *, model_name, num_classes, image_size, use_ema, overrides
   path = ckpt.path
   run = workdir.read_run(path, step=step)
   if run.config is not None:
-    return _from_run(path, run, use_ema, model_name, overrides)
+    return _from_run(path, run, use_ema, model_name, overrides, num_classes, image_size)
   # A convert directory: weights, and what convert kept of their source.
   variables = orbax.read_variables(run.state_item, use_ema=use_ema)
   if models.layout.is_scanned(variables['params']):  # A scanned run's: built per layer.

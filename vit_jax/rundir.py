@@ -36,6 +36,18 @@ CONFIG_ITEM = 'config'
 DATASET_ITEM = 'dataset'
 #: Orbax's markers: of a complete item, and of a committed step on remote storage.
 ITEM_MARKER = '_METADATA'
+
+#: The Orbax paths that the readers accept, in words (for error messages).
+ORBAX_PATHS = (f"a workdir containing '{CHECKPOINTS_DIR}/', a '{CHECKPOINTS_DIR}' directory of "
+               f"numbered steps, or one step directory containing '{STATE_ITEM}/'")
+#: Every source a model is read from (`vit_jax.checkpoint.open`), the one text that lists them.
+ACCEPTED_FORMATS = (
+    f"a training workdir ({ORBAX_PATHS}), an official ViT '.npz' file (flat "
+    "'/'-joined parameter names, Linen or pre-Linen numbering) or a big_vision one, a Hugging "
+    "Face transformers ViT directory (config.json and model.safetensors), a timm "
+    "VisionTransformer '.safetensors' file, a PyTorch T2T-ViT checkpoint ('.pth', '.pth.tar', "
+    "'.pt' in the zip format of torch.save >= 1.6; load(path, model=t2t_model)), or an Orbax "
+    "variables checkpoint written by python -m vit_jax.convert")
 COMMIT_MARKER = 'commit_success.txt'
 
 

@@ -1,7 +1,8 @@
 """The checkpoint formats, one registry (add a format here), and :func:`open`, which detects a
 source's format once: each :class:`Format` in :data:`FORMATS` (tried in order) ``sniff``s the
 :class:`Probe` detection read (nothing unpickled), gives the model ``fields`` the weights imply
-and ``read``s the variables."""
+and ``read``s the variables. A new format also gets its text in ``rundir.ACCEPTED_FORMATS``
+and, for now, its entries in ``vit_jax.inference._FROM`` and ``vit_jax.tools.convert._READ``."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from absl import logging
 import numpy as np
 
 from vit_jax import models
+from vit_jax import rundir
 from vit_jax.checkpoint import archive
 from vit_jax.checkpoint import ecosystem
 from vit_jax.checkpoint import hf_vit
@@ -26,14 +28,7 @@ from vit_jax.checkpoint import vit_shapes
 from vit_jax.checkpoint import workdir
 from vit_jax.checkpoint.archive import DamagedCheckpointError  # noqa: F401 (raised by open)
 
-#: What a checkpoint source can be: the one list, quoted by every error and help text.
-ACCEPTED_FORMATS = (
-    f"a training workdir ({workdir.ORBAX_PATHS}), an official ViT '.npz' file (flat "
-    "'/'-joined parameter names, Linen or pre-Linen numbering) or a big_vision one, a Hugging "
-    "Face transformers ViT directory (config.json and model.safetensors), a timm "
-    "VisionTransformer '.safetensors' file, a PyTorch T2T-ViT checkpoint ('.pth', '.pth.tar', "
-    "'.pt' in the zip format of torch.save >= 1.6; load(path, model=t2t_model)), or an Orbax "
-    "variables checkpoint written by python -m vit_jax.convert")
+ACCEPTED_FORMATS = rundir.ACCEPTED_FORMATS  # The one list of sources (JAX-free, for the tools).
 
 #: File names read as PyTorch checkpoints (as is any zip with one '<name>/data.pkl').
 TORCH_SUFFIXES = ('.pth', '.pth.tar', '.pt')

@@ -27,11 +27,7 @@ from vit_jax.checkpoint import orbax
 from vit_jax.checkpoint import paths
 from vit_jax.checkpoint import tree
 from vit_jax.rundir import (CHECKPOINTS_DIR, CONFIG_ITEM, CONFIG_JSON, COST_ITEM, COST_JSON,
-                            DATASET_ITEM, DATASET_JSON, STATE_ITEM)
-
-#: The Orbax paths that the readers accept, in words (for error messages).
-ORBAX_PATHS = (f"a workdir containing '{CHECKPOINTS_DIR}/', a '{CHECKPOINTS_DIR}' directory of "
-               f"numbered steps, or one step directory containing '{STATE_ITEM}/'")
+                            DATASET_ITEM, DATASET_JSON, ORBAX_PATHS, STATE_ITEM)
 
 _RERUN_HINT = 'Rerun with the config it was trained with, or start a new run in another --workdir.'
 _RESUME_HINT = ('The checkpoints already saved are intact; free disk space (or make the workdir '

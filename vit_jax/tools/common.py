@@ -67,10 +67,7 @@ class Parser(argparse.ArgumentParser):
 
 
 #: What SOURCE may be (the help of :func:`add_source_arguments`).
-SOURCE_HELP = ('a training workdir (its latest step; or its checkpoints/ or one step directory), '
-               'an official or big_vision ViT .npz, a transformers ViT directory (config.json + '
-               'model.safetensors), a timm .safetensors, a T2T-ViT .pth/.pth.tar, or a directory '
-               'written by python -m vit_jax.convert')
+SOURCE_HELP = rundir.ACCEPTED_FORMATS
 
 
 def add_set_argument(parser: argparse.ArgumentParser, example: str) -> None:

@@ -173,7 +173,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   parser.add_argument('--model', help='model name, required for PyTorch files '
                       '(T2T-ViT-7/10/12/14/19/24, T2T-ViT_t-14/19/24)')
   common.add_set_argument(parser, 'for --model, e.g. --set embed_dim=64 for T2T-ViT-custom')
-  parser.add_argument('--no_ema', action='store_true',
+  parser.add_argument('--no-ema', '--no_ema', dest='no_ema', action='store_true',
                       help='the trained weights rather than their EMA when the source has both')
   parser.add_argument('--overwrite', action='store_true', help='replace an existing DST')
   args = parser.parse_args(argv)

@@ -196,9 +196,7 @@ def measure_ours(model: str, *, batch: int, resolution: int, dtype: str = "float
     raise BenchmarkError(f"{model} at {resolution}x{resolution} px: {e}") from e
   analytic = (3 if mode == "train" else 1) * 2 * macs * batch
   compiled = compile_step(setup, mode, batch)
-  cost = compiled.compiled.cost_analysis()
-  cost = cost[0] if isinstance(cost, (list, tuple)) else cost
-  xla_flops = float(cost["flops"]) if cost and cost.get("flops") else None
+  xla_flops = flops.compiled_flops(compiled.compiled)
   first, times = (None, []) if compile_only else _execute(setup, compiled.compiled, mode, batch,
                                                          warmup, steps)
   device = jax.devices()[0]

@@ -185,12 +185,8 @@ def compile_step(setup: step_lib.Setup, name: str, hbm: int) -> StepCheck:
       known, temporaries=int(stats.temp_size_in_bytes),
       code=int(stats.generated_code_size_in_bytes),
       outputs=max(0, int(stats.output_size_in_bytes - stats.alias_size_in_bytes)))
-  analysis = compiled.cost_analysis()
-  if isinstance(analysis, (list, tuple)):  # Older jax: one dict per program.
-    analysis = analysis[0] if analysis else {}
-  xla_flops = (analysis or {}).get("flops")
   return StepCheck(name, True, memory, hbm, seconds=seconds,
-                   xla_flops=float(xla_flops) if xla_flops is not None else None)
+                   xla_flops=flops.compiled_flops(compiled))
 
 
 def resolve(config: ml_collections.ConfigDict, tpu: topology.Slice, *,
