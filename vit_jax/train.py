@@ -143,6 +143,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
           with accountant.timed("checkpoint"):
             checkpoints.save(step, state, cost=accountant.report(step),
                              config=config.to_dict(), dataset=run.dataset)
+          logging.info("Checkpoint of step %d: written in the background to %s/%d.", step,
+                       checkpoints.directory, step)
         if evaluating:
           results = evaluate(state, step)
         if fewshot_due:
