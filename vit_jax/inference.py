@@ -336,7 +336,8 @@ def load(source: Any, *, step: Optional[int] = None, use_ema: bool = True,
          model_name: Optional[str] = None, num_classes: Optional[int] = None,
          image_size: Optional[int] = None, overrides: Optional[Dict[str, Any]] = None,
          devices: Optional[Sequence[Any]] = None) -> TrainedModel:
-  """The :class:`TrainedModel` of ``source`` (local or ``gs://``), checked to fit its model.
+  """The :class:`TrainedModel` of ``source`` (:data:`SOURCES`, local or ``gs://``), checked to
+  fit its model.
 
   ``step``: a workdir's (default the latest); ``use_ema``: the parameter EMA when saved;
   ``model_name``: required for ``.pth.tar`` files and T2T-ViT convert directories, checked for
@@ -344,7 +345,8 @@ def load(source: Any, *, step: Optional[int] = None, use_ema: bool = True,
   default the position table's; ``overrides``: model fields; ``devices``: default all.
 
   Raises FileNotFoundError (nothing at ``source``, no finalized step, ``step`` not saved) or
-  ValueError (no known format, a damaged file, a model that does not fit the weights, with the
+  ValueError (no known format, a damaged or unsafe file: ``DamagedCheckpointError``,
+  ``UnsafePickleError``; a model that does not fit the weights, with the
   architecture they imply, a class count other than the head's, NaN or Inf values).
   """
   path = paths.normalize(source)
@@ -511,7 +513,8 @@ class Runner:
     return self._padded(images, 'logits')
 
   def features(self, images: np.ndarray) -> np.ndarray:
-    """float32 ``[B, S, S, 3]`` preprocessed images of this process -> ``[B, F]`` features."""
+    """float32 ``[B, S, S, 3]`` preprocessed images of this process -> ``[B, F]`` pre-logit
+    features (``vit_jax.step.make_features_step``)."""
     return self._padded(images, 'features')
 
   def eval_sums(self, batch: Dict[str, np.ndarray]) -> Dict[str, np.ndarray]:

@@ -133,7 +133,9 @@ def initialize_distributed(coordinator_address: Optional[str] = None,
                            timeout_s: int = DISTRIBUTED_TIMEOUT_S) -> None:
   """``jax.distributed.initialize`` when this is one process of several (the arguments, the
   ``JAX_COORDINATOR_ADDRESS`` / ``JAX_NUM_PROCESSES`` / ``JAX_PROCESS_ID`` environment or a
-  multi-host Cloud TPU slice). ValueError: an address without the process count or index."""
+  multi-host Cloud TPU slice). ``timeout_s`` (seconds) bounds the wait for every process to
+  register and a peer's heartbeat silence; past it this process exits ``POD_FAULT_EXIT_CODE``
+  with one FATAL line. ValueError: an address without the process count or index."""
   import jax  # pylint: disable=g-import-not-at-top
   timeouts = _distributed_timeouts(timeout_s)
   address = coordinator_address or os.environ.get("JAX_COORDINATOR_ADDRESS")

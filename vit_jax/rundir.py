@@ -36,6 +36,8 @@ CONFIG_ITEM = 'config'
 DATASET_ITEM = 'dataset'
 #: Orbax's markers: of a complete item, and of a committed step on remote storage.
 ITEM_MARKER = '_METADATA'
+#: In the name of a step Orbax is still writing: '<step>.orbax-checkpoint-tmp-<n>'.
+TMP_MARKER = '.orbax-checkpoint-tmp'
 
 #: The Orbax paths that the readers accept, in words (for error messages).
 ORBAX_PATHS = (f"a workdir containing '{CHECKPOINTS_DIR}/', a '{CHECKPOINTS_DIR}' directory of "

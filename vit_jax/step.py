@@ -284,7 +284,8 @@ class Compiler:
 
   def compiled(self, jitted, state, *args) -> jax.stages.Compiled:
     """`jitted` compiled for `(state, *args)` (arrays or abstract), from the cache when it was."""
-    key = (jitted, tuple((x.shape, x.dtype) for x in jax.tree.leaves(args)))
+    key = (jitted, jax.tree.structure(args),
+           tuple((x.shape, x.dtype) for x in jax.tree.leaves(args)))
     if key not in self._cache:
       with self._timer():
         self._cache[key] = self.setup.compile(jitted, state, *args)

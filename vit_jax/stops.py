@@ -170,7 +170,7 @@ def stop_at_once_on_signals(grace_s: float = STOP_GRACE_S) -> None:
 
 def exit_process(code: int, message: Optional[str] = None, *, shutdown: bool = False):
   """``os._exit(code)`` (the teardown can hang on tf.data threads or a lost peer): ``message`` on
-  stderr, logs flushed, with ``shutdown`` ``jax.distributed.shutdown()`` first."""
+  stderr, logs flushed, with ``shutdown`` ``jax.distributed.shutdown()`` first. Never returns."""
   try:
     if message:
       sys.stderr.flush()

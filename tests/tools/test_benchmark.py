@@ -274,9 +274,11 @@ def test_overrides_are_python_literals():
     (["ViT-Ti_16", "--resolution", "30"], "not divisible by the patch size 16"),
     (["ViT-Ti_16", "--dtype", "float16"], "argument --dtype: invalid choice"),
     (["ViT-Ti_16", "--override", "depth=3"], "Unknown override(s) ['depth']"),
+    (["ViT-Ti_16", "--set", "depth=3"], "Unknown override(s) ['depth']"),
     (["ViT-Ti_16", "--override", "scan"], "is not KEY=VALUE"),
     (["ViT-Ti_16", "--set", "scan"], "is not KEY=VALUE"),
     (["ViT-Ti_16", "--override", "dtype=bfloat16"], "with --dtype"),
+    (["ViT-Ti_16", "--set", "dtype=bfloat16"], "with --dtype"),
     (["ViT-Ti_16", "--compare", "timm", "--compile-only"], "drop --compare timm"),
     ([], "Name at least one model"),
 ])

@@ -182,9 +182,10 @@ def patch_distances(grid: Any, patch_size: Any) -> np.ndarray:
 
 def mean_attention_distance(attention: Any, grid: Any, patch_size: Any, num_prefix_tokens: int,
                             *, per_image: bool = False) -> np.ndarray:
-  """Mean attention distance of one layer's heads, ``[heads]`` float64 pixels (``per_image``:
-  ``[B, heads]``): each patch query's weights renormalised over the patches, times the distance,
-  averaged. ``patch_size``: the grid's pixel stride. ValueError: bad shapes or weights.
+  """Mean attention distance of one layer's heads (``attention`` ``[B, heads, N, N]``),
+  ``[heads]`` float64 pixels (``per_image``: ``[B, heads]``): each patch query's weights
+  renormalised over the patches, times the distance, averaged. ``patch_size``: the grid's pixel
+  stride. ValueError: bad shapes or weights.
   """
   attention = np.asarray(attention)
   _check_attention(attention, 'attention')

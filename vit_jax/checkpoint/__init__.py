@@ -46,14 +46,16 @@ __all__ = [
 def load(path: Any, *, model: Any = None, use_ema: bool = True,
          image_size: Any = None) -> Dict[str, Any]:
   """``{'params': nested dict of np.ndarray, **collections}`` of the checkpoint at ``path``
-  (:func:`open`; a workdir gives its latest finalized step). ``model`` (required for PyTorch
-  files) is checked to fit at ``image_size`` (``H`` or ``(H, W)``; transformers / timm: the
-  file's, and their numerics must be ``model``'s); ``use_ema``: prefer the parameter EMA.
+  (``{'params', 'constants'}`` for a PyTorch file; :func:`open`; a workdir gives its latest
+  finalized step). ``model`` (required for PyTorch files) is checked to fit at ``image_size``
+  (``H`` or ``(H, W)``; transformers / timm: the file's, and their numerics must be
+  ``model``'s); ``use_ema``: prefer the parameter EMA.
 
   Raises:
     FileNotFoundError: nothing at ``path``, no finalized step.
     ValueError: as :func:`open`; a PyTorch file without ``model``, variables that do not fit
-      (:func:`check_fits`), other numerics, an unsafe or damaged file (named).
+      (:func:`check_fits`), other numerics; a damaged file (:class:`DamagedCheckpointError`) or
+      a pickle naming other globals (``torch_pickle.UnsafePickleError``), both ValueErrors.
   """
   return open(path).read(model=model, use_ema=use_ema, image_size=image_size)
 

@@ -61,7 +61,7 @@ def file_size(file: File) -> int:
   is kept)."""
   if isinstance(file, (str, os.PathLike)):
     path = os.fspath(file)
-    return len(paths.read_bytes(path)) if paths.is_remote(path) else os.path.getsize(path)
+    return paths.size(path)
   position = file.tell()
   end = file.seek(0, io.SEEK_END)
   file.seek(position)

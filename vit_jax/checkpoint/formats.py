@@ -258,7 +258,8 @@ class _Timm(_Foreign):
 
 
 #: Every format, in detection order (a torch zip before any zip, transformers before Orbax).
-FORMATS = (_Hf(), _Timm(), _PyTorch(), _Npz(), _Orbax())
+_PYTORCH = _PyTorch()
+FORMATS = (_Hf(), _Timm(), _PYTORCH, _Npz(), _Orbax())
 
 
 @dataclasses.dataclass
@@ -274,9 +275,12 @@ class Checkpoint:
     return self.format.name
 
   def fields(self, num_heads: Optional[int] = None) -> Dict[str, Any]:
+    """The ``vit_jax.models.create`` keywords the weights imply (with ``image_size``);
+    ValueError where they cannot say (a PyTorch file: give the model)."""
     return self.format.fields(self, num_heads)
 
-  def numerics(self, num_heads: Optional[int] = None):
+  def numerics(self, num_heads: Optional[int] = None) -> Optional[Tuple[Dict[str, Any], str]]:
+    """``(numerics fields, family)`` read from the file's headers and config, or None."""
     return self.format.numerics(self, num_heads)
 
   def foreign(self, num_heads: Optional[int] = None) -> Foreign:
@@ -332,4 +336,4 @@ def is_torch_checkpoint(path: Any) -> bool:
   probe = _probe(path)
   if probe.names is not None:
     raise IsADirectoryError(probe.path)
-  return FORMATS[2].sniff(probe)
+  return _PYTORCH.sniff(probe)

@@ -52,6 +52,11 @@ def read_head(path: str, size: int) -> bytes:
     return f.read(size)
 
 
+def size(path: str) -> int:
+  """The size in bytes of a local or remote file (remote: its metadata, nothing read)."""
+  return _gfile().stat(path).length if is_remote(path) else os.path.getsize(path)
+
+
 def read_bytes(path: str) -> bytes:
   with open_file(path, 'rb') as f:
     return f.read()

@@ -406,7 +406,7 @@ def _nothing_saved_yet(checkpoints: str, workdir: Optional[str]) -> str:
   written, when the first save comes (``checkpoint_every_steps`` of its readable config.json)."""
   names = paths.listdir(checkpoints) if paths.isdir(checkpoints) else []
   writing = sorted(int(n.split('.')[0]) for n in names
-                   if '.orbax-checkpoint-tmp' in n and n.split('.')[0].isdigit())
+                   if rundir.TMP_MARKER in n and n.split('.')[0].isdigit())
   try:
     config = rundir.read_json(paths.join(workdir, CONFIG_JSON)) if workdir else None
   except (ValueError, OSError):

@@ -359,8 +359,9 @@ class T2TViT(nn.Module):
   embed_dim**-0.5``; drop path rises linearly to ``drop_path_rate``; the T2T module stays
   unrolled, on XLA's attention.
 
-  ``apply({'params', 'constants'}, images [B, H, W, C] float32, train=...)`` -> float32 ``[B,
-  num_classes]`` (``[B, D]`` without a head). ValueError: bad fields, a non-NHWC input, a
+  ``apply({'params', 'constants'}, images [B, H, W, C] float32, train=...)`` (the released
+  weights: ImageNet mean/std normalised) -> float32 ``[B, num_classes]`` (``[B, D]`` without a
+  head). ValueError: bad fields, a non-NHWC input, a
   ``pos_embed`` of another size; ImageSizeError: an image too small for the soft splits.
   """
 

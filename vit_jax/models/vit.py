@@ -255,10 +255,10 @@ class VisionTransformer(nn.Module):
   :data:`vit_jax.models.attention.IMPLEMENTATIONS`; ``posemb`` 'learn' or 'sincos2d'
   (:data:`POSEMBS`); ``gelu_approximate`` and ``layer_norm_epsilon`` every MLP's and LayerNorm's.
 
-  ``apply(variables, images [B, H, W, C] float32, train=...)`` returns float32 ``[B,
-  num_classes]`` logits (``[B, R or D]`` features with ``num_classes=None``); H and W multiples
-  of the patch size (of the ResNet stride x patch for hybrids); ``train`` with dropout needs
-  ``rngs={'dropout': key}``.
+  ``apply(variables, images [B, H, W, C] float32, train=...)`` (the published weights: C=3,
+  pixels scaled to [-1, 1]) returns float32 ``[B, num_classes]`` logits (``[B, R or D]``
+  features with ``num_classes=None``); H and W multiples of the patch size (of the ResNet
+  stride x patch for hybrids); ``train`` with dropout needs ``rngs={'dropout': key}``.
 
   Raises:
     ValueError: a bad field (:func:`validate_config`) at construction; at apply a non-NHWC

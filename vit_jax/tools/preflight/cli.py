@@ -33,6 +33,7 @@ from absl import logging
 import jax
 
 from vit_jax import cli
+from vit_jax import hardware
 from vit_jax import platform
 from vit_jax import sharding
 from vit_jax.tools import common
@@ -41,7 +42,7 @@ from vit_jax.tools.preflight import fit
 from vit_jax.tools.preflight import search
 from vit_jax.tools.preflight import topology
 
-GIB = 2**30
+GIB = hardware.GIB
 
 
 def _size(n: Optional[int]) -> str:

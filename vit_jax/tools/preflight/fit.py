@@ -21,13 +21,14 @@ import numpy as np
 
 from vit_jax import config as config_lib
 from vit_jax import flops
+from vit_jax import hardware
 from vit_jax import sharding
 from vit_jax import step as step_lib
 from vit_jax.tools import cost
 from vit_jax.tools.preflight import topology
 from vit_jax.tools.preflight.topology import parse_refusal
 
-GIB = 2**30
+GIB = hardware.GIB
 
 
 def with_overrides(config: ml_collections.ConfigDict,

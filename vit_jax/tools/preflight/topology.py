@@ -50,8 +50,8 @@ class Slice:
     """E.g. 'v3-8 (topology v3:2x2): 8 devices of TPU v3 on 1 host, 15.48 GiB of HBM each ...'."""
     return (f"{self.accelerator} (topology {self.topology}): {len(self.devices)} devices of "
             f"{self.hardware.device_kind} on {self.num_hosts} host"
-            f"{'s' if self.num_hosts > 1 else ''}, {self.hbm_bytes / 2**30:.2f} GiB of HBM each "
-            "for a program")
+            f"{'s' if self.num_hosts > 1 else ''}, "
+            f"{self.hbm_bytes / hardware_lib.GIB:.2f} GiB of HBM each for a program")
 
 
 def _bytes(number: str, unit: str) -> int:
