@@ -37,7 +37,7 @@ __all__ = [
     'acquire_on_all_processes',
     'check_fits', 'check_state_fits', 'convert_pre_linen', 'describe_architecture', 'detect',
     'fix_groupnorm', 'flatten_params', 'init_for_finetuning', 'is_torch_checkpoint', 'load',
-    'load_for_finetuning', 'load_npz', 'load_orbax', 'load_pth', 'load_torch_as_saved',
+    'load_for_finetuning', 'load_npz', 'load_orbax', 'load_pth',
     'mismatch_report', 'model_fields', 'non_finite', 'non_finite_message', 'open',
     'resize_posemb', 'save_npz', 'save_orbax', 'unflatten_params',
 ]
@@ -66,12 +66,6 @@ def model_fields(path: Any, *, num_heads: Optional[int] = None) -> Dict[str, Any
   headers, numerics included; ``.npz`` and Orbax from the shapes, with the official numerics.
   Raises as :func:`load`, and ValueError for a PyTorch file (its variant is not recorded)."""
   return open(path).fields(num_heads)
-
-
-def load_torch_as_saved(path: Any, model: Any, *, use_ema: bool = True) -> Dict[str, Any]:
-  """A PyTorch T2T-ViT file as ``model``'s variables at the file's own class count and input
-  size (:meth:`Checkpoint.read_for_finetuning`)."""
-  return open(path).read_for_finetuning(model, use_ema)
 
 
 def load_for_finetuning(path: Any, model: Any, fresh: Mapping, *, use_ema: bool = True,

@@ -7,20 +7,12 @@ Examples:
   python -m vit_jax.benchmark ViT-H_14 --batch 1 --mode train --compile-only
   python -m vit_jax.benchmark ViT-H_14 --batch 1 --mode train --compile-only --set scan=False
 
-What runs is the trainer's own step: the benchmark builds the training config
-(`vit_jax.config.get_config(MODEL, ...)` in the pretraining regime, --batch as batch_size,
---resolution as data.image_size, --dtype as model.dtype, each --set a config.model field),
-resolves it for the devices it runs on (`vit_jax.config.resolve`) and compiles
-`vit_jax.step.build(config, ...).jit_train_step()`, as `python -m vit_jax.main` does. So the
-model runs with the training execution defaults (`vit_jax.config.TRAINING_DEFAULTS`: scan=True,
-remat=True, remat_policy='auto', on a CPU 'dots_and_attention_saveable'; --set scan=False
---set remat=False for the plain unrolled model) and the attention implementation that
-training would choose on this machine (`config.model.attention='auto'`, `vit_jax.dispatch`: on
-one CPU, vit_jax's fused kernel where it is built, applies and is faster than XLA's on this
-CPU's instruction set; cuDNN's on a GPU in bfloat16). --set attention=xla (or cpu_kernel,
-cudnn) forces one. The report says which ran and why: the resolved implementation, the reason, and
-whether the compiled step calls the CPU kernel (in the JSON and the notes). timm runs its default
-model, without gradient checkpointing unless --set remat=True is given.
+What runs is the trainer's own step: the training config of MODEL (pretraining regime; --batch,
+--resolution, --dtype, each --set a config.model field) resolved for this machine and compiled by
+`vit_jax.step.build(...)`, as `python -m vit_jax.main` does: scan and remat on (--set scan=False
+--set remat=False: the plain unrolled model), the attention `vit_jax/dispatch.py` picks (--set
+attention=xla, cpu_kernel or cudnn forces one); the report says which ran and why. timm runs
+its default model, without gradient checkpointing unless --set remat=True.
 
 Every configuration (model x mode x framework x round) runs in a fresh subprocess pinned to
 --threads cores, under the huge-page malloc of `vit_jax.platform`, the frameworks alternating.
