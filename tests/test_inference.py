@@ -9,6 +9,7 @@ import shutil
 import numpy as np
 import pytest
 
+from vit_jax import checkpoint
 from vit_jax import data
 from vit_jax import inference
 from vit_jax.checkpoint import workdir as workdir_lib
@@ -89,7 +90,7 @@ def test_class_names_that_do_not_fit_the_head_are_refused(tmp_path):
   (step_dir / "state").mkdir(parents=True)
   run = workdir_lib.SavedRun(str(step_dir / "state"), 12, None, None, False, [12])
   record = {"label_names": ["a", "b"], "multi_label": False}
-  label_names = inference._label_names  # pylint: disable=protected-access
+  label_names = checkpoint.formats._label_names  # pylint: disable=protected-access
   assert label_names(record, 2, run) == (("a", "b"), False)
   with pytest.raises(ValueError) as error:
     label_names(record, 3, run)

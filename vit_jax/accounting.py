@@ -64,13 +64,11 @@ class Hardware:
 def hardware(device_kind: str, num_devices: int, dtype: str = "float32",
              platform: Optional[str] = None,
              peak_flops_per_device: Optional[float] = None) -> Hardware:
-  """The `Hardware` of `num_devices` devices of `device_kind` computing in `dtype` (`platform`
-  guessed from the kind if None; `peak_flops_per_device` overrides the catalogue's). An unknown
-  kind gets no peak, an unknown TPU one core per device."""
-  if platform is None:
-    platform = ("tpu" if device_kind.startswith("TPU") else
-                "cpu" if device_kind.lower() == "cpu" else "gpu")
+  """The `Hardware` of `num_devices` devices of `device_kind` computing in `dtype` (`platform`:
+  jax's `device.platform`, if None the catalogue kind's, else 'unknown'; `peak_flops_per_device`
+  overrides the catalogue's). An unknown kind gets no peak, an unknown TPU one core per device."""
   kind = hardware_lib.kind(device_kind)
+  platform = platform or (kind.platform if kind else "unknown")
   cores = chips = None
   if platform == "tpu":
     per_device = (kind and kind.cores_per_device) or 1

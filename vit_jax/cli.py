@@ -1,7 +1,6 @@
-"""absl flag parsing for ``vit_jax.main`` and the tools with ``--config`` (cost, preflight): one
-``FATAL:`` line (exit 2) for a missing config file, a refused argument, or an unknown
-``--config.<key>`` (with the closest match), instead of ml_collections' traceback.
-"""
+"""``--config`` parsed by absl and ml_collections for ``vit_jax.main`` and, through
+:func:`load_config`, the cost and preflight tools: a missing config file, a refused flag or an
+unknown ``--config.<key>`` (with the closest match) is one message, not a traceback."""
 
 from __future__ import annotations
 
@@ -10,8 +9,8 @@ import importlib.util
 import os
 import sys
 
-from absl import app
 from absl import flags
+from ml_collections import config_flags
 
 
 def load_config_file(spec: str):
@@ -67,43 +66,54 @@ def config_spec(argv: list[str]) -> str | None:
   return spec
 
 
-_HELP_FLAGS = ("--help", "--helpshort", "--helpfull", "--helpxml", "-?")
-
-
-def parse_flags(argv: list[str]) -> list[str]:
-  """absl's flag parsing with the messages above; returns absl's argv. Exits 2 with one
-  ``FATAL:`` line for a bad flag or config, 0 after ``--help``."""
-  # absl answers --help and -?; most programs also answer -h (absl would call it unknown).
-  end = argv.index("--") if "--" in argv else len(argv)
-  argv = ["--help" if a == "-h" and i < end else a for i, a in enumerate(argv)]
+def _parse(flag_values: flags.FlagValues, argv: list[str]) -> list[str]:
+  """``flag_values(argv)``: the arguments left. Raises ValueError, one line, for a missing config
+  file, a refused flag or config file argument, or an unknown ``--config.<key>``."""
   spec = config_spec(argv)
   path = spec.partition(":")[0] if spec else None
   if path and not os.path.isfile(path):
     here = sorted(p for p in os.listdir("configs") if p.endswith(".py")) if os.path.isdir(
         "configs") else []
     known = f" The configs here: {', '.join('configs/' + p for p in here)}." if here else ""
-    sys.stderr.write(f"FATAL: The config file {path!r} (--config={spec}) does not exist.{known}\n")
-    sys.exit(2)
+    raise ValueError(f"The config file {path!r} (--config={spec}) does not exist.{known}")
   try:
-    return flags.FLAGS(argv)
+    return flag_values(argv)
+  # AttributeError, KeyError: ml_collections' for an unknown key; ValueError, TypeError: the
+  # config file's get_config(arg) refused its arg.
+  except (flags.Error, AttributeError, KeyError, ValueError, TypeError) as e:
+    raise ValueError(unknown_override_message(argv) or (
+        _without_traceback(str(e)) if isinstance(e, flags.Error) else f"Bad --config: {e}"))
+
+
+def load_config(argv: list[str]):
+  """The config of ``--config=path[:arg]`` in ``argv`` with its ``--config.key=value``
+  overrides, locked, as ``vit_jax.main`` loads it; None without ``--config``. Raises ValueError
+  as :func:`_parse`, and for an argument left over."""
+  argv = ["", *argv]
+  values = flags.FlagValues()
+  config = config_flags.DEFINE_config_file("config", None, flag_values=values, sys_argv=argv,
+                                           lock_config=True)
+  left = _parse(values, argv)[1:]
+  if left:
+    raise ValueError(f"Unexpected arguments: {' '.join(left)}")
+  return config.value
+
+
+def parse_flags(argv: list[str]) -> list[str]:
+  """``vit_jax.main``'s absl flags (:func:`_parse`); returns absl's argv. Exits 2 with one
+  ``FATAL:`` line for a bad flag or config, 0 after ``--help``."""
+  # absl answers --help and -?; most programs also answer -h (absl would call it unknown).
+  end = argv.index("--") if "--" in argv else len(argv)
+  argv = ["--help" if a == "-h" and i < end else a for i, a in enumerate(argv)]
+  try:
+    return _parse(flags.FLAGS, argv)
   except SystemExit as e:
     # absl prints the help asked for (--help, --helpshort, --helpfull, -?) and exits 1; asking
     # for help is not a failure (exit code 1 means one in vit_jax.main's table).
-    if e.code == 1 and any(a.split("=")[0] in _HELP_FLAGS for a in argv[1:]):
+    if e.code == 1 and any(a.split("=")[0] in ("--help", "--helpshort", "--helpfull",
+                                                "--helpxml", "-?") for a in argv[1:]):
       sys.exit(0)
     raise
-  except flags.Error as e:
-    message = unknown_override_message(argv) or _without_traceback(str(e))
-  except (AttributeError, KeyError) as e:  # ml_collections' error for an unknown key.
-    message = unknown_override_message(argv) or f"Bad --config override: {e}"
-  except (ValueError, TypeError) as e:  # The config file's get_config(arg) refused its arg.
-    message = unknown_override_message(argv) or f"Bad --config: {e}"
-  sys.stderr.write(f"FATAL: {message}\nPass --help to see the flags.\n")
-  sys.exit(2)
-
-
-def run_absl(main, doc: str) -> None:
-  """Runs ``main`` as an absl program with :func:`parse_flags`; ``--help`` shows ``doc``."""
-  os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")
-  sys.modules["__main__"].__doc__ = doc
-  app.run(main, flags_parser=parse_flags)
+  except ValueError as e:
+    sys.stderr.write(f"FATAL: {e}\nPass --help to see the flags.\n")
+    sys.exit(2)

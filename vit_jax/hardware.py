@@ -13,6 +13,8 @@ import re
 from typing import Optional
 
 GIB = 2**30
+#: A Cloud TPU slice whose number ('v3-8', 'v4-8', 'v5litepod-8') is at most this has one host.
+SINGLE_HOST_SLICE = 8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,7 +32,6 @@ class Kind:
   largest: Optional[int] = None  # The largest Cloud TPU slice, in `counts`.
   topology: Optional[str] = None  # libtpu's topology prefix: 'v5e' of 'v5e:4x4'.
   grid_3d: bool = False  # A 3-D torus: slices of multiples of 8 up to 128, then of 128.
-  single_host_chips: Optional[int] = None  # Slices up to this many chips are on one host.
 
   @property
   def platform(self) -> str:
@@ -38,10 +39,9 @@ class Kind:
 
 
 def _tpu(device_kind, pattern, peak, cores_per_device, cores_per_chip, hbm=None, name=None,
-         counts="cores", largest=None, topology=None, grid_3d=False, single_host_chips=None):
+         counts="cores", largest=None, topology=None, grid_3d=False):
   return Kind(device_kind, pattern, {"bfloat16": peak, "float32": peak}, {"float32": "bfloat16"},
-              cores_per_device, cores_per_chip, hbm, name, counts, largest, topology, grid_3d,
-              single_host_chips)
+              cores_per_device, cores_per_chip, hbm, name, counts, largest, topology, grid_3d)
 
 
 def _gpu(device_kind, pattern, name, float32, half, ampere=True):
@@ -57,11 +57,10 @@ KINDS = (
     _tpu("TPU v4", r"TPU v4", 275e12, 2, 2, 30.75, "v4", largest=4096, topology="v4",
          grid_3d=True),
     _tpu("TPU v5 lite", r"TPU v5 ?lite|TPU v5e", 197e12, 1, 1, 15.75, "v5litepod", "chips", 256,
-         "v5e", single_host_chips=8),
+         "v5e"),
     _tpu("TPU v5p", r"TPU v5p?", 459e12, 2, 2, 95.74, "v5p", largest=12288, topology="v5",
          grid_3d=True),
-    _tpu("TPU v6 lite", r"TPU v6 ?lite|TPU v6e", 918e12, 1, 1, 31.25, "v6e", "chips", 256, "v6e",
-         single_host_chips=8),
+    _tpu("TPU v6 lite", r"TPU v6 ?lite|TPU v6e", 918e12, 1, 1, 31.25, "v6e", "chips", 256, "v6e"),
     _gpu("Tesla V100", r"V100", "v100", 15.7e12, 125e12, ampere=False),
     _gpu("NVIDIA A100", r"A100", "a100", 156e12, 312e12),
     _gpu("NVIDIA H100", r"H100|GH200", "h100", 494e12, 989e12),
@@ -73,6 +72,12 @@ KINDS = (
 def kind(device_kind: str) -> Optional[Kind]:
   """The first `Kind` whose pattern matches jax's `device_kind`, else None."""
   return next((k for k in KINDS if re.search(k.pattern, device_kind)), None)
+
+
+def is_multi_host_slice(accelerator_type: str) -> bool:
+  """Whether a Cloud TPU type ('v3-32', 'v5litepod-16') names a slice of several hosts."""
+  match = re.fullmatch(r"v\d+[a-z]*-(\d+)", accelerator_type.strip().lower())
+  return bool(match) and int(match.group(1)) > SINGLE_HOST_SLICE
 
 
 def program_hbm_bytes(device_kind: str) -> int:

@@ -13,8 +13,6 @@ evaluation settings (docs/checkpoints.md, "A workdir alone rebuilds its model").
 from __future__ import annotations
 
 import dataclasses
-import json
-import math
 from typing import Any, Dict, Optional, Sequence, Tuple
 
 from absl import logging
@@ -28,11 +26,8 @@ from vit_jax import labels
 from vit_jax import models
 from vit_jax import sharding
 from vit_jax import step as step_lib
-from vit_jax.checkpoint import ecosystem
-from vit_jax.checkpoint import mismatch
 from vit_jax.checkpoint import orbax
 from vit_jax.checkpoint import paths
-from vit_jax.checkpoint import vit_shapes
 from vit_jax.checkpoint import workdir
 
 #: Classes of the official ImageNet-21k checkpoints (pretrained with a sigmoid loss).
@@ -117,51 +112,11 @@ def _for_devices(config: ml_collections.ConfigDict,
   return config
 
 
-def _label_names(dataset: Optional[Dict[str, Any]], num_classes: int, run: workdir.SavedRun
-                 ) -> Tuple[Optional[Tuple[str, ...]], Optional[bool]]:
-  """The class names and multi-label flag of a run's dataset record. Raises ValueError: it names
-  another number of classes than the head has."""
-  if not dataset:
-    return None, None
-  names = tuple(dataset.get('label_names') or ()) or None
-  if names is not None and len(names) != num_classes:
-    record, of_step = run.dataset_source()
-    if of_step:
-      where, fix = (f'The dataset record of step {run.step} ({record})',
-                    'the checkpoint is inconsistent: use another step (--step)')
-    else:
-      where, fix = (f'The dataset record {record}',
-                    f'restore this run\'s {record}, or delete it (the names then come from the '
-                    'training data, when it is on this machine)')
-    raise ValueError(f'{where} names {len(names)} classes, but the model\'s head has '
-                     f'{num_classes} outputs: the names are not this model\'s; {fix}.')
-  return names, dataset.get('multi_label')
-
-
-def _with_kept(trained: TrainedModel, kept: Dict[str, Any], item: str) -> TrainedModel:
-  """A convert directory's model with what convert kept of its source (class names, eval
-  preprocessing). Raises ValueError: the kept names are not one per output of the head."""
-  if not kept:
-    return trained
-  names = kept.get('label_names')
-  if names is not None and len(names) != trained.num_classes:
-    record = paths.join(item, orbax.EXPORT_JSON)
-    raise ValueError(f'{record} names {len(names)} classes, but the model\'s head has '
-                     f'{trained.num_classes} outputs: the names are not this model\'s; restore '
-                     'the file, or delete it (then 1,000 or 21,843 classes get the official '
-                     'ImageNet names, others their numbers).')
-  config = ml_collections.ConfigDict(trained.config.to_dict())
-  for key in ('normalization', 'eval_crop_pct'):
-    if key in kept:
-      config.data[key] = kept[key]
-  return dataclasses.replace(
-      trained, config=config, label_names=tuple(str(n) for n in names) if names else
-      trained.label_names, multi_label=bool(kept.get('multi_label', trained.multi_label)))
-
-
-def _from_run(path: str, run: workdir.SavedRun, use_ema: bool, model_name: Optional[str],
-              overrides: Dict[str, Any], num_classes: Optional[int] = None,
-              image_size: Optional[int] = None) -> TrainedModel:
+def _from_run(path: str, contents: checkpoint.Contents, model_name: Optional[str],
+              overrides: Dict[str, Any], num_classes: Optional[int],
+              image_size: Optional[int]) -> TrainedModel:
+  """A training run's model, rebuilt by its saved config."""
+  run = contents.run
   config = config_lib.from_json(run.config)
   for flag, given, saved in (('--num-classes', num_classes, config.num_classes),
                              ('--image-size', image_size, config.data.image_size)):
@@ -175,15 +130,11 @@ def _from_run(path: str, run: workdir.SavedRun, use_ema: bool, model_name: Optio
   if model_name or overrides:
     raise ValueError(f'{path} is a training workdir of {config.model_name}: its saved config '
                      'rebuilds the model; drop --model/--set.')
-  variables = orbax.read_variables(run.state_item, use_ema=use_ema)
-  names, multi_label = _label_names(run.dataset, int(config.num_classes), run)
+  names = contents.label_names
   if run.dataset is None:  # Saved before the record existed: ask the dataset, if it is here.
     names = _names_from_data(config)
-  if multi_label is None:
-    multi_label = config.loss == 'sigmoid_xent'
-  weights = 'EMA parameters' if use_ema and run.has_ema else 'parameters'
-  return TrainedModel(config, variables, names, bool(multi_label), run.step,
-                      f'{path} (step {run.step}, {weights})')
+  return TrainedModel(config, contents.variables, names, bool(contents.multi_label), run.step,
+                      contents.description)
 
 
 def _names_from_data(config: ml_collections.ConfigDict) -> Optional[Tuple[str, ...]]:
@@ -214,122 +165,49 @@ def _official_config(model_name: str, num_classes: int, image_size: int, *, norm
   return config
 
 
-def _grid_side(tokens: int, what: str) -> int:
-  side = math.isqrt(tokens)
-  if side * side != tokens:
-    raise ValueError(f'{what} has {tokens} position(s), not a square grid: give image_size '
-                     '(--image-size).')
-  return side
-
-
-def _shapes(variables: Dict[str, Any]) -> Dict[str, Tuple[int, ...]]:
-  return {k: tuple(np.shape(v)) for k, v in checkpoint.flatten_params(variables).items()}
-
-
-def _from_vit_weights(path: str, variables: Dict[str, Any], model_name: Optional[str],
-                      num_classes: Optional[int], image_size: Optional[int],
-                      overrides: Dict[str, Any]) -> TrainedModel:
-  shapes = _shapes(variables)
-  fields = vit_shapes.architecture_fields(shapes)
-  if fields is None:
-    raise ValueError(f'{path} holds no ViT parameters (no embedding/kernel); a T2T-ViT file '
-                     'needs --model (e.g. T2T-ViT-14).')
-  classes = fields.pop('num_classes')
+def _from_weights(path: str, contents: checkpoint.Contents, model_name: Optional[str],
+                  overrides: Dict[str, Any], num_classes: Optional[int],
+                  image_size: Optional[int]) -> TrainedModel:
+  """Weights without a config: a model of their architecture (ViT: from the shapes; T2T-ViT:
+  ``model_name``), with the numerics, class names and preprocessing ``contents`` give."""
+  variables = contents.variables
+  if models.layout.is_scanned(variables['params']):  # A scanned run's: built per layer.
+    variables = models.unscan_params(variables)
+  implied, classes = contents.fields, contents.num_classes
+  if implied is None and not model_name:
+    raise ValueError(f'{path} holds no ViT parameters (no embedding/kernel) and no config: for '
+                     'T2T-ViT weights name the model with --model (e.g. --model T2T-ViT-14).')
   if classes is None:
     raise ValueError(f'{path} has no classification head (head/kernel): a feature extractor '
                      'cannot predict classes.')
   if num_classes is not None and int(num_classes) != classes:
     raise ValueError(f"--num-classes {num_classes} does not match {path}: its head has "
                      f"{classes} classes; drop --num-classes (the head decides).")
-  if model_name is None:
-    hybrid = 'resnet_num_layers' in fields
+  fields = {**contents.numerics, **overrides}
+  if implied is not None and model_name is None:
+    hybrid = 'resnet_num_layers' in implied
     model_name = 'R+ViT-custom' if hybrid else 'ViT-custom'
-    if not hybrid:
-      fields.pop('resnet_width_factor', None)
-    fields.update(overrides)
-  else:
-    fields = dict(overrides)
-    if 'params/pre_logits/kernel' in shapes and 'representation_size' not in fields:
-      fields['representation_size'] = shapes['params/pre_logits/kernel'][-1]
-    implied = vit_shapes.architecture_fields(shapes)
-    for key in ('classifier', 'posemb'):  # What the weights compute, whatever the name says.
-      fields.setdefault(key, implied[key])
+    fields = {**{k: v for k, v in implied.items()
+                 if k != 'num_classes' and (hybrid or k != 'resnet_width_factor')}, **fields}
+  elif implied is not None:  # What the weights compute, whatever the name says.
+    for key in ('representation_size', 'classifier', 'posemb'):
+      if implied[key] is not None:
+        fields.setdefault(key, implied[key])
+  image_size = image_size or contents.image_size
   if image_size is None:
-    posemb = shapes.get(checkpoint.POSEMB_KEY)
-    if posemb is None:
-      raise ValueError(f"{path} has no learned position table (posemb='sincos2d', which fits "
-                       'any resolution): give the image size (--image-size, e.g. 224).')
-    image_size = vit_shapes.image_size(shapes, vit_shapes.architecture_fields(shapes))
-    if image_size is None:
-      tokens = posemb[1] - (1 if 'params/cls' in shapes else 0)
-      raise ValueError(f'{path} (position embedding) has {tokens} position(s), not a square '
-                       'grid: give image_size (--image-size).')
+    raise ValueError(
+        f"{path} has no learned position table (posemb='sincos2d', which fits any resolution): "
+        'give the image size (--image-size, e.g. 224).' if implied and implied['posemb'] !=
+        'learn' else f'{path}: its position table is not a square grid; give the image size '
+        '(--image-size).')
   config = _official_config(model_name, classes, int(image_size),
-                            normalization='minus_one_to_one', eval_crop_pct=None,
-                            overrides=fields)
-  return TrainedModel(config, variables, labels.official_label_names(classes),
-                      classes == IMAGENET21K_CLASSES, None, path)
-
-
-def _from_foreign(ckpt: checkpoint.Checkpoint, model_name: Optional[str],
-                  num_classes: Optional[int], image_size: Optional[int],
-                  overrides: Dict[str, Any]) -> TrainedModel:
-  """A transformers or timm ViT: numerics and class names from the file, normalization from its
-  ``preprocessor_config.json`` (else pixels in [-1, 1])."""
-  heads = overrides.get('num_heads')
-  if heads is None and model_name:
-    try:
-      heads = models.model_config(model_name, **overrides).get('num_heads')
-    except (ValueError, TypeError):  # E.g. ViT-custom without its fields: reported later.
-      heads = None
-  path = ckpt.path
-  foreign = ckpt.foreign(heads)
-  numerics = {k: foreign.fields[k] for k in ecosystem.NUMERICS}
-  trained = _from_vit_weights(path, foreign.variables, model_name, num_classes,
-                              image_size or foreign.image_size, {**numerics, **overrides})
-  names = foreign.label_names or trained.label_names
-  normalization = _hf_normalization(ckpt.probe.hf_directory)
-  config = trained.config
-  if normalization:
-    config = ml_collections.ConfigDict(config.to_dict())
-    config.data.normalization = normalization
-  return dataclasses.replace(trained, config=config, label_names=names,
-                             description=f'{path} ({foreign.family})')
-
-
-def _hf_normalization(directory: Optional[str]) -> Optional[str]:
-  """'minus_one_to_one' or 'imagenet' from ``preprocessor_config.json``'s ``image_mean``."""
-  if directory is None:  # A timm file.
-    return None
-  file = paths.join(directory, 'preprocessor_config.json')
-  if not paths.exists(file):
-    return None
-  try:
-    mean = [round(float(m), 3) for m in json.loads(paths.read_bytes(file)).get('image_mean', [])]
-  except (ValueError, TypeError):
-    return None
-  return {(0.5, 0.5, 0.5): 'minus_one_to_one', (0.485, 0.456, 0.406): 'imagenet'}.get(
-      tuple(mean))
-
-
-def _from_torch(ckpt: checkpoint.Checkpoint, model_name: Optional[str],
-                num_classes: Optional[int], image_size: Optional[int], use_ema: bool,
-                overrides: Dict[str, Any]) -> TrainedModel:
-  path = ckpt.path
-  if not model_name:
-    raise ValueError(f'{path} is a PyTorch checkpoint: name its model with --model (e.g. '
-                     '--model T2T-ViT-14 or --model T2T-ViT_t-14).')
-  model = models.create(model_name, num_classes=1000, **overrides)
-  if not isinstance(model, models.T2TViT):
-    raise ValueError(f'{path} is a PyTorch checkpoint, read as a T2T-ViT; --model '
-                     f'{model_name} is not one (T2T-ViT-7/10/12/14/19/24, T2T-ViT_t-14/19/24).')
-  try:
-    variables = ckpt.read_for_finetuning(model, use_ema)
-  except mismatch.ModelMismatchError as e:
-    raise ValueError(f'{path} does not fit --model {model_name}. {e.implied or ""} Name the '
-                     'model these weights are of (with --set KEY=VALUE for the fields of '
-                     'T2T-ViT-custom).') from e
-  return _from_t2t_variables(path, variables, model_name, num_classes, image_size, overrides)
+                            normalization=contents.normalization,
+                            eval_crop_pct=contents.eval_crop_pct, overrides=fields)
+  multi_label = (classes == IMAGENET21K_CLASSES if contents.multi_label is None
+                 else contents.multi_label)
+  return TrainedModel(config, variables, contents.label_names or
+                      labels.official_label_names(classes), bool(multi_label), None,
+                      contents.description)
 
 
 def load(source: Any, *, step: Optional[int] = None, use_ema: bool = True,
@@ -355,10 +233,10 @@ def load(source: Any, *, step: Optional[int] = None, use_ema: bool = True,
   if not paths.exists(path):
     raise FileNotFoundError(f'{path} does not exist: give {SOURCES}.')
   overrides = dict(overrides or {})
-  ckpt = checkpoint.open(path)
-  trained = _FROM[ckpt.name](ckpt, model_name=model_name, num_classes=num_classes,
-                             image_size=image_size, use_ema=use_ema, overrides=overrides,
-                             step=step)
+  contents = checkpoint.open(path).contents(use_ema=use_ema, step=step, model_name=model_name,
+                                            overrides=overrides)
+  build = _from_run if contents.run is not None else _from_weights
+  trained = build(path, contents, model_name, overrides, num_classes, image_size)
   config = _for_devices(trained.config, list(jax.devices() if devices is None else devices))
   model = step_lib.create_model(config)
   try:
@@ -372,45 +250,6 @@ def load(source: Any, *, step: Optional[int] = None, use_ema: bool = True,
                      'weights are of (an .npz needs no --model: its shapes give it).') from e
   _check_finite(path, trained, use_ema)
   return dataclasses.replace(trained, config=config)
-
-
-def _from_orbax(ckpt, *, model_name, num_classes, image_size, use_ema, overrides, step):
-  path = ckpt.path
-  run = workdir.read_run(path, step=step)
-  if run.config is not None:
-    return _from_run(path, run, use_ema, model_name, overrides, num_classes, image_size)
-  # A convert directory: weights, and what convert kept of their source.
-  variables = orbax.read_variables(run.state_item, use_ema=use_ema)
-  if models.layout.is_scanned(variables['params']):  # A scanned run's: built per layer.
-    variables = models.unscan_params(variables)
-  kept = orbax.read_export_metadata(run.state_item) or {}
-  size = image_size or kept.get('image_size')
-  if vit_shapes.architecture_fields(_shapes(variables)) is None:
-    trained = _from_t2t_variables(path, variables, model_name, num_classes, size, overrides)
-  else:
-    trained = _from_vit_weights(path, variables, model_name, num_classes, size, overrides)
-  return _with_kept(trained, kept, run.state_item)
-
-
-def _from_npz(ckpt, *, model_name, num_classes, image_size, use_ema, overrides):
-  return _from_vit_weights(ckpt.path, ckpt.read(), model_name, num_classes, image_size,
-                           overrides)
-
-
-def _one_file(read):
-  """``read`` for a checkpoint file, which has no steps."""
-  def with_step(ckpt, *, step, **kwargs):
-    if step is not None:
-      raise ValueError(f'--step applies to training workdirs; {ckpt.path} is a single '
-                       'checkpoint file.')
-    return read(ckpt, **kwargs)
-  return with_step
-
-
-#: How each checkpoint format (``vit_jax.checkpoint.formats``) becomes a TrainedModel.
-_FROM = {'orbax': _from_orbax, 'npz': _one_file(_from_npz), 'pytorch': _one_file(_from_torch),
-         'hf': _one_file(lambda ckpt, use_ema, **kw: _from_foreign(ckpt, **kw)),
-         'timm': _one_file(lambda ckpt, use_ema, **kw: _from_foreign(ckpt, **kw))}
 
 
 def _check_finite(path: str, trained: TrainedModel, use_ema: bool) -> None:
@@ -430,27 +269,6 @@ def _check_finite(path: str, trained: TrainedModel, use_ema: bool) -> None:
     advice = 'Give an earlier step of the run (its workdir, with --step).'
   raise ValueError(f'{checkpoint.non_finite_message(what, bad)}: its outputs would be '
                    f'meaningless. {advice}')
-
-
-def _from_t2t_variables(path: str, variables: Dict[str, Any], model_name: Optional[str],
-                        num_classes: Optional[int], image_size: Optional[int],
-                        overrides: Dict[str, Any]) -> TrainedModel:
-  """A T2T-ViT's variables (a ``.pth.tar`` or a convert directory)."""
-  if not model_name:
-    raise ValueError(f'{path} holds weights without a config: name the model with --model (e.g. '
-                     '--model T2T-ViT-14).')
-  shapes = _shapes(variables)
-  classes = shapes.get('params/head/kernel', (None,))[-1]
-  if classes is None or (num_classes is not None and int(num_classes) != classes):
-    raise ValueError(f"--num-classes {num_classes} does not match {path}: its head has "
-                     f"{classes} classes; drop --num-classes (the head decides).")
-  if image_size is None:
-    tokens = shapes.get('constants/pos_embed', (1, 1))[1] - 1
-    image_size = _grid_side(tokens, f'{path} (pos_embed)') * 16
-  config = _official_config(model_name, classes, int(image_size), normalization='imagenet',
-                            eval_crop_pct=0.9, overrides=overrides)
-  return TrainedModel(config, variables, labels.official_label_names(classes),
-                      classes == IMAGENET21K_CLASSES, None, path)
 
 
 class Runner:

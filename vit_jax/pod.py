@@ -9,7 +9,6 @@ from __future__ import annotations
 import ctypes
 import inspect
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -19,6 +18,7 @@ from typing import Optional
 
 from absl import logging
 
+from vit_jax import hardware
 from vit_jax import stops
 
 
@@ -27,10 +27,7 @@ def _on_multi_host_tpu() -> bool:
   hosts = os.environ.get("TPU_WORKER_HOSTNAMES", "")
   if "," in hosts:
     return True
-  accelerator = os.environ.get("TPU_ACCELERATOR_TYPE", "")  # e.g. 'v3-32'
-  match = re.fullmatch(r"v\d+[a-z]*-(\d+)", accelerator)
-  # The number counts TensorCores (v2-v5p) or chips (v5e, v6e); one host has at most 8.
-  return bool(match) and int(match.group(1)) > 8
+  return hardware.is_multi_host_slice(os.environ.get("TPU_ACCELERATOR_TYPE", ""))
 
 
 #: Default --distributed_timeout (s): the wait for registration and the longest heartbeat gap.

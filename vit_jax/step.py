@@ -191,7 +191,6 @@ class Setup:
   abstract_state: State
   state_shardings: Any
   batch_sharding: jax.sharding.NamedSharding
-  boxed_variables: Any
 
   def init_variables(self, rng: jax.Array) -> dict[str, Any]:
     return nn.unbox(boxed_init(self.model, self.image_shape, rng))
@@ -337,4 +336,4 @@ def build(config: ml_collections.ConfigDict, *, image_shape: Sequence[int],
   return Setup(config=config, model=model, tx=tx, schedule=schedule, mesh=mesh, rules=rules,
                image_shape=image_shape, init_rng=init_rng, dropout_rng=dropout_rng,
                abstract_state=abstract_state, state_shardings=state_shardings,
-               batch_sharding=sharding.batch_sharding(mesh, rules), boxed_variables=boxed)
+               batch_sharding=sharding.batch_sharding(mesh, rules))

@@ -184,7 +184,7 @@ def test_written_files_read_back_exactly(tmp_path, to, overrides):
     assert call.startswith("timm.create_model('vit_base_patch16_224', pretrained=True, "
                            "pretrained_cfg_overlay=dict(file=")
     assert "input_size=(3, 32, 32), crop_pct=1.0, interpolation='bilinear'" in call
-  assert checkpoint.open(dst).foreign().label_names == ('a', 'b', 'c')
+  assert checkpoint.open(dst).contents().label_names == ('a', 'b', 'c')
 
 
 def test_what_a_library_cannot_express_is_refused_by_name(tmp_path):

@@ -5,6 +5,9 @@ converter's other tests are in tests/checkpoint/test_finetune.py and test_ecosys
 import json
 import os
 
+import numpy as np
+import pytest
+
 from vit_jax import inference
 from vit_jax.checkpoint import ecosystem
 from vit_jax.checkpoint import orbax
@@ -43,3 +46,20 @@ def test_an_orbax_conversion_keeps_the_class_names_and_preprocessing(tmp_path, c
       "note: an .npz holds arrays only; not kept: 10 class names (kind_0, kind_1, kind_2, ...), "
       "normalization imagenet, image_size 32 (write a directory, an Orbax checkpoint, to keep "
       "them).\n")
+
+
+@pytest.mark.slow
+def test_step_picks_a_step_of_a_workdir_and_is_refused_for_a_file(tiny_workdir, tmp_path,
+                                                                   capsys):
+  """`--step N` converts that step of a run (default its latest); a single file has no steps."""
+  workdir = str(tiny_workdir[0])
+  assert convert.main([workdir, str(tmp_path / "six.npz"), "--step", "6"]) == 0
+  assert convert.main([workdir, str(tmp_path / "latest.npz")]) == 0
+  six, latest = (np.load(tmp_path / f"{n}.npz") for n in ("six", "latest"))
+  assert not np.array_equal(six["head/kernel"], latest["head/kernel"])
+  np.testing.assert_array_equal(
+      six["head/kernel"],
+      inference.load(workdir, step=6).variables["params"]["head"]["kernel"])
+  capsys.readouterr()
+  assert convert.main([NPZ, str(tmp_path / "x.npz"), "--step", "6"]) == 2
+  assert "--step applies to training workdirs" in capsys.readouterr().err

@@ -69,6 +69,14 @@ def test_estimator_does_not_import_the_trainer():
   assert proc.stdout.strip() == "[]"
 
 
+def test_estimator_cli_refuses_an_unknown_config_key_as_main_does(capsys, monkeypatch):
+  monkeypatch.chdir(ROOT)
+  assert cost.main(["--config", "configs/fashion_mnist.py", "--config.batch_siz=1"]) == 2
+  err = capsys.readouterr().err
+  assert err.startswith("FATAL: Unknown config key 'batch_siz' in '--config.batch_siz=1'")
+  assert "Did you mean 'batch_size'?" in err and err.count("\n") == 1
+
+
 def _run_cost(*args):
   env = dict(os.environ, JAX_PLATFORMS="cpu")
   return subprocess.run([sys.executable, "-m", "vit_jax.cost", *args], cwd=ROOT, env=env,

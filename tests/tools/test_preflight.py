@@ -19,6 +19,7 @@ from vit_jax import cli
 from vit_jax import config as config_lib
 from vit_jax import flops
 from vit_jax import step
+from vit_jax.tools import cost
 from vit_jax.tools.preflight import cli as preflight_cli
 from vit_jax.tools.preflight import fit
 from vit_jax.tools.preflight import search
@@ -136,6 +137,18 @@ def test_missing_libtpu_exits_2_with_the_install_line():
   assert proc.returncode == 2, proc.stderr
   assert "FATAL: libtpu is not installed" in proc.stderr
   assert "pip install -e '.[tpu]'" in proc.stderr
+
+
+def test_the_command_line_takes_switches_and_config_overrides():
+  """argparse's flags (absl's spellings kept: --noeval, --nosuggest) and main's --config."""
+  args, config = cost.parse(preflight_cli._parser(), [  # pylint: disable=protected-access
+      "--config", os.path.join(ROOT, TINY_VIT[0]), "--config.model.patch_size=8,8",
+      "--accelerator=v3-8", "--nosuggest", "--noeval", "--largest_batch"])
+  assert (args.accelerator, args.suggest, args.eval, args.largest_batch) == (
+      "v3-8", False, False, True)
+  assert config.model.patch_size == (8, 8) and config.is_locked
+  args, _ = cost.parse(preflight_cli._parser(), [])  # pylint: disable=protected-access
+  assert (args.suggest, args.eval, args.largest_batch) == (True, True, False)
 
 
 # ---------------------------------------------------------------- with libtpu

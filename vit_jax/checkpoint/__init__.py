@@ -21,7 +21,7 @@ from vit_jax.checkpoint.archive import DamagedCheckpointError
 from vit_jax.checkpoint.finetune import (HEAD_KEYS, POSEMB_KEY, PRE_LOGITS_PREFIX,
                                          REGENERATED_KEYS, init_for_finetuning, resize_posemb)
 from vit_jax.checkpoint.formats import (ACCEPTED_FORMATS, TORCH_SUFFIXES, Checkpoint,
-                                        detect, is_torch_checkpoint, open)  # noqa: A004
+                                        Contents, detect, is_torch_checkpoint, open)  # noqa: A004
 from vit_jax.checkpoint.npz import convert_pre_linen, fix_groupnorm, load_npz, save_npz
 from vit_jax.checkpoint.orbax import check_state_fits, save_orbax
 from vit_jax.checkpoint.torch_pickle import load_pth
@@ -32,7 +32,7 @@ from vit_jax.checkpoint.lock import WorkdirInUseError, WorkdirLock, acquire_on_a
 from vit_jax.checkpoint.workdir import CheckpointSaveError, Checkpoints, Workdir, load_orbax
 
 __all__ = [
-    'ACCEPTED_FORMATS', 'Checkpoint', 'CheckpointSaveError', 'Checkpoints',
+    'ACCEPTED_FORMATS', 'Checkpoint', 'CheckpointSaveError', 'Checkpoints', 'Contents',
     'DamagedCheckpointError', 'TORCH_SUFFIXES', 'Workdir', 'WorkdirInUseError', 'WorkdirLock',
     'acquire_on_all_processes',
     'check_fits', 'check_state_fits', 'convert_pre_linen', 'describe_architecture', 'detect',

@@ -5,16 +5,14 @@ saved, for evaluation)."""
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Mapping
 from typing import Any, Dict, Optional, Sequence, Tuple
 
 import numpy as np
 
 from vit_jax.checkpoint import vit_shapes
-from vit_jax.checkpoint.mismatch import ModelMismatchError
-from vit_jax.checkpoint.tree import (describe_architecture, flatten_params, mismatch_report,
-                                     unflatten_params)
+from vit_jax.checkpoint.mismatch import ModelMismatchError, diff, mismatch_report
+from vit_jax.checkpoint.tree import describe_architecture, flatten_params, unflatten_params
 from vit_jax.models import layout
 
 #: The classifier head, re-initialised for fine-tuning (always, as the official ViT code does, or
@@ -32,8 +30,8 @@ REGENERATED_KEYS = ('constants/pos_embed',)
 def _grid_of(num_tokens: int, grid: Optional[Sequence[int]], what: str) -> Tuple[int, int]:
   """``grid`` as (gh, gw), checked against ``num_tokens``; square by default."""
   if grid is None:
-    side = math.isqrt(num_tokens)
-    if side * side != num_tokens:
+    side = vit_shapes.square_side(num_tokens)
+    if side is None:
       raise ValueError(f'The {what} position embedding has {num_tokens} grid tokens, not a square '
                        f'grid: pass its grid (rows, columns) explicitly.')
     return side, side
@@ -101,7 +99,7 @@ def init_for_finetuning(loaded: Mapping, fresh: Mapping, *, reset_head: bool = T
     loaded['params'] = convert(loaded['params'])
   loaded_flat = flatten_params(loaded)
   has_pre_logits = any(k.startswith(PRE_LOGITS_PREFIX) for k in fresh_flat)
-  out, notes, mismatched = {}, [], []
+  out, notes = {}, []
   for key, want in fresh_flat.items():
     if key not in loaded_flat:
       continue
@@ -123,13 +121,11 @@ def init_for_finetuning(loaded: Mapping, fresh: Mapping, *, reset_head: bool = T
     elif key in REGENERATED_KEYS:
       out[key] = np.asarray(want)
       notes.append(f'regenerated {change}')
-    else:
-      mismatched.append(f'{key}: checkpoint {tuple(np.shape(have))}, model {tuple(want.shape)}')
-  missing = [k for k in fresh_flat if k not in loaded_flat]
   dropped = [k for k in loaded_flat if k.startswith(PRE_LOGITS_PREFIX) and not has_pre_logits]
   notes += [f'dropped {k}' for k in dropped]
-  unexpected = [f'{k} {tuple(np.shape(v))}' for k, v in loaded_flat.items()
-                if k not in fresh_flat and k not in dropped]
+  # What is left: the loaded weights, those adapted above in their new shapes, less the dropped.
+  missing, unexpected, mismatched = diff(
+      {k: out.get(k, v) for k, v in loaded_flat.items() if k not in dropped}, fresh_flat)
   if missing or unexpected or mismatched:
     hint = describe_architecture(loaded)
     raise ModelMismatchError(mismatch_report(

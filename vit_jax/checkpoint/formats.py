@@ -1,13 +1,13 @@
 """The checkpoint formats, one registry (add a format here), and :func:`open`, which detects a
 source's format once: each :class:`Format` in :data:`FORMATS` (tried in order) ``sniff``s the
 :class:`Probe` detection read (nothing unpickled), gives the model ``fields`` the weights imply
-and ``read``s the variables. A new format also gets its text in ``rundir.ACCEPTED_FORMATS``
-and, for now, its entries in ``vit_jax.inference._FROM`` and ``vit_jax.tools.convert._READ``."""
+``read``s the variables, and gives the :class:`Contents` a model is built from (inference,
+convert). A new format is a :class:`Format` here and its text in ``rundir.ACCEPTED_FORMATS``."""
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, Optional, Sequence, Tuple
 
 from absl import logging
 import numpy as np
@@ -17,6 +17,7 @@ from vit_jax import rundir
 from vit_jax.checkpoint import archive
 from vit_jax.checkpoint import ecosystem
 from vit_jax.checkpoint import hf_vit
+from vit_jax.checkpoint import mismatch
 from vit_jax.checkpoint import npz
 from vit_jax.checkpoint import orbax
 from vit_jax.checkpoint import paths
@@ -65,6 +66,55 @@ def _probe(source: Any) -> Probe:
   return probe
 
 
+@dataclasses.dataclass(frozen=True)
+class Contents:
+  """A checkpoint read whole to build a model from (:meth:`Checkpoint.contents`): ``variables``
+  (NumPy, as saved), ``description`` (for logs), ``num_classes`` (the head's outputs), the
+  ``fields`` the shapes imply (``vit_shapes.architecture_fields``; None: not a ViT's) and the
+  ``numerics`` the file records (keys of ``ecosystem.NUMERICS``), ``image_size``,
+  ``label_names`` and ``multi_label`` (None: not recorded), the eval preprocessing
+  (``normalization``, ``eval_crop_pct``; weights alone: their paper's, those keys then in
+  ``from_paper``) and ``run``: a training run's ``workdir.SavedRun``, whose saved config
+  decides."""
+  variables: Dict[str, Any]
+  description: str
+  num_classes: Optional[int] = None
+  fields: Optional[Dict[str, Any]] = None
+  numerics: Dict[str, Any] = dataclasses.field(default_factory=dict)
+  image_size: Optional[int] = None
+  label_names: Optional[Tuple[str, ...]] = None
+  multi_label: Optional[bool] = None
+  normalization: Optional[str] = None
+  eval_crop_pct: Optional[float] = None
+  run: Optional[workdir.SavedRun] = None
+  from_paper: Tuple[str, ...] = ()
+
+
+def _weights_alone(variables: Dict[str, Any], description: str, **recorded: Any) -> Contents:
+  """Weights without a config: what the file recorded, else their paper's evaluation (ViT:
+  pixels in [-1, 1]; T2T-ViT: ImageNet mean and std, a 90% centre crop) at the image size of
+  the position table (T2T-ViT: 16 px per row of its grid)."""
+  shapes = tree.shapes(variables)
+  vit = vit_shapes.architecture_fields(shapes)
+  if vit is not None:
+    paper = dict(normalization='minus_one_to_one', image_size=vit_shapes.image_size(shapes, vit))
+  else:
+    side = vit_shapes.square_side(shapes.get('constants/pos_embed', (1, 1))[1] - 1)
+    paper = dict(normalization='imagenet', eval_crop_pct=0.9, image_size=side and side * 16)
+  recorded = {k: v for k, v in recorded.items() if v is not None}
+  return Contents(variables, description, shapes.get('params/head/kernel', (None,))[-1], vit,
+                  **{**paper, **recorded}, from_paper=tuple(k for k in paper if k not in recorded))
+
+
+def _check_names(names: Optional[Sequence[str]], num_classes: Optional[int], where: str,
+                 fix: str) -> Optional[Tuple[str, ...]]:
+  """``names`` as a tuple; ValueError when they are not one per output of the head."""
+  if names and num_classes and len(names) != num_classes:
+    raise ValueError(f'{where} names {len(names)} classes, but the model\'s head has '
+                     f'{num_classes} outputs: the names are not this model\'s; {fix}.')
+  return tuple(str(n) for n in names) if names else None
+
+
 def _fitted(ckpt: 'Checkpoint', variables: Dict[str, Any], model: Any, image_size: Any,
             evaluate: bool) -> Dict[str, Any]:
   """``variables``, checked to fit ``model`` at ``image_size`` when both are given."""
@@ -76,15 +126,18 @@ def _fitted(ckpt: 'Checkpoint', variables: Dict[str, Any], model: Any, image_siz
 
 
 class Format:
-  """One checkpoint format. ``name``: its :attr:`Checkpoint.name`; ``family``: for messages."""
+  """One checkpoint format. ``name``: its :attr:`Checkpoint.name`; ``family``: for messages;
+  ``has_steps``: a run's steps; ``reads_with_model``: the model's name and fields shape the
+  reading."""
   name = family = ''
+  has_steps = reads_with_model = False
 
   def sniff(self, probe: Probe) -> bool:
     raise NotImplementedError
 
   def shapes(self, ckpt: 'Checkpoint') -> Dict[str, Tuple[int, ...]]:
     """``'/'``-joined variable names -> shapes."""
-    return {k: tuple(np.shape(v)) for k, v in tree.flatten_params(ckpt.read()).items()}
+    return tree.shapes(ckpt.read())
 
   def fields(self, ckpt: 'Checkpoint', num_heads: Optional[int]) -> Dict[str, Any]:
     """The ViT fields the weights need (:func:`vit_jax.checkpoint.model_fields`); here the
@@ -110,6 +163,11 @@ class Format:
   def read_for_finetuning(self, ckpt: 'Checkpoint', model: Any, use_ema: bool) -> Dict[str, Any]:
     return self.read(ckpt, model=model, use_ema=use_ema, image_size=None, evaluate=False)
 
+  def contents(self, ckpt: 'Checkpoint', *, use_ema: bool, step: Optional[int],
+               model_name: Optional[str], overrides: Dict[str, Any]) -> Contents:
+    return _weights_alone(self.read(ckpt, model=None, use_ema=use_ema, image_size=None,
+                                    evaluate=False), ckpt.path)
+
 
 class _Npz(Format):
   name, family = NPZ, 'an official .npz'
@@ -134,7 +192,7 @@ class _Npz(Format):
 
 class _PyTorch(Format):
   """T2T-ViT state dicts (:func:`.torch_pickle.load_pth`), converted for a model."""
-  name, family = PYTORCH, 'a PyTorch T2T-ViT checkpoint'
+  name, family, reads_with_model = PYTORCH, 'a PyTorch T2T-ViT checkpoint', True
 
   def sniff(self, probe):
     if probe.zip is not None:
@@ -168,9 +226,29 @@ class _PyTorch(Format):
     return self.read(ckpt, model=model, use_ema=use_ema, image_size=None, evaluate=False,
                      as_saved=True)
 
+  def contents(self, ckpt, *, use_ema, step, model_name, overrides):
+    path = ckpt.path
+    if not model_name:
+      raise ValueError(f'{path} is a PyTorch checkpoint: name its model with --model (e.g. '
+                       '--model T2T-ViT-14 or --model T2T-ViT_t-14).')
+    if 'num_classes' in overrides:
+      raise ValueError('--set num_classes: the class count (and the input size) are read from '
+                       "the file's head.weight and pos_embed; drop it.")
+    model = models.create(model_name, num_classes=1000, **overrides)
+    if not isinstance(model, models.T2TViT):
+      raise ValueError(f'{path} is a PyTorch checkpoint, read as a T2T-ViT; --model '
+                       f'{model_name} is not one (T2T-ViT-7/10/12/14/19/24, T2T-ViT_t-14/19/24).')
+    try:
+      variables = self.read_for_finetuning(ckpt, model, use_ema)
+    except mismatch.ModelMismatchError as e:
+      raise ValueError(f'{path} does not fit --model {model_name}. {e.implied or ""} Name the '
+                       'model these weights are of (with --set KEY=VALUE for the fields of '
+                       'T2T-ViT-custom).') from e
+    return _weights_alone(variables, path)
+
 
 class _Orbax(Format):
-  name, family = ORBAX, 'an Orbax checkpoint'
+  name, family, has_steps = ORBAX, 'an Orbax checkpoint', True
 
   def sniff(self, probe):
     return probe.names is not None
@@ -180,6 +258,43 @@ class _Orbax(Format):
             else workdir.find_state_item(ckpt.path, names=ckpt.probe.names))
     return _fitted(ckpt, orbax.read_variables(item, use_ema=use_ema), model, image_size,
                    evaluate)
+
+  def contents(self, ckpt, *, use_ema, step, model_name, overrides):
+    run = workdir.read_run(ckpt.path, step=step)
+    variables = orbax.read_variables(run.state_item, use_ema=use_ema)
+    if run.config is None:  # A convert directory: what convert kept of its source.
+      kept = orbax.read_export_metadata(run.state_item) or {}
+      head = tree.shapes(variables).get('params/head/kernel', (None,))[-1]
+      names = _check_names(kept.get('label_names'), head,
+                           paths.join(run.state_item, orbax.EXPORT_JSON),
+                           'restore the file, or delete it (then 1,000 or 21,843 classes get the '
+                           'official ImageNet names, others their numbers)')
+      return _weights_alone(variables, ckpt.path, label_names=names, **{
+          k: kept.get(k) for k in ('image_size', 'multi_label', 'normalization', 'eval_crop_pct')})
+    data = run.config.get('data') or {}
+    names, multi_label = _label_names(run.dataset, int(run.config['num_classes']), run)
+    weights = 'EMA parameters' if use_ema and run.has_ema else 'parameters'
+    return Contents(
+        variables, f'{ckpt.path} (step {run.step}, {weights})', int(run.config['num_classes']),
+        image_size=data.get('image_size'),
+        label_names=names, normalization=data.get('normalization'),
+        multi_label=(run.config.get('loss') == 'sigmoid_xent' if multi_label is None
+                     else multi_label), eval_crop_pct=data.get('eval_crop_pct'), run=run)
+
+
+def _label_names(dataset: Optional[Dict[str, Any]], num_classes: int, run: workdir.SavedRun
+                 ) -> Tuple[Optional[Tuple[str, ...]], Optional[bool]]:
+  """The class names and multi-label flag of a run's dataset record. Raises ValueError: it names
+  another number of classes than the head has."""
+  if not dataset:
+    return None, None
+  record, of_step = run.dataset_source()
+  where, fix = ((f'The dataset record of step {run.step} ({record})',
+                 'the checkpoint is inconsistent: use another step (--step)') if of_step else
+                (f'The dataset record {record}', f'restore this run\'s {record}, or delete it '
+                 '(the names then come from the training data, when it is on this machine)'))
+  return (_check_names(dataset.get('label_names'), num_classes, where, fix),
+          dataset.get('multi_label'))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -215,6 +330,22 @@ class _Foreign(Format):
       ecosystem.check_numerics(foreign.fields, model, ckpt.path)
     return _fitted(ckpt, foreign.variables, model, image_size or foreign.image_size, evaluate)
 
+  def contents(self, ckpt, *, use_ema, step, model_name, overrides):
+    heads = overrides.get('num_heads')
+    if heads is None and model_name:
+      try:
+        heads = models.model_config(model_name, **overrides).get('num_heads')
+      except (ValueError, TypeError):  # E.g. ViT-custom without its fields: reported later.
+        heads = None
+    foreign = self.foreign(ckpt, heads)
+    return _weights_alone(
+        foreign.variables, f'{ckpt.path} ({foreign.family})',
+        numerics={k: foreign.fields[k] for k in ecosystem.NUMERICS}, image_size=foreign.image_size,
+        label_names=foreign.label_names, normalization=self.normalization(ckpt))
+
+  def normalization(self, ckpt: 'Checkpoint') -> Optional[str]:
+    return None
+
   def read_for_finetuning(self, ckpt, model, use_ema):
     foreign = self.foreign(ckpt, getattr(model, 'num_heads', None))
     try:
@@ -242,9 +373,12 @@ class _Hf(_Foreign):
   def _read(self, ckpt, num_heads):
     return hf_vit.read(ckpt.probe.hf_directory, ckpt.probe.hf_names)
 
+  def normalization(self, ckpt):
+    return hf_vit.normalization(ckpt.probe.hf_directory, ckpt.probe.hf_names)
+
 
 class _Timm(_Foreign):
-  name, family, library = TIMM, 'a timm ViT', 'timm ViT'
+  name, family, library, reads_with_model = TIMM, 'a timm ViT', 'timm ViT', True
 
   def sniff(self, probe):
     return probe.header is not None and timm_vit.is_timm_names(probe.header[0])
@@ -283,10 +417,6 @@ class Checkpoint:
     """``(numerics fields, family)`` read from the file's headers and config, or None."""
     return self.format.numerics(self, num_heads)
 
-  def foreign(self, num_heads: Optional[int] = None) -> Foreign:
-    """transformers / timm weights with their fields and class names."""
-    return self.format.foreign(self, num_heads)
-
   def read(self, *, model: Any = None, use_ema: bool = True, image_size: Any = None,
            evaluate: bool = True) -> Dict[str, Any]:
     """The variables (:func:`vit_jax.checkpoint.load`); with ``model`` and an image size (given,
@@ -297,6 +427,19 @@ class Checkpoint:
   def read_for_finetuning(self, model: Any, use_ema: bool = True) -> Dict[str, Any]:
     """The variables at the file's own class count and size, for ``init_for_finetuning``."""
     return self.format.read_for_finetuning(self, model, use_ema)
+
+  def contents(self, *, use_ema: bool = True, step: Optional[int] = None,
+               model_name: Optional[str] = None,
+               overrides: Optional[Dict[str, Any]] = None) -> Contents:
+    """What a model is built from: ``step`` of a run (default the latest; ValueError for a
+    file), ``model_name`` and ``overrides`` (``models.create`` fields) for a PyTorch file (and
+    a timm file's heads). Raises as :meth:`read`; ValueError for class names that are not one
+    per output of the head."""
+    if step is not None and not self.format.has_steps:
+      raise ValueError(f'--step applies to training workdirs; {self.path} is a single '
+                       'checkpoint file.')
+    return self.format.contents(self, use_ema=use_ema, step=step, model_name=model_name,
+                                overrides=dict(overrides or {}))
 
 
 def open(source: Any) -> Checkpoint:  # pylint: disable=redefined-builtin

@@ -200,6 +200,19 @@ def _preprocessor_config(image_size: int, normalization: str) -> Dict[str, Any]:
   }
 
 
+def normalization(directory: str, names: Sequence[str]) -> Optional[str]:
+  """'minus_one_to_one' or 'imagenet' from the ``image_mean`` of the directory's
+  ``preprocessor_config.json`` (as :func:`_preprocessor_config` writes it), else None."""
+  if PREPROCESSOR_FILE not in names:
+    return None
+  try:
+    config = json.loads(paths.read_bytes(paths.join(directory, PREPROCESSOR_FILE)))
+    mean = tuple(round(float(m), 3) for m in config.get('image_mean', []))
+  except (ValueError, TypeError, AttributeError):
+    return None
+  return {(0.5, 0.5, 0.5): 'minus_one_to_one', (0.485, 0.456, 0.406): 'imagenet'}.get(mean)
+
+
 def export_problems(fields: Mapping[str, Any]) -> List[str]:
   """What a transformers ViT cannot express of a model with ``fields``."""
   problems = []

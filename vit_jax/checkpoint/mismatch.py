@@ -9,7 +9,9 @@ every reader (:mod:`.tree`, :mod:`.t2t_torch`, :mod:`.orbax`, :mod:`.finetune`):
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Any, List, Mapping, Optional, Sequence, Tuple
+
+import numpy as np
 
 #: Entries listed per kind of problem; the rest are counted.
 MAX_LISTED = 8
@@ -28,6 +30,17 @@ def _listing(items: Sequence[str], sep: str) -> str:
   shown = sep.join(items[:MAX_LISTED])
   return shown + (f'{sep}... and {len(items) - MAX_LISTED} more' if len(items) > MAX_LISTED
                   else '')
+
+
+def diff(have: Mapping[str, Any], want: Mapping[str, Any],
+         names: Tuple[str, str] = ('checkpoint', 'model')) -> Tuple[List[str], ...]:
+  """``(missing, unexpected, mismatched)`` of flat trees ``{'a/b': array or ShapeDtypeStruct}``
+  for :func:`mismatch_report`, ``names`` naming ``have`` and ``want`` in the mismatches."""
+  shape = lambda tree, k: tuple(np.shape(tree[k]))
+  return ([k for k in want if k not in have],
+          [f'{k} {shape(have, k)}' for k in have if k not in want],
+          [f'{k}: {names[0]} {shape(have, k)}, {names[1]} {shape(want, k)}'
+           for k in want if k in have and shape(have, k) != shape(want, k)])
 
 
 def mismatch_report(header: str, missing: Sequence[str], unexpected: Sequence[str],

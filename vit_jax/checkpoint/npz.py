@@ -15,6 +15,7 @@ import numpy as np
 
 from vit_jax.checkpoint import archive
 from vit_jax.checkpoint import paths
+from vit_jax.checkpoint import vit_shapes
 from vit_jax.checkpoint.tree import flatten_params, unflatten_params
 from vit_jax.models import layout
 
@@ -90,7 +91,7 @@ def from_big_vision(params: Mapping[str, Any]) -> Dict[str, Any]:
   if table is not None:
     table = np.asarray(table)
     tokens = table.shape[1]
-    if 'cls' in out and not (tokens > 1 and math.isqrt(tokens - 1) ** 2 == tokens - 1):
+    if 'cls' in out and not vit_shapes.square_side(tokens - 1):
       table = np.concatenate([np.zeros_like(table[:, :1]), table], axis=1)
     encoder['posembed_input'] = {'pos_embedding': table}
   out['Transformer'] = encoder

@@ -19,7 +19,7 @@ import jax
 import numpy as np
 
 from vit_jax.checkpoint import paths
-from vit_jax.checkpoint.mismatch import ModelMismatchError, mismatch_report
+from vit_jax.checkpoint.mismatch import ModelMismatchError, diff, mismatch_report
 from vit_jax.checkpoint.tree import describe_architecture, flatten_params
 from vit_jax.models import layout
 
@@ -107,27 +107,19 @@ def check_state_fits(state_dir: Any, abstract_state: Mapping) -> None:
       setting when only the block layout differs).
     FileNotFoundError: the item has no readable metadata (an empty or incomplete step).
   """
-
   tree = item_tree(state_dir)
   if not isinstance(tree, Mapping):  # Orbax found no item metadata (an empty or cut step).
     raise FileNotFoundError(errno.ENOENT, 'its metadata cannot be read', str(state_dir))
   as_structs = lambda t: jax.tree.map(lambda x: jax.ShapeDtypeStruct(tuple(x.shape), x.dtype), t)
   kept = ('params', 'model_state')
-  saved = {k: v for name in kept if isinstance(tree.get(name), Mapping)
-           for k, v in flatten_params({name: as_structs(tree[name])}).items()}
-  wanted = {k: v for name in kept if name in abstract_state
-            for k, v in flatten_params({name: abstract_state[name]}).items()}
-  missing = sorted(set(wanted) - set(saved))
-  unexpected = sorted(set(saved) - set(wanted))
-  mismatched = [f'{k}: saved {tuple(saved[k].shape)}, this run {tuple(wanted[k].shape)}'
-                for k in sorted(set(saved) & set(wanted))
-                if tuple(saved[k].shape) != tuple(wanted[k].shape)]
+  saved_tree = {k: as_structs(v) for k, v in tree.items() if k in kept and isinstance(v, Mapping)}
+  flat = lambda t: dict(sorted(flatten_params(t).items()))
+  saved, wanted = flat(saved_tree), flat({k: v for k, v in abstract_state.items() if k in kept})
+  missing, unexpected, mismatched = diff(saved, wanted, ('saved', 'this run'))
   if not (missing or unexpected or mismatched):
     return
   # With the fixed tables ('model_state'): they tell a Performer T2T module from a Transformer.
-  described = (describe_architecture({name: as_structs(tree[name]) for name in kept
-                                      if isinstance(tree.get(name), Mapping)})
-               if isinstance(tree.get('params'), Mapping) else None)
+  described = describe_architecture(saved_tree) if 'params' in saved_tree else None
   header = f'The checkpoint {state_dir} does not fit this model:'
   scanned = lambda keys: any(f'/{p}/' in k for k in keys for p in layout.BLOCK_PREFIXES)
   if saved and wanted and scanned(saved) != scanned(wanted):

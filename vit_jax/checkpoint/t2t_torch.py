@@ -7,7 +7,6 @@ Performer's random features ``w`` go to the ``'constants'`` collection, the rest
 
 from __future__ import annotations
 
-import math
 from typing import Any, Dict, Mapping, Optional, Sequence, Tuple, Union
 
 from flax import traverse_util
@@ -16,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from vit_jax.checkpoint import mismatch
+from vit_jax.checkpoint import vit_shapes
 from vit_jax.models import layout
 from vit_jax.models import t2t
 
@@ -41,8 +41,8 @@ def _image_size_from_pos_embed(state_dict: Mapping[str, Any]) -> Tuple[int, int]
   for key, value in state_dict.items():
     if key.split('.')[-1] == 'pos_embed' and key.count('.') <= 1:
       n = int(np.shape(value)[1]) - 1
-      side = math.isqrt(n)
-      if side * side == n:
+      side = vit_shapes.square_side(n)
+      if side:
         return 16 * side, 16 * side  # 16 g px gives a g x g token grid.
       raise ValueError(f'pos_embed has {n} token rows, not a square grid: pass image_size')
   raise ValueError('The state_dict has no pos_embed: pass image_size')

@@ -9,7 +9,6 @@ this project wrote it (:data:`METADATA_KEY`); variants without an equivalent are
 from __future__ import annotations
 
 import json
-import math
 import re
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
@@ -17,6 +16,7 @@ import numpy as np
 
 from vit_jax.checkpoint import archive
 from vit_jax.checkpoint import torch_layout
+from vit_jax.checkpoint import vit_shapes
 
 #: Families of names that have no equivalent in this project's ViT, with what they are.
 REFUSED = (
@@ -102,7 +102,7 @@ def canonical_arrays(arrays: Mapping[str, np.ndarray], path: str) -> Dict[str, n
   pos = out.get('pos_embed')
   if pos is not None and 'cls_token' in out:
     tokens = pos.shape[1]
-    if math.isqrt(tokens) ** 2 == tokens and math.isqrt(tokens - 1) ** 2 != tokens - 1:
+    if vit_shapes.square_side(tokens) and not vit_shapes.square_side(tokens - 1):
       out['pos_embed'] = np.concatenate([np.zeros_like(pos[:, :1]), pos], axis=1)
   return out
 
@@ -128,12 +128,11 @@ def fields_from(shapes: Mapping[str, Tuple[int, ...]], metadata: Mapping[str, st
                      'num_heads, e.g. --set num_heads=N).')
   fields['num_heads'] = int(heads)
   tokens = canonical['pos_embed'][1] if 'pos_embed' in canonical else 0
-  if 'cls_token' in canonical and math.isqrt(tokens) ** 2 != tokens:
+  if 'cls_token' in canonical and not vit_shapes.square_side(tokens):
     tokens -= 1
-  side = math.isqrt(tokens)
+  side = vit_shapes.square_side(tokens)
   patch = fields['patch_size']
-  fields['image_size'] = side * (patch if isinstance(patch, int) else patch[0]) if (
-      side * side == tokens and tokens) else None
+  fields['image_size'] = side and side * (patch if isinstance(patch, int) else patch[0])
   return fields
 
 

@@ -4,7 +4,7 @@ and non-finite values (what names mean: :mod:`.vit_shapes`, :mod:`.t2t_torch`)."
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import jax
 import jax.numpy as jnp
@@ -12,8 +12,9 @@ import numpy as np
 
 from vit_jax.checkpoint import t2t_torch
 from vit_jax.checkpoint import vit_shapes
-from vit_jax.checkpoint.mismatch import ModelMismatchError, mismatch_report
+from vit_jax.checkpoint.mismatch import ModelMismatchError, diff, mismatch_report
 from vit_jax.models import layout
+
 
 def flatten_params(tree: Mapping, sep: str = '/') -> Dict[str, Any]:
   """``{'a/b/c': leaf}`` of a nested mapping (insertion order; leaves unboxed, empty
@@ -34,6 +35,11 @@ def flatten_params(tree: Mapping, sep: str = '/') -> Dict[str, Any]:
     raise ValueError(f'flatten_params expects a mapping, got {type(tree).__name__}')
   visit(tree, '')
   return flat
+
+
+def shapes(variables: Mapping) -> Dict[str, Tuple[int, ...]]:
+  """``'/'``-joined variable names -> shapes."""
+  return {k: tuple(np.shape(v)) for k, v in flatten_params(variables).items()}
 
 
 def unflatten_params(flat: Mapping[str, Any], sep: str = '/') -> Dict[str, Any]:
@@ -74,11 +80,7 @@ def check_fits(variables: Mapping, expected: Mapping, *, what: str = 'The checkp
       the position table (another image size) differs.
   """
   variables, expected = layout.unbox(variables), layout.unbox(expected)
-  have, want = flatten_params(variables), flatten_params(expected)
-  missing = [k for k in want if k not in have]
-  unexpected = [f'{k} {tuple(np.shape(v))}' for k, v in have.items() if k not in want]
-  mismatched = [f'{k}: checkpoint {tuple(np.shape(have[k]))}, model {tuple(want[k].shape)}'
-                for k in want if k in have and tuple(np.shape(have[k])) != tuple(want[k].shape)]
+  missing, unexpected, mismatched = diff(flatten_params(variables), flatten_params(expected))
   if not (missing or unexpected or mismatched):
     return
   header = f'{what} does not fit the model:'

@@ -64,8 +64,14 @@ def image_size(shapes: dict, fields: Dict[str, Any]) -> Optional[int]:
   stride = vit_fields.patch_pair(fields['patch_size'])[0]
   if fields.get('resnet_num_layers') is not None:
     stride *= resnet.resnet_stride(fields['resnet_num_layers'])
-  side = math.isqrt(tokens)
-  return side * stride if side * side == tokens else None
+  side = square_side(tokens)
+  return side and side * stride
+
+
+def square_side(tokens: int) -> Optional[int]:
+  """The side of a square grid of ``tokens`` tokens, or None when they make none."""
+  side = math.isqrt(max(int(tokens), 0))
+  return side if tokens > 0 and side * side == tokens else None
 
 
 def describe_architecture(shapes: dict) -> Optional[str]:

@@ -13,7 +13,6 @@ import numpy as np
 import tensorflow as tf
 import tensorflow_datasets as tfds
 
-from vit_jax import config as config_lib
 from vit_jax.data import augment
 from vit_jax.data import memory
 from vit_jax.data import preprocess
@@ -102,7 +101,6 @@ def get_info(data_cfg) -> DatasetInfo:
     ValueError: an invalid config field or split.
     FileNotFoundError, KeyError, TypeError: as :func:`sources.get_source`.
   """
-  config_lib.validate_data(data_cfg)
   source = sources.get_source(data_cfg)
   s = data_cfg.image_size
   return DatasetInfo(
@@ -211,7 +209,6 @@ def create_train_iterator(data_cfg, global_batch_size: int, seed: int, start_ste
     ValueError: batch size not a multiple of the process count, invalid config, empty split;
       :func:`get_info`'s errors. ``BadImageError`` from ``next()`` in 'fail' mode.
   """
-  config_lib.validate_data(data_cfg)
   pi, pc = _processes(process_index, process_count)
   b = local_batch_size(global_batch_size, pc)
   if start_step < 0:
@@ -297,7 +294,6 @@ def create_eval_dataset(data_cfg, global_batch_size: int, *, split: Optional[str
     ValueError: batch size not a multiple of the process count, bad split or config;
       :func:`get_info`'s errors. ``BadImageError`` while iterating in 'fail' mode.
   """
-  config_lib.validate_data(data_cfg)
   pi, pc = _processes(process_index, process_count)
   b = local_batch_size(global_batch_size, pc)
   source = sources.get_source(data_cfg)

@@ -439,17 +439,22 @@ def _make_source(data_cfg) -> Source:
 
 
 _SOURCES = {}
+_CHECKED = set()  # The `config.data` values `config.validate_data` accepted.
 
 
 def get_source(data_cfg) -> Source:
-  """The (memoized) :class:`Source` of ``config.data``, prepared (and in 'skip' mode validated).
+  """The (memoized) :class:`Source` of ``config.data``, prepared (and in 'skip' mode validated),
+  after ``config.validate_data`` (once per values: every entry point of the pipeline calls this).
 
   Raises:
     FileNotFoundError: not prepared nor preparable offline; missing files; dangling links.
     KeyError, TypeError: unusable image or label feature.
-    ValueError: invalid ``bad_images``; a file name that is not UTF-8.
+    ValueError: an invalid field (``config.validate_data``); a file name that is not UTF-8.
   """
-  config_lib.check_value('data.bad_images', data_cfg.bad_images)
+  values = repr(tuple(data_cfg.items()))  # Hashable, and 224.0 is not 224.
+  if values not in _CHECKED:
+    config_lib.validate_data(data_cfg)
+    _CHECKED.add(values)
   key = (data_cfg.name, data_cfg.image_folder, data_cfg.data_dir, data_cfg.manual_dir,
          bool(data_cfg.prepare), data_cfg.image_key, data_cfg.label_key, data_cfg.bad_images)
   if key not in _SOURCES:

@@ -11,6 +11,7 @@ model's fields; sizes: ViT paper Table 1 and the official configs (docs/referenc
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import re
 from typing import Any, Callable, Dict, Optional, Sequence, Tuple
 
@@ -240,8 +241,10 @@ def model_config(name: str, **overrides: Any) -> Dict[str, Any]:
         f'Implemented forms: {"; ".join(f.forms for f in FAMILIES if f.module is not None)}')
   unknown = sorted(set(overrides) - set(family.override_keys))
   if unknown:
-    raise TypeError(f'Unknown override(s) {unknown} for model {name!r}. '
-                    f'Valid keys: {", ".join(family.override_keys)}')
+    close = difflib.get_close_matches(unknown[0], family.override_keys, n=1)
+    raise TypeError(f'Unknown override(s) {unknown} for model {name!r}. Valid keys: '
+                    f'{", ".join(family.override_keys)}.'
+                    + (f" Did you mean '{close[0]}'?" if close else ''))
   missing = [k for k in family.required if k not in overrides]
   if missing:
     raise ValueError(f'Model {name!r} needs the overrides {missing} '

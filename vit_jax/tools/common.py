@@ -66,10 +66,6 @@ class Parser(argparse.ArgumentParser):
     self.exit(2, f'FATAL: {message}\n')
 
 
-#: What SOURCE may be (the help of :func:`add_source_arguments`).
-SOURCE_HELP = rundir.ACCEPTED_FORMATS
-
-
 def add_set_argument(parser: argparse.ArgumentParser, example: str) -> None:
   """``--set KEY=VALUE``, repeatable, into ``args.set`` (each read by :func:`parse_setting`)."""
   parser.add_argument('--set', action='append', default=[], metavar='KEY=VALUE',
@@ -78,7 +74,7 @@ def add_set_argument(parser: argparse.ArgumentParser, example: str) -> None:
 
 def add_source_arguments(parser: argparse.ArgumentParser) -> None:
   """SOURCE and the flags of ``vit_jax.inference.load`` (:func:`load_source`)."""
-  parser.add_argument('source', metavar='SOURCE', help=SOURCE_HELP)
+  parser.add_argument('source', metavar='SOURCE', help=rundir.ACCEPTED_FORMATS)
   parser.add_argument('--step', type=int, help="a workdir's step (default: the latest)")
   parser.add_argument('--model', help='the model of a .pth.tar (required: T2T-ViT-7/10/12/14/'
                       '19/24, T2T-ViT_t-14/19/24) or of an .npz (optional: read from its '
@@ -122,14 +118,12 @@ def missing_source(args: argparse.Namespace):
   source = getattr(args, 'source', None)
   if not isinstance(source, str) or '://' in source or os.path.exists(source):
     return None
-  return FileNotFoundError(f'SOURCE {source!r} does not exist: give {SOURCE_HELP}.')
+  return FileNotFoundError(f'SOURCE {source!r} does not exist: give {rundir.ACCEPTED_FORMATS}.')
 
 
 def unsaved_run(args: argparse.Namespace):
-  """The error of a local SOURCE run lacking the step asked for, told by the file system, or None.
-
-  Only then is ``vit_jax.checkpoint.workdir.read_run`` called, for its message (it imports JAX).
-  """
+  """The error of a local SOURCE run lacking the step asked for, told by the file system (only
+  then is ``checkpoint.workdir.read_run``, which imports JAX, called for its message), or None."""
   source, step = getattr(args, 'source', None), getattr(args, 'step', None)
   if not isinstance(source, str) or '://' in source or not os.path.isdir(source):
     return None
@@ -164,13 +158,10 @@ def _tool_setup() -> None:
 
 
 def run_program(main, parser=None, precheck=None, setup=_tool_setup) -> None:
-  """Runs a tool's ``main()`` (``() -> int``, the exit status) as the program.
-
-  ``--help``, flags ``parser`` refuses, :func:`missing_source`, :func:`unsaved_run` and
-  ``precheck`` (``(args) -> Exception or None``) answer first, before JAX or TensorFlow load;
-  then ``setup()`` (``vit_jax.platform.setup``; a ValueError exits 2) and ``main()``. A closed
-  pipe ends the program quietly.
-  """
+  """Runs a tool's ``main()`` (``() -> int``, the exit status) as the program. ``--help``, flags
+  ``parser`` refuses, :func:`missing_source`, :func:`unsaved_run` and ``precheck`` (``(args) ->
+  Exception or None``) answer first, before JAX or TensorFlow load; then ``setup()`` (default
+  ``vit_jax.platform.setup``; a ValueError exits 2) and ``main()``. A closed pipe ends quietly."""
   if hasattr(signal, 'SIGPIPE'):  # `... | head`: end quietly, as shell tools do.
     signal.signal(signal.SIGPIPE, signal.SIG_DFL)
   if any(arg in ('-h', '--help') for arg in sys.argv[1:]):

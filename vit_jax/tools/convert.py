@@ -29,73 +29,34 @@ from typing import Any, Dict, Mapping, Optional, Sequence, Tuple
 import numpy as np
 
 from vit_jax import checkpoint
+from vit_jax import inference
+from vit_jax.checkpoint import ecosystem
 from vit_jax.checkpoint import npz
+from vit_jax.models import layout
 from vit_jax.tools import common
 
 
+#: What an Orbax destination keeps of its source (``orbax.EXPORT_JSON``) when the source says.
+FACTS = ('label_names', 'multi_label', 'normalization', 'eval_crop_pct', 'image_size')
+
+
 def read_with_facts(src: str, *, model_name: Optional[str] = None, use_ema: bool = True,
-                    overrides: Optional[Dict[str, Any]] = None
+                    overrides: Optional[Dict[str, Any]] = None, step: Optional[int] = None
                     ) -> Tuple[Dict[str, Any], Dict[str, Any]]:
-  """``src`` as ``{'params': ..., **collections}`` of NumPy arrays, and the facts an Orbax
-  destination keeps (``orbax.EXPORT_JSON``: class names, ``multi_label``, eval preprocessing;
-  none for ``.npz`` and PyTorch files). ``model_name`` (PyTorch files: required) and
-  ``overrides`` make the model. Raises FileNotFoundError, or ValueError as ``checkpoint.open``.
-  """
+  """``src`` (a run's ``step``, default its latest) as ``{'params': ..., **collections}`` of
+  NumPy arrays, and the :data:`FACTS` it records (``checkpoint.Contents``). ``model_name``
+  (PyTorch files: required) and ``overrides`` make the model. Raises FileNotFoundError, or
+  ValueError as ``checkpoint.Checkpoint.contents``."""
   ckpt = checkpoint.open(src)
-  return _READ[ckpt.name](ckpt, model_name, use_ema, dict(overrides or {}))
-
-
-def _read_torch(ckpt, model_name, use_ema, overrides):
-  if not model_name:
-    raise ValueError(f'{ckpt.path} is a PyTorch checkpoint: name its model with --model (e.g. '
-                     '--model T2T-ViT-14 or --model T2T-ViT_t-14).')
-  from vit_jax import models  # pylint: disable=g-import-not-at-top
-  if 'num_classes' in overrides:
-    raise ValueError('--set num_classes: the class count (and the input size) are read from '
-                     "the file's head.weight and pos_embed; drop it.")
-  model = models.create(model_name, num_classes=1000, **overrides)
-  return ckpt.read_for_finetuning(model, use_ema), {}
-
-
-def _read_foreign(ckpt, model_name, use_ema, overrides):
-  from vit_jax import inference  # pylint: disable=g-import-not-at-top
-  foreign = ckpt.foreign(overrides.get('num_heads'))  # timm: the heads may be needed.
-  facts = {'label_names': list(foreign.label_names or []) or None,
-           'image_size': foreign.image_size,
-           'normalization': inference._hf_normalization(  # pylint: disable=protected-access
-               ckpt.probe.hf_directory)}
-  return foreign.variables, {k: v for k, v in facts.items() if v is not None}
-
-
-def _read_weights(ckpt, model_name, use_ema, overrides):
-  if model_name or overrides:
+  if (model_name or overrides) and not ckpt.format.reads_with_model:
     print(f'note: --model/--set apply to PyTorch and timm files only; {ckpt.path} needs '
           'neither (ignored).', file=sys.stderr)
-  return ckpt.read(use_ema=use_ema), {}
-
-
-def _read_orbax(ckpt, model_name, use_ema, overrides):
-  return _read_weights(ckpt, model_name, use_ema, overrides)[0], _run_facts(ckpt.path)
-
-
-_READ = {'pytorch': _read_torch, 'hf': _read_foreign, 'timm': _read_foreign,
-         'npz': _read_weights, 'orbax': _read_orbax}
-
-
-def _run_facts(src: str) -> Dict[str, Any]:
-  """The class names and eval preprocessing of an Orbax SOURCE (its latest step): a training
-  run's config and dataset record, or what a convert directory kept."""
-  from vit_jax.checkpoint import orbax  # pylint: disable=g-import-not-at-top
-  from vit_jax.checkpoint import workdir  # pylint: disable=g-import-not-at-top
-  run = workdir.read_run(src)
-  if run.config is None:
-    return orbax.read_export_metadata(run.state_item) or {}
-  data = run.config.get('data') or {}
-  facts = {k: data.get(k) for k in ('normalization', 'eval_crop_pct', 'image_size')}
-  record = run.dataset or {}
-  facts['label_names'] = record.get('label_names') or None
-  facts['multi_label'] = record.get('multi_label', run.config.get('loss') == 'sigmoid_xent')
-  return {k: v for k, v in facts.items() if v is not None}
+    model_name, overrides = None, {}
+  contents = ckpt.contents(use_ema=use_ema, step=step, model_name=model_name,
+                           overrides=overrides)
+  facts = {k: getattr(contents, k) for k in FACTS if k not in contents.from_paper}
+  facts['label_names'] = list(contents.label_names or []) or None
+  return contents.variables, {k: v for k, v in facts.items() if v is not None}
 
 
 def write(variables: Dict[str, Any], dst: str, *, overwrite: bool = False,
@@ -105,7 +66,6 @@ def write(variables: Dict[str, Any], dst: str, *, overwrite: bool = False,
   collections than ``params``)."""
   if os.path.exists(dst) and not overwrite:
     raise FileExistsError(f'{dst} exists; choose a new destination or pass --overwrite.')
-  from vit_jax.models import layout  # pylint: disable=g-import-not-at-top
   variables = layout.unbox(variables)  # Plain arrays (model.init boxes them with axis names).
   if dst.endswith('.npz'):
     extra = sorted(k for k in variables if k != 'params')
@@ -121,13 +81,13 @@ def write(variables: Dict[str, Any], dst: str, *, overwrite: bool = False,
 
 
 def export(src: str, dst: str, to: str, *, model_name: Optional[str] = None,
-           use_ema: bool = True, overrides: Optional[Dict[str, Any]] = None) -> str:
+           use_ema: bool = True, overrides: Optional[Dict[str, Any]] = None,
+           step: Optional[int] = None) -> str:
   """Writes the ViT at ``src`` (:func:`vit_jax.inference.load`) as timm (``to='timm'``) or
   transformers (``to='hf'``) weights; returns the Python that loads them. Raises ValueError:
   what ``load`` raises, a T2T-ViT, or what the target cannot express."""
-  from vit_jax import inference  # pylint: disable=g-import-not-at-top
-  from vit_jax.checkpoint import ecosystem  # pylint: disable=g-import-not-at-top
-  trained = inference.load(src, use_ema=use_ema, model_name=model_name, overrides=overrides)
+  trained = inference.load(src, use_ema=use_ema, model_name=model_name, overrides=overrides,
+                           step=step)
   fields = dict(trained.config.model.to_dict(), num_classes=trained.config.num_classes)
   if 'hidden_size' not in fields:
     raise ValueError(f'{src} is a {trained.config.model_name}: only ViTs are written for timm '
@@ -173,6 +133,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   parser.add_argument('--model', help='model name, required for PyTorch files '
                       '(T2T-ViT-7/10/12/14/19/24, T2T-ViT_t-14/19/24)')
   common.add_set_argument(parser, 'for --model, e.g. --set embed_dim=64 for T2T-ViT-custom')
+  parser.add_argument('--step', type=int, help="a training workdir's step (default: its "
+                      'latest finalized one)')
   parser.add_argument('--no-ema', '--no_ema', dest='no_ema', action='store_true',
                       help='the trained weights rather than their EMA when the source has both')
   parser.add_argument('--overwrite', action='store_true', help='replace an existing DST')
@@ -194,7 +156,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                        '--to hf.')
     if os.path.exists(args.dst) and not args.overwrite:  # Before the (long) read.
       raise FileExistsError(f'{args.dst} exists; choose a new destination or pass --overwrite.')
-    variables, facts = read_with_facts(args.src, model_name=args.model,
+    variables, facts = read_with_facts(args.src, model_name=args.model, step=args.step,
                                        use_ema=not args.no_ema, overrides=overrides)
     kind = write(variables, args.dst, overwrite=args.overwrite, facts=facts)
     written = written_arrays(variables, args.dst)
@@ -215,14 +177,12 @@ def _facts_summary(facts: Mapping[str, Any]) -> str:
   names = facts.get('label_names')
   parts = [f'{len(names)} class names ({", ".join(map(str, names[:3]))}'
            f'{", ..." if len(names) > 3 else ""})'] if names else []
-  parts += [f'{k} {facts[k]}' for k in ('multi_label', 'normalization', 'eval_crop_pct',
-                                        'image_size') if k in facts]
+  parts += [f'{k} {facts[k]}' for k in FACTS[1:] if k in facts]  # After label_names.
   return ', '.join(parts)
 
 
 def _export(args: argparse.Namespace, overrides: Dict[str, Any]) -> int:
   """``--to timm|hf``: checks the outputs, writes, prints how to load them."""
-  from vit_jax.checkpoint import ecosystem  # pylint: disable=g-import-not-at-top
   if args.to == 'timm' and not args.dst.endswith('.safetensors'):
     raise ValueError(f'{args.dst}: --to timm writes a .safetensors file; name it so.')
   if args.to == 'hf' and args.dst.endswith('.npz'):
@@ -234,7 +194,7 @@ def _export(args: argparse.Namespace, overrides: Dict[str, Any]) -> int:
                           f'{"s" if len(existing) == 1 else ""}; choose a new destination or '
                           'pass --overwrite.')
   load = export(args.src, args.dst, args.to, model_name=args.model, use_ema=not args.no_ema,
-                overrides=overrides)
+                overrides=overrides, step=args.step)
   library = 'timm' if args.to == 'timm' else 'transformers'
   sizes = ', '.join(f'{p} ({os.path.getsize(p):,} bytes)' for p in outputs)
   print(f'Wrote {library} weights of {args.src}: {sizes}\nLoad them with:\n  {load}')

@@ -12,19 +12,14 @@ Examples:
 The forward pass is traced on abstract shapes and its matrix products counted
 (`vit_jax.flops`): training FLOPs = 3 x 2 x MACs x batch x steps (the config's schedule); wall
 time = FLOPs / (MFU x the accelerator's peak); core-days = wall days x TensorCores. Evaluation,
-compilation and input stalls are not included (a run's `workdir/cost.json` measures them). The
-dataset's size: --num_train_examples, else a table of well-known datasets, else the prepared
-tfds dataset. JAX loads after the flags parse (this module is imported by fewshot's --help too).
+compilation and input stalls are not included (a run's `workdir/cost.json` measures them).
 """
 
 from __future__ import annotations
 
-import sys
+import argparse
 
-from absl import app
-from absl import flags
 from absl import logging
-from ml_collections import config_flags
 
 from vit_jax import cli
 from vit_jax import hardware
@@ -89,7 +84,7 @@ def estimate(config, accelerator: str, mfu: float, num_train_examples=None,
   hardware (`accounting.Hardware`), days (wall), core_days and chip_days (TPU, else None),
   device_days, dataset (where its size came from). Raises ValueError for bad input.
   """
-  import jax  # pylint: disable=g-import-not-at-top
+  import jax  # pylint: disable=g-import-not-at-top  (after the flags: fewshot's --help too)
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   from vit_jax import accounting, flops, models, step  # pylint: disable=g-import-not-at-top
   from vit_jax import config as config_lib  # pylint: disable=g-import-not-at-top
@@ -169,58 +164,64 @@ def table2() -> str:
   return flops.table2_markdown()
 
 
-def define_config_flags():
-  """--config, --num_train_examples and --num_classes (`dataset_facts`); their holders."""
-  config = config_flags.DEFINE_config_file(
-      "config", None, "Training config, as for vit_jax.main: configs/<file>.py[:<args>], with "
-      "--config.key=value overrides.", lock_config=True)
-  examples = flags.DEFINE_integer(
-      "num_train_examples", None, "Examples in config.data.train_split (default: known datasets' "
-      "sizes, else the prepared tfds dataset's); they size epoch-based schedules.")
-  classes = flags.DEFINE_integer(
-      "num_classes", None, "Classes of the dataset (default: as for --num_train_examples).")
-  return config, examples, classes
+def config_parser(prog: str, doc: str) -> common.Parser:
+  """A parser with the help `doc`, --config (its --config.key=value overrides are left to
+  `parse`), --num_train_examples and --num_classes (`dataset_facts`)."""
+  parser = common.Parser(prog=prog, description=doc,
+                         formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("--config", metavar="FILE.py[:ARGS]", help="Training config as for "
+                      "vit_jax.main: configs/<file>.py[:<args>], --config.key=value overrides.")
+  parser.add_argument("--num_train_examples", type=int, help="Examples in config.data.train_split "
+                      "(default: known datasets' sizes, else the prepared tfds dataset's); they "
+                      "size epoch-based schedules.")
+  parser.add_argument("--num_classes", type=int, help="Classes of the dataset (default: as for "
+                      "--num_train_examples).")
+  return parser
 
 
-def _define_flags() -> None:
-  """The flags, defined only when run as a program (`vit_jax.main` has --config too)."""
-  global _CONFIG, _ACCELERATOR, _MFU, _NUM_TRAIN_EXAMPLES, _NUM_CLASSES, _TABLE2
-  _CONFIG, _NUM_TRAIN_EXAMPLES, _NUM_CLASSES = define_config_flags()
-  _ACCELERATOR = flags.DEFINE_string(
-      "accelerator", "v3-8", "Cloud TPU type (v3-8, v3-256, v4-32, v5p-8: the number counts "
-      "TensorCores; v5litepod-16, v6e-8: chips) or a GPU count (a100-8); vit_jax.hardware "
-      "lists the kinds.")
-  _MFU = flags.DEFINE_float(
-      "mfu", 0.35, "Assumed model FLOP utilisation, 0..1 (the ViT paper's Table 2 implies 0.22 to "
-      "0.38 on TPU v3; see --table2).")
-  _TABLE2 = flags.DEFINE_bool(
-      "table2", False, "Print the ViT paper's Table 2 compute column with the MFU each reported "
-      "TPUv3-core-days figure implies, counted from this project's models.")
+def parse(parser: common.Parser, argv=None):
+  """(`parser`'s arguments, the config of --config with the --config.key=value overrides, loaded
+  as `vit_jax.main` does: `cli.load_config`, None without --config). Raises ValueError."""
+  args, rest = parser.parse_known_args(argv)
+  return args, cli.load_config(([f"--config={args.config}"] if args.config else []) + rest)
 
 
-def main(argv):
-  if len(argv) > 1:
-    raise app.UsageError(f"Unexpected arguments: {' '.join(argv[1:])}")
-  logging.get_absl_handler().addFilter(platform.QuietLibraries())
-  if _TABLE2.value:
-    print(table2())
-    print("\nAssumptions: forward FLOPs of the matrix products at 224 px with a representation "
-          "layer of width D; training = 3 forward passes; ImageNet-21k = 14M images, JFT-300M = "
-          f"303M; a TPU v3 core peaks at {hardware.kind('TPU v3').peak['bfloat16'] / 1e12:g} "
-          "TFLOP/s (bfloat16).")
-    return
+def _parser() -> common.Parser:
+  parser = config_parser("python -m vit_jax.cost", __doc__)
+  parser.add_argument(
+      "--accelerator", default="v3-8", help="Cloud TPU type (v3-8, v3-256, v4-32, v5p-8: the "
+      "number counts TensorCores; v5litepod-16, v6e-8: chips) or a GPU count (a100-8); "
+      "vit_jax.hardware lists the kinds (default v3-8).")
+  parser.add_argument("--mfu", type=float, default=0.35, help="Assumed model FLOP utilisation, "
+                      "0..1 (default 0.35; the ViT paper's Table 2 implies 0.22 to 0.38 on TPU "
+                      "v3; see --table2).")
+  parser.add_argument("--table2", action="store_true", help="Print the ViT paper's Table 2 "
+                      "compute column with the MFU each reported TPUv3-core-days figure implies, "
+                      "counted from this project's models.")
+  return parser
+
+
+def main(argv=None) -> int:
+  """The command on `argv` (default: the command line); returns the exit status."""
   try:
-    if _CONFIG.value is None:
-      raise ValueError("Give --config=configs/<file>.py[:<args>] (or --table2); --helpfull "
-                       "lists every flag.")
-    est = estimate(_CONFIG.value, _ACCELERATOR.value, _MFU.value, _NUM_TRAIN_EXAMPLES.value,
-                   _NUM_CLASSES.value)
+    args, config = parse(_parser(), argv)
+    if args.table2:
+      print(table2())
+      print("\nAssumptions: forward FLOPs of the matrix products at 224 px with a representation "
+            "layer of width D; training = 3 forward passes; ImageNet-21k = 14M images, JFT-300M "
+            f"= 303M; a TPU v3 core peaks at {hardware.kind('TPU v3').peak['bfloat16'] / 1e12:g} "
+            "TFLOP/s (bfloat16).")
+      return 0
+    if config is None:
+      raise ValueError("Give --config=configs/<file>.py[:<args>] (or --table2); --help explains.")
+    est = estimate(config, args.accelerator, args.mfu, args.num_train_examples, args.num_classes)
   except ValueError as e:
-    sys.exit(common.fatal(e, 2))
-  print(format_estimate(est, _ACCELERATOR.value))
+    return common.fatal(e, 2)
+  print(format_estimate(est, args.accelerator))
+  return 0
 
 
 def run_main() -> None:
-  """The program (`python -m vit_jax.cost`): absl's flags, then `main`."""
-  _define_flags()
-  cli.run_absl(main, __doc__)
+  """The program (`python -m vit_jax.cost`)."""
+  common.run_program(main, setup=lambda: logging.get_absl_handler().addFilter(
+      platform.QuietLibraries()))

@@ -5,9 +5,6 @@
   result = preflight.check(config, tpu)              # config: configs/*.py with overrides
   result.fits, result.train.memory.total             # per device, bytes
   found = preflight.suggest(config, result, functools.partial(preflight.check, tpu=tpu))
-
-Modules: `topology` (compile-only devices), `fit` (compile, per-device memory), `search`
-(overrides that fit), `cli` (`python -m vit_jax.preflight`).
 """
 
 from vit_jax.tools.preflight.fit import check

@@ -24,15 +24,14 @@ four minutes for ViT-B to ViT-H on 2 CPU cores.
 
 from __future__ import annotations
 
+import argparse
 import functools
 import sys
 from typing import Optional
 
-from absl import flags
 from absl import logging
 import jax
 
-from vit_jax import cli
 from vit_jax import hardware
 from vit_jax import platform
 from vit_jax import sharding
@@ -42,13 +41,11 @@ from vit_jax.tools.preflight import fit
 from vit_jax.tools.preflight import search
 from vit_jax.tools.preflight import topology
 
-GIB = hardware.GIB
-
 
 def _size(n: Optional[int]) -> str:
   if n is None:
     return "-"
-  return f"{n / GIB:.2f} GiB" if n >= GIB / 4 else f"{n / 2**20:.1f} MiB"
+  return f"{n / hardware.GIB:.2f} GiB" if n >= hardware.GIB / 4 else f"{n / 2**20:.1f} MiB"
 
 
 def _memory_rows(result: fit.Result) -> list[tuple[str, ...]]:
@@ -165,48 +162,48 @@ def run(config, accelerator: str, *, suggest: bool = True, eval_step: bool = Tru
   return 1
 
 
-def _define_flags() -> None:
-  global _CONFIG, _ACCELERATOR, _SUGGEST, _EVAL, _LARGEST, _NUM_TRAIN_EXAMPLES, _NUM_CLASSES
-  _CONFIG, _NUM_TRAIN_EXAMPLES, _NUM_CLASSES = cost.define_config_flags()
-  _ACCELERATOR = flags.DEFINE_string(
-      "accelerator", None, "Cloud TPU type to compile for, e.g. v3-8, v4-32, v5p-8 (the "
-      "number counts TensorCores), v5litepod-16, v6e-8 (chips); vit_jax.hardware lists the "
-      "kinds. Multi-host slices are compiled whole.")
-  _SUGGEST = flags.DEFINE_bool(
-      "suggest", True, "When the step does not fit, compile smaller changes and print the "
-      "first overrides that fit (--nosuggest: only the verdict).")
-  _EVAL = flags.DEFINE_bool("eval", True, "Also compile the eval step (at "
-                            "config.eval_batch_size, default config.batch_size).")
-  _LARGEST = flags.DEFINE_bool(
-      "largest_batch", False, "Instead: find the largest per-device batch (a power of two up "
-      "to 1024, accumulation 1) that fits this config on the slice.")
+def _parser() -> common.Parser:
+  parser = cost.config_parser("python -m vit_jax.preflight", __doc__)
+  parser.add_argument(
+      "--accelerator", help="Cloud TPU type to compile for, e.g. v3-8, v4-32, v5p-8 (the number "
+      "counts TensorCores), v5litepod-16, v6e-8 (chips); vit_jax.hardware lists the kinds. "
+      "Multi-host slices are compiled whole.")
+  for name, default, text in (
+      ("suggest", True, "When the step does not fit, compile smaller changes and print the first "
+       "overrides that fit (default; --nosuggest: only the verdict)."),
+      ("eval", True, "Also compile the eval step, at config.eval_batch_size, default "
+       "config.batch_size (default; --noeval: not)."),
+      ("largest_batch", False, "Instead: find the largest per-device batch (a power of two up to "
+       "1024, accumulation 1) that fits this config on the slice.")):
+    parser.add_argument(f"--{name}", action="store_true", default=default, help=text)
+    parser.add_argument(f"--no{name}", dest=name, action="store_false", help=argparse.SUPPRESS)
+  return parser
 
 
-def main(argv) -> None:
-  if len(argv) > 1:  # Exit 2, not absl's 1: here 1 means "does not fit".
-    sys.exit(common.fatal(ValueError(
-        f"Unexpected arguments: {' '.join(argv[1:])} (flags take the form --flag=value, e.g. "
-        "--largest_batch or --nolargest_batch)."), 2))
+def main(argv=None) -> int:
+  """The command on `argv` (default: the command line); returns the exit status."""
+  try:
+    args, config = cost.parse(_parser(), argv)
+    if config is None or not args.accelerator:
+      raise ValueError("Give --config=configs/<file>.py[:<args>] and --accelerator (e.g. "
+                       "v3-8); --help explains.")
+    return run(config, args.accelerator, suggest=args.suggest, eval_step=args.eval,
+               largest_batch=args.largest_batch, num_train_examples=args.num_train_examples,
+               num_classes=args.num_classes)
+  except (topology.MissingLibtpuError, ValueError, TypeError, KeyError) as e:
+    return common.fatal(e, 2)
+  except jax.errors.JaxRuntimeError as e:
+    return common.fatal(RuntimeError("The TPU compiler failed (not for memory): "
+                                     f"{str(e).strip().splitlines()[0]}"), 2)
+
+
+def _setup() -> None:
   logging.get_absl_handler().addFilter(platform.QuietLibraries())
   logging.set_verbosity(logging.WARNING)  # The report says what the INFO lines would.
   # This host only traces; the TPU is described by libtpu, never opened (on a TPU VM too).
   jax.config.update("jax_platforms", "cpu")
-  try:
-    if _CONFIG.value is None or not _ACCELERATOR.value:
-      raise ValueError("Give --config=configs/<file>.py[:<args>] and --accelerator (e.g. "
-                       "v3-8); --help explains.")
-    code = run(_CONFIG.value, _ACCELERATOR.value, suggest=_SUGGEST.value, eval_step=_EVAL.value,
-               largest_batch=_LARGEST.value, num_train_examples=_NUM_TRAIN_EXAMPLES.value,
-               num_classes=_NUM_CLASSES.value)
-  except (topology.MissingLibtpuError, ValueError, TypeError, KeyError) as e:
-    sys.exit(common.fatal(e, 2))
-  except jax.errors.JaxRuntimeError as e:
-    sys.exit(common.fatal(RuntimeError("The TPU compiler failed (not for memory): "
-                                       f"{str(e).strip().splitlines()[0]}"), 2))
-  sys.exit(code)
 
 
 def run_main() -> None:
-  """The program (`python -m vit_jax.preflight`): absl's flags, then `main`."""
-  _define_flags()
-  cli.run_absl(main, __doc__)
+  """The program (`python -m vit_jax.preflight`)."""
+  common.run_program(main, setup=_setup)

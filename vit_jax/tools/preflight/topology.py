@@ -123,7 +123,7 @@ def tpu_slice(accelerator: str) -> Slice:
   options: dict[str, Any] = {}
   if kind.cores_per_device > 1:
     options["chip_config_name"] = "megacore"
-  if kind.single_host_chips and hardware.chips <= kind.single_host_chips:
+  if kind.counts == "chips" and not hardware_lib.is_multi_host_slice(accelerator):
     options["chips_per_host_bounds"] = (*grid, 1)  # One host holds the whole slice.
   for key, value in _QUIET_LIBTPU.items():
     os.environ.setdefault(key, value)
