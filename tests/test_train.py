@@ -6,6 +6,7 @@ import logging
 import os
 import pathlib
 import re
+import shutil
 import subprocess
 import sys
 
@@ -296,3 +297,38 @@ def test_t2t_trains_and_keeps_its_fixed_tables_out_of_training(tmp_path):
     train.train_and_evaluate(config, workdir)
 
 
+
+
+@pytest.mark.slow
+def test_a_restarted_run_loads_its_compiled_steps_from_the_cache(tmp_path, caplog, monkeypatch):
+  """JAX's persistent compilation cache under the workdir: the second start of a run loads its
+  train step instead of compiling it; 'none' turns the cache off. (Every compilation is cached
+  here: the tiny model compiles in less than JAX's 1 s threshold.)"""
+  data_utils.skip_cpu_peak_measurement(monkeypatch)
+  threshold = jax.config.jax_persistent_cache_min_compile_time_secs
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+  folder = data_utils.make_image_folder(str(tmp_path / "images"), num_classes=3, per_class=2,
+                                        size=8)
+  workdir = str(tmp_path / "workdir")
+
+  def run(**overrides):
+    caplog.clear()
+    with caplog.at_level(logging.INFO):
+      train.train_and_evaluate(_tiny_folder_config(folder, **overrides), workdir)
+    return caplog.text
+
+  try:
+    log = run(total_steps=4)
+    assert re.search(r"Compiled \w*train_step\w* in \d+\.\d s\.", log), log
+    assert os.listdir(os.path.join(workdir, "compilation_cache"))
+    for step in ("3", "4"):  # As if preempted after step 2.
+      shutil.rmtree(os.path.join(workdir, "checkpoints", step))
+    log = run(total_steps=4)  # The same run again (the schedule is in the step): from step 2.
+    assert "Resuming from the checkpoint at step 2" in log
+    assert re.search(r"Loaded \w*train_step\w* from the compilation cache in \d+\.\d s", log), log
+    assert not re.search(r"Compiled \w*train_step", log)
+    shutil.rmtree(os.path.join(workdir, "checkpoints", "4"))
+    log = run(total_steps=4, compilation_cache_dir="none")
+    assert re.search(r"Compiled \w*train_step\w* in", log) and "compilation cache" not in log
+  finally:
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", threshold)

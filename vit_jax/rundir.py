@@ -28,6 +28,7 @@ from etils import epath
 CHECKPOINTS_DIR = 'checkpoints'
 CONFIG_JSON = 'config.json'
 COST_JSON = 'cost.json'
+COMPILATION_CACHE_DIR = 'compilation_cache'  # JAX's persistent cache (configs.md).
 DATASET_JSON = 'dataset.json'
 #: Items of one checkpoint step.
 STATE_ITEM = 'state'

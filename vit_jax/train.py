@@ -22,9 +22,11 @@ from vit_jax import config as config_lib
 from vit_jax import data
 from vit_jax import evaluation
 from vit_jax import kernels
+from vit_jax import rundir
 from vit_jax import sharding
 from vit_jax import step as step_lib
 from vit_jax import stops
+from vit_jax.checkpoint import paths
 from vit_jax.checkpoint import CheckpointSaveError  # noqa: F401  (re-exported: main catches it)
 from vit_jax.evaluation import fewshot
 from vit_jax.evaluation import pictures as pictures_lib
@@ -209,6 +211,8 @@ def _prepare(config: ml_collections.ConfigDict, workdir: str,
     lock = run_dir.lock(timeout_s=config.workdir_lock_timeout)
     checkpoint.acquire_on_all_processes(lock)
     held.push(lock)  # Released at the end; a refused run also removes the directories it made.
+  cache = config.compilation_cache_dir or paths.join(workdir, rundir.COMPILATION_CACHE_DIR)
+  held.enter_context(step_lib.compilation_cache(None if cache == "none" else cache))
   logging.info("Dataset %s: %d classes (%s), %d train and %d eval examples, images %s.",
                config.data.image_folder or config.data.name, info.num_classes,
                "multi-label" if info.multi_label else "single-label",
