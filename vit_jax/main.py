@@ -66,7 +66,6 @@ _DISTRIBUTED_TIMEOUT = flags.DEFINE_integer(
     "included): seconds that every process waits for all the others to register, and after "
     "which a process that sends no heartbeat counts as dead; either ends every process with "
     "exit code 1 and a FATAL line.", lower_bound=1)
-flags.mark_flags_as_required(["config", "workdir"])
 
 
 def _fatal(error: BaseException, code: int, line: str = "") -> None:
@@ -92,13 +91,18 @@ def _latest_step(workdir: str):
 
 
 def main(argv):
-  if len(argv) > 1:
-    raise app.UsageError(f"Unexpected arguments: {' '.join(argv[1:])}")
   try:
+    if len(argv) > 1:
+      raise ValueError(f"Unexpected arguments: {' '.join(argv[1:])} (flags take the form "
+                       "--flag=value; --help lists them).")
+    if _CONFIG.value is None or not _WORKDIR.value:
+      raise ValueError("Give --config=configs/<file>.py[:<args>] and --workdir=DIR (local or "
+                       "gs://); --help explains.")
     platform.setup(coordinator_address=_COORDINATOR.value, num_processes=_NUM_PROCESSES.value,
                    process_id=_PROCESS_ID.value, distributed_timeout_s=_DISTRIBUTED_TIMEOUT.value)
   except ValueError as e:
-    raise app.UsageError(str(e)) from e
+    sys.stderr.write(f"FATAL: {e}\n")
+    sys.exit(2)
   # Imported here so that --help and flag errors answer before TensorFlow and JAX load.
   from vit_jax import train  # pylint: disable=g-import-not-at-top
   try:

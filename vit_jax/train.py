@@ -72,6 +72,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
     with _config_errors():
       run = _prepare(config, workdir, program_start, held)
     config, setup, accountant, run_dir = run.config, run.setup, run.accountant, run.run_dir
+    # JAX's persistent cache (it writes as it compiles): from here on, once nothing is refused.
+    cache = config.compilation_cache_dir or paths.join(workdir, rundir.COMPILATION_CACHE_DIR)
+    held.enter_context(step_lib.compilation_cache(None if cache == "none" else cache))
 
     # 2. State: the latest checkpoint, else the fine-tuning initialisation, else a fresh one.
     checkpoints = _open_workdir(run, held)
@@ -211,8 +214,6 @@ def _prepare(config: ml_collections.ConfigDict, workdir: str,
     lock = run_dir.lock(timeout_s=config.workdir_lock_timeout)
     checkpoint.acquire_on_all_processes(lock)
     held.push(lock)  # Released at the end; a refused run also removes the directories it made.
-  cache = config.compilation_cache_dir or paths.join(workdir, rundir.COMPILATION_CACHE_DIR)
-  held.enter_context(step_lib.compilation_cache(None if cache == "none" else cache))
   logging.info("Dataset %s: %d classes (%s), %d train and %d eval examples, images %s.",
                config.data.image_folder or config.data.name, info.num_classes,
                "multi-label" if info.multi_label else "single-label",

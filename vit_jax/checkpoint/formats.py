@@ -436,8 +436,8 @@ class Checkpoint:
     a timm file's heads). Raises as :meth:`read`; ValueError for class names that are not one
     per output of the head."""
     if step is not None and not self.format.has_steps:
-      raise ValueError(f'--step applies to training workdirs; {self.path} is a single '
-                       'checkpoint file.')
+      raise ValueError(f'--step applies to training workdirs; {self.path} is '
+                       f'{self.format.family}, which has no steps.')
     return self.format.contents(self, use_ema=use_ema, step=step, model_name=model_name,
                                 overrides=dict(overrides or {}))
 

@@ -203,4 +203,4 @@ def _export(args: argparse.Namespace, overrides: Dict[str, Any]) -> int:
 
 def run_main() -> None:
   """`python -m vit_jax.convert`."""
-  sys.exit(main())
+  common.run_program(main)
