@@ -66,3 +66,13 @@ def test_the_launch_scripts_slice_table_agrees_with_the_catalogue():
   assert {g.strip() for g in chips.split("|")} == {k.name for k in tpus if k.counts == "chips"}
   grid_3d = re.search(r"\n\s+([a-z0-9 |]+)\)\n\s+# 3D slices", text).group(1)
   assert {g.strip() for g in grid_3d.split("|")} == {k.name for k in tpus if k.grid_3d}
+
+
+@pytest.mark.parametrize("accelerator,multi", [
+    ("v2-8", False), ("v3-8", False), ("v3-32", True), ("v4-8", False), ("v4-16", True),
+    ("v5p-8", False), ("v5p-16", True), ("v5litepod-4", False), ("v5litepod-8", False),
+    ("v5litepod-16", True), ("v6e-8", False), ("v6e-16", True), (" V3-32 ", True), ("", False),
+    ("a100-8", False), ("cpu", False)])
+def test_slices_numbered_past_8_have_several_hosts(accelerator, multi):
+  """Cloud TPU's numbers count cores (v2-v5p) or chips (v5e, v6e); a host holds up to 8 of them."""
+  assert hardware.is_multi_host_slice(accelerator) is multi

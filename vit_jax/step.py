@@ -20,7 +20,6 @@ import time
 from typing import Any, Callable, ContextManager, Iterator, Optional, Sequence
 
 from absl import logging
-
 import flax.linen as nn
 import jax
 from jax.experimental import multihost_utils

@@ -10,6 +10,7 @@ import pytest
 from vit_jax import checkpoint
 from vit_jax import models
 from vit_jax.checkpoint import mismatch
+from vit_jax.checkpoint import vit_shapes
 
 FIXTURES = pathlib.Path(__file__).parents[1] / 'fixtures'
 
@@ -70,3 +71,12 @@ def test_check_fits_accepts_an_exact_fit_and_lists_the_rest():
       'params/head/kernel: checkpoint (32, 10), model (32, 4)\n'
       '  The checkpoint is a ViT with patch_size=4, hidden_size=32, num_layers=2, num_heads=2, '
       'mlp_dim=64, representation_size=None, 10 classes. Build the model with these values.')
+
+
+def test_a_square_grid_side_and_the_image_size_it_implies():
+  """196 tokens are 14x14 (ViT-B/16 at 224 px), 576 24x24 (at 384 px); 197 (with the class token) or 0 are no grid."""
+  assert [vit_shapes.square_side(n) for n in (1, 4, 196, 576, 0, 197, -4)] == [
+      1, 2, 14, 24, None, None, None]
+  table = {vit_shapes.POSEMB_KEY: (1, 197, 768), 'params/cls': (1, 1, 768)}
+  assert vit_shapes.image_size(table, {'patch_size': 16}) == 224
+  assert vit_shapes.image_size({vit_shapes.POSEMB_KEY: (1, 197, 768)}, {'patch_size': 16}) is None

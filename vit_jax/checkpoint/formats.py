@@ -269,8 +269,8 @@ class _Orbax(Format):
                            paths.join(run.state_item, orbax.EXPORT_JSON),
                            'restore the file, or delete it (then 1,000 or 21,843 classes get the '
                            'official ImageNet names, others their numbers)')
-      return _weights_alone(variables, ckpt.path, label_names=names, **{
-          k: kept.get(k) for k in ('image_size', 'multi_label', 'normalization', 'eval_crop_pct')})
+      recorded = {k: kept.get(k) for k in orbax.EXPORT_FACTS}
+      return _weights_alone(variables, ckpt.path, **{**recorded, 'label_names': names})
     data = run.config.get('data') or {}
     names, multi_label = _label_names(run.dataset, int(run.config['num_classes']), run)
     weights = 'EMA parameters' if use_ema and run.has_ema else 'parameters'

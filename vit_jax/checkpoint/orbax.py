@@ -134,6 +134,8 @@ def check_state_fits(state_dir: Any, abstract_state: Mapping) -> None:
 #: The JSON file a variables checkpoint of :func:`save_orbax` keeps beside its arrays, inside
 #: the item directory: what the arrays do not say (class names, preprocessing).
 EXPORT_JSON = 'vit_jax_export.json'
+#: What it keeps of the source, when the source records them (``checkpoint.Contents``'s names).
+EXPORT_FACTS = ('label_names', 'multi_label', 'normalization', 'eval_crop_pct', 'image_size')
 
 
 def save_orbax(path: Any, variables: Mapping, *, overwrite: bool = False,

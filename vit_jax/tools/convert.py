@@ -36,17 +36,13 @@ from vit_jax.models import layout
 from vit_jax.tools import common
 
 
-#: What an Orbax destination keeps of its source (``orbax.EXPORT_JSON``) when the source says.
-FACTS = ('label_names', 'multi_label', 'normalization', 'eval_crop_pct', 'image_size')
-
-
 def read_with_facts(src: str, *, model_name: Optional[str] = None, use_ema: bool = True,
                     overrides: Optional[Dict[str, Any]] = None, step: Optional[int] = None
                     ) -> Tuple[Dict[str, Any], Dict[str, Any]]:
   """``src`` (a run's ``step``, default its latest) as ``{'params': ..., **collections}`` of
-  NumPy arrays, and the :data:`FACTS` it records (``checkpoint.Contents``). ``model_name``
-  (PyTorch files: required) and ``overrides`` make the model. Raises FileNotFoundError, or
-  ValueError as ``checkpoint.Checkpoint.contents``."""
+  NumPy arrays, and the ``orbax.EXPORT_FACTS`` it records (``checkpoint.Contents``).
+  ``model_name`` (PyTorch files: required) and ``overrides`` make the model. Raises
+  FileNotFoundError, or ValueError as ``checkpoint.Checkpoint.contents``."""
   ckpt = checkpoint.open(src)
   if (model_name or overrides) and not ckpt.format.reads_with_model:
     print(f'note: --model/--set apply to PyTorch and timm files only; {ckpt.path} needs '
@@ -54,7 +50,8 @@ def read_with_facts(src: str, *, model_name: Optional[str] = None, use_ema: bool
     model_name, overrides = None, {}
   contents = ckpt.contents(use_ema=use_ema, step=step, model_name=model_name,
                            overrides=overrides)
-  facts = {k: getattr(contents, k) for k in FACTS if k not in contents.from_paper}
+  facts = {k: getattr(contents, k) for k in checkpoint.orbax.EXPORT_FACTS
+           if k not in contents.from_paper}
   facts['label_names'] = list(contents.label_names or []) or None
   return contents.variables, {k: v for k, v in facts.items() if v is not None}
 
@@ -177,7 +174,8 @@ def _facts_summary(facts: Mapping[str, Any]) -> str:
   names = facts.get('label_names')
   parts = [f'{len(names)} class names ({", ".join(map(str, names[:3]))}'
            f'{", ..." if len(names) > 3 else ""})'] if names else []
-  parts += [f'{k} {facts[k]}' for k in FACTS[1:] if k in facts]  # After label_names.
+  parts += [f'{k} {facts[k]}' for k in checkpoint.orbax.EXPORT_FACTS[1:]  # After the names.
+            if k in facts]
   return ', '.join(parts)
 
 
