@@ -74,7 +74,8 @@ def test_check_fits_accepts_an_exact_fit_and_lists_the_rest():
 
 
 def test_a_square_grid_side_and_the_image_size_it_implies():
-  """196 tokens are 14x14 (ViT-B/16 at 224 px), 576 24x24 (at 384 px); 197 (with the class token) or 0 are no grid."""
+  """196 tokens are 14x14 (ViT-B/16 at 224 px), 576 24x24 (at 384 px); 197 (with the class
+  token) or 0 are no grid."""
   assert [vit_shapes.square_side(n) for n in (1, 4, 196, 576, 0, 197, -4)] == [
       1, 2, 14, 24, None, None, None]
   table = {vit_shapes.POSEMB_KEY: (1, 197, 768), 'params/cls': (1, 1, 768)}
