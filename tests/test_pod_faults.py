@@ -186,8 +186,9 @@ def test_a_process_killed_during_the_set_up_ends_the_other_within_the_timeout(tm
 def _sigterm_pod(tmp_path, started, whom, total_steps=1000000):
   """A pod of 2 with a checkpoint every 50 steps; once `started(workdir)`, SIGTERM to `whom`
   ('all': every supervisor and its child, as `launch/tpu.sh stop`'s pkill and a VM's shutdown
-  send it; 'supervisors': as a container's PID 1 gets it). Returns (exit codes, stderrs, seconds
-  from the signal to the last exit, saved steps)."""
+  send it; 'supervisors': as a container's PID 1 gets it; 'process 1': its supervisor and child,
+  one preempted host). Returns (exit codes, stderrs, seconds from the signal to the last exit,
+  saved steps)."""
   port, folder, workdir = _free_port(), _folder(tmp_path), tmp_path / "workdir"
   overrides = _main_overrides(folder, total_steps=total_steps, checkpoint_every_steps=50)
   procs = [subprocess.Popen(
@@ -198,9 +199,10 @@ def _sigterm_pod(tmp_path, started, whom, total_steps=1000000):
     deadline = time.monotonic() + 180
     while not started(workdir) and time.monotonic() < deadline:
       time.sleep(0.05)
-    pids = [p.pid for p in procs]
-    if whom == "all":
-      pids += [c.pid for p in procs for c in psutil.Process(p.pid).children()]
+    signalled = procs[1:] if whom == "process 1" else procs
+    pids = [p.pid for p in signalled]
+    if whom != "supervisors":
+      pids += [c.pid for p in signalled for c in psutil.Process(p.pid).children()]
     for pid in pids:
       os.kill(pid, signal.SIGTERM)
     start = time.monotonic()
@@ -227,6 +229,22 @@ def test_sigterm_to_a_pod_during_the_set_up_stops_every_process_at_once(tmp_path
         "Preempted (SIGTERM) during the set-up, before the first step: stopped at once with "
         "nothing saved or half-written; rerun the same command."), stderr[-3000:]
   assert elapsed < 10, elapsed  # Measured: 0.03-0.08 s.
+  assert not list(steps)
+
+
+@pytest.mark.slow
+def test_a_process_stopped_in_the_set_up_stops_the_others_without_waiting_for_it(tmp_path):
+  """SIGTERM to process 1 only (one preempted host) once the lock is taken: process 1 stops, and
+  process 0, waiting for it in a collective or about to, reads its heartbeat ("stopped") and
+  stops too with exit 75 (was: it waited `--distributed_timeout`, then a FATAL line, exit 1)."""
+  codes, stderrs, elapsed, steps = _sigterm_pod(
+      tmp_path, lambda workdir: (workdir / "lock.json").exists(), "process 1")
+  assert codes == [75, 75], [e[-3000:] for e in stderrs]
+  assert stderrs[0].splitlines()[-1] == (
+      "Process 0 of 2: process 1 stopped. Preempted (SIGTERM) during the set-up, before the "
+      "first step: stopped at once with nothing saved or half-written; rerun the same "
+      "command."), stderrs[0][-3000:]
+  assert elapsed < 5, elapsed  # The heartbeat's period is 1 s.
   assert not list(steps)
 
 

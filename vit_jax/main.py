@@ -73,7 +73,7 @@ def _fatal(error: BaseException, code: int, line: str = "") -> None:
   traceback first (same exit code)."""
   stop = stops.stop_in(error)  # A stop during the set-up that a library wrapped.
   if stop is not None:
-    stops.exit_process(stop.exit_code, str(stop))
+    stops.exit_stopped(stop)
   line = line or f"FATAL: {error}"
   if logging.get_verbosity() >= 1:
     traceback.print_exception(error)
@@ -126,7 +126,7 @@ def main(argv):
       raise  # A bug (its traceback), or a stop during the set-up that an import wrapped.
     stop = stops.received_stop()  # The others stopped too: not a fault.
     if stop is not None:
-      stops.exit_process(stop.exit_code, str(stop))
+      stops.exit_stopped(stop)
     # A pod: a collective or barrier failed because another process died (gloo's 'Connection
     # reset by peer', a barrier's DEADLINE_EXCEEDED). Ended here, before jax's exit handler
     # would wait for the lost process until jax aborts.
@@ -149,4 +149,4 @@ if __name__ == "__main__":
     stop = stops.stop_in(e)  # In the set-up: nothing to save.
     if stop is None:
       raise
-    stops.exit_process(stop.exit_code, str(stop))
+    stops.exit_stopped(stop)

@@ -53,10 +53,13 @@ _JAX_HEARTBEAT_MARGIN_S = 30
 _BEAT_S = 1.0
 
 
+#: The coordination service's directory of heartbeats: one key per process.
+_ALIVE = "vit_jax/alive/"
+
+
 def _watch_peers(client, process_id: int, num_processes: int, timeout_s: float) -> None:
   """Ends this process (one FATAL line) when a peer or the coordinator is silent ``timeout_s``
   (jax's own heartbeat check aborts without a word)."""
-  prefix = "vit_jax/alive/"
   start = time.monotonic()
   changed = {p: start for p in range(num_processes) if p != process_id}
   seen: dict[int, str] = {}
@@ -65,8 +68,10 @@ def _watch_peers(client, process_id: int, num_processes: int, timeout_s: float) 
     beat += 1
     now = time.monotonic()
     try:
-      client.key_value_set(f"{prefix}{process_id}", str(beat), allow_overwrite=True)
-      values = {k.rsplit("/", 1)[-1]: v for k, v in client.key_value_dir_get(prefix)}
+      stop = stops.received_stop()  # Written as it stops too (`_start_watching_peers`).
+      client.key_value_set(f"{_ALIVE}{process_id}", _STOPPED + stop.signal if stop else str(beat),
+                           allow_overwrite=True)
+      values = {k.rsplit("/", 1)[-1]: v for k, v in client.key_value_dir_get(_ALIVE)}
       failing_since = None
     except (TypeError, AttributeError) as e:  # Another jax's client: no watch, jax's own abort.
       logging.warning("No heartbeat watch of the other processes (%s).", e)
@@ -85,6 +90,11 @@ def _watch_peers(client, process_id: int, num_processes: int, timeout_s: float) 
       continue
     for peer in changed:
       value = values.get(str(peer))
+      if value and value.startswith(_STOPPED):  # It stopped in the set-up: so does this one.
+        _exit_if_stopped()
+        stop = stops.StopRequested(value[len(_STOPPED):])
+        stops.exit_stopped(stop, f"Process {process_id} of {num_processes}: process {peer} "
+                           f"stopped. {stop}")
       if value != seen.get(peer):
         seen[peer], changed[peer] = value, now
       elif now - changed[peer] > timeout_s:
@@ -97,11 +107,15 @@ def _watch_peers(client, process_id: int, num_processes: int, timeout_s: float) 
     time.sleep(_BEAT_S)
 
 
+#: A process's heartbeat value once it stops in the set-up (then the signal's name).
+_STOPPED = "stopped "
+
+
 def _exit_if_stopped() -> None:
   """Ends the process as a stop does when it received one (`stops.received_stop`)."""
   stop = stops.received_stop()
   if stop is not None:
-    stops.exit_process(stop.exit_code, str(stop))
+    stops.exit_stopped(stop)
 
 
 def _start_watching_peers(timeout_s: float) -> None:
@@ -111,6 +125,9 @@ def _start_watching_peers(timeout_s: float) -> None:
   client = getattr(distributed.global_state, "client", None)
   if client is None or jax.process_count() == 1:
     return
+  key = f"{_ALIVE}{jax.process_index()}"
+  stops.announce_stops_with(lambda stop: client.key_value_set(
+      key, _STOPPED + stop.signal, allow_overwrite=True))
   threading.Thread(target=_watch_peers, daemon=True, name="vit_jax-peer-watcher", args=(
       client, jax.process_index(), jax.process_count(), timeout_s)).start()
 

@@ -13,7 +13,7 @@ import signal
 import sys
 import threading
 import time
-from typing import Optional
+from typing import Callable, Optional
 
 from absl import logging
 
@@ -46,6 +46,7 @@ class _Stops:
   pending: Optional[str] = None
   received: Optional[str] = None  # Read by `_watch_stops`, even while the main thread is busy.
   jax_sigterm: Optional[bytes] = None  # jax's SIGTERM action, set aside by `hold_sigterm`.
+  announce: Optional[Callable[[StopRequested], None]] = None  # See `announce_stops_with`.
 
 
 def _raise_stop(signum, frame) -> None:
@@ -108,8 +109,7 @@ def _watch_stops(fd: int, grace_s: float) -> None:
       start = time.monotonic()
       while time.monotonic() - start < (4 * grace_s if _Stops.deferring else grace_s):
         time.sleep(0.05)
-      stop = StopRequested(signal.Signals(signum).name)
-      exit_process(stop.exit_code, str(stop))
+      exit_stopped(StopRequested(signal.Signals(signum).name))
 
 
 def _sigaction(new: Optional[bytes]) -> Optional[bytes]:
@@ -166,6 +166,26 @@ def stop_at_once_on_signals(grace_s: float = STOP_GRACE_S) -> None:
   signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
   threading.Thread(target=_watch_stops, args=(read_fd, grace_s), daemon=True,
                    name="vit_jax-stop-watcher").start()
+
+
+def announce_stops_with(announce: Callable[[StopRequested], None]) -> None:
+  """`exit_stopped` calls ``announce(stop)`` first (a pod: the other processes stop too rather
+  than wait for this one in a collective); given at most `ANNOUNCE_S`."""
+  _Stops.announce = announce
+
+
+#: Seconds `exit_stopped` gives the announcement (the coordinator may be gone).
+ANNOUNCE_S = 1.0
+
+
+def exit_stopped(stop: StopRequested, message: Optional[str] = None):
+  """Ends the process after a set-up stop: `stop`'s exit code and `message` (default: its line),
+  once announced (see `announce_stops_with`). Never returns."""
+  if _Stops.announce is not None:
+    announcing = threading.Thread(target=_Stops.announce, args=(stop,), daemon=True)
+    announcing.start()
+    announcing.join(ANNOUNCE_S)
+  exit_process(stop.exit_code, message or str(stop))
 
 
 def exit_process(code: int, message: Optional[str] = None, *, shutdown: bool = False):

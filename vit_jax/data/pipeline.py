@@ -13,10 +13,10 @@ import numpy as np
 import tensorflow as tf
 import tensorflow_datasets as tfds
 
-from vit_jax.data import augment
 from vit_jax.data import memory
 from vit_jax.data import preprocess
 from vit_jax.data import sources
+from vit_jax.data import train_maps
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,71 +129,6 @@ class TrainIterator:
     return _next_batch(self._it, self._diagnose)
 
 
-class _TrainMaps:
-  """The training pipeline's maps, keyed by element id (epoch * 2**32 + index): every
-  augmentation is a function of (seed, id). Order as timm's loader: crop / flip / resize,
-  RandAugment (uint8), normalization, then per batch Mixup / CutMix and random erasing."""
-
-  def __init__(self, data_cfg, source, encoded: bool, vectorized: bool, *, augment_key,
-               mix_key, erase_key):
-    self.data_cfg, self.source = data_cfg, source
-    self.encoded, self.vectorized = encoded, vectorized
-    self.augment_key, self.mix_key, self.erase_key = augment_key, mix_key, erase_key
-    self.mixing = (data_cfg.mixup_alpha > 0 or data_cfg.cutmix_alpha > 0) and data_cfg.mix_prob > 0
-
-  @tf.autograph.experimental.do_not_convert
-  def per_example(self, i, ex):
-    if self.vectorized:  # Only decode here; the rest is done per batch.
-      image = self.source.decode(ex['image'], self.encoded) if self.encoded else ex['image']
-    else:
-      seed = preprocess.fold_in(self.augment_key, i)
-      image = preprocess.train_image(
-          ex['image'], encoded=self.encoded, seed=seed if self.data_cfg.augment != 'none' else None,
-          size=self.data_cfg.image_size, augment=self.data_cfg.augment,
-          min_area=self.data_cfg.inception_crop_min_area, normalization=None,
-          pad_pixels=self.data_cfg.pad_crop_pixels)
-      # RandAugment on the cropped, flipped uint8 image, as timm does.
-      if self.data_cfg.randaugment_num_layers > 0:
-        image = tf.cast(augment.rand_augment(
-            tf.cast(tf.round(image), tf.uint8), preprocess.fold_in(seed, 1),
-            num_layers=self.data_cfg.randaugment_num_layers,
-            magnitude=self.data_cfg.randaugment_magnitude,
-            magnitude_std=self.data_cfg.randaugment_magnitude_std), tf.float32)
-    lab = ex['label']
-    if self.source.label.multi_label:  # Ragged label sets -> fixed-size multi-hot.
-      lab = preprocess.targets(lab, self.source.label.num_classes, True)
-    return i, {'image': image, 'label': lab}
-
-  @tf.autograph.experimental.do_not_convert
-  def per_batch(self, ids, ex):
-    image = ex['image']
-    if self.vectorized:
-      if self.data_cfg.augment == 'pad_crop':  # Translation, then flip (as per example).
-        image = preprocess.pad_crop(
-            image, preprocess.fold_in(preprocess.fold_in(self.augment_key, ids[0]), 1),
-            self.data_cfg.pad_crop_pixels)
-      if self.data_cfg.augment in ('flip', 'pad_crop'):  # Resizing commutes with flipping.
-        image = tf.image.stateless_random_flip_left_right(
-            image, preprocess.fold_in(self.augment_key, ids[0]))
-      image = preprocess.resize(image, self.data_cfg.image_size)
-    labels = ex['label']
-    if not self.source.label.multi_label:
-      labels = preprocess.targets(labels, self.source.label.num_classes, False)
-    image = preprocess.normalize(image, self.data_cfg.normalization)
-    if self.mixing:  # One mixing decision per batch (and per process), as timm.
-      image, labels = augment.mixup_cutmix(
-          image, labels, preprocess.fold_in(self.mix_key, ids[0]),
-          mixup_alpha=self.data_cfg.mixup_alpha, cutmix_alpha=self.data_cfg.cutmix_alpha,
-          switch_prob=self.data_cfg.mix_switch_prob, prob=self.data_cfg.mix_prob)
-    if self.data_cfg.random_erasing > 0:
-      image = tf.map_fn(
-          lambda args: augment.random_erasing(
-              args[0], preprocess.fold_in(self.erase_key, args[1]),
-              probability=self.data_cfg.random_erasing),
-          (image, ids), fn_output_signature=tf.float32)
-    return {'image': image, 'labels': labels}
-
-
 def create_train_iterator(data_cfg, global_batch_size: int, seed: int, start_step: int = 0, *,
                           process_index: Optional[int] = None,
                           process_count: Optional[int] = None) -> TrainIterator:
@@ -241,7 +176,7 @@ def create_train_iterator(data_cfg, global_batch_size: int, seed: int, start_ste
     ds = ds.shuffle(min(data_cfg.shuffle_buffer, n), seed=key[1], reshuffle_each_iteration=False)
     return ds.enumerate(start=epoch * _EPOCH_STRIDE)
 
-  maps = _TrainMaps(data_cfg, source, encoded, vectorized,
+  maps = train_maps.TrainMaps(data_cfg, source, encoded, vectorized,
                     augment_key=preprocess.fold_in(run_key, 1),
                     mix_key=preprocess.fold_in(run_key, 2),
                     erase_key=preprocess.fold_in(run_key, 3))
