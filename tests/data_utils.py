@@ -129,7 +129,8 @@ class TinyMultiLabel(tfds.core.GeneratorBasedBuilder):
 
 
 def make_multilabel_dataset(data_dir: str, num_train: int = 12,
-                            num_test: int = 10, size: int = 8) -> str:
+                            num_test: int = 10, size: int = 8,
+                            file_format: str = 'tfrecord') -> str:
   """Prepares `tiny_multi_label` into `data_dir`.
 
   Use as `config.data.name='tiny_multi_label', data_dir=data_dir`, or pass the
@@ -141,7 +142,8 @@ def make_multilabel_dataset(data_dir: str, num_train: int = 12,
   96 has no label.
 
   The image size is part of the features: use one `size` per test session
-  when loading by name (loading by path always works).
+  when loading by name (loading by path always works). `file_format`:
+  'tfrecord' or 'array_record'.
 
   Returns:
     The prepared dataset directory (holding dataset_info.json).
@@ -149,7 +151,7 @@ def make_multilabel_dataset(data_dir: str, num_train: int = 12,
   if MULTILABEL_TEST_START + num_test > 256 or num_train > 96:
     raise ValueError('num_train <= 96 and num_test <= 160.')
   _GEN_PARAMS.update(train=num_train, test=num_test, size=size)
-  builder = TinyMultiLabel(data_dir=data_dir)
+  builder = TinyMultiLabel(data_dir=data_dir, file_format=file_format)
   builder.download_and_prepare(
       download_config=tfds.download.DownloadConfig(try_download_gcs=False))
   return os.fspath(builder.data_dir)

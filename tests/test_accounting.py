@@ -4,15 +4,17 @@ tests/test_train_failures.py). The estimator's tests are in tests/tools/test_cos
 
 import dataclasses
 import json
+import logging
 import os
+import shutil
 
+import numpy as np
 import pytest
 
-from tests import data_utils
 from vit_jax import accounting
+from vit_jax import config as config_lib
 from vit_jax import flops
 from vit_jax import models
-from vit_jax import train
 
 DAY = 86_400.0
 
@@ -276,6 +278,161 @@ def test_accelerator_type_errors():
     accounting.accelerator("v5e-16")
 
 
+# ----------------------------------------------------------------------------- goodput ledger
+
+
+class FakeCache:
+  """`vit_jax.step.compile_seconds_saved` of a process: seconds saved so far, set by the test."""
+
+  def __init__(self, saved):
+    self.saved = saved
+
+  def __call__(self):
+    return self.saved
+
+
+def _preempted_and_resumed():
+  """Attempt 1 on a v3-8: 100 s of set-up, 10 s of input, 50 s of compiling, steps 1-300 at 1 s
+  each; killed, its cost.json at step 300. Attempt 2 resumes from the checkpoint of step 200:
+  30 s of set-up, the step loaded from the cache in 5 s (35 s of compiling saved), steps 201-400
+  at 1 s each, a 10 s save. Returns (attempt 1's report, attempt 2's report)."""
+  acct, clock = _accountant("TPU v3", 8)
+  clock.advance(100.0)
+  with acct.timed("train"):
+    with acct.timed("input"):
+      clock.advance(10.0)
+    with acct.timed("compile"):
+      clock.advance(50.0)
+    acct.count_step()
+    clock.advance(300.0)
+    acct.count_step(299)
+  first = json.loads(json.dumps(acct.report(step=300)))
+  cache = FakeCache(12.0)  # Saved by an earlier run in this process: not this attempt's.
+  clock2 = FakeClock()
+  second = accounting.CostAccountant(accounting.hardware("TPU v3", 8, "bfloat16"), 8,
+                                     clock=clock2, compile_saved=cache)
+  clock2.advance(30.0)
+  second.resume(first, start_step=200)
+  with second.timed("train"):
+    with second.timed("compile"):
+      clock2.advance(5.0)
+      cache.saved += 35.0
+    second.count_step()
+    clock2.advance(200.0)
+    second.count_step(199)
+    with second.timed("checkpoint"):
+      clock2.advance(10.0)
+  return first, second.report(step=400)
+
+
+def test_the_ledger_counts_redone_steps_resume_time_and_goodput():
+  first, report = _preempted_and_resumed()
+  assert first["attempts"][0]["resume_s"] == 160.0 and first["attempts"][0]["setup_s"] == 100.0
+  assert first["attempts"][0]["redone"] is None and not first["attempts"][0]["resumed"]
+  assert first["goodput"] == pytest.approx(300 / 460)
+  one, two = report["attempts"]
+  assert one == first["attempts"][0]
+  assert (two["resumed"], two["resume_s"], two["setup_s"]) == (True, 35.0, 30.0)
+  assert two["compile_saved_s"] == 35.0
+  # Steps 201-300 again, at attempt 1's 300 s / 300 steps, on its 8 cores (4 chips).
+  assert two["redone"] == {"steps": 100, "seconds": 100.0, "from_attempt": 1,
+                           "device_days": 800 / DAY, "core_days": 800 / DAY,
+                           "chip_days": 400 / DAY}
+  assert report["redone_steps"] == 100
+  assert report["redone"] == {"device_days": 800 / DAY, "core_days": 800 / DAY,
+                              "chip_days": 400 / DAY}
+  assert report["train"]["core_days"] == 500 * 8 / DAY
+  assert report["productive"]["core_days"] == pytest.approx(400 * 8 / DAY)
+  assert report["program"]["core_days"] == 705 * 8 / DAY
+  assert report["goodput"] == pytest.approx(400 / 705)
+  assert (report["resume_seconds"], report["compile_saved_seconds"]) == (35.0, 35.0)
+  rows = accounting.ledger(report)
+  assert [r["segments"] for r in rows] == [
+      {"training": 200.0, "redone": 100.0, "compile": 50.0, "eval": 0.0, "input": 10.0,
+       "checkpoint": 0.0, "setup": 100.0, "other": 0.0},
+      {"training": 200.0, "redone": 0.0, "compile": 5.0, "eval": 0.0, "input": 0.0,
+       "checkpoint": 10.0, "setup": 30.0, "other": 0.0}]
+  assert [sum(r["segments"].values()) for r in rows] == [r["program_s"] for r in rows] == [
+      460.0, 245.0]
+  assert [(r["redone_steps"], r["resume_s"], r["units"], r["unit"]) for r in rows] == [
+      (0, 160.0, 8, "core"), (100, 35.0, 8, "core")]
+  assert ", 1 restart(s), goodput 56.7% (100 step(s) redone); seconds: " in accounting.summary(
+      report)
+  assert accounting.scalars(report)["cost/goodput"] == pytest.approx(400 / 705)
+  assert accounting.format_ledger(report).splitlines() == [
+      "attempt  steps    on       program s  training  redone  compile  eval  input wait  "
+      "checkpoint  set-up/resume  other  resume s  redid steps  cache saved s",
+      "1        0-300    8 cores      460.0     200.0   100.0     50.0   0.0        10.0  "
+      "       0.0          100.0    0.0     160.0            0            0.0",
+      "2        200-400  8 cores      245.0     200.0     0.0      5.0   0.0         0.0  "
+      "      10.0           30.0    0.0      35.0          100           35.0",
+      "goodput 56.7%: 0.03704 core-days in productive training steps of 0.06528 (1 restart(s)).",
+      "redone after preemptions: 100 step(s) (0.009259 core-days); resumes: 35.0 s; compiling "
+      "saved by the persistent cache: 35.0 s."]
+
+
+def test_a_resume_from_the_last_step_redoes_nothing_and_old_accounts_still_add_up():
+  """A preemption notice saves the current step (nothing redone); an account written before the
+  ledger (no resume, set-up or redone fields) reads as 0 of them; an attempt that never trained
+  leaves the redone steps' cost unknown."""
+  first, _ = _preempted_and_resumed()
+  nothing = accounting.redone_steps(first["attempts"], 300)
+  assert nothing == {"steps": 0, "seconds": 0.0, "from_attempt": 1, "device_days": 0.0,
+                     "core_days": 0.0, "chip_days": 0.0}
+  old = json.loads(json.dumps(first))
+  for key in ("resumed", "resume_s", "setup_s", "redone", "compile_saved_s"):
+    del old["attempts"][0][key]
+  assert accounting.ledger(old)[0]["segments"] == {
+      "training": 300.0, "redone": 0.0, "compile": 50.0, "eval": 0.0, "input": 10.0,
+      "checkpoint": 0.0, "setup": 0.0, "other": 100.0}
+  idle = dict(first["attempts"][0], steps=0, end_step=50)
+  assert accounting.redone_steps([idle], 20)["steps"] == 30
+  assert accounting.redone_steps([idle], 20)["core_days"] is None
+
+
+def test_progress_warns_once_per_window_when_the_steps_wait_on_input(caplog):
+  acct, clock = _accountant("TPU v3", 8)
+  window = accounting.Progress(acct, 8, 100, 0, input_wait_warning=0.1,
+                               input_fix="Fix: config.data.cache=True.")
+  metrics = {"loss": np.float32(2.0), "lr": np.float32(0.1)}
+
+  def steps(first, last, input_s, train_s):
+    with acct.timed("train"):
+      for _ in range(first, last + 1):
+        with acct.timed("input"):
+          clock.advance(input_s)
+        clock.advance(train_s)
+        window.add(metrics)
+    return window.summary(last, skipping=False)
+
+  with caplog.at_level(logging.INFO):
+    out = steps(1, 10, 0.3, 0.7)
+    assert out["train/input_wait_share"] == pytest.approx(0.3)
+    assert out["train/steps_per_sec"] == pytest.approx(1.0)
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert warnings == [
+        "Steps 1-10 waited for their input 30% of the time (3 of 10 s), above "
+        "config.input_wait_warning=0.1: the host prepares batches slower than the devices take "
+        "them. Fix: config.data.cache=True."]
+    caplog.clear()
+    out = steps(11, 20, 0.05, 0.95)  # 5%: below the threshold, no warning.
+    assert out["train/input_wait_share"] == pytest.approx(0.05)
+    assert not [r for r in caplog.records if r.levelno == logging.WARNING]
+
+
+def test_the_input_wait_fix_names_what_this_config_can_change():
+  data = config_lib.get_config("ViT-B_16", "imagenet2012").data
+  assert accounting.input_wait_fix(data) == (
+      "Fix: config.data.cache=True when the decoded training images fit in host memory; or a "
+      "host with more CPU cores per accelerator. `python -m vit_jax.benchmark --input-pipeline` "
+      "measures the pipeline's images/s alone.")
+  data.num_parallel_calls, data.cache, data.mixup_alpha = 4, True, 0.8
+  assert accounting.input_wait_fix(data).startswith(
+      "Fix: config.data.num_parallel_calls=-1 (tf.data's AUTOTUNE uses every core; now 4); or "
+      "lighter augmentation (RandAugment, random erasing and Mixup/CutMix cost the most CPU per "
+      "image); or a host with more CPU cores per accelerator.")
+
+
 # ----------------------------------------------------------------------------- FLOP counts
 
 
@@ -301,6 +458,7 @@ def test_traced_count_of_t2t_vit_is_the_papers(name, giga_macs):
 
 
 def _tiny_run(folder, total_steps):
+  from tests import data_utils  # pylint: disable=g-import-not-at-top  (TensorFlow: 5 s, slow only)
   config = data_utils.folder_run_config("ViT-custom", folder, 8, total_steps=total_steps,
                                         hidden_size=8, mlp_dim=16, num_heads=2, num_layers=1,
                                         patch_size=4)
@@ -312,6 +470,8 @@ def _tiny_run(folder, total_steps):
 
 @pytest.mark.slow
 def test_a_run_writes_its_cost_and_a_resumed_run_continues_it(tmp_path):
+  from tests import data_utils  # pylint: disable=g-import-not-at-top  (as in _tiny_run)
+  from vit_jax import train  # pylint: disable=g-import-not-at-top
   folder = data_utils.make_image_folder(str(tmp_path / "images"), num_classes=3, per_class=4,
                                         size=8)
   workdir = str(tmp_path / "workdir")
@@ -358,6 +518,16 @@ def test_a_run_writes_its_cost_and_a_resumed_run_continues_it(tmp_path):
   assert (third["flops_per_step"], third["model_flops_per_step"]) == (
       second["flops_per_step"], second["model_flops_per_step"])
   assert third["mfu"] == pytest.approx(second["mfu"])
+
+  # Its checkpoints lost (as a run killed before its first save): it starts again from step 0 and
+  # keeps the account; all 6 steps are redone, at the rate of attempt 2 (the last that trained).
+  shutil.rmtree(os.path.join(workdir, "checkpoints"))
+  train.train_and_evaluate(_tiny_run(folder, 6), workdir)
+  fourth = json.loads(open(os.path.join(workdir, "cost.json")).read())
+  assert fourth["restarts"] == 3 and fourth["attempts"][:3] == third["attempts"]
+  redone = fourth["attempts"][3]["redone"]
+  assert (fourth["attempts"][3]["start_step"], redone["steps"], redone["from_attempt"]) == (0, 6, 2)
+  assert redone["seconds"] == pytest.approx(6 * third["attempts"][1]["seconds"]["train"] / 2)
 
 
 def _scalars(workdir):

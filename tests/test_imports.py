@@ -16,7 +16,7 @@ PACKAGE = 'vit_jax'
 #: The command-line tools: library modules must not import them.
 TOOLS = ('vit_jax.benchmark', 'vit_jax.cost', 'vit_jax.convert', 'vit_jax.preflight',
          'vit_jax.tools', 'vit_jax.main', 'vit_jax.predict', 'vit_jax.evaluate',
-         'vit_jax.fewshot', 'vit_jax.analyze')
+         'vit_jax.fewshot', 'vit_jax.analyze', 'vit_jax.to_array_record')
 #: What the models package may import from vit_jax besides itself.
 MODELS_MAY_IMPORT = ('vit_jax.models', 'vit_jax.kernels')
 

@@ -332,3 +332,84 @@ def test_a_restarted_run_loads_its_compiled_steps_from_the_cache(tmp_path, caplo
     assert re.search(r"Compiled \w*train_step\w* in", log) and "compilation cache" not in log
   finally:
     jax.config.update("jax_persistent_cache_min_compile_time_secs", threshold)
+
+
+@pytest.mark.slow
+def test_a_killed_run_resumes_and_its_ledger_counts_the_redone_steps(tmp_path, caplog, capsys):
+  """`python -m vit_jax.main` stopped without notice (SIGKILL) after its checkpoint of step 50,
+  its cost.json at a later step S; the rerun (in this process) resumes from the latest
+  checkpoint R, so its attempt redoes S - R steps, costed at the first attempt's seconds per
+  step, and loads its step from the compilation cache; `python -m vit_jax.cost WORKDIR` prints
+  the ledger and draws it."""
+  import signal  # pylint: disable=g-import-not-at-top
+  import time  # pylint: disable=g-import-not-at-top
+  from tests import test_train_failures as failures  # pylint: disable=g-import-not-at-top
+  from vit_jax.tools import cost  # pylint: disable=g-import-not-at-top
+  import PIL.Image  # pylint: disable=g-import-not-at-top
+  folder, workdir = failures._folder(tmp_path), tmp_path / "workdir"
+  overrides = failures._main_overrides(folder, log_every_steps=2, checkpoint_every_steps=50,
+                                       total_steps=120)
+  env = dict(failures.ENV, JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")  # Cache every step.
+  proc = subprocess.Popen(failures._main_args(workdir, overrides), cwd=ROOT, env=env,
+                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+  try:
+    assert failures._wait_for(lambda: (workdir / "checkpoints" / "50").exists() and
+                              failures._step_in_cost_json(workdir) > 50, proc, timeout=300)
+    proc.send_signal(signal.SIGSTOP)  # Frozen: what it wrote is what the rerun finds.
+    time.sleep(0.5)
+    killed = json.loads((workdir / "cost.json").read_text())
+    proc.send_signal(signal.SIGKILL)
+    proc.communicate(timeout=60)
+  finally:
+    proc.kill()
+  assert proc.returncode == -signal.SIGKILL, "the run finished before it could be killed"
+  reached = killed["step"]
+  assert killed["attempts"][0]["end_step"] == reached and 50 < reached < 120
+
+  threshold = jax.config.jax_persistent_cache_min_compile_time_secs
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+  try:
+    results, log = failures._resume(overrides, workdir, caplog)
+  finally:
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", threshold)
+  restored = int(re.search(r"Resuming from the checkpoint at step (\d+)", log).group(1))
+  assert restored in (50, 100) and restored < reached and results["step"] == 120
+  assert re.search(r"Loaded \w*train_step\w* from the compilation cache", log), log
+  final = json.loads((workdir / "cost.json").read_text())
+  first, second = final["attempts"]
+  assert first == killed["attempts"][0] and first["resume_s"] < first["seconds"]["program"]
+  per_step = first["seconds"]["train"] / first["steps"]
+  assert second["redone"] == {
+      "steps": reached - restored, "seconds": pytest.approx((reached - restored) * per_step),
+      "from_attempt": 1, "device_days": pytest.approx((reached - restored) * per_step / 86_400),
+      "core_days": None, "chip_days": None}
+  assert final["redone_steps"] == reached - restored > 0
+  assert second["resumed"] and 0 < second["setup_s"] < second["resume_s"] < (
+      second["seconds"]["program"])
+  assert second["compile_saved_s"] > 0 and final["resume_seconds"] == second["resume_s"]
+  program = first["seconds"]["program"] + second["seconds"]["program"]
+  productive = first["seconds"]["train"] + second["seconds"]["train"] - (
+      (reached - restored) * per_step)
+  assert final["goodput"] == pytest.approx(productive / program)
+  assert "Where the time went (python -m vit_jax.cost" in log
+  assert f"redone after preemptions: {reached - restored} step(s) (" in log
+
+  capsys.readouterr()
+  assert cost.main([str(workdir)]) == 0
+  out = capsys.readouterr().out
+  assert out.startswith(f"{workdir}: the account at step 120 ({workdir}/cost.json, written ")
+  assert out.splitlines()[0].endswith("; no run holds the workdir (finished, stopped or refused).")
+  assert out.splitlines()[1].split()[:6] == ["attempt", "steps", "on", "program", "s", "training"]
+  rows = out.splitlines()[2:4]
+  assert rows[0].startswith(f"1        0-{reached} ") and rows[1].startswith(
+      f"2        {restored}-120 ")
+  assert rows[1].split()[-2:] == [str(reached - restored), f"{second['compile_saved_s']:.1f}"]
+  assert f"goodput {final['goodput']:.1%}: " in out
+  with PIL.Image.open(workdir / "cost.png") as image:
+    assert (image.format, image.size) == ("PNG", (630, 450))
+  proc = subprocess.run([sys.executable, "-m", "vit_jax.cost", str(workdir), "--figure",
+                         str(tmp_path / "ledger.png")], cwd=ROOT, env=failures.ENV,
+                        capture_output=True, text=True, timeout=300)
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  assert proc.stdout.splitlines()[1:] == out.splitlines()[1:-1] + [
+      f"Figure: {tmp_path}/ledger.png"]

@@ -23,6 +23,8 @@ SECONDS_PER_DAY = 86_400
 #: The wall-time categories; 'other' is the program's time outside them (start-up, dataset
 #: preparation, initialisation or restore, writing summaries).
 CATEGORIES = ("train", "compile", "eval", "checkpoint", "input")
+#: The ledger's parts of an attempt's program seconds (`ledger`), in the figure's order.
+SEGMENTS = ("training", "redone", "compile", "eval", "input", "checkpoint", "setup", "other")
 
 
 _measured_cpu_peak: Optional[float] = None
@@ -126,14 +128,21 @@ def local_hardware(dtype: str = "float32", remeasure: bool = False) -> Hardware:
 class CostAccountant:
   """A run's compute account: `clock` seconds in `timed` categories (a nested block's time is
   not the enclosing one's), from `start` (on `clock`; default now); `report()` goes to
-  cost.json and the checkpoints."""
+  cost.json and the checkpoints. `compile_saved()`: this process's compile seconds saved by
+  JAX's persistent cache so far (`vit_jax.step.compile_seconds_saved`; default: none)."""
 
   def __init__(self, hw: Hardware, batch_size: int,
-               clock: Callable[[], float] = time.monotonic, start: Optional[float] = None):
+               clock: Callable[[], float] = time.monotonic, start: Optional[float] = None,
+               compile_saved: Optional[Callable[[], float]] = None):
     self.hardware = hw
     self.batch_size = batch_size
     self._clock = clock
     self._start = clock() if start is None else start
+    self._compile_saved = compile_saved or (lambda: 0.0)
+    self._saved_before = self._compile_saved()  # This attempt's count starts here.
+    # At the first training step: (seconds since the start, 'other' seconds so far).
+    self._first_step: Optional[tuple[float, float]] = None
+    self._redone: Optional[dict[str, Any]] = None  # What this resume redoes (`resume`).
     self._seconds = dict.fromkeys(CATEGORIES, 0.0)
     # The open `timed` blocks, outermost first: [category, start time, seconds in children].
     self._open: list[list[Any]] = []
@@ -161,6 +170,10 @@ class CostAccountant:
       if self._open:
         self._open[-1][2] += elapsed
 
+  def seconds(self) -> dict[str, float]:
+    """This attempt's seconds per category so far (`CATEGORIES`), the open blocks' included."""
+    return self._seconds_now()
+
   def _seconds_now(self) -> dict[str, float]:
     """Seconds per category, the open blocks' time so far included."""
     seconds = dict(self._seconds)
@@ -176,7 +189,11 @@ class CostAccountant:
     return seconds["train"] + seconds["input"]
 
   def count_step(self, steps: int = 1) -> None:
-    """Records `steps` optimizer updates of `batch_size` images each."""
+    """Records `steps` optimizer updates of `batch_size` images each; the first ends the set-up
+    (the attempt's `resume_s`)."""
+    if self._first_step is None:
+      program = self._clock() - self._start
+      self._first_step = (program, max(0.0, program - sum(self._seconds_now().values())))
     self._steps += steps
 
   def set_step_flops(self, compiled: Optional[float], analytic: Optional[float]) -> None:
@@ -185,10 +202,13 @@ class CostAccountant:
     self.flops_per_step, self.model_flops_per_step = compiled, analytic
 
   def resume(self, report: Optional[dict[str, Any]], start_step: int) -> None:
-    """Continues an earlier `report()`: its attempts, and (same `batch_size` only) its FLOPs per
-    step, else its latest attempt's that has them, until this attempt compiles a step."""
+    """Continues an earlier `report()` from the checkpoint of `start_step`: its attempts, and
+    (same `batch_size` only) its FLOPs per step, else its latest attempt's that has them, until
+    this attempt compiles a step. The steps after `start_step` that the last attempt counted are
+    redone (`redone_steps`)."""
     self._previous = list(report["attempts"]) if report else []
     self._start_step = start_step
+    self._redone = redone_steps(self._previous, start_step) if self._previous else None
     self._resumed_flops = (None, None)
     if report and report.get("batch_size") == self.batch_size:
       self._resumed_flops = tuple(
@@ -204,19 +224,24 @@ class CostAccountant:
     seconds["other"] = max(0.0, program - sum(seconds.values()))
     seconds["program"] = program
     model_flops = (self.model_flops_per_step or 0.0) * self._steps
+    resume_s, setup_s = self._first_step or (None, seconds["other"])
     return {
         "device_kind": hw.device_kind, "platform": hw.platform, "devices": hw.num_devices,
         "cores": hw.cores, "chips": hw.chips, "peak_flops_per_device": hw.peak_flops_per_device,
         "start_step": self._start_step, "end_step": step, "steps": self._steps,
         "images": self._steps * self.batch_size, "seconds": seconds,
         "flops_per_step": self.flops_per_step, "model_flops_per_step": self.model_flops_per_step,
-        "model_flops": model_flops,
+        "model_flops": model_flops, "resumed": bool(self._previous), "resume_s": resume_s,
+        "setup_s": min(setup_s, seconds["other"]), "redone": self._redone,
+        "compile_saved_s": max(0.0, self._compile_saved() - self._saved_before),
     }
 
   def report(self, step: int) -> dict[str, Any]:
     """The account of all attempts so far (JSON-able): 'hardware', 'step', 'restarts',
-    'images_seen', 'seconds' by category, 'train' and 'program' {device,core,chip}_days, FLOPs,
-    'mfu' (0..1 or None), 'images_per_sec_per_core', 'mfu_note', 'attempts' (docs/compute_cost.md).
+    'images_seen', 'seconds' by category, 'train', 'program', 'redone' and 'productive'
+    {device,core,chip}_days, 'goodput' (0..1 or None), 'resume_seconds',
+    'compile_saved_seconds', FLOPs, 'mfu' (0..1 or None), 'images_per_sec_per_core',
+    'mfu_note', 'attempts' (docs/compute_cost.md).
 
     An attempt above its peak has a wrong peak: a measured CPU peak is measured again once, and
     one still above is left out of the MFU ('mfu_note' says so).
@@ -243,7 +268,13 @@ class CostAccountant:
 
     figures = {part: {f"{unit}_days": days(part, unit + "s") for unit in ("device", "core", "chip")}
                for part in ("train", "program")}
-    train_unit_seconds = sum(a["seconds"]["train"] * (a["cores"] or a["devices"]) for a in attempts)
+    redone = [a["redone"] for a in attempts if a.get("redone")]
+    figures["redone"] = {key: _sum_known(r[key] for r in redone if r["steps"])
+                         for key in ("device_days", "core_days", "chip_days")}
+    figures["productive"] = {
+        key: None if None in (lost, figures["train"][key]) else figures["train"][key] - lost
+        for key, lost in figures["redone"].items()}
+    train_unit_seconds = sum(a["seconds"]["train"] * _units(a) for a in attempts)
     images = sum(a["images"] for a in attempts)
     # MFU of the attempts whose peak is known and not exceeded; FLOP/s of all with a peak.
     with_peak = [a for a in attempts if a["peak_flops_per_device"] and a["model_flops_per_step"]]
@@ -270,8 +301,121 @@ class CostAccountant:
         "mfu": (sum(a["model_flops"] for a in known) / capacity) if capacity else None,
         "mfu_note": _above_peak_note(above, len(with_peak)),
         "images_per_sec_per_core": images / train_unit_seconds if train_unit_seconds else None,
+        "redone_steps": sum(r["steps"] for r in redone), "goodput": goodput(attempts),
+        "resume_seconds": sum(a.get("resume_s") or 0.0 for a in attempts if a.get("resumed")),
+        "compile_saved_seconds": sum(a.get("compile_saved_s") or 0.0 for a in attempts),
         "attempts": attempts,
     }
+
+
+def _sum_known(values) -> Optional[float]:
+  """The sum of `values`, None if one is None (0.0 for none)."""
+  values = list(values)
+  return None if None in values else float(sum(values))
+
+
+def _units(attempt: dict[str, Any]) -> int:
+  """The attempt's cores on TPU, else its devices: what the goodput weighs seconds by."""
+  return attempt["cores"] or attempt["devices"]
+
+
+def redone_steps(attempts: list[dict[str, Any]], restored_step: int) -> dict[str, Any]:
+  """What a resume from the checkpoint of `restored_step` redoes after `attempts` (a report's,
+  oldest first): 'steps', the last attempt's counted steps after `restored_step`; 'seconds' of
+  training they took at the seconds per step of 'from_attempt' (1-based: the latest attempt that
+  trained), on its devices {device,core,chip}_days (None: unknown; 0 for no steps)."""
+  steps = max(0, attempts[-1]["end_step"] - restored_step)
+  index = next((i for i in reversed(range(len(attempts))) if attempts[i]["steps"] > 0), None)
+  rated = None if index is None else attempts[index]
+  seconds = (0.0 if not steps else None if rated is None else
+             steps * rated["seconds"]["train"] / rated["steps"])
+
+  def days(count: str) -> Optional[float]:
+    if not steps:
+      return 0.0
+    number = rated and rated[count]
+    return None if seconds is None or number is None else seconds * number / SECONDS_PER_DAY
+
+  return {"steps": steps, "seconds": seconds, "from_attempt": None if index is None else index + 1,
+          **{f"{unit}_days": days(unit + "s") for unit in ("device", "core", "chip")}}
+
+
+def goodput(attempts: list[dict[str, Any]]) -> Optional[float]:
+  """Productive training / all program time, each second weighed by its attempt's cores (devices
+  off TPU): productive = training steps' seconds less those of steps redone later."""
+  program = sum(a["seconds"]["program"] * _units(a) for a in attempts)
+  lost = sum((a["redone"]["seconds"] or 0.0) * _units(attempts[a["redone"]["from_attempt"] - 1])
+             for a in attempts if a.get("redone") and a["redone"]["from_attempt"])
+  train = sum(a["seconds"]["train"] * _units(a) for a in attempts)
+  return max(0.0, train - lost) / program if program > 0 else None
+
+
+def ledger(report: dict[str, Any]) -> list[dict[str, Any]]:
+  """Per attempt of a `report()`: 'attempt' (1-based), 'start_step', 'end_step', 'steps',
+  'units' (cores, else devices), 'unit', 'resumed', 'resume_s', 'redone_steps' (redone after its
+  resume), 'compile_saved_s', 'program_s' and 'segments': its program seconds split in `SEGMENTS`
+  (sum: 'program_s'). 'redone' is training time of this attempt's steps that a later resume
+  did again; 'setup' the 'other' time before the first step. Older reports: 0 for the new parts.
+  """
+  attempts = report["attempts"]
+  lost = [0.0] * len(attempts)
+  for a in attempts:
+    redone = a.get("redone")
+    if redone and redone["seconds"] and redone["from_attempt"]:
+      lost[redone["from_attempt"] - 1] += redone["seconds"]
+  rows = []
+  for i, a in enumerate(attempts):
+    seconds = a["seconds"]
+    redone = min(lost[i], seconds["train"])
+    setup = min(a.get("setup_s") or 0.0, seconds["other"])
+    segments = {"training": seconds["train"] - redone, "redone": redone,
+                **{k: seconds[k] for k in ("compile", "eval", "input", "checkpoint")},
+                "setup": setup, "other": seconds["other"] - setup}
+    rows.append({
+        "attempt": i + 1, "start_step": a["start_step"], "end_step": a["end_step"],
+        "steps": a["steps"], "units": _units(a), "unit": "core" if a["cores"] else "device",
+        "device_kind": a["device_kind"], "resumed": a.get("resumed", i > 0),
+        "resume_s": a.get("resume_s"), "redone_steps": (a.get("redone") or {}).get("steps", 0),
+        "compile_saved_s": a.get("compile_saved_s") or 0.0, "program_s": seconds["program"],
+        "segments": segments})
+  return rows
+
+
+#: The ledger's column titles of `SEGMENTS`.
+SEGMENT_TITLES = {"training": "training", "redone": "redone", "compile": "compile",
+                  "eval": "eval", "input": "input wait", "checkpoint": "checkpoint",
+                  "setup": "set-up/resume", "other": "other"}
+
+
+def format_ledger(report: dict[str, Any]) -> str:
+  """The ledger of a `report()` as a table of seconds per attempt and the goodput lines."""
+  titles = ["attempt", "steps", "on", "program s", *SEGMENT_TITLES.values(), "resume s",
+            "redid steps", "cache saved s"]
+  table = [titles]
+  for row in ledger(report):
+    on = f"{row['units']} {row['unit']}{'s' if row['units'] != 1 else ''}"
+    resume = "-" if row["resume_s"] is None else f"{row['resume_s']:.1f}"
+    table.append([str(row["attempt"]), f"{row['start_step']}-{row['end_step']}", on,
+                  f"{row['program_s']:.1f}",
+                  *(f"{row['segments'][k]:.1f}" for k in SEGMENT_TITLES), resume,
+                  str(row["redone_steps"]), f"{row['compile_saved_s']:.1f}"])
+  widths = [max(len(line[i]) for line in table) for i in range(len(titles))]
+  lines = ["  ".join(c.ljust(w) if i < 3 else c.rjust(w) for i, (c, w) in
+                     enumerate(zip(line, widths))).rstrip() for line in table]
+  unit = report["hardware"]["unit"]
+  key = f"{unit}_days"
+  program, productive = report["program"][key], report.get("productive", {}).get(key)
+  value = report.get("goodput")
+  share = "unknown" if value is None else f"{value:.1%}"
+  days = ("" if None in (program, productive) else
+          f": {productive:.4g} {unit}-days in productive training steps of {program:.4g}")
+  lines.append(f"goodput {share}{days} ({report['restarts']} restart(s)).")
+  redone = report.get("redone", {}).get(key)
+  lost = "" if redone is None else f" ({redone:.4g} {unit}-days)"
+  lines.append(f"redone after preemptions: {report.get('redone_steps', 0)} step(s){lost}; "
+               f"resumes: {report.get('resume_seconds', 0.0):.1f} s; compiling saved by the "
+               f"persistent cache: {report.get('compile_saved_seconds', 0.0):.1f} s.")
+  return "\n".join(lines)
 
 
 def _above_peak(attempt: dict[str, Any]) -> bool:
@@ -303,11 +447,13 @@ def latest_report(from_checkpoint: Optional[dict[str, Any]],
 
 def scalars(report: dict[str, Any]) -> dict[str, float]:
   """TensorBoard scalars of a `report()`: 'cost/<name>' for every figure that is known."""
-  out = {f"cost/{part}_{unit}": report[part][unit] for part in ("train", "program")
+  out = {f"cost/{part}_{unit}": report[part][unit]
+         for part in ("train", "program", "redone", "productive")
          for unit in ("core_days", "chip_days", "device_days") if report[part][unit] is not None}
   out.update({f"cost/seconds_{k}": v for k, v in report["seconds"].items()})
   for key in ("mfu", "images_per_sec_per_core", "achieved_flops_per_sec", "flops_per_step",
-              "model_flops_per_step", "restarts", "images_seen"):
+              "model_flops_per_step", "restarts", "images_seen", "goodput", "redone_steps",
+              "resume_seconds", "compile_saved_seconds"):
     if report[key] is not None:
       out[f"cost/{key}"] = float(report[key])
   return out
@@ -325,8 +471,29 @@ def summary(report: dict[str, Any]) -> str:
   rate = "" if rate is None else f", {rate:,.1f} images/s/{unit}"
   seconds = report["seconds"]
   split = ", ".join(f"{k} {seconds[k]:.0f}" for k in (*CATEGORIES, "other"))
+  value = report.get("goodput")
+  good = "" if value is None else f", goodput {value:.1%}"
+  if report.get("redone_steps"):
+    good += f" ({report['redone_steps']} step(s) redone)"
   return (f"cost: {program:.4g} {kind} {unit}-days ({train:.4g} in training steps), {mfu}"
-          f"{rate}, {report['restarts']} restart(s); seconds: {split}")
+          f"{rate}, {report['restarts']} restart(s){good}; seconds: {split}")
+
+
+def input_wait_fix(data: Any) -> str:
+  """What to change when training waits on input, for `data` (a config.data)."""
+  fixes = []
+  if data.get("num_parallel_calls", -1) != -1:
+    fixes.append(f"config.data.num_parallel_calls=-1 (tf.data's AUTOTUNE uses every core; now "
+                 f"{data.num_parallel_calls})")
+  if not data.get("cache", True):
+    fixes.append("config.data.cache=True when the decoded training images fit in host memory")
+  if (data.get("randaugment_num_layers", 0) or data.get("random_erasing", 0)
+      or data.get("mixup_alpha", 0) or data.get("cutmix_alpha", 0)):
+    fixes.append("lighter augmentation (RandAugment, random erasing and Mixup/CutMix cost the "
+                 "most CPU per image)")
+  fixes.append("a host with more CPU cores per accelerator")
+  return ("Fix: " + "; or ".join(fixes) + ". `python -m vit_jax.benchmark --input-pipeline` "
+          "measures the pipeline's images/s alone.")
 
 
 def account_step_flops(accountant: CostAccountant, executable, model: Any,
@@ -353,14 +520,18 @@ class Progress:
   training time (`CostAccountant.training_seconds`), so they agree with the cost report."""
 
   def __init__(self, accountant: CostAccountant, batch_size: int, total_steps: int,
-               start_step: int):
+               start_step: int, input_wait_warning: float = 0.0, input_fix: str = ""):
+    """`input_wait_warning`: warn when a window waited on input more than this share of its
+    training time ('train' + 'input'; 0: never), saying `input_fix`."""
     self._accountant, self._batch_size, self._total = accountant, batch_size, total_steps
+    self._warn_above, self._input_fix = input_wait_warning, input_fix
     self._metrics: list[dict[str, np.ndarray]] = []
     self.restart(start_step)
 
   def restart(self, step: int) -> None:
     """Measures the throughput from here (after the compiling step)."""
     self._step, self._seconds = step, self._accountant.training_seconds()
+    self._input = self._accountant.seconds()["input"]
 
   def add(self, metrics: dict[str, np.ndarray]) -> None:
     """One step's fetched metrics (float scalars: 'loss', 'lr', ... and maybe 'skipped')."""
@@ -386,10 +557,18 @@ class Progress:
       out["train/images_per_sec"] = steps_per_sec * self._batch_size
       rate = (f", {steps_per_sec:.3g} steps/s ({out['train/images_per_sec']:,.0f} images/s), "
               f"ETA {duration((self._total - step) / steps_per_sec)}")
+      waited = self._accountant.seconds()["input"] - self._input
+      out["train/input_wait_share"] = waited / seconds
+      if self._warn_above and waited > self._warn_above * seconds:
+        logging.warning(
+            "Steps %d-%d waited for their input %.0f%% of the time (%.3g of %.3g s), above "
+            "config.input_wait_warning=%g: the host prepares batches slower than the devices "
+            "take them. %s", self._step + 1, step, 100 * waited / seconds, waited, seconds,
+            self._warn_above, self._input_fix)
     accuracy = (f", accuracy {out['train/accuracy']:.4f}" if "train/accuracy" in out else "")
     logging.info("Step %d/%d (%.1f%%): loss %.4f%s%s.", step, self._total,
                  100 * step / self._total, out["train/loss"], accuracy, rate)
-    self._step, self._seconds = step, self._accountant.training_seconds()
+    self.restart(step)
     return out
 
 

@@ -30,6 +30,7 @@ CONFIG_JSON = 'config.json'
 COST_JSON = 'cost.json'
 COMPILATION_CACHE_DIR = 'compilation_cache'  # JAX's persistent cache (configs.md).
 DATASET_JSON = 'dataset.json'
+LOCK_JSON = 'lock.json'  # The run holding the workdir (checkpoint/lock.py).
 #: Items of one checkpoint step.
 STATE_ITEM = 'state'
 COST_ITEM = 'cost'

@@ -287,6 +287,12 @@ def _count_saved(event: str, duration_secs: float, **_) -> None:
     _PERSISTENT["saved_s"] += duration_secs
 
 
+def compile_seconds_saved() -> float:
+  """Seconds of compiling that JAX's persistent cache saved in this process so far (its
+  '/jax/compilation_cache/compile_time_saved_sec' events; counted from `compilation_cache` on)."""
+  return _PERSISTENT["saved_s"]
+
+
 @contextlib.contextmanager
 def compilation_cache(directory: Optional[str]) -> Iterator[None]:
   """JAX's persistent compilation cache in `directory` (local or gs://; None: off) inside the

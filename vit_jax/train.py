@@ -92,18 +92,20 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
     compiler, train_step = run.compiler, run.train_step
     pictures, evaluate, evaluate_fewshot = _evaluations(run, accountant, writer)
 
-    def save_cost(step: int) -> None:
+    def save_cost(step: int) -> dict[str, Any]:
       report = accountant.report(step)
       writer.write_scalars(step, accounting.scalars(report))
       logging.info("Step %d: %s", step, accounting.summary(report))
       run_dir.write_cost(report)
+      return report
 
     # 4. Loop: step s's metrics are fetched after step s+1 was dispatched (the host never
     # stalls the device); a NaN/Inf loss stops the run one step later at the latest.
     train_iter = data.create_train_iterator(config.data, global_batch_size=config.batch_size,
                                             seed=config.seed, start_step=start_step)
     skipping = config.optim.max_skipped_updates > 0
-    window = accounting.Progress(accountant, config.batch_size, total_steps, start_step)
+    window = accounting.Progress(accountant, config.batch_size, total_steps, start_step,
+                                 config.input_wait_warning, accounting.input_wait_fix(config.data))
     pending = None  # (step, device metrics) of the step dispatched last.
     results: dict[str, float] = {}
     preempted = False
@@ -166,7 +168,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
       checkpoints.wait_until_finished()
     checkpoints.close()
     last_step = step if preempted else max(start_step, total_steps)
-    save_cost(last_step)
+    logging.info("Where the time went (python -m vit_jax.cost %s draws it):\n%s", workdir,
+                 accounting.format_ledger(save_cost(last_step)))
     if preempted:
       raise Preempted(last_step, workdir, interrupted=notice.signal == "SIGINT")
     return dict(results, step=last_step)
@@ -207,7 +210,8 @@ def _prepare(config: ml_collections.ConfigDict, workdir: str,
                               num_classes=info.num_classes)
   # The compute account starts now: the program's time includes the set-up.
   accountant = accounting.CostAccountant(
-      accounting.local_hardware(str(config.model.dtype)), config.batch_size, start=program_start)
+      accounting.local_hardware(str(config.model.dtype)), config.batch_size, start=program_start,
+      compile_saved=step_lib.compile_seconds_saved)
   run_dir = checkpoint.Workdir(workdir)
   run_dir.check_writable()
   with stops.deferred_stop():  # A stop notice stops once the lock is held (and released).
@@ -278,6 +282,9 @@ def _initial_state(run: _Run, checkpoints: checkpoint.Checkpoints) -> step_lib.S
     run.accountant.resume(accounting.latest_report(saved_cost, run.run_dir.read_cost()),
                           start_step=latest)
     return state
+  previous = run.run_dir.read_cost()  # A run killed before its first checkpoint: from step 0.
+  if previous and previous.get("attempts"):
+    run.accountant.resume(previous, start_step=0)
   if run.finetune is not None:
     variables, run.finetune = run.finetune, None
     return jax.jit(setup.state_from_variables, out_shardings=setup.state_shardings)(variables)

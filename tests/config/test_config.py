@@ -190,6 +190,8 @@ def test_resolve_takes_pretrained_dir_and_refuses_a_missing_checkpoint(tmp_path)
     ("optim.b2", 1.0, r"config.optim.b2=1.0 must be in \[0, 1\)"),
     ("label_smoothing", 1.5, r"config.label_smoothing=1.5 must be in \[0, 1\)"),
     ("keep_checkpoints", 0, r"config.keep_checkpoints=0 must be a positive int"),
+    ("input_wait_warning", 1.0, r"config.input_wait_warning=1.0 must be in \[0, 1\) \(a share "
+     r"of the training time; 0 turns the warning off\)"),
     ("optim.max_skipped_updates", -2, r"max_skipped_updates=-2 must be an int >= 0"),
     ("data.prefetch", -1, r"config.data.prefetch=-1 must be an int >= 0"),
     ("data.eval_crop_pct", 1.5, r"eval_crop_pct=1.5 must be in \(0, 1\] or None"),

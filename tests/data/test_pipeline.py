@@ -4,6 +4,7 @@ import collections
 import logging
 import os
 
+import ml_collections
 import numpy as np
 from PIL import Image
 import pytest
@@ -14,6 +15,7 @@ from vit_jax.data import fashion_mnist_local as fml
 from vit_jax.data import memory as memory_lib
 from vit_jax.data import pipeline
 from vit_jax.data import sources
+from vit_jax.tools import to_array_record
 from tests import data_utils
 import tensorflow as tf  # pylint: disable=g-import-not-at-top,wrong-import-order
 
@@ -700,3 +702,74 @@ def test_train_iterator_logs_its_shuffle_memory(folder, caplog):
       'uint8 images, mean of 6 read; +600 B per element) = 4.4 KiB; the cache '
       '(config.data.cache) holds 6 decoded images = 4.4 KiB, whose tensors the buffer shares; '
       'total ~4.4 KiB of '), lines
+
+
+# ------------------------------------------------------- reading by index
+
+
+def _ids(cfg, batch, steps, start_step=0):
+  it = data.create_train_iterator(cfg, batch, seed=0, start_step=start_step, process_index=0,
+                                  process_count=1)
+  return [data_utils.pixel_ids(b['image']) for b in _take(it, steps)]
+
+
+def test_array_record_files_added_by_the_tool_are_read_by_index(tmp_path, caplog, capsys):
+  """to_array_record adds ArrayRecord shards beside the TFRecord ones; training then shuffles
+  whole epochs by index and a resume at any step gives the uninterrupted run's batches without
+  reading the examples before it (the TFRecord path says what its resume costs)."""
+  path = data_utils.make_multilabel_dataset(str(tmp_path), num_train=12, num_test=10)
+  cfg = _cfg(name=path, augment='flip')
+  capsys.readouterr()
+  with caplog.at_level(logging.WARNING):
+    _ids(cfg, 4, 1, start_step=1)
+  assert 'reads and drops the 4 examples of epoch 0 before it (33% of an epoch)' in caplog.text
+  assert 'python -m vit_jax.to_array_record' in caplog.text
+  assert to_array_record.main([path, '--workers', '2']) == 0
+  assert capsys.readouterr().out == (f'{path}: 2 ArrayRecord shards, 22 examples; training now '
+                                     'reads it by index.\n')
+  assert sorted(os.listdir(path)) == [
+      'dataset_info.json', 'features.json', 'metadata.json',
+      'tiny_multi_label-test.array_record-00000-of-00001',
+      'tiny_multi_label-test.tfrecord-00000-of-00001',
+      'tiny_multi_label-train.array_record-00000-of-00001',
+      'tiny_multi_label-train.tfrecord-00000-of-00001']
+  assert to_array_record.main([path]) == 0  # Again: nothing left to do.
+  sources._SOURCES.clear()
+  assert sources.get_source(cfg).has_array_record
+  caplog.clear()
+  with caplog.at_level(logging.WARNING):
+    uninterrupted = _ids(cfg, 4, 7)
+    for start in (1, 2, 4):  # Within epoch 0, at its end, within epoch 1.
+      np.testing.assert_array_equal(uninterrupted[start:], _ids(cfg, 4, 7 - start, start))
+  assert 'reads and drops' not in caplog.text
+  epochs = np.concatenate(uninterrupted[:6]).reshape(2, 12)
+  for epoch in epochs:
+    assert sorted(epoch) == list(range(12))
+  assert list(epochs[0]) != list(epochs[1])
+
+
+def test_an_array_record_only_dataset_trains_and_evaluates(tmp_path):
+  path = data_utils.make_multilabel_dataset(str(tmp_path), num_train=12, num_test=10,
+                                            file_format='array_record')
+  cfg = _cfg(name=path, augment='inception_crop')
+  assert sorted(np.concatenate(_ids(cfg, 3, 4))) == list(range(12))
+  ids = [data_utils.pixel_ids(b['image'])[b['mask']]
+         for b in data.create_eval_dataset(cfg, 4, process_index=0, process_count=1)]
+  start = data_utils.MULTILABEL_TEST_START
+  assert sorted(np.concatenate(ids)) == list(range(start, start + 10))
+
+
+def test_a_cached_dataset_is_read_by_index_from_memory(fake_fmnist, caplog):
+  cfg = ml_collections.ConfigDict(fake_fmnist.to_dict())
+  cfg.cache = True
+  uninterrupted = _ids(cfg, 4, 8)
+  assert sorted(np.concatenate(uninterrupted[:5])) == sorted(
+      data_utils.idx_pixel_value('train', i) for i in range(20))
+  with caplog.at_level(logging.WARNING):
+    np.testing.assert_array_equal(uninterrupted[6:], _ids(cfg, 4, 2, start_step=6))
+  assert 'reads and drops' not in caplog.text
+
+
+def test_to_array_record_refuses_what_is_not_a_prepared_dataset(tmp_path, capsys):
+  assert to_array_record.main([str(tmp_path / 'missing')]) == 2
+  assert capsys.readouterr().err.startswith('FATAL: ')

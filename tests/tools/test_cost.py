@@ -2,10 +2,14 @@
 datasets' sizes, the command line (Table 2, an estimate, bad input), and that the estimator needs
 no trainer."""
 
+import json
 import os
+import socket
 import subprocess
 import sys
+import time
 
+import PIL.Image
 import pytest
 
 from vit_jax import config as config_lib
@@ -106,3 +110,65 @@ def test_estimator_cli_prints_table2_and_an_estimate():
     proc = _run_cost(*args)
     assert proc.returncode == 2 and f"FATAL: {message}" in proc.stderr, (args, proc.stderr[-800:])
     assert "Traceback" not in proc.stderr
+
+
+# ----------------------------------------------------------------------------- a run's ledger
+
+
+def _workdir_with_cost(tmp_path):
+  """A workdir whose cost.json is the hand-built preempted-and-resumed account of
+  tests/test_accounting.py (400 steps on a v3-8, 100 redone)."""
+  from tests.test_accounting import _preempted_and_resumed  # pylint: disable=g-import-not-at-top
+  report = _preempted_and_resumed()[1]
+  workdir = tmp_path / "run"
+  workdir.mkdir()
+  (workdir / "cost.json").write_text(json.dumps(report))
+  return workdir, report
+
+
+def test_a_workdir_prints_its_ledger_and_draws_it(tmp_path, capsys):
+  from vit_jax import accounting  # pylint: disable=g-import-not-at-top
+  workdir, report = _workdir_with_cost(tmp_path)
+  two_hours_ago = time.time() - 7200
+  os.utime(workdir / "cost.json", (two_hours_ago, two_hours_ago))
+  assert cost.main([str(workdir)]) == 0
+  out = capsys.readouterr().out.splitlines()
+  assert out[0] == (f"{workdir}: the account at step 400 ({workdir}/cost.json, written 2 h 00 min "
+                    "ago); no run holds the workdir (finished, stopped or refused).")
+  assert out[1:-1] == accounting.format_ledger(report).splitlines()
+  assert out[1].startswith("attempt  steps    on       program s  training  redone  compile")
+  assert out[-1] == f"Figure: {workdir}/cost.png"
+  with PIL.Image.open(workdir / "cost.png") as image:  # 6.3 x 4.5 inches at 100 dpi.
+    assert (image.format, image.size) == ("PNG", (630, 450))
+  # A lock.json of a process that is gone: a killed run; --figure elsewhere.
+  (workdir / "lock.json").write_text(json.dumps({"host": socket.gethostname(), "pid": 2**22 + 1}))
+  assert cost.main([str(workdir), "--figure", str(tmp_path / "f.png")]) == 0
+  out = capsys.readouterr().out.splitlines()
+  assert out[0].endswith(f"; lock.json names pid {2**22 + 1} of this host, which is gone: the run "
+                         "was killed.")
+  assert out[-1] == f"Figure: {tmp_path}/f.png" and (tmp_path / "f.png").stat().st_size > 1000
+  # Without cost.json: the latest checkpoint's account (Orbax's JSON of its 'cost' item).
+  (workdir / "cost.json").unlink()
+  saved = workdir / "checkpoints" / "300" / "cost"
+  saved.mkdir(parents=True)
+  (saved / "metadata").write_text(json.dumps(dict(report, step=300)))
+  assert cost.main([str(workdir)]) == 0
+  assert capsys.readouterr().out.startswith(
+      f"{workdir}: the account at step 300 (checkpoint 300); lock.json names pid ")
+
+
+def test_a_directory_without_a_cost_account_is_refused_with_the_fix(tmp_path, capsys):
+  assert cost.main([str(tmp_path)]) == 2
+  assert capsys.readouterr().err == (
+      f"FATAL: {tmp_path} has no cost account: expected {tmp_path}/cost.json, which python -m "
+      "vit_jax.main writes at every config.log_every_steps and at the end (a run that has not "
+      "logged its first steps has none yet). Give the --workdir of a training run, or "
+      "--config=FILE to predict a run's cost.\n")
+  assert cost.main([str(tmp_path / "nope")]) == 2
+  assert capsys.readouterr().err == (f"FATAL: WORKDIR {tmp_path}/nope is not a directory; give "
+                                     "the --workdir of a run of python -m vit_jax.main.\n")
+  assert cost.main([str(tmp_path), "--table2"]) == 2
+  assert "FATAL: Give a WORKDIR (a run's ledger) or --config" in capsys.readouterr().err
+  assert cost.main(["--figure", "x.png", "--table2"]) == 2
+  assert "FATAL: --figure draws a run's ledger: give its WORKDIR." in capsys.readouterr().err
+  assert not list(tmp_path.iterdir())

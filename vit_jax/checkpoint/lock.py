@@ -28,10 +28,10 @@ import jax
 from jax.experimental import multihost_utils
 import numpy as np
 
+from vit_jax import rundir
 from vit_jax.checkpoint import paths
 
-#: The lock file, inside WORKDIR.
-LOCK_JSON = 'lock.json'
+LOCK_JSON = rundir.LOCK_JSON
 
 _log = logging.getLogger('absl')
 

@@ -258,6 +258,9 @@ def get_config(model_name: str = "ViT-B_16", dataset: str = "imagenet2012",
   config.eval_every_steps = 1000  # Also evaluated at the end of training.
   config.checkpoint_every_steps = 1000  # Also saved at the end of training.
   config.keep_checkpoints = 3  # Most recent checkpoints kept on disk.
+  # Warn when the steps of a log_every_steps window wait on input for more than this share of
+  # their time (docs/compute_cost.md); 0: never.
+  config.input_wait_warning = 0.1
   config.async_checkpointing = True
   # Seconds after which a gs:// workdir lock's stale heartbeat is taken over (docs/configs.md).
   config.workdir_lock_timeout = 600

@@ -71,6 +71,7 @@ _RUN_RANGES = {
     "eval_every_steps": (_POSITIVE_INT, False, ""),
     "checkpoint_every_steps": (_POSITIVE_INT, False, ""),
     "keep_checkpoints": (_POSITIVE_INT, False, "the most recent checkpoints kept"),
+    "input_wait_warning": (_UNIT, False, "a share of the training time; 0 turns the warning off"),
     "async_checkpointing": (_BOOL, False, ""),
     "workdir_lock_timeout": (_POSITIVE, False, "seconds without a heartbeat before a gs:// "
                              "workdir's lock is stale"),

@@ -135,10 +135,13 @@ def create_train_iterator(data_cfg, global_batch_size: int, seed: int, start_ste
   """This process's training batches, ``b`` = global / process count: ``'image'`` float32
   ``[b, S, S, 3]`` (normalized), ``'labels'`` float32 ``[b, C]`` (one- or multi-hot, mixed).
 
-  The official vit_jax pipeline made deterministic: each epoch's files and buffer shuffled with
-  ``fold_in(seed, epoch)``, augmentations seeded by (seed, epoch, index), epochs concatenated.
-  ``start_step=k`` skips ``k*b`` examples (read, not decoded): the batches are exactly steps
-  k, k+1, ... of an uninterrupted run (tfds in 'skip' mode: if nothing was dropped before).
+  Deterministic: epoch e is a permutation keyed by ``fold_in(seed, e)``, augmentations are
+  seeded by (seed, e, position), epochs are concatenated; ``start_step=k`` starts at position
+  ``k*b``, so the batches are exactly steps k, k+1, ... of an uninterrupted run (tfds in 'skip'
+  mode: if nothing was dropped before). Sources read by index (`Source.random_access`: image
+  folders, ArrayRecord, ``cache`` of one image size in memory) shuffle the whole epoch and start
+  there at once; TFRecord files are read in order through a shuffle buffer, and a resume reads
+  (not decodes) the examples before its position again: see docs/data.md.
 
   Raises:
     ValueError: batch size not a multiple of the process count, invalid config, empty split;
@@ -151,39 +154,41 @@ def create_train_iterator(data_cfg, global_batch_size: int, seed: int, start_ste
   source = sources.get_source(data_cfg)
   split = (data_cfg.train_split if pc == 1 else tfds.split_for_jax_process(
       data_cfg.train_split, process_index=pi, process_count=pc))
-  n = _num_examples(source, split, 'config.data.train_split')
+  cache = bool(data_cfg.cache)
+  access = source.random_access(split, decode=cache)
+  n = access.num_examples if access else _num_examples(source, split, 'config.data.train_split')
   if n == 0:
     raise ValueError(f'Process {pi}/{pc} has no training examples in '
                      f'{data_cfg.train_split!r} of {source.name!r}.')
   start_epoch, offset = divmod(start_step * b, n)
-  cache = bool(data_cfg.cache)
   encoded = (not cache) and source.images_encoded_after_read
   vectorized = _vectorizable(source, data_cfg.augment, data_cfg.randaugment_num_layers > 0)
-  memory.log_shuffle_memory(memory.estimate_shuffle_memory(data_cfg, source, split, n),
-                            f' (process {pi} of {pc})')
-  if cache:  # Decoded, un-augmented images, shared by all epochs.
-    cached = source.drop_undecodable(source.read(split, decode=True)).cache()
   run_key = preprocess.seed_key(seed)
   shuffle_root = preprocess.fold_in(run_key, 0)
-
-  @tf.autograph.experimental.do_not_convert
-  def epoch_examples(epoch):
-    key = preprocess.fold_in(shuffle_root, epoch)
-    if cache:
-      ds = cached
-    else:
-      ds = source.read(split, decode=False, shuffle_files=True, file_seed=key[0])
-    ds = ds.shuffle(min(data_cfg.shuffle_buffer, n), seed=key[1], reshuffle_each_iteration=False)
-    return ds.enumerate(start=epoch * _EPOCH_STRIDE)
-
+  if access is None:
+    memory.log_shuffle_memory(memory.estimate_shuffle_memory(data_cfg, source, split, n),
+                              f' (process {pi} of {pc})')
+    ds = _sequential_examples(data_cfg, source, split, n, shuffle_root, start_epoch)
+    if offset:
+      logging.warning(
+          'Resuming at step %d: %s is read in order (TFRecord), so the input reads and drops the '
+          '%d examples of epoch %d before it (%.0f%% of an epoch) before the first batch. `python '
+          '-m vit_jax.to_array_record` adds ArrayRecord files, read by index: resumes in '
+          'constant time.', start_step, source.name, offset, start_epoch, 100 * offset / n)
+      ds = ds.skip(offset)
+  else:
+    @tf.autograph.experimental.do_not_convert
+    def epoch_positions(epoch):
+      key = preprocess.fold_in(shuffle_root, epoch)
+      first = tf.where(epoch == start_epoch, tf.constant(offset, tf.int64), 0)
+      positions = tf.data.Dataset.range(first, n)
+      return positions.map(lambda p: (epoch * _EPOCH_STRIDE + p, tf.random.experimental
+                                      .index_shuffle(p, key, tf.constant(n - 1, tf.int64))))
+    ds = access.read(tf.data.Dataset.range(start_epoch, 2**62).flat_map(epoch_positions))
   maps = train_maps.TrainMaps(data_cfg, source, encoded, vectorized,
-                    augment_key=preprocess.fold_in(run_key, 1),
-                    mix_key=preprocess.fold_in(run_key, 2),
-                    erase_key=preprocess.fold_in(run_key, 3))
-
-  ds = tf.data.Dataset.range(start_epoch, 2**62).flat_map(epoch_examples)
-  if offset:
-    ds = ds.skip(offset)
+                              augment_key=preprocess.fold_in(run_key, 1),
+                              mix_key=preprocess.fold_in(run_key, 2),
+                              erase_key=preprocess.fold_in(run_key, 3))
   if not vectorized or encoded or source.label.multi_label:
     ds = ds.map(maps.per_example, num_parallel_calls=data_cfg.num_parallel_calls)
     if encoded:
@@ -193,6 +198,25 @@ def create_train_iterator(data_cfg, global_batch_size: int, seed: int, start_ste
   ds = ds.prefetch(data_cfg.prefetch).with_options(_options())
   return TrainIterator(ds, b, n, lambda error: source.bad_image_error(
       error, split, data_cfg.train_split))
+
+
+def _sequential_examples(data_cfg, source: sources.Source, split, n: int, shuffle_root,
+                         start_epoch: int) -> tf.data.Dataset:
+  """(id, example) from `start_epoch` on, of a source read in order: each epoch's files and a
+  buffer of ``config.data.shuffle_buffer`` shuffled with ``fold_in(shuffle_root, epoch)``."""
+  if data_cfg.cache:  # Decoded, un-augmented images, shared by all epochs.
+    cached = source.drop_undecodable(source.read(split, decode=True)).cache()
+
+  @tf.autograph.experimental.do_not_convert
+  def epoch_examples(epoch):
+    key = preprocess.fold_in(shuffle_root, epoch)
+    if data_cfg.cache:
+      ds = cached
+    else:
+      ds = source.read(split, decode=False, shuffle_files=True, file_seed=key[0])
+    ds = ds.shuffle(min(data_cfg.shuffle_buffer, n), seed=key[1], reshuffle_each_iteration=False)
+    return ds.enumerate(start=epoch * _EPOCH_STRIDE)
+  return tf.data.Dataset.range(start_epoch, 2**62).flat_map(epoch_examples)
 
 
 class EvalDataset:

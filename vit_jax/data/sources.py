@@ -9,7 +9,7 @@ import dataclasses
 import os
 import re
 import time
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from absl import logging
 import numpy as np
@@ -163,11 +163,11 @@ class LabelSpec:
   names: Tuple[str, ...] = ()
 
 
-def _looks_like_path(name: str) -> bool:
+def looks_like_path(name: str) -> bool:
   return name.startswith(('/', '.', '~')) or '://' in name or '/' in name and os.path.isdir(name)
 
 
-def _find_builder_dir(path: str) -> str:
+def find_builder_dir(path: str) -> str:
   """The folder holding dataset_info.json at `path`, else the largest version at most two
   levels down (`<data_dir>/<name>[/<config>]`)."""
   path = os.path.expanduser(path)
@@ -209,6 +209,35 @@ def _prepare(builder, name: str, data_cfg) -> None:
                  f'{data_cfg.manual_dir!r}). Nothing is downloaded: put the source files in '
                  'config.data.manual_dir. ' + build_hint)
     raise
+
+
+#: Indices read per call from an ArrayRecord dataset or an in-memory array.
+_READ_BATCH = 64
+
+
+@dataclasses.dataclass(frozen=True)
+class RandomAccess:
+  """A split read by example index: ``num_examples``, and ``read(ds)``, which maps a dataset of
+  int64 ``(id, index)`` pairs (index in ``[0, num_examples)``) to ``(id, {'image', 'label'})``
+  as :meth:`Source.read` yields them, in order."""
+  num_examples: int
+  read: Callable[[tf.data.Dataset], tf.data.Dataset]
+
+
+def _batched_read(fetch: Callable[[np.ndarray], Any], out: Any,
+                  finish: Callable[[Any], Dict[str, tf.Tensor]]):
+  """`RandomAccess.read` that calls the Python ``fetch(indices)`` (-> ``out``'s structure of
+  ``[k, ...]`` arrays) on batches of indices, then ``finish`` per example."""
+  types = [t for t, _ in out]
+
+  def read(ds: tf.data.Dataset) -> tf.data.Dataset:
+    def fetch_batch(ids, indices):
+      values = tf.numpy_function(fetch, [indices], types, stateful=False)
+      return ids, tuple(tf.ensure_shape(v, [None, *shape]) for v, (_, shape) in zip(values, out))
+    ds = ds.batch(_READ_BATCH).map(fetch_batch, num_parallel_calls=tf.data.AUTOTUNE)
+    return ds.unbatch().map(lambda i, values: (i, finish(values)),
+                            num_parallel_calls=tf.data.AUTOTUNE)
+  return read
 
 
 class Source:
@@ -315,6 +344,11 @@ class Source:
       if shuffle_files:
         ds = ds.shuffle(max(len(paths), 1), seed=file_seed, reshuffle_each_iteration=False)
       ds = ds.map(lambda ex: {'image': tf.io.read_file(ex['image']), 'label': ex['label']})
+    elif not tfds.core.file_adapters.ADAPTER_FOR_FORMAT[
+        self.builder.info.file_format].SUPPORTS_TF_DATA:  # ArrayRecord only: by index, in order.
+      ds = self.random_access(split, decode=False).read(
+          tf.data.Dataset.range(self.num_examples(split)).map(lambda i: (i, i)))
+      ds = ds.map(lambda _, ex: ex)
     else:
       decoders = ({self.image_key: tfds.decode.SkipDecoding()}
                   if self.images_encoded_after_read else None)
@@ -331,6 +365,54 @@ class Source:
           lambda ex: {'image': self.decode(ex['image'], encoded), 'label': ex['label']},
           num_parallel_calls=tf.data.AUTOTUNE)
     return ds
+
+  @property
+  def has_array_record(self) -> bool:
+    """Whether this tfds dataset has ArrayRecord files (readable by index)."""
+    return not self.is_image_folder and (tfds.core.FileFormat.ARRAY_RECORD
+                                         in self.builder.info.available_file_formats())
+
+  def random_access(self, split: SplitArg, *, decode: bool) -> Optional[RandomAccess]:
+    """``split`` read by index: an image folder's files, a tfds dataset's ArrayRecord files, or
+    with ``decode`` all its images decoded into memory once (one static size and single labels);
+    None where it cannot be (a TFRecord-only dataset, or ``decode`` without those)."""
+    if decode:
+      if self.static_image_hw is None or self.label.multi_label:
+        return None
+      images, labels = [], []
+      for batch in self.drop_undecodable(self.read(split, decode=True)).batch(
+          1024).as_numpy_iterator():
+        images.append(batch['image'])
+        labels.append(batch['label'])
+      images, labels = np.concatenate(images), np.concatenate(labels)
+      return RandomAccess(len(labels), _batched_read(
+          lambda i: (images[i], labels[i]), [(tf.uint8, images.shape[1:]), (tf.int64, ())],
+          lambda values: {'image': values[0], 'label': values[1]}))
+    if self.is_image_folder:
+      slices = self._folder_slices(split)
+      paths = tf.constant([p for ps, _ in slices for p in ps], tf.string)
+      labels = tf.constant([l for _, ls in slices for l in ls], tf.int64)
+      return RandomAccess(int(paths.shape[0]), lambda ds: ds.map(
+          lambda i, index: (i, {'image': tf.io.read_file(tf.gather(paths, index)),
+                                'label': tf.gather(labels, index)}),
+          num_parallel_calls=tf.data.AUTOTUNE))
+    if not self.has_array_record:
+      return None
+    records = self.builder.as_data_source(
+        split, deserialize_method=tfds.decode.DeserializeMethod.RAW_BYTES,
+        file_format=tfds.core.FileFormat.ARRAY_RECORD)
+    decoders = ({self.image_key: tfds.decode.SkipDecoding()}
+                if self.images_encoded_after_read else None)
+    features, ikey, lkey = self.builder.info.features, self.image_key, self.label.key
+
+    def finish(values):
+      example = features.deserialize_example(values[0], decoders=decoders)
+      example = {'image': example[ikey], 'label': example[lkey]}
+      if not self.images_encoded_after_read:
+        example['image'] = self.decode(example['image'], False)
+      return example
+    return RandomAccess(len(records), _batched_read(
+        lambda i: np.array(records.__getitems__(i.tolist()), object), [(tf.string, ())], finish))
 
   def decode(self, image: tf.Tensor, encoded: bool) -> tf.Tensor:
     """`preprocess.decode_rgb` + the static [H, W, 3] shape when known."""
@@ -418,8 +500,8 @@ def _make_source(data_cfg) -> Source:
                   bad_images=bad_images, skipped_images=skipped)
   if not name:
     raise ValueError('Set config.data.name (or config.data.image_folder).')
-  if _looks_like_path(name):
-    builder = tfds.builder_from_directory(_find_builder_dir(name))
+  if looks_like_path(name):
+    builder = tfds.builder_from_directory(find_builder_dir(name))
   else:
     try:
       builder = tfds.builder(name, data_dir=data_cfg.data_dir)

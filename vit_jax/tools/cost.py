@@ -1,4 +1,5 @@
-r"""Predicts what a training run costs before it runs: FLOPs, TPU-core-days and wall time.
+r"""What a training run costs: predicted before it runs (FLOPs, TPU-core-days and wall time), or
+measured by a run (its ledger: where the core-days went, per attempt, and the goodput).
 
 Examples:
   # ViT-L/16 pretraining on ImageNet-21k (90 epochs, batch 4096) on a TPU v3-256 at 35% MFU.
@@ -8,22 +9,32 @@ Examples:
       --mfu 0.5 --config.batch_size=2048
   # The ViT paper's Table 2: the MFU that each reported TPUv3-core-days figure implies.
   python -m vit_jax.cost --table2
+  # A run's ledger (finished or running), and its stacked bar figure in WORKDIR/cost.png.
+  python -m vit_jax.cost /tmp/vit_run --figure /tmp/vit_run_cost.png
 
 The forward pass is traced on abstract shapes and its matrix products counted
 (`vit_jax.flops`): training FLOPs = 3 x 2 x MACs x batch x steps (the config's schedule); wall
 time = FLOPs / (MFU x the accelerator's peak); core-days = wall days x TensorCores. Evaluation,
 compilation and input stalls are not included (a run's `workdir/cost.json` measures them).
+With a WORKDIR it reads what the run measured (`vit_jax.accounting.ledger`, docs/compute_cost.md).
 """
 
 from __future__ import annotations
 
 import argparse
+import io
+import os
+import socket
+import time
+from typing import Any, Optional
 
 from absl import logging
+from etils import epath
 
 from vit_jax import cli
 from vit_jax import hardware
 from vit_jax import platform
+from vit_jax import rundir
 from vit_jax.tools import common
 
 # Split sizes and classes of large or manually downloaded datasets, so that an estimate needs no
@@ -164,6 +175,120 @@ def table2() -> str:
   return flops.table2_markdown()
 
 
+#: The figure's colour of each `accounting.SEGMENTS` part.
+COLORS = {"training": "#2e7d32", "redone": "#c62828", "compile": "#6a1b9a", "eval": "#1565c0",
+          "input": "#ef6c00", "checkpoint": "#5d4037", "setup": "#f9a825", "other": "#9e9e9e"}
+
+
+def read_workdir(workdir: str) -> tuple[dict[str, Any], str]:
+  """(the latest cost account of the run in `workdir`, a line on where it is from and whether the
+  run holds the workdir): cost.json's, or the latest checkpoint's when it holds more program
+  time (`accounting.latest_report`). Raises ValueError: no account there (naming the fix)."""
+  from vit_jax import accounting  # pylint: disable=g-import-not-at-top  (JAX: after the flags)
+  root = epath.Path(workdir)
+  if not root.is_dir():
+    raise ValueError(f"WORKDIR {workdir} is not a directory; give the --workdir of a run of "
+                     "python -m vit_jax.main.")
+  cost_json = root / rundir.COST_JSON
+  disk = rundir.read_json(cost_json)
+  saved, saved_step = None, None
+  for step in reversed(rundir.saved_steps(root / rundir.CHECKPOINTS_DIR)):
+    try:
+      saved = rundir.read_json(root / rundir.CHECKPOINTS_DIR / str(step) / rundir.COST_ITEM /
+                               "metadata")
+    except ValueError:
+      saved = None
+    if saved:
+      saved_step = step
+      break
+  report = accounting.latest_report(saved, disk)
+  if report is None:
+    raise ValueError(
+        f"{workdir} has no cost account: expected {cost_json}, which python -m vit_jax.main "
+        "writes at every config.log_every_steps and at the end (a run that has not logged its "
+        "first steps has none yet). Give the --workdir of a training run, or --config=FILE to "
+        "predict a run's cost.")
+  where = (f"checkpoint {saved_step}" if report is saved and report is not disk else
+           f"{cost_json}, written {_ago(cost_json.stat().mtime)} ago")
+  lock = rundir.read_json(root / rundir.LOCK_JSON)
+  return report, f"{workdir}: the account at step {report['step']} ({where}); {_holder(lock)}."
+
+
+def _ago(unix: float) -> str:
+  from vit_jax import accounting  # pylint: disable=g-import-not-at-top
+  return accounting.duration(max(0.0, time.time() - unix))
+
+
+def _holder(record: Optional[dict[str, Any]]) -> str:
+  """Whether a run holds the workdir, from its lock.json record (`vit_jax.checkpoint.lock`)."""
+  if record is None:
+    return "no run holds the workdir (finished, stopped or refused)"
+  host, pid = record.get("host", "?"), record.get("pid", "?")
+  if host == socket.gethostname() and isinstance(pid, int):
+    try:
+      os.kill(pid, 0)
+    except ProcessLookupError:
+      return f"lock.json names pid {pid} of this host, which is gone: the run was killed"
+    except PermissionError:
+      pass
+    return f"running: pid {pid} of this host holds the workdir (figures as of its last log step)"
+  return (f"lock.json names pid {pid} of host {host}: running there (figures as of its last log "
+          "step), or killed")
+
+
+def write_figure(report: dict[str, Any], path: str) -> None:
+  """A stacked bar per attempt of `report`'s ledger (`accounting.ledger`): its segments in
+  device- or core-time, as a PNG at `path` (local or gs://). Raises OSError."""
+  from matplotlib.figure import Figure  # pylint: disable=g-import-not-at-top  (optional, slow)
+  from vit_jax import accounting  # pylint: disable=g-import-not-at-top
+  rows = accounting.ledger(report)
+  unit, kind = report["hardware"]["unit"], report["hardware"]["device_kind"]
+  largest = max([r["program_s"] * r["units"] for r in rows] + [1.0])
+  name, scale = next((n, s) for n, s in (("days", 86_400.0), ("hours", 3600.0),
+                                         ("minutes", 60.0), ("seconds", 1.0)) if largest >= s)
+  figure = Figure(figsize=(max(5.0, 1.4 * len(rows) + 3.5), 4.5), layout="constrained")
+  axes = figure.add_subplot()
+  x = list(range(len(rows)))
+  bottom = [0.0] * len(rows)
+  for segment in accounting.SEGMENTS:
+    heights = [r["segments"][segment] * r["units"] / scale for r in rows]
+    axes.bar(x, heights, bottom=bottom, color=COLORS[segment], width=0.6,
+             label=accounting.SEGMENT_TITLES[segment])
+    bottom = [b + h for b, h in zip(bottom, heights)]
+  axes.set_xticks(x, [f"attempt {r['attempt']}\nsteps {r['start_step']}-{r['end_step']}"
+                      for r in rows])
+  axes.set_ylabel(f"{kind} {unit}-{name}")
+  axes.set_ylim(0, 1.08 * max(bottom + [1e-9]))
+  value = report.get("goodput")
+  axes.set_title(f"Where the {unit}-time went: goodput "
+                 f"{'unknown' if value is None else format(value, '.1%')}")
+  handles, labels = axes.get_legend_handles_labels()
+  axes.legend(handles[::-1], labels[::-1], loc="upper left", bbox_to_anchor=(1.0, 1.0),
+              fontsize="small")
+  buffer = io.BytesIO()
+  figure.savefig(buffer, format="png", dpi=100)
+  epath.Path(path).write_bytes(buffer.getvalue())
+
+
+def show_workdir(workdir: str, figure: Optional[str]) -> int:
+  """Prints the ledger of the run in `workdir` and writes its figure (default WORKDIR/cost.png);
+  returns the exit status (2: no account there, 1: the figure could not be written)."""
+  from vit_jax import accounting  # pylint: disable=g-import-not-at-top
+  try:
+    report, where = read_workdir(workdir)
+  except ValueError as e:
+    return common.fatal(e, 2)
+  print(where)
+  print(accounting.format_ledger(report))
+  figure = figure or str(epath.Path(workdir) / "cost.png")
+  try:
+    write_figure(report, figure)
+  except OSError as e:
+    return common.fatal(e, 1)
+  print(f"Figure: {figure}")
+  return 0
+
+
 def config_parser(prog: str, doc: str) -> common.Parser:
   """A parser with the help `doc`, --config (its --config.key=value overrides are left to
   `parse`), --num_train_examples and --num_classes (`dataset_facts`)."""
@@ -188,6 +313,11 @@ def parse(parser: common.Parser, argv=None):
 
 def _parser() -> common.Parser:
   parser = config_parser("python -m vit_jax.cost", __doc__)
+  parser.add_argument("workdir", nargs="?", metavar="WORKDIR", help="A run's --workdir (finished "
+                      "or running): print its cost ledger per attempt and its goodput, and draw "
+                      "where the time went (--figure).")
+  parser.add_argument("--figure", metavar="PATH", help="With WORKDIR: the PNG of the stacked "
+                      "bars (default WORKDIR/cost.png).")
   parser.add_argument(
       "--accelerator", default="v3-8", help="Cloud TPU type (v3-8, v3-256, v4-32, v5p-8: the "
       "number counts TensorCores; v5litepod-16, v6e-8: chips) or a GPU count (a100-8); "
@@ -205,6 +335,13 @@ def main(argv=None) -> int:
   """The command on `argv` (default: the command line); returns the exit status."""
   try:
     args, config = parse(_parser(), argv)
+    if args.workdir is not None:
+      if config is not None or args.table2:
+        raise ValueError("Give a WORKDIR (a run's ledger) or --config / --table2 (a "
+                         "prediction), not both.")
+      return show_workdir(args.workdir, args.figure)
+    if args.figure:
+      raise ValueError("--figure draws a run's ledger: give its WORKDIR.")
     if args.table2:
       print(table2())
       print("\nAssumptions: forward FLOPs of the matrix products at 224 px with a representation "
@@ -213,7 +350,8 @@ def main(argv=None) -> int:
             "TFLOP/s (bfloat16).")
       return 0
     if config is None:
-      raise ValueError("Give --config=configs/<file>.py[:<args>] (or --table2); --help explains.")
+      raise ValueError("Give --config=configs/<file>.py[:<args>] (or --table2, or a run's "
+                       "WORKDIR); --help explains.")
     est = estimate(config, args.accelerator, args.mfu, args.num_train_examples, args.num_classes)
   except ValueError as e:
     return common.fatal(e, 2)
