@@ -14,6 +14,7 @@ import pytest
 from vit_jax import accounting
 from vit_jax import config as config_lib
 from vit_jax import flops
+from vit_jax import ledger as ledger_lib
 from vit_jax import models
 
 DAY = 86_400.0
@@ -346,7 +347,7 @@ def test_the_ledger_counts_redone_steps_resume_time_and_goodput():
   assert report["program"]["core_days"] == 705 * 8 / DAY
   assert report["goodput"] == pytest.approx(400 / 705)
   assert (report["resume_seconds"], report["compile_saved_seconds"]) == (35.0, 35.0)
-  rows = accounting.ledger(report)
+  rows = ledger_lib.ledger(report)
   assert [r["segments"] for r in rows] == [
       {"training": 200.0, "redone": 100.0, "compile": 50.0, "eval": 0.0, "input": 10.0,
        "checkpoint": 0.0, "setup": 100.0, "other": 0.0},
@@ -359,7 +360,7 @@ def test_the_ledger_counts_redone_steps_resume_time_and_goodput():
   assert ", 1 restart(s), goodput 56.7% (100 step(s) redone); seconds: " in accounting.summary(
       report)
   assert accounting.scalars(report)["cost/goodput"] == pytest.approx(400 / 705)
-  assert accounting.format_ledger(report).splitlines() == [
+  assert ledger_lib.format_ledger(report).splitlines() == [
       "attempt  steps    on       program s  training  redone  compile  eval  input wait  "
       "checkpoint  set-up/resume  other  resume s  redid steps  cache saved s",
       "1        0-300    8 cores      460.0     200.0   100.0     50.0   0.0        10.0  "
@@ -382,7 +383,7 @@ def test_a_resume_from_the_last_step_redoes_nothing_and_old_accounts_still_add_u
   old = json.loads(json.dumps(first))
   for key in ("resumed", "resume_s", "setup_s", "redone", "compile_saved_s"):
     del old["attempts"][0][key]
-  assert accounting.ledger(old)[0]["segments"] == {
+  assert ledger_lib.ledger(old)[0]["segments"] == {
       "training": 300.0, "redone": 0.0, "compile": 50.0, "eval": 0.0, "input": 10.0,
       "checkpoint": 0.0, "setup": 0.0, "other": 100.0}
   idle = dict(first["attempts"][0], steps=0, end_step=50)

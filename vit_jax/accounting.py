@@ -23,8 +23,6 @@ SECONDS_PER_DAY = 86_400
 #: The wall-time categories; 'other' is the program's time outside them (start-up, dataset
 #: preparation, initialisation or restore, writing summaries).
 CATEGORIES = ("train", "compile", "eval", "checkpoint", "input")
-#: The ledger's parts of an attempt's program seconds (`ledger`), in the figure's order.
-SEGMENTS = ("training", "redone", "compile", "eval", "input", "checkpoint", "setup", "other")
 
 
 _measured_cpu_peak: Optional[float] = None
@@ -274,7 +272,7 @@ class CostAccountant:
     figures["productive"] = {
         key: None if None in (lost, figures["train"][key]) else figures["train"][key] - lost
         for key, lost in figures["redone"].items()}
-    train_unit_seconds = sum(a["seconds"]["train"] * _units(a) for a in attempts)
+    train_unit_seconds = sum(a["seconds"]["train"] * units(a) for a in attempts)
     images = sum(a["images"] for a in attempts)
     # MFU of the attempts whose peak is known and not exceeded; FLOP/s of all with a peak.
     with_peak = [a for a in attempts if a["peak_flops_per_device"] and a["model_flops_per_step"]]
@@ -314,7 +312,7 @@ def _sum_known(values) -> Optional[float]:
   return None if None in values else float(sum(values))
 
 
-def _units(attempt: dict[str, Any]) -> int:
+def units(attempt: dict[str, Any]) -> int:
   """The attempt's cores on TPU, else its devices: what the goodput weighs seconds by."""
   return attempt["cores"] or attempt["devices"]
 
@@ -343,79 +341,11 @@ def redone_steps(attempts: list[dict[str, Any]], restored_step: int) -> dict[str
 def goodput(attempts: list[dict[str, Any]]) -> Optional[float]:
   """Productive training / all program time, each second weighed by its attempt's cores (devices
   off TPU): productive = training steps' seconds less those of steps redone later."""
-  program = sum(a["seconds"]["program"] * _units(a) for a in attempts)
-  lost = sum((a["redone"]["seconds"] or 0.0) * _units(attempts[a["redone"]["from_attempt"] - 1])
+  program = sum(a["seconds"]["program"] * units(a) for a in attempts)
+  lost = sum((a["redone"]["seconds"] or 0.0) * units(attempts[a["redone"]["from_attempt"] - 1])
              for a in attempts if a.get("redone") and a["redone"]["from_attempt"])
-  train = sum(a["seconds"]["train"] * _units(a) for a in attempts)
+  train = sum(a["seconds"]["train"] * units(a) for a in attempts)
   return max(0.0, train - lost) / program if program > 0 else None
-
-
-def ledger(report: dict[str, Any]) -> list[dict[str, Any]]:
-  """Per attempt of a `report()`: 'attempt' (1-based), 'start_step', 'end_step', 'steps',
-  'units' (cores, else devices), 'unit', 'resumed', 'resume_s', 'redone_steps' (redone after its
-  resume), 'compile_saved_s', 'program_s' and 'segments': its program seconds split in `SEGMENTS`
-  (sum: 'program_s'). 'redone' is training time of this attempt's steps that a later resume
-  did again; 'setup' the 'other' time before the first step. Older reports: 0 for the new parts.
-  """
-  attempts = report["attempts"]
-  lost = [0.0] * len(attempts)
-  for a in attempts:
-    redone = a.get("redone")
-    if redone and redone["seconds"] and redone["from_attempt"]:
-      lost[redone["from_attempt"] - 1] += redone["seconds"]
-  rows = []
-  for i, a in enumerate(attempts):
-    seconds = a["seconds"]
-    redone = min(lost[i], seconds["train"])
-    setup = min(a.get("setup_s") or 0.0, seconds["other"])
-    segments = {"training": seconds["train"] - redone, "redone": redone,
-                **{k: seconds[k] for k in ("compile", "eval", "input", "checkpoint")},
-                "setup": setup, "other": seconds["other"] - setup}
-    rows.append({
-        "attempt": i + 1, "start_step": a["start_step"], "end_step": a["end_step"],
-        "steps": a["steps"], "units": _units(a), "unit": "core" if a["cores"] else "device",
-        "device_kind": a["device_kind"], "resumed": a.get("resumed", i > 0),
-        "resume_s": a.get("resume_s"), "redone_steps": (a.get("redone") or {}).get("steps", 0),
-        "compile_saved_s": a.get("compile_saved_s") or 0.0, "program_s": seconds["program"],
-        "segments": segments})
-  return rows
-
-
-#: The ledger's column titles of `SEGMENTS`.
-SEGMENT_TITLES = {"training": "training", "redone": "redone", "compile": "compile",
-                  "eval": "eval", "input": "input wait", "checkpoint": "checkpoint",
-                  "setup": "set-up/resume", "other": "other"}
-
-
-def format_ledger(report: dict[str, Any]) -> str:
-  """The ledger of a `report()` as a table of seconds per attempt and the goodput lines."""
-  titles = ["attempt", "steps", "on", "program s", *SEGMENT_TITLES.values(), "resume s",
-            "redid steps", "cache saved s"]
-  table = [titles]
-  for row in ledger(report):
-    on = f"{row['units']} {row['unit']}{'s' if row['units'] != 1 else ''}"
-    resume = "-" if row["resume_s"] is None else f"{row['resume_s']:.1f}"
-    table.append([str(row["attempt"]), f"{row['start_step']}-{row['end_step']}", on,
-                  f"{row['program_s']:.1f}",
-                  *(f"{row['segments'][k]:.1f}" for k in SEGMENT_TITLES), resume,
-                  str(row["redone_steps"]), f"{row['compile_saved_s']:.1f}"])
-  widths = [max(len(line[i]) for line in table) for i in range(len(titles))]
-  lines = ["  ".join(c.ljust(w) if i < 3 else c.rjust(w) for i, (c, w) in
-                     enumerate(zip(line, widths))).rstrip() for line in table]
-  unit = report["hardware"]["unit"]
-  key = f"{unit}_days"
-  program, productive = report["program"][key], report.get("productive", {}).get(key)
-  value = report.get("goodput")
-  share = "unknown" if value is None else f"{value:.1%}"
-  days = ("" if None in (program, productive) else
-          f": {productive:.4g} {unit}-days in productive training steps of {program:.4g}")
-  lines.append(f"goodput {share}{days} ({report['restarts']} restart(s)).")
-  redone = report.get("redone", {}).get(key)
-  lost = "" if redone is None else f" ({redone:.4g} {unit}-days)"
-  lines.append(f"redone after preemptions: {report.get('redone_steps', 0)} step(s){lost}; "
-               f"resumes: {report.get('resume_seconds', 0.0):.1f} s; compiling saved by the "
-               f"persistent cache: {report.get('compile_saved_seconds', 0.0):.1f} s.")
-  return "\n".join(lines)
 
 
 def _above_peak(attempt: dict[str, Any]) -> bool:

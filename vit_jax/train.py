@@ -22,6 +22,7 @@ from vit_jax import config as config_lib
 from vit_jax import data
 from vit_jax import evaluation
 from vit_jax import kernels
+from vit_jax import ledger as ledger_lib
 from vit_jax import rundir
 from vit_jax import sharding
 from vit_jax import step as step_lib
@@ -169,7 +170,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
     checkpoints.close()
     last_step = step if preempted else max(start_step, total_steps)
     logging.info("Where the time went (python -m vit_jax.cost %s draws it):\n%s", workdir,
-                 accounting.format_ledger(save_cost(last_step)))
+                 ledger_lib.format_ledger(save_cost(last_step)))
     if preempted:
       raise Preempted(last_step, workdir, interrupted=notice.signal == "SIGINT")
     return dict(results, step=last_step)

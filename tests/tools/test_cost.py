@@ -127,7 +127,7 @@ def _workdir_with_cost(tmp_path):
 
 
 def test_a_workdir_prints_its_ledger_and_draws_it(tmp_path, capsys):
-  from vit_jax import accounting  # pylint: disable=g-import-not-at-top
+  from vit_jax import ledger as ledger_lib  # pylint: disable=g-import-not-at-top
   workdir, report = _workdir_with_cost(tmp_path)
   two_hours_ago = time.time() - 7200
   os.utime(workdir / "cost.json", (two_hours_ago, two_hours_ago))
@@ -135,7 +135,7 @@ def test_a_workdir_prints_its_ledger_and_draws_it(tmp_path, capsys):
   out = capsys.readouterr().out.splitlines()
   assert out[0] == (f"{workdir}: the account at step 400 ({workdir}/cost.json, written 2 h 00 min "
                     "ago); no run holds the workdir (finished, stopped or refused).")
-  assert out[1:-1] == accounting.format_ledger(report).splitlines()
+  assert out[1:-1] == ledger_lib.format_ledger(report).splitlines()
   assert out[1].startswith("attempt  steps    on       program s  training  redone  compile")
   assert out[-1] == f"Figure: {workdir}/cost.png"
   with PIL.Image.open(workdir / "cost.png") as image:  # 6.3 x 4.5 inches at 100 dpi.

@@ -16,7 +16,7 @@ The forward pass is traced on abstract shapes and its matrix products counted
 (`vit_jax.flops`): training FLOPs = 3 x 2 x MACs x batch x steps (the config's schedule); wall
 time = FLOPs / (MFU x the accelerator's peak); core-days = wall days x TensorCores. Evaluation,
 compilation and input stalls are not included (a run's `workdir/cost.json` measures them).
-With a WORKDIR it reads what the run measured (`vit_jax.accounting.ledger`, docs/compute_cost.md).
+With a WORKDIR it reads what the run measured (`vit_jax.ledger`, docs/compute_cost.md).
 """
 
 from __future__ import annotations
@@ -175,7 +175,7 @@ def table2() -> str:
   return flops.table2_markdown()
 
 
-#: The figure's colour of each `accounting.SEGMENTS` part.
+#: The figure's colour of each `ledger_lib.SEGMENTS` part.
 COLORS = {"training": "#2e7d32", "redone": "#c62828", "compile": "#6a1b9a", "eval": "#1565c0",
           "input": "#ef6c00", "checkpoint": "#5d4037", "setup": "#f9a825", "other": "#9e9e9e"}
 
@@ -237,11 +237,11 @@ def _holder(record: Optional[dict[str, Any]]) -> str:
 
 
 def write_figure(report: dict[str, Any], path: str) -> None:
-  """A stacked bar per attempt of `report`'s ledger (`accounting.ledger`): its segments in
+  """A stacked bar per attempt of `report`'s ledger (`vit_jax.ledger`): its segments in
   device- or core-time, as a PNG at `path` (local or gs://). Raises OSError."""
   from matplotlib.figure import Figure  # pylint: disable=g-import-not-at-top  (optional, slow)
-  from vit_jax import accounting  # pylint: disable=g-import-not-at-top
-  rows = accounting.ledger(report)
+  from vit_jax import ledger as ledger_lib  # pylint: disable=g-import-not-at-top
+  rows = ledger_lib.ledger(report)
   unit, kind = report["hardware"]["unit"], report["hardware"]["device_kind"]
   largest = max([r["program_s"] * r["units"] for r in rows] + [1.0])
   name, scale = next((n, s) for n, s in (("days", 86_400.0), ("hours", 3600.0),
@@ -250,10 +250,10 @@ def write_figure(report: dict[str, Any], path: str) -> None:
   axes = figure.add_subplot()
   x = list(range(len(rows)))
   bottom = [0.0] * len(rows)
-  for segment in accounting.SEGMENTS:
+  for segment in ledger_lib.SEGMENTS:
     heights = [r["segments"][segment] * r["units"] / scale for r in rows]
     axes.bar(x, heights, bottom=bottom, color=COLORS[segment], width=0.6,
-             label=accounting.SEGMENT_TITLES[segment])
+             label=ledger_lib.SEGMENT_TITLES[segment])
     bottom = [b + h for b, h in zip(bottom, heights)]
   axes.set_xticks(x, [f"attempt {r['attempt']}\nsteps {r['start_step']}-{r['end_step']}"
                       for r in rows])
@@ -273,13 +273,13 @@ def write_figure(report: dict[str, Any], path: str) -> None:
 def show_workdir(workdir: str, figure: Optional[str]) -> int:
   """Prints the ledger of the run in `workdir` and writes its figure (default WORKDIR/cost.png);
   returns the exit status (2: no account there, 1: the figure could not be written)."""
-  from vit_jax import accounting  # pylint: disable=g-import-not-at-top
+  from vit_jax import ledger as ledger_lib  # pylint: disable=g-import-not-at-top
   try:
     report, where = read_workdir(workdir)
   except ValueError as e:
     return common.fatal(e, 2)
   print(where)
-  print(accounting.format_ledger(report))
+  print(ledger_lib.format_ledger(report))
   figure = figure or str(epath.Path(workdir) / "cost.png")
   try:
     write_figure(report, figure)
