@@ -742,6 +742,10 @@ def test_array_record_files_added_by_the_tool_are_read_by_index(tmp_path, caplog
     for start in (1, 2, 4):  # Within epoch 0, at its end, within epoch 1.
       np.testing.assert_array_equal(uninterrupted[start:], _ids(cfg, 4, 7 - start, start))
   assert 'reads and drops' not in caplog.text
+  # Evaluation still reads the TFRecord files (as_data_source switched the info's format).
+  assert str(sources.get_source(cfg).builder.info.file_format.value) == 'tfrecord'
+  assert sum(int(b['mask'].sum()) for b in data.create_eval_dataset(
+      cfg, 4, process_index=0, process_count=1)) == 10
   epochs = np.concatenate(uninterrupted[:6]).reshape(2, 12)
   for epoch in epochs:
     assert sorted(epoch) == list(range(12))
@@ -773,3 +777,20 @@ def test_a_cached_dataset_is_read_by_index_from_memory(fake_fmnist, caplog):
 def test_to_array_record_refuses_what_is_not_a_prepared_dataset(tmp_path, capsys):
   assert to_array_record.main([str(tmp_path / 'missing')]) == 2
   assert capsys.readouterr().err.startswith('FATAL: ')
+
+
+def test_array_record_files_that_cannot_be_opened_fall_back_to_tfrecord(tmp_path, caplog):
+  """array_record opens local paths only (a gs:// dataset needs Cloud Storage FUSE): a shard it
+  cannot open gives a warning naming the fix, and training reads the TFRecord files."""
+  path = data_utils.make_multilabel_dataset(str(tmp_path), num_train=12, num_test=10)
+  assert to_array_record.main([path]) == 0
+  with open(os.path.join(path, 'tiny_multi_label-train.array_record-00000-of-00001'), 'wb') as f:
+    f.write(b'not an ArrayRecord file')
+  sources._SOURCES.clear()
+  cfg = _cfg(name=path, augment='none')
+  with caplog.at_level(logging.WARNING):
+    ids = np.concatenate(_ids(cfg, 4, 3))
+  assert sorted(ids) == list(range(12))
+  assert f'The ArrayRecord files of {path} cannot be opened (' in caplog.text
+  assert f'mount a bucket with Cloud Storage FUSE (gcsfuse) and give its local path. {path} is ' \
+         'read in order from its TFRecord files instead.' in caplog.text

@@ -344,8 +344,7 @@ class Source:
       if shuffle_files:
         ds = ds.shuffle(max(len(paths), 1), seed=file_seed, reshuffle_each_iteration=False)
       ds = ds.map(lambda ex: {'image': tf.io.read_file(ex['image']), 'label': ex['label']})
-    elif not tfds.core.file_adapters.ADAPTER_FOR_FORMAT[
-        self.builder.info.file_format].SUPPORTS_TF_DATA:  # ArrayRecord only: by index, in order.
+    elif not self._reads_in_order:  # ArrayRecord only: by index, in order.
       ds = self.random_access(split, decode=False).read(
           tf.data.Dataset.range(self.num_examples(split)).map(lambda i: (i, i)))
       ds = ds.map(lambda _, ex: ex)
@@ -365,6 +364,12 @@ class Source:
           lambda ex: {'image': self.decode(ex['image'], encoded), 'label': ex['label']},
           num_parallel_calls=tf.data.AUTOTUNE)
     return ds
+
+  @property
+  def _reads_in_order(self) -> bool:
+    """Whether tf.data reads this tfds dataset's files (TFRecord; not ArrayRecord only)."""
+    return tfds.core.file_adapters.ADAPTER_FOR_FORMAT[
+        self.builder.info.file_format].SUPPORTS_TF_DATA
 
   @property
   def has_array_record(self) -> bool:
@@ -398,12 +403,27 @@ class Source:
           num_parallel_calls=tf.data.AUTOTUNE))
     if not self.has_array_record:
       return None
+    info, in_order = self.builder.info, self._reads_in_order
+    primary = info.file_format
     records = self.builder.as_data_source(
         split, deserialize_method=tfds.decode.DeserializeMethod.RAW_BYTES,
         file_format=tfds.core.FileFormat.ARRAY_RECORD)
+    # as_data_source made ArrayRecord the info's format: TFRecord again for `read` (evaluation).
+    info.set_file_format(primary, override=True, override_if_initialized=True)
+    try:
+      records.__getitems__([0] if len(records) else [])
+    except (RuntimeError, OSError) as e:  # array_record opens local paths only (gs://: FUSE).
+      fix = f'{self.name} is read in order from its TFRecord files instead' if in_order else None
+      message = (f'The ArrayRecord files of {self.name} cannot be opened ({e}); this array_record '
+                 'reads local paths only: mount a bucket with Cloud Storage FUSE (gcsfuse) and '
+                 'give its local path.')
+      if fix is None:
+        raise FileNotFoundError(message) from e
+      logging.warning('%s %s.', message, fix)
+      return None
     decoders = ({self.image_key: tfds.decode.SkipDecoding()}
                 if self.images_encoded_after_read else None)
-    features, ikey, lkey = self.builder.info.features, self.image_key, self.label.key
+    features, ikey, lkey = info.features, self.image_key, self.label.key
 
     def finish(values):
       example = features.deserialize_example(values[0], decoders=decoders)
