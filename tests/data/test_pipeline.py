@@ -660,48 +660,116 @@ def test_shuffle_memory_of_an_image_folder(tmp_path):
 
 
 def test_shuffle_memory_log_and_warnings(caplog):
+  """The start-up line and its warning, whole: shuffle buffer, cache, batch buffers."""
   imagenet = memory_lib.ShuffleMemory(buffer_elements=50_000, bytes_per_element=110_000,
-                                         decoded=False, cache_elements=0, sampled=16)
+                                      decoded=False, cache_elements=0, sampled=16)
+  cfg = ml_collections.ConfigDict({'image_size': 224, 'prefetch': 2, 'num_parallel_calls': -1})
+  memory = memory_lib.estimate_input_memory(cfg, 256, 1000, shuffle=imagenet)
+  # A batch element: float32 224 x 224 x 3 + 1,000 labels = 606,112 bytes, 2 + 2 + 5.5 copies.
+  assert memory == memory_lib.InputMemory(imagenet, 0, 256, 224, 1000, 2, 2)
+  assert (memory.element_bytes, memory.batch_copies, memory.batch_bytes) == (
+      606_112, 9.5, 1_474_064_384)
+  assert (memory.shuffle_bytes, memory.cache_bytes, memory.total_bytes) == (
+      5_500_000_000, 0, 6_974_064_384)
   gib = 2**30
   with caplog.at_level(logging.INFO):
-    assert memory_lib.log_shuffle_memory(imagenet, ' (process 0 of 1)', 16 * gib) is None
+    assert memory_lib.log_input_memory(memory, ' (process 0 of 1)', 16 * gib) is None
     caplog.clear()
-    warning = memory_lib.log_shuffle_memory(imagenet, '', 8 * gib)
+    warning = memory_lib.log_input_memory(memory, '', 8 * gib)
   info, warn = caplog.records
   assert info.levelname == 'INFO' and info.getMessage() == (
       'Input pipeline host memory: shuffle buffer 50,000 elements x 107.4 KiB (encoded images, '
-      'mean of 16 read; +600 B per element) = 5.1 GiB; total ~5.1 GiB of 8.0 GiB host RAM '
-      '(64%).')
-  # 5.5e9 bytes > half of 8 GiB; a quarter of 8 GiB is 19,522 elements of 110,000 bytes.
+      'mean of 16 read; +600 B per element) = 5.1 GiB; batch buffers 9.5 x 256 examples x '
+      '591.9 KiB (float32 224x224x3 image + 1,000 labels; prefetch 2 + per-batch map 2 + 5.5 '
+      'more) = 1.4 GiB; total ~6.5 GiB of 8.0 GiB host RAM (81%).')
+  # 6.97e9 bytes > half of 8 GiB; a quarter of 8 GiB is 19,522 elements of 110,000 bytes.
   assert warn.levelname == 'WARNING' and warn.getMessage() == warning == (
-      "The shuffle buffer (50,000 elements x 107.4 KiB, config.data.shuffle_buffer) needs "
-      "~5.1 GiB, more than 50% of this host's 8.0 GiB of RAM: the process may be killed for "
-      "lack of memory. Lower it, e.g. --config.data.shuffle_buffer=19522 (a quarter of the "
-      "RAM).")
+      "The input pipeline needs ~6.5 GiB of host memory, more than 50% of this host's 8.0 GiB of "
+      "RAM: the process may be killed for lack of memory. Its biggest part: the shuffle buffer "
+      "(50,000 elements x 107.4 KiB, config.data.shuffle_buffer) needs ~5.1 GiB. Lower it, e.g. "
+      "--config.data.shuffle_buffer=19522 (a quarter of the RAM).")
   # ImageNet's 1,281,167 training images decoded at ~400 x 350 (+600 B) in the cache: 501.6 GiB.
   cached = memory_lib.ShuffleMemory(50_000, 420_400, True, 1_281_167, 16)
+  memory = memory_lib.estimate_input_memory(cfg, 256, 1000, shuffle=cached)
+  assert (memory.shuffle_bytes, memory.cache_bytes) == (0, 538_602_606_800)
   caplog.clear()
   with caplog.at_level(logging.INFO):
-    warning = memory_lib.log_shuffle_memory(cached, '', 128 * gib)
-  assert 'the cache (config.data.cache) holds 1,281,167 decoded images = 501.6 GiB' in (
-      caplog.records[0].getMessage())
-  assert warning.startswith('The in-memory cache of decoded training images '
-                            '(config.data.cache) needs ~501.6 GiB, more than 50%')
-  assert warning.endswith('Set --config.data.cache=False (images are then decoded every epoch '
-                          'and the shuffle buffer holds encoded bytes).')
-
-
-def test_train_iterator_logs_its_shuffle_memory(folder, caplog):
-  cfg = _cfg(image_folder=folder, cache=True)
+    warning = memory_lib.log_input_memory(memory, '', 128 * gib)
+  assert 'the cache (config.data.cache) holds 1,281,167 decoded images = 501.6 GiB, whose ' \
+      'tensors the buffer shares; batch buffers' in caplog.records[0].getMessage()
+  assert warning.startswith('The input pipeline needs ~503.0 GiB of host memory, more than 50%')
+  assert warning.endswith('Its biggest part: the decoded training images held in memory '
+                          '(config.data.cache) need ~501.6 GiB. Set --config.data.cache=False '
+                          '(images are then decoded every epoch).')
+  # Read by index, no buffer: 1,024 per host fill 5.5 GiB; 372 x 606,112 x 9.5 fill 2 GiB.
+  memory = memory_lib.estimate_input_memory(cfg, 1024, 1000)
+  assert memory.total_bytes == memory.batch_bytes == 5_896_257_536
+  caplog.clear()
   with caplog.at_level(logging.INFO):
-    data.create_train_iterator(cfg, 4, seed=0, process_index=1, process_count=2)
-  lines = [r.getMessage() for r in caplog.records if 'host memory' in r.getMessage()]
-  # Process 1 of 2 reads 6 of the 12 train images, decoded 8 x 6 x 3 = 144 bytes (+600).
-  assert len(lines) == 1 and lines[0].startswith(
+    warning = memory_lib.log_input_memory(memory, '', 8 * gib)
+  assert caplog.records[0].getMessage() == (
+      'Input pipeline host memory: shuffle buffer none (read by index); batch buffers 9.5 x '
+      '1,024 examples x 591.9 KiB (float32 224x224x3 image + 1,000 labels; prefetch 2 + '
+      'per-batch map 2 + 5.5 more) = 5.5 GiB; total ~5.5 GiB of 8.0 GiB host RAM (69%).')
+  assert warning.endswith(
+      'Its biggest part: the batch buffers (9.5 batches of 1,024 x 591.9 KiB) need ~5.5 GiB. '
+      'Lower the batch per host (config.batch_size / processes = 1,024; 372 fill a quarter of '
+      'the RAM): a smaller --config.batch_size, or more hosts.')
+  # Mostly prefetched: 16 + 2 + 5.5 batches of 64 x 606,112 bytes = 869.4 MiB > 512 MiB.
+  cfg.prefetch = 16
+  memory = memory_lib.estimate_input_memory(cfg, 64, 1000)
+  assert memory.batch_bytes == 911_592_448
+  assert memory_lib.log_input_memory(memory, '', gib).endswith(
+      'the batch buffers (23.5 batches of 64 x 591.9 KiB) need ~869.4 MiB. Most are prefetched '
+      '(config.data.prefetch=16): lower it, e.g. --config.data.prefetch=2.')
+  # Mostly in the per-batch map: 2 + 16 + 5.5, the same bytes.
+  cfg.prefetch, cfg.num_parallel_calls = 2, 16
+  memory = memory_lib.estimate_input_memory(cfg, 64, 1000)
+  assert (memory.in_flight, memory.batch_bytes) == (16, 911_592_448)
+  assert memory_lib.log_input_memory(memory, '', gib).endswith(
+      'need ~869.4 MiB. Most are in the per-batch map (config.data.num_parallel_calls=16): lower '
+      'it, e.g. --config.data.num_parallel_calls=-1 (AUTOTUNE).')
+  # The threshold: a total of exactly half the RAM passes, a byte more warns. Element 1 x 1 x 3
+  # + 1 label = 16 bytes x 9.5 = 152; with 848 bytes of in-memory images the total is 1,000.
+  cfg.image_size, cfg.num_parallel_calls = 1, -1
+  memory = memory_lib.estimate_input_memory(cfg, 1, 1, in_memory_bytes=848)
+  assert (memory.batch_bytes, memory.cache_bytes, memory.total_bytes) == (152, 848, 1000)
+  assert memory_lib.log_input_memory(memory, '', 2000) is None
+  assert 'Its biggest part: the decoded training images held in memory (config.data.cache) ' \
+      'need ~848 B.' in memory_lib.log_input_memory(memory, '', 1999)
+  assert memory_lib.log_input_memory(memory, '', 0) is None  # RAM unknown: no share, no warning.
+
+
+def test_train_iterator_logs_its_shuffle_memory(folder, fake_fmnist, caplog):
+  def line(cfg, global_batch, process_index=0, process_count=1):
+    caplog.clear()
+    with caplog.at_level(logging.INFO):
+      data.create_train_iterator(cfg, global_batch, seed=0, process_index=process_index,
+                                 process_count=process_count)
+    lines = [r.getMessage() for r in caplog.records if 'host memory' in r.getMessage()]
+    assert len(lines) == 1, lines
+    return lines[0]
+  # Process 1 of 2 reads 6 of the 12 train images, decoded 8 x 6 x 3 = 144 bytes (+600), through
+  # a buffer (an image folder has no static image size); 2 x (4 x 4 x 3 + 3) x 4 bytes x 9.5.
+  assert line(_cfg(image_folder=folder, cache=True), 4, 1, 2).startswith(
       'Input pipeline host memory (process 1 of 2): shuffle buffer 6 elements x 744 B (decoded '
       'uint8 images, mean of 6 read; +600 B per element) = 4.4 KiB; the cache '
       '(config.data.cache) holds 6 decoded images = 4.4 KiB, whose tensors the buffer shares; '
-      'total ~4.4 KiB of '), lines
+      'batch buffers 9.5 x 2 examples x 204 B (float32 4x4x3 image + 3 labels; prefetch 2 + '
+      'per-batch map 2 + 5.5 more) = 3.8 KiB; total ~8.1 KiB of ')
+  # Read by index: no buffer; 1 + 2 + 5.5 batches.
+  assert line(_cfg(image_folder=folder, prefetch=1), 4).startswith(
+      'Input pipeline host memory (process 0 of 1): shuffle buffer none (read by index); batch '
+      'buffers 8.5 x 4 examples x 204 B (float32 4x4x3 image + 3 labels; prefetch 1 + per-batch '
+      'map 2 + 5.5 more) = 6.8 KiB; total ~6.8 KiB of ')
+  # Fashion-MNIST in memory: 20 images of 28 x 28 x 3 bytes and 20 int64 labels, exact.
+  cfg = ml_collections.ConfigDict(fake_fmnist.to_dict())
+  cfg.cache = True
+  assert line(cfg, 4).startswith(
+      'Input pipeline host memory (process 0 of 1): shuffle buffer none (read by index); decoded '
+      'images in memory (config.data.cache) = 46.1 KiB (exact); batch buffers 9.5 x 4 examples '
+      'x 232 B (float32 4x4x3 image + 10 labels; prefetch 2 + per-batch map 2 + 5.5 more) = '
+      '8.6 KiB; total ~54.7 KiB of ')
 
 
 # ------------------------------------------------------- reading by index

@@ -165,9 +165,11 @@ def create_train_iterator(data_cfg, global_batch_size: int, seed: int, start_ste
   vectorized = _vectorizable(source, data_cfg.augment, data_cfg.randaugment_num_layers > 0)
   run_key = preprocess.seed_key(seed)
   shuffle_root = preprocess.fold_in(run_key, 0)
+  shuffle = None if access else memory.estimate_shuffle_memory(data_cfg, source, split, n)
+  memory.log_input_memory(memory.estimate_input_memory(
+      data_cfg, b, source.label.num_classes, shuffle=shuffle,
+      in_memory_bytes=access.nbytes if access else 0), f' (process {pi} of {pc})')
   if access is None:
-    memory.log_shuffle_memory(memory.estimate_shuffle_memory(data_cfg, source, split, n),
-                              f' (process {pi} of {pc})')
     ds = _sequential_examples(data_cfg, source, split, n, shuffle_root, start_epoch)
     if offset:
       logging.warning(

@@ -222,6 +222,7 @@ class RandomAccess:
   as :meth:`Source.read` yields them, in order."""
   num_examples: int
   read: Callable[[tf.data.Dataset], tf.data.Dataset]
+  nbytes: int = 0  # Of the arrays held in memory (decode=True), else 0.
 
 
 def _batched_read(fetch: Callable[[np.ndarray], Any], out: Any,
@@ -392,7 +393,8 @@ class Source:
       images, labels = np.concatenate(images), np.concatenate(labels)
       return RandomAccess(len(labels), _batched_read(
           lambda i: (images[i], labels[i]), [(tf.uint8, images.shape[1:]), (tf.int64, ())],
-          lambda values: {'image': values[0], 'label': values[1]}))
+          lambda values: {'image': values[0], 'label': values[1]}),
+          nbytes=images.nbytes + labels.nbytes)
     if self.is_image_folder:
       slices = self._folder_slices(split)
       paths = tf.constant([p for ps, _ in slices for p in ps], tf.string)
