@@ -3,9 +3,12 @@ batch): :func:`get_info`, :func:`create_train_iterator`, :func:`create_eval_data
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
+import gc
 import math
 from typing import Callable, Dict, Iterator, Optional, Tuple
+import weakref
 
 from absl import logging
 import jax
@@ -112,7 +115,8 @@ def get_info(data_cfg) -> DatasetInfo:
 
 class TrainIterator:
   """Infinite iterator of this process's training batches (numpy dicts); ``next()`` raises
-  ``BadImageError`` for an undecodable image in 'fail' mode (the iterator is then unusable)."""
+  ``BadImageError`` for an undecodable image in 'fail' mode (the iterator is then unusable).
+  Closed at exit (`_close_live_iterators`)."""
 
   def __init__(self, dataset: tf.data.Dataset, local_batch: int, examples_per_epoch: int,
                diagnose: Optional[_Diagnose] = None):
@@ -121,12 +125,26 @@ class TrainIterator:
     self.examples_per_epoch = examples_per_epoch
     self._it = dataset.as_numpy_iterator()
     self._diagnose = diagnose
+    _LIVE.add(self)
 
   def __iter__(self) -> 'TrainIterator':
     return self
 
   def __next__(self) -> Dict[str, np.ndarray]:
     return _next_batch(self._it, self._diagnose)
+
+
+_LIVE = weakref.WeakSet()  # The TrainIterators not yet collected.
+
+
+@atexit.register
+def _close_live_iterators() -> None:
+  """Deletes the tf.data iterators still alive, before the interpreter's finalization: there a
+  worker thread of a pipeline that runs Python (ArrayRecord's reads) cannot take the GIL, and
+  the iterator's deletion would wait for it forever."""
+  for iterator in list(_LIVE):
+    iterator._it = None  # pylint: disable=protected-access
+  gc.collect()
 
 
 def create_train_iterator(data_cfg, global_batch_size: int, seed: int, start_step: int = 0, *,

@@ -211,7 +211,7 @@ def _prepare(builder, name: str, data_cfg) -> None:
     raise
 
 
-#: Indices read per call from an ArrayRecord dataset or an in-memory array.
+#: Indices read per Python call from an ArrayRecord dataset.
 _READ_BATCH = 64
 
 
@@ -225,18 +225,18 @@ class RandomAccess:
   nbytes: int = 0  # Of the arrays held in memory (decode=True), else 0.
 
 
-def _batched_read(fetch: Callable[[np.ndarray], Any], out: Any,
-                  finish: Callable[[Any], Dict[str, tf.Tensor]]):
-  """`RandomAccess.read` that calls the Python ``fetch(indices)`` (-> ``out``'s structure of
-  ``[k, ...]`` arrays) on batches of indices, then ``finish`` per example."""
-  types = [t for t, _ in out]
+def _read_records(records, finish: Callable[[tf.Tensor], Dict[str, tf.Tensor]]):
+  """`RandomAccess.read` of tfds ArrayRecord ``records``: one Python call reads the serialized
+  examples of ``_READ_BATCH`` indices (array_record in parallel), ``finish`` parses each. Python
+  inside tf.data: an iterator alive when the interpreter exits hangs it (see `TrainIterator`)."""
 
   def read(ds: tf.data.Dataset) -> tf.data.Dataset:
-    def fetch_batch(ids, indices):
-      values = tf.numpy_function(fetch, [indices], types, stateful=False)
-      return ids, tuple(tf.ensure_shape(v, [None, *shape]) for v, (_, shape) in zip(values, out))
-    ds = ds.batch(_READ_BATCH).map(fetch_batch, num_parallel_calls=tf.data.AUTOTUNE)
-    return ds.unbatch().map(lambda i, values: (i, finish(values)),
+    def fetch(ids, indices):
+      serialized = tf.numpy_function(lambda i: np.array(records.__getitems__(i.tolist()), object),
+                                     [indices], tf.string, stateful=False)
+      return ids, tf.ensure_shape(serialized, [None])
+    ds = ds.batch(_READ_BATCH).map(fetch, num_parallel_calls=tf.data.AUTOTUNE)
+    return ds.unbatch().map(lambda i, serialized: (i, finish(serialized)),
                             num_parallel_calls=tf.data.AUTOTUNE)
   return read
 
@@ -390,11 +390,12 @@ class Source:
           1024).as_numpy_iterator():
         images.append(batch['image'])
         labels.append(batch['label'])
-      images, labels = np.concatenate(images), np.concatenate(labels)
-      return RandomAccess(len(labels), _batched_read(
-          lambda i: (images[i], labels[i]), [(tf.uint8, images.shape[1:]), (tf.int64, ())],
-          lambda values: {'image': values[0], 'label': values[1]}),
-          nbytes=images.nbytes + labels.nbytes)
+      nbytes = sum(a.nbytes for a in images + labels)
+      images, labels = tf.concat(images, 0), tf.concat(labels, 0)
+      return RandomAccess(len(labels), lambda ds: ds.map(
+          lambda i, index: (i, {'image': tf.gather(images, index),
+                                'label': tf.gather(labels, index)}),
+          num_parallel_calls=tf.data.AUTOTUNE), nbytes=nbytes)
     if self.is_image_folder:
       slices = self._folder_slices(split)
       paths = tf.constant([p for ps, _ in slices for p in ps], tf.string)
@@ -427,14 +428,13 @@ class Source:
                 if self.images_encoded_after_read else None)
     features, ikey, lkey = info.features, self.image_key, self.label.key
 
-    def finish(values):
-      example = features.deserialize_example(values[0], decoders=decoders)
+    def finish(serialized):
+      example = features.deserialize_example(serialized, decoders=decoders)
       example = {'image': example[ikey], 'label': example[lkey]}
       if not self.images_encoded_after_read:
         example['image'] = self.decode(example['image'], False)
       return example
-    return RandomAccess(len(records), _batched_read(
-        lambda i: np.array(records.__getitems__(i.tolist()), object), [(tf.string, ())], finish))
+    return RandomAccess(len(records), _read_records(records, finish))
 
   def decode(self, image: tf.Tensor, encoded: bool) -> tf.Tensor:
     """`preprocess.decode_rgb` + the static [H, W, 3] shape when known."""
