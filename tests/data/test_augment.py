@@ -124,7 +124,11 @@ def test_solarize_add():
   # SolarizeAdd: int(m / 10 * 110) added below 128, clipped at 255.
   check(x, (lambda im: aug.apply_op(im, 'SolarizeAdd', 10, SEED), added(110)),
         (lambda im: aug.apply_op(im, 'SolarizeAdd', 5, SEED), added(55)),
-        (lambda im: aug.solarize_add(im, 50), added(50)))
+        (lambda im: aug.solarize_add(im, 50), added(50)),
+        # Clipped at 0 below, and a threshold above 255 takes every pixel.
+        (lambda im: aug.solarize_add(im, -70), added(-70).clip(0)),
+        (lambda im: aug.solarize_add(im, 30, 300),
+         np.minimum(x.astype(int) + 30, 255)))
 
 
 def test_auto_contrast():
@@ -651,3 +655,14 @@ def test_mixup_cutmix_odd_batch_and_errors():
                         (dict(switch_prob=-0.5), 'switch_prob')):
     with pytest.raises(ValueError, match=match):
       aug.mixup_cutmix(images, labels, SEED, **kwargs)
+
+
+def test_imagenet_normalization_same_with_static_and_unknown_shapes():
+  from vit_jax.data import preprocess  # pylint: disable=g-import-not-at-top
+  x = np.random.default_rng(0).uniform(0, 255, (2, 5, 4, 3)).astype(np.float32)
+  expected = (x / 255. - np.float32(preprocess.IMAGENET_MEAN)) / np.float32(
+      preprocess.IMAGENET_STD)
+  static = preprocess.normalize(tf.constant(x), 'imagenet')
+  dynamic = run_both(lambda im: preprocess.normalize(im, 'imagenet'), x)
+  np.testing.assert_allclose(static, expected, rtol=1e-6)
+  np.testing.assert_array_equal(static, dynamic)

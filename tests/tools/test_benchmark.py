@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import jax
 import pytest
@@ -330,6 +331,96 @@ def test_input_pipeline_measurement_on_generated_jpegs(monkeypatch):
   assert r["images_per_sec"] == pytest.approx(4 * 3 / r["seconds"]) and r["images_per_sec"] > 0
   with pytest.raises(common.BenchmarkError, match="input must be one of"):
     inputs.measure_input("imagenet", batch=4, resolution=32)
+
+
+def test_t2t_recipe_is_configs_t2t():
+  spec = importlib.util.spec_from_file_location("t2t_config", os.path.join(ROOT, "configs",
+                                                                          "t2t.py"))
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  data = module.get_config("14").data
+  assert {k: data[k] for k in inputs.T2T_DATA} == inputs.T2T_DATA
+  cfg = inputs.recipe_config("t2t", 64)
+  assert cfg.image_size == 64 and cfg.randaugment_num_layers == 2 and cfg.mixup_alpha == 0.8
+  vit = inputs.recipe_config("vit", 64)
+  assert (vit.augment, vit.randaugment_num_layers, vit.random_erasing) == ("inception_crop", 0, 0)
+  with pytest.raises(common.BenchmarkError, match="recipe must be one of"):
+    inputs.recipe_config("deit", 64)
+  assert inputs.recipe_steps(8) == 80 and inputs.recipe_steps(1000) == 1
+
+
+@pytest.mark.slow
+def test_t2t_recipe_measurement_counts_cpu_seconds(monkeypatch):
+  monkeypatch.setattr(inputs, "JPEG_COUNT", 8)
+  r = inputs.measure_input("jpeg", batch=4, resolution=32, warmup=1, steps=3, recipe="t2t")
+  assert r["recipe"] == "t2t" and r["image_shape"] == [32, 32, 3]
+  assert r["cpu_seconds"] > 0 and r["cores_busy"] == pytest.approx(r["cpu_seconds"] / r["seconds"])
+  assert r["images_per_cpu_second"] == pytest.approx(12 / r["cpu_seconds"])
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not HAVE_TIMM, reason="needs torch and timm (pip install -e '.[bench]')")
+def test_timm_dataloader_measurement(monkeypatch):
+  monkeypatch.setattr(inputs, "JPEG_COUNT", 8)
+  r = inputs.measure_timm_input(recipe="t2t", batch=4, resolution=32, warmup=1, steps=3,
+                                threads=1)
+  assert r["framework"] == "timm_input" and r["image_shape"] == [3, 32, 32]
+  assert r["num_workers"] == 1
+  # The worker process does the work: its CPU seconds are counted.
+  assert r["cpu_seconds"] > 0.5 * r["seconds"] and r["images_per_cpu_second"] > 0
+
+
+def test_cpu_seconds_count_live_children():
+  before = inputs.cpu_seconds()
+  # A child that burns 0.3 s of CPU, then waits: its seconds count while it lives.
+  child = subprocess.Popen([sys.executable, "-c", "import time\nt = time.process_time()\n"
+                            "while time.process_time() - t < 0.3: pass\ntime.sleep(30)"])
+  try:
+    deadline = time.monotonic() + 10
+    while inputs.cpu_seconds() - before < 0.3 and time.monotonic() < deadline:
+      time.sleep(0.05)
+    assert inputs.cpu_seconds() - before >= 0.3
+  finally:
+    child.kill()
+    child.wait()
+
+
+def _recipe_result(framework, recipe, cores, per_cpu_second):
+  return {"framework": framework, "recipe": recipe, "images_per_sec": 2 * per_cpu_second,
+          "images_per_cpu_second": per_cpu_second, "cores_busy": 2.0, "seconds": 1.0,
+          "cpu_seconds": 2.0, "peak_rss_mib": 100.0,
+          "threads": {"cpu_affinity": list(range(cores))}}
+
+
+def test_recipes_alternate_with_timm_on_1_and_all_cores(monkeypatch):
+  calls = []
+
+  def fake(spec, timeout=None):
+    calls.append((spec["framework"], spec["recipe"], spec["threads"], spec["cores"]))
+    rate = 300.0 + len(calls) if spec["framework"] == "input" else 200.0
+    return _recipe_result(spec["framework"], spec["recipe"], spec["threads"], rate)
+
+  monkeypatch.setattr(runner, "run_in_subprocess", fake)
+  monkeypatch.setattr(runner, "available_cores", lambda: [0, 1])
+  monkeypatch.setattr(timm_lib, "missing_bench_packages", lambda: [])
+  rows = runner._recipe_rounds(batch=8, resolution=32, threads=2, rounds=2, with_timm=True,
+                               timeout=None, progress=None)
+  assert calls[:4] == [("input", "vit", 1, [0]), ("timm_input", "vit", 1, [0]),
+                       ("timm_input", "vit", 1, [0]), ("input", "vit", 1, [0])]
+  assert [c[1:3] for c in calls[4::4]] == [("vit", 2), ("t2t", 1), ("t2t", 2)]
+  assert calls[4][3] is None  # All the cores: not pinned.
+  assert rows[0]["images_per_cpu_second"] == 302.5 and len(rows[0]["rounds"]) == 2
+  text = report.format_report({
+      "args": {"batch": 8, "resolution": 32, "dtype": "float32", "compile_only": False,
+               "steps": 5, "warmup": 2, "rounds": 2},
+      "environment": {"threads": 2, "available_cores": 2, "cpu_model": "x"},
+      "results": [], "comparisons": [], "notes": [], "inputs": [], "input_recipes": rows})
+  assert "ours images/CPU-s" in text
+  assert "T2T-ViT  + RandAugment, erasing, Mixup/CutMix  2" in text
+  last = report.recipe_rows(rows)[-1]
+  assert (last["recipe"], last["cores"]) == ("t2t", 2)
+  assert last["per_cpu_second_ratio"] == pytest.approx(314.5 / 200)
+  assert text.rstrip().endswith("1.57")
 
 
 def test_input_pipeline_table():

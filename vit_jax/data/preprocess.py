@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 from typing import Optional
 
+import numpy as np
 import tensorflow as tf
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
@@ -86,7 +87,12 @@ def normalize(image: tf.Tensor, normalization: str) -> tf.Tensor:
   if normalization == 'minus_one_to_one':
     return image / 127.5 - 1.
   if normalization == 'imagenet':
-    return (image / 255. - tf.constant(IMAGENET_MEAN)) / tf.constant(IMAGENET_STD)
+    image = tf.convert_to_tensor(image)
+    mean, std = tf.constant(IMAGENET_MEAN), tf.constant(IMAGENET_STD)
+    if image.shape[-3:].is_fully_defined():  # Full-size constants: TF broadcasts [3] slowly.
+      mean, std = (tf.constant(np.broadcast_to(np.float32(v), image.shape[-3:]))
+                   for v in (IMAGENET_MEAN, IMAGENET_STD))
+    return (image / 255. - mean) / std
   raise ValueError(f'Unknown config.data.normalization={normalization!r}; '
                    "use 'minus_one_to_one' or 'imagenet'.")
 

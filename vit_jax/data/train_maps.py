@@ -12,7 +12,9 @@ from vit_jax.data import preprocess
 class TrainMaps:
   """The training pipeline's maps, keyed by element id (epoch * 2**32 + index): every
   augmentation is a function of (seed, id). Order as timm's loader: crop / flip / resize,
-  RandAugment (uint8), normalization, then per batch Mixup / CutMix and random erasing."""
+  RandAugment (uint8) and normalization per example (in the parallel map), then Mixup / CutMix
+  and random erasing per batch (timm's prefetcher order, T2T-ViT's). Vectorized (static-size
+  images, no crop or RandAugment): resize, flip and normalization per batch too."""
 
   def __init__(self, data_cfg, source, encoded: bool, vectorized: bool, *, augment_key,
                mix_key, erase_key):
@@ -39,6 +41,7 @@ class TrainMaps:
             num_layers=self.data_cfg.randaugment_num_layers,
             magnitude=self.data_cfg.randaugment_magnitude,
             magnitude_std=self.data_cfg.randaugment_magnitude_std), tf.float32)
+      image = preprocess.normalize(image, self.data_cfg.normalization)
     lab = ex['label']
     if self.source.label.multi_label:  # Ragged label sets -> fixed-size multi-hot.
       lab = preprocess.targets(lab, self.source.label.num_classes, True)
@@ -56,19 +59,21 @@ class TrainMaps:
         image = tf.image.stateless_random_flip_left_right(
             image, preprocess.fold_in(self.augment_key, ids[0]))
       image = preprocess.resize(image, self.data_cfg.image_size)
+      image = preprocess.normalize(image, self.data_cfg.normalization)
     labels = ex['label']
     if not self.source.label.multi_label:
       labels = preprocess.targets(labels, self.source.label.num_classes, False)
-    image = preprocess.normalize(image, self.data_cfg.normalization)
     if self.mixing:  # One mixing decision per batch (and per process), as timm.
       image, labels = augment.mixup_cutmix(
           image, labels, preprocess.fold_in(self.mix_key, ids[0]),
           mixup_alpha=self.data_cfg.mixup_alpha, cutmix_alpha=self.data_cfg.cutmix_alpha,
           switch_prob=self.data_cfg.mix_switch_prob, prob=self.data_cfg.mix_prob)
-    if self.data_cfg.random_erasing > 0:
-      image = tf.map_fn(
-          lambda args: augment.random_erasing(
-              args[0], preprocess.fold_in(self.erase_key, args[1]),
-              probability=self.data_cfg.random_erasing),
-          (image, ids), fn_output_signature=tf.float32)
+    if self.data_cfg.random_erasing > 0:  # After the mix, as T2T-ViT's (timm's prefetcher).
+      image = tf.map_fn(lambda args: self._erase(*args), (image, ids),
+                        fn_output_signature=tf.float32)
     return {'image': image, 'labels': labels}
+
+  def _erase(self, image, i):
+    """Random erasing of one normalized image, keyed by its element id."""
+    return augment.random_erasing(image, preprocess.fold_in(self.erase_key, i),
+                                  probability=self.data_cfg.random_erasing)

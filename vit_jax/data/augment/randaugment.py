@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 from typing import Optional, Sequence, Tuple, Union
 
+import numpy as np
 import tensorflow as tf
 
 from vit_jax.data.augment import stateless
@@ -41,19 +42,35 @@ def _to_uint8_trunc(x: tf.Tensor) -> tf.Tensor:
   return tf.cast(tf.floor(tf.clip_by_value(x, 0., 255.)), tf.uint8)
 
 
+# TensorFlow's CPU kernels for `tf.where`, `tf.gather` and broadcasts over the 3 channels cost 5
+# to 10 times an elementwise op on a [H, W, 3] image; the ops below avoid them where they can.
+
+
+def _select_uint8(mask: tf.Tensor, a: tf.Tensor, b: tf.Tensor) -> tf.Tensor:
+  """`where(mask, a, b)` for uint8 (mask bool, broadcastable), in wrapping uint8 arithmetic."""
+  return b + (a - b) * tf.cast(mask, tf.uint8)
+
+
+def _channel_offsets(image: tf.Tensor) -> tf.Tensor:
+  """int32 [H, W, 3] of 0, 256, 512 (the channel's table in [768]); a constant if static."""
+  offsets = np.array([0, 256, 512], np.int32)
+  if image.shape.is_fully_defined():
+    return tf.constant(np.broadcast_to(offsets, image.shape.as_list()))
+  return tf.tile(tf.constant(offsets)[None, None], tf.concat([tf.shape(image)[:2], [1]], 0))
+
+
 def _histograms(image: tf.Tensor) -> tf.Tensor:
   """int32 [3, 256] per-channel histograms of a uint8 [H, W, 3] image."""
-  idx = tf.cast(image, tf.int32) + tf.constant([0, 256, 512], tf.int32)
+  idx = tf.cast(image, tf.int32) + _channel_offsets(image)
   hist = tf.math.bincount(tf.reshape(idx, [-1]), minlength=768, maxlength=768, dtype=tf.int32)
   return tf.reshape(hist, [3, 256])
 
 
 def _apply_luts(image: tf.Tensor, luts: tf.Tensor) -> tf.Tensor:
   """PIL `Image.point`: per-channel lookup in int [3, 256] (or [256]) tables, clipped to uint8."""
-  luts = tf.clip_by_value(tf.cast(luts, tf.int32), 0, 255)
+  luts = tf.cast(tf.clip_by_value(tf.cast(luts, tf.int32), 0, 255), tf.uint8)
   luts = tf.reshape(tf.broadcast_to(luts, [3, 256]), [-1])
-  idx = tf.cast(image, tf.int32) + tf.constant([0, 256, 512], tf.int32)
-  return tf.cast(tf.gather(luts, idx), tf.uint8)
+  return tf.gather(luts, tf.cast(image, tf.int32) + _channel_offsets(image))
 
 
 def _ramp() -> tf.Tensor:
@@ -75,30 +92,40 @@ def _blend(degenerate: tf.Tensor, image: tf.Tensor, factor: Number) -> tf.Tensor
   return _to_uint8_trunc(d + alpha * (tf.cast(image, tf.float32) - d))
 
 
-def _invert_lut() -> tf.Tensor:
-  return 255 - _ramp()
+def _threshold(threshold: Number) -> Tuple[tf.Tensor, tf.Tensor]:
+  """(uint8 min(t, 255), bool t > 255) of an integer threshold t >= 0 (truncated, as `int()`)."""
+  t = tf.cast(threshold, tf.int32)
+  return tf.cast(tf.clip_by_value(t, 0, 255), tf.uint8), t > 255
 
 
-def _posterize_lut(bits: Number) -> tf.Tensor:
+def _invert(image: tf.Tensor) -> tf.Tensor:
+  return tf.bitwise.invert(image)
+
+
+def _posterize(image: tf.Tensor, bits: Number) -> tf.Tensor:
   shift = tf.clip_by_value(8 - tf.cast(bits, tf.int32), 0, 8)
-  return tf.bitwise.bitwise_and(_ramp(), 256 - tf.bitwise.left_shift(1, shift))
+  return tf.bitwise.bitwise_and(image, tf.cast(256 - tf.bitwise.left_shift(1, shift), tf.uint8))
 
 
-def _solarize_lut(threshold: Number) -> tf.Tensor:
-  ramp = _ramp()
-  return tf.where(ramp < tf.cast(threshold, tf.int32), ramp, 255 - ramp)
+def _solarize(image: tf.Tensor, threshold: Number) -> tf.Tensor:
+  t, above = _threshold(threshold)
+  flip = tf.cast(image >= t, tf.uint8) * tf.cast(tf.logical_not(above), tf.uint8)
+  return tf.bitwise.bitwise_xor(image, flip * 255)
 
 
-def _solarize_add_lut(addition: Number, threshold: Number = 128) -> tf.Tensor:
-  ramp = _ramp()
-  added = tf.minimum(ramp + tf.cast(addition, tf.int32), 255)
-  return tf.where(ramp < tf.cast(threshold, tf.int32), added, ramp)
+def _solarize_add(image: tf.Tensor, addition: Number, threshold: Number = 128) -> tf.Tensor:
+  a = tf.cast(addition, tf.int32)
+  up = tf.cast(tf.clip_by_value(a, 0, 255), tf.uint8)
+  down = tf.cast(tf.clip_by_value(-a, 0, 255), tf.uint8)
+  added = tf.maximum(tf.minimum(image, 255 - up) + up, down) - down  # clip(x + a, 0, 255).
+  t, above = _threshold(threshold)
+  below = tf.bitwise.bitwise_or(tf.cast(image < t, tf.uint8), tf.cast(above, tf.uint8))
+  return image + (added - image) * below
 
 
 def _auto_contrast_lut(image: tf.Tensor) -> tf.Tensor:
-  nonzero = tf.cast(_histograms(image) > 0, tf.int32)
-  lo = tf.argmax(nonzero, axis=1, output_type=tf.int32)
-  hi = 255 - tf.argmax(nonzero[:, ::-1], axis=1, output_type=tf.int32)
+  lo = tf.cast(tf.reduce_min(image, axis=[0, 1]), tf.int32)
+  hi = tf.cast(tf.reduce_max(image, axis=[0, 1]), tf.int32)
   valid = hi > lo
   scale = 255. / tf.cast(tf.where(valid, hi - lo, 1), tf.float64)
   offset = -tf.cast(lo, tf.float64) * scale
@@ -121,25 +148,33 @@ def _equalize_lut(image: tf.Tensor) -> tf.Tensor:
 @stateless.no_autograph
 def invert(image: tf.Tensor) -> tf.Tensor:
   """PIL `ImageOps.invert`: 255 - x (uint8 [H, W, 3] -> same)."""
-  return _apply_luts(_check_uint8_rgb(image), _invert_lut())
+  return _invert(_check_uint8_rgb(image))
 
 
 @stateless.no_autograph
 def posterize(image: tf.Tensor, bits: Number) -> tf.Tensor:
   """PIL ``ImageOps.posterize``: the top ``bits`` (0-8) bits; 8 identity, 0 black (PIL < 9)."""
-  return _apply_luts(_check_uint8_rgb(image), _posterize_lut(bits))
+  return _posterize(_check_uint8_rgb(image), bits)
 
 
 @stateless.no_autograph
 def solarize(image: tf.Tensor, threshold: Number) -> tf.Tensor:
   """PIL ``ImageOps.solarize``: ``x < threshold ? x : 255 - x`` (int threshold; 256 identity)."""
-  return _apply_luts(_check_uint8_rgb(image), _solarize_lut(threshold))
+  return _solarize(_check_uint8_rgb(image), threshold)
 
 
 @stateless.no_autograph
 def solarize_add(image: tf.Tensor, addition: Number, threshold: Number = 128) -> tf.Tensor:
-  """timm `solarize_add`: x < threshold ? min(255, x + addition) : x."""
-  return _apply_luts(_check_uint8_rgb(image), _solarize_add_lut(addition, threshold))
+  """timm `solarize_add`: x < threshold ? clip(x + addition, 0, 255) : x."""
+  return _solarize_add(_check_uint8_rgb(image), addition, threshold)
+
+
+def _auto_contrast(image: tf.Tensor) -> tf.Tensor:
+  return _apply_luts(image, _auto_contrast_lut(image))
+
+
+def _equalize(image: tf.Tensor) -> tf.Tensor:
+  return _apply_luts(image, _equalize_lut(image))
 
 
 @stateless.no_autograph
@@ -149,8 +184,7 @@ def auto_contrast(image: tf.Tensor) -> tf.Tensor:
   ``int(x * s - lo * s)``, ``s = 255 / (hi - lo)`` (``hi`` may map to 254, as PIL); constant
   channels unchanged.
   """
-  image = _check_uint8_rgb(image)
-  return _apply_luts(image, _auto_contrast_lut(image))
+  return _auto_contrast(_check_uint8_rgb(image))
 
 
 @stateless.no_autograph
@@ -160,8 +194,7 @@ def equalize(image: tf.Tensor) -> tf.Tensor:
   ``step = (sum(h) - h[last]) // 255``, ``lut[i] = (step // 2 + sum(h[:i])) // step``; the
   identity for <= 1 distinct value or ``step == 0``.
   """
-  image = _check_uint8_rgb(image)
-  return _apply_luts(image, _equalize_lut(image))
+  return _equalize(_check_uint8_rgb(image))
 
 
 def _gray_degenerate(image: tf.Tensor) -> tf.Tensor:
@@ -201,27 +234,33 @@ def brightness(image: tf.Tensor, factor: Number) -> tf.Tensor:
   return _blend(_black_degenerate(image), image, factor)
 
 
+def _smooth(image: tf.Tensor) -> tf.Tensor:
+  def inner():
+    x = tf.cast(image, tf.float32)  # Sums of at most 13 * 255: exact.
+    rows = x[:, :-2] + x[:, 1:-1] + x[:, 2:]
+    sums = rows[:-2] + rows[1:-1] + rows[2:] + 4. * x[1:-1, 1:-1]
+    # (2 s + 13) // 26 = floor(s / 13 + 1 / 2), never within 1 / 26 of an integer.
+    smoothed = tf.cast(tf.floor(sums * (1. / 13.) + 0.5), tf.uint8)
+    middle = tf.concat([image[1:-1, :1], smoothed, image[1:-1, -1:]], axis=1)
+    return tf.concat([image[:1], middle, image[-1:]], axis=0)
+
+  shape = tf.shape(image)
+  out = tf.cond((shape[0] > 2) & (shape[1] > 2), inner, lambda: image)
+  out.set_shape(image.shape)
+  return out
+
+
 @stateless.no_autograph
 def smooth(image: tf.Tensor) -> tf.Tensor:
   """PIL ``ImageFilter.SMOOTH``: 3x3 ``[[1,1,1],[1,5,1],[1,1,1]] / 13`` rounded; border copied."""
-  image = _check_uint8_rgb(image)
-  kernel = tf.constant([[1., 1., 1.], [1., 5., 1.], [1., 1., 1.]])
-  kernel = tf.tile(kernel[:, :, None, None], [1, 1, 3, 1])
-  sums = tf.nn.depthwise_conv2d(tf.cast(image, tf.float32)[None], kernel, [1, 1, 1, 1], 'SAME')[0]
-  smoothed = (2 * tf.cast(sums, tf.int32) + 13) // 26
-  shape = tf.shape(image)
-  rows = tf.range(shape[0])[:, None]
-  cols = tf.range(shape[1])[None, :]
-  inner = ((rows > 0) & (rows < shape[0] - 1) & (cols > 0) & (cols < shape[1] - 1))
-  out = tf.where(inner[..., None], smoothed, tf.cast(image, tf.int32))
-  return tf.cast(out, tf.uint8)
+  return _smooth(_check_uint8_rgb(image))
 
 
 @stateless.no_autograph
 def sharpness(image: tf.Tensor, factor: Number) -> tf.Tensor:
   """PIL `ImageEnhance.Sharpness`: blend of `smooth(image)` (factor 0) and the image (1)."""
   image = _check_uint8_rgb(image)
-  return _blend(smooth(image), image, factor)
+  return _blend(_smooth(image), image, factor)
 
 
 def _matrix(*values) -> tf.Tensor:
@@ -253,6 +292,18 @@ def affine(image: tf.Tensor, matrix: Union[Sequence[Number], tf.Tensor],
   fill = _check_fill(fill)
   if isinstance(matrix, (list, tuple)):
     matrix = _matrix(*matrix)
+  return _affine(image, matrix, fill)
+
+
+def _fill_image(shape: tf.Tensor, static_shape: tf.TensorShape,
+                fill: Tuple[int, int, int]) -> tf.Tensor:
+  """uint8 [H, W, 3] of the colour `fill` (a constant when the shape is static)."""
+  if static_shape.is_fully_defined():
+    return tf.constant(np.broadcast_to(np.array(fill, np.uint8), static_shape.as_list()))
+  return tf.tile(tf.constant([[fill]], tf.uint8), tf.concat([shape[:2], [1]], 0))
+
+
+def _affine(image: tf.Tensor, matrix: tf.Tensor, fill: Tuple[int, int, int]) -> tf.Tensor:
   a, b, c, d, e, f = tf.unstack(tf.cast(matrix, tf.float64), num=6)
   shape = tf.shape(image)
   height, width = shape[0], shape[1]
@@ -272,7 +323,7 @@ def affine(image: tf.Tensor, matrix: Union[Sequence[Number], tf.Tensor],
       fill_mode='NEAREST')[0]
   # PIL truncates its float64 result; 1e-3 absorbs float32 rounding.
   out = _to_uint8_trunc(out + 1e-3)
-  out = tf.where(valid[..., None], out, tf.constant(fill, tf.uint8))
+  out = _select_uint8(valid[..., None], out, _fill_image(shape, image.shape, fill))
   out.set_shape(image.shape)
   return out
 
@@ -399,33 +450,36 @@ def _solarize_add_level(m, sign):  # addition in [0, 110].
   return tf.floor(m / MAX_LEVEL * 110.)
 
 
-# name: (level function or None, kind, fn); the kinds share the image work: 'lut' fn(image, arg)
-# -> int [3, 256] tables; 'blend' fn(image) -> the degenerate image blended by factor `arg`;
-# 'affine' fn(arg, height, width) -> float64 [6] PIL affine matrix.
+# name: (level function or None, fn(uint8 image, float64 argument, fill) -> uint8 image).
 _OPS = {
-    'AutoContrast': (None, 'lut', lambda im, a: _auto_contrast_lut(im)),
-    'Equalize': (None, 'lut', lambda im, a: _equalize_lut(im)),
-    'Invert': (None, 'lut', lambda im, a: _invert_lut()),
-    'Rotate': (_rotate_level, 'affine', _rotate_matrix),
-    'Posterize': (_posterize_level, 'lut', lambda im, a: _posterize_lut(a)),
-    'PosterizeIncreasing': (_posterize_increasing_level, 'lut', lambda im, a: _posterize_lut(a)),
-    'Solarize': (_solarize_level, 'lut', lambda im, a: _solarize_lut(a)),
-    'SolarizeIncreasing': (_solarize_increasing_level, 'lut', lambda im, a: _solarize_lut(a)),
-    'SolarizeAdd': (_solarize_add_level, 'lut', lambda im, a: _solarize_add_lut(a)),
-    'Color': (_enhance_level, 'blend', _gray_degenerate),
-    'ColorIncreasing': (_enhance_increasing_level, 'blend', _gray_degenerate),
-    'Contrast': (_enhance_level, 'blend', _mean_degenerate),
-    'ContrastIncreasing': (_enhance_increasing_level, 'blend', _mean_degenerate),
-    'Brightness': (_enhance_level, 'blend', _black_degenerate),
-    'BrightnessIncreasing': (_enhance_increasing_level, 'blend', _black_degenerate),
-    'Sharpness': (_enhance_level, 'blend', smooth),
-    'SharpnessIncreasing': (_enhance_increasing_level, 'blend', smooth),
-    'ShearX': (_shear_level, 'affine', lambda a, h, w: _matrix(1., a, 0., 0., 1., 0.)),
-    'ShearY': (_shear_level, 'affine', lambda a, h, w: _matrix(1., 0., 0., a, 1., 0.)),
-    'TranslateXRel': (_translate_rel_level, 'affine',
-                      lambda a, h, w: _matrix(1., 0., a * tf.cast(w, tf.float64), 0., 1., 0.)),
-    'TranslateYRel': (_translate_rel_level, 'affine',
-                      lambda a, h, w: _matrix(1., 0., 0., 0., 1., a * tf.cast(h, tf.float64))),
+    'AutoContrast': (None, lambda im, a, fill: _auto_contrast(im)),
+    'Equalize': (None, lambda im, a, fill: _equalize(im)),
+    'Invert': (None, lambda im, a, fill: _invert(im)),
+    'Rotate': (_rotate_level,
+               lambda im, a, fill: _affine(im, _rotate_matrix(a, *_size(im)), fill)),
+    'Posterize': (_posterize_level, lambda im, a, fill: _posterize(im, a)),
+    'PosterizeIncreasing': (_posterize_increasing_level, lambda im, a, fill: _posterize(im, a)),
+    'Solarize': (_solarize_level, lambda im, a, fill: _solarize(im, a)),
+    'SolarizeIncreasing': (_solarize_increasing_level, lambda im, a, fill: _solarize(im, a)),
+    'SolarizeAdd': (_solarize_add_level, lambda im, a, fill: _solarize_add(im, a)),
+    'Color': (_enhance_level, lambda im, a, fill: _blend(_gray_degenerate(im), im, a)),
+    'ColorIncreasing': (_enhance_increasing_level,
+                        lambda im, a, fill: _blend(_gray_degenerate(im), im, a)),
+    'Contrast': (_enhance_level, lambda im, a, fill: _blend(_mean_degenerate(im), im, a)),
+    'ContrastIncreasing': (_enhance_increasing_level,
+                           lambda im, a, fill: _blend(_mean_degenerate(im), im, a)),
+    'Brightness': (_enhance_level, lambda im, a, fill: _blend(_black_degenerate(im), im, a)),
+    'BrightnessIncreasing': (_enhance_increasing_level,
+                             lambda im, a, fill: _blend(_black_degenerate(im), im, a)),
+    'Sharpness': (_enhance_level, lambda im, a, fill: _blend(_smooth(im), im, a)),
+    'SharpnessIncreasing': (_enhance_increasing_level,
+                            lambda im, a, fill: _blend(_smooth(im), im, a)),
+    'ShearX': (_shear_level, lambda im, a, fill: _affine(im, _matrix(1., a, 0., 0., 1., 0.), fill)),
+    'ShearY': (_shear_level, lambda im, a, fill: _affine(im, _matrix(1., 0., 0., a, 1., 0.), fill)),
+    'TranslateXRel': (_translate_rel_level, lambda im, a, fill: _affine(
+        im, _matrix(1., 0., a * tf.cast(_size(im)[1], tf.float64), 0., 1., 0.), fill)),
+    'TranslateYRel': (_translate_rel_level, lambda im, a, fill: _affine(
+        im, _matrix(1., 0., 0., 0., 1., a * tf.cast(_size(im)[0], tf.float64)), fill)),
 }
 
 OP_NAMES = tuple(_OPS)  # Every op `apply_op` knows (the union of both RandAugment lists).
@@ -456,50 +510,43 @@ def level_to_arg(name: str, magnitude: Number, seed: tf.Tensor) -> Optional[tf.T
   return _level(name, tf.cast(magnitude, tf.float64), _random_sign(seed))
 
 
-def _switch(index: tf.Tensor, fns):
-  return fns[0]() if len(fns) == 1 else tf.switch_case(index, fns)
+def _op_function(name: str):
+  def run(image, magnitude, sign, fill):
+    return _OPS[name][1](image, _level(name, magnitude, sign), fill)
+  return stateless.branch_function(run)
+
+
+# The ops as the branches of `_apply_switch` call them.
+_OP_FUNCTIONS = {name: _op_function(name) for name in _OPS}
+
+
+def _apply_switch(image: tf.Tensor, names: Sequence[str], index: tf.Tensor,
+                  magnitude: tf.Tensor, sign: tf.Tensor, fill: Tuple[int, int, int]) -> tf.Tensor:
+  """The op ``names[index]`` (int32 tensor) at float64 ``magnitude`` and ``sign`` (+-1): one
+  branch runs."""
+  image = tf.convert_to_tensor(image)
+  magnitude = tf.cast(magnitude, tf.float64)
+  branches = [lambda n=n: _OP_FUNCTIONS[n](image, magnitude, sign, fill) for n in names]
+  out = branches[0]() if len(branches) == 1 else tf.switch_case(index, branches)
+  out.set_shape(image.shape)
+  return out
+
+
+@stateless.branch_function
+def _layer(image: tf.Tensor, names: Tuple[str, ...], u: tf.Tensor, magnitude: float,
+           magnitude_std: float, fill: Tuple[int, int, int]) -> tf.Tensor:
+  """One RandAugment layer, applied: the op and its magnitude and sign from float64 ``u[0, 2,
+  3]``."""
+  index = tf.minimum(tf.cast(u[0] * len(names), tf.int32), len(names) - 1)
+  sign = tf.where(u[3] > 0.5, tf.constant(-1., tf.float64), tf.constant(1., tf.float64))
+  return _apply_switch(image, names, index, _magnitude(u[2], magnitude, magnitude_std), sign,
+                       fill)
 
 
 def _apply_indexed(image: tf.Tensor, names: Sequence[str], index: tf.Tensor,
                    magnitude: tf.Tensor, seed: tf.Tensor, fill: Tuple[int, int, int]) -> tf.Tensor:
-  """``apply_op(image, names[index], ...)`` for an int32 tensor ``index``, with one shared lookup,
-  blend and affine transform instead of one graph branch per op (half the graph)."""
-  magnitude = tf.cast(magnitude, tf.float64)
-  sign = _random_sign(seed)
-  arg = tf.gather(tf.stack([_level(n, magnitude, sign) for n in names]), index)
-  # names[index] is op number `position` of group number `group`.
-  groups = {'lut': [], 'blend': [], 'affine': []}
-  positions = []
-  for name in names:
-    members = groups[_OPS[name][1]]
-    positions.append(len(members))
-    members.append(name)
-  present = [kind for kind, members in groups.items() if members]
-  group = tf.gather(tf.constant([present.index(_OPS[n][1]) for n in names], tf.int32), index)
-  position = tf.gather(tf.constant(positions, tf.int32), index)
-
-  def lut_op():
-    luts = _switch(position, [
-        lambda n=n: tf.broadcast_to(_OPS[n][2](image, arg), [3, 256])
-        for n in groups['lut']])
-    return _apply_luts(image, luts)
-
-  def blend_op():
-    degenerate = _switch(position, [
-        lambda n=n: tf.broadcast_to(
-            tf.cast(_OPS[n][2](image), tf.float32), tf.shape(image))
-        for n in groups['blend']])
-    return _blend(degenerate, image, arg)
-
-  def affine_op():
-    height, width = _size(image)
-    matrices = tf.stack([_OPS[n][2](arg, height, width) for n in groups['affine']])
-    return affine(image, tf.gather(matrices, position), fill)
-
-  fns = {'lut': lut_op, 'blend': blend_op, 'affine': affine_op}
-  out = _switch(group, [fns[kind] for kind in present])
-  out.set_shape(image.shape)
-  return out
+  """``apply_op(image, names[index], magnitude, seed)`` for an int32 tensor ``index``."""
+  return _apply_switch(image, names, index, magnitude, _random_sign(seed), fill)
 
 
 @stateless.no_autograph
@@ -514,15 +561,19 @@ def apply_op(image: tf.Tensor, name: str, magnitude: Number, seed: tf.Tensor,
   fill = _check_fill(fill)
   _check_op_name(name)
   arg = _level(name, tf.cast(magnitude, tf.float64), _random_sign(seed))
-  kind, fn = _OPS[name][1:]
-  if kind == 'lut':
-    out = _apply_luts(image, fn(image, arg))
-  elif kind == 'blend':
-    out = _blend(fn(image), image, arg)
-  else:
-    out = affine(image, fn(arg, *_size(image)), fill)
+  out = _OPS[name][1](image, arg, fill)
   out.set_shape(image.shape)
   return out
+
+
+def _magnitude(u: tf.Tensor, magnitude: float, magnitude_std: float) -> tf.Tensor:
+  """`sample_magnitude` from one float64 uniform in [0, 1) (a Normal by its inverse CDF)."""
+  m = tf.constant(float(magnitude), tf.float64)
+  if magnitude_std == float('inf'):
+    m = u * m
+  elif magnitude_std > 0:
+    m = m + magnitude_std * tf.math.ndtri(u)
+  return tf.clip_by_value(m, 0., MAX_LEVEL)
 
 
 @stateless.no_autograph
@@ -530,12 +581,7 @@ def sample_magnitude(seed: tf.Tensor, magnitude: float = 9.,
                      magnitude_std: float = 0.5) -> tf.Tensor:
   """timm ``AugmentOp`` magnitude, float64 in [0, 10]: fixed, uniform (std inf) or Normal, clipped.
   """
-  m = tf.constant(float(magnitude), tf.float64)
-  if magnitude_std == float('inf'):
-    m = stateless.uniform(seed) * m
-  elif magnitude_std > 0:
-    m = m + magnitude_std * tf.random.stateless_normal([], seed=seed, dtype=tf.float64)
-  return tf.clip_by_value(m, 0., MAX_LEVEL)
+  return _magnitude(stateless.uniform(seed), magnitude, magnitude_std)
 
 
 @stateless.no_autograph
@@ -546,7 +592,8 @@ def rand_augment(image: tf.Tensor, seed: tf.Tensor, *, num_layers: int = 2,
 
   ``num_layers`` times (timm 'n'; 0 = identity): an op drawn with replacement from
   ``RAND_INCREASING_TRANSFORMS`` ('inc1'; else ``RAND_TRANSFORMS``), applied with probability
-  0.5 at a fresh :func:`sample_magnitude` (timm 'm', 'mstd'). ``fill``: timm's ``img_mean``.
+  0.5 at a fresh :func:`sample_magnitude` (timm 'm', 'mstd') and random sign. ``fill``: timm's
+  ``img_mean``. All draws come from one ``stateless_uniform`` of ``seed`` (int64 ``[2]``).
 
   Raises:
     ValueError: bad image or fill, negative num_layers / magnitude / magnitude_std.
@@ -558,17 +605,16 @@ def rand_augment(image: tf.Tensor, seed: tf.Tensor, *, num_layers: int = 2,
   if magnitude < 0 or not magnitude_std >= 0:
     raise ValueError('magnitude and magnitude_std must be >= 0, got '
                      f'{magnitude!r}, {magnitude_std!r}.')
+  if not num_layers:
+    return image
   names = RAND_INCREASING_TRANSFORMS if increasing else RAND_TRANSFORMS
+  # Per layer: the op, whether it is applied, its magnitude and its sign.
+  draws = tf.random.stateless_uniform([num_layers, 4], seed=seed, dtype=tf.float64)
   out = image
-  for layer_seed in (stateless.split(seed, num_layers) if num_layers else []):
-    choice_seed, prob_seed, mag_seed, op_seed = stateless.split(layer_seed, 4)
-    index = stateless.randint(choice_seed, 0, len(names))
-
-    def augment(x=out, index=index, mag_seed=mag_seed, op_seed=op_seed):
-      m = sample_magnitude(mag_seed, magnitude, magnitude_std)
-      return _apply_indexed(x, names, index, m, op_seed, fill)
-
+  for u in tf.unstack(draws):
     # timm AugmentOp: skipped when random() > prob (0.5).
-    out = tf.cond(stateless.uniform(prob_seed) <= 0.5, augment, lambda x=out: x)
+    out = tf.cond(u[1] <= 0.5, lambda x=out, u=u: _layer(x, names, u, float(magnitude),
+                                                           float(magnitude_std), fill),
+                  lambda x=out: x)
     out.set_shape(image.shape)
   return out

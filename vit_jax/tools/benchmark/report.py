@@ -12,6 +12,8 @@ from typing import Any, Optional, Sequence
 from vit_jax.tools import common
 from vit_jax.tools.benchmark.common import available_cores
 from vit_jax.tools.benchmark.inputs import INPUT_LABELS
+from vit_jax.tools.benchmark.inputs import RECIPE_IMAGES
+from vit_jax.tools.benchmark.inputs import RECIPE_LABELS
 
 MEDIAN_KEYS = ("images_per_sec", "step_seconds", "lower_seconds", "compile_seconds",
                "first_step_seconds", "peak_rss_mib", "device_peak_mib",
@@ -69,6 +71,52 @@ def aggregate(rounds: list[dict[str, Any]]) -> dict[str, Any]:
   merged["step_seconds_all"] = [t for r in rounds for t in r.get("step_seconds_all", [])]
   merged["rounds"] = [{k: r.get(k) for k in MEDIAN_KEYS} for r in rounds]
   return merged
+
+
+INPUT_MEDIAN_KEYS = ("images_per_sec", "images_per_cpu_second", "cores_busy", "seconds",
+                     "cpu_seconds", "peak_rss_mib")
+
+
+def aggregate_inputs(rounds: list[dict[str, Any]]) -> dict[str, Any]:
+  """One input measurement of several rounds: medians of `INPUT_MEDIAN_KEYS`."""
+  merged = dict(rounds[0])
+  for key in INPUT_MEDIAN_KEYS:
+    values = [r[key] for r in rounds if r.get(key) is not None]
+    merged[key] = statistics.median(values) if values else None
+  merged["rounds"] = [{k: r.get(k) for k in INPUT_MEDIAN_KEYS} for r in rounds]
+  return merged
+
+
+def recipe_rows(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
+  """Per recipe and core count: ours and timm's images/s and per CPU-second, ours / timm."""
+  rows: dict[tuple, dict[str, Any]] = {}
+  for r in results:
+    cores = len(r["threads"]["cpu_affinity"] or []) or None
+    row = rows.setdefault((r["recipe"], cores), {"recipe": r["recipe"], "cores": cores})
+    who = "ours" if r["framework"] == "input" else "timm"
+    row.update({f"{who}_images_per_sec": r["images_per_sec"],
+                f"{who}_images_per_cpu_second": r["images_per_cpu_second"],
+                f"{who}_cores_busy": r["cores_busy"]})
+  for row in rows.values():
+    ours, theirs = row.get("ours_images_per_cpu_second"), row.get("timm_images_per_cpu_second")
+    row["per_cpu_second_ratio"] = ours / theirs if ours and theirs else None
+  return list(rows.values())
+
+
+def _recipes_table(report: dict[str, Any]) -> list[str]:
+  headers = ["recipe", "augmentations", "cores", "ours images/s", "ours images/CPU-s",
+             "ours cores busy", "timm images/s", "timm images/CPU-s", "timm cores busy",
+             "ratio per CPU-s"]
+  rows = [[*RECIPE_LABELS[r["recipe"]], str(r["cores"]),
+           fmt(r.get("ours_images_per_sec"), "sig"),
+           fmt(r.get("ours_images_per_cpu_second"), "sig"), fmt(r.get("ours_cores_busy"), ".2f"),
+           fmt(r.get("timm_images_per_sec"), "sig"),
+           fmt(r.get("timm_images_per_cpu_second"), "sig"), fmt(r.get("timm_cores_busy"), ".2f"),
+           fmt(r.get("per_cpu_second_ratio"), ".2f")]
+          for r in recipe_rows(report["input_recipes"])]
+  return ["Each recipe's full training preprocessing on 500x375 JPEGs, ours (vit_jax.data) and "
+          f"timm's DataLoader, {RECIPE_IMAGES} images timed after as many, medians over rounds "
+          "(ratio > 1: ours does more per CPU-second):", table(headers, rows)]
 
 
 def timm_label(result: dict[str, Any]) -> str:
@@ -133,7 +181,7 @@ def result_notes(results: list[dict[str, Any]], *, compile_only: bool,
                  "that differ from the named model ('timm_kwargs' in the JSON).")
   if any(r.get("torchvision_ops") is False for r in results):
     notes.append("torchvision's C++ ops did not load next to this torch (a mismatched wheel); "
-                 "timm's ViT does not use them (see timm._import_timm).")
+                 "timm's ViT does not use them (see timm.import_timm).")
   notes += attention_notes(results)
   tunables = os.environ.get("GLIBC_TUNABLES", "")
   with_timm = any(r["framework"] == "timm" for r in results)
@@ -230,6 +278,8 @@ def format_report(report: dict[str, Any]) -> str:
     parts.append(_results_table(report["results"]))
   if report.get("inputs"):
     parts += _inputs_table(report)
+  if report.get("input_recipes"):
+    parts += _recipes_table(report)
   if report["comparisons"]:
     parts += _comparisons_table(report)
   if report["notes"]:

@@ -38,6 +38,8 @@ def worker(spec_path: str, out_path: str) -> int:
     if framework == "input":
       spec.pop("threads", None)
       result = inputs_lib.measure_input(**spec)
+    elif framework == "timm_input":
+      result = inputs_lib.measure_timm_input(**spec)
     elif framework == "ours":
       from vit_jax.tools.benchmark import ours  # pylint: disable=g-import-not-at-top  (_plan)
       for key in ("threads", "analytic_flops", "device"):
@@ -72,6 +74,7 @@ def run_in_subprocess(spec: dict[str, Any], timeout: Optional[float] = None) -> 
     with open(spec_path, "w", encoding="utf-8") as f:
       json.dump(spec, f)
     what = (f"the {spec['source']} input pipeline" if spec["framework"] == "input" else
+            f"timm's DataLoader ({spec['recipe']})" if spec["framework"] == "timm_input" else
             f"{spec['model']} {spec['mode']} ({spec['framework']})")
     try:
       proc = subprocess.run([sys.executable, "-m", WORKER_MODULE, "--worker", spec_path,
@@ -179,6 +182,34 @@ def _rounds(plan: tuple, mode: str, rounds: int, base_spec: dict[str, Any], peak
   return [report_lib.aggregate(r) for r in per_framework.values() if r]
 
 
+def _recipe_rounds(*, batch: int, resolution: int, threads: int, rounds: int, with_timm: bool,
+                   timeout: Optional[float], progress: Optional[Callable[[str], None]]
+                   ) -> list[dict[str, Any]]:
+  """Each recipe's full training preprocessing on the generated JPEGs, ours and (`with_timm`)
+  timm's DataLoader alternating, on 1 and on `threads` cores: medians over `rounds`."""
+  available = available_cores()
+  out = []
+  for recipe in inputs_lib.RECIPES:
+    for count in sorted({1, threads}):
+      per_framework: dict[str, list[dict[str, Any]]] = {"input": [], "timm_input": []}
+      for round_ in range(rounds):
+        order = ["input", "timm_input"] if with_timm else ["input"]
+        for framework in (order if round_ % 2 == 0 else order[::-1]):
+          if progress:
+            who = "ours" if framework == "input" else "timm"
+            progress(f"[input preprocessing] {recipe}, {count} core(s), {who}, "
+                     f"round {round_ + 1}/{rounds} ...")
+          spec = dict(framework=framework, recipe=recipe, batch=batch, resolution=resolution,
+                      warmup=inputs_lib.recipe_steps(batch),  # (tf.data's autotuning.)
+                      steps=inputs_lib.recipe_steps(batch), threads=count,
+                      cores=available[:count] if count < len(available) else None)
+          if framework == "input":
+            spec["source"] = "jpeg"
+          per_framework[framework].append(run_in_subprocess(spec, timeout))
+      out += [report_lib.aggregate_inputs(r) for r in per_framework.values() if r]
+  return out
+
+
 def run(models_: Sequence[str], *, batch: int = 8, resolution: int = 224,
         dtype: str = "float32", modes: Sequence[str] = MODES, warmup: int = 2, steps: int = 5,
         overrides: Optional[dict[str, Any]] = None, num_classes: int = 1000,
@@ -187,11 +218,12 @@ def run(models_: Sequence[str], *, batch: int = 8, resolution: int = 224,
         inputs: Sequence[str] = (), progress: Optional[Callable[[str], None]] = None
         ) -> dict[str, Any]:
   """Measures every model and mode (and timm's, with compare='timm'), and the input pipelines
-  `inputs` (of `inputs.INPUTS`), in fresh subprocesses.
+  `inputs` (of `inputs.INPUTS`) with each recipe's preprocessing beside timm's DataLoader
+  (where torch and timm are installed), in fresh subprocesses.
 
   Returns the report: 'args', 'environment', 'results' (medians over rounds, each round under
-  'rounds'), 'comparisons' (ours / timm), 'inputs', 'notes', 'units'. Raises BenchmarkError (bad
-  input, before anything runs) or MeasurementFailed.
+  'rounds'), 'comparisons' (ours / timm), 'inputs', 'input_recipes', 'notes', 'units'. Raises
+  BenchmarkError (bad input, before anything runs) or MeasurementFailed.
   """
   overrides = dict(overrides or {})
   threads = _check_request(batch=batch, resolution=resolution, dtype=dtype, warmup=warmup,
@@ -217,6 +249,15 @@ def run(models_: Sequence[str], *, batch: int = 8, resolution: int = 224,
     input_results.append(run_in_subprocess(
         dict(framework="input", source=source, batch=batch, resolution=resolution,
              threads=threads, cores=cores), timeout))
+  recipe_results = []
+  if inputs:
+    with_timm = not timm_lib.missing_bench_packages()
+    if not with_timm:
+      notes.append("timm's DataLoader not measured beside our preprocessing: pip install -e "
+                   "'.[bench]' (torch, timm).")
+    recipe_results = _recipe_rounds(batch=batch, resolution=resolution, threads=threads,
+                                    rounds=rounds, with_timm=with_timm, timeout=timeout,
+                                    progress=progress)
   notes += report_lib.result_notes(results, compile_only=compile_only, peak_flops=peak["flops"],
                                    platform_name=peak["platform"])
   return {
@@ -229,5 +270,5 @@ def run(models_: Sequence[str], *, batch: int = 8, resolution: int = 224,
       "environment": dict(report_lib.environment(threads),
                           measured_on=report_lib.measured_on(results)),
       "results": results, "comparisons": report_lib.comparisons(results),
-      "inputs": input_results, "notes": notes, "units": UNITS,
+      "inputs": input_results, "input_recipes": recipe_results, "notes": notes, "units": UNITS,
   }

@@ -119,7 +119,7 @@ def measure_timm(model: str, *, batch: int, resolution: int, dtype: str = "float
   check_mode_and_dtype(mode, dtype)
   check_sizes(batch, resolution, warmup, steps)
   name, kwargs, checkpointing = timm_equivalent(model, overrides)
-  timm, torchvision_ops = _import_timm()
+  timm, torchvision_ops = import_timm()
   import torch  # pylint: disable=g-import-not-at-top
   rss_after_imports = rss_now_mib()
   if threads:
@@ -169,7 +169,7 @@ def measure_timm(model: str, *, batch: int, resolution: int, dtype: str = "float
   return result
 
 
-def _import_timm():
+def import_timm():
   """`(timm, whether torchvision's ops loaded)`. torchvision 0.28 fails on import when its C++
   ops do not load (e.g. a CUDA wheel beside a CPU torch); timm's ViT uses none of them, so their
   two schemas are declared and the import retried."""
@@ -185,6 +185,6 @@ def _import_timm():
   library = torch.library.Library("torchvision", "FRAGMENT")
   for op in ("nms", "qnms"):
     library.define(f"{op}(Tensor dets, Tensor scores, float iou_threshold) -> Tensor")
-  _import_timm.library = library  # Registrations last as long as the library object.
+  import_timm.library = library  # Registrations last as long as the library object.
   import timm  # pylint: disable=g-import-not-at-top,redefined-outer-name
   return timm, False
