@@ -1,7 +1,7 @@
 r"""Time to the first training batch after a resume, TFRecord (read in order) vs ArrayRecord
 (read by index): the figures of docs/data.md's "Resuming in constant time" table.
 
-Generates an ImageNet-like tfds dataset (`--records` JPEGs of 500x375 pixels, about 110 KB each,
+Generates an ImageNet-like tfds dataset (`--records` JPEGs of 500x375 pixels, about 75 KB each,
 1,000 classes; 64 distinct images repeated) under DIR, prepared as TFRecord. For each position
 (0, 50 and 90% of an epoch) it builds the training iterator at the step of that position
 (`vit_jax.data.create_train_iterator(..., start_step)`, the config's defaults: Inception crop and
