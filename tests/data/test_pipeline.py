@@ -791,10 +791,10 @@ def test_array_record_files_added_by_the_tool_are_read_by_index(tmp_path, caplog
   with caplog.at_level(logging.WARNING):
     _ids(cfg, 4, 1, start_step=1)
   assert 'reads and drops the 4 examples of epoch 0 before it (33% of an epoch)' in caplog.text
-  assert 'python -m vit_jax.to_array_record' in caplog.text
+  assert f'python -m vit_jax.to_array_record {path}` adds ArrayRecord files' in caplog.text
   assert to_array_record.main([path, '--workers', '2']) == 0
-  assert capsys.readouterr().out == (f'{path}: 2 ArrayRecord shards, 22 examples; training now '
-                                     'reads it by index.\n')
+  assert capsys.readouterr().out == (f'{path}: 2 ArrayRecord shards, 22 examples (all written '
+                                     'now); training now reads it by index.\n')
   assert sorted(os.listdir(path)) == [
       'dataset_info.json', 'features.json', 'metadata.json',
       'tiny_multi_label-test.array_record-00000-of-00001',
@@ -802,6 +802,7 @@ def test_array_record_files_added_by_the_tool_are_read_by_index(tmp_path, caplog
       'tiny_multi_label-train.array_record-00000-of-00001',
       'tiny_multi_label-train.tfrecord-00000-of-00001']
   assert to_array_record.main([path]) == 0  # Again: nothing left to do.
+  assert '(all there already)' in capsys.readouterr().out
   sources._SOURCES.clear()
   assert sources.get_source(cfg).has_array_record
   caplog.clear()
@@ -859,6 +860,11 @@ def test_array_record_files_that_cannot_be_opened_fall_back_to_tfrecord(tmp_path
   with caplog.at_level(logging.WARNING):
     ids = np.concatenate(_ids(cfg, 4, 3))
   assert sorted(ids) == list(range(12))
-  assert f'The ArrayRecord files of {path} cannot be opened (' in caplog.text
-  assert f'mount a bucket with Cloud Storage FUSE (gcsfuse) and give its local path. {path} is ' \
-         'read in order from its TFRecord files instead.' in caplog.text
+  assert f'The ArrayRecord files of {path} cannot be read (' in caplog.text
+  assert ('in a bucket, mount it with Cloud Storage FUSE (gcsfuse) and give its local path (this '
+          'array_record reads local paths only); a damaged shard: rerun `python -m '
+          f'vit_jax.to_array_record {path}`, which writes it again. {path} is read in order from '
+          'its TFRecord files instead.') in caplog.text
+  assert to_array_record.main([path]) == 0  # The damaged shard is written again.
+  sources._SOURCES.clear()
+  assert sources.get_source(cfg).random_access('train', decode=False).num_examples == 12

@@ -192,9 +192,10 @@ def create_train_iterator(data_cfg, global_batch_size: int, seed: int, start_ste
     if offset:
       logging.warning(
           'Resuming at step %d: %s is read in order (TFRecord), so the input reads and drops the '
-          '%d examples of epoch %d before it (%.0f%% of an epoch) before the first batch. `python '
-          '-m vit_jax.to_array_record` adds ArrayRecord files, read by index: resumes in '
-          'constant time.', start_step, source.name, offset, start_epoch, 100 * offset / n)
+          '%s examples of epoch %d before it (%.0f%% of an epoch) before the first batch. `python '
+          '-m vit_jax.to_array_record %s` adds ArrayRecord files, read by index: resumes in '
+          'constant time.', start_step, source.name, f'{offset:,}', start_epoch,
+          100 * offset / n, source.builder.data_dir)
       ds = ds.skip(offset)
   else:
     @tf.autograph.experimental.do_not_convert

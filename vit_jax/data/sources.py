@@ -417,9 +417,10 @@ class Source:
       records.__getitems__([0] if len(records) else [])
     except (RuntimeError, OSError) as e:  # array_record opens local paths only (gs://: FUSE).
       fix = f'{self.name} is read in order from its TFRecord files instead' if in_order else None
-      message = (f'The ArrayRecord files of {self.name} cannot be opened ({e}); this array_record '
-                 'reads local paths only: mount a bucket with Cloud Storage FUSE (gcsfuse) and '
-                 'give its local path.')
+      message = (f'The ArrayRecord files of {self.name} cannot be read ({e}): in a bucket, mount '
+                 'it with Cloud Storage FUSE (gcsfuse) and give its local path (this array_record '
+                 'reads local paths only); a damaged shard: rerun `python -m '
+                 f'vit_jax.to_array_record {self.name}`, which writes it again.')
       if fix is None:
         raise FileNotFoundError(message) from e
       logging.warning('%s %s.', message, fix)

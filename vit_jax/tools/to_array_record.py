@@ -8,7 +8,8 @@ every example of the epoch before its step). No Apache Beam.
 Each TFRecord shard is copied record by record (the same serialized examples) into an
 ArrayRecord shard beside it, written under a temporary name and renamed when complete; then
 ``dataset_info.json`` lists ArrayRecord as an alternative file format (TFRecord stays the
-primary one). Rerunning skips the shards already written. Bad input: one ``FATAL:`` line, exit 2.
+primary one). Rerunning skips the shards already complete (a damaged one is written again).
+Bad input: one ``FATAL:`` line, exit 2.
 """
 
 from __future__ import annotations
@@ -36,13 +37,25 @@ def _shards(builder) -> list[tuple[str, str, int]]:
   return out
 
 
+def _complete(target: str, expected: int) -> bool:
+  """Whether ArrayRecord `target` exists, opens and holds `expected` records."""
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top
+  if not tf.io.gfile.exists(target):
+    return False
+  try:
+    return tfds.core.file_adapters.ArrayRecordFileAdapter.num_examples(target) == expected
+  except (RuntimeError, OSError):
+    return False
+
+
 def _convert(source: str, target: str, expected: int) -> int:
   """Copies the records of TFRecord `source` into ArrayRecord `target` (written locally, then
-  copied and renamed into place); returns the records written."""
+  copied and renamed into place) unless it is complete already; returns the records written."""
   from array_record.python import array_record_module  # pylint: disable=g-import-not-at-top
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
-  if tf.io.gfile.exists(target):
-    return expected
+  if _complete(target, expected):
+    return 0
   with tempfile.TemporaryDirectory() as scratch:
     local = os.path.join(scratch, os.path.basename(target))
     writer = array_record_module.ArrayRecordWriter(local, 'group_size:1')  # As tfds writes.
@@ -59,10 +72,12 @@ def _convert(source: str, target: str, expected: int) -> int:
   return count
 
 
-def convert(dataset: str, data_dir: Optional[str] = None, workers: int = 0) -> tuple[int, int]:
+def convert(dataset: str, data_dir: Optional[str] = None,
+            workers: int = 0) -> tuple[str, int, int, int]:
   """Adds ArrayRecord shards to the prepared tfds `dataset` (a directory, or a name with
-  `data_dir`); returns (shards, records). FileNotFoundError: no prepared dataset there;
-  ValueError: a shard whose record count differs from dataset_info.json."""
+  `data_dir`); returns (its directory, shards, records, records written now). FileNotFoundError:
+  no prepared dataset there; ValueError: a shard whose record count differs from
+  dataset_info.json."""
   import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top
   from vit_jax.data import sources  # pylint: disable=g-import-not-at-top
   if sources.looks_like_path(dataset):
@@ -70,17 +85,17 @@ def convert(dataset: str, data_dir: Optional[str] = None, workers: int = 0) -> t
   else:
     builder = tfds.builder(dataset, data_dir=data_dir)
     if not builder.is_prepared():
-      raise FileNotFoundError(f'{dataset!r} is not prepared in {data_dir or "tfds`s data_dir"}: '
-                              'give its directory (e.g. ~/tensorflow_datasets/NAME/VERSION) or '
-                              '--data-dir.')
+      where = data_dir or "tfds's data_dir"
+      raise FileNotFoundError(f'{dataset!r} is not prepared in {where}: give its directory (e.g. '
+                              '~/tensorflow_datasets/NAME/VERSION) or --data-dir.')
   shards = _shards(builder)
   with concurrent.futures.ThreadPoolExecutor(workers or os.cpu_count()) as pool:
-    records = sum(pool.map(lambda shard: _convert(*shard), shards))
+    written = sum(pool.map(lambda shard: _convert(*shard), shards))
   info = builder.info
   if tfds.core.FileFormat.ARRAY_RECORD not in info.available_file_formats():
     info.add_alternative_file_format(tfds.core.FileFormat.ARRAY_RECORD)
     info.write_to_directory(builder.data_dir)
-  return len(shards), records
+  return str(builder.data_dir), len(shards), sum(n for _, _, n in shards), written
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -95,13 +110,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                       help='shards converted at once (default: the CPU count)')
   args = parser.parse_args(argv)
   try:
-    shards, records = convert(args.dataset, args.data_dir, args.workers)
+    where, shards, records, written = convert(args.dataset, args.data_dir, args.workers)
   except common.INPUT_ERRORS as e:
     return common.fatal(e, 2)
   except OSError as e:
     return common.fatal(e, 1)
-  print(f'{args.dataset}: {shards} ArrayRecord shards, {records:,} examples; training now reads '
-        'it by index.')
+  done = 'all written now' if written == records else (
+      'all there already' if not written else f'{written:,} examples written now')
+  print(f'{where}: {shards} ArrayRecord shards, {records:,} examples ({done}); training now '
+        'reads it by index.')
   return 0
 
 
