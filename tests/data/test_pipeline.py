@@ -845,7 +845,9 @@ def test_a_cached_dataset_is_read_by_index_from_memory(fake_fmnist, caplog):
 
 def test_to_array_record_refuses_what_is_not_a_prepared_dataset(tmp_path, capsys):
   assert to_array_record.main([str(tmp_path / 'missing')]) == 2
-  assert capsys.readouterr().err.startswith('FATAL: ')
+  assert capsys.readouterr().err == (
+      f'FATAL: {tmp_path / "missing"} is not a directory: give that of a prepared tfds dataset '
+      '(e.g. ~/tensorflow_datasets/NAME/VERSION), or its name.\n')
 
 
 def test_array_record_files_that_cannot_be_opened_fall_back_to_tfrecord(tmp_path, caplog):

@@ -78,9 +78,13 @@ def convert(dataset: str, data_dir: Optional[str] = None,
   `data_dir`); returns (its directory, shards, records, records written now). FileNotFoundError:
   no prepared dataset there; ValueError: a shard whose record count differs from
   dataset_info.json."""
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
   import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top
   from vit_jax.data import sources  # pylint: disable=g-import-not-at-top
   if sources.looks_like_path(dataset):
+    if not tf.io.gfile.isdir(os.path.expanduser(dataset)):
+      raise FileNotFoundError(f'{dataset} is not a directory: give that of a prepared tfds dataset '
+                              '(e.g. ~/tensorflow_datasets/NAME/VERSION), or its name.')
     builder = tfds.builder_from_directory(sources.find_builder_dir(dataset))
   else:
     builder = tfds.builder(dataset, data_dir=data_dir)
