@@ -381,7 +381,12 @@ class Source:
   def random_access(self, split: SplitArg, *, decode: bool) -> Optional[RandomAccess]:
     """``split`` read by index: an image folder's files, a tfds dataset's ArrayRecord files, or
     with ``decode`` all its images decoded into memory once (one static size and single labels);
-    None where it cannot be (a TFRecord-only dataset, or ``decode`` without those)."""
+    None where it cannot be (a TFRecord-only dataset, or ``decode`` without those; ArrayRecord
+    files that cannot be read when TFRecord ones exist: a warning names the fix).
+
+    Raises:
+      FileNotFoundError: an ArrayRecord-only dataset whose files cannot be read (naming the fix).
+    """
     if decode:
       if self.static_image_hw is None or self.label.multi_label:
         return None

@@ -458,22 +458,12 @@ _OPS = {
     'Rotate': (_rotate_level,
                lambda im, a, fill: _affine(im, _rotate_matrix(a, *_size(im)), fill)),
     'Posterize': (_posterize_level, lambda im, a, fill: _posterize(im, a)),
-    'PosterizeIncreasing': (_posterize_increasing_level, lambda im, a, fill: _posterize(im, a)),
     'Solarize': (_solarize_level, lambda im, a, fill: _solarize(im, a)),
-    'SolarizeIncreasing': (_solarize_increasing_level, lambda im, a, fill: _solarize(im, a)),
     'SolarizeAdd': (_solarize_add_level, lambda im, a, fill: _solarize_add(im, a)),
     'Color': (_enhance_level, lambda im, a, fill: _blend(_gray_degenerate(im), im, a)),
-    'ColorIncreasing': (_enhance_increasing_level,
-                        lambda im, a, fill: _blend(_gray_degenerate(im), im, a)),
     'Contrast': (_enhance_level, lambda im, a, fill: _blend(_mean_degenerate(im), im, a)),
-    'ContrastIncreasing': (_enhance_increasing_level,
-                           lambda im, a, fill: _blend(_mean_degenerate(im), im, a)),
     'Brightness': (_enhance_level, lambda im, a, fill: _blend(_black_degenerate(im), im, a)),
-    'BrightnessIncreasing': (_enhance_increasing_level,
-                             lambda im, a, fill: _blend(_black_degenerate(im), im, a)),
     'Sharpness': (_enhance_level, lambda im, a, fill: _blend(_smooth(im), im, a)),
-    'SharpnessIncreasing': (_enhance_increasing_level,
-                            lambda im, a, fill: _blend(_smooth(im), im, a)),
     'ShearX': (_shear_level, lambda im, a, fill: _affine(im, _matrix(1., a, 0., 0., 1., 0.), fill)),
     'ShearY': (_shear_level, lambda im, a, fill: _affine(im, _matrix(1., 0., 0., a, 1., 0.), fill)),
     'TranslateXRel': (_translate_rel_level, lambda im, a, fill: _affine(
@@ -481,6 +471,11 @@ _OPS = {
     'TranslateYRel': (_translate_rel_level, lambda im, a, fill: _affine(
         im, _matrix(1., 0., 0., 0., 1., a * tf.cast(_size(im)[0], tf.float64)), fill)),
 }
+# timm's '...Increasing' ops: the same op, with a level that grows with the magnitude.
+_OPS.update({f'{name}Increasing': (level, _OPS[name][1]) for name, level in (
+    ('Posterize', _posterize_increasing_level), ('Solarize', _solarize_increasing_level),
+    ('Color', _enhance_increasing_level), ('Contrast', _enhance_increasing_level),
+    ('Brightness', _enhance_increasing_level), ('Sharpness', _enhance_increasing_level))})
 
 OP_NAMES = tuple(_OPS)  # Every op `apply_op` knows (the union of both RandAugment lists).
 
