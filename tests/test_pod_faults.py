@@ -141,6 +141,49 @@ def test_the_coordinator_killed_ends_the_other_with_one_fatal_line(tmp_path):
   assert elapsed < 5 + 15, elapsed  # Measured: 0.1-0.3 s.
 
 
+_ABORTS_ON_SIGTERM = """
+import os, signal, sys, time
+sys.path.insert(0, {root!r})
+from vit_jax import pod
+pod.supervise(sys.argv + ["--coordinator_address=127.0.0.1:1"])
+signal.signal(signal.SIGTERM, lambda *_: (time.sleep(0.2), os.abort()))  # JAX's abort, later.
+print("ready", flush=True)
+time.sleep(60)
+os.abort()
+"""
+
+
+@pytest.mark.parametrize("sigterm", [True, False])
+def test_a_supervised_process_aborted_after_a_sigterm_is_preempted_not_a_fault(tmp_path, sigterm):
+  """A pod's child that JAX aborts (SIGABRT) after this host's SIGTERM (forwarded by its
+  supervisor) because the others stopped first: exit 75 and a line saying so (was: a FATAL
+  line, exit 1); aborted with no SIGTERM: the FATAL line, exit 1."""
+  script = tmp_path / "child.py"
+  script.write_text(_ABORTS_ON_SIGTERM.format(root=ROOT))
+  proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True, env=ENV)
+  try:
+    assert proc.stdout.readline() == "ready\n"
+    if sigterm:
+      proc.send_signal(signal.SIGTERM)
+    else:
+      psutil.Process(proc.pid).children()[0].send_signal(signal.SIGABRT)
+    _, stderr = proc.communicate(timeout=30)
+  finally:
+    proc.kill()
+    proc.wait()
+  last = stderr.splitlines()[-1]
+  if sigterm:
+    assert proc.returncode == stops.PREEMPTED_EXIT_CODE == 75, stderr
+    assert last == (
+        "Preempted (SIGTERM): stopped; JAX's distributed runtime then ended this process "
+        "(SIGABRT) as the other processes had stopped too. Rerun the same command on every "
+        "process to resume from the latest checkpoint."), stderr
+  else:
+    assert proc.returncode == pod.POD_FAULT_EXIT_CODE == 1, stderr
+    assert last.startswith("FATAL: This process was aborted by JAX's distributed runtime"), stderr
+
+
 def test_supervision_is_for_several_processes_only(monkeypatch):
   """`pod.supervise` starts a child for a pod's command line or environment only."""
   for name in ("JAX_COORDINATOR_ADDRESS", "TPU_WORKER_HOSTNAMES", "TPU_ACCELERATOR_TYPE"):
@@ -236,7 +279,9 @@ def test_sigterm_to_a_pod_during_the_set_up_stops_every_process_at_once(tmp_path
 def test_a_process_stopped_in_the_set_up_stops_the_others_without_waiting_for_it(tmp_path):
   """SIGTERM to process 1 only (one preempted host) once the lock is taken: process 1 stops, and
   process 0, waiting for it in a collective or about to, reads its heartbeat ("stopped") and
-  stops too with exit 75 (was: it waited `--distributed_timeout`, then a FATAL line, exit 1)."""
+  stops too with exit 75 (was: it waited `--distributed_timeout`, then a FATAL line, exit 1).
+  Process 1 ends 75 too, by its own stop or, when jax aborts it as process 0 ends, by its
+  supervisor."""
   codes, stderrs, elapsed, steps = _sigterm_pod(
       tmp_path, lambda workdir: (workdir / "lock.json").exists(), "process 1")
   assert codes == [75, 75], [e[-3000:] for e in stderrs]

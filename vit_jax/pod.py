@@ -202,18 +202,31 @@ def _several_processes(argv: list[str]) -> bool:
 
 def supervise(argv: list[str]) -> None:
   """On a pod (Linux), runs this command as a child and ends as it ends (SIGTERM forwarded); a
-  child aborted by jax (SIGABRT: the coordinator died) gets a FATAL line. Call first."""
+  child aborted by jax (SIGABRT: the coordinator died) gets a FATAL line, or after a SIGTERM
+  (the others stopped first) the preemption's exit code 75. Call first."""
   if (os.environ.get(SUPERVISOR_ENV) or not sys.platform.startswith("linux")
       or not getattr(sys, "orig_argv", None) or not _several_processes(argv)):
     return
   prctl = ctypes.CDLL(None, use_errno=True).prctl  # Looked up before the fork.
   children: list[subprocess.Popen] = []
-  signal.signal(signal.SIGTERM, lambda signum, _: [c.send_signal(signum) for c in children])
+  forwarded: list[int] = []
+
+  def forward(signum, _):
+    forwarded.append(signum)
+    for child in children:
+      child.send_signal(signum)
+
+  signal.signal(signal.SIGTERM, forward)
   signal.signal(signal.SIGINT, lambda *_: None)  # Default again in the child (exec).
   children.append(subprocess.Popen(
       [sys.executable, *sys.orig_argv[1:]], env=dict(os.environ, **{SUPERVISOR_ENV: str(
           os.getpid())}), preexec_fn=lambda: prctl(1, signal.SIGKILL)))  # 1: PR_SET_PDEATHSIG
   code = children[0].wait()
+  if code == -signal.SIGABRT and forwarded:  # Stopped as asked; the others stopped first.
+    stops.exit_process(stops.PREEMPTED_EXIT_CODE, (
+        "Preempted (SIGTERM): stopped; JAX's distributed runtime then ended this process (SIGABRT) "
+        "as the other processes had stopped too. Rerun the same command on every process to "
+        "resume from the latest checkpoint."))
   if code == -signal.SIGABRT:
     stops.exit_process(POD_FAULT_EXIT_CODE, (
         "FATAL: This process was aborted by JAX's distributed runtime (SIGABRT; the lines above "
