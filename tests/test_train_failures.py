@@ -23,6 +23,7 @@ from vit_jax import checkpoint
 from vit_jax import cli
 from vit_jax import data
 from vit_jax import optim
+from vit_jax import stops
 from vit_jax import train
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -107,7 +108,7 @@ def test_sigterm_saves_the_current_step_exits_75_and_the_rerun_resumes(tmp_path,
     _, stderr = proc.communicate(timeout=120)
   finally:
     proc.kill()
-  assert proc.returncode == train.PREEMPTED_EXIT_CODE == 75, stderr[-3000:]
+  assert proc.returncode == stops.PREEMPTED_EXIT_CODE == 75, stderr[-3000:]
   line = next(l for l in stderr.splitlines() if "Preempted: saved the checkpoint of step" in l)
   step = int(line.split("of step ")[1].split()[0])
   assert step >= 10

@@ -1,13 +1,12 @@
 """What a run costs: wall time by category, TPU-core-days (the ViT paper's Table 2 unit), FLOPs
-and MFU, kept over all attempts of a resumed run (docs/compute_cost.md). The devices' facts
-(cores, chips, peaks) are `vit_jax.hardware`'s.
-"""
+and MFU, over all attempts of a resumed run (docs/compute_cost.md); devices' facts: `hardware`."""
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
 import time
+import timeit
 from typing import Any, Callable, Iterator, Optional
 
 from absl import logging
@@ -18,7 +17,7 @@ import numpy as np
 from vit_jax import flops
 from vit_jax import hardware as hardware_lib
 
-SECONDS_PER_DAY = 86_400
+SECONDS_PER_DAY = flops.SECONDS_PER_DAY
 
 #: The wall-time categories; 'other' is the program's time outside them (start-up, dataset
 #: preparation, initialisation or restore, writing summaries).
@@ -32,8 +31,7 @@ _measured_cpu_peak: Optional[float] = None
 class Hardware:
   """`num_devices` (all processes') of jax's `device_kind`: cores and chips (TPU only, else None),
   peak FLOP/s per device for `dtype` (None: unknown) from `peak_source` ('published', 'measured:
-  ...', 'given', 'unknown'), of matmuls in `peak_precision` (`vit_jax.hardware.Kind.runs_as`).
-  """
+  ...', 'given', 'unknown'), of matmuls in `peak_precision` (`vit_jax.hardware.Kind.runs_as`)."""
   device_kind: str
   platform: str
   num_devices: int
@@ -74,40 +72,31 @@ def hardware(device_kind: str, num_devices: int, dtype: str = "float32",
     per_device = (kind and kind.cores_per_device) or 1
     cores = num_devices * per_device
     chips = max(1, cores // ((kind and kind.cores_per_chip) or per_device))
-  dtype = str(dtype)
-  source, precision = "published", dtype
+  dtype = precision = str(dtype)
+  source = "published" if peak_flops_per_device is None else "given"
   if peak_flops_per_device is None and kind is not None:
     peak_flops_per_device = kind.peak.get(dtype)
     precision = kind.runs_as.get(dtype, dtype)
-  elif peak_flops_per_device is not None:
-    source = "given"
-  if peak_flops_per_device is None:
-    source = "unknown"
+  source = "unknown" if peak_flops_per_device is None else source
   return Hardware(device_kind, platform, num_devices, cores, chips, peak_flops_per_device, source,
                   dtype, precision)
 
 
 def accelerator(name: str, dtype: str = "bfloat16") -> Hardware:
-  """The `Hardware` of an accelerator name ('v3-8', 'v5litepod-16', 'a100-8'); ValueError as
-  `vit_jax.hardware.accelerator`."""
+  """The `Hardware` of an accelerator name ('v3-8', 'a100-8'); raises as `hardware.accelerator`."""
   kind, devices = hardware_lib.accelerator(name)
   return hardware(kind.device_kind, devices, dtype, kind.platform)
 
 
 def measure_cpu_peak(size: int = 2048, repeats: int = 3, again: bool = False) -> float:
   """Dense float32 FLOP/s of this host's CPU backend (all local devices): the best of `repeats`
-  `size`^3 matmuls, measured once per process; `again` measures once more and keeps the highest.
-  """
+  `size`^3 matmuls, measured once per process; `again` measures once more and keeps the highest."""
   global _measured_cpu_peak
   if _measured_cpu_peak is None or again:
     x = jnp.ones((size, size), jnp.float32)
     matmul = jax.jit(lambda a: a @ a)
     matmul(x).block_until_ready()
-    best = float("inf")
-    for _ in range(repeats):
-      start = time.perf_counter()
-      matmul(x).block_until_ready()
-      best = min(best, time.perf_counter() - start)
+    best = min(timeit.repeat(lambda: matmul(x).block_until_ready(), number=1, repeat=repeats))
     _measured_cpu_peak = max(2 * size**3 / best, _measured_cpu_peak or 0.0)
   return _measured_cpu_peak
 
@@ -132,8 +121,7 @@ class CostAccountant:
   def __init__(self, hw: Hardware, batch_size: int,
                clock: Callable[[], float] = time.monotonic, start: Optional[float] = None,
                compile_saved: Optional[Callable[[], float]] = None):
-    self.hardware = hw
-    self.batch_size = batch_size
+    self.hardware, self.batch_size = hw, batch_size
     self._clock = clock
     self._start = clock() if start is None else start
     self._compile_saved = compile_saved or (lambda: 0.0)
@@ -144,8 +132,7 @@ class CostAccountant:
     self._seconds = dict.fromkeys(CATEGORIES, 0.0)
     # The open `timed` blocks, outermost first: [category, start time, seconds in children].
     self._open: list[list[Any]] = []
-    self._steps = 0
-    self._start_step = 0
+    self._steps = self._start_step = 0
     self._previous: list[dict[str, Any]] = []
     self.flops_per_step: Optional[float] = None  # From XLA's cost analysis of the step.
     self.model_flops_per_step: Optional[float] = None  # Analytic: 3 x forward matmuls.
@@ -170,10 +157,6 @@ class CostAccountant:
 
   def seconds(self) -> dict[str, float]:
     """This attempt's seconds per category so far (`CATEGORIES`), the open blocks' included."""
-    return self._seconds_now()
-
-  def _seconds_now(self) -> dict[str, float]:
-    """Seconds per category, the open blocks' time so far included."""
     seconds = dict(self._seconds)
     now = self._clock()
     for i, (category, start, in_children) in enumerate(self._open):
@@ -183,20 +166,18 @@ class CostAccountant:
 
   def training_seconds(self) -> float:
     """This attempt's seconds in 'train' and 'input': the clock of the throughput and ETA."""
-    seconds = self._seconds_now()
+    seconds = self.seconds()
     return seconds["train"] + seconds["input"]
 
   def count_step(self, steps: int = 1) -> None:
-    """Records `steps` optimizer updates of `batch_size` images each; the first ends the set-up
-    (the attempt's `resume_s`)."""
+    """Records `steps` optimizer updates; the first ends the set-up (the attempt's `resume_s`)."""
     if self._first_step is None:
       program = self._clock() - self._start
-      self._first_step = (program, max(0.0, program - sum(self._seconds_now().values())))
+      self._first_step = (program, max(0.0, program - sum(self.seconds().values())))
     self._steps += steps
 
   def set_step_flops(self, compiled: Optional[float], analytic: Optional[float]) -> None:
-    """One step's FLOPs (global batch): `compiled` by XLA's cost analysis (all devices),
-    `analytic` 3 x the forward matmuls (`vit_jax.flops`), which the MFU uses."""
+    """One step's FLOPs (global batch): XLA's `compiled` count and the `analytic` one of the MFU."""
     self.flops_per_step, self.model_flops_per_step = compiled, analytic
 
   def resume(self, report: Optional[dict[str, Any]], start_step: int) -> None:
@@ -215,13 +196,11 @@ class CostAccountant:
           for key in ("flops_per_step", "model_flops_per_step"))
 
   def _attempt(self, step: int) -> dict[str, Any]:
-    """This process's attempt so far."""
     hw = self.hardware
-    seconds = self._seconds_now()
+    seconds = self.seconds()
     program = self._clock() - self._start
     seconds["other"] = max(0.0, program - sum(seconds.values()))
     seconds["program"] = program
-    model_flops = (self.model_flops_per_step or 0.0) * self._steps
     resume_s, setup_s = self._first_step or (None, seconds["other"])
     return {
         "device_kind": hw.device_kind, "platform": hw.platform, "devices": hw.num_devices,
@@ -229,27 +208,22 @@ class CostAccountant:
         "start_step": self._start_step, "end_step": step, "steps": self._steps,
         "images": self._steps * self.batch_size, "seconds": seconds,
         "flops_per_step": self.flops_per_step, "model_flops_per_step": self.model_flops_per_step,
-        "model_flops": model_flops, "resumed": bool(self._previous), "resume_s": resume_s,
-        "setup_s": min(setup_s, seconds["other"]), "redone": self._redone,
+        "model_flops": (self.model_flops_per_step or 0.0) * self._steps,
+        "resumed": bool(self._previous), "resume_s": resume_s, "redone": self._redone,
+        "setup_s": min(setup_s, seconds["other"]),
         "compile_saved_s": max(0.0, self._compile_saved() - self._saved_before),
     }
 
   def report(self, step: int) -> dict[str, Any]:
-    """The account of all attempts so far (JSON-able): 'hardware', 'step', 'restarts',
-    'images_seen', 'seconds' by category, 'train', 'program', 'redone' and 'productive'
-    {device,core,chip}_days, 'goodput' (0..1 or None), 'resume_seconds',
-    'compile_saved_seconds', FLOPs, 'mfu' (0..1 or None), 'images_per_sec_per_core',
-    'mfu_note', 'attempts' (docs/compute_cost.md).
-
-    An attempt above its peak has a wrong peak: a measured CPU peak is measured again once, and
-    one still above is left out of the MFU ('mfu_note' says so).
-    """
+    """The account of all attempts so far, JSON-able (docs/compute_cost.md); 'mfu' and 'goodput'
+    in 0..1 or None. An attempt above its peak has a wrong peak: a measured CPU peak is measured
+    again once, and one still above is left out of the MFU ('mfu_note' says so)."""
     current = self._attempt(step)
     hw = self.hardware
     if (_above_peak(current) and not self._remeasured and hw.platform == "cpu"
         and hw.peak_source.startswith("measured")):
       self._remeasured = True
-      self.hardware = local_hardware(hw.dtype, remeasure=True)
+      self.hardware = hw = local_hardware(hw.dtype, remeasure=True)
       current = self._attempt(step)
     attempts = self._previous + [current]
     seconds = {k: sum(a["seconds"].get(k, 0.0) for a in attempts)
@@ -257,10 +231,9 @@ class CostAccountant:
 
     def days(part: str, count: str) -> Optional[float]:
       # Unknown only if an attempt without that unit (cores off TPU) worked in that part.
-      def worked(a):
-        return a["steps"] > 0 if part == "train" else a["seconds"][part] > 0
-      if all(a[count] is None for a in attempts) or any(
-          a[count] is None and worked(a) for a in attempts):
+      without = [a for a in attempts if a[count] is None]
+      if len(without) == len(attempts) or any(
+          a["steps"] > 0 if part == "train" else a["seconds"][part] > 0 for a in without):
         return None
       return sum(a["seconds"][part] * (a[count] or 0) for a in attempts) / SECONDS_PER_DAY
 
@@ -280,8 +253,6 @@ class CostAccountant:
     known = [a for a in with_peak if not _above_peak(a)]
     capacity = sum(a["seconds"]["train"] * a["peak_flops_per_device"] * a["devices"] for a in known)
     train_seconds = sum(a["seconds"]["train"] for a in with_peak)
-    model_flops = sum(a["model_flops"] for a in attempts)
-    hw = self.hardware
     flops_per_step, model_flops_per_step = self._resumed_flops
     if self.flops_per_step is not None or self.model_flops_per_step is not None:
       flops_per_step, model_flops_per_step = self.flops_per_step, self.model_flops_per_step
@@ -293,7 +264,7 @@ class CostAccountant:
         "step": step, "batch_size": self.batch_size, "restarts": len(attempts) - 1,
         "images_seen": images, "seconds": seconds, **figures,
         "flops_per_step": flops_per_step, "model_flops_per_step": model_flops_per_step,
-        "model_flops": model_flops,
+        "model_flops": sum(a["model_flops"] for a in attempts),
         "achieved_flops_per_sec": (sum(a["model_flops"] for a in with_peak) / train_seconds
                                    if train_seconds else None),
         "mfu": (sum(a["model_flops"] for a in known) / capacity) if capacity else None,
@@ -381,18 +352,15 @@ def scalars(report: dict[str, Any]) -> dict[str, float]:
          for part in ("train", "program", "redone", "productive")
          for unit in ("core_days", "chip_days", "device_days") if report[part][unit] is not None}
   out.update({f"cost/seconds_{k}": v for k, v in report["seconds"].items()})
-  for key in ("mfu", "images_per_sec_per_core", "achieved_flops_per_sec", "flops_per_step",
-              "model_flops_per_step", "restarts", "images_seen", "goodput", "redone_steps",
-              "resume_seconds", "compile_saved_seconds"):
-    if report[key] is not None:
-      out[f"cost/{key}"] = float(report[key])
-  return out
+  return out | {f"cost/{key}": float(report[key]) for key in (
+      "mfu", "images_per_sec_per_core", "achieved_flops_per_sec", "flops_per_step",
+      "model_flops_per_step", "restarts", "images_seen", "goodput", "redone_steps",
+      "resume_seconds", "compile_saved_seconds") if report[key] is not None}
 
 
 def summary(report: dict[str, Any]) -> str:
   """One progress line, e.g. 'cost: 12.0 TPU v3 core-days (11.2 training), MFU 38.1%, ...'."""
-  unit = report["hardware"]["unit"]
-  kind = report["hardware"]["device_kind"]
+  unit, kind = report["hardware"]["unit"], report["hardware"]["device_kind"]
   program, train = report["program"][f"{unit}_days"], report["train"][f"{unit}_days"]
   note = report.get("mfu_note")
   mfu = (note if note and report["mfu"] is None else "MFU unavailable" if report["mfu"] is None
@@ -468,8 +436,7 @@ class Progress:
     self._metrics.append(metrics)
 
   def summary(self, step: int, skipping: bool) -> dict[str, float]:
-    """The window's means (non-finite values of skipped updates left out) and rates; logs one
-    progress line with the ETA."""
+    """The window's means (without skipped updates' non-finite values) and rates; logs its line."""
     metrics, self._metrics = self._metrics, []
     out = {f"train/{k}": float(np.mean([m[k] for m in metrics if np.isfinite(m[k])] or [np.nan]))
            for k in metrics[0] if k != "skipped"}

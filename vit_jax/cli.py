@@ -32,9 +32,7 @@ def unknown_override_message(argv: list[str]) -> str | None:
     config = load_config_file(spec)
   except Exception:  # pylint: disable=broad-except
     return None  # Let the flag parser report the real problem with the file.
-  for arg in argv:
-    if not arg.startswith("--config."):
-      continue
+  for arg in (a for a in argv if a.startswith("--config.")):
     path = arg[len("--config."):].split("=", 1)[0]
     node, keys = config, path.split(".")
     for depth, key in enumerate(keys):

@@ -8,8 +8,7 @@ then XLA's, which runs everywhere. It never picks one measured slower than XLA's
 
 The 'auto' remat policy: on CPU 'dots_and_attention_saveable'; on TPU and GPU by the compute
 dtype's bytes, doubled from width `WIDE`: 2 'dots_and_attention_saveable', 4 'qkv_saveable', 8
-'nothing_saveable' (measured: docs/pods.md).
-"""
+'nothing_saveable' (measured: docs/pods.md)."""
 
 from __future__ import annotations
 
@@ -106,8 +105,7 @@ def auto_remat_policy(platform: str, dtype: Any, width: int) -> Choice:
 
 def choose_remat_policy(requested: str, *, devices: Sequence[Any], dtype: Any = "float32",
                         width: int = 0) -> Choice:
-  """`requested` unless 'auto' (then `auto_remat_policy` on `devices`); ValueError: an unknown
-  request, or no devices."""
+  """`requested`, or for 'auto' `auto_remat_policy` on `devices`; ValueError: unknown or none."""
   if requested not in REMAT_CHOICES:
     raise ValueError(f"config.model.remat_policy={requested!r} is not one of {REMAT_CHOICES} "
                      "('auto' picks from the devices and the compute dtype); set "

@@ -2,8 +2,7 @@
 Table 2 in TPUv3-core-days with the MFU each figure implies (docs/reference.md section 4).
 
 One MAC = 2 FLOPs; training = 3 forward passes; only matrix products are counted (LayerNorm,
-softmax, GELU and additions are a few percent more).
-"""
+softmax, GELU and additions are a few percent more)."""
 
 from __future__ import annotations
 
@@ -42,8 +41,7 @@ def vit_forward_macs(*, hidden_size: int, mlp_dim: int, num_layers: int, patch_s
 
   N patches of P x P x C, T tokens, width D, MLP M: embedding N P^2 C D; per layer 4 T D^2 + 2
   T^2 D + 2 T D M; 'map' 2 D^2 + 2 N D^2 + 2 N D + 2 D M; pre_logits D R; head (R or D) x
-  classes. ValueError: an unknown classifier; ImageSizeError: a side the patch does not divide.
-  """
+  classes. ValueError: an unknown classifier; ImageSizeError: a side the patch does not divide."""
   if classifier not in ("token", "gap", "map"):
     raise ValueError(f"classifier must be 'token', 'gap' or 'map', got {classifier!r}.")
   height, width = (image_size, image_size) if isinstance(image_size, int) else image_size
@@ -84,10 +82,8 @@ def jaxpr_macs(jaxpr: jax_core.Jaxpr) -> int:
     repeats = eqn.params.get("length", 1) if eqn.primitive.name == "scan" else 1
     for param in eqn.params.values():
       for sub in param if isinstance(param, (list, tuple)) else (param,):
-        if isinstance(sub, jax_core.ClosedJaxpr):
-          total += repeats * jaxpr_macs(sub.jaxpr)
-        elif isinstance(sub, jax_core.Jaxpr):
-          total += repeats * jaxpr_macs(sub)
+        if isinstance(sub, (jax_core.ClosedJaxpr, jax_core.Jaxpr)):
+          total += repeats * jaxpr_macs(sub.jaxpr if isinstance(sub, jax_core.ClosedJaxpr) else sub)
   return total
 
 
@@ -160,10 +156,7 @@ TABLE2: Sequence[PaperRun] = (
 
 def table2_markdown() -> str:
   """The Table 2 reproduction as a Markdown table (for docs/compute_cost.md)."""
-  lines = ["| model | data | epochs | forward GFLOPs/image | training FLOPs | reported "
-           "TPUv3-core-days | implied MFU |", "|---|---|---|---|---|---|---|"]
-  for run in TABLE2:
-    lines.append(f"| {run.model} | {run.dataset} | {run.epochs:g} | "
-                 f"{2 * run.forward_macs / 1e9:.1f} | {run.flops:.2e} | "
-                 f"{run.reported_core_days / 1000:g}k | {run.mfu:.0%} |")
-  return "\n".join(lines)
+  return "\n".join(["| model | data | epochs | forward GFLOPs/image | training FLOPs | reported "
+                    "TPUv3-core-days | implied MFU |", "|---|---|---|---|---|---|---|"] + [
+      f"| {run.model} | {run.dataset} | {run.epochs:g} | {2 * run.forward_macs / 1e9:.1f} | "
+      f"{run.flops:.2e} | {run.reported_core_days / 1000:g}k | {run.mfu:.0%} |" for run in TABLE2])

@@ -3,8 +3,7 @@
 A JAX device is one TensorCore on TPU v2/v3 (2 per chip), one chip on v4/v5p (2 cores,
 megacore) and v5e/v6e (1 core), one GPU. Peaks: published dense matmul FLOP/s of a device; a
 float32 matmul runs as bfloat16 on TPU and TF32 on Ampere+ (`runs_as`). HBM per program: the TPU
-compiler's figure (docs/pods.md). CPUs have no peak (`vit_jax.accounting` measures one).
-"""
+compiler's figure (docs/pods.md). CPUs have no peak (`vit_jax.accounting` measures one)."""
 
 from __future__ import annotations
 

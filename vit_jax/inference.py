@@ -7,8 +7,7 @@ evaluate and give features::
   probs = trained.probabilities(logits)                 # softmax or sigmoid, as it was trained
 
 A workdir rebuilds its model from its saved config and data record; files get their papers'
-evaluation settings (docs/checkpoints.md, "A workdir alone rebuilds its model").
-"""
+evaluation settings (docs/checkpoints.md, "A workdir alone rebuilds its model")."""
 
 from __future__ import annotations
 
@@ -52,10 +51,6 @@ class TrainedModel:
   description: str
 
   @property
-  def model(self):
-    return step_lib.create_model(self.config)
-
-  @property
   def num_classes(self) -> int:
     return int(self.config.num_classes)
 
@@ -74,9 +69,8 @@ class TrainedModel:
 
   def label_name(self, index: int) -> str:
     """The name of class ``index`` (its number as text when the names are unknown)."""
-    if self.label_names and 0 <= index < len(self.label_names):
-      return self.label_names[index]
-    return str(index)
+    known = self.label_names and 0 <= index < len(self.label_names)
+    return self.label_names[index] if known else str(index)
 
   def data_config(self, *, name: Optional[str] = None, image_folder: Optional[str] = None,
                   split: Optional[str] = None, **changes: Any) -> ml_collections.ConfigDict:
@@ -225,8 +219,7 @@ def load(source: Any, *, step: Optional[int] = None, use_ema: bool = True,
   Raises FileNotFoundError (nothing at ``source``, no finalized step, ``step`` not saved) or
   ValueError (no known format, a damaged or unsafe file: ``DamagedCheckpointError``,
   ``UnsafePickleError``; a model that does not fit the weights, with the
-  architecture they imply, a class count other than the head's, NaN or Inf values).
-  """
+  architecture they imply, a class count other than the head's, NaN or Inf values)."""
   path = paths.normalize(source)
   if not str(path).strip():
     raise ValueError(f'No source given: give {SOURCES}.')
@@ -281,9 +274,7 @@ class Runner:
     size = int(config.data.image_size)
     self.setup = step_lib.build(config, image_shape=(size, size, 3), devices=devices)
     variables = dict(trained.variables)
-    state = {'params': variables.pop('params')}
-    if variables:
-      state['model_state'] = variables
+    state = {'params': variables.pop('params'), **({'model_state': variables} if variables else {})}
     self.state = jax.device_put(state, self.setup.variables_shardings)
     self.batch_size = int(config.eval_batch_size)
     self._steps: Dict[str, Any] = {}
@@ -291,21 +282,19 @@ class Runner:
 
   def _run(self, name: str, *args):
     if name not in self._steps:
-      jitted = {'eval': lambda: self.setup.jit_eval_step(variables_only=True),
-                'features': self.setup.jit_features_step,
-                'logits': self._jit_logits}[name]()
-      self._steps[name] = jitted
+      self._steps[name] = {'eval': lambda: self.setup.jit_eval_step(variables_only=True),
+                           'features': self.setup.jit_features_step,
+                           'logits': self._jit_logits}[name]()
     return self._compiler(self._steps[name], self.state, *args)
 
   def _jit_logits(self):
-    model = self.setup.model
+    setup = self.setup
 
     def logits(state, images):
-      return model.apply(step_lib.variables_of(state), images, train=False)
+      return setup.model.apply(step_lib.variables_of(state), images, train=False)
 
-    return jax.jit(logits, in_shardings=(self.setup.variables_shardings,
-                                         self.setup.batch_sharding),
-                   out_shardings=self.setup.batch_sharding)
+    return jax.jit(logits, in_shardings=(setup.variables_shardings, setup.batch_sharding),
+                   out_shardings=setup.batch_sharding)
 
   def _padded(self, images: np.ndarray, fn: str) -> np.ndarray:
     """Runs ``fn`` on one process's images in batches of ``batch_size``, padding the last."""
@@ -318,10 +307,8 @@ class Runner:
     out = []
     for start in range(0, len(images), local):
       chunk = images[start:start + local]
-      padded = np.concatenate([chunk, np.zeros((local - len(chunk),) + chunk.shape[1:],
-                                               np.float32)]) if len(chunk) < local else chunk
-      result = self._run(fn, self.setup.to_global(padded))
-      out.append(self.setup.to_local(result)[:len(chunk)])
+      padded = np.pad(chunk, [(0, local - len(chunk))] + [(0, 0)] * 3)
+      out.append(self.setup.to_local(self._run(fn, self.setup.to_global(padded)))[:len(chunk)])
     width = self.trained.num_classes if fn == 'logits' else None
     return np.concatenate(out) if out else np.zeros((0, width or 0), np.float32)
 
@@ -331,11 +318,9 @@ class Runner:
     return self._padded(images, 'logits')
 
   def features(self, images: np.ndarray) -> np.ndarray:
-    """float32 ``[B, S, S, 3]`` preprocessed images of this process -> ``[B, F]`` pre-logit
-    features (``vit_jax.step.make_features_step``)."""
+    """This process's preprocessed float32 ``[B, S, S, 3]`` -> ``[B, F]`` pre-logit features."""
     return self._padded(images, 'features')
 
   def eval_sums(self, batch: Dict[str, np.ndarray]) -> Dict[str, np.ndarray]:
-    """The eval step's sums of one process-local batch (``{'image', 'labels', 'mask'}``), summed
-    over all processes."""
+    """The eval step's sums of a process-local ``{'image', 'labels', 'mask'}``, over all hosts."""
     return jax.device_get(self._run('eval', self.setup.to_global(batch)))

@@ -7,8 +7,12 @@ from typing import Any
 
 from vit_jax import accounting
 
-#: The ledger's parts of an attempt's program seconds (`ledger`), in the figure's order.
-SEGMENTS = ("training", "redone", "compile", "eval", "input", "checkpoint", "setup", "other")
+#: The ledger's parts of an attempt's program seconds (`ledger`), in the figure's order, with
+#: their column titles.
+SEGMENT_TITLES = {"training": "training", "redone": "redone", "compile": "compile",
+                  "eval": "eval", "input": "input wait", "checkpoint": "checkpoint",
+                  "setup": "set-up/resume", "other": "other"}
+SEGMENTS = tuple(SEGMENT_TITLES)
 
 
 def ledger(report: dict[str, Any]) -> list[dict[str, Any]]:
@@ -16,8 +20,7 @@ def ledger(report: dict[str, Any]) -> list[dict[str, Any]]:
   'units' (cores, else devices), 'unit', 'resumed', 'resume_s', 'redone_steps' (redone after its
   resume), 'compile_saved_s', 'program_s' and 'segments': its program seconds split in `SEGMENTS`
   (sum: 'program_s'). 'redone' is training time of this attempt's steps that a later resume
-  did again; 'setup' the 'other' time before the first step. Older reports: 0 for the new parts.
-  """
+  did again; 'setup' the 'other' time before the first step. Older reports: 0 for the new parts."""
   attempts = report["attempts"]
   lost = [0.0] * len(attempts)
   for a in attempts:
@@ -41,12 +44,6 @@ def ledger(report: dict[str, Any]) -> list[dict[str, Any]]:
         "compile_saved_s": a.get("compile_saved_s") or 0.0, "program_s": seconds["program"],
         "segments": segments})
   return rows
-
-
-#: The ledger's column titles of `SEGMENTS`.
-SEGMENT_TITLES = {"training": "training", "redone": "redone", "compile": "compile",
-                  "eval": "eval", "input": "input wait", "checkpoint": "checkpoint",
-                  "setup": "set-up/resume", "other": "other"}
 
 
 def format_ledger(report: dict[str, Any]) -> str:

@@ -26,8 +26,7 @@ or a workdir in use by another run, found before any work; 75 preempted (SIGTERM
 checkpoint of the current step was saved (during the set-up: stopped at once, nothing saved),
 rerun the same command to resume; 130 interrupted (Ctrl-C): the first saves the current step and
 stops (during the set-up, or a second one: stops at once); rerun the same command to resume.
-Every exit comes with one line saying why (a failure's starts with FATAL:).
-"""
+Every exit comes with one line saying why (a failure's starts with FATAL:)."""
 
 import sys
 import traceback
@@ -42,9 +41,6 @@ from vit_jax import cli
 from vit_jax import platform
 from vit_jax import pod
 from vit_jax import stops
-
-#: The exit code after Ctrl-C (`vit_jax.stops`).
-INTERRUPTED_EXIT_CODE = stops.INTERRUPTED_EXIT_CODE
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", None, "Training config: a configs/*.py file, optionally ':<arg>' for its "
@@ -69,8 +65,7 @@ _DISTRIBUTED_TIMEOUT = flags.DEFINE_integer(
 
 
 def _fatal(error: BaseException, code: int, line: str = "") -> None:
-  """One FATAL line (`line`, default `FATAL: <error>`) and exit `code`; with --verbosity=1 the
-  traceback first (same exit code)."""
+  """A FATAL line (`line`, default `FATAL: <error>`), exit `code`; --verbosity=1: traceback too."""
   stop = stops.stop_in(error)  # A stop during the set-up that a library wrapped.
   if stop is not None:
     stops.exit_stopped(stop)
@@ -112,12 +107,12 @@ def main(argv):
     _fatal(e, 2)
   except train.Preempted as e:
     logging.warning("%s", e)  # Every process stops at this step: jax.distributed shuts down.
-    stops.exit_process(INTERRUPTED_EXIT_CODE if e.interrupted else train.PREEMPTED_EXIT_CODE,
+    stops.exit_process(stops.INTERRUPTED_EXIT_CODE if e.interrupted else stops.PREEMPTED_EXIT_CODE,
                        shutdown=not e.interrupted)
   except (train.CheckpointSaveError, FloatingPointError, train.data.BadImageError) as e:
     _fatal(e, 1)
   except KeyboardInterrupt:  # A second Ctrl-C: a save in flight completed, the lock released.
-    stops.exit_process(INTERRUPTED_EXIT_CODE, (
+    stops.exit_process(stops.INTERRUPTED_EXIT_CODE, (
         f"Interrupted (Ctrl-C): rerun the same command to resume from the latest checkpoint in "
         f"{_WORKDIR.value}."))
   except Exception as e:  # pylint: disable=broad-except

@@ -22,8 +22,7 @@ def lr_schedule(base_lr: float, total_steps: int, warmup_steps: int = 0,
   """The learning rate (float32) of optax's 0-based update count: the official vit_jax schedule,
   ``base * min(1, step / warmup) * f(progress)`` (steps from 1, ``f`` cosine, linear or 1, towards
   ``end_lr``); timm's T2T-ViT recipe warms up from ``warmup_init_lr`` and ends with
-  ``cooldown_steps`` at ``end_lr`` (docs/reference.md section 3). ValueError: bad arguments.
-  """
+  ``cooldown_steps`` at ``end_lr`` (docs/reference.md section 3). ValueError: bad arguments."""
   if decay not in SCHEDULES:
     raise ValueError(f"Unknown schedule {decay!r}; choose one of {list(SCHEDULES)}.")
   if total_steps <= 0:
@@ -118,8 +117,7 @@ def loss_fn(logits: jax.Array, labels: jax.Array, kind: str,
             label_smoothing: float = 0.0) -> jax.Array:
   """Per-example loss ``[B]`` float32 of ``logits`` and targets ``[B, C]``: 'softmax_xent'
   (targets normalised) or 'sigmoid_xent' (summed over classes); ``label_smoothing`` eps maps
-  each target to ``y * (1 - eps) + eps / C`` (docs/configs.md). ValueError: bad arguments.
-  """
+  each target to ``y * (1 - eps) + eps / C`` (docs/configs.md). ValueError: bad arguments."""
   if not 0.0 <= label_smoothing < 1.0:
     raise ValueError(f"label_smoothing={label_smoothing} must be in [0, 1) "
                      "(--config.label_smoothing=0.1 is the T2T-ViT recipe's).")

@@ -3,8 +3,7 @@ multi-process JAX, TensorFlow kept off the accelerators, quiet library logs.
 
 Programs call :func:`reexec_with_huge_pages` first thing in ``__main__`` (glibc reads its
 tunables only at process start), then :func:`setup`. It must not import JAX or TensorFlow at
-import time: ``quiet_native_logs`` runs before they load.
-"""
+import time: ``quiet_native_logs`` runs before they load."""
 
 from __future__ import annotations
 
@@ -48,8 +47,7 @@ def _thp_mode() -> str | None:
       text = f.read()
   except OSError:
     return None
-  chosen = [w[1:-1] for w in text.split() if w.startswith("[")]
-  return chosen[0] if chosen else None
+  return next((w[1:-1] for w in text.split() if w.startswith("[")), None)
 
 
 def huge_pages_environment(environ=None, glibc=None, thp_mode=None) -> dict[str, str] | None:
@@ -89,15 +87,13 @@ def reexec_with_huge_pages() -> None:
 
 
 class QuietLibraries(py_logging.Filter):
-  """Keeps vit_jax's and clu's INFO lines, others' from WARNING as one line (``--verbosity=1``:
-  all)."""
+  """Keeps vit_jax's and clu's INFO lines, others' from WARNING as one line (--verbosity=1: all)."""
 
   def filter(self, record: py_logging.LogRecord) -> bool:
     if logging.get_verbosity() >= 1:
       return True
     path = record.pathname.replace(os.sep, "/")
-    ours = "/vit_jax/" in path or "/clu/" in path
-    if ours:
+    if "/vit_jax/" in path or "/clu/" in path:
       return True
     if record.levelno < py_logging.WARNING:
       return False
@@ -182,8 +178,7 @@ def _without_tensorflow_banners():
 
 
 def hide_accelerators_from_tensorflow() -> None:
-  """Makes TensorFlow (if installed and not yet initialised) see no GPU or TPU, imported without
-  banners."""
+  """Makes TensorFlow (if installed, not yet initialised) see no GPU or TPU; imports it quietly."""
   try:
     with _without_tensorflow_banners():
       import tensorflow as tf  # pylint: disable=g-import-not-at-top
@@ -245,17 +240,12 @@ def host_memory_bytes() -> Optional[int]:
 
 
 def available_memory_bytes() -> Optional[int]:
-  """Bytes this process can still take: MemAvailable (or free pages), at most the cgroup limit
-  minus usage; None if unknown."""
-  available = None
+  """Bytes this process can take: MemAvailable (or free pages) within the cgroup's, else None."""
   try:
-    with open('/proc/meminfo') as f:
-      for line in f:
-        if line.startswith('MemAvailable:'):
-          available = int(line.split()[1]) * 1024  # kB
-          break
+    with open('/proc/meminfo') as f:  # In kB.
+      available = next((int(l.split()[1]) * 1024 for l in f if l.startswith('MemAvailable:')), None)
   except (OSError, ValueError, IndexError):
-    pass
+    available = None
   if available is None:
     try:
       available = os.sysconf('SC_AVPHYS_PAGES') * os.sysconf('SC_PAGE_SIZE')

@@ -1,8 +1,7 @@
 """Multi-process runs (TPU pods, CPU and GPU clusters): ``jax.distributed`` with registration
 and peer silence bounded (``--distributed_timeout``: one FATAL line, ``POD_FAULT_EXIT_CODE``);
 :func:`supervise` reports the coordinator's loss, which jax ends in C++. Imported before JAX
-loads (the supervisor never loads it): JAX is imported in functions only.
-"""
+loads (the supervisor never loads it): JAX is imported in functions only."""
 
 from __future__ import annotations
 
@@ -34,6 +33,8 @@ def _on_multi_host_tpu() -> bool:
 DISTRIBUTED_TIMEOUT_S = 60
 #: Exit code of a pod fault: a process that never registered, or was lost.
 POD_FAULT_EXIT_CODE = 1
+#: How a pod fault's FATAL line ends.
+_RERUN = "rerun the same command on every process to resume from the latest checkpoint."
 
 
 def _distributed_timeouts(timeout_s: int) -> dict[str, int]:
@@ -84,8 +85,7 @@ def _watch_peers(client, process_id: int, num_processes: int, timeout_s: float) 
         stops.exit_process(POD_FAULT_EXIT_CODE, (
             f"FATAL: Process {process_id} of {num_processes}: the coordinator (process 0) has "
             f"not answered for {timeout_s:g} s (--distributed_timeout; {first}): it died or "
-            "hangs, its log says why. Stopped; rerun the same command on every process to "
-            "resume from the latest checkpoint."))
+            f"hangs, its log says why. Stopped; {_RERUN}"))
       time.sleep(_BEAT_S)
       continue
     for peer in changed:
@@ -102,8 +102,7 @@ def _watch_peers(client, process_id: int, num_processes: int, timeout_s: float) 
         stops.exit_process(POD_FAULT_EXIT_CODE, (
             f"FATAL: Process {process_id} of {num_processes}: process {peer} has sent no "
             f"heartbeat for {timeout_s:g} s (--distributed_timeout): it died or hangs, its log "
-            "says why. Stopped; rerun the same command on every process to resume from the "
-            "latest checkpoint."))
+            f"says why. Stopped; {_RERUN}"))
     time.sleep(_BEAT_S)
 
 
@@ -132,15 +131,6 @@ def _start_watching_peers(timeout_s: float) -> None:
       client, jax.process_index(), jax.process_count(), timeout_s)).start()
 
 
-def _registration_deadline(timeout_s: float, message: str) -> threading.Timer:
-  """A started timer that ends the process with `POD_FAULT_EXIT_CODE` and `message` after
-  `timeout_s` unless cancelled."""
-  timer = threading.Timer(timeout_s, stops.exit_process, (POD_FAULT_EXIT_CODE, message))
-  timer.daemon = True
-  timer.start()
-  return timer
-
-
 def initialize_distributed(coordinator_address: Optional[str] = None,
                            num_processes: Optional[int] = None,
                            process_id: Optional[int] = None,
@@ -162,26 +152,25 @@ def initialize_distributed(coordinator_address: Optional[str] = None,
                        "JAX_NUM_PROCESSES and JAX_PROCESS_ID).")
     if (jax.config.jax_platforms or os.environ.get("JAX_PLATFORMS") or "").startswith("cpu"):
       jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    deadline = _registration_deadline(timeout_s, (
+    timeouts.update(coordinator_address=address, num_processes=num, process_id=pid)
+    unregistered = (
         f"FATAL: Process {pid} of {num}: not all {num} processes registered with the "
         f"coordinator {address} within {timeout_s} s (--distributed_timeout): start every "
         f"process with the same --coordinator_address and --num_processes={num} and its own "
-        "--process_id (or raise --distributed_timeout), then rerun."))
-    try:
-      jax.distributed.initialize(coordinator_address=address, num_processes=num,
-                                 process_id=pid, **timeouts)
-    finally:
-      deadline.cancel()
-  elif _on_multi_host_tpu():
-    deadline = _registration_deadline(timeout_s, (
+        "--process_id (or raise --distributed_timeout), then rerun.")
+  else:  # On a TPU slice jax finds the coordinator and the workers from the TPU metadata.
+    unregistered = (
         f"FATAL: not every worker of this TPU slice registered with jax.distributed within "
         f"{timeout_s} s (--distributed_timeout): run the same command on every worker (launch/"
-        "tpu.sh run), or raise --distributed_timeout, then rerun."))
-    try:  # Finds the coordinator and the workers from the TPU metadata.
+        "tpu.sh run), or raise --distributed_timeout, then rerun.")
+  if address or _on_multi_host_tpu():
+    deadline = threading.Timer(timeout_s, stops.exit_process, (POD_FAULT_EXIT_CODE, unregistered))
+    deadline.daemon = True
+    deadline.start()
+    try:
       jax.distributed.initialize(**timeouts)
     finally:
       deadline.cancel()
-  if address or _on_multi_host_tpu():
     stops.hold_sigterm()  # The set-up stops at once; jax's preemption service from step 1.
     _start_watching_peers(timeout_s)
   if jax.process_count() > 1:
@@ -230,8 +219,8 @@ def supervise(argv: list[str]) -> None:
   if code == -signal.SIGABRT:
     stops.exit_process(POD_FAULT_EXIT_CODE, (
         "FATAL: This process was aborted by JAX's distributed runtime (SIGABRT; the lines above "
-        "say why: on a pod, the coordinator, process 0, or another process died). Stopped; rerun "
-        "the same command on every process to resume from the latest checkpoint."))
+        "say why: on a pod, the coordinator, process 0, or another process died). Stopped; "
+        f"{_RERUN}"))
   if code < 0:  # Killed by a signal: end the same way.
     signal.signal(-code, signal.SIG_DFL)
     os.kill(os.getpid(), -code)

@@ -14,8 +14,7 @@ writes it and reads its checkpoints.
         state/ cost/ [config/ dataset/]   train state (StandardSave), the rest JsonSave
     events.out.tfevents.*  TensorBoard scalars and hparams (Workdir.metric_writer)
 
-Local paths and ``gs://`` alike (``etils.epath``).
-"""
+Local paths and ``gs://`` alike (``etils.epath``)."""
 
 from __future__ import annotations
 
@@ -99,8 +98,7 @@ def saved_steps(checkpoints: Any, *, readable: bool = False) -> List[int]:
 
   Orbax writes a step as ``<step>.orbax-checkpoint-tmp-*`` and renames it when complete (remote:
   with ``commit_success.txt``), so the digit-only names are finalized. ``readable``: only those
-  whose state item is complete, as the readers need.
-  """
+  whose state item is complete, as the readers need."""
   directory = epath.Path(checkpoints)
   if not directory.is_dir():
     return []

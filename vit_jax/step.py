@@ -7,8 +7,7 @@ the benchmark and the pre-flight compile.
   state, metrics = compiler(setup.jit_train_step(), state, setup.to_global(local_batch))
 
 The state: ``{'step': int32[], 'params', 'opt_state', 'model_state' (the untrained collections,
-e.g. T2T-ViT's constants; absent when empty), 'ema_params' (with config.ema_decay > 0)}``.
-"""
+e.g. T2T-ViT's constants; absent when empty), 'ema_params' (with config.ema_decay > 0)}``."""
 
 from __future__ import annotations
 
@@ -40,10 +39,8 @@ Metrics = dict[str, jax.Array]
 
 def create_model(config: ml_collections.ConfigDict) -> nn.Module:
   """`config.model_name` with the fields of `config.model`; raises as `vit_jax.models.create`."""
-  fields = {key: config.model[key] for key in config.model}
-  for key in ("dtype", "param_dtype"):
-    if isinstance(fields.get(key), str):
-      fields[key] = jnp.dtype(fields[key])
+  fields = {k: jnp.dtype(v) if k in ("dtype", "param_dtype") and isinstance(v, str) else v
+            for k, v in config.model.items()}
   return models.create(config.model_name, num_classes=config.num_classes, **fields)
 
 
@@ -62,8 +59,7 @@ def state_from_variables(variables: dict[str, Any], tx: optax.GradientTransforma
 
 def boxed_init(model: nn.Module, image_shape: Sequence[int], rng: jax.Array) -> dict[str, Any]:
   """`model.init` on one `[1, H, W, C]` image of zeros, parameters boxed with logical axes."""
-  images = jnp.zeros((1, *image_shape), jnp.float32)
-  return dict(model.init({"params": rng}, images, train=False))
+  return dict(model.init({"params": rng}, jnp.zeros((1, *image_shape), jnp.float32), train=False))
 
 
 def variables_of(state: State, params: Any = None) -> dict[str, Any]:
@@ -102,14 +98,12 @@ def make_train_step(model: nn.Module, tx: optax.GradientTransformation,
                     grad_accum_steps: int = 1, ema_decay: float = 0.0,
                     skip_nonfinite: bool = False
                     ) -> Callable[[State, Batch], tuple[State, Metrics]]:
-  """`step(state, batch) -> (state, metrics)`: forward, backward, update, EMA.
-
-  batch `{'image': [B, H, W, C], 'labels': [B, C]}` float32. `grad_accum_steps` micro-batches
+  """`step(state, batch) -> (state, metrics)`: forward, backward, update, EMA; batch
+  `{'image': [B, H, W, C], 'labels': [B, C]}` float32. `grad_accum_steps` micro-batches
   (micro-batch i takes rows i, i + n, ..., spread over all devices) average to the batch's
   gradient; `ema_decay` > 0 keeps `ema_params`; `skip_nonfinite`: the optimizer is wrapped in
   `optax.apply_if_finite`. Metrics, float32 scalars: 'loss', 'accuracy' (`train_accuracy`),
-  'grad_norm', 'param_norm', 'lr' and, with `skip_nonfinite`, 'skipped'.
-  """
+  'grad_norm', 'param_norm', 'lr' and, with `skip_nonfinite`, 'skipped'."""
 
   def loss_of(params, state, images, labels, rng):
     logits = model.apply(variables_of(state, params), images, train=True, rngs={"dropout": rng})
@@ -167,7 +161,7 @@ def make_features_step(model: nn.Module) -> Callable[[State, jax.Array], jax.Arr
 
 def make_eval_step(model: nn.Module, *, loss: str, top1: bool = False) -> Callable[..., Any]:
   """`step(state, {'image', 'labels', 'mask'}) -> eval_sums(...)`; with `top1`, `(sums, int32 [B]
-  top-1 classes)`. The EMA: `dict(state, params=ema_params)`."""
+  top-1 classes)`. The EMA's: `dict(state, params=ema_params)`."""
 
   def eval_step(state: State, batch: Batch):
     logits = model.apply(variables_of(state), batch["image"], train=False)
@@ -344,13 +338,11 @@ class Compiler:
     return self._cache[key]
 
   def __call__(self, jitted, state, *args):
-    """`jitted(state, *args)`, compiled (`compiled`)."""
     return self.compiled(jitted, state, *args)(state, *args)
 
 
 def batch_shards(mesh_config: ml_collections.ConfigDict, num_devices: int) -> int:
-  """How many ways `config.mesh` on `num_devices` devices splits the batch; raises as
-  `vit_jax.sharding.axis_sizes`."""
+  """How many ways `config.mesh` on `num_devices` splits the batch; raises as `axis_sizes`."""
   sizes = sharding.axis_sizes(mesh_config, num_devices)
   return math.prod(sizes[a] for a in sharding.batch_axes(sharding.parse_rules(mesh_config.rules)))
 
@@ -359,8 +351,7 @@ def build(config: ml_collections.ConfigDict, *, image_shape: Sequence[int],
           devices: Optional[Sequence[Any]] = None) -> Setup:
   """The `Setup` of a config resolved for `devices` (default `jax.devices()`; a TPU topology's
   to compile for a slice) and images `(H, W, C)`; nothing allocated. `models.ImageSizeError`:
-  an image size the model cannot take (naming the flag); ValueError: a mesh that does not fit.
-  """
+  an image size the model cannot take (naming the flag); ValueError: a mesh that does not fit."""
   model = create_model(config)
   schedule = optim.schedule_from_config(config.optim, batch_size=config.batch_size,
                                         total_steps=config.total_steps)
@@ -369,18 +360,14 @@ def build(config: ml_collections.ConfigDict, *, image_shape: Sequence[int],
   rules = sharding.parse_rules(config.mesh.rules, mesh.axis_names)
   init_rng, dropout_rng = jax.random.split(jax.random.PRNGKey(config.seed))
   image_shape = tuple(int(s) for s in image_shape)
-
-  def init_state(rng):
-    variables = nn.unbox(boxed_init(model, image_shape, rng))
-    return state_from_variables(variables, tx, ema=bool(config.ema_decay))
-
   try:
-    shapes = jax.eval_shape(init_state, init_rng)
+    boxed = jax.eval_shape(functools.partial(boxed_init, model, image_shape), init_rng)
   except models.ImageSizeError as e:
     raise models.ImageSizeError(
         f"{e} (Training resizes every image to config.data.image_size="
         f"{config.data.image_size}: set --config.data.image_size to a size that fits.)") from e
-  boxed = jax.eval_shape(functools.partial(boxed_init, model, image_shape), init_rng)
+  shapes = jax.eval_shape(
+      lambda b: state_from_variables(nn.unbox(b), tx, ema=bool(config.ema_decay)), boxed)
   state_shardings = sharding.state_shardings(shapes, boxed, mesh, rules)
   abstract_state = jax.tree.map(
       lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), shapes, state_shardings)

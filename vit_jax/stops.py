@@ -1,7 +1,6 @@
 """Stopping a run: SIGTERM (a preemption notice) and Ctrl-C raise :class:`StopRequested` during
 the set-up (nothing to save; exit 75 or 130); from the first step they set a notice the loop
-checks (it saves, then stops). Imported before JAX loads: it imports JAX only in functions.
-"""
+checks (it saves, then stops). Imported before JAX loads: it imports JAX only in functions."""
 
 from __future__ import annotations
 
@@ -113,8 +112,8 @@ def _watch_stops(fd: int, grace_s: float) -> None:
 
 
 def _sigaction(new: Optional[bytes]) -> Optional[bytes]:
-  """Sets SIGTERM's action to `new` (opaque bytes read here before; None: keeps it); returns the
-  one replaced, or None where libc cannot be reached."""
+  """Sets SIGTERM's action to `new` (bytes this returned before; None: keeps it); returns the one
+  replaced, or None where libc cannot be reached."""
   try:
     libc = ctypes.CDLL(None, use_errno=True)
   except OSError:
@@ -137,7 +136,6 @@ def hold_sigterm() -> None:
 
 
 def _give_sigterm_back() -> None:
-  """Gives SIGTERM back to jax's preemption service (see `hold_sigterm`)."""
   if _Stops.jax_sigterm is not None:
     _sigaction(_Stops.jax_sigterm)
     _Stops.jax_sigterm = None
@@ -212,8 +210,7 @@ def exit_process(code: int, message: Optional[str] = None, *, shutdown: bool = F
 
 
 def peer_lost_message(error: BaseException, workdir: str, latest_step: Optional[int]) -> str:
-  """The FATAL line of a multi-process run whose collective failed: the process, `error`'s first
-  line, the intact checkpoint, what to do."""
+  """The FATAL line of a multi-process run whose collective failed (`error`), saying what to do."""
   import jax  # pylint: disable=g-import-not-at-top
   first = (str(error).strip().splitlines() or [type(error).__name__])[0][:300]
   kept = (f"the checkpoint of step {latest_step} in {workdir} is intact" if latest_step
@@ -254,8 +251,7 @@ class StopNotice(threading.Event):
 def stop_notice():
   """Yields a :class:`StopNotice` (handlers restored after): until ``training()`` signals raise
   :class:`StopRequested`, then SIGTERM and a first Ctrl-C set it. On a pod SIGTERM is jax's
-  preemption service's from the first step and Ctrl-C keeps Python's default.
-  """
+  preemption service's from the first step and Ctrl-C keeps Python's default."""
   import jax  # pylint: disable=g-import-not-at-top  (not at import: imported before JAX loads)
   notice = StopNotice()
   if threading.current_thread() is not threading.main_thread():

@@ -1,9 +1,7 @@
 """The training loop: pretraining or fine-tuning, with evaluation and Orbax checkpoints.
 
-Read `train_and_evaluate` top to bottom, phase by phase; everything that can refuse a run does so
-in the config phase, before anything is written. One clock, an `accounting.CostAccountant`, times
-every part and reports the run's cost.
-"""
+`train_and_evaluate` reads top to bottom, phase by phase; every refusal comes in the config phase,
+before any write. One `accounting.CostAccountant` times every part and reports the run's cost."""
 
 from __future__ import annotations
 
@@ -37,20 +35,14 @@ class ConfigError(ValueError):
   """A config that cannot run, found before any work starts; the message says what to change."""
 
 
-#: `python -m vit_jax.main`'s exit code after a preemption notice (`vit_jax.stops`).
-PREEMPTED_EXIT_CODE = stops.PREEMPTED_EXIT_CODE
-
-
 class Preempted(Exception):
-  """Training stopped at a preemption notice (SIGTERM), or at a first Ctrl-C (`interrupted`),
-  after saving the checkpoint of `step`."""
+  """Saved the checkpoint of `step`, then stopped at SIGTERM or a first Ctrl-C (`interrupted`)."""
 
   def __init__(self, step: int, workdir: str, interrupted: bool = False):
     what = "Interrupted (Ctrl-C)" if interrupted else "Preempted"
     super().__init__(f"{what}: saved the checkpoint of step {step} in {workdir}; rerun the "
                      "same command to resume from it.")
-    self.step = step
-    self.interrupted = interrupted
+    self.step, self.interrupted = step, interrupted
 
 
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
@@ -66,8 +58,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
     Preempted: SIGTERM or a first Ctrl-C from the first step on, after saving the step.
     vit_jax.stops.StopRequested: SIGTERM or Ctrl-C during the set-up: nothing saved.
     CheckpointSaveError: writing to the workdir failed; earlier checkpoints are intact.
-    vit_jax.data.BadImageError: an undecodable image (config.data.bad_images='fail').
-  """
+    vit_jax.data.BadImageError: an undecodable image (config.data.bad_images='fail')."""
   with stops.stop_notice() as notice, contextlib.ExitStack() as held:
     # 1. Config: every check before any write; the workdir's lock held from then on.
     with _config_errors():
@@ -78,13 +69,18 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
     held.enter_context(step_lib.compilation_cache(None if cache == "none" else cache))
 
     # 2. State: the latest checkpoint, else the fine-tuning initialisation, else a fresh one.
-    checkpoints = _open_workdir(run, held)
+    with stops.deferred_stop():
+      run_dir.write_config(config.to_dict())
+      run_dir.write_dataset(run.dataset)
+      checkpoints = run_dir.checkpoints(keep=config.keep_checkpoints,
+                                        asynchronous=config.async_checkpointing)
+      held.push(_closing(checkpoints.wait_until_finished, checkpoints.close, always=False))
     state = _initial_state(run, checkpoints)
     start_step, total_steps = int(state["step"]), config.total_steps
     # After the restore, so that a refused run leaves no events file.
     with stops.deferred_stop():
       writer = run_dir.metric_writer(checkpoint.flatten_params(config.to_dict(), sep="."))
-      held.push(_closing(writer))  # Its pending lines are written before a failure is reported.
+      held.push(_closing(writer.close, always=True))  # Before a failure is reported.
     num_params = sum(x.size for x in jax.tree.leaves(state["params"]))
     logging.info("Model %s: %s parameters; %d of %d steps done.", config.model_name,
                  f"{num_params:,}", start_step, total_steps)
@@ -260,18 +256,6 @@ def _prepare(config: ml_collections.ConfigDict, workdir: str,
               compiler, train_step, fewshot_eval)
 
 
-def _open_workdir(run: _Run, held: contextlib.ExitStack) -> checkpoint.Checkpoints:
-  """Writes config.json and dataset.json and opens the checkpoints (`_finishing` pushed on
-  `held`)."""
-  with stops.deferred_stop():
-    run.run_dir.write_config(run.config.to_dict())
-    run.run_dir.write_dataset(run.dataset)
-    checkpoints = run.run_dir.checkpoints(keep=run.config.keep_checkpoints,
-                                          asynchronous=run.config.async_checkpointing)
-    held.push(_finishing(checkpoints))
-  return checkpoints
-
-
 def _initial_state(run: _Run, checkpoints: checkpoint.Checkpoints) -> step_lib.State:
   """Phase 2: the latest checkpoint, else the fine-tuning initialisation, else a fresh state,
   on the mesh. ConfigError: the checkpoint's state does not fit this config."""
@@ -323,34 +307,20 @@ def _evaluations(run: _Run, accountant: accounting.CostAccountant, writer):
   return pictures, evaluate, evaluate_fewshot
 
 
-def _finishing(checkpoints: checkpoint.Checkpoints):
-  """An `__exit__` that on failure completes the save in flight and closes the manager (its own
-  errors only logged: the failure in flight is the one to report)."""
-
-  def finish(exc_type, exc, traceback) -> bool:
-    del exc, traceback
-    if exc_type is not None:
-      try:
-        checkpoints.wait_until_finished()
-        checkpoints.close()
-      except Exception as e:  # pylint: disable=broad-except
-        logging.debug("Completing the checkpoint save after the failure: %s", e)
-    return False
-
-  return finish
-
-
-def _closing(writer):
-  """An `__exit__` closing the metric writer; its error is raised only after a successful run."""
+def _closing(*calls, always: bool):
+  """An `__exit__` making `calls` after a failure, with `always` after a success too; their error
+  is raised only after a success (e.g. a full disk's CheckpointSaveError from the metric writer),
+  else logged: the failure in flight is the one to report."""
 
   def close(exc_type, exc, traceback) -> bool:
     del exc, traceback
     try:
-      writer.close()
+      for call in calls if always or exc_type is not None else ():
+        call()
     except Exception as e:  # pylint: disable=broad-except
       if exc_type is None:
-        raise  # A CheckpointSaveError for a full disk (Workdir.metric_writer).
-      logging.debug("Closing the metric writer after the failure: %s", e)
+        raise
+      logging.debug("Closing after the failure: %s", e)
     return False
 
   return close
@@ -358,8 +328,7 @@ def _closing(writer):
 
 @contextlib.contextmanager
 def _config_errors():
-  """The set-up's ValueError, TypeError, KeyError, FileNotFoundError, NotImplementedError,
-  PermissionError and WorkdirInUseError as a ConfigError (from the original)."""
+  """The set-up's errors below as a ConfigError with their message (from the original)."""
   try:
     yield
   except ConfigError:

@@ -376,7 +376,8 @@ def test_ops_against_pil():
       assert diff.max() <= 1, name
       mismatched += (diff > 0).sum()
       total += diff.size
-  assert mismatched <= 0.01 * total
+  # Coordinates in float64 as PIL: 0 here (8 with float32 ones).
+  assert mismatched <= 0.0005 * total
 
 
 # ------------------------------------------------------------ RandAugment

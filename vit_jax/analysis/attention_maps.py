@@ -127,11 +127,8 @@ def _token_maps(matrices: np.ndarray, grid: Tuple[int, int], num_prefix_tokens: 
   """``[..., N, N]`` -> ``[..., gh, gw]``: the class token's row (or the mean row) over the
   patch tokens, each map divided by its maximum."""
   check_tokens(matrices.shape[-1], grid, num_prefix_tokens, what)
-  if num_prefix_tokens:
-    rows = matrices[..., 0, num_prefix_tokens:]
-  else:
-    rows = matrices.mean(axis=-2)
-  rows = rows.astype(np.float64)
+  rows = (matrices[..., 0, num_prefix_tokens:] if num_prefix_tokens
+          else matrices.mean(axis=-2)).astype(np.float64)
   peak = rows.max(axis=-1, keepdims=True)
   rows = np.divide(rows, peak, out=np.zeros_like(rows), where=peak > 0)
   return rows.reshape(*rows.shape[:-1], *grid).astype(np.float32)
@@ -191,15 +188,12 @@ def mean_attention_distance(attention: Any, grid: Any, patch_size: Any, num_pref
   _check_attention(attention, 'attention')
   grid, num_prefix_tokens = as_pair(grid, 'grid'), as_prefix(num_prefix_tokens)
   check_tokens(attention.shape[-1], grid, num_prefix_tokens, 'attention')
-  distances = patch_distances(grid, patch_size)
-  out = np.empty(attention.shape[:2], dtype=np.float64)
-  for b in range(attention.shape[0]):
-    weights = attention[b, :, num_prefix_tokens:, num_prefix_tokens:].astype(np.float64)
-    sums = weights.sum(axis=-1)
-    if np.any(sums <= 0):
-      raise ValueError('attention has a patch query with zero weight on every patch key; the '
-                       'mean distance over patches is undefined for it.')
-    out[b] = ((weights * distances).sum(axis=-1) / sums).mean(axis=-1)
+  weights = attention[:, :, num_prefix_tokens:, num_prefix_tokens:].astype(np.float64)
+  sums = weights.sum(axis=-1)
+  if np.any(sums <= 0):
+    raise ValueError('attention has a patch query with zero weight on every patch key; the '
+                     'mean distance over patches is undefined for it.')
+  out = ((weights * patch_distances(grid, patch_size)).sum(axis=-1) / sums).mean(axis=-1)
   return out if per_image else out.mean(axis=0)
 
 

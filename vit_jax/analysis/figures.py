@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 import os
-from typing import Any, Optional, Sequence
+from typing import Any, Optional, Sequence, Tuple
 
 from matplotlib import colormaps
 from matplotlib import figure as mpl_figure
@@ -68,9 +68,7 @@ def display_images(images: Any) -> np.ndarray:
   else:
     out = images.astype(np.float32)
     attention_maps.check_finite(out, 'images')
-    low = out.min(axis=(1, 2, 3), keepdims=True)
-    span = out.max(axis=(1, 2, 3), keepdims=True) - low
-    out = np.where(span > 0, (out - low) / np.where(span > 0, span, 1.0), 0.5)
+    out = _stretch(out, (1, 2, 3))
   return np.repeat(out, 3, axis=-1) if out.shape[-1] == 1 else out
 
 
@@ -102,9 +100,13 @@ def _panel(ax, picture: np.ndarray, title: Optional[str], **kwargs) -> None:
     ax.set_title(title, fontsize=8)
 
 
-def _item_grid(count: int, columns: int, panels: int, dpi: int):
+def _item_grid(count: int, columns: int, panels: int, dpi: int, title: str,
+               labels: Optional[Sequence[str]] = None):
   """A figure of ``count`` items, ``min(count, columns)`` per row, each ``panels`` square panels
-  side by side, under a title band; returns ``(fig, axes)`` (all axes off, row-major)."""
+  side by side, under ``title``; returns ``(fig, axes)`` (all axes off, row-major). ValueError:
+  ``labels`` given, not one per item."""
+  if labels is not None and len(labels) != count:
+    raise ValueError(f'labels has {len(labels)} entries for {count} images')
   cols = max(1, min(count, int(columns)))
   rows = math.ceil(count / cols)
   height = PANEL * rows + TITLE_BAND
@@ -114,6 +116,7 @@ def _item_grid(count: int, columns: int, panels: int, dpi: int):
                       wspace=0.05, hspace=0.15)
   for ax in axes:
     ax.set_axis_off()
+  fig.suptitle(title, fontsize=10)
   return fig, axes
 
 
@@ -125,14 +128,10 @@ def rollout_overlay_figure(images: Any, maps: Any, *, labels: Optional[Sequence[
   ``columns`` images per row, optional ``B`` captions, the rest as :func:`overlay`."""
   blended = overlay(images, maps, alpha=alpha, cmap=cmap, style=style)
   shown = display_images(images)
-  count = shown.shape[0]
-  if labels is not None and len(labels) != count:
-    raise ValueError(f'labels has {len(labels)} entries for {count} images')
-  fig, axes = _item_grid(count, columns, 2, dpi)
-  for i in range(count):
-    _panel(axes[2 * i], shown[i], 'input')
+  fig, axes = _item_grid(len(shown), columns, 2, dpi, title, labels)
+  for i, picture in enumerate(shown):
+    _panel(axes[2 * i], picture, 'input')
     _panel(axes[2 * i + 1], blended[i], labels[i] if labels is not None else 'rollout')
-  fig.suptitle(title, fontsize=10)
   return fig
 
 
@@ -140,13 +139,9 @@ def image_grid_figure(images: Any, *, labels: Optional[Sequence[str]] = None, co
                       title: str = 'Training images', dpi: int = DPI) -> mpl_figure.Figure:
   """Images in a grid, each under its optional caption; ValueError for bad images or labels."""
   shown = display_images(images)
-  count = shown.shape[0]
-  if labels is not None and len(labels) != count:
-    raise ValueError(f'labels has {len(labels)} entries for {count} images')
-  fig, axes = _item_grid(count, columns, 1, dpi)
-  for i in range(count):
-    _panel(axes[i], shown[i], labels[i] if labels is not None else None)
-  fig.suptitle(title, fontsize=10)
+  fig, axes = _item_grid(len(shown), columns, 1, dpi, title, labels)
+  for i, picture in enumerate(shown):
+    _panel(axes[i], picture, labels[i] if labels is not None else None)
   return fig
 
 
@@ -168,11 +163,10 @@ def layer_attention_figure(image: Any, maps: Any, *, rollout_map: Any = None, co
   image = np.asarray(image)
   blended = overlay(np.repeat(image[None], len(stack), axis=0), np.stack(stack), alpha=alpha,
                     cmap=cmap)
-  fig, axes = _item_grid(1 + len(stack), columns, 1, dpi)
+  fig, axes = _item_grid(1 + len(stack), columns, 1, dpi, title)
   _panel(axes[0], display_images(image[None])[0], 'input')
   for ax, picture, name in zip(axes[1:], blended, names):
     _panel(ax, picture, name)
-  fig.suptitle(title, fontsize=10)
   return fig
 
 
@@ -251,12 +245,11 @@ def posemb_similarity_figure(similarity: Any, *, title: str = 'Position embeddin
   return fig
 
 
-def _scaled(components: np.ndarray, scale: str) -> np.ndarray:
-  """Each component to [0, 1]: per channel or over all channels jointly (constant -> 0.5)."""
-  axes = (1, 2) if scale == 'channel' else (1, 2, 3)
-  low = components.min(axis=axes, keepdims=True)
-  span = components.max(axis=axes, keepdims=True) - low
-  return np.where(span > 0, (components - low) / np.where(span > 0, span, 1.0), 0.5)
+def _stretch(x: np.ndarray, axes: Tuple[int, ...]) -> np.ndarray:
+  """``x`` from its min to its max over ``axes`` to [0, 1] (constant: 0.5)."""
+  low = x.min(axis=axes, keepdims=True)
+  span = x.max(axis=axes, keepdims=True) - low
+  return np.where(span > 0, (x - low) / np.where(span > 0, span, 1.0), 0.5)
 
 
 def filter_components_figure(components: Any, *, explained: Any = None, columns: int = 7,
@@ -274,7 +267,7 @@ def filter_components_figure(components: Any, *, explained: Any = None, columns:
     raise ValueError(f"scale must be 'channel' or 'joint', got {scale!r}")
   attention_maps.check_finite(components, 'components')
   k, ph, pw, _ = components.shape
-  tiles = _scaled(components, scale)
+  tiles = _stretch(components, (1, 2) if scale == 'channel' else (1, 2, 3))  # Per channel or not.
   if tiles.shape[-1] == 1:
     tiles = np.repeat(tiles, 3, axis=-1)
   cols = max(1, min(k, int(columns)))

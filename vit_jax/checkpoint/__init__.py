@@ -1,11 +1,6 @@
-"""Checkpoints: reading every accepted format (:data:`ACCEPTED_FORMATS`), fine-tuning from
-them, and the run directory.
-
-:func:`open` detects a source's format once and returns a :class:`Checkpoint` that reads its
-variables and the model fields it implies; each format is a :class:`~.formats.Format` in
-:data:`~.formats.FORMATS` (add one there). Files are read per-layer (``encoderblock_{i}``); an
-Orbax checkpoint of a ``scan=True`` model stays stacked (``vit_jax.models.scan_params``).
-"""
+"""Checkpoints: reading every accepted format (:data:`ACCEPTED_FORMATS`; :func:`open` and the
+registry in :mod:`.formats`), fine-tuning from them, and the run directory. Files are read
+per-layer (``encoderblock_{i}``); an Orbax checkpoint of a ``scan=True`` model stays stacked."""
 
 from __future__ import annotations
 
@@ -18,8 +13,7 @@ from vit_jax.checkpoint import orbax  # noqa: F401 (checkpoint.orbax)
 from vit_jax.checkpoint import tree
 from vit_jax.checkpoint import workdir  # noqa: F401 (checkpoint.workdir)
 from vit_jax.checkpoint.archive import DamagedCheckpointError
-from vit_jax.checkpoint.finetune import (HEAD_KEYS, POSEMB_KEY, PRE_LOGITS_PREFIX,
-                                         REGENERATED_KEYS, init_for_finetuning, resize_posemb)
+from vit_jax.checkpoint.finetune import init_for_finetuning, resize_posemb
 from vit_jax.checkpoint.formats import (ACCEPTED_FORMATS, TORCH_SUFFIXES, Checkpoint,
                                         Contents, detect, is_torch_checkpoint, open)  # noqa: A004
 from vit_jax.checkpoint.npz import convert_pre_linen, fix_groupnorm, load_npz, save_npz
@@ -34,28 +28,26 @@ from vit_jax.checkpoint.workdir import CheckpointSaveError, Checkpoints, Workdir
 __all__ = [
     'ACCEPTED_FORMATS', 'Checkpoint', 'CheckpointSaveError', 'Checkpoints', 'Contents',
     'DamagedCheckpointError', 'TORCH_SUFFIXES', 'Workdir', 'WorkdirInUseError', 'WorkdirLock',
-    'acquire_on_all_processes',
-    'check_fits', 'check_state_fits', 'convert_pre_linen', 'describe_architecture', 'detect',
-    'fix_groupnorm', 'flatten_params', 'init_for_finetuning', 'is_torch_checkpoint', 'load',
-    'load_for_finetuning', 'load_npz', 'load_orbax', 'load_pth',
-    'mismatch_report', 'model_fields', 'non_finite', 'non_finite_message', 'open',
-    'resize_posemb', 'save_npz', 'save_orbax', 'unflatten_params',
+    'acquire_on_all_processes', 'check_fits', 'check_state_fits', 'convert_pre_linen',
+    'describe_architecture', 'detect', 'fix_groupnorm', 'flatten_params', 'init_for_finetuning',
+    'is_torch_checkpoint', 'load', 'load_for_finetuning', 'load_npz', 'load_orbax', 'load_pth',
+    'mismatch_report', 'model_fields', 'non_finite', 'non_finite_message', 'open', 'resize_posemb',
+    'save_npz', 'save_orbax', 'unflatten_params',
 ]
 
 
 def load(path: Any, *, model: Any = None, use_ema: bool = True,
          image_size: Any = None) -> Dict[str, Any]:
   """``{'params': nested dict of np.ndarray, **collections}`` of the checkpoint at ``path``
-  (``{'params', 'constants'}`` for a PyTorch file; :func:`open`; a workdir gives its latest
-  finalized step). ``model`` (required for PyTorch files) is checked to fit at ``image_size``
-  (``H`` or ``(H, W)``; transformers / timm: the file's, and their numerics must be
-  ``model``'s); ``use_ema``: prefer the parameter EMA.
+  (``{'params', 'constants'}`` for a PyTorch file; a workdir: its latest finalized step).
+  ``model`` (required for PyTorch files) is checked to fit at ``image_size`` (``H`` or
+  ``(H, W)``; transformers / timm: the file's, with their numerics); ``use_ema``: prefer the EMA.
 
   Raises:
     FileNotFoundError: nothing at ``path``, no finalized step.
     ValueError: as :func:`open`; a PyTorch file without ``model``, variables that do not fit
-      (:func:`check_fits`), other numerics; a damaged file (:class:`DamagedCheckpointError`) or
-      a pickle naming other globals (``torch_pickle.UnsafePickleError``), both ValueErrors.
+      (:func:`check_fits`), other numerics; :class:`DamagedCheckpointError`,
+      ``torch_pickle.UnsafePickleError``.
   """
   return open(path).read(model=model, use_ema=use_ema, image_size=image_size)
 
@@ -72,12 +64,8 @@ def load_for_finetuning(path: Any, model: Any, fresh: Mapping, *, use_ema: bool 
                         reset_head: bool = True,
                         grid: Optional[Sequence[int]] = None) -> Dict[str, Any]:
   """:func:`init_for_finetuning` from the checkpoint at ``path``, read at its own class count
-  and input size (a transformers or timm file of other numerics than ``model``'s with a
-  warning); ``fresh``: ``model``'s initial variables.
-
-  Raises:
-    ValueError: weights holding NaN or Inf (named); as :func:`load`, :func:`init_for_finetuning`.
-  """
+  and input size (other numerics than ``model``'s: a warning); ``fresh``: ``model``'s initial
+  variables. Raises ValueError: NaN or Inf weights (named); as :func:`load`."""
   ckpt = open(path)
   loaded = ckpt.read_for_finetuning(model, use_ema)
   bad = tree.non_finite(loaded)

@@ -20,8 +20,6 @@ from vit_jax.checkpoint import paths
 
 #: The first bytes of a zip archive (a local file header; an empty archive's end record).
 ZIP_MAGICS = (b'PK\x03\x04', b'PK\x05\x06')
-_NPY_MAGIC = b'\x93NUMPY'
-_PICKLE_MAGIC = b'\x80'
 #: The most header bytes a safetensors file may declare (the format's own limit, 100 MB).
 _MAX_SAFETENSORS_HEADER = 100_000_000
 SAFETENSORS_SUFFIX = '.safetensors'
@@ -51,17 +49,15 @@ def kind(head: bytes) -> Optional[str]:
   if len(head) >= 9 and head[8:9] == b'{' and (
       1 < struct.unpack('<Q', head[:8])[0] <= _MAX_SAFETENSORS_HEADER):
     return 'safetensors'
-  if head.startswith(_NPY_MAGIC):
+  if head.startswith(b'\x93NUMPY'):
     return 'npy'
-  return 'pickle' if head.startswith(_PICKLE_MAGIC) else None
+  return 'pickle' if head.startswith(b'\x80') else None
 
 
 def file_size(file: File) -> int:
-  """The size in bytes of a local or remote file, or of a seekable file object (its position
-  is kept)."""
+  """The size in bytes of a local or remote file or a seekable file object (position kept)."""
   if isinstance(file, (str, os.PathLike)):
-    path = os.fspath(file)
-    return paths.size(path)
+    return paths.size(os.fspath(file))
   position = file.tell()
   end = file.seek(0, io.SEEK_END)
   file.seek(position)
@@ -71,7 +67,7 @@ def file_size(file: File) -> int:
 def read_head(file: File, size: int) -> bytes:
   """The first ``size`` bytes of a local path or a seekable file object (its position kept)."""
   if isinstance(file, (str, os.PathLike)):
-    return paths.read_head(os.fspath(file), size)
+    return paths.read_bytes(os.fspath(file), size)
   position = file.tell()
   try:
     return file.read(size)
@@ -113,7 +109,7 @@ class Zip:
 
   @property
   def size(self) -> int:
-    return os.path.getsize(self.source) if isinstance(self.source, str) else file_size(self.source)
+    return file_size(self.source)
 
   @contextlib.contextmanager
   def open(self) -> Iterator[zipfile.ZipFile]:
@@ -141,13 +137,13 @@ def read_header(path: str, head: bytes = b'') -> Header:
   """The header of the safetensors file at ``path``, no array read (``head``: its first bytes,
   when read); DamagedCheckpointError for a header cut short or not JSON."""
   damaged_file = lambda problem: damaged(path, problem, file_size(path))
-  head = head if len(head) >= 8 else paths.read_head(path, 8)
+  head = head if len(head) >= 8 else paths.read_bytes(path, 8)
   if len(head) < 8:
     raise damaged_file('it ends inside the header length')
   size = struct.unpack('<Q', head[:8])[0]
   if size > _MAX_SAFETENSORS_HEADER:
     raise damaged_file(f'its header length ({size:,} bytes) is not a safetensors one')
-  data = paths.read_head(path, 8 + size)[8:]
+  data = paths.read_bytes(path, 8 + size)[8:]
   try:
     header = json.loads(data.decode('utf-8'))
   except (UnicodeDecodeError, ValueError):

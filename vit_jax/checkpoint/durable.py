@@ -60,14 +60,10 @@ def damaged_files(step_dir: Any) -> List[str]:
   root = os.fspath(step_dir)
   if paths.is_remote(root):
     return []
-  empty = []
-  for directory, _, names in os.walk(root):
-    for name in names:
-      path = os.path.join(directory, name)
-      if name not in FINALIZATION_FILES and not os.path.islink(path) and (
-          os.path.getsize(path) == 0):
-        empty.append(os.path.relpath(path, root))
-  return sorted(empty)
+  files = [os.path.join(directory, name) for directory, _, names in os.walk(root)
+           for name in names if name not in FINALIZATION_FILES]
+  return sorted(os.path.relpath(path, root) for path in files
+                if not os.path.islink(path) and os.path.getsize(path) == 0)
 
 
 @functools.lru_cache(maxsize=None)

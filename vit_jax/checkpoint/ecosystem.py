@@ -46,11 +46,8 @@ def write(dst: str, params: Mapping[str, Any], fields: Mapping[str, Any], *, to:
   """Writes a ViT's params (per-layer or scanned, boxed or plain) with its ``fields`` (a run's
   ``config.model`` and ``num_classes``) as transformers (``to='hf'``) or timm weights at ``dst``
   (:func:`output_paths`), with the class names and the preprocessing it expects (square
-  ``image_size``, ``normalization``); returns the line of Python that loads them.
-
-  Raises:
-    ValueError: what the target cannot express (named), e.g. a hybrid, a ``pre_logits`` layer.
-  """
+  ``image_size``, ``normalization``); returns the line of Python that loads them. Raises
+  ValueError naming what the target cannot express, e.g. a hybrid, a ``pre_logits`` layer."""
   library, name = _TARGETS[to]
   fields = dict(fields)
   if 'patch_size' in fields:  # A config's (P, P) pair: square patches are one int for both.

@@ -1,6 +1,5 @@
 """Initialising a model for fine-tuning from a checkpoint of another task or resolution
-(:func:`init_for_finetuning`), as opposed to :func:`vit_jax.checkpoint.load` (everything as
-saved, for evaluation)."""
+(:func:`init_for_finetuning`; :func:`vit_jax.checkpoint.load` reads everything as saved)."""
 
 from __future__ import annotations
 
@@ -15,15 +14,11 @@ from vit_jax.checkpoint.mismatch import ModelMismatchError, diff, mismatch_repor
 from vit_jax.checkpoint.tree import describe_architecture, flatten_params, unflatten_params
 from vit_jax.models import layout
 
-#: The classifier head, re-initialised for fine-tuning (always, as the official ViT code does, or
-#: only for another class count with ``reset_head=False``).
+#: The classifier head, re-initialised for fine-tuning (:func:`init_for_finetuning`).
 HEAD_KEYS = ('params/head/kernel', 'params/head/bias')
 #: ViT's optional representation layer, dropped when the model to fine-tune has none.
 PRE_LOGITS_PREFIX = 'params/pre_logits/'
-#: ViT's learned position embedding, resized to the new token grid.
-POSEMB_KEY = vit_shapes.POSEMB_KEY
-#: Fixed tables a model regenerates for its own input size (T2T-ViT's sinusoid position table):
-#: taken from the fresh initialisation when the token count differs.
+#: Fixed tables a model regenerates for its input size (T2T-ViT's sinusoid position table).
 REGENERATED_KEYS = ('constants/pos_embed',)
 
 
@@ -48,12 +43,8 @@ def resize_posemb(posemb: np.ndarray, num_tokens: int, *, has_class_token: bool,
   """``posemb`` ``[1, T_old, D]`` resized to ``[1, num_tokens, D]`` (its dtype), as the
   official ``load_pretrained`` (docs/reference.md section 1): the class-token row (with
   ``has_class_token``) kept, the ``(rows, columns)`` grid (square when None) resampled
-  bilinearly with the corners aligned (``scipy.ndimage.zoom(order=1)``). Non-square grids and
-  models without a class token work too.
-
-  Raises:
-    ValueError: a grid that does not match its row count, or is not square when not given.
-  """
+  bilinearly with the corners aligned (``scipy.ndimage.zoom(order=1)``). ValueError for a grid
+  that does not match its row count, or is not square when not given."""
   posemb = np.asarray(posemb)
   first = 1 if has_class_token else 0
   token_rows, grid_rows = posemb[:, :first], posemb[0, first:]
@@ -81,9 +72,7 @@ def init_for_finetuning(loaded: Mapping, fresh: Mapping, *, reset_head: bool = T
   * T2T-ViT's sinusoid table (``constants/pos_embed``) is regenerated (taken from ``fresh``);
     a Performer's random features ``w`` are kept.
 
-  Raises:
-    ModelMismatchError: anything else that differs (:func:`mismatch_report`), with the
-      checkpoint's architecture.
+  Raises ModelMismatchError for anything else that differs, with the checkpoint's architecture.
   """
   fresh, loaded = layout.unbox(fresh), layout.unbox(loaded)
   for name, tree in (('loaded', loaded), ('fresh', fresh)):
@@ -98,7 +87,6 @@ def init_for_finetuning(loaded: Mapping, fresh: Mapping, *, reset_head: bool = T
     convert = layout.scan_params if fresh_scanned else layout.unscan_params
     loaded['params'] = convert(loaded['params'])
   loaded_flat = flatten_params(loaded)
-  has_pre_logits = any(k.startswith(PRE_LOGITS_PREFIX) for k in fresh_flat)
   out, notes = {}, []
   for key, want in fresh_flat.items():
     if key not in loaded_flat:
@@ -114,14 +102,15 @@ def init_for_finetuning(loaded: Mapping, fresh: Mapping, *, reset_head: bool = T
       notes.append(f'kept {key} (reset_head=False, same class count)')
     elif same_shape:
       out[key] = np.asarray(have).astype(want.dtype)
-    elif key == POSEMB_KEY and np.ndim(have) == 3 and np.shape(have)[2] == want.shape[2]:
+    elif key == vit_shapes.POSEMB_KEY and np.ndim(have) == 3 and np.shape(have)[2] == want.shape[2]:
       out[key] = resize_posemb(have, want.shape[1], has_class_token='params/cls' in fresh_flat,
                                old_grid=checkpoint_grid, new_grid=grid).astype(want.dtype)
       notes.append(f'resized {change}')
     elif key in REGENERATED_KEYS:
       out[key] = np.asarray(want)
       notes.append(f'regenerated {change}')
-  dropped = [k for k in loaded_flat if k.startswith(PRE_LOGITS_PREFIX) and not has_pre_logits]
+  dropped = [] if any(k.startswith(PRE_LOGITS_PREFIX) for k in fresh_flat) else [
+      k for k in loaded_flat if k.startswith(PRE_LOGITS_PREFIX)]
   notes += [f'dropped {k}' for k in dropped]
   # What is left: the loaded weights, those adapted above in their new shapes, less the dropped.
   missing, unexpected, mismatched = diff(

@@ -1,11 +1,12 @@
-"""The checkpoint formats, one registry (add a format here), and :func:`open`, which detects a
-source's format once: each :class:`Format` in :data:`FORMATS` (tried in order) ``sniff``s the
-:class:`Probe` detection read (nothing unpickled), gives the model ``fields`` the weights imply
-``read``s the variables, and gives the :class:`Contents` a model is built from (inference,
-convert). A new format is a :class:`Format` here and its text in ``rundir.ACCEPTED_FORMATS``."""
+"""The checkpoint formats, one registry, and :func:`open`, which detects a source's format once:
+each :class:`Format` in :data:`FORMATS` (tried in order) ``sniff``s the :class:`Probe` (nothing
+unpickled), gives the model ``fields`` the weights imply, ``read``s the variables and gives the
+:class:`Contents` a model is built from. A new format: a :class:`Format` here, its text in
+``rundir.ACCEPTED_FORMATS``."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from typing import Any, Dict, Optional, Sequence, Tuple
 
@@ -29,20 +30,16 @@ from vit_jax.checkpoint import vit_shapes
 from vit_jax.checkpoint import workdir
 from vit_jax.checkpoint.archive import DamagedCheckpointError  # noqa: F401 (raised by open)
 
-ACCEPTED_FORMATS = rundir.ACCEPTED_FORMATS  # The one list of sources (JAX-free, for the tools).
+ACCEPTED_FORMATS = rundir.ACCEPTED_FORMATS
 
 #: File names read as PyTorch checkpoints (as is any zip with one '<name>/data.pkl').
 TORCH_SUFFIXES = ('.pth', '.pth.tar', '.pt')
 
-#: The format names (:attr:`Checkpoint.name`).
-NPZ, PYTORCH, ORBAX, HF, TIMM = 'npz', 'pytorch', 'orbax', 'hf', 'timm'
-
 
 @dataclasses.dataclass
 class Probe:
-  """What detection read of a source, once, for the readers: a directory's listing (``names``)
-  or a file's first bytes (``head``) with its ``zip`` or safetensors ``header``, and the
-  transformers directory of the source and its listing (or None)."""
+  """What detection read of a source: a directory's listing (``names``) or a file's first bytes
+  (``head``) with its ``zip`` or safetensors ``header``; its transformers directory and listing."""
   path: str
   names: Optional[Tuple[str, ...]]
   head: bytes = b''
@@ -68,14 +65,11 @@ def _probe(source: Any) -> Probe:
 
 @dataclasses.dataclass(frozen=True)
 class Contents:
-  """A checkpoint read whole to build a model from (:meth:`Checkpoint.contents`): ``variables``
-  (NumPy, as saved), ``description`` (for logs), ``num_classes`` (the head's outputs), the
-  ``fields`` the shapes imply (``vit_shapes.architecture_fields``; None: not a ViT's) and the
-  ``numerics`` the file records (keys of ``ecosystem.NUMERICS``), ``image_size``,
-  ``label_names`` and ``multi_label`` (None: not recorded), the eval preprocessing
-  (``normalization``, ``eval_crop_pct``; weights alone: their paper's, those keys then in
-  ``from_paper``) and ``run``: a training run's ``workdir.SavedRun``, whose saved config
-  decides."""
+  """A checkpoint read whole to build a model from: ``variables`` (NumPy, as saved),
+  ``description`` (for logs), ``num_classes`` (the head's), the ``fields`` the shapes imply
+  (None: not a ViT's), the ``numerics`` the file records (keys of ``ecosystem.NUMERICS``),
+  ``image_size``, ``label_names``, ``multi_label`` (None: not recorded), the eval preprocessing
+  (weights alone: their paper's, those keys in ``from_paper``) and a training ``run``."""
   variables: Dict[str, Any]
   description: str
   num_classes: Optional[int] = None
@@ -117,11 +111,10 @@ def _check_names(names: Optional[Sequence[str]], num_classes: Optional[int], whe
 
 def _fitted(ckpt: 'Checkpoint', variables: Dict[str, Any], model: Any, image_size: Any,
             evaluate: bool) -> Dict[str, Any]:
-  """``variables``, checked to fit ``model`` at ``image_size`` when both are given."""
+  """``variables``, checked to fit ``model`` at ``image_size`` when given and ``evaluate``."""
   if model is not None and image_size is not None and evaluate:
-    height, width = (image_size, image_size) if isinstance(image_size, int) else image_size
-    tree.check_fits(variables, models.abstract_variables(model, (int(height), int(width))),
-                    what=ckpt.path)
+    size = (image_size, image_size) if isinstance(image_size, int) else image_size
+    tree.check_fits(variables, models.abstract_variables(model, size), what=ckpt.path)
   return variables
 
 
@@ -136,12 +129,10 @@ class Format:
     raise NotImplementedError
 
   def shapes(self, ckpt: 'Checkpoint') -> Dict[str, Tuple[int, ...]]:
-    """``'/'``-joined variable names -> shapes."""
     return tree.shapes(ckpt.read())
 
   def fields(self, ckpt: 'Checkpoint', num_heads: Optional[int]) -> Dict[str, Any]:
-    """The ViT fields the weights need (:func:`vit_jax.checkpoint.model_fields`); here the
-    architecture from the shapes, with the official numerics."""
+    """:meth:`Checkpoint.fields`; here the architecture from the shapes, official numerics."""
     shapes = self.shapes(ckpt)
     fields = vit_shapes.architecture_fields(shapes)
     if fields is None:
@@ -152,8 +143,6 @@ class Format:
 
   def numerics(self, ckpt: 'Checkpoint', num_heads: Optional[int]
                ) -> Optional[Tuple[Dict[str, Any], str]]:
-    """``(numerics fields, family)`` read from the headers only, or None when the format
-    records none (``vit_jax.config`` sets a fine-tuning model's numerics from them)."""
     return None
 
   def read(self, ckpt: 'Checkpoint', *, model: Any, use_ema: bool, image_size: Any,
@@ -170,7 +159,7 @@ class Format:
 
 
 class _Npz(Format):
-  name, family = NPZ, 'an official .npz'
+  name, family = 'npz', 'an official .npz'
 
   def sniff(self, probe):
     return probe.zip is not None
@@ -192,7 +181,7 @@ class _Npz(Format):
 
 class _PyTorch(Format):
   """T2T-ViT state dicts (:func:`.torch_pickle.load_pth`), converted for a model."""
-  name, family, reads_with_model = PYTORCH, 'a PyTorch T2T-ViT checkpoint', True
+  name, family, reads_with_model = 'pytorch', 'a PyTorch T2T-ViT checkpoint', True
 
   def sniff(self, probe):
     if probe.zip is not None:
@@ -204,7 +193,7 @@ class _PyTorch(Format):
     raise ValueError(f'{ckpt.path} is a PyTorch (T2T-ViT) checkpoint: its variant is not '
                      'recorded; name the model (e.g. T2T-ViT-14).')
 
-  def read(self, ckpt, *, model, use_ema, image_size, evaluate, as_saved=False):
+  def read(self, ckpt, *, model, use_ema, image_size, evaluate):
     path = ckpt.path
     if model is None:
       raise ValueError(
@@ -218,13 +207,9 @@ class _PyTorch(Format):
     state_dict = torch_pickle.load_pth(path, use_ema=use_ema, zip_file=ckpt.probe.zip)
     head = [np.shape(v)[0] for k, v in state_dict.items()
             if k.split('.')[-2:] == ['head', 'weight']]
-    if as_saved and head:  # The file's own class count (and, by default, input size).
+    if not evaluate and head:  # As saved: the file's class count (and, by default, input size).
       model = model.clone(num_classes=int(head[0]))
     return t2t_torch.from_torch_state_dict(state_dict, model, image_size=image_size)
-
-  def read_for_finetuning(self, ckpt, model, use_ema):
-    return self.read(ckpt, model=model, use_ema=use_ema, image_size=None, evaluate=False,
-                     as_saved=True)
 
   def contents(self, ckpt, *, use_ema, step, model_name, overrides):
     path = ckpt.path
@@ -248,7 +233,7 @@ class _PyTorch(Format):
 
 
 class _Orbax(Format):
-  name, family, has_steps = ORBAX, 'an Orbax checkpoint', True
+  name, family, has_steps = 'orbax', 'an Orbax checkpoint', True
 
   def sniff(self, probe):
     return probe.names is not None
@@ -297,67 +282,49 @@ def _label_names(dataset: Optional[Dict[str, Any]], num_classes: int, run: workd
           dataset.get('multi_label'))
 
 
-@dataclasses.dataclass(frozen=True)
-class Foreign:
-  """transformers or timm weights read: ``variables`` (``{'params'}``, per-layer), ``fields``
-  (``models.create`` keywords), ``image_size`` and ``label_names`` (or None), ``family``."""
-  variables: Dict[str, Any]
-  fields: Dict[str, Any]
-  image_size: Optional[int]
-  label_names: Optional[Tuple[str, ...]]
-  family: str
-
-
 class _Foreign(Format):
   """transformers or timm ViT weights, whose numerics the files record."""
-  library = ''
 
   def numerics(self, ckpt, num_heads):
     return self.fields(ckpt, num_heads), self.family
 
-  def _read(self, ckpt: 'Checkpoint', num_heads: Optional[int]):
-    """``(params, fields with image_size, class names)``."""
+  def _read(self, ckpt: 'Checkpoint', num_heads: Optional[int]
+            ) -> Tuple[Dict[str, Any], Dict[str, Any], Optional[Tuple[str, ...]]]:
+    """``(params, fields with image_size, class names or None)``."""
     raise NotImplementedError
 
-  def foreign(self, ckpt: 'Checkpoint', num_heads: Optional[int]) -> Foreign:
-    params, fields, names = self._read(ckpt, num_heads)
-    image_size = fields.pop('image_size', None)
-    return Foreign({'params': params}, fields, image_size, names, self.library)
-
   def read(self, ckpt, *, model, use_ema, image_size, evaluate):
-    foreign = self.foreign(ckpt, getattr(model, 'num_heads', None))
+    params, fields, _ = self._read(ckpt, getattr(model, 'num_heads', None))
     if model is not None and evaluate:
-      ecosystem.check_numerics(foreign.fields, model, ckpt.path)
-    return _fitted(ckpt, foreign.variables, model, image_size or foreign.image_size, evaluate)
+      ecosystem.check_numerics(fields, model, ckpt.path)
+    return _fitted(ckpt, {'params': params}, model, image_size or fields['image_size'], evaluate)
 
   def contents(self, ckpt, *, use_ema, step, model_name, overrides):
     heads = overrides.get('num_heads')
     if heads is None and model_name:
-      try:
+      with contextlib.suppress(ValueError, TypeError):  # Reported later (e.g. ViT-custom).
         heads = models.model_config(model_name, **overrides).get('num_heads')
-      except (ValueError, TypeError):  # E.g. ViT-custom without its fields: reported later.
-        heads = None
-    foreign = self.foreign(ckpt, heads)
+    params, fields, names = self._read(ckpt, heads)
     return _weights_alone(
-        foreign.variables, f'{ckpt.path} ({foreign.family})',
-        numerics={k: foreign.fields[k] for k in ecosystem.NUMERICS}, image_size=foreign.image_size,
-        label_names=foreign.label_names, normalization=self.normalization(ckpt))
+        {'params': params}, f'{ckpt.path} ({self.family.removeprefix("a ")})',
+        numerics={k: fields[k] for k in ecosystem.NUMERICS}, image_size=fields['image_size'],
+        label_names=names, normalization=self.normalization(ckpt))
 
   def normalization(self, ckpt: 'Checkpoint') -> Optional[str]:
     return None
 
   def read_for_finetuning(self, ckpt, model, use_ema):
-    foreign = self.foreign(ckpt, getattr(model, 'num_heads', None))
+    params, fields, _ = self._read(ckpt, getattr(model, 'num_heads', None))
     try:
-      ecosystem.check_numerics(foreign.fields, model, ckpt.path)
+      ecosystem.check_numerics(fields, model, ckpt.path)
     except ValueError as e:
       logging.warning('Fine-tuning with other numerics than the weights were trained with: %s',
                       e)
-    return foreign.variables
+    return {'params': params}
 
 
 class _Hf(_Foreign):
-  name, family, library = HF, 'a transformers ViT', 'transformers ViT'
+  name, family = 'hf', 'a transformers ViT'
 
   def sniff(self, probe):
     if (probe.hf_directory is None and probe.header is not None
@@ -378,7 +345,7 @@ class _Hf(_Foreign):
 
 
 class _Timm(_Foreign):
-  name, family, library, reads_with_model = TIMM, 'a timm ViT', 'timm ViT', True
+  name, family, reads_with_model = 'timm', 'a timm ViT', True
 
   def sniff(self, probe):
     return probe.header is not None and timm_vit.is_timm_names(probe.header[0])
@@ -414,13 +381,14 @@ class Checkpoint:
     return self.format.fields(self, num_heads)
 
   def numerics(self, num_heads: Optional[int] = None) -> Optional[Tuple[Dict[str, Any], str]]:
-    """``(numerics fields, family)`` read from the file's headers and config, or None."""
+    """``(numerics fields, family)`` from the headers and config only, or None where the format
+    records none (``vit_jax.config`` sets a fine-tuning model's numerics from them)."""
     return self.format.numerics(self, num_heads)
 
   def read(self, *, model: Any = None, use_ema: bool = True, image_size: Any = None,
            evaluate: bool = True) -> Dict[str, Any]:
     """The variables (:func:`vit_jax.checkpoint.load`); with ``model`` and an image size (given,
-    or the file's) and ``evaluate``, checked to fit ``model``."""
+    or the file's) and ``evaluate``, checked to fit ``model``, else as saved."""
     return self.format.read(self, model=model, use_ema=use_ema, image_size=image_size,
                             evaluate=evaluate)
 

@@ -23,6 +23,9 @@ WEIGHTS_FILE = 'model.safetensors'
 INDEX_FILE = 'model.safetensors.index.json'
 PREPROCESSOR_FILE = 'preprocessor_config.json'
 
+#: ``normalization`` -> the mean and std of pixels in [0, 1] (``vit_jax.data.preprocess``).
+MEAN_STD = {'minus_one_to_one': ((0.5, 0.5, 0.5), (0.5, 0.5, 0.5)),
+            'imagenet': ((0.485, 0.456, 0.406), (0.229, 0.224, 0.225))}
 #: ``hidden_act`` values -> ``gelu_approximate``.
 GELUS = {'gelu': False, 'gelu_pytorch_tanh': True, 'gelu_new': True, 'gelu_fast': True}
 
@@ -62,28 +65,21 @@ def _canonical_name(name: str) -> Optional[str]:
     return f'blocks.{index}.{canonical}.{kind}' if canonical else None
   if name.startswith('classifier.'):
     return 'head.' + name[len('classifier.'):]
-  bare = name[len('vit.'):] if name.startswith('vit.') else name
-  if bare in _UNUSED:
-    return ''
-  return _OTHERS.get(bare)
+  bare = name.removeprefix('vit.')
+  return '' if bare in _UNUSED else _OTHERS.get(bare)
 
 
 def canonical(tensors: Mapping[str, Any], path: str) -> Dict[str, Any]:
   """Canonical name -> value (arrays or shapes) of a transformers ViT state dict; ValueError
   listing names that are not a transformers ViT's."""
-  out, unknown = {}, []
-  for name, value in tensors.items():
-    new = _canonical_name(name)
-    if new is None:
-      unknown.append(name)
-    elif new:
-      out[new] = value
+  renamed = {name: _canonical_name(name) for name in tensors}
+  unknown = [name for name, new in renamed.items() if new is None]
   if unknown:
     shown = ', '.join(sorted(unknown)[:5]) + (f' (+{len(unknown) - 5} more)'
                                               if len(unknown) > 5 else '')
     raise ValueError(f"{path} holds tensors that are not a transformers ViT's: {shown}. Only "
                      'ViTModel / ViTForImageClassification weights are read.')
-  return out
+  return {new: tensors[name] for name, new in renamed.items() if new}
 
 
 def find(path: str, names: Optional[Sequence[str]] = None
@@ -166,9 +162,8 @@ def fields_from(shapes: Mapping[str, Tuple[int, ...]], config: Mapping[str, Any]
 
 def read_fields(directory: str, names: Sequence[str]) -> Dict[str, Any]:
   """:func:`fields_from` a transformers directory (:func:`find`), from the headers only."""
-  shapes = {}
-  for file in weight_files(directory, names):
-    shapes.update(archive.shapes(archive.read_header(file)))
+  shapes = {k: v for file in weight_files(directory, names)
+            for k, v in archive.shapes(archive.read_header(file)).items()}
   return fields_from(shapes, read_config(directory), directory)
 
 
@@ -176,9 +171,8 @@ def read(directory: str, names: Sequence[str]
          ) -> Tuple[Dict[str, Any], Dict[str, Any], Optional[Tuple[str, ...]]]:
   """``(params, fields with image_size, class names or None)`` of a transformers directory
   (:func:`find`), exactly; each file read once."""
-  arrays = {}
-  for file in weight_files(directory, names):
-    arrays.update(archive.read_safetensors(file))
+  arrays = {k: v for file in weight_files(directory, names)
+            for k, v in archive.read_safetensors(file).items()}
   config = read_config(directory)
   fields = fields_from({k: tuple(np.shape(v)) for k, v in arrays.items()}, config, directory)
   params = torch_layout.to_params(canonical(arrays, directory), fields['num_heads'])
@@ -188,15 +182,13 @@ def read(directory: str, names: Sequence[str]
 def _preprocessor_config(image_size: int, normalization: str) -> Dict[str, Any]:
   """A ``ViTImageProcessor`` config feeding what this project's eval pipeline feeds: a
   bilinear resize to the square size, pixels / 255, then ``normalization``'s mean and std."""
-  imagenet = normalization == 'imagenet'
+  mean, std = MEAN_STD[normalization]
   return {
       'image_processor_type': 'ViTImageProcessor',
       'do_resize': True, 'size': {'height': int(image_size), 'width': int(image_size)},
       'resample': 2,  # PIL bilinear.
       'do_rescale': True, 'rescale_factor': 1 / 255,
-      'do_normalize': True,
-      'image_mean': [0.485, 0.456, 0.406] if imagenet else [0.5, 0.5, 0.5],
-      'image_std': [0.229, 0.224, 0.225] if imagenet else [0.5, 0.5, 0.5],
+      'do_normalize': True, 'image_mean': list(mean), 'image_std': list(std),
   }
 
 
@@ -210,7 +202,7 @@ def normalization(directory: str, names: Sequence[str]) -> Optional[str]:
     mean = tuple(round(float(m), 3) for m in config.get('image_mean', []))
   except (ValueError, TypeError, AttributeError):
     return None
-  return {(0.5, 0.5, 0.5): 'minus_one_to_one', (0.485, 0.456, 0.406): 'imagenet'}.get(mean)
+  return next((k for k, (m, _) in MEAN_STD.items() if m == mean), None)
 
 
 def export_problems(fields: Mapping[str, Any]) -> List[str]:
@@ -275,21 +267,17 @@ def to_hf(params: Mapping[str, Any], fields: Mapping[str, Any], *, image_size: i
   classes = fields.get('num_classes') if classify else None
   labels = list(names) if names and classes and len(names) == classes else (
       [f'LABEL_{i}' for i in range(classes)] if classes else [])
-  patch = fields['patch_size']
+  patch = int(np.ravel(fields['patch_size'])[0])
   config = {
       'architectures': ['ViTForImageClassification' if classify else 'ViTModel'],
       'model_type': 'vit', 'qkv_bias': True, 'hidden_dropout_prob': 0.0,
       'attention_probs_dropout_prob': 0.0, 'initializer_range': 0.02, 'torch_dtype': 'float32',
-      'hidden_size': int(fields['hidden_size']),
-      'num_hidden_layers': int(fields['num_layers']),
-      'num_attention_heads': int(fields['num_heads']),
-      'intermediate_size': int(fields['mlp_dim']),
+      'hidden_size': int(fields['hidden_size']), 'num_hidden_layers': int(fields['num_layers']),
+      'num_attention_heads': int(fields['num_heads']), 'intermediate_size': int(fields['mlp_dim']),
       'hidden_act': 'gelu_pytorch_tanh' if fields.get('gelu_approximate', True) else 'gelu',
       'layer_norm_eps': float(fields.get('layer_norm_epsilon', 1e-6)),
-      'image_size': int(image_size),
-      'patch_size': int(patch if isinstance(patch, int) else patch[0]),
+      'image_size': int(image_size), 'patch_size': patch, 'encoder_stride': patch,
       'num_channels': int(canonical_arrays['patch_embed.proj.weight'].shape[1]),
-      'encoder_stride': int(patch if isinstance(patch, int) else patch[0]),
   }
   if labels:
     config['id2label'] = {str(i): n for i, n in enumerate(labels)}

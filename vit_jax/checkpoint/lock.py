@@ -12,6 +12,7 @@ its life; its JSON record (``host``, ``pid``, ``pid_start``, ``started``, ``star
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import errno
 import json
@@ -30,8 +31,6 @@ import numpy as np
 
 from vit_jax import rundir
 from vit_jax.checkpoint import paths
-
-LOCK_JSON = rundir.LOCK_JSON
 
 _log = logging.getLogger('absl')
 
@@ -86,12 +85,10 @@ def describe(record: Optional[Dict[str, Any]]) -> str:
   """The holder of a lock in words: host, pid, start time (and how long ago), command."""
   if not record:
     return 'a run that left no record'
-  ago = ''
-  if isinstance(record.get('started_unix'), (int, float)):
-    ago = f', {_duration(time.time() - record["started_unix"])} ago'
-  command = record.get('command') or '?'
+  started = record.get('started_unix')
+  ago = f', {_duration(time.time() - started)} ago' if isinstance(started, (int, float)) else ''
   return (f"host {record.get('host', '?')}, pid {record.get('pid', '?')}, started "
-          f"{record.get('started', '?')}{ago}: {command}")
+          f"{record.get('started', '?')}{ago}: {record.get('command') or '?'}")
 
 
 def _duration(seconds: float) -> str:
@@ -123,8 +120,7 @@ class WorkdirLock:
     self.timeout_s, self.settle_s = float(timeout_s), float(settle_s)
     remote = paths.is_remote(workdir)
     self.heartbeat = remote if heartbeat is None else bool(heartbeat)
-    self.path = paths.join(workdir, LOCK_JSON) if remote else os.path.join(
-        os.path.abspath(workdir), LOCK_JSON)
+    self.path = paths.join(workdir if remote else os.path.abspath(workdir), rundir.LOCK_JSON)
     self._token = uuid.uuid4().hex
     self._fd: Optional[int] = None
     self._created: list[str] = []  # Local directories this lock created.
@@ -183,11 +179,9 @@ class WorkdirLock:
       missing.append(path)
       path = os.path.dirname(path)
     for directory in reversed(missing):
-      try:
+      with contextlib.suppress(FileExistsError):
         os.mkdir(directory)
         self._created.append(directory)
-      except FileExistsError:
-        pass
 
   def _acquire_local(self) -> None:
     import fcntl  # pylint: disable=g-import-not-at-top  (POSIX only)
@@ -281,11 +275,10 @@ class WorkdirLock:
     self.held = False
     try:
       if self._fd is not None:
-        try:  # While holding the flock (see the module docstring); not a file put there since.
+        # While holding the flock (see the module docstring); not a file put there since.
+        with contextlib.suppress(FileNotFoundError):
           if os.stat(self.path).st_ino == os.fstat(self._fd).st_ino:
             os.unlink(self.path)
-        except FileNotFoundError:
-          pass
         os.close(self._fd)
         self._fd = None
       else:
@@ -310,11 +303,7 @@ class WorkdirLock:
 
 
 def _read_fd(fd: int) -> str:
-  os.lseek(fd, 0, os.SEEK_SET)
-  chunks = []
-  while chunk := os.read(fd, 65536):
-    chunks.append(chunk)
-  return b''.join(chunks).decode('utf-8', 'replace')
+  return os.pread(fd, os.fstat(fd).st_size, 0).decode('utf-8', 'replace')
 
 
 def _write_fd(fd: int, text: str) -> None:

@@ -1,11 +1,5 @@
-"""Variables that do not fit a model: :class:`ModelMismatchError` and its message, the same for
-every reader (:mod:`.tree`, :mod:`.t2t_torch`, :mod:`.orbax`, :mod:`.finetune`)::
-
-  The checkpoint does not fit the model:
-    missing keys (2): params/head/kernel, params/head/bias
-    shape mismatches (1): params/cls: checkpoint (1, 1, 64), model (1, 1, 32)
-    The checkpoint is a ViT with patch_size=16, hidden_size=64, ...
-"""
+"""Variables that do not fit a model: :class:`ModelMismatchError` and its message
+(:func:`mismatch_report`), the same for every reader."""
 
 from __future__ import annotations
 
@@ -26,12 +20,6 @@ class ModelMismatchError(ValueError):
     self.implied = implied
 
 
-def _listing(items: Sequence[str], sep: str) -> str:
-  shown = sep.join(items[:MAX_LISTED])
-  return shown + (f'{sep}... and {len(items) - MAX_LISTED} more' if len(items) > MAX_LISTED
-                  else '')
-
-
 def diff(have: Mapping[str, Any], want: Mapping[str, Any],
          names: Tuple[str, str] = ('checkpoint', 'model')) -> Tuple[List[str], ...]:
   """``(missing, unexpected, mismatched)`` of flat trees ``{'a/b': array or ShapeDtypeStruct}``
@@ -50,12 +38,9 @@ def mismatch_report(header: str, missing: Sequence[str], unexpected: Sequence[st
   with shapes), ``mismatched`` (``'<name>: checkpoint <shape>, model <shape>'``); then ``hint``.
   """
   lines = [header]
-  if missing:
-    lines.append(f'  missing keys ({len(missing)}): {_listing(missing, ", ")}')
-  if unexpected:
-    lines.append(f'  unexpected keys ({len(unexpected)}): {_listing(unexpected, ", ")}')
-  if mismatched:
-    lines.append(f'  shape mismatches ({len(mismatched)}): {_listing(mismatched, "; ")}')
-  if hint:
-    lines.append(f'  {hint}')
-  return '\n'.join(lines)
+  for kind, items, sep in (('missing keys', missing, ', '), ('unexpected keys', unexpected, ', '),
+                           ('shape mismatches', mismatched, '; ')):
+    if items:
+      more = f'{sep}... and {len(items) - MAX_LISTED} more' if len(items) > MAX_LISTED else ''
+      lines.append(f'  {kind} ({len(items)}): {sep.join(items[:MAX_LISTED])}{more}')
+  return '\n'.join(lines + ([f'  {hint}'] if hint else []))

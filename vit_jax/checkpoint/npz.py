@@ -4,6 +4,7 @@ without unpickling into the official per-layer layout, older files fixed; and wr
 from __future__ import annotations
 
 import io
+import itertools
 import math
 import os
 import re
@@ -15,6 +16,7 @@ import numpy as np
 
 from vit_jax.checkpoint import archive
 from vit_jax.checkpoint import paths
+from vit_jax.checkpoint import tree as tree_lib
 from vit_jax.checkpoint import vit_shapes
 from vit_jax.checkpoint.tree import flatten_params, unflatten_params
 from vit_jax.models import layout
@@ -29,15 +31,9 @@ def convert_pre_linen(tree: Any) -> Any:
   (``LayerNorm_0, MultiHeadDotProductAttention_0, LayerNorm_1``); Linen trees are unchanged."""
   if not isinstance(tree, Mapping):
     return tree
-  groups: Dict[str, list] = {}
-  for key in tree:
-    m = _NUMBERED.match(key)
-    if m:
-      groups.setdefault(m.group(1), []).append((int(m.group(2)), key))
-  rename = {}
-  for prefix, items in groups.items():
-    for new_index, (_, key) in enumerate(sorted(items)):
-      rename[key] = f'{prefix}_{new_index}'
+  numbered = sorted((m.group(1), int(m.group(2)), k) for k in tree if (m := _NUMBERED.match(k)))
+  rename = {key: f'{prefix}_{i}' for _, group in itertools.groupby(numbered, lambda n: n[0])
+            for i, (prefix, _, key) in enumerate(group)}
   return {rename.get(k, k): convert_pre_linen(v) for k, v in tree.items()}
 
 
@@ -90,8 +86,7 @@ def from_big_vision(params: Mapping[str, Any]) -> Dict[str, Any]:
     out['MAPHead_0'] = {k: out.pop(k) for k in _MAP_PARTS if k in out}
   if table is not None:
     table = np.asarray(table)
-    tokens = table.shape[1]
-    if 'cls' in out and not vit_shapes.square_side(tokens - 1):
+    if 'cls' in out and not vit_shapes.square_side(table.shape[1] - 1):
       table = np.concatenate([np.zeros_like(table[:, :1]), table], axis=1)
     encoder['posembed_input'] = {'pos_embedding': table}
   out['Transformer'] = encoder
@@ -178,8 +173,7 @@ def read_npz_shapes(path: Any, npz: Optional[archive.Zip] = None
   big_vision's layout)``, from the headers only (zero-copy stand-ins for the arrays)."""
   params = _params({k: np.broadcast_to(np.zeros((), dtype), shape)
                     for k, (shape, dtype) in read_npz_index(path, npz).items()})
-  shapes = flatten_params({'params': from_big_vision(params)})
-  return {k: tuple(np.shape(v)) for k, v in shapes.items()}, is_big_vision(params)
+  return tree_lib.shapes({'params': from_big_vision(params)}), is_big_vision(params)
 
 
 def load_npz(path: Any, npz: Optional[archive.Zip] = None) -> Dict[str, Any]:
@@ -210,11 +204,8 @@ def load_npz(path: Any, npz: Optional[archive.Zip] = None) -> Dict[str, Any]:
 def save_npz(path: Any, params: Mapping) -> None:
   """Writes a params tree (or the ``params`` of variables) as an official flat ``.npz`` at
   ``path`` (local, parents created, or ``scheme://``; no suffix added): unrolled blocks,
-  ``bfloat16`` and other ml_dtypes as float32, like the published files.
-
-  Raises:
-    ValueError: non-numeric leaves or keys that cannot be flattened.
-  """
+  ``bfloat16`` and other ml_dtypes as float32, like the published files. Raises ValueError:
+  non-numeric leaves or keys that cannot be flattened."""
   path = paths.normalize(path)
   if isinstance(params, Mapping) and isinstance(params.get('params'), Mapping):
     params = params['params']
@@ -223,14 +214,12 @@ def save_npz(path: Any, params: Mapping) -> None:
   flat = {}
   for key, value in sorted(flatten_params(params).items()):
     array = np.asarray(value)
-    if array.dtype.kind not in 'biufV' or array.dtype.hasobject:
-      raise ValueError(f'Parameter {key!r} has non-numeric dtype {array.dtype}')
-    if array.dtype.kind == 'V':  # ml_dtypes (bfloat16, float8_*): store float32.
-      try:
-        array = array.astype(np.float32)
-      except (TypeError, ValueError):
-        raise ValueError(f'Parameter {key!r} has non-numeric dtype {array.dtype}') from None
-    flat[key] = array
+    try:
+      if array.dtype.kind not in 'biufV' or array.dtype.hasobject:
+        raise TypeError(array.dtype)
+      flat[key] = array.astype(np.float32) if array.dtype.kind == 'V' else array  # ml_dtypes.
+    except (TypeError, ValueError):
+      raise ValueError(f'Parameter {key!r} has non-numeric dtype {array.dtype}') from None
   if paths.is_remote(path):
     buffer = io.BytesIO()
     np.savez(buffer, **flat)

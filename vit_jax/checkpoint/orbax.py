@@ -1,9 +1,7 @@
 """Orbax PyTree items (a directory holding ``_METADATA``): model variables read as NumPy,
 checked against a run's state, written. An item is the ``state`` of a training checkpoint
 (``{'step', 'params', 'opt_state', 'model_state'[, 'ema_params']}``) or a variables checkpoint
-``{'params', 'model_state'}`` (:func:`save_orbax`); where items sit in a run is
-:mod:`.workdir`'s business.
-"""
+``{'params', 'model_state'}`` (:func:`save_orbax`); where items sit in a run: :mod:`.workdir`."""
 
 from __future__ import annotations
 
@@ -18,37 +16,31 @@ from typing import Any, Dict, Optional, Sequence
 import jax
 import numpy as np
 
+from vit_jax import rundir
 from vit_jax.checkpoint import paths
 from vit_jax.checkpoint.mismatch import ModelMismatchError, diff, mismatch_report
 from vit_jax.checkpoint.tree import describe_architecture, flatten_params
 from vit_jax.models import layout
-
-#: The file that marks an Orbax PyTree item directory (with 'manifest.ocdbt' under OCDBT).
-_ITEM_MARKER = '_METADATA'
 
 
 def is_item(path: str, names: Optional[Sequence[str]] = None) -> bool:
   """Whether ``path`` (local or ``scheme://``; ``names``: its listing, when read) is an Orbax
   PyTree item directory."""
   if names is not None:
-    return _ITEM_MARKER in names
-  return paths.exists(paths.join(path, _ITEM_MARKER)) and paths.isdir(path)
-
-
-def _ignore_missing_step_metadata(record: logging.LogRecord) -> bool:
-  return 'Metadata file does not exist' not in record.getMessage()
+    return rundir.ITEM_MARKER in names
+  return paths.exists(paths.join(path, rundir.ITEM_MARKER)) and paths.isdir(path)
 
 
 @contextlib.contextmanager
 def _quiet_item_reads():
   # Reading an item on its own, Orbax looks for the step's _CHECKPOINT_METADATA in the item
   # directory and warns that it is missing; that file is one level up and not needed here.
-  absl_logger = logging.getLogger('absl')
-  absl_logger.addFilter(_ignore_missing_step_metadata)
+  quiet = lambda record: 'Metadata file does not exist' not in record.getMessage()
+  logging.getLogger('absl').addFilter(quiet)
   try:
     yield
   finally:
-    absl_logger.removeFilter(_ignore_missing_step_metadata)
+    logging.getLogger('absl').removeFilter(quiet)
 
 
 def item_tree(item: Any) -> Any:
@@ -69,11 +61,7 @@ def _to_dict(tree: Any) -> Any:
 def read_variables(item: Any, *, use_ema: bool = True) -> Dict[str, Any]:
   """``{'params': ..., **model_state}`` of one item (local or ``gs://``) as NumPy, in the
   saved layout, without the optimizer state; ``use_ema``: ``ema_params`` as ``params`` when
-  saved.
-
-  Raises:
-    ValueError: no ``params`` entry, or a ``params`` collection in ``model_state``.
-  """
+  saved. Raises ValueError: no ``params`` entry, or a ``params`` collection in ``model_state``."""
   import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
 
   tree = item_tree(item)
@@ -101,12 +89,9 @@ def read_variables(item: Any, *, use_ema: bool = True) -> Dict[str, Any]:
 def check_state_fits(state_dir: Any, abstract_state: Mapping) -> None:
   """Compares the ``params`` and ``model_state`` names and shapes of the ``state`` item
   ``state_dir`` (metadata only) with ``abstract_state`` (arrays or ``ShapeDtypeStruct``).
-
-  Raises:
-    ModelMismatchError: they differ (listed, with the checkpoint's model, and the ``scan``
-      setting when only the block layout differs).
-    FileNotFoundError: the item has no readable metadata (an empty or incomplete step).
-  """
+  Raises ModelMismatchError where they differ (listed, with the checkpoint's model, and the
+  ``scan`` setting when only the block layout differs); FileNotFoundError where the item has no
+  readable metadata (an empty or incomplete step)."""
   tree = item_tree(state_dir)
   if not isinstance(tree, Mapping):  # Orbax found no item metadata (an empty or cut step).
     raise FileNotFoundError(errno.ENOENT, 'its metadata cannot be read', str(state_dir))
@@ -123,9 +108,8 @@ def check_state_fits(state_dir: Any, abstract_state: Mapping) -> None:
   header = f'The checkpoint {state_dir} does not fit this model:'
   scanned = lambda keys: any(f'/{p}/' in k for k in keys for p in layout.BLOCK_PREFIXES)
   if saved and wanted and scanned(saved) != scanned(wanted):
-    setting = 'True' if scanned(saved) else 'False'
     header += (f' it was written with the {"scanned" if scanned(saved) else "per-layer"} '
-               f'block layout: resume with --config.model.scan={setting} (the training '
+               f'block layout: resume with --config.model.scan={scanned(saved)} (the training '
                f'default is True).')
   raise ModelMismatchError(mismatch_report(header, missing, unexpected, mismatched, described),
                            described)
@@ -142,12 +126,8 @@ def save_orbax(path: Any, variables: Mapping, *, overwrite: bool = False,
                metadata: Optional[Mapping[str, Any]] = None) -> None:
   """Writes ``{'params': ..., **collections}`` (boxed or plain) as an Orbax item at ``path``
   (local or ``gs://``): ``params``, the other collections in ``model_state``, and JSON-able
-  ``metadata`` (e.g. ``label_names``, ``normalization``) in :data:`EXPORT_JSON`.
-
-  Raises:
-    ValueError: ``variables`` has no ``params``.
-    FileExistsError: ``path`` exists and ``overwrite`` is False.
-  """
+  ``metadata`` (e.g. ``label_names``, ``normalization``) in :data:`EXPORT_JSON`. Raises
+  ValueError (no ``params``), FileExistsError (``path`` exists and not ``overwrite``)."""
   import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
   from etils import epath  # pylint: disable=g-import-not-at-top
 

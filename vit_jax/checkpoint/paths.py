@@ -1,6 +1,5 @@
 """File access for the checkpoint readers: local paths with ``os``, ``scheme://`` paths
-(``gs://bucket/x.npz``) with ``tf.io.gfile``, TensorFlow imported only for those. (Orbax reads
-remote directories itself, through ``etils.epath``.)"""
+(``gs://bucket/x.npz``) with ``tf.io.gfile``, imported only for those (Orbax uses ``epath``)."""
 
 from __future__ import annotations
 
@@ -39,15 +38,14 @@ def open_file(path: str, mode: str):
 
 
 def remove(path: str) -> None:
-  """Deletes the file at ``path``."""
   if is_remote(path):
     _gfile().remove(path)
   else:
     os.remove(path)
 
 
-def read_head(path: str, size: int) -> bytes:
-  """The first ``size`` bytes of the file at ``path`` (fewer if it is shorter)."""
+def read_bytes(path: str, size: int = -1) -> bytes:
+  """The first ``size`` bytes of the file at ``path`` (default all; fewer if it is shorter)."""
   with open_file(path, 'rb') as f:
     return f.read(size)
 
@@ -55,11 +53,6 @@ def read_head(path: str, size: int) -> bytes:
 def size(path: str) -> int:
   """The size in bytes of a local or remote file (remote: its metadata, nothing read)."""
   return _gfile().stat(path).length if is_remote(path) else os.path.getsize(path)
-
-
-def read_bytes(path: str) -> bytes:
-  with open_file(path, 'rb') as f:
-    return f.read()
 
 
 def join(path: str, *names: str) -> str:
@@ -90,7 +83,7 @@ def probe(path: Any, size: int, what: str = 'No checkpoint'
     raise not_found(path, what)
   if isdir(path):
     return path, listdir(path), b''
-  return path, None, read_head(path, size)
+  return path, None, read_bytes(path, size)
 
 
 def not_found(path: str, what: str = 'No checkpoint', fix: str = '') -> FileNotFoundError:

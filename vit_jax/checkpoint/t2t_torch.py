@@ -10,10 +10,9 @@ from __future__ import annotations
 from typing import Any, Dict, Mapping, Optional, Sequence, Tuple, Union
 
 from flax import traverse_util
-import jax
-import jax.numpy as jnp
 import numpy as np
 
+from vit_jax import models
 from vit_jax.checkpoint import mismatch
 from vit_jax.checkpoint import vit_shapes
 from vit_jax.models import layout
@@ -23,8 +22,7 @@ from vit_jax.models import t2t
 def torch_key_to_flax(key: str) -> Tuple[str, Tuple[str, ...]]:
   """``(collection, path)`` of one PyTorch key (``'module.'`` stripped), e.g.
   ``'blocks.3.attn.qkv.weight'`` -> ``('params', ('blocks_3', 'attn', 'qkv', 'kernel'))``."""
-  if key.startswith('module.'):
-    key = key[len('module.'):]
+  key = key.removeprefix('module.')
   parts = []
   for part in key.split('.'):
     if part.isdigit() and parts:
@@ -54,11 +52,8 @@ def from_torch_state_dict(state_dict: Mapping[str, Any], model: t2t.T2TViT, *,
   """``model``'s ``{'params', 'constants'}`` (NumPy copies in its dtypes; ``blocks`` stacked
   if ``model.scan``) from a PyTorch T2T-ViT state dict (arrays; keys may start ``'module.'``),
   for images of ``image_size`` (``H`` or ``(H, W)``; default 16 px per ``pos_embed`` grid row).
-
-  Raises:
-    ModelMismatchError: the missing and unexpected keys and shape mismatches (PyTorch names
-      and shapes), e.g. another class count, a Performer file for a Transformer-T2T model.
-  """
+  Raises ModelMismatchError: the missing and unexpected keys and shape mismatches (PyTorch names
+  and shapes), e.g. another class count, a Performer file for a Transformer-T2T model."""
   if image_size is None:
     height, width = _image_size_from_pos_embed(state_dict)
   elif isinstance(image_size, int):
@@ -66,38 +61,32 @@ def from_torch_state_dict(state_dict: Mapping[str, Any], model: t2t.T2TViT, *,
   else:
     height, width = (int(s) for s in image_size)
   unrolled = model.clone(scan=False, remat=False)  # The checkpoint's per-block layout.
-  shapes = layout.unbox(jax.eval_shape(
-      lambda: unrolled.init(jax.random.key(0), jnp.zeros((1, height, width, 3), jnp.float32),
-                            train=False)))
+  shapes = layout.unbox(models.abstract_variables(unrolled, (height, width)))
   expected = traverse_util.flatten_dict({c: shapes.get(c, {}) for c in ('params', 'constants')})
 
   converted: Dict[Tuple[str, ...], np.ndarray] = {}
   unexpected, mismatched, mismatched_paths = [], [], set()
+  saved_shapes = {}  # Our names, kernels in Flax's (in, out) order: what the file holds.
   for key, value in state_dict.items():
     collection, path = torch_key_to_flax(key)
-    full = (collection,) + path
+    full, shape = (collection,) + path, tuple(np.shape(value))
+    saved_shapes['/'.join(full)] = shape[::-1] if path[-1] == 'kernel' else shape
     array = np.asarray(value)
     if path[-1] == 'kernel' and array.ndim == 2:
       array = array.T  # PyTorch Linear weight (out, in) -> Flax kernel (in, out).
     if full not in expected:
-      unexpected.append(f'{key} {tuple(np.shape(value))}')
+      unexpected.append(f'{key} {shape}')
       continue
     want = expected[full]
     if tuple(array.shape) != tuple(want.shape):
-      torch_shape = tuple(np.shape(value))
       want_torch = tuple(want.shape[::-1]) if path[-1] == 'kernel' else tuple(want.shape)
-      mismatched.append(f'{key}: checkpoint {torch_shape}, model {want_torch}')
+      mismatched.append(f'{key}: checkpoint {shape}, model {want_torch}')
       mismatched_paths.add(full)
       continue
     converted[full] = np.array(array, dtype=want.dtype)
   missing = [_flax_to_torch_name(p) for p in expected
              if p not in converted and p not in mismatched_paths]
   if missing or unexpected or mismatched:
-    saved_shapes = {}  # Our names, kernels in Flax's (in, out) order: what the file holds.
-    for key, value in state_dict.items():
-      collection, path = torch_key_to_flax(key)
-      shape = tuple(np.shape(value))
-      saved_shapes['/'.join((collection,) + path)] = shape[::-1] if path[-1] == 'kernel' else shape
     hint = describe_architecture(saved_shapes)
     raise mismatch.ModelMismatchError(mismatch.mismatch_report(
         'The state_dict does not fit the model '

@@ -15,6 +15,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 import numpy as np
 
 from vit_jax.checkpoint import archive
+from vit_jax.checkpoint import hf_vit
 from vit_jax.checkpoint import torch_layout
 from vit_jax.checkpoint import vit_shapes
 
@@ -55,50 +56,40 @@ def is_timm_names(names: Any) -> bool:
   return 'patch_embed.proj.weight' in names and any(n.startswith('blocks.') for n in names)
 
 
-def _rename(name: str) -> Dict[str, Optional[Tuple[str, int, int]]]:
-  """Canonical names a timm name becomes: ``{canonical: (timm name, chunk, chunks)}``."""
+def _rename(name: str) -> Dict[str, Tuple[int, int]]:
+  """Canonical names a timm name becomes: ``{canonical: (chunk, chunks)}``."""
   fused = re.match(r'^(blocks\.\d+\.attn|attn_pool)\.(qkv|kv)\.(weight|bias)$', name)
   if fused:
     prefix, what, kind = fused.groups()
-    return {f'{prefix}.{p}.{kind}': (name, i, len(what)) for i, p in enumerate(what)}
-  return {name: (name, 0, 1)}
+    return {f'{prefix}.{p}.{kind}': (i, len(what)) for i, p in enumerate(what)}
+  return {name: (0, 1)}
 
 
-def canonical_shapes(shapes: Mapping[str, Tuple[int, ...]], path: str
-                     ) -> Dict[str, Tuple[int, ...]]:
-  """Canonical name -> shape (:mod:`.torch_layout`) of timm tensor shapes; ValueError for a
-  variant without an equivalent here (named) or unknown names."""
-  out = {}
-  for name, shape in shapes.items():
-    for canonical, (_, _, chunks) in _rename(name).items():
-      out[canonical] = (shape[0] // chunks,) + tuple(shape[1:])
-  _check_names(out, path)
-  return out
-
-
-def _check_names(canonical: Mapping[str, Any], path: str) -> None:
+def _canonical(tensors: Mapping[str, Any], path: str, chunk: Any) -> Dict[str, Any]:
+  """``{canonical name (:mod:`.torch_layout`): chunk(value, index, chunks)}`` of timm tensors
+  (fused ``qkv``/``kv`` split); ValueError for a variant without an equivalent here (named) or
+  unknown names."""
+  out = {canonical: chunk(value, *where) for name, value in tensors.items()
+         for canonical, where in _rename(name).items()}
   for marker, what in REFUSED:
-    hit = next((n for n in canonical if marker in n or n.startswith(marker)), None)
+    hit = next((n for n in out if marker in n or n.startswith(marker)), None)
     if hit is not None:
       raise ValueError(f'{path} is a timm ViT with {what} (its tensor {hit!r}). This ViT has no '
                        'equivalent, so these weights cannot be read; take a timm model without '
                        'it.')
-  unknown = sorted(n for n in canonical if not _CANONICAL.match(n))
+  unknown = sorted(n for n in out if not _CANONICAL.match(n))
   if unknown:
     shown = ', '.join(unknown[:5]) + (f' (+{len(unknown) - 5} more)' if len(unknown) > 5 else '')
     raise ValueError(f'{path} holds tensors that are not a timm VisionTransformer\'s: {shown}. '
                      "Only timm's VisionTransformer (vit_* models without the variants this "
                      'project lacks) is read.')
+  return out
 
 
 def canonical_arrays(arrays: Mapping[str, np.ndarray], path: str) -> Dict[str, np.ndarray]:
-  """Canonical name -> array of a timm state dict (fused ``qkv``/``kv`` split; a
-  ``no_embed_class`` position embedding gets a zero class row)."""
-  out = {}
-  for name, value in arrays.items():
-    for canonical, (_, index, chunks) in _rename(name).items():
-      out[canonical] = np.split(np.asarray(value), chunks)[index]
-  _check_names(out, path)
+  """:func:`_canonical` arrays of a timm state dict; a ``no_embed_class`` position embedding
+  gets a zero class row."""
+  out = _canonical(arrays, path, lambda array, i, chunks: np.split(np.asarray(array), chunks)[i])
   pos = out.get('pos_embed')
   if pos is not None and 'cls_token' in out:
     tokens = pos.shape[1]
@@ -111,12 +102,9 @@ def fields_from(shapes: Mapping[str, Tuple[int, ...]], metadata: Mapping[str, st
                 path: str, num_heads: Optional[int] = None) -> Dict[str, Any]:
   """The model fields (:func:`vit_jax.models.create` keywords, plus ``image_size``: the square
   position grid times the patch size) of a timm file's tensor shapes and metadata; the heads
-  are ``num_heads``, else the metadata's, else :data:`STANDARD_HEADS`.
-
-  Raises:
-    ValueError: a refused variant, unknown names, or a width whose heads cannot be told.
-  """
-  canonical = canonical_shapes(shapes, path)
+  are ``num_heads``, else the metadata's, else :data:`STANDARD_HEADS`. Raises ValueError: a
+  refused variant, unknown names, or a width whose heads cannot be told."""
+  canonical = _canonical(shapes, path, lambda shape, _, chunks: (shape[0] // chunks, *shape[1:]))
   fields = torch_layout.shapes_to_fields(canonical)
   saved = json.loads(metadata[METADATA_KEY]) if METADATA_KEY in metadata else {}
   fields.update(posemb='learn', gelu_approximate=bool(saved.get('gelu_approximate', False)),
@@ -162,12 +150,9 @@ def to_timm(params: Mapping[str, Any]) -> Dict[str, np.ndarray]:
   out = {}
   for name, value in canonical.items():
     match = re.match(r'^(blocks\.\d+\.attn|attn_pool)\.([qkv])\.(weight|bias)$', name)
-    if not match:
-      out[name] = value
-      continue
-    prefix, part, kind = match.groups()
-    parts = 'qkv' if prefix != 'attn_pool' else 'kv'
-    if part == 'q' and prefix == 'attn_pool':
+    prefix, part, kind = match.groups() if match else (None, None, None)
+    parts = 'kv' if prefix == 'attn_pool' else 'qkv'  # The MAP head's query is not fused.
+    if not match or part not in parts:
       out[name] = value
     elif part == parts[0]:
       out[f'{prefix}.{parts}.{kind}'] = np.concatenate(
@@ -210,8 +195,7 @@ def create_model_call(fields: Mapping[str, Any], file: str, image_size: int,
   keywords give the architecture, the overlay the file, class count and eval preprocessing
   (``resolve_model_data_config``); the model name only picks the class."""
   patch = fields['patch_size']
-  mean = (0.485, 0.456, 0.406) if normalization == 'imagenet' else (0.5, 0.5, 0.5)
-  std = (0.229, 0.224, 0.225) if normalization == 'imagenet' else (0.5, 0.5, 0.5)
+  mean, std = hf_vit.MEAN_STD[normalization]
   size = int(image_size)
   overlay = (f'dict(file={file!r}, num_classes={fields["num_classes"] or 0}, '
              f'input_size=(3, {size}, {size}), crop_pct=1.0, interpolation=\'bilinear\', '
@@ -222,11 +206,8 @@ def create_model_call(fields: Mapping[str, Any], file: str, image_size: int,
           f'num_heads={fields["num_heads"]}',
           f'mlp_ratio={fields["mlp_dim"] / fields["hidden_size"]!r}',
           f'num_classes={fields["num_classes"] or 0}']
-  classifier = fields.get('classifier', 'token')
-  if classifier == 'gap':
-    args += ['class_token=False', "global_pool='avg'", 'fc_norm=False']
-  elif classifier == 'map':
-    args += ['class_token=False', "global_pool='map'"]
+  args += {'gap': ['class_token=False', "global_pool='avg'", 'fc_norm=False'],
+           'map': ['class_token=False', "global_pool='map'"]}.get(fields.get('classifier'), [])
   if fields.get('gelu_approximate', True):
     args.append("act_layer='gelu_tanh'")
   return 'timm.create_model(' + ', '.join(args) + ')'

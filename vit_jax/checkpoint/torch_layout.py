@@ -10,7 +10,7 @@ reads as a zero bias, which computes the same.
 from __future__ import annotations
 
 import re
-from typing import Any, Dict, Mapping, Tuple
+from typing import Any, Dict, List, Mapping, Tuple
 
 import numpy as np
 
@@ -18,26 +18,47 @@ from vit_jax.checkpoint.tree import flatten_params, unflatten_params
 
 _ATTENTION = 'MultiHeadDotProductAttention_0'
 _PROJECTIONS = (('q', 'query'), ('k', 'key'), ('v', 'value'))
+_MLP = (('mlp.fc1', 'MlpBlock_0/Dense_0'), ('mlp.fc2', 'MlpBlock_0/Dense_1'))
 
-# Canonical module -> our module, for the modules that are a LayerNorm or a plain Dense.
-_NORMS = {'norm1': 'LayerNorm_0', 'norm2': 'LayerNorm_1'}
-_DENSES = {'mlp.fc1': 'MlpBlock_0/Dense_0', 'mlp.fc2': 'MlpBlock_0/Dense_1'}
-
-
-def _dense(weight: np.ndarray) -> np.ndarray:
-  return np.ascontiguousarray(np.asarray(weight).T)
-
-
-def _heads_in(weight: np.ndarray, heads: int) -> np.ndarray:
-  """``(heads * Dh, D)`` -> ``(D, heads, Dh)``."""
-  weight = np.asarray(weight)
-  return np.ascontiguousarray(weight.T.reshape(weight.shape[1], heads, -1))
+#: Kind of module (a weight and a bias) -> (our weight's name, canonical -> ours, inverse).
+_WEIGHTS = {
+    'norm': ('scale', lambda w: w, lambda w: w),
+    'linear': ('kernel', np.transpose, np.transpose),
+    'conv': ('kernel', lambda w: np.transpose(w, (2, 3, 1, 0)),
+             lambda k: np.transpose(k, (3, 2, 0, 1))),
+}
 
 
-def _heads_out(weight: np.ndarray, heads: int) -> np.ndarray:
-  """``(D, heads * Dh)`` -> ``(heads, Dh, D)``."""
-  weight = np.asarray(weight)
-  return np.ascontiguousarray(weight.T.reshape(heads, -1, weight.shape[0]))
+def _modules(layers: int) -> List[Tuple[str, str, str]]:
+  """``(canonical prefix, our prefix, kind)`` of every module a ViT of ``layers`` blocks may have:
+  a ``tensor``, an ``attention`` or a kind of :data:`_WEIGHTS`."""
+  modules = [('patch_embed.proj', 'embedding', 'conv'), ('cls_token', 'cls', 'tensor'),
+             ('pos_embed', 'Transformer/posembed_input/pos_embedding', 'tensor')]
+  for i in range(layers):
+    ours = f'Transformer/encoderblock_{i}'
+    modules += [(f'blocks.{i}.norm1', f'{ours}/LayerNorm_0', 'norm'),
+                (f'blocks.{i}.norm2', f'{ours}/LayerNorm_1', 'norm'),
+                (f'blocks.{i}.attn', f'{ours}/{_ATTENTION}', 'attention')]
+    modules += [(f'blocks.{i}.{c}', f'{ours}/{o}', 'linear') for c, o in _MLP]
+  modules += [('norm', 'Transformer/encoder_norm', 'norm'),
+              ('attn_pool.latent', 'MAPHead_0/probe', 'tensor'),
+              ('attn_pool', f'MAPHead_0/{_ATTENTION}', 'attention'),
+              ('attn_pool.norm', 'MAPHead_0/LayerNorm_0', 'norm')]
+  modules += [(f'attn_pool.{c}', f'MAPHead_0/{o}', 'linear') for c, o in _MLP]
+  return modules + [('pre_logits', 'pre_logits', 'linear'), ('head', 'head', 'linear')]
+
+
+def _present(names: Any, canonical: str, prefix: str, sep: str) -> bool:
+  """Whether a module is converted: always the patch embedding, blocks and final norm (a
+  KeyError when missing), the others when ``names`` hold ``prefix``."""
+  return (canonical.startswith(('blocks.', 'patch_embed.')) or canonical == 'norm'
+          or any(n == prefix or n.startswith(prefix + sep) for n in names))
+
+
+def num_layers(names: Any, pattern: str = r'^blocks\.(\d+)\.') -> int:
+  """The number of encoder blocks among canonical names (``blocks.{i}.``; or ``pattern``)."""
+  indices = {int(m.group(1)) for m in map(re.compile(pattern).match, names) if m}
+  return max(indices) + 1 if indices else 0
 
 
 def _attention(source: Mapping[str, np.ndarray], prefix: str, heads: int,
@@ -45,70 +66,37 @@ def _attention(source: Mapping[str, np.ndarray], prefix: str, heads: int,
   """Our attention's arrays from the canonical ``{prefix}.{q,k,v,proj}.{weight,bias}``."""
   out = {}
   for short, name in _PROJECTIONS:
-    weight = source[f'{prefix}.{short}.weight']
+    weight = np.asarray(source[f'{prefix}.{short}.weight'])
     bias = source.get(f'{prefix}.{short}.bias')
     if bias is None:  # qkv_bias=False: a zero bias computes the same.
       bias = np.zeros((weight.shape[0],), weight.dtype)
-    out[f'{name}/kernel'] = _heads_in(weight, heads)
+    out[f'{name}/kernel'] = np.ascontiguousarray(weight.T.reshape(weight.shape[1], heads, -1))
     out[f'{name}/bias'] = np.asarray(bias).reshape(heads, -1)
-  out['out/kernel'] = _heads_out(source[f'{prefix}.proj.weight'], heads)
+  weight = np.asarray(source[f'{prefix}.proj.weight'])
+  out['out/kernel'] = np.ascontiguousarray(weight.T.reshape(heads, -1, weight.shape[0]))
   out['out/bias'] = np.asarray(source.get(f'{prefix}.proj.bias',
                                           np.zeros((width,), np.float32)))
   return out
-
-
-def _norm(source: Mapping[str, np.ndarray], prefix: str) -> Dict[str, np.ndarray]:
-  return {'scale': np.asarray(source[f'{prefix}.weight']),
-          'bias': np.asarray(source[f'{prefix}.bias'])}
-
-
-def _linear(source: Mapping[str, np.ndarray], prefix: str) -> Dict[str, np.ndarray]:
-  return {'kernel': _dense(source[f'{prefix}.weight']),
-          'bias': np.asarray(source[f'{prefix}.bias'])}
-
-
-def _nest(prefix: str, arrays: Mapping[str, np.ndarray]) -> Dict[str, np.ndarray]:
-  return {f'{prefix}/{k}': v for k, v in arrays.items()}
-
-
-def num_layers(names: Any) -> int:
-  """The number of encoder blocks among canonical names (``blocks.{i}.``)."""
-  indices = {int(m.group(1)) for m in map(re.compile(r'^blocks\.(\d+)\.').match, names) if m}
-  return max(indices) + 1 if indices else 0
 
 
 def to_params(source: Mapping[str, np.ndarray], num_heads: int) -> Dict[str, Any]:
   """The per-layer params tree (arrays as stored) of canonical tensors (the callers refuse
   other names first) with ``num_heads`` heads; KeyError for a missing tensor."""
   width = int(np.shape(source['patch_embed.proj.weight'])[0])
-  flat = {
-      'embedding/kernel': np.ascontiguousarray(
-          np.transpose(np.asarray(source['patch_embed.proj.weight']), (2, 3, 1, 0))),
-      'embedding/bias': np.asarray(source['patch_embed.proj.bias']),
-  }
-  if 'cls_token' in source:
-    flat['cls'] = np.asarray(source['cls_token'])
-  if 'pos_embed' in source:
-    flat['Transformer/posembed_input/pos_embedding'] = np.asarray(source['pos_embed'])
-  for i in range(num_layers(source)):
-    block = f'Transformer/encoderblock_{i}'
-    for short, name in _NORMS.items():
-      flat.update(_nest(f'{block}/{name}', _norm(source, f'blocks.{i}.{short}')))
-    flat.update(_nest(f'{block}/{_ATTENTION}', _attention(source, f'blocks.{i}.attn', num_heads,
-                                                          width)))
-    for short, name in _DENSES.items():
-      flat.update(_nest(f'{block}/{name}', _linear(source, f'blocks.{i}.{short}')))
-  flat.update(_nest('Transformer/encoder_norm', _norm(source, 'norm')))
-  if 'attn_pool.latent' in source:
-    flat['MAPHead_0/probe'] = np.asarray(source['attn_pool.latent'])
-    flat.update(_nest(f'MAPHead_0/{_ATTENTION}', _attention(source, 'attn_pool', num_heads,
-                                                            width)))
-    flat.update(_nest('MAPHead_0/LayerNorm_0', _norm(source, 'attn_pool.norm')))
-    for short, name in _DENSES.items():
-      flat.update(_nest(f'MAPHead_0/{name}', _linear(source, f'attn_pool.{short}')))
-  for module in ('pre_logits', 'head'):
-    if f'{module}.weight' in source:
-      flat.update(_nest(module, _linear(source, module)))
+  flat = {}
+  for canonical, ours, kind in _modules(num_layers(source)):
+    if not _present(source, canonical, canonical, '.'):
+      continue
+    if kind == 'tensor':
+      flat[ours] = np.asarray(source[canonical])
+    elif kind == 'attention':
+      flat.update({f'{ours}/{k}': v
+                   for k, v in _attention(source, canonical, num_heads, width).items()})
+    else:
+      name, forward, _ = _WEIGHTS[kind]
+      flat[f'{ours}/{name}'] = np.ascontiguousarray(
+          forward(np.asarray(source[f'{canonical}.weight'])))
+      flat[f'{ours}/bias'] = np.asarray(source[f'{canonical}.bias'])
   return unflatten_params(flat)
 
 
@@ -116,50 +104,24 @@ def from_params(params: Mapping[str, Any]) -> Dict[str, np.ndarray]:
   """Canonical float32 tensors of a per-layer params tree, the inverse of :func:`to_params`;
   KeyError for a tree not a ViT's."""
   flat = {k: np.asarray(v, np.float32) for k, v in flatten_params(params).items()}
-  out = {
-      'patch_embed.proj.weight': np.transpose(flat['embedding/kernel'], (3, 2, 0, 1)),
-      'patch_embed.proj.bias': flat['embedding/bias'],
-  }
-  if 'cls' in flat:
-    out['cls_token'] = flat['cls']
-  if 'Transformer/posembed_input/pos_embedding' in flat:
-    out['pos_embed'] = flat['Transformer/posembed_input/pos_embedding']
-
-  def attention(prefix: str, ours: str) -> None:
-    for short, name in _PROJECTIONS:
-      kernel = flat[f'{ours}/{name}/kernel']
-      out[f'{prefix}.{short}.weight'] = kernel.reshape(kernel.shape[0], -1).T
-      out[f'{prefix}.{short}.bias'] = flat[f'{ours}/{name}/bias'].reshape(-1)
-    kernel = flat[f'{ours}/out/kernel']
-    out[f'{prefix}.proj.weight'] = kernel.reshape(-1, kernel.shape[-1]).T
-    out[f'{prefix}.proj.bias'] = flat[f'{ours}/out/bias']
-
-  def norm(prefix: str, ours: str) -> None:
-    out[f'{prefix}.weight'], out[f'{prefix}.bias'] = flat[f'{ours}/scale'], flat[f'{ours}/bias']
-
-  def linear(prefix: str, ours: str) -> None:
-    out[f'{prefix}.weight'], out[f'{prefix}.bias'] = flat[f'{ours}/kernel'].T, flat[f'{ours}/bias']
-
-  layers = sorted(int(m.group(1)) for m in
-                  (re.match(r'^Transformer/encoderblock_(\d+)/LayerNorm_0/scale$', k)
-                   for k in flat) if m)
-  for i in layers:
-    block = f'Transformer/encoderblock_{i}'
-    for short, name in _NORMS.items():
-      norm(f'blocks.{i}.{short}', f'{block}/{name}')
-    attention(f'blocks.{i}.attn', f'{block}/{_ATTENTION}')
-    for short, name in _DENSES.items():
-      linear(f'blocks.{i}.{short}', f'{block}/{name}')
-  norm('norm', 'Transformer/encoder_norm')
-  if 'MAPHead_0/probe' in flat:
-    out['attn_pool.latent'] = flat['MAPHead_0/probe']
-    attention('attn_pool', f'MAPHead_0/{_ATTENTION}')
-    norm('attn_pool.norm', 'MAPHead_0/LayerNorm_0')
-    for short, name in _DENSES.items():
-      linear(f'attn_pool.{short}', f'MAPHead_0/{name}')
-  for module in ('pre_logits', 'head'):
-    if f'{module}/kernel' in flat:
-      linear(module, module)
+  out = {}
+  for canonical, ours, kind in _modules(num_layers(flat, r'^Transformer/encoderblock_(\d+)/')):
+    if not _present(flat, canonical, ours, '/'):
+      continue
+    if kind == 'tensor':
+      out[canonical] = flat[ours]
+    elif kind == 'attention':
+      for short, name in _PROJECTIONS:
+        kernel = flat[f'{ours}/{name}/kernel']
+        out[f'{canonical}.{short}.weight'] = kernel.reshape(kernel.shape[0], -1).T
+        out[f'{canonical}.{short}.bias'] = flat[f'{ours}/{name}/bias'].reshape(-1)
+      kernel = flat[f'{ours}/out/kernel']
+      out[f'{canonical}.proj.weight'] = kernel.reshape(-1, kernel.shape[-1]).T
+      out[f'{canonical}.proj.bias'] = flat[f'{ours}/out/bias']
+    else:
+      name, _, inverse = _WEIGHTS[kind]
+      out[f'{canonical}.weight'] = inverse(flat[f'{ours}/{name}'])
+      out[f'{canonical}.bias'] = flat[f'{ours}/bias']
   return {k: np.ascontiguousarray(v) for k, v in out.items()}
 
 

@@ -128,8 +128,7 @@ def _rebuild_tensor(storage: Any, storage_offset: Any, size: Any, stride: Any) -
   (offset,) = _as_int_tuple((storage_offset,), 'storage_offset')
   shape = _as_int_tuple(size, 'size')
   strides = _as_int_tuple(stride, 'stride')
-  if len(shape) != len(strides) or offset < 0 or any(s < 0 for s in shape) or any(
-      st < 0 for st in strides):
+  if len(shape) != len(strides) or min((offset, *shape, *strides)) < 0:
     raise MalformedTorchFileError(f'malformed tensor record: offset {offset}, size {shape}, '
                                   f'stride {strides}')
   flat = storage.array
@@ -178,12 +177,7 @@ def _codecs_encode(text: Any, encoding: str = 'utf-8', errors: str = 'strict') -
 
 class _FrozenClass(type):
   """Metaclass: class attributes cannot be set or deleted after creation (see :class:`_Frozen`)."""
-
-  def __setattr__(cls, name, value):
-    raise UnsafePickleError(f'refusing to set attribute {name!r} of {cls.__name__}')
-
-  def __delattr__(cls, name):
-    raise UnsafePickleError(f'refusing to delete attribute {name!r} of {cls.__name__}')
+  __setattr__, __delattr__ = _Frozen.__setattr__, _Frozen.__delattr__
 
 
 class Namespace(metaclass=_FrozenClass):
@@ -217,7 +211,7 @@ _SAFE_GLOBALS = {
 
 class SafeUnpickler(pickle.Unpickler):
   """Unpickles tensors (as NumPy) and plain containers only; refuses every other global.
-  ``read_storage(key, nbytes)``: the bytes of ``data/<key>``, whose record declares ``nbytes``;
+  ``read_storage(key, nbytes)``: the bytes of ``data/<key>`` (at least ``nbytes``, or it raises);
   ``max_bytes``: the most bytes all tensors together may take (None: no bound)."""
 
   def __init__(self, file: BinaryIO, read_storage: Callable[[str, int], bytes],
@@ -260,11 +254,8 @@ class SafeUnpickler(pickle.Unpickler):
       return cached
     dtype = storage_type.dtype
     nbytes = numel * dtype.itemsize
-    data = self._read_storage(key, nbytes)
-    if len(data) < nbytes:
-      raise MalformedTorchFileError(f'storage {key!r} holds {len(data):,} bytes but its record '
-                                    f'declares {nbytes:,}')
-    raw = np.frombuffer(data, dtype=np.dtype(f'u{dtype.itemsize}'), count=numel)
+    raw = np.frombuffer(self._read_storage(key, nbytes), dtype=np.dtype(f'u{dtype.itemsize}'),
+                        count=numel)
     if dtype.itemsize > 1 and self._byteorder != sys.byteorder:
       raw = raw.byteswap()
     storage = _Storage(raw.view(dtype), key, self._budget)
@@ -272,29 +263,20 @@ class SafeUnpickler(pickle.Unpickler):
     return storage
 
 
-def _find_prefix(names) -> str:
-  pkls = [n[:-len('data.pkl')] for n in names if n.endswith('data.pkl') and n.count('/') <= 1 and (
-      n == 'data.pkl' or n.endswith('/data.pkl'))]
-  if len(pkls) != 1:
-    raise LegacyTorchFormatError(
-        f'not a torch zip checkpoint: expected one "<name>/data.pkl" entry, found {len(pkls)}')
-  return pkls[0]
+def _prefixes(names) -> list:
+  """The ``<name>/`` of each top-level ``<name>/data.pkl`` among zip member ``names``."""
+  return [n[:-len('data.pkl')] for n in names
+          if n.count('/') <= 1 and (n == 'data.pkl' or n.endswith('/data.pkl'))]
 
 
 def has_torch_layout(names) -> bool:
   """Whether zip member ``names`` have torch.save's layout (one top-level ``<name>/data.pkl``)."""
-  try:
-    _find_prefix(names)
-    return True
-  except LegacyTorchFormatError:
-    return False
+  return len(_prefixes(names)) == 1
 
 
 _LEGACY_HINT = ('Only the zip format that torch.save writes since torch 1.6 is read (safely, '
                 'without torch). Re-save it with a recent torch: '
                 'torch.save(torch.load(path, weights_only=True), new_path).')
-_UNSAFE_HINT = ('Use weights from a trusted source, or re-save only the tensors with torch: '
-                'torch.save(model.state_dict(), path).')
 
 
 def load_torch_zip(file: Union[str, BinaryIO], name: str = '') -> Any:
@@ -319,16 +301,17 @@ def load(zip_file: archive_lib.Zip) -> Any:
     DamagedCheckpointError: its directory or a member cannot be read;
       :class:`MalformedTorchFileError` for inconsistent records (see the module docstring).
   """
-  name = zip_file.name
-  try:
-    prefix = _find_prefix(zip_file.names)
-  except LegacyTorchFormatError as e:
-    raise LegacyTorchFormatError(f'{name!r}: {e}. {_LEGACY_HINT}') from None
+  name, prefixes = zip_file.name, _prefixes(zip_file.names)
+  if len(prefixes) != 1:
+    raise LegacyTorchFormatError(f'{name!r}: not a torch zip checkpoint: expected one '
+                                 f'"<name>/data.pkl" entry, found {len(prefixes)}. {_LEGACY_HINT}')
   with zip_file.open() as archive:
     try:
-      return _unpickle(zip_file, archive, prefix)
+      return _unpickle(zip_file, archive, prefixes[0])
     except UnsafePickleError as e:
-      raise UnsafePickleError(f'{name!r}: {e}; nothing was run. {_UNSAFE_HINT}') from None
+      raise UnsafePickleError(f'{name!r}: {e}; nothing was run. Use weights from a trusted '
+                              'source, or re-save only the tensors with torch: '
+                              'torch.save(model.state_dict(), path).') from None
     except MalformedTorchFileError as e:
       raise MalformedTorchFileError(f'{name!r} is damaged or hand-made: {e}. {FIX}') from None
     except DamagedCheckpointError:
@@ -404,18 +387,13 @@ def load_pth(path: Any, *, use_ema: bool = True,
     obj = load_torch_zip(path)
   else:
     obj = load(zip_file)
-  state_dict = None
-  if isinstance(obj, Mapping):
-    for key in _STATE_DICT_KEYS if use_ema else _STATE_DICT_KEYS[1:]:
-      if obj.get(key) is not None:
-        state_dict = obj[key]
-        if not _is_state_dict(state_dict):
-          raise ValueError(f'{path!r}: {key!r} is not a mapping of names to tensors '
-                           f'(got {type(state_dict).__name__})')
-        break
-    if state_dict is None and _is_state_dict(obj):
-      state_dict = obj
-  if state_dict is None:
+  keys = [k for k in _STATE_DICT_KEYS[0 if use_ema else 1:]
+          if isinstance(obj, Mapping) and obj.get(k) is not None]
+  state_dict = obj[keys[0]] if keys else obj
+  if keys and not _is_state_dict(state_dict):
+    raise ValueError(f'{path!r}: {keys[0]!r} is not a mapping of names to tensors '
+                     f'(got {type(state_dict).__name__})')
+  if not _is_state_dict(state_dict):
     if isinstance(obj, Mapping):
       top = ', '.join(repr(k) for k in obj)
       raise ValueError(f'{path!r} holds no state dict: expected a "state_dict_ema" (with '
@@ -424,7 +402,7 @@ def load_pth(path: Any, *, use_ema: bool = True,
     raise ValueError(f'{path!r} holds a {type(obj).__name__}, not a state dict')
   out: Dict[str, np.ndarray] = {}
   for key, value in state_dict.items():
-    name = key[len('module.'):] if key.startswith('module.') else key
+    name = key.removeprefix('module.')
     if name in out:
       raise ValueError(f'{path!r}: duplicate parameter {name!r} after stripping "module."')
     out[name] = value

@@ -72,13 +72,10 @@ def describe_architecture(variables: Mapping) -> Optional[str]:
 
 def check_fits(variables: Mapping, expected: Mapping, *, what: str = 'The checkpoint') -> None:
   """Checks that ``variables`` has exactly the keys and shapes of ``expected`` (``model.init``
-  or its ``eval_shape``, boxed or plain); ``what`` names ``variables`` in the message.
-
-  Raises:
-    ModelMismatchError: the missing and unexpected keys and shape mismatches (a ValueError),
-      with the checkpoint's architecture, the conversion for another block layout, or that only
-      the position table (another image size) differs.
-  """
+  or its ``eval_shape``, boxed or plain); ``what`` names ``variables`` in the message. Raises
+  ModelMismatchError (a ValueError): the missing and unexpected keys and shape mismatches, with
+  the checkpoint's architecture, the conversion for another block layout, or that only the
+  position table (another image size) differs."""
   variables, expected = layout.unbox(variables), layout.unbox(expected)
   missing, unexpected, mismatched = diff(flatten_params(variables), flatten_params(expected))
   if not (missing or unexpected or mismatched):

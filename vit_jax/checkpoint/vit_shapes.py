@@ -4,14 +4,14 @@ official checkpoints) say about the model that wrote it."""
 from __future__ import annotations
 
 import math
+import re
 from typing import Any, Dict, Optional
 
 from vit_jax.models import resnet
 from vit_jax.models import vit_fields
 
-#: The learned position embedding (``[1, T, D]``, class token row first with classifier 'token')
-#: as a '/'-joined variable name: resized to the new token grid when fine-tuning at another
-#: resolution (:func:`vit_jax.checkpoint.resize_posemb`).
+#: The learned position embedding (``[1, T, D]``, class token row first with classifier 'token'),
+#: resized to the new token grid when fine-tuning (:func:`vit_jax.checkpoint.resize_posemb`).
 POSEMB_KEY = 'params/Transformer/posembed_input/pos_embedding'
 
 
@@ -43,12 +43,8 @@ def architecture_fields(shapes: dict) -> Optional[Dict[str, Any]]:
                 num_classes=head[-1] if head else None)
   if 'params/conv_root/kernel' in shapes:  # ResNet stem: params/block{stage}/unit{unit}/...
     units = {}
-    for key in shapes:
-      parts = key.split('/')
-      if (len(parts) > 3 and parts[1][:5] == 'block' and parts[1][5:].isdigit()
-          and parts[2][:4] == 'unit' and parts[2][4:].isdigit()):
-        stage = int(parts[1][5:])
-        units[stage] = max(units.get(stage, 0), int(parts[2][4:]))
+    for m in filter(None, map(re.compile(r'^params/block(\d+)/unit(\d+)/.').match, shapes)):
+      units[int(m[1])] = max(units.get(int(m[1]), 0), int(m[2]))
     fields['resnet_num_layers'] = tuple(units[s] for s in sorted(units))
     fields['resnet_width_factor'] = shapes['params/conv_root/kernel'][-1] / 64
   return fields

@@ -1,7 +1,5 @@
-"""The run directory (``--workdir``; layout: :mod:`vit_jax.rundir`): writing it, its checkpoints,
-and reading a run back (:func:`read_run`) for the trainer and every tool. Local paths and
-``gs://`` alike (local paths made absolute, as Orbax needs).
-"""
+"""The run directory (``--workdir``; layout: :mod:`vit_jax.rundir`), local or ``gs://``: writing
+it, its checkpoints, and reading a run back (:func:`read_run`) for the trainer and every tool."""
 
 from __future__ import annotations
 
@@ -27,7 +25,7 @@ from vit_jax.checkpoint import orbax
 from vit_jax.checkpoint import paths
 from vit_jax.checkpoint import tree
 from vit_jax.rundir import (CHECKPOINTS_DIR, CONFIG_ITEM, CONFIG_JSON, COST_ITEM, COST_JSON,
-                            DATASET_ITEM, DATASET_JSON, ORBAX_PATHS, STATE_ITEM)
+                            DATASET_ITEM, DATASET_JSON, STATE_ITEM)
 
 _RERUN_HINT = 'Rerun with the config it was trained with, or start a new run in another --workdir.'
 _RESUME_HINT = ('The checkpoints already saved are intact; free disk space (or make the workdir '
@@ -57,10 +55,8 @@ def _first_line(error: BaseException) -> str:
 
 class Workdir:
   """A run directory (local or ``gs://``), created when something is written: ``path`` (as given),
-  ``checkpoints_dir``, ``cost_json``, ``config_json``, ``dataset_json`` (``epath.Path``).
-
-  Raises ValueError for an empty ``path``.
-  """
+  ``checkpoints_dir``, ``cost_json``, ``config_json``, ``dataset_json`` (``epath.Path``; local
+  paths made absolute, as Orbax needs). Raises ValueError for an empty ``path``."""
 
   def __init__(self, path: Any):
     self.path = os.fspath(path)
@@ -98,7 +94,7 @@ class Workdir:
           'another --workdir.')
 
   def lock(self, *, timeout_s: float) -> 'lock_lib.WorkdirLock':
-    """The workdir's lock (``WORKDIR/lock.json``; not yet taken): see :mod:`.lock`."""
+    """The workdir's lock (not yet taken): see :mod:`.lock`."""
     return lock_lib.WorkdirLock(self.path, timeout_s=timeout_s)
 
   def saved_steps(self) -> List[int]:
@@ -169,12 +165,10 @@ class Workdir:
     return writer
 
   def checkpoints(self, *, keep: Optional[int], asynchronous: bool) -> 'Checkpoints':
-    """The run's checkpoints (``WORKDIR/checkpoints``); see :class:`Checkpoints`."""
     return Checkpoints(self.checkpoints_dir, keep=keep, asynchronous=asynchronous)
 
 
-#: What a failed write says when the disk or the permissions are the cause (TensorFlow's and
-#: orbax's errors are not OSErrors).
+#: A failed write's message when the disk or permissions are the cause (not always an OSError).
 _DISK_ERROR = re.compile(r'No space left|RESOURCE_EXHAUSTED|Permission denied|PERMISSION_DENIED|'
                          r'os_error')
 
@@ -224,26 +218,18 @@ class _EventsWriter:
 
 class Checkpoints:
   """A run's numbered checkpoints (an Orbax ``CheckpointManager``; create it on every process):
-  the newest ``keep`` steps (None: all), finalized locally once on stable storage
-  (:mod:`.durable`), saved in the background when ``asynchronous``.
-
-  Raises ValueError: ``keep`` is not a positive int or None.
-  """
+  the newest ``keep`` steps (None: all; else a positive int, or ValueError), finalized locally
+  once on stable storage (:mod:`.durable`), saved in the background when ``asynchronous``."""
 
   def __init__(self, directory: Any, *, keep: Optional[int], asynchronous: bool):
     import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top  (0.3 s; not for .npz)
     if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
       raise ValueError(f'keep must be a positive int or None (keep all), got {keep!r}.')
     local = not paths.is_remote(os.fspath(directory))
-    self._manager = ocp.CheckpointManager(
-        directory,
-        options=ocp.CheckpointManagerOptions(
-            preservation_policy=ocp.checkpoint_managers.LatestN(n=keep),
-            enable_async_checkpointing=bool(asynchronous),
-            cleanup_tmp_directories=True,
-            temporary_path_class=durable.rename_class() if local else None,
-        ),
-    )
+    self._manager = ocp.CheckpointManager(directory, options=ocp.CheckpointManagerOptions(
+        preservation_policy=ocp.checkpoint_managers.LatestN(n=keep),
+        enable_async_checkpointing=bool(asynchronous), cleanup_tmp_directories=True,
+        temporary_path_class=durable.rename_class() if local else None))
 
   @property
   def directory(self) -> epath.Path:
@@ -264,11 +250,9 @@ class Checkpoints:
       return
     self._check_free_space(step, state)
     import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
-    items = {STATE_ITEM: ocp.args.StandardSave(state), COST_ITEM: ocp.args.JsonSave(cost)}
-    if config is not None:
-      items[CONFIG_ITEM] = ocp.args.JsonSave(config)
-    if dataset is not None:
-      items[DATASET_ITEM] = ocp.args.JsonSave(dataset)
+    items = {STATE_ITEM: ocp.args.StandardSave(state), COST_ITEM: ocp.args.JsonSave(cost),
+             **{k: ocp.args.JsonSave(v) for k, v in ((CONFIG_ITEM, config), (DATASET_ITEM, dataset))
+                if v is not None}}
     with self._save_errors(step):
       self._manager.save(step, args=ocp.args.Composite(**items), force=True)
 
@@ -293,9 +277,9 @@ class Checkpoints:
                 'There is no earlier checkpoint')
       raise CheckpointSaveError(
           f'Not enough disk space for the checkpoint of step {step} in {directory}: it needs '
-          f'about {_mib(needed)}, {_mib(free)} are free (No space left on device). {intact}; '
-          'free disk space (or lower --config.keep_checkpoints) and rerun the same command to '
-          'resume.')
+          f'about {needed / 2**20:.2f} MiB, {free / 2**20:.2f} MiB are free (No space left on '
+          f'device). {intact}; free disk space (or lower --config.keep_checkpoints) and rerun the '
+          'same command to resume.')
 
   def restore(self, step: int, abstract_state: Any) -> Tuple[Any, Optional[Dict[str, Any]]]:
     """``(state, cost or None)`` of ``step`` on ``abstract_state``'s shardings. Raises ValueError:
@@ -370,10 +354,6 @@ class Checkpoints:
           + ('free disk space (or lower --config.keep_checkpoints)' if full else
              'make the checkpoint directory writable')
           + ' and rerun the same command to resume.') from e
-
-
-def _mib(num_bytes: int) -> str:
-  return f'{num_bytes / 2**20:.2f} MiB'
 
 
 # Reading a run back: from any path a user gives to one step's state item, config and record.
@@ -451,10 +431,8 @@ def _locate(path: Any, step: Optional[int], missing: str, names: Optional[Sequen
     return (paths.join(run.step_dir, STATE_ITEM), run.step_dir,
             int(name) if name.isdigit() else None, [], run.workdir)
   if not orbax.is_item(path):
-    raise ValueError(f'Unrecognised checkpoint directory {path!r}: a directory is read as an '
-                     f'Orbax checkpoint, {ORBAX_PATHS}, or a variables checkpoint written by '
-                     'python -m vit_jax.convert, or as a Hugging Face transformers ViT when it '
-                     'holds config.json and model.safetensors.')
+    raise ValueError(f'Unrecognised checkpoint directory {path!r}. Accepted formats: '
+                     f'{rundir.ACCEPTED_FORMATS}')
   if step is not None:
     raise ValueError(f'{path} is a variables checkpoint without steps: leave out --step.')
   return path, None, None, [], None

@@ -35,9 +35,6 @@ AUGMENTATIONS = ("inception_crop", "pad_crop", "flip", "none")
 NORMALIZATIONS = ("minus_one_to_one", "imagenet")
 BAD_IMAGES = ("fail", "skip")
 
-# Model fields whose None default stands for a float (the others are ints).
-_FLOAT_MODEL_FIELDS = {"qk_scale": float}
-
 
 def model_config(model_name: str, **model_overrides) -> ml_collections.ConfigDict:
   """``config.model``: every field of the named variant, resolved, plus how the blocks run.
@@ -55,7 +52,7 @@ def model_config(model_name: str, **model_overrides) -> ml_collections.ConfigDic
   model = ml_collections.ConfigDict(fields)
   for key, value in list(model.items()):
     if value is None:  # e.g. representation_size: keep it overridable with the right type.
-      model[key] = config_dict.placeholder(_FLOAT_MODEL_FIELDS.get(key, int))
+      model[key] = config_dict.placeholder(float if key == "qk_scale" else int)
   if "head_bias_init" in model:  # ViT: the regime's default (-10 or 0) if None.
     model.head_bias_init = config_dict.placeholder(float)
   return model

@@ -159,53 +159,34 @@ def check_value(path: str, value: Any) -> Any:
 
 
 def _fewshot_list(fewshot: ml_collections.ConfigDict, key: str, expected: str, example: str,
-                  item: Callable[[Any], Any]) -> tuple:
-  """`config.fewshot.<key>` as a tuple of `item(v)`, or a ValueError naming the flag."""
+                  ok: Callable[[Any], bool], convert: Callable[[Any], Any] = lambda v: v,
+                  whole: Callable[[tuple], bool] = lambda t: True) -> tuple:
+  """`config.fewshot.<key>` as a tuple of `convert(v)`, or a ValueError naming the flag unless a
+  list or tuple of items that are `ok`, `whole` as a tuple."""
   value = fewshot[key]
-  error = ValueError(f"config.fewshot.{key}={value!r} must be {expected}; set "
+  if not isinstance(value, (list, tuple)) or not all(map(ok, value)) or not whole(tuple(value)):
+    raise ValueError(f"config.fewshot.{key}={value!r} must be {expected}; set "
                      f"--config.fewshot.{key} to such a value, e.g. "
                      f"--config.fewshot.{key}={example}.")
-  if not isinstance(value, (list, tuple)):
-    raise error
-  try:
-    return tuple(item(v) for v in value)
-  except ValueError:
-    raise error from None
+  return tuple(map(convert, value))
 
 
 def resolve_fewshot(fewshot: ml_collections.ConfigDict) -> None:
   """Checks `config.fewshot` and normalises it in place (`datasets` split at commas, `shots`
   sorted, `l2_regs` floats); ValueError naming the field and the flag."""
   _check_ranges(fewshot, _FEWSHOT_RANGES, "fewshot.")
-
-  def name(v):
-    if not isinstance(v, str) or not all(part.strip() for part in v.split(",")):
-      raise ValueError
-    return tuple(part.strip() for part in v.split(","))
-
-  def count(v):
-    if not (_integer(v) and v > 0):
-      raise ValueError
-    return v
-
-  def penalty(v):
-    if not (_number(v) and v > 0):
-      raise ValueError
-    return float(v)
-
-  datasets = sum(_fewshot_list(fewshot, "datasets", "a tuple of tfds names or prepared "
-                               "directories (empty: the training data)", "cifar10,dtd", name), ())
+  datasets = sum(_fewshot_list(
+      fewshot, "datasets", "a tuple of tfds names or prepared directories (empty: the training "
+      "data)", "cifar10,dtd", lambda v: isinstance(v, str) and all(map(str.strip, v.split(","))),
+      lambda v: tuple(part.strip() for part in v.split(","))), ())
   if len(set(datasets)) != len(datasets):
     raise ValueError(f"config.fewshot.datasets={fewshot.datasets!r} names a dataset twice; "
                      "list each once in --config.fewshot.datasets.")
   shots = _fewshot_list(fewshot, "shots", "a non-empty tuple of distinct positive ints",
-                        "1,5,10,25", count)
-  if not shots or len(set(shots)) != len(shots):
-    raise ValueError(f"config.fewshot.shots={fewshot.shots!r} must be a non-empty tuple of "
-                     "distinct positive ints; set --config.fewshot.shots to such a value, e.g. "
-                     "--config.fewshot.shots=1,5,10,25.")
+                        "1,5,10,25", _POSITIVE_INT[1],
+                        whole=lambda t: bool(t) and len(set(t)) == len(t))
   l2_regs = _fewshot_list(fewshot, "l2_regs", "a non-empty tuple of numbers > 0 (the ridge "
-                          "penalties)", "1024.0", penalty)
+                          "penalties)", "1024.0", _POSITIVE[1], float)
   if not l2_regs:
     raise ValueError("config.fewshot.l2_regs=() must hold at least one number > 0; set "
                      "--config.fewshot.l2_regs=1024.0 (big_vision's value), or several.")
@@ -337,11 +318,6 @@ def check_host_limits(config: ml_collections.ConfigDict, *, num_train_examples: 
         "less, or lower --config.data.prefetch.")
 
 
-def _model_fields(config: ml_collections.ConfigDict) -> dict[str, Any]:
-  """`config.model` as keyword arguments of `vit_jax.models.create` (tuples kept as tuples)."""
-  return {key: config.model[key] for key in config.model}
-
-
 def _resolve_schedule(config: ml_collections.ConfigDict, num_train_examples: int) -> None:
   """Fills total_steps, warmup_steps and cooldown_steps (epochs -> steps) and checks them."""
   config.total_steps = num_train_steps(config, num_train_examples)
@@ -388,8 +364,7 @@ def _numerics_from_init(config: ml_collections.ConfigDict, path: str) -> None:
   fields, family = found
   changed = {k: (config.model[k], v) for k, v in fields.items()
              if k in ecosystem.NUMERICS and k in config.model and config.model[k] != v}
-  for key, (_, value) in changed.items():
-    config.model[key] = value
+  config.model.update({k: new for k, (_, new) in changed.items()})
   if changed:  # The weights win over the config (a flag included): they computed with these.
     logging.info("init_from %s is %s: %s set from the weights.", path, family,
                  ", ".join(f"model.{k}={new!r} (was {old!r})"
@@ -419,7 +394,7 @@ def remat_choice(config: ml_collections.ConfigDict,
 def attention_choice(config: ml_collections.ConfigDict, requested: str,
                      devices: Sequence[Any]) -> dispatch.Choice:
   """`vit_jax.dispatch.choose_attention` of `requested` for `config`'s model on `devices`."""
-  fields = _model_fields(for_counting(ml_collections.ConfigDict(config.to_dict())))
+  fields = dict(for_counting(ml_collections.ConfigDict(config.to_dict())).model.items())
   fields.pop("attention", None)  # The head size is all that is read.
   return dispatch.choose_attention(
       requested, devices=devices, dtype=config.model.get("dtype", "float32"),
@@ -475,7 +450,7 @@ def resolve(config: ml_collections.ConfigDict, *, num_train_examples: int, num_c
   if config.num_classes is None:
     config.num_classes = int(num_classes)
   _resolve_init_from(config)  # May set the model's numerics from the weights.
-  fields = _model_fields(config)
+  fields = dict(config.model.items())  # Keyword arguments of `vit_jax.models.model_config`.
   requested = fields.pop("attention")
   remat = remat_choice(config, devices)  # 'auto' -> a policy, from the devices and the dtype.
   if remat is not None:

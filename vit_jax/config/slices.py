@@ -10,7 +10,6 @@ import math
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import ml_collections
 
 from vit_jax import accounting
@@ -50,9 +49,8 @@ def _sequences(model_name: str, fields: dict[str, Any],
     return [(config["depth"], grid + 1, config["embed_dim"], config["num_heads"]),
             (1, math.ceil(image_size / 4) ** 2, config["token_dim"], t2t_heads),
             (1, math.ceil(image_size / 8) ** 2, config["token_dim"], t2t_heads)]
-  patch = config["patch_size"]
-  patch = patch[0] if isinstance(patch, (tuple, list)) else patch
-  tokens = (image_size // patch) ** 2 + (1 if config.get("classifier", "token") == "token" else 0)
+  patch = config["patch_size"][0]  # (height, width), as model_config gives it.
+  tokens = (image_size // patch) ** 2 + (1 if config["classifier"] == "token" else 0)
   return [(config["num_layers"], tokens, config["hidden_size"], config["num_heads"])]
 
 
@@ -76,9 +74,7 @@ def parameter_count(model_name: str, fields: dict[str, Any], num_classes: int,
   fields = {k: v for k, v in fields.items()  # Unset fields (None) take the model's defaults.
             if k not in ("dtype", "param_dtype", "attention") and v is not None}
   model = models.create(model_name, num_classes=num_classes, attention="xla", **fields)
-  shapes = jax.eval_shape(lambda: model.init(jax.random.PRNGKey(0),
-                                             jnp.zeros((1, image_size, image_size, 3)),
-                                             train=False))
+  shapes = models.abstract_variables(model, (image_size, image_size))
   return sum(math.prod(x.shape) for x in jax.tree.leaves(shapes["params"]))
 
 

@@ -1,7 +1,6 @@
 """vit_jax's input pipelines (tf.data / tfds -> numpy batches), the only place that reads data
 with TensorFlow. Importing it hides the accelerators from TensorFlow and registers the offline
-``fashion_mnist_local`` builder.
-"""
+``fashion_mnist_local`` builder."""
 
 from vit_jax import platform as _platform
 

@@ -1,7 +1,6 @@
 """``fashion_mnist_local``: an offline tfds builder of Fashion-MNIST from the four IDX files in
 ``manual_dir`` (default the Debian ``dataset-fashion-mnist`` path), the features and splits of
-tfds's ``fashion_mnist``. Importing ``vit_jax.data`` registers it.
-"""
+tfds's ``fashion_mnist``. Importing ``vit_jax.data`` registers it."""
 
 from __future__ import annotations
 
@@ -51,8 +50,7 @@ def read_idx(path: str, expected_magic: int, expected_count: Optional[int] = Non
   with opener(path, 'rb') as f:
     data = f.read()
   if len(data) < 4:
-    raise IdxFormatError(f'{path}: file too short ({len(data)} bytes) for an '
-                         'IDX header.')
+    raise IdxFormatError(f'{path}: file too short ({len(data)} bytes) for an IDX header.')
   (magic,) = struct.unpack('>i', data[:4])
   if magic != expected_magic:
     raise IdxFormatError(
@@ -65,9 +63,8 @@ def read_idx(path: str, expected_magic: int, expected_count: Optional[int] = Non
   dims = struct.unpack(f'>{ndim}i', data[4:header_len])
   size = int(np.prod(dims))
   if len(data) - header_len != size:
-    raise IdxFormatError(
-        f'{path}: header declares shape {dims} ({size} bytes of data) but the '
-        f'file holds {len(data) - header_len} bytes of data.')
+    raise IdxFormatError(f'{path}: header declares shape {dims} ({size} bytes of data) but the '
+                         f'file holds {len(data) - header_len} bytes of data.')
   if expected_count is not None and dims[0] != expected_count:
     raise IdxFormatError(f'{path}: holds {dims[0]} examples, expected {expected_count}.')
   return np.frombuffer(data, dtype=np.uint8, offset=header_len).reshape(dims)
@@ -76,11 +73,9 @@ def read_idx(path: str, expected_magic: int, expected_count: Optional[int] = Non
 def encode_png_gray(image: np.ndarray) -> bytes:
   """Encodes a [H, W] or [H, W, 1] uint8 array as an 8-bit grayscale PNG."""
   image = np.asarray(image, dtype=np.uint8)
-  if image.ndim == 3:
-    image = image[..., 0]
+  image = image.reshape(image.shape[:2])
   h, w = image.shape
-  raw = np.zeros((h, w + 1), np.uint8)  # Filter byte 0 (None) on every row.
-  raw[:, 1:] = image
+  raw = np.pad(image, ((0, 0), (1, 0)))  # Filter byte 0 (None) on every row.
 
   def chunk(tag: bytes, payload: bytes) -> bytes:
     return (struct.pack('>I', len(payload)) + tag + payload +
@@ -98,9 +93,8 @@ def load_split(directory: str, split: str) -> Tuple[np.ndarray, np.ndarray]:
   paths = [os.path.join(directory, images_file), os.path.join(directory, labels_file)]
   missing = [p for p in paths if not os.path.exists(p)]
   if missing:
-    raise FileNotFoundError(
-        f'Fashion-MNIST IDX file(s) not found: {", ".join(missing)}. '
-        + MISSING_FILES_HINT)
+    raise FileNotFoundError(f'Fashion-MNIST IDX file(s) not found: {", ".join(missing)}. '
+                            + MISSING_FILES_HINT)
   images = read_idx(paths[0], _IMAGES_MAGIC)
   labels = read_idx(paths[1], _LABELS_MAGIC, expected_count=images.shape[0])
   if images.shape[0] != count:
@@ -109,8 +103,6 @@ def load_split(directory: str, split: str) -> Tuple[np.ndarray, np.ndarray]:
   if images.shape[1:] != IMAGE_SHAPE[:2]:
     raise IdxFormatError(f'{paths[0]}: images have shape {images.shape[1:]}, '
                          f'expected {IMAGE_SHAPE[:2]}.')
-  if labels.ndim != 1:
-    raise IdxFormatError(f'{paths[1]}: labels must be 1-D, got {labels.shape}.')
   if labels.size and labels.max() >= len(LABEL_NAMES):
     raise IdxFormatError(f'{paths[1]}: label {labels.max()} out of range [0, {len(LABEL_NAMES)}).')
   return images, labels

@@ -10,20 +10,10 @@ import numpy as np
 import tensorflow as tf
 
 from vit_jax.data import preprocess
-from vit_jax.data.sources import BadImageError
-from vit_jax.data.sources import non_utf8_name_error
-from vit_jax.data.sources import tf_message
+from vit_jax.data import sources
 
 #: File name endings (lower case) that `list_images` takes for images.
 IMAGE_EXTENSIONS = ('.jpg', '.jpeg', '.png', '.bmp', '.gif', '.webp')
-
-
-def _is_utf8(name: str) -> bool:
-  try:
-    name.encode('utf-8')  # os.walk's undecodable bytes are lone surrogates ('\udcff').
-    return True
-  except UnicodeEncodeError:
-    return False
 
 
 def walk(folder: str, skipped_links: Optional[list] = None
@@ -66,9 +56,7 @@ def walk(folder: str, skipped_links: Optional[list] = None
 def list_images(folder: str, recursive: bool = True,
                 skipped_links: Optional[list] = None) -> List[str]:
   """The image files in ``folder`` (and subfolders if ``recursive``, as :func:`walk`), sorted.
-
-  Raises FileNotFoundError (not a directory) or ValueError (a non-UTF-8 file name).
-  """
+  Raises FileNotFoundError (not a directory) or ValueError (a non-UTF-8 file name)."""
   folder = str(folder)
   if not tf.io.gfile.isdir(folder):
     raise FileNotFoundError(f'{folder} is not a directory.')
@@ -76,8 +64,8 @@ def list_images(folder: str, recursive: bool = True,
   for root, _, names in walk(folder, skipped_links):
     for n in names:
       if not n.startswith('.') and n.lower().endswith(IMAGE_EXTENSIONS):
-        if not _is_utf8(n) or not _is_utf8(root):
-          raise non_utf8_name_error(os.path.join(root, n))
+        if any('\ud800' <= c <= '\udfff' for c in root + n):  # Not UTF-8: lone surrogates.
+          raise sources.non_utf8_name_error(os.path.join(root, n))
         found.append(os.path.join(root, n))
     if not recursive:
       break
@@ -97,7 +85,7 @@ def read_bytes(path: str) -> bytes:
   except tf.errors.PermissionDeniedError as e:
     raise PermissionError(f'{path} cannot be read (permission denied).') from e
   except tf.errors.OpError as e:  # E.g. a link to itself: 'Too many levels of symbolic links'.
-    raise OSError(f'{path} cannot be read: {tf_message(e).replace(f"{path}; ", "")}') from e
+    raise OSError(f'{path} cannot be read: {sources.tf_message(e).replace(f"{path}; ", "")}') from e
 
 
 def eval_input(image: Any, *, size: int, normalization: Optional[str],
@@ -118,10 +106,10 @@ def eval_input(image: Any, *, size: int, normalization: Optional[str],
   if isinstance(image, bytes):
     name = name or 'the image'
     try:
-      out = preprocess.eval_image(tf.constant(image), encoded=True, **kwargs)
+      return preprocess.eval_image(tf.constant(image), encoded=True, **kwargs).numpy()
     except (tf.errors.InvalidArgumentError, tf.errors.UnimplementedError) as e:
-      raise BadImageError(f'{name} is not a decodable image: {tf_message(e)}', paths=[name]) from e
-    return out.numpy()
+      raise sources.BadImageError(f'{name} is not a decodable image: {sources.tf_message(e)}',
+                                  paths=[name]) from e
   array = _as_array(image, name or 'the image')
   return preprocess.eval_image(tf.convert_to_tensor(array), encoded=False, **kwargs).numpy()
 

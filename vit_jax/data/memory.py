@@ -1,6 +1,5 @@
 """Host memory of the training input pipeline (shuffle buffer, cache or in-memory images, batch
-buffers), estimated and logged at the start (the measurements behind the constants: docs/data.md).
-"""
+buffers), estimated and logged at the start (the constants' measurements: docs/data.md)."""
 
 from __future__ import annotations
 
@@ -52,23 +51,6 @@ class ShuffleMemory:
     return self.cache_bytes if self.cache_elements else self.buffer_bytes
 
 
-def _sample_image_bytes(source: sources.Source, split, decoded: bool, sample: int) -> list:
-  """Bytes of the first `sample` images of `split`, decoded (uint8 H*W*3) or encoded."""
-  if source.is_image_folder:  # Only the files needed (read_file is the encoded element).
-    paths = source.split_paths(split)[:sample]
-    ds = tf.data.Dataset.from_tensor_slices(tf.constant(paths, tf.string)).map(
-        lambda p: {'image': tf.io.read_file(p)})
-    if decoded:
-      ds = ds.map(lambda ex: {'image': source.decode(ex['image'], True)})
-  else:
-    ds = source.read(split, decode=decoded).take(sample)
-  try:
-    return [ex['image'].nbytes if decoded else len(ex['image'])
-            for ex in ds.ignore_errors().as_numpy_iterator()]
-  except tf.errors.OpError:  # Unreadable: the pipeline itself will say why.
-    return []
-
-
 def estimate_shuffle_memory(data_cfg, source: sources.Source, split, num_examples: int, *,
                             sample: int = MEMORY_SAMPLE) -> ShuffleMemory:
   """The :class:`ShuffleMemory` of the train pipeline over ``split``: exact for decoded images of
@@ -78,8 +60,13 @@ def estimate_shuffle_memory(data_cfg, source: sources.Source, split, num_example
   hw = source.static_image_hw
   if decoded and hw is not None:
     image_bytes, sampled = hw[0] * hw[1] * 3, 0
-  else:
-    sizes = _sample_image_bytes(source, split, decoded, sample)
+  else:  # The bytes of the first `sample` images, decoded (uint8 H*W*3) or encoded.
+    ds = source.read(split, decode=decoded).take(sample).ignore_errors()
+    try:
+      sizes = [ex['image'].nbytes if decoded else len(ex['image'])
+               for ex in ds.as_numpy_iterator()]
+    except tf.errors.OpError:  # Unreadable: the pipeline itself will say why.
+      sizes = []
     image_bytes, sampled = (round(float(np.mean(sizes))), len(sizes)) if sizes else (0, None)
   return ShuffleMemory(
       buffer_elements=min(int(data_cfg.shuffle_buffer), num_examples),
@@ -92,8 +79,6 @@ def _size(n: float) -> str:
     if n < 1024 or unit == 'GiB':
       return f'{n:.0f} {unit}' if unit == 'B' else f'{n:.1f} {unit}'
     n /= 1024
-
-
 
 
 @dataclasses.dataclass(frozen=True)

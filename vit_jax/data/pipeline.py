@@ -43,17 +43,6 @@ _DECODE_ERRORS = (tf.errors.InvalidArgumentError, tf.errors.DataLossError)
 _Diagnose = Callable[[Exception], Optional[sources.BadImageError]]
 
 
-def _next_batch(it: Iterator, diagnose: Optional[_Diagnose]):
-  """next(it), with decoding errors turned into `BadImageError`s."""
-  try:
-    return next(it)
-  except _DECODE_ERRORS as e:
-    bad = diagnose(e) if diagnose is not None else None
-    if bad is None:
-      raise
-    raise bad from e
-
-
 def _processes(process_index: Optional[int], process_count: Optional[int]) -> Tuple[int, int]:
   process_index = jax.process_index() if process_index is None else process_index
   process_count = jax.process_count() if process_count is None else process_count
@@ -83,27 +72,14 @@ def _num_examples(source: sources.Source, split, what: str) -> int:
 _EPOCH_STRIDE = 2**32  # > examples per epoch of one process.
 
 
-def _vectorizable(source: sources.Source, augment: str, per_example_extras: bool = False) -> bool:
-  """Whether resize / flip can run on whole batches: one static image size, no Inception crop,
-  no per-example extras (RandAugment)."""
-  return (augment != 'inception_crop' and not per_example_extras and
-          source.static_image_hw is not None)
-
-
-def _options() -> tf.data.Options:
-  options = tf.data.Options()
-  options.deterministic = True
-  options.threading.max_intra_op_parallelism = 1
-  return options
+_OPTIONS = tf.data.Options()
+_OPTIONS.deterministic = True
+_OPTIONS.threading.max_intra_op_parallelism = 1
 
 
 def get_info(data_cfg) -> DatasetInfo:
-  """The :class:`DatasetInfo` of ``config.data`` (prepared if that works offline).
-
-  Raises:
-    ValueError: an invalid config field or split.
-    FileNotFoundError, KeyError, TypeError: as :func:`sources.get_source`.
-  """
+  """The :class:`DatasetInfo` of ``config.data`` (prepared if that works offline). Raises
+  ValueError (an invalid config field or split) or as :func:`sources.get_source`."""
   source = sources.get_source(data_cfg)
   s = data_cfg.image_size
   return DatasetInfo(
@@ -113,28 +89,39 @@ def get_info(data_cfg) -> DatasetInfo:
       (s, s, 3), source.num_skipped_images, source.label.names)
 
 
-class TrainIterator:
-  """Infinite iterator of this process's training batches (numpy dicts); ``next()`` raises
-  ``BadImageError`` for an undecodable image in 'fail' mode (the iterator is then unusable).
-  Closed at exit (`_close_live_iterators`)."""
+class _Batches:
+  """A pipeline's numpy batches; ``next()`` raises ``BadImageError`` for an undecodable image in
+  'fail' mode (the iterator is then unusable). Closed at exit (`_close_live_iterators`)."""
 
-  def __init__(self, dataset: tf.data.Dataset, local_batch: int, examples_per_epoch: int,
-               diagnose: Optional[_Diagnose] = None):
-    self.dataset = dataset
-    self.local_batch_size = local_batch
-    self.examples_per_epoch = examples_per_epoch
+  def __init__(self, dataset: tf.data.Dataset, diagnose: _Diagnose):
+    self.dataset, self._diagnose = dataset, diagnose
     self._it = dataset.as_numpy_iterator()
-    self._diagnose = diagnose
     _LIVE.add(self)
 
-  def __iter__(self) -> 'TrainIterator':
+  def __iter__(self) -> '_Batches':
     return self
 
   def __next__(self) -> Dict[str, np.ndarray]:
-    return _next_batch(self._it, self._diagnose)
+    try:
+      return next(self._it)
+    except _DECODE_ERRORS as e:
+      bad = self._diagnose(e)
+      if bad is None:
+        raise
+      raise bad from e
 
 
-_LIVE = weakref.WeakSet()  # The TrainIterators not yet collected.
+class TrainIterator(_Batches):
+  """Infinite iterator of this process's training batches (numpy dicts), as `_Batches`."""
+
+  def __init__(self, dataset: tf.data.Dataset, local_batch: int, examples_per_epoch: int,
+               diagnose: _Diagnose):
+    super().__init__(dataset, diagnose)
+    self.local_batch_size = local_batch
+    self.examples_per_epoch = examples_per_epoch
+
+
+_LIVE = weakref.WeakSet()  # The iterators not yet collected.
 
 
 @atexit.register
@@ -154,16 +141,13 @@ def create_train_iterator(data_cfg, global_batch_size: int, seed: int, start_ste
   ``[b, S, S, 3]`` (normalized), ``'labels'`` float32 ``[b, C]`` (one- or multi-hot, mixed).
 
   Deterministic: epoch e is a permutation keyed by ``fold_in(seed, e)``, augmentations are
-  seeded by (seed, e, position), epochs are concatenated; ``start_step=k`` starts at position
-  ``k*b``, so the batches are exactly steps k, k+1, ... of an uninterrupted run (tfds in 'skip'
-  mode: if nothing was dropped before). Sources read by index (`Source.random_access`: image
-  folders, ArrayRecord, ``cache`` of one image size in memory) shuffle the whole epoch and start
-  there at once; TFRecord files are read in order through a shuffle buffer, and a resume reads
-  (not decodes) the examples before its position again: see docs/data.md.
+  seeded by (seed, e, position); ``start_step=k`` starts at position ``k*b``, so the batches are
+  exactly steps k, k+1, ... of an uninterrupted run (tfds in 'skip' mode: if nothing was dropped
+  before). Read by index (`Source.random_access`) or, TFRecord files, in order through a shuffle
+  buffer (a resume then reads the examples before its position again): docs/data.md.
 
-  Raises:
-    ValueError: batch size not a multiple of the process count, invalid config, empty split;
-      :func:`get_info`'s errors. ``BadImageError`` from ``next()`` in 'fail' mode.
+  Raises ValueError (batch size not a multiple of the process count, invalid config, empty split)
+  or as :func:`get_info`; ``next()``: ``BadImageError`` in 'fail' mode.
   """
   pi, pc = _processes(process_index, process_count)
   b = local_batch_size(global_batch_size, pc)
@@ -172,23 +156,32 @@ def create_train_iterator(data_cfg, global_batch_size: int, seed: int, start_ste
   source = sources.get_source(data_cfg)
   split = (data_cfg.train_split if pc == 1 else tfds.split_for_jax_process(
       data_cfg.train_split, process_index=pi, process_count=pc))
-  cache = bool(data_cfg.cache)
-  access = source.random_access(split, decode=cache)
+  access = source.random_access(split, decode=bool(data_cfg.cache))
   n = access.num_examples if access else _num_examples(source, split, 'config.data.train_split')
   if n == 0:
     raise ValueError(f'Process {pi}/{pc} has no training examples in '
                      f'{data_cfg.train_split!r} of {source.name!r}.')
   start_epoch, offset = divmod(start_step * b, n)
-  encoded = (not cache) and source.images_encoded_after_read
-  vectorized = _vectorizable(source, data_cfg.augment, data_cfg.randaugment_num_layers > 0)
-  run_key = preprocess.seed_key(seed)
+  mask = 2**63 - 1  # The root key, int64 [2], of any Python int seed.
+  run_key = tf.constant([(int(seed) >> 63) & mask, int(seed) & mask], tf.int64)
   shuffle_root = preprocess.fold_in(run_key, 0)
+  epochs = tf.data.Dataset.range(start_epoch, 2**62)
   shuffle = None if access else memory.estimate_shuffle_memory(data_cfg, source, split, n)
   memory.log_input_memory(memory.estimate_input_memory(
       data_cfg, b, source.label.num_classes, shuffle=shuffle,
       in_memory_bytes=access.nbytes if access else 0), f' (process {pi} of {pc})')
-  if access is None:
-    ds = _sequential_examples(data_cfg, source, split, n, shuffle_root, start_epoch)
+  if access is None:  # In order: each epoch's files and a buffer shuffled by its key.
+    if data_cfg.cache:  # Decoded, un-augmented images, shared by all epochs.
+      cached = source.drop_undecodable(source.read(split, decode=True)).cache()
+
+    @tf.autograph.experimental.do_not_convert
+    def epoch_examples(epoch):
+      key = preprocess.fold_in(shuffle_root, epoch)
+      ds = cached if data_cfg.cache else source.read(split, decode=False, shuffle_files=True,
+                                                     file_seed=key[0])
+      ds = ds.shuffle(min(data_cfg.shuffle_buffer, n), seed=key[1], reshuffle_each_iteration=False)
+      return ds.enumerate(start=epoch * _EPOCH_STRIDE)
+    ds = epochs.flat_map(epoch_examples)
     if offset:
       logging.warning(
           'Resuming at step %d: %s is read in order (TFRecord), so the input reads and drops the '
@@ -205,39 +198,17 @@ def create_train_iterator(data_cfg, global_batch_size: int, seed: int, start_ste
       positions = tf.data.Dataset.range(first, n)
       return positions.map(lambda p: (epoch * _EPOCH_STRIDE + p, tf.random.experimental
                                       .index_shuffle(p, key, tf.constant(n - 1, tf.int64))))
-    ds = access.read(tf.data.Dataset.range(start_epoch, 2**62).flat_map(epoch_positions))
-  maps = train_maps.TrainMaps(data_cfg, source, encoded, vectorized,
-                              augment_key=preprocess.fold_in(run_key, 1),
-                              mix_key=preprocess.fold_in(run_key, 2),
-                              erase_key=preprocess.fold_in(run_key, 3))
-  if not vectorized or encoded or source.label.multi_label:
+    ds = access.read(epochs.flat_map(epoch_positions))
+  maps = train_maps.TrainMaps(data_cfg, source, run_key)
+  if not maps.vectorized or maps.encoded or source.label.multi_label:
     ds = ds.map(maps.per_example, num_parallel_calls=data_cfg.num_parallel_calls)
-    if encoded:
+    if maps.encoded:
       ds = source.drop_undecodable(ds)
   ds = ds.batch(b, drop_remainder=True)
   ds = ds.map(maps.per_batch, num_parallel_calls=data_cfg.num_parallel_calls)
-  ds = ds.prefetch(data_cfg.prefetch).with_options(_options())
+  ds = ds.prefetch(data_cfg.prefetch).with_options(_OPTIONS)
   return TrainIterator(ds, b, n, lambda error: source.bad_image_error(
       error, split, data_cfg.train_split))
-
-
-def _sequential_examples(data_cfg, source: sources.Source, split, n: int, shuffle_root,
-                         start_epoch: int) -> tf.data.Dataset:
-  """(id, example) from `start_epoch` on, of a source read in order: each epoch's files and a
-  buffer of ``config.data.shuffle_buffer`` shuffled with ``fold_in(shuffle_root, epoch)``."""
-  if data_cfg.cache:  # Decoded, un-augmented images, shared by all epochs.
-    cached = source.drop_undecodable(source.read(split, decode=True)).cache()
-
-  @tf.autograph.experimental.do_not_convert
-  def epoch_examples(epoch):
-    key = preprocess.fold_in(shuffle_root, epoch)
-    if data_cfg.cache:
-      ds = cached
-    else:
-      ds = source.read(split, decode=False, shuffle_files=True, file_seed=key[0])
-    ds = ds.shuffle(min(data_cfg.shuffle_buffer, n), seed=key[1], reshuffle_each_iteration=False)
-    return ds.enumerate(start=epoch * _EPOCH_STRIDE)
-  return tf.data.Dataset.range(start_epoch, 2**62).flat_map(epoch_examples)
 
 
 class EvalDataset:
@@ -245,17 +216,11 @@ class EvalDataset:
   ``'labels'`` float32 ``[b, C]``, ``'mask'`` bool ``[b]`` (False: padding, unlabeled ReaL);
   ``num_batches`` (``len()``) is the same on every process. Raises ``BadImageError`` ('fail')."""
 
-  def __init__(self, dataset: tf.data.Dataset, num_batches: int,
-               diagnose: Optional[_Diagnose] = None):
+  def __init__(self, dataset: tf.data.Dataset, num_batches: int, diagnose: _Diagnose):
     self.dataset, self.num_batches, self._diagnose = dataset, num_batches, diagnose
 
   def __iter__(self) -> Iterator[Dict[str, np.ndarray]]:
-    it = self.dataset.as_numpy_iterator()
-    while True:
-      try:
-        yield _next_batch(it, self._diagnose)
-      except StopIteration:
-        return
+    return _Batches(self.dataset, self._diagnose)
 
   def __len__(self) -> int:
     return self.num_batches
@@ -270,15 +235,14 @@ def create_eval_dataset(data_cfg, global_batch_size: int, *, split: Optional[str
   batches on every process (an empty split: one masked batch); resized to S x S (official), or
   with ``eval_crop_pct`` resized and centre-cropped (timm).
 
-  Raises:
-    ValueError: batch size not a multiple of the process count, bad split or config;
-      :func:`get_info`'s errors. ``BadImageError`` while iterating in 'fail' mode.
+  Raises ValueError (batch size not a multiple of the process count, bad split or config) or as
+  :func:`get_info`; iterating: ``BadImageError`` in 'fail' mode.
   """
   pi, pc = _processes(process_index, process_count)
   b = local_batch_size(global_batch_size, pc)
   source = sources.get_source(data_cfg)
   split = data_cfg.eval_split if split is None else split
-  per_process = sources.splits_for_processes(split, pc)
+  per_process = [split] if pc == 1 else tfds.even_splits(split, n=pc, drop_remainder=False)
   counts = [_num_examples(source, s, 'config.data.eval_split') for s in per_process]
   if not max(counts):
     logging.warning('Eval split %r of %r is empty: yielding one fully-masked batch per pass.',
@@ -288,7 +252,7 @@ def create_eval_dataset(data_cfg, global_batch_size: int, *, split: Optional[str
   label = source.label
   cache = bool(data_cfg.cache)
   encoded = (not cache) and source.images_encoded_after_read
-  vectorized = _vectorizable(source, 'none')
+  vectorized = source.static_image_hw is not None  # Resize per batch.
 
   @tf.autograph.experimental.do_not_convert
   def per_example(ex):
@@ -298,9 +262,7 @@ def create_eval_dataset(data_cfg, global_batch_size: int, *, split: Optional[str
       image = preprocess.eval_image(ex['image'], encoded=encoded, size=data_cfg.image_size,
                                     normalization=None, crop_pct=data_cfg.eval_crop_pct)
     lab = ex['label']
-    mask = tf.constant(True)
-    if label.mask_unlabeled_eval:
-      mask = tf.size(lab) > 0
+    mask = tf.size(lab) > 0 if label.mask_unlabeled_eval else tf.constant(True)
     if label.multi_label:
       lab = preprocess.targets(lab, label.num_classes, True)
     return {'image': image, 'label': lab, 'mask': mask, '_real': tf.constant(True)}
@@ -308,13 +270,10 @@ def create_eval_dataset(data_cfg, global_batch_size: int, *, split: Optional[str
   @tf.autograph.experimental.do_not_convert
   def per_batch(ex):
     image = ex['image']
-    if vectorized and data_cfg.eval_crop_pct is None:
-      image = preprocess.resize(image, data_cfg.image_size)
-    elif vectorized:
+    if vectorized:
       image = preprocess.resize_and_center_crop(image, data_cfg.image_size, data_cfg.eval_crop_pct)
-    labels = ex['label']
-    if not label.multi_label:
-      labels = preprocess.targets(labels, label.num_classes, False)
+    labels = ex['label'] if label.multi_label else preprocess.targets(
+        ex['label'], label.num_classes, False)
     real = ex['_real']
     image = preprocess.normalize(image, data_cfg.normalization)
     return {'image': tf.where(real[:, None, None, None], image, 0.),
@@ -343,6 +302,6 @@ def create_eval_dataset(data_cfg, global_batch_size: int, *, split: Optional[str
     ds = padding
   ds = ds.take(num_batches * b).batch(b, drop_remainder=True)
   ds = ds.map(per_batch, num_parallel_calls=data_cfg.num_parallel_calls)
-  ds = ds.prefetch(data_cfg.prefetch).with_options(_options())
+  ds = ds.prefetch(data_cfg.prefetch).with_options(_OPTIONS)
   return EvalDataset(ds, num_batches, lambda error: source.bad_image_error(
       error, per_process[pi], split))

@@ -1,7 +1,6 @@
 """Per-example preprocessing (TensorFlow ops) as the official vit_jax ``input_pipeline``: an
 Inception crop (area in [min_area, 1], aspect in [3/4, 4/3]) or a random shift, bilinear resize,
-random flip; eval a resize; pixels to [-1, 1] or ImageNet mean/std. Randomness is stateless.
-"""
+random flip; eval a resize; pixels to [-1, 1] or ImageNet mean/std. Randomness is stateless."""
 
 from __future__ import annotations
 
@@ -16,8 +15,7 @@ IMAGENET_STD = (0.229, 0.224, 0.225)
 
 
 def to_rgb(image: tf.Tensor) -> tf.Tensor:
-  """[H, W, C] image with C in {1, 3, 4} -> [H, W, 3] (gray tiled, alpha dropped)."""
-  image = tf.convert_to_tensor(image)
+  """[H, W, C] image tensor with C in {1, 3, 4} -> [H, W, 3] (gray tiled, alpha dropped)."""
   channels = image.shape[-1]
   if channels == 3:
     return image
@@ -33,9 +31,8 @@ def to_rgb(image: tf.Tensor) -> tf.Tensor:
 
 
 def decode_rgb(image: tf.Tensor, encoded: bool) -> tf.Tensor:
-  """uint8 ``[H, W, 3]`` from encoded bytes (if ``encoded``; recognised by content) or an
-  ``[H, W, C]`` tensor (C in {1, 3, 4}, floats in [0, 1]); ``InvalidArgumentError`` if undecodable.
-  """
+  """uint8 ``[H, W, 3]`` from encoded bytes (if ``encoded``; recognised by content; else
+  ``InvalidArgumentError``) or an ``[H, W, C]`` tensor (C in {1, 3, 4}, floats in [0, 1])."""
   if encoded:
     img = tf.io.decode_image(image, channels=3, expand_animations=False)
     return tf.ensure_shape(img, [None, None, 3])
@@ -56,21 +53,19 @@ def _crop_window(shape: tf.Tensor, seed: tf.Tensor, min_area: float) -> tf.Tenso
 def inception_crop(image: tf.Tensor, encoded: bool, seed: tf.Tensor, min_area: float) -> tf.Tensor:
   """Inception-style random crop (``seed`` ``[2]``, ``min_area`` in (0, 1]), uint8 ``[h, w, 3]``,
   fused with JPEG decoding."""
-  if not encoded:
-    image = decode_rgb(image, encoded=False)
-    w = _crop_window(tf.shape(image), seed, min_area)
-    return image[w[0]:w[0] + w[2], w[1]:w[1] + w[3]]
+
+  def crop():
+    img = decode_rgb(image, encoded)
+    w = _crop_window(tf.shape(img), seed, min_area)
+    return img[w[0]:w[0] + w[2], w[1]:w[1] + w[3]]
 
   def jpeg():
     w = _crop_window(tf.image.extract_jpeg_shape(image), seed, min_area)
     return tf.image.decode_and_crop_jpeg(image, w, channels=3)
 
-  def other():
-    img = decode_rgb(image, encoded=True)
-    w = _crop_window(tf.shape(img), seed, min_area)
-    return img[w[0]:w[0] + w[2], w[1]:w[1] + w[3]]
-
-  return tf.ensure_shape(tf.cond(tf.io.is_jpeg(image), jpeg, other), [None, None, 3])
+  if not encoded:
+    return crop()
+  return tf.ensure_shape(tf.cond(tf.io.is_jpeg(image), jpeg, crop), [None, None, 3])
 
 
 def resize(image: tf.Tensor, size: int) -> tf.Tensor:
@@ -117,8 +112,7 @@ def train_image(image: tf.Tensor, *, encoded: bool,
                 seed: Optional[tf.Tensor], size: int, augment: str,
                 min_area: float, normalization: Optional[str], pad_pixels: int = 4) -> tf.Tensor:
   """One training image decoded and augmented (``seed`` int64 ``[2]``, None for 'none') ->
-  float32 ``[size, size, 3]`` (in [0, 255] with ``normalization=None``); ValueError: bad names.
-  """
+  float32 ``[size, size, 3]`` (in [0, 255] with ``normalization=None``); ValueError: bad names."""
   if augment not in ('inception_crop', 'pad_crop', 'flip', 'none'):
     raise ValueError(f'Unknown config.data.augment={augment!r}; use '
                      "'inception_crop', 'pad_crop', 'flip' or 'none'.")
@@ -136,10 +130,13 @@ def train_image(image: tf.Tensor, *, encoded: bool,
   return image if normalization is None else normalize(image, normalization)
 
 
-def resize_and_center_crop(image: tf.Tensor, size: int, crop_pct: float) -> tf.Tensor:
+def resize_and_center_crop(image: tf.Tensor, size: int, crop_pct: Optional[float]) -> tf.Tensor:
   """timm's eval transform, ``[(B,) H, W, 3]`` -> float32 ``[(B,) size, size, 3]`` in [0, 255]:
   the shorter side to ``floor(size / crop_pct)`` (bicubic), the central crop (torchvision's
-  rounding). ValueError: ``crop_pct`` not in (0, 1]."""
+  rounding); ``crop_pct=None``: :func:`resize` (official ViT). ValueError: ``crop_pct`` not in
+  (0, 1]."""
+  if crop_pct is None:
+    return resize(image, size)
   if not 0. < crop_pct <= 1.:
     raise ValueError(f'config.data.eval_crop_pct={crop_pct} must be in (0, 1].')
   scale = math.floor(size / crop_pct)
@@ -153,39 +150,25 @@ def resize_and_center_crop(image: tf.Tensor, size: int, crop_pct: float) -> tf.T
                           method='bicubic', antialias=True)
   top = tf.cast(tf.round((new_h - size) / 2), tf.int32)
   left = tf.cast(tf.round((new_w - size) / 2), tf.int32)
-  image = image[..., top:top + size, left:left + size, :]
-  return tf.clip_by_value(image, 0., 255.)
+  image = tf.clip_by_value(image[..., top:top + size, left:left + size, :], 0., 255.)
+  return tf.ensure_shape(image, image.shape[:-3].concatenate([size, size, 3]))
 
 
 def eval_image(image: tf.Tensor, *, encoded: bool, size: int, normalization: Optional[str],
                crop_pct: Optional[float] = None) -> tf.Tensor:
-  """One eval image -> float32 ``[size, size, 3]``: resized whole (``crop_pct=None``, official
-  ViT) or :func:`resize_and_center_crop`; ``normalization=None``: in [0, 255]."""
-  image = decode_rgb(image, encoded)
-  if crop_pct is None:
-    image = resize(image, size)
-  else:
-    image = resize_and_center_crop(image, size, crop_pct)
-    image = tf.ensure_shape(image, [size, size, 3])
+  """One eval image -> float32 ``[size, size, 3]`` (:func:`resize_and_center_crop`);
+  ``normalization=None``: in [0, 255]."""
+  image = resize_and_center_crop(decode_rgb(image, encoded), size, crop_pct)
   return image if normalization is None else normalize(image, normalization)
 
 
 def targets(label: tf.Tensor, num_classes: int, multi_label: bool) -> tf.Tensor:
   """float32 ``[num_classes]`` one-hot (int label) or multi-hot (int ``[n]``; empty: zeros)."""
-  label = tf.cast(label, tf.int32)
-  if multi_label:
-    hot = tf.reduce_sum(tf.one_hot(label, num_classes, dtype=tf.float32), 0)
-    return tf.minimum(hot, 1.)
-  return tf.one_hot(label, num_classes, dtype=tf.float32)
+  hot = tf.one_hot(tf.cast(label, tf.int32), num_classes, dtype=tf.float32)
+  return tf.minimum(tf.reduce_sum(hot, 0), 1.) if multi_label else hot
 
 
 def fold_in(key: tf.Tensor, data) -> tf.Tensor:
   """New int64 ``[2]`` key from ``key`` and an integer; both halves random (unlike tf's fold_in)."""
   folded = tf.random.experimental.stateless_fold_in(key, data)
   return tf.random.stateless_uniform([2], seed=folded, minval=None, maxval=None, dtype=tf.int64)
-
-
-def seed_key(seed: int) -> tf.Tensor:
-  """int64 [2] root key of a run from a python int seed (any size/sign)."""
-  mask = 2**63 - 1
-  return tf.constant([(int(seed) >> 63) & mask, int(seed) & mask], tf.int64)

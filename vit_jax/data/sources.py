@@ -1,7 +1,6 @@
 """Dataset sources: ``config.data`` -> a tfds builder (a registered name, prepared offline only,
 a prepared directory, or an image folder ``root/<split>/<class>/*.{jpg,jpeg,png}``) whose splits
-read as ``{'image', 'label'}``; undecodable images (``config.data.bad_images``) are found here.
-"""
+read as ``{'image', 'label'}``; undecodable images (``config.data.bad_images``) are found here."""
 
 from __future__ import annotations
 
@@ -30,9 +29,7 @@ _DECODE_ERROR_RE = re.compile(r'decode|jpeg|png|gif|bmp|webp|image file format|i
 
 class BadImageError(ValueError):
   """Images cannot be decoded (``bad_images='fail'``); the message names the files and the fix.
-
-  Attributes: ``paths`` (the split's undecodable files; [] for tfds), ``dataset``, ``split``.
-  """
+  Attributes: ``paths`` (the split's undecodable files; [] for tfds), ``dataset``, ``split``."""
 
   def __init__(self, message: str, *, paths: Sequence[str] = (), dataset: str = '',
                split: str = ''):
@@ -73,8 +70,6 @@ def find_undecodable(paths: Sequence[str], num_parallel_calls: int = -1) -> List
   """The files among ``paths`` (any tf.io.gfile path) that cannot be read and decoded, in order
   (one parallel tf.data pass; ``num_parallel_calls`` -1: AUTOTUNE)."""
   paths = list(paths)
-  if not paths:
-    return []
   ds = tf.data.Dataset.from_tensor_slices(
       (tf.range(len(paths), dtype=tf.int64), tf.constant(paths, tf.string)))
   ds = ds.map(lambda i, p: (i, _decode_check(tf.io.read_file(p))),
@@ -116,13 +111,6 @@ def _dangling_links(paths: Sequence[str]) -> List[str]:
   return [p for p in paths if p in links and not os.path.isfile(p)]
 
 
-@dataclasses.dataclass(frozen=True)
-class _FolderSplitInfo:
-  """What tfds split slicing needs of a split: its number of examples (in one shard)."""
-  num_examples: int
-  shard_lengths: List[int]
-
-
 # (root, all file paths) -> the undecodable ones: 'skip' validates a folder once per process.
 _UNDECODABLE_CACHE: Dict[Tuple[str, Tuple[str, ...]], Tuple[str, ...]] = {}
 
@@ -144,11 +132,11 @@ def _drop_undecodable(root: str, examples: Dict[str, list]
                       'under %s: %s', len(bad), len(paths), root, _name_files(bad, root, sep=', '))
     _UNDECODABLE_CACHE[key] = bad
   bad = _UNDECODABLE_CACHE[key]
-  if not bad:
-    return examples, ()
-  bad_set = set(bad)
-  return ({split: [e for e in exs if e.image_path not in bad_set]
-           for split, exs in examples.items()}, bad)
+  if bad:
+    bad_set = set(bad)
+    examples = {split: [e for e in exs if e.image_path not in bad_set]
+                for split, exs in examples.items()}
+  return examples, bad
 
 
 @dataclasses.dataclass(frozen=True)
@@ -198,16 +186,14 @@ def _prepare(builder, name: str, data_cfg) -> None:
     raise FileNotFoundError(
         f'Dataset {name!r} is not prepared in {where}, and vit_jax never downloads datasets (its '
         f'builder needs the network). {build_hint}')
-  download_config = tfds.download.DownloadConfig(
-      manual_dir=os.path.expanduser(data_cfg.manual_dir) if data_cfg.manual_dir else None,
-      try_download_gcs=False)
   try:
-    builder.download_and_prepare(download_config=download_config)
+    builder.download_and_prepare(download_config=tfds.download.DownloadConfig(
+        manual_dir=os.path.expanduser(data_cfg.manual_dir) if data_cfg.manual_dir else None,
+        try_download_gcs=False))
   except Exception as e:  # Let it through, with a hint.
-    if hasattr(e, 'add_note'):
-      e.add_note(f'vit_jax: preparing {name!r} into {where} failed (manual_dir='
-                 f'{data_cfg.manual_dir!r}). Nothing is downloaded: put the source files in '
-                 'config.data.manual_dir. ' + build_hint)
+    e.add_note(f'vit_jax: preparing {name!r} into {where} failed (manual_dir='
+               f'{data_cfg.manual_dir!r}). Nothing is downloaded: put the source files in '
+               'config.data.manual_dir. ' + build_hint)
     raise
 
 
@@ -225,20 +211,11 @@ class RandomAccess:
   nbytes: int = 0  # Of the arrays held in memory (decode=True), else 0.
 
 
-def _read_records(records, finish: Callable[[tf.Tensor], Dict[str, tf.Tensor]]):
-  """`RandomAccess.read` of tfds ArrayRecord ``records``: one Python call reads the serialized
-  examples of ``_READ_BATCH`` indices (array_record in parallel), ``finish`` parses each. Python
-  inside tf.data: an iterator alive when the interpreter exits hangs it (see `TrainIterator`)."""
-
-  def read(ds: tf.data.Dataset) -> tf.data.Dataset:
-    def fetch(ids, indices):
-      serialized = tf.numpy_function(lambda i: np.array(records.__getitems__(i.tolist()), object),
-                                     [indices], tf.string, stateful=False)
-      return ids, tf.ensure_shape(serialized, [None])
-    ds = ds.batch(_READ_BATCH).map(fetch, num_parallel_calls=tf.data.AUTOTUNE)
-    return ds.unbatch().map(lambda i, serialized: (i, finish(serialized)),
-                            num_parallel_calls=tf.data.AUTOTUNE)
-  return read
+def _by_index(num_examples: int, example: Callable[[tf.Tensor], Dict[str, tf.Tensor]],
+              nbytes: int = 0) -> RandomAccess:
+  """The `RandomAccess` whose example at an int64 index is ``example(index)``."""
+  return RandomAccess(num_examples, lambda ds: ds.map(lambda i, index: (i, example(index)),
+                                                      num_parallel_calls=tf.data.AUTOTUNE), nbytes)
 
 
 class Source:
@@ -256,8 +233,6 @@ class Source:
     self.bad_images = bad_images
     self.skipped_images = tuple(skipped_images)
     self._image_folder_examples = image_folder_examples
-    self._folder_split_infos = {split: _FolderSplitInfo(len(exs), [len(exs)])
-                                for split, exs in (image_folder_examples or {}).items()}
 
   @property
   def num_skipped_images(self) -> Optional[int]:
@@ -269,10 +244,6 @@ class Source:
     drops = (self.bad_images == 'skip' and not self.is_image_folder
              and self.images_encoded_after_read)
     return ds.ignore_errors(log_warning=True) if drops else ds
-
-  def split_paths(self, split: SplitArg) -> List[str]:
-    """Image folders: the files of `split`, in file order (unshuffled)."""
-    return [p for paths, _ in self._folder_slices(split) for p in paths]
 
   def bad_image_error(self, error: Exception, split: SplitArg,
                       split_name: Optional[str] = None) -> Optional[BadImageError]:
@@ -288,7 +259,7 @@ class Source:
           f'(TensorFlow: {message}). tfds records have no file name: rebuild the dataset without '
           'it, or set --config.data.bad_images=skip to skip undecodable images.',
           dataset=self.name, split=split_name)
-    paths = self.split_paths(split)
+    paths = self._folder_split(split)[0]
     logging.warning('Decoding an image of split %r of %s failed (%s); looking for the '
                     'undecodable files among its %d images.', split_name, self.name, message,
                     len(paths))
@@ -310,25 +281,23 @@ class Source:
   def num_examples(self, split: SplitArg) -> int:
     """Number of examples of `split` (a spec like 'train[:10%]' or subsplit)."""
     if self.is_image_folder:
-      return sum(len(paths) for paths, _ in self._folder_slices(split))
+      return len(self._folder_split(split)[0])
     return int(self.builder.info.splits[split].num_examples)
 
-  def _folder_slices(self, split):  # Of the (in 'skip' mode filtered) file lists.
-    abs_instructions = tfds.core.splits.AbstractSplit.from_spec(
-        split).to_absolute(self._folder_split_infos)
-    out = []
-    for ai in abs_instructions:
-      examples = self._image_folder_examples[ai.splitname]
-      chunk = examples[(ai.from_ or 0):ai.to]
-      label_feature = self.builder.info.features['label']
-      out.append(([e.image_path for e in chunk], [label_feature.str2int(e.label) for e in chunk]))
-    return out
+  def _folder_split(self, split) -> Tuple[List[str], List[int]]:
+    """Image folders: (paths, labels) of `split` in file order, in 'skip' mode without the
+    undecodable files."""
+    infos = {name: tfds.core.SplitInfo(name=name, shard_lengths=[len(exs)], num_bytes=0)
+             for name, exs in self._image_folder_examples.items()}
+    instructions = tfds.core.splits.AbstractSplit.from_spec(split).to_absolute(infos)
+    examples = [e for ai in instructions
+                for e in self._image_folder_examples[ai.splitname][ai.from_:ai.to]]
+    str2int = self.builder.info.features['label'].str2int
+    return [e.image_path for e in examples], [str2int(e.label) for e in examples]
 
   @property
   def images_encoded_after_read(self) -> bool:
-    """Whether `read(decode=False)` yields encoded bytes."""
-    if self.is_image_folder:
-      return True
+    """Whether `read(decode=False)` yields encoded bytes (image folders: tfds's uint8 Image)."""
     feature = self.builder.info.features[self.image_key]
     return (isinstance(feature, tfds.features.Image) and tf.as_dtype(feature.np_dtype) == tf.uint8)
 
@@ -336,35 +305,30 @@ class Source:
            file_seed: Optional[tf.Tensor] = None) -> tf.data.Dataset:
     """``split`` as a finite dataset of ``{'image', 'label'}``: uint8 ``[H, W, 3]`` images when
     ``decode`` (else maybe encoded tf.string), int64 labels ``[]`` (multi-label ``[None]``);
-    ``file_seed`` (int64) shuffles the file order when ``shuffle_files``."""
-    if self.is_image_folder:
-      slices = self._folder_slices(split)
-      paths, labels = [p for ps, _ in slices for p in ps], [l for _, ls in slices for l in ls]
-      ds = tf.data.Dataset.from_tensor_slices(
-          {'image': tf.constant(paths, tf.string), 'label': tf.constant(labels, tf.int64)})
-      if shuffle_files:
-        ds = ds.shuffle(max(len(paths), 1), seed=file_seed, reshuffle_each_iteration=False)
-      ds = ds.map(lambda ex: {'image': tf.io.read_file(ex['image']), 'label': ex['label']})
-    elif not self._reads_in_order:  # ArrayRecord only: by index, in order.
+    ``file_seed`` (int64) shuffles the order of TFRecord files when ``shuffle_files``."""
+    if self.is_image_folder or not self._reads_in_order:  # By index, in order.
       ds = self.random_access(split, decode=False).read(
           tf.data.Dataset.range(self.num_examples(split)).map(lambda i: (i, i)))
       ds = ds.map(lambda _, ex: ex)
     else:
-      decoders = ({self.image_key: tfds.decode.SkipDecoding()}
-                  if self.images_encoded_after_read else None)
       read_config = tfds.ReadConfig(
           shuffle_seed=file_seed if shuffle_files else None,
           shuffle_reshuffle_each_iteration=False if shuffle_files else None)
       ds = self.builder.as_dataset(split=split, shuffle_files=shuffle_files,
-                                   decoders=decoders, read_config=read_config)
-      ikey, lkey = self.image_key, self.label.key
-      ds = ds.map(lambda ex: {'image': ex[ikey], 'label': ex[lkey]})
+                                   decoders=self._decoders, read_config=read_config)
+      ds = ds.map(lambda ex: {'image': ex[self.image_key], 'label': ex[self.label.key]})
     if decode or not self.images_encoded_after_read:
       encoded = self.images_encoded_after_read
       ds = ds.map(
           lambda ex: {'image': self.decode(ex['image'], encoded), 'label': ex['label']},
           num_parallel_calls=tf.data.AUTOTUNE)
     return ds
+
+  @property
+  def _decoders(self) -> Optional[Dict[str, Any]]:
+    """tfds decoders that keep encoded images encoded."""
+    return ({self.image_key: tfds.decode.SkipDecoding()}
+            if self.images_encoded_after_read else None)
 
   @property
   def _reads_in_order(self) -> bool:
@@ -383,35 +347,25 @@ class Source:
     with ``decode`` all its images decoded into memory once (one static size and single labels);
     None where it cannot be (a TFRecord-only dataset, or ``decode`` without those; ArrayRecord
     files that cannot be read when TFRecord ones exist: a warning names the fix).
-
-    Raises:
-      FileNotFoundError: an ArrayRecord-only dataset whose files cannot be read (naming the fix).
-    """
+    FileNotFoundError: an ArrayRecord-only dataset whose files cannot be read (naming the fix)."""
     if decode:
       if self.static_image_hw is None or self.label.multi_label:
         return None
-      images, labels = [], []
-      for batch in self.drop_undecodable(self.read(split, decode=True)).batch(
-          1024).as_numpy_iterator():
-        images.append(batch['image'])
-        labels.append(batch['label'])
+      batches = list(self.drop_undecodable(self.read(split, decode=True)).batch(
+          1024).as_numpy_iterator())
+      images, labels = ([b[k] for b in batches] for k in ('image', 'label'))
       nbytes = sum(a.nbytes for a in images + labels)
       images, labels = tf.concat(images, 0), tf.concat(labels, 0)
-      return RandomAccess(len(labels), lambda ds: ds.map(
-          lambda i, index: (i, {'image': tf.gather(images, index),
-                                'label': tf.gather(labels, index)}),
-          num_parallel_calls=tf.data.AUTOTUNE), nbytes=nbytes)
+      return _by_index(len(labels), lambda index: {'image': tf.gather(images, index),
+                                                   'label': tf.gather(labels, index)}, nbytes)
     if self.is_image_folder:
-      slices = self._folder_slices(split)
-      paths = tf.constant([p for ps, _ in slices for p in ps], tf.string)
-      labels = tf.constant([l for _, ls in slices for l in ls], tf.int64)
-      return RandomAccess(int(paths.shape[0]), lambda ds: ds.map(
-          lambda i, index: (i, {'image': tf.io.read_file(tf.gather(paths, index)),
-                                'label': tf.gather(labels, index)}),
-          num_parallel_calls=tf.data.AUTOTUNE))
+      paths, labels = self._folder_split(split)
+      paths, labels = tf.constant(paths, tf.string), tf.constant(labels, tf.int64)
+      return _by_index(int(paths.shape[0]), lambda index: {
+          'image': tf.io.read_file(tf.gather(paths, index)), 'label': tf.gather(labels, index)})
     if not self.has_array_record:
       return None
-    info, in_order = self.builder.info, self._reads_in_order
+    info = self.builder.info
     primary = info.file_format
     records = self.builder.as_data_source(
         split, deserialize_method=tfds.decode.DeserializeMethod.RAW_BYTES,
@@ -421,26 +375,32 @@ class Source:
     try:
       records.__getitems__([0] if len(records) else [])
     except (RuntimeError, OSError) as e:  # array_record opens local paths only (gs://: FUSE).
-      fix = f'{self.name} is read in order from its TFRecord files instead' if in_order else None
       message = (f'The ArrayRecord files of {self.name} cannot be read ({e}): in a bucket, mount '
                  'it with Cloud Storage FUSE (gcsfuse) and give its local path (this array_record '
                  'reads local paths only); a damaged shard: rerun `python -m '
                  f'vit_jax.to_array_record {self.name}`, which writes it again.')
-      if fix is None:
+      if not self._reads_in_order:
         raise FileNotFoundError(message) from e
-      logging.warning('%s %s.', message, fix)
+      logging.warning('%s %s is read in order from its TFRecord files instead.', message, self.name)
       return None
-    decoders = ({self.image_key: tfds.decode.SkipDecoding()}
-                if self.images_encoded_after_read else None)
-    features, ikey, lkey = info.features, self.image_key, self.label.key
+    features, decoders, encoded = info.features, self._decoders, self.images_encoded_after_read
 
     def finish(serialized):
       example = features.deserialize_example(serialized, decoders=decoders)
-      example = {'image': example[ikey], 'label': example[lkey]}
-      if not self.images_encoded_after_read:
-        example['image'] = self.decode(example['image'], False)
-      return example
-    return RandomAccess(len(records), _read_records(records, finish))
+      image = example[self.image_key]
+      return {'image': image if encoded else self.decode(image, False),
+              'label': example[self.label.key]}
+
+    # One Python call reads the serialized examples of _READ_BATCH indices (array_record in
+    # parallel). Python inside tf.data: an iterator alive at exit hangs it (see
+    # `pipeline._close_live_iterators`).
+    def fetch(ids, indices):
+      serialized = tf.numpy_function(lambda i: np.array(records.__getitems__(i.tolist()), object),
+                                     [indices], tf.string, stateful=False)
+      return ids, tf.ensure_shape(serialized, [None])
+    return RandomAccess(len(records), lambda ds: ds.batch(_READ_BATCH).map(
+        fetch, num_parallel_calls=tf.data.AUTOTUNE).unbatch().map(
+            lambda i, serialized: (i, finish(serialized)), num_parallel_calls=tf.data.AUTOTUNE))
 
   def decode(self, image: tf.Tensor, encoded: bool) -> tf.Tensor:
     """`preprocess.decode_rgb` + the static [H, W, 3] shape when known."""
@@ -450,9 +410,8 @@ class Source:
 
   @property
   def static_image_hw(self) -> Optional[Tuple[int, int]]:
-    """(H, W) if every image of the dataset has that size (from the features)."""
-    if self.is_image_folder:
-      return None
+    """(H, W) if every image of the dataset has that size (from the features; image folders:
+    None)."""
     shape = getattr(self.builder.info.features[self.image_key], 'shape', None)
     if shape is None or len(shape) != 3 or None in shape[:2]:
       return None
@@ -461,28 +420,23 @@ class Source:
 
 def _label_spec(builder, name: str, label_key: Optional[str]) -> LabelSpec:
   features = builder.info.features
-  is_real = name.split('/')[0].split(':')[0] == 'imagenet2012_real'
   if label_key is None:
-    if is_real and 'real_label' in features:
-      label_key = 'real_label'
-    elif 'label' in features:
-      label_key = 'label'
-    elif 'labels' in features:
-      label_key = 'labels'
-    else:
+    is_real = name.split('/')[0].split(':')[0] == 'imagenet2012_real'
+    keys = ('real_label', 'label', 'labels') if is_real else ('label', 'labels')
+    label_key = next((k for k in keys if k in features), None)
+    if label_key is None:
       raise KeyError(f'Dataset {name!r} has no "label" or "labels" feature; set '
                      f'config.data.label_key to one of {sorted(features.keys())}.')
   if label_key not in features:
     raise KeyError(f'config.data.label_key={label_key!r} is not a feature of {name!r}; '
                    f'features: {sorted(features.keys())}.')
   feature = features[label_key]
-  if isinstance(feature, tfds.features.ClassLabel):
-    return LabelSpec(label_key, feature.num_classes, multi_label=False, names=tuple(feature.names))
-  if (isinstance(feature, tfds.features.Sequence) and
-      isinstance(feature.feature, tfds.features.ClassLabel)):
-    return LabelSpec(label_key, feature.feature.num_classes, multi_label=True,
-                     mask_unlabeled_eval=(label_key == 'real_label'),
-                     names=tuple(feature.feature.names))
+  multi_label = isinstance(feature, tfds.features.Sequence)
+  classes = feature.feature if multi_label else feature
+  if isinstance(classes, tfds.features.ClassLabel):
+    return LabelSpec(label_key, classes.num_classes, multi_label,
+                     mask_unlabeled_eval=multi_label and label_key == 'real_label',
+                     names=tuple(classes.names))
   raise TypeError(f'Feature {label_key!r} of {name!r} is a {type(feature).__name__}; expected '
                   'tfds.features.ClassLabel (single label) or tfds.features.Sequence(ClassLabel) '
                   '(multi-label).')
@@ -506,15 +460,11 @@ def _make_source(data_cfg) -> Source:
         raise ValueError(f'A file name under {root} is not UTF-8, which TensorFlow cannot '
                          'open: rename it.') from None
       raise non_utf8_name_error(raw) from None
-    # Reading the per-split file lists ourselves gives split slicing and seeded shuffling.
-    examples = getattr(builder, '_split_examples', None)
-    if examples is None:
-      raise RuntimeError('This tensorflow_datasets version does not expose ImageFolder.'
-                         '_split_examples; vit_jax needs it.')
     if not builder.info.splits:
       raise FileNotFoundError(f'No images found under {root}/<split>/<class>/*.{{jpg,jpeg,png}}.')
     label = _label_spec(builder, root, label_key or 'label')
-    examples, skipped = dict(examples), ()
+    # Reading the per-split file lists ourselves gives split slicing and reading by index.
+    examples, skipped = dict(builder._split_examples), ()  # pylint: disable=protected-access
     if bad_images == 'skip':
       examples, skipped = _drop_undecodable(root, examples)
     elif '://' not in root:
@@ -570,10 +520,3 @@ def get_source(data_cfg) -> Source:
   if key not in _SOURCES:
     _SOURCES[key] = _make_source(data_cfg)
   return _SOURCES[key]
-
-
-def splits_for_processes(split: SplitArg, process_count: int) -> List[SplitArg]:
-  """`tfds.even_splits(split, process_count, drop_remainder=False)`."""
-  if process_count == 1:
-    return [split]
-  return tfds.even_splits(split, n=process_count, drop_remainder=False)

@@ -16,11 +16,13 @@ class TrainMaps:
   and random erasing per batch (timm's prefetcher order, T2T-ViT's). Vectorized (static-size
   images, no crop or RandAugment): resize, flip and normalization per batch too."""
 
-  def __init__(self, data_cfg, source, encoded: bool, vectorized: bool, *, augment_key,
-               mix_key, erase_key):
+  def __init__(self, data_cfg, source, run_key):
     self.data_cfg, self.source = data_cfg, source
-    self.encoded, self.vectorized = encoded, vectorized
-    self.augment_key, self.mix_key, self.erase_key = augment_key, mix_key, erase_key
+    self.encoded = not data_cfg.cache and source.images_encoded_after_read
+    self.vectorized = (source.static_image_hw is not None and data_cfg.augment != 'inception_crop'
+                       and data_cfg.randaugment_num_layers <= 0)
+    self.augment_key, self.mix_key, self.erase_key = (
+        preprocess.fold_in(run_key, k) for k in (1, 2, 3))
     self.mixing = (data_cfg.mixup_alpha > 0 or data_cfg.cutmix_alpha > 0) and data_cfg.mix_prob > 0
 
   @tf.autograph.experimental.do_not_convert
@@ -51,13 +53,12 @@ class TrainMaps:
   def per_batch(self, ids, ex):
     image = ex['image']
     if self.vectorized:
+      key = preprocess.fold_in(self.augment_key, ids[0])
       if self.data_cfg.augment == 'pad_crop':  # Translation, then flip (as per example).
-        image = preprocess.pad_crop(
-            image, preprocess.fold_in(preprocess.fold_in(self.augment_key, ids[0]), 1),
-            self.data_cfg.pad_crop_pixels)
+        image = preprocess.pad_crop(image, preprocess.fold_in(key, 1),
+                                    self.data_cfg.pad_crop_pixels)
       if self.data_cfg.augment in ('flip', 'pad_crop'):  # Resizing commutes with flipping.
-        image = tf.image.stateless_random_flip_left_right(
-            image, preprocess.fold_in(self.augment_key, ids[0]))
+        image = tf.image.stateless_random_flip_left_right(image, key)
       image = preprocess.resize(image, self.data_cfg.image_size)
       image = preprocess.normalize(image, self.data_cfg.normalization)
     labels = ex['label']
@@ -69,11 +70,7 @@ class TrainMaps:
           mixup_alpha=self.data_cfg.mixup_alpha, cutmix_alpha=self.data_cfg.cutmix_alpha,
           switch_prob=self.data_cfg.mix_switch_prob, prob=self.data_cfg.mix_prob)
     if self.data_cfg.random_erasing > 0:  # After the mix, as T2T-ViT's (timm's prefetcher).
-      image = tf.map_fn(lambda args: self._erase(*args), (image, ids),
-                        fn_output_signature=tf.float32)
+      image = tf.map_fn(lambda args: augment.random_erasing(
+          args[0], preprocess.fold_in(self.erase_key, args[1]),
+          probability=self.data_cfg.random_erasing), (image, ids), fn_output_signature=tf.float32)
     return {'image': image, 'labels': labels}
-
-  def _erase(self, image, i):
-    """Random erasing of one normalized image, keyed by its element id."""
-    return augment.random_erasing(image, preprocess.fold_in(self.erase_key, i),
-                                  probability=self.data_cfg.random_erasing)

@@ -384,7 +384,11 @@ class Evaluator:
                                   seeds=self.seeds, l2_regs=self.l2_regs,
                                   skip_short=not self.strict)
       except NotEnoughExamplesError as e:
-        raise self._not_enough(task, e) from e
+        raise NotEnoughExamplesError(
+            f"{e.shots}-shot on {task.name}: {len(e.short)} of {task.num_classes} classes have "
+            f"fewer than {e.shots} examples in the train split "
+            f"{task.data_config.train_split!r} ({_listed(e.short, task.class_name)}); "
+            f"{self._hint}.", e.shots, e.short) from e
       results.append(TaskResult(task, len(pool.labels), pool.read, len(test.labels), shots))
       logging.info("Few-shot %s (%d training examples kept of %d read, %d eval examples): %s",
                    task.name, len(pool.labels), pool.read, len(test.labels),
@@ -395,11 +399,3 @@ class Evaluator:
     """`scalars` of every task: `{'fewshot/<dataset>_<k>shot': mean, '..._std': std}`."""
     return {k: v for result in self.evaluate(variables)
             for k, v in scalars(result.task.name, result.shots).items()}
-
-  def _not_enough(self, task: Task, error: NotEnoughExamplesError) -> NotEnoughExamplesError:
-    short = error.short
-    return NotEnoughExamplesError(
-        f"{error.shots}-shot on {task.name}: {len(short)} of {task.num_classes} classes have "
-        f"fewer than {error.shots} examples in the train split "
-        f"{task.data_config.train_split!r} ({_listed(short, task.class_name)}); {self._hint}.",
-        error.shots, short)

@@ -37,14 +37,10 @@ def ffi_include_dir() -> str:
 def extensions() -> list:
   """The setuptools extensions of the package: the CPU attention kernel, optional."""
   import setuptools  # pylint: disable=import-outside-toplevel
+  # optional: without a compiler the install succeeds; the models use XLA's attention.
   return [setuptools.Extension(
-      CPU_ATTENTION_MODULE,
-      sources=[CPU_ATTENTION_SOURCE],
-      include_dirs=[ffi_include_dir()],
-      language='c++',
-      extra_compile_args=list(COMPILE_ARGS),
-      optional=True,  # Without a compiler the install succeeds; the models use XLA's attention.
-  )]
+      CPU_ATTENTION_MODULE, sources=[CPU_ATTENTION_SOURCE], include_dirs=[ffi_include_dir()],
+      language='c++', extra_compile_args=list(COMPILE_ARGS), optional=True)]
 
 
 def compile_command(output: str, isa: Optional[str] = None, compiler: str = 'g++') -> List[str]:

@@ -63,10 +63,8 @@ def load(path: str) -> Tuple[Optional[str], str]:
     lib = ctypes.CDLL(path)
     lib.VitJaxAttentionIsa.restype = ctypes.c_char_p
     variant = lib.VitJaxAttentionIsa().decode()
-    jax.ffi.register_ffi_target(FORWARD_TARGET, jax.ffi.pycapsule(lib.VitJaxAttentionForward),
-                                platform='cpu')
-    jax.ffi.register_ffi_target(BACKWARD_TARGET, jax.ffi.pycapsule(lib.VitJaxAttentionBackward),
-                                platform='cpu')
+    for target, function in zip(TARGETS, (lib.VitJaxAttentionForward, lib.VitJaxAttentionBackward)):
+      jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(function), platform='cpu')
   except (OSError, AttributeError) as e:
     return None, f'{path} could not be loaded: {e}'
   _loaded[path] = variant
@@ -170,9 +168,7 @@ def _attention(qkv: Array, scale: float) -> Array:
 
 
 def _attention_fwd(qkv, scale):
-  out, lse = _forward_call(qkv, scale)
-  out = checkpoint_name(out, RESIDUAL_NAMES[0])
-  lse = checkpoint_name(lse, RESIDUAL_NAMES[1])
+  out, lse = (checkpoint_name(x, n) for x, n in zip(_forward_call(qkv, scale), RESIDUAL_NAMES))
   return out, (qkv, out, lse)
 
 

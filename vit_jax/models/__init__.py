@@ -60,14 +60,10 @@ _VIT_DEFAULTS: Dict[str, Any] = dict(
     remat_policy='nothing_saveable', attention='xla', gelu_approximate=True,
     layer_norm_epsilon=1e-6, posemb='learn')
 
-#: Override keys of the ViT family.
-OVERRIDE_KEYS: Tuple[str, ...] = (
-    'hidden_size', 'mlp_dim', 'num_heads', 'num_layers', 'patch_size', 'classifier',
-    'representation_size', 'dropout_rate', 'attention_dropout_rate', 'head_bias_init', 'dtype',
-    'param_dtype', 'scan', 'remat', 'remat_policy', 'attention', 'gelu_approximate',
-    'layer_norm_epsilon', 'posemb')
-
 _REQUIRED_CUSTOM = ('hidden_size', 'mlp_dim', 'num_heads', 'num_layers', 'patch_size')
+
+#: Override keys of the ViT family.
+OVERRIDE_KEYS: Tuple[str, ...] = _REQUIRED_CUSTOM + tuple(_VIT_DEFAULTS)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,12 +85,17 @@ class Family:
 _SIZE_ALIASES = {'ti': 'Ti', 's': 'S', 'b': 'B', 'l': 'L', 'h': 'H'}
 
 
-def _vit_config(match: re.Match) -> Dict[str, Any]:
+def _size(match: re.Match) -> str:
   raw = match.group('size')
-  size = raw if raw in ('g', 'G') else _SIZE_ALIASES[raw.lower()]
-  num_layers, hidden, mlp, heads, dropout = VIT_SIZES[size]
-  return dict(_VIT_DEFAULTS, num_layers=num_layers, hidden_size=hidden, mlp_dim=mlp,
-              num_heads=heads, dropout_rate=dropout, patch_size=int(match.group('patch')))
+  return raw if raw in ('g', 'G') else _SIZE_ALIASES[raw.lower()]
+
+
+def _vit_config(match: re.Match, **fields: Any) -> Dict[str, Any]:
+  """The fields of the named size, then ``fields`` (a hybrid's)."""
+  num_layers, hidden, mlp, heads, dropout = VIT_SIZES[_size(match)]
+  return {**_VIT_DEFAULTS, 'num_layers': num_layers, 'hidden_size': hidden, 'mlp_dim': mlp,
+          'num_heads': heads, 'dropout_rate': dropout, 'patch_size': int(match.group('patch')),
+          **fields}
 
 
 #: Keys accepted as overrides for the hybrid (R+ViT) family: the ViT keys plus the ResNet stem.
@@ -114,15 +115,12 @@ HYBRID_CONFIGS: Dict[Tuple[str, str, int], Tuple[Tuple[int, ...], int, float]] =
 }
 
 #: Canonical names of the official hybrid configurations, plus 'R+ViT-custom'.
-HYBRID_MODEL_NAMES: Tuple[str, ...] = (
-    'R+ViT-Ti_16', 'R50+ViT-B_16', 'R26+ViT-B_32', 'R26+ViT-S_32', 'R50+ViT-L_32',
-    'R+ViT-custom')
+HYBRID_MODEL_NAMES: Tuple[str, ...] = tuple(
+    f'R{depth}+ViT-{size}_{patch}' for depth, size, patch in HYBRID_CONFIGS) + ('R+ViT-custom',)
 
 
 def _hybrid_config(match: re.Match) -> Dict[str, Any]:
-  raw = match.group('size')
-  size = raw if raw in ('g', 'G') else _SIZE_ALIASES[raw.lower()]
-  key = (match.group('depth'), size, int(match.group('patch')))
+  key = (match.group('depth'), _size(match), int(match.group('patch')))
   if key not in HYBRID_CONFIGS:
     raise ValueError(
         f'{match.group(0)!r} is not one of the official hybrid models '
@@ -130,10 +128,8 @@ def _hybrid_config(match: re.Match) -> Dict[str, Any]:
         f'with the overrides {", ".join(_HYBRID_REQUIRED_CUSTOM)}, or an official name with '
         f'overrides (e.g. resnet_num_layers=(3, 4, 6, 3)).')
   resnet_num_layers, patch, dropout = HYBRID_CONFIGS[key]
-  num_layers, hidden, mlp, heads, _ = VIT_SIZES[size]
-  return dict(_VIT_DEFAULTS, num_layers=num_layers, hidden_size=hidden, mlp_dim=mlp,
-              num_heads=heads, dropout_rate=dropout, patch_size=patch,
-              resnet_num_layers=resnet_num_layers, resnet_width_factor=1)
+  return _vit_config(match, dropout_rate=dropout, patch_size=patch,
+                     resnet_num_layers=resnet_num_layers, resnet_width_factor=1)
 
 
 #: T2T-ViT sizes by depth: (embed_dim, depth, num_heads, mlp_ratio), official ``t2t_vit.py``;
@@ -148,17 +144,14 @@ T2T_SIZES: Dict[int, Tuple[int, int, int, float]] = {
 }
 
 _T2T_DEFAULTS: Dict[str, Any] = dict(
-    token_dim=64, tokens_type='performer', qk_scale=None, drop_path_rate=0.1, dtype='float32',
+    token_dim=64, tokens_type='performer', drop_path_rate=0.1, qk_scale=None, dtype='float32',
     param_dtype='float32', scan=False, remat=False, remat_policy='nothing_saveable',
     attention='xla')
 
-#: Override keys of the T2T-ViT families (the reference's constructor names).
-T2T_OVERRIDE_KEYS: Tuple[str, ...] = (
-    'embed_dim', 'depth', 'num_heads', 'mlp_ratio', 'token_dim', 'tokens_type',
-    'drop_path_rate', 'qk_scale', 'dtype', 'param_dtype', 'scan', 'remat', 'remat_policy',
-    'attention')
-
 _T2T_REQUIRED_CUSTOM = ('embed_dim', 'depth', 'num_heads', 'mlp_ratio')
+
+#: Override keys of the T2T-ViT families (the reference's constructor names).
+T2T_OVERRIDE_KEYS: Tuple[str, ...] = _T2T_REQUIRED_CUSTOM + tuple(_T2T_DEFAULTS)
 
 
 def _t2t_config(match: re.Match) -> Dict[str, Any]:
@@ -276,22 +269,15 @@ def head_dim(name: str, **overrides: Any) -> int:
   return width // config['num_heads']
 
 
-def _image_batch_shape(image_shape: Sequence[int]) -> Tuple[int, int, int, int]:
-  shape = tuple(int(s) for s in image_shape)
-  if len(shape) == 2:
-    shape += (3,)
-  if len(shape) != 3:
-    raise ValueError(f'image_shape must be (height, width) or (height, width, channels), got '
-                     f'{tuple(image_shape)!r}')
-  return (1,) + shape
-
-
 def abstract_variables(model: nn.Module, image_shape: Sequence[int] = (224, 224)) -> Any:
   """``jax.eval_shape`` of ``model.init`` on one ``(H, W[, C=3])`` image, params boxed.
   ValueError: a malformed or unsupported ``image_shape``."""
-  shape = _image_batch_shape(image_shape)
+  shape = tuple(int(s) for s in image_shape) + ((3,) if len(image_shape) == 2 else ())
+  if len(shape) != 3:
+    raise ValueError(f'image_shape must be (height, width) or (height, width, channels), got '
+                     f'{tuple(image_shape)!r}')
   return jax.eval_shape(
-      lambda: model.init(jax.random.key(0), jnp.zeros(shape, jnp.float32), train=False))
+      lambda: model.init(jax.random.key(0), jnp.zeros((1,) + shape, jnp.float32), train=False))
 
 
 def logical_axes(model: nn.Module, image_shape: Sequence[int] = (224, 224)) -> Any:

@@ -115,20 +115,22 @@ def check_implementation(implementation: Any) -> None:
 def self_attention(x: Array, projections: Sequence[Tuple[Array, Optional[Array]]], *,
                    implementation: str, logits_scale: float, scale_query: bool = False,
                    dropout_rate: float = 0.0, dropout_rng: Optional[Array] = None,
-                   weights_fn: Optional[WeightsFn] = None) -> Tuple[Array, str]:
+                   weights_fn: Optional[WeightsFn] = None,
+                   x_kv: Optional[Array] = None) -> Tuple[Array, str]:
   """``softmax(logits_scale q k^T) v`` per head of ``x [B, N, D]`` by ``implementation``.
 
   ``projections``: ``(kernel [D, heads, Dh], bias [heads, Dh] or None)`` of q, k, v.
   ``scale_query``: scale q before the product, as flax (the official ViT), not the float32 logits
-  (T2T-ViT). Dropout on 'xla' only; a ``weights_fn`` runs the 'xla' path. Returns ``(y, layout)``,
-  layout ``'bhnk'`` or ``'bnhk'``. ValueError: an unknown implementation, or dropout asked of
-  one that has none.
+  (T2T-ViT). Dropout on 'xla' only; a ``weights_fn`` or ``x_kv [B, Nk, D]`` (keys and values of
+  another sequence: flax's ``inputs_kv``) runs the 'xla' path. Returns ``(y, layout)``, layout
+  ``'bhnk'`` or ``'bnhk'``. ValueError: an unknown implementation, or dropout asked of one that
+  has none.
   """
   check_implementation(implementation)
   if dropout_rate > 0.0 and dropout_rng is not None and implementation != 'xla':
     raise ValueError(f"attention={implementation!r} has no attention dropout; use 'xla' for a "
                      'model with attention_dropout_rate > 0 in training.')
-  if weights_fn is not None:
+  if weights_fn is not None or x_kv is not None:
     implementation = 'xla'
   dtype = x.dtype
   fused = next((k for k in kernels.ATTENTION if k.NAME == implementation), None)
@@ -140,10 +142,11 @@ def self_attention(x: Array, projections: Sequence[Tuple[Array, Optional[Array]]
     qkv = checkpoint_name(qkv, QKV_NAMES[-1])
     return fused.attention(qkv, logits_scale=logits_scale), 'bnhk'
   layout = 'bnhk' if implementation == 'cudnn' else 'bhnk'
+  x_kv = x if x_kv is None else x_kv.astype(dtype)
   query, key, value = (
-      jnp.einsum(f'bnd,dhk->{layout}', x, k.astype(dtype))
+      jnp.einsum(f'bnd,dhk->{layout}', t, k.astype(dtype))
       + (0 if b is None else b.astype(dtype)[:, None, :] if layout == 'bhnk'
-         else b.astype(dtype)) for k, b in projections)
+         else b.astype(dtype)) for t, (k, b) in zip((x, x_kv, x_kv), projections))
   # Named for the remat policy 'qkv_saveable' (vit_jax.models.execution), which keeps only these.
   query, key, value = (checkpoint_name(t, n) for t, n in zip((query, key, value), QKV_NAMES))
   if implementation == 'cudnn':
@@ -155,26 +158,6 @@ def self_attention(x: Array, projections: Sequence[Tuple[Array, Optional[Array]]
                                logits_scale=None if scale_query else logits_scale,
                                dropout_rate=dropout_rate, dropout_rng=dropout_rng,
                                weights_fn=weights_fn), layout
-
-
-def cross_attention(x_q: Array, x_kv: Array, projections: Sequence[Tuple[Array, Array]], *,
-                    logits_scale: float, dropout_rate: float = 0.0,
-                    dropout_rng: Optional[Array] = None,
-                    weights_fn: Optional[WeightsFn] = None) -> Array:
-  """flax's ``MultiHeadDotProductAttention(inputs_q, inputs_kv)`` on the 'xla' path: ``x_q [B, Nq,
-  D]`` over ``x_kv [B, Nk, D]`` -> ``[B, heads, Nq, Dh]``; other arguments as
-  :func:`self_attention`. ValueError: inputs not of rank 3 or of different batch or width."""
-  if x_q.ndim != 3 or x_kv.ndim != 3 or x_q.shape[0] != x_kv.shape[0] or (
-      x_q.shape[-1] != x_kv.shape[-1]):
-    raise ValueError(f'cross_attention expects queries [batch, Nq, D] and keys/values [batch, Nk, '
-                     f'D] of one batch and width, got {x_q.shape} and {x_kv.shape}')
-  dtype = x_q.dtype
-  query, key, value = (jnp.einsum('bnd,dhk->bhnk', x.astype(dtype), k.astype(dtype))
-                       + b.astype(dtype)[:, None, :]
-                       for x, (k, b) in zip((x_q, x_kv, x_kv), projections))
-  query = query / jnp.asarray(1.0 / logits_scale, dtype)  # As flax: q / sqrt(Dh).
-  return dot_product_attention(query, key, value, dropout_rate=dropout_rate,
-                               dropout_rng=dropout_rng, weights_fn=weights_fn)
 
 
 class MultiHeadDotProductAttention(nn.Module):
@@ -209,14 +192,10 @@ class MultiHeadDotProductAttention(nn.Module):
     rate = self.dropout_rate if dropout else 0.0
     rng = self.make_rng('dropout') if dropout else None
     weights_fn = sow_weights(self) if capturing(self) else None
-    if inputs_kv is None:
-      y, layout = self_attention(
-          x, projections, implementation=self.attention, logits_scale=1.0 / math.sqrt(head_dim),
-          scale_query=True, dropout_rate=rate, dropout_rng=rng, weights_fn=weights_fn)
-    else:
-      y, layout = cross_attention(x, inputs_kv.astype(self.dtype), projections,
-                                  logits_scale=1.0 / math.sqrt(head_dim), dropout_rate=rate,
-                                  dropout_rng=rng, weights_fn=weights_fn), 'bhnk'
+    y, layout = self_attention(
+        x, projections, implementation=self.attention, logits_scale=1.0 / math.sqrt(head_dim),
+        scale_query=True, dropout_rate=rate, dropout_rng=rng, weights_fn=weights_fn,
+        x_kv=None if inputs_kv is None else inputs_kv.astype(self.dtype))
     kernel, bias = _Projection((heads, head_dim, width), ('heads', 'kv', 'embed'), (width,),
                                ('embed',), fan_in_axes=2, param_dtype=self.param_dtype,
                                name='out')()

@@ -67,17 +67,22 @@ def scanned(block_cls: type, length: int, *, in_axes: Any) -> type:
   """``nn.scan`` of ``block_cls`` (its call returns ``(x, None)``) ``length`` times: parameters
   and sown intermediates stacked on a leading ``'layers'`` axis, own rngs per copy; ``in_axes``
   for the arguments after ``x`` (``nn.broadcast`` or 0)."""
-  return nn.scan(block_cls,
-                 variable_axes={'params': 0, 'intermediates': 0},
-                 split_rngs={'params': True, 'dropout': True},
-                 in_axes=in_axes,
-                 length=length,
+  return nn.scan(block_cls, variable_axes={'params': 0, 'intermediates': 0},
+                 split_rngs={'params': True, 'dropout': True}, in_axes=in_axes, length=length,
                  metadata_params={nn.PARTITION_NAME: 'layers'})
 
 
 def fields_of(module: nn.Module) -> dict[str, Any]:
   """A model's dataclass fields by name (``parent`` and ``name`` included), for its checks."""
   return {f.name: getattr(module, f.name) for f in dataclasses.fields(module)}
+
+
+def shared_fields(module: nn.Module, cls: type, **overrides: Any) -> dict[str, Any]:
+  """The fields of ``cls`` that ``module`` has too, by name, then ``overrides``: what a module
+  passes on to a submodule of class ``cls``."""
+  own = fields_of(module)
+  return {**{f.name: own[f.name] for f in dataclasses.fields(cls)
+             if f.name in own and f.name not in ('parent', 'name')}, **overrides}
 
 
 def check_positive_int(field: str, value: Any, allow_none: bool = False) -> None:

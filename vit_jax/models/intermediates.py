@@ -16,15 +16,14 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from collections.abc import Mapping
 from typing import Any, List, Optional, Tuple
 
 import jax
 
 from vit_jax.models import attention as attention_lib
-from vit_jax.models import execution
 from vit_jax.models import layout as layout_lib
-from vit_jax.models import resnet
 from vit_jax.models import t2t
 from vit_jax.models import vit
 
@@ -75,17 +74,9 @@ def token_layout(model: Any, height: int, width: int) -> TokenLayout:
   TypeError: not a ViT or T2T-ViT; ImageSizeError: a size the model cannot take."""
   _check_model(model)
   if isinstance(model, t2t.T2TViT):
-    stride = 1
-    for _, step, _ in t2t.SOFT_SPLITS:
-      stride *= step
+    stride = math.prod(step for _, step, _ in t2t.SOFT_SPLITS)
     return TokenLayout(1, t2t.token_grid(height, width), (stride, stride))
-  ph, pw = vit.patch_pair(model.patch_size)
-  stem = (resnet.resnet_stride(model.resnet_num_layers)
-          if model.resnet_num_layers is not None else 1)
-  sy, sx = stem * ph, stem * pw
-  if height % sy or width % sx:
-    raise execution.ImageSizeError(f'Image {height}x{width} is not a multiple of the total patch '
-                                   f'stride {sy}x{sx} of this model; resize or crop the images.')
+  sy, sx = vit.token_stride(model, height, width)
   return TokenLayout(1 if model.classifier == 'token' else 0, (height // sy, width // sx),
                      (sy, sx))
 

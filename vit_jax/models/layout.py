@@ -66,9 +66,7 @@ def _to_dict(tree: Any) -> Any:
 
 
 def _stack(leaves):
-  if all(isinstance(x, np.ndarray) for x in leaves):
-    return np.stack(leaves, axis=0)
-  return jnp.stack(leaves, axis=0)
+  return (np if all(isinstance(x, np.ndarray) for x in leaves) else jnp).stack(leaves, axis=0)
 
 
 def block_indices(node: Mapping, prefix: str) -> dict:

@@ -125,20 +125,16 @@ class ResNetStage(nn.Module):
     return x
 
 
-def root_width(width_factor: float) -> int:
-  """Channels of ``conv_root``: ``int(64 * width_factor)`` (official)."""
-  return int(BASE_WIDTH * width_factor)
-
-
 def resnet_stride(num_layers: Sequence[int]) -> int:
   """Total downsampling of the stem: 4 (root conv + max-pool) times 2 per stage after the first."""
   return 4 * 2 ** max(len(tuple(num_layers)) - 1, 0)
 
 
 def resnet_out_channels(num_layers: Sequence[int], width_factor: float) -> int:
-  """Channels of the stem output: ``width`` with no stages, else ``4 width 2^(S-1)``."""
-  width = root_width(width_factor)
+  """Channels of the stem output: ``w = int(64 width_factor)`` (``conv_root``'s, official) with
+  no stages, else ``4 w 2^(S-1)``."""
   stages = len(tuple(num_layers))
+  width = int(BASE_WIDTH * width_factor)
   return width if stages == 0 else 4 * width * 2 ** (stages - 1)
 
 
@@ -146,7 +142,7 @@ def resnet_stem(x: Array, *, num_layers: Sequence[int], width_factor: float = 1,
                 dtype: Dtype = jnp.float32, param_dtype: Dtype = jnp.float32) -> Array:
   """The root and stages, in the calling compact ``__call__``'s scope: ``[B, H, W, C]`` -> ``[B,
   H/t, W/t, resnet_out_channels]``, ``t = resnet_stride(num_layers)``; ``()``: the root only."""
-  width = root_width(width_factor)
+  width = int(BASE_WIDTH * width_factor)
   x = StdConv(features=width, kernel_size=(7, 7), strides=(2, 2), dtype=dtype,
               param_dtype=param_dtype, name='conv_root')(x)
   x = _group_norm('gn_root', dtype, param_dtype)(x)

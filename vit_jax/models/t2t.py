@@ -45,18 +45,12 @@ PERFORMER_EPSILON = 1e-8
 _linear_init = nn.initializers.truncated_normal(stddev=0.02)
 
 _partitioned = nn.with_logical_partitioning
-_constrain = execution.constrain
-_TOKENS_AXES = execution.TOKENS_AXES
 
 Axes = Tuple[Optional[str], ...]
 
 #: Logical (input, output) axes of the T2T layers' kernels: fused q/k/v, and the others.
 _T2T_QKV_AXES: Axes = (None, 'qkv')
 _T2T_AXES: Axes = (None, 'tokens')
-
-
-def _gelu(x: Array) -> Array:
-  return nn.gelu(x, approximate=False)
 
 
 def _layer_norm(name: str, dtype: Dtype, param_dtype: Dtype) -> nn.LayerNorm:
@@ -173,8 +167,8 @@ class Mlp(nn.Module):
   @nn.compact
   def __call__(self, x: Array) -> Array:
     x = _dense(self.hidden_dim, 'fc1', self.dtype, self.param_dtype, self.fc1_axes)(x)
-    x = _constrain(x, ('batch', 'length', self.fc1_axes[1]))
-    x = _gelu(x)
+    x = execution.constrain(x, ('batch', 'length', self.fc1_axes[1]))
+    x = nn.gelu(x, approximate=False)
     return _dense(self.out_dim, 'fc2', self.dtype, self.param_dtype, self.fc2_axes)(x)
 
 
@@ -253,8 +247,9 @@ class TokenPerformer(nn.Module):
     y = v + y
     z = _layer_norm('norm2', self.dtype, self.param_dtype)(y)
     z = _dense(self.token_dim, 'mlp_0', self.dtype, self.param_dtype, _T2T_AXES)(z)
-    z = _constrain(z, ('batch', 'length', 'tokens'))
-    z = _dense(self.token_dim, 'mlp_2', self.dtype, self.param_dtype, _T2T_AXES)(_gelu(z))
+    z = execution.constrain(z, ('batch', 'length', 'tokens'))
+    z = nn.gelu(z, approximate=False)
+    z = _dense(self.token_dim, 'mlp_2', self.dtype, self.param_dtype, _T2T_AXES)(z)
     return y + z
 
 
@@ -281,7 +276,7 @@ class TokensToToken(nn.Module):
                       name=f'attention{stage + 1}')(x)
         x = x.reshape(b, oh, ow, x.shape[-1])  # Tokens back to a row-major (h, w, c) map.
     x = _dense(self.embed_dim, 'project', self.dtype, self.param_dtype, (None, 'embed'))(x)
-    return _constrain(x, _TOKENS_AXES)
+    return execution.constrain(x, execution.TOKENS_AXES)
 
 
 class _QkvKernel(nn.Module):
@@ -342,14 +337,13 @@ class Block(nn.Module):
     d = x.shape[-1]
     drop = functools.partial(DropPath(self.drop_path, name='drop_path'),
                              deterministic=deterministic, rate=drop_path_rate)
-    x = _constrain(x, _TOKENS_AXES)
+    x = execution.constrain(x, execution.TOKENS_AXES)
     y = _layer_norm('norm1', self.dtype, self.param_dtype)(x)
-    y = Attention(self.num_heads, self.qk_scale, self.dtype, self.param_dtype,
-                  self.attention, name='attn')(y)
-    x = _constrain(x + drop(y), _TOKENS_AXES)
+    y = Attention(name='attn', **execution.shared_fields(self, Attention))(y)
+    x = execution.constrain(x + drop(y), execution.TOKENS_AXES)
     y = _layer_norm('norm2', self.dtype, self.param_dtype)(x)
     y = Mlp(int(d * self.mlp_ratio), d, self.dtype, self.param_dtype, name='mlp')(y)
-    x = _constrain(x + drop(y), _TOKENS_AXES)
+    x = execution.constrain(x + drop(y), execution.TOKENS_AXES)
     self.sow(attention_lib.INTERMEDIATES, attention_lib.TOKENS, x)  # A no-op unless mutable.
     return (x, None) if self.scanned else x
 
@@ -392,7 +386,6 @@ class T2TViT(nn.Module):
                        f'got shape {inputs.shape}')
     dtype = jnp.dtype(self.dtype or jnp.float32)
     param_dtype = jnp.dtype(self.param_dtype or jnp.float32)
-    token_grid(inputs.shape[1], inputs.shape[2])  # Clear error for too-small images.
 
     x = TokensToToken(self.tokens_type, self.token_dim, self.embed_dim, dtype, param_dtype,
                       name='tokens_to_token')(inputs.astype(dtype))
@@ -407,15 +400,13 @@ class T2TViT(nn.Module):
           f'pos_embed has shape {tuple(pos.value.shape)} but the image {inputs.shape[1]}x'
           f'{inputs.shape[2]} gives {(1, n + 1, d)} (tokens + class token, width). The table is '
           f'fixed: rebuild it with sinusoid_table({n + 1}, {d}) (or init) for this image size.')
-    x = _constrain(x + pos.value.astype(x.dtype), _TOKENS_AXES)
+    x = execution.constrain(x + pos.value.astype(x.dtype), execution.TOKENS_AXES)
     self.sow('intermediates', 'pos_drop', x)
 
     rates = np.linspace(0.0, self.drop_path_rate, self.depth)  # As torch.linspace.
     block_cls = (execution.rematerialised(Block, self.remat_policy, scan=self.scan)
                  if self.remat else Block)
-    block_kwargs = dict(num_heads=self.num_heads, mlp_ratio=self.mlp_ratio,
-                        qk_scale=self.qk_scale, dtype=dtype, param_dtype=param_dtype,
-                        attention=self.attention)
+    block_kwargs = execution.shared_fields(self, Block, dtype=dtype, param_dtype=param_dtype)
     if self.scan:
       # Per-block drop-path rates scanned with the parameters; none: skipped statically.
       scanned_rates = (jnp.asarray(rates, jnp.float32),) if self.drop_path_rate and train else ()
@@ -425,11 +416,9 @@ class T2TViT(nn.Module):
     else:
       for i in range(self.depth):
         x = block_cls(drop_path=float(rates[i]), name=f'blocks_{i}', **block_kwargs)(x, not train)
-    x = _layer_norm('norm', dtype, param_dtype)(x)
-    x = x[:, 0]
-    if self.num_classes is None:
-      return x.astype(jnp.float32)
-    x = _dense(self.num_classes, 'head', dtype, param_dtype, ('embed', 'classes'))(x)
+    x = _layer_norm('norm', dtype, param_dtype)(x)[:, 0]
+    if self.num_classes is not None:
+      x = _dense(self.num_classes, 'head', dtype, param_dtype, ('embed', 'classes'))(x)
     return x.astype(jnp.float32)
 
 

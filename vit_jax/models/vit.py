@@ -69,6 +69,31 @@ def posemb_sincos_2d(height: int, width: int, features: int, temperature: float 
   return table.astype(dtype)[None]
 
 
+def token_stride(model: 'VisionTransformer', height: int, width: int) -> Tuple[int, int]:
+  """The pixels ``(sy, sx)`` between ``model``'s token centres on ``height x width`` images, the
+  patch size times a hybrid's stem stride; ImageSizeError (what fits) unless they divide the sides.
+  """
+  hybrid = model.resnet_num_layers is not None
+  stem = resnet.resnet_stride(model.resnet_num_layers) if hybrid else 1
+  patches = patch_pair(model.patch_size)
+  for side, size, patch in zip(('height', 'width'), (height, width), patches):
+    stride = stem * patch
+    if size % stride:
+      lower = size // stride * stride
+      if hybrid:
+        what = (f'the total stride {stride} (ResNet stem stride {stem} x patch size {patch}; '
+                f'resnet_num_layers={tuple(model.resnet_num_layers)!r}, '
+                f'patch_size={model.patch_size!r}, image {height}x{width})')
+        fix = 'or change patch_size / the number of ResNet stages.'
+      else:
+        what = f'the patch size {patch} (patch_size={model.patch_size!r}, image {height}x{width})'
+        fix = f'or choose a patch size that divides {size}.'
+      raise execution.ImageSizeError(
+          f'Image {side} {size} is not divisible by {what}. Resize or crop the images to a '
+          f'multiple of {stride} (e.g. {lower or stride} or {lower + stride}), {fix}')
+  return stem * patches[0], stem * patches[1]
+
+
 class IdentityLayer(nn.Module):
   """The identity: a ``pre_logits`` entry for ``capture_intermediates``, as the official model."""
 
@@ -153,19 +178,13 @@ class EncoderBlock(nn.Module):
     inputs = execution.constrain(inputs, TOKENS_AXES)
     x = _layer_norm(self.dtype, self.param_dtype, epsilon=self.layer_norm_epsilon)(inputs)
     x = attention_lib.MultiHeadDotProductAttention(
-        num_heads=self.num_heads,
-        dropout_rate=self.attention_dropout_rate,
-        dtype=self.dtype,
-        param_dtype=self.param_dtype,
-        attention=self.attention,
-        name='MultiHeadDotProductAttention_0',
-    )(x, deterministic=deterministic)
+        num_heads=self.num_heads, dropout_rate=self.attention_dropout_rate, dtype=self.dtype,
+        param_dtype=self.param_dtype, attention=self.attention,
+        name='MultiHeadDotProductAttention_0')(x, deterministic=deterministic)
     x = nn.Dropout(rate=self.dropout_rate)(x, deterministic=deterministic)
     x = execution.constrain(x + inputs, TOKENS_AXES)
     y = _layer_norm(self.dtype, self.param_dtype, epsilon=self.layer_norm_epsilon)(x)
-    y = MlpBlock(mlp_dim=self.mlp_dim, dropout_rate=self.dropout_rate, dtype=self.dtype,
-                 param_dtype=self.param_dtype,
-                 gelu_approximate=self.gelu_approximate)(y, deterministic=deterministic)
+    y = MlpBlock(**execution.shared_fields(self, MlpBlock))(y, deterministic=deterministic)
     out = execution.constrain(x + y, TOKENS_AXES)
     self.sow(attention_lib.INTERMEDIATES, attention_lib.TOKENS, out)  # A no-op unless mutable.
     return (out, None) if self.scanned else out
@@ -200,11 +219,7 @@ class Encoder(nn.Module):
 
     block_cls = (execution.rematerialised(EncoderBlock, self.remat_policy, scan=self.scan)
                  if self.remat else EncoderBlock)
-    block_kwargs = dict(
-        mlp_dim=self.mlp_dim, num_heads=self.num_heads, dropout_rate=self.dropout_rate,
-        attention_dropout_rate=self.attention_dropout_rate, dtype=self.dtype,
-        param_dtype=self.param_dtype, attention=self.attention,
-        gelu_approximate=self.gelu_approximate, layer_norm_epsilon=self.layer_norm_epsilon)
+    block_kwargs = execution.shared_fields(self, EncoderBlock)
     if self.scan:
       stack = execution.scanned(block_cls, self.num_layers, in_axes=nn.broadcast)
       x, _ = stack(scanned=True, name='encoderblock', **block_kwargs)(x, deterministic)
@@ -240,8 +255,7 @@ class MAPHead(nn.Module):
         attention='xla', name='MultiHeadDotProductAttention_0',
     )(probe, inputs_kv=x, deterministic=True)
     y = _layer_norm(self.dtype, self.param_dtype, epsilon=self.layer_norm_epsilon)(x)
-    x = x + MlpBlock(mlp_dim=self.mlp_dim, dtype=self.dtype, param_dtype=self.param_dtype,
-                     gelu_approximate=self.gelu_approximate)(y, deterministic=True)
+    x = x + MlpBlock(**execution.shared_fields(self, MlpBlock))(y, deterministic=True)
     return x[:, 0]
 
 
@@ -300,29 +314,10 @@ class VisionTransformer(nn.Module):
           f'got shape {inputs.shape}')
     dtype = jnp.dtype(self.dtype or jnp.float32)
     param_dtype = jnp.dtype(self.param_dtype or jnp.float32)
+    token_stride(self, inputs.shape[1], inputs.shape[2])
     ph, pw = patch_pair(self.patch_size)
-    _, height, width, _ = inputs.shape
-    hybrid = self.resnet_num_layers is not None
-    stem = resnet.resnet_stride(self.resnet_num_layers) if hybrid else 1
-    for side, size, patch in (('height', height, ph), ('width', width, pw)):
-      stride = stem * patch
-      if size % stride:
-        lower = size // stride * stride
-        if hybrid:
-          what = (f'the total stride {stride} (ResNet stem stride {stem} x patch size {patch}; '
-                  f'resnet_num_layers={tuple(self.resnet_num_layers)!r}, '
-                  f'patch_size={self.patch_size!r}, image {height}x{width})')
-          fix = 'or change patch_size / the number of ResNet stages.'
-        else:
-          what = (f'the patch size {patch} (patch_size={self.patch_size!r}, image '
-                  f'{height}x{width})')
-          fix = f'or choose a patch size that divides {size}.'
-        raise execution.ImageSizeError(
-            f'Image {side} {size} is not divisible by {what}. Resize or crop the images to a '
-            f'multiple of {stride} (e.g. {lower or stride} or {lower + stride}), {fix}')
-
     x = inputs
-    if hybrid:
+    if self.resnet_num_layers is not None:
       x = resnet.resnet_stem(x, num_layers=self.resnet_num_layers,
                              width_factor=self.resnet_width_factor, dtype=dtype,
                              param_dtype=param_dtype)
@@ -344,24 +339,16 @@ class VisionTransformer(nn.Module):
       cls = jnp.broadcast_to(cls.astype(x.dtype), (n, 1, c))
       x = jnp.concatenate([cls, x], axis=1)
 
-    x = Encoder(num_layers=self.num_layers, mlp_dim=self.mlp_dim, num_heads=self.num_heads,
-                dropout_rate=self.dropout_rate,
-                attention_dropout_rate=self.attention_dropout_rate, dtype=dtype,
-                param_dtype=param_dtype, scan=self.scan, remat=self.remat,
-                remat_policy=self.remat_policy, attention=self.attention,
-                gelu_approximate=self.gelu_approximate,
-                layer_norm_epsilon=self.layer_norm_epsilon, posemb=self.posemb,
-                name='Transformer')(x, train=train)
+    submodule = lambda cls: execution.shared_fields(self, cls, dtype=dtype,
+                                                    param_dtype=param_dtype)
+    x = Encoder(name='Transformer', **submodule(Encoder))(x, train=train)
 
     if self.classifier == 'token':
       x = x[:, 0]
     elif self.classifier == 'gap':
       x = jnp.mean(x, axis=1)
     else:  # 'map'
-      x = MAPHead(num_heads=self.num_heads, mlp_dim=self.mlp_dim,
-                  gelu_approximate=self.gelu_approximate,
-                  layer_norm_epsilon=self.layer_norm_epsilon, dtype=dtype,
-                  param_dtype=param_dtype, name='MAPHead_0')(x)
+      x = MAPHead(name='MAPHead_0', **submodule(MAPHead))(x)
 
     if self.representation_size is not None:
       x = nn.Dense(self.representation_size, dtype=dtype, param_dtype=param_dtype,
@@ -372,11 +359,9 @@ class VisionTransformer(nn.Module):
     else:
       x = IdentityLayer(name='pre_logits')(x)
 
-    if self.num_classes is None:
-      return x.astype(jnp.float32)
-    x = nn.Dense(self.num_classes, dtype=dtype, param_dtype=param_dtype,
-                 kernel_init=_partitioned(nn.initializers.zeros, ('embed', 'classes')),
-                 bias_init=_partitioned(nn.initializers.constant(self.head_bias_init),
-                                        ('classes',)),
-                 name='head')(x)
+    if self.num_classes is not None:
+      x = nn.Dense(self.num_classes, dtype=dtype, param_dtype=param_dtype,
+                   kernel_init=_partitioned(nn.initializers.zeros, ('embed', 'classes')),
+                   bias_init=_partitioned(nn.initializers.constant(self.head_bias_init),
+                                          ('classes',)), name='head')(x)
     return x.astype(jnp.float32)

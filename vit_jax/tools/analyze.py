@@ -12,7 +12,6 @@ Files, images and exit statuses: docs/analysis.md. JAX, TensorFlow and matplotli
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 from typing import Any, Dict, List, Optional, Sequence, Tuple
@@ -34,7 +33,6 @@ CHUNK = 16
 def _parser() -> common.Parser:
   doc = __doc__.split('\n\n')
   parser = common.Parser(prog='python -m vit_jax.analyze', description=doc[0],
-                         formatter_class=argparse.RawDescriptionHelpFormatter,
                          epilog='Examples:\n' + doc[1])
   common.add_source_arguments(parser)
   images = parser.add_mutually_exclusive_group()
@@ -173,7 +171,6 @@ def _captions(trained: Any, predicted: Sequence[int], labels: Sequence[str], *,
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-  """The command on ``argv`` (default: the command line); returns the exit status."""
   args = _parser().parse_args(argv)
   try:
     for flag, value in (('--num-images', args.num_images), ('--overlays', args.overlays)):
@@ -184,10 +181,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
       raise FileExistsError(f'{args.out} already holds an analysis ({", ".join(existing)}); '
                             'choose another --out or pass --overwrite.')
     trained = common.load_source(args)
-    if args.images:
-      inputs, labels = _from_files(trained, args.images, args.num_images)
-    else:
-      inputs, labels = _from_data(trained, args.data, args.num_images)
+    inputs, labels = (_from_files(trained, args.images, args.num_images) if args.images
+                      else _from_data(trained, args.data, args.num_images))
     if args.overlays > len(inputs):
       print(f'--overlays {args.overlays} lowered to the {len(inputs)} image(s) analysed.')
     result = analyze(trained, inputs, overlays=min(args.overlays, len(inputs)))
@@ -209,5 +204,4 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 
 def run_main() -> None:
-  """`python -m vit_jax.analyze`."""
   common.run_program(main, _parser)

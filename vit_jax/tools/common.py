@@ -1,13 +1,16 @@
 """What the command-line tools share: the parser (a usage error is one ``FATAL:`` line), the one
 ``FATAL:`` report, ``--set KEY=VALUE`` fields, SOURCE arguments, and :func:`run_program`.
 
-Exit status 2: bad input; 1: a failure while working (e.g. writing an output).
+Exit status 2: bad input; 1: a failure while working (e.g. writing an output). Each tool's
+``main(argv=None)`` is the command on ``argv`` (default: the command line), returning the exit
+status; its ``run_main()`` is the program, ``python -m vit_jax.<tool>``.
 """
 
 from __future__ import annotations
 
 import argparse
 import ast
+import functools
 import os
 import signal
 import sys
@@ -56,14 +59,33 @@ def parse_setting(text: str) -> Tuple[str, Any]:
 
 
 class Parser(argparse.ArgumentParser):
-  """argparse: a usage error is one ``FATAL:`` line (exit status 2); the help shows reST
-  literals (````x````) as plain text."""
+  """argparse: a usage error is one ``FATAL:`` line (exit status 2); the help keeps the
+  description's lines and shows reST literals (````x````) as plain text."""
+
+  def __init__(self, *args, formatter_class=argparse.RawDescriptionHelpFormatter, **kwargs):
+    super().__init__(*args, formatter_class=formatter_class, **kwargs)
 
   def format_help(self):
     return super().format_help().replace('``', '')
 
   def error(self, message):
     self.exit(2, f'FATAL: {message}\n')
+
+
+def exit_status(main):
+  """``main`` (``-> int``, the exit status) answering bad input (:data:`INPUT_ERRORS`) with a
+  ``FATAL:`` line and exit status 2, other OSErrors (e.g. a full disk) with 1."""
+
+  @functools.wraps(main)
+  def wrapped(*args, **kwargs) -> int:
+    try:
+      return main(*args, **kwargs)
+    except INPUT_ERRORS as e:
+      return fatal(e, 2)
+    except OSError as e:
+      return fatal(e, 1)
+
+  return wrapped
 
 
 def add_set_argument(parser: argparse.ArgumentParser, example: str) -> None:

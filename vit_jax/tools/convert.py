@@ -105,20 +105,10 @@ def written_arrays(variables: Dict[str, Any], dst: str) -> Dict[str, Dict[str, T
           for name, tree in variables.items()}
 
 
-def _summary(written: Mapping[str, Mapping[str, Tuple]]) -> str:
-  lines = []
-  for name, arrays in written.items():
-    count = sum(math.prod(shape) for shape, _ in arrays.values())
-    dtypes = sorted({str(dtype) for _, dtype in arrays.values()})
-    lines.append(f'  {name}: {len(arrays)} arrays, {count:,} values ({", ".join(dtypes)})')
-  return '\n'.join(lines)
-
-
+@common.exit_status
 def main(argv: Optional[Sequence[str]] = None) -> int:
-  """The command on ``argv`` (default: the command line); returns the exit status."""
   doc = __doc__.split('\n\n')
   parser = common.Parser(prog='python -m vit_jax.convert', description='\n\n'.join(doc[:2]),
-                         formatter_class=argparse.RawDescriptionHelpFormatter,
                          epilog='Examples:\n' + doc[3] + '\n\n' + doc[4])
   parser.add_argument('src', help=checkpoint.ACCEPTED_FORMATS)
   parser.add_argument('dst', help='a new directory (Orbax checkpoint) or a path ending in .npz; '
@@ -136,32 +126,31 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                       help='the trained weights rather than their EMA when the source has both')
   parser.add_argument('--overwrite', action='store_true', help='replace an existing DST')
   args = parser.parse_args(argv)
-  try:
-    src, dst = os.path.realpath(args.src), os.path.realpath(args.dst)
-    if src == dst or dst.startswith(src + os.sep) or src.startswith(dst + os.sep):
-      raise ValueError(f'{args.dst} is (or contains, or is inside) the source {args.src}: '
-                       'write to a new path, the source is never replaced.')
-    if args.dst.lower().endswith(('.pth', '.pt', '.tar', '.npy', '.pkl', '.msgpack')):
-      raise ValueError(f'{args.dst}: the destination is a directory (Orbax checkpoint) or a '
-                       '.npz file, or with --to timm|hf safetensors; other formats are not '
-                       'written.')
-    overrides = dict(common.parse_setting(s) for s in args.set)
-    if args.to:
-      return _export(args, overrides)
-    if args.dst.endswith('.safetensors'):
-      raise ValueError(f'{args.dst}: say which library the .safetensors is for: --to timm or '
-                       '--to hf.')
-    if os.path.exists(args.dst) and not args.overwrite:  # Before the (long) read.
-      raise FileExistsError(f'{args.dst} exists; choose a new destination or pass --overwrite.')
-    variables, facts = read_with_facts(args.src, model_name=args.model, step=args.step,
-                                       use_ema=not args.no_ema, overrides=overrides)
-    kind = write(variables, args.dst, overwrite=args.overwrite, facts=facts)
-    written = written_arrays(variables, args.dst)
-  except common.INPUT_ERRORS as e:
-    return common.fatal(e, 2)
-  except OSError as e:  # E.g. the disk filled while writing.
-    return common.fatal(e, 1)
-  print(f'Wrote {kind} {args.dst} from {args.src}:\n{_summary(written)}')
+  src, dst = os.path.realpath(args.src), os.path.realpath(args.dst)
+  if src == dst or dst.startswith(src + os.sep) or src.startswith(dst + os.sep):
+    raise ValueError(f'{args.dst} is (or contains, or is inside) the source {args.src}: '
+                     'write to a new path, the source is never replaced.')
+  if args.dst.lower().endswith(('.pth', '.pt', '.tar', '.npy', '.pkl', '.msgpack')):
+    raise ValueError(f'{args.dst}: the destination is a directory (Orbax checkpoint) or a '
+                     '.npz file, or with --to timm|hf safetensors; other formats are not '
+                     'written.')
+  overrides = dict(common.parse_setting(s) for s in args.set)
+  if args.to:
+    return _export(args, overrides)
+  if args.dst.endswith('.safetensors'):
+    raise ValueError(f'{args.dst}: say which library the .safetensors is for: --to timm or '
+                     '--to hf.')
+  if os.path.exists(args.dst) and not args.overwrite:  # Before the (long) read.
+    raise FileExistsError(f'{args.dst} exists; choose a new destination or pass --overwrite.')
+  variables, facts = read_with_facts(args.src, model_name=args.model, step=args.step,
+                                     use_ema=not args.no_ema, overrides=overrides)
+  kind = write(variables, args.dst, overwrite=args.overwrite, facts=facts)
+  written = written_arrays(variables, args.dst)
+  print(f'Wrote {kind} {args.dst} from {args.src}:')
+  for name, arrays in written.items():
+    count = sum(math.prod(shape) for shape, _ in arrays.values())
+    dtypes = sorted({str(dtype) for _, dtype in arrays.values()})
+    print(f'  {name}: {len(arrays)} arrays, {count:,} values ({", ".join(dtypes)})')
   if facts and not args.dst.endswith('.npz'):
     print(f'  kept in {checkpoint.orbax.EXPORT_JSON}: {_facts_summary(facts)}')
   elif facts:
@@ -200,5 +189,4 @@ def _export(args: argparse.Namespace, overrides: Dict[str, Any]) -> int:
 
 
 def run_main() -> None:
-  """`python -m vit_jax.convert`."""
   common.run_program(main)

@@ -21,7 +21,6 @@ With a WORKDIR it reads what the run measured (`vit_jax.ledger`, docs/compute_co
 
 from __future__ import annotations
 
-import argparse
 import io
 import os
 import socket
@@ -96,7 +95,6 @@ def estimate(config, accelerator: str, mfu: float, num_train_examples=None,
   device_days, dataset (where its size came from). Raises ValueError for bad input.
   """
   import jax  # pylint: disable=g-import-not-at-top  (after the flags: fewshot's --help too)
-  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   from vit_jax import accounting, flops, models, step  # pylint: disable=g-import-not-at-top
   from vit_jax import config as config_lib  # pylint: disable=g-import-not-at-top
 
@@ -113,11 +111,9 @@ def estimate(config, accelerator: str, mfu: float, num_train_examples=None,
   # Every attention and remat policy does the same products: count with ones any host traces.
   model = step.create_model(config_lib.for_counting(config))
   size = config.data.image_size
-  image_shape = (size, size, 3)
-  macs = flops.model_forward_macs(model, image_shape)
-  variables = jax.eval_shape(
-      lambda: model.init(jax.random.key(0), jnp.zeros((1, *image_shape)), train=False))
-  parameters = sum(x.size for x in jax.tree.leaves(models.unbox(variables)["params"]))
+  macs = flops.model_forward_macs(model, (size, size, 3))
+  variables = models.unbox(models.abstract_variables(model, (size, size)))
+  parameters = sum(x.size for x in jax.tree.leaves(variables["params"]))
   images = steps * config.batch_size
   training = flops.training_flops(macs, images)
   seconds = training / (mfu * hw.peak_flops_per_device * hw.num_devices)
@@ -192,14 +188,13 @@ def read_workdir(workdir: str) -> tuple[dict[str, Any], str]:
   cost_json = root / rundir.COST_JSON
   disk = rundir.read_json(cost_json)
   saved, saved_step = None, None
-  for step in reversed(rundir.saved_steps(root / rundir.CHECKPOINTS_DIR)):
+  for saved_step in reversed(rundir.saved_steps(root / rundir.CHECKPOINTS_DIR)):
     try:
-      saved = rundir.read_json(root / rundir.CHECKPOINTS_DIR / str(step) / rundir.COST_ITEM /
-                               "metadata")
+      saved = rundir.read_json(root / rundir.CHECKPOINTS_DIR / str(saved_step) /
+                               rundir.COST_ITEM / "metadata")
     except ValueError:
       saved = None
     if saved:
-      saved_step = step
       break
   report = accounting.latest_report(saved, disk)
   if report is None:
@@ -209,14 +204,10 @@ def read_workdir(workdir: str) -> tuple[dict[str, Any], str]:
         "first steps has none yet). Give the --workdir of a training run, or --config=FILE to "
         "predict a run's cost.")
   where = (f"checkpoint {saved_step}" if report is saved and report is not disk else
-           f"{cost_json}, written {_ago(cost_json.stat().mtime)} ago")
+           f"{cost_json}, written "
+           f"{accounting.duration(max(0.0, time.time() - cost_json.stat().mtime))} ago")
   lock = rundir.read_json(root / rundir.LOCK_JSON)
   return report, f"{workdir}: the account at step {report['step']} ({where}); {_holder(lock)}."
-
-
-def _ago(unix: float) -> str:
-  from vit_jax import accounting  # pylint: disable=g-import-not-at-top
-  return accounting.duration(max(0.0, time.time() - unix))
 
 
 def _holder(record: Optional[dict[str, Any]]) -> str:
@@ -292,8 +283,7 @@ def show_workdir(workdir: str, figure: Optional[str]) -> int:
 def config_parser(prog: str, doc: str) -> common.Parser:
   """A parser with the help `doc`, --config (its --config.key=value overrides are left to
   `parse`), --num_train_examples and --num_classes (`dataset_facts`)."""
-  parser = common.Parser(prog=prog, description=doc,
-                         formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser = common.Parser(prog=prog, description=doc)
   parser.add_argument("--config", metavar="FILE.py[:ARGS]", help="Training config as for "
                       "vit_jax.main: configs/<file>.py[:<args>], --config.key=value overrides.")
   parser.add_argument("--num_train_examples", type=int, help="Examples in config.data.train_split "
@@ -332,7 +322,6 @@ def _parser() -> common.Parser:
 
 
 def main(argv=None) -> int:
-  """The command on `argv` (default: the command line); returns the exit status."""
   try:
     args, config = parse(_parser(), argv)
     if args.workdir is not None:
@@ -360,6 +349,5 @@ def main(argv=None) -> int:
 
 
 def run_main() -> None:
-  """The program (`python -m vit_jax.cost`)."""
   common.run_program(main, setup=lambda: logging.get_absl_handler().addFilter(
       platform.QuietLibraries()))

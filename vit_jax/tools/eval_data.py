@@ -37,15 +37,12 @@ class EvalData:
 _VERSION = re.compile(r'^\d+(\.\d+)*$')
 
 
-def _normalized(name: str) -> str:
-  """'T-shirt/top' and 'T-shirt_top' (a folder cannot hold '/') -> 't_shirt_top'."""
-  return re.sub(r'[^0-9a-z]+', '_', name.lower()).strip('_')
-
-
 def _same_set_other_order(model_names, data_names) -> bool:
-  """The same class names up to case and punctuation, in another order (an image folder's
-  classes are its folder names, sorted)."""
-  model, data = [_normalized(n) for n in model_names], [_normalized(n) for n in data_names]
+  """The same class names up to case and punctuation ('T-shirt/top' and 'T-shirt_top': a
+  folder cannot hold '/'), in another order (an image folder's classes are its folder names,
+  sorted)."""
+  model, data = ([re.sub(r'[^0-9a-z]+', '_', n.lower()).strip('_') for n in names]
+                 for names in (model_names, data_names))
   return sorted(model) == sorted(data) and model != data
 
 
@@ -53,11 +50,8 @@ def parse_data(text: str) -> Tuple[str, Optional[str]]:
   """'cifar10:test[:50%]' -> ('cifar10', 'test[:50%]'); 'mnist:3.0.1' (a tfds version) and
   'gs://b/ds' stay names; 'cifar10' -> ('cifar10', None)."""
   scheme, sep, rest = text.partition('://')
-  prefix = scheme + sep if sep else ''
-  rest = rest if sep else text
-  parts = rest.split(':', 2)
-  name = parts[0]
-  tail = parts[1:]
+  prefix, rest = (scheme + sep, rest) if sep else ('', text)
+  name, *tail = rest.split(':', 2)
   if tail and _VERSION.match(tail[0].split('[')[0]):  # name:VERSION[:SPLIT]
     name, tail = f'{name}:{tail[0]}', tail[1:]
   split = ':'.join(tail) if tail else None
@@ -65,10 +59,6 @@ def parse_data(text: str) -> Tuple[str, Optional[str]]:
     raise ValueError(f'--data {text!r}: expected NAME[:SPLIT], e.g. --data '
                      'fashion_mnist_local:test.')
   return prefix + name, split or None
-
-
-def _is_path(name: str) -> bool:
-  return name.startswith(('/', '.', '~')) or '://' in name or os.path.isdir(name)
 
 
 def _splits(source) -> List[str]:
@@ -79,7 +69,9 @@ def _get_source(cfg, what: str):
   """``vit_jax.data.sources.get_source``, with this tool's flags in its messages."""
   import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top
   from vit_jax.data import sources  # pylint: disable=g-import-not-at-top
-  if cfg.name and not cfg.image_folder and not _is_path(cfg.name):
+  name = cfg.name or ''
+  if name and not cfg.image_folder and not (name.startswith(('/', '.', '~')) or '://' in name
+                                            or os.path.isdir(name)):
     try:
       tfds.builder(cfg.name, data_dir=cfg.data_dir)
     except tfds.core.registered.DatasetNotFoundError:

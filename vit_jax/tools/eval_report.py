@@ -64,10 +64,6 @@ def normalized_rows(confusion: np.ndarray) -> np.ndarray:
   return np.divide(confusion, totals, out=np.zeros_like(confusion), where=totals > 0)
 
 
-def _short(name: str, width: int = 24) -> str:
-  return name if len(name) <= width else name[:width - 1] + '\u2026'
-
-
 def png_bytes(confusion: np.ndarray, names: Optional[Sequence[str]], title: str) -> bytes:
   """The picture of ``confusion`` (int ``[C, C]``, rows true classes) as PNG bytes."""
   from matplotlib.backends import backend_agg  # pylint: disable=g-import-not-at-top
@@ -83,7 +79,8 @@ def png_bytes(confusion: np.ndarray, names: Optional[Sequence[str]], title: str)
   fig.colorbar(image, ax=ax, fraction=0.046, pad=0.04, label='fraction of the true class')
   if classes <= MAX_NAMED_CLASSES:
     ticks = np.arange(classes)
-    labels = [_short(n) for n in names] if named else [str(i) for i in ticks]
+    labels = ([n if len(n) <= 24 else n[:23] + '\u2026' for n in names] if named
+              else [str(i) for i in ticks])
     ax.set_xticks(ticks, labels, rotation=90 if named else 0, fontsize=9)
     ax.set_yticks(ticks, labels, fontsize=9)
   if classes <= MAX_ANNOTATED_CLASSES:  # Percent of the row; '<1' for a few, empty for none.
@@ -218,20 +215,19 @@ def planned_out(args) -> Optional[str]:
   elif run.checkpoints or run.step_dir:
     return None  # A run's checkpoints/ or one step: the run's folder, left to the late check.
   if args.real:
-    name, split = eval_data_lib.REAL_DATASET, args.split or eval_data_lib.REAL_SPLIT
+    name, split = eval_data_lib.REAL_DATASET, eval_data_lib.REAL_SPLIT
   elif args.data:
     name, split = eval_data_lib.parse_data(args.data)
-    split = args.split or split
   elif args.image_folder:
-    name, split = args.image_folder, args.split
+    name, split = args.image_folder, None
   elif workdir is not None:  # Its own data and eval split.
     data = (common.run_config(workdir) or {}).get('data')
     if not isinstance(data, dict):
       return None
-    name, split = data.get('image_folder') or data.get('name'), args.split or data.get(
-        'eval_split')
+    name, split = data.get('image_folder') or data.get('name'), data.get('eval_split')
   else:
     return None
+  split = args.split or split
   if not (isinstance(name, str) and isinstance(split, str) and name and split):
     return None
   return _out_path(args.source, workdir, step, name, split, args.no_ema)

@@ -95,7 +95,6 @@ def _progress(done: int, total: int) -> None:
 def _parser() -> argparse.ArgumentParser:
   doc = __doc__.split('\n\n')
   parser = common.Parser(prog='python -m vit_jax.evaluate', description=doc[0],
-                         formatter_class=argparse.RawDescriptionHelpFormatter,
                          epilog='Examples:\n' + doc[1] + '\n\n' + doc[2])
   common.add_source_arguments(parser)
   parser.add_argument('--data', metavar='NAME[:SPLIT]',
@@ -134,7 +133,6 @@ def _bad_images_error(error) -> ValueError:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-  """The command on ``argv`` (default: the command line); returns the exit status."""
   parser = _parser()
   args = parser.parse_args(argv)
   if sum(bool(x) for x in (args.data, args.image_folder, args.real)) > 1:
@@ -190,5 +188,4 @@ def _precheck(args: argparse.Namespace) -> Optional[Exception]:
 
 
 def run_main() -> None:
-  """``python -m vit_jax.evaluate``."""
   common.run_program(main, _parser, _precheck)

@@ -11,7 +11,6 @@ Bad input is one ``FATAL:`` line and exit status 2. TensorFlow loads after the f
 
 from __future__ import annotations
 
-import argparse
 import os
 import re
 import sys
@@ -68,23 +67,17 @@ def export(data: str, split: str, out: str, data_dir: Optional[str] = None) -> L
   return written
 
 
+@common.exit_status
 def main(argv: Optional[Sequence[str]] = None) -> int:
-  """The command on ``argv`` (default: the command line); returns the exit status."""
   parser = common.Parser(prog='python -m vit_jax.tools.export_images',
                          description=__doc__.split('\n\n')[0],
-                         formatter_class=argparse.RawDescriptionHelpFormatter,
                          epilog=__doc__.split('\n\n', 1)[1])
   parser.add_argument('--data', required=True, help='a tfds dataset name or prepared directory')
   parser.add_argument('--split', default='test[:10]', help="tfds split (default 'test[:10]')")
   parser.add_argument('--out', required=True, help='folder to write to (created)')
   parser.add_argument('--data-dir', help='tfds data_dir (default: tfds\'s)')
   args = parser.parse_args(argv)
-  try:
-    written = export(args.data, args.split, args.out, args.data_dir)
-  except common.INPUT_ERRORS as e:
-    return common.fatal(e, 2)
-  except OSError as e:
-    return common.fatal(e, 1)
+  written = export(args.data, args.split, args.out, args.data_dir)
   print(f'Wrote {len(written)} images to {args.out}.')
   return 0
 

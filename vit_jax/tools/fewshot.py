@@ -43,7 +43,6 @@ def _positive(kind, example: str, many: bool = False):
 def _parser() -> common.Parser:
   doc = __doc__.split('\n\n')
   parser = common.Parser(prog='python -m vit_jax.fewshot', description=doc[0],
-                         formatter_class=argparse.RawDescriptionHelpFormatter,
                          epilog='Examples:\n' + doc[1] + '\n\n' + doc[2])
   common.add_source_arguments(parser)
   data = parser.add_mutually_exclusive_group()
@@ -163,7 +162,6 @@ def table(report: dict[str, Any]) -> str:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-  """The command on ``argv`` (default: the command line); returns the exit status."""
   args = _parser().parse_args(argv)
   try:
     report = evaluate(args)
@@ -214,5 +212,4 @@ def _precheck(args: argparse.Namespace) -> Optional[Exception]:
 
 
 def run_main() -> None:
-  """``python -m vit_jax.fewshot``."""
   common.run_program(main, _parser, _precheck)

@@ -41,6 +41,12 @@ HEADS = {'ViT-Ti_16': 3, 'ViT-S_16': 6, 'ViT-B_16': 12}
 TOKENS, HEAD_DIM = 197, 64
 
 
+def _medians(times: dict[str, list[float]]) -> dict[str, float]:
+  """Each series' median, and its minimum as 'min_<name>'."""
+  return {k: statistics.median(v) for k, v in times.items()} | {
+      f'min_{k}': min(v) for k, v in times.items()}
+
+
 def _core_worker(heads: int, batch: int, repeats: int) -> dict[str, Any]:
   """Median and minimum ms (wall and CPU) of the kernel's and XLA's core, alternating."""
   scale = HEAD_DIM ** -0.5
@@ -68,23 +74,18 @@ def _core_worker(heads: int, batch: int, repeats: int) -> dict[str, Any]:
       jax.block_until_ready(fn(*args))
       times[f'{name}_ms'].append(1e3 * (time.perf_counter() - start))
       times[f'{name}_cpu_ms'].append(1e3 * (time.process_time() - cpu))
-  return {k: statistics.median(v) for k, v in times.items()} | {
-      f'min_{k}': min(v) for k, v in times.items()}
-
-
-def _train_step(model: str, attention: str, batch: int):
-  """The benchmark's compiled training step at 224 px with ``attention``, a state and a batch."""
-  config, _ = ours.resolve(ours.benchmark_config(
-      model, batch=batch, resolution=224, overrides={'attention': attention}), jax.devices())
-  setup = step_lib.build(config, image_shape=(224, 224, 3))
-  return (ours.compile_step(setup, 'train', batch).compiled, *ours.train_inputs(setup, batch))
+  return _medians(times)
 
 
 def _step_worker(model: str, batch: int, steps: int) -> dict[str, Any]:
   """Median and minimum seconds (wall, CPU) of the step with each attention, run in turns."""
   runs = {}
-  for attention in ('xla', 'cpu_kernel'):
-    compiled, state, data = _train_step(model, attention, batch)
+  for attention in ('xla', 'cpu_kernel'):  # The benchmark's training step at 224 px.
+    config, _ = ours.resolve(ours.benchmark_config(
+        model, batch=batch, resolution=224, overrides={'attention': attention}), jax.devices())
+    setup = step_lib.build(config, image_shape=(224, 224, 3))
+    compiled = ours.compile_step(setup, 'train', batch).compiled
+    state, data = ours.train_inputs(setup, batch)
     if cpu_attention.called_by(compiled) != (attention == 'cpu_kernel'):
       raise RuntimeError(f'the step compiled with attention={attention!r} does not run what '
                          'it should (vit_jax.kernels.cpu_attention.called_by)')
@@ -98,11 +99,9 @@ def _step_worker(model: str, batch: int, steps: int) -> dict[str, Any]:
       if i:  # The first of each is a warm-up.
         times[f'{attention}_s'].append(time.perf_counter() - start)
         times[f'{attention}_cpu_s'].append(time.process_time() - cpu)
-  result = {k: statistics.median(v) for k, v in times.items()}
-  result |= {f'min_{k}': min(v) for k, v in times.items()}
-  result['kernel_images_per_sec'] = batch / result['cpu_kernel_s']
-  result['xla_images_per_sec'] = batch / result['xla_s']
-  return result
+  result = _medians(times)
+  return dict(result, kernel_images_per_sec=batch / result['cpu_kernel_s'],
+              xla_images_per_sec=batch / result['xla_s'])
 
 
 def _worker(spec: dict[str, Any]) -> dict[str, Any]:
@@ -133,21 +132,11 @@ def _run_worker(spec: dict[str, Any], environ: Optional[dict[str, str]] = None
   return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def runnable_isas() -> list[str]:
-  """The installed library's variant and those below it."""
-  best = cpu_attention.isa()
-  if best is None:
-    raise RuntimeError(f'the kernel is not built: {cpu_attention.library()[1]}')
-  return list(cpu_attention.ISAS[cpu_attention.ISAS.index(best):])
-
-
 def build_variants(isas: Sequence[str], folder: str) -> dict[str, str]:
   """``{isa: path}`` of one library per variant compiled into ``folder``."""
-  paths = {}
-  for isa in isas:
-    paths[isa] = os.path.join(folder, f'cpu_attention_{isa}.so')
-    subprocess.run(build.compile_command(paths[isa], isa=isa), check=True,
-                   capture_output=True)
+  paths = {isa: os.path.join(folder, f'cpu_attention_{isa}.so') for isa in isas}
+  for isa, path in paths.items():
+    subprocess.run(build.compile_command(path, isa=isa), check=True, capture_output=True)
   return paths
 
 
@@ -155,7 +144,10 @@ def measure(isas: Sequence[str], models: Sequence[str], *, core: bool, step: boo
             rounds: int, steps: int, repeats: int, threads: Optional[int] = None
             ) -> dict[str, Any]:
   """Every measurement of the module docstring: each round, and medians over the rounds."""
-  runnable = runnable_isas()
+  best = cpu_attention.isa()  # The installed library's variant: it and those below it run.
+  if best is None:
+    raise RuntimeError(f'the kernel is not built: {cpu_attention.library()[1]}')
+  runnable = cpu_attention.ISAS[cpu_attention.ISAS.index(best):]
   report: dict[str, Any] = {'cannot_run_here': [i for i in isas if i not in runnable],
                             'rounds': [], 'cpu': common.cpu_info().get('model name', 'unknown'),
                             'threads': threads or len(os.sched_getaffinity(0))}
@@ -210,8 +202,7 @@ def format_summary(report: dict[str, Any]) -> str:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-  parser = common.Parser(prog='python -m vit_jax.tools.measure_attention', description=__doc__,
-                         formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser = common.Parser(prog='python -m vit_jax.tools.measure_attention', description=__doc__)
   parser.add_argument('--isa', nargs='+', choices=cpu_attention.ISAS,
                       default=list(cpu_attention.ISAS))
   parser.add_argument('--models', nargs='+', choices=sorted(HEADS),

@@ -22,11 +22,11 @@ full disk, named).
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import math
 import os
+import re
 import sys
 from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
@@ -119,9 +119,8 @@ def _check_top_k(top_k: int) -> None:
 
 def _as_list(images: Any) -> List[Any]:
   """One image or several -> a list of images."""
-  if isinstance(images, (str, bytes, os.PathLike)) or hasattr(images, 'convert'):
-    return [images]
-  if isinstance(images, np.ndarray) and images.ndim in (2, 3):
+  if (isinstance(images, (str, bytes, os.PathLike)) or hasattr(images, 'convert')
+      or isinstance(images, np.ndarray) and images.ndim in (2, 3)):
     return [images]
   return list(images)
 
@@ -140,7 +139,6 @@ def _with_batch_size(trained: Any, batch_size: int) -> Any:
 def _parser() -> common.Parser:
   doc = __doc__.split('\n\n')
   parser = common.Parser(prog='python -m vit_jax.predict', description='\n\n'.join(doc[2:]),
-                         formatter_class=argparse.RawDescriptionHelpFormatter,
                          epilog='Examples:\n' + doc[1])
   common.add_source_arguments(parser)
   parser.add_argument('images', nargs='+', metavar='IMAGE_OR_FOLDER',
@@ -165,13 +163,14 @@ def image_paths(arguments: Sequence[str]) -> List[str]:
   """The image files of the IMAGE_OR_FOLDER arguments, each once, in argument order. Raises
   FileNotFoundError, or ValueError (a folder without images, a non-UTF-8 name)."""
   from vit_jax.data import files  # pylint: disable=g-import-not-at-top
+  from vit_jax.data import sources  # pylint: disable=g-import-not-at-top
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
   found: Dict[str, None] = {}
   for arg in arguments:
     try:
       arg.encode('utf-8')  # A name that is not UTF-8 arrives with lone surrogates ('\udce9').
     except UnicodeEncodeError:
-      raise files.non_utf8_name_error(arg) from None
+      raise sources.non_utf8_name_error(arg) from None
     if tf.io.gfile.isdir(arg):
       links: List[str] = []
       listed = files.list_images(arg, skipped_links=links)
@@ -189,25 +188,11 @@ def image_paths(arguments: Sequence[str]) -> List[str]:
   return list(found)
 
 
-def _text(path: str, predictions: List[Prediction], named: bool) -> str:
-  lines = [path] + [f'  {100 * p.probability:6.2f}%  {p.label if named else f"class {p.index}"}'
-                    for p in predictions]
-  return '\n'.join(lines) + '\n'
-
-
 def _progress(done: int, total: int) -> None:
   """'predict: 128/1000 images' on stderr ('\\r'-updated on a terminal)."""
   tty = sys.stderr.isatty()
   print(f'{chr(13) if tty else ""}predict: {done}/{total} images', file=sys.stderr, flush=True,
         end='' if tty and done < total else '\n')
-
-
-def _without_path(text: str, path: str) -> str:
-  """'x.png is not a decodable image: ...' -> 'not a decodable image: ...' (after the path)."""
-  for prefix in (f'{path} is ', f'{path} '):
-    if text.startswith(prefix):
-      return text[len(prefix):]
-  return text
 
 
 def _stdout_name() -> str:
@@ -236,17 +221,11 @@ def _emit(text: str) -> None:
                   'there or send the output elsewhere (> FILE on another disk).') from None
 
 
-def _header(trained: Any) -> str:
-  kind = 'sigmoid' if trained.config.loss == 'sigmoid_xent' else 'softmax'
-  names = '' if trained.label_names else ', no class names'
-  return f'# {trained.description}: {trained.num_classes} classes ({kind}{names})\n'
-
-
 def _predict_paths(predictor: Predictor, paths: Sequence[str], batch: int, top_k: int,
                    as_json: bool) -> Tuple[int, List[Dict[str, Any]]]:
   """Predicts and prints ``paths`` batch by batch; returns the count predicted, JSON records."""
   from vit_jax.data import BadImageError  # pylint: disable=g-import-not-at-top
-  named = predictor.label_names is not None
+  trained, named = predictor.trained, predictor.label_names is not None
   records, predicted = [], 0
   for start in range(0, len(paths), batch):
     chunk, good, inputs = paths[start:start + batch], [], []
@@ -254,46 +233,45 @@ def _predict_paths(predictor: Predictor, paths: Sequence[str], batch: int, top_k
       try:
         inputs.append(predictor.preprocess(path))
         good.append(path)
-      except (BadImageError, OSError) as e:
-        print(f'WARNING: skipped {path}: {_without_path(common.reason(e), path)}',
-              file=sys.stderr)
+      except (BadImageError, OSError) as e:  # The reason after the path: 'not a decodable ...'.
+        reason = re.sub(f'^{re.escape(path)} (is )?', '', common.reason(e))
+        print(f'WARNING: skipped {path}: {reason}', file=sys.stderr)
     if good and not as_json and not predicted:
-      _emit(_header(predictor.trained) + '\n')
+      kind = 'sigmoid' if trained.config.loss == 'sigmoid_xent' else 'softmax'
+      names = '' if trained.label_names else ', no class names'
+      _emit(f'# {trained.description}: {trained.num_classes} classes ({kind}{names})\n\n')
     for path, top in zip(good, predictor.predict_inputs(np.stack(inputs), top_k) if good else []):
       if as_json:
         records.append({'path': path, 'predictions': [
             {'label': p.label if named else None, 'index': p.index,
              'probability': p.probability} for p in top]})
       else:
-        _emit(_text(path, top, named) + '\n')
+        _emit('\n'.join([path] + [f'  {100 * p.probability:6.2f}%  '
+                                  f'{p.label if named else f"class {p.index}"}' for p in top])
+              + '\n\n')
     predicted += len(good)
     if len(paths) > batch:
       _progress(start + len(chunk), len(paths))
   return predicted, records
 
 
+@common.exit_status
 def main(argv: Optional[Sequence[str]] = None) -> int:
-  """The command on ``argv`` (default: the command line); returns the exit status."""
   args = _parser().parse_args(argv)
-  try:
-    if args.top_k < 1:
-      raise ValueError(f'--top-k {args.top_k}: give 1 or more classes per image.')
-    if args.batch_size is not None and args.batch_size < 1:
-      raise ValueError(f'--batch-size {args.batch_size}: give 1 or more images per batch.')
-    paths = image_paths(args.images)
-    trained = common.load_source(args)
-    batch = min(args.batch_size or int(trained.config.eval_batch_size), len(paths))
-    predictor = Predictor(trained, batch_size=batch)
-    predicted, records = _predict_paths(predictor, paths, batch, args.top_k, args.json)
-    if not predicted:
-      raise ValueError(f'none of the {len(paths)} image file(s) could be decoded (see the '
-                       'warnings above): give JPEG, PNG, GIF, BMP or WebP images.')
-    if args.json:
-      _emit(json.dumps(records, indent=1) + '\n')
-  except common.INPUT_ERRORS as e:
-    return common.fatal(e, 2)
-  except OSError as e:
-    return common.fatal(e, 1)
+  if args.top_k < 1:
+    raise ValueError(f'--top-k {args.top_k}: give 1 or more classes per image.')
+  if args.batch_size is not None and args.batch_size < 1:
+    raise ValueError(f'--batch-size {args.batch_size}: give 1 or more images per batch.')
+  paths = image_paths(args.images)
+  trained = common.load_source(args)
+  batch = min(args.batch_size or int(trained.config.eval_batch_size), len(paths))
+  predictor = Predictor(trained, batch_size=batch)
+  predicted, records = _predict_paths(predictor, paths, batch, args.top_k, args.json)
+  if not predicted:
+    raise ValueError(f'none of the {len(paths)} image file(s) could be decoded (see the '
+                     'warnings above): give JPEG, PNG, GIF, BMP or WebP images.')
+  if args.json:
+    _emit(json.dumps(records, indent=1) + '\n')
   return 0
 
 

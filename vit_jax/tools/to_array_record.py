@@ -14,7 +14,6 @@ Bad input: one ``FATAL:`` line, exit 2.
 
 from __future__ import annotations
 
-import argparse
 import concurrent.futures
 import os
 import sys
@@ -102,23 +101,17 @@ def convert(dataset: str, data_dir: Optional[str] = None,
   return str(builder.data_dir), len(shards), sum(n for _, _, n in shards), written
 
 
+@common.exit_status
 def main(argv: Optional[Sequence[str]] = None) -> int:
-  """The command on ``argv`` (default: the command line); returns the exit status."""
   parser = common.Parser(prog='python -m vit_jax.to_array_record',
                          description=__doc__.split('\n\n')[0],
-                         formatter_class=argparse.RawDescriptionHelpFormatter,
                          epilog=__doc__.split('\n\n', 1)[1])
   parser.add_argument('dataset', help='a prepared tfds dataset: its directory, or its name')
   parser.add_argument('--data-dir', help="tfds data_dir of a dataset name (default: tfds's)")
   parser.add_argument('--workers', type=int, default=0,
                       help='shards converted at once (default: the CPU count)')
   args = parser.parse_args(argv)
-  try:
-    where, shards, records, written = convert(args.dataset, args.data_dir, args.workers)
-  except common.INPUT_ERRORS as e:
-    return common.fatal(e, 2)
-  except OSError as e:
-    return common.fatal(e, 1)
+  where, shards, records, written = convert(args.dataset, args.data_dir, args.workers)
   done = 'all written now' if written == records else (
       'all there already' if not written else f'{written:,} examples written now')
   print(f'{where}: {shards} ArrayRecord shards, {records:,} examples ({done}); training now '

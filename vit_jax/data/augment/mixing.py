@@ -46,8 +46,7 @@ def mixup_cutmix(images: tf.Tensor, labels: tf.Tensor, seed: tf.Tensor, *,
   for arg_name, value in (('switch_prob', switch_prob), ('prob', prob)):
     if not 0. <= value <= 1.:
       raise ValueError(f'{arg_name} must be in [0, 1], got {value!r}.')
-  images = tf.convert_to_tensor(images)
-  labels = tf.convert_to_tensor(labels)
+  images, labels = tf.convert_to_tensor(images), tf.convert_to_tensor(labels)
   apply_seed, switch_seed, lam_seed, cy_seed, cx_seed = stateless.split(seed, 5)
 
   do_mix = stateless.uniform(apply_seed) < prob
@@ -62,8 +61,7 @@ def mixup_cutmix(images: tf.Tensor, labels: tf.Tensor, seed: tf.Tensor, *,
   reversed_images = tf.reverse(images, [0])  # (images[::-1] is 10x slower on CPU.)
 
   def cutmix():
-    shape = tf.shape(images)
-    height, width = shape[1], shape[2]
+    height, width = tf.unstack(tf.shape(images)[1:3])
     ratio = tf.sqrt(1. - lam)
     cut_h = tf.cast(tf.floor(tf.cast(height, tf.float64) * ratio), tf.int32)
     cut_w = tf.cast(tf.floor(tf.cast(width, tf.float64) * ratio), tf.int32)
@@ -111,16 +109,14 @@ def random_erasing(image: tf.Tensor, seed: tf.Tensor, *,
   if not 0. <= probability <= 1.:
     raise ValueError(f'probability must be in [0, 1], got {probability!r}.')
   if not 0. < min_area <= max_area:
-    raise ValueError('Need 0 < min_area <= max_area, got '
-                     f'{min_area!r}, {max_area!r}.')
+    raise ValueError(f'Need 0 < min_area <= max_area, got {min_area!r}, {max_area!r}.')
   if not min_aspect > 0.:
     raise ValueError(f'min_aspect must be > 0, got {min_aspect!r}.')
   if not isinstance(max_count, int) or max_count < 1:
     raise ValueError(f'max_count must be an int >= 1, got {max_count!r}.')
   image = tf.convert_to_tensor(image)
   if not image.dtype.is_floating:
-    raise ValueError('random_erasing expects a float (normalized) image, got '
-                     f'{image.dtype.name}.')
+    raise ValueError(f'random_erasing expects a float (normalized) image, got {image.dtype.name}.')
   # All the decisions from one draw: [erase?, count, per box 10 areas, 10 aspects, top, left].
   draws = tf.random.stateless_uniform([2 + 22 * max_count], seed, dtype=tf.float64)
   out = tf.cond(draws[0] < probability,

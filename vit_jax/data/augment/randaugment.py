@@ -9,7 +9,6 @@ from __future__ import annotations
 import math
 from typing import Optional, Sequence, Tuple, Union
 
-import numpy as np
 import tensorflow as tf
 
 from vit_jax.data.augment import stateless
@@ -43,20 +42,19 @@ def _to_uint8_trunc(x: tf.Tensor) -> tf.Tensor:
 
 
 # TensorFlow's CPU kernels for `tf.where`, `tf.gather` and broadcasts over the 3 channels cost 5
-# to 10 times an elementwise op on a [H, W, 3] image; the ops below avoid them where they can.
+# to 10 times an elementwise op on a [H, W, 3] image: the ops below avoid them or run in XLA.
+_IMAGE = tf.TensorSpec([None, None, None], tf.uint8)
 
 
-def _select_uint8(mask: tf.Tensor, a: tf.Tensor, b: tf.Tensor) -> tf.Tensor:
-  """`where(mask, a, b)` for uint8 (mask bool, broadcastable), in wrapping uint8 arithmetic."""
-  return b + (a - b) * tf.cast(mask, tf.uint8)
+def _xla(*input_signature):
+  """Decorator: the function compiled by XLA, once per input shape (integer ops: bit-exact)."""
+  return lambda fn: tf.function(fn, autograph=False, jit_compile=True,
+                                input_signature=input_signature)
 
 
 def _channel_offsets(image: tf.Tensor) -> tf.Tensor:
-  """int32 [H, W, 3] of 0, 256, 512 (the channel's table in [768]); a constant if static."""
-  offsets = np.array([0, 256, 512], np.int32)
-  if image.shape.is_fully_defined():
-    return tf.constant(np.broadcast_to(offsets, image.shape.as_list()))
-  return tf.tile(tf.constant(offsets)[None, None], tf.concat([tf.shape(image)[:2], [1]], 0))
+  """int32 [H, W, 3] of 0, 256, 512 (tiled: XLA's bincount is slower with a broadcast)."""
+  return tf.tile(tf.constant([[[0, 256, 512]]]), tf.concat([tf.shape(image)[:2], [1]], 0))
 
 
 def _histograms(image: tf.Tensor) -> tf.Tensor:
@@ -66,10 +64,10 @@ def _histograms(image: tf.Tensor) -> tf.Tensor:
   return tf.reshape(hist, [3, 256])
 
 
+@_xla(_IMAGE, tf.TensorSpec([3, 256], tf.int32))
 def _apply_luts(image: tf.Tensor, luts: tf.Tensor) -> tf.Tensor:
-  """PIL `Image.point`: per-channel lookup in int [3, 256] (or [256]) tables, clipped to uint8."""
-  luts = tf.cast(tf.clip_by_value(tf.cast(luts, tf.int32), 0, 255), tf.uint8)
-  luts = tf.reshape(tf.broadcast_to(luts, [3, 256]), [-1])
+  """PIL `Image.point`: per-channel lookup in int32 [3, 256] tables, clipped to uint8."""
+  luts = tf.reshape(tf.cast(tf.clip_by_value(luts, 0, 255), tf.uint8), [-1])
   return tf.gather(luts, tf.cast(image, tf.int32) + _channel_offsets(image))
 
 
@@ -173,6 +171,7 @@ def _auto_contrast(image: tf.Tensor) -> tf.Tensor:
   return _apply_luts(image, _auto_contrast_lut(image))
 
 
+@_xla(_IMAGE)
 def _equalize(image: tf.Tensor) -> tf.Tensor:
   return _apply_luts(image, _equalize_lut(image))
 
@@ -286,7 +285,7 @@ def affine(image: tf.Tensor, matrix: Union[Sequence[Number], tf.Tensor],
 
   Output pixel centre ``(X, Y) = (x + .5, y + .5)`` samples the input at
   ``(a X + b Y + c, d X + e Y + f)``; outside gets ``fill``. ``matrix``: 6 numbers or a float
-  ``[6]`` tensor. In float32 (PIL float64): a pixel may differ by 1 near integer values.
+  ``[6]`` tensor. Coordinates in float64 as PIL, the blend in float32: rarely off by 1.
   """
   image = _check_uint8_rgb(image)
   fill = _check_fill(fill)
@@ -295,35 +294,36 @@ def affine(image: tf.Tensor, matrix: Union[Sequence[Number], tf.Tensor],
   return _affine(image, matrix, fill)
 
 
-def _fill_image(shape: tf.Tensor, static_shape: tf.TensorShape,
-                fill: Tuple[int, int, int]) -> tf.Tensor:
-  """uint8 [H, W, 3] of the colour `fill` (a constant when the shape is static)."""
-  if static_shape.is_fully_defined():
-    return tf.constant(np.broadcast_to(np.array(fill, np.uint8), static_shape.as_list()))
-  return tf.tile(tf.constant([[fill]], tf.uint8), tf.concat([shape[:2], [1]], 0))
+@_xla(_IMAGE, tf.TensorSpec([6], tf.float64), tf.TensorSpec([3], tf.uint8))
+def _warp(image: tf.Tensor, matrix: tf.Tensor, fill: tf.Tensor) -> tf.Tensor:
+  """`affine` as one XLA program (compiled once per image shape): TF's CPU kernels are slower."""
+  a, b, c, d, e, f = tf.unstack(matrix, num=6)
+  height, width = tf.shape(image)[0], tf.shape(image)[1]
+  w, h = tf.cast(width, tf.float64), tf.cast(height, tf.float64)
+  # PIL's float64 coordinates of output pixel centres decide which pixels are covered.
+  xs, ys = tf.range(w) + 0.5, tf.range(h)[:, None] + 0.5
+  x_in = a * xs + b * ys + c
+  y_in = d * xs + e * ys + f
+  valid = (x_in >= 0.) & (x_in < w) & (y_in >= 0.) & (y_in < h)
+  # PIL's bilinear: the 2x2 pixels around (x_in - .5, y_in - .5), clamped to the image, blended
+  # as v0 + (v1 - v0) dy, v_i = p_i0 + (p_i1 - p_i0) dx, truncated.
+  x_in, y_in = tf.clip_by_value(x_in - 0.5, -1., w), tf.clip_by_value(y_in - 0.5, -1., h)
+  x0, y0 = tf.floor(x_in), tf.floor(y_in)
+  dx, dy = tf.cast(x_in - x0, tf.float32)[..., None], tf.cast(y_in - y0, tf.float32)[..., None]
+  x0, y0 = tf.cast(x0, tf.int32), tf.cast(y0, tf.int32)
+  cols = (tf.maximum(x0, 0), tf.minimum(x0 + 1, width - 1))
+  rows = (tf.maximum(y0, 0) * width, tf.minimum(y0 + 1, height - 1) * width)
+  # Uncovered pixels read `fill`, appended at index H * W.
+  pixels = tf.concat([tf.reshape(image, [-1, 3]), fill[None]], 0)
+  (p00, p01), (p10, p11) = [[tf.cast(tf.gather(pixels, tf.where(valid, r + c, height * width)),
+                                     tf.float32) for c in cols] for r in rows]
+  v0 = p00 + (p01 - p00) * dx
+  v1 = p10 + (p11 - p10) * dx
+  return tf.cast(v0 + (v1 - v0) * dy + 1e-5, tf.uint8)  # 1e-5: float32 rounding (PIL float64).
 
 
 def _affine(image: tf.Tensor, matrix: tf.Tensor, fill: Tuple[int, int, int]) -> tf.Tensor:
-  a, b, c, d, e, f = tf.unstack(tf.cast(matrix, tf.float64), num=6)
-  shape = tf.shape(image)
-  height, width = shape[0], shape[1]
-  # PIL's float64 coordinates of output pixel centres decide which pixels are covered.
-  xs = tf.range(tf.cast(width, tf.float64)) + 0.5
-  ys = tf.range(tf.cast(height, tf.float64))[:, None] + 0.5
-  x_in = a * xs + b * ys + c
-  y_in = d * xs + e * ys + f
-  valid = ((x_in >= 0.) & (x_in < tf.cast(width, tf.float64)) &
-           (y_in >= 0.) & (y_in < tf.cast(height, tf.float64)))
-  # The same map in TF's pixel-centre coordinates (PIL's - 0.5); NEAREST clamps as PIL does.
-  zero = tf.zeros([], tf.float64)
-  transform = tf.stack([a, b, c + 0.5 * (a + b) - 0.5, d, e, f + 0.5 * (d + e) - 0.5, zero, zero])
-  out = tf.raw_ops.ImageProjectiveTransformV3(
-      images=tf.cast(image, tf.float32)[None], transforms=tf.cast(transform, tf.float32)[None],
-      output_shape=shape[:2], fill_value=tf.constant(0., tf.float32), interpolation='BILINEAR',
-      fill_mode='NEAREST')[0]
-  # PIL truncates its float64 result; 1e-3 absorbs float32 rounding.
-  out = _to_uint8_trunc(out + 1e-3)
-  out = _select_uint8(valid[..., None], out, _fill_image(shape, image.shape, fill))
+  out = _warp(image, tf.cast(matrix, tf.float64), tf.constant(fill, tf.uint8))
   out.set_shape(image.shape)
   return out
 

@@ -1,6 +1,5 @@
 """Stateless randomness shared by the augmentations: every random number is a function of an
-int64 [2] seed (`tf.random.stateless_*`), so a resumed run sees exactly the augmentations of an
-uninterrupted one."""
+int64 [2] seed (`tf.random.stateless_*`), so a resumed run sees an uninterrupted one's."""
 
 from __future__ import annotations
 
@@ -20,7 +19,6 @@ def branch_function(fn):
 
 def split(seed: tf.Tensor, num: int):
   """`num` independent int64 [2] seeds derived from `seed`."""
-  seed = tf.convert_to_tensor(seed)
   return tf.unstack(tf.random.experimental.stateless_split(seed, num))
 
 

@@ -34,8 +34,7 @@ def _int_at_least(least: int):
 
 
 def _parser() -> argparse.ArgumentParser:
-  parser = common.Parser(prog="python -m vit_jax.benchmark", description=package.__doc__,
-                         formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser = common.Parser(prog="python -m vit_jax.benchmark", description=package.__doc__)
   count = _int_at_least(1)
   parser.add_argument("models", nargs="*", metavar="MODEL",
                       help="model names of vit_jax.models, e.g. ViT-B_16, ViT-Ti_16, T2T-ViT-14, "
@@ -91,9 +90,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if not args.models and not args.input_pipeline:
       raise BenchmarkError("Name at least one model, e.g. python -m vit_jax.benchmark ViT-B_16 "
                            "(or measure only the input pipeline: --input-pipeline)")
-    if args.json and not os.path.isdir(os.path.dirname(os.path.abspath(args.json))):
-      raise BenchmarkError(f"--json {args.json}: the directory "
-                           f"{os.path.dirname(os.path.abspath(args.json))} does not exist.")
+    folder = os.path.dirname(os.path.abspath(args.json or "."))
+    if args.json and not os.path.isdir(folder):
+      raise BenchmarkError(f"--json {args.json}: the directory {folder} does not exist.")
     report = runner.run(args.models, batch=args.batch, resolution=args.resolution,
                         dtype=args.dtype, modes=MODES if args.mode == "both" else (args.mode,),
                         warmup=args.warmup, steps=args.steps,
@@ -128,5 +127,4 @@ def _setup() -> None:
 
 
 def run_main() -> None:
-  """The program: `main` run by `common.run_program` with the benchmark's set-up."""
   common.run_program(main, _parser, setup=_setup)

@@ -43,8 +43,6 @@ class MeasurementFailed(RuntimeError):
   """A measuring subprocess failed (e.g. out of memory): exit status 1."""
 
 
-
-
 def check_sizes(batch: int, resolution: int, warmup: int, steps: int) -> None:
   """Raises BenchmarkError unless batch, resolution, steps >= 1 and warmup >= 0."""
   for name, value, least in (("batch", batch, 1), ("resolution", resolution, 1),
@@ -97,7 +95,7 @@ def fill_rates(result: dict[str, Any], batch: int, times: list[float]) -> None:
   if not times:
     return
   median = statistics.median(times)
-  result.update(step_seconds=median, step_seconds_all=times, images_per_sec=batch / median)
+  result.update(step_seconds=median, images_per_sec=batch / median)
   if result.get("flops_per_step_analytic"):
     result["achieved_flops_per_sec"] = result["flops_per_step_analytic"] / median
     if result.get("peak_flops_per_device"):
@@ -116,6 +114,5 @@ def thread_facts() -> dict[str, Any]:
 
 def available_cores() -> list[int]:
   """The cores this process may run on (all of them where affinity is unknown)."""
-  if hasattr(os, "sched_getaffinity"):
-    return sorted(os.sched_getaffinity(0))
-  return list(range(os.cpu_count() or 1))
+  return (sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+          else list(range(os.cpu_count() or 1)))

@@ -11,6 +11,7 @@ import tempfile
 import time
 from typing import Any, Optional
 
+from vit_jax.tools.benchmark.common import available_cores
 from vit_jax.tools.benchmark.common import BenchmarkError
 from vit_jax.tools.benchmark.common import check_sizes
 from vit_jax.tools.benchmark.common import peak_rss_mib
@@ -77,8 +78,7 @@ def recipe_config(recipe: str, resolution: int):
     raise BenchmarkError(f"recipe must be one of {RECIPES}, got {recipe!r}.")
   from vit_jax.config import defaults  # pylint: disable=g-import-not-at-top
   cfg = defaults.data_config()
-  cfg.image_size = resolution
-  cfg.shuffle_buffer = 1024
+  cfg.update(image_size=resolution, shuffle_buffer=1024)
   if recipe == "t2t":
     cfg.update(T2T_DATA)
   return cfg
@@ -102,9 +102,18 @@ def cpu_seconds() -> float:
   return total
 
 
-def _rates(images: int, seconds: float, cpu: float) -> dict[str, Any]:
-  return {"seconds": seconds, "cpu_seconds": cpu, "images_per_sec": images / seconds,
-          "images_per_cpu_second": images / cpu if cpu > 0 else None,
+def _timed_batches(next_batch, batch: int, warmup: int, steps: int) -> dict[str, Any]:
+  """The last batch's 'image_shape', and the wall and CPU seconds (`cpu_seconds`) of `steps`
+  calls of `next_batch` (-> images) after `warmup` + 1 untimed ones, with their rates."""
+  for _ in range(warmup + 1):
+    next_batch()
+  start, cpu = time.perf_counter(), cpu_seconds()
+  for _ in range(steps):
+    images = next_batch()
+  seconds, cpu = time.perf_counter() - start, cpu_seconds() - cpu
+  return {"image_shape": list(images.shape[1:]), "timed_steps": steps, "seconds": seconds,
+          "cpu_seconds": cpu, "images_per_sec": batch * steps / seconds,
+          "images_per_cpu_second": batch * steps / cpu if cpu > 0 else None,
           "cores_busy": cpu / seconds}
 
 
@@ -128,23 +137,15 @@ def measure_input(source: str, *, batch: int, resolution: int, warmup: int = 2,
   with tempfile.TemporaryDirectory(prefix="vit_jax_input_") as tmp:
     if source == "jpeg":
       write_jpeg_folder(tmp)
-      cfg.image_folder = tmp
-      cfg.train_split = "train"
-      cfg.eval_split = "train"
+      cfg.update(image_folder=tmp, train_split="train", eval_split="train")
     try:
       iterator = data.create_train_iterator(cfg, batch, seed=0, process_index=0,
                                             process_count=1)
     except (ValueError, FileNotFoundError) as e:
       raise BenchmarkError(f"input {source}: {e}") from e
-    for _ in range(warmup + 1):
-      next(iterator)
-    start, cpu = time.perf_counter(), cpu_seconds()
-    for _ in range(steps):
-      images = next(iterator)["image"]
-    seconds, cpu = time.perf_counter() - start, cpu_seconds() - cpu
+    timing = _timed_batches(lambda: next(iterator)["image"], batch, warmup, steps)
   return {"framework": "input", "input": source, "recipe": recipe, "batch": batch,
-          "resolution": resolution, "image_shape": list(images.shape[1:]), "augment": cfg.augment,
-          "timed_steps": steps, **_rates(batch * steps, seconds, cpu),
+          "resolution": resolution, "augment": cfg.augment, **timing,
           "peak_rss_mib": peak_rss_mib(), "threads": thread_facts()}
 
 
@@ -197,8 +198,7 @@ def measure_timm_input(*, recipe: str, batch: int, resolution: int, warmup: int 
   from torchvision import datasets  # pylint: disable=g-import-not-at-top
   from timm.data import Mixup  # pylint: disable=g-import-not-at-top
   cfg = recipe_config(recipe, resolution)
-  workers = threads or len(os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity")
-                           else range(os.cpu_count() or 1))
+  workers = threads or len(available_cores())
   torch.manual_seed(0)
   mixup = (Mixup(mixup_alpha=cfg.mixup_alpha, cutmix_alpha=cfg.cutmix_alpha,
                  prob=cfg.mix_prob, switch_prob=cfg.mix_switch_prob, mode="batch",
@@ -219,14 +219,8 @@ def measure_timm_input(*, recipe: str, batch: int, resolution: int, warmup: int 
         images, labels = mixup(images, labels)
       return images
 
-    for _ in range(warmup + 1):
-      step()
-    start, cpu = time.perf_counter(), cpu_seconds()
-    for _ in range(steps):
-      images = step()
-    seconds, cpu = time.perf_counter() - start, cpu_seconds() - cpu
+    timing = _timed_batches(step, batch, warmup, steps)
     del batches
   return {"framework": "timm_input", "input": "jpeg", "recipe": recipe, "batch": batch,
-          "resolution": resolution, "image_shape": list(images.shape[1:]),
-          "timed_steps": steps, "num_workers": workers, **_rates(batch * steps, seconds, cpu),
+          "resolution": resolution, **timing, "num_workers": workers,
           "peak_rss_mib": peak_rss_mib(), "threads": thread_facts()}

@@ -38,9 +38,7 @@ def benchmark_config(model: str, *, batch: int, resolution: int, dtype: str = "f
   """`vit_jax.config.get_config(model, DATASET, **overrides)` in the 'pretrain' regime with
   `batch_size`, `data.image_size` (pixels), `model.dtype`, `num_classes` and the schedule set;
   not resolved. `overrides` are `config.model` fields (not dtype), e.g. `{'attention': 'xla'}`.
-
-  Raises BenchmarkError: an unknown model name or override, or dtype as an override.
-  """
+  Raises BenchmarkError: an unknown model name or override, or dtype as an override."""
   overrides = dict(overrides or {})
   if "dtype" in overrides:
     raise BenchmarkError("Give the compute dtype with --dtype, not --set dtype=...")
@@ -48,14 +46,12 @@ def benchmark_config(model: str, *, batch: int, resolution: int, dtype: str = "f
     config = config_lib.get_config(model, DATASET, **overrides)
   except (ValueError, TypeError, NotImplementedError) as e:
     raise BenchmarkError(str(e)) from e
-  config.regime = "pretrain"
-  config.batch_size = batch
-  config.total_steps = total_steps
+  config.update(regime="pretrain", batch_size=batch, total_steps=total_steps,
+                num_classes=num_classes)
   if warmup_steps is not None:
     config.optim.warmup_steps = warmup_steps
   config.data.image_size = resolution
   config.model.dtype = dtype
-  config.num_classes = num_classes
   return config
 
 
@@ -173,15 +169,10 @@ def measure_ours(model: str, *, batch: int, resolution: int, dtype: str = "float
   """Measures the trainer's step ('train') or the forward pass ('inference') in this process:
   `warmup` untimed steps after the first execution, then `steps` timed ones (`compile_only`:
   only lowered and compiled). `peak_flops`: the device's peak (None: measured after the RSS).
-
-  Returns a dict of the `common.UNITS` fields plus the configuration (the resolved config under
-    'config'), the attention that ran ('attention', 'attention_requested', 'attention_reason',
-    'attention_cpu_kernel_called': whether the compiled step calls vit_jax's CPU kernel), the
-    platform, device and thread facts. The peak RSS is this whole process's (run it in a fresh
-    process to isolate it).
-
-  Raises BenchmarkError: bad model, override, sizes or resolution, or what `resolve` refuses.
-  """
+  Returns the `common.UNITS` fields, the configuration (resolved: 'config'), the attention that
+  ran and why, platform, device and thread facts; the peak RSS is this whole process's (run it
+  in a fresh process to isolate it). Raises BenchmarkError: bad model, override, sizes or
+  resolution, or what `resolve` refuses."""
   check_mode_and_dtype(mode, dtype)
   check_sizes(batch, resolution, warmup, steps)
   rss_after_imports = rss_now_mib()

@@ -29,12 +29,10 @@ def environment(threads: int) -> dict[str, Any]:
     except importlib.metadata.PackageNotFoundError:
       versions[package] = None
   cpu = common.cpu_info()
-  memory_gib = None
-  try:
-    with open("/proc/meminfo", encoding="ascii") as f:
-      memory_gib = round(int(f.readline().split()[1]) / 2**20, 1)  # MemTotal, KiB.
-  except (OSError, ValueError, IndexError):
-    pass
+  try:  # MemTotal.
+    memory_gib = round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1)
+  except (AttributeError, ValueError, OSError):
+    memory_gib = None
   simd = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "amx_tile", "amx_bf16")
   cpu_features = [flag for flag in cpu.get("flags", "").split() if flag in simd]
   cpu_model = cpu.get("model name") or platform.processor() or None
@@ -62,28 +60,20 @@ def measured_on(results: list[dict[str, Any]]) -> dict[str, Any]:
   return out
 
 
-def aggregate(rounds: list[dict[str, Any]]) -> dict[str, Any]:
-  """One result of several rounds: medians of `MEDIAN_KEYS`."""
-  merged = dict(rounds[0])
-  for key in MEDIAN_KEYS:
-    values = [r[key] for r in rounds if r.get(key) is not None]
-    merged[key] = statistics.median(values) if values else None
-  merged["step_seconds_all"] = [t for r in rounds for t in r.get("step_seconds_all", [])]
-  merged["rounds"] = [{k: r.get(k) for k in MEDIAN_KEYS} for r in rounds]
-  return merged
-
-
 INPUT_MEDIAN_KEYS = ("images_per_sec", "images_per_cpu_second", "cores_busy", "seconds",
                      "cpu_seconds", "peak_rss_mib")
 
 
-def aggregate_inputs(rounds: list[dict[str, Any]]) -> dict[str, Any]:
-  """One input measurement of several rounds: medians of `INPUT_MEDIAN_KEYS`."""
+def aggregate(rounds: list[dict[str, Any]], keys: Sequence[str] = MEDIAN_KEYS) -> dict[str, Any]:
+  """One result of several rounds: medians of `keys` (`INPUT_MEDIAN_KEYS` for an input
+  measurement), and every timed step."""
   merged = dict(rounds[0])
-  for key in INPUT_MEDIAN_KEYS:
+  for key in keys:
     values = [r[key] for r in rounds if r.get(key) is not None]
     merged[key] = statistics.median(values) if values else None
-  merged["rounds"] = [{k: r.get(k) for k in INPUT_MEDIAN_KEYS} for r in rounds]
+  if "step_seconds_all" in merged:
+    merged["step_seconds_all"] = [t for r in rounds for t in r.get("step_seconds_all", [])]
+  merged["rounds"] = [{k: r.get(k) for k in keys} for r in rounds]
   return merged
 
 

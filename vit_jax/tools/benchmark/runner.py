@@ -58,10 +58,8 @@ def worker(spec_path: str, out_path: str) -> int:
 def run_in_subprocess(spec: dict[str, Any], timeout: Optional[float] = None) -> dict[str, Any]:
   """One measurement (the keyword arguments of `measure_ours` / `measure_timm` /
   `measure_input`, and 'framework', 'threads', 'cores') in a fresh process: its result.
-
   Raises MeasurementFailed (the process's last lines on stderr first): it failed, timed out or
-  reported an error.
-  """
+  reported an error."""
   threads = spec.get("threads")
   env = dict(os.environ)
   if threads:
@@ -165,11 +163,7 @@ def _rounds(plan: tuple, mode: str, rounds: int, base_spec: dict[str, Any], peak
   per_framework: dict[str, list[dict[str, Any]]] = {"ours": [], "timm": []}
   for round_ in range(rounds):
     order = ["ours", "timm"] if with_timm else ["ours"]
-    if round_ % 2:
-      order.reverse()
-    if peak["flops"] is None and "ours" in order:
-      order.sort(key=lambda f: f != "ours")
-    for framework in order:
+    for framework in (order[::-1] if round_ % 2 and peak["flops"] is not None else order):
       spec = dict(base_spec, framework=framework, model=model, mode=mode,
                   peak_flops=peak["flops"], analytic_flops=float(analytic),
                   device=peak["platform"])
@@ -206,7 +200,8 @@ def _recipe_rounds(*, batch: int, resolution: int, threads: int, rounds: int, wi
           if framework == "input":
             spec["source"] = "jpeg"
           per_framework[framework].append(run_in_subprocess(spec, timeout))
-      out += [report_lib.aggregate_inputs(r) for r in per_framework.values() if r]
+      out += [report_lib.aggregate(r, report_lib.INPUT_MEDIAN_KEYS)
+              for r in per_framework.values() if r]
   return out
 
 
@@ -219,12 +214,9 @@ def run(models_: Sequence[str], *, batch: int = 8, resolution: int = 224,
         ) -> dict[str, Any]:
   """Measures every model and mode (and timm's, with compare='timm'), and the input pipelines
   `inputs` (of `inputs.INPUTS`) with each recipe's preprocessing beside timm's DataLoader
-  (where torch and timm are installed), in fresh subprocesses.
-
-  Returns the report: 'args', 'environment', 'results' (medians over rounds, each round under
-  'rounds'), 'comparisons' (ours / timm), 'inputs', 'input_recipes', 'notes', 'units'. Raises
-  BenchmarkError (bad input, before anything runs) or MeasurementFailed.
-  """
+  (where torch and timm are installed), in fresh subprocesses: the report ('results': medians
+  over rounds, each round under 'rounds'). Raises BenchmarkError (bad input, before anything
+  runs) or MeasurementFailed."""
   overrides = dict(overrides or {})
   threads = _check_request(batch=batch, resolution=resolution, dtype=dtype, warmup=warmup,
                            steps=steps, num_classes=num_classes, threads=threads,

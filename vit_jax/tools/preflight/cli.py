@@ -99,12 +99,6 @@ def format_result(result: fit.Result) -> str:
   return "\n".join(lines)
 
 
-def _verdict(result: fit.Result) -> str:
-  if result.fits:
-    return f"FITS: peak {_size(result.peak)} per device of {_size(result.slice.hbm_bytes)}."
-  return f"DOES NOT FIT: {result.refused.verdict}"
-
-
 def _attempt_line(attempt: search.Attempt) -> str:
   flags_text = fit.flags_of(attempt.overrides)
   if attempt.result is None:
@@ -145,7 +139,8 @@ def run(config, accelerator: str, *, suggest: bool = True, eval_step: bool = Tru
     return 0
   result = checker(config)
   print(format_result(result), file=out)
-  print(_verdict(result), file=out, flush=True)
+  print(f"FITS: peak {_size(result.peak)} per device of {_size(result.slice.hbm_bytes)}."
+        if result.fits else f"DOES NOT FIT: {result.refused.verdict}", file=out, flush=True)
   if result.fits:
     return 0
   if suggest:
@@ -181,7 +176,6 @@ def _parser() -> common.Parser:
 
 
 def main(argv=None) -> int:
-  """The command on `argv` (default: the command line); returns the exit status."""
   try:
     args, config = cost.parse(_parser(), argv)
     if config is None or not args.accelerator:
@@ -205,5 +199,4 @@ def _setup() -> None:
 
 
 def run_main() -> None:
-  """The program (`python -m vit_jax.preflight`)."""
   common.run_program(main, setup=_setup)

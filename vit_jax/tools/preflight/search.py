@@ -33,14 +33,6 @@ class Attempt:
   error: str = ""
 
 
-def _accumulations(batch_size: int, accum: int, shards: int) -> Iterator[int]:
-  """accum x 2, x 4, ... while the micro-batches still split over the batch shards."""
-  steps = accum * 2
-  while batch_size % (steps * shards) == 0:
-    yield steps
-    steps *= 2
-
-
 def candidates(resolved: ml_collections.ConfigDict, num_devices: int,
                batch_shards: int) -> Iterator[Overrides]:
   """The candidate overrides of `suggest`, in order, for a config `resolved` for the slice
@@ -49,10 +41,13 @@ def candidates(resolved: ml_collections.ConfigDict, num_devices: int,
   accum, batch = resolved.grad_accum_steps, resolved.batch_size
 
   def with_accumulation(fixed: Overrides, shards: int) -> Iterator[Overrides]:
+    """`fixed`, then with accumulation x 2, x 4, ... while micro-batches split over `shards`."""
     if fixed:
       yield dict(fixed)
-    for steps in _accumulations(batch, accum, shards):
+    steps = accum * 2
+    while batch % (steps * shards) == 0:
       yield {**fixed, "grad_accum_steps": steps}
+      steps *= 2
 
   if str(resolved.model.dtype) != "bfloat16":
     base["model.dtype"] = "bfloat16"
