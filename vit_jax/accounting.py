@@ -22,9 +22,7 @@ SECONDS_PER_DAY = flops.SECONDS_PER_DAY
 #: The wall-time categories; 'other' is the program's time outside them (start-up, dataset
 #: preparation, initialisation or restore, writing summaries).
 CATEGORIES = ("train", "compile", "eval", "checkpoint", "input")
-
-
-_measured_cpu_peak: Optional[float] = None
+_measured_cpu_peak: Optional[float] = None  # See `measure_cpu_peak`.
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,8 +119,7 @@ class CostAccountant:
   def __init__(self, hw: Hardware, batch_size: int,
                clock: Callable[[], float] = time.monotonic, start: Optional[float] = None,
                compile_saved: Optional[Callable[[], float]] = None):
-    self.hardware, self.batch_size = hw, batch_size
-    self._clock = clock
+    self.hardware, self.batch_size, self._clock = hw, batch_size, clock
     self._start = clock() if start is None else start
     self._compile_saved = compile_saved or (lambda: 0.0)
     self._saved_before = self._compile_saved()  # This attempt's count starts here.
@@ -367,8 +364,7 @@ def summary(report: dict[str, Any]) -> str:
          else f"MFU {report['mfu']:.1%}")
   rate = report["images_per_sec_per_core"]
   rate = "" if rate is None else f", {rate:,.1f} images/s/{unit}"
-  seconds = report["seconds"]
-  split = ", ".join(f"{k} {seconds[k]:.0f}" for k in (*CATEGORIES, "other"))
+  split = ", ".join(f"{k} {report['seconds'][k]:.0f}" for k in (*CATEGORIES, "other"))
   value = report.get("goodput")
   good = "" if value is None else f", goodput {value:.1%}"
   if report.get("redone_steps"):

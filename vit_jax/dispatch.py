@@ -25,6 +25,8 @@ from vit_jax.models import execution
 CHOICES = ("auto",) + attention_lib.IMPLEMENTATIONS
 #: What `choose_remat_policy` accepts: 'auto' or a policy name.
 REMAT_CHOICES = ("auto",) + execution.REMAT_POLICIES
+#: Model widths (hidden size D) from which 'auto' keeps half as much (ViT-L and wider).
+WIDE = 1024
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,15 +47,11 @@ def _why_not_cudnn(devices: Sequence[Any], dtype: Any, head_dim: int,
   return "attention dropout is on" if dropout else None
 
 
-def _always() -> tuple[bool, str]:
-  return True, ""
-
-
 #: The attention registry, in 'auto''s order: name -> (label, `why_not`, `() -> (worth, why)`).
 ATTENTION: dict[str, tuple[str, Callable[..., Optional[str]], Callable[[], tuple[bool, str]]]] = {
     **{k.NAME: (k.LABEL, k.why_not, k.faster_than_xla) for k in kernels.ATTENTION},
-    "cudnn": ("cuDNN's fused attention", _why_not_cudnn, _always),
-    "xla": ("XLA's attention", lambda *unused: None, _always),
+    "cudnn": ("cuDNN's fused attention", _why_not_cudnn, lambda: (True, "")),
+    "xla": ("XLA's attention", lambda *unused: None, lambda: (True, "")),
 }
 
 
@@ -85,22 +83,15 @@ def choose_attention(requested: str, *, devices: Sequence[Any], dtype: Any = "fl
   raise AssertionError("XLA's attention runs everywhere.")
 
 
-#: Model widths (hidden size D) from which 'auto' keeps half as much (ViT-L and wider).
-WIDE = 1024
-
-
 def auto_remat_policy(platform: str, dtype: Any, width: int) -> Choice:
   """The policy 'auto' stands for on `platform` at compute `dtype`, hidden size `width`."""
   if platform == "cpu":
     return Choice("dots_and_attention_saveable", "CPU: host memory; keep the projections")
-  name = jnp.dtype(dtype).name
   load = jnp.dtype(dtype).itemsize * (2 if width >= WIDE else 1)
-  why = f"{platform.upper()}, {name}, D={width}"
-  if load <= 2:
-    return Choice("dots_and_attention_saveable", f"{why}: keep the projections' outputs")
-  if load <= 4:
-    return Choice("qkv_saveable", f"{why}: keep only q, k and v")
-  return Choice("nothing_saveable", f"{why}: keep only each block's input")
+  policy, keep = (("dots_and_attention_saveable", "the projections' outputs") if load <= 2 else
+                  ("qkv_saveable", "only q, k and v") if load <= 4 else
+                  ("nothing_saveable", "only each block's input"))
+  return Choice(policy, f"{platform.upper()}, {jnp.dtype(dtype).name}, D={width}: keep {keep}")
 
 
 def choose_remat_policy(requested: str, *, devices: Sequence[Any], dtype: Any = "float32",

@@ -1,8 +1,6 @@
-"""Analytic compute: multiply-adds (MACs) of a forward pass, a run's cost, and the ViT paper's
-Table 2 in TPUv3-core-days with the MFU each figure implies (docs/reference.md section 4).
-
-One MAC = 2 FLOPs; training = 3 forward passes; only matrix products are counted (LayerNorm,
-softmax, GELU and additions are a few percent more)."""
+"""Analytic compute (docs/compute_cost.md): multiply-adds (MACs, 2 FLOPs each) of a forward pass's
+matrix products (LayerNorm, softmax, GELU, additions: a few percent more, not counted), training
+as 3 forward passes, and the ViT paper's Table 2 with the MFU each figure implies."""
 
 from __future__ import annotations
 
@@ -102,12 +100,6 @@ def training_flops(forward_macs: int, images: float) -> float:
   return 3 * 2 * forward_macs * images
 
 
-def implied_mfu(flops: float, core_days: float,
-                peak_flops_per_core: float = TPU_V3_CORE_PEAK_FLOPS) -> float:
-  """The model FLOP utilisation that doing `flops` in `core_days` means (0..1)."""
-  return flops / (core_days * SECONDS_PER_DAY * peak_flops_per_core)
-
-
 def core_days(flops: float, mfu: float,
               peak_flops_per_core: float = TPU_V3_CORE_PEAK_FLOPS) -> float:
   """Core-days `flops` take at utilisation `mfu` (the estimate before a run)."""
@@ -143,7 +135,8 @@ class PaperRun:
 
   @property
   def mfu(self) -> float:
-    return implied_mfu(self.flops, self.reported_core_days)
+    """The model FLOP utilisation (0..1) that the reported core-days imply."""
+    return core_days(self.flops, 1.0) / self.reported_core_days
 
 
 #: ViT paper Table 2: ImageNet-21k has 14M images (21,843 classes), JFT-300M 303M (18,291).

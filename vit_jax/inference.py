@@ -142,23 +142,6 @@ def _names_from_data(config: ml_collections.ConfigDict) -> Optional[Tuple[str, .
   return tuple(names) if len(names) == int(config.num_classes) else None
 
 
-def _official_config(model_name: str, num_classes: int, image_size: int, *, normalization: str,
-                     eval_crop_pct: Optional[float], overrides: Dict[str, Any]
-                     ) -> ml_collections.ConfigDict:
-  """A config for weights that came without one: the evaluation settings of their paper."""
-  overrides = dict(overrides, scan=False, remat=False)
-  config = config_lib.get_config(model_name, 'imagenet2012', **overrides)
-  config.regime = 'pretrain' if num_classes == IMAGENET21K_CLASSES else 'finetune'
-  config = config_lib.fill_regime(config)
-  config.num_classes = num_classes
-  config.total_steps, config.optim.warmup_steps = 1, 0  # Never trained: any valid schedule.
-  config.batch_size = config.eval_batch_size = 64
-  config.data.image_size = image_size
-  config.data.normalization = normalization
-  config.data.eval_crop_pct = eval_crop_pct
-  return config
-
-
 def _from_weights(path: str, contents: checkpoint.Contents, model_name: Optional[str],
                   overrides: Dict[str, Any], num_classes: Optional[int],
                   image_size: Optional[int]) -> TrainedModel:
@@ -194,9 +177,15 @@ def _from_weights(path: str, contents: checkpoint.Contents, model_name: Optional
         'give the image size (--image-size, e.g. 224).' if implied and implied['posemb'] !=
         'learn' else f'{path}: its position table is not a square grid; give the image size '
         '(--image-size).')
-  config = _official_config(model_name, classes, int(image_size),
-                            normalization=contents.normalization,
-                            eval_crop_pct=contents.eval_crop_pct, overrides=fields)
+  # A config of the evaluation settings of their paper; never trained: any valid schedule.
+  config = config_lib.get_config(model_name, 'imagenet2012',
+                                 **dict(fields, scan=False, remat=False))
+  config.regime = 'pretrain' if classes == IMAGENET21K_CLASSES else 'finetune'
+  config = config_lib.fill_regime(config)
+  config.update(num_classes=classes, total_steps=1, batch_size=64, eval_batch_size=64)
+  config.optim.warmup_steps = 0
+  config.data.update(image_size=int(image_size), normalization=contents.normalization,
+                     eval_crop_pct=contents.eval_crop_pct)
   multi_label = (classes == IMAGENET21K_CLASSES if contents.multi_label is None
                  else contents.multi_label)
   return TrainedModel(config, variables, contents.label_names or
@@ -209,17 +198,15 @@ def load(source: Any, *, step: Optional[int] = None, use_ema: bool = True,
          image_size: Optional[int] = None, overrides: Optional[Dict[str, Any]] = None,
          devices: Optional[Sequence[Any]] = None) -> TrainedModel:
   """The :class:`TrainedModel` of ``source`` (:data:`SOURCES`, local or ``gs://``), checked to
-  fit its model.
-
-  ``step``: a workdir's (default the latest); ``use_ema``: the parameter EMA when saved;
-  ``model_name``: required for ``.pth.tar`` files and T2T-ViT convert directories, checked for
-  ``.npz``, refused for workdirs; ``num_classes``: checked against the head; ``image_size``:
+  fit its model. ``step``: a workdir's (default the latest); ``use_ema``: the parameter EMA when
+  saved; ``model_name``: required for ``.pth.tar`` files and T2T-ViT convert directories, checked
+  for ``.npz``, refused for workdirs; ``num_classes``: checked against the head; ``image_size``:
   default the position table's; ``overrides``: model fields; ``devices``: default all.
 
   Raises FileNotFoundError (nothing at ``source``, no finalized step, ``step`` not saved) or
   ValueError (no known format, a damaged or unsafe file: ``DamagedCheckpointError``,
-  ``UnsafePickleError``; a model that does not fit the weights, with the
-  architecture they imply, a class count other than the head's, NaN or Inf values)."""
+  ``UnsafePickleError``; a model that does not fit the weights, with the architecture they
+  imply, a class count other than the head's, NaN or Inf values)."""
   path = paths.normalize(source)
   if not str(path).strip():
     raise ValueError(f'No source given: give {SOURCES}.')
@@ -269,14 +256,12 @@ class Runner:
   (``{'params', ['model_state']}``, global arrays), ``batch_size`` (the global eval batch)."""
 
   def __init__(self, trained: TrainedModel, *, devices: Optional[Sequence[Any]] = None):
-    self.trained = trained
-    config = trained.config
-    size = int(config.data.image_size)
-    self.setup = step_lib.build(config, image_shape=(size, size, 3), devices=devices)
+    self.trained, size = trained, trained.image_size
+    self.setup = step_lib.build(trained.config, image_shape=(size, size, 3), devices=devices)
     variables = dict(trained.variables)
     state = {'params': variables.pop('params'), **({'model_state': variables} if variables else {})}
     self.state = jax.device_put(state, self.setup.variables_shardings)
-    self.batch_size = int(config.eval_batch_size)
+    self.batch_size = int(trained.config.eval_batch_size)
     self._steps: Dict[str, Any] = {}
     self._compiler = step_lib.Compiler(self.setup)
 
@@ -284,17 +269,8 @@ class Runner:
     if name not in self._steps:
       self._steps[name] = {'eval': lambda: self.setup.jit_eval_step(variables_only=True),
                            'features': self.setup.jit_features_step,
-                           'logits': self._jit_logits}[name]()
+                           'logits': lambda: self.setup.jit_features_step(head=True)}[name]()
     return self._compiler(self._steps[name], self.state, *args)
-
-  def _jit_logits(self):
-    setup = self.setup
-
-    def logits(state, images):
-      return setup.model.apply(step_lib.variables_of(state), images, train=False)
-
-    return jax.jit(logits, in_shardings=(setup.variables_shardings, setup.batch_sharding),
-                   out_shardings=setup.batch_sharding)
 
   def _padded(self, images: np.ndarray, fn: str) -> np.ndarray:
     """Runs ``fn`` on one process's images in batches of ``batch_size``, padding the last."""

@@ -22,11 +22,9 @@ def ledger(report: dict[str, Any]) -> list[dict[str, Any]]:
   (sum: 'program_s'). 'redone' is training time of this attempt's steps that a later resume
   did again; 'setup' the 'other' time before the first step. Older reports: 0 for the new parts."""
   attempts = report["attempts"]
-  lost = [0.0] * len(attempts)
-  for a in attempts:
-    redone = a.get("redone")
-    if redone and redone["seconds"] and redone["from_attempt"]:
-      lost[redone["from_attempt"] - 1] += redone["seconds"]
+  redos = [a["redone"] for a in attempts if a.get("redone") and a["redone"]["from_attempt"]]
+  lost = [sum(r["seconds"] or 0.0 for r in redos if r["from_attempt"] == i + 1)
+          for i in range(len(attempts))]
   rows = []
   for i, a in enumerate(attempts):
     seconds = a["seconds"]

@@ -40,12 +40,8 @@ def lr_schedule(base_lr: float, total_steps: int, warmup_steps: int = 0,
   def schedule(count):
     step = jnp.asarray(count, jnp.float32) + 1.0  # optax counts from 0, the reference from 1.
     progress = jnp.clip((step - warmup_steps) / decay_steps, 0.0, 1.0)
-    if decay == "cosine":
-      factor = 0.5 * (1.0 + jnp.cos(math.pi * progress))
-    elif decay == "linear":
-      factor = 1.0 - progress
-    else:
-      factor = jnp.ones_like(progress)
+    factor = (0.5 * (1.0 + jnp.cos(math.pi * progress)) if decay == "cosine" else
+              1.0 - progress if decay == "linear" else jnp.ones_like(progress))
     lr = end_lr + (base_lr - end_lr) * factor
     if warmup_steps > 0:
       lr = warmup_init_lr + (lr - warmup_init_lr) * jnp.minimum(1.0, step / warmup_steps)
@@ -82,10 +78,8 @@ def schedule_from_config(optim: ml_collections.ConfigDict, *, batch_size: int, t
 
 def _decay_mask(params):
   """True for the leaves that get weight decay: the kernels (by last dict key), as big_vision."""
-  def is_kernel(path, _):
-    keys = [p.key for p in path if isinstance(p, jax.tree_util.DictKey)]
-    return bool(keys) and keys[-1] == "kernel"
-  return jax.tree_util.tree_map_with_path(is_kernel, params)
+  return jax.tree_util.tree_map_with_path(lambda path, _: [
+      p.key for p in path if isinstance(p, jax.tree_util.DictKey)][-1:] == ["kernel"], params)
 
 
 def make_optimizer(optim: ml_collections.ConfigDict,

@@ -23,13 +23,23 @@ from absl import logging
 from vit_jax import pod
 from vit_jax import stops
 
-
 #: Makes malloc advise transparent huge pages for the memory it maps (glibc >= 2.35).
 HUGE_PAGES_TUNABLE = "glibc.malloc.hugetlb=1"
 #: 0 (false, no, off): run without `HUGE_PAGES_TUNABLE`; unset, 1 (true, yes, on): with it.
 HUGE_PAGES_SWITCH = "VIT_JAX_HUGE_PAGES"
 _SWITCH_OFF, _SWITCH_ON = ("0", "false", "no", "off"), ("", "1", "true", "yes", "on")
 _THP_MODE_FILE = "/sys/kernel/mm/transparent_hugepage/enabled"
+#: PCI vendor id of Google's TPU chips (what JAX itself looks for in /sys/bus/pci/devices).
+_GOOGLE_PCI_VENDOR = "0x1ae0"
+#: What TensorFlow 2.21's C++ writes to stderr while it loads, whatever TF_CPP_MIN_LOG_LEVEL says.
+_TF_BANNERS = re.compile(r"WARNING: All log messages before absl::InitializeLog\(\) is called|"
+                         r"\] oneDNN custom operations are on|"
+                         r"\] This TensorFlow binary is optimized|"
+                         r"^To enable the following instructions: .*rebuild TensorFlow")
+#: The cgroup v2 and v1 (memory limit, memory usage) files.
+_CGROUP_FILES = (('/sys/fs/cgroup/memory.max', '/sys/fs/cgroup/memory.current'),
+                 ('/sys/fs/cgroup/memory/memory.limit_in_bytes',
+                  '/sys/fs/cgroup/memory/memory.usage_in_bytes'))
 
 
 def _glibc_version() -> tuple[int, ...] | None:
@@ -120,10 +130,6 @@ def quiet_unraisable_hook(previous=None):
   return hook
 
 
-#: PCI vendor id of Google's TPU chips (what JAX itself looks for in /sys/bus/pci/devices).
-_GOOGLE_PCI_VENDOR = "0x1ae0"
-
-
 def _has_tpu_chips() -> bool:
   for vendor in glob.glob("/sys/bus/pci/devices/*/vendor"):
     try:
@@ -145,13 +151,6 @@ def skip_absent_tpu() -> None:
   if _has_tpu_chips() or any(importlib.util.find_spec(p) for p in gpu_plugins):
     return
   jax.config.update("jax_platforms", "cpu")
-
-
-#: What TensorFlow 2.21's C++ writes to stderr while it loads, whatever TF_CPP_MIN_LOG_LEVEL says.
-_TF_BANNERS = re.compile(r"WARNING: All log messages before absl::InitializeLog\(\) is called|"
-                         r"\] oneDNN custom operations are on|"
-                         r"\] This TensorFlow binary is optimized|"
-                         r"^To enable the following instructions: .*rebuild TensorFlow")
 
 
 @contextlib.contextmanager
@@ -213,12 +212,6 @@ def setup(*, coordinator_address: Optional[str] = None, num_processes: Optional[
   skip_absent_tpu()
   hide_accelerators_from_tensorflow()
   pod.initialize_distributed(coordinator_address, num_processes, process_id, distributed_timeout_s)
-
-
-#: The cgroup v2 and v1 (memory limit, memory usage) files.
-_CGROUP_FILES = (('/sys/fs/cgroup/memory.max', '/sys/fs/cgroup/memory.current'),
-                 ('/sys/fs/cgroup/memory/memory.limit_in_bytes',
-                  '/sys/fs/cgroup/memory/memory.usage_in_bytes'))
 
 
 def _read_int(path: str) -> Optional[int]:

@@ -20,21 +20,28 @@ from absl import logging
 from vit_jax import hardware
 from vit_jax import stops
 
-
-def _on_multi_host_tpu() -> bool:
-  """A Cloud TPU VM that is one worker of several (before any JAX backend starts)."""
-  hosts = os.environ.get("TPU_WORKER_HOSTNAMES", "")
-  if "," in hosts:
-    return True
-  return hardware.is_multi_host_slice(os.environ.get("TPU_ACCELERATOR_TYPE", ""))
-
-
 #: Default --distributed_timeout (s): the wait for registration and the longest heartbeat gap.
 DISTRIBUTED_TIMEOUT_S = 60
 #: Exit code of a pod fault: a process that never registered, or was lost.
 POD_FAULT_EXIT_CODE = 1
 #: How a pod fault's FATAL line ends.
 _RERUN = "rerun the same command on every process to resume from the latest checkpoint."
+#: Seconds that jax's own heartbeat timeout exceeds --distributed_timeout (see `_watch_peers`).
+_JAX_HEARTBEAT_MARGIN_S = 30
+#: Seconds between two heartbeats of `_watch_peers`.
+_BEAT_S = 1.0
+#: The coordination service's directory of heartbeats: one key per process.
+_ALIVE = "vit_jax/alive/"
+#: A process's heartbeat value once it stops in the set-up (then the signal's name).
+_STOPPED = "stopped "
+#: Set in the environment of the command that `supervise` runs (to the supervisor's pid).
+SUPERVISOR_ENV = "VIT_JAX_SUPERVISOR"
+
+
+def _on_multi_host_tpu() -> bool:
+  """A Cloud TPU VM that is one worker of several (before any JAX backend starts)."""
+  return ("," in os.environ.get("TPU_WORKER_HOSTNAMES", "")
+          or hardware.is_multi_host_slice(os.environ.get("TPU_ACCELERATOR_TYPE", "")))
 
 
 def _distributed_timeouts(timeout_s: int) -> dict[str, int]:
@@ -46,16 +53,6 @@ def _distributed_timeouts(timeout_s: int) -> dict[str, int]:
             "shutdown_timeout_seconds": timeout_s}
   accepted = inspect.signature(jax.distributed.initialize).parameters
   return {k: v for k, v in wanted.items() if k in accepted}
-
-
-#: Seconds that jax's own heartbeat timeout exceeds --distributed_timeout (see `_watch_peers`).
-_JAX_HEARTBEAT_MARGIN_S = 30
-#: Seconds between two heartbeats of `_watch_peers`.
-_BEAT_S = 1.0
-
-
-#: The coordination service's directory of heartbeats: one key per process.
-_ALIVE = "vit_jax/alive/"
 
 
 def _watch_peers(client, process_id: int, num_processes: int, timeout_s: float) -> None:
@@ -104,10 +101,6 @@ def _watch_peers(client, process_id: int, num_processes: int, timeout_s: float) 
             f"heartbeat for {timeout_s:g} s (--distributed_timeout): it died or hangs, its log "
             f"says why. Stopped; {_RERUN}"))
     time.sleep(_BEAT_S)
-
-
-#: A process's heartbeat value once it stops in the set-up (then the signal's name).
-_STOPPED = "stopped "
 
 
 def _exit_if_stopped() -> None:
@@ -176,10 +169,6 @@ def initialize_distributed(coordinator_address: Optional[str] = None,
   if jax.process_count() > 1:
     logging.info("Process %d of %d; %d local of %d devices.", jax.process_index(),
                  jax.process_count(), jax.local_device_count(), jax.device_count())
-
-
-#: Set in the environment of the command that `supervise` runs (to the supervisor's pid).
-SUPERVISOR_ENV = "VIT_JAX_SUPERVISOR"
 
 
 def _several_processes(argv: list[str]) -> bool:

@@ -1,20 +1,9 @@
-"""The run directory (``--workdir``): its layout and what the file system tells of it, read
-without JAX (the tools check a SOURCE before their set-up). :mod:`vit_jax.checkpoint.workdir`
-writes it and reads its checkpoints.
-
-::
-
-  WORKDIR/
-    config.json            the resolved config (Workdir.write_config)
-    dataset.json           the training data's facts (Workdir.write_dataset)
-    cost.json              the cost account so far (Workdir.write_cost; accounting.py)
-    lock.json              the holder of the workdir (Workdir.lock; lock.py)
-    checkpoints/           an Orbax CheckpointManager directory (Checkpoints)
-      <step>/              a finalized step (in progress: '<step>.orbax-checkpoint-tmp*')
-        state/ cost/ [config/ dataset/]   train state (StandardSave), the rest JsonSave
-    events.out.tfevents.*  TensorBoard scalars and hparams (Workdir.metric_writer)
-
-Local paths and ``gs://`` alike (``etils.epath``)."""
+"""The run directory (``--workdir``; its files: docs/checkpoints.md, "The workdir"): its layout
+and what the file system tells of it, read without JAX (the tools check a SOURCE before their
+set-up), local or ``gs://`` (``etils.epath``); :mod:`vit_jax.checkpoint.workdir` writes it and
+reads its checkpoints. A step is ``checkpoints/<step>/`` (being written:
+``<step>.orbax-checkpoint-tmp*``) with the items ``state/`` (the train state, StandardSave) and
+``cost/`` ``[config/ dataset/]`` (JsonSave)."""
 
 from __future__ import annotations
 
@@ -102,14 +91,10 @@ def saved_steps(checkpoints: Any, *, readable: bool = False) -> List[int]:
   directory = epath.Path(checkpoints)
   if not directory.is_dir():
     return []
-  remote = '://' in str(checkpoints)
-  steps = []
-  for step_dir in directory.iterdir():
-    marker = (step_dir / STATE_ITEM / ITEM_MARKER if readable else
-              step_dir / COMMIT_MARKER if remote else None)
-    if step_dir.name.isdigit() and step_dir.is_dir() and (marker is None or marker.exists()):
-      steps.append(int(step_dir.name))
-  return sorted(steps)
+  marker = (f'{STATE_ITEM}/{ITEM_MARKER}' if readable else
+            COMMIT_MARKER if '://' in str(checkpoints) else None)
+  return sorted(int(d.name) for d in directory.iterdir()
+                if d.name.isdigit() and d.is_dir() and (marker is None or (d / marker).exists()))
 
 
 def read_json(path: Any) -> Optional[Dict[str, Any]]:

@@ -121,15 +121,11 @@ def like_params(tree: Any, params: Any, param_shardings: Any,
                 default: jax.sharding.NamedSharding) -> Any:
   """Shardings of a tree mirroring ``params`` (optimizer state): a leaf gets its parameter's (same
   key path and shape), else ``default``."""
-  by_path = {_dict_keys(path): (tuple(leaf.shape), sharding)
+  by_path = {(_dict_keys(path), tuple(leaf.shape)): sharding
              for (path, leaf), sharding in zip(jax.tree_util.tree_leaves_with_path(params),
                                                jax.tree_util.tree_leaves(param_shardings))}
-
-  def pick(path, leaf):
-    found = by_path.get(_dict_keys(path))
-    return found[1] if found and found[0] == tuple(np.shape(leaf)) else default
-
-  return jax.tree_util.tree_map_with_path(pick, tree)
+  return jax.tree_util.tree_map_with_path(
+      lambda path, leaf: by_path.get((_dict_keys(path), tuple(np.shape(leaf))), default), tree)
 
 
 def state_shardings(shapes: Dict[str, Any], boxed_variables: Any, mesh: jax.sharding.Mesh,
@@ -139,16 +135,11 @@ def state_shardings(shapes: Dict[str, Any], boxed_variables: Any, mesh: jax.shar
   replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
   variables = dict(variable_shardings(boxed_variables, mesh, rules))
   params = variables.pop("params")
-  out = {}
-  for key, tree in shapes.items():
-    if key in ("params", "ema_params"):
-      out[key] = params
-    elif key == "model_state":
-      out[key] = {name: variables.get(name, jax.tree.map(lambda _: replicated, value))
-                  for name, value in tree.items()}
-    else:
-      out[key] = like_params(tree, shapes["params"], params, replicated)
-  return out
+  return {key: params if key in ("params", "ema_params") else
+          {name: variables.get(name, jax.tree.map(lambda _: replicated, value))
+           for name, value in tree.items()} if key == "model_state" else
+          like_params(tree, shapes["params"], params, replicated)
+          for key, tree in shapes.items()}
 
 
 def _dict_keys(path) -> Tuple[str, ...]:
@@ -157,14 +148,11 @@ def _dict_keys(path) -> Tuple[str, ...]:
 
 def replicated_bytes(abstract_params: Any, shardings: Any) -> Tuple[int, int]:
   """(bytes of parameters every device holds whole, bytes of all parameters)."""
-  replicated = total = 0
-  for leaf, sharding in zip(jax.tree_util.tree_leaves(abstract_params),
-                            jax.tree_util.tree_leaves(shardings)):
-    size = math.prod(leaf.shape) * np.dtype(leaf.dtype).itemsize
-    total += size
-    if tuple(sharding.shard_shape(tuple(leaf.shape))) == tuple(leaf.shape):
-      replicated += size
-  return replicated, total
+  sizes = [(math.prod(leaf.shape) * np.dtype(leaf.dtype).itemsize,
+            tuple(sharding.shard_shape(tuple(leaf.shape))) == tuple(leaf.shape))
+           for leaf, sharding in zip(jax.tree_util.tree_leaves(abstract_params),
+                                     jax.tree_util.tree_leaves(shardings))]
+  return sum(size for size, whole in sizes if whole), sum(size for size, _ in sizes)
 
 
 def check_replication(abstract_params: Any, shardings: Any, mesh: jax.sharding.Mesh,

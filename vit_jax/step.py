@@ -148,14 +148,15 @@ def make_train_step(model: nn.Module, tx: optax.GradientTransformation,
   return train_step
 
 
-def make_features_step(model: nn.Module) -> Callable[[State, jax.Array], jax.Array]:
+def make_features_step(model: nn.Module, *, head: bool = False) -> Callable[..., jax.Array]:
   """`step(state, images [B, H, W, C]) -> [B, F]` float32: the model without its head (ViT's
-  `pre_logits`, T2T-ViT's normed class token), the ViT paper's few-shot features (Sec. 4.1)."""
-  trunk = model.clone(num_classes=None)
+  `pre_logits`, T2T-ViT's normed class token; the paper's few-shot features), `head`: logits."""
+  trunk = model if head else model.clone(num_classes=None)
 
   def features_step(state: State, images: jax.Array) -> jax.Array:
     return trunk.apply(variables_of(state), images, train=False)
 
+  features_step.__name__ = "logits" if head else "features_step"  # As `Compiler` logs it.
   return features_step
 
 
@@ -228,9 +229,9 @@ class Setup:
                    in_shardings=(shardings, self.batch_sharding),
                    out_shardings=(replicated, self.batch_sharding) if top1 else replicated)
 
-  def jit_features_step(self):
+  def jit_features_step(self, *, head: bool = False):
     """`make_features_step` jitted over the mesh, for a state with `variables_shardings`."""
-    return jax.jit(make_features_step(self.model),
+    return jax.jit(make_features_step(self.model, head=head),
                    in_shardings=(self.variables_shardings, self.batch_sharding),
                    out_shardings=self.batch_sharding)
 
@@ -271,19 +272,15 @@ class Setup:
 _PERSISTENT = {"hits": 0, "saved_s": 0.0, "listening": False}
 
 
-def _count_hit(event: str, **_) -> None:
+def _count(event: str, duration_secs: float = 0.0, **_) -> None:
   if event == "/jax/compilation_cache/cache_hits":
     _PERSISTENT["hits"] += 1
-
-
-def _count_saved(event: str, duration_secs: float, **_) -> None:
-  if event == "/jax/compilation_cache/compile_time_saved_sec":
+  elif event == "/jax/compilation_cache/compile_time_saved_sec":
     _PERSISTENT["saved_s"] += duration_secs
 
 
 def compile_seconds_saved() -> float:
-  """Seconds of compiling that JAX's persistent cache saved in this process so far (its
-  '/jax/compilation_cache/compile_time_saved_sec' events; counted from `compilation_cache` on)."""
+  """Compile seconds that JAX's persistent cache saved in this process (`compilation_cache`)."""
   return _PERSISTENT["saved_s"]
 
 
@@ -291,11 +288,10 @@ def compile_seconds_saved() -> float:
 def compilation_cache(directory: Optional[str]) -> Iterator[None]:
   """JAX's persistent compilation cache in `directory` (local or gs://; None: off) inside the
   block, the previous setting after it: a restarted run loads its compiled steps from there
-  (`Compiler` logs which). Entries: compilations longer than
-  `jax_persistent_cache_min_compile_time_secs` (JAX's default 1 s)."""
+  (`Compiler` logs which; JAX keeps those over `jax_persistent_cache_min_compile_time_secs`)."""
   if not _PERSISTENT["listening"]:
-    jax.monitoring.register_event_listener(_count_hit)
-    jax.monitoring.register_event_duration_secs_listener(_count_saved)
+    jax.monitoring.register_event_listener(_count)
+    jax.monitoring.register_event_duration_secs_listener(_count)
     _PERSISTENT["listening"] = True
   previous = jax.config.jax_compilation_cache_dir
   jax_cache.reset_cache()  # Else a process that compiled before keeps its first setting.

@@ -24,6 +24,8 @@ PREEMPTED_EXIT_CODE, INTERRUPTED_EXIT_CODE = 75, 130
 #: Seconds a process may run after a set-up stop before the watcher ends it (the main thread is in
 #: a long C++ call, or the exception was lost in a callback); 4 times as long in `deferred_stop()`.
 STOP_GRACE_S = 5.0
+#: Seconds `exit_stopped` gives the announcement (the coordinator may be gone).
+ANNOUNCE_S = 1.0
 
 
 class StopRequested(BaseException):
@@ -170,10 +172,6 @@ def announce_stops_with(announce: Callable[[StopRequested], None]) -> None:
   """`exit_stopped` calls ``announce(stop)`` first (a pod: the other processes stop too rather
   than wait for this one in a collective); given at most `ANNOUNCE_S`."""
   _Stops.announce = announce
-
-
-#: Seconds `exit_stopped` gives the announcement (the coordinator may be gone).
-ANNOUNCE_S = 1.0
 
 
 def exit_stopped(stop: StopRequested, message: Optional[str] = None):

@@ -285,8 +285,7 @@ def _evaluations(run: _Run, accountant: accounting.CostAccountant, writer):
   pictures = pictures_lib.Pictures(setup, run.dataset["label_names"],
                                    lambda: next(iter(first_eval)), run.compiler)
 
-  def predict(state, batch):
-    return run.compiler(eval_step, state, setup.to_global(batch))
+  predict = lambda state, batch: run.compiler(eval_step, state, setup.to_global(batch))
 
   def evaluate(state, step: int) -> dict[str, float]:
     with accountant.timed("eval"):

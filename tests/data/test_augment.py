@@ -376,8 +376,7 @@ def test_ops_against_pil():
       assert diff.max() <= 1, name
       mismatched += (diff > 0).sum()
       total += diff.size
-  # Coordinates in float64 as PIL: 0 here (8 with float32 ones).
-  assert mismatched <= 0.0005 * total
+  assert mismatched <= 0.0005 * total  # float64 coordinates: 0 here (float32 ones: 8).
 
 
 # ------------------------------------------------------------ RandAugment

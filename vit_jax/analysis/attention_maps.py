@@ -90,13 +90,10 @@ def _check_attention(attention: np.ndarray, what: str) -> None:
 
 
 def _fuse(attention: np.ndarray, head_fusion: str) -> np.ndarray:
-  """``[B, H, N, N]`` -> ``[B, N, N]`` float64 (``head_fusion`` one of `HEAD_FUSIONS`)."""
-  return getattr(attention.astype(np.float64), head_fusion)(axis=1)
-
-
-def _check_fusion(head_fusion: str) -> None:
+  """``[B, H, N, N]`` -> ``[B, N, N]`` float64; ValueError: an unknown ``head_fusion``."""
   if head_fusion not in HEAD_FUSIONS:
     raise ValueError(f'head_fusion must be one of {HEAD_FUSIONS}, got {head_fusion!r}')
+  return getattr(attention.astype(np.float64), head_fusion)(axis=1)
 
 
 def rollout(attentions: AttentionStack, *, residual: bool = True,
@@ -105,7 +102,6 @@ def rollout(attentions: AttentionStack, *, residual: bool = True,
   ``[L, ...]`` array): heads fused into ``A_l``, with ``residual`` ``0.5 A_l + 0.5 I``, rows
   normalised, ``R = A_L @ ... @ A_1`` in float64. ValueError: bad layers, weights or fusion.
   """
-  _check_fusion(head_fusion)
   layers = _layers(attentions)
   b, _, n, _ = layers[0].shape
   eye = np.eye(n)
@@ -150,7 +146,6 @@ def layer_class_token_maps(attentions: AttentionStack, grid: Any, *, num_prefix_
                            head_fusion: str = 'mean') -> np.ndarray:
   """The class token's attention per layer, ``[L, B, gh, gw]`` float32 in [0, 1] (heads fused as
   :func:`rollout`, rows as :func:`class_token_map`)."""
-  _check_fusion(head_fusion)
   grid, num_prefix_tokens = as_pair(grid, 'grid'), as_prefix(num_prefix_tokens)
   layers = _layers(attentions)
   return np.stack([_token_maps(_fuse(layer, head_fusion), grid, num_prefix_tokens,

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 import os
-from typing import Any, Optional, Sequence, Tuple
+from typing import Any, Callable, Optional, Sequence, Tuple
 
 from matplotlib import colormaps
 from matplotlib import figure as mpl_figure
@@ -284,26 +284,14 @@ def filter_components_figure(components: Any, *, explained: Any = None, columns:
   return fig
 
 
-def rollout_overlay(images: Any, maps: Any, path: str, **options) -> str:
-  """:func:`rollout_overlay_figure` written to ``path`` (PNG); returns ``path``."""
-  return write_png(rollout_overlay_figure(images, maps, **options), path)
+def _writer(figure_fn: Callable[..., mpl_figure.Figure]) -> Callable[..., str]:
+  """``figure_fn``'s namesake: ``(*arrays, path, **options)`` writes the figure to ``path`` (PNG)
+  and returns ``path``."""
+  return lambda *args, **options: write_png(figure_fn(*args[:-1], **options), args[-1])
 
 
-def layer_attention(image: Any, maps: Any, path: str, **options) -> str:
-  """:func:`layer_attention_figure` written to ``path`` (PNG); returns ``path``."""
-  return write_png(layer_attention_figure(image, maps, **options), path)
-
-
-def attention_distance(distances: Any, path: str, **options) -> str:
-  """:func:`attention_distance_figure` written to ``path`` (PNG); returns ``path``."""
-  return write_png(attention_distance_figure(distances, **options), path)
-
-
-def posemb_similarity_grid(similarity: Any, path: str, **options) -> str:
-  """:func:`posemb_similarity_figure` written to ``path`` (PNG); returns ``path``."""
-  return write_png(posemb_similarity_figure(similarity, **options), path)
-
-
-def filter_components(components: Any, path: str, **options) -> str:
-  """:func:`filter_components_figure` written to ``path`` (PNG); returns ``path``."""
-  return write_png(filter_components_figure(components, **options), path)
+rollout_overlay = _writer(rollout_overlay_figure)
+layer_attention = _writer(layer_attention_figure)
+attention_distance = _writer(attention_distance_figure)
+posemb_similarity_grid = _writer(posemb_similarity_figure)
+filter_components = _writer(filter_components_figure)

@@ -183,12 +183,8 @@ def write_safetensors(path: str, arrays: Mapping[str, Any],
   from safetensors import numpy as st_numpy  # pylint: disable=g-import-not-at-top
   tensors = {k: np.ascontiguousarray(v) for k, v in arrays.items()}
   meta = {'format': 'pt', **{str(k): str(v) for k, v in (metadata or {}).items()}}
-  if paths.is_remote(path):
-    with paths.open_file(path, 'wb') as f:
-      f.write(st_numpy.save(tensors, metadata=meta))
-    return
-  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-  st_numpy.save_file(tensors, path, metadata=meta)
-  umask = os.umask(0)  # save_file creates the file 0600: the usual mode, as other writes get.
-  os.umask(umask)
-  os.chmod(path, 0o666 & ~umask)
+  data = st_numpy.save(tensors, metadata=meta)  # (save_file would create the file 0600.)
+  if not paths.is_remote(path):
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+  with paths.open_file(path, 'wb') as f:
+    f.write(data)

@@ -35,9 +35,9 @@ def sync_tree(root: Any) -> None:
     _sync(directory, directory=True)
 
 
-def write_atomically(path: Any, text: str) -> None:
+def write_atomically(path: Any, text: str, partial: str = '.partial') -> None:
   """Writes ``text`` to ``path`` (parent created) so that readers and a crash see the old or
-  the new content: ``<path>.partial`` forced and renamed (``gs://``: one object write). Raises
+  the new content: ``<path><partial>`` forced and renamed (``gs://``: one object write). Raises
   OSError, ``path`` then unchanged."""
   from etils import epath  # pylint: disable=g-import-not-at-top
   path = epath.Path(path)
@@ -45,7 +45,7 @@ def write_atomically(path: Any, text: str) -> None:
   if paths.is_remote(os.fspath(path)):
     path.write_text(text)
     return
-  partial = f'{path}.partial'
+  partial = f'{path}{partial}'
   with open(partial, 'w', encoding='utf-8') as f:
     f.write(text)
     f.flush()

@@ -1,8 +1,8 @@
 """The checkpoint formats, one registry, and :func:`open`, which detects a source's format once:
-each :class:`Format` in :data:`FORMATS` (tried in order) ``sniff``s the :class:`Probe` (nothing
-unpickled), gives the model ``fields`` the weights imply, ``read``s the variables and gives the
-:class:`Contents` a model is built from. A new format: a :class:`Format` here, its text in
-``rundir.ACCEPTED_FORMATS``."""
+each :class:`Checkpoint` subclass in :data:`FORMATS` (tried in order) ``sniff``s the
+:class:`Probe` (nothing unpickled), gives the model ``fields`` the weights imply, ``read``s the
+variables and gives the :class:`Contents` a model is built from. A new format: a subclass here,
+its text in ``rundir.ACCEPTED_FORMATS``."""
 
 from __future__ import annotations
 
@@ -109,92 +109,113 @@ def _check_names(names: Optional[Sequence[str]], num_classes: Optional[int], whe
   return tuple(str(n) for n in names) if names else None
 
 
-def _fitted(ckpt: 'Checkpoint', variables: Dict[str, Any], model: Any, image_size: Any,
-            evaluate: bool) -> Dict[str, Any]:
-  """``variables``, checked to fit ``model`` at ``image_size`` when given and ``evaluate``."""
-  if model is not None and image_size is not None and evaluate:
-    size = (image_size, image_size) if isinstance(image_size, int) else image_size
-    tree.check_fits(variables, models.abstract_variables(model, size), what=ckpt.path)
-  return variables
-
-
-class Format:
-  """One checkpoint format. ``name``: its :attr:`Checkpoint.name`; ``family``: for messages;
-  ``has_steps``: a run's steps; ``reads_with_model``: the model's name and fields shape the
-  reading."""
+@dataclasses.dataclass
+class Checkpoint:
+  """A checkpoint opened by :func:`open`: its ``path`` and what detection read (``probe``), an
+  instance of its format's class in :data:`FORMATS`. ``name``: ``'npz'``, ``'pytorch'``,
+  ``'orbax'``, ``'hf'`` or ``'timm'``; ``family``: for messages; ``has_steps``: a run's steps;
+  ``reads_with_model``: the model's name and fields shape the reading."""
+  path: str
+  probe: Probe
   name = family = ''
   has_steps = reads_with_model = False
 
-  def sniff(self, probe: Probe) -> bool:
+  def sniff(self) -> bool:
+    """Whether ``probe`` is of this format (nothing unpickled)."""
     raise NotImplementedError
 
-  def shapes(self, ckpt: 'Checkpoint') -> Dict[str, Tuple[int, ...]]:
-    return tree.shapes(ckpt.read())
+  def shapes(self) -> Dict[str, Tuple[int, ...]]:
+    return tree.shapes(self.read())
 
-  def fields(self, ckpt: 'Checkpoint', num_heads: Optional[int]) -> Dict[str, Any]:
-    """:meth:`Checkpoint.fields`; here the architecture from the shapes, official numerics."""
-    shapes = self.shapes(ckpt)
+  def fields(self, num_heads: Optional[int] = None) -> Dict[str, Any]:
+    """The ``vit_jax.models.create`` keywords the weights imply (with ``image_size``);
+    ValueError where they cannot say (a PyTorch file: give the model). Here the architecture
+    from the shapes, the official numerics."""
+    shapes = self.shapes()
     fields = vit_shapes.architecture_fields(shapes)
     if fields is None:
-      raise ValueError(f'{ckpt.path} holds no ViT parameters (no embedding/kernel).')
+      raise ValueError(f'{self.path} holds no ViT parameters (no embedding/kernel).')
     fields.update(gelu_approximate=True, layer_norm_epsilon=models.vit.LAYERNORM_EPSILON,
                   image_size=vit_shapes.image_size(shapes, fields))
     return fields
 
-  def numerics(self, ckpt: 'Checkpoint', num_heads: Optional[int]
-               ) -> Optional[Tuple[Dict[str, Any], str]]:
+  def numerics(self, num_heads: Optional[int] = None) -> Optional[Tuple[Dict[str, Any], str]]:
+    """``(numerics fields, family)`` from the headers and config only, or None where the format
+    records none (``vit_jax.config`` sets a fine-tuning model's numerics from them)."""
     return None
 
-  def read(self, ckpt: 'Checkpoint', *, model: Any, use_ema: bool, image_size: Any,
-           evaluate: bool) -> Dict[str, Any]:
+  def read(self, *, model: Any = None, use_ema: bool = True, image_size: Any = None,
+           evaluate: bool = True) -> Dict[str, Any]:
+    """The variables (:func:`vit_jax.checkpoint.load`); with ``model`` and an image size (given,
+    or the file's) and ``evaluate``, checked to fit ``model``, else as saved."""
     raise NotImplementedError
 
-  def read_for_finetuning(self, ckpt: 'Checkpoint', model: Any, use_ema: bool) -> Dict[str, Any]:
-    return self.read(ckpt, model=model, use_ema=use_ema, image_size=None, evaluate=False)
+  def _fitted(self, variables: Dict[str, Any], model: Any, image_size: Any,
+              evaluate: bool) -> Dict[str, Any]:
+    """``variables``, checked to fit ``model`` at ``image_size`` when given and ``evaluate``."""
+    if model is not None and image_size is not None and evaluate:
+      size = (image_size, image_size) if isinstance(image_size, int) else image_size
+      tree.check_fits(variables, models.abstract_variables(model, size), what=self.path)
+    return variables
 
-  def contents(self, ckpt: 'Checkpoint', *, use_ema: bool, step: Optional[int],
-               model_name: Optional[str], overrides: Dict[str, Any]) -> Contents:
-    return _weights_alone(self.read(ckpt, model=None, use_ema=use_ema, image_size=None,
-                                    evaluate=False), ckpt.path)
+  def read_for_finetuning(self, model: Any, use_ema: bool = True) -> Dict[str, Any]:
+    """The variables at the file's own class count and size, for ``init_for_finetuning``."""
+    return self.read(model=model, use_ema=use_ema, evaluate=False)
+
+  def contents(self, *, use_ema: bool = True, step: Optional[int] = None,
+               model_name: Optional[str] = None,
+               overrides: Optional[Dict[str, Any]] = None) -> Contents:
+    """What a model is built from: ``step`` of a run (default the latest; ValueError for a
+    file), ``model_name`` and ``overrides`` (``models.create`` fields) for a PyTorch file (and
+    a timm file's heads). Raises as :meth:`read`; ValueError for class names that are not one
+    per output of the head."""
+    if step is not None and not self.has_steps:
+      raise ValueError(f'--step applies to training workdirs; {self.path} is {self.family}, '
+                       'which has no steps.')
+    return self._contents(use_ema, step, model_name, dict(overrides or {}))
+
+  def _contents(self, use_ema: bool, step: Optional[int], model_name: Optional[str],
+                overrides: Dict[str, Any]) -> Contents:
+    return _weights_alone(self.read(use_ema=use_ema, evaluate=False), self.path)
 
 
-class _Npz(Format):
+class _Npz(Checkpoint):
   name, family = 'npz', 'an official .npz'
 
-  def sniff(self, probe):
-    return probe.zip is not None
+  def sniff(self):
+    return self.probe.zip is not None
 
-  def shapes(self, ckpt):  # From the .npy headers: no array is read.
-    return npz.read_npz_shapes(ckpt.path, ckpt.probe.zip)[0]
+  def shapes(self):  # From the .npy headers: no array is read.
+    return npz.read_npz_shapes(self.path, self.probe.zip)[0]
 
-  def numerics(self, ckpt, num_heads):
-    shapes, big_vision = npz.read_npz_shapes(ckpt.path, ckpt.probe.zip)
+  def numerics(self, num_heads=None):
+    shapes, big_vision = npz.read_npz_shapes(self.path, self.probe.zip)
     fields = vit_shapes.architecture_fields(shapes)
     if fields is None:  # Not a ViT's .npz: left to the load's checks.
       return None
     return ({k: fields[k] for k in ('posemb', 'classifier')},
             'a big_vision .npz' if big_vision else self.family)
 
-  def read(self, ckpt, *, model, use_ema, image_size, evaluate):
-    return _fitted(ckpt, npz.load_npz(ckpt.path, ckpt.probe.zip), model, image_size, evaluate)
+  def read(self, *, model=None, use_ema=True, image_size=None, evaluate=True):
+    return self._fitted(npz.load_npz(self.path, self.probe.zip), model, image_size, evaluate)
 
 
-class _PyTorch(Format):
+class _PyTorch(Checkpoint):
   """T2T-ViT state dicts (:func:`.torch_pickle.load_pth`), converted for a model."""
   name, family, reads_with_model = 'pytorch', 'a PyTorch T2T-ViT checkpoint', True
 
-  def sniff(self, probe):
-    if probe.zip is not None:
-      return torch_pickle.has_torch_layout(probe.zip.names)
-    return probe.names is None and (probe.path.lower().endswith(TORCH_SUFFIXES)
-                                    or archive.kind(probe.head) == 'pickle')
+  def sniff(self):
+    if self.probe.zip is not None:
+      return torch_pickle.has_torch_layout(self.probe.zip.names)
+    return self.probe.names is None and (self.path.lower().endswith(TORCH_SUFFIXES)
+                                         or archive.kind(self.probe.head) == 'pickle')
 
-  def fields(self, ckpt, num_heads):
-    raise ValueError(f'{ckpt.path} is a PyTorch (T2T-ViT) checkpoint: its variant is not '
+  def fields(self, num_heads=None):
+    raise ValueError(f'{self.path} is a PyTorch (T2T-ViT) checkpoint: its variant is not '
                      'recorded; name the model (e.g. T2T-ViT-14).')
 
-  def read(self, ckpt, *, model, use_ema, image_size, evaluate):
-    path = ckpt.path
+  def read(self, *, model=None, use_ema=True, image_size=None, evaluate=True):
+    path = self.path
     if model is None:
       raise ValueError(
           f'{path!r} is a PyTorch checkpoint: converting it into Flax variables needs the '
@@ -204,15 +225,15 @@ class _PyTorch(Format):
     if not isinstance(model, models.T2TViT):
       raise ValueError(f'{path!r} is a PyTorch checkpoint: only T2T-ViT models '
                        f'(vit_jax.models.t2t.T2TViT) load those, not {type(model).__name__}.')
-    state_dict = torch_pickle.load_pth(path, use_ema=use_ema, zip_file=ckpt.probe.zip)
+    state_dict = torch_pickle.load_pth(path, use_ema=use_ema, zip_file=self.probe.zip)
     head = [np.shape(v)[0] for k, v in state_dict.items()
             if k.split('.')[-2:] == ['head', 'weight']]
     if not evaluate and head:  # As saved: the file's class count (and, by default, input size).
       model = model.clone(num_classes=int(head[0]))
     return t2t_torch.from_torch_state_dict(state_dict, model, image_size=image_size)
 
-  def contents(self, ckpt, *, use_ema, step, model_name, overrides):
-    path = ckpt.path
+  def _contents(self, use_ema, step, model_name, overrides):
+    path = self.path
     if not model_name:
       raise ValueError(f'{path} is a PyTorch checkpoint: name its model with --model (e.g. '
                        '--model T2T-ViT-14 or --model T2T-ViT_t-14).')
@@ -224,7 +245,7 @@ class _PyTorch(Format):
       raise ValueError(f'{path} is a PyTorch checkpoint, read as a T2T-ViT; --model '
                        f'{model_name} is not one (T2T-ViT-7/10/12/14/19/24, T2T-ViT_t-14/19/24).')
     try:
-      variables = self.read_for_finetuning(ckpt, model, use_ema)
+      variables = self.read_for_finetuning(model, use_ema)
     except mismatch.ModelMismatchError as e:
       raise ValueError(f'{path} does not fit --model {model_name}. {e.implied or ""} Name the '
                        'model these weights are of (with --set KEY=VALUE for the fields of '
@@ -232,20 +253,20 @@ class _PyTorch(Format):
     return _weights_alone(variables, path)
 
 
-class _Orbax(Format):
+class _Orbax(Checkpoint):
   name, family, has_steps = 'orbax', 'an Orbax checkpoint', True
 
-  def sniff(self, probe):
-    return probe.names is not None
+  def sniff(self):
+    return self.probe.names is not None
 
-  def read(self, ckpt, *, model, use_ema, image_size, evaluate):
-    item = (ckpt.path if orbax.is_item(ckpt.path, ckpt.probe.names)
-            else workdir.find_state_item(ckpt.path, names=ckpt.probe.names))
-    return _fitted(ckpt, orbax.read_variables(item, use_ema=use_ema), model, image_size,
-                   evaluate)
+  def read(self, *, model=None, use_ema=True, image_size=None, evaluate=True):
+    item = (self.path if orbax.is_item(self.path, self.probe.names)
+            else workdir.find_state_item(self.path, names=self.probe.names))
+    return self._fitted(orbax.read_variables(item, use_ema=use_ema), model, image_size,
+                        evaluate)
 
-  def contents(self, ckpt, *, use_ema, step, model_name, overrides):
-    run = workdir.read_run(ckpt.path, step=step)
+  def _contents(self, use_ema, step, model_name, overrides):
+    run = workdir.read_run(self.path, step=step)
     variables = orbax.read_variables(run.state_item, use_ema=use_ema)
     if run.config is None:  # A convert directory: what convert kept of its source.
       kept = orbax.read_export_metadata(run.state_item) or {}
@@ -255,12 +276,12 @@ class _Orbax(Format):
                            'restore the file, or delete it (then 1,000 or 21,843 classes get the '
                            'official ImageNet names, others their numbers)')
       recorded = {k: kept.get(k) for k in orbax.EXPORT_FACTS}
-      return _weights_alone(variables, ckpt.path, **{**recorded, 'label_names': names})
+      return _weights_alone(variables, self.path, **{**recorded, 'label_names': names})
     data = run.config.get('data') or {}
     names, multi_label = _label_names(run.dataset, int(run.config['num_classes']), run)
     weights = 'EMA parameters' if use_ema and run.has_ema else 'parameters'
     return Contents(
-        variables, f'{ckpt.path} (step {run.step}, {weights})', int(run.config['num_classes']),
+        variables, f'{self.path} (step {run.step}, {weights})', int(run.config['num_classes']),
         image_size=data.get('image_size'),
         label_names=names, normalization=data.get('normalization'),
         multi_label=(run.config.get('loss') == 'sigmoid_xent' if multi_label is None
@@ -282,41 +303,38 @@ def _label_names(dataset: Optional[Dict[str, Any]], num_classes: int, run: workd
           dataset.get('multi_label'))
 
 
-class _Foreign(Format):
-  """transformers or timm ViT weights, whose numerics the files record."""
+class _Foreign(Checkpoint):
+  """transformers or timm ViT weights, whose numerics the files record; ``_weights(num_heads)``
+  gives ``(params, fields with image_size, class names or None)``."""
 
-  def numerics(self, ckpt, num_heads):
-    return self.fields(ckpt, num_heads), self.family
+  def numerics(self, num_heads=None):
+    return self.fields(num_heads), self.family
 
-  def _read(self, ckpt: 'Checkpoint', num_heads: Optional[int]
-            ) -> Tuple[Dict[str, Any], Dict[str, Any], Optional[Tuple[str, ...]]]:
-    """``(params, fields with image_size, class names or None)``."""
-    raise NotImplementedError
-
-  def read(self, ckpt, *, model, use_ema, image_size, evaluate):
-    params, fields, _ = self._read(ckpt, getattr(model, 'num_heads', None))
+  def read(self, *, model=None, use_ema=True, image_size=None, evaluate=True):
+    params, fields, _ = self._weights(getattr(model, 'num_heads', None))
     if model is not None and evaluate:
-      ecosystem.check_numerics(fields, model, ckpt.path)
-    return _fitted(ckpt, {'params': params}, model, image_size or fields['image_size'], evaluate)
+      ecosystem.check_numerics(fields, model, self.path)
+    return self._fitted({'params': params}, model, image_size or fields['image_size'],
+                        evaluate)
 
-  def contents(self, ckpt, *, use_ema, step, model_name, overrides):
+  def _contents(self, use_ema, step, model_name, overrides):
     heads = overrides.get('num_heads')
     if heads is None and model_name:
       with contextlib.suppress(ValueError, TypeError):  # Reported later (e.g. ViT-custom).
         heads = models.model_config(model_name, **overrides).get('num_heads')
-    params, fields, names = self._read(ckpt, heads)
+    params, fields, names = self._weights(heads)
     return _weights_alone(
-        {'params': params}, f'{ckpt.path} ({self.family.removeprefix("a ")})',
+        {'params': params}, f'{self.path} ({self.family.removeprefix("a ")})',
         numerics={k: fields[k] for k in ecosystem.NUMERICS}, image_size=fields['image_size'],
-        label_names=names, normalization=self.normalization(ckpt))
+        label_names=names, normalization=self._normalization())
 
-  def normalization(self, ckpt: 'Checkpoint') -> Optional[str]:
+  def _normalization(self) -> Optional[str]:
     return None
 
-  def read_for_finetuning(self, ckpt, model, use_ema):
-    params, fields, _ = self._read(ckpt, getattr(model, 'num_heads', None))
+  def read_for_finetuning(self, model, use_ema=True):
+    params, fields, _ = self._weights(getattr(model, 'num_heads', None))
     try:
-      ecosystem.check_numerics(fields, model, ckpt.path)
+      ecosystem.check_numerics(fields, model, self.path)
     except ValueError as e:
       logging.warning('Fine-tuning with other numerics than the weights were trained with: %s',
                       e)
@@ -326,7 +344,8 @@ class _Foreign(Format):
 class _Hf(_Foreign):
   name, family = 'hf', 'a transformers ViT'
 
-  def sniff(self, probe):
+  def sniff(self):
+    probe = self.probe
     if (probe.hf_directory is None and probe.header is not None
         and hf_vit.is_hf_names(probe.header[0])):
       raise ValueError(f'{probe.path} holds transformers ViT weights but no config.json lies '
@@ -334,80 +353,32 @@ class _Hf(_Foreign):
                        'repository) together, and give the directory.')
     return probe.hf_directory is not None
 
-  def fields(self, ckpt, num_heads):
-    return hf_vit.read_fields(ckpt.probe.hf_directory, ckpt.probe.hf_names)
+  def fields(self, num_heads=None):
+    return hf_vit.read_fields(self.probe.hf_directory, self.probe.hf_names)
 
-  def _read(self, ckpt, num_heads):
-    return hf_vit.read(ckpt.probe.hf_directory, ckpt.probe.hf_names)
+  def _weights(self, num_heads):
+    return hf_vit.read(self.probe.hf_directory, self.probe.hf_names)
 
-  def normalization(self, ckpt):
-    return hf_vit.normalization(ckpt.probe.hf_directory, ckpt.probe.hf_names)
+  def _normalization(self):
+    return hf_vit.normalization(self.probe.hf_directory, self.probe.hf_names)
 
 
 class _Timm(_Foreign):
   name, family, reads_with_model = 'timm', 'a timm ViT', True
 
-  def sniff(self, probe):
-    return probe.header is not None and timm_vit.is_timm_names(probe.header[0])
+  def sniff(self):
+    return self.probe.header is not None and timm_vit.is_timm_names(self.probe.header[0])
 
-  def fields(self, ckpt, num_heads):
-    header = ckpt.probe.header
-    return timm_vit.fields_from(archive.shapes(header), header[1], ckpt.path, num_heads)
+  def fields(self, num_heads=None):
+    header = self.probe.header
+    return timm_vit.fields_from(archive.shapes(header), header[1], self.path, num_heads)
 
-  def _read(self, ckpt, num_heads):
-    return timm_vit.read(ckpt.path, ckpt.probe.header, num_heads)
+  def _weights(self, num_heads):
+    return timm_vit.read(self.path, self.probe.header, num_heads)
 
 
 #: Every format, in detection order (a torch zip before any zip, transformers before Orbax).
-_PYTORCH = _PyTorch()
-FORMATS = (_Hf(), _Timm(), _PYTORCH, _Npz(), _Orbax())
-
-
-@dataclasses.dataclass
-class Checkpoint:
-  """A checkpoint opened by :func:`open`: its path, format and what detection read."""
-  path: str
-  format: Format
-  probe: Probe
-
-  @property
-  def name(self) -> str:
-    """``'npz'``, ``'pytorch'``, ``'orbax'``, ``'hf'`` or ``'timm'``."""
-    return self.format.name
-
-  def fields(self, num_heads: Optional[int] = None) -> Dict[str, Any]:
-    """The ``vit_jax.models.create`` keywords the weights imply (with ``image_size``);
-    ValueError where they cannot say (a PyTorch file: give the model)."""
-    return self.format.fields(self, num_heads)
-
-  def numerics(self, num_heads: Optional[int] = None) -> Optional[Tuple[Dict[str, Any], str]]:
-    """``(numerics fields, family)`` from the headers and config only, or None where the format
-    records none (``vit_jax.config`` sets a fine-tuning model's numerics from them)."""
-    return self.format.numerics(self, num_heads)
-
-  def read(self, *, model: Any = None, use_ema: bool = True, image_size: Any = None,
-           evaluate: bool = True) -> Dict[str, Any]:
-    """The variables (:func:`vit_jax.checkpoint.load`); with ``model`` and an image size (given,
-    or the file's) and ``evaluate``, checked to fit ``model``, else as saved."""
-    return self.format.read(self, model=model, use_ema=use_ema, image_size=image_size,
-                            evaluate=evaluate)
-
-  def read_for_finetuning(self, model: Any, use_ema: bool = True) -> Dict[str, Any]:
-    """The variables at the file's own class count and size, for ``init_for_finetuning``."""
-    return self.format.read_for_finetuning(self, model, use_ema)
-
-  def contents(self, *, use_ema: bool = True, step: Optional[int] = None,
-               model_name: Optional[str] = None,
-               overrides: Optional[Dict[str, Any]] = None) -> Contents:
-    """What a model is built from: ``step`` of a run (default the latest; ValueError for a
-    file), ``model_name`` and ``overrides`` (``models.create`` fields) for a PyTorch file (and
-    a timm file's heads). Raises as :meth:`read`; ValueError for class names that are not one
-    per output of the head."""
-    if step is not None and not self.format.has_steps:
-      raise ValueError(f'--step applies to training workdirs; {self.path} is '
-                       f'{self.format.family}, which has no steps.')
-    return self.format.contents(self, use_ema=use_ema, step=step, model_name=model_name,
-                                overrides=dict(overrides or {}))
+FORMATS = (_Hf, _Timm, _PyTorch, _Npz, _Orbax)
 
 
 def open(source: Any) -> Checkpoint:  # pylint: disable=redefined-builtin
@@ -422,9 +393,9 @@ def open(source: Any) -> Checkpoint:  # pylint: disable=redefined-builtin
   """
   probe = _probe(source)
   path = probe.path
-  for fmt in FORMATS:
-    if fmt.sniff(probe):
-      return Checkpoint(path, fmt, probe)
+  for ckpt in (fmt(path, probe) for fmt in FORMATS):
+    if ckpt.sniff():
+      return ckpt
   if probe.header is not None:
     shown = ', '.join(sorted(probe.header[0])[:4])
     raise ValueError(f'{path} is a .safetensors file of neither a transformers ViT nor a timm '
@@ -447,4 +418,4 @@ def is_torch_checkpoint(path: Any) -> bool:
   probe = _probe(path)
   if probe.names is not None:
     raise IsADirectoryError(probe.path)
-  return _PYTORCH.sniff(probe)
+  return _PyTorch(probe.path, probe).sniff()

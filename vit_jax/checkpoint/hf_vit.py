@@ -1,9 +1,6 @@
-"""Hugging Face transformers ViT directories (``config.json`` + ``model.safetensors`` or the
-shards of its index) read into this project's ViT, and written. Tensor names are transformers
-4's (``vit.encoder.layer.{i}.*``; a ViTModel's ``pooler.dense`` is the official ``pre_logits``)
-or 5's (``vit.layers.{i}.*``); :func:`to_hf` writes 4's, which every version reads. The config
-gives the heads, ``layer_norm_eps``, ``hidden_act`` (:data:`GELUS`) and ``id2label``.
-"""
+"""Hugging Face transformers ViT directories read into this project's ViT (the names and config
+keys read: docs/checkpoints.md, "Other libraries' weights"), and written: :func:`to_hf` writes
+transformers 4's names, which every version reads."""
 
 from __future__ import annotations
 
@@ -179,22 +176,9 @@ def read(directory: str, names: Sequence[str]
   return params, fields, label_names(config, fields['num_classes'])
 
 
-def _preprocessor_config(image_size: int, normalization: str) -> Dict[str, Any]:
-  """A ``ViTImageProcessor`` config feeding what this project's eval pipeline feeds: a
-  bilinear resize to the square size, pixels / 255, then ``normalization``'s mean and std."""
-  mean, std = MEAN_STD[normalization]
-  return {
-      'image_processor_type': 'ViTImageProcessor',
-      'do_resize': True, 'size': {'height': int(image_size), 'width': int(image_size)},
-      'resample': 2,  # PIL bilinear.
-      'do_rescale': True, 'rescale_factor': 1 / 255,
-      'do_normalize': True, 'image_mean': list(mean), 'image_std': list(std),
-  }
-
-
 def normalization(directory: str, names: Sequence[str]) -> Optional[str]:
   """'minus_one_to_one' or 'imagenet' from the ``image_mean`` of the directory's
-  ``preprocessor_config.json`` (as :func:`_preprocessor_config` writes it), else None."""
+  ``preprocessor_config.json`` (as :func:`write` writes it), else None."""
   if PREPROCESSOR_FILE not in names:
     return None
   try:
@@ -231,12 +215,20 @@ def output_paths(dst: str) -> List[str]:
 
 def write(dst: str, params: Mapping[str, Any], fields: Mapping[str, Any], image_size: int,
           label_names: Optional[Sequence[str]], normalization: str) -> str:
-  """Writes :func:`output_paths`; returns the ``from_pretrained`` call that loads them."""
+  """Writes :func:`output_paths` (the preprocessor config: a ``ViTImageProcessor`` feeding what
+  this project's eval pipeline feeds, a bilinear resize to the square size, pixels / 255, then
+  ``normalization``'s mean and std); returns the ``from_pretrained`` call that loads them."""
   weights, config_path, preprocessor_path = output_paths(dst)
   state, config = to_hf(params, fields, image_size=image_size, names=label_names)
   archive.write_safetensors(weights, state)
-  for name, content in ((config_path, config),
-                        (preprocessor_path, _preprocessor_config(image_size, normalization))):
+  mean, std = MEAN_STD[normalization]
+  preprocessor = {
+      'image_processor_type': 'ViTImageProcessor',
+      'do_resize': True, 'size': {'height': int(image_size), 'width': int(image_size)},
+      'resample': 2,  # PIL bilinear.
+      'do_rescale': True, 'rescale_factor': 1 / 255,
+      'do_normalize': True, 'image_mean': list(mean), 'image_std': list(std)}
+  for name, content in ((config_path, config), (preprocessor_path, preprocessor)):
     with open(name, 'w') as f:
       json.dump(content, f, indent=2)
   return (f"transformers.{config['architectures'][0]}.from_pretrained("

@@ -1,13 +1,8 @@
 """One run per workdir: ``WORKDIR/lock.json``, taken before a run writes anything, held for
-its life; its JSON record (``host``, ``pid``, ``pid_start``, ``started``, ``started_unix``,
-``heartbeat_unix``, ``command``, ``token``) names the holder.
-
-* Local paths (also NFS): ``fcntl.flock``, released by the OS however the process ends (a
-  leftover file is taken over with a warning). Release unlinks while holding; a taker checks
-  the file it locked is still the one at the path, so they never race.
-* Remote paths: a heartbeat. Write, wait ``settle_s``, read back (the record there wins),
-  rewrite every ``timeout_s / 4``; a heartbeat older than ``timeout_s`` (or a gone process of
-  this host) is stale. Host clocks are assumed synchronised.
+its life, naming its holder (the protocol: docs/failures.md, "two runs on one workdir"). Local:
+a ``fcntl.flock``; release unlinks while holding, and a taker checks the file it locked is still
+the one at the path, so they never race. Remote: a heartbeat; write, wait ``settle_s``, read back
+(the record there wins); host clocks are assumed synchronised.
 """
 
 from __future__ import annotations
@@ -30,6 +25,7 @@ from jax.experimental import multihost_utils
 import numpy as np
 
 from vit_jax import rundir
+from vit_jax.checkpoint import durable
 from vit_jax.checkpoint import paths
 
 _log = logging.getLogger('absl')
@@ -206,7 +202,9 @@ class WorkdirLock:
     if previous:
       _log.warning('Taking over the lock of %s: a run that ended without releasing it (killed, '
                    'or its machine lost); its checkpoints are resumed from.', describe(previous))
-    _write_fd(fd, json.dumps(_record(self._token), indent=1))
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, json.dumps(_record(self._token), indent=1).encode(), 0)
+    os.fsync(fd)
     self._fd = fd
 
   def _read_record(self) -> Optional[Dict[str, Any]]:
@@ -223,17 +221,7 @@ class WorkdirLock:
         record.get('pid'), record.get('pid_start'))
 
   def _write_record(self, record: Dict[str, Any]) -> None:
-    """Writes ``record``; readers never see half of it (an object store writes whole objects; a
-    local file is written beside and renamed)."""
-    text = json.dumps(record, indent=1).encode()
-    if paths.is_remote(self.path):
-      with paths.open_file(self.path, 'wb') as f:
-        f.write(text)
-      return
-    partial = f'{self.path}.{self._token}'
-    with open(partial, 'wb') as f:
-      f.write(text)
-    os.replace(partial, self.path)
+    durable.write_atomically(self.path, json.dumps(record, indent=1), f'.{self._token}')
 
   def _acquire_heartbeat(self) -> None:
     holder = self._read_record() if paths.exists(self.path) else None
@@ -304,13 +292,6 @@ class WorkdirLock:
 
 def _read_fd(fd: int) -> str:
   return os.pread(fd, os.fstat(fd).st_size, 0).decode('utf-8', 'replace')
-
-
-def _write_fd(fd: int, text: str) -> None:
-  os.lseek(fd, 0, os.SEEK_SET)
-  os.ftruncate(fd, 0)
-  os.write(fd, text.encode())
-  os.fsync(fd)
 
 
 def acquire_on_all_processes(lock: WorkdirLock) -> None:

@@ -37,23 +37,15 @@ def convert_pre_linen(tree: Any) -> Any:
   return {rename.get(k, k): convert_pre_linen(v) for k, v in tree.items()}
 
 
-def fix_groupnorm(tree: Any) -> Any:
+def fix_groupnorm(tree: Any, parent: str = '', key: str = '') -> Any:
   """A new tree with GroupNorm ``gn*/scale``, ``gn*/bias`` of ``(1, 1, 1, C)`` (older hybrid
-  files) reshaped to ``(C,)``."""
-
-  def visit(node, parent):
-    out = {}
-    for key, value in node.items():
-      if isinstance(value, Mapping):
-        out[key] = visit(value, key)
-      elif (parent.startswith('gn') and key in ('scale', 'bias') and np.ndim(value) == 4
-            and all(d == 1 for d in np.shape(value)[:3])):
-        out[key] = np.reshape(value, (-1,))
-      else:
-        out[key] = value
-    return out
-
-  return visit(tree, '') if isinstance(tree, Mapping) else tree
+  files) reshaped to ``(C,)``; ``parent``, ``key``: where ``tree`` sits (the recursion's)."""
+  if isinstance(tree, Mapping):
+    return {k: fix_groupnorm(v, key, k) for k, v in tree.items()}
+  if (parent.startswith('gn') and key in ('scale', 'bias') and np.ndim(tree) == 4
+      and all(d == 1 for d in np.shape(tree)[:3])):
+    return np.reshape(tree, (-1,))
+  return tree
 
 
 def is_big_vision(params: Mapping[str, Any]) -> bool:
@@ -67,15 +59,11 @@ def is_big_vision(params: Mapping[str, Any]) -> bool:
 
 def from_big_vision(params: Mapping[str, Any]) -> Dict[str, Any]:
   """The official per-layer tree that computes what a big_vision (``big_vision/models/vit.py``)
-  params tree does (:func:`is_big_vision`; other trees unchanged).
-
-  big_vision adds its learned table (a top-level, older files ``Transformer/``,
-  ``pos_embedding``) before prepending the class token: a zero class row in front of it in the
-  official order (a table of ``g^2 + 1`` rows has it). ``posemb='sincos2d'`` stores no table; a
-  MAP head (``pool_type='map'``) is ``MAPHead_0`` (ViT-G era files: at the top level); scanned
-  blocks are unrolled. No class token nor MAP head reads as 'gap' (``pool_type='0'`` cannot be
-  told from the weights).
-  """
+  params tree does (:func:`is_big_vision`; other trees unchanged; docs/checkpoints.md, "Other
+  libraries' weights"): big_vision adds its learned table (top-level, older files'
+  ``Transformer/pos_embedding``) before prepending the class token, so a zero class row goes in
+  front (a table of ``g^2 + 1`` rows has it); a ViT-G era top-level MAP head is moved into
+  ``MAPHead_0``; scanned blocks are unrolled."""
   if not is_big_vision(params):
     return dict(params)
   out, encoder = dict(params), dict(params['Transformer'])

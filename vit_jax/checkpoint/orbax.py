@@ -78,12 +78,10 @@ def read_variables(item: Any, *, use_ema: bool = True) -> Dict[str, Any]:
     restored = ocp.PyTreeCheckpointer().restore(
         item, args=ocp.args.PyTreeRestore(item=wanted, restore_args=restore_args,
                                           partial_restore=True))
-  variables = {'params': _to_dict(restored[params_key])}
-  for name, collection in _to_dict(restored.get('model_state') or {}).items():
-    if name == 'params':
-      raise ValueError(f'{str(item)!r}: model_state must not contain a "params" collection')
-    variables[name] = collection
-  return variables
+  model_state = _to_dict(restored.get('model_state') or {})
+  if 'params' in model_state:
+    raise ValueError(f'{str(item)!r}: model_state must not contain a "params" collection')
+  return {'params': _to_dict(restored[params_key]), **model_state}
 
 
 def check_state_fits(state_dir: Any, abstract_state: Mapping) -> None:

@@ -56,10 +56,8 @@ def from_torch_state_dict(state_dict: Mapping[str, Any], model: t2t.T2TViT, *,
   and shapes), e.g. another class count, a Performer file for a Transformer-T2T model."""
   if image_size is None:
     height, width = _image_size_from_pos_embed(state_dict)
-  elif isinstance(image_size, int):
-    height = width = image_size
   else:
-    height, width = (int(s) for s in image_size)
+    height, width = (image_size,) * 2 if isinstance(image_size, int) else map(int, image_size)
   unrolled = model.clone(scan=False, remat=False)  # The checkpoint's per-block layout.
   shapes = layout.unbox(models.abstract_variables(unrolled, (height, width)))
   expected = traverse_util.flatten_dict({c: shapes.get(c, {}) for c in ('params', 'constants')})

@@ -1,10 +1,7 @@
 """timm ``VisionTransformer`` weights (``.safetensors``; ``timm/models/vision_transformer.py``)
-read into this project's ViT, and written. The fused ``attn.qkv`` holds the q, k, v rows in that
-order; a ``no_embed_class`` position table gets a zero class row. A file records neither its
-heads (the model's, else :data:`STANDARD_HEADS`) nor its GELU (the exact one is read) unless
-this project wrote it (:data:`METADATA_KEY`); variants without an equivalent are refused by name
-(:data:`REFUSED`).
-"""
+read into this project's ViT, and written (docs/checkpoints.md, "Other libraries' weights"). The
+fused ``attn.qkv`` holds the q, k, v rows in that order. A file records neither its heads nor its
+GELU (the exact one is read) unless this project wrote it (:data:`METADATA_KEY`)."""
 
 from __future__ import annotations
 
@@ -86,18 +83,6 @@ def _canonical(tensors: Mapping[str, Any], path: str, chunk: Any) -> Dict[str, A
   return out
 
 
-def canonical_arrays(arrays: Mapping[str, np.ndarray], path: str) -> Dict[str, np.ndarray]:
-  """:func:`_canonical` arrays of a timm state dict; a ``no_embed_class`` position embedding
-  gets a zero class row."""
-  out = _canonical(arrays, path, lambda array, i, chunks: np.split(np.asarray(array), chunks)[i])
-  pos = out.get('pos_embed')
-  if pos is not None and 'cls_token' in out:
-    tokens = pos.shape[1]
-    if vit_shapes.square_side(tokens) and not vit_shapes.square_side(tokens - 1):
-      out['pos_embed'] = np.concatenate([np.zeros_like(pos[:, :1]), pos], axis=1)
-  return out
-
-
 def fields_from(shapes: Mapping[str, Tuple[int, ...]], metadata: Mapping[str, str],
                 path: str, num_heads: Optional[int] = None) -> Dict[str, Any]:
   """The model fields (:func:`vit_jax.models.create` keywords, plus ``image_size``: the square
@@ -137,9 +122,15 @@ def label_names(metadata: Mapping[str, str], num_classes: Optional[int]
 def read(path: str, header: archive.Header, num_heads: Optional[int] = None
          ) -> Tuple[Dict[str, Any], Dict[str, Any], Optional[Tuple[str, ...]]]:
   """``(params, fields with image_size, class names or None)`` of the timm file at ``path``
-  with ``header`` (:func:`~.archive.read_header`), exactly."""
+  with ``header`` (:func:`~.archive.read_header`), exactly; a ``no_embed_class`` position
+  embedding gets a zero class row."""
   fields = fields_from(archive.shapes(header), header[1], path, num_heads)
-  arrays = canonical_arrays(archive.read_safetensors(path), path)
+  arrays = _canonical(archive.read_safetensors(path), path,
+                      lambda array, i, chunks: np.split(np.asarray(array), chunks)[i])
+  pos = arrays.get('pos_embed')
+  if pos is not None and 'cls_token' in arrays and (
+      vit_shapes.square_side(pos.shape[1]) and not vit_shapes.square_side(pos.shape[1] - 1)):
+    arrays['pos_embed'] = np.concatenate([np.zeros_like(pos[:, :1]), pos], axis=1)
   params = torch_layout.to_params(arrays, fields['num_heads'])
   return params, fields, label_names(header[1], fields['num_classes'])
 
@@ -178,26 +169,17 @@ def output_paths(dst: str) -> List[str]:
 def write(dst: str, params: Mapping[str, Any], fields: Mapping[str, Any], image_size: int,
           label_names: Optional[Sequence[str]], normalization: str) -> str:
   """Writes the ``.safetensors`` file ``dst``, the fields and class names in its metadata;
-  returns the ``timm.create_model`` call that loads it."""
+  returns the ``timm.create_model`` call that loads it: the keywords give the architecture, the
+  overlay the file, class count and eval preprocessing (``resolve_model_data_config``); the
+  model name only picks the class."""
   saved = {k: fields[k] for k in ('num_heads', 'gelu_approximate', 'layer_norm_epsilon',
                                   'classifier') if k in fields}
   if label_names:
     saved['label_names'] = list(label_names)
-  call = create_model_call(fields, dst, image_size, normalization)
-  archive.write_safetensors(dst, to_timm(params), {METADATA_KEY: json.dumps(saved),
-                                                'timm_create_model': call})
-  return call
-
-
-def create_model_call(fields: Mapping[str, Any], file: str, image_size: int,
-                      normalization: str = 'minus_one_to_one') -> str:
-  """The ``timm.create_model(...)`` call that loads a file written by :func:`write`: the
-  keywords give the architecture, the overlay the file, class count and eval preprocessing
-  (``resolve_model_data_config``); the model name only picks the class."""
   patch = fields['patch_size']
   mean, std = hf_vit.MEAN_STD[normalization]
   size = int(image_size)
-  overlay = (f'dict(file={file!r}, num_classes={fields["num_classes"] or 0}, '
+  overlay = (f'dict(file={dst!r}, num_classes={fields["num_classes"] or 0}, '
              f'input_size=(3, {size}, {size}), crop_pct=1.0, interpolation=\'bilinear\', '
              f'mean={mean}, std={std})')
   args = ["'vit_base_patch16_224'", 'pretrained=True', f'pretrained_cfg_overlay={overlay}',
@@ -210,4 +192,7 @@ def create_model_call(fields: Mapping[str, Any], file: str, image_size: int,
            'map': ['class_token=False', "global_pool='map'"]}.get(fields.get('classifier'), [])
   if fields.get('gelu_approximate', True):
     args.append("act_layer='gelu_tanh'")
-  return 'timm.create_model(' + ', '.join(args) + ')'
+  call = 'timm.create_model(' + ', '.join(args) + ')'
+  archive.write_safetensors(dst, to_timm(params), {METADATA_KEY: json.dumps(saved),
+                                                'timm_create_model': call})
+  return call

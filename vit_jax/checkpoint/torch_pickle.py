@@ -1,13 +1,9 @@
 """Reads PyTorch ``torch.save`` zip-format files (torch >= 1.6: ``<prefix>/data.pkl``, whose
 tensors name storages ``<prefix>/data/<key>`` by persistent id) into NumPy, without torch and
-without running code.
-
-:class:`SafeUnpickler` resolves only :data:`_SAFE_GLOBALS` (``OrderedDict``, torch's rebuilders
-and storage types, a few builtins, ``argparse.Namespace`` as an inert :class:`Namespace`); any
-other global raises :class:`UnsafePickleError` before anything is called. Inconsistent records
-(a member or tensors declaring more bytes than the file, a tensor outside its storage) raise
-:class:`MalformedTorchFileError`, so a file of ``n`` bytes never makes this reader allocate much
-more than ``2 n``. Every error is a ``ValueError``.
+without running code: :class:`SafeUnpickler` resolves only :data:`_SAFE_GLOBALS`, any other
+global raises :class:`UnsafePickleError`; inconsistent records raise
+:class:`MalformedTorchFileError` (the checks: docs/checkpoints.md, "Damaged and hostile files").
+Every error is a ``ValueError``.
 """
 
 from __future__ import annotations
@@ -89,24 +85,11 @@ _STORAGE_TYPES = {
 }
 
 
-class _Budget:
-  """The bytes of arrays one load may build: at most ``limit`` (the file's size; None: any)."""
-
-  def __init__(self, limit: Optional[int]):
-    self.limit, self.used = limit, 0
-
-  def take(self, nbytes: int) -> None:
-    self.used += nbytes
-    if self.limit is not None and self.used > self.limit:
-      raise MalformedTorchFileError(
-          f"its tensors add up to more than the file's {self.limit:,} bytes (overlapping views "
-          'of its storages)')
-
-
 class _Storage:
-  """A loaded storage: a 1-D array, its key, the views built from it, and the load's budget."""
+  """A loaded storage: a 1-D array, its key, the views built from it, and the
+  :class:`SafeUnpickler` whose budget they count against."""
 
-  def __init__(self, array: np.ndarray, key: str, budget: _Budget):
+  def __init__(self, array: np.ndarray, key: str, budget: 'SafeUnpickler'):
     self.array, self.key, self.budget = array, key, budget
     self.views: Dict[Tuple[Any, ...], np.ndarray] = {}
 
@@ -220,7 +203,15 @@ class SafeUnpickler(pickle.Unpickler):
     self._read_storage = read_storage
     self._byteorder = byteorder
     self._storages: Dict[str, _Storage] = {}
-    self._budget = _Budget(max_bytes)
+    self._max_bytes, self._used = max_bytes, 0
+
+  def take(self, nbytes: int) -> None:
+    """Counts ``nbytes`` of built arrays against ``max_bytes``."""
+    self._used += nbytes
+    if self._max_bytes is not None and self._used > self._max_bytes:
+      raise MalformedTorchFileError(
+          f"its tensors add up to more than the file's {self._max_bytes:,} bytes (overlapping "
+          'views of its storages)')
 
   def find_class(self, module: str, name: str) -> Any:
     # Protocol <= 2 pickles name Python 2 modules ('__builtin__.set'); map them like the stdlib
@@ -258,7 +249,7 @@ class SafeUnpickler(pickle.Unpickler):
                         count=numel)
     if dtype.itemsize > 1 and self._byteorder != sys.byteorder:
       raw = raw.byteswap()
-    storage = _Storage(raw.view(dtype), key, self._budget)
+    storage = _Storage(raw.view(dtype), key, self)
     self._storages[key] = storage
     return storage
 
@@ -299,7 +290,7 @@ def load(zip_file: archive_lib.Zip) -> Any:
     UnsafePickleError: the pickle names a global outside the whitelist (nothing is executed).
     LegacyTorchFormatError: no ``<name>/data.pkl`` member.
     DamagedCheckpointError: its directory or a member cannot be read;
-      :class:`MalformedTorchFileError` for inconsistent records (see the module docstring).
+      :class:`MalformedTorchFileError` for inconsistent records.
   """
   name, prefixes = zip_file.name, _prefixes(zip_file.names)
   if len(prefixes) != 1:
@@ -400,10 +391,8 @@ def load_pth(path: Any, *, use_ema: bool = True,
                        f'use_ema=True) or "state_dict" entry, or a plain mapping of names to '
                        f'tensors; top-level keys: [{top}]')
     raise ValueError(f'{path!r} holds a {type(obj).__name__}, not a state dict')
-  out: Dict[str, np.ndarray] = {}
-  for key, value in state_dict.items():
-    name = key.removeprefix('module.')
-    if name in out:
-      raise ValueError(f'{path!r}: duplicate parameter {name!r} after stripping "module."')
-    out[name] = value
+  out = {key.removeprefix('module.'): value for key, value in state_dict.items()}
+  if len(out) < len(state_dict):  # Both 'x' and 'module.x'.
+    name = next(k for k in out if k in state_dict and f'module.{k}' in state_dict)
+    raise ValueError(f'{path!r}: duplicate parameter {name!r} after stripping "module."')
   return out

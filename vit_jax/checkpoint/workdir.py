@@ -12,6 +12,7 @@ import os
 import posixpath
 import re
 import shutil
+import socket
 from collections.abc import Mapping
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
@@ -53,6 +54,28 @@ def _first_line(error: BaseException) -> str:
   return str(error).splitlines()[0][:300] if str(error) else type(error).__name__
 
 
+def _check_bucket(path: str) -> None:
+  """`Workdir.check_writable` for ``scheme://bucket/...``: PermissionError naming the fix."""
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top  (loaded by gs:// access anyway)
+  bucket = '/'.join(path.split('/', 3)[:3])
+  probe = paths.join(path, f'.write_check.{socket.gethostname()}.{os.getpid()}')
+  try:
+    with paths.open_file(probe, 'wb') as f:
+      f.write(b'')
+    paths.remove(probe)
+    return
+  except tf.errors.NotFoundError:
+    problem = (f'the bucket {bucket} does not exist (or these credentials cannot see it). Create '
+               f"it (gcloud storage buckets create {bucket} --location=REGION, the TPUs' region) "
+               'or choose another --workdir.')
+  except tf.errors.PermissionDeniedError:
+    problem = (f'these credentials cannot write to {bucket} (PermissionDenied). Grant the '
+               "machine's service account a role that writes objects (gcloud storage buckets "
+               f'add-iam-policy-binding {bucket} --member=serviceAccount:ACCOUNT '
+               '--role=roles/storage.objectUser) or choose another --workdir.')
+  raise PermissionError(f'--workdir {path!r} cannot be used: {problem}')
+
+
 class Workdir:
   """A run directory (local or ``gs://``), created when something is written: ``path`` (as given),
   ``checkpoints_dir``, ``cost_json``, ``config_json``, ``dataset_json`` (``epath.Path``; local
@@ -75,9 +98,10 @@ class Workdir:
 
   def check_writable(self) -> None:
     """Raises PermissionError early when a local workdir (or its nearest existing ancestor) is
-    not a writable directory, or its ``checkpoints`` is a file (``gs://`` is not checked)."""
+    not a writable directory, or its ``checkpoints`` is a file; a ``gs://`` one when its bucket
+    does not exist or cannot be written (an empty object written and removed)."""
     if paths.is_remote(self.path):
-      return
+      return _check_bucket(self.path)
     path = os.path.abspath(self.path)
     while not os.path.exists(path):
       path = os.path.dirname(path)
@@ -109,9 +133,8 @@ class Workdir:
       return
     empty = durable.damaged_files(self.checkpoints_dir / str(steps[-1]))
     if empty:  # Data that never reached the disk: a host crash (steps of earlier versions).
-      raise damaged_step_error(
-          self.checkpoints_dir, steps, None,
-          cause=f'{len(empty)} empty files, e.g. {empty[0]}: lost in a host crash')
+      raise damaged_step_error(self.checkpoints_dir, steps, None, cause=f'{len(empty)} empty '
+                               f'files, e.g. {empty[0]}: lost in a host crash')
     state_dir = self.checkpoints_dir / str(steps[-1]) / STATE_ITEM
     try:
       orbax.check_state_fits(state_dir, abstract_state)

@@ -5,9 +5,7 @@
                                     devices=jax.devices())       # what runs, checked
   text = vit_jax.config.to_json(resolved)                        # WORKDIR/config.json
 
-`defaults` lists every key with its meaning; `resolve` (module `resolution`) fills the regime, the
-schedule in steps and the attention implementation and checks every value; `args` parses the
-`:<arg>` of `configs/*.py`; `slices` fits a recipe's batch to a TPU slice.
+Submodules: `defaults`, `resolution` (`resolve`), `args`, `slices`, each saying what it does.
 """
 
 from __future__ import annotations
@@ -23,13 +21,13 @@ from vit_jax.config.defaults import (ATTENTION_CHOICES, AUGMENTATIONS, BAD_IMAGE
                                      NORMALIZATIONS, REGIME_DEFAULTS, TRAINING_DEFAULTS,
                                      get_config)
 from vit_jax.config.resolution import (attention_choice, check_batch_size, check_host_limits,
-                                       check_value, fill_regime, for_counting, num_train_steps,
-                                       remat_choice, resolve, validate_data)
+                                       fill_regime, for_counting, num_train_steps, remat_choice,
+                                       resolve, validate_data)
 
 __all__ = [
     'ATTENTION_CHOICES', 'AUGMENTATIONS', 'BAD_IMAGES', 'NORMALIZATIONS', 'REGIME_DEFAULTS',
     'TRAINING_DEFAULTS', 'args', 'attention_choice', 'check_batch_size', 'check_host_limits',
-    'check_value', 'fill_regime', 'for_counting', 'from_json', 'get_config', 'num_train_steps',
+    'fill_regime', 'for_counting', 'from_json', 'get_config', 'num_train_steps',
     'remat_choice', 'resolve', 'slices', 'to_json', 'validate_data',
 ]
 

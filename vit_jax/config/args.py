@@ -44,11 +44,9 @@ class Spec:
 
   def usage(self) -> str:
     """E.g. "configs/vit.py:<model>,<dataset>[,<regime>]"."""
-    text = ""
-    for i, field in enumerate(self.fields):
-      sep = "," if i else ""
-      text += f"{sep}<{field}>" if field not in self.defaults else f"[{sep}<{field}>]"
-    return f"{self.file}:{text}"
+    items = (f"{',' if i else ''}<{field}>" for i, field in enumerate(self.fields))
+    return f"{self.file}:" + "".join(
+        f"[{item}]" if field in self.defaults else item for field, item in zip(self.fields, items))
 
   def _describe(self, field: str) -> str:
     if field in self.choices:

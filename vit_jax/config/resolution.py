@@ -148,16 +148,6 @@ def _check_ranges(section: Any, ranges: dict, prefix: str) -> None:
                        f"--config.{prefix}{key} to such a value.")
 
 
-def check_value(path: str, value: Any) -> Any:
-  """`value`, checked against the range of `path` (e.g. 'data.bad_images'); ValueError as
-  `resolve`, KeyError for a path without a range."""
-  section, _, key = path.rpartition(".")
-  ranges = {"": _RUN_RANGES, "optim": _OPTIM_RANGES, "data": _DATA_RANGES,
-            "fewshot": _FEWSHOT_RANGES, "analysis": _ANALYSIS_RANGES}[section]
-  _check_ranges({key: value}, {key: ranges[key]}, f"{section}." if section else "")
-  return value
-
-
 def _fewshot_list(fewshot: ml_collections.ConfigDict, key: str, expected: str, example: str,
                   ok: Callable[[Any], bool], convert: Callable[[Any], Any] = lambda v: v,
                   whole: Callable[[tuple], bool] = lambda t: True) -> tuple:

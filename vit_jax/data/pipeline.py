@@ -43,12 +43,13 @@ _DECODE_ERRORS = (tf.errors.InvalidArgumentError, tf.errors.DataLossError)
 _Diagnose = Callable[[Exception], Optional[sources.BadImageError]]
 
 
-def _processes(process_index: Optional[int], process_count: Optional[int]) -> Tuple[int, int]:
+def _processes(process_index: Optional[int], process_count: Optional[int],
+               global_batch_size: int) -> Tuple[int, int, int]:
   process_index = jax.process_index() if process_index is None else process_index
   process_count = jax.process_count() if process_count is None else process_count
   if not 0 <= process_index < process_count:
     raise ValueError(f'process_index={process_index} not in [0, process_count={process_count}).')
-  return process_index, process_count
+  return process_index, process_count, local_batch_size(global_batch_size, process_count)
 
 
 def local_batch_size(global_batch_size: int, process_count: int) -> int:
@@ -149,8 +150,7 @@ def create_train_iterator(data_cfg, global_batch_size: int, seed: int, start_ste
   Raises ValueError (batch size not a multiple of the process count, invalid config, empty split)
   or as :func:`get_info`; ``next()``: ``BadImageError`` in 'fail' mode.
   """
-  pi, pc = _processes(process_index, process_count)
-  b = local_batch_size(global_batch_size, pc)
+  pi, pc, b = _processes(process_index, process_count, global_batch_size)
   if start_step < 0:
     raise ValueError(f'start_step must be >= 0, got {start_step}.')
   source = sources.get_source(data_cfg)
@@ -238,8 +238,7 @@ def create_eval_dataset(data_cfg, global_batch_size: int, *, split: Optional[str
   Raises ValueError (batch size not a multiple of the process count, bad split or config) or as
   :func:`get_info`; iterating: ``BadImageError`` in 'fail' mode.
   """
-  pi, pc = _processes(process_index, process_count)
-  b = local_batch_size(global_batch_size, pc)
+  pi, pc, b = _processes(process_index, process_count, global_batch_size)
   source = sources.get_source(data_cfg)
   split = data_cfg.eval_split if split is None else split
   per_process = [split] if pc == 1 else tfds.even_splits(split, n=pc, drop_remainder=False)

@@ -218,21 +218,18 @@ def _by_index(num_examples: int, example: Callable[[tf.Tensor], Dict[str, tf.Ten
                                                       num_parallel_calls=tf.data.AUTOTUNE), nbytes)
 
 
+@dataclasses.dataclass(eq=False)
 class Source:
   """A tfds builder (or image folder) ``name`` with its ``image_key`` and ``label``
-  (:class:`LabelSpec`); ``skipped_images``: an image folder's undecodable files left out
-  (``bad_images='skip'``)."""
-
-  def __init__(self, builder, name: str, image_key: str, label: LabelSpec,
-               image_folder_examples=None, *, bad_images: str = 'fail',
-               skipped_images: Sequence[str] = ()):
-    self.builder = builder
-    self.name = name
-    self.image_key = image_key
-    self.label = label
-    self.bad_images = bad_images
-    self.skipped_images = tuple(skipped_images)
-    self._image_folder_examples = image_folder_examples
+  (:class:`LabelSpec`); an image folder's ``{split: examples}``; ``skipped_images``: its
+  undecodable files left out (``bad_images='skip'``)."""
+  builder: Any
+  name: str
+  image_key: str
+  label: LabelSpec
+  image_folder_examples: Optional[Dict[str, list]] = None
+  bad_images: str = 'fail'
+  skipped_images: Tuple[str, ...] = ()
 
   @property
   def num_skipped_images(self) -> Optional[int]:
@@ -276,7 +273,7 @@ class Source:
 
   @property
   def is_image_folder(self) -> bool:
-    return self._image_folder_examples is not None
+    return self.image_folder_examples is not None
 
   def num_examples(self, split: SplitArg) -> int:
     """Number of examples of `split` (a spec like 'train[:10%]' or subsplit)."""
@@ -288,10 +285,10 @@ class Source:
     """Image folders: (paths, labels) of `split` in file order, in 'skip' mode without the
     undecodable files."""
     infos = {name: tfds.core.SplitInfo(name=name, shard_lengths=[len(exs)], num_bytes=0)
-             for name, exs in self._image_folder_examples.items()}
+             for name, exs in self.image_folder_examples.items()}
     instructions = tfds.core.splits.AbstractSplit.from_spec(split).to_absolute(infos)
     examples = [e for ai in instructions
-                for e in self._image_folder_examples[ai.splitname][ai.from_:ai.to]]
+                for e in self.image_folder_examples[ai.splitname][ai.from_:ai.to]]
     str2int = self.builder.info.features['label'].str2int
     return [e.image_path for e in examples], [str2int(e.label) for e in examples]
 

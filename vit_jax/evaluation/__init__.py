@@ -1,9 +1,7 @@
 """Exact evaluation: every example of every eval set counted once (padded, masked batches), the
 eval step's sums added up here (`sum_batches`, run by the trainer and `python -m
 vit_jax.evaluate`); a hit is a top class among the true labels (precision@1 for multi-label).
-
-Also: `fewshot` (few-shot linear evaluation), `features` (pre-logit features of a dataset),
-`pictures` (`config.analysis`'s TensorBoard images).
+Submodules: `fewshot`, `features`, `pictures`.
 """
 
 from __future__ import annotations

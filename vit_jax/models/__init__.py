@@ -1,11 +1,7 @@
 """Model registry: ``create('ViT-B_16', num_classes=1000, **overrides)``; one :class:`Family`
-per name form in :data:`FAMILIES` (adding a family is one entry).
-
-Names: ``ViT-{Ti,S,B,L,H,g,G}_{patch}`` (also ``ViT-B/16``, ``vit-b16``); ``T2T-ViT-{7,10,12,
-14,19,24}`` and ``T2T-ViT_t-{14,19,24}``; the hybrids of :data:`HYBRID_CONFIGS` (the number is
-the advertised patch, not ``patch_size``: R+ViT-Ti/16's stride is 32); ``ViT-custom``,
-``R+ViT-custom``, ``T2T-ViT-custom`` with the architecture as overrides. Overrides are the
-model's fields; sizes: ViT paper Table 1 and the official configs (docs/reference.md).
+per name form in :data:`FAMILIES` (its ``forms``; adding a family is one entry). Overrides are
+the model's fields (``*-custom``: the architecture too); names and sizes: docs/models.md and
+docs/reference.md.
 """
 
 from __future__ import annotations

@@ -1,15 +1,7 @@
-"""What the models compute, read back: every block's attention weights and output tokens.
-
-The modules sow them into ``'intermediates'`` only when the caller makes it mutable, at these
-paths (per layer, or once with a leading layer axis under ``scan=True``)::
-
-  ViT, hybrids   Transformer/encoderblock_{i}/{MultiHeadDotProductAttention_0/attention_weights,
-                 tokens}; MAPHead_0/MultiHeadDotProductAttention_0/attention_weights ('map')
-  T2T-ViT        blocks_{i}/{attn/attention_weights, tokens}
-                 tokens_to_token/attention{1,2}[/attn]/attention_weights  (T2T-ViT_t: /attn)
-
-:func:`capture` runs one jitted forward, :func:`unpack` reads a ``state['intermediates']`` (also
-under ``jit``). Shapes, token order and memory: docs/models.md.
+"""What the models compute, read back: every block's attention weights and output tokens, which
+the modules sow into ``'intermediates'`` only when the caller makes it mutable (the paths:
+:func:`unpack`). :func:`capture` runs one jitted forward, :func:`unpack` reads a
+``state['intermediates']`` (also under ``jit``). Names, shapes, token order, memory: docs/models.md.
 """
 
 from __future__ import annotations

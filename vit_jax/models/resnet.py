@@ -31,10 +31,6 @@ KERNEL_AXES = (None, None, 'conv_in', 'conv_out')
 FEATURE_AXES = ('batch', None, None, 'conv_out')
 
 
-def _constrain(x: Array) -> Array:
-  return nn.with_logical_constraint(x, FEATURE_AXES)
-
-
 def standardize_weight(kernel: Array, eps: float = WEIGHT_STANDARDIZATION_EPSILON) -> Array:
   """``(w - mean) / (std + eps)`` of an HWIO kernel per output channel (Qiao et al. 2019; eps on
   the std, as the official ``weight_standardize``)."""
@@ -104,7 +100,7 @@ class BottleneckUnit(nn.Module):
     y = nn.relu(norm('gn1')(conv(self.features, 1, (1, 1), 'conv1')(x)))
     y = nn.relu(norm('gn2')(conv(self.features, 3, strides, 'conv2')(y)))
     y = norm('gn3', zero_scale=True)(conv(out_features, 1, (1, 1), 'conv3')(y))
-    return _constrain(nn.relu(residual + y))
+    return nn.with_logical_constraint(nn.relu(residual + y), FEATURE_AXES)
 
 
 class ResNetStage(nn.Module):
@@ -148,7 +144,7 @@ def resnet_stem(x: Array, *, num_layers: Sequence[int], width_factor: float = 1,
   x = _group_norm('gn_root', dtype, param_dtype)(x)
   x = nn.relu(x)
   x = nn.max_pool(x, window_shape=(3, 3), strides=(2, 2), padding='SAME')
-  x = _constrain(x)
+  x = nn.with_logical_constraint(x, FEATURE_AXES)
   for s, units in enumerate(tuple(num_layers)):
     x = ResNetStage(num_units=int(units), features=width * 2 ** s,
                     first_stride=(1, 1) if s == 0 else (2, 2), dtype=dtype,

@@ -422,11 +422,10 @@ class T2TViT(nn.Module):
     return x.astype(jnp.float32)
 
 
-def validate_config(*, num_classes, embed_dim, depth, num_heads, mlp_ratio, token_dim=64,
-                    tokens_type='performer', qk_scale=None, drop_path_rate=0.0,
-                    dtype=jnp.float32, param_dtype=jnp.float32, scan=False, remat=False,
-                    remat_policy='nothing_saveable', attention='xla', **unused) -> None:
-  """Checks :class:`T2TViT` fields (extra keywords ignored); ValueError naming the field."""
+def validate_config(*, num_classes, embed_dim, depth, num_heads, mlp_ratio, token_dim, tokens_type,
+                    qk_scale, drop_path_rate, dtype, param_dtype, scan, remat, remat_policy,
+                    attention, **unused) -> None:
+  """Checks all :class:`T2TViT` fields (extra keywords ignored); ValueError naming the field."""
   del unused
   if tokens_type not in TOKENS_TYPES:
     raise ValueError(f'tokens_type must be one of {TOKENS_TYPES}, got {tokens_type!r}')
@@ -439,9 +438,8 @@ def validate_config(*, num_classes, embed_dim, depth, num_heads, mlp_ratio, toke
   if tokens_type == 'performer' and int(token_dim * PERFORMER_KERNEL_RATIO) < 1:
     raise ValueError(f'token_dim must be >= 2 for the performer T2T module, got {token_dim}')
   for field, value, optional in (('mlp_ratio', mlp_ratio, False), ('qk_scale', qk_scale, True)):
-    if value is None and optional:
-      continue
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+    if not (value is None and optional) and (
+        isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0):
       raise ValueError(f'{field} must be a positive number{" or None" if optional else ""}, '
                        f'got {value!r}')
   execution.check_rate('drop_path_rate', drop_path_rate)

@@ -6,7 +6,6 @@ import math
 import numbers
 from typing import Tuple, Union
 
-import jax.numpy as jnp
 import numpy as np
 
 from vit_jax.models import execution
@@ -44,12 +43,11 @@ def patch_pair(patch_size: Union[int, Tuple[int, int]]) -> Tuple[int, int]:
 
 
 def validate_config(*, num_classes, patch_size, hidden_size, mlp_dim, num_heads, num_layers,
-                    classifier, representation_size, dropout_rate, attention_dropout_rate,
-                    dtype=jnp.float32, param_dtype=jnp.float32, scan=False, remat=False,
-                    remat_policy='nothing_saveable', resnet_num_layers=None,
-                    resnet_width_factor=1, attention='xla', gelu_approximate=True,
-                    layer_norm_epsilon=LAYERNORM_EPSILON, posemb='learn', **unused) -> None:
-  """Checks the ViT's fields (extra keywords ignored); ValueError naming the bad one."""
+                    classifier, representation_size, dropout_rate, attention_dropout_rate, dtype,
+                    param_dtype, scan, remat, remat_policy, attention, gelu_approximate,
+                    layer_norm_epsilon, posemb, resnet_num_layers=None, resnet_width_factor=1,
+                    **unused) -> None:
+  """Checks the ViT's fields (the hybrid's optional; extras ignored); ValueError naming one."""
   del unused
   if classifier not in CLASSIFIERS:
     raise ValueError(f'classifier must be one of {CLASSIFIERS}, got {classifier!r}')

@@ -52,12 +52,6 @@ def _parser() -> common.Parser:
   return parser
 
 
-def _from_files(trained: Any, arguments: Sequence[str], count: int) -> Tuple[np.ndarray, List[str]]:
-  paths = predict.image_paths(arguments)[:count]
-  inputs = [predict.preprocess(trained, p, name=p) for p in paths]
-  return np.stack(inputs).astype(np.float32), [os.path.basename(p) for p in paths]
-
-
 def _from_data(trained: Any, data_arg: Optional[str], count: int
                ) -> Tuple[np.ndarray, List[str]]:
   from vit_jax import data  # pylint: disable=g-import-not-at-top
@@ -181,8 +175,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
       raise FileExistsError(f'{args.out} already holds an analysis ({", ".join(existing)}); '
                             'choose another --out or pass --overwrite.')
     trained = common.load_source(args)
-    inputs, labels = (_from_files(trained, args.images, args.num_images) if args.images
-                      else _from_data(trained, args.data, args.num_images))
+    if args.images:
+      paths = predict.image_paths(args.images)[:args.num_images]
+      inputs = np.stack([predict.preprocess(trained, p, name=p) for p in paths]).astype(np.float32)
+      labels = [os.path.basename(p) for p in paths]
+    else:
+      inputs, labels = _from_data(trained, args.data, args.num_images)
     if args.overlays > len(inputs):
       print(f'--overlays {args.overlays} lowered to the {len(inputs)} image(s) analysed.')
     result = analyze(trained, inputs, overlays=min(args.overlays, len(inputs)))

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import ast
 import functools
+import itertools
 import os
 import signal
 import sys
@@ -122,17 +123,12 @@ def load_source(args: argparse.Namespace):
 
 def cpu_info() -> dict:
   """The first processor's fields of /proc/cpuinfo ({} where it cannot be read)."""
-  cpu = {}
   try:
     with open('/proc/cpuinfo', encoding='utf-8', errors='replace') as f:
-      for line in f:
-        if not line.strip():
-          break  # The first processor is enough.
-        key, _, value = line.partition(':')
-        cpu[key.strip()] = value.strip()
+      fields = (line.partition(':') for line in itertools.takewhile(str.strip, f))
+      return {key.strip(): value.strip() for key, _, value in fields}
   except OSError:
-    pass
-  return cpu
+    return {}
 
 
 def missing_source(args: argparse.Namespace):

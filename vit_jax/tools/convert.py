@@ -44,7 +44,7 @@ def read_with_facts(src: str, *, model_name: Optional[str] = None, use_ema: bool
   ``model_name`` (PyTorch files: required) and ``overrides`` make the model. Raises
   FileNotFoundError, or ValueError as ``checkpoint.Checkpoint.contents``."""
   ckpt = checkpoint.open(src)
-  if (model_name or overrides) and not ckpt.format.reads_with_model:
+  if (model_name or overrides) and not ckpt.reads_with_model:
     print(f'note: --model/--set apply to PyTorch and timm files only; {ckpt.path} needs '
           'neither (ignored).', file=sys.stderr)
     model_name, overrides = None, {}

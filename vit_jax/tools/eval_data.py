@@ -109,17 +109,6 @@ def _real_config(trained, split: Optional[str], data_dir: Optional[str]):
   return cfg
 
 
-def _default_split(source, own_split: Optional[str], what: str) -> str:
-  if own_split:
-    return own_split
-  names = _splits(source)
-  for split in ('test', 'validation'):
-    if split in names:
-      return split
-  raise ValueError(f'{what} has no test or validation split (its splits: {", ".join(names)}): '
-                   'name one, e.g. --split train or --data NAME:train[:10%].')
-
-
 def precheck(*, data: Optional[str] = None, image_folder: Optional[str] = None,
              split: Optional[str] = None) -> None:
   """Checks needing neither model nor data. Raises FileNotFoundError (``image_folder`` not a
@@ -168,7 +157,12 @@ def choose_data(trained, *, data: Optional[str] = None, image_folder: Optional[s
     cfg.bad_images = 'skip'
   source = _get_source(cfg, what)
   same_data = (cfg.name, cfg.image_folder) == (own.name, own.image_folder)
-  split = split or _default_split(source, own.eval_split if same_data else None, what)
+  split = (split or (same_data and own.eval_split)
+           or next((s for s in ('test', 'validation') if s in _splits(source)), None))
+  if not split:
+    raise ValueError(f'{what} has no test or validation split (its splits: '
+                     f'{", ".join(_splits(source))}): name one, e.g. --split train or --data '
+                     'NAME:train[:10%].')
   try:
     count = source.num_examples(split)
   except Exception as e:  # pylint: disable=broad-except  (tfds: KeyError, ValueError, ...)

@@ -104,10 +104,9 @@ def csv_text(confusion: np.ndarray, names: Optional[Sequence[str]]) -> str:
   per true class, led by its name (or index)."""
   labels = list(names) if names is not None else [str(i) for i in range(len(confusion))]
   out = io.StringIO()
-  writer = csv.writer(out, lineterminator='\n')
-  writer.writerow(['true \\ predicted', *labels])
-  for label, row in zip(labels, np.asarray(confusion)):
-    writer.writerow([label, *(int(v) for v in row)])
+  csv.writer(out, lineterminator='\n').writerows(
+      [['true \\ predicted', *labels]]
+      + [[label, *(int(v) for v in row)] for label, row in zip(labels, np.asarray(confusion))])
   return out.getvalue()
 
 
@@ -179,21 +178,16 @@ def _eval_name(text: str) -> str:
   return re.sub(r'[^A-Za-z0-9]+', '_', text).strip('_')
 
 
-def _out_path(source: str, workdir: Optional[str], step: Optional[int], data_name: str,
-              split: str, no_ema: bool) -> str:
+def out_path(source: str, workdir: Optional[str], step: Optional[int], data_name: str,
+             split: str, no_ema: bool) -> str:
+  """``<workdir>/eval_<data>_<split>_step<N>[_no_ema]`` for a workdir (and ``step``), else
+  ``./eval_<file>_<data>_<split>``."""
   name = _eval_name(f"{os.path.basename(data_name.rstrip('/')) or data_name}_{split}")
   if workdir is not None and step is not None:
     join = (lambda *p: '/'.join(p)) if '://' in workdir else os.path.join
     return join(workdir, f'eval_{name}_step{step}' + ('_no_ema' if no_ema else ''))
   stem = os.path.basename(source.rstrip('/')).split('.')[0] or 'model'
   return os.path.join('.', f'eval_{_eval_name(stem)}_{name}')
-
-
-def default_out(source: str, trained, eval_data: EvalData, *, no_ema: bool = False) -> str:
-  """``<workdir>/eval_<data>_<split>_step<N>[_no_ema]`` for a workdir, else
-  ``./eval_<file>_<data>_<split>``."""
-  workdir = rundir.find(source).workdir if trained.step is not None else None
-  return _out_path(source, workdir, trained.step, eval_data.name, eval_data.split, no_ema)
 
 
 def planned_out(args) -> Optional[str]:
@@ -208,8 +202,8 @@ def planned_out(args) -> Optional[str]:
   workdir, step = None, None
   if run.workdir == source:
     workdir = source
-    step = max(rundir.saved_steps(run.checkpoints, readable=True), default=None)
-    step = args.step if args.step is not None else step
+    step = (args.step if args.step is not None
+            else max(rundir.saved_steps(run.checkpoints, readable=True), default=None))
     if step is None:
       return None
   elif run.checkpoints or run.step_dir:
@@ -222,15 +216,14 @@ def planned_out(args) -> Optional[str]:
     name, split = args.image_folder, None
   elif workdir is not None:  # Its own data and eval split.
     data = (common.run_config(workdir) or {}).get('data')
-    if not isinstance(data, dict):
-      return None
+    data = data if isinstance(data, dict) else {}
     name, split = data.get('image_folder') or data.get('name'), data.get('eval_split')
   else:
     return None
   split = args.split or split
   if not (isinstance(name, str) and isinstance(split, str) and name and split):
     return None
-  return _out_path(args.source, workdir, step, name, split, args.no_ema)
+  return out_path(args.source, workdir, step, name, split, args.no_ema)
 
 
 def check_out(out: str, overwrite: bool) -> None:

@@ -25,6 +25,7 @@ from typing import Callable, Dict, Optional, Sequence
 
 import numpy as np
 
+from vit_jax import rundir
 from vit_jax.tools import common
 from vit_jax.tools import eval_data as eval_data_lib
 from vit_jax.tools import eval_report
@@ -121,17 +122,6 @@ def _parser() -> argparse.ArgumentParser:
   return parser
 
 
-def _bad_images_error(error) -> ValueError:
-  if not error.paths:
-    return ValueError(f'An image of split {error.split!r} of {error.dataset} cannot be decoded; '
-                      'rebuild the dataset without it, or pass --skip-bad-images.')
-  shown = ', '.join(error.paths[:8]) + (f' and {len(error.paths) - 8} more'
-                                        if len(error.paths) > 8 else '')
-  return ValueError(f'{len(error.paths)} image(s) of split {error.split!r} of {error.dataset} '
-                    f'cannot be decoded: {shown}; remove or replace them, or pass '
-                    '--skip-bad-images to leave them out.')
-
-
 def main(argv: Optional[Sequence[str]] = None) -> int:
   parser = _parser()
   args = parser.parse_args(argv)
@@ -149,14 +139,21 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     chosen = eval_data_lib.choose_data(
         trained, data=args.data, image_folder=args.image_folder, split=args.split,
         real=args.real, data_dir=args.data_dir, skip_bad_images=args.skip_bad_images)
-    out = args.out or eval_report.default_out(args.source, trained, chosen, no_ema=args.no_ema)
+    out = args.out or eval_report.out_path(
+        args.source, rundir.find(args.source).workdir if trained.step is not None else None,
+        trained.step, chosen.name, chosen.split, args.no_ema)
     eval_report.check_out(out, args.overwrite)
     note = eval_report.names_note(trained, chosen)
     if note:
       print(note, file=sys.stderr)
     result = evaluate(trained, chosen, batch_size=args.batch_size, progress=_progress)
   except data.BadImageError as e:
-    return common.fatal(_bad_images_error(e), 2)
+    more = f' and {len(e.paths) - 8} more' if len(e.paths) > 8 else ''
+    return common.fatal(ValueError(
+        f'{len(e.paths)} image(s) of split {e.split!r} of {e.dataset} cannot be decoded: '
+        f'{", ".join(e.paths[:8])}{more}; remove or replace them, or pass --skip-bad-images to '
+        'leave them out.' if e.paths else f'An image of split {e.split!r} of {e.dataset} cannot '
+        'be decoded; rebuild the dataset without it, or pass --skip-bad-images.'), 2)
   except common.INPUT_ERRORS as e:
     return common.fatal(e, 2)
   metrics = dict(eval_report.metrics_dict(trained, chosen, result), out=out)

@@ -85,25 +85,6 @@ _FLAGS = {'--config.data.image_folder': '--image-folder', 'config.data.image_fol
           'config.data.eval_split': '--eval-split', 'config.data.name': '--data'}
 
 
-def _data_config(trained, args):
-  """The model's eval preprocessing on the requested dataset and splits."""
-  if args.data is None and args.image_folder is None:
-    if trained.step is None:
-      raise ValueError(f'{args.source} is not a training workdir, so it has no training data to '
-                       'evaluate on: give --data NAME (tfds) or --image-folder DIR.')
-    data_config = trained.data_config()
-    splits = (data_config.train_split, data_config.eval_split)
-  else:
-    data_config = trained.data_config(name=args.data, image_folder=args.image_folder,
-                                      label_key=None)
-    splits = ('train', 'test')
-  data_config.update(train_split=args.train_split or splits[0],
-                     eval_split=args.eval_split or splits[1], cache=False)
-  if args.data_dir:
-    data_config.data_dir = args.data_dir
-  return data_config
-
-
 def evaluate(args) -> dict[str, Any]:
   """Loads SOURCE, featurises the dataset and runs the protocol; returns the report: 'source',
   'dataset', splits, example counts, 'seeds', 'l2_regs', 'results' {k: {'mean', 'std',
@@ -122,7 +103,20 @@ def evaluate(args) -> dict[str, Any]:
   from vit_jax import step  # pylint: disable=g-import-not-at-top
   from vit_jax.evaluation import features  # pylint: disable=g-import-not-at-top
   from vit_jax.evaluation import fewshot  # pylint: disable=g-import-not-at-top
-  data_config = _data_config(trained, args)
+  if args.data is None and args.image_folder is None:  # A workdir's own data and splits.
+    if trained.step is None:
+      raise ValueError(f'{args.source} is not a training workdir, so it has no training data to '
+                       'evaluate on: give --data NAME (tfds) or --image-folder DIR.')
+    data_config = trained.data_config()
+    splits = (data_config.train_split, data_config.eval_split)
+  else:
+    data_config = trained.data_config(name=args.data, image_folder=args.image_folder,
+                                      label_key=None)
+    splits = ('train', 'test')
+  data_config.update(train_split=args.train_split or splits[0],
+                     eval_split=args.eval_split or splits[1], cache=False)
+  if args.data_dir:
+    data_config.data_dir = args.data_dir
   batch_size = args.batch_size or int(trained.config.eval_batch_size)
   task = fewshot.make_task(data_config, global_batch_size=batch_size, flags=_FLAGS)
   runner = inference.Runner(trained)  # After the data's checks: placing a model takes a while.
@@ -161,12 +155,10 @@ def table(report: dict[str, Any]) -> str:
   return '\n'.join(lines)
 
 
+@common.exit_status
 def main(argv: Optional[Sequence[str]] = None) -> int:
   args = _parser().parse_args(argv)
-  try:
-    report = evaluate(args)
-  except common.INPUT_ERRORS as e:
-    return common.fatal(e, 2)
+  report = evaluate(args)
   print(json.dumps(report, indent=1) if args.json else table(report), flush=True)
   return 0
 

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import os
 import re
 import sys
@@ -60,8 +59,13 @@ class Predictor:
       trained = source
     else:
       trained = inference.load(source, **load_kwargs)
-    if batch_size is not None:
-      trained = _with_batch_size(trained, batch_size)
+    if batch_size is not None:  # Rounded up to a multiple of the devices.
+      import jax  # pylint: disable=g-import-not-at-top
+      if int(batch_size) < 1:
+        raise ValueError(f'batch_size={batch_size}: give 1 or more images per batch.')
+      config = type(trained.config)(trained.config.to_dict())
+      config.eval_batch_size = -(-int(batch_size) // jax.device_count()) * jax.device_count()
+      trained = dataclasses.replace(trained, config=config)
     self.trained = trained
     self.runner = inference.Runner(trained)
 
@@ -78,8 +82,10 @@ class Predictor:
 
   def probabilities(self, images: Any) -> np.ndarray:
     """float32 ``[B, C]`` class probabilities of ``images`` (see :meth:`predict`)."""
-    images = _as_list(images)
-    size = self.image_size
+    if (isinstance(images, (str, bytes, os.PathLike)) or hasattr(images, 'convert')
+        or isinstance(images, np.ndarray) and images.ndim in (2, 3)):
+      images = [images]  # One image.
+    images, size = list(images), self.image_size
     inputs = (np.stack([self.preprocess(x) for x in images]) if images
               else np.zeros((0, size, size, 3), np.float32))
     return self.trained.probabilities(self.runner.logits(inputs))
@@ -87,16 +93,16 @@ class Predictor:
   def predict(self, images: Any, top_k: int = 5) -> List[List[Prediction]]:
     """Per image (one, a sequence, or ``[B, H, W, C]``) its ``top_k`` :class:`Prediction`, most
     probable first (ties: the lower class). Raises as :meth:`preprocess`."""
-    _check_top_k(top_k)
     return self.top(self.probabilities(images), top_k)
 
   def predict_inputs(self, inputs: np.ndarray, top_k: int = 5) -> List[List[Prediction]]:
     """:meth:`predict` of already preprocessed inputs: float32 ``[B, S, S, 3]``."""
-    _check_top_k(top_k)
     return self.top(self.trained.probabilities(self.runner.logits(inputs)), top_k)
 
   def top(self, probabilities: np.ndarray, top_k: int) -> List[List[Prediction]]:
     """``[B, C]`` probabilities -> per row the ``top_k`` classes, most probable first."""
+    if int(top_k) < 1:
+      raise ValueError(f'top_k={top_k}: give 1 or more classes per image.')
     probabilities = np.asarray(probabilities)
     order = np.argsort(-probabilities, axis=-1, kind='stable')[:, :top_k]
     return [[Prediction(self.trained.label_name(int(i)), int(i), float(row[i])) for i in idx]
@@ -110,30 +116,6 @@ def preprocess(trained: Any, image: Any, name: Optional[str] = None) -> np.ndarr
   data = trained.config.data
   return files.eval_input(image, size=int(data.image_size), normalization=data.normalization,
                           crop_pct=data.eval_crop_pct, name=name)
-
-
-def _check_top_k(top_k: int) -> None:
-  if int(top_k) < 1:
-    raise ValueError(f'top_k={top_k}: give 1 or more classes per image.')
-
-
-def _as_list(images: Any) -> List[Any]:
-  """One image or several -> a list of images."""
-  if (isinstance(images, (str, bytes, os.PathLike)) or hasattr(images, 'convert')
-      or isinstance(images, np.ndarray) and images.ndim in (2, 3)):
-    return [images]
-  return list(images)
-
-
-def _with_batch_size(trained: Any, batch_size: int) -> Any:
-  """``trained`` with its eval batch ``batch_size``, rounded up to a multiple of the devices."""
-  import jax  # pylint: disable=g-import-not-at-top
-  if int(batch_size) < 1:
-    raise ValueError(f'batch_size={batch_size}: give 1 or more images per batch.')
-  devices = jax.device_count()
-  config = type(trained.config)(trained.config.to_dict())
-  config.eval_batch_size = math.ceil(int(batch_size) / devices) * devices
-  return dataclasses.replace(trained, config=config)
 
 
 def _parser() -> common.Parser:
@@ -195,22 +177,17 @@ def _progress(done: int, total: int) -> None:
         end='' if tty and done < total else '\n')
 
 
-def _stdout_name() -> str:
-  """Where standard output goes: its file's path when it is one, else 'standard output'."""
-  try:
-    target = os.readlink(f'/proc/self/fd/{sys.stdout.fileno()}')
-  except (OSError, ValueError, AttributeError):
-    return 'standard output'
-  return f'{target} (standard output)' if target.startswith('/') else 'standard output'
-
-
 def _emit(text: str) -> None:
   """Writes ``text`` to stdout at once; OSError naming the fix if it cannot."""
   try:
     sys.stdout.write(text)
     sys.stdout.flush()
   except OSError as e:
-    where = _stdout_name()
+    try:  # Where standard output goes: its file's path when it is one.
+      target = os.readlink(f'/proc/self/fd/{sys.stdout.fileno()}')
+    except (OSError, ValueError, AttributeError):
+      target = ''
+    where = f'{target} (standard output)' if target.startswith('/') else 'standard output'
     try:  # The unwritten rest would fail again when Python flushes at exit.
       devnull = os.open(os.devnull, os.O_WRONLY)
       os.dup2(devnull, sys.stdout.fileno())

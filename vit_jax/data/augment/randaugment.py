@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 from typing import Optional, Sequence, Tuple, Union
 
+import numpy as np
 import tensorflow as tf
 
 from vit_jax.data.augment import stateless
@@ -42,19 +43,15 @@ def _to_uint8_trunc(x: tf.Tensor) -> tf.Tensor:
 
 
 # TensorFlow's CPU kernels for `tf.where`, `tf.gather` and broadcasts over the 3 channels cost 5
-# to 10 times an elementwise op on a [H, W, 3] image: the ops below avoid them or run in XLA.
-_IMAGE = tf.TensorSpec([None, None, None], tf.uint8)
-
-
-def _xla(*input_signature):
-  """Decorator: the function compiled by XLA, once per input shape (integer ops: bit-exact)."""
-  return lambda fn: tf.function(fn, autograph=False, jit_compile=True,
-                                input_signature=input_signature)
+# to 10 times an elementwise op on a [H, W, 3] image; the ops below avoid them where they can.
 
 
 def _channel_offsets(image: tf.Tensor) -> tf.Tensor:
-  """int32 [H, W, 3] of 0, 256, 512 (tiled: XLA's bincount is slower with a broadcast)."""
-  return tf.tile(tf.constant([[[0, 256, 512]]]), tf.concat([tf.shape(image)[:2], [1]], 0))
+  """int32 [H, W, 3] of 0, 256, 512 (the channel's table in [768]); a constant if static."""
+  offsets = np.array([0, 256, 512], np.int32)
+  if image.shape.is_fully_defined():
+    return tf.constant(np.broadcast_to(offsets, image.shape.as_list()))
+  return tf.tile(tf.constant(offsets)[None, None], tf.concat([tf.shape(image)[:2], [1]], 0))
 
 
 def _histograms(image: tf.Tensor) -> tf.Tensor:
@@ -64,10 +61,10 @@ def _histograms(image: tf.Tensor) -> tf.Tensor:
   return tf.reshape(hist, [3, 256])
 
 
-@_xla(_IMAGE, tf.TensorSpec([3, 256], tf.int32))
 def _apply_luts(image: tf.Tensor, luts: tf.Tensor) -> tf.Tensor:
-  """PIL `Image.point`: per-channel lookup in int32 [3, 256] tables, clipped to uint8."""
-  luts = tf.reshape(tf.cast(tf.clip_by_value(luts, 0, 255), tf.uint8), [-1])
+  """PIL `Image.point`: per-channel lookup in int [3, 256] (or [256]) tables, clipped to uint8."""
+  luts = tf.cast(tf.clip_by_value(tf.cast(luts, tf.int32), 0, 255), tf.uint8)
+  luts = tf.reshape(tf.broadcast_to(luts, [3, 256]), [-1])
   return tf.gather(luts, tf.cast(image, tf.int32) + _channel_offsets(image))
 
 
@@ -171,7 +168,6 @@ def _auto_contrast(image: tf.Tensor) -> tf.Tensor:
   return _apply_luts(image, _auto_contrast_lut(image))
 
 
-@_xla(_IMAGE)
 def _equalize(image: tf.Tensor) -> tf.Tensor:
   return _apply_luts(image, _equalize_lut(image))
 
@@ -294,7 +290,9 @@ def affine(image: tf.Tensor, matrix: Union[Sequence[Number], tf.Tensor],
   return _affine(image, matrix, fill)
 
 
-@_xla(_IMAGE, tf.TensorSpec([6], tf.float64), tf.TensorSpec([3], tf.uint8))
+@tf.function(autograph=False, jit_compile=True, input_signature=(
+    tf.TensorSpec([None, None, None], tf.uint8), tf.TensorSpec([6], tf.float64),
+    tf.TensorSpec([3], tf.uint8)))
 def _warp(image: tf.Tensor, matrix: tf.Tensor, fill: tf.Tensor) -> tf.Tensor:
   """`affine` as one XLA program (compiled once per image shape): TF's CPU kernels are slower."""
   a, b, c, d, e, f = tf.unstack(matrix, num=6)

@@ -97,10 +97,9 @@ def _check_request(*, batch: int, resolution: int, dtype: str, warmup: int, step
                    compile_only: bool, inputs: Sequence[str]) -> int:
   """Checks `run`'s arguments that need no model (BenchmarkError); the thread count."""
   check_sizes(batch, resolution, warmup, steps)
-  if rounds < 1:
-    raise BenchmarkError(f"rounds must be >= 1, got {rounds}.")
-  if num_classes < 1:
-    raise BenchmarkError(f"num_classes must be >= 1, got {num_classes}.")
+  for name, value in (("rounds", rounds), ("num_classes", num_classes)):
+    if value < 1:
+      raise BenchmarkError(f"{name} must be >= 1, got {value}.")
   if dtype not in DTYPES:
     raise BenchmarkError(f"dtype must be one of {DTYPES}, got {dtype!r}.")
   available = available_cores()

@@ -91,12 +91,9 @@ def suggest(config: ml_collections.ConfigDict, first: fit.Result, run: Runner,
   overrides: Overrides = {}
   train = first.train
   if train is not None and not train.fits:
-    found = None
-    for candidate in candidates(first.config, num_devices, shards):
-      attempt = _attempt(config, candidate, run, report, train_step=True, eval_step=False)
-      if _fits(attempt):
-        found = attempt
-        break
+    attempts = (_attempt(config, candidate, run, report, train_step=True, eval_step=False)
+                for candidate in candidates(first.config, num_devices, shards))
+    found = next((attempt for attempt in attempts if _fits(attempt)), None)
     if found is None:
       return None
     overrides, train = found.overrides, found.result.train
@@ -128,11 +125,9 @@ def largest_batch(config: ml_collections.ConfigDict, tpu: topology.Slice,
   halving from `limit` without accumulation; (0, None) when one image does not fit."""
   probe = fit.with_overrides(config, {"grad_accum_steps": 1})
   shards = step.batch_shards(probe.mesh, len(tpu.devices))
-  per_device = limit
-  while per_device >= 1:
+  for per_device in (limit >> i for i in range(limit.bit_length())):
     result = run(fit.with_overrides(probe, {"batch_size": per_device * shards}))
     report(per_device, result)
     if result.fits:
       return per_device, result
-    per_device //= 2
   return 0, None
