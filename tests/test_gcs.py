@@ -16,8 +16,10 @@ from etils import epath
 
 from tests import gcs_emulator
 from tests.test_train_failures import _folder, _main_args, _main_config, _main_overrides
+from tests.test_inference import T2T_FIELDS
 from tests.test_train_failures import _params
 from vit_jax import checkpoint
+from vit_jax import inference
 from vit_jax import stops
 from vit_jax import train
 
@@ -150,3 +152,30 @@ def test_a_gs_workdir_in_a_missing_or_read_only_bucket_is_refused_before_any_wor
       assert not tf.io.gfile.exists(workdir)
   finally:
     gcs.set_faults()
+
+
+def test_weights_of_every_format_load_from_gs_as_from_a_local_copy(gcs, bucket):
+  """An official .npz, a big_vision .npz, a transformers directory and a T2T-ViT .pth.tar, copied
+  to the bucket, load (detection, headers, arrays) to the same arrays as the local files."""
+  fixtures = os.path.join(ROOT, "tests", "fixtures")
+  for local in ("vit_tiny/params.npz", "ecosystem/big_vision_tok/params.npz",
+                "ecosystem/hf_vit_v5"):
+    source = os.path.join(fixtures, local)
+    remote = f"{bucket}/{local}"
+    for name in (os.listdir(source) if os.path.isdir(source) else [""]):
+      tf.io.gfile.makedirs(os.path.dirname(f"{remote}/{name}".rstrip("/")))
+      tf.io.gfile.copy(os.path.join(source, name).rstrip("/"), f"{remote}/{name}".rstrip("/"))
+    expected = checkpoint.flatten_params(checkpoint.load(source))
+    got = checkpoint.flatten_params(checkpoint.load(remote))
+    assert expected.keys() == got.keys(), local
+    for key in expected:
+      np.testing.assert_array_equal(got[key], expected[key], err_msg=f"{local}: {key}")
+  # A T2T-ViT .pth.tar, read as predict reads it (the model named).
+  pth = os.path.join(fixtures, "t2t_tiny_performer", "checkpoint.pth.tar")
+  tf.io.gfile.copy(pth, f"{bucket}/checkpoint.pth.tar")
+  loaded = [inference.load(path, model_name="T2T-ViT-custom", overrides=T2T_FIELDS)
+            for path in (pth, f"{bucket}/checkpoint.pth.tar")]
+  expected, got = (checkpoint.flatten_params(t.variables["params"]) for t in loaded)
+  assert expected.keys() == got.keys() and loaded[1].image_size == 64
+  for key in expected:
+    np.testing.assert_array_equal(got[key], expected[key], err_msg=f".pth.tar: {key}")
