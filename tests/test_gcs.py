@@ -4,6 +4,7 @@ lock's heartbeat), and faults from the server's side."""
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import time
@@ -14,11 +15,13 @@ import tensorflow as tf
 import tensorstore as ts
 from etils import epath
 
+from tests import data_utils
 from tests import gcs_emulator
 from tests.test_train_failures import _folder, _main_args, _main_config, _main_overrides
 from tests.test_inference import T2T_FIELDS
 from tests.test_train_failures import _params
 from vit_jax import checkpoint
+from vit_jax import config as config_lib
 from vit_jax import inference
 from vit_jax import stops
 from vit_jax import train
@@ -179,3 +182,33 @@ def test_weights_of_every_format_load_from_gs_as_from_a_local_copy(gcs, bucket):
   assert expected.keys() == got.keys() and loaded[1].image_size == 64
   for key in expected:
     np.testing.assert_array_equal(got[key], expected[key], err_msg=f".pth.tar: {key}")
+
+
+def _upload(local: str, remote: str) -> None:
+  """Copies the tree `local` to `remote` (gs://)."""
+  for directory, _, names in tf.io.gfile.walk(local):
+    target = remote + directory[len(local):]
+    tf.io.gfile.makedirs(target)
+    for name in names:
+      tf.io.gfile.copy(os.path.join(directory, name), f"{target}/{name}")
+
+
+@pytest.mark.slow
+def test_a_run_reads_its_tfds_data_dir_on_gs_and_writes_a_gs_workdir(gcs, bucket, tmp_path):
+  """A prepared tfds dataset under `config.data.data_dir=gs://...` (read by name, as on a pod)
+  trains and evaluates into a gs:// workdir, every split's examples read once."""
+  local = tmp_path / "tfds"
+  data_utils.make_multilabel_dataset(str(local))
+  _upload(str(local), f"{bucket}/tfds")
+  shutil.rmtree(local)  # Read from the bucket only.
+  config = config_lib.get_config("ViT-custom", "fashion_mnist_local", hidden_size=8, mlp_dim=16,
+                                 num_heads=2, num_layers=1, patch_size=4)
+  config.data.name, config.data.data_dir = "tiny_multi_label", f"{bucket}/tfds"
+  config.data.image_size, config.data.shuffle_buffer, config.batch_size = 8, 16, 4
+  config.total_steps, config.optim.warmup_steps = 3, 1
+  config.log_every_steps = config.eval_every_steps = config.checkpoint_every_steps = 3
+  results = train.train_and_evaluate(config, f"{bucket}/run")
+  assert results["step"] == 3 and np.isfinite(results["test/loss"])
+  dataset = json.loads(tf.io.gfile.GFile(f"{bucket}/run/dataset.json").read())
+  assert dataset["num_train_examples"] == 12 and dataset["num_eval_examples"] == 10, dataset
+  assert tf.io.gfile.exists(f"{bucket}/run/checkpoints/3")
