@@ -212,3 +212,25 @@ def test_a_run_reads_its_tfds_data_dir_on_gs_and_writes_a_gs_workdir(gcs, bucket
   dataset = json.loads(tf.io.gfile.GFile(f"{bucket}/run/dataset.json").read())
   assert dataset["num_train_examples"] == 12 and dataset["num_eval_examples"] == 10, dataset
   assert tf.io.gfile.exists(f"{bucket}/run/checkpoints/3")
+
+
+def test_convert_writes_each_target_format_to_gs_and_it_loads_back(gcs, bucket, capsys):
+  """`python -m vit_jax.convert` from a gs:// source to gs:// targets (an Orbax directory, an
+  official .npz, a transformers directory): each loads back to the source's arrays (was: the
+  transformers configs and the size report went through local `open` / `os.path`)."""
+  from vit_jax.tools import convert  # pylint: disable=g-import-not-at-top
+  source = f"{bucket}/params.npz"
+  tf.io.gfile.copy(os.path.join(ROOT, "tests", "fixtures", "vit_tiny", "params.npz"), source)
+  expected = checkpoint.flatten_params(checkpoint.load(source)["params"])
+  for target, extra in ((f"{bucket}/orbax", []), (f"{bucket}/out.npz", []),
+                        (f"{bucket}/hf", ["--to", "hf"])):
+    assert convert.main([source, target, *extra]) == 0, capsys.readouterr()
+    got = checkpoint.flatten_params(checkpoint.load(target)["params"])
+    assert expected.keys() == got.keys(), target
+    for key in expected:
+      np.testing.assert_array_equal(got[key], expected[key], err_msg=f"{target}: {key}")
+  # An existing gs:// destination is kept (was: os.path.exists said no, and it was replaced).
+  capsys.readouterr()
+  assert convert.main([source, f"{bucket}/out.npz"]) == 2
+  assert capsys.readouterr().err.startswith(
+      f"FATAL: {bucket}/out.npz exists; choose a new destination or pass --overwrite.")

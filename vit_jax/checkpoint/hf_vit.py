@@ -229,7 +229,7 @@ def write(dst: str, params: Mapping[str, Any], fields: Mapping[str, Any], image_
       'do_rescale': True, 'rescale_factor': 1 / 255,
       'do_normalize': True, 'image_mean': list(mean), 'image_std': list(std)}
   for name, content in ((config_path, config), (preprocessor_path, preprocessor)):
-    with open(name, 'w') as f:
+    with paths.open_file(name, 'w') as f:
       json.dump(content, f, indent=2)
   return (f"transformers.{config['architectures'][0]}.from_pretrained("
           f'{os.path.dirname(weights) or "."!r})')

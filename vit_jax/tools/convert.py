@@ -32,6 +32,7 @@ from vit_jax import checkpoint
 from vit_jax import inference
 from vit_jax.checkpoint import ecosystem
 from vit_jax.checkpoint import npz
+from vit_jax.checkpoint import paths
 from vit_jax.models import layout
 from vit_jax.tools import common
 
@@ -61,7 +62,7 @@ def write(variables: Dict[str, Any], dst: str, *, overwrite: bool = False,
   """Writes ``variables`` to ``dst`` (an ``.npz`` file, or an Orbax directory that keeps
   ``facts``); returns the format. Raises FileExistsError, or ValueError (an ``.npz`` of other
   collections than ``params``)."""
-  if os.path.exists(dst) and not overwrite:
+  if paths.exists(dst) and not overwrite:
     raise FileExistsError(f'{dst} exists; choose a new destination or pass --overwrite.')
   variables = layout.unbox(variables)  # Plain arrays (model.init boxes them with axis names).
   if dst.endswith('.npz'):
@@ -140,7 +141,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   if args.dst.endswith('.safetensors'):
     raise ValueError(f'{args.dst}: say which library the .safetensors is for: --to timm or '
                      '--to hf.')
-  if os.path.exists(args.dst) and not args.overwrite:  # Before the (long) read.
+  if paths.exists(args.dst) and not args.overwrite:  # Before the (long) read.
     raise FileExistsError(f'{args.dst} exists; choose a new destination or pass --overwrite.')
   variables, facts = read_with_facts(args.src, model_name=args.model, step=args.step,
                                      use_ema=not args.no_ema, overrides=overrides)
@@ -175,7 +176,7 @@ def _export(args: argparse.Namespace, overrides: Dict[str, Any]) -> int:
   if args.to == 'hf' and args.dst.endswith('.npz'):
     raise ValueError(f'{args.dst}: --to hf writes a directory (or its model.safetensors).')
   outputs = ecosystem.output_paths(args.dst, args.to)
-  existing = [p for p in outputs if os.path.exists(p)]
+  existing = [p for p in outputs if paths.exists(p)]
   if existing and not args.overwrite:
     raise FileExistsError(f'{", ".join(existing)} already exist'
                           f'{"s" if len(existing) == 1 else ""}; choose a new destination or '
@@ -183,7 +184,7 @@ def _export(args: argparse.Namespace, overrides: Dict[str, Any]) -> int:
   load = export(args.src, args.dst, args.to, model_name=args.model, use_ema=not args.no_ema,
                 overrides=overrides, step=args.step)
   library = 'timm' if args.to == 'timm' else 'transformers'
-  sizes = ', '.join(f'{p} ({os.path.getsize(p):,} bytes)' for p in outputs)
+  sizes = ', '.join(f'{p} ({paths.size(p):,} bytes)' for p in outputs)
   print(f'Wrote {library} weights of {args.src}: {sizes}\nLoad them with:\n  {load}')
   return 0
 
