@@ -234,3 +234,17 @@ def test_convert_writes_each_target_format_to_gs_and_it_loads_back(gcs, bucket, 
   assert convert.main([source, f"{bucket}/out.npz"]) == 2
   assert capsys.readouterr().err.startswith(
       f"FATAL: {bucket}/out.npz exists; choose a new destination or pass --overwrite.")
+
+
+def test_analyze_writes_its_figures_and_numbers_to_gs(gcs, bucket, tmp_path, capsys):
+  """`python -m vit_jax.analyze --out gs://...` (was: written under ./gs:/ on the local disk,
+  with 'wrote gs://...' printed)."""
+  from vit_jax.tools import analyze  # pylint: disable=g-import-not-at-top
+  folder = data_utils.make_image_folder(str(tmp_path / "images"), num_classes=2, per_class=2,
+                                        size=32)
+  weights = os.path.join(ROOT, "tests", "fixtures", "vit_tiny", "params.npz")
+  assert analyze.main([weights, "--images", folder, "--out", f"{bucket}/analysis"]) == 0, (
+      capsys.readouterr())
+  assert sorted(tf.io.gfile.listdir(f"{bucket}/analysis")) == sorted(analyze.OUTPUTS)
+  assert json.loads(tf.io.gfile.GFile(f"{bucket}/analysis/analysis.json").read())["stride"]
+  assert not os.path.exists(os.path.join(os.getcwd(), "gs:"))

@@ -6,10 +6,11 @@ suffix writes a PNG; :func:`to_rgb` renders one to uint8 ``[H, W, 3]``. Images a
 
 from __future__ import annotations
 
+import io
 import math
-import os
 from typing import Any, Callable, Optional, Sequence, Tuple
 
+from etils import epath
 from matplotlib import colormaps
 from matplotlib import figure as mpl_figure
 from matplotlib.backends import backend_agg
@@ -34,9 +35,12 @@ def _new_figure(width: float, height: float, dpi: int) -> mpl_figure.Figure:
 
 
 def write_png(fig: mpl_figure.Figure, path: str) -> str:
-  """Writes ``fig`` to ``path`` as a PNG (its parent folders created); returns ``path``."""
-  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-  fig.savefig(path, format='png', dpi=fig.dpi)
+  """Writes ``fig`` to ``path`` (local or gs://) as a PNG, its parent folders created; returns
+  ``path``."""
+  target, png = epath.Path(path), io.BytesIO()
+  target.parent.mkdir(parents=True, exist_ok=True)
+  fig.savefig(png, format='png', dpi=fig.dpi)
+  target.write_bytes(png.getvalue())
   return path
 
 

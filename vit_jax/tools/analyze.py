@@ -126,8 +126,9 @@ def analyze(trained: Any, inputs: np.ndarray, *, overlays: int = 8) -> Dict[str,
 def write_figures(result: Dict[str, Any], images: np.ndarray, labels: Sequence[str],
                   out: str) -> List[str]:
   """Writes the PNGs and ``analysis.json`` of ``result`` into ``out``; returns their paths."""
+  from etils import epath  # pylint: disable=g-import-not-at-top
   from vit_jax.analysis import figures  # pylint: disable=g-import-not-at-top
-  os.makedirs(out, exist_ok=True)
+  epath.Path(out).mkdir(parents=True, exist_ok=True)  # Local or gs://, as every path here.
   shown = len(result['rollout'])
   written = [
       figures.rollout_overlay(images[:shown], result['rollout'], os.path.join(out, OUTPUTS[0]),
@@ -148,8 +149,7 @@ def write_figures(result: Dict[str, Any], images: np.ndarray, labels: Sequence[s
   numbers = {k: (v.tolist() if isinstance(v, np.ndarray) else v) for k, v in result.items()
              if k not in ('filter_components',)}
   path = os.path.join(out, OUTPUTS[5])
-  with open(path, 'w') as f:
-    json.dump(numbers, f)
+  epath.Path(path).write_text(json.dumps(numbers))
   return written + [path]
 
 
@@ -170,7 +170,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     for flag, value in (('--num-images', args.num_images), ('--overlays', args.overlays)):
       if value < 1:
         raise ValueError(f'{flag} {value}: must be 1 or more.')
-    existing = [f for f in OUTPUTS if os.path.exists(os.path.join(args.out, f))]
+    from etils import epath  # pylint: disable=g-import-not-at-top
+    existing = [f for f in OUTPUTS if epath.Path(args.out, f).exists()]
     if existing and not args.overwrite:
       raise FileExistsError(f'{args.out} already holds an analysis ({", ".join(existing)}); '
                             'choose another --out or pass --overwrite.')
