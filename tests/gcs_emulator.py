@@ -261,6 +261,7 @@ class Emulator:
 
 
 def start(root=None) -> Emulator:
+  """An `Emulator` with its data under `root` (default: a new temporary directory)."""
   return Emulator(root or tempfile.mkdtemp(prefix="gcs-emulator-"))
 
 

