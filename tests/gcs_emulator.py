@@ -96,6 +96,7 @@ class _Proxy(socketserver.ThreadingTCPServer):
 
   def __init__(self, root: pathlib.Path, server_port: int):
     self.root, self.server_port = root, server_port
+    self.requests, self.count_lock = 0, threading.Lock()
     self.context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
     self.context.load_cert_chain(root / "server.pem", root / "server.key")
     super().__init__(("127.0.0.1", 0), _Handler)
@@ -107,6 +108,21 @@ class _Proxy(socketserver.ThreadingTCPServer):
     except (OSError, ValueError):
       faults = {}
     time.sleep(faults.get("delay_s", 0))
+    # Not a resumable upload's data (PUT ...&upload_id=): after a failed one the client asks the
+    # session's status, which Cloud Storage answers 308 (incomplete: send the rest) and the
+    # emulator, as seen here, by completing the object with the bytes it has (none).
+    resumable_data = method == "PUT" and "upload_id=" in path
+    with self.count_lock:
+      self.requests += 1
+      failed = (faults.get("fail_every") and self.requests % faults["fail_every"] == 0
+                and not resumable_data)
+    if failed:
+      with (self.root / "failed_requests").open("a") as f:
+        f.write(f"{method} {path}\n")
+      body = b'{"error": {"code": 503, "message": "Service Unavailable (a fault of the test)"}}'
+      return (b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
+              b"Content-Length: " + str(len(body)).encode() + b"\r\nConnection: close\r\n\r\n"
+              + body)
     bucket = path.split("/b/", 1)[1].split("/")[0].split("?")[0] if "/b/" in path else None
     if method in ("POST", "PUT", "PATCH", "DELETE") and bucket in faults.get("read_only", ()):
       body = (b'{"error": {"code": 403, "message": "The caller does not have '
@@ -229,11 +245,18 @@ class Emulator:
           raise RuntimeError(f"fake-gcs-server did not start: {self.root / 'server.log'}")
         time.sleep(0.05)
 
-  def set_faults(self, delay_s: float = 0.0, read_only=()) -> None:
+  def set_faults(self, delay_s: float = 0.0, read_only=(), fail_every: int = 0) -> None:
     """From the next request on: each request waits `delay_s`; writes to the buckets
-    `read_only` (names, no gs://) are refused with 403, as without the role to write."""
-    (self.root / "faults.json").write_text(
-        json.dumps({"delay_s": delay_s, "read_only": list(read_only)}))
+    `read_only` (names, no gs://) are refused with 403, as without the role to write; every
+    `fail_every`-th request (0: none; a resumable upload's data excepted, see `_Proxy.fault`) is
+    answered 503, as by an overloaded server (listed in `failed_requests()`)."""
+    (self.root / "faults.json").write_text(json.dumps(
+        {"delay_s": delay_s, "read_only": list(read_only), "fail_every": fail_every}))
+
+  def failed_requests(self) -> list:
+    """The requests answered 503 by `set_faults(fail_every=...)` so far: 'METHOD path' lines."""
+    path = self.root / "failed_requests"
+    return path.read_text().splitlines() if path.exists() else []
 
   def stop(self) -> None:
     if self._server is not None:

@@ -3,6 +3,7 @@ the workdir (Orbax checkpoints through TensorStore, the JSON records, TensorBoar
 lock's heartbeat), and faults from the server's side."""
 
 import json
+import logging
 import os
 import shutil
 import signal
@@ -250,3 +251,217 @@ def test_analyze_writes_its_figures_and_numbers_to_gs(gcs, bucket, tmp_path, cap
   assert sorted(tf.io.gfile.listdir(f"{bucket}/analysis")) == sorted(analyze.OUTPUTS)
   assert json.loads(tf.io.gfile.GFile(f"{bucket}/analysis/analysis.json").read())["stride"]
   assert not os.path.exists(os.path.join(os.getcwd(), "gs:"))
+
+
+def test_predict_evaluate_and_fewshot_read_gs_and_evaluate_writes_gs(gcs, bucket, tmp_path,
+                                                                      capsys):
+  """Weights and images on gs:// give the numbers of the local copies: `predict`'s
+  probabilities, `evaluate`'s metrics (written to a gs:// --out) and `fewshot`'s accuracies."""
+  from vit_jax.tools import evaluate  # pylint: disable=g-import-not-at-top
+  from vit_jax.tools import fewshot  # pylint: disable=g-import-not-at-top
+  from vit_jax.tools import predict  # pylint: disable=g-import-not-at-top
+  local_npz = os.path.join(ROOT, "tests", "fixtures", "vit_tiny", "params.npz")
+  local_folder = data_utils.make_image_folder(str(tmp_path / "images"), num_classes=10,
+                                              per_class=2, size=(8, 6))  # The npz has 10 classes.
+  npz, folder = f"{bucket}/params.npz", f"{bucket}/images"
+  tf.io.gfile.copy(local_npz, npz)
+  _upload(local_folder, folder)
+
+  def run(main, *args):
+    assert main([str(a) for a in args]) == 0, capsys.readouterr().err[-3000:]
+    return capsys.readouterr().out
+
+  expected = json.loads(run(predict.main, local_npz, f"{local_folder}/test", "--json"))
+  got = json.loads(run(predict.main, npz, f"{folder}/test", "--json"))
+  assert len(got) == 20 and [r["path"].replace(folder, local_folder) for r in got] == [
+      r["path"] for r in expected]
+  assert [r["predictions"] for r in got] == [r["predictions"] for r in expected]
+
+  run(evaluate.main, local_npz, "--image-folder", local_folder, "--out", tmp_path / "eval")
+  run(evaluate.main, npz, "--image-folder", folder, "--out", f"{bucket}/eval")
+  assert sorted(tf.io.gfile.listdir(f"{bucket}/eval")) == sorted(os.listdir(tmp_path / "eval"))
+  metrics = [json.loads(tf.io.gfile.GFile(f"{where}/metrics.json").read())
+             for where in (tmp_path / "eval", f"{bucket}/eval")]
+  for key in ("count", "correct", "top5_accuracy", "loss", "per_class"):
+    assert metrics[1][key] == metrics[0][key], key
+
+  reports = [json.loads(run(fewshot.main, weights, "--image-folder", images, "--shots", "1,2",
+                            "--seeds", "2", "--json"))
+             for weights, images in ((local_npz, local_folder), (npz, folder))]
+  assert reports[1]["results"] == reports[0]["results"]
+  assert reports[1]["train_examples"] == 20 and reports[1]["eval_examples"] == 20
+
+
+#: Cloud Storage retries for the runs of the fault tests: 5 retries, waits from 0.1 s to 0.2 s
+#: (the package's defaults, `vit_jax.GCS_RETRY_DEFAULTS`, wait from 1 s to 16 s: 31 s in all).
+FAST_RETRIES = {"GCS_RETRY_CONFIG_MAX_RETRIES": "5",
+                "GCS_RETRY_CONFIG_INIT_DELAY_TIME_US": "100000",
+                "GCS_RETRY_CONFIG_MAX_DELAY_TIME_US": "200000"}
+
+
+def _objects(gcs, bucket, prefix):
+  """The object names under `prefix` in the emulator's own storage (read without the server)."""
+  root = gcs.root / "storage" / bucket[len("gs://"):] / prefix
+  return sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file())
+
+
+@pytest.mark.slow
+def test_a_server_stopped_mid_save_fails_the_run_in_one_fatal_line_and_a_rerun_resumes(
+    gcs, bucket, tmp_path):
+  """The server stops while step 20 is saved: the run ends within seconds of the retries (not
+  minutes) with one FATAL line naming the intact step 10, exit 1; step 10 stays whole; once
+  the server is back the same command takes over the dead run's lock and resumes from step 10."""
+  overrides = _main_overrides(_folder(tmp_path), log_every_steps=10, checkpoint_every_steps=10,
+                              total_steps=100000)
+  workdir, env = f"{bucket}/run", dict(_env(gcs), **FAST_RETRIES)
+  proc = subprocess.Popen(_main_args(workdir, overrides), cwd=ROOT, env=env,
+                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+  try:
+    deadline = time.monotonic() + 300
+    while "10/commit_success.txt" not in _objects(gcs, bucket, "run/checkpoints"):
+      assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-3000:]
+      time.sleep(0.1)
+    gcs.set_faults(delay_s=0.3)  # Step 20's save takes seconds: the stop falls inside it.
+    while not any(name.startswith("20/") for name in _objects(gcs, bucket, "run/checkpoints")):
+      assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-3000:]
+      time.sleep(0.05)
+    gcs.stop()
+    stopped = time.monotonic()
+    _, stderr = proc.communicate(timeout=120)
+  finally:
+    proc.kill()
+    gcs.set_faults()
+    if gcs._server is None:  # pylint: disable=protected-access
+      gcs.start()
+  took = time.monotonic() - stopped
+  assert proc.returncode == 1, stderr[-3000:]
+  assert "Traceback" not in stderr and took < 60, (took, stderr[-3000:])
+  fatal = _fatal(stderr)
+  assert len(fatal) == 1 and fatal[0].startswith(
+      f"FATAL: Saving a checkpoint in {workdir}/checkpoints failed (step "), stderr[-3000:]
+  assert fatal[0].endswith(
+      "The checkpoint of step 10 is intact (the partial save is removed at the next start); wait "
+      "until the storage answers again (each request was retried as GCS_RETRY_CONFIG_MAX_RETRIES "
+      "says; docs/pods.md) and rerun the same command to resume."), fatal[0]
+  saved = _objects(gcs, bucket, "run/checkpoints")
+  assert "10/commit_success.txt" in saved and "20/commit_success.txt" not in saved, saved
+
+  rerun = subprocess.run(_main_args(workdir, dict(overrides, total_steps=30)), cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=300)
+  assert rerun.returncode == 0, rerun.stderr[-3000:]
+  assert "Taking over the stale lock of host " in rerun.stderr, rerun.stderr[-3000:]
+  assert "Resuming from the checkpoint at step 10 in " in rerun.stderr, rerun.stderr[-3000:]
+  assert checkpoint.Workdir(workdir).saved_steps()[-1] == 30
+
+
+@pytest.mark.slow
+def test_a_slow_server_that_fails_requests_is_retried_and_the_run_finishes(gcs, bucket,
+                                                                           tmp_path):
+  """Every request delayed 50 ms and every 7th answered 503 (but a resumable upload's data: see
+  `gcs_emulator`): the libraries retry (TensorFlow's gfile for the JSON files, events, lock and
+  compilation cache; TensorStore for the arrays) and the run ends as one on a healthy server
+  would, its checkpoints equal bit for bit."""
+  overrides = _main_overrides(_folder(tmp_path), log_every_steps=10, checkpoint_every_steps=10,
+                              total_steps=20)
+  train.train_and_evaluate(_main_config(overrides), str(tmp_path / "healthy"))
+  gcs.set_faults(delay_s=0.05, fail_every=7)
+  try:
+    start = time.monotonic()
+    run = subprocess.run(_main_args(f"{bucket}/run", overrides), cwd=ROOT,
+                         env=dict(_env(gcs), **FAST_RETRIES), capture_output=True, text=True,
+                         timeout=600)
+    took = time.monotonic() - start
+  finally:
+    gcs.set_faults()
+  assert run.returncode == 0, _fatal(run.stderr) or run.stderr[-3000:]
+  failed = gcs.failed_requests()
+  assert len(failed) >= 10, failed
+  assert any("uploadType=media" in f for f in failed), failed  # Writes
+  assert any(f.startswith("GET ") for f in failed), failed  # and reads were retried.
+  assert checkpoint.Workdir(f"{bucket}/run").saved_steps() == [10, 20]
+  expected, got = _params(tmp_path / "healthy"), checkpoint.flatten_params(
+      checkpoint.load(f"{bucket}/run", use_ema=False)["params"])
+  for key in expected:
+    np.testing.assert_array_equal(got[key], expected[key], err_msg=key)
+  print(f"a run of 20 steps on a slow, failing server: {took:.0f} s, {len(failed)} requests "
+        "answered 503")
+
+
+@pytest.mark.slow
+def test_init_from_gs_trains_as_from_the_local_file_and_a_stale_lock_is_taken_over(
+    gcs, bucket, tmp_path, caplog):
+  """`config.init_from` on gs:// (an official .npz, a T2T-ViT .pth.tar, a transformers
+  directory) gives the parameters of the same run from the local file, bit for bit. The gs://
+  workdir holds the lock of a run on another host whose heartbeat stopped an hour ago: taken
+  over with a warning."""
+  fixtures = os.path.join(ROOT, "tests", "fixtures")
+  from tests.checkpoint.test_finetune import _fixture_overrides  # pylint: disable=g-import-not-at-top
+  sources = {
+      "vit_tiny/params.npz": ("ViT-custom", 32, dict(hidden_size=32, mlp_dim=64, num_heads=2,
+                                                     num_layers=2, patch_size=4)),
+      "t2t_tiny_performer/checkpoint.pth.tar": ("T2T-ViT-custom", 32, _fixture_overrides()),
+      "ecosystem/hf_vit_v5": ("ViT-custom", 32, dict(hidden_size=32, mlp_dim=64, num_heads=4,
+                                                     num_layers=2, patch_size=8)),
+  }
+  folder = data_utils.make_image_folder(str(tmp_path / "images"), num_classes=3, per_class=4,
+                                        size=32)
+  for i, (source, (model, size, fields)) in enumerate(sources.items()):
+    local = os.path.join(fixtures, source)
+    remote = f"{bucket}/weights/{source}"
+    if os.path.isdir(local):
+      _upload(local, remote)
+    else:
+      tf.io.gfile.makedirs(os.path.dirname(remote))
+      tf.io.gfile.copy(local, remote)
+    params = []
+    for where, init_from in (("local", local), ("gs", remote)):
+      workdir = str(tmp_path / f"run{i}") if where == "local" else f"{bucket}/run{i}"
+      if where == "gs" and i == 0:
+        stale = dict(host="another-host", pid=1, started="2026-12-04T00:00:00+00:00",
+                     started_unix=time.time() - 7200, heartbeat_unix=time.time() - 3600,
+                     command="python -m vit_jax.main ...", token="gone")
+        tf.io.gfile.makedirs(workdir)
+        with tf.io.gfile.GFile(f"{workdir}/lock.json", "w") as f:
+          f.write(json.dumps(stale))
+      config = data_utils.folder_run_config(model, folder, size, total_steps=1, **fields)
+      config.init_from = init_from
+      if model.startswith("T2T"):
+        config.data.normalization = "imagenet"
+      caplog.clear()
+      with caplog.at_level(logging.WARNING):
+        results = train.train_and_evaluate(config, workdir)
+      assert results["step"] == 1
+      assert ("Taking over the stale lock of host another-host, pid 1" in caplog.text) == (
+          where == "gs" and i == 0), caplog.text
+      params.append(checkpoint.flatten_params(checkpoint.load(workdir, use_ema=False)["params"]))
+    assert params[0].keys() == params[1].keys()
+    for key in params[0]:
+      np.testing.assert_array_equal(params[1][key], params[0][key], err_msg=f"{source}: {key}")
+  assert not tf.io.gfile.exists(f"{bucket}/run0/lock.json")
+
+
+def test_the_retry_variables_bound_tensorflow_and_tensorstore_alike(monkeypatch):
+  """`vit_jax` sets TensorFlow's GCS_RETRY_CONFIG_* where unset (read at its first gs:// use);
+  Orbax's TensorStore contexts get the same; a value that is no whole number is refused."""
+  import vit_jax  # pylint: disable=g-import-not-at-top
+  # pylint: disable=g-import-not-at-top
+  from orbax.checkpoint._src.serialization import tensorstore_utils
+  from vit_jax.checkpoint import orbax
+  assert vit_jax.GCS_RETRY_DEFAULTS == {"GCS_RETRY_CONFIG_MAX_RETRIES": "5",
+                                        "GCS_RETRY_CONFIG_INIT_DELAY_TIME_US": "1000000",
+                                        "GCS_RETRY_CONFIG_MAX_DELAY_TIME_US": "16000000"}
+  monkeypatch.setenv("GCS_RETRY_CONFIG_MAX_RETRIES", "3")
+  monkeypatch.setenv("GCS_RETRY_CONFIG_INIT_DELAY_TIME_US", "250000")
+  monkeypatch.setenv("GCS_RETRY_CONFIG_MAX_DELAY_TIME_US", "4000000")
+  orbax.import_orbax()
+  for use_ocdbt in (True, False):
+    spec = tensorstore_utils.get_ts_context(use_ocdbt=use_ocdbt).spec.to_json()
+    assert spec["gcs_request_retries"] == {"max_retries": 3, "initial_delay": "250ms",
+                                           "max_delay": "4s"}
+  monkeypatch.setenv("GCS_RETRY_CONFIG_MAX_RETRIES", "five")
+  with pytest.raises(ValueError, match=r"GCS_RETRY_CONFIG_MAX_RETRIES='five' must be a whole "):
+    orbax.import_orbax()
+  monkeypatch.setenv("GCS_RETRY_CONFIG_MAX_RETRIES", "5")
+  monkeypatch.setenv("GCS_RETRY_CONFIG_INIT_DELAY_TIME_US", "1000000")
+  monkeypatch.setenv("GCS_RETRY_CONFIG_MAX_DELAY_TIME_US", "16000000")
+  orbax.import_orbax()  # The defaults again, for the tests after this one.

@@ -2,8 +2,22 @@
 
 __version__ = "0.1.0"
 
+import os as _os
 import time as _time
 
 #: When this package was first imported (`time.monotonic()`): with `python -m vit_jax.main` that
 #: is the start of the program, before JAX and TensorFlow load; the compute account starts here.
 STARTED = _time.monotonic()
+
+#: Cloud Storage retries: TensorFlow's variables (it reads them at its first gs:// access, so they
+#: are set here, where unset) and, through them, TensorStore's (`checkpoint.orbax.import_orbax`). A request
+#: is retried `MAX_RETRIES` times, the waits doubling from `INIT_DELAY` to at most `MAX_DELAY`
+#: (microseconds): a bucket that stops answering fails a request in about 30 s, where the libraries'
+#: defaults wait about 3 min (TensorFlow) and 15 min (TensorStore). docs/pods.md.
+GCS_RETRY_DEFAULTS = {
+    "GCS_RETRY_CONFIG_MAX_RETRIES": "5",
+    "GCS_RETRY_CONFIG_INIT_DELAY_TIME_US": "1000000",
+    "GCS_RETRY_CONFIG_MAX_DELAY_TIME_US": "16000000",
+}
+for _name, _value in GCS_RETRY_DEFAULTS.items():
+  _os.environ.setdefault(_name, _value)

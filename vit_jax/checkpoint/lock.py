@@ -276,7 +276,7 @@ class WorkdirLock:
         current = self._read_record()
         if current and current.get('token') == self._token:
           paths.remove(self.path)
-    except OSError as e:
+    except Exception as e:  # pylint: disable=broad-except  (TensorFlow's are not OSErrors)
       _log.warning('Could not release the lock %s: %s', self.path, e)
     if remove_created_dirs:
       self._remove_created_dirs()

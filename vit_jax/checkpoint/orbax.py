@@ -23,6 +23,28 @@ from vit_jax.checkpoint.tree import describe_architecture, flatten_params
 from vit_jax.models import layout
 
 
+def import_orbax():
+  """``orbax.checkpoint``, imported (0.3 s; not for ``.npz``) with TensorStore's Cloud Storage
+  retries set from the ``GCS_RETRY_CONFIG_*`` variables (:data:`vit_jax.GCS_RETRY_DEFAULTS`).
+  Orbax builds each TensorStore context from two module dicts and offers no other hook."""
+  # pylint: disable=g-import-not-at-top,protected-access
+  import orbax.checkpoint as ocp_lib
+  from orbax.checkpoint._src.serialization import tensorstore_utils
+  values = {}
+  for name in ('MAX_RETRIES', 'INIT_DELAY_TIME_US', 'MAX_DELAY_TIME_US'):
+    value = os.environ[f'GCS_RETRY_CONFIG_{name}']
+    if not value.isdigit():
+      raise ValueError(f'GCS_RETRY_CONFIG_{name}={value!r} must be a whole number (docs/pods.md, '
+                       '"When Cloud Storage stops answering"); unset it for the default.')
+    values[name] = int(value)
+  retries = {'max_retries': values['MAX_RETRIES'],
+             'initial_delay': f"{values['INIT_DELAY_TIME_US']}us",
+             'max_delay': f"{values['MAX_DELAY_TIME_US']}us"}
+  for context in (tensorstore_utils._BASE_TS_CONTEXT, tensorstore_utils._DEFAULT_OCDBT_TS_CONTEXT):
+    context['gcs_request_retries'] = retries
+  return ocp_lib
+
+
 def is_item(path: str, names: Optional[Sequence[str]] = None) -> bool:
   """Whether ``path`` (local or ``scheme://``; ``names``: its listing, when read) is an Orbax
   PyTree item directory."""
@@ -45,7 +67,7 @@ def _quiet_item_reads():
 
 def item_tree(item: Any) -> Any:
   """The metadata tree of an item: its nested structure with shape/dtype leaves (no arrays)."""
-  import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
+  ocp = import_orbax()
   with _quiet_item_reads():
     metadata = ocp.PyTreeCheckpointer().metadata(item)
   tree = getattr(getattr(metadata, 'item_metadata', metadata), 'tree', None)
@@ -62,7 +84,7 @@ def read_variables(item: Any, *, use_ema: bool = True) -> Dict[str, Any]:
   """``{'params': ..., **model_state}`` of one item (local or ``gs://``) as NumPy, in the
   saved layout, without the optimizer state; ``use_ema``: ``ema_params`` as ``params`` when
   saved. Raises ValueError: no ``params`` entry, or a ``params`` collection in ``model_state``."""
-  import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
+  ocp = import_orbax()
 
   tree = item_tree(item)
   if not isinstance(tree, Mapping) or 'params' not in tree:
@@ -126,7 +148,7 @@ def save_orbax(path: Any, variables: Mapping, *, overwrite: bool = False,
   (local or ``gs://``): ``params``, the other collections in ``model_state``, and JSON-able
   ``metadata`` (e.g. ``label_names``, ``normalization``) in :data:`EXPORT_JSON`. Raises
   ValueError (no ``params``), FileExistsError (``path`` exists and not ``overwrite``)."""
-  import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
+  ocp = import_orbax()
   from etils import epath  # pylint: disable=g-import-not-at-top
 
   variables = layout.unbox(variables)  # Plain arrays (model.init boxes them with axis names).
@@ -166,7 +188,7 @@ def read_export_metadata(item: Any) -> Optional[Dict[str, Any]]:
 def read_json_item(item: Any) -> Any:
   """The value of a JSON item of a checkpoint step (Orbax's ``JsonSave``, e.g. ``config``);
   ValueError naming an item that cannot be read."""
-  import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
+  ocp = import_orbax()
   try:
     with _quiet_item_reads():
       return ocp.Checkpointer(ocp.JsonCheckpointHandler()).restore(item)

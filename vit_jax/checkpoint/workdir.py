@@ -29,12 +29,60 @@ from vit_jax.rundir import (CHECKPOINTS_DIR, CONFIG_ITEM, CONFIG_JSON, COST_ITEM
                             DATASET_ITEM, DATASET_JSON, STATE_ITEM)
 
 _RERUN_HINT = 'Rerun with the config it was trained with, or start a new run in another --workdir.'
-_RESUME_HINT = ('The checkpoints already saved are intact; free disk space (or make the workdir '
-                'writable) and rerun the same command to resume.')
+#: What to do after a failed write, by its cause (:func:`_failed_write`).
+_FIXES = {
+    'full': 'free disk space (or lower --config.keep_checkpoints)',
+    'denied': 'make the checkpoint directory writable',
+    'unreachable': 'wait until the storage answers again (each request was retried as '
+                   'GCS_RETRY_CONFIG_MAX_RETRIES says; docs/pods.md)',
+}
 
 
 class CheckpointSaveError(OSError):
   """Writing to the workdir failed (e.g. a full disk); the earlier checkpoints are intact."""
+
+
+#: A failed write's message when the disk or permissions are the cause (not always an OSError).
+_DISK_ERROR = re.compile(r'No space left|RESOURCE_EXHAUSTED|Permission denied|PERMISSION_DENIED|'
+                         r'os_error')
+#: ... when the storage did not answer: TensorFlow's retries spent (an AbortedError, no OSError),
+#: TensorStore's UNAVAILABLE or DEADLINE_EXCEEDED, a refused or timed-out connection.
+_UNREACHABLE = re.compile(r'retry attempts failed|UNAVAILABLE|DEADLINE_EXCEEDED|HTTP request|'
+                          r'Connection refused|timed out', re.IGNORECASE)
+
+
+def _failed_write(error: BaseException) -> Optional[str]:
+  """Why a write failed, a key of :data:`_FIXES` ('full', 'denied', 'unreachable'), or None when
+  neither the disk, the permissions nor the storage caused it (a bug: re-raise it)."""
+  text = str(error)
+  if _UNREACHABLE.search(text):
+    return 'unreachable'
+  if getattr(error, 'errno', None) == errno.ENOSPC or re.search('No space left|RESOURCE_EXHAUSTED',
+                                                                text):
+    return 'full'
+  return 'denied' if isinstance(error, OSError) or _DISK_ERROR.search(text) else None
+
+
+def _cause(error: BaseException) -> str:
+  if getattr(error, 'errno', None) == errno.ENOSPC:
+    return 'No space left on device'
+  return getattr(error, 'strerror', None) or _first_line(error)
+
+
+@contextlib.contextmanager
+def _writing(what: str) -> Iterator[None]:
+  """A failed write of ``what`` (a file of the workdir) -> CheckpointSaveError, when the disk, the
+  permissions or the storage caused it; anything else unchanged."""
+  try:
+    yield
+  except Exception as e:  # pylint: disable=broad-except  (TensorFlow's are not OSErrors)
+    why = _failed_write(e)
+    if why is None:
+      raise
+    fix = _FIXES[why] if why == 'unreachable' else 'free disk space (or make the workdir writable)'
+    raise CheckpointSaveError(f'Writing {what} failed: {_cause(e)}. The checkpoints already '
+                              f'saved are intact; {fix} and rerun the same command to '
+                              'resume.') from e
 
 
 def _write_json_atomically(path: epath.Path, value: Dict[str, Any]) -> None:
@@ -43,11 +91,8 @@ def _write_json_atomically(path: epath.Path, value: Dict[str, Any]) -> None:
   if jax.process_index() != 0:
     return
   text = json.dumps(value, indent=1)  # A TypeError here is a bug, not the disk's.
-  try:
+  with _writing(str(path)):
     durable.write_atomically(path, text)
-  except OSError as e:
-    cause = 'No space left on device' if e.errno == errno.ENOSPC else (e.strerror or str(e))
-    raise CheckpointSaveError(f'Writing {path} failed: {cause}. {_RESUME_HINT}') from e
 
 
 def _first_line(error: BaseException) -> str:
@@ -191,11 +236,6 @@ class Workdir:
     return Checkpoints(self.checkpoints_dir, keep=keep, asynchronous=asynchronous)
 
 
-#: A failed write's message when the disk or permissions are the cause (not always an OSError).
-_DISK_ERROR = re.compile(r'No space left|RESOURCE_EXHAUSTED|Permission denied|PERMISSION_DENIED|'
-                         r'os_error')
-
-
 #: What a failed read of a saved step says when its files are damaged (tensorstore's errors).
 _DAMAGE = re.compile(r'OUT_OF_RANGE|DATA_LOSS|NOT_FOUND|Error reading|error while reading|'
                      r'not valid for value|No such file|Unexpected end|checksum', re.IGNORECASE)
@@ -228,13 +268,8 @@ class _EventsWriter:
       return method
 
     def call(*args, **kwargs):
-      try:
+      with _writing(f'the TensorBoard events to {self._path}'):
         return method(*args, **kwargs)
-      except Exception as e:  # pylint: disable=broad-except
-        if not isinstance(e, OSError) and not _DISK_ERROR.search(str(e)):
-          raise
-        raise CheckpointSaveError(f'Writing the TensorBoard events to {self._path} failed: '
-                                  f'{_first_line(e)}. {_RESUME_HINT}') from e
 
     return call
 
@@ -245,7 +280,7 @@ class Checkpoints:
   once on stable storage (:mod:`.durable`), saved in the background when ``asynchronous``."""
 
   def __init__(self, directory: Any, *, keep: Optional[int], asynchronous: bool):
-    import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top  (0.3 s; not for .npz)
+    ocp = orbax.import_orbax()
     if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
       raise ValueError(f'keep must be a positive int or None (keep all), got {keep!r}.')
     local = not paths.is_remote(os.fspath(directory))
@@ -253,6 +288,9 @@ class Checkpoints:
         preservation_policy=ocp.checkpoint_managers.LatestN(n=keep),
         enable_async_checkpointing=bool(asynchronous), cleanup_tmp_directories=True,
         temporary_path_class=durable.rename_class() if local else None))
+    # The steps known finalized, and the one saving in the background (for a failed save's
+    # message, which must not call on the storage that failed it).
+    self._finalized, self._saving = list(self._manager.all_steps()), None
 
   @property
   def directory(self) -> epath.Path:
@@ -272,12 +310,13 @@ class Checkpoints:
     if step in self._manager.all_steps():
       return
     self._check_free_space(step, state)
-    import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
+    ocp = orbax.import_orbax()
     items = {STATE_ITEM: ocp.args.StandardSave(state), COST_ITEM: ocp.args.JsonSave(cost),
              **{k: ocp.args.JsonSave(v) for k, v in ((CONFIG_ITEM, config), (DATASET_ITEM, dataset))
                 if v is not None}}
     with self._save_errors(step):
       self._manager.save(step, args=ocp.args.Composite(**items), force=True)
+      self._saved(step)  # Orbax's save waits for the one before to finish first.
 
   def _check_free_space(self, step: int, state: Any) -> None:
     """Raises CheckpointSaveError when the local disk lacks this process's share of the state
@@ -329,7 +368,7 @@ class Checkpoints:
 
   def _restore(self, step: int, abstract_state: Any, with_cost: bool = False
                ) -> Tuple[Any, Optional[Dict[str, Any]]]:
-    import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
+    ocp = orbax.import_orbax()
     items = {STATE_ITEM: ocp.args.StandardRestore(abstract_state)}
     has_cost = with_cost and (self.directory / str(step) / COST_ITEM).exists()
     if has_cost:
@@ -351,32 +390,44 @@ class Checkpoints:
     """Waits for a background save. Raises CheckpointSaveError if it failed."""
     with self._save_errors(None):
       self._manager.wait_until_finished()
+      self._saved(None)
 
   def close(self) -> None:
     self._manager.close()
 
+  def _saved(self, step: Optional[int]) -> None:
+    """The save in the background (if any) is finalized; ``step`` is saving now (None: none)."""
+    self._finalized += [self._saving] if self._saving is not None else []
+    self._saving = step
+
+  def _saving_finalized(self) -> bool:
+    """Whether the background save finalized: read for a local directory only (a remote one may
+    be the storage that failed)."""
+    directory = os.fspath(self.directory)
+    return not paths.is_remote(directory) and self._saving in rundir.saved_steps(directory)
+
   @contextlib.contextmanager
   def _save_errors(self, step: Optional[int]) -> Iterator[None]:
-    """A failed save (full disk, no permission) -> CheckpointSaveError; ``step`` None: the last."""
+    """A failed save (full disk, no permission, storage not answering) -> CheckpointSaveError;
+    ``step`` None: the last."""
     try:
       yield
-    except (OSError, ValueError, RuntimeError) as e:
-      text = str(e)
-      if not isinstance(e, OSError) and not _DISK_ERROR.search(text):
+    except Exception as e:  # pylint: disable=broad-except  (TensorFlow's are not OSErrors)
+      why = _failed_write(e)
+      if why is None:
         raise
-      kept = [s for s in self._manager.all_steps() if s != step]
+      kept = [s for s in self._finalized if s != step]
+      if self._saving not in (None, step) and self._saving_finalized():
+        kept.append(self._saving)
       which = 'the last save' if step is None else f'step {step}'
       intact = (f'the checkpoint of step {max(kept)} is intact' if kept else
                 'there is no earlier checkpoint')
-      full = 'No space left' in text or 'RESOURCE_EXHAUSTED' in text
-      cause = 'No space left on device' if full else _first_line(e)
+      cause = 'No space left on device' if why == 'full' else _first_line(e)
       raise CheckpointSaveError(
           f'Saving a checkpoint in {self.directory} failed ({which}, or the save before '
           f'it, which runs in the background): {cause}. {intact.capitalize()} (the partial save '
-          'is removed at the next start); '
-          + ('free disk space (or lower --config.keep_checkpoints)' if full else
-             'make the checkpoint directory writable')
-          + ' and rerun the same command to resume.') from e
+          f'is removed at the next start); {_FIXES[why]} and rerun the same command to '
+          'resume.') from e
 
 
 # Reading a run back: from any path a user gives to one step's state item, config and record.

@@ -4,6 +4,7 @@ read as ``{'image', 'label'}``; undecodable images (``config.data.bad_images``) 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import re
@@ -439,6 +440,21 @@ def _label_spec(builder, name: str, label_key: Optional[str]) -> LabelSpec:
                   '(multi-label).')
 
 
+@contextlib.contextmanager
+def _folder_names_without_slashes():
+  """tfds's ImageFolder lists folders with ``tf.io.gfile.listdir``, which on gs:// ends a
+  folder's name with '/': the splits and classes would be 'train/', 'cat/'. Stripped while it
+  reads the listing."""
+  # pylint: disable=protected-access
+  module = tfds.folder_dataset.image_folder
+  listed = module._list_folders
+  module._list_folders = lambda root: [name.rstrip('/') for name in listed(root)]
+  try:
+    yield
+  finally:
+    module._list_folders = listed
+
+
 def _make_source(data_cfg) -> Source:
   """Builds the `Source` for `config.data` (uncached)."""
   name, image_key, label_key = (data_cfg.name, data_cfg.image_key, data_cfg.label_key)
@@ -450,7 +466,8 @@ def _make_source(data_cfg) -> Source:
           f'config.data.image_folder={data_cfg.image_folder!r} is not a directory; it should '
           'hold <split>/<class>/*.{jpg,jpeg,png}, e.g. train/cat/1.jpg and test/cat/2.jpg.')
     try:
-      builder = tfds.folder_dataset.ImageFolder(root)
+      with _folder_names_without_slashes():
+        builder = tfds.folder_dataset.ImageFolder(root)
     except UnicodeDecodeError:  # tf.io.gfile lists names as UTF-8 only.
       raw = None if '://' in root else first_non_utf8_path(root)
       if raw is None:
