@@ -52,6 +52,41 @@ def test_compiled_cost_analysis_agrees_with_the_analytic_count():
   assert 1.0 <= cost["flops"] / analytic < 1.03
 
 
+@pytest.mark.parametrize("classifier", ["token", "gap", "map"])
+def test_registers_are_tokens_and_the_map_head_pools_the_patches(classifier):
+  """4 registers join every block's tokens (T = N + 4, + 1 with the class token); the MAP head
+  attends to the N patches only (the model's MAPHead_0 input); LayerScale and fc_norm are
+  elementwise: the traced model's count is the formula's, exactly."""
+  tiny = dict(hidden_size=16, mlp_dim=24, num_layers=2, patch_size=8)
+  d, m, n = 16, 24, 4
+  t = n + 4 + (classifier == "token")
+  macs = flops.vit_forward_macs(**tiny, image_size=16, num_classes=3, classifier=classifier,
+                                num_registers=4)
+  pooling = 2 * d * d + 2 * n * d * d + 2 * n * d + 2 * d * m if classifier == "map" else 0
+  assert macs == (n * 8 * 8 * 3 * d + 2 * (4 * t * d * d + 2 * t * t * d + 2 * t * d * m)
+                  + pooling + d * 3)
+  model = models.create("ViT-custom", num_classes=3, num_heads=2, classifier=classifier,
+                        num_registers=4, layerscale_init=1e-5, no_embed_class=True,
+                        fc_norm=classifier == "gap", **tiny)
+  assert flops.model_forward_macs(model, (16, 16, 3)) == macs
+  with pytest.raises(ValueError, match="num_registers must be 0 or more"):
+    flops.vit_forward_macs(**tiny, image_size=16, num_registers=-1)
+
+
+def test_compiled_cost_analysis_agrees_with_registers_and_map():
+  """XLA's count of a ViT-S/16 with 4 registers and the MAP head: within 3% above the formula."""
+  model = models.create("ViT-S_16", num_classes=1000, num_registers=4, classifier="map")
+  variables = models.unbox(models.abstract_variables(model, (224, 224)))
+  compiled = jax.jit(lambda v, x: model.apply(v, x, train=False)).lower(
+      variables, jax.ShapeDtypeStruct((1, 224, 224, 3), jnp.float32)).compile()
+  cost = compiled.cost_analysis()
+  cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+  analytic = 2 * flops.vit_forward_macs(hidden_size=384, mlp_dim=1536, num_layers=12,
+                                        patch_size=16, image_size=224, classifier="map",
+                                        num_registers=4)
+  assert 1.0 <= cost["flops"] / analytic < 1.03, cost["flops"] / analytic
+
+
 @pytest.mark.slow
 def test_compiled_training_step_agrees_with_three_forward_passes():
   """A ViT-B/16 AdamW step (forward, backward, update) by XLA: within 3% of 3 x the forward."""

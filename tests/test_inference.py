@@ -56,6 +56,55 @@ def test_a_t2t_pth_tar_reads_its_class_count_and_size_and_evaluates_with_the_t2t
   assert features.shape == (2, 64) and np.isfinite(features).all()
 
 
+ECOSYSTEM = os.path.join(FIXTURES, "ecosystem")
+REG4_GAP = os.path.join(ECOSYSTEM, "timm_reg4_gap", "model.safetensors")
+#: timm_reg4_gap's architecture (a non-standard width: timm files do not record the heads).
+REG4_ARCH = dict(hidden_size=16, mlp_dim=32, num_heads=2, num_layers=2, patch_size=8)
+
+
+@pytest.mark.golden
+def test_timm_variants_named_with_model_take_their_fields_from_the_weights():
+  """--model ViT-custom with the architecture: LayerScale, 4 registers, no_embed_class and
+  fc_norm come from the weights, as the classifier and position embedding do; timm's logits."""
+  trained = inference.load(REG4_GAP, model_name="ViT-custom", overrides=REG4_ARCH)
+  model = trained.config.model
+  assert (model.layerscale_init, model.num_registers, model.no_embed_class, model.fc_norm,
+          model.classifier) == (1e-5, 4, True, True, "gap")
+  golden = np.load(os.path.join(ECOSYSTEM, "timm_reg4_gap", "golden.npz"))
+  np.testing.assert_allclose(inference.Runner(trained).logits(golden["images"]),
+                             golden["logits"], rtol=0, atol=1e-5)
+
+
+def test_timm_weights_at_another_size_resample_their_table_as_timm():
+  """A timm file at 48 px (4x4 -> 6x6 grid): bicubic with antialiasing in the model (timm's
+  dynamic_img_size), unless --set posemb_resize says otherwise."""
+  heads = {"num_heads": 2}
+  trained = inference.load(REG4_GAP, image_size=48, overrides=heads)
+  assert trained.config.model.posemb_resize == "bicubic_antialias"
+  assert tuple(trained.config.model.posemb_grid) == (4, 4)
+  assert inference.load(REG4_GAP, overrides=heads).config.model.posemb_resize == (
+      "bicubic_antialias")
+  images = np.random.default_rng(0).uniform(-1, 1, (2, 48, 48, 3)).astype(np.float32)
+  logits = inference.Runner(trained).logits(images)
+  # The same as the table resampled once, by timm's method, applied at 48 px.
+  from vit_jax import models  # pylint: disable=g-import-not-at-top
+  from vit_jax.models import resample  # pylint: disable=g-import-not-at-top
+  variables = checkpoint.load(REG4_GAP, model=models.create(
+      "ViT-custom", **{k: v for k, v in checkpoint.model_fields(REG4_GAP, num_heads=2).items()
+                       if k != "image_size"}))
+  entry = variables["params"]["Transformer"]["posembed_input"]
+  entry["pos_embedding"] = resample.resample_posemb(entry["pos_embedding"], (6, 6),
+                                                    num_prefix_tokens=0,
+                                                    method="bicubic_antialias")
+  want = inference.Runner(inference.load(REG4_GAP, overrides=heads)).setup.model.apply(
+      variables, images, train=False)
+  np.testing.assert_allclose(logits, want, rtol=0, atol=1e-5)
+  bilinear = inference.load(REG4_GAP, image_size=48,
+                            overrides=dict(heads, posemb_resize="linear_corners"))
+  assert bilinear.config.model.posemb_resize == "linear_corners"
+  assert np.abs(inference.Runner(bilinear).logits(images) - logits).max() > 1e-4
+
+
 def test_bad_sources_are_one_clear_error(tmp_path):
   with pytest.raises(FileNotFoundError, match=r"does not exist: give a training workdir"):
     inference.load(tmp_path / "nothing")
@@ -137,8 +186,11 @@ def test_a_workdir_rebuilds_its_model_labels_and_preprocessing(tiny_workdir, tmp
   with pytest.raises(ValueError, match=r"--num-classes 5: .* with num classes 3 .*drop "
                      "--num-classes"):
     inference.load(workdir, num_classes=5)
-  with pytest.raises(ValueError, match=r"--image-size 16: .* with image size 8 "):
-    inference.load(workdir, image_size=16)
+  # Another size is not refused (issue 41): the ViT resamples its 2x2 table in the model.
+  at16 = inference.load(workdir, image_size=16)
+  assert at16.image_size == 16 and tuple(at16.config.model.posemb_grid) == (2, 2)
+  assert at16.config.model.posemb_resize == "linear_corners"  # The run's config's.
+  assert inference.Runner(at16).logits(np.repeat(np.repeat(images, 2, 1), 2, 2)).shape == (3, 3)
   assert inference.load(workdir, num_classes=3, image_size=8).step == 12
 
   # A run saved before the dataset record existed: the names from its data while it is there.

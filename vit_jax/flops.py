@@ -34,24 +34,29 @@ def compiled_flops(compiled: Any) -> Optional[float]:
 def vit_forward_macs(*, hidden_size: int, mlp_dim: int, num_layers: int, patch_size: int,
                      image_size: int | Tuple[int, int], num_classes: int = 1000,
                      classifier: str = "token", representation_size: Optional[int] = None,
-                     channels: int = 3) -> int:
+                     channels: int = 3, num_registers: int = 0) -> int:
   """MACs of one image's forward pass through a plain ViT (ViT-B/16 at 224 px: 17.56 G).
 
-  N patches of P x P x C, T tokens, width D, MLP M: embedding N P^2 C D; per layer 4 T D^2 + 2
-  T^2 D + 2 T D M; 'map' 2 D^2 + 2 N D^2 + 2 N D + 2 D M; pre_logits D R; head (R or D) x
-  classes. ValueError: an unknown classifier; ImageSizeError: a side the patch does not divide."""
+  N patches of P x P x C, T tokens (N, the class token with 'token', the ``num_registers``
+  registers), width D, MLP M: embedding N P^2 C D; per layer 4 T D^2 + 2 T^2 D + 2 T D M;
+  'map' over the patches (the model's MAPHead_0 is given the N patches only) 2 D^2 + 2 N D^2 +
+  2 N D + 2 D M; pre_logits D R; head (R or D) x classes. LayerScale and fc_norm multiply
+  elementwise: no MACs. ValueError: an unknown classifier, negative registers; ImageSizeError: a
+  side the patch does not divide."""
   if classifier not in ("token", "gap", "map"):
     raise ValueError(f"classifier must be 'token', 'gap' or 'map', got {classifier!r}.")
+  if num_registers < 0:
+    raise ValueError(f"num_registers must be 0 or more, got {num_registers}.")
   height, width = (image_size, image_size) if isinstance(image_size, int) else image_size
   if height % patch_size or width % patch_size:
     raise models.ImageSizeError(
         f"Image {height}x{width} is not divisible by the patch size {patch_size}.")
   patches = (height // patch_size) * (width // patch_size)
-  tokens = patches + (1 if classifier == "token" else 0)
+  tokens = patches + models.vit.prefix_tokens(classifier, num_registers)
   d = hidden_size
   embedding = patches * patch_size * patch_size * channels * d
   per_layer = 4 * tokens * d * d + 2 * tokens * tokens * d + 2 * tokens * d * mlp_dim
-  pooling = (2 * d * d + 2 * tokens * d * d + 2 * tokens * d + 2 * d * mlp_dim
+  pooling = (2 * d * d + 2 * patches * d * d + 2 * patches * d + 2 * d * mlp_dim
              if classifier == "map" else 0)
   features = representation_size or d
   pre_logits = d * representation_size if representation_size else 0

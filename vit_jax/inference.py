@@ -112,12 +112,11 @@ def _from_run(path: str, contents: checkpoint.Contents, model_name: Optional[str
   """A training run's model, rebuilt by its saved config."""
   run = contents.run
   config = config_lib.from_json(run.config)
-  for flag, given, saved in (('--num-classes', num_classes, config.num_classes),
-                             ('--image-size', image_size, config.data.image_size)):
-    if given is not None and given != saved:
-      raise ValueError(f'{flag} {given}: {path} is a training workdir of {config.model_name} '
-                       f'with {flag[2:].replace("-", " ")} {saved} (its saved config); drop '
-                       f'{flag} (or convert it to .npz: python -m vit_jax.convert).')
+  if num_classes is not None and num_classes != config.num_classes:
+    raise ValueError(f'--num-classes {num_classes}: {path} is a training workdir of '
+                     f'{config.model_name} with num classes {config.num_classes} (its saved '
+                     'config); drop --num-classes (or convert it to .npz: python -m '
+                     'vit_jax.convert).')
   if model_name and models.resolve(model_name)[0] is not models.resolve(config.model_name)[0]:
     raise ValueError(f'{path} holds a {config.model_name} trained by vit_jax: its config '
                      f'rebuilds the model; drop --model {model_name}.')
@@ -167,8 +166,9 @@ def _from_weights(path: str, contents: checkpoint.Contents, model_name: Optional
     fields = {**{k: v for k, v in implied.items()
                  if k != 'num_classes' and (hybrid or k != 'resnet_width_factor')}, **fields}
   elif implied is not None:  # What the weights compute, whatever the name says.
-    for key in ('representation_size', 'classifier', 'posemb'):
-      if implied[key] is not None:
+    for key in ('representation_size', 'classifier', 'posemb', 'layerscale_init',
+                'num_registers', 'no_embed_class', 'fc_norm'):  # (timm's variants: if present.)
+      if implied.get(key) is not None:
         fields.setdefault(key, implied[key])
   image_size = image_size or contents.image_size
   if image_size is None:
@@ -184,13 +184,37 @@ def _from_weights(path: str, contents: checkpoint.Contents, model_name: Optional
   config = config_lib.fill_regime(config)
   config.update(num_classes=classes, total_steps=1, batch_size=64, eval_batch_size=64)
   config.optim.warmup_steps = 0
-  config.data.update(image_size=int(image_size), normalization=contents.normalization,
-                     eval_crop_pct=contents.eval_crop_pct)
+  config.data.update(image_size=int(contents.image_size or image_size),
+                     normalization=contents.normalization, eval_crop_pct=contents.eval_crop_pct)
   multi_label = (classes == IMAGENET21K_CLASSES if contents.multi_label is None
                  else contents.multi_label)
   return TrainedModel(config, variables, contents.label_names or
                       labels.official_label_names(classes), bool(multi_label), None,
                       contents.description)
+
+
+def _at_image_size(config: ml_collections.ConfigDict, image_size: int,
+                   path: str) -> ml_collections.ConfigDict:
+  """``config`` (resolved; its position table made for ``config.data.image_size`` px images) on
+  ``image_size`` px ones: a ViT's learned table is resampled in the model to the new token grid
+  (``posemb_grid``: the table's; ``posemb_resize``: how), a sincos2d one computed for it.
+  ValueError for T2T-ViT, whose fixed sinusoid table is stored at its training size."""
+  native = int(config.data.image_size)
+  if int(image_size) == native:
+    return config
+  if models.resolve(config.model_name)[0].module is not models.VisionTransformer:
+    raise ValueError(f'--image-size {image_size}: {path} is a {config.model_name} for '
+                     f'{native} px images, whose stored position table fits no other size; drop '
+                     f'--image-size (or give {native}).')
+  config = ml_collections.ConfigDict(config.to_dict())
+  config.data.image_size = int(image_size)
+  if config.model.posemb == 'learn' and config.model.posemb_grid is None:
+    sy, sx = models.vit.token_stride(step_lib.create_model(config), native, native)
+    config.model.posemb_grid = (native // sy, native // sx)
+    logging.info('%s at %d px: its position table (%dx%d tokens, %d px) resampled in the model '
+                 '(%s).', path, image_size, *config.model.posemb_grid, native,
+                 config.model.posemb_resize)
+  return config
 
 
 def load(source: Any, *, step: Optional[int] = None, use_ema: bool = True,
@@ -201,7 +225,10 @@ def load(source: Any, *, step: Optional[int] = None, use_ema: bool = True,
   fit its model. ``step``: a workdir's (default the latest); ``use_ema``: the parameter EMA when
   saved; ``model_name``: required for ``.pth.tar`` files and T2T-ViT convert directories, checked
   for ``.npz``, refused for workdirs; ``num_classes``: checked against the head; ``image_size``:
-  default the position table's; ``overrides``: model fields; ``devices``: default all.
+  default the position table's (another: a ViT resamples its table in the model, ``posemb_grid``
+  and ``posemb_resize``, for weights alone their library's unless overridden:
+  :func:`vit_jax.checkpoint.posemb_resize`); ``overrides``: model fields; ``devices``: default
+  all.
 
   Raises FileNotFoundError (nothing at ``source``, no finalized step, ``step`` not saved) or
   ValueError (no known format, a damaged or unsafe file: ``DamagedCheckpointError``,
@@ -213,11 +240,17 @@ def load(source: Any, *, step: Optional[int] = None, use_ema: bool = True,
   if not paths.exists(path):
     raise FileNotFoundError(f'{path} does not exist: give {SOURCES}.')
   overrides = dict(overrides or {})
-  contents = checkpoint.open(path).contents(use_ema=use_ema, step=step, model_name=model_name,
-                                            overrides=overrides)
+  ckpt = checkpoint.open(path)
+  contents = ckpt.contents(use_ema=use_ema, step=step, model_name=model_name,
+                           overrides=overrides)
   build = _from_run if contents.run is not None else _from_weights
   trained = build(path, contents, model_name, overrides, num_classes, image_size)
   config = _for_devices(trained.config, list(jax.devices() if devices is None else devices))
+  if contents.run is None and 'posemb_resize' in config.model and (
+      'posemb_resize' not in overrides):  # Weights alone: their library's resize (timm's).
+    config.model.posemb_resize = checkpoint.posemb_resize(ckpt, step_lib.create_model(config))
+  if image_size is not None:  # The model built for its table's size, applied at another.
+    config = _at_image_size(config, image_size, path)
   model = step_lib.create_model(config)
   try:
     checkpoint.check_fits(trained.variables, models.abstract_variables(

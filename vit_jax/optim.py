@@ -4,12 +4,16 @@ regimes, Sec. 4.1, App. B.1: ``vit_jax.config.REGIME_DEFAULTS``)."""
 from __future__ import annotations
 
 import math
-from typing import Callable, Optional
+from typing import Any, Callable, NamedTuple, Optional
 
+from absl import logging
 import jax
 import jax.numpy as jnp
 import ml_collections
+import numpy as np
 import optax
+
+from vit_jax import param_groups
 
 SCHEDULES = ("linear", "cosine", "constant")
 LOSSES = ("softmax_xent", "sigmoid_xent")
@@ -83,9 +87,21 @@ def _decay_mask(params):
 
 
 def make_optimizer(optim: ml_collections.ConfigDict,
-                   schedule: Callable[[jax.Array], jax.Array]) -> optax.GradientTransformation:
+                   schedule: Callable[[jax.Array], jax.Array],
+                   params: Any = None) -> optax.GradientTransformation:
   """The optax optimizer of ``config.optim`` ('adamw' or 'sgd' with momentum, decoupled weight
-  decay on kernels, global-norm clipping, ``apply_if_finite`` with ``max_skipped_updates``)."""
+  decay on kernels, global-norm clipping, ``apply_if_finite`` with ``max_skipped_updates``);
+  with fine-tuning controls on (:mod:`vit_jax.param_groups`), per parameter group of ``params``
+  (arrays or ShapeDtypeStructs, which they need): `_finetune_optimizer`. ValueError: bad
+  values, naming the key and the fix."""
+  controls = param_groups.finetune_controls(optim)
+  if controls.on:
+    if params is None:
+      raise ValueError("config.optim's fine-tuning controls (layer_decay, freeze, wd_mults, "
+                       "head_warmup_steps) need the parameters: make_optimizer(optim, schedule, "
+                       "params).")
+    return _skipping(optim, _finetune_optimizer(optim, schedule,
+                                                param_groups.param_groups(optim, params)))
   parts = []
   if optim.grad_clip_norm:
     parts.append(optax.clip_by_global_norm(optim.grad_clip_norm))
@@ -98,13 +114,156 @@ def make_optimizer(optim: ml_collections.ConfigDict,
     parts.append(optax.sgd(schedule, momentum=optim.momentum))
   else:
     raise ValueError(f"Unknown optimizer {optim.optimizer!r}; choose one of {list(OPTIMIZERS)}.")
-  tx = optax.chain(*parts)
+  return _skipping(optim, optax.chain(*parts))
+
+
+def _skipping(optim: ml_collections.ConfigDict,
+              tx: optax.GradientTransformation) -> optax.GradientTransformation:
+  """`tx` in `optax.apply_if_finite` when ``max_skipped_updates`` > 0."""
   if optim.get("max_skipped_updates", 0):
     if optim.max_skipped_updates < 0:
       raise ValueError(f"config.optim.max_skipped_updates={optim.max_skipped_updates} must be "
                        ">= 0.")
     tx = optax.apply_if_finite(tx, max_consecutive_errors=optim.max_skipped_updates)
   return tx
+
+
+def _leaf_factor(value: np.ndarray, leaf: jax.Array) -> Any:
+  """A per-slice `value` [n] as a factor of `leaf` ([n, ...] when stacked, else a scalar)."""
+  if value.size == 1 or np.all(value == value.flat[0]):
+    return jnp.asarray(value.flat[0], leaf.dtype)
+  return jnp.asarray(value, leaf.dtype).reshape((-1,) + (1,) * (leaf.ndim - 1))
+
+
+def _map_named(fn: Callable[[str, jax.Array], Any], *trees: Any) -> Any:
+  """`fn(name, *leaves)` over `trees` (the first's paths; optax.MaskedNode left as it is)."""
+  return jax.tree_util.tree_map_with_path(
+      lambda path, *leaves: fn(param_groups.name_of(path), *leaves), *trees)
+
+
+class GatedState(NamedTuple):
+  """`_after_steps`'s state: updates counted so far, the inner transformation's state."""
+  count: jax.Array
+  inner_state: Any
+
+
+def _after_steps(inner: optax.GradientTransformation,
+                 steps: int) -> optax.GradientTransformation:
+  """`inner` from update `steps` on (counted from 0): before, zero updates and `inner`'s state
+  kept as initialised (fresh moments when it starts)."""
+
+  def init(params):
+    return GatedState(jnp.zeros([], jnp.int32), inner.init(params))
+
+  def update(updates, state, params=None):
+    new_updates, new_inner = inner.update(updates, state.inner_state, params)
+    started = state.count >= steps
+    new_updates = jax.tree.map(lambda u: jnp.where(started, u, jnp.zeros_like(u)), new_updates)
+    new_inner = jax.tree.map(lambda new, old: jnp.where(started, new, old), new_inner,
+                             state.inner_state)
+    return new_updates, GatedState(optax.safe_int32_increment(state.count), new_inner)
+
+  return optax.GradientTransformation(init, update)
+
+
+class SelectState(NamedTuple):
+  """`_select_gradients`' state with a head warm-up: updates counted so far."""
+  count: jax.Array
+
+
+def _select_gradients(groups: param_groups.ParamGroups) -> optax.GradientTransformation:
+  """Zeroes the gradients of frozen parameters (slices) and, during the head warm-up, of every
+  parameter outside the head: what is not trained is left out of the clipping's norm."""
+  steps = groups.controls.head_warmup_steps
+
+  def select(count):
+    def one(name, g):
+      if groups.label(name) == "frozen":
+        return jnp.zeros_like(g)
+      if groups.frozen[name].any():
+        g = g * _leaf_factor((~groups.frozen[name]).astype(np.float64), g)
+      if groups.label(name) == "trunk":
+        g = jnp.where(count >= steps, g, jnp.zeros_like(g))
+      return g
+    return one
+
+  def init(params):
+    del params
+    return SelectState(jnp.zeros([], jnp.int32)) if steps else optax.EmptyState()
+
+  def update(updates, state, params=None):
+    del params
+    if not steps:
+      return _map_named(select(None), updates), state
+    return (_map_named(select(state.count), updates),
+            SelectState(optax.safe_int32_increment(state.count)))
+
+  return optax.GradientTransformation(init, update)
+
+
+def _add_decayed_weights(groups: param_groups.ParamGroups,
+                         weight_decay: float) -> optax.GradientTransformation:
+  """`optax.add_decayed_weights` with each tensor's (slice's) `wd_mult`: u + wd * mult * p."""
+
+  def one(name, u, p):
+    mult = groups.wd_mult[name]
+    if not mult.any():
+      return u
+    return u + _leaf_factor(weight_decay * mult, p) * p
+
+  def update(updates, state, params=None):
+    if params is None:
+      raise ValueError("Weight decay needs the parameters: tx.update(grads, state, params).")
+    return _map_named(one, updates, params), state
+
+  return optax.GradientTransformation(lambda params: optax.EmptyState(), update)
+
+
+def _scale_updates(groups: param_groups.ParamGroups) -> optax.GradientTransformation:
+  """Multiplies each update by its tensor's (slice's) `update_scale` (layer decay, frozen 0)."""
+
+  def one(name, u):
+    scale = groups.update_scale(name)
+    if groups.label(name) == "frozen" or np.all(scale == 1.0):  # Frozen: zeros already.
+      return u
+    return u * _leaf_factor(scale, u)
+
+  return optax.stateless(lambda updates, params: _map_named(one, updates))
+
+
+def _finetune_optimizer(optim: ml_collections.ConfigDict,
+                        schedule: Callable[[jax.Array], jax.Array],
+                        groups: param_groups.ParamGroups) -> optax.GradientTransformation:
+  """`make_optimizer`'s chain with the fine-tuning controls: gradients selected (`frozen` and,
+  during the head warm-up, the trunk's zeroed), clipped, each group's moments (frozen: none
+  allocated, optax.set_to_zero; the trunk's gated by `_after_steps`), weight decay x `wd_mult`,
+  the run's schedule, x `update_scale` (layer decay, frozen slices 0). The order of the plain
+  optimizer, so neutral controls give its updates."""
+  if optim.optimizer not in OPTIMIZERS:
+    raise ValueError(f"Unknown optimizer {optim.optimizer!r}; choose one of {list(OPTIMIZERS)}.")
+
+  def moments() -> optax.GradientTransformation:
+    decay = [_add_decayed_weights(groups, optim.weight_decay)] if optim.weight_decay else []
+    if optim.optimizer == "adamw":
+      return optax.chain(optax.scale_by_adam(b1=optim.b1, b2=optim.b2), *decay)
+    return optax.chain(*decay, optax.trace(decay=optim.momentum)
+                       if optim.momentum is not None else optax.identity())
+
+  if groups.controls.wd_mults and not optim.weight_decay:
+    logging.warning("config.optim.wd_mults=%s has no effect: config.optim.weight_decay is 0 "
+                    "(set --config.optim.weight_decay).", groups.controls.wd_mults)
+  steps = groups.controls.head_warmup_steps
+  make = {"frozen": optax.set_to_zero, "train": moments, "head": moments,
+          "trunk": lambda: _after_steps(moments(), steps)}
+  transforms = {label: make[label]() for label in
+                dict.fromkeys(groups.label(t.name) for t in groups.tensors)}
+  labels = lambda tree: _map_named(lambda name, _: groups.label(name), tree)
+  parts = [_select_gradients(groups)]
+  if optim.grad_clip_norm:
+    parts.append(optax.clip_by_global_norm(optim.grad_clip_norm))
+  parts += [optax.multi_transform(transforms, labels), optax.scale_by_learning_rate(schedule),
+            _scale_updates(groups)]
+  return optax.chain(*parts)
 
 
 def loss_fn(logits: jax.Array, labels: jax.Array, kind: str,

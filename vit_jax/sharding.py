@@ -119,13 +119,19 @@ def variable_shardings(abstract_variables: Any, mesh: jax.sharding.Mesh, rules: 
 
 def like_params(tree: Any, params: Any, param_shardings: Any,
                 default: jax.sharding.NamedSharding) -> Any:
-  """Shardings of a tree mirroring ``params`` (optimizer state): a leaf gets its parameter's (same
-  key path and shape), else ``default``."""
+  """Shardings of a tree mirroring ``params`` (optimizer state): a leaf gets its parameter's (its
+  dict-key path, or the longest tail of it, and shape: under optax.multi_transform's group key),
+  else ``default``."""
   by_path = {(_dict_keys(path), tuple(leaf.shape)): sharding
              for (path, leaf), sharding in zip(jax.tree_util.tree_leaves_with_path(params),
                                                jax.tree_util.tree_leaves(param_shardings))}
-  return jax.tree_util.tree_map_with_path(
-      lambda path, leaf: by_path.get((_dict_keys(path), tuple(np.shape(leaf))), default), tree)
+
+  def find(path, leaf):
+    keys, shape = _dict_keys(path), tuple(np.shape(leaf))
+    return next((by_path[keys[i:], shape] for i in range(len(keys))
+                 if (keys[i:], shape) in by_path), default)
+
+  return jax.tree_util.tree_map_with_path(find, tree)
 
 
 def state_shardings(shapes: Dict[str, Any], boxed_variables: Any, mesh: jax.sharding.Mesh,

@@ -30,6 +30,7 @@ import optax
 
 from vit_jax import models
 from vit_jax import optim
+from vit_jax import param_groups
 from vit_jax import sharding
 
 State = dict[str, Any]
@@ -92,20 +93,48 @@ def train_accuracy(logits: jax.Array, labels: jax.Array) -> jax.Array:
   return jnp.clip(hit, 0.0, 1.0).mean()
 
 
+def frozen_mask(optim_config: ml_collections.ConfigDict, params: Any) -> Optional[Any]:
+  """`params`' tree (arrays or ShapeDtypeStructs) of bool NumPy arrays `[n]`, True where
+  `config.optim.freeze` freezes the tensor (n = 1) or the block of a stacked one (n = L), as
+  `vit_jax.param_groups` decides; None when nothing is frozen. Raises as it."""
+  if not param_groups.finetune_controls(optim_config).freeze:
+    return None
+  frozen = param_groups.param_groups(optim_config, params).frozen
+  return jax.tree_util.tree_map_with_path(
+      lambda path, _: frozen["/".join(str(k.key) for k in path
+                                      if isinstance(k, jax.tree_util.DictKey))], params)
+
+
+def _stop_frozen(param: jax.Array, frozen: np.ndarray) -> jax.Array:
+  """`param` (the same values) with no gradient where `frozen` ([n]: the whole tensor, or per
+  block of a stacked one)."""
+  if frozen.all():
+    return jax.lax.stop_gradient(param)
+  if not frozen.any():
+    return param
+  keep = jnp.asarray(~frozen).reshape((-1,) + (1,) * (param.ndim - 1))
+  return jnp.where(keep, param, jax.lax.stop_gradient(param))
+
+
 def make_train_step(model: nn.Module, tx: optax.GradientTransformation,
                     schedule: Callable[[jax.Array], jax.Array], *, loss: str,
                     dropout_rng: jax.Array, label_smoothing: float = 0.0,
                     grad_accum_steps: int = 1, ema_decay: float = 0.0,
-                    skip_nonfinite: bool = False
+                    skip_nonfinite: bool = False, frozen: Optional[Any] = None
                     ) -> Callable[[State, Batch], tuple[State, Metrics]]:
   """`step(state, batch) -> (state, metrics)`: forward, backward, update, EMA; batch
   `{'image': [B, H, W, C], 'labels': [B, C]}` float32. `grad_accum_steps` micro-batches
   (micro-batch i takes rows i, i + n, ..., spread over all devices) average to the batch's
   gradient; `ema_decay` > 0 keeps `ema_params`; `skip_nonfinite`: the optimizer is wrapped in
-  `optax.apply_if_finite`. Metrics, float32 scalars: 'loss', 'accuracy' (`train_accuracy`),
-  'grad_norm', 'param_norm', 'lr' and, with `skip_nonfinite`, 'skipped'."""
+  `optax.apply_if_finite`; `frozen` (`frozen_mask`): those parameters enter the loss through
+  `jax.lax.stop_gradient`, so their gradients are zero, not computed (XLA drops the work), and
+  out of 'grad_norm'. Metrics, float32 scalars: 'loss', 'accuracy' (`train_accuracy`),
+  'grad_norm' (of the trainable parameters), 'param_norm', 'lr' and, with `skip_nonfinite`,
+  'skipped'."""
 
   def loss_of(params, state, images, labels, rng):
+    if frozen is not None:
+      params = jax.tree.map(_stop_frozen, params, frozen)
     logits = model.apply(variables_of(state, params), images, train=True, rngs={"dropout": rng})
     return (optim.loss_fn(logits, labels, loss, label_smoothing).mean(),
             train_accuracy(logits, labels))
@@ -202,12 +231,14 @@ class Setup:
     return state_from_variables(variables, self.tx, ema=bool(self.config.ema_decay))
 
   def train_step_fn(self) -> Callable[[State, Batch], tuple[State, Metrics]]:
-    """`make_train_step` with this config's loss, accumulation, EMA and skipping."""
+    """`make_train_step` with this config's loss, accumulation, EMA, skipping and frozen
+    parameters."""
     c = self.config
     return make_train_step(
         self.model, self.tx, self.schedule, loss=c.loss, dropout_rng=self.dropout_rng,
         label_smoothing=c.label_smoothing, grad_accum_steps=c.grad_accum_steps,
-        ema_decay=c.ema_decay, skip_nonfinite=c.optim.max_skipped_updates > 0)
+        ema_decay=c.ema_decay, skip_nonfinite=c.optim.max_skipped_updates > 0,
+        frozen=frozen_mask(c.optim, self.abstract_state["params"]))
 
   def jit_train_step(self):
     """The train step jitted over the mesh: state and batch sharded, the old state donated."""
@@ -351,7 +382,6 @@ def build(config: ml_collections.ConfigDict, *, image_shape: Sequence[int],
   model = create_model(config)
   schedule = optim.schedule_from_config(config.optim, batch_size=config.batch_size,
                                         total_steps=config.total_steps)
-  tx = optim.make_optimizer(config.optim, schedule)
   mesh = sharding.create_mesh(config.mesh, devices)
   rules = sharding.parse_rules(config.mesh.rules, mesh.axis_names)
   init_rng, dropout_rng = jax.random.split(jax.random.PRNGKey(config.seed))
@@ -362,6 +392,8 @@ def build(config: ml_collections.ConfigDict, *, image_shape: Sequence[int],
     raise models.ImageSizeError(
         f"{e} (Training resizes every image to config.data.image_size="
         f"{config.data.image_size}: set --config.data.image_size to a size that fits.)") from e
+  # The fine-tuning controls (config.optim.freeze, ...) group the parameters by name.
+  tx = optim.make_optimizer(config.optim, schedule, nn.unbox(boxed)["params"])
   shapes = jax.eval_shape(
       lambda b: state_from_variables(nn.unbox(b), tx, ema=bool(config.ema_decay)), boxed)
   state_shardings = sharding.state_shardings(shapes, boxed, mesh, rules)

@@ -21,6 +21,7 @@ from vit_jax import data
 from vit_jax import evaluation
 from vit_jax import kernels
 from vit_jax import ledger as ledger_lib
+from vit_jax import param_groups
 from vit_jax import rundir
 from vit_jax import sharding
 from vit_jax import step as step_lib
@@ -223,6 +224,8 @@ def _prepare(config: ml_collections.ConfigDict, workdir: str,
   logging.info("%s", sharding.check_replication(
       setup.abstract_state["params"], setup.state_shardings["params"], setup.mesh,
       config.mesh.max_replicated_fraction))
+  logging.info("%s", param_groups.param_groups_table(  # config.optim's fine-tuning controls.
+      param_groups.param_groups(config.optim, setup.abstract_state["params"])))
   evals = evaluation.eval_sets(config, info)
   train_step = setup.jit_train_step()
 

@@ -1,5 +1,6 @@
 """Fine-tuning from a checkpoint (head reset, T2T table regenerated), EMA, and the converter CLI."""
 
+import logging
 import pathlib
 import subprocess
 import sys
@@ -12,6 +13,8 @@ import pytest
 from tests import data_utils
 from tests import t2t_fixtures
 from vit_jax import checkpoint
+from vit_jax.checkpoint import finetune
+from vit_jax.models import resample
 from vit_jax.tools import convert
 from vit_jax.config import defaults
 from vit_jax import models
@@ -204,6 +207,142 @@ def test_vit_finetuning_init_resets_head_and_converts_layout():
   assert {'params/Transformer/encoder_norm/scale', 'params/Transformer/encoder_norm/bias'} <= set(
       message.split('missing keys (2): ')[1].split('\n')[0].split(', '))
   assert 'params/head' not in message
+
+
+def _upsample_patches(images, patch, new_patch):
+  """Each ``patch`` x ``patch`` patch of ``[B, H, W, C]`` resized alone to ``new_patch`` (timm's
+  bicubic with antialiasing): the input on which FlexiViT's resize keeps every token."""
+  b, h, w, c = images.shape
+  gh, gw = h // patch, w // patch
+  patches = images.reshape(b, gh, patch, gw, patch, c).transpose(2, 4, 0, 1, 3, 5)
+  resized = resample.resize_grid(patches.reshape(patch, patch, -1), (new_patch, new_patch),
+                                 'bicubic_antialias')
+  resized = resized.reshape(new_patch, new_patch, b, gh, gw, c).transpose(2, 3, 0, 4, 1, 5)
+  return resized.reshape(b, gh * new_patch, gw * new_patch, c)
+
+
+@pytest.mark.parametrize('new_patch,size', [(8, 64), (2, 32)])
+def test_patch_size_change_by_flexivit_resize(new_patch, size, caplog):
+  """The 4 px-patch fixture (B/16 -> B/8 style) into patch 8 (upsampled, 64 px: the same 8x8
+  grid, so every token and logit is kept on per-patch upsampled images) and patch 2 (32 px: a
+  16x16 grid, the table resized as for another resolution); one INFO line names both sizes."""
+  saved = checkpoint.load(FIXTURES / 'vit_tiny' / 'params.npz')
+  model = models.create('ViT-custom', num_classes=10, **dict(_vit_tiny_fields(),
+                                                             patch_size=new_patch))
+  caplog.set_level(logging.INFO, logger='absl')
+  variables = checkpoint.init_for_finetuning(saved, _init(model, size), reset_head=False)
+  lines = [r.getMessage() for r in caplog.records if 'resampled by the FlexiViT' in r.getMessage()]
+  assert lines == [f'Fine-tuning init: patch size 4x4 (checkpoint) -> {new_patch}x{new_patch} '
+                   '(model): params/embedding/kernel resampled by the FlexiViT pseudo-inverse.']
+  flat, flat_saved = (checkpoint.flatten_params(v) for v in (variables, saved))
+  kernel = flat_saved['params/embedding/kernel']
+  np.testing.assert_array_equal(flat['params/embedding/kernel'],
+                                checkpoint.resample_patchemb(kernel, new_patch))
+  table = flat_saved['params/Transformer/posembed_input/pos_embedding']
+  grid = size // new_patch
+  np.testing.assert_array_equal(flat['params/Transformer/posembed_input/pos_embedding'],
+                                checkpoint.resize_posemb(table, 1 + grid * grid,
+                                                         has_class_token=True))
+  inputs = np.load(FIXTURES / 'vit_tiny' / 'inputs.npy')
+  apply = jax.jit(lambda v, x: model.apply(v, x, train=False))
+  if new_patch == 8:
+    np.testing.assert_allclose(apply(variables, _upsample_patches(inputs, 4, 8)),
+                               np.load(FIXTURES / 'vit_tiny' / 'logits.npy'), rtol=0, atol=5e-6)
+  else:
+    assert np.isfinite(np.asarray(apply(variables, inputs))).all()
+
+
+def test_hybrid_patch_size_change_is_refused():
+  fresh = {'params': {'conv_root': {'kernel': np.zeros((7, 7, 3, 8), np.float32)},
+                      'embedding': {'kernel': np.zeros((2, 2, 16, 32), np.float32)}}}
+  loaded = {'params': {'conv_root': {'kernel': np.ones((7, 7, 3, 8), np.float32)},
+                       'embedding': {'kernel': np.ones((1, 1, 16, 32), np.float32)}}}
+  with pytest.raises(finetune.ModelMismatchError, match=(
+      r"The patch size differs, 1x1 \(checkpoint\) -> 2x2 \(model\), and the model is a hybrid "
+      r"\(ResNet stem\).*Keep the checkpoint's patch size \(--config.model.patch_size=1\)")):
+    checkpoint.init_for_finetuning(loaded, fresh)
+
+
+ECOSYSTEM = FIXTURES / 'ecosystem'
+POSEMB = 'params/Transformer/posembed_input/pos_embedding'
+
+
+def _timm_model(name, num_heads, **overrides):
+  """(the timm fixture's path, a 7-class model of its fields and ``overrides``)."""
+  path = ECOSYSTEM / name / 'model.safetensors'
+  fields = checkpoint.model_fields(path, num_heads=num_heads)
+  fields.pop('image_size')
+  fields.update(dict(num_classes=7, posemb_resize='linear_corners'), **overrides)
+  return path, models.create('ViT-custom', **fields)
+
+
+@pytest.mark.parametrize('name, num_heads, size, prefix, rows', [
+    ('timm_vit_reg', 4, 48, 2, 2 + 36),      # Class token + 1 register rows, 4x4 -> 6x6.
+    ('timm_deit3', 2, 48, 0, 36),            # no_embed_class (DeiT III): the grid only.
+    ('timm_dinov2_reg4', 2, 42, 0, 9),       # no_embed_class, 4 registers: 2x2 -> 3x3.
+    ('timm_dinov2', 2, 28, 1, 1 + 4),        # Class-token row, 3x3 -> 2x2 (downsampled).
+])
+def test_timm_variants_finetune_at_another_size_with_timms_resize(name, num_heads, size, prefix,
+                                                                 rows, caplog):
+  """Registers, no_embed_class and LayerScale weights at a new image size: the table's rows in
+  front of the grid (class token, registers) kept, the grid resized as timm does (bicubic,
+  antialiased) since the model keeps the default posemb_resize; the rest as saved, the head
+  re-initialised. The same logits as the saved table resampled in the model (posemb_grid)."""
+  path, model = _timm_model(name, num_heads)
+  saved = checkpoint.open(path).read_for_finetuning(model)  # As saved (5 classes, 32 px).
+  fresh = _init(model, size)
+  caplog.set_level(logging.INFO, logger='absl')
+  variables = checkpoint.load_for_finetuning(path, model, fresh)
+  flat, flat_saved = (checkpoint.flatten_params(v) for v in (variables, saved))
+  table, saved_table = flat[POSEMB], flat_saved[POSEMB]
+  assert table.shape == (1, rows, model.hidden_size)
+  np.testing.assert_array_equal(table[:, :prefix], saved_table[:, :prefix])
+  old = int(round((saved_table.shape[1] - prefix) ** 0.5))
+  new = int(round((rows - prefix) ** 0.5))
+  np.testing.assert_allclose(
+      table, resample.resample_posemb(saved_table, (new, new), num_prefix_tokens=prefix,
+                                      method='bicubic_antialias'), rtol=0, atol=1e-7)
+  assert np.abs(table - resample.resample_posemb(saved_table, (new, new), num_prefix_tokens=prefix,
+                                                 method='linear_corners')).max() > 1e-4
+  assert f'{old}x{old} -> {new}x{new} grid, {prefix} class-token / register rows kept, ' \
+         'bicubic_antialias)' in caplog.text
+  for key, value in flat_saved.items():
+    if key not in (POSEMB, 'params/head/kernel', 'params/head/bias'):
+      np.testing.assert_array_equal(flat[key], value, err_msg=key)
+  np.testing.assert_array_equal(flat['params/head/kernel'],
+                                checkpoint.flatten_params(fresh)['params/head/kernel'])
+  # The model applying the saved table at this size resamples it the same way.
+  grid_model = model.clone(posemb_resize='bicubic_antialias', posemb_grid=(old, old))
+  in_model = dict(saved, params=dict(saved['params'], head=variables['params']['head']))
+  images = np.random.default_rng(0).uniform(-1, 1, (2, size, size, 3)).astype(np.float32)
+  with jax.default_matmul_precision('highest'):
+    np.testing.assert_allclose(grid_model.apply(in_model, images, train=False),
+                               model.apply(variables, images, train=False), rtol=0, atol=1e-5)
+
+
+def test_the_configs_posemb_resize_wins_over_timms():
+  path, model = _timm_model('timm_vit_reg', 4, posemb_resize='bicubic')
+  saved = checkpoint.flatten_params(checkpoint.open(path).read_for_finetuning(model))[POSEMB]
+  table = checkpoint.flatten_params(checkpoint.load_for_finetuning(path, model,
+                                                                   _init(model, 48)))[POSEMB]
+  np.testing.assert_allclose(table, resample.resample_posemb(saved, (6, 6), num_prefix_tokens=2,
+                                                             method='bicubic'), rtol=0, atol=1e-7)
+  assert checkpoint.posemb_resize(checkpoint.open(path), model) == 'bicubic'
+  assert checkpoint.posemb_resize(checkpoint.open(path), model.clone(
+      posemb_resize='linear_corners')) == 'bicubic_antialias'  # The default: timm's.
+  npz = checkpoint.open(FIXTURES / 'vit_tiny' / 'params.npz')  # Official: the default.
+  assert checkpoint.posemb_resize(npz) == 'linear_corners'
+
+
+def test_a_table_without_the_prefix_rows_into_a_model_with_them_is_named():
+  """DeiT III's table covers the patches only: a model without no_embed_class is told so."""
+  path, model = _timm_model('timm_deit3', 2, no_embed_class=False)
+  with pytest.raises(finetune.ModelMismatchError) as e:
+    checkpoint.load_for_finetuning(path, model, _init(model, 48))
+  message = str(e.value)
+  assert ('pos_embedding: checkpoint (1, 16, 16), model (1, 37, 16)' in message
+          and 'The position tables have 0 (checkpoint) and 1 (model) rows before the grid' in
+          message and 'no_embed_class=True' in message), message
 
 
 def _vit_tiny_fields():
@@ -481,6 +620,28 @@ def test_restore_for_evaluation_checks_the_model():
   with pytest.raises(ValueError, match='per-layer block layout; convert it with '
                      'vit_jax.models.scan_params first'):
     checkpoint.load(path, model=scanned, image_size=32)
+
+
+def test_a_no_embed_class_mismatch_is_not_called_another_image_size():
+  """Position tables that differ by exactly the class-token / register rows: no_embed_class."""
+  path, model = _timm_model('timm_deit3', 2, no_embed_class=False, num_classes=3)
+  with pytest.raises(ValueError) as e:
+    checkpoint.load(path, model=model)
+  message = str(e.value)
+  assert 'another image size' not in message.replace('not another image size', '')
+  assert ("Only the position table differs, by its 1 class-token / register rows: the "
+          "checkpoint's covers the patch grid only (no_embed_class=True) (timm's "
+          "no_embed_class), not another image size. Build the model with no_embed_class=True."
+          in message), message
+  path, model = _timm_model('timm_vit_reg', 4, no_embed_class=True, num_classes=5)
+  with pytest.raises(ValueError, match=r"covers the patch grid and the 2 class-token / register "
+                     r"rows in front \(no_embed_class=False\).* no_embed_class=False\."):
+    checkpoint.load(path, model=model)
+  # Another size (4x4 -> 6x6 grid) is still named so.
+  path, model = _timm_model('timm_deit3', 2, num_classes=3)
+  with pytest.raises(ValueError, match='Only the position table differs: the checkpoint is for '
+                     'another image size'):
+    checkpoint.load(path, model=model, image_size=48)
 
 
 def test_hybrid_mismatch_names_the_resnet_stages():

@@ -339,11 +339,66 @@ def test_image_size_not_divisible_by_patch():
     model.init(jax.random.key(0), jnp.zeros((32, 32, 3)), train=False)
 
 
-def test_wrong_resolution_for_loaded_params():
+def test_loaded_params_at_another_resolution_resample_their_table():
+  """The 32 px fixture (8x8 grid) at 16 px (4x4): the table resampled in the model as the
+  fine-tuning resize does (corners aligned); a table of another width is refused."""
   variables, inputs, _ = _golden('vit_tiny')
   model = _golden_model('vit_tiny')
-  with pytest.raises(ValueError, match=r'pos_embedding has shape \(1, 65, 32\).*\(1, 17, 32\)'):
-    model.apply(variables, inputs[:, :16, :16], train=False)
+  apply = jax.jit(lambda v, x: model.apply(v, x, train=False))
+  small = inputs[:, :16, :16]
+  resized = jax.tree.map(lambda x: x, variables)
+  entry = resized['params']['Transformer']['posembed_input']
+  entry['pos_embedding'] = checkpoint.resize_posemb(entry['pos_embedding'], 17,
+                                                    has_class_token=True)
+  with jax.default_matmul_precision('highest'):
+    np.testing.assert_allclose(apply(variables, small), apply(resized, small), rtol=0, atol=2e-6)
+  assert np.abs(np.asarray(apply(variables, small)) -
+                np.asarray(apply(variables, inputs))).max() > 1e-3
+  narrow = jax.tree.map(lambda x: x, variables)
+  narrow['params']['Transformer']['posembed_input']['pos_embedding'] = np.zeros((1, 65, 16),
+                                                                               np.float32)
+  with pytest.raises(ValueError, match=r'pos_embedding has shape \(1, 65, 16\) but the input '
+                     r'gives \(1, 17, 32\)'):
+    model.apply(narrow, small, train=False)
+
+
+def test_posemb_fields_are_overrides_and_the_grid_a_tuple():
+  """--config.model.posemb_resize / posemb_grid reach the model (ml_collections gives lists)."""
+  config = models.model_config('ViT-Ti_16', posemb_resize='bicubic', posemb_grid=[14, 14])
+  assert config['posemb_resize'] == 'bicubic' and config['posemb_grid'] == (14, 14)
+  defaults = models.model_config('ViT-Ti_16')
+  assert defaults['posemb_resize'] == 'linear_corners' and defaults['posemb_grid'] is None
+  assert models.create('ViT-Ti_16', num_classes=2, posemb_grid=[7, 7]).posemb_grid == (7, 7)
+  with pytest.raises(ValueError, match='posemb_resize must be one of'):
+    models.model_config('ViT-Ti_16', posemb_resize='nearest')
+
+
+@pytest.mark.parametrize('classifier, prefix', [('token', 3), ('gap', 2), ('map', 2)])
+def test_intermediates_of_a_model_with_registers(classifier, prefix):
+  """The token layout counts the class token and the 2 registers in front of the 2x2 grid; the
+  'map' head attends to the patches only (what the model gives it)."""
+  from vit_jax import analysis  # pylint: disable=g-import-not-at-top
+  from vit_jax.models import intermediates  # pylint: disable=g-import-not-at-top
+  model = models.create('ViT-custom', num_classes=3, patch_size=4, hidden_size=16, mlp_dim=16,
+                        num_heads=2, num_layers=2, classifier=classifier, num_registers=2)
+  images = np.random.default_rng(0).uniform(-1, 1, (2, 8, 8, 3)).astype(np.float32)
+  shapes = models.unbox(models.abstract_variables(model, (8, 8)))
+  rng = np.random.default_rng(1)
+  variables = jax.tree.map(lambda x: (0.3 * rng.standard_normal(x.shape)).astype(x.dtype), shapes)
+  got = intermediates.capture(model, variables, images)
+  assert got.layout == intermediates.TokenLayout(prefix=prefix, grid=(2, 2), stride=(4, 4))
+  assert [a.shape for a in got.attention] == [(2, 2, prefix + 4, prefix + 4)] * 2
+  assert [t.shape for t in got.tokens] == [(2, prefix + 4, 16)] * 2
+  np.testing.assert_allclose(np.asarray(got.attention[0]).sum(-1), 1.0, atol=1e-6)
+  if classifier == 'map':
+    assert got.head_attention.shape == (2, 2, 1, 4)
+  # The layout is what the analysis needs: the class token's (or the mean) row over the patches.
+  maps = analysis.layer_class_token_maps(got.attention, got.layout.grid,
+                                         num_prefix_tokens=got.layout.prefix)
+  assert maps.shape == (2, 2, 2, 2)
+  row = np.asarray(got.attention[1])[0, :, 0, prefix:].mean(0) if classifier == 'token' else None
+  if row is not None:
+    np.testing.assert_allclose(maps[1, 0].reshape(-1), row / row.max(), rtol=1e-5)
 
 
 @pytest.mark.slow

@@ -7,13 +7,14 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, Dict, Optional, Sequence
 
-from vit_jax.checkpoint import ecosystem  # noqa: F401 (checkpoint.ecosystem)
+from vit_jax import models
+from vit_jax.checkpoint import ecosystem
 from vit_jax.checkpoint import formats  # noqa: F401 (checkpoint.formats)
 from vit_jax.checkpoint import orbax  # noqa: F401 (checkpoint.orbax)
 from vit_jax.checkpoint import tree
 from vit_jax.checkpoint import workdir  # noqa: F401 (checkpoint.workdir)
 from vit_jax.checkpoint.archive import DamagedCheckpointError
-from vit_jax.checkpoint.finetune import init_for_finetuning, resize_posemb
+from vit_jax.checkpoint.finetune import init_for_finetuning, resample_patchemb, resize_posemb
 from vit_jax.checkpoint.formats import (ACCEPTED_FORMATS, TORCH_SUFFIXES, Checkpoint,
                                         Contents, detect, is_torch_checkpoint, open)  # noqa: A004
 from vit_jax.checkpoint.npz import convert_pre_linen, fix_groupnorm, load_npz, save_npz
@@ -31,8 +32,9 @@ __all__ = [
     'acquire_on_all_processes', 'check_fits', 'check_state_fits', 'convert_pre_linen',
     'describe_architecture', 'detect', 'fix_groupnorm', 'flatten_params', 'init_for_finetuning',
     'is_torch_checkpoint', 'load', 'load_for_finetuning', 'load_npz', 'load_orbax', 'load_pth',
-    'mismatch_report', 'model_fields', 'non_finite', 'non_finite_message', 'open', 'resize_posemb',
-    'save_npz', 'save_orbax', 'unflatten_params',
+    'mismatch_report', 'model_fields', 'non_finite', 'non_finite_message', 'open',
+    'posemb_resize', 'resample_patchemb', 'resize_posemb', 'save_npz', 'save_orbax',
+    'unflatten_params',
 ]
 
 
@@ -60,16 +62,34 @@ def model_fields(path: Any, *, num_heads: Optional[int] = None) -> Dict[str, Any
   return open(path).fields(num_heads)
 
 
+def posemb_resize(ckpt: Checkpoint, model: Any = None) -> str:
+  """How a learned position table read from ``ckpt`` (:func:`open`) is resampled to another
+  token grid: ``model``'s ``posemb_resize`` where it is not the default ('linear_corners'),
+  else the weights' library's (:data:`vit_jax.checkpoint.ecosystem.RESAMPLING`; a timm file:
+  timm's bicubic with antialiasing), else the default. Raises as :meth:`Checkpoint.numerics`."""
+  chosen = getattr(model, 'posemb_resize', None) or ecosystem.DEFAULT_POSEMB_RESIZE
+  if chosen != ecosystem.DEFAULT_POSEMB_RESIZE:
+    return chosen
+  found = ckpt.numerics(getattr(model, 'num_heads', None))
+  return (found and found[0].get('posemb_resize')) or chosen
+
+
 def load_for_finetuning(path: Any, model: Any, fresh: Mapping, *, use_ema: bool = True,
                         reset_head: bool = True,
                         grid: Optional[Sequence[int]] = None) -> Dict[str, Any]:
   """:func:`init_for_finetuning` from the checkpoint at ``path``, read at its own class count
-  and input size (other numerics than ``model``'s: a warning); ``fresh``: ``model``'s initial
-  variables. Raises ValueError: NaN or Inf weights (named); as :func:`load`."""
+  and input size (other numerics than ``model``'s: a warning), its position table resized by
+  :func:`posemb_resize`; ``fresh``: ``model``'s initial variables. Raises ValueError: NaN or Inf
+  weights (named); as :func:`load`."""
   ckpt = open(path)
   loaded = ckpt.read_for_finetuning(model, use_ema)
   bad = tree.non_finite(loaded)
   if bad:
     raise ValueError(f'{tree.non_finite_message(f"The fine-tuning checkpoint {ckpt.path}", bad)}: '
                      'fine-tune from other weights (or a step of the run before it diverged).')
-  return init_for_finetuning(loaded, fresh, reset_head=reset_head, grid=grid)
+  prefix_rows = None
+  if all(hasattr(model, k) for k in ('classifier', 'num_registers', 'no_embed_class')):  # A ViT.
+    prefix_rows = models.vit.posemb_prefix_rows(model.classifier, model.num_registers,
+                                                model.no_embed_class)
+  return init_for_finetuning(loaded, fresh, reset_head=reset_head, grid=grid,
+                             posemb_resize=posemb_resize(ckpt, model), prefix_rows=prefix_rows)

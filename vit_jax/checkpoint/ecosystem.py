@@ -17,6 +17,16 @@ from vit_jax.models import vit
 #: :func:`check_numerics`, set from ``init_from`` by the training config).
 NUMERICS = ('classifier', 'posemb', 'gelu_approximate', 'layer_norm_epsilon')
 
+#: The fields the weights' library implies that change nothing at their own image size, only
+#: how their learned position table is resampled to another grid (timm's: ``timm_vit.
+#: POSEMB_RESIZE``): in their fields (``checkpoint.model_fields``), taken where the model keeps
+#: :data:`DEFAULT_POSEMB_RESIZE` (``checkpoint.posemb_resize``: fine-tuning, inference), never
+#: checked.
+RESAMPLING = ('posemb_resize',)
+
+#: The model's ``posemb_resize`` unless set (the official fine-tuning resize).
+DEFAULT_POSEMB_RESIZE = vit.VisionTransformer.posemb_resize
+
 #: The export targets (``to``): the library's module and its ViT's name.
 _TARGETS = {'hf': (hf_vit, 'transformers ViT'), 'timm': (timm_vit, 'timm VisionTransformer')}
 
@@ -70,14 +80,17 @@ def write(dst: str, params: Mapping[str, Any], fields: Mapping[str, Any], *, to:
 
 def _materialise_posemb(params: Mapping[str, Any], fields: Mapping[str, Any],
                         image_size: int) -> Dict[str, Any]:
-  """A 'sincos2d' model's fixed table as a learned position embedding (the same values; a zero
-  class row in front with a class token), which both libraries' ViTs have."""
+  """A 'sincos2d' model's fixed table as a learned position embedding (the same values; zero
+  rows in front for the class token and registers unless ``no_embed_class``), which both
+  libraries' ViTs have."""
   if fields.get('posemb', 'learn') != 'sincos2d':
     return dict(params)
   ph, pw = vit.patch_pair(fields['patch_size'])
   width = int(fields['hidden_size'])
   table = np.asarray(vit.posemb_sincos_2d(image_size // ph, image_size // pw, width))
-  if 'cls' in params:
-    table = np.concatenate([np.zeros((1, 1, width), table.dtype), table], axis=1)
+  rows = vit.posemb_prefix_rows('token' if 'cls' in params else 'gap',
+                                fields.get('num_registers', 0), fields.get('no_embed_class', False))
+  if rows:
+    table = np.concatenate([np.zeros((1, rows, width), table.dtype), table], axis=1)
   encoder = dict(params['Transformer'], posembed_input={'pos_embedding': table})
   return dict(params, Transformer=encoder)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
-from typing import Any, Dict, Optional, Sequence, Tuple
+from typing import Any, Dict, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
@@ -13,6 +13,8 @@ from vit_jax.checkpoint import vit_shapes
 from vit_jax.checkpoint.mismatch import ModelMismatchError, diff, mismatch_report
 from vit_jax.checkpoint.tree import describe_architecture, flatten_params, unflatten_params
 from vit_jax.models import layout
+from vit_jax.models import resample
+from vit_jax.models.vit_fields import patch_pair
 
 #: The classifier head, re-initialised for fine-tuning (:func:`init_for_finetuning`).
 HEAD_KEYS = ('params/head/kernel', 'params/head/bias')
@@ -20,6 +22,9 @@ HEAD_KEYS = ('params/head/kernel', 'params/head/bias')
 PRE_LOGITS_PREFIX = 'params/pre_logits/'
 #: Fixed tables a model regenerates for its input size (T2T-ViT's sinusoid position table).
 REGENERATED_KEYS = ('constants/pos_embed',)
+#: ViT's patch-embedding kernel ``(Ph, Pw, C, D)``, resampled for another patch size
+#: (:func:`resample_patchemb`).
+PATCHEMB_KEY = 'params/embedding/kernel'
 
 
 def _grid_of(num_tokens: int, grid: Optional[Sequence[int]], what: str) -> Tuple[int, int]:
@@ -39,36 +44,121 @@ def _grid_of(num_tokens: int, grid: Optional[Sequence[int]], what: str) -> Tuple
 
 def resize_posemb(posemb: np.ndarray, num_tokens: int, *, has_class_token: bool,
                   old_grid: Optional[Sequence[int]] = None,
-                  new_grid: Optional[Sequence[int]] = None) -> np.ndarray:
+                  new_grid: Optional[Sequence[int]] = None,
+                  method: str = 'linear_corners') -> np.ndarray:
   """``posemb`` ``[1, T_old, D]`` resized to ``[1, num_tokens, D]`` (its dtype), as the
   official ``load_pretrained`` (docs/reference.md section 1): the class-token row (with
   ``has_class_token``) kept, the ``(rows, columns)`` grid (square when None) resampled
-  bilinearly with the corners aligned (``scipy.ndimage.zoom(order=1)``). ValueError for a grid
-  that does not match its row count, or is not square when not given."""
+  bilinearly with the corners aligned as ``scipy.ndimage.zoom(order=1)``, in float64 (but where
+  scipy's default mode zeroes the last row, docs/checkpoints.md), or by another ``method`` of
+  :data:`vit_jax.models.resample.RESIZE_METHODS` (the one implementation of the model's resize at
+  another input size, :func:`vit_jax.models.resample.resample_posemb`). ValueError for a grid
+  that does not match its row count, or is not square when not given; an unknown method."""
   posemb = np.asarray(posemb)
   first = 1 if has_class_token else 0
-  token_rows, grid_rows = posemb[:, :first], posemb[0, first:]
-  gh, gw = _grid_of(grid_rows.shape[0], old_grid, 'checkpoint')
-  nh, nw = _grid_of(num_tokens - first, new_grid, "model's")
-  from scipy import ndimage  # pylint: disable=g-import-not-at-top
-  grid = grid_rows.reshape(gh, gw, -1)
-  grid = ndimage.zoom(grid, (nh / gh, nw / gw, 1), order=1)
-  grid = grid.reshape(1, nh * nw, -1)
-  return np.concatenate([token_rows, grid], axis=1).astype(posemb.dtype)
+  old = _grid_of(posemb.shape[1] - first, old_grid, 'checkpoint')
+  new = _grid_of(num_tokens - first, new_grid, "model's")
+  return resample.resample_posemb(posemb, new, num_prefix_tokens=first, old_grid=old,
+                                  method=method)
+
+
+def resample_patchemb(kernel: np.ndarray, new_hw: Union[int, Sequence[int]], *,
+                      method: str = 'bicubic_antialias') -> np.ndarray:
+  """FlexiViT's pseudo-inverse resize ("PI-resize", Beyer et al., CVPR 2023; big_vision
+  ``resample_patchemb``, timm ``resample_patch_embed``) of a patch-embedding kernel: ``kernel``
+  ``(Ph, Pw, C, D)`` -> ``(Ph', Pw', C, D)`` (``new_hw``: ``P'`` or ``(Ph', Pw')``), in its dtype,
+  computed in float64.
+
+  With ``B`` the ``[Ph' Pw', Ph Pw]`` resize of a patch by ``method``
+  (:data:`vit_jax.models.resample.RESIZE_METHODS`; default timm's bicubic with antialiasing;
+  big_vision resizes bilinearly), each ``(C, D)`` filter ``w`` becomes ``pinv(B^T) w``: when
+  upsampling (``B`` injective) ``<B x, w'> = <x, w>`` for every patch ``x``, so at patch size
+  ``P'`` an image whose patches are each resized by ``B`` gives the original's tokens; when
+  downsampling, the least-squares fit. ValueError: not a 4-D kernel, a bad size or method."""
+  kernel = np.asarray(kernel)
+  if kernel.ndim != 4:
+    raise ValueError(f'A patch-embedding kernel is (height, width, channels, width D), got shape '
+                     f'{kernel.shape}')
+  new_h, new_w = patch_pair(new_hw)
+  old_h, old_w = kernel.shape[:2]
+  if (new_h, new_w) == (old_h, old_w):
+    return kernel
+  # Separable: B = kron(B_rows, B_columns), row-major patches as the kernel's (h, w) axes.
+  resize = np.kron(resample.resize_matrix(old_h, new_h, method),
+                   resample.resize_matrix(old_w, new_w, method))
+  flat = kernel.astype(np.float64).reshape(old_h * old_w, -1)
+  out = np.linalg.pinv(resize.T) @ flat
+  return out.reshape(new_h, new_w, *kernel.shape[2:]).astype(kernel.dtype)
+
+
+def _resampled_patchemb(have: np.ndarray, want: np.ndarray, fresh_flat: Mapping) -> np.ndarray:
+  """The checkpoint's ``embedding/kernel`` for the model's patch size (:func:`resample_patchemb`),
+  logged with both sizes; ModelMismatchError for a hybrid (its stem's stride is not resized)."""
+  old, new = tuple(np.shape(have)[:2]), tuple(want.shape[:2])
+  sizes = f'{old[0]}x{old[1]} (checkpoint) -> {new[0]}x{new[1]} (model)'
+  if 'params/conv_root/kernel' in fresh_flat:
+    raise ModelMismatchError(
+        f'The patch size differs, {sizes}, and the model is a hybrid (ResNet stem): the '
+        'patch-embedding resize (FlexiViT) is for plain ViTs. Keep the checkpoint\'s patch size '
+        f'(--config.model.patch_size={old[0] if old[0] == old[1] else old}).')
+  logging.getLogger('absl').info(
+      'Fine-tuning init: patch size %s: %s resampled by the FlexiViT pseudo-inverse.', sizes,
+      PATCHEMB_KEY)
+  return resample_patchemb(have, new).astype(want.dtype)
+
+
+def _posemb_prefix_rows(flat: Mapping[str, Any], rows: int, grid: Optional[Sequence[int]],
+                        what: str, likely: Optional[int] = None) -> int:
+  """The rows of a ``rows``-row learned table before its grid's, in the variables ``flat``
+  (``'/'``-joined names): ``rows`` less the ``grid`` ``(rows, columns)`` when given, else
+  ``likely`` (the model's) where the rest make a square grid, else
+  :func:`vit_shapes.table_prefix_rows`. ValueError: a grid that leaves neither none nor one per
+  class token and register."""
+  shapes = {k: tuple(np.shape(v)) for k, v in flat.items()}
+  registers = shapes.get('params/registers')
+  tokens = ('params/cls' in shapes) + (int(registers[1]) if registers else 0)
+  if grid is None:
+    if likely in (0, tokens) and vit_shapes.square_side(rows - likely):
+      return int(likely)
+    return vit_shapes.table_prefix_rows(shapes)
+  gh, gw = (int(g) for g in grid)
+  if rows - gh * gw not in (0, tokens):
+    raise ValueError(f'The {what} grid {gh}x{gw} does not match its {rows} position embedding '
+                     f'rows ({tokens} class-token / register rows or none before the grid).')
+  return rows - gh * gw
+
+
+def _prefix_hint(have: int, want: int) -> str:
+  """Why position tables with ``have`` (checkpoint) and ``want`` (model) rows before the grid
+  do not fit: timm's ``no_embed_class`` on one side only, or other prefix tokens."""
+  return (f'The position tables have {have} (checkpoint) and {want} (model) rows before the '
+          'grid, one per class token and register unless the table covers the patches only '
+          "(timm's no_embed_class): build the model with the checkpoint's classifier, "
+          'num_registers and no_embed_class.')
 
 
 def init_for_finetuning(loaded: Mapping, fresh: Mapping, *, reset_head: bool = True,
                         grid: Optional[Sequence[int]] = None,
-                        checkpoint_grid: Optional[Sequence[int]] = None) -> Dict[str, Any]:
+                        checkpoint_grid: Optional[Sequence[int]] = None,
+                        posemb_resize: str = 'linear_corners',
+                        prefix_rows: Optional[int] = None) -> Dict[str, Any]:
   """``fresh``'s variables (structure, plain leaves, dtypes) with the weights of ``loaded``
   (``{'params', **collections}``, NumPy or JAX, per-layer or scanned) but what fine-tuning
   changes:
 
   * the head takes ``fresh``'s values: always (the official ``load_pretrained``), or with
-    ``reset_head=False`` only for another class count (the T2T-ViT reference);
+    ``reset_head=False`` only for another class count (the T2T-ViT reference); a checkpoint
+    without one (a backbone: DINOv2, ``num_classes=None``) gets ``fresh``'s;
   * ViT's ``pre_logits`` is dropped when ``fresh`` has none;
-  * ViT's learned position embedding is resized (:func:`resize_posemb`; ``grid`` and
-    ``checkpoint_grid``: the ``(rows, columns)`` of non-square token grids);
+  * ViT's learned position embedding is resized to the model's grid by ``posemb_resize``
+    (:data:`vit_jax.models.resample.RESIZE_METHODS`; :func:`resize_posemb`), its rows before
+    the grid kept: one per class token and register (none with ``no_embed_class``;
+    :func:`vit_shapes.table_prefix_rows`), which must be as many in both tables (``grid`` and
+    ``checkpoint_grid``: the ``(rows, columns)`` of non-square token grids; ``prefix_rows``:
+    the model's, ``vit.posemb_prefix_rows`` of its fields, where a table's rows with and
+    without them could both be square grids);
+  * ViT's patch-embedding kernel of another patch size is resampled (:func:`resample_patchemb`,
+    FlexiViT's PI-resize; logged), not a hybrid's (ResNet stem: ModelMismatchError);
   * T2T-ViT's sinusoid table (``constants/pos_embed``) is regenerated (taken from ``fresh``);
     a Performer's random features ``w`` are kept.
 
@@ -87,8 +177,13 @@ def init_for_finetuning(loaded: Mapping, fresh: Mapping, *, reset_head: bool = T
     convert = layout.scan_params if fresh_scanned else layout.unscan_params
     loaded['params'] = convert(loaded['params'])
   loaded_flat = flatten_params(loaded)
-  out, notes = {}, []
+  out, notes, posemb_hint = {}, [], None
   for key, want in fresh_flat.items():
+    if key in HEAD_KEYS and key not in loaded_flat and not any(k in loaded_flat
+                                                               for k in HEAD_KEYS):
+      out[key] = np.asarray(want)  # A backbone without a head (DINOv2): a new one.
+      notes.append(f'initialised {key} {tuple(want.shape)} (the checkpoint has no head)')
+      continue
     if key not in loaded_flat:
       continue
     have = loaded_flat[key]
@@ -102,10 +197,24 @@ def init_for_finetuning(loaded: Mapping, fresh: Mapping, *, reset_head: bool = T
       notes.append(f'kept {key} (reset_head=False, same class count)')
     elif same_shape:
       out[key] = np.asarray(have).astype(want.dtype)
+    elif (key == PATCHEMB_KEY and np.ndim(have) == 4 and want.ndim == 4
+          and tuple(np.shape(have)[2:]) == tuple(want.shape[2:])):
+      out[key] = _resampled_patchemb(have, want, fresh_flat)
+      notes.append(f'resampled {change}')
     elif key == vit_shapes.POSEMB_KEY and np.ndim(have) == 3 and np.shape(have)[2] == want.shape[2]:
-      out[key] = resize_posemb(have, want.shape[1], has_class_token='params/cls' in fresh_flat,
-                               old_grid=checkpoint_grid, new_grid=grid).astype(want.dtype)
-      notes.append(f'resized {change}')
+      fresh_prefix = (_posemb_prefix_rows(fresh_flat, want.shape[1], grid, "model's")
+                      if prefix_rows is None or grid is not None else int(prefix_rows))
+      prefix = _posemb_prefix_rows(loaded_flat, np.shape(have)[1], checkpoint_grid, 'checkpoint',
+                                   fresh_prefix)
+      if prefix != fresh_prefix:  # Left to the mismatch report below.
+        posemb_hint = _prefix_hint(prefix, fresh_prefix)
+        continue
+      old = _grid_of(np.shape(have)[1] - prefix, checkpoint_grid, 'checkpoint')
+      new = _grid_of(want.shape[1] - prefix, grid, "model's")
+      out[key] = resample.resample_posemb(np.asarray(have), new, num_prefix_tokens=prefix,
+                                          old_grid=old, method=posemb_resize).astype(want.dtype)
+      notes.append(f'resized {change} ({old[0]}x{old[1]} -> {new[0]}x{new[1]} grid, {prefix} '
+                   f'class-token / register rows kept, {posemb_resize})')
     elif key in REGENERATED_KEYS:
       out[key] = np.asarray(want)
       notes.append(f'regenerated {change}')
@@ -113,15 +222,17 @@ def init_for_finetuning(loaded: Mapping, fresh: Mapping, *, reset_head: bool = T
       k for k in loaded_flat if k.startswith(PRE_LOGITS_PREFIX)]
   notes += [f'dropped {k}' for k in dropped]
   # What is left: the loaded weights, those adapted above in their new shapes, less the dropped.
+  kept = {k: out.get(k, v) for k, v in loaded_flat.items() if k not in dropped}
   missing, unexpected, mismatched = diff(
-      {k: out.get(k, v) for k, v in loaded_flat.items() if k not in dropped}, fresh_flat)
+      {**kept, **{k: out[k] for k in HEAD_KEYS if k in out}}, fresh_flat)
   if missing or unexpected or mismatched:
     hint = describe_architecture(loaded)
+    fix = hint and hint + ' Set the model fields (--config.model.*) to these values.'
+    fix = ' '.join(filter(None, (posemb_hint, fix)))
     raise ModelMismatchError(mismatch_report(
         'The checkpoint does not fit the model to fine-tune (only the head, pre_logits, the '
-        'position embedding and the T2T sinusoid table may differ):',
-        missing, unexpected, mismatched,
-        hint and hint + ' Set the model fields (--config.model.*) to these values.'), hint)
+        'position embedding, the patch size and the T2T sinusoid table may differ):',
+        missing, unexpected, mismatched, fix or None), hint)
   if notes:
     logging.getLogger('absl').info('Fine-tuning init: %s', '; '.join(notes))
   return unflatten_params(out)

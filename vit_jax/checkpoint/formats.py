@@ -304,14 +304,16 @@ def _label_names(dataset: Optional[Dict[str, Any]], num_classes: int, run: workd
 
 
 class _Foreign(Checkpoint):
-  """transformers or timm ViT weights, whose numerics the files record; ``_weights(num_heads)``
-  gives ``(params, fields with image_size, class names or None)``."""
+  """transformers or timm ViT weights, whose numerics the files record; ``_weights(num_heads,
+  gelu_approximate)`` gives ``(params, fields with image_size, class names or None)`` (the
+  arguments: the model's, for a file that does not record them)."""
 
   def numerics(self, num_heads=None):
     return self.fields(num_heads), self.family
 
   def read(self, *, model=None, use_ema=True, image_size=None, evaluate=True):
-    params, fields, _ = self._weights(getattr(model, 'num_heads', None))
+    params, fields, _ = self._weights(getattr(model, 'num_heads', None),
+                                      getattr(model, 'gelu_approximate', None))
     if model is not None and evaluate:
       ecosystem.check_numerics(fields, model, self.path)
     return self._fitted({'params': params}, model, image_size or fields['image_size'],
@@ -322,7 +324,7 @@ class _Foreign(Checkpoint):
     if heads is None and model_name:
       with contextlib.suppress(ValueError, TypeError):  # Reported later (e.g. ViT-custom).
         heads = models.model_config(model_name, **overrides).get('num_heads')
-    params, fields, names = self._weights(heads)
+    params, fields, names = self._weights(heads, overrides.get('gelu_approximate'))
     return _weights_alone(
         {'params': params}, f'{self.path} ({self.family.removeprefix("a ")})',
         numerics={k: fields[k] for k in ecosystem.NUMERICS}, image_size=fields['image_size'],
@@ -332,7 +334,8 @@ class _Foreign(Checkpoint):
     return None
 
   def read_for_finetuning(self, model, use_ema=True):
-    params, fields, _ = self._weights(getattr(model, 'num_heads', None))
+    params, fields, _ = self._weights(getattr(model, 'num_heads', None),
+                                      getattr(model, 'gelu_approximate', None))
     try:
       ecosystem.check_numerics(fields, model, self.path)
     except ValueError as e:
@@ -356,7 +359,7 @@ class _Hf(_Foreign):
   def fields(self, num_heads=None):
     return hf_vit.read_fields(self.probe.hf_directory, self.probe.hf_names)
 
-  def _weights(self, num_heads):
+  def _weights(self, num_heads, gelu_approximate=None):  # Both in config.json.
     return hf_vit.read(self.probe.hf_directory, self.probe.hf_names)
 
   def _normalization(self):
@@ -364,6 +367,8 @@ class _Hf(_Foreign):
 
 
 class _Timm(_Foreign):
+  """timm files, which record neither heads nor GELU: the model's (``overrides``') when given
+  (:func:`.timm_vit.fields_from`)."""
   name, family, reads_with_model = 'timm', 'a timm ViT', True
 
   def sniff(self):
@@ -373,8 +378,8 @@ class _Timm(_Foreign):
     header = self.probe.header
     return timm_vit.fields_from(archive.shapes(header), header[1], self.path, num_heads)
 
-  def _weights(self, num_heads):
-    return timm_vit.read(self.path, self.probe.header, num_heads)
+  def _weights(self, num_heads, gelu_approximate=None):
+    return timm_vit.read(self.path, self.probe.header, num_heads, gelu_approximate)
 
 
 #: Every format, in detection order (a torch zip before any zip, transformers before Orbax).

@@ -199,6 +199,15 @@ def export_problems(fields: Mapping[str, Any]) -> List[str]:
     problems.append('a pre_logits layer before the head (ViTForImageClassification has none)')
   if not isinstance(fields.get('patch_size'), int):
     problems.append(f"non-square patches {fields.get('patch_size')}")
+  # timm's variants (DeiT III, DINOv2): transformers' ViT has none of them (export with --to timm).
+  if fields.get('layerscale_init') is not None:
+    problems.append('LayerScale (layerscale_init; export with --to timm)')
+  if fields.get('num_registers'):
+    problems.append(f"{fields['num_registers']} register tokens (num_registers; export with "
+                    '--to timm)')
+  if fields.get('no_embed_class') and fields.get('posemb', 'learn') == 'learn':
+    problems.append('a position table without a class-token row (no_embed_class; export with '
+                    '--to timm)')
   return problems
 
 

@@ -1,5 +1,6 @@
 """Official and big_vision ViT ``.npz`` files (flat ``np.savez`` of ``/``-joined names): read
-without unpickling into the official per-layer layout, older files fixed; and written."""
+without unpickling into the official per-layer layout, older files fixed, a big_vision
+two-tower model's (SigLIP's) image tower taken; and written."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import zipfile
 from collections.abc import Mapping
 from typing import Any, Dict, Iterator, Optional, Tuple
 
+from absl import logging
 import numpy as np
 
 from vit_jax.checkpoint import archive
@@ -147,12 +149,30 @@ def read_npz_index(path: Any, npz: Optional[archive.Zip] = None
     return {key: _header(npz, opened, member) for key, member in _members(npz)}
 
 
-def _params(flat: Dict[str, Any]) -> Dict[str, Any]:
-  """The nested tree of an ``.npz`` file's flat arrays: ``params/`` stripped, older files'
+def image_tower(params: Mapping[str, Any], path: Optional[str] = None) -> Dict[str, Any]:
+  """The image tower ``img`` (a big_vision ViT) of a big_vision two-tower params tree
+  (``big_vision/models/proj/image_text/two_towers.py``: SigLIP, SigLIP 2, LiT; ``img``, ``txt``
+  and the temperature ``t``, bias ``b``); the rest is dropped, with a log line naming it when
+  ``path`` is given. Other trees are returned unchanged."""
+  tower = params.get('img')
+  if not (isinstance(tower, Mapping) and 'embedding' in tower):
+    return dict(params)
+  if path is not None:
+    dropped = ', '.join(f'{k}/' if isinstance(v, Mapping) else k
+                        for k, v in sorted(params.items()) if k != 'img')
+    logging.info('%s is a big_vision two-tower model (SigLIP, LiT): its image tower img/ is '
+                 'read as the ViT; %s ignored (the text tower and the logit scale and bias).',
+                 path, dropped or 'nothing else')
+  return dict(tower)
+
+
+def _params(flat: Dict[str, Any], path: Optional[str] = None) -> Dict[str, Any]:
+  """The nested tree of an ``.npz`` file's flat arrays: ``params/`` stripped, a two-tower
+  model's image tower taken (:func:`image_tower`, logged with ``path``), older files'
   numbering and GroupNorm fixed (not yet converted from big_vision's layout)."""
   if all(k.startswith('params/') for k in flat):
     flat = {k[len('params/'):]: v for k, v in flat.items()}
-  return fix_groupnorm(convert_pre_linen(unflatten_params(flat)))
+  return fix_groupnorm(convert_pre_linen(image_tower(unflatten_params(flat), path)))
 
 
 def read_npz_shapes(path: Any, npz: Optional[archive.Zip] = None
@@ -186,7 +206,7 @@ def load_npz(path: Any, npz: Optional[archive.Zip] = None) -> Dict[str, Any]:
         f'{path!r} holds PyTorch state-dict names (e.g. {example!r}), not the official ViT '
         "'/'-joined Flax names. Load the PyTorch checkpoint itself (.pth.tar, with model=...), "
         'or convert the arrays with vit_jax.checkpoint.t2t_torch.from_torch_state_dict.')
-  return {'params': from_big_vision(_params(flat))}
+  return {'params': from_big_vision(_params(flat, path))}
 
 
 def save_npz(path: Any, params: Mapping) -> None:

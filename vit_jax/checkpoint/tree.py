@@ -91,10 +91,31 @@ def check_fits(variables: Mapping, expected: Mapping, *, what: str = 'The checkp
     hint += ' Build the model with these values.'
   if not missing and not unexpected and all(vit_shapes.POSEMB_KEY in m or 'pos_embed' in m
                                             for m in mismatched):
-    hint = ('Only the position table differs: the checkpoint is for another image size. '
-            'Evaluate at the size it was trained at, or use init_for_finetuning '
-            '(--config.init_from) to resize it for a new resolution.')
+    hint = _prefix_rows_hint(flatten_params(variables), flatten_params(expected)) or (
+        'Only the position table differs: the checkpoint is for another image size. '
+        'Evaluate at the size it was trained at, build the model with posemb_grid=(rows, '
+        'columns) of its table to resample it in the model, or use init_for_finetuning '
+        '(--config.init_from) to resize it for a new resolution.')
   raise ModelMismatchError(mismatch_report(header, missing, unexpected, mismatched, hint), implied)
+
+
+def _prefix_rows_hint(have: Mapping[str, Any], want: Mapping[str, Any]) -> Optional[str]:
+  """For flat trees whose ViT position tables differ by exactly the rows of the class token
+  and registers (timm's ``no_embed_class`` on one side only), what to build; else None."""
+  if vit_shapes.POSEMB_KEY not in have or vit_shapes.POSEMB_KEY not in want:
+    return None
+  rows, model_rows = np.shape(have[vit_shapes.POSEMB_KEY])[1], np.shape(
+      want[vit_shapes.POSEMB_KEY])[1]
+  registers = np.shape(want['params/registers'])[1] if 'params/registers' in want else 0
+  prefix = ('params/cls' in want) + int(registers)
+  if not prefix or abs(rows - model_rows) != prefix:
+    return None
+  covers = ('the patch grid only (no_embed_class=True)' if rows < model_rows else
+            f'the patch grid and the {prefix} class-token / register rows in front '
+            '(no_embed_class=False)')
+  return (f'Only the position table differs, by its {prefix} class-token / register rows: '
+          f"the checkpoint's covers {covers} (timm's no_embed_class), not another image size. "
+          f'Build the model with no_embed_class={rows < model_rows}.')
 
 
 def _name(path) -> str:

@@ -14,6 +14,12 @@ from vit_jax.models import vit_fields
 #: resized to the new token grid when fine-tuning (:func:`vit_jax.checkpoint.resize_posemb`).
 POSEMB_KEY = 'params/Transformer/posembed_input/pos_embedding'
 
+#: What LayerScale weights read as (DINOv2's ``init_values``): a file holds the trained scales,
+#: not the value they started from, which only a fresh model's initialisation uses.
+LAYERSCALE_INIT = 1e-5
+
+_LAYERSCALE = re.compile(r'^params/Transformer/encoderblock(_\d+)?/LayerScale_[01]/scale$')
+
 
 def architecture_fields(shapes: dict) -> Optional[Dict[str, Any]]:
   """The :class:`~vit_jax.models.vit.VisionTransformer` fields that ``shapes`` (``'/'``-joined
@@ -21,7 +27,10 @@ def architecture_fields(shapes: dict) -> Optional[Dict[str, Any]]:
   without their kernels; the ResNet stem's), ``classifier`` ('map' with ``MAPHead_0/probe``,
   'token' with ``cls``, else 'gap'), ``posemb`` ('sincos2d' without :data:`POSEMB_KEY`) and
   ``num_classes`` (None without a head); not the numerics, which leave no trace. None for
-  shapes not a ViT's (no 4-D ``embedding/kernel``)."""
+  shapes not a ViT's (no 4-D ``embedding/kernel``). timm's variants, only where present:
+  ``layerscale_init`` (:data:`LAYERSCALE_INIT`) with ``LayerScale_*`` scales, ``num_registers``
+  the rows of ``registers``, ``fc_norm`` with an ``fc_norm``, ``no_embed_class`` with a table
+  of the grid only (:func:`table_has_prefix`)."""
   embedding = shapes.get('params/embedding/kernel')
   if not embedding or len(embedding) != 4:
     return None
@@ -41,6 +50,7 @@ def architecture_fields(shapes: dict) -> Optional[Dict[str, Any]]:
                             else 'token' if 'params/cls' in shapes else 'gap'),
                 posemb='learn' if POSEMB_KEY in shapes else 'sincos2d',
                 num_classes=head[-1] if head else None)
+  fields.update(variant_fields(shapes, fields['classifier']))
   if 'params/conv_root/kernel' in shapes:  # ResNet stem: params/block{stage}/unit{unit}/...
     units = {}
     for m in filter(None, map(re.compile(r'^params/block(\d+)/unit(\d+)/.').match, shapes)):
@@ -50,13 +60,52 @@ def architecture_fields(shapes: dict) -> Optional[Dict[str, Any]]:
   return fields
 
 
+def variant_fields(shapes: dict, classifier: str) -> Dict[str, Any]:
+  """The fields of timm's variants that ``shapes`` (as :func:`architecture_fields`) hold, the
+  non-default ones only: ``layerscale_init``, ``num_registers``, ``fc_norm``,
+  ``no_embed_class``."""
+  fields = {}
+  if any(_LAYERSCALE.match(k) for k in shapes):
+    fields['layerscale_init'] = LAYERSCALE_INIT
+  registers = shapes.get('params/registers')
+  if registers:
+    fields['num_registers'] = int(registers[1])
+  if 'params/fc_norm/scale' in shapes:
+    fields['fc_norm'] = True
+  table = shapes.get(POSEMB_KEY)
+  prefix = vit_fields.prefix_tokens(classifier, fields.get('num_registers', 0))
+  if table and not table_has_prefix(table[1], prefix):
+    fields['no_embed_class'] = True
+  return fields
+
+
+def table_has_prefix(rows: int, prefix: int) -> bool:
+  """Whether a learned table of ``rows`` rows has one for each of the ``prefix`` tokens in front
+  of the grid (official, timm's default) or covers the grid only (timm's ``no_embed_class``):
+  the latter when ``rows`` make a square grid and ``rows - prefix`` none (a non-square grid
+  reads as the former)."""
+  return not (prefix and square_side(rows) and not square_side(rows - prefix))
+
+
+def table_prefix_rows(shapes: dict) -> int:
+  """The rows of the learned table (:data:`POSEMB_KEY`) in ``shapes`` before the grid's: one
+  per class token and register, none when it covers the grid only (:func:`table_has_prefix`);
+  0 without a table. What the fine-tuning resize keeps as they are."""
+  table = shapes.get(POSEMB_KEY)
+  if not table:
+    return 0
+  registers = shapes.get('params/registers')
+  prefix = (1 if 'params/cls' in shapes else 0) + (int(registers[1]) if registers else 0)
+  return prefix if table_has_prefix(table[1], prefix) else 0
+
+
 def image_size(shapes: dict, fields: Dict[str, Any]) -> Optional[int]:
   """The side of the square images the learned position table is for (tokens' grid side times
   the total stride of ``fields``, :func:`architecture_fields`); None without a square table."""
   table = shapes.get(POSEMB_KEY)
   if not table:
     return None
-  tokens = table[1] - (1 if 'params/cls' in shapes else 0)
+  tokens = table[1] - table_prefix_rows(shapes)
   stride = vit_fields.patch_pair(fields['patch_size'])[0]
   if fields.get('resnet_num_layers') is not None:
     stride *= resnet.resnet_stride(fields['resnet_num_layers'])
@@ -77,7 +126,8 @@ def describe_architecture(shapes: dict) -> Optional[str]:
   if fields is None:
     return None
   names = ['patch_size', 'hidden_size', 'num_layers', 'num_heads', 'mlp_dim',
-           'representation_size', 'resnet_num_layers']
+           'representation_size', 'resnet_num_layers', 'layerscale_init', 'num_registers',
+           'no_embed_class', 'fc_norm']
   text = ', '.join(f'{k}={fields[k]}' for k in names
                    if k in fields and (fields[k] is not None or k == 'representation_size'))
   if fields['classifier'] == 'map':  # ('token' and 'gap' are not named, as before.)

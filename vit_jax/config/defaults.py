@@ -36,6 +36,10 @@ NORMALIZATIONS = ("minus_one_to_one", "imagenet")
 BAD_IMAGES = ("fail", "skip")
 
 
+#: The type of a model field whose default is None, where it is not int (`--config.model.KEY=...`).
+PLACEHOLDER_TYPES = {"qk_scale": float, "posemb_grid": tuple, "resnet_num_layers": tuple}
+
+
 def model_config(model_name: str, **model_overrides) -> ml_collections.ConfigDict:
   """``config.model``: every field of the named variant, resolved, plus how the blocks run.
 
@@ -52,7 +56,7 @@ def model_config(model_name: str, **model_overrides) -> ml_collections.ConfigDic
   model = ml_collections.ConfigDict(fields)
   for key, value in list(model.items()):
     if value is None:  # e.g. representation_size: keep it overridable with the right type.
-      model[key] = config_dict.placeholder(float if key == "qk_scale" else int)
+      model[key] = config_dict.placeholder(PLACEHOLDER_TYPES.get(key, int))
   if "head_bias_init" in model:  # ViT: the regime's default (-10 or 0) if None.
     model.head_bias_init = config_dict.placeholder(float)
   return model
@@ -80,6 +84,20 @@ def optim_config() -> ml_collections.ConfigDict:
   # Updates with NaN/Inf gradients skipped (train/skipped_updates) up to this many in a row;
   # the next one stops the run. 0: the first non-finite loss stops it.
   c.max_skipped_updates = 0
+  # Fine-tuning controls (vit_jax.param_groups; docs/configs.md), all off by default. Names
+  # are '/'-joined ('Transformer/encoderblock_3/MlpBlock_0/Dense_0/kernel', per layer also with
+  # scan=True) and patterns match them whole (re.fullmatch), the first one deciding.
+  # Layer-wise lr decay (BEiT, timm layer_decay): layer i of 0 (embeddings) .. L + 1 (head) gets
+  # lr * layer_decay^(L + 1 - i); in (0, 1], None: off.
+  c.layer_decay = config_dict.placeholder(float)
+  # Frozen parameters (zero updates, no optimizer state), e.g. ('(?!head/).*',): a linear probe.
+  c.freeze = ()
+  # (pattern, multiplier) of the weight decay; unmatched parameters keep the default: 1 on
+  # kernels, 0 elsewhere. E.g. (('head/.*', 0.0),).
+  c.wd_mults = ()
+  # The first this many updates train only head_warmup_pattern's parameters (LP-FT); 0: off.
+  c.head_warmup_steps = 0
+  c.head_warmup_pattern = "head/.*"
   return c
 
 

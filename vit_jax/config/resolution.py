@@ -17,6 +17,7 @@ from vit_jax import dispatch
 from vit_jax import hardware
 from vit_jax import models
 from vit_jax import optim
+from vit_jax import param_groups
 from vit_jax import platform
 from vit_jax import step
 from vit_jax.config import defaults
@@ -94,6 +95,9 @@ _OPTIM_RANGES = {
     "cooldown_epochs": (_NON_NEGATIVE, True, ""),
     "grad_clip_norm": (_NON_NEGATIVE, False, "0 disables clipping"),
     "max_skipped_updates": (_NON_NEGATIVE_INT, False, "0: the first non-finite loss stops"),
+    "layer_decay": (_FRACTION, True, "None turns layer-wise lr decay off; BEiT and timm "
+                    "fine-tune with 0.65 to 0.75"),
+    "head_warmup_steps": (_NON_NEGATIVE_INT, False, "0 turns the head-only warm-up off"),
 }
 _DATA_RANGES = {
     "augment": (_one_of(defaults.AUGMENTATIONS), False, ""),
@@ -324,6 +328,19 @@ def _resolve_schedule(config: ml_collections.ConfigDict, num_train_examples: int
                              total_steps=config.total_steps)  # Raises for a bad length.
 
 
+def _resolve_finetune_controls(config: ml_collections.ConfigDict) -> None:
+  """Checks `config.optim`'s fine-tuning controls (`vit_jax.param_groups.finetune_controls`; those that
+  need the model's parameter names are checked when the optimizer is built) and normalises
+  them: `freeze` a tuple, `wd_mults` (pattern, float) pairs. After the schedule's length."""
+  controls = param_groups.finetune_controls(config.optim)
+  config.optim.freeze, config.optim.wd_mults = controls.freeze, controls.wd_mults
+  if controls.head_warmup_steps >= config.total_steps:
+    raise ValueError(
+        f"config.optim.head_warmup_steps={controls.head_warmup_steps} must be smaller than the "
+        f"run's {config.total_steps} steps, or only the head would ever train; lower it, or "
+        "train the head alone with --config.optim.freeze='(?!head/).*'.")
+
+
 def _resolve_init_from(config: ml_collections.ConfigDict) -> None:
   """`init_from` from `pretrained_dir` ('<dir>/<model_name>.npz'); must exist."""
   if not config.init_from and config.pretrained_dir:
@@ -456,6 +473,7 @@ def resolve(config: ml_collections.ConfigDict, *, num_train_examples: int, num_c
     check_host_limits(config, num_train_examples=num_train_examples,
                       process_count=jax.process_count(), unit=config.grad_accum_steps * shards)
   _resolve_schedule(config, num_train_examples)
+  _resolve_finetune_controls(config)
   if config.eval_batch_size is None:
     config.eval_batch_size = config.batch_size
   elif config.eval_batch_size % shards:

@@ -54,7 +54,8 @@ _VIT_DEFAULTS: Dict[str, Any] = dict(
     classifier='token', representation_size=None, dropout_rate=0.0, attention_dropout_rate=0.0,
     head_bias_init=0.0, dtype='float32', param_dtype='float32', scan=False, remat=False,
     remat_policy='nothing_saveable', attention='xla', gelu_approximate=True,
-    layer_norm_epsilon=1e-6, posemb='learn')
+    layer_norm_epsilon=1e-6, posemb='learn', layerscale_init=None, num_registers=0,
+    no_embed_class=False, fc_norm=False, posemb_resize='linear_corners', posemb_grid=None)
 
 _REQUIRED_CUSTOM = ('hidden_size', 'mlp_dim', 'num_heads', 'num_layers', 'patch_size')
 
@@ -242,8 +243,9 @@ def model_config(name: str, **overrides: Any) -> Dict[str, Any]:
   config.update(overrides)
   if 'patch_size' in config:
     config['patch_size'] = patch_pair(config['patch_size'])
-  if isinstance(config.get('resnet_num_layers'), (list, tuple)):
-    config['resnet_num_layers'] = tuple(config['resnet_num_layers'])  # As ml_collections has it.
+  for key in ('resnet_num_layers', 'posemb_grid'):  # As ml_collections has them: tuples.
+    if isinstance(config.get(key), (list, tuple)):
+      config[key] = tuple(config[key])
   if family.validate is not None:
     family.validate(num_classes=None, **config)
   return config

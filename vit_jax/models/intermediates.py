@@ -28,8 +28,9 @@ TOKENS = attention_lib.TOKENS
 
 @dataclasses.dataclass(frozen=True)
 class TokenLayout:
-  """The token order of a map: ``prefix`` class tokens (1 or 0), then the ``grid`` ``(rows,
-  cols)`` row-major, centres ``stride`` ``(sy, sx)`` input pixels apart."""
+  """The token order of a map: ``prefix`` tokens (the class token, then the registers:
+  :func:`vit_jax.models.vit.prefix_tokens`), then the ``grid`` ``(rows, cols)`` row-major,
+  centres ``stride`` ``(sy, sx)`` input pixels apart."""
 
   prefix: int
   grid: Tuple[int, int]
@@ -43,8 +44,9 @@ class TokenLayout:
 @dataclasses.dataclass(frozen=True)
 class Captured:
   """One forward pass: float32 ``logits``; per block, block 0 first, float32 ``attention`` ``[B,
-  heads, N, N]`` and ``tokens`` ``[B, N, D]``; the 'map' head's ``[B, heads, 1, N]``; T2T-ViT's
-  two T2T layers' ``[B, 1, L, L]`` and their layouts."""
+  heads, N, N]`` and ``tokens`` ``[B, N, D]``; the 'map' head's ``[B, heads, 1, gh * gw]`` (it
+  pools the patches: N without registers); T2T-ViT's two T2T layers' ``[B, 1, L, L]`` and their
+  layouts."""
 
   logits: Array
   attention: Tuple[Array, ...]
@@ -69,8 +71,8 @@ def token_layout(model: Any, height: int, width: int) -> TokenLayout:
     stride = math.prod(step for _, step, _ in t2t.SOFT_SPLITS)
     return TokenLayout(1, t2t.token_grid(height, width), (stride, stride))
   sy, sx = vit.token_stride(model, height, width)
-  return TokenLayout(1 if model.classifier == 'token' else 0, (height // sy, width // sx),
-                     (sy, sx))
+  return TokenLayout(vit.prefix_tokens(model.classifier, model.num_registers),
+                     (height // sy, width // sx), (sy, sx))
 
 
 def t2t_layouts(model: Any, height: int, width: int) -> Tuple[TokenLayout, ...]:

@@ -12,11 +12,14 @@ Numerics and parameter names are the official ``models_vit.py``'s, so its checkp
 
 'gap'/'map' have no ``cls`` ('map' adds big_vision's ``MAPHead_0``); 'sincos2d' no
 ``posembed_input``; hybrids the BiT stem of :mod:`vit_jax.models.resnet`; ``scan=True`` one
-stacked ``encoderblock``. Logical axes, intermediates and the fields' sources: docs/models.md.
+stacked ``encoderblock``. timm's variants: ``registers`` (1, R, D), ``encoderblock_{i}/
+LayerScale_{0,1}/scale`` (D,), ``fc_norm`` in place of ``encoder_norm``. Logical axes,
+intermediates and the fields' sources: docs/models.md.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any, Optional, Tuple, Union
 
 import flax.linen as nn
@@ -26,10 +29,12 @@ import jax.numpy as jnp
 from vit_jax.models import attention as attention_lib
 from vit_jax.models import execution
 from vit_jax.models import layout
+from vit_jax.models import resample
 from vit_jax.models import resnet
 # The fields' allowed values and their checks (re-exported: models.vit.*).
 from vit_jax.models.vit_fields import (  # noqa: F401
-    CLASSIFIERS, LAYERNORM_EPSILON, POSEMBS, patch_pair, validate_config)
+    CLASSIFIERS, LAYERNORM_EPSILON, POSEMBS, patch_pair, posemb_prefix_rows, prefix_tokens,
+    validate_config)
 
 Array = jax.Array
 Dtype = Any
@@ -104,28 +109,60 @@ class IdentityLayer(nn.Module):
 
 class AddPositionEmbs(nn.Module):
   """Adds the learned ``pos_embedding`` ``(1, N, D)`` to ``[B, N, D]`` (eq. 1), in its dtype.
-  ValueError: an input not of rank 3, or a loaded table of another shape (with the fix)."""
+
+  With ``grid=(gh, gw)`` (the input's last ``gh * gw`` tokens, row-major; the ones before, class
+  token and registers, keep their rows) a table made for another grid is resampled to it in the
+  model by ``resize`` (:data:`vit_jax.models.resample.RESIZE_METHODS`; timm's
+  ``dynamic_img_size``). The table's grid: ``table_grid``; else the input's when the row counts
+  match, else square. A new table is made for ``table_grid`` (None: the input's grid).
+  ValueError: an input not of rank 3; a loaded table of another width, of another shape without
+  ``grid``, or of a grid it cannot tell (with the fix)."""
 
   posemb_init: nn.initializers.Initializer = nn.initializers.normal(stddev=0.02)
   param_dtype: Dtype = jnp.float32
+  resize: str = 'linear_corners'
+  table_grid: Optional[Tuple[int, int]] = None
 
   @nn.compact
-  def __call__(self, inputs: Array) -> Array:
+  def __call__(self, inputs: Array, grid: Optional[Tuple[int, int]] = None) -> Array:
     if inputs.ndim != 3:
       raise ValueError(f'AddPositionEmbs expects [batch, tokens, width], got shape {inputs.shape}')
-    shape = (1, inputs.shape[1], inputs.shape[2])
+    tokens, width = inputs.shape[1:]
+    shape, prefix, table_grid = (1, tokens, width), 0, None
+    if grid is not None:
+      gh, gw = (int(g) for g in grid)
+      prefix = tokens - gh * gw
+      if prefix < 0:
+        raise ValueError(f'AddPositionEmbs: a {gh}x{gw} grid does not fit in {tokens} tokens.')
+      table_grid = tuple(int(g) for g in self.table_grid) if self.table_grid else (gh, gw)
+      shape = (1, prefix + table_grid[0] * table_grid[1], width)
     if self.has_variable('params', 'pos_embedding'):
       # Boxed (nn.LogicallyPartitioned) or plain, as given to apply.
-      existing = layout.unbox(self.get_variable('params', 'pos_embedding'))
-      if tuple(existing.shape) != shape:
-        raise ValueError(
-            f'pos_embedding has shape {tuple(existing.shape)} but the input gives {shape} '
-            f'(tokens, width). The parameters were made for another image size / patch size: '
-            f'apply the model at the resolution the parameters were trained at, or resize the '
-            f'position embedding when loading for fine-tuning.')
+      existing = tuple(layout.unbox(self.get_variable('params', 'pos_embedding')).shape)
+      if grid is None or existing[2] != width:
+        if existing != shape:
+          raise ValueError(
+              f'pos_embedding has shape {existing} but the input gives {shape} (tokens, width). '
+              f'The parameters were made for another image size / patch size: apply the model '
+              f'at the resolution the parameters were trained at, or resize the position '
+              f'embedding when loading for fine-tuning.')
+      elif existing[1] != shape[1]:
+        rows = existing[1] - prefix
+        side = math.isqrt(max(rows, 0))
+        if self.table_grid or not side or side * side != rows:
+          what = (f'posemb_grid={tuple(self.table_grid)}' if self.table_grid else
+                  f'the {gh}x{gw} grid of the input, nor a square')
+          raise ValueError(
+              f'pos_embedding has shape {existing}: its {rows} grid rows (after {prefix} '
+              f'class-token / register rows) are not {what}. Build the model with '
+              f'posemb_grid=(rows, columns), the token grid the table was made for.')
+        table_grid, shape = (side, side), existing
     pos_embedding = self.param('pos_embedding',
                                _partitioned(self.posemb_init, (None, 'length', 'embed')),
                                shape, self.param_dtype)
+    if grid is not None and table_grid != (gh, gw):
+      pos_embedding = resample.resample_posemb(pos_embedding, (gh, gw), num_prefix_tokens=prefix,
+                                               old_grid=table_grid, method=self.resize)
     return inputs + pos_embedding.astype(inputs.dtype)
 
 
@@ -156,9 +193,26 @@ class MlpBlock(nn.Module):
     return x
 
 
+class LayerScale(nn.Module):
+  """LayerScale (CaiT, Touvron et al. 2021; timm's ``ls1``/``ls2``, DeiT III, DINOv2): ``x`` times
+  a learned per-channel ``scale`` ``(D,)``, initialised to ``init_value``; ``[..., D]`` in its
+  dtype."""
+
+  init_value: float
+  param_dtype: Dtype = jnp.float32
+
+  @nn.compact
+  def __call__(self, x: Array) -> Array:
+    scale = self.param('scale', _partitioned(nn.initializers.constant(self.init_value),
+                                             ('norm',)), (x.shape[-1],), self.param_dtype)
+    return x * scale.astype(x.dtype)
+
+
 class EncoderBlock(nn.Module):
   """The official pre-LN ``Encoder1DBlock`` (eq. 2-3), ``[B, N, D]`` in ``dtype``; ``deterministic``
-  positional (static under remat), ``scanned`` returns ``(x, None)``; sows ``tokens``."""
+  positional (static under remat), ``scanned`` returns ``(x, None)``; sows ``tokens``. With
+  ``layerscale_init``, ``LayerScale_0`` scales the attention's output and ``LayerScale_1`` the
+  MLP's before each residual sum (timm's ``ls1``, ``ls2``)."""
 
   mlp_dim: int
   num_heads: int
@@ -170,6 +224,7 @@ class EncoderBlock(nn.Module):
   attention: str = 'xla'
   gelu_approximate: bool = True
   layer_norm_epsilon: float = LAYERNORM_EPSILON
+  layerscale_init: Optional[float] = None
 
   @nn.compact
   def __call__(self, inputs: Array, deterministic: bool):
@@ -182,9 +237,13 @@ class EncoderBlock(nn.Module):
         param_dtype=self.param_dtype, attention=self.attention,
         name='MultiHeadDotProductAttention_0')(x, deterministic=deterministic)
     x = nn.Dropout(rate=self.dropout_rate)(x, deterministic=deterministic)
+    if self.layerscale_init is not None:
+      x = LayerScale(self.layerscale_init, self.param_dtype)(x)
     x = execution.constrain(x + inputs, TOKENS_AXES)
     y = _layer_norm(self.dtype, self.param_dtype, epsilon=self.layer_norm_epsilon)(x)
     y = MlpBlock(**execution.shared_fields(self, MlpBlock))(y, deterministic=deterministic)
+    if self.layerscale_init is not None:
+      y = LayerScale(self.layerscale_init, self.param_dtype)(y)
     out = execution.constrain(x + y, TOKENS_AXES)
     self.sow(attention_lib.INTERMEDIATES, attention_lib.TOKENS, out)  # A no-op unless mutable.
     return (out, None) if self.scanned else out
@@ -192,7 +251,11 @@ class EncoderBlock(nn.Module):
 
 class Encoder(nn.Module):
   """The official ``Encoder`` (``Transformer``): ``posembed_input`` ('learn' only), dropout, the
-  blocks and ``encoder_norm``; ``[B, N, D]`` -> ``[B, N, D]`` in ``dtype``."""
+  blocks and ``encoder_norm`` (none without ``final_norm``); ``[B, N, D]`` -> ``[B, N, D]`` in
+  ``dtype``. The first ``num_prefix_tokens`` tokens (class token, registers) get no position
+  with ``no_embed_class`` (the table covers the grid only; timm's ``no_embed_class``).
+  ``patch_grid`` ``(gh, gw)``: the table resampled to it when made for another grid
+  (``posemb_resize``, ``posemb_grid``: :class:`AddPositionEmbs`'s ``resize``, ``table_grid``)."""
 
   num_layers: int
   mlp_dim: int
@@ -208,12 +271,26 @@ class Encoder(nn.Module):
   gelu_approximate: bool = True
   layer_norm_epsilon: float = LAYERNORM_EPSILON
   posemb: str = 'learn'
+  layerscale_init: Optional[float] = None
+  num_prefix_tokens: int = 0
+  no_embed_class: bool = False
+  final_norm: bool = True
+  posemb_resize: str = 'linear_corners'
+  posemb_grid: Optional[Tuple[int, int]] = None
 
   @nn.compact
-  def __call__(self, x: Array, *, train: bool) -> Array:
+  def __call__(self, x: Array, *, train: bool,
+               patch_grid: Optional[Tuple[int, int]] = None) -> Array:
     deterministic = not train
-    if self.posemb == 'learn':
-      x = AddPositionEmbs(param_dtype=self.param_dtype, name='posembed_input')(x)
+    embed = lambda tokens: AddPositionEmbs(  # pylint: disable=g-long-lambda
+        param_dtype=self.param_dtype, resize=self.posemb_resize, table_grid=self.posemb_grid,
+        name='posembed_input')(tokens, patch_grid)
+    if self.posemb == 'learn' and self.no_embed_class and self.num_prefix_tokens:
+      skip = self.num_prefix_tokens  # timm adds the table, then prepends: the same sums.
+      grid = embed(x[:, skip:])
+      x = jnp.concatenate([x[:, :skip], grid], axis=1)
+    elif self.posemb == 'learn':
+      x = embed(x)
     x = nn.Dropout(rate=self.dropout_rate)(x, deterministic=deterministic)
     x = execution.constrain(x, TOKENS_AXES)
 
@@ -226,6 +303,8 @@ class Encoder(nn.Module):
     else:
       for i in range(self.num_layers):
         x = block_cls(name=f'encoderblock_{i}', **block_kwargs)(x, deterministic)
+    if not self.final_norm:  # timm's fc_norm: the LayerNorm comes after the pooling.
+      return x
     return _layer_norm(self.dtype, self.param_dtype, name='encoder_norm',
                        epsilon=self.layer_norm_epsilon)(x)
 
@@ -267,16 +346,26 @@ class VisionTransformer(nn.Module):
   pretraining; ``remat_policy`` in :data:`vit_jax.models.execution.REMAT_POLICIES`;
   ``resnet_num_layers`` the hybrid stem's units per stage (None: plain ViT); ``attention`` in
   :data:`vit_jax.models.attention.IMPLEMENTATIONS`; ``posemb`` 'learn' or 'sincos2d'
-  (:data:`POSEMBS`); ``gelu_approximate`` and ``layer_norm_epsilon`` every MLP's and LayerNorm's.
+  (:data:`POSEMBS`); ``gelu_approximate`` and ``layer_norm_epsilon`` every MLP's and LayerNorm's;
+  ``layerscale_init`` LayerScale in every block (None: none); ``num_registers`` register tokens
+  (``registers``, after the class token); ``no_embed_class`` a learned table of the patches only
+  (added before the class token and registers are prepended); ``fc_norm`` ('gap' only) the final
+  LayerNorm after the average (``fc_norm``) instead of before (``Transformer/encoder_norm``).
+  'gap' and 'map' pool the patch tokens only (not the registers). Sources: docs/models.md.
+  ``posemb_resize`` how a learned table is resampled at apply to another token grid than its
+  own (:data:`vit_jax.models.resample.RESIZE_METHODS`: 'linear_corners' the official
+  fine-tuning resize, 'bicubic_antialias' timm's ``dynamic_img_size``); ``posemb_grid`` the
+  table's own ``(rows, columns)`` (None: the init images' grid, square when resampling).
 
   ``apply(variables, images [B, H, W, C] float32, train=...)`` (the published weights: C=3,
   pixels scaled to [-1, 1]) returns float32 ``[B, num_classes]`` logits (``[B, R or D]``
   features with ``num_classes=None``); H and W multiples of the patch size (of the ResNet
-  stride x patch for hybrids); ``train`` with dropout needs ``rngs={'dropout': key}``.
+  stride x patch for hybrids), any other than the table's (resampled in the model); ``train``
+  with dropout needs ``rngs={'dropout': key}``.
 
   Raises:
     ValueError: a bad field (:func:`validate_config`) at construction; at apply a non-NHWC
-      input or a loaded ``pos_embedding`` of the wrong shape.
+      input or a loaded ``pos_embedding`` of another width or of a grid it cannot tell.
     ImageSizeError: an image side the patch size (total stride) does not divide.
   """
   num_classes: Optional[int]
@@ -301,6 +390,12 @@ class VisionTransformer(nn.Module):
   gelu_approximate: bool = True
   layer_norm_epsilon: float = LAYERNORM_EPSILON
   posemb: str = 'learn'
+  layerscale_init: Optional[float] = None
+  num_registers: int = 0
+  no_embed_class: bool = False
+  fc_norm: bool = False
+  posemb_resize: str = 'linear_corners'
+  posemb_grid: Optional[Tuple[int, int]] = None
 
   def __post_init__(self):
     validate_config(**execution.fields_of(self))
@@ -333,22 +428,33 @@ class VisionTransformer(nn.Module):
       x = x + posemb_sincos_2d(gh, gw, c, dtype=x.dtype)
     x = execution.constrain(x, TOKENS_AXES)
 
+    prefix = []  # timm's order: the class token, the registers, the patches.
     if self.classifier == 'token':
-      cls = self.param('cls', _partitioned(nn.initializers.zeros, (None, None, 'embed')),
-                       (1, 1, c), param_dtype)
-      cls = jnp.broadcast_to(cls.astype(x.dtype), (n, 1, c))
-      x = jnp.concatenate([cls, x], axis=1)
+      prefix.append(self.param('cls', _partitioned(nn.initializers.zeros, (None, None, 'embed')),
+                               (1, 1, c), param_dtype))
+    if self.num_registers:  # timm's (and DINOv2's) initialisation.
+      prefix.append(self.param('registers', _partitioned(nn.initializers.normal(stddev=1e-6),
+                                                         (None, None, 'embed')),
+                               (1, self.num_registers, c), param_dtype))
+    if prefix:
+      prefix = [jnp.broadcast_to(p.astype(x.dtype), (n,) + p.shape[1:]) for p in prefix]
+      x = jnp.concatenate(prefix + [x], axis=1)
+    num_prefix = prefix_tokens(self.classifier, self.num_registers)
 
-    submodule = lambda cls: execution.shared_fields(self, cls, dtype=dtype,
-                                                    param_dtype=param_dtype)
-    x = Encoder(name='Transformer', **submodule(Encoder))(x, train=train)
+    submodule = lambda cls, **kw: execution.shared_fields(self, cls, dtype=dtype,
+                                                          param_dtype=param_dtype, **kw)
+    encoder = Encoder(name='Transformer', **submodule(Encoder, num_prefix_tokens=num_prefix,
+                                                       final_norm=not self.fc_norm))
+    x = encoder(x, train=train, patch_grid=(gh, gw))
 
     if self.classifier == 'token':
       x = x[:, 0]
-    elif self.classifier == 'gap':
-      x = jnp.mean(x, axis=1)
+    elif self.classifier == 'gap':  # timm's 'avg': the registers are not averaged.
+      x = jnp.mean(x[:, num_prefix:] if num_prefix else x, axis=1)
+      if self.fc_norm:
+        x = _layer_norm(dtype, param_dtype, name='fc_norm', epsilon=self.layer_norm_epsilon)(x)
     else:  # 'map'
-      x = MAPHead(name='MAPHead_0', **submodule(MAPHead))(x)
+      x = MAPHead(name='MAPHead_0', **submodule(MAPHead))(x[:, num_prefix:] if num_prefix else x)
 
     if self.representation_size is not None:
       x = nn.Dense(self.representation_size, dtype=dtype, param_dtype=param_dtype,

@@ -9,6 +9,7 @@ from typing import Tuple, Union
 import numpy as np
 
 from vit_jax.models import execution
+from vit_jax.models import resample
 from vit_jax.models import resnet
 
 #: Poolings: the class token, the tokens' mean, big_vision's MAPHead.
@@ -19,6 +20,19 @@ POSEMBS = ('learn', 'sincos2d')
 
 #: The official (flax) LayerNorm epsilon; transformers' ``google/vit-*`` have 1e-12.
 LAYERNORM_EPSILON = 1e-6
+
+
+def prefix_tokens(classifier: str, num_registers: int = 0) -> int:
+  """The tokens in front of the patch grid: the class token (``classifier='token'``), then the
+  ``num_registers`` registers (timm's ``num_prefix_tokens``)."""
+  return (1 if classifier == 'token' else 0) + int(num_registers)
+
+
+def posemb_prefix_rows(classifier: str, num_registers: int = 0,
+                       no_embed_class: bool = False) -> int:
+  """The rows of the learned position table in front of the grid's: one per prefix token
+  (:func:`prefix_tokens`), none with ``no_embed_class`` (the table covers the patches only)."""
+  return 0 if no_embed_class else prefix_tokens(classifier, num_registers)
 
 
 def patch_pair(patch_size: Union[int, Tuple[int, int]]) -> Tuple[int, int]:
@@ -46,8 +60,10 @@ def validate_config(*, num_classes, patch_size, hidden_size, mlp_dim, num_heads,
                     classifier, representation_size, dropout_rate, attention_dropout_rate, dtype,
                     param_dtype, scan, remat, remat_policy, attention, gelu_approximate,
                     layer_norm_epsilon, posemb, resnet_num_layers=None, resnet_width_factor=1,
-                    **unused) -> None:
-  """Checks the ViT's fields (the hybrid's optional; extras ignored); ValueError naming one."""
+                    layerscale_init=None, num_registers=0, no_embed_class=False, fc_norm=False,
+                    posemb_resize='linear_corners', posemb_grid=None, **unused) -> None:
+  """Checks the ViT's fields (the hybrid's and the later ones optional; extras ignored);
+  ValueError naming one."""
   del unused
   if classifier not in CLASSIFIERS:
     raise ValueError(f'classifier must be one of {CLASSIFIERS}, got {classifier!r}')
@@ -56,6 +72,21 @@ def validate_config(*, num_classes, patch_size, hidden_size, mlp_dim, num_heads,
   if not isinstance(gelu_approximate, (bool, np.bool_)):
     raise ValueError(f'gelu_approximate must be a bool (True: tanh approximation, False: exact '
                      f'erf GELU), got {gelu_approximate!r}')
+  for field, value in (('no_embed_class', no_embed_class), ('fc_norm', fc_norm)):
+    if not isinstance(value, (bool, np.bool_)):
+      raise ValueError(f'{field} must be True or False, got {value!r}')
+  if fc_norm and classifier != 'gap':
+    raise ValueError(f"fc_norm=True (the final LayerNorm after the average pooling, timm's "
+                     f"fc_norm) needs classifier='gap', got classifier={classifier!r}.")
+  if (isinstance(num_registers, (bool, np.bool_)) or not isinstance(num_registers, numbers.Integral)
+      or num_registers < 0):
+    raise ValueError(f'num_registers must be an int >= 0 (register tokens, e.g. 4 for DINOv2 '
+                     f'with registers), got {num_registers!r}')
+  if layerscale_init is not None and (
+      isinstance(layerscale_init, (bool, np.bool_)) or not isinstance(layerscale_init, numbers.Real)
+      or not math.isfinite(float(layerscale_init))):
+    raise ValueError(f'layerscale_init must be None (no LayerScale) or a finite float (the '
+                     f'scales\' initial value, e.g. 1e-5), got {layerscale_init!r}')
   if (isinstance(layer_norm_epsilon, (bool, np.bool_))
       or not isinstance(layer_norm_epsilon, numbers.Real)
       or not 0.0 < float(layer_norm_epsilon) < math.inf):
@@ -78,3 +109,22 @@ def validate_config(*, num_classes, patch_size, hidden_size, mlp_dim, num_heads,
   execution.check_execution_fields(scan=scan, remat=remat, remat_policy=remat_policy,
                                    attention=attention)
   resnet.validate_resnet(resnet_num_layers, resnet_width_factor)
+  check_posemb_resize(posemb, posemb_resize, posemb_grid)
+
+
+def check_posemb_resize(posemb: str, posemb_resize: str, posemb_grid) -> None:
+  """ValueError unless ``posemb_resize`` is one of :data:`vit_jax.models.resample.RESIZE_METHODS`
+  and ``posemb_grid`` None or a pair of positive ints (with ``posemb='learn'`` only)."""
+  if posemb_resize not in resample.RESIZE_METHODS:
+    raise ValueError(f'posemb_resize must be one of {resample.RESIZE_METHODS}, got '
+                     f'{posemb_resize!r}')
+  if posemb_grid is None:
+    return
+  if (not isinstance(posemb_grid, (tuple, list)) or len(posemb_grid) != 2
+      or any(isinstance(g, (bool, np.bool_)) or not isinstance(g, numbers.Integral) or g <= 0
+             for g in posemb_grid)):
+    raise ValueError(f'posemb_grid must be None or the (rows, columns) of the learned position '
+                     f'table\'s token grid, two positive ints, got {posemb_grid!r}')
+  if posemb != 'learn':
+    raise ValueError(f"posemb_grid={tuple(posemb_grid)} is the learned table's grid: it needs "
+                     f"posemb='learn', got posemb={posemb!r} (drop posemb_grid).")

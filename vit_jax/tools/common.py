@@ -107,7 +107,9 @@ def add_source_arguments(parser: argparse.ArgumentParser) -> None:
   parser.add_argument('--num-classes', type=int,
                       help='checked against the head of the weights (they decide)')
   parser.add_argument('--image-size', type=int,
-                      help='input side S (default: from the position embedding grid)')
+                      help='input side S (default: from the position embedding grid); at '
+                      'another, a ViT resamples its learned table in the model (--set '
+                      'posemb_resize=...: how; a timm file: bicubic, antialiased, as timm)')
   parser.add_argument('--no-ema', action='store_true',
                       help='the trained weights rather than their EMA when the source has both')
 

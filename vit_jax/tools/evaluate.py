@@ -6,6 +6,7 @@ confusion_matrix.png and confusion_matrix.csv (``--out``).
   python -m vit_jax.evaluate ViT-B_16.npz --data imagenet2012:validation
   python -m vit_jax.evaluate 81.5_T2T_ViT_14.pth.tar --model T2T-ViT-14 --real
   python -m vit_jax.evaluate /tmp/vit_fmnist --image-folder ~/fmnist_images --split test
+  python -m vit_jax.evaluate /tmp/vit_fmnist --image-size 56  # another size: table resampled
 
 The model's eval preprocessing and the training's evaluator (``vit_jax.evaluation.sum_batches``)
 at its eval batch size: a workdir on its own eval split scores what its training reported

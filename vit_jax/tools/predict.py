@@ -3,6 +3,7 @@
 
   python -m vit_jax.predict /tmp/vit_fmnist photo.png more_images/ [--top-k 5] [--json]
   python -m vit_jax.predict ViT-B_16.npz cat.jpg                   # ImageNet-21k names
+  python -m vit_jax.predict ViT-B_16.npz cat.jpg --image-size 384  # its table resampled
   python -m vit_jax.predict 81.5_T2T_ViT_14.pth.tar cat.jpg --model T2T-ViT-14
 
 Each image is preprocessed as the model's evaluation does (``vit_jax.data.files.eval_input``)

@@ -31,7 +31,8 @@ def timm_equivalent(model: str, overrides: Optional[dict[str, Any]] = None
 
   Official sizes map to timm's names (ViT-B_16 -> 'vit_base_patch16_224'); a changed
   architecture goes as keyword arguments, dropout as timm's rates, remat=True as gradient
-  checkpointing; what changes no compute (posemb, GELU approximation, LayerNorm epsilon) is not
+  checkpointing, timm's variants where set (``init_values``, ``reg_tokens``, ``no_embed_class``,
+  ``fc_norm``); what changes no compute (posemb, GELU approximation, LayerNorm epsilon) is not
   passed. Raises NoTimmModel for T2T-ViT, hybrids, ViT-g/G and a representation layer.
   """
   from vit_jax import models  # pylint: disable=g-import-not-at-top
@@ -67,6 +68,14 @@ def timm_equivalent(model: str, overrides: Optional[dict[str, Any]] = None
       kwargs.update(class_token=False, global_pool="avg")
     elif config["classifier"] == "map":  # timm's AttentionPoolLatent: big_vision's MAPHead.
       kwargs.update(class_token=False, global_pool="map")
+  # timm's variants (its keyword: our field), where set: LayerScale, registers, a table of the
+  # patches only, the LayerNorm after the average pooling.
+  if config.get("layerscale_init") is not None:
+    kwargs["init_values"] = config["layerscale_init"]
+  for key, field in (("reg_tokens", "num_registers"), ("no_embed_class", "no_embed_class"),
+                     ("fc_norm", "fc_norm")):
+    if config.get(field):
+      kwargs[key] = config[field]
   if config.get("dropout_rate"):
     kwargs.update(pos_drop_rate=config["dropout_rate"], proj_drop_rate=config["dropout_rate"])
   if config.get("attention_dropout_rate"):

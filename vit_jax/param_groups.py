@@ -1,0 +1,307 @@
+"""Parameter groups for fine-tuning (``config.optim.layer_decay``, ``freeze``, ``wd_mults``,
+``head_warmup_steps``, ``head_warmup_pattern``; docs/configs.md "Fine-tuning controls"): each
+parameter's layer, learning-rate scale, weight-decay multiplier and whether it trains, checked
+against the config, and the table the run logs. The optimizer built from them:
+:func:`vit_jax.optim.make_optimizer`."""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import math
+import re
+from typing import Any, Optional, Sequence
+
+import jax
+import ml_collections
+import numpy as np
+
+#: The encoder blocks: ViT's `Transformer/encoderblock_{i}`, T2T-ViT's `blocks_{i}`; with
+#: `scan=True` one stacked `encoderblock` / `blocks` whose leading axis is the block.
+BLOCK_KEYS = ("encoderblock", "blocks")
+#: Top-level modules after the encoder: layer L + 1 (timm: the head group).
+HEAD_KEYS = ("head", "pre_logits", "MAPHead_0", "fc_norm")
+#: The encoder's final norm: layer L, with the last block (timm's ViT: `norm` joins its group).
+FINAL_NORMS = (("Transformer", "encoder_norm"), ("norm",))
+#: Parameter names are matched whole (`re.fullmatch`), as big_vision's `config.schedule`.
+PATTERN_HELP = ("patterns match the whole '/'-joined name (re.fullmatch), e.g. 'head/.*', "
+                "'Transformer/encoderblock_[0-5]/.*', '(?!head/).*' (all but the head)")
+
+
+@dataclasses.dataclass(frozen=True)
+class FinetuneControls:
+  """`config.optim`'s fine-tuning controls, checked (`finetune_controls`)."""
+
+  layer_decay: Optional[float] = None  # In (0, 1]; None: off.
+  freeze: tuple[str, ...] = ()  # Regexes of frozen parameters.
+  wd_mults: tuple[tuple[str, float], ...] = ()  # (regex, weight-decay multiplier >= 0).
+  head_warmup_steps: int = 0  # Updates that train only `head_warmup_pattern`'s parameters.
+  head_warmup_pattern: str = "head/.*"
+
+  @property
+  def on(self) -> bool:
+    return bool(self.layer_decay is not None or self.freeze or self.wd_mults or
+                self.head_warmup_steps)
+
+
+def _bad(key: str, value: Any, what: str, example: str) -> ValueError:
+  return ValueError(f"config.optim.{key}={value!r} {what}; set --config.optim.{key}"
+                    f"{example}.")
+
+
+def _pattern(key: str, value: Any, pattern: Any) -> str:
+  """`pattern` if a string that compiles and does not start with '/'; else ValueError."""
+  if not isinstance(pattern, str) or not pattern:
+    raise _bad(key, value, f"holds {pattern!r}, not a regex string", f" as in: {PATTERN_HELP}")
+  if pattern.startswith("/"):
+    raise _bad(key, value, f"holds {pattern!r}: parameter names never start with '/'",
+               f" without it ({PATTERN_HELP})")
+  try:
+    re.compile(pattern)
+  except re.error as e:
+    raise _bad(key, value, f"holds {pattern!r}, not a valid regex ({e})",
+               f" to a valid one ({PATTERN_HELP})") from None
+  return pattern
+
+
+def finetune_controls(optim: ml_collections.ConfigDict) -> FinetuneControls:
+  """The checked fine-tuning controls of `config.optim` (keys absent: off). ValueError naming the
+  key and the fix: a decay outside (0, 1], a bad regex, a negative multiplier or step count."""
+  default = FinetuneControls()
+  decay = optim.get("layer_decay")
+  if decay is not None and not (isinstance(decay, (int, float)) and not isinstance(decay, bool)
+                                and math.isfinite(decay) and 0 < decay <= 1):
+    raise _bad("layer_decay", decay, "must be in (0, 1] (1: no decay) or None (off)",
+               "=0.75 (BEiT / timm fine-tuning use 0.65 to 0.75)")
+  freeze = optim.get("freeze") or ()
+  if isinstance(freeze, str):
+    freeze = (freeze,)
+  if not isinstance(freeze, (tuple, list)):
+    raise _bad("freeze", freeze, "must be a tuple of regexes", "=\"('Transformer/.*',)\"")
+  freeze = tuple(_pattern("freeze", freeze, p) for p in freeze)
+  wd_mults = optim.get("wd_mults") or ()
+  pair = lambda m: (isinstance(m, (tuple, list)) and len(m) == 2 and isinstance(m[1], (int, float))
+                    and not isinstance(m[1], bool) and math.isfinite(m[1]) and m[1] >= 0)
+  if not isinstance(wd_mults, (tuple, list)) or not all(map(pair, wd_mults)):
+    raise _bad("wd_mults", wd_mults, "must be a tuple of (regex, multiplier >= 0) pairs",
+               "=\"(('head/.*', 0.0),)\"")
+  wd_mults = tuple((_pattern("wd_mults", wd_mults, p), float(m)) for p, m in wd_mults)
+  steps = optim.get("head_warmup_steps") or 0
+  if not isinstance(steps, int) or isinstance(steps, bool) or steps < 0:
+    raise _bad("head_warmup_steps", steps, "must be an int >= 0 (0: off)", "=500")
+  head = optim.get("head_warmup_pattern") or default.head_warmup_pattern
+  _pattern("head_warmup_pattern", head, head)
+  return FinetuneControls(None if decay is None else float(decay), freeze, wd_mults, steps, head)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Tensor:
+  """One parameter as the controls see it: a stacked (scanned) one as its L per-layer slices."""
+
+  name: str  # The stored name, '/'-joined dict keys.
+  names: tuple[str, ...]  # (name,), or the slices' per-layer names ('.../encoderblock_3/...').
+  layers: tuple[int, ...]  # The layer id of each: 0 (stem) .. L + 1 (head).
+  size: int  # Elements of each.
+
+
+def _dict_keys(path) -> tuple[str, ...]:
+  return tuple(str(p.key) for p in path if isinstance(p, jax.tree_util.DictKey))
+
+
+def name_of(path) -> str:
+  """A tree path's '/'-joined dict keys: the name the patterns match."""
+  return "/".join(_dict_keys(path))
+
+
+def _tensors(params: Any) -> tuple[list[_Tensor], int]:
+  """The parameters in tree order and L, the number of encoder blocks (0: none found)."""
+  leaves = [(_dict_keys(path), tuple(np.shape(leaf)))
+            for path, leaf in jax.tree_util.tree_leaves_with_path(params)]
+  block = re.compile(rf"({'|'.join(BLOCK_KEYS)})_(\d+)")
+  num_layers = 0
+  for keys, shape in leaves:
+    for key in keys:
+      match = block.fullmatch(key)
+      if match:
+        num_layers = max(num_layers, int(match.group(2)) + 1)
+      elif key in BLOCK_KEYS and shape:
+        num_layers = max(num_layers, shape[0])
+  tensors = []
+  for keys, shape in leaves:
+    name = "/".join(keys)
+    stacked = [j for j, key in enumerate(keys) if key in BLOCK_KEYS and shape]
+    if stacked:
+      j = stacked[0]
+      names = tuple("/".join(keys[:j] + (f"{keys[j]}_{i}",) + keys[j + 1:])
+                    for i in range(shape[0]))
+      tensors.append(_Tensor(name, names, tuple(range(1, shape[0] + 1)),
+                             math.prod(shape[1:])))
+      continue
+    matches = [block.fullmatch(key) for key in keys]
+    index = next((int(m.group(2)) for m in matches if m), None)
+    layer = (index + 1 if index is not None else num_layers + 1 if keys[0] in HEAD_KEYS else
+             num_layers if any(keys[:len(n)] == n for n in FINAL_NORMS) else 0)
+    tensors.append(_Tensor(name, (name,), (layer,), math.prod(shape)))
+  return tensors, num_layers
+
+
+def _first_match(patterns: Sequence[str], name: str) -> int:
+  """The index of the first of `patterns` that matches all of `name`, -1: none."""
+  return next((i for i, p in enumerate(patterns) if re.fullmatch(p, name)), -1)
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamGroups:
+  """What the fine-tuning controls make of a model's parameters (`param_groups`). Per tensor
+  name, per slice ([n], n = L for a stacked tensor, else 1): `frozen` (bool), `lr_scale` and
+  `wd_mult` (float64), `freeze_rule` / `wd_rule` (the index of the pattern that decided, -1:
+  none); `head`: the tensor trains during the head warm-up."""
+
+  controls: FinetuneControls
+  num_layers: int
+  tensors: tuple[_Tensor, ...]
+  frozen: dict[str, np.ndarray]
+  lr_scale: dict[str, np.ndarray]
+  wd_mult: dict[str, np.ndarray]
+  freeze_rule: dict[str, np.ndarray]
+  wd_rule: dict[str, np.ndarray]
+  head: dict[str, bool]
+
+  def label(self, name: str) -> str:
+    """'frozen' (every slice), else 'head' / 'trunk' with a head warm-up, else 'train'."""
+    if self.frozen[name].all():
+      return "frozen"
+    if self.controls.head_warmup_steps:
+      return "head" if self.head[name] else "trunk"
+    return "train"
+
+  def update_scale(self, name: str) -> np.ndarray:
+    """What the update of each slice is multiplied by: its lr scale, 0 where frozen."""
+    return np.where(self.frozen[name], 0.0, self.lr_scale[name])
+
+
+def param_groups(optim: ml_collections.ConfigDict, params: Any) -> ParamGroups:
+  """`config.optim`'s fine-tuning controls applied to `params` (arrays or ShapeDtypeStructs;
+  the names as stored, a stacked block seen as its per-layer names). Layer ids follow timm's
+  `param_groups_layer_decay` for its ViT: 0 the stem (patch embedding, class token, registers,
+  position embedding, a hybrid's ResNet, T2T-ViT's tokens_to_token), i + 1 block i, L the last
+  block and the final norm, L + 1 the head (and pre_logits, MAP head, fc_norm); layer i's
+  learning rate is scaled by layer_decay^(L + 1 - i). ValueError, naming the key and the fix: a
+  pattern that matches no parameter, everything frozen, a layer decay without blocks, a head
+  warm-up pattern that matches nothing trainable, everything, or part of a stacked tensor."""
+  controls = finetune_controls(optim)
+  tensors, num_layers = _tensors(params)
+  names = [n for t in tensors for n in t.names]
+  examples = ", ".join(repr(n) for n in names[:2] + names[-2:])
+  for key, patterns in (("freeze", controls.freeze),
+                        ("wd_mults", [p for p, _ in controls.wd_mults]),
+                        ("head_warmup_pattern",
+                         [controls.head_warmup_pattern] if controls.head_warmup_steps else [])):
+    for i, pattern in enumerate(patterns):
+      if not any(re.fullmatch(pattern, n) for n in names):
+        where = f"[{i}]" if key != "head_warmup_pattern" else ""
+        raise ValueError(
+            f"config.optim.{key}{where}={pattern!r} matches no parameter of this model (names "
+            f"such as {examples}); {PATTERN_HELP}. Correct it in --config.optim.{key}.")
+  if controls.layer_decay is not None and not num_layers:
+    raise ValueError(f"config.optim.layer_decay={controls.layer_decay} needs encoder blocks "
+                     f"({' or '.join(k + '_<i>' for k in BLOCK_KEYS)}); this model has none. "
+                     "Set --config.optim.layer_decay=None.")
+  decay = 1.0 if controls.layer_decay is None else controls.layer_decay
+  mults = [m for _, m in controls.wd_mults]
+  wd_patterns = [p for p, _ in controls.wd_mults]
+  frozen, lr_scale, wd_mult, freeze_rule, wd_rule, head = {}, {}, {}, {}, {}, {}
+  for t in tensors:
+    freeze_rule[t.name] = np.array([_first_match(controls.freeze, n) for n in t.names])
+    frozen[t.name] = freeze_rule[t.name] >= 0
+    wd_rule[t.name] = np.array([_first_match(wd_patterns, n) for n in t.names])
+    kernel = float(t.name.split("/")[-1] == "kernel")  # `_decay_mask`'s default.
+    wd_mult[t.name] = np.array([kernel if r < 0 else mults[r] for r in wd_rule[t.name]])
+    lr_scale[t.name] = np.array([decay ** (num_layers + 1 - layer) for layer in t.layers])
+    in_head = [re.fullmatch(controls.head_warmup_pattern, n) is not None for n in t.names]
+    if controls.head_warmup_steps and any(in_head) and not all(in_head):
+      raise ValueError(
+          f"config.optim.head_warmup_pattern={controls.head_warmup_pattern!r} matches only some "
+          f"layers of the stacked (scan=True) {t.name}; match whole tensors, or set "
+          "--config.model.scan=False.")
+    head[t.name] = all(in_head)
+  if all(f.all() for f in frozen.values()):
+    raise ValueError(f"config.optim.freeze={controls.freeze!r} freezes every parameter: nothing "
+                     "would train. Leave some out (e.g. the head: '(?!head/).*').")
+  if controls.head_warmup_steps:
+    trainable = [t.name for t in tensors if not frozen[t.name].all()]
+    if not any(head[n] for n in trainable) or all(head[n] for n in trainable):
+      what = "no trainable" if not any(head[n] for n in trainable) else "every trainable"
+      raise ValueError(
+          f"config.optim.head_warmup_pattern={controls.head_warmup_pattern!r} matches {what} "
+          f"parameter: the head warm-up of config.optim.head_warmup_steps="
+          f"{controls.head_warmup_steps} would train {'nothing' if what[0] == 'n' else 'all'}. "
+          "Match the head only (default 'head/.*'), or set --config.optim.head_warmup_steps=0.")
+  return ParamGroups(controls, num_layers, tuple(tensors), frozen, lr_scale, wd_mult,
+                     freeze_rule, wd_rule, head)
+
+
+def param_groups_table(groups: ParamGroups) -> str:
+  """The groups as a table, a row per (layer when layer_decay is set, frozen, first step, the
+  freeze and wd_mults patterns that decided): tensors and parameters counted per layer (a
+  stacked tensor's slices apart), names summarised by the shortest prefixes only the row holds;
+  wd mult 'kernels': the default (1 on kernels, 0 elsewhere)."""
+  c = groups.controls
+  rows: dict[tuple, list[tuple[str, int]]] = {}
+  for t in groups.tensors:
+    for i, (name, layer) in enumerate(zip(t.names, t.layers)):
+      frozen = bool(groups.frozen[t.name][i])
+      start = 0 if frozen or not c.head_warmup_steps or groups.head[t.name] else (
+          c.head_warmup_steps)
+      key = (layer if c.layer_decay is not None else -1, frozen, start,
+             int(groups.freeze_rule[t.name][i]), int(groups.wd_rule[t.name][i]),
+             float(groups.lr_scale[t.name][i]))
+      rows.setdefault(key, []).append((name, t.size))
+  all_names = [n for t in groups.tensors for n in t.names]
+  header = ("group", "layer", "tensors", "params", "lr scale", "wd mult", "frozen",
+            "trains from", "rule")
+  lines = []
+  for key in sorted(rows, key=lambda k: k[:3]):  # Stable: otherwise in the order of the tree.
+    members = rows[key]
+    layer, frozen, start, freeze_rule, wd_rule, scale = key
+    rule = []
+    if freeze_rule >= 0:
+      rule.append(f"freeze[{freeze_rule}]={c.freeze[freeze_rule]!r}")
+    if wd_rule >= 0 and not frozen:
+      rule.append(f"wd_mults[{wd_rule}]={c.wd_mults[wd_rule][0]!r}")
+    if c.head_warmup_steps and not frozen:
+      rule.append("head warm-up" if start == 0 else "after the head warm-up")
+    mult = "-" if frozen else "kernels" if wd_rule < 0 else f"{c.wd_mults[wd_rule][1]:g}"
+    lines.append((_summary([n for n, _ in members], all_names),
+                  "-" if layer < 0 else str(layer), str(len(members)),
+                  f"{sum(s for _, s in members):,}", "-" if frozen else f"{scale:.4g}", mult,
+                  "yes" if frozen else "no", "-" if frozen else f"step {start}",
+                  ", ".join(rule) or "-"))
+  widths = [max(len(r[i]) for r in [header, *lines]) for i in range(len(header))]
+  total = sum(t.size * len(t.names) for t in groups.tensors)
+  trained = sum(t.size * int((~groups.frozen[t.name]).sum()) for t in groups.tensors)
+  warmup = (f", head_warmup_steps={c.head_warmup_steps}, head_warmup_pattern="
+            f"{c.head_warmup_pattern!r}" if c.head_warmup_steps else "")
+  title = (f"Parameter groups of config.optim (layer_decay={c.layer_decay}, freeze={c.freeze}, "
+           f"wd_mults={c.wd_mults}{warmup}): {trained:,} of {total:,} parameters trained"
+           + (f"; L={groups.num_layers} blocks" if c.layer_decay is not None else "") + ".")
+  fmt = lambda r: "  ".join(v.ljust(w) if i in (0, 8) else v.rjust(w)
+                            for i, (v, w) in enumerate(zip(r, widths))).rstrip()
+  return "\n".join([title, fmt(header), *map(fmt, lines)])
+
+
+def _summary(names: Sequence[str], all_names: Sequence[str], most: int = 4) -> str:
+  """`names` as the shortest '/'-prefixes (`prefix/*`) that no other name shares, `most` shown."""
+  def prefixes(name):
+    parts = name.split("/")
+    return ["/".join(parts[:k]) for k in range(1, len(parts) + 1)]
+
+  everywhere = collections.Counter(p for n in all_names for p in prefixes(n))
+  here = collections.Counter(p for n in names for p in prefixes(n))
+  out = []
+  for name in names:
+    prefix = next(p for p in prefixes(name) if here[p] == everywhere[p])
+    item = prefix if prefix == name else prefix + "/*"
+    if item not in out:
+      out.append(item)
+  return ", ".join(out[:most]) + (f", ... (+{len(out) - most})" if len(out) > most else "")
