@@ -275,3 +275,22 @@ def override(config, overrides: dict):
 def main_flags(overrides: dict) -> list:
   """`overrides` as the `--config.<key>=<value>` flags of `python -m vit_jax.main`."""
   return [f"--config.{key}={value}" for key, value in overrides.items()]
+
+
+def tiny_step_setup(model_fields: dict, changes: dict):
+  """`vit_jax.step.build` of a ViT-custom with `model_fields` fine-tuned with SGD (no warmup,
+  batch 4 of 8x8 px images, 3 classes, 10 steps, XLA attention, one CPU device), `changes`
+  ({'section.key': value}) applied to the config first."""
+  import jax  # pylint: disable=g-import-not-at-top
+  from vit_jax import config as config_lib  # pylint: disable=g-import-not-at-top
+  from vit_jax import step as step_lib  # pylint: disable=g-import-not-at-top
+  config = config_lib.get_config("ViT-custom", "fashion_mnist_local", attention="xla",
+                                 **model_fields)
+  config.regime = "finetune"
+  config.update(batch_size=4, total_steps=10)
+  config.optim.warmup_steps = 0
+  config.data.image_size = 8
+  override(config, changes)
+  resolved = config_lib.resolve(config, num_train_examples=16, num_classes=3,
+                                devices=jax.devices()[:1])
+  return step_lib.build(resolved, image_shape=(8, 8, 3), devices=jax.devices()[:1])

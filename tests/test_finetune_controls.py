@@ -269,15 +269,7 @@ def test_head_warmup_trains_the_head_alone_then_everything_with_fresh_momentum()
 
 def _setup(**changes) -> step_lib.Setup:
   """A tiny ViT (2 blocks; scan and remat, the training defaults) fine-tuned with SGD."""
-  config = config_lib.get_config("ViT-custom", "fashion_mnist_local", attention="xla", **VIT)
-  config.regime = "finetune"
-  config.update(batch_size=4, total_steps=10)
-  config.optim.warmup_steps = 0
-  config.data.image_size = 8
-  data_utils.override(config, changes)
-  resolved = config_lib.resolve(config, num_train_examples=16, num_classes=3,
-                                devices=jax.devices()[:1])
-  return step_lib.build(resolved, image_shape=(8, 8, 3), devices=jax.devices()[:1])
+  return data_utils.tiny_step_setup(VIT, changes)
 
 
 @pytest.mark.slow

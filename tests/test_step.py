@@ -6,7 +6,6 @@ import contextlib
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
 
 from tests import data_utils
@@ -17,16 +16,8 @@ from vit_jax import step as step_lib
 
 
 def _setup(**changes):
-  config = config_lib.get_config("ViT-custom", "fashion_mnist_local", hidden_size=8, mlp_dim=16,
-                                 num_heads=2, num_layers=1, patch_size=4, attention="xla")
-  config.regime = "finetune"
-  config.update(batch_size=4, total_steps=10)
-  config.optim.warmup_steps = 0
-  config.data.image_size = 8
-  data_utils.override(config, changes)
-  resolved = config_lib.resolve(config, num_train_examples=16, num_classes=3,
-                                devices=jax.devices()[:1])
-  return step_lib.build(resolved, image_shape=(8, 8, 3), devices=jax.devices()[:1])
+  return data_utils.tiny_step_setup(dict(hidden_size=8, mlp_dim=16, num_heads=2, num_layers=1,
+                                         patch_size=4), changes)
 
 
 def _batch(seed=0, size=4):

@@ -9,7 +9,6 @@ import optax
 import pytest
 
 from tests import data_utils
-from vit_jax import config as config_lib
 from vit_jax import flops
 from vit_jax import optim
 from vit_jax import step as step_lib
@@ -21,16 +20,9 @@ BATCH = {"image": np.random.default_rng(0).standard_normal((4, 8, 8, 3)).astype(
 
 def _setup(**changes) -> step_lib.Setup:
   """A tiny ViT (2 blocks) fine-tuned with SGD, per-layer unless `model.scan` is changed."""
-  config = config_lib.get_config("ViT-custom", "fashion_mnist_local", attention="xla", **VIT)
-  config.regime = "finetune"
-  config.update(batch_size=4, total_steps=10)
-  config.optim.warmup_steps = 0
-  config.data.image_size = 8
-  data_utils.override(config, {"model.scan": False, "model.remat": False, "optim.lr": 0.1,
-                               "optim.grad_clip_norm": 0.0, **changes})
-  resolved = config_lib.resolve(config, num_train_examples=16, num_classes=3,
-                                devices=jax.devices()[:1])
-  return step_lib.build(resolved, image_shape=(8, 8, 3), devices=jax.devices()[:1])
+  return data_utils.tiny_step_setup(VIT, {"model.scan": False, "model.remat": False,
+                                          "optim.lr": 0.1, "optim.grad_clip_norm": 0.0,
+                                          **changes})
 
 
 def _state(setup):
