@@ -101,8 +101,7 @@ def frozen_mask(optim_config: ml_collections.ConfigDict, params: Any) -> Optiona
     return None
   frozen = param_groups.param_groups(optim_config, params).frozen
   return jax.tree_util.tree_map_with_path(
-      lambda path, _: frozen["/".join(str(k.key) for k in path
-                                      if isinstance(k, jax.tree_util.DictKey))], params)
+      lambda path, _: frozen[param_groups.name_of(path)], params)
 
 
 def _stop_frozen(param: jax.Array, frozen: np.ndarray) -> jax.Array:
