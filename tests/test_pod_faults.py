@@ -65,12 +65,23 @@ def test_a_stop_while_the_lock_is_taken_stops_once_it_is_held_and_releases_it(
   assert signal.getsignal(signal.SIGTERM) is handler  # Restored.
 
 
+def _catches(pid: int, signum: int) -> bool:
+  """Whether process `pid` has a handler for `signum` (Linux: SigCgt of /proc/PID/status)."""
+  with open(f"/proc/{pid}/status") as f:
+    caught = next(line for line in f if line.startswith("SigCgt:")).split()[1]
+  return bool(int(caught, 16) >> (signum - 1) & 1)
+
+
 @pytest.mark.slow
 def test_sigterm_during_the_imports_exits_75_at_once(tmp_path):
   workdir = tmp_path / "workdir"
   proc = subprocess.Popen(_main_args(workdir, _main_overrides(str(tmp_path / "none"))),
                           cwd=ROOT, env=ENV, stderr=subprocess.PIPE, text=True)
-  time.sleep(1.0)  # The command is loading JAX and TensorFlow (about 8 s here).
+  deadline = time.monotonic() + 60  # Until its handler is in (a loaded machine: seconds),
+  while not _catches(proc.pid, signal.SIGTERM) and time.monotonic() < deadline:
+    assert proc.poll() is None
+    time.sleep(0.01)
+  time.sleep(0.5)  # then into the imports of JAX and TensorFlow (about 8 s here).
   proc.send_signal(signal.SIGTERM)
   sent = time.monotonic()
   _, stderr = proc.communicate(timeout=60)
