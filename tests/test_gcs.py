@@ -156,8 +156,18 @@ def test_a_gs_workdir_in_a_missing_or_read_only_bucket_is_refused_before_any_wor
       assert "Traceback" not in run.stderr, run.stderr[-3000:]
       assert _fatal(run.stderr) == [f"FATAL: --workdir {workdir!r} cannot be used: {problem}"]
       assert not tf.io.gfile.exists(workdir)
+    gcs.stop()  # No answer at all (as without a network): the same, once the retries are spent.
+    run = subprocess.run(_main_args(f"{bucket}/run", overrides), cwd=ROOT,
+                         env=dict(_env(gcs), **FAST_RETRIES), capture_output=True, text=True,
+                         timeout=300)
+    assert run.returncode == 2 and "Traceback" not in run.stderr, run.stderr[-3000:]
+    assert _fatal(run.stderr)[0].startswith(
+        f"FATAL: --workdir '{bucket}/run' cannot be used: Cloud Storage did not answer ("), (
+            run.stderr[-3000:])
   finally:
     gcs.set_faults()
+    if gcs._server is None:  # pylint: disable=protected-access
+      gcs.start()
 
 
 def test_weights_of_every_format_load_from_gs_as_from_a_local_copy(gcs, bucket):
@@ -465,3 +475,37 @@ def test_the_retry_variables_bound_tensorflow_and_tensorstore_alike(monkeypatch)
   monkeypatch.setenv("GCS_RETRY_CONFIG_INIT_DELAY_TIME_US", "1000000")
   monkeypatch.setenv("GCS_RETRY_CONFIG_MAX_DELAY_TIME_US", "16000000")
   orbax.import_orbax()  # The defaults again, for the tests after this one.
+
+
+def test_storage_that_does_not_answer_is_one_fatal_line_for_the_tools(monkeypatch, capsys):
+  """An error of TensorFlow's gs:// access that says the storage did not answer (no network,
+  the retries spent) is one FATAL line, exit 1, in the tools (was: a traceback); other errors
+  pass; a bad GCS_RETRY_CONFIG_* is refused at the set-up of a run."""
+  import vit_jax  # pylint: disable=g-import-not-at-top
+  from vit_jax import platform  # pylint: disable=g-import-not-at-top
+  from vit_jax.checkpoint import workdir  # pylint: disable=g-import-not-at-top
+  from vit_jax.tools import common  # pylint: disable=g-import-not-at-top
+  no_host = tf.errors.FailedPreconditionError(
+      None, None, "Error executing an HTTP request: libcurl code 6 meaning 'Could not resolve "
+      "hostname', error details: Could not resolve host: www.googleapis.com")
+
+  def fails(error):
+    def main():
+      raise error
+    return common.exit_status(main)
+
+  assert fails(no_host)() == 1
+  assert capsys.readouterr().err == (
+      "FATAL: The storage did not answer (Error executing an HTTP request: libcurl code 6 meaning "
+      "'Could not resolve hostname', error details: Could not resolve host: www.googleapis.com). "
+      "Check this machine's network and credentials (gcloud auth application-default login), "
+      "then rerun the same command.\n")
+  assert workdir.storage_unreachable(tf.errors.AbortedError(None, None, "All 5 retry attempts "
+                                                            "failed. The last failure: ..."))
+  with pytest.raises(RuntimeError, match="a bug"):
+    fails(RuntimeError("a bug"))()
+  monkeypatch.setenv("GCS_RETRY_CONFIG_MAX_DELAY_TIME_US", "16 s")
+  with pytest.raises(ValueError, match=r"GCS_RETRY_CONFIG_MAX_DELAY_TIME_US='16 s' must be a "):
+    vit_jax.gcs_retries()
+  with pytest.raises(ValueError, match=r"GCS_RETRY_CONFIG_MAX_DELAY_TIME_US='16 s'"):
+    platform.setup()  # main: one FATAL line, exit 2, before anything else.

@@ -21,3 +21,16 @@ GCS_RETRY_DEFAULTS = {
 }
 for _name, _value in GCS_RETRY_DEFAULTS.items():
   _os.environ.setdefault(_name, _value)
+
+
+def gcs_retries() -> dict[str, int]:
+  """The ``GCS_RETRY_CONFIG_*`` values as ints, by the name's end (``MAX_RETRIES``,
+  ``INIT_DELAY_TIME_US``, ``MAX_DELAY_TIME_US``). ValueError naming one that is no whole number."""
+  values = {}
+  for name in GCS_RETRY_DEFAULTS:
+    value = _os.environ.get(name, GCS_RETRY_DEFAULTS[name]).strip()
+    if not value.isdigit():
+      raise ValueError(f'{name}={value!r} must be a whole number (docs/pods.md, "When Cloud '
+                       'Storage stops answering"); unset it for the default.')
+    values[name[len("GCS_RETRY_CONFIG_"):]] = int(value)
+  return values

@@ -20,6 +20,7 @@ from typing import Optional
 
 from absl import logging
 
+import vit_jax
 from vit_jax import pod
 from vit_jax import stops
 
@@ -203,6 +204,7 @@ def setup(*, coordinator_address: Optional[str] = None, num_processes: Optional[
           distributed_timeout_s: int = pod.DISTRIBUTED_TIMEOUT_S) -> None:
   """Set-up of a program that trains or compiles: log filters, :func:`skip_absent_tpu`,
   TensorFlow off the accelerators, ``pod.initialize_distributed`` (whose ValueError it raises)."""
+  vit_jax.gcs_retries()  # A bad GCS_RETRY_CONFIG_* now, not at the first save.
   logging.get_absl_handler().addFilter(QuietLibraries())
   sys.unraisablehook = quiet_unraisable_hook()
   if HUGE_PAGES_TUNABLE in os.environ.get("GLIBC_TUNABLES", ""):

@@ -430,3 +430,12 @@ def test_t2t_qk_scale_is_a_float_override():
                 remat_policy="nothing_saveable")  # What resolve picks for the devices.
   model = models_lib.create(config.model_name, num_classes=10, **fields)
   assert model.qk_scale == pytest.approx(0.0510310363)
+
+
+def test_model_fields_without_a_default_take_their_type_from_the_command_line():
+  """A None-default field's placeholder has the field's type: `layerscale_init` a float (was:
+  `=1e-5` refused as no int), `posemb_grid` a tuple."""
+  config = cli.load_config(["--config=configs/fashion_mnist.py",
+                            "--config.model.layerscale_init=1e-5",
+                            "--config.model.posemb_grid=(4,6)"])
+  assert config.model.layerscale_init == 1e-5 and config.model.posemb_grid == (4, 6)

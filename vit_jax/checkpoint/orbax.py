@@ -16,6 +16,8 @@ from typing import Any, Dict, Optional, Sequence
 import jax
 import numpy as np
 
+import vit_jax
+
 from vit_jax import rundir
 from vit_jax.checkpoint import paths
 from vit_jax.checkpoint.mismatch import ModelMismatchError, diff, mismatch_report
@@ -30,13 +32,7 @@ def import_orbax():
   # pylint: disable=g-import-not-at-top,protected-access
   import orbax.checkpoint as ocp_lib
   from orbax.checkpoint._src.serialization import tensorstore_utils
-  values = {}
-  for name in ('MAX_RETRIES', 'INIT_DELAY_TIME_US', 'MAX_DELAY_TIME_US'):
-    value = os.environ[f'GCS_RETRY_CONFIG_{name}']
-    if not value.isdigit():
-      raise ValueError(f'GCS_RETRY_CONFIG_{name}={value!r} must be a whole number (docs/pods.md, '
-                       '"When Cloud Storage stops answering"); unset it for the default.')
-    values[name] = int(value)
+  values = vit_jax.gcs_retries()
   retries = {'max_retries': values['MAX_RETRIES'],
              'initial_delay': f"{values['INIT_DELAY_TIME_US']}us",
              'max_delay': f"{values['MAX_DELAY_TIME_US']}us"}

@@ -51,6 +51,15 @@ _UNREACHABLE = re.compile(r'retry attempts failed|UNAVAILABLE|DEADLINE_EXCEEDED|
                           r'Connection refused|timed out', re.IGNORECASE)
 
 
+def storage_unreachable(error: BaseException) -> Optional[str]:
+  """The FATAL line's text for ``error`` when the storage did not answer (Cloud Storage's
+  retries spent, no network), else None."""
+  if not _UNREACHABLE.search(str(error)):
+    return None
+  return (f'The storage did not answer ({_first_line(error)}). Check this machine\'s network and '
+          'credentials (gcloud auth application-default login), then rerun the same command.')
+
+
 def _failed_write(error: BaseException) -> Optional[str]:
   """Why a write failed, a key of :data:`_FIXES` ('full', 'denied', 'unreachable'), or None when
   neither the disk, the permissions nor the storage caused it (a bug: re-raise it)."""
@@ -118,6 +127,10 @@ def _check_bucket(path: str) -> None:
                "machine's service account a role that writes objects (gcloud storage buckets "
                f'add-iam-policy-binding {bucket} --member=serviceAccount:ACCOUNT '
                '--role=roles/storage.objectUser) or choose another --workdir.')
+  except tf.errors.OpError as e:  # E.g. no network: 'Could not resolve host'.
+    problem = (f'Cloud Storage did not answer ({_first_line(e)}). Check this machine\'s network '
+               'and credentials (gcloud auth application-default login), or choose another '
+               '--workdir.')
   raise PermissionError(f'--workdir {path!r} cannot be used: {problem}')
 
 

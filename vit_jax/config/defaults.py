@@ -37,7 +37,8 @@ BAD_IMAGES = ("fail", "skip")
 
 
 #: The type of a model field whose default is None, where it is not int (`--config.model.KEY=...`).
-PLACEHOLDER_TYPES = {"qk_scale": float, "posemb_grid": tuple, "resnet_num_layers": tuple}
+PLACEHOLDER_TYPES = {"qk_scale": float, "layerscale_init": float, "posemb_grid": tuple,
+                     "resnet_num_layers": tuple}
 
 
 def model_config(model_name: str, **model_overrides) -> ml_collections.ConfigDict:

@@ -85,6 +85,12 @@ def exit_status(main):
       return fatal(e, 2)
     except OSError as e:
       return fatal(e, 1)
+    except Exception as e:  # pylint: disable=broad-except  (TensorFlow's gs:// errors)
+      from vit_jax.checkpoint import workdir  # pylint: disable=g-import-not-at-top
+      unreachable = workdir.storage_unreachable(e)
+      if not unreachable:
+        raise
+      return fatal(RuntimeError(unreachable), 1)
 
   return wrapped
 
