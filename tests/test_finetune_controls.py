@@ -382,8 +382,8 @@ def test_resolve_checks_and_normalises_the_controls():
           resolved.optim.head_warmup_steps) == (0.75, ("cls",), (("head/.*", 0.0),), 2)
   text = config_lib.to_json(resolved)  # WORKDIR/config.json
   assert '"layer_decay": 0.75' in text and '"head_warmup_pattern": "head/.*"' in text
-  assert param_groups.finetune_controls(config_lib.from_json(text).optim) == param_groups.finetune_controls(
-      resolved.optim)
+  controls = param_groups.finetune_controls
+  assert controls(config_lib.from_json(text).optim) == controls(resolved.optim)
   for changes, message in (
       ({"layer_decay": 2.0}, "config.optim.layer_decay=2.0 must be in (0, 1] or None (None "
        "turns layer-wise lr decay off; BEiT and timm fine-tune with 0.65 to 0.75); set "
@@ -405,15 +405,16 @@ def test_command_line_values():
   controls = param_groups.finetune_controls(config.optim)
   assert controls == param_groups.FinetuneControls(0.75, ("(?!head/).*",),
                                             (("head/.*", 0.0), (".*/bias", 1.0)), 100)
-  defaults = param_groups.finetune_controls(cli.load_config(["--config=configs/fashion_mnist.py"]).optim)
+  defaults = param_groups.finetune_controls(
+      cli.load_config(["--config=configs/fashion_mnist.py"]).optim)
   assert defaults == param_groups.FinetuneControls() and not defaults.on
 
 
 def test_the_table_of_parameter_groups_is_the_same_for_both_layouts():
   config = _optim(layer_decay=0.5, freeze=("Transformer/encoderblock_0/.*",),
                   wd_mults=(("head/.*", 0.0),), head_warmup_steps=3)
-  tables = [param_groups.param_groups_table(param_groups.param_groups(config, _abstract("vit", scan)))
-            for scan in (False, True)]
+  tables = [param_groups.param_groups_table(
+      param_groups.param_groups(config, _abstract("vit", scan))) for scan in (False, True)]
   assert tables[0] == tables[1]
   assert tables[0].split("\n") == [
       "Parameter groups of config.optim (layer_decay=0.5, freeze=('Transformer/encoderblock_0/.*',"

@@ -405,7 +405,8 @@ def test_init_from_gs_trains_as_from_the_local_file_and_a_stale_lock_is_taken_ov
   workdir holds the lock of a run on another host whose heartbeat stopped an hour ago: taken
   over with a warning."""
   fixtures = os.path.join(ROOT, "tests", "fixtures")
-  from tests.checkpoint.test_finetune import _fixture_overrides  # pylint: disable=g-import-not-at-top
+  # pylint: disable-next=g-import-not-at-top
+  from tests.checkpoint.test_finetune import _fixture_overrides
   sources = {
       "vit_tiny/params.npz": ("ViT-custom", 32, dict(hidden_size=32, mlp_dim=64, num_heads=2,
                                                      num_layers=2, patch_size=4)),

@@ -10,10 +10,10 @@ import time as _time
 STARTED = _time.monotonic()
 
 #: Cloud Storage retries: TensorFlow's variables (it reads them at its first gs:// access, so they
-#: are set here, where unset) and, through them, TensorStore's (`checkpoint.orbax.import_orbax`). A request
-#: is retried `MAX_RETRIES` times, the waits doubling from `INIT_DELAY` to at most `MAX_DELAY`
-#: (microseconds): a bucket that stops answering fails a request in about 30 s, where the libraries'
-#: defaults wait about 3 min (TensorFlow) and 15 min (TensorStore). docs/pods.md.
+#: are set here, where unset), given to TensorStore too (`checkpoint.orbax.import_orbax`). A
+#: request is retried `MAX_RETRIES` times, the waits doubling from `INIT_DELAY` to at most
+#: `MAX_DELAY` (microseconds): 1 + 2 + 4 + 8 + 16 = 31 s of waits, where the libraries' defaults
+#: allow minutes (docs/pods.md, "When Cloud Storage stops answering").
 GCS_RETRY_DEFAULTS = {
     "GCS_RETRY_CONFIG_MAX_RETRIES": "5",
     "GCS_RETRY_CONFIG_INIT_DELAY_TIME_US": "1000000",

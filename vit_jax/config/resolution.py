@@ -329,9 +329,10 @@ def _resolve_schedule(config: ml_collections.ConfigDict, num_train_examples: int
 
 
 def _resolve_finetune_controls(config: ml_collections.ConfigDict) -> None:
-  """Checks `config.optim`'s fine-tuning controls (`vit_jax.param_groups.finetune_controls`; those that
-  need the model's parameter names are checked when the optimizer is built) and normalises
-  them: `freeze` a tuple, `wd_mults` (pattern, float) pairs. After the schedule's length."""
+  """Checks `config.optim`'s fine-tuning controls (`vit_jax.param_groups.finetune_controls`;
+  those that need the model's parameter names are checked when the optimizer is built) and
+  normalises them: `freeze` a tuple, `wd_mults` (pattern, float) pairs. After the schedule's
+  length."""
   controls = param_groups.finetune_controls(config.optim)
   config.optim.freeze, config.optim.wd_mults = controls.freeze, controls.wd_mults
   if controls.head_warmup_steps >= config.total_steps:
