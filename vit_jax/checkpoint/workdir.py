@@ -14,7 +14,7 @@ import re
 import shutil
 import socket
 from collections.abc import Mapping
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 from etils import epath
 import jax
@@ -79,19 +79,28 @@ def _cause(error: BaseException) -> str:
 
 
 @contextlib.contextmanager
-def _writing(what: str) -> Iterator[None]:
-  """A failed write of ``what`` (a file of the workdir) -> CheckpointSaveError, when the disk, the
-  permissions or the storage caused it; anything else unchanged."""
+def _write_failures(message: Callable[[BaseException, str], str]) -> Iterator[None]:
+  """A failed write -> CheckpointSaveError(``message(error, why)``, ``why`` from
+  :func:`_failed_write`), when the disk, the permissions or the storage caused it; anything else
+  unchanged."""
   try:
     yield
   except Exception as e:  # pylint: disable=broad-except  (TensorFlow's are not OSErrors)
     why = _failed_write(e)
     if why is None:
       raise
+    raise CheckpointSaveError(message(e, why)) from e
+
+
+def _writing(what: str):
+  """:func:`_write_failures` for a file of the workdir, ``what``."""
+
+  def message(error: BaseException, why: str) -> str:
     fix = _FIXES[why] if why == 'unreachable' else 'free disk space (or make the workdir writable)'
-    raise CheckpointSaveError(f'Writing {what} failed: {_cause(e)}. The checkpoints already '
-                              f'saved are intact; {fix} and rerun the same command to '
-                              'resume.') from e
+    return (f'Writing {what} failed: {_cause(error)}. The checkpoints already saved are intact; '
+            f'{fix} and rerun the same command to resume.')
+
+  return _write_failures(message)
 
 
 def _write_json_atomically(path: epath.Path, value: Dict[str, Any]) -> None:
@@ -419,28 +428,25 @@ class Checkpoints:
     directory = os.fspath(self.directory)
     return not paths.is_remote(directory) and self._saving in rundir.saved_steps(directory)
 
-  @contextlib.contextmanager
-  def _save_errors(self, step: Optional[int]) -> Iterator[None]:
-    """A failed save (full disk, no permission, storage not answering) -> CheckpointSaveError;
-    ``step`` None: the last."""
-    try:
-      yield
-    except Exception as e:  # pylint: disable=broad-except  (TensorFlow's are not OSErrors)
-      why = _failed_write(e)
-      if why is None:
-        raise
+  def _save_errors(self, step: Optional[int]):
+    """:func:`_write_failures` of a save (full disk, no permission, storage not answering),
+    naming the intact step; ``step`` None: the last."""
+
+    def message(error: BaseException, why: str) -> str:
       kept = [s for s in self._finalized if s != step]
       if self._saving not in (None, step) and self._saving_finalized():
         kept.append(self._saving)
       which = 'the last save' if step is None else f'step {step}'
       intact = (f'the checkpoint of step {max(kept)} is intact' if kept else
                 'there is no earlier checkpoint')
-      cause = 'No space left on device' if why == 'full' else _first_line(e)
-      raise CheckpointSaveError(
+      cause = 'No space left on device' if why == 'full' else _first_line(error)
+      return (
           f'Saving a checkpoint in {self.directory} failed ({which}, or the save before '
           f'it, which runs in the background): {cause}. {intact.capitalize()} (the partial save '
           f'is removed at the next start); {_FIXES[why]} and rerun the same command to '
-          'resume.') from e
+          'resume.')
+
+    return _write_failures(message)
 
 
 # Reading a run back: from any path a user gives to one step's state item, config and record.
