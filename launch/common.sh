@@ -1,7 +1,7 @@
 # shellcheck shell=bash
 # Helpers for launch/tpu.sh, which sources this file: messages, settings and their checks,
-# accelerator types, and the two ways gcloud is called (run_gcloud for commands that act, which
-# --dry-run prints instead; query for read-only look-ups, which --dry-run skips).
+# accelerator types, slices, and the two ways gcloud is called (run_gcloud for commands that act,
+# which --dry-run prints instead; query for read-only look-ups, which --dry-run skips).
 
 # Namerefs, ${var,,} and "${empty_array[@]}" under `set -u` need bash >= 4.4 (macOS ships 3.2).
 if ((BASH_VERSINFO[0] < 4 || (BASH_VERSINFO[0] == 4 && BASH_VERSINFO[1] < 4))); then
@@ -120,6 +120,36 @@ default_runtime_version() {
 }
 
 # ---------------------------------------------------------------------------------------------
+# Slices (multi-slice: several TPU slices joined over the data-centre network, DCN)
+# ---------------------------------------------------------------------------------------------
+
+# validate_slices: TPU_SLICES, when set, is a whole number >= 2; sets SLICES (1 without it).
+validate_slices() {
+  SLICES=1
+  [[ -n "${TPU_SLICES:-}" ]] || return 0
+  [[ "$TPU_SLICES" =~ ^[0-9]+$ ]] ||
+    die "--slices must be a number of slices (2 or more), got '$TPU_SLICES'"
+  ((10#$TPU_SLICES >= 2)) ||
+    die "--slices $TPU_SLICES: a multi-slice run has 2 or more slices; for one slice leave --slices (TPU_SLICES) out"
+  SLICES=$((10#$TPU_SLICES))
+}
+
+multi_slice() { ((${SLICES:-1} > 1)); }
+
+# require_multislice_type TYPE: Multislice exists for TPU v4 and later (Cloud TPU Multislice
+# overview, https://cloud.google.com/tpu/docs/multislice-introduction).
+require_multislice_type() {
+  case "${1%-*}" in
+    v4 | v5p | v5litepod | v6e) ;;
+    *) die "--slices $SLICES: multi-slice needs TPU v4 or newer (v4, v5p, v5litepod, v6e), not a $1: pick such a --type, or one larger slice without --slices" ;;
+  esac
+}
+
+# node_name K: the TPU of slice K. A multi-slice queued resource names its TPUs PREFIX-0,
+# PREFIX-1, ... (the TPU API's MultisliceParams.nodeIdPrefix; `create` gives --node-prefix=NAME).
+node_name() { printf '%s-%s\n' "$TPU_NAME" "$1"; }
+
+# ---------------------------------------------------------------------------------------------
 # Quoting and running commands
 # ---------------------------------------------------------------------------------------------
 
@@ -166,6 +196,37 @@ ssh_worker() {
   run_gcloud compute tpus tpu-vm ssh "$TPU_NAME" "${LOCATION[@]}" "--worker=$1" "--command=$2"
 }
 
+# With several slices every command goes through the queued resource, whose ssh and scp reach
+# the workers of all its TPUs at once (--node=all --worker=all; gcloud compute tpus
+# queued-resources ssh/scp). --batch-size (default 64) is raised to every worker: a run's
+# processes must all start within vit_jax.main's --distributed_timeout.
+# ssh_slices SLICE WORKER SCRIPT: SLICE and WORKER are numbers or all.
+ssh_slices() {
+  local batch=()
+  [[ "$1" != all ]] || batch=("--batch-size=$((SLICES * $(num_hosts "$TPU_TYPE")))")
+  run_gcloud compute tpus queued-resources ssh "$TPU_QR_NAME" "${LOCATION[@]}" "--node=$1" \
+    "--worker=$2" "${batch[@]}" "--command=$3"
+}
+
+# ssh_all SCRIPT: run a shell script on every worker of the TPU, or of every slice.
+ssh_all() {
+  if multi_slice; then
+    ssh_slices all all "$1"
+  else
+    ssh_worker all "$1"
+  fi
+}
+
+# scp_all FILE DEST: copy a local file to DEST (relative to the home directory) on every worker.
+scp_all() {
+  if multi_slice; then
+    run_gcloud compute tpus queued-resources scp "$1" "$TPU_QR_NAME:$2" "${LOCATION[@]}" \
+      --node=all --worker=all "--batch-size=$((SLICES * $(num_hosts "$TPU_TYPE")))"
+  else
+    run_gcloud compute tpus tpu-vm scp "$1" "$TPU_NAME:$2" "${LOCATION[@]}" --worker=all
+  fi
+}
+
 # ---------------------------------------------------------------------------------------------
 # Read-only queries (never run under --dry-run: the callers skip them)
 # ---------------------------------------------------------------------------------------------
@@ -198,12 +259,13 @@ query() {
   die "$(quote_args gcloud "$@") failed:"$'\n'"${query_out:-(gcloud printed no error message)}"
 }
 
-# describe_tpu: sets TPU_STATE and TPU_ACTUAL_TYPE; returns 1 when the TPU does not exist.
+# describe_tpu [NAME]: sets TPU_STATE and TPU_ACTUAL_TYPE of NAME (default TPU_NAME); returns 1
+# when the TPU does not exist.
 describe_tpu() {
   local out
   TPU_STATE=''
   TPU_ACTUAL_TYPE=''
-  query out compute tpus tpu-vm describe "$TPU_NAME" "${LOCATION[@]}" \
+  query out compute tpus tpu-vm describe "${1:-$TPU_NAME}" "${LOCATION[@]}" \
     '--format=value(state,acceleratorType)' || return 1
   read -r TPU_STATE TPU_ACTUAL_TYPE <<<"$out" || true
   TPU_ACTUAL_TYPE="${TPU_ACTUAL_TYPE##*/}"  # in case the API answers with a resource path
@@ -221,6 +283,9 @@ describe_queued_resource() {
 require_ready_tpu() {
   if ! describe_tpu; then
     if describe_queued_resource; then
+      if [[ "$QR_STATE" == ACTIVE ]]; then
+        die "queued resource $TPU_QR_NAME is ACTIVE but has no TPU named $TPU_NAME: a multi-slice one (create --slices N) names its TPUs $TPU_NAME-0, $TPU_NAME-1, ...: pass --slices N (or export TPU_SLICES=N); if its TPU was deleted, '$PROG delete' and 'create' again"
+      fi
       die "TPU $TPU_NAME does not exist yet: its queued resource $TPU_QR_NAME is $QR_STATE (wait for ACTIVE; '$PROG status' shows it)"
     fi
     die "TPU $TPU_NAME not found in zone $TPU_ZONE of project $TPU_PROJECT: create it first ('$PROG create ...'), or check --name/--zone/--project"
@@ -238,4 +303,32 @@ require_ready_tpu() {
     fi
     TPU_TYPE="$TPU_ACTUAL_TYPE"
   fi
+}
+
+# require_ready_slices: stop unless the queued resource is ACTIVE and each of its SLICES TPUs
+# exists, is READY and of one type (TPU_TYPE when set); fills in TPU_TYPE from slice 0.
+require_ready_slices() {
+  local k name
+  if ! describe_queued_resource; then
+    die "queued resource $TPU_QR_NAME not found in zone $TPU_ZONE of project $TPU_PROJECT: create the slices first ('$PROG create --slices $SLICES ...'), or check --name/--qr-name/--zone/--project"
+  fi
+  case "$QR_STATE" in
+    ACTIVE) ;;
+    FAILED | SUSPENDING | SUSPENDED)
+      die "queued resource $TPU_QR_NAME is $QR_STATE: its slices are gone. Recreate them ('$PROG delete', 'create --slices $SLICES', 'setup'), then 'run' with the same --workdir resumes from the last checkpoint" ;;
+    *) die "queued resource $TPU_QR_NAME is ${QR_STATE:-in an unknown state}, not ACTIVE: wait for it ('$PROG status --slices $SLICES')" ;;
+  esac
+  for ((k = 0; k < SLICES; k++)); do
+    name="$(node_name "$k")"
+    describe_tpu "$name" ||
+      die "slice $k (TPU $name) of queued resource $TPU_QR_NAME not found: does it have $SLICES slices? ('gcloud compute tpus queued-resources describe $TPU_QR_NAME ${LOCATION[*]}'; --slices must be its node count)"
+    [[ "$TPU_STATE" == READY ]] ||
+      die "slice $k (TPU $name) is ${TPU_STATE:-in an unknown state}, not READY: wait for it ('$PROG status --slices $SLICES')"
+    if [[ -n "$TPU_ACTUAL_TYPE" ]]; then
+      if [[ -n "${TPU_TYPE:-}" && "$TPU_TYPE" != "$TPU_ACTUAL_TYPE" ]]; then
+        die "TPU_TYPE is $TPU_TYPE but slice $k (TPU $name) is a $TPU_ACTUAL_TYPE: fix --type/TPU_TYPE"
+      fi
+      TPU_TYPE="$TPU_ACTUAL_TYPE"
+    fi
+  done
 }

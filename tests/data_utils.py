@@ -130,7 +130,8 @@ class TinyMultiLabel(tfds.core.GeneratorBasedBuilder):
 
 def make_multilabel_dataset(data_dir: str, num_train: int = 12,
                             num_test: int = 10, size: int = 8,
-                            file_format: str = 'tfrecord') -> str:
+                            file_format: str = 'tfrecord', num_shards: Optional[int] = None
+                            ) -> str:
   """Prepares `tiny_multi_label` into `data_dir`.
 
   Use as `config.data.name='tiny_multi_label', data_dir=data_dir`, or pass the
@@ -143,7 +144,7 @@ def make_multilabel_dataset(data_dir: str, num_train: int = 12,
 
   The image size is part of the features: use one `size` per test session
   when loading by name (loading by path always works). `file_format`:
-  'tfrecord' or 'array_record'.
+  'tfrecord' or 'array_record'; `num_shards`: files per split (default: tfds's, 1 here).
 
   Returns:
     The prepared dataset directory (holding dataset_info.json).
@@ -153,7 +154,7 @@ def make_multilabel_dataset(data_dir: str, num_train: int = 12,
   _GEN_PARAMS.update(train=num_train, test=num_test, size=size)
   builder = TinyMultiLabel(data_dir=data_dir, file_format=file_format)
   builder.download_and_prepare(
-      download_config=tfds.download.DownloadConfig(try_download_gcs=False))
+      download_config=tfds.download.DownloadConfig(try_download_gcs=False, num_shards=num_shards))
   return os.fspath(builder.data_dir)
 
 

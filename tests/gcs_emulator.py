@@ -28,6 +28,7 @@ import sys
 import tempfile
 import threading
 import time
+import urllib.parse
 import urllib.request
 
 import trustme
@@ -47,10 +48,12 @@ def _free_port() -> int:
     return s.getsockname()[1]
 
 
-def _mend_answers(source, sink) -> None:
-  """Server -> client, an upload's `Location` given in https:// (fake-gcs-server: http://)."""
+def _mend_answers(source, sink, count=lambda n: None) -> None:
+  """Server -> client, an upload's `Location` given in https:// (fake-gcs-server: http://);
+  `count(n)` for every n bytes passed."""
   try:
     while chunk := source.recv(1 << 16):
+      count(len(chunk))
       head, sep, body = chunk.partition(b"\r\n\r\n")
       if sep and head.startswith(b"HTTP/1."):
         chunk = head.replace(b"\r\nLocation: http://", b"\r\nLocation: https://") + sep + body
@@ -97,9 +100,14 @@ class _Proxy(socketserver.ThreadingTCPServer):
   def __init__(self, root: pathlib.Path, server_port: int):
     self.root, self.server_port = root, server_port
     self.requests, self.count_lock = 0, threading.Lock()
+    self.bytes_to_clients = 0
     self.context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
     self.context.load_cert_chain(root / "server.pem", root / "server.key")
     super().__init__(("127.0.0.1", 0), _Handler)
+
+  def count_answer(self, n: int) -> None:
+    with self.count_lock:
+      self.bytes_to_clients += n
 
   def fault(self, method: str, path: str):
     """Sleeps the set delay; the answer to give instead of the server's (bytes), or None."""
@@ -148,6 +156,13 @@ class _Handler(socketserver.StreamRequestHandler):
       except (ssl.SSLError, OSError):
         return
       reader = client.makefile("rb")
+    elif first.startswith(b"GET /__proxy/stats "):  # `Emulator.stats`.
+      with self.server.count_lock:
+        body = json.dumps({"requests": self.server.requests,
+                           "bytes_to_clients": self.server.bytes_to_clients}).encode()
+      client.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: " +
+                     str(len(body)).encode() + b"\r\nConnection: close\r\n\r\n" + body)
+      return
     else:
       reader = _Prefixed(first, reader)
     try:
@@ -155,7 +170,8 @@ class _Handler(socketserver.StreamRequestHandler):
     except OSError:  # The server is stopped: the connection is refused, as by a gone server.
       return
     with upstream:
-      answers = threading.Thread(target=_mend_answers, args=(upstream, client), daemon=True)
+      answers = threading.Thread(target=_mend_answers, daemon=True,
+                                 args=(upstream, client, self.server.count_answer))
       answers.start()
       try:
         while request := _read_request(reader, client):
@@ -224,6 +240,7 @@ class Emulator:
         "TENSORSTORE_GCS_HTTP_URL": self.url,
         "GOOGLE_AUTH_TOKEN_FOR_TESTING": "emulator",
         "STORAGE_EMULATOR_HOST": self.url,
+        "CLOUD_STORAGE_EMULATOR_ENDPOINT": self.url,  # array_record's reader (riegeli's).
     }
     self.start()
 
@@ -253,6 +270,12 @@ class Emulator:
     (self.root / "faults.json").write_text(json.dumps(
         {"delay_s": delay_s, "read_only": list(read_only), "fail_every": fail_every}))
 
+  def stats(self) -> dict:
+    """What the proxy passed so far: ``{'requests', 'bytes_to_clients'}`` (the server's answers,
+    headers included, as the clients received them)."""
+    with urllib.request.urlopen(f"{self.url}/__proxy/stats", timeout=10) as answer:
+      return json.loads(answer.read())
+
   def failed_requests(self) -> list:
     """The requests answered 503 by `set_faults(fail_every=...)` so far: 'METHOD path' lines."""
     path = self.root / "failed_requests"
@@ -277,6 +300,18 @@ class Emulator:
         headers={"Content-Type": "application/json"}, method="POST")
     urllib.request.urlopen(request, timeout=10).read()
     return f"gs://{name}"
+
+  def upload(self, local: str, url: str) -> None:
+    """Writes the file `local` to `url` (gs://bucket/name) straight to the server (fast: past
+    the proxy, which counts and may fail requests)."""
+    bucket, name = url[len("gs://"):].split("/", 1)
+    size = os.path.getsize(local)
+    with open(local, "rb") as f:
+      request = urllib.request.Request(
+          f"http://127.0.0.1:{self.port}/upload/storage/v1/b/{bucket}/o?uploadType=media&name="
+          + urllib.parse.quote(name, safe=""), data=f, method="POST",
+          headers={"Content-Type": "application/octet-stream", "Content-Length": str(size)})
+      urllib.request.urlopen(request, timeout=600).read()
 
   def apply(self) -> None:
     """Points this process's libraries at the emulator (before their first gs:// use)."""

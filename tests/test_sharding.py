@@ -84,6 +84,59 @@ def test_fsdp_that_leaves_most_bytes_replicated_is_refused():
     sharding.check_replication(params, unsharded, mesh, 0.5)
 
 
+class _Device:
+  """A device as `sharding.check_slices` and `mesh_utils` read it."""
+
+  def __init__(self, i, platform, process_index, slice_index=None):
+    self.id, self.platform, self.process_index = i, platform, process_index
+    self.device_kind = {"tpu": "TPU v5 lite", "cpu": "cpu"}[platform]
+    if slice_index is not None:
+      self.slice_index = slice_index
+
+  def __repr__(self):
+    return f"d{self.id}"
+
+
+def test_dcn_data_must_be_the_number_of_slices_the_devices_form():
+  two_slices = [_Device(i, "tpu", i // 4, slice_index=i // 4) for i in range(8)]
+  one_slice = [_Device(i, "tpu", 0) for i in range(4)]  # libtpu's one-slice topology: no index.
+  assert [sharding.num_slices(d) for d in (two_slices, one_slice)] == [2, 1]
+  sharding.check_slices(_mesh_cfg(dcn_data=2), two_slices)
+  sharding.check_slices(_mesh_cfg(dcn_data=1), one_slice)
+  with pytest.raises(ValueError, match=r"^config\.mesh\.dcn_data=1 but the 8 devices form 2 "
+                     r"slices \(by their slice_index\): .* Set --config\.mesh\.dcn_data=2\.$"):
+    sharding.check_slices(_mesh_cfg(dcn_data=1), two_slices)
+  with pytest.raises(ValueError, match=r"^config\.mesh\.dcn_data=2 but the 4 devices form 1 "
+                     r"slice \(TPU devices without a slice_index\): its data axis cannot span 2 "
+                     r"slices\. Set --config\.mesh\.dcn_data=1\.$"):
+    sharding.check_slices(_mesh_cfg(dcn_data=2), one_slice)
+  # CPU and GPU: mesh_utils's fallback, a process is a slice; one network (1) passes too.
+  two_processes = [_Device(i, "cpu", i // 2) for i in range(4)]
+  sharding.check_slices(_mesh_cfg(dcn_data=1), two_processes)
+  sharding.check_slices(_mesh_cfg(dcn_data=2), two_processes)
+  with pytest.raises(ValueError, match=r"dcn_data=3 but the 4 devices form 2 slices \(one per "
+                     r"process: CPU devices have no slice_index\).*Set --config\.mesh\.dcn_data=1 "
+                     r"\(one network\) or 2 \(a slice per process\)\.$"):
+    sharding.check_slices(_mesh_cfg(dcn_data=3), two_processes)
+  # The hybrid grid puts each process's devices in its half of the data axis.
+  grid = sharding.device_grid(_mesh_cfg(dcn_data=2), two_processes)
+  assert grid.shape == (4, 1, 1)
+  assert [d.process_index for d in grid.flat] == [0, 0, 1, 1]
+  with pytest.raises(ValueError, match=r"dcn_data=2 but the \d+ devices? form 1 slice"):
+    sharding.create_mesh(_mesh_cfg(dcn_data=2))  # This process's CPU devices.
+
+
+def test_the_trainer_refuses_dcn_data_of_other_slices_before_any_work(tmp_path, folder):
+  config = sharding_worker.tiny_config("vit", folder)
+  config.mesh.dcn_data = 2
+  with pytest.raises(ValueError, match=r"dcn_data=2 but the \d+ devices? form 1 slice \(one per "
+                     r"process: CPU devices have no slice_index\).*--config\.mesh\.dcn_data=1\.$"):
+    config_lib.resolve(config, num_train_examples=24, num_classes=3)
+  with pytest.raises(train.ConfigError, match=r"config\.mesh\.dcn_data=2 but the \d+ device"):
+    train.train_and_evaluate(config, str(tmp_path / "run"))
+  assert not (tmp_path / "run").exists()  # Refused before the workdir was made.
+
+
 # ------------------------------------------------------------------------------ 8 devices
 
 

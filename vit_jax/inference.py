@@ -93,6 +93,7 @@ def _for_devices(config: ml_collections.ConfigDict,
   can split, attention and remat chosen for them."""
   config = ml_collections.ConfigDict(config.to_dict())
   try:
+    sharding.check_slices(config.mesh, devices)
     sharding.axis_sizes(config.mesh, len(devices))
   except ValueError:
     config.mesh.update(data=-1, fsdp=1, tensor=1, dcn_data=1)

@@ -1,5 +1,6 @@
 """The device mesh, the logical-axis rules (:data:`DEFAULT_RULES`: data, FSDP and tensor
-parallelism are ``config.mesh`` sizes, docs/pods.md) and the shardings of the state and batch."""
+parallelism are ``config.mesh`` sizes, ``dcn_data`` the slices, docs/pods.md) and the shardings
+of the state and batch."""
 
 from __future__ import annotations
 
@@ -33,9 +34,7 @@ def axis_sizes(mesh_cfg: ml_collections.ConfigDict, num_devices: int) -> Dict[st
   """``{'data', 'fsdp', 'tensor'}`` sizes of ``config.mesh`` (-1 resolved; data x ``dcn_data``).
   ValueError: a size 0 or below -1, two -1, or a product other than ``num_devices``."""
   sizes = {axis: int(mesh_cfg[axis]) for axis in MESH_AXES}
-  dcn = int(mesh_cfg.dcn_data)
-  if dcn < 1:
-    raise ValueError(f"config.mesh.dcn_data={dcn} must be >= 1.")
+  dcn = _dcn_data(mesh_cfg)
   bad = [a for a, s in sizes.items() if s == 0 or s < -1]
   free = [a for a, s in sizes.items() if s == -1]
   if bad or len(free) > 1:
@@ -59,6 +58,54 @@ def axis_sizes(mesh_cfg: ml_collections.ConfigDict, num_devices: int) -> Dict[st
   return sizes
 
 
+def _dcn_data(mesh_cfg: ml_collections.ConfigDict) -> int:
+  dcn = int(mesh_cfg.dcn_data)
+  if dcn < 1:
+    raise ValueError(f"config.mesh.dcn_data={dcn} must be >= 1 (the number of slices).")
+  return dcn
+
+
+def slice_attribute(devices: Sequence[Any]) -> Optional[str]:
+  """What :func:`create_mesh` (``mesh_utils.create_hybrid_device_mesh``) groups ``devices`` into
+  slices by: 'slice_index' where they carry it (TPU slices, libtpu's multi-slice topologies),
+  else 'process_index' on CPU and GPU (its ``process_is_granule`` fallback: a process is a
+  slice); None for TPU devices without it (libtpu's one-slice topology): one slice."""
+  if hasattr(devices[0], "slice_index"):
+    return "slice_index"
+  return None if devices[0].platform == "tpu" else "process_index"
+
+
+def slice_indices(devices: Sequence[Any]) -> list[int]:
+  """Each device's slice, by :func:`slice_attribute` (0 where there is none)."""
+  attribute = slice_attribute(devices)
+  return [getattr(d, attribute) if attribute else 0 for d in devices]
+
+
+def num_slices(devices: Sequence[Any]) -> int:
+  """How many slices ``devices`` form (:func:`slice_indices`)."""
+  return len(set(slice_indices(devices)))
+
+
+def check_slices(mesh_cfg: ml_collections.ConfigDict, devices: Sequence[Any]) -> None:
+  """ValueError unless ``config.mesh.dcn_data`` is the number of slices ``devices`` form
+  (:func:`num_slices`); on CPU and GPU, whose processes share one network, 1 also passes."""
+  dcn, found = _dcn_data(mesh_cfg), num_slices(devices)
+  attribute = slice_attribute(devices)
+  if dcn == found or (dcn == 1 and attribute == "process_index"):
+    return
+  by = {"slice_index": "by their slice_index",
+        "process_index": f"one per process: {devices[0].platform.upper()} devices have no "
+                         "slice_index",
+        None: "TPU devices without a slice_index"}[attribute]
+  effect = ("the mesh would lay its axes across the slow network between slices" if dcn == 1
+            else f"its data axis cannot span {dcn} slices")
+  fix = (f"--config.mesh.dcn_data=1 (one network) or {found} (a slice per process)"
+         if attribute == "process_index" and found > 1 else f"--config.mesh.dcn_data={found}")
+  raise ValueError(
+      f"config.mesh.dcn_data={dcn} but the {len(devices)} device{'s' * (len(devices) != 1)} "
+      f"form {found} slice{'s' * (found != 1)} ({by}): {effect}. Set {fix}.")
+
+
 def _describe(sizes: Dict[str, int], dcn: int) -> str:
   text = " x ".join(f"{a}={s}" for a, s in sizes.items())
   return text + (f" x dcn_data={dcn}" if dcn > 1 else "")
@@ -66,20 +113,28 @@ def _describe(sizes: Dict[str, int], dcn: int) -> str:
 
 def create_mesh(mesh_cfg: ml_collections.ConfigDict,
                 devices: Optional[Sequence[Any]] = None) -> jax.sharding.Mesh:
-  """The mesh of ``config.mesh`` (innermost axis on the fastest links; hybrid with ``dcn_data``).
-  Raises as :func:`axis_sizes`."""
+  """The mesh of ``config.mesh`` over :func:`device_grid`. Raises as :func:`device_grid`."""
+  return jax.sharding.Mesh(device_grid(mesh_cfg, devices), MESH_AXES)
+
+
+def device_grid(mesh_cfg: ml_collections.ConfigDict,
+                devices: Optional[Sequence[Any]] = None) -> np.ndarray:
+  """The devices (default ``jax.devices()``) laid out as ``config.mesh`` (innermost axis on the
+  fastest links; hybrid with ``dcn_data``: 'data' outermost over the slices, grouped as
+  :func:`slice_attribute` says). Raises as :func:`check_slices` and :func:`axis_sizes`."""
   devices = list(jax.devices() if devices is None else devices)
+  check_slices(mesh_cfg, devices)
   sizes = axis_sizes(mesh_cfg, len(devices))
   shape = tuple(sizes[a] for a in MESH_AXES)
   dcn = int(mesh_cfg.dcn_data)
   if dcn > 1:
     ici = (shape[0] // dcn,) + shape[1:]
-    grid = mesh_utils.create_hybrid_device_mesh(ici, (dcn, 1, 1), devices)
-  elif devices[0].platform == "cpu":  # No topology to respect; keep the order (deterministic).
-    grid = np.asarray(devices).reshape(shape)
-  else:
-    grid = mesh_utils.create_device_mesh(shape, devices)
-  return jax.sharding.Mesh(grid, MESH_AXES)
+    return mesh_utils.create_hybrid_device_mesh(
+        ici, (dcn, 1, 1), devices,
+        process_is_granule=slice_attribute(devices) == "process_index")
+  if devices[0].platform == "cpu":  # No topology to respect; keep the order (deterministic).
+    return np.asarray(devices).reshape(shape)
+  return mesh_utils.create_device_mesh(shape, devices)
 
 
 def parse_rules(text: str, mesh_axes: Sequence[str] = MESH_AXES) -> Rules:

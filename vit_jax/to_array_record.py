@@ -1,8 +1,7 @@
 """`python -m vit_jax.to_array_record`: adds ArrayRecord files to a prepared tfds dataset
 (`vit_jax.tools.to_array_record`)."""
-import sys
-
+from vit_jax.tools import common
 from vit_jax.tools import to_array_record
 
 if __name__ == "__main__":
-  sys.exit(to_array_record.main())
+  common.run_program(to_array_record.main)

@@ -351,6 +351,11 @@ def test_a_slice_that_cannot_take_the_batch_or_the_model_is_refused():
   with pytest.raises(ValueError, match=r"config.slice='v3-32': .* fitted to its 32 devices, but "
                      r"the step runs on 8\. .* or --config.slice= to run"):
     _resolve(config, devices=[FakeTPU()] * 8)
+  # Two such slices (dcn_data=2): 2 x 32 devices, not 32.
+  config.mesh.dcn_data = 2
+  with pytest.raises(ValueError, match=r"fitted to its 32 devices x 2 slices = 64, but the step "
+                     r"runs on 32\."):
+    _resolve(config, devices=[FakeTPU()] * 32)
 
 
 def _record_consumed_keys(monkeypatch):

@@ -4,8 +4,9 @@ The scripts run against a fake `gcloud` placed first on PATH: it appends its arg
 (NUL-separated, so every argument comes back exactly as passed) and answers the read-only
 queries from environment variables: FAKE_TPU is what
 `tpu-vm describe --format=value(state,acceleratorType)` prints (unset: the TPU does not exist,
-exit 1), FAKE_QR the same for the queued resource, FAKE_BUCKET_LOCATION for
-`storage buckets describe`; FAKE_ERROR makes every call fail with that message. The scripts that
+exit 1; FAKE_TPU_<name with - as _> answers for that TPU alone), FAKE_QR the same for the
+queued resource, FAKE_BUCKET_LOCATION for `storage buckets describe`; FAKE_ERROR makes every
+call fail with that message. The scripts that
 `--command` carries to the workers are checked with `sh -n` and shellcheck; only setup's is
 executed here, against fake python, uv, apt-get and sudo (the others kill processes).
 """
@@ -47,7 +48,10 @@ answer() {  # print the variable named $1, or fail like gcloud does for a missin
   exit 1
 }
 case "$1 $2 $3 $4" in
-  "compute tpus tpu-vm describe") answer FAKE_TPU ;;
+  "compute tpus tpu-vm describe")
+    one="FAKE_TPU_$(printf '%s' "$5" | tr -c 'A-Za-z0-9_' _)"
+    if eval "[ -n \"\${$one+set}\" ]"; then answer "$one"; fi
+    answer FAKE_TPU ;;
   "compute tpus queued-resources describe") answer FAKE_QR ;;
   "storage buckets describe "*) answer FAKE_BUCKET_LOCATION ;;
   "compute tpus tpu-vm scp")  # keep the archive for the test to look into
@@ -570,9 +574,10 @@ def test_setup_refuses_a_missing_or_unready_tpu(tpu):
 # run
 # --------------------------------------------------------------------------------------------
 
+# --bucket bkt: the bucket is mounted with gcsfuse by default, vit_jax.main gets the mounted path.
 TRAIN_V3_8 = ("PYTHONUNBUFFERED=1 setsid nohup .venv/bin/python -m vit_jax.main "
               "--config=configs/vit.py:b16,imagenet2012 --workdir=gs://bkt/b16_i1k "
-              "--config.data.data_dir=gs://bkt/tensorflow_datasets --config.batch_size=1024 "
+              "--config.data.data_dir=/mnt/gcsfuse/bkt/tensorflow_datasets --config.batch_size=1024 "
               "--config.optim.lr=0.001 >\"$log\" 2>&1 </dev/null &")
 
 
@@ -588,9 +593,11 @@ def test_run_v3_8(tpu):
   lines = remote_command(calls[2]).splitlines()
   assert TRAIN_V3_8 in lines
   start = lines.index(TRAIN_V3_8)
-  # First the setup check and the clean-up of stale processes and lock files, then the start.
+  # First the setup check, the mount and the clean-up of stale processes and lock files, then
+  # the start.
   for before in ("if ! cd \"$HOME/vit_jax\" 2>/dev/null || [ ! -f .venv/.setup-ok ]; then",
                  "pattern='^[^ ]*python[0-9.]* -m vit_jax[.]main( |$)'",
+                 "gcs_mount=/mnt/gcsfuse/bkt",
                  '  sudo pkill -TERM -f "$pattern" || true',
                  '  sudo pkill -KILL -f "$pattern" || true',
                  'holders="$(sudo lsof -t /dev/accel* /dev/vfio/* 2>/dev/null | sort -u '
@@ -601,6 +608,7 @@ def test_run_v3_8(tpu):
   assert 'log="logs/train-$(date +%Y%m%d-%H%M%S)-worker$worker.log"' in lines
   assert "tpu.sh logs --name vit-v3-8" in result.stderr
   assert "tensorboard --logdir gs://bkt/b16_i1k" in result.stderr
+  assert "mounted read-only at /mnt/gcsfuse/bkt on every worker" in result.stderr
   assert "warning" not in result.stderr
 
 
@@ -613,9 +621,10 @@ def test_run_v3_32(tpu):
   assert [c[:4] for c in calls[1:3]] == [["storage", "buckets", "describe", "gs://bkt"],
                                          ["storage", "buckets", "describe", "gs://data"]]
   assert calls[3] == ssh("vit-v3-32", "all", remote_command(calls[3]))
+  # --data-dir gs://data/tfds: gs://data is mounted on every worker (by default).
   assert ("PYTHONUNBUFFERED=1 setsid nohup .venv/bin/python -m vit_jax.main "
           "--config=configs/vit.py:b16,imagenet2012 --workdir=gs://bkt/pod "
-          "--config.data.data_dir=gs://data/tfds --config.batch_size=4096 "
+          "--config.data.data_dir=/mnt/gcsfuse/data/tfds --config.batch_size=4096 "
           ">\"$log\" 2>&1 </dev/null &") in remote_command(calls[3]).splitlines()
 
 

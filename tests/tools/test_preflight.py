@@ -1,6 +1,7 @@
 """vit_jax.tools.preflight (`python -m vit_jax.preflight`): tiny models compiled by libtpu's TPU
-compiler for v3 and v4 slices (multi-host included), an oversized batch refused with a
-suggestion that fits once applied, and the command line's exit codes (missing libtpu: 2).
+compiler for v3 and v4 slices (multi-host included) and for 2 slices over DCN (the collectives
+that cross them), an oversized batch refused with a suggestion that fits once applied, and the
+command line's exit codes (missing libtpu: 2).
 
 The compile tests need libtpu (`pip install -e '.[tpu]'`, which .ci/run installs) and are
 skipped without it; the others run everywhere."""
@@ -21,6 +22,7 @@ from vit_jax import flops
 from vit_jax import step
 from vit_jax.tools import cost
 from vit_jax.tools.preflight import cli as preflight_cli
+from vit_jax.tools.preflight import collectives
 from vit_jax.tools.preflight import fit
 from vit_jax.tools.preflight import search
 from vit_jax.tools.preflight import topology
@@ -119,11 +121,77 @@ def test_a_step_fits_only_with_its_inputs_in_the_hbm():
   assert refused.verdict == "the train step: RESOURCE_EXHAUSTED: ..."
 
 
+def test_candidates_keep_dcn_data_and_use_fsdp_within_each_slice():
+  resolved = ml_collections.ConfigDict({
+      "batch_size": 16, "grad_accum_steps": 1, "model": {"dtype": "bfloat16"},
+      "mesh": {"data": -1, "fsdp": 1, "tensor": 1, "dcn_data": 2}})
+  found = list(search.candidates(resolved, num_devices=8, batch_shards=8))
+  fsdp = {"mesh.data": 1, "mesh.fsdp": -1}  # fsdp=4 in each of the 2 slices: 8 batch shards.
+  assert found == [{"grad_accum_steps": 2}, fsdp, {**fsdp, "grad_accum_steps": 2},
+                   {**fsdp, "batch_size": 8}]
+
+
+# One slice's program as libtpu compiles it for 2 slices (num_partitions=4): a data-parallel
+# all-reduce split into a reduce-scatter in the slice, a megascale transfer of the shard (send
+# and recv; 2 x 128 floats), an all-gather; and the same transfer in a loop of 6 - 1 = 5 trips.
+_MULTI_SLICE_HLO = """HloModule jit_step, num_partitions=4
+
+%cond (p: (s32[], f32[2,128])) -> pred[] {
+  %p = (s32[], f32[2,128]{1,0}) parameter(0)
+  %i = s32[] get-tuple-element(%p), index=0
+  %n = s32[]{:T(128)} constant(6)
+  ROOT %lt = pred[] compare(%i, %n), direction=LT
+}
+
+%body (q: (s32[], f32[2,128])) -> (s32[], f32[2,128]) {
+  %send.2 = (f32[2,128]{1,0:T(2,128)}, u32[], token[]) send(%x, %t), channel_id=3, \
+is_host_transfer=true, frontend_attributes={_xla_megascale_transfer_type="ALL_REDUCE"}
+}
+
+ENTRY %main (a: f32[8,128]) -> f32[8,128] {
+  %a = f32[8,128]{1,0} parameter(0)
+  %rs = f32[2,128]{1,0} reduce-scatter(%a), channel_id=1, replica_groups={{0,1,2,3}}, \
+dimensions={0}
+  %send = (f32[2,128]{1,0:T(2,128)}, u32[], token[]) send(%rs, %t), channel_id=2, \
+is_host_transfer=true, frontend_attributes={_xla_megascale_transfer_type="ALL_REDUCE"}
+  %recv = (f32[2,128]{1,0}, u32[], token[]) recv(%t), channel_id=1, is_host_transfer=true, \
+frontend_attributes={_xla_megascale_transfer_type="ALL_REDUCE"}
+  %ag = f32[8,128]{1,0} all-gather(%rs), channel_id=4, replica_groups=[1,4]<=[4], dimensions={0}
+  %one = s32[] constant(1)
+  %start = s32[] copy(%one)
+  %init = (s32[], f32[2,128]) tuple(%start, /*index=1*/%rs)
+  %loop = (s32[], f32[2,128]) while(%init), condition=%cond, body=%body
+  ROOT %out = f32[8,128]{1,0} add(%ag, %ag)
+}
+"""  # A backslash at a line's end continues it.
+
+
+def test_cross_slice_collectives_are_read_from_the_hlo_text():
+  found = collectives.cross_slice(_MULTI_SLICE_HLO, [0, 0, 0, 0, 1, 1, 1, 1])
+  assert found == collectives.CrossSlice(count=1 + 5, bytes=6 * 2 * 128 * 4,
+                                         kinds={"all-reduce": 6}, exact=True)
+  # A program of every slice's devices (num_partitions=8): groups holding devices of both
+  # slices cross, explicit ({0,4}: 4 floats) or iota ([4,2]<=[2,4]T(1,0): {0,4},{1,5},...;
+  # a reduce-scatter's input is its output x 2), and those within a slice do not.
+  whole = "\n".join([
+      "HloModule jit_step, num_partitions=8", "ENTRY %main (a: f32[4]) -> f32[4] {",
+      "  %x = f32[4]{0} all-reduce(%a), replica_groups={{0,4},{1,5},{2,6},{3,7}}",
+      "  %y = f32[2]{0} reduce-scatter(%a), replica_groups=[4,2]<=[2,4]T(1,0), dimensions={0}",
+      "  %z = f32[4]{0} all-reduce(%a), replica_groups=[2,4]<=[8]",
+      "  ROOT %w = f32[8]{0} all-gather(%a), replica_groups={{0,1,2,3},{4,5,6,7}}", "}"])
+  assert collectives.cross_slice(whole, [0, 0, 0, 0, 1, 1, 1, 1]) == collectives.CrossSlice(
+      count=2, bytes=16 + 16, kinds={"all-reduce": 1, "reduce-scatter": 1})
+  assert collectives.cross_slice(whole, [0] * 8).count == 0  # One slice: nothing crosses.
+
+
 def test_not_a_tpu_or_no_such_slice_is_refused():
   with pytest.raises(ValueError, match="not a Cloud TPU type"):
     topology.tpu_slice("a100-8")
   with pytest.raises(ValueError, match="does not exist"):
     topology.tpu_slice("v3-12")
+  with pytest.raises(ValueError, match=r"0 slices: give a positive number of slices "
+                     r"\(--config\.mesh\.dcn_data\)"):
+    topology.tpu_slice("v3-8", num_slices=0)
 
 
 def test_missing_libtpu_exits_2_with_the_install_line():
@@ -149,6 +217,9 @@ def test_the_command_line_takes_switches_and_config_overrides():
   assert config.model.patch_size == (8, 8) and config.is_locked
   args, _ = cost.parse(preflight_cli._parser(), [])  # pylint: disable=protected-access
   assert (args.suggest, args.eval, args.largest_batch) == (True, True, False)
+  text = " ".join(preflight_cli._parser().format_help().split())  # pylint: disable=protected-access
+  assert "--config.mesh.dcn_data=N the steps are compiled for N such slices" in text
+  assert "collectives that cross slices" in text
 
 
 # ---------------------------------------------------------------- with libtpu
@@ -190,6 +261,50 @@ def test_tiny_models_compile_for_v3_and_v4_slices_and_fit(model, accelerator, de
   for row in ("parameters", "optimizer state", "batch", "temporaries", "total", "compile time"):
     assert f"\n{row} " in report
   assert f"{64 // hosts} per host x {hosts} = {64 // devices} per device" in report
+
+
+@requires_libtpu
+def test_two_slices_compile_with_collectives_across_them_and_one_slice_without():
+  """The tiny ViT data parallel over 2 v5litepod-4 slices (the trainer's hybrid mesh over
+  libtpu's 2-slice topology): the gradient crosses the DCN; on one slice nothing does."""
+  tpu = topology.tpu_slice("v5litepod-4", num_slices=2)
+  assert (len(tpu.devices), tpu.num_hosts, tpu.num_slices) == (8, 2, 2)
+  assert sorted(d.slice_index for d in tpu.devices) == [0] * 4 + [1] * 4
+  assert tpu.describe().startswith("2 slices of v5litepod-4 (topology v5e:2x2 each, joined by "
+                                   "DCN): 8 devices of TPU v5 lite on 2 hosts in all, 15.75 GiB")
+  result = fit.check(_config(TINY_VIT, **{"mesh.dcn_data": 2}), tpu)
+  assert result.fits and result.batch_per_device == 64 // 8
+  train = result.train.cross_slice
+  # Each device hands the DCN its shard of the float32 gradient, reduced in its slice first
+  # (more here: the compiler pads these tiny tensors).
+  assert train.kinds == {"all-reduce": train.count} and train.count > 0 and train.exact
+  assert result.parameter_bytes / 4 <= train.bytes < 4 * result.parameter_bytes
+  assert 0 < result.eval.cross_slice.count < train.count  # The metrics' sums.
+  report = preflight_cli.format_result(result)
+  assert "\nslices       2 x v5litepod-4 joined by DCN; the mesh's data axis is 2 slices x 4" \
+      in report
+  assert (f"\nacross DCN   train step {train.count} collectives (all-reduce x {train.count}), "
+          f"{train.bytes / 2**10:.1f} KiB; eval step ") in report
+  assert re.search(r"\ntotal +\d+\.\d MiB of 15\.75 GiB", report)  # Per device, as for one.
+  # On one slice (the eval step: quicker) the metrics' sums cross nothing; no slice lines.
+  one = topology.tpu_slice("v5litepod-4")
+  single = fit.check(_config(TINY_VIT), one, train_step=False)
+  assert single.fits and single.eval.cross_slice == collectives.CrossSlice()
+  assert "across DCN" not in preflight_cli.format_result(single)
+  # dcn_data against the slices found: refused (as the trainer does) before compiling.
+  with pytest.raises(ValueError, match=r"dcn_data=1 but the 8 devices form 2 slices \(by their "
+                     r"slice_index\).*Set --config\.mesh\.dcn_data=2\."):
+    fit.check(_config(TINY_VIT), tpu)
+  with pytest.raises(ValueError, match=r"dcn_data=2 but the 4 devices form 1 slice .*Set "
+                     r"--config\.mesh\.dcn_data=1\."):
+    fit.check(_config(TINY_VIT, **{"mesh.dcn_data": 2}), one)
+  # A batch or mesh that 2 slices cannot split: the existing errors, with the slices counted.
+  with pytest.raises(ValueError, match=r"batch_size=60 cannot be split into 1 micro-batch\(es\) "
+                     r"over 8 batch shard\(s\).*--config\.batch_size=56 or 64"):
+    fit.check(_config(TINY_VIT, batch_size=60, **{"mesh.dcn_data": 2}), tpu)
+  with pytest.raises(ValueError, match=r"config\.mesh data=-1 x fsdp=1 x tensor=3 x dcn_data=2 "
+                     r"cannot fill 8 devices: the fixed axes use 6"):
+    fit.check(_config(TINY_VIT, **{"mesh.dcn_data": 2, "mesh.tensor": 3}), tpu)
 
 
 # 401 tokens of D=32 per image in 16 heads (4 px patches at 80 px): the attention matrices are

@@ -19,6 +19,7 @@ from vit_jax import models
 from vit_jax import optim
 from vit_jax import param_groups
 from vit_jax import platform
+from vit_jax import sharding
 from vit_jax import step
 from vit_jax.config import defaults
 
@@ -411,7 +412,8 @@ def attention_choice(config: ml_collections.ConfigDict, requested: str,
 
 
 def _check_slice(config: ml_collections.ConfigDict, num_devices: int) -> None:
-  """Refuses settings fitted to one slice (`config.slice`) on a different number of devices."""
+  """Refuses settings fitted to one slice (`config.slice`) on a different number of devices
+  (`config.mesh.dcn_data` such slices)."""
   if not config.get("slice"):  # Also a config.json written before the field existed.
     return
   try:
@@ -420,11 +422,13 @@ def _check_slice(config: ml_collections.ConfigDict, num_devices: int) -> None:
     fitted = hardware.accelerator(config.slice)[1]
   except ValueError as e:
     raise ValueError(f"config.slice={config.slice!r}: {e}") from None
-  if fitted != num_devices:
+  slices = max(1, int(config.mesh.get("dcn_data", 1)))
+  if fitted * slices != num_devices:
+    copies = f" x {slices} slices = {fitted * slices}" if slices > 1 else ""
     raise ValueError(
         f"config.slice={config.slice!r}: the config's compute dtype, mesh and accumulation were "
-        f"fitted to its {fitted} devices, but the step runs on {num_devices}. Use the config "
-        f"file's <slice> argument for these devices (e.g. configs/vit.py:b16,imagenet2012,v3-8), "
+        f"fitted to its {fitted} devices{copies}, but the step runs on {num_devices}. Use the "
+        f"config file's <slice> argument for these devices (e.g. configs/vit.py:b16,imagenet2012,v3-8), "
         f"or --config.slice= to run the settings as they are.")
 
 
@@ -441,13 +445,15 @@ def resolve(config: ml_collections.ConfigDict, *, num_train_examples: int, num_c
 
   Raises:
     ValueError: a bad value (naming the field, the range and the flag), an unknown name, a
-      schedule or mesh or batch that does not fit, an attention that cannot run there.
+      schedule or mesh or batch that does not fit (`config.mesh.dcn_data` other than the
+      devices' slices included), an attention that cannot run there.
     TypeError: an unknown model field.
     FileNotFoundError: `init_from` (or `pretrained_dir`'s file) does not exist.
   """
   host = devices is None  # The run is on this host: its limits apply (`check_host_limits`).
   devices = list(jax.devices() if devices is None else devices)
   _check_slice(config, len(devices))
+  sharding.check_slices(config.mesh, devices)  # config.mesh.dcn_data: the slices found.
   config = fill_regime(config)
   for section, ranges, prefix in ((config, _RUN_RANGES, ""),
                                   (config.optim, _OPTIM_RANGES, "optim."),

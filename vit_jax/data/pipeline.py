@@ -191,6 +191,11 @@ def create_train_iterator(data_cfg, global_batch_size: int, seed: int, start_ste
           100 * offset / n, source.builder.data_dir)
       ds = ds.skip(offset)
   else:
+    if start_step:
+      logging.info('Resuming at step %d: %s is read by index, so the input starts at once at '
+                   'example %s of epoch %d (%.0f%% of an epoch).', start_step, source.name,
+                   f'{offset:,}', start_epoch, 100 * offset / n)
+
     @tf.autograph.experimental.do_not_convert
     def epoch_positions(epoch):
       key = preprocess.fold_in(shuffle_root, epoch)

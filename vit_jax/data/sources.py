@@ -336,7 +336,7 @@ class Source:
 
   @property
   def has_array_record(self) -> bool:
-    """Whether this tfds dataset has ArrayRecord files (readable by index)."""
+    """Whether this tfds dataset has ArrayRecord files (readable by index, local or gs://)."""
     return not self.is_image_folder and (tfds.core.FileFormat.ARRAY_RECORD
                                          in self.builder.info.available_file_formats())
 
@@ -372,15 +372,20 @@ class Source:
     info.set_file_format(primary, override=True, override_if_initialized=True)
     try:
       records.__getitems__([0] if len(records) else [])
-    except (RuntimeError, OSError) as e:  # array_record opens local paths only (gs://: FUSE).
-      message = (f'The ArrayRecord files of {self.name} cannot be read ({e}): in a bucket, mount '
-                 'it with Cloud Storage FUSE (gcsfuse) and give its local path (this array_record '
-                 'reads local paths only); a damaged shard: rerun `python -m '
-                 f'vit_jax.to_array_record {self.name}`, which writes it again.')
+    except (RuntimeError, OSError) as e:  # A damaged shard, or a bucket that cannot be read.
+      message = (f'The ArrayRecord files of {self.name} cannot be read ({e}): a damaged shard: '
+                 f'rerun `python -m vit_jax.to_array_record {self.builder.data_dir}`, which '
+                 'writes it again; in a bucket: check that this machine can read it.')
       if not self._reads_in_order:
         raise FileNotFoundError(message) from e
       logging.warning('%s %s is read in order from its TFRecord files instead.', message, self.name)
       return None
+    if '://' in os.fspath(self.builder.data_dir):
+      logging.warning(
+          '%s is read by index straight from %s: array_record asks the bucket for the rest of '
+          'the file at every random read, many times the record\'s bytes (docs/data.md, "Reading '
+          'from a bucket"). On a pod, mount the bucket with Cloud Storage FUSE and give its local '
+          'path (launch/tpu.sh run does by default).', self.name, self.builder.data_dir)
     features, decoders, encoded = info.features, self._decoders, self.images_encoded_after_read
 
     def finish(serialized):
@@ -455,6 +460,37 @@ def _folder_names_without_slashes():
     module._list_folders = listed
 
 
+def tfds_builder(name: str, data_dir: Optional[str] = None):
+  """The tfds builder of a prepared dataset's directory (`looks_like_path`) or of a registered
+  `name` in `data_dir`, with the file formats its dataset_info.json lists (ArrayRecord added by
+  `python -m vit_jax.to_array_record` included). FileNotFoundError: a path without a prepared
+  dataset; ValueError: neither a registered name nor a directory."""
+  if looks_like_path(name):
+    return tfds.builder_from_directory(find_builder_dir(name))
+  try:
+    builder = tfds.builder(name, data_dir=data_dir)
+  except tfds.core.registered.DatasetNotFoundError:
+    raise ValueError(
+        f'config.data.name={name!r} is neither a registered tfds dataset nor a directory. Use '
+        'a tfds name (e.g. cifar10, imagenet2012, fashion_mnist_local), the path of a prepared '
+        'tfds dataset, or --config.data.image_folder=ROOT for ROOT/{train,test}/<class>/*.jpg.'
+    ) from None
+  _restore_file_formats(builder)
+  return builder
+
+
+def _restore_file_formats(builder) -> None:
+  """A registered builder restores its dataset_info.json into the info's proto but not into
+  `info.alternative_file_formats` (tfds 4.9), so `available_file_formats()` would miss the
+  ArrayRecord files added later: copied from the proto here."""
+  info = builder.info
+  known = info.alternative_file_formats  # The list itself (tfds's property).
+  for value in info.as_proto.alternative_file_formats:
+    file_format = tfds.core.FileFormat.from_value(value)
+    if file_format not in known:
+      known.append(file_format)
+
+
 def _make_source(data_cfg) -> Source:
   """Builds the `Source` for `config.data` (uncached)."""
   name, image_key, label_key = (data_cfg.name, data_cfg.image_key, data_cfg.label_key)
@@ -492,19 +528,10 @@ def _make_source(data_cfg) -> Source:
                   bad_images=bad_images, skipped_images=skipped)
   if not name:
     raise ValueError('Set config.data.name (or config.data.image_folder).')
-  if looks_like_path(name):
-    builder = tfds.builder_from_directory(find_builder_dir(name))
-  else:
-    try:
-      builder = tfds.builder(name, data_dir=data_cfg.data_dir)
-    except tfds.core.registered.DatasetNotFoundError:
-      raise ValueError(
-          f'config.data.name={name!r} is neither a registered tfds dataset nor a directory. Use '
-          'a tfds name (e.g. cifar10, imagenet2012, fashion_mnist_local), the path of a prepared '
-          'tfds dataset, or --config.data.image_folder=ROOT for ROOT/{train,test}/<class>/*.jpg.'
-      ) from None
-    if not builder.is_prepared():
-      _prepare(builder, name, data_cfg)
+  builder = tfds_builder(name, data_cfg.data_dir)
+  if not builder.is_prepared():
+    _prepare(builder, name, data_cfg)
+    _restore_file_formats(builder)
   if image_key not in builder.info.features:
     raise KeyError(f'config.data.image_key={image_key!r} is not a feature of {name!r}; '
                    f'features: {sorted(builder.info.features)}.')

@@ -6,25 +6,40 @@ every example of the epoch before its step). No Apache Beam.
   python -m vit_jax.to_array_record imagenet2012 --data-dir gs://bucket/tfds --workers 16
 
 Each TFRecord shard is copied record by record (the same serialized examples) into an
-ArrayRecord shard beside it, written under a temporary name and renamed when complete; then
-``dataset_info.json`` lists ArrayRecord as an alternative file format (TFRecord stays the
-primary one). Rerunning skips the shards already complete (a damaged one is written again).
-Bad input: one ``FATAL:`` line, exit 2.
+ArrayRecord shard beside it, written under a temporary name (NAME.incomplete) and renamed when
+complete; in a bucket (gs://) each shard is first written on local disk (--staging-dir, one
+shard per worker at a time: the start line says how much disk that takes, and too little is
+refused), since array_record writes local files only. Then ``dataset_info.json`` lists
+ArrayRecord as an alternative file format (TFRecord stays the primary one), replaced whole.
+Stopped at any moment (Ctrl-C, SIGTERM, a kill), a rerun finishes the work: it skips the shards
+already complete (they open and hold the records dataset_info.json says) and writes the others
+again. Bad input: one ``FATAL:`` line, exit 2.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import os
+import re
+import shutil
+import signal
 import sys
 import tempfile
+import threading
 from typing import Optional, Sequence
 
 from vit_jax.tools import common
 
+_INCOMPLETE = '.incomplete'
 
-def _shards(builder) -> list[tuple[str, str, int]]:
-  """(TFRecord path, ArrayRecord path, records) of every shard of every split."""
+
+class _Stopped(Exception):
+  """SIGTERM or Ctrl-C during a conversion (the shards done so far stay)."""
+
+
+def _shards(builder) -> list[tuple[str, str, int, int]]:
+  """(TFRecord path, ArrayRecord path, records, TFRecord bytes) of every shard of every split."""
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
   import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top
   out = []
   for split in builder.info.splits.values():
@@ -32,7 +47,8 @@ def _shards(builder) -> list[tuple[str, str, int]]:
     targets = split.filename_template.replace(
         filetype_suffix=tfds.core.FileFormat.ARRAY_RECORD.file_suffix).sharded_filepaths(
             len(paths))
-    out += [(str(a), str(b), n) for a, b, n in zip(paths, targets, split.shard_lengths)]
+    out += [(str(a), str(b), n, tf.io.gfile.stat(str(a)).length)
+            for a, b, n in zip(paths, targets, split.shard_lengths)]
   return out
 
 
@@ -48,57 +64,132 @@ def _complete(target: str, expected: int) -> bool:
     return False
 
 
-def _convert(source: str, target: str, expected: int) -> int:
-  """Copies the records of TFRecord `source` into ArrayRecord `target` (written locally, then
-  copied and renamed into place) unless it is complete already; returns the records written."""
+def _convert(source: str, target: str, expected: int, staging: Optional[str],
+             stop: threading.Event) -> int:
+  """Copies the records of TFRecord `source` into ArrayRecord `target` unless it is complete
+  already: written as `target`.incomplete (staged under `staging` first when `target` is not a
+  local path), then renamed. Returns the records written."""
   from array_record.python import array_record_module  # pylint: disable=g-import-not-at-top
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
   if _complete(target, expected):
     return 0
-  with tempfile.TemporaryDirectory() as scratch:
-    local = os.path.join(scratch, os.path.basename(target))
+  partial = target + _INCOMPLETE
+  local = os.path.join(staging, os.path.basename(target)) if staging else partial
+  try:
     writer = array_record_module.ArrayRecordWriter(local, 'group_size:1')  # As tfds writes.
     count = 0
     for record in tf.data.TFRecordDataset(source).as_numpy_iterator():
+      if stop.is_set():
+        raise _Stopped()
       writer.write(record)
       count += 1
     writer.close()
     if count != expected:
       raise ValueError(f'{source} holds {count} records, dataset_info.json says {expected}: the '
                        'dataset is incomplete or changed; prepare it again.')
-    tf.io.gfile.copy(local, target + '.incomplete', overwrite=True)
-    tf.io.gfile.rename(target + '.incomplete', target, overwrite=True)
+    if staging:
+      tf.io.gfile.copy(local, partial, overwrite=True)
+    tf.io.gfile.rename(partial, target, overwrite=True)
+  finally:
+    if staging and os.path.exists(local):
+      os.remove(local)
   return count
 
 
-def convert(dataset: str, data_dir: Optional[str] = None,
-            workers: int = 0) -> tuple[str, int, int, int]:
-  """Adds ArrayRecord shards to the prepared tfds `dataset` (a directory, or a name with
-  `data_dir`); returns (its directory, shards, records, records written now). FileNotFoundError:
-  no prepared dataset there; ValueError: a shard whose record count differs from
-  dataset_info.json."""
+def _staging_dir(shards: list, workers: int, staging: Optional[str]) -> tuple[str, int]:
+  """A new folder under `staging` (default: the temporary directory) for the shards in flight
+  (those of killed runs removed), and the bytes they take at most (the `workers` largest
+  shards). OSError naming the fix when the disk has less free."""
+  parent = staging or tempfile.gettempdir()
+  if not os.path.isdir(parent):
+    raise FileNotFoundError(f'--staging-dir {parent} is not a directory.')
+  needed = sum(sorted((size for *_, size in shards), reverse=True)[:workers])
+  free = shutil.disk_usage(parent).free
+  if needed > free:
+    raise OSError(f'Staging the ArrayRecord shards under {parent} needs up to '
+                  f'{_gib(needed)} of local disk ({workers} shards at once), but {_gib(free)} '
+                  'is free: give fewer --workers, or --staging-dir on a larger disk.')
+  for name in os.listdir(parent):  # Left by a killed run (SIGKILL): its process is gone.
+    match = re.fullmatch(r'to_array_record-(\d+)-\w+', name)
+    if match and not _alive(int(match.group(1))):
+      shutil.rmtree(os.path.join(parent, name), ignore_errors=True)
+  return tempfile.mkdtemp(prefix=f'to_array_record-{os.getpid()}-', dir=parent), needed
+
+
+def _alive(pid: int) -> bool:
+  try:
+    os.kill(pid, 0)
+  except ProcessLookupError:
+    return False
+  except PermissionError:  # Another user's.
+    return True
+  return True
+
+
+def _gib(n: int) -> str:
+  return f'{n / 2**30:.2f} GiB' if n >= 2**28 else f'{n / 2**20:.1f} MiB'
+
+
+def _write_info(builder) -> None:
+  """`builder`'s dataset_info.json with ArrayRecord as an alternative format, replaced whole
+  (written aside, then renamed: a kill leaves the old file or the new one)."""
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
   import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top
-  from vit_jax.data import sources  # pylint: disable=g-import-not-at-top
-  if sources.looks_like_path(dataset):
-    if not tf.io.gfile.isdir(os.path.expanduser(dataset)):
-      raise FileNotFoundError(f'{dataset} is not a directory: give that of a prepared tfds dataset '
-                              '(e.g. ~/tensorflow_datasets/NAME/VERSION), or its name.')
-    builder = tfds.builder_from_directory(sources.find_builder_dir(dataset))
-  else:
-    builder = tfds.builder(dataset, data_dir=data_dir)
-    if not builder.is_prepared():
-      where = data_dir or "tfds's data_dir"
-      raise FileNotFoundError(f'{dataset!r} is not prepared in {where}: give its directory (e.g. '
-                              '~/tensorflow_datasets/NAME/VERSION) or --data-dir.')
-  shards = _shards(builder)
-  with concurrent.futures.ThreadPoolExecutor(workers or os.cpu_count()) as pool:
-    written = sum(pool.map(lambda shard: _convert(*shard), shards))
   info = builder.info
-  if tfds.core.FileFormat.ARRAY_RECORD not in info.available_file_formats():
-    info.add_alternative_file_format(tfds.core.FileFormat.ARRAY_RECORD)
-    info.write_to_directory(builder.data_dir)
-  return str(builder.data_dir), len(shards), sum(n for _, _, n in shards), written
+  if tfds.core.FileFormat.ARRAY_RECORD in info.available_file_formats():
+    return
+  info.add_alternative_file_format(tfds.core.FileFormat.ARRAY_RECORD)
+  target = os.path.join(os.fspath(builder.data_dir), 'dataset_info.json')
+  with tf.io.gfile.GFile(target + _INCOMPLETE, 'w') as f:
+    f.write(info.as_json)
+  tf.io.gfile.rename(target + _INCOMPLETE, target, overwrite=True)
+
+
+def convert(dataset: str, data_dir: Optional[str] = None, workers: int = 0,
+            staging: Optional[str] = None, report=lambda line: None) -> tuple[str, int, int, int]:
+  """Adds ArrayRecord shards to the prepared tfds `dataset` (a directory, or a name with
+  `data_dir`); `report(line)` gets the start line. Returns (its directory, shards, records,
+  records written now). FileNotFoundError: no prepared dataset there; ValueError: a shard whose
+  record count differs from dataset_info.json; OSError: too little local disk to stage on."""
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  from vit_jax.data import sources  # pylint: disable=g-import-not-at-top
+  if sources.looks_like_path(dataset) and not tf.io.gfile.isdir(os.path.expanduser(dataset)):
+    raise FileNotFoundError(f'{dataset} is not a directory: give that of a prepared tfds dataset '
+                            '(e.g. ~/tensorflow_datasets/NAME/VERSION), or its name.')
+  builder = sources.tfds_builder(os.path.expanduser(dataset), data_dir)
+  if not builder.is_prepared():
+    where = data_dir or "tfds's data_dir"
+    raise FileNotFoundError(f'{dataset!r} is not prepared in {where}: give its directory (e.g. '
+                            '~/tensorflow_datasets/NAME/VERSION) or --data-dir.')
+  where = os.fspath(builder.data_dir)
+  shards = _shards(builder)
+  workers = max(1, min(workers or os.cpu_count() or 1, len(shards)))
+  remote = '://' in where
+  scratch, needed = _staging_dir(shards, workers, staging) if remote else (None, 0)
+  report(f'{where}: {len(shards)} TFRecord shards, {sum(s for *_, s in shards) / 2**30:.2f} GiB, '
+         f'{workers} at a time' + (f', staged under {scratch} (up to {_gib(needed)} of local '
+                                    'disk at once)' if remote else '') + '...')
+  stop = threading.Event()
+  handlers = {}
+
+  def on_signal(signum, frame):  # pylint: disable=unused-argument
+    stop.set()
+
+  if threading.current_thread() is threading.main_thread():
+    handlers = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+  try:
+    with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+      written = sum(pool.map(lambda shard: _convert(*shard[:3], scratch, stop), shards))
+  except _Stopped:
+    raise KeyboardInterrupt(f'Stopped: the shards complete so far stay; rerun the same command '
+                            'to finish.') from None
+  finally:
+    for signum, handler in handlers.items():
+      signal.signal(signum, handler)
+    if scratch:
+      shutil.rmtree(scratch, ignore_errors=True)
+  _write_info(builder)
+  return where, len(shards), sum(n for _, _, n, _ in shards), written
 
 
 @common.exit_status
@@ -106,12 +197,23 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   parser = common.Parser(prog='python -m vit_jax.to_array_record',
                          description=__doc__.split('\n\n')[0],
                          epilog=__doc__.split('\n\n', 1)[1])
-  parser.add_argument('dataset', help='a prepared tfds dataset: its directory, or its name')
+  parser.add_argument('dataset', help='a prepared tfds dataset: its directory (local or gs://), '
+                      'or its name')
   parser.add_argument('--data-dir', help="tfds data_dir of a dataset name (default: tfds's)")
   parser.add_argument('--workers', type=int, default=0,
                       help='shards converted at once (default: the CPU count)')
+  parser.add_argument('--staging-dir', help='local folder the shards of a dataset in a bucket are '
+                      'written in before their upload (default: the temporary directory, $TMPDIR '
+                      'or /tmp)')
   args = parser.parse_args(argv)
-  where, shards, records, written = convert(args.dataset, args.data_dir, args.workers)
+  if args.workers < 0:
+    raise ValueError(f'--workers {args.workers}: give a positive number, or 0 for the CPU count.')
+  try:
+    where, shards, records, written = convert(args.dataset, args.data_dir, args.workers,
+                                              args.staging_dir, report=print)
+  except KeyboardInterrupt as e:
+    print(f'FATAL: {e.args[0] if e.args else "Stopped."}', file=sys.stderr)
+    return 130
   done = 'all written now' if written == records else (
       'all there already' if not written else f'{written:,} examples written now')
   print(f'{where}: {shards} ArrayRecord shards, {records:,} examples ({done}); training now '

@@ -7,6 +7,9 @@ Examples:
   # The largest per-core batch of ViT-L/16 in bfloat16 with FSDP over a v3-8's cores.
   python -m vit_jax.preflight --config configs/vit.py:l16,imagenet2012 --accelerator v3-8 \
       --config.model.dtype=bfloat16 --config.mesh.fsdp=8 --config.mesh.data=1 --largest_batch
+  # Two v4-8 slices joined by the data-center network (DCN), data parallel across them.
+  python -m vit_jax.preflight --config configs/vit.py:b16,imagenet21k --accelerator v4-8 \
+      --config.mesh.dcn_data=2
 
 It compiles the trainer's own train and eval steps (`vit_jax.step`) with abstract inputs (no
 data, no TPU, nothing allocated) with libtpu's TPU compiler for the whole slice, and prints per
@@ -14,7 +17,9 @@ device the train state's shard, the batch, the temporaries and the total against
 replicated share of the parameters, the batch per host, device and micro-batch, the FLOPs and
 compile time. When the step does not fit it compiles the smallest changes in order (bfloat16,
 accumulation, FSDP, the leanest remat policy, a smaller batch) and prints the first overrides
-that fit, ready to paste.
+that fit, ready to paste. With --config.mesh.dcn_data=N it compiles for N slices of the
+--accelerator type (libtpu's multi-slice topology, the trainer's hybrid mesh) and also reports
+the collectives that cross slices: how many per step, and the bytes each device hands the DCN.
 
 Exit codes: 0 fits; 1 does not fit (the suggestion, if any, is printed); 2 a bad config or flag,
 libtpu missing (with the install line), or a compiler error other than memory.
@@ -93,10 +98,32 @@ def format_result(result: fit.Result) -> str:
       "products)" + (f"; XLA counts {xla:.3g} per device, partial: a scanned loop's body "
                      "is counted once" if xla else ""),
   ]
+  if result.slice.num_slices > 1:
+    lines += _slices_lines(result)
   rows = _memory_rows(result)
   widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
   lines += ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
   return "\n".join(lines)
+
+
+def _slices_lines(result: fit.Result) -> list[str]:
+  """The slices and, per compiled step, the collectives that cross them (`collectives`)."""
+  n, data = result.slice.num_slices, sharding.axis_sizes(result.config.mesh,
+                                                         len(result.slice.devices))["data"]
+  parts = []
+  for s in result.steps:
+    found = s.cross_slice
+    if found is None:
+      parts.append(f"{s.name} step not compiled (refused)")
+      continue
+    kinds = ", ".join(f"{kind} x {count}" for kind, count in sorted(found.kinds.items()))
+    size = _size(found.bytes) if found.bytes >= 2**20 else f"{found.bytes / 2**10:.1f} KiB"
+    parts.append(f"{s.name} step {found.count}{'' if found.exact else '+'} collectives"
+                 + (f" ({kinds})" if kinds else "") + f", {size}")
+  return [f"slices       {n} x {result.slice.accelerator} joined by DCN; the mesh's data axis "
+          f"is {n} slices x {data // n}",
+          f"across DCN   {'; '.join(parts)} per step and device (the buffers each device "
+          "hands the DCN)"]
 
 
 def _attempt_line(attempt: search.Attempt) -> str:
@@ -119,7 +146,7 @@ def run(config, accelerator: str, *, suggest: bool = True, eval_step: bool = Tru
         num_classes: Optional[int] = None, out=sys.stdout) -> int:
   """Checks and prints `config` on `accelerator`: the exit code (0 fits, 1 does not). Raises
   ValueError or topology.MissingLibtpuError."""
-  tpu = topology.tpu_slice(accelerator)
+  tpu = topology.tpu_slice(accelerator, num_slices=int(config.mesh.dcn_data))
   print(f"Pre-flight for {tpu.describe()}; compiling with libtpu's TPU compiler...", file=out,
         flush=True)
   checker = functools.partial(fit.check, tpu=tpu, eval_step=eval_step,
@@ -162,7 +189,9 @@ def _parser() -> common.Parser:
   parser.add_argument(
       "--accelerator", help="Cloud TPU type to compile for, e.g. v3-8, v4-32, v5p-8 (the number "
       "counts TensorCores), v5litepod-16, v6e-8 (chips); vit_jax.hardware lists the kinds. "
-      "Multi-host slices are compiled whole.")
+      "Multi-host slices are compiled whole. It names one slice: with --config.mesh.dcn_data=N "
+      "the steps are compiled for N such slices joined by the data-center network (DCN), data "
+      "parallel across them, and the report counts the collectives that cross slices.")
   for name, default, text in (
       ("suggest", True, "When the step does not fit, compile smaller changes and print the first "
        "overrides that fit (default; --nosuggest: only the verdict)."),

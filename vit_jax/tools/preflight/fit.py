@@ -4,7 +4,8 @@ The trainer's own steps (`vit_jax.step.build`), lowered with abstract inputs and
 libtpu's TPU compiler for the slice's compile-only devices. The compiler refuses a program whose
 temporaries exceed the HBM but does not count its inputs: a step fits when the compiler accepts
 it and its temporaries and code (`memory_analysis()`), train state and batch shards together
-are within the HBM.
+are within the HBM. On several slices (`config.mesh.dcn_data`) the collectives that cross
+them are read from the compiled program (`collectives`).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from vit_jax import hardware
 from vit_jax import sharding
 from vit_jax import step as step_lib
 from vit_jax.tools import cost
+from vit_jax.tools.preflight import collectives
 from vit_jax.tools.preflight import topology
 from vit_jax.tools.preflight.topology import parse_refusal
 
@@ -76,7 +78,8 @@ class Memory:
 class StepCheck:
   """The 'train' or 'eval' step compiled for the slice: `accepted` by the compiler (else its
   `message` and the temporaries it `required`, bytes), its `memory`, the device's `hbm`, the
-  compile `seconds`, and XLA's FLOPs per device (partial with `scan=True`) or None."""
+  compile `seconds`, XLA's FLOPs per device (partial with `scan=True`) or None, and the
+  collectives that cross slices (None when refused)."""
   name: str
   accepted: bool
   memory: Memory
@@ -85,6 +88,7 @@ class StepCheck:
   message: str = ""
   seconds: float = 0.0
   xla_flops: Optional[float] = None
+  cross_slice: Optional[collectives.CrossSlice] = None
 
   @property
   def needs(self) -> int:
@@ -178,8 +182,10 @@ def compile_step(setup: step_lib.Setup, name: str, hbm: int) -> StepCheck:
       known, temporaries=int(stats.temp_size_in_bytes),
       code=int(stats.generated_code_size_in_bytes),
       outputs=max(0, int(stats.output_size_in_bytes - stats.alias_size_in_bytes)))
+  slices = sharding.slice_indices(setup.mesh.devices.flat)  # The program's device order.
   return StepCheck(name, True, memory, hbm, seconds=seconds,
-                   xla_flops=flops.compiled_flops(compiled))
+                   xla_flops=flops.compiled_flops(compiled),
+                   cross_slice=collectives.cross_slice(compiled.as_text(), slices))
 
 
 def resolve(config: ml_collections.ConfigDict, tpu: topology.Slice, *,

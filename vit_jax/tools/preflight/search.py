@@ -2,7 +2,8 @@
 refused compile is quick). `suggest` tries, each stage keeping the previous ones' changes:
   1. bfloat16 compute (parameters and optimizer state stay float32);
   2. more gradient accumulation (x2, x4, ...): the same recipe, fewer activations at a time;
-  3. FSDP over all devices (`mesh.fsdp=-1, mesh.data=1`), then accumulation again;
+  3. FSDP over all devices (`mesh.fsdp=-1, mesh.data=1`; of each slice with `mesh.dcn_data`,
+     which no candidate changes), then accumulation again;
   4. remat 'nothing_saveable', then accumulation again;
   5. a halved global batch, which changes the recipe.
 Then the eval step is compiled with them, its batch halved until it fits. `largest_batch`: the
@@ -16,6 +17,7 @@ from typing import Any, Callable, Iterator, Optional
 
 import ml_collections
 
+from vit_jax import sharding
 from vit_jax import step
 from vit_jax.tools.preflight import fit
 from vit_jax.tools.preflight import topology
@@ -53,8 +55,9 @@ def candidates(resolved: ml_collections.ConfigDict, num_devices: int,
     base["model.dtype"] = "bfloat16"
   yield from with_accumulation(base, batch_shards)
   mesh = resolved.mesh
-  if mesh.tensor == 1 and mesh.dcn_data == 1 and mesh.fsdp != num_devices:
-    base.update({"mesh.data": 1, "mesh.fsdp": -1})
+  per_slice = num_devices // mesh.dcn_data  # mesh.dcn_data stays as given.
+  if mesh.tensor == 1 and sharding.axis_sizes(mesh, num_devices)["fsdp"] != per_slice:
+    base.update({"mesh.data": 1, "mesh.fsdp": -1})  # The batch still splits num_devices ways.
     yield from with_accumulation(base, num_devices)
     batch_shards = num_devices
   model = resolved.model

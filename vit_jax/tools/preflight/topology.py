@@ -37,21 +37,29 @@ class MissingLibtpuError(RuntimeError):
 
 @dataclasses.dataclass(frozen=True)
 class Slice:
-  """A TPU slice ('v3-8', topology 'v3:2x2'): its compile-only devices, every host's, and the
-  HBM (bytes) the compiler gives a program on one device."""
-  accelerator: str
-  topology: str
+  """A TPU slice ('v3-8', topology 'v3:2x2'), or `num_slices` of them joined by the data-center
+  network (DCN): the compile-only devices of all, every host's, and the HBM (bytes) the
+  compiler gives a program on one device."""
+  accelerator: str  # One slice's type.
+  topology: str  # One slice's.
   hardware: accounting.Hardware
   devices: tuple[Any, ...]
-  num_hosts: int
+  num_hosts: int  # Of all slices.
   hbm_bytes: int
+  num_slices: int = 1
 
   def describe(self) -> str:
-    """E.g. 'v3-8 (topology v3:2x2): 8 devices of TPU v3 on 1 host, 15.48 GiB of HBM each ...'."""
-    return (f"{self.accelerator} (topology {self.topology}): {len(self.devices)} devices of "
-            f"{self.hardware.device_kind} on {self.num_hosts} host"
-            f"{'s' if self.num_hosts > 1 else ''}, "
-            f"{self.hbm_bytes / hardware_lib.GIB:.2f} GiB of HBM each for a program")
+    """E.g. 'v3-8 (topology v3:2x2): 8 devices of TPU v3 on 1 host, 15.48 GiB of HBM each ...',
+    or '2 slices of v4-8 (topology v4:2x2x1 each, joined by DCN): 8 devices ... in all, ...'."""
+    hosts = f"{self.num_hosts} host{'s' if self.num_hosts > 1 else ''}"
+    if self.num_slices == 1:
+      what, all_of = f"{self.accelerator} (topology {self.topology})", ""
+    else:
+      what = (f"{self.num_slices} slices of {self.accelerator} (topology {self.topology} each, "
+              "joined by DCN)")
+      all_of = " in all"
+    return (f"{what}: {len(self.devices)} devices of {self.hardware.device_kind} on {hosts}"
+            f"{all_of}, {self.hbm_bytes / hardware_lib.GIB:.2f} GiB of HBM each for a program")
 
 
 def _bytes(number: str, unit: str) -> int:
@@ -108,9 +116,13 @@ def chip_grid(chips: int, three_d: bool) -> tuple[int, ...]:
   return (side, side, chips // (side * side))
 
 
-def tpu_slice(accelerator: str) -> Slice:
-  """The compile-only devices of a Cloud TPU slice, e.g. `tpu_slice('v3-32')`. Raises
-  ValueError (not a TPU slice that exists) or MissingLibtpuError."""
+def tpu_slice(accelerator: str, num_slices: int = 1) -> Slice:
+  """The compile-only devices of a Cloud TPU slice, e.g. `tpu_slice('v3-32')`, or of
+  `num_slices` such slices (multi-slice over DCN: each device's `slice_index` says which).
+  Raises ValueError (not a TPU slice that exists, `num_slices` < 1) or MissingLibtpuError."""
+  if not isinstance(num_slices, int) or num_slices < 1:
+    raise ValueError(f"{num_slices!r} slices: give a positive number of slices "
+                     "(--config.mesh.dcn_data).")
   hardware = accounting.accelerator(accelerator, "bfloat16")  # Raises for a bad name.
   kind = hardware_lib.kind(hardware.device_kind)
   if kind.topology is None:
@@ -128,9 +140,12 @@ def tpu_slice(accelerator: str) -> Slice:
   for key, value in _QUIET_LIBTPU.items():
     os.environ.setdefault(key, value)
   from jax.experimental import topologies  # pylint: disable=g-import-not-at-top  (after the env)
+  if num_slices > 1:
+    options["num_slices"] = num_slices
   devices = tuple(topologies.get_topology_desc(name, "tpu", **options).devices)
-  if len(devices) != hardware.num_devices:
-    raise AssertionError(f"{accelerator}: libtpu's topology {name} has {len(devices)} devices, "
-                         f"expected {hardware.num_devices}.")
-  num_hosts = len({d.process_index for d in devices})
-  return Slice(accelerator, name, hardware, devices, num_hosts, available_hbm(devices[0]))
+  if len(devices) != hardware.num_devices * num_slices:
+    raise AssertionError(f"{accelerator}: libtpu's topology {name} x {num_slices} has "
+                         f"{len(devices)} devices, expected {hardware.num_devices * num_slices}.")
+  num_hosts = len({d.process_index for d in devices})  # Distinct across slices too.
+  return Slice(accelerator, name, hardware, devices, num_hosts, available_hbm(devices[0]),
+               num_slices)
