@@ -121,8 +121,8 @@ Settings (a flag, or the environment variable; the flag wins):
                                                $GCSFUSE_ROOT/BUCKET/PATH. A --config.data.data_dir
                                                override turns the default off (run says so, and
                                                vit_jax.main reads that data_dir as it is); an
-                                               explicit --gcsfuse refuses it, a local --data-dir
-                                               and a run without a bucket
+                                               explicit --gcsfuse refuses it, as it refuses a
+                                               local --data-dir and a run without a bucket
   --no-gcsfuse            TPU_GCSFUSE=0        run: mount nothing; vit_jax.main reads gs://
                                                directly
   --gcsfuse-cache-dir DIR TPU_GCSFUSE_CACHE_DIR
@@ -712,8 +712,8 @@ check_config_file() {
 # check_gcs_url WHAT VALUE: a value that starts with gs: must be a whole gs://BUCKET[/PATH] URL
 # (gs:/bucket or gs:bucket would become a local directory named "gs:").
 check_gcs_url() {
-  if [[ "$2" == gs:* && ! "$2" =~ ^gs://[a-z0-9][-a-z0-9_.]*[a-z0-9](/.*)?$ ]]; then
-    die "$1 '$2' is not a gs://BUCKET/PATH URL"
+  if [[ "$2" == gs:* && ! "$2" =~ ^gs://[a-z0-9][-a-z0-9_.]{1,61}[a-z0-9](/.*)?$ ]]; then
+    die "$1 '$2' is not a gs://BUCKET/PATH URL (a bucket name has 3 to 63 characters: lower-case letters, digits, '-', '_' and '.', starting and ending with a letter or digit)"
   fi
 }
 

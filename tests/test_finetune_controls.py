@@ -10,6 +10,7 @@ blocks.0.*: 1; blocks.1.* and norm.*: 2; head.*, fc_norm.* (global_pool='avg'), 
 
 import os
 import re
+import time
 
 import chex
 import flax.linen as nn
@@ -442,6 +443,69 @@ def test_a_typo_in_a_pattern_stops_the_run_before_the_workdir_is_touched(tmp_pat
       "config.optim.freeze[0]='Transformer/encoderblock0/.*' matches no parameter")):
     train.train_and_evaluate(config, str(workdir))
   assert not workdir.exists()
+
+
+_HELP = param_groups.PATTERN_HELP
+
+
+@pytest.mark.parametrize("key,value,shown", [
+    ("freeze", ("(.|.)*e",), "('(.|.)*e',)"),
+    ("wd_mults", (("(.|.)*e", 0.0),), "(('(.|.)*e', 0.0),)"),
+    ("head_warmup_pattern", "(.|.)*e", "'(.|.)*e'")])
+def test_a_backtracking_pattern_is_refused_within_its_time_bound(key, value, shown):
+  """Issue 50: `re.fullmatch('(.|.)*x', name)` never ended (100% CPU, no line)."""
+  optim_config = _optim(**{key: value, "head_warmup_steps": 3})
+  start = time.monotonic()
+  with pytest.raises(ValueError) as raised:
+    param_groups.finetune_controls(optim_config)
+  assert time.monotonic() - start < 10 * param_groups.PATTERN_SECONDS
+  assert str(raised.value) == (
+      f"config.optim.{key}={shown} holds '(.|.)*e', which takes more than 1 s to match 12 "
+      "parameter names: it backtracks without end (nested or overlapping repeats, such as "
+      f"'(.|.)*' or '(a+)+'); set --config.optim.{key} to a simpler pattern, without nested "
+      f"repeats ({_HELP}).")
+
+
+def test_a_pattern_slow_only_on_the_models_names_is_refused_there(monkeypatch):
+  monkeypatch.setattr(param_groups, "PROBE_NAMES", ("cls",))  # No 'e' to backtrack for.
+  abstract = _abstract("vit", False)
+  with pytest.raises(ValueError, match=re.escape(
+      "config.optim.freeze=('(.|.)*e',) holds '(.|.)*e', which takes more than 1 s to match 40 "
+      "parameter names")):
+    param_groups.param_groups(_optim(freeze=("(.|.)*e",)), abstract)
+  groups = param_groups.param_groups(_optim(freeze=("(?!head/).*",)), abstract)  # The docs' probe.
+  assert [n for n, f in groups.frozen.items() if not f.all()] == ["head/bias", "head/kernel"]
+
+
+def test_patterns_too_large_to_compile_are_refused_before_compiling():
+  """`regex` unrolls counted repeats: `(?:a{65535}){65535}` took all the memory."""
+  for pattern, message in (
+      ("(?:a{65535}){65535}", "config.optim.freeze=('(?:a{65535}){65535}',) holds "
+       "'(?:a{65535}){65535}', whose counted repeats ({m,n}) multiply to more than 10,000: too "
+       "large to compile (parameter names are short); set --config.optim.freeze to one with "
+       f"smaller counts ({_HELP})."),
+      ("(?:a{2,}){5001}", "whose counted repeats ({m,n}) multiply to more than 10,000"),
+      ("head/" + "x" * 500, "config.optim.freeze holds a pattern of 505 characters ('head/xxxxx"
+       "xxxxxxxxxxxxxxxxxxxxxxxxxxxxxx'...), more than the 500 allowed; set "
+       f"--config.optim.freeze to a shorter one ({_HELP}).")):
+    with pytest.raises(ValueError, match=re.escape(message)):
+      param_groups.finetune_controls(_optim(freeze=(pattern,)))
+  assert param_groups.finetune_controls(  # Small counts are fine: 2 * 5000.
+      _optim(freeze=("Transformer/encoderblock_[0-9]{2}/.*", "(?:a{2}){5000}"))).freeze
+
+
+def test_a_backtracking_pattern_stops_the_run_before_the_workdir_is_touched(tmp_path,
+                                                                            monkeypatch):
+  data_utils.skip_cpu_peak_measurement(monkeypatch)
+  folder = data_utils.make_image_folder(str(tmp_path / "images"), num_classes=3, per_class=2,
+                                        size=8)
+  config = _tiny_folder_config(folder, **{"optim.freeze": ("(.|.)*e",)})
+  workdir = tmp_path / "never_created"
+  start = time.monotonic()
+  with pytest.raises(train.ConfigError, match=re.escape(
+      "config.optim.freeze=('(.|.)*e',) holds '(.|.)*e', which takes more than 1 s")):
+    train.train_and_evaluate(config, str(workdir))
+  assert not workdir.exists() and time.monotonic() - start < 60
 
 
 def _tiny_folder_config(folder, **overrides):

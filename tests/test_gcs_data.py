@@ -205,3 +205,14 @@ def test_a_run_reading_a_bucket_is_stopped_near_half_an_epoch_and_resumes_by_ind
   assert expected.keys() == got.keys()
   for key in expected:
     np.testing.assert_array_equal(got[key], expected[key], err_msg=key)
+
+
+def test_a_bucket_that_does_not_exist_is_named_as_such_with_exit_2(gcs, capsys):  # noqa: F811
+  """Cloud Storage answers 'Not Found' for a bucket that does not exist: a bad path (exit 2),
+  not the storage failing to answer (exit 1)."""
+  assert to_array_record.main([NAME, "--data-dir", "gs://no-such-bucket-here/tfds"]) == 2
+  fatal = capsys.readouterr().err.splitlines()[-1]
+  assert fatal.startswith("FATAL: The storage answered 'Not Found' ("), fatal
+  assert fatal.endswith("a bucket or path that the command names does not exist. Check its gs:// "
+                        "paths (gcloud storage ls gs://BUCKET); a new bucket: gcloud storage "
+                        "buckets create gs://BUCKET --location=REGION."), fatal

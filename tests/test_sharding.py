@@ -122,14 +122,14 @@ def test_dcn_data_must_be_the_number_of_slices_the_devices_form():
   grid = sharding.device_grid(_mesh_cfg(dcn_data=2), two_processes)
   assert grid.shape == (4, 1, 1)
   assert [d.process_index for d in grid.flat] == [0, 0, 1, 1]
-  with pytest.raises(ValueError, match=r"dcn_data=2 but the \d+ devices? form 1 slice"):
+  with pytest.raises(ValueError, match=r"dcn_data=2 but the \d+ devices? forms? 1 slice"):
     sharding.create_mesh(_mesh_cfg(dcn_data=2))  # This process's CPU devices.
 
 
 def test_the_trainer_refuses_dcn_data_of_other_slices_before_any_work(tmp_path, folder):
   config = sharding_worker.tiny_config("vit", folder)
   config.mesh.dcn_data = 2
-  with pytest.raises(ValueError, match=r"dcn_data=2 but the \d+ devices? form 1 slice \(one per "
+  with pytest.raises(ValueError, match=r"dcn_data=2 but the \d+ devices? forms? 1 slice \(one per "
                      r"process: CPU devices have no slice_index\).*--config\.mesh\.dcn_data=1\.$"):
     config_lib.resolve(config, num_train_examples=24, num_classes=3)
   with pytest.raises(train.ConfigError, match=r"config\.mesh\.dcn_data=2 but the \d+ device"):

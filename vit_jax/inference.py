@@ -23,6 +23,7 @@ from vit_jax import checkpoint
 from vit_jax import config as config_lib
 from vit_jax import labels
 from vit_jax import models
+from vit_jax import platform
 from vit_jax import sharding
 from vit_jax import step as step_lib
 from vit_jax.checkpoint import orbax
@@ -34,6 +35,12 @@ IMAGENET21K_CLASSES = 21843
 
 #: What a source can be, in words (for error messages).
 SOURCES = checkpoint.ACCEPTED_FORMATS
+#: Float32 copies of an input image alive at once: decoded and resized, stacked into its batch,
+#: padded to the eval batch, and the device's.
+INPUT_COPIES = 4
+#: The share of the available memory that `check_memory`'s estimate may fill: its margin (the
+#: process's own memory, the estimate's error).
+MEMORY_SHARE = 0.8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -218,6 +225,83 @@ def _at_image_size(config: ml_collections.ConfigDict, image_size: int,
   return config
 
 
+def _device_memory(device: Any) -> Optional[int]:
+  """The bytes a program may take on an accelerator (its `memory_stats`), None when unknown."""
+  try:
+    return int((device.memory_stats() or {}).get('bytes_limit') or 0) or None
+  except Exception:  # pylint: disable=broad-except  (not implemented on this platform)
+    return None
+
+
+def _bytes(n: float) -> str:
+  """'1.5 GiB', '12.0 MiB' (below 1 GiB)."""
+  return f'{n / 2**30:,.1f} GiB' if n >= 2**30 else f'{n / 2**20:,.1f} MiB'
+
+
+def _largest(limit: int, fits) -> int:
+  """The largest n in [1, limit] for which `fits(n)` (monotone), 0 if none."""
+  lo, hi = 0, limit
+  while lo < hi:
+    mid = (lo + hi + 1) // 2
+    lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
+  return lo
+
+
+def check_memory(config: ml_collections.ConfigDict, devices: Sequence[Any], batch: int = 1, *,
+                 host_bytes: Optional[int] = None, device_bytes: Optional[int] = None) -> None:
+  """Refuses `config.data.image_size` (S) where `batch` images would not fit: `INPUT_COPIES`
+  float32 [S, S, 3] inputs in the host's available memory (`host_bytes`, default
+  `vit_jax.platform.available_memory_bytes()`), the forward pass of each
+  (`vit_jax.config.slices.forward_bytes`: activations, attention matrices, the position table
+  resampled) in the devices' (CPU: the host's; else `device_bytes`, default their
+  `memory_stats`), each within `MEMORY_SHARE`; unknown sizes are unchecked. A rough estimate, to
+  answer at once where the tools would end in an out-of-memory error. ValueError naming the
+  largest image size (a multiple of the token stride) or batch that fits."""
+  devices = list(devices)
+  on_cpu = all(d.platform == 'cpu' for d in devices)
+  host = platform.available_memory_bytes() if host_bytes is None else host_bytes
+  device = None if on_cpu else device_bytes or _device_memory(devices[0])
+  fields = config.model.to_dict()
+
+  def short(size: int, images: int) -> Optional[Tuple[float, float, float, str]]:
+    """(needed, inputs, forward, of what) where `images` would not fit, else None."""
+    inputs = INPUT_COPIES * images * size * size * 3 * 4
+    per_device = images if on_cpu else -(-images // len(devices))
+    forward = per_device * config_lib.slices.forward_bytes(config.model_name, fields, size)
+    parts = ([(inputs + forward, host, 'on this host')] if on_cpu else
+             [(inputs, host, 'on this host'), (forward, device, f'on a {devices[0].device_kind}')])
+    for needed, available, where in parts:
+      if available and needed > MEMORY_SHARE * available:
+        return needed, inputs, forward, (f'{MEMORY_SHARE:.0%} of the {_bytes(available)} '
+                                          f'available {where}')
+    return None
+
+  size = int(config.data.image_size)
+  found = short(size, batch)
+  if found is None:
+    return
+  needed, inputs, forward, memory = found
+  fixes = []
+  if 'patch_size' in fields:  # A ViT: any multiple of its token stride (T2T-ViT: its size only).
+    stem = fields.get('resnet_num_layers')
+    stride = int(fields['patch_size'][0]) * (1 if stem is None else
+                                             models.resnet.resnet_stride(stem))
+    largest = _largest(size // stride - 1, lambda k: short(k * stride, batch) is None)
+    fixes += [f'--image-size {largest * stride} or less'] if largest else []
+  fitting = _largest(batch - 1, lambda b: short(size, b) is None)
+  fixes += [f'a batch of {fitting} or fewer images (--batch-size)'] if fitting else []
+  fix = (f'Give {" or ".join(fixes)}.' if fixes else
+         'Nothing smaller fits: use a machine with more memory.')
+  attention = fields.get('attention')
+  matrices = (f" ({attention} attention's [tokens, tokens] matrices included)"
+              if attention != 'cudnn' else '')
+  what = f'{batch} images of {size}x{size} px' if batch > 1 else f'one {size}x{size} px image'
+  raise ValueError(
+      f'{what} for {config.model_name} need{"" if batch > 1 else "s"} ~{_bytes(needed)} '
+      f'({INPUT_COPIES} float32 copies of the input: {_bytes(inputs)}; the forward pass'
+      f'{matrices}: {_bytes(forward)}), more than {memory}. {fix}')
+
+
 def load(source: Any, *, step: Optional[int] = None, use_ema: bool = True,
          model_name: Optional[str] = None, num_classes: Optional[int] = None,
          image_size: Optional[int] = None, overrides: Optional[Dict[str, Any]] = None,
@@ -246,12 +330,14 @@ def load(source: Any, *, step: Optional[int] = None, use_ema: bool = True,
                            overrides=overrides)
   build = _from_run if contents.run is not None else _from_weights
   trained = build(path, contents, model_name, overrides, num_classes, image_size)
-  config = _for_devices(trained.config, list(jax.devices() if devices is None else devices))
+  devices = list(jax.devices() if devices is None else devices)
+  config = _for_devices(trained.config, devices)
   if contents.run is None and 'posemb_resize' in config.model and (
       'posemb_resize' not in overrides):  # Weights alone: their library's resize (timm's).
     config.model.posemb_resize = checkpoint.posemb_resize(ckpt, step_lib.create_model(config))
   if image_size is not None:  # The model built for its table's size, applied at another.
     config = _at_image_size(config, image_size, path)
+  check_memory(config, devices)  # One image at a time; `Runner` checks its batch.
   model = step_lib.create_model(config)
   try:
     checkpoint.check_fits(trained.variables, models.abstract_variables(
@@ -291,6 +377,8 @@ class Runner:
 
   def __init__(self, trained: TrainedModel, *, devices: Optional[Sequence[Any]] = None):
     self.trained, size = trained, trained.image_size
+    check_memory(trained.config, jax.local_devices() if devices is None else devices,
+                 int(trained.config.eval_batch_size) // jax.process_count())
     self.setup = step_lib.build(trained.config, image_shape=(size, size, 3), devices=devices)
     variables = dict(trained.variables)
     state = {'params': variables.pop('params'), **({'model_state': variables} if variables else {})}

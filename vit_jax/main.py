@@ -118,9 +118,9 @@ def main(argv):
   except Exception as e:  # pylint: disable=broad-except
     import jax  # pylint: disable=g-import-not-at-top
     from vit_jax.checkpoint import workdir  # pylint: disable=g-import-not-at-top
-    unreachable = workdir.storage_unreachable(e)  # E.g. a gs:// init_from without a network.
-    if unreachable:
-      _fatal(e, 1, f"FATAL: {unreachable}")
+    failure = workdir.storage_failure(e)  # E.g. a gs:// init_from without a network.
+    if failure:
+      _fatal(e, failure[1], f"FATAL: {failure[0]}")
     if jax.process_count() == 1 or stops.stop_in(e):
       raise  # A bug (its traceback), or a stop during the set-up that an import wrapped.
     stop = stops.received_stop()  # The others stopped too: not a fault.

@@ -10,11 +10,13 @@ import collections
 import dataclasses
 import math
 import re
+import time
 from typing import Any, Optional, Sequence
 
 import jax
 import ml_collections
 import numpy as np
+import regex  # The user's patterns: its matching takes a timeout, `re`'s cannot be bounded.
 
 #: The encoder blocks: ViT's `Transformer/encoderblock_{i}`, T2T-ViT's `blocks_{i}`; with
 #: `scan=True` one stacked `encoderblock` / `blocks` whose leading axis is the block.
@@ -23,9 +25,26 @@ BLOCK_KEYS = ("encoderblock", "blocks")
 HEAD_KEYS = ("head", "pre_logits", "MAPHead_0", "fc_norm")
 #: The encoder's final norm: layer L, with the last block (timm's ViT: `norm` joins its group).
 FINAL_NORMS = (("Transformer", "encoder_norm"), ("norm",))
-#: Parameter names are matched whole (`re.fullmatch`), as big_vision's `config.schedule`.
+#: Parameter names are matched whole (`re.fullmatch`), as big_vision's `config.schedule`; by
+#: `regex`, whose syntax is `re`'s, in bounded time (`PATTERN_SECONDS`).
 PATTERN_HELP = ("patterns match the whole '/'-joined name (re.fullmatch), e.g. 'head/.*', "
                 "'Transformer/encoderblock_[0-5]/.*', '(?!head/).*' (all but the head)")
+#: The most characters a pattern may have, and its counted repeats (`{m,n}`: the largest number
+#: of each) may multiply to: `regex` unrolls them when it compiles, in memory that grows with
+#: their product.
+MAX_PATTERN_CHARS = 500
+MAX_REPEAT_PRODUCT = 10_000
+#: The seconds one pattern may take over all the parameter names it is matched with (`regex`'s
+#: timeout): nested or overlapping repeats such as '(.|.)*e' would backtrack for years.
+PATTERN_SECONDS = 1.0
+#: Long names of each family's kinds of parameters; every pattern is timed on them when the
+#: config is checked, before the model (and its names) exist.
+PROBE_NAMES = ("Transformer/encoderblock_47/MultiHeadDotProductAttention_1/query/kernel",
+               "Transformer/encoderblock_47/MlpBlock_3/Dense_1/bias",
+               "Transformer/posembed_input/pos_embedding", "Transformer/encoder_norm/scale",
+               "MAPHead_0/MultiHeadDotProductAttention_0/out/kernel", "embedding/kernel",
+               "tokens_to_token/attention2/mlp_2/kernel", "blocks_23/attn/qkv/kernel",
+               "conv_root/kernel", "block4/unit3/gn_proj/scale", "head/bias", "cls")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,18 +69,44 @@ def _bad(key: str, value: Any, what: str, example: str) -> ValueError:
 
 
 def _pattern(key: str, value: Any, pattern: Any) -> str:
-  """`pattern` if a string that compiles and does not start with '/'; else ValueError."""
+  """`pattern` if a string of at most MAX_PATTERN_CHARS that compiles, whose counted repeats stay
+  under MAX_REPEAT_PRODUCT, that does not start with '/' and matches PROBE_NAMES in time; else
+  ValueError."""
   if not isinstance(pattern, str) or not pattern:
     raise _bad(key, value, f"holds {pattern!r}, not a regex string", f" as in: {PATTERN_HELP}")
+  if len(pattern) > MAX_PATTERN_CHARS:
+    raise ValueError(f"config.optim.{key} holds a pattern of {len(pattern):,} characters "
+                     f"({pattern[:40]!r}...), more than the {MAX_PATTERN_CHARS} allowed; set "
+                     f"--config.optim.{key} to a shorter one ({PATTERN_HELP}).")
+  counts = [max(int(n or 0) for n in m) for m in re.findall(r"\{(\d*),?(\d*)\}", pattern)]
+  if math.prod(c for c in counts if c) > MAX_REPEAT_PRODUCT:
+    raise _bad(key, value, f"holds {pattern!r}, whose counted repeats ({{m,n}}) multiply to "
+               f"more than {MAX_REPEAT_PRODUCT:,}: too large to compile (parameter names are "
+               "short)", f" to one with smaller counts ({PATTERN_HELP})")
   if pattern.startswith("/"):
     raise _bad(key, value, f"holds {pattern!r}: parameter names never start with '/'",
                f" without it ({PATTERN_HELP})")
   try:
-    re.compile(pattern)
-  except re.error as e:
+    regex.compile(pattern)
+  except regex.error as e:
     raise _bad(key, value, f"holds {pattern!r}, not a valid regex ({e})",
                f" to a valid one ({PATTERN_HELP})") from None
+  _matching(key, value, pattern, PROBE_NAMES)
   return pattern
+
+
+def _matching(key: str, value: Any, pattern: str, names: Sequence[str]) -> list[bool]:
+  """Whether `pattern` matches each of `names` whole (`regex.fullmatch`), within PATTERN_SECONDS
+  in all; else ValueError naming `config.optim.<key>` (holding `value`) and the fix."""
+  compiled, deadline = regex.compile(pattern), time.monotonic() + PATTERN_SECONDS
+  try:
+    return [compiled.fullmatch(n, timeout=max(deadline - time.monotonic(), 0.0)) is not None
+            for n in names]
+  except TimeoutError:
+    raise _bad(key, value, f"holds {pattern!r}, which takes more than {PATTERN_SECONDS:g} s "
+               f"to match {len(names)} parameter names: it backtracks without end (nested or "
+               "overlapping repeats, such as '(.|.)*' or '(a+)+')",
+               f" to a simpler pattern, without nested repeats ({PATTERN_HELP})") from None
 
 
 def finetune_controls(optim: ml_collections.ConfigDict) -> FinetuneControls:
@@ -145,9 +190,9 @@ def _tensors(params: Any) -> tuple[list[_Tensor], int]:
   return tensors, num_layers
 
 
-def _first_match(patterns: Sequence[str], name: str) -> int:
-  """The index of the first of `patterns` that matches all of `name`, -1: none."""
-  return next((i for i, p in enumerate(patterns) if re.fullmatch(p, name)), -1)
+def _first_match(patterns: Sequence[str], name: str, hits: dict[str, dict[str, bool]]) -> int:
+  """The index of the first of `patterns` that matches all of `name` (`hits`), -1: none."""
+  return next((i for i, p in enumerate(patterns) if hits[p][name]), -1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -193,13 +238,17 @@ def param_groups(optim: ml_collections.ConfigDict, params: Any) -> ParamGroups:
   tensors, num_layers = _tensors(params)
   names = [n for t in tensors for n in t.names]
   examples = ", ".join(repr(n) for n in names[:2] + names[-2:])
-  for key, patterns in (("freeze", controls.freeze),
-                        ("wd_mults", [p for p, _ in controls.wd_mults]),
-                        ("head_warmup_pattern",
-                         [controls.head_warmup_pattern] if controls.head_warmup_steps else [])):
+  hits: dict[str, dict[str, bool]] = {}  # Pattern -> name -> whether it matches the whole.
+  warmup = controls.head_warmup_pattern
+  for key, value, patterns in (("freeze", controls.freeze, controls.freeze),
+                               ("wd_mults", controls.wd_mults, [p for p, _ in controls.wd_mults]),
+                               ("head_warmup_pattern", warmup, [warmup])):
     for i, pattern in enumerate(patterns):
-      if not any(re.fullmatch(pattern, n) for n in names):
-        where = f"[{i}]" if key != "head_warmup_pattern" else ""
+      where = f"[{i}]" if key != "head_warmup_pattern" else ""
+      if pattern not in hits:
+        hits[pattern] = dict(zip(names, _matching(key, value, pattern, names)))
+      if not any(hits[pattern].values()) and (key != "head_warmup_pattern" or
+                                              controls.head_warmup_steps):
         raise ValueError(
             f"config.optim.{key}{where}={pattern!r} matches no parameter of this model (names "
             f"such as {examples}); {PATTERN_HELP}. Correct it in --config.optim.{key}.")
@@ -212,13 +261,13 @@ def param_groups(optim: ml_collections.ConfigDict, params: Any) -> ParamGroups:
   wd_patterns = [p for p, _ in controls.wd_mults]
   frozen, lr_scale, wd_mult, freeze_rule, wd_rule, head = {}, {}, {}, {}, {}, {}
   for t in tensors:
-    freeze_rule[t.name] = np.array([_first_match(controls.freeze, n) for n in t.names])
+    freeze_rule[t.name] = np.array([_first_match(controls.freeze, n, hits) for n in t.names])
     frozen[t.name] = freeze_rule[t.name] >= 0
-    wd_rule[t.name] = np.array([_first_match(wd_patterns, n) for n in t.names])
+    wd_rule[t.name] = np.array([_first_match(wd_patterns, n, hits) for n in t.names])
     kernel = float(t.name.split("/")[-1] == "kernel")  # `_decay_mask`'s default.
     wd_mult[t.name] = np.array([kernel if r < 0 else mults[r] for r in wd_rule[t.name]])
     lr_scale[t.name] = np.array([decay ** (num_layers + 1 - layer) for layer in t.layers])
-    in_head = [re.fullmatch(controls.head_warmup_pattern, n) is not None for n in t.names]
+    in_head = [hits[warmup][n] for n in t.names]
     if controls.head_warmup_steps and any(in_head) and not all(in_head):
       raise ValueError(
           f"config.optim.head_warmup_pattern={controls.head_warmup_pattern!r} matches only some "

@@ -103,7 +103,8 @@ def check_slices(mesh_cfg: ml_collections.ConfigDict, devices: Sequence[Any]) ->
          if attribute == "process_index" and found > 1 else f"--config.mesh.dcn_data={found}")
   raise ValueError(
       f"config.mesh.dcn_data={dcn} but the {len(devices)} device{'s' * (len(devices) != 1)} "
-      f"form {found} slice{'s' * (found != 1)} ({by}): {effect}. Set {fix}.")
+      f"form{'s' * (len(devices) == 1)} {found} slice{'s' * (found != 1)} ({by}): {effect}. "
+      f"Set {fix}.")
 
 
 def _describe(sizes: Dict[str, int], dcn: int) -> str:

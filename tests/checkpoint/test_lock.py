@@ -210,3 +210,29 @@ def test_on_a_pod_process_0_takes_the_lock_and_every_process_gets_its_outcome(
   lock_lib.acquire_on_all_processes(taken)
   assert taken.held and not bytes(refusal["buffer"]).rstrip(b"\0")
   taken.release()
+
+
+def test_live_holder_names_a_live_run_and_passes_over_a_stale_lock_taking_nothing(tmp_path):
+  """What `python -m vit_jax.convert` asks before writing into a workdir (issue 50): the live
+  holder's record, or None for no lock and a stale one (the rules of acquire, with the holder's
+  own staleness age where longer); the lock file is left as it was."""
+  workdir = tmp_path / "run"
+  assert lock_lib.WorkdirLock(str(workdir)).live_holder() is None and not workdir.exists()
+  with lock_lib.WorkdirLock(str(workdir)):  # A flock.
+    record = _record(workdir)
+    assert record["timeout_s"] == 600
+    assert lock_lib.WorkdirLock(str(workdir)).live_holder() == record
+  workdir.mkdir(exist_ok=True)
+  (workdir / "lock.json").write_text(json.dumps(record))  # Its run killed: no flock.
+  assert lock_lib.WorkdirLock(str(workdir)).live_holder() is None
+
+  now = time.time()
+  for record, live in (({"host": "tpu-worker-0", "pid": 1, "heartbeat_unix": now - 10}, True),
+                       ({"host": "tpu-worker-0", "pid": 1, "heartbeat_unix": now - 700}, False),
+                       ({"host": "tpu-worker-0", "pid": 1, "heartbeat_unix": now - 700,
+                         "timeout_s": 3600}, True),  # Its run beats every 15 min.
+                       ({"host": socket.gethostname(), "pid": 2 ** 22 + 1,
+                         "heartbeat_unix": now}, False)):  # Gone from this host.
+    (workdir / "lock.json").write_text(json.dumps(record))
+    assert _heartbeat_lock(workdir).live_holder() == (record if live else None), record
+    assert _record(workdir) == record

@@ -1,6 +1,7 @@
 """Tests of vit_jax.checkpoint.npz: official .npz files (pre-Linen names, GroupNorm), save_npz,
 format detection and errors, and remote (gs://) paths through tf.io.gfile."""
 
+import importlib.machinery
 import os
 import pathlib
 import sys
@@ -193,9 +194,11 @@ def _fake_tensorflow(root):
       exists=lambda p: os.path.exists(local(p)),
       isdir=lambda p: os.path.isdir(local(p)),
       listdir=lambda p: os.listdir(local(p)),
+      makedirs=lambda p: os.makedirs(local(p.rstrip('/') + '/'), exist_ok=True),
       GFile=lambda p, mode: open(local(p), mode),
   )
   module = types.ModuleType('tensorflow')
+  module.__spec__ = importlib.machinery.ModuleSpec('tensorflow', None)  # For etils' probe.
   module.io = types.SimpleNamespace(gfile=gfile)
   return module, calls
 

@@ -151,6 +151,47 @@ def test_a_batch_larger_than_an_epoch_or_the_memory_is_refused_with_one_that_fit
     config_lib.resolve(config, num_train_examples=10**12, num_classes=10)
 
 
+def test_a_position_table_larger_than_the_memory_is_refused_before_the_workdir(tmp_path,
+                                                                              monkeypatch):
+  """Issue 50: --config.model.posemb_grid='(100000,100000)' wrote the workdir, then waited
+  forever initialising a 10^10-row table."""
+  config = _tiny_config()
+  config.update(batch_size=4, num_classes=10)
+  config.model.posemb_grid = (100000, 100000)
+  # 10^10 + 1 (class token) rows x 8 x 16 B (parameter, gradient, 2 moments) = 1,192.1 GiB; in
+  # 1 GiB: 2^30 // 128 - 1 = 8,388,607 grid rows, 2896^2.
+  check = lambda: config_lib.check_host_limits(config, num_train_examples=100,
+                                               available_bytes=2**30)
+  with pytest.raises(ValueError) as raised:
+    check()
+  assert str(raised.value) == (
+      "config.model.posemb_grid=(100000, 100000) makes a learned position table of "
+      "10,000,000,001 x 8 parameters whose training state (16 B each: the float32 parameter, its "
+      "gradient, the optimizer's moments) needs ~1,192.1 GiB, more than the 1.0 GiB of memory "
+      "available on this host. Set --config.model.posemb_grid to the token grid of the table to "
+      "load (at most (2896, 2896) here; e.g. (14, 14) for 224 px at patch 16), or None (the "
+      "images' grid).")
+  config.model.posemb_grid = (2896, 2896)
+  check()
+  config.update(ema_decay=0.9999)  # The EMA: 20 B per parameter.
+  with pytest.raises(ValueError, match=r"\(20 B each: .*moments and the EMA\) .*\(at most "
+                     r"\(2590, 2590\) here"):
+    check()
+  # Through the trainer: one ValueError (a FATAL line), nothing written.
+  data_utils.skip_cpu_peak_measurement(monkeypatch)
+  folder = data_utils.make_image_folder(str(tmp_path / "images"), num_classes=3, per_class=2,
+                                        size=8)
+  config = _tiny_config()
+  config.data.update(image_folder=folder, image_size=8, shuffle_buffer=16)
+  config.update(batch_size=4, total_steps=2)
+  config.model.posemb_grid = (100000, 100000)
+  workdir = tmp_path / "never_created"
+  with pytest.raises(train.ConfigError, match=r"config.model.posemb_grid=\(100000, 100000\) "
+                     r"makes a learned position table of 10,000,000,001 x 8 parameters"):
+    train.train_and_evaluate(config, str(workdir))
+  assert not workdir.exists()
+
+
 # ----------------------------------------------------------------------------- resolve
 
 

@@ -4,12 +4,19 @@ converter's other tests are in tests/checkpoint/test_finetune.py and test_ecosys
 
 import json
 import os
+import signal
+import socket
+import subprocess
+import sys
+import types
 
 import numpy as np
 import pytest
 
+from vit_jax import checkpoint
 from vit_jax import inference
 from vit_jax.checkpoint import ecosystem
+from vit_jax.checkpoint import lock as lock_lib
 from vit_jax.checkpoint import orbax
 from vit_jax.tools import convert
 
@@ -63,3 +70,111 @@ def test_step_picks_a_step_of_a_workdir_and_is_refused_for_a_file(tiny_workdir, 
   capsys.readouterr()
   assert convert.main([NPZ, str(tmp_path / "x.npz"), "--step", "6"]) == 2
   assert "--step applies to training workdirs" in capsys.readouterr().err
+
+
+def test_the_workdir_of_a_running_run_is_never_written(tmp_path, capsys, monkeypatch):
+  """Issue 50: `convert SRC WORKDIR --overwrite` deleted a running run's checkpoints, config
+  and lock.json (Orbax's forced save) and the run wrote on into the export. While a live run
+  holds the lock, the workdir and what is in it are refused, naming the run; a killed run's
+  lock holds nothing (the trainer's stale-lock rule)."""
+  workdir = tmp_path / "run"
+  (workdir / "checkpoints" / "6").mkdir(parents=True)
+  (workdir / "checkpoints" / "6" / "state").write_bytes(b"step 6")
+  (workdir / "config.json").write_text("{}")
+  monkeypatch.setattr(sys, "argv", ["/src/vit_jax/main.py", "--config", "c.py"])
+  monkeypatch.setattr(sys.modules["__main__"], "__spec__", types.SimpleNamespace(
+      name="vit_jax.main"), raising=False)
+
+  def files():
+    return {str(p.relative_to(workdir)): p.read_bytes() for p in workdir.rglob("*")
+            if p.is_file()}
+
+  with checkpoint.WorkdirLock(str(workdir)):
+    record = json.loads((workdir / "lock.json").read_text())
+    monkeypatch.setattr(lock_lib, "time", types.SimpleNamespace(
+        time=lambda: record["started_unix"] + 5))  # Five seconds into the run.
+    before = files()
+    holder = (f"host {socket.gethostname()}, pid {os.getpid()}, started {record['started']}, "
+              "5 s ago: python -m vit_jax.main --config c.py")
+    for dst, extra in ((workdir, []), (workdir / "checkpoints", []),
+                       (workdir / "export.npz", []), (workdir / "timm.safetensors",
+                                                      ["--to", "timm"])):
+      assert convert.main([NPZ, str(dst), "--overwrite", *extra]) == 2
+      where = "is the workdir" if dst == workdir else f"is inside the workdir {workdir}"
+      assert capsys.readouterr().err == (
+          f"FATAL: {dst} {where} of a running training run ({holder}), which only that run "
+          "writes (a replaced workdir loses its checkpoints while the run goes on): wait for "
+          "the run to end or stop it, or choose a destination outside its workdir.\n")
+    assert files() == before
+  # A run killed while holding it leaves lock.json, which no process holds: taken as free.
+  (workdir / "lock.json").write_text(json.dumps(dict(record, pid=2 ** 22 + 1)))
+  assert convert.main([NPZ, str(workdir / "export.npz")]) == 0
+  np.testing.assert_array_equal(np.load(workdir / "export.npz")["head/kernel"],
+                                np.load(NPZ)["head/kernel"])
+
+
+# Runs `convert.main(argv[2:])` with every file opened for writing under argv[1] stalling after
+# its first 4096 bytes (written and flushed), once 'writing' is printed: a kill lands mid-write.
+_STALLED_WRITE = """
+import builtins, os, sys, time
+from vit_jax.tools import convert
+real_open = builtins.open
+
+class Stalled:
+  def __init__(self, f):
+    self._f, self._n = f, 0
+  def __getattr__(self, name):
+    return getattr(self._f, name)
+  def __enter__(self):
+    return self
+  def __exit__(self, *exc):
+    return self._f.__exit__(*exc)
+  def write(self, data):
+    if self._n + len(data) > 4096:
+      self._f.write(data[:max(0, 4096 - self._n)])
+      self._f.flush()
+      print('writing', flush=True)
+      time.sleep(600)
+    self._n += len(data)
+    return self._f.write(data)
+
+def stalled_open(file, mode='r', *args, **kwargs):
+  f = real_open(file, mode, *args, **kwargs)
+  return Stalled(f) if 'w' in mode and str(file).startswith(sys.argv[1]) else f
+
+builtins.open = stalled_open
+sys.exit(convert.main(sys.argv[2:]))
+"""
+
+
+@pytest.mark.slow
+def test_a_kill_while_writing_leaves_the_old_file_or_none_then_a_rerun_the_new(tmp_path):
+  """Issue 50: .npz and timm .safetensors outputs were written in place: SIGTERM mid-write left
+  a partial file under the final name and the previous good file was gone. Killed mid-write,
+  DST is the old file (or absent); the next run replaces the partial one and DST."""
+  out = tmp_path / "out"
+  out.mkdir()
+  old = (out / "weights.npz")
+  old.write_bytes(open(NPZ, "rb").read())  # A previous good file.
+  for dst, extra, signum in ((old, [], signal.SIGTERM),
+                             (out / "weights.safetensors", ["--to", "timm"], signal.SIGKILL)):
+    before = dst.read_bytes() if dst.exists() else None
+    argv = [NPZ, str(dst), "--overwrite", *extra]
+    writer = subprocess.Popen([sys.executable, "-c", _STALLED_WRITE, str(out), *argv],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+      assert writer.stdout.readline() == "writing\n"  # Mid-write.
+      writer.send_signal(signum)
+      assert writer.wait(60) == -signum
+    finally:
+      writer.kill()
+      writer.wait()
+    assert (dst.read_bytes() if dst.exists() else None) == before, dst
+    assert sorted(os.listdir(out)) == ["weights.npz", f"{dst.name}.partial"]  # Written beside.
+    assert convert.main(argv) == 0
+  assert sorted(os.listdir(out)) == ["weights.npz", "weights.safetensors"]
+  want = inference.load(NPZ).variables["params"]["head"]["kernel"]
+  for name in ("weights.npz", "weights.safetensors"):
+    np.testing.assert_allclose(
+        inference.load(str(out / name)).variables["params"]["head"]["kernel"], want,
+        rtol=1e-6)

@@ -7,6 +7,7 @@ import io
 import json
 import os
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -220,6 +221,96 @@ def test_bad_inputs_are_one_fatal_line_and_exit_status_2(capsys, tmp_path):
     assert err.count("\n") == 1 and err.startswith(message), (argv, err)
   # The wrong model names what the weights are.
   assert "ViT-B_16" in err and "Traceback" not in err
+
+
+GIB = 2**30
+
+
+def test_the_memory_estimate_of_an_image_size_and_a_batch_names_what_fits():
+  """vit_tiny (width 32, 2 heads, patch 4) under XLA's attention, per image of S px: 4 float32
+  inputs, 4 * S^2 * 3 * 4 B; N = (S / 4)^2 + 1 tokens, 14 * 4 * 32 * N + 4 copies * 2 heads *
+  4 * N^2 B. 12000 px: 6.4 + 2,414,003.7 GiB; 480 px: 6.2 GiB fits 80% of 8 GiB, 484: 6.4 not.
+  64 images of 224 px: 19.2 GiB; in 1 GiB fit 2 of them, or 64 of 96 px."""
+  import jax  # pylint: disable=g-import-not-at-top
+  import ml_collections  # pylint: disable=g-import-not-at-top
+  from vit_jax import inference  # pylint: disable=g-import-not-at-top
+  config = ml_collections.ConfigDict(inference.load(NPZ).config.to_dict())
+  config.model.attention = "xla"
+  cpu = jax.devices("cpu")[:1]
+
+  def refusal(size, batch, available):
+    config.data.image_size = size
+    with pytest.raises(ValueError) as raised:
+      inference.check_memory(config, cpu, batch, host_bytes=available)
+    return str(raised.value)
+
+  assert refusal(12000, 1, 8 * GIB) == (
+      "one 12000x12000 px image for ViT-custom needs ~2,414,010.1 GiB (4 float32 copies of the "
+      "input: 6.4 GiB; the forward pass (xla attention's [tokens, tokens] matrices included): "
+      "2,414,003.7 GiB), more than 80% of the 8.0 GiB available on this host. Give --image-size "
+      "480 or less.")
+  assert refusal(484, 1, 8 * GIB).endswith("Give --image-size 480 or less.")
+  config.data.image_size = 480
+  inference.check_memory(config, cpu, host_bytes=8 * GIB)
+  assert refusal(224, 64, GIB) == (
+      "64 images of 224x224 px for ViT-custom need ~19.2 GiB (4 float32 copies of the input: "
+      "147.0 MiB; the forward pass (xla attention's [tokens, tokens] matrices included): 19.1 "
+      "GiB), more than 80% of the 1.0 GiB available on this host. Give --image-size 96 or less "
+      "or a batch of 2 or fewer images (--batch-size).")
+  config.data.image_size = 224
+  inference.check_memory(config, cpu, 2, host_bytes=GIB)
+  inference.check_memory(config, cpu, 64, host_bytes=0)  # 0: unknown, unchecked.
+
+  class Gpu:  # An accelerator: the forward pass in its memory, 32 of the 64 images each.
+    platform, device_kind = "gpu", "NVIDIA H100 80GB HBM3"
+
+    def memory_stats(self):
+      return {"bytes_limit": 8 * GIB}
+
+  # 32 x 0.2985 GiB = 9.55 GiB; 42 images (21 each) fit 6.4 GiB, or 64 of 200 px.
+  with pytest.raises(ValueError, match=re.escape(
+      "the forward pass (xla attention's [tokens, tokens] matrices included): 9.6 GiB), more "
+      "than 80% of the 8.0 GiB available on a NVIDIA H100 80GB HBM3. Give --image-size 200 or "
+      "less or a batch of 42 or fewer images (--batch-size).")):
+    inference.check_memory(config, [Gpu(), Gpu()], 64, host_bytes=1000 * GIB)
+  inference.check_memory(config, [Gpu(), Gpu()], 42, host_bytes=1000 * GIB)
+
+
+def test_an_image_size_beyond_the_memory_is_one_fatal_line_before_any_work(capsys, tmp_path,
+                                                                           monkeypatch):
+  """Issue 50: --image-size 100000 was TensorFlow's ResourceExhaustedError traceback after 18 s,
+  12000 grew past 20 GB until killed. Every tool loads through `inference.load`, which checks."""
+  from vit_jax import inference  # pylint: disable=g-import-not-at-top
+  from vit_jax import platform  # pylint: disable=g-import-not-at-top
+  from vit_jax.tools import analyze  # pylint: disable=g-import-not-at-top
+  monkeypatch.setattr(platform, "available_memory_bytes", lambda: 8 * GIB)
+  image = _write_png(tmp_path / "a.png", _random_image(2, (8, 8, 3)))
+  for size in (100000, 12000):
+    code, out, err = _main(capsys, NPZ, image, "--image-size", size)
+    assert (code, out, err.count("\n")) == (2, "", 1), err
+    found = re.fullmatch(
+        rf"FATAL: one {size}x{size} px image for ViT-custom needs ~[\d,.]+ GiB \(4 float32 "
+        r"copies of the input: [\d,.]+ GiB; the forward pass \(cpu_kernel attention's \[tokens, "
+        r"tokens\] matrices included\): [\d,.]+ GiB\), more than 80% of the 8.0 GiB available "
+        r"on this host. Give --image-size (\d+) or less.\n", err)
+    assert found, err
+    largest = int(found.group(1))  # A multiple of the patch that fits, the next one does not.
+    trained = inference.load(NPZ, image_size=largest)
+    with pytest.raises(ValueError, match=f"Give --image-size {largest} or less"):
+      inference.load(NPZ, image_size=largest + 4)
+    assert largest % 4 == 0 and trained.image_size == largest
+  out_dir = tmp_path / "analysis"
+  assert analyze.main([NPZ, "--images", image, "--image-size", "100000", "--out",
+                       str(out_dir)]) == 2
+  assert capsys.readouterr().err.startswith("FATAL: one 100000x100000 px image for ViT-custom")
+  assert not out_dir.exists()
+  # A batch the model cannot take at once, as a Predictor's (or the evaluation's): refused with
+  # one that fits when the Runner is made, before any image is read.
+  monkeypatch.setattr(platform, "available_memory_bytes", lambda: 2**20)
+  with pytest.raises(ValueError, match=r"^64 images of 32x32 px for ViT-custom need .* more than "
+                     r"80% of the 1.0 MiB available on this host. Give --image-size \d+ or less or "
+                     r"a batch of \d+ or fewer images \(--batch-size\).$"):
+    predict.Predictor(NPZ, batch_size=64)
 
 
 def test_an_undecodable_image_is_skipped_and_only_bad_images_exit_2(capsys, tmp_path,

@@ -16,6 +16,7 @@ from typing import Any, BinaryIO, Dict, Iterator, Mapping, Optional, Tuple, Unio
 
 import numpy as np
 
+from vit_jax.checkpoint import durable
 from vit_jax.checkpoint import paths
 
 #: The first bytes of a zip archive (a local file header; an empty archive's end record).
@@ -178,13 +179,10 @@ def read_safetensors(path: str) -> Dict[str, np.ndarray]:
 
 def write_safetensors(path: str, arrays: Mapping[str, Any],
                       metadata: Optional[Mapping[str, str]] = None) -> None:
-  """Writes ``arrays`` (as C-contiguous NumPy) to ``path`` (local parents created) with
-  ``metadata`` and ``format: 'pt'``, which transformers' ``from_pretrained`` requires."""
+  """Writes ``arrays`` (as C-contiguous NumPy) to ``path`` (parents created; a kill leaves the old
+  file: :func:`.durable.write_atomically`) with ``metadata`` and ``format: 'pt'``, which
+  transformers' ``from_pretrained`` requires."""
   from safetensors import numpy as st_numpy  # pylint: disable=g-import-not-at-top
   tensors = {k: np.ascontiguousarray(v) for k, v in arrays.items()}
   meta = {'format': 'pt', **{str(k): str(v) for k, v in (metadata or {}).items()}}
-  data = st_numpy.save(tensors, metadata=meta)  # (save_file would create the file 0600.)
-  if not paths.is_remote(path):
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-  with paths.open_file(path, 'wb') as f:
-    f.write(data)
+  durable.write_atomically(path, st_numpy.save(tensors, metadata=meta))  # (save_file: 0600.)

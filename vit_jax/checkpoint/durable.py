@@ -1,13 +1,19 @@
-"""Writes that survive a host crash: files and directory entries forced to stable storage
-(unforced data is lost in a crash, and a rename can reach the disk before the data it names).
-``gs://`` needs none of it."""
+"""Writes that survive a kill and a host crash: written beside and renamed into place, files and
+directory entries forced to stable storage (unforced data is lost in a crash, and a rename can
+reach the disk before the data it names). ``gs://`` needs none of it (an object appears whole)."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import ctypes
+import errno
 import functools
+import io
 import os
-from typing import Any, List
+import shutil
+import stat
+from typing import Any, BinaryIO, Callable, List, Union
 
 from vit_jax.checkpoint import paths
 
@@ -35,23 +41,84 @@ def sync_tree(root: Any) -> None:
     _sync(directory, directory=True)
 
 
-def write_atomically(path: Any, text: str, partial: str = '.partial') -> None:
-  """Writes ``text`` to ``path`` (parent created) so that readers and a crash see the old or
-  the new content: ``<path><partial>`` forced and renamed (``gs://``: one object write). Raises
-  OSError, ``path`` then unchanged."""
+def write_atomically(path: Any, content: Union[str, bytes, Callable[[BinaryIO], None]],
+                     partial: str = '.partial') -> None:
+  """Writes ``content`` (text, bytes, or a function writing to a binary file) to ``path``
+  (parent created) so that readers, a crash and a kill see the old or the new content:
+  ``<path><partial>`` (removed on an error) forced and renamed, with an old file's permissions;
+  ``gs://``: one object write, made at its end. Raises OSError, ``path`` then unchanged."""
   from etils import epath  # pylint: disable=g-import-not-at-top
   path = epath.Path(path)
   path.parent.mkdir(parents=True, exist_ok=True)
+  if isinstance(content, str):
+    content = content.encode('utf-8')
   if paths.is_remote(os.fspath(path)):
-    path.write_text(text)
+    if callable(content):
+      buffer = io.BytesIO()
+      content(buffer)
+      content = buffer.getvalue()
+    path.write_bytes(content)
     return
   partial = f'{path}{partial}'
-  with open(partial, 'w', encoding='utf-8') as f:
-    f.write(text)
-    f.flush()
-    os.fsync(f.fileno())
-  os.replace(partial, path)
+  try:
+    with open(partial, 'wb') as f:
+      if callable(content):
+        content(f)
+      else:
+        f.write(content)
+      f.flush()
+      os.fsync(f.fileno())
+    with contextlib.suppress(FileNotFoundError):
+      os.chmod(partial, stat.S_IMODE(os.stat(path).st_mode))
+    os.replace(partial, path)
+  except BaseException:
+    with contextlib.suppress(OSError):
+      os.remove(partial)
+    raise
   _sync(os.fspath(path.parent), directory=True)
+
+
+def move_into_place(staging: Any, target: Any) -> None:
+  """Moves the local file or directory ``staging`` (forced to disk) to ``target``, deleting what
+  was there: swapped in one step (Linux ``renameat2(RENAME_EXCHANGE)``; elsewhere two renames),
+  so that a kill leaves the old or the new at ``target``. Raises OSError."""
+  staging, target = os.fspath(staging), os.fspath(target)
+  if os.path.isdir(staging):
+    sync_tree(staging)
+  else:
+    _sync(staging, directory=False)
+  if not os.path.lexists(target):
+    os.rename(staging, target)
+  elif not _exchange(staging, target):
+    old = f'{target}.replaced'
+    _remove(old)
+    os.rename(target, old)
+    os.rename(staging, target)
+    staging = old
+  _sync(os.path.dirname(os.path.abspath(target)), directory=True)
+  _remove(staging)  # Now the old one.
+
+
+def _exchange(a: str, b: str) -> bool:
+  """Swaps paths ``a`` and ``b`` atomically; False where the system or filesystem cannot."""
+  try:
+    renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
+  except (AttributeError, OSError):
+    return False
+  at_fdcwd, rename_exchange = -100, 2
+  if renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0:
+    return True
+  code = ctypes.get_errno()
+  if code in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+    return False
+  raise OSError(code, os.strerror(code), b)
+
+
+def _remove(path: str) -> None:
+  if os.path.isdir(path) and not os.path.islink(path):
+    shutil.rmtree(path)
+  elif os.path.lexists(path):
+    os.remove(path)
 
 
 def damaged_files(step_dir: Any) -> List[str]:

@@ -12,6 +12,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 import numpy as np
 
 from vit_jax.checkpoint import archive
+from vit_jax.checkpoint import durable
 from vit_jax.checkpoint import paths
 from vit_jax.checkpoint import torch_layout
 
@@ -238,8 +239,7 @@ def write(dst: str, params: Mapping[str, Any], fields: Mapping[str, Any], image_
       'do_rescale': True, 'rescale_factor': 1 / 255,
       'do_normalize': True, 'image_mean': list(mean), 'image_std': list(std)}
   for name, content in ((config_path, config), (preprocessor_path, preprocessor)):
-    with paths.open_file(name, 'w') as f:
-      json.dump(content, f, indent=2)
+    durable.write_atomically(name, json.dumps(content, indent=2))
   return (f"transformers.{config['architectures'][0]}.from_pretrained("
           f'{os.path.dirname(weights) or "."!r})')
 

@@ -59,13 +59,14 @@ def _process_alive(pid: Any, start: Any) -> bool:
   return start is None or _process_start(pid) in (None, start)
 
 
-def _record(token: str) -> Dict[str, Any]:
+def _record(token: str, timeout_s: float) -> Dict[str, Any]:
   now = time.time()
   return {
       'host': socket.gethostname(), 'pid': os.getpid(), 'pid_start': _process_start(os.getpid()),
       'started': datetime.datetime.fromtimestamp(now, datetime.timezone.utc).isoformat(
           timespec='seconds'),
-      'started_unix': now, 'heartbeat_unix': now, 'command': _command(), 'token': token,
+      'started_unix': now, 'heartbeat_unix': now, 'timeout_s': timeout_s, 'command': _command(),
+      'token': token,
   }
 
 
@@ -169,6 +170,32 @@ class WorkdirLock:
       raise
     self.held = True
 
+  def live_holder(self) -> Optional[Dict[str, Any]]:
+    """The record of the live run holding this lock (``{}``: unreadable), else None (no lock, or
+    a stale one that :meth:`acquire` takes over); takes and writes nothing."""
+    if not self.heartbeat:
+      import fcntl  # pylint: disable=g-import-not-at-top  (POSIX only)
+      try:
+        fd = os.open(self.path, os.O_RDONLY)
+      except (FileNotFoundError, NotADirectoryError):
+        return None
+      try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)  # Released by the close.
+        return None
+      except OSError as e:
+        if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+          return _parse(_read_fd(fd)) or {}
+        if e.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP):
+          raise
+      finally:
+        os.close(fd)
+    holder = self._read_record() if paths.exists(self.path) else None  # A heartbeat lock.
+    if holder is None:
+      return None
+    own = holder.get('timeout_s')  # The holder's staleness age, where longer than ours.
+    longest = max(self.timeout_s, own if isinstance(own, (int, float)) else 0)
+    return None if self._is_stale(holder, longest) else holder
+
   def _make_dirs(self) -> None:
     missing, path = [], os.path.dirname(self.path)
     while not os.path.isdir(path):
@@ -203,7 +230,7 @@ class WorkdirLock:
       _log.warning('Taking over the lock of %s: a run that ended without releasing it (killed, '
                    'or its machine lost); its checkpoints are resumed from.', describe(previous))
     os.ftruncate(fd, 0)
-    os.pwrite(fd, json.dumps(_record(self._token), indent=1).encode(), 0)
+    os.pwrite(fd, json.dumps(_record(self._token, self.timeout_s), indent=1).encode(), 0)
     os.fsync(fd)
     self._fd = fd
 
@@ -213,9 +240,10 @@ class WorkdirLock:
     except (OSError, ValueError):
       return None if not paths.exists(self.path) else {}
 
-  def _is_stale(self, record: Dict[str, Any]) -> bool:
+  def _is_stale(self, record: Dict[str, Any], timeout_s: Optional[float] = None) -> bool:
     heartbeat = record.get('heartbeat_unix')
-    if not isinstance(heartbeat, (int, float)) or time.time() - heartbeat > self.timeout_s:
+    timeout_s = self.timeout_s if timeout_s is None else timeout_s
+    if not isinstance(heartbeat, (int, float)) or time.time() - heartbeat > timeout_s:
       return True
     return record.get('host') == socket.gethostname() and not _process_alive(
         record.get('pid'), record.get('pid_start'))
@@ -233,7 +261,7 @@ class WorkdirLock:
         raise self._in_use(holder, age)
       _log.warning('Taking over the stale lock of %s (no heartbeat for over %g s, or its process '
                    'is gone).', describe(holder), self.timeout_s)
-    record = _record(self._token)
+    record = _record(self._token, self.timeout_s)
     self._write_record(record)
     time.sleep(self.settle_s)
     back = self._read_record()

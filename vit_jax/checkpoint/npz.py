@@ -4,10 +4,8 @@ two-tower model's (SigLIP's) image tower taken; and written."""
 
 from __future__ import annotations
 
-import io
 import itertools
 import math
-import os
 import re
 import zipfile
 from collections.abc import Mapping
@@ -17,6 +15,7 @@ from absl import logging
 import numpy as np
 
 from vit_jax.checkpoint import archive
+from vit_jax.checkpoint import durable
 from vit_jax.checkpoint import paths
 from vit_jax.checkpoint import tree as tree_lib
 from vit_jax.checkpoint import vit_shapes
@@ -211,9 +210,10 @@ def load_npz(path: Any, npz: Optional[archive.Zip] = None) -> Dict[str, Any]:
 
 def save_npz(path: Any, params: Mapping) -> None:
   """Writes a params tree (or the ``params`` of variables) as an official flat ``.npz`` at
-  ``path`` (local, parents created, or ``scheme://``; no suffix added): unrolled blocks,
-  ``bfloat16`` and other ml_dtypes as float32, like the published files. Raises ValueError:
-  non-numeric leaves or keys that cannot be flattened."""
+  ``path`` (local, parents created, or ``scheme://``; no suffix added) with
+  :func:`.durable.write_atomically` (a kill leaves the old file): unrolled blocks, ``bfloat16``
+  and other ml_dtypes as float32, like the published files. Raises ValueError: non-numeric
+  leaves or keys that cannot be flattened."""
   path = paths.normalize(path)
   if isinstance(params, Mapping) and isinstance(params.get('params'), Mapping):
     params = params['params']
@@ -228,12 +228,4 @@ def save_npz(path: Any, params: Mapping) -> None:
       flat[key] = array.astype(np.float32) if array.dtype.kind == 'V' else array  # ml_dtypes.
     except (TypeError, ValueError):
       raise ValueError(f'Parameter {key!r} has non-numeric dtype {array.dtype}') from None
-  if paths.is_remote(path):
-    buffer = io.BytesIO()
-    np.savez(buffer, **flat)
-    with paths.open_file(path, 'wb') as f:
-      f.write(buffer.getvalue())
-  else:
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path, 'wb') as f:
-      np.savez(f, **flat)
+  durable.write_atomically(path, lambda f: np.savez(f, **flat))

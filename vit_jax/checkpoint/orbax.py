@@ -10,6 +10,7 @@ import errno
 import json
 import logging
 import os
+import shutil
 from collections.abc import Mapping
 from typing import Any, Dict, Optional, Sequence
 
@@ -19,6 +20,7 @@ import numpy as np
 import vit_jax
 
 from vit_jax import rundir
+from vit_jax.checkpoint import durable
 from vit_jax.checkpoint import paths
 from vit_jax.checkpoint.mismatch import ModelMismatchError, diff, mismatch_report
 from vit_jax.checkpoint.tree import describe_architecture, flatten_params
@@ -141,9 +143,10 @@ EXPORT_FACTS = ('label_names', 'multi_label', 'normalization', 'eval_crop_pct', 
 def save_orbax(path: Any, variables: Mapping, *, overwrite: bool = False,
                metadata: Optional[Mapping[str, Any]] = None) -> None:
   """Writes ``{'params': ..., **collections}`` (boxed or plain) as an Orbax item at ``path``
-  (local or ``gs://``): ``params``, the other collections in ``model_state``, and JSON-able
-  ``metadata`` (e.g. ``label_names``, ``normalization``) in :data:`EXPORT_JSON`. Raises
-  ValueError (no ``params``), FileExistsError (``path`` exists and not ``overwrite``)."""
+  (local: written beside and moved into place, a kill leaves the old item or the new one; or
+  ``gs://``): ``params``, the other collections in ``model_state``, and JSON-able ``metadata``
+  (e.g. ``label_names``, ``normalization``) in :data:`EXPORT_JSON`. Raises ValueError (no
+  ``params``), FileExistsError (``path`` exists and not ``overwrite``), OSError."""
   ocp = import_orbax()
   from etils import epath  # pylint: disable=g-import-not-at-top
 
@@ -158,10 +161,23 @@ def save_orbax(path: Any, variables: Mapping, *, overwrite: bool = False,
   extra = {k: v for k, v in variables.items() if k != 'params'}
   if extra:
     tree['model_state'] = dict(sorted(extra.items()))
-  with ocp.StandardCheckpointer() as checkpointer:
-    checkpointer.save(target, tree, force=overwrite)
-  if metadata is not None:
-    (target / EXPORT_JSON).write_text(json.dumps(dict(metadata), indent=1) + '\n')
+  facts = None if metadata is None else json.dumps(dict(metadata), indent=1) + '\n'
+  if paths.is_remote(path):  # Objects: no directory to rename.
+    with ocp.StandardCheckpointer() as checkpointer:
+      checkpointer.save(target, tree, force=overwrite)
+    if facts is not None:
+      durable.write_atomically(target / EXPORT_JSON, facts)
+    return
+  staging = target.parent / f'{target.name}.partial'  # Moved into place whole.
+  try:
+    with ocp.StandardCheckpointer() as checkpointer:
+      checkpointer.save(staging, tree, force=True)  # (A killed conversion's is replaced.)
+    if facts is not None:
+      durable.write_atomically(staging / EXPORT_JSON, facts)
+    durable.move_into_place(staging, target)
+  except BaseException:
+    shutil.rmtree(staging, ignore_errors=True)
+    raise
 
 
 def read_export_metadata(item: Any) -> Optional[Dict[str, Any]]:

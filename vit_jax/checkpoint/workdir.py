@@ -51,10 +51,23 @@ _UNREACHABLE = re.compile(r'retry attempts failed|UNAVAILABLE|DEADLINE_EXCEEDED|
                           r'Connection refused|timed out', re.IGNORECASE)
 
 
+def storage_failure(error: BaseException) -> Optional[Tuple[str, int]]:
+  """(the FATAL line's text, the exit status) for ``error`` when the storage answered 'Not
+  Found' to a request (2: a bucket or path of the command does not exist) or did not answer (1:
+  :func:`storage_unreachable`), else None."""
+  if re.search(r'response code 404', str(error)):
+    return (f"The storage answered 'Not Found' ({_first_line(error)}): a bucket or path that the "
+            'command names does not exist. Check its gs:// paths (gcloud storage ls gs://BUCKET); '
+            'a new bucket: gcloud storage buckets create gs://BUCKET --location=REGION.', 2)
+  unreachable = storage_unreachable(error)
+  return None if unreachable is None else (unreachable, 1)
+
+
 def storage_unreachable(error: BaseException) -> Optional[str]:
   """The FATAL line's text for ``error`` when the storage did not answer (Cloud Storage's
-  retries spent, no network), else None."""
-  if not _UNREACHABLE.search(str(error)):
+  retries spent, no network), else None (also for a pod's collectives, whose lost peer reads
+  alike: 'Gloo ... UNAVAILABLE: ... Connection reset')."""
+  if not _UNREACHABLE.search(str(error)) or re.search(r'\bgloo\b', str(error), re.IGNORECASE):
     return None
   return (f'The storage did not answer ({_first_line(error)}). Check this machine\'s network and '
           'credentials (gcloud auth application-default login), then rerun the same command.')

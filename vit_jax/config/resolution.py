@@ -22,6 +22,8 @@ from vit_jax import platform
 from vit_jax import sharding
 from vit_jax import step
 from vit_jax.config import defaults
+from vit_jax.config import slices
+from vit_jax.models import vit_fields
 
 
 def _number(value: Any) -> bool:
@@ -278,8 +280,10 @@ def check_host_limits(config: ml_collections.ConfigDict, *, num_train_examples: 
                       unit: int = 1) -> None:
   """Refuses a batch this host cannot serve: per process, more than an epoch's examples, or
   `data.prefetch + BATCHES_IN_FLIGHT` float32 copies over `BATCH_MEMORY_SHARE` of
-  `available_bytes` (default: `vit_jax.platform.available_memory_bytes()`; unknown: unchecked).
-  ValueError naming `config.batch_size` and a batch that fits (a multiple of `unit`).
+  `available_bytes` (default: `vit_jax.platform.available_memory_bytes()`; unknown: unchecked);
+  and a learned position table (`model.posemb_grid`) whose training state is more than
+  `available_bytes`. ValueError naming `config.batch_size` and a batch that fits (a multiple of
+  `unit`), or `config.model.posemb_grid` and the largest square grid that fits.
   """
   batch, pc = int(config.batch_size), int(process_count)
   local_batch, local_examples = batch // pc, num_train_examples // pc
@@ -311,6 +315,34 @@ def check_host_limits(config: ml_collections.ConfigDict, *, num_train_examples: 
         f"the {available_bytes / gib:.1f} GiB available: the run would be killed for lack of "
         f"memory. Set --config.batch_size={fitting(int(allowed // (per_image * copies)))} or "
         "less, or lower --config.data.prefetch.")
+  _check_position_table(config.model, config.ema_decay, available_bytes)
+
+
+def _check_position_table(model: ml_collections.ConfigDict, ema_decay: float,
+                          available_bytes: int) -> None:
+  """Refuses a learned position table made for `model.posemb_grid` whose training state
+  (`slices.state_bytes_per_param`) is more than `available_bytes`: its initialisation would
+  never end."""
+  grid = model.get("posemb_grid")
+  if not grid or model.get("posemb") != "learn":
+    return
+  rows = vit_fields.posemb_table_rows(grid, model.classifier, model.get("num_registers", 0),
+                                      model.get("no_embed_class", False))
+  width, per_param = int(model.hidden_size), slices.state_bytes_per_param(ema_decay)
+  needed = rows * width * per_param
+  if needed <= available_bytes:
+    return
+  prefix = rows - math.prod(grid)
+  side = math.isqrt(max(available_bytes // (width * per_param) - prefix, 0))
+  gib = 2.0**30
+  raise ValueError(
+      f"config.model.posemb_grid={tuple(grid)} makes a learned position table of {rows:,} x "
+      f"{width} parameters whose training state ({per_param} B each: the float32 parameter, its "
+      f"gradient, the optimizer's moments{' and the EMA' if ema_decay else ''}) needs "
+      f"~{needed / gib:,.1f} GiB, more than the {available_bytes / gib:.1f} GiB of memory "
+      f"available on this host. Set --config.model.posemb_grid to the token grid of the table "
+      f"to load (at most ({side}, {side}) here; e.g. (14, 14) for 224 px at patch 16), or None "
+      "(the images' grid).")
 
 
 def _resolve_schedule(config: ml_collections.ConfigDict, num_train_examples: int) -> None:

@@ -7,6 +7,7 @@ micro-batches whose estimated memory fits (docs/pods.md, "A recipe on a slice");
 from __future__ import annotations
 
 import math
+import os
 from typing import Any
 
 import jax
@@ -36,12 +37,23 @@ ACTIVATION_FACTOR = {
 NO_REMAT_FACTOR = 24.0
 #: Copies of one block's attention matrices [heads, N, N] alive at once (float32).
 ATTENTION_COPIES = 4
+#: [tokens, width] copies alive at once in a forward pass (inference), one block at a time: its
+#: input, the normed input, q, k, v, the attention's output, the MLP's hidden (4 x width), the
+#: sums; and the position table resampled to the token grid (2 float32 copies).
+FORWARD_FACTOR = 14.0
+
+
+def state_bytes_per_param(ema_decay: float) -> int:
+  """Bytes a training run holds per parameter: float32 parameter, gradient, Adam's 2 moments, and
+  the parameter EMA when `ema_decay` is set."""
+  return 4 * (4 + (1 if ema_decay else 0))
 
 
 def _sequences(model_name: str, fields: dict[str, Any],
                image_size: int) -> list[tuple[int, int, int, int]]:
   """(blocks, tokens, width, heads) of the token sequences one image flows through (a hybrid's
-  ResNet stem not counted; T2T-ViT's T2T module: (S/4)^2 and (S/8)^2 tokens, Performer heads 0)."""
+  ResNet stem not counted, its stride is; T2T-ViT's T2T module: (S/4)^2 and (S/8)^2 tokens,
+  Performer heads 0)."""
   config = models.model_config(model_name, **dict(fields, attention="xla"))
   if "embed_dim" in config:  # T2T-ViT.
     grid = math.ceil(image_size / 16) ** 2
@@ -49,8 +61,9 @@ def _sequences(model_name: str, fields: dict[str, Any],
     return [(config["depth"], grid + 1, config["embed_dim"], config["num_heads"]),
             (1, math.ceil(image_size / 4) ** 2, config["token_dim"], t2t_heads),
             (1, math.ceil(image_size / 8) ** 2, config["token_dim"], t2t_heads)]
-  patch = config["patch_size"][0]  # (height, width), as model_config gives it.
-  tokens = (image_size // patch) ** 2 + (1 if config["classifier"] == "token" else 0)
+  stem = config.get("resnet_num_layers")
+  stride = config["patch_size"][0] * (1 if stem is None else models.resnet.resnet_stride(stem))
+  tokens = (image_size // stride) ** 2 + (1 if config["classifier"] == "token" else 0)
   return [(config["num_layers"], tokens, config["hidden_size"], config["num_heads"])]
 
 
@@ -66,6 +79,26 @@ def activation_bytes(model_name: str, fields: dict[str, Any], image_size: int) -
              for blocks, tokens, width, _ in sequences)
   attention = max(ATTENTION_COPIES * 4 * heads * tokens**2 for _, tokens, _, heads in sequences)
   return kept + attention
+
+
+def _cores() -> int:
+  """The cores this process may run on: XLA:CPU's intra-op threads."""
+  return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def forward_bytes(model_name: str, fields: dict[str, Any], image_size: int) -> float:
+  """Estimated bytes of one image's forward pass (inference), one block at a time: `FORWARD_FACTOR
+  x dtype bytes x tokens x width` of its largest sequence, plus its float32 [tokens, tokens]
+  attention matrices by `fields['attention']`: XLA's, `ATTENTION_COPIES` per head; vit_jax's
+  fused CPU kernel, one per thread that ran it (its scratch, kept: the pool's, at most the heads,
+  and the caller; measured at 600 px); cuDNN's flash attention, none."""
+  dtype_bytes = 2 if str(fields.get("dtype", "float32")) == "bfloat16" else 4
+  sequences = _sequences(model_name, fields, image_size)
+  kept = max(FORWARD_FACTOR * dtype_bytes * tokens * width for _, tokens, width, _ in sequences)
+  attention = fields.get("attention", "xla")
+  copies = (lambda heads: 0 if attention == "cudnn" else ATTENTION_COPIES * heads
+            if attention == "xla" else min(heads, _cores()) + 1)
+  return kept + max(copies(heads) * 4 * tokens**2 for _, tokens, _, heads in sequences)
 
 
 def parameter_count(model_name: str, fields: dict[str, Any], num_classes: int,
@@ -109,12 +142,12 @@ def fit_to_slice(config: ml_collections.ConfigDict, accelerator: str,
   image_size = int(config.data.image_size)
   classes = int(config.num_classes or num_classes)
   params = parameter_count(config.model_name, fields, classes, image_size)
-  state_bytes_per_param = 4 * (4 + (1 if config.ema_decay else 0))  # Params, grads, 2 moments.
+  per_param = state_bytes_per_param(config.ema_decay)
   fsdp = 1
-  while fsdp < devices and params * state_bytes_per_param / fsdp > STATE_SHARE * hbm:
+  while fsdp < devices and params * per_param / fsdp > STATE_SHARE * hbm:
     fsdp *= 2
   fsdp = min(fsdp, devices)
-  state = params * state_bytes_per_param / fsdp
+  state = params * per_param / fsdp
   per_image = activation_bytes(config.model_name, fields, image_size)
   budget = BUDGET * hbm - state
   per_device = batch // devices

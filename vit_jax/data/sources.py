@@ -8,6 +8,7 @@ import contextlib
 import dataclasses
 import os
 import re
+import stat
 import time
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -100,16 +101,41 @@ def first_non_utf8_path(folder: str) -> Optional[bytes]:
   return None
 
 
-def _dangling_links(paths: Sequence[str]) -> List[str]:
-  """The symbolic links among local `paths` that lead to no file (broken, or a loop), in order."""
-  links = set()
+def not_a_file(path: str) -> Optional[str]:
+  """What the local ``path`` is when it is no regular file, links followed (reading a FIFO or a
+  device waits forever): e.g. 'a FIFO', 'a broken or looping symbolic link'; None
+  for a regular file or nothing there."""
+  try:
+    mode = os.stat(path).st_mode
+  except OSError:
+    return 'a broken or looping symbolic link' if os.path.islink(path) else None
+  if stat.S_ISREG(mode):
+    return None
+  kinds = ((stat.S_ISFIFO, 'a FIFO'), (stat.S_ISSOCK, 'a socket'),
+           (stat.S_ISCHR, 'a device'), (stat.S_ISBLK, 'a device'), (stat.S_ISDIR, 'a directory'))
+  return next((kind for test, kind in kinds if test(mode)), 'not a regular file')
+
+
+def _not_files(paths: Sequence[str]) -> Dict[str, str]:
+  """The local `paths` that are no regular file (:func:`not_a_file`), in order, with what each
+  is; one directory listing per folder (a stat per link and odd entry only)."""
+  odd = set()
   for folder in dict.fromkeys(os.path.dirname(p) for p in paths):
     try:
       with os.scandir(folder or '.') as entries:
-        links.update(e.path for e in entries if e.is_symlink())
+        odd.update(e.path for e in entries if not e.is_file(follow_symlinks=False))
     except OSError:
       continue
-  return [p for p in paths if p in links and not os.path.isfile(p)]
+  kinds = {p: not_a_file(p) for p in paths if p in odd}
+  return {p: kind for p, kind in kinds.items() if kind}
+
+
+def _files_named(kinds: Dict[str, str], root: str) -> str:
+  """'a.jpg (a FIFO), ...' of `_not_files`'s answer (the first MAX_NAMED_FILES)."""
+  shown = [f'{os.path.relpath(p, root)} ({kind})' for p, kind in
+           list(kinds.items())[:MAX_NAMED_FILES]]
+  more = len(kinds) - len(shown)
+  return ', '.join(shown + ([f'... and {more} more'] if more else []))
 
 
 # (root, all file paths) -> the undecodable ones: 'skip' validates a folder once per process.
@@ -515,15 +541,22 @@ def _make_source(data_cfg) -> Source:
     label = _label_spec(builder, root, label_key or 'label')
     # Reading the per-split file lists ourselves gives split slicing and reading by index.
     examples, skipped = dict(builder._split_examples), ()  # pylint: disable=protected-access
+    odd = {} if '://' in root else _not_files(
+        [e.image_path for exs in examples.values() for e in exs])
+    if odd and bad_images != 'skip':
+      raise FileNotFoundError(
+          f'{len(odd)} image file(s) of image folder {root} are not files that can be read '
+          f'(reading a FIFO or a device waits forever): {_files_named(odd, root)}. Remove them or '
+          'replace them with images, or set --config.data.bad_images=skip to skip them.')
+    if odd:  # Left out before the validation reads the others.
+      logging.warning("Skipping %d image file(s) of image folder %s that are not files that can "
+                      "be read (data.bad_images='skip'): %s", len(odd), root,
+                      _files_named(odd, root))
+      examples = {split: [e for e in exs if e.image_path not in odd]
+                  for split, exs in examples.items()}
     if bad_images == 'skip':
       examples, skipped = _drop_undecodable(root, examples)
-    elif '://' not in root:
-      dangling = _dangling_links([e.image_path for exs in examples.values() for e in exs])
-      if dangling:
-        raise FileNotFoundError(
-            f'{len(dangling)} image file(s) of image folder {root} are symbolic links that lead '
-            f'to no file (broken, or a loop): {_name_files(dangling, root, sep=", ")}. Remove '
-            'them or point them at images, or set --config.data.bad_images=skip to skip them.')
+      skipped = tuple(odd) + skipped
     return Source(builder, root, 'image', label, image_folder_examples=examples,
                   bad_images=bad_images, skipped_images=skipped)
   if not name:

@@ -35,6 +35,13 @@ def posemb_prefix_rows(classifier: str, num_registers: int = 0,
   return 0 if no_embed_class else prefix_tokens(classifier, num_registers)
 
 
+def posemb_table_rows(posemb_grid: Tuple[int, int], classifier: str, num_registers: int = 0,
+                      no_embed_class: bool = False) -> int:
+  """The rows of a learned position table made for the ``posemb_grid`` token grid: one per cell,
+  after the :func:`posemb_prefix_rows`."""
+  return posemb_prefix_rows(classifier, num_registers, no_embed_class) + math.prod(posemb_grid)
+
+
 def patch_pair(patch_size: Union[int, Tuple[int, int]]) -> Tuple[int, int]:
   """``P``, ``(P,)`` or ``(Ph, Pw)`` -> ``(Ph, Pw)`` ints; ValueError unless positive ints."""
   if isinstance(patch_size, bool):

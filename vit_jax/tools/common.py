@@ -87,10 +87,10 @@ def exit_status(main):
       return fatal(e, 1)
     except Exception as e:  # pylint: disable=broad-except  (TensorFlow's gs:// errors)
       from vit_jax.checkpoint import workdir  # pylint: disable=g-import-not-at-top
-      unreachable = workdir.storage_unreachable(e)
-      if not unreachable:
+      failure = workdir.storage_failure(e)
+      if not failure:
         raise
-      return fatal(RuntimeError(unreachable), 1)
+      return fatal(RuntimeError(failure[0]), failure[1])
 
   return wrapped
 

@@ -15,7 +15,10 @@ Examples::
   python -m vit_jax.convert /workdirs/vit_cifar /export/vit_cifar_hf --to hf
 
 Bad input (a missing, damaged or refused SRC, a bad ``--model``, an existing DST without
-``--overwrite``) is one ``FATAL:`` line and exit status 2; a failure while writing, exit 1.
+``--overwrite``, a DST in the workdir of a running training run) is one ``FATAL:`` line and exit
+status 2; a failure while writing, exit 1. Every output is written beside and moved into place
+(a gs:// file appears whole): stopped or killed at any moment, DST holds the old output (or none)
+or the new one; only an Orbax directory replaced in a bucket is deleted first.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ import numpy as np
 from vit_jax import checkpoint
 from vit_jax import inference
 from vit_jax.checkpoint import ecosystem
+from vit_jax.checkpoint import lock as lock_lib
 from vit_jax.checkpoint import npz
 from vit_jax.checkpoint import paths
 from vit_jax.models import layout
@@ -60,8 +64,9 @@ def read_with_facts(src: str, *, model_name: Optional[str] = None, use_ema: bool
 def write(variables: Dict[str, Any], dst: str, *, overwrite: bool = False,
           facts: Optional[Dict[str, Any]] = None) -> str:
   """Writes ``variables`` to ``dst`` (an ``.npz`` file, or an Orbax directory that keeps
-  ``facts``); returns the format. Raises FileExistsError, or ValueError (an ``.npz`` of other
-  collections than ``params``)."""
+  ``facts``); returns the format. Raises FileExistsError, ValueError (an ``.npz`` of other
+  collections than ``params``), or WorkdirInUseError (:func:`refuse_running_workdir`)."""
+  refuse_running_workdir(dst)
   if paths.exists(dst) and not overwrite:
     raise FileExistsError(f'{dst} exists; choose a new destination or pass --overwrite.')
   variables = layout.unbox(variables)  # Plain arrays (model.init boxes them with axis names).
@@ -83,13 +88,14 @@ def export(src: str, dst: str, to: str, *, model_name: Optional[str] = None,
            step: Optional[int] = None) -> str:
   """Writes the ViT at ``src`` (:func:`vit_jax.inference.load`) as timm (``to='timm'``) or
   transformers (``to='hf'``) weights; returns the Python that loads them. Raises ValueError:
-  what ``load`` raises, a T2T-ViT, or what the target cannot express."""
+  what ``load`` raises, a T2T-ViT, or what the target cannot express; WorkdirInUseError."""
   trained = inference.load(src, use_ema=use_ema, model_name=model_name, overrides=overrides,
                            step=step)
   fields = dict(trained.config.model.to_dict(), num_classes=trained.config.num_classes)
   if 'hidden_size' not in fields:
     raise ValueError(f'{src} is a {trained.config.model_name}: only ViTs are written for timm '
                      'and transformers.')
+  refuse_running_workdir(dst)
   return ecosystem.write(dst, trained.variables['params'], fields, to=to,
                          image_size=int(trained.config.data.image_size),
                          label_names=trained.label_names,
@@ -106,8 +112,38 @@ def written_arrays(variables: Dict[str, Any], dst: str) -> Dict[str, Dict[str, T
           for name, tree in variables.items()}
 
 
+def refuse_running_workdir(dst: str) -> None:
+  """Raises WorkdirInUseError when ``dst`` is, or is inside, the workdir of a live training run
+  (``WorkdirLock.live_holder``: a killed run's lock holds nothing): only that run writes there;
+  a workdir replaced under it loses its checkpoints while it goes on."""
+  if paths.is_remote(dst):
+    scheme, _, rest = dst.partition('://')
+    parts = rest.rstrip('/').split('/')
+    directories = [f'{scheme}://' + '/'.join(parts[:n]) for n in range(len(parts), 0, -1)]
+  else:
+    directories = [os.path.realpath(dst)]
+    while os.path.dirname(directories[-1]) != directories[-1]:
+      directories.append(os.path.dirname(directories[-1]))
+  for directory in directories:
+    holder = checkpoint.WorkdirLock(directory).live_holder()
+    if holder is not None:
+      where = ('is the workdir' if directory == directories[0] else
+               f'is inside the workdir {directory}')
+      raise checkpoint.WorkdirInUseError(
+          f'{dst} {where} of a running training run ({lock_lib.describe(holder)}), which only that '
+          'run writes (a replaced workdir loses its checkpoints while the run goes on): wait for '
+          'the run to end or stop it, or choose a destination outside its workdir.')
+
+
 @common.exit_status
 def main(argv: Optional[Sequence[str]] = None) -> int:
+  try:
+    return _main(argv)
+  except checkpoint.WorkdirInUseError as e:
+    return common.fatal(e, 2)
+
+
+def _main(argv: Optional[Sequence[str]]) -> int:
   doc = __doc__.split('\n\n')
   parser = common.Parser(prog='python -m vit_jax.convert', description='\n\n'.join(doc[:2]),
                          epilog='Examples:\n' + doc[3] + '\n\n' + doc[4])
@@ -143,6 +179,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                      '--to hf.')
   if paths.exists(args.dst) and not args.overwrite:  # Before the (long) read.
     raise FileExistsError(f'{args.dst} exists; choose a new destination or pass --overwrite.')
+  refuse_running_workdir(args.dst)  # Before the read too; write() checks again.
   variables, facts = read_with_facts(args.src, model_name=args.model, step=args.step,
                                      use_ema=not args.no_ema, overrides=overrides)
   kind = write(variables, args.dst, overwrite=args.overwrite, facts=facts)
@@ -181,6 +218,7 @@ def _export(args: argparse.Namespace, overrides: Dict[str, Any]) -> int:
     raise FileExistsError(f'{", ".join(existing)} already exist'
                           f'{"s" if len(existing) == 1 else ""}; choose a new destination or '
                           'pass --overwrite.')
+  refuse_running_workdir(args.dst)  # Before the read too; export() checks again.
   load = export(args.src, args.dst, args.to, model_name=args.model, use_ema=not args.no_ema,
                 overrides=overrides, step=args.step)
   library = 'timm' if args.to == 'timm' else 'transformers'

@@ -203,12 +203,16 @@ def _predict_paths(predictor: Predictor, paths: Sequence[str], batch: int, top_k
                    as_json: bool) -> Tuple[int, List[Dict[str, Any]]]:
   """Predicts and prints ``paths`` batch by batch; returns the count predicted, JSON records."""
   from vit_jax.data import BadImageError  # pylint: disable=g-import-not-at-top
+  from vit_jax.data import sources  # pylint: disable=g-import-not-at-top
   trained, named = predictor.trained, predictor.label_names is not None
   records, predicted = [], 0
   for start in range(0, len(paths), batch):
     chunk, good, inputs = paths[start:start + batch], [], []
     for path in chunk:
       try:
+        special = '://' not in path and sources.not_a_file(path)
+        if special and os.path.exists(path) and not os.path.isdir(path):  # Links, folders: read.
+          raise OSError(f'{path} is {special}, not an image file: reading it would wait forever.')
         inputs.append(predictor.preprocess(path))
         good.append(path)
       except (BadImageError, OSError) as e:  # The reason after the path: 'not a decodable ...'.

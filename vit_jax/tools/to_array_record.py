@@ -19,6 +19,8 @@ again. Bad input: one ``FATAL:`` line, exit 2.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
+import errno
 import os
 import re
 import shutil
@@ -47,9 +49,10 @@ def _shards(builder) -> list[tuple[str, str, int, int]]:
     targets = split.filename_template.replace(
         filetype_suffix=tfds.core.FileFormat.ARRAY_RECORD.file_suffix).sharded_filepaths(
             len(paths))
-    out += [(str(a), str(b), n, tf.io.gfile.stat(str(a)).length)
-            for a, b, n in zip(paths, targets, split.shard_lengths)]
-  return out
+    out += [(str(a), str(b), n) for a, b, n in zip(paths, targets, split.shard_lengths)]
+  with concurrent.futures.ThreadPoolExecutor(16) as pool:  # Thousands of shards in a bucket.
+    sizes = pool.map(lambda shard: tf.io.gfile.stat(shard[0]).length, out)
+    return [(*shard, size) for shard, size in zip(out, sizes)]
 
 
 def _complete(target: str, expected: int) -> bool:
@@ -90,10 +93,41 @@ def _convert(source: str, target: str, expected: int, staging: Optional[str],
     if staging:
       tf.io.gfile.copy(local, partial, overwrite=True)
     tf.io.gfile.rename(partial, target, overwrite=True)
+  except BaseException as e:
+    with contextlib.suppress(Exception):  # Nothing partial left (a rerun writes it again).
+      if tf.io.gfile.exists(partial):
+        tf.io.gfile.remove(partial)
+    if _no_space(e):
+      raise _full_disk(local, staging) from None
+    raise
   finally:
     if staging and os.path.exists(local):
       os.remove(local)
   return count
+
+
+def _no_space(error: BaseException) -> bool:
+  """Whether ``error`` says a disk is full (array_record's and TensorFlow's are no OSErrors)."""
+  return (isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT)
+          or any(os.strerror(code) in str(error) for code in (errno.ENOSPC, errno.EDQUOT)))
+
+
+def _full_disk(path: str, staging: Optional[str]) -> OSError:
+  """The OSError (ENOSPC) for a full disk while writing the local ``path``: the disk named (its
+  mount point, what is free), with the fix."""
+  folder = os.path.dirname(os.path.abspath(path))
+  mount = folder
+  while not os.path.ismount(mount):
+    mount = os.path.dirname(mount)
+  free = _gib(shutil.disk_usage(folder).free)
+  what = f'the staging folder {os.path.dirname(staging)}' if staging else folder  # Not scratch's.
+  fix = ('free space there, or give --staging-dir on a larger disk (or fewer --workers)'
+         if staging else 'free space there (the ArrayRecord shards take about as much as the '
+         'TFRecord ones)')
+  name = os.path.basename(path).removesuffix(_INCOMPLETE)
+  return OSError(errno.ENOSPC, f'The disk of {what} (mounted at {mount}) is full ({free} free) '
+                 f'writing {name}: {fix}, then rerun: the shards complete so far are kept, '
+                 'nothing partial was left.')
 
 
 def _staging_dir(shards: list, workers: int, staging: Optional[str]) -> tuple[str, int]:
@@ -133,16 +167,19 @@ def _gib(n: int) -> str:
 def _write_info(builder) -> None:
   """`builder`'s dataset_info.json with ArrayRecord as an alternative format, replaced whole
   (written aside, then renamed: a kill leaves the old file or the new one)."""
-  import tensorflow as tf  # pylint: disable=g-import-not-at-top
   import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top
+  from vit_jax.checkpoint import durable  # pylint: disable=g-import-not-at-top
   info = builder.info
   if tfds.core.FileFormat.ARRAY_RECORD in info.available_file_formats():
     return
   info.add_alternative_file_format(tfds.core.FileFormat.ARRAY_RECORD)
   target = os.path.join(os.fspath(builder.data_dir), 'dataset_info.json')
-  with tf.io.gfile.GFile(target + _INCOMPLETE, 'w') as f:
-    f.write(info.as_json)
-  tf.io.gfile.rename(target + _INCOMPLETE, target, overwrite=True)
+  try:
+    durable.write_atomically(target, info.as_json, partial=_INCOMPLETE)
+  except OSError as e:
+    if _no_space(e) and '://' not in target:
+      raise _full_disk(target, None) from None
+    raise
 
 
 def convert(dataset: str, data_dir: Optional[str] = None, workers: int = 0,

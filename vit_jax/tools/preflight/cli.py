@@ -23,8 +23,9 @@ the collectives that cross slices: how many per step, and the bytes each device 
 
 Exit codes: 0 fits; 1 does not fit (the suggestion, if any, is printed); 2 a bad config or flag,
 libtpu missing (with the install line), or a compiler error other than memory.
-Needs libtpu: pip install -e '.[tpu]'. Compiling takes seconds for small models and one to
-four minutes for ViT-B to ViT-H on 2 CPU cores.
+Needs libtpu: pip install -e '.[tpu]'. Compiling takes seconds for tiny models and minutes
+for the papers' models and batches on 2 CPU cores (docs/pods.md gives measured times), more
+with several slices.
 """
 
 from __future__ import annotations
