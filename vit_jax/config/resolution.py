@@ -460,8 +460,9 @@ def _check_slice(config: ml_collections.ConfigDict, num_devices: int) -> None:
     raise ValueError(
         f"config.slice={config.slice!r}: the config's compute dtype, mesh and accumulation were "
         f"fitted to its {fitted} devices{copies}, but the step runs on {num_devices}. Use the "
-        f"config file's <slice> argument for these devices (e.g. configs/vit.py:b16,imagenet2012,v3-8), "
-        f"or --config.slice= to run the settings as they are.")
+        f"config file's <slice> argument for these devices (e.g. "
+        f"configs/vit.py:b16,imagenet2012,v3-8), or --config.slice= to run the settings as they "
+        f"are.")
 
 
 def resolve(config: ml_collections.ConfigDict, *, num_train_examples: int, num_classes: int,
