@@ -1025,18 +1025,23 @@ def test_shellcheck_launch_scripts():
       assert os.access(script, os.X_OK), "launch/tpu.sh must be executable"
 
 
+def assert_posix_sh(scripts, folder):
+  """Each of `scripts` (remote scripts' text) parses with sh and passes shellcheck as POSIX sh."""
+  shellcheck = find_shellcheck()
+  for i, script in enumerate(scripts):
+    path = folder / f"remote{i}.sh"
+    path.write_text(script + "\n")
+    subprocess.run(["sh", "-n", str(path)], check=True)
+    result = subprocess.run([shellcheck, "--shell=sh", str(path)], capture_output=True, text=True)
+    assert result.returncode == 0, script + "\n" + result.stdout
+
+
 def test_remote_scripts_are_valid_posix_sh(tpu, tmp_path):
   """Every script sent with --command parses with sh and passes shellcheck as POSIX sh."""
-  shellcheck = find_shellcheck()
   scripts = []
   for args in DRY_RUNS + [("logs", "--no-follow")]:
     out = ok(tpu(*args, "--dry-run", **v3_32())).stdout
     scripts += [a[len("--command="):] for a in shlex.split(out, comments=True)
                 if a.startswith("--command=")]
   assert len(scripts) == 7  # setup (copy, clone), run, logs (twice), status, stop
-  for i, script in enumerate(scripts):
-    path = tmp_path / f"remote{i}.sh"
-    path.write_text(script + "\n")
-    subprocess.run(["sh", "-n", str(path)], check=True)
-    result = subprocess.run([shellcheck, "--shell=sh", str(path)], capture_output=True, text=True)
-    assert result.returncode == 0, script + "\n" + result.stdout
+  assert_posix_sh(scripts, tmp_path)

@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.launch.test_tpu_sh import (CONFIG, LOC, PROJECT, ZONE, checkout,  # noqa: F401
-                                      describe, describe_qr, fails, fake_preflight,
-                                      find_shellcheck, ok, remote_command, ssh, tpu, v3_8, v3_32)
+from tests.launch.test_tpu_sh import (CONFIG, LOC, PROJECT, ZONE, assert_posix_sh,  # noqa: F401
+                                      checkout, describe, describe_qr, fails, fake_preflight,
+                                      ok, remote_command, ssh, tpu, v3_8, v3_32)
 
 MOUNT_TFDS = "/mnt/gcsfuse/bkt/tensorflow_datasets"
 # The gcsfuse command of --bucket bkt with the default file cache (40 GiB in /tmp/gcsfuse-cache).
@@ -507,7 +507,7 @@ def test_dry_run_of_slices_matches_the_real_commands(tpu, args):
 
 
 def test_new_remote_scripts_are_valid_posix_sh(tpu, tmp_path):
-  shellcheck = find_shellcheck()
+  """The remote scripts of gcsfuse and several slices, as `assert_posix_sh` checks them."""
   scripts = [
       dry_script(tpu, "run", "--config", CONFIG, "--workdir", "gs://bkt/x", "--bucket", "bkt",
                  "--gcsfuse", **v3_32()),
@@ -517,12 +517,7 @@ def test_new_remote_scripts_are_valid_posix_sh(tpu, tmp_path):
       dry_script(tpu, "status", **slices2()),
       dry_script(tpu, "logs", "--slice", "1", **slices2()),
   ]
-  for i, script in enumerate(scripts):
-    path = tmp_path / f"remote{i}.sh"
-    path.write_text(script + "\n")
-    subprocess.run(["sh", "-n", str(path)], check=True)
-    result = subprocess.run([shellcheck, "--shell=sh", str(path)], capture_output=True, text=True)
-    assert result.returncode == 0, script + "\n" + result.stdout
+  assert_posix_sh(scripts, tmp_path)
 
 
 # --------------------------------------------------------------------------------------------

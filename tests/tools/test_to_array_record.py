@@ -106,3 +106,10 @@ def test_a_full_staging_disk_is_named_with_the_fix_and_its_partial_shard_removed
       'nothing partial was left.')
   assert os.listdir(scratch) == []
   assert not [name for name in os.listdir(path) if 'array_record' in name]
+
+
+def test_a_dataset_not_prepared_in_its_data_dir_is_named_with_the_fix(tmp_path, capsys):
+  assert to_array_record.main(['tiny_multi_label', '--data-dir', str(tmp_path)]) == 2
+  assert capsys.readouterr().err.splitlines()[-1] == (
+      f"FATAL: 'tiny_multi_label' is not prepared in {tmp_path}: give the --data-dir it is "
+      'prepared in, or its directory (e.g. ~/tensorflow_datasets/NAME/VERSION).')

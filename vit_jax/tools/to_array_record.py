@@ -169,6 +169,7 @@ def _write_info(builder) -> None:
   (written aside, then renamed: a kill leaves the old file or the new one)."""
   import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top
   from vit_jax.checkpoint import durable  # pylint: disable=g-import-not-at-top
+  from vit_jax.checkpoint import paths  # pylint: disable=g-import-not-at-top
   info = builder.info
   if tfds.core.FileFormat.ARRAY_RECORD in info.available_file_formats():
     return
@@ -177,7 +178,7 @@ def _write_info(builder) -> None:
   try:
     durable.write_atomically(target, info.as_json, partial=_INCOMPLETE)
   except OSError as e:
-    if _no_space(e) and '://' not in target:
+    if _no_space(e) and not paths.is_remote(target):
       raise _full_disk(target, None) from None
     raise
 
@@ -189,6 +190,7 @@ def convert(dataset: str, data_dir: Optional[str] = None, workers: int = 0,
   records written now). FileNotFoundError: no prepared dataset there; ValueError: a shard whose
   record count differs from dataset_info.json; OSError: too little local disk to stage on."""
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  from vit_jax.checkpoint import paths  # pylint: disable=g-import-not-at-top
   from vit_jax.data import sources  # pylint: disable=g-import-not-at-top
   if sources.looks_like_path(dataset) and not tf.io.gfile.isdir(os.path.expanduser(dataset)):
     raise FileNotFoundError(f'{dataset} is not a directory: give that of a prepared tfds dataset '
@@ -196,12 +198,13 @@ def convert(dataset: str, data_dir: Optional[str] = None, workers: int = 0,
   builder = sources.tfds_builder(os.path.expanduser(dataset), data_dir)
   if not builder.is_prepared():
     where = data_dir or "tfds's data_dir"
-    raise FileNotFoundError(f'{dataset!r} is not prepared in {where}: give its directory (e.g. '
-                            '~/tensorflow_datasets/NAME/VERSION) or --data-dir.')
+    raise FileNotFoundError(f'{dataset!r} is not prepared in {where}: give the --data-dir it is '
+                            'prepared in, or its directory (e.g. '
+                            '~/tensorflow_datasets/NAME/VERSION).')
   where = os.fspath(builder.data_dir)
   shards = _shards(builder)
   workers = max(1, min(workers or os.cpu_count() or 1, len(shards)))
-  remote = '://' in where
+  remote = paths.is_remote(where)
   scratch, needed = _staging_dir(shards, workers, staging) if remote else (None, 0)
   report(f'{where}: {len(shards)} TFRecord shards, {sum(s for *_, s in shards) / 2**30:.2f} GiB, '
          f'{workers} at a time' + (f', staged under {scratch} (up to {_gib(needed)} of local '
