@@ -10,7 +10,9 @@
 * Compiling dominates the suite's time, so the tests (and the programs they start, which inherit
   the environment) compile with LLVM's optimisations off (`--xla_backend_optimization_level=0`:
   the same HLO programs, less optimised machine code) and share one JAX compilation cache for
-  the run, so a program compiled by one test or worker is not compiled again by another.
+  the run (`$JAX_COMPILATION_CACHE_DIR`, which training runs use too unless a test sets
+  `config.compilation_cache_dir`), so a program compiled by one test, worker or `vit_jax.main`
+  process is not compiled again by another.
 * `shared_dir` builds a directory once per run for all of pytest-xdist's workers (a trained run,
   a prepared dataset): the tests that read it do not each build their own.
 """

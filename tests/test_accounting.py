@@ -391,6 +391,48 @@ def test_a_resume_from_the_last_step_redoes_nothing_and_old_accounts_still_add_u
   assert accounting.redone_steps([idle], 20)["core_days"] is None
 
 
+def test_an_account_of_another_shape_is_named_by_its_field(caplog):
+  """`check_report`, the check of cost.json before its account is continued or shown: every
+  account `report()` writes passes (one before the ledger's fields too), another shape is a
+  ValueError naming the file, the field and the fix (was: KeyError or TypeError later)."""
+  first, report = _preempted_and_resumed()
+  old = json.loads(json.dumps(first))
+  for key in ("resumed", "resume_s", "setup_s", "redone", "compile_saved_s"):
+    del old["attempts"][0][key]
+  for key in ("redone", "productive", "goodput", "redone_steps", "resume_seconds"):
+    del old[key]
+  for good in (first, report, old):
+    assert accounting.check_report(good, "cost.json") is good
+  cases = [
+      (lambda r: r["attempts"][1].pop("end_step"), "attempts[1].end_step is missing"),
+      (lambda r: r["attempts"][0].update(steps="x"), "attempts[0].steps is 'x', not an integer"),
+      (lambda r: r["attempts"][0]["seconds"].update(train=True),
+       "attempts[0].seconds.train is True, not a number"),
+      (lambda r: r["attempts"][1].update(redone=5),
+       "attempts[1].redone is 5, not null or an object"),
+      (lambda r: r["attempts"][1]["redone"].update(from_attempt=3),
+       "attempts[1].redone.from_attempt is 3, not 1 to 2"),
+      (lambda r: r.update(attempts={}), "attempts is {}, not a list"),
+      (lambda r: r["hardware"].update(unit="chip"), "hardware.unit is 'chip', not 'core' or"),
+      (lambda r: r.update(seconds=[]), "seconds is [], not an object"),
+  ]
+  for change, problem in cases:
+    bad = json.loads(json.dumps(report))
+    change(bad)
+    with pytest.raises(ValueError) as info:
+      accounting.check_report(bad, "/w/cost.json", "fix it")
+    assert str(info.value).startswith("/w/cost.json is not a cost account of python -m "
+                                      f"vit_jax.main ({problem}"), str(info.value)
+    assert str(info.value).endswith("; fix it.")
+  with pytest.raises(ValueError, match=r"\(it is \[1\], not an object\)"):
+    accounting.check_report([1], "cost.json")
+  # The account a resume continues: a checkpoint's cost item of another shape is left out.
+  with caplog.at_level(logging.WARNING):
+    assert accounting.latest_report({"attempts": [{}]}, first) is first
+  assert ("The checkpoint's cost item is not a cost account of python -m vit_jax.main (hardware "
+          "is missing); it is left out of the account.") in caplog.text
+
+
 def test_progress_warns_once_per_window_when_the_steps_wait_on_input(caplog):
   acct, clock = _accountant("TPU v3", 8)
   window = accounting.Progress(acct, 8, 100, 0, input_wait_warning=0.1,
@@ -470,7 +512,7 @@ def _tiny_run(folder, total_steps):
 
 
 @pytest.mark.slow
-def test_a_run_writes_its_cost_and_a_resumed_run_continues_it(tmp_path):
+def test_a_run_writes_its_cost_and_a_resumed_run_continues_it(tmp_path, caplog):
   from tests import data_utils  # pylint: disable=g-import-not-at-top  (as in _tiny_run)
   from vit_jax import train  # pylint: disable=g-import-not-at-top
   folder = data_utils.make_image_folder(str(tmp_path / "images"), num_classes=3, per_class=4,
@@ -495,9 +537,13 @@ def test_a_run_writes_its_cost_and_a_resumed_run_continues_it(tmp_path):
   saved = json.loads(open(os.path.join(workdir, "checkpoints", "4", "cost", "metadata")).read())
   assert saved["step"] == 4 and saved["attempts"][0]["steps"] == 4
 
-  # Without cost.json the checkpoint's account is continued.
-  os.remove(os.path.join(workdir, "cost.json"))
-  train.train_and_evaluate(_tiny_run(folder, 6), workdir)
+  # A cost.json that cannot be an account (here nested 300,000 deep) is ignored with a warning:
+  # the checkpoint's account is continued (was: a RecursionError traceback at every rerun).
+  with open(os.path.join(workdir, "cost.json"), "w") as f:
+    f.write("[" * 300_000)
+  with caplog.at_level(logging.WARNING):
+    train.train_and_evaluate(_tiny_run(folder, 6), workdir)
+  assert f"Ignoring {workdir}/cost.json ({workdir}/cost.json is nested more than 64" in caplog.text
   second = json.loads(open(os.path.join(workdir, "cost.json")).read())
   assert second["restarts"] == 1 and second["images_seen"] == 16 + 8
   assert second["attempts"][0] == saved["attempts"][0]

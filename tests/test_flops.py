@@ -52,6 +52,27 @@ def test_compiled_cost_analysis_agrees_with_the_analytic_count():
   assert 1.0 <= cost["flops"] / analytic < 1.03
 
 
+def test_the_tpu_compilers_unpriced_concatenations_are_added_back():
+  """libtpu counts -1 s for each ConcatBitcast (free); any other figure below zero is none."""
+
+  class Compiled:
+    def __init__(self, seconds, text):
+      self.seconds, self.text = seconds, text
+
+    def cost_analysis(self):
+      return {"flops": 8.0, "bytes accessed": 0.0, "optimal_seconds": self.seconds}
+
+    def as_text(self):
+      return self.text
+
+  concat = '%c = f32[2,8]{1,0} custom-call(%a, %b), custom_call_target="ConcatBitcast"\n'
+  assert flops.compiled_cost(Compiled(-2 + 3e-4, 2 * concat)) == {
+      "flops": 8.0, "optimal_seconds": pytest.approx(3e-4)}
+  assert flops.compiled_cost(Compiled(-1 + 3e-4, "")) == {"flops": 8.0}
+  assert flops.compiled_cost(Compiled(5e-4, concat)) == {"flops": 8.0, "optimal_seconds": 5e-4}
+  assert flops.compiled_flops(Compiled(5e-4, "")) == 8.0
+
+
 @pytest.mark.parametrize("classifier", ["token", "gap", "map"])
 def test_registers_are_tokens_and_the_map_head_pools_the_patches(classifier):
   """4 registers join every block's tokens (T = N + 4, + 1 with the class token); the MAP head

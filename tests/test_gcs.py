@@ -170,6 +170,49 @@ def test_a_gs_workdir_in_a_missing_or_read_only_bucket_is_refused_before_any_wor
       gcs.start()
 
 
+def test_a_gs_url_without_a_valid_bucket_is_refused_naming_the_fix(tmp_path):
+  """`checkpoint.paths.check_url`, and every gs:// path of a run (workdir, init_from, data_dir,
+  ...) checked with it before the run reads anything (was: a TensorFlow traceback for init_from,
+  a FATAL line blaming the network for --workdir)."""
+  from vit_jax.checkpoint import paths  # pylint: disable=g-import-not-at-top
+  for good in ("gs://my-bucket", "gs://my_bucket/a/b.npz", "gs://a.b-c/x", "gs://abc/", "/local",
+               "gs:/x", "relative/gs://x"):
+    paths.check_url(good, "SOURCE")
+  assert paths.check_url(None) is None
+  with pytest.raises(ValueError) as info:
+    paths.check_url("gs:///x.npz", "config.init_from")
+  assert str(info.value) == "config.init_from gs:///x.npz names no bucket: write gs://BUCKET/x.npz."
+  for url in ("gs://", "gs:////"):
+    with pytest.raises(ValueError, match=f"^--workdir {url} names no bucket: write gs://BUCKET/"):
+      paths.check_url(url, "--workdir")
+  for bad in ("Bucket", "ab", "-ab", "ab-", "a" * 64, "a..b", f"{'a' * 64}.b", "b@d", "a b"):
+    with pytest.raises(ValueError, match=f"^SOURCE gs://{bad}/x: '{bad}' is not a Cloud Storage "
+                       "bucket name"):
+      paths.check_url(f"gs://{bad}/x", "SOURCE")
+  # A run: the first field named, before its data, lock or workdir.
+  overrides = _main_overrides(str(tmp_path / "images"), total_steps=2)
+  for workdir, extra, fatal in (
+      ("gs://", {}, "--workdir gs:// names no bucket: write gs://BUCKET/PATH."),
+      (str(tmp_path / "run"), {"init_from": "gs:///x.npz"},
+       "config.init_from gs:///x.npz names no bucket: write gs://BUCKET/x.npz."),
+      (str(tmp_path / "run"), {"data.data_dir": "gs://x/tfds"},
+       "config.data.data_dir gs://x/tfds: 'x' is not a Cloud Storage bucket name")):
+    with pytest.raises(train.ConfigError) as info:
+      train.train_and_evaluate(_main_config({**overrides, **extra}), workdir)
+    assert str(info.value).startswith(fatal)
+  assert not os.listdir(tmp_path)
+
+
+@pytest.mark.slow
+def test_main_with_a_gs_workdir_without_a_bucket_is_one_fatal_line_at_once(tmp_path):
+  run = subprocess.run(_main_args("gs://", _main_overrides(str(tmp_path), total_steps=2)),
+                       cwd=ROOT, env=dict(os.environ, JAX_PLATFORMS="cpu"), capture_output=True,
+                       text=True, timeout=120)
+  assert run.returncode == 2 and "Traceback" not in run.stderr, run.stderr[-3000:]
+  assert _fatal(run.stderr) == ["FATAL: --workdir gs:// names no bucket: write gs://BUCKET/PATH."]
+  assert not os.listdir(tmp_path)
+
+
 def test_weights_of_every_format_load_from_gs_as_from_a_local_copy(gcs, bucket):
   """An official .npz, a big_vision .npz, a transformers directory and a T2T-ViT .pth.tar, copied
   to the bucket, load (detection, headers, arrays) to the same arrays as the local files."""
@@ -371,8 +414,8 @@ def test_a_slow_server_that_fails_requests_is_retried_and_the_run_finishes(gcs, 
   `gcs_emulator`): the libraries retry (TensorFlow's gfile for the JSON files, events, lock and
   compilation cache; TensorStore for the arrays) and the run ends as one on a healthy server
   would, its checkpoints equal bit for bit."""
-  overrides = _main_overrides(_folder(tmp_path), log_every_steps=10, checkpoint_every_steps=10,
-                              total_steps=20)
+  overrides = _main_overrides(_folder(tmp_path), log_every_steps=5, checkpoint_every_steps=5,
+                              total_steps=10)
   train.train_and_evaluate(_main_config(overrides), str(tmp_path / "healthy"))
   gcs.set_faults(delay_s=0.05, fail_every=7)
   try:
@@ -388,67 +431,48 @@ def test_a_slow_server_that_fails_requests_is_retried_and_the_run_finishes(gcs, 
   assert len(failed) >= 10, failed
   assert any("uploadType=media" in f for f in failed), failed  # Writes
   assert any(f.startswith("GET ") for f in failed), failed  # and reads were retried.
-  assert checkpoint.Workdir(f"{bucket}/run").saved_steps() == [10, 20]
+  assert checkpoint.Workdir(f"{bucket}/run").saved_steps() == [5, 10]
   expected, got = _params(tmp_path / "healthy"), checkpoint.flatten_params(
       checkpoint.load(f"{bucket}/run", use_ema=False)["params"])
   for key in expected:
     np.testing.assert_array_equal(got[key], expected[key], err_msg=key)
-  print(f"a run of 20 steps on a slow, failing server: {took:.0f} s, {len(failed)} requests "
+  print(f"a run of 10 steps on a slow, failing server: {took:.0f} s, {len(failed)} requests "
         "answered 503")
 
 
 @pytest.mark.slow
 def test_init_from_gs_trains_as_from_the_local_file_and_a_stale_lock_is_taken_over(
     gcs, bucket, tmp_path, caplog):
-  """`config.init_from` on gs:// (an official .npz, a T2T-ViT .pth.tar, a transformers
-  directory) gives the parameters of the same run from the local file, bit for bit. The gs://
-  workdir holds the lock of a run on another host whose heartbeat stopped an hour ago: taken
-  over with a warning."""
-  fixtures = os.path.join(ROOT, "tests", "fixtures")
-  # pylint: disable-next=g-import-not-at-top
-  from tests.checkpoint.test_finetune import _fixture_overrides
-  sources = {
-      "vit_tiny/params.npz": ("ViT-custom", 32, dict(hidden_size=32, mlp_dim=64, num_heads=2,
-                                                     num_layers=2, patch_size=4)),
-      "t2t_tiny_performer/checkpoint.pth.tar": ("T2T-ViT-custom", 32, _fixture_overrides()),
-      "ecosystem/hf_vit_v5": ("ViT-custom", 32, dict(hidden_size=32, mlp_dim=64, num_heads=4,
-                                                     num_layers=2, patch_size=8)),
-  }
+  """`config.init_from` on gs:// (an official .npz) gives the parameters of the same run from the
+  local file, bit for bit (every format reads from gs:// as from a local copy:
+  `test_weights_of_every_format_load_from_gs_as_from_a_local_copy`). The gs:// workdir holds the
+  lock of a run on another host whose heartbeat stopped an hour ago: taken over with a warning."""
+  local = os.path.join(ROOT, "tests", "fixtures", "vit_tiny", "params.npz")
+  remote = f"{bucket}/weights/params.npz"
+  tf.io.gfile.copy(local, remote)
   folder = data_utils.make_image_folder(str(tmp_path / "images"), num_classes=3, per_class=4,
                                         size=32)
-  for i, (source, (model, size, fields)) in enumerate(sources.items()):
-    local = os.path.join(fixtures, source)
-    remote = f"{bucket}/weights/{source}"
-    if os.path.isdir(local):
-      _upload(local, remote)
-    else:
-      tf.io.gfile.makedirs(os.path.dirname(remote))
-      tf.io.gfile.copy(local, remote)
-    params = []
-    for where, init_from in (("local", local), ("gs", remote)):
-      workdir = str(tmp_path / f"run{i}") if where == "local" else f"{bucket}/run{i}"
-      if where == "gs" and i == 0:
-        stale = dict(host="another-host", pid=1, started="2026-12-04T00:00:00+00:00",
-                     started_unix=time.time() - 7200, heartbeat_unix=time.time() - 3600,
-                     command="python -m vit_jax.main ...", token="gone")
-        tf.io.gfile.makedirs(workdir)
-        with tf.io.gfile.GFile(f"{workdir}/lock.json", "w") as f:
-          f.write(json.dumps(stale))
-      config = data_utils.folder_run_config(model, folder, size, total_steps=1, **fields)
-      config.init_from = init_from
-      if model.startswith("T2T"):
-        config.data.normalization = "imagenet"
-      caplog.clear()
-      with caplog.at_level(logging.WARNING):
-        results = train.train_and_evaluate(config, workdir)
-      assert results["step"] == 1
-      assert ("Taking over the stale lock of host another-host, pid 1" in caplog.text) == (
-          where == "gs" and i == 0), caplog.text
-      params.append(checkpoint.flatten_params(checkpoint.load(workdir, use_ema=False)["params"]))
-    assert params[0].keys() == params[1].keys()
-    for key in params[0]:
-      np.testing.assert_array_equal(params[1][key], params[0][key], err_msg=f"{source}: {key}")
-  assert not tf.io.gfile.exists(f"{bucket}/run0/lock.json")
+  stale = dict(host="another-host", pid=1, started="2026-12-04T00:00:00+00:00",
+               started_unix=time.time() - 7200, heartbeat_unix=time.time() - 3600,
+               command="python -m vit_jax.main ...", token="gone")
+  tf.io.gfile.makedirs(f"{bucket}/run")
+  with tf.io.gfile.GFile(f"{bucket}/run/lock.json", "w") as f:
+    f.write(json.dumps(stale))
+  params = []
+  for workdir, init_from in ((str(tmp_path / "run"), local), (f"{bucket}/run", remote)):
+    config = data_utils.folder_run_config("ViT-custom", folder, 32, total_steps=1, hidden_size=32,
+                                          mlp_dim=64, num_heads=2, num_layers=2, patch_size=4)
+    config.init_from = init_from
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+      assert train.train_and_evaluate(config, workdir)["step"] == 1
+    assert ("Taking over the stale lock of host another-host, pid 1" in caplog.text) == (
+        init_from == remote), caplog.text
+    params.append(checkpoint.flatten_params(checkpoint.load(workdir, use_ema=False)["params"]))
+  assert params[0].keys() == params[1].keys()
+  for key in params[0]:
+    np.testing.assert_array_equal(params[1][key], params[0][key], err_msg=key)
+  assert not tf.io.gfile.exists(f"{bucket}/run/lock.json")
 
 
 def test_the_retry_variables_bound_tensorflow_and_tensorstore_alike(monkeypatch):

@@ -141,7 +141,8 @@ def test_to_array_record_into_a_bucket_killed_midway_then_rerun_completes_every_
                       f"{staging}/") + lines[0].split(f"{staging}/")[1], lines
   assert "(up to " in lines[0] and "of local disk at once)..." in lines[0]
   assert lines[1].startswith(f"{remote}: 4 ArrayRecord shards, 106 examples (") and (
-      "examples written now); training now reads it by index." in lines[1]), lines
+      "examples written now); runs started from now on read it by index (a run that read "
+      "it in order goes on so)." in lines[1]), lines
   assert os.listdir(staging) == []  # Its own and the killed run's staging folders are gone.
   names = sorted(tf.io.gfile.listdir(remote))
   assert not [n for n in names if n.endswith(".incomplete")], names

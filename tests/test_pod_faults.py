@@ -9,6 +9,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import psutil
@@ -317,3 +318,162 @@ def test_sigterm_to_a_pods_supervisors_in_training_saves_one_step_on_every_proce
   assert saved[0].group(1) == saved[1].group(1) and int(saved[0].group(1)) > 50
   assert max(steps) == int(saved[0].group(1))
   assert elapsed < 10, elapsed  # Measured: 1.5-1.7 s.
+
+
+def _pod(tmp_path, overrides, workdirs, timeout_s):
+  """The two processes of a pod of 2 on one image folder: process i with `overrides[i]` (a tiny
+  run's extra --config overrides) and --workdir `workdirs[i]`."""
+  port, folder = _free_port(), _folder(tmp_path)
+  return [subprocess.Popen(
+      [*_main_args(workdirs[i], _main_overrides(folder, **overrides[i])),
+       f"--coordinator_address=127.0.0.1:{port}", "--num_processes=2", f"--process_id={i}",
+       f"--distributed_timeout={timeout_s}"],
+      cwd=ROOT, env=ENV, stderr=subprocess.PIPE, text=True) for i in range(2)]
+
+
+_SAME_COMMAND = ("Every process of a pod runs the same command (--config, its overrides and "
+                 "--workdir; only --process_id differs): give every process the same command, "
+                 "then rerun.")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("differing", ["seed", "workdir"])
+def test_a_pods_processes_given_different_commands_are_refused_before_any_write(
+    tmp_path, differing):
+  """Process 1 with another --config.seed (was: both trained to the end with different
+  "replicated" parameters, exit 0) or another --workdir (was: both hung in the second save, deaf
+  to --distributed_timeout and SIGTERM): both processes exit 2 once the resolved configs are
+  compared, each with one FATAL line naming the key, its value here and on process 0; neither
+  workdir is created."""
+  workdirs = [tmp_path / "workdir", tmp_path / ("other" if differing == "workdir" else "workdir")]
+  steps = dict(total_steps=1000000, checkpoint_every_steps=2)
+  procs = _pod(tmp_path, [dict(steps, seed=0), dict(steps, seed=int(differing == "seed"))],
+               workdirs, timeout_s=10)
+  try:
+    start = time.monotonic()
+    stderrs = [proc.communicate(timeout=150)[1] for proc in procs]
+    elapsed = time.monotonic() - start
+  finally:
+    for proc in procs:
+      proc.kill()
+      proc.wait()
+  assert [p.returncode for p in procs] == [2, 2], [e[-3000:] for e in stderrs]
+  key, values = (("--config.seed", ("1", "0")) if differing == "seed" else
+                 ("--workdir", tuple(repr(str(w)) for w in workdirs[::-1])))
+  assert _fatal_lines(stderrs[0]) == [
+      f"FATAL: Process 0 of 2: process 1 got another command than this one: {key}={values[0]} "
+      f"on process 1, {values[1]} here. {_SAME_COMMAND}"], stderrs[0][-3000:]
+  assert _fatal_lines(stderrs[1]) == [
+      f"FATAL: Process 1 of 2 got another command than process 0: {key}={values[0]} here, "
+      f"{values[1]} on process 0. {_SAME_COMMAND}"], stderrs[1][-3000:]
+  assert not any(w.exists() for w in workdirs)
+  assert elapsed < 90, elapsed  # The imports and the set-up (about 10 s here), then at once.
+
+
+def test_command_differences_name_nested_and_missing_keys():
+  """`pod.command_differences`: the leaves that differ, by dotted key (sorted), a key on one side
+  only as `pod.ABSENT` on the other (an empty section is a leaf); a tuple equals its list, NaN
+  equals NaN."""
+  mine = {"--workdir": "/a", "--config": {"seed": 1, "model": {"hidden_size": 8, "patch_size":
+          (4, 4), "dropout": float("nan")}, "optim": {"lr": 0.1}, "extra": None}}
+  reference = {"--workdir": "/b", "--config": {"seed": 1, "model": {"hidden_size": 16,
+               "patch_size": [4, 4], "dropout": float("nan")}, "optim": {}, "name": "x"}}
+  assert pod.command_differences(mine, reference) == [
+      ("--config.extra", None, pod.ABSENT), ("--config.model.hidden_size", 8, 16),
+      ("--config.name", pod.ABSENT, "x"), ("--config.optim", pod.ABSENT, {}),
+      ("--config.optim.lr", 0.1, pod.ABSENT), ("--workdir", "/a", "/b")]
+  assert pod.command_differences(mine, mine) == []
+  assert pod.command_differences({"a": {"b": 1}}, {"a": 1}) == [
+      ("a", pod.ABSENT, 1), ("a.b", 1, pod.ABSENT)]
+
+
+@pytest.mark.slow
+def test_a_pod_process_stopped_in_training_ends_the_other_within_the_timeout(tmp_path):
+  """SIGSTOP of process 0's training process, the coordinator, once a checkpoint exists (a hung
+  host): process 1, waiting for it in a collective and in its heartbeat's calls, which never
+  return, ends with one FATAL line naming it and exit 1 within --distributed_timeout (10 s) plus
+  a margin (was: jax's abort 30 s later, under a stack dump, with a line that blamed no one).
+  Process 1 stopped instead: process 0 ends the same way, in 9.6 s here (its heartbeat watch, as
+  `test_the_heartbeat_watch_ends_a_process_whose_peer_or_coordinator_is_silent` checks)."""
+  stopped, workdir = 0, tmp_path / "workdir"
+  steps = dict(total_steps=1000000, checkpoint_every_steps=5)
+  procs = _pod(tmp_path, [steps, steps], [workdir, workdir], timeout_s=10)
+  child = None
+  try:
+    deadline = time.monotonic() + 180
+    while not (workdir / "checkpoints" / "5").exists() and time.monotonic() < deadline:
+      assert procs[0].poll() is None and procs[1].poll() is None
+      time.sleep(0.05)
+    child = psutil.Process(procs[stopped].pid).children()[0]  # The training process (`supervise`).
+    child.suspend()  # SIGSTOP
+    start = time.monotonic()
+    _, stderr = procs[1 - stopped].communicate(timeout=120)
+    elapsed = time.monotonic() - start
+  finally:
+    if child is not None:
+      child.kill()
+    for proc in procs:
+      proc.kill()
+      proc.wait()
+  assert procs[1 - stopped].returncode == pod.POD_FAULT_EXIT_CODE == 1, stderr[-3000:]
+  fatal = _fatal_lines(stderr)
+  assert len(fatal) == 1, stderr[-3000:]
+  assert fatal == [
+      "FATAL: Process 1 of 2: the coordinator (process 0) has not answered for 10 s "
+      "(--distributed_timeout; its calls do not return): it died or hangs, its log says why. "
+      "Stopped; rerun the same command on every process to resume from the latest checkpoint."]
+  assert 10 <= elapsed < 10 + 10, elapsed  # Measured: 11.2 s.
+
+
+class _Exited(Exception):
+  """`stops.exit_process`'s `(code, message)`, raised instead of ending the test's process."""
+
+
+def _exited(*args, **_):
+  raise _Exited(*args)
+
+
+class _Coordination:
+  """A coordination service's client holding `values`; with `hang` (an Event), every call waits
+  for it, then raises TypeError (`_watch_peers` then returns)."""
+
+  def __init__(self, values, hang=None):
+    self.values, self.hang = dict(values), hang
+
+  def key_value_set(self, key, value, allow_overwrite=False):
+    del allow_overwrite
+    if self.hang is not None:
+      self.hang.wait()
+      raise TypeError("released")
+    self.values[key] = value
+
+  def key_value_dir_get(self, prefix):
+    return [(k, v) for k, v in self.values.items() if k.startswith(prefix)]
+
+
+def test_the_heartbeat_watch_ends_a_process_whose_peer_or_coordinator_is_silent(monkeypatch):
+  """`pod._watch_peers`: a peer whose heartbeat stays the same `timeout_s` (a SIGSTOPped
+  process) ends this one with a FATAL line naming it, exit 1; `pod._watch_call`: a heartbeat call
+  that never returns (a SIGSTOPped coordinator) too."""
+  monkeypatch.setattr(pod, "_BEAT_S", 0.05)
+  monkeypatch.setattr(stops, "exit_process", _exited)
+  with pytest.raises(_Exited) as exited:
+    pod._watch_peers(_Coordination({"vit_jax/alive/1": "7"}), 0, 2, 0.3, pod._Call())
+  assert exited.value.args == (1, (
+      "FATAL: Process 0 of 2: process 1 has sent no heartbeat for 0.3 s (--distributed_timeout): "
+      "it died or hangs, its log says why. Stopped; rerun the same command on every process to "
+      "resume from the latest checkpoint."))
+  hung, call = _Coordination({}, hang=threading.Event()), pod._Call()
+  beating = threading.Thread(target=pod._watch_peers, args=(hung, 1, 2, 0.3, call), daemon=True)
+  beating.start()
+  try:
+    with pytest.raises(_Exited) as exited:
+      pod._watch_call(call, 1, 2, 0.3)
+  finally:
+    hung.hang.set()
+    beating.join(10)
+  assert exited.value.args == (1, (
+      "FATAL: Process 1 of 2: the coordinator (process 0) has not answered for 0.3 s "
+      "(--distributed_timeout; its calls do not return): it died or hangs, its log says why. "
+      "Stopped; rerun the same command on every process to resume from the latest checkpoint."))
+  assert not beating.is_alive()

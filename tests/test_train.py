@@ -305,6 +305,7 @@ def test_a_restarted_run_loads_its_compiled_steps_from_the_cache(tmp_path, caplo
   train step instead of compiling it; 'none' turns the cache off. (Every compilation is cached
   here: the tiny model compiles in less than JAX's 1 s threshold.)"""
   data_utils.skip_cpu_peak_measurement(monkeypatch)
+  monkeypatch.delenv("JAX_COMPILATION_CACHE_DIR")  # The tests' shared cache (conftest.py).
   threshold = jax.config.jax_persistent_cache_min_compile_time_secs
   jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
   folder = data_utils.make_image_folder(str(tmp_path / "images"), num_classes=3, per_class=2,

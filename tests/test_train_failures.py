@@ -6,6 +6,7 @@ import errno
 import json
 import logging
 import os
+import re
 import shutil
 import signal
 import socket
@@ -327,6 +328,40 @@ def test_a_workdir_of_another_model_is_refused(trained):
   assert sorted(os.listdir(workdir)) == before
 
 
+@pytest.mark.slow
+def test_a_step_that_is_a_symbolic_link_is_refused_before_training(trained, tmp_path):
+  """WORKDIR/checkpoints/2 -> elsewhere: the rerun stops before training (ConfigError: exit 2)
+  naming the link and the fix, nothing changed, the linked step untouched (was: each rerun
+  trained, saved one more step, then failed on 'Cannot call rmtree on a symbolic link')."""
+  folder, workdir = trained[0], tmp_path / "workdir"
+  shutil.copytree(trained[1], workdir)
+  steps, elsewhere = workdir / "checkpoints", tmp_path / "elsewhere"
+  elsewhere.mkdir()
+  os.rename(steps / "2", elsewhere / "2")
+  os.symlink(elsewhere / "2", steps / "2")
+  listing = lambda: [sorted(os.listdir(d)) for d in (workdir, steps, elsewhere / "2")]
+  before = listing()
+  with pytest.raises(train.ConfigError, match=re.escape(
+      f"its checkpoint step {steps}/2 is a symbolic link (to {elsewhere}/2), which the run "
+      "cannot remove") + ".*" + re.escape(
+          f"(rm {steps}/2 && cp -a {elsewhere}/2 {steps}/2), then rerun.")):
+    train.train_and_evaluate(_tiny(folder, 8), str(workdir))
+  assert listing() == before
+
+
+@pytest.mark.slow
+def test_init_from_a_patch_size_of_another_grid_of_as_many_tokens_resizes_the_table(
+    trained, tmp_path, caplog):
+  """FlexiViT from the run of 2x2 grids (patch 4 at 8 px) to patch (8, 2), a 1x4 grid of as many
+  tokens: the position table is resized from the grid the run recorded, with the resize line
+  (was: kept as it is, read row-major as the 1x4 grid)."""
+  folder, workdir = trained
+  config = _tiny(folder, 1, **{"model.patch_size": (8, 2), "init_from": workdir})
+  with caplog.at_level(logging.INFO):
+    train.train_and_evaluate(config, str(tmp_path / "finetuned"))
+  assert ("pos_embedding (1, 5, 8) -> (1, 5, 8) (2x2 -> 1x4 grid, 1 class-token / register rows "
+          "kept, linear_corners)") in caplog.text
+
 def test_a_workdir_that_cannot_be_written_fails_before_any_work(tmp_path, monkeypatch):
   data_utils.skip_cpu_peak_measurement(monkeypatch)
   folder = _folder(tmp_path)
@@ -335,6 +370,14 @@ def test_a_workdir_that_cannot_be_written_fails_before_any_work(tmp_path, monkey
   with pytest.raises(train.ConfigError, match=r"--workdir .* cannot be used: .*a_file \(where it "
                      r"would be created\) is not a directory"):
     train.train_and_evaluate(_tiny(folder, 2), str(blocker / "run"))
+  # cost.json a directory: refused before training, the workdir as it was (was: the run trained,
+  # then failed writing cost.json with "free disk space", which never fixes it).
+  (tmp_path / "run" / "cost.json").mkdir(parents=True)
+  with pytest.raises(train.ConfigError, match=re.escape(
+      f"{tmp_path}/run/cost.json is a directory, where the run writes its cost.json (a file). "
+      f"Move it away (mv {tmp_path}/run/cost.json {tmp_path}/run/cost.json.moved) or choose")):
+    train.train_and_evaluate(_tiny(folder, 2), str(tmp_path / "run"))
+  assert os.listdir(tmp_path / "run") == ["cost.json"]
   mount = tmp_path / "read_only"
   mount.mkdir()
   if subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(mount)],

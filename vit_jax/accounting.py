@@ -336,10 +336,98 @@ def _above_peak_note(above: list[dict[str, Any]], with_peak: int) -> Optional[st
           f"{last['peak_flops_per_device'] / 1e9:.3g} GFLOP/s {why}")
 
 
+_NUMBER, _COUNT = (int, float), int
+_MAYBE_NUMBER, _MAYBE_COUNT = (int, float, type(None)), (int, type(None))
+#: What `report()` writes that the readers of an account use (`CostAccountant.resume`,
+#: `latest_report`, `vit_jax.ledger`): {key: a type or a tuple of them, {key: ...} of an object,
+#: [...] of a list's items}; a key ending in '?' may be missing. Other keys are not read.
+_REDONE = {"steps": _COUNT, "seconds": _MAYBE_NUMBER, "from_attempt": _MAYBE_COUNT,
+           **{f"{u}_days": _MAYBE_NUMBER for u in ("device", "core", "chip")}}
+_ATTEMPT = {
+    "device_kind": str, "platform": str, "devices": _COUNT, "cores": _MAYBE_COUNT,
+    "chips": _MAYBE_COUNT, "peak_flops_per_device": _MAYBE_NUMBER, "start_step": _COUNT,
+    "end_step": _COUNT, "steps": _COUNT, "images": _COUNT,
+    "seconds": {k: _NUMBER for k in (*CATEGORIES, "other", "program")},
+    "flops_per_step?": _MAYBE_NUMBER, "model_flops_per_step": _MAYBE_NUMBER,
+    "model_flops": _NUMBER, "resumed?": bool, "resume_s?": _MAYBE_NUMBER,
+    "redone?": (type(None), _REDONE), "setup_s?": _MAYBE_NUMBER, "compile_saved_s?": _MAYBE_NUMBER,
+}
+_DAYS = {f"{u}_days": _MAYBE_NUMBER for u in ("device", "core", "chip")}
+REPORT_SHAPE = {
+    "hardware": {"device_kind": str, "unit": str}, "step": _COUNT, "batch_size": _COUNT,
+    "restarts": _COUNT, "seconds": {"program": _NUMBER}, "train": _DAYS, "program": _DAYS,
+    "redone?": _DAYS, "productive?": _DAYS, "flops_per_step?": _MAYBE_NUMBER,
+    "model_flops_per_step?": _MAYBE_NUMBER, "goodput?": _MAYBE_NUMBER,
+    "redone_steps?": _COUNT, "resume_seconds?": _NUMBER, "compile_saved_seconds?": _NUMBER,
+    "attempts": [_ATTEMPT],
+}
+
+
+_TYPE_NAMES = {int: "an integer", float: "a number", str: "a string", bool: "true or false",
+               type(None): "null"}
+
+
+def _shape_problem(value: Any, shape: Any, where: str = "") -> Optional[str]:
+  """Where `value` differs from `shape` (of `REPORT_SHAPE`'s form), e.g. "attempts[0].steps is
+  'x', not an integer", or None."""
+  label = where or "it"
+  if isinstance(shape, list):
+    if not isinstance(value, list):
+      return f"{label} is {repr(value)[:40]}, not a list"
+    return next(filter(None, (_shape_problem(v, shape[0], f"{where}[{i}]")
+                              for i, v in enumerate(value))), None)
+  if isinstance(shape, dict):
+    if not isinstance(value, dict):
+      return f"{label} is {repr(value)[:40]}, not an object"
+    for key, inner in shape.items():
+      name = key.rstrip("?")
+      if name in value:
+        problem = _shape_problem(value[name], inner, f"{where}.{name}" if where else name)
+        if problem:
+          return problem
+      elif not key.endswith("?"):
+        return f"{where}.{name} is missing" if where else f"{name} is missing"
+    return None
+  shapes = shape if isinstance(shape, tuple) else (shape,)
+  types = tuple(s for s in shapes if isinstance(s, type))
+  if isinstance(value, types) and (bool in types or not isinstance(value, bool)):
+    return None
+  objects = [s for s in shapes if isinstance(s, dict)]
+  if objects and isinstance(value, dict):
+    return _shape_problem(value, objects[0], where)
+  names = [_TYPE_NAMES[t] for t in types if not (t is int and float in types)]
+  return f"{label} is {repr(value)[:40]}, not {' or '.join(names + ['an object'] * bool(objects))}"
+
+
+def check_report(report: Any, name: Any, fix: str = "restore it or delete it") -> dict[str, Any]:
+  """`report` when it has the shape of a `report()` that the readers use (`REPORT_SHAPE`; its
+  attempts' references to each other in range). Raises ValueError naming `name` (the file), the
+  field and `fix`."""
+  problem = _shape_problem(report, REPORT_SHAPE)
+  if problem is None:
+    count = len(report["attempts"])
+    problem = next((f"attempts[{i}].redone.from_attempt is {a['redone']['from_attempt']}, not 1 "
+                    f"to {count}" for i, a in enumerate(report["attempts"])
+                    if a.get("redone") and a["redone"]["from_attempt"] is not None
+                    and not 1 <= a["redone"]["from_attempt"] <= count), None)
+  if problem is None and report["hardware"]["unit"] not in ("core", "device"):
+    problem = f"hardware.unit is {report['hardware']['unit']!r}, not 'core' or 'device'"
+  if problem is not None:
+    raise ValueError(f"{name} is not a cost account of python -m vit_jax.main ({problem}); {fix}.")
+  return report
+
+
 def latest_report(from_checkpoint: Optional[dict[str, Any]],
                   from_disk: Optional[dict[str, Any]]) -> Optional[dict[str, Any]]:
-  """The account to continue: the checkpoint's, or cost.json's if it holds more program time."""
-  candidates = [r for r in (from_checkpoint, from_disk) if r and r.get("attempts")]
+  """The account to continue: the checkpoint's, or cost.json's if it holds more program time; one
+  of another shape (`check_report`: hand-edited) is left out with a warning."""
+  candidates = []
+  for name, report in (("The checkpoint's cost item", from_checkpoint), ("cost.json", from_disk)):
+    try:
+      if report and check_report(report, name, "it is left out of the account")["attempts"]:
+        candidates.append(report)
+    except ValueError as e:
+      logging.warning("%s", e)
   return max(candidates, key=lambda r: r["seconds"]["program"], default=None)
 
 

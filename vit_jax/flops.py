@@ -23,12 +23,35 @@ SECONDS_PER_DAY = 86_400
 TPU_V3_CORE_PEAK_FLOPS = hardware.kind("TPU v3").peak["bfloat16"]
 
 
+#: The figures `compiled_cost` reads from XLA's cost analysis: FLOPs, bytes read and written, and
+#: the TPU compiler's cost-model estimate of the program's seconds (not on CPU or GPU).
+COST_KEYS = ("flops", "bytes accessed", "optimal_seconds")
+
+
+#: Custom calls that libtpu's cost model prices at -1 seconds ("unknown") and that cost nothing:
+#: ConcatBitcast joins slices already laid out side by side (their copies are priced).
+UNPRICED_CUSTOM_CALLS = ("ConcatBitcast",)
+
+
+def compiled_cost(compiled: Any) -> dict[str, float]:
+  """XLA's cost analysis of one device's share of a compiled program (``jax.stages.Compiled``):
+  the `COST_KEYS` it gives as positive figures. libtpu's `optimal_seconds` counts -1 for each
+  `UNPRICED_CUSTOM_CALLS` instruction, which is added back; a figure still not positive (another
+  instruction it cannot price) is left out. A while loop's body (a `scan`) counts once."""
+  cost = compiled.cost_analysis()
+  cost = (cost[0] if cost else None) if isinstance(cost, (list, tuple)) else cost  # Older jax.
+  found = {key: float(cost[key]) for key in COST_KEYS if cost and cost.get(key) is not None}
+  if found.get("optimal_seconds", 1.0) < 0:
+    text = compiled.as_text()
+    found["optimal_seconds"] += sum(text.count(f'custom_call_target="{target}"')
+                                    for target in UNPRICED_CUSTOM_CALLS)
+  return {key: value for key, value in found.items() if value > 0}
+
+
 def compiled_flops(compiled: Any) -> Optional[float]:
   """XLA's FLOP count of one device's share of a compiled program (``jax.stages.Compiled``),
   None where XLA gives none (it cannot see into custom calls: the CPU kernel's products)."""
-  cost = compiled.cost_analysis()
-  cost = (cost[0] if cost else None) if isinstance(cost, (list, tuple)) else cost  # Older jax.
-  return float(cost["flops"]) if cost and cost.get("flops") else None
+  return compiled_cost(compiled).get("flops")
 
 
 def vit_forward_macs(*, hidden_size: int, mlp_dim: int, num_layers: int, patch_size: int,

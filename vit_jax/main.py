@@ -23,9 +23,11 @@ Exit codes: 0 done; 1 failed (e.g. the loss diverged, a checkpoint could not be 
 says which checkpoint is intact; on a pod, another process died or did not register within
 --distributed_timeout seconds); 2 a bad config or flag, an unusable fine-tuning checkpoint
 or a workdir in use by another run, found before any work; 75 preempted (SIGTERM): the
-checkpoint of the current step was saved (during the set-up: stopped at once, nothing saved),
-rerun the same command to resume; 130 interrupted (Ctrl-C): the first saves the current step and
-stops (during the set-up, or a second one: stops at once); rerun the same command to resume.
+checkpoint of the current step was saved (an evaluation in progress ends at its next batch, and
+the rerun evaluates again; during the set-up: stopped at once, nothing saved), rerun the same
+command to resume; 130 interrupted (Ctrl-C): the first saves the current step and stops, as
+SIGTERM does (during the set-up, or a second one: stops at once); rerun the same command to
+resume.
 Every exit comes with one line saying why (a failure's starts with FATAL:)."""
 
 import sys

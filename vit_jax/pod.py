@@ -1,19 +1,21 @@
 """Multi-process runs (TPU pods, CPU and GPU clusters): ``jax.distributed`` with registration
 and peer silence bounded (``--distributed_timeout``: one FATAL line, ``POD_FAULT_EXIT_CODE``);
-:func:`supervise` reports the coordinator's loss, which jax ends in C++. Imported before JAX
-loads (the supervisor never loads it): JAX is imported in functions only."""
+:func:`supervise` reports the coordinator's loss, which jax ends in C++; :func:`check_same_command`
+refuses processes given different commands. Imported before JAX loads (the supervisor never
+loads it): JAX is imported in functions only."""
 
 from __future__ import annotations
 
 import ctypes
 import inspect
+import json
 import os
 import signal
 import subprocess
 import sys
 import threading
 import time
-from typing import Optional
+from typing import Any, Mapping, Optional
 
 from absl import logging
 
@@ -36,6 +38,29 @@ _ALIVE = "vit_jax/alive/"
 _STOPPED = "stopped "
 #: Set in the environment of the command that `supervise` runs (to the supervisor's pid).
 SUPERVISOR_ENV = "VIT_JAX_SUPERVISOR"
+#: The coordination service's keys of `check_same_command`: process 0's command, and one
+#: verdict per process (the keys where its command differs from process 0's).
+_COMMAND = "vit_jax/command/0"
+_VERDICTS = "vit_jax/command_differences/"
+#: Exit code of a refused command (vit_jax.main's of a bad config or flag).
+_COMMAND_EXIT_CODE = 2
+#: Differences that a refusal's FATAL line names (the others are counted).
+_SHOWN = 4
+
+
+class _Absent:
+
+  def __repr__(self) -> str:
+    return "absent"
+
+
+#: `command_differences`' value of a key absent on one side.
+ABSENT = _Absent()
+
+
+class _Pod:
+  """This process's --distributed_timeout (s), set by `initialize_distributed`."""
+  timeout_s: float = DISTRIBUTED_TIMEOUT_S
 
 
 def _on_multi_host_tpu() -> bool:
@@ -55,9 +80,16 @@ def _distributed_timeouts(timeout_s: int) -> dict[str, int]:
   return {k: v for k, v in wanted.items() if k in accepted}
 
 
-def _watch_peers(client, process_id: int, num_processes: int, timeout_s: float) -> None:
+class _Call:
+  """When `_watch_peers`' call of the coordination service in flight began (None: none)."""
+  since: Optional[float] = None
+
+
+def _watch_peers(client, process_id: int, num_processes: int, timeout_s: float,
+                 call: _Call) -> None:
   """Ends this process (one FATAL line) when a peer or the coordinator is silent ``timeout_s``
-  (jax's own heartbeat check aborts without a word)."""
+  (jax's own heartbeat check aborts without a word); a call that never returns (a SIGSTOPped
+  coordinator): `_watch_call`."""
   start = time.monotonic()
   changed = {p: start for p in range(num_processes) if p != process_id}
   seen: dict[int, str] = {}
@@ -66,23 +98,21 @@ def _watch_peers(client, process_id: int, num_processes: int, timeout_s: float) 
     beat += 1
     now = time.monotonic()
     try:
+      call.since = now
       stop = stops.received_stop()  # Written as it stops too (`_start_watching_peers`).
       client.key_value_set(f"{_ALIVE}{process_id}", _STOPPED + stop.signal if stop else str(beat),
                            allow_overwrite=True)
       values = {k.rsplit("/", 1)[-1]: v for k, v in client.key_value_dir_get(_ALIVE)}
-      failing_since = None
+      failing_since = call.since = None
     except (TypeError, AttributeError) as e:  # Another jax's client: no watch, jax's own abort.
+      call.since = None
       logging.warning("No heartbeat watch of the other processes (%s).", e)
       return
     except Exception as e:  # pylint: disable=broad-except  (the coordinator is gone)
+      call.since = None
       failing_since = failing_since or now
       if now - failing_since > timeout_s:
-        _exit_if_stopped()
-        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
-        stops.exit_process(POD_FAULT_EXIT_CODE, (
-            f"FATAL: Process {process_id} of {num_processes}: the coordinator (process 0) has "
-            f"not answered for {timeout_s:g} s (--distributed_timeout; {first}): it died or "
-            f"hangs, its log says why. Stopped; {_RERUN}"))
+        _exit_coordinator_silent(process_id, num_processes, timeout_s, e)
       time.sleep(_BEAT_S)
       continue
     for peer in changed:
@@ -103,6 +133,31 @@ def _watch_peers(client, process_id: int, num_processes: int, timeout_s: float) 
     time.sleep(_BEAT_S)
 
 
+def _watch_call(call: _Call, process_id: int, num_processes: int, timeout_s: float) -> None:
+  """Ends this process (one FATAL line) when a call of `_watch_peers` has not returned for
+  ``timeout_s``: the coordinator hangs (e.g. SIGSTOPped), which no error reports. A check after
+  this thread itself waited long (the GIL held elsewhere) is skipped: the call may have ended."""
+  last = time.monotonic()
+  while True:
+    time.sleep(_BEAT_S)
+    now = time.monotonic()
+    starved, last, since = now - last > 2 * _BEAT_S, now, call.since
+    if since is not None and not starved and now - since > timeout_s:
+      _exit_coordinator_silent(process_id, num_processes, timeout_s, None)
+
+
+def _exit_coordinator_silent(process_id: int, num_processes: int, timeout_s: float,
+                             error: Optional[BaseException]) -> None:
+  """Ends this process: the coordination service failed (`error`) or hung for ``timeout_s``."""
+  _exit_if_stopped()
+  first = ("its calls do not return" if error is None else
+           (str(error).strip().splitlines() or [type(error).__name__])[0][:200])
+  stops.exit_process(POD_FAULT_EXIT_CODE, (
+      f"FATAL: Process {process_id} of {num_processes}: the coordinator (process 0) has not "
+      f"answered for {timeout_s:g} s (--distributed_timeout; {first}): it died or hangs, its "
+      f"log says why. Stopped; {_RERUN}"))
+
+
 def _exit_if_stopped() -> None:
   """Ends the process as a stop does when it received one (`stops.received_stop`)."""
   stop = stops.received_stop()
@@ -110,18 +165,28 @@ def _exit_if_stopped() -> None:
     stops.exit_stopped(stop)
 
 
-def _start_watching_peers(timeout_s: float) -> None:
-  """`_watch_peers` in a daemon thread, once jax.distributed is initialised."""
+def _coordination_client():
+  """jax.distributed's client of the coordination service, or None (a single process)."""
   import jax  # pylint: disable=g-import-not-at-top
   from jax._src import distributed  # pylint: disable=g-import-not-at-top
   client = getattr(distributed.global_state, "client", None)
-  if client is None or jax.process_count() == 1:
+  return None if client is None or jax.process_count() == 1 else client
+
+
+def _start_watching_peers(timeout_s: float) -> None:
+  """`_watch_peers` in a daemon thread, once jax.distributed is initialised."""
+  import jax  # pylint: disable=g-import-not-at-top
+  client = _coordination_client()
+  if client is None:
     return
   key = f"{_ALIVE}{jax.process_index()}"
   stops.announce_stops_with(lambda stop: client.key_value_set(
       key, _STOPPED + stop.signal, allow_overwrite=True))
-  threading.Thread(target=_watch_peers, daemon=True, name="vit_jax-peer-watcher", args=(
-      client, jax.process_index(), jax.process_count(), timeout_s)).start()
+  call, who = _Call(), (jax.process_index(), jax.process_count(), timeout_s)
+  threading.Thread(target=_watch_peers, daemon=True, name="vit_jax-peer-watcher",
+                   args=(client, *who, call)).start()
+  threading.Thread(target=_watch_call, daemon=True, name="vit_jax-call-watcher",
+                   args=(call, *who)).start()
 
 
 def initialize_distributed(coordinator_address: Optional[str] = None,
@@ -135,6 +200,7 @@ def initialize_distributed(coordinator_address: Optional[str] = None,
   with one FATAL line. ValueError: an address without the process count or index."""
   import jax  # pylint: disable=g-import-not-at-top
   timeouts = _distributed_timeouts(timeout_s)
+  _Pod.timeout_s = timeout_s
   address = coordinator_address or os.environ.get("JAX_COORDINATOR_ADDRESS")
   if address:
     num = num_processes or int(os.environ.get("JAX_NUM_PROCESSES", "0")) or None
@@ -169,6 +235,126 @@ def initialize_distributed(coordinator_address: Optional[str] = None,
   if jax.process_count() > 1:
     logging.info("Process %d of %d; %d local of %d devices.", jax.process_index(),
                  jax.process_count(), jax.local_device_count(), jax.device_count())
+
+
+def command_differences(mine: Mapping[str, Any],
+                        reference: Mapping[str, Any]) -> list[tuple[str, Any, Any]]:
+  """The leaves of two nested dicts that differ, as `(dotted key, mine, reference)` sorted by key
+  (`ABSENT` on the side that lacks the key). Leaves compare by their JSON text: a tuple equals its
+  list, NaN equals NaN; an empty dict is a leaf."""
+  ours, theirs = _leaves(mine), _leaves(reference)
+  return [(key, ours.get(key, ABSENT), theirs.get(key, ABSENT))
+          for key in sorted(ours.keys() | theirs.keys())
+          if _json_text(ours.get(key, ABSENT)) != _json_text(theirs.get(key, ABSENT))]
+
+
+def _leaves(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+  leaves = {}
+  for key, value in tree.items():
+    name = f"{prefix}.{key}" if prefix else str(key)
+    if isinstance(value, Mapping) and value:
+      leaves.update(_leaves(value, name))
+    else:
+      leaves[name] = value
+  return leaves
+
+
+def _json_text(value: Any) -> str:
+  return "\0absent" if value is ABSENT else json.dumps(value, sort_keys=True, default=str)
+
+
+def check_same_command(config: Mapping[str, Any], workdir: str) -> None:
+  """On a pod, before anything is written: every process compares its resolved `config` (a
+  `to_dict()`) and `workdir` with process 0's through the coordination service, and on any
+  difference every process exits 2 with one FATAL line naming the keys, this process's value and
+  process 0's (or the first differing process's). Nothing is excluded: no field of a resolved
+  config differs per process (--process_id and --coordinator_address are flags, not config).
+  Each wait is bounded by --distributed_timeout: past it exit 1 and a FATAL line."""
+  client = _coordination_client()
+  if client is None:
+    return
+  import jax  # pylint: disable=g-import-not-at-top
+  from vit_jax.checkpoint import paths  # pylint: disable=g-import-not-at-top
+  me, num = jax.process_index(), jax.process_count()
+  where = workdir.rstrip("/") if paths.is_remote(workdir) else os.path.abspath(workdir)
+  mine = {"--config": dict(config), "--workdir": where}
+  mine = json.loads(json.dumps(mine, sort_keys=True, default=str))  # As process 0's arrives.
+  deadline = time.monotonic() + _Pod.timeout_s
+  try:
+    if me == 0:
+      client.key_value_set(_COMMAND, json.dumps(mine))
+      reference = mine
+    else:
+      reference = _wait_for(lambda: client.blocking_key_value_get(_COMMAND, 200), deadline)
+      if reference is None:
+        _exit_not_compared(me, num, [0])
+      reference = json.loads(reference)
+    differences = command_differences(mine, reference)
+    client.key_value_set(f"{_VERDICTS}{me}", json.dumps({"count": len(differences), "shown": [
+        (key, _shown(value), _shown(theirs)) for key, value, theirs in differences[:_SHOWN]]}))
+
+    found: dict[int, str] = {}
+
+    def all_verdicts():
+      found.update((int(k.rsplit("/", 1)[-1]), v) for k, v in client.key_value_dir_get(_VERDICTS))
+      return found if len(found) == num else None
+
+    if _wait_for(all_verdicts, deadline, pause_s=0.1) is None:
+      _exit_not_compared(me, num, sorted(set(range(num)) - found.keys()))
+  except (TypeError, AttributeError) as e:  # Another jax's client: not compared.
+    logging.warning("The processes' commands were not compared (%s).", e)
+    return
+  differing = sorted(p for p, v in found.items() if json.loads(v)["count"])
+  if not differing:
+    return
+  if differences:
+    line, count = f"Process {me} of {num} got another command than process 0: ", len(differences)
+    items = [f"{k}={_shown(v)} here, {_shown(t)} on process 0" for k, v, t in differences]
+  else:
+    other, verdict = differing[0], json.loads(found[differing[0]])
+    others = f" (and {len(differing) - 1} more)" if len(differing) > 1 else ""
+    line = (f"Process 0 of {num}: process {other}{others} got another command than this one: "
+            if me == 0 else f"Process {me} of {num}: process {other}{others} got another "
+            "command than process 0 and this one: ")
+    here, count = "here" if me == 0 else "on process 0 and here", verdict["count"]
+    items = [f"{k}={v} on process {other}, {t} {here}" for k, v, t in verdict["shown"]]
+  more = f"; {count - _SHOWN} more key(s)" if count > _SHOWN else ""
+  stops.exit_process(_COMMAND_EXIT_CODE, (
+      f"FATAL: {line}{'; '.join(items[:_SHOWN])}{more}. Every process of a pod runs the same "
+      "command (--config, its overrides and --workdir; only --process_id differs): give every "
+      "process the same command, then rerun."), shutdown=True)
+
+
+def _shown(value: Any, width: int = 100) -> str:
+  text = repr(value)
+  return text if len(text) <= width else text[:width - 3] + "..."
+
+
+def _wait_for(read, deadline: float, pause_s: float = 0.0):
+  """`read()` until it returns a value other than None (an error: not there yet), or None once
+  `deadline` (`time.monotonic()`) passed. TypeError, AttributeError: raised."""
+  while True:
+    try:
+      value = read()
+      if value is not None:
+        return value
+    except (TypeError, AttributeError):
+      raise
+    except Exception:  # pylint: disable=broad-except  (not there yet: DEADLINE_EXCEEDED, ...)
+      pass
+    if time.monotonic() > deadline:
+      return None
+    time.sleep(pause_s)
+
+
+def _exit_not_compared(me: int, num: int, missing: list[int]) -> None:
+  """Ends this process: the processes `missing` did not publish their command in time."""
+  who = ", ".join(map(str, missing)) or "?"
+  stops.exit_process(POD_FAULT_EXIT_CODE, (
+      f"FATAL: Process {me} of {num}: process(es) {who} did not reach the comparison of the "
+      f"processes' commands within {_Pod.timeout_s:g} s (--distributed_timeout): it failed or "
+      "hangs in the set-up, its log says why (or raise --distributed_timeout if it is only "
+      "slower). Stopped; give every process the same command, then rerun."))
 
 
 def _several_processes(argv: list[str]) -> bool:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 from typing import Any, Dict, List, NamedTuple, Optional, Sequence
 
 from etils import epath
@@ -97,17 +98,68 @@ def saved_steps(checkpoints: Any, *, readable: bool = False) -> List[int]:
                 if d.name.isdigit() and d.is_dir() and (marker is None or (d / marker).exists()))
 
 
-def read_json(path: Any) -> Optional[Dict[str, Any]]:
-  """The JSON object in a run's file (e.g. ``WORKDIR/config.json``), or None without the file.
-  Raises ValueError (naming the file and the fix) when it is not a JSON object; OSError."""
+#: The bounds of any JSON file the project reads (its run files, transformers' and convert's
+#: metadata, lock.json): larger or deeper is no such file, and is refused (a deep one would end
+#: Python's recursion in the parser or in its readers, a huge one the memory).
+MAX_JSON_BYTES = 16 << 20
+MAX_JSON_DEPTH = 64
+#: What to do about a refused file, unless the reader knows better.
+JSON_FIX = 'restore it or delete it'
+_TOO_DEEP = object()  # What json's decoder found: deeper than its recursion goes.
+
+
+def _nested_deeper(value: Any, limit: int) -> bool:
+  """Whether a parsed JSON ``value`` nests more than ``limit`` deep (walked without recursion)."""
+  stack = [(value, 1)]
+  while stack:
+    value, depth = stack.pop()
+    if isinstance(value, (dict, list)):
+      if depth > limit:
+        return True
+      stack.extend((v, depth + 1) for v in (value.values() if isinstance(value, dict) else value))
+  return False
+
+
+def parse_json(data: Any, name: Any, *, fix: str = JSON_FIX,
+               max_bytes: int = MAX_JSON_BYTES) -> Any:
+  """The JSON value of ``data`` (bytes or str: the text of the file ``name``), of at most
+  ``max_bytes`` and :data:`MAX_JSON_DEPTH` levels of arrays and objects. Raises ValueError
+  ``'<name> is <the problem>; <fix>.'``: too large, too deep (told without recursion, in time
+  linear in the size), not UTF-8, not JSON."""
+  value, problem = None, None
+  if len(data) > max_bytes:
+    problem = (f'larger than {max_bytes:,} bytes, more than any JSON file read here (a damaged '
+               'or foreign file)')
+  else:
+    try:
+      value = json.loads(data)
+    except RecursionError:  # json's decoder recurses: a far deeper file ends its recursion.
+      value = _TOO_DEEP
+    except ValueError as e:  # UnicodeDecodeError included.
+      problem = f'not valid JSON ({str(e)[:200]})'
+  if problem is None and (value is _TOO_DEEP or _nested_deeper(value, MAX_JSON_DEPTH)):
+    problem = (f'nested more than {MAX_JSON_DEPTH} levels deep, deeper than any JSON file read '
+               'here (a damaged or foreign file)')
+  if problem is None:
+    return value
+  raise ValueError(f'{name} is {problem}; {fix}.')
+
+
+def read_json(path: Any, *, fix: str = JSON_FIX,
+              max_bytes: int = MAX_JSON_BYTES) -> Optional[Dict[str, Any]]:
+  """The JSON object in the file at ``path`` (local or ``gs://``; e.g. ``WORKDIR/config.json``),
+  or None without the file; read as :func:`parse_json` (at most ``max_bytes + 1`` bytes read).
+  Raises ValueError ``'<path> is <the problem>; <fix>.'`` for a file that is too large, too deep,
+  not JSON or not a JSON object, or a local path that is no regular file (a directory, a FIFO:
+  never opened); OSError when it cannot be read."""
   file = epath.Path(path)
   if not file.exists():
     return None
-  try:
-    value = json.loads(file.read_text())
-  except ValueError as e:
-    value = e
+  if '://' not in str(path) and not stat.S_ISREG(os.stat(path).st_mode):  # Never blocks (FIFO).
+    what = 'a directory' if file.is_dir() else 'a special file (a FIFO, socket or device)'
+    raise ValueError(f'{path} is {what}, not a JSON file: remove it (a run writes a file there).')
+  with file.open('rb') as f:
+    value = parse_json(f.read(max_bytes + 1), path, fix=fix, max_bytes=max_bytes)
   if not isinstance(value, dict):
-    what = f'not valid JSON ({value})' if isinstance(value, ValueError) else 'not a JSON object'
-    raise ValueError(f'{path} is {what}; restore it or delete it.')
+    raise ValueError(f'{path} is not a JSON object; {fix}.')
   return value

@@ -1,6 +1,7 @@
 """Stopping a run: SIGTERM (a preemption notice) and Ctrl-C raise :class:`StopRequested` during
 the set-up (nothing to save; exit 75 or 130); from the first step they set a notice the loop
-checks (it saves, then stops). Imported before JAX loads: it imports JAX only in functions."""
+checks (it saves, then stops), and an evaluation before each batch (`StopNotice.agreed`).
+Imported before JAX loads: it imports JAX only in functions."""
 
 from __future__ import annotations
 
@@ -26,6 +27,9 @@ PREEMPTED_EXIT_CODE, INTERRUPTED_EXIT_CODE = 75, 130
 STOP_GRACE_S = 5.0
 #: Seconds `exit_stopped` gives the announcement (the coordinator may be gone).
 ANNOUNCE_S = 1.0
+#: The coordination service's key that jax's preemption service sets once a process of a pod gets
+#: SIGTERM (XLA's preemption_sync_manager.cc), read by `StopNotice.agreed`.
+PREEMPTION_NOTICE_KEY = "RECEIVED_PREEMPTION_NOTICE"
 
 
 class StopRequested(BaseException):
@@ -243,6 +247,29 @@ class StopNotice(threading.Event):
       raise StopRequested(_Stops.pending)
     self._on_training()
     self._on_training = _nothing
+
+  def agreed(self) -> bool:
+    """Whether this process has the notice or, on a pod, any process has one (there SIGTERM is
+    jax's preemption service's: `PREEMPTION_NOTICE_KEY`): the same answer on every process of a
+    pod, from one all-gather of a bool, so call it at the same point on all (e.g. before each eval
+    batch). Alone: `is_set()`."""
+    import jax  # pylint: disable=g-import-not-at-top
+    if jax.process_count() == 1:
+      return self.is_set()
+    from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+    import numpy as np  # pylint: disable=g-import-not-at-top
+    local = self.is_set() or _preemption_noticed()
+    return bool(np.any(multihost_utils.process_allgather(np.array(local))))
+
+
+def _preemption_noticed() -> bool:
+  """Whether jax's preemption service of a pod recorded a SIGTERM (`PREEMPTION_NOTICE_KEY`)."""
+  from jax._src import distributed  # pylint: disable=g-import-not-at-top
+  client = getattr(distributed.global_state, "client", None)
+  try:
+    return client is not None and client.key_value_try_get(PREEMPTION_NOTICE_KEY) is not None
+  except Exception:  # pylint: disable=broad-except  (NOT_FOUND; a lost coordinator: see pod.py)
+    return False
 
 
 @contextlib.contextmanager

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from typing import Any, Optional
+import os
+from typing import Any, Callable, Optional
 
 from absl import logging
 import jax
@@ -22,6 +23,7 @@ from vit_jax import evaluation
 from vit_jax import kernels
 from vit_jax import ledger as ledger_lib
 from vit_jax import param_groups
+from vit_jax import pod
 from vit_jax import rundir
 from vit_jax import sharding
 from vit_jax import step as step_lib
@@ -56,7 +58,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
   Raises:
     ConfigError: (a ValueError) the config or workdir cannot run, raised before any write.
     FloatingPointError: the loss became NaN or Inf (the last good checkpoint is kept).
-    Preempted: SIGTERM or a first Ctrl-C from the first step on, after saving the step.
+    Preempted: SIGTERM or a first Ctrl-C from the first step on, after saving the step (during
+      an evaluation: at its next batch, nothing of it written; the rerun evaluates again).
     vit_jax.stops.StopRequested: SIGTERM or Ctrl-C during the set-up: nothing saved.
     CheckpointSaveError: writing to the workdir failed; earlier checkpoints are intact.
     vit_jax.data.BadImageError: an undecodable image (config.data.bad_images='fail')."""
@@ -66,7 +69,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
       run = _prepare(config, workdir, program_start, held)
     config, setup, accountant, run_dir = run.config, run.setup, run.accountant, run.run_dir
     # JAX's persistent cache (it writes as it compiles): from here on, once nothing is refused.
-    cache = config.compilation_cache_dir or paths.join(workdir, rundir.COMPILATION_CACHE_DIR)
+    cache = (config.compilation_cache_dir or os.environ.get("JAX_COMPILATION_CACHE_DIR")
+             or paths.join(workdir, rundir.COMPILATION_CACHE_DIR))
     held.enter_context(step_lib.compilation_cache(None if cache == "none" else cache))
 
     # 2. State: the latest checkpoint, else the fine-tuning initialisation, else a fresh one.
@@ -88,7 +92,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
 
     # 3. Steps: jitted over the mesh, compiled ahead of time and cached (`step.Compiler`).
     compiler, train_step = run.compiler, run.train_step
-    pictures, evaluate, evaluate_fewshot = _evaluations(run, accountant, writer)
+    pictures, evaluate, evaluate_fewshot = _evaluations(run, accountant, writer, notice.agreed)
 
     def save_cost(step: int) -> dict[str, Any]:
       report = accountant.report(step)
@@ -100,16 +104,45 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
     # 4. Loop: step s's metrics are fetched after step s+1 was dispatched (the host never
     # stalls the device); a NaN/Inf loss stops the run one step later at the latest.
     train_iter = data.create_train_iterator(config.data, global_batch_size=config.batch_size,
-                                            seed=config.seed, start_step=start_step)
+                                            seed=config.seed, start_step=start_step,
+                                            read=run.dataset["read"])
     skipping = config.optim.max_skipped_updates > 0
     window = accounting.Progress(accountant, config.batch_size, total_steps, start_step,
                                  config.input_wait_warning, accounting.input_wait_fix(config.data))
     pending = None  # (step, device metrics) of the step dispatched last.
     results: dict[str, float] = {}
-    preempted = False
+
+    def save(step: int, state, pending) -> None:
+      """Checkpoints `step`, its `pending` metrics checked first (never checkpoint parameters
+      that a NaN update produced)."""
+      if pending is not None:
+        window.add(_check_finite(*pending, checkpoints, skipping))
+      with accountant.timed("checkpoint"):
+        checkpoints.save(step, state, cost=accountant.report(step),
+                         config=config.to_dict(), dataset=run.dataset)
+      logging.info("Checkpoint of step %d: written in the background to %s/%d.", step,
+                   checkpoints.directory, step)
+
+    def evaluated(state, step: int, evaluating: bool, fewshot_due: bool) -> bool:
+      """Adds the due evaluations of `step` to `results`. False: a stop notice ended one at a
+      batch boundary (on a pod, every process at the same batch), its results unwritten."""
+      try:
+        if evaluating:
+          results.update(evaluate(state, step))
+        if fewshot_due:
+          results.update(evaluate_fewshot(state, step))
+      except evaluation.Stopped:
+        return False
+      return True
+
     step = start_step
+    # A run resumed at a step whose evaluation is due evaluates first: a stop notice cut it short
+    # there, or a preemption skipped it (a stop during it still stops at once: the step is saved).
+    preempted = 0 < start_step < total_steps and not evaluated(
+        state, start_step, start_step % config.eval_every_steps == 0,
+        run.fewshot is not None and start_step % config.fewshot.every_steps == 0)
     with accountant.timed("train"):  # Minus the nested input, compile, eval, checkpoint.
-      for step in range(start_step + 1, total_steps + 1):
+      for step in range(start_step + 1, (start_step if preempted else total_steps) + 1):
         with jax.profiler.StepTraceAnnotation("train", step_num=step):
           with accountant.timed("input"):
             local_batch = next(train_iter)
@@ -142,26 +175,21 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
         if saving or evaluating or fewshot_due:
           jax.block_until_ready(state)  # The steps in flight are training time.
         if saving:  # Before the evaluation, which can fail (e.g. an undecodable eval image).
-          if pending is not None:  # Never checkpoint parameters that a NaN update produced.
-            window.add(_check_finite(*pending, checkpoints, skipping))
+          save(step, state, pending)
+          pending = None
+        if not evaluated(state, step, evaluating, fewshot_due):  # Stopped: the rerun redoes it.
+          preempted = True
+          if not saving:
+            save(step, state, pending)
             pending = None
-          with accountant.timed("checkpoint"):
-            checkpoints.save(step, state, cost=accountant.report(step),
-                             config=config.to_dict(), dataset=run.dataset)
-          logging.info("Checkpoint of step %d: written in the background to %s/%d.", step,
-                       checkpoints.directory, step)
-        if evaluating:
-          results = evaluate(state, step)
-        if fewshot_due:
-          results = dict(results, **evaluate_fewshot(state, step))
         if preempted:
           break
 
-    # 5. End: a run that was already finished only evaluates again.
+    # 5. End: a run that was already finished only evaluates again (a stop: at once, as above).
     if start_step >= total_steps:
       logging.info("The run in %s already finished its %d steps; evaluating only.", workdir,
                    total_steps)
-      results = dict(evaluate(state, start_step), **evaluate_fewshot(state, start_step))
+      preempted = not evaluated(state, start_step, True, True)
     with accountant.timed("checkpoint"):
       checkpoints.wait_until_finished()
     checkpoints.close()
@@ -188,10 +216,12 @@ class _Run:
   fewshot: Optional[fewshot.Evaluator] = None  # config.fewshot's evaluator, when on.
 
 
-def dataset_record(config: ml_collections.ConfigDict, info: data.DatasetInfo) -> dict[str, Any]:
+def dataset_record(config: ml_collections.ConfigDict, info: data.DatasetInfo,
+                   read: str) -> dict[str, Any]:
   """The training data's record in `WORKDIR/dataset.json` and every checkpoint: its name, the C
-  `label_names` in label order, counts, `multi_label`, `image_shape` `[H, W, C]`."""
-  return {"name": config.data.image_folder or config.data.name,
+  `label_names` in label order, counts, `multi_label`, `image_shape` `[H, W, C]`, and how the
+  training split is `read` (`data.pipeline.train_read_mode`: kept by a resume)."""
+  return {"name": config.data.image_folder or config.data.name, "read": read,
           "label_names": list(info.label_names), "num_classes": info.num_classes,
           "multi_label": info.multi_label, "image_shape": list(info.image_shape),
           "num_train_examples": info.num_train_examples,
@@ -203,9 +233,11 @@ def _prepare(config: ml_collections.ConfigDict, workdir: str,
   """Phase 1: the resolved config, the workdir's lock (pushed on `held`), the model, mesh, eval
   sets and fine-tuning weights; writes nothing but the lock. Raises what `_config_errors` turns
   into a ConfigError."""
+  config_lib.check_paths(config, workdir)  # A gs:// URL without a bucket: before any read.
   info = data.get_info(config.data)
   config = config_lib.resolve(config, num_train_examples=info.num_train_examples,
                               num_classes=info.num_classes)
+  pod.check_same_command(config.to_dict(), workdir)  # A pod's processes: one command, or exit 2.
   # The compute account starts now: the program's time includes the set-up.
   accountant = accounting.CostAccountant(
       accounting.local_hardware(str(config.model.dtype)), config.batch_size, start=program_start,
@@ -243,6 +275,7 @@ def _prepare(config: ml_collections.ConfigDict, workdir: str,
   resuming = bool(run_dir.saved_steps())
   if resuming:  # A checkpoint of another model is refused now, from its metadata.
     run_dir.check_state_fits(setup.abstract_state)
+  read = _read_mode(config, run_dir, resuming)
   finetune = None
   if config.init_from and resuming:
     logging.info("Not initialising from %s: resuming from the checkpoints in %s.",
@@ -252,11 +285,24 @@ def _prepare(config: ml_collections.ConfigDict, workdir: str,
     fresh = jax.device_get(jax.jit(setup.init_variables)(setup.init_rng))
     finetune = checkpoint.load_for_finetuning(
         config.init_from, setup.model, fresh, use_ema=config.init_from_ema,
-        reset_head=config.init_reset_head)
+        reset_head=config.init_reset_head, image_size=setup.image_shape[:2])
   logging.info("Config (resolved): %s (--verbosity=1 logs it).", run_dir.config_json)
   logging.vlog(1, "Config (resolved):\n%s", config)
-  return _Run(config, accountant, run_dir, setup, evals, finetune, dataset_record(config, info),
-              compiler, train_step, fewshot_eval)
+  return _Run(config, accountant, run_dir, setup, evals, finetune,
+              dataset_record(config, info, read), compiler, train_step, fewshot_eval)
+
+
+def _read_mode(config: ml_collections.ConfigDict, run_dir: checkpoint.Workdir,
+               resuming: bool) -> str:
+  """How the training split is read: as the checkpoint resumed was trained (its dataset record's
+  "read"), else as a new run reads it. ValueError: that mode cannot be kept (the fixes)."""
+  recorded = (run_dir.read_dataset() or {}).get("read") if resuming else None
+  read = data.train_read_mode(config.data, recorded)
+  if resuming and recorded is None:
+    logging.info("The checkpoint's dataset record does not say how the training data was read "
+                 "(saved by an earlier version): reading it %s, as a new run does.",
+                 read.replace("_", " "))
+  return read
 
 
 def _initial_state(run: _Run, checkpoints: checkpoint.Checkpoints) -> step_lib.State:
@@ -279,12 +325,16 @@ def _initial_state(run: _Run, checkpoints: checkpoint.Checkpoints) -> step_lib.S
   return jax.jit(setup.init_state, out_shardings=setup.state_shardings)(setup.init_rng)
 
 
-def _evaluations(run: _Run, accountant: accounting.CostAccountant, writer):
+def _evaluations(run: _Run, accountant: accounting.CostAccountant, writer,
+                 stop: Callable[[], bool]):
   """`(pictures, evaluate, evaluate_fewshot)`: `config.analysis`'s pictures (of the first eval
   set's first batch), and `(state, step) -> metrics` of every eval set (with the attention
-  pictures) and of `config.fewshot` (`{}` when off), written and timed as eval."""
+  pictures) and of `config.fewshot` (`{}` when off), written and timed as eval; they raise
+  `evaluation.Stopped`, with nothing written, once `stop()` is true before a batch."""
   eval_step, setup = run.setup.jit_eval_step(), run.setup
   _, first_eval = next(iter(run.evals.values()))
+  evals = {name: (split, evaluation.Stoppable(eval_ds, stop))
+           for name, (split, eval_ds) in run.evals.items()}
   pictures = pictures_lib.Pictures(setup, run.dataset["label_names"],
                                    lambda: next(iter(first_eval)), run.compiler)
 
@@ -292,7 +342,7 @@ def _evaluations(run: _Run, accountant: accounting.CostAccountant, writer):
 
   def evaluate(state, step: int) -> dict[str, float]:
     with accountant.timed("eval"):
-      results = evaluation.evaluate(predict, state, run.evals,
+      results = evaluation.evaluate(predict, state, evals,
                                     with_ema=bool(run.config.ema_decay), step=step)
       writer.write_scalars(step, results)
       pictures.attention(writer, state, step)
@@ -302,7 +352,7 @@ def _evaluations(run: _Run, accountant: accounting.CostAccountant, writer):
     if run.fewshot is None:
       return {}
     with accountant.timed("eval"):
-      results = run.fewshot.run({k: state[k] for k in setup.variables_shardings})
+      results = run.fewshot.run({k: state[k] for k in setup.variables_shardings}, stop)
       writer.write_scalars(step, results)
     return results
 

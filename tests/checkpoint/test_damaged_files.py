@@ -19,6 +19,7 @@ import zipfile
 import numpy as np
 import pytest
 
+from tests.data import test_bad_images
 from tests.test_train_failures import _folder, _main_args, _main_overrides
 from vit_jax import checkpoint
 from vit_jax.checkpoint import torch_pickle
@@ -343,3 +344,14 @@ def test_main_with_a_truncated_init_from_prints_one_fatal_line(tmp_path):
   assert 'Download or copy it again' in fatal[0]
   assert 'Traceback' not in run.stderr
   assert not workdir.exists()
+
+
+@pytest.mark.parametrize('name', ['x.npz', 'x.safetensors', 'x.pth'])
+def test_a_fifo_named_like_weights_is_refused_and_never_opened(tmp_path, name):
+  """Issue 50 (item 6's weight files): opening a FIFO waits for a writer forever; every
+  checkpoint read refuses it by what it is, without opening it."""
+  fifo = tmp_path / name
+  os.mkfifo(fifo)
+  with test_bad_images.unblocked_after(str(fifo), 30):  # A regression fails, never hangs.
+    with pytest.raises(OSError, match=f'^{fifo} is a FIFO, not a file that can be read.$'):
+      checkpoint.load(str(fifo))

@@ -101,7 +101,9 @@ def test_saved_steps_and_workdir_files_survive_a_crash_right_after_the_save(disk
   checkpoints.wait_until_finished()
   checkpoints.close()
   run_dir.write_config({"seed": 0})
-  run_dir.write_cost({"step": 2})
+  from tests.test_accounting import _preempted_and_resumed  # pylint: disable=g-import-not-at-top
+  report = _preempted_and_resumed()[1]  # A real account: cost.json's shape is checked.
+  run_dir.write_cost(report)
   disk.crash()
 
   run_dir = checkpoint.Workdir(str(disk.path / "run"))
@@ -109,7 +111,7 @@ def test_saved_steps_and_workdir_files_survive_a_crash_right_after_the_save(disk
   for step in (1, 2):
     assert durable.damaged_files(run_dir.checkpoints_dir / str(step)) == []
   assert run_dir.read_config() == {"seed": 0}
-  assert run_dir.read_cost() == {"step": 2}
+  assert run_dir.read_cost() == report
   run_dir.check_state_fits(_abstract())
   checkpoints = run_dir.checkpoints(keep=None, asynchronous=False)
   state, cost = checkpoints.restore(2, _abstract())

@@ -7,6 +7,7 @@ import shutil
 
 import jax
 import numpy as np
+import PIL.Image
 import pytest
 
 from vit_jax import checkpoint
@@ -242,6 +243,57 @@ def test_convert_command_exports_and_refuses_bad_requests(tmp_path, capsys):
   assert convert.main([str(timm_file), str(tmp_path / 'v.safetensors'), '--to', 'timm',
                        '--set', 'num_heads=4']) == 0
   assert "act_layer" not in capsys.readouterr().out  # timm's exact GELU: timm's default.
+
+
+def test_a_transformers_config_json_too_deep_or_of_another_shape_is_refused_by_name(
+    tmp_path, capsys):
+  """config.json nested 300,000 deep, not an object, or with a field of the wrong type: a
+  ValueError naming the file, the field and the fix, for load, predict (one FATAL line, exit 2)
+  and init_from (was: RecursionError, KeyError or TypeError tracebacks)."""
+  from vit_jax.tools import predict  # pylint: disable=g-import-not-at-top
+  src = tmp_path / 'hf'
+  shutil.copytree(ECOSYSTEM / 'hf_vit_v4', src)
+  good = json.loads((src / 'config.json').read_text())
+  fix = ('take it again from the same Hub repository (or write it with python -m '
+         'vit_jax.convert).')
+  not_vit = f'{src}/config.json is not the config.json of a transformers ViT: '
+  cases = [
+      ('[' * 300_000, f'{src}/config.json is nested more than 64 levels deep, deeper than any '
+       'JSON file read here (a damaged or foreign file); '),
+      ('[1, 2]', f'{src}/config.json is not a JSON object; '),
+      (dict(good, hidden_size='x'), not_vit + "hidden_size is 'x', not a positive integer; "),
+      (dict(good, image_size=[32, None]),
+       not_vit + 'image_size is [32, None], not a positive integer or a list of two; '),
+      (dict(good, hidden_act=['gelu']), not_vit + "hidden_act is ['gelu'], not a string; "),
+      (dict(good, layer_norm_eps='1e-12'), not_vit + "layer_norm_eps is '1e-12', not a number "
+       'in (0, 1); '),
+      ({k: v for k, v in good.items() if k != 'num_attention_heads'},
+       not_vit + 'it has no num_attention_heads; '),
+  ]
+  for text, message in cases:
+    (src / 'config.json').write_text(text if isinstance(text, str) else json.dumps(text))
+    with pytest.raises(ValueError) as info:
+      checkpoint.load(src)
+    assert str(info.value) == message + fix
+  # predict reads it first: one FATAL line; init_from: refused while the config resolves.
+  (src / 'config.json').write_text('[' * 300_000)
+  image = tmp_path / 'x.png'
+  PIL.Image.new('RGB', (32, 32)).save(image)
+  assert predict.main([str(src), str(image)]) == 2
+  assert capsys.readouterr().err == f'FATAL: {cases[0][1]}{fix}\n'
+  config = config_lib.get_config('ViT-custom', 'fashion_mnist', **TINY)
+  config.init_from = str(src)
+  with pytest.raises(ValueError, match='nested more than 64 levels deep'):
+    config_lib.resolve(config, num_train_examples=100, num_classes=5,
+                       devices=jax.devices('cpu')[:1])
+  # A safetensors index nested too deep, or without a weight map.
+  (src / 'config.json').write_text(json.dumps(good))
+  (src / 'model.safetensors').rename(src / 'model-00001-of-00001.safetensors')
+  for text, problem in (('{"weight_map": ' * 100 + '{}' + '}' * 100, 'is nested more than 64'),
+                        ('{"weight_map": []}', 'is not a safetensors index')):
+    (src / 'model.safetensors.index.json').write_text(text)
+    with pytest.raises(ValueError, match=f'model.safetensors.index.json {problem}'):
+      checkpoint.load(src)
 
 
 def test_fine_tuning_starts_from_a_transformers_directory():

@@ -267,6 +267,84 @@ ECOSYSTEM = FIXTURES / 'ecosystem'
 POSEMB = 'params/Transformer/posembed_input/pos_embedding'
 
 
+def _tiny_vit(patch_size, **fields):
+  """A 1-layer, 8-wide ViT: at 8 px, patch 4 makes a 2x2 token grid, patch (8, 2) a 1x4 one."""
+  return models.create('ViT-custom', num_classes=3, hidden_size=8, mlp_dim=16, num_heads=2,
+                       num_layers=1, patch_size=patch_size, **fields)
+
+
+def _random(model, size=8, seed=0):
+  """Random plain variables of ``model`` for ``size`` px images, from the shapes alone (nothing
+  compiled)."""
+  abstract = models.unbox(jax.eval_shape(
+      lambda: model.init(jax.random.key(0), jnp.zeros((1, size, size, 3)), train=False)))
+  rng = np.random.default_rng(seed)
+  return jax.tree.map(lambda x: rng.normal(0, 0.5, x.shape).astype(np.float32), abstract)
+
+
+def test_a_grid_change_at_the_same_token_count_resizes_the_table(caplog):
+  """FlexiViT from a 2x2 grid (patch 4 at 8 px) to a 1x4 one (patch (8, 2)): as many rows, but
+  the table is resampled from one grid to the other (not read row-major as the new grid), with
+  the resize line; the same grid keeps it; an unrecorded grid into a non-square one is refused."""
+  saved = _random(_tiny_vit(4))
+  fresh = _random(_tiny_vit((8, 2)), seed=1)
+  old = checkpoint.flatten_params(saved)[POSEMB]
+  caplog.set_level(logging.INFO, logger='absl')
+  variables = checkpoint.init_for_finetuning(saved, fresh, grid=(1, 4), checkpoint_grid=(2, 2))
+  table = checkpoint.flatten_params(variables)[POSEMB]
+  assert table.shape == old.shape == (1, 5, 8)
+  np.testing.assert_array_equal(table, checkpoint.resize_posemb(
+      old, 5, has_class_token=True, old_grid=(2, 2), new_grid=(1, 4)))
+  np.testing.assert_array_equal(table[:, 0], old[:, 0])  # The class-token row.
+  assert np.abs(table - old).max() > 1e-3
+  assert ('resized params/Transformer/posembed_input/pos_embedding (1, 5, 8) -> (1, 5, 8) (2x2 '
+          '-> 1x4 grid, 1 class-token / register rows kept, linear_corners)') in caplog.text
+  same = checkpoint.init_for_finetuning(saved, _random(_tiny_vit(4), seed=1), grid=(2, 2),
+                                        checkpoint_grid=(2, 2))
+  np.testing.assert_array_equal(checkpoint.flatten_params(same)[POSEMB], old)
+  with pytest.raises(ValueError) as e:
+    checkpoint.init_for_finetuning(saved, fresh, grid=(1, 4))
+  assert str(e.value) == (
+      'The fine-tuning checkpoint records no token grid for its position table of 4 grid rows, '
+      "and the model's grid is 1x4, not square: whether the table is 2x2 (square images), to be "
+      'resampled, or already 1x4 cannot be told from its shape. Say which with '
+      '--config.model.posemb_grid=(2, 2) (the model keeps the 2x2 table and resamples it to 1x4 '
+      'as it runs) or --config.model.posemb_grid=(1, 4).')
+
+
+def test_the_recorded_grid_decides_and_posemb_grid_says_an_unrecorded_one(tmp_path, caplog):
+  """load_for_finetuning at the model's image size: a converted checkpoint that records its
+  image size (8 px, patch 4: 2x2) is resized to the 1x4 grid; an .npz records none and is
+  refused; the model's posemb_grid then says which grid the table is."""
+  saved = _random(_tiny_vit(4))
+  old = checkpoint.flatten_params(saved)[POSEMB]
+  checkpoint.save_orbax(tmp_path / 'orbax', saved, metadata={'image_size': 8})
+  checkpoint.save_npz(tmp_path / 'weights.npz', saved['params'])
+  model = _tiny_vit((8, 2))
+  caplog.set_level(logging.INFO, logger='absl')
+  resized = checkpoint.load_for_finetuning(tmp_path / 'orbax', model, _random(model, seed=1),
+                                           image_size=8)
+  np.testing.assert_array_equal(checkpoint.flatten_params(resized)[POSEMB],
+                                checkpoint.resize_posemb(old, 5, has_class_token=True,
+                                                         old_grid=(2, 2), new_grid=(1, 4)))
+  assert '(2x2 -> 1x4 grid' in caplog.text
+  recorded = [(lambda c: c.table_grid(c.shapes()))(checkpoint.open(path)) for path in (
+      tmp_path / 'orbax', tmp_path / 'weights.npz', ECOSYSTEM / 'hf_vit_v4')]
+  assert recorded == [(2, 2), None, (4, 4)]  # transformers: its config's 32 px, patch 8.
+  with pytest.raises(ValueError, match=r'records no token grid .* model\'s grid is 1x4'):
+    checkpoint.load_for_finetuning(tmp_path / 'weights.npz', model, _random(model, seed=1),
+                                   image_size=8)
+  images = np.random.default_rng(0).uniform(-1, 1, (2, 8, 8, 3)).astype(np.float32)
+  for stated in ((2, 2), (1, 4)):  # Either: the table kept as it is.
+    as_stated = model.clone(posemb_grid=stated)
+    variables = checkpoint.load_for_finetuning(tmp_path / 'weights.npz', as_stated,
+                                               _random(as_stated, seed=1), image_size=8)
+    np.testing.assert_array_equal(checkpoint.flatten_params(variables)[POSEMB], old)
+    if stated == (2, 2):  # Resampled in the model: the logits of the table resized at init.
+      np.testing.assert_allclose(as_stated.apply(variables, images, train=False),
+                                 model.apply(resized, images, train=False), rtol=0, atol=1e-6)
+
+
 def _timm_model(name, num_heads, **overrides):
   """(the timm fixture's path, a 7-class model of its fields and ``overrides``)."""
   path = ECOSYSTEM / name / 'model.safetensors'

@@ -153,7 +153,8 @@ def test_save_orbax_keeps_metadata_that_the_reader_applies(tmp_path):
       r"names are not this model's; restore the file, or delete it")):
     inference.load(dst)
   (dst / checkpoint.orbax.EXPORT_JSON).write_text('[1, 2]')
-  with pytest.raises(ValueError, match=r'vit_jax_export.json is not the JSON object'):
+  with pytest.raises(ValueError, match=r'vit_jax_export.json is not a JSON object; restore it, or '
+                     r'delete it \(the class names and preprocessing are then the defaults'):
     checkpoint.orbax.read_export_metadata(dst)
 
 

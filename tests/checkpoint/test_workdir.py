@@ -7,6 +7,8 @@ import gc
 import json
 import logging
 import os
+import subprocess
+import time
 
 import chex
 import jax
@@ -17,6 +19,7 @@ import orbax.checkpoint as ocp
 import pytest
 
 from vit_jax import checkpoint
+from vit_jax import rundir
 from vit_jax.checkpoint import workdir as workdir_lib
 
 
@@ -142,8 +145,9 @@ def test_a_state_that_does_not_fit(tmp_path):
 
 
 def test_cost_and_config_json_are_written_atomically(tmp_path, monkeypatch, caplog):
+  from tests.test_accounting import _preempted_and_resumed  # pylint: disable=g-import-not-at-top
   work = checkpoint.Workdir(str(tmp_path / 'run'))
-  report = {'attempts': 2, 'seconds': {'program': 30.0}}
+  report = _preempted_and_resumed()[1]
   work.write_cost(report)
   work.write_config({'seed': 0, 'optim': {'lr': 0.001}})
   assert sorted(os.listdir(tmp_path / 'run')) == ['config.json', 'cost.json']  # No .partial.
@@ -311,6 +315,60 @@ def test_saved_steps_are_finalized_steps_only(tmp_path):
   assert checkpoint.Workdir(str(tmp_path)).saved_steps() == [2]
 
 
+def test_json_the_project_reads_is_bounded_in_depth_and_size_and_never_blocks(tmp_path):
+  """`rundir.read_json`, the reader of every JSON file: a file nested 300,000 deep is refused at
+  once (was: RecursionError), one over the size cap unparsed, a directory or FIFO unopened; each
+  a ValueError naming the file, the problem and the fix."""
+  deep = tmp_path / 'deep.json'
+  deep.write_text('[' * 300_000)
+  start = time.monotonic()
+  with pytest.raises(ValueError) as info:
+    rundir.read_json(deep)
+  assert time.monotonic() - start < 1.0
+  assert str(info.value) == (
+      f'{deep} is nested more than 64 levels deep, deeper than any JSON file read here (a damaged '
+      'or foreign file); restore it or delete it.')
+  # Deeper than the bound but within Python's recursion, and the bound itself.
+  nested = lambda depth: '{"a": ' * depth + '1' + '}' * depth
+  with pytest.raises(ValueError, match='nested more than 64 levels deep'):
+    rundir.parse_json(nested(65), 'x.json')
+  assert rundir.parse_json(nested(64), 'x.json')['a']['a']['a']
+  with pytest.raises(ValueError, match=r'^x.json is larger than 1,000 bytes, more than any JSON '
+                     r'file read here \(a damaged or foreign file\); fix it.$'):
+    rundir.parse_json(b'[' + b'0,' * 600 + b'0]', 'x.json', fix='fix it', max_bytes=1000)
+  big = tmp_path / 'big.json'
+  big.write_bytes(b' ' * rundir.MAX_JSON_BYTES + b'{}')
+  with pytest.raises(ValueError, match=f'big.json is larger than {rundir.MAX_JSON_BYTES:,} bytes'):
+    rundir.read_json(big)
+  for text, problem in (('[1, 2]', 'is not a JSON object'), (b'{"a": "\xff"}', 'not valid JSON')):
+    (tmp_path / 'bad.json').write_bytes(text if isinstance(text, bytes) else text.encode())
+    with pytest.raises(ValueError, match=problem):
+      rundir.read_json(tmp_path / 'bad.json')
+  (tmp_path / 'dir.json').mkdir()
+  with pytest.raises(ValueError, match=r'dir.json is a directory, not a JSON file: remove it'):
+    rundir.read_json(tmp_path / 'dir.json')
+  os.mkfifo(tmp_path / 'fifo.json')  # Opening it would block until a writer comes.
+  with pytest.raises(ValueError, match=r'fifo.json is a special file \(a FIFO, socket or device'):
+    rundir.read_json(tmp_path / 'fifo.json')
+  assert rundir.read_json(tmp_path / 'none.json') is None
+
+
+def test_a_cost_json_too_deep_or_of_another_shape_is_ignored_with_a_warning(tmp_path, caplog):
+  """The run continues the checkpoint's account, naming the file and why (was: RecursionError
+  or KeyError at every rerun)."""
+  work = checkpoint.Workdir(str(tmp_path))
+  for text, why in (('[' * 300_000, 'nested more than 64 levels deep'),
+                    ('{"attempts": [{"x": 1}], "seconds": {"program": 5e9}}',
+                     'hardware is missing'),
+                    ('{"attempts": 3}', 'hardware is missing')):
+    (tmp_path / 'cost.json').write_text(text)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+      assert work.read_cost() is None
+    assert f'Ignoring {tmp_path}/cost.json ' in caplog.text and why in caplog.text, caplog.text
+    assert "the checkpoint's cost account is used" in caplog.text
+
+
 def test_check_writable(tmp_path):
   checkpoint.Workdir(str(tmp_path / 'new' / 'run')).check_writable()  # Created later.
   blocker = tmp_path / 'file'
@@ -328,7 +386,56 @@ def test_check_writable(tmp_path):
       f"--workdir '{run}' cannot be used: {run}/checkpoints is a file, where the run keeps its "
       f'checkpoint directory. Move it away (mv {run}/checkpoints {run}/checkpoints.moved) or '
       'choose another --workdir.')
+  # The files the run replaces as it goes, directories here: refused before the run trains (was:
+  # cost.json, the first time the run wrote it, failed with "free disk space").
+  (run / 'checkpoints').unlink()
+  for name in ('cost.json', 'config.json', 'dataset.json'):
+    (run / name).mkdir()
+    with pytest.raises(PermissionError) as info:
+      checkpoint.Workdir(str(run)).check_writable()
+    assert str(info.value) == (
+        f"--workdir '{run}' cannot be used: {run}/{name} is a directory, where the run writes its "
+        f'{name} (a file). Move it away (mv {run}/{name} {run}/{name}.moved) or choose another '
+        '--workdir.')
+    (run / name).rmdir()
+  checkpoint.Workdir(str(run)).check_writable()
 
+
+def test_a_step_that_is_a_symbolic_link_is_refused_with_a_fix_that_works(tmp_path):
+  """WORKDIR/checkpoints/<step> -> elsewhere: the run, which deletes the steps past
+  keep_checkpoints, cannot remove a link (Orbax: 'Cannot call rmtree on a symbolic link' after
+  every save). Refused at the start, naming the link and commands that replace it by a copy of
+  its directory, which work; a link to nothing is to be removed. The linked data is untouched."""
+  run, elsewhere = tmp_path / 'run', tmp_path / 'elsewhere'
+  saved = _manager(str(run))
+  for step in (1, 2):
+    saved.save(step, _state(step), cost={'step': step})
+  saved.close()
+  steps = run / 'checkpoints'
+  elsewhere.mkdir()
+  os.rename(steps / '1', elsewhere / '1')
+  os.symlink(elsewhere / '1', steps / '1')
+  linked = sorted(os.listdir(elsewhere / '1'))
+  with pytest.raises(PermissionError) as info:
+    checkpoint.Workdir(str(run)).check_writable()
+  fix = f'rm {steps}/1 && cp -a {elsewhere}/1 {steps}/1'
+  assert str(info.value) == (
+      f"--workdir '{run}' cannot be used: its checkpoint step {steps}/1 is a symbolic link (to "
+      f'{elsewhere}/1), which the run cannot remove when it deletes the steps past '
+      '--config.keep_checkpoints (each rerun would save one step, then fail). Replace it by a '
+      f'copy of the directory it points to ({fix}), then rerun.')
+  assert sorted(os.listdir(elsewhere / '1')) == linked and os.path.islink(steps / '1')
+  subprocess.run(fix, shell=True, check=True)
+  checkpoint.Workdir(str(run)).check_writable()
+  saved = _manager(str(run), keep=2)  # Deletes step 1, the copy, as it saves step 3.
+  saved.save(3, _state(3), cost={'step': 3})
+  saved.close()
+  assert sorted(os.listdir(steps)) == ['2', '3'] and sorted(os.listdir(elsewhere / '1')) == linked
+  os.symlink(tmp_path / 'nothing', steps / '4')
+  with pytest.raises(PermissionError, match=(
+      rf'its checkpoint step {steps}/4 is a symbolic link to nothing \({tmp_path}/nothing\), '
+      rf'.*Remove it \(rm {steps}/4\), then rerun\.$')):
+    checkpoint.Workdir(str(run)).check_writable()
 
 def test_only_workdir_spells_the_layout():
   """The layout's names live in vit_jax/rundir.py; workdir.py, the other checkpoint modules and

@@ -4,6 +4,7 @@ attention) and the parser of the configs' arguments (vit_jax.config)."""
 import dataclasses
 import json
 import pathlib
+import re
 import shutil
 
 import jax
@@ -210,6 +211,13 @@ def test_resolve_fills_lengths_classes_and_attention_and_locks():
   # Resolving a resolved config changes nothing: what config.json holds reproduces the run.
   again = _resolve(config_lib.from_json(config_lib.to_json(resolved)), examples=1000, classes=7)
   assert json.loads(config_lib.to_json(again)) == json.loads(config_lib.to_json(resolved))
+  # A config.json nested too deep or of another shape: a ValueError naming the field.
+  for text, problem in (("[" * 300_000, "The config is nested more than 64 levels deep"),
+                        ('{"model_name": 3}', "A config's model_name is a string, got 3."),
+                        ('{"model_name": "ViT-B_16", "model": [1]}',
+                         "A config's model is a JSON object, got [1].")):
+    with pytest.raises(ValueError, match=re.escape(problem)):
+      config_lib.from_json(text)
 
 
 def test_resolve_takes_pretrained_dir_and_refuses_a_missing_checkpoint(tmp_path):

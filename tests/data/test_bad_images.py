@@ -19,6 +19,7 @@ import pytest
 from tests import data_utils
 from vit_jax import config as config_lib
 from vit_jax import data
+from vit_jax.data import files
 from vit_jax.data import sources
 from vit_jax.tools import predict
 import tensorflow_datasets as tfds  # pylint: disable=g-bad-import-order
@@ -314,7 +315,7 @@ def test_links_to_nothing_and_non_utf8_names_are_named_before_any_work(
 
 
 @contextlib.contextmanager
-def _unblocked_after(fifo, seconds):
+def unblocked_after(fifo, seconds):
   """A reader left waiting on `fifo` after `seconds` gets its end of file (a
   regression then fails instead of hanging the suite)."""
   done = threading.Event()
@@ -345,7 +346,7 @@ def test_a_fifo_named_like_an_image_is_refused_or_skipped_and_never_read(
   root, _ = _folder(tmp_path)
   fifo = os.path.join(root, 'train', 'class_0', 'x.jpg')
   os.mkfifo(fifo)
-  with _unblocked_after(fifo, 60):
+  with unblocked_after(fifo, 60):
     with pytest.raises(FileNotFoundError) as error:
       sources.get_source(_cfg(image_folder=root))
     assert str(error.value) == (
@@ -371,6 +372,10 @@ def test_a_fifo_named_like_an_image_is_refused_or_skipped_and_never_read(
         os.path.join(folder, f'img_{i}.png') for i in range(3)]
     assert err == (f'WARNING: skipped {fifo}: a FIFO, not an image file: '
                    'reading it would wait forever.\n')
+    # From Python too (Predictor.preprocess, eval_input): refused, never opened.
+    with pytest.raises(OSError, match=f'^{re.escape(fifo)} is a FIFO, not an '
+                       'image file.$'):
+      files.read_bytes(fifo)
 
 
 # --------------------------------------------------- unusual, valid images

@@ -741,17 +741,25 @@ def test_shuffle_memory_log_and_warnings(caplog):
 
 
 def test_train_iterator_logs_its_shuffle_memory(folder, fake_fmnist, caplog):
-  def line(cfg, global_batch, process_index=0, process_count=1):
+  def line(cfg, global_batch, process_index=0, process_count=1, read=None):
     caplog.clear()
     with caplog.at_level(logging.INFO):
       data.create_train_iterator(cfg, global_batch, seed=0, process_index=process_index,
-                                 process_count=process_count)
+                                 process_count=process_count, read=read)
     lines = [r.getMessage() for r in caplog.records if 'host memory' in r.getMessage()]
     assert len(lines) == 1, lines
     return lines[0]
-  # Process 1 of 2 reads 6 of the 12 train images, decoded 8 x 6 x 3 = 144 bytes (+600), through
-  # a buffer (an image folder has no static image size); 2 x (4 x 4 x 3 + 3) x 4 bytes x 9.5.
+  # Process 1 of 2 reads 6 of the 12 train images, decoded 8 x 6 x 3 = 144 bytes and an int64
+  # label each, held by index (no static image size: the mean of those read, before they are);
+  # batch buffers 2 x (4 x 4 x 3 + 3) x 4 bytes x 9.5.
   assert line(_cfg(image_folder=folder, cache=True), 4, 1, 2).startswith(
+      'Input pipeline host memory (process 1 of 2): shuffle buffer none (read by index); decoded '
+      'images in memory (config.data.cache) = 912 B (mean of 6 read); batch buffers 9.5 x 2 '
+      'examples x 204 B (float32 4x4x3 image + 3 labels; prefetch 2 + per-batch map 2 + 5.5 '
+      'more) = 3.8 KiB; total ~4.7 KiB of ')
+  # A run that started reading it in order (train.py passes its record's mode): through a buffer
+  # of 744 bytes (+600) per element, sharing tf.data's cache.
+  assert line(_cfg(image_folder=folder, cache=True), 4, 1, 2, read='in_order').startswith(
       'Input pipeline host memory (process 1 of 2): shuffle buffer 6 elements x 744 B (decoded '
       'uint8 images, mean of 6 read; +600 B per element) = 4.4 KiB; the cache '
       '(config.data.cache) holds 6 decoded images = 4.4 KiB, whose tensors the buffer shares; '
@@ -795,8 +803,8 @@ def test_array_record_files_added_by_the_tool_are_read_by_index(tmp_path, caplog
   assert to_array_record.main([path, '--workers', '2']) == 0
   assert capsys.readouterr().out.splitlines() == [
       f'{path}: 2 TFRecord shards, 0.00 GiB, 2 at a time...',
-      f'{path}: 2 ArrayRecord shards, 22 examples (all written now); training now reads it by '
-      'index.']
+      f'{path}: 2 ArrayRecord shards, 22 examples (all written now); runs started from now on '
+      'read it by index (a run that read it in order goes on so).']
   assert sorted(os.listdir(path)) == [
       'dataset_info.json', 'features.json',  # Only dataset_info.json changed.
       'tiny_multi_label-test.array_record-00000-of-00001',

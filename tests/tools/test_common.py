@@ -18,6 +18,26 @@ def test_a_multi_line_error_is_one_fatal_line(capsys):
   assert capsys.readouterr().err == "FATAL: No such file or directory: '/nope'\n"
 
 
+@pytest.mark.parametrize("tool, argv, fatal", [
+    ("predict", ["gs:///x.npz", "x.png"],
+     "FATAL: SOURCE gs:///x.npz names no bucket: write gs://BUCKET/x.npz.\n"),
+    ("convert", ["x.npz", "gs://"], "FATAL: DST gs:// names no bucket: write gs://BUCKET/PATH.\n"),
+    ("to_array_record", ["x", "--data-dir", "gs://My_Bucket/tfds"],
+     "FATAL: --data-dir gs://My_Bucket/tfds: 'My_Bucket' is not a Cloud Storage bucket name (3-63 "
+     "characters of a-z, 0-9, '-', '_' and '.', beginning and ending with a letter or digit): "
+     "write gs://BUCKET/tfds with the name of your bucket.\n"),
+], ids=["predict", "convert", "to_array_record"])
+def test_a_gs_url_without_a_bucket_is_a_usage_error_of_every_tool(tool, argv, fatal, capsys):
+  """Every tool's parser checks each gs:// argument (SOURCE, DST, --data-dir, ...): one FATAL line
+  naming the argument and the fix, exit 2, before anything reads it (was: TensorFlow's traceback
+  "GCS path doesn't contain a bucket name")."""
+  import importlib  # pylint: disable=g-import-not-at-top
+  module = importlib.import_module(f"vit_jax.tools.{tool}")
+  with pytest.raises(SystemExit) as info:
+    module.main(argv)
+  assert info.value.code == 2 and capsys.readouterr().err == fatal
+
+
 def test_settings_are_python_literals_or_strings():
   assert common.parse_setting("embed_dim=64") == ("embed_dim", 64)
   assert common.parse_setting("tokens_type=performer") == ("tokens_type", "performer")

@@ -4,6 +4,7 @@ no trainer."""
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -27,6 +28,48 @@ def _b16_config():
   config.total_steps = 1000
   config.optim.warmup_steps = 0
   return config
+
+
+def test_the_mfu_of_a_preflight_report_prices_the_run(tmp_path, capsys):
+  """--preflight FILE: the train step's MFU that a pre-flight estimated (its --json report) for
+  the config's model, TPU kind and compute dtype; refused for another one, without an estimate,
+  and beside --mfu."""
+  config = _b16_config()
+  report = {"accelerator": "v4-8", "device_kind": "TPU v4", "model": config.model_name,
+            "dtype": str(config.model.dtype), "batch_per_device": 128, "mfu": 0.5,
+            "steps": {"train": {"estimate_note": ""}}}
+  path = tmp_path / "b16.json"
+  path.write_text(json.dumps(report))
+  mfu, source = cost.preflight_mfu(str(path), config, "v4-16")  # 512 images on 8 chips.
+  assert mfu == 0.5 and source == ("the TPU compiler's estimate of the train step on v4-8 at 128 "
+                                   f"images per device, from {path}; this run has 64 per device")
+  est = cost.estimate(config, "v4-16", mfu, num_train_examples=1_000_000, num_classes=1000,
+                      mfu_source=source)
+  assert est["days"] == pytest.approx(est["training_flops"] / (0.5 * 8 * 275e12) / DAY)
+  assert f"\nMFU            50.0% ({source})\n" in cost.format_estimate(est, "v4-16")
+  assert "\nassumed MFU    50%\n" in cost.format_estimate(cost.estimate(
+      config, "v4-16", 0.5, num_train_examples=1_000_000, num_classes=1000), "v4-16")
+  for changed, message in (
+      ({"device_kind": "TPU v3"}, "estimates device_kind 'TPU v3', but this run's TPU kind "
+       "(v4-16) is 'TPU v4': its MFU does not carry over."),
+      ({"model": "ViT-L_16"}, f"estimates model 'ViT-L_16', but this run's model is "
+       f"'{config.model_name}'"),
+      ({"dtype": "float16"}, "estimates dtype 'float16', but this run's compute dtype is"),
+      ({"mfu": None, "steps": {"train": {"estimate_note": "the TPU compiler gave no estimate "
+                                         "of the step's time"}}},
+       "has no estimated MFU of the train step (the TPU compiler gave no estimate of the step's "
+       "time)."),
+      ({"steps": None}, "is not a pre-flight report; give the file that python -m "
+       "vit_jax.preflight --json wrote.")):
+    path.write_text(json.dumps({**report, **changed}))
+    with pytest.raises(ValueError, match=re.escape(f"{path} {message}")):
+      cost.preflight_mfu(str(path), config, "v4-16")
+  with pytest.raises(ValueError, match="no such file; write it with python -m vit_jax.preflight"):
+    cost.preflight_mfu(str(tmp_path / "none.json"), config, "v4-16")
+  assert cost.main(["--config", os.path.join(ROOT, "configs/fashion_mnist.py"), "--mfu", "0.3",
+                    "--preflight", str(path)]) == 2
+  assert "FATAL: Give --mfu (assumed) or --preflight FILE (estimated), not both." in \
+      capsys.readouterr().err
 
 
 def test_estimator_counts_the_configured_schedule():
@@ -172,3 +215,37 @@ def test_a_directory_without_a_cost_account_is_refused_with_the_fix(tmp_path, ca
   assert cost.main(["--figure", "x.png", "--table2"]) == 2
   assert "FATAL: --figure draws a run's ledger: give its WORKDIR." in capsys.readouterr().err
   assert not list(tmp_path.iterdir())
+
+
+def test_a_cost_json_that_is_no_account_is_one_fatal_line_naming_it(tmp_path, capsys):
+  """Too deep, of another shape, a directory: exit 2 and one FATAL line naming the file, the
+  problem and the fix (was: a RecursionError or KeyError traceback)."""
+  workdir, _ = _workdir_with_cost(tmp_path)
+  cost_json = workdir / "cost.json"
+  fix = "restore it, or delete it to see the latest checkpoint's account.\n"
+  for text, problem in (
+      ("[" * 300_000, "is nested more than 64 levels deep, deeper than any JSON file read here "
+       "(a damaged or foreign file)"),
+      ('{"attempts": [{"x": 1}], "seconds": {"program": 5e9}}',
+       "is not a cost account of python -m vit_jax.main (hardware is missing)"),
+      ("[1, 2]", "is not a JSON object")):
+    cost_json.write_text(text)
+    assert cost.main([str(workdir)]) == 2
+    assert capsys.readouterr().err == f"FATAL: {cost_json} {problem}; {fix}"
+  cost_json.unlink()
+  cost_json.mkdir()
+  assert cost.main([str(workdir)]) == 2
+  assert capsys.readouterr().err == (f"FATAL: {cost_json} is a directory, not a JSON file: remove "
+                                     "it (a run writes a file there).\n")
+
+
+@pytest.mark.slow
+def test_the_command_on_a_cost_json_nested_300000_deep_is_one_fatal_line(tmp_path):
+  workdir, _ = _workdir_with_cost(tmp_path)
+  (workdir / "cost.json").write_text("[" * 300_000)
+  proc = _run_cost(str(workdir))
+  assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+  assert proc.stderr.splitlines() == [
+      f"FATAL: {workdir}/cost.json is nested more than 64 levels deep, deeper than any JSON file "
+      "read here (a damaged or foreign file); restore it, or delete it to see the latest "
+      "checkpoint's account."]

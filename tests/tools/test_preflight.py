@@ -8,11 +8,14 @@ skipped without it; the others run everywhere."""
 
 import functools
 import importlib.util
+import json
 import os
 import re
 import subprocess
 import sys
 
+import jax
+import jax.numpy as jnp
 import ml_collections
 import pytest
 
@@ -23,6 +26,7 @@ from vit_jax import step
 from vit_jax.tools import cost
 from vit_jax.tools.preflight import cli as preflight_cli
 from vit_jax.tools.preflight import collectives
+from vit_jax.tools.preflight import estimate
 from vit_jax.tools.preflight import fit
 from vit_jax.tools.preflight import search
 from vit_jax.tools.preflight import topology
@@ -222,6 +226,120 @@ def test_the_command_line_takes_switches_and_config_overrides():
   assert "collectives that cross slices" in text
 
 
+def _accumulated_layers(w, xs):
+  """4 micro-batches (a scan) of a 3-layer scan's gradient; a 1-trip scan; a 5-trip scan."""
+  def loss(w, x):
+    x, _ = jax.lax.scan(lambda x, w: (jnp.tanh(x @ w), None), x, w)
+    return x.sum()
+  grads, _ = jax.lax.scan(lambda g, x: (g + jax.grad(loss)(w, x), None), jnp.zeros_like(w), xs)
+  once, _ = jax.lax.scan(lambda x, _: (x @ w[0], None), xs[0], None, length=1)
+  five, _ = jax.lax.scan(lambda x, _: (x @ w[1], None), xs[0], None, length=5)
+  return grads, once, five
+
+
+def _dots(jaxpr, as_xla: bool) -> int:
+  """The jaxpr's `dot_general`s as they run (`as_xla=False`) or as XLA's cost analysis counts
+  them: a loop's body once, jax's `unroll` putting that many trips in it and running the rest
+  after it (2 trips with unroll 2: no loop)."""
+  total = 0
+  for eqn in jaxpr.eqns:
+    runs = 1
+    if eqn.primitive.name == "scan":
+      length, unroll = eqn.params["length"], int(eqn.params["unroll"])
+      trips, rest = divmod(length, unroll)
+      if unroll != 1 and trips == 1 and rest == 0:
+        trips, rest = 0, length
+      runs = (unroll if trips else 0) + rest if as_xla else length
+    total += eqn.primitive.name == "dot_general"
+    for param in eqn.params.values():
+      for sub in param if isinstance(param, (tuple, list)) else (param,):
+        if hasattr(sub, "jaxpr") or hasattr(sub, "eqns"):
+          total += runs * _dots(getattr(sub, "jaxpr", sub), as_xla)
+  return total
+
+
+class _Counted:
+  """A compiled program as a compiler that counts a loop's body once would cost it."""
+
+  def __init__(self, jaxpr, seconds_per_dot=1e-3):
+    self.dots = _dots(jaxpr, as_xla=True)
+    self.seconds = seconds_per_dot * self.dots
+
+  def cost_analysis(self):
+    return {"flops": 10.0 * self.dots, "optimal_seconds": self.seconds}
+
+
+def test_each_loop_level_is_measured_once_and_counted_as_it_runs():
+  """Nested scans (4 micro-batches around a 3-layer scan and its transpose), a 1-trip scan (runs
+  as counted) and a 5-trip one (odd: jax runs the last trip after the loop): from a compiler
+  that counts a loop's body once, the totals count every body as it runs."""
+  traced = jax.make_jaxpr(_accumulated_layers)(jnp.zeros((3, 8, 8)), jnp.zeros((4, 2, 8)))
+  assert estimate.scan_levels(traced.jaxpr) == {(4,): 1, (4, 3): 2, (5,): 1}
+  variants = []
+
+  def compile_fn(variant):
+    variants.append(variant)
+    return _Counted(variant.jaxpr)
+
+  cost = estimate.step_cost(_Counted(traced.jaxpr), traced, compile_fn)
+  runs, once = _dots(traced.jaxpr, as_xla=False), _dots(traced.jaxpr, as_xla=True)
+  assert (runs, once) == (4 * 3 * 3 + 1 + 5, 3 + 1 + 1)  # A layer's forward, 2 in its transpose.
+  assert cost.once == {"flops": 10.0 * once, "optimal_seconds": pytest.approx(1e-3 * once)}
+  assert cost.total == {"flops": pytest.approx(10.0 * runs),
+                        "optimal_seconds": pytest.approx(1e-3 * runs)}
+  assert cost.seconds == pytest.approx(1e-3 * runs) and cost.missing == ""
+  assert len(variants) == 3 and [loop.level for loop in cost.loops] == [(4,), (4, 3), (5,)]
+  assert [loop.runs for loop in cost.loops] == [4, 12, 5]
+  assert cost.loops[1].body == {"flops": 30.0, "optimal_seconds": pytest.approx(3e-3)}
+  assert cost.describe_loops() == "2 scans x 3 inside x 4; 1 scan x 4; 1 scan x 5"
+  # The variants: the innermost level's scans unrolled (3 of 3, behind barriers), a level
+  # around others 2 trips per body (a loop of 2 left: not the whole model copied 4 times).
+  levels = estimate.scan_levels(traced.jaxpr)
+  assert [estimate.per_body(level, levels) for level in sorted(levels)] == [2, 3, 5]
+  assert [estimate.per_body((n,), {(n,): 1, (n, 3): 2}) for n in (4, 9, 5, 2, 12)] == [
+      2, 3, 5, 2, 2]
+  scans = lambda j: sorted((e.params["length"], e.params["unroll"]) for e in j.eqns
+                           if e.primitive.name == "scan")
+  assert scans(traced.jaxpr) == [(1, 1), (4, 1), (5, 1)]
+  assert scans(estimate.unrolled(traced.jaxpr, (4,), 2)) == [(1, 1), (4, 2), (5, 1)]
+  fenced = estimate.unrolled(traced.jaxpr, (5,), 5)
+  assert scans(fenced) == [(1, 1), (4, 1), (5, 5)]
+  body = next(e for e in fenced.eqns if e.params.get("length") == 5).params["jaxpr"]
+  assert getattr(body, "jaxpr", body).eqns[0].primitive.name == "optimization_barrier"
+  assert estimate.unrolled(traced.jaxpr, (7,), 7) is traced.jaxpr
+
+
+def test_a_step_without_an_estimate_says_why():
+  traced = jax.make_jaxpr(_accumulated_layers)(jnp.zeros((3, 8, 8)), jnp.zeros((4, 2, 8)))
+
+  class NoSeconds(_Counted):
+    def cost_analysis(self):  # libtpu's figure for an instruction it cannot price.
+      return {"flops": 10.0 * self.dots, "optimal_seconds": -1.0 + self.seconds}
+
+    def as_text(self):
+      return 'custom-call(%a), custom_call_target="SomethingElse"'
+
+  cost = estimate.step_cost(_Counted(traced.jaxpr), traced, NoSeconds)
+  assert cost.seconds is None and cost.total["flops"] == pytest.approx(10.0 * 42)
+  assert cost.missing == ("the TPU compiler gave no estimate of a variant's time (more trips "
+                          "per body)")
+  assert estimate.step_cost(NoSeconds(traced.jaxpr), traced, _Counted).missing == (
+      "the TPU compiler gave no estimate of the step's time")
+
+  def fails(message):
+    def compile_fn(variant):
+      raise RuntimeError(message)
+    return compile_fn
+
+  cost = estimate.step_cost(_Counted(traced.jaxpr), traced, fails(
+      "RESOURCE_EXHAUSTED: Ran out of memory in memory space hbm."))
+  assert cost.total == {} and cost.seconds is None
+  assert cost.missing == ("the step with the scans x 4 running 2 trips per body, compiled to "
+                          "measure one, does not fit the HBM")
+  with pytest.raises(RuntimeError, match="INTERNAL: something else"):
+    estimate.step_cost(_Counted(traced.jaxpr), traced, fails("INTERNAL: something else"))
+
+
 # ---------------------------------------------------------------- with libtpu
 
 
@@ -261,6 +379,111 @@ def test_tiny_models_compile_for_v3_and_v4_slices_and_fit(model, accelerator, de
   for row in ("parameters", "optimizer state", "batch", "temporaries", "total", "compile time"):
     assert f"\n{row} " in report
   assert f"{64 // hosts} per host x {hosts} = {64 // devices} per device" in report
+
+
+# A ViT wide enough for its layers to be most of the step (D=128, 65 tokens, 16 images a chip).
+LAYERED = {"data.image_size": 64, "model.hidden_size": 128, "model.mlp_dim": 512,
+           "model.num_heads": 4}
+
+
+@functools.lru_cache(maxsize=None)
+def _layers_on_v4_8(layers: int, scan: bool) -> fit.Result:
+  """LAYERED's train step estimated on a v4-8 (4 chips), compiled once per test session."""
+  return fit.check(_config(TINY_VIT, **LAYERED, **{"model.num_layers": layers,
+                                                   "model.scan": scan}),
+                   topology.tpu_slice("v4-8"), eval_step=False, estimate=True)
+
+
+@requires_libtpu
+def test_the_estimate_of_4_scanned_layers_is_twice_2_layers():
+  """The scanned layers' body (forward and backward) measured by a second compile (the layers
+  unrolled) and counted as many times as it runs; the compiler's own figure of the scanned
+  step, which counts the body once, is not twice."""
+  two, four = (_layers_on_v4_8(n, True) for n in (2, 4))
+  cost = four.train.cost
+  assert 1.6 <= cost.seconds / two.train.cost.seconds <= 2.4
+  assert cost.once["optimal_seconds"] / two.train.cost.once["optimal_seconds"] < 1.4
+  assert [(l.level, l.scans) for l in cost.loops] == [((4,), 2)]  # Forward, backward.
+  assert cost.describe_loops() == "2 scans x 4" and cost.compile_seconds > 0
+  assert cost.total["flops"] > 3 * cost.once["flops"]
+  speed = four.speed(four.train)
+  # A lower bound of the time, at least the analytic FLOPs at the slice's peak.
+  assert four.peak_flops == 4 * 275e12
+  assert speed.seconds >= four.train_flops / four.peak_flops and 0 < speed.mfu <= 1
+  assert speed.mfu == pytest.approx(four.train_flops / (speed.seconds * 4 * 275e12))
+  assert speed.images_per_second == pytest.approx(64 / speed.seconds)
+  assert (speed.per_chip, speed.per_core) == pytest.approx((64 / speed.seconds / 4,
+                                                            64 / speed.seconds / 8))
+  report = preflight_cli.format_result(four)
+  assert "each loop's body counted as many times as it runs (train step 2 scans x 4;" in report
+  for row, value in (("est. step time", f"{speed.seconds * 1e3:.3g} ms"),
+                     ("  per core", f"{speed.per_core:,.0f}"), ("est. MFU", f"{speed.mfu:.1%}")):
+    assert re.search(rf"\n{re.escape(row)} +{re.escape(value)}\n", report + "\n"), row
+
+
+@requires_libtpu
+@pytest.mark.slow
+def test_the_estimate_of_4_unrolled_layers_is_twice_2_layers_and_the_scanned_estimate():
+  """Unrolled layers are counted by the compiler as they run: no loops, no second compile;
+  4 layers 1.6-2.4 times 2, and within a few percent of the scanned step's estimate."""
+  two, four = (_layers_on_v4_8(n, False).train.cost for n in (2, 4))
+  assert 1.6 <= four.seconds / two.seconds <= 2.4
+  assert four.describe_loops() == "no loops" and four.total == four.once and not four.loops
+  scanned = _layers_on_v4_8(4, True).train.cost
+  assert scanned.total["flops"] == pytest.approx(four.total["flops"], rel=0.02)
+  assert scanned.seconds == pytest.approx(four.seconds, rel=0.15)
+
+
+@requires_libtpu
+@pytest.mark.slow
+def test_accumulation_around_the_layers_is_counted_as_it_runs():
+  """Two micro-batches of 32 (a scan around the layers' scans) do the work of one batch of 64:
+  about its estimated time, where the compiler's own figure counts one micro-batch."""
+  tpu = topology.tpu_slice("v4-8")
+  three = {**LAYERED, "model.num_layers": 3}
+  whole = fit.check(_config(TINY_VIT, **three), tpu, eval_step=False, estimate=True).train.cost
+  split = fit.check(_config(TINY_VIT, **three, grad_accum_steps=2), tpu, eval_step=False,
+                    estimate=True).train.cost
+  assert [(l.level, l.scans) for l in split.loops] == [((2,), 1), ((2, 3), 2)]
+  assert split.describe_loops() == "2 scans x 3 inside x 2; 1 scan x 2"
+  assert 0.8 < split.seconds / whole.seconds < 1.5
+  assert split.total["flops"] == pytest.approx(whole.total["flops"], rel=0.1)
+  assert split.once["flops"] < 0.7 * whole.total["flops"]
+
+
+@requires_libtpu
+@pytest.mark.slow
+def test_the_json_report_gives_the_estimate_that_the_cost_tool_takes(tmp_path, capsys):
+  path = tmp_path / "out.json"
+  flags = _flags(TINY_VIT, **LAYERED)
+  proc = _preflight([*flags, "--accelerator", "v4-8", "--json", str(path)])
+  assert proc.returncode == 0, proc.stdout + proc.stderr
+  assert f"\nWrote {path}\n" in proc.stdout
+  report = json.loads(path.read_text())
+  assert (report["accelerator"], report["devices"], report["chips"], report["cores"]) == (
+      "v4-8", 4, 4, 8)
+  assert (report["batch_size"], report["batch_per_device"], report["fits"]) == (64, 16, True)
+  train, evaluation = report["steps"]["train"], report["steps"]["eval"]
+  seconds = report["estimated_step_seconds"]
+  assert seconds == train["estimated_step_seconds"] and evaluation["estimated_step_seconds"] > 0
+  flops_per_step = report["flops_per_step"]
+  assert seconds >= flops_per_step["analytic"] / report["peak_flops"]
+  assert report["mfu"] == pytest.approx(flops_per_step["analytic"] / (seconds * 4 * 275e12))
+  assert 0.9 < flops_per_step["compiler"] / flops_per_step["analytic"] < 1.5
+  assert train["images_per_second_per_chip"] == pytest.approx(64 / seconds / 4)
+  memory = report["memory_per_device"]
+  assert memory == train["memory_per_device"]
+  assert memory["params"] == report["parameter_bytes"] and memory["total"] < memory["hbm"]
+  assert [loop["trips"] for loop in train["loops"]] == [[2]]
+  # The cost of a planned run on a v4-32 at that MFU; another TPU kind's report is refused.
+  flags = ["--config", os.path.join(ROOT, TINY_VIT[0]), *flags[2:]]
+  assert cost.main([*flags, "--accelerator", "v4-32", "--preflight", str(path)]) == 0
+  out = capsys.readouterr().out
+  assert (f"MFU            {report['mfu']:.1%} (the TPU compiler's estimate of the train step on "
+          f"v4-8 at 16 images per device, from {path}; this run has 4 per device)") in out
+  assert cost.main([*flags, "--accelerator", "v3-32", "--preflight", str(path)]) == 2
+  assert "estimates device_kind 'TPU v4', but this run's TPU kind (v3-32) is 'TPU v3'" in \
+      capsys.readouterr().err
 
 
 @requires_libtpu

@@ -12,6 +12,7 @@ from vit_jax.checkpoint import ecosystem
 from vit_jax.checkpoint import formats  # noqa: F401 (checkpoint.formats)
 from vit_jax.checkpoint import orbax  # noqa: F401 (checkpoint.orbax)
 from vit_jax.checkpoint import tree
+from vit_jax.checkpoint import vit_shapes
 from vit_jax.checkpoint import workdir  # noqa: F401 (checkpoint.workdir)
 from vit_jax.checkpoint.archive import DamagedCheckpointError
 from vit_jax.checkpoint.finetune import init_for_finetuning, resample_patchemb, resize_posemb
@@ -75,12 +76,15 @@ def posemb_resize(ckpt: Checkpoint, model: Any = None) -> str:
 
 
 def load_for_finetuning(path: Any, model: Any, fresh: Mapping, *, use_ema: bool = True,
-                        reset_head: bool = True,
-                        grid: Optional[Sequence[int]] = None) -> Dict[str, Any]:
+                        reset_head: bool = True, grid: Optional[Sequence[int]] = None,
+                        image_size: Any = None) -> Dict[str, Any]:
   """:func:`init_for_finetuning` from the checkpoint at ``path``, read at its own class count
   and input size (other numerics than ``model``'s: a warning), its position table resized by
-  :func:`posemb_resize`; ``fresh``: ``model``'s initial variables. Raises ValueError: NaN or Inf
-  weights (named); as :func:`load`."""
+  :func:`posemb_resize` from the grid the checkpoint records (:meth:`Checkpoint.table_grid`;
+  where it records none, a table as large as the model's is the grid of ``model.posemb_grid``
+  when set) to the model's, ``grid`` (default: ``model.posemb_grid``, else its token grid of
+  ``image_size``, ``H`` or ``(H, W)``); ``fresh``: ``model``'s initial variables. Raises
+  ValueError: NaN or Inf weights (named); as :func:`load` and :func:`init_for_finetuning`."""
   ckpt = open(path)
   loaded = ckpt.read_for_finetuning(model, use_ema)
   bad = tree.non_finite(loaded)
@@ -91,5 +95,15 @@ def load_for_finetuning(path: Any, model: Any, fresh: Mapping, *, use_ema: bool 
   if all(hasattr(model, k) for k in ('classifier', 'num_registers', 'no_embed_class')):  # A ViT.
     prefix_rows = models.vit.posemb_prefix_rows(model.classifier, model.num_registers,
                                                 model.no_embed_class)
+  stated = getattr(model, 'posemb_grid', None)
+  if grid is None and isinstance(model, models.VisionTransformer):
+    grid = stated or vit_shapes.token_grid(image_size, {
+        'patch_size': model.patch_size, 'resnet_num_layers': model.resnet_num_layers})
+  shapes = tree.shapes(loaded)
+  checkpoint_grid = ckpt.table_grid(shapes) if vit_shapes.POSEMB_KEY in shapes else None
+  if (checkpoint_grid is None and stated and shapes.get(vit_shapes.POSEMB_KEY)
+      == tree.shapes(models.unbox(fresh)).get(vit_shapes.POSEMB_KEY)):
+    checkpoint_grid = tuple(stated)  # What the model is told its table is.
   return init_for_finetuning(loaded, fresh, reset_head=reset_head, grid=grid,
+                             checkpoint_grid=checkpoint_grid,
                              posemb_resize=posemb_resize(ckpt, model), prefix_rows=prefix_rows)

@@ -7,7 +7,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import io
-import json
 import os
 import struct
 import zipfile
@@ -16,6 +15,7 @@ from typing import Any, BinaryIO, Dict, Iterator, Mapping, Optional, Tuple, Unio
 
 import numpy as np
 
+from vit_jax import rundir
 from vit_jax.checkpoint import durable
 from vit_jax.checkpoint import paths
 
@@ -146,8 +146,8 @@ def read_header(path: str, head: bytes = b'') -> Header:
     raise damaged_file(f'its header length ({size:,} bytes) is not a safetensors one')
   data = paths.read_bytes(path, 8 + size)[8:]
   try:
-    header = json.loads(data.decode('utf-8'))
-  except (UnicodeDecodeError, ValueError):
+    header = rundir.parse_json(data, path, max_bytes=_MAX_SAFETENSORS_HEADER)
+  except ValueError:  # Not JSON, or nested deeper than any header (rundir.MAX_JSON_DEPTH).
     raise damaged_file(f'its {size:,}-byte JSON header cannot be read') from None
   if not isinstance(header, dict):
     raise damaged_file('its header is not a JSON object')

@@ -137,6 +137,21 @@ def _prefix_hint(have: int, want: int) -> str:
           'num_registers and no_embed_class.')
 
 
+def _unrecorded_grid_message(grid: Tuple[int, int]) -> str:
+  """Why a table of ``gh * gw`` grid rows whose grid is not known is refused for a model of the
+  non-square ``grid``, and how to say which grid it is (the model's ``posemb_grid``)."""
+  gh, gw = grid
+  side = vit_shapes.square_side(gh * gw)
+  square, other = ((f'{side}x{side} (square images)', f'({side}, {side})') if side else
+                   (f'made for another grid of {gh * gw} tokens', '(rows, columns)'))
+  shown = f'the {side}x{side} table' if side else 'the table'
+  return (f'The fine-tuning checkpoint records no token grid for its position table of {gh * gw} '
+          f"grid rows, and the model's grid is {gh}x{gw}, not square: whether the table is "
+          f'{square}, to be resampled, or already {gh}x{gw} cannot be told from its shape. Say '
+          f'which with --config.model.posemb_grid={other} (the model keeps {shown} and '
+          f'resamples it to {gh}x{gw} as it runs) or --config.model.posemb_grid=({gh}, {gw}).')
+
+
 def init_for_finetuning(loaded: Mapping, fresh: Mapping, *, reset_head: bool = True,
                         grid: Optional[Sequence[int]] = None,
                         checkpoint_grid: Optional[Sequence[int]] = None,
@@ -154,9 +169,12 @@ def init_for_finetuning(loaded: Mapping, fresh: Mapping, *, reset_head: bool = T
     (:data:`vit_jax.models.resample.RESIZE_METHODS`; :func:`resize_posemb`), its rows before
     the grid kept: one per class token and register (none with ``no_embed_class``;
     :func:`vit_shapes.table_prefix_rows`), which must be as many in both tables (``grid`` and
-    ``checkpoint_grid``: the ``(rows, columns)`` of non-square token grids; ``prefix_rows``:
-    the model's, ``vit.posemb_prefix_rows`` of its fields, where a table's rows with and
-    without them could both be square grids);
+    ``checkpoint_grid``: the model's and the checkpoint's ``(rows, columns)``, None: square;
+    ``prefix_rows``: the model's, ``vit.posemb_prefix_rows`` of its fields, where a table's rows
+    with and without them could both be square grids); whenever the grids differ, also at the
+    same row count (a 2x2 grid into a 1x4 one). A table as large as the model's whose grid is
+    not given is kept where the model's grid is square, and refused (ValueError naming
+    ``posemb_grid``) where it is not: its shape cannot tell its grid;
   * ViT's patch-embedding kernel of another patch size is resampled (:func:`resample_patchemb`,
     FlexiViT's PI-resize; logged), not a hybrid's (ResNet stem: ModelMismatchError);
   * T2T-ViT's sinusoid table (``constants/pos_embed``) is regenerated (taken from ``fresh``);
@@ -195,7 +213,8 @@ def init_for_finetuning(loaded: Mapping, fresh: Mapping, *, reset_head: bool = T
     elif key in HEAD_KEYS:
       out[key] = np.asarray(have).astype(want.dtype)
       notes.append(f'kept {key} (reset_head=False, same class count)')
-    elif same_shape:
+    elif same_shape and (key != vit_shapes.POSEMB_KEY
+                         or grid is None and checkpoint_grid is None):  # (Both square.)
       out[key] = np.asarray(have).astype(want.dtype)
     elif (key == PATCHEMB_KEY and np.ndim(have) == 4 and want.ndim == 4
           and tuple(np.shape(have)[2:]) == tuple(want.shape[2:])):
@@ -204,13 +223,21 @@ def init_for_finetuning(loaded: Mapping, fresh: Mapping, *, reset_head: bool = T
     elif key == vit_shapes.POSEMB_KEY and np.ndim(have) == 3 and np.shape(have)[2] == want.shape[2]:
       fresh_prefix = (_posemb_prefix_rows(fresh_flat, want.shape[1], grid, "model's")
                       if prefix_rows is None or grid is not None else int(prefix_rows))
-      prefix = _posemb_prefix_rows(loaded_flat, np.shape(have)[1], checkpoint_grid, 'checkpoint',
-                                   fresh_prefix)
-      if prefix != fresh_prefix:  # Left to the mismatch report below.
+      unknown = same_shape and checkpoint_grid is None  # Its grid: the model's if square.
+      prefix = fresh_prefix if unknown else _posemb_prefix_rows(
+          loaded_flat, np.shape(have)[1], checkpoint_grid, 'checkpoint', fresh_prefix)
+      if prefix != fresh_prefix:  # Left to the mismatch report below (unless the same shape).
         posemb_hint = _prefix_hint(prefix, fresh_prefix)
+        if same_shape:
+          raise ModelMismatchError(posemb_hint)
         continue
-      old = _grid_of(np.shape(have)[1] - prefix, checkpoint_grid, 'checkpoint')
       new = _grid_of(want.shape[1] - prefix, grid, "model's")
+      if unknown and new[0] != new[1]:
+        raise ValueError(_unrecorded_grid_message(new))
+      old = new if unknown else _grid_of(np.shape(have)[1] - prefix, checkpoint_grid, 'checkpoint')
+      if old == new:  # The same grid: kept as it is.
+        out[key] = np.asarray(have).astype(want.dtype)
+        continue
       out[key] = resample.resample_posemb(np.asarray(have), new, num_prefix_tokens=prefix,
                                           old_grid=old, method=posemb_resize).astype(want.dtype)
       notes.append(f'resized {change} ({old[0]}x{old[1]} -> {new[0]}x{new[1]} grid, {prefix} '

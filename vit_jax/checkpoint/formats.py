@@ -144,6 +144,13 @@ class Checkpoint:
     records none (``vit_jax.config`` sets a fine-tuning model's numerics from them)."""
     return None
 
+  def table_grid(self, shapes: Dict[str, Tuple[int, ...]]) -> Optional[Tuple[int, int]]:
+    """The ``(rows, columns)`` token grid that the learned position table of these weights
+    (``shapes``: :func:`tree.shapes` of what :meth:`read` gave) was made for, where the
+    checkpoint records it (a run's config; the image size of a converted checkpoint or a
+    transformers config), else None (an ``.npz`` or a timm file records no image size)."""
+    return None
+
   def read(self, *, model: Any = None, use_ema: bool = True, image_size: Any = None,
            evaluate: bool = True) -> Dict[str, Any]:
     """The variables (:func:`vit_jax.checkpoint.load`); with ``model`` and an image size (given,
@@ -265,6 +272,16 @@ class _Orbax(Checkpoint):
     return self._fitted(orbax.read_variables(item, use_ema=use_ema), model, image_size,
                         evaluate)
 
+  def table_grid(self, shapes):
+    run = workdir.read_run(self.path)
+    if run.config is None:  # A convert directory: the image size its source recorded, if any.
+      size = (orbax.read_export_metadata(run.state_item) or {}).get('image_size')
+      return vit_shapes.token_grid(size, vit_shapes.architecture_fields(shapes))
+    model = run.config.get('model') or {}
+    if model.get('posemb_grid'):
+      return tuple(int(g) for g in model['posemb_grid'])
+    return vit_shapes.token_grid((run.config.get('data') or {}).get('image_size'), model)
+
   def _contents(self, use_ema, step, model_name, overrides):
     run = workdir.read_run(self.path, step=step)
     variables = orbax.read_variables(run.state_item, use_ema=use_ema)
@@ -358,6 +375,10 @@ class _Hf(_Foreign):
 
   def fields(self, num_heads=None):
     return hf_vit.read_fields(self.probe.hf_directory, self.probe.hf_names)
+
+  def table_grid(self, shapes):
+    return vit_shapes.token_grid(hf_vit.read_config(self.probe.hf_directory).get('image_size'),
+                                 vit_shapes.architecture_fields(shapes))
 
   def _weights(self, num_heads, gelu_approximate=None):  # Both in config.json.
     return hf_vit.read(self.probe.hf_directory, self.probe.hf_names)

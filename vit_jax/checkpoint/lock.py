@@ -99,7 +99,7 @@ def _duration(seconds: float) -> str:
 
 def _parse(text: str) -> Optional[Dict[str, Any]]:
   try:
-    record = json.loads(text)
+    record = rundir.parse_json(text, rundir.LOCK_JSON)
   except ValueError:
     return None
   return record if isinstance(record, dict) else None
@@ -236,7 +236,8 @@ class WorkdirLock:
 
   def _read_record(self) -> Optional[Dict[str, Any]]:
     try:
-      return _parse(paths.read_bytes(self.path).decode('utf-8', 'replace'))
+      data = paths.read_bytes(self.path, rundir.MAX_JSON_BYTES + 1)
+      return _parse(data.decode('utf-8', 'replace'))
     except (OSError, ValueError):
       return None if not paths.exists(self.path) else {}
 
@@ -319,7 +320,8 @@ class WorkdirLock:
 
 
 def _read_fd(fd: int) -> str:
-  return os.pread(fd, os.fstat(fd).st_size, 0).decode('utf-8', 'replace')
+  size = min(os.fstat(fd).st_size, rundir.MAX_JSON_BYTES + 1)  # More: refused by _parse.
+  return os.pread(fd, size, 0).decode('utf-8', 'replace')
 
 
 def acquire_on_all_processes(lock: WorkdirLock) -> None:

@@ -183,18 +183,9 @@ def save_orbax(path: Any, variables: Mapping, *, overwrite: bool = False,
 def read_export_metadata(item: Any) -> Optional[Dict[str, Any]]:
   """The ``metadata`` :func:`save_orbax` kept with an item, or None; ValueError (named, with
   the fix) for a file that is not a JSON object."""
-  path = paths.join(paths.normalize(item), EXPORT_JSON)
-  if not paths.exists(path):
-    return None
-  try:
-    facts = json.loads(paths.read_bytes(path))
-  except ValueError as e:
-    facts = e
-  if not isinstance(facts, dict):
-    raise ValueError(f'{path} is not the JSON object python -m vit_jax.convert writes: restore '
-                     'it, or delete it (the class names and preprocessing are then the '
-                     'defaults of the weights).')
-  return facts
+  return rundir.read_json(paths.join(paths.normalize(item), EXPORT_JSON), fix=(
+      'restore it, or delete it (the class names and preprocessing are then the defaults of the '
+      'weights)'))
 
 
 def read_json_item(item: Any) -> Any:

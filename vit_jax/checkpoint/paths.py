@@ -5,12 +5,39 @@ from __future__ import annotations
 
 import errno
 import os
+import re
+import stat
 from typing import Any, List, Optional, Tuple
 
 
 def is_remote(path: str) -> bool:
   """Whether ``path`` has a scheme (``gs://...``) and so goes through ``tf.io.gfile``."""
   return '://' in path
+
+
+#: A Cloud Storage bucket name (https://cloud.google.com/storage/docs/buckets#naming): 3-63
+#: characters of a-z, 0-9, '-', '_' and '.' (up to 222 with dots, 63 between them), beginning
+#: and ending with a letter or a digit.
+_BUCKET = re.compile(r'[a-z0-9](?:[a-z0-9._-]{1,220})[a-z0-9]')
+
+
+def check_url(path: Any, what: str = 'The path') -> None:
+  """Refuses a ``gs://`` ``path`` (``what``: the flag or field that gave it) whose bucket is
+  missing or not a bucket name, before anything reads it (TensorFlow's error would be a
+  traceback, a write's one blames the network). Raises ValueError naming the fix."""
+  if not isinstance(path, str) or not path.startswith('gs://'):
+    return
+  bucket, _, rest = path[len('gs://'):].partition('/')
+  example = f"gs://BUCKET/{rest.lstrip('/') or 'PATH'}"
+  if not bucket:
+    raise ValueError(f'{what} {path} names no bucket: write {example}.')
+  parts = bucket.split('.')
+  if (not _BUCKET.fullmatch(bucket) or len(bucket) > (222 if len(parts) > 1 else 63)
+      or any(not 0 < len(p) <= 63 for p in parts)):
+    raise ValueError(
+        f'{what} {path}: {bucket!r} is not a Cloud Storage bucket name (3-63 characters of a-z, '
+        "0-9, '-', '_' and '.', beginning and ending with a letter or digit): write "
+        f'{example} with the name of your bucket.')
 
 
 def _gfile():
@@ -44,8 +71,28 @@ def remove(path: str) -> None:
     os.remove(path)
 
 
+def not_a_file(path: str) -> Optional[str]:
+  """What the local ``path`` is when it is no regular file, links followed (reading a FIFO or a
+  device waits forever): e.g. 'a FIFO', 'a broken or looping symbolic link'; None
+  for a regular file or nothing there."""
+  try:
+    mode = os.stat(path).st_mode
+  except OSError:
+    return 'a broken or looping symbolic link' if os.path.islink(path) else None
+  if stat.S_ISREG(mode):
+    return None
+  kinds = ((stat.S_ISFIFO, 'a FIFO'), (stat.S_ISSOCK, 'a socket'),
+           (stat.S_ISCHR, 'a device'), (stat.S_ISBLK, 'a device'), (stat.S_ISDIR, 'a directory'))
+  return next((kind for test, kind in kinds if test(mode)), 'not a regular file')
+
+
 def read_bytes(path: str, size: int = -1) -> bytes:
-  """The first ``size`` bytes of the file at ``path`` (default all; fewer if it is shorter)."""
+  """The first ``size`` bytes of the file at ``path`` (default all; fewer if it is shorter).
+  OSError (IsADirectoryError) for a local path that is no regular file, never opened."""
+  odd = None if is_remote(path) else not_a_file(path)
+  if odd and odd != 'a broken or looping symbolic link':  # open() names that one itself.
+    error = IsADirectoryError if odd == 'a directory' else OSError
+    raise error(f'{path} is {odd}, not a file that can be read.')
   with open_file(path, 'rb') as f:
     return f.read(size)
 

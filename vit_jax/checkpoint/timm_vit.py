@@ -14,6 +14,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
+from vit_jax import rundir
 from vit_jax.checkpoint import archive
 from vit_jax.checkpoint import hf_vit
 from vit_jax.checkpoint import torch_layout
@@ -102,6 +103,25 @@ def _canonical(tensors: Mapping[str, Any], path: str, chunk: Any) -> Dict[str, A
   return out
 
 
+def _saved(metadata: Mapping[str, str], path: str) -> Dict[str, Any]:
+  """The model facts this project wrote into a file's metadata (:data:`METADATA_KEY`; ``{}``
+  without), read bounded (:func:`rundir.parse_json`). Raises ValueError naming the file: not a
+  JSON object, or a field of the wrong type."""
+  if METADATA_KEY not in metadata:
+    return {}
+  name = f'the {METADATA_KEY!r} metadata of {path}'
+  fix = 'write the file again with python -m vit_jax.convert'
+  saved = rundir.parse_json(metadata[METADATA_KEY], name, fix=fix)
+  kinds = {'num_heads': (int, 'an integer'), 'layerscale_init': ((int, float), 'a number'),
+           'gelu_approximate': (bool, 'true or false'), 'label_names': (list, 'a list')}
+  if not isinstance(saved, dict):
+    raise ValueError(f'{name} is not a JSON object; {fix}.')
+  for key, (kind, what) in kinds.items():
+    if saved.get(key) is not None and not isinstance(saved[key], kind):
+      raise ValueError(f'{name}: {key} is {repr(saved[key])[:80]}, not {what}; {fix}.')
+  return saved
+
+
 def fields_from(shapes: Mapping[str, Tuple[int, ...]], metadata: Mapping[str, str],
                 path: str, num_heads: Optional[int] = None,
                 gelu_approximate: Optional[bool] = None) -> Dict[str, Any]:
@@ -114,7 +134,7 @@ def fields_from(shapes: Mapping[str, Tuple[int, ...]], metadata: Mapping[str, st
   variant, unknown names, or a width whose heads cannot be told."""
   canonical = _canonical(shapes, path, lambda shape, _, chunks: (shape[0] // chunks, *shape[1:]))
   fields = torch_layout.shapes_to_fields(canonical)
-  saved = json.loads(metadata[METADATA_KEY]) if METADATA_KEY in metadata else {}
+  saved = _saved(metadata, path)
   gelu = saved.get('gelu_approximate', gelu_approximate)
   fields.update(posemb='learn', gelu_approximate=bool(gelu),
                 layer_norm_epsilon=TIMM_LAYER_NORM_EPSILON, posemb_resize=POSEMB_RESIZE)
@@ -174,7 +194,7 @@ def label_names(metadata: Mapping[str, str], num_classes: Optional[int]
                 ) -> Optional[Tuple[str, ...]]:
   """The class names this project wrote into a file's metadata (None otherwise)."""
   try:
-    names = json.loads(metadata.get(METADATA_KEY, '{}')).get('label_names')
+    names = _saved(metadata, '').get('label_names')
   except ValueError:
     return None
   return tuple(str(n) for n in names) if names and len(names) == num_classes else None

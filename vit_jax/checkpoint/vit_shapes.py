@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 import re
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, Tuple
 
 from vit_jax.models import resnet
 from vit_jax.models import vit_fields
@@ -111,6 +111,22 @@ def image_size(shapes: dict, fields: Dict[str, Any]) -> Optional[int]:
     stride *= resnet.resnet_stride(fields['resnet_num_layers'])
   side = square_side(tokens)
   return side and side * stride
+
+
+def token_grid(image_size: Any, fields: Optional[Dict[str, Any]]) -> Optional[Tuple[int, int]]:
+  """The ``(rows, columns)`` token grid of ``image_size`` px images (``S`` or ``(H, W)``) for a
+  ViT of ``fields`` (``patch_size``; ``resnet_num_layers``: a hybrid's stem stride); None when
+  either is unknown (not a ViT's, not sizes) or the stride does not divide the sides."""
+  if not image_size or not fields or fields.get('patch_size') is None:
+    return None
+  try:
+    height, width = vit_fields.patch_pair(image_size)
+    stem = fields.get('resnet_num_layers')
+    stride = 1 if stem is None else resnet.resnet_stride(stem)
+    ph, pw = (p * stride for p in vit_fields.patch_pair(fields['patch_size']))
+  except (TypeError, ValueError):  # Not sizes (a damaged record).
+    return None
+  return None if height % ph or width % pw else (height // ph, width // pw)
 
 
 def square_side(tokens: int) -> Optional[int]:

@@ -11,6 +11,7 @@ import logging
 import os
 import posixpath
 import re
+import shlex
 import shutil
 import socket
 from collections.abc import Mapping
@@ -19,6 +20,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tupl
 from etils import epath
 import jax
 
+from vit_jax import accounting
 from vit_jax import rundir
 from vit_jax.checkpoint import durable
 from vit_jax.checkpoint import lock as lock_lib
@@ -156,6 +158,37 @@ def _check_bucket(path: str) -> None:
   raise PermissionError(f'--workdir {path!r} cannot be used: {problem}')
 
 
+#: A step's directory in ``checkpoints/`` (``N``), also while Orbax writes it (``N.orbax-...``).
+_STEP_NAME = re.compile(r'^\d+($|\.)')
+
+
+def _linked_steps(checkpoints: str) -> Optional[str]:
+  """Why the local ``checkpoints`` cannot be used when a step's directory in it is a symbolic
+  link, which the run cannot delete when it drops the steps past ``keep_checkpoints`` (Orbax's
+  rmtree refuses links), with the fix: commands that replace each by a copy of its directory
+  (nothing of it lost), or remove a link to nothing; else None."""
+  names = sorted(os.listdir(checkpoints)) if os.path.isdir(checkpoints) else []
+  links = [os.path.join(checkpoints, n) for n in names
+           if _STEP_NAME.match(n) and os.path.islink(os.path.join(checkpoints, n))]
+  if not links:
+    return None
+  quote = shlex.quote
+  first, target = links[0], os.path.realpath(links[0])
+  others = f' (also {", ".join(links[1:])})' if links[1:] else ''
+  if not all(os.path.isdir(link) for link in links):  # To nothing, a loop, a file: removed.
+    what = (f'to nothing ({target})' if not os.path.lexists(target) else
+            f'to no directory ({target})')
+    fix = f'Remove it (rm {" ".join(quote(link) for link in links)}), then rerun.'
+    return (f'its checkpoint step {first} is a symbolic link {what}{others}, which the run '
+            f'cannot use. {fix}')
+  commands = ' && '.join(f'rm {quote(link)} && cp -a {quote(os.path.realpath(link))} '
+                         f'{quote(link)}' for link in links)
+  return (f'its checkpoint step {first} is a symbolic link (to {target}){others}, which the run '
+          'cannot remove when it deletes the steps past --config.keep_checkpoints (each rerun '
+          'would save one step, then fail). Replace it by a copy of the directory it points to '
+          f'({commands}), then rerun.')
+
+
 class Workdir:
   """A run directory (local or ``gs://``), created when something is written: ``path`` (as given),
   ``checkpoints_dir``, ``cost_json``, ``config_json``, ``dataset_json`` (``epath.Path``; local
@@ -178,8 +211,10 @@ class Workdir:
 
   def check_writable(self) -> None:
     """Raises PermissionError early when a local workdir (or its nearest existing ancestor) is
-    not a writable directory, or its ``checkpoints`` is a file; a ``gs://`` one when its bucket
-    does not exist or cannot be written (an empty object written and removed)."""
+    not a writable directory, its ``checkpoints`` is a file or holds a step that is a symbolic
+    link (:func:`_linked_steps`), or its ``cost.json``, ``config.json`` or ``dataset.json`` is no
+    file (a directory); a ``gs://`` one when its bucket does not exist or cannot be written (an
+    empty object written and removed)."""
     if paths.is_remote(self.path):
       return _check_bucket(self.path)
     path = os.path.abspath(self.path)
@@ -196,6 +231,16 @@ class Workdir:
           f'--workdir {self.path!r} cannot be used: {inside} is a file, where the run keeps '
           f'its checkpoint directory. Move it away (mv {inside} {inside}.moved) or choose '
           'another --workdir.')
+    linked = _linked_steps(inside)
+    if linked:
+      raise PermissionError(f'--workdir {self.path!r} cannot be used: {linked}')
+    for file in (self.cost_json, self.config_json, self.dataset_json):  # Replaced as files.
+      if os.path.exists(file) and not os.path.isfile(file):
+        what = 'a directory' if os.path.isdir(file) else 'a special file (not a regular one)'
+        raise PermissionError(
+            f'--workdir {self.path!r} cannot be used: {file} is {what}, where the run writes '
+            f'its {file.name} (a file). Move it away (mv {file} {file}.moved) or choose another '
+            '--workdir.')
 
   def lock(self, *, timeout_s: float) -> 'lock_lib.WorkdirLock':
     """The workdir's lock (not yet taken): see :mod:`.lock`."""
@@ -238,14 +283,29 @@ class Workdir:
     """Writes ``dataset.json`` (fields: see ``vit_jax.train``) as :meth:`write_config`."""
     _write_json_atomically(self.dataset_json, record)
 
+  def read_dataset(self) -> Optional[Dict[str, Any]]:
+    """The dataset record of the latest finalized step (its item), else ``dataset.json``, or
+    None. Raises ValueError: a record that cannot be read (naming it)."""
+    steps = self.saved_steps()
+    item = self.checkpoints_dir / str(steps[-1]) / DATASET_ITEM if steps else None
+    if item is not None and item.is_dir():
+      record = orbax.read_json_item(str(item))
+      if not isinstance(record, dict):
+        raise ValueError(f'The checkpoint item {item} is not a JSON object: restore it, or start '
+                         'a new run in another --workdir.')
+      return record
+    return rundir.read_json(self.dataset_json)
+
   def write_cost(self, report: Dict[str, Any]) -> None:
     """Writes ``cost.json`` atomically (process 0). Raises CheckpointSaveError."""
     _write_json_atomically(self.cost_json, report)
 
   def read_cost(self) -> Optional[Dict[str, Any]]:
-    """``WORKDIR/cost.json``, or None when it is missing or unreadable (with a warning)."""
+    """``WORKDIR/cost.json``, or None when it is missing, or unreadable or of another shape than
+    an account (:func:`vit_jax.accounting.check_report`; with a warning)."""
     try:
-      return rundir.read_json(self.cost_json)
+      report = rundir.read_json(self.cost_json)
+      return None if report is None else accounting.check_report(report, self.cost_json)
     except (ValueError, OSError) as e:
       logging.getLogger('absl').warning(
           "Ignoring %s (%s); the checkpoint's cost account is used.", self.cost_json, e)

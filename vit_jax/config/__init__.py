@@ -15,19 +15,20 @@ from typing import Any, Dict, Union
 
 import ml_collections
 
+from vit_jax import rundir
 from vit_jax.config import args
 from vit_jax.config import slices
 from vit_jax.config.defaults import (ATTENTION_CHOICES, AUGMENTATIONS, BAD_IMAGES,
                                      NORMALIZATIONS, REGIME_DEFAULTS, TRAINING_DEFAULTS,
                                      get_config)
 from vit_jax.config.resolution import (attention_choice, check_batch_size, check_host_limits,
-                                       fill_regime, for_counting, num_train_steps, remat_choice,
-                                       resolve, validate_data)
+                                       check_paths, fill_regime, for_counting, num_train_steps,
+                                       remat_choice, resolve, validate_data)
 
 __all__ = [
     'ATTENTION_CHOICES', 'AUGMENTATIONS', 'BAD_IMAGES', 'NORMALIZATIONS', 'REGIME_DEFAULTS',
     'TRAINING_DEFAULTS', 'args', 'attention_choice', 'check_batch_size', 'check_host_limits',
-    'fill_regime', 'for_counting', 'from_json', 'get_config', 'num_train_steps',
+    'check_paths', 'fill_regime', 'for_counting', 'from_json', 'get_config', 'num_train_steps',
     'remat_choice', 'resolve', 'slices', 'to_json', 'validate_data',
 ]
 
@@ -56,9 +57,15 @@ def from_json(saved: Union[str, Dict[str, Any]]) -> ml_collections.ConfigDict:
   """The config of :func:`to_json`'s text or dict (``WORKDIR/config.json``) on this version's
   defaults (a key added since keeps its default; no eval batch: the training batch). Raises
   ValueError (not a JSON object), ValueError or TypeError (a model name or field gone since)."""
-  value = json.loads(saved) if isinstance(saved, str) else saved
+  value = rundir.parse_json(saved, 'The config') if isinstance(saved, str) else saved
   if not isinstance(value, dict):
     raise ValueError(f"A config is a JSON object, got {type(value).__name__}.")
+  if not isinstance(value.get("model_name"), str):
+    raise ValueError(f"A config's model_name is a string, got "
+                     f"{repr(value.get('model_name'))[:80]}.")
+  for key in ("model", "data"):
+    if not isinstance(value.get(key) or {}, dict):
+      raise ValueError(f"A config's {key} is a JSON object, got {repr(value[key])[:80]}.")
   model = {k: _as_tuples(v) for k, v in (value.get('model') or {}).items()}
   dataset = (value.get('data') or {}).get('name') or 'imagenet2012'
   config = get_config(value['model_name'], dataset, **model)

@@ -280,8 +280,9 @@ def get_config(model_name: str = "ViT-B_16", dataset: str = "imagenet2012",
   config.async_checkpointing = True
   # Seconds after which a gs:// workdir lock's stale heartbeat is taken over (docs/configs.md).
   config.workdir_lock_timeout = 600
-  # JAX's persistent compilation cache, shared by a pod's hosts: '' is WORKDIR/compilation_cache,
-  # 'none' turns it off, else a directory (local or gs://) (docs/configs.md).
+  # JAX's persistent compilation cache, shared by a pod's hosts: '' is $JAX_COMPILATION_CACHE_DIR
+  # if set, else WORKDIR/compilation_cache; 'none' turns it off; else a directory (local or
+  # gs://) (docs/configs.md).
   config.compilation_cache_dir = ''
 
   config.fewshot = fewshot_config()

@@ -375,6 +375,25 @@ def _resolve_finetune_controls(config: ml_collections.ConfigDict) -> None:
         "train the head alone with --config.optim.freeze='(?!head/).*'.")
 
 
+def check_paths(config: ml_collections.ConfigDict, workdir: Optional[str] = None) -> None:
+  """Refuses a `gs://` URL without a valid bucket (`vit_jax.checkpoint.paths.check_url`) in
+  `workdir` or any string of `config` (`init_from`, `data.data_dir`, ...), before anything reads
+  them. Raises ValueError naming the flag or field and the fix."""
+  urls, stack = [("--workdir", workdir)], [("config", config)]
+  while stack:
+    name, node = stack.pop()
+    for key, value in node.items():
+      if isinstance(value, (ml_collections.ConfigDict, dict)):
+        stack.append((f"{name}.{key}", value))
+      urls += [(f"{name}.{key}", v) for v in (value if isinstance(value, (list, tuple)) else
+                                               (value,))]
+  urls = [(name, v) for name, v in urls if isinstance(v, str) and v.startswith("gs://")]
+  if urls:  # (Imported only then: the estimator and preflight import no checkpoint module.)
+    from vit_jax.checkpoint import paths  # pylint: disable=g-import-not-at-top  (a cycle)
+    for name, url in urls:
+      paths.check_url(url, name)
+
+
 def _resolve_init_from(config: ml_collections.ConfigDict) -> None:
   """`init_from` from `pretrained_dir` ('<dir>/<model_name>.npz'); must exist."""
   if not config.init_from and config.pretrained_dir:
@@ -482,7 +501,9 @@ def resolve(config: ml_collections.ConfigDict, *, num_train_examples: int, num_c
       devices' slices included), an attention that cannot run there.
     TypeError: an unknown model field.
     FileNotFoundError: `init_from` (or `pretrained_dir`'s file) does not exist.
+  A `gs://` URL without a valid bucket is a ValueError (`check_paths`), before anything is read.
   """
+  check_paths(config)
   host = devices is None  # The run is on this host: its limits apply (`check_host_limits`).
   devices = list(jax.devices() if devices is None else devices)
   _check_slice(config, len(devices))

@@ -73,8 +73,13 @@ def list_images(folder: str, recursive: bool = True,
 
 
 def read_bytes(path: str) -> bytes:
-  """The bytes of ``path``; FileNotFoundError, IsADirectoryError, PermissionError, OSError."""
+  """The bytes of ``path``; FileNotFoundError, IsADirectoryError, PermissionError, OSError (also
+  for a local FIFO, socket or device, never opened: :func:`sources.not_a_file`)."""
   path = str(path)
+  odd = None if '://' in path else sources.not_a_file(path)  # A FIFO's read waits forever.
+  if odd and odd != 'a broken or looping symbolic link':
+    error = IsADirectoryError if odd == 'a directory' else OSError
+    raise error(f'{path} is {odd}, not an image file.')
   try:
     if tf.io.gfile.isdir(path):
       raise IsADirectoryError(f'{path} is a directory, not an image file.')

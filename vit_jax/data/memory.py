@@ -4,7 +4,7 @@ buffers), estimated and logged at the start (the constants' measurements: docs/d
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
+from typing import Optional, Tuple
 
 from absl import logging
 import numpy as np
@@ -74,6 +74,23 @@ def estimate_shuffle_memory(data_cfg, source: sources.Source, split, num_example
       cache_elements=num_examples if cache else 0, sampled=sampled)
 
 
+def estimate_in_memory(source: sources.Source, split, num_examples: int, *,
+                       sample: int = MEMORY_SAMPLE) -> Tuple[int, Optional[int]]:
+  """``(bytes, sampled)`` of the ``num_examples`` decoded uint8 images and int64 labels that
+  ``source.random_access(split, decode=True)`` will hold, before it reads them: exact (sampled
+  0) for one static image size and single labels, else ``num_examples`` x the mean of the first
+  ``sample`` examples (sampled: how many were read; None: none could be)."""
+  hw = source.static_image_hw
+  if hw is not None and not source.label.multi_label:
+    return num_examples * (hw[0] * hw[1] * 3 + 8), 0
+  ds = source.read(split, decode=True).take(sample).ignore_errors()
+  try:
+    sizes = [ex['image'].nbytes + ex['label'].nbytes for ex in ds.as_numpy_iterator()]
+  except tf.errors.OpError:  # Unreadable: the pipeline itself will say why.
+    sizes = []
+  return (round(num_examples * float(np.mean(sizes))), len(sizes)) if sizes else (0, None)
+
+
 def _size(n: float) -> str:
   for unit in ('B', 'KiB', 'MiB', 'GiB'):
     if n < 1024 or unit == 'GiB':
@@ -84,9 +101,10 @@ def _size(n: float) -> str:
 @dataclasses.dataclass(frozen=True)
 class InputMemory:
   """One process's input pipeline: the ``shuffle`` buffer and tf.data cache (None: read by index),
-  the decoded images a source read by index holds (``in_memory_bytes``, exact), and the batch
-  buffers: (``prefetch`` + ``in_flight`` + ``BATCH_COPIES``) batches of ``local_batch`` float32
-  ``[S, S, 3]`` images and ``[C]`` labels (S = ``image_size``, C = ``num_classes``)."""
+  the decoded images a source read by index holds (``in_memory_bytes``; ``in_memory_sampled``
+  as :func:`estimate_in_memory`'s), and the batch buffers: (``prefetch`` + ``in_flight`` +
+  ``BATCH_COPIES``) batches of ``local_batch`` float32 ``[S, S, 3]`` images and ``[C]`` labels
+  (S = ``image_size``, C = ``num_classes``)."""
   shuffle: Optional[ShuffleMemory]
   in_memory_bytes: int
   local_batch: int
@@ -94,6 +112,7 @@ class InputMemory:
   num_classes: int
   prefetch: int
   in_flight: int
+  in_memory_sampled: Optional[int] = 0
 
   @property
   def element_bytes(self) -> int:
@@ -125,20 +144,26 @@ class InputMemory:
 
 def estimate_input_memory(data_cfg, local_batch: int, num_classes: int, *,
                           shuffle: Optional[ShuffleMemory] = None,
-                          in_memory_bytes: int = 0) -> InputMemory:
+                          in_memory_bytes: int = 0,
+                          in_memory_sampled: Optional[int] = 0) -> InputMemory:
   """The :class:`InputMemory` of a process's train pipeline of ``local_batch`` examples per
   batch: ``shuffle`` from :func:`estimate_shuffle_memory` (read in order) or None (read by
-  index), ``in_memory_bytes`` the nbytes of the arrays a source read by index holds."""
+  index), ``in_memory_bytes`` (``in_memory_sampled``) from :func:`estimate_in_memory`: the
+  arrays a source read by index holds."""
   parallel = int(data_cfg.num_parallel_calls)
   return InputMemory(shuffle, int(in_memory_bytes), int(local_batch), int(data_cfg.image_size),
                      int(num_classes), int(data_cfg.prefetch),
-                     parallel if parallel > 0 else AUTOTUNE_IN_FLIGHT)
+                     parallel if parallel > 0 else AUTOTUNE_IN_FLIGHT, in_memory_sampled)
+
+
+def _how(sampled: Optional[int]) -> str:
+  return ('exact' if sampled == 0 else 'size unknown: no image read' if sampled is None
+          else f'mean of {sampled} read')
 
 
 def _shuffle_text(m: ShuffleMemory) -> str:
   what = 'decoded uint8 images' if m.decoded else 'encoded images'
-  how = ('exact' if m.sampled == 0 else 'size unknown: no image read' if m.sampled is None
-         else f'mean of {m.sampled} read')
+  how = _how(m.sampled)
   cache = (f'; the cache (config.data.cache) holds {m.cache_elements:,} decoded images = '
            f'{_size(m.cache_bytes)}, whose tensors the buffer shares' if m.cache_elements else '')
   return (f'shuffle buffer {m.buffer_elements:,} elements x {_size(m.bytes_per_element)} ({what}, '
@@ -181,9 +206,9 @@ def log_input_memory(memory: InputMemory, process: str = '', ram_bytes: Optional
   ram = platform.host_memory_bytes() if ram_bytes is None else ram_bytes
   m = memory
   parts = [_shuffle_text(m.shuffle) if m.shuffle else 'shuffle buffer none (read by index)']
-  if m.in_memory_bytes:
+  if m.in_memory_bytes or m.in_memory_sampled is None:
     parts.append(f'decoded images in memory (config.data.cache) = {_size(m.in_memory_bytes)} '
-                 '(exact)')
+                 f'({_how(m.in_memory_sampled)})')
   s = m.image_size
   parts.append(f'batch buffers {m.batch_copies:g} x {m.local_batch:,} examples x '
                f'{_size(m.element_bytes)} (float32 {s}x{s}x3 image + {m.num_classes:,} labels; '

@@ -6,6 +6,7 @@ from __future__ import annotations
 import atexit
 import dataclasses
 import gc
+import json
 import math
 from typing import Callable, Dict, Iterator, Optional, Tuple
 import weakref
@@ -135,8 +136,59 @@ def _close_live_iterators() -> None:
   gc.collect()
 
 
+#: How the training split is read (:func:`train_read_mode`); a run's dataset record keeps it.
+BY_INDEX, IN_ORDER = 'by_index', 'in_order'
+_MODES = (BY_INDEX, IN_ORDER)
+
+
+def _train_split(data_cfg, pi: int, pc: int) -> sources.SplitArg:
+  return data_cfg.train_split if pc == 1 else tfds.split_for_jax_process(
+      data_cfg.train_split, process_index=pi, process_count=pc)
+
+
+def train_read_mode(data_cfg, recorded: Optional[str] = None, *,
+                    process_index: Optional[int] = None,
+                    process_count: Optional[int] = None) -> str:
+  """How :func:`create_train_iterator` reads this process's training split: BY_INDEX where the
+  source allows it (`Source.random_access`: an image folder, ArrayRecord files, or
+  ``config.data.cache``), else IN_ORDER (TFRecord files through a shuffle buffer). Nothing is
+  decoded.
+
+  ``recorded``: the mode of the run being resumed (its checkpoint's dataset record; None: a new
+  run, or a record of an earlier version, which has none), kept so that the batches are those of
+  an uninterrupted run: IN_ORDER also once ArrayRecord files were added (the TFRecord files are
+  read as before). ValueError (the cause and the fixes) where it cannot be kept: BY_INDEX without
+  readable ArrayRecord files, IN_ORDER without the TFRecord files, or an unknown mode.
+  """
+  pi = jax.process_index() if process_index is None else process_index
+  pc = jax.process_count() if process_count is None else process_count
+  source = sources.get_source(data_cfg)
+  if recorded is not None and recorded not in _MODES:
+    raise ValueError(f'The dataset record of the checkpoint to resume says "read": '
+                     f'{json.dumps(recorded)}; the modes are "{BY_INDEX}" and "{IN_ORDER}". '
+                     "Restore the record (the step's dataset item, or dataset.json), or start a "
+                     'new run in another --workdir.')
+  by_index = source.reads_by_index(_train_split(data_cfg, pi, pc), decode=bool(data_cfg.cache))
+  mode = BY_INDEX if by_index else IN_ORDER
+  if recorded is None or recorded == mode:
+    return mode
+  if recorded == IN_ORDER and source.reads_in_order_as_before:
+    return IN_ORDER
+  was = (f'This run read {source.name} {recorded.replace("_", " ")} from its start (its '
+         f'checkpoints\' dataset record: "read": "{recorded}"), but ')
+  lost = 'resuming would train on other batches than an uninterrupted run.'
+  new_run = 'start a new run in another --workdir.'
+  if recorded == BY_INDEX:
+    raise ValueError(
+        f'{was}it can now be read in order only (its ArrayRecord files are missing or cannot be '
+        f'read): {lost} Write its ArrayRecord files again (python -m vit_jax.to_array_record '
+        f'{source.builder.data_dir}) and rerun, or {new_run}')
+  raise ValueError(f'{was}its TFRecord files are gone (ArrayRecord files only): {lost} Restore '
+                   f'the TFRecord files it was prepared with and rerun, or {new_run}')
+
+
 def create_train_iterator(data_cfg, global_batch_size: int, seed: int, start_step: int = 0, *,
-                          process_index: Optional[int] = None,
+                          read: Optional[str] = None, process_index: Optional[int] = None,
                           process_count: Optional[int] = None) -> TrainIterator:
   """This process's training batches, ``b`` = global / process count: ``'image'`` float32
   ``[b, S, S, 3]`` (normalized), ``'labels'`` float32 ``[b, C]`` (one- or multi-hot, mixed).
@@ -145,31 +197,43 @@ def create_train_iterator(data_cfg, global_batch_size: int, seed: int, start_ste
   seeded by (seed, e, position); ``start_step=k`` starts at position ``k*b``, so the batches are
   exactly steps k, k+1, ... of an uninterrupted run (tfds in 'skip' mode: if nothing was dropped
   before). Read by index (`Source.random_access`) or, TFRecord files, in order through a shuffle
-  buffer (a resume then reads the examples before its position again): docs/data.md.
+  buffer (a resume then reads the examples before its position again): docs/data.md. ``read``:
+  the mode of the run resumed, kept as :func:`train_read_mode` says.
 
-  Raises ValueError (batch size not a multiple of the process count, invalid config, empty split)
-  or as :func:`get_info`; ``next()``: ``BadImageError`` in 'fail' mode.
+  Raises ValueError (batch size not a multiple of the process count, invalid config, empty split,
+  a ``read`` that cannot be kept) or as :func:`get_info`; ``next()``: ``BadImageError`` in
+  'fail' mode.
   """
   pi, pc, b = _processes(process_index, process_count, global_batch_size)
   if start_step < 0:
     raise ValueError(f'start_step must be >= 0, got {start_step}.')
   source = sources.get_source(data_cfg)
-  split = (data_cfg.train_split if pc == 1 else tfds.split_for_jax_process(
-      data_cfg.train_split, process_index=pi, process_count=pc))
-  access = source.random_access(split, decode=bool(data_cfg.cache))
-  n = access.num_examples if access else _num_examples(source, split, 'config.data.train_split')
+  split = _train_split(data_cfg, pi, pc)
+  mode = train_read_mode(data_cfg, read, process_index=pi, process_count=pc)
+  cache = bool(data_cfg.cache)
+  n = _num_examples(source, split, 'config.data.train_split')
+  empty = ValueError(f'Process {pi}/{pc} has no training examples in {data_cfg.train_split!r} of '
+                     f'{source.name!r}.')
   if n == 0:
-    raise ValueError(f'Process {pi}/{pc} has no training examples in '
-                     f'{data_cfg.train_split!r} of {source.name!r}.')
+    raise empty
+  # Logged before the decoded images fill the memory (config.data.cache).
+  shuffle = (None if mode == BY_INDEX
+             else memory.estimate_shuffle_memory(data_cfg, source, split, n))
+  in_memory = (memory.estimate_in_memory(source, split, n) if mode == BY_INDEX and cache
+               else (0, 0))
+  memory.log_input_memory(memory.estimate_input_memory(
+      data_cfg, b, source.label.num_classes, shuffle=shuffle, in_memory_bytes=in_memory[0],
+      in_memory_sampled=in_memory[1]), f' (process {pi} of {pc})')
+  access = source.random_access(split, decode=cache) if mode == BY_INDEX else None
+  if access is not None:
+    n = access.num_examples  # 'skip' mode with the cache: without the undecodable images.
+    if n == 0:
+      raise empty
   start_epoch, offset = divmod(start_step * b, n)
   mask = 2**63 - 1  # The root key, int64 [2], of any Python int seed.
   run_key = tf.constant([(int(seed) >> 63) & mask, int(seed) & mask], tf.int64)
   shuffle_root = preprocess.fold_in(run_key, 0)
   epochs = tf.data.Dataset.range(start_epoch, 2**62)
-  shuffle = None if access else memory.estimate_shuffle_memory(data_cfg, source, split, n)
-  memory.log_input_memory(memory.estimate_input_memory(
-      data_cfg, b, source.label.num_classes, shuffle=shuffle,
-      in_memory_bytes=access.nbytes if access else 0), f' (process {pi} of {pc})')
   if access is None:  # In order: each epoch's files and a buffer shuffled by its key.
     if data_cfg.cache:  # Decoded, un-augmented images, shared by all epochs.
       cached = source.drop_undecodable(source.read(split, decode=True)).cache()
@@ -183,12 +247,21 @@ def create_train_iterator(data_cfg, global_batch_size: int, seed: int, start_ste
       return ds.enumerate(start=epoch * _EPOCH_STRIDE)
     ds = epochs.flat_map(epoch_examples)
     if offset:
-      logging.warning(
-          'Resuming at step %d: %s is read in order (TFRecord), so the input reads and drops the '
-          '%s examples of epoch %d before it (%.0f%% of an epoch) before the first batch. `python '
-          '-m vit_jax.to_array_record %s` adds ArrayRecord files, read by index: resumes in '
-          'constant time.', start_step, source.name, f'{offset:,}', start_epoch,
-          100 * offset / n, source.builder.data_dir)
+      drops = (f'reads and drops the {offset:,} examples of epoch {start_epoch} before it '
+               f'({100 * offset / n:.0f}% of an epoch)')
+      if source.reads_by_index(split, decode=cache):  # Kept: the run started in order.
+        logging.warning(
+            'Resuming at step %d: %s is read in order, as this run was from its start (its '
+            'checkpoints\' dataset record: "read": "%s"), though it can now be read by index, so '
+            'that its batches are those of an uninterrupted run: the input %s. A run started in a '
+            'new --workdir reads it by index.', start_step, source.name, IN_ORDER, drops)
+      else:
+        logging.warning(
+            'Resuming at step %d: %s is read in order (TFRecord), so the input %s before the '
+            'first batch. `python -m vit_jax.to_array_record %s` adds ArrayRecord files, read by '
+            'index by the runs started after it (they resume in constant time); this run goes on '
+            'reading in order, as it started, for the batches of an uninterrupted run '
+            '(docs/data.md).', start_step, source.name, drops, source.builder.data_dir)
       ds = ds.skip(offset)
   else:
     if start_step:

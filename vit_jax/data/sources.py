@@ -8,7 +8,6 @@ import contextlib
 import dataclasses
 import os
 import re
-import stat
 import time
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -18,6 +17,7 @@ import tensorflow as tf
 import tensorflow_datasets as tfds
 
 from vit_jax import config as config_lib
+from vit_jax.checkpoint.paths import not_a_file
 from vit_jax.data import preprocess
 
 SplitArg = Any  # str or tfds AbstractSplit (e.g. a tfds.even_splits item).
@@ -99,21 +99,6 @@ def first_non_utf8_path(folder: str) -> Optional[bytes]:
       except UnicodeDecodeError:
         return os.path.join(root, name)
   return None
-
-
-def not_a_file(path: str) -> Optional[str]:
-  """What the local ``path`` is when it is no regular file, links followed (reading a FIFO or a
-  device waits forever): e.g. 'a FIFO', 'a broken or looping symbolic link'; None
-  for a regular file or nothing there."""
-  try:
-    mode = os.stat(path).st_mode
-  except OSError:
-    return 'a broken or looping symbolic link' if os.path.islink(path) else None
-  if stat.S_ISREG(mode):
-    return None
-  kinds = ((stat.S_ISFIFO, 'a FIFO'), (stat.S_ISSOCK, 'a socket'),
-           (stat.S_ISCHR, 'a device'), (stat.S_ISBLK, 'a device'), (stat.S_ISDIR, 'a directory'))
-  return next((kind for test, kind in kinds if test(mode)), 'not a regular file')
 
 
 def _not_files(paths: Sequence[str]) -> Dict[str, str]:
@@ -245,6 +230,29 @@ def _by_index(num_examples: int, example: Callable[[tf.Tensor], Dict[str, tf.Ten
                                                       num_parallel_calls=tf.data.AUTOTUNE), nbytes)
 
 
+def _indexed(arrays: List[np.ndarray], *, batches: bool = False
+             ) -> Callable[[tf.Tensor], tf.Tensor]:
+  """``index -> example`` (int64 scalar index) of ``arrays`` held in memory: batches ``[B, ...]``
+  of one shape (``batches``), concatenated; else one array per example (one rank and dtype),
+  stacked when their shapes agree, else end to end with their offsets and shapes. Empties
+  ``arrays`` as it copies them (at most two copies at once)."""
+  shapes = None if batches else np.array([a.shape for a in arrays], np.int64).reshape(
+      len(arrays), arrays[0].ndim)
+  if shapes is None or (shapes == shapes[0]).all():
+    held = np.concatenate(arrays) if batches else np.stack(arrays)
+    arrays.clear()
+    held = tf.constant(held)
+    return lambda i: tf.gather(held, i)
+  known = [int(d[0]) if (d == d[0]).all() else None for d in shapes.T]  # E.g. [-, -, 3].
+  flat = np.concatenate([a.reshape(-1) for a in arrays])
+  arrays.clear()
+  flat, sizes = tf.constant(flat), shapes.prod(axis=1)
+  starts, sizes, shapes = tf.constant(np.cumsum(sizes) - sizes), tf.constant(sizes), tf.constant(
+      shapes)
+  return lambda i: tf.ensure_shape(
+      tf.reshape(tf.slice(flat, [starts[i]], [sizes[i]]), shapes[i]), known)
+
+
 @dataclasses.dataclass(eq=False)
 class Source:
   """A tfds builder (or image folder) ``name`` with its ``image_key`` and ``label``
@@ -257,6 +265,8 @@ class Source:
   image_folder_examples: Optional[Dict[str, list]] = None
   bad_images: str = 'fail'
   skipped_images: Tuple[str, ...] = ()
+  # repr(split) -> its ArrayRecord data source or None (`_array_records`, probed once).
+  _records: Dict[str, Any] = dataclasses.field(default_factory=dict, repr=False)
 
   @property
   def num_skipped_images(self) -> Optional[int]:
@@ -366,45 +376,31 @@ class Source:
     return not self.is_image_folder and (tfds.core.FileFormat.ARRAY_RECORD
                                          in self.builder.info.available_file_formats())
 
+  def reads_by_index(self, split: SplitArg, *, decode: bool) -> bool:
+    """Whether :meth:`random_access` reads ``split`` (cheap: nothing is decoded)."""
+    return decode or self.is_image_folder or self._array_records(split) is not None
+
+  @property
+  def reads_in_order_as_before(self) -> bool:
+    """Whether :meth:`read` goes through the files in the order of a run that read them in order
+    from its start: TFRecord files (tf.data), or an image folder's list; not ArrayRecord only."""
+    return self.is_image_folder or self._reads_in_order
+
   def random_access(self, split: SplitArg, *, decode: bool) -> Optional[RandomAccess]:
-    """``split`` read by index: an image folder's files, a tfds dataset's ArrayRecord files, or
-    with ``decode`` all its images decoded into memory once (one static size and single labels);
-    None where it cannot be (a TFRecord-only dataset, or ``decode`` without those; ArrayRecord
-    files that cannot be read when TFRecord ones exist: a warning names the fix).
-    FileNotFoundError: an ArrayRecord-only dataset whose files cannot be read (naming the fix)."""
+    """``split`` read by index: with ``decode`` its images decoded into memory once (any source),
+    else an image folder's files or a tfds dataset's ArrayRecord files; None where it cannot be
+    (a TFRecord-only dataset without ``decode``; ArrayRecord files that cannot be read when
+    TFRecord ones exist: a warning names the fix). FileNotFoundError: an ArrayRecord-only dataset
+    whose files cannot be read (naming the fix)."""
     if decode:
-      if self.static_image_hw is None or self.label.multi_label:
-        return None
-      batches = list(self.drop_undecodable(self.read(split, decode=True)).batch(
-          1024).as_numpy_iterator())
-      images, labels = ([b[k] for b in batches] for k in ('image', 'label'))
-      nbytes = sum(a.nbytes for a in images + labels)
-      images, labels = tf.concat(images, 0), tf.concat(labels, 0)
-      return _by_index(len(labels), lambda index: {'image': tf.gather(images, index),
-                                                   'label': tf.gather(labels, index)}, nbytes)
+      return self._in_memory(split)
     if self.is_image_folder:
       paths, labels = self._folder_split(split)
       paths, labels = tf.constant(paths, tf.string), tf.constant(labels, tf.int64)
       return _by_index(int(paths.shape[0]), lambda index: {
           'image': tf.io.read_file(tf.gather(paths, index)), 'label': tf.gather(labels, index)})
-    if not self.has_array_record:
-      return None
-    info = self.builder.info
-    primary = info.file_format
-    records = self.builder.as_data_source(
-        split, deserialize_method=tfds.decode.DeserializeMethod.RAW_BYTES,
-        file_format=tfds.core.FileFormat.ARRAY_RECORD)
-    # as_data_source made ArrayRecord the info's format: TFRecord again for `read` (evaluation).
-    info.set_file_format(primary, override=True, override_if_initialized=True)
-    try:
-      records.__getitems__([0] if len(records) else [])
-    except (RuntimeError, OSError) as e:  # A damaged shard, or a bucket that cannot be read.
-      message = (f'The ArrayRecord files of {self.name} cannot be read ({e}): a damaged shard: '
-                 f'rerun `python -m vit_jax.to_array_record {self.builder.data_dir}`, which '
-                 'writes it again; in a bucket: check that this machine can read it.')
-      if not self._reads_in_order:
-        raise FileNotFoundError(message) from e
-      logging.warning('%s %s is read in order from its TFRecord files instead.', message, self.name)
+    records = self._array_records(split)
+    if records is None:
       return None
     if '://' in os.fspath(self.builder.data_dir):
       logging.warning(
@@ -412,7 +408,8 @@ class Source:
           'the file at every random read, many times the record\'s bytes (docs/data.md, "Reading '
           'from a bucket"). On a pod, mount the bucket with Cloud Storage FUSE and give its local '
           'path (launch/tpu.sh run does by default).', self.name, self.builder.data_dir)
-    features, decoders, encoded = info.features, self._decoders, self.images_encoded_after_read
+    features, decoders = self.builder.info.features, self._decoders
+    encoded = self.images_encoded_after_read
 
     def finish(serialized):
       example = features.deserialize_example(serialized, decoders=decoders)
@@ -430,6 +427,52 @@ class Source:
     return RandomAccess(len(records), lambda ds: ds.batch(_READ_BATCH).map(
         fetch, num_parallel_calls=tf.data.AUTOTUNE).unbatch().map(
             lambda i, serialized: (i, finish(serialized)), num_parallel_calls=tf.data.AUTOTUNE))
+
+  def _array_records(self, split: SplitArg) -> Any:
+    """``split``'s ArrayRecord data source (tfds ``as_data_source``, serialized examples), or None:
+    no ArrayRecord files, or (with a warning naming the fix) files that cannot be read when
+    TFRecord ones exist. Probed once per split. FileNotFoundError as :meth:`random_access`."""
+    key = repr(split)
+    if key in self._records:
+      return self._records[key]
+    records = None
+    if self.has_array_record:
+      info = self.builder.info
+      primary = info.file_format
+      records = self.builder.as_data_source(
+          split, deserialize_method=tfds.decode.DeserializeMethod.RAW_BYTES,
+          file_format=tfds.core.FileFormat.ARRAY_RECORD)
+      # as_data_source made ArrayRecord the info's format: TFRecord again for `read` (evaluation).
+      info.set_file_format(primary, override=True, override_if_initialized=True)
+      try:
+        records.__getitems__([0] if len(records) else [])
+      except (RuntimeError, OSError) as e:  # A damaged shard, or a bucket that cannot be read.
+        message = (f'The ArrayRecord files of {self.name} cannot be read ({e}): a damaged shard: '
+                   f'rerun `python -m vit_jax.to_array_record {self.builder.data_dir}`, which '
+                   'writes it again; in a bucket: check that this machine can read it.')
+        if not self._reads_in_order:
+          raise FileNotFoundError(message) from e
+        logging.warning('%s %s is read in order from its TFRecord files instead.', message,
+                        self.name)
+        records = None
+    self._records[key] = records
+    return records
+
+  def _in_memory(self, split: SplitArg) -> RandomAccess:
+    """``split`` decoded once into memory ('skip' mode: without the undecodable images) and read
+    by index: images of one static size with single labels read in batches, others (an image
+    folder's, several labels per image) one by one; held as :func:`_indexed` says."""
+    ds = self.drop_undecodable(self.read(split, decode=True))
+    batches = self.static_image_hw is not None and not self.label.multi_label
+    parts = list((ds.batch(1024) if batches else ds).as_numpy_iterator())
+    if not parts:  # Nothing to read (the pipelines refuse an empty split before reading).
+      return RandomAccess(0, lambda positions: positions.take(0))
+    nbytes = sum(v.nbytes for part in parts for v in part.values())
+    n = sum(len(part['label']) for part in parts) if batches else len(parts)
+    columns = {k: [part[k] for part in parts] for k in ('image', 'label')}
+    del parts
+    example = {k: _indexed(columns.pop(k), batches=batches) for k in ('image', 'label')}
+    return _by_index(n, lambda index: {k: get(index) for k, get in example.items()}, nbytes)
 
   def decode(self, image: tf.Tensor, encoded: bool) -> tf.Tensor:
     """`preprocess.decode_rgb` + the static [H, W, 3] shape when known."""

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import itertools
 import re
-from typing import Any, Callable, Iterable, Optional
+from typing import Any, Callable, Iterable, Iterator, Optional
 
 from absl import logging
 import jax
@@ -42,6 +42,28 @@ def eval_sets(config: ml_collections.ConfigDict, info: data.DatasetInfo) -> dict
   return evals
 
 
+class Stopped(Exception):
+  """An evaluation ended at a batch boundary by a stop notice (`Stoppable`): no results."""
+
+
+class Stoppable:
+  """`batches` (re-iterable, e.g. an `EvalDataset`) that raise `Stopped` before a batch once
+  `stop()` is true; `stop` is called before every batch (on a pod: on every process at the same
+  batch, see `vit_jax.stops.StopNotice.agreed`)."""
+
+  def __init__(self, batches: Iterable[dict], stop: Callable[[], bool]):
+    self.batches, self.stop = batches, stop
+
+  def __iter__(self) -> Iterator[dict]:
+    for batch in self.batches:
+      if self.stop():
+        raise Stopped()
+      yield batch
+
+  def __len__(self) -> int:
+    return len(self.batches)
+
+
 def sum_batches(predict: Callable[[Any, dict], Any], state, batches: Iterable[dict],
                 on_batch: Optional[Callable[[int, dict, Any], None]] = None) -> dict[str, Any]:
   """The sums over this process's `batches` of `predict(state, batch)`'s sums (or of `(sums,
@@ -60,11 +82,14 @@ def evaluate(predict: Callable[[Any, dict], Any], state, evals: dict[str, Any], 
              with_ema: bool, step: int) -> dict[str, float]:
   """`{'<name>[_ema]/accuracy', '.../loss', '.../top5_accuracy' (>= 5 classes)}` of every eval
   set of `eval_sets`, with `predict(state, numpy batch) -> sums` (the eval step), for the
-  parameters and `with_ema` `state['ema_params']`. ValueError: a split without labelled examples.
+  parameters and `with_ema` `state['ema_params']`. ValueError: a split without labelled examples;
+  `Stopped`: a `Stoppable` eval set was stopped.
   """
   weights = {"": state}
   if with_ema:
     weights["_ema"] = dict(state, params=state["ema_params"])
+  logging.info("Evaluating step %d: %d batches.", step,
+               len(weights) * sum(len(eval_ds) for _, eval_ds in evals.values()))
   results = {}
   for (name, (split, eval_ds)), (suffix, weights_state) in itertools.product(
       evals.items(), weights.items()):

@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 from absl import logging
 import ml_collections
 import numpy as np
 
 from vit_jax import data
+from vit_jax import evaluation
 from vit_jax.evaluation import features as features_lib
 
 #: The constant feature appended to the standardised features (big_vision's BIAS_CONSTANT).
@@ -366,17 +367,23 @@ class Evaluator:
                max_eval_examples=fewshot.max_eval_examples, strict=False,
                hint="lower --config.fewshot.shots or use a larger --config.fewshot.train_split")
 
-  def evaluate(self, variables: dict[str, Any]) -> list[TaskResult]:
-    """Every task's results for `variables` (placed with the setup's `variables_shardings`).
+  def evaluate(self, variables: dict[str, Any],
+               stop: Optional[Callable[[], bool]] = None) -> list[TaskResult]:
+    """Every task's results for `variables` (placed with the setup's `variables_shardings`);
+    `stop` is asked before every batch (see `evaluation.Stoppable`).
 
-    Raises NotEnoughExamplesError (`strict`, naming the class and the fix) or ValueError (several
-    l2 values and no held-out example).
+    Raises NotEnoughExamplesError (`strict`, naming the class and the fix), ValueError (several
+    l2 values and no held-out example) or `evaluation.Stopped` (`stop()` was true).
     """
     results = []
     for task in self.tasks:
-      pool = features_lib.collect(self.featurizer, variables, task.train,
+      train_ds, test_ds = task.train, task.test
+      if stop is not None:
+        train_ds, test_ds = (evaluation.Stoppable(train_ds, stop),
+                             evaluation.Stoppable(test_ds, stop))
+      pool = features_lib.collect(self.featurizer, variables, train_ds,
                                   num_classes=task.num_classes, per_class=self.train_per_class)
-      test = features_lib.collect(self.featurizer, variables, task.test,
+      test = features_lib.collect(self.featurizer, variables, test_ds,
                                   num_classes=task.num_classes, max_examples=self.max_eval_examples)
       try:
         shots = evaluate_features(pool.features, pool.labels, test.features, test.labels,
@@ -395,7 +402,9 @@ class Evaluator:
                    ", ".join(f"{k}-shot {r.mean:.4f} +- {r.std:.4f}" for k, r in shots.items()))
     return results
 
-  def run(self, variables: dict[str, Any]) -> dict[str, float]:
-    """`scalars` of every task: `{'fewshot/<dataset>_<k>shot': mean, '..._std': std}`."""
-    return {k: v for result in self.evaluate(variables)
+  def run(self, variables: dict[str, Any],
+          stop: Optional[Callable[[], bool]] = None) -> dict[str, float]:
+    """`scalars` of every task: `{'fewshot/<dataset>_<k>shot': mean, '..._std': std}`; `stop` and
+    errors as `evaluate`."""
+    return {k: v for result in self.evaluate(variables, stop)
             for k, v in scalars(result.task.name, result.shots).items()}

@@ -60,11 +60,30 @@ def parse_setting(text: str) -> Tuple[str, Any]:
 
 
 class Parser(argparse.ArgumentParser):
-  """argparse: a usage error is one ``FATAL:`` line (exit status 2); the help keeps the
-  description's lines and shows reST literals (````x````) as plain text."""
+  """argparse: a usage error is one ``FATAL:`` line (exit status 2), a ``gs://`` argument
+  without a valid bucket included (``checkpoint.paths.check_url``: SOURCE, DST, ``--data-dir``,
+  ...); the help keeps the description's lines and shows reST literals (````x````) as plain
+  text."""
 
   def __init__(self, *args, formatter_class=argparse.RawDescriptionHelpFormatter, **kwargs):
     super().__init__(*args, formatter_class=formatter_class, **kwargs)
+
+  def parse_known_args(self, args=None, namespace=None):
+    parsed, rest = super().parse_known_args(args, namespace)
+    for action in self._actions:
+      value = getattr(parsed, action.dest, None)
+      urls = [v for v in (value if isinstance(value, list) else [value])
+              if isinstance(v, str) and v.startswith('gs://')]
+      if urls:  # (The check's module imports JAX: only then.)
+        from vit_jax.checkpoint import paths  # pylint: disable=g-import-not-at-top
+        name = action.option_strings[-1] if action.option_strings else (
+            action.metavar if isinstance(action.metavar, str) else action.dest.upper())
+        try:
+          for url in urls:
+            paths.check_url(url, name)
+        except ValueError as e:
+          self.error(str(e))
+    return parsed, rest
 
   def format_help(self):
     return super().format_help().replace('``', '')

@@ -7,6 +7,12 @@ Examples:
   # The same on a v4-128 at 50% MFU; any config override works as in vit_jax.main.
   python -m vit_jax.cost --config configs/vit.py:l16,imagenet21k --accelerator v4-128 \
       --mfu 0.5 --config.batch_size=2048
+  # On a v4-128 at the MFU the TPU compiler estimates for the train step at the same 64 images
+  # per chip (the pre-flight compiles it for a v4-8 here, no TPU needed).
+  python -m vit_jax.preflight --config configs/vit.py:l16,imagenet21k --accelerator v4-8 \
+      --config.batch_size=256 --json l16_v4.json
+  python -m vit_jax.cost --config configs/vit.py:l16,imagenet21k --accelerator v4-128 \
+      --preflight l16_v4.json
   # The ViT paper's Table 2: the MFU that each reported TPUv3-core-days figure implies.
   python -m vit_jax.cost --table2
   # A run's ledger (finished or running), and its stacked bar figure in WORKDIR/cost.png.
@@ -14,8 +20,11 @@ Examples:
 
 The forward pass is traced on abstract shapes and its matrix products counted
 (`vit_jax.flops`): training FLOPs = 3 x 2 x MACs x batch x steps (the config's schedule); wall
-time = FLOPs / (MFU x the accelerator's peak); core-days = wall days x TensorCores. Evaluation,
-compilation and input stalls are not included (a run's `workdir/cost.json` measures them).
+time = FLOPs / (MFU x the accelerator's peak); core-days = wall days x TensorCores. The MFU is
+assumed (--mfu), or the one the TPU compiler's cost model estimates for the config's train step
+(--preflight: a pre-flight's JSON report; an estimate's lower bound on time, so an upper bound
+on MFU). Evaluation, compilation and input stalls are not included (a run's
+`workdir/cost.json` measures them).
 With a WORKDIR it reads what the run measured (`vit_jax.ledger`, docs/compute_cost.md).
 """
 
@@ -87,12 +96,49 @@ def dataset_facts(config, num_train_examples=None, num_classes=None) -> tuple[in
           "the prepared dataset")
 
 
+def preflight_mfu(path: str, config, accelerator: str) -> tuple[float, str]:
+  """(The train step's MFU that a pre-flight estimated, `python -m vit_jax.preflight --json
+  FILE`; where it is from) for `config` on `accelerator`. Raises ValueError: no such file, no
+  estimate in it, or another model, TPU kind or compute dtype than the config's."""
+  from vit_jax import accounting  # pylint: disable=g-import-not-at-top  (after the flags)
+  fix = "give the file that python -m vit_jax.preflight --json wrote"
+  try:
+    report = rundir.read_json(path, fix=fix)
+  except OSError as e:
+    raise ValueError(f"--preflight {path}: {e}") from e
+  if report is None:
+    raise ValueError(f"--preflight {path}: no such file; write it with python -m "
+                     f"vit_jax.preflight --config ... --accelerator ... --json {path}.")
+  if not isinstance(report.get("steps"), dict) or "device_kind" not in report:
+    raise ValueError(f"{path} is not a pre-flight report; {fix}.")
+  mfu = report.get("mfu")
+  if not isinstance(mfu, (int, float)) or not 0 < mfu <= 1:
+    why = (report["steps"].get("train") or {}).get("estimate_note") or "no train step"
+    raise ValueError(f"{path} has no estimated MFU of the train step ({why}).")
+  hw = accounting.accelerator(accelerator, str(config.model.dtype))
+  for key, mine, what in (("model", config.model_name, "model"),
+                          ("device_kind", hw.device_kind, f"TPU kind ({accelerator})"),
+                          ("dtype", str(config.model.dtype), "compute dtype")):
+    if report.get(key) != mine:
+      raise ValueError(f"{path} estimates {key} {report.get(key)!r}, but this run's {what} is "
+                       f"{mine!r}: its MFU does not carry over. Pre-flight this config for a "
+                       f"{hw.device_kind} slice, or give the --accelerator it was made for.")
+  theirs, per_device = report.get("batch_per_device"), config.batch_size / hw.num_devices
+  source = (f"the TPU compiler's estimate of the train step on {report.get('accelerator')} at "
+            f"{theirs:,} images per device, from {path}" if isinstance(theirs, int) else
+            f"the TPU compiler's estimate of the train step, from {path}")
+  if per_device != theirs:
+    source += f"; this run has {per_device:,.4g} per device"
+  return float(mfu), source
+
+
 def estimate(config, accelerator: str, mfu: float, num_train_examples=None,
-             num_classes=None) -> dict:
-  """The predicted cost of training `config` on `accelerator` at utilisation `mfu`: a dict of
-  model, parameters, image_size, forward_macs (per image), steps, images, training_flops,
-  hardware (`accounting.Hardware`), days (wall), core_days and chip_days (TPU, else None),
-  device_days, dataset (where its size came from). Raises ValueError for bad input.
+             num_classes=None, mfu_source: Optional[str] = None) -> dict:
+  """The predicted cost of training `config` on `accelerator` at utilisation `mfu` (assumed, or
+  from `mfu_source`): a dict of model, parameters, image_size, forward_macs (per image), steps,
+  images, training_flops, hardware (`accounting.Hardware`), days (wall), core_days and chip_days
+  (TPU, else None), device_days, dataset (where its size came from), mfu, mfu_source. Raises
+  ValueError for bad input.
   """
   import jax  # pylint: disable=g-import-not-at-top  (after the flags: fewshot's --help too)
   from vit_jax import accounting, flops, models, step  # pylint: disable=g-import-not-at-top
@@ -122,7 +168,8 @@ def estimate(config, accelerator: str, mfu: float, num_train_examples=None,
       "model": config.model_name, "parameters": parameters, "image_size": size,
       "forward_macs": macs, "batch_size": config.batch_size, "steps": steps, "images": images,
       "epochs": images / examples, "train_examples": examples, "dataset": source,
-      "training_flops": training, "hardware": hw, "mfu": mfu, "days": days,
+      "training_flops": training, "hardware": hw, "mfu": mfu, "mfu_source": mfu_source,
+      "days": days,
       "device_days": days * hw.num_devices,
       "core_days": days * hw.cores if hw.cores else None,
       "chip_days": days * hw.chips if hw.chips else None,
@@ -141,6 +188,7 @@ def format_estimate(est: dict, accelerator: str) -> str:
                    f"{est['train_examples']:,}, {est['dataset']})"),
       ("training", f"{est['training_flops']:.4g} FLOPs (3 forward passes per image)"),
       ("accelerator", f"{accelerator}: {hw.describe()}"),
+      ("MFU", f"{est['mfu']:.1%} ({est['mfu_source']})") if est.get("mfu_source") else
       ("assumed MFU", f"{est['mfu']:.0%}"),
       ("wall time", f"{est['days']:,.2f} days ({est['days'] * 24:,.1f} hours)"
                     if est["days"] >= 0.1 else f"{est['days'] * 24 * 60:,.3g} minutes"),
@@ -186,13 +234,17 @@ def read_workdir(workdir: str) -> tuple[dict[str, Any], str]:
     raise ValueError(f"WORKDIR {workdir} is not a directory; give the --workdir of a run of "
                      "python -m vit_jax.main.")
   cost_json = root / rundir.COST_JSON
-  disk = rundir.read_json(cost_json)
+  fix = "restore it, or delete it to see the latest checkpoint's account"
+  disk = rundir.read_json(cost_json, fix=fix)
+  if disk is not None:
+    accounting.check_report(disk, cost_json, fix)
   saved, saved_step = None, None
   for saved_step in reversed(rundir.saved_steps(root / rundir.CHECKPOINTS_DIR)):
+    item = root / rundir.CHECKPOINTS_DIR / str(saved_step) / rundir.COST_ITEM / "metadata"
     try:
-      saved = rundir.read_json(root / rundir.CHECKPOINTS_DIR / str(saved_step) /
-                               rundir.COST_ITEM / "metadata")
-    except ValueError:
+      saved = rundir.read_json(item)
+      saved = saved and accounting.check_report(saved, item)
+    except (ValueError, OSError):  # Damaged: an earlier step's account.
       saved = None
     if saved:
       break
@@ -206,7 +258,10 @@ def read_workdir(workdir: str) -> tuple[dict[str, Any], str]:
   where = (f"checkpoint {saved_step}" if report is saved and report is not disk else
            f"{cost_json}, written "
            f"{accounting.duration(max(0.0, time.time() - cost_json.stat().mtime))} ago")
-  lock = rundir.read_json(root / rundir.LOCK_JSON)
+  try:
+    lock = rundir.read_json(root / rundir.LOCK_JSON)
+  except (ValueError, OSError):  # A damaged lock: its holder unknown.
+    lock = {}
   return report, f"{workdir}: the account at step {report['step']} ({where}); {_holder(lock)}."
 
 
@@ -269,6 +324,8 @@ def show_workdir(workdir: str, figure: Optional[str]) -> int:
     report, where = read_workdir(workdir)
   except ValueError as e:
     return common.fatal(e, 2)
+  except OSError as e:  # E.g. cost.json unreadable (permissions).
+    return common.fatal(e, 1)
   print(where)
   print(ledger_lib.format_ledger(report))
   figure = figure or str(epath.Path(workdir) / "cost.png")
@@ -312,9 +369,14 @@ def _parser() -> common.Parser:
       "--accelerator", default="v3-8", help="Cloud TPU type (v3-8, v3-256, v4-32, v5p-8: the "
       "number counts TensorCores; v5litepod-16, v6e-8: chips) or a GPU count (a100-8); "
       "vit_jax.hardware lists the kinds (default v3-8).")
-  parser.add_argument("--mfu", type=float, default=0.35, help="Assumed model FLOP utilisation, "
-                      "0..1 (default 0.35; the ViT paper's Table 2 implies 0.22 to 0.38 on TPU "
-                      "v3; see --table2).")
+  parser.add_argument("--mfu", type=float, help="Assumed model FLOP utilisation, 0..1 (default "
+                      "0.35; the ViT paper's Table 2 implies 0.22 to 0.38 on TPU v3; see "
+                      "--table2).")
+  parser.add_argument("--preflight", metavar="FILE", help="Instead of --mfu: the MFU of the "
+                      "train step that python -m vit_jax.preflight --json FILE estimated (the "
+                      "TPU compiler's cost model) for this config's model and compute dtype on "
+                      "the --accelerator's TPU kind; pre-flight the per-device batch of the "
+                      "planned run, whose MFU it is.")
   parser.add_argument("--table2", action="store_true", help="Print the ViT paper's Table 2 "
                       "compute column with the MFU each reported TPUv3-core-days figure implies, "
                       "counted from this project's models.")
@@ -341,7 +403,13 @@ def main(argv=None) -> int:
     if config is None:
       raise ValueError("Give --config=configs/<file>.py[:<args>] (or --table2, or a run's "
                        "WORKDIR); --help explains.")
-    est = estimate(config, args.accelerator, args.mfu, args.num_train_examples, args.num_classes)
+    mfu, source = (0.35 if args.mfu is None else args.mfu), None
+    if args.preflight:
+      if args.mfu is not None:
+        raise ValueError("Give --mfu (assumed) or --preflight FILE (estimated), not both.")
+      mfu, source = preflight_mfu(args.preflight, config, args.accelerator)
+    est = estimate(config, args.accelerator, mfu, args.num_train_examples, args.num_classes,
+                   mfu_source=source)
   except ValueError as e:
     return common.fatal(e, 2)
   print(format_estimate(est, args.accelerator))

@@ -256,8 +256,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     return 130
   done = 'all written now' if written == records else (
       'all there already' if not written else f'{written:,} examples written now')
-  print(f'{where}: {shards} ArrayRecord shards, {records:,} examples ({done}); training now '
-        'reads it by index.')
+  print(f'{where}: {shards} ArrayRecord shards, {records:,} examples ({done}); runs started '
+        'from now on read it by index (a run that read it in order goes on so).')
   return 0
 
 

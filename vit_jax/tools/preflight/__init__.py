@@ -4,6 +4,8 @@
   tpu = preflight.tpu_slice("v3-8")                 # compile-only devices, no TPU needed
   result = preflight.check(config, tpu)              # config: configs/*.py with overrides
   result.fits, result.train.memory.total             # per device, bytes
+  timed = preflight.check(config, tpu, estimate=True)  # + the compiler's estimate of the time
+  timed.train.cost.seconds, timed.speed(timed.train).mfu  # loops counted as they run
   found = preflight.suggest(config, result, functools.partial(preflight.check, tpu=tpu))
 """
 

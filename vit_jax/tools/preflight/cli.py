@@ -10,19 +10,29 @@ Examples:
   # Two v4-8 slices joined by the data-center network (DCN), data parallel across them.
   python -m vit_jax.preflight --config configs/vit.py:b16,imagenet21k --accelerator v4-8 \
       --config.mesh.dcn_data=2
+  # ViT-S/16's estimated step time and MFU on a v4-8, also as JSON (for python -m vit_jax.cost
+  # --preflight out.json).
+  python -m vit_jax.preflight --config configs/vit.py:s16,imagenet2012 --accelerator v4-8 \
+      --json out.json
 
 It compiles the trainer's own train and eval steps (`vit_jax.step`) with abstract inputs (no
 data, no TPU, nothing allocated) with libtpu's TPU compiler for the whole slice, and prints per
 device the train state's shard, the batch, the temporaries and the total against the HBM; the
 replicated share of the parameters, the batch per host, device and micro-batch, the FLOPs and
-compile time. When the step does not fit it compiles the smallest changes in order (bfloat16,
-accumulation, FSDP, the leanest remat policy, a smaller batch) and prints the first overrides
-that fit, ready to paste. With --config.mesh.dcn_data=N it compiles for N slices of the
---accelerator type (libtpu's multi-slice topology, the trainer's hybrid mesh) and also reports
-the collectives that cross slices: how many per step, and the bytes each device hands the DCN.
+compile time. For each step that fits it also prints the TPU compiler's estimate of its time
+(its cost model's `optimal_seconds`: a lower bound, not a measurement), each loop's body (the
+scan over layers, gradient accumulation) counted as many times as it runs, which takes one
+more compile per loop level; and what that implies: images per second per chip and per core,
+and the MFU (the analytic FLOPs over the time and the slice's peak). When the step does not fit
+it compiles the smallest changes in order (bfloat16, accumulation, FSDP, the leanest remat
+policy, a smaller batch) and prints the first overrides that fit, ready to paste. With
+--config.mesh.dcn_data=N it compiles for N slices of the --accelerator type (libtpu's
+multi-slice topology, the trainer's hybrid mesh) and also reports the collectives that cross
+slices: how many per step, and the bytes each device hands the DCN.
 
 Exit codes: 0 fits; 1 does not fit (the suggestion, if any, is printed); 2 a bad config or flag,
-libtpu missing (with the install line), or a compiler error other than memory.
+libtpu missing (with the install line), a compiler error other than memory, or a --json FILE
+that cannot be written.
 Needs libtpu: pip install -e '.[tpu]'. Compiling takes seconds for tiny models and minutes
 for the papers' models and batches on 2 CPU cores (docs/pods.md gives measured times), more
 with several slices.
@@ -32,8 +42,10 @@ from __future__ import annotations
 
 import argparse
 import functools
+import json
+import os
 import sys
-from typing import Optional
+from typing import Any, Optional
 
 from absl import logging
 import jax
@@ -73,7 +85,43 @@ def _memory_rows(result: fit.Result) -> list[tuple[str, ...]]:
 
   rows.append(("total", *(total(s) for s in steps)))
   rows.append(("compile time", *(f"{s.seconds:.1f} s" for s in steps)))
+  speeds = [result.speed(s) for s in steps]
+  if any(speeds):
+    rows += [
+        ("est. step time", *(_seconds(v.seconds) if v else "-" for v in speeds)),
+        ("images/s", *(f"{v.images_per_second:,.0f}" if v else "-" for v in speeds)),
+        ("  per chip", *(f"{v.per_chip:,.0f}" if v else "-" for v in speeds)),
+        ("  per core", *(f"{v.per_core:,.0f}" if v else "-" for v in speeds)),
+        ("est. MFU", *(f"{v.mfu:.1%}" if v and v.mfu is not None else "-" for v in speeds))]
   return rows
+
+
+def _seconds(seconds: float) -> str:
+  return f"{seconds:.3g} s" if seconds >= 1 else f"{seconds * 1e3:.3g} ms"
+
+
+def _estimate_lines(result: fit.Result) -> list[str]:
+  """How the steps' times were estimated, and why one has none."""
+  costs = [s for s in result.steps if s.cost is not None]
+  if not costs:
+    return []
+  loops = "; ".join(f"{s.name} step {s.cost.describe_loops()}" for s in costs)
+  compiles = sum(s.cost.compile_seconds for s in costs)
+  lines = [f"step time    the TPU compiler's estimate (its cost model: a lower bound), each loop's "
+           f"body counted as many times as it runs ({loops}; a body measured by compiling the "
+           f"step again with its loop unrolled, 2 trips per body around other loops: "
+           f"{compiles:.0f} s)"]
+  lines += [f"             {s.name} step: no estimate: {s.cost.missing}" for s in costs
+            if s.cost.missing]
+  peak, dtype = result.peak_flops, str(result.config.model.dtype)
+  if peak and any(result.speed(s) for s in costs):
+    kind = hardware.kind(result.slice.hardware.device_kind)
+    runs_as = kind.runs_as.get(dtype, dtype)
+    lines.append(f"MFU          the step's analytic FLOPs over its estimated time and the "
+                 f"slice's peak, {peak / 1e12:,.0f} TFLOP/s ({runs_as}, "
+                 f"{len(result.slice.devices)} x {kind.device_kind}"
+                 + (f"; {dtype} matmuls run as {runs_as})" if runs_as != dtype else ")"))
+  return lines
 
 
 def format_result(result: fit.Result) -> str:
@@ -86,6 +134,16 @@ def format_result(result: fit.Result) -> str:
       "scan" if model.get("scan") else "",
       f"remat {model.remat_policy}" if model.get("remat") else "no remat")))
   xla = result.train.xla_flops if result.train else None
+  loops_counted = result.train.cost.total.get("flops") if result.train and result.train.cost \
+      else None
+  if loops_counted:
+    devices = len(result.slice.devices)
+    xla_text = (f"; XLA counts {loops_counted:.3g} per device, loops counted as they run "
+                f"(x {devices} devices: {loops_counted * devices / result.train_flops:.2f} x "
+                "the analytic count)")
+  else:
+    xla_text = (f"; XLA counts {xla:.3g} per device, partial: a scanned loop's body is counted "
+                "once" if xla else "")
   lines = [
       f"model        {c.model_name}, {result.parameters:,} parameters "
       f"({_size(result.parameter_bytes)}), {result.replicated_fraction:.0%} of their bytes "
@@ -96,9 +154,9 @@ def format_result(result: fit.Result) -> str:
       f"{result.slice.num_hosts} = {result.batch_per_device:,} per device; micro-batch "
       f"{result.micro_batch_per_device:,} per device (accumulation {c.grad_accum_steps})",
       f"FLOPs/step   {result.train_flops:.3g} (analytic: 3 forward passes of the matrix "
-      "products)" + (f"; XLA counts {xla:.3g} per device, partial: a scanned loop's body "
-                     "is counted once" if xla else ""),
+      "products)" + xla_text,
   ]
+  lines += _estimate_lines(result)
   if result.slice.num_slices > 1:
     lines += _slices_lines(result)
   rows = _memory_rows(result)
@@ -127,6 +185,76 @@ def _slices_lines(result: fit.Result) -> list[str]:
           "hands the DCN)"]
 
 
+def _step_json(result: fit.Result, step: fit.StepCheck) -> dict[str, Any]:
+  memory = step.memory
+  speed, cost = result.speed(step), step.cost
+  train = step.name == "train"
+  devices = len(result.slice.devices)
+  loops_counted = cost.total.get("flops") if cost else None
+  return {
+      "accepted": step.accepted, "fits": step.fits, "refusal": step.message or None,
+      "compile_seconds": step.seconds,
+      "images": result.config.batch_size if train else result.config.eval_batch_size,
+      "estimated_step_seconds": speed.seconds if speed else None,
+      "estimate_note": cost.missing if cost else "not estimated",
+      "images_per_second": speed.images_per_second if speed else None,
+      "images_per_second_per_chip": speed.per_chip if speed else None,
+      "images_per_second_per_core": speed.per_core if speed else None,
+      "mfu": speed.mfu if speed else None,
+      "flops_per_step": {
+          "analytic": result.train_flops if train else result.eval_flops,
+          "compiler": loops_counted * devices if loops_counted else None,
+          "compiler_per_device": loops_counted,
+          "compiler_per_device_loops_once": step.xla_flops},
+      "memory_per_device": {
+          **memory.state, "batch": memory.batch, "temporaries": memory.temporaries,
+          "code": memory.code, "outputs": memory.outputs, "total": memory.total,
+          "needs_at_least": step.needs, "hbm": step.hbm},
+      "compiler_cost_per_device": {"loops_counted": cost.total, "loops_once": cost.once}
+                                  if cost else None,
+      "loops": [{"trips": list(loop.level), "scans": loop.scans, "body": loop.body}
+                for loop in cost.loops] if cost else None,
+      "estimate_compile_seconds": cost.compile_seconds if cost else None,
+  }
+
+
+def report_json(result: fit.Result) -> dict[str, Any]:
+  """The report of one checked config as JSON-ready values (bytes, seconds, FLOPs; `--json`):
+  the slice, model, run and batch, and per step ('steps': 'train', 'eval') its memory and
+  estimate; the train step's also at the top: `estimated_step_seconds`, `flops_per_step`,
+  `memory_per_device`, `mfu`."""
+  c, tpu = result.config, result.slice
+  hw = tpu.hardware
+  steps = {s.name: _step_json(result, s) for s in result.steps}
+  train = steps.get("train", {})
+  return {
+      "accelerator": tpu.accelerator, "num_slices": tpu.num_slices, "topology": tpu.topology,
+      "device_kind": hw.device_kind, "devices": len(tpu.devices),
+      "chips": hw.chips * tpu.num_slices, "cores": hw.cores * tpu.num_slices,
+      "hosts": tpu.num_hosts, "hbm_bytes_per_device": tpu.hbm_bytes,
+      "peak_flops": result.peak_flops, "model": c.model_name, "parameters": result.parameters,
+      "parameter_bytes": result.parameter_bytes, "dtype": str(c.model.dtype),
+      "scan": bool(c.model.get("scan")),
+      "remat_policy": c.model.remat_policy if c.model.get("remat") else None,
+      "attention": c.model.attention,
+      "mesh": sharding.axis_sizes(c.mesh, len(tpu.devices)),
+      "batch_size": c.batch_size, "eval_batch_size": c.eval_batch_size,
+      "batch_per_host": result.batch_per_host, "batch_per_device": result.batch_per_device,
+      "micro_batch_per_device": result.micro_batch_per_device,
+      "grad_accum_steps": c.grad_accum_steps, "fits": result.fits,
+      "estimated_step_seconds": train.get("estimated_step_seconds"),
+      "mfu": train.get("mfu"), "flops_per_step": train.get("flops_per_step"),
+      "memory_per_device": train.get("memory_per_device"), "steps": steps,
+  }
+
+
+def _write_json(path: Optional[str], report: dict[str, Any], out) -> None:
+  if path:
+    with open(path, "w", encoding="utf-8") as f:
+      json.dump(report, f, indent=1)
+    print(f"Wrote {path}", file=out)
+
+
 def _attempt_line(attempt: search.Attempt) -> str:
   flags_text = fit.flags_of(attempt.overrides)
   if attempt.result is None:
@@ -144,14 +272,18 @@ def _attempt_line(attempt: search.Attempt) -> str:
 
 def run(config, accelerator: str, *, suggest: bool = True, eval_step: bool = True,
         largest_batch: bool = False, num_train_examples: Optional[int] = None,
-        num_classes: Optional[int] = None, out=sys.stdout) -> int:
-  """Checks and prints `config` on `accelerator`: the exit code (0 fits, 1 does not). Raises
-  ValueError or topology.MissingLibtpuError."""
+        num_classes: Optional[int] = None, estimate: bool = True,
+        json_path: Optional[str] = None, out=sys.stdout) -> int:
+  """Checks and prints `config` on `accelerator`: the exit code (0 fits, 1 does not);
+  `estimate`: the fitting steps' times too; `json_path`: also writes `report_json` there (with
+  a suggestion's overrides and report under 'suggestion'). Raises ValueError or
+  topology.MissingLibtpuError; OSError when the JSON cannot be written."""
   tpu = topology.tpu_slice(accelerator, num_slices=int(config.mesh.dcn_data))
   print(f"Pre-flight for {tpu.describe()}; compiling with libtpu's TPU compiler...", file=out,
         flush=True)
   checker = functools.partial(fit.check, tpu=tpu, eval_step=eval_step,
-                              num_train_examples=num_train_examples, num_classes=num_classes)
+                              num_train_examples=num_train_examples, num_classes=num_classes,
+                              estimate=estimate)
   if largest_batch:
     def progress(per_device, result):
       print(f"  {per_device} per device: {'fits' if result.fits else 'does not fit'} "
@@ -164,12 +296,15 @@ def run(config, accelerator: str, *, suggest: bool = True, eval_step: bool = Tru
            if per_device == search.LARGEST_BATCH_LIMIT else "")
     print(f"Largest batch per device (power of two): {per_device}{cap}, global "
           f"{result.config.batch_size:,}.\n{format_result(result)}", file=out)
+    _write_json(json_path, {**report_json(result), "largest_batch_per_device": per_device}, out)
     return 0
   result = checker(config)
   print(format_result(result), file=out)
   print(f"FITS: peak {_size(result.peak)} per device of {_size(result.slice.hbm_bytes)}."
         if result.fits else f"DOES NOT FIT: {result.refused.verdict}", file=out, flush=True)
+  report = report_json(result)
   if result.fits:
+    _write_json(json_path, report, out)
     return 0
   if suggest:
     print("Compiling smaller changes, in order (bfloat16, accumulation, FSDP, remat, batch; "
@@ -182,6 +317,10 @@ def run(config, accelerator: str, *, suggest: bool = True, eval_step: bool = Tru
     else:
       print(f"\nFits with these overrides:\n  {fit.flags_of(found.overrides)}\n"
             f"{format_result(found.result)}", file=out)
+      report["suggestion"] = {"overrides": found.overrides,
+                              "flags": fit.flags_of(found.overrides),
+                              **report_json(found.result)}
+  _write_json(json_path, report, out)
   return 1
 
 
@@ -199,9 +338,22 @@ def _parser() -> common.Parser:
       ("eval", True, "Also compile the eval step, at config.eval_batch_size, default "
        "config.batch_size (default; --noeval: not)."),
       ("largest_batch", False, "Instead: find the largest per-device batch (a power of two up to "
-       "1024, accumulation 1) that fits this config on the slice.")):
+       "1024, accumulation 1) that fits this config on the slice."),
+      ("estimate", True, "For each step that fits, also estimate its time: the TPU compiler's "
+       "cost model (optimal_seconds, a lower bound, not a measurement), with each loop's body "
+       "counted as many times as it runs, which compiles the step once more per loop level "
+       "(the scan over layers, unrolled; gradient accumulation around it, 2 trips per body); "
+       "and "
+       "the images/s per chip and per core and the MFU it implies (default; --noestimate: "
+       "not).")):
     parser.add_argument(f"--{name}", action="store_true", default=default, help=text)
     parser.add_argument(f"--no{name}", dest=name, action="store_false", help=argparse.SUPPRESS)
+  parser.add_argument(
+      "--json", metavar="FILE", help="Also write the report as JSON to FILE: the slice, model, "
+      "batch, and per step its per-device memory (bytes), estimated_step_seconds, images/s "
+      "(in all, per chip, per core), mfu and flops_per_step (analytic and the compiler's); the "
+      "train step's figures also at the top. A suggestion's under 'suggestion'. python -m "
+      "vit_jax.cost --preflight FILE takes its MFU.")
   return parser
 
 
@@ -211,10 +363,15 @@ def main(argv=None) -> int:
     if config is None or not args.accelerator:
       raise ValueError("Give --config=configs/<file>.py[:<args>] and --accelerator (e.g. "
                        "v3-8); --help explains.")
+    folder = os.path.dirname(os.path.abspath(args.json or "."))
+    if args.json and not os.path.isdir(folder):
+      raise ValueError(f"--json {args.json}: the directory {folder} does not exist.")
     return run(config, args.accelerator, suggest=args.suggest, eval_step=args.eval,
                largest_batch=args.largest_batch, num_train_examples=args.num_train_examples,
-               num_classes=args.num_classes)
+               num_classes=args.num_classes, estimate=args.estimate, json_path=args.json)
   except (topology.MissingLibtpuError, ValueError, TypeError, KeyError) as e:
+    return common.fatal(e, 2)
+  except OSError as e:  # The JSON report could not be written.
     return common.fatal(e, 2)
   except jax.errors.JaxRuntimeError as e:
     return common.fatal(RuntimeError("The TPU compiler failed (not for memory): "

@@ -5,7 +5,9 @@ libtpu's TPU compiler for the slice's compile-only devices. The compiler refuses
 temporaries exceed the HBM but does not count its inputs: a step fits when the compiler accepts
 it and its temporaries and code (`memory_analysis()`), train state and batch shards together
 are within the HBM. On several slices (`config.mesh.dcn_data`) the collectives that cross
-them are read from the compiled program (`collectives`).
+them are read from the compiled program (`collectives`). With `estimate`, a step that fits also
+gets the TPU compiler's estimate of its time, its loops counted as they run (`estimate`), and
+what that implies (`Speed`).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from vit_jax import sharding
 from vit_jax import step as step_lib
 from vit_jax.tools import cost
 from vit_jax.tools.preflight import collectives
+from vit_jax.tools.preflight import estimate as estimate_lib
 from vit_jax.tools.preflight import topology
 from vit_jax.tools.preflight.topology import parse_refusal
 
@@ -78,8 +81,9 @@ class Memory:
 class StepCheck:
   """The 'train' or 'eval' step compiled for the slice: `accepted` by the compiler (else its
   `message` and the temporaries it `required`, bytes), its `memory`, the device's `hbm`, the
-  compile `seconds`, XLA's FLOPs per device (partial with `scan=True`) or None, and the
-  collectives that cross slices (None when refused)."""
+  compile `seconds`, XLA's FLOPs per device (partial with `scan=True`) or None, the
+  collectives that cross slices (None when refused), and the `cost` per device with the loops
+  counted as they run, its estimated seconds included (None: not estimated)."""
   name: str
   accepted: bool
   memory: Memory
@@ -89,6 +93,7 @@ class StepCheck:
   seconds: float = 0.0
   xla_flops: Optional[float] = None
   cross_slice: Optional[collectives.CrossSlice] = None
+  cost: Optional[estimate_lib.StepCost] = None
 
   @property
   def needs(self) -> int:
@@ -115,10 +120,23 @@ class StepCheck:
 
 
 @dataclasses.dataclass(frozen=True)
+class Speed:
+  """What a step's estimated time implies on the slice: `seconds` per step, images per second
+  in all, per chip and per TensorCore, and `mfu`: the step's analytic FLOPs over its time and
+  the slice's peak (0..1; None without a peak for the compute dtype)."""
+  seconds: float
+  images_per_second: float
+  per_chip: float
+  per_core: float
+  mfu: Optional[float]
+
+
+@dataclasses.dataclass(frozen=True)
 class Result:
   """A config checked on a slice (`check`): the resolved `config`, the steps (None when not
   compiled), the parameters (count, bytes of one copy, share every device holds whole), the
-  images per host, device and micro-batch, and the analytic FLOPs of a training step."""
+  images per host, device and micro-batch, and the analytic FLOPs of a training step and of
+  an eval step (forward only, `config.eval_batch_size` images)."""
   config: ml_collections.ConfigDict
   slice: topology.Slice
   train: Optional[StepCheck]
@@ -130,6 +148,7 @@ class Result:
   batch_per_device: int
   micro_batch_per_device: int
   train_flops: float
+  eval_flops: Optional[float] = None
 
   @property
   def steps(self) -> list[StepCheck]:
@@ -149,6 +168,26 @@ class Result:
     """The larger step's per-device bytes (None unless both fit)."""
     return max(s.memory.total for s in self.steps) if self.fits else None
 
+  @property
+  def peak_flops(self) -> Optional[float]:
+    """The slice's peak FLOP/s (all devices) in the compute dtype, from `vit_jax.hardware`."""
+    kind = hardware.kind(self.slice.hardware.device_kind)
+    peak = kind.peak.get(str(self.config.model.dtype)) if kind else None
+    return peak * len(self.slice.devices) if peak else None
+
+  def speed(self, step: StepCheck) -> Optional[Speed]:
+    """What `step`'s estimated time implies (None: not estimated, or no estimate)."""
+    seconds = step.cost.seconds if step.cost else None
+    if not seconds:
+      return None
+    train = step.name == "train"
+    images = self.config.batch_size if train else self.config.eval_batch_size
+    analytic = self.train_flops if train else self.eval_flops
+    hw, slices, peak = self.slice.hardware, self.slice.num_slices, self.peak_flops
+    rate = images / seconds
+    return Speed(seconds, rate, rate / (hw.chips * slices), rate / (hw.cores * slices),
+                 analytic / (seconds * peak) if peak and analytic else None)
+
 
 def _shard_bytes(tree: Any) -> int:
   """Bytes of one device's shard of the `jax.ShapeDtypeStruct`s in `tree`."""
@@ -156,8 +195,10 @@ def _shard_bytes(tree: Any) -> int:
              for leaf in jax.tree.leaves(tree))
 
 
-def compile_step(setup: step_lib.Setup, name: str, hbm: int) -> StepCheck:
-  """Compiles the 'train' or 'eval' step of `setup` with abstract inputs against `hbm` bytes.
+def compile_step(setup: step_lib.Setup, name: str, hbm: int, *,
+                 estimate: bool = False) -> StepCheck:
+  """Compiles the 'train' or 'eval' step of `setup` with abstract inputs against `hbm` bytes;
+  `estimate`: if it fits, its `cost` too (compiling a variant per loop level).
   Raises jax.errors.JaxRuntimeError: the compiler failed for a reason other than memory."""
   config = setup.config
   if name == "train":
@@ -171,7 +212,7 @@ def compile_step(setup: step_lib.Setup, name: str, hbm: int) -> StepCheck:
   try:
     compiled = setup.compile(jitted, setup.abstract_state, batch)
   except Exception as e:  # pylint: disable=broad-except
-    if "RESOURCE_EXHAUSTED" not in str(e) and "Ran out of memory" not in str(e):
+    if not topology.is_out_of_memory(e):
       raise
     required, _ = parse_refusal(str(e))
     message = str(e).strip().splitlines()[0]
@@ -183,9 +224,16 @@ def compile_step(setup: step_lib.Setup, name: str, hbm: int) -> StepCheck:
       code=int(stats.generated_code_size_in_bytes),
       outputs=max(0, int(stats.output_size_in_bytes - stats.alias_size_in_bytes)))
   slices = sharding.slice_indices(setup.mesh.devices.flat)  # The program's device order.
-  return StepCheck(name, True, memory, hbm, seconds=seconds,
-                   xla_flops=flops.compiled_flops(compiled),
-                   cross_slice=collectives.cross_slice(compiled.as_text(), slices))
+  result = StepCheck(name, True, memory, hbm, seconds=seconds,
+                     xla_flops=flops.compiled_flops(compiled),
+                     cross_slice=collectives.cross_slice(compiled.as_text(), slices))
+  if estimate and result.fits:
+    args = (setup.abstract_state, batch)
+    traced = setup.in_mesh(jax.make_jaxpr(jitted))(*args)
+    result = dataclasses.replace(result, cost=estimate_lib.step_cost(
+        compiled, traced,
+        lambda variant: setup.compile(estimate_lib.rejit(variant), *jax.tree.leaves(args))))
+  return result
 
 
 def resolve(config: ml_collections.ConfigDict, tpu: topology.Slice, *,
@@ -201,10 +249,11 @@ def resolve(config: ml_collections.ConfigDict, tpu: topology.Slice, *,
 
 def check(config: ml_collections.ConfigDict, tpu: topology.Slice, *, train_step: bool = True,
           eval_step: bool = True, num_train_examples: Optional[int] = None,
-          num_classes: Optional[int] = None) -> Result:
+          num_classes: Optional[int] = None, estimate: bool = False) -> Result:
   """The `Result` of compiling the trainer's steps of `config` (unresolved, overrides applied)
   for the slice `tpu` (`topology.tpu_slice`); the eval step at `config.eval_batch_size`.
   `num_train_examples`, `num_classes`: the dataset's size when it is not a known one.
+  `estimate`: each step that fits also gets its estimated time (`compile_step`).
 
   Raises ValueError (the config cannot run on the slice, an unknown dataset size) or
   jax.errors.JaxRuntimeError (the compiler failed for a reason other than memory).
@@ -216,8 +265,10 @@ def check(config: ml_collections.ConfigDict, tpu: topology.Slice, *, train_step:
   sharding.check_replication(params, shardings, setup.mesh,
                              resolved.mesh.max_replicated_fraction)  # Raises as the trainer.
   replicated, total = sharding.replicated_bytes(params, shardings)
-  train = compile_step(setup, "train", tpu.hbm_bytes) if train_step else None
-  evaluation = compile_step(setup, "eval", tpu.hbm_bytes) if eval_step else None
+  train = (compile_step(setup, "train", tpu.hbm_bytes, estimate=estimate) if train_step
+           else None)
+  evaluation = (compile_step(setup, "eval", tpu.hbm_bytes, estimate=estimate) if eval_step
+                else None)
   shards = step_lib.batch_shards(setup.config.mesh, setup.mesh.size)
   macs = flops.model_forward_macs(setup.model, setup.image_shape)
   return Result(
@@ -227,4 +278,5 @@ def check(config: ml_collections.ConfigDict, tpu: topology.Slice, *, train_step:
       batch_per_host=resolved.batch_size // tpu.num_hosts,
       batch_per_device=resolved.batch_size // shards,
       micro_batch_per_device=resolved.batch_size // shards // resolved.grad_accum_steps,
-      train_flops=flops.training_flops(macs, resolved.batch_size))
+      train_flops=flops.training_flops(macs, resolved.batch_size),
+      eval_flops=2.0 * macs * resolved.eval_batch_size)

@@ -79,6 +79,11 @@ def parse_refusal(message: str) -> tuple[Optional[int], Optional[int]]:
           _bytes(*available.groups()) if available else None)
 
 
+def is_out_of_memory(error: Exception) -> bool:
+  """Whether a compile failed because the program's temporaries exceed the HBM."""
+  return "RESOURCE_EXHAUSTED" in str(error) or "Ran out of memory" in str(error)
+
+
 def available_hbm(device: Any) -> int:
   """The HBM of `device` the TPU compiler gives one program, bytes: read from its refusal of a
   2 TiB sort ("... exceeds available HBM (15.48G)"). RuntimeError when it says no figure."""
