@@ -76,6 +76,18 @@ def official_model(models_vit: types.ModuleType, config):
       classifier=m.classifier, head_bias_init=m.head_bias_init or 0.0)
 
 
+def parse_overrides(items: list[str]) -> dict:
+  """`KEY=VALUE` strings -> {key: value}, the value a Python literal or else a string."""
+  overrides = {}
+  for item in items:
+    key, _, value = item.partition("=")
+    try:
+      overrides[key] = ast.literal_eval(value)
+    except (ValueError, SyntaxError):  # A plain string, e.g. nothing_saveable.
+      overrides[key] = value
+  return overrides
+
+
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n", maxsplit=1)[0])
   parser.add_argument("--official", required=True,
@@ -100,13 +112,7 @@ def main(argv=None) -> int:
       "configs_vit", os.path.join(os.path.dirname(__file__), "..", "configs", "vit.py"))
   configs_vit = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(configs_vit)
-  overrides = {}
-  for item in args.override:
-    key, _, value = item.partition("=")
-    try:
-      overrides[key] = ast.literal_eval(value)
-    except (ValueError, SyntaxError):  # A plain string, e.g. nothing_saveable.
-      overrides[key] = value
+  overrides = parse_overrides(args.override)
 
   print(f"{args.accelerator}, global batch {args.batch} "
         f"({args.batch // len(tpu.devices)} per core), training step, per core:")

@@ -50,7 +50,7 @@ def _module(name: str, path: str):
 
 
 def measure(side: str, config, tpu, models_vit, official_model) -> dict:
-  """One compile of `side` ('ours' or 'official') with `config` on `tpu`: a JSON-able record."""
+  """One compile of `side` ('official', or ours) with `config` on `tpu`: a JSON-able record."""
   from vit_jax import step as step_lib  # pylint: disable=import-outside-toplevel
   from vit_jax.tools.preflight import fit  # pylint: disable=import-outside-toplevel
   patch = mock.patch.dict({})
@@ -92,8 +92,10 @@ def table(records: dict) -> str:
            "|---|---|---|---|---|---|---|"]
   for key, ours in records.items():
     tpu, model, dtype, side = key.split("|")
-    if side != "ours":
+    if not side.startswith("ours"):
       continue
+    if side != "ours":  # With overrides: named in the compute column.
+      dtype = f"{dtype} {side[len('ours'):]}"
     official = records.get(f"{tpu}|{model}|float32|official")
     ratio = "-"
     if official and ours.get("step_seconds") and official.get("step_seconds"):
@@ -114,6 +116,9 @@ def main(argv=None) -> int:
                       help="images per TensorCore (the global batch: this x the slice's cores)")
   parser.add_argument("--models", default="b16,l16", help="configs/vit.py model names")
   parser.add_argument("--dtypes", default="float32,bfloat16")
+  parser.add_argument("--override", action="append", default=[], metavar="KEY=VALUE",
+                      help="a config override for ours (its rows are named by them), e.g. "
+                           "model.remat_policy=dots_and_attention_saveable")
   args = parser.parse_args(argv)
 
   from vit_jax.tools.preflight import fit  # pylint: disable=import-outside-toplevel
@@ -122,6 +127,8 @@ def main(argv=None) -> int:
   memory = _module("memory_vs_official", os.path.join(HERE, "memory_vs_official.py"))
   configs_vit = _module("configs_vit", os.path.join(HERE, "..", "configs", "vit.py"))
   models_vit = memory.load_official(args.official)
+  overrides = memory.parse_overrides(args.override)
+  ours = "ours" + "".join(f"[{item}]" for item in args.override)
   records = {}
   if os.path.exists(args.out):
     with open(args.out, encoding="utf-8") as f:
@@ -135,11 +142,13 @@ def main(argv=None) -> int:
       for dtype in args.dtypes.split(","):
         config = fit.with_overrides(configs_vit.get_config(f"{model},imagenet2012"), {
             "model.dtype": dtype, "batch_size": batch, "total_steps": 1_000_000})
-        for side in ("ours", "official"):
+        for side in (ours, "official"):
           key = f"{accelerator}|{model}|{'float32' if side == 'official' else dtype}|{side}"
           if key in records:
             continue
-          records[key] = measure(side, config, tpu, models_vit, memory.official_model)
+          records[key] = measure(
+              side, config if side == "official" else fit.with_overrides(config, overrides),
+              tpu, models_vit, memory.official_model)
           print(f"  {key}: {_cell(records[key])}", file=sys.stderr, flush=True)
           with open(args.out, "a", encoding="utf-8") as f:
             f.write(json.dumps({"key": key, **records[key]}) + "\n")

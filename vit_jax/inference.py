@@ -174,10 +174,10 @@ def _from_weights(path: str, contents: checkpoint.Contents, model_name: Optional
     fields = {**{k: v for k, v in implied.items()
                  if k != 'num_classes' and (hybrid or k != 'resnet_width_factor')}, **fields}
   elif implied is not None:  # What the weights compute, whatever the name says.
-    for key in ('representation_size', 'classifier', 'posemb', 'layerscale_init',
-                'num_registers', 'no_embed_class', 'fc_norm'):  # (timm's variants: if present.)
-      if implied.get(key) is not None:
-        fields.setdefault(key, implied[key])
+    for field in models.vit_fields.VIT_FIELDS:  # The recorded fields a name does not fix.
+      if field.in_weights and field.default is not models.fields.REQUIRED and (
+          implied.get(field.name) is not None):
+        fields.setdefault(field.name, implied[field.name])
   image_size = image_size or contents.image_size
   if image_size is None:
     raise ValueError(

@@ -18,9 +18,11 @@ import ml_collections
 import numpy as np
 import regex  # The user's patterns: its matching takes a timeout, `re`'s cannot be bounded.
 
-#: The encoder blocks: ViT's `Transformer/encoderblock_{i}`, T2T-ViT's `blocks_{i}`; with
-#: `scan=True` one stacked `encoderblock` / `blocks` whose leading axis is the block.
-BLOCK_KEYS = ("encoderblock", "blocks")
+from vit_jax.models import layout
+
+# The encoder blocks are `layout.BLOCK_PREFIXES`: ViT's `Transformer/encoderblock_{i}`, T2T-ViT's
+# `blocks_{i}`; with `scan=True` one stacked `encoderblock` / `blocks` whose leading axis is the
+# block.
 #: Top-level modules after the encoder: layer L + 1 (timm: the head group).
 HEAD_KEYS = ("head", "pre_logits", "MAPHead_0", "fc_norm")
 #: The encoder's final norm: layer L, with the last block (timm's ViT: `norm` joins its group).
@@ -149,32 +151,28 @@ class _Tensor:
   size: int  # Elements of each.
 
 
-def _dict_keys(path) -> tuple[str, ...]:
-  return tuple(str(p.key) for p in path if isinstance(p, jax.tree_util.DictKey))
-
-
 def name_of(path) -> str:
   """A tree path's '/'-joined dict keys: the name the patterns match."""
-  return "/".join(_dict_keys(path))
+  return "/".join(layout.dict_keys(path))
 
 
 def _tensors(params: Any) -> tuple[list[_Tensor], int]:
   """The parameters in tree order and L, the number of encoder blocks (0: none found)."""
-  leaves = [(_dict_keys(path), tuple(np.shape(leaf)))
+  leaves = [(layout.dict_keys(path), tuple(np.shape(leaf)))
             for path, leaf in jax.tree_util.tree_leaves_with_path(params)]
-  block = re.compile(rf"({'|'.join(BLOCK_KEYS)})_(\d+)")
+  block = re.compile(rf"({'|'.join(layout.BLOCK_PREFIXES)})_(\d+)")
   num_layers = 0
   for keys, shape in leaves:
     for key in keys:
       match = block.fullmatch(key)
       if match:
         num_layers = max(num_layers, int(match.group(2)) + 1)
-      elif key in BLOCK_KEYS and shape:
+      elif key in layout.BLOCK_PREFIXES and shape:
         num_layers = max(num_layers, shape[0])
   tensors = []
   for keys, shape in leaves:
     name = "/".join(keys)
-    stacked = [j for j, key in enumerate(keys) if key in BLOCK_KEYS and shape]
+    stacked = [j for j, key in enumerate(keys) if key in layout.BLOCK_PREFIXES and shape]
     if stacked:
       j = stacked[0]
       names = tuple("/".join(keys[:j] + (f"{keys[j]}_{i}",) + keys[j + 1:])
@@ -254,8 +252,8 @@ def param_groups(optim: ml_collections.ConfigDict, params: Any) -> ParamGroups:
             f"such as {examples}); {PATTERN_HELP}. Correct it in --config.optim.{key}.")
   if controls.layer_decay is not None and not num_layers:
     raise ValueError(f"config.optim.layer_decay={controls.layer_decay} needs encoder blocks "
-                     f"({' or '.join(k + '_<i>' for k in BLOCK_KEYS)}); this model has none. "
-                     "Set --config.optim.layer_decay=None.")
+                     f"({' or '.join(k + '_<i>' for k in layout.BLOCK_PREFIXES)}); this model "
+                     "has none. Set --config.optim.layer_decay=None.")
   decay = 1.0 if controls.layer_decay is None else controls.layer_decay
   mults = [m for _, m in controls.wd_mults]
   wd_patterns = [p for p, _ in controls.wd_mults]

@@ -145,6 +145,11 @@ def parse_json(data: Any, name: Any, *, fix: str = JSON_FIX,
   raise ValueError(f'{name} is {problem}; {fix}.')
 
 
+class NotAFileError(OSError):
+  """A path given as a file is a FIFO, socket or device: bad input (the tools exit 2); raised
+  before it is opened (reading one waits forever)."""
+
+
 def read_json(path: Any, *, fix: str = JSON_FIX,
               max_bytes: int = MAX_JSON_BYTES) -> Optional[Dict[str, Any]]:
   """The JSON object in the file at ``path`` (local or ``gs://``; e.g. ``WORKDIR/config.json``),

@@ -14,6 +14,8 @@ from jax.experimental import mesh_utils
 import ml_collections
 import numpy as np
 
+from vit_jax.models import layout
+
 #: The mesh axes, outermost first: the last one gets the fastest interconnect.
 MESH_AXES: Tuple[str, ...] = ("data", "fsdp", "tensor")
 
@@ -178,12 +180,12 @@ def like_params(tree: Any, params: Any, param_shardings: Any,
   """Shardings of a tree mirroring ``params`` (optimizer state): a leaf gets its parameter's (its
   dict-key path, or the longest tail of it, and shape: under optax.multi_transform's group key),
   else ``default``."""
-  by_path = {(_dict_keys(path), tuple(leaf.shape)): sharding
+  by_path = {(layout.dict_keys(path), tuple(leaf.shape)): sharding
              for (path, leaf), sharding in zip(jax.tree_util.tree_leaves_with_path(params),
                                                jax.tree_util.tree_leaves(param_shardings))}
 
   def find(path, leaf):
-    keys, shape = _dict_keys(path), tuple(np.shape(leaf))
+    keys, shape = layout.dict_keys(path), tuple(np.shape(leaf))
     return next((by_path[keys[i:], shape] for i in range(len(keys))
                  if (keys[i:], shape) in by_path), default)
 
@@ -202,10 +204,6 @@ def state_shardings(shapes: Dict[str, Any], boxed_variables: Any, mesh: jax.shar
            for name, value in tree.items()} if key == "model_state" else
           like_params(tree, shapes["params"], params, replicated)
           for key, tree in shapes.items()}
-
-
-def _dict_keys(path) -> Tuple[str, ...]:
-  return tuple(str(p.key) for p in path if isinstance(p, jax.tree_util.DictKey))
 
 
 def replicated_bytes(abstract_params: Any, shardings: Any) -> Tuple[int, int]:

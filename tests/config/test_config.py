@@ -170,8 +170,8 @@ def test_a_position_table_larger_than_the_memory_is_refused_before_the_workdir(t
       "10,000,000,001 x 8 parameters whose training state (16 B each: the float32 parameter, its "
       "gradient, the optimizer's moments) needs ~1,192.1 GiB, more than the 1.0 GiB of memory "
       "available on this host. Set --config.model.posemb_grid to the token grid of the table to "
-      "load (at most (2896, 2896) here; e.g. (14, 14) for 224 px at patch 16), or None (the "
-      "images' grid).")
+      "load (at most (2896, 2896) here; e.g. (14, 14) for 224 px at patch 16), or leave it out "
+      "(the images' grid).")
   config.model.posemb_grid = (2896, 2896)
   check()
   config.update(ema_decay=0.9999)  # The EMA: 20 B per parameter.

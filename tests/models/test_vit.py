@@ -1,5 +1,6 @@
 """Tests of vit_jax.models: registry, parameter counts/names, golden logits, scan/remat/dtype."""
 
+import dataclasses
 import functools
 import json
 import pathlib
@@ -269,6 +270,37 @@ def test_config_overrides():
   assert shapes['embedding/kernel'] == (8, 4, 3, 768)
   assert shapes['Transformer/posembed_input/pos_embedding'] == (1, 4 * 8 + 1, 768)
   assert shapes['Transformer/encoderblock/LayerNorm_0/scale'] == (2, 768)
+
+
+@pytest.mark.parametrize('family, module, declared', [
+    ('ViT', models.VisionTransformer,
+     models.vit_fields.VIT_FIELDS + models.vit_fields.HYBRID_FIELDS),
+    ('T2T-ViT', models.T2TViT, models.t2t.T2T_FIELDS),
+])
+def test_each_field_is_declared_once_and_the_module_takes_exactly_those(family, module, declared):
+  """The declaration is the modules' fields, their defaults the modules' (dtypes as names; T2T's
+  registry drop_path_rate is the reference's training 0.1), and the config derives from it."""
+  names = [f.name for f in declared]
+  assert len(names) == len(set(names)), family
+  module_fields = {f.name: f.default for f in dataclasses.fields(module)
+                   if f.name not in ('parent', 'name', 'num_classes')}
+  assert set(module_fields) == set(names), family
+  for field in declared:
+    expected = module_fields[field.name]
+    if field.name == 'resnet_num_layers':  # The module's None: no stem (a plain ViT).
+      assert expected is None
+    elif field.default is models.fields.REQUIRED:
+      assert expected is dataclasses.MISSING, field.name
+    elif field.name in ('dtype', 'param_dtype'):
+      assert jnp.dtype(expected) == jnp.dtype(field.default), field.name
+    elif (family, field.name) != ('T2T-ViT', 'drop_path_rate'):
+      assert expected == field.default, field.name
+    assert models.FIELD_TYPES[field.name] is field.type
+  custom = models.model_config(f'{family}-custom', **{
+      f.name: {int: 4, float: 2.0, tuple: (2, 2)}[f.type] for f in declared
+      if f.default is models.fields.REQUIRED and f.name != 'resnet_num_layers'})
+  assert set(custom) == set(models.fields.names(
+      models.vit_fields.VIT_FIELDS if family == 'ViT' else declared))
 
 
 def test_custom_name_needs_the_architecture():

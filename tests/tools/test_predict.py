@@ -201,7 +201,11 @@ def test_bad_inputs_are_one_fatal_line_and_exit_status_2(capsys, tmp_path):
   (tmp_path / "empty" / "notes.txt").write_text("no images here")
   latin1 = os.fsencode(tmp_path) + b"/caf\xe9.png"
   os.link(image, latin1)
+  os.mkfifo(tmp_path / "fifo.npz")  # Issue 50: refused by what it is, never opened.
   for argv, message in [
+      ([tmp_path / "fifo.npz", image],
+       f"FATAL: {tmp_path / 'fifo.npz'} is a FIFO, not a file that can be read: give the path "
+       "of a regular file."),
       ([NPZ, os.fsdecode(latin1)], f"FATAL: The file name {latin1!r} is not UTF-8, which "
        "TensorFlow cannot open: rename it (e.g. convmv -f latin1 -t utf8 --notest <file>) or "
        "move it away."),

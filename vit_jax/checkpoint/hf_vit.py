@@ -16,6 +16,7 @@ from vit_jax.checkpoint import archive
 from vit_jax.checkpoint import durable
 from vit_jax.checkpoint import paths
 from vit_jax.checkpoint import torch_layout
+from vit_jax.models import vit_fields
 
 CONFIG_FILE = 'config.json'
 WEIGHTS_FILE = 'model.safetensors'
@@ -318,10 +319,8 @@ def to_hf(params: Mapping[str, Any], fields: Mapping[str, Any], *, image_size: i
       'architectures': ['ViTForImageClassification' if classify else 'ViTModel'],
       'model_type': 'vit', 'qkv_bias': True, 'hidden_dropout_prob': 0.0,
       'attention_probs_dropout_prob': 0.0, 'initializer_range': 0.02, 'torch_dtype': 'float32',
-      'hidden_size': int(fields['hidden_size']), 'num_hidden_layers': int(fields['num_layers']),
-      'num_attention_heads': int(fields['num_heads']), 'intermediate_size': int(fields['mlp_dim']),
+      **{f.hf: f.type(fields.get(f.name, f.default)) for f in vit_fields.VIT_FIELDS if f.hf},
       'hidden_act': 'gelu_pytorch_tanh' if fields.get('gelu_approximate', True) else 'gelu',
-      'layer_norm_eps': float(fields.get('layer_norm_epsilon', 1e-6)),
       'image_size': int(image_size), 'patch_size': patch, 'encoder_stride': patch,
       'num_channels': int(canonical_arrays['patch_embed.proj.weight'].shape[1]),
   }

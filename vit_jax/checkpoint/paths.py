@@ -9,6 +9,8 @@ import re
 import stat
 from typing import Any, List, Optional, Tuple
 
+from vit_jax import rundir
+
 
 def is_remote(path: str) -> bool:
   """Whether ``path`` has a scheme (``gs://...``) and so goes through ``tf.io.gfile``."""
@@ -88,11 +90,13 @@ def not_a_file(path: str) -> Optional[str]:
 
 def read_bytes(path: str, size: int = -1) -> bytes:
   """The first ``size`` bytes of the file at ``path`` (default all; fewer if it is shorter).
-  OSError (IsADirectoryError) for a local path that is no regular file, never opened."""
+  IsADirectoryError or ``rundir.NotAFileError`` for a local path that is no regular file, never
+  opened."""
   odd = None if is_remote(path) else not_a_file(path)
   if odd and odd != 'a broken or looping symbolic link':  # open() names that one itself.
-    error = IsADirectoryError if odd == 'a directory' else OSError
-    raise error(f'{path} is {odd}, not a file that can be read.')
+    error = IsADirectoryError if odd == 'a directory' else rundir.NotAFileError
+    raise error(f'{path} is {odd}, not a file that can be read: give the path of a regular '
+                'file.')
   with open_file(path, 'rb') as f:
     return f.read(size)
 

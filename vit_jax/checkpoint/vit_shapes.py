@@ -135,15 +135,19 @@ def square_side(tokens: int) -> Optional[int]:
   return side if tokens > 0 and side * side == tokens else None
 
 
+#: Recorded fields that `describe_architecture` does not list as `name=value`: the pooling and
+#: the position embedding are said only where not the default, the stem's width not at all.
+_DESCRIBED_APART = ('classifier', 'posemb', 'resnet_width_factor')
+
+
 def describe_architecture(shapes: dict) -> Optional[str]:
   """:func:`architecture_fields` in a sentence for error messages (``'The checkpoint is a
   ViT[ with a ResNet stem] with patch_size=.., ...[, N classes].'``), or None."""
   fields = architecture_fields(shapes)
   if fields is None:
     return None
-  names = ['patch_size', 'hidden_size', 'num_layers', 'num_heads', 'mlp_dim',
-           'representation_size', 'resnet_num_layers', 'layerscale_init', 'num_registers',
-           'no_embed_class', 'fc_norm']
+  names = [f.name for f in vit_fields.VIT_FIELDS + vit_fields.HYBRID_FIELDS
+           if f.in_weights and f.name not in _DESCRIBED_APART]
   text = ', '.join(f'{k}={fields[k]}' for k in names
                    if k in fields and (fields[k] is not None or k == 'representation_size'))
   if fields['classifier'] == 'map':  # ('token' and 'gap' are not named, as before.)

@@ -36,10 +36,6 @@ NORMALIZATIONS = ("minus_one_to_one", "imagenet")
 BAD_IMAGES = ("fail", "skip")
 
 
-#: The type of a model field whose default is None, where it is not int (`--config.model.KEY=...`).
-PLACEHOLDER_TYPES = {"qk_scale": float, "layerscale_init": float, "posemb_grid": tuple,
-                     "resnet_num_layers": tuple}
-
 
 def model_config(model_name: str, **model_overrides) -> ml_collections.ConfigDict:
   """``config.model``: every field of the named variant, resolved, plus how the blocks run.
@@ -57,7 +53,7 @@ def model_config(model_name: str, **model_overrides) -> ml_collections.ConfigDic
   model = ml_collections.ConfigDict(fields)
   for key, value in list(model.items()):
     if value is None:  # e.g. representation_size: keep it overridable with the right type.
-      model[key] = config_dict.placeholder(PLACEHOLDER_TYPES.get(key, int))
+      model[key] = config_dict.placeholder(models.FIELD_TYPES[key])
   if "head_bias_init" in model:  # ViT: the regime's default (-10 or 0) if None.
     model.head_bias_init = config_dict.placeholder(float)
   return model

@@ -341,8 +341,8 @@ def _check_position_table(model: ml_collections.ConfigDict, ema_decay: float,
       f"gradient, the optimizer's moments{' and the EMA' if ema_decay else ''}) needs "
       f"~{needed / gib:,.1f} GiB, more than the {available_bytes / gib:.1f} GiB of memory "
       f"available on this host. Set --config.model.posemb_grid to the token grid of the table "
-      f"to load (at most ({side}, {side}) here; e.g. (14, 14) for 224 px at patch 16), or None "
-      "(the images' grid).")
+      f"to load (at most ({side}, {side}) here; e.g. (14, 14) for 224 px at patch 16), or leave "
+      "it out (the images' grid).")
 
 
 def _resolve_schedule(config: ml_collections.ConfigDict, num_train_examples: int) -> None:

@@ -16,9 +16,11 @@ import jax
 import jax.numpy as jnp
 
 from vit_jax.models import attention
+from vit_jax.models import fields
 from vit_jax.models import layout
 from vit_jax.models import resnet
 from vit_jax.models import t2t
+from vit_jax.models import vit_fields
 from vit_jax.models.execution import ImageSizeError
 from vit_jax.models.layout import (LOGICAL_AXIS_NAMES, is_scanned, scan_params, unbox,
                                    unscan_params)
@@ -30,12 +32,13 @@ from vit_jax.models.vit import (CLASSIFIERS, POSEMBS, VisionTransformer, patch_p
 ATTENTION_IMPLEMENTATIONS = attention.IMPLEMENTATIONS
 
 __all__ = [
-    'ATTENTION_IMPLEMENTATIONS', 'CLASSIFIERS', 'FAMILIES', 'Family', 'HYBRID_CONFIGS',
-    'HYBRID_MODEL_NAMES', 'HYBRID_OVERRIDE_KEYS', 'ImageSizeError', 'LOGICAL_AXIS_NAMES',
-    'MODEL_NAMES', 'OVERRIDE_KEYS', 'POSEMBS', 'T2TViT', 'T2T_MODEL_NAMES', 'T2T_OVERRIDE_KEYS',
-    'T2T_SIZES', 'VIT_SIZES', 'VisionTransformer', 'abstract_variables', 'attention', 'create',
-    'head_dim', 'is_scanned', 'layout', 'logical_axes', 'model_config', 'resnet', 'resolve',
-    'scan_params', 't2t', 'unbox', 'unscan_params',
+    'ATTENTION_IMPLEMENTATIONS', 'CLASSIFIERS', 'FAMILIES', 'FIELD_TYPES', 'Family',
+    'HYBRID_CONFIGS', 'HYBRID_MODEL_NAMES', 'HYBRID_OVERRIDE_KEYS', 'ImageSizeError',
+    'LOGICAL_AXIS_NAMES', 'MODEL_NAMES', 'OVERRIDE_KEYS', 'POSEMBS', 'T2TViT', 'T2T_MODEL_NAMES',
+    'T2T_OVERRIDE_KEYS', 'T2T_SIZES', 'VIT_SIZES', 'VisionTransformer', 'abstract_variables',
+    'attention', 'create', 'fields', 'head_dim', 'is_scanned', 'layout', 'logical_axes',
+    'model_config', 'resnet', 'resolve', 'scan_params', 't2t', 'unbox', 'unscan_params',
+    'vit_fields',
 ]
 
 #: ViT sizes: (num_layers, hidden_size, mlp_dim, num_heads, dropout_rate): paper Table 1 and the
@@ -50,17 +53,12 @@ VIT_SIZES: Dict[str, Tuple[int, int, int, int, float]] = {
     'G': (48, 1664, 8192, 16, 0.0),
 }
 
-_VIT_DEFAULTS: Dict[str, Any] = dict(
-    classifier='token', representation_size=None, dropout_rate=0.0, attention_dropout_rate=0.0,
-    head_bias_init=0.0, dtype='float32', param_dtype='float32', scan=False, remat=False,
-    remat_policy='nothing_saveable', attention='xla', gelu_approximate=True,
-    layer_norm_epsilon=1e-6, posemb='learn', layerscale_init=None, num_registers=0,
-    no_embed_class=False, fc_norm=False, posemb_resize='linear_corners', posemb_grid=None)
+_VIT_DEFAULTS: Dict[str, Any] = fields.defaults(vit_fields.VIT_FIELDS)
 
-_REQUIRED_CUSTOM = ('hidden_size', 'mlp_dim', 'num_heads', 'num_layers', 'patch_size')
+_REQUIRED_CUSTOM = fields.required(vit_fields.VIT_FIELDS)
 
 #: Override keys of the ViT family.
-OVERRIDE_KEYS: Tuple[str, ...] = _REQUIRED_CUSTOM + tuple(_VIT_DEFAULTS)
+OVERRIDE_KEYS: Tuple[str, ...] = fields.names(vit_fields.VIT_FIELDS)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,10 +94,9 @@ def _vit_config(match: re.Match, **fields: Any) -> Dict[str, Any]:
 
 
 #: Keys accepted as overrides for the hybrid (R+ViT) family: the ViT keys plus the ResNet stem.
-HYBRID_OVERRIDE_KEYS: Tuple[str, ...] = OVERRIDE_KEYS + ('resnet_num_layers',
-                                                         'resnet_width_factor')
+HYBRID_OVERRIDE_KEYS: Tuple[str, ...] = OVERRIDE_KEYS + fields.names(vit_fields.HYBRID_FIELDS)
 
-_HYBRID_REQUIRED_CUSTOM = _REQUIRED_CUSTOM + ('resnet_num_layers',)
+_HYBRID_REQUIRED_CUSTOM = _REQUIRED_CUSTOM + fields.required(vit_fields.HYBRID_FIELDS)
 
 #: The official hybrids (``configs/models.py``): (depth in the name, ViT size, advertised patch)
 #: -> (resnet_num_layers, patch_size, dropout_rate); width factor 1.
@@ -140,15 +137,12 @@ T2T_SIZES: Dict[int, Tuple[int, int, int, float]] = {
     24: (512, 24, 8, 3.0),
 }
 
-_T2T_DEFAULTS: Dict[str, Any] = dict(
-    token_dim=64, tokens_type='performer', drop_path_rate=0.1, qk_scale=None, dtype='float32',
-    param_dtype='float32', scan=False, remat=False, remat_policy='nothing_saveable',
-    attention='xla')
+_T2T_DEFAULTS: Dict[str, Any] = fields.defaults(t2t.T2T_FIELDS)
 
-_T2T_REQUIRED_CUSTOM = ('embed_dim', 'depth', 'num_heads', 'mlp_ratio')
+_T2T_REQUIRED_CUSTOM = fields.required(t2t.T2T_FIELDS)
 
 #: Override keys of the T2T-ViT families (the reference's constructor names).
-T2T_OVERRIDE_KEYS: Tuple[str, ...] = _T2T_REQUIRED_CUSTOM + tuple(_T2T_DEFAULTS)
+T2T_OVERRIDE_KEYS: Tuple[str, ...] = fields.names(t2t.T2T_FIELDS)
 
 
 def _t2t_config(match: re.Match) -> Dict[str, Any]:
@@ -167,8 +161,7 @@ FAMILIES: Tuple[Family, ...] = (
                  "'ViT-B/16', 'vit-b16', 'ViT-Ti_4')"),
     Family('ViT-custom', re.compile(r'(?i:vit[-_]custom)'), lambda _: dict(_VIT_DEFAULTS),
            VisionTransformer, OVERRIDE_KEYS, required=_REQUIRED_CUSTOM, validate=validate_config,
-           forms="'ViT-custom' (hidden_size, mlp_dim, num_heads, num_layers, patch_size given "
-                 "as overrides)"),
+           forms=f"'ViT-custom' ({', '.join(_REQUIRED_CUSTOM)} given as overrides)"),
     Family('R+ViT (hybrid)', re.compile(
         r'(?i:r)(?P<depth>\d*)(?:\+(?i:vit)[-_ ]?|_)(?P<size>(?i:ti|s|b|l|h)|g|G)[-_/]?'
         r'(?P<patch>\d+)'), _hybrid_config, VisionTransformer, HYBRID_OVERRIDE_KEYS,
@@ -177,10 +170,10 @@ FAMILIES: Tuple[Family, ...] = (
                  "(hybrid ResNet + ViT; also 'R50+ViT-B/16', 'r50+vit-b16', AugReg style "
                  "'R26_S_32')"),
     Family('R+ViT-custom', re.compile(r'(?i:r\+vit[-_]custom)'),
-           lambda _: dict(_VIT_DEFAULTS, resnet_width_factor=1), VisionTransformer,
+           lambda _: dict(_VIT_DEFAULTS, **fields.defaults(vit_fields.HYBRID_FIELDS)),
+           VisionTransformer,
            HYBRID_OVERRIDE_KEYS, required=_HYBRID_REQUIRED_CUSTOM, validate=validate_config,
-           forms="'R+ViT-custom' (hidden_size, mlp_dim, num_heads, num_layers, patch_size, "
-                 "resnet_num_layers given as overrides)"),
+           forms=f"'R+ViT-custom' ({', '.join(_HYBRID_REQUIRED_CUSTOM)} given as overrides)"),
     Family('T2T-ViT', re.compile(r'(?i:t2t[-_]vit)(?:[-_](?P<t>(?i:t))[-_](?P<t_depth>14|19|24)'
                                  r'|[-_](?P<depth>7|10|12|14|19|24))'),
            _t2t_config, T2TViT, T2T_OVERRIDE_KEYS, validate=t2t.validate_config,
@@ -189,8 +182,12 @@ FAMILIES: Tuple[Family, ...] = (
     Family('T2T-ViT-custom', re.compile(r'(?i:t2t[-_]vit[-_]custom)'),
            lambda _: dict(_T2T_DEFAULTS), T2TViT, T2T_OVERRIDE_KEYS,
            required=_T2T_REQUIRED_CUSTOM, validate=t2t.validate_config,
-           forms="'T2T-ViT-custom' (embed_dim, depth, num_heads, mlp_ratio given as overrides)"),
+           forms=f"'T2T-ViT-custom' ({', '.join(_T2T_REQUIRED_CUSTOM)} given as overrides)"),
 )
+
+#: The type of every family's every field (what ``--config.model.NAME=...`` parses to).
+FIELD_TYPES: Dict[str, type] = {
+    f.name: f.type for f in vit_fields.VIT_FIELDS + vit_fields.HYBRID_FIELDS + t2t.T2T_FIELDS}
 
 #: Canonical names of the official T2T-ViT configurations, plus 'T2T-ViT-custom'.
 T2T_MODEL_NAMES: Tuple[str, ...] = (

@@ -21,6 +21,11 @@ BLOCK_PREFIX = 'encoderblock'
 BLOCK_PREFIXES = (BLOCK_PREFIX, 'blocks')
 
 
+def dict_keys(path) -> tuple[str, ...]:
+  """The dict keys of a tree path (``jax.tree_util``'s), e.g. ``('params', 'head', 'kernel')``."""
+  return tuple(str(p.key) for p in path if isinstance(p, jax.tree_util.DictKey))
+
+
 #: The logical axis names of the models' parameters and activations (``kv`` the head size,
 #: ``tokens`` the T2T layers' width), which the mesh rules map (docs/pods.md).
 LOGICAL_AXIS_NAMES = ('batch', 'length', 'embed', 'mlp', 'heads', 'kv', 'qkv', 'classes', 'norm',

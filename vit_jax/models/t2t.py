@@ -25,6 +25,8 @@ import numpy as np
 
 from vit_jax.models import attention as attention_lib
 from vit_jax.models import execution
+from vit_jax.models import fields
+from vit_jax.models.fields import REQUIRED, Field
 
 Array = jax.Array
 Dtype = Any
@@ -420,6 +422,21 @@ class T2TViT(nn.Module):
     if self.num_classes is not None:
       x = _dense(self.num_classes, 'head', dtype, param_dtype, ('embed', 'classes'))(x)
     return x.astype(jnp.float32)
+
+
+#: T2T-ViT's fields (:mod:`vit_jax.models.fields`), the reference's constructor names; the
+#: registry's defaults (drop_path_rate 0.1, the reference's training default).
+T2T_FIELDS: Tuple[Field, ...] = (
+    Field('embed_dim', REQUIRED, int, 'D, the backbone width', True),
+    Field('depth', REQUIRED, int, 'the backbone blocks', True),
+    Field('num_heads', REQUIRED, int, "the backbone's attention heads"),
+    Field('mlp_ratio', REQUIRED, float, "the backbone MLP's width over D", True),
+    Field('token_dim', 64, int, "the T2T module's token width", True),
+    Field('tokens_type', 'performer', str, f'the T2T module: one of {TOKENS_TYPES}', True),
+    Field('qk_scale', None, float, "the attention's scale (None: head size ** -0.5)"),
+    Field('drop_path_rate', 0.1, float, 'stochastic depth, rising linearly over the blocks'),
+    *fields.EXECUTION_FIELDS,
+)
 
 
 def validate_config(*, num_classes, embed_dim, depth, num_heads, mlp_ratio, token_dim, tokens_type,

@@ -9,8 +9,10 @@ from typing import Tuple, Union
 import numpy as np
 
 from vit_jax.models import execution
+from vit_jax.models import fields
 from vit_jax.models import resample
 from vit_jax.models import resnet
+from vit_jax.models.fields import REQUIRED, Field
 
 #: Poolings: the class token, the tokens' mean, big_vision's MAPHead.
 CLASSIFIERS = ('token', 'gap', 'map')
@@ -20,6 +22,50 @@ POSEMBS = ('learn', 'sincos2d')
 
 #: The official (flax) LayerNorm epsilon; transformers' ``google/vit-*`` have 1e-12.
 LAYERNORM_EPSILON = 1e-6
+
+#: The ViT's fields (:mod:`vit_jax.models.fields`), the architecture first in the order a
+#: checkpoint is described; the hybrid's ResNet stem in :data:`HYBRID_FIELDS`.
+VIT_FIELDS: Tuple[Field, ...] = (
+    Field('patch_size', REQUIRED, tuple, 'P or (Ph, Pw): pixels per patch', True),
+    Field('hidden_size', REQUIRED, int, 'D, the width of every token', True,
+          timm='embed_dim', hf='hidden_size'),
+    Field('num_layers', REQUIRED, int, 'L, the encoder blocks', True,
+          timm='depth', hf='num_hidden_layers'),
+    Field('num_heads', REQUIRED, int, 'attention heads', True,
+          timm='num_heads', hf='num_attention_heads'),
+    Field('mlp_dim', REQUIRED, int, 'MLP size', True, hf='intermediate_size'),
+    Field('representation_size', None, int, 'pre-logits width (None: no pre-logits layer)', True),
+    Field('classifier', 'token', str, f'pooling: one of {CLASSIFIERS}', True),
+    Field('posemb', 'learn', str, f'position embedding: one of {POSEMBS}', True),
+    Field('layerscale_init', None, float,
+          "LayerScale's initial value (None: no LayerScale; DeiT III, DINOv2)", True,
+          timm='init_values'),
+    Field('num_registers', 0, int, 'register tokens after the class token', True,
+          timm='reg_tokens'),
+    Field('no_embed_class', False, bool, 'the position table covers the patches only', True,
+          timm='no_embed_class'),
+    Field('fc_norm', False, bool, "a LayerNorm after classifier='gap''s pooling", True,
+          timm='fc_norm'),
+    Field('dropout_rate', 0.0, float, 'dropout after the embeddings and in the MLPs'),
+    Field('attention_dropout_rate', 0.0, float, "dropout of the attention's weights",
+          timm='attn_drop_rate'),
+    Field('head_bias_init', 0.0, float, "the head's initial bias (training: the regime's)"),
+    *fields.EXECUTION_FIELDS,
+    Field('gelu_approximate', True, bool, 'tanh GELU (official), False: exact erf GELU'),
+    Field('layer_norm_epsilon', LAYERNORM_EPSILON, float, 'every LayerNorm\'s epsilon',
+          hf='layer_norm_eps'),
+    Field('posemb_resize', 'linear_corners', str,
+          'how the position table is resized to another grid (vit_jax.models.resample)'),
+    Field('posemb_grid', None, tuple,
+          "the learned table's token grid when it differs from the image's (FlexiViT)"),
+)
+
+#: The hybrid's (R+ViT) ResNet stem, after the ViT's fields.
+HYBRID_FIELDS: Tuple[Field, ...] = (
+    Field('resnet_num_layers', REQUIRED, tuple, "the stem's units per stage, e.g. (3, 4, 9)",
+          True),
+    Field('resnet_width_factor', 1, float, "the stem's width over 64 channels", True),
+)
 
 
 def prefix_tokens(classifier: str, num_registers: int = 0) -> int:

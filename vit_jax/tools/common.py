@@ -22,7 +22,8 @@ from vit_jax import rundir
 
 #: The errors of bad input (exit status 2).
 INPUT_ERRORS = (ValueError, TypeError, KeyError, FileNotFoundError, FileExistsError,
-                PermissionError, IsADirectoryError, NotADirectoryError, NotImplementedError)
+                PermissionError, IsADirectoryError, NotADirectoryError, NotImplementedError,
+                rundir.NotAFileError)
 
 
 def reason(error: Exception) -> str:

@@ -68,18 +68,15 @@ def timm_equivalent(model: str, overrides: Optional[dict[str, Any]] = None
       kwargs.update(class_token=False, global_pool="avg")
     elif config["classifier"] == "map":  # timm's AttentionPoolLatent: big_vision's MAPHead.
       kwargs.update(class_token=False, global_pool="map")
-  # timm's variants (its keyword: our field), where set: LayerScale, registers, a table of the
-  # patches only, the LayerNorm after the average pooling.
-  if config.get("layerscale_init") is not None:
-    kwargs["init_values"] = config["layerscale_init"]
-  for key, field in (("reg_tokens", "num_registers"), ("no_embed_class", "no_embed_class"),
-                     ("fc_norm", "fc_norm")):
-    if config.get(field):
-      kwargs[key] = config[field]
+  # The fields timm takes as they are (its keyword in the declaration), where not the default:
+  # LayerScale, registers, a table of the patches only, the LayerNorm after the average pooling,
+  # the attention's dropout.
+  for field in models.vit_fields.VIT_FIELDS:
+    if (field.timm and field.default is not models.fields.REQUIRED
+        and config.get(field.name, field.default) != field.default):
+      kwargs[field.timm] = config[field.name]
   if config.get("dropout_rate"):
     kwargs.update(pos_drop_rate=config["dropout_rate"], proj_drop_rate=config["dropout_rate"])
-  if config.get("attention_dropout_rate"):
-    kwargs["attn_drop_rate"] = config["attention_dropout_rate"]
   return name, kwargs, bool(config.get("remat"))
 
 
