@@ -7,6 +7,7 @@ import gc
 import json
 import logging
 import os
+import re
 import subprocess
 import time
 
@@ -366,7 +367,8 @@ def test_a_cost_json_too_deep_or_of_another_shape_is_ignored_with_a_warning(tmp_
     with caplog.at_level(logging.WARNING):
       assert work.read_cost() is None
     assert f'Ignoring {tmp_path}/cost.json ' in caplog.text and why in caplog.text, caplog.text
-    assert "the checkpoint's cost account is used" in caplog.text
+    assert ("the run goes on from the checkpoint's cost account and writes it over this file"
+            in caplog.text)
 
 
 def test_check_writable(tmp_path):
@@ -398,6 +400,14 @@ def test_check_writable(tmp_path):
         f'{name} (a file). Move it away (mv {run}/{name} {run}/{name}.moved) or choose another '
         '--workdir.')
     (run / name).rmdir()
+  checkpoint.Workdir(str(run)).check_writable()
+  # The suggested name is one nothing has: an earlier cost.json.moved is not moved into.
+  (run / 'cost.json').mkdir()
+  (run / 'cost.json.moved').mkdir()
+  with pytest.raises(PermissionError, match=re.escape(
+      f'(mv {run}/cost.json {run}/cost.json.moved.2)')):
+    checkpoint.Workdir(str(run)).check_writable()
+  (run / 'cost.json').rename(run / 'cost.json.moved.2')
   checkpoint.Workdir(str(run)).check_writable()
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import errno
+import itertools
 import json
 import logging
 import os
@@ -189,6 +190,14 @@ def _linked_steps(checkpoints: str) -> Optional[str]:
           f'({commands}), then rerun.')
 
 
+def _free_name(path: Any) -> str:
+  """``PATH.moved`` (or ``PATH.moved.2``, ...): a name beside ``path`` that nothing has, so the
+  ``mv`` a message suggests renames it rather than moving it into a folder of that name."""
+  candidates = itertools.chain([f'{path}.moved'],
+                               (f'{path}.moved.{i}' for i in itertools.count(2)))
+  return next(c for c in candidates if not os.path.lexists(c))
+
+
 class Workdir:
   """A run directory (local or ``gs://``), created when something is written: ``path`` (as given),
   ``checkpoints_dir``, ``cost_json``, ``config_json``, ``dataset_json`` (``epath.Path``; local
@@ -229,8 +238,8 @@ class Workdir:
     if os.path.lexists(inside) and not os.path.isdir(inside):
       raise PermissionError(
           f'--workdir {self.path!r} cannot be used: {inside} is a file, where the run keeps '
-          f'its checkpoint directory. Move it away (mv {inside} {inside}.moved) or choose '
-          'another --workdir.')
+          f'its checkpoint directory. Move it away (mv {inside} {_free_name(inside)}) or '
+          'choose another --workdir.')
     linked = _linked_steps(inside)
     if linked:
       raise PermissionError(f'--workdir {self.path!r} cannot be used: {linked}')
@@ -239,8 +248,8 @@ class Workdir:
         what = 'a directory' if os.path.isdir(file) else 'a special file (not a regular one)'
         raise PermissionError(
             f'--workdir {self.path!r} cannot be used: {file} is {what}, where the run writes '
-            f'its {file.name} (a file). Move it away (mv {file} {file}.moved) or choose another '
-            '--workdir.')
+            f'its {file.name} (a file). Move it away (mv {file} {_free_name(file)}) or choose '
+            'another --workdir.')
 
   def lock(self, *, timeout_s: float) -> 'lock_lib.WorkdirLock':
     """The workdir's lock (not yet taken): see :mod:`.lock`."""
@@ -303,12 +312,12 @@ class Workdir:
   def read_cost(self) -> Optional[Dict[str, Any]]:
     """``WORKDIR/cost.json``, or None when it is missing, or unreadable or of another shape than
     an account (:func:`vit_jax.accounting.check_report`; with a warning)."""
+    fix = "the run goes on from the checkpoint's cost account and writes it over this file"
     try:
-      report = rundir.read_json(self.cost_json)
-      return None if report is None else accounting.check_report(report, self.cost_json)
+      report = rundir.read_json(self.cost_json, fix=fix)
+      return None if report is None else accounting.check_report(report, self.cost_json, fix)
     except (ValueError, OSError) as e:
-      logging.getLogger('absl').warning(
-          "Ignoring %s (%s); the checkpoint's cost account is used.", self.cost_json, e)
+      logging.getLogger('absl').warning("Ignoring %s (%s).", self.cost_json, e)
       return None
 
   def metric_writer(self, hparams: Dict[str, Any]):
