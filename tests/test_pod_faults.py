@@ -26,6 +26,20 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = dict(os.environ, JAX_PLATFORMS="cpu")
 
 
+def _communicate_all(procs, timeout: float) -> tuple[list[str], float]:
+  """Every process's stderr once it exits, and the seconds until the last one did."""
+  start = time.monotonic()
+  stderrs = [proc.communicate(timeout=timeout)[1] for proc in procs]
+  return stderrs, time.monotonic() - start
+
+
+def _reap(procs) -> None:
+  """Ends what is left of `procs` (a failed test leaves no process behind)."""
+  for proc in procs:
+    proc.kill()
+    proc.wait()
+
+
 def _free_port():
   with socket.socket() as s:
     s.bind(("localhost", 0))
@@ -130,9 +144,7 @@ def _kill_once_registered(tmp_path, workdir, killed):
     _, stderr = procs[1 - killed].communicate(timeout=120)
     return procs[1 - killed].returncode, stderr, time.monotonic() - start
   finally:
-    for proc in procs:
-      proc.kill()
-      proc.wait()
+    _reap(procs)
 
 
 @pytest.mark.slow
@@ -260,13 +272,9 @@ def _sigterm_pod(tmp_path, started, whom, total_steps=1000000):
       pids += [c.pid for p in signalled for c in psutil.Process(p.pid).children()]
     for pid in pids:
       os.kill(pid, signal.SIGTERM)
-    start = time.monotonic()
-    stderrs = [p.communicate(timeout=120)[1] for p in procs]
-    elapsed = time.monotonic() - start
+    stderrs, elapsed = _communicate_all(procs, timeout=120)
   finally:
-    for proc in procs:
-      proc.kill()
-      proc.wait()
+    _reap(procs)
   return ([p.returncode for p in procs], stderrs, elapsed,
           checkpoint.Workdir(str(workdir)).saved_steps())
 
@@ -350,13 +358,9 @@ def test_a_pods_processes_given_different_commands_are_refused_before_any_write(
   procs = _pod(tmp_path, [dict(steps, seed=0), dict(steps, seed=int(differing == "seed"))],
                workdirs, timeout_s=10)
   try:
-    start = time.monotonic()
-    stderrs = [proc.communicate(timeout=150)[1] for proc in procs]
-    elapsed = time.monotonic() - start
+    stderrs, elapsed = _communicate_all(procs, timeout=150)
   finally:
-    for proc in procs:
-      proc.kill()
-      proc.wait()
+    _reap(procs)
   assert [p.returncode for p in procs] == [2, 2], [e[-3000:] for e in stderrs]
   key, values = (("--config.seed", ("1", "0")) if differing == "seed" else
                  ("--workdir", tuple(repr(str(w)) for w in workdirs[::-1])))
@@ -412,9 +416,7 @@ def test_a_pod_process_stopped_in_training_ends_the_other_within_the_timeout(tmp
   finally:
     if child is not None:
       child.kill()
-    for proc in procs:
-      proc.kill()
-      proc.wait()
+    _reap(procs)
   assert procs[1 - stopped].returncode == pod.POD_FAULT_EXIT_CODE == 1, stderr[-3000:]
   fatal = _fatal_lines(stderr)
   assert len(fatal) == 1, stderr[-3000:]

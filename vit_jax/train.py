@@ -69,9 +69,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
       run = _prepare(config, workdir, program_start, held)
     config, setup, accountant, run_dir = run.config, run.setup, run.accountant, run.run_dir
     # JAX's persistent cache (it writes as it compiles): from here on, once nothing is refused.
-    cache = (config.compilation_cache_dir or os.environ.get("JAX_COMPILATION_CACHE_DIR")
-             or paths.join(workdir, rundir.COMPILATION_CACHE_DIR))
-    held.enter_context(step_lib.compilation_cache(None if cache == "none" else cache))
+    held.enter_context(step_lib.compilation_cache(_compilation_cache_dir(config, workdir)))
 
     # 2. State: the latest checkpoint, else the fine-tuning initialisation, else a fresh one.
     with stops.deferred_stop():
@@ -168,10 +166,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
         # A preemption notice (SIGTERM or Ctrl-C here, or on any host of a pod: Orbax's sync
         # point, the same step on every host) saves this step and stops without evaluating.
         preempted = notice.is_set() or checkpoints.reached_preemption(step)
-        saving = step % config.checkpoint_every_steps == 0 or is_last or preempted
-        evaluating = (step % config.eval_every_steps == 0 or is_last) and not preempted
-        fewshot_due = run.fewshot is not None and not preempted and (
-            step % config.fewshot.every_steps == 0 or is_last)
+        saving, evaluating, fewshot_due = _due(config, run.fewshot is not None, step, is_last,
+                                               preempted)
         if saving or evaluating or fewshot_due:
           jax.block_until_ready(state)  # The steps in flight are training time.
         if saving:  # Before the evaluation, which can fail (e.g. an undecodable eval image).
@@ -199,6 +195,24 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
     if preempted:
       raise Preempted(last_step, workdir, interrupted=notice.signal == "SIGINT")
     return dict(results, step=last_step)
+
+
+def _compilation_cache_dir(config: ml_collections.ConfigDict, workdir: str) -> Optional[str]:
+  """JAX's persistent compilation cache: `config.compilation_cache_dir`, else
+  $JAX_COMPILATION_CACHE_DIR, else WORKDIR/compilation_cache; None for 'none' (no cache)."""
+  cache = (config.compilation_cache_dir or os.environ.get("JAX_COMPILATION_CACHE_DIR")
+           or paths.join(workdir, rundir.COMPILATION_CACHE_DIR))
+  return None if cache == "none" else cache
+
+
+def _due(config: ml_collections.ConfigDict, fewshot: bool, step: int, is_last: bool,
+         preempted: bool) -> tuple[bool, bool, bool]:
+  """(save, evaluate, few-shot) at `step`: each on its period and at the last step; a
+  preempted step is saved and not evaluated."""
+  saving = step % config.checkpoint_every_steps == 0 or is_last or preempted
+  evaluating = (step % config.eval_every_steps == 0 or is_last) and not preempted
+  fewshot_due = fewshot and not preempted and (step % config.fewshot.every_steps == 0 or is_last)
+  return saving, evaluating, fewshot_due
 
 
 @dataclasses.dataclass

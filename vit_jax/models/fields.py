@@ -61,4 +61,5 @@ def required(fields: Iterable[Field]) -> Tuple[str, ...]:
 
 
 def names(fields: Iterable[Field]) -> Tuple[str, ...]:
+  """The fields' names, in declaration order (a family's override keys)."""
   return tuple(f.name for f in fields)
