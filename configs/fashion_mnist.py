@@ -45,7 +45,9 @@ def get_config(arg: str = "vit"):
   arg = ARGS.parse(arg)["model"]
   model_name, model_fields = MODELS[arg]
   config = config_lib.get_config(model_name, "fashion_mnist_local", **model_fields)
-  config.regime = "pretrain"  # Training from scratch, with the settings below for a small set:
+  config.regime = "pretrain"  # Training from scratch, with the settings below for a small set;
+  # --config.regime=finetune replaces them by the fine-tuning recipe (one warning).
+  config.recipe_regime = "pretrain"
   config.loss = "softmax_xent"  # single-label data: softmax (and a zero ViT head bias).
   if "head_bias_init" in config.model:
     config.model.head_bias_init = 0.0

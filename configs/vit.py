@@ -39,7 +39,11 @@ The schedule lengths below are the paper's; on one CPU they take years, so short
 with --config.total_steps=... for a look.
 """
 
+from ml_collections import config_dict
+
 from vit_jax import config as config_lib
+from vit_jax import models
+from vit_jax.config import resolution
 
 MODELS = {
     "ti16": "ViT-Ti_16", "s16": "ViT-S_16", "s32": "ViT-S_32", "b16": "ViT-B_16",
@@ -73,7 +77,8 @@ ARGS = config_lib.args.Spec(
     "configs/vit.py", ("model", "dataset", "regime", "slice"),
     choices={"regime": tuple(config_lib.REGIME_DEFAULTS)},
     defaults={"regime": "pretrain", "slice": None},
-    help={"model": f"{', '.join(MODELS)} or a name vit_jax.models.create accepts",
+    help={"model": f"{', '.join(MODELS)}, a name vit_jax.models.create accepts, or auto (the "
+                   "ViT of --config.init_from)",
           "dataset": "a tfds name, e.g. imagenet2012, cifar10",
           "slice": "a Cloud TPU type, e.g. v3-32"},
     patterns={"slice": config_lib.slices.SLICE_PATTERN})
@@ -92,10 +97,21 @@ def get_config(arg: str = "b16,imagenet2012"):
   overrides = {}
   if table:  # Pretraining on large data: dropout 0.1 and a representation layer of width D.
     overrides["dropout_rate"] = table[3]
+  custom = model_name == "ViT-custom"  # Its fields are given as --config.model.<field> flags.
+  if model == "auto" or custom:  # auto: the ViT the weights of --config.init_from record.
+    overrides.update(resolution.AUTO_PLACEHOLDERS)
+    model_name = "ViT-custom"
   config = config_lib.get_config(model_name, dataset, **overrides)
+  if custom:  # None: resolve refuses each one not given, by name.
+    for key in resolution.AUTO_PLACEHOLDERS:
+      config.model[key] = config_dict.placeholder(models.FIELD_TYPES[key])
   if table:
     config.model.representation_size = config.model.hidden_size
+  if model == "auto":
+    config.model_name = resolution.AUTO
+    config.model.num_heads = None  # Read from the weights, or asked for: never a placeholder's.
   config.regime = regime
+  config.recipe_regime = regime if table else None  # Table 3's lr and decay: pretraining's.
   config.data.train_split = train_split
   config.data.eval_split = eval_split
   if dataset == "imagenet2012":

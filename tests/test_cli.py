@@ -3,12 +3,15 @@
 
 import pathlib
 import re
+import shlex
 import subprocess
 import sys
 
 import pytest
 
 from vit_jax import cli
+from vit_jax import config as config_lib
+from vit_jax import train
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -43,3 +46,73 @@ def test_the_tools_load_the_config_as_main_does(monkeypatch):
                         (["--bogus"], "Unknown command line flag 'bogus'")]:
     with pytest.raises(ValueError, match=re.escape(message)):
       cli.load_config(argv)
+
+
+def _first_token(line):
+  """The flag at the start of a `config_help` line (a quoted value may hold spaces)."""
+  lexer = shlex.shlex(line, posix=True)
+  lexer.whitespace_split = True
+  return lexer.get_token()
+
+
+@pytest.mark.parametrize("argv", [
+    ["--config=configs/fashion_mnist.py", "--config.optim.lr=0.5", "--config.fewshot.shots=(2,3)"],
+    ["--config=configs/t2t.py:t2t_vit_7,cifar10"],
+], ids=["vit", "t2t"])
+def test_print_config_lists_every_key_as_a_flag_that_sets_it(argv, monkeypatch):
+  """--print_config's lines are the flags that set each key (overrides and the regime applied),
+  then the key's help: given back to --config, they rebuild the same config."""
+  monkeypatch.chdir(ROOT)
+  config = cli.load_config(argv)
+  text = cli.config_help(config, argv[0].split("=", 1)[1], width=100)
+  assert all(len(line) <= 100 for line in text.splitlines())
+  flags = [_first_token(line) for line in text.splitlines() if line.startswith("--config.")]
+  unset = [f for f in flags if f.endswith(">")]  # None: no flag sets it, its type is shown.
+  assert "--config.num_classes=<int>" in unset and "--config.init_from=<str>" in unset
+  leaves = lambda d: sum(leaves(v) if isinstance(v, dict) else 1 for v in d.values())
+  assert len(flags) == leaves(config.to_dict())  # Every key, once.
+  rebuilt = cli.load_config(argv[:1] + [f for f in flags if f not in unset])
+  assert config_lib.fill_regime(rebuilt).to_dict() == config_lib.fill_regime(config).to_dict()
+  if "--config.optim.lr=0.5" in argv:
+    assert re.search(r"^--config\.optim\.lr=0\.5 +the peak learning rate; None: the regime's",
+                     text, re.M)
+    assert "--config.optim.optimizer=adamw" in flags  # The regime's value, filled in.
+    assert re.search(r"^--config\.model\.num_layers=4 +L, the encoder blocks$", text, re.M)
+
+
+def test_help_points_to_print_config_and_it_prints_the_keys():
+  """`vit_jax.main --help` (and cost's, preflight's) names --print_config, which prints every key
+  with its help and exits 0 before any work (no --workdir needed)."""
+  for command in (["vit_jax.main", "--help"], ["vit_jax.cost", "--help"],
+                  ["vit_jax.preflight", "--help"]):
+    proc = subprocess.run([sys.executable, "-m", *command], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0 and "--print_config" in proc.stdout, (command, proc.stderr)
+  for command in ("vit_jax.main", "vit_jax.cost", "vit_jax.preflight"):
+    proc = subprocess.run([sys.executable, "-m", command, "--config", "configs/fashion_mnist.py",
+                           "--config.batch_size=7", "--print_config"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, (command, proc.stderr[-2000:])
+    assert proc.stdout.startswith("Every key of the config file configs/fashion_mnist.py")
+    assert re.search(r"^--config\.batch_size=7 +the global batch over all devices", proc.stdout,
+                     re.M), command
+
+
+def test_a_config_refusal_is_spelled_with_the_flags_on_the_command_line():
+  """The library's ConfigError names settings as config.KEY; cli.error_text (main's and the
+  tools' FATAL line) spells the fix's as flags, also through a wrapping error."""
+  error = config_lib.ConfigError("optim.lr", -1.0, "must be > 0", "set config.optim.lr=0.1 or "
+                                 "lower config.data.prefetch.")
+  assert str(error) == ("config.optim.lr=-1.0 must be > 0; set config.optim.lr=0.1 or lower "
+                        "config.data.prefetch.")
+  flagged = ("config.optim.lr=-1.0 must be > 0; set --config.optim.lr=0.1 or lower "
+             "--config.data.prefetch.")
+  assert cli.error_text(error) == flagged
+  try:
+    try:
+      raise error
+    except ValueError as e:
+      raise train.ConfigError(f"In the set-up: {e}") from e
+  except train.ConfigError as wrapped:
+    assert cli.error_text(wrapped) == f"In the set-up: {flagged}"
+  assert cli.error_text(ValueError("config.x is not a key")) == "config.x is not a key"

@@ -354,7 +354,10 @@ def test_a_train_state_with_frozen_groups_is_sharded_saved_and_restored(tmp_path
     (dict(freeze=("[",)), "config.optim.freeze=('[',) holds '[', not a valid regex"),
     (dict(freeze=("/head/.*",)), "holds '/head/.*': parameter names never start with '/'"),
     (dict(wd_mults=(("head/.*",),)), "config.optim.wd_mults=(('head/.*',),) must be a tuple of "
-     "(regex, multiplier >= 0) pairs; set --config.optim.wd_mults=\"(('head/.*', 0.0),)\""),
+     "(regex, multiplier >= 0) pairs ((pattern, multiplier) of the weight decay, regexes of the "
+     "whole '/'-joined parameter name, the first match deciding; unmatched: 1 on kernels, 0 "
+     "elsewhere); set config.optim.wd_mults to such a value, e.g. "
+     "config.optim.wd_mults=\"(('head/.*', 0.0),)\"."),
     (dict(wd_mults=(("head/.*", -1.0),)), "must be a tuple of (regex, multiplier >= 0) pairs"),
     (dict(wd_mults=(("bias", 0.0),)), "config.optim.wd_mults[0]='bias' matches no parameter"),
     (dict(layer_decay=1.5), "config.optim.layer_decay=1.5 must be in (0, 1]"),
@@ -386,9 +389,10 @@ def test_resolve_checks_and_normalises_the_controls():
   controls = param_groups.finetune_controls
   assert controls(config_lib.from_json(text).optim) == controls(resolved.optim)
   for changes, message in (
-      ({"layer_decay": 2.0}, "config.optim.layer_decay=2.0 must be in (0, 1] or None (None "
-       "turns layer-wise lr decay off; BEiT and timm fine-tune with 0.65 to 0.75); set "
-       "--config.optim.layer_decay to such a value."),
+      ({"layer_decay": 2.0}, "config.optim.layer_decay=2.0 must be in (0, 1] or None "
+       "(layer-wise lr decay (BEiT, timm): layer i of 0 (embeddings) .. L + 1 (head) gets lr * "
+       "layer_decay^(L + 1 - i); None turns it off; BEiT and timm fine-tune with 0.65 to 0.75); "
+       "set config.optim.layer_decay to such a value."),
       ({"head_warmup_steps": 10}, "config.optim.head_warmup_steps=10 must be smaller than the "
        "run's 10 steps")):
     bad = config_lib.get_config("ViT-custom", "fashion_mnist_local", attention="xla", **VIT)
@@ -405,10 +409,12 @@ def test_command_line_values():
                             "--config.optim.head_warmup_steps=100"])
   controls = param_groups.finetune_controls(config.optim)
   assert controls == param_groups.FinetuneControls(0.75, ("(?!head/).*",),
-                                            (("head/.*", 0.0), (".*/bias", 1.0)), 100)
+                                            (("head/.*", 0.0), (".*/bias", 1.0)), 100, "head/.*")
   defaults = param_groups.finetune_controls(
       cli.load_config(["--config=configs/fashion_mnist.py"]).optim)
-  assert defaults == param_groups.FinetuneControls() and not defaults.on
+  assert defaults == param_groups.FinetuneControls(None, (), (), 0, "head/.*") and not defaults.on
+  # A config.optim without the controls (a config.json from before them): each key's default.
+  assert param_groups.finetune_controls(ml_collections.ConfigDict({"lr": 0.1})) == defaults
 
 
 def test_the_table_of_parameter_groups_is_the_same_for_both_layouts():
@@ -462,7 +468,7 @@ def test_a_backtracking_pattern_is_refused_within_its_time_bound(key, value, sho
   assert str(raised.value) == (
       f"config.optim.{key}={shown} holds '(.|.)*e', which takes more than 1 s to match 12 "
       "parameter names: it backtracks without end (nested or overlapping repeats, such as "
-      f"'(.|.)*' or '(a+)+'); set --config.optim.{key} to a simpler pattern, without nested "
+      f"'(.|.)*' or '(a+)+'); set config.optim.{key} to a simpler pattern, without nested "
       f"repeats ({_HELP}).")
 
 
@@ -482,12 +488,13 @@ def test_patterns_too_large_to_compile_are_refused_before_compiling():
   for pattern, message in (
       ("(?:a{65535}){65535}", "config.optim.freeze=('(?:a{65535}){65535}',) holds "
        "'(?:a{65535}){65535}', whose counted repeats ({m,n}) multiply to more than 10,000: too "
-       "large to compile (parameter names are short); set --config.optim.freeze to one with "
+       "large to compile (parameter names are short); set config.optim.freeze to one with "
        f"smaller counts ({_HELP})."),
       ("(?:a{2,}){5001}", "whose counted repeats ({m,n}) multiply to more than 10,000"),
-      ("head/" + "x" * 500, "config.optim.freeze holds a pattern of 505 characters ('head/xxxxx"
-       "xxxxxxxxxxxxxxxxxxxxxxxxxxxxxx'...), more than the 500 allowed; set "
-       f"--config.optim.freeze to a shorter one ({_HELP}).")):
+      # The value shown shortened: its first 80 and last 10 characters.
+      ("head/" + "x" * 500, "config.optim.freeze=('head/" + "x" * 73 + "..." + "x" * 7 + "',) "
+       "holds a pattern of 505 characters, more than the 500 allowed; set config.optim.freeze "
+       f"to a shorter one ({_HELP}).")):
     with pytest.raises(ValueError, match=re.escape(message)):
       param_groups.finetune_controls(_optim(freeze=(pattern,)))
   assert param_groups.finetune_controls(  # Small counts are fine: 2 * 5000.

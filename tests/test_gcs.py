@@ -171,24 +171,24 @@ def test_a_gs_workdir_in_a_missing_or_read_only_bucket_is_refused_before_any_wor
 
 
 def test_a_gs_url_without_a_valid_bucket_is_refused_naming_the_fix(tmp_path):
-  """`checkpoint.paths.check_url`, and every gs:// path of a run (workdir, init_from, data_dir,
+  """`storage.check_url`, and every gs:// path of a run (workdir, init_from, data_dir,
   ...) checked with it before the run reads anything (was: a TensorFlow traceback for init_from,
   a FATAL line blaming the network for --workdir)."""
-  from vit_jax.checkpoint import paths  # pylint: disable=g-import-not-at-top
+  from vit_jax import storage  # pylint: disable=g-import-not-at-top
   for good in ("gs://my-bucket", "gs://my_bucket/a/b.npz", "gs://a.b-c/x", "gs://abc/", "/local",
                "gs:/x", "relative/gs://x"):
-    paths.check_url(good, "SOURCE")
-  assert paths.check_url(None) is None
+    storage.check_url(good, "SOURCE")
+  assert storage.check_url(None) is None
   with pytest.raises(ValueError) as info:
-    paths.check_url("gs:///x.npz", "config.init_from")
+    storage.check_url("gs:///x.npz", "config.init_from")
   assert str(info.value) == "config.init_from gs:///x.npz names no bucket: write gs://BUCKET/x.npz."
   for url in ("gs://", "gs:////"):
     with pytest.raises(ValueError, match=f"^--workdir {url} names no bucket: write gs://BUCKET/"):
-      paths.check_url(url, "--workdir")
+      storage.check_url(url, "--workdir")
   for bad in ("Bucket", "ab", "-ab", "ab-", "a" * 64, "a..b", f"{'a' * 64}.b", "b@d", "a b"):
     with pytest.raises(ValueError, match=f"^SOURCE gs://{bad}/x: '{bad}' is not a Cloud Storage "
                        "bucket name"):
-      paths.check_url(f"gs://{bad}/x", "SOURCE")
+      storage.check_url(f"gs://{bad}/x", "SOURCE")
   # A run: the first field named, before its data, lock or workdir.
   overrides = _main_overrides(str(tmp_path / "images"), total_steps=2)
   for workdir, extra, fatal in (
@@ -508,7 +508,7 @@ def test_storage_that_does_not_answer_is_one_fatal_line_for_the_tools(monkeypatc
   pass; a bad GCS_RETRY_CONFIG_* is refused at the set-up of a run."""
   import vit_jax  # pylint: disable=g-import-not-at-top
   from vit_jax import platform  # pylint: disable=g-import-not-at-top
-  from vit_jax.checkpoint import workdir  # pylint: disable=g-import-not-at-top
+  from vit_jax import storage  # pylint: disable=g-import-not-at-top
   from vit_jax.tools import common  # pylint: disable=g-import-not-at-top
   no_host = tf.errors.FailedPreconditionError(
       None, None, "Error executing an HTTP request: libcurl code 6 meaning 'Could not resolve "
@@ -525,8 +525,8 @@ def test_storage_that_does_not_answer_is_one_fatal_line_for_the_tools(monkeypatc
       "'Could not resolve hostname', error details: Could not resolve host: www.googleapis.com). "
       "Check this machine's network and credentials (gcloud auth application-default login), "
       "then rerun the same command.\n")
-  assert workdir.storage_unreachable(tf.errors.AbortedError(None, None, "All 5 retry attempts "
-                                                            "failed. The last failure: ..."))
+  assert storage.unreachable(tf.errors.AbortedError(None, None, "All 5 retry attempts "
+                                                    "failed. The last failure: ..."))
   with pytest.raises(RuntimeError, match="a bug"):
     fails(RuntimeError("a bug"))()
   monkeypatch.setenv("GCS_RETRY_CONFIG_MAX_DELAY_TIME_US", "16 s")

@@ -8,6 +8,7 @@ packages is not an edge (Python runs ``package/__init__.py`` first, which is not
 
 import ast
 import pathlib
+import re
 
 import pytest
 
@@ -16,7 +17,7 @@ PACKAGE = 'vit_jax'
 #: The command-line tools: library modules must not import them.
 TOOLS = ('vit_jax.benchmark', 'vit_jax.cost', 'vit_jax.convert', 'vit_jax.preflight',
          'vit_jax.tools', 'vit_jax.main', 'vit_jax.predict', 'vit_jax.evaluate',
-         'vit_jax.fewshot', 'vit_jax.analyze', 'vit_jax.to_array_record')
+         'vit_jax.fewshot', 'vit_jax.analyze', 'vit_jax.to_array_record', 'vit_jax.export')
 #: What the models package may import from vit_jax besides itself.
 MODELS_MAY_IMPORT = ('vit_jax.models', 'vit_jax.kernels')
 
@@ -130,3 +131,90 @@ def test_checkpoint_code_lives_in_checkpoint(graph):
   moved = ('t2t_torch', 'vit_shapes', 'mismatch')
   assert not [m for m in moved if f'vit_jax.models.{m}' in graph]
   assert all(f'vit_jax.checkpoint.{m}' in graph for m in moved)
+
+
+#: The module that owns paths, the file API and storage errors (vit_jax/storage.py).
+STORAGE = f'{PACKAGE}.storage'
+#: What to use instead of a ``tf.io.gfile`` function.
+_GFILE_INSTEAD = {'GFile': 'open_file', 'stat': 'size', 'exists': 'exists', 'isdir': 'isdir',
+                  'listdir': 'listdir', 'walk': 'walk', 'glob': 'glob', 'makedirs': 'makedirs',
+                  'copy': 'copy', 'rename': 'rename', 'remove': 'remove'}
+
+
+def _docstrings(tree):
+  """The ids of the docstring nodes of ``tree`` (module, classes, functions)."""
+  found = set()
+  for node in ast.walk(tree):
+    if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+      body = node.body
+      if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
+        found.add(id(body[0].value))
+  return found
+
+
+def _storage_uses(source):
+  """``[(line, what, instead)]``: each use of a file-system library (``tf.io.gfile``,
+  ``etils.epath``) or check of a path's scheme (a ``'://'`` or ``'gs://'`` literal in code, not
+  in a message or docstring) in the module text ``source``."""
+  tree = ast.parse(source)
+  skipped = _docstrings(tree)
+  for node in ast.walk(tree):
+    if isinstance(node, ast.JoinedStr):  # An f-string's parts are message text.
+      skipped.update(id(part) for part in ast.walk(node))
+  called = {id(node.value) for node in ast.walk(tree)  # The `tf.io.gfile` of `tf.io.gfile.X`.
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Attribute)
+            and node.value.attr == 'gfile'}
+  found = []
+  for node in ast.walk(tree):
+    what = instead = None
+    if id(node) in called:
+      continue
+    if isinstance(node, ast.Attribute) and id(node.value) in called:
+      what = f'gfile.{node.attr}'
+      instead = f'storage.{_GFILE_INSTEAD.get(node.attr, "open_file")}'
+    elif isinstance(node, ast.Attribute) and node.attr == 'gfile':
+      what, instead = 'tf.io.gfile', 'the file functions of storage'
+    elif isinstance(node, (ast.Import, ast.ImportFrom)):
+      names = [getattr(node, 'module', None) or ''] + [a.name for a in node.names]
+      if any(n == 'epath' or n.endswith('.epath') for n in names):
+        what, instead = 'etils.epath', 'storage.Path or the file functions of storage'
+      elif any(n == 'gfile' or n.endswith('.gfile') for n in names):
+        what, instead = 'tf.io.gfile', 'the file functions of storage'
+    elif isinstance(node, ast.Name) and node.id in ('gfile', 'epath'):
+      what, instead = node.id, 'storage.Path or the file functions of storage'
+    elif (isinstance(node, ast.Constant) and isinstance(node.value, str)
+          and id(node) not in skipped and re.fullmatch(r'([a-z][a-z0-9+.-]*)?://', node.value)):
+      what, instead = f'a scheme check ({node.value!r})', 'storage.is_remote or storage.scheme'
+    if what:
+      found.append((node.lineno, what, instead))
+  return sorted(set(found))
+
+
+def test_the_storage_check_finds_file_apis_and_scheme_checks_but_not_messages():
+  source = '''"""A docstring about gs:// and '://'."""
+import tensorflow as tf
+from etils import epath
+def f(path):
+  """gs://bucket."""
+  message = f'give gs://BUCKET/PATH ({path}://)'
+  if '://' in path or path.startswith(('gs://', 'file://')):
+    return tf.io.gfile.GFile(path), epath.Path(path), message
+'''
+  assert _storage_uses(source) == [
+      (3, 'etils.epath', 'storage.Path or the file functions of storage'),
+      (7, "a scheme check ('://')", 'storage.is_remote or storage.scheme'),
+      (7, "a scheme check ('file://')", 'storage.is_remote or storage.scheme'),
+      (7, "a scheme check ('gs://')", 'storage.is_remote or storage.scheme'),
+      (8, 'epath', 'storage.Path or the file functions of storage'),
+      (8, 'gfile.GFile', 'storage.open_file')]
+
+
+def test_only_the_storage_module_uses_a_file_api_or_checks_a_scheme():
+  """tf.io.gfile, etils.epath and scheme checks live in vit_jax/storage.py only (issue 51: a
+  path whose scheme a module judged itself was written with os.path under './gs:/')."""
+  modules = _modules()
+  assert STORAGE in modules and _storage_uses(modules[STORAGE].read_text())
+  found = [f'{path.relative_to(ROOT)}:{line}: {what}; use {instead} (vit_jax/storage.py) instead'
+           for name, path in modules.items() if name != STORAGE
+           for line, what, instead in _storage_uses(path.read_text())]
+  assert not found, '\n'.join(found)

@@ -1,13 +1,14 @@
-"""docs/notebook.ipynb, the official vit_jax.ipynb's steps with this project's API: stored
-without outputs, and run top to bottom in a fresh kernel of this interpreter (nbclient), every
-cell without error and its printed numbers checked (load, predict, attention, fine-tuning)."""
+"""docs/notebook.ipynb, the official vit_jax.ipynb's steps with this project's API: stored with
+the outputs that docs/make_notebook.py made of its current cells (checked here, fast, with what
+they say), and run top to bottom in a fresh kernel of this interpreter by that script's
+`execute` (slow: once per test run), every cell without error and its printed numbers checked
+(load, predict, attention, fine-tuning)."""
 
+import importlib.util
 import os
 import pathlib
 import re
 
-from ipykernel import kernelspec
-import nbclient
 import nbformat
 import pytest
 
@@ -18,23 +19,37 @@ NOTEBOOK = ROOT / "docs" / "notebook.ipynb"
 
 #: tests/conftest.py's XLA flag for every process the tests start.
 CONFTEST_FAST_COMPILE = "--xla_backend_optimization_level=0"
-#: A hang guard per cell, seconds (the whole notebook takes about a minute on 2 CPU cores).
-CELL_TIMEOUT = 300
+
+
+def _make_notebook():
+  """docs/make_notebook.py as a module (docs/ is no package)."""
+  path = ROOT / "docs" / "make_notebook.py"
+  spec = importlib.util.spec_from_file_location("make_notebook", path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
 
 
 def _code_cells(notebook):
   return [cell for cell in notebook.cells if cell.cell_type == "code"]
 
 
-def test_the_notebook_is_valid_and_stored_without_outputs():
+def test_the_notebook_is_stored_with_the_outputs_of_its_cells():
+  """Every code cell has the outputs its current source made (`make_notebook.py --check`), and
+  they say what a run says (`_check_outputs`), pictures included: GitHub shows them."""
   notebook = nbformat.read(NOTEBOOK, as_version=4)
   nbformat.validate(notebook)
   cells = _code_cells(notebook)
   assert len(cells) == 9
-  for cell in cells:
-    assert cell.outputs == [] and cell.execution_count is None, cell.source[:200]
   for cell in notebook.cells:  # Only the public API: no private names of ours.
     assert not re.search(r"\b_[a-z]\w*|\._[a-z]", cell.source), cell.source[:200]
+  make_notebook = _make_notebook()
+  assert make_notebook.stale_cells(notebook) == [], (
+      "Run python docs/make_notebook.py: these cells changed since their outputs were made")
+  _check_outputs(cells)
+  assert make_notebook.main(["--check"]) == 0
+  cells[3].source += "\n# edited"
+  assert make_notebook.stale_cells(notebook) == [f"cell 4 ({cells[3].source.splitlines()[0]})"]
 
 
 def _text(cell) -> str:
@@ -56,7 +71,7 @@ def _percent(pattern: str, text: str) -> float:
 
 @pytest.mark.slow
 def test_the_notebook_runs_top_to_bottom(fashion_mnist_dir, tmp_path, monkeypatch):
-  """In a kernel of this Python (a kernelspec of sys.executable), offline, on the prepared
+  """In a kernel of this Python (`make_notebook.execute`), offline, on the prepared
   Fashion-MNIST; the training runs in tmp_path (the notebook's tempfile)."""
   monkeypatch.setenv("TFDS_DATA_DIR", fashion_mnist_dir)
   # The kernel compiles as a user's would: conftest's faster-compiling, slower-running LLVM
@@ -64,16 +79,23 @@ def test_the_notebook_runs_top_to_bottom(fashion_mnist_dir, tmp_path, monkeypatc
   monkeypatch.setenv("XLA_FLAGS", " ".join(
       f for f in os.environ.get("XLA_FLAGS", "").split() if f != CONFTEST_FAST_COMPILE))
   monkeypatch.setenv("TMPDIR", str(tmp_path))
-  monkeypatch.setenv("JUPYTER_PATH", str(tmp_path / "jupyter"))
-  kernelspec.write_kernel_spec(tmp_path / "jupyter" / "kernels" / "vit_jax_notebook")
   notebook = nbformat.read(NOTEBOOK, as_version=4)
-  client = nbclient.NotebookClient(notebook, timeout=CELL_TIMEOUT,
-                                   kernel_name="vit_jax_notebook",
-                                   resources={"metadata": {"path": str(ROOT / "docs")}})
-  client.execute()  # Raises CellExecutionError, naming the cell, if one fails.
-  (setup, official, timm, inference, pretrain, predict, attention, finetune,
-   controls) = _code_cells(notebook)
-  assert str(tmp_path) in _text(setup)
+  for cell in _code_cells(notebook):
+    cell.outputs = []
+  _make_notebook().execute(notebook)  # Raises CellExecutionError, naming the cell, if one fails.
+  cells = _code_cells(notebook)
+  assert str(tmp_path) in _text(cells[0])
+  _check_outputs(cells)
+
+
+def _check_outputs(cells) -> None:
+  """What the notebook's cells printed and drew, stored or fresh: nothing on stderr (no library
+  noise, no warning), the numbers of every step."""
+  for cell in cells:
+    errors = [out for out in cell.outputs if out.output_type == "error"
+              or out.output_type == "stream" and out.name == "stderr"]
+    assert not errors, (cell.source[:100], errors)
+  (_, official, timm, inference, pretrain, predict, attention, finetune, controls) = cells
 
   # 1. Loading: the official code's and timm's outputs, the fixture's exact parameter count.
   text = _text(official)

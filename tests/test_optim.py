@@ -58,7 +58,8 @@ def test_schedule_from_config_scales_lr_and_converts_epochs():
   np.testing.assert_allclose(lr(49), 0.5e-3, rtol=1e-6)
   np.testing.assert_allclose(lr(449), 0.0, atol=1e-12)  # decay ends 50 updates early
   config.optim.lr_base_batch_size = 0
-  with pytest.raises(ValueError, match="lr_base_batch_size=0 must be positive"):
+  with pytest.raises(ValueError, match=r"lr_base_batch_size=0 must be a positive int or None \(lr "
+                     r"\*= batch_size / this"):
     optim.schedule_from_config(config.optim, batch_size=8, total_steps=5, steps_per_epoch=1)
 
 

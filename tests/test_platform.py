@@ -209,3 +209,86 @@ def test_stop_in_finds_a_stop_that_a_library_wrapped():
   except RuntimeError as wrapped:
     assert stops.stop_in(wrapped) is stop
   assert stops.stop_in(ValueError("x")) is None
+
+
+def _fake_host(root, vendors=(), accel=False):
+  for i, vendor in enumerate(vendors):
+    device = root / "sys" / "bus" / "pci" / "devices" / f"0000:00:0{i}.0"
+    device.mkdir(parents=True)
+    (device / "vendor").write_text(vendor + "\n")
+  if accel:
+    (root / "dev").mkdir(parents=True)
+    (root / "dev" / "accel0").write_text("")
+  return str(root)
+
+
+def test_jax_skips_the_tpu_only_where_there_is_none_and_nothing_else_asks_for_it(
+    tmp_path, monkeypatch):
+  """`hardware.tpu_absent`: libtpu installed, no Google PCI device (0x1ae0) nor /dev/accel0, no
+  other JAX plugin, JAX_PLATFORMS and JAX_FORCE_TPU_INIT unset."""
+  from importlib import util  # pylint: disable=g-import-not-at-top
+  from vit_jax import hardware  # pylint: disable=g-import-not-at-top
+  find_spec = util.find_spec
+  monkeypatch.setattr(util, "find_spec", lambda name: (
+      object() if name == "libtpu" else find_spec(name)))
+  cpu_only = _fake_host(tmp_path / "cpu", vendors=("0x8086", "0x10de"))
+  assert hardware.tpu_absent({}, root=cpu_only)
+  assert not hardware.tpu_absent({"JAX_PLATFORMS": "tpu"}, root=cpu_only)
+  assert not hardware.tpu_absent({"JAX_FORCE_TPU_INIT": "1"}, root=cpu_only)
+  assert hardware.tpu_on_host(_fake_host(tmp_path / "tpu_vm", vendors=("0x8086", "0x1ae0")))
+  assert not hardware.tpu_absent({}, root=str(tmp_path / "tpu_vm"))
+  assert not hardware.tpu_absent({}, root=_fake_host(tmp_path / "accel", accel=True))
+  npu = tmp_path / "npu" / "dev" / "accel"  # Linux's accel subsystem (an NPU): not a TPU.
+  npu.mkdir(parents=True)
+  (npu / "accel0").write_text("")
+  assert hardware.tpu_absent({}, root=str(tmp_path / "npu"))
+  monkeypatch.setattr(util, "find_spec", lambda name: None)  # No libtpu: nothing to skip.
+  assert not hardware.tpu_absent({}, root=cpu_only)
+
+
+def test_import_vit_jax_keeps_jax_off_an_absent_tpu_and_quiet():
+  """After `pip install -e '.[tpu]'` on a host without a TPU, JAX's first use printed a page of
+  libtpu errors; `import vit_jax` (before or after `import jax`) now keeps JAX on the CPU."""
+  from vit_jax import hardware  # pylint: disable=g-import-not-at-top
+  if not hardware.tpu_absent({}):
+    pytest.skip("libtpu is not installed or this host has a TPU or another accelerator plugin")
+  env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
+  for code in ("import vit_jax, jax; print(jax.devices()[0].platform)",
+               "import jax, vit_jax; print(jax.devices()[0].platform)"):
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=120, check=True)
+    assert proc.stdout == "cpu\n" and proc.stderr == "", (code, proc.stderr[-2000:])
+
+
+def test_the_metric_dicts_of_clu_s_logging_writer_are_logged_only_at_verbosity_1():
+  """TensorBoard has them; the progress and evaluation lines say what they would (each once)."""
+  import logging as py_logging  # pylint: disable=g-import-not-at-top
+  from absl import logging as absl_logging  # pylint: disable=g-import-not-at-top
+
+  def record(path, level=py_logging.INFO):
+    return py_logging.LogRecord("absl", level, path, 48, "[%d] %s", (100, "train/loss=2.1"), None)
+
+  writer = "/site-packages/clu/metric_writers/logging_writer.py"
+  quiet = platform.QuietLibraries()
+  absl_logger = py_logging.getLogger("absl")
+  verbosity, level = absl_logging.get_verbosity(), absl_logger.level
+  try:
+    absl_logging.set_verbosity(absl_logging.INFO)
+    assert not quiet.filter(record(writer))
+    assert quiet.filter(record(writer, py_logging.WARNING))
+    assert quiet.filter(record("/site-packages/clu/periodic_actions.py"))
+    assert quiet.filter(record("/work/vit_jax/progress.py"))
+    absl_logging.set_verbosity(1)
+    assert quiet.filter(record(writer))
+  finally:
+    absl_logging.set_verbosity(verbosity)
+    absl_logger.setLevel(level)  # set_verbosity sets a level; the logger's was NOTSET.
+
+
+def test_host_cpu_names_the_model_and_the_usable_cores(tmp_path):
+  from vit_jax import hardware  # pylint: disable=g-import-not-at-top
+  cpuinfo = tmp_path / "cpuinfo"
+  cpuinfo.write_text("processor\t: 0\nmodel name\t: AMD EPYC 9B14\nflags\t\t: avx\n")
+  cores = len(os.sched_getaffinity(0))
+  assert hardware.host_cpu(str(cpuinfo)) == f"AMD EPYC 9B14, {cores} cores"
+  assert hardware.host_cpu(str(tmp_path / "missing")).endswith(f", {cores} cores")

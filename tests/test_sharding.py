@@ -62,7 +62,7 @@ def test_rules_parse_and_name_only_mesh_axes():
 
 def test_batch_that_the_mesh_cannot_split_is_a_config_error():
   with pytest.raises(ValueError, match=r"batch_size=12 cannot be split into 2 micro-batch\(es\) "
-                     r"over 4 batch shard\(s\).*--config.batch_size=8 or 16"):
+                     r"over 4 batch shard\(s\).*; use config.batch_size=8 or 16"):
     config_lib.check_batch_size(12, 2, 4)
 
 
@@ -104,18 +104,18 @@ def test_dcn_data_must_be_the_number_of_slices_the_devices_form():
   sharding.check_slices(_mesh_cfg(dcn_data=2), two_slices)
   sharding.check_slices(_mesh_cfg(dcn_data=1), one_slice)
   with pytest.raises(ValueError, match=r"^config\.mesh\.dcn_data=1 but the 8 devices form 2 "
-                     r"slices \(by their slice_index\): .* Set --config\.mesh\.dcn_data=2\.$"):
+                     r"slices \(by their slice_index\): .*; set config\.mesh\.dcn_data=2\.$"):
     sharding.check_slices(_mesh_cfg(dcn_data=1), two_slices)
   with pytest.raises(ValueError, match=r"^config\.mesh\.dcn_data=2 but the 4 devices form 1 "
                      r"slice \(TPU devices without a slice_index\): its data axis cannot span 2 "
-                     r"slices\. Set --config\.mesh\.dcn_data=1\.$"):
+                     r"slices; set config\.mesh\.dcn_data=1\.$"):
     sharding.check_slices(_mesh_cfg(dcn_data=2), one_slice)
   # CPU and GPU: mesh_utils's fallback, a process is a slice; one network (1) passes too.
   two_processes = [_Device(i, "cpu", i // 2) for i in range(4)]
   sharding.check_slices(_mesh_cfg(dcn_data=1), two_processes)
   sharding.check_slices(_mesh_cfg(dcn_data=2), two_processes)
   with pytest.raises(ValueError, match=r"dcn_data=3 but the 4 devices form 2 slices \(one per "
-                     r"process: CPU devices have no slice_index\).*Set --config\.mesh\.dcn_data=1 "
+                     r"process: CPU devices have no slice_index\).*; set config\.mesh\.dcn_data=1 "
                      r"\(one network\) or 2 \(a slice per process\)\.$"):
     sharding.check_slices(_mesh_cfg(dcn_data=3), two_processes)
   # The hybrid grid puts each process's devices in its half of the data axis.
@@ -130,7 +130,7 @@ def test_the_trainer_refuses_dcn_data_of_other_slices_before_any_work(tmp_path, 
   config = sharding_worker.tiny_config("vit", folder)
   config.mesh.dcn_data = 2
   with pytest.raises(ValueError, match=r"dcn_data=2 but the \d+ devices? forms? 1 slice \(one per "
-                     r"process: CPU devices have no slice_index\).*--config\.mesh\.dcn_data=1\.$"):
+                     r"process: CPU devices have no slice_index\).*config\.mesh\.dcn_data=1\.$"):
     config_lib.resolve(config, num_train_examples=24, num_classes=3)
   with pytest.raises(train.ConfigError, match=r"config\.mesh\.dcn_data=2 but the \d+ device"):
     train.train_and_evaluate(config, str(tmp_path / "run"))

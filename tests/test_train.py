@@ -93,7 +93,12 @@ def test_main_stops_on_bad_flags_and_configs_with_one_line_and_exit_code_2(tmp_p
       # Refused by the config phase of the training (vit_jax.train.ConfigError).
       ([*fashion_mnist, f"--config.data.image_folder={folder}", "--config.data.image_size=30",
         "--config.total_steps=1000", "--config.batch_size=4"],
-       "FATAL: Image height 30 is not divisible by the patch size 7")]:
+       "FATAL: Image height 30 is not divisible by the patch size 7"),
+      # A value its declaration's check refuses: the fix spelled as the flag (vit_jax.cli).
+      ([*fashion_mnist, f"--config.data.image_folder={folder}", "--config.optim.lr=-1.0",
+        "--config.total_steps=1000", "--config.batch_size=4"],
+       "FATAL: config.optim.lr=-1.0 must be > 0 (the peak learning rate; None: the regime's "
+       "(REGIME_DEFAULTS)); set --config.optim.lr to such a value.")]:
     proc = _run_main(*args)
     assert proc.returncode == 2, (args, proc.stderr[-2000:])
     fatal = [l for l in proc.stderr.splitlines() if l.startswith("FATAL:")]
@@ -167,6 +172,14 @@ def test_main_trains_writes_metrics_and_resumes(tmp_path, caplog):
   assert all(0 <= v <= 1 for v in scalars["train/accuracy"].values())
   assert sorted(scalars["test/accuracy"]) == [2, 4]
   assert ", accuracy " in first.stderr  # On the progress line, beside the loss.
+  # The log: one progress line per window (with the learning rate), each evaluation once, the
+  # metric dicts in TensorBoard only (--verbosity=1 logs them), the account's line at the end.
+  progress = re.findall(r"\] Step (\d)/4 \(\d+\.\d%\): loss \d\.\d{4}, accuracy \d\.\d{4}, "
+                        r"lr [\d.e-]+, [\d,]+ images/s", first.stderr)
+  assert progress == ["2", "4"], first.stderr[-3000:]
+  assert first.stderr.count("test/accuracy=") == 2  # "Evaluated ... at step 2: ...", step 4.
+  assert "train/grad_norm=" not in first.stderr and "cost/mfu=" not in first.stderr
+  assert len(re.findall(r"\] Step \d: cost: ", first.stderr)) == 1
   assert sorted(scalars["fewshot/images_2shot"]) == [4]
   # config.analysis: the attention figures at each evaluation, the training images at the start.
   assert _images(workdir) == {"analysis/attention_distance": {2: (450, 700), 4: (450, 700)},

@@ -34,3 +34,22 @@ def gcs_retries() -> dict[str, int]:
                        'Storage stops answering"); unset it for the default.')
     values[name[len("GCS_RETRY_CONFIG_"):]] = int(value)
   return values
+
+
+def skip_absent_tpu() -> None:
+  """Keeps JAX from starting its TPU backend where it would fail with a page of libtpu errors
+  (`hardware.tpu_absent`: libtpu installed, no TPU here): JAX runs on the CPU, as it would
+  after that failure. Runs on `import vit_jax`: JAX_PLATFORMS=cpu before JAX loads, else JAX's
+  `jax_platforms` unless set (too late once JAX has started its backends)."""
+  import sys  # pylint: disable=g-import-not-at-top
+  from vit_jax import hardware  # pylint: disable=g-import-not-at-top
+  if not hardware.tpu_absent():
+    return
+  jax = sys.modules.get("jax")
+  if jax is None:
+    _os.environ["JAX_PLATFORMS"] = "cpu"
+  elif not jax.config.jax_platforms:
+    jax.config.update("jax_platforms", "cpu")
+
+
+skip_absent_tpu()

@@ -12,7 +12,6 @@ from typing import Any, Callable, Iterator, Optional
 from absl import logging
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from vit_jax import flops
 from vit_jax import hardware as hardware_lib
@@ -23,13 +22,15 @@ SECONDS_PER_DAY = flops.SECONDS_PER_DAY
 #: preparation, initialisation or restore, writing summaries).
 CATEGORIES = ("train", "compile", "eval", "checkpoint", "input")
 _measured_cpu_peak: Optional[float] = None  # See `measure_cpu_peak`.
+_MEASURED = "measured: float32 2048^3 matmul"  # A measured CPU peak's `peak_source`.
 
 
 @dataclasses.dataclass(frozen=True)
 class Hardware:
   """`num_devices` (all processes') of jax's `device_kind`: cores and chips (TPU only, else None),
   peak FLOP/s per device for `dtype` (None: unknown) from `peak_source` ('published', 'measured:
-  ...', 'given', 'unknown'), of matmuls in `peak_precision` (`vit_jax.hardware.Kind.runs_as`)."""
+  ...', 'given', 'unknown'), of matmuls in `peak_precision` (`vit_jax.hardware.Kind.runs_as`);
+  `host`: the CPU a measured peak is of (`vit_jax.hardware.host_cpu`), else None."""
   device_kind: str
   platform: str
   num_devices: int
@@ -39,6 +40,7 @@ class Hardware:
   peak_source: str
   dtype: str = "float32"
   peak_precision: Optional[str] = None
+  host: Optional[str] = None
 
   @property
   def unit(self) -> str:
@@ -100,14 +102,24 @@ def measure_cpu_peak(size: int = 2048, repeats: int = 3, again: bool = False) ->
 
 
 def local_hardware(dtype: str = "float32", remeasure: bool = False) -> Hardware:
-  """The `Hardware` of all devices of this JAX program (a CPU's peak `measure_cpu_peak`'s)."""
+  """The `Hardware` of all devices of this JAX program (a CPU's peak `measure_cpu_peak`'s, of
+  its `host_cpu`; a resumed run keeps its recorded one: `CostAccountant.resume`)."""
   device = jax.devices()[0]
   if device.platform == "cpu":
     peak = measure_cpu_peak(again=remeasure) / jax.local_device_count()
     hw = hardware("cpu", jax.device_count(), dtype, "cpu", peak_flops_per_device=peak)
-    return dataclasses.replace(hw, peak_source="measured: float32 2048^3 matmul" + (
+    return dataclasses.replace(hw, host=hardware_lib.host_cpu(), peak_source=_MEASURED + (
         ", the best of two measurements" if remeasure else ""))
   return hardware(device.device_kind, jax.device_count(), dtype, device.platform)
+
+
+def _same_measured_cpu(hw: Hardware, recorded: dict[str, Any]) -> bool:
+  """Whether `recorded` (a report's hardware or an attempt) has a peak measured on the CPU and
+  device count of `hw`, itself a measured CPU's."""
+  return (hw.platform == "cpu" and hw.peak_source.startswith("measured") and hw.host is not None
+          and recorded.get("platform") == "cpu" and recorded.get("host") == hw.host
+          and recorded.get("devices") == hw.num_devices
+          and bool(recorded.get("peak_flops_per_device")))
 
 
 class CostAccountant:
@@ -185,6 +197,12 @@ class CostAccountant:
     self._previous = list(report["attempts"]) if report else []
     self._start_step = start_step
     self._redone = redone_steps(self._previous, start_step) if self._previous else None
+    recorded = (report or {}).get("hardware", {})
+    if _same_measured_cpu(self.hardware, recorded):
+      # One run, one CPU peak: measured by its first attempt on this CPU, kept by the others.
+      self.hardware = dataclasses.replace(
+          self.hardware, peak_flops_per_device=recorded["peak_flops_per_device"],
+          peak_source=recorded.get("peak_source") or self.hardware.peak_source)
     self._resumed_flops = (None, None)
     if report and report.get("batch_size") == self.batch_size:
       self._resumed_flops = tuple(
@@ -202,7 +220,7 @@ class CostAccountant:
     return {
         "device_kind": hw.device_kind, "platform": hw.platform, "devices": hw.num_devices,
         "cores": hw.cores, "chips": hw.chips, "peak_flops_per_device": hw.peak_flops_per_device,
-        "start_step": self._start_step, "end_step": step, "steps": self._steps,
+        "host": hw.host, "start_step": self._start_step, "end_step": step, "steps": self._steps,
         "images": self._steps * self.batch_size, "seconds": seconds,
         "flops_per_step": self.flops_per_step, "model_flops_per_step": self.model_flops_per_step,
         "model_flops": (self.model_flops_per_step or 0.0) * self._steps,
@@ -214,13 +232,18 @@ class CostAccountant:
   def report(self, step: int) -> dict[str, Any]:
     """The account of all attempts so far, JSON-able (docs/compute_cost.md); 'mfu' and 'goodput'
     in 0..1 or None. An attempt above its peak has a wrong peak: a measured CPU peak is measured
-    again once, and one still above is left out of the MFU ('mfu_note' says so)."""
+    again once (the higher peak then holds for every attempt on that CPU), and one still above is
+    left out of the MFU ('mfu_note' says so)."""
     current = self._attempt(step)
     hw = self.hardware
     if (_above_peak(current) and not self._remeasured and hw.platform == "cpu"
         and hw.peak_source.startswith("measured")):
       self._remeasured = True
-      self.hardware = hw = local_hardware(hw.dtype, remeasure=True)
+      again = local_hardware(hw.dtype, remeasure=True)
+      self.hardware = hw = again if again.peak_flops_per_device > hw.peak_flops_per_device else (
+          dataclasses.replace(hw, peak_source=again.peak_source))
+      self._previous = [dict(a, peak_flops_per_device=hw.peak_flops_per_device)
+                        if _same_measured_cpu(hw, a) else a for a in self._previous]
       current = self._attempt(step)
     attempts = self._previous + [current]
     seconds = {k: sum(a["seconds"].get(k, 0.0) for a in attempts)
@@ -257,7 +280,8 @@ class CostAccountant:
         "hardware": {"device_kind": hw.device_kind, "platform": hw.platform,
                      "devices": hw.num_devices, "cores": hw.cores, "chips": hw.chips,
                      "unit": hw.unit, "peak_flops_per_device": hw.peak_flops_per_device,
-                     "peak_source": hw.peak_source, "peak_precision": hw.peak_precision},
+                     "peak_source": hw.peak_source, "peak_precision": hw.peak_precision,
+                     "host": hw.host},
         "step": step, "batch_size": self.batch_size, "restarts": len(attempts) - 1,
         "images_seen": images, "seconds": seconds, **figures,
         "flops_per_step": flops_per_step, "model_flops_per_step": model_flops_per_step,
@@ -345,8 +369,8 @@ _REDONE = {"steps": _COUNT, "seconds": _MAYBE_NUMBER, "from_attempt": _MAYBE_COU
            **{f"{u}_days": _MAYBE_NUMBER for u in ("device", "core", "chip")}}
 _ATTEMPT = {
     "device_kind": str, "platform": str, "devices": _COUNT, "cores": _MAYBE_COUNT,
-    "chips": _MAYBE_COUNT, "peak_flops_per_device": _MAYBE_NUMBER, "start_step": _COUNT,
-    "end_step": _COUNT, "steps": _COUNT, "images": _COUNT,
+    "chips": _MAYBE_COUNT, "peak_flops_per_device": _MAYBE_NUMBER, "host?": (str, type(None)),
+    "start_step": _COUNT, "end_step": _COUNT, "steps": _COUNT, "images": _COUNT,
     "seconds": {k: _NUMBER for k in (*CATEGORIES, "other", "program")},
     "flops_per_step?": _MAYBE_NUMBER, "model_flops_per_step": _MAYBE_NUMBER,
     "model_flops": _NUMBER, "resumed?": bool, "resume_s?": _MAYBE_NUMBER,
@@ -461,23 +485,6 @@ def summary(report: dict[str, Any]) -> str:
           f"{rate}, {report['restarts']} restart(s){good}; seconds: {split}")
 
 
-def input_wait_fix(data: Any) -> str:
-  """What to change when training waits on input, for `data` (a config.data)."""
-  fixes = []
-  if data.get("num_parallel_calls", -1) != -1:
-    fixes.append(f"config.data.num_parallel_calls=-1 (tf.data's AUTOTUNE uses every core; now "
-                 f"{data.num_parallel_calls})")
-  if not data.get("cache", True):
-    fixes.append("config.data.cache=True when the decoded training images fit in host memory")
-  if (data.get("randaugment_num_layers", 0) or data.get("random_erasing", 0)
-      or data.get("mixup_alpha", 0) or data.get("cutmix_alpha", 0)):
-    fixes.append("lighter augmentation (RandAugment, random erasing and Mixup/CutMix cost the "
-                 "most CPU per image)")
-  fixes.append("a host with more CPU cores per accelerator")
-  return ("Fix: " + "; or ".join(fixes) + ". `python -m vit_jax.benchmark --input-pipeline` "
-          "measures the pipeline's images/s alone.")
-
-
 def account_step_flops(accountant: CostAccountant, executable, model: Any,
                        image_shape: tuple[int, int, int], num_devices: int) -> None:
   """Gives `accountant` the train step's FLOPs: XLA's of `executable` (one device's share of the
@@ -495,62 +502,6 @@ def account_step_flops(accountant: CostAccountant, executable, model: Any,
     logging.info("The counts differ: XLA counts a loop body once (scan over layers, gradient "
                  "accumulation) and counts rematerialised work; the analytic count is the "
                  "model's useful work.")
-
-
-class Progress:
-  """The training metrics since the last log line; throughput and ETA from the accountant's
-  training time (`CostAccountant.training_seconds`), so they agree with the cost report."""
-
-  def __init__(self, accountant: CostAccountant, batch_size: int, total_steps: int,
-               start_step: int, input_wait_warning: float = 0.0, input_fix: str = ""):
-    """`input_wait_warning`: warn when a window waited on input more than this share of its
-    training time ('train' + 'input'; 0: never), saying `input_fix`."""
-    self._accountant, self._batch_size, self._total = accountant, batch_size, total_steps
-    self._warn_above, self._input_fix = input_wait_warning, input_fix
-    self._metrics: list[dict[str, np.ndarray]] = []
-    self.restart(start_step)
-
-  def restart(self, step: int) -> None:
-    """Measures the throughput from here (after the compiling step)."""
-    self._step, self._seconds = step, self._accountant.training_seconds()
-    self._input = self._accountant.seconds()["input"]
-
-  def add(self, metrics: dict[str, np.ndarray]) -> None:
-    """One step's fetched metrics (float scalars: 'loss', 'lr', ... and maybe 'skipped')."""
-    self._metrics.append(metrics)
-
-  def summary(self, step: int, skipping: bool) -> dict[str, float]:
-    """The window's means (without skipped updates' non-finite values) and rates; logs its line."""
-    metrics, self._metrics = self._metrics, []
-    out = {f"train/{k}": float(np.mean([m[k] for m in metrics if np.isfinite(m[k])] or [np.nan]))
-           for k in metrics[0] if k != "skipped"}
-    out["train/lr"] = float(metrics[-1]["lr"])
-    if skipping:
-      out["train/skipped_updates"] = float(sum(m["skipped"] for m in metrics))
-      if out["train/skipped_updates"]:
-        logging.warning("Step %d: skipped %d update(s) with non-finite gradients in the last "
-                        "%d steps.", step, out["train/skipped_updates"], len(metrics))
-    seconds = self._accountant.training_seconds() - self._seconds
-    rate = ""
-    if step > self._step and seconds > 0:  # (Not a window of the compiling step alone.)
-      steps_per_sec = (step - self._step) / seconds
-      out["train/steps_per_sec"] = steps_per_sec
-      out["train/images_per_sec"] = steps_per_sec * self._batch_size
-      rate = (f", {steps_per_sec:.3g} steps/s ({out['train/images_per_sec']:,.0f} images/s), "
-              f"ETA {duration((self._total - step) / steps_per_sec)}")
-      waited = self._accountant.seconds()["input"] - self._input
-      out["train/input_wait_share"] = waited / seconds
-      if self._warn_above and waited > self._warn_above * seconds:
-        logging.warning(
-            "Steps %d-%d waited for their input %.0f%% of the time (%.3g of %.3g s), above "
-            "config.input_wait_warning=%g: the host prepares batches slower than the devices "
-            "take them. %s", self._step + 1, step, 100 * waited / seconds, waited, seconds,
-            self._warn_above, self._input_fix)
-    accuracy = (f", accuracy {out['train/accuracy']:.4f}" if "train/accuracy" in out else "")
-    logging.info("Step %d/%d (%.1f%%): loss %.4f%s%s.", step, self._total,
-                 100 * step / self._total, out["train/loss"], accuracy, rate)
-    self.restart(step)
-    return out
 
 
 def duration(seconds: float) -> str:

@@ -1,13 +1,20 @@
 """``--config`` parsed by absl and ml_collections for ``vit_jax.main`` and, through
 :func:`load_config`, the cost and preflight tools: a missing config file, a refused flag or an
-unknown ``--config.<key>`` (with the closest match) is one message, not a traceback."""
+unknown ``--config.<key>`` (with the closest match) is one message, not a traceback. The one place
+a config refusal (``vit_jax.config.keys.ConfigError``) becomes command-line text
+(:func:`error_text`) and the keys are listed with their help (:func:`config_help`,
+``--print_config``)."""
 
 from __future__ import annotations
 
 import difflib
 import importlib.util
 import os
+import re
+import shlex
+import shutil
 import sys
+import textwrap
 
 from absl import flags
 from ml_collections import config_flags
@@ -80,7 +87,8 @@ def _parse(flag_values: flags.FlagValues, argv: list[str]) -> list[str]:
   # config file's get_config(arg) refused its arg.
   except (flags.Error, AttributeError, KeyError, ValueError, TypeError) as e:
     raise ValueError(unknown_override_message(argv) or (
-        _without_traceback(str(e)) if isinstance(e, flags.Error) else f"Bad --config: {e}"))
+        _without_traceback(str(e)) if isinstance(e, flags.Error) else
+        f"Bad --config: {error_text(e)}"))
 
 
 def load_config(argv: list[str]):
@@ -115,3 +123,93 @@ def parse_flags(argv: list[str]) -> list[str]:
   except ValueError as e:
     sys.stderr.write(f"FATAL: {e}\nPass --help to see the flags.\n")
     sys.exit(2)
+
+
+#: A setting named in a ConfigError's fix, `config.KEY`, and not already a flag.
+_SETTING = re.compile(r"(?<![\w.-])config\.(?=\w)")
+
+
+def error_text(error: BaseException) -> str:
+  """``str(error)`` with the fix of the ``ConfigError`` it is or wraps (its cause or context)
+  spelled for the command line: each ``config.KEY`` there as the flag ``--config.KEY``."""
+  keys = sys.modules.get("vit_jax.config.keys")  # Not imported: no config was checked.
+  text, cause, seen = str(error), error, set()
+  while keys is not None and cause is not None and id(cause) not in seen:
+    if isinstance(cause, keys.ConfigError):
+      library = str(cause)
+      flagged = library[:len(library) - len(cause.fix)] + _SETTING.sub("--config.", cause.fix)
+      return text.replace(library, flagged)
+    seen.add(id(cause))
+    cause = cause.__cause__ or cause.__context__
+  return text
+
+
+def _flag_value(value, kind: type) -> str:
+  """`value` as typed after ``--config.KEY=`` in a shell; None (unset, which no flag sets):
+  ``<TYPE>``, the type a value takes."""
+  if value is None:
+    return f"<{kind.__name__}>"
+  if isinstance(value, (list, tuple)):
+    value = tuple(value)
+  return shlex.quote(value if isinstance(value, str) else str(value))
+
+
+def _model_help() -> dict:
+  """{field: (type, help)} of every model family's fields (`vit_jax.models.fields`), in their
+  order."""
+  from vit_jax.models import t2t  # pylint: disable=g-import-not-at-top  (JAX: after --help)
+  from vit_jax.models import vit_fields  # pylint: disable=g-import-not-at-top
+  helps = {}
+  for field in vit_fields.VIT_FIELDS + vit_fields.HYBRID_FIELDS + t2t.T2T_FIELDS:
+    helps.setdefault(field.name, (field.type, field.help))
+  return helps
+
+
+def _key_lines(flag: str, text: str, width: int, column: int) -> list[str]:
+  """``flag`` then ``text`` wrapped in a column from ``column`` on (below a longer flag)."""
+  indent = " " * column
+  if not text:
+    return [flag]
+  if len(flag) < column - 1:
+    return textwrap.wrap(text, width, initial_indent=flag.ljust(column), subsequent_indent=indent,
+                         break_on_hyphens=False)
+  return [flag] + textwrap.wrap(text, width, initial_indent=indent, subsequent_indent=indent,
+                                break_on_hyphens=False)
+
+
+#: Where the help of each key starts in :func:`config_help`.
+HELP_COLUMN = 40
+
+
+def config_help(config=None, spec: str | None = None, width: int | None = None) -> str:
+  """Every key of ``config`` (``--config``'s, overrides applied; None: ``get_config()``'s
+  defaults) with the regime's values filled in, one per line as the flag that sets it,
+  ``--config.KEY=VALUE`` (an unset key: ``--config.KEY=<TYPE>``), then its one line of help
+  (``vit_jax.config.defaults``; the model's fields: ``vit_jax.models.fields``), by section;
+  wrapped to ``width`` (default: the terminal's)."""
+  from vit_jax import config as config_lib  # pylint: disable=g-import-not-at-top  (JAX)
+  defaults = config_lib.defaults
+  config = config_lib.fill_regime(config if config is not None else defaults.get_config())
+  width = max(width or shutil.get_terminal_size((100, 24)).columns, HELP_COLUMN + 20)
+  source = f"config file {spec}" if spec else "defaults (no --config)"
+  lines = textwrap.wrap(
+      f"Every key of the {source}, with the --config.KEY=VALUE overrides and the regime "
+      f"({config.regime}) applied: the flag that sets it, then what it is (docs/configs.md).",
+      width) + [""]
+  sections = [("", {k.name: (k.type, k.help) for k in defaults.RUN_KEYS}, None)]
+  for name, (declared, text) in defaults.SECTIONS.items():
+    helps = _model_help() if name == "model" else {k.name: (k.type, k.help) for k in declared}
+    sections.append((name, helps, text))
+  for name, helps, text in sections:
+    if name and name not in config:  # A config file without the section.
+      continue
+    node = config[name] if name else config
+    if name:
+      lines += ["", f"config.{name}: {text}"]
+    for key in [k for k in helps if k in node] + sorted(set(node.keys()) - set(helps)):
+      if hasattr(node[key], "items"):  # A section: listed under its own header.
+        continue
+      kind, what = helps.get(key, (object, ""))
+      flag = f"--config.{name + '.' if name else ''}{key}={_flag_value(node[key], kind)}"
+      lines += _key_lines(flag, what, width, HELP_COLUMN)
+  return "\n".join(lines)

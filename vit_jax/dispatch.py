@@ -18,6 +18,7 @@ from typing import Any, Callable, Optional, Sequence
 import jax.numpy as jnp
 
 from vit_jax import kernels
+from vit_jax.config.keys import ConfigError
 from vit_jax.models import attention as attention_lib
 from vit_jax.models import execution
 
@@ -59,17 +60,19 @@ def choose_attention(requested: str, *, devices: Sequence[Any], dtype: Any = "fl
                      head_dim: int, dropout: bool = False) -> Choice:
   """The implementation for `requested` ('auto' or one of `CHOICES`) on the target `devices`,
   at compute `dtype`, head size `head_dim`, with attention `dropout` or not, and why.
-  ValueError: an unknown request, no devices, or a request that cannot run here (says why)."""
+  ConfigError: an unknown request, or one that cannot run here (says why); ValueError: no
+  devices."""
   if requested not in CHOICES:
-    raise ValueError(f"config.model.attention={requested!r} is not one of {CHOICES} ('auto' "
-                     "picks from the devices the step runs on).")
+    raise ConfigError("model.attention", requested, f"is not one of {CHOICES} ('auto' picks "
+                      "from the devices the step runs on)", "set config.model.attention to one "
+                      "of them.")
   if not devices:
     raise ValueError("choose_attention needs the target devices, got none.")
   if requested != "auto":
     why = ATTENTION[requested][1](devices, dtype, head_dim, dropout)
     if why:
-      raise ValueError(f"config.model.attention={requested!r} cannot run: {why}. Use "
-                       "--config.model.attention=auto (or xla).")
+      raise ConfigError("model.attention", requested, f"cannot run: {why}",
+                        "use config.model.attention=auto (or xla).")
     return Choice(requested, "requested")
   passed = []
   for name, (label, why_not, worth) in ATTENTION.items():
@@ -96,11 +99,12 @@ def auto_remat_policy(platform: str, dtype: Any, width: int) -> Choice:
 
 def choose_remat_policy(requested: str, *, devices: Sequence[Any], dtype: Any = "float32",
                         width: int = 0) -> Choice:
-  """`requested`, or for 'auto' `auto_remat_policy` on `devices`; ValueError: unknown or none."""
+  """`requested`, or for 'auto' `auto_remat_policy` on `devices`; ConfigError: unknown;
+  ValueError: no devices."""
   if requested not in REMAT_CHOICES:
-    raise ValueError(f"config.model.remat_policy={requested!r} is not one of {REMAT_CHOICES} "
-                     "('auto' picks from the devices and the compute dtype); set "
-                     "--config.model.remat_policy to one of them.")
+    raise ConfigError("model.remat_policy", requested, f"is not one of {REMAT_CHOICES} ('auto' "
+                      "picks from the devices and the compute dtype)",
+                      "set config.model.remat_policy to one of them.")
   if requested != "auto":
     return Choice(requested, "requested")
   if not devices:

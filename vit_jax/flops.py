@@ -75,7 +75,8 @@ def vit_forward_macs(*, hidden_size: int, mlp_dim: int, num_layers: int, patch_s
     raise models.ImageSizeError(
         f"Image {height}x{width} is not divisible by the patch size {patch_size}.")
   patches = (height // patch_size) * (width // patch_size)
-  tokens = patches + models.vit.prefix_tokens(classifier, num_registers)
+  tokens = patches + models.vit.prefix_tokens(
+      dict(classifier=classifier, num_registers=num_registers))
   d = hidden_size
   embedding = patches * patch_size * patch_size * channels * d
   per_layer = 4 * tokens * d * d + 2 * tokens * tokens * d + 2 * tokens * d * mlp_dim

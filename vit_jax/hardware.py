@@ -3,15 +3,21 @@
 A JAX device is one TensorCore on TPU v2/v3 (2 per chip), one chip on v4/v5p (2 cores,
 megacore) and v5e/v6e (1 core), one GPU. Peaks: published dense matmul FLOP/s of a device; a
 float32 matmul runs as bfloat16 on TPU and TF32 on Ampere+ (`runs_as`). HBM per program: the TPU
-compiler's figure (docs/pods.md). CPUs have no peak (`vit_jax.accounting` measures one)."""
+compiler's figure (docs/pods.md). CPUs have no peak: `vit_jax.accounting` measures one, once per
+run on a `host_cpu`."""
 
 from __future__ import annotations
 
 import dataclasses
+import glob
+import importlib.util
+import os
 import re
-from typing import Optional
+from typing import Mapping, Optional
 
 GIB = 2**30
+#: PCI vendor id of Google's TPU chips (what JAX itself looks for in /sys/bus/pci/devices).
+GOOGLE_PCI_VENDOR = "0x1ae0"
 #: A Cloud TPU slice whose number ('v3-8', 'v4-8', 'v5litepod-8') is at most this has one host.
 SINGLE_HOST_SLICE = 8
 
@@ -71,6 +77,51 @@ KINDS = (
 def kind(device_kind: str) -> Optional[Kind]:
   """The first `Kind` whose pattern matches jax's `device_kind`, else None."""
   return next((k for k in KINDS if re.search(k.pattern, device_kind)), None)
+
+
+def host_cpu(cpuinfo: str = "/proc/cpuinfo") -> str:
+  """This host's CPU, e.g. 'Intel(R) Xeon(R) Processor, 2 cores': the model (`cpuinfo`'s first
+  'model name', else the machine's architecture) and the cores this process may use. A run's
+  measured CPU peak holds for attempts on the same `host_cpu` (`vit_jax.accounting`)."""
+  model = ""
+  try:
+    with open(cpuinfo, encoding="utf-8", errors="replace") as f:
+      model = next((line.split(":", 1)[1].strip() for line in f
+                    if line.startswith("model name") and ":" in line), "")
+  except OSError:
+    pass
+  model = model or f"{os.uname().machine} CPU"
+  cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+  return f"{model}, {cores} cores"
+
+
+def tpu_on_host(root: str = "/") -> bool:
+  """Whether this host shows a TPU: a PCI device of Google's vendor id, or a TPU device file
+  /dev/accel0, 1, ... (TPU v2 to v4; not Linux's /dev/accel/ directory of other accelerators),
+  under `root`."""
+  for vendor in glob.glob(os.path.join(root, "sys/bus/pci/devices/*/vendor")):
+    try:
+      with open(vendor, encoding="ascii") as f:
+        if f.read().strip() == GOOGLE_PCI_VENDOR:
+          return True
+    except OSError:
+      continue
+  return bool(glob.glob(os.path.join(root, "dev/accel[0-9]*")))
+
+
+def tpu_absent(environ: Optional[Mapping[str, str]] = None, root: str = "/") -> bool:
+  """Whether JAX would start its TPU backend in vain (a page of libtpu errors, then the CPU):
+  libtpu is installed, `tpu_on_host` is false, no other accelerator's JAX plugin is installed (a
+  GPU's: the `jax_plugins` entry points or namespace package), and `environ` (default: this
+  process's) sets neither JAX_PLATFORMS nor JAX_FORCE_TPU_INIT."""
+  environ = os.environ if environ is None else environ
+  if environ.get("JAX_PLATFORMS") or "JAX_FORCE_TPU_INIT" in environ:
+    return False
+  if importlib.util.find_spec("libtpu") is None or tpu_on_host(root):
+    return False
+  from importlib import metadata  # pylint: disable=g-import-not-at-top  (0.1 s; needed here only)
+  plugins = metadata.entry_points(group="jax_plugins")
+  return not plugins and importlib.util.find_spec("jax_plugins") is None
 
 
 def is_multi_host_slice(accelerator_type: str) -> bool:

@@ -5,6 +5,11 @@ evaluate and give features::
   runner = inference.Runner(trained)                    # placed on this host's devices
   logits = runner.logits(images)                        # [B, H, W, 3], preprocessed -> [B, C]
   probs = trained.probabilities(logits)                 # softmax or sigmoid, as it was trained
+  features = runner.features(images)                    # [B, F] pre-logits
+  grid = runner.patch_grid(images, blocks=-1)           # [B, gh, gw, D] patch tokens, normed
+  logits = trained.apply(images)                        # the Flax module, unjitted
+
+The features API and its timm equivalents: docs/evaluation.md ("Features").
 
 A workdir rebuilds its model from its saved config and data record; files get their papers'
 evaluation settings (docs/checkpoints.md, "A workdir alone rebuilds its model")."""
@@ -12,7 +17,7 @@ evaluation settings (docs/checkpoints.md, "A workdir alone rebuilds its model").
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Dict, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Optional, Sequence, Tuple
 
 from absl import logging
 import jax
@@ -26,9 +31,10 @@ from vit_jax import models
 from vit_jax import platform
 from vit_jax import sharding
 from vit_jax import step as step_lib
+from vit_jax import storage
 from vit_jax.checkpoint import orbax
-from vit_jax.checkpoint import paths
 from vit_jax.checkpoint import workdir
+from vit_jax.models import intermediates
 
 #: Classes of the official ImageNet-21k checkpoints (pretrained with a sigmoid loss).
 IMAGENET21K_CLASSES = 21843
@@ -48,7 +54,8 @@ class TrainedModel:
   """A model as :func:`load` gives it: ``config`` (resolved, as training uses it; ``data`` is the
   eval preprocessing; the attention chosen for the local devices), ``variables`` (NumPy, in
   ``config.model``'s layout), ``label_names`` (or None), ``multi_label`` (independent sigmoids),
-  ``step`` (None for files) and ``description`` (for logs, e.g. ``'/w (step 4688, EMA)'``)."""
+  ``step`` (None for files) and ``description`` (for logs, e.g. ``'/w (step 4688, EMA)'``).
+  ``num_classes`` 0: a feature extractor (no head; ``load(..., num_classes=0)``)."""
 
   config: ml_collections.ConfigDict
   variables: Dict[str, Any]
@@ -59,7 +66,26 @@ class TrainedModel:
 
   @property
   def num_classes(self) -> int:
-    return int(self.config.num_classes)
+    return int(self.config.num_classes or 0)
+
+  @property
+  def model(self) -> Any:
+    """The Flax module (``vit_jax.step.create_model``) that ``variables`` fit: e.g.
+    ``jax.jit(lambda v, x: trained.model.apply(v, x, train=False))(trained.variables, images)``."""
+    return step_lib.create_model(self.config)
+
+  def apply(self, images: Any, *, train: bool = False, **kwargs: Any) -> Any:
+    """``model.apply(variables, images, train=train, **kwargs)``, unjitted, on the default
+    device: float32 ``[B, S, S, 3]`` preprocessed images -> float32 ``[B, C]`` logits (``[B, F]``
+    features when ``num_classes`` is 0); ``kwargs`` as Flax's (``mutable=['intermediates']``:
+    the sown attention weights and tokens, read by :mod:`vit_jax.models.intermediates`; ``rngs``
+    for dropout with ``train``). Raises as the model (ValueError: a non-NHWC input)."""
+    return self.model.apply(self.variables, images, train=train, **kwargs)
+
+  @property
+  def token_layout(self) -> intermediates.TokenLayout:
+    """The encoder's token order at ``image_size``: prefix tokens, patch grid, stride."""
+    return intermediates.token_layout(self.model, self.image_size, self.image_size)
 
   @property
   def image_size(self) -> int:
@@ -120,7 +146,7 @@ def _from_run(path: str, contents: checkpoint.Contents, model_name: Optional[str
   """A training run's model, rebuilt by its saved config."""
   run = contents.run
   config = config_lib.from_json(run.config)
-  if num_classes is not None and num_classes != config.num_classes:
+  if num_classes not in (None, 0) and num_classes != config.num_classes:
     raise ValueError(f'--num-classes {num_classes}: {path} is a training workdir of '
                      f'{config.model_name} with num classes {config.num_classes} (its saved '
                      'config); drop --num-classes (or convert it to .npz: python -m '
@@ -161,10 +187,12 @@ def _from_weights(path: str, contents: checkpoint.Contents, model_name: Optional
   if implied is None and not model_name:
     raise ValueError(f'{path} holds no ViT parameters (no embedding/kernel) and no config: for '
                      'T2T-ViT weights name the model with --model (e.g. --model T2T-ViT-14).')
-  if classes is None:
-    raise ValueError(f'{path} has no classification head (head/kernel): a feature extractor '
-                     'cannot predict classes.')
-  if num_classes is not None and int(num_classes) != classes:
+  if classes is None and num_classes != 0:
+    raise ValueError(f'{path} has no classification head (head/kernel): it cannot predict '
+                     'classes. Load it as a feature extractor with num_classes=0 (timm\'s '
+                     'num_classes=0) for its features (vit_jax.inference.Runner.features, '
+                     'tokens, patch_grid).')
+  if num_classes not in (None, 0) and int(num_classes) != classes:
     raise ValueError(f"--num-classes {num_classes} does not match {path}: its head has "
                      f"{classes} classes; drop --num-classes (the head decides).")
   fields = {**contents.numerics, **overrides}
@@ -190,15 +218,23 @@ def _from_weights(path: str, contents: checkpoint.Contents, model_name: Optional
                                  **dict(fields, scan=False, remat=False))
   config.regime = 'pretrain' if classes == IMAGENET21K_CLASSES else 'finetune'
   config = config_lib.fill_regime(config)
-  config.update(num_classes=classes, total_steps=1, batch_size=64, eval_batch_size=64)
+  config.update(num_classes=classes or None, total_steps=1, batch_size=64, eval_batch_size=64)
   config.optim.warmup_steps = 0
   config.data.update(image_size=int(contents.image_size or image_size),
                      normalization=contents.normalization, eval_crop_pct=contents.eval_crop_pct)
   multi_label = (classes == IMAGENET21K_CLASSES if contents.multi_label is None
                  else contents.multi_label)
-  return TrainedModel(config, variables, contents.label_names or
-                      labels.official_label_names(classes), bool(multi_label), None,
-                      contents.description)
+  names = (contents.label_names or labels.official_label_names(classes)) if classes else None
+  return TrainedModel(config, variables, names, bool(multi_label), None, contents.description)
+
+
+def _without_head(trained: TrainedModel) -> TrainedModel:
+  """``trained`` as a feature extractor: no ``head`` (``config.num_classes`` None), no classes."""
+  config = ml_collections.ConfigDict(trained.config.to_dict())
+  config.num_classes = None
+  params = {k: v for k, v in trained.variables['params'].items() if k != 'head'}
+  return dataclasses.replace(trained, config=config, label_names=None, multi_label=False,
+                             variables=dict(trained.variables, params=params))
 
 
 def _at_image_size(config: ml_collections.ConfigDict, image_size: int,
@@ -309,7 +345,8 @@ def load(source: Any, *, step: Optional[int] = None, use_ema: bool = True,
   """The :class:`TrainedModel` of ``source`` (:data:`SOURCES`, local or ``gs://``), checked to
   fit its model. ``step``: a workdir's (default the latest); ``use_ema``: the parameter EMA when
   saved; ``model_name``: required for ``.pth.tar`` files and T2T-ViT convert directories, checked
-  for ``.npz``, refused for workdirs; ``num_classes``: checked against the head; ``image_size``:
+  for ``.npz``, refused for workdirs, 'auto' as None (the weights' model); ``num_classes``: checked against the head, 0 a feature
+  extractor (the head dropped; needed for weights without one, such as DINOv2's); ``image_size``:
   default the position table's (another: a ViT resamples its table in the model, ``posemb_grid``
   and ``posemb_resize``, for weights alone their library's unless overridden:
   :func:`vit_jax.checkpoint.posemb_resize`); ``overrides``: model fields; ``devices``: default
@@ -319,17 +356,21 @@ def load(source: Any, *, step: Optional[int] = None, use_ema: bool = True,
   ValueError (no known format, a damaged or unsafe file: ``DamagedCheckpointError``,
   ``UnsafePickleError``; a model that does not fit the weights, with the architecture they
   imply, a class count other than the head's, NaN or Inf values)."""
-  path = paths.normalize(source)
+  path = storage.normalize(source)
   if not str(path).strip():
     raise ValueError(f'No source given: give {SOURCES}.')
-  if not paths.exists(path):
+  if not storage.exists(path):
     raise FileNotFoundError(f'{path} does not exist: give {SOURCES}.')
   overrides = dict(overrides or {})
+  if model_name == 'auto':  # As main's --config.model_name=auto: the model the weights record.
+    model_name = None
   ckpt = checkpoint.open(path)
   contents = ckpt.contents(use_ema=use_ema, step=step, model_name=model_name,
                            overrides=overrides)
   build = _from_run if contents.run is not None else _from_weights
   trained = build(path, contents, model_name, overrides, num_classes, image_size)
+  if num_classes == 0:
+    trained = _without_head(trained)
   devices = list(jax.devices() if devices is None else devices)
   config = _for_devices(trained.config, devices)
   if contents.run is None and 'posemb_resize' in config.model and (
@@ -373,7 +414,9 @@ def _check_finite(path: str, trained: TrainedModel, use_ema: bool) -> None:
 
 class Runner:
   """A :class:`TrainedModel` on a device mesh: ``setup`` (``vit_jax.step.Setup``), ``state``
-  (``{'params', ['model_state']}``, global arrays), ``batch_size`` (the global eval batch)."""
+  (``{'params', ['model_state']}``, global arrays), ``batch_size`` (the global eval batch).
+  Each method takes this process's preprocessed float32 ``[B, S, S, 3]`` (any B; run in batches
+  of ``batch_size``, the last padded) and raises ValueError for another shape."""
 
   def __init__(self, trained: TrainedModel, *, devices: Optional[Sequence[Any]] = None):
     self.trained, size = trained, trained.image_size
@@ -384,41 +427,80 @@ class Runner:
     state = {'params': variables.pop('params'), **({'model_state': variables} if variables else {})}
     self.state = jax.device_put(state, self.setup.variables_shardings)
     self.batch_size = int(trained.config.eval_batch_size)
-    self._steps: Dict[str, Any] = {}
+    self.layout = trained.token_layout
+    self._steps: Dict[Any, Any] = {}
     self._compiler = step_lib.Compiler(self.setup)
 
-  def _run(self, name: str, *args):
-    if name not in self._steps:
-      self._steps[name] = {'eval': lambda: self.setup.jit_eval_step(variables_only=True),
-                           'features': self.setup.jit_features_step,
-                           'logits': lambda: self.setup.jit_features_step(head=True)}[name]()
-    return self._compiler(self._steps[name], self.state, *args)
+  def _step(self, key: Any, make: Callable[[], Any]) -> Any:
+    if key not in self._steps:
+      self._steps[key] = make()
+    return self._steps[key]
 
-  def _padded(self, images: np.ndarray, fn: str) -> np.ndarray:
-    """Runs ``fn`` on one process's images in batches of ``batch_size``, padding the last."""
+  def _padded(self, images: np.ndarray, step: Any) -> Any:
+    """Runs the jitted ``step`` on one process's images in batches of ``batch_size``, padding
+    the last; its outputs (arrays batch-first, or a tuple of them) as NumPy."""
     images = np.asarray(images, np.float32)
     if images.ndim != 4 or images.shape[1:] != (self.trained.image_size,) * 2 + (3,):
       s = self.trained.image_size
       raise ValueError(f'Images of shape {images.shape}: the model takes [B, {s}, {s}, 3] '
                        '(preprocessed as its config.data says).')
     local = self.batch_size // jax.process_count()
+    if not len(images):  # The outputs' shapes, with no rows.
+      spec = jax.ShapeDtypeStruct((self.batch_size,) + images.shape[1:], np.float32,
+                                  sharding=self.setup.batch_sharding)
+      shapes = self.setup.in_mesh(jax.eval_shape)(step, self.state, spec)
+      return jax.tree.map(lambda x: np.zeros((0,) + x.shape[1:], x.dtype), shapes)
     out = []
     for start in range(0, len(images), local):
       chunk = images[start:start + local]
       padded = np.pad(chunk, [(0, local - len(chunk))] + [(0, 0)] * 3)
-      out.append(self.setup.to_local(self._run(fn, self.setup.to_global(padded)))[:len(chunk)])
-    width = self.trained.num_classes if fn == 'logits' else None
-    return np.concatenate(out) if out else np.zeros((0, width or 0), np.float32)
+      result = self._compiler(step, self.state, self.setup.to_global(padded))
+      out.append(jax.tree.map(lambda x, n=len(chunk): self.setup.to_local(x)[:n], result))
+    return jax.tree.map(lambda *parts: np.concatenate(parts), *out)
 
   def logits(self, images: np.ndarray) -> np.ndarray:
-    """float32 ``[B, S, S, 3]`` preprocessed images of this process -> ``[B, C]`` logits (raises
-    ValueError for another shape)."""
-    return self._padded(images, 'logits')
+    """``[B, S, S, 3]`` -> float32 ``[B, C]`` logits. ValueError for a feature extractor."""
+    if not self.trained.num_classes:
+      raise ValueError(f'{self.trained.description} was loaded as a feature extractor '
+                       '(num_classes=0, no head): it has no logits. Use features, tokens or '
+                       'patch_grid, or load weights with a head without num_classes=0.')
+    return self._padded(images, self._step('logits', lambda: self.setup.jit_features_step(
+        head=True)))
 
   def features(self, images: np.ndarray) -> np.ndarray:
-    """This process's preprocessed float32 ``[B, S, S, 3]`` -> ``[B, F]`` pre-logit features."""
-    return self._padded(images, 'features')
+    """``[B, S, S, 3]`` -> float32 ``[B, F]`` pre-logits: what the head takes (ViT: the class
+    token, the patches' mean or the MAP head's output, after the final LayerNorm, then
+    ``pre_logits``; T2T-ViT: the normed class token); the paper's few-shot features."""
+    return self._padded(images, self._step('features', self.setup.jit_features_step))
+
+  def tokens(self, images: np.ndarray, *, blocks: Any = -1, norm: bool = True) -> np.ndarray:
+    """``[B, S, S, 3]`` -> float32 ``[B, N, D]``: every token (``layout``: the prefix tokens,
+    the class token then the registers, before the patch grid row-major) as block ``blocks``
+    (an int: 0 the first, -1 the last) outputs it; a sequence of blocks gives ``[K, B, N, D]``.
+    ``norm``: through the encoder's final LayerNorm (``vit_jax.step.final_norm``; a ViT with
+    ``fc_norm`` has none there: the tokens are the block's, as timm's). The default is timm's
+    ``forward_features``. ValueError: a block the model does not have."""
+    try:
+      chosen = (blocks,) if isinstance(blocks, (int, np.integer)) else tuple(blocks)
+      if not chosen or any(isinstance(b, bool) or b != int(b) for b in chosen):
+        raise IndexError('give a block index (0 the first, -1 the last) or a sequence of them.')
+      chosen = tuple(int(b) for b in chosen)
+      step = self._step(('tokens', chosen, bool(norm)),
+                        lambda: self.setup.jit_tokens_step(chosen, norm=bool(norm)))
+    except (IndexError, TypeError, ValueError) as e:
+      raise ValueError(f'blocks={blocks!r}: {e}') from e
+    out = self._padded(images, step)
+    return out[0] if isinstance(blocks, (int, np.integer)) else np.stack(out)
+
+  def patch_grid(self, images: np.ndarray, *, blocks: Any = -1, norm: bool = True) -> np.ndarray:
+    """:meth:`tokens` without the prefix tokens (class token, registers), as a grid: float32
+    ``[B, gh, gw, D]`` (``[K, B, gh, gw, D]`` for a sequence of blocks), ``layout.grid``; for
+    dense tasks (timm's ``forward_intermediates``, which gives ``NCHW``)."""
+    tokens = self.tokens(images, blocks=blocks, norm=norm)
+    patches = tokens[..., self.layout.prefix:, :]
+    return patches.reshape(patches.shape[:-2] + tuple(self.layout.grid) + patches.shape[-1:])
 
   def eval_sums(self, batch: Dict[str, np.ndarray]) -> Dict[str, np.ndarray]:
     """The eval step's sums of a process-local ``{'image', 'labels', 'mask'}``, over all hosts."""
-    return jax.device_get(self._run('eval', self.setup.to_global(batch)))
+    step = self._step('eval', lambda: self.setup.jit_eval_step(variables_only=True))
+    return jax.device_get(self._compiler(step, self.state, self.setup.to_global(batch)))

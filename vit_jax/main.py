@@ -13,9 +13,11 @@ Examples:
   python -m vit_jax.main --config configs/vit.py:b16,cifar10,finetune --workdir /tmp/b16_c10
 
 Every config field can be overridden with --config.<key>=<value> (nested keys with dots, e.g.
---config.model.num_layers=4); an unknown key stops with an error that names it. The resolved
-config is saved as DIR/config.json. Rerunning the same command resumes from the latest
-checkpoint in DIR/checkpoints; TensorBoard events go to DIR, the compute cost to DIR/cost.json.
+--config.model.num_layers=4); an unknown key stops with an error that names it. --print_config
+lists every key of the --config (overrides applied) as the flag that sets it, with one line of
+help (docs/configs.md explains them). The resolved config is saved as DIR/config.json. Rerunning
+the same command resumes from the latest checkpoint in DIR/checkpoints; TensorBoard events go to
+DIR, the compute cost to DIR/cost.json.
 Where glibc allows, the command re-executes itself with huge pages for malloc
 (VIT_JAX_HUGE_PAGES=0: not; vit_jax.platform).
 
@@ -59,6 +61,10 @@ _NUM_PROCESSES = flags.DEFINE_integer(
     "Number of processes (or $JAX_NUM_PROCESSES), with --coordinator_address.")
 _PROCESS_ID = flags.DEFINE_integer(
     "process_id", None, "This process's index in [0, num_processes) (or $JAX_PROCESS_ID).")
+_PRINT_CONFIG = flags.DEFINE_bool(
+    "print_config", False, "Print every key of the --config (overrides and the regime "
+    "applied; without --config: the defaults) as the --config.KEY=VALUE flag that sets it, with "
+    "one line of help, and exit.")
 _DISTRIBUTED_TIMEOUT = flags.DEFINE_integer(
     "distributed_timeout", pod.DISTRIBUTED_TIMEOUT_S, "Multi-process runs (TPU pods "
     "included): seconds that every process waits for all the others to register, and after "
@@ -88,6 +94,9 @@ def _latest_step(workdir: str):
 
 
 def main(argv):
+  if _PRINT_CONFIG.value:
+    print(cli.config_help(_CONFIG.value, cli.config_spec(sys.argv)))
+    return
   try:
     if len(argv) > 1:
       raise ValueError(f"Unexpected arguments: {' '.join(argv[1:])} (flags take the form "
@@ -101,12 +110,18 @@ def main(argv):
     sys.stderr.write(f"FATAL: {e}\n")
     sys.exit(2)
   # Imported here so that --help and flag errors answer before TensorFlow and JAX load.
+  from vit_jax import config as config_lib  # pylint: disable=g-import-not-at-top
   from vit_jax import train  # pylint: disable=g-import-not-at-top
   try:
-    results = train.train_and_evaluate(_CONFIG.value, _WORKDIR.value,
-                                       program_start=vit_jax.STARTED)
+    # A regime switch keeps what the command line set.
+    config = config_lib.switch_regime(
+        _CONFIG.value, given=config_flags.get_override_values(flags.FLAGS["config"]))
+  except ValueError as e:
+    _fatal(e, 2, f"FATAL: {cli.error_text(e)}")
+  try:
+    results = train.train_and_evaluate(config, _WORKDIR.value, program_start=vit_jax.STARTED)
   except train.ConfigError as e:
-    _fatal(e, 2)
+    _fatal(e, 2, f"FATAL: {cli.error_text(e)}")
   except train.Preempted as e:
     logging.warning("%s", e)  # Every process stops at this step: jax.distributed shuts down.
     stops.exit_process(stops.INTERRUPTED_EXIT_CODE if e.interrupted else stops.PREEMPTED_EXIT_CODE,
@@ -119,8 +134,8 @@ def main(argv):
         f"{_WORKDIR.value}."))
   except Exception as e:  # pylint: disable=broad-except
     import jax  # pylint: disable=g-import-not-at-top
-    from vit_jax.checkpoint import workdir  # pylint: disable=g-import-not-at-top
-    failure = workdir.storage_failure(e)  # E.g. a gs:// init_from without a network.
+    from vit_jax import storage  # pylint: disable=g-import-not-at-top
+    failure = storage.failure(e)  # E.g. a gs:// init_from without a network.
     if failure:
       _fatal(e, failure[1], f"FATAL: {failure[0]}")
     if jax.process_count() == 1 or stops.stop_in(e):

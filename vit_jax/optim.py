@@ -14,10 +14,10 @@ import numpy as np
 import optax
 
 from vit_jax import param_groups
-
-SCHEDULES = ("linear", "cosine", "constant")
-LOSSES = ("softmax_xent", "sigmoid_xent")
-OPTIMIZERS = ("adamw", "sgd")
+from vit_jax.config import defaults
+from vit_jax.config import keys
+# The values of config.optim.schedule, config.loss, config.optim.optimizer (declared there).
+from vit_jax.config.defaults import LOSSES, OPTIMIZERS, SCHEDULES  # noqa: F401
 
 
 def lr_schedule(base_lr: float, total_steps: int, warmup_steps: int = 0,
@@ -35,10 +35,10 @@ def lr_schedule(base_lr: float, total_steps: int, warmup_steps: int = 0,
     raise ValueError(f"warmup_steps={warmup_steps} and cooldown_steps={cooldown_steps} must be "
                      ">= 0.")
   if warmup_steps + cooldown_steps >= total_steps:
-    raise ValueError(
-        f"warmup_steps={warmup_steps} (+ cooldown_steps={cooldown_steps}) must be smaller than "
-        f"total_steps={total_steps}; lower --config.optim.warmup_steps (or warmup_epochs, "
-        "cooldown_epochs) or train longer.")
+    raise keys.ConfigError(
+        "optim.warmup_steps", warmup_steps, f"(+ cooldown_steps={cooldown_steps}) must be "
+        f"smaller than total_steps={total_steps}", "lower config.optim.warmup_steps (or "
+        "warmup_epochs, cooldown_epochs) or train longer.")
   decay_steps = total_steps - cooldown_steps - warmup_steps
 
   def schedule(count):
@@ -61,9 +61,7 @@ def schedule_from_config(optim: ml_collections.ConfigDict, *, batch_size: int, t
   when set); epoch fields need ``steps_per_epoch`` unless resolved. ValueError: bad fields."""
   lr = optim.lr
   if optim.get("lr_base_batch_size") is not None:
-    if optim.lr_base_batch_size <= 0:
-      raise ValueError(f"config.optim.lr_base_batch_size={optim.lr_base_batch_size} must be "
-                       "positive (or None to use config.optim.lr as it is).")
+    keys.check(optim, (keys.find(defaults.OPTIM_KEYS, "lr_base_batch_size"),), "optim.")
     lr = lr * batch_size / optim.lr_base_batch_size
 
   def steps(name: str) -> int:
@@ -121,9 +119,7 @@ def _skipping(optim: ml_collections.ConfigDict,
               tx: optax.GradientTransformation) -> optax.GradientTransformation:
   """`tx` in `optax.apply_if_finite` when ``max_skipped_updates`` > 0."""
   if optim.get("max_skipped_updates", 0):
-    if optim.max_skipped_updates < 0:
-      raise ValueError(f"config.optim.max_skipped_updates={optim.max_skipped_updates} must be "
-                       ">= 0.")
+    keys.check(optim, (keys.find(defaults.OPTIM_KEYS, "max_skipped_updates"),), "optim.")
     tx = optax.apply_if_finite(tx, max_consecutive_errors=optim.max_skipped_updates)
   return tx
 
@@ -251,7 +247,7 @@ def _finetune_optimizer(optim: ml_collections.ConfigDict,
 
   if groups.controls.wd_mults and not optim.weight_decay:
     logging.warning("config.optim.wd_mults=%s has no effect: config.optim.weight_decay is 0 "
-                    "(set --config.optim.weight_decay).", groups.controls.wd_mults)
+                    "(set config.optim.weight_decay).", groups.controls.wd_mults)
   steps = groups.controls.head_warmup_steps
   make = {"frozen": optax.set_to_zero, "train": moments, "head": moments,
           "trunk": lambda: _after_steps(moments(), steps)}
@@ -270,10 +266,11 @@ def loss_fn(logits: jax.Array, labels: jax.Array, kind: str,
             label_smoothing: float = 0.0) -> jax.Array:
   """Per-example loss ``[B]`` float32 of ``logits`` and targets ``[B, C]``: 'softmax_xent'
   (targets normalised) or 'sigmoid_xent' (summed over classes); ``label_smoothing`` eps maps
-  each target to ``y * (1 - eps) + eps / C`` (docs/configs.md). ValueError: bad arguments."""
-  if not 0.0 <= label_smoothing < 1.0:
-    raise ValueError(f"label_smoothing={label_smoothing} must be in [0, 1) "
-                     "(--config.label_smoothing=0.1 is the T2T-ViT recipe's).")
+  each target to ``y * (1 - eps) + eps / C`` (docs/configs.md). ValueError: bad arguments;
+  ConfigError: ``label_smoothing`` fails ``config.label_smoothing``'s check."""
+  refused = keys.find(defaults.RUN_KEYS, "label_smoothing").refuse(label_smoothing)
+  if refused:
+    raise refused
   logits = logits.astype(jnp.float32)
   labels = labels.astype(jnp.float32)
   if kind == "softmax_xent":

@@ -1,8 +1,8 @@
-"""Parameter groups for fine-tuning (``config.optim.layer_decay``, ``freeze``, ``wd_mults``,
-``head_warmup_steps``, ``head_warmup_pattern``; docs/configs.md "Fine-tuning controls"): each
-parameter's layer, learning-rate scale, weight-decay multiplier and whether it trains, checked
-against the config, and the table the run logs. The optimizer built from them:
-:func:`vit_jax.optim.make_optimizer`."""
+"""Parameter groups for fine-tuning (``config.optim``'s keys of
+``vit_jax.config.defaults.FINETUNE_KEYS``, which declares and checks them; docs/configs.md
+"Fine-tuning controls"): each parameter's layer, learning-rate scale, weight-decay multiplier and
+whether it trains, checked against the config, and the table the run logs. The optimizer built
+from them: :func:`vit_jax.optim.make_optimizer`."""
 
 from __future__ import annotations
 
@@ -18,6 +18,9 @@ import ml_collections
 import numpy as np
 import regex  # The user's patterns: its matching takes a timeout, `re`'s cannot be bounded.
 
+from vit_jax.config import defaults
+from vit_jax.config import keys
+from vit_jax.config.keys import ConfigError
 from vit_jax.models import layout
 
 # The encoder blocks are `layout.BLOCK_PREFIXES`: ViT's `Transformer/encoderblock_{i}`, T2T-ViT's
@@ -51,13 +54,14 @@ PROBE_NAMES = ("Transformer/encoderblock_47/MultiHeadDotProductAttention_1/query
 
 @dataclasses.dataclass(frozen=True)
 class FinetuneControls:
-  """`config.optim`'s fine-tuning controls, checked (`finetune_controls`)."""
+  """`config.optim`'s fine-tuning controls (`defaults.FINETUNE_KEYS`), checked and normalised
+  (`finetune_controls`)."""
 
-  layer_decay: Optional[float] = None  # In (0, 1]; None: off.
-  freeze: tuple[str, ...] = ()  # Regexes of frozen parameters.
-  wd_mults: tuple[tuple[str, float], ...] = ()  # (regex, weight-decay multiplier >= 0).
-  head_warmup_steps: int = 0  # Updates that train only `head_warmup_pattern`'s parameters.
-  head_warmup_pattern: str = "head/.*"
+  layer_decay: Optional[float]
+  freeze: tuple[str, ...]
+  wd_mults: tuple[tuple[str, float], ...]  # (regex, weight-decay multiplier).
+  head_warmup_steps: int
+  head_warmup_pattern: str
 
   @property
   def on(self) -> bool:
@@ -65,41 +69,40 @@ class FinetuneControls:
                 self.head_warmup_steps)
 
 
-def _bad(key: str, value: Any, what: str, example: str) -> ValueError:
-  return ValueError(f"config.optim.{key}={value!r} {what}; set --config.optim.{key}"
-                    f"{example}.")
+def _bad(key: str, value: Any, what: str, fix: str) -> ConfigError:
+  return ConfigError(f"optim.{key}", value, what, f"set config.optim.{key} {fix}.")
 
 
 def _pattern(key: str, value: Any, pattern: Any) -> str:
   """`pattern` if a string of at most MAX_PATTERN_CHARS that compiles, whose counted repeats stay
   under MAX_REPEAT_PRODUCT, that does not start with '/' and matches PROBE_NAMES in time; else
-  ValueError."""
+  ConfigError."""
   if not isinstance(pattern, str) or not pattern:
-    raise _bad(key, value, f"holds {pattern!r}, not a regex string", f" as in: {PATTERN_HELP}")
+    raise _bad(key, value, f"holds {pattern!r}, not a regex string", f"as in: {PATTERN_HELP}")
   if len(pattern) > MAX_PATTERN_CHARS:
-    raise ValueError(f"config.optim.{key} holds a pattern of {len(pattern):,} characters "
-                     f"({pattern[:40]!r}...), more than the {MAX_PATTERN_CHARS} allowed; set "
-                     f"--config.optim.{key} to a shorter one ({PATTERN_HELP}).")
+    raise _bad(key, value, f"holds a pattern of {len(pattern):,} characters, "
+               f"more than the {MAX_PATTERN_CHARS} allowed",
+               f"to a shorter one ({PATTERN_HELP})")
   counts = [max(int(n or 0) for n in m) for m in re.findall(r"\{(\d*),?(\d*)\}", pattern)]
   if math.prod(c for c in counts if c) > MAX_REPEAT_PRODUCT:
     raise _bad(key, value, f"holds {pattern!r}, whose counted repeats ({{m,n}}) multiply to "
                f"more than {MAX_REPEAT_PRODUCT:,}: too large to compile (parameter names are "
-               "short)", f" to one with smaller counts ({PATTERN_HELP})")
+               "short)", f"to one with smaller counts ({PATTERN_HELP})")
   if pattern.startswith("/"):
     raise _bad(key, value, f"holds {pattern!r}: parameter names never start with '/'",
-               f" without it ({PATTERN_HELP})")
+               f"without it ({PATTERN_HELP})")
   try:
     regex.compile(pattern)
   except regex.error as e:
     raise _bad(key, value, f"holds {pattern!r}, not a valid regex ({e})",
-               f" to a valid one ({PATTERN_HELP})") from None
+               f"to a valid one ({PATTERN_HELP})") from None
   _matching(key, value, pattern, PROBE_NAMES)
   return pattern
 
 
 def _matching(key: str, value: Any, pattern: str, names: Sequence[str]) -> list[bool]:
   """Whether `pattern` matches each of `names` whole (`regex.fullmatch`), within PATTERN_SECONDS
-  in all; else ValueError naming `config.optim.<key>` (holding `value`) and the fix."""
+  in all; else ConfigError of `config.optim.<key>` (holding `value`)."""
   compiled, deadline = regex.compile(pattern), time.monotonic() + PATTERN_SECONDS
   try:
     return [compiled.fullmatch(n, timeout=max(deadline - time.monotonic(), 0.0)) is not None
@@ -108,37 +111,28 @@ def _matching(key: str, value: Any, pattern: str, names: Sequence[str]) -> list[
     raise _bad(key, value, f"holds {pattern!r}, which takes more than {PATTERN_SECONDS:g} s "
                f"to match {len(names)} parameter names: it backtracks without end (nested or "
                "overlapping repeats, such as '(.|.)*' or '(a+)+')",
-               f" to a simpler pattern, without nested repeats ({PATTERN_HELP})") from None
+               f"to a simpler pattern, without nested repeats ({PATTERN_HELP})") from None
 
 
 def finetune_controls(optim: ml_collections.ConfigDict) -> FinetuneControls:
-  """The checked fine-tuning controls of `config.optim` (keys absent: off). ValueError naming the
-  key and the fix: a decay outside (0, 1], a bad regex, a negative multiplier or step count."""
-  default = FinetuneControls()
-  decay = optim.get("layer_decay")
-  if decay is not None and not (isinstance(decay, (int, float)) and not isinstance(decay, bool)
-                                and math.isfinite(decay) and 0 < decay <= 1):
-    raise _bad("layer_decay", decay, "must be in (0, 1] (1: no decay) or None (off)",
-               "=0.75 (BEiT / timm fine-tuning use 0.65 to 0.75)")
-  freeze = optim.get("freeze") or ()
-  if isinstance(freeze, str):
-    freeze = (freeze,)
-  if not isinstance(freeze, (tuple, list)):
-    raise _bad("freeze", freeze, "must be a tuple of regexes", "=\"('Transformer/.*',)\"")
+  """The fine-tuning controls of `config.optim`, each checked by its declaration
+  (`defaults.FINETUNE_KEYS`; a key absent, None or an empty pattern: its default) and the
+  patterns as regexes. ConfigError naming the key and the fix."""
+  values = {}
+  for key in defaults.FINETUNE_KEYS:
+    value = optim.get(key.name)
+    empty = key.type in (tuple, str) and not value
+    values[key.name] = key.default if value is None or empty else value
+  keys.check(values, defaults.FINETUNE_KEYS, "optim.")
+  freeze, wd_mults = values["freeze"], values["wd_mults"]
+  freeze = (freeze,) if isinstance(freeze, str) else tuple(freeze)
   freeze = tuple(_pattern("freeze", freeze, p) for p in freeze)
-  wd_mults = optim.get("wd_mults") or ()
-  pair = lambda m: (isinstance(m, (tuple, list)) and len(m) == 2 and isinstance(m[1], (int, float))
-                    and not isinstance(m[1], bool) and math.isfinite(m[1]) and m[1] >= 0)
-  if not isinstance(wd_mults, (tuple, list)) or not all(map(pair, wd_mults)):
-    raise _bad("wd_mults", wd_mults, "must be a tuple of (regex, multiplier >= 0) pairs",
-               "=\"(('head/.*', 0.0),)\"")
   wd_mults = tuple((_pattern("wd_mults", wd_mults, p), float(m)) for p, m in wd_mults)
-  steps = optim.get("head_warmup_steps") or 0
-  if not isinstance(steps, int) or isinstance(steps, bool) or steps < 0:
-    raise _bad("head_warmup_steps", steps, "must be an int >= 0 (0: off)", "=500")
-  head = optim.get("head_warmup_pattern") or default.head_warmup_pattern
+  head = values["head_warmup_pattern"]
   _pattern("head_warmup_pattern", head, head)
-  return FinetuneControls(None if decay is None else float(decay), freeze, wd_mults, steps, head)
+  decay = values["layer_decay"]
+  return FinetuneControls(None if decay is None else float(decay), freeze, wd_mults,
+                          values["head_warmup_steps"], head)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -229,7 +223,7 @@ def param_groups(optim: ml_collections.ConfigDict, params: Any) -> ParamGroups:
   `param_groups_layer_decay` for its ViT: 0 the stem (patch embedding, class token, registers,
   position embedding, a hybrid's ResNet, T2T-ViT's tokens_to_token), i + 1 block i, L the last
   block and the final norm, L + 1 the head (and pre_logits, MAP head, fc_norm); layer i's
-  learning rate is scaled by layer_decay^(L + 1 - i). ValueError, naming the key and the fix: a
+  learning rate is scaled by layer_decay^(L + 1 - i). ConfigError, naming the key and the fix: a
   pattern that matches no parameter, everything frozen, a layer decay without blocks, a head
   warm-up pattern that matches nothing trainable, everything, or part of a stacked tensor."""
   controls = finetune_controls(optim)
@@ -247,13 +241,14 @@ def param_groups(optim: ml_collections.ConfigDict, params: Any) -> ParamGroups:
         hits[pattern] = dict(zip(names, _matching(key, value, pattern, names)))
       if not any(hits[pattern].values()) and (key != "head_warmup_pattern" or
                                               controls.head_warmup_steps):
-        raise ValueError(
-            f"config.optim.{key}{where}={pattern!r} matches no parameter of this model (names "
-            f"such as {examples}); {PATTERN_HELP}. Correct it in --config.optim.{key}.")
+        raise ConfigError(
+            f"optim.{key}{where}", pattern, f"matches no parameter of this model (names such as "
+            f"{examples}); {PATTERN_HELP}", f"correct it in config.optim.{key}.")
   if controls.layer_decay is not None and not num_layers:
-    raise ValueError(f"config.optim.layer_decay={controls.layer_decay} needs encoder blocks "
-                     f"({' or '.join(k + '_<i>' for k in layout.BLOCK_PREFIXES)}); this model "
-                     "has none. Set --config.optim.layer_decay=None.")
+    blocks = " or ".join(k + "_<i>" for k in layout.BLOCK_PREFIXES)
+    raise ConfigError("optim.layer_decay", controls.layer_decay,
+                      f"needs encoder blocks ({blocks}); this model has none",
+                      "set config.optim.layer_decay=None.")
   decay = 1.0 if controls.layer_decay is None else controls.layer_decay
   mults = [m for _, m in controls.wd_mults]
   wd_patterns = [p for p, _ in controls.wd_mults]
@@ -267,23 +262,25 @@ def param_groups(optim: ml_collections.ConfigDict, params: Any) -> ParamGroups:
     lr_scale[t.name] = np.array([decay ** (num_layers + 1 - layer) for layer in t.layers])
     in_head = [hits[warmup][n] for n in t.names]
     if controls.head_warmup_steps and any(in_head) and not all(in_head):
-      raise ValueError(
-          f"config.optim.head_warmup_pattern={controls.head_warmup_pattern!r} matches only some "
-          f"layers of the stacked (scan=True) {t.name}; match whole tensors, or set "
-          "--config.model.scan=False.")
+      raise ConfigError(
+          "optim.head_warmup_pattern", controls.head_warmup_pattern,
+          f"matches only some layers of the stacked (scan=True) {t.name}",
+          "match whole tensors, or set config.model.scan=False.")
     head[t.name] = all(in_head)
   if all(f.all() for f in frozen.values()):
-    raise ValueError(f"config.optim.freeze={controls.freeze!r} freezes every parameter: nothing "
-                     "would train. Leave some out (e.g. the head: '(?!head/).*').")
+    raise ConfigError("optim.freeze", controls.freeze,
+                      "freezes every parameter: nothing would train",
+                      "leave some out (e.g. the head: '(?!head/).*').")
   if controls.head_warmup_steps:
     trainable = [t.name for t in tensors if not frozen[t.name].all()]
     if not any(head[n] for n in trainable) or all(head[n] for n in trainable):
       what = "no trainable" if not any(head[n] for n in trainable) else "every trainable"
-      raise ValueError(
-          f"config.optim.head_warmup_pattern={controls.head_warmup_pattern!r} matches {what} "
-          f"parameter: the head warm-up of config.optim.head_warmup_steps="
-          f"{controls.head_warmup_steps} would train {'nothing' if what[0] == 'n' else 'all'}. "
-          "Match the head only (default 'head/.*'), or set --config.optim.head_warmup_steps=0.")
+      default = keys.find(defaults.FINETUNE_KEYS, "head_warmup_pattern").default
+      raise ConfigError(
+          "optim.head_warmup_pattern", controls.head_warmup_pattern,
+          f"matches {what} parameter: the head warm-up of config.optim.head_warmup_steps="
+          f"{controls.head_warmup_steps} would train {'nothing' if what[0] == 'n' else 'all'}",
+          f"match the head only (default {default!r}), or set config.optim.head_warmup_steps=0.")
   return ParamGroups(controls, num_layers, tuple(tensors), frozen, lr_scale, wd_mult,
                      freeze_rule, wd_rule, head)
 

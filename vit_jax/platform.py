@@ -8,8 +8,6 @@ import time: ``quiet_native_logs`` runs before they load."""
 from __future__ import annotations
 
 import contextlib
-import glob
-import importlib.util
 import logging as py_logging
 import os
 import re
@@ -30,8 +28,6 @@ HUGE_PAGES_TUNABLE = "glibc.malloc.hugetlb=1"
 HUGE_PAGES_SWITCH = "VIT_JAX_HUGE_PAGES"
 _SWITCH_OFF, _SWITCH_ON = ("0", "false", "no", "off"), ("", "1", "true", "yes", "on")
 _THP_MODE_FILE = "/sys/kernel/mm/transparent_hugepage/enabled"
-#: PCI vendor id of Google's TPU chips (what JAX itself looks for in /sys/bus/pci/devices).
-_GOOGLE_PCI_VENDOR = "0x1ae0"
 #: What TensorFlow 2.21's C++ writes to stderr while it loads, whatever TF_CPP_MIN_LOG_LEVEL says.
 _TF_BANNERS = re.compile(r"WARNING: All log messages before absl::InitializeLog\(\) is called|"
                          r"\] oneDNN custom operations are on|"
@@ -98,12 +94,16 @@ def reexec_with_huge_pages() -> None:
 
 
 class QuietLibraries(py_logging.Filter):
-  """Keeps vit_jax's and clu's INFO lines, others' from WARNING as one line (--verbosity=1: all)."""
+  """Keeps vit_jax's and clu's INFO lines, others' from WARNING as one line (--verbosity=1: all).
+  clu's `LoggingWriter` lines (the metric dicts that TensorBoard has, which the progress and
+  evaluation lines say) only at --verbosity=1."""
 
   def filter(self, record: py_logging.LogRecord) -> bool:
     if logging.get_verbosity() >= 1:
       return True
     path = record.pathname.replace(os.sep, "/")
+    if path.endswith("/clu/metric_writers/logging_writer.py"):
+      return record.levelno >= py_logging.WARNING
     if "/vit_jax/" in path or "/clu/" in path:
       return True
     if record.levelno < py_logging.WARNING:
@@ -129,29 +129,6 @@ def quiet_unraisable_hook(previous=None):
     return None
 
   return hook
-
-
-def _has_tpu_chips() -> bool:
-  for vendor in glob.glob("/sys/bus/pci/devices/*/vendor"):
-    try:
-      with open(vendor, encoding="ascii") as f:
-        if f.read().strip() == _GOOGLE_PCI_VENDOR:
-          return True
-    except OSError:
-      continue
-  return False
-
-
-def skip_absent_tpu() -> None:
-  """Keeps JAX from starting a TPU backend (a page of libtpu errors) on a host without TPU chips,
-  unless ``jax_platforms`` is set or a GPU plugin is installed."""
-  import jax  # pylint: disable=g-import-not-at-top
-  if jax.config.jax_platforms or importlib.util.find_spec("libtpu") is None:
-    return
-  gpu_plugins = ("jax_cuda12_plugin", "jax_cuda13_plugin", "jax_rocm60_plugin", "jax_rocm7_plugin")
-  if _has_tpu_chips() or any(importlib.util.find_spec(p) for p in gpu_plugins):
-    return
-  jax.config.update("jax_platforms", "cpu")
 
 
 @contextlib.contextmanager
@@ -202,8 +179,9 @@ def quiet_native_logs(argv: Optional[list[str]] = None) -> None:
 def setup(*, coordinator_address: Optional[str] = None, num_processes: Optional[int] = None,
           process_id: Optional[int] = None,
           distributed_timeout_s: int = pod.DISTRIBUTED_TIMEOUT_S) -> None:
-  """Set-up of a program that trains or compiles: log filters, :func:`skip_absent_tpu`,
-  TensorFlow off the accelerators, ``pod.initialize_distributed`` (whose ValueError it raises)."""
+  """Set-up of a program that trains or compiles: log filters, ``vit_jax.skip_absent_tpu`` (as
+  ``import vit_jax`` did), TensorFlow off the accelerators, ``pod.initialize_distributed``
+  (whose ValueError it raises)."""
   vit_jax.gcs_retries()  # A bad GCS_RETRY_CONFIG_* now, not at the first save.
   logging.get_absl_handler().addFilter(QuietLibraries())
   sys.unraisablehook = quiet_unraisable_hook()
@@ -211,7 +189,7 @@ def setup(*, coordinator_address: Optional[str] = None, num_processes: Optional[
     logging.info("malloc: transparent huge pages for large allocations (GLIBC_TUNABLES=%s).",
                  os.environ["GLIBC_TUNABLES"])
   quiet_native_logs()
-  skip_absent_tpu()
+  vit_jax.skip_absent_tpu()
   hide_accelerators_from_tensorflow()
   pod.initialize_distributed(coordinator_address, num_processes, process_id, distributed_timeout_s)
 

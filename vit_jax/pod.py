@@ -274,9 +274,9 @@ def check_same_command(config: Mapping[str, Any], workdir: str) -> None:
   if client is None:
     return
   import jax  # pylint: disable=g-import-not-at-top
-  from vit_jax.checkpoint import paths  # pylint: disable=g-import-not-at-top
+  from vit_jax import storage  # pylint: disable=g-import-not-at-top
   me, num = jax.process_index(), jax.process_count()
-  where = workdir.rstrip("/") if paths.is_remote(workdir) else os.path.abspath(workdir)
+  where = storage.clean(storage.absolute(workdir))
   mine = {"--config": dict(config), "--workdir": where}
   mine = json.loads(json.dumps(mine, sort_keys=True, default=str))  # As process 0's arrives.
   deadline = time.monotonic() + _Pod.timeout_s

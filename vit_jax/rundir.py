@@ -1,7 +1,7 @@
 """The run directory (``--workdir``; its files: docs/checkpoints.md, "The workdir"): its layout
 and what the file system tells of it, read without JAX (the tools check a SOURCE before their
-set-up), local or ``gs://`` (``etils.epath``); :mod:`vit_jax.checkpoint.workdir` writes it and
-reads its checkpoints. A step is ``checkpoints/<step>/`` (being written:
+set-up), local or ``gs://`` (:mod:`vit_jax.storage`); :mod:`vit_jax.checkpoint.workdir` writes
+it and reads its checkpoints. A step is ``checkpoints/<step>/`` (being written:
 ``<step>.orbax-checkpoint-tmp*``) with the items ``state/`` (the train state, StandardSave) and
 ``cost/`` ``[config/ dataset/]`` (JsonSave)."""
 
@@ -9,10 +9,9 @@ from __future__ import annotations
 
 import json
 import os
-import stat
 from typing import Any, Dict, List, NamedTuple, Optional, Sequence
 
-from etils import epath
+from vit_jax import storage
 
 CHECKPOINTS_DIR = 'checkpoints'
 CONFIG_JSON = 'config.json'
@@ -40,7 +39,8 @@ ACCEPTED_FORMATS = (
     "Face transformers ViT directory (config.json and model.safetensors), a timm "
     "VisionTransformer '.safetensors' file, a PyTorch T2T-ViT checkpoint ('.pth', '.pth.tar', "
     "'.pt' in the zip format of torch.save >= 1.6; load(path, model=t2t_model)), or an Orbax "
-    "variables checkpoint written by python -m vit_jax.convert")
+    "variables checkpoint written by python -m vit_jax.convert; or a Hub name of the "
+    "transformers or timm ones, hf-hub:ORG/NAME[@REVISION]")
 COMMIT_MARKER = 'commit_success.txt'
 
 
@@ -52,34 +52,35 @@ class Run(NamedTuple):
   step_dir: Optional[str]
 
 
-def _workdir_above(directory: epath.Path) -> Optional[str]:
+def _workdir_above(directory: str) -> Optional[str]:
   """The parent of a directory of steps (or of one step's) when it is the run's: the directory is
   named ``checkpoints`` or the parent holds ``config.json``."""
-  if '://' not in str(directory):
-    directory = epath.Path(os.path.abspath(directory))
-  is_run = directory.name == CHECKPOINTS_DIR or (directory.parent / CONFIG_JSON).exists()
-  return str(directory.parent) if is_run else None
+  directory = storage.absolute(directory)
+  parent = storage.dirname(directory)
+  is_run = (storage.basename(directory) == CHECKPOINTS_DIR
+            or storage.exists(storage.join(parent, CONFIG_JSON)))
+  return parent if is_run else None
 
 
 def find(path: Any, names: Optional[Sequence[str]] = None) -> Run:
   """The :class:`Run` of ``path``: a workdir (it has ``checkpoints/``), its ``checkpoints`` (or
   another directory of numbered steps), one step (it has ``state/``) or a step's state item.
   ``names``: the directory's listing when the caller has read it (then not read again)."""
-  path = os.fspath(path)
-  directory = epath.Path(path if '://' in path else os.path.expanduser(path))
-  if names is None and not directory.is_dir():
+  directory = storage.clean(storage.normalize(path))
+  if names is None and not storage.isdir(directory):
     return Run(None, None, None)
-  if directory.name == STATE_ITEM and directory.parent.name.isdigit():
-    directory, names = directory.parent, None
-  if (names is None or CHECKPOINTS_DIR in names) and (directory / CHECKPOINTS_DIR).is_dir():
-    root = str(directory) if '://' in str(directory) else os.path.abspath(directory)
-    return Run(root, str(directory / CHECKPOINTS_DIR), None)
+  parent = storage.dirname(directory)
+  if storage.basename(directory) == STATE_ITEM and storage.basename(parent).isdigit():
+    directory, names = parent, None
+  checkpoints = storage.join(directory, CHECKPOINTS_DIR)
+  if (names is None or CHECKPOINTS_DIR in names) and storage.isdir(checkpoints):
+    return Run(storage.absolute(directory), checkpoints, None)
   if names is None:
-    names = [p.name for p in directory.iterdir()]
-  if directory.name == CHECKPOINTS_DIR or any(n.isdigit() for n in names):
-    return Run(_workdir_above(directory), str(directory), None)
-  if STATE_ITEM in names and (directory / STATE_ITEM).is_dir():
-    return Run(_workdir_above(directory.parent), None, str(directory))
+    names = storage.listdir(directory)
+  if storage.basename(directory) == CHECKPOINTS_DIR or any(n.isdigit() for n in names):
+    return Run(_workdir_above(directory), directory, None)
+  if STATE_ITEM in names and storage.isdir(storage.join(directory, STATE_ITEM)):
+    return Run(_workdir_above(storage.dirname(directory)), None, directory)
   return Run(None, None, None)
 
 
@@ -89,13 +90,14 @@ def saved_steps(checkpoints: Any, *, readable: bool = False) -> List[int]:
   Orbax writes a step as ``<step>.orbax-checkpoint-tmp-*`` and renames it when complete (remote:
   with ``commit_success.txt``), so the digit-only names are finalized. ``readable``: only those
   whose state item is complete, as the readers need."""
-  directory = epath.Path(checkpoints)
-  if not directory.is_dir():
+  directory = storage.clean(os.fspath(checkpoints))
+  if not storage.isdir(directory):
     return []
   marker = (f'{STATE_ITEM}/{ITEM_MARKER}' if readable else
-            COMMIT_MARKER if '://' in str(checkpoints) else None)
-  return sorted(int(d.name) for d in directory.iterdir()
-                if d.name.isdigit() and d.is_dir() and (marker is None or (d / marker).exists()))
+            COMMIT_MARKER if storage.is_remote(directory) else None)
+  steps = [storage.join(directory, name) for name in storage.listdir(directory) if name.isdigit()]
+  return sorted(int(storage.basename(step)) for step in steps if storage.isdir(step) and (
+      marker is None or storage.exists(storage.join(step, marker))))
 
 
 #: The bounds of any JSON file the project reads (its run files, transformers' and convert's
@@ -145,11 +147,6 @@ def parse_json(data: Any, name: Any, *, fix: str = JSON_FIX,
   raise ValueError(f'{name} is {problem}; {fix}.')
 
 
-class NotAFileError(OSError):
-  """A path given as a file is a FIFO, socket or device: bad input (the tools exit 2); raised
-  before it is opened (reading one waits forever)."""
-
-
 def read_json(path: Any, *, fix: str = JSON_FIX,
               max_bytes: int = MAX_JSON_BYTES) -> Optional[Dict[str, Any]]:
   """The JSON object in the file at ``path`` (local or ``gs://``; e.g. ``WORKDIR/config.json``),
@@ -157,13 +154,14 @@ def read_json(path: Any, *, fix: str = JSON_FIX,
   Raises ValueError ``'<path> is <the problem>; <fix>.'`` for a file that is too large, too deep,
   not JSON or not a JSON object, or a local path that is no regular file (a directory, a FIFO:
   never opened); OSError when it cannot be read."""
-  file = epath.Path(path)
-  if not file.exists():
+  file = os.fspath(path)
+  if not storage.exists(file):
     return None
-  if '://' not in str(path) and not stat.S_ISREG(os.stat(path).st_mode):  # Never blocks (FIFO).
-    what = 'a directory' if file.is_dir() else 'a special file (a FIFO, socket or device)'
+  odd = storage.not_a_file(file)  # Never blocks (a FIFO is not opened).
+  if odd:
+    what = 'a directory' if odd == 'a directory' else 'a special file (a FIFO, socket or device)'
     raise ValueError(f'{path} is {what}, not a JSON file: remove it (a run writes a file there).')
-  with file.open('rb') as f:
+  with storage.open_file(file, 'rb') as f:
     value = parse_json(f.read(max_bytes + 1), path, fix=fix, max_bytes=max_bytes)
   if not isinstance(value, dict):
     raise ValueError(f'{path} is not a JSON object; {fix}.')

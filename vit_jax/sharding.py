@@ -14,6 +14,7 @@ from jax.experimental import mesh_utils
 import ml_collections
 import numpy as np
 
+from vit_jax.config.keys import ConfigError
 from vit_jax.models import layout
 
 #: The mesh axes, outermost first: the last one gets the fastest interconnect.
@@ -101,12 +102,12 @@ def check_slices(mesh_cfg: ml_collections.ConfigDict, devices: Sequence[Any]) ->
         None: "TPU devices without a slice_index"}[attribute]
   effect = ("the mesh would lay its axes across the slow network between slices" if dcn == 1
             else f"its data axis cannot span {dcn} slices")
-  fix = (f"--config.mesh.dcn_data=1 (one network) or {found} (a slice per process)"
-         if attribute == "process_index" and found > 1 else f"--config.mesh.dcn_data={found}")
-  raise ValueError(
-      f"config.mesh.dcn_data={dcn} but the {len(devices)} device{'s' * (len(devices) != 1)} "
-      f"form{'s' * (len(devices) == 1)} {found} slice{'s' * (found != 1)} ({by}): {effect}. "
-      f"Set {fix}.")
+  fix = (f"config.mesh.dcn_data=1 (one network) or {found} (a slice per process)"
+         if attribute == "process_index" and found > 1 else f"config.mesh.dcn_data={found}")
+  raise ConfigError(
+      "mesh.dcn_data", dcn, f"but the {len(devices)} device{'s' * (len(devices) != 1)} "
+      f"form{'s' * (len(devices) == 1)} {found} slice{'s' * (found != 1)} ({by}): {effect}",
+      f"set {fix}.")
 
 
 def _describe(sizes: Dict[str, int], dcn: int) -> str:

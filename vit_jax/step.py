@@ -32,6 +32,7 @@ from vit_jax import models
 from vit_jax import optim
 from vit_jax import param_groups
 from vit_jax import sharding
+from vit_jax.models import intermediates
 
 State = dict[str, Any]
 Batch = dict[str, jax.Array]
@@ -188,6 +189,48 @@ def make_features_step(model: nn.Module, *, head: bool = False) -> Callable[...,
   return features_step
 
 
+def final_norm(model: nn.Module) -> Optional[tuple[nn.LayerNorm, tuple[str, ...]]]:
+  """`(module, path)`: the LayerNorm `model` applies to its encoder's output (the one timm calls
+  `norm`) and where its parameters are: ViT's `Transformer/encoder_norm`, T2T-ViT's `norm`; None
+  for a ViT with `fc_norm` (its LayerNorm follows the pooling; timm's `norm` is an Identity)."""
+  dtypes = dict(dtype=jnp.dtype(model.dtype or jnp.float32),
+                param_dtype=jnp.dtype(model.param_dtype or jnp.float32))
+  if isinstance(model, models.T2TViT):
+    return (nn.LayerNorm(epsilon=models.t2t.LAYERNORM_EPSILON, use_fast_variance=False,
+                         **dtypes), ("norm",))
+  if model.fc_norm:
+    return None
+  return nn.LayerNorm(epsilon=model.layer_norm_epsilon, **dtypes), ("Transformer", "encoder_norm")
+
+
+def make_tokens_step(model: nn.Module, blocks: Sequence[int], *,
+                     norm: bool) -> Callable[..., tuple[jax.Array, ...]]:
+  """`step(state, images [B, H, W, C]) -> ([B, N, D] float32, ...)`: the output tokens of each
+  of `blocks` (encoder blocks, 0 the first, -1 the last; `len(blocks)` arrays), all N tokens in
+  the order of `vit_jax.models.intermediates.TokenLayout`; with `norm`, each through the final
+  LayerNorm (`final_norm`; none with `fc_norm`). As the blocks sow them: the attention runs on
+  XLA's path. IndexError: a block the model does not have."""
+  depth = model.depth if isinstance(model, models.T2TViT) else model.num_layers
+  for b in blocks:
+    if not -depth <= b < depth:
+      raise IndexError(f"Block {b}: the model has {depth} blocks (0 to {depth - 1}, or -{depth} "
+                       "to -1 counted from the last).")
+  final = final_norm(model) if norm else None
+
+  def tokens_step(state: State, images: jax.Array) -> tuple[jax.Array, ...]:
+    _, sown = model.apply(variables_of(state), images, train=False,
+                          mutable=[intermediates.COLLECTION])
+    tokens = intermediates.unpack(model, sown[intermediates.COLLECTION])["tokens"]
+    out = [tokens[b] for b in blocks]
+    if final is not None:
+      module, path = final
+      params = functools.reduce(lambda node, key: node[key], path, state["params"])
+      out = [module.apply({"params": params}, x) for x in out]
+    return tuple(x.astype(jnp.float32) for x in out)
+
+  return tokens_step
+
+
 def make_eval_step(model: nn.Module, *, loss: str, top1: bool = False) -> Callable[..., Any]:
   """`step(state, {'image', 'labels', 'mask'}) -> eval_sums(...)`; with `top1`, `(sums, int32 [B]
   top-1 classes)`. The EMA's: `dict(state, params=ema_params)`."""
@@ -262,6 +305,12 @@ class Setup:
   def jit_features_step(self, *, head: bool = False):
     """`make_features_step` jitted over the mesh, for a state with `variables_shardings`."""
     return jax.jit(make_features_step(self.model, head=head),
+                   in_shardings=(self.variables_shardings, self.batch_sharding),
+                   out_shardings=self.batch_sharding)
+
+  def jit_tokens_step(self, blocks: Sequence[int], *, norm: bool):
+    """`make_tokens_step` jitted over the mesh, for a state with `variables_shardings`."""
+    return jax.jit(make_tokens_step(self.model, tuple(blocks), norm=norm),
                    in_shardings=(self.variables_shardings, self.batch_sharding),
                    out_shardings=self.batch_sharding)
 

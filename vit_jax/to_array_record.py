@@ -1,7 +1,6 @@
 """`python -m vit_jax.to_array_record`: adds ArrayRecord files to a prepared tfds dataset
 (`vit_jax.tools.to_array_record`)."""
-from vit_jax.tools import common
 from vit_jax.tools import to_array_record
 
 if __name__ == "__main__":
-  common.run_program(to_array_record.main)
+  to_array_record.run_main()

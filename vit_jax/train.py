@@ -24,11 +24,12 @@ from vit_jax import kernels
 from vit_jax import ledger as ledger_lib
 from vit_jax import param_groups
 from vit_jax import pod
+from vit_jax import progress
 from vit_jax import rundir
 from vit_jax import sharding
 from vit_jax import step as step_lib
 from vit_jax import stops
-from vit_jax.checkpoint import paths
+from vit_jax import storage
 from vit_jax.checkpoint import CheckpointSaveError  # noqa: F401  (re-exported: main catches it)
 from vit_jax.evaluation import fewshot
 from vit_jax.evaluation import pictures as pictures_lib
@@ -92,10 +93,12 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
     compiler, train_step = run.compiler, run.train_step
     pictures, evaluate, evaluate_fewshot = _evaluations(run, accountant, writer, notice.agreed)
 
-    def save_cost(step: int) -> dict[str, Any]:
+    def save_cost(step: int, final: bool = False) -> dict[str, Any]:
+      """The account to TensorBoard and cost.json; its line to the log at the end (--verbosity=1:
+      at every progress line too)."""
       report = accountant.report(step)
       writer.write_scalars(step, accounting.scalars(report))
-      logging.info("Step %d: %s", step, accounting.summary(report))
+      logging.log(logging.INFO if final else 1, "Step %d: %s", step, accounting.summary(report))
       run_dir.write_cost(report)
       return report
 
@@ -105,8 +108,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
                                             seed=config.seed, start_step=start_step,
                                             read=run.dataset["read"])
     skipping = config.optim.max_skipped_updates > 0
-    window = accounting.Progress(accountant, config.batch_size, total_steps, start_step,
-                                 config.input_wait_warning, accounting.input_wait_fix(config.data))
+    window = progress.Progress(accountant, config.batch_size, total_steps, start_step,
+                               config.input_wait_warning, progress.input_wait_fix(config.data))
     pending = None  # (step, device metrics) of the step dispatched last.
     results: dict[str, float] = {}
 
@@ -159,8 +162,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
         if step % config.log_every_steps == 0 or step == total_steps:
           window.add(_check_finite(*pending, checkpoints, skipping))
           pending = None
-          writer.write_scalars(step, window.summary(step, skipping))
-          save_cost(step)
+          mfu = save_cost(step)["mfu"]
+          writer.write_scalars(step, window.summary(step, skipping, mfu))
 
         is_last = step == total_steps
         # A preemption notice (SIGTERM or Ctrl-C here, or on any host of a pod: Orbax's sync
@@ -191,7 +194,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
     checkpoints.close()
     last_step = step if preempted else max(start_step, total_steps)
     logging.info("Where the time went (python -m vit_jax.cost %s draws it):\n%s", workdir,
-                 ledger_lib.format_ledger(save_cost(last_step)))
+                 ledger_lib.format_ledger(save_cost(last_step, final=True)))
     if preempted:
       raise Preempted(last_step, workdir, interrupted=notice.signal == "SIGINT")
     return dict(results, step=last_step)
@@ -201,7 +204,7 @@ def _compilation_cache_dir(config: ml_collections.ConfigDict, workdir: str) -> O
   """JAX's persistent compilation cache: `config.compilation_cache_dir`, else
   $JAX_COMPILATION_CACHE_DIR, else WORKDIR/compilation_cache; None for 'none' (no cache)."""
   cache = (config.compilation_cache_dir or os.environ.get("JAX_COMPILATION_CACHE_DIR")
-           or paths.join(workdir, rundir.COMPILATION_CACHE_DIR))
+           or storage.join(workdir, rundir.COMPILATION_CACHE_DIR))
   return None if cache == "none" else cache
 
 
@@ -251,6 +254,8 @@ def _prepare(config: ml_collections.ConfigDict, workdir: str,
   info = data.get_info(config.data)
   config = config_lib.resolve(config, num_train_examples=info.num_train_examples,
                               num_classes=info.num_classes)
+  if config.data.image_size != info.image_shape[0]:  # model_name=auto fitted it to the patch.
+    info = data.get_info(config.data)
   pod.check_same_command(config.to_dict(), workdir)  # A pod's processes: one command, or exit 2.
   # The compute account starts now: the program's time includes the set-up.
   accountant = accounting.CostAccountant(

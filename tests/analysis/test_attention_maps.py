@@ -128,6 +128,29 @@ def test_class_token_map():
                              (mean_row / mean_row.max()).reshape(2, 3), rtol=1e-6)
 
 
+def test_registers_are_never_the_map():
+  """Prefix = [class token,] registers: the class token's row when there is one (prefix =
+  registers + 1), else the mean of the patch rows, the register rows and columns left out."""
+  g, registers = (1, 2), 2
+  matrix = np.zeros((1, 5, 5), np.float32)
+  matrix[0, 0] = [9, 9, 9, 1, 2]  # Register 0 (no class token) or the class token.
+  matrix[0, 2] = [9, 9, 9, 4, 8]  # Register 1 / register 0.
+  matrix[0, 3:] = [[9, 9, 9, 3, 1], [9, 9, 11, 1, 1]]  # The two patch rows: mean [2, 1].
+  cls_map = analysis.class_token_map(matrix, g, num_prefix_tokens=3, num_registers=registers)
+  np.testing.assert_allclose(cls_map[0], [[0.5, 1.0]])
+  no_cls = np.delete(np.delete(matrix, 1, axis=1), 1, axis=2)  # Two registers, no class token.
+  np.testing.assert_allclose(analysis.class_token_map(no_cls, g, num_prefix_tokens=2,
+                                                      num_registers=registers)[0], [[1.0, 0.5]])
+  attention = no_cls[:, None] / no_cls.sum(-1, keepdims=True)[:, None]
+  np.testing.assert_allclose(analysis.layer_class_token_maps(
+      [attention], g, num_prefix_tokens=2, num_registers=registers)[0, 0], [[1.0, 0.5]],
+      rtol=1e-6)
+  with pytest.raises(ValueError, match=r"num_prefix_tokens=1 with num_registers=2: the prefix is "
+                     r"the class token \(if any\) and the registers, so num_prefix_tokens must "
+                     r"be 2 or 3"):
+    analysis.class_token_map(np.eye(3)[None], g, num_prefix_tokens=1, num_registers=2)
+
+
 def test_layer_class_token_maps():
   attention = np.zeros((1, 2, 5, 5), np.float32)
   attention[0, 0, 0] = [0, 1, 0, 0, 0]

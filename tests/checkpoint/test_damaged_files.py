@@ -22,7 +22,7 @@ import pytest
 from tests.data import test_bad_images
 from tests.test_train_failures import _folder, _main_args, _main_overrides
 from vit_jax import checkpoint
-from vit_jax import rundir
+from vit_jax import storage
 from vit_jax.checkpoint import torch_pickle
 
 ROOT = pathlib.Path(__file__).parents[2]
@@ -354,6 +354,6 @@ def test_a_fifo_named_like_weights_is_refused_and_never_opened(tmp_path, name):
   fifo = tmp_path / name
   os.mkfifo(fifo)
   with test_bad_images.unblocked_after(str(fifo), 30):  # A regression fails, never hangs.
-    with pytest.raises(rundir.NotAFileError,
+    with pytest.raises(storage.NotAFileError,
                        match=f'^{fifo} is a FIFO, not a file that can be read: give'):
       checkpoint.load(str(fifo))

@@ -1,7 +1,8 @@
 """timm's ViT variants (issue 41): DeiT III, DINOv2 with and without registers, SigLIP and
 SigLIP 2, a register + LayerScale + fc_norm average-pool ViT, and a big_vision SigLIP two-tower
-.npz, read from files timm wrote (tests/fixtures/ecosystem/make_fixtures.py, `variants`) with
-timm's outputs and parameter counts, written back exactly, and refused where they do not fit."""
+.npz; QK normalisation (issue 51). Read from files timm wrote (tests/fixtures/ecosystem/
+make_fixtures.py, `variants` and `qk_norm`) with timm's outputs and parameter counts, written
+back exactly, and refused where they do not fit."""
 
 import dataclasses
 import json
@@ -46,6 +47,8 @@ FIXTURES = {
     'timm_vit_reg': ('model.safetensors', dict(
         TINY, patch_size=8, hidden_size=32, num_heads=4, mlp_dim=64, classifier='token',
         num_classes=5, num_registers=1), 32),
+    'timm_qk_norm': ('model.safetensors', dict(
+        TINY, patch_size=8, classifier='token', num_classes=3, qk_norm=True), 32),
     'big_vision_siglip': ('params.npz', dict(
         TINY, patch_size=8, classifier='map', num_classes=3, gelu_approximate=True), 32),
 }
@@ -126,7 +129,8 @@ def test_timm_exports_write_back_the_same_tensors(tmp_path, name):
   assert back_fields == fields
   for keyword in ([f"init_values={LAYERSCALE}"] if fields.get('layerscale_init') else []) + (
       [f"reg_tokens={fields['num_registers']}"] if fields.get('num_registers') else []) + (
-          ['no_embed_class=True'] if fields.get('no_embed_class') else []):
+          ['no_embed_class=True'] if fields.get('no_embed_class') else []) + (
+              ['qk_norm=True'] if fields.get('qk_norm') else []):
     assert keyword in call, keyword
   assert ('fc_norm=True' in call) == bool(fields.get('fc_norm'))
 
@@ -144,16 +148,25 @@ def test_npz_exports_read_back_exactly(tmp_path, name):
 
 def test_transformers_cannot_hold_the_variants_and_says_so(tmp_path):
   _, fields, _, variables = _read('timm_dinov2_reg4')
-  with pytest.raises(ValueError, match=r'LayerScale \(layerscale_init; export with --to timm\); '
-                     r'4 register tokens \(num_registers; .*a position table without a '
-                     r'class-token row \(no_embed_class'):
+  with pytest.raises(ValueError, match=(
+      r'layerscale_init=1e-05 \(a ViTConfig has no layerscale_init; export with --to timm\); '
+      r'num_registers=4 \(a ViTConfig has no num_registers; export with --to timm\); '
+      r'no_embed_class=True \(a ViTConfig has no no_embed_class; export with --to timm\)\. An '
+      r'Orbax directory or an \.npz \(with its \.vit_jax\.json\) keeps every field')):
     ecosystem.write(str(tmp_path / 'hf'), variables['params'], fields, to='hf', image_size=28)
+  _, fields, _, variables = _read('timm_qk_norm')
+  with pytest.raises(ValueError, match=(
+      r'^The model cannot be written as a transformers ViT: it has qk_norm=True \(a ViTConfig '
+      r'has no qk_norm; export with --to timm\)\. An Orbax directory or an \.npz ')):
+    ecosystem.write(str(tmp_path / 'hf'), variables['params'], fields, to='hf', image_size=32)
+  assert not (tmp_path / 'hf').exists()
 
 
 @pytest.mark.parametrize('name, missing, fix', [
     ('timm_deit3', dict(layerscale_init=None), 'layerscale_init=1e-05'),
     ('timm_dinov2_reg4', dict(num_registers=0), 'num_registers=4'),
     ('timm_reg4_gap', dict(fc_norm=False), 'fc_norm=True'),
+    ('timm_qk_norm', dict(qk_norm=False), 'qk_norm=True'),
 ])
 def test_weights_of_a_variant_into_a_model_without_it_get_the_mismatch_report(name, missing,
                                                                               fix):

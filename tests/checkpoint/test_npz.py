@@ -216,10 +216,11 @@ def test_remote_paths_use_gfile(tmp_path, monkeypatch):
 
 
 def test_open_detects_once_and_the_handle_reads(monkeypatch):
-  from vit_jax.checkpoint import hf_vit, paths  # pylint: disable=g-import-not-at-top
+  from vit_jax import storage  # pylint: disable=g-import-not-at-top
+  from vit_jax.checkpoint import hf_vit  # pylint: disable=g-import-not-at-top
   path = str(TINY / 'params.npz')
   probes, sniffs = [], []
-  monkeypatch.setattr(paths, 'probe', lambda *a, f=paths.probe: probes.append(a) or f(*a))
+  monkeypatch.setattr(storage, 'probe', lambda *a, f=storage.probe: probes.append(a) or f(*a))
   monkeypatch.setattr(hf_vit, 'find', lambda *a, f=hf_vit.find, **k: (
       sniffs.append(a) or f(*a, **k)))
   ckpt = checkpoint.open(path)

@@ -15,6 +15,7 @@ from tests import data_utils
 from vit_jax import cli
 from vit_jax import config as config_lib
 from vit_jax import models as models_lib
+from vit_jax import param_groups
 from vit_jax import train
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -83,10 +84,14 @@ def test_regime_keeps_explicit_values_and_rejects_unknown_regime():
 
 def test_batch_size_and_schedule_length_checks():
   config_lib.check_batch_size(512, 2, 8)
-  with pytest.raises(ValueError, match=r"multiple of 16\. Use --config.batch_size=496 or 512"):
+  with pytest.raises(config_lib.ConfigError,
+                     match=r"multiple of 16; use config.batch_size=496 or 512\.") as refused:
     config_lib.check_batch_size(500, 2, 8)
+  assert (refused.value.key, refused.value.value) == ("batch_size", 500)
+  assert cli.error_text(refused.value).endswith("; use --config.batch_size=496 or 512.")
   config = _tiny_config()
-  with pytest.raises(ValueError, match="Set the schedule length"):
+  with pytest.raises(ValueError, match="leave the schedule's length unset; set "
+                     "config.total_steps=N or config.num_epochs=E"):
     config_lib.num_train_steps(config, 1000)
   config.batch_size = 64
   config.num_epochs = 2.5
@@ -102,10 +107,10 @@ def test_batch_size_and_schedule_length_checks():
     # Issue 37: an OverflowError 35 s into the run, after the workdir was written.
     ({"num_epochs": 1e30}, r"config.num_epochs=1e\+30 is 4.69e\+32 steps of batch 128 over "
      r"60,000 examples, more than the 2,147,483,647 a run can count \(its step is an int32\); "
-     r"set --config.num_epochs to at most 4.581e\+06\."),
+     r"set config.num_epochs to at most 4.581e\+06\."),
     ({"num_epochs": 1e308}, r"config.num_epochs=1e\+308 is inf steps"),
     ({"num_epochs": 1.0, "optim.warmup_epochs": 1e300},
-     r"config.optim.warmup_epochs=1e\+300 is .* set --config.optim.warmup_epochs to at most"),
+     r"config.optim.warmup_epochs=1e\+300 is .* set config.optim.warmup_epochs to at most"),
     ({"total_steps": 2**31}, r"config.total_steps=2147483648 must be a positive int <= "
      r"2,147,483,647 \(the int32 step counter\)"),
 ])
@@ -123,8 +128,8 @@ def test_a_batch_larger_than_an_epoch_or_the_memory_is_refused_with_one_that_fit
   config.update(batch_size=1_000_000_000, num_classes=10)
   config.data.image_size = 28
   with pytest.raises(ValueError, match=r"config.batch_size=1000000000 is more than the 60,000 "
-                     r"training examples of an epoch \(config.data.train_split\): .* Set "
-                     r"--config.batch_size=60000 or less\."):
+                     r"training examples of an epoch \(config.data.train_split\): .*; set "
+                     r"config.batch_size=60000 or less\."):
     config_lib.check_host_limits(config, num_train_examples=60_000, available_bytes=2**40)
   with pytest.raises(ValueError,
                      match=r"train_split; 30,000 per process of 2\): .*batch_size=59997 "):
@@ -136,7 +141,7 @@ def test_a_batch_larger_than_an_epoch_or_the_memory_is_refused_with_one_that_fit
   with pytest.raises(ValueError, match=r"config.batch_size=40000 needs ~1.8 GiB of host memory "
                      r"per process for its 5 float32 batches of 28x28 images in flight "
                      r"\(config.data.prefetch=2 \+ 3\), more than 50% of the 1.0 GiB available"
-                     r": .* Set --config.batch_size=11360 or less"):
+                     r": .*; set config.batch_size=11360 or less"):
     config_lib.check_host_limits(config, num_train_examples=60_000, available_bytes=2**30,
                                  unit=16)
   config.batch_size = 11_360
@@ -169,7 +174,7 @@ def test_a_position_table_larger_than_the_memory_is_refused_before_the_workdir(t
       "config.model.posemb_grid=(100000, 100000) makes a learned position table of "
       "10,000,000,001 x 8 parameters whose training state (16 B each: the float32 parameter, its "
       "gradient, the optimizer's moments) needs ~1,192.1 GiB, more than the 1.0 GiB of memory "
-      "available on this host. Set --config.model.posemb_grid to the token grid of the table to "
+      "available on this host; set config.model.posemb_grid to the token grid of the table to "
       "load (at most (2896, 2896) here; e.g. (14, 14) for 224 px at patch 16), or leave it out "
       "(the images' grid).")
   config.model.posemb_grid = (2896, 2896)
@@ -228,19 +233,22 @@ def test_resolve_takes_pretrained_dir_and_refuses_a_missing_checkpoint(tmp_path)
   with pytest.raises(FileNotFoundError, match=r"ViT-custom.npz' \(config.pretrained_dir"):
     _resolve(config)
   shutil.copy(ROOT / "tests" / "fixtures" / "vit_tiny" / "params.npz", tmp_path / "ViT-custom.npz")
+  with pytest.raises(config_lib.ConfigError, match=r"field mismatches \(3\): model.hidden_size: weights 32"):
+    _resolve(config)  # Another architecture than the weights': the mismatch report (issue 52).
+  config.model.update(hidden_size=32, num_layers=2, mlp_dim=64)  # The fixture's.
   assert _resolve(config).init_from == f"{tmp_path}/ViT-custom.npz"
 
 
 @pytest.mark.parametrize("key,value,message", [
-    ("optim.lr", -1.0, r"config.optim.lr=-1.0 must be > 0 \(the peak learning rate\)"),
+    ("optim.lr", -1.0, r"config.optim.lr=-1.0 must be > 0 \(the peak learning rate;"),
     ("optim.lr", float("inf"), r"config.optim.lr=inf must be finite and > 0 \(the peak"),
     ("workdir_lock_timeout", 0, r"config.workdir_lock_timeout=0 must be > 0 \(seconds without "),
     ("batch_size", 0, r"config.batch_size=0 must be a positive int"),
     ("optim.b2", 1.0, r"config.optim.b2=1.0 must be in \[0, 1\)"),
     ("label_smoothing", 1.5, r"config.label_smoothing=1.5 must be in \[0, 1\)"),
     ("keep_checkpoints", 0, r"config.keep_checkpoints=0 must be a positive int"),
-    ("input_wait_warning", 1.0, r"config.input_wait_warning=1.0 must be in \[0, 1\) \(a share "
-     r"of the training time; 0 turns the warning off\)"),
+    ("input_wait_warning", 1.0, r"config.input_wait_warning=1.0 must be in \[0, 1\) \(warn when "
+     r".* this share of their time .*; 0 turns the warning off\)"),
     ("optim.max_skipped_updates", -2, r"max_skipped_updates=-2 must be an int >= 0"),
     ("data.prefetch", -1, r"config.data.prefetch=-1 must be an int >= 0"),
     ("data.eval_crop_pct", 1.5, r"eval_crop_pct=1.5 must be in \(0, 1\] or None"),
@@ -256,8 +264,11 @@ def test_resolve_refuses_values_out_of_range_naming_the_flag(key, value, message
   config.optim.warmup_steps = 1
   with config.unlocked():
     data_utils.override(config, {key: value})
-  with pytest.raises(ValueError, match=message):
+  with pytest.raises(ValueError, match=message) as refused:
     _resolve(config)
+  if not key.startswith("model."):  # The model's fields: vit_jax.models' own checks.
+    assert (refused.value.key, refused.value.value) == (key, value)
+    assert cli.error_text(refused.value).endswith(f"; set --config.{key} to such a value.")
 
 
 def test_resolve_refuses_a_mesh_or_batch_the_devices_cannot_take():
@@ -384,8 +395,8 @@ def test_the_slice_estimate_is_the_compilers_figure_within_its_margin():
 
 
 def test_a_slice_that_cannot_take_the_batch_or_the_model_is_refused():
-  with pytest.raises(ValueError, match=r"global batch 4096 cannot be split over the 24 devices "
-                     r"of v4-48.*--config.batch_size=4080"):
+  with pytest.raises(ValueError, match=r"config.batch_size=4096 \(the global batch\) cannot be "
+                     r"split over the 24 devices of v4-48.*config.batch_size=4080"):
     _load_config("configs/vit.py", "b16,imagenet21k,v4-48")
   for arg in ("b16,imagenet21k,slice=a100-8", "b16,imagenet21k,a100-8"):
     with pytest.raises(ValueError, match="a Cloud TPU type .* got 'a100-8'"):
@@ -397,13 +408,13 @@ def test_a_slice_that_cannot_take_the_batch_or_the_model_is_refused():
     _load_config("configs/vit.py", "G14,imagenet21k,v5litepod-1")
   # Settings fitted to 32 devices are not run on 8 (nor on this CPU).
   config = _load_config("configs/vit.py", "ti16,imagenet21k,v3-32")
-  with pytest.raises(ValueError, match=r"config.slice='v3-32': .* fitted to its 32 devices, but "
-                     r"the step runs on 8\. .* or --config.slice= to run"):
+  with pytest.raises(ValueError, match=r"config.slice='v3-32' fitted .* to its 32 devices, but "
+                     r"the step runs on 8; .* or config.slice= to run"):
     _resolve(config, devices=[FakeTPU()] * 8)
   # Two such slices (dcn_data=2): 2 x 32 devices, not 32.
   config.mesh.dcn_data = 2
-  with pytest.raises(ValueError, match=r"fitted to its 32 devices x 2 slices = 64, but the step "
-                     r"runs on 32\."):
+  with pytest.raises(ValueError, match=r"fitted .* to its 32 devices x 2 slices = 64, but the "
+                     r"step runs on 32;"):
     _resolve(config, devices=[FakeTPU()] * 32)
 
 
@@ -493,3 +504,26 @@ def test_model_fields_without_a_default_take_their_type_from_the_command_line():
                             "--config.model.layerscale_init=1e-5",
                             "--config.model.posemb_grid=(4,6)"])
   assert config.model.layerscale_init == 1e-5 and config.model.posemb_grid == (4, 6)
+
+
+def test_every_key_is_declared_once_and_its_default_passes_its_check():
+  """The config is built from the declaration (vit_jax.config.defaults): each key of
+  get_config() outside config.model is one Key, none twice in a section, each default (or None,
+  its placeholder) accepted by its own check; the fine-tuning controls are read from it."""
+  config = config_lib.get_config("ViT-B_16", "imagenet2012")
+  declared = {"": config_lib.defaults.RUN_KEYS, **{
+      name: keys for name, (keys, _) in config_lib.defaults.SECTIONS.items() if name != "model"}}
+  for name, keys in declared.items():
+    section = config[name] if name else config
+    names = [k.name for k in keys]
+    assert len(set(names)) == len(names), name
+    leaves = {k for k, v in section.items() if not isinstance(v, ml_collections.ConfigDict)}
+    assert leaves == set(names), name
+    for key in keys:
+      assert section[key.name] == key.default or name == "data" and key.name == "name"
+      assert key.refuse(key.default, name) is None or key.filled, (name, key.name)
+  assert len(set().union(*[{(n, k.name) for k in keys} for n, keys in declared.items()])) == 95
+  controls = config_lib.defaults.FINETUNE_KEYS
+  assert [k.name for k in controls] == [f.name for f in dataclasses.fields(
+      param_groups.FinetuneControls)]
+  assert set(controls) <= set(config_lib.defaults.OPTIM_KEYS)

@@ -227,22 +227,24 @@ def test_the_evaluator_names_the_flags_of_a_bad_split_or_dataset(tmp_path):
 
 
 @pytest.mark.parametrize("key, value, message", [
-    ("every_steps", -1, r"config.fewshot.every_steps=-1 must be an int >= 0 \(0 turns few-shot "
-     r"evaluation off\); set --config.fewshot.every_steps to such a value."),
+    ("every_steps", -1, r"config.fewshot.every_steps=-1 must be an int >= 0 \(every this many "
+     r"steps, and at the end of training; 0 turns few-shot evaluation off\); set "
+     r"config.fewshot.every_steps to such a value."),
     ("shots", (0, 5), r"config.fewshot.shots=\(0, 5\) must be a non-empty tuple of distinct "
-     r"positive ints; set --config.fewshot.shots to such a value, e.g. "
-     r"--config.fewshot.shots=1,5,10,25."),
+     r"positive ints \(training examples per class of each probe\); set config.fewshot.shots to "
+     r"such a value, e.g. config.fewshot.shots=1,5,10,25."),
     ("shots", (5, 5), r"config.fewshot.shots=\(5, 5\) must be a non-empty tuple of distinct"),
     ("seeds", 0, r"config.fewshot.seeds=0 must be a positive int"),
     ("l2_regs", (-1.0,), r"config.fewshot.l2_regs=\(-1.0,\) must be a non-empty tuple of "
-     r"numbers > 0 \(the ridge penalties\); set --config.fewshot.l2_regs"),
-    ("l2_regs", (), r"config.fewshot.l2_regs=\(\) must hold at least one number > 0"),
+     r"numbers > 0 \(the ridge penalties .*\); set config.fewshot.l2_regs"),
+    ("l2_regs", (), r"config.fewshot.l2_regs=\(\) must be a non-empty tuple of numbers > 0 \(the "
+     r"ridge penalties \(big_vision's: 1024.0\), .*e.g. config.fewshot.l2_regs=1024.0."),
     ("datasets", ("cifar10", "cifar10"), r"names a dataset twice; list each once in "
-     r"--config.fewshot.datasets."),
+     r"config.fewshot.datasets."),
     ("datasets", ("cifar10,",), r"config.fewshot.datasets=\('cifar10,',\) must be a tuple of "
      r"tfds names"),
     ("train_per_class", 10, r"config.fewshot.train_per_class=10 keeps fewer training examples "
-     r"per class than the largest shot count, 25; set --config.fewshot.train_per_class to at "
+     r"per class than the largest shot count, 25; set config.fewshot.train_per_class to at "
      r"least 25 \(or None\)."),
     ("train_split", "", r"config.fewshot.train_split='' must be a non-empty split name or None"),
     ("max_eval_examples", 0, r"config.fewshot.max_eval_examples=0 must be a positive int or "

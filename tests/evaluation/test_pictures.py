@@ -34,15 +34,18 @@ def _variables(model, images):
   return jax.tree.map(lambda s: jnp.asarray(0.5 * rng.normal(size=s.shape), s.dtype), shapes)
 
 
-@pytest.mark.parametrize("name", ["vit_token", "vit_gap", "t2t"])
+@pytest.mark.parametrize("name", ["vit_token", "vit_gap", "t2t", "vit_token_reg", "vit_gap_reg"])
 def test_the_device_summary_is_the_host_analysis(name):
   """Distances over the unmasked images and rollout maps as vit_jax.analysis computes them from
-  the captured weights (float32 against float64: 1e-4 relative); the state's 'model_state'
-  (T2T-ViT's fixed tables) reaches the model."""
+  the captured weights (float32 against float64: 1e-4 relative): the class token's row, without
+  one the patch rows' mean (2 registers: never theirs); the state's 'model_state' (T2T-ViT's
+  fixed tables) reaches the model."""
+  registers = 2 if name.endswith("_reg") else 0
   if name == "t2t":
     model, size = T2T, 32
   else:
-    model, size = vit.VisionTransformer(**VIT, classifier=name[4:]), 8
+    model = vit.VisionTransformer(**VIT, classifier=name.split("_")[1], num_registers=registers)
+    size = 8
   images = np.resize(IMAGES, (5, size, size, 3))
   variables = _variables(model, images)
   layout = intermediates.token_layout(model, size, size)
@@ -61,7 +64,9 @@ def test_the_device_summary_is_the_host_analysis(name):
   stride = layout.stride[0]  # A 2x2 grid: between 0 and the diagonal.
   assert layout.grid == (2, 2) and 0 < expected.min() and expected.max() < np.hypot(stride, stride)
   maps = analysis.class_token_map(analysis.rollout([a[:2] for a in captured.attention]),
-                                  layout.grid, num_prefix_tokens=layout.prefix)
+                                  layout.grid, num_prefix_tokens=layout.prefix,
+                                  num_registers=registers)
+  assert layout.prefix == registers + ("gap" not in name)  # The class token, the registers.
   np.testing.assert_allclose(summary["rollout"], maps, rtol=1e-4, atol=1e-6)
   np.testing.assert_allclose(summary["logits"], captured.logits[:2], rtol=1e-5, atol=1e-6)
   np.testing.assert_array_equal(summary["images"], images[:2])

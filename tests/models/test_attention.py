@@ -68,6 +68,38 @@ def test_cudnn_path_computes_the_same(monkeypatch):
   np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
 
 
+def test_qk_norm_is_flax_normalize_qk_with_timm_bias_on_every_path(monkeypatch):
+  """qk_norm: flax's normalize_qk LayerNorms (``query_ln``, ``key_ln``, same names) plus timm's
+  bias; 'cudnn' (XLA's implementation here) and the fused CPU kernel (where built) normalise
+  the same q and k (head size 16, which the kernel needs)."""
+  x = jax.random.normal(jax.random.key(0), (2, 5, 64))
+  ours = attention.MultiHeadDotProductAttention(num_heads=4, qk_norm=True)
+  params = models.unbox(ours.init(jax.random.key(1), x, deterministic=True))
+  assert jax.tree.map(jnp.shape, params["params"]["query_ln"]) == {"scale": (16,), "bias": (16,)}
+  keys = iter(jax.random.split(jax.random.key(2), 32))
+  params = jax.tree.map(lambda p: p + 0.3 * jax.random.normal(next(keys), p.shape), params)
+  reference = nn.MultiHeadDotProductAttention(num_heads=4, normalize_qk=True, deterministic=True)
+  without_bias = jax.tree.map(lambda p: p, params)
+  for name in ("query_ln", "key_ln"):
+    without_bias["params"][name] = {"scale": params["params"][name]["scale"]}
+  zero_bias = jax.tree.map(lambda p: p, params)
+  for name in ("query_ln", "key_ln"):
+    zero_bias["params"][name] = dict(params["params"][name],
+                                     bias=jnp.zeros((16,), jnp.float32))
+  np.testing.assert_allclose(ours.apply(zero_bias, x, deterministic=True),
+                             reference.apply(without_bias, x, x), rtol=1e-5, atol=1e-5)
+  expected = ours.apply(params, x, deterministic=True)
+  assert np.abs(expected - ours.apply(zero_bias, x, deterministic=True)).max() > 1e-3
+  original = jax.nn.dot_product_attention
+  monkeypatch.setattr(jax.nn, "dot_product_attention", lambda *a, implementation=None, **k:
+                      original(*a, implementation="xla", **k))
+  paths = ["cudnn"] + (["cpu_kernel"] if cpu_attention.library()[0] is not None else [])
+  for path in paths:
+    other = attention.MultiHeadDotProductAttention(num_heads=4, qk_norm=True, attention=path)
+    got = jax.jit(lambda p, v: other.apply(p, v, deterministic=True))(params, x)
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5, err_msg=path)
+
+
 needs_kernel = pytest.mark.skipif(cpu_attention.library()[0] is None,
                                   reason="the fused CPU attention kernel was not built")
 

@@ -426,11 +426,12 @@ def test_intermediates_of_a_model_with_registers(classifier, prefix):
     assert got.head_attention.shape == (2, 2, 1, 4)
   # The layout is what the analysis needs: the class token's (or the mean) row over the patches.
   maps = analysis.layer_class_token_maps(got.attention, got.layout.grid,
-                                         num_prefix_tokens=got.layout.prefix)
+                                         num_prefix_tokens=got.layout.prefix, num_registers=2)
   assert maps.shape == (2, 2, 2, 2)
-  row = np.asarray(got.attention[1])[0, :, 0, prefix:].mean(0) if classifier == 'token' else None
-  if row is not None:
-    np.testing.assert_allclose(maps[1, 0].reshape(-1), row / row.max(), rtol=1e-5)
+  heads = np.asarray(got.attention[1])[0].mean(0)  # [N, N], the heads fused by their mean.
+  rows = heads[0] if classifier == 'token' else heads[prefix:].mean(0)  # No class token: all.
+  row = rows[prefix:]
+  np.testing.assert_allclose(maps[1, 0].reshape(-1), row / row.max(), rtol=1e-5)
 
 
 @pytest.mark.slow

@@ -1,6 +1,7 @@
 """timm's ViT variants as VisionTransformer fields (issue 41): LayerScale, register tokens, a
-position table of the patches only, fc_norm; their parameters, checks and computation by hand
-(the golden logits of timm's own models: tests/checkpoint/test_ecosystem_variants.py)."""
+position table of the patches only, fc_norm; QK normalisation (issue 51); their parameters,
+checks and computation by hand (the golden logits of timm's own models:
+tests/checkpoint/test_ecosystem_variants.py)."""
 
 import math
 
@@ -32,9 +33,10 @@ def _random(model, size=16, seed=0):
 def test_defaults_add_nothing():
   config = models.model_config('ViT-B_16')
   assert (config['layerscale_init'], config['num_registers'], config['no_embed_class'],
-          config['fc_norm']) == (None, 0, False, False)
+          config['fc_norm'], config['qk_norm']) == (None, 0, False, False, False)
   plain = _shapes(models.create('ViT-custom', num_classes=3, **TINY))
-  assert not any('LayerScale' in k or 'registers' in k or 'fc_norm' in k for k in plain)
+  assert not any('LayerScale' in k or 'registers' in k or 'fc_norm' in k or '_ln/' in k
+                 for k in plain)
 
 
 def test_parameters_of_each_variant_and_their_counts():
@@ -74,6 +76,8 @@ def test_parameters_of_each_variant_and_their_counts():
     ('layerscale_init', float('nan'), 'layerscale_init must be None'),
     ('no_embed_class', 'yes', "no_embed_class must be True or False, got 'yes'"),
     ('fc_norm', True, r"fc_norm=True .* needs classifier='gap', got classifier='token'"),
+    ('qk_norm', 'yes', "qk_norm must be True or False, got 'yes'"),
+    ('qk_norm', None, 'qk_norm must be True or False, got None'),
 ])
 def test_bad_values_are_refused_by_name(field, value, message):
   with pytest.raises(ValueError, match=message):
@@ -153,15 +157,67 @@ def test_token_order_and_scan_equivalence():
     (dict(classifier='gap', fc_norm=True, num_registers=1, no_embed_class=True),
      'num_registers=1, no_embed_class=True, fc_norm=True'),
     (dict(classifier='map', num_registers=2, scan=True), 'num_registers=2'),
+    (dict(qk_norm=True, scan=True), 'qk_norm=True'),
+    (dict(qk_norm=True, classifier='map', num_registers=1), 'num_registers=1, qk_norm=True'),
 ])
 def test_the_shapes_tell_the_variant(overrides, described):
   model = models.create('ViT-custom', num_classes=3, **TINY, **overrides)
   shapes = {f'params/{k}': v for k, v in _shapes(model, 32).items()}
   fields = vit_shapes.architecture_fields(shapes)
-  for key in ('layerscale_init', 'num_registers', 'no_embed_class', 'fc_norm'):
+  for key in ('layerscale_init', 'num_registers', 'no_embed_class', 'fc_norm', 'qk_norm'):
     expected = overrides.get(key, models.model_config('ViT-B_16')[key])
     if key == 'layerscale_init' and expected is not None:
       expected = vit_shapes.LAYERSCALE_INIT  # The initial value leaves no trace.
     assert fields.get(key, models.model_config('ViT-B_16')[key]) == expected, key
   assert described in vit_shapes.describe_architecture(shapes)
   assert vit_shapes.image_size(shapes, fields) == 32
+
+
+def test_qk_norm_parameters_and_one_block_by_hand():
+  """QK normalisation (ViT-22B, timm's qk_norm): a LayerNorm with bias over each head's 8
+  channels of q and k, before the scaled product; the MAP head's attention has none."""
+  model = models.create('ViT-custom', num_classes=3, **dict(TINY, num_layers=1), qk_norm=True)
+  shapes = _shapes(model)
+  plain = _shapes(models.create('ViT-custom', num_classes=3, **dict(TINY, num_layers=1)))
+  attn = 'Transformer/encoderblock_0/MultiHeadDotProductAttention_0'
+  assert set(shapes) - set(plain) == {f'{attn}/{n}_ln/{p}' for n in ('query', 'key')
+                                      for p in ('scale', 'bias')}
+  assert shapes[f'{attn}/query_ln/scale'] == (8,)
+  mapped = _shapes(models.create('ViT-custom', num_classes=3, **TINY, qk_norm=True,
+                                 classifier='map'))
+  assert not any(k.startswith('MAPHead_0/') and '_ln/' in k for k in mapped)
+  variables = _random(model)
+  p = variables['params']
+  images = np.random.RandomState(3).uniform(-1, 1, (2, 16, 16, 3)).astype(np.float32)
+  got = np.asarray(jax.jit(lambda v, x: model.apply(v, x, train=False))(variables, images))
+
+  def ln(x, q):
+    mu = x.mean(-1, keepdims=True)
+    return (x - mu) / np.sqrt(((x - mu) ** 2).mean(-1, keepdims=True) + 1e-6) * q['scale'] + (
+        q['bias'])
+
+  def forward(qk_norm):
+    x = images.astype(np.float64).reshape(2, 2, 8, 2, 8, 3).transpose(0, 1, 3, 2, 4, 5)
+    x = x.reshape(2, 4, -1) @ p['embedding']['kernel'].reshape(-1, 16) + p['embedding']['bias']
+    x = np.concatenate([np.broadcast_to(p['cls'], (2, 1, 16)), x], axis=1)
+    x = x + p['Transformer']['posembed_input']['pos_embedding']
+    block = p['Transformer']['encoderblock_0']
+    a = block['MultiHeadDotProductAttention_0']
+    y = ln(x, block['LayerNorm_0'])
+    q, k, v = (np.einsum('bnd,dhk->bnhk', y, a[n]['kernel']) + a[n]['bias']
+               for n in ('query', 'key', 'value'))
+    if qk_norm:
+      q, k = ln(q, a['query_ln']), ln(k, a['key_ln'])
+    logits = np.einsum('bqhk,bphk->bhqp', q / np.sqrt(8), k)
+    weights = np.exp(logits - logits.max(-1, keepdims=True))
+    weights /= weights.sum(-1, keepdims=True)
+    x = x + np.einsum('bhqp,bphk,hkd->bqd', weights, v, a['out']['kernel']) + a['out']['bias']
+    mlp = block['MlpBlock_0']
+    y = ln(x, block['LayerNorm_1']) @ mlp['Dense_0']['kernel'] + mlp['Dense_0']['bias']
+    y = 0.5 * y * (1 + np.tanh(np.sqrt(2 / np.pi) * (y + 0.044715 * y ** 3)))
+    x = x + y @ mlp['Dense_1']['kernel'] + mlp['Dense_1']['bias']
+    pooled = ln(x[:, 0], p['Transformer']['encoder_norm'])
+    return pooled @ p['head']['kernel'] + p['head']['bias']
+
+  np.testing.assert_allclose(got, forward(True), rtol=1e-5, atol=1e-5)
+  assert np.abs(forward(False) - got).max() > 1e-2  # Without the normalisation: far off.

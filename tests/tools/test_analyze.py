@@ -66,6 +66,30 @@ def test_a_t2t_vit_file_gets_its_backbone_analysis(tmp_path, capsys):
   assert (out / "attention_distance.png").exists()
 
 
+def test_registers_and_no_class_token_get_the_patch_rows_and_the_patch_table():
+  """timm's reg4_gap ViT (4 registers, no class token, a position table of the 16 patches only:
+  no_embed_class) was refused ("pos_embedding has 16 tokens but ... num_prefix_tokens=4"): its
+  maps are the mean of the patch rows and its similarity is the table's 4x4 grid."""
+  from vit_jax import analysis  # pylint: disable=g-import-not-at-top
+  from vit_jax import inference  # pylint: disable=g-import-not-at-top
+  from vit_jax.models import intermediates  # pylint: disable=g-import-not-at-top
+  source = ROOT / "tests" / "fixtures" / "ecosystem" / "timm_reg4_gap"
+  trained = inference.load(str(source / "model.safetensors"), overrides={"num_heads": 2})
+  images = np.load(source / "golden.npz")["images"]
+  result = analyze.analyze(trained, images, overlays=2)
+  assert (result["prefix"], result["registers"], result["grid"]) == (4, 4, [4, 4])
+  captured = intermediates.capture(trained.model, trained.variables, images)
+  mean_rows = analysis.rollout(captured.attention)[:, 4:, 4:].mean(1)
+  np.testing.assert_allclose(result["rollout"].reshape(2, 16),
+                             mean_rows / mean_rows.max(-1, keepdims=True), rtol=1e-5)
+  table = trained.variables["params"]["Transformer"]["posembed_input"]["pos_embedding"]
+  assert table.shape == (1, 16, 16)
+  unit = table[0] / np.linalg.norm(table[0], axis=-1, keepdims=True)
+  np.testing.assert_allclose(result["posemb_similarity"].reshape(16, 16), unit @ unit.T,
+                             atol=1e-5)
+  assert result["layer_maps"].shape == (2, 4, 4)
+
+
 def test_rollout_captions_show_wrong_predictions_as_training_does():
   trained = types.SimpleNamespace(label_name=["Coat", "Pullover", "Bag"].__getitem__)
   assert analyze._captions(trained, [1, 0], ["Coat", "Coat"], from_files=False) == [

@@ -1,6 +1,6 @@
 """The benchmark's timm model for timm's ViT variants (issue 41): LayerScale, registers,
 no_embed_class and fc_norm reach timm.create_model as init_values, reg_tokens, no_embed_class,
-fc_norm, where set. The parameter counts are what timm 1.0.31 gives for these keyword arguments
+fc_norm, where set; so does QK normalisation (issue 51) as qk_norm. The parameter counts are what timm 1.0.31 gives for these keyword arguments
 (`sum(p.numel() for p in timm.create_model(name, num_classes=1000, **kwargs).parameters())`)."""
 
 import jax
@@ -27,6 +27,8 @@ def _count(name, overrides):
      dict(embed_dim=64, depth=2, num_heads=2, mlp_ratio=2.0, patch_size=8, class_token=False,
           global_pool="avg", init_values=1e-5, reg_tokens=4, no_embed_class=True, fc_norm=True),
      195_112),
+    ("ViT-S_16", dict(qk_norm=True), "vit_small_patch16_224",  # Issue 51: QK normalisation.
+     dict(qk_norm=True), 22_053_736),
 ])
 def test_timm_variants_are_passed_to_timm(name, overrides, timm_name, kwargs, timm_params):
   assert timm_lib.timm_equivalent(name, overrides) == (timm_name, kwargs, False)

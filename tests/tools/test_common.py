@@ -1,12 +1,15 @@
 """What the command-line tools share (vit_jax.tools.common): one-line FATAL messages, the help."""
 
 import argparse
+import pathlib
 import subprocess
 import sys
 
 import pytest
 
 from vit_jax.tools import common
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 def test_a_multi_line_error_is_one_fatal_line(capsys):
@@ -150,3 +153,46 @@ def test_a_shot_count_no_class_can_give_is_refused_before_the_set_up(tmp_path):
       '{"data": {"name": "fashion_mnist_local", "train_split": "train"}}')
   error = precheck(parse([str(tmp_path / "run"), "--shots", "7000"]))
   assert "fashion_mnist_local's split 'train' has 60,000 examples of 10 classes" in str(error)
+
+
+def test_the_runner_answers_each_kind_of_error_with_one_line_and_its_status(capsys):
+  """common.exit_status: bad input 2, a failure while working 1 (an output that could not be
+  written, even a PermissionError), Ctrl-C 130; a config refusal's fix spelled as flags."""
+  from vit_jax import config as config_lib  # pylint: disable=g-import-not-at-top
+
+  def raising(error):
+    @common.exit_status
+    def main():
+      raise error
+    return main
+
+  def writing():
+    with common.output_errors():
+      raise PermissionError(13, "Permission denied", "/out/x.png")
+
+  for main, status, line in [
+      (raising(ValueError("bad --x")), 2, "FATAL: bad --x"),
+      (raising(config_lib.ConfigError("batch_size", 3, "must be even", "set config.batch_size=4.")),
+       2, "FATAL: config.batch_size=3 must be even; set --config.batch_size=4."),
+      (common.exit_status(writing), 1, "FATAL: Permission denied: '/out/x.png'"),
+      (raising(common.WorkFailed("Measuring x failed")), 1, "FATAL: Measuring x failed"),
+      (raising(KeyboardInterrupt()), 130, "FATAL: Stopped."),
+      (raising(KeyboardInterrupt("Stopped by SIGTERM.")), 130, "FATAL: Stopped by SIGTERM.")]:
+    assert main() == status
+    assert capsys.readouterr().err == line + "\n"
+
+
+@pytest.mark.parametrize("tool", ["analyze", "convert", "cost", "evaluate", "export_images",
+                                  "fewshot", "measure_attention", "predict", "to_array_record",
+                                  "benchmark.cli", "preflight.cli"])
+def test_every_tool_follows_one_convention(tool):
+  """Each tool's main is wrapped by common.exit_status (it raises, the runner answers) and its
+  run_main is the program, which `python -m vit_jax.<tool>` runs."""
+  import importlib  # pylint: disable=g-import-not-at-top
+  import inspect  # pylint: disable=g-import-not-at-top
+  module = importlib.import_module(f"vit_jax.tools.{tool}")
+  assert module.main.__wrapped__ and callable(module.run_main)
+  assert "common.fatal(" not in inspect.getsource(module.main.__wrapped__)
+  entry = ROOT / "vit_jax" / (tool.split(".")[0] + ".py")
+  if entry.exists():
+    assert "run_main()" in entry.read_text() and "common" not in entry.read_text()

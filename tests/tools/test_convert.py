@@ -37,22 +37,29 @@ def test_an_orbax_conversion_keeps_the_class_names_and_preprocessing(tmp_path, c
   assert convert.main([str(tmp_path / "hf"), str(tmp_path / "orbax")]) == 0
   assert capsys.readouterr().out.splitlines()[-1] == (
       "  kept in vit_jax_export.json: 10 class names (kind_0, kind_1, kind_2, ...), "
-      "normalization imagenet, image_size 32")
+      "normalization imagenet, image_size 32, 17 model fields (gelu_approximate=True, "
+      "layer_norm_epsilon=1e-06, posemb_resize='linear_corners')")
   kept = json.loads((tmp_path / "orbax" / orbax.EXPORT_JSON).read_text())
+  assert kept.pop("model") == {
+      "patch_size": 4, "hidden_size": 32, "num_layers": 2, "num_heads": 2, "mlp_dim": 64,
+      "representation_size": None, "classifier": "token", "posemb": "learn",
+      "layerscale_init": None, "num_registers": 0, "no_embed_class": False, "fc_norm": False,
+      "qk_norm": False, "gelu_approximate": True, "layer_norm_epsilon": 1e-6,
+      "posemb_resize": "linear_corners", "posemb_grid": None}
   assert kept == {"label_names": names, "image_size": 32, "normalization": "imagenet"}
   converted = inference.load(str(tmp_path / "orbax"))
   assert list(converted.label_names) == names
   assert converted.config.data.normalization == "imagenet"
-  # Converted again (Orbax to Orbax), the facts travel on; to .npz there is no room for them.
+  # Converted again (Orbax to Orbax), the facts travel on; to .npz in a JSON file beside it.
   assert convert.main([str(tmp_path / "orbax"), str(tmp_path / "again")]) == 0
   assert list(inference.load(str(tmp_path / "again")).label_names) == names
   capsys.readouterr()
   assert convert.main([str(tmp_path / "orbax"), str(tmp_path / "back.npz")]) == 0
   out, err = capsys.readouterr()
-  assert "kept in" not in out and err == (
-      "note: an .npz holds arrays only; not kept: 10 class names (kind_0, kind_1, kind_2, ...), "
-      "normalization imagenet, image_size 32 (write a directory, an Orbax checkpoint, to keep "
-      "them).\n")
+  assert out.splitlines()[-1].startswith(
+      f"  kept in {tmp_path / 'back.vit_jax.json'}: 10 class names") and not err
+  back = inference.load(str(tmp_path / "back.npz"))
+  assert list(back.label_names) == names and back.config.data.normalization == "imagenet"
 
 
 @pytest.mark.slow

@@ -475,6 +475,15 @@ def test_the_json_report_gives_the_estimate_that_the_cost_tool_takes(tmp_path, c
   assert memory == train["memory_per_device"]
   assert memory["params"] == report["parameter_bytes"] and memory["total"] < memory["hbm"]
   assert [loop["trips"] for loop in train["loops"]] == [[2]]
+  # Remat on (the default): the step without it is compiled too, and where it is estimated
+  # faster, its overrides are printed and reported.
+  faster = report["faster"]
+  assert report["remat_policy"] == "qkv_saveable" and faster["remat_policy"] is None
+  assert faster["overrides"]["model.remat"] is False
+  assert faster["scan"] == ("model.scan" not in faster["overrides"])
+  assert faster["fits"] and faster["estimated_step_seconds"] < seconds
+  assert f"\n  {faster['flags']}\nWrote {path}" in proc.stdout
+  assert "\nFaster: without remat the train step fits" in proc.stdout
   # The cost of a planned run on a v4-32 at that MFU; another TPU kind's report is refused.
   flags = ["--config", os.path.join(ROOT, TINY_VIT[0]), *flags[2:]]
   assert cost.main([*flags, "--accelerator", "v4-32", "--preflight", str(path)]) == 0
@@ -519,14 +528,14 @@ def test_two_slices_compile_with_collectives_across_them_and_one_slice_without()
   assert "across DCN" not in preflight_cli.format_result(single)
   # dcn_data against the slices found: refused (as the trainer does) before compiling.
   with pytest.raises(ValueError, match=r"dcn_data=1 but the 8 devices form 2 slices \(by their "
-                     r"slice_index\).*Set --config\.mesh\.dcn_data=2\."):
+                     r"slice_index\).*; set config\.mesh\.dcn_data=2\."):
     fit.check(_config(TINY_VIT), tpu)
-  with pytest.raises(ValueError, match=r"dcn_data=2 but the 4 devices form 1 slice .*Set "
-                     r"--config\.mesh\.dcn_data=1\."):
+  with pytest.raises(ValueError, match=r"dcn_data=2 but the 4 devices form 1 slice .*; set "
+                     r"config\.mesh\.dcn_data=1\."):
     fit.check(_config(TINY_VIT, **{"mesh.dcn_data": 2}), one)
   # A batch or mesh that 2 slices cannot split: the existing errors, with the slices counted.
   with pytest.raises(ValueError, match=r"batch_size=60 cannot be split into 1 micro-batch\(es\) "
-                     r"over 8 batch shard\(s\).*--config\.batch_size=56 or 64"):
+                     r"over 8 batch shard\(s\).*; use config\.batch_size=56 or 64"):
     fit.check(_config(TINY_VIT, batch_size=60, **{"mesh.dcn_data": 2}), tpu)
   with pytest.raises(ValueError, match=r"config\.mesh data=-1 x fsdp=1 x tensor=3 x dcn_data=2 "
                      r"cannot fill 8 devices: the fixed axes use 6"):
@@ -608,7 +617,7 @@ def test_a_config_fitted_to_a_slice_compiles_and_fits_there(spec, accelerator, o
 @requires_libtpu
 @pytest.mark.slow
 def test_command_line_exit_codes():
-  fits = _preflight([*_flags(TINY_VIT), "--accelerator", "v4-8", "--noeval"])
+  fits = _preflight([*_flags(TINY_VIT), "--accelerator", "v4-8", "--noeval", "--nofaster"])
   assert fits.returncode == 0, fits.stdout + fits.stderr
   assert "FITS: peak" in fits.stdout and "4 devices of TPU v4 on 1 host" in fits.stdout
   too_big = _preflight([*_flags(TINY_VIT, **OVERSIZED, **{"model.num_layers": 1}),

@@ -1,7 +1,9 @@
 """Attention rollout (Abnar & Zuidema, ACL 2020, sec. 3; ViT paper Fig. 6 / 14) and mean attention
 distance (ViT paper Fig. 7 right, App. D.7, as Gosthipaty & Paul's keras.io reproduction), arrays
 in, NumPy out. Attention weights are as the models sow them: per layer ``[B, heads, N, N]``
-(queries x keys), ``N = num_prefix_tokens + gh * gw``, prefix tokens first, then the grid.
+(queries x keys), ``N = num_prefix_tokens + gh * gw``, prefix tokens first (the class token if
+any, then ``num_registers`` registers: timm's ``num_prefix_tokens``, ``num_reg_tokens``), then
+the grid.
 """
 
 from __future__ import annotations
@@ -28,12 +30,24 @@ def as_pair(value: Any, name: str) -> Tuple[int, int]:
   return int(items[0]), int(items[1])
 
 
-def as_prefix(value: Any) -> int:
-  """``num_prefix_tokens`` checked: a non-negative int."""
+def as_prefix(value: Any, name: str = 'num_prefix_tokens') -> int:
+  """``num_prefix_tokens`` (or ``name``) checked: a non-negative int."""
   if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < 0:
-    raise ValueError(f'num_prefix_tokens must be a non-negative int (1 for a class token, 0 for '
-                     f"classifier='gap'/'map'), got {value!r}")
+    raise ValueError(f'{name} must be a non-negative int (num_prefix_tokens: 1 for a class '
+                     f"token, 0 for classifier='gap'/'map', plus the registers), got {value!r}")
   return int(value)
+
+
+def has_class_token(num_prefix_tokens: int, num_registers: int) -> bool:
+  """Whether the prefix holds a class token: ``num_prefix_tokens`` is ``num_registers`` (False)
+  or one more (True); ValueError otherwise."""
+  num_prefix_tokens = as_prefix(num_prefix_tokens)
+  num_registers = as_prefix(num_registers, 'num_registers')
+  if num_prefix_tokens - num_registers not in (0, 1):
+    raise ValueError(f'num_prefix_tokens={num_prefix_tokens} with num_registers={num_registers}: '
+                     'the prefix is the class token (if any) and the registers, so '
+                     f'num_prefix_tokens must be {num_registers} or {num_registers + 1}.')
+  return num_prefix_tokens > num_registers
 
 
 def check_tokens(tokens: int, grid: Tuple[int, int], num_prefix_tokens: int, what: str) -> None:
@@ -49,8 +63,8 @@ def check_tokens(tokens: int, grid: Tuple[int, int], num_prefix_tokens: int, wha
     raise ValueError(
         f'{what} has {tokens} tokens but grid {gh}x{gw} with num_prefix_tokens='
         f'{num_prefix_tokens} needs {num_prefix_tokens + gh * gw}{hint}. Pass the token grid of '
-        f'the input (image size / patch size) and 1 prefix token for a class token, 0 for '
-        f"classifier='gap'/'map'.")
+        f'the input (image size / patch size) and the prefix tokens: 1 for a class token, 0 '
+        f"for classifier='gap'/'map', plus the registers.")
 
 
 def check_finite(array: np.ndarray, what: str) -> None:
@@ -119,36 +133,39 @@ def rollout(attentions: AttentionStack, *, residual: bool = True,
 
 
 def _token_maps(matrices: np.ndarray, grid: Tuple[int, int], num_prefix_tokens: int,
-                what: str) -> np.ndarray:
-  """``[..., N, N]`` -> ``[..., gh, gw]``: the class token's row (or the mean row) over the
-  patch tokens, each map divided by its maximum."""
+                num_registers: int, what: str) -> np.ndarray:
+  """``[..., N, N]`` -> ``[..., gh, gw]``: over the patch keys, the class token's row, or without
+  one the mean of the patch rows (never a register's), each map divided by its maximum."""
   check_tokens(matrices.shape[-1], grid, num_prefix_tokens, what)
-  rows = (matrices[..., 0, num_prefix_tokens:] if num_prefix_tokens
-          else matrices.mean(axis=-2)).astype(np.float64)
+  patches = matrices[..., num_prefix_tokens:]
+  rows = (patches[..., 0, :] if has_class_token(num_prefix_tokens, num_registers)
+          else patches[..., num_prefix_tokens:, :].mean(axis=-2)).astype(np.float64)
   peak = rows.max(axis=-1, keepdims=True)
   rows = np.divide(rows, peak, out=np.zeros_like(rows), where=peak > 0)
   return rows.reshape(*rows.shape[:-1], *grid).astype(np.float32)
 
 
-def class_token_map(rollout_matrix: Any, grid: Any, *, num_prefix_tokens: int = 1) -> np.ndarray:
-  """``[B, N, N]`` -> ``[B, gh, gw]`` float32 in [0, 1]: token 0's row over the patches (with
-  ``num_prefix_tokens=0`` the mean row), divided by its maximum. ValueError: mismatched shapes.
+def class_token_map(rollout_matrix: Any, grid: Any, *, num_prefix_tokens: int = 1,
+                    num_registers: int = 0) -> np.ndarray:
+  """``[B, N, N]`` -> ``[B, gh, gw]`` float32 in [0, 1]: the class token's row (token 0) over the
+  patches; without a class token (``num_prefix_tokens == num_registers``) the mean of the patch
+  rows; divided by its maximum. ValueError: mismatched shapes or prefix counts.
   """
   matrix = np.asarray(rollout_matrix)
   if matrix.ndim != 3 or matrix.shape[1] != matrix.shape[2]:
     raise ValueError(f'rollout_matrix must have shape [B, N, N] (from rollout()), got '
                      f'{matrix.shape}')
   return _token_maps(matrix, as_pair(grid, 'grid'), as_prefix(num_prefix_tokens),
-                     'rollout_matrix')
+                     num_registers, 'rollout_matrix')
 
 
 def layer_class_token_maps(attentions: AttentionStack, grid: Any, *, num_prefix_tokens: int = 1,
-                           head_fusion: str = 'mean') -> np.ndarray:
+                           num_registers: int = 0, head_fusion: str = 'mean') -> np.ndarray:
   """The class token's attention per layer, ``[L, B, gh, gw]`` float32 in [0, 1] (heads fused as
   :func:`rollout`, rows as :func:`class_token_map`)."""
   grid, num_prefix_tokens = as_pair(grid, 'grid'), as_prefix(num_prefix_tokens)
   layers = _layers(attentions)
-  return np.stack([_token_maps(_fuse(layer, head_fusion), grid, num_prefix_tokens,
+  return np.stack([_token_maps(_fuse(layer, head_fusion), grid, num_prefix_tokens, num_registers,
                                f'attentions[{i}]') for i, layer in enumerate(layers)])
 
 

@@ -12,7 +12,9 @@ from vit_jax.analysis import attention_maps
 
 def posemb_similarity(pos_embedding: Any, grid: Any, num_prefix_tokens: int) -> np.ndarray:
   """``[gh, gw, gh, gw]`` float32 cosine similarities of the patches' position embeddings
-  (``[1, T, D]`` or ``[T, D]``, prefix rows first). ValueError: bad shapes, values, zero rows."""
+  (``[1, T, D]`` or ``[T, D]``, ``num_prefix_tokens`` rows first: one per class token and
+  register, none with timm's ``no_embed_class``, :func:`vit_jax.models.vit.posemb_prefix_rows`).
+  ValueError: bad shapes, values, zero rows."""
   table = np.asarray(pos_embedding)
   if table.ndim == 3 and table.shape[0] == 1:
     table = table[0]

@@ -10,12 +10,12 @@ import io
 import math
 from typing import Any, Callable, Optional, Sequence, Tuple
 
-from etils import epath
 from matplotlib import colormaps
 from matplotlib import figure as mpl_figure
 from matplotlib.backends import backend_agg
 import numpy as np
 
+from vit_jax import storage
 from vit_jax.analysis import attention_maps
 
 #: Resolution of the figures (pixels per inch).
@@ -37,10 +37,9 @@ def _new_figure(width: float, height: float, dpi: int) -> mpl_figure.Figure:
 def write_png(fig: mpl_figure.Figure, path: str) -> str:
   """Writes ``fig`` to ``path`` (local or gs://) as a PNG, its parent folders created; returns
   ``path``."""
-  target, png = epath.Path(path), io.BytesIO()
-  target.parent.mkdir(parents=True, exist_ok=True)
+  png = io.BytesIO()
   fig.savefig(png, format='png', dpi=fig.dpi)
-  target.write_bytes(png.getvalue())
+  storage.write_bytes(path, png.getvalue())
   return path
 
 

@@ -92,9 +92,8 @@ def load_for_finetuning(path: Any, model: Any, fresh: Mapping, *, use_ema: bool 
     raise ValueError(f'{tree.non_finite_message(f"The fine-tuning checkpoint {ckpt.path}", bad)}: '
                      'fine-tune from other weights (or a step of the run before it diverged).')
   prefix_rows = None
-  if all(hasattr(model, k) for k in ('classifier', 'num_registers', 'no_embed_class')):  # A ViT.
-    prefix_rows = models.vit.posemb_prefix_rows(model.classifier, model.num_registers,
-                                                model.no_embed_class)
+  if isinstance(model, models.VisionTransformer):
+    prefix_rows = models.vit.posemb_prefix_rows(model)
   stated = getattr(model, 'posemb_grid', None)
   if grid is None and isinstance(model, models.VisionTransformer):
     grid = stated or vit_shapes.token_grid(image_size, {

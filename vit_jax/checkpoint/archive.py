@@ -16,8 +16,8 @@ from typing import Any, BinaryIO, Dict, Iterator, Mapping, Optional, Tuple, Unio
 import numpy as np
 
 from vit_jax import rundir
+from vit_jax import storage
 from vit_jax.checkpoint import durable
-from vit_jax.checkpoint import paths
 
 #: The first bytes of a zip archive (a local file header; an empty archive's end record).
 ZIP_MAGICS = (b'PK\x03\x04', b'PK\x05\x06')
@@ -58,7 +58,7 @@ def kind(head: bytes) -> Optional[str]:
 def file_size(file: File) -> int:
   """The size in bytes of a local or remote file or a seekable file object (position kept)."""
   if isinstance(file, (str, os.PathLike)):
-    return paths.size(os.fspath(file))
+    return storage.size(os.fspath(file))
   position = file.tell()
   end = file.seek(0, io.SEEK_END)
   file.seek(position)
@@ -68,7 +68,7 @@ def file_size(file: File) -> int:
 def read_head(file: File, size: int) -> bytes:
   """The first ``size`` bytes of a local path or a seekable file object (its position kept)."""
   if isinstance(file, (str, os.PathLike)):
-    return paths.read_bytes(os.fspath(file), size)
+    return storage.read_bytes(os.fspath(file), size)
   position = file.tell()
   try:
     return file.read(size)
@@ -103,7 +103,7 @@ class Zip:
     if isinstance(file, (str, os.PathLike)):
       path = os.fspath(file)
       name = name or path
-      file = io.BytesIO(paths.read_bytes(path)) if paths.is_remote(path) else path
+      file = io.BytesIO(storage.read_bytes(path)) if storage.is_remote(path) else path
     name = name or '<file>'
     with _open_zip(file, name) as archive:
       return cls(name, file, tuple(archive.namelist()))
@@ -138,13 +138,13 @@ def read_header(path: str, head: bytes = b'') -> Header:
   """The header of the safetensors file at ``path``, no array read (``head``: its first bytes,
   when read); DamagedCheckpointError for a header cut short or not JSON."""
   damaged_file = lambda problem: damaged(path, problem, file_size(path))
-  head = head if len(head) >= 8 else paths.read_bytes(path, 8)
+  head = head if len(head) >= 8 else storage.read_bytes(path, 8)
   if len(head) < 8:
     raise damaged_file('it ends inside the header length')
   size = struct.unpack('<Q', head[:8])[0]
   if size > _MAX_SAFETENSORS_HEADER:
     raise damaged_file(f'its header length ({size:,} bytes) is not a safetensors one')
-  data = paths.read_bytes(path, 8 + size)[8:]
+  data = storage.read_bytes(path, 8 + size)[8:]
   try:
     header = rundir.parse_json(data, path, max_bytes=_MAX_SAFETENSORS_HEADER)
   except ValueError:  # Not JSON, or nested deeper than any header (rundir.MAX_JSON_DEPTH).
@@ -170,8 +170,8 @@ def read_safetensors(path: str) -> Dict[str, np.ndarray]:
   from safetensors import SafetensorError  # pylint: disable=g-import-not-at-top
   from safetensors import numpy as st_numpy  # pylint: disable=g-import-not-at-top
   try:
-    if paths.is_remote(path):
-      return dict(st_numpy.load(paths.read_bytes(path)))
+    if storage.is_remote(path):
+      return dict(st_numpy.load(storage.read_bytes(path)))
     return dict(st_numpy.load_file(path))
   except (SafetensorError, ValueError, TypeError) as e:
     raise damaged(path, f'its tensors cannot be read ({e})', file_size(path)) from None

@@ -15,7 +15,7 @@ import shutil
 import stat
 from typing import Any, BinaryIO, Callable, List, Union
 
-from vit_jax.checkpoint import paths
+from vit_jax import storage
 
 #: Files of a step that Orbax rewrites in its finalization, after :func:`rename_class`'s has
 #: forced the rest; empty after a crash within that moment, and not needed to restore the step.
@@ -47,18 +47,17 @@ def write_atomically(path: Any, content: Union[str, bytes, Callable[[BinaryIO], 
   (parent created) so that readers, a crash and a kill see the old or the new content:
   ``<path><partial>`` (removed on an error) forced and renamed, with an old file's permissions;
   ``gs://``: one object write, made at its end. Raises OSError, ``path`` then unchanged."""
-  from etils import epath  # pylint: disable=g-import-not-at-top
-  path = epath.Path(path)
-  path.parent.mkdir(parents=True, exist_ok=True)
+  path = os.fspath(path)
   if isinstance(content, str):
     content = content.encode('utf-8')
-  if paths.is_remote(os.fspath(path)):
+  if storage.is_remote(path):
     if callable(content):
       buffer = io.BytesIO()
       content(buffer)
       content = buffer.getvalue()
-    path.write_bytes(content)
+    storage.write_bytes(path, content)
     return
+  os.makedirs(os.path.dirname(path) or '.', exist_ok=True)
   partial = f'{path}{partial}'
   try:
     with open(partial, 'wb') as f:
@@ -75,7 +74,7 @@ def write_atomically(path: Any, content: Union[str, bytes, Callable[[BinaryIO], 
     with contextlib.suppress(OSError):
       os.remove(partial)
     raise
-  _sync(os.fspath(path.parent), directory=True)
+  _sync(os.path.dirname(os.path.abspath(path)), directory=True)
 
 
 def move_into_place(staging: Any, target: Any) -> None:
@@ -125,7 +124,7 @@ def damaged_files(step_dir: Any) -> List[str]:
   """The empty files of a local step (relative; :data:`FINALIZATION_FILES` excepted), ``[]`` remote.
   """
   root = os.fspath(step_dir)
-  if paths.is_remote(root):
+  if storage.is_remote(root):
     return []
   files = [os.path.join(directory, name) for directory, _, names in os.walk(root)
            for name in names if name not in FINALIZATION_FILES]

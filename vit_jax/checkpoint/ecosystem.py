@@ -57,7 +57,8 @@ def write(dst: str, params: Mapping[str, Any], fields: Mapping[str, Any], *, to:
   ``config.model`` and ``num_classes``) as transformers (``to='hf'``) or timm weights at ``dst``
   (:func:`output_paths`), with the class names and the preprocessing it expects (square
   ``image_size``, ``normalization``); returns the line of Python that loads them. Raises
-  ValueError naming what the target cannot express, e.g. a hybrid, a ``pre_logits`` layer."""
+  ValueError naming what the target cannot express, e.g. a hybrid, a ``pre_logits`` layer, and
+  the formats that keep it."""
   library, name = _TARGETS[to]
   fields = dict(fields)
   if 'patch_size' in fields:  # A config's (P, P) pair: square patches are one int for both.
@@ -70,7 +71,9 @@ def write(dst: str, params: Mapping[str, Any], fields: Mapping[str, Any], *, to:
     problems.append('not a ViT (T2T-ViT has another layout)')
   problems += library.export_problems(fields)
   if problems:
-    raise ValueError(f"The model cannot be written as a {name}: it has {'; '.join(problems)}.")
+    raise ValueError(f"The model cannot be written as a {name}: it has {'; '.join(problems)}. "
+                     'An Orbax directory or an .npz (with its .vit_jax.json) keeps every field: '
+                     'python -m vit_jax.convert SRC DIR (or SRC FILE.npz).')
   params = layout.unbox(params)
   if layout.is_scanned(params):
     params = layout.unscan_params(params)
@@ -88,8 +91,7 @@ def _materialise_posemb(params: Mapping[str, Any], fields: Mapping[str, Any],
   ph, pw = vit.patch_pair(fields['patch_size'])
   width = int(fields['hidden_size'])
   table = np.asarray(vit.posemb_sincos_2d(image_size // ph, image_size // pw, width))
-  rows = vit.posemb_prefix_rows('token' if 'cls' in params else 'gap',
-                                fields.get('num_registers', 0), fields.get('no_embed_class', False))
+  rows = vit.posemb_prefix_rows(dict(fields, classifier='token' if 'cls' in params else 'gap'))
   if rows:
     table = np.concatenate([np.zeros((1, rows, width), table.dtype), table], axis=1)
   encoder = dict(params['Transformer'], posembed_input={'pos_embedding': table})

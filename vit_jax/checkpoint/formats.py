@@ -15,13 +15,13 @@ import numpy as np
 
 from vit_jax import models
 from vit_jax import rundir
+from vit_jax import storage
 from vit_jax.checkpoint import archive
 from vit_jax.checkpoint import ecosystem
 from vit_jax.checkpoint import hf_vit
 from vit_jax.checkpoint import mismatch
 from vit_jax.checkpoint import npz
 from vit_jax.checkpoint import orbax
-from vit_jax.checkpoint import paths
 from vit_jax.checkpoint import t2t_torch
 from vit_jax.checkpoint import timm_vit
 from vit_jax.checkpoint import torch_pickle
@@ -50,7 +50,7 @@ class Probe:
 
 
 def _probe(source: Any) -> Probe:
-  path, names, head = paths.probe(source, 9)
+  path, names, head = storage.probe(source, 9)
   probe = Probe(path, None if names is None else tuple(names), head)
   if names is not None:
     probe.hf_directory, probe.hf_names = hf_vit.find(path, names)
@@ -84,12 +84,20 @@ class Contents:
   from_paper: Tuple[str, ...] = ()
 
 
-def _weights_alone(variables: Dict[str, Any], description: str, **recorded: Any) -> Contents:
-  """Weights without a config: what the file recorded, else their paper's evaluation (ViT:
-  pixels in [-1, 1]; T2T-ViT: ImageNet mean and std, a 90% centre crop) at the image size of
-  the position table (T2T-ViT: 16 px per row of its grid)."""
+def _weights_alone(variables: Dict[str, Any], description: str,
+                   kept: Optional[Dict[str, Any]] = None, **recorded: Any) -> Contents:
+  """Weights without a config: what the file recorded (``kept``: the model fields written
+  beside them, ``vit_shapes.KEPT_FIELDS``, which override the shapes' reading and join the
+  ``numerics``), else their paper's evaluation (ViT: pixels in [-1, 1]; T2T-ViT: ImageNet mean
+  and std, a 90% centre crop) at the image size of the position table (T2T-ViT: 16 px per row
+  of its grid)."""
   shapes = tree.shapes(variables)
-  vit = vit_shapes.architecture_fields(shapes)
+  kept = dict(kept or {})
+  vit = vit_shapes.architecture_fields(shapes, recorded.get('image_size'),
+                                       strict='no_embed_class' not in kept)
+  if vit is not None and kept:
+    vit.update(kept)
+    recorded['numerics'] = {**(recorded.get('numerics') or {}), **kept}
   if vit is not None:
     paper = dict(normalization='minus_one_to_one', image_size=vit_shapes.image_size(shapes, vit))
   else:
@@ -130,19 +138,30 @@ class Checkpoint:
   def fields(self, num_heads: Optional[int] = None) -> Dict[str, Any]:
     """The ``vit_jax.models.create`` keywords the weights imply (with ``image_size``);
     ValueError where they cannot say (a PyTorch file: give the model). Here the architecture
-    from the shapes, the official numerics."""
+    from the shapes, then the fields kept beside them (:meth:`kept`), else the official
+    numerics."""
     shapes = self.shapes()
-    fields = vit_shapes.architecture_fields(shapes)
+    kept, size = self.kept()
+    fields = vit_shapes.architecture_fields(shapes, size, strict='no_embed_class' not in kept)
     if fields is None:
       raise ValueError(f'{self.path} holds no ViT parameters (no embedding/kernel).')
-    fields.update(gelu_approximate=True, layer_norm_epsilon=models.vit.LAYERNORM_EPSILON,
-                  image_size=vit_shapes.image_size(shapes, fields))
+    fields.update(gelu_approximate=True, layer_norm_epsilon=models.vit.LAYERNORM_EPSILON)
+    fields.update(kept)
+    fields['image_size'] = vit_shapes.image_size(shapes, fields)
     return fields
+
+  def kept(self) -> Tuple[Dict[str, Any], Optional[int]]:
+    """The model fields this project wrote beside the weights (``vit_shapes.KEPT_FIELDS``;
+    ``{}``: none) and the image size it recorded (or None)."""
+    return {}, None
 
   def numerics(self, num_heads: Optional[int] = None) -> Optional[Tuple[Dict[str, Any], str]]:
     """``(numerics fields, family)`` from the headers and config only, or None where the format
-    records none (``vit_jax.config`` sets a fine-tuning model's numerics from them)."""
-    return None
+    records none (``vit_jax.config`` sets a fine-tuning model's numerics from them); here the
+    :meth:`kept` ones."""
+    kept = self.kept()[0]
+    wanted = ecosystem.NUMERICS + ecosystem.RESAMPLING
+    return ({k: kept[k] for k in wanted if k in kept}, self.family) if kept else None
 
   def table_grid(self, shapes: Dict[str, Tuple[int, ...]]) -> Optional[Tuple[int, int]]:
     """The ``(rows, columns)`` token grid that the learned position table of these weights
@@ -195,13 +214,29 @@ class _Npz(Checkpoint):
   def shapes(self):  # From the .npy headers: no array is read.
     return npz.read_npz_shapes(self.path, self.probe.zip)[0]
 
+  def kept(self):  # The JSON file beside (npz.fields_path).
+    facts = npz.read_npz_facts(self.path)
+    return vit_shapes.from_kept(facts.get('model')), facts.get('image_size')
+
   def numerics(self, num_heads=None):
     shapes, big_vision = npz.read_npz_shapes(self.path, self.probe.zip)
-    fields = vit_shapes.architecture_fields(shapes)
+    kept, size = self.kept()
+    fields = vit_shapes.architecture_fields(shapes, size, strict=False)
     if fields is None:  # Not a ViT's .npz: left to the load's checks.
       return None
-    return ({k: fields[k] for k in ('posemb', 'classifier')},
-            'a big_vision .npz' if big_vision else self.family)
+    found = {k: fields[k] for k in ('posemb', 'classifier')}
+    found.update((super().numerics(num_heads) or ({},))[0])
+    return found, 'a big_vision .npz' if big_vision else self.family
+
+  def _contents(self, use_ema, step, model_name, overrides):
+    facts = npz.read_npz_facts(self.path)
+    variables = self.read(use_ema=use_ema, evaluate=False)
+    head = tree.shapes(variables).get('params/head/kernel', (None,))[-1]
+    names = _check_names(facts.get('label_names'), head, npz.fields_path(self.path),
+                         'restore the file, or delete it')
+    recorded = {k: facts.get(k) for k in orbax.EXPORT_FACTS}
+    return _weights_alone(variables, self.path, vit_shapes.from_kept(facts.get('model')),
+                          **{**recorded, 'label_names': names})
 
   def read(self, *, model=None, use_ema=True, image_size=None, evaluate=True):
     return self._fitted(npz.load_npz(self.path, self.probe.zip), model, image_size, evaluate)
@@ -272,6 +307,13 @@ class _Orbax(Checkpoint):
     return self._fitted(orbax.read_variables(item, use_ema=use_ema), model, image_size,
                         evaluate)
 
+  def kept(self):  # A convert directory's (orbax.EXPORT_JSON); a run's config is read apart.
+    run = workdir.read_run(self.path)
+    if run.config is not None:
+      return {}, None
+    facts = orbax.read_export_metadata(run.state_item) or {}
+    return vit_shapes.from_kept(facts.get('model')), facts.get('image_size')
+
   def table_grid(self, shapes):
     run = workdir.read_run(self.path)
     if run.config is None:  # A convert directory: the image size its source recorded, if any.
@@ -289,11 +331,12 @@ class _Orbax(Checkpoint):
       kept = orbax.read_export_metadata(run.state_item) or {}
       head = tree.shapes(variables).get('params/head/kernel', (None,))[-1]
       names = _check_names(kept.get('label_names'), head,
-                           paths.join(run.state_item, orbax.EXPORT_JSON),
+                           storage.join(run.state_item, orbax.EXPORT_JSON),
                            'restore the file, or delete it (then 1,000 or 21,843 classes get the '
                            'official ImageNet names, others their numbers)')
       recorded = {k: kept.get(k) for k in orbax.EXPORT_FACTS}
-      return _weights_alone(variables, self.path, **{**recorded, 'label_names': names})
+      return _weights_alone(variables, self.path, vit_shapes.from_kept(kept.get('model')),
+                            **{**recorded, 'label_names': names})
     data = run.config.get('data') or {}
     names, multi_label = _label_names(run.dataset, int(run.config['num_classes']), run)
     weights = 'EMA parameters' if use_ema and run.has_ema else 'parameters'
@@ -322,15 +365,16 @@ def _label_names(dataset: Optional[Dict[str, Any]], num_classes: int, run: workd
 
 class _Foreign(Checkpoint):
   """transformers or timm ViT weights, whose numerics the files record; ``_weights(num_heads,
-  gelu_approximate)`` gives ``(params, fields with image_size, class names or None)`` (the
-  arguments: the model's, for a file that does not record them)."""
+  gelu_approximate, no_embed_class)`` gives ``(params, fields with image_size, class names or
+  None)`` (the arguments: the model's, for a file that does not record them)."""
 
   def numerics(self, num_heads=None):
     return self.fields(num_heads), self.family
 
   def read(self, *, model=None, use_ema=True, image_size=None, evaluate=True):
     params, fields, _ = self._weights(getattr(model, 'num_heads', None),
-                                      getattr(model, 'gelu_approximate', None))
+                                      getattr(model, 'gelu_approximate', None),
+                                      getattr(model, 'no_embed_class', None))
     if model is not None and evaluate:
       ecosystem.check_numerics(fields, model, self.path)
     return self._fitted({'params': params}, model, image_size or fields['image_size'],
@@ -341,7 +385,8 @@ class _Foreign(Checkpoint):
     if heads is None and model_name:
       with contextlib.suppress(ValueError, TypeError):  # Reported later (e.g. ViT-custom).
         heads = models.model_config(model_name, **overrides).get('num_heads')
-    params, fields, names = self._weights(heads, overrides.get('gelu_approximate'))
+    params, fields, names = self._weights(heads, overrides.get('gelu_approximate'),
+                                          overrides.get('no_embed_class'))
     return _weights_alone(
         {'params': params}, f'{self.path} ({self.family.removeprefix("a ")})',
         numerics={k: fields[k] for k in ecosystem.NUMERICS}, image_size=fields['image_size'],
@@ -352,7 +397,8 @@ class _Foreign(Checkpoint):
 
   def read_for_finetuning(self, model, use_ema=True):
     params, fields, _ = self._weights(getattr(model, 'num_heads', None),
-                                      getattr(model, 'gelu_approximate', None))
+                                      getattr(model, 'gelu_approximate', None),
+                                      getattr(model, 'no_embed_class', None))
     try:
       ecosystem.check_numerics(fields, model, self.path)
     except ValueError as e:
@@ -380,7 +426,7 @@ class _Hf(_Foreign):
     return vit_shapes.token_grid(hf_vit.read_config(self.probe.hf_directory).get('image_size'),
                                  vit_shapes.architecture_fields(shapes))
 
-  def _weights(self, num_heads, gelu_approximate=None):  # Both in config.json.
+  def _weights(self, num_heads, gelu_approximate=None, no_embed_class=None):  # config.json's.
     return hf_vit.read(self.probe.hf_directory, self.probe.hf_names)
 
   def _normalization(self):
@@ -395,12 +441,19 @@ class _Timm(_Foreign):
   def sniff(self):
     return self.probe.header is not None and timm_vit.is_timm_names(self.probe.header[0])
 
-  def fields(self, num_heads=None):
+  def fields(self, num_heads=None, strict=True):
     header = self.probe.header
-    return timm_vit.fields_from(archive.shapes(header), header[1], self.path, num_heads)
+    return timm_vit.fields_from(archive.shapes(header), header[1], self.path, num_heads,
+                                strict=strict)
 
-  def _weights(self, num_heads, gelu_approximate=None):
-    return timm_vit.read(self.path, self.probe.header, num_heads, gelu_approximate)
+  def numerics(self, num_heads=None):  # Whatever the table's layout (not named here).
+    fields = self.fields(num_heads, strict=False)
+    layout = ('image_size', 'no_embed_class')
+    return {k: v for k, v in fields.items() if k not in layout}, self.family
+
+  def _weights(self, num_heads, gelu_approximate=None, no_embed_class=None):
+    return timm_vit.read(self.path, self.probe.header, num_heads, gelu_approximate,
+                         no_embed_class)
 
 
 #: Every format, in detection order (a torch zip before any zip, transformers before Orbax).
@@ -408,10 +461,13 @@ FORMATS = (_Hf, _Timm, _PyTorch, _Npz, _Orbax)
 
 
 def open(source: Any) -> Checkpoint:  # pylint: disable=redefined-builtin
-  """Detects the format of the checkpoint at ``source`` (local or ``scheme://``), once.
+  """Detects the format of the checkpoint at ``source`` (local, ``scheme://`` or a Hub name,
+  ``hf-hub:ORG/NAME[@REVISION]``, first resolved to its files in the Hugging Face cache by
+  ``storage.normalize``), once.
 
   Raises:
-    FileNotFoundError: nothing exists at ``source``.
+    FileNotFoundError: nothing exists at ``source``; a Hub name not cached while offline (naming
+      the download command, ``vit_jax.hub.resolve``).
     DamagedCheckpointError: a zip or safetensors file whose directory or header cannot be read.
     ValueError: no accepted format (named, with :data:`ACCEPTED_FORMATS`), e.g. a single-array
       ``.npy`` file, a ``.safetensors`` file of another model, or with transformers names but

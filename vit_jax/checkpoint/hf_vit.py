@@ -12,10 +12,11 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 import numpy as np
 
 from vit_jax import rundir
+from vit_jax import storage
 from vit_jax.checkpoint import archive
 from vit_jax.checkpoint import durable
-from vit_jax.checkpoint import paths
 from vit_jax.checkpoint import torch_layout
+from vit_jax.checkpoint import vit_shapes
 from vit_jax.models import vit_fields
 
 CONFIG_FILE = 'config.json'
@@ -35,6 +36,21 @@ _INT_FIELDS = ('hidden_size', 'num_hidden_layers', 'num_attention_heads', 'inter
 _SIZE_FIELDS = ('image_size', 'patch_size')
 #: ``hidden_act`` values -> ``gelu_approximate``.
 GELUS = {'gelu': False, 'gelu_pytorch_tanh': True, 'gelu_new': True, 'gelu_fast': True}
+#: The fields the weights record that a ViTConfig has no key for (``hf`` None) but that
+#: transformers' ViT expresses in part, checked by name (:func:`export_problems`): the pooling
+#: (the class token), the patch (square), the pooler (``pre_logits`` of a ``ViTModel``), a fixed
+#: table (written as a learned one). Every other such field must keep its default.
+_CHECKED_APART = ('classifier', 'patch_size', 'representation_size', 'posemb')
+
+#: The ``config.json`` key of the fields this project keeps that a ``ViTConfig`` has no key
+#: for and the weights do not record (:data:`KEPT_IN_CONFIG`; transformers keeps unknown keys).
+CONFIG_KEY = 'vit_jax_model'
+
+#: Those fields (``vit_shapes.KEPT_FIELDS`` not in the weights, without an ``hf`` name, but the
+#: GELU, which ``hidden_act`` says): the position table's resize and grid.
+KEPT_IN_CONFIG = tuple(f.name for f in vit_fields.VIT_FIELDS
+                       if f.name in vit_shapes.KEPT_FIELDS and not f.in_weights and not f.hf
+                       and f.name != 'gelu_approximate')
 
 _BLOCK = re.compile(r'^(?:vit\.)?(?:encoder\.layer|layers)\.(\d+)\.(.+)\.(weight|bias)$')
 _BLOCK_MODULES = {
@@ -95,7 +111,7 @@ def find(path: str, names: Optional[Sequence[str]] = None
   listing) or whose weight file it is; ``(None, ())`` unless it holds ``config.json`` (and, given
   as a directory, ``model.safetensors`` or its index)."""
   directory = path if names is not None else os.path.dirname(path) or '.'
-  listing = set(names if names is not None else paths.listdir(directory))
+  listing = set(names if names is not None else storage.listdir(directory))
   if CONFIG_FILE not in listing or (names is not None
                                     and not listing & {WEIGHTS_FILE, INDEX_FILE}):
     return None, ()
@@ -138,7 +154,7 @@ def read_config(directory: str) -> Dict[str, Any]:
   the field and the fix) for one not a bounded JSON object (:func:`rundir.read_json`), with a
   field of the wrong type (or no ``num_attention_heads``), of another ``model_type`` (e.g.
   'deit') or a ``hidden_act`` without an equivalent."""
-  path = paths.join(directory, CONFIG_FILE)
+  path = storage.join(directory, CONFIG_FILE)
   config = _read_json(path)
   problem = _field_problem(config)
   if problem:
@@ -161,15 +177,15 @@ def weight_files(directory: str, names: Sequence[str]) -> Tuple[str, ...]:
   """The safetensors files of a transformers directory listing ``names`` (one, or the shards
   of its index); FileNotFoundError without (naming a ``pytorch_model.bin``)."""
   if WEIGHTS_FILE in names:
-    return (paths.join(directory, WEIGHTS_FILE),)
+    return (storage.join(directory, WEIGHTS_FILE),)
   if INDEX_FILE in names:
-    path = paths.join(directory, INDEX_FILE)
+    path = storage.join(directory, INDEX_FILE)
     weight_map = _read_json(path).get('weight_map')
     if not (isinstance(weight_map, dict) and weight_map
             and all(isinstance(f, str) and f for f in weight_map.values())):
       raise ValueError(f'{path} is not a safetensors index: it needs a weight_map object of tensor '
                        f'names to file names; {_FIX}.')
-    return tuple(paths.join(directory, f) for f in sorted(set(weight_map.values())))
+    return tuple(storage.join(directory, f) for f in sorted(set(weight_map.values())))
   extra = (' (it has pytorch_model.bin only: take model.safetensors from the same Hub '
            'repository)') if 'pytorch_model.bin' in names else ''
   raise FileNotFoundError(f'{directory} has no {WEIGHTS_FILE}{extra}.')
@@ -196,9 +212,13 @@ def fields_from(shapes: Mapping[str, Tuple[int, ...]], config: Mapping[str, Any]
   architecture from the tensor shapes, heads, GELU, LayerNorm epsilon and image size from the
   config."""
   fields = torch_layout.shapes_to_fields(canonical(shapes, path))
-  fields.update(num_heads=int(config['num_attention_heads']), posemb='learn',
-                gelu_approximate=GELUS[config.get('hidden_act', 'gelu')],
+  # The config's keys that are fields (``hf`` names; the shapes' architecture first).
+  fields.update({f.name: f.type(config[f.hf]) for f in vit_fields.VIT_FIELDS
+                 if f.hf and f.hf in config and f.name not in fields})
+  fields.update(posemb='learn', gelu_approximate=GELUS[config.get('hidden_act', 'gelu')],
                 layer_norm_epsilon=float(config.get('layer_norm_eps', 1e-12)))
+  kept = vit_shapes.from_kept(config.get(CONFIG_KEY))
+  fields.update({k: kept[k] for k in KEPT_IN_CONFIG if k in kept})
   size = config.get('image_size')
   fields['image_size'] = int(np.ravel(size)[0]) if size else None
   return fields
@@ -229,7 +249,7 @@ def normalization(directory: str, names: Sequence[str]) -> Optional[str]:
   if PREPROCESSOR_FILE not in names:
     return None
   try:
-    config = _read_json(paths.join(directory, PREPROCESSOR_FILE))
+    config = _read_json(storage.join(directory, PREPROCESSOR_FILE))
     mean = tuple(round(float(m), 3) for m in config.get('image_mean', []))
   except (ValueError, TypeError, AttributeError):
     return None
@@ -246,15 +266,12 @@ def export_problems(fields: Mapping[str, Any]) -> List[str]:
     problems.append('a pre_logits layer before the head (ViTForImageClassification has none)')
   if not isinstance(fields.get('patch_size'), int):
     problems.append(f"non-square patches {fields.get('patch_size')}")
-  # timm's variants (DeiT III, DINOv2): transformers' ViT has none of them (export with --to timm).
-  if fields.get('layerscale_init') is not None:
-    problems.append('LayerScale (layerscale_init; export with --to timm)')
-  if fields.get('num_registers'):
-    problems.append(f"{fields['num_registers']} register tokens (num_registers; export with "
-                    '--to timm)')
-  if fields.get('no_embed_class') and fields.get('posemb', 'learn') == 'learn':
-    problems.append('a position table without a class-token row (no_embed_class; export with '
-                    '--to timm)')
+  # The recorded fields a ViTConfig has no key for (timm's variants: export with --to timm).
+  for f in vit_fields.VIT_FIELDS:
+    value = fields.get(f.name, f.default)
+    if f.in_weights and not f.hf and f.name not in _CHECKED_APART and value != f.default:
+      fix = '; export with --to timm' if f.timm else ''
+      problems.append(f'{f.name}={value!r} (a ViTConfig has no {f.name}{fix})')
   return problems
 
 
@@ -324,6 +341,9 @@ def to_hf(params: Mapping[str, Any], fields: Mapping[str, Any], *, image_size: i
       'image_size': int(image_size), 'patch_size': patch, 'encoder_stride': patch,
       'num_channels': int(canonical_arrays['patch_embed.proj.weight'].shape[1]),
   }
+  kept = {k: fields[k] for k in KEPT_IN_CONFIG if k in fields}
+  if kept:
+    config[CONFIG_KEY] = vit_shapes.kept_fields(kept)
   if labels:
     config['id2label'] = {str(i): n for i, n in enumerate(labels)}
     config['label2id'] = {n: i for i, n in enumerate(labels)}

@@ -25,8 +25,8 @@ from jax.experimental import multihost_utils
 import numpy as np
 
 from vit_jax import rundir
+from vit_jax import storage
 from vit_jax.checkpoint import durable
-from vit_jax.checkpoint import paths
 
 _log = logging.getLogger('absl')
 
@@ -115,9 +115,9 @@ class WorkdirLock:
                heartbeat: Optional[bool] = None):
     self.workdir = workdir
     self.timeout_s, self.settle_s = float(timeout_s), float(settle_s)
-    remote = paths.is_remote(workdir)
+    remote = storage.is_remote(workdir)
     self.heartbeat = remote if heartbeat is None else bool(heartbeat)
-    self.path = paths.join(workdir if remote else os.path.abspath(workdir), rundir.LOCK_JSON)
+    self.path = storage.join(storage.absolute(workdir), rundir.LOCK_JSON)
     self._token = uuid.uuid4().hex
     self._fd: Optional[int] = None
     self._created: list[str] = []  # Local directories this lock created.
@@ -146,7 +146,7 @@ class WorkdirLock:
     """Takes the lock (a stale one with a WARNING naming its holder). Raises
     WorkdirInUseError (naming the live holder and what to do) or OSError (the lock file cannot
     be written, or a local ``lock.json`` is no file: named, with the fix)."""
-    local = not paths.is_remote(self.workdir)
+    local = not storage.is_remote(self.workdir)
     if local:
       self._make_dirs()
     try:
@@ -189,7 +189,7 @@ class WorkdirLock:
           raise
       finally:
         os.close(fd)
-    holder = self._read_record() if paths.exists(self.path) else None  # A heartbeat lock.
+    holder = self._read_record() if storage.exists(self.path) else None  # A heartbeat lock.
     if holder is None:
       return None
     own = holder.get('timeout_s')  # The holder's staleness age, where longer than ours.
@@ -236,10 +236,10 @@ class WorkdirLock:
 
   def _read_record(self) -> Optional[Dict[str, Any]]:
     try:
-      data = paths.read_bytes(self.path, rundir.MAX_JSON_BYTES + 1)
+      data = storage.read_bytes(self.path, rundir.MAX_JSON_BYTES + 1)
       return _parse(data.decode('utf-8', 'replace'))
     except (OSError, ValueError):
-      return None if not paths.exists(self.path) else {}
+      return None if not storage.exists(self.path) else {}
 
   def _is_stale(self, record: Dict[str, Any], timeout_s: Optional[float] = None) -> bool:
     heartbeat = record.get('heartbeat_unix')
@@ -253,7 +253,7 @@ class WorkdirLock:
     durable.write_atomically(self.path, json.dumps(record, indent=1), f'.{self._token}')
 
   def _acquire_heartbeat(self) -> None:
-    holder = self._read_record() if paths.exists(self.path) else None
+    holder = self._read_record() if storage.exists(self.path) else None
     if holder is not None:
       if not self._is_stale(holder):
         beat = holder.get('heartbeat_unix')
@@ -304,7 +304,7 @@ class WorkdirLock:
           self._heartbeat.join()
         current = self._read_record()
         if current and current.get('token') == self._token:
-          paths.remove(self.path)
+          storage.remove(self.path)
     except Exception as e:  # pylint: disable=broad-except  (TensorFlow's are not OSErrors)
       _log.warning('Could not release the lock %s: %s', self.path, e)
     if remove_created_dirs:

@@ -1,10 +1,14 @@
 """Official and big_vision ViT ``.npz`` files (flat ``np.savez`` of ``/``-joined names): read
 without unpickling into the official per-layer layout, older files fixed, a big_vision
-two-tower model's (SigLIP's) image tower taken; and written."""
+two-tower model's (SigLIP's) image tower taken; and written, with what the arrays do not say
+(the model fields, class names, preprocessing) in a JSON file beside (:func:`fields_path`):
+the official loader flattens every key of an ``.npz`` into the parameter tree, so the ``.npz``
+itself holds the parameters only and stays readable by the official code."""
 
 from __future__ import annotations
 
 import itertools
+import json
 import math
 import re
 import zipfile
@@ -14,9 +18,10 @@ from typing import Any, Dict, Iterator, Optional, Tuple
 from absl import logging
 import numpy as np
 
+from vit_jax import rundir
+from vit_jax import storage
 from vit_jax.checkpoint import archive
 from vit_jax.checkpoint import durable
-from vit_jax.checkpoint import paths
 from vit_jax.checkpoint import tree as tree_lib
 from vit_jax.checkpoint import vit_shapes
 from vit_jax.checkpoint.tree import flatten_params, unflatten_params
@@ -86,7 +91,7 @@ def from_big_vision(params: Mapping[str, Any]) -> Dict[str, Any]:
 
 def _zip(path: Any) -> archive.Zip:
   """The ``.npz`` file at ``path``, checked to be one (when no detection opened it)."""
-  path, names, head = paths.probe(path, 4, 'No .npz file')
+  path, names, head = storage.probe(path, 4, 'No .npz file')
   if names is not None or archive.kind(head) != 'zip':
     raise ValueError(f'{path!r} is not an .npz archive (a zip file); vit_jax.checkpoint.load '
                      'reads the other formats.')
@@ -214,7 +219,7 @@ def save_npz(path: Any, params: Mapping) -> None:
   :func:`.durable.write_atomically` (a kill leaves the old file): unrolled blocks, ``bfloat16``
   and other ml_dtypes as float32, like the published files. Raises ValueError: non-numeric
   leaves or keys that cannot be flattened."""
-  path = paths.normalize(path)
+  path = storage.normalize(path)
   if isinstance(params, Mapping) and isinstance(params.get('params'), Mapping):
     params = params['params']
   if layout.is_scanned(params):
@@ -229,3 +234,32 @@ def save_npz(path: Any, params: Mapping) -> None:
     except (TypeError, ValueError):
       raise ValueError(f'Parameter {key!r} has non-numeric dtype {array.dtype}') from None
   durable.write_atomically(path, lambda f: np.savez(f, **flat))
+
+
+#: The suffix of the JSON file beside an ``.npz`` (``X.npz`` -> ``X.vit_jax.json``).
+FIELDS_SUFFIX = '.vit_jax.json'
+
+
+def fields_path(path: Any) -> str:
+  """The JSON file :func:`save_npz_facts` writes beside the ``.npz`` at ``path``."""
+  path = storage.normalize(path)
+  return (path[:-4] if path.endswith('.npz') else path) + FIELDS_SUFFIX
+
+
+def save_npz_facts(path: Any, facts: Mapping[str, Any]) -> None:
+  """Writes ``facts`` (JSON-able: ``model``, the kept model fields,
+  ``vit_shapes.KEPT_FIELDS``; class names, preprocessing, as ``orbax.EXPORT_FACTS``) to
+  :func:`fields_path` of ``path``, atomically."""
+  durable.write_atomically(fields_path(path), json.dumps(dict(facts), indent=1) + '\n')
+
+
+def read_npz_facts(path: Any) -> Dict[str, Any]:
+  """What :func:`save_npz_facts` wrote beside the ``.npz`` at ``path`` (``{}`` without the
+  file; ``model`` checked to be an object). Raises ValueError naming a damaged file."""
+  where = fields_path(path)
+  fix = ('restore it or write the .npz again with python -m vit_jax.convert (or delete it: the '
+         'model is then read from the shapes alone, with the official numerics)')
+  facts = rundir.read_json(where, fix=fix) or {}
+  if not isinstance(facts.get('model', {}), dict):
+    raise ValueError(f'{where}: "model" is not a JSON object; {fix}.')
+  return facts

@@ -20,8 +20,8 @@ import numpy as np
 import vit_jax
 
 from vit_jax import rundir
+from vit_jax import storage
 from vit_jax.checkpoint import durable
-from vit_jax.checkpoint import paths
 from vit_jax.checkpoint.mismatch import ModelMismatchError, diff, mismatch_report
 from vit_jax.checkpoint.tree import describe_architecture, flatten_params
 from vit_jax.models import layout
@@ -48,7 +48,7 @@ def is_item(path: str, names: Optional[Sequence[str]] = None) -> bool:
   PyTree item directory."""
   if names is not None:
     return rundir.ITEM_MARKER in names
-  return paths.exists(paths.join(path, rundir.ITEM_MARKER)) and paths.isdir(path)
+  return storage.exists(storage.join(path, rundir.ITEM_MARKER)) and storage.isdir(path)
 
 
 @contextlib.contextmanager
@@ -148,13 +148,12 @@ def save_orbax(path: Any, variables: Mapping, *, overwrite: bool = False,
   (e.g. ``label_names``, ``normalization``) in :data:`EXPORT_JSON`. Raises ValueError (no
   ``params``), FileExistsError (``path`` exists and not ``overwrite``), OSError."""
   ocp = import_orbax()
-  from etils import epath  # pylint: disable=g-import-not-at-top
 
   variables = layout.unbox(variables)  # Plain arrays (model.init boxes them with axis names).
   if not isinstance(variables, Mapping) or 'params' not in variables:
     raise ValueError("save_orbax expects variables {'params': ..., **collections}.")
   path = os.fspath(path)
-  target = epath.Path(path if paths.is_remote(path) else os.path.abspath(path))
+  target = storage.Path(path)
   if target.exists() and not overwrite:
     raise FileExistsError(f'{path} exists; choose a new destination or pass overwrite=True.')
   tree = {'params': variables['params']}
@@ -162,7 +161,7 @@ def save_orbax(path: Any, variables: Mapping, *, overwrite: bool = False,
   if extra:
     tree['model_state'] = dict(sorted(extra.items()))
   facts = None if metadata is None else json.dumps(dict(metadata), indent=1) + '\n'
-  if paths.is_remote(path):  # Objects: no directory to rename.
+  if storage.is_remote(path):  # Objects: no directory to rename.
     with ocp.StandardCheckpointer() as checkpointer:
       checkpointer.save(target, tree, force=overwrite)
     if facts is not None:
@@ -183,7 +182,7 @@ def save_orbax(path: Any, variables: Mapping, *, overwrite: bool = False,
 def read_export_metadata(item: Any) -> Optional[Dict[str, Any]]:
   """The ``metadata`` :func:`save_orbax` kept with an item, or None; ValueError (named, with
   the fix) for a file that is not a JSON object."""
-  return rundir.read_json(paths.join(paths.normalize(item), EXPORT_JSON), fix=(
+  return rundir.read_json(storage.join(storage.normalize(item), EXPORT_JSON), fix=(
       'restore it, or delete it (the class names and preprocessing are then the defaults of the '
       'weights)'))
 

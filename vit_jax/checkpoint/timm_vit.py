@@ -2,29 +2,32 @@
 read into this project's ViT, and written (docs/checkpoints.md, "Other libraries' weights"). The
 fused ``attn.qkv`` holds the q, k, v rows in that order. A file records neither its heads nor its
 GELU (the model's, else the exact one) unless this project wrote it (:data:`METADATA_KEY`).
-timm's variants map to the model's fields: LayerScale ``blocks.N.ls{1,2}.gamma`` (DeiT III,
-DINOv2) to ``LayerScale_{0,1}/scale``, ``reg_token`` to ``registers``, ``fc_norm`` to
-``fc_norm``, a table of the patches only (``no_embed_class``) to ``no_embed_class=True``."""
+timm's variants (LayerScale, registers, ``fc_norm``, QK normalisation) map by name
+(:mod:`.torch_layout`) and read as the model's fields from their parameters
+(:func:`.vit_shapes.variant_fields`); the keywords of timm's model are the fields' ``timm``
+names (:data:`vit_jax.models.vit_fields.VIT_FIELDS`)."""
 
 from __future__ import annotations
 
 import json
+import os
 import re
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
 from vit_jax import rundir
+from vit_jax import storage
 from vit_jax.checkpoint import archive
 from vit_jax.checkpoint import hf_vit
 from vit_jax.checkpoint import torch_layout
 from vit_jax.checkpoint import vit_shapes
 from vit_jax.checkpoint.tree import flatten_params, unflatten_params
+from vit_jax.models import fields as fields_lib
 from vit_jax.models import vit_fields
 
 #: Families of names that have no equivalent in this project's ViT, with what they are.
 REFUSED = (
-    ('.q_norm.', 'QK normalisation (qk_norm=True)'), ('.k_norm.', 'QK normalisation'),
     ('norm_pre.', 'a LayerNorm before the blocks (pre_norm=True, CLIP-style)'),
     ('patch_embed.norm.', 'a LayerNorm after the patch embedding'),
     ('dist_token', "DeiT's distillation token"), ('head_dist.', "DeiT's distillation head"),
@@ -32,16 +35,6 @@ REFUSED = (
     ('.mlp.norm.', 'a LayerNorm inside the MLP (scale_mlp_norm)'),
     ('attn_pool.pos_embed', 'a position embedding in the attention pooling'),
 )
-
-_CANONICAL = re.compile(
-    r'^(cls_token|pos_embed|patch_embed\.proj\.(weight|bias)|norm\.(weight|bias)|'
-    r'head\.(weight|bias)|blocks\.\d+\.(norm1|norm2|attn\.(q|k|v|proj)|mlp\.fc1|mlp\.fc2)\.'
-    r'(weight|bias)|attn_pool\.(latent|(q|k|v|proj|norm|mlp\.fc1|mlp\.fc2)\.(weight|bias))|'
-    r'reg_token|fc_norm\.(weight|bias)|blocks\.\d+\.ls[12]\.gamma)$')
-
-#: timm's LayerScale (``blocks.{i}.ls{1,2}.gamma``) and this ViT's (``LayerScale_{0,1}``).
-_TIMM_LAYERSCALE = re.compile(r'^blocks\.(\d+)\.ls([12])\.gamma$')
-_OUR_LAYERSCALE = re.compile(r'^Transformer/encoderblock_(\d+)/LayerScale_([01])/scale$')
 
 #: Heads of the standard ViT widths (ViT paper Table 1; Ti and S from DeiT).
 STANDARD_HEADS = {192: 3, 384: 6, 768: 12, 1024: 16, 1280: 16, 1408: 16, 1664: 16}
@@ -94,7 +87,8 @@ def _canonical(tensors: Mapping[str, Any], path: str, chunk: Any) -> Dict[str, A
         "global_pool='avg'; its tensor 'fc_norm.weight'). This ViT has fc_norm only with "
         "classifier='gap' and no class token (timm's class_token=False, global_pool='avg'), so "
         'these weights cannot be read; take a timm model without it.')
-  unknown = sorted(n for n in out if not _CANONICAL.match(n))
+  known = torch_layout.our_names(out)  # The names this ViT has (timm's variants included).
+  unknown = sorted(n for n in out if n not in known)
   if unknown:
     shown = ', '.join(unknown[:5]) + (f' (+{len(unknown) - 5} more)' if len(unknown) > 5 else '')
     raise ValueError(f'{path} holds tensors that are not a timm VisionTransformer\'s: {shown}. '
@@ -113,7 +107,9 @@ def _saved(metadata: Mapping[str, str], path: str) -> Dict[str, Any]:
   fix = 'write the file again with python -m vit_jax.convert'
   saved = rundir.parse_json(metadata[METADATA_KEY], name, fix=fix)
   kinds = {'num_heads': (int, 'an integer'), 'layerscale_init': ((int, float), 'a number'),
-           'gelu_approximate': (bool, 'true or false'), 'label_names': (list, 'a list')}
+           'gelu_approximate': (bool, 'true or false'), 'label_names': (list, 'a list'),
+           'no_embed_class': (bool, 'true or false'), 'image_size': (int, 'an integer'),
+           'posemb_resize': (str, 'a string')}
   if not isinstance(saved, dict):
     raise ValueError(f'{name} is not a JSON object; {fix}.')
   for key, (kind, what) in kinds.items():
@@ -122,16 +118,53 @@ def _saved(metadata: Mapping[str, str], path: str) -> Dict[str, Any]:
   return saved
 
 
+#: The config timm's Hub repositories keep beside ``model.safetensors`` (``architecture``,
+#: ``num_classes``, ``model_args``, ``pretrained_cfg`` with ``input_size``).
+HUB_CONFIG = 'config.json'
+
+
+def hub_config(path: str) -> Dict[str, Any]:
+  """What timm's :data:`HUB_CONFIG` beside the file at ``path`` settles: ``image_size`` (its
+  ``pretrained_cfg`` ``input_size``, else ``model_args`` ``img_size``) and the fields its
+  ``model_args`` give by timm's names (e.g. ``no_embed_class``, ``reg_tokens``); ``{}`` without
+  one (or with transformers' config.json, which has no ``architecture``). Raises ValueError for
+  a damaged file (named)."""
+  directory = os.path.dirname(path)
+  if not directory:
+    directory = '.'
+  file = storage.join(directory, HUB_CONFIG)
+  if not storage.exists(file):
+    return {}
+  config = rundir.read_json(file, fix='restore the config.json timm saved with the weights, '
+                            'or remove it') or {}
+  if 'architecture' not in config:
+    return {}
+  args = config.get('model_args') if isinstance(config.get('model_args'), dict) else {}
+  cfg = config.get('pretrained_cfg') if isinstance(config.get('pretrained_cfg'), dict) else {}
+  size = cfg.get('input_size') or config.get('input_size') or args.get('img_size')
+  found = {f.name: args[f.timm] for f in vit_fields.VIT_FIELDS
+           if f.timm and f.timm in args and f.in_weights}
+  if size:
+    found['image_size'] = int(np.ravel(size)[-1])
+  return found
+
+
 def fields_from(shapes: Mapping[str, Tuple[int, ...]], metadata: Mapping[str, str],
                 path: str, num_heads: Optional[int] = None,
-                gelu_approximate: Optional[bool] = None) -> Dict[str, Any]:
+                gelu_approximate: Optional[bool] = None,
+                no_embed_class: Optional[bool] = None, strict: bool = True) -> Dict[str, Any]:
   """The model fields (:func:`vit_jax.models.create` keywords, plus ``image_size``: the square
   position grid times the patch size) of a timm file's tensor shapes and metadata; the heads
   are ``num_heads``, else the metadata's, else :data:`STANDARD_HEADS`; the GELU the metadata's,
   else ``gelu_approximate`` (the model's), else timm's exact one; ``posemb_resize`` timm's
-  (:data:`POSEMB_RESIZE`). timm's variants (LayerScale,
-  registers, ``fc_norm``, ``no_embed_class``) only where present. Raises ValueError: a refused
-  variant, unknown names, or a width whose heads cannot be told."""
+  (:data:`POSEMB_RESIZE`); timm's variants only where present (as their parameters say:
+  :func:`.vit_shapes.variant_fields`; LayerScale's initial value the metadata's); a position
+  table that fits two layouts read as the metadata or timm's config.json beside
+  (:func:`hub_config`) say, else as ``no_embed_class`` (the model's), else with ``strict=False``
+  without ``no_embed_class`` (read for the numerics alone); the other fields this project
+  kept in the metadata (``vit_shapes.KEPT_FIELDS``) as kept. Raises ValueError: a refused variant, unknown names, a
+  width whose heads cannot be told, or a table that fits two layouts and nothing settles
+  (``vit_shapes.AmbiguousTableError``)."""
   canonical = _canonical(shapes, path, lambda shape, _, chunks: (shape[0] // chunks, *shape[1:]))
   fields = torch_layout.shapes_to_fields(canonical)
   saved = _saved(metadata, path)
@@ -144,50 +177,32 @@ def fields_from(shapes: Mapping[str, Tuple[int, ...]], metadata: Mapping[str, st
                      f'{fields["hidden_size"]} is not a standard ViT\'s; name them (the model\'s '
                      'num_heads, e.g. --set num_heads=N).')
   fields['num_heads'] = int(heads)
-  if any(_TIMM_LAYERSCALE.match(n) for n in canonical):
-    fields['layerscale_init'] = float(saved.get('layerscale_init') or vit_shapes.LAYERSCALE_INIT)
-  if 'reg_token' in canonical:
-    fields['num_registers'] = int(canonical['reg_token'][1])
-  if 'fc_norm.weight' in canonical:
-    fields['fc_norm'] = True
+  # Our names with timm's shapes: the variants' fields need only what both layouts share.
+  ours = {f'params/{name}': canonical[theirs]
+          for theirs, name in torch_layout.our_names(canonical).items()}
+  beside = hub_config(path) if path else {}
+  settled = saved.get('no_embed_class', beside.get('no_embed_class'))  # The file's records.
+  read = lambda strict_read: vit_shapes.variant_fields(
+      ours, fields['classifier'], saved.get('image_size') or beside.get('image_size'),
+      strict=strict_read and settled is None, patch_size=fields['patch_size'])
+  try:
+    fields.update(read(True))
+  except vit_shapes.AmbiguousTableError as e:
+    if strict and no_embed_class is None:
+      raise vit_shapes.AmbiguousTableError(f'{path}: {e}') from None
+    settled = no_embed_class  # The model's, stated; else left out (strict=False).
+    fields.update(read(False))
+  if settled is not None:
+    fields['no_embed_class'] = bool(settled)
+  if 'layerscale_init' in fields and saved.get('layerscale_init'):
+    fields['layerscale_init'] = float(saved['layerscale_init'])
+  if saved.get('posemb_resize'):
+    fields['posemb_resize'] = saved['posemb_resize']
   tokens = canonical['pos_embed'][1] if 'pos_embed' in canonical else 0
-  prefix = vit_fields.prefix_tokens(fields['classifier'], fields.get('num_registers', 0))
-  if tokens and not vit_shapes.table_has_prefix(tokens, prefix):
-    fields['no_embed_class'] = True
-  side = vit_shapes.square_side(tokens - vit_fields.posemb_prefix_rows(
-      fields['classifier'], fields.get('num_registers', 0), fields.get('no_embed_class', False)))
+  side = vit_shapes.square_side(tokens - vit_fields.posemb_prefix_rows(fields))
   patch = fields['patch_size']
   fields['image_size'] = side and side * (patch if isinstance(patch, int) else patch[0])
   return fields
-
-
-def _as_norm(canonical: Dict[str, Any]) -> Dict[str, Any]:
-  """``canonical`` with timm's ``fc_norm`` (after the pooling) as the final ``norm`` that
-  :mod:`.torch_layout` converts (the two are exclusive in timm); see :func:`_timm_only`."""
-  if 'fc_norm.weight' not in canonical:
-    return canonical
-  out = {k: v for k, v in canonical.items() if not k.startswith('fc_norm.')}
-  out.update({'norm.weight': canonical['fc_norm.weight'], 'norm.bias': canonical['fc_norm.bias']})
-  return out
-
-
-def _timm_only(params: Dict[str, Any], arrays: Mapping[str, Any]) -> Dict[str, Any]:
-  """``params`` (:func:`.torch_layout.to_params` of :func:`_as_norm` ``arrays``) with timm's
-  variants that transformers' ViT lacks: ``registers``, ``LayerScale_{0,1}/scale`` per block,
-  and ``fc_norm`` (read as the final norm) moved out of ``Transformer/encoder_norm``."""
-  flat = flatten_params(params)
-  if 'fc_norm.weight' in arrays:
-    for ours in ('scale', 'bias'):
-      flat[f'fc_norm/{ours}'] = flat.pop(f'Transformer/encoder_norm/{ours}')
-  if 'reg_token' in arrays:
-    flat['registers'] = np.asarray(arrays['reg_token'])
-  for name, value in arrays.items():
-    match = _TIMM_LAYERSCALE.match(name)
-    if match:
-      block, which = match.groups()
-      flat[f'Transformer/encoderblock_{block}/LayerScale_{int(which) - 1}/scale'] = (
-          np.asarray(value))
-  return unflatten_params(flat)
 
 
 def label_names(metadata: Mapping[str, str], num_classes: Optional[int]
@@ -201,37 +216,23 @@ def label_names(metadata: Mapping[str, str], num_classes: Optional[int]
 
 
 def read(path: str, header: archive.Header, num_heads: Optional[int] = None,
-         gelu_approximate: Optional[bool] = None
+         gelu_approximate: Optional[bool] = None, no_embed_class: Optional[bool] = None
          ) -> Tuple[Dict[str, Any], Dict[str, Any], Optional[Tuple[str, ...]]]:
   """``(params, fields with image_size, class names or None)`` of the timm file at ``path``
-  with ``header`` (:func:`~.archive.read_header`), exactly (``num_heads``, ``gelu_approximate``:
-  as :func:`fields_from`)."""
-  fields = fields_from(archive.shapes(header), header[1], path, num_heads, gelu_approximate)
+  with ``header`` (:func:`~.archive.read_header`), exactly (``num_heads``, ``gelu_approximate``,
+  ``no_embed_class``: as :func:`fields_from`)."""
+  fields = fields_from(archive.shapes(header), header[1], path, num_heads, gelu_approximate,
+                       no_embed_class)
   arrays = _canonical(archive.read_safetensors(path), path,
                       lambda array, i, chunks: np.split(np.asarray(array), chunks)[i])
-  params = _timm_only(torch_layout.to_params(_as_norm(arrays), fields['num_heads']), arrays)
+  params = torch_layout.to_params(arrays, fields['num_heads'])
   return params, fields, label_names(header[1], fields['num_classes'])
 
 
 def to_timm(params: Mapping[str, Any]) -> Dict[str, np.ndarray]:
-  """A timm ViT state dict (float32, fused ``qkv``/``kv``; timm's variants: ``reg_token``,
-  ``blocks.N.ls{1,2}.gamma``, ``fc_norm``) from a per-layer params tree."""
-  flat = {k: np.asarray(v, np.float32) for k, v in flatten_params(params).items()}
-  variants = {}
-  if 'registers' in flat:
-    variants['reg_token'] = flat.pop('registers')
-  for name in list(flat):
-    match = _OUR_LAYERSCALE.match(name)
-    if match:
-      block, which = match.groups()
-      variants[f'blocks.{block}.ls{int(which) + 1}.gamma'] = flat.pop(name)
-  if 'fc_norm/scale' in flat:  # Converted as the final norm, renamed below.
-    for ours in ('scale', 'bias'):
-      flat[f'Transformer/encoder_norm/{ours}'] = flat.pop(f'fc_norm/{ours}')
-  canonical = torch_layout.from_params(unflatten_params(flat))
-  if 'fc_norm' in params:
-    canonical = {('fc_' + k if k.startswith('norm.') else k): v for k, v in canonical.items()}
-  canonical.update({k: np.ascontiguousarray(v) for k, v in variants.items()})
+  """A timm ViT state dict (float32, fused ``qkv``/``kv``; timm's variants by their names:
+  :mod:`.torch_layout`) from a per-layer params tree."""
+  canonical = torch_layout.from_params(params)
   out = {}
   for name, value in canonical.items():
     match = re.match(r'^(blocks\.\d+\.attn|attn_pool)\.([qkv])\.(weight|bias)$', name)
@@ -266,8 +267,7 @@ def write(dst: str, params: Mapping[str, Any], fields: Mapping[str, Any], image_
   returns the ``timm.create_model`` call that loads it: the keywords give the architecture, the
   overlay the file, class count and eval preprocessing (``resolve_model_data_config``); the
   model name only picks the class."""
-  saved = {k: fields[k] for k in ('num_heads', 'gelu_approximate', 'layer_norm_epsilon',
-                                  'classifier', 'layerscale_init') if k in fields}
+  saved = dict(vit_shapes.kept_fields(fields), image_size=int(image_size))
   if label_names:
     saved['label_names'] = list(label_names)
   patch = fields['patch_size']
@@ -278,20 +278,16 @@ def write(dst: str, params: Mapping[str, Any], fields: Mapping[str, Any], image_
              f'mean={mean}, std={std})')
   args = ["'vit_base_patch16_224'", 'pretrained=True', f'pretrained_cfg_overlay={overlay}',
           f'img_size={size}', f'patch_size={patch if isinstance(patch, int) else tuple(patch)}',
-          f'embed_dim={fields["hidden_size"]}', f'depth={fields["num_layers"]}',
-          f'num_heads={fields["num_heads"]}',
           f'mlp_ratio={fields["mlp_dim"] / fields["hidden_size"]!r}',
           f'num_classes={fields["num_classes"] or 0}']
-  args += {'gap': ['class_token=False', "global_pool='avg'",
-                   f"fc_norm={bool(fields.get('fc_norm'))}"],
+  args += {'gap': ['class_token=False', "global_pool='avg'"],
            'map': ['class_token=False', "global_pool='map'"]}.get(fields.get('classifier'), [])
-  if fields.get('layerscale_init') is not None:
-    args.append(f"init_values={fields['layerscale_init']!r}")
-  if fields.get('num_registers'):
-    args.append(f"reg_tokens={fields['num_registers']}")
-  if fields.get('no_embed_class') and vit_fields.prefix_tokens(
-      fields.get('classifier', 'token'), fields.get('num_registers', 0)):
-    args.append('no_embed_class=True')
+  if fields.get('classifier') == 'gap' and not fields.get('fc_norm'):
+    args.append('fc_norm=False')  # timm's default with 'avg' pooling is True.
+  # The fields timm takes as they are: the architecture's, and the variants' where set.
+  args += [f'{f.timm}={fields[f.name]!r}' for f in vit_fields.VIT_FIELDS
+           if f.timm and f.name in fields and (f.default is fields_lib.REQUIRED
+                                               or fields[f.name] != f.default)]
   if fields.get('gelu_approximate', True):
     args.append("act_layer='gelu_tanh'")
   call = 'timm.create_model(' + ', '.join(args) + ')'

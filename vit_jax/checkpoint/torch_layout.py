@@ -4,7 +4,9 @@ rename their tensors to canonical names (timm's, ``qkv`` split into ``q``, ``k``
 convert by a transpose and a reshape: a Linear weight ``(out, in)`` is a kernel ``(in, out)``,
 the patch convolution ``(D, C, Ph, Pw)`` ``(Ph, Pw, C, D)``, an attention projection ``(D, D)``
 ``(D, heads, D/heads)`` (``(heads, D/heads, D)`` for the output). A projection without bias
-reads as a zero bias, which computes the same.
+reads as a zero bias, which computes the same. timm's variants map by name too: ``reg_token``
+to ``registers``, ``blocks.N.ls{1,2}.gamma`` to ``LayerScale_{0,1}/scale``, ``fc_norm`` to
+``fc_norm``, ``blocks.N.attn.{q,k}_norm`` to the attention's ``{query,key}_ln``.
 """
 
 from __future__ import annotations
@@ -29,30 +31,60 @@ _WEIGHTS = {
 }
 
 
-def _modules(layers: int) -> List[Tuple[str, str, str]]:
-  """``(canonical prefix, our prefix, kind)`` of every module a ViT of ``layers`` blocks may have:
-  a ``tensor``, an ``attention`` or a kind of :data:`_WEIGHTS`."""
-  modules = [('patch_embed.proj', 'embedding', 'conv'), ('cls_token', 'cls', 'tensor'),
-             ('pos_embed', 'Transformer/posembed_input/pos_embedding', 'tensor')]
+def _modules(layers: int) -> List[Tuple[str, str, str, bool]]:
+  """``(canonical prefix, our prefix, kind, required)`` of every module a ViT of ``layers``
+  blocks may have: a ``tensor``, an ``attention`` or a kind of :data:`_WEIGHTS`; the required
+  ones (patch embedding, the blocks' own) always converted, the others where present."""
+  modules = [('patch_embed.proj', 'embedding', 'conv', True),
+             ('cls_token', 'cls', 'tensor', False), ('reg_token', 'registers', 'tensor', False),
+             ('pos_embed', 'Transformer/posembed_input/pos_embedding', 'tensor', False)]
   for i in range(layers):
     ours = f'Transformer/encoderblock_{i}'
-    modules += [(f'blocks.{i}.norm1', f'{ours}/LayerNorm_0', 'norm'),
-                (f'blocks.{i}.norm2', f'{ours}/LayerNorm_1', 'norm'),
-                (f'blocks.{i}.attn', f'{ours}/{_ATTENTION}', 'attention')]
-    modules += [(f'blocks.{i}.{c}', f'{ours}/{o}', 'linear') for c, o in _MLP]
-  modules += [('norm', 'Transformer/encoder_norm', 'norm'),
-              ('attn_pool.latent', 'MAPHead_0/probe', 'tensor'),
-              ('attn_pool', f'MAPHead_0/{_ATTENTION}', 'attention'),
-              ('attn_pool.norm', 'MAPHead_0/LayerNorm_0', 'norm')]
-  modules += [(f'attn_pool.{c}', f'MAPHead_0/{o}', 'linear') for c, o in _MLP]
-  return modules + [('pre_logits', 'pre_logits', 'linear'), ('head', 'head', 'linear')]
+    modules += [(f'blocks.{i}.norm1', f'{ours}/LayerNorm_0', 'norm', True),
+                (f'blocks.{i}.norm2', f'{ours}/LayerNorm_1', 'norm', True),
+                (f'blocks.{i}.attn', f'{ours}/{_ATTENTION}', 'attention', True),
+                (f'blocks.{i}.attn.q_norm', f'{ours}/{_ATTENTION}/query_ln', 'norm', False),
+                (f'blocks.{i}.attn.k_norm', f'{ours}/{_ATTENTION}/key_ln', 'norm', False),
+                (f'blocks.{i}.ls1.gamma', f'{ours}/LayerScale_0/scale', 'tensor', False),
+                (f'blocks.{i}.ls2.gamma', f'{ours}/LayerScale_1/scale', 'tensor', False)]
+    modules += [(f'blocks.{i}.{c}', f'{ours}/{o}', 'linear', True) for c, o in _MLP]
+  modules += [('norm', 'Transformer/encoder_norm', 'norm', False),
+              ('fc_norm', 'fc_norm', 'norm', False),
+              ('attn_pool.latent', 'MAPHead_0/probe', 'tensor', False),
+              ('attn_pool', f'MAPHead_0/{_ATTENTION}', 'attention', False),
+              ('attn_pool.norm', 'MAPHead_0/LayerNorm_0', 'norm', False)]
+  modules += [(f'attn_pool.{c}', f'MAPHead_0/{o}', 'linear', False) for c, o in _MLP]
+  return modules + [('pre_logits', 'pre_logits', 'linear', False),
+                    ('head', 'head', 'linear', False)]
 
 
-def _present(names: Any, canonical: str, prefix: str, sep: str) -> bool:
-  """Whether a module is converted: always the patch embedding, blocks and final norm (a
-  KeyError when missing), the others when ``names`` hold ``prefix``."""
-  return (canonical.startswith(('blocks.', 'patch_embed.')) or canonical == 'norm'
-          or any(n == prefix or n.startswith(prefix + sep) for n in names))
+def _present(names: Any, prefix: str, sep: str) -> bool:
+  """Whether ``names`` hold the tensor ``prefix`` or one of its module's (``prefix + sep``)."""
+  return any(n == prefix or n.startswith(prefix + sep) for n in names)
+
+
+def _names(kind: str) -> List[Tuple[str, str]]:
+  """``(canonical suffix, our suffix)`` of a module's tensors (``''``: the prefix itself)."""
+  if kind == 'tensor':
+    return [('', '')]
+  if kind == 'attention':
+    parts = [(s, o) for s, o in _PROJECTIONS] + [('proj', 'out')]
+    return [(f'.{s}.{w}', f'/{o}/{v}') for s, o in parts
+            for w, v in (('weight', 'kernel'), ('bias', 'bias'))]
+  return [('.weight', f'/{_WEIGHTS[kind][0]}'), ('.bias', '/bias')]
+
+
+def our_names(names: Any) -> Dict[str, str]:
+  """``{canonical tensor name: our '/'-joined name}`` of the canonical ``names`` that map (the
+  rest left out): what the shapes of a file say in this project's names (the variants' fields,
+  :func:`vit_jax.checkpoint.vit_shapes.variant_fields`)."""
+  names = set(names)
+  out = {}
+  for canonical, ours, kind, _ in _modules(num_layers(names)):
+    for theirs, mine in _names(kind):
+      if canonical + theirs in names:
+        out[canonical + theirs] = ours + mine
+  return out
 
 
 def num_layers(names: Any, pattern: str = r'^blocks\.(\d+)\.') -> int:
@@ -84,8 +116,8 @@ def to_params(source: Mapping[str, np.ndarray], num_heads: int) -> Dict[str, Any
   other names first) with ``num_heads`` heads; KeyError for a missing tensor."""
   width = int(np.shape(source['patch_embed.proj.weight'])[0])
   flat = {}
-  for canonical, ours, kind in _modules(num_layers(source)):
-    if not _present(source, canonical, canonical, '.'):
+  for canonical, ours, kind, required in _modules(num_layers(source)):
+    if not (required or _present(source, canonical, '.')):
       continue
     if kind == 'tensor':
       flat[ours] = np.asarray(source[canonical])
@@ -105,8 +137,9 @@ def from_params(params: Mapping[str, Any]) -> Dict[str, np.ndarray]:
   KeyError for a tree not a ViT's."""
   flat = {k: np.asarray(v, np.float32) for k, v in flatten_params(params).items()}
   out = {}
-  for canonical, ours, kind in _modules(num_layers(flat, r'^Transformer/encoderblock_(\d+)/')):
-    if not _present(flat, canonical, ours, '/'):
+  for canonical, ours, kind, required in _modules(
+      num_layers(flat, r'^Transformer/encoderblock_(\d+)/')):
+    if not (required or _present(flat, ours, '/')):
       continue
     if kind == 'tensor':
       out[canonical] = flat[ours]

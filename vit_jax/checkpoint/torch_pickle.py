@@ -21,8 +21,8 @@ from typing import Any, BinaryIO, Callable, Dict, Optional, Tuple, Union
 import ml_dtypes
 import numpy as np
 
+from vit_jax import storage
 from vit_jax.checkpoint import archive as archive_lib
-from vit_jax.checkpoint import paths
 from vit_jax.checkpoint.archive import FIX, DamagedCheckpointError
 
 class MalformedTorchFileError(DamagedCheckpointError, pickle.UnpicklingError):
@@ -372,9 +372,9 @@ def load_pth(path: Any, *, use_ema: bool = True,
     DamagedCheckpointError, UnsafePickleError: see above.
   """
   if zip_file is None:
-    path = paths.normalize(path)
-    if not paths.exists(path) or paths.isdir(path):
-      raise paths.not_found(path, 'No PyTorch checkpoint file')
+    path = storage.normalize(path)
+    if not storage.exists(path) or storage.isdir(path):
+      raise storage.not_found(path, 'No PyTorch checkpoint file')
     obj = load_torch_zip(path)
   else:
     obj = load(zip_file)

@@ -7,6 +7,7 @@ import math
 import re
 from typing import Any, Dict, Optional, Tuple
 
+from vit_jax.models import fields as fields_lib
 from vit_jax.models import resnet
 from vit_jax.models import vit_fields
 
@@ -20,17 +21,50 @@ LAYERSCALE_INIT = 1e-5
 
 _LAYERSCALE = re.compile(r'^params/Transformer/encoderblock(_\d+)?/LayerScale_[01]/scale$')
 
+#: Declared fields that say nothing of what trained weights compute: how the blocks run and
+#: training alone (dropout, the head's initial bias).
+_NOT_KEPT = fields_lib.names(fields_lib.EXECUTION_FIELDS) + (
+    'dropout_rate', 'attention_dropout_rate', 'head_bias_init')
 
-def architecture_fields(shapes: dict) -> Optional[Dict[str, Any]]:
+#: The fields a checkpoint this project writes keeps beside its arrays (``.npz``: a sidecar,
+#: ``vit_jax.checkpoint.npz.fields_path``; Orbax: ``orbax.EXPORT_JSON``; timm: its metadata):
+#: every declared ViT field (:data:`vit_fields.VIT_FIELDS`, :data:`vit_fields.HYBRID_FIELDS`)
+#: but :data:`_NOT_KEPT`, so that the numerics the shapes do not record (GELU, epsilon, the
+#: position-table resize) and the layouts they do not settle (:class:`AmbiguousTableError`)
+#: survive every conversion.
+KEPT_FIELDS = tuple(f.name for f in vit_fields.VIT_FIELDS + vit_fields.HYBRID_FIELDS
+                    if f.name not in _NOT_KEPT)
+
+
+class AmbiguousTableError(ValueError):
+  """A learned position table whose row count fits two layouts (:func:`table_layouts`)."""
+
+
+def kept_fields(fields: Any) -> Dict[str, Any]:
+  """The :data:`KEPT_FIELDS` of ``fields`` (a mapping, e.g. a config's ``model``), JSON-able:
+  tuples as lists, absent ones left out."""
+  plain = lambda v: [plain(x) for x in v] if isinstance(v, (tuple, list)) else v
+  return {k: plain(fields[k]) for k in KEPT_FIELDS if k in fields}
+
+
+def from_kept(record: Any) -> Dict[str, Any]:
+  """The model fields in a kept ``record`` (:func:`kept_fields`, read back from JSON): the
+  :data:`KEPT_FIELDS` only, JSON lists as tuples."""
+  if not isinstance(record, dict):
+    return {}
+  tupled = lambda v: tuple(tupled(x) for x in v) if isinstance(v, list) else v
+  return {k: tupled(record[k]) for k in KEPT_FIELDS if k in record}
+
+
+def architecture_fields(shapes: dict, image_size: Optional[int] = None,
+                        strict: bool = True) -> Optional[Dict[str, Any]]:
   """The :class:`~vit_jax.models.vit.VisionTransformer` fields that ``shapes`` (``'/'``-joined
   name -> shape, per-layer or scanned) imply: the architecture (``num_heads``, ``mlp_dim`` None
   without their kernels; the ResNet stem's), ``classifier`` ('map' with ``MAPHead_0/probe``,
   'token' with ``cls``, else 'gap'), ``posemb`` ('sincos2d' without :data:`POSEMB_KEY`) and
   ``num_classes`` (None without a head); not the numerics, which leave no trace. None for
   shapes not a ViT's (no 4-D ``embedding/kernel``). timm's variants, only where present:
-  ``layerscale_init`` (:data:`LAYERSCALE_INIT`) with ``LayerScale_*`` scales, ``num_registers``
-  the rows of ``registers``, ``fc_norm`` with an ``fc_norm``, ``no_embed_class`` with a table
-  of the grid only (:func:`table_has_prefix`)."""
+  :func:`variant_fields` (``image_size``, ``strict``: as there)."""
   embedding = shapes.get('params/embedding/kernel')
   if not embedding or len(embedding) != 4:
     return None
@@ -50,7 +84,7 @@ def architecture_fields(shapes: dict) -> Optional[Dict[str, Any]]:
                             else 'token' if 'params/cls' in shapes else 'gap'),
                 posemb='learn' if POSEMB_KEY in shapes else 'sincos2d',
                 num_classes=head[-1] if head else None)
-  fields.update(variant_fields(shapes, fields['classifier']))
+  fields.update(variant_fields(shapes, fields['classifier'], image_size, strict))
   if 'params/conv_root/kernel' in shapes:  # ResNet stem: params/block{stage}/unit{unit}/...
     units = {}
     for m in filter(None, map(re.compile(r'^params/block(\d+)/unit(\d+)/.').match, shapes)):
@@ -60,52 +94,79 @@ def architecture_fields(shapes: dict) -> Optional[Dict[str, Any]]:
   return fields
 
 
-def variant_fields(shapes: dict, classifier: str) -> Dict[str, Any]:
+def variant_fields(shapes: dict, classifier: str, image_size: Optional[int] = None,
+                   strict: bool = True, patch_size: Any = None) -> Dict[str, Any]:
   """The fields of timm's variants that ``shapes`` (as :func:`architecture_fields`) hold, the
-  non-default ones only: ``layerscale_init``, ``num_registers``, ``fc_norm``,
-  ``no_embed_class``."""
-  fields = {}
+  non-default ones only: ``layerscale_init`` (:data:`LAYERSCALE_INIT`) with ``LayerScale_*``
+  scales, the rows of ``registers``, ``no_embed_class`` with a table of the grid only
+  (:func:`table_layouts`; a table that fits both layouts is read at ``image_size``, a config's
+  beside the weights, with ``patch_size``, default the ``embedding/kernel``'s, else raises
+  :class:`AmbiguousTableError`, or with ``strict=False`` leaves ``no_embed_class`` out), and
+  each bool field its parameter records (a field's ``param``:
+  :func:`vit_jax.models.fields.recorded`)."""
+  fields = fields_lib.recorded(vit_fields.VIT_FIELDS, shapes)
   if any(_LAYERSCALE.match(k) for k in shapes):
     fields['layerscale_init'] = LAYERSCALE_INIT
   registers = shapes.get('params/registers')
   if registers:
     fields['num_registers'] = int(registers[1])
-  if 'params/fc_norm/scale' in shapes:
-    fields['fc_norm'] = True
   table = shapes.get(POSEMB_KEY)
-  prefix = vit_fields.prefix_tokens(classifier, fields.get('num_registers', 0))
-  if table and not table_has_prefix(table[1], prefix):
+  if not table:
+    return fields
+  prefix = vit_fields.prefix_tokens(dict(fields, classifier=classifier))
+  layouts = table_layouts(table[1], prefix)
+  patch = vit_fields.patch_pair(patch_size or shapes['params/embedding/kernel'][0])[0]
+  if len(layouts) == 2 and image_size:
+    side = int(image_size) // patch
+    layouts = [rows for rows in layouts if square_side(table[1] - rows) == side] or layouts
+  if len(layouts) == 2:
+    if strict:
+      raise AmbiguousTableError(_ambiguity(patch, table[1], prefix, image_size))
+    return fields
+  if layouts == [0] and prefix:
     fields['no_embed_class'] = True
   return fields
 
 
-def table_has_prefix(rows: int, prefix: int) -> bool:
-  """Whether a learned table of ``rows`` rows has one for each of the ``prefix`` tokens in front
-  of the grid (official, timm's default) or covers the grid only (timm's ``no_embed_class``):
-  the latter when ``rows`` make a square grid and ``rows - prefix`` none (a non-square grid
-  reads as the former)."""
-  return not (prefix and square_side(rows) and not square_side(rows - prefix))
+def table_layouts(rows: int, prefix: int) -> list:
+  """The rows before the grid that a learned table of ``rows`` rows can have with ``prefix``
+  class-token and register tokens: ``[prefix]`` (official, timm's default), ``[0]`` (timm's
+  ``no_embed_class``: the grid only), or ``[prefix, 0]`` where both leave a square grid (e.g. 9
+  rows and 5 tokens: 2x2 after them, or 3x3 alone). A non-square grid reads as the former."""
+  if not prefix or not square_side(rows):
+    return [prefix]
+  return [prefix, 0] if square_side(rows - prefix) else [0]
 
 
-def table_prefix_rows(shapes: dict) -> int:
+def _ambiguity(patch: int, rows: int, prefix: int, image_size: Optional[int]) -> str:
+  small, large = square_side(rows - prefix), square_side(rows)
+  told = f' (the stated image size {image_size} px fits neither)' if image_size else ''
+  return (f'The position table has {rows} rows, which fit two layouts{told}: the {prefix} '
+          f'class-token and register rows then a {small}x{small} grid ({small * patch} px, '
+          f'no_embed_class=False), or a {large}x{large} grid alone ({large * patch} px, '
+          "no_embed_class=True, timm's DINOv2-with-registers layout). The weights cannot tell: "
+          'state the field no_embed_class (--config.model.no_embed_class=True or False; '
+          '--set no_embed_class=... for the tools), or keep the config.json that came with '
+          "the weights (timm's Hub config.json, with pretrained_cfg input_size) beside them.")
+
+
+def table_prefix_rows(shapes: dict, image_size: Optional[int] = None) -> int:
   """The rows of the learned table (:data:`POSEMB_KEY`) in ``shapes`` before the grid's: one
-  per class token and register, none when it covers the grid only (:func:`table_has_prefix`);
-  0 without a table. What the fine-tuning resize keeps as they are."""
-  table = shapes.get(POSEMB_KEY)
-  if not table:
-    return 0
-  registers = shapes.get('params/registers')
-  prefix = (1 if 'params/cls' in shapes else 0) + (int(registers[1]) if registers else 0)
-  return prefix if table_has_prefix(table[1], prefix) else 0
+  per class token and register, none when it covers the grid only (:func:`variant_fields`'s
+  ``no_embed_class``; raises :class:`AmbiguousTableError` as there); 0 without a table. What
+  the fine-tuning resize keeps as they are."""
+  fields = architecture_fields(shapes, image_size)
+  return 0 if not fields or POSEMB_KEY not in shapes else vit_fields.posemb_prefix_rows(fields)
 
 
 def image_size(shapes: dict, fields: Dict[str, Any]) -> Optional[int]:
   """The side of the square images the learned position table is for (tokens' grid side times
-  the total stride of ``fields``, :func:`architecture_fields`); None without a square table."""
+  the total stride of ``fields``, :func:`architecture_fields`, whose ``no_embed_class`` says
+  whether the table has prefix rows); None without a square table."""
   table = shapes.get(POSEMB_KEY)
   if not table:
     return None
-  tokens = table[1] - table_prefix_rows(shapes)
+  tokens = table[1] - vit_fields.posemb_prefix_rows(fields)
   stride = vit_fields.patch_pair(fields['patch_size'])[0]
   if fields.get('resnet_num_layers') is not None:
     stride *= resnet.resnet_stride(fields['resnet_num_layers'])
@@ -143,7 +204,7 @@ _DESCRIBED_APART = ('classifier', 'posemb', 'resnet_width_factor')
 def describe_architecture(shapes: dict) -> Optional[str]:
   """:func:`architecture_fields` in a sentence for error messages (``'The checkpoint is a
   ViT[ with a ResNet stem] with patch_size=.., ...[, N classes].'``), or None."""
-  fields = architecture_fields(shapes)
+  fields = architecture_fields(shapes, strict=False)  # For messages: never raises.
   if fields is None:
     return None
   names = [f.name for f in vit_fields.VIT_FIELDS + vit_fields.HYBRID_FIELDS

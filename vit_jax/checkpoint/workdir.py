@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import errno
 import itertools
 import json
 import logging
@@ -14,25 +13,23 @@ import posixpath
 import re
 import shlex
 import shutil
-import socket
 from collections.abc import Mapping
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
-from etils import epath
 import jax
 
 from vit_jax import accounting
 from vit_jax import rundir
+from vit_jax import storage
 from vit_jax.checkpoint import durable
 from vit_jax.checkpoint import lock as lock_lib
 from vit_jax.checkpoint import orbax
-from vit_jax.checkpoint import paths
 from vit_jax.checkpoint import tree
 from vit_jax.rundir import (CHECKPOINTS_DIR, CONFIG_ITEM, CONFIG_JSON, COST_ITEM, COST_JSON,
                             DATASET_ITEM, DATASET_JSON, STATE_ITEM)
 
 _RERUN_HINT = 'Rerun with the config it was trained with, or start a new run in another --workdir.'
-#: What to do after a failed write, by its cause (:func:`_failed_write`).
+#: What to do after a failed write, by its cause (:func:`vit_jax.storage.write_failure`).
 _FIXES = {
     'full': 'free disk space (or lower --config.keep_checkpoints)',
     'denied': 'make the checkpoint directory writable',
@@ -45,64 +42,15 @@ class CheckpointSaveError(OSError):
   """Writing to the workdir failed (e.g. a full disk); the earlier checkpoints are intact."""
 
 
-#: A failed write's message when the disk or permissions are the cause (not always an OSError).
-_DISK_ERROR = re.compile(r'No space left|RESOURCE_EXHAUSTED|Permission denied|PERMISSION_DENIED|'
-                         r'os_error')
-#: ... when the storage did not answer: TensorFlow's retries spent (an AbortedError, no OSError),
-#: TensorStore's UNAVAILABLE or DEADLINE_EXCEEDED, a refused or timed-out connection.
-_UNREACHABLE = re.compile(r'retry attempts failed|UNAVAILABLE|DEADLINE_EXCEEDED|HTTP request|'
-                          r'Connection refused|timed out', re.IGNORECASE)
-
-
-def storage_failure(error: BaseException) -> Optional[Tuple[str, int]]:
-  """(the FATAL line's text, the exit status) for ``error`` when the storage answered 'Not
-  Found' to a request (2: a bucket or path of the command does not exist) or did not answer (1:
-  :func:`storage_unreachable`), else None."""
-  if re.search(r'response code 404', str(error)):
-    return (f"The storage answered 'Not Found' ({_first_line(error)}): a bucket or path that the "
-            'command names does not exist. Check its gs:// paths (gcloud storage ls gs://BUCKET); '
-            'a new bucket: gcloud storage buckets create gs://BUCKET --location=REGION.', 2)
-  unreachable = storage_unreachable(error)
-  return None if unreachable is None else (unreachable, 1)
-
-
-def storage_unreachable(error: BaseException) -> Optional[str]:
-  """The FATAL line's text for ``error`` when the storage did not answer (Cloud Storage's
-  retries spent, no network), else None (also for a pod's collectives, whose lost peer reads
-  alike: 'Gloo ... UNAVAILABLE: ... Connection reset')."""
-  if not _UNREACHABLE.search(str(error)) or re.search(r'\bgloo\b', str(error), re.IGNORECASE):
-    return None
-  return (f'The storage did not answer ({_first_line(error)}). Check this machine\'s network and '
-          'credentials (gcloud auth application-default login), then rerun the same command.')
-
-
-def _failed_write(error: BaseException) -> Optional[str]:
-  """Why a write failed, a key of :data:`_FIXES` ('full', 'denied', 'unreachable'), or None when
-  neither the disk, the permissions nor the storage caused it (a bug: re-raise it)."""
-  text = str(error)
-  if _UNREACHABLE.search(text):
-    return 'unreachable'
-  if getattr(error, 'errno', None) == errno.ENOSPC or re.search('No space left|RESOURCE_EXHAUSTED',
-                                                                text):
-    return 'full'
-  return 'denied' if isinstance(error, OSError) or _DISK_ERROR.search(text) else None
-
-
-def _cause(error: BaseException) -> str:
-  if getattr(error, 'errno', None) == errno.ENOSPC:
-    return 'No space left on device'
-  return getattr(error, 'strerror', None) or _first_line(error)
-
-
 @contextlib.contextmanager
 def _write_failures(message: Callable[[BaseException, str], str]) -> Iterator[None]:
   """A failed write -> CheckpointSaveError(``message(error, why)``, ``why`` from
-  :func:`_failed_write`), when the disk, the permissions or the storage caused it; anything else
-  unchanged."""
+  :func:`vit_jax.storage.write_failure`), when the disk, the permissions or the storage caused
+  it; anything else unchanged."""
   try:
     yield
   except Exception as e:  # pylint: disable=broad-except  (TensorFlow's are not OSErrors)
-    why = _failed_write(e)
+    why = storage.write_failure(e)
     if why is None:
       raise
     raise CheckpointSaveError(message(e, why)) from e
@@ -113,13 +61,13 @@ def _writing(what: str):
 
   def message(error: BaseException, why: str) -> str:
     fix = _FIXES[why] if why == 'unreachable' else 'free disk space (or make the workdir writable)'
-    return (f'Writing {what} failed: {_cause(error)}. The checkpoints already saved are intact; '
-            f'{fix} and rerun the same command to resume.')
+    return (f'Writing {what} failed: {storage.cause(error)}. The checkpoints already saved are '
+            f'intact; {fix} and rerun the same command to resume.')
 
   return _write_failures(message)
 
 
-def _write_json_atomically(path: epath.Path, value: Dict[str, Any]) -> None:
+def _write_json_atomically(path: Any, value: Dict[str, Any]) -> None:
   """Writes ``value`` as JSON (:func:`.durable.write_atomically`) on process 0. Raises
   CheckpointSaveError when it cannot be written; the previous file stays."""
   if jax.process_index() != 0:
@@ -127,36 +75,6 @@ def _write_json_atomically(path: epath.Path, value: Dict[str, Any]) -> None:
   text = json.dumps(value, indent=1)  # A TypeError here is a bug, not the disk's.
   with _writing(str(path)):
     durable.write_atomically(path, text)
-
-
-def _first_line(error: BaseException) -> str:
-  return str(error).splitlines()[0][:300] if str(error) else type(error).__name__
-
-
-def _check_bucket(path: str) -> None:
-  """`Workdir.check_writable` for ``scheme://bucket/...``: PermissionError naming the fix."""
-  import tensorflow as tf  # pylint: disable=g-import-not-at-top  (loaded by gs:// access anyway)
-  bucket = '/'.join(path.split('/', 3)[:3])
-  probe = paths.join(path, f'.write_check.{socket.gethostname()}.{os.getpid()}')
-  try:
-    with paths.open_file(probe, 'wb') as f:
-      f.write(b'')
-    paths.remove(probe)
-    return
-  except tf.errors.NotFoundError:
-    problem = (f'the bucket {bucket} does not exist (or these credentials cannot see it). Create '
-               f"it (gcloud storage buckets create {bucket} --location=REGION, the TPUs' region) "
-               'or choose another --workdir.')
-  except tf.errors.PermissionDeniedError:
-    problem = (f'these credentials cannot write to {bucket} (PermissionDenied). Grant the '
-               "machine's service account a role that writes objects (gcloud storage buckets "
-               f'add-iam-policy-binding {bucket} --member=serviceAccount:ACCOUNT '
-               '--role=roles/storage.objectUser) or choose another --workdir.')
-  except tf.errors.OpError as e:  # E.g. no network: 'Could not resolve host'.
-    problem = (f'Cloud Storage did not answer ({_first_line(e)}). Check this machine\'s network '
-               'and credentials (gcloud auth application-default login), or choose another '
-               '--workdir.')
-  raise PermissionError(f'--workdir {path!r} cannot be used: {problem}')
 
 
 #: A step's directory in ``checkpoints/`` (``N``), also while Orbax writes it (``N.orbax-...``).
@@ -200,7 +118,7 @@ def _free_name(path: Any) -> str:
 
 class Workdir:
   """A run directory (local or ``gs://``), created when something is written: ``path`` (as given),
-  ``checkpoints_dir``, ``cost_json``, ``config_json``, ``dataset_json`` (``epath.Path``; local
+  ``checkpoints_dir``, ``cost_json``, ``config_json``, ``dataset_json`` (``storage.Path``; local
   paths made absolute, as Orbax needs). Raises ValueError for an empty ``path``."""
 
   def __init__(self, path: Any):
@@ -209,7 +127,7 @@ class Workdir:
       raise ValueError('--workdir is empty: give the directory of the run (local or gs://), '
                        'e.g. --workdir /tmp/vit_run; an empty one would mean the current '
                        'directory.')
-    root = epath.Path(self.path if paths.is_remote(self.path) else os.path.abspath(self.path))
+    root = storage.Path(self.path)
     self.checkpoints_dir = root / CHECKPOINTS_DIR
     self.cost_json = root / COST_JSON
     self.config_json = root / CONFIG_JSON
@@ -224,8 +142,8 @@ class Workdir:
     link (:func:`_linked_steps`), or its ``cost.json``, ``config.json`` or ``dataset.json`` is no
     file (a directory); a ``gs://`` one when its bucket does not exist or cannot be written (an
     empty object written and removed)."""
-    if paths.is_remote(self.path):
-      return _check_bucket(self.path)
+    if storage.is_remote(self.path):
+      return storage.check_bucket(self.path)
     path = os.path.abspath(self.path)
     while not os.path.exists(path):
       path = os.path.dirname(path)
@@ -329,7 +247,7 @@ class Workdir:
           self.path, just_logging=jax.process_index() > 0, asynchronous=True)
     except Exception as e:  # pylint: disable=broad-except  (TensorFlow's are not OSErrors)
       raise CheckpointSaveError(
-          f'Cannot write the TensorBoard events to {self.path}: {_first_line(e)}. Free disk '
+          f'Cannot write the TensorBoard events to {self.path}: {storage.first_line(e)}. Free disk '
           'space or fix the permissions there, then rerun the same command.') from e
     writer = _EventsWriter(writer, self.path)
     writer.write_hparams({k: v for k, v in hparams.items()
@@ -351,8 +269,8 @@ def damaged_step_error(directory: Any, steps: List[int], error: Optional[Excepti
   ``error``'s first line) and the newest intact step to resume from."""
   step = max(steps) if step is None else step
   intact = [s for s in steps
-            if s < step and not durable.damaged_files(paths.join(os.fspath(directory), str(s)))]
-  cause = cause or _first_line(error)
+            if s < step and not durable.damaged_files(storage.join(os.fspath(directory), str(s)))]
+  cause = cause or storage.first_line(error)
   resume = (f'to resume from step {max(intact)}' if intact else 'to start afresh')
   return ValueError(
       f'The checkpoint of step {step} in {directory} cannot be read ({cause}): it is damaged or '
@@ -387,7 +305,7 @@ class Checkpoints:
     ocp = orbax.import_orbax()
     if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
       raise ValueError(f'keep must be a positive int or None (keep all), got {keep!r}.')
-    local = not paths.is_remote(os.fspath(directory))
+    local = not storage.is_remote(os.fspath(directory))
     self._manager = ocp.CheckpointManager(directory, options=ocp.CheckpointManagerOptions(
         preservation_policy=ocp.checkpoint_managers.LatestN(n=keep),
         enable_async_checkpointing=bool(asynchronous), cleanup_tmp_directories=True,
@@ -397,7 +315,7 @@ class Checkpoints:
     self._finalized, self._saving = list(self._manager.all_steps()), None
 
   @property
-  def directory(self) -> epath.Path:
+  def directory(self) -> Any:  # storage.Path
     return self._manager.directory
 
   def latest_step(self) -> Optional[int]:
@@ -426,7 +344,7 @@ class Checkpoints:
     """Raises CheckpointSaveError when the local disk lacks this process's share of the state
     + 10% + 256 KiB."""
     directory = str(self.directory)
-    if paths.is_remote(directory):
+    if storage.is_remote(directory):
       return
     state_bytes = sum(int(getattr(x, 'nbytes', 0)) for x in jax.tree.leaves(state))
     needed = int(state_bytes / jax.process_count() * 1.1) + (256 << 10)
@@ -484,7 +402,7 @@ class Checkpoints:
         raise damaged_step_error(self.directory, self.all_steps(), e, step) from e
       raise ValueError(  # E.g. another optimizer's state.
           f"The checkpoint of step {step} in {self.directory} does not fit this config's "
-          f'optimizer or state ({_first_line(e)}). {_RERUN_HINT}') from e
+          f'optimizer or state ({storage.first_line(e)}). {_RERUN_HINT}') from e
     return restored[STATE_ITEM], (restored[COST_ITEM] if has_cost else None)
 
   def reached_preemption(self, step: int) -> bool:
@@ -508,7 +426,7 @@ class Checkpoints:
     """Whether the background save finalized: read for a local directory only (a remote one may
     be the storage that failed)."""
     directory = os.fspath(self.directory)
-    return not paths.is_remote(directory) and self._saving in rundir.saved_steps(directory)
+    return not storage.is_remote(directory) and self._saving in rundir.saved_steps(directory)
 
   def _save_errors(self, step: Optional[int]):
     """:func:`_write_failures` of a save (full disk, no permission, storage not answering),
@@ -521,7 +439,7 @@ class Checkpoints:
       which = 'the last save' if step is None else f'step {step}'
       intact = (f'the checkpoint of step {max(kept)} is intact' if kept else
                 'there is no earlier checkpoint')
-      cause = 'No space left on device' if why == 'full' else _first_line(error)
+      cause = 'No space left on device' if why == 'full' else storage.first_line(error)
       return (
           f'Saving a checkpoint in {self.directory} failed ({which}, or the save before '
           f'it, which runs in the background): {cause}. {intact.capitalize()} (the partial save '
@@ -550,20 +468,20 @@ class SavedRun:
   def dataset_source(self) -> Tuple[str, bool]:
     """Where ``dataset`` comes from: ``(the step's item, True)``, else ``(dataset.json, False)``."""
     step_dir = posixpath.dirname(self.state_item.rstrip('/'))
-    item = paths.join(step_dir, DATASET_ITEM)
-    if paths.isdir(item):
+    item = storage.join(step_dir, DATASET_ITEM)
+    if storage.isdir(item):
       return item, True
-    return paths.join(step_dir.rsplit('/', 2)[0], DATASET_JSON), False
+    return storage.join(step_dir.rsplit('/', 2)[0], DATASET_JSON), False
 
 
 def _nothing_saved_yet(checkpoints: str, workdir: Optional[str]) -> str:
   """What to do about a run's ``checkpoints`` without a finalized step: whether a save is being
   written, when the first save comes (``checkpoint_every_steps`` of its readable config.json)."""
-  names = paths.listdir(checkpoints) if paths.isdir(checkpoints) else []
+  names = storage.listdir(checkpoints) if storage.isdir(checkpoints) else []
   writing = sorted(int(n.split('.')[0]) for n in names
                    if rundir.TMP_MARKER in n and n.split('.')[0].isdigit())
   try:
-    config = rundir.read_json(paths.join(workdir, CONFIG_JSON)) if workdir else None
+    config = rundir.read_json(storage.join(workdir, CONFIG_JSON)) if workdir else None
   except (ValueError, OSError):
     config = None
   every = (config or {}).get('checkpoint_every_steps')
@@ -583,27 +501,27 @@ def _locate(path: Any, step: Optional[int], missing: str, names: Optional[Sequen
   the step directory is None for a variables checkpoint, ``missing`` names a run without steps.
   ``names``: the listing of ``path`` that detection read (it is normalized and exists)."""
   if names is None:
-    path = paths.normalize(path)
-    if not paths.exists(path):
-      raise paths.not_found(path)
+    path = storage.normalize(path)
+    if not storage.exists(path):
+      raise storage.not_found(path)
   run = rundir.find(path, names)
   if run.checkpoints is not None:
     steps = rundir.saved_steps(run.checkpoints, readable=True)
     if not steps:
-      raise paths.not_found(run.checkpoints, missing,
+      raise storage.not_found(run.checkpoints, missing,
                             _nothing_saved_yet(run.checkpoints, run.workdir))
     if step is not None and step not in steps:
       raise FileNotFoundError(
           f'Step {step} is not saved in {run.checkpoints}; the saved steps are {steps}: choose '
           'one of them (or leave out --step for the latest).')
     step = steps[-1] if step is None else step
-    step_dir = paths.join(run.checkpoints, str(step))
-    return paths.join(step_dir, STATE_ITEM), step_dir, step, steps, run.workdir
+    step_dir = storage.join(run.checkpoints, str(step))
+    return storage.join(step_dir, STATE_ITEM), step_dir, step, steps, run.workdir
   if run.step_dir is not None:
-    name = paths.basename(run.step_dir)
+    name = storage.basename(run.step_dir)
     if step is not None and (not name.isdigit() or int(name) != step):
       raise ValueError(f'{path} is one checkpoint step: leave out --step (or give the workdir).')
-    return (paths.join(run.step_dir, STATE_ITEM), run.step_dir,
+    return (storage.join(run.step_dir, STATE_ITEM), run.step_dir,
             int(name) if name.isdigit() else None, [], run.workdir)
   if not orbax.is_item(path):
     raise ValueError(f'Unrecognised checkpoint directory {path!r}. Accepted formats: '
@@ -632,9 +550,9 @@ def read_run(path: Any, *, step: Optional[int] = None) -> SavedRun:
     return SavedRun(item, None, None, None, has_ema, [])
 
   def record(name: str, file: str) -> Optional[Dict[str, Any]]:
-    if paths.isdir(paths.join(step_dir, name)):
-      return orbax.read_json_item(paths.join(step_dir, name))
-    return rundir.read_json(paths.join(workdir, file)) if workdir else None
+    if storage.isdir(storage.join(step_dir, name)):
+      return orbax.read_json_item(storage.join(step_dir, name))
+    return rundir.read_json(storage.join(workdir, file)) if workdir else None
 
   return SavedRun(item, step, record(CONFIG_ITEM, CONFIG_JSON),
                   record(DATASET_ITEM, DATASET_JSON), has_ema, steps)

@@ -17,6 +17,7 @@ from vit_jax import accounting
 from vit_jax import dispatch
 from vit_jax import hardware as hardware_lib
 from vit_jax import models
+from vit_jax.config import keys
 
 #: What an accelerator looks like in a config's argument ('v3-32', 'v5litepod-16', 'v6e-8'; also
 #: 'a100-8', which `fit_to_slice` then refuses as not a TPU, naming what it takes).
@@ -131,9 +132,10 @@ def fit_to_slice(config: ml_collections.ConfigDict, accelerator: str,
   devices = hardware.num_devices
   batch = int(config.batch_size)
   if batch % devices:
-    raise ValueError(f"The global batch {batch} cannot be split over the {devices} devices of "
-                     f"{accelerator}: use a slice whose device count divides it, or "
-                     f"--config.batch_size={batch // devices * devices or devices}.")
+    raise keys.ConfigError(
+        "batch_size", batch, f"(the global batch) cannot be split over the {devices} devices of "
+        f"{accelerator}", "use a slice whose device count divides it, or "
+        f"config.batch_size={batch // devices * devices or devices}.")
   hbm = hardware_lib.program_hbm_bytes(hardware.device_kind)
   fields = dict(config.model.to_dict(), dtype="bfloat16")
   if fields.get("remat_policy") == "auto":  # What resolve will pick for the slice's devices.

@@ -1,5 +1,6 @@
-"""Single image files (any ``tf.io.gfile`` path, decoded by content) and arrays, preprocessed as
-the eval pipeline does (:func:`vit_jax.data.preprocess.eval_image`), for ``predict``."""
+"""Single image files (local or ``gs://``, through :mod:`vit_jax.storage`; decoded by content)
+and arrays, preprocessed as the eval pipeline does (:func:`vit_jax.data.preprocess.eval_image`),
+for ``predict``."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from typing import Any, Iterator, List, Optional, Tuple
 import numpy as np
 import tensorflow as tf
 
+from vit_jax import storage
 from vit_jax.data import preprocess
 from vit_jax.data import sources
 
@@ -20,10 +22,10 @@ def walk(folder: str, skipped_links: Optional[list] = None
          ) -> Iterator[Tuple[str, List[str], List[str]]]:
   """``os.walk(folder, followlinks=True)`` (sorted, hidden names left out) that never enters a
   directory twice: a link to a directory inside ``folder`` is not followed (added to
-  ``skipped_links``), one out of it once. Remote paths: ``tf.io.gfile.walk``."""
+  ``skipped_links``), one out of it once. Remote paths: :func:`vit_jax.storage.walk`."""
   folder = str(folder)
-  if '://' in folder:
-    for root, dirs, names in tf.io.gfile.walk(folder):
+  if storage.is_remote(folder):
+    for root, dirs, names in storage.walk(folder):
       dirs[:] = sorted(d for d in dirs if not d.startswith('.'))
       yield root, dirs, names
     return
@@ -58,39 +60,43 @@ def list_images(folder: str, recursive: bool = True,
   """The image files in ``folder`` (and subfolders if ``recursive``, as :func:`walk`), sorted.
   Raises FileNotFoundError (not a directory) or ValueError (a non-UTF-8 file name)."""
   folder = str(folder)
-  if not tf.io.gfile.isdir(folder):
+  if not storage.isdir(folder):
     raise FileNotFoundError(f'{folder} is not a directory.')
   found = []
   for root, _, names in walk(folder, skipped_links):
     for n in names:
       if not n.startswith('.') and n.lower().endswith(IMAGE_EXTENSIONS):
         if any('\ud800' <= c <= '\udfff' for c in root + n):  # Not UTF-8: lone surrogates.
-          raise sources.non_utf8_name_error(os.path.join(root, n))
-        found.append(os.path.join(root, n))
+          raise sources.non_utf8_name_error(storage.join(root, n))
+        found.append(storage.join(root, n))
     if not recursive:
       break
   return sorted(found)
 
 
 def read_bytes(path: str) -> bytes:
-  """The bytes of ``path``; FileNotFoundError, IsADirectoryError, PermissionError, OSError (also
-  for a local FIFO, socket or device, never opened: :func:`sources.not_a_file`)."""
+  """The bytes of the image file ``path`` (:func:`vit_jax.storage.read_bytes`); each error names
+  it: FileNotFoundError, IsADirectoryError, PermissionError, OSError (also for a local FIFO,
+  socket or device, never opened: :func:`vit_jax.storage.not_a_file`)."""
   path = str(path)
-  odd = None if '://' in path else sources.not_a_file(path)  # A FIFO's read waits forever.
+  odd = storage.not_a_file(path)  # A FIFO's read waits forever.
   if odd and odd != 'a broken or looping symbolic link':
     error = IsADirectoryError if odd == 'a directory' else OSError
     raise error(f'{path} is {odd}, not an image file.')
   try:
-    if tf.io.gfile.isdir(path):
-      raise IsADirectoryError(f'{path} is a directory, not an image file.')
-    with tf.io.gfile.GFile(path, 'rb') as f:
-      return f.read()
-  except tf.errors.NotFoundError as e:
+    with storage.os_errors():
+      is_dir = storage.is_remote(path) and storage.isdir(path)  # Local ones: `odd` above.
+      data = b'' if is_dir else storage.read_bytes(path)
+  except FileNotFoundError as e:
     raise FileNotFoundError(f'{path} does not exist.') from e
-  except tf.errors.PermissionDeniedError as e:
+  except PermissionError as e:
     raise PermissionError(f'{path} cannot be read (permission denied).') from e
-  except tf.errors.OpError as e:  # E.g. a link to itself: 'Too many levels of symbolic links'.
-    raise OSError(f'{path} cannot be read: {sources.tf_message(e).replace(f"{path}; ", "")}') from e
+  except OSError as e:  # E.g. a link to itself: 'Too many levels of symbolic links'.
+    reason = (e.strerror or str(e)).replace(f'{path}; ', '')
+    raise OSError(f'{path} cannot be read: {reason}') from e
+  if is_dir:
+    raise IsADirectoryError(f'{path} is a directory, not an image file.')
+  return data
 
 
 def eval_input(image: Any, *, size: int, normalization: Optional[str],

@@ -17,7 +17,7 @@ import tensorflow as tf
 import tensorflow_datasets as tfds
 
 from vit_jax import config as config_lib
-from vit_jax.checkpoint.paths import not_a_file
+from vit_jax import storage
 from vit_jax.data import preprocess
 
 SplitArg = Any  # str or tfds AbstractSplit (e.g. a tfds.even_splits item).
@@ -69,7 +69,7 @@ def _decode_check(contents: tf.Tensor) -> tf.Tensor:
 
 
 def find_undecodable(paths: Sequence[str], num_parallel_calls: int = -1) -> List[str]:
-  """The files among ``paths`` (any tf.io.gfile path) that cannot be read and decoded, in order
+  """The files among ``paths`` (local or ``gs://``) that cannot be read and decoded, in order
   (one parallel tf.data pass; ``num_parallel_calls`` -1: AUTOTUNE)."""
   paths = list(paths)
   ds = tf.data.Dataset.from_tensor_slices(
@@ -102,7 +102,7 @@ def first_non_utf8_path(folder: str) -> Optional[bytes]:
 
 
 def _not_files(paths: Sequence[str]) -> Dict[str, str]:
-  """The local `paths` that are no regular file (:func:`not_a_file`), in order, with what each
+  """The local `paths` that are no regular file (`storage.not_a_file`), in order, with what each
   is; one directory listing per folder (a stat per link and odd entry only)."""
   odd = set()
   for folder in dict.fromkeys(os.path.dirname(p) for p in paths):
@@ -111,7 +111,7 @@ def _not_files(paths: Sequence[str]) -> Dict[str, str]:
         odd.update(e.path for e in entries if not e.is_file(follow_symlinks=False))
     except OSError:
       continue
-  kinds = {p: not_a_file(p) for p in paths if p in odd}
+  kinds = {p: storage.not_a_file(p) for p in paths if p in odd}
   return {p: kind for p, kind in kinds.items() if kind}
 
 
@@ -164,24 +164,26 @@ class LabelSpec:
 
 
 def looks_like_path(name: str) -> bool:
-  return name.startswith(('/', '.', '~')) or '://' in name or '/' in name and os.path.isdir(name)
+  if name.startswith(('/', '.', '~')) or storage.is_remote(name):
+    return True
+  return '/' in name and os.path.isdir(name)
 
 
 def find_builder_dir(path: str) -> str:
   """The folder holding dataset_info.json at `path`, else the largest version at most two
   levels down (`<data_dir>/<name>[/<config>]`)."""
-  path = os.path.expanduser(path)
-  if tf.io.gfile.exists(os.path.join(path, 'dataset_info.json')):
+  path = storage.normalize(path)
+  if storage.exists(storage.join(path, 'dataset_info.json')):
     return path
   candidates = sorted(
-      tf.io.gfile.glob(os.path.join(path, '*', 'dataset_info.json')) +
-      tf.io.gfile.glob(os.path.join(path, '*', '*', 'dataset_info.json')))
+      storage.glob(storage.join(path, '*', 'dataset_info.json')) +
+      storage.glob(storage.join(path, '*', '*', 'dataset_info.json')))
   if not candidates:
     raise FileNotFoundError(
         f'config.data.name={path!r} looks like a path, but no prepared tfds '
         'dataset (a folder with dataset_info.json, e.g. '
         '~/tensorflow_datasets/mnist/3.0.1) was found there or below.')
-  return os.path.dirname(candidates[-1])
+  return storage.dirname(candidates[-1])
 
 
 def _prepare(builder, name: str, data_cfg) -> None:
@@ -200,7 +202,7 @@ def _prepare(builder, name: str, data_cfg) -> None:
         f'builder needs the network). {build_hint}')
   try:
     builder.download_and_prepare(download_config=tfds.download.DownloadConfig(
-        manual_dir=os.path.expanduser(data_cfg.manual_dir) if data_cfg.manual_dir else None,
+        manual_dir=storage.normalize(data_cfg.manual_dir) if data_cfg.manual_dir else None,
         try_download_gcs=False))
   except Exception as e:  # Let it through, with a hint.
     e.add_note(f'vit_jax: preparing {name!r} into {where} failed (manual_dir='
@@ -402,7 +404,7 @@ class Source:
     records = self._array_records(split)
     if records is None:
       return None
-    if '://' in os.fspath(self.builder.data_dir):
+    if storage.is_remote(self.builder.data_dir):
       logging.warning(
           '%s is read by index straight from %s: array_record asks the bucket for the rest of '
           'the file at every random read, many times the record\'s bytes (docs/data.md, "Reading '
@@ -565,8 +567,8 @@ def _make_source(data_cfg) -> Source:
   name, image_key, label_key = (data_cfg.name, data_cfg.image_key, data_cfg.label_key)
   bad_images = data_cfg.bad_images
   if data_cfg.image_folder:
-    root = os.path.expanduser(data_cfg.image_folder)
-    if not tf.io.gfile.isdir(root):
+    root = storage.normalize(data_cfg.image_folder)
+    if not storage.isdir(root):
       raise FileNotFoundError(
           f'config.data.image_folder={data_cfg.image_folder!r} is not a directory; it should '
           'hold <split>/<class>/*.{jpg,jpeg,png}, e.g. train/cat/1.jpg and test/cat/2.jpg.')
@@ -574,7 +576,7 @@ def _make_source(data_cfg) -> Source:
       with _folder_names_without_slashes():
         builder = tfds.folder_dataset.ImageFolder(root)
     except UnicodeDecodeError:  # tf.io.gfile lists names as UTF-8 only.
-      raw = None if '://' in root else first_non_utf8_path(root)
+      raw = None if storage.is_remote(root) else first_non_utf8_path(root)
       if raw is None:
         raise ValueError(f'A file name under {root} is not UTF-8, which TensorFlow cannot '
                          'open: rename it.') from None
@@ -584,7 +586,7 @@ def _make_source(data_cfg) -> Source:
     label = _label_spec(builder, root, label_key or 'label')
     # Reading the per-split file lists ourselves gives split slicing and reading by index.
     examples, skipped = dict(builder._split_examples), ()  # pylint: disable=protected-access
-    odd = {} if '://' in root else _not_files(
+    odd = {} if storage.is_remote(root) else _not_files(
         [e.image_path for exs in examples.values() for e in exs])
     if odd and bad_images != 'skip':
       raise FileNotFoundError(

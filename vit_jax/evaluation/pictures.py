@@ -20,9 +20,11 @@ def _device_summary(model: Any, layout: intermediates.TokenLayout, count: int, s
                     ) -> Callable[[Any, dict], dict]:
   """`(variables, global eval batch) -> {'attention_distance' [L, heads] f32 pixels, 'rollout'
   [shown, gh, gw] in [0, 1], 'logits', 'images', 'labels' of the first `shown`}` over the first
-  `count` images (masked ones left out)."""
+  `count` images (masked ones left out). The rollout maps: the class token's row, or without one
+  the mean of the patch rows (as `vit_jax.analysis.class_token_map`; registers never)."""
   distances = jnp.asarray(attention_maps.patch_distances(layout.grid, layout.stride), jnp.float32)
   prefix, grid = layout.prefix, layout.grid
+  class_token = attention_maps.has_class_token(prefix, int(getattr(model, "num_registers", 0)))
 
   def summarize(state, batch):
     images, mask = batch["image"][:count], batch["mask"][:count].astype(jnp.float32)
@@ -41,7 +43,7 @@ def _device_summary(model: Any, layout: intermediates.TokenLayout, count: int, s
     for weights in maps:  # Residual-aware rollout of the head-mean attention, bottom first.
       fused = 0.5 * weights[:shown].astype(jnp.float32).mean(1) + 0.5 * eye
       product = (fused / fused.sum(-1, keepdims=True)) @ product
-    rows = product[:, 0, prefix:] if prefix else product.mean(-2)
+    rows = product[:, 0, prefix:] if class_token else product[:, prefix:, prefix:].mean(-2)
     rows = rows / jnp.maximum(rows.max(-1, keepdims=True), 1e-30)
     return {"attention_distance": jnp.stack(per_layer), "rollout": rows.reshape(shown, *grid),
             "logits": logits[:shown], "images": images[:shown], "labels": batch["labels"][:shown]}

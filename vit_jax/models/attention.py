@@ -6,7 +6,9 @@ Parameters as ``flax.linen.MultiHeadDotProductAttention``'s, so the official che
 'xla' runs ``[B, heads, N, Dh]`` products (with dropout); 'cudnn' ``jax.nn.dot_product_attention``
 on ``[B, N, heads, Dh]``; a vit_jax kernel takes the fused ``[B, N, 3, heads, Dh]`` projection.
 They differ by rounding only. With 'intermediates' mutable the modules sow their float32 weights
-``[B, heads, Nq, Nk]`` (:data:`ATTENTION_WEIGHTS`), computed on the 'xla' path.
+``[B, heads, Nq, Nk]`` (:data:`ATTENTION_WEIGHTS`), computed on the 'xla' path. QK normalisation
+(ViT-22B; timm's ``qk_norm``): a LayerNorm of each head's query and key, ``query_ln`` and
+``key_ln`` ``{scale, bias} (Dh,)`` (flax's names; timm's ``q_norm``, ``k_norm``).
 """
 
 from __future__ import annotations
@@ -37,6 +39,9 @@ ATTENTION_WEIGHTS = 'attention_weights'
 TOKENS = 'tokens'
 
 WeightsFn = Callable[[Array], Any]
+
+#: The functions applied to the queries and the keys ``[..., Dh]`` after the projections.
+QKNorm = Tuple[Callable[[Array], Array], Callable[[Array], Array]]
 
 
 def sow_weights(module: nn.Module) -> WeightsFn:
@@ -116,10 +121,12 @@ def self_attention(x: Array, projections: Sequence[Tuple[Array, Optional[Array]]
                    implementation: str, logits_scale: float, scale_query: bool = False,
                    dropout_rate: float = 0.0, dropout_rng: Optional[Array] = None,
                    weights_fn: Optional[WeightsFn] = None,
-                   x_kv: Optional[Array] = None) -> Tuple[Array, str]:
+                   x_kv: Optional[Array] = None,
+                   qk_norm: Optional[QKNorm] = None) -> Tuple[Array, str]:
   """``softmax(logits_scale q k^T) v`` per head of ``x [B, N, D]`` by ``implementation``.
 
-  ``projections``: ``(kernel [D, heads, Dh], bias [heads, Dh] or None)`` of q, k, v.
+  ``projections``: ``(kernel [D, heads, Dh], bias [heads, Dh] or None)`` of q, k, v;
+  ``qk_norm``: the functions applied to q and k after them (None: none).
   ``scale_query``: scale q before the product, as flax (the official ViT), not the float32 logits
   (T2T-ViT). Dropout on 'xla' only; a ``weights_fn`` or ``x_kv [B, Nk, D]`` (keys and values of
   another sequence: flax's ``inputs_kv``) runs the 'xla' path. Returns ``(y, layout)``, layout
@@ -139,6 +146,8 @@ def self_attention(x: Array, projections: Sequence[Tuple[Array, Optional[Array]]
     qkv = jnp.einsum('bnd,dthk->bnthk', x, kernel)
     if projections[0][1] is not None:
       qkv = qkv + jnp.stack([b.astype(dtype) for _, b in projections], axis=0)
+    if qk_norm is not None:
+      qkv = jnp.stack([qk_norm[0](qkv[:, :, 0]), qk_norm[1](qkv[:, :, 1]), qkv[:, :, 2]], axis=2)
     qkv = checkpoint_name(qkv, QKV_NAMES[-1])
     return fused.attention(qkv, logits_scale=logits_scale), 'bnhk'
   layout = 'bnhk' if implementation == 'cudnn' else 'bhnk'
@@ -147,6 +156,8 @@ def self_attention(x: Array, projections: Sequence[Tuple[Array, Optional[Array]]
       jnp.einsum(f'bnd,dhk->{layout}', t, k.astype(dtype))
       + (0 if b is None else b.astype(dtype)[:, None, :] if layout == 'bhnk'
          else b.astype(dtype)) for t, (k, b) in zip((x, x_kv, x_kv), projections))
+  if qk_norm is not None:
+    query, key = qk_norm[0](query), qk_norm[1](key)
   # Named for the remat policy 'qkv_saveable' (vit_jax.models.execution), which keeps only these.
   query, key, value = (checkpoint_name(t, n) for t, n in zip((query, key, value), QKV_NAMES))
   if implementation == 'cudnn':
@@ -163,7 +174,8 @@ def self_attention(x: Array, projections: Sequence[Tuple[Array, Optional[Array]]
 class MultiHeadDotProductAttention(nn.Module):
   """The official blocks' ``MultiHeadDotProductAttention_0`` (flax's, ``broadcast_dropout=False``),
   ``[B, N, D]`` -> ``[B, N, D]`` in ``dtype``; with ``inputs_kv [B, Nk, D]`` cross-attention
-  (big_vision's ``MAPHead_0``, 'xla' only). ValueError: ``num_heads`` not dividing D,
+  (big_vision's ``MAPHead_0``, 'xla' only); ``qk_norm``: ``query_ln``, ``key_ln`` LayerNorms
+  (``layer_norm_epsilon``) of each head's q and k. ValueError: ``num_heads`` not dividing D,
   ``inputs_kv`` with another ``attention``, or as :func:`self_attention`."""
 
   num_heads: int
@@ -171,6 +183,19 @@ class MultiHeadDotProductAttention(nn.Module):
   dtype: Dtype = jnp.float32
   param_dtype: Dtype = jnp.float32
   attention: str = 'xla'
+  qk_norm: bool = False
+  layer_norm_epsilon: float = 1e-6
+
+  def _qk_norm(self) -> Optional[QKNorm]:
+    """The ``query_ln`` and ``key_ln`` LayerNorms (with a bias, as timm's), or None."""
+    if not self.qk_norm:
+      return None
+    init = lambda f: nn.with_logical_partitioning(f, ('norm',))  # pylint: disable=g-long-lambda
+    return tuple(nn.LayerNorm(epsilon=self.layer_norm_epsilon, dtype=self.dtype,
+                              param_dtype=self.param_dtype,
+                              scale_init=init(nn.initializers.ones),
+                              bias_init=init(nn.initializers.zeros), name=name)
+                 for name in ('query_ln', 'key_ln'))
 
   @nn.compact
   def __call__(self, x: Array, *, deterministic: bool, inputs_kv: Optional[Array] = None
@@ -195,7 +220,8 @@ class MultiHeadDotProductAttention(nn.Module):
     y, layout = self_attention(
         x, projections, implementation=self.attention, logits_scale=1.0 / math.sqrt(head_dim),
         scale_query=True, dropout_rate=rate, dropout_rng=rng, weights_fn=weights_fn,
-        x_kv=None if inputs_kv is None else inputs_kv.astype(self.dtype))
+        x_kv=None if inputs_kv is None else inputs_kv.astype(self.dtype),
+        qk_norm=self._qk_norm())
     kernel, bias = _Projection((heads, head_dim, width), ('heads', 'kv', 'embed'), (width,),
                                ('embed',), fan_in_axes=2, param_dtype=self.param_dtype,
                                name='out')()

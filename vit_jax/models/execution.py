@@ -72,14 +72,15 @@ def scanned(block_cls: type, length: int, *, in_axes: Any) -> type:
                  metadata_params={nn.PARTITION_NAME: 'layers'})
 
 
-def fields_of(module: nn.Module) -> dict[str, Any]:
-  """A model's dataclass fields by name (``parent`` and ``name`` included), for its checks."""
+def fields_of(module: Any) -> dict[str, Any]:
+  """A model's (or any dataclass's, e.g. a :class:`vit_jax.models.vit_fields.Config`) fields by
+  name (a module's ``parent`` and ``name`` included), for its checks."""
   return {f.name: getattr(module, f.name) for f in dataclasses.fields(module)}
 
 
-def shared_fields(module: nn.Module, cls: type, **overrides: Any) -> dict[str, Any]:
-  """The fields of ``cls`` that ``module`` has too, by name, then ``overrides``: what a module
-  passes on to a submodule of class ``cls``."""
+def shared_fields(module: Any, cls: type, **overrides: Any) -> dict[str, Any]:
+  """The fields of ``cls`` that ``module`` (a module or a fields dataclass) has too, by name,
+  then ``overrides``: what a module passes on to a submodule of class ``cls``."""
   own = fields_of(module)
   return {**{f.name: own[f.name] for f in dataclasses.fields(cls)
              if f.name in own and f.name not in ('parent', 'name')}, **overrides}
@@ -114,12 +115,7 @@ def check_float_dtypes(**dtypes: Any) -> None:
                        f'got {value!r}')
 
 
-def check_execution_fields(*, scan: Any, remat: Any, remat_policy: Any,
-                           attention: Any = 'xla') -> None:
-  """ValueError: ``scan`` or ``remat`` not a bool, an unknown ``remat_policy`` or ``attention``."""
-  for field, value in (('scan', scan), ('remat', remat)):
-    if not isinstance(value, bool):
-      raise ValueError(f'{field} must be True or False, got {value!r}')
-  if remat_policy not in REMAT_POLICIES:
-    raise ValueError(f'remat_policy must be one of {REMAT_POLICIES}, got {remat_policy!r}')
-  attention_lib.check_implementation(attention)
+def check_bool(field: str, value: Any) -> None:
+  """ValueError naming ``field`` unless ``value`` is a Python bool (an execution switch)."""
+  if not isinstance(value, bool):
+    raise ValueError(f'{field} must be True or False, got {value!r}')

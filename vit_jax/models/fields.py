@@ -1,14 +1,22 @@
-"""A model family's fields declared once: name, default, type, help and the ecosystems' names.
+"""A model family's fields declared once: name, default, type, help, check, what records them
+in the weights and the ecosystems' names.
 
 Each family declares a tuple of :class:`Field` (``vit_fields.VIT_FIELDS``, ``t2t.T2T_FIELDS``);
-the registry's defaults and override keys, the config's command-line types, the checkpoints'
-"fields the weights record" and timm's keywords are read from it (docs/models.md).
+the registry's defaults and override keys, the config's command-line types, the checks, the
+checkpoints' "fields the weights record" and timm's and transformers' names are read from it
+(docs/models.md).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Dict, Iterable, Optional, Tuple
+import re
+from typing import Any, Callable, Dict, Iterable, Mapping, Optional, Tuple
+
+import numpy as np
+
+from vit_jax.models import attention
+from vit_jax.models import execution
 
 
 class _Required:
@@ -21,13 +29,19 @@ class _Required:
 REQUIRED: Any = _Required()
 
 
+#: A field's check: ``check(name, value)`` raises ValueError naming the field and the value.
+Check = Callable[[str, Any], None]
+
+
 @dataclasses.dataclass(frozen=True)
 class Field:
   """One model field: its ``name``, ``default`` (:data:`REQUIRED`: a ``*-custom`` model must be
   given it), the ``type`` ``--config.model.NAME`` parses to, one line of ``help``, whether the
-  parameter shapes record it (``in_weights``: read back from any checkpoint), and its name in
-  timm's ``VisionTransformer`` (``timm``) and transformers' ``ViTConfig`` (``hf``) where they take
-  the value as it is (None: no such keyword)."""
+  parameter shapes record it (``in_weights``: read back from any checkpoint), its name in timm's
+  ``VisionTransformer`` (``timm``) and transformers' ``ViTConfig`` (``hf``) where they take the
+  value as it is (None: no such keyword), its ``check`` of one value (None: the family's own
+  checks) and, for a bool field, the ``param`` whose presence records True
+  (:func:`recorded`)."""
 
   name: str
   default: Any
@@ -36,17 +50,56 @@ class Field:
   in_weights: bool = False
   timm: Optional[str] = None
   hf: Optional[str] = None
+  check: Optional[Check] = None
+  param: Optional[str] = None
+
+
+def boolean(name: str, value: Any) -> None:
+  """ValueError unless ``value`` is True or False (NumPy's too)."""
+  if not isinstance(value, (bool, np.bool_)):
+    raise ValueError(f'{name} must be True or False, got {value!r}')
+
+
+def one_of(choices: Tuple[Any, ...]) -> Check:
+  """The check that a value is one of ``choices``."""
+
+  def check(name: str, value: Any) -> None:
+    if value not in choices:
+      raise ValueError(f'{name} must be one of {choices}, got {value!r}')
+
+  return check
+
+
+def positive_int(allow_none: bool = False) -> Check:
+  """The check that a value is an int > 0 (or None with ``allow_none``)."""
+  return lambda name, value: execution.check_positive_int(name, value, allow_none)
+
+
+def float_dtype(name: str, value: Any) -> None:
+  """ValueError unless ``value`` is a floating dtype (or None)."""
+  execution.check_float_dtypes(**{name: value})
+
+
+def check(declared: Iterable[Field], values: Mapping[str, Any]) -> None:
+  """Each declared field's ``check`` of its value in ``values`` (its default where absent)."""
+  for field in declared:
+    if field.check is not None:
+      field.check(field.name, values.get(field.name, field.default))
 
 
 #: How the blocks run, in every family: not in the weights, never in a checkpoint's fields.
 EXECUTION_FIELDS: Tuple[Field, ...] = (
-    Field('dtype', 'float32', str, 'compute dtype (float32, bfloat16)'),
-    Field('param_dtype', 'float32', str, 'parameter dtype'),
-    Field('scan', False, bool, 'one scanned block stack instead of L named blocks'),
-    Field('remat', False, bool, 'rematerialise each block in the backward pass'),
+    Field('dtype', 'float32', str, 'compute dtype (float32, bfloat16)', check=float_dtype),
+    Field('param_dtype', 'float32', str, 'parameter dtype', check=float_dtype),
+    Field('scan', False, bool, 'one scanned block stack instead of L named blocks',
+          check=execution.check_bool),
+    Field('remat', False, bool, 'rematerialise each block in the backward pass',
+          check=execution.check_bool),
     Field('remat_policy', 'nothing_saveable', str,
-          "what remat keeps (training: 'auto' picks from the devices, docs/configs.md)"),
-    Field('attention', 'xla', str, "attention implementation (training: 'auto', docs/kernels.md)"),
+          "what remat keeps (training: 'auto' picks from the devices, docs/configs.md)",
+          check=one_of(execution.REMAT_POLICIES)),
+    Field('attention', 'xla', str, "attention implementation (training: 'auto', docs/kernels.md)",
+          check=lambda _, value: attention.check_implementation(value)),
 )
 
 
@@ -63,3 +116,11 @@ def required(fields: Iterable[Field]) -> Tuple[str, ...]:
 def names(fields: Iterable[Field]) -> Tuple[str, ...]:
   """The fields' names, in declaration order (a family's override keys)."""
   return tuple(f.name for f in fields)
+
+
+def recorded(declared: Iterable[Field], names: Iterable[str]) -> Dict[str, bool]:
+  """``{name: True}`` of the bool fields whose ``param`` is among the ``'/'``-joined parameter
+  ``names`` (collection first; a block's ``encoderblock`` matches per-layer ``encoderblock_{i}``
+  and scanned ``encoderblock`` alike)."""
+  plain = {re.sub(r'/encoderblock_\d+/', '/encoderblock/', n) for n in names}
+  return {f.name: True for f in declared if f.param and f'params/{f.param}' in plain}

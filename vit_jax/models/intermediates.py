@@ -71,7 +71,7 @@ def token_layout(model: Any, height: int, width: int) -> TokenLayout:
     stride = math.prod(step for _, step, _ in t2t.SOFT_SPLITS)
     return TokenLayout(1, t2t.token_grid(height, width), (stride, stride))
   sy, sx = vit.token_stride(model, height, width)
-  return TokenLayout(vit.prefix_tokens(model.classifier, model.num_registers),
+  return TokenLayout(vit.prefix_tokens(model),
                      (height // sy, width // sx), (sy, sx))
 
 

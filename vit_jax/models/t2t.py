@@ -424,42 +424,53 @@ class T2TViT(nn.Module):
     return x.astype(jnp.float32)
 
 
+def _positive_number(optional: bool = False) -> fields.Check:
+  """The check that a value is a number > 0 (or None with ``optional``)."""
+
+  def check(name: str, value: Any) -> None:
+    if not (value is None and optional) and (
+        isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0):
+      raise ValueError(f'{name} must be a positive number{" or None" if optional else ""}, '
+                       f'got {value!r}')
+
+  return check
+
+
 #: T2T-ViT's fields (:mod:`vit_jax.models.fields`), the reference's constructor names; the
 #: registry's defaults (drop_path_rate 0.1, the reference's training default).
 T2T_FIELDS: Tuple[Field, ...] = (
-    Field('embed_dim', REQUIRED, int, 'D, the backbone width', True),
-    Field('depth', REQUIRED, int, 'the backbone blocks', True),
-    Field('num_heads', REQUIRED, int, "the backbone's attention heads"),
-    Field('mlp_ratio', REQUIRED, float, "the backbone MLP's width over D", True),
-    Field('token_dim', 64, int, "the T2T module's token width", True),
-    Field('tokens_type', 'performer', str, f'the T2T module: one of {TOKENS_TYPES}', True),
-    Field('qk_scale', None, float, "the attention's scale (None: head size ** -0.5)"),
-    Field('drop_path_rate', 0.1, float, 'stochastic depth, rising linearly over the blocks'),
+    Field('embed_dim', REQUIRED, int, 'D, the backbone width', True,
+          check=fields.positive_int()),
+    Field('depth', REQUIRED, int, 'the backbone blocks', True, check=fields.positive_int()),
+    Field('num_heads', REQUIRED, int, "the backbone's attention heads",
+          check=fields.positive_int()),
+    Field('mlp_ratio', REQUIRED, float, "the backbone MLP's width over D", True,
+          check=_positive_number()),
+    Field('token_dim', 64, int, "the T2T module's token width", True,
+          check=fields.positive_int()),
+    Field('tokens_type', 'performer', str, f'the T2T module: one of {TOKENS_TYPES}', True,
+          check=fields.one_of(TOKENS_TYPES)),
+    Field('qk_scale', None, float, "the attention's scale (None: head size ** -0.5)",
+          check=_positive_number(optional=True)),
+    Field('drop_path_rate', 0.1, float, 'stochastic depth, rising linearly over the blocks',
+          check=execution.check_rate),
     *fields.EXECUTION_FIELDS,
 )
 
 
-def validate_config(*, num_classes, embed_dim, depth, num_heads, mlp_ratio, token_dim, tokens_type,
-                    qk_scale, drop_path_rate, dtype, param_dtype, scan, remat, remat_policy,
-                    attention, **unused) -> None:
-  """Checks all :class:`T2TViT` fields (extra keywords ignored); ValueError naming the field."""
-  del unused
-  if tokens_type not in TOKENS_TYPES:
-    raise ValueError(f'tokens_type must be one of {TOKENS_TYPES}, got {tokens_type!r}')
+def validate_config(*, num_classes: Any = None, **config: Any) -> None:
+  """Checks the :class:`T2TViT` fields (the declared ones, :data:`T2T_FIELDS`, each by its
+  ``check``, then together; extras ignored); ValueError naming the field, TypeError for a
+  missing required one."""
+  missing = [k for k in fields.required(T2T_FIELDS) if k not in config]
+  if missing:
+    raise TypeError(f'validate_config() needs the fields {missing}')
   execution.check_positive_int('num_classes', num_classes, allow_none=True)
-  for field, value in (('embed_dim', embed_dim), ('depth', depth), ('num_heads', num_heads),
-                       ('token_dim', token_dim)):
-    execution.check_positive_int(field, value)
+  fields.check(T2T_FIELDS, config)
+  embed_dim, num_heads = config['embed_dim'], config['num_heads']
   if embed_dim % num_heads:
     raise ValueError(f'embed_dim ({embed_dim}) must be divisible by num_heads ({num_heads})')
-  if tokens_type == 'performer' and int(token_dim * PERFORMER_KERNEL_RATIO) < 1:
+  token_dim = config.get('token_dim', 64)
+  performer = config.get('tokens_type', 'performer') == 'performer'
+  if performer and int(token_dim * PERFORMER_KERNEL_RATIO) < 1:
     raise ValueError(f'token_dim must be >= 2 for the performer T2T module, got {token_dim}')
-  for field, value, optional in (('mlp_ratio', mlp_ratio, False), ('qk_scale', qk_scale, True)):
-    if not (value is None and optional) and (
-        isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0):
-      raise ValueError(f'{field} must be a positive number{" or None" if optional else ""}, '
-                       f'got {value!r}')
-  execution.check_rate('drop_path_rate', drop_path_rate)
-  execution.check_float_dtypes(dtype=dtype, param_dtype=param_dtype)
-  execution.check_execution_fields(scan=scan, remat=remat, remat_policy=remat_policy,
-                             attention=attention)

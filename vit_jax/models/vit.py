@@ -13,8 +13,10 @@ Numerics and parameter names are the official ``models_vit.py``'s, so its checkp
 'gap'/'map' have no ``cls`` ('map' adds big_vision's ``MAPHead_0``); 'sincos2d' no
 ``posembed_input``; hybrids the BiT stem of :mod:`vit_jax.models.resnet`; ``scan=True`` one
 stacked ``encoderblock``. timm's variants: ``registers`` (1, R, D), ``encoderblock_{i}/
-LayerScale_{0,1}/scale`` (D,), ``fc_norm`` in place of ``encoder_norm``. Logical axes,
-intermediates and the fields' sources: docs/models.md.
+LayerScale_{0,1}/scale`` (D,), ``fc_norm`` in place of ``encoder_norm``, QK normalisation's
+``MultiHeadDotProductAttention_0/{query_ln, key_ln}`` (Dh,). The encoder and its blocks take the
+fields whole (:class:`vit_fields.Config`, as the official ``Encoder`` takes ``transformer``).
+Logical axes, intermediates and the fields' sources: docs/models.md.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from vit_jax.models import execution
 from vit_jax.models import layout
 from vit_jax.models import resample
 from vit_jax.models import resnet
+from vit_jax.models import vit_fields
 # The fields' allowed values and their checks (re-exported: models.vit.*).
 from vit_jax.models.vit_fields import (  # noqa: F401
     CLASSIFIERS, LAYERNORM_EPSILON, POSEMBS, patch_pair, posemb_prefix_rows, prefix_tokens,
@@ -209,104 +212,79 @@ class LayerScale(nn.Module):
 
 
 class EncoderBlock(nn.Module):
-  """The official pre-LN ``Encoder1DBlock`` (eq. 2-3), ``[B, N, D]`` in ``dtype``; ``deterministic``
-  positional (static under remat), ``scanned`` returns ``(x, None)``; sows ``tokens``. With
+  """The official pre-LN ``Encoder1DBlock`` (eq. 2-3) of the fields ``config``
+  (:class:`vit_fields.Config`), ``[B, N, D]`` in its ``dtype``; ``deterministic`` positional
+  (static under remat), ``scanned`` returns ``(x, None)``; sows ``tokens``. With
   ``layerscale_init``, ``LayerScale_0`` scales the attention's output and ``LayerScale_1`` the
   MLP's before each residual sum (timm's ``ls1``, ``ls2``)."""
 
-  mlp_dim: int
-  num_heads: int
-  dropout_rate: float = 0.0
-  attention_dropout_rate: float = 0.0
-  dtype: Dtype = jnp.float32
-  param_dtype: Dtype = jnp.float32
+  config: Any
   scanned: bool = False
-  attention: str = 'xla'
-  gelu_approximate: bool = True
-  layer_norm_epsilon: float = LAYERNORM_EPSILON
-  layerscale_init: Optional[float] = None
 
   @nn.compact
   def __call__(self, inputs: Array, deterministic: bool):
     if inputs.ndim != 3:
       raise ValueError(f'EncoderBlock expects [batch, tokens, width], got shape {inputs.shape}')
+    c = self.config
     inputs = execution.constrain(inputs, TOKENS_AXES)
-    x = _layer_norm(self.dtype, self.param_dtype, epsilon=self.layer_norm_epsilon)(inputs)
-    x = attention_lib.MultiHeadDotProductAttention(
-        num_heads=self.num_heads, dropout_rate=self.attention_dropout_rate, dtype=self.dtype,
-        param_dtype=self.param_dtype, attention=self.attention,
-        name='MultiHeadDotProductAttention_0')(x, deterministic=deterministic)
-    x = nn.Dropout(rate=self.dropout_rate)(x, deterministic=deterministic)
-    if self.layerscale_init is not None:
-      x = LayerScale(self.layerscale_init, self.param_dtype)(x)
+    x = _layer_norm(c.dtype, c.param_dtype, epsilon=c.layer_norm_epsilon)(inputs)
+    attention_cls = attention_lib.MultiHeadDotProductAttention
+    x = attention_cls(name='MultiHeadDotProductAttention_0', **execution.shared_fields(
+        c, attention_cls, dropout_rate=c.attention_dropout_rate))(x, deterministic=deterministic)
+    x = nn.Dropout(rate=c.dropout_rate)(x, deterministic=deterministic)
+    if c.layerscale_init is not None:
+      x = LayerScale(c.layerscale_init, c.param_dtype)(x)
     x = execution.constrain(x + inputs, TOKENS_AXES)
-    y = _layer_norm(self.dtype, self.param_dtype, epsilon=self.layer_norm_epsilon)(x)
-    y = MlpBlock(**execution.shared_fields(self, MlpBlock))(y, deterministic=deterministic)
-    if self.layerscale_init is not None:
-      y = LayerScale(self.layerscale_init, self.param_dtype)(y)
+    y = _layer_norm(c.dtype, c.param_dtype, epsilon=c.layer_norm_epsilon)(x)
+    y = MlpBlock(**execution.shared_fields(c, MlpBlock))(y, deterministic=deterministic)
+    if c.layerscale_init is not None:
+      y = LayerScale(c.layerscale_init, c.param_dtype)(y)
     out = execution.constrain(x + y, TOKENS_AXES)
     self.sow(attention_lib.INTERMEDIATES, attention_lib.TOKENS, out)  # A no-op unless mutable.
     return (out, None) if self.scanned else out
 
 
 class Encoder(nn.Module):
-  """The official ``Encoder`` (``Transformer``): ``posembed_input`` ('learn' only), dropout, the
-  blocks and ``encoder_norm`` (none without ``final_norm``); ``[B, N, D]`` -> ``[B, N, D]`` in
-  ``dtype``. The first ``num_prefix_tokens`` tokens (class token, registers) get no position
-  with ``no_embed_class`` (the table covers the grid only; timm's ``no_embed_class``).
-  ``patch_grid`` ``(gh, gw)``: the table resampled to it when made for another grid
-  (``posemb_resize``, ``posemb_grid``: :class:`AddPositionEmbs`'s ``resize``, ``table_grid``)."""
+  """The official ``Encoder`` (``Transformer``) of the fields ``config``
+  (:class:`vit_fields.Config`): ``posembed_input`` ('learn' only), dropout, the blocks and
+  ``encoder_norm`` (none with ``fc_norm``: timm's LayerNorm after the pooling); ``[B, N, D]`` ->
+  ``[B, N, D]`` in its ``dtype``. The prefix tokens (:func:`prefix_tokens`: class token,
+  registers) get no position with ``no_embed_class`` (the table covers the grid only; timm's
+  ``no_embed_class``). ``patch_grid`` ``(gh, gw)``: the table resampled to it when made for
+  another grid (``posemb_resize``, ``posemb_grid``: :class:`AddPositionEmbs`'s ``resize``,
+  ``table_grid``)."""
 
-  num_layers: int
-  mlp_dim: int
-  num_heads: int
-  dropout_rate: float = 0.0
-  attention_dropout_rate: float = 0.0
-  dtype: Dtype = jnp.float32
-  param_dtype: Dtype = jnp.float32
-  scan: bool = False
-  remat: bool = False
-  remat_policy: str = 'nothing_saveable'
-  attention: str = 'xla'
-  gelu_approximate: bool = True
-  layer_norm_epsilon: float = LAYERNORM_EPSILON
-  posemb: str = 'learn'
-  layerscale_init: Optional[float] = None
-  num_prefix_tokens: int = 0
-  no_embed_class: bool = False
-  final_norm: bool = True
-  posemb_resize: str = 'linear_corners'
-  posemb_grid: Optional[Tuple[int, int]] = None
+  config: Any
 
   @nn.compact
   def __call__(self, x: Array, *, train: bool,
                patch_grid: Optional[Tuple[int, int]] = None) -> Array:
+    c = self.config
     deterministic = not train
     embed = lambda tokens: AddPositionEmbs(  # pylint: disable=g-long-lambda
-        param_dtype=self.param_dtype, resize=self.posemb_resize, table_grid=self.posemb_grid,
+        param_dtype=c.param_dtype, resize=c.posemb_resize, table_grid=c.posemb_grid,
         name='posembed_input')(tokens, patch_grid)
-    if self.posemb == 'learn' and self.no_embed_class and self.num_prefix_tokens:
-      skip = self.num_prefix_tokens  # timm adds the table, then prepends: the same sums.
-      grid = embed(x[:, skip:])
-      x = jnp.concatenate([x[:, :skip], grid], axis=1)
-    elif self.posemb == 'learn':
+    skip = prefix_tokens(c)
+    if c.posemb == 'learn' and c.no_embed_class and skip:
+      # timm adds the table, then prepends: the same sums.
+      x = jnp.concatenate([x[:, :skip], embed(x[:, skip:])], axis=1)
+    elif c.posemb == 'learn':
       x = embed(x)
-    x = nn.Dropout(rate=self.dropout_rate)(x, deterministic=deterministic)
+    x = nn.Dropout(rate=c.dropout_rate)(x, deterministic=deterministic)
     x = execution.constrain(x, TOKENS_AXES)
 
-    block_cls = (execution.rematerialised(EncoderBlock, self.remat_policy, scan=self.scan)
-                 if self.remat else EncoderBlock)
-    block_kwargs = execution.shared_fields(self, EncoderBlock)
-    if self.scan:
-      stack = execution.scanned(block_cls, self.num_layers, in_axes=nn.broadcast)
-      x, _ = stack(scanned=True, name='encoderblock', **block_kwargs)(x, deterministic)
+    block_cls = (execution.rematerialised(EncoderBlock, c.remat_policy, scan=c.scan)
+                 if c.remat else EncoderBlock)
+    if c.scan:
+      stack = execution.scanned(block_cls, c.num_layers, in_axes=nn.broadcast)
+      x, _ = stack(c, scanned=True, name='encoderblock')(x, deterministic)
     else:
-      for i in range(self.num_layers):
-        x = block_cls(name=f'encoderblock_{i}', **block_kwargs)(x, deterministic)
-    if not self.final_norm:  # timm's fc_norm: the LayerNorm comes after the pooling.
+      for i in range(c.num_layers):
+        x = block_cls(c, name=f'encoderblock_{i}')(x, deterministic)
+    if c.fc_norm:  # timm's fc_norm: the LayerNorm comes after the pooling.
       return x
-    return _layer_norm(self.dtype, self.param_dtype, name='encoder_norm',
-                       epsilon=self.layer_norm_epsilon)(x)
+    return _layer_norm(c.dtype, c.param_dtype, name='encoder_norm',
+                       epsilon=c.layer_norm_epsilon)(x)
 
 
 class MAPHead(nn.Module):
@@ -350,8 +328,10 @@ class VisionTransformer(nn.Module):
   ``layerscale_init`` LayerScale in every block (None: none); ``num_registers`` register tokens
   (``registers``, after the class token); ``no_embed_class`` a learned table of the patches only
   (added before the class token and registers are prepended); ``fc_norm`` ('gap' only) the final
-  LayerNorm after the average (``fc_norm``) instead of before (``Transformer/encoder_norm``).
-  'gap' and 'map' pool the patch tokens only (not the registers). Sources: docs/models.md.
+  LayerNorm after the average (``fc_norm``) instead of before (``Transformer/encoder_norm``);
+  ``qk_norm`` a LayerNorm of each head's queries and keys (ViT-22B). 'gap' and 'map' pool the
+  patch tokens only (not the registers). The fields: :data:`vit_fields.VIT_FIELDS`; sources:
+  docs/models.md.
   ``posemb_resize`` how a learned table is resampled at apply to another token grid than its
   own (:data:`vit_jax.models.resample.RESIZE_METHODS`: 'linear_corners' the official
   fine-tuning resize, 'bicubic_antialias' timm's ``dynamic_img_size``); ``posemb_grid`` the
@@ -394,6 +374,7 @@ class VisionTransformer(nn.Module):
   num_registers: int = 0
   no_embed_class: bool = False
   fc_norm: bool = False
+  qk_norm: bool = False
   posemb_resize: str = 'linear_corners'
   posemb_grid: Optional[Tuple[int, int]] = None
 
@@ -439,13 +420,10 @@ class VisionTransformer(nn.Module):
     if prefix:
       prefix = [jnp.broadcast_to(p.astype(x.dtype), (n,) + p.shape[1:]) for p in prefix]
       x = jnp.concatenate(prefix + [x], axis=1)
-    num_prefix = prefix_tokens(self.classifier, self.num_registers)
+    num_prefix = prefix_tokens(self)
 
-    submodule = lambda cls, **kw: execution.shared_fields(self, cls, dtype=dtype,
-                                                          param_dtype=param_dtype, **kw)
-    encoder = Encoder(name='Transformer', **submodule(Encoder, num_prefix_tokens=num_prefix,
-                                                       final_norm=not self.fc_norm))
-    x = encoder(x, train=train, patch_grid=(gh, gw))
+    config = vit_fields.config_of(self, dtype=dtype, param_dtype=param_dtype)
+    x = Encoder(config, name='Transformer')(x, train=train, patch_grid=(gh, gw))
 
     if self.classifier == 'token':
       x = x[:, 0]
@@ -454,7 +432,8 @@ class VisionTransformer(nn.Module):
       if self.fc_norm:
         x = _layer_norm(dtype, param_dtype, name='fc_norm', epsilon=self.layer_norm_epsilon)(x)
     else:  # 'map'
-      x = MAPHead(name='MAPHead_0', **submodule(MAPHead))(x[:, num_prefix:] if num_prefix else x)
+      x = MAPHead(name='MAPHead_0', **execution.shared_fields(config, MAPHead))(
+          x[:, num_prefix:] if num_prefix else x)
 
     if self.representation_size is not None:
       x = nn.Dense(self.representation_size, dtype=dtype, param_dtype=param_dtype,

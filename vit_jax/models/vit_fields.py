@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import numbers
-from typing import Tuple, Union
+from typing import Any, Mapping, Tuple, Union
 
 import numpy as np
 
@@ -23,69 +24,147 @@ POSEMBS = ('learn', 'sincos2d')
 #: The official (flax) LayerNorm epsilon; transformers' ``google/vit-*`` have 1e-12.
 LAYERNORM_EPSILON = 1e-6
 
+#: The attention's QK normalisation parameters (:mod:`vit_jax.models.attention`), in a block.
+QUERY_LN = 'Transformer/encoderblock/MultiHeadDotProductAttention_0/query_ln/scale'
+
+
+def _check_layerscale(name: str, value: Any) -> None:
+  if value is not None and (
+      isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real)
+      or not math.isfinite(float(value))):
+    raise ValueError(f'{name} must be None (no LayerScale) or a finite float (the scales\' '
+                     f'initial value, e.g. 1e-5), got {value!r}')
+
+
+def _check_registers(name: str, value: Any) -> None:
+  if (isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral)
+      or value < 0):
+    raise ValueError(f'{name} must be an int >= 0 (register tokens, e.g. 4 for DINOv2 with '
+                     f'registers), got {value!r}')
+
+
+def _check_gelu(name: str, value: Any) -> None:
+  if not isinstance(value, (bool, np.bool_)):
+    raise ValueError(f'{name} must be a bool (True: tanh approximation, False: exact erf '
+                     f'GELU), got {value!r}')
+
+
+def _check_epsilon(name: str, value: Any) -> None:
+  if (isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real)
+      or not 0.0 < float(value) < math.inf):
+    raise ValueError(f'{name} must be a positive float (e.g. 1e-6), got {value!r}')
+
+
+def _check_grid(name: str, value: Any) -> None:
+  if value is not None and (
+      not isinstance(value, (tuple, list)) or len(value) != 2
+      or any(isinstance(g, (bool, np.bool_)) or not isinstance(g, numbers.Integral) or g <= 0
+             for g in value)):
+    raise ValueError(f'{name} must be None or the (rows, columns) of the learned position '
+                     f'table\'s token grid, two positive ints, got {value!r}')
+
+
 #: The ViT's fields (:mod:`vit_jax.models.fields`), the architecture first in the order a
 #: checkpoint is described; the hybrid's ResNet stem in :data:`HYBRID_FIELDS`.
 VIT_FIELDS: Tuple[Field, ...] = (
-    Field('patch_size', REQUIRED, tuple, 'P or (Ph, Pw): pixels per patch', True),
+    Field('patch_size', REQUIRED, tuple, 'P or (Ph, Pw): pixels per patch', True,
+          check=lambda _, value: patch_pair(value)),
     Field('hidden_size', REQUIRED, int, 'D, the width of every token', True,
-          timm='embed_dim', hf='hidden_size'),
+          timm='embed_dim', hf='hidden_size', check=fields.positive_int()),
     Field('num_layers', REQUIRED, int, 'L, the encoder blocks', True,
-          timm='depth', hf='num_hidden_layers'),
+          timm='depth', hf='num_hidden_layers', check=fields.positive_int()),
     Field('num_heads', REQUIRED, int, 'attention heads', True,
-          timm='num_heads', hf='num_attention_heads'),
-    Field('mlp_dim', REQUIRED, int, 'MLP size', True, hf='intermediate_size'),
-    Field('representation_size', None, int, 'pre-logits width (None: no pre-logits layer)', True),
-    Field('classifier', 'token', str, f'pooling: one of {CLASSIFIERS}', True),
-    Field('posemb', 'learn', str, f'position embedding: one of {POSEMBS}', True),
+          timm='num_heads', hf='num_attention_heads', check=fields.positive_int()),
+    Field('mlp_dim', REQUIRED, int, 'MLP size', True, hf='intermediate_size',
+          check=fields.positive_int()),
+    Field('representation_size', None, int, 'pre-logits width (None: no pre-logits layer)', True,
+          check=fields.positive_int(allow_none=True)),
+    Field('classifier', 'token', str, f'pooling: one of {CLASSIFIERS}', True,
+          check=fields.one_of(CLASSIFIERS)),
+    Field('posemb', 'learn', str, f'position embedding: one of {POSEMBS}', True,
+          check=fields.one_of(POSEMBS)),
     Field('layerscale_init', None, float,
           "LayerScale's initial value (None: no LayerScale; DeiT III, DINOv2)", True,
-          timm='init_values'),
+          timm='init_values', check=_check_layerscale),
     Field('num_registers', 0, int, 'register tokens after the class token', True,
-          timm='reg_tokens'),
+          timm='reg_tokens', check=_check_registers),
     Field('no_embed_class', False, bool, 'the position table covers the patches only', True,
-          timm='no_embed_class'),
+          timm='no_embed_class', check=fields.boolean),
     Field('fc_norm', False, bool, "a LayerNorm after classifier='gap''s pooling", True,
-          timm='fc_norm'),
-    Field('dropout_rate', 0.0, float, 'dropout after the embeddings and in the MLPs'),
+          timm='fc_norm', check=fields.boolean, param='fc_norm/scale'),
+    Field('qk_norm', False, bool, 'a LayerNorm of the queries and keys per head (ViT-22B)', True,
+          timm='qk_norm', check=fields.boolean, param=QUERY_LN),
+    Field('dropout_rate', 0.0, float, 'dropout after the embeddings and in the MLPs',
+          check=execution.check_rate),
     Field('attention_dropout_rate', 0.0, float, "dropout of the attention's weights",
-          timm='attn_drop_rate'),
+          timm='attn_drop_rate', check=execution.check_rate),
     Field('head_bias_init', 0.0, float, "the head's initial bias (training: the regime's)"),
     *fields.EXECUTION_FIELDS,
-    Field('gelu_approximate', True, bool, 'tanh GELU (official), False: exact erf GELU'),
+    Field('gelu_approximate', True, bool, 'tanh GELU (official), False: exact erf GELU',
+          check=_check_gelu),
     Field('layer_norm_epsilon', LAYERNORM_EPSILON, float, 'every LayerNorm\'s epsilon',
-          hf='layer_norm_eps'),
+          hf='layer_norm_eps', check=_check_epsilon),
     Field('posemb_resize', 'linear_corners', str,
-          'how the position table is resized to another grid (vit_jax.models.resample)'),
+          'how the position table is resized to another grid (vit_jax.models.resample)',
+          check=fields.one_of(resample.RESIZE_METHODS)),
     Field('posemb_grid', None, tuple,
-          "the learned table's token grid when it differs from the image's (FlexiViT)"),
+          "the learned table's token grid when it differs from the image's (FlexiViT)",
+          check=_check_grid),
 )
 
-#: The hybrid's (R+ViT) ResNet stem, after the ViT's fields.
+#: The hybrid's (R+ViT) ResNet stem, after the ViT's fields (checked together:
+#: :func:`vit_jax.models.resnet.validate_resnet`).
 HYBRID_FIELDS: Tuple[Field, ...] = (
     Field('resnet_num_layers', REQUIRED, tuple, "the stem's units per stage, e.g. (3, 4, 9)",
           True),
     Field('resnet_width_factor', 1, float, "the stem's width over 64 channels", True),
 )
 
+_DEFAULTS = {**fields.defaults(VIT_FIELDS), 'resnet_num_layers': None,
+             **fields.defaults(HYBRID_FIELDS)}
 
-def prefix_tokens(classifier: str, num_registers: int = 0) -> int:
-  """The tokens in front of the patch grid: the class token (``classifier='token'``), then the
-  ``num_registers`` registers (timm's ``num_prefix_tokens``)."""
-  return (1 if classifier == 'token' else 0) + int(num_registers)
+#: The ViT's field values as one frozen object, attributes named as :data:`VIT_FIELDS` and
+#: :data:`HYBRID_FIELDS` (defaults theirs, None where required): what the encoder and its blocks
+#: take whole, as the official ``Encoder`` takes ``transformer``.
+Config = dataclasses.make_dataclass(
+    'Config', [(name, Any, dataclasses.field(default=_DEFAULTS.get(name)))
+               for name in fields.names(VIT_FIELDS + HYBRID_FIELDS)],
+    frozen=True)
 
 
-def posemb_prefix_rows(classifier: str, num_registers: int = 0,
-                       no_embed_class: bool = False) -> int:
+def config_of(model: Any, **overrides: Any) -> Any:
+  """The :class:`Config` of a model's fields (e.g. a ``VisionTransformer``), then
+  ``overrides``."""
+  names = [f.name for f in dataclasses.fields(Config)]
+  return Config(**{**{k: getattr(model, k) for k in names}, **overrides})
+
+
+def value(config: Any, name: str) -> Any:
+  """The field ``name`` of ``config`` (a mapping such as a config or a checkpoint's fields, or an
+  object with the fields as attributes, such as a model), its default where absent."""
+  if isinstance(config, Mapping) or hasattr(config, 'get'):  # A ConfigDict too.
+    return config.get(name, _DEFAULTS[name])
+  return getattr(config, name, _DEFAULTS[name])
+
+
+def prefix_tokens(config: Any) -> int:
+  """The tokens in front of the patch grid of a ViT of ``config`` (as :func:`value`): the class
+  token (``classifier='token'``), then the ``num_registers`` registers (timm's
+  ``num_prefix_tokens``)."""
+  cls = 1 if value(config, 'classifier') == 'token' else 0
+  return cls + int(value(config, 'num_registers'))
+
+
+def posemb_prefix_rows(config: Any) -> int:
   """The rows of the learned position table in front of the grid's: one per prefix token
   (:func:`prefix_tokens`), none with ``no_embed_class`` (the table covers the patches only)."""
-  return 0 if no_embed_class else prefix_tokens(classifier, num_registers)
+  return 0 if value(config, 'no_embed_class') else prefix_tokens(config)
 
 
-def posemb_table_rows(posemb_grid: Tuple[int, int], classifier: str, num_registers: int = 0,
-                      no_embed_class: bool = False) -> int:
+def posemb_table_rows(posemb_grid: Tuple[int, int], config: Any) -> int:
   """The rows of a learned position table made for the ``posemb_grid`` token grid: one per cell,
   after the :func:`posemb_prefix_rows`."""
-  return posemb_prefix_rows(classifier, num_registers, no_embed_class) + math.prod(posemb_grid)
+  return posemb_prefix_rows(config) + math.prod(posemb_grid)
 
 
 def patch_pair(patch_size: Union[int, Tuple[int, int]]) -> Tuple[int, int]:
@@ -109,75 +188,29 @@ def patch_pair(patch_size: Union[int, Tuple[int, int]]) -> Tuple[int, int]:
   return int(pair[0]), int(pair[1])
 
 
-def validate_config(*, num_classes, patch_size, hidden_size, mlp_dim, num_heads, num_layers,
-                    classifier, representation_size, dropout_rate, attention_dropout_rate, dtype,
-                    param_dtype, scan, remat, remat_policy, attention, gelu_approximate,
-                    layer_norm_epsilon, posemb, resnet_num_layers=None, resnet_width_factor=1,
-                    layerscale_init=None, num_registers=0, no_embed_class=False, fc_norm=False,
-                    posemb_resize='linear_corners', posemb_grid=None, **unused) -> None:
-  """Checks the ViT's fields (the hybrid's and the later ones optional; extras ignored);
-  ValueError naming one."""
-  del unused
-  if classifier not in CLASSIFIERS:
-    raise ValueError(f'classifier must be one of {CLASSIFIERS}, got {classifier!r}')
-  if posemb not in POSEMBS:
-    raise ValueError(f'posemb must be one of {POSEMBS}, got {posemb!r}')
-  if not isinstance(gelu_approximate, (bool, np.bool_)):
-    raise ValueError(f'gelu_approximate must be a bool (True: tanh approximation, False: exact '
-                     f'erf GELU), got {gelu_approximate!r}')
-  for field, value in (('no_embed_class', no_embed_class), ('fc_norm', fc_norm)):
-    if not isinstance(value, (bool, np.bool_)):
-      raise ValueError(f'{field} must be True or False, got {value!r}')
-  if fc_norm and classifier != 'gap':
-    raise ValueError(f"fc_norm=True (the final LayerNorm after the average pooling, timm's "
-                     f"fc_norm) needs classifier='gap', got classifier={classifier!r}.")
-  if (isinstance(num_registers, (bool, np.bool_)) or not isinstance(num_registers, numbers.Integral)
-      or num_registers < 0):
-    raise ValueError(f'num_registers must be an int >= 0 (register tokens, e.g. 4 for DINOv2 '
-                     f'with registers), got {num_registers!r}')
-  if layerscale_init is not None and (
-      isinstance(layerscale_init, (bool, np.bool_)) or not isinstance(layerscale_init, numbers.Real)
-      or not math.isfinite(float(layerscale_init))):
-    raise ValueError(f'layerscale_init must be None (no LayerScale) or a finite float (the '
-                     f'scales\' initial value, e.g. 1e-5), got {layerscale_init!r}')
-  if (isinstance(layer_norm_epsilon, (bool, np.bool_))
-      or not isinstance(layer_norm_epsilon, numbers.Real)
-      or not 0.0 < float(layer_norm_epsilon) < math.inf):
-    raise ValueError(f'layer_norm_epsilon must be a positive float (e.g. 1e-6), got '
-                     f'{layer_norm_epsilon!r}')
+def validate_config(*, num_classes: Any = None, **config: Any) -> None:
+  """Checks the ViT's fields (the declared ones: :data:`VIT_FIELDS`, :data:`HYBRID_FIELDS`; the
+  absent ones' defaults; extras ignored), each by its ``check``, then together; ValueError naming
+  one, TypeError for a missing required one."""
+  declared = VIT_FIELDS + HYBRID_FIELDS
+  names = fields.names(declared)
+  values = {**_DEFAULTS, **{k: v for k, v in config.items() if k in names}}
+  missing = [k for k in fields.required(VIT_FIELDS) if k not in config]
+  if missing:
+    raise TypeError(f'validate_config() needs the fields {missing}')
   execution.check_positive_int('num_classes', num_classes, allow_none=True)
-  for field, value in (('hidden_size', hidden_size), ('mlp_dim', mlp_dim),
-                       ('num_heads', num_heads), ('num_layers', num_layers)):
-    execution.check_positive_int(field, value)
-  execution.check_positive_int('representation_size', representation_size, allow_none=True)
-  if hidden_size % num_heads:
-    raise ValueError(f'hidden_size ({hidden_size}) must be divisible by num_heads ({num_heads})')
-  if posemb == 'sincos2d' and (hidden_size % 4 or hidden_size < 8):
+  fields.check(declared, values)
+  if values['fc_norm'] and values['classifier'] != 'gap':
+    raise ValueError(f"fc_norm=True (the final LayerNorm after the average pooling, timm's "
+                     f"fc_norm) needs classifier='gap', got classifier={values['classifier']!r}.")
+  hidden, heads = values['hidden_size'], values['num_heads']
+  if hidden % heads:
+    raise ValueError(f'hidden_size ({hidden}) must be divisible by num_heads ({heads})')
+  if values['posemb'] == 'sincos2d' and (hidden % 4 or hidden < 8):
     raise ValueError(f"posemb='sincos2d' needs a hidden_size that is a multiple of 4 and at least "
-                     f"8, got hidden_size={hidden_size}; use posemb='learn' or another width.")
-  patch_pair(patch_size)
-  execution.check_rate('dropout_rate', dropout_rate)
-  execution.check_rate('attention_dropout_rate', attention_dropout_rate)
-  execution.check_float_dtypes(dtype=dtype, param_dtype=param_dtype)
-  execution.check_execution_fields(scan=scan, remat=remat, remat_policy=remat_policy,
-                                   attention=attention)
-  resnet.validate_resnet(resnet_num_layers, resnet_width_factor)
-  check_posemb_resize(posemb, posemb_resize, posemb_grid)
-
-
-def check_posemb_resize(posemb: str, posemb_resize: str, posemb_grid) -> None:
-  """ValueError unless ``posemb_resize`` is one of :data:`vit_jax.models.resample.RESIZE_METHODS`
-  and ``posemb_grid`` None or a pair of positive ints (with ``posemb='learn'`` only)."""
-  if posemb_resize not in resample.RESIZE_METHODS:
-    raise ValueError(f'posemb_resize must be one of {resample.RESIZE_METHODS}, got '
-                     f'{posemb_resize!r}')
-  if posemb_grid is None:
-    return
-  if (not isinstance(posemb_grid, (tuple, list)) or len(posemb_grid) != 2
-      or any(isinstance(g, (bool, np.bool_)) or not isinstance(g, numbers.Integral) or g <= 0
-             for g in posemb_grid)):
-    raise ValueError(f'posemb_grid must be None or the (rows, columns) of the learned position '
-                     f'table\'s token grid, two positive ints, got {posemb_grid!r}')
-  if posemb != 'learn':
-    raise ValueError(f"posemb_grid={tuple(posemb_grid)} is the learned table's grid: it needs "
-                     f"posemb='learn', got posemb={posemb!r} (drop posemb_grid).")
+                     f"8, got hidden_size={hidden}; use posemb='learn' or another width.")
+  resnet.validate_resnet(values['resnet_num_layers'], values['resnet_width_factor'])
+  if values['posemb_grid'] is not None and values['posemb'] != 'learn':
+    raise ValueError(f"posemb_grid={tuple(values['posemb_grid'])} is the learned table's grid: "
+                     f"it needs posemb='learn', got posemb={values['posemb']!r} (drop "
+                     'posemb_grid).')

@@ -13,11 +13,11 @@ Files, images and exit statuses: docs/analysis.md. JAX, TensorFlow and matplotli
 from __future__ import annotations
 
 import json
-import os
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
+from vit_jax import storage
 from vit_jax.tools import common
 from vit_jax.tools import eval_data
 from vit_jax.tools import predict
@@ -81,7 +81,8 @@ def analyze(trained: Any, inputs: np.ndarray, *, overlays: int = 8) -> Dict[str,
   A dict of NumPy arrays: ``attention_distance`` ``[L][heads]`` pixels, ``rollout``
   ``[overlays, gh, gw]``, ``predicted``, ``layer_maps`` ``[L, gh, gw]`` (first image),
   ``posemb_similarity``, ``filter_components``, ``explained_variance`` (or None), and
-  ``model``, ``image_size``, ``stride``, ``grid``, ``prefix``, ``num_images``.
+  ``model``, ``image_size``, ``stride``, ``grid``, ``prefix``, ``registers``, ``num_images``.
+  The maps are the class token's, or without one the mean of the patch rows (registers never).
   """
   from vit_jax import analysis  # pylint: disable=g-import-not-at-top
   from vit_jax import models  # pylint: disable=g-import-not-at-top
@@ -89,6 +90,7 @@ def analyze(trained: Any, inputs: np.ndarray, *, overlays: int = 8) -> Dict[str,
   from vit_jax.models import intermediates  # pylint: disable=g-import-not-at-top
   model = step_lib.create_model(trained.config)
   variables = models.unbox(trained.variables)
+  registers = int(getattr(model, 'num_registers', 0))  # T2T-ViT: none.
   sums, rollouts, predicted, layer_maps, layout = None, [], [], None, None
   for start in range(0, len(inputs), CHUNK):
     captured = intermediates.capture(model, variables, inputs[start:start + CHUNK])
@@ -100,21 +102,25 @@ def analyze(trained: Any, inputs: np.ndarray, *, overlays: int = 8) -> Dict[str,
     sums = per_image.sum(axis=1) if sums is None else sums + per_image.sum(axis=1)
     if len(rollouts) < overlays:
       matrix = analysis.rollout(captured.attention)
-      rollouts.extend(analysis.class_token_map(matrix, grid, num_prefix_tokens=prefix))
+      rollouts.extend(analysis.class_token_map(matrix, grid, num_prefix_tokens=prefix,
+                                               num_registers=registers))
       predicted.extend(int(i) for i in np.argmax(np.asarray(captured.logits), axis=-1))
     if layer_maps is None:
       layer_maps = analysis.layer_class_token_maps([a[:1] for a in captured.attention], grid,
-                                                   num_prefix_tokens=prefix)[:, 0]
+                                                   num_prefix_tokens=prefix,
+                                                   num_registers=registers)[:, 0]
   params = variables['params']
   out = dict(model=trained.config.model_name, image_size=int(inputs.shape[1]),
              stride=list(layout.stride), grid=list(layout.grid), prefix=layout.prefix,
-             num_images=len(inputs), attention_distance=sums / len(inputs),
+             registers=registers, num_images=len(inputs), attention_distance=sums / len(inputs),
              rollout=np.stack(rollouts[:overlays]), predicted=predicted[:overlays],
              layer_maps=layer_maps,
              posemb_similarity=None, filter_components=None, explained_variance=None)
   table = _param(params, 'Transformer', 'posembed_input', 'pos_embedding')
-  if table is not None:
-    out['posemb_similarity'] = analysis.posemb_similarity(table, layout.grid, layout.prefix)
+  if table is not None:  # The table's own grid (resampled in the model at another size).
+    table_grid = trained.config.model.get('posemb_grid') or layout.grid
+    out['posemb_similarity'] = analysis.posemb_similarity(
+        table, tuple(table_grid), models.vit.posemb_prefix_rows(model))
   kernel = _param(params, 'embedding', 'kernel')
   if kernel is not None and 'conv_root' not in params:
     count = min(28, int(np.prod(kernel.shape[:3])), int(kernel.shape[-1]))
@@ -126,30 +132,29 @@ def analyze(trained: Any, inputs: np.ndarray, *, overlays: int = 8) -> Dict[str,
 def write_figures(result: Dict[str, Any], images: np.ndarray, labels: Sequence[str],
                   out: str) -> List[str]:
   """Writes the PNGs and ``analysis.json`` of ``result`` into ``out``; returns their paths."""
-  from etils import epath  # pylint: disable=g-import-not-at-top
   from vit_jax.analysis import figures  # pylint: disable=g-import-not-at-top
-  epath.Path(out).mkdir(parents=True, exist_ok=True)  # Local or gs://, as every path here.
+  storage.makedirs(out)  # Local or gs://, as every path here.
   shown = len(result['rollout'])
   written = [
-      figures.rollout_overlay(images[:shown], result['rollout'], os.path.join(out, OUTPUTS[0]),
+      figures.rollout_overlay(images[:shown], result['rollout'], storage.join(out, OUTPUTS[0]),
                               labels=list(labels[:shown]) or None),
-      figures.layer_attention(images[0], result['layer_maps'], os.path.join(out, OUTPUTS[1]),
+      figures.layer_attention(images[0], result['layer_maps'], storage.join(out, OUTPUTS[1]),
                               rollout_map=result['rollout'][0]),
-      figures.attention_distance(result['attention_distance'], os.path.join(out, OUTPUTS[2]),
+      figures.attention_distance(result['attention_distance'], storage.join(out, OUTPUTS[2]),
                                  image_size=result['image_size'],
                                  patch_size=tuple(result['stride'])),
   ]
   if result['posemb_similarity'] is not None:
     written.append(figures.posemb_similarity_grid(result['posemb_similarity'],
-                                             os.path.join(out, OUTPUTS[3])))
+                                             storage.join(out, OUTPUTS[3])))
   if result['filter_components'] is not None:
     written.append(figures.filter_components(result['filter_components'],
-                                             os.path.join(out, OUTPUTS[4]),
+                                             storage.join(out, OUTPUTS[4]),
                                              explained=result['explained_variance']))
   numbers = {k: (v.tolist() if isinstance(v, np.ndarray) else v) for k, v in result.items()
              if k not in ('filter_components',)}
-  path = os.path.join(out, OUTPUTS[5])
-  epath.Path(path).write_text(json.dumps(numbers))
+  path = storage.join(out, OUTPUTS[5])
+  storage.write_bytes(path, json.dumps(numbers).encode())
   return written + [path]
 
 
@@ -164,34 +169,29 @@ def _captions(trained: Any, predicted: Sequence[int], labels: Sequence[str], *,
   return [figures.prediction_caption(name, label) for name, label in zip(names, labels)]
 
 
+@common.exit_status
 def main(argv: Optional[Sequence[str]] = None) -> int:
   args = _parser().parse_args(argv)
-  try:
-    for flag, value in (('--num-images', args.num_images), ('--overlays', args.overlays)):
-      if value < 1:
-        raise ValueError(f'{flag} {value}: must be 1 or more.')
-    from etils import epath  # pylint: disable=g-import-not-at-top
-    existing = [f for f in OUTPUTS if epath.Path(args.out, f).exists()]
-    if existing and not args.overwrite:
-      raise FileExistsError(f'{args.out} already holds an analysis ({", ".join(existing)}); '
-                            'choose another --out or pass --overwrite.')
-    trained = common.load_source(args)
-    if args.images:
-      paths = predict.image_paths(args.images)[:args.num_images]
-      inputs = np.stack([predict.preprocess(trained, p, name=p) for p in paths]).astype(np.float32)
-      labels = [os.path.basename(p) for p in paths]
-    else:
-      inputs, labels = _from_data(trained, args.data, args.num_images)
-    if args.overlays > len(inputs):
-      print(f'--overlays {args.overlays} lowered to the {len(inputs)} image(s) analysed.')
-    result = analyze(trained, inputs, overlays=min(args.overlays, len(inputs)))
-  except common.INPUT_ERRORS as e:
-    return common.fatal(e, 2)
-  try:
-    written = write_figures(result, inputs, _captions(trained, result['predicted'], labels,
-                                                      from_files=bool(args.images)), args.out)
-  except OSError as e:
-    return common.fatal(e, 1)
+  for flag, value in (('--num-images', args.num_images), ('--overlays', args.overlays)):
+    if value < 1:
+      raise ValueError(f'{flag} {value}: must be 1 or more.')
+  existing = [f for f in OUTPUTS if storage.exists(storage.join(args.out, f))]
+  if existing and not args.overwrite:
+    raise FileExistsError(f'{args.out} already holds an analysis ({", ".join(existing)}); '
+                          'choose another --out or pass --overwrite.')
+  trained = common.load_source(args)
+  if args.images:
+    paths = predict.image_paths(args.images)[:args.num_images]
+    inputs = np.stack([predict.preprocess(trained, p, name=p) for p in paths]).astype(np.float32)
+    labels = [storage.basename(p) for p in paths]
+  else:
+    inputs, labels = _from_data(trained, args.data, args.num_images)
+  if args.overlays > len(inputs):
+    print(f'--overlays {args.overlays} lowered to the {len(inputs)} image(s) analysed.')
+  result = analyze(trained, inputs, overlays=min(args.overlays, len(inputs)))
+  captions = _captions(trained, result['predicted'], labels, from_files=bool(args.images))
+  with common.output_errors():
+    written = write_figures(result, inputs, captions, args.out)
   distance = np.asarray(result['attention_distance'])
   print(f'{trained.description}: {result["num_images"]} image(s), {distance.shape[0]} layers x '
         f'{distance.shape[1]} heads; mean attention distance {distance[0].mean():.1f} px in the '

@@ -1,15 +1,18 @@
 """What the command-line tools share: the parser (a usage error is one ``FATAL:`` line), the one
 ``FATAL:`` report, ``--set KEY=VALUE`` fields, SOURCE arguments, and :func:`run_program`.
 
-Exit status 2: bad input; 1: a failure while working (e.g. writing an output). Each tool's
-``main(argv=None)`` is the command on ``argv`` (default: the command line), returning the exit
-status; its ``run_main()`` is the program, ``python -m vit_jax.<tool>``.
+Exit status 2: bad input; 1: a failure while working (e.g. writing an output, :class:`WorkFailed`);
+130: interrupted. One convention for every tool: its ``main(argv=None)``, decorated with
+:func:`exit_status`, is the command on ``argv`` (default: the command line) and returns the exit
+status, raising rather than catching; its ``run_main()`` is the program (:func:`run_program`),
+which ``python -m vit_jax.<tool>`` and ``python -m vit_jax.tools.<tool>`` run.
 """
 
 from __future__ import annotations
 
 import argparse
 import ast
+import contextlib
 import functools
 import itertools
 import os
@@ -17,17 +20,37 @@ import signal
 import sys
 from typing import Any, Tuple
 
+from vit_jax import cli
 from vit_jax import platform
 from vit_jax import rundir
+from vit_jax import storage
 
 #: The errors of bad input (exit status 2).
 INPUT_ERRORS = (ValueError, TypeError, KeyError, FileNotFoundError, FileExistsError,
                 PermissionError, IsADirectoryError, NotADirectoryError, NotImplementedError,
-                rundir.NotAFileError)
+                storage.NotAFileError)
+#: The exit status of a tool stopped by Ctrl-C (or a signal it turned into KeyboardInterrupt).
+INTERRUPTED = 130
+
+
+class WorkFailed(RuntimeError):
+  """A failure while working, after the input was accepted (exit status 1): its message, or its
+  cause's (:func:`output_errors`)."""
+
+
+@contextlib.contextmanager
+def output_errors(kinds=(OSError,)):
+  """Raises an error of ``kinds`` (default OSError) inside as :class:`WorkFailed` from it: an
+  output that could not be written is a failure (exit status 1), even a PermissionError."""
+  try:
+    yield
+  except kinds as e:
+    raise WorkFailed(reason(e)) from e
 
 
 def reason(error: Exception) -> str:
-  """The error's message in one line (an OSError's with its file name)."""
+  """The error's message in one line (an OSError's with its file name; a config refusal's fix
+  as flags, ``vit_jax.cli.error_text``)."""
   if isinstance(error, OSError) and error.strerror:
     text = error.strerror
     if error.filename is not None and os.fsdecode(error.filename) not in text:
@@ -35,7 +58,9 @@ def reason(error: Exception) -> str:
     return text
   if isinstance(error, KeyError) and len(error.args) == 1:
     return str(error.args[0])
-  text = ' '.join(line.strip() for line in str(error).splitlines() if line.strip())
+  if isinstance(error, KeyboardInterrupt) and not error.args:
+    return 'Stopped.'
+  text = ' '.join(line.strip() for line in cli.error_text(error).splitlines() if line.strip())
   return text or type(error).__name__
 
 
@@ -62,7 +87,7 @@ def parse_setting(text: str) -> Tuple[str, Any]:
 
 class Parser(argparse.ArgumentParser):
   """argparse: a usage error is one ``FATAL:`` line (exit status 2), a ``gs://`` argument
-  without a valid bucket included (``checkpoint.paths.check_url``: SOURCE, DST, ``--data-dir``,
+  without a valid bucket included (``storage.check_url``: SOURCE, DST, ``--data-dir``,
   ...); the help keeps the description's lines and shows reST literals (````x````) as plain
   text."""
 
@@ -73,17 +98,14 @@ class Parser(argparse.ArgumentParser):
     parsed, rest = super().parse_known_args(args, namespace)
     for action in self._actions:
       value = getattr(parsed, action.dest, None)
-      urls = [v for v in (value if isinstance(value, list) else [value])
-              if isinstance(v, str) and v.startswith('gs://')]
-      if urls:  # (The check's module imports JAX: only then.)
-        from vit_jax.checkpoint import paths  # pylint: disable=g-import-not-at-top
-        name = action.option_strings[-1] if action.option_strings else (
-            action.metavar if isinstance(action.metavar, str) else action.dest.upper())
-        try:
-          for url in urls:
-            paths.check_url(url, name)
-        except ValueError as e:
-          self.error(str(e))
+      values = value if isinstance(value, list) else [value]
+      name = action.option_strings[-1] if action.option_strings else (
+          action.metavar if isinstance(action.metavar, str) else action.dest.upper())
+      try:
+        for url in values:
+          storage.check_url(url, name)
+      except ValueError as e:
+        self.error(str(e))
     return parsed, rest
 
   def format_help(self):
@@ -95,7 +117,8 @@ class Parser(argparse.ArgumentParser):
 
 def exit_status(main):
   """``main`` (``-> int``, the exit status) answering bad input (:data:`INPUT_ERRORS`) with a
-  ``FATAL:`` line and exit status 2, other OSErrors (e.g. a full disk) with 1."""
+  ``FATAL:`` line and exit status 2; :class:`WorkFailed` and other OSErrors (e.g. a full disk)
+  with 1; KeyboardInterrupt with :data:`INTERRUPTED`."""
 
   @functools.wraps(main)
   def wrapped(*args, **kwargs) -> int:
@@ -103,11 +126,12 @@ def exit_status(main):
       return main(*args, **kwargs)
     except INPUT_ERRORS as e:
       return fatal(e, 2)
-    except OSError as e:
+    except (WorkFailed, OSError) as e:
       return fatal(e, 1)
+    except KeyboardInterrupt as e:
+      return fatal(e, INTERRUPTED)
     except Exception as e:  # pylint: disable=broad-except  (TensorFlow's gs:// errors)
-      from vit_jax.checkpoint import workdir  # pylint: disable=g-import-not-at-top
-      failure = workdir.storage_failure(e)
+      failure = storage.failure(e)
       if not failure:
         raise
       return fatal(RuntimeError(failure[0]), failure[1])
@@ -160,9 +184,16 @@ def cpu_info() -> dict:
 
 
 def missing_source(args: argparse.Namespace):
-  """A FileNotFoundError for a local SOURCE with nothing there, else None."""
+  """A FileNotFoundError for a local SOURCE with nothing there, else None. A Hub name is
+  resolved now (``storage.normalize``): its error (e.g. not cached, offline), else None."""
   source = getattr(args, 'source', None)
-  if not isinstance(source, str) or '://' in source or os.path.exists(source):
+  if storage.is_hub_name(source):
+    try:
+      storage.normalize(source)
+    except (ValueError, OSError) as e:
+      return e
+    return None
+  if not isinstance(source, str) or storage.is_remote(source) or os.path.exists(source):
     return None
   return FileNotFoundError(f'SOURCE {source!r} does not exist: give {rundir.ACCEPTED_FORMATS}.')
 
@@ -171,7 +202,7 @@ def unsaved_run(args: argparse.Namespace):
   """The error of a local SOURCE run lacking the step asked for, told by the file system (only
   then is ``checkpoint.workdir.read_run``, which imports JAX, called for its message), or None."""
   source, step = getattr(args, 'source', None), getattr(args, 'step', None)
-  if not isinstance(source, str) or '://' in source or not os.path.isdir(source):
+  if not isinstance(source, str) or storage.is_remote(source) or not os.path.isdir(source):
     return None
   checkpoints = rundir.find(source).checkpoints
   if checkpoints is None:
@@ -190,7 +221,8 @@ def unsaved_run(args: argparse.Namespace):
 def run_config(source: str):
   """The ``config.json`` dict of a local SOURCE that is a training workdir (it has
   ``checkpoints/``), read without the set-up; None for other sources or an unreadable file."""
-  if '://' in source or not os.path.isdir(os.path.join(source, rundir.CHECKPOINTS_DIR)):
+  checkpoints = os.path.join(source, rundir.CHECKPOINTS_DIR)
+  if storage.is_remote(source) or not os.path.isdir(checkpoints):
     return None
   try:
     return rundir.read_json(os.path.join(source, rundir.CONFIG_JSON))

@@ -3,8 +3,9 @@
 Reads any of ``vit_jax.checkpoint.ACCEPTED_FORMATS`` and writes a directory: an Orbax
 checkpoint ``{'params', 'model_state'}`` (this project's training checkpoint without the
 optimizer state; ``--config.init_from=DST`` fine-tunes from it) with ``vit_jax_export.json``
-keeping the source's class names and eval preprocessing; a file ending in .npz: the
-official ViT layout (parameters only); ``--to timm``: a timm ``.safetensors`` (and the
+keeping the source's class names, eval preprocessing and model fields; a file ending in .npz:
+the official ViT layout (parameters only, readable by the official code) with the same facts in
+a JSON file beside it (``X.vit_jax.json``); ``--to timm``: a timm ``.safetensors`` (and the
 ``timm.create_model`` call that loads it); ``--to hf``: a transformers ViT directory. What the
 target cannot express is refused by name (``vit_jax.checkpoint.ecosystem.write``).
 
@@ -24,6 +25,7 @@ or the new one; only an Orbax directory replaced in a bucket is deleted first.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import os
 import sys
@@ -33,10 +35,12 @@ import numpy as np
 
 from vit_jax import checkpoint
 from vit_jax import inference
+from vit_jax import models
+from vit_jax import storage
 from vit_jax.checkpoint import ecosystem
 from vit_jax.checkpoint import lock as lock_lib
 from vit_jax.checkpoint import npz
-from vit_jax.checkpoint import paths
+from vit_jax.checkpoint import vit_shapes
 from vit_jax.models import layout
 from vit_jax.tools import common
 
@@ -45,7 +49,8 @@ def read_with_facts(src: str, *, model_name: Optional[str] = None, use_ema: bool
                     overrides: Optional[Dict[str, Any]] = None, step: Optional[int] = None
                     ) -> Tuple[Dict[str, Any], Dict[str, Any]]:
   """``src`` (a run's ``step``, default its latest) as ``{'params': ..., **collections}`` of
-  NumPy arrays, and the ``orbax.EXPORT_FACTS`` it records (``checkpoint.Contents``).
+  NumPy arrays, and the ``orbax.EXPORT_FACTS`` it records (``checkpoint.Contents``) with, for a
+  ViT, ``model``: every field the weights compute with (:func:`source_fields`).
   ``model_name`` (PyTorch files: required) and ``overrides`` make the model. Raises
   FileNotFoundError, or ValueError as ``checkpoint.Checkpoint.contents``."""
   ckpt = checkpoint.open(src)
@@ -58,7 +63,29 @@ def read_with_facts(src: str, *, model_name: Optional[str] = None, use_ema: bool
   facts = {k: getattr(contents, k) for k in checkpoint.orbax.EXPORT_FACTS
            if k not in contents.from_paper}
   facts['label_names'] = list(contents.label_names or []) or None
+  facts['model'] = source_fields(ckpt, contents, (overrides or {}).get('num_heads'))
   return contents.variables, {k: v for k, v in facts.items() if v is not None}
+
+
+def source_fields(ckpt: Any, contents: Any, num_heads: Optional[int] = None
+                  ) -> Optional[Dict[str, Any]]:
+  """Every ``vit_shapes.KEPT_FIELDS`` value the ViT in ``contents`` (of ``ckpt``) computes with,
+  JSON-able (absent ones as their defaults): a run's config, else the fields the weights and
+  their files record (``Checkpoint.fields``: timm's and transformers' numerics, what a
+  converted file kept). None for another model (T2T-ViT)."""
+  if contents.run is not None:
+    model = dict(contents.run.config.get('model') or {})
+    if 'hidden_size' not in model:
+      return None
+  elif contents.fields is None:
+    return None
+  else:
+    found = ckpt.numerics(num_heads)
+    model = {**contents.fields, **(found[0] if found else {}), **contents.numerics}
+  model = {**models.fields.defaults(models.vit_fields.VIT_FIELDS), **model}
+  if model.get('resnet_num_layers') is None:  # Not a hybrid: no stem fields.
+    model = {k: v for k, v in model.items() if not k.startswith('resnet_')}
+  return vit_shapes.kept_fields(model)
 
 
 def write(variables: Dict[str, Any], dst: str, *, overwrite: bool = False,
@@ -67,7 +94,7 @@ def write(variables: Dict[str, Any], dst: str, *, overwrite: bool = False,
   ``facts``); returns the format. Raises FileExistsError, ValueError (an ``.npz`` of other
   collections than ``params``), or WorkdirInUseError (:func:`refuse_running_workdir`)."""
   refuse_running_workdir(dst)
-  if paths.exists(dst) and not overwrite:
+  if storage.exists(dst) and not overwrite:
     raise FileExistsError(f'{dst} exists; choose a new destination or pass --overwrite.')
   variables = layout.unbox(variables)  # Plain arrays (model.init boxes them with axis names).
   if dst.endswith('.npz'):
@@ -78,6 +105,8 @@ def write(variables: Dict[str, Any], dst: str, *, overwrite: bool = False,
           'official .npz layout cannot hold; give a directory as the destination (an Orbax '
           'checkpoint).')
     checkpoint.save_npz(dst, variables['params'])
+    if facts:
+      npz.save_npz_facts(dst, facts)
     return 'official ViT .npz'
   checkpoint.save_orbax(dst, variables, overwrite=overwrite, metadata=facts or None)
   return 'Orbax checkpoint'
@@ -85,12 +114,18 @@ def write(variables: Dict[str, Any], dst: str, *, overwrite: bool = False,
 
 def export(src: str, dst: str, to: str, *, model_name: Optional[str] = None,
            use_ema: bool = True, overrides: Optional[Dict[str, Any]] = None,
-           step: Optional[int] = None) -> str:
+           step: Optional[int] = None, image_size: Optional[int] = None) -> str:
   """Writes the ViT at ``src`` (:func:`vit_jax.inference.load`) as timm (``to='timm'``) or
-  transformers (``to='hf'``) weights; returns the Python that loads them. Raises ValueError:
+  transformers (``to='hf'``) weights (without a head: a feature extractor); returns the Python
+  that loads them. Raises ValueError:
   what ``load`` raises, a T2T-ViT, or what the target cannot express; WorkdirInUseError."""
+  headless = False  # A ViT without a head is written as a feature extractor.
+  with contextlib.suppress(ValueError):  # (Reported by the load: a T2T-ViT, unknown heads.)
+    fields = checkpoint.open(src).fields((overrides or {}).get('num_heads'))
+    headless = fields.get('num_classes') is None
   trained = inference.load(src, use_ema=use_ema, model_name=model_name, overrides=overrides,
-                           step=step)
+                           step=step, num_classes=0 if headless else None,
+                           image_size=image_size)
   fields = dict(trained.config.model.to_dict(), num_classes=trained.config.num_classes)
   if 'hidden_size' not in fields:
     raise ValueError(f'{src} is a {trained.config.model_name}: only ViTs are written for timm '
@@ -116,14 +151,7 @@ def refuse_running_workdir(dst: str) -> None:
   """Raises WorkdirInUseError when ``dst`` is, or is inside, the workdir of a live training run
   (``WorkdirLock.live_holder``: a killed run's lock holds nothing): only that run writes there;
   a workdir replaced under it loses its checkpoints while it goes on."""
-  if paths.is_remote(dst):
-    scheme, _, rest = dst.partition('://')
-    parts = rest.rstrip('/').split('/')
-    directories = [f'{scheme}://' + '/'.join(parts[:n]) for n in range(len(parts), 0, -1)]
-  else:
-    directories = [os.path.realpath(dst)]
-    while os.path.dirname(directories[-1]) != directories[-1]:
-      directories.append(os.path.dirname(directories[-1]))
+  directories = storage.parents(dst)
   for directory in directories:
     holder = checkpoint.WorkdirLock(directory).live_holder()
     if holder is not None:
@@ -139,8 +167,8 @@ def refuse_running_workdir(dst: str) -> None:
 def main(argv: Optional[Sequence[str]] = None) -> int:
   try:
     return _main(argv)
-  except checkpoint.WorkdirInUseError as e:
-    return common.fatal(e, 2)
+  except checkpoint.WorkdirInUseError as e:  # Another run's workdir: bad input (exit status 2).
+    raise ValueError(str(e)) from e
 
 
 def _main(argv: Optional[Sequence[str]]) -> int:
@@ -162,8 +190,11 @@ def _main(argv: Optional[Sequence[str]]) -> int:
   parser.add_argument('--no-ema', '--no_ema', dest='no_ema', action='store_true',
                       help='the trained weights rather than their EMA when the source has both')
   parser.add_argument('--overwrite', action='store_true', help='replace an existing DST')
+  parser.add_argument('--image-size', '--image_size', dest='image_size', type=int,
+                      help="with --to: the square image size of the written model (needed for "
+                      "a source that records none, e.g. posemb='sincos2d')")
   args = parser.parse_args(argv)
-  src, dst = os.path.realpath(args.src), os.path.realpath(args.dst)
+  src, dst = storage.resolve(args.src), storage.resolve(args.dst)
   if src == dst or dst.startswith(src + os.sep) or src.startswith(dst + os.sep):
     raise ValueError(f'{args.dst} is (or contains, or is inside) the source {args.src}: '
                      'write to a new path, the source is never replaced.')
@@ -177,7 +208,7 @@ def _main(argv: Optional[Sequence[str]]) -> int:
   if args.dst.endswith('.safetensors'):
     raise ValueError(f'{args.dst}: say which library the .safetensors is for: --to timm or '
                      '--to hf.')
-  if paths.exists(args.dst) and not args.overwrite:  # Before the (long) read.
+  if storage.exists(args.dst) and not args.overwrite:  # Before the (long) read.
     raise FileExistsError(f'{args.dst} exists; choose a new destination or pass --overwrite.')
   refuse_running_workdir(args.dst)  # Before the read too; write() checks again.
   variables, facts = read_with_facts(args.src, model_name=args.model, step=args.step,
@@ -189,11 +220,10 @@ def _main(argv: Optional[Sequence[str]]) -> int:
     count = sum(math.prod(shape) for shape, _ in arrays.values())
     dtypes = sorted({str(dtype) for _, dtype in arrays.values()})
     print(f'  {name}: {len(arrays)} arrays, {count:,} values ({", ".join(dtypes)})')
-  if facts and not args.dst.endswith('.npz'):
-    print(f'  kept in {checkpoint.orbax.EXPORT_JSON}: {_facts_summary(facts)}')
-  elif facts:
-    print(f'note: an .npz holds arrays only; not kept: {_facts_summary(facts)} (write a '
-          'directory, an Orbax checkpoint, to keep them).', file=sys.stderr)
+  if facts:
+    beside = (npz.fields_path(args.dst) if args.dst.endswith('.npz')
+              else checkpoint.orbax.EXPORT_JSON)
+    print(f'  kept in {beside}: {_facts_summary(facts)}')
   return 0
 
 
@@ -203,6 +233,14 @@ def _facts_summary(facts: Mapping[str, Any]) -> str:
            f'{", ..." if len(names) > 3 else ""})'] if names else []
   parts += [f'{k} {facts[k]}' for k in checkpoint.orbax.EXPORT_FACTS[1:]  # After the names.
             if k in facts]
+  model = facts.get('model') or {}
+  if model:  # The numerics the shapes never record, then the other fields not at defaults.
+    numerics = ('gelu_approximate', 'layer_norm_epsilon', 'posemb_resize')
+    defaults = models.fields.defaults(models.vit_fields.VIT_FIELDS)
+    shown = [k for k in model if k in numerics or (
+        k in defaults and k not in ('classifier', 'posemb') and model[k] != defaults[k])]
+    parts.append(f'{len(model)} model fields (' + ', '.join(
+        f'{k}={model[k]!r}' for k in shown) + ')')
   return ', '.join(parts)
 
 
@@ -213,16 +251,16 @@ def _export(args: argparse.Namespace, overrides: Dict[str, Any]) -> int:
   if args.to == 'hf' and args.dst.endswith('.npz'):
     raise ValueError(f'{args.dst}: --to hf writes a directory (or its model.safetensors).')
   outputs = ecosystem.output_paths(args.dst, args.to)
-  existing = [p for p in outputs if paths.exists(p)]
+  existing = [p for p in outputs if storage.exists(p)]
   if existing and not args.overwrite:
     raise FileExistsError(f'{", ".join(existing)} already exist'
                           f'{"s" if len(existing) == 1 else ""}; choose a new destination or '
                           'pass --overwrite.')
   refuse_running_workdir(args.dst)  # Before the read too; export() checks again.
   load = export(args.src, args.dst, args.to, model_name=args.model, use_ema=not args.no_ema,
-                overrides=overrides, step=args.step)
+                overrides=overrides, step=args.step, image_size=args.image_size)
   library = 'timm' if args.to == 'timm' else 'transformers'
-  sizes = ', '.join(f'{p} ({paths.size(p):,} bytes)' for p in outputs)
+  sizes = ', '.join(f'{p} ({storage.size(p):,} bytes)' for p in outputs)
   print(f'Wrote {library} weights of {args.src}: {sizes}\nLoad them with:\n  {load}')
   return 0
 

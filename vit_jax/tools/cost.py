@@ -37,12 +37,12 @@ import time
 from typing import Any, Optional
 
 from absl import logging
-from etils import epath
 
 from vit_jax import cli
 from vit_jax import hardware
 from vit_jax import platform
 from vit_jax import rundir
+from vit_jax import storage
 from vit_jax.tools import common
 
 # Split sizes and classes of large or manually downloaded datasets, so that an estimate needs no
@@ -229,18 +229,18 @@ def read_workdir(workdir: str) -> tuple[dict[str, Any], str]:
   run holds the workdir): cost.json's, or the latest checkpoint's when it holds more program
   time (`accounting.latest_report`). Raises ValueError: no account there (naming the fix)."""
   from vit_jax import accounting  # pylint: disable=g-import-not-at-top  (JAX: after the flags)
-  root = epath.Path(workdir)
-  if not root.is_dir():
+  if not storage.isdir(workdir):
     raise ValueError(f"WORKDIR {workdir} is not a directory; give the --workdir of a run of "
                      "python -m vit_jax.main.")
-  cost_json = root / rundir.COST_JSON
+  cost_json = storage.join(workdir, rundir.COST_JSON)
   fix = "restore it, or delete it to see the latest checkpoint's account"
   disk = rundir.read_json(cost_json, fix=fix)
   if disk is not None:
     accounting.check_report(disk, cost_json, fix)
   saved, saved_step = None, None
-  for saved_step in reversed(rundir.saved_steps(root / rundir.CHECKPOINTS_DIR)):
-    item = root / rundir.CHECKPOINTS_DIR / str(saved_step) / rundir.COST_ITEM / "metadata"
+  checkpoints = storage.join(workdir, rundir.CHECKPOINTS_DIR)
+  for saved_step in reversed(rundir.saved_steps(checkpoints)):
+    item = storage.join(checkpoints, str(saved_step), rundir.COST_ITEM, "metadata")
     try:
       saved = rundir.read_json(item)
       saved = saved and accounting.check_report(saved, item)
@@ -257,9 +257,9 @@ def read_workdir(workdir: str) -> tuple[dict[str, Any], str]:
         "predict a run's cost.")
   where = (f"checkpoint {saved_step}" if report is saved and report is not disk else
            f"{cost_json}, written "
-           f"{accounting.duration(max(0.0, time.time() - cost_json.stat().mtime))} ago")
+           f"{accounting.duration(max(0.0, time.time() - storage.mtime(cost_json)))} ago")
   try:
-    lock = rundir.read_json(root / rundir.LOCK_JSON)
+    lock = rundir.read_json(storage.join(workdir, rundir.LOCK_JSON))
   except (ValueError, OSError):  # A damaged lock: its holder unknown.
     lock = {}
   return report, f"{workdir}: the account at step {report['step']} ({where}); {_holder(lock)}."
@@ -313,7 +313,7 @@ def write_figure(report: dict[str, Any], path: str) -> None:
               fontsize="small")
   buffer = io.BytesIO()
   figure.savefig(buffer, format="png", dpi=100)
-  epath.Path(path).write_bytes(buffer.getvalue())
+  storage.write_bytes(path, buffer.getvalue())
 
 
 def show_workdir(workdir: str, figure: Optional[str]) -> int:
@@ -328,7 +328,7 @@ def show_workdir(workdir: str, figure: Optional[str]) -> int:
     return common.fatal(e, 1)
   print(where)
   print(ledger_lib.format_ledger(report))
-  figure = figure or str(epath.Path(workdir) / "cost.png")
+  figure = figure or storage.join(workdir, "cost.png")
   try:
     write_figure(report, figure)
   except OSError as e:
@@ -348,6 +348,10 @@ def config_parser(prog: str, doc: str) -> common.Parser:
                       "size epoch-based schedules.")
   parser.add_argument("--num_classes", type=int, help="Classes of the dataset (default: as for "
                       "--num_train_examples).")
+  parser.add_argument("--print_config", action="store_true", help="Print every key of the "
+                      "--config (overrides and the regime applied; without --config: the "
+                      "defaults) as the --config.KEY=VALUE flag that sets it, with one line of "
+                      "help, and exit.")
   return parser
 
 
@@ -383,35 +387,36 @@ def _parser() -> common.Parser:
   return parser
 
 
+@common.exit_status
 def main(argv=None) -> int:
-  try:
-    args, config = parse(_parser(), argv)
-    if args.workdir is not None:
-      if config is not None or args.table2:
-        raise ValueError("Give a WORKDIR (a run's ledger) or --config / --table2 (a "
-                         "prediction), not both.")
-      return show_workdir(args.workdir, args.figure)
-    if args.figure:
-      raise ValueError("--figure draws a run's ledger: give its WORKDIR.")
-    if args.table2:
-      print(table2())
-      print("\nAssumptions: forward FLOPs of the matrix products at 224 px with a representation "
-            "layer of width D; training = 3 forward passes; ImageNet-21k = 14M images, JFT-300M "
-            f"= 303M; a TPU v3 core peaks at {hardware.kind('TPU v3').peak['bfloat16'] / 1e12:g} "
-            "TFLOP/s (bfloat16).")
-      return 0
-    if config is None:
-      raise ValueError("Give --config=configs/<file>.py[:<args>] (or --table2, or a run's "
-                       "WORKDIR); --help explains.")
-    mfu, source = (0.35 if args.mfu is None else args.mfu), None
-    if args.preflight:
-      if args.mfu is not None:
-        raise ValueError("Give --mfu (assumed) or --preflight FILE (estimated), not both.")
-      mfu, source = preflight_mfu(args.preflight, config, args.accelerator)
-    est = estimate(config, args.accelerator, mfu, args.num_train_examples, args.num_classes,
-                   mfu_source=source)
-  except ValueError as e:
-    return common.fatal(e, 2)
+  args, config = parse(_parser(), argv)
+  if args.print_config:
+    print(cli.config_help(config, args.config))
+    return 0
+  if args.workdir is not None:
+    if config is not None or args.table2:
+      raise ValueError("Give a WORKDIR (a run's ledger) or --config / --table2 (a "
+                       "prediction), not both.")
+    return show_workdir(args.workdir, args.figure)
+  if args.figure:
+    raise ValueError("--figure draws a run's ledger: give its WORKDIR.")
+  if args.table2:
+    print(table2())
+    print("\nAssumptions: forward FLOPs of the matrix products at 224 px with a representation "
+          "layer of width D; training = 3 forward passes; ImageNet-21k = 14M images, JFT-300M "
+          f"= 303M; a TPU v3 core peaks at {hardware.kind('TPU v3').peak['bfloat16'] / 1e12:g} "
+          "TFLOP/s (bfloat16).")
+    return 0
+  if config is None:
+    raise ValueError("Give --config=configs/<file>.py[:<args>] (or --table2, or a run's "
+                     "WORKDIR); --help explains.")
+  mfu, source = (0.35 if args.mfu is None else args.mfu), None
+  if args.preflight:
+    if args.mfu is not None:
+      raise ValueError("Give --mfu (assumed) or --preflight FILE (estimated), not both.")
+    mfu, source = preflight_mfu(args.preflight, config, args.accelerator)
+  est = estimate(config, args.accelerator, mfu, args.num_train_examples, args.num_classes,
+                 mfu_source=source)
   print(format_estimate(est, args.accelerator))
   return 0
 

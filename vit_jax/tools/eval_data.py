@@ -9,6 +9,8 @@ import os
 import re
 from typing import Any, List, Optional, Tuple
 
+from vit_jax import storage
+
 REAL_DATASET, REAL_SPLIT, REAL_LABEL_KEY = 'imagenet2012_real', 'validation', 'real_label'
 REAL_CLASSES = 1000
 
@@ -49,8 +51,8 @@ def _same_set_other_order(model_names, data_names) -> bool:
 def parse_data(text: str) -> Tuple[str, Optional[str]]:
   """'cifar10:test[:50%]' -> ('cifar10', 'test[:50%]'); 'mnist:3.0.1' (a tfds version) and
   'gs://b/ds' stay names; 'cifar10' -> ('cifar10', None)."""
-  scheme, sep, rest = text.partition('://')
-  prefix, rest = (scheme + sep, rest) if sep else ('', text)
+  prefix = storage.scheme(text)
+  rest = text[len(prefix):]
   name, *tail = rest.split(':', 2)
   if tail and _VERSION.match(tail[0].split('[')[0]):  # name:VERSION[:SPLIT]
     name, tail = f'{name}:{tail[0]}', tail[1:]
@@ -70,8 +72,8 @@ def _get_source(cfg, what: str):
   import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top
   from vit_jax.data import sources  # pylint: disable=g-import-not-at-top
   name = cfg.name or ''
-  if name and not cfg.image_folder and not (name.startswith(('/', '.', '~')) or '://' in name
-                                            or os.path.isdir(name)):
+  if name and not cfg.image_folder and not (name.startswith(('/', '.', '~'))
+                                            or storage.is_remote(name) or os.path.isdir(name)):
     try:
       tfds.builder(cfg.name, data_dir=cfg.data_dir)
     except tfds.core.registered.DatasetNotFoundError:
@@ -113,8 +115,7 @@ def precheck(*, data: Optional[str] = None, image_folder: Optional[str] = None,
              split: Optional[str] = None) -> None:
   """Checks needing neither model nor data. Raises FileNotFoundError (``image_folder`` not a
   directory) or ValueError (``data`` not NAME[:SPLIT], or a second split)."""
-  from vit_jax.checkpoint import paths  # pylint: disable=g-import-not-at-top
-  if image_folder and not paths.isdir(paths.normalize(image_folder)):
+  if image_folder and not storage.isdir(storage.normalize(image_folder)):
     raise FileNotFoundError(f'--image-folder {image_folder}: no such directory; give a folder '
                             'of <split>/<class>/*.jpg (e.g. test/cat/1.jpg).')
   if data:

@@ -16,10 +16,10 @@ import os
 import re
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from etils import epath
 import numpy as np
 
 from vit_jax import rundir
+from vit_jax import storage
 from vit_jax.tools import common
 from vit_jax.tools import eval_data as eval_data_lib
 from vit_jax.tools.eval_data import EvalData
@@ -182,11 +182,10 @@ def out_path(source: str, workdir: Optional[str], step: Optional[int], data_name
              split: str, no_ema: bool) -> str:
   """``<workdir>/eval_<data>_<split>_step<N>[_no_ema]`` for a workdir (and ``step``), else
   ``./eval_<file>_<data>_<split>``."""
-  name = _eval_name(f"{os.path.basename(data_name.rstrip('/')) or data_name}_{split}")
+  name = _eval_name(f"{storage.basename(data_name) or data_name}_{split}")
   if workdir is not None and step is not None:
-    join = (lambda *p: '/'.join(p)) if '://' in workdir else os.path.join
-    return join(workdir, f'eval_{name}_step{step}' + ('_no_ema' if no_ema else ''))
-  stem = os.path.basename(source.rstrip('/')).split('.')[0] or 'model'
+    return storage.join(workdir, f'eval_{name}_step{step}' + ('_no_ema' if no_ema else ''))
+  stem = storage.basename(source).split('.')[0] or 'model'
   return os.path.join('.', f'eval_{_eval_name(stem)}_{name}')
 
 
@@ -195,7 +194,8 @@ def planned_out(args) -> Optional[str]:
   None when only the data can tell (a default split) or SOURCE is remote."""
   if args.out:
     return args.out
-  if '://' in args.source or sum(bool(x) for x in (args.data, args.image_folder, args.real)) > 1:
+  given = sum(bool(x) for x in (args.data, args.image_folder, args.real))
+  if storage.is_remote(args.source) or given > 1:
     return None
   source = os.path.abspath(os.path.expanduser(args.source)).rstrip('/')
   run = rundir.find(source)
@@ -229,10 +229,9 @@ def planned_out(args) -> Optional[str]:
 def check_out(out: str, overwrite: bool) -> None:
   """Raises FileExistsError (a metrics.json in ``out``, without ``overwrite``) or
   NotADirectoryError, before any work."""
-  directory = epath.Path(out)
-  if directory.exists() and not directory.is_dir():
+  if storage.exists(out) and not storage.isdir(out):
     raise NotADirectoryError(f'--out {out} is a file: give a directory.')
-  if (directory / METRICS_JSON).exists() and not overwrite:
+  if storage.exists(storage.join(out, METRICS_JSON)) and not overwrite:
     raise FileExistsError(f'{out} already holds a result ({METRICS_JSON}): pass --overwrite to '
                           'replace it, or --out DIR for another directory.')
 
@@ -241,15 +240,14 @@ def write_outputs(out: str, metrics: Dict[str, Any], confusion: Optional[np.ndar
                   names: Sequence[str], title: str) -> List[str]:
   """Writes the confusion PNG and CSV (single-label), then metrics.json (last: a failure leaves
   none, so a rerun is not refused) into ``out``; returns the names, metrics.json first."""
-  import tensorflow as tf  # pylint: disable=g-import-not-at-top
-  tf.io.gfile.makedirs(out)
+  storage.makedirs(out)
   files = {}
   if confusion is not None:
     files[CONFUSION_PNG] = png_bytes(confusion, names, title)
     files[CONFUSION_CSV] = csv_text(confusion, names).encode()
   files[METRICS_JSON] = json.dumps(metrics, indent=1).encode() + b'\n'
   for name, content in files.items():
-    with tf.io.gfile.GFile(os.path.join(out, name), 'wb') as f:
+    with storage.open_file(storage.join(out, name), 'wb') as f:
       f.write(content)
   return [METRICS_JSON] + [name for name in files if name != METRICS_JSON]
 

@@ -123,6 +123,7 @@ def _parser() -> argparse.ArgumentParser:
   return parser
 
 
+@common.exit_status
 def main(argv: Optional[Sequence[str]] = None) -> int:
   parser = _parser()
   args = parser.parse_args(argv)
@@ -148,24 +149,20 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if note:
       print(note, file=sys.stderr)
     result = evaluate(trained, chosen, batch_size=args.batch_size, progress=_progress)
-  except data.BadImageError as e:
+  except data.BadImageError as e:  # Bad input, in this tool's words (its flag).
     more = f' and {len(e.paths) - 8} more' if len(e.paths) > 8 else ''
-    return common.fatal(ValueError(
+    raise ValueError(
         f'{len(e.paths)} image(s) of split {e.split!r} of {e.dataset} cannot be decoded: '
         f'{", ".join(e.paths[:8])}{more}; remove or replace them, or pass --skip-bad-images to '
         'leave them out.' if e.paths else f'An image of split {e.split!r} of {e.dataset} cannot '
-        'be decoded; rebuild the dataset without it, or pass --skip-bad-images.'), 2)
-  except common.INPUT_ERRORS as e:
-    return common.fatal(e, 2)
+        'be decoded; rebuild the dataset without it, or pass --skip-bad-images.') from None
   metrics = dict(eval_report.metrics_dict(trained, chosen, result), out=out)
   if jax.process_index() == 0:
     title = (f'{trained.description}\non {chosen.label}: accuracy {result.accuracy:.4f} '
              f'({result.correct} of {result.count})')
-    try:
+    with common.output_errors(Exception):  # OSError, tf.errors.OpError: exit status 1.
       written = eval_report.write_outputs(out, metrics, result.confusion,
                                           eval_report.class_names(trained, chosen), title)
-    except Exception as e:  # pylint: disable=broad-except  (OSError, tf.errors.OpError)
-      return common.fatal(e, 1)
     if args.json:
       print(json.dumps(metrics, indent=1))
     else:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import os
 import re
-import sys
 from typing import List, Optional, Sequence
 
 from vit_jax.tools import common
@@ -67,8 +66,7 @@ def export(data: str, split: str, out: str, data_dir: Optional[str] = None) -> L
   return written
 
 
-@common.exit_status
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def _parser() -> common.Parser:
   parser = common.Parser(prog='python -m vit_jax.tools.export_images',
                          description=__doc__.split('\n\n')[0],
                          epilog=__doc__.split('\n\n', 1)[1])
@@ -76,11 +74,20 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   parser.add_argument('--split', default='test[:10]', help="tfds split (default 'test[:10]')")
   parser.add_argument('--out', required=True, help='folder to write to (created)')
   parser.add_argument('--data-dir', help='tfds data_dir (default: tfds\'s)')
-  args = parser.parse_args(argv)
+  return parser
+
+
+@common.exit_status
+def main(argv: Optional[Sequence[str]] = None) -> int:
+  args = _parser().parse_args(argv)
   written = export(args.data, args.split, args.out, args.data_dir)
   print(f'Wrote {len(written)} images to {args.out}.')
   return 0
 
 
+def run_main() -> None:
+  common.run_program(main, _parser)
+
+
 if __name__ == '__main__':
-  sys.exit(main())
+  run_main()

@@ -19,6 +19,7 @@ import json
 import os
 from typing import Any, Optional, Sequence
 
+from vit_jax import storage
 from vit_jax.tools import common
 from vit_jax.tools import cost
 
@@ -177,7 +178,7 @@ def _precheck(args: argparse.Namespace) -> Optional[Exception]:
   split = split or 'train'
   if isinstance(folder, str) and folder:
     split_dir = os.path.join(os.path.expanduser(folder), split)
-    if '://' in folder or not os.path.isdir(split_dir):
+    if storage.is_remote(folder) or not os.path.isdir(split_dir):
       return None
     classes = [os.path.join(split_dir, c) for c in os.listdir(split_dir)
                if not c.startswith('.') and os.path.isdir(os.path.join(split_dir, c))]

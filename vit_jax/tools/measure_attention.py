@@ -201,7 +201,7 @@ def format_summary(report: dict[str, Any]) -> str:
   return '\n'.join(lines)
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def _parser() -> common.Parser:
   parser = common.Parser(prog='python -m vit_jax.tools.measure_attention', description=__doc__)
   parser.add_argument('--isa', nargs='+', choices=cpu_attention.ISAS,
                       default=list(cpu_attention.ISAS))
@@ -218,6 +218,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                       help='pin each measuring process to this many cores (default: all)')
   parser.add_argument('--json', help='write every round and the summary here')
   parser.add_argument('--worker', help=argparse.SUPPRESS)
+  return parser
+
+
+@common.exit_status
+def main(argv: Optional[Sequence[str]] = None) -> int:
+  parser = _parser()
   args = parser.parse_args(argv)
   if args.worker:
     print(json.dumps(_worker(json.loads(args.worker))))
@@ -234,5 +240,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   return 0
 
 
+def run_main() -> None:
+  common.run_program(main, _parser, setup=lambda: None)  # Each measuring process sets itself up.
+
+
 if __name__ == '__main__':
-  sys.exit(main())
+  run_main()

@@ -32,6 +32,7 @@ from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import numpy as np
 
+from vit_jax import storage
 from vit_jax.tools import common
 
 
@@ -81,15 +82,32 @@ class Predictor:
   def preprocess(self, image: Any, name: Optional[str] = None) -> np.ndarray:
     return preprocess(self.trained, image, name)
 
-  def probabilities(self, images: Any) -> np.ndarray:
-    """float32 ``[B, C]`` class probabilities of ``images`` (see :meth:`predict`)."""
+  def inputs(self, images: Any) -> np.ndarray:
+    """Images (one, a sequence, or ``[B, H, W, C]``; see :meth:`predict`) -> the model's float32
+    ``[B, S, S, 3]`` inputs. Raises as :meth:`preprocess`."""
     if (isinstance(images, (str, bytes, os.PathLike)) or hasattr(images, 'convert')
         or isinstance(images, np.ndarray) and images.ndim in (2, 3)):
       images = [images]  # One image.
     images, size = list(images), self.image_size
-    inputs = (np.stack([self.preprocess(x) for x in images]) if images
-              else np.zeros((0, size, size, 3), np.float32))
-    return self.trained.probabilities(self.runner.logits(inputs))
+    return (np.stack([self.preprocess(x) for x in images]) if images
+            else np.zeros((0, size, size, 3), np.float32))
+
+  def probabilities(self, images: Any) -> np.ndarray:
+    """float32 ``[B, C]`` class probabilities of ``images`` (see :meth:`predict`)."""
+    return self.trained.probabilities(self.runner.logits(self.inputs(images)))
+
+  def features(self, images: Any) -> np.ndarray:
+    """float32 ``[B, F]`` pre-logits of ``images`` (``vit_jax.inference.Runner.features``)."""
+    return self.runner.features(self.inputs(images))
+
+  def tokens(self, images: Any, **options: Any) -> np.ndarray:
+    """Block outputs ``[B, N, D]`` of ``images`` (``vit_jax.inference.Runner.tokens``: its
+    ``blocks``, ``norm``)."""
+    return self.runner.tokens(self.inputs(images), **options)
+
+  def patch_grid(self, images: Any, **options: Any) -> np.ndarray:
+    """Patch tokens ``[B, gh, gw, D]`` of ``images`` (``vit_jax.inference.Runner.patch_grid``)."""
+    return self.runner.patch_grid(self.inputs(images), **options)
 
   def predict(self, images: Any, top_k: int = 5) -> List[List[Prediction]]:
     """Per image (one, a sequence, or ``[B, H, W, C]``) its ``top_k`` :class:`Prediction`, most
@@ -137,7 +155,7 @@ def _parser() -> common.Parser:
 def missing_image(arguments: Sequence[str]) -> Optional[FileNotFoundError]:
   """The error for the first local argument with nothing there (broken links too), or None."""
   for arg in arguments:
-    if '://' not in str(arg) and not os.path.exists(arg):
+    if not storage.is_remote(arg) and not os.path.exists(arg):
       return FileNotFoundError(f'{arg} does not exist: give image files or folders of them.')
   return None
 
@@ -147,14 +165,13 @@ def image_paths(arguments: Sequence[str]) -> List[str]:
   FileNotFoundError, or ValueError (a folder without images, a non-UTF-8 name)."""
   from vit_jax.data import files  # pylint: disable=g-import-not-at-top
   from vit_jax.data import sources  # pylint: disable=g-import-not-at-top
-  import tensorflow as tf  # pylint: disable=g-import-not-at-top
   found: Dict[str, None] = {}
   for arg in arguments:
     try:
       arg.encode('utf-8')  # A name that is not UTF-8 arrives with lone surrogates ('\udce9').
     except UnicodeEncodeError:
       raise sources.non_utf8_name_error(arg) from None
-    if tf.io.gfile.isdir(arg):
+    if storage.isdir(arg):
       links: List[str] = []
       listed = files.list_images(arg, skipped_links=links)
       for link in links:
@@ -164,7 +181,7 @@ def image_paths(arguments: Sequence[str]) -> List[str]:
         raise ValueError(f'{arg} has no image files ({" ".join(files.IMAGE_EXTENSIONS)}, in it '
                          'or its subfolders): give image files or a folder of them.')
       found.update(dict.fromkeys(listed))
-    elif tf.io.gfile.exists(arg):
+    elif storage.exists(arg):
       found[arg] = None
     else:
       raise FileNotFoundError(f'{arg} does not exist: give image files or folders of them.')
@@ -203,14 +220,13 @@ def _predict_paths(predictor: Predictor, paths: Sequence[str], batch: int, top_k
                    as_json: bool) -> Tuple[int, List[Dict[str, Any]]]:
   """Predicts and prints ``paths`` batch by batch; returns the count predicted, JSON records."""
   from vit_jax.data import BadImageError  # pylint: disable=g-import-not-at-top
-  from vit_jax.data import sources  # pylint: disable=g-import-not-at-top
   trained, named = predictor.trained, predictor.label_names is not None
   records, predicted = [], 0
   for start in range(0, len(paths), batch):
     chunk, good, inputs = paths[start:start + batch], [], []
     for path in chunk:
       try:
-        special = '://' not in path and sources.not_a_file(path)
+        special = storage.not_a_file(path)
         if special and os.path.exists(path) and not os.path.isdir(path):  # Links, folders: read.
           raise OSError(f'{path} is {special}, not an image file: reading it would wait forever.')
         inputs.append(predictor.preprocess(path))

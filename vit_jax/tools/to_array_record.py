@@ -25,11 +25,11 @@ import os
 import re
 import shutil
 import signal
-import sys
 import tempfile
 import threading
 from typing import Optional, Sequence
 
+from vit_jax import storage
 from vit_jax.tools import common
 
 _INCOMPLETE = '.incomplete'
@@ -41,7 +41,6 @@ class _Stopped(Exception):
 
 def _shards(builder) -> list[tuple[str, str, int, int]]:
   """(TFRecord path, ArrayRecord path, records, TFRecord bytes) of every shard of every split."""
-  import tensorflow as tf  # pylint: disable=g-import-not-at-top
   import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top
   out = []
   for split in builder.info.splits.values():
@@ -51,15 +50,14 @@ def _shards(builder) -> list[tuple[str, str, int, int]]:
             len(paths))
     out += [(str(a), str(b), n) for a, b, n in zip(paths, targets, split.shard_lengths)]
   with concurrent.futures.ThreadPoolExecutor(16) as pool:  # Thousands of shards in a bucket.
-    sizes = pool.map(lambda shard: tf.io.gfile.stat(shard[0]).length, out)
+    sizes = pool.map(lambda shard: storage.size(shard[0]), out)
     return [(*shard, size) for shard, size in zip(out, sizes)]
 
 
 def _complete(target: str, expected: int) -> bool:
   """Whether ArrayRecord `target` exists, opens and holds `expected` records."""
-  import tensorflow as tf  # pylint: disable=g-import-not-at-top
   import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top
-  if not tf.io.gfile.exists(target):
+  if not storage.exists(target):
     return False
   try:
     return tfds.core.file_adapters.ArrayRecordFileAdapter.num_examples(target) == expected
@@ -77,7 +75,7 @@ def _convert(source: str, target: str, expected: int, staging: Optional[str],
   if _complete(target, expected):
     return 0
   partial = target + _INCOMPLETE
-  local = os.path.join(staging, os.path.basename(target)) if staging else partial
+  local = os.path.join(staging, storage.basename(target)) if staging else partial
   try:
     writer = array_record_module.ArrayRecordWriter(local, 'group_size:1')  # As tfds writes.
     count = 0
@@ -91,12 +89,12 @@ def _convert(source: str, target: str, expected: int, staging: Optional[str],
       raise ValueError(f'{source} holds {count} records, dataset_info.json says {expected}: the '
                        'dataset is incomplete or changed; prepare it again.')
     if staging:
-      tf.io.gfile.copy(local, partial, overwrite=True)
-    tf.io.gfile.rename(partial, target, overwrite=True)
+      storage.copy(local, partial, overwrite=True)
+    storage.rename(partial, target, overwrite=True)
   except BaseException as e:
     with contextlib.suppress(Exception):  # Nothing partial left (a rerun writes it again).
-      if tf.io.gfile.exists(partial):
-        tf.io.gfile.remove(partial)
+      if storage.exists(partial):
+        storage.remove(partial)
     if _no_space(e):
       raise _full_disk(local, staging) from None
     raise
@@ -169,16 +167,15 @@ def _write_info(builder) -> None:
   (written aside, then renamed: a kill leaves the old file or the new one)."""
   import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top
   from vit_jax.checkpoint import durable  # pylint: disable=g-import-not-at-top
-  from vit_jax.checkpoint import paths  # pylint: disable=g-import-not-at-top
   info = builder.info
   if tfds.core.FileFormat.ARRAY_RECORD in info.available_file_formats():
     return
   info.add_alternative_file_format(tfds.core.FileFormat.ARRAY_RECORD)
-  target = os.path.join(os.fspath(builder.data_dir), 'dataset_info.json')
+  target = storage.join(os.fspath(builder.data_dir), 'dataset_info.json')
   try:
     durable.write_atomically(target, info.as_json, partial=_INCOMPLETE)
   except OSError as e:
-    if _no_space(e) and not paths.is_remote(target):
+    if _no_space(e) and not storage.is_remote(target):
       raise _full_disk(target, None) from None
     raise
 
@@ -189,13 +186,11 @@ def convert(dataset: str, data_dir: Optional[str] = None, workers: int = 0,
   `data_dir`); `report(line)` gets the start line. Returns (its directory, shards, records,
   records written now). FileNotFoundError: no prepared dataset there; ValueError: a shard whose
   record count differs from dataset_info.json; OSError: too little local disk to stage on."""
-  import tensorflow as tf  # pylint: disable=g-import-not-at-top
-  from vit_jax.checkpoint import paths  # pylint: disable=g-import-not-at-top
   from vit_jax.data import sources  # pylint: disable=g-import-not-at-top
-  if sources.looks_like_path(dataset) and not tf.io.gfile.isdir(os.path.expanduser(dataset)):
+  if sources.looks_like_path(dataset) and not storage.isdir(storage.normalize(dataset)):
     raise FileNotFoundError(f'{dataset} is not a directory: give that of a prepared tfds dataset '
                             '(e.g. ~/tensorflow_datasets/NAME/VERSION), or its name.')
-  builder = sources.tfds_builder(os.path.expanduser(dataset), data_dir)
+  builder = sources.tfds_builder(storage.normalize(dataset), data_dir)
   if not builder.is_prepared():
     where = data_dir or "tfds's data_dir"
     raise FileNotFoundError(f'{dataset!r} is not prepared in {where}: give the --data-dir it is '
@@ -204,7 +199,7 @@ def convert(dataset: str, data_dir: Optional[str] = None, workers: int = 0,
   where = os.fspath(builder.data_dir)
   shards = _shards(builder)
   workers = max(1, min(workers or os.cpu_count() or 1, len(shards)))
-  remote = paths.is_remote(where)
+  remote = storage.is_remote(where)
   scratch, needed = _staging_dir(shards, workers, staging) if remote else (None, 0)
   report(f'{where}: {len(shards)} TFRecord shards, {sum(s for *_, s in shards) / 2**30:.2f} GiB, '
          f'{workers} at a time' + (f', staged under {scratch} (up to {_gib(needed)} of local '
@@ -232,8 +227,7 @@ def convert(dataset: str, data_dir: Optional[str] = None, workers: int = 0,
   return where, len(shards), sum(n for _, _, n, _ in shards), written
 
 
-@common.exit_status
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def _parser() -> common.Parser:
   parser = common.Parser(prog='python -m vit_jax.to_array_record',
                          description=__doc__.split('\n\n')[0],
                          epilog=__doc__.split('\n\n', 1)[1])
@@ -245,15 +239,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   parser.add_argument('--staging-dir', help='local folder the shards of a dataset in a bucket are '
                       'written in before their upload (default: the temporary directory, $TMPDIR '
                       'or /tmp)')
-  args = parser.parse_args(argv)
+  return parser
+
+
+@common.exit_status
+def main(argv: Optional[Sequence[str]] = None) -> int:
+  args = _parser().parse_args(argv)
   if args.workers < 0:
     raise ValueError(f'--workers {args.workers}: give a positive number, or 0 for the CPU count.')
-  try:
-    where, shards, records, written = convert(args.dataset, args.data_dir, args.workers,
-                                              args.staging_dir, report=print)
-  except KeyboardInterrupt as e:
-    print(f'FATAL: {e.args[0] if e.args else "Stopped."}', file=sys.stderr)
-    return 130
+  where, shards, records, written = convert(args.dataset, args.data_dir, args.workers,
+                                            args.staging_dir, report=print)
   done = 'all written now' if written == records else (
       'all there already' if not written else f'{written:,} examples written now')
   print(f'{where}: {shards} ArrayRecord shards, {records:,} examples ({done}); runs started '
@@ -261,5 +256,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   return 0
 
 
+def run_main() -> None:
+  common.run_program(main, _parser)
+
+
 if __name__ == '__main__':
-  sys.exit(main())
+  run_main()

@@ -17,7 +17,6 @@ from vit_jax.tools.benchmark import report as report_lib
 from vit_jax.tools.benchmark import runner
 from vit_jax.tools.benchmark.common import BenchmarkError
 from vit_jax.tools.benchmark.common import DTYPES
-from vit_jax.tools.benchmark.common import MeasurementFailed
 from vit_jax.tools.benchmark.common import MODES
 
 
@@ -78,6 +77,7 @@ def _parser() -> argparse.ArgumentParser:
   return parser
 
 
+@common.exit_status
 def main(argv: Optional[Sequence[str]] = None) -> int:
   """The command line; returns the exit status (0; 1 a measurement failed; 2 bad input)."""
   try:
@@ -86,33 +86,26 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     return e.code
   if args.worker:
     return runner.worker(*args.worker)
-  try:
-    if not args.models and not args.input_pipeline:
-      raise BenchmarkError("Name at least one model, e.g. python -m vit_jax.benchmark ViT-B_16 "
-                           "(or measure only the input pipeline: --input-pipeline)")
-    folder = os.path.dirname(os.path.abspath(args.json or "."))
-    if args.json and not os.path.isdir(folder):
-      raise BenchmarkError(f"--json {args.json}: the directory {folder} does not exist.")
-    report = runner.run(args.models, batch=args.batch, resolution=args.resolution,
-                        dtype=args.dtype, modes=MODES if args.mode == "both" else (args.mode,),
-                        warmup=args.warmup, steps=args.steps,
-                        overrides=dict(common.parse_setting(s) for s in args.set),
-                        num_classes=args.num_classes, threads=args.threads,
-                        compare=args.compare, rounds=args.rounds or (3 if args.compare else 1),
-                        compile_only=args.compile_only, timeout=args.timeout,
-                        inputs=inputs_lib.INPUTS if args.input_pipeline else (),
-                        progress=lambda m: print(m, file=sys.stderr, flush=True))
-  except common.INPUT_ERRORS as e:
-    return common.fatal(e, 2)
-  except MeasurementFailed as e:
-    return common.fatal(e, 1)
+  if not args.models and not args.input_pipeline:
+    raise BenchmarkError("Name at least one model, e.g. python -m vit_jax.benchmark ViT-B_16 "
+                         "(or measure only the input pipeline: --input-pipeline)")
+  folder = os.path.dirname(os.path.abspath(args.json or "."))
+  if args.json and not os.path.isdir(folder):
+    raise BenchmarkError(f"--json {args.json}: the directory {folder} does not exist.")
+  report = runner.run(args.models, batch=args.batch, resolution=args.resolution,
+                      dtype=args.dtype, modes=MODES if args.mode == "both" else (args.mode,),
+                      warmup=args.warmup, steps=args.steps,
+                      overrides=dict(common.parse_setting(s) for s in args.set),
+                      num_classes=args.num_classes, threads=args.threads,
+                      compare=args.compare, rounds=args.rounds or (3 if args.compare else 1),
+                      compile_only=args.compile_only, timeout=args.timeout,
+                      inputs=inputs_lib.INPUTS if args.input_pipeline else (),
+                      progress=lambda m: print(m, file=sys.stderr, flush=True))
   print(report_lib.format_report(report))
   if args.json:
-    try:
+    with common.output_errors():
       with open(args.json, "w", encoding="utf-8") as f:
         json.dump(report, f, indent=1)
-    except OSError as e:
-      return common.fatal(e, 1)
     print(f"\nWrote {args.json}")
   return 0
 

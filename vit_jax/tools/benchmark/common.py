@@ -10,6 +10,8 @@ import sys
 import time
 from typing import Any, Callable, Optional
 
+from vit_jax.tools import common as tools_common
+
 
 MODES = ("train", "inference")
 DTYPES = ("float32", "bfloat16")
@@ -39,7 +41,7 @@ class NoTimmModel(BenchmarkError):
   """The model has no timm equivalent."""
 
 
-class MeasurementFailed(RuntimeError):
+class MeasurementFailed(tools_common.WorkFailed):
   """A measuring subprocess failed (e.g. out of memory): exit status 1."""
 
 

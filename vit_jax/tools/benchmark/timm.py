@@ -31,8 +31,8 @@ def timm_equivalent(model: str, overrides: Optional[dict[str, Any]] = None
 
   Official sizes map to timm's names (ViT-B_16 -> 'vit_base_patch16_224'); a changed
   architecture goes as keyword arguments, dropout as timm's rates, remat=True as gradient
-  checkpointing, timm's variants where set (``init_values``, ``reg_tokens``, ``no_embed_class``,
-  ``fc_norm``); what changes no compute (posemb, GELU approximation, LayerNorm epsilon) is not
+  checkpointing, timm's variants where set (the fields' ``timm`` keywords:
+  ``vit_fields.VIT_FIELDS``); what changes no compute (posemb, GELU approximation, LayerNorm epsilon) is not
   passed. Raises NoTimmModel for T2T-ViT, hybrids, ViT-g/G and a representation layer.
   """
   from vit_jax import models  # pylint: disable=g-import-not-at-top
@@ -69,8 +69,7 @@ def timm_equivalent(model: str, overrides: Optional[dict[str, Any]] = None
     elif config["classifier"] == "map":  # timm's AttentionPoolLatent: big_vision's MAPHead.
       kwargs.update(class_token=False, global_pool="map")
   # The fields timm takes as they are (its keyword in the declaration), where not the default:
-  # LayerScale, registers, a table of the patches only, the LayerNorm after the average pooling,
-  # the attention's dropout.
+  # timm's variants (LayerScale, registers, QK normalisation, ...), the attention's dropout.
   for field in models.vit_fields.VIT_FIELDS:
     if (field.timm and field.default is not models.fields.REQUIRED
         and config.get(field.name, field.default) != field.default):

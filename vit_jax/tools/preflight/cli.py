@@ -25,10 +25,13 @@ scan over layers, gradient accumulation) counted as many times as it runs, which
 more compile per loop level; and what that implies: images per second per chip and per core,
 and the MFU (the analytic FLOPs over the time and the slice's peak). When the step does not fit
 it compiles the smallest changes in order (bfloat16, accumulation, FSDP, the leanest remat
-policy, a smaller batch) and prints the first overrides that fit, ready to paste. With
---config.mesh.dcn_data=N it compiles for N slices of the --accelerator type (libtpu's
-multi-slice topology, the trainer's hybrid mesh) and also reports the collectives that cross
-slices: how many per step, and the bytes each device hands the DCN.
+policy, a smaller batch) and prints the first overrides that fit, ready to paste. When it fits
+with remat, it also compiles the train step without remat (scanned, then unrolled) and prints
+those overrides if that fits and is estimated faster (remat is what makes the step slower than
+the official model's at equal batch: docs/pods.md). With --config.mesh.dcn_data=N it compiles
+for N slices of the --accelerator type (libtpu's multi-slice topology, the trainer's hybrid
+mesh) and also reports the collectives that cross slices: how many per step, and the bytes each
+device hands the DCN.
 
 Exit codes: 0 fits; 1 does not fit (the suggestion, if any, is printed); 2 a bad config or flag,
 libtpu missing (with the install line), a compiler error other than memory, or a --json FILE
@@ -50,6 +53,7 @@ from typing import Any, Optional
 from absl import logging
 import jax
 
+from vit_jax import cli as vit_cli
 from vit_jax import hardware
 from vit_jax import platform
 from vit_jax import sharding
@@ -263,8 +267,10 @@ def _attempt_line(attempt: search.Attempt) -> str:
   seconds = sum(s.seconds for s in r.steps)
   names = " and ".join(s.name for s in r.steps)
   if r.fits:
+    speed = r.speed(r.train) if r.train is not None else None
+    estimated = f", estimated {speed.seconds * 1e3:.3g} ms" if speed else ""
     return f"  {flags_text or '(as is)'}: {names} step fit{'s' * (len(r.steps) == 1)}, " \
-           f"peak {_size(r.peak)} ({seconds:.0f} s)"
+           f"peak {_size(r.peak)}{estimated} ({seconds:.0f} s)"
   step = r.refused
   return (f"  {flags_text or '(as is)'}: {step.name} step does not fit (needs "
           f"{_size(step.needs)}{'' if step.accepted else '+'}, {seconds:.0f} s)")
@@ -272,11 +278,13 @@ def _attempt_line(attempt: search.Attempt) -> str:
 
 def run(config, accelerator: str, *, suggest: bool = True, eval_step: bool = True,
         largest_batch: bool = False, num_train_examples: Optional[int] = None,
-        num_classes: Optional[int] = None, estimate: bool = True,
+        num_classes: Optional[int] = None, estimate: bool = True, faster: bool = True,
         json_path: Optional[str] = None, out=sys.stdout) -> int:
   """Checks and prints `config` on `accelerator`: the exit code (0 fits, 1 does not);
-  `estimate`: the fitting steps' times too; `json_path`: also writes `report_json` there (with
-  a suggestion's overrides and report under 'suggestion'). Raises ValueError or
+  `estimate`: the fitting steps' times too; `faster` (with `estimate`): when the train step fits
+  with remat, also `search.faster`'s overrides (under 'faster' in the JSON); `json_path`: also
+  writes `report_json` there (with a suggestion's overrides and report under 'suggestion').
+  Raises ValueError or
   topology.MissingLibtpuError; OSError when the JSON cannot be written."""
   tpu = topology.tpu_slice(accelerator, num_slices=int(config.mesh.dcn_data))
   print(f"Pre-flight for {tpu.describe()}; compiling with libtpu's TPU compiler...", file=out,
@@ -304,6 +312,8 @@ def run(config, accelerator: str, *, suggest: bool = True, eval_step: bool = Tru
         if result.fits else f"DOES NOT FIT: {result.refused.verdict}", file=out, flush=True)
   report = report_json(result)
   if result.fits:
+    if faster and estimate:
+      _faster(config, result, checker, report, out)
     _write_json(json_path, report, out)
     return 0
   if suggest:
@@ -322,6 +332,29 @@ def run(config, accelerator: str, *, suggest: bool = True, eval_step: bool = Tru
                               **report_json(found.result)}
   _write_json(json_path, report, out)
   return 1
+
+
+def _faster(config, result: fit.Result, checker, report: dict[str, Any], out) -> None:
+  """Prints (and adds to `report` under 'faster') `search.faster`'s overrides, if any."""
+  train = result.train
+  if not result.config.model.get("remat") or result.speed(train) is None:
+    return
+  print("Compiling the train step without remat (scanned as configured, then unrolled):",
+        file=out, flush=True)
+  found = search.faster(config, result, checker,
+                        report=lambda a: print(_attempt_line(a), file=out, flush=True))
+  if found is None:
+    print("Not faster without remat: keep it.", file=out)
+    return
+  now = result.speed(train).seconds
+  then = found.result.speed(found.result.train).seconds
+  layout = (" (a new run: scan=False changes the checkpoints' block layout)"
+            if "model.scan" in found.overrides else "")
+  print(f"\nFaster: without remat the train step fits, peak {_size(found.result.peak)}, in an "
+        f"estimated {then * 1e3:.3g} ms, {1 - then / now:.0%} less than {now * 1e3:.3g} "
+        f"ms{layout}:\n  {fit.flags_of(found.overrides)}", file=out)
+  report["faster"] = {"overrides": found.overrides, "flags": fit.flags_of(found.overrides),
+                      **report_json(found.result)}
 
 
 def _parser() -> common.Parser:
@@ -345,7 +378,11 @@ def _parser() -> common.Parser:
        "(the scan over layers, unrolled; gradient accumulation around it, 2 trips per body); "
        "and "
        "the images/s per chip and per core and the MFU it implies (default; --noestimate: "
-       "not).")):
+       "not)."),
+      ("faster", True, "When the train step fits with remat and was estimated, also compile it "
+       "without remat (scanned as configured, then unrolled) and print the overrides if it "
+       "fits and its estimated time is shorter: remat is what makes the step slower than the "
+       "official model's (docs/pods.md) (default; --nofaster: not).")):
     parser.add_argument(f"--{name}", action="store_true", default=default, help=text)
     parser.add_argument(f"--no{name}", dest=name, action="store_false", help=argparse.SUPPRESS)
   parser.add_argument(
@@ -357,25 +394,30 @@ def _parser() -> common.Parser:
   return parser
 
 
+@common.exit_status
 def main(argv=None) -> int:
+  args, config = cost.parse(_parser(), argv)
+  if args.print_config:
+    print(vit_cli.config_help(config, args.config))
+    return 0
+  if config is None or not args.accelerator:
+    raise ValueError("Give --config=configs/<file>.py[:<args>] and --accelerator (e.g. "
+                     "v3-8); --help explains.")
+  folder = os.path.dirname(os.path.abspath(args.json or "."))
+  if args.json and not os.path.isdir(folder):
+    raise ValueError(f"--json {args.json}: the directory {folder} does not exist.")
   try:
-    args, config = cost.parse(_parser(), argv)
-    if config is None or not args.accelerator:
-      raise ValueError("Give --config=configs/<file>.py[:<args>] and --accelerator (e.g. "
-                       "v3-8); --help explains.")
-    folder = os.path.dirname(os.path.abspath(args.json or "."))
-    if args.json and not os.path.isdir(folder):
-      raise ValueError(f"--json {args.json}: the directory {folder} does not exist.")
     return run(config, args.accelerator, suggest=args.suggest, eval_step=args.eval,
                largest_batch=args.largest_batch, num_train_examples=args.num_train_examples,
-               num_classes=args.num_classes, estimate=args.estimate, json_path=args.json)
-  except (topology.MissingLibtpuError, ValueError, TypeError, KeyError) as e:
-    return common.fatal(e, 2)
-  except OSError as e:  # The JSON report could not be written.
-    return common.fatal(e, 2)
-  except jax.errors.JaxRuntimeError as e:
-    return common.fatal(RuntimeError("The TPU compiler failed (not for memory): "
-                                     f"{str(e).strip().splitlines()[0]}"), 2)
+               num_classes=args.num_classes, estimate=args.estimate, faster=args.faster,
+               json_path=args.json)
+  except topology.MissingLibtpuError as e:  # No TPU compiler here: bad input (exit status 2).
+    raise ValueError(str(e)) from e
+  except OSError as e:  # The --json FILE could not be written: 2, as 1 means "does not fit".
+    raise ValueError(common.reason(e)) from e
+  except jax.errors.JaxRuntimeError as e:  # Not a lack of memory, which `run` reports.
+    raise ValueError("The TPU compiler failed (not for memory): "
+                     f"{str(e).strip().splitlines()[0]}") from e
 
 
 def _setup() -> None:

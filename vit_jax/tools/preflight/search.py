@@ -7,7 +7,8 @@ refused compile is quick). `suggest` tries, each stage keeping the previous ones
   4. remat 'nothing_saveable', then accumulation again;
   5. a halved global batch, which changes the recipe.
 Then the eval step is compiled with them, its batch halved until it fits. `largest_batch`: the
-largest per-device batch that fits (docs/pods.md).
+largest per-device batch that fits (docs/pods.md). `faster`: when a step fits with remat, the
+same step without it, if it fits too and its estimated time is shorter.
 """
 
 from __future__ import annotations
@@ -113,6 +114,31 @@ def suggest(config: ml_collections.ConfigDict, first: fit.Result, run: Runner,
     eval_batch = (eval_batch or attempt.result.config.eval_batch_size) // 2
     if eval_batch < shards or eval_batch % shards:
       return None
+
+
+def faster(config: ml_collections.ConfigDict, first: fit.Result, run: Runner,
+           report: Callable[[Attempt], None] = lambda attempt: None) -> Optional[Attempt]:
+  """For the unresolved `config` whose train step fits with remat and has an estimated time in
+  `first`: the train step without remat (scanned as configured, then unrolled), the first that
+  fits with a shorter estimated time; None when neither does or nothing was estimated. `run` is
+  `check` with `estimate=True` on the same slice. Remat is what makes our step slower than
+  the official model's where memory allows (docs/pods.md, "Step time against the official
+  model"); `scan=False` changes the checkpoints' block layout, so it is for a new run."""
+  model, train = first.config.model, first.train
+  speed = first.speed(train) if train is not None and train.fits else None
+  if not model.get("remat") or speed is None:
+    return None
+  tries = [{"model.remat": False}]
+  if model.get("scan"):
+    tries.append({"model.remat": False, "model.scan": False})
+  for overrides in tries:
+    attempt = _attempt(config, overrides, run, report, train_step=True, eval_step=False)
+    if not _fits(attempt):
+      continue
+    other = attempt.result.speed(attempt.result.train)
+    if other is not None and other.seconds < speed.seconds:
+      return attempt
+  return None
 
 
 #: Where `largest_batch` starts: per-device batches above it are not tried.

@@ -1,0 +1,188 @@
+"""Every conversion keeps every field the weights compute with, or refuses by name (issue 52,
+item 2), and a position table that fits two layouts is never guessed (item 3). The fixtures
+(tests/fixtures/README.md) go through every pair of formats (``python -m vit_jax.convert``:
+official ``.npz`` with its ``.vit_jax.json``, Orbax, timm, transformers) and their logits are
+compared, in this project's ViT, with their library's golden ones."""
+
+import json
+import pathlib
+
+import numpy as np
+import pytest
+
+from vit_jax import checkpoint
+from vit_jax import inference
+from vit_jax.checkpoint import archive
+from vit_jax.checkpoint import npz
+from vit_jax.checkpoint import timm_vit
+from vit_jax.checkpoint import vit_shapes
+from vit_jax.models import resample
+from vit_jax.tools import convert
+
+FIXTURES = pathlib.Path(__file__).resolve().parents[1] / 'fixtures'
+ECOSYSTEM = FIXTURES / 'ecosystem'
+
+#: fixture -> (source path, convert --set for the source, formats refused: {format: words the
+#: refusal names}). timm files record neither heads nor GELU (the fixtures' widths are not
+#: standard ones; the SigLIP 2 tower's GELU is tanh).
+HEADS2, HEADS4 = ['num_heads=2'], ['num_heads=4']
+NO_HF_VARIANT = lambda field: {'hf': [field, '--to timm']}
+CASES = {
+    'timm_vit': ('timm_vit/model.safetensors', HEADS4, {}),
+    'timm_vit_gap': ('timm_vit_gap/model.safetensors', HEADS4, {'hf': ["classifier='gap'"]}),
+    'timm_vit_reg': ('timm_vit_reg/model.safetensors', HEADS4, NO_HF_VARIANT('num_registers=1')),
+    'timm_deit3': ('timm_deit3/model.safetensors', HEADS2, NO_HF_VARIANT('layerscale_init')),
+    'timm_dinov2': ('timm_dinov2/model.safetensors', HEADS2, NO_HF_VARIANT('layerscale_init')),
+    'timm_dinov2_reg4': ('timm_dinov2_reg4/model.safetensors', HEADS2,
+                         NO_HF_VARIANT('num_registers=4')),
+    'timm_reg4_gap': ('timm_reg4_gap/model.safetensors', HEADS2, NO_HF_VARIANT('fc_norm=True')),
+    'timm_qk_norm': ('timm_qk_norm/model.safetensors', HEADS2, NO_HF_VARIANT('qk_norm=True')),
+    'timm_siglip': ('timm_siglip/model.safetensors', HEADS2, {'hf': ["classifier='map'"]}),
+    'timm_siglip2_so400m': ('timm_siglip2_so400m/model.safetensors',
+                            HEADS2 + ['gelu_approximate=true'], {'hf': ["classifier='map'"]}),
+    'hf_vit_v4': ('hf_vit_v4', [], {'timm': ['LayerNorm epsilon 1e-12', '--to hf']}),
+    'hf_vit_v5': ('hf_vit_v5', [], {'timm': ['LayerNorm epsilon 1e-12', '--to hf']}),
+    'hf_vit_model': ('hf_vit_model', [], {'timm': ['LayerNorm epsilon 1e-12', 'pre_logits']}),
+    'big_vision_tok': ('big_vision_tok/params.npz', [], {}),
+    'big_vision_map_scanned': ('big_vision_map_scanned/params.npz', [],
+                               {'hf': ["classifier='map'"]}),
+    'big_vision_sincos_gap': ('big_vision_sincos_gap/params.npz', [],
+                              {'hf': ["classifier='gap'"]}),
+    'big_vision_siglip': ('big_vision_siglip/params.npz', [], {'hf': ["classifier='map'"]}),
+    'vit_tiny': ('../vit_tiny/params.npz', [], {}),
+    'vit_tiny_gap_repr': ('../vit_tiny_gap_repr/params.npz', [],
+                          {'hf': ["classifier='gap'"], 'timm': ['pre_logits']}),
+}
+#: Fixtures without a head: their golden features (read with ``num_classes=0``).
+HEADLESS = {'timm_dinov2_reg4': 'logits', 'hf_vit_model': 'pooler_output'}
+#: A fixed sin-cos table records no image size: the fixture's is given where a model is built.
+IMAGE_SIZE = {'big_vision_sincos_gap': 32}
+FORMATS = ('npz', 'orbax', 'timm', 'hf')
+#: Orders that take every ordered pair of the kept formats once (an Euler circuit of the
+#: complete digraph on 2, 3 or 4 formats), from the first.
+CIRCUITS = {2: (0, 1, 0), 3: (0, 1, 2, 0, 2, 1, 0), 4: (0, 1, 2, 3, 0, 2, 1, 3, 2, 0, 3, 1, 0)}
+#: The fields compared at every step (the position embedding is 'learn' once a fixed sin-cos
+#: table is written into a library's file: the same values).
+COMPARED = tuple(k for k in vit_shapes.KEPT_FIELDS if k != 'posemb')
+
+
+def _golden(name):
+  if name.startswith('vit_tiny'):
+    return np.load(FIXTURES / name / 'inputs.npy'), np.load(FIXTURES / name / 'logits.npy')
+  golden = np.load(ECOSYSTEM / name / 'golden.npz')
+  return golden['images'], golden[HEADLESS.get(name, 'logits')]
+
+
+def _dst(tmp_path, step, fmt):
+  return str(tmp_path / {'npz': f'{step}.npz', 'orbax': f'{step}_orbax',
+                         'timm': f'{step}.safetensors', 'hf': f'{step}_hf'}[fmt])
+
+
+def _convert(src, dst, fmt, sets=(), size=None):
+  args = [src, dst] + (['--to', fmt] if fmt in ('timm', 'hf') else [])
+  if size and fmt in ('timm', 'hf'):
+    args += ['--image-size', str(size)]
+  for setting in sets:
+    args += ['--set', setting]
+  return convert.main(args)
+
+
+def _load(path, headless, size=None):
+  return inference.load(path, num_classes=0 if headless else None, image_size=size)
+
+
+def _fields(trained):
+  return {k: trained.config.model.get(k) for k in COMPARED}
+
+
+@pytest.mark.parametrize('name', sorted(CASES))
+def test_every_fixture_keeps_its_logits_through_every_pair_of_formats(name, tmp_path, capsys):
+  source, sets, refused = CASES[name]
+  images, logits = _golden(name)
+  headless = name in HEADLESS
+  # Into the official .npz first (every chain starts there).
+  first = _dst(tmp_path, 0, 'npz')
+  assert _convert(str(ECOSYSTEM / source), first, 'npz', sets) == 0
+  size = IMAGE_SIZE.get(name)
+  reference = _fields(_load(first, headless, size))
+  capsys.readouterr()
+  for fmt, words in refused.items():  # Refused by name, naming the field and who keeps it.
+    assert _convert(first, _dst(tmp_path, 'refused', fmt), fmt, size=size) == 2
+    err = capsys.readouterr().err
+    assert err.startswith('FATAL: The model cannot be written as a'), err
+    for word in words + ['Orbax directory or an .npz']:
+      assert word in err, (word, err)
+  kept = [f for f in FORMATS if f not in refused]
+  path, fmt = first, 'npz'
+  for step, index in enumerate(CIRCUITS[len(kept)][1:], 1):
+    target = _dst(tmp_path, step, kept[index])
+    assert _convert(path, target, kept[index], size=size) == 0, capsys.readouterr().err
+    trained = _load(target, headless, size)
+    assert _fields(trained) == reference, (fmt, '->', kept[index])
+    path, fmt = target, kept[index]
+  np.testing.assert_allclose(np.asarray(trained.apply(images)), logits, rtol=1e-5, atol=1e-5)
+
+
+def _ambiguous_timm_file(directory):
+  """timm's DINOv2-with-registers fixture (4 registers, ``no_embed_class``) with its 2x2 table
+  resampled as timm does (bicubic, antialiased) to the 3x3 grid of 42 px images: 9 rows, which
+  also read as the class-token and 4 register rows then a 2x2 grid (28 px)."""
+  tensors = archive.read_safetensors(str(ECOSYSTEM / 'timm_dinov2_reg4' / 'model.safetensors'))
+  tensors['pos_embed'] = resample.resample_posemb(
+      np.asarray(tensors['pos_embed'], np.float32), (3, 3), num_prefix_tokens=0,
+      method=timm_vit.POSEMB_RESIZE).astype(np.float32)
+  assert tensors['pos_embed'].shape == (1, 9, 16)
+  path = directory / 'model.safetensors'
+  archive.write_safetensors(str(path), tensors)
+  return path
+
+
+def _hub_config(directory, size):
+  """timm's Hub config.json (``push_to_hf_hub``'s keys) for ``size`` px images."""
+  (directory / 'config.json').write_text(json.dumps({
+      'architecture': 'vit_small_patch14_reg4_dinov2', 'num_classes': 0, 'num_features': 16,
+      'global_pool': 'token', 'pretrained_cfg': {'input_size': [3, size, size]}}))
+
+
+def test_a_table_that_fits_two_layouts_is_refused_naming_both(tmp_path):
+  path = _ambiguous_timm_file(tmp_path)
+  for read in (lambda: checkpoint.model_fields(path, num_heads=2),
+               lambda: inference.load(path, num_classes=0, overrides={'num_heads': 2})):
+    with pytest.raises(vit_shapes.AmbiguousTableError) as e:
+      read()
+    for words in ('9 rows', '5 class-token and register rows then a 2x2 grid (28 px',
+                  'a 3x3 grid alone (42 px', '--config.model.no_embed_class', 'config.json'):
+      assert words in str(e.value), (words, str(e.value))
+  # Stated, the field settles it: exact at 42 px (timm's outputs).
+  golden = np.load(ECOSYSTEM / 'timm_dinov2_reg4' / 'golden.npz')
+  trained = inference.load(path, num_classes=0, overrides={'num_heads': 2, 'no_embed_class': True})
+  assert trained.image_size == 42
+  np.testing.assert_allclose(np.asarray(trained.apply(golden['images_42'])),
+                             golden['logits_42'], rtol=1e-5, atol=1e-5)
+  # A transformers config.json (no timm 'architecture') settles nothing.
+  (tmp_path / 'config.json').write_text(json.dumps({'model_type': 'vit', 'image_size': 42}))
+  with pytest.raises(vit_shapes.AmbiguousTableError):
+    checkpoint.model_fields(path, num_heads=2)
+  # The same table in an .npz without the JSON file beside it: refused as well.
+  _hub_config(tmp_path, 42)
+  assert convert.main([str(path), str(tmp_path / 'p.npz'), '--set', 'num_heads=2']) == 0
+  assert checkpoint.model_fields(tmp_path / 'p.npz')['no_embed_class'] is True
+  pathlib.Path(npz.fields_path(tmp_path / 'p.npz')).unlink()
+  with pytest.raises(vit_shapes.AmbiguousTableError, match='fit two layouts'):
+    checkpoint.model_fields(tmp_path / 'p.npz')
+
+
+@pytest.mark.parametrize('size', [42, 28])
+def test_a_config_json_beside_the_weights_settles_the_layout(tmp_path, size):
+  path = _ambiguous_timm_file(tmp_path)
+  _hub_config(tmp_path, size)
+  fields = checkpoint.model_fields(path, num_heads=2)
+  assert (fields.pop('image_size'), fields.get('no_embed_class', False)) == (size, size == 42)
+  assert fields['num_registers'] == 4
+  if size == 28:  # The other reading: the class-token and register rows first, 2x2.
+    return
+  golden = np.load(ECOSYSTEM / 'timm_dinov2_reg4' / 'golden.npz')
+  trained = inference.load(path, num_classes=0, overrides={'num_heads': 2})
+  assert trained.image_size == 42 and trained.config.model.no_embed_class
+  np.testing.assert_allclose(np.asarray(trained.apply(golden['images_42'])),
+                             golden['logits_42'], rtol=1e-5, atol=1e-5)
