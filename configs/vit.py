@@ -109,7 +109,9 @@ def get_config(arg: str = "b16,imagenet2012"):
     config.model.representation_size = config.model.hidden_size
   if model == "auto":
     config.model_name = resolution.AUTO
-    config.model.num_heads = None  # Read from the weights, or asked for: never a placeholder's.
+    # Read from the weights, or asked for: never a placeholder's; a typed None, so that
+    # --config.model.num_heads=N sets it.
+    config.model.num_heads = config_dict.placeholder(int)
   config.regime = regime
   config.recipe_regime = regime if table else None  # Table 3's lr and decay: pretraining's.
   config.data.train_split = train_split

@@ -71,6 +71,7 @@ def test_auto_asks_for_heads_the_file_does_not_record(heads):
 def test_vit_config_auto_reads_the_weights_and_never_a_placeholders_heads():
   from configs import vit  # pylint: disable=g-import-not-at-top
   config = vit.get_config("auto,fashion_mnist_local,finetune")
+  assert config.model.get_type("num_heads") is int  # So --config.model.num_heads=N parses.
   config.unlock()
   config.update(init_from=DINOV2, batch_size=8)
   config.data.image_size = 56
@@ -104,8 +105,9 @@ def test_a_named_model_that_does_not_fit_the_weights_is_the_mismatch_report():
     _resolve(config)
   text = str(e.value)
   assert e.value.key == "init_from"
-  assert "field mismatches (6): model.patch_size: weights (8, 8), config (7, 7); " in text
-  assert "model.hidden_size: weights 16, config 96" in text
+  # The patch size is not compared: another one resizes the patch embedding (FlexiViT).
+  assert "field mismatches (5): model.hidden_size: weights 16, config 96; " in text
+  assert "patch_size" not in text.split("field mismatches")[1]
   assert "model.no_embed_class: weights True, config False" in text
   assert "--config.model_name=auto" in text
 
@@ -200,3 +202,17 @@ def test_vit_config_custom_takes_its_fields_as_flags():
   config.data.image_size = 28
   config.optim.warmup_steps = 1
   assert _resolve(config).model.hidden_size == 16
+
+
+def test_main_asks_for_heads_rather_than_take_the_config_files(tmp_path):
+  """Under auto the file's num_heads (4, chosen for its own ViT) is not a guess for the weights'
+  (2): only a --config.model.num_heads flag is taken; nothing is written before the question."""
+  workdir = tmp_path / "w"
+  done = subprocess.run(
+      [sys.executable, "-m", "vit_jax.main", "--config", "configs/fashion_mnist.py",
+       "--config.model_name=auto", f"--config.init_from={DEIT3}", f"--workdir={workdir}"],
+      cwd=ROOT, capture_output=True, text=True, timeout=300, check=False)
+  assert done.returncode == 2, done.stderr[-2000:]
+  assert "does not record its attention heads" in done.stderr
+  assert "set --config.model.num_heads=N (N divides 16" in done.stderr
+  assert not workdir.exists()

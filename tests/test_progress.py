@@ -47,7 +47,8 @@ def test_one_line_per_window_with_loss_lr_images_per_second_mfu_and_eta(caplog):
   assert out["train/steps_per_sec"] == pytest.approx(2.0)
   assert out["train/lr"] == pytest.approx(1e-3)
   caplog.clear()
-  with caplog.at_level(logging.INFO, logger="absl"):  # The last window: no ETA; no MFU known: none said.
+  # The last window: no ETA; no MFU known: none said.
+  with caplog.at_level(logging.INFO, logger="absl"):
     _steps(window, acct, clock, 101, 1000, 0.5, lr=0.0)
     window.summary(1000, skipping=False)
   assert _lines(caplog) == ["Step 1000/1000 (100.0%): loss 2.0000, accuracy 0.2500, lr 0, "

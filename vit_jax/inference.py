@@ -345,8 +345,9 @@ def load(source: Any, *, step: Optional[int] = None, use_ema: bool = True,
   """The :class:`TrainedModel` of ``source`` (:data:`SOURCES`, local or ``gs://``), checked to
   fit its model. ``step``: a workdir's (default the latest); ``use_ema``: the parameter EMA when
   saved; ``model_name``: required for ``.pth.tar`` files and T2T-ViT convert directories, checked
-  for ``.npz``, refused for workdirs, 'auto' as None (the weights' model); ``num_classes``: checked against the head, 0 a feature
-  extractor (the head dropped; needed for weights without one, such as DINOv2's); ``image_size``:
+  for ``.npz``, refused for workdirs, 'auto' as None (the weights' model); ``num_classes``:
+  checked against the head, 0 a feature extractor (the head dropped; needed for weights without
+  one, such as DINOv2's); ``image_size``:
   default the position table's (another: a ViT resamples its table in the model, ``posemb_grid``
   and ``posemb_resize``, for weights alone their library's unless overridden:
   :func:`vit_jax.checkpoint.posemb_resize`); ``overrides``: model fields; ``devices``: default

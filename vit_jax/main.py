@@ -113,9 +113,10 @@ def main(argv):
   from vit_jax import config as config_lib  # pylint: disable=g-import-not-at-top
   from vit_jax import train  # pylint: disable=g-import-not-at-top
   try:
-    # A regime switch keeps what the command line set.
-    config = config_lib.switch_regime(
-        _CONFIG.value, given=config_flags.get_override_values(flags.FLAGS["config"]))
+    given = config_flags.get_override_values(flags.FLAGS["config"])
+    config = config_lib.switch_regime(_CONFIG.value, given=given)  # Keeps what the flags set.
+    if config.get("model_name") == "auto" and "model.num_heads" not in given:
+      config.model.num_heads = None  # The weights' heads, or asked for by name: not the file's.
   except ValueError as e:
     _fatal(e, 2, f"FATAL: {cli.error_text(e)}")
   try:

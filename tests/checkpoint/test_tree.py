@@ -79,5 +79,6 @@ def test_a_square_grid_side_and_the_image_size_it_implies():
   assert [vit_shapes.square_side(n) for n in (1, 4, 196, 576, 0, 197, -4)] == [
       1, 2, 14, 24, None, None, None]
   table = {vit_shapes.POSEMB_KEY: (1, 197, 768), 'params/cls': (1, 1, 768)}
-  assert vit_shapes.image_size(table, {'patch_size': 16}) == 224
-  assert vit_shapes.image_size({vit_shapes.POSEMB_KEY: (1, 197, 768)}, {'patch_size': 16}) is None
+  assert vit_shapes.image_size(table, {'patch_size': 16}) == 224  # The fields' class token.
+  no_class_token = {'patch_size': 16, 'classifier': 'gap'}
+  assert vit_shapes.image_size({vit_shapes.POSEMB_KEY: (1, 197, 768)}, no_class_token) is None

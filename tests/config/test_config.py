@@ -233,7 +233,8 @@ def test_resolve_takes_pretrained_dir_and_refuses_a_missing_checkpoint(tmp_path)
   with pytest.raises(FileNotFoundError, match=r"ViT-custom.npz' \(config.pretrained_dir"):
     _resolve(config)
   shutil.copy(ROOT / "tests" / "fixtures" / "vit_tiny" / "params.npz", tmp_path / "ViT-custom.npz")
-  with pytest.raises(config_lib.ConfigError, match=r"field mismatches \(3\): model.hidden_size: weights 32"):
+  with pytest.raises(config_lib.ConfigError,
+                     match=r"field mismatches \(3\): model.hidden_size: weights 32"):
     _resolve(config)  # Another architecture than the weights': the mismatch report (issue 52).
   config.model.update(hidden_size=32, num_layers=2, mlp_dim=64)  # The fixture's.
   assert _resolve(config).init_from == f"{tmp_path}/ViT-custom.npz"

@@ -1,6 +1,7 @@
 """The benchmark's timm model for timm's ViT variants (issue 41): LayerScale, registers,
 no_embed_class and fc_norm reach timm.create_model as init_values, reg_tokens, no_embed_class,
-fc_norm, where set; so does QK normalisation (issue 51) as qk_norm. The parameter counts are what timm 1.0.31 gives for these keyword arguments
+fc_norm, where set; so does QK normalisation (issue 51) as qk_norm. The parameter counts are
+what timm 1.0.31 gives for these keyword arguments
 (`sum(p.numel() for p in timm.create_model(name, num_classes=1000, **kwargs).parameters())`)."""
 
 import jax

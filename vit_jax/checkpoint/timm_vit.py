@@ -162,9 +162,9 @@ def fields_from(shapes: Mapping[str, Tuple[int, ...]], metadata: Mapping[str, st
   table that fits two layouts read as the metadata or timm's config.json beside
   (:func:`hub_config`) say, else as ``no_embed_class`` (the model's), else with ``strict=False``
   without ``no_embed_class`` (read for the numerics alone); the other fields this project
-  kept in the metadata (``vit_shapes.KEPT_FIELDS``) as kept. Raises ValueError: a refused variant, unknown names, a
-  width whose heads cannot be told, or a table that fits two layouts and nothing settles
-  (``vit_shapes.AmbiguousTableError``)."""
+  kept in the metadata (``vit_shapes.KEPT_FIELDS``) as kept. Raises ValueError: a refused
+  variant, unknown names, a width whose heads cannot be told, or a table that fits two layouts
+  and nothing settles (``vit_shapes.AmbiguousTableError``)."""
   canonical = _canonical(shapes, path, lambda shape, _, chunks: (shape[0] // chunks, *shape[1:]))
   fields = torch_layout.shapes_to_fields(canonical)
   saved = _saved(metadata, path)

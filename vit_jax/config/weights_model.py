@@ -18,8 +18,10 @@ from vit_jax.models import vit_fields
 #: `config.model_name` that takes the ViT the weights of `config.init_from` record.
 AUTO = "auto"
 #: `checkpoint.model_fields` that are not the architecture: the head is replaced for the data's
-#: classes, the position table resized to the images' grid, a pre-logits layer dropped.
-_NOT_COMPARED = ("num_classes", "image_size", "representation_size")
+#: classes, the position table resized to the images' grid, a pre-logits layer dropped, the
+#: patch embedding resized to another patch size (FlexiViT; `checkpoint.finetune` says what
+#: cannot be).
+_NOT_COMPARED = ("num_classes", "image_size", "representation_size", "patch_size")
 
 
 def model_from_weights(config: ml_collections.ConfigDict, path: str) -> None:

@@ -32,8 +32,8 @@ def timm_equivalent(model: str, overrides: Optional[dict[str, Any]] = None
   Official sizes map to timm's names (ViT-B_16 -> 'vit_base_patch16_224'); a changed
   architecture goes as keyword arguments, dropout as timm's rates, remat=True as gradient
   checkpointing, timm's variants where set (the fields' ``timm`` keywords:
-  ``vit_fields.VIT_FIELDS``); what changes no compute (posemb, GELU approximation, LayerNorm epsilon) is not
-  passed. Raises NoTimmModel for T2T-ViT, hybrids, ViT-g/G and a representation layer.
+  ``vit_fields.VIT_FIELDS``); what changes no compute (posemb, GELU approximation, LayerNorm
+  epsilon) is not passed. Raises NoTimmModel for T2T-ViT, hybrids, ViT-g/G and a representation layer.
   """
   from vit_jax import models  # pylint: disable=g-import-not-at-top
   overrides = dict(overrides or {})
