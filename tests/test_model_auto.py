@@ -2,7 +2,6 @@
 weights that do not fit the config, and the fine-tuning regime's recipe (issue 52, item 1;
 docs/checkpoints.md "The architecture from the weights")."""
 
-import glob
 import os
 import subprocess
 import sys
@@ -11,6 +10,7 @@ import numpy as np
 import pytest
 
 from configs import fashion_mnist
+from tests import sharding_worker
 from vit_jax.config import resolution
 from vit_jax.config.keys import ConfigError
 
@@ -139,18 +139,6 @@ def test_finetune_regime_replaces_the_files_pretraining_recipe():
       "adamw", 2e-3, 0.05, 200)
 
 
-def _train_losses(workdir):
-  """{step: train/loss} from the run's TensorBoard events."""
-  import tensorflow as tf  # pylint: disable=g-import-not-at-top
-  losses = {}
-  for path in glob.glob(os.path.join(workdir, "events.out.tfevents.*")):
-    for event in tf.compat.v1.train.summary_iterator(path):
-      for value in event.summary.value:
-        if value.tag == "train/loss":
-          losses[event.step] = float(tf.make_ndarray(value.tensor))
-  return losses
-
-
 def _main(workdir, *flags):
   """`python -m vit_jax.main` on Fashion-MNIST; its train losses."""
   command = [sys.executable, "-m", "vit_jax.main", "--config", "configs/fashion_mnist.py",
@@ -158,7 +146,7 @@ def _main(workdir, *flags):
              f"--workdir={workdir}"]
   done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
   assert done.returncode == 0, done.stderr[-3000:]
-  return done.stderr, _train_losses(workdir)
+  return done.stderr, sharding_worker.train_losses(str(workdir))
 
 
 @pytest.mark.slow

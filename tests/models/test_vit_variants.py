@@ -30,6 +30,18 @@ def _random(model, size=16, seed=0):
   return jax.tree.map(lambda x: (0.5 * rng.standard_normal(x.shape)).astype(np.float32), shapes)
 
 
+def _apply(model, variables, images):
+  """The model's logits at inference, as NumPy."""
+  return np.asarray(jax.jit(lambda v, x: model.apply(v, x, train=False))(variables, images))
+
+
+def ln(x, q):
+  """LayerNorm by hand over the last axis, epsilon 1e-6, with ``q``'s scale and bias."""
+  mu = x.mean(-1, keepdims=True)
+  return (x - mu) / np.sqrt(((x - mu) ** 2).mean(-1, keepdims=True) + 1e-6) * q['scale'] + (
+      q['bias'])
+
+
 def test_defaults_add_nothing():
   config = models.model_config('ViT-B_16')
   assert (config['layerscale_init'], config['num_registers'], config['no_embed_class'],
@@ -93,12 +105,7 @@ def test_layerscale_registers_and_pooling_by_hand():
   variables = _random(model)
   p = variables['params']
   images = np.random.RandomState(1).uniform(-1, 1, (2, 16, 16, 3)).astype(np.float32)
-  got = np.asarray(jax.jit(lambda v, x: model.apply(v, x, train=False))(variables, images))
-
-  def ln(x, q):
-    mu = x.mean(-1, keepdims=True)
-    return (x - mu) / np.sqrt(((x - mu) ** 2).mean(-1, keepdims=True) + 1e-6) * q['scale'] + (
-        q['bias'])
+  got = _apply(model, variables, images)
 
   x = images.astype(np.float64).reshape(2, 2, 8, 2, 8, 3).transpose(0, 1, 3, 2, 4, 5)
   x = x.reshape(2, 4, -1) @ p['embedding']['kernel'].reshape(-1, 16) + p['embedding']['bias']
@@ -189,12 +196,7 @@ def test_qk_norm_parameters_and_one_block_by_hand():
   variables = _random(model)
   p = variables['params']
   images = np.random.RandomState(3).uniform(-1, 1, (2, 16, 16, 3)).astype(np.float32)
-  got = np.asarray(jax.jit(lambda v, x: model.apply(v, x, train=False))(variables, images))
-
-  def ln(x, q):
-    mu = x.mean(-1, keepdims=True)
-    return (x - mu) / np.sqrt(((x - mu) ** 2).mean(-1, keepdims=True) + 1e-6) * q['scale'] + (
-        q['bias'])
+  got = _apply(model, variables, images)
 
   def forward(qk_norm):
     x = images.astype(np.float64).reshape(2, 2, 8, 2, 8, 3).transpose(0, 1, 3, 2, 4, 5)

@@ -518,7 +518,7 @@ def _label_spec(builder, name: str, label_key: Optional[str]) -> LabelSpec:
 
 @contextlib.contextmanager
 def _folder_names_without_slashes():
-  """tfds's ImageFolder lists folders with ``tf.io.gfile.listdir``, which on gs:// ends a
+  """tfds's ImageFolder lists folders with TensorFlow's file API (``listdir``), which on gs:// ends a
   folder's name with '/': the splits and classes would be 'train/', 'cat/'. Stripped while it
   reads the listing."""
   # pylint: disable=protected-access
@@ -575,7 +575,7 @@ def _make_source(data_cfg) -> Source:
     try:
       with _folder_names_without_slashes():
         builder = tfds.folder_dataset.ImageFolder(root)
-    except UnicodeDecodeError:  # tf.io.gfile lists names as UTF-8 only.
+    except UnicodeDecodeError:  # TensorFlow's file API lists names as UTF-8 only.
       raw = None if storage.is_remote(root) else first_non_utf8_path(root)
       if raw is None:
         raise ValueError(f'A file name under {root} is not UTF-8, which TensorFlow cannot '
