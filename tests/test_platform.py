@@ -1,6 +1,8 @@
 """Host set-up (vit_jax.platform): malloc's huge pages for XLA:CPU's step buffers, the
 multi-process switch, and the stop notice (SIGTERM, Ctrl-C)."""
 
+import importlib.machinery
+import importlib.util
 import json
 import os
 import signal
@@ -197,6 +199,34 @@ def test_a_stop_in_the_set_up_waits_for_a_deferred_section_then_is_raised():
     assert stop.value.exit_code == 130
     assert str(stop.value).startswith("Interrupted (Ctrl-C) during the set-up")
     assert not notice.is_set()
+
+
+class _ExtensionLoader(importlib.machinery.ExtensionFileLoader):
+  """Runs Python during its module's initialisation, as jaxlib's MLIR bindings do (an exception
+  raised there aborts the process: SIGABRT, not exit 75)."""
+
+  def create_module(self, spec):
+    return None
+
+  def exec_module(self, module):
+    os.kill(os.getpid(), signal.SIGTERM)
+    for _ in range(1000):  # The handler runs here: it must not raise.
+      time.sleep(0)
+    module.initialised = True
+
+
+def test_a_stop_during_an_extension_modules_initialisation_is_raised_just_after_it():
+  spec = importlib.util.spec_from_loader(
+      "_extension", _ExtensionLoader("_extension", "/nonexistent/_extension.so"))
+  module = importlib.util.module_from_spec(spec)
+  with stops.stop_notice():
+    with pytest.raises(stops.StopRequested) as stop:
+      spec.loader.exec_module(module)
+      assert module.initialised
+      start = time.monotonic()
+      for _ in range(100):
+        time.sleep(0.01)
+    assert time.monotonic() - start < 0.5 and stop.value.exit_code == 75
 
 
 def test_stop_in_finds_a_stop_that_a_library_wrapped():

@@ -8,6 +8,7 @@ from __future__ import annotations
 import _thread
 import contextlib
 import ctypes
+import importlib.machinery
 import os
 import signal
 import sys
@@ -49,20 +50,43 @@ class _Stops:
   """The set-up stop handler's state: open `deferred_stop()` sections, the first signal."""
   deferring = 0
   pending: Optional[str] = None
+  retrying = False  # `pending` is raised again: it came during an extension module's set-up.
   received: Optional[str] = None  # Read by `_watch_stops`, even while the main thread is busy.
   jax_sigterm: Optional[bytes] = None  # jax's SIGTERM action, set aside by `hold_sigterm`.
   announce: Optional[Callable[[StopRequested], None]] = None  # See `announce_stops_with`.
 
 
+def _in_extension_import(frame) -> bool:
+  """Whether `frame` runs inside the initialisation of a compiled extension module (jaxlib's MLIR
+  bindings build Python enums there): an exception raised there aborts the process (SIGABRT)."""
+  while frame is not None:
+    if frame.f_code.co_name in ("create_module", "exec_module") and isinstance(
+        frame.f_locals.get("self"), importlib.machinery.ExtensionFileLoader):
+      return True
+    frame = frame.f_back
+  return False
+
+
 def _raise_stop(signum, frame) -> None:
-  """Raises :class:`StopRequested` (after open ``deferred_stop()`` sections); one lost in a
-  callback is raised again by ``StopNotice.training()``, and ``_watch_stops`` bounds the time."""
-  del frame
-  if _Stops.pending == signal.Signals(signum).name:
+  """Raises :class:`StopRequested` (after open ``deferred_stop()`` sections, and 50 ms on while
+  an extension module initialises); one lost in a callback is raised again by
+  ``StopNotice.training()``, and ``_watch_stops`` bounds the time."""
+  name = signal.Signals(signum).name
+  if _Stops.pending == name and not _Stops.retrying:
     return  # A second copy (a pod's supervisor passes SIGTERM on): the first is on its way.
-  _Stops.pending = _Stops.pending or signal.Signals(signum).name
-  if not _Stops.deferring:
-    raise StopRequested(_Stops.pending)
+  _Stops.pending, _Stops.retrying = _Stops.pending or name, False
+  if _Stops.deferring:
+    return
+  if _in_extension_import(frame):
+    _raise_again(signum)
+    return
+  raise StopRequested(_Stops.pending)
+
+
+def _raise_again(signum: int) -> None:
+  """Runs the stop handler for `signum` again in 50 ms, in the main thread."""
+  _Stops.retrying = True
+  threading.Timer(0.05, _thread.interrupt_main, (signum,)).start()
 
 
 def stop_in(error: BaseException) -> Optional[StopRequested]:
@@ -158,9 +182,7 @@ def stop_at_once_on_signals(grace_s: float = STOP_GRACE_S) -> None:
 
   def stop_in_callback(unraisable):  # E.g. raised in jax's gc callback, which only prints it.
     if isinstance(unraisable.exc_value, StopRequested):  # Raised again, out of the callback.
-      signum = signal.Signals[unraisable.exc_value.signal]
-      _Stops.pending = None  # Not a second copy (see `_raise_stop`): raise it again.
-      threading.Timer(0.05, _thread.interrupt_main, (signum,)).start()
+      _raise_again(signal.Signals[unraisable.exc_value.signal])
       return
     previous_hook(unraisable)
 
@@ -309,3 +331,4 @@ def stop_notice():
     for sig, handler in previous.items():
       signal.signal(sig, handler)
     _Stops.pending = _Stops.received = None  # Read (or lost with a run that ended otherwise).
+    _Stops.retrying = False
