@@ -102,8 +102,7 @@ def measure_cpu_peak(size: int = 2048, repeats: int = 3, again: bool = False) ->
 
 
 def local_hardware(dtype: str = "float32", remeasure: bool = False) -> Hardware:
-  """The `Hardware` of all devices of this JAX program (a CPU's peak `measure_cpu_peak`'s, of
-  its `host_cpu`; a resumed run keeps its recorded one: `CostAccountant.resume`)."""
+  """The `Hardware` of all devices of this JAX program (a CPU's peak: `measure_cpu_peak`)."""
   device = jax.devices()[0]
   if device.platform == "cpu":
     peak = measure_cpu_peak(again=remeasure) / jax.local_device_count()
@@ -124,9 +123,8 @@ def _same_measured_cpu(hw: Hardware, recorded: dict[str, Any]) -> bool:
 
 class CostAccountant:
   """A run's compute account: `clock` seconds in `timed` categories (a nested block's time is
-  not the enclosing one's), from `start` (on `clock`; default now); `report()` goes to
-  cost.json and the checkpoints. `compile_saved()`: this process's compile seconds saved by
-  JAX's persistent cache so far (`vit_jax.step.compile_seconds_saved`; default: none)."""
+  not the enclosing one's) from `start` (default now); `compile_saved()`: this process's compile
+  seconds saved by JAX's persistent cache (`vit_jax.step.compile_seconds_saved`)."""
 
   def __init__(self, hw: Hardware, batch_size: int,
                clock: Callable[[], float] = time.monotonic, start: Optional[float] = None,
@@ -190,10 +188,9 @@ class CostAccountant:
     self.flops_per_step, self.model_flops_per_step = compiled, analytic
 
   def resume(self, report: Optional[dict[str, Any]], start_step: int) -> None:
-    """Continues an earlier `report()` from the checkpoint of `start_step`: its attempts, and
-    (same `batch_size` only) its FLOPs per step, else its latest attempt's that has them, until
-    this attempt compiles a step. The steps after `start_step` that the last attempt counted are
-    redone (`redone_steps`)."""
+    """Continues an earlier `report()` from the checkpoint of `start_step`: its attempts and
+    (same `batch_size` only) its FLOPs per step until this attempt compiles a step; the steps
+    after `start_step` are redone (`redone_steps`)."""
     self._previous = list(report["attempts"]) if report else []
     self._start_step = start_step
     self._redone = redone_steps(self._previous, start_step) if self._previous else None
@@ -232,8 +229,7 @@ class CostAccountant:
   def report(self, step: int) -> dict[str, Any]:
     """The account of all attempts so far, JSON-able (docs/compute_cost.md); 'mfu' and 'goodput'
     in 0..1 or None. An attempt above its peak has a wrong peak: a measured CPU peak is measured
-    again once (the higher peak then holds for every attempt on that CPU), and one still above is
-    left out of the MFU ('mfu_note' says so)."""
+    again once, and one still above is left out of the MFU ('mfu_note' says so)."""
     current = self._attempt(step)
     hw = self.hardware
     if (_above_peak(current) and not self._remeasured and hw.platform == "cpu"
@@ -310,10 +306,9 @@ def units(attempt: dict[str, Any]) -> int:
 
 
 def redone_steps(attempts: list[dict[str, Any]], restored_step: int) -> dict[str, Any]:
-  """What a resume from the checkpoint of `restored_step` redoes after `attempts` (a report's,
-  oldest first): 'steps', the last attempt's counted steps after `restored_step`; 'seconds' of
-  training they took at the seconds per step of 'from_attempt' (1-based: the latest attempt that
-  trained), on its devices {device,core,chip}_days (None: unknown; 0 for no steps)."""
+  """What a resume from the checkpoint of `restored_step` redoes after `attempts` (oldest
+  first): 'steps' after it; their 'seconds' at the rate of 'from_attempt' (1-based: the latest
+  attempt that trained) and {device,core,chip}_days (None: unknown; 0 for no steps)."""
   steps = max(0, attempts[-1]["end_step"] - restored_step)
   index = next((i for i in reversed(range(len(attempts))) if attempts[i]["steps"] > 0), None)
   rated = None if index is None else attempts[index]
@@ -362,9 +357,8 @@ def _above_peak_note(above: list[dict[str, Any]], with_peak: int) -> Optional[st
 
 _NUMBER, _COUNT = (int, float), int
 _MAYBE_NUMBER, _MAYBE_COUNT = (int, float, type(None)), (int, type(None))
-#: What `report()` writes that the readers of an account use (`CostAccountant.resume`,
-#: `latest_report`, `vit_jax.ledger`): {key: a type or a tuple of them, {key: ...} of an object,
-#: [...] of a list's items}; a key ending in '?' may be missing. Other keys are not read.
+#: What the readers of a `report()` use: {key: a type or a tuple of them, {key: ...} of an
+#: object, [...] of a list's items}; a key ending in '?' may be missing.
 _REDONE = {"steps": _COUNT, "seconds": _MAYBE_NUMBER, "from_attempt": _MAYBE_COUNT,
            **{f"{u}_days": _MAYBE_NUMBER for u in ("device", "core", "chip")}}
 _ATTEMPT = {
@@ -424,9 +418,8 @@ def _shape_problem(value: Any, shape: Any, where: str = "") -> Optional[str]:
 
 
 def check_report(report: Any, name: Any, fix: str = "restore it or delete it") -> dict[str, Any]:
-  """`report` when it has the shape of a `report()` that the readers use (`REPORT_SHAPE`; its
-  attempts' references to each other in range). Raises ValueError naming `name` (the file), the
-  field and `fix`."""
+  """`report` when it has `REPORT_SHAPE` (its attempts' references to each other in range).
+  Raises ValueError naming `name` (the file), the field and `fix`."""
   problem = _shape_problem(report, REPORT_SHAPE)
   if problem is None:
     count = len(report["attempts"])
@@ -487,8 +480,8 @@ def summary(report: dict[str, Any]) -> str:
 
 def account_step_flops(accountant: CostAccountant, executable, model: Any,
                        image_shape: tuple[int, int, int], num_devices: int) -> None:
-  """Gives `accountant` the train step's FLOPs: XLA's of `executable` (one device's share of the
-  SPMD program) x `num_devices`, and the analytic count of `model` at `image_shape`."""
+  """Gives `accountant` the train step's FLOPs: XLA's of `executable` x `num_devices`, and the
+  analytic count of `model` at `image_shape`."""
   per_device = flops.compiled_flops(executable)
   compiled = per_device * num_devices if per_device else None
   analytic = flops.training_flops(flops.model_forward_macs(model, image_shape),

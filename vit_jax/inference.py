@@ -9,10 +9,8 @@ evaluate and give features::
   grid = runner.patch_grid(images, blocks=-1)           # [B, gh, gw, D] patch tokens, normed
   logits = trained.apply(images)                        # the Flax module, unjitted
 
-The features API and its timm equivalents: docs/evaluation.md ("Features").
-
-A workdir rebuilds its model from its saved config and data record; files get their papers'
-evaluation settings (docs/checkpoints.md, "A workdir alone rebuilds its model")."""
+The features API and its timm equivalents: docs/evaluation.md ("Features"); what a workdir or
+a file rebuilds: docs/checkpoints.md ("A workdir alone rebuilds its model")."""
 
 from __future__ import annotations
 
@@ -51,11 +49,10 @@ MEMORY_SHARE = 0.8
 
 @dataclasses.dataclass(frozen=True)
 class TrainedModel:
-  """A model as :func:`load` gives it: ``config`` (resolved, as training uses it; ``data`` is the
-  eval preprocessing; the attention chosen for the local devices), ``variables`` (NumPy, in
-  ``config.model``'s layout), ``label_names`` (or None), ``multi_label`` (independent sigmoids),
-  ``step`` (None for files) and ``description`` (for logs, e.g. ``'/w (step 4688, EMA)'``).
-  ``num_classes`` 0: a feature extractor (no head; ``load(..., num_classes=0)``)."""
+  """A model as :func:`load` gives it: ``config`` (resolved; ``data``: the eval preprocessing),
+  ``variables`` (NumPy), ``label_names`` (or None), ``multi_label`` (independent sigmoids),
+  ``step`` (None for files), ``description`` (for logs, e.g. ``'/w (step 4688, EMA)'``).
+  ``num_classes`` 0: a feature extractor (no head)."""
 
   config: ml_collections.ConfigDict
   variables: Dict[str, Any]
@@ -70,16 +67,13 @@ class TrainedModel:
 
   @property
   def model(self) -> Any:
-    """The Flax module (``vit_jax.step.create_model``) that ``variables`` fit: e.g.
-    ``jax.jit(lambda v, x: trained.model.apply(v, x, train=False))(trained.variables, images)``."""
+    """The Flax module (``vit_jax.step.create_model``) that ``variables`` fit."""
     return step_lib.create_model(self.config)
 
   def apply(self, images: Any, *, train: bool = False, **kwargs: Any) -> Any:
-    """``model.apply(variables, images, train=train, **kwargs)``, unjitted, on the default
-    device: float32 ``[B, S, S, 3]`` preprocessed images -> float32 ``[B, C]`` logits (``[B, F]``
-    features when ``num_classes`` is 0); ``kwargs`` as Flax's (``mutable=['intermediates']``:
-    the sown attention weights and tokens, read by :mod:`vit_jax.models.intermediates`; ``rngs``
-    for dropout with ``train``). Raises as the model (ValueError: a non-NHWC input)."""
+    """``model.apply(variables, images, train=train, **kwargs)``, unjitted: float32
+    ``[B, S, S, 3]`` preprocessed images -> float32 ``[B, C]`` logits (``[B, F]`` features when
+    ``num_classes`` is 0). Raises as the model (ValueError: a non-NHWC input)."""
     return self.model.apply(self.variables, images, train=train, **kwargs)
 
   @property
@@ -179,7 +173,7 @@ def _from_weights(path: str, contents: checkpoint.Contents, model_name: Optional
                   overrides: Dict[str, Any], num_classes: Optional[int],
                   image_size: Optional[int]) -> TrainedModel:
   """Weights without a config: a model of their architecture (ViT: from the shapes; T2T-ViT:
-  ``model_name``), with the numerics, class names and preprocessing ``contents`` give."""
+  ``model_name``) with their paper's evaluation settings."""
   variables = contents.variables
   if models.layout.is_scanned(variables['params']):  # A scanned run's: built per layer.
     variables = models.unscan_params(variables)
@@ -239,10 +233,9 @@ def _without_head(trained: TrainedModel) -> TrainedModel:
 
 def _at_image_size(config: ml_collections.ConfigDict, image_size: int,
                    path: str) -> ml_collections.ConfigDict:
-  """``config`` (resolved; its position table made for ``config.data.image_size`` px images) on
-  ``image_size`` px ones: a ViT's learned table is resampled in the model to the new token grid
-  (``posemb_grid``: the table's; ``posemb_resize``: how), a sincos2d one computed for it.
-  ValueError for T2T-ViT, whose fixed sinusoid table is stored at its training size."""
+  """``config`` on ``image_size`` px images: a ViT's learned position table resampled in the
+  model (``posemb_grid``, ``posemb_resize``), a sincos2d one computed for it. ValueError for
+  T2T-ViT, whose fixed table is stored at its training size."""
   native = int(config.data.image_size)
   if int(image_size) == native:
     return config
@@ -285,14 +278,11 @@ def _largest(limit: int, fits) -> int:
 
 def check_memory(config: ml_collections.ConfigDict, devices: Sequence[Any], batch: int = 1, *,
                  host_bytes: Optional[int] = None, device_bytes: Optional[int] = None) -> None:
-  """Refuses `config.data.image_size` (S) where `batch` images would not fit: `INPUT_COPIES`
-  float32 [S, S, 3] inputs in the host's available memory (`host_bytes`, default
-  `vit_jax.platform.available_memory_bytes()`), the forward pass of each
-  (`vit_jax.config.slices.forward_bytes`: activations, attention matrices, the position table
-  resampled) in the devices' (CPU: the host's; else `device_bytes`, default their
-  `memory_stats`), each within `MEMORY_SHARE`; unknown sizes are unchecked. A rough estimate, to
-  answer at once where the tools would end in an out-of-memory error. ValueError naming the
-  largest image size (a multiple of the token stride) or batch that fits."""
+  """Refuses `config.data.image_size` (S) where `batch` images would not fit (a rough estimate):
+  `INPUT_COPIES` float32 [S, S, 3] inputs in the host's available memory (`host_bytes`), the
+  forward pass of each (`vit_jax.config.slices.forward_bytes`) in the devices' (CPU: the host's;
+  else `device_bytes`, default their `memory_stats`), each within `MEMORY_SHARE`; unknown sizes
+  are unchecked. ValueError naming the largest image size or batch that fits."""
   devices = list(devices)
   on_cpu = all(d.platform == 'cpu' for d in devices)
   host = platform.available_memory_bytes() if host_bytes is None else host_bytes
@@ -345,18 +335,13 @@ def load(source: Any, *, step: Optional[int] = None, use_ema: bool = True,
   """The :class:`TrainedModel` of ``source`` (:data:`SOURCES`, local or ``gs://``), checked to
   fit its model. ``step``: a workdir's (default the latest); ``use_ema``: the parameter EMA when
   saved; ``model_name``: required for ``.pth.tar`` files and T2T-ViT convert directories, checked
-  for ``.npz``, refused for workdirs, 'auto' as None (the weights' model); ``num_classes``:
-  checked against the head, 0 a feature extractor (the head dropped; needed for weights without
-  one, such as DINOv2's); ``image_size``:
-  default the position table's (another: a ViT resamples its table in the model, ``posemb_grid``
-  and ``posemb_resize``, for weights alone their library's unless overridden:
-  :func:`vit_jax.checkpoint.posemb_resize`); ``overrides``: model fields; ``devices``: default
-  all.
+  for ``.npz``, refused for workdirs, 'auto' as None; ``num_classes``: checked against the head,
+  0 a feature extractor (the head dropped); ``image_size``: default the position table's
+  (:func:`_at_image_size`); ``overrides``: model fields; ``devices``: default all.
 
-  Raises FileNotFoundError (nothing at ``source``, no finalized step, ``step`` not saved) or
-  ValueError (no known format, a damaged or unsafe file: ``DamagedCheckpointError``,
-  ``UnsafePickleError``; a model that does not fit the weights, with the architecture they
-  imply, a class count other than the head's, NaN or Inf values)."""
+  Raises FileNotFoundError (nothing at ``source``, ``step`` not saved) or ValueError (no known
+  format, a damaged or unsafe file, a model that does not fit the weights, a class count other
+  than the head's, NaN or Inf values)."""
   path = storage.normalize(source)
   if not str(path).strip():
     raise ValueError(f'No source given: give {SOURCES}.')
@@ -414,10 +399,9 @@ def _check_finite(path: str, trained: TrainedModel, use_ema: bool) -> None:
 
 
 class Runner:
-  """A :class:`TrainedModel` on a device mesh: ``setup`` (``vit_jax.step.Setup``), ``state``
-  (``{'params', ['model_state']}``, global arrays), ``batch_size`` (the global eval batch).
-  Each method takes this process's preprocessed float32 ``[B, S, S, 3]`` (any B; run in batches
-  of ``batch_size``, the last padded) and raises ValueError for another shape."""
+  """A :class:`TrainedModel` on a device mesh (``setup``: ``vit_jax.step.Setup``). Each method
+  takes this process's preprocessed float32 ``[B, S, S, 3]`` (any B; run in batches of
+  ``batch_size``, the global eval batch, the last padded); ValueError for another shape."""
 
   def __init__(self, trained: TrainedModel, *, devices: Optional[Sequence[Any]] = None):
     self.trained, size = trained, trained.image_size
@@ -438,8 +422,7 @@ class Runner:
     return self._steps[key]
 
   def _padded(self, images: np.ndarray, step: Any) -> Any:
-    """Runs the jitted ``step`` on one process's images in batches of ``batch_size``, padding
-    the last; its outputs (arrays batch-first, or a tuple of them) as NumPy."""
+    """The jitted ``step``'s outputs (batch-first arrays, or a tuple of them) as NumPy."""
     images = np.asarray(images, np.float32)
     if images.ndim != 4 or images.shape[1:] != (self.trained.image_size,) * 2 + (3,):
       s = self.trained.image_size
@@ -469,18 +452,14 @@ class Runner:
         head=True)))
 
   def features(self, images: np.ndarray) -> np.ndarray:
-    """``[B, S, S, 3]`` -> float32 ``[B, F]`` pre-logits: what the head takes (ViT: the class
-    token, the patches' mean or the MAP head's output, after the final LayerNorm, then
-    ``pre_logits``; T2T-ViT: the normed class token); the paper's few-shot features."""
+    """``[B, S, S, 3]`` -> float32 ``[B, F]`` pre-logits (`vit_jax.step.make_features_step`)."""
     return self._padded(images, self._step('features', self.setup.jit_features_step))
 
   def tokens(self, images: np.ndarray, *, blocks: Any = -1, norm: bool = True) -> np.ndarray:
-    """``[B, S, S, 3]`` -> float32 ``[B, N, D]``: every token (``layout``: the prefix tokens,
-    the class token then the registers, before the patch grid row-major) as block ``blocks``
-    (an int: 0 the first, -1 the last) outputs it; a sequence of blocks gives ``[K, B, N, D]``.
-    ``norm``: through the encoder's final LayerNorm (``vit_jax.step.final_norm``; a ViT with
-    ``fc_norm`` has none there: the tokens are the block's, as timm's). The default is timm's
-    ``forward_features``. ValueError: a block the model does not have."""
+    """``[B, S, S, 3]`` -> float32 ``[B, N, D]``: every token (in ``layout``'s order) as block
+    ``blocks`` (0 the first, -1 the last) outputs it; a sequence of blocks gives
+    ``[K, B, N, D]``. ``norm``: through the final LayerNorm (``vit_jax.step.final_norm``); the
+    default is timm's ``forward_features``. ValueError: a block the model does not have."""
     try:
       chosen = (blocks,) if isinstance(blocks, (int, np.integer)) else tuple(blocks)
       if not chosen or any(isinstance(b, bool) or b != int(b) for b in chosen):
@@ -494,9 +473,8 @@ class Runner:
     return out[0] if isinstance(blocks, (int, np.integer)) else np.stack(out)
 
   def patch_grid(self, images: np.ndarray, *, blocks: Any = -1, norm: bool = True) -> np.ndarray:
-    """:meth:`tokens` without the prefix tokens (class token, registers), as a grid: float32
-    ``[B, gh, gw, D]`` (``[K, B, gh, gw, D]`` for a sequence of blocks), ``layout.grid``; for
-    dense tasks (timm's ``forward_intermediates``, which gives ``NCHW``)."""
+    """:meth:`tokens` without the prefix tokens, as float32 ``[B, gh, gw, D]`` (``[K, B, gh,
+    gw, D]`` for a sequence of blocks): timm's ``forward_intermediates`` in NHWC."""
     tokens = self.tokens(images, blocks=blocks, norm=norm)
     patches = tokens[..., self.layout.prefix:, :]
     return patches.reshape(patches.shape[:-2] + tuple(self.layout.grid) + patches.shape[-1:])
