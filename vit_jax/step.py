@@ -73,8 +73,8 @@ def variables_of(state: State, params: Any = None) -> dict[str, Any]:
 def eval_sums(logits: jax.Array, labels: jax.Array, mask: jax.Array,
               loss: str) -> dict[str, jax.Array]:
   """Sums over the unmasked rows of logits, labels `[B, C]` (one- or multi-hot), mask `[B]`:
-  int32 `count`, `correct` (top-1 among the labels: precision@1 for multi-hot, the ViT paper's
-  JFT metric), `correct_top5` (C >= 5) and float32 `loss` (`vit_jax.optim.loss_fn`)."""
+  int32 `count`, `correct` (top-1 among the labels: precision@1 for multi-hot), `correct_top5`
+  (C >= 5) and float32 `loss` (`vit_jax.optim.loss_fn`)."""
   top1 = jnp.argmax(logits, axis=-1)
   hit1 = jnp.take_along_axis(labels, top1[:, None], axis=-1)[:, 0] > 0
   sums = {"count": mask.sum(dtype=jnp.int32), "correct": (hit1 & mask).sum(dtype=jnp.int32),
@@ -95,9 +95,8 @@ def train_accuracy(logits: jax.Array, labels: jax.Array) -> jax.Array:
 
 
 def frozen_mask(optim_config: ml_collections.ConfigDict, params: Any) -> Optional[Any]:
-  """`params`' tree (arrays or ShapeDtypeStructs) of bool NumPy arrays `[n]`, True where
-  `config.optim.freeze` freezes the tensor (n = 1) or the block of a stacked one (n = L), as
-  `vit_jax.param_groups` decides; None when nothing is frozen. Raises as it."""
+  """`params`' tree of bool `[n]` NumPy arrays (`vit_jax.param_groups.ParamGroups.frozen`);
+  None when nothing is frozen. Raises as `param_groups`."""
   if not param_groups.finetune_controls(optim_config).freeze:
     return None
   frozen = param_groups.param_groups(optim_config, params).frozen
@@ -106,8 +105,7 @@ def frozen_mask(optim_config: ml_collections.ConfigDict, params: Any) -> Optiona
 
 
 def _stop_frozen(param: jax.Array, frozen: np.ndarray) -> jax.Array:
-  """`param` (the same values) with no gradient where `frozen` ([n]: the whole tensor, or per
-  block of a stacked one)."""
+  """`param` with no gradient where `frozen` ([n]: per block of a stacked tensor)."""
   if frozen.all():
     return jax.lax.stop_gradient(param)
   if not frozen.any():
@@ -123,14 +121,11 @@ def make_train_step(model: nn.Module, tx: optax.GradientTransformation,
                     skip_nonfinite: bool = False, frozen: Optional[Any] = None
                     ) -> Callable[[State, Batch], tuple[State, Metrics]]:
   """`step(state, batch) -> (state, metrics)`: forward, backward, update, EMA; batch
-  `{'image': [B, H, W, C], 'labels': [B, C]}` float32. `grad_accum_steps` micro-batches
-  (micro-batch i takes rows i, i + n, ..., spread over all devices) average to the batch's
-  gradient; `ema_decay` > 0 keeps `ema_params`; `skip_nonfinite`: the optimizer is wrapped in
-  `optax.apply_if_finite`; `frozen` (`frozen_mask`): those parameters enter the loss through
-  `jax.lax.stop_gradient`, so their gradients are zero, not computed (XLA drops the work), and
-  out of 'grad_norm'. Metrics, float32 scalars: 'loss', 'accuracy' (`train_accuracy`),
-  'grad_norm' (of the trainable parameters), 'param_norm', 'lr' and, with `skip_nonfinite`,
-  'skipped'."""
+  `{'image': [B, H, W, C], 'labels': [B, C]}` float32. `grad_accum_steps` micro-batches (rows
+  i, i + n, ...) average to the batch's gradient; `ema_decay` > 0 keeps `ema_params`;
+  `skip_nonfinite`: the optimizer is in `optax.apply_if_finite`; `frozen` (`frozen_mask`): no
+  gradient computed. Metrics, float32 scalars: 'loss', 'accuracy' (`train_accuracy`),
+  'grad_norm' (trainable parameters), 'param_norm', 'lr' and, with `skip_nonfinite`, 'skipped'."""
 
   def loss_of(params, state, images, labels, rng):
     if frozen is not None:
@@ -206,10 +201,8 @@ def final_norm(model: nn.Module) -> Optional[tuple[nn.LayerNorm, tuple[str, ...]
 def make_tokens_step(model: nn.Module, blocks: Sequence[int], *,
                      norm: bool) -> Callable[..., tuple[jax.Array, ...]]:
   """`step(state, images [B, H, W, C]) -> ([B, N, D] float32, ...)`: the output tokens of each
-  of `blocks` (encoder blocks, 0 the first, -1 the last; `len(blocks)` arrays), all N tokens in
-  the order of `vit_jax.models.intermediates.TokenLayout`; with `norm`, each through the final
-  LayerNorm (`final_norm`; none with `fc_norm`). As the blocks sow them: the attention runs on
-  XLA's path. IndexError: a block the model does not have."""
+  of `blocks` (0 the first, -1 the last), in `intermediates.TokenLayout`'s order; with `norm`,
+  through `final_norm`. IndexError: a block the model does not have."""
   depth = model.depth if isinstance(model, models.T2TViT) else model.num_layers
   for b in blocks:
     if not -depth <= b < depth:
@@ -245,8 +238,7 @@ def make_eval_step(model: nn.Module, *, loss: str, top1: bool = False) -> Callab
 
 @dataclasses.dataclass(frozen=True)
 class Setup:
-  """A resolved config bound to its model, optimizer, mesh and shardings (`build`); the state
-  abstract (`ShapeDtypeStruct`s with shardings), batches `[B, ...]` split over the batch axes."""
+  """A resolved config bound to its model, optimizer, mesh and shardings (`build`)."""
 
   config: ml_collections.ConfigDict
   model: nn.Module
@@ -273,8 +265,7 @@ class Setup:
     return state_from_variables(variables, self.tx, ema=bool(self.config.ema_decay))
 
   def train_step_fn(self) -> Callable[[State, Batch], tuple[State, Metrics]]:
-    """`make_train_step` with this config's loss, accumulation, EMA, skipping and frozen
-    parameters."""
+    """`make_train_step` of this config."""
     c = self.config
     return make_train_step(
         self.model, self.tx, self.schedule, loss=c.loss, dropout_rng=self.dropout_rng,
@@ -366,8 +357,7 @@ def compile_seconds_saved() -> float:
 @contextlib.contextmanager
 def compilation_cache(directory: Optional[str]) -> Iterator[None]:
   """JAX's persistent compilation cache in `directory` (local or gs://; None: off) inside the
-  block, the previous setting after it: a restarted run loads its compiled steps from there
-  (`Compiler` logs which; JAX keeps those over `jax_persistent_cache_min_compile_time_secs`)."""
+  block, the previous setting after it."""
   if not _PERSISTENT["listening"]:
     jax.monitoring.register_event_listener(_count)
     jax.monitoring.register_event_duration_secs_listener(_count)
@@ -383,10 +373,8 @@ def compilation_cache(directory: Optional[str]) -> Iterator[None]:
 
 
 class Compiler:
-  """Jitted steps of `setup`, compiled (`Setup.compile`) once per shapes of the arguments after
-  the state, then cached; `timer()` wraps each compilation, `on_compile(jitted, compiled)`
-  follows it. Each compilation is logged with its seconds, and whether JAX's persistent cache
-  (`compilation_cache`) gave it."""
+  """Jitted steps of `setup`, compiled once per shapes of the arguments after the state, then
+  cached and logged; `timer()` wraps each compilation, `on_compile(jitted, compiled)` follows it."""
 
   def __init__(self, setup: Setup, timer: Optional[Callable[[], ContextManager]] = None,
                on_compile: Optional[Callable[[Any, jax.stages.Compiled], None]] = None):

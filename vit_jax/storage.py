@@ -1,12 +1,7 @@
 """Storage: every path a user gives (local, or ``scheme://``: ``gs://bucket/x.npz``), the one file
-API over both, and what a storage error means. The only module that checks a path's scheme or
-calls a file-system library (tests/test_imports.py keeps the others out).
-
-Local paths go through ``os`` and ``open`` (no TensorFlow: seconds to import; a FIFO is told
-before it is opened). ``scheme://`` paths go through TensorFlow's file system, ``tf.io.gfile``,
-imported only for them; :func:`Path` (``etils.epath``, the path type Orbax takes) reaches the same
-file system for them (epath's TensorFlow backend).
-"""
+API over both, and what a storage error means; the only module that checks a path's scheme or
+calls a file-system library (tests/test_imports.py). Local paths go through ``os`` and ``open``;
+``scheme://`` ones through ``tf.io.gfile``, imported only for them."""
 
 from __future__ import annotations
 
@@ -37,17 +32,14 @@ def scheme(path: str) -> str:
   return match.group(0) if match else ''
 
 
-#: A Cloud Storage bucket name (https://cloud.google.com/storage/docs/buckets#naming): 3-63
-#: characters of a-z, 0-9, '-', '_' and '.' (up to 222 with dots, 63 between them), beginning
-#: and ending with a letter or a digit.
+#: A Cloud Storage bucket name (https://cloud.google.com/storage/docs/buckets#naming; up to 222
+#: characters with dots, 63 between them).
 _BUCKET = re.compile(r'[a-z0-9](?:[a-z0-9._-]{1,220})[a-z0-9]')
 
 
 def check_url(path: Any, what: str = 'The path') -> None:
   """Refuses a ``gs://`` ``path`` (``what``: the flag or field that gave it) whose bucket is
-  missing or not a bucket name, before anything reads it (TensorFlow's error would be a
-  traceback, a write's one blames the network). Other values pass. Raises ValueError naming the
-  fix."""
+  missing or not a bucket name: ValueError naming the fix. Other values pass."""
   if not isinstance(path, str) or scheme(path) != 'gs://':
     return
   bucket, _, rest = path[len('gs://'):].partition('/')
@@ -62,9 +54,6 @@ def check_url(path: Any, what: str = 'The path') -> None:
         f'{what} {path}: {bucket!r} is not a Cloud Storage bucket name (3-63 characters of a-z, '
         "0-9, '-', '_' and '.', beginning and ending with a letter or digit): write "
         f'{example} with the name of your bucket.')
-
-
-# Paths.
 
 
 def join(path: str, *names: str) -> str:
@@ -89,20 +78,18 @@ def dirname(path: str) -> str:
 
 
 def is_hub_name(path: Any) -> bool:
-  """Whether ``path`` is a Hub name, a str ``hf-hub:ORG/NAME[@REVISION]`` (:mod:`vit_jax.hub`,
-  whose ``resolve`` :func:`normalize` calls)."""
+  """Whether ``path`` is a Hub name, a str ``hf-hub:ORG/NAME[@REVISION]`` (:mod:`vit_jax.hub`)."""
   return isinstance(path, str) and path.startswith(hub.PREFIX)
 
 
 def normalize(path: Any) -> str:
   """``path`` (str, bytes or ``os.PathLike``) as a str; ``~`` expanded for local paths; a Hub
-  name as its local path in the Hugging Face cache, downloaded if missing
-  (:func:`vit_jax.hub.resolve`: raises FileNotFoundError naming the download command, offline)."""
+  name as its local path in the Hugging Face cache (raises as :func:`vit_jax.hub.resolve`)."""
   path = os.fspath(path)
   if not isinstance(path, str):
     path = os.fsdecode(path)
   if is_hub_name(path):
-    return hub.resolve(path)  # huggingface_hub, imported only for a Hub name.
+    return hub.resolve(path)
   return path if is_remote(path) else os.path.expanduser(path)
 
 
@@ -143,9 +130,6 @@ def Path(path: Any):  # pylint: disable=invalid-name  (a type's constructor, as 
   return epath.Path(absolute(path))
 
 
-# The file API.
-
-
 def _gfile():
   import tensorflow as tf  # pylint: disable=g-import-not-at-top  (seconds; remote paths only)
   return tf.io.gfile
@@ -166,8 +150,7 @@ def listdir(path: str) -> List[str]:
 
 
 def walk(path: str) -> Iterator[Tuple[str, List[str], List[str]]]:
-  """``os.walk(path)`` for local and remote paths: top-down, ``dirs`` pruned in place are not
-  entered."""
+  """``os.walk(path)`` for local and remote paths (``dirs`` pruned in place are not entered)."""
   if not is_remote(path):
     yield from os.walk(path)
     return
@@ -255,14 +238,12 @@ def mtime(path: str) -> float:
 
 
 class NotAFileError(OSError):
-  """A path given as a file is a FIFO, socket or device: bad input (the tools exit 2); raised
-  before it is opened (reading one waits forever)."""
+  """A path given as a file is a FIFO, socket or device (reading one waits forever)."""
 
 
 def not_a_file(path: str) -> Optional[str]:
-  """What the local ``path`` is when it is no regular file, links followed (reading a FIFO or a
-  device waits forever): e.g. 'a FIFO', 'a broken or looping symbolic link'; None for a regular
-  file, nothing there, or a remote path (objects are files)."""
+  """What the local ``path`` is when it is no regular file, links followed: e.g. 'a FIFO', 'a
+  broken or looping symbolic link'; None for a regular file, nothing there, or a remote path."""
   if is_remote(path):
     return None
   try:
@@ -277,9 +258,8 @@ def not_a_file(path: str) -> Optional[str]:
 
 
 def read_bytes(path: str, size: int = -1) -> bytes:  # pylint: disable=redefined-outer-name
-  """The first ``size`` bytes of the file at ``path`` (default all; fewer if it is shorter).
-  IsADirectoryError or :class:`NotAFileError` for a local path that is no regular file, never
-  opened."""
+  """The first ``size`` bytes of the file at ``path`` (default all). IsADirectoryError or
+  :class:`NotAFileError` for a local path that is no regular file, never opened."""
   odd = not_a_file(path)
   if odd and odd != 'a broken or looping symbolic link':  # open() names that one itself.
     error = IsADirectoryError if odd == 'a directory' else NotAFileError
@@ -308,9 +288,6 @@ def not_found(path: str, what: str = 'No checkpoint', fix: str = '') -> FileNotF
   return FileNotFoundError(errno.ENOENT, message, path)
 
 
-# What a storage error means.
-
-
 def first_line(error: BaseException) -> str:
   """The first line of ``error``'s message (at most 300 characters), else its type's name."""
   return str(error).splitlines()[0][:300] if str(error) else type(error).__name__
@@ -327,8 +304,7 @@ _UNREACHABLE = re.compile(r'retry attempts failed|UNAVAILABLE|DEADLINE_EXCEEDED|
 
 def failure(error: BaseException) -> Optional[Tuple[str, int]]:
   """(the FATAL line's text, the exit status) for ``error`` when the storage answered 'Not
-  Found' to a request (2: a bucket or path of the command does not exist) or did not answer (1:
-  :func:`unreachable`), else None."""
+  Found' (2) or did not answer (1: :func:`unreachable`), else None."""
   if re.search(r'response code 404', str(error)):
     return (f"The storage answered 'Not Found' ({first_line(error)}): a bucket or path that the "
             'command names does not exist. Check its gs:// paths (gcloud storage ls gs://BUCKET); '
@@ -338,9 +314,8 @@ def failure(error: BaseException) -> Optional[Tuple[str, int]]:
 
 
 def unreachable(error: BaseException) -> Optional[str]:
-  """The FATAL line's text for ``error`` when the storage did not answer (Cloud Storage's
-  retries spent, no network), else None (also for a pod's collectives, whose lost peer reads
-  alike: 'Gloo ... UNAVAILABLE: ... Connection reset')."""
+  """The FATAL line's text for ``error`` when the storage did not answer, else None (also for a
+  pod's collectives, whose lost peer reads alike: 'Gloo ... UNAVAILABLE')."""
   if not _UNREACHABLE.search(str(error)) or re.search(r'\bgloo\b', str(error), re.IGNORECASE):
     return None
   return (f'The storage did not answer ({first_line(error)}). Check this machine\'s network and '
@@ -349,8 +324,7 @@ def unreachable(error: BaseException) -> Optional[str]:
 
 def write_failure(error: BaseException) -> Optional[str]:
   """Why a write failed: 'full' (no space), 'denied' (permissions, or another OSError),
-  'unreachable' (the storage did not answer), or None when neither the disk, the permissions
-  nor the storage caused it (a bug: re-raise it)."""
+  'unreachable' (the storage did not answer), or None (a bug: re-raise it)."""
   text = str(error)
   if _UNREACHABLE.search(text):
     return 'unreachable'
@@ -370,9 +344,8 @@ def cause(error: BaseException) -> str:
 
 @contextlib.contextmanager
 def os_errors() -> Iterator[None]:
-  """TensorFlow's file-system errors (remote paths) raised inside as OSErrors:
-  FileNotFoundError, PermissionError, else OSError, each with the first line of TensorFlow's
-  message as its ``strerror``."""
+  """TensorFlow's file-system errors raised inside as FileNotFoundError, PermissionError, else
+  OSError, each with the first line of TensorFlow's message as its ``strerror``."""
   try:
     yield
   except Exception as e:  # pylint: disable=broad-except  (tf.errors.OpError, imported lazily)
