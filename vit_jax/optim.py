@@ -89,9 +89,10 @@ def make_optimizer(optim: ml_collections.ConfigDict,
                    params: Any = None) -> optax.GradientTransformation:
   """The optax optimizer of ``config.optim`` ('adamw' or 'sgd' with momentum, decoupled weight
   decay on kernels, global-norm clipping, ``apply_if_finite`` with ``max_skipped_updates``);
-  with fine-tuning controls on (:mod:`vit_jax.param_groups`), per parameter group of ``params``
-  (arrays or ShapeDtypeStructs, which they need): `_finetune_optimizer`. ValueError: bad
-  values, naming the key and the fix."""
+  with fine-tuning controls on, per parameter group of ``params`` (arrays or ShapeDtypeStructs).
+  ValueError: bad values, naming the key and the fix."""
+  if optim.optimizer not in OPTIMIZERS:
+    raise ValueError(f"Unknown optimizer {optim.optimizer!r}; choose one of {list(OPTIMIZERS)}.")
   controls = param_groups.finetune_controls(optim)
   if controls.on:
     if params is None:
@@ -106,12 +107,10 @@ def make_optimizer(optim: ml_collections.ConfigDict,
   if optim.optimizer == "adamw":
     parts.append(optax.adamw(schedule, b1=optim.b1, b2=optim.b2,
                              weight_decay=optim.weight_decay, mask=_decay_mask))
-  elif optim.optimizer == "sgd":
+  else:
     if optim.weight_decay:
       parts.append(optax.add_decayed_weights(optim.weight_decay, mask=_decay_mask))
     parts.append(optax.sgd(schedule, momentum=optim.momentum))
-  else:
-    raise ValueError(f"Unknown optimizer {optim.optimizer!r}; choose one of {list(OPTIMIZERS)}.")
   return _skipping(optim, optax.chain(*parts))
 
 
@@ -230,13 +229,9 @@ def _scale_updates(groups: param_groups.ParamGroups) -> optax.GradientTransforma
 def _finetune_optimizer(optim: ml_collections.ConfigDict,
                         schedule: Callable[[jax.Array], jax.Array],
                         groups: param_groups.ParamGroups) -> optax.GradientTransformation:
-  """`make_optimizer`'s chain with the fine-tuning controls: gradients selected (`frozen` and,
-  during the head warm-up, the trunk's zeroed), clipped, each group's moments (frozen: none
-  allocated, optax.set_to_zero; the trunk's gated by `_after_steps`), weight decay x `wd_mult`,
-  the run's schedule, x `update_scale` (layer decay, frozen slices 0). The order of the plain
-  optimizer, so neutral controls give its updates."""
-  if optim.optimizer not in OPTIMIZERS:
-    raise ValueError(f"Unknown optimizer {optim.optimizer!r}; choose one of {list(OPTIMIZERS)}.")
+  """`make_optimizer`'s chain with the fine-tuning controls: gradients selected, clipped, each
+  group's moments (frozen: none allocated; the trunk's gated by `_after_steps`), weight decay x
+  `wd_mult`, the schedule, x `update_scale`. Neutral controls give the plain optimizer's updates."""
 
   def moments() -> optax.GradientTransformation:
     decay = [_add_decayed_weights(groups, optim.weight_decay)] if optim.weight_decay else []

@@ -1,8 +1,6 @@
-"""Parameter groups for fine-tuning (``config.optim``'s keys of
-``vit_jax.config.defaults.FINETUNE_KEYS``, which declares and checks them; docs/configs.md
-"Fine-tuning controls"): each parameter's layer, learning-rate scale, weight-decay multiplier and
-whether it trains, checked against the config, and the table the run logs. The optimizer built
-from them: :func:`vit_jax.optim.make_optimizer`."""
+"""Parameter groups of the fine-tuning controls (``vit_jax.config.defaults.FINETUNE_KEYS``;
+docs/configs.md "Fine-tuning controls"): each parameter's layer, learning-rate scale,
+weight-decay multiplier and whether it trains, and the table the run logs."""
 
 from __future__ import annotations
 
@@ -23,27 +21,20 @@ from vit_jax.config import keys
 from vit_jax.config.keys import ConfigError
 from vit_jax.models import layout
 
-# The encoder blocks are `layout.BLOCK_PREFIXES`: ViT's `Transformer/encoderblock_{i}`, T2T-ViT's
-# `blocks_{i}`; with `scan=True` one stacked `encoderblock` / `blocks` whose leading axis is the
-# block.
 #: Top-level modules after the encoder: layer L + 1 (timm: the head group).
 HEAD_KEYS = ("head", "pre_logits", "MAPHead_0", "fc_norm")
 #: The encoder's final norm: layer L, with the last block (timm's ViT: `norm` joins its group).
 FINAL_NORMS = (("Transformer", "encoder_norm"), ("norm",))
-#: Parameter names are matched whole (`re.fullmatch`), as big_vision's `config.schedule`; by
-#: `regex`, whose syntax is `re`'s, in bounded time (`PATTERN_SECONDS`).
+#: Parameter names are matched whole, as big_vision's `config.schedule`.
 PATTERN_HELP = ("patterns match the whole '/'-joined name (re.fullmatch), e.g. 'head/.*', "
                 "'Transformer/encoderblock_[0-5]/.*', '(?!head/).*' (all but the head)")
-#: The most characters a pattern may have, and its counted repeats (`{m,n}`: the largest number
-#: of each) may multiply to: `regex` unrolls them when it compiles, in memory that grows with
-#: their product.
+#: The most characters a pattern may have, and its counted repeats (`{m,n}`) may multiply to
+#: (`regex` unrolls them when it compiles).
 MAX_PATTERN_CHARS = 500
 MAX_REPEAT_PRODUCT = 10_000
-#: The seconds one pattern may take over all the parameter names it is matched with (`regex`'s
-#: timeout): nested or overlapping repeats such as '(.|.)*e' would backtrack for years.
+#: The seconds one pattern may take over all the parameter names (`regex`'s timeout).
 PATTERN_SECONDS = 1.0
-#: Long names of each family's kinds of parameters; every pattern is timed on them when the
-#: config is checked, before the model (and its names) exist.
+#: Long names of each family's parameters: every pattern is timed on them before the model exists.
 PROBE_NAMES = ("Transformer/encoderblock_47/MultiHeadDotProductAttention_1/query/kernel",
                "Transformer/encoderblock_47/MlpBlock_3/Dense_1/bias",
                "Transformer/posembed_input/pos_embedding", "Transformer/encoder_norm/scale",
@@ -54,8 +45,7 @@ PROBE_NAMES = ("Transformer/encoderblock_47/MultiHeadDotProductAttention_1/query
 
 @dataclasses.dataclass(frozen=True)
 class FinetuneControls:
-  """`config.optim`'s fine-tuning controls (`defaults.FINETUNE_KEYS`), checked and normalised
-  (`finetune_controls`)."""
+  """`config.optim`'s fine-tuning controls, checked and normalised (`finetune_controls`)."""
 
   layer_decay: Optional[float]
   freeze: tuple[str, ...]
@@ -74,8 +64,7 @@ def _bad(key: str, value: Any, what: str, fix: str) -> ConfigError:
 
 
 def _pattern(key: str, value: Any, pattern: Any) -> str:
-  """`pattern` if a string of at most MAX_PATTERN_CHARS that compiles, whose counted repeats stay
-  under MAX_REPEAT_PRODUCT, that does not start with '/' and matches PROBE_NAMES in time; else
+  """`pattern` if a regex within the bounds above that does not start with '/'; else
   ConfigError."""
   if not isinstance(pattern, str) or not pattern:
     raise _bad(key, value, f"holds {pattern!r}, not a regex string", f"as in: {PATTERN_HELP}")
@@ -115,9 +104,8 @@ def _matching(key: str, value: Any, pattern: str, names: Sequence[str]) -> list[
 
 
 def finetune_controls(optim: ml_collections.ConfigDict) -> FinetuneControls:
-  """The fine-tuning controls of `config.optim`, each checked by its declaration
-  (`defaults.FINETUNE_KEYS`; a key absent, None or an empty pattern: its default) and the
-  patterns as regexes. ConfigError naming the key and the fix."""
+  """The fine-tuning controls of `config.optim`, checked (a key absent, None or an empty
+  pattern: its default). ConfigError naming the key and the fix."""
   values = {}
   for key in defaults.FINETUNE_KEYS:
     value = optim.get(key.name)
@@ -189,10 +177,9 @@ def _first_match(patterns: Sequence[str], name: str, hits: dict[str, dict[str, b
 
 @dataclasses.dataclass(frozen=True)
 class ParamGroups:
-  """What the fine-tuning controls make of a model's parameters (`param_groups`). Per tensor
-  name, per slice ([n], n = L for a stacked tensor, else 1): `frozen` (bool), `lr_scale` and
-  `wd_mult` (float64), `freeze_rule` / `wd_rule` (the index of the pattern that decided, -1:
-  none); `head`: the tensor trains during the head warm-up."""
+  """Per tensor name, per slice ([n], n = L for a stacked tensor, else 1): `frozen` (bool),
+  `lr_scale` and `wd_mult` (float64), `freeze_rule` / `wd_rule` (the index of the pattern that
+  decided, -1: none); `head`: the tensor trains during the head warm-up."""
 
   controls: FinetuneControls
   num_layers: int
@@ -223,9 +210,8 @@ def param_groups(optim: ml_collections.ConfigDict, params: Any) -> ParamGroups:
   `param_groups_layer_decay` for its ViT: 0 the stem (patch embedding, class token, registers,
   position embedding, a hybrid's ResNet, T2T-ViT's tokens_to_token), i + 1 block i, L the last
   block and the final norm, L + 1 the head (and pre_logits, MAP head, fc_norm); layer i's
-  learning rate is scaled by layer_decay^(L + 1 - i). ConfigError, naming the key and the fix: a
-  pattern that matches no parameter, everything frozen, a layer decay without blocks, a head
-  warm-up pattern that matches nothing trainable, everything, or part of a stacked tensor."""
+  learning rate is scaled by layer_decay^(L + 1 - i). ConfigError, naming the key and the fix,
+  for controls this model cannot follow (a pattern that matches nothing, everything frozen)."""
   controls = finetune_controls(optim)
   tensors, num_layers = _tensors(params)
   names = [n for t in tensors for n in t.names]
@@ -287,9 +273,7 @@ def param_groups(optim: ml_collections.ConfigDict, params: Any) -> ParamGroups:
 
 def param_groups_table(groups: ParamGroups) -> str:
   """The groups as a table, a row per (layer when layer_decay is set, frozen, first step, the
-  freeze and wd_mults patterns that decided): tensors and parameters counted per layer (a
-  stacked tensor's slices apart), names summarised by the shortest prefixes only the row holds;
-  wd mult 'kernels': the default (1 on kernels, 0 elsewhere)."""
+  deciding patterns), names summarised by the shortest prefixes only the row holds."""
   c = groups.controls
   rows: dict[tuple, list[tuple[str, int]]] = {}
   for t in groups.tensors:

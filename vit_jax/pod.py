@@ -1,8 +1,7 @@
-"""Multi-process runs (TPU pods, CPU and GPU clusters): ``jax.distributed`` with registration
-and peer silence bounded (``--distributed_timeout``: one FATAL line, ``POD_FAULT_EXIT_CODE``);
-:func:`supervise` reports the coordinator's loss, which jax ends in C++; :func:`check_same_command`
-refuses processes given different commands. Imported before JAX loads (the supervisor never
-loads it): JAX is imported in functions only."""
+"""Multi-process runs (TPU pods, CPU and GPU clusters; docs/pods.md): ``jax.distributed`` with
+registration and peer silence bounded by ``--distributed_timeout``, the coordinator's loss
+reported (:func:`supervise`), different commands refused (:func:`check_same_command`). Imported
+before JAX loads: JAX is imported in functions only."""
 
 from __future__ import annotations
 
@@ -88,8 +87,7 @@ class _Call:
 def _watch_peers(client, process_id: int, num_processes: int, timeout_s: float,
                  call: _Call) -> None:
   """Ends this process (one FATAL line) when a peer or the coordinator is silent ``timeout_s``
-  (jax's own heartbeat check aborts without a word); a call that never returns (a SIGSTOPped
-  coordinator): `_watch_call`."""
+  (jax's own heartbeat check aborts without a word)."""
   start = time.monotonic()
   changed = {p: start for p in range(num_processes) if p != process_id}
   seen: dict[int, str] = {}
@@ -135,8 +133,7 @@ def _watch_peers(client, process_id: int, num_processes: int, timeout_s: float,
 
 def _watch_call(call: _Call, process_id: int, num_processes: int, timeout_s: float) -> None:
   """Ends this process (one FATAL line) when a call of `_watch_peers` has not returned for
-  ``timeout_s``: the coordinator hangs (e.g. SIGSTOPped), which no error reports. A check after
-  this thread itself waited long (the GIL held elsewhere) is skipped: the call may have ended."""
+  ``timeout_s`` (a SIGSTOPped coordinator); skipped after this thread itself waited long."""
   last = time.monotonic()
   while True:
     time.sleep(_BEAT_S)
@@ -194,10 +191,9 @@ def initialize_distributed(coordinator_address: Optional[str] = None,
                            process_id: Optional[int] = None,
                            timeout_s: int = DISTRIBUTED_TIMEOUT_S) -> None:
   """``jax.distributed.initialize`` when this is one process of several (the arguments, the
-  ``JAX_COORDINATOR_ADDRESS`` / ``JAX_NUM_PROCESSES`` / ``JAX_PROCESS_ID`` environment or a
-  multi-host Cloud TPU slice). ``timeout_s`` (seconds) bounds the wait for every process to
-  register and a peer's heartbeat silence; past it this process exits ``POD_FAULT_EXIT_CODE``
-  with one FATAL line. ValueError: an address without the process count or index."""
+  ``JAX_*`` environment or a multi-host Cloud TPU slice); past ``timeout_s`` of registration or
+  peer silence, exits ``POD_FAULT_EXIT_CODE``. ValueError: an address without the process count
+  or index."""
   import jax  # pylint: disable=g-import-not-at-top
   timeouts = _distributed_timeouts(timeout_s)
   _Pod.timeout_s = timeout_s
@@ -239,9 +235,8 @@ def initialize_distributed(coordinator_address: Optional[str] = None,
 
 def command_differences(mine: Mapping[str, Any],
                         reference: Mapping[str, Any]) -> list[tuple[str, Any, Any]]:
-  """The leaves of two nested dicts that differ, as `(dotted key, mine, reference)` sorted by key
-  (`ABSENT` on the side that lacks the key). Leaves compare by their JSON text: a tuple equals its
-  list, NaN equals NaN; an empty dict is a leaf."""
+  """The leaves of two nested dicts that differ by their JSON text, as `(dotted key, mine,
+  reference)` sorted by key (`ABSENT` on the side that lacks the key)."""
   ours, theirs = _leaves(mine), _leaves(reference)
   return [(key, ours.get(key, ABSENT), theirs.get(key, ABSENT))
           for key in sorted(ours.keys() | theirs.keys())
@@ -265,11 +260,8 @@ def _json_text(value: Any) -> str:
 
 def check_same_command(config: Mapping[str, Any], workdir: str) -> None:
   """On a pod, before anything is written: every process compares its resolved `config` (a
-  `to_dict()`) and `workdir` with process 0's through the coordination service, and on any
-  difference every process exits 2 with one FATAL line naming the keys, this process's value and
-  process 0's (or the first differing process's). Nothing is excluded: no field of a resolved
-  config differs per process (--process_id and --coordinator_address are flags, not config).
-  Each wait is bounded by --distributed_timeout: past it exit 1 and a FATAL line."""
+  `to_dict()`) and `workdir` with process 0's, and on any difference every process exits 2 with
+  one FATAL line naming the keys and values. Each wait is bounded by --distributed_timeout."""
   client = _coordination_client()
   if client is None:
     return
@@ -332,7 +324,7 @@ def _shown(value: Any, width: int = 100) -> str:
 
 def _wait_for(read, deadline: float, pause_s: float = 0.0):
   """`read()` until it returns a value other than None (an error: not there yet), or None once
-  `deadline` (`time.monotonic()`) passed. TypeError, AttributeError: raised."""
+  `deadline` passed. TypeError, AttributeError: raised."""
   while True:
     try:
       value = read()
@@ -366,8 +358,7 @@ def _several_processes(argv: list[str]) -> bool:
 
 def supervise(argv: list[str]) -> None:
   """On a pod (Linux), runs this command as a child and ends as it ends (SIGTERM forwarded); a
-  child aborted by jax (SIGABRT: the coordinator died) gets a FATAL line, or after a SIGTERM
-  (the others stopped first) the preemption's exit code 75. Call first."""
+  child aborted by jax (SIGABRT) gets a FATAL line, or after a SIGTERM exit code 75. Call first."""
   if (os.environ.get(SUPERVISOR_ENV) or not sys.platform.startswith("linux")
       or not getattr(sys, "orig_argv", None) or not _several_processes(argv)):
     return
