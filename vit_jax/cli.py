@@ -1,9 +1,6 @@
-"""``--config`` parsed by absl and ml_collections for ``vit_jax.main`` and, through
-:func:`load_config`, the cost and preflight tools: a missing config file, a refused flag or an
-unknown ``--config.<key>`` (with the closest match) is one message, not a traceback. The one place
-a config refusal (``vit_jax.config.keys.ConfigError``) becomes command-line text
-(:func:`error_text`) and the keys are listed with their help (:func:`config_help`,
-``--print_config``)."""
+"""``--config`` parsed for ``vit_jax.main`` and the tools (:func:`load_config`): a bad config
+file, flag or ``--config.<key>`` is one message, not a traceback; a ``ConfigError`` as
+command-line text (:func:`error_text`); the keys with their help (:func:`config_help`)."""
 
 from __future__ import annotations
 
@@ -182,11 +179,9 @@ HELP_COLUMN = 40
 
 
 def config_help(config=None, spec: str | None = None, width: int | None = None) -> str:
-  """Every key of ``config`` (``--config``'s, overrides applied; None: ``get_config()``'s
-  defaults) with the regime's values filled in, one per line as the flag that sets it,
-  ``--config.KEY=VALUE`` (an unset key: ``--config.KEY=<TYPE>``), then its one line of help
-  (``vit_jax.config.defaults``; the model's fields: ``vit_jax.models.fields``), by section;
-  wrapped to ``width`` (default: the terminal's)."""
+  """Every key of ``config`` (None: the defaults) with the regime's values filled in, as the
+  flag that sets it (``--config.KEY=VALUE``; unset: ``--config.KEY=<TYPE>``) and its one line of
+  help, by section; wrapped to ``width`` (default: the terminal's)."""
   from vit_jax import config as config_lib  # pylint: disable=g-import-not-at-top  (JAX)
   defaults = config_lib.defaults
   config = config_lib.fill_regime(config if config is not None else defaults.get_config())

@@ -17,10 +17,9 @@ SEGMENTS = tuple(SEGMENT_TITLES)
 
 def ledger(report: dict[str, Any]) -> list[dict[str, Any]]:
   """Per attempt of a `report()`: 'attempt' (1-based), 'start_step', 'end_step', 'steps',
-  'units' (cores, else devices), 'unit', 'resumed', 'resume_s', 'redone_steps' (redone after its
-  resume), 'compile_saved_s', 'program_s' and 'segments': its program seconds split in `SEGMENTS`
-  (sum: 'program_s'). 'redone' is training time of this attempt's steps that a later resume
-  did again; 'setup' the 'other' time before the first step. Older reports: 0 for the new parts."""
+  'units' (cores, else devices), 'unit', 'resumed', 'resume_s', 'redone_steps', 'compile_saved_s',
+  'program_s' and 'segments': its program seconds split in `SEGMENTS` ('redone': training that a
+  later resume did again; 'setup': the 'other' time before the first step)."""
   attempts = report["attempts"]
   redos = [a["redone"] for a in attempts if a.get("redone") and a["redone"]["from_attempt"]]
   lost = [sum(r["seconds"] or 0.0 for r in redos if r["from_attempt"] == i + 1)

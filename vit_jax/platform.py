@@ -1,9 +1,6 @@
 """Host set-up before any work: huge pages for XLA:CPU's step buffers (docs/benchmarks.md),
-multi-process JAX, TensorFlow kept off the accelerators, quiet library logs.
-
-Programs call :func:`reexec_with_huge_pages` first thing in ``__main__`` (glibc reads its
-tunables only at process start), then :func:`setup`. It must not import JAX or TensorFlow at
-import time: ``quiet_native_logs`` runs before they load."""
+multi-process JAX, TensorFlow kept off the accelerators, quiet library logs. Imports neither JAX
+nor TensorFlow: :func:`reexec_with_huge_pages` and ``quiet_native_logs`` run before they load."""
 
 from __future__ import annotations
 
@@ -59,8 +56,8 @@ def _thp_mode() -> str | None:
 
 def huge_pages_environment(environ=None, glibc=None, thp_mode=None) -> dict[str, str] | None:
   """The environment to re-execute with for huge pages, or None (switched off, a hugetlb tunable
-  already set, glibc < 2.35 or THP 'never'). ``glibc``: ``(major, minor)``, ``()`` for another
-  libc; ``thp_mode``: '' for none; defaults from this host. ValueError: an unreadable switch."""
+  already set, glibc < 2.35 or THP 'never'); ``glibc`` and ``thp_mode`` default to this host's.
+  ValueError: an unreadable switch."""
   environ = os.environ if environ is None else environ
   switch = environ.get(HUGE_PAGES_SWITCH, "").strip().lower()
   if switch not in _SWITCH_OFF + _SWITCH_ON:
@@ -94,9 +91,8 @@ def reexec_with_huge_pages() -> None:
 
 
 class QuietLibraries(py_logging.Filter):
-  """Keeps vit_jax's and clu's INFO lines, others' from WARNING as one line (--verbosity=1: all).
-  clu's `LoggingWriter` lines (the metric dicts that TensorBoard has, which the progress and
-  evaluation lines say) only at --verbosity=1."""
+  """Keeps vit_jax's and clu's INFO lines (not clu's `LoggingWriter` metric dicts), others' from
+  WARNING as one line; --verbosity=1: all."""
 
   def filter(self, record: py_logging.LogRecord) -> bool:
     if logging.get_verbosity() >= 1:
@@ -179,9 +175,8 @@ def quiet_native_logs(argv: Optional[list[str]] = None) -> None:
 def setup(*, coordinator_address: Optional[str] = None, num_processes: Optional[int] = None,
           process_id: Optional[int] = None,
           distributed_timeout_s: int = pod.DISTRIBUTED_TIMEOUT_S) -> None:
-  """Set-up of a program that trains or compiles: log filters, ``vit_jax.skip_absent_tpu`` (as
-  ``import vit_jax`` did), TensorFlow off the accelerators, ``pod.initialize_distributed``
-  (whose ValueError it raises)."""
+  """Set-up of a program that trains or compiles: log filters, TensorFlow off the accelerators,
+  ``pod.initialize_distributed`` (whose ValueError it raises)."""
   vit_jax.gcs_retries()  # A bad GCS_RETRY_CONFIG_* now, not at the first save.
   logging.get_absl_handler().addFilter(QuietLibraries())
   sys.unraisablehook = quiet_unraisable_hook()

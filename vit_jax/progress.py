@@ -30,18 +30,13 @@ def input_wait_fix(data: Any) -> str:
 
 class Progress:
   """The training metrics since the last progress line, and the line. Throughput and ETA come
-  from the accountant's training time (`CostAccountant.training_seconds`: training steps and
-  input, not compiling, evaluating or checkpointing), so they agree with the cost report.
-
-  images/s is the window's; the ETA is the remaining steps at this attempt's mean time per step
-  since its first compiled step (big_vision's measure): it moves only as the run's speed does,
-  not with one window's noise, and leaves out the evaluations and checkpoints still to come."""
+  from the accountant's training time (`CostAccountant.training_seconds`); images/s is the
+  window's, the ETA at this attempt's mean time per step (big_vision's measure)."""
 
   def __init__(self, accountant: accounting.CostAccountant, batch_size: int, total_steps: int,
                start_step: int, input_wait_warning: float = 0.0, input_fix: str = ""):
-    """`input_wait_warning`: warn when a window waited on input more than this share of its
-    training time ('train' + 'input'; 0: never), saying `input_fix` (once; later such windows
-    say 'input wait N%' on their line)."""
+    """`input_wait_warning`: warn (once, saying `input_fix`) when a window waited on input more
+    than this share of its training time (0: never)."""
     self._accountant, self._batch_size, self._total = accountant, batch_size, total_steps
     self._warn_above, self._input_fix = input_wait_warning, input_fix
     self._warned = False
@@ -103,8 +98,7 @@ class Progress:
     return out
 
   def _input_wait(self, step: int, waited: float, seconds: float) -> list[str]:
-    """The window's input wait above the warning's threshold: warned of the first time, then
-    'input wait N%' on the progress line."""
+    """The window's input wait above the threshold: warned of once, then on the progress line."""
     if not self._warn_above or waited <= self._warn_above * seconds:
       return []
     if self._warned:

@@ -85,11 +85,8 @@ def find(path: Any, names: Optional[Sequence[str]] = None) -> Run:
 
 
 def saved_steps(checkpoints: Any, *, readable: bool = False) -> List[int]:
-  """The finalized steps in ``checkpoints``, ascending (``[]`` without the directory).
-
-  Orbax writes a step as ``<step>.orbax-checkpoint-tmp-*`` and renames it when complete (remote:
-  with ``commit_success.txt``), so the digit-only names are finalized. ``readable``: only those
-  whose state item is complete, as the readers need."""
+  """The finalized steps in ``checkpoints`` (digit-only names; remote: with ``COMMIT_MARKER``),
+  ascending (``[]`` without the directory); ``readable``: only those whose state is complete."""
   directory = storage.clean(os.fspath(checkpoints))
   if not storage.isdir(directory):
     return []
@@ -100,9 +97,7 @@ def saved_steps(checkpoints: Any, *, readable: bool = False) -> List[int]:
       marker is None or storage.exists(storage.join(step, marker))))
 
 
-#: The bounds of any JSON file the project reads (its run files, transformers' and convert's
-#: metadata, lock.json): larger or deeper is no such file, and is refused (a deep one would end
-#: Python's recursion in the parser or in its readers, a huge one the memory).
+#: The bounds of any JSON file the project reads: larger or deeper is a damaged or foreign file.
 MAX_JSON_BYTES = 16 << 20
 MAX_JSON_DEPTH = 64
 #: What to do about a refused file, unless the reader knows better.
@@ -124,10 +119,9 @@ def _nested_deeper(value: Any, limit: int) -> bool:
 
 def parse_json(data: Any, name: Any, *, fix: str = JSON_FIX,
                max_bytes: int = MAX_JSON_BYTES) -> Any:
-  """The JSON value of ``data`` (bytes or str: the text of the file ``name``), of at most
-  ``max_bytes`` and :data:`MAX_JSON_DEPTH` levels of arrays and objects. Raises ValueError
-  ``'<name> is <the problem>; <fix>.'``: too large, too deep (told without recursion, in time
-  linear in the size), not UTF-8, not JSON."""
+  """The JSON value of ``data`` (the text of the file ``name``), of at most ``max_bytes`` and
+  :data:`MAX_JSON_DEPTH` levels. Raises ValueError ``'<name> is <the problem>; <fix>.'``: too
+  large, too deep, not UTF-8, not JSON."""
   value, problem = None, None
   if len(data) > max_bytes:
     problem = (f'larger than {max_bytes:,} bytes, more than any JSON file read here (a damaged '
@@ -149,11 +143,9 @@ def parse_json(data: Any, name: Any, *, fix: str = JSON_FIX,
 
 def read_json(path: Any, *, fix: str = JSON_FIX,
               max_bytes: int = MAX_JSON_BYTES) -> Optional[Dict[str, Any]]:
-  """The JSON object in the file at ``path`` (local or ``gs://``; e.g. ``WORKDIR/config.json``),
-  or None without the file; read as :func:`parse_json` (at most ``max_bytes + 1`` bytes read).
-  Raises ValueError ``'<path> is <the problem>; <fix>.'`` for a file that is too large, too deep,
-  not JSON or not a JSON object, or a local path that is no regular file (a directory, a FIFO:
-  never opened); OSError when it cannot be read."""
+  """The JSON object in the file at ``path`` (local or ``gs://``), or None without the file.
+  Raises ValueError as :func:`parse_json`, and for no JSON object or a local path that is no
+  regular file (never opened); OSError when it cannot be read."""
   file = os.fspath(path)
   if not storage.exists(file):
     return None

@@ -69,10 +69,9 @@ def _dcn_data(mesh_cfg: ml_collections.ConfigDict) -> int:
 
 
 def slice_attribute(devices: Sequence[Any]) -> Optional[str]:
-  """What :func:`create_mesh` (``mesh_utils.create_hybrid_device_mesh``) groups ``devices`` into
-  slices by: 'slice_index' where they carry it (TPU slices, libtpu's multi-slice topologies),
-  else 'process_index' on CPU and GPU (its ``process_is_granule`` fallback: a process is a
-  slice); None for TPU devices without it (libtpu's one-slice topology): one slice."""
+  """What :func:`create_mesh` groups ``devices`` into slices by: 'slice_index' where they carry
+  it, else 'process_index' on CPU and GPU (a process is a slice); None for TPU devices without
+  it (one slice)."""
   if hasattr(devices[0], "slice_index"):
     return "slice_index"
   return None if devices[0].platform == "tpu" else "process_index"
@@ -123,9 +122,8 @@ def create_mesh(mesh_cfg: ml_collections.ConfigDict,
 
 def device_grid(mesh_cfg: ml_collections.ConfigDict,
                 devices: Optional[Sequence[Any]] = None) -> np.ndarray:
-  """The devices (default ``jax.devices()``) laid out as ``config.mesh`` (innermost axis on the
-  fastest links; hybrid with ``dcn_data``: 'data' outermost over the slices, grouped as
-  :func:`slice_attribute` says). Raises as :func:`check_slices` and :func:`axis_sizes`."""
+  """The devices (default ``jax.devices()``) laid out as ``config.mesh`` (with ``dcn_data``:
+  'data' outermost over the slices). Raises as :func:`check_slices` and :func:`axis_sizes`."""
   devices = list(jax.devices() if devices is None else devices)
   check_slices(mesh_cfg, devices)
   sizes = axis_sizes(mesh_cfg, len(devices))
@@ -178,9 +176,8 @@ def variable_shardings(abstract_variables: Any, mesh: jax.sharding.Mesh, rules: 
 
 def like_params(tree: Any, params: Any, param_shardings: Any,
                 default: jax.sharding.NamedSharding) -> Any:
-  """Shardings of a tree mirroring ``params`` (optimizer state): a leaf gets its parameter's (its
-  dict-key path, or the longest tail of it, and shape: under optax.multi_transform's group key),
-  else ``default``."""
+  """Shardings of a tree mirroring ``params`` (optimizer state): a leaf gets the parameter's of
+  its shape and dict-key path (or the longest tail of it), else ``default``."""
   by_path = {(layout.dict_keys(path), tuple(leaf.shape)): sharding
              for (path, leaf), sharding in zip(jax.tree_util.tree_leaves_with_path(params),
                                                jax.tree_util.tree_leaves(param_shardings))}
