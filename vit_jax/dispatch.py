@@ -1,14 +1,10 @@
 """The attention implementation and the remat policy, chosen from the devices the step is
-compiled for (not the host that traces it); the models never look at the machine.
+compiled for (not the host that traces it).
 
-The 'auto' attention rule, stated here only: the first implementation of `ATTENTION` whose
-`why_not(devices, dtype, head_dim, dropout)` is None and that is worth it there: vit_jax's
-kernels (`vit_jax.kernels.ATTENTION`, each where its `faster_than_xla` says so), then cuDNN's,
-then XLA's, which runs everywhere. It never picks one measured slower than XLA's attention.
-
-The 'auto' remat policy: on CPU 'dots_and_attention_saveable'; on TPU and GPU by the compute
-dtype's bytes, doubled from width `WIDE`: 2 'dots_and_attention_saveable', 4 'qkv_saveable', 8
-'nothing_saveable' (measured: docs/pods.md)."""
+The 'auto' attention rule, stated here only: the first implementation of `ATTENTION` that can
+run there (`why_not` is None) and is worth it: vit_jax's kernels (each where its
+`faster_than_xla` says so), then cuDNN's, then XLA's, which runs everywhere. The 'auto' remat
+policy: `auto_remat_policy` (measured: docs/pods.md)."""
 
 from __future__ import annotations
 
@@ -59,9 +55,7 @@ ATTENTION: dict[str, tuple[str, Callable[..., Optional[str]], Callable[[], tuple
 def choose_attention(requested: str, *, devices: Sequence[Any], dtype: Any = "float32",
                      head_dim: int, dropout: bool = False) -> Choice:
   """The implementation for `requested` ('auto' or one of `CHOICES`) on the target `devices`,
-  at compute `dtype`, head size `head_dim`, with attention `dropout` or not, and why.
-  ConfigError: an unknown request, or one that cannot run here (says why); ValueError: no
-  devices."""
+  and why. ConfigError: an unknown request, or one that cannot run here; ValueError: no devices."""
   if requested not in CHOICES:
     raise ConfigError("model.attention", requested, f"is not one of {CHOICES} ('auto' picks "
                       "from the devices the step runs on)", "set config.model.attention to one "
@@ -87,7 +81,9 @@ def choose_attention(requested: str, *, devices: Sequence[Any], dtype: Any = "fl
 
 
 def auto_remat_policy(platform: str, dtype: Any, width: int) -> Choice:
-  """The policy 'auto' stands for on `platform` at compute `dtype`, hidden size `width`."""
+  """The policy 'auto' stands for on `platform` at compute `dtype`, hidden size `width`: on CPU
+  'dots_and_attention_saveable'; else by the dtype's bytes, doubled from width `WIDE`: 2
+  'dots_and_attention_saveable', 4 'qkv_saveable', 8 'nothing_saveable'."""
   if platform == "cpu":
     return Choice("dots_and_attention_saveable", "CPU: host memory; keep the projections")
   load = jnp.dtype(dtype).itemsize * (2 if width >= WIDE else 1)

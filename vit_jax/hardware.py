@@ -1,10 +1,8 @@
 """Every accelerator kind vit_jax knows, one `Kind` each in `KINDS`: add a new kind there.
 
-A JAX device is one TensorCore on TPU v2/v3 (2 per chip), one chip on v4/v5p (2 cores,
-megacore) and v5e/v6e (1 core), one GPU. Peaks: published dense matmul FLOP/s of a device; a
-float32 matmul runs as bfloat16 on TPU and TF32 on Ampere+ (`runs_as`). HBM per program: the TPU
-compiler's figure (docs/pods.md). CPUs have no peak: `vit_jax.accounting` measures one, once per
-run on a `host_cpu`."""
+A JAX device is one TensorCore on TPU v2/v3 (2 per chip), one chip on v4/v5p (2 cores) and
+v5e/v6e (1 core), one GPU. Peaks: published dense matmul FLOP/s of a device. HBM per program: the
+TPU compiler's figure (docs/pods.md). CPUs have no peak: `vit_jax.accounting` measures one."""
 
 from __future__ import annotations
 
@@ -81,8 +79,7 @@ def kind(device_kind: str) -> Optional[Kind]:
 
 def host_cpu(cpuinfo: str = "/proc/cpuinfo") -> str:
   """This host's CPU, e.g. 'Intel(R) Xeon(R) Processor, 2 cores': the model (`cpuinfo`'s first
-  'model name', else the machine's architecture) and the cores this process may use. A run's
-  measured CPU peak holds for attempts on the same `host_cpu` (`vit_jax.accounting`)."""
+  'model name', else the machine's architecture) and the cores this process may use."""
   model = ""
   try:
     with open(cpuinfo, encoding="utf-8", errors="replace") as f:
@@ -110,10 +107,9 @@ def tpu_on_host(root: str = "/") -> bool:
 
 
 def tpu_absent(environ: Optional[Mapping[str, str]] = None, root: str = "/") -> bool:
-  """Whether JAX would start its TPU backend in vain (a page of libtpu errors, then the CPU):
-  libtpu is installed, `tpu_on_host` is false, no other accelerator's JAX plugin is installed (a
-  GPU's: the `jax_plugins` entry points or namespace package), and `environ` (default: this
-  process's) sets neither JAX_PLATFORMS nor JAX_FORCE_TPU_INIT."""
+  """Whether JAX would start its TPU backend in vain: libtpu is installed, `tpu_on_host` is
+  false, no other accelerator's JAX plugin is installed, and `environ` (default: this process's)
+  sets neither JAX_PLATFORMS nor JAX_FORCE_TPU_INIT."""
   environ = os.environ if environ is None else environ
   if environ.get("JAX_PLATFORMS") or "JAX_FORCE_TPU_INIT" in environ:
     return False

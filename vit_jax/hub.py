@@ -1,18 +1,7 @@
 """Hub names: ``hf-hub:ORG/NAME[@REVISION]`` (timm's spelling) resolved to local files through
-``huggingface_hub`` and its cache (``HF_HUB_CACHE``, else ``$HF_HOME/hub``), once per process.
-:func:`vit_jax.storage.normalize` calls :func:`resolve` (this module imports nothing of
-vit_jax), so a Hub name is accepted wherever a checkpoint path is; the existing formats then
-read what it resolves to:
-
-- a timm repository (its ``config.json`` has ``architecture`` and ``pretrained_cfg``): the
-  weights file, as timm chooses it (``model.safetensors``, else ``pytorch_model.bin``; a
-  ``pretrained_cfg.hf_hub_filename`` and its ``.safetensors`` twin first);
-- a transformers repository (its ``config.json`` has ``model_type``): the snapshot directory
-  (``config.json`` + ``model.safetensors`` or its index and shards).
-
-Only those files are downloaded. Offline (``HF_HUB_OFFLINE=1``, or no network) the cache
-answers; a name it lacks is a FileNotFoundError naming the ``hf download`` command.
-"""
+``huggingface_hub`` and its cache, once per process (:func:`vit_jax.storage.normalize` calls
+:func:`resolve`; this module imports nothing of vit_jax). Only the files resolved are downloaded;
+offline the cache answers."""
 
 from __future__ import annotations
 
@@ -60,8 +49,8 @@ def download_command(name: str) -> str:
 
 
 def resolve(name: str) -> str:
-  """The local path of the Hub name ``name``: a timm repository's weights file, a transformers
-  repository's snapshot directory (module docstring), downloaded into the cache if missing.
+  """The local path of the Hub name ``name``, downloaded into the cache if missing: a timm
+  repository's weights file (as timm chooses it), a transformers repository's snapshot directory.
 
   Raises:
     ValueError: not a Hub name, or a repository with neither layout.
@@ -119,8 +108,7 @@ def _first(name: str, choices: Tuple[str, ...]) -> str:
 
 @contextlib.contextmanager
 def _quiet_retries() -> Iterator[None]:
-  """huggingface_hub's warning per failed request and retry unsaid (without a network: 12
-  lines before the one error :func:`_get` raises)."""
+  """huggingface_hub's warning per failed request and retry unsaid."""
   from huggingface_hub.utils import logging as hf_logging  # pylint: disable=g-import-not-at-top
   logger = hf_logging.get_logger('huggingface_hub.utils._http')
   level = logger.level

@@ -12,24 +12,16 @@ Examples:
   # ViT-B/16 fine-tuning schedule on CIFAR-10 (SGD momentum, cosine, grad clip 1, 10k steps).
   python -m vit_jax.main --config configs/vit.py:b16,cifar10,finetune --workdir /tmp/b16_c10
 
-Every config field can be overridden with --config.<key>=<value> (nested keys with dots, e.g.
---config.model.num_layers=4); an unknown key stops with an error that names it. --print_config
-lists every key of the --config (overrides applied) as the flag that sets it, with one line of
-help (docs/configs.md explains them). The resolved config is saved as DIR/config.json. Rerunning
-the same command resumes from the latest checkpoint in DIR/checkpoints; TensorBoard events go to
-DIR, the compute cost to DIR/cost.json.
-Where glibc allows, the command re-executes itself with huge pages for malloc
-(VIT_JAX_HUGE_PAGES=0: not; vit_jax.platform).
+Every config field can be overridden with --config.<key>=<value> (e.g.
+--config.model.num_layers=4); --print_config lists them with their help (docs/configs.md).
+Rerunning the same command resumes from the latest checkpoint in DIR; TensorBoard events, the
+resolved config.json and cost.json go to DIR. Where glibc allows, the command re-executes itself
+with huge pages for malloc (VIT_JAX_HUGE_PAGES=0: not).
 
-Exit codes: 0 done; 1 failed (e.g. the loss diverged, a checkpoint could not be saved: the message
-says which checkpoint is intact; on a pod, another process died or did not register within
---distributed_timeout seconds); 2 a bad config or flag, an unusable fine-tuning checkpoint
-or a workdir in use by another run, found before any work; 75 preempted (SIGTERM): the
-checkpoint of the current step was saved (an evaluation in progress ends at its next batch, and
-the rerun evaluates again; during the set-up: stopped at once, nothing saved), rerun the same
-command to resume; 130 interrupted (Ctrl-C): the first saves the current step and stops, as
-SIGTERM does (during the set-up, or a second one: stops at once); rerun the same command to
-resume.
+Exit codes (docs/failures.md): 0 done; 1 failed (the message says which checkpoint is intact);
+2 a bad config or flag, an unusable fine-tuning checkpoint or a workdir in use, found before any
+work; 75 preempted (SIGTERM) and 130 interrupted (a first Ctrl-C): the current step was saved
+(during the set-up: stopped at once, nothing saved), rerun the same command to resume.
 Every exit comes with one line saying why (a failure's starts with FATAL:)."""
 
 import sys

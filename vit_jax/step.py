@@ -1,13 +1,8 @@
 """The train state, the steps and their devices: one definition that the trainer, the tools,
-the benchmark and the pre-flight compile.
+the benchmark and the pre-flight compile (``setup = step.build(config, image_shape=...)``).
 
-  setup = step.build(config, image_shape=(224, 224, 3))    # a resolved config
-  state = jax.jit(setup.init_state, out_shardings=setup.state_shardings)(setup.init_rng)
-  compiler = step.Compiler(setup)                           # compiled once per input shape
-  state, metrics = compiler(setup.jit_train_step(), state, setup.to_global(local_batch))
-
-The state: ``{'step': int32[], 'params', 'opt_state', 'model_state' (the untrained collections,
-e.g. T2T-ViT's constants; absent when empty), 'ema_params' (with config.ema_decay > 0)}``."""
+The state: ``{'step': int32[], 'params', 'opt_state', 'model_state' (the untrained collections;
+absent when empty), 'ema_params' (with config.ema_decay > 0)}``."""
 
 from __future__ import annotations
 

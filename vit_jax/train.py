@@ -52,15 +52,13 @@ class Preempted(Exception):
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
                        program_start: Optional[float] = None) -> dict[str, float]:
   """Trains (resuming from `workdir`'s latest checkpoint; a finished run only evaluates again)
-  and returns the final evaluation's metrics (`'<split>/accuracy'`, `'/top5_accuracy'`,
-  `'/loss'`, 'step', and the few-shot scalars); `program_start`: `time.monotonic()` the program
-  started (`vit_jax.STARTED`), the start of the cost account (default: now).
+  and returns the final evaluation's metrics and 'step'; `program_start`: `time.monotonic()` the
+  program started, the start of the cost account (default: now).
 
   Raises:
     ConfigError: (a ValueError) the config or workdir cannot run, raised before any write.
     FloatingPointError: the loss became NaN or Inf (the last good checkpoint is kept).
-    Preempted: SIGTERM or a first Ctrl-C from the first step on, after saving the step (during
-      an evaluation: at its next batch, nothing of it written; the rerun evaluates again).
+    Preempted: SIGTERM or a first Ctrl-C from the first step on, after saving the step.
     vit_jax.stops.StopRequested: SIGTERM or Ctrl-C during the set-up: nothing saved.
     CheckpointSaveError: writing to the workdir failed; earlier checkpoints are intact.
     vit_jax.data.BadImageError: an undecodable image (config.data.bad_images='fail')."""
@@ -94,8 +92,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
     pictures, evaluate, evaluate_fewshot = _evaluations(run, accountant, writer, notice.agreed)
 
     def save_cost(step: int, final: bool = False) -> dict[str, Any]:
-      """The account to TensorBoard and cost.json; its line to the log at the end (--verbosity=1:
-      at every progress line too)."""
+      """The account to TensorBoard and cost.json; its line to the log at the end."""
       report = accountant.report(step)
       writer.write_scalars(step, accounting.scalars(report))
       logging.log(logging.INFO if final else 1, "Step %d: %s", step, accounting.summary(report))
@@ -346,10 +343,9 @@ def _initial_state(run: _Run, checkpoints: checkpoint.Checkpoints) -> step_lib.S
 
 def _evaluations(run: _Run, accountant: accounting.CostAccountant, writer,
                  stop: Callable[[], bool]):
-  """`(pictures, evaluate, evaluate_fewshot)`: `config.analysis`'s pictures (of the first eval
-  set's first batch), and `(state, step) -> metrics` of every eval set (with the attention
-  pictures) and of `config.fewshot` (`{}` when off), written and timed as eval; they raise
-  `evaluation.Stopped`, with nothing written, once `stop()` is true before a batch."""
+  """`(pictures, evaluate, evaluate_fewshot)`: `config.analysis`'s pictures, and `(state, step)
+  -> metrics` of every eval set and of `config.fewshot`, written and timed as eval; they raise
+  `evaluation.Stopped`, nothing written, once `stop()` is true before a batch."""
   eval_step, setup = run.setup.jit_eval_step(), run.setup
   _, first_eval = next(iter(run.evals.values()))
   evals = {name: (split, evaluation.Stoppable(eval_ds, stop))
