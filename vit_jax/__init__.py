@@ -9,11 +9,8 @@ import time as _time
 #: is the start of the program, before JAX and TensorFlow load; the compute account starts here.
 STARTED = _time.monotonic()
 
-#: Cloud Storage retries: TensorFlow's variables (it reads them at its first gs:// access, so they
-#: are set here, where unset), given to TensorStore too (`checkpoint.orbax.import_orbax`). A
-#: request is retried `MAX_RETRIES` times, the waits doubling from `INIT_DELAY` to at most
-#: `MAX_DELAY` (microseconds): 1 + 2 + 4 + 8 + 16 = 31 s of waits, where the libraries' defaults
-#: allow minutes (docs/pods.md, "When Cloud Storage stops answering").
+#: Cloud Storage retries: TensorFlow's variables (set here, where unset, before its first gs://
+#: access), given to TensorStore too (docs/pods.md, "When Cloud Storage stops answering").
 GCS_RETRY_DEFAULTS = {
     "GCS_RETRY_CONFIG_MAX_RETRIES": "5",
     "GCS_RETRY_CONFIG_INIT_DELAY_TIME_US": "1000000",
@@ -37,10 +34,8 @@ def gcs_retries() -> dict[str, int]:
 
 
 def skip_absent_tpu() -> None:
-  """Keeps JAX from starting its TPU backend where it would fail with a page of libtpu errors
-  (`hardware.tpu_absent`: libtpu installed, no TPU here): JAX runs on the CPU, as it would
-  after that failure. Runs on `import vit_jax`: JAX_PLATFORMS=cpu before JAX loads, else JAX's
-  `jax_platforms` unless set (too late once JAX has started its backends)."""
+  """JAX on the CPU where its TPU backend would fail with a page of libtpu errors
+  (`hardware.tpu_absent`): JAX_PLATFORMS=cpu before JAX loads, else JAX's `jax_platforms`."""
   import sys  # pylint: disable=g-import-not-at-top
   from vit_jax import hardware  # pylint: disable=g-import-not-at-top
   if not hardware.tpu_absent():

@@ -142,8 +142,7 @@ def error_text(error: BaseException) -> str:
 
 
 def _flag_value(value, kind: type) -> str:
-  """`value` as typed after ``--config.KEY=`` in a shell; None (unset, which no flag sets):
-  ``<TYPE>``, the type a value takes."""
+  """`value` as typed after ``--config.KEY=`` in a shell; None: ``<TYPE>``."""
   if value is None:
     return f"<{kind.__name__}>"
   if isinstance(value, (list, tuple)):
@@ -152,8 +151,7 @@ def _flag_value(value, kind: type) -> str:
 
 
 def _model_help() -> dict:
-  """{field: (type, help)} of every model family's fields (`vit_jax.models.fields`), in their
-  order."""
+  """{field: (type, help)} of every model family's fields, in their order."""
   from vit_jax.models import t2t  # pylint: disable=g-import-not-at-top  (JAX: after --help)
   from vit_jax.models import vit_fields  # pylint: disable=g-import-not-at-top
   helps = {}

@@ -23,8 +23,7 @@ SECONDS_PER_DAY = 86_400
 TPU_V3_CORE_PEAK_FLOPS = hardware.kind("TPU v3").peak["bfloat16"]
 
 
-#: The figures `compiled_cost` reads from XLA's cost analysis: FLOPs, bytes read and written, and
-#: the TPU compiler's cost-model estimate of the program's seconds (not on CPU or GPU).
+#: The figures `compiled_cost` reads from XLA's cost analysis ('optimal_seconds': TPU only).
 COST_KEYS = ("flops", "bytes accessed", "optimal_seconds")
 
 
@@ -35,9 +34,8 @@ UNPRICED_CUSTOM_CALLS = ("ConcatBitcast",)
 
 def compiled_cost(compiled: Any) -> dict[str, float]:
   """XLA's cost analysis of one device's share of a compiled program (``jax.stages.Compiled``):
-  the `COST_KEYS` it gives as positive figures. libtpu's `optimal_seconds` counts -1 for each
-  `UNPRICED_CUSTOM_CALLS` instruction, which is added back; a figure still not positive (another
-  instruction it cannot price) is left out. A while loop's body (a `scan`) counts once."""
+  the `COST_KEYS` it gives as positive figures (`UNPRICED_CUSTOM_CALLS`' -1 s added back). A
+  while loop's body (a `scan`) counts once."""
   cost = compiled.cost_analysis()
   cost = (cost[0] if cost else None) if isinstance(cost, (list, tuple)) else cost  # Older jax.
   found = {key: float(cost[key]) for key in COST_KEYS if cost and cost.get(key) is not None}
@@ -49,8 +47,7 @@ def compiled_cost(compiled: Any) -> dict[str, float]:
 
 
 def compiled_flops(compiled: Any) -> Optional[float]:
-  """XLA's FLOP count of one device's share of a compiled program (``jax.stages.Compiled``),
-  None where XLA gives none (it cannot see into custom calls: the CPU kernel's products)."""
+  """XLA's FLOP count of `compiled_cost`, None where XLA gives none (e.g. custom calls)."""
   return compiled_cost(compiled).get("flops")
 
 
@@ -58,7 +55,7 @@ def vit_forward_macs(*, hidden_size: int, mlp_dim: int, num_layers: int, patch_s
                      image_size: int | Tuple[int, int], num_classes: int = 1000,
                      classifier: str = "token", representation_size: Optional[int] = None,
                      channels: int = 3, num_registers: int = 0) -> int:
-  """MACs of one image's forward pass through a plain ViT (ViT-B/16 at 224 px: 17.56 G).
+  """MACs of one image's forward pass through a plain ViT (docs/compute_cost.md).
 
   N patches of P x P x C, T tokens (N, the class token with 'token', the ``num_registers``
   registers), width D, MLP M: embedding N P^2 C D; per layer 4 T D^2 + 2 T^2 D + 2 T D M;
@@ -116,7 +113,7 @@ def jaxpr_macs(jaxpr: jax_core.Jaxpr) -> int:
 
 def model_forward_macs(model: Any, image_shape: Tuple[int, int, int]) -> int:
   """MACs of one `(H, W, C)` image's forward pass through a model of `vit_jax.models`, traced
-  abstractly (T2T-ViT-14: 4.78 G, the paper's 4.8 G). Raises as the model's apply."""
+  abstractly. Raises as the model's apply."""
   images = jax.ShapeDtypeStruct((1, *image_shape), jnp.float32)
   variables = nn.unbox(jax.eval_shape(
       lambda x: model.init(jax.random.key(0), x, train=False), images))

@@ -1,9 +1,5 @@
-"""The run directory (``--workdir``; its files: docs/checkpoints.md, "The workdir"): its layout
-and what the file system tells of it, read without JAX (the tools check a SOURCE before their
-set-up), local or ``gs://`` (:mod:`vit_jax.storage`); :mod:`vit_jax.checkpoint.workdir` writes
-it and reads its checkpoints. A step is ``checkpoints/<step>/`` (being written:
-``<step>.orbax-checkpoint-tmp*``) with the items ``state/`` (the train state, StandardSave) and
-``cost/`` ``[config/ dataset/]`` (JsonSave)."""
+"""The run directory (``--workdir``; docs/checkpoints.md, "The workdir"): its layout and what the
+file system tells of it, read without JAX; :mod:`vit_jax.checkpoint.workdir` writes it."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
-"""The device mesh, the logical-axis rules (:data:`DEFAULT_RULES`: data, FSDP and tensor
-parallelism are ``config.mesh`` sizes, ``dcn_data`` the slices, docs/pods.md) and the shardings
-of the state and batch."""
+"""The device mesh of ``config.mesh`` (docs/pods.md), the logical-axis rules
+(:data:`DEFAULT_RULES`) and the shardings of the state and batch."""
 
 from __future__ import annotations
 
