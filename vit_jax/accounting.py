@@ -113,8 +113,7 @@ def local_hardware(dtype: str = "float32", remeasure: bool = False) -> Hardware:
 
 
 def _same_measured_cpu(hw: Hardware, recorded: dict[str, Any]) -> bool:
-  """Whether `recorded` (a report's hardware or an attempt) has a peak measured on the CPU and
-  device count of `hw`, itself a measured CPU's."""
+  """Whether `recorded` (hardware or an attempt) has a peak measured on `hw`'s CPU and devices."""
   return (hw.platform == "cpu" and hw.peak_source.startswith("measured") and hw.host is not None
           and recorded.get("platform") == "cpu" and recorded.get("host") == hw.host
           and recorded.get("devices") == hw.num_devices
@@ -480,8 +479,7 @@ def summary(report: dict[str, Any]) -> str:
 
 def account_step_flops(accountant: CostAccountant, executable, model: Any,
                        image_shape: tuple[int, int, int], num_devices: int) -> None:
-  """Gives `accountant` the train step's FLOPs: XLA's of `executable` x `num_devices`, and the
-  analytic count of `model` at `image_shape`."""
+  """Gives `accountant` the train step's FLOPs: XLA's of `executable` and the analytic count."""
   per_device = flops.compiled_flops(executable)
   compiled = per_device * num_devices if per_device else None
   analytic = flops.training_flops(flops.model_forward_macs(model, image_shape),

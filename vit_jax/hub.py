@@ -42,8 +42,7 @@ def parse(name: str) -> Tuple[str, Optional[str]]:
 
 
 def download_command(name: str) -> str:
-  """The shell command that puts the repository of ``name`` in the cache (huggingface_hub's
-  ``hf``, 1.0 and later)."""
+  """The shell command (huggingface_hub's ``hf``) that puts ``name`` in the cache."""
   repo, revision = parse(name)
   return f'hf download {repo}' + (f' --revision {revision}' if revision else '')
 

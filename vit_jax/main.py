@@ -18,11 +18,11 @@ Rerunning the same command resumes from the latest checkpoint in DIR; TensorBoar
 resolved config.json and cost.json go to DIR. Where glibc allows, the command re-executes itself
 with huge pages for malloc (VIT_JAX_HUGE_PAGES=0: not).
 
-Exit codes (docs/failures.md): 0 done; 1 failed (the message says which checkpoint is intact);
-2 a bad config or flag, an unusable fine-tuning checkpoint or a workdir in use, found before any
-work; 75 preempted (SIGTERM) and 130 interrupted (a first Ctrl-C): the current step was saved
-(during the set-up: stopped at once, nothing saved), rerun the same command to resume.
-Every exit comes with one line saying why (a failure's starts with FATAL:)."""
+Exit codes: 0 done; 1 failed (the message says which checkpoint is intact); 2 a bad config or
+flag, an unusable fine-tuning checkpoint or a workdir in use, found before any work; 75
+preempted (SIGTERM) and 130 interrupted (a first Ctrl-C): the current step was saved (during the
+set-up: stopped at once, nothing saved), rerun the same command to resume. Every exit comes with
+one line saying why (a failure's starts with FATAL:); docs/failures.md has them all."""
 
 import sys
 import traceback

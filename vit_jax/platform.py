@@ -175,8 +175,7 @@ def quiet_native_logs(argv: Optional[list[str]] = None) -> None:
 def setup(*, coordinator_address: Optional[str] = None, num_processes: Optional[int] = None,
           process_id: Optional[int] = None,
           distributed_timeout_s: int = pod.DISTRIBUTED_TIMEOUT_S) -> None:
-  """Set-up of a program that trains or compiles: log filters, TensorFlow off the accelerators,
-  ``pod.initialize_distributed`` (whose ValueError it raises)."""
+  """Set-up of a program that trains or compiles; raises ``pod.initialize_distributed``'s errors."""
   vit_jax.gcs_retries()  # A bad GCS_RETRY_CONFIG_* now, not at the first save.
   logging.get_absl_handler().addFilter(QuietLibraries())
   sys.unraisablehook = quiet_unraisable_hook()

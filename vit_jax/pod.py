@@ -323,8 +323,8 @@ def _shown(value: Any, width: int = 100) -> str:
 
 
 def _wait_for(read, deadline: float, pause_s: float = 0.0):
-  """`read()` until it returns a value other than None (an error: not there yet), or None once
-  `deadline` passed. TypeError, AttributeError: raised."""
+  """`read()` until it returns a value other than None (an error: not yet), None at `deadline`.
+  TypeError, AttributeError: raised."""
   while True:
     try:
       value = read()

@@ -280,8 +280,7 @@ class Setup:
     return {k: v for k, v in self.state_shardings.items() if k in ("params", "model_state")}
 
   def jit_eval_step(self, *, variables_only: bool = False, top1: bool = False):
-    """The eval step jitted over the mesh (sums replicated); `variables_only`: for a state with
-    `variables_shardings`; `top1`: as `make_eval_step`."""
+    """The eval step jitted over the mesh; `variables_only`: for `variables_shardings`."""
     replicated = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
     shardings = self.variables_shardings if variables_only else self.state_shardings
     return jax.jit(make_eval_step(self.model, loss=self.config.loss, top1=top1),
@@ -351,8 +350,7 @@ def compile_seconds_saved() -> float:
 
 @contextlib.contextmanager
 def compilation_cache(directory: Optional[str]) -> Iterator[None]:
-  """JAX's persistent compilation cache in `directory` (local or gs://; None: off) inside the
-  block, the previous setting after it."""
+  """JAX's persistent compilation cache in `directory` (None: off) inside the block."""
   if not _PERSISTENT["listening"]:
     jax.monitoring.register_event_listener(_count)
     jax.monitoring.register_event_duration_secs_listener(_count)

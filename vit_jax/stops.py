@@ -271,10 +271,8 @@ class StopNotice(threading.Event):
     self._on_training = _nothing
 
   def agreed(self) -> bool:
-    """Whether this process has the notice or, on a pod, any process has one (there SIGTERM is
-    jax's preemption service's: `PREEMPTION_NOTICE_KEY`): the same answer on every process of a
-    pod, from one all-gather of a bool, so call it at the same point on all (e.g. before each eval
-    batch). Alone: `is_set()`."""
+    """Whether this process or, on a pod, any process has the notice (`PREEMPTION_NOTICE_KEY`):
+    one all-gather, so call it at the same point on every process (e.g. before each eval batch)."""
     import jax  # pylint: disable=g-import-not-at-top
     if jax.process_count() == 1:
       return self.is_set()

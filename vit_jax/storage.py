@@ -94,8 +94,7 @@ def normalize(path: Any) -> str:
 
 
 def clean(path: str) -> str:
-  """``path`` written as :mod:`pathlib` writes it (no trailing ``/``, ``//`` or ``/./``); a
-  remote one without its trailing ``/``."""
+  """``path`` as :mod:`pathlib` writes it (no trailing ``/``, ``//`` or ``/./``)."""
   return path.rstrip('/') if is_remote(path) else str(pathlib.PurePath(path))
 
 
@@ -106,14 +105,12 @@ def absolute(path: Any) -> str:
 
 
 def resolve(path: str) -> str:
-  """``path`` absolute, links followed (``os.path.realpath``); a remote one without its trailing
-  ``/``."""
+  """``path`` absolute, links followed; a remote one without its trailing ``/``."""
   return path.rstrip('/') if is_remote(path) else os.path.realpath(path)
 
 
 def parents(path: str) -> List[str]:
-  """:func:`resolve` of ``path`` and each folder above it, innermost first: up to ``/``, or to a
-  remote path's bucket."""
+  """:func:`resolve` of ``path`` and each folder above it (up to a bucket), innermost first."""
   if is_remote(path):
     prefix = scheme(path)
     parts = path[len(prefix):].rstrip('/').split('/')
@@ -187,8 +184,7 @@ def makedirs(path: str) -> None:
 
 
 def write_bytes(path: str, data: bytes) -> None:
-  """Writes ``data`` to the file ``path``, its folders created (not atomic: see
-  :func:`vit_jax.checkpoint.durable.write_atomically`)."""
+  """Writes ``data`` to the file ``path``, its folders created (not atomic)."""
   path = os.fspath(path)
   makedirs(dirname(path) or '.')
   with open_file(path, 'wb') as f:
@@ -203,8 +199,7 @@ def remove(path: str) -> None:
 
 
 def copy(source: str, target: str, *, overwrite: bool = False) -> None:
-  """Copies the file ``source`` to ``target`` (either may be remote). FileExistsError when
-  ``target`` exists and not ``overwrite``."""
+  """Copies the file ``source`` to ``target``; FileExistsError unless ``overwrite``."""
   if is_remote(source) or is_remote(target):
     _gfile().copy(source, target, overwrite=overwrite)
     return
@@ -282,8 +277,7 @@ def probe(path: Any, size: int, what: str = 'No checkpoint'  # pylint: disable=r
 
 
 def not_found(path: str, what: str = 'No checkpoint', fix: str = '') -> FileNotFoundError:
-  """The error for a missing ``path``: ``FileNotFoundError(ENOENT, "<what> at '<path>'")``,
-  then ``: <fix>`` when given."""
+  """``FileNotFoundError(ENOENT, "<what> at '<path>'[: <fix>]")``."""
   message = f'{what} at {path!r}' + (f': {fix}' if fix else '')
   return FileNotFoundError(errno.ENOENT, message, path)
 
@@ -335,8 +329,7 @@ def write_failure(error: BaseException) -> Optional[str]:
 
 
 def cause(error: BaseException) -> str:
-  """A failed write's cause in words: 'No space left on device', the OSError's text, or the
-  message's first line."""
+  """A failed write's cause in words: the OSError's text, or the message's first line."""
   if getattr(error, 'errno', None) == errno.ENOSPC:
     return 'No space left on device'
   return getattr(error, 'strerror', None) or first_line(error)

@@ -111,8 +111,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
     results: dict[str, float] = {}
 
     def save(step: int, state, pending) -> None:
-      """Checkpoints `step`, its `pending` metrics checked first (never checkpoint parameters
-      that a NaN update produced)."""
+      """Checkpoints `step`, its `pending` metrics checked first (no NaN update is saved)."""
       if pending is not None:
         window.add(_check_finite(*pending, checkpoints, skipping))
       with accountant.timed("checkpoint"):
@@ -207,8 +206,7 @@ def _compilation_cache_dir(config: ml_collections.ConfigDict, workdir: str) -> O
 
 def _due(config: ml_collections.ConfigDict, fewshot: bool, step: int, is_last: bool,
          preempted: bool) -> tuple[bool, bool, bool]:
-  """(save, evaluate, few-shot) at `step`: each on its period and at the last step; a
-  preempted step is saved and not evaluated."""
+  """(save, evaluate, few-shot) at `step`: on its period, the last step; preempted: save only."""
   saving = step % config.checkpoint_every_steps == 0 or is_last or preempted
   evaluating = (step % config.eval_every_steps == 0 or is_last) and not preempted
   fewshot_due = fewshot and not preempted and (step % config.fewshot.every_steps == 0 or is_last)
