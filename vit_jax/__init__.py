@@ -5,8 +5,7 @@ __version__ = "0.1.0"
 import os as _os
 import time as _time
 
-#: When this package was first imported (`time.monotonic()`): with `python -m vit_jax.main` that
-#: is the start of the program, before JAX and TensorFlow load; the compute account starts here.
+#: When this package was first imported (`time.monotonic()`): the start of the compute account.
 STARTED = _time.monotonic()
 
 #: Cloud Storage retries: TensorFlow's variables (set here, where unset, before its first gs://

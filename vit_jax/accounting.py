@@ -18,8 +18,7 @@ from vit_jax import hardware as hardware_lib
 
 SECONDS_PER_DAY = flops.SECONDS_PER_DAY
 
-#: The wall-time categories; 'other' is the program's time outside them (start-up, dataset
-#: preparation, initialisation or restore, writing summaries).
+#: The wall-time categories; 'other' is the program's time outside them.
 CATEGORIES = ("train", "compile", "eval", "checkpoint", "input")
 _measured_cpu_peak: Optional[float] = None  # See `measure_cpu_peak`.
 _MEASURED = "measured: float32 2048^3 matmul"  # A measured CPU peak's `peak_source`.

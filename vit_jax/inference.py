@@ -39,11 +39,9 @@ IMAGENET21K_CLASSES = 21843
 
 #: What a source can be, in words (for error messages).
 SOURCES = checkpoint.ACCEPTED_FORMATS
-#: Float32 copies of an input image alive at once: decoded and resized, stacked into its batch,
-#: padded to the eval batch, and the device's.
+#: Float32 copies of an input image alive at once (decoded, batched, padded, on the device).
 INPUT_COPIES = 4
-#: The share of the available memory that `check_memory`'s estimate may fill: its margin (the
-#: process's own memory, the estimate's error).
+#: The share of the available memory that `check_memory`'s estimate may fill.
 MEMORY_SHARE = 0.8
 
 

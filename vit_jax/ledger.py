@@ -7,8 +7,7 @@ from typing import Any
 
 from vit_jax import accounting
 
-#: The ledger's parts of an attempt's program seconds (`ledger`), in the figure's order, with
-#: their column titles.
+#: The parts of an attempt's program seconds, in the figure's order, with their column titles.
 SEGMENT_TITLES = {"training": "training", "redone": "redone", "compile": "compile",
                   "eval": "eval", "input": "input wait", "checkpoint": "checkpoint",
                   "setup": "set-up/resume", "other": "other"}

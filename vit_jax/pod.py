@@ -37,8 +37,7 @@ _ALIVE = "vit_jax/alive/"
 _STOPPED = "stopped "
 #: Set in the environment of the command that `supervise` runs (to the supervisor's pid).
 SUPERVISOR_ENV = "VIT_JAX_SUPERVISOR"
-#: The coordination service's keys of `check_same_command`: process 0's command, and one
-#: verdict per process (the keys where its command differs from process 0's).
+#: The coordination service's keys of `check_same_command`: process 0's command, the verdicts.
 _COMMAND = "vit_jax/command/0"
 _VERDICTS = "vit_jax/command_differences/"
 #: Exit code of a refused command (vit_jax.main's of a bad config or flag).
