@@ -80,8 +80,7 @@ def schedule_from_config(optim: ml_collections.ConfigDict, *, batch_size: int, t
 
 def _decay_mask(params):
   """True for the leaves that get weight decay: the kernels (by last dict key), as big_vision."""
-  return jax.tree_util.tree_map_with_path(lambda path, _: [
-      p.key for p in path if isinstance(p, jax.tree_util.DictKey)][-1:] == ["kernel"], params)
+  return _map_named(lambda name, _: name.rsplit("/", 1)[-1] == "kernel", params)
 
 
 def make_optimizer(optim: ml_collections.ConfigDict,
