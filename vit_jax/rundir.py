@@ -1,5 +1,7 @@
 """The run directory (``--workdir``; docs/checkpoints.md, "The workdir"): its layout and what the
-file system tells of it, read without JAX; :mod:`vit_jax.checkpoint.workdir` writes it."""
+file system tells of it, read without JAX; :mod:`vit_jax.checkpoint.workdir` writes it. A step:
+``checkpoints/<step>/`` with the items ``state/`` (StandardSave), ``cost/`` [``config/``
+``dataset/``] (JsonSave)."""
 
 from __future__ import annotations
 
