@@ -1,8 +1,6 @@
 """RandAugment as T2T-ViT and DeiT train with it (timm ``'rand-m9-mstd0.5-inc1'``): timm's level
--> argument mappings, op lists and policy over PIL's image ops (``ImageOps`` look-up tables,
-``ImageEnhance`` blends, ``Image.transform`` affine), in TensorFlow: uint8 ``[H, W, 3]`` in and
-out, eagerly and in tf.data. Differences: :mod:`vit_jax.data.augment`.
-"""
+-> argument mappings, op lists and policy over PIL's image ops, uint8 ``[H, W, 3]`` in and out.
+Differences: :mod:`vit_jax.data.augment`."""
 
 from __future__ import annotations
 
@@ -121,11 +119,8 @@ def solarize_add(image: tf.Tensor, addition: Number, threshold: Number = 128) ->
 
 @stateless.no_autograph
 def auto_contrast(image: tf.Tensor) -> tf.Tensor:
-  """PIL ``ImageOps.autocontrast`` (cutoff 0): per-channel min/max stretch, float64 then truncated.
-
-  ``int(x * s - lo * s)``, ``s = 255 / (hi - lo)`` (``hi`` may map to 254, as PIL); constant
-  channels unchanged.
-  """
+  """PIL ``ImageOps.autocontrast`` (cutoff 0): per channel ``int(x * s - lo * s)``, ``s = 255 /
+  (hi - lo)`` in float64 (``hi`` may map to 254, as PIL); constant channels unchanged."""
   image = _check_uint8_rgb(image)
   lo = tf.cast(tf.reduce_min(image, axis=[0, 1]), tf.int32)
   hi = tf.cast(tf.reduce_max(image, axis=[0, 1]), tf.int32)
@@ -139,11 +134,8 @@ def auto_contrast(image: tf.Tensor) -> tf.Tensor:
 
 @stateless.no_autograph
 def equalize(image: tf.Tensor) -> tf.Tensor:
-  """PIL ``ImageOps.equalize``: per-channel histogram equalisation in PIL's integer arithmetic.
-
-  ``step = (sum(h) - h[last]) // 255``, ``lut[i] = (step // 2 + sum(h[:i])) // step``; the
-  identity for <= 1 distinct value or ``step == 0``.
-  """
+  """PIL ``ImageOps.equalize`` per channel: ``step = (sum(h) - h[last]) // 255``, ``lut[i] =
+  (step // 2 + sum(h[:i])) // step``; the identity for <= 1 distinct value or ``step == 0``."""
   image = _check_uint8_rgb(image)
   idx = tf.cast(image, tf.int32) + _channel_offsets(image)
   h = tf.reshape(tf.math.bincount(tf.reshape(idx, [-1]), minlength=768, maxlength=768,
@@ -215,12 +207,10 @@ def _matrix(*values) -> tf.Tensor:
 @stateless.no_autograph
 def affine(image: tf.Tensor, matrix: Union[Sequence[Number], tf.Tensor],
            fill: Fill = IMAGENET_FILL) -> tf.Tensor:
-  """PIL ``transform(size, AFFINE, matrix, BILINEAR, fillcolor=fill)`` of uint8 ``[H, W, 3]``.
-
-  Output pixel centre ``(X, Y) = (x + .5, y + .5)`` samples the input at
-  ``(a X + b Y + c, d X + e Y + f)``; outside gets ``fill``. ``matrix``: 6 numbers or a float
-  ``[6]`` tensor. Coordinates in float64 as PIL, the blend in float32: rarely off by 1.
-  """
+  """PIL ``transform(size, AFFINE, matrix, BILINEAR, fillcolor=fill)`` of uint8 ``[H, W, 3]``:
+  output pixel centre ``(X, Y)`` samples the input at ``(a X + b Y + c, d X + e Y + f)``, outside
+  gets ``fill``; ``matrix``: 6 numbers or a float ``[6]`` tensor. Coordinates in float64 as PIL,
+  the blend in float32: rarely off by 1."""
   image = _check_uint8_rgb(image)
   fill = _check_fill(fill)
   if isinstance(matrix, (list, tuple)):
@@ -274,10 +264,8 @@ def _rotate_matrix(degrees: Number, image: tf.Tensor) -> tf.Tensor:
 
 @stateless.no_autograph
 def rotate(image: tf.Tensor, degrees: Number, fill: Fill = IMAGENET_FILL) -> tf.Tensor:
-  """PIL ``rotate(degrees, BILINEAR, fillcolor=fill)``: counter-clockwise about ``(W / 2, H / 2)``.
-
-  PIL's matrix (angle mod 360, cos / sin rounded to 15 decimals): 90 degrees is ``np.rot90``.
-  """
+  """PIL ``rotate(degrees, BILINEAR, fillcolor=fill)``: counter-clockwise about ``(W / 2, H / 2)``
+  by PIL's matrix (angle mod 360, cos / sin rounded to 15 decimals: 90 degrees is ``np.rot90``)."""
   return affine(image, _rotate_matrix(degrees, image), fill)
 
 
@@ -410,11 +398,8 @@ def _level(name: str, magnitude: tf.Tensor, sign: tf.Tensor) -> tf.Tensor:
 
 @stateless.no_autograph
 def level_to_arg(name: str, magnitude: Number, seed: tf.Tensor) -> Optional[tf.Tensor]:
-  """timm ``LEVEL_TO_ARG[name](magnitude)``: the op argument (float64 scalar), or None.
-
-  None for AutoContrast, Equalize, Invert; signed ops draw their sign from ``seed``. Raises
-  ValueError for an unknown op name.
-  """
+  """timm ``LEVEL_TO_ARG[name](magnitude)``: the op argument (float64 scalar; signed ops draw
+  their sign from ``seed``), None for AutoContrast, Equalize, Invert. ValueError: unknown op."""
   _check_op_name(name)
   if _OPS[name][0] is None:
     return None
@@ -462,11 +447,9 @@ def _apply_indexed(image: tf.Tensor, names: Sequence[str], index: tf.Tensor,
 @stateless.no_autograph
 def apply_op(image: tf.Tensor, name: str, magnitude: Number, seed: tf.Tensor,
              *, fill: Fill = IMAGENET_FILL) -> tf.Tensor:
-  """Applies one timm RandAugment op (one of ``OP_NAMES``) at a sampled magnitude, always.
-
-  uint8 ``[H, W, 3]`` in and out; ``magnitude`` not clipped; ``seed`` int64 ``[2]``; ``fill``
-  the RGB of uncovered pixels. Raises ValueError: unknown op, bad image or fill.
-  """
+  """One timm RandAugment op (of ``OP_NAMES``) at ``magnitude`` (not clipped), always applied;
+  ``seed`` int64 ``[2]``, ``fill`` the RGB of uncovered pixels. ValueError: unknown op, bad image
+  or fill."""
   image = _check_uint8_rgb(image)
   fill = _check_fill(fill)
   _check_op_name(name)
@@ -498,16 +481,11 @@ def sample_magnitude(seed: tf.Tensor, magnitude: float = 9.,
 def rand_augment(image: tf.Tensor, seed: tf.Tensor, *, num_layers: int = 2,
                  magnitude: float = 9., magnitude_std: float = 0.5, increasing: bool = True,
                  fill: Fill = IMAGENET_FILL) -> tf.Tensor:
-  """timm RandAugment of a uint8 ``[H, W, 3]`` image (same static shape out).
-
-  ``num_layers`` times (timm 'n'; 0 = identity): an op drawn with replacement from
-  ``RAND_INCREASING_TRANSFORMS`` ('inc1'; else ``RAND_TRANSFORMS``), applied with probability
-  0.5 at a fresh :func:`sample_magnitude` (timm 'm', 'mstd') and random sign. ``fill``: timm's
-  ``img_mean``. All draws come from one ``stateless_uniform`` of ``seed`` (int64 ``[2]``).
-
-  Raises:
-    ValueError: bad image or fill, negative num_layers / magnitude / magnitude_std.
-  """
+  """timm RandAugment of a uint8 ``[H, W, 3]`` image (same static shape out): ``num_layers``
+  times (timm 'n'; 0 = identity) an op drawn from ``RAND_INCREASING_TRANSFORMS`` ('inc1'; else
+  ``RAND_TRANSFORMS``), applied with probability 0.5 at a fresh :func:`sample_magnitude` (timm
+  'm', 'mstd') and random sign; all draws from one ``stateless_uniform`` of ``seed`` (int64
+  ``[2]``). ValueError: bad image or fill, negative num_layers / magnitude / magnitude_std."""
   image = _check_uint8_rgb(image)
   fill = _check_fill(fill)
   if not isinstance(num_layers, int) or num_layers < 0:
