@@ -225,14 +225,13 @@ def create_train_iterator(data_cfg, global_batch_size: int, seed: int, start_ste
   shuffle_root = preprocess.fold_in(run_key, 0)
   epochs = tf.data.Dataset.range(start_epoch, 2**62)
   if access is None:  # In order: each epoch's files and a buffer shuffled by its key.
-    if data_cfg.cache:  # Decoded, un-augmented images, shared by all epochs.
+    if cache:  # Decoded, un-augmented images, shared by all epochs.
       cached = source.drop_undecodable(source.read(split, decode=True)).cache()
 
     @tf.autograph.experimental.do_not_convert
     def epoch_examples(epoch):
       key = preprocess.fold_in(shuffle_root, epoch)
-      ds = cached if data_cfg.cache else source.read(split, decode=False, shuffle_files=True,
-                                                     file_seed=key[0])
+      ds = cached if cache else source.read(split, decode=False, file_seed=key[0])
       ds = ds.shuffle(min(data_cfg.shuffle_buffer, n), seed=key[1], reshuffle_each_iteration=False)
       return ds.enumerate(start=epoch * _EPOCH_STRIDE)
     ds = epochs.flat_map(epoch_examples)

@@ -319,19 +319,19 @@ class Source:
     feature = self.builder.info.features[self.image_key]
     return (isinstance(feature, tfds.features.Image) and tf.as_dtype(feature.np_dtype) == tf.uint8)
 
-  def read(self, split: SplitArg, *, decode: bool, shuffle_files: bool = False,
+  def read(self, split: SplitArg, *, decode: bool,
            file_seed: Optional[tf.Tensor] = None) -> tf.data.Dataset:
     """``split`` as a finite dataset of ``{'image', 'label'}``: uint8 ``[H, W, 3]`` images when
-    ``decode`` (else maybe encoded tf.string), int64 labels ``[]`` (multi-label ``[None]``);
-    ``file_seed`` (int64) shuffles the order of TFRecord files when ``shuffle_files``."""
+    ``decode`` (else maybe encoded tf.string), int64 labels ``[]`` (multi-label ``[None]``); an
+    int64 ``file_seed`` shuffles the order of TFRecord files."""
     if self.is_image_folder or not self._reads_in_order:  # By index, in order.
       ds = self.random_access(split, decode=False).read(
           tf.data.Dataset.range(self.num_examples(split)).map(lambda i: (i, i)))
       ds = ds.map(lambda _, ex: ex)
     else:
-      read_config = tfds.ReadConfig(
-          shuffle_seed=file_seed if shuffle_files else None,
-          shuffle_reshuffle_each_iteration=False if shuffle_files else None)
+      shuffle_files = file_seed is not None
+      read_config = tfds.ReadConfig(shuffle_seed=file_seed, shuffle_reshuffle_each_iteration=(
+          False if shuffle_files else None))
       ds = self.builder.as_dataset(split=split, shuffle_files=shuffle_files,
                                    decoders=self._decoders, read_config=read_config)
       ds = ds.map(lambda ex: {'image': ex[self.image_key], 'label': ex[self.label.key]})
