@@ -539,8 +539,7 @@ def _restore_file_formats(builder) -> None:
 
 def _make_source(data_cfg) -> Source:
   """Builds the `Source` for `config.data` (uncached)."""
-  name, image_key, label_key = (data_cfg.name, data_cfg.image_key, data_cfg.label_key)
-  bad_images = data_cfg.bad_images
+  name, bad_images = data_cfg.name, data_cfg.bad_images
   if data_cfg.image_folder:
     root = storage.normalize(data_cfg.image_folder)
     if not storage.isdir(root):
@@ -558,7 +557,7 @@ def _make_source(data_cfg) -> Source:
       raise non_utf8_name_error(raw) from None
     if not builder.info.splits:
       raise FileNotFoundError(f'No images found under {root}/<split>/<class>/*.{{jpg,jpeg,png}}.')
-    label = _label_spec(builder, root, label_key or 'label')
+    label = _label_spec(builder, root, data_cfg.label_key or 'label')
     # Reading the per-split file lists ourselves gives split slicing and reading by index.
     examples = dict(builder._split_examples)  # pylint: disable=protected-access
     paths = [e.image_path for exs in examples.values() for e in exs]
@@ -587,10 +586,10 @@ def _make_source(data_cfg) -> Source:
   if not builder.is_prepared():
     _prepare(builder, name, data_cfg)
     _restore_file_formats(builder)
-  if image_key not in builder.info.features:
-    raise KeyError(f'config.data.image_key={image_key!r} is not a feature of {name!r}; '
+  if data_cfg.image_key not in builder.info.features:
+    raise KeyError(f'config.data.image_key={data_cfg.image_key!r} is not a feature of {name!r}; '
                    f'features: {sorted(builder.info.features)}.')
-  return Source(builder, name, image_key, _label_spec(builder, name, label_key),
+  return Source(builder, name, data_cfg.image_key, _label_spec(builder, name, data_cfg.label_key),
                 bad_images=bad_images)
 
 
