@@ -126,7 +126,9 @@ def _undecodable(root: str, paths: Tuple[str, ...]) -> Tuple[str, ...]:
     logging.info("Validating the %d images under %s (data.bad_images='skip')...", len(paths), root)
     start = time.perf_counter()
     bad = tuple(find_undecodable(paths))
-    logging.info('Validated %d images in %.1f s.', len(paths), time.perf_counter() - start)
+    seconds = time.perf_counter() - start
+    logging.info('Validated %d images in %.1f s (%.0f images/s).', len(paths), seconds,
+                 len(paths) / max(seconds, 1e-9))
     if bad:
       logging.warning("Skipping %d of %d images that cannot be decoded (data.bad_images='skip') "
                       'under %s: %s', len(bad), len(paths), root, _name_files(bad, root, sep=', '))
