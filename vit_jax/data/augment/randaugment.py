@@ -384,11 +384,6 @@ _OPS.update({f'{name}Increasing': (level, _OPS[name][1]) for name, level in (
 OP_NAMES = tuple(_OPS)  # Every op `apply_op` knows (the union of both RandAugment lists).
 
 
-def _check_op_name(name: str) -> None:
-  if name not in _OPS:
-    raise ValueError(f'Unknown augmentation op {name!r}; known: {OP_NAMES}.')
-
-
 def _level(name: str, magnitude: tf.Tensor, sign: tf.Tensor) -> tf.Tensor:
   level_fn = _OPS[name][0]
   if level_fn is None:
@@ -400,7 +395,8 @@ def _level(name: str, magnitude: tf.Tensor, sign: tf.Tensor) -> tf.Tensor:
 def level_to_arg(name: str, magnitude: Number, seed: tf.Tensor) -> Optional[tf.Tensor]:
   """timm ``LEVEL_TO_ARG[name](magnitude)``: the op argument (float64 scalar; signed ops draw
   their sign from ``seed``), None for AutoContrast, Equalize, Invert. ValueError: unknown op."""
-  _check_op_name(name)
+  if name not in _OPS:
+    raise ValueError(f'Unknown augmentation op {name!r}; known: {OP_NAMES}.')
   if _OPS[name][0] is None:
     return None
   return _level(name, tf.cast(magnitude, tf.float64), _sign(stateless.uniform(seed)))
@@ -452,8 +448,7 @@ def apply_op(image: tf.Tensor, name: str, magnitude: Number, seed: tf.Tensor,
   or fill."""
   image = _check_uint8_rgb(image)
   fill = _check_fill(fill)
-  _check_op_name(name)
-  arg = _level(name, tf.cast(magnitude, tf.float64), _sign(stateless.uniform(seed)))
+  arg = level_to_arg(name, magnitude, seed)
   out = _OPS[name][1](image, arg, fill)
   out.set_shape(image.shape)
   return out
