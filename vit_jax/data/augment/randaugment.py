@@ -325,8 +325,6 @@ RAND_INCREASING_TRANSFORMS = (
 
 # timm's level functions: a float64 magnitude m (and a random sign where timm calls
 # `_randomly_negate`) -> the op argument.
-
-
 def _sign(u: tf.Tensor) -> tf.Tensor:
   """timm `_randomly_negate` of a float64 uniform ``u``: -1 or +1 (float64)."""
   return tf.where(u > 0.5, tf.constant(-1., tf.float64), tf.constant(1., tf.float64))
@@ -427,8 +425,7 @@ def _apply_switch(image: tf.Tensor, names: Sequence[str], index: tf.Tensor,
 @stateless.branch_function
 def _layer(image: tf.Tensor, names: Tuple[str, ...], u: tf.Tensor, magnitude: float,
            magnitude_std: float, fill: Tuple[int, int, int]) -> tf.Tensor:
-  """One RandAugment layer, applied: the op and its magnitude and sign from float64 ``u[0, 2,
-  3]``."""
+  """One RandAugment layer, applied: the op, its magnitude and sign from float64 ``u[0, 2, 3]``."""
   index = tf.minimum(tf.cast(u[0] * len(names), tf.int32), len(names) - 1)
   return _apply_switch(image, names, index, _magnitude(u[2], magnitude, magnitude_std),
                        _sign(u[3]), fill)
@@ -467,8 +464,7 @@ def _magnitude(u: tf.Tensor, magnitude: float, magnitude_std: float) -> tf.Tenso
 @stateless.no_autograph
 def sample_magnitude(seed: tf.Tensor, magnitude: float = 9.,
                      magnitude_std: float = 0.5) -> tf.Tensor:
-  """timm ``AugmentOp`` magnitude, float64 in [0, 10]: fixed, uniform (std inf) or Normal, clipped.
-  """
+  """timm ``AugmentOp`` magnitude, float64 in [0, 10]: fixed, uniform (std inf) or Normal."""
   return _magnitude(stateless.uniform(seed), magnitude, magnitude_std)
 
 
