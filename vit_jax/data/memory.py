@@ -76,10 +76,9 @@ def estimate_shuffle_memory(data_cfg, source: sources.Source, split, num_example
 
 def estimate_in_memory(source: sources.Source, split, num_examples: int, *,
                        sample: int = MEMORY_SAMPLE) -> Tuple[int, Optional[int]]:
-  """``(bytes, sampled)`` of the ``num_examples`` decoded uint8 images and int64 labels that
-  ``source.random_access(split, decode=True)`` will hold, before it reads them: exact (sampled
-  0) for one static image size and single labels, else ``num_examples`` x the mean of the first
-  ``sample`` examples (sampled: how many were read; None: none could be)."""
+  """``(bytes, sampled)`` of the decoded images and labels ``source.random_access(split,
+  decode=True)`` will hold: exact (sampled 0) for one static image size and single labels, else
+  ``num_examples`` x the mean of the first ``sample`` (sampled: how many read; None: none)."""
   hw = source.static_image_hw
   if hw is not None and not source.label.multi_label:
     return num_examples * (hw[0] * hw[1] * 3 + 8), 0
@@ -101,10 +100,9 @@ def _size(n: float) -> str:
 @dataclasses.dataclass(frozen=True)
 class InputMemory:
   """One process's input pipeline: the ``shuffle`` buffer and tf.data cache (None: read by index),
-  the decoded images a source read by index holds (``in_memory_bytes``; ``in_memory_sampled``
-  as :func:`estimate_in_memory`'s), and the batch buffers: (``prefetch`` + ``in_flight`` +
-  ``BATCH_COPIES``) batches of ``local_batch`` float32 ``[S, S, 3]`` images and ``[C]`` labels
-  (S = ``image_size``, C = ``num_classes``)."""
+  the decoded images read by index (:func:`estimate_in_memory`), and (``prefetch`` +
+  ``in_flight`` + ``BATCH_COPIES``) batches of ``local_batch`` float32 ``[S, S, 3]`` images and
+  ``[C]`` labels (S = ``image_size``, C = ``num_classes``)."""
   shuffle: Optional[ShuffleMemory]
   in_memory_bytes: int
   local_batch: int
@@ -146,10 +144,9 @@ def estimate_input_memory(data_cfg, local_batch: int, num_classes: int, *,
                           shuffle: Optional[ShuffleMemory] = None,
                           in_memory_bytes: int = 0,
                           in_memory_sampled: Optional[int] = 0) -> InputMemory:
-  """The :class:`InputMemory` of a process's train pipeline of ``local_batch`` examples per
-  batch: ``shuffle`` from :func:`estimate_shuffle_memory` (read in order) or None (read by
-  index), ``in_memory_bytes`` (``in_memory_sampled``) from :func:`estimate_in_memory`: the
-  arrays a source read by index holds."""
+  """The :class:`InputMemory` of a process's train pipeline: ``shuffle`` from
+  :func:`estimate_shuffle_memory` (None: read by index), ``in_memory_*`` from
+  :func:`estimate_in_memory`."""
   parallel = int(data_cfg.num_parallel_calls)
   return InputMemory(shuffle, int(in_memory_bytes), int(local_batch), int(data_cfg.image_size),
                      int(num_classes), int(data_cfg.prefetch),

@@ -128,9 +128,9 @@ _LIVE = weakref.WeakSet()  # The iterators not yet collected.
 
 @atexit.register
 def _close_live_iterators() -> None:
-  """Deletes the tf.data iterators still alive, before the interpreter's finalization: there a
-  worker thread of a pipeline that runs Python (ArrayRecord's reads) cannot take the GIL, and
-  the iterator's deletion would wait for it forever."""
+  """Deletes the tf.data iterators still alive before the interpreter's finalization, where a
+  pipeline's thread running Python (ArrayRecord's reads) cannot take the GIL: deleting its
+  iterator then would wait forever."""
   for iterator in list(_LIVE):
     iterator._it = None  # pylint: disable=protected-access
   gc.collect()
@@ -149,17 +149,10 @@ def _train_split(data_cfg, pi: int, pc: int) -> sources.SplitArg:
 def train_read_mode(data_cfg, recorded: Optional[str] = None, *,
                     process_index: Optional[int] = None,
                     process_count: Optional[int] = None) -> str:
-  """How :func:`create_train_iterator` reads this process's training split: BY_INDEX where the
-  source allows it (`Source.random_access`: an image folder, ArrayRecord files, or
-  ``config.data.cache``), else IN_ORDER (TFRecord files through a shuffle buffer). Nothing is
-  decoded.
-
-  ``recorded``: the mode of the run being resumed (its checkpoint's dataset record; None: a new
-  run, or a record of an earlier version, which has none), kept so that the batches are those of
-  an uninterrupted run: IN_ORDER also once ArrayRecord files were added (the TFRecord files are
-  read as before). ValueError (the cause and the fixes) where it cannot be kept: BY_INDEX without
-  readable ArrayRecord files, IN_ORDER without the TFRecord files, or an unknown mode.
-  """
+  """How :func:`create_train_iterator` reads this process's training split (nothing decoded):
+  BY_INDEX where `Source.random_access` can, else IN_ORDER; ``recorded`` (the checkpoint's mode;
+  None: a new run) is kept as docs/data.md says. ValueError (the cause and the fixes) where it
+  cannot be kept, or an unknown mode."""
   pi = jax.process_index() if process_index is None else process_index
   pc = jax.process_count() if process_count is None else process_count
   source = sources.get_source(data_cfg)
@@ -193,12 +186,9 @@ def create_train_iterator(data_cfg, global_batch_size: int, seed: int, start_ste
   """This process's training batches, ``b`` = global / process count: ``'image'`` float32
   ``[b, S, S, 3]`` (normalized), ``'labels'`` float32 ``[b, C]`` (one- or multi-hot, mixed).
 
-  Deterministic: epoch e is a permutation keyed by ``fold_in(seed, e)``, augmentations are
-  seeded by (seed, e, position); ``start_step=k`` starts at position ``k*b``, so the batches are
-  exactly steps k, k+1, ... of an uninterrupted run (tfds in 'skip' mode: if nothing was dropped
-  before). Read by index (`Source.random_access`) or, TFRecord files, in order through a shuffle
-  buffer (a resume then reads the examples before its position again): docs/data.md. ``read``:
-  the mode of the run resumed, kept as :func:`train_read_mode` says.
+  Deterministic: ``start_step=k`` yields exactly steps k, k+1, ... of an uninterrupted run (tfds
+  in 'skip' mode: if nothing was dropped before), read as :func:`train_read_mode` says (``read``:
+  the resumed run's mode; docs/data.md, "Resuming in constant time").
 
   Raises ValueError (batch size not a multiple of the process count, invalid config, empty split,
   a ``read`` that cannot be kept) or as :func:`get_info`; ``next()``: ``BadImageError`` in
@@ -235,14 +225,13 @@ def create_train_iterator(data_cfg, global_batch_size: int, seed: int, start_ste
   shuffle_root = preprocess.fold_in(run_key, 0)
   epochs = tf.data.Dataset.range(start_epoch, 2**62)
   if access is None:  # In order: each epoch's files and a buffer shuffled by its key.
-    if data_cfg.cache:  # Decoded, un-augmented images, shared by all epochs.
+    if cache:  # Decoded, un-augmented images, shared by all epochs.
       cached = source.drop_undecodable(source.read(split, decode=True)).cache()
 
     @tf.autograph.experimental.do_not_convert
     def epoch_examples(epoch):
       key = preprocess.fold_in(shuffle_root, epoch)
-      ds = cached if data_cfg.cache else source.read(split, decode=False, shuffle_files=True,
-                                                     file_seed=key[0])
+      ds = cached if cache else source.read(split, decode=False, file_seed=key[0])
       ds = ds.shuffle(min(data_cfg.shuffle_buffer, n), seed=key[1], reshuffle_each_iteration=False)
       return ds.enumerate(start=epoch * _EPOCH_STRIDE)
     ds = epochs.flat_map(epoch_examples)

@@ -115,22 +115,12 @@ def _not_files(paths: Sequence[str]) -> Dict[str, str]:
   return {p: kind for p, kind in kinds.items() if kind}
 
 
-def _files_named(kinds: Dict[str, str], root: str) -> str:
-  """'a.jpg (a FIFO), ...' of `_not_files`'s answer (the first MAX_NAMED_FILES)."""
-  shown = [f'{os.path.relpath(p, root)} ({kind})' for p, kind in
-           list(kinds.items())[:MAX_NAMED_FILES]]
-  more = len(kinds) - len(shown)
-  return ', '.join(shown + ([f'... and {more} more'] if more else []))
-
-
 # (root, all file paths) -> the undecodable ones: 'skip' validates a folder once per process.
 _UNDECODABLE_CACHE: Dict[Tuple[str, Tuple[str, ...]], Tuple[str, ...]] = {}
 
 
-def _drop_undecodable(root: str, examples: Dict[str, list]
-                      ) -> Tuple[Dict[str, list], Tuple[str, ...]]:
-  """``(examples without the undecodable files, bad paths)`` of an image folder (one warning)."""
-  paths = tuple(e.image_path for exs in examples.values() for e in exs)
+def _undecodable(root: str, paths: Tuple[str, ...]) -> Tuple[str, ...]:
+  """The undecodable files among an image folder's ``paths`` (validated once, one warning)."""
   key = (root, paths)
   if key not in _UNDECODABLE_CACHE:
     logging.info("Validating the %d images under %s (data.bad_images='skip')...", len(paths), root)
@@ -143,12 +133,7 @@ def _drop_undecodable(root: str, examples: Dict[str, list]
       logging.warning("Skipping %d of %d images that cannot be decoded (data.bad_images='skip') "
                       'under %s: %s', len(bad), len(paths), root, _name_files(bad, root, sep=', '))
     _UNDECODABLE_CACHE[key] = bad
-  bad = _UNDECODABLE_CACHE[key]
-  if bad:
-    bad_set = set(bad)
-    examples = {split: [e for e in exs if e.image_path not in bad_set]
-                for split, exs in examples.items()}
-  return examples, bad
+  return _UNDECODABLE_CACHE[key]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -222,14 +207,13 @@ class RandomAccess:
   as :meth:`Source.read` yields them, in order."""
   num_examples: int
   read: Callable[[tf.data.Dataset], tf.data.Dataset]
-  nbytes: int = 0  # Of the arrays held in memory (decode=True), else 0.
 
 
-def _by_index(num_examples: int, example: Callable[[tf.Tensor], Dict[str, tf.Tensor]],
-              nbytes: int = 0) -> RandomAccess:
+def _by_index(num_examples: int,
+              example: Callable[[tf.Tensor], Dict[str, tf.Tensor]]) -> RandomAccess:
   """The `RandomAccess` whose example at an int64 index is ``example(index)``."""
   return RandomAccess(num_examples, lambda ds: ds.map(lambda i, index: (i, example(index)),
-                                                      num_parallel_calls=tf.data.AUTOTUNE), nbytes)
+                                                      num_parallel_calls=tf.data.AUTOTUNE))
 
 
 def _indexed(arrays: List[np.ndarray], *, batches: bool = False
@@ -337,19 +321,19 @@ class Source:
     feature = self.builder.info.features[self.image_key]
     return (isinstance(feature, tfds.features.Image) and tf.as_dtype(feature.np_dtype) == tf.uint8)
 
-  def read(self, split: SplitArg, *, decode: bool, shuffle_files: bool = False,
+  def read(self, split: SplitArg, *, decode: bool,
            file_seed: Optional[tf.Tensor] = None) -> tf.data.Dataset:
     """``split`` as a finite dataset of ``{'image', 'label'}``: uint8 ``[H, W, 3]`` images when
-    ``decode`` (else maybe encoded tf.string), int64 labels ``[]`` (multi-label ``[None]``);
-    ``file_seed`` (int64) shuffles the order of TFRecord files when ``shuffle_files``."""
+    ``decode`` (else maybe encoded tf.string), int64 labels ``[]`` (multi-label ``[None]``); an
+    int64 ``file_seed`` shuffles the order of TFRecord files."""
     if self.is_image_folder or not self._reads_in_order:  # By index, in order.
       ds = self.random_access(split, decode=False).read(
           tf.data.Dataset.range(self.num_examples(split)).map(lambda i: (i, i)))
       ds = ds.map(lambda _, ex: ex)
     else:
-      read_config = tfds.ReadConfig(
-          shuffle_seed=file_seed if shuffle_files else None,
-          shuffle_reshuffle_each_iteration=False if shuffle_files else None)
+      shuffle_files = file_seed is not None
+      read_config = tfds.ReadConfig(shuffle_seed=file_seed, shuffle_reshuffle_each_iteration=(
+          False if shuffle_files else None))
       ds = self.builder.as_dataset(split=split, shuffle_files=shuffle_files,
                                    decoders=self._decoders, read_config=read_config)
       ds = ds.map(lambda ex: {'image': ex[self.image_key], 'label': ex[self.label.key]})
@@ -384,16 +368,14 @@ class Source:
 
   @property
   def reads_in_order_as_before(self) -> bool:
-    """Whether :meth:`read` goes through the files in the order of a run that read them in order
-    from its start: TFRecord files (tf.data), or an image folder's list; not ArrayRecord only."""
+    """Whether :meth:`read` goes through the files as a run that read them in order did: TFRecord
+    files or an image folder's list (not ArrayRecord only)."""
     return self.is_image_folder or self._reads_in_order
 
   def random_access(self, split: SplitArg, *, decode: bool) -> Optional[RandomAccess]:
-    """``split`` read by index: with ``decode`` its images decoded into memory once (any source),
-    else an image folder's files or a tfds dataset's ArrayRecord files; None where it cannot be
-    (a TFRecord-only dataset without ``decode``; ArrayRecord files that cannot be read when
-    TFRecord ones exist: a warning names the fix). FileNotFoundError: an ArrayRecord-only dataset
-    whose files cannot be read (naming the fix)."""
+    """``split`` read by index: with ``decode`` decoded into memory once (any source), else an
+    image folder's files or ArrayRecord files; None where it cannot be (TFRecord files only, or
+    as :meth:`_array_records`, which raises FileNotFoundError)."""
     if decode:
       return self._in_memory(split)
     if self.is_image_folder:
@@ -419,9 +401,8 @@ class Source:
       return {'image': image if encoded else self.decode(image, False),
               'label': example[self.label.key]}
 
-    # One Python call reads the serialized examples of _READ_BATCH indices (array_record in
-    # parallel). Python inside tf.data: an iterator alive at exit hangs it (see
-    # `pipeline._close_live_iterators`).
+    # One Python call reads _READ_BATCH records (in parallel); see
+    # `pipeline._close_live_iterators` for Python inside tf.data.
     def fetch(ids, indices):
       serialized = tf.numpy_function(lambda i: np.array(records.__getitems__(i.tolist()), object),
                                      [indices], tf.string, stateful=False)
@@ -431,9 +412,9 @@ class Source:
             lambda i, serialized: (i, finish(serialized)), num_parallel_calls=tf.data.AUTOTUNE))
 
   def _array_records(self, split: SplitArg) -> Any:
-    """``split``'s ArrayRecord data source (tfds ``as_data_source``, serialized examples), or None:
-    no ArrayRecord files, or (with a warning naming the fix) files that cannot be read when
-    TFRecord ones exist. Probed once per split. FileNotFoundError as :meth:`random_access`."""
+    """``split``'s ArrayRecord data source (serialized examples, probed once), or None: no
+    ArrayRecord files, or unreadable ones beside TFRecord files (a warning names the fix).
+    FileNotFoundError: unreadable ArrayRecord files and no TFRecord ones (naming the fix)."""
     key = repr(split)
     if key in self._records:
       return self._records[key]
@@ -461,20 +442,18 @@ class Source:
     return records
 
   def _in_memory(self, split: SplitArg) -> RandomAccess:
-    """``split`` decoded once into memory ('skip' mode: without the undecodable images) and read
-    by index: images of one static size with single labels read in batches, others (an image
-    folder's, several labels per image) one by one; held as :func:`_indexed` says."""
+    """``split`` decoded once into memory ('skip' mode: without the undecodable images), held as
+    :func:`_indexed` says (read in batches for one static size and single labels)."""
     ds = self.drop_undecodable(self.read(split, decode=True))
     batches = self.static_image_hw is not None and not self.label.multi_label
     parts = list((ds.batch(1024) if batches else ds).as_numpy_iterator())
     if not parts:  # Nothing to read (the pipelines refuse an empty split before reading).
       return RandomAccess(0, lambda positions: positions.take(0))
-    nbytes = sum(v.nbytes for part in parts for v in part.values())
     n = sum(len(part['label']) for part in parts) if batches else len(parts)
     columns = {k: [part[k] for part in parts] for k in ('image', 'label')}
     del parts
     example = {k: _indexed(columns.pop(k), batches=batches) for k in ('image', 'label')}
-    return _by_index(n, lambda index: {k: get(index) for k, get in example.items()}, nbytes)
+    return _by_index(n, lambda index: {k: get(index) for k, get in example.items()})
 
   def decode(self, image: tf.Tensor, encoded: bool) -> tf.Tensor:
     """`preprocess.decode_rgb` + the static [H, W, 3] shape when known."""
@@ -518,9 +497,8 @@ def _label_spec(builder, name: str, label_key: Optional[str]) -> LabelSpec:
 
 @contextlib.contextmanager
 def _folder_names_without_slashes():
-  """tfds's ImageFolder lists folders with TensorFlow's file API (``listdir``), which on gs:// ends a
-  folder's name with '/': the splits and classes would be 'train/', 'cat/'. Stripped while it
-  reads the listing."""
+  """Strips the '/' that TensorFlow's ``listdir`` ends gs:// folder names with ('train/', 'cat/')
+  while tfds's ImageFolder lists the splits and classes."""
   # pylint: disable=protected-access
   module = tfds.folder_dataset.image_folder
   listed = module._list_folders
@@ -551,9 +529,8 @@ def tfds_builder(name: str, data_dir: Optional[str] = None):
 
 
 def _restore_file_formats(builder) -> None:
-  """A registered builder restores its dataset_info.json into the info's proto but not into
-  `info.alternative_file_formats` (tfds 4.9), so `available_file_formats()` would miss the
-  ArrayRecord files added later: copied from the proto here."""
+  """Copies the file formats of a registered builder's dataset_info.json into
+  `info.alternative_file_formats`, where tfds 4.9 misses ArrayRecord files added later."""
   info = builder.info
   known = info.alternative_file_formats  # The list itself (tfds's property).
   for value in info.as_proto.alternative_file_formats:
@@ -564,8 +541,7 @@ def _restore_file_formats(builder) -> None:
 
 def _make_source(data_cfg) -> Source:
   """Builds the `Source` for `config.data` (uncached)."""
-  name, image_key, label_key = (data_cfg.name, data_cfg.image_key, data_cfg.label_key)
-  bad_images = data_cfg.bad_images
+  name, bad_images = data_cfg.name, data_cfg.bad_images
   if data_cfg.image_folder:
     root = storage.normalize(data_cfg.image_folder)
     if not storage.isdir(root):
@@ -583,25 +559,27 @@ def _make_source(data_cfg) -> Source:
       raise non_utf8_name_error(raw) from None
     if not builder.info.splits:
       raise FileNotFoundError(f'No images found under {root}/<split>/<class>/*.{{jpg,jpeg,png}}.')
-    label = _label_spec(builder, root, label_key or 'label')
+    label = _label_spec(builder, root, data_cfg.label_key or 'label')
     # Reading the per-split file lists ourselves gives split slicing and reading by index.
-    examples, skipped = dict(builder._split_examples), ()  # pylint: disable=protected-access
-    odd = {} if storage.is_remote(root) else _not_files(
-        [e.image_path for exs in examples.values() for e in exs])
+    examples = dict(builder._split_examples)  # pylint: disable=protected-access
+    paths = [e.image_path for exs in examples.values() for e in exs]
+    odd = {} if storage.is_remote(root) else _not_files(paths)
+    named = _name_files([f'{os.path.relpath(p, root)} ({kind})' for p, kind in odd.items()],
+                        sep=', ')
     if odd and bad_images != 'skip':
       raise FileNotFoundError(
           f'{len(odd)} image file(s) of image folder {root} are not files that can be read '
-          f'(reading a FIFO or a device waits forever): {_files_named(odd, root)}. Remove them or '
-          'replace them with images, or set --config.data.bad_images=skip to skip them.')
-    if odd:  # Left out before the validation reads the others.
+          f'(reading a FIFO or a device waits forever): {named}. Remove them or replace them '
+          'with images, or set --config.data.bad_images=skip to skip them.')
+    if odd:
       logging.warning("Skipping %d image file(s) of image folder %s that are not files that can "
-                      "be read (data.bad_images='skip'): %s", len(odd), root,
-                      _files_named(odd, root))
-      examples = {split: [e for e in exs if e.image_path not in odd]
-                  for split, exs in examples.items()}
-    if bad_images == 'skip':
-      examples, skipped = _drop_undecodable(root, examples)
-      skipped = tuple(odd) + skipped
+                      "be read (data.bad_images='skip'): %s", len(odd), root, named)
+    skipped = tuple(odd)
+    if bad_images == 'skip':  # The others, left out when they cannot be decoded.
+      skipped += _undecodable(root, tuple(p for p in paths if p not in odd))
+    left_out = set(skipped)
+    examples = {split: [e for e in exs if e.image_path not in left_out]
+                for split, exs in examples.items()}
     return Source(builder, root, 'image', label, image_folder_examples=examples,
                   bad_images=bad_images, skipped_images=skipped)
   if not name:
@@ -610,10 +588,10 @@ def _make_source(data_cfg) -> Source:
   if not builder.is_prepared():
     _prepare(builder, name, data_cfg)
     _restore_file_formats(builder)
-  if image_key not in builder.info.features:
-    raise KeyError(f'config.data.image_key={image_key!r} is not a feature of {name!r}; '
+  if data_cfg.image_key not in builder.info.features:
+    raise KeyError(f'config.data.image_key={data_cfg.image_key!r} is not a feature of {name!r}; '
                    f'features: {sorted(builder.info.features)}.')
-  return Source(builder, name, image_key, _label_spec(builder, name, label_key),
+  return Source(builder, name, data_cfg.image_key, _label_spec(builder, name, data_cfg.label_key),
                 bad_images=bad_images)
 
 
@@ -623,7 +601,7 @@ _CHECKED = set()  # The `config.data` values `config.validate_data` accepted.
 
 def get_source(data_cfg) -> Source:
   """The (memoized) :class:`Source` of ``config.data``, prepared (and in 'skip' mode validated),
-  after ``config.validate_data`` (once per values: every entry point of the pipeline calls this).
+  after ``config.validate_data`` (once per values).
 
   Raises:
     FileNotFoundError: not prepared nor preparable offline; missing files; dangling links.

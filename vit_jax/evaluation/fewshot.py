@@ -9,7 +9,6 @@ spread over seeds (the protocol and its differences: docs/evaluation.md).
 from __future__ import annotations
 
 import dataclasses
-import re
 from typing import Any, Callable, Optional, Sequence
 
 from absl import logging
@@ -268,7 +267,7 @@ class Task:
 def task_name(data_config: ml_collections.ConfigDict) -> str:
   """'cars196:2.1.0' -> 'cars196_2_1_0'; an image folder or directory -> its basename."""
   name = (data_config.image_folder or data_config.name).rstrip("/").rsplit("/", 1)[-1]
-  return re.sub(r"[^A-Za-z0-9]+", "_", name).strip("_") or "dataset"
+  return evaluation.eval_name(name) or "dataset"
 
 
 #: How `make_task`'s messages name the settings during training (`config.fewshot.*`).

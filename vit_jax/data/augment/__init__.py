@@ -1,11 +1,7 @@
 """T2T-ViT / DeiT ImageNet training augmentations: timm's, as TensorFlow ops (eager or tf.data).
-
-:func:`rand_augment` (timm ``rand_augment_transform('rand-m9-mstd0.5-inc1')`` over PIL's op
-definitions), :func:`random_erasing` (timm ``RandomErasing(mode='pixel')``), :func:`mixup_cutmix`
-(timm ``Mixup(mode='batch', correct_lam=True)``). Each takes an int64 ``[2]`` seed, so a resumed
-run sees the augmentations of an uninterrupted one (timm's distributions, not its random numbers).
-Differences from timm / PIL: geometric ops always bilinear, PIL's float64 coordinates with the
-blend in float32 (a pixel rarely differs by 1); Posterize with 0 bits gives black (PIL < 9)."""
+Each takes an int64 ``[2]`` seed, so a resumed run sees the augmentations of an uninterrupted one
+(timm's distributions, not its random numbers). Differences from timm / PIL: geometric ops always
+bilinear (:func:`affine`); Posterize with 0 bits gives black (PIL < 9)."""
 
 from vit_jax.data.augment.mixing import mixup_cutmix, random_erasing
 from vit_jax.data.augment.randaugment import (IMAGENET_FILL, MAX_LEVEL, OP_NAMES,

@@ -1,5 +1,4 @@
-"""The per-batch augmentations of T2T-ViT and DeiT, after normalization: timm's
-`Mixup(mode='batch', correct_lam=True)` (Mixup and CutMix) and `RandomErasing(mode='pixel')`."""
+"""The per-batch augmentations of T2T-ViT and DeiT, after normalization."""
 
 from __future__ import annotations
 
@@ -29,13 +28,10 @@ def mixup_cutmix(images: tf.Tensor, labels: tf.Tensor, seed: tf.Tensor, *,
   With probability ``prob`` mix the batch (else lam = 1): CutMix with probability ``switch_prob``
   when both alphas are > 0, else the one that is; lam ~ Beta(alpha, alpha); example i's partner is
   B - 1 - i. CutMix boxes as timm's ``rand_bbox``, lam corrected to ``1 - box_area / (H * W)``;
-  labels mixed by lam (linear, so it commutes with smoothing and normalization; to reproduce
-  timm's uint8 ``FastCollateMixup``, mix [0, 255] floats and round). ``seed``: int64 ``[2]``.
-
-  Returns ``(images, labels)`` (plus lam, float32, with ``return_lam``), dtypes and shapes kept.
-
-  Raises:
-    ValueError: a negative alpha, both alphas 0, or switch_prob / prob outside [0, 1].
+  labels mixed by lam (linear: it commutes with smoothing and normalization; for timm's uint8
+  ``FastCollateMixup``, mix [0, 255] floats and round). ``seed``: int64 ``[2]``. Returns
+  ``(images, labels)`` (plus lam, float32, with ``return_lam``), dtypes and shapes kept.
+  ValueError: a negative alpha, both alphas 0, or switch_prob / prob outside [0, 1].
   """
   if mixup_alpha < 0 or cutmix_alpha < 0:
     raise ValueError('mixup_alpha and cutmix_alpha must be >= 0, got '
@@ -96,16 +92,11 @@ def random_erasing(image: tf.Tensor, seed: tf.Tensor, *,
                    probability: float = 0.25, min_area: float = 0.02,
                    max_area: float = 1 / 3, min_aspect: float = 0.3,
                    max_count: int = 1) -> tf.Tensor:
-  """timm ``RandomErasing(mode='pixel')`` of one normalized float ``[H, W, C]`` image (same out).
-
-  With probability ``probability`` erase ``count`` rectangles (1, or uniform in [1, max_count]),
-  each with up to 10 attempts as timm (area uniform in [min_area, max_area] * H * W / count,
-  log-uniform aspect, Python rounding); erased pixels get N(0, 1). ``seed``: int64 ``[2]``.
-
-  Raises:
-    ValueError: probability outside [0, 1], not 0 < min_area <= max_area, min_aspect <= 0 or
-      max_count < 1.
-  """
+  """timm ``RandomErasing(mode='pixel')`` of one normalized float ``[H, W, C]`` image (same out):
+  with probability ``probability`` ``count`` rectangles (1, or uniform in [1, max_count]), each
+  with up to 10 attempts as timm (area uniform in [min_area, max_area] * H * W / count,
+  log-uniform aspect, Python rounding), get N(0, 1) noise. ``seed``: int64 ``[2]``. ValueError:
+  probability outside [0, 1], not 0 < min_area <= max_area, min_aspect <= 0, max_count < 1."""
   if not 0. <= probability <= 1.:
     raise ValueError(f'probability must be in [0, 1], got {probability!r}.')
   if not 0. < min_area <= max_area:

@@ -1,8 +1,6 @@
 """RandAugment as T2T-ViT and DeiT train with it (timm ``'rand-m9-mstd0.5-inc1'``): timm's level
--> argument mappings, op lists and policy over PIL's image ops (``ImageOps`` look-up tables,
-``ImageEnhance`` blends, ``Image.transform`` affine), in TensorFlow: uint8 ``[H, W, 3]`` in and
-out, eagerly and in tf.data. Differences: :mod:`vit_jax.data.augment`.
-"""
+-> argument mappings, op lists and policy over PIL's image ops, uint8 ``[H, W, 3]`` in and out.
+Differences: :mod:`vit_jax.data.augment`."""
 
 from __future__ import annotations
 
@@ -37,13 +35,8 @@ def _check_fill(fill: Fill) -> Tuple[int, int, int]:
   return fill
 
 
-def _to_uint8_trunc(x: tf.Tensor) -> tf.Tensor:
-  """float -> uint8 like C's `(UINT8)` after clipping to [0, 255]."""
-  return tf.cast(tf.floor(tf.clip_by_value(x, 0., 255.)), tf.uint8)
-
-
-# TensorFlow's CPU kernels for `tf.where`, `tf.gather` and broadcasts over the 3 channels cost 5
-# to 10 times an elementwise op on a [H, W, 3] image; the ops below avoid them where they can.
+# TensorFlow's CPU kernels for `tf.where`, `tf.gather` and broadcasts over the 3 channels are
+# slow on a [H, W, 3] image; the ops below avoid them where they can.
 
 
 def _channel_offsets(image: tf.Tensor) -> tf.Tensor:
@@ -52,13 +45,6 @@ def _channel_offsets(image: tf.Tensor) -> tf.Tensor:
   if image.shape.is_fully_defined():
     return tf.constant(np.broadcast_to(offsets, image.shape.as_list()))
   return tf.tile(tf.constant(offsets)[None, None], tf.concat([tf.shape(image)[:2], [1]], 0))
-
-
-def _histograms(image: tf.Tensor) -> tf.Tensor:
-  """int32 [3, 256] per-channel histograms of a uint8 [H, W, 3] image."""
-  idx = tf.cast(image, tf.int32) + _channel_offsets(image)
-  hist = tf.math.bincount(tf.reshape(idx, [-1]), minlength=768, maxlength=768, dtype=tf.int32)
-  return tf.reshape(hist, [3, 256])
 
 
 def _apply_luts(image: tf.Tensor, luts: tf.Tensor) -> tf.Tensor:
@@ -81,10 +67,12 @@ def grayscale(image: tf.Tensor) -> tf.Tensor:
 
 
 def _blend(degenerate: tf.Tensor, image: tf.Tensor, factor: Number) -> tf.Tensor:
-  """PIL ``Image.blend(degenerate, image, factor)``: uint8 ``clip(d + f * (i - d))`` in float32."""
+  """PIL ``Image.blend(degenerate, image, factor)``: uint8 ``clip(d + f * (i - d))`` in float32,
+  truncated as C's ``(UINT8)``."""
   alpha = tf.cast(factor, tf.float32)
   d = tf.cast(degenerate, tf.float32)
-  return _to_uint8_trunc(d + alpha * (tf.cast(image, tf.float32) - d))
+  blended = d + alpha * (tf.cast(image, tf.float32) - d)
+  return tf.cast(tf.floor(tf.clip_by_value(blended, 0., 255.)), tf.uint8)
 
 
 def _threshold(threshold: Number) -> Tuple[tf.Tensor, tf.Tensor]:
@@ -93,22 +81,33 @@ def _threshold(threshold: Number) -> Tuple[tf.Tensor, tf.Tensor]:
   return tf.cast(tf.clip_by_value(t, 0, 255), tf.uint8), t > 255
 
 
-def _invert(image: tf.Tensor) -> tf.Tensor:
-  return tf.bitwise.invert(image)
+@stateless.no_autograph
+def invert(image: tf.Tensor) -> tf.Tensor:
+  """PIL `ImageOps.invert`: 255 - x (uint8 [H, W, 3] -> same)."""
+  return tf.bitwise.invert(_check_uint8_rgb(image))
 
 
-def _posterize(image: tf.Tensor, bits: Number) -> tf.Tensor:
+@stateless.no_autograph
+def posterize(image: tf.Tensor, bits: Number) -> tf.Tensor:
+  """PIL ``ImageOps.posterize``: the top ``bits`` (0-8) bits; 8 identity, 0 black (PIL < 9)."""
+  image = _check_uint8_rgb(image)
   shift = tf.clip_by_value(8 - tf.cast(bits, tf.int32), 0, 8)
   return tf.bitwise.bitwise_and(image, tf.cast(256 - tf.bitwise.left_shift(1, shift), tf.uint8))
 
 
-def _solarize(image: tf.Tensor, threshold: Number) -> tf.Tensor:
+@stateless.no_autograph
+def solarize(image: tf.Tensor, threshold: Number) -> tf.Tensor:
+  """PIL ``ImageOps.solarize``: ``x < threshold ? x : 255 - x`` (int threshold; 256 identity)."""
+  image = _check_uint8_rgb(image)
   t, above = _threshold(threshold)
   flip = tf.cast(image >= t, tf.uint8) * tf.cast(tf.logical_not(above), tf.uint8)
   return tf.bitwise.bitwise_xor(image, flip * 255)
 
 
-def _solarize_add(image: tf.Tensor, addition: Number, threshold: Number = 128) -> tf.Tensor:
+@stateless.no_autograph
+def solarize_add(image: tf.Tensor, addition: Number, threshold: Number = 128) -> tf.Tensor:
+  """timm `solarize_add`: x < threshold ? clip(x + addition, 0, 255) : x."""
+  image = _check_uint8_rgb(image)
   a = tf.cast(addition, tf.int32)
   up = tf.cast(tf.clip_by_value(a, 0, 255), tf.uint8)
   down = tf.cast(tf.clip_by_value(-a, 0, 255), tf.uint8)
@@ -118,7 +117,11 @@ def _solarize_add(image: tf.Tensor, addition: Number, threshold: Number = 128) -
   return image + (added - image) * below
 
 
-def _auto_contrast_lut(image: tf.Tensor) -> tf.Tensor:
+@stateless.no_autograph
+def auto_contrast(image: tf.Tensor) -> tf.Tensor:
+  """PIL ``ImageOps.autocontrast`` (cutoff 0): per channel ``int(x * s - lo * s)``, ``s = 255 /
+  (hi - lo)`` in float64 (``hi`` may map to 254, as PIL); constant channels unchanged."""
+  image = _check_uint8_rgb(image)
   lo = tf.cast(tf.reduce_min(image, axis=[0, 1]), tf.int32)
   hi = tf.cast(tf.reduce_max(image, axis=[0, 1]), tf.int32)
   valid = hi > lo
@@ -126,110 +129,54 @@ def _auto_contrast_lut(image: tf.Tensor) -> tf.Tensor:
   offset = -tf.cast(lo, tf.float64) * scale
   lut = tf.floor(tf.cast(_ramp(), tf.float64)[None, :] * scale[:, None] + offset[:, None])
   lut = tf.cast(tf.clip_by_value(lut, 0., 255.), tf.int32)
-  return tf.where(valid[:, None], lut, _ramp()[None, :])
+  return _apply_luts(image, tf.where(valid[:, None], lut, _ramp()[None, :]))
 
 
-def _equalize_lut(image: tf.Tensor) -> tf.Tensor:
-  h = _histograms(image)
+@stateless.no_autograph
+def equalize(image: tf.Tensor) -> tf.Tensor:
+  """PIL ``ImageOps.equalize`` per channel: ``step = (sum(h) - h[last]) // 255``, ``lut[i] =
+  (step // 2 + sum(h[:i])) // step``; the identity for <= 1 distinct value or ``step == 0``."""
+  image = _check_uint8_rgb(image)
+  idx = tf.cast(image, tf.int32) + _channel_offsets(image)
+  h = tf.reshape(tf.math.bincount(tf.reshape(idx, [-1]), minlength=768, maxlength=768,
+                                  dtype=tf.int32), [3, 256])  # The per-channel histograms.
   nonzero = tf.cast(h > 0, tf.int32)
   last = 255 - tf.argmax(nonzero[:, ::-1], axis=1, output_type=tf.int32)
   step = (tf.reduce_sum(h, axis=1) - tf.gather(h, last, batch_dims=1)) // 255
   safe_step = tf.maximum(step, 1)[:, None]
   lut = (safe_step // 2 + tf.cumsum(h, axis=1, exclusive=True)) // safe_step
   identity = (tf.reduce_sum(nonzero, axis=1) <= 1) | (step == 0)
-  return tf.where(identity[:, None], _ramp()[None, :], lut)
-
-
-@stateless.no_autograph
-def invert(image: tf.Tensor) -> tf.Tensor:
-  """PIL `ImageOps.invert`: 255 - x (uint8 [H, W, 3] -> same)."""
-  return _invert(_check_uint8_rgb(image))
-
-
-@stateless.no_autograph
-def posterize(image: tf.Tensor, bits: Number) -> tf.Tensor:
-  """PIL ``ImageOps.posterize``: the top ``bits`` (0-8) bits; 8 identity, 0 black (PIL < 9)."""
-  return _posterize(_check_uint8_rgb(image), bits)
-
-
-@stateless.no_autograph
-def solarize(image: tf.Tensor, threshold: Number) -> tf.Tensor:
-  """PIL ``ImageOps.solarize``: ``x < threshold ? x : 255 - x`` (int threshold; 256 identity)."""
-  return _solarize(_check_uint8_rgb(image), threshold)
-
-
-@stateless.no_autograph
-def solarize_add(image: tf.Tensor, addition: Number, threshold: Number = 128) -> tf.Tensor:
-  """timm `solarize_add`: x < threshold ? clip(x + addition, 0, 255) : x."""
-  return _solarize_add(_check_uint8_rgb(image), addition, threshold)
-
-
-def _auto_contrast(image: tf.Tensor) -> tf.Tensor:
-  return _apply_luts(image, _auto_contrast_lut(image))
-
-
-def _equalize(image: tf.Tensor) -> tf.Tensor:
-  return _apply_luts(image, _equalize_lut(image))
-
-
-@stateless.no_autograph
-def auto_contrast(image: tf.Tensor) -> tf.Tensor:
-  """PIL ``ImageOps.autocontrast`` (cutoff 0): per-channel min/max stretch, float64 then truncated.
-
-  ``int(x * s - lo * s)``, ``s = 255 / (hi - lo)`` (``hi`` may map to 254, as PIL); constant
-  channels unchanged.
-  """
-  return _auto_contrast(_check_uint8_rgb(image))
-
-
-@stateless.no_autograph
-def equalize(image: tf.Tensor) -> tf.Tensor:
-  """PIL ``ImageOps.equalize``: per-channel histogram equalisation in PIL's integer arithmetic.
-
-  ``step = (sum(h) - h[last]) // 255``, ``lut[i] = (step // 2 + sum(h[:i])) // step``; the
-  identity for <= 1 distinct value or ``step == 0``.
-  """
-  return _equalize(_check_uint8_rgb(image))
-
-
-def _gray_degenerate(image: tf.Tensor) -> tf.Tensor:
-  return grayscale(image)[..., None]
-
-
-def _mean_degenerate(image: tf.Tensor) -> tf.Tensor:
-  gray = grayscale(image)
-  total = tf.cast(tf.reduce_sum(tf.cast(gray, tf.int64)), tf.float64)
-  count = tf.cast(tf.size(gray, out_type=tf.int64), tf.float64)
-  return tf.floor(total / count + 0.5)
-
-
-def _black_degenerate(image: tf.Tensor) -> tf.Tensor:
-  del image
-  return tf.zeros([], tf.int32)
+  return _apply_luts(image, tf.where(identity[:, None], _ramp()[None, :], lut))
 
 
 @stateless.no_autograph
 def color(image: tf.Tensor, factor: Number) -> tf.Tensor:
   """PIL `ImageEnhance.Color`: blend of the grayscale image (factor 0) and the image (1)."""
   image = _check_uint8_rgb(image)
-  return _blend(_gray_degenerate(image), image, factor)
+  return _blend(grayscale(image)[..., None], image, factor)
 
 
 @stateless.no_autograph
 def contrast(image: tf.Tensor, factor: Number) -> tf.Tensor:
   """PIL `ImageEnhance.Contrast`: blend of int(mean(grayscale) + 0.5) (factor 0) and the image."""
   image = _check_uint8_rgb(image)
-  return _blend(_mean_degenerate(image), image, factor)
+  gray = grayscale(image)
+  total = tf.cast(tf.reduce_sum(tf.cast(gray, tf.int64)), tf.float64)
+  count = tf.cast(tf.size(gray, out_type=tf.int64), tf.float64)
+  return _blend(tf.floor(total / count + 0.5), image, factor)
 
 
 @stateless.no_autograph
 def brightness(image: tf.Tensor, factor: Number) -> tf.Tensor:
   """PIL `ImageEnhance.Brightness`: (UINT8) clip(factor * x)."""
+  return _blend(tf.zeros([], tf.int32), _check_uint8_rgb(image), factor)
+
+
+@stateless.no_autograph
+def smooth(image: tf.Tensor) -> tf.Tensor:
+  """PIL ``ImageFilter.SMOOTH``: 3x3 ``[[1,1,1],[1,5,1],[1,1,1]] / 13`` rounded; border copied."""
   image = _check_uint8_rgb(image)
-  return _blend(_black_degenerate(image), image, factor)
 
-
-def _smooth(image: tf.Tensor) -> tf.Tensor:
   def inner():
     x = tf.cast(image, tf.float32)  # Sums of at most 13 * 255: exact.
     rows = x[:, :-2] + x[:, 1:-1] + x[:, 2:]
@@ -246,16 +193,10 @@ def _smooth(image: tf.Tensor) -> tf.Tensor:
 
 
 @stateless.no_autograph
-def smooth(image: tf.Tensor) -> tf.Tensor:
-  """PIL ``ImageFilter.SMOOTH``: 3x3 ``[[1,1,1],[1,5,1],[1,1,1]] / 13`` rounded; border copied."""
-  return _smooth(_check_uint8_rgb(image))
-
-
-@stateless.no_autograph
 def sharpness(image: tf.Tensor, factor: Number) -> tf.Tensor:
   """PIL `ImageEnhance.Sharpness`: blend of `smooth(image)` (factor 0) and the image (1)."""
   image = _check_uint8_rgb(image)
-  return _blend(_smooth(image), image, factor)
+  return _blend(smooth(image), image, factor)
 
 
 def _matrix(*values) -> tf.Tensor:
@@ -263,31 +204,20 @@ def _matrix(*values) -> tf.Tensor:
   return tf.stack([tf.cast(v, tf.float64) for v in values])
 
 
-def _rotate_matrix(degrees: Number, height: tf.Tensor, width: tf.Tensor) -> tf.Tensor:
-  """PIL `Image.rotate`'s matrix (about (W / 2, H / 2), no expand)."""
-  degrees = tf.math.floormod(tf.cast(degrees, tf.float64), 360.)
-  angle = -degrees * (math.pi / 180.)
-  cos = tf.round(tf.cos(angle) * 1e15) / 1e15
-  sin = tf.round(tf.sin(angle) * 1e15) / 1e15
-  cx = tf.cast(width, tf.float64) / 2.
-  cy = tf.cast(height, tf.float64) / 2.
-  return _matrix(cos, sin, cos * -cx + sin * -cy + cx, -sin, cos, -sin * -cx + cos * -cy + cy)
-
-
 @stateless.no_autograph
 def affine(image: tf.Tensor, matrix: Union[Sequence[Number], tf.Tensor],
            fill: Fill = IMAGENET_FILL) -> tf.Tensor:
-  """PIL ``transform(size, AFFINE, matrix, BILINEAR, fillcolor=fill)`` of uint8 ``[H, W, 3]``.
-
-  Output pixel centre ``(X, Y) = (x + .5, y + .5)`` samples the input at
-  ``(a X + b Y + c, d X + e Y + f)``; outside gets ``fill``. ``matrix``: 6 numbers or a float
-  ``[6]`` tensor. Coordinates in float64 as PIL, the blend in float32: rarely off by 1.
-  """
+  """PIL ``transform(size, AFFINE, matrix, BILINEAR, fillcolor=fill)`` of uint8 ``[H, W, 3]``:
+  output pixel centre ``(X, Y)`` samples the input at ``(a X + b Y + c, d X + e Y + f)``, outside
+  gets ``fill``; ``matrix``: 6 numbers or a float ``[6]`` tensor. Coordinates in float64 as PIL,
+  the blend in float32: rarely off by 1."""
   image = _check_uint8_rgb(image)
   fill = _check_fill(fill)
   if isinstance(matrix, (list, tuple)):
     matrix = _matrix(*matrix)
-  return _affine(image, matrix, fill)
+  out = _warp(image, tf.cast(matrix, tf.float64), tf.constant(fill, tf.uint8))
+  out.set_shape(image.shape)
+  return out
 
 
 @tf.function(autograph=False, jit_compile=True, input_signature=(
@@ -321,24 +251,22 @@ def _warp(image: tf.Tensor, matrix: tf.Tensor, fill: tf.Tensor) -> tf.Tensor:
   return tf.cast(v0 + (v1 - v0) * dy + 1e-5, tf.uint8)  # 1e-5: float32 rounding (PIL float64).
 
 
-def _affine(image: tf.Tensor, matrix: tf.Tensor, fill: Tuple[int, int, int]) -> tf.Tensor:
-  out = _warp(image, tf.cast(matrix, tf.float64), tf.constant(fill, tf.uint8))
-  out.set_shape(image.shape)
-  return out
-
-
-def _size(image: tf.Tensor):
-  shape = tf.shape(image)
-  return shape[0], shape[1]
+def _rotate_matrix(degrees: Number, image: tf.Tensor) -> tf.Tensor:
+  """PIL `Image.rotate`'s matrix (about (W / 2, H / 2), no expand)."""
+  degrees = tf.math.floormod(tf.cast(degrees, tf.float64), 360.)
+  angle = -degrees * (math.pi / 180.)
+  cos = tf.round(tf.cos(angle) * 1e15) / 1e15
+  sin = tf.round(tf.sin(angle) * 1e15) / 1e15
+  cx = tf.cast(tf.shape(image)[1], tf.float64) / 2.
+  cy = tf.cast(tf.shape(image)[0], tf.float64) / 2.
+  return _matrix(cos, sin, cos * -cx + sin * -cy + cx, -sin, cos, -sin * -cx + cos * -cy + cy)
 
 
 @stateless.no_autograph
 def rotate(image: tf.Tensor, degrees: Number, fill: Fill = IMAGENET_FILL) -> tf.Tensor:
-  """PIL ``rotate(degrees, BILINEAR, fillcolor=fill)``: counter-clockwise about ``(W / 2, H / 2)``.
-
-  PIL's matrix (angle mod 360, cos / sin rounded to 15 decimals): 90 degrees is ``np.rot90``.
-  """
-  return affine(image, _rotate_matrix(degrees, *_size(image)), fill)
+  """PIL ``rotate(degrees, BILINEAR, fillcolor=fill)``: counter-clockwise about ``(W / 2, H / 2)``
+  by PIL's matrix (angle mod 360, cos / sin rounded to 15 decimals: 90 degrees is ``np.rot90``)."""
+  return affine(image, _rotate_matrix(degrees, image), fill)
 
 
 @stateless.no_autograph
@@ -368,14 +296,14 @@ def translate_y(image: tf.Tensor, pixels: Number, fill: Fill = IMAGENET_FILL) ->
 @stateless.no_autograph
 def translate_x_rel(image: tf.Tensor, fraction: Number, fill: Fill = IMAGENET_FILL) -> tf.Tensor:
   """timm `translate_x_rel`: `translate_x` by fraction * W pixels."""
-  width = tf.cast(_size(image)[1], tf.float64)
+  width = tf.cast(tf.shape(image)[1], tf.float64)
   return translate_x(image, tf.cast(fraction, tf.float64) * width, fill)
 
 
 @stateless.no_autograph
 def translate_y_rel(image: tf.Tensor, fraction: Number, fill: Fill = IMAGENET_FILL) -> tf.Tensor:
   """timm `translate_y_rel`: `translate_y` by fraction * H pixels."""
-  height = tf.cast(_size(image)[0], tf.float64)
+  height = tf.cast(tf.shape(image)[0], tf.float64)
   return translate_y(image, tf.cast(fraction, tf.float64) * height, fill)
 
 
@@ -397,16 +325,24 @@ RAND_INCREASING_TRANSFORMS = (
 
 # timm's level functions: a float64 magnitude m (and a random sign where timm calls
 # `_randomly_negate`) -> the op argument.
+def _sign(u: tf.Tensor) -> tf.Tensor:
+  """timm `_randomly_negate` of a float64 uniform ``u``: -1 or +1 (float64)."""
+  return tf.where(u > 0.5, tf.constant(-1., tf.float64), tf.constant(1., tf.float64))
 
 
-def _random_sign(seed: tf.Tensor) -> tf.Tensor:
-  """timm `_randomly_negate`: -1 or +1 with probability 1/2 (float64)."""
-  return tf.where(stateless.uniform(seed) > 0.5, tf.constant(-1., tf.float64),
-                  tf.constant(1., tf.float64))
+def _signed_level(top: float):
+  """Rotate ([-30, 30] degrees), shear, translate: ``m / 10 * top``, randomly negated."""
+  return lambda m, sign: m / MAX_LEVEL * top * sign
 
 
-def _rotate_level(m, sign):  # [-30, 30] degrees.
-  return m / MAX_LEVEL * 30. * sign
+def _integer_level(top: float, increasing: bool = False):
+  """Posterize bits, solarize thresholds, solarize_add: ``floor(m / 10 * top)`` in [0, top], the
+  '...Increasing' ops ``top`` minus that (severity grows with m)."""
+  def level(m, sign):
+    del sign
+    value = tf.floor(m / MAX_LEVEL * top)
+    return top - value if increasing else value
+  return level
 
 
 def _enhance_level(m, sign):  # [0.1, 1.9].
@@ -418,70 +354,32 @@ def _enhance_increasing_level(m, sign):  # 1 +- [0, 0.9], >= 0.1.
   return tf.maximum(tf.constant(0.1, tf.float64), 1. + m / MAX_LEVEL * .9 * sign)
 
 
-def _shear_level(m, sign):  # [-0.3, 0.3].
-  return m / MAX_LEVEL * 0.3 * sign
-
-
-def _translate_rel_level(m, sign):  # [-0.45, 0.45] of the image size.
-  return m / MAX_LEVEL * 0.45 * sign
-
-
-def _posterize_level(m, sign):  # bits in [0, 4], decreasing severity.
-  del sign
-  return tf.floor(m / MAX_LEVEL * 4.)
-
-
-def _posterize_increasing_level(m, sign):  # bits in [4, 0].
-  return 4. - _posterize_level(m, sign)
-
-
-def _solarize_level(m, sign):  # threshold in [0, 256], decreasing severity.
-  del sign
-  return tf.floor(m / MAX_LEVEL * 256.)
-
-
-def _solarize_increasing_level(m, sign):  # threshold in [256, 0].
-  return 256. - _solarize_level(m, sign)
-
-
-def _solarize_add_level(m, sign):  # addition in [0, 110].
-  del sign
-  return tf.floor(m / MAX_LEVEL * 110.)
-
-
 # name: (level function or None, fn(uint8 image, float64 argument, fill) -> uint8 image).
 _OPS = {
-    'AutoContrast': (None, lambda im, a, fill: _auto_contrast(im)),
-    'Equalize': (None, lambda im, a, fill: _equalize(im)),
-    'Invert': (None, lambda im, a, fill: _invert(im)),
-    'Rotate': (_rotate_level,
-               lambda im, a, fill: _affine(im, _rotate_matrix(a, *_size(im)), fill)),
-    'Posterize': (_posterize_level, lambda im, a, fill: _posterize(im, a)),
-    'Solarize': (_solarize_level, lambda im, a, fill: _solarize(im, a)),
-    'SolarizeAdd': (_solarize_add_level, lambda im, a, fill: _solarize_add(im, a)),
-    'Color': (_enhance_level, lambda im, a, fill: _blend(_gray_degenerate(im), im, a)),
-    'Contrast': (_enhance_level, lambda im, a, fill: _blend(_mean_degenerate(im), im, a)),
-    'Brightness': (_enhance_level, lambda im, a, fill: _blend(_black_degenerate(im), im, a)),
-    'Sharpness': (_enhance_level, lambda im, a, fill: _blend(_smooth(im), im, a)),
-    'ShearX': (_shear_level, lambda im, a, fill: _affine(im, _matrix(1., a, 0., 0., 1., 0.), fill)),
-    'ShearY': (_shear_level, lambda im, a, fill: _affine(im, _matrix(1., 0., 0., a, 1., 0.), fill)),
-    'TranslateXRel': (_translate_rel_level, lambda im, a, fill: _affine(
-        im, _matrix(1., 0., a * tf.cast(_size(im)[1], tf.float64), 0., 1., 0.), fill)),
-    'TranslateYRel': (_translate_rel_level, lambda im, a, fill: _affine(
-        im, _matrix(1., 0., 0., 0., 1., a * tf.cast(_size(im)[0], tf.float64)), fill)),
+    'AutoContrast': (None, lambda im, a, fill: auto_contrast(im)),
+    'Equalize': (None, lambda im, a, fill: equalize(im)),
+    'Invert': (None, lambda im, a, fill: invert(im)),
+    'Rotate': (_signed_level(30.), rotate),
+    'Posterize': (_integer_level(4.), lambda im, a, fill: posterize(im, a)),
+    'Solarize': (_integer_level(256.), lambda im, a, fill: solarize(im, a)),
+    'SolarizeAdd': (_integer_level(110.), lambda im, a, fill: solarize_add(im, a)),
+    'Color': (_enhance_level, lambda im, a, fill: color(im, a)),
+    'Contrast': (_enhance_level, lambda im, a, fill: contrast(im, a)),
+    'Brightness': (_enhance_level, lambda im, a, fill: brightness(im, a)),
+    'Sharpness': (_enhance_level, lambda im, a, fill: sharpness(im, a)),
+    'ShearX': (_signed_level(0.3), shear_x),
+    'ShearY': (_signed_level(0.3), shear_y),
+    'TranslateXRel': (_signed_level(0.45), translate_x_rel),
+    'TranslateYRel': (_signed_level(0.45), translate_y_rel),
 }
 # timm's '...Increasing' ops: the same op, with a level that grows with the magnitude.
 _OPS.update({f'{name}Increasing': (level, _OPS[name][1]) for name, level in (
-    ('Posterize', _posterize_increasing_level), ('Solarize', _solarize_increasing_level),
-    ('Color', _enhance_increasing_level), ('Contrast', _enhance_increasing_level),
-    ('Brightness', _enhance_increasing_level), ('Sharpness', _enhance_increasing_level))})
+    ('Posterize', _integer_level(4., increasing=True)),
+    ('Solarize', _integer_level(256., increasing=True)), ('Color', _enhance_increasing_level),
+    ('Contrast', _enhance_increasing_level), ('Brightness', _enhance_increasing_level),
+    ('Sharpness', _enhance_increasing_level))})
 
 OP_NAMES = tuple(_OPS)  # Every op `apply_op` knows (the union of both RandAugment lists).
-
-
-def _check_op_name(name: str) -> None:
-  if name not in _OPS:
-    raise ValueError(f'Unknown augmentation op {name!r}; known: {OP_NAMES}.')
 
 
 def _level(name: str, magnitude: tf.Tensor, sign: tf.Tensor) -> tf.Tensor:
@@ -493,15 +391,13 @@ def _level(name: str, magnitude: tf.Tensor, sign: tf.Tensor) -> tf.Tensor:
 
 @stateless.no_autograph
 def level_to_arg(name: str, magnitude: Number, seed: tf.Tensor) -> Optional[tf.Tensor]:
-  """timm ``LEVEL_TO_ARG[name](magnitude)``: the op argument (float64 scalar), or None.
-
-  None for AutoContrast, Equalize, Invert; signed ops draw their sign from ``seed``. Raises
-  ValueError for an unknown op name.
-  """
-  _check_op_name(name)
+  """timm ``LEVEL_TO_ARG[name](magnitude)``: the op argument (float64 scalar; signed ops draw
+  their sign from ``seed``), None for AutoContrast, Equalize, Invert. ValueError: unknown op."""
+  if name not in _OPS:
+    raise ValueError(f'Unknown augmentation op {name!r}; known: {OP_NAMES}.')
   if _OPS[name][0] is None:
     return None
-  return _level(name, tf.cast(magnitude, tf.float64), _random_sign(seed))
+  return _level(name, tf.cast(magnitude, tf.float64), _sign(stateless.uniform(seed)))
 
 
 def _op_function(name: str):
@@ -529,32 +425,27 @@ def _apply_switch(image: tf.Tensor, names: Sequence[str], index: tf.Tensor,
 @stateless.branch_function
 def _layer(image: tf.Tensor, names: Tuple[str, ...], u: tf.Tensor, magnitude: float,
            magnitude_std: float, fill: Tuple[int, int, int]) -> tf.Tensor:
-  """One RandAugment layer, applied: the op and its magnitude and sign from float64 ``u[0, 2,
-  3]``."""
+  """One RandAugment layer, applied: the op, its magnitude and sign from float64 ``u[0, 2, 3]``."""
   index = tf.minimum(tf.cast(u[0] * len(names), tf.int32), len(names) - 1)
-  sign = tf.where(u[3] > 0.5, tf.constant(-1., tf.float64), tf.constant(1., tf.float64))
-  return _apply_switch(image, names, index, _magnitude(u[2], magnitude, magnitude_std), sign,
-                       fill)
+  return _apply_switch(image, names, index, _magnitude(u[2], magnitude, magnitude_std),
+                       _sign(u[3]), fill)
 
 
 def _apply_indexed(image: tf.Tensor, names: Sequence[str], index: tf.Tensor,
                    magnitude: tf.Tensor, seed: tf.Tensor, fill: Tuple[int, int, int]) -> tf.Tensor:
   """``apply_op(image, names[index], magnitude, seed)`` for an int32 tensor ``index``."""
-  return _apply_switch(image, names, index, magnitude, _random_sign(seed), fill)
+  return _apply_switch(image, names, index, magnitude, _sign(stateless.uniform(seed)), fill)
 
 
 @stateless.no_autograph
 def apply_op(image: tf.Tensor, name: str, magnitude: Number, seed: tf.Tensor,
              *, fill: Fill = IMAGENET_FILL) -> tf.Tensor:
-  """Applies one timm RandAugment op (one of ``OP_NAMES``) at a sampled magnitude, always.
-
-  uint8 ``[H, W, 3]`` in and out; ``magnitude`` not clipped; ``seed`` int64 ``[2]``; ``fill``
-  the RGB of uncovered pixels. Raises ValueError: unknown op, bad image or fill.
-  """
+  """One timm RandAugment op (of ``OP_NAMES``) at ``magnitude`` (not clipped), always applied;
+  ``seed`` int64 ``[2]``, ``fill`` the RGB of uncovered pixels. ValueError: unknown op, bad image
+  or fill."""
   image = _check_uint8_rgb(image)
   fill = _check_fill(fill)
-  _check_op_name(name)
-  arg = _level(name, tf.cast(magnitude, tf.float64), _random_sign(seed))
+  arg = level_to_arg(name, magnitude, seed)
   out = _OPS[name][1](image, arg, fill)
   out.set_shape(image.shape)
   return out
@@ -573,8 +464,7 @@ def _magnitude(u: tf.Tensor, magnitude: float, magnitude_std: float) -> tf.Tenso
 @stateless.no_autograph
 def sample_magnitude(seed: tf.Tensor, magnitude: float = 9.,
                      magnitude_std: float = 0.5) -> tf.Tensor:
-  """timm ``AugmentOp`` magnitude, float64 in [0, 10]: fixed, uniform (std inf) or Normal, clipped.
-  """
+  """timm ``AugmentOp`` magnitude, float64 in [0, 10]: fixed, uniform (std inf) or Normal."""
   return _magnitude(stateless.uniform(seed), magnitude, magnitude_std)
 
 
@@ -582,16 +472,11 @@ def sample_magnitude(seed: tf.Tensor, magnitude: float = 9.,
 def rand_augment(image: tf.Tensor, seed: tf.Tensor, *, num_layers: int = 2,
                  magnitude: float = 9., magnitude_std: float = 0.5, increasing: bool = True,
                  fill: Fill = IMAGENET_FILL) -> tf.Tensor:
-  """timm RandAugment of a uint8 ``[H, W, 3]`` image (same static shape out).
-
-  ``num_layers`` times (timm 'n'; 0 = identity): an op drawn with replacement from
-  ``RAND_INCREASING_TRANSFORMS`` ('inc1'; else ``RAND_TRANSFORMS``), applied with probability
-  0.5 at a fresh :func:`sample_magnitude` (timm 'm', 'mstd') and random sign. ``fill``: timm's
-  ``img_mean``. All draws come from one ``stateless_uniform`` of ``seed`` (int64 ``[2]``).
-
-  Raises:
-    ValueError: bad image or fill, negative num_layers / magnitude / magnitude_std.
-  """
+  """timm RandAugment of a uint8 ``[H, W, 3]`` image (same static shape out): ``num_layers``
+  times (timm 'n'; 0 = identity) an op drawn from ``RAND_INCREASING_TRANSFORMS`` ('inc1'; else
+  ``RAND_TRANSFORMS``), applied with probability 0.5 at a fresh :func:`sample_magnitude` (timm
+  'm', 'mstd') and random sign; all draws from one ``stateless_uniform`` of ``seed`` (int64
+  ``[2]``). ValueError: bad image or fill, negative num_layers / magnitude / magnitude_std."""
   image = _check_uint8_rgb(image)
   fill = _check_fill(fill)
   if not isinstance(num_layers, int) or num_layers < 0:
