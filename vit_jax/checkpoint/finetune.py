@@ -22,8 +22,7 @@ HEAD_KEYS = ('params/head/kernel', 'params/head/bias')
 PRE_LOGITS_PREFIX = 'params/pre_logits/'
 #: Fixed tables a model regenerates for its input size (T2T-ViT's sinusoid position table).
 REGENERATED_KEYS = ('constants/pos_embed',)
-#: ViT's patch-embedding kernel ``(Ph, Pw, C, D)``, resampled for another patch size
-#: (:func:`resample_patchemb`).
+#: ViT's patch-embedding kernel ``(Ph, Pw, C, D)``, resampled for another patch size.
 PATCHEMB_KEY = 'params/embedding/kernel'
 
 
@@ -162,7 +161,6 @@ def init_for_finetuning(loaded: Mapping, fresh: Mapping, *, reset_head: bool = T
   with the checkpoint's architecture; ValueError for a table as large as the model's, of no
   given grid, where the model's grid is not square (naming ``posemb_grid``).
   """
-
   fresh, loaded = layout.unbox(fresh), layout.unbox(loaded)
   for name, tree in (('loaded', loaded), ('fresh', fresh)):
     if not isinstance(tree, Mapping) or 'params' not in tree:

@@ -156,10 +156,15 @@ class Checkpoint:
     fields['image_size'] = vit_shapes.image_size(shapes, fields)
     return fields
 
+  def _facts(self) -> Dict[str, Any]:
+    """What this project wrote beside the weights (``model`` and ``orbax.EXPORT_FACTS``)."""
+    return {}
+
   def kept(self) -> Tuple[Dict[str, Any], Optional[int]]:
     """The model fields this project wrote beside the weights (``vit_shapes.KEPT_FIELDS``;
     ``{}``: none) and the image size it recorded (or None)."""
-    return {}, None
+    facts = self._facts()
+    return vit_shapes.from_kept(facts.get('model')), facts.get('image_size')
 
   def numerics(self, num_heads: Optional[int] = None) -> Optional[Tuple[Dict[str, Any], str]]:
     """``(numerics fields, family)`` from the headers and config only, or None where the format
@@ -216,9 +221,8 @@ class _Npz(Checkpoint):
   def shapes(self):  # From the .npy headers: no array is read.
     return npz.read_npz_shapes(self.path, self.probe.zip)[0]
 
-  def kept(self):  # The JSON file beside (npz.fields_path).
-    facts = npz.read_npz_facts(self.path)
-    return vit_shapes.from_kept(facts.get('model')), facts.get('image_size')
+  def _facts(self):  # The JSON file beside (npz.fields_path).
+    return npz.read_npz_facts(self.path)
 
   def numerics(self, num_heads=None):
     shapes, big_vision = npz.read_npz_shapes(self.path, self.probe.zip)
@@ -231,7 +235,7 @@ class _Npz(Checkpoint):
     return found, 'a big_vision .npz' if big_vision else self.family
 
   def _contents(self, use_ema, step, model_name, overrides):
-    facts = npz.read_npz_facts(self.path)
+    facts = self._facts()
     return _with_facts(self.read(use_ema=use_ema, evaluate=False), self.path, facts,
                        npz.fields_path(self.path), 'restore the file, or delete it')
 
@@ -305,12 +309,10 @@ class _Orbax(Checkpoint):
     return self._fitted(orbax.read_variables(item, use_ema=use_ema), model, image_size,
                         evaluate)
 
-  def kept(self):  # A convert directory's (orbax.EXPORT_JSON); a run's config is read apart.
+  def _facts(self):  # A convert directory's (orbax.EXPORT_JSON); a run's config is read apart.
     run = workdir.read_run(self.path)
-    if run.config is not None:
-      return {}, None
-    facts = orbax.read_export_metadata(run.state_item) or {}
-    return vit_shapes.from_kept(facts.get('model')), facts.get('image_size')
+    return {} if run.config is not None else orbax.read_export_metadata(run.state_item) or {}
+
 
   def table_grid(self, shapes):
     run = workdir.read_run(self.path)
@@ -393,7 +395,6 @@ class _Foreign(Checkpoint):
   def read_for_finetuning(self, model, use_ema=True):
     params, fields, _ = self._weights_for(model)
     try:
-
       ecosystem.check_numerics(fields, model, self.path)
     except ValueError as e:
       logging.warning('Fine-tuning with other numerics than the weights were trained with: %s',

@@ -31,18 +31,13 @@ MEAN_STD = {'minus_one_to_one': ((0.5, 0.5, 0.5), (0.5, 0.5, 0.5)),
 _FIX = 'take it again from the same Hub repository (or write it with python -m vit_jax.convert)'
 #: ``hidden_act`` values -> ``gelu_approximate``.
 GELUS = {'gelu': False, 'gelu_pytorch_tanh': True, 'gelu_new': True, 'gelu_fast': True}
-#: The fields the weights record that a ViTConfig has no key for (``hf`` None) but that
-#: transformers' ViT expresses in part, checked by name (:func:`export_problems`): the pooling
-#: (the class token), the patch (square), the pooler (``pre_logits`` of a ``ViTModel``), a fixed
-#: table (written as a learned one). Every other such field must keep its default.
+#: The fields the weights record without a ViTConfig key that transformers' ViT expresses in
+#: part, checked by name (:func:`export_problems`); every other such field keeps its default.
 _CHECKED_APART = ('classifier', 'patch_size', 'representation_size', 'posemb')
 
-#: The ``config.json`` key of the fields this project keeps that a ``ViTConfig`` has no key
-#: for and the weights do not record (:data:`KEPT_IN_CONFIG`; transformers keeps unknown keys).
+#: The ``config.json`` key (transformers keeps unknown keys) of the kept fields that neither a
+#: ``ViTConfig`` key, ``hidden_act`` nor the weights record (:data:`KEPT_IN_CONFIG`).
 CONFIG_KEY = 'vit_jax_model'
-
-#: Those fields (``vit_shapes.KEPT_FIELDS`` not in the weights, without an ``hf`` name, but the
-#: GELU, which ``hidden_act`` says): the position table's resize and grid.
 KEPT_IN_CONFIG = tuple(f.name for f in vit_fields.VIT_FIELDS
                        if f.name in vit_shapes.KEPT_FIELDS and not f.in_weights and not f.hf
                        and f.name != 'gelu_approximate')
@@ -236,7 +231,6 @@ def normalization(directory: str, names: Sequence[str]) -> Optional[str]:
     return None
   try:
     config = rundir.read_json(storage.join(directory, PREPROCESSOR_FILE), fix=_FIX) or {}
-
     mean = tuple(round(float(m), 3) for m in config.get('image_mean', []))
   except (ValueError, TypeError, AttributeError):
     return None

@@ -43,8 +43,7 @@ METADATA_KEY = 'vit_jax_model'
 TIMM_LAYER_NORM_EPSILON = 1e-6
 
 #: How timm resamples a learned position table to another grid (``resample_abs_pos_embed``'s
-#: defaults, at load and with ``dynamic_img_size``: bicubic, antialiased): the fields'
-#: ``posemb_resize`` (``ecosystem.RESAMPLING``).
+#: defaults): the fields' ``posemb_resize``.
 POSEMB_RESIZE = 'bicubic_antialias'
 
 
@@ -252,7 +251,6 @@ def write(dst: str, params: Mapping[str, Any], fields: Mapping[str, Any], image_
   """Writes the ``.safetensors`` file ``dst``, the fields and class names in its metadata;
   returns the ``timm.create_model`` call that loads it (the keywords: the architecture; the
   overlay: the file, class count and eval preprocessing; the model name only picks the class)."""
-
   saved = dict(vit_shapes.kept_fields(fields), image_size=int(image_size))
   if label_names:
     saved['label_names'] = list(label_names)

@@ -11,12 +11,10 @@ from vit_jax.models import fields as fields_lib
 from vit_jax.models import resnet
 from vit_jax.models import vit_fields
 
-#: The learned position embedding (``[1, T, D]``, class token row first with classifier 'token'),
-#: resized to the new token grid when fine-tuning (:func:`vit_jax.checkpoint.resize_posemb`).
+#: The learned position embedding ``[1, T, D]`` (class-token and register rows first).
 POSEMB_KEY = 'params/Transformer/posembed_input/pos_embedding'
 
-#: What LayerScale weights read as (DINOv2's ``init_values``): a file holds the trained scales,
-#: not the value they started from, which only a fresh model's initialisation uses.
+#: What LayerScale weights read as (DINOv2's ``init_values``; a file holds the trained scales).
 LAYERSCALE_INIT = 1e-5
 
 _LAYERSCALE = re.compile(r'^params/Transformer/encoderblock(_\d+)?/LayerScale_[01]/scale$')
@@ -153,7 +151,6 @@ def image_size(shapes: dict, fields: Dict[str, Any]) -> Optional[int]:
   """The side of the square images the learned position table in ``shapes`` is for, with the
   stride and prefix rows of ``fields`` (:func:`architecture_fields`); None without a square
   table."""
-
   table = shapes.get(POSEMB_KEY)
   if not table:
     return None
@@ -187,8 +184,7 @@ def square_side(tokens: int) -> Optional[int]:
   return side if tokens > 0 and side * side == tokens else None
 
 
-#: Recorded fields that `describe_architecture` does not list as `name=value`: the pooling and
-#: the position embedding are said only where not the default, the stem's width not at all.
+#: Recorded fields that `describe_architecture` does not list as `name=value`.
 _DESCRIBED_APART = ('classifier', 'posemb', 'resnet_width_factor')
 
 

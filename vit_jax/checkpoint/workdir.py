@@ -519,7 +519,6 @@ def _locate(path: Any, step: Optional[int], missing: str, names: Optional[Sequen
 def find_state_item(path: Any, step: Optional[int] = None,
                     names: Optional[Sequence[str]] = None) -> str:
   """The Orbax item of the model variables for ``path`` (as :func:`_locate`; nothing read)."""
-
   return _locate(path, step, 'No finalized Orbax checkpoint step', names)[0]
 
 
