@@ -176,8 +176,7 @@ def init_for_finetuning(loaded: Mapping, fresh: Mapping, *, reset_head: bool = T
   loaded_flat = flatten_params(loaded)
   out, notes, posemb_hint = {}, [], None
   for key, want in fresh_flat.items():
-    if key in HEAD_KEYS and key not in loaded_flat and not any(k in loaded_flat
-                                                               for k in HEAD_KEYS):
+    if key in HEAD_KEYS and not any(k in loaded_flat for k in HEAD_KEYS):
       out[key] = np.asarray(want)  # A backbone without a head (DINOv2): a new one.
       notes.append(f'initialised {key} {tuple(want.shape)} (the checkpoint has no head)')
       continue

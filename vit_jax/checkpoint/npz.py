@@ -184,13 +184,9 @@ def read_npz_shapes(path: Any, npz: Optional[archive.Zip] = None
 def load_npz(path: Any, npz: Optional[archive.Zip] = None) -> Dict[str, Any]:
   """``{'params': nested dict of np.ndarray}`` of an ``.npz`` file (local or ``scheme://``;
   ``npz``: its archive when detection opened it), in the official layout; never unpickles.
-
-  Raises:
-    FileNotFoundError: missing file.
-    DamagedCheckpointError: a truncated or corrupt file (a ``ValueError``).
-    ValueError: not an ``.npz`` archive, empty, object arrays or other members than ``.npy``,
-      PyTorch state-dict names.
-  """
+  Raises FileNotFoundError (missing file), DamagedCheckpointError (truncated or corrupt) and
+  ValueError: not an ``.npz`` archive, empty, object arrays or other members than ``.npy``,
+  PyTorch state-dict names."""
   npz = npz or _zip(path)
   path = npz.name
   with npz.open() as opened:

@@ -280,14 +280,9 @@ def load_torch_zip(file: Union[str, BinaryIO], name: str = '') -> Any:
 
 
 def load(zip_file: archive_lib.Zip) -> Any:
-  """Loads the torch file ``zip_file`` (detected as a zip).
-
-  Raises:
-    UnsafePickleError: the pickle names a global outside the whitelist (nothing is executed).
-    LegacyTorchFormatError: no ``<name>/data.pkl`` member.
-    DamagedCheckpointError: its directory or a member cannot be read;
-      :class:`MalformedTorchFileError` for inconsistent records.
-  """
+  """Loads the torch file ``zip_file`` (detected as a zip). Raises UnsafePickleError (a global
+  outside the whitelist; nothing is executed), LegacyTorchFormatError (no ``<name>/data.pkl``),
+  DamagedCheckpointError (an unreadable member; MalformedTorchFileError: inconsistent records)."""
   name, prefixes = zip_file.name, _prefixes(zip_file.names)
   if len(prefixes) != 1:
     raise LegacyTorchFormatError(f'{name!r}: not a torch zip checkpoint: expected one '

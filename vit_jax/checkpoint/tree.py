@@ -81,9 +81,8 @@ def check_fits(variables: Mapping, expected: Mapping, *, what: str = 'The checkp
   header = f'{what} does not fit the model:'
   scanned = layout.is_scanned(variables.get('params', {}))
   if scanned != layout.is_scanned(expected.get('params', {})):
-    header += (' it is in the ' + ('scanned' if scanned else 'per-layer') + ' block layout; '
-               'convert it with vit_jax.models.' + ('unscan_params' if scanned else
-                                                    'scan_params') + ' first.')
+    header += (f' it is in the {"scanned" if scanned else "per-layer"} block layout; convert it '
+               f'with vit_jax.models.{"unscan_params" if scanned else "scan_params"} first.')
   implied = hint = describe_architecture(variables)
   if hint:
     hint += ' Build the model with these values.'
@@ -102,8 +101,7 @@ def _prefix_rows_hint(have: Mapping[str, Any], want: Mapping[str, Any]) -> Optio
   token and register rows (timm's ``no_embed_class`` on one side only); else None."""
   if vit_shapes.POSEMB_KEY not in have or vit_shapes.POSEMB_KEY not in want:
     return None
-  rows, model_rows = np.shape(have[vit_shapes.POSEMB_KEY])[1], np.shape(
-      want[vit_shapes.POSEMB_KEY])[1]
+  rows, model_rows = (np.shape(t[vit_shapes.POSEMB_KEY])[1] for t in (have, want))
   registers = np.shape(want['params/registers'])[1] if 'params/registers' in want else 0
   prefix = ('params/cls' in want) + int(registers)
   if not prefix or abs(rows - model_rows) != prefix:
