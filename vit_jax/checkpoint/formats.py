@@ -429,9 +429,7 @@ class _Hf(_Foreign):
 
 
 class _Timm(_Foreign):
-  """timm files, which record neither heads nor GELU: the model's (``overrides``') when given
-  (:func:`.timm_vit.fields_from`)."""
-  name, family, reads_with_model = 'timm', 'a timm ViT', True
+  name, family, reads_with_model = 'timm', 'a timm ViT', True  # Heads, GELU: the model's.
 
   def sniff(self):
     return self.probe.header is not None and timm_vit.is_timm_names(self.probe.header[0])

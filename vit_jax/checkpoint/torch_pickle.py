@@ -83,8 +83,7 @@ _STORAGE_TYPES = {
 
 
 class _Storage:
-  """A loaded storage: a 1-D array, its key, the views built from it, and the
-  :class:`SafeUnpickler` whose budget they count against."""
+  """A loaded storage: its 1-D array, key, views and the :class:`SafeUnpickler` (the budget)."""
 
   def __init__(self, array: np.ndarray, key: str, budget: 'SafeUnpickler'):
     self.array, self.key, self.budget = array, key, budget
