@@ -239,7 +239,6 @@ class _Npz(Checkpoint):
     return _with_facts(self.read(use_ema=use_ema, evaluate=False), self.path, facts,
                        npz.fields_path(self.path), 'restore the file, or delete it')
 
-
   def read(self, *, model=None, use_ema=True, image_size=None, evaluate=True):
     return self._fitted(npz.load_npz(self.path, self.probe.zip), model, image_size, evaluate)
 
@@ -312,7 +311,6 @@ class _Orbax(Checkpoint):
   def _facts(self):  # A convert directory's (orbax.EXPORT_JSON); a run's config is read apart.
     run = workdir.read_run(self.path)
     return {} if run.config is not None else orbax.read_export_metadata(run.state_item) or {}
-
 
   def table_grid(self, shapes):
     run = workdir.read_run(self.path)
