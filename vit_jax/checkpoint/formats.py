@@ -453,17 +453,10 @@ FORMATS = (_Hf, _Timm, _PyTorch, _Npz, _Orbax)
 
 def open(source: Any) -> Checkpoint:  # pylint: disable=redefined-builtin
   """Detects the format of the checkpoint at ``source`` (local, ``scheme://`` or a Hub name,
-  ``hf-hub:ORG/NAME[@REVISION]``, first resolved to its files in the Hugging Face cache by
-  ``storage.normalize``), once.
-
-  Raises:
-    FileNotFoundError: nothing exists at ``source``; a Hub name not cached while offline (naming
-      the download command, ``vit_jax.hub.resolve``).
-    DamagedCheckpointError: a zip or safetensors file whose directory or header cannot be read.
-    ValueError: no accepted format (named, with :data:`ACCEPTED_FORMATS`), e.g. a single-array
-      ``.npy`` file, a ``.safetensors`` file of another model, or with transformers names but
-      no ``config.json`` beside it.
-  """
+  ``hf-hub:ORG/NAME[@REVISION]``: ``storage.normalize``), once. Raises FileNotFoundError
+  (nothing at ``source``; a Hub name not cached while offline), DamagedCheckpointError (a zip or
+  safetensors file whose directory or header cannot be read) and ValueError (no accepted format,
+  e.g. a ``.npy`` file, another model's ``.safetensors``, or one without its ``config.json``)."""
   probe = _probe(source)
   path = probe.path
   for ckpt in (fmt(path, probe) for fmt in FORMATS):
