@@ -45,13 +45,9 @@ def load(path: Any, *, model: Any = None, use_ema: bool = True,
   (``{'params', 'constants'}`` for a PyTorch file; a workdir: its latest finalized step).
   ``model`` (required for PyTorch files) is checked to fit at ``image_size`` (``H`` or
   ``(H, W)``; transformers / timm: the file's, with their numerics); ``use_ema``: prefer the EMA.
-
-  Raises:
-    FileNotFoundError: nothing at ``path``, no finalized step.
-    ValueError: as :func:`open`; a PyTorch file without ``model``, variables that do not fit
-      (:func:`check_fits`), other numerics; :class:`DamagedCheckpointError`,
-      ``torch_pickle.UnsafePickleError``.
-  """
+  Raises FileNotFoundError (nothing at ``path``, no finalized step) and ValueError: as
+  :func:`open`, a PyTorch file without ``model``, variables that do not fit (:func:`check_fits`),
+  other numerics, :class:`DamagedCheckpointError`, ``torch_pickle.UnsafePickleError``."""
   return open(path).read(model=model, use_ema=use_ema, image_size=image_size)
 
 
@@ -65,9 +61,9 @@ def model_fields(path: Any, *, num_heads: Optional[int] = None) -> Dict[str, Any
 
 def posemb_resize(ckpt: Checkpoint, model: Any = None) -> str:
   """How a learned position table read from ``ckpt`` (:func:`open`) is resampled to another
-  token grid: ``model``'s ``posemb_resize`` where it is not the default ('linear_corners'),
-  else the weights' library's (:data:`vit_jax.checkpoint.ecosystem.RESAMPLING`; a timm file:
-  timm's bicubic with antialiasing), else the default. Raises as :meth:`Checkpoint.numerics`."""
+  token grid: ``model``'s ``posemb_resize`` where it is not the default, else the weights'
+  library's (:data:`ecosystem.RESAMPLING`), else the default. Raises as
+  :meth:`Checkpoint.numerics`."""
   chosen = getattr(model, 'posemb_resize', None) or ecosystem.DEFAULT_POSEMB_RESIZE
   if chosen != ecosystem.DEFAULT_POSEMB_RESIZE:
     return chosen
@@ -81,21 +77,20 @@ def load_for_finetuning(path: Any, model: Any, fresh: Mapping, *, use_ema: bool 
   """:func:`init_for_finetuning` from the checkpoint at ``path``, read at its own class count
   and input size (other numerics than ``model``'s: a warning), its position table resized by
   :func:`posemb_resize` from the grid the checkpoint records (:meth:`Checkpoint.table_grid`;
-  where it records none, a table as large as the model's is the grid of ``model.posemb_grid``
-  when set) to the model's, ``grid`` (default: ``model.posemb_grid``, else its token grid of
-  ``image_size``, ``H`` or ``(H, W)``); ``fresh``: ``model``'s initial variables. Raises
-  ValueError: NaN or Inf weights (named); as :func:`load` and :func:`init_for_finetuning`."""
+  else, for a table as large as the model's, ``model.posemb_grid``) to ``grid`` (default:
+  ``model.posemb_grid``, else the token grid of ``image_size``); ``fresh``: ``model``'s initial
+  variables. Raises ValueError: NaN or Inf weights; as :func:`load` and
+  :func:`init_for_finetuning`."""
   ckpt = open(path)
   loaded = ckpt.read_for_finetuning(model, use_ema)
   bad = tree.non_finite(loaded)
   if bad:
     raise ValueError(f'{tree.non_finite_message(f"The fine-tuning checkpoint {ckpt.path}", bad)}: '
                      'fine-tune from other weights (or a step of the run before it diverged).')
-  prefix_rows = None
-  if isinstance(model, models.VisionTransformer):
-    prefix_rows = models.vit.posemb_prefix_rows(model)
+  is_vit = isinstance(model, models.VisionTransformer)
+  prefix_rows = models.vit.posemb_prefix_rows(model) if is_vit else None
   stated = getattr(model, 'posemb_grid', None)
-  if grid is None and isinstance(model, models.VisionTransformer):
+  if grid is None and is_vit:
     grid = stated or vit_shapes.token_grid(image_size, {
         'patch_size': model.patch_size, 'resnet_num_layers': model.resnet_num_layers})
   shapes = tree.shapes(loaded)

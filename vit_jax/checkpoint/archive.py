@@ -1,6 +1,5 @@
 """The containers of checkpoint files and the checks every reader shares: a file's kind from its
-first bytes, zip archives (``.npz``, PyTorch) and ``.safetensors`` files (a JSON header, then raw
-arrays; read with the ``safetensors`` package's NumPy API), and the one damaged-file error."""
+first bytes, zip archives (``.npz``, PyTorch), ``.safetensors`` files, the damaged-file error."""
 
 from __future__ import annotations
 
@@ -33,8 +32,7 @@ File = Union[str, os.PathLike, BinaryIO]
 
 
 class DamagedCheckpointError(ValueError):
-  """A checkpoint file is truncated, corrupt or hand-made: the message names the file, what
-  cannot be read and the fix (``vit_jax.checkpoint.DamagedCheckpointError``)."""
+  """A checkpoint file is truncated, corrupt or hand-made (named, with what cannot be read)."""
 
 
 def damaged(name: str, problem: str, size: int) -> DamagedCheckpointError:
@@ -179,9 +177,8 @@ def read_safetensors(path: str) -> Dict[str, np.ndarray]:
 
 def write_safetensors(path: str, arrays: Mapping[str, Any],
                       metadata: Optional[Mapping[str, str]] = None) -> None:
-  """Writes ``arrays`` (as C-contiguous NumPy) to ``path`` (parents created; a kill leaves the old
-  file: :func:`.durable.write_atomically`) with ``metadata`` and ``format: 'pt'``, which
-  transformers' ``from_pretrained`` requires."""
+  """Writes ``arrays`` to ``path`` (:func:`.durable.write_atomically`) with ``metadata`` and
+  ``format: 'pt'``, which transformers' ``from_pretrained`` requires."""
   from safetensors import numpy as st_numpy  # pylint: disable=g-import-not-at-top
   tensors = {k: np.ascontiguousarray(v) for k, v in arrays.items()}
   meta = {'format': 'pt', **{str(k): str(v) for k, v in (metadata or {}).items()}}

@@ -45,8 +45,8 @@ def write_atomically(path: Any, content: Union[str, bytes, Callable[[BinaryIO], 
                      partial: str = '.partial') -> None:
   """Writes ``content`` (text, bytes, or a function writing to a binary file) to ``path``
   (parent created) so that readers, a crash and a kill see the old or the new content:
-  ``<path><partial>`` (removed on an error) forced and renamed, with an old file's permissions;
-  ``gs://``: one object write, made at its end. Raises OSError, ``path`` then unchanged."""
+  ``<path><partial>`` forced and renamed, with an old file's permissions; ``gs://``: one object
+  write. Raises OSError, ``path`` then unchanged."""
   path = os.fspath(path)
   if isinstance(content, str):
     content = content.encode('utf-8')
@@ -79,8 +79,8 @@ def write_atomically(path: Any, content: Union[str, bytes, Callable[[BinaryIO], 
 
 def move_into_place(staging: Any, target: Any) -> None:
   """Moves the local file or directory ``staging`` (forced to disk) to ``target``, deleting what
-  was there: swapped in one step (Linux ``renameat2(RENAME_EXCHANGE)``; elsewhere two renames),
-  so that a kill leaves the old or the new at ``target``. Raises OSError."""
+  was there, swapped in one step where the system can, so that a kill leaves the old or the new
+  at ``target``. Raises OSError."""
   staging, target = os.fspath(staging), os.fspath(target)
   if os.path.isdir(staging):
     sync_tree(staging)
@@ -99,7 +99,7 @@ def move_into_place(staging: Any, target: Any) -> None:
 
 
 def _exchange(a: str, b: str) -> bool:
-  """Swaps paths ``a`` and ``b`` atomically; False where the system or filesystem cannot."""
+  """Swaps ``a`` and ``b`` atomically (Linux ``renameat2``); False where the system cannot."""
   try:
     renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
   except (AttributeError, OSError):
@@ -135,8 +135,8 @@ def damaged_files(step_dir: Any) -> List[str]:
 @functools.lru_cache(maxsize=None)
 def rename_class() -> type:
   """``DurableRename`` (``CheckpointManagerOptions(temporary_path_class=...)``, local paths):
-  Orbax's rename commit with the step's files, the rename and the directories forced. Made on
-  first use: importing Orbax costs about a second other readers need not pay."""
+  Orbax's rename commit with the step's files, the rename and the directories forced (made on
+  first use, as Orbax's import is slow)."""
   import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
 
   class DurableRename(ocp.path.atomicity.AtomicRenameTemporaryPath):

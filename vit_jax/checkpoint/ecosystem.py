@@ -18,10 +18,8 @@ from vit_jax.models import vit
 NUMERICS = ('classifier', 'posemb', 'gelu_approximate', 'layer_norm_epsilon')
 
 #: The fields the weights' library implies that change nothing at their own image size, only
-#: how their learned position table is resampled to another grid (timm's: ``timm_vit.
-#: POSEMB_RESIZE``): in their fields (``checkpoint.model_fields``), taken where the model keeps
-#: :data:`DEFAULT_POSEMB_RESIZE` (``checkpoint.posemb_resize``: fine-tuning, inference), never
-#: checked.
+#: how their learned position table is resampled to another grid (``checkpoint.posemb_resize``);
+#: never checked.
 RESAMPLING = ('posemb_resize',)
 
 #: The model's ``posemb_resize`` unless set (the official fine-tuning resize).
@@ -55,10 +53,8 @@ def write(dst: str, params: Mapping[str, Any], fields: Mapping[str, Any], *, to:
           normalization: str = 'minus_one_to_one') -> str:
   """Writes a ViT's params (per-layer or scanned, boxed or plain) with its ``fields`` (a run's
   ``config.model`` and ``num_classes``) as transformers (``to='hf'``) or timm weights at ``dst``
-  (:func:`output_paths`), with the class names and the preprocessing it expects (square
-  ``image_size``, ``normalization``); returns the line of Python that loads them. Raises
-  ValueError naming what the target cannot express, e.g. a hybrid, a ``pre_logits`` layer, and
-  the formats that keep it."""
+  (:func:`output_paths`), with the class names and the preprocessing it expects; returns the
+  line of Python that loads them. Raises ValueError naming what the target cannot express."""
   library, name = _TARGETS[to]
   fields = dict(fields)
   if 'patch_size' in fields:  # A config's (P, P) pair: square patches are one int for both.
@@ -83,9 +79,8 @@ def write(dst: str, params: Mapping[str, Any], fields: Mapping[str, Any], *, to:
 
 def _materialise_posemb(params: Mapping[str, Any], fields: Mapping[str, Any],
                         image_size: int) -> Dict[str, Any]:
-  """A 'sincos2d' model's fixed table as a learned position embedding (the same values; zero
-  rows in front for the class token and registers unless ``no_embed_class``), which both
-  libraries' ViTs have."""
+  """A 'sincos2d' model's fixed table as the learned position embedding both libraries have
+  (the same values, zero rows in front for the class token and registers)."""
   if fields.get('posemb', 'learn') != 'sincos2d':
     return dict(params)
   ph, pw = vit.patch_pair(fields['patch_size'])

@@ -22,8 +22,7 @@ HEAD_KEYS = ('params/head/kernel', 'params/head/bias')
 PRE_LOGITS_PREFIX = 'params/pre_logits/'
 #: Fixed tables a model regenerates for its input size (T2T-ViT's sinusoid position table).
 REGENERATED_KEYS = ('constants/pos_embed',)
-#: ViT's patch-embedding kernel ``(Ph, Pw, C, D)``, resampled for another patch size
-#: (:func:`resample_patchemb`).
+#: ViT's patch-embedding kernel ``(Ph, Pw, C, D)``, resampled for another patch size.
 PATCHEMB_KEY = 'params/embedding/kernel'
 
 
@@ -46,14 +45,11 @@ def resize_posemb(posemb: np.ndarray, num_tokens: int, *, has_class_token: bool,
                   old_grid: Optional[Sequence[int]] = None,
                   new_grid: Optional[Sequence[int]] = None,
                   method: str = 'linear_corners') -> np.ndarray:
-  """``posemb`` ``[1, T_old, D]`` resized to ``[1, num_tokens, D]`` (its dtype), as the
-  official ``load_pretrained`` (docs/reference.md section 1): the class-token row (with
-  ``has_class_token``) kept, the ``(rows, columns)`` grid (square when None) resampled
-  bilinearly with the corners aligned as ``scipy.ndimage.zoom(order=1)``, in float64 (but where
-  scipy's default mode zeroes the last row, docs/checkpoints.md), or by another ``method`` of
-  :data:`vit_jax.models.resample.RESIZE_METHODS` (the one implementation of the model's resize at
-  another input size, :func:`vit_jax.models.resample.resample_posemb`). ValueError for a grid
-  that does not match its row count, or is not square when not given; an unknown method."""
+  """``posemb`` ``[1, T_old, D]`` resized to ``[1, num_tokens, D]`` (its dtype) as the official
+  ``load_pretrained`` (docs/checkpoints.md, "Fine-tuning from a checkpoint"): the class-token
+  row (with ``has_class_token``) kept, the ``(rows, columns)`` grid (None: square) resampled by
+  ``method`` (:func:`vit_jax.models.resample.resample_posemb`). ValueError for a grid that does
+  not match its row count, or is not square when not given; an unknown method."""
   posemb = np.asarray(posemb)
   first = 1 if has_class_token else 0
   old = _grid_of(posemb.shape[1] - first, old_grid, 'checkpoint')
@@ -65,16 +61,12 @@ def resize_posemb(posemb: np.ndarray, num_tokens: int, *, has_class_token: bool,
 def resample_patchemb(kernel: np.ndarray, new_hw: Union[int, Sequence[int]], *,
                       method: str = 'bicubic_antialias') -> np.ndarray:
   """FlexiViT's pseudo-inverse resize ("PI-resize", Beyer et al., CVPR 2023; big_vision
-  ``resample_patchemb``, timm ``resample_patch_embed``) of a patch-embedding kernel: ``kernel``
-  ``(Ph, Pw, C, D)`` -> ``(Ph', Pw', C, D)`` (``new_hw``: ``P'`` or ``(Ph', Pw')``), in its dtype,
-  computed in float64.
-
-  With ``B`` the ``[Ph' Pw', Ph Pw]`` resize of a patch by ``method``
-  (:data:`vit_jax.models.resample.RESIZE_METHODS`; default timm's bicubic with antialiasing;
-  big_vision resizes bilinearly), each ``(C, D)`` filter ``w`` becomes ``pinv(B^T) w``: when
-  upsampling (``B`` injective) ``<B x, w'> = <x, w>`` for every patch ``x``, so at patch size
-  ``P'`` an image whose patches are each resized by ``B`` gives the original's tokens; when
-  downsampling, the least-squares fit. ValueError: not a 4-D kernel, a bad size or method."""
+  ``resample_patchemb``, timm ``resample_patch_embed``) of a patch-embedding kernel ``(Ph, Pw,
+  C, D)`` to ``(Ph', Pw', C, D)`` (``new_hw``: ``P'`` or ``(Ph', Pw')``), in its dtype, computed
+  in float64. With ``B`` the ``[Ph' Pw', Ph Pw]`` resize of a patch by ``method`` (default
+  timm's), each ``(C, D)`` filter ``w`` becomes ``pinv(B^T) w``: upsampling, ``<B x, w'> = <x,
+  w>`` for every patch ``x``; downsampling, the least-squares fit. ValueError: not a 4-D kernel,
+  a bad size or method."""
   kernel = np.asarray(kernel)
   if kernel.ndim != 4:
     raise ValueError(f'A patch-embedding kernel is (height, width, channels, width D), got shape '
@@ -92,8 +84,8 @@ def resample_patchemb(kernel: np.ndarray, new_hw: Union[int, Sequence[int]], *,
 
 
 def _resampled_patchemb(have: np.ndarray, want: np.ndarray, fresh_flat: Mapping) -> np.ndarray:
-  """The checkpoint's ``embedding/kernel`` for the model's patch size (:func:`resample_patchemb`),
-  logged with both sizes; ModelMismatchError for a hybrid (its stem's stride is not resized)."""
+  """:func:`resample_patchemb` of ``have`` to ``want``'s patch size, logged;
+  ModelMismatchError for a hybrid (its stem's stride is not resized)."""
   old, new = tuple(np.shape(have)[:2]), tuple(want.shape[:2])
   sizes = f'{old[0]}x{old[1]} (checkpoint) -> {new[0]}x{new[1]} (model)'
   if 'params/conv_root/kernel' in fresh_flat:
@@ -109,11 +101,10 @@ def _resampled_patchemb(have: np.ndarray, want: np.ndarray, fresh_flat: Mapping)
 
 def _posemb_prefix_rows(flat: Mapping[str, Any], rows: int, grid: Optional[Sequence[int]],
                         what: str, likely: Optional[int] = None) -> int:
-  """The rows of a ``rows``-row learned table before its grid's, in the variables ``flat``
-  (``'/'``-joined names): ``rows`` less the ``grid`` ``(rows, columns)`` when given, else
-  ``likely`` (the model's) where the rest make a square grid, else
-  :func:`vit_shapes.table_prefix_rows`. ValueError: a grid that leaves neither none nor one per
-  class token and register."""
+  """The rows before the grid of the ``rows``-row learned table of the flat variables ``flat``:
+  ``rows`` less the ``grid`` when given, else ``likely`` (the model's) where the rest make a
+  square grid, else :func:`vit_shapes.table_prefix_rows`. ValueError: a grid that leaves
+  neither none nor one per class token and register."""
   shapes = {k: tuple(np.shape(v)) for k, v in flat.items()}
   registers = shapes.get('params/registers')
   tokens = ('params/cls' in shapes) + (int(registers[1]) if registers else 0)
@@ -129,8 +120,6 @@ def _posemb_prefix_rows(flat: Mapping[str, Any], rows: int, grid: Optional[Seque
 
 
 def _prefix_hint(have: int, want: int) -> str:
-  """Why position tables with ``have`` (checkpoint) and ``want`` (model) rows before the grid
-  do not fit: timm's ``no_embed_class`` on one side only, or other prefix tokens."""
   return (f'The position tables have {have} (checkpoint) and {want} (model) rows before the '
           'grid, one per class token and register unless the table covers the patches only '
           "(timm's no_embed_class): build the model with the checkpoint's classifier, "
@@ -138,8 +127,8 @@ def _prefix_hint(have: int, want: int) -> str:
 
 
 def _unrecorded_grid_message(grid: Tuple[int, int]) -> str:
-  """Why a table of ``gh * gw`` grid rows whose grid is not known is refused for a model of the
-  non-square ``grid``, and how to say which grid it is (the model's ``posemb_grid``)."""
+  """Why a table of ``gh * gw`` grid rows of unknown grid is refused for a model of the
+  non-square ``grid``, and how to say which it is (the model's ``posemb_grid``)."""
   gh, gw = grid
   side = vit_shapes.square_side(gh * gw)
   square, other = ((f'{side}x{side} (square images)', f'({side}, {side})') if side else
@@ -159,28 +148,18 @@ def init_for_finetuning(loaded: Mapping, fresh: Mapping, *, reset_head: bool = T
                         prefix_rows: Optional[int] = None) -> Dict[str, Any]:
   """``fresh``'s variables (structure, plain leaves, dtypes) with the weights of ``loaded``
   (``{'params', **collections}``, NumPy or JAX, per-layer or scanned) but what fine-tuning
-  changes:
+  changes (docs/checkpoints.md, "Fine-tuning from a checkpoint"): the head takes ``fresh``'s
+  values (with ``reset_head=False`` only for another class count or none in ``loaded``);
+  ``pre_logits`` is dropped when ``fresh`` has none; ViT's learned position table is resized
+  from ``checkpoint_grid`` to ``grid`` (``(rows, columns)``, None: square) by ``posemb_resize``
+  whenever the grids differ, its rows before the grid kept (as many in both; ``prefix_rows``:
+  the model's, where a table's rows with and without them could both be square grids); the
+  patch-embedding kernel is resampled (:func:`resample_patchemb`); T2T-ViT's sinusoid table is
+  regenerated.
 
-  * the head takes ``fresh``'s values: always (the official ``load_pretrained``), or with
-    ``reset_head=False`` only for another class count (the T2T-ViT reference); a checkpoint
-    without one (a backbone: DINOv2, ``num_classes=None``) gets ``fresh``'s;
-  * ViT's ``pre_logits`` is dropped when ``fresh`` has none;
-  * ViT's learned position embedding is resized to the model's grid by ``posemb_resize``
-    (:data:`vit_jax.models.resample.RESIZE_METHODS`; :func:`resize_posemb`), its rows before
-    the grid kept: one per class token and register (none with ``no_embed_class``;
-    :func:`vit_shapes.table_prefix_rows`), which must be as many in both tables (``grid`` and
-    ``checkpoint_grid``: the model's and the checkpoint's ``(rows, columns)``, None: square;
-    ``prefix_rows``: the model's, ``vit.posemb_prefix_rows`` of its fields, where a table's rows
-    with and without them could both be square grids); whenever the grids differ, also at the
-    same row count (a 2x2 grid into a 1x4 one). A table as large as the model's whose grid is
-    not given is kept where the model's grid is square, and refused (ValueError naming
-    ``posemb_grid``) where it is not: its shape cannot tell its grid;
-  * ViT's patch-embedding kernel of another patch size is resampled (:func:`resample_patchemb`,
-    FlexiViT's PI-resize; logged), not a hybrid's (ResNet stem: ModelMismatchError);
-  * T2T-ViT's sinusoid table (``constants/pos_embed``) is regenerated (taken from ``fresh``);
-    a Performer's random features ``w`` are kept.
-
-  Raises ModelMismatchError for anything else that differs, with the checkpoint's architecture.
+  Raises ModelMismatchError for anything else that differs (and a hybrid's other patch size),
+  with the checkpoint's architecture; ValueError for a table as large as the model's, of no
+  given grid, where the model's grid is not square (naming ``posemb_grid``).
   """
   fresh, loaded = layout.unbox(fresh), layout.unbox(loaded)
   for name, tree in (('loaded', loaded), ('fresh', fresh)):
@@ -197,8 +176,7 @@ def init_for_finetuning(loaded: Mapping, fresh: Mapping, *, reset_head: bool = T
   loaded_flat = flatten_params(loaded)
   out, notes, posemb_hint = {}, [], None
   for key, want in fresh_flat.items():
-    if key in HEAD_KEYS and key not in loaded_flat and not any(k in loaded_flat
-                                                               for k in HEAD_KEYS):
+    if key in HEAD_KEYS and not any(k in loaded_flat for k in HEAD_KEYS):
       out[key] = np.asarray(want)  # A backbone without a head (DINOv2): a new one.
       notes.append(f'initialised {key} {tuple(want.shape)} (the checkpoint has no head)')
       continue

@@ -1,8 +1,6 @@
-"""The checkpoint formats, one registry, and :func:`open`, which detects a source's format once:
-each :class:`Checkpoint` subclass in :data:`FORMATS` (tried in order) ``sniff``s the
-:class:`Probe` (nothing unpickled), gives the model ``fields`` the weights imply, ``read``s the
-variables and gives the :class:`Contents` a model is built from. A new format: a subclass here,
-its text in ``rundir.ACCEPTED_FORMATS``."""
+"""The checkpoint formats: one :class:`Checkpoint` subclass each in :data:`FORMATS`, and
+:func:`open`, which detects a source's format once (nothing unpickled). A new format: a subclass
+here, its text in ``rundir.ACCEPTED_FORMATS``."""
 
 from __future__ import annotations
 
@@ -65,11 +63,10 @@ def _probe(source: Any) -> Probe:
 
 @dataclasses.dataclass(frozen=True)
 class Contents:
-  """A checkpoint read whole to build a model from: ``variables`` (NumPy, as saved),
-  ``description`` (for logs), ``num_classes`` (the head's), the ``fields`` the shapes imply
-  (None: not a ViT's), the ``numerics`` the file records (keys of ``ecosystem.NUMERICS``),
-  ``image_size``, ``label_names``, ``multi_label`` (None: not recorded), the eval preprocessing
-  (weights alone: their paper's, those keys in ``from_paper``) and a training ``run``."""
+  """A checkpoint read whole to build a model from: ``variables`` (NumPy, as saved), the
+  ``fields`` the shapes imply (None: not a ViT's), the ``numerics`` the file records, None where
+  not recorded; weights alone get their paper's eval preprocessing (those keys in
+  ``from_paper``)."""
   variables: Dict[str, Any]
   description: str
   num_classes: Optional[int] = None
@@ -84,13 +81,15 @@ class Contents:
   from_paper: Tuple[str, ...] = ()
 
 
+def _head_classes(shapes: Dict[str, Tuple[int, ...]]) -> Optional[int]:
+  return shapes.get('params/head/kernel', (None,))[-1]
+
+
 def _weights_alone(variables: Dict[str, Any], description: str,
                    kept: Optional[Dict[str, Any]] = None, **recorded: Any) -> Contents:
   """Weights without a config: what the file recorded (``kept``: the model fields written
-  beside them, ``vit_shapes.KEPT_FIELDS``, which override the shapes' reading and join the
-  ``numerics``), else their paper's evaluation (ViT: pixels in [-1, 1]; T2T-ViT: ImageNet mean
-  and std, a 90% centre crop) at the image size of the position table (T2T-ViT: 16 px per row
-  of its grid)."""
+  beside them, over the shapes' reading), else their paper's evaluation (ViT: pixels in [-1, 1];
+  T2T-ViT: ImageNet mean and std, a 90% centre crop, 16 px per row of its table's grid)."""
   shapes = tree.shapes(variables)
   kept = dict(kept or {})
   vit = vit_shapes.architecture_fields(shapes, recorded.get('image_size'),
@@ -104,8 +103,18 @@ def _weights_alone(variables: Dict[str, Any], description: str,
     side = vit_shapes.square_side(shapes.get('constants/pos_embed', (1, 1))[1] - 1)
     paper = dict(normalization='imagenet', eval_crop_pct=0.9, image_size=side and side * 16)
   recorded = {k: v for k, v in recorded.items() if v is not None}
-  return Contents(variables, description, shapes.get('params/head/kernel', (None,))[-1], vit,
-                  **{**paper, **recorded}, from_paper=tuple(k for k in paper if k not in recorded))
+  return Contents(variables, description, _head_classes(shapes), vit, **{**paper, **recorded},
+                  from_paper=tuple(k for k in paper if k not in recorded))
+
+
+def _with_facts(variables: Dict[str, Any], description: str, facts: Dict[str, Any], where: str,
+                fix: str) -> Contents:
+  """:func:`_weights_alone` with the ``facts`` this project kept beside the weights at ``where``
+  (``orbax.EXPORT_FACTS`` and ``model``); ``fix``: of class names that do not fit the head."""
+  names = _check_names(facts.get('label_names'), _head_classes(tree.shapes(variables)), where, fix)
+  recorded = {k: facts.get(k) for k in orbax.EXPORT_FACTS}
+  return _weights_alone(variables, description, vit_shapes.from_kept(facts.get('model')),
+                        **{**recorded, 'label_names': names})
 
 
 def _check_names(names: Optional[Sequence[str]], num_classes: Optional[int], where: str,
@@ -119,9 +128,8 @@ def _check_names(names: Optional[Sequence[str]], num_classes: Optional[int], whe
 
 @dataclasses.dataclass
 class Checkpoint:
-  """A checkpoint opened by :func:`open`: its ``path`` and what detection read (``probe``), an
-  instance of its format's class in :data:`FORMATS`. ``name``: ``'npz'``, ``'pytorch'``,
-  ``'orbax'``, ``'hf'`` or ``'timm'``; ``family``: for messages; ``has_steps``: a run's steps;
+  """A checkpoint opened by :func:`open`, of its format's class in :data:`FORMATS`. ``name``:
+  the format's (:func:`detect`); ``family``: for messages; ``has_steps``: a run's steps;
   ``reads_with_model``: the model's name and fields shape the reading."""
   path: str
   probe: Probe
@@ -136,10 +144,8 @@ class Checkpoint:
     return tree.shapes(self.read())
 
   def fields(self, num_heads: Optional[int] = None) -> Dict[str, Any]:
-    """The ``vit_jax.models.create`` keywords the weights imply (with ``image_size``);
-    ValueError where they cannot say (a PyTorch file: give the model). Here the architecture
-    from the shapes, then the fields kept beside them (:meth:`kept`), else the official
-    numerics."""
+    """:func:`vit_jax.checkpoint.model_fields`. Here the architecture from the shapes, then the
+    fields kept beside them (:meth:`kept`), else the official numerics."""
     shapes = self.shapes()
     kept, size = self.kept()
     fields = vit_shapes.architecture_fields(shapes, size, strict='no_embed_class' not in kept)
@@ -150,24 +156,26 @@ class Checkpoint:
     fields['image_size'] = vit_shapes.image_size(shapes, fields)
     return fields
 
+  def _facts(self) -> Dict[str, Any]:
+    """What this project wrote beside the weights (``model`` and ``orbax.EXPORT_FACTS``)."""
+    return {}
+
   def kept(self) -> Tuple[Dict[str, Any], Optional[int]]:
     """The model fields this project wrote beside the weights (``vit_shapes.KEPT_FIELDS``;
     ``{}``: none) and the image size it recorded (or None)."""
-    return {}, None
+    facts = self._facts()
+    return vit_shapes.from_kept(facts.get('model')), facts.get('image_size')
 
   def numerics(self, num_heads: Optional[int] = None) -> Optional[Tuple[Dict[str, Any], str]]:
     """``(numerics fields, family)`` from the headers and config only, or None where the format
-    records none (``vit_jax.config`` sets a fine-tuning model's numerics from them); here the
-    :meth:`kept` ones."""
+    records none; here the :meth:`kept` ones."""
     kept = self.kept()[0]
     wanted = ecosystem.NUMERICS + ecosystem.RESAMPLING
     return ({k: kept[k] for k in wanted if k in kept}, self.family) if kept else None
 
   def table_grid(self, shapes: Dict[str, Tuple[int, ...]]) -> Optional[Tuple[int, int]]:
-    """The ``(rows, columns)`` token grid that the learned position table of these weights
-    (``shapes``: :func:`tree.shapes` of what :meth:`read` gave) was made for, where the
-    checkpoint records it (a run's config; the image size of a converted checkpoint or a
-    transformers config), else None (an ``.npz`` or a timm file records no image size)."""
+    """The ``(rows, columns)`` token grid the learned position table in ``shapes`` (of what
+    :meth:`read` gave) was made for, where the checkpoint records an image size, else None."""
     return None
 
   def read(self, *, model: Any = None, use_ema: bool = True, image_size: Any = None,
@@ -193,8 +201,7 @@ class Checkpoint:
                overrides: Optional[Dict[str, Any]] = None) -> Contents:
     """What a model is built from: ``step`` of a run (default the latest; ValueError for a
     file), ``model_name`` and ``overrides`` (``models.create`` fields) for a PyTorch file (and
-    a timm file's heads). Raises as :meth:`read`; ValueError for class names that are not one
-    per output of the head."""
+    a timm file's heads). Raises as :meth:`read`; ValueError for class names that do not fit."""
     if step is not None and not self.has_steps:
       raise ValueError(f'--step applies to training workdirs; {self.path} is {self.family}, '
                        'which has no steps.')
@@ -214,9 +221,8 @@ class _Npz(Checkpoint):
   def shapes(self):  # From the .npy headers: no array is read.
     return npz.read_npz_shapes(self.path, self.probe.zip)[0]
 
-  def kept(self):  # The JSON file beside (npz.fields_path).
-    facts = npz.read_npz_facts(self.path)
-    return vit_shapes.from_kept(facts.get('model')), facts.get('image_size')
+  def _facts(self):  # The JSON file beside (npz.fields_path).
+    return npz.read_npz_facts(self.path)
 
   def numerics(self, num_heads=None):
     shapes, big_vision = npz.read_npz_shapes(self.path, self.probe.zip)
@@ -229,14 +235,9 @@ class _Npz(Checkpoint):
     return found, 'a big_vision .npz' if big_vision else self.family
 
   def _contents(self, use_ema, step, model_name, overrides):
-    facts = npz.read_npz_facts(self.path)
-    variables = self.read(use_ema=use_ema, evaluate=False)
-    head = tree.shapes(variables).get('params/head/kernel', (None,))[-1]
-    names = _check_names(facts.get('label_names'), head, npz.fields_path(self.path),
-                         'restore the file, or delete it')
-    recorded = {k: facts.get(k) for k in orbax.EXPORT_FACTS}
-    return _weights_alone(variables, self.path, vit_shapes.from_kept(facts.get('model')),
-                          **{**recorded, 'label_names': names})
+    facts = self._facts()
+    return _with_facts(self.read(use_ema=use_ema, evaluate=False), self.path, facts,
+                       npz.fields_path(self.path), 'restore the file, or delete it')
 
   def read(self, *, model=None, use_ema=True, image_size=None, evaluate=True):
     return self._fitted(npz.load_npz(self.path, self.probe.zip), model, image_size, evaluate)
@@ -307,12 +308,9 @@ class _Orbax(Checkpoint):
     return self._fitted(orbax.read_variables(item, use_ema=use_ema), model, image_size,
                         evaluate)
 
-  def kept(self):  # A convert directory's (orbax.EXPORT_JSON); a run's config is read apart.
+  def _facts(self):  # A convert directory's (orbax.EXPORT_JSON); a run's config is read apart.
     run = workdir.read_run(self.path)
-    if run.config is not None:
-      return {}, None
-    facts = orbax.read_export_metadata(run.state_item) or {}
-    return vit_shapes.from_kept(facts.get('model')), facts.get('image_size')
+    return {} if run.config is not None else orbax.read_export_metadata(run.state_item) or {}
 
   def table_grid(self, shapes):
     run = workdir.read_run(self.path)
@@ -328,15 +326,10 @@ class _Orbax(Checkpoint):
     run = workdir.read_run(self.path, step=step)
     variables = orbax.read_variables(run.state_item, use_ema=use_ema)
     if run.config is None:  # A convert directory: what convert kept of its source.
-      kept = orbax.read_export_metadata(run.state_item) or {}
-      head = tree.shapes(variables).get('params/head/kernel', (None,))[-1]
-      names = _check_names(kept.get('label_names'), head,
-                           storage.join(run.state_item, orbax.EXPORT_JSON),
-                           'restore the file, or delete it (then 1,000 or 21,843 classes get the '
-                           'official ImageNet names, others their numbers)')
-      recorded = {k: kept.get(k) for k in orbax.EXPORT_FACTS}
-      return _weights_alone(variables, self.path, vit_shapes.from_kept(kept.get('model')),
-                            **{**recorded, 'label_names': names})
+      return _with_facts(variables, self.path, orbax.read_export_metadata(run.state_item) or {},
+                         storage.join(run.state_item, orbax.EXPORT_JSON),
+                         'restore the file, or delete it (then 1,000 or 21,843 classes get the '
+                         'official ImageNet names, others their numbers)')
     data = run.config.get('data') or {}
     names, multi_label = _label_names(run.dataset, int(run.config['num_classes']), run)
     weights = 'EMA parameters' if use_ema and run.has_ema else 'parameters'
@@ -371,10 +364,12 @@ class _Foreign(Checkpoint):
   def numerics(self, num_heads=None):
     return self.fields(num_heads), self.family
 
+  def _weights_for(self, model: Any) -> Tuple[Dict[str, Any], Dict[str, Any], Any]:
+    return self._weights(*(getattr(model, k, None)
+                           for k in ('num_heads', 'gelu_approximate', 'no_embed_class')))
+
   def read(self, *, model=None, use_ema=True, image_size=None, evaluate=True):
-    params, fields, _ = self._weights(getattr(model, 'num_heads', None),
-                                      getattr(model, 'gelu_approximate', None),
-                                      getattr(model, 'no_embed_class', None))
+    params, fields, _ = self._weights_for(model)
     if model is not None and evaluate:
       ecosystem.check_numerics(fields, model, self.path)
     return self._fitted({'params': params}, model, image_size or fields['image_size'],
@@ -396,9 +391,7 @@ class _Foreign(Checkpoint):
     return None
 
   def read_for_finetuning(self, model, use_ema=True):
-    params, fields, _ = self._weights(getattr(model, 'num_heads', None),
-                                      getattr(model, 'gelu_approximate', None),
-                                      getattr(model, 'no_embed_class', None))
+    params, fields, _ = self._weights_for(model)
     try:
       ecosystem.check_numerics(fields, model, self.path)
     except ValueError as e:
@@ -434,9 +427,7 @@ class _Hf(_Foreign):
 
 
 class _Timm(_Foreign):
-  """timm files, which record neither heads nor GELU: the model's (``overrides``') when given
-  (:func:`.timm_vit.fields_from`)."""
-  name, family, reads_with_model = 'timm', 'a timm ViT', True
+  name, family, reads_with_model = 'timm', 'a timm ViT', True  # Heads, GELU: the model's.
 
   def sniff(self):
     return self.probe.header is not None and timm_vit.is_timm_names(self.probe.header[0])
@@ -462,17 +453,10 @@ FORMATS = (_Hf, _Timm, _PyTorch, _Npz, _Orbax)
 
 def open(source: Any) -> Checkpoint:  # pylint: disable=redefined-builtin
   """Detects the format of the checkpoint at ``source`` (local, ``scheme://`` or a Hub name,
-  ``hf-hub:ORG/NAME[@REVISION]``, first resolved to its files in the Hugging Face cache by
-  ``storage.normalize``), once.
-
-  Raises:
-    FileNotFoundError: nothing exists at ``source``; a Hub name not cached while offline (naming
-      the download command, ``vit_jax.hub.resolve``).
-    DamagedCheckpointError: a zip or safetensors file whose directory or header cannot be read.
-    ValueError: no accepted format (named, with :data:`ACCEPTED_FORMATS`), e.g. a single-array
-      ``.npy`` file, a ``.safetensors`` file of another model, or with transformers names but
-      no ``config.json`` beside it.
-  """
+  ``hf-hub:ORG/NAME[@REVISION]``: ``storage.normalize``), once. Raises FileNotFoundError
+  (nothing at ``source``; a Hub name not cached while offline), DamagedCheckpointError (a zip or
+  safetensors file whose directory or header cannot be read) and ValueError (no accepted format,
+  e.g. a ``.npy`` file, another model's ``.safetensors``, or one without its ``config.json``)."""
   probe = _probe(source)
   path = probe.path
   for ckpt in (fmt(path, probe) for fmt in FORMATS):

@@ -29,25 +29,15 @@ MEAN_STD = {'minus_one_to_one': ((0.5, 0.5, 0.5), (0.5, 0.5, 0.5)),
             'imagenet': ((0.485, 0.456, 0.406), (0.229, 0.224, 0.225))}
 #: The fix of a config.json or index that cannot be read.
 _FIX = 'take it again from the same Hub repository (or write it with python -m vit_jax.convert)'
-#: The typed fields of a transformers ViTConfig (each checked when present).
-_STRING_FIELDS = ('model_type', 'hidden_act', 'pooler_act')
-_INT_FIELDS = ('hidden_size', 'num_hidden_layers', 'num_attention_heads', 'intermediate_size',
-               'num_channels')
-_SIZE_FIELDS = ('image_size', 'patch_size')
 #: ``hidden_act`` values -> ``gelu_approximate``.
 GELUS = {'gelu': False, 'gelu_pytorch_tanh': True, 'gelu_new': True, 'gelu_fast': True}
-#: The fields the weights record that a ViTConfig has no key for (``hf`` None) but that
-#: transformers' ViT expresses in part, checked by name (:func:`export_problems`): the pooling
-#: (the class token), the patch (square), the pooler (``pre_logits`` of a ``ViTModel``), a fixed
-#: table (written as a learned one). Every other such field must keep its default.
+#: The fields the weights record without a ViTConfig key that transformers' ViT expresses in
+#: part, checked by name (:func:`export_problems`); every other such field keeps its default.
 _CHECKED_APART = ('classifier', 'patch_size', 'representation_size', 'posemb')
 
-#: The ``config.json`` key of the fields this project keeps that a ``ViTConfig`` has no key
-#: for and the weights do not record (:data:`KEPT_IN_CONFIG`; transformers keeps unknown keys).
+#: The ``config.json`` key (transformers keeps unknown keys) of the kept fields that neither a
+#: ``ViTConfig`` key, ``hidden_act`` nor the weights record (:data:`KEPT_IN_CONFIG`).
 CONFIG_KEY = 'vit_jax_model'
-
-#: Those fields (``vit_shapes.KEPT_FIELDS`` not in the weights, without an ``hf`` name, but the
-#: GELU, which ``hidden_act`` says): the position table's resize and grid.
 KEPT_IN_CONFIG = tuple(f.name for f in vit_fields.VIT_FIELDS
                        if f.name in vit_shapes.KEPT_FIELDS and not f.in_weights and not f.hf
                        and f.name != 'gelu_approximate')
@@ -118,30 +108,21 @@ def find(path: str, names: Optional[Sequence[str]] = None
   return directory, tuple(sorted(listing))
 
 
-def _read_json(path: str) -> Dict[str, Any]:
-  """The JSON object of a file of a transformers directory (``{}``: gone since the listing), read
-  bounded (:func:`rundir.read_json`; ValueError naming the file and :data:`_FIX`)."""
-  return rundir.read_json(path, fix=_FIX) or {}
-
-
-def _positive_int(value: Any) -> bool:
-  return isinstance(value, int) and not isinstance(value, bool) and value > 0
-
-
-def _number(value: Any) -> bool:
-  return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
 def _field_problem(config: Mapping[str, Any]) -> Optional[str]:
   """What is wrong with the type of a field of a transformers ``config.json`` (None: nothing)."""
-  def sizes(value: Any) -> bool:  # An int, or [H, W] (as ``np.ravel`` reads it).
-    return _positive_int(value) or (isinstance(value, list) and 0 < len(value) <= 2
-                                    and all(_positive_int(v) for v in value))
-
-  checks = [(key, lambda v: isinstance(v, str), 'a string') for key in _STRING_FIELDS]
-  checks += [(key, _positive_int, 'a positive integer') for key in _INT_FIELDS]
-  checks += [(key, sizes, 'a positive integer or a list of two') for key in _SIZE_FIELDS]
-  checks += [('layer_norm_eps', lambda v: _number(v) and 0 < v < 1, 'a number in (0, 1)'),
+  number = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)
+  positive_int = lambda v: number(v) and isinstance(v, int) and v > 0
+  # An int, or [H, W] (as ``np.ravel`` reads it).
+  sizes = lambda v: positive_int(v) or (isinstance(v, list) and 0 < len(v) <= 2
+                                        and all(positive_int(x) for x in v))
+  checks = [(key, lambda v: isinstance(v, str), 'a string')
+            for key in ('model_type', 'hidden_act', 'pooler_act')]
+  checks += [(key, positive_int, 'a positive integer') for key in (
+      'hidden_size', 'num_hidden_layers', 'num_attention_heads', 'intermediate_size',
+      'num_channels')]
+  checks += [(key, sizes, 'a positive integer or a list of two')
+             for key in ('image_size', 'patch_size')]
+  checks += [('layer_norm_eps', lambda v: number(v) and 0 < v < 1, 'a number in (0, 1)'),
              ('id2label', lambda v: v is None or isinstance(v, dict), 'an object')]
   for key, valid, what in checks:
     if key in config and not valid(config[key]):
@@ -150,12 +131,12 @@ def _field_problem(config: Mapping[str, Any]) -> Optional[str]:
 
 
 def read_config(directory: str) -> Dict[str, Any]:
-  """The ``config.json`` of a transformers directory (:func:`find`); ValueError (naming the file,
-  the field and the fix) for one not a bounded JSON object (:func:`rundir.read_json`), with a
-  field of the wrong type (or no ``num_attention_heads``), of another ``model_type`` (e.g.
-  'deit') or a ``hidden_act`` without an equivalent."""
+  """The ``config.json`` of a transformers directory (:func:`find`; ``{}``: gone since the
+  listing); ValueError (naming the file, the field and the fix) for one not a bounded JSON object
+  (:func:`rundir.read_json`), with a field of the wrong type (or no ``num_attention_heads``), of
+  another ``model_type`` (e.g. 'deit') or a ``hidden_act`` without an equivalent."""
   path = storage.join(directory, CONFIG_FILE)
-  config = _read_json(path)
+  config = rundir.read_json(path, fix=_FIX) or {}
   problem = _field_problem(config)
   if problem:
     raise ValueError(f'{path} is not the config.json of a transformers ViT: {problem}; {_FIX}.')
@@ -180,7 +161,7 @@ def weight_files(directory: str, names: Sequence[str]) -> Tuple[str, ...]:
     return (storage.join(directory, WEIGHTS_FILE),)
   if INDEX_FILE in names:
     path = storage.join(directory, INDEX_FILE)
-    weight_map = _read_json(path).get('weight_map')
+    weight_map = (rundir.read_json(path, fix=_FIX) or {}).get('weight_map')
     if not (isinstance(weight_map, dict) and weight_map
             and all(isinstance(f, str) and f for f in weight_map.values())):
       raise ValueError(f'{path} is not a safetensors index: it needs a weight_map object of tensor '
@@ -249,7 +230,7 @@ def normalization(directory: str, names: Sequence[str]) -> Optional[str]:
   if PREPROCESSOR_FILE not in names:
     return None
   try:
-    config = _read_json(storage.join(directory, PREPROCESSOR_FILE))
+    config = rundir.read_json(storage.join(directory, PREPROCESSOR_FILE), fix=_FIX) or {}
     mean = tuple(round(float(m), 3) for m in config.get('image_mean', []))
   except (ValueError, TypeError, AttributeError):
     return None

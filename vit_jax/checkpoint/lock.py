@@ -36,8 +36,7 @@ class WorkdirInUseError(RuntimeError):
 
 
 def _process_start(pid: int) -> Optional[str]:
-  """The start time of process ``pid`` (clock ticks since boot, Linux; tells a reused pid
-  apart), or None."""
+  """The start time of process ``pid`` (Linux clock ticks; tells a reused pid apart), or None."""
   try:
     with open(f'/proc/{pid}/stat', 'rb') as f:
       stat = f.read().decode('ascii', 'replace')
@@ -106,10 +105,9 @@ def _parse(text: str) -> Optional[Dict[str, Any]]:
 
 
 class WorkdirLock:
-  """The lock of ``workdir`` (local, created if missing and removed on release if still
-  empty, or ``gs://``); a context manager. ``timeout_s``, ``settle_s``: a heartbeat's staleness
-  age and read-back wait (s); ``heartbeat``: default for remote paths and filesystems without
-  flock."""
+  """The lock of ``workdir`` (local, created if missing, or ``gs://``); a context manager.
+  ``timeout_s``, ``settle_s``: a heartbeat's staleness age and read-back wait (s);
+  ``heartbeat``: default for remote paths and filesystems without flock."""
 
   def __init__(self, workdir: str, *, timeout_s: float = 600.0, settle_s: float = 2.0,
                heartbeat: Optional[bool] = None):
@@ -144,8 +142,8 @@ class WorkdirLock:
 
   def acquire(self) -> None:
     """Takes the lock (a stale one with a WARNING naming its holder). Raises
-    WorkdirInUseError (naming the live holder and what to do) or OSError (the lock file cannot
-    be written, or a local ``lock.json`` is no file: named, with the fix)."""
+    WorkdirInUseError (naming the live holder) or OSError (the lock file cannot be written or is
+    no file)."""
     local = not storage.is_remote(self.workdir)
     if local:
       self._make_dirs()
@@ -285,8 +283,8 @@ class WorkdirLock:
         _log.warning('Could not renew the lock %s: %s', self.path, e)
 
   def release(self, *, remove_created_dirs: bool = False) -> None:
-    """Releases the lock (deleting the file); with ``remove_created_dirs`` also the directories
-    the lock created, if nothing else was written there. Never raises."""
+    """Releases the lock (deleting the file), with ``remove_created_dirs`` also the empty
+    directories :meth:`acquire` created. Never raises."""
     if not self.held:
       return
     self.held = False
@@ -311,8 +309,7 @@ class WorkdirLock:
       self._remove_created_dirs()
 
   def _remove_created_dirs(self) -> None:
-    """Removes the directories :meth:`acquire` created, innermost first, while they are empty."""
-    for directory in reversed(self._created):
+    for directory in reversed(self._created):  # Innermost first, while they are empty.
       try:
         os.rmdir(directory)
       except OSError:

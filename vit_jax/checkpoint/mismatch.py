@@ -34,11 +34,9 @@ def diff(have: Mapping[str, Any], want: Mapping[str, Any],
 def mismatch_report(header: str, missing: Sequence[str], unexpected: Sequence[str],
                     mismatched: Sequence[str], hint: Optional[str] = None, *,
                     mismatched_kind: str = 'shape mismatches') -> str:
-  """``header`` (what does not fit what), then per kind its count and first :data:`MAX_LISTED`
-  entries: ``missing`` (the model's names the checkpoint lacks), ``unexpected`` (the checkpoint's,
-  with shapes), ``mismatched`` (``'<name>: checkpoint <shape>, model <shape>'``, or the model
-  fields a config and the weights disagree on, ``mismatched_kind='field mismatches'``); then
-  ``hint``."""
+  """``header`` (what does not fit what), then per kind (as :func:`diff` gives them; or
+  ``mismatched_kind``, e.g. 'field mismatches') its count and first :data:`MAX_LISTED`
+  entries; then ``hint``."""
   lines = [header]
   for kind, items, sep in (('missing keys', missing, ', '), ('unexpected keys', unexpected, ', '),
                            (mismatched_kind, mismatched, '; ')):

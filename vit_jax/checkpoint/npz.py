@@ -1,9 +1,6 @@
 """Official and big_vision ViT ``.npz`` files (flat ``np.savez`` of ``/``-joined names): read
-without unpickling into the official per-layer layout, older files fixed, a big_vision
-two-tower model's (SigLIP's) image tower taken; and written, with what the arrays do not say
-(the model fields, class names, preprocessing) in a JSON file beside (:func:`fields_path`):
-the official loader flattens every key of an ``.npz`` into the parameter tree, so the ``.npz``
-itself holds the parameters only and stays readable by the official code."""
+without unpickling into the official per-layer layout; and written, with what the arrays do not
+say in a JSON file beside (:func:`fields_path`; docs/checkpoints.md, "What a conversion keeps")."""
 
 from __future__ import annotations
 
@@ -65,11 +62,9 @@ def is_big_vision(params: Mapping[str, Any]) -> bool:
 
 def from_big_vision(params: Mapping[str, Any]) -> Dict[str, Any]:
   """The official per-layer tree that computes what a big_vision (``big_vision/models/vit.py``)
-  params tree does (:func:`is_big_vision`; other trees unchanged; docs/checkpoints.md, "Other
-  libraries' weights"): big_vision adds its learned table (top-level, older files'
-  ``Transformer/pos_embedding``) before prepending the class token, so a zero class row goes in
-  front (a table of ``g^2 + 1`` rows has it); a ViT-G era top-level MAP head is moved into
-  ``MAPHead_0``; scanned blocks are unrolled."""
+  params tree does (other trees unchanged; docs/checkpoints.md, "Other libraries' weights"): a
+  zero class row in front of its learned table (added before the class token there), a
+  top-level MAP head moved into ``MAPHead_0``, scanned blocks unrolled."""
   if not is_big_vision(params):
     return dict(params)
   out, encoder = dict(params), dict(params['Transformer'])
@@ -154,10 +149,9 @@ def read_npz_index(path: Any, npz: Optional[archive.Zip] = None
 
 
 def image_tower(params: Mapping[str, Any], path: Optional[str] = None) -> Dict[str, Any]:
-  """The image tower ``img`` (a big_vision ViT) of a big_vision two-tower params tree
-  (``big_vision/models/proj/image_text/two_towers.py``: SigLIP, SigLIP 2, LiT; ``img``, ``txt``
-  and the temperature ``t``, bias ``b``); the rest is dropped, with a log line naming it when
-  ``path`` is given. Other trees are returned unchanged."""
+  """The image tower ``img`` of a big_vision two-tower params tree (SigLIP, LiT:
+  ``big_vision/models/proj/image_text/two_towers.py``; the rest dropped, logged when ``path`` is
+  given); other trees unchanged."""
   tower = params.get('img')
   if not (isinstance(tower, Mapping) and 'embedding' in tower):
     return dict(params)
@@ -171,9 +165,8 @@ def image_tower(params: Mapping[str, Any], path: Optional[str] = None) -> Dict[s
 
 
 def _params(flat: Dict[str, Any], path: Optional[str] = None) -> Dict[str, Any]:
-  """The nested tree of an ``.npz`` file's flat arrays: ``params/`` stripped, a two-tower
-  model's image tower taken (:func:`image_tower`, logged with ``path``), older files'
-  numbering and GroupNorm fixed (not yet converted from big_vision's layout)."""
+  """The nested tree of an ``.npz`` file's flat arrays, ``params/`` stripped, the image tower
+  taken, older files fixed (not yet from big_vision's layout)."""
   if all(k.startswith('params/') for k in flat):
     flat = {k[len('params/'):]: v for k, v in flat.items()}
   return fix_groupnorm(convert_pre_linen(image_tower(unflatten_params(flat), path)))
@@ -191,13 +184,9 @@ def read_npz_shapes(path: Any, npz: Optional[archive.Zip] = None
 def load_npz(path: Any, npz: Optional[archive.Zip] = None) -> Dict[str, Any]:
   """``{'params': nested dict of np.ndarray}`` of an ``.npz`` file (local or ``scheme://``;
   ``npz``: its archive when detection opened it), in the official layout; never unpickles.
-
-  Raises:
-    FileNotFoundError: missing file.
-    DamagedCheckpointError: a truncated or corrupt file (a ``ValueError``).
-    ValueError: not an ``.npz`` archive, empty, object arrays or other members than ``.npy``,
-      PyTorch state-dict names.
-  """
+  Raises FileNotFoundError (missing file), DamagedCheckpointError (truncated or corrupt) and
+  ValueError: not an ``.npz`` archive, empty, object arrays or other members than ``.npy``,
+  PyTorch state-dict names."""
   npz = npz or _zip(path)
   path = npz.name
   with npz.open() as opened:
@@ -215,10 +204,9 @@ def load_npz(path: Any, npz: Optional[archive.Zip] = None) -> Dict[str, Any]:
 
 def save_npz(path: Any, params: Mapping) -> None:
   """Writes a params tree (or the ``params`` of variables) as an official flat ``.npz`` at
-  ``path`` (local, parents created, or ``scheme://``; no suffix added) with
-  :func:`.durable.write_atomically` (a kill leaves the old file): unrolled blocks, ``bfloat16``
-  and other ml_dtypes as float32, like the published files. Raises ValueError: non-numeric
-  leaves or keys that cannot be flattened."""
+  ``path`` (local or ``scheme://``; no suffix added; :func:`.durable.write_atomically`):
+  unrolled blocks, ml_dtypes as float32, like the published files. Raises ValueError:
+  non-numeric leaves or keys that cannot be flattened."""
   path = storage.normalize(path)
   if isinstance(params, Mapping) and isinstance(params.get('params'), Mapping):
     params = params['params']
@@ -247,9 +235,8 @@ def fields_path(path: Any) -> str:
 
 
 def save_npz_facts(path: Any, facts: Mapping[str, Any]) -> None:
-  """Writes ``facts`` (JSON-able: ``model``, the kept model fields,
-  ``vit_shapes.KEPT_FIELDS``; class names, preprocessing, as ``orbax.EXPORT_FACTS``) to
-  :func:`fields_path` of ``path``, atomically."""
+  """Writes ``facts`` (JSON-able: ``model``, ``vit_shapes.KEPT_FIELDS``; the
+  ``orbax.EXPORT_FACTS``) to :func:`fields_path` of ``path``, atomically."""
   durable.write_atomically(fields_path(path), json.dumps(dict(facts), indent=1) + '\n')
 
 

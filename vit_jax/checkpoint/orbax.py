@@ -83,7 +83,6 @@ def read_variables(item: Any, *, use_ema: bool = True) -> Dict[str, Any]:
   saved layout, without the optimizer state; ``use_ema``: ``ema_params`` as ``params`` when
   saved. Raises ValueError: no ``params`` entry, or a ``params`` collection in ``model_state``."""
   ocp = import_orbax()
-
   tree = item_tree(item)
   if not isinstance(tree, Mapping) or 'params' not in tree:
     keys = sorted(tree) if isinstance(tree, Mapping) else type(tree).__name__
@@ -105,11 +104,10 @@ def read_variables(item: Any, *, use_ema: bool = True) -> Dict[str, Any]:
 
 
 def check_state_fits(state_dir: Any, abstract_state: Mapping) -> None:
-  """Compares the ``params`` and ``model_state`` names and shapes of the ``state`` item
-  ``state_dir`` (metadata only) with ``abstract_state`` (arrays or ``ShapeDtypeStruct``).
-  Raises ModelMismatchError where they differ (listed, with the checkpoint's model, and the
-  ``scan`` setting when only the block layout differs); FileNotFoundError where the item has no
-  readable metadata (an empty or incomplete step)."""
+  """Compares the ``params`` and ``model_state`` shapes of the ``state`` item ``state_dir``
+  (metadata only) with ``abstract_state``. Raises ModelMismatchError where they differ (with
+  the checkpoint's model, or the ``scan`` setting); FileNotFoundError without readable metadata
+  (an empty or incomplete step)."""
   tree = item_tree(state_dir)
   if not isinstance(tree, Mapping):  # Orbax found no item metadata (an empty or cut step).
     raise FileNotFoundError(errno.ENOENT, 'its metadata cannot be read', str(state_dir))
@@ -143,12 +141,10 @@ EXPORT_FACTS = ('label_names', 'multi_label', 'normalization', 'eval_crop_pct', 
 def save_orbax(path: Any, variables: Mapping, *, overwrite: bool = False,
                metadata: Optional[Mapping[str, Any]] = None) -> None:
   """Writes ``{'params': ..., **collections}`` (boxed or plain) as an Orbax item at ``path``
-  (local: written beside and moved into place, a kill leaves the old item or the new one; or
-  ``gs://``): ``params``, the other collections in ``model_state``, and JSON-able ``metadata``
-  (e.g. ``label_names``, ``normalization``) in :data:`EXPORT_JSON`. Raises ValueError (no
+  (local: moved into place whole; or ``gs://``): ``params``, the other collections in
+  ``model_state``, and JSON-able ``metadata`` in :data:`EXPORT_JSON`. Raises ValueError (no
   ``params``), FileExistsError (``path`` exists and not ``overwrite``), OSError."""
   ocp = import_orbax()
-
   variables = layout.unbox(variables)  # Plain arrays (model.init boxes them with axis names).
   if not isinstance(variables, Mapping) or 'params' not in variables:
     raise ValueError("save_orbax expects variables {'params': ..., **collections}.")
@@ -161,21 +157,18 @@ def save_orbax(path: Any, variables: Mapping, *, overwrite: bool = False,
   if extra:
     tree['model_state'] = dict(sorted(extra.items()))
   facts = None if metadata is None else json.dumps(dict(metadata), indent=1) + '\n'
-  if storage.is_remote(path):  # Objects: no directory to rename.
-    with ocp.StandardCheckpointer() as checkpointer:
-      checkpointer.save(target, tree, force=overwrite)
-    if facts is not None:
-      durable.write_atomically(target / EXPORT_JSON, facts)
-    return
-  staging = target.parent / f'{target.name}.partial'  # Moved into place whole.
+  remote = storage.is_remote(path)  # Objects: no directory to rename.
+  staging = target if remote else target.parent / f'{target.name}.partial'
   try:
-    with ocp.StandardCheckpointer() as checkpointer:
-      checkpointer.save(staging, tree, force=True)  # (A killed conversion's is replaced.)
+    with ocp.StandardCheckpointer() as checkpointer:  # (A killed conversion's is replaced.)
+      checkpointer.save(staging, tree, force=overwrite or not remote)
     if facts is not None:
       durable.write_atomically(staging / EXPORT_JSON, facts)
-    durable.move_into_place(staging, target)
+    if not remote:
+      durable.move_into_place(staging, target)
   except BaseException:
-    shutil.rmtree(staging, ignore_errors=True)
+    if not remote:
+      shutil.rmtree(staging, ignore_errors=True)
     raise
 
 

@@ -50,10 +50,9 @@ def from_torch_state_dict(state_dict: Mapping[str, Any], model: t2t.T2TViT, *,
                           image_size: Union[None, int, Sequence[int]] = None
                           ) -> Dict[str, Dict[str, Any]]:
   """``model``'s ``{'params', 'constants'}`` (NumPy copies in its dtypes; ``blocks`` stacked
-  if ``model.scan``) from a PyTorch T2T-ViT state dict (arrays; keys may start ``'module.'``),
-  for images of ``image_size`` (``H`` or ``(H, W)``; default 16 px per ``pos_embed`` grid row).
-  Raises ModelMismatchError: the missing and unexpected keys and shape mismatches (PyTorch names
-  and shapes), e.g. another class count, a Performer file for a Transformer-T2T model."""
+  if ``model.scan``) from a PyTorch T2T-ViT state dict (keys may start ``'module.'``), for
+  images of ``image_size`` (``H`` or ``(H, W)``; default 16 px per ``pos_embed`` grid row).
+  Raises ModelMismatchError naming what does not fit, in PyTorch's names and shapes."""
   if image_size is None:
     height, width = _image_size_from_pos_embed(state_dict)
   else:
@@ -114,9 +113,8 @@ def _flax_to_torch_name(full_path: Tuple[str, ...]) -> str:
 
 
 def describe_architecture(shapes: Mapping[str, Sequence[int]]) -> Optional[str]:
-  """``'The checkpoint is a T2T-ViT with embed_dim=.., depth=.., mlp_ratio=.., token_dim=..,
-  tokens_type=..[, N classes].'`` from ``'/'``-joined names (collection first; ``blocks_{i}`` or
-  scanned ``blocks``) -> shapes, or None for shapes not a T2T-ViT's."""
+  """The T2T-ViT fields ``shapes`` (``'/'``-joined names, per-layer or scanned) imply, in a
+  sentence for error messages; None for shapes not a T2T-ViT's."""
   cls_token = shapes.get('params/cls_token')
   project = shapes.get('params/tokens_to_token/project/kernel')
   if not cls_token or not project:

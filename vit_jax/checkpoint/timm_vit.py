@@ -1,11 +1,8 @@
 """timm ``VisionTransformer`` weights (``.safetensors``; ``timm/models/vision_transformer.py``)
 read into this project's ViT, and written (docs/checkpoints.md, "Other libraries' weights"). The
 fused ``attn.qkv`` holds the q, k, v rows in that order. A file records neither its heads nor its
-GELU (the model's, else the exact one) unless this project wrote it (:data:`METADATA_KEY`).
-timm's variants (LayerScale, registers, ``fc_norm``, QK normalisation) map by name
-(:mod:`.torch_layout`) and read as the model's fields from their parameters
-(:func:`.vit_shapes.variant_fields`); the keywords of timm's model are the fields' ``timm``
-names (:data:`vit_jax.models.vit_fields.VIT_FIELDS`)."""
+GELU unless this project wrote it (:data:`METADATA_KEY`). timm's variants map by name
+(:mod:`.torch_layout`); timm's keywords are the fields' ``timm`` names (``vit_fields``)."""
 
 from __future__ import annotations
 
@@ -46,8 +43,7 @@ METADATA_KEY = 'vit_jax_model'
 TIMM_LAYER_NORM_EPSILON = 1e-6
 
 #: How timm resamples a learned position table to another grid (``resample_abs_pos_embed``'s
-#: defaults, at load and with ``dynamic_img_size``: bicubic, antialiased): the fields'
-#: ``posemb_resize`` (``ecosystem.RESAMPLING``).
+#: defaults): the fields' ``posemb_resize``.
 POSEMB_RESIZE = 'bicubic_antialias'
 
 
@@ -129,10 +125,7 @@ def hub_config(path: str) -> Dict[str, Any]:
   ``model_args`` give by timm's names (e.g. ``no_embed_class``, ``reg_tokens``); ``{}`` without
   one (or with transformers' config.json, which has no ``architecture``). Raises ValueError for
   a damaged file (named)."""
-  directory = os.path.dirname(path)
-  if not directory:
-    directory = '.'
-  file = storage.join(directory, HUB_CONFIG)
+  file = storage.join(os.path.dirname(path) or '.', HUB_CONFIG)
   if not storage.exists(file):
     return {}
   config = rundir.read_json(file, fix='restore the config.json timm saved with the weights, '
@@ -153,18 +146,13 @@ def fields_from(shapes: Mapping[str, Tuple[int, ...]], metadata: Mapping[str, st
                 path: str, num_heads: Optional[int] = None,
                 gelu_approximate: Optional[bool] = None,
                 no_embed_class: Optional[bool] = None, strict: bool = True) -> Dict[str, Any]:
-  """The model fields (:func:`vit_jax.models.create` keywords, plus ``image_size``: the square
-  position grid times the patch size) of a timm file's tensor shapes and metadata; the heads
-  are ``num_heads``, else the metadata's, else :data:`STANDARD_HEADS`; the GELU the metadata's,
-  else ``gelu_approximate`` (the model's), else timm's exact one; ``posemb_resize`` timm's
-  (:data:`POSEMB_RESIZE`); timm's variants only where present (as their parameters say:
-  :func:`.vit_shapes.variant_fields`; LayerScale's initial value the metadata's); a position
-  table that fits two layouts read as the metadata or timm's config.json beside
-  (:func:`hub_config`) say, else as ``no_embed_class`` (the model's), else with ``strict=False``
-  without ``no_embed_class`` (read for the numerics alone); the other fields this project
-  kept in the metadata (``vit_shapes.KEPT_FIELDS``) as kept. Raises ValueError: a refused
-  variant, unknown names, a width whose heads cannot be told, or a table that fits two layouts
-  and nothing settles (``vit_shapes.AmbiguousTableError``)."""
+  """The model fields (:func:`vit_jax.models.create` keywords, plus ``image_size``) of a timm
+  file's tensor shapes and metadata. The metadata's (:func:`_saved`) come first; else the heads
+  are ``num_heads``, else :data:`STANDARD_HEADS`; the GELU ``gelu_approximate``, else timm's
+  exact one; a position table that fits two layouts is read as timm's config.json beside says
+  (:func:`hub_config`), else as ``no_embed_class``, else with ``strict=False`` without it.
+  Raises ValueError: a refused variant, unknown names, a width whose heads cannot be told, or a
+  table that fits two layouts and nothing settles (``vit_shapes.AmbiguousTableError``)."""
   canonical = _canonical(shapes, path, lambda shape, _, chunks: (shape[0] // chunks, *shape[1:]))
   fields = torch_layout.shapes_to_fields(canonical)
   saved = _saved(metadata, path)
@@ -198,10 +186,7 @@ def fields_from(shapes: Mapping[str, Tuple[int, ...]], metadata: Mapping[str, st
     fields['layerscale_init'] = float(saved['layerscale_init'])
   if saved.get('posemb_resize'):
     fields['posemb_resize'] = saved['posemb_resize']
-  tokens = canonical['pos_embed'][1] if 'pos_embed' in canonical else 0
-  side = vit_shapes.square_side(tokens - vit_fields.posemb_prefix_rows(fields))
-  patch = fields['patch_size']
-  fields['image_size'] = side and side * (patch if isinstance(patch, int) else patch[0])
+  fields['image_size'] = vit_shapes.image_size(ours, fields)
   return fields
 
 
@@ -264,9 +249,8 @@ def output_paths(dst: str) -> List[str]:
 def write(dst: str, params: Mapping[str, Any], fields: Mapping[str, Any], image_size: int,
           label_names: Optional[Sequence[str]], normalization: str) -> str:
   """Writes the ``.safetensors`` file ``dst``, the fields and class names in its metadata;
-  returns the ``timm.create_model`` call that loads it: the keywords give the architecture, the
-  overlay the file, class count and eval preprocessing (``resolve_model_data_config``); the
-  model name only picks the class."""
+  returns the ``timm.create_model`` call that loads it (the keywords: the architecture; the
+  overlay: the file, class count and eval preprocessing; the model name only picks the class)."""
   saved = dict(vit_shapes.kept_fields(fields), image_size=int(image_size))
   if label_names:
     saved['label_names'] = list(label_names)

@@ -1,13 +1,9 @@
 """A ViT's parameters in PyTorch's layout (timm's ``VisionTransformer``, transformers'
 ``ViTModel``) to and from this project's tree, exactly. :mod:`.timm_vit` and :mod:`.hf_vit`
 rename their tensors to canonical names (timm's, ``qkv`` split into ``q``, ``k``, ``v``), which
-convert by a transpose and a reshape: a Linear weight ``(out, in)`` is a kernel ``(in, out)``,
-the patch convolution ``(D, C, Ph, Pw)`` ``(Ph, Pw, C, D)``, an attention projection ``(D, D)``
-``(D, heads, D/heads)`` (``(heads, D/heads, D)`` for the output). A projection without bias
-reads as a zero bias, which computes the same. timm's variants map by name too: ``reg_token``
-to ``registers``, ``blocks.N.ls{1,2}.gamma`` to ``LayerScale_{0,1}/scale``, ``fc_norm`` to
-``fc_norm``, ``blocks.N.attn.{q,k}_norm`` to the attention's ``{query,key}_ln``.
-"""
+convert by a transpose and a reshape (:data:`_WEIGHTS`; an attention projection ``(D, D)`` is
+``(D, heads, D/heads)``, ``(heads, D/heads, D)`` for the output); a projection without bias
+reads as a zero bias. timm's variants map by name too (:func:`_modules`)."""
 
 from __future__ import annotations
 
@@ -33,8 +29,7 @@ _WEIGHTS = {
 
 def _modules(layers: int) -> List[Tuple[str, str, str, bool]]:
   """``(canonical prefix, our prefix, kind, required)`` of every module a ViT of ``layers``
-  blocks may have: a ``tensor``, an ``attention`` or a kind of :data:`_WEIGHTS`; the required
-  ones (patch embedding, the blocks' own) always converted, the others where present."""
+  blocks may have (kind: ``tensor``, ``attention`` or one of :data:`_WEIGHTS`)."""
   modules = [('patch_embed.proj', 'embedding', 'conv', True),
              ('cls_token', 'cls', 'tensor', False), ('reg_token', 'registers', 'tensor', False),
              ('pos_embed', 'Transformer/posembed_input/pos_embedding', 'tensor', False)]
@@ -76,8 +71,7 @@ def _names(kind: str) -> List[Tuple[str, str]]:
 
 def our_names(names: Any) -> Dict[str, str]:
   """``{canonical tensor name: our '/'-joined name}`` of the canonical ``names`` that map (the
-  rest left out): what the shapes of a file say in this project's names (the variants' fields,
-  :func:`vit_jax.checkpoint.vit_shapes.variant_fields`)."""
+  rest left out)."""
   names = set(names)
   out = {}
   for canonical, ours, kind, _ in _modules(num_layers(names)):
@@ -112,8 +106,8 @@ def _attention(source: Mapping[str, np.ndarray], prefix: str, heads: int,
 
 
 def to_params(source: Mapping[str, np.ndarray], num_heads: int) -> Dict[str, Any]:
-  """The per-layer params tree (arrays as stored) of canonical tensors (the callers refuse
-  other names first) with ``num_heads`` heads; KeyError for a missing tensor."""
+  """The per-layer params tree (arrays as stored) of canonical tensors with ``num_heads``
+  heads; KeyError for a missing tensor."""
   width = int(np.shape(source['patch_embed.proj.weight'])[0])
   flat = {}
   for canonical, ours, kind, required in _modules(num_layers(source)):

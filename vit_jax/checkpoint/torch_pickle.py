@@ -1,10 +1,7 @@
 """Reads PyTorch ``torch.save`` zip-format files (torch >= 1.6: ``<prefix>/data.pkl``, whose
-tensors name storages ``<prefix>/data/<key>`` by persistent id) into NumPy, without torch and
-without running code: :class:`SafeUnpickler` resolves only :data:`_SAFE_GLOBALS`, any other
-global raises :class:`UnsafePickleError`; inconsistent records raise
-:class:`MalformedTorchFileError` (the checks: docs/checkpoints.md, "Damaged and hostile files").
-Every error is a ``ValueError``.
-"""
+tensors name storages ``<prefix>/data/<key>``) into NumPy, without torch and without running
+code: only :data:`_SAFE_GLOBALS` resolve (the checks: docs/checkpoints.md, "Damaged and hostile
+files"). Every error is a ``ValueError``."""
 
 from __future__ import annotations
 
@@ -86,8 +83,7 @@ _STORAGE_TYPES = {
 
 
 class _Storage:
-  """A loaded storage: a 1-D array, its key, the views built from it, and the
-  :class:`SafeUnpickler` whose budget they count against."""
+  """A loaded storage: its 1-D array, key, views and the :class:`SafeUnpickler` (the budget)."""
 
   def __init__(self, array: np.ndarray, key: str, budget: 'SafeUnpickler'):
     self.array, self.key, self.budget = array, key, budget
@@ -103,8 +99,8 @@ def _as_int_tuple(value: Any, what: str) -> Tuple[int, ...]:
 
 
 def _rebuild_tensor(storage: Any, storage_offset: Any, size: Any, stride: Any) -> np.ndarray:
-  """``torch._utils._rebuild_tensor``: a contiguous copy of the strided view of ``storage``,
-  inside it and counted against the load's budget (an identical view, tied weights, once)."""
+  """``torch._utils._rebuild_tensor``: a contiguous copy of the strided view of ``storage``
+  (checked inside it, counted against the budget; an identical view once)."""
   if not isinstance(storage, _Storage):
     raise MalformedTorchFileError('malformed tensor record: its storage is not a persistent '
                                   f'storage record (got {type(storage).__name__})')
@@ -214,8 +210,7 @@ class SafeUnpickler(pickle.Unpickler):
           'views of its storages)')
 
   def find_class(self, module: str, name: str) -> Any:
-    # Protocol <= 2 pickles name Python 2 modules ('__builtin__.set'); map them like the stdlib
-    # Unpickler(fix_imports=True) does. Pure string mapping: nothing is imported.
+    # Python 2 names of protocol <= 2, mapped as Unpickler(fix_imports=True) does (no import).
     if isinstance(module, str) and isinstance(name, str):
       if (module, name) in _compat_pickle.NAME_MAPPING:
         module, name = _compat_pickle.NAME_MAPPING[(module, name)]
@@ -271,9 +266,9 @@ _LEGACY_HINT = ('Only the zip format that torch.save writes since torch 1.6 is r
 
 
 def load_torch_zip(file: Union[str, BinaryIO], name: str = '') -> Any:
-  """Loads a ``torch.save`` zip-format file (a local path or a seekable file object; ``name``
-  for errors): the saved object, every tensor a contiguous ``np.ndarray`` (identical views of
-  one storage, e.g. tied weights, are one array); raises as :func:`load`."""
+  """The object saved in a ``torch.save`` zip-format file (a local path or a seekable file
+  object; ``name`` for errors), every tensor a contiguous ``np.ndarray``; raises as :func:`load`
+  and LegacyTorchFormatError for a file that is no zip."""
   name = name or (os.fspath(file) if isinstance(file, (str, os.PathLike)) else '<file>')
   if archive_lib.read_head(file, 4) not in archive_lib.ZIP_MAGICS:
     raise LegacyTorchFormatError(
@@ -284,14 +279,9 @@ def load_torch_zip(file: Union[str, BinaryIO], name: str = '') -> Any:
 
 
 def load(zip_file: archive_lib.Zip) -> Any:
-  """Loads the torch file ``zip_file`` (detected as a zip).
-
-  Raises:
-    UnsafePickleError: the pickle names a global outside the whitelist (nothing is executed).
-    LegacyTorchFormatError: no ``<name>/data.pkl`` member.
-    DamagedCheckpointError: its directory or a member cannot be read;
-      :class:`MalformedTorchFileError` for inconsistent records.
-  """
+  """Loads the torch file ``zip_file`` (detected as a zip). Raises UnsafePickleError (a global
+  outside the whitelist; nothing is executed), LegacyTorchFormatError (no ``<name>/data.pkl``),
+  DamagedCheckpointError (an unreadable member; MalformedTorchFileError: inconsistent records)."""
   name, prefixes = zip_file.name, _prefixes(zip_file.names)
   if len(prefixes) != 1:
     raise LegacyTorchFormatError(f'{name!r}: not a torch zip checkpoint: expected one '
@@ -314,8 +304,8 @@ def load(zip_file: archive_lib.Zip) -> Any:
 
 
 def _unpickle(zip_file: archive_lib.Zip, archive: Any, prefix: str) -> Any:
-  """Reads ``<prefix>data.pkl`` and its storages; the members read may not declare more than
-  the file's bytes, each or together (zip bombs), checked before anything is inflated."""
+  """Reads ``<prefix>data.pkl`` and its storages, refusing members that declare more than the
+  file's bytes, each or together (zip bombs), before anything is inflated."""
   members = {info.filename: info for info in archive.infolist()}
   size = zip_file.size
   declared = 0
@@ -364,13 +354,9 @@ def load_pth(path: Any, *, use_ema: bool = True,
              zip_file: Optional[archive_lib.Zip] = None) -> Dict[str, np.ndarray]:
   """``{PyTorch name: np.ndarray}`` (``module.`` stripped) of the file at ``path`` (local or
   ``scheme://``; ``zip_file``: its archive when detection opened it): a training checkpoint's
-  ``state_dict_ema`` (with ``use_ema``) or ``state_dict``, or a plain state dict.
-
-  Raises:
-    FileNotFoundError: missing file.
-    ValueError: a legacy (non-zip) torch file, or no state dict in it (its keys listed).
-    DamagedCheckpointError, UnsafePickleError: see above.
-  """
+  ``state_dict_ema`` (with ``use_ema``) or ``state_dict``, or a plain state dict. Raises
+  FileNotFoundError (missing file), ValueError (no state dict in it: its keys listed) and as
+  :func:`load_torch_zip`."""
   if zip_file is None:
     path = storage.normalize(path)
     if not storage.exists(path) or storage.isdir(path):

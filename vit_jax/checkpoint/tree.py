@@ -72,10 +72,8 @@ def describe_architecture(variables: Mapping) -> Optional[str]:
 
 def check_fits(variables: Mapping, expected: Mapping, *, what: str = 'The checkpoint') -> None:
   """Checks that ``variables`` has exactly the keys and shapes of ``expected`` (``model.init``
-  or its ``eval_shape``, boxed or plain); ``what`` names ``variables`` in the message. Raises
-  ModelMismatchError (a ValueError): the missing and unexpected keys and shape mismatches, with
-  the checkpoint's architecture, the conversion for another block layout, or that only the
-  position table (another image size) differs."""
+  or its ``eval_shape``, boxed or plain); ``what`` names ``variables``. Raises
+  ModelMismatchError (a ValueError) listing what differs, with the fix."""
   variables, expected = layout.unbox(variables), layout.unbox(expected)
   missing, unexpected, mismatched = diff(flatten_params(variables), flatten_params(expected))
   if not (missing or unexpected or mismatched):
@@ -83,9 +81,8 @@ def check_fits(variables: Mapping, expected: Mapping, *, what: str = 'The checkp
   header = f'{what} does not fit the model:'
   scanned = layout.is_scanned(variables.get('params', {}))
   if scanned != layout.is_scanned(expected.get('params', {})):
-    header += (' it is in the ' + ('scanned' if scanned else 'per-layer') + ' block layout; '
-               'convert it with vit_jax.models.' + ('unscan_params' if scanned else
-                                                    'scan_params') + ' first.')
+    header += (f' it is in the {"scanned" if scanned else "per-layer"} block layout; convert it '
+               f'with vit_jax.models.{"unscan_params" if scanned else "scan_params"} first.')
   implied = hint = describe_architecture(variables)
   if hint:
     hint += ' Build the model with these values.'
@@ -100,12 +97,11 @@ def check_fits(variables: Mapping, expected: Mapping, *, what: str = 'The checkp
 
 
 def _prefix_rows_hint(have: Mapping[str, Any], want: Mapping[str, Any]) -> Optional[str]:
-  """For flat trees whose ViT position tables differ by exactly the rows of the class token
-  and registers (timm's ``no_embed_class`` on one side only), what to build; else None."""
+  """What to build where the position tables of the flat trees differ by exactly the class
+  token and register rows (timm's ``no_embed_class`` on one side only); else None."""
   if vit_shapes.POSEMB_KEY not in have or vit_shapes.POSEMB_KEY not in want:
     return None
-  rows, model_rows = np.shape(have[vit_shapes.POSEMB_KEY])[1], np.shape(
-      want[vit_shapes.POSEMB_KEY])[1]
+  rows, model_rows = (np.shape(t[vit_shapes.POSEMB_KEY])[1] for t in (have, want))
   registers = np.shape(want['params/registers'])[1] if 'params/registers' in want else 0
   prefix = ('params/cls' in want) + int(registers)
   if not prefix or abs(rows - model_rows) != prefix:
@@ -124,8 +120,7 @@ def _name(path) -> str:
 
 def non_finite(tree: Any) -> List[str]:
   """The names (``'params/head/kernel'``) of the floating-point leaves of ``tree`` holding a
-  NaN or an Inf, in tree order: NumPy leaves checked on the host, JAX arrays (sharded too) on
-  their devices in one jitted reduction."""
+  NaN or an Inf, in tree order (JAX arrays checked on their devices, in one jitted call)."""
   leaves = [(_name(p), x) for p, x in jax.tree_util.tree_flatten_with_path(layout.unbox(tree))[0]
             if jnp.issubdtype(x.dtype if hasattr(x, 'dtype') else np.asarray(x).dtype,
                               jnp.inexact)]

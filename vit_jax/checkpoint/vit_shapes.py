@@ -11,12 +11,10 @@ from vit_jax.models import fields as fields_lib
 from vit_jax.models import resnet
 from vit_jax.models import vit_fields
 
-#: The learned position embedding (``[1, T, D]``, class token row first with classifier 'token'),
-#: resized to the new token grid when fine-tuning (:func:`vit_jax.checkpoint.resize_posemb`).
+#: The learned position embedding ``[1, T, D]`` (class-token and register rows first).
 POSEMB_KEY = 'params/Transformer/posembed_input/pos_embedding'
 
-#: What LayerScale weights read as (DINOv2's ``init_values``): a file holds the trained scales,
-#: not the value they started from, which only a fresh model's initialisation uses.
+#: What LayerScale weights read as (DINOv2's ``init_values``; a file holds the trained scales).
 LAYERSCALE_INIT = 1e-5
 
 _LAYERSCALE = re.compile(r'^params/Transformer/encoderblock(_\d+)?/LayerScale_[01]/scale$')
@@ -26,12 +24,9 @@ _LAYERSCALE = re.compile(r'^params/Transformer/encoderblock(_\d+)?/LayerScale_[0
 _NOT_KEPT = fields_lib.names(fields_lib.EXECUTION_FIELDS) + (
     'dropout_rate', 'attention_dropout_rate', 'head_bias_init')
 
-#: The fields a checkpoint this project writes keeps beside its arrays (``.npz``: a sidecar,
-#: ``vit_jax.checkpoint.npz.fields_path``; Orbax: ``orbax.EXPORT_JSON``; timm: its metadata):
-#: every declared ViT field (:data:`vit_fields.VIT_FIELDS`, :data:`vit_fields.HYBRID_FIELDS`)
-#: but :data:`_NOT_KEPT`, so that the numerics the shapes do not record (GELU, epsilon, the
-#: position-table resize) and the layouts they do not settle (:class:`AmbiguousTableError`)
-#: survive every conversion.
+#: The fields a checkpoint this project writes keeps beside its arrays (docs/checkpoints.md,
+#: "What a conversion keeps"): every declared ViT field but :data:`_NOT_KEPT`, so that what the
+#: shapes do not record survives every conversion.
 KEPT_FIELDS = tuple(f.name for f in vit_fields.VIT_FIELDS + vit_fields.HYBRID_FIELDS
                     if f.name not in _NOT_KEPT)
 
@@ -59,12 +54,10 @@ def from_kept(record: Any) -> Dict[str, Any]:
 def architecture_fields(shapes: dict, image_size: Optional[int] = None,
                         strict: bool = True) -> Optional[Dict[str, Any]]:
   """The :class:`~vit_jax.models.vit.VisionTransformer` fields that ``shapes`` (``'/'``-joined
-  name -> shape, per-layer or scanned) imply: the architecture (``num_heads``, ``mlp_dim`` None
-  without their kernels; the ResNet stem's), ``classifier`` ('map' with ``MAPHead_0/probe``,
-  'token' with ``cls``, else 'gap'), ``posemb`` ('sincos2d' without :data:`POSEMB_KEY`) and
-  ``num_classes`` (None without a head); not the numerics, which leave no trace. None for
-  shapes not a ViT's (no 4-D ``embedding/kernel``). timm's variants, only where present:
-  :func:`variant_fields` (``image_size``, ``strict``: as there)."""
+  name -> shape, per-layer or scanned) imply: the architecture (``num_heads``, ``mlp_dim``,
+  ``num_classes``: None without their kernels), ``classifier``, ``posemb`` and timm's variants
+  (:func:`variant_fields`, ``image_size`` and ``strict`` as there); not the numerics, which
+  leave no trace. None for shapes not a ViT's (no 4-D ``embedding/kernel``)."""
   embedding = shapes.get('params/embedding/kernel')
   if not embedding or len(embedding) != 4:
     return None
@@ -96,14 +89,12 @@ def architecture_fields(shapes: dict, image_size: Optional[int] = None,
 
 def variant_fields(shapes: dict, classifier: str, image_size: Optional[int] = None,
                    strict: bool = True, patch_size: Any = None) -> Dict[str, Any]:
-  """The fields of timm's variants that ``shapes`` (as :func:`architecture_fields`) hold, the
-  non-default ones only: ``layerscale_init`` (:data:`LAYERSCALE_INIT`) with ``LayerScale_*``
-  scales, the rows of ``registers``, ``no_embed_class`` with a table of the grid only
-  (:func:`table_layouts`; a table that fits both layouts is read at ``image_size``, a config's
-  beside the weights, with ``patch_size``, default the ``embedding/kernel``'s, else raises
-  :class:`AmbiguousTableError`, or with ``strict=False`` leaves ``no_embed_class`` out), and
-  each bool field its parameter records (a field's ``param``:
-  :func:`vit_jax.models.fields.recorded`)."""
+  """The non-default fields of timm's variants that ``shapes`` (as :func:`architecture_fields`)
+  hold: LayerScale, registers, each bool field its parameter records
+  (:func:`vit_jax.models.fields.recorded`) and ``no_embed_class`` with a table of the grid only
+  (:func:`table_layouts`). A table that fits both is read at ``image_size`` (with ``patch_size``,
+  default the ``embedding/kernel``'s), else raises :class:`AmbiguousTableError`, or with
+  ``strict=False`` leaves ``no_embed_class`` out."""
   fields = fields_lib.recorded(vit_fields.VIT_FIELDS, shapes)
   if any(_LAYERSCALE.match(k) for k in shapes):
     fields['layerscale_init'] = LAYERSCALE_INIT
@@ -130,9 +121,8 @@ def variant_fields(shapes: dict, classifier: str, image_size: Optional[int] = No
 
 def table_layouts(rows: int, prefix: int) -> list:
   """The rows before the grid that a learned table of ``rows`` rows can have with ``prefix``
-  class-token and register tokens: ``[prefix]`` (official, timm's default), ``[0]`` (timm's
-  ``no_embed_class``: the grid only), or ``[prefix, 0]`` where both leave a square grid (e.g. 9
-  rows and 5 tokens: 2x2 after them, or 3x3 alone). A non-square grid reads as the former."""
+  class-token and register tokens: ``[prefix]`` (the default; also for a non-square grid),
+  ``[0]`` (timm's ``no_embed_class``), or ``[prefix, 0]`` where both leave a square grid."""
   if not prefix or not square_side(rows):
     return [prefix]
   return [prefix, 0] if square_side(rows - prefix) else [0]
@@ -151,18 +141,16 @@ def _ambiguity(patch: int, rows: int, prefix: int, image_size: Optional[int]) ->
 
 
 def table_prefix_rows(shapes: dict, image_size: Optional[int] = None) -> int:
-  """The rows of the learned table (:data:`POSEMB_KEY`) in ``shapes`` before the grid's: one
-  per class token and register, none when it covers the grid only (:func:`variant_fields`'s
-  ``no_embed_class``; raises :class:`AmbiguousTableError` as there); 0 without a table. What
-  the fine-tuning resize keeps as they are."""
+  """The rows of the learned table in ``shapes`` before the grid's (:func:`variant_fields`'s
+  ``no_embed_class``, raising as there); 0 without a table."""
   fields = architecture_fields(shapes, image_size)
   return 0 if not fields or POSEMB_KEY not in shapes else vit_fields.posemb_prefix_rows(fields)
 
 
 def image_size(shapes: dict, fields: Dict[str, Any]) -> Optional[int]:
-  """The side of the square images the learned position table is for (tokens' grid side times
-  the total stride of ``fields``, :func:`architecture_fields`, whose ``no_embed_class`` says
-  whether the table has prefix rows); None without a square table."""
+  """The side of the square images the learned position table in ``shapes`` is for, with the
+  stride and prefix rows of ``fields`` (:func:`architecture_fields`); None without a square
+  table."""
   table = shapes.get(POSEMB_KEY)
   if not table:
     return None
@@ -196,8 +184,7 @@ def square_side(tokens: int) -> Optional[int]:
   return side if tokens > 0 and side * side == tokens else None
 
 
-#: Recorded fields that `describe_architecture` does not list as `name=value`: the pooling and
-#: the position embedding are said only where not the default, the stem's width not at all.
+#: Recorded fields that `describe_architecture` does not list as `name=value`.
 _DESCRIBED_APART = ('classifier', 'posemb', 'resnet_width_factor')
 
 

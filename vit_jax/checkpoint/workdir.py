@@ -1,5 +1,5 @@
-"""The run directory (``--workdir``; layout: :mod:`vit_jax.rundir`), local or ``gs://``: writing
-it, its checkpoints, and reading a run back (:func:`read_run`) for the trainer and every tool."""
+"""The run directory (``--workdir``; layout: :mod:`vit_jax.rundir`), local or ``gs://``: its
+files, its checkpoints, and a run read back (:func:`read_run`) for the trainer and every tool."""
 
 from __future__ import annotations
 
@@ -44,9 +44,8 @@ class CheckpointSaveError(OSError):
 
 @contextlib.contextmanager
 def _write_failures(message: Callable[[BaseException, str], str]) -> Iterator[None]:
-  """A failed write -> CheckpointSaveError(``message(error, why)``, ``why`` from
-  :func:`vit_jax.storage.write_failure`), when the disk, the permissions or the storage caused
-  it; anything else unchanged."""
+  """A write failed by the disk, the permissions or the storage (``why``:
+  :func:`vit_jax.storage.write_failure`) -> CheckpointSaveError(``message(error, why)``)."""
   try:
     yield
   except Exception as e:  # pylint: disable=broad-except  (TensorFlow's are not OSErrors)
@@ -68,8 +67,8 @@ def _writing(what: str):
 
 
 def _write_json_atomically(path: Any, value: Dict[str, Any]) -> None:
-  """Writes ``value`` as JSON (:func:`.durable.write_atomically`) on process 0. Raises
-  CheckpointSaveError when it cannot be written; the previous file stays."""
+  """Writes ``value`` as JSON (:func:`.durable.write_atomically`) on process 0; raises as
+  :func:`_writing`, the previous file kept."""
   if jax.process_index() != 0:
     return
   text = json.dumps(value, indent=1)  # A TypeError here is a bug, not the disk's.
@@ -82,10 +81,8 @@ _STEP_NAME = re.compile(r'^\d+($|\.)')
 
 
 def _linked_steps(checkpoints: str) -> Optional[str]:
-  """Why the local ``checkpoints`` cannot be used when a step's directory in it is a symbolic
-  link, which the run cannot delete when it drops the steps past ``keep_checkpoints`` (Orbax's
-  rmtree refuses links), with the fix: commands that replace each by a copy of its directory
-  (nothing of it lost), or remove a link to nothing; else None."""
+  """Why the local ``checkpoints`` cannot be used where a step's directory is a symbolic link
+  (Orbax's rmtree refuses them), with the commands that fix it; else None."""
   names = sorted(os.listdir(checkpoints)) if os.path.isdir(checkpoints) else []
   links = [os.path.join(checkpoints, n) for n in names
            if _STEP_NAME.match(n) and os.path.islink(os.path.join(checkpoints, n))]
@@ -117,9 +114,8 @@ def _free_name(path: Any) -> str:
 
 
 class Workdir:
-  """A run directory (local or ``gs://``), created when something is written: ``path`` (as given),
-  ``checkpoints_dir``, ``cost_json``, ``config_json``, ``dataset_json`` (``storage.Path``; local
-  paths made absolute, as Orbax needs). Raises ValueError for an empty ``path``."""
+  """A run directory (local or ``gs://``), created when something is written; its files as
+  ``storage.Path`` (local ones absolute, as Orbax needs). ValueError for an empty ``path``."""
 
   def __init__(self, path: Any):
     self.path = os.fspath(path)
@@ -137,37 +133,32 @@ class Workdir:
     return f'Workdir({self.path!r})'
 
   def check_writable(self) -> None:
-    """Raises PermissionError early when a local workdir (or its nearest existing ancestor) is
-    not a writable directory, its ``checkpoints`` is a file or holds a step that is a symbolic
-    link (:func:`_linked_steps`), or its ``cost.json``, ``config.json`` or ``dataset.json`` is no
-    file (a directory); a ``gs://`` one when its bucket does not exist or cannot be written (an
-    empty object written and removed)."""
+    """Raises PermissionError early, naming the fix, when a local workdir cannot be written or
+    holds a file where the run writes a directory, a linked step (:func:`_linked_steps`) or a
+    directory where it writes a file; a ``gs://`` one when its bucket cannot be written."""
     if storage.is_remote(self.path):
       return storage.check_bucket(self.path)
+    refuse = lambda why: PermissionError(f'--workdir {self.path!r} cannot be used: {why}')
     path = os.path.abspath(self.path)
     while not os.path.exists(path):
       path = os.path.dirname(path)
     if not os.path.isdir(path) or not os.access(path, os.W_OK | os.X_OK):
       what = 'is not a directory' if not os.path.isdir(path) else 'is not writable'
       where = '' if path == os.path.abspath(self.path) else ' (where it would be created)'
-      raise PermissionError(f'--workdir {self.path!r} cannot be used: {path}{where} {what}. '
-                            'Choose a directory you can write to (or a gs:// path).')
+      raise refuse(f'{path}{where} {what}. Choose a directory you can write to (or a gs:// '
+                   'path).')
     inside = os.path.join(os.path.abspath(self.path), CHECKPOINTS_DIR)
     if os.path.lexists(inside) and not os.path.isdir(inside):
-      raise PermissionError(
-          f'--workdir {self.path!r} cannot be used: {inside} is a file, where the run keeps '
-          f'its checkpoint directory. Move it away (mv {inside} {_free_name(inside)}) or '
-          'choose another --workdir.')
+      raise refuse(f'{inside} is a file, where the run keeps its checkpoint directory. Move it '
+                   f'away (mv {inside} {_free_name(inside)}) or choose another --workdir.')
     linked = _linked_steps(inside)
     if linked:
-      raise PermissionError(f'--workdir {self.path!r} cannot be used: {linked}')
+      raise refuse(linked)
     for file in (self.cost_json, self.config_json, self.dataset_json):  # Replaced as files.
       if os.path.exists(file) and not os.path.isfile(file):
         what = 'a directory' if os.path.isdir(file) else 'a special file (not a regular one)'
-        raise PermissionError(
-            f'--workdir {self.path!r} cannot be used: {file} is {what}, where the run writes '
-            f'its {file.name} (a file). Move it away (mv {file} {_free_name(file)}) or choose '
-            'another --workdir.')
+        raise refuse(f'{file} is {what}, where the run writes its {file.name} (a file). Move it '
+                     f'away (mv {file} {_free_name(file)}) or choose another --workdir.')
 
   def lock(self, *, timeout_s: float) -> 'lock_lib.WorkdirLock':
     """The workdir's lock (not yet taken): see :mod:`.lock`."""
@@ -178,8 +169,8 @@ class Workdir:
     return rundir.saved_steps(self.checkpoints_dir)
 
   def check_state_fits(self, abstract_state: Any) -> None:
-    """Checks the latest step's ``params`` / ``model_state`` against ``abstract_state``, from the
-    metadata. Raises ValueError: another model's checkpoint, or a damaged step."""
+    """:func:`.orbax.check_state_fits` of the latest step. Raises ValueError: another model's
+    checkpoint, or a damaged step."""
     steps = self.saved_steps()
     if not steps:
       return
@@ -211,8 +202,8 @@ class Workdir:
     _write_json_atomically(self.dataset_json, record)
 
   def read_dataset(self) -> Optional[Dict[str, Any]]:
-    """The dataset record of the latest finalized step (its item), else ``dataset.json``, or
-    None. Raises ValueError: a record that cannot be read (naming it)."""
+    """The dataset record of the latest finalized step, else ``dataset.json``, or None. Raises
+    ValueError: a record that cannot be read (naming it)."""
     steps = self.saved_steps()
     item = self.checkpoints_dir / str(steps[-1]) / DATASET_ITEM if steps else None
     if item is not None and item.is_dir():
@@ -228,8 +219,8 @@ class Workdir:
     _write_json_atomically(self.cost_json, report)
 
   def read_cost(self) -> Optional[Dict[str, Any]]:
-    """``WORKDIR/cost.json``, or None when it is missing, or unreadable or of another shape than
-    an account (:func:`vit_jax.accounting.check_report`; with a warning)."""
+    """``cost.json``, or None: missing, or (with a warning) unreadable or not an account
+    (:func:`vit_jax.accounting.check_report`)."""
     fix = "the run goes on from the checkpoint's cost account and writes it over this file"
     try:
       report = rundir.read_json(self.cost_json, fix=fix)
@@ -239,8 +230,8 @@ class Workdir:
       return None
 
   def metric_writer(self, hparams: Dict[str, Any]):
-    """clu's asynchronous TensorBoard writer (process 0 writes) with the scalar ``hparams``.
-    Raises CheckpointSaveError (also from its methods) when the events cannot be written."""
+    """clu's asynchronous TensorBoard writer (process 0 writes) with the scalar ``hparams``;
+    CheckpointSaveError (also from its methods) when the events cannot be written."""
     from clu import metric_writers  # pylint: disable=g-import-not-at-top  (TensorFlow)
     try:
       writer = metric_writers.create_default_writer(
@@ -265,8 +256,8 @@ _DAMAGE = re.compile(r'OUT_OF_RANGE|DATA_LOSS|NOT_FOUND|Error reading|error whil
 
 def damaged_step_error(directory: Any, steps: List[int], error: Optional[Exception],
                        step: Optional[int] = None, cause: Optional[str] = None) -> ValueError:
-  """The ValueError for an unreadable step (default the newest of ``steps``): the cause (default
-  ``error``'s first line) and the newest intact step to resume from."""
+  """The ValueError for an unreadable step (default the newest of ``steps``): ``cause``
+  (default ``error``'s first line) and the newest intact step to resume from."""
   step = max(steps) if step is None else step
   intact = [s for s in steps
             if s < step and not durable.damaged_files(storage.join(os.fspath(directory), str(s)))]
@@ -299,7 +290,7 @@ class _EventsWriter:
 class Checkpoints:
   """A run's numbered checkpoints (an Orbax ``CheckpointManager``; create it on every process):
   the newest ``keep`` steps (None: all; else a positive int, or ValueError), finalized locally
-  once on stable storage (:mod:`.durable`), saved in the background when ``asynchronous``."""
+  once on stable storage (:mod:`.durable`)."""
 
   def __init__(self, directory: Any, *, keep: Optional[int], asynchronous: bool):
     ocp = orbax.import_orbax()
@@ -310,8 +301,7 @@ class Checkpoints:
         preservation_policy=ocp.checkpoint_managers.LatestN(n=keep),
         enable_async_checkpointing=bool(asynchronous), cleanup_tmp_directories=True,
         temporary_path_class=durable.rename_class() if local else None))
-    # The steps known finalized, and the one saving in the background (for a failed save's
-    # message, which must not call on the storage that failed it).
+    # For a failed save's message, which must not call on the storage that failed it.
     self._finalized, self._saving = list(self._manager.all_steps()), None
 
   @property
@@ -422,19 +412,14 @@ class Checkpoints:
     self._finalized += [self._saving] if self._saving is not None else []
     self._saving = step
 
-  def _saving_finalized(self) -> bool:
-    """Whether the background save finalized: read for a local directory only (a remote one may
-    be the storage that failed)."""
-    directory = os.fspath(self.directory)
-    return not storage.is_remote(directory) and self._saving in rundir.saved_steps(directory)
-
   def _save_errors(self, step: Optional[int]):
-    """:func:`_write_failures` of a save (full disk, no permission, storage not answering),
-    naming the intact step; ``step`` None: the last."""
+    """:func:`_write_failures` of a save, naming the intact step; ``step`` None: the last."""
 
     def message(error: BaseException, why: str) -> str:
       kept = [s for s in self._finalized if s != step]
-      if self._saving not in (None, step) and self._saving_finalized():
+      directory = os.fspath(self.directory)  # Read if local (a remote one may have failed).
+      if (self._saving not in (None, step) and not storage.is_remote(directory)
+          and self._saving in rundir.saved_steps(directory)):
         kept.append(self._saving)
       which = 'the last save' if step is None else f'step {step}'
       intact = (f'the checkpoint of step {max(kept)} is intact' if kept else
@@ -454,9 +439,9 @@ class Checkpoints:
 
 @dataclasses.dataclass(frozen=True)
 class SavedRun:
-  """One step of a run (or a convert directory): its Orbax ``state_item``, ``step`` (None for
-  convert's), the resolved ``config`` and ``dataset`` record saved with it (else the workdir's
-  JSON files, or None), ``has_ema``, and the run's finalized ``steps`` ([]: one step given)."""
+  """One step of a run (or a convert directory: ``step`` None): the ``config`` and ``dataset``
+  record saved with it (else the workdir's JSON files, or None), and the run's finalized
+  ``steps`` ([]: one step given)."""
 
   state_item: str
   step: Optional[int]
@@ -475,8 +460,8 @@ class SavedRun:
 
 
 def _nothing_saved_yet(checkpoints: str, workdir: Optional[str]) -> str:
-  """What to do about a run's ``checkpoints`` without a finalized step: whether a save is being
-  written, when the first save comes (``checkpoint_every_steps`` of its readable config.json)."""
+  """What to do about a run's ``checkpoints`` without a finalized step: wait for the save being
+  written, or the first (``checkpoint_every_steps`` of its config.json), or train."""
   names = storage.listdir(checkpoints) if storage.isdir(checkpoints) else []
   writing = sorted(int(n.split('.')[0]) for n in names
                    if rundir.TMP_MARKER in n and n.split('.')[0].isdigit())
@@ -497,9 +482,9 @@ def _nothing_saved_yet(checkpoints: str, workdir: Optional[str]) -> str:
 
 def _locate(path: Any, step: Optional[int], missing: str, names: Optional[Sequence[str]] = None
             ) -> Tuple[str, Optional[str], Optional[int], List[int], Optional[str]]:
-  """``(state item, step directory, step, steps, workdir)`` of ``path`` (see :func:`read_run`);
-  the step directory is None for a variables checkpoint, ``missing`` names a run without steps.
-  ``names``: the listing of ``path`` that detection read (it is normalized and exists)."""
+  """``(state item, step directory or None, step, steps, workdir)`` of ``path`` (as
+  :func:`read_run`); ``missing`` names a run without steps; ``names``: the listing of ``path``
+  that detection read (it is then normalized and exists)."""
   if names is None:
     path = storage.normalize(path)
     if not storage.exists(path):
@@ -533,8 +518,7 @@ def _locate(path: Any, step: Optional[int], missing: str, names: Optional[Sequen
 
 def find_state_item(path: Any, step: Optional[int] = None,
                     names: Optional[Sequence[str]] = None) -> str:
-  """The Orbax item of the model variables for ``path`` (``names``: its listing, as
-  :func:`_locate`); raises as :func:`read_run` (no reads)."""
+  """The Orbax item of the model variables for ``path`` (as :func:`_locate`; nothing read)."""
   return _locate(path, step, 'No finalized Orbax checkpoint step', names)[0]
 
 
