@@ -48,6 +48,15 @@ def output_errors(kinds=(OSError,)):
     raise WorkFailed(reason(e)) from e
 
 
+@contextlib.contextmanager
+def input_errors(kinds):
+  """Raises an error of ``kinds`` inside as a ValueError from it: bad input (exit status 2)."""
+  try:
+    yield
+  except kinds as e:
+    raise ValueError(reason(e)) from e
+
+
 def reason(error: Exception) -> str:
   """The error's message in one line (an OSError's with its file name; a config refusal's fix
   as flags, ``vit_jax.cli.error_text``)."""

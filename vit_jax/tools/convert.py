@@ -165,10 +165,8 @@ def refuse_running_workdir(dst: str) -> None:
 
 @common.exit_status
 def main(argv: Optional[Sequence[str]] = None) -> int:
-  try:
+  with common.input_errors(checkpoint.WorkdirInUseError):  # Another run's workdir.
     return _main(argv)
-  except checkpoint.WorkdirInUseError as e:  # Another run's workdir: bad input (exit status 2).
-    raise ValueError(str(e)) from e
 
 
 def _main(argv: Optional[Sequence[str]]) -> int:

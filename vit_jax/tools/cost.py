@@ -18,14 +18,10 @@ Examples:
   # A run's ledger (finished or running), and its stacked bar figure in WORKDIR/cost.png.
   python -m vit_jax.cost /tmp/vit_run --figure /tmp/vit_run_cost.png
 
-The forward pass is traced on abstract shapes and its matrix products counted
-(`vit_jax.flops`): training FLOPs = 3 x 2 x MACs x batch x steps (the config's schedule); wall
-time = FLOPs / (MFU x the accelerator's peak); core-days = wall days x TensorCores. The MFU is
-assumed (--mfu), or the one the TPU compiler's cost model estimates for the config's train step
-(--preflight: a pre-flight's JSON report; an estimate's lower bound on time, so an upper bound
-on MFU). Evaluation, compilation and input stalls are not included (a run's
-`workdir/cost.json` measures them).
-With a WORKDIR it reads what the run measured (`vit_jax.ledger`, docs/compute_cost.md).
+Training FLOPs = 3 x 2 x forward MACs (`vit_jax.flops`) x batch x steps; wall time = FLOPs /
+(MFU x the accelerator's peak); core-days = wall days x TensorCores. Evaluation, compilation and
+input stalls are not included. With a WORKDIR it reads what the run measured (`vit_jax.ledger`).
+Details: docs/compute_cost.md.
 """
 
 from __future__ import annotations
@@ -318,21 +314,15 @@ def write_figure(report: dict[str, Any], path: str) -> None:
 
 def show_workdir(workdir: str, figure: Optional[str]) -> int:
   """Prints the ledger of the run in `workdir` and writes its figure (default WORKDIR/cost.png);
-  returns the exit status (2: no account there, 1: the figure could not be written)."""
+  returns 0. Raises ValueError (no account there) or WorkFailed (e.g. cost.json unreadable, the
+  figure not written)."""
   from vit_jax import ledger as ledger_lib  # pylint: disable=g-import-not-at-top
-  try:
+  with common.output_errors():
     report, where = read_workdir(workdir)
-  except ValueError as e:
-    return common.fatal(e, 2)
-  except OSError as e:  # E.g. cost.json unreadable (permissions).
-    return common.fatal(e, 1)
-  print(where)
-  print(ledger_lib.format_ledger(report))
-  figure = figure or storage.join(workdir, "cost.png")
-  try:
+    print(where)
+    print(ledger_lib.format_ledger(report))
+    figure = figure or storage.join(workdir, "cost.png")
     write_figure(report, figure)
-  except OSError as e:
-    return common.fatal(e, 1)
   print(f"Figure: {figure}")
   return 0
 
@@ -369,21 +359,16 @@ def _parser() -> common.Parser:
                       "where the time went (--figure).")
   parser.add_argument("--figure", metavar="PATH", help="With WORKDIR: the PNG of the stacked "
                       "bars (default WORKDIR/cost.png).")
-  parser.add_argument(
-      "--accelerator", default="v3-8", help="Cloud TPU type (v3-8, v3-256, v4-32, v5p-8: the "
-      "number counts TensorCores; v5litepod-16, v6e-8: chips) or a GPU count (a100-8); "
-      "vit_jax.hardware lists the kinds (default v3-8).")
+  parser.add_argument("--accelerator", default="v3-8", help="Cloud TPU type (v3-8, v4-32, "
+                      "v5p-8: cores; v5litepod-16, v6e-8: chips) or GPUs (a100-8); default v3-8.")
   parser.add_argument("--mfu", type=float, help="Assumed model FLOP utilisation, 0..1 (default "
                       "0.35; the ViT paper's Table 2 implies 0.22 to 0.38 on TPU v3; see "
                       "--table2).")
-  parser.add_argument("--preflight", metavar="FILE", help="Instead of --mfu: the MFU of the "
-                      "train step that python -m vit_jax.preflight --json FILE estimated (the "
-                      "TPU compiler's cost model) for this config's model and compute dtype on "
-                      "the --accelerator's TPU kind; pre-flight the per-device batch of the "
-                      "planned run, whose MFU it is.")
+  parser.add_argument("--preflight", metavar="FILE", help="Instead of --mfu: the train step's "
+                      "MFU that python -m vit_jax.preflight --json FILE estimated for this "
+                      "config on the --accelerator's TPU kind, at the planned per-device batch.")
   parser.add_argument("--table2", action="store_true", help="Print the ViT paper's Table 2 "
-                      "compute column with the MFU each reported TPUv3-core-days figure implies, "
-                      "counted from this project's models.")
+                      "compute column with the MFU each TPUv3-core-days figure implies.")
   return parser
 
 

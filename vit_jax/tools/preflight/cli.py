@@ -15,30 +15,15 @@ Examples:
   python -m vit_jax.preflight --config configs/vit.py:s16,imagenet2012 --accelerator v4-8 \
       --json out.json
 
-It compiles the trainer's own train and eval steps (`vit_jax.step`) with abstract inputs (no
-data, no TPU, nothing allocated) with libtpu's TPU compiler for the whole slice, and prints per
-device the train state's shard, the batch, the temporaries and the total against the HBM; the
-replicated share of the parameters, the batch per host, device and micro-batch, the FLOPs and
-compile time. For each step that fits it also prints the TPU compiler's estimate of its time
-(its cost model's `optimal_seconds`: a lower bound, not a measurement), each loop's body (the
-scan over layers, gradient accumulation) counted as many times as it runs, which takes one
-more compile per loop level; and what that implies: images per second per chip and per core,
-and the MFU (the analytic FLOPs over the time and the slice's peak). When the step does not fit
-it compiles the smallest changes in order (bfloat16, accumulation, FSDP, the leanest remat
-policy, a smaller batch) and prints the first overrides that fit, ready to paste. When it fits
-with remat, it also compiles the train step without remat (scanned, then unrolled) and prints
-those overrides if that fits and is estimated faster (remat is what makes the step slower than
-the official model's at equal batch: docs/pods.md). With --config.mesh.dcn_data=N it compiles
-for N slices of the --accelerator type (libtpu's multi-slice topology, the trainer's hybrid
-mesh) and also reports the collectives that cross slices: how many per step, and the bytes each
-device hands the DCN.
+It compiles the trainer's own train and eval steps (`vit_jax.step`) with abstract inputs for
+the whole slice with libtpu's TPU compiler, and prints per device the state, batch, temporaries
+and total against the HBM; for each step that fits, the compiler's estimate of its time and the
+MFU it implies. A step that does not fit gets the first overrides that fit, ready to paste; one
+that fits with remat, those without remat if faster. How, and measured times: docs/pods.md.
 
 Exit codes: 0 fits; 1 does not fit (the suggestion, if any, is printed); 2 a bad config or flag,
 libtpu missing (with the install line), a compiler error other than memory, or a --json FILE
-that cannot be written.
-Needs libtpu: pip install -e '.[tpu]'. Compiling takes seconds for tiny models and minutes
-for the papers' models and batches on 2 CPU cores (docs/pods.md gives measured times), more
-with several slices.
+that cannot be written. Needs libtpu: pip install -e '.[tpu]'.
 """
 
 from __future__ import annotations
@@ -360,37 +345,25 @@ def _faster(config, result: fit.Result, checker, report: dict[str, Any], out) ->
 def _parser() -> common.Parser:
   parser = cost.config_parser("python -m vit_jax.preflight", __doc__)
   parser.add_argument(
-      "--accelerator", help="Cloud TPU type to compile for, e.g. v3-8, v4-32, v5p-8 (the number "
-      "counts TensorCores), v5litepod-16, v6e-8 (chips); vit_jax.hardware lists the kinds. "
-      "Multi-host slices are compiled whole. It names one slice: with --config.mesh.dcn_data=N "
-      "the steps are compiled for N such slices joined by the data-center network (DCN), data "
-      "parallel across them, and the report counts the collectives that cross slices.")
+      "--accelerator", help="Cloud TPU type to compile for, e.g. v3-8, v4-32, v5p-8 (cores), "
+      "v5litepod-16, v6e-8 (chips): one slice; with --config.mesh.dcn_data=N, N of them joined "
+      "by DCN, and the collectives that cross slices are counted.")
   for name, default, text in (
-      ("suggest", True, "When the step does not fit, compile smaller changes and print the first "
-       "overrides that fit (default; --nosuggest: only the verdict)."),
-      ("eval", True, "Also compile the eval step, at config.eval_batch_size, default "
-       "config.batch_size (default; --noeval: not)."),
+      ("suggest", True, "When the step does not fit, print the first overrides that fit."),
+      ("eval", True, "Also compile the eval step (at config.eval_batch_size)."),
       ("largest_batch", False, "Instead: find the largest per-device batch (a power of two up to "
-       "1024, accumulation 1) that fits this config on the slice."),
-      ("estimate", True, "For each step that fits, also estimate its time: the TPU compiler's "
-       "cost model (optimal_seconds, a lower bound, not a measurement), with each loop's body "
-       "counted as many times as it runs, which compiles the step once more per loop level "
-       "(the scan over layers, unrolled; gradient accumulation around it, 2 trips per body); "
-       "and "
-       "the images/s per chip and per core and the MFU it implies (default; --noestimate: "
-       "not)."),
-      ("faster", True, "When the train step fits with remat and was estimated, also compile it "
-       "without remat (scanned as configured, then unrolled) and print the overrides if it "
-       "fits and its estimated time is shorter: remat is what makes the step slower than the "
-       "official model's (docs/pods.md) (default; --nofaster: not).")):
-    parser.add_argument(f"--{name}", action="store_true", default=default, help=text)
+       "1024, accumulation 1) that fits."),
+      ("estimate", True, "Also estimate each fitting step's time (the TPU compiler's cost model, "
+       "loops counted as they run: one more compile per loop level) and its MFU."),
+      ("faster", True, "When the train step fits with remat, also try it without remat; print "
+       "those overrides if faster (docs/pods.md).")):
+    default_text = f" (default; --no{name}: not)" if default else ""
+    parser.add_argument(f"--{name}", action="store_true", default=default,
+                        help=text + default_text)
     parser.add_argument(f"--no{name}", dest=name, action="store_false", help=argparse.SUPPRESS)
   parser.add_argument(
-      "--json", metavar="FILE", help="Also write the report as JSON to FILE: the slice, model, "
-      "batch, and per step its per-device memory (bytes), estimated_step_seconds, images/s "
-      "(in all, per chip, per core), mfu and flops_per_step (analytic and the compiler's); the "
-      "train step's figures also at the top. A suggestion's under 'suggestion'. python -m "
-      "vit_jax.cost --preflight FILE takes its MFU.")
+      "--json", metavar="FILE", help="Also write the report as JSON to FILE (fields: "
+      "docs/pods.md); python -m vit_jax.cost --preflight FILE takes its MFU.")
   return parser
 
 
@@ -406,15 +379,12 @@ def main(argv=None) -> int:
   folder = os.path.dirname(os.path.abspath(args.json or "."))
   if args.json and not os.path.isdir(folder):
     raise ValueError(f"--json {args.json}: the directory {folder} does not exist.")
-  try:
-    return run(config, args.accelerator, suggest=args.suggest, eval_step=args.eval,
-               largest_batch=args.largest_batch, num_train_examples=args.num_train_examples,
-               num_classes=args.num_classes, estimate=args.estimate, faster=args.faster,
-               json_path=args.json)
-  except topology.MissingLibtpuError as e:  # No TPU compiler here: bad input (exit status 2).
-    raise ValueError(str(e)) from e
-  except OSError as e:  # The --json FILE could not be written: 2, as 1 means "does not fit".
-    raise ValueError(common.reason(e)) from e
+  try:  # No TPU compiler here, or the --json FILE not written: 2, as 1 means "does not fit".
+    with common.input_errors((topology.MissingLibtpuError, OSError)):
+      return run(config, args.accelerator, suggest=args.suggest, eval_step=args.eval,
+                 largest_batch=args.largest_batch, num_train_examples=args.num_train_examples,
+                 num_classes=args.num_classes, estimate=args.estimate, faster=args.faster,
+                 json_path=args.json)
   except jax.errors.JaxRuntimeError as e:  # Not a lack of memory, which `run` reports.
     raise ValueError("The TPU compiler failed (not for memory): "
                      f"{str(e).strip().splitlines()[0]}") from e
