@@ -182,6 +182,31 @@ def load_source(args: argparse.Namespace):
                         overrides=dict(parse_setting(s) for s in args.set))
 
 
+def size_text(n) -> str:
+  """Bytes as '1.50 GiB' from a quarter GiB, else '12.3 MiB' ('-' for None)."""
+  if n is None:
+    return '-'
+  return f'{n / 2**30:.2f} GiB' if n >= 2**28 else f'{n / 2**20:.1f} MiB'
+
+
+def check_output_folder(path, flag: str) -> None:
+  """Raises ValueError when the folder of the output file ``path`` of ``flag`` is missing."""
+  folder = os.path.dirname(os.path.abspath(path or '.'))
+  if path and not os.path.isdir(folder):
+    raise ValueError(f'{flag} {path}: the directory {folder} does not exist.')
+
+
+def pid_alive(pid: int) -> bool:
+  """Whether process ``pid`` of this host exists (another user's too)."""
+  try:
+    os.kill(pid, 0)
+  except ProcessLookupError:
+    return False
+  except PermissionError:
+    pass
+  return True
+
+
 def cpu_info() -> dict:
   """The first processor's fields of /proc/cpuinfo ({} where it cannot be read)."""
   try:

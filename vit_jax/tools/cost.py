@@ -27,7 +27,6 @@ Details: docs/compute_cost.md.
 from __future__ import annotations
 
 import io
-import os
 import socket
 import time
 from typing import Any, Optional
@@ -267,12 +266,8 @@ def _holder(record: Optional[dict[str, Any]]) -> str:
     return "no run holds the workdir (finished, stopped or refused)"
   host, pid = record.get("host", "?"), record.get("pid", "?")
   if host == socket.gethostname() and isinstance(pid, int):
-    try:
-      os.kill(pid, 0)
-    except ProcessLookupError:
+    if not common.pid_alive(pid):
       return f"lock.json names pid {pid} of this host, which is gone: the run was killed"
-    except PermissionError:
-      pass
     return f"running: pid {pid} of this host holds the workdir (figures as of its last log step)"
   return (f"lock.json names pid {pid} of host {host}: running there (figures as of its last log "
           "step), or killed")

@@ -5,15 +5,11 @@ every example of the epoch before its step). No Apache Beam.
   python -m vit_jax.to_array_record ~/tensorflow_datasets/imagenet2012/5.1.0
   python -m vit_jax.to_array_record imagenet2012 --data-dir gs://bucket/tfds --workers 16
 
-Each TFRecord shard is copied record by record (the same serialized examples) into an
-ArrayRecord shard beside it, written under a temporary name (NAME.incomplete) and renamed when
-complete; in a bucket (gs://) each shard is first written on local disk (--staging-dir, one
-shard per worker at a time: the start line says how much disk that takes, and too little is
-refused), since array_record writes local files only. Then ``dataset_info.json`` lists
-ArrayRecord as an alternative file format (TFRecord stays the primary one), replaced whole.
-Stopped at any moment (Ctrl-C, SIGTERM, a kill), a rerun finishes the work: it skips the shards
-already complete (they open and hold the records dataset_info.json says) and writes the others
-again. Bad input: one ``FATAL:`` line, exit 2.
+Each TFRecord shard is copied record by record into an ArrayRecord shard beside it, written
+under a temporary name and renamed when complete; in a bucket each is staged on local disk first
+(--staging-dir; too little is refused). dataset_info.json then lists ArrayRecord as an
+alternative format. Stopped at any moment, a rerun finishes the work, skipping the shards
+already complete. Details: docs/data.md. Bad input: one ``FATAL:`` line, exit 2.
 """
 
 from __future__ import annotations
@@ -33,6 +29,7 @@ from vit_jax import storage
 from vit_jax.tools import common
 
 _INCOMPLETE = '.incomplete'
+_gib = common.size_text
 
 
 class _Stopped(Exception):
@@ -143,23 +140,9 @@ def _staging_dir(shards: list, workers: int, staging: Optional[str]) -> tuple[st
                   'is free: give fewer --workers, or --staging-dir on a larger disk.')
   for name in os.listdir(parent):  # Left by a killed run (SIGKILL): its process is gone.
     match = re.fullmatch(r'to_array_record-(\d+)-\w+', name)
-    if match and not _alive(int(match.group(1))):
+    if match and not common.pid_alive(int(match.group(1))):
       shutil.rmtree(os.path.join(parent, name), ignore_errors=True)
   return tempfile.mkdtemp(prefix=f'to_array_record-{os.getpid()}-', dir=parent), needed
-
-
-def _alive(pid: int) -> bool:
-  try:
-    os.kill(pid, 0)
-  except ProcessLookupError:
-    return False
-  except PermissionError:  # Another user's.
-    return True
-  return True
-
-
-def _gib(n: int) -> str:
-  return f'{n / 2**30:.2f} GiB' if n >= 2**28 else f'{n / 2**20:.1f} MiB'
 
 
 def _write_info(builder) -> None:

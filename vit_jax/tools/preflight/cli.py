@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import os
 import sys
 from typing import Any, Optional
 
@@ -49,10 +48,7 @@ from vit_jax.tools.preflight import search
 from vit_jax.tools.preflight import topology
 
 
-def _size(n: Optional[int]) -> str:
-  if n is None:
-    return "-"
-  return f"{n / hardware.GIB:.2f} GiB" if n >= hardware.GIB / 4 else f"{n / 2**20:.1f} MiB"
+_size = common.size_text
 
 
 def _memory_rows(result: fit.Result) -> list[tuple[str, ...]]:
@@ -376,9 +372,7 @@ def main(argv=None) -> int:
   if config is None or not args.accelerator:
     raise ValueError("Give --config=configs/<file>.py[:<args>] and --accelerator (e.g. "
                      "v3-8); --help explains.")
-  folder = os.path.dirname(os.path.abspath(args.json or "."))
-  if args.json and not os.path.isdir(folder):
-    raise ValueError(f"--json {args.json}: the directory {folder} does not exist.")
+  common.check_output_folder(args.json, "--json")
   try:  # No TPU compiler here, or the --json FILE not written: 2, as 1 means "does not fit".
     with common.input_errors((topology.MissingLibtpuError, OSError)):
       return run(config, args.accelerator, suggest=args.suggest, eval_step=args.eval,
