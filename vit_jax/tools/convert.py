@@ -1,13 +1,11 @@
 """Converts model checkpoints between formats: ``python -m vit_jax.convert SRC DST``.
 
 Reads any of ``vit_jax.checkpoint.ACCEPTED_FORMATS`` and writes a directory: an Orbax
-checkpoint ``{'params', 'model_state'}`` (this project's training checkpoint without the
-optimizer state; ``--config.init_from=DST`` fine-tunes from it) with ``vit_jax_export.json``
-keeping the source's class names, eval preprocessing and model fields; a file ending in .npz:
-the official ViT layout (parameters only, readable by the official code) with the same facts in
-a JSON file beside it (``X.vit_jax.json``); ``--to timm``: a timm ``.safetensors`` (and the
-``timm.create_model`` call that loads it); ``--to hf``: a transformers ViT directory. What the
-target cannot express is refused by name (``vit_jax.checkpoint.ecosystem.write``).
+checkpoint ``{'params', 'model_state'}`` (``--config.init_from=DST`` fine-tunes from it) with
+the source's class names, eval preprocessing and model fields in ``vit_jax_export.json``; a
+file ending in .npz: the official ViT layout with those facts in ``X.vit_jax.json`` beside it;
+``--to timm``: a timm ``.safetensors``; ``--to hf``: a transformers ViT directory. What the
+target cannot express is refused by name. Details: docs/checkpoints.md.
 
 Examples::
 
@@ -17,9 +15,9 @@ Examples::
 
 Bad input (a missing, damaged or refused SRC, a bad ``--model``, an existing DST without
 ``--overwrite``, a DST in the workdir of a running training run) is one ``FATAL:`` line and exit
-status 2; a failure while writing, exit 1. Every output is written beside and moved into place
-(a gs:// file appears whole): stopped or killed at any moment, DST holds the old output (or none)
-or the new one; only an Orbax directory replaced in a bucket is deleted first.
+status 2; a failure while writing, exit 1. Every output is written beside and moved into place:
+stopped at any moment, DST holds the old output (or none) or the new one; only an Orbax
+directory replaced in a bucket is deleted first.
 """
 
 from __future__ import annotations

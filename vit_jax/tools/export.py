@@ -4,22 +4,14 @@
   python -m vit_jax.export ViT-B_16.npz /srv/vit_b16 --platforms cpu,cuda,tpu --input-dtype uint8
   python -m vit_jax.export 81.5_T2T_ViT_14.pth.tar /srv/t2t --model T2T-ViT-14
 
-OUT is a new directory of two files: ``model.jax_export``, the model's inference function as a
-serialized ``jax.export`` artifact (StableHLO, the weights inside, the batch size symbolic), and
-``serving.json``, the preprocessing it expects stated as data. A process that imports only jax
-and numpy runs it to the logits ``python -m vit_jax.predict`` computes::
-
-  exported = jax.export.deserialize(bytearray(open('OUT/model.jax_export', 'rb').read()))
-  logits = exported.call(pixels)  # [B, S, S, 3] -> float32 [B, C]
-
-The function takes RGB pixels in [0, 255], resized as ``serving.json`` says (float32 by
-default, exact for any resize; ``--input-dtype uint8`` for integer pixels), and normalises them
-itself. docs/evaluation.md ("Export for serving") lists the fields.
+OUT is a new directory: ``model.jax_export``, the inference function as a serialized
+``jax.export`` artifact (the weights inside, the batch size symbolic), and ``serving.json``, the
+preprocessing it expects (RGB pixels in [0, 255], normalised in the graph). Loading it with jax
+alone, and the fields: docs/evaluation.md ("Export for serving").
 
 Exit status: 0 written; 2 bad input, one ``FATAL:`` line (what predict refuses of SOURCE, an
 existing OUT without ``--overwrite``, an OUT that is or holds SOURCE, a platform or model that
-cannot be exported); 1 a failure while writing (named). OUT is written beside and moved into
-place: stopped at any moment, OUT holds the old export (or none) or the new one.
+cannot be exported); 1 a failure while writing. OUT is written beside and moved into place.
 """
 
 from __future__ import annotations

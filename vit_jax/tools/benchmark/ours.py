@@ -19,7 +19,6 @@ from vit_jax import flops
 from vit_jax import kernels
 from vit_jax import step
 from vit_jax.tools.benchmark.common import BenchmarkError
-from vit_jax.tools.benchmark.common import check_mode_and_dtype
 from vit_jax.tools.benchmark.common import check_sizes
 from vit_jax.tools.benchmark.common import fill_rates
 from vit_jax.tools.benchmark.common import peak_rss_mib
@@ -173,8 +172,7 @@ def measure_ours(model: str, *, batch: int, resolution: int, dtype: str = "float
   ran and why, platform, device and thread facts; the peak RSS is this whole process's (run it
   in a fresh process to isolate it). Raises BenchmarkError: bad model, override, sizes or
   resolution, or what `resolve` refuses."""
-  check_mode_and_dtype(mode, dtype)
-  check_sizes(batch, resolution, warmup, steps)
+  check_sizes(batch, resolution, warmup, steps, mode, dtype)
   rss_after_imports = rss_now_mib()
   overrides = dict(overrides or {})
   requested = benchmark_config(model, batch=batch, resolution=resolution, dtype=dtype,

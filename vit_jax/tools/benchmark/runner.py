@@ -17,7 +17,6 @@ from vit_jax.tools.benchmark import timm as timm_lib
 from vit_jax.tools.benchmark.common import available_cores
 from vit_jax.tools.benchmark.common import BenchmarkError
 from vit_jax.tools.benchmark.common import check_sizes
-from vit_jax.tools.benchmark.common import DTYPES
 from vit_jax.tools.benchmark.common import MeasurementFailed
 from vit_jax.tools.benchmark.common import MODES
 from vit_jax.tools.benchmark.common import NoTimmModel
@@ -96,12 +95,10 @@ def _check_request(*, batch: int, resolution: int, dtype: str, warmup: int, step
                    num_classes: int, threads: Optional[int], compare: Optional[str], rounds: int,
                    compile_only: bool, inputs: Sequence[str]) -> int:
   """Checks `run`'s arguments that need no model (BenchmarkError); the thread count."""
-  check_sizes(batch, resolution, warmup, steps)
+  check_sizes(batch, resolution, warmup, steps, dtype=dtype)
   for name, value in (("rounds", rounds), ("num_classes", num_classes)):
     if value < 1:
       raise BenchmarkError(f"{name} must be >= 1, got {value}.")
-  if dtype not in DTYPES:
-    raise BenchmarkError(f"dtype must be one of {DTYPES}, got {dtype!r}.")
   available = available_cores()
   threads = threads or len(available)
   if threads > len(available):

@@ -8,7 +8,6 @@ import importlib.util
 import sys
 from typing import Any, Optional
 
-from vit_jax.tools.benchmark.common import check_mode_and_dtype
 from vit_jax.tools.benchmark.common import check_sizes
 from vit_jax.tools.benchmark.common import fill_rates
 from vit_jax.tools.benchmark.common import NoTimmModel
@@ -121,8 +120,7 @@ def measure_timm(model: str, *, batch: int, resolution: int, dtype: str = "float
   `torch.autocast`; inference under `torch.inference_mode()`); `analytic_flops` and `peak_flops`
   are ours. Raises NoTimmModel, BenchmarkError (bad sizes), ImportError without torch.
   """
-  check_mode_and_dtype(mode, dtype)
-  check_sizes(batch, resolution, warmup, steps)
+  check_sizes(batch, resolution, warmup, steps, mode, dtype)
   name, kwargs, checkpointing = timm_equivalent(model, overrides)
   timm, torchvision_ops = import_timm()
   import torch  # pylint: disable=g-import-not-at-top

@@ -342,8 +342,8 @@ def _parser() -> common.Parser:
   parser = cost.config_parser("python -m vit_jax.preflight", __doc__)
   parser.add_argument(
       "--accelerator", help="Cloud TPU type to compile for, e.g. v3-8, v4-32, v5p-8 (cores), "
-      "v5litepod-16, v6e-8 (chips): one slice; with --config.mesh.dcn_data=N, N of them joined "
-      "by DCN, and the collectives that cross slices are counted.")
+      "v5litepod-16, v6e-8 (chips): one slice; with --config.mesh.dcn_data=N the steps are "
+      "compiled for N such slices joined by DCN, counting the collectives that cross slices.")
   for name, default, text in (
       ("suggest", True, "When the step does not fit, print the first overrides that fit."),
       ("eval", True, "Also compile the eval step (at config.eval_batch_size)."),
