@@ -1,11 +1,12 @@
-"""What the command-line tools share: the parser (a usage error is one ``FATAL:`` line), the one
-``FATAL:`` report, ``--set KEY=VALUE`` fields, SOURCE arguments, and :func:`run_program`.
+"""What the command-line tools share: the parser, the one ``FATAL:`` report, ``--set`` fields,
+SOURCE arguments, and :func:`run_program`.
 
-Exit status 2: bad input; 1: a failure while working (e.g. writing an output, :class:`WorkFailed`);
-130: interrupted. One convention for every tool: its ``main(argv=None)``, decorated with
-:func:`exit_status`, is the command on ``argv`` (default: the command line) and returns the exit
-status, raising rather than catching; its ``run_main()`` is the program (:func:`run_program`),
-which ``python -m vit_jax.<tool>`` and ``python -m vit_jax.tools.<tool>`` run.
+Exit status 2: bad input; 1: a failure while working (:class:`WorkFailed`); 130: interrupted.
+One convention for every tool: its ``main(argv=None)``, decorated with :func:`exit_status`, is
+the command on ``argv`` and returns the exit status, raising rather than catching (errors of
+other kinds are converted with :func:`input_errors` or :func:`output_errors`); its
+``run_main()`` (:func:`run_program`) is the program its entry module runs: ``python -m
+vit_jax.<tool>`` (``vit_jax.tools.<tool>`` for the helpers without one).
 """
 
 from __future__ import annotations
@@ -34,8 +35,7 @@ INTERRUPTED = 130
 
 
 class WorkFailed(RuntimeError):
-  """A failure while working, after the input was accepted (exit status 1): its message, or its
-  cause's (:func:`output_errors`)."""
+  """A failure while working, after the input was accepted (exit status 1)."""
 
 
 @contextlib.contextmanager
@@ -95,10 +95,8 @@ def parse_setting(text: str) -> Tuple[str, Any]:
 
 
 class Parser(argparse.ArgumentParser):
-  """argparse: a usage error is one ``FATAL:`` line (exit status 2), a ``gs://`` argument
-  without a valid bucket included (``storage.check_url``: SOURCE, DST, ``--data-dir``,
-  ...); the help keeps the description's lines and shows reST literals (````x````) as plain
-  text."""
+  """argparse: a usage error (a ``gs://`` argument without a valid bucket too) is one ``FATAL:``
+  line, exit status 2; the help keeps the description's lines, ````x```` shown as x."""
 
   def __init__(self, *args, formatter_class=argparse.RawDescriptionHelpFormatter, **kwargs):
     super().__init__(*args, formatter_class=formatter_class, **kwargs)

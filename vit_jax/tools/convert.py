@@ -47,10 +47,8 @@ def read_with_facts(src: str, *, model_name: Optional[str] = None, use_ema: bool
                     overrides: Optional[Dict[str, Any]] = None, step: Optional[int] = None
                     ) -> Tuple[Dict[str, Any], Dict[str, Any]]:
   """``src`` (a run's ``step``, default its latest) as ``{'params': ..., **collections}`` of
-  NumPy arrays, and the ``orbax.EXPORT_FACTS`` it records (``checkpoint.Contents``) with, for a
-  ViT, ``model``: every field the weights compute with (:func:`source_fields`).
-  ``model_name`` (PyTorch files: required) and ``overrides`` make the model. Raises
-  FileNotFoundError, or ValueError as ``checkpoint.Checkpoint.contents``."""
+  NumPy arrays, and the ``orbax.EXPORT_FACTS`` it records, with a ViT's ``model`` fields
+  (:func:`source_fields`). Raises FileNotFoundError, or ValueError as ``Checkpoint.contents``."""
   ckpt = checkpoint.open(src)
   if (model_name or overrides) and not ckpt.reads_with_model:
     print(f'note: --model/--set apply to PyTorch and timm files only; {ckpt.path} needs '
@@ -115,8 +113,8 @@ def export(src: str, dst: str, to: str, *, model_name: Optional[str] = None,
            step: Optional[int] = None, image_size: Optional[int] = None) -> str:
   """Writes the ViT at ``src`` (:func:`vit_jax.inference.load`) as timm (``to='timm'``) or
   transformers (``to='hf'``) weights (without a head: a feature extractor); returns the Python
-  that loads them. Raises ValueError:
-  what ``load`` raises, a T2T-ViT, or what the target cannot express; WorkdirInUseError."""
+  that loads them. Raises ValueError (what ``load`` raises, a T2T-ViT, what the target cannot
+  express) or WorkdirInUseError."""
   headless = False  # A ViT without a head is written as a feature extractor.
   with contextlib.suppress(ValueError):  # (Reported by the load: a T2T-ViT, unknown heads.)
     fields = checkpoint.open(src).fields((overrides or {}).get('num_heads'))

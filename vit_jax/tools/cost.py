@@ -130,11 +130,8 @@ def preflight_mfu(path: str, config, accelerator: str) -> tuple[float, str]:
 def estimate(config, accelerator: str, mfu: float, num_train_examples=None,
              num_classes=None, mfu_source: Optional[str] = None) -> dict:
   """The predicted cost of training `config` on `accelerator` at utilisation `mfu` (assumed, or
-  from `mfu_source`): a dict of model, parameters, image_size, forward_macs (per image), steps,
-  images, training_flops, hardware (`accounting.Hardware`), days (wall), core_days and chip_days
-  (TPU, else None), device_days, dataset (where its size came from), mfu, mfu_source. Raises
-  ValueError for bad input.
-  """
+  from `mfu_source`): a dict of the model, its FLOPs, the schedule, the `accounting.Hardware`
+  and the wall, device, core and chip days (the latter two None off TPUs). Raises ValueError."""
   import jax  # pylint: disable=g-import-not-at-top  (after the flags: fewshot's --help too)
   from vit_jax import accounting, flops, models, step  # pylint: disable=g-import-not-at-top
   from vit_jax import config as config_lib  # pylint: disable=g-import-not-at-top
@@ -309,8 +306,7 @@ def write_figure(report: dict[str, Any], path: str) -> None:
 
 def show_workdir(workdir: str, figure: Optional[str]) -> int:
   """Prints the ledger of the run in `workdir` and writes its figure (default WORKDIR/cost.png);
-  returns 0. Raises ValueError (no account there) or WorkFailed (e.g. cost.json unreadable, the
-  figure not written)."""
+  returns 0. Raises ValueError (no account there) or WorkFailed (e.g. the figure not written)."""
   from vit_jax import ledger as ledger_lib  # pylint: disable=g-import-not-at-top
   with common.output_errors():
     report, where = read_workdir(workdir)

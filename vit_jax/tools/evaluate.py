@@ -37,14 +37,10 @@ Result = eval_report.Result
 
 def evaluate(trained, eval_data: EvalData, *, batch_size: Optional[int] = None,
              progress: Optional[Callable[[int, int], None]] = None) -> Result:
-  """The :class:`Result` of ``trained`` (``inference.TrainedModel``) on every example of
-  ``eval_data`` once, summed over all processes: the training's evaluator with a per-batch hook
-  for the confusion matrix. ``batch_size``: global (default the config's); ``progress(done,
-  total)`` after each batch.
-
-  Raises ValueError: a batch the mesh cannot split; no labelled example; an undecodable image
-  (``vit_jax.data.BadImageError``).
-  """
+  """The :class:`Result` of ``trained`` on every example of ``eval_data`` once, summed over all
+  processes by the training's evaluator. ``batch_size``: global (default the config's);
+  ``progress(done, total)`` after each batch. Raises ValueError: a batch the mesh cannot split,
+  no labelled example, an undecodable image (``vit_jax.data.BadImageError``)."""
   import jax  # pylint: disable=g-import-not-at-top
   from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
   from vit_jax import data  # pylint: disable=g-import-not-at-top

@@ -136,10 +136,8 @@ def serving_function(trained: Any):
 
 def export(trained: Any, *, platforms: Sequence[str] = DEFAULT_PLATFORMS,
            input_dtype: str = 'float32', batch_size: Optional[int] = None):
-  """The ``jax.export.Exported`` of :func:`serving_function`, lowered for ``platforms``, its
-  batch size symbolic (``'B'``) unless ``batch_size``. Returns ``(exported, config)``. Raises
-  ValueError naming the fix where the model cannot be lowered (for a platform, a symbolic
-  batch)."""
+  """``(jax.export.Exported of serving_function, config)``, lowered for ``platforms``, the batch
+  size symbolic (``'B'``) unless ``batch_size``. ValueError where the model cannot be lowered."""
   import jax  # pylint: disable=g-import-not-at-top
   from jax import export as jax_export  # pylint: disable=g-import-not-at-top
   fn, config = serving_function(trained)
@@ -220,15 +218,13 @@ def describe(trained: Any, exported: Any, config: Any, input_dtype: str) -> Dict
   }
 
 
-def write(out: str, blob: bytes, spec: Dict[str, Any], *, overwrite: bool = False) -> None:
-  """Writes OUT (a directory: :data:`ARTIFACT`, :data:`SPEC`) beside and moves it into place;
-  ``gs://``: each object whole, the artifact first. Raises FileExistsError, OSError."""
+def write(out: str, blob: bytes, spec: Dict[str, Any]) -> None:
+  """Writes OUT (a directory: :data:`ARTIFACT`, :data:`SPEC`) beside and moves it into place,
+  replacing one there; ``gs://``: each object whole, the artifact first. Raises OSError."""
   import json  # pylint: disable=g-import-not-at-top
   from vit_jax import storage  # pylint: disable=g-import-not-at-top
   from vit_jax.checkpoint import durable  # pylint: disable=g-import-not-at-top
   text = json.dumps(spec, indent=1) + '\n'
-  if storage.exists(out) and not overwrite:
-    raise _exists(out)
   if storage.is_remote(out):
     durable.write_atomically(storage.join(out, ARTIFACT), bytes(blob))
     durable.write_atomically(storage.join(out, SPEC), text)
@@ -275,7 +271,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   if storage.exists(args.out) and not args.overwrite:  # Made while exporting.
     raise _exists(args.out)
   with common.output_errors():
-    write(args.out, blob, spec, overwrite=args.overwrite)
+    write(args.out, blob, spec)
   shape = ', '.join(map(str, spec['input']['shape']))
   resize = spec['preprocessing']['description'].split(';')[0]
   artifact = storage.join(args.out, ARTIFACT)

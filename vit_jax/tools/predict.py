@@ -42,12 +42,10 @@ class Prediction(NamedTuple):
 
 class Predictor:
   """A trained model, loaded once, that predicts the classes of images (local devices).
-
-  ``source``: what ``vit_jax.inference.load`` reads (``load_kwargs`` are its options), or an
-  ``inference.TrainedModel``. ``batch_size``: images per step (default the config's
-  ``eval_batch_size``), rounded up to a multiple of the device count. Raises what ``load``
-  raises; ValueError for ``batch_size`` < 1 or load options with a loaded model.
-  """
+  ``source``: what ``vit_jax.inference.load`` reads (``load_kwargs``: its options), or a
+  ``TrainedModel``. ``batch_size``: images per step (default the config's ``eval_batch_size``),
+  rounded up to a multiple of the devices. Raises as ``load``; ValueError for ``batch_size`` < 1
+  or load options with a loaded model."""
 
   def __init__(self, source: Any, *, batch_size: Optional[int] = None, **load_kwargs: Any):
     from vit_jax import inference  # pylint: disable=g-import-not-at-top

@@ -242,6 +242,3 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 def run_main() -> None:
   common.run_program(main, _parser)
 
-
-if __name__ == '__main__':
-  run_main()

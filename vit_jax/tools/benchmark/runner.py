@@ -1,6 +1,6 @@
 """The benchmark's rounds: `run` checks the whole request, then measures each configuration
-(model x mode x framework x round) in a fresh `python -m vit_jax.tools.benchmark --worker SPEC
-OUT` pinned to the requested cores, ours and timm's alternating, and aggregates the rounds."""
+(model x mode x framework x round) in a fresh `python -m vit_jax.benchmark --worker SPEC OUT`
+pinned to the requested cores, ours and timm's alternating, and aggregates the rounds."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ from vit_jax.tools.benchmark.common import MODES
 from vit_jax.tools.benchmark.common import NoTimmModel
 from vit_jax.tools.benchmark.common import UNITS
 
-WORKER_MODULE = "vit_jax.tools.benchmark"
+WORKER_MODULE = "vit_jax.benchmark"
 
 
 def worker(spec_path: str, out_path: str) -> int:
@@ -55,10 +55,9 @@ def worker(spec_path: str, out_path: str) -> int:
 
 
 def run_in_subprocess(spec: dict[str, Any], timeout: Optional[float] = None) -> dict[str, Any]:
-  """One measurement (the keyword arguments of `measure_ours` / `measure_timm` /
-  `measure_input`, and 'framework', 'threads', 'cores') in a fresh process: its result.
-  Raises MeasurementFailed (the process's last lines on stderr first): it failed, timed out or
-  reported an error."""
+  """One measurement (a `measure_*`'s keyword arguments, 'framework', 'threads', 'cores') in a
+  fresh process: its result. Raises MeasurementFailed: it failed, timed out or reported an
+  error (the process's last lines on stderr first)."""
   threads = spec.get("threads")
   env = dict(os.environ)
   if threads:
@@ -209,10 +208,8 @@ def run(models_: Sequence[str], *, batch: int = 8, resolution: int = 224,
         inputs: Sequence[str] = (), progress: Optional[Callable[[str], None]] = None
         ) -> dict[str, Any]:
   """Measures every model and mode (and timm's, with compare='timm'), and the input pipelines
-  `inputs` (of `inputs.INPUTS`) with each recipe's preprocessing beside timm's DataLoader
-  (where torch and timm are installed), in fresh subprocesses: the report ('results': medians
-  over rounds, each round under 'rounds'). Raises BenchmarkError (bad input, before anything
-  runs) or MeasurementFailed."""
+  `inputs` with each recipe's preprocessing, in fresh subprocesses: the report ('results':
+  medians over rounds). Raises BenchmarkError (before anything runs) or MeasurementFailed."""
   overrides = dict(overrides or {})
   threads = _check_request(batch=batch, resolution=resolution, dtype=dtype, warmup=warmup,
                            steps=steps, num_classes=num_classes, threads=threads,
