@@ -268,10 +268,10 @@ def _tool_setup() -> None:
 
 
 def run_program(main, parser=None, precheck=None, setup=_tool_setup) -> None:
-  """Runs a tool's ``main()`` (``() -> int``, the exit status) as the program. ``--help``, flags
-  ``parser`` refuses, :func:`missing_source`, :func:`unsaved_run` and ``precheck`` (``(args) ->
-  Exception or None``) answer first, before JAX or TensorFlow load; then ``setup()`` (default
-  ``vit_jax.platform.setup``; a ValueError exits 2) and ``main()``. A closed pipe ends quietly."""
+  """Runs a tool's ``main()`` as the program. ``--help``, flags ``parser`` refuses,
+  :func:`missing_source`, :func:`unsaved_run` and ``precheck`` (``(args) -> Exception or
+  None``) answer first, before JAX or TensorFlow load; then ``setup()`` (default
+  ``vit_jax.platform.setup``; a ValueError exits 2) and ``main()``."""
   if hasattr(signal, 'SIGPIPE'):  # `... | head`: end quietly, as shell tools do.
     signal.signal(signal.SIGPIPE, signal.SIG_DFL)
   if any(arg in ('-h', '--help') for arg in sys.argv[1:]):

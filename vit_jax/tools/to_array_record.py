@@ -126,9 +126,9 @@ def _full_disk(path: str, staging: Optional[str]) -> OSError:
 
 
 def _staging_dir(shards: list, workers: int, staging: Optional[str]) -> tuple[str, int]:
-  """A new folder under `staging` (default: the temporary directory) for the shards in flight
-  (those of killed runs removed), and the bytes they take at most (the `workers` largest
-  shards). OSError naming the fix when the disk has less free."""
+  """A new folder under `staging` (default: the temporary directory; killed runs' removed) for
+  the shards in flight, and the bytes they take at most. OSError naming the fix when less is
+  free."""
   parent = staging or tempfile.gettempdir()
   if not os.path.isdir(parent):
     raise FileNotFoundError(f'--staging-dir {parent} is not a directory.')

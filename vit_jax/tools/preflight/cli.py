@@ -204,10 +204,8 @@ def _step_json(result: fit.Result, step: fit.StepCheck) -> dict[str, Any]:
 
 
 def report_json(result: fit.Result) -> dict[str, Any]:
-  """The report of one checked config as JSON-ready values (bytes, seconds, FLOPs; `--json`):
-  the slice, model, run and batch, and per step ('steps': 'train', 'eval') its memory and
-  estimate; the train step's also at the top: `estimated_step_seconds`, `flops_per_step`,
-  `memory_per_device`, `mfu`."""
+  """`--json`'s report of one checked config (bytes, seconds, FLOPs): the slice, model, run and
+  batch, per step ('steps') its memory and estimate, the train step's also at the top."""
   c, tpu = result.config, result.slice
   hw = tpu.hardware
   steps = {s.name: _step_json(result, s) for s in result.steps}
@@ -261,12 +259,10 @@ def run(config, accelerator: str, *, suggest: bool = True, eval_step: bool = Tru
         largest_batch: bool = False, num_train_examples: Optional[int] = None,
         num_classes: Optional[int] = None, estimate: bool = True, faster: bool = True,
         json_path: Optional[str] = None, out=sys.stdout) -> int:
-  """Checks and prints `config` on `accelerator`: the exit code (0 fits, 1 does not);
-  `estimate`: the fitting steps' times too; `faster` (with `estimate`): when the train step fits
-  with remat, also `search.faster`'s overrides (under 'faster' in the JSON); `json_path`: also
-  writes `report_json` there (with a suggestion's overrides and report under 'suggestion').
-  Raises ValueError or
-  topology.MissingLibtpuError; OSError when the JSON cannot be written."""
+  """Checks and prints `config` on `accelerator` (the flags of the same names); returns the exit
+  code (0 fits, 1 does not). `json_path`: also writes `report_json` there, a suggestion's under
+  'suggestion', `search.faster`'s under 'faster'. Raises ValueError,
+  topology.MissingLibtpuError, or OSError when the JSON cannot be written."""
   tpu = topology.tpu_slice(accelerator, num_slices=int(config.mesh.dcn_data))
   print(f"Pre-flight for {tpu.describe()}; compiling with libtpu's TPU compiler...", file=out,
         flush=True)

@@ -31,12 +31,10 @@ _CALLEES = re.compile(r"\b(calls|to_apply|body|branch_computations|true_computat
 
 @dataclasses.dataclass(frozen=True)
 class CrossSlice:
-  """Per step: the collectives that cross slices, `count` executions (loops unrolled) by
-  `kinds` ({'all-reduce': 20}), and the `bytes` of the buffers each device hands the DCN (a
-  megascale transfer's operand; an ordinary collective's largest buffer: an all-gather's
-  output, a reduce-scatter's input), as the TPU lays them out (its 8 x 128 tiles pad a
-  64-wide dimension to 128). A ring over n slices sends about 2(n-1)/n times an all-reduce's
-  buffer, (n-1)/n an all-gather's. `exact`: every loop's trip count was read."""
+  """Per step: the collectives that cross slices, `count` executions by `kinds`
+  ({'all-reduce': 20}), and the `bytes` of the buffers each device hands the DCN (a transfer's
+  operand; a collective's largest buffer), as the TPU lays them out (8 x 128 tiles; the volume
+  a ring sends: docs/pods.md). `exact`: every loop's trip count was read."""
   count: int = 0
   bytes: int = 0
   kinds: dict[str, int] = dataclasses.field(default_factory=dict)
