@@ -31,9 +31,7 @@ CHUNK = 16
 
 
 def _parser() -> common.Parser:
-  doc = __doc__.split('\n\n')
-  parser = common.Parser(prog='python -m vit_jax.analyze', description=doc[0],
-                         epilog='Examples:\n' + doc[1])
+  parser = common.Parser(prog='python -m vit_jax.analyze', description=__doc__)
   common.add_source_arguments(parser)
   images = parser.add_mutually_exclusive_group()
   images.add_argument('--images', nargs='+', metavar='PATH',

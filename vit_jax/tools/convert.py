@@ -7,7 +7,7 @@ file ending in .npz: the official ViT layout with those facts in ``X.vit_jax.jso
 ``--to timm``: a timm ``.safetensors``; ``--to hf``: a transformers ViT directory. What the
 target cannot express is refused by name. Details: docs/checkpoints.md.
 
-Examples::
+Examples:
 
   python -m vit_jax.convert 81.5_T2T_ViT_14.pth.tar /ckpt/t2t_vit_14 --model T2T-ViT-14
   python -m vit_jax.convert /workdirs/vit_b16_cifar /ckpt/vit_b16_cifar.npz
@@ -166,9 +166,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 
 def _main(argv: Optional[Sequence[str]]) -> int:
-  doc = __doc__.split('\n\n')
-  parser = common.Parser(prog='python -m vit_jax.convert', description='\n\n'.join(doc[:2]),
-                         epilog='Examples:\n' + doc[3] + '\n\n' + doc[4])
+  parser = common.Parser(prog='python -m vit_jax.convert', description=__doc__)
   parser.add_argument('src', help=checkpoint.ACCEPTED_FORMATS)
   parser.add_argument('dst', help='a new directory (Orbax checkpoint) or a path ending in .npz; '
                       'with --to timm a .safetensors file, with --to hf a directory (or its '

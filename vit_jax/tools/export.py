@@ -41,10 +41,7 @@ MAX_ARTIFACT_BYTES = 2**31
 
 
 def _parser() -> common.Parser:
-  doc = __doc__.split('\n\n')
-  parser = common.Parser(prog='python -m vit_jax.export',
-                         description='\n\n'.join([doc[0]] + doc[2:]),
-                         epilog='Examples:\n' + doc[1])
+  parser = common.Parser(prog='python -m vit_jax.export', description=__doc__)
   common.add_source_arguments(parser)
   parser.add_argument('out', metavar='OUT', help=f'a new directory: {ARTIFACT} and {SPEC}')
   parser.add_argument('--platforms', default=','.join(DEFAULT_PLATFORMS),

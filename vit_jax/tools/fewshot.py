@@ -42,9 +42,7 @@ def _positive(kind, example: str, many: bool = False):
 
 
 def _parser() -> common.Parser:
-  doc = __doc__.split('\n\n')
-  parser = common.Parser(prog='python -m vit_jax.fewshot', description=doc[0],
-                         epilog='Examples:\n' + doc[1] + '\n\n' + doc[2])
+  parser = common.Parser(prog='python -m vit_jax.fewshot', description=__doc__)
   common.add_source_arguments(parser)
   data = parser.add_mutually_exclusive_group()
   data.add_argument('--data', metavar='NAME',

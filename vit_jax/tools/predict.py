@@ -132,9 +132,7 @@ def preprocess(trained: Any, image: Any, name: Optional[str] = None) -> np.ndarr
 
 
 def _parser() -> common.Parser:
-  doc = __doc__.split('\n\n')
-  parser = common.Parser(prog='python -m vit_jax.predict', description='\n\n'.join(doc[2:]),
-                         epilog='Examples:\n' + doc[1])
+  parser = common.Parser(prog='python -m vit_jax.predict', description=__doc__)
   common.add_source_arguments(parser)
   parser.add_argument('images', nargs='+', metavar='IMAGE_OR_FOLDER',
                       help='image files, or folders of them (searched recursively)')

@@ -211,9 +211,7 @@ def convert(dataset: str, data_dir: Optional[str] = None, workers: int = 0,
 
 
 def _parser() -> common.Parser:
-  parser = common.Parser(prog='python -m vit_jax.to_array_record',
-                         description=__doc__.split('\n\n')[0],
-                         epilog=__doc__.split('\n\n', 1)[1])
+  parser = common.Parser(prog='python -m vit_jax.to_array_record', description=__doc__)
   parser.add_argument('dataset', help='a prepared tfds dataset: its directory (local or gs://), '
                       'or its name')
   parser.add_argument('--data-dir', help="tfds data_dir of a dataset name (default: tfds's)")
