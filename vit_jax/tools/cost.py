@@ -325,14 +325,12 @@ def config_parser(prog: str, doc: str) -> common.Parser:
   parser.add_argument("--config", metavar="FILE.py[:ARGS]", help="Training config as for "
                       "vit_jax.main: configs/<file>.py[:<args>], --config.key=value overrides.")
   parser.add_argument("--num_train_examples", type=int, help="Examples in config.data.train_split "
-                      "(default: known datasets' sizes, else the prepared tfds dataset's); they "
-                      "size epoch-based schedules.")
+                      "(default: a known dataset's size, else the prepared tfds dataset's).")
   parser.add_argument("--num_classes", type=int, help="Classes of the dataset (default: as for "
                       "--num_train_examples).")
   parser.add_argument("--print_config", action="store_true", help="Print every key of the "
-                      "--config (overrides and the regime applied; without --config: the "
-                      "defaults) as the --config.KEY=VALUE flag that sets it, with one line of "
-                      "help, and exit.")
+                      "--config (or the defaults) as the --config.KEY=VALUE flag that sets it, "
+                      "with its help, and exit.")
   return parser
 
 
@@ -345,16 +343,14 @@ def parse(parser: common.Parser, argv=None):
 
 def _parser() -> common.Parser:
   parser = config_parser("python -m vit_jax.cost", __doc__)
-  parser.add_argument("workdir", nargs="?", metavar="WORKDIR", help="A run's --workdir (finished "
-                      "or running): print its cost ledger per attempt and its goodput, and draw "
-                      "where the time went (--figure).")
+  parser.add_argument("workdir", nargs="?", metavar="WORKDIR", help="A run's --workdir: print its "
+                      "cost ledger per attempt and its goodput, and draw it (--figure).")
   parser.add_argument("--figure", metavar="PATH", help="With WORKDIR: the PNG of the stacked "
                       "bars (default WORKDIR/cost.png).")
   parser.add_argument("--accelerator", default="v3-8", help="Cloud TPU type (v3-8, v4-32, "
                       "v5p-8: cores; v5litepod-16, v6e-8: chips) or GPUs (a100-8); default v3-8.")
   parser.add_argument("--mfu", type=float, help="Assumed model FLOP utilisation, 0..1 (default "
-                      "0.35; the ViT paper's Table 2 implies 0.22 to 0.38 on TPU v3; see "
-                      "--table2).")
+                      "0.35; Table 2 implies 0.22 to 0.38: --table2).")
   parser.add_argument("--preflight", metavar="FILE", help="Instead of --mfu: the train step's "
                       "MFU that python -m vit_jax.preflight --json FILE estimated for this "
                       "config on the --accelerator's TPU kind, at the planned per-device batch.")

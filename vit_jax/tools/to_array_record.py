@@ -64,9 +64,8 @@ def _complete(target: str, expected: int) -> bool:
 
 def _convert(source: str, target: str, expected: int, staging: Optional[str],
              stop: threading.Event) -> int:
-  """Copies the records of TFRecord `source` into ArrayRecord `target` unless it is complete
-  already: written as `target`.incomplete (staged under `staging` first when `target` is not a
-  local path), then renamed. Returns the records written."""
+  """Copies the records of TFRecord `source` into ArrayRecord `target` unless complete already:
+  written aside (staged under `staging` first if remote), then renamed. Returns the count."""
   from array_record.python import array_record_module  # pylint: disable=g-import-not-at-top
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
   if _complete(target, expected):
@@ -146,8 +145,7 @@ def _staging_dir(shards: list, workers: int, staging: Optional[str]) -> tuple[st
 
 
 def _write_info(builder) -> None:
-  """`builder`'s dataset_info.json with ArrayRecord as an alternative format, replaced whole
-  (written aside, then renamed: a kill leaves the old file or the new one)."""
+  """`builder`'s dataset_info.json with ArrayRecord as an alternative format, replaced whole."""
   import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top
   from vit_jax.checkpoint import durable  # pylint: disable=g-import-not-at-top
   info = builder.info

@@ -1,7 +1,6 @@
 """The training input pipeline alone: the images/s and images per CPU-second `vit_jax.data`
-delivers for a recipe's preprocessing, and timm's DataLoader doing the same (TensorFlow, torch and
-timm are imported where used: the benchmark's parent does not load them, timm's processes do not
-load TensorFlow)."""
+delivers for a recipe's preprocessing, and timm's DataLoader doing the same (TensorFlow, torch
+and timm imported where used: timm's processes do not load TensorFlow)."""
 
 from __future__ import annotations
 

@@ -264,74 +264,73 @@ def run(config, accelerator: str, *, suggest: bool = True, eval_step: bool = Tru
   'suggestion', `search.faster`'s under 'faster'. Raises ValueError,
   topology.MissingLibtpuError, or OSError when the JSON cannot be written."""
   tpu = topology.tpu_slice(accelerator, num_slices=int(config.mesh.dcn_data))
-  print(f"Pre-flight for {tpu.describe()}; compiling with libtpu's TPU compiler...", file=out,
-        flush=True)
+  say = functools.partial(print, file=out, flush=True)
+  say(f"Pre-flight for {tpu.describe()}; compiling with libtpu's TPU compiler...")
   checker = functools.partial(fit.check, tpu=tpu, eval_step=eval_step,
                               num_train_examples=num_train_examples, num_classes=num_classes,
                               estimate=estimate)
   if largest_batch:
     def progress(per_device, result):
-      print(f"  {per_device} per device: {'fits' if result.fits else 'does not fit'} "
-            f"({sum(s.seconds for s in result.steps):.0f} s)", file=out, flush=True)
+      say(f"  {per_device} per device: {'fits' if result.fits else 'does not fit'} "
+          f"({sum(s.seconds for s in result.steps):.0f} s)")
     per_device, result = search.largest_batch(config, tpu, checker, report=progress)
     if result is None:
-      print("DOES NOT FIT even at 1 image per device.", file=out)
+      say("DOES NOT FIT even at 1 image per device.")
       return 1
     cap = (f" (the search starts at {search.LARGEST_BATCH_LIMIT}: more may fit)"
            if per_device == search.LARGEST_BATCH_LIMIT else "")
-    print(f"Largest batch per device (power of two): {per_device}{cap}, global "
-          f"{result.config.batch_size:,}.\n{format_result(result)}", file=out)
+    say(f"Largest batch per device (power of two): {per_device}{cap}, global "
+        f"{result.config.batch_size:,}.\n{format_result(result)}")
     _write_json(json_path, {**report_json(result), "largest_batch_per_device": per_device}, out)
     return 0
   result = checker(config)
-  print(format_result(result), file=out)
-  print(f"FITS: peak {_size(result.peak)} per device of {_size(result.slice.hbm_bytes)}."
-        if result.fits else f"DOES NOT FIT: {result.refused.verdict}", file=out, flush=True)
+  say(format_result(result))
+  say(f"FITS: peak {_size(result.peak)} per device of {_size(result.slice.hbm_bytes)}."
+      if result.fits else f"DOES NOT FIT: {result.refused.verdict}")
   report = report_json(result)
   if result.fits:
     if faster and estimate:
-      _faster(config, result, checker, report, out)
+      _faster(config, result, checker, report, say)
     _write_json(json_path, report, out)
     return 0
   if suggest:
-    print("Compiling smaller changes, in order (bfloat16, accumulation, FSDP, remat, batch; "
-          "then the eval batch):", file=out, flush=True)
-    found = search.suggest(config, result, checker,
-                           report=lambda a: print(_attempt_line(a), file=out, flush=True))
+    say("Compiling smaller changes, in order (bfloat16, accumulation, FSDP, remat, batch; then "
+        "the eval batch):")
+    found = search.suggest(config, result, checker, report=lambda a: say(_attempt_line(a)))
     if found is None:
-      print("Nothing fits down to one image per device: use a larger slice or a smaller "
-            "model.", file=out)
+      say("Nothing fits down to one image per device: use a larger slice or a smaller model.")
     else:
-      print(f"\nFits with these overrides:\n  {fit.flags_of(found.overrides)}\n"
-            f"{format_result(found.result)}", file=out)
-      report["suggestion"] = {"overrides": found.overrides,
-                              "flags": fit.flags_of(found.overrides),
-                              **report_json(found.result)}
+      say(f"\nFits with these overrides:\n  {fit.flags_of(found.overrides)}\n"
+          f"{format_result(found.result)}")
+      report["suggestion"] = _found_json(found)
   _write_json(json_path, report, out)
   return 1
 
 
-def _faster(config, result: fit.Result, checker, report: dict[str, Any], out) -> None:
+def _found_json(found: search.Attempt) -> dict[str, Any]:
+  """A found attempt's overrides, as flags too, and its `report_json`."""
+  return {"overrides": found.overrides, "flags": fit.flags_of(found.overrides),
+          **report_json(found.result)}
+
+
+def _faster(config, result: fit.Result, checker, report: dict[str, Any], say) -> None:
   """Prints (and adds to `report` under 'faster') `search.faster`'s overrides, if any."""
   train = result.train
   if not result.config.model.get("remat") or result.speed(train) is None:
     return
-  print("Compiling the train step without remat (scanned as configured, then unrolled):",
-        file=out, flush=True)
-  found = search.faster(config, result, checker,
-                        report=lambda a: print(_attempt_line(a), file=out, flush=True))
+  say("Compiling the train step without remat (scanned as configured, then unrolled):")
+  found = search.faster(config, result, checker, report=lambda a: say(_attempt_line(a)))
   if found is None:
-    print("Not faster without remat: keep it.", file=out)
+    say("Not faster without remat: keep it.")
     return
   now = result.speed(train).seconds
   then = found.result.speed(found.result.train).seconds
   layout = (" (a new run: scan=False changes the checkpoints' block layout)"
             if "model.scan" in found.overrides else "")
-  print(f"\nFaster: without remat the train step fits, peak {_size(found.result.peak)}, in an "
-        f"estimated {then * 1e3:.3g} ms, {1 - then / now:.0%} less than {now * 1e3:.3g} "
-        f"ms{layout}:\n  {fit.flags_of(found.overrides)}", file=out)
-  report["faster"] = {"overrides": found.overrides, "flags": fit.flags_of(found.overrides),
-                      **report_json(found.result)}
+  say(f"\nFaster: without remat the train step fits, peak {_size(found.result.peak)}, in an "
+      f"estimated {then * 1e3:.3g} ms, {1 - then / now:.0%} less than {now * 1e3:.3g} "
+      f"ms{layout}:\n  {fit.flags_of(found.overrides)}")
+  report["faster"] = _found_json(found)
 
 
 def _parser() -> common.Parser:
