@@ -130,8 +130,9 @@ def preflight_mfu(path: str, config, accelerator: str) -> tuple[float, str]:
 def estimate(config, accelerator: str, mfu: float, num_train_examples=None,
              num_classes=None, mfu_source: Optional[str] = None) -> dict:
   """The predicted cost of training `config` on `accelerator` at utilisation `mfu` (assumed, or
-  from `mfu_source`): a dict of the model, its FLOPs, the schedule, the `accounting.Hardware`
-  and the wall, device, core and chip days (the latter two None off TPUs). Raises ValueError."""
+  from `mfu_source`): a dict of model, parameters, image_size, forward_macs (per image), steps,
+  images, training_flops, hardware (`accounting.Hardware`), mfu, dataset (where its size came
+  from), days (wall), device_days, core_days and chip_days (None off TPUs). Raises ValueError."""
   import jax  # pylint: disable=g-import-not-at-top  (after the flags: fewshot's --help too)
   from vit_jax import accounting, flops, models, step  # pylint: disable=g-import-not-at-top
   from vit_jax import config as config_lib  # pylint: disable=g-import-not-at-top
