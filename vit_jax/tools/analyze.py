@@ -31,9 +31,7 @@ CHUNK = 16
 
 
 def _parser() -> common.Parser:
-  doc = __doc__.split('\n\n')
-  parser = common.Parser(prog='python -m vit_jax.analyze', description=doc[0],
-                         epilog='Examples:\n' + doc[1])
+  parser = common.Parser(prog='python -m vit_jax.analyze', description=__doc__)
   common.add_source_arguments(parser)
   images = parser.add_mutually_exclusive_group()
   images.add_argument('--images', nargs='+', metavar='PATH',
@@ -76,9 +74,8 @@ def _param(params: Dict[str, Any], *path: str) -> Optional[np.ndarray]:
 
 
 def analyze(trained: Any, inputs: np.ndarray, *, overlays: int = 8) -> Dict[str, Any]:
-  """The numbers behind the figures for ``inputs`` (float32 ``[B, S, S, 3]``, preprocessed).
-
-  A dict of NumPy arrays: ``attention_distance`` ``[L][heads]`` pixels, ``rollout``
+  """The numbers behind the figures for ``inputs`` (float32 ``[B, S, S, 3]``, preprocessed): a
+  dict of NumPy arrays: ``attention_distance`` ``[L][heads]`` pixels, ``rollout``
   ``[overlays, gh, gw]``, ``predicted``, ``layer_maps`` ``[L, gh, gw]`` (first image),
   ``posemb_similarity``, ``filter_components``, ``explained_variance`` (or None), and
   ``model``, ``image_size``, ``stride``, ``grid``, ``prefix``, ``registers``, ``num_images``.

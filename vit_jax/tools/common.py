@@ -1,11 +1,12 @@
-"""What the command-line tools share: the parser (a usage error is one ``FATAL:`` line), the one
-``FATAL:`` report, ``--set KEY=VALUE`` fields, SOURCE arguments, and :func:`run_program`.
+"""What the command-line tools share: the parser, the one ``FATAL:`` report, ``--set`` fields,
+SOURCE arguments, and :func:`run_program`.
 
-Exit status 2: bad input; 1: a failure while working (e.g. writing an output, :class:`WorkFailed`);
-130: interrupted. One convention for every tool: its ``main(argv=None)``, decorated with
-:func:`exit_status`, is the command on ``argv`` (default: the command line) and returns the exit
-status, raising rather than catching; its ``run_main()`` is the program (:func:`run_program`),
-which ``python -m vit_jax.<tool>`` and ``python -m vit_jax.tools.<tool>`` run.
+Exit status 2: bad input; 1: a failure while working (:class:`WorkFailed`); 130: interrupted.
+One convention for every tool: its ``main(argv=None)``, decorated with :func:`exit_status`, is
+the command on ``argv`` and returns the exit status, raising rather than catching (errors of
+other kinds are converted with :func:`input_errors` or :func:`output_errors`); its
+``run_main()`` (:func:`run_program`) is the program its entry module runs: ``python -m
+vit_jax.<tool>`` (``vit_jax.tools.<tool>`` for the helpers without one).
 """
 
 from __future__ import annotations
@@ -34,8 +35,7 @@ INTERRUPTED = 130
 
 
 class WorkFailed(RuntimeError):
-  """A failure while working, after the input was accepted (exit status 1): its message, or its
-  cause's (:func:`output_errors`)."""
+  """A failure while working, after the input was accepted (exit status 1)."""
 
 
 @contextlib.contextmanager
@@ -46,6 +46,15 @@ def output_errors(kinds=(OSError,)):
     yield
   except kinds as e:
     raise WorkFailed(reason(e)) from e
+
+
+@contextlib.contextmanager
+def input_errors(kinds):
+  """Raises an error of ``kinds`` inside as a ValueError from it: bad input (exit status 2)."""
+  try:
+    yield
+  except kinds as e:
+    raise ValueError(reason(e)) from e
 
 
 def reason(error: Exception) -> str:
@@ -86,10 +95,8 @@ def parse_setting(text: str) -> Tuple[str, Any]:
 
 
 class Parser(argparse.ArgumentParser):
-  """argparse: a usage error is one ``FATAL:`` line (exit status 2), a ``gs://`` argument
-  without a valid bucket included (``storage.check_url``: SOURCE, DST, ``--data-dir``,
-  ...); the help keeps the description's lines and shows reST literals (````x````) as plain
-  text."""
+  """argparse: a usage error (a ``gs://`` argument without a valid bucket too) is one ``FATAL:``
+  line, exit status 2; the help keeps the description's lines, ````x```` shown as x."""
 
   def __init__(self, *args, formatter_class=argparse.RawDescriptionHelpFormatter, **kwargs):
     super().__init__(*args, formatter_class=formatter_class, **kwargs)
@@ -173,6 +180,31 @@ def load_source(args: argparse.Namespace):
                         overrides=dict(parse_setting(s) for s in args.set))
 
 
+def size_text(n) -> str:
+  """Bytes as '1.50 GiB' from a quarter GiB, else '12.3 MiB' ('-' for None)."""
+  if n is None:
+    return '-'
+  return f'{n / 2**30:.2f} GiB' if n >= 2**28 else f'{n / 2**20:.1f} MiB'
+
+
+def check_output_folder(path, flag: str) -> None:
+  """Raises ValueError when the folder of the output file ``path`` of ``flag`` is missing."""
+  folder = os.path.dirname(os.path.abspath(path or '.'))
+  if path and not os.path.isdir(folder):
+    raise ValueError(f'{flag} {path}: the directory {folder} does not exist.')
+
+
+def pid_alive(pid: int) -> bool:
+  """Whether process ``pid`` of this host exists (another user's too)."""
+  try:
+    os.kill(pid, 0)
+  except ProcessLookupError:
+    return False
+  except PermissionError:
+    pass
+  return True
+
+
 def cpu_info() -> dict:
   """The first processor's fields of /proc/cpuinfo ({} where it cannot be read)."""
   try:
@@ -236,10 +268,10 @@ def _tool_setup() -> None:
 
 
 def run_program(main, parser=None, precheck=None, setup=_tool_setup) -> None:
-  """Runs a tool's ``main()`` (``() -> int``, the exit status) as the program. ``--help``, flags
-  ``parser`` refuses, :func:`missing_source`, :func:`unsaved_run` and ``precheck`` (``(args) ->
-  Exception or None``) answer first, before JAX or TensorFlow load; then ``setup()`` (default
-  ``vit_jax.platform.setup``; a ValueError exits 2) and ``main()``. A closed pipe ends quietly."""
+  """Runs a tool's ``main()`` as the program. ``--help``, flags ``parser`` refuses,
+  :func:`missing_source`, :func:`unsaved_run` and ``precheck`` (``(args) -> Exception or
+  None``) answer first, before JAX or TensorFlow load; then ``setup()`` (default
+  ``vit_jax.platform.setup``; a ValueError exits 2) and ``main()``."""
   if hasattr(signal, 'SIGPIPE'):  # `... | head`: end quietly, as shell tools do.
     signal.signal(signal.SIGPIPE, signal.SIG_DFL)
   if any(arg in ('-h', '--help') for arg in sys.argv[1:]):

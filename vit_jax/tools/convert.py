@@ -1,15 +1,13 @@
 """Converts model checkpoints between formats: ``python -m vit_jax.convert SRC DST``.
 
 Reads any of ``vit_jax.checkpoint.ACCEPTED_FORMATS`` and writes a directory: an Orbax
-checkpoint ``{'params', 'model_state'}`` (this project's training checkpoint without the
-optimizer state; ``--config.init_from=DST`` fine-tunes from it) with ``vit_jax_export.json``
-keeping the source's class names, eval preprocessing and model fields; a file ending in .npz:
-the official ViT layout (parameters only, readable by the official code) with the same facts in
-a JSON file beside it (``X.vit_jax.json``); ``--to timm``: a timm ``.safetensors`` (and the
-``timm.create_model`` call that loads it); ``--to hf``: a transformers ViT directory. What the
-target cannot express is refused by name (``vit_jax.checkpoint.ecosystem.write``).
+checkpoint ``{'params', 'model_state'}`` (``--config.init_from=DST`` fine-tunes from it) with
+the source's class names, eval preprocessing and model fields in ``vit_jax_export.json``; a
+file ending in .npz: the official ViT layout with those facts in ``X.vit_jax.json`` beside it;
+``--to timm``: a timm ``.safetensors``; ``--to hf``: a transformers ViT directory. What the
+target cannot express is refused by name. Details: docs/checkpoints.md.
 
-Examples::
+Examples:
 
   python -m vit_jax.convert 81.5_T2T_ViT_14.pth.tar /ckpt/t2t_vit_14 --model T2T-ViT-14
   python -m vit_jax.convert /workdirs/vit_b16_cifar /ckpt/vit_b16_cifar.npz
@@ -17,9 +15,9 @@ Examples::
 
 Bad input (a missing, damaged or refused SRC, a bad ``--model``, an existing DST without
 ``--overwrite``, a DST in the workdir of a running training run) is one ``FATAL:`` line and exit
-status 2; a failure while writing, exit 1. Every output is written beside and moved into place
-(a gs:// file appears whole): stopped or killed at any moment, DST holds the old output (or none)
-or the new one; only an Orbax directory replaced in a bucket is deleted first.
+status 2; a failure while writing, exit 1. Every output is written beside and moved into place:
+stopped at any moment, DST holds the old output (or none) or the new one; only an Orbax
+directory replaced in a bucket is deleted first.
 """
 
 from __future__ import annotations
@@ -49,10 +47,8 @@ def read_with_facts(src: str, *, model_name: Optional[str] = None, use_ema: bool
                     overrides: Optional[Dict[str, Any]] = None, step: Optional[int] = None
                     ) -> Tuple[Dict[str, Any], Dict[str, Any]]:
   """``src`` (a run's ``step``, default its latest) as ``{'params': ..., **collections}`` of
-  NumPy arrays, and the ``orbax.EXPORT_FACTS`` it records (``checkpoint.Contents``) with, for a
-  ViT, ``model``: every field the weights compute with (:func:`source_fields`).
-  ``model_name`` (PyTorch files: required) and ``overrides`` make the model. Raises
-  FileNotFoundError, or ValueError as ``checkpoint.Checkpoint.contents``."""
+  NumPy arrays, and the ``orbax.EXPORT_FACTS`` it records, with a ViT's ``model`` fields
+  (:func:`source_fields`). Raises FileNotFoundError, or ValueError as ``Checkpoint.contents``."""
   ckpt = checkpoint.open(src)
   if (model_name or overrides) and not ckpt.reads_with_model:
     print(f'note: --model/--set apply to PyTorch and timm files only; {ckpt.path} needs '
@@ -117,8 +113,8 @@ def export(src: str, dst: str, to: str, *, model_name: Optional[str] = None,
            step: Optional[int] = None, image_size: Optional[int] = None) -> str:
   """Writes the ViT at ``src`` (:func:`vit_jax.inference.load`) as timm (``to='timm'``) or
   transformers (``to='hf'``) weights (without a head: a feature extractor); returns the Python
-  that loads them. Raises ValueError:
-  what ``load`` raises, a T2T-ViT, or what the target cannot express; WorkdirInUseError."""
+  that loads them. Raises ValueError (what ``load`` raises, a T2T-ViT, what the target cannot
+  express) or WorkdirInUseError."""
   headless = False  # A ViT without a head is written as a feature extractor.
   with contextlib.suppress(ValueError):  # (Reported by the load: a T2T-ViT, unknown heads.)
     fields = checkpoint.open(src).fields((overrides or {}).get('num_heads'))
@@ -165,16 +161,12 @@ def refuse_running_workdir(dst: str) -> None:
 
 @common.exit_status
 def main(argv: Optional[Sequence[str]] = None) -> int:
-  try:
+  with common.input_errors(checkpoint.WorkdirInUseError):  # Another run's workdir.
     return _main(argv)
-  except checkpoint.WorkdirInUseError as e:  # Another run's workdir: bad input (exit status 2).
-    raise ValueError(str(e)) from e
 
 
 def _main(argv: Optional[Sequence[str]]) -> int:
-  doc = __doc__.split('\n\n')
-  parser = common.Parser(prog='python -m vit_jax.convert', description='\n\n'.join(doc[:2]),
-                         epilog='Examples:\n' + doc[3] + '\n\n' + doc[4])
+  parser = common.Parser(prog='python -m vit_jax.convert', description=__doc__)
   parser.add_argument('src', help=checkpoint.ACCEPTED_FORMATS)
   parser.add_argument('dst', help='a new directory (Orbax checkpoint) or a path ending in .npz; '
                       'with --to timm a .safetensors file, with --to hf a directory (or its '

@@ -18,20 +18,15 @@ Examples:
   # A run's ledger (finished or running), and its stacked bar figure in WORKDIR/cost.png.
   python -m vit_jax.cost /tmp/vit_run --figure /tmp/vit_run_cost.png
 
-The forward pass is traced on abstract shapes and its matrix products counted
-(`vit_jax.flops`): training FLOPs = 3 x 2 x MACs x batch x steps (the config's schedule); wall
-time = FLOPs / (MFU x the accelerator's peak); core-days = wall days x TensorCores. The MFU is
-assumed (--mfu), or the one the TPU compiler's cost model estimates for the config's train step
-(--preflight: a pre-flight's JSON report; an estimate's lower bound on time, so an upper bound
-on MFU). Evaluation, compilation and input stalls are not included (a run's
-`workdir/cost.json` measures them).
-With a WORKDIR it reads what the run measured (`vit_jax.ledger`, docs/compute_cost.md).
+Training FLOPs = 3 x 2 x forward MACs (`vit_jax.flops`) x batch x steps; wall time = FLOPs /
+(MFU x the accelerator's peak); core-days = wall days x TensorCores. Evaluation, compilation and
+input stalls are not included. With a WORKDIR it reads what the run measured (`vit_jax.ledger`).
+Details: docs/compute_cost.md.
 """
 
 from __future__ import annotations
 
 import io
-import os
 import socket
 import time
 from typing import Any, Optional
@@ -136,10 +131,8 @@ def estimate(config, accelerator: str, mfu: float, num_train_examples=None,
              num_classes=None, mfu_source: Optional[str] = None) -> dict:
   """The predicted cost of training `config` on `accelerator` at utilisation `mfu` (assumed, or
   from `mfu_source`): a dict of model, parameters, image_size, forward_macs (per image), steps,
-  images, training_flops, hardware (`accounting.Hardware`), days (wall), core_days and chip_days
-  (TPU, else None), device_days, dataset (where its size came from), mfu, mfu_source. Raises
-  ValueError for bad input.
-  """
+  images, training_flops, hardware (`accounting.Hardware`), mfu, dataset (where its size came
+  from), days (wall), device_days, core_days and chip_days (None off TPUs). Raises ValueError."""
   import jax  # pylint: disable=g-import-not-at-top  (after the flags: fewshot's --help too)
   from vit_jax import accounting, flops, models, step  # pylint: disable=g-import-not-at-top
   from vit_jax import config as config_lib  # pylint: disable=g-import-not-at-top
@@ -271,12 +264,8 @@ def _holder(record: Optional[dict[str, Any]]) -> str:
     return "no run holds the workdir (finished, stopped or refused)"
   host, pid = record.get("host", "?"), record.get("pid", "?")
   if host == socket.gethostname() and isinstance(pid, int):
-    try:
-      os.kill(pid, 0)
-    except ProcessLookupError:
+    if not common.pid_alive(pid):
       return f"lock.json names pid {pid} of this host, which is gone: the run was killed"
-    except PermissionError:
-      pass
     return f"running: pid {pid} of this host holds the workdir (figures as of its last log step)"
   return (f"lock.json names pid {pid} of host {host}: running there (figures as of its last log "
           "step), or killed")
@@ -318,21 +307,14 @@ def write_figure(report: dict[str, Any], path: str) -> None:
 
 def show_workdir(workdir: str, figure: Optional[str]) -> int:
   """Prints the ledger of the run in `workdir` and writes its figure (default WORKDIR/cost.png);
-  returns the exit status (2: no account there, 1: the figure could not be written)."""
+  returns 0. Raises ValueError (no account there) or WorkFailed (e.g. the figure not written)."""
   from vit_jax import ledger as ledger_lib  # pylint: disable=g-import-not-at-top
-  try:
+  with common.output_errors():
     report, where = read_workdir(workdir)
-  except ValueError as e:
-    return common.fatal(e, 2)
-  except OSError as e:  # E.g. cost.json unreadable (permissions).
-    return common.fatal(e, 1)
-  print(where)
-  print(ledger_lib.format_ledger(report))
-  figure = figure or storage.join(workdir, "cost.png")
-  try:
+    print(where)
+    print(ledger_lib.format_ledger(report))
+    figure = figure or storage.join(workdir, "cost.png")
     write_figure(report, figure)
-  except OSError as e:
-    return common.fatal(e, 1)
   print(f"Figure: {figure}")
   return 0
 
@@ -344,14 +326,12 @@ def config_parser(prog: str, doc: str) -> common.Parser:
   parser.add_argument("--config", metavar="FILE.py[:ARGS]", help="Training config as for "
                       "vit_jax.main: configs/<file>.py[:<args>], --config.key=value overrides.")
   parser.add_argument("--num_train_examples", type=int, help="Examples in config.data.train_split "
-                      "(default: known datasets' sizes, else the prepared tfds dataset's); they "
-                      "size epoch-based schedules.")
+                      "(default: a known dataset's size, else the prepared tfds dataset's).")
   parser.add_argument("--num_classes", type=int, help="Classes of the dataset (default: as for "
                       "--num_train_examples).")
   parser.add_argument("--print_config", action="store_true", help="Print every key of the "
-                      "--config (overrides and the regime applied; without --config: the "
-                      "defaults) as the --config.KEY=VALUE flag that sets it, with one line of "
-                      "help, and exit.")
+                      "--config (or the defaults) as the --config.KEY=VALUE flag that sets it, "
+                      "with its help, and exit.")
   return parser
 
 
@@ -364,26 +344,19 @@ def parse(parser: common.Parser, argv=None):
 
 def _parser() -> common.Parser:
   parser = config_parser("python -m vit_jax.cost", __doc__)
-  parser.add_argument("workdir", nargs="?", metavar="WORKDIR", help="A run's --workdir (finished "
-                      "or running): print its cost ledger per attempt and its goodput, and draw "
-                      "where the time went (--figure).")
+  parser.add_argument("workdir", nargs="?", metavar="WORKDIR", help="A run's --workdir: print its "
+                      "cost ledger per attempt and its goodput, and draw it (--figure).")
   parser.add_argument("--figure", metavar="PATH", help="With WORKDIR: the PNG of the stacked "
                       "bars (default WORKDIR/cost.png).")
-  parser.add_argument(
-      "--accelerator", default="v3-8", help="Cloud TPU type (v3-8, v3-256, v4-32, v5p-8: the "
-      "number counts TensorCores; v5litepod-16, v6e-8: chips) or a GPU count (a100-8); "
-      "vit_jax.hardware lists the kinds (default v3-8).")
+  parser.add_argument("--accelerator", default="v3-8", help="Cloud TPU type (v3-8, v4-32, "
+                      "v5p-8: cores; v5litepod-16, v6e-8: chips) or GPUs (a100-8); default v3-8.")
   parser.add_argument("--mfu", type=float, help="Assumed model FLOP utilisation, 0..1 (default "
-                      "0.35; the ViT paper's Table 2 implies 0.22 to 0.38 on TPU v3; see "
-                      "--table2).")
-  parser.add_argument("--preflight", metavar="FILE", help="Instead of --mfu: the MFU of the "
-                      "train step that python -m vit_jax.preflight --json FILE estimated (the "
-                      "TPU compiler's cost model) for this config's model and compute dtype on "
-                      "the --accelerator's TPU kind; pre-flight the per-device batch of the "
-                      "planned run, whose MFU it is.")
+                      "0.35; Table 2 implies 0.22 to 0.38: --table2).")
+  parser.add_argument("--preflight", metavar="FILE", help="Instead of --mfu: the train step's "
+                      "MFU that python -m vit_jax.preflight --json FILE estimated for this "
+                      "config on the --accelerator's TPU kind, at the planned per-device batch.")
   parser.add_argument("--table2", action="store_true", help="Print the ViT paper's Table 2 "
-                      "compute column with the MFU each reported TPUv3-core-days figure implies, "
-                      "counted from this project's models.")
+                      "compute column with the MFU each TPUv3-core-days figure implies.")
   return parser
 
 

@@ -40,9 +40,8 @@ _VERSION = re.compile(r'^\d+(\.\d+)*$')
 
 
 def _same_set_other_order(model_names, data_names) -> bool:
-  """The same class names up to case and punctuation ('T-shirt/top' and 'T-shirt_top': a
-  folder cannot hold '/'), in another order (an image folder's classes are its folder names,
-  sorted)."""
+  """The same class names up to case and punctuation ('T-shirt/top' and 'T-shirt_top'), in
+  another order (an image folder's classes are its folder names, sorted)."""
   model, data = ([re.sub(r'[^0-9a-z]+', '_', n.lower()).strip('_') for n in names]
                  for names in (model_names, data_names))
   return sorted(model) == sorted(data) and model != data
@@ -128,12 +127,10 @@ def choose_data(trained, *, data: Optional[str] = None, image_folder: Optional[s
                 split: Optional[str] = None, real: bool = False, data_dir: Optional[str] = None,
                 skip_bad_images: bool = False) -> EvalData:
   """The :class:`EvalData` of ``data`` 'NAME[:SPLIT]', ``image_folder``, ``real`` or none (a
-  workdir's training data), checked against ``trained`` (``inference.TrainedModel``).
-
-  Raises ValueError (no data, an unknown dataset or split, an empty split, another class count
-  or order, conflicting arguments), FileNotFoundError (a missing or empty folder, a dataset not
-  prepared), KeyError or TypeError (no usable label feature).
-  """
+  workdir's training data), checked against ``trained``. Raises ValueError (no data, an unknown
+  dataset or split, an empty split, another class count or order, conflicting arguments),
+  FileNotFoundError (a missing or empty folder, a dataset not prepared), KeyError or TypeError
+  (no usable label feature)."""
   if sum(bool(x) for x in (data, image_folder, real)) > 1:
     raise ValueError('Give one of --data, --image-folder and --real.')
   precheck(data=data, image_folder=image_folder, split=split)

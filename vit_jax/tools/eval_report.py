@@ -1,8 +1,6 @@
 """The results of ``python -m vit_jax.evaluate``: ``metrics.json``, the confusion matrix (PNG and
-CSV) and the printed summary.
-
-The picture (matplotlib, Agg canvas) has true classes as rows, each divided by its count (the
-diagonal is per-class recall); class names label the axes up to ``MAX_NAMED_CLASSES``.
+CSV) and the printed summary. The picture's rows are the true classes, each divided by its count
+(the diagonal is per-class recall).
 """
 
 from __future__ import annotations

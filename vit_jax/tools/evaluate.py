@@ -8,12 +8,11 @@ confusion_matrix.png and confusion_matrix.csv (``--out``).
   python -m vit_jax.evaluate /tmp/vit_fmnist --image-folder ~/fmnist_images --split test
   python -m vit_jax.evaluate /tmp/vit_fmnist --image-size 56  # another size: table resampled
 
-The model's eval preprocessing and the training's evaluator (``vit_jax.evaluation.sum_batches``)
-at its eval batch size: a workdir on its own eval split scores what its training reported
-(docs/evaluation.md). Exit status: 0 done; 2 bad input, before any work (one FATAL line on
-stderr: a missing or unusable SOURCE, a model that does not fit it, data with other classes
-than the model's, an undecodable image (see --skip-bad-images), an output folder that already
-holds a result (see --overwrite), bad flags); 1 a failure while writing the results.
+The model's eval preprocessing and the training's evaluator: a workdir on its own eval split
+scores what its training reported (docs/evaluation.md). Exit status: 0 done; 2 bad input, before
+any work (one FATAL line: a missing or unusable SOURCE, a model that does not fit it, data with
+other classes, an undecodable image (see --skip-bad-images), an output folder that holds a
+result (see --overwrite), bad flags); 1 a failure while writing the results.
 """
 
 from __future__ import annotations
@@ -37,14 +36,10 @@ Result = eval_report.Result
 
 def evaluate(trained, eval_data: EvalData, *, batch_size: Optional[int] = None,
              progress: Optional[Callable[[int, int], None]] = None) -> Result:
-  """The :class:`Result` of ``trained`` (``inference.TrainedModel``) on every example of
-  ``eval_data`` once, summed over all processes: the training's evaluator with a per-batch hook
-  for the confusion matrix. ``batch_size``: global (default the config's); ``progress(done,
-  total)`` after each batch.
-
-  Raises ValueError: a batch the mesh cannot split; no labelled example; an undecodable image
-  (``vit_jax.data.BadImageError``).
-  """
+  """The :class:`Result` of ``trained`` on every example of ``eval_data`` once, summed over all
+  processes by the training's evaluator. ``batch_size``: global (default the config's);
+  ``progress(done, total)`` after each batch. Raises ValueError: a batch the mesh cannot split,
+  no labelled example, an undecodable image (``vit_jax.data.BadImageError``)."""
   import jax  # pylint: disable=g-import-not-at-top
   from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
   from vit_jax import data  # pylint: disable=g-import-not-at-top
@@ -95,9 +90,7 @@ def _progress(done: int, total: int) -> None:
 
 
 def _parser() -> argparse.ArgumentParser:
-  doc = __doc__.split('\n\n')
-  parser = common.Parser(prog='python -m vit_jax.evaluate', description=doc[0],
-                         epilog='Examples:\n' + doc[1] + '\n\n' + doc[2])
+  parser = common.Parser(prog='python -m vit_jax.evaluate', description=__doc__)
   common.add_source_arguments(parser)
   parser.add_argument('--data', metavar='NAME[:SPLIT]',
                       help="a tfds dataset (name or prepared directory) and split (default: "

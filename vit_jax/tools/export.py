@@ -4,22 +4,14 @@
   python -m vit_jax.export ViT-B_16.npz /srv/vit_b16 --platforms cpu,cuda,tpu --input-dtype uint8
   python -m vit_jax.export 81.5_T2T_ViT_14.pth.tar /srv/t2t --model T2T-ViT-14
 
-OUT is a new directory of two files: ``model.jax_export``, the model's inference function as a
-serialized ``jax.export`` artifact (StableHLO, the weights inside, the batch size symbolic), and
-``serving.json``, the preprocessing it expects stated as data. A process that imports only jax
-and numpy runs it to the logits ``python -m vit_jax.predict`` computes::
-
-  exported = jax.export.deserialize(bytearray(open('OUT/model.jax_export', 'rb').read()))
-  logits = exported.call(pixels)  # [B, S, S, 3] -> float32 [B, C]
-
-The function takes RGB pixels in [0, 255], resized as ``serving.json`` says (float32 by
-default, exact for any resize; ``--input-dtype uint8`` for integer pixels), and normalises them
-itself. docs/evaluation.md ("Export for serving") lists the fields.
+OUT is a new directory: ``model.jax_export``, the inference function as a serialized
+``jax.export`` artifact (the weights inside, the batch size symbolic), and ``serving.json``, the
+preprocessing it expects (RGB pixels in [0, 255], normalised in the graph). Loading it with jax
+alone, and the fields: docs/evaluation.md ("Export for serving").
 
 Exit status: 0 written; 2 bad input, one ``FATAL:`` line (what predict refuses of SOURCE, an
 existing OUT without ``--overwrite``, an OUT that is or holds SOURCE, a platform or model that
-cannot be exported); 1 a failure while writing (named). OUT is written beside and moved into
-place: stopped at any moment, OUT holds the old export (or none) or the new one.
+cannot be exported); 1 a failure while writing. OUT is written beside and moved into place.
 """
 
 from __future__ import annotations
@@ -49,10 +41,7 @@ MAX_ARTIFACT_BYTES = 2**31
 
 
 def _parser() -> common.Parser:
-  doc = __doc__.split('\n\n')
-  parser = common.Parser(prog='python -m vit_jax.export',
-                         description='\n\n'.join([doc[0]] + doc[2:]),
-                         epilog='Examples:\n' + doc[1])
+  parser = common.Parser(prog='python -m vit_jax.export', description=__doc__)
   common.add_source_arguments(parser)
   parser.add_argument('out', metavar='OUT', help=f'a new directory: {ARTIFACT} and {SPEC}')
   parser.add_argument('--platforms', default=','.join(DEFAULT_PLATFORMS),
@@ -144,10 +133,8 @@ def serving_function(trained: Any):
 
 def export(trained: Any, *, platforms: Sequence[str] = DEFAULT_PLATFORMS,
            input_dtype: str = 'float32', batch_size: Optional[int] = None):
-  """The ``jax.export.Exported`` of :func:`serving_function`, lowered for ``platforms``, its
-  batch size symbolic (``'B'``) unless ``batch_size``. Returns ``(exported, config)``. Raises
-  ValueError naming the fix where the model cannot be lowered (for a platform, a symbolic
-  batch)."""
+  """``(jax.export.Exported of serving_function, config)``, lowered for ``platforms``, the batch
+  size symbolic (``'B'``) unless ``batch_size``. ValueError where the model cannot be lowered."""
   import jax  # pylint: disable=g-import-not-at-top
   from jax import export as jax_export  # pylint: disable=g-import-not-at-top
   fn, config = serving_function(trained)
@@ -228,15 +215,13 @@ def describe(trained: Any, exported: Any, config: Any, input_dtype: str) -> Dict
   }
 
 
-def write(out: str, blob: bytes, spec: Dict[str, Any], *, overwrite: bool = False) -> None:
-  """Writes OUT (a directory: :data:`ARTIFACT`, :data:`SPEC`) beside and moves it into place;
-  ``gs://``: each object whole, the artifact first. Raises FileExistsError, OSError."""
+def write(out: str, blob: bytes, spec: Dict[str, Any]) -> None:
+  """Writes OUT (a directory: :data:`ARTIFACT`, :data:`SPEC`) beside and moves it into place,
+  replacing one there; ``gs://``: each object whole, the artifact first. Raises OSError."""
   import json  # pylint: disable=g-import-not-at-top
   from vit_jax import storage  # pylint: disable=g-import-not-at-top
   from vit_jax.checkpoint import durable  # pylint: disable=g-import-not-at-top
   text = json.dumps(spec, indent=1) + '\n'
-  if storage.exists(out) and not overwrite:
-    raise _exists(out)
   if storage.is_remote(out):
     durable.write_atomically(storage.join(out, ARTIFACT), bytes(blob))
     durable.write_atomically(storage.join(out, SPEC), text)
@@ -271,10 +256,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     raise error
   from vit_jax import checkpoint  # pylint: disable=g-import-not-at-top  (JAX: after --help)
   from vit_jax.tools import convert  # pylint: disable=g-import-not-at-top
-  try:
+  with common.input_errors(checkpoint.WorkdirInUseError):
     convert.refuse_running_workdir(args.out)  # --overwrite would replace a live run's files.
-  except checkpoint.WorkdirInUseError as e:
-    return common.fatal(e, 2)
   trained = common.load_source(args)
   check_size(trained)
   exported, config = export(trained, platforms=parse_platforms(args.platforms),
@@ -285,7 +268,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   if storage.exists(args.out) and not args.overwrite:  # Made while exporting.
     raise _exists(args.out)
   with common.output_errors():
-    write(args.out, blob, spec, overwrite=args.overwrite)
+    write(args.out, blob, spec)
   shape = ', '.join(map(str, spec['input']['shape']))
   resize = spec['preprocessing']['description'].split(';')[0]
   artifact = storage.join(args.out, ARTIFACT)

@@ -3,10 +3,9 @@
   python -m vit_jax.tools.export_images --data fashion_mnist_local --split 'test[:10]' --out DIR
 
 writes ``DIR/<index>_<label>.png`` (``0_Ankle boot.png``, ...): ``index`` is the position in
-the split (for ``fashion_mnist_local`` in the published IDX files, which tfds stores shuffled),
-``label`` the class name ('/' and other characters a file name cannot hold become '_'; several
-labels joined with '+'). The decoded pixels, lossless (one channel when the three are equal).
-Bad input is one ``FATAL:`` line and exit status 2. TensorFlow loads after the flags parse.
+the split (for ``fashion_mnist_local`` in the published IDX files), ``label`` the class name
+(characters a file name cannot hold become '_'; several labels joined with '+'), the pixels
+lossless. Bad input is one ``FATAL:`` line and exit status 2.
 """
 
 from __future__ import annotations
@@ -67,9 +66,7 @@ def export(data: str, split: str, out: str, data_dir: Optional[str] = None) -> L
 
 
 def _parser() -> common.Parser:
-  parser = common.Parser(prog='python -m vit_jax.tools.export_images',
-                         description=__doc__.split('\n\n')[0],
-                         epilog=__doc__.split('\n\n', 1)[1])
+  parser = common.Parser(prog='python -m vit_jax.tools.export_images', description=__doc__)
   parser.add_argument('--data', required=True, help='a tfds dataset name or prepared directory')
   parser.add_argument('--split', default='test[:10]', help="tfds split (default 'test[:10]')")
   parser.add_argument('--out', required=True, help='folder to write to (created)')

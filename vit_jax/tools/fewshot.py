@@ -42,9 +42,7 @@ def _positive(kind, example: str, many: bool = False):
 
 
 def _parser() -> common.Parser:
-  doc = __doc__.split('\n\n')
-  parser = common.Parser(prog='python -m vit_jax.fewshot', description=doc[0],
-                         epilog='Examples:\n' + doc[1] + '\n\n' + doc[2])
+  parser = common.Parser(prog='python -m vit_jax.fewshot', description=__doc__)
   common.add_source_arguments(parser)
   data = parser.add_mutually_exclusive_group()
   data.add_argument('--data', metavar='NAME',
@@ -89,8 +87,7 @@ _FLAGS = {'--config.data.image_folder': '--image-folder', 'config.data.image_fol
 def evaluate(args) -> dict[str, Any]:
   """Loads SOURCE, featurises the dataset and runs the protocol; returns the report: 'source',
   'dataset', splits, example counts, 'seeds', 'l2_regs', 'results' {k: {'mean', 'std',
-  'accuracies', 'l2'}}, 'scalars'. Raises the input errors of the loading and the protocol.
-  """
+  'accuracies', 'l2'}}, 'scalars'. Raises the input errors of the loading and the protocol."""
   for flag, value in (('--shots', args.shots), ('--l2-regs', args.l2_regs)):
     if len(set(value)) != len(value):
       raise ValueError(f'{flag} {",".join(str(v) for v in value)} repeats a value; list each '

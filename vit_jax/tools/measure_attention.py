@@ -1,8 +1,5 @@
 """Measures every variant of the CPU attention kernel against XLA's attention on this CPU.
 
-  python -m vit_jax.tools.measure_attention [--isa avx2 baseline] [--core] [--step]
-      [--models ViT-Ti_16 ViT-S_16] [--batch 32] [--rounds 3] [--threads N] [--json PATH]
-
 Each variant (``cpu_attention.ISAS``) this CPU can run is compiled from ``cpu_attention.cc``
 into a temporary folder and loaded in a fresh process (``cpu_attention.load``), which measures
 --core: the attention core alone, forward + backward at each model's shapes (197 tokens, head

@@ -6,19 +6,15 @@
   python -m vit_jax.predict ViT-B_16.npz cat.jpg --image-size 384  # its table resampled
   python -m vit_jax.predict 81.5_T2T_ViT_14.pth.tar cat.jpg --model T2T-ViT-14
 
-Each image is preprocessed as the model's evaluation does (``vit_jax.data.files.eval_input``)
-and scored with a softmax, or with independent sigmoids for a model trained with a sigmoid loss
-(e.g. ImageNet-21k's: the probabilities need not sum to 1). A folder stands for its image files
-(.jpg .jpeg .png .bmp .gif .webp) and its subfolders', sorted, each folder once (a link to one
-already listed: a ``WARNING: not entered`` line). Output: per image its path and the top-k
-classes, ``  97.12%  Ankle boot``; ``--json``: ``[{"path", "predictions": [{"label", "index",
-"probability"}]}]``.
+Each image is preprocessed as the model's evaluation does and scored with a softmax (or
+sigmoids for a model trained with a sigmoid loss). A folder stands for its image files and its
+subfolders', sorted. Output: per image its path and the top-k classes; ``--json``: ``[{"path",
+"predictions": [{"label", "index", "probability"}]}]``. Details: docs/evaluation.md.
 
 Exit status: 0 when an image was predicted (one that cannot be decoded is skipped with a
 ``WARNING: skipped <path>: <reason>`` line); 2 bad input, one ``FATAL:`` line (a missing or
-unusable SOURCE, a model that does not fit it, a missing path, a folder without images, a name
-that is not UTF-8, no decodable image, bad flags); 1 a system error while predicting (e.g. a
-full disk, named).
+unusable SOURCE or path, a model that does not fit it, a folder without images, no decodable
+image, bad flags); 1 a system error while predicting (e.g. a full disk, named).
 """
 
 from __future__ import annotations
@@ -46,12 +42,10 @@ class Prediction(NamedTuple):
 
 class Predictor:
   """A trained model, loaded once, that predicts the classes of images (local devices).
-
-  ``source``: what ``vit_jax.inference.load`` reads (``load_kwargs`` are its options), or an
-  ``inference.TrainedModel``. ``batch_size``: images per step (default the config's
-  ``eval_batch_size``), rounded up to a multiple of the device count. Raises what ``load``
-  raises; ValueError for ``batch_size`` < 1 or load options with a loaded model.
-  """
+  ``source``: what ``vit_jax.inference.load`` reads (``load_kwargs``: its options), or a
+  ``TrainedModel``. ``batch_size``: images per step (default the config's ``eval_batch_size``),
+  rounded up to a multiple of the devices. Raises as ``load``; ValueError for ``batch_size`` < 1
+  or load options with a loaded model."""
 
   def __init__(self, source: Any, *, batch_size: Optional[int] = None, **load_kwargs: Any):
     from vit_jax import inference  # pylint: disable=g-import-not-at-top
@@ -138,9 +132,7 @@ def preprocess(trained: Any, image: Any, name: Optional[str] = None) -> np.ndarr
 
 
 def _parser() -> common.Parser:
-  doc = __doc__.split('\n\n')
-  parser = common.Parser(prog='python -m vit_jax.predict', description='\n\n'.join(doc[2:]),
-                         epilog='Examples:\n' + doc[1])
+  parser = common.Parser(prog='python -m vit_jax.predict', description=__doc__)
   common.add_source_arguments(parser)
   parser.add_argument('images', nargs='+', metavar='IMAGE_OR_FOLDER',
                       help='image files, or folders of them (searched recursively)')

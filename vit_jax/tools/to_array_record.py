@@ -5,15 +5,11 @@ every example of the epoch before its step). No Apache Beam.
   python -m vit_jax.to_array_record ~/tensorflow_datasets/imagenet2012/5.1.0
   python -m vit_jax.to_array_record imagenet2012 --data-dir gs://bucket/tfds --workers 16
 
-Each TFRecord shard is copied record by record (the same serialized examples) into an
-ArrayRecord shard beside it, written under a temporary name (NAME.incomplete) and renamed when
-complete; in a bucket (gs://) each shard is first written on local disk (--staging-dir, one
-shard per worker at a time: the start line says how much disk that takes, and too little is
-refused), since array_record writes local files only. Then ``dataset_info.json`` lists
-ArrayRecord as an alternative file format (TFRecord stays the primary one), replaced whole.
-Stopped at any moment (Ctrl-C, SIGTERM, a kill), a rerun finishes the work: it skips the shards
-already complete (they open and hold the records dataset_info.json says) and writes the others
-again. Bad input: one ``FATAL:`` line, exit 2.
+Each TFRecord shard is copied record by record into an ArrayRecord shard beside it, written
+under a temporary name and renamed when complete; in a bucket each is staged on local disk first
+(--staging-dir; too little is refused). dataset_info.json then lists ArrayRecord as an
+alternative format. Stopped at any moment, a rerun finishes the work, skipping the shards
+already complete. Details: docs/data.md. Bad input: one ``FATAL:`` line, exit 2.
 """
 
 from __future__ import annotations
@@ -33,6 +29,7 @@ from vit_jax import storage
 from vit_jax.tools import common
 
 _INCOMPLETE = '.incomplete'
+_gib = common.size_text
 
 
 class _Stopped(Exception):
@@ -67,9 +64,8 @@ def _complete(target: str, expected: int) -> bool:
 
 def _convert(source: str, target: str, expected: int, staging: Optional[str],
              stop: threading.Event) -> int:
-  """Copies the records of TFRecord `source` into ArrayRecord `target` unless it is complete
-  already: written as `target`.incomplete (staged under `staging` first when `target` is not a
-  local path), then renamed. Returns the records written."""
+  """Copies the records of TFRecord `source` into ArrayRecord `target` unless complete already:
+  written aside (staged under `staging` first if remote), then renamed. Returns the count."""
   from array_record.python import array_record_module  # pylint: disable=g-import-not-at-top
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
   if _complete(target, expected):
@@ -129,9 +125,9 @@ def _full_disk(path: str, staging: Optional[str]) -> OSError:
 
 
 def _staging_dir(shards: list, workers: int, staging: Optional[str]) -> tuple[str, int]:
-  """A new folder under `staging` (default: the temporary directory) for the shards in flight
-  (those of killed runs removed), and the bytes they take at most (the `workers` largest
-  shards). OSError naming the fix when the disk has less free."""
+  """A new folder under `staging` (default: the temporary directory; killed runs' removed) for
+  the shards in flight, and the bytes they take at most. OSError naming the fix when less is
+  free."""
   parent = staging or tempfile.gettempdir()
   if not os.path.isdir(parent):
     raise FileNotFoundError(f'--staging-dir {parent} is not a directory.')
@@ -143,28 +139,13 @@ def _staging_dir(shards: list, workers: int, staging: Optional[str]) -> tuple[st
                   'is free: give fewer --workers, or --staging-dir on a larger disk.')
   for name in os.listdir(parent):  # Left by a killed run (SIGKILL): its process is gone.
     match = re.fullmatch(r'to_array_record-(\d+)-\w+', name)
-    if match and not _alive(int(match.group(1))):
+    if match and not common.pid_alive(int(match.group(1))):
       shutil.rmtree(os.path.join(parent, name), ignore_errors=True)
   return tempfile.mkdtemp(prefix=f'to_array_record-{os.getpid()}-', dir=parent), needed
 
 
-def _alive(pid: int) -> bool:
-  try:
-    os.kill(pid, 0)
-  except ProcessLookupError:
-    return False
-  except PermissionError:  # Another user's.
-    return True
-  return True
-
-
-def _gib(n: int) -> str:
-  return f'{n / 2**30:.2f} GiB' if n >= 2**28 else f'{n / 2**20:.1f} MiB'
-
-
 def _write_info(builder) -> None:
-  """`builder`'s dataset_info.json with ArrayRecord as an alternative format, replaced whole
-  (written aside, then renamed: a kill leaves the old file or the new one)."""
+  """`builder`'s dataset_info.json with ArrayRecord as an alternative format, replaced whole."""
   import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top
   from vit_jax.checkpoint import durable  # pylint: disable=g-import-not-at-top
   info = builder.info
@@ -228,9 +209,7 @@ def convert(dataset: str, data_dir: Optional[str] = None, workers: int = 0,
 
 
 def _parser() -> common.Parser:
-  parser = common.Parser(prog='python -m vit_jax.to_array_record',
-                         description=__doc__.split('\n\n')[0],
-                         epilog=__doc__.split('\n\n', 1)[1])
+  parser = common.Parser(prog='python -m vit_jax.to_array_record', description=__doc__)
   parser.add_argument('dataset', help='a prepared tfds dataset: its directory (local or gs://), '
                       'or its name')
   parser.add_argument('--data-dir', help="tfds data_dir of a dataset name (default: tfds's)")
@@ -259,6 +238,3 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 def run_main() -> None:
   common.run_program(main, _parser)
 
-
-if __name__ == '__main__':
-  run_main()

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from typing import Optional, Sequence
 
@@ -89,9 +88,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   if not args.models and not args.input_pipeline:
     raise BenchmarkError("Name at least one model, e.g. python -m vit_jax.benchmark ViT-B_16 "
                          "(or measure only the input pipeline: --input-pipeline)")
-  folder = os.path.dirname(os.path.abspath(args.json or "."))
-  if args.json and not os.path.isdir(folder):
-    raise BenchmarkError(f"--json {args.json}: the directory {folder} does not exist.")
+  common.check_output_folder(args.json, "--json")
   report = runner.run(args.models, batch=args.batch, resolution=args.resolution,
                       dtype=args.dtype, modes=MODES if args.mode == "both" else (args.mode,),
                       warmup=args.warmup, steps=args.steps,

@@ -45,20 +45,17 @@ class MeasurementFailed(tools_common.WorkFailed):
   """A measuring subprocess failed (e.g. out of memory): exit status 1."""
 
 
-def check_sizes(batch: int, resolution: int, warmup: int, steps: int) -> None:
-  """Raises BenchmarkError unless batch, resolution, steps >= 1 and warmup >= 0."""
+def check_sizes(batch: int, resolution: int, warmup: int, steps: int, mode: str = MODES[0],
+                dtype: str = DTYPES[0]) -> None:
+  """Raises BenchmarkError unless batch, resolution, steps >= 1, warmup >= 0, and `mode` and
+  `dtype` are of MODES and DTYPES."""
   for name, value, least in (("batch", batch, 1), ("resolution", resolution, 1),
                              ("warmup", warmup, 0), ("steps", steps, 1)):
     if isinstance(value, bool) or not isinstance(value, int) or value < least:
       raise BenchmarkError(f"{name} must be an integer >= {least}, got {value!r}.")
-
-
-def check_mode_and_dtype(mode: str, dtype: str) -> None:
-  """Raises BenchmarkError for a mode or dtype not in MODES or DTYPES."""
-  if mode not in MODES:
-    raise BenchmarkError(f"mode must be one of {MODES}, got {mode!r}.")
-  if dtype not in DTYPES:
-    raise BenchmarkError(f"dtype must be one of {DTYPES}, got {dtype!r}.")
+  for name, value, choices in (("mode", mode, MODES), ("dtype", dtype, DTYPES)):
+    if value not in choices:
+      raise BenchmarkError(f"{name} must be one of {choices}, got {value!r}.")
 
 
 def rss_now_mib() -> Optional[float]:

@@ -1,7 +1,6 @@
 """The training input pipeline alone: the images/s and images per CPU-second `vit_jax.data`
-delivers for a recipe's preprocessing, and timm's DataLoader doing the same (TensorFlow, torch and
-timm are imported where used: the benchmark's parent does not load them, timm's processes do not
-load TensorFlow)."""
+delivers for a recipe's preprocessing, and timm's DataLoader doing the same (TensorFlow, torch
+and timm imported where used: timm's processes do not load TensorFlow)."""
 
 from __future__ import annotations
 
@@ -103,8 +102,8 @@ def cpu_seconds() -> float:
 
 
 def _timed_batches(next_batch, batch: int, warmup: int, steps: int) -> dict[str, Any]:
-  """The last batch's 'image_shape', and the wall and CPU seconds (`cpu_seconds`) of `steps`
-  calls of `next_batch` (-> images) after `warmup` + 1 untimed ones, with their rates."""
+  """The wall and CPU seconds of `steps` calls of `next_batch` (-> images) after `warmup` + 1
+  untimed ones, their rates, and the last batch's 'image_shape'."""
   for _ in range(warmup + 1):
     next_batch()
   start, cpu = time.perf_counter(), cpu_seconds()
@@ -121,12 +120,8 @@ def measure_input(source: str, *, batch: int, resolution: int, warmup: int = 2,
                   steps: int = 20, data_dir: Optional[str] = None,
                   recipe: str = "vit") -> dict[str, Any]:
   """Images/s and images per CPU-second of `vit_jax.data.create_train_iterator` alone, with
-  `recipe`'s preprocessing (`RECIPES`) at `resolution`, on 'fashion_mnist' (the offline builder)
-  or 'jpeg' (a generated folder of `JPEG_COUNT` JPEGs): batch * steps after `warmup` batches.
-
-  Raises BenchmarkError: an unknown source, recipe or sizes; data that cannot be found or
-  prepared.
-  """
+  `recipe`'s preprocessing at `resolution`, on 'fashion_mnist' or 'jpeg' (a generated folder).
+  Raises BenchmarkError: an unknown source, recipe or sizes; data not found or prepared."""
   if source not in INPUTS:
     raise BenchmarkError(f"input must be one of {INPUTS}, got {source!r}.")
   check_sizes(batch, resolution, warmup, steps)
@@ -183,14 +178,9 @@ def _posterize_zero_bits() -> None:
 
 def measure_timm_input(*, recipe: str, batch: int, resolution: int, warmup: int = 2,
                        steps: int = 20, threads: Optional[int] = None) -> dict[str, Any]:
-  """timm's DataLoader doing `recipe`'s preprocessing on the generated JPEG folder, as
-  `measure_input`: torchvision's ImageFolder with `timm_transform`, `threads` worker processes
-  (default: the cores this process may use), for 't2t' timm's Mixup(mode='batch') on each batch
-  in this process; CPU seconds of this process and its workers. Pillow's posterize is patched to
-  take 0 bits (`_posterize_zero_bits`).
-
-  Raises BenchmarkError (bad recipe or sizes), ImportError without torch, torchvision or timm.
-  """
+  """timm's DataLoader doing `recipe`'s preprocessing on the generated JPEGs, as `measure_input`:
+  `timm_transform`, `threads` workers (default: the cores this process may use), for 't2t'
+  timm's Mixup(mode='batch') here. Raises BenchmarkError (bad recipe or sizes), ImportError."""
   check_sizes(batch, resolution, warmup, steps)
   _posterize_zero_bits()
   transform = timm_transform(recipe, resolution)  # (torchvision and timm imported.)

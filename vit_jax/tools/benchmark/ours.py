@@ -19,7 +19,6 @@ from vit_jax import flops
 from vit_jax import kernels
 from vit_jax import step
 from vit_jax.tools.benchmark.common import BenchmarkError
-from vit_jax.tools.benchmark.common import check_mode_and_dtype
 from vit_jax.tools.benchmark.common import check_sizes
 from vit_jax.tools.benchmark.common import fill_rates
 from vit_jax.tools.benchmark.common import peak_rss_mib
@@ -35,9 +34,8 @@ TOTAL_STEPS = 1_000_000  # Longer than the pretraining regime's warmup: a valid 
 def benchmark_config(model: str, *, batch: int, resolution: int, dtype: str = "float32",
                      overrides: Optional[dict[str, Any]] = None, num_classes: int = 1000,
                      total_steps: int = TOTAL_STEPS, warmup_steps: Optional[int] = None):
-  """`vit_jax.config.get_config(model, DATASET, **overrides)` in the 'pretrain' regime with
-  `batch_size`, `data.image_size` (pixels), `model.dtype`, `num_classes` and the schedule set;
-  not resolved. `overrides` are `config.model` fields (not dtype), e.g. `{'attention': 'xla'}`.
+  """`vit_jax.config.get_config(model, DATASET, **overrides)` in the 'pretrain' regime with the
+  sizes, dtype and schedule set; not resolved. `overrides`: `config.model` fields but dtype.
   Raises BenchmarkError: an unknown model name or override, or dtype as an override."""
   overrides = dict(overrides or {})
   if "dtype" in overrides:
@@ -167,14 +165,11 @@ def measure_ours(model: str, *, batch: int, resolution: int, dtype: str = "float
                  compile_only: bool = False, peak_flops: Optional[float] = None
                  ) -> dict[str, Any]:
   """Measures the trainer's step ('train') or the forward pass ('inference') in this process:
-  `warmup` untimed steps after the first execution, then `steps` timed ones (`compile_only`:
-  only lowered and compiled). `peak_flops`: the device's peak (None: measured after the RSS).
-  Returns the `common.UNITS` fields, the configuration (resolved: 'config'), the attention that
-  ran and why, platform, device and thread facts; the peak RSS is this whole process's (run it
-  in a fresh process to isolate it). Raises BenchmarkError: bad model, override, sizes or
-  resolution, or what `resolve` refuses."""
-  check_mode_and_dtype(mode, dtype)
-  check_sizes(batch, resolution, warmup, steps)
+  `steps` timed after `warmup` untimed ones (`compile_only`: only compiled). `peak_flops`: the
+  device's (None: measured). Returns the `common.UNITS` fields, the resolved 'config', the
+  attention that ran and why, device and thread facts (the peak RSS is this process's). Raises
+  BenchmarkError: bad model, override, sizes or resolution, or what `resolve` refuses."""
+  check_sizes(batch, resolution, warmup, steps, mode, dtype)
   rss_after_imports = rss_now_mib()
   overrides = dict(overrides or {})
   requested = benchmark_config(model, batch=batch, resolution=resolution, dtype=dtype,

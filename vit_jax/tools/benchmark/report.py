@@ -137,9 +137,8 @@ def comparisons(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def attention_notes(results: list[dict[str, Any]]) -> list[str]:
-  """Which attention our steps ran and why (`vit_jax.dispatch.choose_attention`), and whether
-  the compiled step calls vit_jax's CPU kernel (`vit_jax.kernels.called_by`); one note per
-  distinct answer."""
+  """Which attention our steps ran and why, and whether the compiled step calls vit_jax's CPU
+  kernel; one note per distinct answer."""
   groups: dict[tuple, list[str]] = {}
   for r in results:
     if r["framework"] == "ours" and r.get("attention"):

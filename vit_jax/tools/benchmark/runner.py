@@ -1,6 +1,6 @@
 """The benchmark's rounds: `run` checks the whole request, then measures each configuration
-(model x mode x framework x round) in a fresh `python -m vit_jax.tools.benchmark --worker SPEC
-OUT` pinned to the requested cores, ours and timm's alternating, and aggregates the rounds."""
+(model x mode x framework x round) in a fresh `python -m vit_jax.benchmark --worker SPEC OUT`
+pinned to the requested cores, ours and timm's alternating, and aggregates the rounds."""
 
 from __future__ import annotations
 
@@ -17,13 +17,12 @@ from vit_jax.tools.benchmark import timm as timm_lib
 from vit_jax.tools.benchmark.common import available_cores
 from vit_jax.tools.benchmark.common import BenchmarkError
 from vit_jax.tools.benchmark.common import check_sizes
-from vit_jax.tools.benchmark.common import DTYPES
 from vit_jax.tools.benchmark.common import MeasurementFailed
 from vit_jax.tools.benchmark.common import MODES
 from vit_jax.tools.benchmark.common import NoTimmModel
 from vit_jax.tools.benchmark.common import UNITS
 
-WORKER_MODULE = "vit_jax.tools.benchmark"
+WORKER_MODULE = "vit_jax.benchmark"
 
 
 def worker(spec_path: str, out_path: str) -> int:
@@ -56,10 +55,9 @@ def worker(spec_path: str, out_path: str) -> int:
 
 
 def run_in_subprocess(spec: dict[str, Any], timeout: Optional[float] = None) -> dict[str, Any]:
-  """One measurement (the keyword arguments of `measure_ours` / `measure_timm` /
-  `measure_input`, and 'framework', 'threads', 'cores') in a fresh process: its result.
-  Raises MeasurementFailed (the process's last lines on stderr first): it failed, timed out or
-  reported an error."""
+  """One measurement (a `measure_*`'s keyword arguments, 'framework', 'threads', 'cores') in a
+  fresh process: its result. Raises MeasurementFailed: it failed, timed out or reported an
+  error (the process's last lines on stderr first)."""
   threads = spec.get("threads")
   env = dict(os.environ)
   if threads:
@@ -96,12 +94,10 @@ def _check_request(*, batch: int, resolution: int, dtype: str, warmup: int, step
                    num_classes: int, threads: Optional[int], compare: Optional[str], rounds: int,
                    compile_only: bool, inputs: Sequence[str]) -> int:
   """Checks `run`'s arguments that need no model (BenchmarkError); the thread count."""
-  check_sizes(batch, resolution, warmup, steps)
+  check_sizes(batch, resolution, warmup, steps, dtype=dtype)
   for name, value in (("rounds", rounds), ("num_classes", num_classes)):
     if value < 1:
       raise BenchmarkError(f"{name} must be >= 1, got {value}.")
-  if dtype not in DTYPES:
-    raise BenchmarkError(f"dtype must be one of {DTYPES}, got {dtype!r}.")
   available = available_cores()
   threads = threads or len(available)
   if threads > len(available):
@@ -212,10 +208,8 @@ def run(models_: Sequence[str], *, batch: int = 8, resolution: int = 224,
         inputs: Sequence[str] = (), progress: Optional[Callable[[str], None]] = None
         ) -> dict[str, Any]:
   """Measures every model and mode (and timm's, with compare='timm'), and the input pipelines
-  `inputs` (of `inputs.INPUTS`) with each recipe's preprocessing beside timm's DataLoader
-  (where torch and timm are installed), in fresh subprocesses: the report ('results': medians
-  over rounds, each round under 'rounds'). Raises BenchmarkError (bad input, before anything
-  runs) or MeasurementFailed."""
+  `inputs` with each recipe's preprocessing, in fresh subprocesses: the report ('results':
+  medians over rounds). Raises BenchmarkError (before anything runs) or MeasurementFailed."""
   overrides = dict(overrides or {})
   threads = _check_request(batch=batch, resolution=resolution, dtype=dtype, warmup=warmup,
                            steps=steps, num_classes=num_classes, threads=threads,

@@ -8,7 +8,6 @@ import importlib.util
 import sys
 from typing import Any, Optional
 
-from vit_jax.tools.benchmark.common import check_mode_and_dtype
 from vit_jax.tools.benchmark.common import check_sizes
 from vit_jax.tools.benchmark.common import fill_rates
 from vit_jax.tools.benchmark.common import NoTimmModel
@@ -27,14 +26,10 @@ _ARCH_KEYS = ("hidden_size", "mlp_dim", "num_heads", "num_layers", "patch_size",
 
 def timm_equivalent(model: str, overrides: Optional[dict[str, Any]] = None
                     ) -> tuple[str, dict[str, Any], bool]:
-  """`(timm name, create_model kwargs, grad checkpointing)` of the timm model matching ours.
-
-  Official sizes map to timm's names (ViT-B_16 -> 'vit_base_patch16_224'); a changed
-  architecture goes as keyword arguments, dropout as timm's rates, remat=True as gradient
-  checkpointing, timm's variants where set (the fields' ``timm`` keywords:
-  ``vit_fields.VIT_FIELDS``); what changes no compute (posemb, GELU approximation, LayerNorm
-  epsilon) is not passed. Raises NoTimmModel for T2T-ViT, hybrids, ViT-g/G and a representation layer.
-  """
+  """`(timm name, create_model kwargs, grad checkpointing)` of the timm model matching ours:
+  official sizes by name (ViT-B_16 -> 'vit_base_patch16_224'), other architectures, dropout and
+  the fields' ``timm`` keywords as kwargs; what changes no compute is not passed. Raises
+  NoTimmModel for T2T-ViT, hybrids, ViT-g/G and a representation layer."""
   from vit_jax import models  # pylint: disable=g-import-not-at-top
   overrides = dict(overrides or {})
   family, match = models.resolve(model)
@@ -118,11 +113,9 @@ def measure_timm(model: str, *, batch: int, resolution: int, dtype: str = "float
                  analytic_flops: Optional[float] = None, device: str = "cpu"
                  ) -> dict[str, Any]:
   """Measures timm's equivalent of `model` in this process, as `ours.measure_ours` (bfloat16:
-  `torch.autocast`; inference under `torch.inference_mode()`); `analytic_flops` and `peak_flops`
-  are ours. Raises NoTimmModel, BenchmarkError (bad sizes), ImportError without torch.
-  """
-  check_mode_and_dtype(mode, dtype)
-  check_sizes(batch, resolution, warmup, steps)
+  `torch.autocast`); `analytic_flops` and `peak_flops` are ours. Raises NoTimmModel,
+  BenchmarkError (bad sizes), ImportError without torch."""
+  check_sizes(batch, resolution, warmup, steps, mode, dtype)
   name, kwargs, checkpointing = timm_equivalent(model, overrides)
   timm, torchvision_ops = import_timm()
   import torch  # pylint: disable=g-import-not-at-top

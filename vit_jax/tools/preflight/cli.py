@@ -15,30 +15,15 @@ Examples:
   python -m vit_jax.preflight --config configs/vit.py:s16,imagenet2012 --accelerator v4-8 \
       --json out.json
 
-It compiles the trainer's own train and eval steps (`vit_jax.step`) with abstract inputs (no
-data, no TPU, nothing allocated) with libtpu's TPU compiler for the whole slice, and prints per
-device the train state's shard, the batch, the temporaries and the total against the HBM; the
-replicated share of the parameters, the batch per host, device and micro-batch, the FLOPs and
-compile time. For each step that fits it also prints the TPU compiler's estimate of its time
-(its cost model's `optimal_seconds`: a lower bound, not a measurement), each loop's body (the
-scan over layers, gradient accumulation) counted as many times as it runs, which takes one
-more compile per loop level; and what that implies: images per second per chip and per core,
-and the MFU (the analytic FLOPs over the time and the slice's peak). When the step does not fit
-it compiles the smallest changes in order (bfloat16, accumulation, FSDP, the leanest remat
-policy, a smaller batch) and prints the first overrides that fit, ready to paste. When it fits
-with remat, it also compiles the train step without remat (scanned, then unrolled) and prints
-those overrides if that fits and is estimated faster (remat is what makes the step slower than
-the official model's at equal batch: docs/pods.md). With --config.mesh.dcn_data=N it compiles
-for N slices of the --accelerator type (libtpu's multi-slice topology, the trainer's hybrid
-mesh) and also reports the collectives that cross slices: how many per step, and the bytes each
-device hands the DCN.
+It compiles the trainer's own train and eval steps (`vit_jax.step`) with abstract inputs for
+the whole slice with libtpu's TPU compiler, and prints per device the state, batch, temporaries
+and total against the HBM; for each step that fits, the compiler's estimate of its time and the
+MFU it implies. A step that does not fit gets the first overrides that fit, ready to paste; one
+that fits with remat, those without remat if faster. How, and measured times: docs/pods.md.
 
 Exit codes: 0 fits; 1 does not fit (the suggestion, if any, is printed); 2 a bad config or flag,
 libtpu missing (with the install line), a compiler error other than memory, or a --json FILE
-that cannot be written.
-Needs libtpu: pip install -e '.[tpu]'. Compiling takes seconds for tiny models and minutes
-for the papers' models and batches on 2 CPU cores (docs/pods.md gives measured times), more
-with several slices.
+that cannot be written. Needs libtpu: pip install -e '.[tpu]'.
 """
 
 from __future__ import annotations
@@ -46,7 +31,6 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import os
 import sys
 from typing import Any, Optional
 
@@ -64,10 +48,7 @@ from vit_jax.tools.preflight import search
 from vit_jax.tools.preflight import topology
 
 
-def _size(n: Optional[int]) -> str:
-  if n is None:
-    return "-"
-  return f"{n / hardware.GIB:.2f} GiB" if n >= hardware.GIB / 4 else f"{n / 2**20:.1f} MiB"
+_size = common.size_text
 
 
 def _memory_rows(result: fit.Result) -> list[tuple[str, ...]]:
@@ -223,10 +204,8 @@ def _step_json(result: fit.Result, step: fit.StepCheck) -> dict[str, Any]:
 
 
 def report_json(result: fit.Result) -> dict[str, Any]:
-  """The report of one checked config as JSON-ready values (bytes, seconds, FLOPs; `--json`):
-  the slice, model, run and batch, and per step ('steps': 'train', 'eval') its memory and
-  estimate; the train step's also at the top: `estimated_step_seconds`, `flops_per_step`,
-  `memory_per_device`, `mfu`."""
+  """`--json`'s report of one checked config (bytes, seconds, FLOPs): the slice, model, run and
+  batch, per step ('steps') its memory and estimate, the train step's also at the top."""
   c, tpu = result.config, result.slice
   hw = tpu.hardware
   steps = {s.name: _step_json(result, s) for s in result.steps}
@@ -280,117 +259,102 @@ def run(config, accelerator: str, *, suggest: bool = True, eval_step: bool = Tru
         largest_batch: bool = False, num_train_examples: Optional[int] = None,
         num_classes: Optional[int] = None, estimate: bool = True, faster: bool = True,
         json_path: Optional[str] = None, out=sys.stdout) -> int:
-  """Checks and prints `config` on `accelerator`: the exit code (0 fits, 1 does not);
-  `estimate`: the fitting steps' times too; `faster` (with `estimate`): when the train step fits
-  with remat, also `search.faster`'s overrides (under 'faster' in the JSON); `json_path`: also
-  writes `report_json` there (with a suggestion's overrides and report under 'suggestion').
-  Raises ValueError or
-  topology.MissingLibtpuError; OSError when the JSON cannot be written."""
+  """Checks and prints `config` on `accelerator` (the flags of the same names); returns the exit
+  code (0 fits, 1 does not). `json_path`: also writes `report_json` there, a suggestion's under
+  'suggestion', `search.faster`'s under 'faster'. Raises ValueError,
+  topology.MissingLibtpuError, or OSError when the JSON cannot be written."""
   tpu = topology.tpu_slice(accelerator, num_slices=int(config.mesh.dcn_data))
-  print(f"Pre-flight for {tpu.describe()}; compiling with libtpu's TPU compiler...", file=out,
-        flush=True)
+  say = functools.partial(print, file=out, flush=True)
+  say(f"Pre-flight for {tpu.describe()}; compiling with libtpu's TPU compiler...")
   checker = functools.partial(fit.check, tpu=tpu, eval_step=eval_step,
                               num_train_examples=num_train_examples, num_classes=num_classes,
                               estimate=estimate)
   if largest_batch:
     def progress(per_device, result):
-      print(f"  {per_device} per device: {'fits' if result.fits else 'does not fit'} "
-            f"({sum(s.seconds for s in result.steps):.0f} s)", file=out, flush=True)
+      say(f"  {per_device} per device: {'fits' if result.fits else 'does not fit'} "
+          f"({sum(s.seconds for s in result.steps):.0f} s)")
     per_device, result = search.largest_batch(config, tpu, checker, report=progress)
     if result is None:
-      print("DOES NOT FIT even at 1 image per device.", file=out)
+      say("DOES NOT FIT even at 1 image per device.")
       return 1
     cap = (f" (the search starts at {search.LARGEST_BATCH_LIMIT}: more may fit)"
            if per_device == search.LARGEST_BATCH_LIMIT else "")
-    print(f"Largest batch per device (power of two): {per_device}{cap}, global "
-          f"{result.config.batch_size:,}.\n{format_result(result)}", file=out)
+    say(f"Largest batch per device (power of two): {per_device}{cap}, global "
+        f"{result.config.batch_size:,}.\n{format_result(result)}")
     _write_json(json_path, {**report_json(result), "largest_batch_per_device": per_device}, out)
     return 0
   result = checker(config)
-  print(format_result(result), file=out)
-  print(f"FITS: peak {_size(result.peak)} per device of {_size(result.slice.hbm_bytes)}."
-        if result.fits else f"DOES NOT FIT: {result.refused.verdict}", file=out, flush=True)
+  say(format_result(result))
+  say(f"FITS: peak {_size(result.peak)} per device of {_size(result.slice.hbm_bytes)}."
+      if result.fits else f"DOES NOT FIT: {result.refused.verdict}")
   report = report_json(result)
   if result.fits:
     if faster and estimate:
-      _faster(config, result, checker, report, out)
+      _faster(config, result, checker, report, say)
     _write_json(json_path, report, out)
     return 0
   if suggest:
-    print("Compiling smaller changes, in order (bfloat16, accumulation, FSDP, remat, batch; "
-          "then the eval batch):", file=out, flush=True)
-    found = search.suggest(config, result, checker,
-                           report=lambda a: print(_attempt_line(a), file=out, flush=True))
+    say("Compiling smaller changes, in order (bfloat16, accumulation, FSDP, remat, batch; then "
+        "the eval batch):")
+    found = search.suggest(config, result, checker, report=lambda a: say(_attempt_line(a)))
     if found is None:
-      print("Nothing fits down to one image per device: use a larger slice or a smaller "
-            "model.", file=out)
+      say("Nothing fits down to one image per device: use a larger slice or a smaller model.")
     else:
-      print(f"\nFits with these overrides:\n  {fit.flags_of(found.overrides)}\n"
-            f"{format_result(found.result)}", file=out)
-      report["suggestion"] = {"overrides": found.overrides,
-                              "flags": fit.flags_of(found.overrides),
-                              **report_json(found.result)}
+      say(f"\nFits with these overrides:\n  {fit.flags_of(found.overrides)}\n"
+          f"{format_result(found.result)}")
+      report["suggestion"] = _found_json(found)
   _write_json(json_path, report, out)
   return 1
 
 
-def _faster(config, result: fit.Result, checker, report: dict[str, Any], out) -> None:
+def _found_json(found: search.Attempt) -> dict[str, Any]:
+  """A found attempt's overrides, as flags too, and its `report_json`."""
+  return {"overrides": found.overrides, "flags": fit.flags_of(found.overrides),
+          **report_json(found.result)}
+
+
+def _faster(config, result: fit.Result, checker, report: dict[str, Any], say) -> None:
   """Prints (and adds to `report` under 'faster') `search.faster`'s overrides, if any."""
   train = result.train
   if not result.config.model.get("remat") or result.speed(train) is None:
     return
-  print("Compiling the train step without remat (scanned as configured, then unrolled):",
-        file=out, flush=True)
-  found = search.faster(config, result, checker,
-                        report=lambda a: print(_attempt_line(a), file=out, flush=True))
+  say("Compiling the train step without remat (scanned as configured, then unrolled):")
+  found = search.faster(config, result, checker, report=lambda a: say(_attempt_line(a)))
   if found is None:
-    print("Not faster without remat: keep it.", file=out)
+    say("Not faster without remat: keep it.")
     return
   now = result.speed(train).seconds
   then = found.result.speed(found.result.train).seconds
   layout = (" (a new run: scan=False changes the checkpoints' block layout)"
             if "model.scan" in found.overrides else "")
-  print(f"\nFaster: without remat the train step fits, peak {_size(found.result.peak)}, in an "
-        f"estimated {then * 1e3:.3g} ms, {1 - then / now:.0%} less than {now * 1e3:.3g} "
-        f"ms{layout}:\n  {fit.flags_of(found.overrides)}", file=out)
-  report["faster"] = {"overrides": found.overrides, "flags": fit.flags_of(found.overrides),
-                      **report_json(found.result)}
+  say(f"\nFaster: without remat the train step fits, peak {_size(found.result.peak)}, in an "
+      f"estimated {then * 1e3:.3g} ms, {1 - then / now:.0%} less than {now * 1e3:.3g} "
+      f"ms{layout}:\n  {fit.flags_of(found.overrides)}")
+  report["faster"] = _found_json(found)
 
 
 def _parser() -> common.Parser:
   parser = cost.config_parser("python -m vit_jax.preflight", __doc__)
   parser.add_argument(
-      "--accelerator", help="Cloud TPU type to compile for, e.g. v3-8, v4-32, v5p-8 (the number "
-      "counts TensorCores), v5litepod-16, v6e-8 (chips); vit_jax.hardware lists the kinds. "
-      "Multi-host slices are compiled whole. It names one slice: with --config.mesh.dcn_data=N "
-      "the steps are compiled for N such slices joined by the data-center network (DCN), data "
-      "parallel across them, and the report counts the collectives that cross slices.")
+      "--accelerator", help="Cloud TPU type to compile for, e.g. v3-8, v4-32, v5p-8 (cores), "
+      "v5litepod-16, v6e-8 (chips): one slice; with --config.mesh.dcn_data=N the steps are "
+      "compiled for N such slices joined by DCN, counting the collectives that cross slices.")
   for name, default, text in (
-      ("suggest", True, "When the step does not fit, compile smaller changes and print the first "
-       "overrides that fit (default; --nosuggest: only the verdict)."),
-      ("eval", True, "Also compile the eval step, at config.eval_batch_size, default "
-       "config.batch_size (default; --noeval: not)."),
+      ("suggest", True, "When the step does not fit, print the first overrides that fit."),
+      ("eval", True, "Also compile the eval step (at config.eval_batch_size)."),
       ("largest_batch", False, "Instead: find the largest per-device batch (a power of two up to "
-       "1024, accumulation 1) that fits this config on the slice."),
-      ("estimate", True, "For each step that fits, also estimate its time: the TPU compiler's "
-       "cost model (optimal_seconds, a lower bound, not a measurement), with each loop's body "
-       "counted as many times as it runs, which compiles the step once more per loop level "
-       "(the scan over layers, unrolled; gradient accumulation around it, 2 trips per body); "
-       "and "
-       "the images/s per chip and per core and the MFU it implies (default; --noestimate: "
-       "not)."),
-      ("faster", True, "When the train step fits with remat and was estimated, also compile it "
-       "without remat (scanned as configured, then unrolled) and print the overrides if it "
-       "fits and its estimated time is shorter: remat is what makes the step slower than the "
-       "official model's (docs/pods.md) (default; --nofaster: not).")):
-    parser.add_argument(f"--{name}", action="store_true", default=default, help=text)
+       "1024, accumulation 1) that fits."),
+      ("estimate", True, "Also estimate each fitting step's time (the TPU compiler's cost model, "
+       "loops counted as they run: one more compile per loop level) and its MFU."),
+      ("faster", True, "When the train step fits with remat, also try it without remat; print "
+       "those overrides if faster (docs/pods.md).")):
+    default_text = f" (default; --no{name}: not)" if default else ""
+    parser.add_argument(f"--{name}", action="store_true", default=default,
+                        help=text + default_text)
     parser.add_argument(f"--no{name}", dest=name, action="store_false", help=argparse.SUPPRESS)
   parser.add_argument(
-      "--json", metavar="FILE", help="Also write the report as JSON to FILE: the slice, model, "
-      "batch, and per step its per-device memory (bytes), estimated_step_seconds, images/s "
-      "(in all, per chip, per core), mfu and flops_per_step (analytic and the compiler's); the "
-      "train step's figures also at the top. A suggestion's under 'suggestion'. python -m "
-      "vit_jax.cost --preflight FILE takes its MFU.")
+      "--json", metavar="FILE", help="Also write the report as JSON to FILE (fields: "
+      "docs/pods.md); python -m vit_jax.cost --preflight FILE takes its MFU.")
   return parser
 
 
@@ -403,18 +367,13 @@ def main(argv=None) -> int:
   if config is None or not args.accelerator:
     raise ValueError("Give --config=configs/<file>.py[:<args>] and --accelerator (e.g. "
                      "v3-8); --help explains.")
-  folder = os.path.dirname(os.path.abspath(args.json or "."))
-  if args.json and not os.path.isdir(folder):
-    raise ValueError(f"--json {args.json}: the directory {folder} does not exist.")
-  try:
-    return run(config, args.accelerator, suggest=args.suggest, eval_step=args.eval,
-               largest_batch=args.largest_batch, num_train_examples=args.num_train_examples,
-               num_classes=args.num_classes, estimate=args.estimate, faster=args.faster,
-               json_path=args.json)
-  except topology.MissingLibtpuError as e:  # No TPU compiler here: bad input (exit status 2).
-    raise ValueError(str(e)) from e
-  except OSError as e:  # The --json FILE could not be written: 2, as 1 means "does not fit".
-    raise ValueError(common.reason(e)) from e
+  common.check_output_folder(args.json, "--json")
+  try:  # No TPU compiler here, or the --json FILE not written: 2, as 1 means "does not fit".
+    with common.input_errors((topology.MissingLibtpuError, OSError)):
+      return run(config, args.accelerator, suggest=args.suggest, eval_step=args.eval,
+                 largest_batch=args.largest_batch, num_train_examples=args.num_train_examples,
+                 num_classes=args.num_classes, estimate=args.estimate, faster=args.faster,
+                 json_path=args.json)
   except jax.errors.JaxRuntimeError as e:  # Not a lack of memory, which `run` reports.
     raise ValueError("The TPU compiler failed (not for memory): "
                      f"{str(e).strip().splitlines()[0]}") from e

@@ -1,20 +1,13 @@
 """The collectives of a compiled step that cross slices (multi-slice over DCN), read from its
 optimized HLO text (`compiled.as_text()`).
 
-For N slices libtpu compiles one slice's program (`num_partitions` = the devices of a slice);
-its replica groups number those devices 0..n-1 within the slice (not `device.id`, 100000 x
-(slice + 1) + i in libtpu's multi-slice topology, nor `slice_index`), so no ordinary collective
-crosses. What crosses is the megascale runtime's host transfers: a `send` (and its `recv`)
-marked `_xla_megascale_transfer_type` (ALL_REDUCE, ...), whose operand is the buffer a device
-hands the data-center network (DCN); XLA splits a data-parallel all-reduce into a reduce-scatter
-within the slice, that transfer of one shard, and an all-gather. Were the program compiled for
-every slice's devices (`num_partitions` = all of them), an ordinary collective (all-reduce,
-all-gather, reduce-scatter, collective-permute, all-to-all) whose groups hold devices of
-different slices would cross; both are counted.
-
-A loop's collectives count once per trip: the trip count is read from the loop's condition
-(`counter < N`) and the counter's start; where it cannot be read, once, and `exact` is False.
-A conditional's branches count as if each ran.
+For N slices libtpu compiles one slice's program, its replica groups numbering that slice's
+devices, so no ordinary collective crosses; what crosses is the megascale runtime's transfers: a
+`send` marked `_xla_megascale_transfer_type` (ALL_REDUCE, ...) whose operand is the buffer a
+device hands the DCN. Compiled for every slice's devices, an ordinary collective whose groups
+hold devices of different slices would cross; both are counted. A loop's collectives count once
+per trip (read from its condition `counter < N` and the counter's start; else once, and `exact`
+is False); a conditional's branches as if each ran.
 """
 
 from __future__ import annotations
@@ -38,12 +31,10 @@ _CALLEES = re.compile(r"\b(calls|to_apply|body|branch_computations|true_computat
 
 @dataclasses.dataclass(frozen=True)
 class CrossSlice:
-  """Per step: the collectives that cross slices, `count` executions (loops unrolled) by
-  `kinds` ({'all-reduce': 20}), and the `bytes` of the buffers each device hands the DCN (a
-  megascale transfer's operand; an ordinary collective's largest buffer: an all-gather's
-  output, a reduce-scatter's input), as the TPU lays them out (its 8 x 128 tiles pad a
-  64-wide dimension to 128). A ring over n slices sends about 2(n-1)/n times an all-reduce's
-  buffer, (n-1)/n an all-gather's. `exact`: every loop's trip count was read."""
+  """Per step: the collectives that cross slices, `count` executions by `kinds`
+  ({'all-reduce': 20}), and the `bytes` of the buffers each device hands the DCN (a transfer's
+  operand; a collective's largest buffer), as the TPU lays them out (8 x 128 tiles; the volume
+  a ring sends: docs/pods.md). `exact`: every loop's trip count was read."""
   count: int = 0
   bytes: int = 0
   kinds: dict[str, int] = dataclasses.field(default_factory=dict)

@@ -1,23 +1,14 @@
 """The TPU compiler's estimate of a compiled step's time, with every loop counted as it runs.
 
 libtpu's cost analysis (`vit_jax.flops.compiled_cost`) gives `optimal_seconds`, its cost
-model's time of one device's program (a lower bound that also prices memory traffic), beside
-`flops` and `bytes accessed`. Like every XLA cost analysis it counts a while loop's body once,
-however many trips it makes: a `lax.scan` over the layers (forward and backward) or over
-gradient accumulation's micro-batches. `vit_jax.flops.jaxpr_macs` meets the same caveat by
-counting a scan's body `length` times; here the body's cost is measured, then counted the same
-way. The step's scans of 2 or more trips are grouped by level (their trips and those of the
-scans around them: `(12,)` for the layers, `(4, 12)` inside 4 micro-batches). For each level the
-step is compiled once more, its traced jaxpr re-jitted as it was (`rejit`) with those scans
-running k trips per body (jax's `unroll`), nothing else changed; the difference over k - 1 is
-one trip's body. For the innermost level (the layers) k is all of them: the variant is the step
-with those loops unrolled, each trip behind an optimization barrier (else XLA merges a remat's
-recomputation with the forward pass it repeats, and drops it); a body of 2 trips in a loop
-costs the TPU compiler's model more than two of the step's (more so with libtpu 0.0.50). For a
-level around others (accumulation), whose full unrolling would copy the whole model, k is the
-smallest divisor that leaves a loop. The total is the compiled step's figure plus each level's
-own body (its nested levels taken out) times the runs it is short of: trips x the trips around
-it, less the one XLA counted.
+model's time of one device's program (a lower bound), but counts a while loop's body once
+however many trips it makes (the scan over layers, gradient accumulation). The step's scans of 2
+or more trips are grouped by level (their trips and those around them: `(4, 12)` for the layers
+inside 4 micro-batches); per level the traced step is compiled again (`rejit`) with those scans
+running k trips per body (jax's `unroll`), and the difference over k - 1 is one trip's body. The
+innermost level is unrolled whole, each trip behind an optimization barrier (else XLA merges a
+remat's recomputation with the forward pass and drops it); a level around others takes the
+smallest k that leaves a loop. Each level's own body is then counted as often as it runs.
 """
 
 from __future__ import annotations
@@ -96,10 +87,8 @@ def scan_levels(jaxpr: jax_core.Jaxpr, outer: Level = ()) -> dict[Level, int]:
 
 
 def _fenced(body: Any) -> Any:
-  """A scan's `body` (a jaxpr, closed or not, as the scan has it) with its inputs passed
-  through an optimization barrier: unrolled, a trip is not merged with the code around it (a
-  remat's recomputation in the backward pass with the forward pass it repeats: XLA would drop
-  it; one layer's end with the next's start), as the loop kept them apart."""
+  """A scan's `body` (a jaxpr, closed or not) with its inputs passed through an optimization
+  barrier: unrolled, a trip is not merged with the code around it, as the loop kept them apart."""
   closed = body if isinstance(body, jax_core.ClosedJaxpr) else jax_core.ClosedJaxpr(body, ())
   run = jax_core.jaxpr_as_fun(closed)
   specs = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype, weak_type=v.aval.weak_type)
@@ -113,10 +102,9 @@ def _fenced(body: Any) -> Any:
 
 
 def per_body(level: Level, levels: Iterable[Level]) -> int:
-  """The trips a variant runs per body for the scans of `level` among `levels`: all of them
-  (no loop left) for the innermost, whose bodies are small (the layers); for a level around
-  others (accumulation around the layers), the smallest divisor that leaves a loop of 2 or more
-  trips (4: 2, 9: 3), else all of them."""
+  """The trips a variant runs per body for the scans of `level` among `levels`: all of them for
+  the innermost; for a level around others, the smallest divisor that leaves a loop of 2 or
+  more trips (4: 2, 9: 3), else all of them."""
   trips = level[-1]
   if not any(len(l) > len(level) and l[:len(level)] == level for l in levels):
     return trips

@@ -1,13 +1,7 @@
-"""Compiles a config's train and eval steps for a TPU slice and reads the per-device memory.
-
-The trainer's own steps (`vit_jax.step.build`), lowered with abstract inputs and compiled by
-libtpu's TPU compiler for the slice's compile-only devices. The compiler refuses a program whose
-temporaries exceed the HBM but does not count its inputs: a step fits when the compiler accepts
-it and its temporaries and code (`memory_analysis()`), train state and batch shards together
-are within the HBM. On several slices (`config.mesh.dcn_data`) the collectives that cross
-them are read from the compiled program (`collectives`). With `estimate`, a step that fits also
-gets the TPU compiler's estimate of its time, its loops counted as they run (`estimate`), and
-what that implies (`Speed`).
+"""Compiles a config's train and eval steps (`vit_jax.step.build`) for a TPU slice with libtpu
+and reads the per-device memory. The compiler refuses a program whose temporaries exceed the HBM
+but does not count its inputs: a step fits when it is accepted and its temporaries and code
+(`memory_analysis()`), train state and batch shards together are within the HBM.
 """
 
 from __future__ import annotations
@@ -59,9 +53,9 @@ def flags_of(overrides: dict[str, Any]) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class Memory:
-  """A step's memory on one device, bytes: the train state's shard by part ('params',
-  'opt_state', ...) and the batch's (known before compiling); from the compiled program (None
-  when refused) its `temporaries`, `code`, and `outputs` that reuse no donated buffer."""
+  """A step's memory on one device, bytes: the train state's shard by part ('params', ...) and
+  the batch's; from the compiled program (None when refused) its `temporaries`, `code`, and
+  `outputs` that reuse no donated buffer."""
   state: dict[str, int]
   batch: int
   temporaries: Optional[int] = None
@@ -79,11 +73,10 @@ class Memory:
 
 @dataclasses.dataclass(frozen=True)
 class StepCheck:
-  """The 'train' or 'eval' step compiled for the slice: `accepted` by the compiler (else its
-  `message` and the temporaries it `required`, bytes), its `memory`, the device's `hbm`, the
-  compile `seconds`, XLA's FLOPs per device (partial with `scan=True`) or None, the
-  collectives that cross slices (None when refused), and the `cost` per device with the loops
-  counted as they run, its estimated seconds included (None: not estimated)."""
+  """The 'train' or 'eval' step compiled for the slice: `accepted` (else the compiler's
+  `message` and the temporaries it `required`, bytes), `memory`, the device's `hbm`, compile
+  `seconds`, XLA's FLOPs per device (partial with `scan=True`), the collectives that cross
+  slices (None when refused), the `cost` with loops counted (None: not estimated)."""
   name: str
   accepted: bool
   memory: Memory
@@ -121,9 +114,8 @@ class StepCheck:
 
 @dataclasses.dataclass(frozen=True)
 class Speed:
-  """What a step's estimated time implies on the slice: `seconds` per step, images per second
-  in all, per chip and per TensorCore, and `mfu`: the step's analytic FLOPs over its time and
-  the slice's peak (0..1; None without a peak for the compute dtype)."""
+  """A step's estimated `seconds`, images per second in all, per chip and per TensorCore, and
+  `mfu` (analytic FLOPs over the time and the slice's peak; None without a peak)."""
   seconds: float
   images_per_second: float
   per_chip: float
@@ -134,9 +126,8 @@ class Speed:
 @dataclasses.dataclass(frozen=True)
 class Result:
   """A config checked on a slice (`check`): the resolved `config`, the steps (None when not
-  compiled), the parameters (count, bytes of one copy, share every device holds whole), the
-  images per host, device and micro-batch, and the analytic FLOPs of a training step and of
-  an eval step (forward only, `config.eval_batch_size` images)."""
+  compiled), the parameters (count, bytes of one copy, replicated share), the images per host,
+  device and micro-batch, and the analytic FLOPs of a train step and of an eval step."""
   config: ml_collections.ConfigDict
   slice: topology.Slice
   train: Optional[StepCheck]
@@ -250,14 +241,10 @@ def resolve(config: ml_collections.ConfigDict, tpu: topology.Slice, *,
 def check(config: ml_collections.ConfigDict, tpu: topology.Slice, *, train_step: bool = True,
           eval_step: bool = True, num_train_examples: Optional[int] = None,
           num_classes: Optional[int] = None, estimate: bool = False) -> Result:
-  """The `Result` of compiling the trainer's steps of `config` (unresolved, overrides applied)
-  for the slice `tpu` (`topology.tpu_slice`); the eval step at `config.eval_batch_size`.
-  `num_train_examples`, `num_classes`: the dataset's size when it is not a known one.
-  `estimate`: each step that fits also gets its estimated time (`compile_step`).
-
-  Raises ValueError (the config cannot run on the slice, an unknown dataset size) or
-  jax.errors.JaxRuntimeError (the compiler failed for a reason other than memory).
-  """
+  """The `Result` of compiling the steps of `config` (unresolved) for the slice `tpu`;
+  `num_train_examples`, `num_classes`: the dataset's size when it is not a known one;
+  `estimate`: as `compile_step`. Raises ValueError (the config cannot run on the slice, an
+  unknown dataset size) or jax.errors.JaxRuntimeError (a compiler failure other than memory)."""
   resolved = resolve(config, tpu, num_train_examples=num_train_examples, num_classes=num_classes)
   size = resolved.data.image_size
   setup = step_lib.build(resolved, image_shape=(size, size, 3), devices=tpu.devices)

@@ -118,12 +118,9 @@ def suggest(config: ml_collections.ConfigDict, first: fit.Result, run: Runner,
 
 def faster(config: ml_collections.ConfigDict, first: fit.Result, run: Runner,
            report: Callable[[Attempt], None] = lambda attempt: None) -> Optional[Attempt]:
-  """For the unresolved `config` whose train step fits with remat and has an estimated time in
-  `first`: the train step without remat (scanned as configured, then unrolled), the first that
-  fits with a shorter estimated time; None when neither does or nothing was estimated. `run` is
-  `check` with `estimate=True` on the same slice. Remat is what makes our step slower than
-  the official model's where memory allows (docs/pods.md, "Step time against the official
-  model"); `scan=False` changes the checkpoints' block layout, so it is for a new run."""
+  """For `config` whose train step fits with remat and was estimated in `first`: the train step
+  without remat (scanned as configured, then unrolled), the first that fits and is estimated
+  faster, else None. `run` is `check` with `estimate=True` on the same slice."""
   model, train = first.config.model, first.train
   speed = first.speed(train) if train is not None and train.fits else None
   if not model.get("remat") or speed is None:

@@ -37,9 +37,8 @@ class MissingLibtpuError(RuntimeError):
 
 @dataclasses.dataclass(frozen=True)
 class Slice:
-  """A TPU slice ('v3-8', topology 'v3:2x2'), or `num_slices` of them joined by the data-center
-  network (DCN): the compile-only devices of all, every host's, and the HBM (bytes) the
-  compiler gives a program on one device."""
+  """A TPU slice ('v3-8', topology 'v3:2x2'), or `num_slices` of them joined by DCN: the
+  compile-only devices of all, and the HBM (bytes) the compiler gives a program on one."""
   accelerator: str  # One slice's type.
   topology: str  # One slice's.
   hardware: accounting.Hardware
@@ -49,8 +48,7 @@ class Slice:
   num_slices: int = 1
 
   def describe(self) -> str:
-    """E.g. 'v3-8 (topology v3:2x2): 8 devices of TPU v3 on 1 host, 15.48 GiB of HBM each ...',
-    or '2 slices of v4-8 (topology v4:2x2x1 each, joined by DCN): 8 devices ... in all, ...'."""
+    """E.g. 'v3-8 (topology v3:2x2): 8 devices of TPU v3 on 1 host, 15.48 GiB of HBM each ...'."""
     hosts = f"{self.num_hosts} host{'s' if self.num_hosts > 1 else ''}"
     if self.num_slices == 1:
       what, all_of = f"{self.accelerator} (topology {self.topology})", ""
