@@ -13,6 +13,7 @@ import dataclasses
 import re
 from typing import Any, Callable, Dict, Iterable, Mapping, Optional, Tuple
 
+import jax.numpy as jnp
 import numpy as np
 
 from vit_jax.models import attention
@@ -71,13 +72,35 @@ def one_of(choices: Tuple[Any, ...]) -> Check:
 
 
 def positive_int(allow_none: bool = False) -> Check:
-  """The check that a value is an int > 0 (or None with ``allow_none``)."""
-  return lambda name, value: execution.check_positive_int(name, value, allow_none)
+  """The check that a value is an int > 0 (not a bool), or None with ``allow_none``."""
+
+  def check(name: str, value: Any) -> None:
+    if value is None and allow_none:
+      return
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+      extra = ' or None' if allow_none else ''
+      raise ValueError(f'{name} must be a positive int{extra}, got {value!r}')
+
+  return check
+
+
+def rate(name: str, value: Any) -> None:
+  """ValueError unless ``value`` is a number in [0, 1) (a rate)."""
+  if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value < 1.0:
+    raise ValueError(f'{name} must be a float in [0, 1), got {value!r}')
 
 
 def float_dtype(name: str, value: Any) -> None:
   """ValueError unless ``value`` is a floating dtype (or None)."""
-  execution.check_float_dtypes(**{name: value})
+  if value is None:
+    return
+  try:
+    ok = jnp.issubdtype(jnp.dtype(value), jnp.floating)
+  except TypeError:
+    ok = False
+  if not ok:
+    raise ValueError(f'{name} must be a floating dtype (e.g. jnp.float32, jnp.bfloat16), '
+                     f'got {value!r}')
 
 
 def check(declared: Iterable[Field], values: Mapping[str, Any]) -> None:
@@ -92,9 +115,9 @@ EXECUTION_FIELDS: Tuple[Field, ...] = (
     Field('dtype', 'float32', str, 'compute dtype (float32, bfloat16)', check=float_dtype),
     Field('param_dtype', 'float32', str, 'parameter dtype', check=float_dtype),
     Field('scan', False, bool, 'one scanned block stack instead of L named blocks',
-          check=execution.check_bool),
+          check=boolean),
     Field('remat', False, bool, 'rematerialise each block in the backward pass',
-          check=execution.check_bool),
+          check=boolean),
     Field('remat_policy', 'nothing_saveable', str,
           "what remat keeps (training: 'auto' picks from the devices, docs/configs.md)",
           check=one_of(execution.REMAT_POLICIES)),

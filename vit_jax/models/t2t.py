@@ -383,12 +383,7 @@ class T2TViT(nn.Module):
 
   @nn.compact
   def __call__(self, inputs: Array, *, train: bool) -> Array:
-    if inputs.ndim != 4:
-      raise ValueError(f'T2TViT expects images of shape [batch, height, width, channels] (NHWC), '
-                       f'got shape {inputs.shape}')
-    dtype = jnp.dtype(self.dtype or jnp.float32)
-    param_dtype = jnp.dtype(self.param_dtype or jnp.float32)
-
+    dtype, param_dtype = execution.check_images(self, inputs)
     x = TokensToToken(self.tokens_type, self.token_dim, self.embed_dim, dtype, param_dtype,
                       name='tokens_to_token')(inputs.astype(dtype))
     b, n, d = x.shape
@@ -406,18 +401,13 @@ class T2TViT(nn.Module):
     self.sow('intermediates', 'pos_drop', x)
 
     rates = np.linspace(0.0, self.drop_path_rate, self.depth)  # As torch.linspace.
-    block_cls = (execution.rematerialised(Block, self.remat_policy, scan=self.scan)
-                 if self.remat else Block)
-    block_kwargs = execution.shared_fields(self, Block, dtype=dtype, param_dtype=param_dtype)
-    if self.scan:
-      # Per-block drop-path rates scanned with the parameters; none: skipped statically.
-      scanned_rates = (jnp.asarray(rates, jnp.float32),) if self.drop_path_rate and train else ()
-      stack = execution.scanned(block_cls, self.depth,
-                          in_axes=(nn.broadcast,) + (0,) * len(scanned_rates))
-      x, _ = stack(scanned=True, name='blocks', **block_kwargs)(x, not train, *scanned_rates)
-    else:
-      for i in range(self.depth):
-        x = block_cls(drop_path=float(rates[i]), name=f'blocks_{i}', **block_kwargs)(x, not train)
+    # Scanned: the per-block rates scanned with the parameters; none: skipped statically.
+    scanned_rates = (jnp.asarray(rates, jnp.float32),) if self.drop_path_rate and train else ()
+    x = execution.blocks(
+        Block, x, not train, depth=self.depth, name='blocks', remat=self.remat,
+        remat_policy=self.remat_policy, scan=self.scan, scanned_args=scanned_rates,
+        layer_kwargs=lambda i: {'drop_path': float(rates[i])},
+        **execution.shared_fields(self, Block, dtype=dtype, param_dtype=param_dtype))
     x = _layer_norm('norm', dtype, param_dtype)(x)[:, 0]
     if self.num_classes is not None:
       x = _dense(self.num_classes, 'head', dtype, param_dtype, ('embed', 'classes'))(x)
@@ -453,7 +443,7 @@ T2T_FIELDS: Tuple[Field, ...] = (
     Field('qk_scale', None, float, "the attention's scale (None: head size ** -0.5)",
           check=_positive_number(optional=True)),
     Field('drop_path_rate', 0.1, float, 'stochastic depth, rising linearly over the blocks',
-          check=execution.check_rate),
+          check=fields.rate),
     *fields.EXECUTION_FIELDS,
 )
 
@@ -465,7 +455,7 @@ def validate_config(*, num_classes: Any = None, **config: Any) -> None:
   missing = [k for k in fields.required(T2T_FIELDS) if k not in config]
   if missing:
     raise TypeError(f'validate_config() needs the fields {missing}')
-  execution.check_positive_int('num_classes', num_classes, allow_none=True)
+  fields.positive_int(allow_none=True)('num_classes', num_classes)
   fields.check(T2T_FIELDS, config)
   embed_dim, num_heads = config['embed_dim'], config['num_heads']
   if embed_dim % num_heads:

@@ -10,13 +10,8 @@ Numerics and parameter names are the official ``models_vit.py``'s, so its checkp
   Transformer/encoderblock_{i}/{LayerNorm_0, LayerNorm_1, MultiHeadDotProductAttention_0,
       MlpBlock_0/Dense_{0,1}}   pre_logits (with representation_size)
 
-'gap'/'map' have no ``cls`` ('map' adds big_vision's ``MAPHead_0``); 'sincos2d' no
-``posembed_input``; hybrids the BiT stem of :mod:`vit_jax.models.resnet`; ``scan=True`` one
-stacked ``encoderblock``. timm's variants: ``registers`` (1, R, D), ``encoderblock_{i}/
-LayerScale_{0,1}/scale`` (D,), ``fc_norm`` in place of ``encoder_norm``, QK normalisation's
-``MultiHeadDotProductAttention_0/{query_ln, key_ln}`` (Dh,). The encoder and its blocks take the
-fields whole (:class:`vit_fields.Config`, as the official ``Encoder`` takes ``transformer``).
-Logical axes, intermediates and the fields' sources: docs/models.md.
+The variants' parameters (hybrid stem, 'map' head, timm's fields, ``scan=True``'s stacked
+``encoderblock``), logical axes, intermediates and the fields' sources: docs/models.md.
 """
 
 from __future__ import annotations
@@ -273,14 +268,8 @@ class Encoder(nn.Module):
     x = nn.Dropout(rate=c.dropout_rate)(x, deterministic=deterministic)
     x = execution.constrain(x, TOKENS_AXES)
 
-    block_cls = (execution.rematerialised(EncoderBlock, c.remat_policy, scan=c.scan)
-                 if c.remat else EncoderBlock)
-    if c.scan:
-      stack = execution.scanned(block_cls, c.num_layers, in_axes=nn.broadcast)
-      x, _ = stack(c, scanned=True, name='encoderblock')(x, deterministic)
-    else:
-      for i in range(c.num_layers):
-        x = block_cls(c, name=f'encoderblock_{i}')(x, deterministic)
+    x = execution.blocks(EncoderBlock, x, deterministic, depth=c.num_layers, name='encoderblock',
+                         remat=c.remat, remat_policy=c.remat_policy, scan=c.scan, config=c)
     if c.fc_norm:  # timm's fc_norm: the LayerNorm comes after the pooling.
       return x
     return _layer_norm(c.dtype, c.param_dtype, name='encoder_norm',
@@ -319,24 +308,7 @@ class MAPHead(nn.Module):
 class VisionTransformer(nn.Module):
   """The ViT classifier (official ``models_vit.VisionTransformer``; sizes: ViT paper Table 1).
 
-  Fields: ``classifier`` 'token', 'gap' or 'map' (:data:`CLASSIFIERS`); ``representation_size``
-  a tanh ``pre_logits`` layer or None; ``head_bias_init`` -10 for the official sigmoid
-  pretraining; ``remat_policy`` in :data:`vit_jax.models.execution.REMAT_POLICIES`;
-  ``resnet_num_layers`` the hybrid stem's units per stage (None: plain ViT); ``attention`` in
-  :data:`vit_jax.models.attention.IMPLEMENTATIONS`; ``posemb`` 'learn' or 'sincos2d'
-  (:data:`POSEMBS`); ``gelu_approximate`` and ``layer_norm_epsilon`` every MLP's and LayerNorm's;
-  ``layerscale_init`` LayerScale in every block (None: none); ``num_registers`` register tokens
-  (``registers``, after the class token); ``no_embed_class`` a learned table of the patches only
-  (added before the class token and registers are prepended); ``fc_norm`` ('gap' only) the final
-  LayerNorm after the average (``fc_norm``) instead of before (``Transformer/encoder_norm``);
-  ``qk_norm`` a LayerNorm of each head's queries and keys (ViT-22B). 'gap' and 'map' pool the
-  patch tokens only (not the registers). The fields: :data:`vit_fields.VIT_FIELDS`; sources:
-  docs/models.md.
-  ``posemb_resize`` how a learned table is resampled at apply to another token grid than its
-  own (:data:`vit_jax.models.resample.RESIZE_METHODS`: 'linear_corners' the official
-  fine-tuning resize, 'bicubic_antialias' timm's ``dynamic_img_size``); ``posemb_grid`` the
-  table's own ``(rows, columns)`` (None: the init images' grid, square when resampling).
-
+  The fields: :data:`vit_fields.VIT_FIELDS` (each one's help) and docs/models.md (sources).
   ``apply(variables, images [B, H, W, C] float32, train=...)`` (the published weights: C=3,
   pixels scaled to [-1, 1]) returns float32 ``[B, num_classes]`` logits (``[B, R or D]``
   features with ``num_classes=None``); H and W multiples of the patch size (of the ResNet
@@ -348,6 +320,7 @@ class VisionTransformer(nn.Module):
       input or a loaded ``pos_embedding`` of another width or of a grid it cannot tell.
     ImageSizeError: an image side the patch size (total stride) does not divide.
   """
+
   num_classes: Optional[int]
   patch_size: Union[int, Tuple[int, int]]
   hidden_size: int
@@ -384,12 +357,7 @@ class VisionTransformer(nn.Module):
 
   @nn.compact
   def __call__(self, inputs: Array, *, train: bool) -> Array:
-    if inputs.ndim != 4:
-      raise ValueError(
-          f'VisionTransformer expects images of shape [batch, height, width, channels] (NHWC), '
-          f'got shape {inputs.shape}')
-    dtype = jnp.dtype(self.dtype or jnp.float32)
-    param_dtype = jnp.dtype(self.param_dtype or jnp.float32)
+    dtype, param_dtype = execution.check_images(self, inputs)
     token_stride(self, inputs.shape[1], inputs.shape[2])
     ph, pw = patch_pair(self.patch_size)
     x = inputs

@@ -95,9 +95,9 @@ VIT_FIELDS: Tuple[Field, ...] = (
     Field('qk_norm', False, bool, 'a LayerNorm of the queries and keys per head (ViT-22B)', True,
           timm='qk_norm', check=fields.boolean, param=QUERY_LN),
     Field('dropout_rate', 0.0, float, 'dropout after the embeddings and in the MLPs',
-          check=execution.check_rate),
+          check=fields.rate),
     Field('attention_dropout_rate', 0.0, float, "dropout of the attention's weights",
-          timm='attn_drop_rate', check=execution.check_rate),
+          timm='attn_drop_rate', check=fields.rate),
     Field('head_bias_init', 0.0, float, "the head's initial bias (training: the regime's)"),
     *fields.EXECUTION_FIELDS,
     Field('gelu_approximate', True, bool, 'tanh GELU (official), False: exact erf GELU',
@@ -198,7 +198,7 @@ def validate_config(*, num_classes: Any = None, **config: Any) -> None:
   missing = [k for k in fields.required(VIT_FIELDS) if k not in config]
   if missing:
     raise TypeError(f'validate_config() needs the fields {missing}')
-  execution.check_positive_int('num_classes', num_classes, allow_none=True)
+  fields.positive_int(allow_none=True)('num_classes', num_classes)
   fields.check(declared, values)
   if values['fc_norm'] and values['classifier'] != 'gap':
     raise ValueError(f"fc_norm=True (the final LayerNorm after the average pooling, timm's "
