@@ -1,10 +1,5 @@
-"""A model family's fields declared once: name, default, type, help, check, what records them
-in the weights and the ecosystems' names.
-
-Each family declares a tuple of :class:`Field` (``vit_fields.VIT_FIELDS``, ``t2t.T2T_FIELDS``);
-the registry's defaults and override keys, the config's command-line types, the checks, the
-checkpoints' "fields the weights record" and timm's and transformers' names are read from it
-(docs/models.md).
+"""A model family's fields declared once (:class:`Field`; ``vit_fields.VIT_FIELDS``,
+``t2t.T2T_FIELDS``) and their checks; who reads them: docs/models.md, "Fields, declared once".
 """
 
 from __future__ import annotations
@@ -108,6 +103,16 @@ def check(declared: Iterable[Field], values: Mapping[str, Any]) -> None:
   for field in declared:
     if field.check is not None:
       field.check(field.name, values.get(field.name, field.default))
+
+
+def validate(declared: Tuple[Field, ...], config: Mapping[str, Any], num_classes: Any) -> None:
+  """TypeError naming the ``declared`` required fields ``config`` lacks; ValueError: a bad
+  ``num_classes`` or field value (:func:`check`)."""
+  missing = [k for k in required(declared) if k not in config]
+  if missing:
+    raise TypeError(f'validate_config() needs the fields {missing}')
+  positive_int(allow_none=True)('num_classes', num_classes)
+  check(declared, config)
 
 
 #: How the blocks run, in every family: not in the weights, never in a checkpoint's fields.

@@ -452,11 +452,7 @@ def validate_config(*, num_classes: Any = None, **config: Any) -> None:
   """Checks the :class:`T2TViT` fields (the declared ones, :data:`T2T_FIELDS`, each by its
   ``check``, then together; extras ignored); ValueError naming the field, TypeError for a
   missing required one."""
-  missing = [k for k in fields.required(T2T_FIELDS) if k not in config]
-  if missing:
-    raise TypeError(f'validate_config() needs the fields {missing}')
-  fields.positive_int(allow_none=True)('num_classes', num_classes)
-  fields.check(T2T_FIELDS, config)
+  fields.validate(T2T_FIELDS, config, num_classes)
   embed_dim, num_heads = config['embed_dim'], config['num_heads']
   if embed_dim % num_heads:
     raise ValueError(f'embed_dim ({embed_dim}) must be divisible by num_heads ({num_heads})')

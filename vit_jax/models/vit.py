@@ -192,9 +192,8 @@ class MlpBlock(nn.Module):
 
 
 class LayerScale(nn.Module):
-  """LayerScale (CaiT, Touvron et al. 2021; timm's ``ls1``/``ls2``, DeiT III, DINOv2): ``x`` times
-  a learned per-channel ``scale`` ``(D,)``, initialised to ``init_value``; ``[..., D]`` in its
-  dtype."""
+  """LayerScale (CaiT, Touvron et al. 2021; timm's ``ls1``/``ls2``): ``x [..., D]`` times a
+  learned per-channel ``scale`` ``(D,)`` initialised to ``init_value``, in ``x``'s dtype."""
 
   init_value: float
   param_dtype: Dtype = jnp.float32
@@ -208,18 +207,14 @@ class LayerScale(nn.Module):
 
 class EncoderBlock(nn.Module):
   """The official pre-LN ``Encoder1DBlock`` (eq. 2-3) of the fields ``config``
-  (:class:`vit_fields.Config`), ``[B, N, D]`` in its ``dtype``; ``deterministic`` positional
-  (static under remat), ``scanned`` returns ``(x, None)``; sows ``tokens``. With
-  ``layerscale_init``, ``LayerScale_0`` scales the attention's output and ``LayerScale_1`` the
-  MLP's before each residual sum (timm's ``ls1``, ``ls2``)."""
+  (:class:`vit_fields.Config`), ``[B, N, D]`` in its ``dtype``; called as
+  :func:`execution.blocks` calls it; sows ``tokens``."""
 
   config: Any
   scanned: bool = False
 
   @nn.compact
   def __call__(self, inputs: Array, deterministic: bool):
-    if inputs.ndim != 3:
-      raise ValueError(f'EncoderBlock expects [batch, tokens, width], got shape {inputs.shape}')
     c = self.config
     inputs = execution.constrain(inputs, TOKENS_AXES)
     x = _layer_norm(c.dtype, c.param_dtype, epsilon=c.layer_norm_epsilon)(inputs)
@@ -241,13 +236,9 @@ class EncoderBlock(nn.Module):
 
 class Encoder(nn.Module):
   """The official ``Encoder`` (``Transformer``) of the fields ``config``
-  (:class:`vit_fields.Config`): ``posembed_input`` ('learn' only), dropout, the blocks and
-  ``encoder_norm`` (none with ``fc_norm``: timm's LayerNorm after the pooling); ``[B, N, D]`` ->
-  ``[B, N, D]`` in its ``dtype``. The prefix tokens (:func:`prefix_tokens`: class token,
-  registers) get no position with ``no_embed_class`` (the table covers the grid only; timm's
-  ``no_embed_class``). ``patch_grid`` ``(gh, gw)``: the table resampled to it when made for
-  another grid (``posemb_resize``, ``posemb_grid``: :class:`AddPositionEmbs`'s ``resize``,
-  ``table_grid``)."""
+  (:class:`vit_fields.Config`), ``[B, N, D]`` -> ``[B, N, D]`` in its ``dtype``:
+  ``posembed_input`` ('learn' only; resampled to ``patch_grid`` ``(gh, gw)``:
+  :class:`AddPositionEmbs`), dropout, the blocks, ``encoder_norm`` (none with ``fc_norm``)."""
 
   config: Any
 
@@ -278,8 +269,7 @@ class Encoder(nn.Module):
 
 class MAPHead(nn.Module):
   """big_vision's ``MAPHead`` (``classifier='map'``): a learned ``probe`` attends to the tokens,
-  then ``x + MlpBlock(LayerNorm(x))``, no dropout; ``[B, N, D]`` -> ``[B, D]`` in ``dtype``.
-  ValueError: an input not of rank 3, or ``num_heads`` not dividing D."""
+  then ``x + MlpBlock(LayerNorm(x))``, no dropout; ``[B, N, D]`` -> ``[B, D]`` in ``dtype``."""
 
   num_heads: int
   mlp_dim: int
@@ -290,8 +280,6 @@ class MAPHead(nn.Module):
 
   @nn.compact
   def __call__(self, x: Array) -> Array:
-    if x.ndim != 3:
-      raise ValueError(f'MAPHead expects [batch, tokens, width], got shape {x.shape}')
     n, _, d = x.shape
     probe = self.param('probe', _partitioned(nn.initializers.xavier_uniform(),
                                              (None, None, 'embed')), (1, 1, d), self.param_dtype)
@@ -396,12 +384,11 @@ class VisionTransformer(nn.Module):
     if self.classifier == 'token':
       x = x[:, 0]
     elif self.classifier == 'gap':  # timm's 'avg': the registers are not averaged.
-      x = jnp.mean(x[:, num_prefix:] if num_prefix else x, axis=1)
+      x = jnp.mean(x[:, num_prefix:], axis=1)
       if self.fc_norm:
         x = _layer_norm(dtype, param_dtype, name='fc_norm', epsilon=self.layer_norm_epsilon)(x)
     else:  # 'map'
-      x = MAPHead(name='MAPHead_0', **execution.shared_fields(config, MAPHead))(
-          x[:, num_prefix:] if num_prefix else x)
+      x = MAPHead(name='MAPHead_0', **execution.shared_fields(config, MAPHead))(x[:, num_prefix:])
 
     if self.representation_size is not None:
       x = nn.Dense(self.representation_size, dtype=dtype, param_dtype=param_dtype,

@@ -192,14 +192,8 @@ def validate_config(*, num_classes: Any = None, **config: Any) -> None:
   """Checks the ViT's fields (the declared ones: :data:`VIT_FIELDS`, :data:`HYBRID_FIELDS`; the
   absent ones' defaults; extras ignored), each by its ``check``, then together; ValueError naming
   one, TypeError for a missing required one."""
-  declared = VIT_FIELDS + HYBRID_FIELDS
-  names = fields.names(declared)
-  values = {**_DEFAULTS, **{k: v for k, v in config.items() if k in names}}
-  missing = [k for k in fields.required(VIT_FIELDS) if k not in config]
-  if missing:
-    raise TypeError(f'validate_config() needs the fields {missing}')
-  fields.positive_int(allow_none=True)('num_classes', num_classes)
-  fields.check(declared, values)
+  fields.validate(VIT_FIELDS, config, num_classes)  # The hybrid's: validate_resnet below.
+  values = {**_DEFAULTS, **config}
   if values['fc_norm'] and values['classifier'] != 'gap':
     raise ValueError(f"fc_norm=True (the final LayerNorm after the average pooling, timm's "
                      f"fc_norm) needs classifier='gap', got classifier={values['classifier']!r}.")
