@@ -31,13 +31,9 @@ Check = Callable[[str, Any], None]
 
 @dataclasses.dataclass(frozen=True)
 class Field:
-  """One model field: its ``name``, ``default`` (:data:`REQUIRED`: a ``*-custom`` model must be
-  given it), the ``type`` ``--config.model.NAME`` parses to, one line of ``help``, whether the
-  parameter shapes record it (``in_weights``: read back from any checkpoint), its name in timm's
-  ``VisionTransformer`` (``timm``) and transformers' ``ViTConfig`` (``hf``) where they take the
-  value as it is (None: no such keyword), its ``check`` of one value (None: the family's own
-  checks) and, for a bool field, the ``param`` whose presence records True
-  (:func:`recorded`)."""
+  """One model field (its attributes: docs/models.md, "Fields, declared once"); ``default``
+  :data:`REQUIRED`: a ``*-custom`` model must be given it; ``check`` None: the family's own
+  checks; ``param``: :func:`recorded`."""
 
   name: str
   default: Any

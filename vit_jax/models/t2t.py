@@ -80,12 +80,19 @@ def soft_split_size(size: int, kernel: int, stride: int, padding: int) -> int:
   return out
 
 
+def stage_grids(height: int, width: int) -> Tuple[Tuple[int, int], ...]:
+  """The token grid ``(h, w)`` after each soft split (224: (56, 56), (28, 28), (14, 14)); as
+  :func:`soft_split_size`."""
+  grids = []
+  for kernel, stride, padding in SOFT_SPLITS:
+    height, width = (soft_split_size(s, kernel, stride, padding) for s in (height, width))
+    grids.append((height, width))
+  return tuple(grids)
+
+
 def token_grid(height: int, width: int) -> Tuple[int, int]:
   """Token grid ``(h, w)`` after the soft splits (224 -> (14, 14)); as :func:`soft_split_size`."""
-  for kernel, stride, padding in SOFT_SPLITS:
-    height = soft_split_size(height, kernel, stride, padding)
-    width = soft_split_size(width, kernel, stride, padding)
-  return height, width
+  return stage_grids(height, width)[-1]
 
 
 def soft_split(x: Array, kernel: int, stride: int, padding: int) -> Array:
@@ -267,16 +274,14 @@ class TokensToToken(nn.Module):
   @nn.compact
   def __call__(self, x: Array) -> Array:
     layer_cls = TokenPerformer if self.tokens_type == 'performer' else TokenTransformer
+    grids = stage_grids(x.shape[1], x.shape[2])
     for stage, (kernel, stride, padding) in enumerate(SOFT_SPLITS):
-      b, height, width, _ = x.shape
-      oh = soft_split_size(height, kernel, stride, padding)
-      ow = soft_split_size(width, kernel, stride, padding)
       x = soft_split(x, kernel, stride, padding)
       self.sow('intermediates', f'soft_split{stage}', x)
       if stage < 2:
         x = layer_cls(self.token_dim, self.dtype, self.param_dtype,
                       name=f'attention{stage + 1}')(x)
-        x = x.reshape(b, oh, ow, x.shape[-1])  # Tokens back to a row-major (h, w, c) map.
+        x = x.reshape(x.shape[0], *grids[stage], x.shape[-1])  # A row-major (h, w, c) map.
     x = _dense(self.embed_dim, 'project', self.dtype, self.param_dtype, (None, 'embed'))(x)
     return execution.constrain(x, execution.TOKENS_AXES)
 
