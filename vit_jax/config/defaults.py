@@ -24,9 +24,8 @@ REGIME_DEFAULTS = {
                      loss="softmax_xent", head_bias_init=0.0),
 }
 
-#: How the blocks run in training unless overridden: scanned, each rematerialised with the policy
-#: 'auto' picks from the target devices (docs/configs.md); the models' own defaults stay the
-#: plain unrolled encoder with the official per-layer names.
+#: How the blocks run in training unless overridden (docs/configs.md); the models' own defaults
+#: are the plain unrolled encoder with the official per-layer names.
 TRAINING_DEFAULTS = dict(scan=True, remat=True, remat_policy="auto")
 
 #: `config.model.attention`: 'auto' picks the fastest implementation the devices can run.

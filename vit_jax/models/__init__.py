@@ -90,12 +90,9 @@ def _custom(name: str, module: type, declared: Tuple[fields.Field, ...],
                 f"'{name}' ({', '.join(required)} given as overrides)", required, validate)
 
 
-_SIZE_ALIASES = {'ti': 'Ti', 's': 'S', 'b': 'B', 'l': 'L', 'h': 'H'}
-
-
 def _size(match: re.Match) -> str:
-  raw = match.group('size')
-  return raw if raw in ('g', 'G') else _SIZE_ALIASES[raw.lower()]
+  raw = match.group('size')  # Case-insensitive but g (giant) and G (Gigantic).
+  return raw if raw in ('g', 'G') else {k.lower(): k for k in VIT_SIZES}[raw.lower()]
 
 
 def _vit_config(match: re.Match, **fields: Any) -> Dict[str, Any]:
@@ -180,8 +177,7 @@ FAMILIES: Tuple[Family, ...] = (
 )
 
 #: The type of every family's every field (what ``--config.model.NAME=...`` parses to).
-FIELD_TYPES: Dict[str, type] = {
-    f.name: f.type for f in vit_fields.VIT_FIELDS + vit_fields.HYBRID_FIELDS + t2t.T2T_FIELDS}
+FIELD_TYPES: Dict[str, type] = {f.name: f.type for f in _HYBRID_FIELDS + t2t.T2T_FIELDS}
 
 #: Canonical names of the official T2T-ViT configurations, plus 'T2T-ViT-custom'.
 T2T_MODEL_NAMES: Tuple[str, ...] = (

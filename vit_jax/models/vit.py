@@ -37,7 +37,6 @@ from vit_jax.models.vit_fields import (  # noqa: F401
 Array = jax.Array
 Dtype = Any
 
-TOKENS_AXES = execution.TOKENS_AXES
 MLP_HIDDEN_AXES = ('batch', 'length', 'mlp')
 
 _partitioned = nn.with_logical_partitioning
@@ -216,7 +215,7 @@ class EncoderBlock(nn.Module):
   @nn.compact
   def __call__(self, inputs: Array, deterministic: bool):
     c = self.config
-    inputs = execution.constrain(inputs, TOKENS_AXES)
+    inputs = execution.constrain(inputs, execution.TOKENS_AXES)
     x = _layer_norm(c.dtype, c.param_dtype, epsilon=c.layer_norm_epsilon)(inputs)
     attention_cls = attention_lib.MultiHeadDotProductAttention
     x = attention_cls(name='MultiHeadDotProductAttention_0', **execution.shared_fields(
@@ -224,12 +223,12 @@ class EncoderBlock(nn.Module):
     x = nn.Dropout(rate=c.dropout_rate)(x, deterministic=deterministic)
     if c.layerscale_init is not None:
       x = LayerScale(c.layerscale_init, c.param_dtype)(x)
-    x = execution.constrain(x + inputs, TOKENS_AXES)
+    x = execution.constrain(x + inputs, execution.TOKENS_AXES)
     y = _layer_norm(c.dtype, c.param_dtype, epsilon=c.layer_norm_epsilon)(x)
     y = MlpBlock(**execution.shared_fields(c, MlpBlock))(y, deterministic=deterministic)
     if c.layerscale_init is not None:
       y = LayerScale(c.layerscale_init, c.param_dtype)(y)
-    out = execution.constrain(x + y, TOKENS_AXES)
+    out = execution.constrain(x + y, execution.TOKENS_AXES)
     self.sow(attention_lib.INTERMEDIATES, attention_lib.TOKENS, out)  # A no-op unless mutable.
     return (out, None) if self.scanned else out
 
@@ -257,7 +256,7 @@ class Encoder(nn.Module):
     elif c.posemb == 'learn':
       x = embed(x)
     x = nn.Dropout(rate=c.dropout_rate)(x, deterministic=deterministic)
-    x = execution.constrain(x, TOKENS_AXES)
+    x = execution.constrain(x, execution.TOKENS_AXES)
 
     x = execution.blocks(EncoderBlock, x, deterministic, depth=c.num_layers, name='encoderblock',
                          remat=c.remat, remat_policy=c.remat_policy, scan=c.scan, config=c)
@@ -363,7 +362,7 @@ class VisionTransformer(nn.Module):
     x = jnp.reshape(x, (n, gh * gw, c))  # Row-major: token index = row * gw + col.
     if self.posemb == 'sincos2d':  # big_vision: before the class token, which gets none.
       x = x + posemb_sincos_2d(gh, gw, c, dtype=x.dtype)
-    x = execution.constrain(x, TOKENS_AXES)
+    x = execution.constrain(x, execution.TOKENS_AXES)
 
     prefix = []  # timm's order: the class token, the registers, the patches.
     if self.classifier == 'token':
