@@ -83,7 +83,7 @@ class Family:
 
 def _custom(name: str, module: type, declared: Tuple[fields.Field, ...],
             validate: Callable[..., None]) -> Family:
-  """The ``*-custom`` family ``name``: the ``declared`` fields' defaults, the required ones given."""
+  """The ``*-custom`` family ``name``: the ``declared`` fields' defaults; the required given."""
   required = fields.required(declared)
   pattern = re.compile('(?i:' + name.replace('+', r'\+').replace('-', '[-_]') + ')')
   return Family(name, pattern, lambda _: fields.defaults(declared), module, fields.names(declared),

@@ -107,13 +107,12 @@ class IdentityLayer(nn.Module):
 class AddPositionEmbs(nn.Module):
   """Adds the learned ``pos_embedding`` ``(1, N, D)`` to ``[B, N, D]`` (eq. 1), in its dtype.
 
-  With ``grid=(gh, gw)`` (the input's last ``gh * gw`` tokens, row-major; the ones before, class
-  token and registers, keep their rows) a table made for another grid is resampled to it in the
-  model by ``resize`` (:data:`vit_jax.models.resample.RESIZE_METHODS`; timm's
-  ``dynamic_img_size``). The table's grid: ``table_grid``; else the input's when the row counts
-  match, else square. A new table is made for ``table_grid`` (None: the input's grid).
-  ValueError: an input not of rank 3; a loaded table of another width, of another shape without
-  ``grid``, or of a grid it cannot tell (with the fix)."""
+  ``grid=(gh, gw)``: the input's last ``gh * gw`` tokens, row-major (the ones before, class token
+  and registers, keep their rows); a table made for another grid is resampled to it in the model
+  by ``resize`` (:data:`vit_jax.models.resample.RESIZE_METHODS`; timm's ``dynamic_img_size``).
+  The table's grid: ``table_grid``; else the input's when the row counts match, else square. A
+  new table is made for ``table_grid`` (None: the input's grid). ValueError: a loaded table of
+  another width or of a grid it cannot tell (with the fix)."""
 
   posemb_init: nn.initializers.Initializer = nn.initializers.normal(stddev=0.02)
   param_dtype: Dtype = jnp.float32
@@ -121,29 +120,24 @@ class AddPositionEmbs(nn.Module):
   table_grid: Optional[Tuple[int, int]] = None
 
   @nn.compact
-  def __call__(self, inputs: Array, grid: Optional[Tuple[int, int]] = None) -> Array:
-    if inputs.ndim != 3:
-      raise ValueError(f'AddPositionEmbs expects [batch, tokens, width], got shape {inputs.shape}')
+  def __call__(self, inputs: Array, grid: Tuple[int, int]) -> Array:
     tokens, width = inputs.shape[1:]
-    shape, prefix, table_grid = (1, tokens, width), 0, None
-    if grid is not None:
-      gh, gw = (int(g) for g in grid)
-      prefix = tokens - gh * gw
-      if prefix < 0:
-        raise ValueError(f'AddPositionEmbs: a {gh}x{gw} grid does not fit in {tokens} tokens.')
-      table_grid = tuple(int(g) for g in self.table_grid) if self.table_grid else (gh, gw)
-      shape = (1, prefix + table_grid[0] * table_grid[1], width)
+    gh, gw = (int(g) for g in grid)
+    prefix = tokens - gh * gw
+    if prefix < 0:
+      raise ValueError(f'AddPositionEmbs: a {gh}x{gw} grid does not fit in {tokens} tokens.')
+    table_grid = tuple(int(g) for g in self.table_grid) if self.table_grid else (gh, gw)
+    shape = (1, prefix + table_grid[0] * table_grid[1], width)
     if self.has_variable('params', 'pos_embedding'):
       # Boxed (nn.LogicallyPartitioned) or plain, as given to apply.
       existing = tuple(layout.unbox(self.get_variable('params', 'pos_embedding')).shape)
-      if grid is None or existing[2] != width:
-        if existing != shape:
-          raise ValueError(
-              f'pos_embedding has shape {existing} but the input gives {shape} (tokens, width). '
-              f'The parameters were made for another image size / patch size: apply the model '
-              f'at the resolution the parameters were trained at, or resize the position '
-              f'embedding when loading for fine-tuning.')
-      elif existing[1] != shape[1]:
+      if existing[2] != width:
+        raise ValueError(
+            f'pos_embedding has shape {existing} but the input gives {shape} (tokens, width). '
+            f'The parameters were made for another image size / patch size: apply the model '
+            f'at the resolution the parameters were trained at, or resize the position '
+            f'embedding when loading for fine-tuning.')
+      if existing[1] != shape[1]:
         rows = existing[1] - prefix
         side = math.isqrt(max(rows, 0))
         if self.table_grid or not side or side * side != rows:
@@ -157,7 +151,7 @@ class AddPositionEmbs(nn.Module):
     pos_embedding = self.param('pos_embedding',
                                _partitioned(self.posemb_init, (None, 'length', 'embed')),
                                shape, self.param_dtype)
-    if grid is not None and table_grid != (gh, gw):
+    if table_grid != (gh, gw):
       pos_embedding = resample.resample_posemb(pos_embedding, (gh, gw), num_prefix_tokens=prefix,
                                                old_grid=table_grid, method=self.resize)
     return inputs + pos_embedding.astype(inputs.dtype)
@@ -242,8 +236,7 @@ class Encoder(nn.Module):
   config: Any
 
   @nn.compact
-  def __call__(self, x: Array, *, train: bool,
-               patch_grid: Optional[Tuple[int, int]] = None) -> Array:
+  def __call__(self, x: Array, *, train: bool, patch_grid: Tuple[int, int]) -> Array:
     c = self.config
     deterministic = not train
     embed = lambda tokens: AddPositionEmbs(  # pylint: disable=g-long-lambda

@@ -9,7 +9,6 @@ from typing import Any, Mapping, Tuple, Union
 
 import numpy as np
 
-from vit_jax.models import execution
 from vit_jax.models import fields
 from vit_jax.models import resample
 from vit_jax.models import resnet
