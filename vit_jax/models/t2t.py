@@ -318,8 +318,8 @@ class Attention(nn.Module):
     projections = [(kernel[:, i], None) for i in range(3)]
     weights_fn = attention_lib.sow_weights(self) if attention_lib.capturing(self) else None
     y, layout_ = attention_lib.self_attention(x.astype(self.dtype), projections,
-                                          implementation=self.attention, logits_scale=scale,
-                                          weights_fn=weights_fn)
+                                              implementation=self.attention, logits_scale=scale,
+                                              weights_fn=weights_fn)
     if layout_ == 'bhnk':
       y = y.transpose(0, 2, 1, 3)
     y = y.reshape(b, n, d)

@@ -370,7 +370,8 @@ class VisionTransformer(nn.Module):
       x = jnp.concatenate(prefix + [x], axis=1)
     num_prefix = prefix_tokens(self)
 
-    config = vit_fields.config_of(self, dtype=dtype, param_dtype=param_dtype)
+    config = vit_fields.Config(**execution.shared_fields(self, vit_fields.Config, dtype=dtype,
+                                                         param_dtype=param_dtype))
     x = Encoder(config, name='Transformer')(x, train=train, patch_grid=(gh, gw))
 
     if self.classifier == 'token':

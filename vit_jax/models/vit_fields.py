@@ -131,13 +131,6 @@ Config = dataclasses.make_dataclass(
     frozen=True)
 
 
-def config_of(model: Any, **overrides: Any) -> Any:
-  """The :class:`Config` of a model's fields (e.g. a ``VisionTransformer``), then
-  ``overrides``."""
-  names = [f.name for f in dataclasses.fields(Config)]
-  return Config(**{**{k: getattr(model, k) for k in names}, **overrides})
-
-
 def value(config: Any, name: str) -> Any:
   """The field ``name`` of ``config`` (a mapping such as a config or a checkpoint's fields, or an
   object with the fields as attributes, such as a model), its default where absent."""
