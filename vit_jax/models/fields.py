@@ -52,6 +52,12 @@ def boolean(name: str, value: Any) -> None:
     raise ValueError(f'{name} must be True or False, got {value!r}')
 
 
+def python_bool(name: str, value: Any) -> None:
+  """ValueError unless ``value`` is Python's True or False (an execution switch)."""
+  if not isinstance(value, bool):
+    raise ValueError(f'{name} must be True or False, got {value!r}')
+
+
 def one_of(choices: Tuple[Any, ...]) -> Check:
   """The check that a value is one of ``choices``."""
 
@@ -116,9 +122,9 @@ EXECUTION_FIELDS: Tuple[Field, ...] = (
     Field('dtype', 'float32', str, 'compute dtype (float32, bfloat16)', check=float_dtype),
     Field('param_dtype', 'float32', str, 'parameter dtype', check=float_dtype),
     Field('scan', False, bool, 'one scanned block stack instead of L named blocks',
-          check=boolean),
+          check=python_bool),
     Field('remat', False, bool, 'rematerialise each block in the backward pass',
-          check=boolean),
+          check=python_bool),
     Field('remat_policy', 'nothing_saveable', str,
           "what remat keeps (training: 'auto' picks from the devices, docs/configs.md)",
           check=one_of(execution.REMAT_POLICIES)),
