@@ -407,7 +407,8 @@ class T2TViT(nn.Module):
 
     rates = np.linspace(0.0, self.drop_path_rate, self.depth)  # As torch.linspace.
     # Scanned: the per-block rates scanned with the parameters; none: skipped statically.
-    scanned_rates = (jnp.asarray(rates, jnp.float32),) if self.drop_path_rate and train else ()
+    scanned = self.scan and self.drop_path_rate and train
+    scanned_rates = (jnp.asarray(rates, jnp.float32),) if scanned else ()
     x = execution.blocks(
         Block, x, not train, depth=self.depth, name='blocks', remat=self.remat,
         remat_policy=self.remat_policy, scan=self.scan, scanned_args=scanned_rates,
