@@ -1,10 +1,5 @@
-"""Every key of the training config, declared once with its default, check and help: the one place
-defaults live.
-
-Each section is a tuple of :class:`vit_jax.config.keys.Key` (``RUN_KEYS``, ``OPTIM_KEYS``, ...;
-``config.model`` is the model's fields, ``vit_jax.models.fields``); :func:`get_config` builds the
-locked ``ml_collections.ConfigDict`` from them (a typo in a key is an error), a None default a
-typed placeholder that ``vit_jax.config.resolve`` fills and checks with the keys' checks.
+"""Every key of the training config, declared once (a :class:`vit_jax.config.keys.Key` tuple per
+section; docs/configs.md), and :func:`get_config`, the locked config they make.
 """
 
 from __future__ import annotations
@@ -29,9 +24,8 @@ REGIME_DEFAULTS = {
                      loss="softmax_xent", head_bias_init=0.0),
 }
 
-#: How the blocks run in training unless overridden: scanned, each rematerialised with the policy
-#: 'auto' picks from the target devices (docs/configs.md); the models' own defaults stay the
-#: plain unrolled encoder with the official per-layer names.
+#: How the blocks run in training unless overridden (docs/configs.md); the models' own defaults
+#: are the plain unrolled encoder with the official per-layer names.
 TRAINING_DEFAULTS = dict(scan=True, remat=True, remat_policy="auto")
 
 #: `config.model.attention`: 'auto' picks the fastest implementation the devices can run.
@@ -344,16 +338,6 @@ def data_config() -> ml_collections.ConfigDict:
 def mesh_config() -> ml_collections.ConfigDict:
   """`config.mesh` (`MESH_KEYS`): axis sizes (-1: all the devices the other axes leave)."""
   return keys.section(MESH_KEYS)
-
-
-def fewshot_config() -> ml_collections.ConfigDict:
-  """``config.fewshot`` (`FEWSHOT_KEYS`): few-shot linear evaluation during training."""
-  return keys.section(FEWSHOT_KEYS)
-
-
-def analysis_config() -> ml_collections.ConfigDict:
-  """`config.analysis` (`ANALYSIS_KEYS`): pictures in TensorBoard during training; off."""
-  return keys.section(ANALYSIS_KEYS)
 
 
 def get_config(model_name: str = "ViT-B_16", dataset: str = "imagenet2012",

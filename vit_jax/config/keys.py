@@ -1,9 +1,5 @@
-"""A config key declared once: name, default, type, check and one line of help; its refusal.
-
-Each section of the training config is a tuple of :class:`Key` in ``vit_jax.config.defaults``
-(the shape of the model's ``vit_jax.models.fields.Field``); the config's defaults and typed
-placeholders, ``resolve``'s range checks, the fine-tuning controls and ``--print_config`` are
-read from it (docs/configs.md). A bad value is a :class:`ConfigError`.
+"""A config key declared once (:class:`Key`) and its refusal (:class:`ConfigError`); who reads
+the declarations: docs/configs.md, "Keys, declared once".
 """
 
 from __future__ import annotations

@@ -31,9 +31,6 @@ from vit_jax.config.weights_model import AUTO, AUTO_PLACEHOLDERS  # noqa: F401
 from vit_jax.config.keys import ConfigError
 from vit_jax.models import vit_fields
 
-#: The most optimizer steps a run can count: the train state's step is an int32.
-MAX_STEPS = keys.MAX_STEPS
-
 
 def resolve_fewshot(fewshot: ml_collections.ConfigDict) -> None:
   """Checks `config.fewshot` (`defaults.FEWSHOT_KEYS`) and normalises it in place (`datasets`
@@ -128,7 +125,7 @@ def _fill_regime(config: ml_collections.ConfigDict) -> Tuple[ml_collections.Conf
 
 def num_train_steps(config: ml_collections.ConfigDict, num_train_examples: int) -> int:
   """Optimizer updates of the run: `config.total_steps` when set, else `num_epochs` epochs.
-  ConfigError: neither is set, or the result is not positive or over `MAX_STEPS`."""
+  ConfigError: neither is set, or the result is not positive or over `keys.MAX_STEPS`."""
   if config.total_steps is not None:
     steps = config.total_steps
   elif config.num_epochs is not None:
@@ -147,14 +144,14 @@ def num_train_steps(config: ml_collections.ConfigDict, num_train_examples: int) 
 
 def _epochs_to_steps(key: str, epochs: Any, steps: float, num_train_examples: int,
                      batch_size: int, rounding: Callable[[float], int]) -> int:
-  """`rounding(steps)`; ConfigError of `config.<key>` when not finite or over `MAX_STEPS`."""
-  if not math.isfinite(steps) or steps > MAX_STEPS:
-    largest = MAX_STEPS * batch_size / num_train_examples
+  """`rounding(steps)`; ConfigError of `config.<key>` when not finite or over `keys.MAX_STEPS`."""
+  if not math.isfinite(steps) or steps > keys.MAX_STEPS:
+    largest = keys.MAX_STEPS * batch_size / num_train_examples
     digits = 10.0**(math.floor(math.log10(largest)) - 3)  # Four significant digits, rounded down.
     largest = math.floor(largest / digits) * digits
     raise ConfigError(
         key, epochs, f"is {steps:.3g} steps of batch {batch_size} over {num_train_examples:,} "
-        f"examples, more than the {MAX_STEPS:,} a run can count (its step is an int32)",
+        f"examples, more than the {keys.MAX_STEPS:,} a run can count (its step is an int32)",
         f"set config.{key} to at most {largest:.4g}.")
   return rounding(steps)
 

@@ -1,11 +1,8 @@
 """vit_jax's compiled kernels, each one's C++ source, build and JAX loader side by side
-(docs/kernels.md).
-
-:data:`ATTENTION` registers the attention kernels; the models and `dispatch` reach them only
-through it (tools/measure_attention measures the CPU kernel itself).
-Each gives ``NAME`` (the models' ``attention`` value), ``LABEL``, ``why_not(devices, dtype,
-head_dim, dropout)``, ``faster_than_xla()``, ``attention(qkv, logits_scale=)``,
-``RESIDUAL_NAMES``, ``TARGETS``, ``macs(target, qkv_shape)`` and ``called_by(compiled)``.
+(docs/kernels.md). :data:`ATTENTION` registers the attention kernels, the models' and
+`dispatch`'s only way to them; each gives what :mod:`vit_jax.kernels.cpu_attention` gives
+(``NAME``, ``LABEL``, ``why_not``, ``faster_than_xla``, ``attention``, ``RESIDUAL_NAMES``,
+``TARGETS``, ``macs``, ``called_by``).
 """
 
 from typing import Any, Optional

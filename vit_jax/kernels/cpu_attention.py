@@ -36,19 +36,15 @@ LABEL = 'the fused CPU kernel'
 #: The library's variants: x86-64-v4 (AVX-512), x86-64-v3 (AVX2, FMA), baseline (any CPU).
 ISAS = ('avx512', 'avx2', 'baseline')
 
-#: Per variant: whether it shortens the training step against XLA's attention, and the
-#: measurement that says so (tables and the command: docs/kernels.md).
+#: Per variant: whether it shortens the training step against XLA's attention, and why (the
+#: measurements: docs/kernels.md).
 MEASURED = {
-    'avx512': (True, 'measured on a Zen 4 CPU with AVX-512 (2 cores): the ViT-Ti/16 training '
-               "step at batch 32 took 14% less time than with XLA's attention "
-               '(docs/kernels.md)'),
-    'avx2': (True, 'measured on an AMD EPYC with AVX2 and no AVX-512: the ViT-Ti/16 and '
-             "ViT-S/16 training steps at batch 32 took 8% and 5% less time than with XLA's "
-             'attention, the attention core alone about 0.7 of its time (docs/kernels.md)'),
-    'baseline': (False, 'measured on an AVX2 CPU with the kernel built for the x86-64 '
-                 "baseline (SSE2) alone: the attention core took twice XLA's time and the "
-                 "ViT-Ti/16 training step 40% more time than with XLA's attention "
-                 '(docs/kernels.md)'),
+    'avx512': (True, "its ViT-Ti/16 training step was measured 14% shorter than with XLA's "
+               'attention on a Zen 4 CPU (docs/kernels.md)'),
+    'avx2': (True, "its ViT-Ti/16 and ViT-S/16 training steps were measured 8% and 5% shorter "
+             "than with XLA's attention on an AVX2 CPU (docs/kernels.md)"),
+    'baseline': (False, "its ViT-Ti/16 training step was measured 40% longer than with XLA's "
+                 'attention (docs/kernels.md)'),
 }
 
 _LIBRARY_GLOB = '_cpu_attention*.so'

@@ -53,36 +53,46 @@ VIT_SIZES: Dict[str, Tuple[int, int, int, int, float]] = {
     'G': (48, 1664, 8192, 16, 0.0),
 }
 
-_VIT_DEFAULTS: Dict[str, Any] = fields.defaults(vit_fields.VIT_FIELDS)
-
-_REQUIRED_CUSTOM = fields.required(vit_fields.VIT_FIELDS)
-
 #: Override keys of the ViT family.
 OVERRIDE_KEYS: Tuple[str, ...] = fields.names(vit_fields.VIT_FIELDS)
+
+#: Keys accepted as overrides for the hybrid (R+ViT) family: the ViT keys plus the ResNet stem.
+HYBRID_OVERRIDE_KEYS: Tuple[str, ...] = OVERRIDE_KEYS + fields.names(vit_fields.HYBRID_FIELDS)
+
+#: Override keys of the T2T-ViT families (the reference's constructor names).
+T2T_OVERRIDE_KEYS: Tuple[str, ...] = fields.names(t2t.T2T_FIELDS)
+
+_VIT_DEFAULTS: Dict[str, Any] = fields.defaults(vit_fields.VIT_FIELDS)
 
 
 @dataclasses.dataclass(frozen=True)
 class Family:
   """A family: names fully matching ``pattern``, ``base_config(match)`` before the overrides,
-  the ``module`` class (None: not implemented), the accepted and ``required`` override keys,
-  ``forms`` for messages and ``validate(**config)`` raising ValueError."""
+  the ``module`` class, the accepted and ``required`` override keys, ``forms`` for messages and
+  ``validate(**config)`` raising ValueError."""
 
   name: str
   pattern: re.Pattern
   base_config: Callable[[re.Match], Dict[str, Any]]
-  module: Optional[type]
+  module: type
   override_keys: Tuple[str, ...]
   forms: str
   required: Tuple[str, ...] = ()
   validate: Optional[Callable[..., None]] = None
 
 
-_SIZE_ALIASES = {'ti': 'Ti', 's': 'S', 'b': 'B', 'l': 'L', 'h': 'H'}
+def _custom(name: str, module: type, declared: Tuple[fields.Field, ...],
+            validate: Callable[..., None]) -> Family:
+  """The ``*-custom`` family ``name``: the ``declared`` fields' defaults; the required given."""
+  required = fields.required(declared)
+  pattern = re.compile('(?i:' + name.replace('+', r'\+').replace('-', '[-_]') + ')')
+  return Family(name, pattern, lambda _: fields.defaults(declared), module, fields.names(declared),
+                f"'{name}' ({', '.join(required)} given as overrides)", required, validate)
 
 
 def _size(match: re.Match) -> str:
-  raw = match.group('size')
-  return raw if raw in ('g', 'G') else _SIZE_ALIASES[raw.lower()]
+  raw = match.group('size')  # Case-insensitive but g (giant) and G (Gigantic).
+  return raw if raw in ('g', 'G') else {k.lower(): k for k in VIT_SIZES}[raw.lower()]
 
 
 def _vit_config(match: re.Match, **fields: Any) -> Dict[str, Any]:
@@ -92,11 +102,6 @@ def _vit_config(match: re.Match, **fields: Any) -> Dict[str, Any]:
           'num_heads': heads, 'dropout_rate': dropout, 'patch_size': int(match.group('patch')),
           **fields}
 
-
-#: Keys accepted as overrides for the hybrid (R+ViT) family: the ViT keys plus the ResNet stem.
-HYBRID_OVERRIDE_KEYS: Tuple[str, ...] = OVERRIDE_KEYS + fields.names(vit_fields.HYBRID_FIELDS)
-
-_HYBRID_REQUIRED_CUSTOM = _REQUIRED_CUSTOM + fields.required(vit_fields.HYBRID_FIELDS)
 
 #: The official hybrids (``configs/models.py``): (depth in the name, ViT size, advertised patch)
 #: -> (resnet_num_layers, patch_size, dropout_rate); width factor 1.
@@ -112,6 +117,8 @@ HYBRID_CONFIGS: Dict[Tuple[str, str, int], Tuple[Tuple[int, ...], int, float]] =
 HYBRID_MODEL_NAMES: Tuple[str, ...] = tuple(
     f'R{depth}+ViT-{size}_{patch}' for depth, size, patch in HYBRID_CONFIGS) + ('R+ViT-custom',)
 
+_HYBRID_FIELDS = vit_fields.VIT_FIELDS + vit_fields.HYBRID_FIELDS
+
 
 def _hybrid_config(match: re.Match) -> Dict[str, Any]:
   key = (match.group('depth'), _size(match), int(match.group('patch')))
@@ -119,8 +126,8 @@ def _hybrid_config(match: re.Match) -> Dict[str, Any]:
     raise ValueError(
         f'{match.group(0)!r} is not one of the official hybrid models '
         f'({", ".join(HYBRID_MODEL_NAMES[:-1])}). For another combination use \'R+ViT-custom\' '
-        f'with the overrides {", ".join(_HYBRID_REQUIRED_CUSTOM)}, or an official name with '
-        f'overrides (e.g. resnet_num_layers=(3, 4, 6, 3)).')
+        f'with the overrides {", ".join(fields.required(_HYBRID_FIELDS))}, or an official name '
+        f'with overrides (e.g. resnet_num_layers=(3, 4, 6, 3)).')
   resnet_num_layers, patch, dropout = HYBRID_CONFIGS[key]
   return _vit_config(match, dropout_rate=dropout, patch_size=patch,
                      resnet_num_layers=resnet_num_layers, resnet_width_factor=1)
@@ -137,21 +144,14 @@ T2T_SIZES: Dict[int, Tuple[int, int, int, float]] = {
     24: (512, 24, 8, 3.0),
 }
 
-_T2T_DEFAULTS: Dict[str, Any] = fields.defaults(t2t.T2T_FIELDS)
-
-_T2T_REQUIRED_CUSTOM = fields.required(t2t.T2T_FIELDS)
-
-#: Override keys of the T2T-ViT families (the reference's constructor names).
-T2T_OVERRIDE_KEYS: Tuple[str, ...] = fields.names(t2t.T2T_FIELDS)
-
 
 def _t2t_config(match: re.Match) -> Dict[str, Any]:
   transformer = match.group('t') is not None
   size = int(match.group('t_depth') if transformer else match.group('depth'))
   embed_dim, depth, heads, mlp_ratio = T2T_SIZES[size]
   tokens_type = 'transformer' if transformer else 'performer'
-  return dict(_T2T_DEFAULTS, embed_dim=embed_dim, depth=depth, num_heads=heads,
-              mlp_ratio=mlp_ratio, tokens_type=tokens_type)
+  return dict(fields.defaults(t2t.T2T_FIELDS), embed_dim=embed_dim, depth=depth,
+              num_heads=heads, mlp_ratio=mlp_ratio, tokens_type=tokens_type)
 
 
 FAMILIES: Tuple[Family, ...] = (
@@ -159,9 +159,7 @@ FAMILIES: Tuple[Family, ...] = (
            _vit_config, VisionTransformer, OVERRIDE_KEYS, validate=validate_config,
            forms="'ViT-{Ti,S,B,L,H,g,G}_{patch}' or 'ViT-{size}/{patch}' (e.g. 'ViT-B_16', "
                  "'ViT-B/16', 'vit-b16', 'ViT-Ti_4')"),
-    Family('ViT-custom', re.compile(r'(?i:vit[-_]custom)'), lambda _: dict(_VIT_DEFAULTS),
-           VisionTransformer, OVERRIDE_KEYS, required=_REQUIRED_CUSTOM, validate=validate_config,
-           forms=f"'ViT-custom' ({', '.join(_REQUIRED_CUSTOM)} given as overrides)"),
+    _custom('ViT-custom', VisionTransformer, vit_fields.VIT_FIELDS, validate_config),
     Family('R+ViT (hybrid)', re.compile(
         r'(?i:r)(?P<depth>\d*)(?:\+(?i:vit)[-_ ]?|_)(?P<size>(?i:ti|s|b|l|h)|g|G)[-_/]?'
         r'(?P<patch>\d+)'), _hybrid_config, VisionTransformer, HYBRID_OVERRIDE_KEYS,
@@ -169,25 +167,17 @@ FAMILIES: Tuple[Family, ...] = (
            forms="'R50+ViT-B_16', 'R50+ViT-L_32', 'R26+ViT-B_32', 'R26+ViT-S_32', 'R+ViT-Ti_16' "
                  "(hybrid ResNet + ViT; also 'R50+ViT-B/16', 'r50+vit-b16', AugReg style "
                  "'R26_S_32')"),
-    Family('R+ViT-custom', re.compile(r'(?i:r\+vit[-_]custom)'),
-           lambda _: dict(_VIT_DEFAULTS, **fields.defaults(vit_fields.HYBRID_FIELDS)),
-           VisionTransformer,
-           HYBRID_OVERRIDE_KEYS, required=_HYBRID_REQUIRED_CUSTOM, validate=validate_config,
-           forms=f"'R+ViT-custom' ({', '.join(_HYBRID_REQUIRED_CUSTOM)} given as overrides)"),
+    _custom('R+ViT-custom', VisionTransformer, _HYBRID_FIELDS, validate_config),
     Family('T2T-ViT', re.compile(r'(?i:t2t[-_]vit)(?:[-_](?P<t>(?i:t))[-_](?P<t_depth>14|19|24)'
                                  r'|[-_](?P<depth>7|10|12|14|19|24))'),
            _t2t_config, T2TViT, T2T_OVERRIDE_KEYS, validate=t2t.validate_config,
            forms="'T2T-ViT-{7,10,12,14,19,24}' (Performer T2T) or 'T2T-ViT_t-{14,19,24}' "
                  "(Transformer T2T) (Tokens-to-Token ViT)"),
-    Family('T2T-ViT-custom', re.compile(r'(?i:t2t[-_]vit[-_]custom)'),
-           lambda _: dict(_T2T_DEFAULTS), T2TViT, T2T_OVERRIDE_KEYS,
-           required=_T2T_REQUIRED_CUSTOM, validate=t2t.validate_config,
-           forms=f"'T2T-ViT-custom' ({', '.join(_T2T_REQUIRED_CUSTOM)} given as overrides)"),
+    _custom('T2T-ViT-custom', T2TViT, t2t.T2T_FIELDS, t2t.validate_config),
 )
 
 #: The type of every family's every field (what ``--config.model.NAME=...`` parses to).
-FIELD_TYPES: Dict[str, type] = {
-    f.name: f.type for f in vit_fields.VIT_FIELDS + vit_fields.HYBRID_FIELDS + t2t.T2T_FIELDS}
+FIELD_TYPES: Dict[str, type] = {f.name: f.type for f in _HYBRID_FIELDS + t2t.T2T_FIELDS}
 
 #: Canonical names of the official T2T-ViT configurations, plus 'T2T-ViT-custom'.
 T2T_MODEL_NAMES: Tuple[str, ...] = (
@@ -220,12 +210,8 @@ def resolve(name: str) -> Tuple[Family, re.Match]:
 def model_config(name: str, **overrides: Any) -> Dict[str, Any]:
   """The model's fields (all but ``num_classes``) for ``name`` and ``overrides``; ``patch_size``
   an ``(h, w)`` tuple. ValueError: an unknown name, a bad value, a missing required override;
-  TypeError: an unknown override key; NotImplementedError: a family without a module."""
+  TypeError: an unknown override key."""
   family, match = resolve(name)
-  if family.module is None:
-    raise NotImplementedError(
-        f'Model {name!r} belongs to the {family.name} family, which is not implemented yet. '
-        f'Implemented forms: {"; ".join(f.forms for f in FAMILIES if f.module is not None)}')
   unknown = sorted(set(overrides) - set(family.override_keys))
   if unknown:
     close = difflib.get_close_matches(unknown[0], family.override_keys, n=1)

@@ -1,14 +1,7 @@
 """Multi-head attention of both families, one function over its implementations (the
-``attention`` field, :data:`IMPLEMENTATIONS`; chosen by ``vit_jax.dispatch``, never here).
-
-Parameters as ``flax.linen.MultiHeadDotProductAttention``'s, so the official checkpoints load:
-``{query,key,value}/kernel (D, heads, Dh)``, ``bias (heads, Dh)``, ``out/kernel (heads, Dh, D)``.
-'xla' runs ``[B, heads, N, Dh]`` products (with dropout); 'cudnn' ``jax.nn.dot_product_attention``
-on ``[B, N, heads, Dh]``; a vit_jax kernel takes the fused ``[B, N, 3, heads, Dh]`` projection.
-They differ by rounding only. With 'intermediates' mutable the modules sow their float32 weights
-``[B, heads, Nq, Nk]`` (:data:`ATTENTION_WEIGHTS`), computed on the 'xla' path. QK normalisation
-(ViT-22B; timm's ``qk_norm``): a LayerNorm of each head's query and key, ``query_ln`` and
-``key_ln`` ``{scale, bias} (Dh,)`` (flax's names; timm's ``q_norm``, ``k_norm``).
+``attention`` field, :data:`IMPLEMENTATIONS`; chosen by ``vit_jax.dispatch``, never here); they
+differ by rounding only. With 'intermediates' mutable the modules sow their float32 weights
+``[B, heads, Nq, Nk]`` (:data:`ATTENTION_WEIGHTS`), computed on the 'xla' path.
 """
 
 from __future__ import annotations
@@ -172,11 +165,13 @@ def self_attention(x: Array, projections: Sequence[Tuple[Array, Optional[Array]]
 
 
 class MultiHeadDotProductAttention(nn.Module):
-  """The official blocks' ``MultiHeadDotProductAttention_0`` (flax's, ``broadcast_dropout=False``),
-  ``[B, N, D]`` -> ``[B, N, D]`` in ``dtype``; with ``inputs_kv [B, Nk, D]`` cross-attention
-  (big_vision's ``MAPHead_0``, 'xla' only); ``qk_norm``: ``query_ln``, ``key_ln`` LayerNorms
-  (``layer_norm_epsilon``) of each head's q and k. ValueError: ``num_heads`` not dividing D,
-  ``inputs_kv`` with another ``attention``, or as :func:`self_attention`."""
+  """The official blocks' ``MultiHeadDotProductAttention_0`` (flax's, ``broadcast_dropout=False``;
+  its parameters, so the official checkpoints load: ``{query,key,value}/kernel (D, heads, Dh)``,
+  ``bias (heads, Dh)``, ``out/kernel (heads, Dh, D)``), ``[B, N, D]`` -> ``[B, N, D]`` in
+  ``dtype``; with ``inputs_kv [B, Nk, D]`` cross-attention (big_vision's ``MAPHead_0``, 'xla'
+  only); ``qk_norm`` (ViT-22B): ``query_ln``, ``key_ln`` LayerNorms ``(Dh,)`` of each head's q and
+  k. ValueError: ``num_heads`` not dividing D, ``inputs_kv`` with another ``attention``, or as
+  :func:`self_attention`."""
 
   num_heads: int
   dropout_rate: float = 0.0

@@ -1,4 +1,4 @@
-"""How the blocks of both families run (remat, scan, logical constraints), and the field checks
+"""How the blocks of both families run (remat, scan, logical constraints), and the input checks
 and errors both families share."""
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ class ImageSizeError(ValueError):
   too small for T2T-ViT's soft splits); the message says what fits."""
 
 
-def remat_policy(name: str) -> Callable[..., bool]:
+def _remat_policy(name: str) -> Callable[..., bool]:
   """The ``jax.checkpoint`` policy called ``name`` (:data:`REMAT_POLICIES`); ValueError else."""
   if name not in REMAT_POLICIES:
     raise ValueError(f'remat_policy must be one of {REMAT_POLICIES}, got {name!r}')
@@ -55,21 +55,37 @@ def constrain(x: Array, names: Tuple[Optional[str], ...]) -> Array:
   return nn.with_logical_constraint(x, names)
 
 
-def rematerialised(block_cls: type, policy: str, *, scan: bool) -> type:
-  """``nn.remat`` of ``block_cls`` with ``policy``; its call takes ``(x, deterministic, ...)``,
-  ``deterministic`` static. CSE is prevented only outside ``nn.scan``, whose loop does it."""
-  # static_argnums counts `self` as 0: argument 2 is `deterministic`.
-  return nn.remat(block_cls, prevent_cse=not scan, static_argnums=(2,),
-                  policy=remat_policy(policy))
+def check_images(model: nn.Module, inputs: Array) -> Tuple[Any, Any]:
+  """The model's ``(dtype, param_dtype)`` (None: float32); ValueError unless ``inputs`` are
+  NHWC images."""
+  if inputs.ndim != 4:
+    raise ValueError(f'{type(model).__name__} expects images of shape [batch, height, width, '
+                     f'channels] (NHWC), got shape {inputs.shape}')
+  return jnp.dtype(model.dtype or jnp.float32), jnp.dtype(model.param_dtype or jnp.float32)
 
 
-def scanned(block_cls: type, length: int, *, in_axes: Any) -> type:
-  """``nn.scan`` of ``block_cls`` (its call returns ``(x, None)``) ``length`` times: parameters
-  and sown intermediates stacked on a leading ``'layers'`` axis, own rngs per copy; ``in_axes``
-  for the arguments after ``x`` (``nn.broadcast`` or 0)."""
-  return nn.scan(block_cls, variable_axes={'params': 0, 'intermediates': 0},
-                 split_rngs={'params': True, 'dropout': True}, in_axes=in_axes, length=length,
-                 metadata_params={nn.PARTITION_NAME: 'layers'})
+def blocks(block_cls: type, x: Array, deterministic: bool, *, depth: int, name: str, remat: bool,
+           remat_policy: str, scan: bool, scanned_args: Tuple[Array, ...] = (),
+           layer_kwargs: Callable[[int], dict] = lambda i: {}, **kwargs: Any) -> Array:
+  """``depth`` blocks ``block_cls(**kwargs)`` on ``x`` in the calling compact scope, each called
+  ``(x, deterministic, ...)`` (``deterministic`` static under ``nn.remat`` with ``remat_policy``).
+
+  ``scan``: one ``nn.scan`` stack called ``name`` (the block's call returns ``(x, None)``;
+  parameters and sown intermediates stacked on a leading ``'layers'`` axis, own rngs per copy;
+  ``scanned_args`` scanned with them); else ``{name}_{i}`` with ``layer_kwargs(i)`` too.
+  """
+  if remat:  # static_argnums counts `self` as 0; CSE is prevented only outside nn.scan's loop.
+    block_cls = nn.remat(block_cls, prevent_cse=not scan, static_argnums=(2,),
+                         policy=_remat_policy(remat_policy))
+  if scan:
+    stack = nn.scan(block_cls, variable_axes={'params': 0, 'intermediates': 0},
+                    split_rngs={'params': True, 'dropout': True},
+                    in_axes=(nn.broadcast,) + (0,) * len(scanned_args), length=depth,
+                    metadata_params={nn.PARTITION_NAME: 'layers'})
+    return stack(scanned=True, name=name, **kwargs)(x, deterministic, *scanned_args)[0]
+  for i in range(depth):
+    x = block_cls(name=f'{name}_{i}', **kwargs, **layer_kwargs(i))(x, deterministic)
+  return x
 
 
 def fields_of(module: Any) -> dict[str, Any]:
@@ -84,38 +100,3 @@ def shared_fields(module: Any, cls: type, **overrides: Any) -> dict[str, Any]:
   own = fields_of(module)
   return {**{f.name: own[f.name] for f in dataclasses.fields(cls)
              if f.name in own and f.name not in ('parent', 'name')}, **overrides}
-
-
-def check_positive_int(field: str, value: Any, allow_none: bool = False) -> None:
-  """ValueError naming ``field`` unless an int > 0 (not a bool), or None with ``allow_none``."""
-  if value is None and allow_none:
-    return
-  if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-    extra = ' or None' if allow_none else ''
-    raise ValueError(f'{field} must be a positive int{extra}, got {value!r}')
-
-
-def check_rate(field: str, value: Any) -> None:
-  """ValueError naming ``field`` unless ``value`` is a number in [0, 1) (a rate)."""
-  if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value < 1.0:
-    raise ValueError(f'{field} must be a float in [0, 1), got {value!r}')
-
-
-def check_float_dtypes(**dtypes: Any) -> None:
-  """ValueError naming each field whose value (if not None) is not a floating dtype."""
-  for field, value in dtypes.items():
-    if value is None:
-      continue
-    try:
-      ok = jnp.issubdtype(jnp.dtype(value), jnp.floating)
-    except TypeError:
-      ok = False
-    if not ok:
-      raise ValueError(f'{field} must be a floating dtype (e.g. jnp.float32, jnp.bfloat16), '
-                       f'got {value!r}')
-
-
-def check_bool(field: str, value: Any) -> None:
-  """ValueError naming ``field`` unless ``value`` is a Python bool (an execution switch)."""
-  if not isinstance(value, bool):
-    raise ValueError(f'{field} must be True or False, got {value!r}')

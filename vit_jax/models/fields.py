@@ -1,10 +1,5 @@
-"""A model family's fields declared once: name, default, type, help, check, what records them
-in the weights and the ecosystems' names.
-
-Each family declares a tuple of :class:`Field` (``vit_fields.VIT_FIELDS``, ``t2t.T2T_FIELDS``);
-the registry's defaults and override keys, the config's command-line types, the checks, the
-checkpoints' "fields the weights record" and timm's and transformers' names are read from it
-(docs/models.md).
+"""A model family's fields declared once (:class:`Field`; ``vit_fields.VIT_FIELDS``,
+``t2t.T2T_FIELDS``) and their checks; who reads them: docs/models.md, "Fields, declared once".
 """
 
 from __future__ import annotations
@@ -13,6 +8,7 @@ import dataclasses
 import re
 from typing import Any, Callable, Dict, Iterable, Mapping, Optional, Tuple
 
+import jax.numpy as jnp
 import numpy as np
 
 from vit_jax.models import attention
@@ -35,13 +31,9 @@ Check = Callable[[str, Any], None]
 
 @dataclasses.dataclass(frozen=True)
 class Field:
-  """One model field: its ``name``, ``default`` (:data:`REQUIRED`: a ``*-custom`` model must be
-  given it), the ``type`` ``--config.model.NAME`` parses to, one line of ``help``, whether the
-  parameter shapes record it (``in_weights``: read back from any checkpoint), its name in timm's
-  ``VisionTransformer`` (``timm``) and transformers' ``ViTConfig`` (``hf``) where they take the
-  value as it is (None: no such keyword), its ``check`` of one value (None: the family's own
-  checks) and, for a bool field, the ``param`` whose presence records True
-  (:func:`recorded`)."""
+  """One model field (its attributes: docs/models.md, "Fields, declared once"); ``default``
+  :data:`REQUIRED`: a ``*-custom`` model must be given it; ``check`` None: the family's own
+  checks; ``param``: :func:`recorded`."""
 
   name: str
   default: Any
@@ -60,6 +52,12 @@ def boolean(name: str, value: Any) -> None:
     raise ValueError(f'{name} must be True or False, got {value!r}')
 
 
+def python_bool(name: str, value: Any) -> None:
+  """ValueError unless ``value`` is Python's True or False (an execution switch)."""
+  if not isinstance(value, bool):
+    raise ValueError(f'{name} must be True or False, got {value!r}')
+
+
 def one_of(choices: Tuple[Any, ...]) -> Check:
   """The check that a value is one of ``choices``."""
 
@@ -71,13 +69,35 @@ def one_of(choices: Tuple[Any, ...]) -> Check:
 
 
 def positive_int(allow_none: bool = False) -> Check:
-  """The check that a value is an int > 0 (or None with ``allow_none``)."""
-  return lambda name, value: execution.check_positive_int(name, value, allow_none)
+  """The check that a value is an int > 0 (not a bool), or None with ``allow_none``."""
+
+  def check(name: str, value: Any) -> None:
+    if value is None and allow_none:
+      return
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+      extra = ' or None' if allow_none else ''
+      raise ValueError(f'{name} must be a positive int{extra}, got {value!r}')
+
+  return check
+
+
+def rate(name: str, value: Any) -> None:
+  """ValueError unless ``value`` is a number in [0, 1) (a rate)."""
+  if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value < 1.0:
+    raise ValueError(f'{name} must be a float in [0, 1), got {value!r}')
 
 
 def float_dtype(name: str, value: Any) -> None:
   """ValueError unless ``value`` is a floating dtype (or None)."""
-  execution.check_float_dtypes(**{name: value})
+  if value is None:
+    return
+  try:
+    ok = jnp.issubdtype(jnp.dtype(value), jnp.floating)
+  except TypeError:
+    ok = False
+  if not ok:
+    raise ValueError(f'{name} must be a floating dtype (e.g. jnp.float32, jnp.bfloat16), '
+                     f'got {value!r}')
 
 
 def check(declared: Iterable[Field], values: Mapping[str, Any]) -> None:
@@ -87,14 +107,24 @@ def check(declared: Iterable[Field], values: Mapping[str, Any]) -> None:
       field.check(field.name, values.get(field.name, field.default))
 
 
+def validate(declared: Tuple[Field, ...], config: Mapping[str, Any], num_classes: Any) -> None:
+  """TypeError naming the ``declared`` required fields ``config`` lacks; ValueError: a bad
+  ``num_classes`` or field value (:func:`check`)."""
+  missing = [k for k in required(declared) if k not in config]
+  if missing:
+    raise TypeError(f'validate_config() needs the fields {missing}')
+  positive_int(allow_none=True)('num_classes', num_classes)
+  check(declared, config)
+
+
 #: How the blocks run, in every family: not in the weights, never in a checkpoint's fields.
 EXECUTION_FIELDS: Tuple[Field, ...] = (
     Field('dtype', 'float32', str, 'compute dtype (float32, bfloat16)', check=float_dtype),
     Field('param_dtype', 'float32', str, 'parameter dtype', check=float_dtype),
     Field('scan', False, bool, 'one scanned block stack instead of L named blocks',
-          check=execution.check_bool),
+          check=python_bool),
     Field('remat', False, bool, 'rematerialise each block in the backward pass',
-          check=execution.check_bool),
+          check=python_bool),
     Field('remat_policy', 'nothing_saveable', str,
           "what remat keeps (training: 'auto' picks from the devices, docs/configs.md)",
           check=one_of(execution.REMAT_POLICIES)),

@@ -82,11 +82,9 @@ def t2t_layouts(model: Any, height: int, width: int) -> Tuple[TokenLayout, ...]:
   if not isinstance(model, t2t.T2TViT):
     return ()
   layouts, stride = [], 1
-  for kernel, step, padding in t2t.SOFT_SPLITS[:2]:
-    height = t2t.soft_split_size(height, kernel, step, padding)
-    width = t2t.soft_split_size(width, kernel, step, padding)
+  for (_, step, _), grid in zip(t2t.SOFT_SPLITS[:2], t2t.stage_grids(height, width)):
     stride *= step
-    layouts.append(TokenLayout(0, (height, width), (stride, stride)))
+    layouts.append(TokenLayout(0, grid, (stride, stride)))
   return tuple(layouts)
 
 

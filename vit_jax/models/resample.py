@@ -1,17 +1,13 @@
-"""Resampling a grid of vectors to another grid size, one separable interpolation for: the
-learned position table at another resolution, in the model (:class:`vit_jax.models.vit.
-AddPositionEmbs`) and when loading for fine-tuning (``vit_jax.checkpoint.resize_posemb``), and
-FlexiViT's pseudo-inverse resize of the patch-embedding kernel (``vit_jax.checkpoint.finetune.
-resample_patchemb``, which inverts :func:`resize_matrix`).
-
-Each axis is resampled by a ``[new, old]`` float64 weight matrix built in NumPy from the static
-sizes (:func:`resize_matrix`): inside ``jit`` it is computed at trace time, a constant.
+"""Resampling a grid of vectors to another grid size, one separable interpolation for the
+learned position table (in the model and when loading) and FlexiViT's patch-embedding resize:
+each axis by a ``[new, old]`` float64 matrix built in NumPy from the static sizes
+(:func:`resize_matrix`), a constant inside ``jit``.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Optional, Sequence, Tuple
+from typing import Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -33,13 +29,6 @@ def _cubic(x: np.ndarray, a: float) -> np.ndarray:
   return np.where(x < 1, near, np.where(x < 2, far, 0.0))
 
 
-def _check_method(method: str) -> str:
-  """``method`` if one of :data:`RESIZE_METHODS`, else ValueError listing them."""
-  if method not in RESIZE_METHODS:
-    raise ValueError(f'Unknown resize method {method!r}: use one of {RESIZE_METHODS}.')
-  return method
-
-
 def resize_matrix(old: int, new: int, method: str) -> np.ndarray:
   """The float64 ``[new, old]`` matrix ``W`` with ``W @ x`` the 1-D resize of ``x`` ``[old]`` to
   ``[new]`` by ``method`` (:data:`RESIZE_METHODS`); each row sums to 1.
@@ -52,7 +41,8 @@ def resize_matrix(old: int, new: int, method: str) -> np.ndarray:
   when downsampling, the taps outside the input dropped and the rest renormalised. ValueError:
   an unknown method or a size < 1.
   """
-  _check_method(method)
+  if method not in RESIZE_METHODS:
+    raise ValueError(f'Unknown resize method {method!r}: use one of {RESIZE_METHODS}.')
   old, new = int(old), int(new)
   if old < 1 or new < 1:
     raise ValueError(f'Cannot resize {old} samples to {new}: both sizes must be at least 1.')
@@ -115,12 +105,6 @@ def resize_grid(grid, new_hw: Sequence[int], method: str):
   return out.astype(grid.dtype)
 
 
-def _square_grid(tokens: int) -> Optional[Tuple[int, int]]:
-  """``(s, s)`` with ``s * s == tokens``, or None when ``tokens`` make no square."""
-  side = math.isqrt(max(int(tokens), 0))
-  return (side, side) if tokens > 0 and side * side == tokens else None
-
-
 def resample_posemb(posemb, new_grid: Sequence[int], *, num_prefix_tokens: int,
                     old_grid: Optional[Sequence[int]] = None, method: str = 'linear_corners'):
   """A position table ``[1, P + h * w, D]`` (``P = num_prefix_tokens`` rows first: class token,
@@ -133,8 +117,9 @@ def resample_posemb(posemb, new_grid: Sequence[int], *, num_prefix_tokens: int,
   prefix = int(num_prefix_tokens)
   tokens = posemb.shape[1] - prefix
   if old_grid is None:
-    old_grid = _square_grid(tokens)
-    if old_grid is None:
+    side = math.isqrt(max(tokens, 0))
+    old_grid = (side, side)
+    if tokens <= 0 or side * side != tokens:
       raise ValueError(f'The position table has {tokens} grid rows (after {prefix} prefix '
                        'rows), not a square grid: give its grid (rows, columns).')
   gh, gw = (int(g) for g in old_grid)

@@ -52,8 +52,6 @@ class StdConv(nn.Module):
 
   @nn.compact
   def __call__(self, x: Array) -> Array:
-    if x.ndim != 4:
-      raise ValueError(f'StdConv expects [batch, height, width, channels], got shape {x.shape}')
     shape = (*self.kernel_size, x.shape[-1], self.features)
     kernel = self.param('kernel', nn.with_logical_partitioning(self.kernel_init, KERNEL_AXES),
                         shape, self.param_dtype)

@@ -80,12 +80,19 @@ def soft_split_size(size: int, kernel: int, stride: int, padding: int) -> int:
   return out
 
 
+def stage_grids(height: int, width: int) -> Tuple[Tuple[int, int], ...]:
+  """The token grid ``(h, w)`` after each soft split (224: (56, 56), (28, 28), (14, 14)); as
+  :func:`soft_split_size`."""
+  grids = []
+  for kernel, stride, padding in SOFT_SPLITS:
+    height, width = (soft_split_size(s, kernel, stride, padding) for s in (height, width))
+    grids.append((height, width))
+  return tuple(grids)
+
+
 def token_grid(height: int, width: int) -> Tuple[int, int]:
   """Token grid ``(h, w)`` after the soft splits (224 -> (14, 14)); as :func:`soft_split_size`."""
-  for kernel, stride, padding in SOFT_SPLITS:
-    height = soft_split_size(height, kernel, stride, padding)
-    width = soft_split_size(width, kernel, stride, padding)
-  return height, width
+  return stage_grids(height, width)[-1]
 
 
 def soft_split(x: Array, kernel: int, stride: int, padding: int) -> Array:
@@ -267,16 +274,14 @@ class TokensToToken(nn.Module):
   @nn.compact
   def __call__(self, x: Array) -> Array:
     layer_cls = TokenPerformer if self.tokens_type == 'performer' else TokenTransformer
+    grids = stage_grids(x.shape[1], x.shape[2])
     for stage, (kernel, stride, padding) in enumerate(SOFT_SPLITS):
-      b, height, width, _ = x.shape
-      oh = soft_split_size(height, kernel, stride, padding)
-      ow = soft_split_size(width, kernel, stride, padding)
       x = soft_split(x, kernel, stride, padding)
       self.sow('intermediates', f'soft_split{stage}', x)
       if stage < 2:
         x = layer_cls(self.token_dim, self.dtype, self.param_dtype,
                       name=f'attention{stage + 1}')(x)
-        x = x.reshape(b, oh, ow, x.shape[-1])  # Tokens back to a row-major (h, w, c) map.
+        x = x.reshape(x.shape[0], *grids[stage], x.shape[-1])  # A row-major (h, w, c) map.
     x = _dense(self.embed_dim, 'project', self.dtype, self.param_dtype, (None, 'embed'))(x)
     return execution.constrain(x, execution.TOKENS_AXES)
 
@@ -313,8 +318,8 @@ class Attention(nn.Module):
     projections = [(kernel[:, i], None) for i in range(3)]
     weights_fn = attention_lib.sow_weights(self) if attention_lib.capturing(self) else None
     y, layout_ = attention_lib.self_attention(x.astype(self.dtype), projections,
-                                          implementation=self.attention, logits_scale=scale,
-                                          weights_fn=weights_fn)
+                                              implementation=self.attention, logits_scale=scale,
+                                              weights_fn=weights_fn)
     if layout_ == 'bhnk':
       y = y.transpose(0, 2, 1, 3)
     y = y.reshape(b, n, d)
@@ -383,12 +388,7 @@ class T2TViT(nn.Module):
 
   @nn.compact
   def __call__(self, inputs: Array, *, train: bool) -> Array:
-    if inputs.ndim != 4:
-      raise ValueError(f'T2TViT expects images of shape [batch, height, width, channels] (NHWC), '
-                       f'got shape {inputs.shape}')
-    dtype = jnp.dtype(self.dtype or jnp.float32)
-    param_dtype = jnp.dtype(self.param_dtype or jnp.float32)
-
+    dtype, param_dtype = execution.check_images(self, inputs)
     x = TokensToToken(self.tokens_type, self.token_dim, self.embed_dim, dtype, param_dtype,
                       name='tokens_to_token')(inputs.astype(dtype))
     b, n, d = x.shape
@@ -406,18 +406,14 @@ class T2TViT(nn.Module):
     self.sow('intermediates', 'pos_drop', x)
 
     rates = np.linspace(0.0, self.drop_path_rate, self.depth)  # As torch.linspace.
-    block_cls = (execution.rematerialised(Block, self.remat_policy, scan=self.scan)
-                 if self.remat else Block)
-    block_kwargs = execution.shared_fields(self, Block, dtype=dtype, param_dtype=param_dtype)
-    if self.scan:
-      # Per-block drop-path rates scanned with the parameters; none: skipped statically.
-      scanned_rates = (jnp.asarray(rates, jnp.float32),) if self.drop_path_rate and train else ()
-      stack = execution.scanned(block_cls, self.depth,
-                          in_axes=(nn.broadcast,) + (0,) * len(scanned_rates))
-      x, _ = stack(scanned=True, name='blocks', **block_kwargs)(x, not train, *scanned_rates)
-    else:
-      for i in range(self.depth):
-        x = block_cls(drop_path=float(rates[i]), name=f'blocks_{i}', **block_kwargs)(x, not train)
+    # Scanned: the per-block rates scanned with the parameters; none: skipped statically.
+    scanned = self.scan and self.drop_path_rate and train
+    scanned_rates = (jnp.asarray(rates, jnp.float32),) if scanned else ()
+    x = execution.blocks(
+        Block, x, not train, depth=self.depth, name='blocks', remat=self.remat,
+        remat_policy=self.remat_policy, scan=self.scan, scanned_args=scanned_rates,
+        layer_kwargs=lambda i: {'drop_path': float(rates[i])},
+        **execution.shared_fields(self, Block, dtype=dtype, param_dtype=param_dtype))
     x = _layer_norm('norm', dtype, param_dtype)(x)[:, 0]
     if self.num_classes is not None:
       x = _dense(self.num_classes, 'head', dtype, param_dtype, ('embed', 'classes'))(x)
@@ -453,7 +449,7 @@ T2T_FIELDS: Tuple[Field, ...] = (
     Field('qk_scale', None, float, "the attention's scale (None: head size ** -0.5)",
           check=_positive_number(optional=True)),
     Field('drop_path_rate', 0.1, float, 'stochastic depth, rising linearly over the blocks',
-          check=execution.check_rate),
+          check=fields.rate),
     *fields.EXECUTION_FIELDS,
 )
 
@@ -462,11 +458,7 @@ def validate_config(*, num_classes: Any = None, **config: Any) -> None:
   """Checks the :class:`T2TViT` fields (the declared ones, :data:`T2T_FIELDS`, each by its
   ``check``, then together; extras ignored); ValueError naming the field, TypeError for a
   missing required one."""
-  missing = [k for k in fields.required(T2T_FIELDS) if k not in config]
-  if missing:
-    raise TypeError(f'validate_config() needs the fields {missing}')
-  execution.check_positive_int('num_classes', num_classes, allow_none=True)
-  fields.check(T2T_FIELDS, config)
+  fields.validate(T2T_FIELDS, config, num_classes)
   embed_dim, num_heads = config['embed_dim'], config['num_heads']
   if embed_dim % num_heads:
     raise ValueError(f'embed_dim ({embed_dim}) must be divisible by num_heads ({num_heads})')

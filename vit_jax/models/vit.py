@@ -10,13 +10,8 @@ Numerics and parameter names are the official ``models_vit.py``'s, so its checkp
   Transformer/encoderblock_{i}/{LayerNorm_0, LayerNorm_1, MultiHeadDotProductAttention_0,
       MlpBlock_0/Dense_{0,1}}   pre_logits (with representation_size)
 
-'gap'/'map' have no ``cls`` ('map' adds big_vision's ``MAPHead_0``); 'sincos2d' no
-``posembed_input``; hybrids the BiT stem of :mod:`vit_jax.models.resnet`; ``scan=True`` one
-stacked ``encoderblock``. timm's variants: ``registers`` (1, R, D), ``encoderblock_{i}/
-LayerScale_{0,1}/scale`` (D,), ``fc_norm`` in place of ``encoder_norm``, QK normalisation's
-``MultiHeadDotProductAttention_0/{query_ln, key_ln}`` (Dh,). The encoder and its blocks take the
-fields whole (:class:`vit_fields.Config`, as the official ``Encoder`` takes ``transformer``).
-Logical axes, intermediates and the fields' sources: docs/models.md.
+The variants' parameters (hybrid stem, 'map' head, timm's fields, ``scan=True``'s stacked
+``encoderblock``), logical axes, intermediates and the fields' sources: docs/models.md.
 """
 
 from __future__ import annotations
@@ -42,7 +37,6 @@ from vit_jax.models.vit_fields import (  # noqa: F401
 Array = jax.Array
 Dtype = Any
 
-TOKENS_AXES = execution.TOKENS_AXES
 MLP_HIDDEN_AXES = ('batch', 'length', 'mlp')
 
 _partitioned = nn.with_logical_partitioning
@@ -113,13 +107,12 @@ class IdentityLayer(nn.Module):
 class AddPositionEmbs(nn.Module):
   """Adds the learned ``pos_embedding`` ``(1, N, D)`` to ``[B, N, D]`` (eq. 1), in its dtype.
 
-  With ``grid=(gh, gw)`` (the input's last ``gh * gw`` tokens, row-major; the ones before, class
-  token and registers, keep their rows) a table made for another grid is resampled to it in the
-  model by ``resize`` (:data:`vit_jax.models.resample.RESIZE_METHODS`; timm's
-  ``dynamic_img_size``). The table's grid: ``table_grid``; else the input's when the row counts
-  match, else square. A new table is made for ``table_grid`` (None: the input's grid).
-  ValueError: an input not of rank 3; a loaded table of another width, of another shape without
-  ``grid``, or of a grid it cannot tell (with the fix)."""
+  ``grid=(gh, gw)``: the input's last ``gh * gw`` tokens, row-major (the ones before, class token
+  and registers, keep their rows); a table made for another grid is resampled to it in the model
+  by ``resize`` (:data:`vit_jax.models.resample.RESIZE_METHODS`; timm's ``dynamic_img_size``).
+  The table's grid: ``table_grid``; else the input's when the row counts match, else square. A
+  new table is made for ``table_grid`` (None: the input's grid). ValueError: a loaded table of
+  another width or of a grid it cannot tell (with the fix)."""
 
   posemb_init: nn.initializers.Initializer = nn.initializers.normal(stddev=0.02)
   param_dtype: Dtype = jnp.float32
@@ -127,29 +120,24 @@ class AddPositionEmbs(nn.Module):
   table_grid: Optional[Tuple[int, int]] = None
 
   @nn.compact
-  def __call__(self, inputs: Array, grid: Optional[Tuple[int, int]] = None) -> Array:
-    if inputs.ndim != 3:
-      raise ValueError(f'AddPositionEmbs expects [batch, tokens, width], got shape {inputs.shape}')
+  def __call__(self, inputs: Array, grid: Tuple[int, int]) -> Array:
     tokens, width = inputs.shape[1:]
-    shape, prefix, table_grid = (1, tokens, width), 0, None
-    if grid is not None:
-      gh, gw = (int(g) for g in grid)
-      prefix = tokens - gh * gw
-      if prefix < 0:
-        raise ValueError(f'AddPositionEmbs: a {gh}x{gw} grid does not fit in {tokens} tokens.')
-      table_grid = tuple(int(g) for g in self.table_grid) if self.table_grid else (gh, gw)
-      shape = (1, prefix + table_grid[0] * table_grid[1], width)
+    gh, gw = (int(g) for g in grid)
+    prefix = tokens - gh * gw
+    if prefix < 0:
+      raise ValueError(f'AddPositionEmbs: a {gh}x{gw} grid does not fit in {tokens} tokens.')
+    table_grid = tuple(int(g) for g in self.table_grid) if self.table_grid else (gh, gw)
+    shape = (1, prefix + table_grid[0] * table_grid[1], width)
     if self.has_variable('params', 'pos_embedding'):
       # Boxed (nn.LogicallyPartitioned) or plain, as given to apply.
       existing = tuple(layout.unbox(self.get_variable('params', 'pos_embedding')).shape)
-      if grid is None or existing[2] != width:
-        if existing != shape:
-          raise ValueError(
-              f'pos_embedding has shape {existing} but the input gives {shape} (tokens, width). '
-              f'The parameters were made for another image size / patch size: apply the model '
-              f'at the resolution the parameters were trained at, or resize the position '
-              f'embedding when loading for fine-tuning.')
-      elif existing[1] != shape[1]:
+      if existing[2] != width:
+        raise ValueError(
+            f'pos_embedding has shape {existing} but the input gives {shape} (tokens, width). '
+            f'The parameters were made for another image size / patch size: apply the model '
+            f'at the resolution the parameters were trained at, or resize the position '
+            f'embedding when loading for fine-tuning.')
+      if existing[1] != shape[1]:
         rows = existing[1] - prefix
         side = math.isqrt(max(rows, 0))
         if self.table_grid or not side or side * side != rows:
@@ -163,7 +151,7 @@ class AddPositionEmbs(nn.Module):
     pos_embedding = self.param('pos_embedding',
                                _partitioned(self.posemb_init, (None, 'length', 'embed')),
                                shape, self.param_dtype)
-    if grid is not None and table_grid != (gh, gw):
+    if table_grid != (gh, gw):
       pos_embedding = resample.resample_posemb(pos_embedding, (gh, gw), num_prefix_tokens=prefix,
                                                old_grid=table_grid, method=self.resize)
     return inputs + pos_embedding.astype(inputs.dtype)
@@ -197,9 +185,8 @@ class MlpBlock(nn.Module):
 
 
 class LayerScale(nn.Module):
-  """LayerScale (CaiT, Touvron et al. 2021; timm's ``ls1``/``ls2``, DeiT III, DINOv2): ``x`` times
-  a learned per-channel ``scale`` ``(D,)``, initialised to ``init_value``; ``[..., D]`` in its
-  dtype."""
+  """LayerScale (CaiT, Touvron et al. 2021; timm's ``ls1``/``ls2``): ``x [..., D]`` times a
+  learned per-channel ``scale`` ``(D,)`` initialised to ``init_value``, in ``x``'s dtype."""
 
   init_value: float
   param_dtype: Dtype = jnp.float32
@@ -213,20 +200,16 @@ class LayerScale(nn.Module):
 
 class EncoderBlock(nn.Module):
   """The official pre-LN ``Encoder1DBlock`` (eq. 2-3) of the fields ``config``
-  (:class:`vit_fields.Config`), ``[B, N, D]`` in its ``dtype``; ``deterministic`` positional
-  (static under remat), ``scanned`` returns ``(x, None)``; sows ``tokens``. With
-  ``layerscale_init``, ``LayerScale_0`` scales the attention's output and ``LayerScale_1`` the
-  MLP's before each residual sum (timm's ``ls1``, ``ls2``)."""
+  (:class:`vit_fields.Config`), ``[B, N, D]`` in its ``dtype``; called as
+  :func:`execution.blocks` calls it; sows ``tokens``."""
 
   config: Any
   scanned: bool = False
 
   @nn.compact
   def __call__(self, inputs: Array, deterministic: bool):
-    if inputs.ndim != 3:
-      raise ValueError(f'EncoderBlock expects [batch, tokens, width], got shape {inputs.shape}')
     c = self.config
-    inputs = execution.constrain(inputs, TOKENS_AXES)
+    inputs = execution.constrain(inputs, execution.TOKENS_AXES)
     x = _layer_norm(c.dtype, c.param_dtype, epsilon=c.layer_norm_epsilon)(inputs)
     attention_cls = attention_lib.MultiHeadDotProductAttention
     x = attention_cls(name='MultiHeadDotProductAttention_0', **execution.shared_fields(
@@ -234,31 +217,26 @@ class EncoderBlock(nn.Module):
     x = nn.Dropout(rate=c.dropout_rate)(x, deterministic=deterministic)
     if c.layerscale_init is not None:
       x = LayerScale(c.layerscale_init, c.param_dtype)(x)
-    x = execution.constrain(x + inputs, TOKENS_AXES)
+    x = execution.constrain(x + inputs, execution.TOKENS_AXES)
     y = _layer_norm(c.dtype, c.param_dtype, epsilon=c.layer_norm_epsilon)(x)
     y = MlpBlock(**execution.shared_fields(c, MlpBlock))(y, deterministic=deterministic)
     if c.layerscale_init is not None:
       y = LayerScale(c.layerscale_init, c.param_dtype)(y)
-    out = execution.constrain(x + y, TOKENS_AXES)
+    out = execution.constrain(x + y, execution.TOKENS_AXES)
     self.sow(attention_lib.INTERMEDIATES, attention_lib.TOKENS, out)  # A no-op unless mutable.
     return (out, None) if self.scanned else out
 
 
 class Encoder(nn.Module):
   """The official ``Encoder`` (``Transformer``) of the fields ``config``
-  (:class:`vit_fields.Config`): ``posembed_input`` ('learn' only), dropout, the blocks and
-  ``encoder_norm`` (none with ``fc_norm``: timm's LayerNorm after the pooling); ``[B, N, D]`` ->
-  ``[B, N, D]`` in its ``dtype``. The prefix tokens (:func:`prefix_tokens`: class token,
-  registers) get no position with ``no_embed_class`` (the table covers the grid only; timm's
-  ``no_embed_class``). ``patch_grid`` ``(gh, gw)``: the table resampled to it when made for
-  another grid (``posemb_resize``, ``posemb_grid``: :class:`AddPositionEmbs`'s ``resize``,
-  ``table_grid``)."""
+  (:class:`vit_fields.Config`), ``[B, N, D]`` -> ``[B, N, D]`` in its ``dtype``:
+  ``posembed_input`` ('learn' only; resampled to ``patch_grid`` ``(gh, gw)``:
+  :class:`AddPositionEmbs`), dropout, the blocks, ``encoder_norm`` (none with ``fc_norm``)."""
 
   config: Any
 
   @nn.compact
-  def __call__(self, x: Array, *, train: bool,
-               patch_grid: Optional[Tuple[int, int]] = None) -> Array:
+  def __call__(self, x: Array, *, train: bool, patch_grid: Tuple[int, int]) -> Array:
     c = self.config
     deterministic = not train
     embed = lambda tokens: AddPositionEmbs(  # pylint: disable=g-long-lambda
@@ -271,16 +249,10 @@ class Encoder(nn.Module):
     elif c.posemb == 'learn':
       x = embed(x)
     x = nn.Dropout(rate=c.dropout_rate)(x, deterministic=deterministic)
-    x = execution.constrain(x, TOKENS_AXES)
+    x = execution.constrain(x, execution.TOKENS_AXES)
 
-    block_cls = (execution.rematerialised(EncoderBlock, c.remat_policy, scan=c.scan)
-                 if c.remat else EncoderBlock)
-    if c.scan:
-      stack = execution.scanned(block_cls, c.num_layers, in_axes=nn.broadcast)
-      x, _ = stack(c, scanned=True, name='encoderblock')(x, deterministic)
-    else:
-      for i in range(c.num_layers):
-        x = block_cls(c, name=f'encoderblock_{i}')(x, deterministic)
+    x = execution.blocks(EncoderBlock, x, deterministic, depth=c.num_layers, name='encoderblock',
+                         remat=c.remat, remat_policy=c.remat_policy, scan=c.scan, config=c)
     if c.fc_norm:  # timm's fc_norm: the LayerNorm comes after the pooling.
       return x
     return _layer_norm(c.dtype, c.param_dtype, name='encoder_norm',
@@ -289,8 +261,7 @@ class Encoder(nn.Module):
 
 class MAPHead(nn.Module):
   """big_vision's ``MAPHead`` (``classifier='map'``): a learned ``probe`` attends to the tokens,
-  then ``x + MlpBlock(LayerNorm(x))``, no dropout; ``[B, N, D]`` -> ``[B, D]`` in ``dtype``.
-  ValueError: an input not of rank 3, or ``num_heads`` not dividing D."""
+  then ``x + MlpBlock(LayerNorm(x))``, no dropout; ``[B, N, D]`` -> ``[B, D]`` in ``dtype``."""
 
   num_heads: int
   mlp_dim: int
@@ -301,8 +272,6 @@ class MAPHead(nn.Module):
 
   @nn.compact
   def __call__(self, x: Array) -> Array:
-    if x.ndim != 3:
-      raise ValueError(f'MAPHead expects [batch, tokens, width], got shape {x.shape}')
     n, _, d = x.shape
     probe = self.param('probe', _partitioned(nn.initializers.xavier_uniform(),
                                              (None, None, 'embed')), (1, 1, d), self.param_dtype)
@@ -319,24 +288,7 @@ class MAPHead(nn.Module):
 class VisionTransformer(nn.Module):
   """The ViT classifier (official ``models_vit.VisionTransformer``; sizes: ViT paper Table 1).
 
-  Fields: ``classifier`` 'token', 'gap' or 'map' (:data:`CLASSIFIERS`); ``representation_size``
-  a tanh ``pre_logits`` layer or None; ``head_bias_init`` -10 for the official sigmoid
-  pretraining; ``remat_policy`` in :data:`vit_jax.models.execution.REMAT_POLICIES`;
-  ``resnet_num_layers`` the hybrid stem's units per stage (None: plain ViT); ``attention`` in
-  :data:`vit_jax.models.attention.IMPLEMENTATIONS`; ``posemb`` 'learn' or 'sincos2d'
-  (:data:`POSEMBS`); ``gelu_approximate`` and ``layer_norm_epsilon`` every MLP's and LayerNorm's;
-  ``layerscale_init`` LayerScale in every block (None: none); ``num_registers`` register tokens
-  (``registers``, after the class token); ``no_embed_class`` a learned table of the patches only
-  (added before the class token and registers are prepended); ``fc_norm`` ('gap' only) the final
-  LayerNorm after the average (``fc_norm``) instead of before (``Transformer/encoder_norm``);
-  ``qk_norm`` a LayerNorm of each head's queries and keys (ViT-22B). 'gap' and 'map' pool the
-  patch tokens only (not the registers). The fields: :data:`vit_fields.VIT_FIELDS`; sources:
-  docs/models.md.
-  ``posemb_resize`` how a learned table is resampled at apply to another token grid than its
-  own (:data:`vit_jax.models.resample.RESIZE_METHODS`: 'linear_corners' the official
-  fine-tuning resize, 'bicubic_antialias' timm's ``dynamic_img_size``); ``posemb_grid`` the
-  table's own ``(rows, columns)`` (None: the init images' grid, square when resampling).
-
+  The fields: :data:`vit_fields.VIT_FIELDS` (each one's help) and docs/models.md (sources).
   ``apply(variables, images [B, H, W, C] float32, train=...)`` (the published weights: C=3,
   pixels scaled to [-1, 1]) returns float32 ``[B, num_classes]`` logits (``[B, R or D]``
   features with ``num_classes=None``); H and W multiples of the patch size (of the ResNet
@@ -348,6 +300,7 @@ class VisionTransformer(nn.Module):
       input or a loaded ``pos_embedding`` of another width or of a grid it cannot tell.
     ImageSizeError: an image side the patch size (total stride) does not divide.
   """
+
   num_classes: Optional[int]
   patch_size: Union[int, Tuple[int, int]]
   hidden_size: int
@@ -384,12 +337,7 @@ class VisionTransformer(nn.Module):
 
   @nn.compact
   def __call__(self, inputs: Array, *, train: bool) -> Array:
-    if inputs.ndim != 4:
-      raise ValueError(
-          f'VisionTransformer expects images of shape [batch, height, width, channels] (NHWC), '
-          f'got shape {inputs.shape}')
-    dtype = jnp.dtype(self.dtype or jnp.float32)
-    param_dtype = jnp.dtype(self.param_dtype or jnp.float32)
+    dtype, param_dtype = execution.check_images(self, inputs)
     token_stride(self, inputs.shape[1], inputs.shape[2])
     ph, pw = patch_pair(self.patch_size)
     x = inputs
@@ -407,7 +355,7 @@ class VisionTransformer(nn.Module):
     x = jnp.reshape(x, (n, gh * gw, c))  # Row-major: token index = row * gw + col.
     if self.posemb == 'sincos2d':  # big_vision: before the class token, which gets none.
       x = x + posemb_sincos_2d(gh, gw, c, dtype=x.dtype)
-    x = execution.constrain(x, TOKENS_AXES)
+    x = execution.constrain(x, execution.TOKENS_AXES)
 
     prefix = []  # timm's order: the class token, the registers, the patches.
     if self.classifier == 'token':
@@ -422,18 +370,18 @@ class VisionTransformer(nn.Module):
       x = jnp.concatenate(prefix + [x], axis=1)
     num_prefix = prefix_tokens(self)
 
-    config = vit_fields.config_of(self, dtype=dtype, param_dtype=param_dtype)
+    config = vit_fields.Config(**execution.shared_fields(self, vit_fields.Config, dtype=dtype,
+                                                         param_dtype=param_dtype))
     x = Encoder(config, name='Transformer')(x, train=train, patch_grid=(gh, gw))
 
     if self.classifier == 'token':
       x = x[:, 0]
     elif self.classifier == 'gap':  # timm's 'avg': the registers are not averaged.
-      x = jnp.mean(x[:, num_prefix:] if num_prefix else x, axis=1)
+      x = jnp.mean(x[:, num_prefix:], axis=1)
       if self.fc_norm:
         x = _layer_norm(dtype, param_dtype, name='fc_norm', epsilon=self.layer_norm_epsilon)(x)
     else:  # 'map'
-      x = MAPHead(name='MAPHead_0', **execution.shared_fields(config, MAPHead))(
-          x[:, num_prefix:] if num_prefix else x)
+      x = MAPHead(name='MAPHead_0', **execution.shared_fields(config, MAPHead))(x[:, num_prefix:])
 
     if self.representation_size is not None:
       x = nn.Dense(self.representation_size, dtype=dtype, param_dtype=param_dtype,

@@ -9,7 +9,6 @@ from typing import Any, Mapping, Tuple, Union
 
 import numpy as np
 
-from vit_jax.models import execution
 from vit_jax.models import fields
 from vit_jax.models import resample
 from vit_jax.models import resnet
@@ -95,9 +94,9 @@ VIT_FIELDS: Tuple[Field, ...] = (
     Field('qk_norm', False, bool, 'a LayerNorm of the queries and keys per head (ViT-22B)', True,
           timm='qk_norm', check=fields.boolean, param=QUERY_LN),
     Field('dropout_rate', 0.0, float, 'dropout after the embeddings and in the MLPs',
-          check=execution.check_rate),
+          check=fields.rate),
     Field('attention_dropout_rate', 0.0, float, "dropout of the attention's weights",
-          timm='attn_drop_rate', check=execution.check_rate),
+          timm='attn_drop_rate', check=fields.rate),
     Field('head_bias_init', 0.0, float, "the head's initial bias (training: the regime's)"),
     *fields.EXECUTION_FIELDS,
     Field('gelu_approximate', True, bool, 'tanh GELU (official), False: exact erf GELU',
@@ -130,13 +129,6 @@ Config = dataclasses.make_dataclass(
     'Config', [(name, Any, dataclasses.field(default=_DEFAULTS.get(name)))
                for name in fields.names(VIT_FIELDS + HYBRID_FIELDS)],
     frozen=True)
-
-
-def config_of(model: Any, **overrides: Any) -> Any:
-  """The :class:`Config` of a model's fields (e.g. a ``VisionTransformer``), then
-  ``overrides``."""
-  names = [f.name for f in dataclasses.fields(Config)]
-  return Config(**{**{k: getattr(model, k) for k in names}, **overrides})
 
 
 def value(config: Any, name: str) -> Any:
@@ -192,14 +184,8 @@ def validate_config(*, num_classes: Any = None, **config: Any) -> None:
   """Checks the ViT's fields (the declared ones: :data:`VIT_FIELDS`, :data:`HYBRID_FIELDS`; the
   absent ones' defaults; extras ignored), each by its ``check``, then together; ValueError naming
   one, TypeError for a missing required one."""
-  declared = VIT_FIELDS + HYBRID_FIELDS
-  names = fields.names(declared)
-  values = {**_DEFAULTS, **{k: v for k, v in config.items() if k in names}}
-  missing = [k for k in fields.required(VIT_FIELDS) if k not in config]
-  if missing:
-    raise TypeError(f'validate_config() needs the fields {missing}')
-  execution.check_positive_int('num_classes', num_classes, allow_none=True)
-  fields.check(declared, values)
+  fields.validate(VIT_FIELDS, config, num_classes)  # The hybrid's: validate_resnet below.
+  values = {**_DEFAULTS, **config}
   if values['fc_norm'] and values['classifier'] != 'gap':
     raise ValueError(f"fc_norm=True (the final LayerNorm after the average pooling, timm's "
                      f"fc_norm) needs classifier='gap', got classifier={values['classifier']!r}.")
