@@ -229,6 +229,31 @@ def test_a_stop_during_an_extension_modules_initialisation_is_raised_just_after_
     assert time.monotonic() - start < 0.5 and stop.value.exit_code == 75
 
 
+_SECOND_COPY_DURING_THE_EXIT = """
+import os, signal, time
+from vit_jax import stops
+stops.stop_at_once_on_signals()
+stops.announce_stops_with(lambda stop: (os.kill(os.getpid(), signal.SIGTERM), time.sleep(0.5)))
+try:
+  with stops.deferred_stop():  # A stop raised at a section's end forgets its signal,
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(0.1)
+except stops.StopRequested as stop:
+  stops.exit_stopped(stop)  # so the copy a supervisor passes on arrives in the exit's announce.
+"""
+
+
+def test_a_second_copy_of_the_signal_during_the_exit_does_not_raise_in_it():
+  """A pod's supervisor passes SIGTERM on while its child already exits for the first copy:
+  exit 75 with the set-up line (was: StopRequested raised inside `exit_stopped`, a traceback,
+  then jax's atexit shutdown aborted the process)."""
+  proc = subprocess.run([sys.executable, "-c", _SECOND_COPY_DURING_THE_EXIT], cwd=ROOT,
+                        env=_environ(), capture_output=True, text=True, timeout=60)
+  assert proc.returncode == 75, proc.stderr[-3000:]
+  assert proc.stderr.splitlines()[-1].startswith("Preempted (SIGTERM) during the set-up")
+  assert "Traceback" not in proc.stderr
+
+
 def test_stop_in_finds_a_stop_that_a_library_wrapped():
   stop = stops.StopRequested("SIGTERM")
   try:

@@ -54,6 +54,7 @@ class _Stops:
   received: Optional[str] = None  # Read by `_watch_stops`, even while the main thread is busy.
   jax_sigterm: Optional[bytes] = None  # jax's SIGTERM action, set aside by `hold_sigterm`.
   announce: Optional[Callable[[StopRequested], None]] = None  # See `announce_stops_with`.
+  exiting = False  # `exit_process` runs: a second copy of a signal must not raise in it.
 
 
 def _in_extension_import(frame) -> bool:
@@ -72,6 +73,8 @@ def _raise_stop(signum, frame) -> None:
   an extension module initialises); one lost in a callback is raised again by
   ``StopNotice.training()``, and ``_watch_stops`` bounds the time."""
   name = signal.Signals(signum).name
+  if _Stops.exiting:
+    return
   if _Stops.pending == name and not _Stops.retrying:
     return  # A second copy (a pod's supervisor passes SIGTERM on): the first is on its way.
   _Stops.pending, _Stops.retrying = _Stops.pending or name, False
@@ -203,6 +206,7 @@ def announce_stops_with(announce: Callable[[StopRequested], None]) -> None:
 def exit_stopped(stop: StopRequested, message: Optional[str] = None):
   """Ends the process after a set-up stop: `stop`'s exit code and `message` (default: its line),
   once announced (see `announce_stops_with`). Never returns."""
+  _Stops.exiting = True
   if _Stops.announce is not None:
     announcing = threading.Thread(target=_Stops.announce, args=(stop,), daemon=True)
     announcing.start()
@@ -213,6 +217,7 @@ def exit_stopped(stop: StopRequested, message: Optional[str] = None):
 def exit_process(code: int, message: Optional[str] = None, *, shutdown: bool = False):
   """``os._exit(code)`` (the teardown can hang on tf.data threads or a lost peer): ``message`` on
   stderr, logs flushed, with ``shutdown`` ``jax.distributed.shutdown()`` first. Never returns."""
+  _Stops.exiting = True
   try:
     if message:
       sys.stderr.flush()
