@@ -24,6 +24,8 @@ from vit_jax import train
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = dict(os.environ, JAX_PLATFORMS="cpu")
+_SET_UP_STOP = ("Preempted (SIGTERM) during the set-up, before the first step: stopped at once "
+                "with nothing saved or half-written; rerun the same command.")
 
 
 def _communicate_all(procs, timeout: float) -> tuple[list[str], float]:
@@ -103,9 +105,7 @@ def test_sigterm_during_the_imports_exits_75_at_once(tmp_path):
   elapsed = time.monotonic() - sent
   assert proc.returncode == 75, stderr[-3000:]
   assert elapsed < 2.0, elapsed  # Measured: 0.0-0.1 s.
-  assert stderr.splitlines()[-1] == (
-      "Preempted (SIGTERM) during the set-up, before the first step: stopped at once with "
-      "nothing saved or half-written; rerun the same command.")
+  assert stderr.splitlines()[-1] == _SET_UP_STOP
   assert "Traceback" not in stderr and not workdir.exists()
 
 
@@ -287,10 +287,14 @@ def test_sigterm_to_a_pod_during_the_set_up_stops_every_process_at_once(tmp_path
   codes, stderrs, elapsed, steps = _sigterm_pod(
       tmp_path, lambda workdir: (workdir / "lock.json").exists(), "all")
   assert codes == [75, 75], [e[-3000:] for e in stderrs]
-  for stderr in stderrs:
-    assert stderr.splitlines()[-1] == (
-        "Preempted (SIGTERM) during the set-up, before the first step: stopped at once with "
-        "nothing saved or half-written; rerun the same command."), stderr[-3000:]
+  # Process 0, the coordinator, exits first; jax's client in process 1 may then abort it during
+  # its 1 s announce (stops.ANNOUNCE_S), and its supervisor says so (3 times in 12 here, loaded).
+  aborted = ("Preempted (SIGTERM): stopped; JAX's distributed runtime then ended this process "
+             "(SIGABRT) as the other processes had stopped too. Rerun the same command on every "
+             "process to resume from the latest checkpoint.")
+  for i, stderr in enumerate(stderrs):
+    assert stderr.splitlines()[-1] in (_SET_UP_STOP, aborted)[:i + 1], stderr[-3000:]
+    assert "Traceback" not in stderr, stderr[-3000:]
   assert elapsed < 10, elapsed  # Measured: 0.03-0.08 s.
   assert not list(steps)
 
