@@ -7,12 +7,14 @@ compared, in this project's ViT, with their library's golden ones."""
 import json
 import pathlib
 
+import jax
 import numpy as np
 import pytest
 
 from vit_jax import checkpoint
 from vit_jax import inference
 from vit_jax.checkpoint import archive
+from vit_jax.checkpoint import hf_vit
 from vit_jax.checkpoint import npz
 from vit_jax.checkpoint import timm_vit
 from vit_jax.checkpoint import vit_shapes
@@ -186,3 +188,58 @@ def test_a_config_json_beside_the_weights_settles_the_layout(tmp_path, size):
   assert trained.image_size == 42 and trained.config.model.no_embed_class
   np.testing.assert_allclose(np.asarray(trained.apply(golden['images_42'])),
                              golden['logits_42'], rtol=1e-5, atol=1e-5)
+
+
+def test_transformers_resize_is_recorded_and_kept_through_every_format(tmp_path, capsys):
+  """transformers resamples its table as ``F.interpolate(mode='bicubic', align_corners=False)``
+  (``ViTEmbeddings.interpolate_pos_encoding``): 'bicubic', which tests/models/
+  test_any_resolution.py checks against torch's (timm's ``antialias=False`` resize). Before,
+  the field was not recorded and a transformers checkpoint at 48 px took the official bilinear
+  resize (its logits 3.6e-3 off here)."""
+  source = ECOSYSTEM / 'hf_vit_v4'
+  assert checkpoint.model_fields(source)['posemb_resize'] == hf_vit.POSEMB_RESIZE == 'bicubic'
+  trained = inference.load(source, image_size=48)
+  assert trained.config.model.posemb_resize == 'bicubic'
+  images = np.random.default_rng(0).uniform(-1, 1, (2, 48, 48, 3)).astype(np.float32)
+  logits = np.asarray(trained.apply(images))
+  # The same as the table resampled once by torch's bicubic, applied at 48 px.
+  native = inference.load(source)
+  variables = jax.tree.map(np.array, native.variables)
+  entry = variables['params']['Transformer']['posembed_input']
+  entry['pos_embedding'] = resample.resample_posemb(entry['pos_embedding'], (6, 6),
+                                                    num_prefix_tokens=1, method='bicubic')
+  np.testing.assert_allclose(logits, np.asarray(native.model.apply(variables, images, train=False)),
+                             rtol=0, atol=1e-5)
+  bilinear = inference.load(source, image_size=48,
+                            overrides={'posemb_resize': 'linear_corners'})
+  assert np.abs(np.asarray(bilinear.apply(images)) - logits).max() > 1e-3
+  # Every format keeps it: .npz, Orbax, transformers, and each read back.
+  path = str(source)
+  for step, fmt in enumerate(('npz', 'orbax', 'hf', 'npz')):
+    target = _dst(tmp_path, step, fmt)
+    assert _convert(path, target, fmt) == 0, capsys.readouterr().err
+    assert checkpoint.model_fields(target)['posemb_resize'] == 'bicubic', (step, fmt)
+    np.testing.assert_allclose(np.asarray(inference.load(target, image_size=48).apply(images)),
+                               logits, rtol=0, atol=1e-5)
+    path = target
+  assert 'note:' not in capsys.readouterr().err  # transformers resizes as the model does.
+
+
+def test_a_library_that_resizes_otherwise_keeps_the_field_and_says_so(tmp_path, capsys):
+  """timm's table written for transformers (which resizes by 'bicubic', not timm's antialiased
+  bicubic) and an official one (bilinear) for timm: the file keeps the model's resize for
+  vit_jax, which reads it back over the library's, and the conversion says the library
+  ignores it; timm's own resize written back to timm says nothing."""
+  timm_file = str(ECOSYSTEM / 'timm_vit' / 'model.safetensors')
+  cases = ((timm_file, HEADS4, 'hf', 'bicubic_antialias', 'bicubic'),
+           (str(FIXTURES / 'vit_tiny' / 'params.npz'), [], 'timm', 'linear_corners',
+            'bicubic_antialias'))
+  for step, (source, sets, fmt, ours, theirs) in enumerate(cases):
+    target = _dst(tmp_path, step, fmt)
+    assert _convert(source, target, fmt, sets) == 0
+    err = capsys.readouterr().err
+    assert (f"resizes its position table to another input size by {theirs!r}, this model by "
+            f"posemb_resize={ours!r}: the file keeps {ours!r} for vit_jax") in err, err
+    assert checkpoint.model_fields(target, num_heads=4)['posemb_resize'] == ours
+  assert _convert(timm_file, _dst(tmp_path, 'back', 'timm'), 'timm', HEADS4) == 0
+  assert 'note:' not in capsys.readouterr().err

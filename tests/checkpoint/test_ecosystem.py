@@ -32,17 +32,20 @@ SOURCES = {
     'big_vision_sincos_gap': ('big_vision_sincos_gap/params.npz', 'logits'),
 }
 
-#: What each file computes with, besides the tiny architecture they share (timm's also how it
-#: resamples the position table at another size: ecosystem.RESAMPLING).
+#: What each file computes with, besides the tiny architecture they share (timm's and
+#: transformers' also how they resample the position table at another size:
+#: ecosystem.RESAMPLING; timm: bicubic antialiased, transformers: bicubic).
 NUMERICS = {
     'timm_vit': dict(classifier='token', gelu_approximate=False, layer_norm_epsilon=1e-6,
                      posemb_resize='bicubic_antialias'),
     'timm_vit_gap': dict(classifier='gap', gelu_approximate=False, layer_norm_epsilon=1e-6,
                          posemb_resize='bicubic_antialias'),
-    'hf_vit_v4': dict(classifier='token', gelu_approximate=False, layer_norm_epsilon=1e-12),
-    'hf_vit_v5': dict(classifier='token', gelu_approximate=False, layer_norm_epsilon=1e-12),
+    'hf_vit_v4': dict(classifier='token', gelu_approximate=False, layer_norm_epsilon=1e-12,
+                      posemb_resize='bicubic'),
+    'hf_vit_v5': dict(classifier='token', gelu_approximate=False, layer_norm_epsilon=1e-12,
+                      posemb_resize='bicubic'),
     'hf_vit_model': dict(classifier='token', gelu_approximate=False, layer_norm_epsilon=1e-12,
-                         representation_size=32, num_classes=None),
+                         representation_size=32, num_classes=None, posemb_resize='bicubic'),
     'big_vision_tok': dict(classifier='token', gelu_approximate=True, layer_norm_epsilon=1e-6),
     'big_vision_map_scanned': dict(classifier='map', gelu_approximate=True,
                                    layer_norm_epsilon=1e-6),

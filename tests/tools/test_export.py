@@ -6,6 +6,7 @@ preprocessing; bad input is one FATAL line and loses nothing."""
 import json
 import os
 import pathlib
+import shutil
 import subprocess
 import sys
 
@@ -145,6 +146,34 @@ def test_a_t2t_vit_serves_with_its_crop_and_the_imagenet_mean_std(tmp_path, caps
   _, (one, three) = _run_artifact(out, tmp_path, pixels[:1], pixels)
   np.testing.assert_allclose(one, expected[:1], rtol=0, atol=1e-5)
   np.testing.assert_allclose(three, expected, rtol=0, atol=1e-5)
+
+
+def test_a_timm_file_serves_with_the_preprocessing_of_its_config_json(tmp_path, capsys):
+  """timm's Hub config.json beside a DeiT III file states ImageNet's mean and std and
+  crop_pct 1.0 (before: the ViT paper's pixels in [-1, 1], a plain resize)."""
+  source = tmp_path / "deit3"
+  source.mkdir()
+  shutil.copy(FIXTURES / "ecosystem" / "timm_deit3" / "model.safetensors", source)
+  (source / "config.json").write_text(json.dumps({
+      "architecture": "deit3_small_patch16_224", "num_classes": 3,
+      "pretrained_cfg": {"input_size": [3, 32, 32], "crop_pct": 1.0, "crop_mode": "center",
+                         "mean": [0.485, 0.456, 0.406], "std": [0.229, 0.224, 0.225]}}))
+  out = tmp_path / "serving"
+  weights = source / "model.safetensors"
+  _export(capsys, weights, out, "--set", "num_heads=2", "--platforms", "cpu")
+  spec = json.loads((out / export.SPEC).read_text())
+  assert spec["input"]["normalization_in_graph"] == {
+      "name": "imagenet", "formula": "(pixels / 255 - mean) / std",
+      "mean": [0.485, 0.456, 0.406], "std": [0.229, 0.224, 0.225]}
+  assert spec["preprocessing"]["resize"] == {
+      "method": "bicubic", "antialias": True, "shorter_side": 32, "center_crop": [32, 32],
+      "crop_pct": 1.0, "keep_aspect_ratio": True}
+  paths = _pngs(tmp_path, [(32, 40, 3), (48, 32, 3)], seed=3)
+  predictor = predict.Predictor(str(weights), batch_size=2, overrides={"num_heads": 2})
+  assert predictor.trained.config.data.normalization == "imagenet"
+  expected = _predict_logits(predictor, paths)
+  _, (logits,) = _run_artifact(out, tmp_path, _pixels(predictor.trained, paths))
+  np.testing.assert_allclose(logits, expected, rtol=0, atol=1e-5)
 
 
 def test_a_trained_workdir_serves_uint8_pixels_with_its_class_names(tiny_workdir, tmp_path,

@@ -50,7 +50,8 @@ def output_paths(dst: str, to: str) -> List[str]:
 
 def write(dst: str, params: Mapping[str, Any], fields: Mapping[str, Any], *, to: str,
           image_size: int, label_names: Optional[Sequence[str]] = None,
-          normalization: str = 'minus_one_to_one') -> str:
+          normalization: str = 'minus_one_to_one',
+          eval_crop_pct: Optional[float] = None) -> str:
   """Writes a ViT's params (per-layer or scanned, boxed or plain) with its ``fields`` (a run's
   ``config.model`` and ``num_classes``) as transformers (``to='hf'``) or timm weights at ``dst``
   (:func:`output_paths`), with the class names and the preprocessing it expects; returns the
@@ -74,7 +75,22 @@ def write(dst: str, params: Mapping[str, Any], fields: Mapping[str, Any], *, to:
   if layout.is_scanned(params):
     params = layout.unscan_params(params)
   params = _materialise_posemb(params, fields, image_size)
-  return library.write(dst, params, fields, image_size, label_names, normalization)
+  return library.write(dst, params, fields, image_size, label_names, normalization,
+                       eval_crop_pct)
+
+
+def resize_note(fields: Mapping[str, Any], to: str) -> Optional[str]:
+  """Where the target library (``to``) resizes a position table otherwise than ``fields``'
+  ``posemb_resize`` (which the written file keeps for this project, and the library ignores):
+  the sentence that says so, else None."""
+  library, name = _TARGETS[to]
+  ours = fields.get('posemb_resize') or DEFAULT_POSEMB_RESIZE
+  if ours == library.POSEMB_RESIZE:
+    return None
+  return (f"a {name} resizes its position table to another input size by "
+          f"{library.POSEMB_RESIZE!r}, this model by posemb_resize={ours!r}: the file keeps "
+          f"{ours!r} for vit_jax, which the library ignores (at the written image size the "
+          'outputs are the same).')
 
 
 def _materialise_posemb(params: Mapping[str, Any], fields: Mapping[str, Any],

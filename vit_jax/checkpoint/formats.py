@@ -385,10 +385,11 @@ class _Foreign(Checkpoint):
     return _weights_alone(
         {'params': params}, f'{self.path} ({self.family.removeprefix("a ")})',
         numerics={k: fields[k] for k in ecosystem.NUMERICS}, image_size=fields['image_size'],
-        label_names=names, normalization=self._normalization())
+        label_names=names, **self._preprocessing())
 
-  def _normalization(self) -> Optional[str]:
-    return None
+  def _preprocessing(self) -> Dict[str, Any]:
+    """The eval preprocessing the files record (``normalization``, ``eval_crop_pct``)."""
+    return {}
 
   def read_for_finetuning(self, model, use_ema=True):
     params, fields, _ = self._weights_for(model)
@@ -422,8 +423,8 @@ class _Hf(_Foreign):
   def _weights(self, num_heads, gelu_approximate=None, no_embed_class=None):  # config.json's.
     return hf_vit.read(self.probe.hf_directory, self.probe.hf_names)
 
-  def _normalization(self):
-    return hf_vit.normalization(self.probe.hf_directory, self.probe.hf_names)
+  def _preprocessing(self):
+    return {'normalization': hf_vit.normalization(self.probe.hf_directory, self.probe.hf_names)}
 
 
 class _Timm(_Foreign):
@@ -445,6 +446,15 @@ class _Timm(_Foreign):
   def _weights(self, num_heads, gelu_approximate=None, no_embed_class=None):
     return timm_vit.read(self.path, self.probe.header, num_heads, gelu_approximate,
                          no_embed_class)
+
+  def _preprocessing(self):
+    return timm_vit.preprocessing(self.path, self.probe.header[1])
+
+  def _contents(self, use_ema, step, model_name, overrides):
+    contents = super()._contents(use_ema, step, model_name, overrides)
+    if 'normalization' in contents.from_paper:  # Said once, wherever images are preprocessed.
+      logging.warning('%s', timm_vit.ASSUMED_PREPROCESSING.format(path=self.path))
+    return contents
 
 
 #: Every format, in detection order (a torch zip before any zip, transformers before Orbax).

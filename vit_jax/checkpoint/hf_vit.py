@@ -29,6 +29,10 @@ MEAN_STD = {'minus_one_to_one': ((0.5, 0.5, 0.5), (0.5, 0.5, 0.5)),
             'imagenet': ((0.485, 0.456, 0.406), (0.229, 0.224, 0.225))}
 #: The fix of a config.json or index that cannot be read.
 _FIX = 'take it again from the same Hub repository (or write it with python -m vit_jax.convert)'
+#: How transformers' ViT resamples its position table to another grid
+#: (``ViTEmbeddings.interpolate_pos_encoding``: ``F.interpolate(mode='bicubic',
+#: align_corners=False)``, no antialiasing): the fields' ``posemb_resize``.
+POSEMB_RESIZE = 'bicubic'
 #: ``hidden_act`` values -> ``gelu_approximate``.
 GELUS = {'gelu': False, 'gelu_pytorch_tanh': True, 'gelu_new': True, 'gelu_fast': True}
 #: The fields the weights record without a ViTConfig key that transformers' ViT expresses in
@@ -191,13 +195,15 @@ def fields_from(shapes: Mapping[str, Tuple[int, ...]], config: Mapping[str, Any]
                 path: str) -> Dict[str, Any]:
   """The model fields (:func:`vit_jax.models.create` keywords, plus ``image_size``): the
   architecture from the tensor shapes, heads, GELU, LayerNorm epsilon and image size from the
-  config."""
+  config, transformers' position-table resize (:data:`POSEMB_RESIZE`); the fields this project
+  kept under :data:`CONFIG_KEY` over them."""
   fields = torch_layout.shapes_to_fields(canonical(shapes, path))
   # The config's keys that are fields (``hf`` names; the shapes' architecture first).
   fields.update({f.name: f.type(config[f.hf]) for f in vit_fields.VIT_FIELDS
                  if f.hf and f.hf in config and f.name not in fields})
   fields.update(posemb='learn', gelu_approximate=GELUS[config.get('hidden_act', 'gelu')],
-                layer_norm_epsilon=float(config.get('layer_norm_eps', 1e-12)))
+                layer_norm_epsilon=float(config.get('layer_norm_eps', 1e-12)),
+                posemb_resize=POSEMB_RESIZE)
   kept = vit_shapes.from_kept(config.get(CONFIG_KEY))
   fields.update({k: kept[k] for k in KEPT_IN_CONFIG if k in kept})
   size = config.get('image_size')
@@ -268,10 +274,13 @@ def output_paths(dst: str) -> List[str]:
 
 
 def write(dst: str, params: Mapping[str, Any], fields: Mapping[str, Any], image_size: int,
-          label_names: Optional[Sequence[str]], normalization: str) -> str:
+          label_names: Optional[Sequence[str]], normalization: str,
+          eval_crop_pct: Optional[float] = None) -> str:
   """Writes :func:`output_paths` (the preprocessor config: a ``ViTImageProcessor`` feeding what
   this project's eval pipeline feeds, a bilinear resize to the square size, pixels / 255, then
-  ``normalization``'s mean and std); returns the ``from_pretrained`` call that loads them."""
+  ``normalization``'s mean and std; it has no crop, so ``eval_crop_pct`` is not written);
+  returns the ``from_pretrained`` call that loads them."""
+  del eval_crop_pct  # ViTImageProcessor resizes without a crop.
   weights, config_path, preprocessor_path = output_paths(dst)
   state, config = to_hf(params, fields, image_size=image_size, names=label_names)
   archive.write_safetensors(weights, state)

@@ -105,7 +105,8 @@ def _saved(metadata: Mapping[str, str], path: str) -> Dict[str, Any]:
   kinds = {'num_heads': (int, 'an integer'), 'layerscale_init': ((int, float), 'a number'),
            'gelu_approximate': (bool, 'true or false'), 'label_names': (list, 'a list'),
            'no_embed_class': (bool, 'true or false'), 'image_size': (int, 'an integer'),
-           'posemb_resize': (str, 'a string')}
+           'posemb_resize': (str, 'a string'), 'normalization': (str, 'a string'),
+           'eval_crop_pct': ((int, float), 'a number')}
   if not isinstance(saved, dict):
     raise ValueError(f'{name} is not a JSON object; {fix}.')
   for key, (kind, what) in kinds.items():
@@ -119,26 +120,102 @@ def _saved(metadata: Mapping[str, str], path: str) -> Dict[str, Any]:
 HUB_CONFIG = 'config.json'
 
 
+def _hub_config_file(path: str) -> Tuple[str, Dict[str, Any]]:
+  """``(its path, timm's :data:`HUB_CONFIG` beside the file at path)``, the config ``{}``
+  without one (or with transformers' config.json, which has no ``architecture``). Raises
+  ValueError for a damaged file (named)."""
+  file = storage.join(os.path.dirname(path) or '.', HUB_CONFIG)
+  if not storage.exists(file):
+    return file, {}
+  config = rundir.read_json(file, fix='restore the config.json timm saved with the weights, '
+                            'or remove it') or {}
+  return file, config if 'architecture' in config else {}
+
+
+def _pretrained_cfg(config: Mapping[str, Any]) -> Dict[str, Any]:
+  """A Hub config's ``pretrained_cfg`` over its top-level keys (where timm before 0.9 kept
+  them)."""
+  cfg = config.get('pretrained_cfg')
+  return {**config, **(cfg if isinstance(cfg, dict) else {})}
+
+
 def hub_config(path: str) -> Dict[str, Any]:
   """What timm's :data:`HUB_CONFIG` beside the file at ``path`` settles: ``image_size`` (its
   ``pretrained_cfg`` ``input_size``, else ``model_args`` ``img_size``) and the fields its
   ``model_args`` give by timm's names (e.g. ``no_embed_class``, ``reg_tokens``); ``{}`` without
   one (or with transformers' config.json, which has no ``architecture``). Raises ValueError for
   a damaged file (named)."""
-  file = storage.join(os.path.dirname(path) or '.', HUB_CONFIG)
-  if not storage.exists(file):
-    return {}
-  config = rundir.read_json(file, fix='restore the config.json timm saved with the weights, '
-                            'or remove it') or {}
-  if 'architecture' not in config:
+  config = _hub_config_file(path)[1]
+  if not config:
     return {}
   args = config.get('model_args') if isinstance(config.get('model_args'), dict) else {}
-  cfg = config.get('pretrained_cfg') if isinstance(config.get('pretrained_cfg'), dict) else {}
-  size = cfg.get('input_size') or config.get('input_size') or args.get('img_size')
+  size = _pretrained_cfg(config).get('input_size') or args.get('img_size')
   found = {f.name: args[f.timm] for f in vit_fields.VIT_FIELDS
            if f.timm and f.timm in args and f.in_weights}
   if size:
     found['image_size'] = int(np.ravel(size)[-1])
+  return found
+
+
+#: The warning for a timm file whose preprocessing nothing records (:func:`preprocessing`;
+#: docs/checkpoints.md, "A workdir alone rebuilds its model").
+ASSUMED_PREPROCESSING = (
+    "{path}: nothing records this timm file's preprocessing (no timm config.json with a "
+    "pretrained_cfg mean and std lies beside it), so its images are preprocessed as the ViT "
+    "paper's (pixels in [-1, 1], a plain resize); timm's DeiT III and DINOv2, among others, "
+    "take ImageNet's mean and std. State it: put the model's config.json from its Hub "
+    "repository (its pretrained_cfg mean, std and crop_pct) beside the file, or give it as "
+    "hf-hub:timm/NAME, which brings it.")
+
+
+def _normalization_named(mean: Any, std: Any) -> Optional[str]:
+  """The ``hf_vit.MEAN_STD`` name of a per-channel ``mean`` and ``std`` (of pixels in [0, 1],
+  within 1e-3, as timm states them), else None."""
+  try:
+    mean, std = np.asarray(mean, np.float64), np.asarray(std, np.float64)
+  except (TypeError, ValueError):
+    return None
+  return next((name for name, (m, s) in hf_vit.MEAN_STD.items()
+               if mean.shape == std.shape == (3,)
+               and np.allclose(mean, m, atol=1e-3, rtol=0)
+               and np.allclose(std, s, atol=1e-3, rtol=0)), None)
+
+
+def preprocessing(path: str, metadata: Mapping[str, str]) -> Dict[str, Any]:
+  """The evaluation preprocessing the timm file at ``path`` records (``normalization`` and
+  ``eval_crop_pct``, ``vit_jax.data`` names): this project's metadata's (:func:`_saved`), else
+  the ``pretrained_cfg`` of timm's :data:`HUB_CONFIG` beside it, ``mean`` and ``std`` as one of
+  ``hf_vit.MEAN_STD`` and ``crop_pct`` (with ``crop_mode`` 'center': timm's eval transform,
+  the shorter side to ``size / crop_pct``, then the central crop); ``{}`` where neither records
+  a mean and std. Raises ValueError naming values without an equivalent here."""
+  saved = _saved(metadata, path)
+  if saved.get('normalization') is not None:
+    if saved['normalization'] not in hf_vit.MEAN_STD:
+      raise ValueError(f"The {METADATA_KEY!r} metadata of {path}: normalization "
+                       f"{saved['normalization']!r} is not one of "
+                       f"{', '.join(hf_vit.MEAN_STD)}; write the file again with python -m "
+                       'vit_jax.convert.')
+    return {'normalization': saved['normalization'], 'eval_crop_pct': saved.get('eval_crop_pct')}
+  file, config = _hub_config_file(path)
+  cfg = _pretrained_cfg(config) if config else {}
+  if cfg.get('mean') is None and cfg.get('std') is None:
+    return {}
+  name = _normalization_named(cfg.get('mean'), cfg.get('std'))
+  if name is None:
+    known = '; '.join(f'{k}: mean {m}, std {s}' for k, (m, s) in hf_vit.MEAN_STD.items())
+    raise ValueError(f"{file}: pretrained_cfg mean {cfg.get('mean')} and std {cfg.get('std')} "
+                     f'have no equivalent here (the evaluation normalises as {known}), and no '
+                     'other is guessed; fine-tuning from these weights (--config.init_from) does '
+                     'not need it.')
+  found = {'normalization': name}
+  crop, mode = cfg.get('crop_pct'), cfg.get('crop_mode') or 'center'
+  if crop is not None:
+    if (isinstance(crop, bool) or not isinstance(crop, (int, float)) or not 0 < crop <= 1
+        or mode != 'center'):
+      raise ValueError(f'{file}: pretrained_cfg crop_pct {crop!r} with crop_mode {mode!r} has '
+                       "no equivalent here (timm's 'center' crop, crop_pct in (0, 1]: "
+                       'config.data.eval_crop_pct).')
+    found['eval_crop_pct'] = float(crop)
   return found
 
 
@@ -247,19 +324,23 @@ def output_paths(dst: str) -> List[str]:
 
 
 def write(dst: str, params: Mapping[str, Any], fields: Mapping[str, Any], image_size: int,
-          label_names: Optional[Sequence[str]], normalization: str) -> str:
-  """Writes the ``.safetensors`` file ``dst``, the fields and class names in its metadata;
-  returns the ``timm.create_model`` call that loads it (the keywords: the architecture; the
-  overlay: the file, class count and eval preprocessing; the model name only picks the class)."""
-  saved = dict(vit_shapes.kept_fields(fields), image_size=int(image_size))
+          label_names: Optional[Sequence[str]], normalization: str,
+          eval_crop_pct: Optional[float] = None) -> str:
+  """Writes the ``.safetensors`` file ``dst``, the fields, class names and eval preprocessing
+  in its metadata; returns the ``timm.create_model`` call that loads it (the keywords: the
+  architecture; the overlay: the file, class count and eval preprocessing; the model name only
+  picks the class)."""
+  saved = dict(vit_shapes.kept_fields(fields), image_size=int(image_size),
+               normalization=normalization, eval_crop_pct=eval_crop_pct)
   if label_names:
     saved['label_names'] = list(label_names)
   patch = fields['patch_size']
   mean, std = hf_vit.MEAN_STD[normalization]
   size = int(image_size)
+  crop = ("crop_pct=1.0, interpolation='bilinear'" if eval_crop_pct is None else
+          f"crop_pct={float(eval_crop_pct)!r}, interpolation='bicubic'")
   overlay = (f'dict(file={dst!r}, num_classes={fields["num_classes"] or 0}, '
-             f'input_size=(3, {size}, {size}), crop_pct=1.0, interpolation=\'bilinear\', '
-             f'mean={mean}, std={std})')
+             f'input_size=(3, {size}, {size}), {crop}, mean={mean}, std={std})')
   args = ["'vit_base_patch16_224'", 'pretrained=True', f'pretrained_cfg_overlay={overlay}',
           f'img_size={size}', f'patch_size={patch if isinstance(patch, int) else tuple(patch)}',
           f'mlp_ratio={fields["mlp_dim"] / fields["hidden_size"]!r}',

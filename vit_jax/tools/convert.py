@@ -127,10 +127,14 @@ def export(src: str, dst: str, to: str, *, model_name: Optional[str] = None,
     raise ValueError(f'{src} is a {trained.config.model_name}: only ViTs are written for timm '
                      'and transformers.')
   refuse_running_workdir(dst)
-  return ecosystem.write(dst, trained.variables['params'], fields, to=to,
-                         image_size=int(trained.config.data.image_size),
-                         label_names=trained.label_names,
-                         normalization=trained.config.data.normalization)
+  data = trained.config.data
+  load = ecosystem.write(dst, trained.variables['params'], fields, to=to,
+                         image_size=int(data.image_size), label_names=trained.label_names,
+                         normalization=data.normalization, eval_crop_pct=data.eval_crop_pct)
+  note = ecosystem.resize_note(fields, to)
+  if note:
+    print(f'note: {note}', file=sys.stderr)
+  return load
 
 
 def written_arrays(variables: Dict[str, Any], dst: str) -> Dict[str, Dict[str, Tuple]]:
