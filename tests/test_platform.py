@@ -279,8 +279,9 @@ def _fake_host(root, vendors=(), accel=False):
 
 def test_jax_skips_the_tpu_only_where_there_is_none_and_nothing_else_asks_for_it(
     tmp_path, monkeypatch):
-  """`hardware.tpu_absent`: libtpu installed, no Google PCI device (0x1ae0) nor /dev/accel0, no
-  other JAX plugin, JAX_PLATFORMS and JAX_FORCE_TPU_INIT unset."""
+  """`hardware.tpu_absent`: no Google PCI device (0x1ae0) nor /dev/accel0, no other JAX plugin,
+  JAX_PLATFORMS and JAX_FORCE_TPU_INIT unset; with or without libtpu (without it JAX still
+  tries the TPU and logs "Unable to initialize backend 'tpu' ... Failed to open libtpu.so")."""
   from importlib import util  # pylint: disable=g-import-not-at-top
   from vit_jax import hardware  # pylint: disable=g-import-not-at-top
   find_spec = util.find_spec
@@ -297,8 +298,9 @@ def test_jax_skips_the_tpu_only_where_there_is_none_and_nothing_else_asks_for_it
   npu.mkdir(parents=True)
   (npu / "accel0").write_text("")
   assert hardware.tpu_absent({}, root=str(tmp_path / "npu"))
-  monkeypatch.setattr(util, "find_spec", lambda name: None)  # No libtpu: nothing to skip.
-  assert not hardware.tpu_absent({}, root=cpu_only)
+  monkeypatch.setattr(util, "find_spec", lambda name: None)  # No libtpu, no jax_plugins.
+  assert hardware.tpu_absent({}, root=cpu_only)
+  assert not hardware.tpu_absent({}, root=str(tmp_path / "tpu_vm"))
 
 
 def test_import_vit_jax_keeps_jax_off_an_absent_tpu_and_quiet():

@@ -107,13 +107,13 @@ def tpu_on_host(root: str = "/") -> bool:
 
 
 def tpu_absent(environ: Optional[Mapping[str, str]] = None, root: str = "/") -> bool:
-  """Whether JAX would start its TPU backend in vain: libtpu is installed, `tpu_on_host` is
-  false, no other accelerator's JAX plugin is installed, and `environ` (default: this process's)
-  sets neither JAX_PLATFORMS nor JAX_FORCE_TPU_INIT."""
+  """Whether JAX would start its TPU backend in vain (with libtpu installed, a page of errors;
+  without, one line): `tpu_on_host` is false, no other accelerator's JAX plugin is installed,
+  and `environ` (default: this process's) sets neither JAX_PLATFORMS nor JAX_FORCE_TPU_INIT."""
   environ = os.environ if environ is None else environ
   if environ.get("JAX_PLATFORMS") or "JAX_FORCE_TPU_INIT" in environ:
     return False
-  if importlib.util.find_spec("libtpu") is None or tpu_on_host(root):
+  if tpu_on_host(root):
     return False
   from importlib import metadata  # pylint: disable=g-import-not-at-top  (0.1 s; needed here only)
   plugins = metadata.entry_points(group="jax_plugins")

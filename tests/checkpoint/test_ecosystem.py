@@ -133,6 +133,14 @@ def test_bad_safetensors_are_explained(tmp_path):
   # timm does not record heads: a non-standard width needs them.
   with pytest.raises(ValueError, match='does not record its attention heads'):
     checkpoint.load(ECOSYSTEM / 'timm_vit' / 'model.safetensors')
+  # A truncated timm file is damaged before any question about its heads (was: heads first).
+  timm_cut = tmp_path / 'timm_cut.safetensors'
+  whole = (ECOSYSTEM / 'timm_vit' / 'model.safetensors').read_bytes()
+  timm_cut.write_bytes(whole[:20000])
+  with pytest.raises(checkpoint.DamagedCheckpointError, match=(
+      f"truncated or damaged: its header describes {len(whole):,} bytes; the file has "
+      "20,000 bytes")):
+    checkpoint.model_fields(timm_cut)
 
 
 def _random_variables(model, image_size=32, seed=0):

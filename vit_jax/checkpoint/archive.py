@@ -153,8 +153,11 @@ def read_header(path: str, head: bytes = b'') -> Header:
   try:
     index = {name: (tuple(int(d) for d in entry['shape']), str(entry['dtype']))
              for name, entry in header.items()}
-  except (KeyError, TypeError, ValueError):
+    end = 8 + size + max((int(entry['data_offsets'][1]) for entry in header.values()), default=0)
+  except (KeyError, TypeError, ValueError, IndexError):
     raise damaged_file('its header does not describe tensors') from None
+  if file_size(path) < end:  # Before any question about what the tensors mean.
+    raise damaged_file(f'its header describes {end:,} bytes')
   return index, {str(k): str(v) for k, v in metadata.items()}
 
 
