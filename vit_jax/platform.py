@@ -5,6 +5,8 @@ nor TensorFlow: :func:`reexec_with_huge_pages` and ``quiet_native_logs`` run bef
 from __future__ import annotations
 
 import contextlib
+import functools
+import importlib.util
 import logging as py_logging
 import os
 import re
@@ -90,17 +92,37 @@ def reexec_with_huge_pages() -> None:
   os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], env)
 
 
+@functools.lru_cache(maxsize=None)
+def _real(path: str) -> str:
+  return os.path.realpath(path)
+
+
+def _package_dir(name: str) -> Optional[str]:
+  """The installed package `name`'s directory (resolved, with a trailing separator), or None."""
+  spec = importlib.util.find_spec(name)
+  locations = list(spec.submodule_search_locations or ()) if spec else []
+  return os.path.join(_real(locations[0]), "") if locations else None
+
+
 class QuietLibraries(py_logging.Filter):
-  """Keeps vit_jax's and clu's INFO lines (not clu's `LoggingWriter` metric dicts), others' from
-  WARNING as one line; --verbosity=1: all."""
+  """Keeps the INFO lines of vit_jax's and clu's own files (not clu's `LoggingWriter` metric
+  dicts), others' from WARNING as one line; --verbosity=1: all. A file is a package's by the
+  installed package's directory, not by a name in its path (a checkout named vit_jax holds its
+  venv's libraries)."""
+
+  def __init__(self):
+    super().__init__()
+    self._kept = tuple(d for d in map(_package_dir, ("vit_jax", "clu")) if d)
+    clu = _package_dir("clu")
+    self._metric_dicts = clu and os.path.join(clu, "metric_writers", "logging_writer.py")
 
   def filter(self, record: py_logging.LogRecord) -> bool:
     if logging.get_verbosity() >= 1:
       return True
-    path = record.pathname.replace(os.sep, "/")
-    if path.endswith("/clu/metric_writers/logging_writer.py"):
+    path = _real(record.pathname)
+    if path == self._metric_dicts:
       return record.levelno >= py_logging.WARNING
-    if "/vit_jax/" in path or "/clu/" in path:
+    if path.startswith(self._kept):
       return True
     if record.levelno < py_logging.WARNING:
       return False
