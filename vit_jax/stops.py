@@ -208,10 +208,18 @@ def exit_stopped(stop: StopRequested, message: Optional[str] = None):
   once announced (see `announce_stops_with`). Never returns."""
   _Stops.exiting = True
   if _Stops.announce is not None:
-    announcing = threading.Thread(target=_Stops.announce, args=(stop,), daemon=True)
+    announcing = threading.Thread(target=_announce, args=(_Stops.announce, stop), daemon=True)
     announcing.start()
     announcing.join(ANNOUNCE_S)
   exit_process(stop.exit_code, message or str(stop))
+
+
+def _announce(announce: Callable[[StopRequested], None], stop: StopRequested) -> None:
+  """``announce(stop)``; an error (the coordinator already gone) is logged at DEBUG, no more."""
+  try:
+    announce(stop)
+  except Exception as e:  # pylint: disable=broad-except
+    logging.debug("The stop's announcement failed: %s", e)
 
 
 def exit_process(code: int, message: Optional[str] = None, *, shutdown: bool = False):
