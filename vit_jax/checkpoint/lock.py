@@ -45,8 +45,9 @@ def _process_start(pid: int) -> Optional[str]:
     return None
 
 
-def _process_alive(pid: Any, start: Any) -> bool:
-  """Whether process ``pid`` of this host runs and is the one that started at ``start``."""
+def process_alive(pid: Any, start: Any = None) -> bool:
+  """Whether process ``pid`` (an int > 0) of this host runs (another user's too) and, with
+  ``start`` (:func:`_process_start`'s), is the one that started then."""
   if not isinstance(pid, int) or pid <= 0:
     return False
   try:
@@ -244,7 +245,7 @@ class WorkdirLock:
     timeout_s = self.timeout_s if timeout_s is None else timeout_s
     if not isinstance(heartbeat, (int, float)) or time.time() - heartbeat > timeout_s:
       return True
-    return record.get('host') == socket.gethostname() and not _process_alive(
+    return record.get('host') == socket.gethostname() and not process_alive(
         record.get('pid'), record.get('pid_start'))
 
   def _write_record(self, record: Dict[str, Any]) -> None:

@@ -74,10 +74,6 @@ def item_tree(item: Any) -> Any:
   return tree
 
 
-def _to_dict(tree: Any) -> Any:
-  return {k: _to_dict(v) for k, v in tree.items()} if isinstance(tree, Mapping) else tree
-
-
 def read_variables(item: Any, *, use_ema: bool = True) -> Dict[str, Any]:
   """``{'params': ..., **model_state}`` of one item (local or ``gs://``) as NumPy, in the
   saved layout, without the optimizer state; ``use_ema``: ``ema_params`` as ``params`` when
@@ -97,10 +93,10 @@ def read_variables(item: Any, *, use_ema: bool = True) -> Dict[str, Any]:
     restored = ocp.PyTreeCheckpointer().restore(
         item, args=ocp.args.PyTreeRestore(item=wanted, restore_args=restore_args,
                                           partial_restore=True))
-  model_state = _to_dict(restored.get('model_state') or {})
+  model_state = layout.to_dict(restored.get('model_state') or {})
   if 'params' in model_state:
     raise ValueError(f'{str(item)!r}: model_state must not contain a "params" collection')
-  return {'params': _to_dict(restored[params_key]), **model_state}
+  return {'params': layout.to_dict(restored[params_key]), **model_state}
 
 
 def check_state_fits(state_dir: Any, abstract_state: Mapping) -> None:
@@ -189,4 +185,4 @@ def read_json_item(item: Any) -> Any:
       return ocp.Checkpointer(ocp.JsonCheckpointHandler()).restore(item)
   except Exception as e:  # pylint: disable=broad-except  (orbax/tensorstore errors vary)
     raise ValueError(f'Cannot read the checkpoint item {str(item)!r}: '
-                     f'{str(e).splitlines()[0][:200] if str(e) else type(e).__name__}') from e
+                     f'{storage.first_line(e)}') from e

@@ -3,13 +3,13 @@ official checkpoints) say about the model that wrote it."""
 
 from __future__ import annotations
 
-import math
 import re
 from typing import Any, Dict, Optional, Tuple
 
 from vit_jax.models import fields as fields_lib
 from vit_jax.models import resnet
 from vit_jax.models import vit_fields
+from vit_jax.models.resample import square_side
 
 #: The learned position embedding ``[1, T, D]`` (class-token and register rows first).
 POSEMB_KEY = 'params/Transformer/posembed_input/pos_embedding'
@@ -176,12 +176,6 @@ def token_grid(image_size: Any, fields: Optional[Dict[str, Any]]) -> Optional[Tu
   except (TypeError, ValueError):  # Not sizes (a damaged record).
     return None
   return None if height % ph or width % pw else (height // ph, width // pw)
-
-
-def square_side(tokens: int) -> Optional[int]:
-  """The side of a square grid of ``tokens`` tokens, or None when they make none."""
-  side = math.isqrt(max(int(tokens), 0))
-  return side if tokens > 0 and side * side == tokens else None
 
 
 #: Recorded fields that `describe_architecture` does not list as `name=value`.

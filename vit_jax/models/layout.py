@@ -64,9 +64,10 @@ def _unbox(tree: Any) -> Any:
   return meta.map_axis_meta(lambda box: _unbox(_strip(box)), tree)
 
 
-def _to_dict(tree: Any) -> Any:
+def to_dict(tree: Any) -> Any:
+  """``tree`` with every mapping in it (a ``FrozenDict``, Orbax's) as a plain dict."""
   if isinstance(tree, Mapping):
-    return {k: _to_dict(v) for k, v in tree.items()}
+    return {k: to_dict(v) for k, v in tree.items()}
   return tree
 
 
@@ -112,7 +113,7 @@ def scan_params(params: Any, num_layers: Optional[int] = None, *,
       raise ValueError(f'Expected {num_layers} {prefix}_{{i}} blocks, found {n}')
     if prefix in out:
       raise ValueError(f'Tree has both {prefix!r} and {prefix}_{{i}} entries; cannot scan it')
-    subtrees = [_to_dict(node[blocks[i]]) for i in range(n)]
+    subtrees = [to_dict(node[blocks[i]]) for i in range(n)]
     ref = jax.tree.structure(subtrees[0])
     for i, sub in enumerate(subtrees[1:], start=1):
       if jax.tree.structure(sub) != ref:
@@ -151,7 +152,7 @@ def unscan_params(params: Any, *, prefix: Optional[str] = None) -> dict:
     stacked = node[prefix]
     if block_indices(node, prefix):
       raise ValueError(f'Tree has both {prefix!r} and {prefix}_{{i}} entries; cannot unscan it')
-    stacked = _to_dict(stacked)
+    stacked = to_dict(stacked)
     leaves = jax.tree.leaves(stacked)
     lengths = {np.shape(x)[0] if np.ndim(x) else None for x in leaves}
     if len(lengths) != 1 or None in lengths:

@@ -105,6 +105,12 @@ def resize_grid(grid, new_hw: Sequence[int], method: str):
   return out.astype(grid.dtype)
 
 
+def square_side(tokens: int) -> Optional[int]:
+  """The side of a square grid of ``tokens`` tokens, or None when they make none."""
+  side = math.isqrt(max(int(tokens), 0))
+  return side if tokens > 0 and side * side == tokens else None
+
+
 def resample_posemb(posemb, new_grid: Sequence[int], *, num_prefix_tokens: int,
                     old_grid: Optional[Sequence[int]] = None, method: str = 'linear_corners'):
   """A position table ``[1, P + h * w, D]`` (``P = num_prefix_tokens`` rows first: class token,
@@ -117,11 +123,11 @@ def resample_posemb(posemb, new_grid: Sequence[int], *, num_prefix_tokens: int,
   prefix = int(num_prefix_tokens)
   tokens = posemb.shape[1] - prefix
   if old_grid is None:
-    side = math.isqrt(max(tokens, 0))
-    old_grid = (side, side)
-    if tokens <= 0 or side * side != tokens:
+    side = square_side(tokens)
+    if side is None:
       raise ValueError(f'The position table has {tokens} grid rows (after {prefix} prefix '
                        'rows), not a square grid: give its grid (rows, columns).')
+    old_grid = (side, side)
   gh, gw = (int(g) for g in old_grid)
   if gh * gw != tokens:
     raise ValueError(f'The position table grid {gh}x{gw} does not match its {tokens} grid rows '

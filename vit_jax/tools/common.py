@@ -195,14 +195,9 @@ def check_output_folder(path, flag: str) -> None:
 
 
 def pid_alive(pid: int) -> bool:
-  """Whether process ``pid`` of this host exists (another user's too)."""
-  try:
-    os.kill(pid, 0)
-  except ProcessLookupError:
-    return False
-  except PermissionError:
-    pass
-  return True
+  """Whether process ``pid`` of this host exists (``vit_jax.checkpoint.lock.process_alive``)."""
+  from vit_jax.checkpoint import lock  # pylint: disable=g-import-not-at-top  (JAX, for a tool)
+  return lock.process_alive(pid)
 
 
 def cpu_info() -> dict:
