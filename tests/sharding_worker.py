@@ -77,7 +77,7 @@ def restore_on_mesh(workdir: str, config):
   model = models.create(config.model_name, num_classes=3, **fields)
   boxed = jax.eval_shape(lambda: model.init(jax.random.key(0), jnp.zeros((1, 16, 16, 3)),
                                             train=False))
-  item = checkpoint.workdir.find_state_item(workdir)
+  item = checkpoint.saved_run.find_state_item(workdir)
   metadata = ocp.PyTreeCheckpointer().metadata(item)
   tree = getattr(getattr(metadata, "item_metadata", metadata), "tree", None) or metadata.tree
   shapes = jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype), dict(tree))

@@ -12,7 +12,7 @@ import pytest
 from vit_jax import checkpoint
 from vit_jax import data
 from vit_jax import inference
-from vit_jax.checkpoint import workdir as workdir_lib
+from vit_jax.checkpoint import saved_run
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures")
 NPZ = os.path.join(FIXTURES, "vit_tiny", "params.npz")
@@ -137,7 +137,7 @@ def test_class_names_that_do_not_fit_the_head_are_refused(tmp_path):
   this model's (it was used silently): refused, naming the record and the fix."""
   step_dir = tmp_path / "w" / "checkpoints" / "12"
   (step_dir / "state").mkdir(parents=True)
-  run = workdir_lib.SavedRun(str(step_dir / "state"), 12, None, None, False, [12])
+  run = saved_run.SavedRun(str(step_dir / "state"), 12, None, None, False, [12])
   record = {"label_names": ["a", "b"], "multi_label": False}
   label_names = checkpoint.formats._label_names  # pylint: disable=protected-access
   assert label_names(record, 2, run) == (("a", "b"), False)
@@ -199,7 +199,7 @@ def test_a_workdir_rebuilds_its_model_labels_and_preprocessing(tiny_workdir, tmp
   os.remove(old / "dataset.json")
   for step in (6, 12):
     shutil.rmtree(old / "checkpoints" / str(step) / "dataset")
-  assert workdir_lib.read_run(old).dataset is None
+  assert saved_run.read_run(old).dataset is None
   older = inference.load(old)
   assert older.label_names == ("class_0", "class_1", "class_2")
   np.testing.assert_allclose(inference.Runner(older).logits(images), logits, rtol=1e-6)

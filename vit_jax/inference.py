@@ -31,7 +31,7 @@ from vit_jax import sharding
 from vit_jax import step as step_lib
 from vit_jax import storage
 from vit_jax.checkpoint import orbax
-from vit_jax.checkpoint import workdir
+from vit_jax.checkpoint import saved_run
 from vit_jax.models import intermediates
 
 #: Classes of the official ImageNet-21k checkpoints (pretrained with a sigmoid loss).
@@ -384,10 +384,10 @@ def _check_finite(path: str, trained: TrainedModel, use_ema: bool) -> None:
     return
   what = f'{path} (step {trained.step})' if trained.step is not None else path
   advice = 'Use weights without them (re-export or re-download the file).'
-  steps = workdir.read_run(path).steps if trained.step is not None else []  # []: a step dir.
+  steps = saved_run.read_run(path).steps if trained.step is not None else []  # []: a step dir.
   if steps:
     finite = next((s for s in reversed(steps) if s < trained.step and not checkpoint.non_finite(
-        orbax.read_variables(workdir.find_state_item(path, s), use_ema=use_ema))), None)
+        orbax.read_variables(saved_run.find_state_item(path, s), use_ema=use_ema))), None)
     advice = (f'Give --step {finite}, the newest step whose values are finite.'
               if finite is not None else 'No earlier step of the run is finite: train it again.')
   elif trained.step is not None:

@@ -11,6 +11,7 @@ from vit_jax import models
 from vit_jax.checkpoint import ecosystem
 from vit_jax.checkpoint import formats  # noqa: F401 (checkpoint.formats)
 from vit_jax.checkpoint import orbax  # noqa: F401 (checkpoint.orbax)
+from vit_jax.checkpoint import saved_run  # noqa: F401 (checkpoint.saved_run)
 from vit_jax.checkpoint import tree
 from vit_jax.checkpoint import vit_shapes
 from vit_jax.checkpoint import workdir  # noqa: F401 (checkpoint.workdir)
@@ -25,7 +26,8 @@ from vit_jax.checkpoint.mismatch import mismatch_report
 from vit_jax.checkpoint.tree import (check_fits, describe_architecture, flatten_params,
                                      non_finite, non_finite_message, unflatten_params)
 from vit_jax.checkpoint.lock import WorkdirInUseError, WorkdirLock, acquire_on_all_processes
-from vit_jax.checkpoint.workdir import CheckpointSaveError, Checkpoints, Workdir, load_orbax
+from vit_jax.checkpoint.saved_run import load_orbax
+from vit_jax.checkpoint.workdir import CheckpointSaveError, Checkpoints, Workdir
 
 __all__ = [
     'ACCEPTED_FORMATS', 'Checkpoint', 'CheckpointSaveError', 'Checkpoints', 'Contents',

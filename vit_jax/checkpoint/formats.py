@@ -24,8 +24,8 @@ from vit_jax.checkpoint import t2t_torch
 from vit_jax.checkpoint import timm_vit
 from vit_jax.checkpoint import torch_pickle
 from vit_jax.checkpoint import tree
+from vit_jax.checkpoint import saved_run
 from vit_jax.checkpoint import vit_shapes
-from vit_jax.checkpoint import workdir
 from vit_jax.checkpoint.archive import DamagedCheckpointError  # noqa: F401 (raised by open)
 
 ACCEPTED_FORMATS = rundir.ACCEPTED_FORMATS
@@ -77,7 +77,7 @@ class Contents:
   multi_label: Optional[bool] = None
   normalization: Optional[str] = None
   eval_crop_pct: Optional[float] = None
-  run: Optional[workdir.SavedRun] = None
+  run: Optional[saved_run.SavedRun] = None
   from_paper: Tuple[str, ...] = ()
 
 
@@ -304,16 +304,16 @@ class _Orbax(Checkpoint):
 
   def read(self, *, model=None, use_ema=True, image_size=None, evaluate=True):
     item = (self.path if orbax.is_item(self.path, self.probe.names)
-            else workdir.find_state_item(self.path, names=self.probe.names))
+            else saved_run.find_state_item(self.path, names=self.probe.names))
     return self._fitted(orbax.read_variables(item, use_ema=use_ema), model, image_size,
                         evaluate)
 
   def _facts(self):  # A convert directory's (orbax.EXPORT_JSON); a run's config is read apart.
-    run = workdir.read_run(self.path)
+    run = saved_run.read_run(self.path)
     return {} if run.config is not None else orbax.read_export_metadata(run.state_item) or {}
 
   def table_grid(self, shapes):
-    run = workdir.read_run(self.path)
+    run = saved_run.read_run(self.path)
     if run.config is None:  # A convert directory: the image size its source recorded, if any.
       size = (orbax.read_export_metadata(run.state_item) or {}).get('image_size')
       return vit_shapes.token_grid(size, vit_shapes.architecture_fields(shapes))
@@ -323,7 +323,7 @@ class _Orbax(Checkpoint):
     return vit_shapes.token_grid((run.config.get('data') or {}).get('image_size'), model)
 
   def _contents(self, use_ema, step, model_name, overrides):
-    run = workdir.read_run(self.path, step=step)
+    run = saved_run.read_run(self.path, step=step)
     variables = orbax.read_variables(run.state_item, use_ema=use_ema)
     if run.config is None:  # A convert directory: what convert kept of its source.
       return _with_facts(variables, self.path, orbax.read_export_metadata(run.state_item) or {},
@@ -341,7 +341,7 @@ class _Orbax(Checkpoint):
                      else multi_label), eval_crop_pct=data.get('eval_crop_pct'), run=run)
 
 
-def _label_names(dataset: Optional[Dict[str, Any]], num_classes: int, run: workdir.SavedRun
+def _label_names(dataset: Optional[Dict[str, Any]], num_classes: int, run: saved_run.SavedRun
                  ) -> Tuple[Optional[Tuple[str, ...]], Optional[bool]]:
   """The class names and multi-label flag of a run's dataset record. Raises ValueError: it names
   another number of classes than the head has."""

@@ -227,7 +227,7 @@ def missing_source(args: argparse.Namespace):
 
 def unsaved_run(args: argparse.Namespace):
   """The error of a local SOURCE run lacking the step asked for, told by the file system (only
-  then is ``checkpoint.workdir.read_run``, which imports JAX, called for its message), or None."""
+  then is ``checkpoint.saved_run.read_run``, which imports JAX, called for its message), or None."""
   source, step = getattr(args, 'source', None), getattr(args, 'step', None)
   if not isinstance(source, str) or storage.is_remote(source) or not os.path.isdir(source):
     return None
@@ -237,9 +237,9 @@ def unsaved_run(args: argparse.Namespace):
   saved = rundir.saved_steps(checkpoints, readable=True)
   if saved and (step is None or step in saved):
     return None
-  from vit_jax.checkpoint import workdir  # pylint: disable=g-import-not-at-top
+  from vit_jax.checkpoint import saved_run  # pylint: disable=g-import-not-at-top
   try:
-    workdir.read_run(source, step=step)
+    saved_run.read_run(source, step=step)
   except (FileNotFoundError, ValueError) as e:
     return e
   return None
