@@ -63,17 +63,6 @@ def file_size(file: File) -> int:
   return end
 
 
-def read_head(file: File, size: int) -> bytes:
-  """The first ``size`` bytes of a local path or a seekable file object (its position kept)."""
-  if isinstance(file, (str, os.PathLike)):
-    return storage.read_bytes(os.fspath(file), size)
-  position = file.tell()
-  try:
-    return file.read(size)
-  finally:
-    file.seek(position)
-
-
 def _open_zip(file: File, name: str) -> zipfile.ZipFile:
   """``zipfile.ZipFile(file)``; DamagedCheckpointError when its directory cannot be read."""
   try:
@@ -89,22 +78,18 @@ def _reason(error: BaseException) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class Zip:
-  """A zip archive, listed once: ``name`` (its path, for errors), ``source`` (a local path or
-  a file object; a remote file is read into memory once) and ``names`` (its members)."""
+  """A zip archive, listed once: ``name`` (its path, for errors), ``source`` (a local path, or
+  a remote file read into memory once) and ``names`` (its members)."""
   name: str
   source: Any
   names: Tuple[str, ...]
 
   @classmethod
-  def of(cls, file: File, name: str = '') -> 'Zip':
-    """The archive of ``file``: a local or remote path, or a seekable file object."""
-    if isinstance(file, (str, os.PathLike)):
-      path = os.fspath(file)
-      name = name or path
-      file = io.BytesIO(storage.read_bytes(path)) if storage.is_remote(path) else path
-    name = name or '<file>'
-    with _open_zip(file, name) as archive:
-      return cls(name, file, tuple(archive.namelist()))
+  def of(cls, path: str) -> 'Zip':
+    """The archive of the local or remote file at ``path``."""
+    source = io.BytesIO(storage.read_bytes(path)) if storage.is_remote(path) else path
+    with _open_zip(source, path) as archive:
+      return cls(path, source, tuple(archive.namelist()))
 
   @property
   def size(self) -> int:

@@ -26,7 +26,6 @@ from vit_jax.checkpoint import torch_pickle
 from vit_jax.checkpoint import tree
 from vit_jax.checkpoint import saved_run
 from vit_jax.checkpoint import vit_shapes
-from vit_jax.checkpoint.archive import DamagedCheckpointError  # noqa: F401 (raised by open)
 
 ACCEPTED_FORMATS = rundir.ACCEPTED_FORMATS
 

@@ -19,7 +19,6 @@ from vit_jax.checkpoint import archive
 from vit_jax.checkpoint import hf_vit
 from vit_jax.checkpoint import torch_layout
 from vit_jax.checkpoint import vit_shapes
-from vit_jax.checkpoint.tree import flatten_params, unflatten_params
 from vit_jax.models import fields as fields_lib
 from vit_jax.models import vit_fields
 

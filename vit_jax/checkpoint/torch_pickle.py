@@ -9,11 +9,10 @@ import _compat_pickle
 import collections
 import io
 import math
-import os
 import pickle
 import sys
 from collections.abc import Mapping
-from typing import Any, BinaryIO, Callable, Dict, Optional, Tuple, Union
+from typing import Any, BinaryIO, Callable, Dict, Optional, Tuple
 
 import ml_dtypes
 import numpy as np
@@ -191,10 +190,10 @@ _SAFE_GLOBALS = {
 class SafeUnpickler(pickle.Unpickler):
   """Unpickles tensors (as NumPy) and plain containers only; refuses every other global.
   ``read_storage(key, nbytes)``: the bytes of ``data/<key>`` (at least ``nbytes``, or it raises);
-  ``max_bytes``: the most bytes all tensors together may take (None: no bound)."""
+  ``max_bytes``: the most bytes all tensors together may take."""
 
-  def __init__(self, file: BinaryIO, read_storage: Callable[[str, int], bytes],
-               byteorder: str = 'little', max_bytes: Optional[int] = None):
+  def __init__(self, file: BinaryIO, read_storage: Callable[[str, int], bytes], byteorder: str,
+               max_bytes: int):
     super().__init__(file)
     self._read_storage = read_storage
     self._byteorder = byteorder
@@ -204,7 +203,7 @@ class SafeUnpickler(pickle.Unpickler):
   def take(self, nbytes: int) -> None:
     """Counts ``nbytes`` of built arrays against ``max_bytes``."""
     self._used += nbytes
-    if self._max_bytes is not None and self._used > self._max_bytes:
+    if self._used > self._max_bytes:
       raise MalformedTorchFileError(
           f"its tensors add up to more than the file's {self._max_bytes:,} bytes (overlapping "
           'views of its storages)')
@@ -265,17 +264,16 @@ _LEGACY_HINT = ('Only the zip format that torch.save writes since torch 1.6 is r
                 'torch.save(torch.load(path, weights_only=True), new_path).')
 
 
-def load_torch_zip(file: Union[str, BinaryIO], name: str = '') -> Any:
-  """The object saved in a ``torch.save`` zip-format file (a local path or a seekable file
-  object; ``name`` for errors), every tensor a contiguous ``np.ndarray``; raises as :func:`load`
-  and LegacyTorchFormatError for a file that is no zip."""
-  name = name or (os.fspath(file) if isinstance(file, (str, os.PathLike)) else '<file>')
-  if archive_lib.read_head(file, 4) not in archive_lib.ZIP_MAGICS:
+def load_torch_zip(path: str) -> Any:
+  """The object saved in the ``torch.save`` zip-format file at ``path`` (local or
+  ``scheme://``), every tensor a contiguous ``np.ndarray``; raises as :func:`load` and
+  LegacyTorchFormatError for a file that is no zip."""
+  if storage.read_bytes(path, 4) not in archive_lib.ZIP_MAGICS:
     raise LegacyTorchFormatError(
-        f'{name!r} is not a zip archive, so not a zip-format torch checkpoint (it may be in the '
+        f'{path!r} is not a zip archive, so not a zip-format torch checkpoint (it may be in the '
         f'legacy torch serialization format, which needs unpickling arbitrary code to read). '
         f'{_LEGACY_HINT}')
-  return load(archive_lib.Zip.of(file, name))
+  return load(archive_lib.Zip.of(path))
 
 
 def load(zip_file: archive_lib.Zip) -> Any:
