@@ -64,14 +64,12 @@ def _quiet_item_reads():
 
 
 def item_tree(item: Any) -> Any:
-  """The metadata tree of an item: its nested structure with shape/dtype leaves (no arrays)."""
+  """The metadata tree of an item: its nested structure with shape/dtype leaves (no arrays);
+  None where Orbax finds no item metadata (an empty or cut step)."""
   ocp = import_orbax()
   with _quiet_item_reads():
     metadata = ocp.PyTreeCheckpointer().metadata(item)
-  tree = getattr(getattr(metadata, 'item_metadata', metadata), 'tree', None)
-  if tree is None:  # Older Orbax: the metadata is the tree itself.
-    tree = getattr(metadata, 'tree', metadata)
-  return tree
+  return getattr(metadata.item_metadata, 'tree', None)
 
 
 def read_variables(item: Any, *, use_ema: bool = True) -> Dict[str, Any]:
@@ -105,7 +103,7 @@ def check_state_fits(state_dir: Any, abstract_state: Mapping) -> None:
   the checkpoint's model, or the ``scan`` setting); FileNotFoundError without readable metadata
   (an empty or incomplete step)."""
   tree = item_tree(state_dir)
-  if not isinstance(tree, Mapping):  # Orbax found no item metadata (an empty or cut step).
+  if not isinstance(tree, Mapping):
     raise FileNotFoundError(errno.ENOENT, 'its metadata cannot be read', str(state_dir))
   as_structs = lambda t: jax.tree.map(lambda x: jax.ShapeDtypeStruct(tuple(x.shape), x.dtype), t)
   kept = ('params', 'model_state')

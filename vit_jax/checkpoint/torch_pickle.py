@@ -21,6 +21,7 @@ from vit_jax import storage
 from vit_jax.checkpoint import archive as archive_lib
 from vit_jax.checkpoint.archive import FIX, DamagedCheckpointError
 
+
 class MalformedTorchFileError(DamagedCheckpointError, pickle.UnpicklingError):
   """A torch file's pickle, storage or tensor records are inconsistent (damaged or hand-made)."""
 

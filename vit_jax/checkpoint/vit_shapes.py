@@ -140,10 +140,10 @@ def _ambiguity(patch: int, rows: int, prefix: int, image_size: Optional[int]) ->
           "the weights (timm's Hub config.json, with pretrained_cfg input_size) beside them.")
 
 
-def table_prefix_rows(shapes: dict, image_size: Optional[int] = None) -> int:
+def table_prefix_rows(shapes: dict) -> int:
   """The rows of the learned table in ``shapes`` before the grid's (:func:`variant_fields`'s
   ``no_embed_class``, raising as there); 0 without a table."""
-  fields = architecture_fields(shapes, image_size)
+  fields = architecture_fields(shapes)
   return 0 if not fields or POSEMB_KEY not in shapes else vit_fields.posemb_prefix_rows(fields)
 
 
