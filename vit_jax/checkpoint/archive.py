@@ -68,12 +68,8 @@ def _open_zip(file: File, name: str) -> zipfile.ZipFile:
   try:
     return zipfile.ZipFile(file)
   except (zipfile.BadZipFile, EOFError, ValueError) as e:
-    raise damaged(name, f'its zip directory cannot be read ({_reason(e)})',
+    raise damaged(name, f'its zip directory cannot be read ({storage.first_line(e)})',
                   file_size(file)) from None
-
-
-def _reason(error: BaseException) -> str:
-  return str(error) or type(error).__name__
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,7 +106,8 @@ class Zip:
     try:
       return archive.read(info)
     except MEMBER_ERRORS as e:
-      raise self.damaged(f'its member {info.filename!r} cannot be read ({_reason(e)})') from None
+      raise self.damaged(f'its member {info.filename!r} cannot be read '
+                         f'({storage.first_line(e)})') from None
 
 
 #: ``({tensor name: (shape, dtype name)}, metadata)``: what a safetensors file's header says.
