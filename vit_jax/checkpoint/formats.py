@@ -225,8 +225,7 @@ class _Npz(Checkpoint):
 
   def numerics(self, num_heads=None):
     shapes, big_vision = npz.read_npz_shapes(self.path, self.probe.zip)
-    kept, size = self.kept()
-    fields = vit_shapes.architecture_fields(shapes, size, strict=False)
+    fields = vit_shapes.architecture_fields(shapes, strict=False)
     if fields is None:  # Not a ViT's .npz: left to the load's checks.
       return None
     found = {k: fields[k] for k in ('posemb', 'classifier')}
