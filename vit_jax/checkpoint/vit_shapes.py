@@ -192,7 +192,7 @@ def describe_architecture(shapes: dict) -> Optional[str]:
            if f.in_weights and f.name not in _DESCRIBED_APART]
   text = ', '.join(f'{k}={fields[k]}' for k in names
                    if k in fields and (fields[k] is not None or k == 'representation_size'))
-  if fields['classifier'] == 'map':  # ('token' and 'gap' are not named, as before.)
+  if fields['classifier'] == 'map':  # ('token' and 'gap' are not named.)
     text += ", classifier='map'"
   if fields['posemb'] != 'learn':
     text += f", posemb={fields['posemb']!r}"
