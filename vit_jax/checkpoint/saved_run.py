@@ -1,6 +1,5 @@
-"""A run read back (:func:`read_run`), for the trainer and every tool: from any path a user gives
-(a workdir, its ``checkpoints``, one step, its state item, a variables checkpoint) to one step's
-state item, config and dataset record (layout: :mod:`vit_jax.rundir`)."""
+"""A run read back for the trainer and every tool (:func:`read_run`): one step's state item, config
+and dataset record (layout: :mod:`vit_jax.rundir`)."""
 
 from __future__ import annotations
 
