@@ -126,7 +126,7 @@ def _for_devices(config: ml_collections.ConfigDict,
   batch = int(config.eval_batch_size or config.batch_size or shards)
   config.eval_batch_size = -(-batch // shards) * shards
   config.model.attention = config_lib.attention_choice(config, 'auto', devices).implementation
-  remat = config_lib.remat_choice(config, devices)
+  remat = config_lib.remat_choice(config.model, devices)
   if remat is not None:
     config.model.remat_policy = remat.implementation
   return config
