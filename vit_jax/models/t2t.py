@@ -296,31 +296,28 @@ class _QkvKernel(nn.Module):
 
 
 class Attention(nn.Module):
-  """Reference ``Attention`` (bias-free ``qkv`` ``(D, 3 D)``) through
-  :func:`vit_jax.models.attention.self_attention`; scale ``qk_scale`` or ``head_dim**-0.5``."""
+  """Reference ``Attention`` of the fields ``config`` (:data:`Config`; bias-free ``qkv`` ``(D,
+  3 D)``) through :func:`vit_jax.models.attention.self_attention`; scale ``qk_scale`` or
+  ``head_dim**-0.5``."""
 
-  num_heads: int
-  qk_scale: Optional[float] = None
-  dtype: Dtype = jnp.float32
-  param_dtype: Dtype = jnp.float32
-  attention: str = 'xla'
+  config: Any
 
   @nn.compact
   def __call__(self, x: Array) -> Array:
-    b, n, d = x.shape
-    head_dim = d // self.num_heads
-    scale = self.qk_scale if self.qk_scale is not None else head_dim ** -0.5
-    kernel = _QkvKernel(3 * d, self.param_dtype, name='qkv')(d)
-    kernel = kernel.reshape(d, 3, self.num_heads, head_dim)
+    c, (b, n, d) = self.config, x.shape
+    head_dim = d // c.num_heads
+    scale = c.qk_scale if c.qk_scale is not None else head_dim ** -0.5
+    kernel = _QkvKernel(3 * d, c.param_dtype, name='qkv')(d)
+    kernel = kernel.reshape(d, 3, c.num_heads, head_dim)
     projections = [(kernel[:, i], None) for i in range(3)]
     weights_fn = attention_lib.sow_weights(self) if attention_lib.capturing(self) else None
-    y, layout_ = attention_lib.self_attention(x.astype(self.dtype), projections,
-                                              implementation=self.attention, logits_scale=scale,
+    y, layout_ = attention_lib.self_attention(x.astype(c.dtype), projections,
+                                              implementation=c.attention, logits_scale=scale,
                                               weights_fn=weights_fn)
     if layout_ == 'bhnk':
       y = y.transpose(0, 2, 1, 3)
     y = y.reshape(b, n, d)
-    return _dense(d, 'proj', self.dtype, self.param_dtype, ('qkv', 'embed'))(y)
+    return _dense(d, 'proj', c.dtype, c.param_dtype, ('qkv', 'embed'))(y)
 
 
 class Block(nn.Module):
@@ -339,7 +336,7 @@ class Block(nn.Module):
                              deterministic=deterministic, rate=drop_path_rate)
     x = execution.constrain(x, execution.TOKENS_AXES)
     y = _layer_norm('norm1', c.dtype, c.param_dtype)(x)
-    y = Attention(name='attn', **execution.shared_fields(c, Attention))(y)
+    y = Attention(c, name='attn')(y)
     x = execution.constrain(x + drop(y), execution.TOKENS_AXES)
     y = _layer_norm('norm2', c.dtype, c.param_dtype)(x)
     y = Mlp(int(d * c.mlp_ratio), d, c.dtype, c.param_dtype, name='mlp')(y)
