@@ -476,24 +476,6 @@ def summary(report: dict[str, Any]) -> str:
           f"{rate}, {report['restarts']} restart(s){good}; seconds: {split}")
 
 
-def account_step_flops(accountant: CostAccountant, executable, model: Any,
-                       image_shape: tuple[int, int, int], num_devices: int) -> None:
-  """Gives `accountant` the train step's FLOPs: XLA's of `executable` and the analytic count."""
-  per_device = flops.compiled_flops(executable)
-  compiled = per_device * num_devices if per_device else None
-  analytic = flops.training_flops(flops.model_forward_macs(model, image_shape),
-                                  accountant.batch_size)
-  accountant.set_step_flops(compiled, analytic)
-  ratio = f"{compiled / analytic:.3f}" if compiled else "n/a"
-  logging.info("FLOPs per training step: %s by XLA's cost analysis, %.4g analytic (3 x the "
-               "forward matmuls); ratio %s. MFU uses the analytic count.",
-               f"{compiled:.4g}" if compiled else "unavailable", analytic, ratio)
-  if compiled and not 0.97 <= compiled / analytic <= 1.15:
-    logging.info("The counts differ: XLA counts a loop body once (scan over layers, gradient "
-                 "accumulation) and counts rematerialised work; the analytic count is the "
-                 "model's useful work.")
-
-
 def duration(seconds: float) -> str:
   """'1 h 05 min', '5 min 20 s', '12 s'."""
   seconds = int(round(seconds))

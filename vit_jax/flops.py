@@ -8,6 +8,7 @@ import dataclasses
 import math
 from typing import Any, Optional, Sequence, Tuple
 
+from absl import logging
 import flax.linen as nn
 import jax
 from jax.extend import core as jax_core
@@ -124,6 +125,24 @@ def model_forward_macs(model: Any, image_shape: Tuple[int, int, int]) -> int:
 def training_flops(forward_macs: int, images: float) -> float:
   """FLOPs of training on `images` examples: 3 forward passes (forward + backward), 2 per MAC."""
   return 3 * 2 * forward_macs * images
+
+
+def step_flops(compiled: Any, model: Any, image_shape: Tuple[int, int, int], num_devices: int,
+               batch_size: int) -> Tuple[Optional[float], float]:
+  """A training step's FLOPs (global batch of `batch_size`), logged: XLA's of the `compiled`
+  step on `num_devices` (None: unavailable) and the analytic count, which the MFU uses."""
+  per_device = compiled_flops(compiled)
+  counted = per_device * num_devices if per_device else None
+  analytic = training_flops(model_forward_macs(model, image_shape), batch_size)
+  ratio = f"{counted / analytic:.3f}" if counted else "n/a"
+  logging.info("FLOPs per training step: %s by XLA's cost analysis, %.4g analytic (3 x the "
+               "forward matmuls); ratio %s. MFU uses the analytic count.",
+               f"{counted:.4g}" if counted else "unavailable", analytic, ratio)
+  if counted and not 0.97 <= counted / analytic <= 1.15:
+    logging.info("The counts differ: XLA counts a loop body once (scan over layers, gradient "
+                 "accumulation) and counts rematerialised work; the analytic count is the "
+                 "model's useful work.")
+  return counted, analytic
 
 
 def core_days(flops: float, mfu: float,

@@ -14,6 +14,7 @@ a file rebuilds: docs/checkpoints.md ("A workdir alone rebuilds its model")."""
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 from typing import Any, Callable, Dict, Optional, Sequence, Tuple
 
@@ -126,7 +127,7 @@ def _for_devices(config: ml_collections.ConfigDict,
   batch = int(config.eval_batch_size or config.batch_size or shards)
   config.eval_batch_size = -(-batch // shards) * shards
   config.model.attention = config_lib.attention_choice(config, 'auto', devices).implementation
-  remat = config_lib.remat_choice(config, devices)
+  remat = config_lib.remat_choice(config.model, devices)
   if remat is not None:
     config.model.remat_policy = remat.implementation
   return config
@@ -267,11 +268,7 @@ def _bytes(n: float) -> str:
 
 def _largest(limit: int, fits) -> int:
   """The largest n in [1, limit] for which `fits(n)` (monotone), 0 if none."""
-  lo, hi = 0, limit
-  while lo < hi:
-    mid = (lo + hi + 1) // 2
-    lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
-  return lo
+  return bisect.bisect_left(range(1, limit + 1), True, key=lambda n: not fits(n))
 
 
 def check_memory(config: ml_collections.ConfigDict, devices: Sequence[Any], batch: int = 1, *,

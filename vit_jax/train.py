@@ -20,6 +20,7 @@ from vit_jax import checkpoint
 from vit_jax import config as config_lib
 from vit_jax import data
 from vit_jax import evaluation
+from vit_jax import flops
 from vit_jax import kernels
 from vit_jax import ledger as ledger_lib
 from vit_jax import param_groups
@@ -277,8 +278,8 @@ def _prepare(config: ml_collections.ConfigDict, workdir: str,
 
   def on_compile(jitted, compiled: jax.stages.Compiled) -> None:
     if jitted is train_step:  # Its FLOPs recorded, its attention logged.
-      accounting.account_step_flops(accountant, compiled, setup.model, setup.image_shape,
-                                    setup.mesh.size)
+      accountant.set_step_flops(*flops.step_flops(
+          compiled, setup.model, setup.image_shape, setup.mesh.size, accountant.batch_size))
       logging.info("Attention in the compiled training step: %s.",
                    kernels.called_by(compiled) or setup.config.model.attention)
 

@@ -20,17 +20,14 @@ from vit_jax import rundir
 from vit_jax.config import args
 from vit_jax.config import keys
 from vit_jax.config import slices
-from vit_jax.config.defaults import (ATTENTION_CHOICES, AUGMENTATIONS, BAD_IMAGES,
-                                     NORMALIZATIONS, REGIME_DEFAULTS, TRAINING_DEFAULTS,
-                                     get_config)
+from vit_jax.config.defaults import BAD_IMAGES, REGIME_DEFAULTS, get_config
 from vit_jax.config.keys import ConfigError
 from vit_jax.config.resolution import (attention_choice, check_batch_size, check_host_limits,
                                        check_paths, fill_regime, for_counting, num_train_steps,
                                        remat_choice, resolve, switch_regime, validate_data)
 
 __all__ = [
-    'ATTENTION_CHOICES', 'AUGMENTATIONS', 'BAD_IMAGES', 'ConfigError', 'NORMALIZATIONS',
-    'REGIME_DEFAULTS', 'TRAINING_DEFAULTS', 'args', 'attention_choice', 'check_batch_size',
+    'BAD_IMAGES', 'ConfigError', 'REGIME_DEFAULTS', 'args', 'attention_choice', 'check_batch_size',
     'check_host_limits', 'check_paths', 'fill_regime', 'for_counting', 'from_json', 'get_config',
     'keys', 'num_train_steps', 'remat_choice', 'resolve', 'slices', 'switch_regime', 'to_json',
     'validate_data',

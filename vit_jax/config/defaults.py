@@ -28,9 +28,6 @@ REGIME_DEFAULTS = {
 #: are the plain unrolled encoder with the official per-layer names.
 TRAINING_DEFAULTS = dict(scan=True, remat=True, remat_policy="auto")
 
-#: `config.model.attention`: 'auto' picks the fastest implementation the devices can run.
-ATTENTION_CHOICES = ("auto",) + models.ATTENTION_IMPLEMENTATIONS
-
 #: Values of `config.data.augment`, `config.data.normalization`, `config.data.bad_images`.
 AUGMENTATIONS = ("inception_crop", "pad_crop", "flip", "none")
 NORMALIZATIONS = ("minus_one_to_one", "imagenet")
@@ -322,11 +319,6 @@ def model_config(model_name: str, **model_overrides) -> ml_collections.ConfigDic
   if "head_bias_init" in model:  # ViT: the regime's default (-10 or 0) if None.
     model.head_bias_init = config_dict.placeholder(float)
   return model
-
-
-def optim_config() -> ml_collections.ConfigDict:
-  """`config.optim` (`OPTIM_KEYS`; None: the regime's default, see `REGIME_DEFAULTS`)."""
-  return keys.section(OPTIM_KEYS)
 
 
 def data_config() -> ml_collections.ConfigDict:

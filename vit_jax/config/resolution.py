@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 import os
-from typing import Any, Callable, Iterable, Optional, Sequence, Set, Tuple
+from typing import Any, Callable, Iterable, Mapping, Optional, Sequence, Set, Tuple
 
 from absl import logging
 import jax
@@ -25,7 +25,6 @@ from vit_jax import step
 from vit_jax import storage
 from vit_jax.config import defaults
 from vit_jax.config import keys
-from vit_jax.config import slices
 from vit_jax.config import weights_model
 from vit_jax.config.weights_model import AUTO, AUTO_PLACEHOLDERS  # noqa: F401
 from vit_jax.config.keys import ConfigError
@@ -218,16 +217,22 @@ def check_host_limits(config: ml_collections.ConfigDict, *, num_train_examples: 
   _check_position_table(config.model, config.ema_decay, available_bytes)
 
 
+def state_bytes_per_param(ema_decay: float) -> int:
+  """Bytes a training run holds per parameter: float32 parameter, gradient, Adam's 2 moments, and
+  the parameter EMA when `ema_decay` is set."""
+  return 4 * (4 + (1 if ema_decay else 0))
+
+
 def _check_position_table(model: ml_collections.ConfigDict, ema_decay: float,
                           available_bytes: int) -> None:
   """Refuses a learned position table made for `model.posemb_grid` whose training state
-  (`slices.state_bytes_per_param`) is more than `available_bytes`: its initialisation would
+  (`state_bytes_per_param`) is more than `available_bytes`: its initialisation would
   never end."""
   grid = model.get("posemb_grid")
   if not grid or model.get("posemb") != "learn":
     return
   rows = vit_fields.posemb_table_rows(grid, model)
-  width, per_param = int(model.hidden_size), slices.state_bytes_per_param(ema_decay)
+  width, per_param = int(model.hidden_size), state_bytes_per_param(ema_decay)
   needed = rows * width * per_param
   if needed <= available_bytes:
     return
@@ -352,14 +357,13 @@ def for_counting(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict
   return config
 
 
-def remat_choice(config: ml_collections.ConfigDict,
-                 devices: Sequence[Any]) -> Optional[dispatch.Choice]:
-  """`vit_jax.dispatch.choose_remat_policy` for `config`'s model on `devices` (None: no policy)."""
-  model = config.model
+def remat_choice(model: Mapping[str, Any], devices: Sequence[Any]) -> Optional[dispatch.Choice]:
+  """`vit_jax.dispatch.choose_remat_policy` for the `model` fields (a config's `model`) on
+  `devices` (only their platform is read); None: the model has no remat policy."""
   if "remat_policy" not in model:
     return None
   return dispatch.choose_remat_policy(
-      model.remat_policy, devices=devices, dtype=model.get("dtype", "float32"),
+      model["remat_policy"], devices=devices, dtype=model.get("dtype", "float32"),
       width=model.get("hidden_size") or model.get("embed_dim") or 0)
 
 
@@ -434,7 +438,7 @@ def resolve(config: ml_collections.ConfigDict, *, num_train_examples: int, num_c
   _resolve_init_from(config)  # May set the model's numerics from the weights.
   fields = dict(config.model.items())  # Keyword arguments of `vit_jax.models.model_config`.
   requested = fields.pop("attention")
-  remat = remat_choice(config, devices)  # 'auto' -> a policy, from the devices and the dtype.
+  remat = remat_choice(config.model, devices)  # 'auto' -> a policy, from the devices and the dtype.
   if remat is not None:
     config.model.remat_policy = fields["remat_policy"] = remat.implementation
     if fields.get("remat"):

@@ -14,10 +14,10 @@ import jax
 import ml_collections
 
 from vit_jax import accounting
-from vit_jax import dispatch
 from vit_jax import hardware as hardware_lib
 from vit_jax import models
 from vit_jax.config import keys
+from vit_jax.config import resolution
 
 #: What an accelerator looks like in a config's argument ('v3-32', 'v5litepod-16', 'v6e-8'; also
 #: 'a100-8', which `fit_to_slice` then refuses as not a TPU, naming what it takes).
@@ -42,12 +42,6 @@ ATTENTION_COPIES = 4
 #: input, the normed input, q, k, v, the attention's output, the MLP's hidden (4 x width), the
 #: sums; and the position table resampled to the token grid (2 float32 copies).
 FORWARD_FACTOR = 14.0
-
-
-def state_bytes_per_param(ema_decay: float) -> int:
-  """Bytes a training run holds per parameter: float32 parameter, gradient, Adam's 2 moments, and
-  the parameter EMA when `ema_decay` is set."""
-  return 4 * (4 + (1 if ema_decay else 0))
 
 
 def _sequences(model_name: str, fields: dict[str, Any],
@@ -138,13 +132,12 @@ def fit_to_slice(config: ml_collections.ConfigDict, accelerator: str,
         f"config.batch_size={batch // devices * devices or devices}.")
   hbm = hardware_lib.program_hbm_bytes(hardware.device_kind)
   fields = dict(config.model.to_dict(), dtype="bfloat16")
-  if fields.get("remat_policy") == "auto":  # What resolve will pick for the slice's devices.
-    width = fields.get("hidden_size") or fields.get("embed_dim") or 0
-    fields["remat_policy"] = dispatch.auto_remat_policy("tpu", "bfloat16", width).implementation
+  if fields.get("remat_policy") == "auto":  # What resolve will pick (the slice's platform).
+    fields["remat_policy"] = resolution.remat_choice(fields, [hardware]).implementation
   image_size = int(config.data.image_size)
   classes = int(config.num_classes or num_classes)
   params = parameter_count(config.model_name, fields, classes, image_size)
-  per_param = state_bytes_per_param(config.ema_decay)
+  per_param = resolution.state_bytes_per_param(config.ema_decay)
   fsdp = 1
   while fsdp < devices and params * per_param / fsdp > STATE_SHARE * hbm:
     fsdp *= 2

@@ -204,18 +204,17 @@ class MultiHeadDotProductAttention(nn.Module):
                        f'{self.attention!r}.')
     heads, head_dim = self.num_heads, width // self.num_heads
     x = x.astype(self.dtype)
-    dropout = self.dropout_rate > 0.0 and not deterministic
     projections = [
         _Projection((width, heads, head_dim), ('embed', 'heads', 'kv'), (heads, head_dim),
                     ('heads', 'kv'), fan_in_axes=1, param_dtype=self.param_dtype, name=name)()
         for name in ('query', 'key', 'value')]
-    rate = self.dropout_rate if dropout else 0.0
-    rng = self.make_rng('dropout') if dropout else None
+    dropout = self.dropout_rate > 0.0 and not deterministic
+    rng = self.make_rng('dropout') if dropout else None  # None: no dropout.
     weights_fn = sow_weights(self) if capturing(self) else None
     y, layout = self_attention(
         x, projections, implementation=self.attention, logits_scale=1.0 / math.sqrt(head_dim),
-        scale_query=True, dropout_rate=rate, dropout_rng=rng, weights_fn=weights_fn,
-        x_kv=None if inputs_kv is None else inputs_kv.astype(self.dtype),
+        scale_query=True, dropout_rate=self.dropout_rate, dropout_rng=rng,
+        weights_fn=weights_fn, x_kv=None if inputs_kv is None else inputs_kv.astype(self.dtype),
         qk_norm=self._qk_norm())
     kernel, bias = _Projection((heads, head_dim, width), ('heads', 'kv', 'embed'), (width,),
                                ('embed',), fan_in_axes=2, param_dtype=self.param_dtype,

@@ -138,6 +138,14 @@ def defaults(fields: Iterable[Field]) -> Dict[str, Any]:
   return {f.name: f.default for f in fields if f.default is not REQUIRED}
 
 
+def frozen_config(declared: Iterable[Field]) -> type:
+  """A frozen dataclass ``Config`` of the ``declared`` fields' values, attributes named as the
+  fields (defaults theirs, None where required): what a family's modules take whole."""
+  return dataclasses.make_dataclass('Config', [
+      (f.name, Any, dataclasses.field(default=None if f.default is REQUIRED else f.default))
+      for f in declared], frozen=True)
+
+
 def required(fields: Iterable[Field]) -> Tuple[str, ...]:
   """The names a ``*-custom`` model must be given."""
   return tuple(f.name for f in fields if f.default is REQUIRED)

@@ -263,26 +263,23 @@ class TokenPerformer(nn.Module):
 
 
 class TokensToToken(nn.Module):
-  """Reference ``T2T_module``: ``[B, H, W, C]`` -> ``[B, h * w, D]`` (:func:`token_grid`)."""
+  """Reference ``T2T_module`` of the fields ``config`` (:data:`Config`): ``[B, H, W, C]`` ->
+  ``[B, h * w, D]`` (:func:`token_grid`)."""
 
-  tokens_type: str
-  token_dim: int
-  embed_dim: int
-  dtype: Dtype = jnp.float32
-  param_dtype: Dtype = jnp.float32
+  config: Any
 
   @nn.compact
   def __call__(self, x: Array) -> Array:
-    layer_cls = TokenPerformer if self.tokens_type == 'performer' else TokenTransformer
+    c = self.config
+    layer_cls = TokenPerformer if c.tokens_type == 'performer' else TokenTransformer
     grids = stage_grids(x.shape[1], x.shape[2])
     for stage, (kernel, stride, padding) in enumerate(SOFT_SPLITS):
       x = soft_split(x, kernel, stride, padding)
       self.sow('intermediates', f'soft_split{stage}', x)
       if stage < 2:
-        x = layer_cls(self.token_dim, self.dtype, self.param_dtype,
-                      name=f'attention{stage + 1}')(x)
+        x = layer_cls(c.token_dim, c.dtype, c.param_dtype, name=f'attention{stage + 1}')(x)
         x = x.reshape(x.shape[0], *grids[stage], x.shape[-1])  # A row-major (h, w, c) map.
-    x = _dense(self.embed_dim, 'project', self.dtype, self.param_dtype, (None, 'embed'))(x)
+    x = _dense(c.embed_dim, 'project', c.dtype, c.param_dtype, (None, 'embed'))(x)
     return execution.constrain(x, execution.TOKENS_AXES)
 
 
@@ -299,57 +296,50 @@ class _QkvKernel(nn.Module):
 
 
 class Attention(nn.Module):
-  """Reference ``Attention`` (bias-free ``qkv`` ``(D, 3 D)``) through
-  :func:`vit_jax.models.attention.self_attention`; scale ``qk_scale`` or ``head_dim**-0.5``."""
+  """Reference ``Attention`` of the fields ``config`` (:data:`Config`; bias-free ``qkv`` ``(D,
+  3 D)``) through :func:`vit_jax.models.attention.self_attention`; scale ``qk_scale`` or
+  ``head_dim**-0.5``."""
 
-  num_heads: int
-  qk_scale: Optional[float] = None
-  dtype: Dtype = jnp.float32
-  param_dtype: Dtype = jnp.float32
-  attention: str = 'xla'
+  config: Any
 
   @nn.compact
   def __call__(self, x: Array) -> Array:
-    b, n, d = x.shape
-    head_dim = d // self.num_heads
-    scale = self.qk_scale if self.qk_scale is not None else head_dim ** -0.5
-    kernel = _QkvKernel(3 * d, self.param_dtype, name='qkv')(d)
-    kernel = kernel.reshape(d, 3, self.num_heads, head_dim)
+    c, (b, n, d) = self.config, x.shape
+    head_dim = d // c.num_heads
+    scale = c.qk_scale if c.qk_scale is not None else head_dim ** -0.5
+    kernel = _QkvKernel(3 * d, c.param_dtype, name='qkv')(d)
+    kernel = kernel.reshape(d, 3, c.num_heads, head_dim)
     projections = [(kernel[:, i], None) for i in range(3)]
     weights_fn = attention_lib.sow_weights(self) if attention_lib.capturing(self) else None
-    y, layout_ = attention_lib.self_attention(x.astype(self.dtype), projections,
-                                              implementation=self.attention, logits_scale=scale,
+    y, layout_ = attention_lib.self_attention(x.astype(c.dtype), projections,
+                                              implementation=c.attention, logits_scale=scale,
                                               weights_fn=weights_fn)
     if layout_ == 'bhnk':
       y = y.transpose(0, 2, 1, 3)
     y = y.reshape(b, n, d)
-    return _dense(d, 'proj', self.dtype, self.param_dtype, ('qkv', 'embed'))(y)
+    return _dense(d, 'proj', c.dtype, c.param_dtype, ('qkv', 'embed'))(y)
 
 
 class Block(nn.Module):
-  """Reference ``Block``, ``[B, N, D]``; ``deterministic`` positional (static under remat);
-  ``drop_path_rate`` (traced, under ``nn.scan``) replaces ``drop_path``."""
+  """Reference ``Block`` of the fields ``config`` (:data:`Config`), ``[B, N, D]``;
+  ``deterministic`` positional (static under remat); ``drop_path_rate`` (traced, under
+  ``nn.scan``) replaces ``drop_path``."""
 
-  num_heads: int
-  mlp_ratio: float
-  qk_scale: Optional[float] = None
+  config: Any
   drop_path: float = 0.0
-  dtype: Dtype = jnp.float32
-  param_dtype: Dtype = jnp.float32
   scanned: bool = False
-  attention: str = 'xla'
 
   @nn.compact
   def __call__(self, x: Array, deterministic: bool, drop_path_rate: Optional[Array] = None):
-    d = x.shape[-1]
+    c, d = self.config, x.shape[-1]
     drop = functools.partial(DropPath(self.drop_path, name='drop_path'),
                              deterministic=deterministic, rate=drop_path_rate)
     x = execution.constrain(x, execution.TOKENS_AXES)
-    y = _layer_norm('norm1', self.dtype, self.param_dtype)(x)
-    y = Attention(name='attn', **execution.shared_fields(self, Attention))(y)
+    y = _layer_norm('norm1', c.dtype, c.param_dtype)(x)
+    y = Attention(c, name='attn')(y)
     x = execution.constrain(x + drop(y), execution.TOKENS_AXES)
-    y = _layer_norm('norm2', self.dtype, self.param_dtype)(x)
-    y = Mlp(int(d * self.mlp_ratio), d, self.dtype, self.param_dtype, name='mlp')(y)
+    y = _layer_norm('norm2', c.dtype, c.param_dtype)(x)
+    y = Mlp(int(d * c.mlp_ratio), d, c.dtype, c.param_dtype, name='mlp')(y)
     x = execution.constrain(x + drop(y), execution.TOKENS_AXES)
     self.sow(attention_lib.INTERMEDIATES, attention_lib.TOKENS, x)  # A no-op unless mutable.
     return (x, None) if self.scanned else x
@@ -389,8 +379,8 @@ class T2TViT(nn.Module):
   @nn.compact
   def __call__(self, inputs: Array, *, train: bool) -> Array:
     dtype, param_dtype = execution.check_images(self, inputs)
-    x = TokensToToken(self.tokens_type, self.token_dim, self.embed_dim, dtype, param_dtype,
-                      name='tokens_to_token')(inputs.astype(dtype))
+    config = Config(**execution.shared_fields(self, Config, dtype=dtype, param_dtype=param_dtype))
+    x = TokensToToken(config, name='tokens_to_token')(inputs.astype(dtype))
     b, n, d = x.shape
     cls = self.param('cls_token', _partitioned(_linear_init, (None, None, 'embed')), (1, 1, d),
                      param_dtype)
@@ -412,8 +402,7 @@ class T2TViT(nn.Module):
     x = execution.blocks(
         Block, x, not train, depth=self.depth, name='blocks', remat=self.remat,
         remat_policy=self.remat_policy, scan=self.scan, scanned_args=scanned_rates,
-        layer_kwargs=lambda i: {'drop_path': float(rates[i])},
-        **execution.shared_fields(self, Block, dtype=dtype, param_dtype=param_dtype))
+        layer_kwargs=lambda i: {'drop_path': float(rates[i])}, config=config)
     x = _layer_norm('norm', dtype, param_dtype)(x)[:, 0]
     if self.num_classes is not None:
       x = _dense(self.num_classes, 'head', dtype, param_dtype, ('embed', 'classes'))(x)
@@ -452,6 +441,10 @@ T2T_FIELDS: Tuple[Field, ...] = (
           check=fields.rate),
     *fields.EXECUTION_FIELDS,
 )
+
+#: T2T-ViT's field values (:data:`T2T_FIELDS`) as one frozen object: what the T2T module and the
+#: blocks take whole, as ViT's encoder takes :data:`vit_jax.models.vit_fields.Config`.
+Config = fields.frozen_config(T2T_FIELDS)
 
 
 def validate_config(*, num_classes: Any = None, **config: Any) -> None:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import numbers
 from typing import Any, Mapping, Tuple, Union
@@ -122,13 +121,9 @@ HYBRID_FIELDS: Tuple[Field, ...] = (
 _DEFAULTS = {**fields.defaults(VIT_FIELDS), 'resnet_num_layers': None,
              **fields.defaults(HYBRID_FIELDS)}
 
-#: The ViT's field values as one frozen object, attributes named as :data:`VIT_FIELDS` and
-#: :data:`HYBRID_FIELDS` (defaults theirs, None where required): what the encoder and its blocks
-#: take whole, as the official ``Encoder`` takes ``transformer``.
-Config = dataclasses.make_dataclass(
-    'Config', [(name, Any, dataclasses.field(default=_DEFAULTS.get(name)))
-               for name in fields.names(VIT_FIELDS + HYBRID_FIELDS)],
-    frozen=True)
+#: The ViT's field values (:data:`VIT_FIELDS`, :data:`HYBRID_FIELDS`) as one frozen object: what
+#: the encoder and its blocks take whole, as the official ``Encoder`` takes ``transformer``.
+Config = fields.frozen_config(VIT_FIELDS + HYBRID_FIELDS)
 
 
 def value(config: Any, name: str) -> Any:
