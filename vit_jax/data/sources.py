@@ -21,6 +21,7 @@ from vit_jax.data import preprocess
 
 SplitArg = Any  # str or tfds AbstractSplit (e.g. a tfds.even_splits item).
 
+
 @dataclasses.dataclass(frozen=True)
 class LabelSpec:
   """The label feature ``key``: C = ``num_classes`` targets ``[C]``, multi-hot when
