@@ -5,6 +5,7 @@ UTF-8."""
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import time
@@ -147,25 +148,19 @@ def _not_files(paths: Sequence[str]) -> Dict[str, str]:
   return {p: kind for p, kind in kinds.items() if kind}
 
 
-# (root, all file paths) -> the undecodable ones: 'skip' validates a folder once per process.
-_UNDECODABLE_CACHE: Dict[Tuple[str, Tuple[str, ...]], Tuple[str, ...]] = {}
-
-
+@functools.lru_cache(maxsize=None)  # 'skip' validates a folder once per process.
 def _undecodable(root: str, paths: Tuple[str, ...]) -> Tuple[str, ...]:
   """The undecodable files among an image folder's ``paths`` (validated once, one warning)."""
-  key = (root, paths)
-  if key not in _UNDECODABLE_CACHE:
-    logging.info("Validating the %d images under %s (data.bad_images='skip')...", len(paths), root)
-    start = time.perf_counter()
-    bad = tuple(find_undecodable(paths))
-    seconds = time.perf_counter() - start
-    logging.info('Validated %d images in %.1f s (%.0f images/s).', len(paths), seconds,
-                 len(paths) / max(seconds, 1e-9))
-    if bad:
-      logging.warning("Skipping %d of %d images that cannot be decoded (data.bad_images='skip') "
-                      'under %s: %s', len(bad), len(paths), root, _name_files(bad, root, sep=', '))
-    _UNDECODABLE_CACHE[key] = bad
-  return _UNDECODABLE_CACHE[key]
+  logging.info("Validating the %d images under %s (data.bad_images='skip')...", len(paths), root)
+  start = time.perf_counter()
+  bad = tuple(find_undecodable(paths))
+  seconds = time.perf_counter() - start
+  logging.info('Validated %d images in %.1f s (%.0f images/s).', len(paths), seconds,
+               len(paths) / max(seconds, 1e-9))
+  if bad:
+    logging.warning("Skipping %d of %d images that cannot be decoded (data.bad_images='skip') "
+                    'under %s: %s', len(bad), len(paths), root, _name_files(bad, root, sep=', '))
+  return bad
 
 
 def folder_skips(root: str, paths: Sequence[str], mode: str) -> Tuple[str, ...]:
