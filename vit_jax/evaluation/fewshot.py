@@ -392,7 +392,6 @@ class Evaluator:
 
   def run(self, variables: dict[str, Any],
           stop: Optional[Callable[[], bool]] = None) -> dict[str, float]:
-    """`scalars` of every task: `{'fewshot/<dataset>_<k>shot': mean, '..._std': std}`; `stop` and
-    errors as `evaluate`."""
+    """The `scalars` of every task; `stop` and errors as `evaluate`."""
     return {k: v for result in self.evaluate(variables, stop)
             for k, v in scalars(result.task.name, result.shots).items()}
