@@ -63,14 +63,13 @@ def _decode_check(contents: tf.Tensor) -> tf.Tensor:
   return tf.minimum(hw, jpeg_hw)
 
 
-def find_undecodable(paths: Sequence[str], num_parallel_calls: int = -1) -> List[str]:
-  """The files among ``paths`` (local or ``gs://``) that cannot be read and decoded, in order
-  (one parallel tf.data pass; ``num_parallel_calls`` -1: AUTOTUNE)."""
+def find_undecodable(paths: Sequence[str]) -> List[str]:
+  """The files among ``paths`` (local or ``gs://``) that cannot be read and decoded, in order."""
   paths = list(paths)
   ds = tf.data.Dataset.from_tensor_slices(
       (tf.range(len(paths), dtype=tf.int64), tf.constant(paths, tf.string)))
   ds = ds.map(lambda i, p: (i, _decode_check(tf.io.read_file(p))),
-              num_parallel_calls=num_parallel_calls, deterministic=False)
+              num_parallel_calls=tf.data.AUTOTUNE, deterministic=False)
   ds = ds.ignore_errors().map(lambda i, _: i).batch(4096)
   ok = np.zeros(len(paths), bool)
   for ids in ds.as_numpy_iterator():
