@@ -441,7 +441,8 @@ def test_rand_augment_uses_apply_op():
     for i, name in enumerate(names):
       seed = _seed(i)
       np.testing.assert_array_equal(
-          randaugment._apply_indexed(x, names, tf.constant(i), 7.3, seed, FILL),
+          randaugment._apply_switch(x, names, tf.constant(i), 7.3, randaugment._sign(
+              tf.random.stateless_uniform([], seed, dtype=tf.float64)), FILL),
           aug.apply_op(x, name, 7.3, seed), err_msg=name)
 
 

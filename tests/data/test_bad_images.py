@@ -19,6 +19,7 @@ import pytest
 from tests import data_utils
 from vit_jax import config as config_lib
 from vit_jax import data
+from vit_jax.data import bad_images
 from vit_jax.data import files
 from vit_jax.data import sources
 from vit_jax.tools import predict
@@ -215,8 +216,8 @@ def test_skip_excludes_bad_files_with_one_warning(skip_folder, caplog,
                                                   monkeypatch):
   root, paths = skip_folder
   calls = []
-  find = sources.find_undecodable
-  monkeypatch.setattr(sources, 'find_undecodable',
+  find = bad_images.find_undecodable
+  monkeypatch.setattr(bad_images, 'find_undecodable',
                       lambda p: calls.append(len(p)) or find(p))
   cfg = _cfg(image_folder=root, bad_images='skip')
   with caplog.at_level(logging.WARNING):

@@ -10,9 +10,9 @@ from PIL import Image
 import pytest
 import tensorflow as tf
 
+from vit_jax.data import bad_images
 from vit_jax.data import files
 from vit_jax.data import preprocess
-from vit_jax.data import sources
 
 
 def _png(path, array):
@@ -68,7 +68,7 @@ def test_a_folder_is_listed_once_whatever_links_lead_back_into_it(tmp_path):
   open(latin1, "wb").close()
   with pytest.raises(ValueError, match=re.escape(f"The file name {latin1!r} is not UTF-8")):
     files.list_images(str(tmp_path))
-  assert sources.first_non_utf8_path(str(tmp_path)) == latin1
+  assert bad_images.first_non_utf8_path(str(tmp_path)) == latin1
 
 
 @pytest.mark.parametrize("crop_pct,normalization", [(None, "minus_one_to_one"),
@@ -109,7 +109,7 @@ def test_bad_files_and_arrays_are_named_in_the_error(tmp_path):
   kwargs = dict(size=8, normalization="minus_one_to_one")
   bad = tmp_path / "bad.jpg"
   bad.write_bytes(b"\xff\xd8 truncated jpeg")
-  with pytest.raises(sources.BadImageError, match=f"^{bad} is not a decodable image: ") as info:
+  with pytest.raises(bad_images.BadImageError, match=f"^{bad} is not a decodable image: ") as info:
     files.eval_input(str(bad), **kwargs)
   assert info.value.paths == [str(bad)]
   with pytest.raises(FileNotFoundError, match=f"^{tmp_path / 'missing.png'} does not exist"):

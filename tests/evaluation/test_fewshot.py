@@ -77,7 +77,8 @@ def test_separated_clusters_are_classified_perfectly_and_random_labels_at_chance
                                     rng.normal(size=(2000, 16)), test_labels, num_classes=10)
   for r in noise.values():
     assert abs(r.mean - 0.1) < 0.03, r  # Chance is 1/10; 3 x 2000 draws: std ~0.004.
-  assert fewshot.linear_accuracy(pool_x, pool_y, test_x, test_y, [1.0, 1e4]).tolist() == [1, 1]
+  probe = fewshot.LinearProbe.fit(pool_x, pool_y, 10)
+  assert [probe.accuracy(test_x, test_y, l2) for l2 in (1.0, 1e4)] == [1, 1]
 
 
 def test_shot_draws_are_deterministic_nested_and_differ_between_seeds():

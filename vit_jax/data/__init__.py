@@ -11,7 +11,7 @@ from vit_jax.data import fashion_mnist_local  # Registers the builder.
 from vit_jax.data.pipeline import (DatasetInfo, EvalDataset, TrainIterator, create_eval_dataset,
                                    create_train_iterator, get_info, local_batch_size,
                                    train_read_mode)
-from vit_jax.data.sources import BadImageError, find_undecodable
+from vit_jax.data.bad_images import BadImageError, find_undecodable
 
 __all__ = [
     'BadImageError', 'DatasetInfo', 'EvalDataset', 'TrainIterator', 'create_eval_dataset',

@@ -12,7 +12,7 @@ import tensorflow as tf
 
 from vit_jax import storage
 from vit_jax.data import preprocess
-from vit_jax.data import sources
+from vit_jax.data import bad_images
 
 #: File name endings (lower case) that `list_images` takes for images.
 IMAGE_EXTENSIONS = ('.jpg', '.jpeg', '.png', '.bmp', '.gif', '.webp')
@@ -67,7 +67,7 @@ def list_images(folder: str, recursive: bool = True,
     for n in names:
       if not n.startswith('.') and n.lower().endswith(IMAGE_EXTENSIONS):
         if any('\ud800' <= c <= '\udfff' for c in root + n):  # Not UTF-8: lone surrogates.
-          raise sources.non_utf8_name_error(storage.join(root, n))
+          raise bad_images.non_utf8_name_error(storage.join(root, n))
         found.append(storage.join(root, n))
     if not recursive:
       break
@@ -119,8 +119,8 @@ def eval_input(image: Any, *, size: int, normalization: Optional[str],
     try:
       return preprocess.eval_image(tf.constant(image), encoded=True, **kwargs).numpy()
     except (tf.errors.InvalidArgumentError, tf.errors.UnimplementedError) as e:
-      raise sources.BadImageError(f'{name} is not a decodable image: {sources.tf_message(e)}',
-                                  paths=[name]) from e
+      raise bad_images.BadImageError(
+          f'{name} is not a decodable image: {bad_images.tf_message(e)}', paths=[name]) from e
   array = _as_array(image, name or 'the image')
   return preprocess.eval_image(tf.convert_to_tensor(array), encoded=False, **kwargs).numpy()
 

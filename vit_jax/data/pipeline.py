@@ -17,6 +17,7 @@ import numpy as np
 import tensorflow as tf
 import tensorflow_datasets as tfds
 
+from vit_jax.data import bad_images
 from vit_jax.data import memory
 from vit_jax.data import preprocess
 from vit_jax.data import sources
@@ -41,7 +42,7 @@ class DatasetInfo:
 # What iterating a pipeline raises when an image cannot be decoded.
 _DECODE_ERRORS = (tf.errors.InvalidArgumentError, tf.errors.DataLossError)
 # error -> the BadImageError explaining it, or None (see Source.bad_image_error).
-_Diagnose = Callable[[Exception], Optional[sources.BadImageError]]
+_Diagnose = Callable[[Exception], Optional[bad_images.BadImageError]]
 
 
 def _processes(process_index: Optional[int], process_count: Optional[int],

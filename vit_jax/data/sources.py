@@ -1,15 +1,13 @@
 """Dataset sources: ``config.data`` -> a tfds builder (a registered name, prepared offline only,
 a prepared directory, or an image folder ``root/<split>/<class>/*.{jpg,jpeg,png}``) whose splits
-read as ``{'image', 'label'}``; undecodable images (``config.data.bad_images``) are found here."""
+read as ``{'image', 'label'}``; bad image files: :mod:`vit_jax.data.bad_images`."""
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
 import os
-import re
-import time
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from absl import logging
 import numpy as np
@@ -18,122 +16,10 @@ import tensorflow_datasets as tfds
 
 from vit_jax import config as config_lib
 from vit_jax import storage
+from vit_jax.data import bad_images
 from vit_jax.data import preprocess
 
 SplitArg = Any  # str or tfds AbstractSplit (e.g. a tfds.even_splits item).
-
-#: Bad files named in a `BadImageError` message / the 'skip' warning.
-MAX_NAMED_FILES = 8
-# TensorFlow errors from decoding an image (node / op names, the decoders' messages).
-_DECODE_ERROR_RE = re.compile(r'decode|jpeg|png|gif|bmp|webp|image file format|input is empty',
-                              re.IGNORECASE)
-
-
-class BadImageError(ValueError):
-  """Images cannot be decoded (``bad_images='fail'``); the message names the files and the fix.
-  Attributes: ``paths`` (the split's undecodable files; [] for tfds), ``dataset``, ``split``."""
-
-  def __init__(self, message: str, *, paths: Sequence[str] = (), dataset: str = '',
-               split: str = ''):
-    super().__init__(message)
-    self.paths = list(paths)
-    self.dataset = dataset
-    self.split = split
-
-
-def tf_message(error: Exception) -> str:
-  """The first line of a TensorFlow error, without its function prefix and op name."""
-  text = (getattr(error, 'message', None) or str(error)).strip()
-  text = re.sub(r'^\{\{function_node [^}]*\}\}\s*', '', text)
-  text = re.sub(r'^Error in user-defined function passed to \S+ transformation '
-                r'with iterator: \S+: ', '', text)
-  text = text.splitlines()[0] if text else ''
-  return re.sub(r'\s*\[Op:\w+\]( name:.*)?$', '', text).strip() or type(error).__name__
-
-
-def _name_files(paths: Sequence[str], root: Optional[str] = None, sep: str = '\n  ') -> str:
-  """The first MAX_NAMED_FILES paths (relative to `root`), '... and N more'."""
-  shown = [os.path.relpath(p, root) if root else p for p in paths[:MAX_NAMED_FILES]]
-  more = len(paths) - len(shown)
-  return sep.join(shown + ([f'... and {more} more'] if more else []))
-
-
-def _decode_check(contents: tf.Tensor) -> tf.Tensor:
-  """int32 ``[2]`` (H, W) of image bytes decoded as the pipelines do (and the fused crop's JPEG
-  header parse); raises inside tf.data when either fails."""
-  image = tf.io.decode_image(contents, channels=3, expand_animations=False)
-  hw = tf.shape(image)[:2]
-  jpeg_hw = tf.cond(tf.io.is_jpeg(contents), lambda: tf.image.extract_jpeg_shape(contents)[:2],
-                    lambda: hw)
-  return tf.minimum(hw, jpeg_hw)
-
-
-def find_undecodable(paths: Sequence[str], num_parallel_calls: int = -1) -> List[str]:
-  """The files among ``paths`` (local or ``gs://``) that cannot be read and decoded, in order
-  (one parallel tf.data pass; ``num_parallel_calls`` -1: AUTOTUNE)."""
-  paths = list(paths)
-  ds = tf.data.Dataset.from_tensor_slices(
-      (tf.range(len(paths), dtype=tf.int64), tf.constant(paths, tf.string)))
-  ds = ds.map(lambda i, p: (i, _decode_check(tf.io.read_file(p))),
-              num_parallel_calls=num_parallel_calls, deterministic=False)
-  ds = ds.ignore_errors().map(lambda i, _: i).batch(4096)
-  ok = np.zeros(len(paths), bool)
-  for ids in ds.as_numpy_iterator():
-    ok[ids] = True
-  return [p for p, good in zip(paths, ok) if not good]
-
-
-def non_utf8_name_error(path: Any) -> ValueError:
-  """The ValueError for a file name that is not UTF-8 (TensorFlow cannot open it), with the fix."""
-  raw = path if isinstance(path, bytes) else os.fsencode(path)
-  return ValueError(f'The file name {raw!r} is not UTF-8, which TensorFlow cannot open: rename '
-                    'it (e.g. convmv -f latin1 -t utf8 --notest <file>) or move it away.')
-
-
-def first_non_utf8_path(folder: str) -> Optional[bytes]:
-  """The first path (bytes) under a local ``folder`` whose name is not UTF-8, else None."""
-  for root, dirs, names in os.walk(os.fsencode(folder)):
-    for name in sorted(dirs + names):
-      try:
-        name.decode('utf-8')
-      except UnicodeDecodeError:
-        return os.path.join(root, name)
-  return None
-
-
-def _not_files(paths: Sequence[str]) -> Dict[str, str]:
-  """The local `paths` that are no regular file (`storage.not_a_file`), in order, with what each
-  is; one directory listing per folder (a stat per link and odd entry only)."""
-  odd = set()
-  for folder in dict.fromkeys(os.path.dirname(p) for p in paths):
-    try:
-      with os.scandir(folder or '.') as entries:
-        odd.update(e.path for e in entries if not e.is_file(follow_symlinks=False))
-    except OSError:
-      continue
-  kinds = {p: storage.not_a_file(p) for p in paths if p in odd}
-  return {p: kind for p, kind in kinds.items() if kind}
-
-
-# (root, all file paths) -> the undecodable ones: 'skip' validates a folder once per process.
-_UNDECODABLE_CACHE: Dict[Tuple[str, Tuple[str, ...]], Tuple[str, ...]] = {}
-
-
-def _undecodable(root: str, paths: Tuple[str, ...]) -> Tuple[str, ...]:
-  """The undecodable files among an image folder's ``paths`` (validated once, one warning)."""
-  key = (root, paths)
-  if key not in _UNDECODABLE_CACHE:
-    logging.info("Validating the %d images under %s (data.bad_images='skip')...", len(paths), root)
-    start = time.perf_counter()
-    bad = tuple(find_undecodable(paths))
-    seconds = time.perf_counter() - start
-    logging.info('Validated %d images in %.1f s (%.0f images/s).', len(paths), seconds,
-                 len(paths) / max(seconds, 1e-9))
-    if bad:
-      logging.warning("Skipping %d of %d images that cannot be decoded (data.bad_images='skip') "
-                      'under %s: %s', len(bad), len(paths), root, _name_files(bad, root, sep=', '))
-    _UNDECODABLE_CACHE[key] = bad
-  return _UNDECODABLE_CACHE[key]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -266,33 +152,12 @@ class Source:
     return ds.ignore_errors(log_warning=True) if drops else ds
 
   def bad_image_error(self, error: Exception, split: SplitArg,
-                      split_name: Optional[str] = None) -> Optional[BadImageError]:
-    """``error`` (a ``tf.errors.OpError`` reading ``split``) as a ``BadImageError`` naming the
-    undecodable files (image folders: :func:`find_undecodable`), or None if not a decoding one."""
-    if not _DECODE_ERROR_RE.search(str(error)):
-      return None
-    split_name = str(split) if split_name is None else split_name
-    message = tf_message(error)
-    if not self.is_image_folder:
-      return BadImageError(
-          f'An image of split {split_name!r} of dataset {self.name!r} cannot be decoded '
-          f'(TensorFlow: {message}). tfds records have no file name: rebuild the dataset without '
-          'it, or set --config.data.bad_images=skip to skip undecodable images.',
-          dataset=self.name, split=split_name)
-    paths = self._folder_split(split)[0]
-    logging.warning('Decoding an image of split %r of %s failed (%s); looking for the '
-                    'undecodable files among its %d images.', split_name, self.name, message,
-                    len(paths))
-    bad = find_undecodable(paths)
-    if not bad:
-      return None
-    note = (' They could be decoded when the folder was validated: did they change since?'
-            if self.bad_images == 'skip' else '')
-    return BadImageError(
-        f'{len(bad)} of {len(paths)} images of split {split_name!r} of image folder {self.name} '
-        f'cannot be decoded (corrupt, truncated, empty or not an image):\n  {_name_files(bad)}\n'
-        f'Remove or replace them, or set --config.data.bad_images=skip to skip undecodable '
-        f'images.{note} (TensorFlow: {message})', paths=bad, dataset=self.name, split=split_name)
+                      split_name: Optional[str] = None) -> Optional[bad_images.BadImageError]:
+    """``error`` (a ``tf.errors.OpError`` reading ``split``) as :func:`bad_images.decoding_error`
+    explains it (an image folder's: naming the undecodable files), or None."""
+    paths = self._folder_split(split)[0] if self.is_image_folder else None
+    return bad_images.decoding_error(error, self.name, str(split) if split_name is None
+                                     else split_name, self.bad_images, paths)
 
   @property
   def is_image_folder(self) -> bool:
@@ -541,7 +406,7 @@ def _restore_file_formats(builder) -> None:
 
 def _make_source(data_cfg) -> Source:
   """Builds the `Source` for `config.data` (uncached)."""
-  name, bad_images = data_cfg.name, data_cfg.bad_images
+  name, mode = data_cfg.name, data_cfg.bad_images
   if data_cfg.image_folder:
     root = storage.normalize(data_cfg.image_folder)
     if not storage.isdir(root):
@@ -552,36 +417,19 @@ def _make_source(data_cfg) -> Source:
       with _folder_names_without_slashes():
         builder = tfds.folder_dataset.ImageFolder(root)
     except UnicodeDecodeError:  # TensorFlow's file API lists names as UTF-8 only.
-      raw = None if storage.is_remote(root) else first_non_utf8_path(root)
-      if raw is None:
-        raise ValueError(f'A file name under {root} is not UTF-8, which TensorFlow cannot '
-                         'open: rename it.') from None
-      raise non_utf8_name_error(raw) from None
+      raise bad_images.non_utf8_folder_error(root) from None
     if not builder.info.splits:
       raise FileNotFoundError(f'No images found under {root}/<split>/<class>/*.{{jpg,jpeg,png}}.')
     label = _label_spec(builder, root, data_cfg.label_key or 'label')
     # Reading the per-split file lists ourselves gives split slicing and reading by index.
     examples = dict(builder._split_examples)  # pylint: disable=protected-access
-    paths = [e.image_path for exs in examples.values() for e in exs]
-    odd = {} if storage.is_remote(root) else _not_files(paths)
-    named = _name_files([f'{os.path.relpath(p, root)} ({kind})' for p, kind in odd.items()],
-                        sep=', ')
-    if odd and bad_images != 'skip':
-      raise FileNotFoundError(
-          f'{len(odd)} image file(s) of image folder {root} are not files that can be read '
-          f'(reading a FIFO or a device waits forever): {named}. Remove them or replace them '
-          'with images, or set --config.data.bad_images=skip to skip them.')
-    if odd:
-      logging.warning("Skipping %d image file(s) of image folder %s that are not files that can "
-                      "be read (data.bad_images='skip'): %s", len(odd), root, named)
-    skipped = tuple(odd)
-    if bad_images == 'skip':  # The others, left out when they cannot be decoded.
-      skipped += _undecodable(root, tuple(p for p in paths if p not in odd))
+    skipped = bad_images.folder_skips(
+        root, [e.image_path for exs in examples.values() for e in exs], mode)
     left_out = set(skipped)
     examples = {split: [e for e in exs if e.image_path not in left_out]
                 for split, exs in examples.items()}
     return Source(builder, root, 'image', label, image_folder_examples=examples,
-                  bad_images=bad_images, skipped_images=skipped)
+                  bad_images=mode, skipped_images=skipped)
   if not name:
     raise ValueError('Set config.data.name (or config.data.image_folder).')
   builder = tfds_builder(name, data_cfg.data_dir)
@@ -592,7 +440,7 @@ def _make_source(data_cfg) -> Source:
     raise KeyError(f'config.data.image_key={data_cfg.image_key!r} is not a feature of {name!r}; '
                    f'features: {sorted(builder.info.features)}.')
   return Source(builder, name, data_cfg.image_key, _label_spec(builder, name, data_cfg.label_key),
-                bad_images=bad_images)
+                bad_images=mode)
 
 
 _SOURCES = {}

@@ -122,17 +122,6 @@ class LinearProbe:
     return float(np.mean(self.predict(x, l2) == y))
 
 
-def linear_accuracy(train_features: Any, train_labels: Any, test_features: Any,
-                    test_labels: Any, l2_regs: Sequence[float],
-                    num_classes: Optional[int] = None) -> np.ndarray:
-  """float64 [len(l2_regs)]: the eval accuracy of the probe fitted on [N, F] `train_features`
-  for each l2 (`num_classes` default: 1 + the largest label). ValueError as `LinearProbe.fit`."""
-  if num_classes is None:
-    num_classes = int(max(np.max(train_labels), np.max(test_labels))) + 1
-  probe = LinearProbe.fit(train_features, train_labels, num_classes)
-  return np.array([probe.accuracy(test_features, test_labels, l2) for l2 in l2_regs])
-
-
 def class_permutations(labels: Any, num_classes: int, seed: int) -> list[np.ndarray]:
   """Per class, the indices of its `labels` permuted by `default_rng(seed)` in class order
   (big_vision's draws); the seed's k-shot set is the first k of each."""
@@ -403,7 +392,6 @@ class Evaluator:
 
   def run(self, variables: dict[str, Any],
           stop: Optional[Callable[[], bool]] = None) -> dict[str, float]:
-    """`scalars` of every task: `{'fewshot/<dataset>_<k>shot': mean, '..._std': std}`; `stop` and
-    errors as `evaluate`."""
+    """The `scalars` of every task; `stop` and errors as `evaluate`."""
     return {k: v for result in self.evaluate(variables, stop)
             for k, v in scalars(result.task.name, result.shots).items()}

@@ -156,13 +156,13 @@ def image_paths(arguments: Sequence[str]) -> List[str]:
   """The image files of the IMAGE_OR_FOLDER arguments, each once, in argument order. Raises
   FileNotFoundError, or ValueError (a folder without images, a non-UTF-8 name)."""
   from vit_jax.data import files  # pylint: disable=g-import-not-at-top
-  from vit_jax.data import sources  # pylint: disable=g-import-not-at-top
+  from vit_jax.data import bad_images  # pylint: disable=g-import-not-at-top
   found: Dict[str, None] = {}
   for arg in arguments:
     try:
       arg.encode('utf-8')  # A name that is not UTF-8 arrives with lone surrogates ('\udce9').
     except UnicodeEncodeError:
-      raise sources.non_utf8_name_error(arg) from None
+      raise bad_images.non_utf8_name_error(arg) from None
     if storage.isdir(arg):
       links: List[str] = []
       listed = files.list_images(arg, skipped_links=links)

@@ -431,12 +431,6 @@ def _layer(image: tf.Tensor, names: Tuple[str, ...], u: tf.Tensor, magnitude: fl
                        _sign(u[3]), fill)
 
 
-def _apply_indexed(image: tf.Tensor, names: Sequence[str], index: tf.Tensor,
-                   magnitude: tf.Tensor, seed: tf.Tensor, fill: Tuple[int, int, int]) -> tf.Tensor:
-  """``apply_op(image, names[index], magnitude, seed)`` for an int32 tensor ``index``."""
-  return _apply_switch(image, names, index, magnitude, _sign(stateless.uniform(seed)), fill)
-
-
 @stateless.no_autograph
 def apply_op(image: tf.Tensor, name: str, magnitude: Number, seed: tf.Tensor,
              *, fill: Fill = IMAGENET_FILL) -> tf.Tensor:
