@@ -9,6 +9,7 @@ import platform
 import statistics
 from typing import Any, Optional, Sequence
 
+from vit_jax import platform as vit_jax_platform
 from vit_jax.tools import common
 from vit_jax.tools.benchmark.common import available_cores
 from vit_jax.tools.benchmark.inputs import INPUT_LABELS
@@ -29,10 +30,8 @@ def environment(threads: int) -> dict[str, Any]:
     except importlib.metadata.PackageNotFoundError:
       versions[package] = None
   cpu = common.cpu_info()
-  try:  # MemTotal.
-    memory_gib = round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1)
-  except (AttributeError, ValueError, OSError):
-    memory_gib = None
+  memory = vit_jax_platform.host_memory_bytes()  # The cgroup's limit where lower.
+  memory_gib = None if memory is None else round(memory / 2**30, 1)
   simd = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "amx_tile", "amx_bf16")
   cpu_features = [flag for flag in cpu.get("flags", "").split() if flag in simd]
   cpu_model = cpu.get("model name") or platform.processor() or None
