@@ -106,8 +106,12 @@ class Parser(argparse.ArgumentParser):
     for action in self._actions:
       value = getattr(parsed, action.dest, None)
       values = value if isinstance(value, list) else [value]
-      name = action.option_strings[-1] if action.option_strings else (
-          action.metavar if isinstance(action.metavar, str) else action.dest.upper())
+      if action.option_strings:
+        name = action.option_strings[-1]
+      elif isinstance(action.metavar, str):
+        name = action.metavar
+      else:
+        name = action.dest.upper()
       try:
         for url in values:
           storage.check_url(url, name)

@@ -228,8 +228,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     raise ValueError(f'--workers {args.workers}: give a positive number, or 0 for the CPU count.')
   where, shards, records, written = convert(args.dataset, args.data_dir, args.workers,
                                             args.staging_dir, report=print)
-  done = 'all written now' if written == records else (
-      'all there already' if not written else f'{written:,} examples written now')
+  if written == records:
+    done = 'all written now'
+  elif not written:
+    done = 'all there already'
+  else:
+    done = f'{written:,} examples written now'
   print(f'{where}: {shards} ArrayRecord shards, {records:,} examples ({done}); runs started '
         'from now on read it by index (a run that read it in order goes on so).')
   return 0

@@ -174,10 +174,12 @@ def result_notes(results: list[dict[str, Any]], *, compile_only: bool,
   tunables = os.environ.get("GLIBC_TUNABLES", "")
   with_timm = any(r["framework"] == "timm" for r in results)
   timm_too = ", timm's processes too" if with_timm else ""
-  notes.append(f"malloc: huge pages for large allocations (GLIBC_TUNABLES={tunables}{timm_too})."
-               if "glibc.malloc.hugetlb=1" in tunables else
-               f"malloc: no huge pages (GLIBC_TUNABLES={tunables or 'unset'}{timm_too}): "
-               "VIT_JAX_HUGE_PAGES=0, a glibc.malloc.hugetlb of your own, or not supported here.")
+  if "glibc.malloc.hugetlb=1" in tunables:
+    notes.append("malloc: huge pages for large allocations "
+                 f"(GLIBC_TUNABLES={tunables}{timm_too}).")
+  else:
+    notes.append(f"malloc: no huge pages (GLIBC_TUNABLES={tunables or 'unset'}{timm_too}): "
+                 "VIT_JAX_HUGE_PAGES=0, a glibc.malloc.hugetlb of your own, or not supported here.")
   if platform_name == "cpu" and peak_flops:
     notes.append(f"CPU peak: {peak_flops / 1e9:.0f} GFLOP/s, XLA's own float32 2048^3 "
                  "matmul (for bfloat16 too) measured once in this run (it moves with the "

@@ -66,12 +66,16 @@ def run_in_subprocess(spec: dict[str, Any], timeout: Optional[float] = None) -> 
       os.path.abspath(__file__)))))
   env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
   with tempfile.TemporaryDirectory(prefix="vit_jax_bench_") as tmp:
-    spec_path, out_path = os.path.join(tmp, "spec.json"), os.path.join(tmp, "result.json")
+    spec_path = os.path.join(tmp, "spec.json")
+    out_path = os.path.join(tmp, "result.json")
     with open(spec_path, "w", encoding="utf-8") as f:
       json.dump(spec, f)
-    what = (f"the {spec['source']} input pipeline" if spec["framework"] == "input" else
-            f"timm's DataLoader ({spec['recipe']})" if spec["framework"] == "timm_input" else
-            f"{spec['model']} {spec['mode']} ({spec['framework']})")
+    if spec["framework"] == "input":
+      what = f"the {spec['source']} input pipeline"
+    elif spec["framework"] == "timm_input":
+      what = f"timm's DataLoader ({spec['recipe']})"
+    else:
+      what = f"{spec['model']} {spec['mode']} ({spec['framework']})"
     try:
       proc = subprocess.run([sys.executable, "-m", WORKER_MODULE, "--worker", spec_path,
                              out_path], env=env, capture_output=True, text=True,

@@ -152,8 +152,8 @@ def format_result(result: fit.Result) -> str:
 
 def _slices_lines(result: fit.Result) -> list[str]:
   """The slices and, per compiled step, the collectives that cross them (`collectives`)."""
-  n, data = result.slice.num_slices, sharding.axis_sizes(result.config.mesh,
-                                                         len(result.slice.devices))["data"]
+  n = result.slice.num_slices
+  data = sharding.axis_sizes(result.config.mesh, len(result.slice.devices))["data"]
   parts = []
   for s in result.steps:
     found = s.cross_slice
@@ -285,8 +285,10 @@ def run(config, accelerator: str, *, suggest: bool = True, eval_step: bool = Tru
     return 0
   result = checker(config)
   say(format_result(result))
-  say(f"FITS: peak {_size(result.peak)} per device of {_size(result.slice.hbm_bytes)}."
-      if result.fits else f"DOES NOT FIT: {result.refused.verdict}")
+  if result.fits:
+    say(f"FITS: peak {_size(result.peak)} per device of {_size(result.slice.hbm_bytes)}.")
+  else:
+    say(f"DOES NOT FIT: {result.refused.verdict}")
   report = report_json(result)
   if result.fits:
     if faster and estimate:
