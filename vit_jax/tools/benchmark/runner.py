@@ -11,6 +11,7 @@ import sys
 import tempfile
 from typing import Any, Callable, Optional, Sequence
 
+import vit_jax
 from vit_jax.tools.benchmark import inputs as inputs_lib
 from vit_jax.tools.benchmark import report as report_lib
 from vit_jax.tools.benchmark import timm as timm_lib
@@ -62,8 +63,7 @@ def run_in_subprocess(spec: dict[str, Any], timeout: Optional[float] = None) -> 
   env = dict(os.environ)
   if threads:
     env.update(NPROC=str(threads), OMP_NUM_THREADS=str(threads))
-  root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(
-      os.path.abspath(__file__)))))
+  root = os.path.dirname(os.path.dirname(os.path.abspath(vit_jax.__file__)))
   env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
   with tempfile.TemporaryDirectory(prefix="vit_jax_bench_") as tmp:
     spec_path = os.path.join(tmp, "spec.json")
