@@ -181,10 +181,13 @@ def convert(dataset: str, data_dir: Optional[str] = None, workers: int = 0,
   shards = _shards(builder)
   workers = max(1, min(workers or os.cpu_count() or 1, len(shards)))
   remote = storage.is_remote(where)
-  scratch, needed = _staging_dir(shards, workers, staging) if remote else (None, 0)
+  scratch = None
+  staged = ''
+  if remote:
+    scratch, needed = _staging_dir(shards, workers, staging)
+    staged = f', staged under {scratch} (up to {_gib(needed)} of local disk at once)'
   report(f'{where}: {len(shards)} TFRecord shards, {sum(s for *_, s in shards) / 2**30:.2f} GiB, '
-         f'{workers} at a time' + (f', staged under {scratch} (up to {_gib(needed)} of local '
-                                    'disk at once)' if remote else '') + '...')
+         f'{workers} at a time{staged}...')
   stop = threading.Event()
   handlers = {}
 
