@@ -162,7 +162,9 @@ def _rounds(plan: tuple, mode: str, rounds: int, base_spec: dict[str, Any], peak
   per_framework: dict[str, list[dict[str, Any]]] = {"ours": [], "timm": []}
   for round_ in range(rounds):
     order = ["ours", "timm"] if with_timm else ["ours"]
-    for framework in (order[::-1] if round_ % 2 and peak["flops"] is not None else order):
+    if round_ % 2 and peak["flops"] is not None:
+      order.reverse()
+    for framework in order:
       spec = dict(base_spec, framework=framework, model=model, mode=mode,
                   peak_flops=peak["flops"], analytic_flops=float(analytic),
                   device=peak["platform"])
@@ -187,7 +189,9 @@ def _recipe_rounds(*, batch: int, resolution: int, threads: int, rounds: int, wi
       per_framework: dict[str, list[dict[str, Any]]] = {"input": [], "timm_input": []}
       for round_ in range(rounds):
         order = ["input", "timm_input"] if with_timm else ["input"]
-        for framework in (order if round_ % 2 == 0 else order[::-1]):
+        if round_ % 2:
+          order.reverse()
+        for framework in order:
           if progress:
             who = "ours" if framework == "input" else "timm"
             progress(f"[input preprocessing] {recipe}, {count} core(s), {who}, "
