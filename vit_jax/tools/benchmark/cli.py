@@ -78,7 +78,7 @@ def _parser() -> argparse.ArgumentParser:
 
 @common.exit_status
 def main(argv: Optional[Sequence[str]] = None) -> int:
-  """The command line; returns the exit status (0; 1 a measurement failed; 2 bad input)."""
+  """The command line; returns the exit status (bad flags: the parser's SystemExit(2))."""
   args = _parser().parse_args(argv)
   if args.worker:
     return runner.worker(*args.worker)
