@@ -88,7 +88,11 @@ def analyze(trained: Any, inputs: np.ndarray, *, overlays: int = 8) -> Dict[str,
   model = step_lib.create_model(trained.config)
   variables = models.unbox(trained.variables)
   registers = int(getattr(model, 'num_registers', 0))  # T2T-ViT: none.
-  sums, rollouts, predicted, layer_maps, layout = None, [], [], None, None
+  sums = None
+  rollouts = []
+  predicted = []
+  layer_maps = None
+  layout = None
   for start in range(0, len(inputs), CHUNK):
     captured = intermediates.capture(model, variables, inputs[start:start + CHUNK])
     layout = captured.layout

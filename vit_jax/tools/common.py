@@ -1,12 +1,9 @@
 """What the command-line tools share: the parser, the one ``FATAL:`` report, ``--set`` fields,
-SOURCE arguments, and :func:`run_program`.
-
-Exit status 2: bad input; 1: a failure while working (:class:`WorkFailed`); 130: interrupted.
-One convention for every tool: its ``main(argv=None)``, decorated with :func:`exit_status`, is
-the command on ``argv`` and returns the exit status, raising rather than catching (errors of
-other kinds are converted with :func:`input_errors` or :func:`output_errors`); its
-``run_main()`` (:func:`run_program`) is the program its entry module runs: ``python -m
-vit_jax.<tool>`` (``vit_jax.tools.<tool>`` for the helpers without one).
+SOURCE arguments, and one convention: a tool's ``main(argv=None)``, decorated with
+:func:`exit_status` (which owns the exit statuses), is the command on ``argv``, raising rather
+than catching (:func:`input_errors`, :func:`output_errors` convert other errors); its
+``run_main()`` (:func:`run_program`) is the program ``python -m vit_jax.<tool>`` runs
+(``vit_jax.tools.<tool>`` for the helpers without one).
 """
 
 from __future__ import annotations
@@ -106,8 +103,12 @@ class Parser(argparse.ArgumentParser):
     for action in self._actions:
       value = getattr(parsed, action.dest, None)
       values = value if isinstance(value, list) else [value]
-      name = action.option_strings[-1] if action.option_strings else (
-          action.metavar if isinstance(action.metavar, str) else action.dest.upper())
+      if action.option_strings:
+        name = action.option_strings[-1]
+      elif isinstance(action.metavar, str):
+        name = action.metavar
+      else:
+        name = action.dest.upper()
       try:
         for url in values:
           storage.check_url(url, name)

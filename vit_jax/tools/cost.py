@@ -118,7 +118,8 @@ def preflight_mfu(path: str, config, accelerator: str) -> tuple[float, str]:
       raise ValueError(f"{path} estimates {key} {report.get(key)!r}, but this run's {what} is "
                        f"{mine!r}: its MFU does not carry over. Pre-flight this config for a "
                        f"{hw.device_kind} slice, or give the --accelerator it was made for.")
-  theirs, per_device = report.get("batch_per_device"), config.batch_size / hw.num_devices
+  theirs = report.get("batch_per_device")
+  per_device = config.batch_size / hw.num_devices
   source = (f"the TPU compiler's estimate of the train step on {report.get('accelerator')} at "
             f"{theirs:,} images per device, from {path}" if isinstance(theirs, int) else
             f"the TPU compiler's estimate of the train step, from {path}")
@@ -383,7 +384,8 @@ def main(argv=None) -> int:
   if config is None:
     raise ValueError("Give --config=configs/<file>.py[:<args>] (or --table2, or a run's "
                      "WORKDIR); --help explains.")
-  mfu, source = (0.35 if args.mfu is None else args.mfu), None
+  mfu = 0.35 if args.mfu is None else args.mfu
+  source = None
   if args.preflight:
     if args.mfu is not None:
       raise ValueError("Give --mfu (assumed) or --preflight FILE (estimated), not both.")

@@ -136,19 +136,23 @@ def choose_data(trained, *, data: Optional[str] = None, image_folder: Optional[s
   precheck(data=data, image_folder=image_folder, split=split)
   own = trained.config.data
   if real:
-    cfg, what = _real_config(trained, split, data_dir), f'--real ({REAL_DATASET})'
+    cfg = _real_config(trained, split, data_dir)
+    what = f'--real ({REAL_DATASET})'
   else:
     if image_folder:
-      cfg, what = trained.data_config(image_folder=image_folder), f'--image-folder {image_folder}'
+      cfg = trained.data_config(image_folder=image_folder)
+      what = f'--image-folder {image_folder}'
     elif data:
       name, data_split = parse_data(data)
       split = split or data_split
-      cfg, what = trained.data_config(name=name), f'--data {name}'
+      cfg = trained.data_config(name=name)
+      what = f'--data {name}'
     elif trained.step is None:
       raise ValueError(f'{trained.description} is not a training workdir, so it has no dataset '
                        'of its own: give --data NAME[:SPLIT] or --image-folder DIR.')
     else:
-      cfg, what = trained.data_config(), f'the training data ({own.image_folder or own.name})'
+      cfg = trained.data_config()
+      what = f'the training data ({own.image_folder or own.name})'
     if data_dir:
       cfg.data_dir = data_dir
   if skip_bad_images:

@@ -56,7 +56,8 @@ def evaluate(trained, eval_data: EvalData, *, batch_size: Optional[int] = None,
     config.eval_batch_size = batch_size
     trained = dataclasses.replace(trained, config=config)
   runner = inference.Runner(trained)
-  setup, compiler = runner.setup, step_lib.Compiler(runner.setup)
+  setup = runner.setup
+  compiler = step_lib.Compiler(setup)
   dataset = data.create_eval_dataset(eval_data.config, global_batch_size=runner.batch_size)
   eval_step = setup.jit_eval_step(variables_only=True, top1=True)
   classes = eval_data.num_classes
@@ -79,8 +80,10 @@ def evaluate(trained, eval_data: EvalData, *, batch_size: Optional[int] = None,
   if count == 0:
     raise ValueError(f'{eval_data.label} has no labelled examples: choose another split.')
   top5 = totals.get('correct_top5')
-  return eval_report.Result(count, int(totals['correct']), None if top5 is None else int(top5),
-                            float(totals['loss'] / count), confusion, runner.batch_size)
+  if top5 is not None:
+    top5 = int(top5)
+  return eval_report.Result(count, int(totals['correct']), top5, float(totals['loss'] / count),
+                            confusion, runner.batch_size)
 
 
 def _progress(done: int, total: int) -> None:
@@ -134,21 +137,23 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     chosen = eval_data_lib.choose_data(
         trained, data=args.data, image_folder=args.image_folder, split=args.split,
         real=args.real, data_dir=args.data_dir, skip_bad_images=args.skip_bad_images)
-    out = args.out or eval_report.out_path(
-        args.source, rundir.find(args.source).workdir if trained.step is not None else None,
-        trained.step, chosen.name, chosen.split, args.no_ema)
+    workdir = rundir.find(args.source).workdir if trained.step is not None else None
+    out = args.out or eval_report.out_path(args.source, workdir, trained.step, chosen.name,
+                                           chosen.split, args.no_ema)
     eval_report.check_out(out, args.overwrite)
     note = eval_report.names_note(trained, chosen)
     if note:
       print(note, file=sys.stderr)
     result = evaluate(trained, chosen, batch_size=args.batch_size, progress=_progress)
   except data.BadImageError as e:  # Bad input, in this tool's words (its flag).
+    if not e.paths:
+      raise ValueError(f'An image of split {e.split!r} of {e.dataset} cannot be decoded; '
+                       'rebuild the dataset without it, or pass --skip-bad-images.') from None
     more = f' and {len(e.paths) - 8} more' if len(e.paths) > 8 else ''
     raise ValueError(
         f'{len(e.paths)} image(s) of split {e.split!r} of {e.dataset} cannot be decoded: '
         f'{", ".join(e.paths[:8])}{more}; remove or replace them, or pass --skip-bad-images to '
-        'leave them out.' if e.paths else f'An image of split {e.split!r} of {e.dataset} cannot '
-        'be decoded; rebuild the dataset without it, or pass --skip-bad-images.') from None
+        'leave them out.') from None
   metrics = dict(eval_report.metrics_dict(trained, chosen, result), out=out)
   if jax.process_index() == 0:
     title = (f'{trained.description}\non {chosen.label}: accuracy {result.accuracy:.4f} '

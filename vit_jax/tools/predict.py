@@ -212,10 +212,14 @@ def _predict_paths(predictor: Predictor, paths: Sequence[str], batch: int, top_k
                    as_json: bool) -> Tuple[int, List[Dict[str, Any]]]:
   """Predicts and prints ``paths`` batch by batch; returns the count predicted, JSON records."""
   from vit_jax.data import BadImageError  # pylint: disable=g-import-not-at-top
-  trained, named = predictor.trained, predictor.label_names is not None
-  records, predicted = [], 0
+  trained = predictor.trained
+  named = predictor.label_names is not None
+  records = []
+  predicted = 0
   for start in range(0, len(paths), batch):
-    chunk, good, inputs = paths[start:start + batch], [], []
+    chunk = paths[start:start + batch]
+    good = []
+    inputs = []
     for path in chunk:
       try:
         special = storage.not_a_file(path)
@@ -230,7 +234,8 @@ def _predict_paths(predictor: Predictor, paths: Sequence[str], batch: int, top_k
       kind = 'sigmoid' if trained.config.loss == 'sigmoid_xent' else 'softmax'
       names = '' if trained.label_names else ', no class names'
       _emit(f'# {trained.description}: {trained.num_classes} classes ({kind}{names})\n\n')
-    for path, top in zip(good, predictor.predict_inputs(np.stack(inputs), top_k) if good else []):
+    tops = predictor.predict_inputs(np.stack(inputs), top_k) if good else []
+    for path, top in zip(good, tops):
       if as_json:
         records.append({'path': path, 'predictions': [
             {'label': p.label if named else None, 'index': p.index,

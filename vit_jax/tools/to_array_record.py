@@ -181,10 +181,13 @@ def convert(dataset: str, data_dir: Optional[str] = None, workers: int = 0,
   shards = _shards(builder)
   workers = max(1, min(workers or os.cpu_count() or 1, len(shards)))
   remote = storage.is_remote(where)
-  scratch, needed = _staging_dir(shards, workers, staging) if remote else (None, 0)
+  scratch = None
+  staged = ''
+  if remote:
+    scratch, needed = _staging_dir(shards, workers, staging)
+    staged = f', staged under {scratch} (up to {_gib(needed)} of local disk at once)'
   report(f'{where}: {len(shards)} TFRecord shards, {sum(s for *_, s in shards) / 2**30:.2f} GiB, '
-         f'{workers} at a time' + (f', staged under {scratch} (up to {_gib(needed)} of local '
-                                    'disk at once)' if remote else '') + '...')
+         f'{workers} at a time{staged}...')
   stop = threading.Event()
   handlers = {}
 
@@ -228,8 +231,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     raise ValueError(f'--workers {args.workers}: give a positive number, or 0 for the CPU count.')
   where, shards, records, written = convert(args.dataset, args.data_dir, args.workers,
                                             args.staging_dir, report=print)
-  done = 'all written now' if written == records else (
-      'all there already' if not written else f'{written:,} examples written now')
+  if written == records:
+    done = 'all written now'
+  elif not written:
+    done = 'all there already'
+  else:
+    done = f'{written:,} examples written now'
   print(f'{where}: {shards} ArrayRecord shards, {records:,} examples ({done}); runs started '
         'from now on read it by index (a run that read it in order goes on so).')
   return 0

@@ -78,11 +78,8 @@ def _parser() -> argparse.ArgumentParser:
 
 @common.exit_status
 def main(argv: Optional[Sequence[str]] = None) -> int:
-  """The command line; returns the exit status (0; 1 a measurement failed; 2 bad input)."""
-  try:
-    args = _parser().parse_args(argv)
-  except SystemExit as e:  # --help (0), or a usage error's FATAL line (2).
-    return e.code
+  """The command line; returns the exit status (bad flags: the parser's SystemExit(2))."""
+  args = _parser().parse_args(argv)
   if args.worker:
     return runner.worker(*args.worker)
   if not args.models and not args.input_pipeline:

@@ -76,14 +76,15 @@ def peak_rss_mib() -> float:
   return peak / 2**20 if sys.platform == "darwin" else peak / 1024
 
 
-def timed(fn: Callable[[], Any], steps: int) -> list[float]:
-  """Seconds of each of `steps` calls of `fn` (which must wait for its own results)."""
+def timed(fn: Callable[[], Any], warmup: int, steps: int) -> tuple[float, list[float]]:
+  """Seconds of the first call of `fn` (which must wait for its own results), and of each of
+  `steps` calls after `warmup` untimed ones."""
   times = []
-  for _ in range(steps):
+  for _ in range(1 + warmup + steps):
     start = time.perf_counter()
     fn()
     times.append(time.perf_counter() - start)
-  return times
+  return times[0], times[1 + warmup:]
 
 
 def fill_rates(result: dict[str, Any], batch: int, times: list[float]) -> None:

@@ -106,10 +106,12 @@ def _timed_batches(next_batch, batch: int, warmup: int, steps: int) -> dict[str,
   untimed ones, their rates, and the last batch's 'image_shape'."""
   for _ in range(warmup + 1):
     next_batch()
-  start, cpu = time.perf_counter(), cpu_seconds()
+  start = time.perf_counter()
+  cpu_start = cpu_seconds()
   for _ in range(steps):
     images = next_batch()
-  seconds, cpu = time.perf_counter() - start, cpu_seconds() - cpu
+  seconds = time.perf_counter() - start
+  cpu = cpu_seconds() - cpu_start
   return {"image_shape": list(images.shape[1:]), "timed_steps": steps, "seconds": seconds,
           "cpu_seconds": cpu, "images_per_sec": batch * steps / seconds,
           "images_per_cpu_second": batch * steps / cpu if cpu > 0 else None,

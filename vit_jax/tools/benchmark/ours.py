@@ -71,9 +71,9 @@ def forward_macs(model: str, *, resolution: int, dtype: str = "float32",
   config = config_lib.fill_regime(benchmark_config(
       model, batch=1, resolution=resolution, dtype=dtype, overrides=overrides,
       num_classes=num_classes))
-  config_lib.for_counting(config)
+  module = step.create_model(config_lib.for_counting(config))
   try:
-    return flops.model_forward_macs(step.create_model(config), (resolution, resolution, 3))
+    return flops.model_forward_macs(module, (resolution, resolution, 3))
   except (ValueError, TypeError) as e:
     raise BenchmarkError(f"{model} at {resolution}x{resolution} px: {e}") from e
 
@@ -154,9 +154,7 @@ def _execute(setup, compiled, mode: str, batch: int, warmup: int, steps: int
     def run():
       jax.block_until_ready(compiled(variables, images))
 
-  first = timed(run, 1)[0]
-  timed(run, warmup)
-  return first, timed(run, steps)
+  return timed(run, warmup, steps)
 
 
 def measure_ours(model: str, *, batch: int, resolution: int, dtype: str = "float32",

@@ -9,6 +9,7 @@ import platform
 import statistics
 from typing import Any, Optional, Sequence
 
+from vit_jax import platform as vit_jax_platform
 from vit_jax.tools import common
 from vit_jax.tools.benchmark.common import available_cores
 from vit_jax.tools.benchmark.inputs import INPUT_LABELS
@@ -29,10 +30,8 @@ def environment(threads: int) -> dict[str, Any]:
     except importlib.metadata.PackageNotFoundError:
       versions[package] = None
   cpu = common.cpu_info()
-  try:  # MemTotal.
-    memory_gib = round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1)
-  except (AttributeError, ValueError, OSError):
-    memory_gib = None
+  memory = vit_jax_platform.host_memory_bytes()  # The cgroup's limit where lower.
+  memory_gib = None if memory is None else round(memory / 2**30, 1)
   simd = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "amx_tile", "amx_bf16")
   cpu_features = [flag for flag in cpu.get("flags", "").split() if flag in simd]
   cpu_model = cpu.get("model name") or platform.processor() or None
@@ -175,10 +174,12 @@ def result_notes(results: list[dict[str, Any]], *, compile_only: bool,
   tunables = os.environ.get("GLIBC_TUNABLES", "")
   with_timm = any(r["framework"] == "timm" for r in results)
   timm_too = ", timm's processes too" if with_timm else ""
-  notes.append(f"malloc: huge pages for large allocations (GLIBC_TUNABLES={tunables}{timm_too})."
-               if "glibc.malloc.hugetlb=1" in tunables else
-               f"malloc: no huge pages (GLIBC_TUNABLES={tunables or 'unset'}{timm_too}): "
-               "VIT_JAX_HUGE_PAGES=0, a glibc.malloc.hugetlb of your own, or not supported here.")
+  if "glibc.malloc.hugetlb=1" in tunables:
+    notes.append("malloc: huge pages for large allocations "
+                 f"(GLIBC_TUNABLES={tunables}{timm_too}).")
+  else:
+    notes.append(f"malloc: no huge pages (GLIBC_TUNABLES={tunables or 'unset'}{timm_too}): "
+                 "VIT_JAX_HUGE_PAGES=0, a glibc.malloc.hugetlb of your own, or not supported here.")
   if platform_name == "cpu" and peak_flops:
     notes.append(f"CPU peak: {peak_flops / 1e9:.0f} GFLOP/s, XLA's own float32 2048^3 "
                  "matmul (for bfloat16 too) measured once in this run (it moves with the "

@@ -11,6 +11,7 @@ import sys
 import tempfile
 from typing import Any, Callable, Optional, Sequence
 
+import vit_jax
 from vit_jax.tools.benchmark import inputs as inputs_lib
 from vit_jax.tools.benchmark import report as report_lib
 from vit_jax.tools.benchmark import timm as timm_lib
@@ -62,16 +63,19 @@ def run_in_subprocess(spec: dict[str, Any], timeout: Optional[float] = None) -> 
   env = dict(os.environ)
   if threads:
     env.update(NPROC=str(threads), OMP_NUM_THREADS=str(threads))
-  root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(
-      os.path.abspath(__file__)))))
+  root = os.path.dirname(os.path.dirname(os.path.abspath(vit_jax.__file__)))
   env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
   with tempfile.TemporaryDirectory(prefix="vit_jax_bench_") as tmp:
-    spec_path, out_path = os.path.join(tmp, "spec.json"), os.path.join(tmp, "result.json")
+    spec_path = os.path.join(tmp, "spec.json")
+    out_path = os.path.join(tmp, "result.json")
     with open(spec_path, "w", encoding="utf-8") as f:
       json.dump(spec, f)
-    what = (f"the {spec['source']} input pipeline" if spec["framework"] == "input" else
-            f"timm's DataLoader ({spec['recipe']})" if spec["framework"] == "timm_input" else
-            f"{spec['model']} {spec['mode']} ({spec['framework']})")
+    if spec["framework"] == "input":
+      what = f"the {spec['source']} input pipeline"
+    elif spec["framework"] == "timm_input":
+      what = f"timm's DataLoader ({spec['recipe']})"
+    else:
+      what = f"{spec['model']} {spec['mode']} ({spec['framework']})"
     try:
       proc = subprocess.run([sys.executable, "-m", WORKER_MODULE, "--worker", spec_path,
                              out_path], env=env, capture_output=True, text=True,
@@ -158,7 +162,9 @@ def _rounds(plan: tuple, mode: str, rounds: int, base_spec: dict[str, Any], peak
   per_framework: dict[str, list[dict[str, Any]]] = {"ours": [], "timm": []}
   for round_ in range(rounds):
     order = ["ours", "timm"] if with_timm else ["ours"]
-    for framework in (order[::-1] if round_ % 2 and peak["flops"] is not None else order):
+    if round_ % 2 and peak["flops"] is not None:
+      order.reverse()
+    for framework in order:
       spec = dict(base_spec, framework=framework, model=model, mode=mode,
                   peak_flops=peak["flops"], analytic_flops=float(analytic),
                   device=peak["platform"])
@@ -183,7 +189,9 @@ def _recipe_rounds(*, batch: int, resolution: int, threads: int, rounds: int, wi
       per_framework: dict[str, list[dict[str, Any]]] = {"input": [], "timm_input": []}
       for round_ in range(rounds):
         order = ["input", "timm_input"] if with_timm else ["input"]
-        for framework in (order if round_ % 2 == 0 else order[::-1]):
+        if round_ % 2:
+          order.reverse()
+        for framework in order:
           if progress:
             who = "ours" if framework == "input" else "timm"
             progress(f"[input preprocessing] {recipe}, {count} core(s), {who}, "

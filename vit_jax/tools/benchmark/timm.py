@@ -144,9 +144,7 @@ def measure_timm(model: str, *, batch: int, resolution: int, dtype: str = "float
         net(images)
       sync()
 
-  first = timed(run, 1)[0]
-  timed(run, warmup)
-  times = timed(run, steps)
+  first, times = timed(run, warmup, steps)
   result: dict[str, Any] = {
       "framework": "timm", "model": model, "timm_model": name, "timm_kwargs": kwargs,
       "grad_checkpointing": checkpointing, "overrides": dict(overrides or {}), "mode": mode,

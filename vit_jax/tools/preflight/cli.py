@@ -115,20 +115,20 @@ def format_result(result: fit.Result) -> str:
   sizes = sharding.axis_sizes(c.mesh, len(result.slice.devices))
   mesh = " x ".join(f"{axis}={size}" for axis, size in sizes.items())
   model = c.model
-  execution = ", ".join(filter(None, (
-      "scan" if model.get("scan") else "",
-      f"remat {model.remat_policy}" if model.get("remat") else "no remat")))
-  xla = result.train.xla_flops if result.train else None
-  loops_counted = result.train.cost.total.get("flops") if result.train and result.train.cost \
-      else None
+  execution = "scan, " if model.get("scan") else ""
+  execution += f"remat {model.remat_policy}" if model.get("remat") else "no remat"
+  train = result.train
+  xla = train.xla_flops if train else None
+  loops_counted = train.cost.total.get("flops") if train and train.cost else None
   if loops_counted:
     devices = len(result.slice.devices)
     xla_text = (f"; XLA counts {loops_counted:.3g} per device, loops counted as they run "
                 f"(x {devices} devices: {loops_counted * devices / result.train_flops:.2f} x "
                 "the analytic count)")
+  elif xla:
+    xla_text = f"; XLA counts {xla:.3g} per device, partial: a scanned loop's body is counted once"
   else:
-    xla_text = (f"; XLA counts {xla:.3g} per device, partial: a scanned loop's body is counted "
-                "once" if xla else "")
+    xla_text = ""
   lines = [
       f"model        {c.model_name}, {result.parameters:,} parameters "
       f"({_size(result.parameter_bytes)}), {result.replicated_fraction:.0%} of their bytes "
@@ -152,8 +152,8 @@ def format_result(result: fit.Result) -> str:
 
 def _slices_lines(result: fit.Result) -> list[str]:
   """The slices and, per compiled step, the collectives that cross them (`collectives`)."""
-  n, data = result.slice.num_slices, sharding.axis_sizes(result.config.mesh,
-                                                         len(result.slice.devices))["data"]
+  n = result.slice.num_slices
+  data = sharding.axis_sizes(result.config.mesh, len(result.slice.devices))["data"]
   parts = []
   for s in result.steps:
     found = s.cross_slice
@@ -285,8 +285,10 @@ def run(config, accelerator: str, *, suggest: bool = True, eval_step: bool = Tru
     return 0
   result = checker(config)
   say(format_result(result))
-  say(f"FITS: peak {_size(result.peak)} per device of {_size(result.slice.hbm_bytes)}."
-      if result.fits else f"DOES NOT FIT: {result.refused.verdict}")
+  if result.fits:
+    say(f"FITS: peak {_size(result.peak)} per device of {_size(result.slice.hbm_bytes)}.")
+  else:
+    say(f"DOES NOT FIT: {result.refused.verdict}")
   report = report_json(result)
   if result.fits:
     if faster and estimate:

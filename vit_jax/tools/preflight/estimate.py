@@ -192,7 +192,8 @@ def step_cost(compiled: Any, traced: jax_core.ClosedJaxpr,
   refuses for memory leaves the totals out (`missing` says so). Raises as `compile_fn`."""
   once = flops.compiled_cost(compiled)
   levels = scan_levels(traced.jaxpr)
-  loops, start = [], time.perf_counter()
+  loops = []
+  start = time.perf_counter()
   for level in sorted(levels):
     per_trip = per_body(level, levels)
     try:

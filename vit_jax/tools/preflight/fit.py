@@ -193,7 +193,8 @@ def compile_step(setup: step_lib.Setup, name: str, hbm: int, *,
   Raises jax.errors.JaxRuntimeError: the compiler failed for a reason other than memory."""
   config = setup.config
   if name == "train":
-    jitted, batch = setup.jit_train_step(), setup.abstract_batch(config.batch_size)
+    jitted = setup.jit_train_step()
+    batch = setup.abstract_batch(config.batch_size)
   else:
     jitted = setup.jit_eval_step()
     batch = setup.abstract_batch(config.eval_batch_size, eval_batch=True)
