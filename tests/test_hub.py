@@ -196,6 +196,16 @@ def test_weights_missing_from_the_cache_name_the_download_command(cache):
     hub.resolve(f'hf-hub:{TIMM_REPO}')
 
 
+@pytest.mark.parametrize('config, problem', [
+    (b'{"architecture": ', 'cannot be read as JSON'),
+    (b'[' * 100_000 + b']' * 100_000, 'cannot be read as JSON'),  # Deeper than json recurses.
+    (b'[1, 2]', 'holds no JSON object')])
+def test_a_damaged_config_json_is_one_error_naming_it(cache, config, problem):
+  lay_out(cache, TIMM_REPO, {**_timm_files(), 'config.json': config})
+  with pytest.raises(ValueError, match=rf'^hf-hub:{TIMM_REPO}: config.json {problem}'):
+    hub.resolve(f'hf-hub:{TIMM_REPO}')
+
+
 @pytest.mark.parametrize('name', ['hf-hub:', 'hf-hub:vit_small', 'hf-hub:a/b/c', 'hf-hub:a/b@',
                                   'hf-hub:a/b@c@d', 'hf-hub:a/../b'])
 def test_a_malformed_name_is_refused_with_the_form(name):

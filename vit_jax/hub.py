@@ -127,7 +127,7 @@ def _read_config(name: str, path: str) -> dict:
   try:
     with open(path, 'rb') as f:
       value = json.loads(f.read(1 << 24))
-  except (OSError, ValueError) as e:
+  except (OSError, ValueError, RecursionError) as e:  # json's decoder recurses on deep nesting.
     raise ValueError(f'{name}: {os.path.basename(path)} cannot be read as JSON ({e}); '
                      f'download it again: {download_command(name)} --force-download.') from e
   if not isinstance(value, dict):
