@@ -196,3 +196,13 @@ def test_every_tool_follows_one_convention(tool):
   entry = ROOT / "vit_jax" / (tool.split(".")[0] + ".py")
   if entry.exists():
     assert "run_main()" in entry.read_text() and "common" not in entry.read_text()
+
+
+def test_measure_attention_refuses_a_json_folder_that_is_missing_before_measuring(
+    monkeypatch, capsys):
+  """Exit 2 naming the folder, before the minutes of measuring (no process started)."""
+  from vit_jax.tools import measure_attention  # pylint: disable=g-import-not-at-top
+  monkeypatch.setattr(measure_attention, "measure", lambda *a, **k: pytest.fail("measured"))
+  assert measure_attention.main(["--core", "--json", "/no/such/dir/core.json"]) == 2
+  assert capsys.readouterr().err == (
+      "FATAL: --json /no/such/dir/core.json: the directory /no/such/dir does not exist.\n")

@@ -227,13 +227,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     return 0
   if not (args.core or args.step):
     parser.error('say what to measure: --core, --step or both')
+  common.check_output_folder(args.json, '--json')  # Before minutes of measuring, not after.
   report = measure(args.isa, args.models, core=args.core, step=args.step, batch=args.batch,
                    rounds=args.rounds, steps=args.steps, repeats=args.repeats,
                    threads=args.threads)
+  print(format_summary(report))  # First: a --json that cannot be written loses no figure.
   if args.json:
-    with open(args.json, 'w', encoding='utf-8') as f:
+    with common.output_errors(), open(args.json, 'w', encoding='utf-8') as f:
       json.dump(report, f, indent=1)
-  print(format_summary(report))
   return 0
 
 
