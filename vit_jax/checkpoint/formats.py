@@ -20,11 +20,11 @@ from vit_jax.checkpoint import hf_vit
 from vit_jax.checkpoint import mismatch
 from vit_jax.checkpoint import npz
 from vit_jax.checkpoint import orbax
+from vit_jax.checkpoint import saved_run
 from vit_jax.checkpoint import t2t_torch
 from vit_jax.checkpoint import timm_vit
 from vit_jax.checkpoint import torch_pickle
 from vit_jax.checkpoint import tree
-from vit_jax.checkpoint import saved_run
 from vit_jax.checkpoint import vit_shapes
 
 ACCEPTED_FORMATS = rundir.ACCEPTED_FORMATS
