@@ -163,7 +163,8 @@ def layer_class_token_maps(attentions: AttentionStack, grid: Any, *, num_prefix_
                            num_registers: int = 0, head_fusion: str = 'mean') -> np.ndarray:
   """The class token's attention per layer, ``[L, B, gh, gw]`` float32 in [0, 1] (heads fused as
   :func:`rollout`, rows as :func:`class_token_map`)."""
-  grid, num_prefix_tokens = as_pair(grid, 'grid'), as_prefix(num_prefix_tokens)
+  grid = as_pair(grid, 'grid')
+  num_prefix_tokens = as_prefix(num_prefix_tokens)
   layers = _layers(attentions)
   return np.stack([_token_maps(_fuse(layer, head_fusion), grid, num_prefix_tokens, num_registers,
                                f'attentions[{i}]') for i, layer in enumerate(layers)])
@@ -198,7 +199,8 @@ def mean_attention_distance(attention: Any, grid: Any, patch_size: Any, num_pref
   """
   attention = np.asarray(attention)
   _check_attention(attention, 'attention')
-  grid, num_prefix_tokens = as_pair(grid, 'grid'), as_prefix(num_prefix_tokens)
+  grid = as_pair(grid, 'grid')
+  num_prefix_tokens = as_prefix(num_prefix_tokens)
   check_tokens(attention.shape[-1], grid, num_prefix_tokens, 'attention')
   weights = attention[:, :, num_prefix_tokens:, num_prefix_tokens:].astype(np.float64)
   sums = weights.sum(axis=-1)

@@ -134,7 +134,8 @@ def rollout_overlay_figure(images: Any, maps: Any, *, labels: Optional[Sequence[
   fig, axes = _item_grid(len(shown), columns, 2, dpi, title, labels)
   for i, picture in enumerate(shown):
     _panel(axes[2 * i], picture, 'input')
-    _panel(axes[2 * i + 1], blended[i], labels[i] if labels is not None else 'rollout')
+    caption = labels[i] if labels is not None else 'rollout'
+    _panel(axes[2 * i + 1], blended[i], caption)
   return fig
 
 
@@ -144,7 +145,8 @@ def image_grid_figure(images: Any, *, labels: Optional[Sequence[str]] = None, co
   shown = display_images(images)
   fig, axes = _item_grid(len(shown), columns, 1, dpi, title, labels)
   for i, picture in enumerate(shown):
-    _panel(axes[i], picture, labels[i] if labels is not None else None)
+    caption = labels[i] if labels is not None else None
+    _panel(axes[i], picture, caption)
   return fig
 
 
@@ -157,7 +159,8 @@ def layer_attention_figure(image: Any, maps: Any, *, rollout_map: Any = None, co
   maps = np.asarray(maps, dtype=np.float32)
   if maps.ndim != 3:
     raise ValueError(f'maps must have shape [layers, gh, gw] (one image), got {maps.shape}')
-  stack, names = list(maps), [f'layer {i + 1}' for i in range(maps.shape[0])]
+  stack = list(maps)
+  names = [f'layer {i + 1}' for i in range(maps.shape[0])]
   if rollout_map is not None:
     stack.append(np.asarray(rollout_map, dtype=np.float32))
     names.append('rollout')
@@ -190,16 +193,23 @@ def attention_distance_figure(distances: Any, *, image_size: Any, patch_size: An
   layers, heads = distances.shape
   fig = _new_figure(7.0, 4.5, dpi)
   ax = fig.add_subplot()
-  palette = colormaps['tab10' if heads <= 10 else 'tab20' if heads <= 20 else 'viridis']
+  if heads <= 10:
+    palette = colormaps['tab10']
+  elif heads <= 20:
+    palette = colormaps['tab20']
+  else:
+    palette = colormaps['viridis']
   depth = np.arange(1, layers + 1)
   for h in range(heads):
-    colour = palette(h if heads <= 20 else h / max(1, heads - 1))
+    shade = h if heads <= 20 else h / max(1, heads - 1)  # A listed colour, or along the map.
+    colour = palette(shade)
     ax.scatter(depth, distances[:, h], s=14, color=colour, label=f'head {h + 1}')
   ax.set_xlabel('network depth (layer)')
   ax.set_ylabel('mean attention distance (pixels)')
   ax.set_xlim(0.5, layers + 0.5)
   ax.set_ylim(0.0, max(1.0, float(distances.max()) * 1.1))
-  ax.set_xticks(depth if layers <= 24 else depth[::max(1, layers // 12)])
+  ticks = depth if layers <= 24 else depth[::max(1, layers // 12)]
+  ax.set_xticks(ticks)
   ax.set_title(title, fontsize=10)
   ax.grid(alpha=0.3)
   if heads <= 16:
@@ -270,7 +280,8 @@ def filter_components_figure(components: Any, *, explained: Any = None, columns:
     raise ValueError(f"scale must be 'channel' or 'joint', got {scale!r}")
   attention_maps.check_finite(components, 'components')
   k, ph, pw, _ = components.shape
-  tiles = _stretch(components, (1, 2) if scale == 'channel' else (1, 2, 3))  # Per channel or not.
+  stretch_axes = (1, 2) if scale == 'channel' else (1, 2, 3)  # Per channel or not.
+  tiles = _stretch(components, stretch_axes)
   if tiles.shape[-1] == 1:
     tiles = np.repeat(tiles, 3, axis=-1)
   cols = max(1, min(k, int(columns)))

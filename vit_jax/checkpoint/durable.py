@@ -104,7 +104,8 @@ def _exchange(a: str, b: str) -> bool:
     renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
   except (AttributeError, OSError):
     return False
-  at_fdcwd, rename_exchange = -100, 2
+  at_fdcwd = -100
+  rename_exchange = 2
   if renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0:
     return True
   code = ctypes.get_errno()

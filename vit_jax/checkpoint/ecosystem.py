@@ -102,7 +102,8 @@ def _materialise_posemb(params: Mapping[str, Any], fields: Mapping[str, Any],
   ph, pw = vit.patch_pair(fields['patch_size'])
   width = int(fields['hidden_size'])
   table = np.asarray(vit.posemb_sincos_2d(image_size // ph, image_size // pw, width))
-  rows = vit.posemb_prefix_rows(dict(fields, classifier='token' if 'cls' in params else 'gap'))
+  classifier = 'token' if 'cls' in params else 'gap'
+  rows = vit.posemb_prefix_rows(dict(fields, classifier=classifier))
   if rows:
     table = np.concatenate([np.zeros((1, rows, width), table.dtype), table], axis=1)
   encoder = dict(params['Transformer'], posembed_input={'pos_embedding': table})

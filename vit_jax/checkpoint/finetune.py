@@ -89,10 +89,11 @@ def _resampled_patchemb(have: np.ndarray, want: np.ndarray, fresh_flat: Mapping)
   old, new = tuple(np.shape(have)[:2]), tuple(want.shape[:2])
   sizes = f'{old[0]}x{old[1]} (checkpoint) -> {new[0]}x{new[1]} (model)'
   if 'params/conv_root/kernel' in fresh_flat:
+    kept_patch = old[0] if old[0] == old[1] else old
     raise ModelMismatchError(
         f'The patch size differs, {sizes}, and the model is a hybrid (ResNet stem): the '
         'patch-embedding resize (FlexiViT) is for plain ViTs. Keep the checkpoint\'s patch size '
-        f'(--config.model.patch_size={old[0] if old[0] == old[1] else old}).')
+        f'(--config.model.patch_size={kept_patch}).')
   logging.getLogger('absl').info(
       'Fine-tuning init: patch size %s: %s resampled by the FlexiViT pseudo-inverse.', sizes,
       PATCHEMB_KEY)
@@ -174,7 +175,9 @@ def init_for_finetuning(loaded: Mapping, fresh: Mapping, *, reset_head: bool = T
     convert = layout.scan_params if fresh_scanned else layout.unscan_params
     loaded['params'] = convert(loaded['params'])
   loaded_flat = flatten_params(loaded)
-  out, notes, posemb_hint = {}, [], None
+  out = {}
+  notes = []
+  posemb_hint = None
   for key, want in fresh_flat.items():
     if key in HEAD_KEYS and not any(k in loaded_flat for k in HEAD_KEYS):
       out[key] = np.asarray(want)  # A backbone without a head (DINOv2): a new one.

@@ -48,7 +48,8 @@ class Probe:
 
 def _probe(source: Any) -> Probe:
   path, names, head = storage.probe(source, 9)
-  probe = Probe(path, None if names is None else tuple(names), head)
+  listing = None if names is None else tuple(names)
+  probe = Probe(path, listing, head)
   if names is not None:
     probe.hf_directory, probe.hf_names = hf_vit.find(path, names)
   elif archive.kind(head) == 'zip':
@@ -212,7 +213,8 @@ class Checkpoint:
 
 
 class _Npz(Checkpoint):
-  name, family = 'npz', 'an official .npz'
+  name = 'npz'
+  family = 'an official .npz'
 
   def sniff(self):
     return self.probe.zip is not None
@@ -243,7 +245,9 @@ class _Npz(Checkpoint):
 
 class _PyTorch(Checkpoint):
   """T2T-ViT state dicts (:func:`.torch_pickle.load_pth`), converted for a model."""
-  name, family, reads_with_model = 'pytorch', 'a PyTorch T2T-ViT checkpoint', True
+  name = 'pytorch'
+  family = 'a PyTorch T2T-ViT checkpoint'
+  reads_with_model = True
 
   def sniff(self):
     if self.probe.zip is not None:
@@ -295,7 +299,9 @@ class _PyTorch(Checkpoint):
 
 
 class _Orbax(Checkpoint):
-  name, family, has_steps = 'orbax', 'an Orbax checkpoint', True
+  name = 'orbax'
+  family = 'an Orbax checkpoint'
+  has_steps = True
 
   def sniff(self):
     return self.probe.names is not None
@@ -331,12 +337,13 @@ class _Orbax(Checkpoint):
     data = run.config.get('data') or {}
     names, multi_label = _label_names(run.dataset, int(run.config['num_classes']), run)
     weights = 'EMA parameters' if use_ema and run.has_ema else 'parameters'
+    if multi_label is None:
+      multi_label = run.config.get('loss') == 'sigmoid_xent'
     return Contents(
         variables, f'{self.path} (step {run.step}, {weights})', int(run.config['num_classes']),
         image_size=data.get('image_size'),
         label_names=names, normalization=data.get('normalization'),
-        multi_label=(run.config.get('loss') == 'sigmoid_xent' if multi_label is None
-                     else multi_label), eval_crop_pct=data.get('eval_crop_pct'), run=run)
+        multi_label=multi_label, eval_crop_pct=data.get('eval_crop_pct'), run=run)
 
 
 def _label_names(dataset: Optional[Dict[str, Any]], num_classes: int, run: saved_run.SavedRun
@@ -400,7 +407,8 @@ class _Foreign(Checkpoint):
 
 
 class _Hf(_Foreign):
-  name, family = 'hf', 'a transformers ViT'
+  name = 'hf'
+  family = 'a transformers ViT'
 
   def sniff(self):
     probe = self.probe
@@ -426,7 +434,9 @@ class _Hf(_Foreign):
 
 
 class _Timm(_Foreign):
-  name, family, reads_with_model = 'timm', 'a timm ViT', True  # Heads, GELU: the model's.
+  name = 'timm'
+  family = 'a timm ViT'
+  reads_with_model = True  # Heads, GELU: the model's.
 
   def sniff(self):
     return self.probe.header is not None and timm_vit.is_timm_names(self.probe.header[0])

@@ -104,8 +104,12 @@ def find(path: str, names: Optional[Sequence[str]] = None
   """``(directory, its listing)`` of the transformers directory ``path`` is (``names``: its
   listing) or whose weight file it is; ``(None, ())`` unless it holds ``config.json`` (and, given
   as a directory, ``model.safetensors`` or its index)."""
-  directory = path if names is not None else os.path.dirname(path) or '.'
-  listing = set(names if names is not None else storage.listdir(directory))
+  if names is not None:
+    directory = path
+    listing = set(names)
+  else:
+    directory = os.path.dirname(path) or '.'
+    listing = set(storage.listdir(directory))
   if CONFIG_FILE not in listing or (names is not None
                                     and not listing & {WEIGHTS_FILE, INDEX_FILE}):
     return None, ()
@@ -213,8 +217,9 @@ def fields_from(shapes: Mapping[str, Tuple[int, ...]], config: Mapping[str, Any]
 
 def read_fields(directory: str, names: Sequence[str]) -> Dict[str, Any]:
   """:func:`fields_from` a transformers directory (:func:`find`), from the headers only."""
-  shapes = {k: v for file in weight_files(directory, names)
-            for k, v in archive.shapes(archive.read_header(file)).items()}
+  shapes = {}
+  for file in weight_files(directory, names):
+    shapes.update(archive.shapes(archive.read_header(file)))
   return fields_from(shapes, read_config(directory), directory)
 
 
@@ -222,8 +227,9 @@ def read(directory: str, names: Sequence[str]
          ) -> Tuple[Dict[str, Any], Dict[str, Any], Optional[Tuple[str, ...]]]:
   """``(params, fields with image_size, class names or None)`` of a transformers directory
   (:func:`find`), exactly; each file read once."""
-  arrays = {k: v for file in weight_files(directory, names)
-            for k, v in archive.read_safetensors(file).items()}
+  arrays = {}
+  for file in weight_files(directory, names):
+    arrays.update(archive.read_safetensors(file))
   config = read_config(directory)
   fields = fields_from({k: tuple(np.shape(v)) for k, v in arrays.items()}, config, directory)
   params = torch_layout.to_params(canonical(arrays, directory), fields['num_heads'])
@@ -266,9 +272,11 @@ def output_paths(dst: str) -> List[str]:
   """The weights, config and preprocessor config :func:`write` writes for ``dst``: a directory,
   or a ``.safetensors`` path with the configs beside it."""
   if dst.endswith(archive.SAFETENSORS_SUFFIX):
-    directory, weights = os.path.dirname(dst) or '.', dst
+    directory = os.path.dirname(dst) or '.'
+    weights = dst
   else:
-    directory, weights = dst, os.path.join(dst, WEIGHTS_FILE)
+    directory = dst
+    weights = os.path.join(dst, WEIGHTS_FILE)
   return [weights, os.path.join(directory, CONFIG_FILE),
           os.path.join(directory, PREPROCESSOR_FILE)]
 
@@ -319,8 +327,12 @@ def to_hf(params: Mapping[str, Any], fields: Mapping[str, Any], *, image_size: i
     else:
       state[prefix + inverse_others[name]] = value
   classes = fields.get('num_classes') if classify else None
-  labels = list(names) if names and classes and len(names) == classes else (
-      [f'LABEL_{i}' for i in range(classes)] if classes else [])
+  if names and classes and len(names) == classes:
+    labels = list(names)
+  elif classes:
+    labels = [f'LABEL_{i}' for i in range(classes)]
+  else:
+    labels = []
   patch = int(np.ravel(fields['patch_size'])[0])
   config = {
       'architectures': ['ViTForImageClassification' if classify else 'ViTModel'],

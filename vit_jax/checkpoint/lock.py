@@ -113,7 +113,8 @@ class WorkdirLock:
   def __init__(self, workdir: str, *, timeout_s: float = 600.0, settle_s: float = 2.0,
                heartbeat: Optional[bool] = None):
     self.workdir = workdir
-    self.timeout_s, self.settle_s = float(timeout_s), float(settle_s)
+    self.timeout_s = float(timeout_s)
+    self.settle_s = float(settle_s)
     remote = storage.is_remote(workdir)
     self.heartbeat = remote if heartbeat is None else bool(heartbeat)
     self.path = storage.join(storage.absolute(workdir), rundir.LOCK_JSON)
@@ -192,11 +193,14 @@ class WorkdirLock:
     if holder is None:
       return None
     own = holder.get('timeout_s')  # The holder's staleness age, where longer than ours.
-    longest = max(self.timeout_s, own if isinstance(own, (int, float)) else 0)
+    if not isinstance(own, (int, float)):
+      own = 0
+    longest = max(self.timeout_s, own)
     return None if self._is_stale(holder, longest) else holder
 
   def _make_dirs(self) -> None:
-    missing, path = [], os.path.dirname(self.path)
+    missing = []
+    path = os.path.dirname(self.path)
     while not os.path.isdir(path):
       missing.append(path)
       path = os.path.dirname(path)

@@ -67,7 +67,8 @@ def from_big_vision(params: Mapping[str, Any]) -> Dict[str, Any]:
   top-level MAP head moved into ``MAPHead_0``, scanned blocks unrolled."""
   if not is_big_vision(params):
     return dict(params)
-  out, encoder = dict(params), dict(params['Transformer'])
+  out = dict(params)
+  encoder = dict(params['Transformer'])
   table = out.pop('pos_embedding', None)
   if table is None:
     table = encoder.pop('pos_embedding', None)

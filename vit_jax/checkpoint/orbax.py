@@ -109,7 +109,8 @@ def check_state_fits(state_dir: Any, abstract_state: Mapping) -> None:
   kept = ('params', 'model_state')
   saved_tree = {k: as_structs(v) for k, v in tree.items() if k in kept and isinstance(v, Mapping)}
   flat = lambda t: dict(sorted(flatten_params(t).items()))
-  saved, wanted = flat(saved_tree), flat({k: v for k, v in abstract_state.items() if k in kept})
+  saved = flat(saved_tree)
+  wanted = flat({k: v for k, v in abstract_state.items() if k in kept})
   missing, unexpected, mismatched = diff(saved, wanted, ('saved', 'this run'))
   if not (missing or unexpected or mismatched):
     return
@@ -118,7 +119,8 @@ def check_state_fits(state_dir: Any, abstract_state: Mapping) -> None:
   header = f'The checkpoint {state_dir} does not fit this model:'
   scanned = lambda keys: any(f'/{p}/' in k for k in keys for p in layout.BLOCK_PREFIXES)
   if saved and wanted and scanned(saved) != scanned(wanted):
-    header += (f' it was written with the {"scanned" if scanned(saved) else "per-layer"} '
+    block_layout = 'scanned' if scanned(saved) else 'per-layer'
+    header += (f' it was written with the {block_layout} '
                f'block layout: resume with --config.model.scan={scanned(saved)} (the training '
                f'default is True).')
   raise ModelMismatchError(mismatch_report(header, missing, unexpected, mismatched, described),

@@ -62,11 +62,14 @@ def from_torch_state_dict(state_dict: Mapping[str, Any], model: t2t.T2TViT, *,
   expected = traverse_util.flatten_dict({c: shapes.get(c, {}) for c in ('params', 'constants')})
 
   converted: Dict[Tuple[str, ...], np.ndarray] = {}
-  unexpected, mismatched, mismatched_paths = [], [], set()
+  unexpected = []
+  mismatched = []
+  mismatched_paths = set()
   saved_shapes = {}  # Our names, kernels in Flax's (in, out) order: what the file holds.
   for key, value in state_dict.items():
     collection, path = torch_key_to_flax(key)
-    full, shape = (collection,) + path, tuple(np.shape(value))
+    full = (collection,) + path
+    shape = tuple(np.shape(value))
     saved_shapes['/'.join(full)] = shape[::-1] if path[-1] == 'kernel' else shape
     array = np.asarray(value)
     if path[-1] == 'kernel' and array.ndim == 2:
@@ -129,7 +132,8 @@ def describe_architecture(shapes: Mapping[str, Sequence[int]]) -> Optional[str]:
     fc1 = shapes.get('params/blocks_0/mlp/fc1/kernel')
   token_dim = project[0] // 9
   performer = any(k.endswith('attention1/w') for k in shapes)
-  fields = [f'embed_dim={width}', f'depth={depth}',
-            f'mlp_ratio={fc1[-1] / width if fc1 else None}', f'token_dim={token_dim}',
-            f"tokens_type={'performer' if performer else 'transformer'!r}"]
+  mlp_ratio = fc1[-1] / width if fc1 else None
+  tokens_type = 'performer' if performer else 'transformer'
+  fields = [f'embed_dim={width}', f'depth={depth}', f'mlp_ratio={mlp_ratio}',
+            f'token_dim={token_dim}', f'tokens_type={tokens_type!r}']
   return f'The checkpoint is a T2T-ViT with {", ".join(fields)}{classes}.'

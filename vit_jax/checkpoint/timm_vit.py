@@ -65,8 +65,10 @@ def _canonical(tensors: Mapping[str, Any], path: str, chunk: Any) -> Dict[str, A
   """``{canonical name (:mod:`.torch_layout`): chunk(value, index, chunks)}`` of timm tensors
   (fused ``qkv``/``kv`` split); ValueError for a variant without an equivalent here (named) or
   unknown names."""
-  out = {canonical: chunk(value, *where) for name, value in tensors.items()
-         for canonical, where in _rename(name).items()}
+  out = {}
+  for name, value in tensors.items():
+    for canonical, where in _rename(name).items():
+      out[canonical] = chunk(value, *where)
   for marker, what in REFUSED:
     hit = next((n for n in out if marker in n or n.startswith(marker)), None)
     if hit is not None:
@@ -74,9 +76,12 @@ def _canonical(tensors: Mapping[str, Any], path: str, chunk: Any) -> Dict[str, A
                        'equivalent, so these weights cannot be read; take a timm model without '
                        'it.')
   if 'fc_norm.weight' in out and ({'cls_token', 'attn_pool.latent', 'norm.weight'} & set(out)):
-    pooled = ('a class token and a LayerNorm after the average pooling' if 'cls_token' in out
-              else 'a LayerNorm after the attention pooling' if 'attn_pool.latent' in out
-              else 'a LayerNorm both before and after the average pooling')
+    if 'cls_token' in out:
+      pooled = 'a class token and a LayerNorm after the average pooling'
+    elif 'attn_pool.latent' in out:
+      pooled = 'a LayerNorm after the attention pooling'
+    else:
+      pooled = 'a LayerNorm both before and after the average pooling'
     raise ValueError(
         f"{path} is a timm ViT with {pooled} (timm's fc_norm, its default with "
         "global_pool='avg'; its tensor 'fc_norm.weight'). This ViT has fc_norm only with "
@@ -207,7 +212,8 @@ def preprocessing(path: str, metadata: Mapping[str, str]) -> Dict[str, Any]:
                      'other is guessed; fine-tuning from these weights (--config.init_from) does '
                      'not need it.')
   found = {'normalization': name}
-  crop, mode = cfg.get('crop_pct'), cfg.get('crop_mode') or 'center'
+  crop = cfg.get('crop_pct')
+  mode = cfg.get('crop_mode') or 'center'
   if crop is not None:
     if (isinstance(crop, bool) or not isinstance(crop, (int, float)) or not 0 < crop <= 1
         or mode != 'center'):
@@ -340,8 +346,9 @@ def write(dst: str, params: Mapping[str, Any], fields: Mapping[str, Any], image_
           f"crop_pct={float(eval_crop_pct)!r}, interpolation='bicubic'")
   overlay = (f'dict(file={dst!r}, num_classes={fields["num_classes"] or 0}, '
              f'input_size=(3, {size}, {size}), {crop}, mean={mean}, std={std})')
+  patch_size = patch if isinstance(patch, int) else tuple(patch)
   args = ["'vit_base_patch16_224'", 'pretrained=True', f'pretrained_cfg_overlay={overlay}',
-          f'img_size={size}', f'patch_size={patch if isinstance(patch, int) else tuple(patch)}',
+          f'img_size={size}', f'patch_size={patch_size}',
           f'mlp_ratio={fields["mlp_dim"] / fields["hidden_size"]!r}',
           f'num_classes={fields["num_classes"] or 0}']
   args += {'gap': ['class_token=False', "global_pool='avg'"],

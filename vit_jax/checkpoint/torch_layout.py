@@ -158,9 +158,16 @@ def shapes_to_fields(shapes: Mapping[str, Tuple[int, ...]]) -> Dict[str, Any]:
   width, _, ph, pw = shapes['patch_embed.proj.weight']
   head = shapes.get('head.weight')
   pre_logits = shapes.get('pre_logits.weight')
-  classifier = ('map' if 'attn_pool.latent' in shapes else
-                'token' if 'cls_token' in shapes else 'gap')
-  return dict(patch_size=ph if ph == pw else (ph, pw), hidden_size=width,
+  if 'attn_pool.latent' in shapes:
+    classifier = 'map'
+  elif 'cls_token' in shapes:
+    classifier = 'token'
+  else:
+    classifier = 'gap'
+  patch_size = ph if ph == pw else (ph, pw)
+  representation_size = pre_logits[0] if pre_logits else None
+  num_classes = head[0] if head else None
+  return dict(patch_size=patch_size, hidden_size=width,
               num_layers=num_layers(shapes), mlp_dim=shapes['blocks.0.mlp.fc1.weight'][0],
-              representation_size=pre_logits[0] if pre_logits else None,
-              classifier=classifier, num_classes=head[0] if head else None)
+              representation_size=representation_size,
+              classifier=classifier, num_classes=num_classes)

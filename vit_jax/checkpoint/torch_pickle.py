@@ -86,7 +86,9 @@ class _Storage:
   """A loaded storage: its 1-D array, key, views and the :class:`SafeUnpickler` (the budget)."""
 
   def __init__(self, array: np.ndarray, key: str, budget: 'SafeUnpickler'):
-    self.array, self.key, self.budget = array, key, budget
+    self.array = array
+    self.key = key
+    self.budget = budget
     self.views: Dict[Tuple[Any, ...], np.ndarray] = {}
 
 
@@ -199,7 +201,8 @@ class SafeUnpickler(pickle.Unpickler):
     self._read_storage = read_storage
     self._byteorder = byteorder
     self._storages: Dict[str, _Storage] = {}
-    self._max_bytes, self._used = max_bytes, 0
+    self._max_bytes = max_bytes
+    self._used = 0
 
   def take(self, nbytes: int) -> None:
     """Counts ``nbytes`` of built arrays against ``max_bytes``."""
@@ -281,7 +284,8 @@ def load(zip_file: archive_lib.Zip) -> Any:
   """Loads the torch file ``zip_file`` (detected as a zip). Raises UnsafePickleError (a global
   outside the whitelist; nothing is executed), LegacyTorchFormatError (no ``<name>/data.pkl``),
   DamagedCheckpointError (an unreadable member; MalformedTorchFileError: inconsistent records)."""
-  name, prefixes = zip_file.name, _prefixes(zip_file.names)
+  name = zip_file.name
+  prefixes = _prefixes(zip_file.names)
   if len(prefixes) != 1:
     raise LegacyTorchFormatError(f'{name!r}: not a torch zip checkpoint: expected one '
                                  f'"<name>/data.pkl" entry, found {len(prefixes)}. {_LEGACY_HINT}')

@@ -81,8 +81,10 @@ def check_fits(variables: Mapping, expected: Mapping, *, what: str = 'The checkp
   header = f'{what} does not fit the model:'
   scanned = layout.is_scanned(variables.get('params', {}))
   if scanned != layout.is_scanned(expected.get('params', {})):
-    header += (f' it is in the {"scanned" if scanned else "per-layer"} block layout; convert it '
-               f'with vit_jax.models.{"unscan_params" if scanned else "scan_params"} first.')
+    block_layout = 'scanned' if scanned else 'per-layer'
+    conversion = 'unscan_params' if scanned else 'scan_params'
+    header += (f' it is in the {block_layout} block layout; convert it '
+               f'with vit_jax.models.{conversion} first.')
   implied = hint = describe_architecture(variables)
   if hint:
     hint += ' Build the model with these values.'
@@ -121,9 +123,11 @@ def _name(path) -> str:
 def non_finite(tree: Any) -> List[str]:
   """The names (``'params/head/kernel'``) of the floating-point leaves of ``tree`` holding a
   NaN or an Inf, in tree order (JAX arrays checked on their devices, in one jitted call)."""
-  leaves = [(_name(p), x) for p, x in jax.tree_util.tree_flatten_with_path(layout.unbox(tree))[0]
-            if jnp.issubdtype(x.dtype if hasattr(x, 'dtype') else np.asarray(x).dtype,
-                              jnp.inexact)]
+  leaves = []
+  for p, x in jax.tree_util.tree_flatten_with_path(layout.unbox(tree))[0]:
+    dtype = x.dtype if hasattr(x, 'dtype') else np.asarray(x).dtype
+    if jnp.issubdtype(dtype, jnp.inexact):
+      leaves.append((_name(p), x))
   on_devices = [(n, x) for n, x in leaves if isinstance(x, jax.Array)]
   bad = {n for n, x in leaves if not isinstance(x, jax.Array) and not np.isfinite(x).all()}
   if on_devices:
@@ -134,6 +138,7 @@ def non_finite(tree: Any) -> List[str]:
 
 def non_finite_message(what: str, names: List[str]) -> str:
   """``'<what> holds NaN or Inf values in <names> (first 4 and the count)'``, for errors."""
-  shown = ', '.join(names[:4]) + (f' and {len(names) - 4} more' if len(names) > 4 else '')
-  return (f'{what} holds NaN or Inf values in {shown} ({len(names)} '
-          f'{"array" if len(names) == 1 else "arrays"})')
+  more = f' and {len(names) - 4} more' if len(names) > 4 else ''
+  shown = ', '.join(names[:4]) + more
+  arrays = 'array' if len(names) == 1 else 'arrays'
+  return f'{what} holds NaN or Inf values in {shown} ({len(names)} {arrays})'

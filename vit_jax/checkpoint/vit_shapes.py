@@ -67,16 +67,26 @@ def architecture_fields(shapes: dict, image_size: Optional[int] = None,
   query = next((s for k, s in shapes.items()
                 if k.endswith('MultiHeadDotProductAttention_0/query/kernel')), None)
   mlp = next((s[-1] for k, s in shapes.items() if k.endswith('MlpBlock_0/Dense_0/kernel')), None)
-  layers = (int(shapes[next(k for k in shapes if '/encoderblock/' in k)][0])
-            if blocks == {'encoderblock'} else len(blocks))
+  if blocks == {'encoderblock'}:  # Scanned: the layers are the stacked axis.
+    stacked = next(k for k in shapes if '/encoderblock/' in k)
+    layers = int(shapes[stacked][0])
+  else:
+    layers = len(blocks)
   pre_logits = shapes.get('params/pre_logits/kernel')
-  fields = dict(patch_size=kh if kh == kw else (kh, kw), hidden_size=width, num_layers=layers,
-                num_heads=query[-2] if query is not None else None, mlp_dim=mlp,
-                representation_size=pre_logits[-1] if pre_logits else None,
-                classifier=('map' if 'params/MAPHead_0/probe' in shapes
-                            else 'token' if 'params/cls' in shapes else 'gap'),
-                posemb='learn' if POSEMB_KEY in shapes else 'sincos2d',
-                num_classes=head[-1] if head else None)
+  if 'params/MAPHead_0/probe' in shapes:
+    classifier = 'map'
+  elif 'params/cls' in shapes:
+    classifier = 'token'
+  else:
+    classifier = 'gap'
+  patch_size = kh if kh == kw else (kh, kw)
+  num_heads = query[-2] if query is not None else None
+  representation_size = pre_logits[-1] if pre_logits else None
+  posemb = 'learn' if POSEMB_KEY in shapes else 'sincos2d'
+  num_classes = head[-1] if head else None
+  fields = dict(patch_size=patch_size, hidden_size=width, num_layers=layers,
+                num_heads=num_heads, mlp_dim=mlp, representation_size=representation_size,
+                classifier=classifier, posemb=posemb, num_classes=num_classes)
   fields.update(variant_fields(shapes, fields['classifier'], image_size, strict))
   if 'params/conv_root/kernel' in shapes:  # ResNet stem: params/block{stage}/unit{unit}/...
     units = {}

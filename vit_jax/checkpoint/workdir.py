@@ -86,7 +86,8 @@ def _linked_steps(checkpoints: str) -> Optional[str]:
   if not links:
     return None
   quote = shlex.quote
-  first, target = links[0], os.path.realpath(links[0])
+  first = links[0]
+  target = os.path.realpath(first)
   others = f' (also {", ".join(links[1:])})' if links[1:] else ''
   if not all(os.path.isdir(link) for link in links):  # To nothing, a loop, a file: removed.
     what = (f'to nothing ({target})' if not os.path.lexists(target) else
@@ -270,7 +271,8 @@ class _EventsWriter:
   """A clu metric writer whose disk/permission failures become :class:`CheckpointSaveError`."""
 
   def __init__(self, writer: Any, path: str):
-    self._writer, self._path = writer, path
+    self._writer = writer
+    self._path = path
 
   def __getattr__(self, name: str) -> Any:
     method = getattr(self._writer, name)
@@ -294,12 +296,15 @@ class Checkpoints:
     if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
       raise ValueError(f'keep must be a positive int or None (keep all), got {keep!r}.')
     local = not storage.is_remote(os.fspath(directory))
-    self._manager = ocp.CheckpointManager(directory, options=ocp.CheckpointManagerOptions(
+    temporary_path_class = durable.rename_class() if local else None
+    options = ocp.CheckpointManagerOptions(
         preservation_policy=ocp.checkpoint_managers.LatestN(n=keep),
         enable_async_checkpointing=bool(asynchronous), cleanup_tmp_directories=True,
-        temporary_path_class=durable.rename_class() if local else None))
+        temporary_path_class=temporary_path_class)
+    self._manager = ocp.CheckpointManager(directory, options=options)
     # For a failed save's message, which must not call on the storage that failed it.
-    self._finalized, self._saving = list(self._manager.all_steps()), None
+    self._finalized = list(self._manager.all_steps())
+    self._saving = None
 
   @property
   def directory(self) -> Any:  # storage.Path

@@ -50,7 +50,9 @@ def _name_files(paths: Sequence[str], root: Optional[str] = None, sep: str = '\n
   """The first MAX_NAMED_FILES paths (relative to `root`), '... and N more'."""
   shown = [os.path.relpath(p, root) if root else p for p in paths[:MAX_NAMED_FILES]]
   more = len(paths) - len(shown)
-  return sep.join(shown + ([f'... and {more} more'] if more else []))
+  if more:
+    shown.append(f'... and {more} more')
+  return sep.join(shown)
 
 
 def _decode_check(contents: tf.Tensor) -> tf.Tensor:

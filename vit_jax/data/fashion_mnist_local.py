@@ -33,10 +33,12 @@ SPLIT_FILES: Dict[str, Tuple[str, str, int]] = {
 _IMAGES_MAGIC = 0x00000803
 _LABELS_MAGIC = 0x00000801
 
+_IDX_FILES = tuple(f for v in SPLIT_FILES.values() for f in v[:2])
+
 MISSING_FILES_HINT = (
     'Install the Debian package `dataset-fashion-mnist` (`apt-get install dataset-fashion-mnist`, '
     f'which puts the IDX files in {DEBIAN_DIR}) or set `config.data.manual_dir` to a directory '
-    'containing ' + ', '.join(f for v in SPLIT_FILES.values() for f in v[:2]) + '.')
+    'containing ' + ', '.join(_IDX_FILES) + '.')
 
 
 class IdxFormatError(ValueError):
@@ -53,9 +55,10 @@ def read_idx(path: str, expected_magic: int, expected_count: Optional[int] = Non
     raise IdxFormatError(f'{path}: file too short ({len(data)} bytes) for an IDX header.')
   (magic,) = struct.unpack('>i', data[:4])
   if magic != expected_magic:
+    kind = 'images' if expected_magic == _IMAGES_MAGIC else 'labels'
     raise IdxFormatError(
         f'{path}: bad IDX magic number 0x{magic:08x}, expected '
-        f'0x{expected_magic:08x} ({"images" if expected_magic == _IMAGES_MAGIC else "labels"}).')
+        f'0x{expected_magic:08x} ({kind}).')
   ndim = magic & 0xFF
   header_len = 4 + 4 * ndim
   if len(data) < header_len:
@@ -142,8 +145,7 @@ class FashionMnistLocal(tfds.core.GeneratorBasedBuilder):
     if explicit:
       return os.path.expanduser(explicit)
     default_manual = os.path.join(os.fspath(self.data_dir_root), 'downloads', 'manual')
-    if all(os.path.exists(os.path.join(default_manual, f))
-           for v in SPLIT_FILES.values() for f in v[:2]):
+    if all(os.path.exists(os.path.join(default_manual, f)) for f in _IDX_FILES):
       return default_manual
     return DEBIAN_DIR
 

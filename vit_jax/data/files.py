@@ -129,7 +129,8 @@ def _as_array(image: Any, name: str) -> np.ndarray:
   """A PIL image or array -> an array ``[H, W, C]``, C in {1, 3, 4}."""
   if hasattr(image, 'mode') and hasattr(image, 'convert'):  # A PIL image (PIL is optional).
     if image.mode not in ('L', 'RGB', 'RGBA'):
-      image = image.convert('RGBA' if 'A' in image.mode or 'transparency' in image.info else 'RGB')
+      alpha = 'A' in image.mode or 'transparency' in image.info
+      image = image.convert('RGBA' if alpha else 'RGB')
     image = np.asarray(image)
   array = image.numpy() if isinstance(image, tf.Tensor) else np.asarray(image)
   if array.ndim == 2:

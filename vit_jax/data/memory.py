@@ -59,7 +59,8 @@ def estimate_shuffle_memory(data_cfg, source: sources.Source, split, num_example
   decoded = cache or not source.images_encoded_after_read
   hw = source.static_image_hw
   if decoded and hw is not None:
-    image_bytes, sampled = hw[0] * hw[1] * 3, 0
+    image_bytes = hw[0] * hw[1] * 3
+    sampled = 0
   else:  # The bytes of the first `sample` images, decoded (uint8 H*W*3) or encoded.
     ds = source.read(split, decode=decoded).take(sample).ignore_errors()
     try:
@@ -67,11 +68,17 @@ def estimate_shuffle_memory(data_cfg, source: sources.Source, split, num_example
                for ex in ds.as_numpy_iterator()]
     except tf.errors.OpError:  # Unreadable: the pipeline itself will say why.
       sizes = []
-    image_bytes, sampled = (round(float(np.mean(sizes))), len(sizes)) if sizes else (0, None)
+    if sizes:
+      image_bytes = round(float(np.mean(sizes)))
+      sampled = len(sizes)
+    else:
+      image_bytes = 0
+      sampled = None
+  cache_elements = num_examples if cache else 0
   return ShuffleMemory(
       buffer_elements=min(int(data_cfg.shuffle_buffer), num_examples),
       bytes_per_element=image_bytes + ELEMENT_OVERHEAD_BYTES, decoded=decoded,
-      cache_elements=num_examples if cache else 0, sampled=sampled)
+      cache_elements=cache_elements, sampled=sampled)
 
 
 def estimate_in_memory(source: sources.Source, split, num_examples: int, *,
@@ -148,14 +155,17 @@ def estimate_input_memory(data_cfg, local_batch: int, num_classes: int, *,
   :func:`estimate_shuffle_memory` (None: read by index), ``in_memory_*`` from
   :func:`estimate_in_memory`."""
   parallel = int(data_cfg.num_parallel_calls)
+  in_flight = parallel if parallel > 0 else AUTOTUNE_IN_FLIGHT
   return InputMemory(shuffle, int(in_memory_bytes), int(local_batch), int(data_cfg.image_size),
-                     int(num_classes), int(data_cfg.prefetch),
-                     parallel if parallel > 0 else AUTOTUNE_IN_FLIGHT, in_memory_sampled)
+                     int(num_classes), int(data_cfg.prefetch), in_flight, in_memory_sampled)
 
 
 def _how(sampled: Optional[int]) -> str:
-  return ('exact' if sampled == 0 else 'size unknown: no image read' if sampled is None
-          else f'mean of {sampled} read')
+  if sampled == 0:
+    return 'exact'
+  if sampled is None:
+    return 'size unknown: no image read'
+  return f'mean of {sampled} read'
 
 
 def _shuffle_text(m: ShuffleMemory) -> str:

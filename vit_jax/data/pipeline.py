@@ -97,7 +97,8 @@ class _Batches:
   'fail' mode (the iterator is then unusable). Closed at exit (`_close_live_iterators`)."""
 
   def __init__(self, dataset: tf.data.Dataset, diagnose: _Diagnose):
-    self.dataset, self._diagnose = dataset, diagnose
+    self.dataset = dataset
+    self._diagnose = diagnose
     self._it = dataset.as_numpy_iterator()
     _LIVE.add(self)
 
@@ -138,7 +139,8 @@ def _close_live_iterators() -> None:
 
 
 #: How the training split is read (:func:`train_read_mode`); a run's dataset record keeps it.
-BY_INDEX, IN_ORDER = 'by_index', 'in_order'
+BY_INDEX = 'by_index'
+IN_ORDER = 'in_order'
 _MODES = (BY_INDEX, IN_ORDER)
 
 
@@ -285,7 +287,9 @@ class EvalDataset:
   ``num_batches`` (``len()``) is the same on every process. Raises ``BadImageError`` ('fail')."""
 
   def __init__(self, dataset: tf.data.Dataset, num_batches: int, diagnose: _Diagnose):
-    self.dataset, self.num_batches, self._diagnose = dataset, num_batches, diagnose
+    self.dataset = dataset
+    self.num_batches = num_batches
+    self._diagnose = diagnose
 
   def __iter__(self) -> Iterator[Dict[str, np.ndarray]]:
     return _Batches(self.dataset, self._diagnose)

@@ -83,10 +83,11 @@ def normalize(image: tf.Tensor, normalization: str) -> tf.Tensor:
     return image / 127.5 - 1.
   if normalization == 'imagenet':
     image = tf.convert_to_tensor(image)
-    mean, std = tf.constant(IMAGENET_MEAN), tf.constant(IMAGENET_STD)
+    mean = tf.constant(IMAGENET_MEAN)
+    std = tf.constant(IMAGENET_STD)
     if image.shape[-3:].is_fully_defined():  # Full-size constants: TF broadcasts [3] slowly.
-      mean, std = (tf.constant(np.broadcast_to(np.float32(v), image.shape[-3:]))
-                   for v in (IMAGENET_MEAN, IMAGENET_STD))
+      mean = tf.constant(np.broadcast_to(np.float32(IMAGENET_MEAN), image.shape[-3:]))
+      std = tf.constant(np.broadcast_to(np.float32(IMAGENET_STD), image.shape[-3:]))
     return (image / 255. - mean) / std
   raise ValueError(f'Unknown config.data.normalization={normalization!r}; '
                    "use 'minus_one_to_one' or 'imagenet'.")

@@ -71,10 +71,10 @@ def _prepare(builder, name: str, data_cfg) -> None:
     raise FileNotFoundError(
         f'Dataset {name!r} is not prepared in {where}, and vit_jax never downloads datasets (its '
         f'builder needs the network). {build_hint}')
+  manual_dir = storage.normalize(data_cfg.manual_dir) if data_cfg.manual_dir else None
+  download_config = tfds.download.DownloadConfig(manual_dir=manual_dir, try_download_gcs=False)
   try:
-    builder.download_and_prepare(download_config=tfds.download.DownloadConfig(
-        manual_dir=storage.normalize(data_cfg.manual_dir) if data_cfg.manual_dir else None,
-        try_download_gcs=False))
+    builder.download_and_prepare(download_config=download_config)
   except Exception as e:  # Let it through, with a hint.
     e.add_note(f'vit_jax: preparing {name!r} into {where} failed (manual_dir='
                f'{data_cfg.manual_dir!r}). Nothing is downloaded: put the source files in '
@@ -118,9 +118,11 @@ def _indexed(arrays: List[np.ndarray], *, batches: bool = False
   known = [int(d[0]) if (d == d[0]).all() else None for d in shapes.T]  # E.g. [-, -, 3].
   flat = np.concatenate([a.reshape(-1) for a in arrays])
   arrays.clear()
-  flat, sizes = tf.constant(flat), shapes.prod(axis=1)
-  starts, sizes, shapes = tf.constant(np.cumsum(sizes) - sizes), tf.constant(sizes), tf.constant(
-      shapes)
+  flat = tf.constant(flat)
+  sizes = shapes.prod(axis=1)
+  starts = tf.constant(np.cumsum(sizes) - sizes)
+  sizes = tf.constant(sizes)
+  shapes = tf.constant(shapes)
   return lambda i: tf.ensure_shape(
       tf.reshape(tf.slice(flat, [starts[i]], [sizes[i]]), shapes[i]), known)
 
@@ -156,8 +158,9 @@ class Source:
     """``error`` (a ``tf.errors.OpError`` reading ``split``) as :func:`bad_images.decoding_error`
     explains it (an image folder's: naming the undecodable files), or None."""
     paths = self._folder_split(split)[0] if self.is_image_folder else None
-    return bad_images.decoding_error(error, self.name, str(split) if split_name is None
-                                     else split_name, self.bad_images, paths)
+    if split_name is None:
+      split_name = str(split)
+    return bad_images.decoding_error(error, self.name, split_name, self.bad_images, paths)
 
   @property
   def is_image_folder(self) -> bool:
@@ -175,8 +178,9 @@ class Source:
     infos = {name: tfds.core.SplitInfo(name=name, shard_lengths=[len(exs)], num_bytes=0)
              for name, exs in self.image_folder_examples.items()}
     instructions = tfds.core.splits.AbstractSplit.from_spec(split).to_absolute(infos)
-    examples = [e for ai in instructions
-                for e in self.image_folder_examples[ai.splitname][ai.from_:ai.to]]
+    examples = []
+    for ai in instructions:
+      examples.extend(self.image_folder_examples[ai.splitname][ai.from_:ai.to])
     str2int = self.builder.info.features['label'].str2int
     return [e.image_path for e in examples], [str2int(e.label) for e in examples]
 
@@ -197,8 +201,9 @@ class Source:
       ds = ds.map(lambda _, ex: ex)
     else:
       shuffle_files = file_seed is not None
-      read_config = tfds.ReadConfig(shuffle_seed=file_seed, shuffle_reshuffle_each_iteration=(
-          False if shuffle_files else None))
+      reshuffle = False if shuffle_files else None
+      read_config = tfds.ReadConfig(shuffle_seed=file_seed,
+                                    shuffle_reshuffle_each_iteration=reshuffle)
       ds = self.builder.as_dataset(split=split, shuffle_files=shuffle_files,
                                    decoders=self._decoders, read_config=read_config)
       ds = ds.map(lambda ex: {'image': ex[self.image_key], 'label': ex[self.label.key]})
@@ -245,7 +250,8 @@ class Source:
       return self._in_memory(split)
     if self.is_image_folder:
       paths, labels = self._folder_split(split)
-      paths, labels = tf.constant(paths, tf.string), tf.constant(labels, tf.int64)
+      paths = tf.constant(paths, tf.string)
+      labels = tf.constant(labels, tf.int64)
       return _by_index(int(paths.shape[0]), lambda index: {
           'image': tf.io.read_file(tf.gather(paths, index)), 'label': tf.gather(labels, index)})
     records = self._array_records(split)
@@ -257,7 +263,8 @@ class Source:
           'the file at every random read, many times the record\'s bytes (docs/data.md, "Reading '
           'from a bucket"). On a pod, mount the bucket with Cloud Storage FUSE and give its local '
           'path (launch/tpu.sh run does by default).', self.name, self.builder.data_dir)
-    features, decoders = self.builder.info.features, self._decoders
+    features = self.builder.info.features
+    decoders = self._decoders
     encoded = self.images_encoded_after_read
 
     def finish(serialized):
@@ -293,7 +300,8 @@ class Source:
       # as_data_source made ArrayRecord the info's format: TFRecord again for `read` (evaluation).
       info.set_file_format(primary, override=True, override_if_initialized=True)
       try:
-        records.__getitems__([0] if len(records) else [])
+        first = [0] if len(records) else []
+        records.__getitems__(first)
       except (RuntimeError, OSError) as e:  # A damaged shard, or a bucket that cannot be read.
         message = (f'The ArrayRecord files of {self.name} cannot be read ({e}): a damaged shard: '
                    f'rerun `python -m vit_jax.to_array_record {self.builder.data_dir}`, which '
@@ -406,7 +414,8 @@ def _restore_file_formats(builder) -> None:
 
 def _make_source(data_cfg) -> Source:
   """Builds the `Source` for `config.data` (uncached)."""
-  name, mode = data_cfg.name, data_cfg.bad_images
+  name = data_cfg.name
+  mode = data_cfg.bad_images
   if data_cfg.image_folder:
     root = storage.normalize(data_cfg.image_folder)
     if not storage.isdir(root):
@@ -423,8 +432,8 @@ def _make_source(data_cfg) -> Source:
     label = _label_spec(builder, root, data_cfg.label_key or 'label')
     # Reading the per-split file lists ourselves gives split slicing and reading by index.
     examples = dict(builder._split_examples)  # pylint: disable=protected-access
-    skipped = bad_images.folder_skips(
-        root, [e.image_path for exs in examples.values() for e in exs], mode)
+    image_paths = [e.image_path for exs in examples.values() for e in exs]
+    skipped = bad_images.folder_skips(root, image_paths, mode)
     left_out = set(skipped)
     examples = {split: [e for e in exs if e.image_path not in left_out]
                 for split, exs in examples.items()}

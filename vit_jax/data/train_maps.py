@@ -17,12 +17,14 @@ class TrainMaps:
   images, no crop or RandAugment): resize, flip and normalization per batch too."""
 
   def __init__(self, data_cfg, source, run_key):
-    self.data_cfg, self.source = data_cfg, source
+    self.data_cfg = data_cfg
+    self.source = source
     self.encoded = not data_cfg.cache and source.images_encoded_after_read
     self.vectorized = (source.static_image_hw is not None and data_cfg.augment != 'inception_crop'
                        and data_cfg.randaugment_num_layers <= 0)
-    self.augment_key, self.mix_key, self.erase_key = (
-        preprocess.fold_in(run_key, k) for k in (1, 2, 3))
+    self.augment_key = preprocess.fold_in(run_key, 1)
+    self.mix_key = preprocess.fold_in(run_key, 2)
+    self.erase_key = preprocess.fold_in(run_key, 3)
     self.mixing = (data_cfg.mixup_alpha > 0 or data_cfg.cutmix_alpha > 0) and data_cfg.mix_prob > 0
 
   @tf.autograph.experimental.do_not_convert
@@ -31,8 +33,9 @@ class TrainMaps:
       image = self.source.decode(ex['image'], self.encoded) if self.encoded else ex['image']
     else:
       seed = preprocess.fold_in(self.augment_key, i)
+      augment_seed = seed if self.data_cfg.augment != 'none' else None
       image = preprocess.train_image(
-          ex['image'], encoded=self.encoded, seed=seed if self.data_cfg.augment != 'none' else None,
+          ex['image'], encoded=self.encoded, seed=augment_seed,
           size=self.data_cfg.image_size, augment=self.data_cfg.augment,
           min_area=self.data_cfg.inception_crop_min_area, normalization=None,
           pad_pixels=self.data_cfg.pad_crop_pixels)

@@ -52,7 +52,8 @@ class Stoppable:
   batch, see `vit_jax.stops.StopNotice.agreed`)."""
 
   def __init__(self, batches: Iterable[dict], stop: Callable[[], bool]):
-    self.batches, self.stop = batches, stop
+    self.batches = batches
+    self.stop = stop
 
   def __iter__(self) -> Iterator[dict]:
     for batch in self.batches:
@@ -71,7 +72,8 @@ def sum_batches(predict: Callable[[Any, dict], Any], state, batches: Iterable[di
   totals: dict[str, Any] = {}
   for i, batch in enumerate(batches):
     outputs = predict(state, batch)
-    for k, v in jax.device_get(outputs[0] if isinstance(outputs, tuple) else outputs).items():
+    sums = outputs[0] if isinstance(outputs, tuple) else outputs
+    for k, v in jax.device_get(sums).items():
       totals[k] = totals.get(k, 0) + v
     if on_batch is not None:
       on_batch(i, batch, outputs)

@@ -20,7 +20,8 @@ class Featurizer:
   one), gathered onto every process as numpy."""
 
   def __init__(self, setup: step_lib.Setup, compiler: Optional[step_lib.Compiler] = None):
-    self._setup, self._jitted = setup, setup.jit_features_step()
+    self._setup = setup
+    self._jitted = setup.jit_features_step()
     self._compiler = compiler or step_lib.Compiler(setup)
 
   def gather(self, local: np.ndarray) -> np.ndarray:
@@ -50,7 +51,10 @@ def collect(featurizer: Featurizer, variables: dict[str, Any], batches: Iterable
   only the first `per_class` of each class / `max_examples` (reading stops once all are in).
   Decided from the gathered labels, so every process runs the same steps."""
   counts = np.zeros(num_classes, np.int64)
-  features, labels, read, kept = [], [], 0, 0
+  features = []
+  labels = []
+  read = 0
+  kept = 0
   for batch in batches:
     label = featurizer.gather(np.argmax(batch["labels"], axis=-1).astype(np.int32))
     keep = featurizer.gather(np.asarray(batch["mask"], bool)).copy()

@@ -36,7 +36,8 @@ class NotEnoughExamplesError(ValueError):
 
   def __init__(self, message: str, shots: int, short: dict[int, int]):
     super().__init__(message)
-    self.shots, self.short = shots, short
+    self.shots = shots
+    self.short = short
 
 
 def _features(x: Any, what: str) -> np.ndarray:
@@ -78,7 +79,8 @@ class LinearProbe:
     when N >= F + 1, else 'dual'. ValueError: bad shapes or labels, non-finite features."""
     x = _features(features, "The training features")
     y = _labels(labels, x.shape[0], num_classes, "The training labels")
-    mean, std = x.mean(axis=0), x.std(axis=0) + STD_EPSILON
+    mean = x.mean(axis=0)
+    std = x.std(axis=0) + STD_EPSILON
     probe = cls(mean, std, np.zeros(0), np.zeros((0, 0)), np.zeros((0, 0)), "")
     x = probe.design(x)
     targets = 2.0 * np.eye(num_classes)[y] - 1.0
@@ -228,13 +230,17 @@ def evaluate_features(train_features: Any, train_labels: Any, test_features: Any
 
 def default_train_per_class(shots: Sequence[int], seeds: int, l2_regs: Sequence[float]) -> int:
   """Pool examples kept per class: max(shots) x seeds (+ `HELD_OUT_PER_CLASS` for several l2)."""
-  return max(shots) * seeds + (HELD_OUT_PER_CLASS if len(l2_regs) > 1 else 0)
+  held_out = HELD_OUT_PER_CLASS if len(l2_regs) > 1 else 0
+  return max(shots) * seeds + held_out
 
 
 def scalars(name: str, results: dict[int, ShotResult]) -> dict[str, float]:
   """`{'fewshot/<name>_<k>shot': mean accuracy, 'fewshot/<name>_<k>shot_std': its std}`."""
-  return {f"fewshot/{name}_{k}shot{suffix}": value for k, r in results.items()
-          for suffix, value in (("", r.mean), ("_std", r.std))}
+  out = {}
+  for k, r in results.items():
+    out[f"fewshot/{name}_{k}shot"] = r.mean
+    out[f"fewshot/{name}_{k}shot_std"] = r.std
+  return out
 
 
 @dataclasses.dataclass(frozen=True)
@@ -301,7 +307,8 @@ def make_task(data_config: ml_collections.ConfigDict, *, global_batch_size: int,
 def task_data_configs(config: ml_collections.ConfigDict) -> list[ml_collections.ConfigDict]:
   """The uncached `config.data` of each of `config.fewshot.datasets` (none: the training data),
   with its splits (None: the training data's, else 'train' / 'test')."""
-  fewshot, configs = config.fewshot, []
+  fewshot = config.fewshot
+  configs = []
   for name in tuple(fewshot.datasets) or (None,):
     data_config = ml_collections.ConfigDict(config.data.to_dict())
     if name is None:
@@ -335,12 +342,16 @@ class Evaluator:
                l2_regs: Sequence[float] = DEFAULT_L2_REGS,
                train_per_class: Optional[int] = None, max_eval_examples: Optional[int] = None,
                strict: bool = True, hint: str = "lower the shots or use a larger train split"):
-    self.tasks, self.featurizer = list(tasks), featurizer
-    self.shots, self.seeds = tuple(int(k) for k in shots), int(seeds)
+    self.tasks = list(tasks)
+    self.featurizer = featurizer
+    self.shots = tuple(int(k) for k in shots)
+    self.seeds = int(seeds)
     self.l2_regs = tuple(float(v) for v in l2_regs)
     self.train_per_class = train_per_class or default_train_per_class(
         self.shots, self.seeds, self.l2_regs)
-    self.max_eval_examples, self.strict, self._hint = max_eval_examples, strict, hint
+    self.max_eval_examples = max_eval_examples
+    self.strict = strict
+    self._hint = hint
 
   @classmethod
   def from_config(cls, config: ml_collections.ConfigDict, setup: Any, *,
@@ -365,10 +376,11 @@ class Evaluator:
     """
     results = []
     for task in self.tasks:
-      train_ds, test_ds = task.train, task.test
+      train_ds = task.train
+      test_ds = task.test
       if stop is not None:
-        train_ds, test_ds = (evaluation.Stoppable(train_ds, stop),
-                             evaluation.Stoppable(test_ds, stop))
+        train_ds = evaluation.Stoppable(train_ds, stop)
+        test_ds = evaluation.Stoppable(test_ds, stop)
       pool = features_lib.collect(self.featurizer, variables, train_ds,
                                   num_classes=task.num_classes, per_class=self.train_per_class)
       test = features_lib.collect(self.featurizer, variables, test_ds,
@@ -393,5 +405,7 @@ class Evaluator:
   def run(self, variables: dict[str, Any],
           stop: Optional[Callable[[], bool]] = None) -> dict[str, float]:
     """The `scalars` of every task; `stop` and errors as `evaluate`."""
-    return {k: v for result in self.evaluate(variables, stop)
-            for k, v in scalars(result.task.name, result.shots).items()}
+    out = {}
+    for result in self.evaluate(variables, stop):
+      out.update(scalars(result.task.name, result.shots))
+    return out

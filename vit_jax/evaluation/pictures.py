@@ -23,11 +23,13 @@ def _device_summary(model: Any, layout: intermediates.TokenLayout, count: int, s
   `count` images (masked ones left out). The rollout maps: the class token's row, or without one
   the mean of the patch rows (as `vit_jax.analysis.class_token_map`; registers never)."""
   distances = jnp.asarray(attention_maps.patch_distances(layout.grid, layout.stride), jnp.float32)
-  prefix, grid = layout.prefix, layout.grid
+  prefix = layout.prefix
+  grid = layout.grid
   class_token = attention_maps.has_class_token(prefix, int(getattr(model, "num_registers", 0)))
 
   def summarize(state, batch):
-    images, mask = batch["image"][:count], batch["mask"][:count].astype(jnp.float32)
+    images = batch["image"][:count]
+    mask = batch["mask"][:count].astype(jnp.float32)
     logits, state = model.apply(step_lib.variables_of(state), images, train=False,
                                 mutable=[intermediates.COLLECTION])
     maps = intermediates.unpack(model, state[intermediates.COLLECTION])["attention"]
@@ -63,8 +65,10 @@ class Pictures:
 
   def __init__(self, setup: step_lib.Setup, label_names: Sequence[str],
                first_eval_batch: Callable[[], dict], compiler: step_lib.Compiler):
-    self._setup, self._names = setup, list(label_names)
-    self._first_eval_batch, self._compiler = first_eval_batch, compiler
+    self._setup = setup
+    self._names = list(label_names)
+    self._first_eval_batch = first_eval_batch
+    self._compiler = compiler
     self._options = setup.config.analysis
     self._jitted = None
     self._batch: Optional[dict] = None
@@ -103,7 +107,8 @@ class Pictures:
     and writes the figures (process 0); returns the scalars written, `{}` when off."""
     if not self.attention_on:
       return {}
-    setup, options = self._setup, self._options
+    setup = self._setup
+    options = self._options
     variables = {k: state[k] for k in setup.variables_shardings}
     if self._batch is None:
       self._batch = setup.to_global(self._first_eval_batch())

@@ -40,10 +40,13 @@ def short_names(synsets: Sequence[str], lemmas: Dict[str, List[str]]) -> List[st
   that is shared ('maillot (tank suit)'), then the synset id ('crane (n02012849)')."""
   names = [lemmas[s][0] for s in synsets]
   counts = collections.Counter(n.lower() for n in names)
-  names = [f'{lemmas[s][0]} ({lemmas[s][1]})' if counts[n.lower()] > 1 and len(lemmas[s]) > 1
-           else n for s, n in zip(synsets, names)]
+  for i, s in enumerate(synsets):
+    if counts[names[i].lower()] > 1 and len(lemmas[s]) > 1:
+      names[i] = f'{lemmas[s][0]} ({lemmas[s][1]})'
   counts = collections.Counter(n.lower() for n in names)
-  names = [f'{lemmas[s][0]} ({s})' if counts[n.lower()] > 1 else n for s, n in zip(synsets, names)]
+  for i, s in enumerate(synsets):
+    if counts[names[i].lower()] > 1:
+      names[i] = f'{lemmas[s][0]} ({s})'
   assert len({n.lower() for n in names}) == len(names), 'names are not unique'
   return names
 

@@ -42,7 +42,8 @@ def mixup_cutmix(images: tf.Tensor, labels: tf.Tensor, seed: tf.Tensor, *,
   for arg_name, value in (('switch_prob', switch_prob), ('prob', prob)):
     if not 0. <= value <= 1.:
       raise ValueError(f'{arg_name} must be in [0, 1], got {value!r}.')
-  images, labels = tf.convert_to_tensor(images), tf.convert_to_tensor(labels)
+  images = tf.convert_to_tensor(images)
+  labels = tf.convert_to_tensor(labels)
   apply_seed, switch_seed, lam_seed, cy_seed, cx_seed = stateless.split(seed, 5)
 
   do_mix = stateless.uniform(apply_seed) < prob

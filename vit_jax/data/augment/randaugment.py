@@ -244,8 +244,12 @@ def _warp(image: tf.Tensor, matrix: tf.Tensor, fill: tf.Tensor) -> tf.Tensor:
   rows = (tf.maximum(y0, 0) * width, tf.minimum(y0 + 1, height - 1) * width)
   # Uncovered pixels read `fill`, appended at index H * W.
   pixels = tf.concat([tf.reshape(image, [-1, 3]), fill[None]], 0)
-  (p00, p01), (p10, p11) = [[tf.cast(tf.gather(pixels, tf.where(valid, r + c, height * width)),
-                                     tf.float32) for c in cols] for r in rows]
+  outside = height * width
+  corner = lambda r, c: tf.cast(tf.gather(pixels, tf.where(valid, r + c, outside)), tf.float32)
+  p00 = corner(rows[0], cols[0])
+  p01 = corner(rows[0], cols[1])
+  p10 = corner(rows[1], cols[0])
+  p11 = corner(rows[1], cols[1])
   v0 = p00 + (p01 - p00) * dx
   v1 = p10 + (p11 - p10) * dx
   return tf.cast(v0 + (v1 - v0) * dy + 1e-5, tf.uint8)  # 1e-5: float32 rounding (PIL float64).
