@@ -127,7 +127,9 @@ class CostAccountant:
   def __init__(self, hw: Hardware, batch_size: int,
                clock: Callable[[], float] = time.monotonic, start: Optional[float] = None,
                compile_saved: Optional[Callable[[], float]] = None):
-    self.hardware, self.batch_size, self._clock = hw, batch_size, clock
+    self.hardware = hw
+    self.batch_size = batch_size
+    self._clock = clock
     self._start = clock() if start is None else start
     self._compile_saved = compile_saved or (lambda: 0.0)
     self._saved_before = self._compile_saved()  # This attempt's count starts here.
@@ -183,7 +185,8 @@ class CostAccountant:
 
   def set_step_flops(self, compiled: Optional[float], analytic: Optional[float]) -> None:
     """One step's FLOPs (global batch): XLA's `compiled` count and the `analytic` one of the MFU."""
-    self.flops_per_step, self.model_flops_per_step = compiled, analytic
+    self.flops_per_step = compiled
+    self.model_flops_per_step = analytic
 
   def resume(self, report: Optional[dict[str, Any]], start_step: int) -> None:
     """Continues an earlier `report()` from the checkpoint of `start_step`: its attempts and
@@ -234,8 +237,11 @@ class CostAccountant:
         and hw.peak_source.startswith("measured")):
       self._remeasured = True
       again = local_hardware(hw.dtype, remeasure=True)
-      self.hardware = hw = again if again.peak_flops_per_device > hw.peak_flops_per_device else (
-          dataclasses.replace(hw, peak_source=again.peak_source))
+      if again.peak_flops_per_device > hw.peak_flops_per_device:
+        hw = again
+      else:
+        hw = dataclasses.replace(hw, peak_source=again.peak_source)
+      self.hardware = hw
       self._previous = [dict(a, peak_flops_per_device=hw.peak_flops_per_device)
                         if _same_measured_cpu(hw, a) else a for a in self._previous]
       current = self._attempt(step)
@@ -246,8 +252,11 @@ class CostAccountant:
     def days(part: str, count: str) -> Optional[float]:
       # Unknown only if an attempt without that unit (cores off TPU) worked in that part.
       without = [a for a in attempts if a[count] is None]
-      if len(without) == len(attempts) or any(
-          a["steps"] > 0 if part == "train" else a["seconds"][part] > 0 for a in without):
+      if part == "train":
+        worked = any(a["steps"] > 0 for a in without)
+      else:
+        worked = any(a["seconds"][part] > 0 for a in without)
+      if len(without) == len(attempts) or worked:
         return None
       return sum(a["seconds"][part] * (a[count] or 0) for a in attempts) / SECONDS_PER_DAY
 
@@ -310,8 +319,12 @@ def redone_steps(attempts: list[dict[str, Any]], restored_step: int) -> dict[str
   steps = max(0, attempts[-1]["end_step"] - restored_step)
   index = next((i for i in reversed(range(len(attempts))) if attempts[i]["steps"] > 0), None)
   rated = None if index is None else attempts[index]
-  seconds = (0.0 if not steps else None if rated is None else
-             steps * rated["seconds"]["train"] / rated["steps"])
+  if not steps:
+    seconds = 0.0
+  elif rated is None:
+    seconds = None
+  else:
+    seconds = steps * rated["seconds"]["train"] / rated["steps"]
 
   def days(count: str) -> Optional[float]:
     if not steps:
@@ -335,7 +348,8 @@ def goodput(attempts: list[dict[str, Any]]) -> Optional[float]:
 
 def _above_peak(attempt: dict[str, Any]) -> bool:
   """Whether an attempt's model FLOP/s per device exceed its peak (which is then wrong)."""
-  peak, seconds = attempt["peak_flops_per_device"], attempt["seconds"]["train"]
+  peak = attempt["peak_flops_per_device"]
+  seconds = attempt["seconds"]["train"]
   return bool(peak and seconds and attempt["model_flops"] > peak * seconds * attempt["devices"])
 
 
@@ -353,8 +367,10 @@ def _above_peak_note(above: list[dict[str, Any]], with_peak: int) -> Optional[st
           f"{last['peak_flops_per_device'] / 1e9:.3g} GFLOP/s {why}")
 
 
-_NUMBER, _COUNT = (int, float), int
-_MAYBE_NUMBER, _MAYBE_COUNT = (int, float, type(None)), (int, type(None))
+_NUMBER = (int, float)
+_COUNT = int
+_MAYBE_NUMBER = (int, float, type(None))
+_MAYBE_COUNT = (int, type(None))
 #: What the readers of a `report()` use: {key: a type or a tuple of them, {key: ...} of an
 #: object, [...] of a list's items}; a key ending in '?' may be missing.
 _REDONE = {"steps": _COUNT, "seconds": _MAYBE_NUMBER, "from_attempt": _MAYBE_COUNT,
@@ -398,7 +414,8 @@ def _shape_problem(value: Any, shape: Any, where: str = "") -> Optional[str]:
     for key, inner in shape.items():
       name = key.rstrip("?")
       if name in value:
-        problem = _shape_problem(value[name], inner, f"{where}.{name}" if where else name)
+        inner_where = f"{where}.{name}" if where else name
+        problem = _shape_problem(value[name], inner, inner_where)
         if problem:
           return problem
       elif not key.endswith("?"):
@@ -460,11 +477,17 @@ def scalars(report: dict[str, Any]) -> dict[str, float]:
 
 def summary(report: dict[str, Any]) -> str:
   """One progress line, e.g. 'cost: 12.0 TPU v3 core-days (11.2 training), MFU 38.1%, ...'."""
-  unit, kind = report["hardware"]["unit"], report["hardware"]["device_kind"]
-  program, train = report["program"][f"{unit}_days"], report["train"][f"{unit}_days"]
+  unit = report["hardware"]["unit"]
+  kind = report["hardware"]["device_kind"]
+  program = report["program"][f"{unit}_days"]
+  train = report["train"][f"{unit}_days"]
   note = report.get("mfu_note")
-  mfu = (note if note and report["mfu"] is None else "MFU unavailable" if report["mfu"] is None
-         else f"MFU {report['mfu']:.1%}")
+  if report["mfu"] is not None:
+    mfu = f"MFU {report['mfu']:.1%}"
+  elif note:
+    mfu = note
+  else:
+    mfu = "MFU unavailable"
   rate = report["images_per_sec_per_core"]
   rate = "" if rate is None else f", {rate:,.1f} images/s/{unit}"
   split = ", ".join(f"{k} {report['seconds'][k]:.0f}" for k in (*CATEGORIES, "other"))

@@ -38,7 +38,8 @@ def unknown_override_message(argv: list[str]) -> str | None:
     return None  # Let the flag parser report the real problem with the file.
   for arg in (a for a in argv if a.startswith("--config.")):
     path = arg[len("--config."):].split("=", 1)[0]
-    node, keys = config, path.split(".")
+    node = config
+    keys = path.split(".")
     for depth, key in enumerate(keys):
       children = list(node.keys()) if hasattr(node, "keys") else []
       if key not in children:
@@ -130,7 +131,9 @@ def error_text(error: BaseException) -> str:
   """``str(error)`` with the fix of the ``ConfigError`` it is or wraps (its cause or context)
   spelled for the command line: each ``config.KEY`` there as the flag ``--config.KEY``."""
   keys = sys.modules.get("vit_jax.config.keys")  # Not imported: no config was checked.
-  text, cause, seen = str(error), error, set()
+  text = str(error)
+  cause = error
+  seen = set()
   while keys is not None and cause is not None and id(cause) not in seen:
     if isinstance(cause, keys.ConfigError):
       library = str(cause)
@@ -182,7 +185,9 @@ def config_help(config=None, spec: str | None = None, width: int | None = None) 
   help, by section; wrapped to ``width`` (default: the terminal's)."""
   from vit_jax import config as config_lib  # pylint: disable=g-import-not-at-top  (JAX)
   defaults = config_lib.defaults
-  config = config_lib.fill_regime(config if config is not None else defaults.get_config())
+  if config is None:
+    config = defaults.get_config()
+  config = config_lib.fill_regime(config)
   width = max(width or shutil.get_terminal_size((100, 24)).columns, HELP_COLUMN + 20)
   source = f"config file {spec}" if spec else "defaults (no --config)"
   lines = textwrap.wrap(
@@ -199,10 +204,14 @@ def config_help(config=None, spec: str | None = None, width: int | None = None) 
     node = config[name] if name else config
     if name:
       lines += ["", f"config.{name}: {text}"]
-    for key in [k for k in helps if k in node] + sorted(set(node.keys()) - set(helps)):
+    documented = [k for k in helps if k in node]
+    undocumented = sorted(set(node.keys()) - set(helps))
+    for key in documented + undocumented:
       if hasattr(node[key], "items"):  # A section: listed under its own header.
         continue
       kind, what = helps.get(key, (object, ""))
-      flag = f"--config.{name + '.' if name else ''}{key}={_flag_value(node[key], kind)}"
+      section = f"{name}." if name else ""
+      value = _flag_value(node[key], kind)
+      flag = f"--config.{section}{key}={value}"
       lines += _key_lines(flag, what, width, HELP_COLUMN)
   return "\n".join(lines)

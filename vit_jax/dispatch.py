@@ -86,10 +86,14 @@ def auto_remat_policy(platform: str, dtype: Any, width: int) -> Choice:
   'dots_and_attention_saveable', 4 'qkv_saveable', 8 'nothing_saveable'."""
   if platform == "cpu":
     return Choice("dots_and_attention_saveable", "CPU: host memory; keep the projections")
-  load = jnp.dtype(dtype).itemsize * (2 if width >= WIDE else 1)
-  policy, keep = (("dots_and_attention_saveable", "the projections' outputs") if load <= 2 else
-                  ("qkv_saveable", "only q, k and v") if load <= 4 else
-                  ("nothing_saveable", "only each block's input"))
+  widening = 2 if width >= WIDE else 1
+  load = jnp.dtype(dtype).itemsize * widening
+  if load <= 2:
+    policy, keep = "dots_and_attention_saveable", "the projections' outputs"
+  elif load <= 4:
+    policy, keep = "qkv_saveable", "only q, k and v"
+  else:
+    policy, keep = "nothing_saveable", "only each block's input"
   return Choice(policy, f"{platform.upper()}, {jnp.dtype(dtype).name}, D={width}: keep {keep}")
 
 

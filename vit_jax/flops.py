@@ -38,7 +38,8 @@ def compiled_cost(compiled: Any) -> dict[str, float]:
   the `COST_KEYS` it gives as positive figures (`UNPRICED_CUSTOM_CALLS`' -1 s added back). A
   while loop's body (a `scan`) counts once."""
   cost = compiled.cost_analysis()
-  cost = (cost[0] if cost else None) if isinstance(cost, (list, tuple)) else cost  # Older jax.
+  if isinstance(cost, (list, tuple)):  # Older jax.
+    cost = cost[0] if cost else None
   found = {key: float(cost[key]) for key in COST_KEYS if cost and cost.get(key) is not None}
   if found.get("optimal_seconds", 1.0) < 0:
     text = compiled.as_text()
@@ -106,9 +107,11 @@ def jaxpr_macs(jaxpr: jax_core.Jaxpr) -> int:
           kernel_shape[d] for d in kernel_spec[2:])
     repeats = eqn.params.get("length", 1) if eqn.primitive.name == "scan" else 1
     for param in eqn.params.values():
-      for sub in param if isinstance(param, (list, tuple)) else (param,):
+      subs = param if isinstance(param, (list, tuple)) else (param,)
+      for sub in subs:
         if isinstance(sub, (jax_core.ClosedJaxpr, jax_core.Jaxpr)):
-          total += repeats * jaxpr_macs(sub.jaxpr if isinstance(sub, jax_core.ClosedJaxpr) else sub)
+          inner = sub.jaxpr if isinstance(sub, jax_core.ClosedJaxpr) else sub
+          total += repeats * jaxpr_macs(inner)
   return total
 
 
@@ -135,9 +138,10 @@ def step_flops(compiled: Any, model: Any, image_shape: Tuple[int, int, int], num
   counted = per_device * num_devices if per_device else None
   analytic = training_flops(model_forward_macs(model, image_shape), batch_size)
   ratio = f"{counted / analytic:.3f}" if counted else "n/a"
+  shown = f"{counted:.4g}" if counted else "unavailable"
   logging.info("FLOPs per training step: %s by XLA's cost analysis, %.4g analytic (3 x the "
                "forward matmuls); ratio %s. MFU uses the analytic count.",
-               f"{counted:.4g}" if counted else "unavailable", analytic, ratio)
+               shown, analytic, ratio)
   if counted and not 0.97 <= counted / analytic <= 1.15:
     logging.info("The counts differ: XLA counts a loop body once (scan over layers, gradient "
                  "accumulation) and counts rematerialised work; the analytic count is the "

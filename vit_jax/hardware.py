@@ -49,8 +49,12 @@ def _tpu(device_kind, pattern, peak, cores_per_device, cores_per_chip, hbm=None,
 
 def _gpu(device_kind, pattern, name, float32, half, ampere=True):
   """Ampere and later GPUs also have bfloat16, and run float32 matmuls as TF32."""
-  peak = {"float32": float32, "float16": half, **({"bfloat16": half} if ampere else {})}
-  return Kind(device_kind, pattern, peak, {"float32": "tf32"} if ampere else {}, name=name)
+  peak = {"float32": float32, "float16": half}
+  runs_as = {}
+  if ampere:
+    peak["bfloat16"] = half
+    runs_as["float32"] = "tf32"
+  return Kind(device_kind, pattern, peak, runs_as, name=name)
 
 
 KINDS = (

@@ -25,7 +25,8 @@ _TIMM_WEIGHTS = ('model.safetensors', 'pytorch_model.bin')
 _SAFE_TWINS = {'pytorch_model.bin': 'model.safetensors',
                'open_clip_pytorch_model.bin': 'open_clip_model.safetensors'}
 #: transformers' weights: one file, or an index naming its shards.
-_HF_WEIGHTS, _HF_INDEX = 'model.safetensors', 'model.safetensors.index.json'
+_HF_WEIGHTS = 'model.safetensors'
+_HF_INDEX = 'model.safetensors.index.json'
 #: Resolved names: (name, cache directory, offline) -> local path.
 _RESOLVED: Dict[Tuple[str, str, bool], str] = {}
 

@@ -104,9 +104,11 @@ class TrainedModel:
     ``image_folder``) or eval ``split``."""
     data = ml_collections.ConfigDict(self.config.data.to_dict())
     if image_folder is not None:
-      data.image_folder, data.name = image_folder, None
+      data.image_folder = image_folder
+      data.name = None
     elif name is not None:
-      data.name, data.image_folder = name, None
+      data.name = name
+      data.image_folder = None
     if split is not None:
       data.eval_split = split
     data.update(changes)
@@ -176,7 +178,8 @@ def _from_weights(path: str, contents: checkpoint.Contents, model_name: Optional
   variables = contents.variables
   if models.layout.is_scanned(variables['params']):  # A scanned run's: built per layer.
     variables = models.unscan_params(variables)
-  implied, classes = contents.fields, contents.num_classes
+  implied = contents.fields
+  classes = contents.num_classes
   if implied is None and not model_name:
     raise ValueError(f'{path} holds no ViT parameters (no embedding/kernel) and no config: for '
                      'T2T-ViT weights name the model with --model (e.g. --model T2T-ViT-14).')
@@ -201,11 +204,13 @@ def _from_weights(path: str, contents: checkpoint.Contents, model_name: Optional
         fields.setdefault(field.name, implied[field.name])
   image_size = image_size or contents.image_size
   if image_size is None:
-    raise ValueError(
-        f"{path} has no learned position table (posemb='sincos2d', which fits any resolution): "
-        'give the image size (--image-size, e.g. 224).' if implied and implied['posemb'] !=
-        'learn' else f'{path}: its position table is not a square grid; give the image size '
-        '(--image-size).')
+    if implied and implied['posemb'] != 'learn':
+      message = (f"{path} has no learned position table (posemb='sincos2d', which fits any "
+                 'resolution): give the image size (--image-size, e.g. 224).')
+    else:
+      message = (f'{path}: its position table is not a square grid; give the image size '
+                 '(--image-size).')
+    raise ValueError(message)
   # A config of the evaluation settings of their paper; never trained: any valid schedule.
   config = config_lib.get_config(model_name, 'imagenet2012',
                                  **dict(fields, scan=False, remat=False))
@@ -317,8 +322,9 @@ def check_memory(config: ml_collections.ConfigDict, devices: Sequence[Any], batc
   matrices = (f" ({attention} attention's [tokens, tokens] matrices included)"
               if attention != 'cudnn' else '')
   what = f'{batch} images of {size}x{size} px' if batch > 1 else f'one {size}x{size} px image'
+  verb = 'need' if batch > 1 else 'needs'
   raise ValueError(
-      f'{what} for {config.model_name} need{"" if batch > 1 else "s"} ~{_bytes(needed)} '
+      f'{what} for {config.model_name} {verb} ~{_bytes(needed)} '
       f'({INPUT_COPIES} float32 copies of the input: {_bytes(inputs)}; the forward pass'
       f'{matrices}: {_bytes(forward)}), more than {memory}. {fix}')
 
@@ -399,9 +405,11 @@ class Runner:
   ``batch_size``, the global eval batch, the last padded); ValueError for another shape."""
 
   def __init__(self, trained: TrainedModel, *, devices: Optional[Sequence[Any]] = None):
-    self.trained, size = trained, trained.image_size
-    check_memory(trained.config, jax.local_devices() if devices is None else devices,
-                 int(trained.config.eval_batch_size) // jax.process_count())
+    self.trained = trained
+    size = trained.image_size
+    local_devices = jax.local_devices() if devices is None else devices
+    local_batch = int(trained.config.eval_batch_size) // jax.process_count()
+    check_memory(trained.config, local_devices, local_batch)
     self.setup = step_lib.build(trained.config, image_shape=(size, size, 3), devices=devices)
     variables = dict(trained.variables)
     state = {'params': variables.pop('params'), **({'model_state': variables} if variables else {})}

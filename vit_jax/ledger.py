@@ -48,18 +48,22 @@ def format_ledger(report: dict[str, Any]) -> str:
             "redid steps", "cache saved s"]
   table = [titles]
   for row in ledger(report):
-    on = f"{row['units']} {row['unit']}{'s' if row['units'] != 1 else ''}"
+    plural = "s" if row["units"] != 1 else ""
+    on = f"{row['units']} {row['unit']}{plural}"
     resume = "-" if row["resume_s"] is None else f"{row['resume_s']:.1f}"
     table.append([str(row["attempt"]), f"{row['start_step']}-{row['end_step']}", on,
                   f"{row['program_s']:.1f}",
                   *(f"{row['segments'][k]:.1f}" for k in SEGMENT_TITLES), resume,
                   str(row["redone_steps"]), f"{row['compile_saved_s']:.1f}"])
   widths = [max(len(line[i]) for line in table) for i in range(len(titles))]
-  lines = ["  ".join(c.ljust(w) if i < 3 else c.rjust(w) for i, (c, w) in
-                     enumerate(zip(line, widths))).rstrip() for line in table]
+  lines = []
+  for line in table:
+    cells = [c.ljust(w) if i < 3 else c.rjust(w) for i, (c, w) in enumerate(zip(line, widths))]
+    lines.append("  ".join(cells).rstrip())
   unit = report["hardware"]["unit"]
   key = f"{unit}_days"
-  program, productive = report["program"][key], report.get("productive", {}).get(key)
+  program = report["program"][key]
+  productive = report.get("productive", {}).get(key)
   value = report.get("goodput")
   share = "unknown" if value is None else f"{value:.1%}"
   days = ("" if None in (program, productive) else

@@ -117,8 +117,11 @@ def main(argv):
     _fatal(e, 2, f"FATAL: {cli.error_text(e)}")
   except train.Preempted as e:
     logging.warning("%s", e)  # Every process stops at this step: jax.distributed shuts down.
-    stops.exit_process(stops.INTERRUPTED_EXIT_CODE if e.interrupted else stops.PREEMPTED_EXIT_CODE,
-                       shutdown=not e.interrupted)
+    if e.interrupted:
+      code = stops.INTERRUPTED_EXIT_CODE
+    else:
+      code = stops.PREEMPTED_EXIT_CODE
+    stops.exit_process(code, shutdown=not e.interrupted)
   except (train.CheckpointSaveError, FloatingPointError, train.data.BadImageError) as e:
     _fatal(e, 1)
   except KeyboardInterrupt:  # A second Ctrl-C: a save in flight completed, the lock released.

@@ -44,8 +44,12 @@ def lr_schedule(base_lr: float, total_steps: int, warmup_steps: int = 0,
   def schedule(count):
     step = jnp.asarray(count, jnp.float32) + 1.0  # optax counts from 0, the reference from 1.
     progress = jnp.clip((step - warmup_steps) / decay_steps, 0.0, 1.0)
-    factor = (0.5 * (1.0 + jnp.cos(math.pi * progress)) if decay == "cosine" else
-              1.0 - progress if decay == "linear" else jnp.ones_like(progress))
+    if decay == "cosine":
+      factor = 0.5 * (1.0 + jnp.cos(math.pi * progress))
+    elif decay == "linear":
+      factor = 1.0 - progress
+    else:
+      factor = jnp.ones_like(progress)
     lr = end_lr + (base_lr - end_lr) * factor
     if warmup_steps > 0:
       lr = warmup_init_lr + (lr - warmup_init_lr) * jnp.minimum(1.0, step / warmup_steps)
@@ -236,8 +240,11 @@ def _finetune_optimizer(optim: ml_collections.ConfigDict,
     decay = [_add_decayed_weights(groups, optim.weight_decay)] if optim.weight_decay else []
     if optim.optimizer == "adamw":
       return optax.chain(optax.scale_by_adam(b1=optim.b1, b2=optim.b2), *decay)
-    return optax.chain(*decay, optax.trace(decay=optim.momentum)
-                       if optim.momentum is not None else optax.identity())
+    if optim.momentum is not None:
+      momentum = optax.trace(decay=optim.momentum)
+    else:
+      momentum = optax.identity()
+    return optax.chain(*decay, momentum)
 
   if groups.controls.wd_mults and not optim.weight_decay:
     logging.warning("config.optim.wd_mults=%s has no effect: config.optim.weight_decay is 0 "

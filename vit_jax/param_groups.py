@@ -92,7 +92,8 @@ def _pattern(key: str, value: Any, pattern: Any) -> str:
 def _matching(key: str, value: Any, pattern: str, names: Sequence[str]) -> list[bool]:
   """Whether `pattern` matches each of `names` whole (`regex.fullmatch`), within PATTERN_SECONDS
   in all; else ConfigError of `config.optim.<key>` (holding `value`)."""
-  compiled, deadline = regex.compile(pattern), time.monotonic() + PATTERN_SECONDS
+  compiled = regex.compile(pattern)
+  deadline = time.monotonic() + PATTERN_SECONDS
   try:
     return [compiled.fullmatch(n, timeout=max(deadline - time.monotonic(), 0.0)) is not None
             for n in names]
@@ -112,15 +113,16 @@ def finetune_controls(optim: ml_collections.ConfigDict) -> FinetuneControls:
     empty = key.type in (tuple, str) and not value
     values[key.name] = key.default if value is None or empty else value
   keys.check(values, defaults.FINETUNE_KEYS, "optim.")
-  freeze, wd_mults = values["freeze"], values["wd_mults"]
+  freeze = values["freeze"]
+  wd_mults = values["wd_mults"]
   freeze = (freeze,) if isinstance(freeze, str) else tuple(freeze)
   freeze = tuple(_pattern("freeze", freeze, p) for p in freeze)
   wd_mults = tuple((_pattern("wd_mults", wd_mults, p), float(m)) for p, m in wd_mults)
   head = values["head_warmup_pattern"]
   _pattern("head_warmup_pattern", head, head)
   decay = values["layer_decay"]
-  return FinetuneControls(None if decay is None else float(decay), freeze, wd_mults,
-                          values["head_warmup_steps"], head)
+  layer_decay = None if decay is None else float(decay)
+  return FinetuneControls(layer_decay, freeze, wd_mults, values["head_warmup_steps"], head)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -164,8 +166,14 @@ def _tensors(params: Any) -> tuple[list[_Tensor], int]:
       continue
     matches = [block.fullmatch(key) for key in keys]
     index = next((int(m.group(2)) for m in matches if m), None)
-    layer = (index + 1 if index is not None else num_layers + 1 if keys[0] in HEAD_KEYS else
-             num_layers if any(keys[:len(n)] == n for n in FINAL_NORMS) else 0)
+    if index is not None:
+      layer = index + 1
+    elif keys[0] in HEAD_KEYS:
+      layer = num_layers + 1
+    elif any(keys[:len(n)] == n for n in FINAL_NORMS):
+      layer = num_layers
+    else:
+      layer = 0
     tensors.append(_Tensor(name, (name,), (layer,), math.prod(shape)))
   return tensors, num_layers
 
@@ -238,7 +246,12 @@ def param_groups(optim: ml_collections.ConfigDict, params: Any) -> ParamGroups:
   decay = 1.0 if controls.layer_decay is None else controls.layer_decay
   mults = [m for _, m in controls.wd_mults]
   wd_patterns = [p for p, _ in controls.wd_mults]
-  frozen, lr_scale, wd_mult, freeze_rule, wd_rule, head = {}, {}, {}, {}, {}, {}
+  frozen = {}
+  lr_scale = {}
+  wd_mult = {}
+  freeze_rule = {}
+  wd_rule = {}
+  head = {}
   for t in tensors:
     freeze_rule[t.name] = np.array([_first_match(controls.freeze, n, hits) for n in t.names])
     frozen[t.name] = freeze_rule[t.name] >= 0
@@ -262,10 +275,11 @@ def param_groups(optim: ml_collections.ConfigDict, params: Any) -> ParamGroups:
     if not any(head[n] for n in trainable) or all(head[n] for n in trainable):
       what = "no trainable" if not any(head[n] for n in trainable) else "every trainable"
       default = keys.find(defaults.FINETUNE_KEYS, "head_warmup_pattern").default
+      trains = "nothing" if what[0] == "n" else "all"
       raise ConfigError(
           "optim.head_warmup_pattern", controls.head_warmup_pattern,
           f"matches {what} parameter: the head warm-up of config.optim.head_warmup_steps="
-          f"{controls.head_warmup_steps} would train {'nothing' if what[0] == 'n' else 'all'}",
+          f"{controls.head_warmup_steps} would train {trains}",
           f"match the head only (default {default!r}), or set config.optim.head_warmup_steps=0.")
   return ParamGroups(controls, num_layers, tuple(tensors), frozen, lr_scale, wd_mult,
                      freeze_rule, wd_rule, head)
@@ -299,7 +313,12 @@ def param_groups_table(groups: ParamGroups) -> str:
       rule.append(f"wd_mults[{wd_rule}]={c.wd_mults[wd_rule][0]!r}")
     if c.head_warmup_steps and not frozen:
       rule.append("head warm-up" if start == 0 else "after the head warm-up")
-    mult = "-" if frozen else "kernels" if wd_rule < 0 else f"{c.wd_mults[wd_rule][1]:g}"
+    if frozen:
+      mult = "-"
+    elif wd_rule < 0:
+      mult = "kernels"
+    else:
+      mult = f"{c.wd_mults[wd_rule][1]:g}"
     lines.append((_summary([n for n, _ in members], all_names),
                   "-" if layer < 0 else str(layer), str(len(members)),
                   f"{sum(s for _, s in members):,}", "-" if frozen else f"{scale:.4g}", mult,
@@ -310,9 +329,10 @@ def param_groups_table(groups: ParamGroups) -> str:
   trained = sum(t.size * int((~groups.frozen[t.name]).sum()) for t in groups.tensors)
   warmup = (f", head_warmup_steps={c.head_warmup_steps}, head_warmup_pattern="
             f"{c.head_warmup_pattern!r}" if c.head_warmup_steps else "")
+  blocks = f"; L={groups.num_layers} blocks" if c.layer_decay is not None else ""
   title = (f"Parameter groups of config.optim (layer_decay={c.layer_decay}, freeze={c.freeze}, "
            f"wd_mults={c.wd_mults}{warmup}): {trained:,} of {total:,} parameters trained"
-           + (f"; L={groups.num_layers} blocks" if c.layer_decay is not None else "") + ".")
+           f"{blocks}.")
   fmt = lambda r: "  ".join(v.ljust(w) if i in (0, 8) else v.rjust(w)
                             for i, (v, w) in enumerate(zip(r, widths))).rstrip()
   return "\n".join([title, fmt(header), *map(fmt, lines)])

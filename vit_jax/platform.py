@@ -25,7 +25,8 @@ from vit_jax import stops
 HUGE_PAGES_TUNABLE = "glibc.malloc.hugetlb=1"
 #: 0 (false, no, off): run without `HUGE_PAGES_TUNABLE`; unset, 1 (true, yes, on): with it.
 HUGE_PAGES_SWITCH = "VIT_JAX_HUGE_PAGES"
-_SWITCH_OFF, _SWITCH_ON = ("0", "false", "no", "off"), ("", "1", "true", "yes", "on")
+_SWITCH_OFF = ("0", "false", "no", "off")
+_SWITCH_ON = ("", "1", "true", "yes", "on")
 _THP_MODE_FILE = "/sys/kernel/mm/transparent_hugepage/enabled"
 #: What TensorFlow 2.21's C++ writes to stderr while it loads, whatever TF_CPP_MIN_LOG_LEVEL says.
 _TF_BANNERS = re.compile(r"WARNING: All log messages before absl::InitializeLog\(\) is called|"
@@ -128,8 +129,10 @@ class QuietLibraries(py_logging.Filter):
       return False
     if record.exc_info or "\n" in str(record.msg):
       message = record.getMessage().splitlines()
-      record.msg, record.args = (message[0][:300] if message else ""), None
-      record.exc_info, record.exc_text = None, None
+      record.msg = message[0][:300] if message else ""
+      record.args = None
+      record.exc_info = None
+      record.exc_text = None
     return True
 
 

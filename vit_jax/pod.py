@@ -90,15 +90,16 @@ def _watch_peers(client, process_id: int, num_processes: int, timeout_s: float,
   start = time.monotonic()
   changed = {p: start for p in range(num_processes) if p != process_id}
   seen: dict[int, str] = {}
-  failing_since, beat = None, 0
+  failing_since = None
+  beat = 0
   while True:
     beat += 1
     now = time.monotonic()
     try:
       call.since = now
       stop = stops.received_stop()  # Written as it stops too (`_start_watching_peers`).
-      client.key_value_set(f"{_ALIVE}{process_id}", _STOPPED + stop.signal if stop else str(beat),
-                           allow_overwrite=True)
+      alive = _STOPPED + stop.signal if stop else str(beat)
+      client.key_value_set(f"{_ALIVE}{process_id}", alive, allow_overwrite=True)
       values = {k.rsplit("/", 1)[-1]: v for k, v in client.key_value_dir_get(_ALIVE)}
       failing_since = call.since = None
     except (TypeError, AttributeError) as e:  # Another jax's client: no watch, jax's own abort.
@@ -120,7 +121,8 @@ def _watch_peers(client, process_id: int, num_processes: int, timeout_s: float,
         stops.exit_stopped(stop, f"Process {process_id} of {num_processes}: process {peer} "
                            f"stopped. {stop}")
       if value != seen.get(peer):
-        seen[peer], changed[peer] = value, now
+        seen[peer] = value
+        changed[peer] = now
       elif now - changed[peer] > timeout_s:
         _exit_if_stopped()
         stops.exit_process(POD_FAULT_EXIT_CODE, (
@@ -137,7 +139,9 @@ def _watch_call(call: _Call, process_id: int, num_processes: int, timeout_s: flo
   while True:
     time.sleep(_BEAT_S)
     now = time.monotonic()
-    starved, last, since = now - last > 2 * _BEAT_S, now, call.since
+    starved = now - last > 2 * _BEAT_S
+    last = now
+    since = call.since
     if since is not None and not starved and now - since > timeout_s:
       _exit_coordinator_silent(process_id, num_processes, timeout_s, None)
 
@@ -178,7 +182,8 @@ def _start_watching_peers(timeout_s: float) -> None:
   key = f"{_ALIVE}{jax.process_index()}"
   stops.announce_stops_with(lambda stop: client.key_value_set(
       key, _STOPPED + stop.signal, allow_overwrite=True))
-  call, who = _Call(), (jax.process_index(), jax.process_count(), timeout_s)
+  call = _Call()
+  who = (jax.process_index(), jax.process_count(), timeout_s)
   threading.Thread(target=_watch_peers, daemon=True, name="vit_jax-peer-watcher",
                    args=(client, *who, call)).start()
   threading.Thread(target=_watch_call, daemon=True, name="vit_jax-call-watcher",
@@ -199,8 +204,9 @@ def initialize_distributed(coordinator_address: Optional[str] = None,
   address = coordinator_address or os.environ.get("JAX_COORDINATOR_ADDRESS")
   if address:
     num = num_processes or int(os.environ.get("JAX_NUM_PROCESSES", "0")) or None
-    pid = process_id if process_id is not None else (
-        int(os.environ["JAX_PROCESS_ID"]) if "JAX_PROCESS_ID" in os.environ else None)
+    pid = process_id
+    if pid is None and "JAX_PROCESS_ID" in os.environ:
+      pid = int(os.environ["JAX_PROCESS_ID"])
     if num is None or pid is None:
       raise ValueError("--coordinator_address needs --num_processes and --process_id (or "
                        "JAX_NUM_PROCESSES and JAX_PROCESS_ID).")
@@ -236,7 +242,8 @@ def command_differences(mine: Mapping[str, Any],
                         reference: Mapping[str, Any]) -> list[tuple[str, Any, Any]]:
   """The leaves of two nested dicts that differ by their JSON text, as `(dotted key, mine,
   reference)` sorted by key (`ABSENT` on the side that lacks the key)."""
-  ours, theirs = _leaves(mine), _leaves(reference)
+  ours = _leaves(mine)
+  theirs = _leaves(reference)
   return [(key, ours.get(key, ABSENT), theirs.get(key, ABSENT))
           for key in sorted(ours.keys() | theirs.keys())
           if _json_text(ours.get(key, ABSENT)) != _json_text(theirs.get(key, ABSENT))]
@@ -266,7 +273,8 @@ def check_same_command(config: Mapping[str, Any], workdir: str) -> None:
     return
   import jax  # pylint: disable=g-import-not-at-top
   from vit_jax import storage  # pylint: disable=g-import-not-at-top
-  me, num = jax.process_index(), jax.process_count()
+  me = jax.process_index()
+  num = jax.process_count()
   where = storage.clean(storage.absolute(workdir))
   mine = {"--config": dict(config), "--workdir": where}
   mine = json.loads(json.dumps(mine, sort_keys=True, default=str))  # As process 0's arrives.
@@ -299,15 +307,21 @@ def check_same_command(config: Mapping[str, Any], workdir: str) -> None:
   if not differing:
     return
   if differences:
-    line, count = f"Process {me} of {num} got another command than process 0: ", len(differences)
+    line = f"Process {me} of {num} got another command than process 0: "
+    count = len(differences)
     items = [f"{k}={_shown(v)} here, {_shown(t)} on process 0" for k, v, t in differences]
   else:
-    other, verdict = differing[0], json.loads(found[differing[0]])
+    other = differing[0]
+    verdict = json.loads(found[other])
     others = f" (and {len(differing) - 1} more)" if len(differing) > 1 else ""
-    line = (f"Process 0 of {num}: process {other}{others} got another command than this one: "
-            if me == 0 else f"Process {me} of {num}: process {other}{others} got another "
-            "command than process 0 and this one: ")
-    here, count = "here" if me == 0 else "on process 0 and here", verdict["count"]
+    if me == 0:
+      line = f"Process 0 of {num}: process {other}{others} got another command than this one: "
+      here = "here"
+    else:
+      line = (f"Process {me} of {num}: process {other}{others} got another command than "
+              "process 0 and this one: ")
+      here = "on process 0 and here"
+    count = verdict["count"]
     items = [f"{k}={v} on process {other}, {t} {here}" for k, v, t in verdict["shown"]]
   more = f"; {count - _SHOWN} more key(s)" if count > _SHOWN else ""
   stops.exit_process(_COMMAND_EXIT_CODE, (

@@ -37,8 +37,11 @@ class Progress:
                start_step: int, input_wait_warning: float = 0.0, input_fix: str = ""):
     """`input_wait_warning`: warn (once, saying `input_fix`) when a window waited on input more
     than this share of its training time (0: never)."""
-    self._accountant, self._batch_size, self._total = accountant, batch_size, total_steps
-    self._warn_above, self._input_fix = input_wait_warning, input_fix
+    self._accountant = accountant
+    self._batch_size = batch_size
+    self._total = total_steps
+    self._warn_above = input_wait_warning
+    self._input_fix = input_fix
     self._warned = False
     self._metrics: list[dict[str, np.ndarray]] = []
     self.restart(start_step)
@@ -49,7 +52,8 @@ class Progress:
     self._origin = (step, self._seconds)
 
   def _window(self, step: int) -> None:
-    self._step, self._seconds = step, self._accountant.training_seconds()
+    self._step = step
+    self._seconds = self._accountant.training_seconds()
     self._input = self._accountant.seconds()["input"]
 
   def add(self, metrics: dict[str, np.ndarray]) -> None:
@@ -59,15 +63,20 @@ class Progress:
   def eta_seconds(self, step: int) -> Optional[float]:
     """Seconds of training steps left after `step` at this attempt's mean rate; None before a
     step was timed."""
-    steps, seconds = step - self._origin[0], self._accountant.training_seconds() - self._origin[1]
+    steps = step - self._origin[0]
+    seconds = self._accountant.training_seconds() - self._origin[1]
     return (self._total - step) * seconds / steps if steps > 0 and seconds > 0 else None
 
   def summary(self, step: int, skipping: bool, mfu: Optional[float] = None) -> dict[str, float]:
     """The window's means (without skipped updates' non-finite values) and rates, as
     'train/<name>' scalars; logs the progress line (with `mfu`, the run's so far, when known)."""
     metrics, self._metrics = self._metrics, []
-    out = {f"train/{k}": float(np.mean([m[k] for m in metrics if np.isfinite(m[k])] or [np.nan]))
-           for k in metrics[0] if k != "skipped"}
+    out = {}
+    for k in metrics[0]:
+      if k == "skipped":
+        continue
+      finite = [m[k] for m in metrics if np.isfinite(m[k])]
+      out[f"train/{k}"] = float(np.mean(finite or [np.nan]))
     out["train/lr"] = float(metrics[-1]["lr"])
     if skipping:
       out["train/skipped_updates"] = float(sum(m["skipped"] for m in metrics))

@@ -69,7 +69,8 @@ def find(path: Any, names: Optional[Sequence[str]] = None) -> Run:
     return Run(None, None, None)
   parent = storage.dirname(directory)
   if storage.basename(directory) == STATE_ITEM and storage.basename(parent).isdigit():
-    directory, names = parent, None
+    directory = parent
+    names = None
   checkpoints = storage.join(directory, CHECKPOINTS_DIR)
   if (names is None or CHECKPOINTS_DIR in names) and storage.isdir(checkpoints):
     return Run(storage.absolute(directory), checkpoints, None)
@@ -88,11 +89,18 @@ def saved_steps(checkpoints: Any, *, readable: bool = False) -> List[int]:
   directory = storage.clean(os.fspath(checkpoints))
   if not storage.isdir(directory):
     return []
-  marker = (f'{STATE_ITEM}/{ITEM_MARKER}' if readable else
-            COMMIT_MARKER if storage.is_remote(directory) else None)
+  if readable:
+    marker = f'{STATE_ITEM}/{ITEM_MARKER}'
+  elif storage.is_remote(directory):
+    marker = COMMIT_MARKER
+  else:
+    marker = None
   steps = [storage.join(directory, name) for name in storage.listdir(directory) if name.isdigit()]
-  return sorted(int(storage.basename(step)) for step in steps if storage.isdir(step) and (
-      marker is None or storage.exists(storage.join(step, marker))))
+  finalized = []
+  for step in steps:
+    if storage.isdir(step) and (marker is None or storage.exists(storage.join(step, marker))):
+      finalized.append(int(storage.basename(step)))
+  return sorted(finalized)
 
 
 #: The bounds of any JSON file the project reads: larger or deeper is a damaged or foreign file.
@@ -111,7 +119,8 @@ def _nested_deeper(value: Any, limit: int) -> bool:
     if isinstance(value, (dict, list)):
       if depth > limit:
         return True
-      stack.extend((v, depth + 1) for v in (value.values() if isinstance(value, dict) else value))
+      children = value.values() if isinstance(value, dict) else value
+      stack.extend((v, depth + 1) for v in children)
   return False
 
 
@@ -120,7 +129,8 @@ def parse_json(data: Any, name: Any, *, fix: str = JSON_FIX,
   """The JSON value of ``data`` (the text of the file ``name``), of at most ``max_bytes`` and
   :data:`MAX_JSON_DEPTH` levels. Raises ValueError ``'<name> is <the problem>; <fix>.'``: too
   large, too deep, not UTF-8, not JSON."""
-  value, problem = None, None
+  value = None
+  problem = None
   if len(data) > max_bytes:
     problem = (f'larger than {max_bytes:,} bytes, more than any JSON file read here (a damaged '
                'or foreign file)')

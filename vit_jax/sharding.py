@@ -90,7 +90,8 @@ def num_slices(devices: Sequence[Any]) -> int:
 def check_slices(mesh_cfg: ml_collections.ConfigDict, devices: Sequence[Any]) -> None:
   """ValueError unless ``config.mesh.dcn_data`` is the number of slices ``devices`` form
   (:func:`num_slices`); on CPU and GPU, whose processes share one network, 1 also passes."""
-  dcn, found = _dcn_data(mesh_cfg), num_slices(devices)
+  dcn = _dcn_data(mesh_cfg)
+  found = num_slices(devices)
   attribute = slice_attribute(devices)
   if dcn == found or (dcn == 1 and attribute == "process_index"):
     return
@@ -177,14 +178,18 @@ def like_params(tree: Any, params: Any, param_shardings: Any,
                 default: jax.sharding.NamedSharding) -> Any:
   """Shardings of a tree mirroring ``params`` (optimizer state): a leaf gets the parameter's of
   its shape and dict-key path (or the longest tail of it), else ``default``."""
+  param_leaves = jax.tree_util.tree_leaves_with_path(params)
+  sharding_leaves = jax.tree_util.tree_leaves(param_shardings)
   by_path = {(layout.dict_keys(path), tuple(leaf.shape)): sharding
-             for (path, leaf), sharding in zip(jax.tree_util.tree_leaves_with_path(params),
-                                               jax.tree_util.tree_leaves(param_shardings))}
+             for (path, leaf), sharding in zip(param_leaves, sharding_leaves)}
 
   def find(path, leaf):
-    keys, shape = layout.dict_keys(path), tuple(np.shape(leaf))
-    return next((by_path[keys[i:], shape] for i in range(len(keys))
-                 if (keys[i:], shape) in by_path), default)
+    keys = layout.dict_keys(path)
+    shape = tuple(np.shape(leaf))
+    for i in range(len(keys)):
+      if (keys[i:], shape) in by_path:
+        return by_path[keys[i:], shape]
+    return default
 
   return jax.tree_util.tree_map_with_path(find, tree)
 
@@ -196,11 +201,16 @@ def state_shardings(shapes: Dict[str, Any], boxed_variables: Any, mesh: jax.shar
   replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
   variables = dict(variable_shardings(boxed_variables, mesh, rules))
   params = variables.pop("params")
-  return {key: params if key in ("params", "ema_params") else
-          {name: variables.get(name, jax.tree.map(lambda _: replicated, value))
-           for name, value in tree.items()} if key == "model_state" else
-          like_params(tree, shapes["params"], params, replicated)
-          for key, tree in shapes.items()}
+  shardings = {}
+  for key, tree in shapes.items():
+    if key in ("params", "ema_params"):
+      shardings[key] = params
+    elif key == "model_state":
+      shardings[key] = {name: variables.get(name, jax.tree.map(lambda _: replicated, value))
+                        for name, value in tree.items()}
+    else:
+      shardings[key] = like_params(tree, shapes["params"], params, replicated)
+  return shardings
 
 
 def replicated_bytes(abstract_params: Any, shardings: Any) -> Tuple[int, int]:

@@ -36,8 +36,11 @@ Metrics = dict[str, jax.Array]
 
 def create_model(config: ml_collections.ConfigDict) -> nn.Module:
   """`config.model_name` with the fields of `config.model`; raises as `vit_jax.models.create`."""
-  fields = {k: jnp.dtype(v) if k in ("dtype", "param_dtype") and isinstance(v, str) else v
-            for k, v in config.model.items()}
+  fields = {}
+  for k, v in config.model.items():
+    if k in ("dtype", "param_dtype") and isinstance(v, str):
+      v = jnp.dtype(v)
+    fields[k] = v
   return models.create(config.model_name, num_classes=config.num_classes, **fields)
 
 
@@ -283,9 +286,10 @@ class Setup:
     """The eval step jitted over the mesh; `variables_only`: for `variables_shardings`."""
     replicated = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
     shardings = self.variables_shardings if variables_only else self.state_shardings
-    return jax.jit(make_eval_step(self.model, loss=self.config.loss, top1=top1),
-                   in_shardings=(shardings, self.batch_sharding),
-                   out_shardings=(replicated, self.batch_sharding) if top1 else replicated)
+    out_shardings = (replicated, self.batch_sharding) if top1 else replicated
+    eval_step = make_eval_step(self.model, loss=self.config.loss, top1=top1)
+    return jax.jit(eval_step, in_shardings=(shardings, self.batch_sharding),
+                   out_shardings=out_shardings)
 
   def jit_features_step(self, *, head: bool = False):
     """`make_features_step` jitted over the mesh, for a state with `variables_shardings`."""
@@ -372,7 +376,8 @@ class Compiler:
   def __init__(self, setup: Setup, timer: Optional[Callable[[], ContextManager]] = None,
                on_compile: Optional[Callable[[Any, jax.stages.Compiled], None]] = None):
     self.setup = setup
-    self._timer, self._on_compile = timer or contextlib.nullcontext, on_compile
+    self._timer = timer or contextlib.nullcontext
+    self._on_compile = on_compile
     self._cache: dict[Any, jax.stages.Compiled] = {}
 
   def compiled(self, jitted, state, *args) -> jax.stages.Compiled:
@@ -380,10 +385,13 @@ class Compiler:
     key = (jitted, jax.tree.structure(args),
            tuple((x.shape, x.dtype) for x in jax.tree.leaves(args)))
     if key not in self._cache:
-      hits, saved, start = _PERSISTENT["hits"], _PERSISTENT["saved_s"], time.perf_counter()
+      hits = _PERSISTENT["hits"]
+      saved = _PERSISTENT["saved_s"]
+      start = time.perf_counter()
       with self._timer():
         self._cache[key] = self.setup.compile(jitted, state, *args)
-      name, seconds = getattr(jitted, "__name__", "step"), time.perf_counter() - start
+      name = getattr(jitted, "__name__", "step")
+      seconds = time.perf_counter() - start
       if _PERSISTENT["hits"] > hits:
         logging.info("Loaded %s from the compilation cache in %.1f s (%.1f s of compiling "
                      "saved).", name, seconds, max(0.0, _PERSISTENT["saved_s"] - saved))

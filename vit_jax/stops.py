@@ -22,7 +22,8 @@ from absl import logging
 stderr_fd = 2
 
 #: Exit codes after SIGTERM (EX_TEMPFAIL: rerun to resume) and Ctrl-C (128 + SIGINT).
-PREEMPTED_EXIT_CODE, INTERRUPTED_EXIT_CODE = 75, 130
+PREEMPTED_EXIT_CODE = 75
+INTERRUPTED_EXIT_CODE = 130
 #: Seconds a process may run after a set-up stop before the watcher ends it (the main thread is in
 #: a long C++ call, or the exception was lost in a callback); 4 times as long in `deferred_stop()`.
 STOP_GRACE_S = 5.0
@@ -77,7 +78,8 @@ def _raise_stop(signum, frame) -> None:
     return
   if _Stops.pending == name and not _Stops.retrying:
     return  # A second copy (a pod's supervisor passes SIGTERM on): the first is on its way.
-  _Stops.pending, _Stops.retrying = _Stops.pending or name, False
+  _Stops.pending = _Stops.pending or name
+  _Stops.retrying = False
   if _Stops.deferring:
     return
   if _in_extension_import(frame):
@@ -152,8 +154,8 @@ def _sigaction(new: Optional[bytes]) -> Optional[bytes]:
   except OSError:
     return None
   old = ctypes.create_string_buffer(512)  # More than any libc's struct sigaction.
-  if libc.sigaction(signal.SIGTERM, None if new is None else ctypes.create_string_buffer(
-      new, len(old)), old) != 0:
+  action = None if new is None else ctypes.create_string_buffer(new, len(old))
+  if libc.sigaction(signal.SIGTERM, action, old) != 0:
     return None
   return old.raw
 

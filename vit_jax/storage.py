@@ -344,11 +344,13 @@ def os_errors() -> Iterator[None]:
   except Exception as e:  # pylint: disable=broad-except  (tf.errors.OpError, imported lazily)
     if not hasattr(e, 'error_code') or not hasattr(e, 'message'):
       raise  # No TensorFlow error (an OSError of a local path passes unchanged).
-    kind, text = type(e).__name__, str(e.message).strip()
+    kind = type(e).__name__
+    text = str(e.message).strip()
     error, code = {'NotFoundError': (FileNotFoundError, errno.ENOENT),
                    'PermissionDeniedError': (PermissionError, errno.EACCES)}.get(
                        kind, (OSError, errno.EIO))
-    raise error(code, text.splitlines()[0] if text else kind) from e
+    first_line = text.splitlines()[0] if text else kind
+    raise error(code, first_line) from e
 
 
 def check_bucket(path: str, flag: str = '--workdir') -> None:

@@ -47,7 +47,8 @@ class Preempted(Exception):
     what = "Interrupted (Ctrl-C)" if interrupted else "Preempted"
     super().__init__(f"{what}: saved the checkpoint of step {step} in {workdir}; rerun the "
                      "same command to resume from it.")
-    self.step, self.interrupted = step, interrupted
+    self.step = step
+    self.interrupted = interrupted
 
 
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
@@ -67,7 +68,10 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
     # 1. Config: every check before any write; the workdir's lock held from then on.
     with _config_errors():
       run = _prepare(config, workdir, program_start, held)
-    config, setup, accountant, run_dir = run.config, run.setup, run.accountant, run.run_dir
+    config = run.config
+    setup = run.setup
+    accountant = run.accountant
+    run_dir = run.run_dir
     # JAX's persistent cache (it writes as it compiles): from here on, once nothing is refused.
     held.enter_context(step_lib.compilation_cache(_compilation_cache_dir(config, workdir)))
 
@@ -79,7 +83,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
                                         asynchronous=config.async_checkpointing)
       held.push(_closing(checkpoints.wait_until_finished, checkpoints.close, always=False))
     state = _initial_state(run, checkpoints)
-    start_step, total_steps = int(state["step"]), config.total_steps
+    start_step = int(state["step"])
+    total_steps = config.total_steps
     # After the restore, so that a refused run leaves no events file.
     with stops.deferred_stop():
       writer = run_dir.metric_writer(checkpoint.flatten_params(config.to_dict(), sep="."))
@@ -89,14 +94,16 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
                  f"{num_params:,}", start_step, total_steps)
 
     # 3. Steps: jitted over the mesh, compiled ahead of time and cached (`step.Compiler`).
-    compiler, train_step = run.compiler, run.train_step
+    compiler = run.compiler
+    train_step = run.train_step
     pictures, evaluate, evaluate_fewshot = _evaluations(run, accountant, writer, notice.agreed)
 
     def save_cost(step: int, final: bool = False) -> dict[str, Any]:
       """The account to TensorBoard and cost.json; its line to the log at the end."""
       report = accountant.report(step)
       writer.write_scalars(step, accounting.scalars(report))
-      logging.log(logging.INFO if final else 1, "Step %d: %s", step, accounting.summary(report))
+      level = logging.INFO if final else 1
+      logging.log(level, "Step %d: %s", step, accounting.summary(report))
       run_dir.write_cost(report)
       return report
 
@@ -140,7 +147,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
         state, start_step, start_step % config.eval_every_steps == 0,
         run.fewshot is not None and start_step % config.fewshot.every_steps == 0)
     with accountant.timed("train"):  # Minus the nested input, compile, eval, checkpoint.
-      for step in range(start_step + 1, (start_step if preempted else total_steps) + 1):
+      final_step = start_step if preempted else total_steps
+      for step in range(start_step + 1, final_step + 1):
         with jax.profiler.StepTraceAnnotation("train", step_num=step):
           with accountant.timed("input"):
             local_batch = next(train_iter)
@@ -263,9 +271,9 @@ def _prepare(config: ml_collections.ConfigDict, workdir: str,
     lock = run_dir.lock(timeout_s=config.workdir_lock_timeout)
     checkpoint.acquire_on_all_processes(lock)
     held.push(lock)  # Released at the end; a refused run also removes the directories it made.
+  labels = "multi-label" if info.multi_label else "single-label"
   logging.info("Dataset %s: %d classes (%s), %d train and %d eval examples, images %s.",
-               config.data.image_folder or config.data.name, info.num_classes,
-               "multi-label" if info.multi_label else "single-label",
+               config.data.image_folder or config.data.name, info.num_classes, labels,
                info.num_train_examples, info.num_eval_examples, info.image_shape)
   setup = step_lib.build(config, image_shape=info.image_shape)
   logging.info("%s", sharding.check_replication(
@@ -323,7 +331,8 @@ def _read_mode(config: ml_collections.ConfigDict, run_dir: checkpoint.Workdir,
 def _initial_state(run: _Run, checkpoints: checkpoint.Checkpoints) -> step_lib.State:
   """Phase 2: the latest checkpoint, else the fine-tuning initialisation, else a fresh state,
   on the mesh. ConfigError: the checkpoint's state does not fit this config."""
-  setup, latest = run.setup, checkpoints.latest_step()
+  setup = run.setup
+  latest = checkpoints.latest_step()
   if latest is not None:
     logging.info("Resuming from the checkpoint at step %d in %s.", latest, checkpoints.directory)
     with _config_errors():
@@ -345,7 +354,8 @@ def _evaluations(run: _Run, accountant: accounting.CostAccountant, writer,
   """`(pictures, evaluate, evaluate_fewshot)`: `config.analysis`'s pictures, and `(state, step)
   -> metrics` of every eval set and of `config.fewshot`, written and timed as eval; they raise
   `evaluation.Stopped`, nothing written, once `stop()` is true before a batch."""
-  eval_step, setup = run.setup.jit_eval_step(), run.setup
+  setup = run.setup
+  eval_step = setup.jit_eval_step()
   _, first_eval = next(iter(run.evals.values()))
   evals = {name: (split, evaluation.Stoppable(eval_ds, stop))
            for name, (split, eval_ds) in run.evals.items()}
@@ -381,8 +391,9 @@ def _closing(*calls, always: bool):
   def close(exc_type, exc, traceback) -> bool:
     del exc, traceback
     try:
-      for call in calls if always or exc_type is not None else ():
-        call()
+      if always or exc_type is not None:
+        for call in calls:
+          call()
     except Exception as e:  # pylint: disable=broad-except
       if exc_type is None:
         raise

@@ -44,9 +44,11 @@ class Spec:
 
   def usage(self) -> str:
     """E.g. "configs/vit.py:<model>,<dataset>[,<regime>]"."""
-    items = (f"{',' if i else ''}<{field}>" for i, field in enumerate(self.fields))
-    return f"{self.file}:" + "".join(
-        f"[{item}]" if field in self.defaults else item for field, item in zip(self.fields, items))
+    parts = []
+    for i, field in enumerate(self.fields):
+      item = f",<{field}>" if i else f"<{field}>"
+      parts.append(f"[{item}]" if field in self.defaults else item)
+    return f"{self.file}:" + "".join(parts)
 
   def _describe(self, field: str) -> str:
     if field in self.choices:
@@ -58,7 +60,8 @@ class Spec:
     values, an unknown or repeated name, a missing field, a value outside the choices."""
     values: dict[str, Optional[str]] = {}
     items = [item.strip() for item in (arg or "").split(",")] if arg else []
-    positional, index = True, 0
+    positional = True
+    index = 0
     for item in items:
       name, sep, value = item.partition("=")
       if sep:
@@ -75,7 +78,8 @@ class Spec:
                          f"{len(items)} in {arg!r} (usage: {self.usage()}).")
       else:
         index = self._place(index, item.strip())
-        name, value = self.fields[index], item
+        name = self.fields[index]
+        value = item
         index += 1
       if name in values:
         raise ValueError(f"{self.file}: {name!r} is given twice in {arg!r}.")

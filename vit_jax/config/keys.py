@@ -23,7 +23,10 @@ class ConfigError(ValueError):
   ``str()``: ``config.KEY=VALUE <problem>; <fix>``."""
 
   def __init__(self, key: str, value: Any, problem: str, fix: str):
-    self.key, self.value, self.problem, self.fix = key, value, problem, fix
+    self.key = key
+    self.value = value
+    self.problem = problem
+    self.fix = fix
     shown = repr(value)
     if len(shown) > MAX_SHOWN:
       shown = f"{shown[:MAX_SHOWN - 20]}...{shown[-10:]}"

@@ -88,7 +88,8 @@ def switch_regime(config: ml_collections.ConfigDict,
   recipe = config.get("recipe_regime")
   if not recipe or recipe == config.regime:
     return config
-  given, reset = set(given), []
+  given = set(given)
+  reset = []
   for key, section, dotted, value in _regime_fields(config):
     if dotted not in given and section.get(key) not in (None, value):
       reset.append(f"{key}={section[key]!r} -> {value!r}")
@@ -160,7 +161,8 @@ def check_batch_size(batch_size: int, grad_accum_steps: int, num_shards: int) ->
   batch shards, `vit_jax.step.batch_shards`)."""
   unit = grad_accum_steps * num_shards
   if batch_size <= 0 or batch_size % unit:
-    lower, upper = max(unit, batch_size // unit * unit), (batch_size // unit + 1) * unit
+    lower = max(unit, batch_size // unit * unit)
+    upper = (batch_size // unit + 1) * unit
     raise ConfigError(
         "batch_size", batch_size, f"cannot be split into {grad_accum_steps} micro-batch(es) over "
         f"{num_shards} batch shard(s) of the device mesh: it must be a multiple of {unit}",
@@ -183,8 +185,10 @@ def check_host_limits(config: ml_collections.ConfigDict, *, num_train_examples: 
   `available_bytes`. ConfigError of `config.batch_size` with a batch that fits (a multiple of
   `unit`), or of `config.model.posemb_grid` with the largest square grid that fits.
   """
-  batch, pc = int(config.batch_size), int(process_count)
-  local_batch, local_examples = batch // pc, num_train_examples // pc
+  batch = int(config.batch_size)
+  pc = int(process_count)
+  local_batch = batch // pc
+  local_examples = num_train_examples // pc
   per_process = f"; {local_examples:,} per process of {pc}" if pc > 1 else ""
 
   def fitting(local: int) -> int:  # The largest global batch of `local` per process, in units.
@@ -232,18 +236,20 @@ def _check_position_table(model: ml_collections.ConfigDict, ema_decay: float,
   if not grid or model.get("posemb") != "learn":
     return
   rows = vit_fields.posemb_table_rows(grid, model)
-  width, per_param = int(model.hidden_size), state_bytes_per_param(ema_decay)
+  width = int(model.hidden_size)
+  per_param = state_bytes_per_param(ema_decay)
   needed = rows * width * per_param
   if needed <= available_bytes:
     return
   prefix = rows - math.prod(grid)
   side = math.isqrt(max(available_bytes // (width * per_param) - prefix, 0))
   gib = 2.0**30
+  ema = " and the EMA" if ema_decay else ""
   raise ConfigError(
       "model.posemb_grid", tuple(grid),
       f"makes a learned position table of {rows:,} x {width} parameters whose training state "
       f"({per_param} B each: the float32 parameter, its gradient, the optimizer's moments"
-      f"{' and the EMA' if ema_decay else ''}) needs ~{needed / gib:,.1f} GiB, more than the "
+      f"{ema}) needs ~{needed / gib:,.1f} GiB, more than the "
       f"{available_bytes / gib:.1f} GiB of memory available on this host",
       f"set config.model.posemb_grid to the token grid of the table to load (at most ({side}, "
       f"{side}) here; e.g. (14, 14) for 224 px at patch 16), or leave it out (the images' grid).")
@@ -279,7 +285,8 @@ def _resolve_finetune_controls(config: ml_collections.ConfigDict) -> None:
   normalises them: `freeze` a tuple, `wd_mults` (pattern, float) pairs. After the schedule's
   length."""
   controls = param_groups.finetune_controls(config.optim)
-  config.optim.freeze, config.optim.wd_mults = controls.freeze, controls.wd_mults
+  config.optim.freeze = controls.freeze
+  config.optim.wd_mults = controls.wd_mults
   if controls.head_warmup_steps >= config.total_steps:
     raise ConfigError(
         "optim.head_warmup_steps", controls.head_warmup_steps,
@@ -291,14 +298,15 @@ def check_paths(config: ml_collections.ConfigDict, workdir: Optional[str] = None
   """Refuses a `gs://` URL without a valid bucket (`vit_jax.storage.check_url`) in
   `workdir` or any string of `config` (`init_from`, `data.data_dir`, ...), before anything reads
   them. Raises ValueError naming the flag or field and the fix."""
-  urls, stack = [("--workdir", workdir)], [("config", config)]
+  urls = [("--workdir", workdir)]
+  stack = [("config", config)]
   while stack:
     name, node = stack.pop()
     for key, value in node.items():
       if isinstance(value, (ml_collections.ConfigDict, dict)):
         stack.append((f"{name}.{key}", value))
-      urls += [(f"{name}.{key}", v) for v in (value if isinstance(value, (list, tuple)) else
-                                               (value,))]
+      values = value if isinstance(value, (list, tuple)) else (value,)
+      urls += [(f"{name}.{key}", v) for v in values]
   for name, url in urls:
     storage.check_url(url, name)
 

@@ -91,8 +91,14 @@ def forward_bytes(model_name: str, fields: dict[str, Any], image_size: int) -> f
   sequences = _sequences(model_name, fields, image_size)
   kept = max(FORWARD_FACTOR * dtype_bytes * tokens * width for _, tokens, width, _ in sequences)
   attention = fields.get("attention", "xla")
-  copies = (lambda heads: 0 if attention == "cudnn" else ATTENTION_COPIES * heads
-            if attention == "xla" else min(heads, _cores()) + 1)
+
+  def copies(heads: int) -> int:
+    if attention == "cudnn":
+      return 0
+    if attention == "xla":
+      return ATTENTION_COPIES * heads
+    return min(heads, _cores()) + 1
+
   return kept + max(copies(heads) * 4 * tokens**2 for _, tokens, _, heads in sequences)
 
 

@@ -146,8 +146,8 @@ def status() -> str:
   if path is None:
     return f'unavailable: {reason}'
   faster, why = faster_than_xla()
-  return (f'available, {_loaded[path]} variant ({"faster" if faster else "not faster"} than '
-          f"XLA's attention: {why})")
+  speed = 'faster' if faster else 'not faster'
+  return f"available, {_loaded[path]} variant ({speed} than XLA's attention: {why})"
 
 
 def _forward_call(qkv: Array, scale: float) -> Tuple[Array, Array]:

@@ -147,7 +147,8 @@ T2T_SIZES: Dict[int, Tuple[int, int, int, float]] = {
 
 def _t2t_config(match: re.Match) -> Dict[str, Any]:
   transformer = match.group('t') is not None
-  size = int(match.group('t_depth') if transformer else match.group('depth'))
+  depth_group = 't_depth' if transformer else 'depth'
+  size = int(match.group(depth_group))
   embed_dim, depth, heads, mlp_ratio = T2T_SIZES[size]
   tokens_type = 'transformer' if transformer else 'performer'
   return dict(fields.defaults(t2t.T2T_FIELDS), embed_dim=embed_dim, depth=depth,

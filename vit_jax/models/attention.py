@@ -145,10 +145,16 @@ def self_attention(x: Array, projections: Sequence[Tuple[Array, Optional[Array]]
     return fused.attention(qkv, logits_scale=logits_scale), 'bnhk'
   layout = 'bnhk' if implementation == 'cudnn' else 'bhnk'
   x_kv = x if x_kv is None else x_kv.astype(dtype)
-  query, key, value = (
-      jnp.einsum(f'bnd,dhk->{layout}', t, k.astype(dtype))
-      + (0 if b is None else b.astype(dtype)[:, None, :] if layout == 'bhnk'
-         else b.astype(dtype)) for t, (k, b) in zip((x, x_kv, x_kv), projections))
+  projected = []
+  for t, (k, b) in zip((x, x_kv, x_kv), projections):
+    if b is None:
+      bias = 0
+    elif layout == 'bhnk':
+      bias = b.astype(dtype)[:, None, :]
+    else:
+      bias = b.astype(dtype)
+    projected.append(jnp.einsum(f'bnd,dhk->{layout}', t, k.astype(dtype)) + bias)
+  query, key, value = projected
   if qk_norm is not None:
     query, key = qk_norm[0](query), qk_norm[1](key)
   # Named for the remat policy 'qkv_saveable' (vit_jax.models.execution), which keeps only these.
@@ -158,8 +164,8 @@ def self_attention(x: Array, projections: Sequence[Tuple[Array, Optional[Array]]
                                         implementation='cudnn'), layout
   if scale_query:  # As flax: q / sqrt(Dh), a division (the same float32 rounding).
     query = query / jnp.asarray(1.0 / logits_scale, dtype)
-  return dot_product_attention(query, key, value,
-                               logits_scale=None if scale_query else logits_scale,
+    logits_scale = None  # Applied to the query.
+  return dot_product_attention(query, key, value, logits_scale=logits_scale,
                                dropout_rate=dropout_rate, dropout_rng=dropout_rng,
                                weights_fn=weights_fn), layout
 
@@ -202,7 +208,8 @@ class MultiHeadDotProductAttention(nn.Module):
     if inputs_kv is not None and self.attention != 'xla':
       raise ValueError(f"Cross-attention (inputs_kv) runs with attention='xla' only, got "
                        f'{self.attention!r}.')
-    heads, head_dim = self.num_heads, width // self.num_heads
+    heads = self.num_heads
+    head_dim = width // heads
     x = x.astype(self.dtype)
     projections = [
         _Projection((width, heads, head_dim), ('embed', 'heads', 'kv'), (heads, head_dim),
@@ -211,11 +218,11 @@ class MultiHeadDotProductAttention(nn.Module):
     dropout = self.dropout_rate > 0.0 and not deterministic
     rng = self.make_rng('dropout') if dropout else None  # None: no dropout.
     weights_fn = sow_weights(self) if capturing(self) else None
+    x_kv = None if inputs_kv is None else inputs_kv.astype(self.dtype)
     y, layout = self_attention(
         x, projections, implementation=self.attention, logits_scale=1.0 / math.sqrt(head_dim),
         scale_query=True, dropout_rate=self.dropout_rate, dropout_rng=rng,
-        weights_fn=weights_fn, x_kv=None if inputs_kv is None else inputs_kv.astype(self.dtype),
-        qk_norm=self._qk_norm())
+        weights_fn=weights_fn, x_kv=x_kv, qk_norm=self._qk_norm())
     kernel, bias = _Projection((heads, head_dim, width), ('heads', 'kv', 'embed'), (width,),
                                ('embed',), fan_in_axes=2, param_dtype=self.param_dtype,
                                name='out')()

@@ -141,9 +141,11 @@ def defaults(fields: Iterable[Field]) -> Dict[str, Any]:
 def frozen_config(declared: Iterable[Field]) -> type:
   """A frozen dataclass ``Config`` of the ``declared`` fields' values, attributes named as the
   fields (defaults theirs, None where required): what a family's modules take whole."""
-  return dataclasses.make_dataclass('Config', [
-      (f.name, Any, dataclasses.field(default=None if f.default is REQUIRED else f.default))
-      for f in declared], frozen=True)
+  specs = []
+  for f in declared:
+    default = None if f.default is REQUIRED else f.default
+    specs.append((f.name, Any, dataclasses.field(default=default)))
+  return dataclasses.make_dataclass('Config', specs, frozen=True)
 
 
 def required(fields: Iterable[Field]) -> Tuple[str, ...]:

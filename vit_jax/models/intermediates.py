@@ -81,7 +81,8 @@ def t2t_layouts(model: Any, height: int, width: int) -> Tuple[TokenLayout, ...]:
   _check_model(model)
   if not isinstance(model, t2t.T2TViT):
     return ()
-  layouts, stride = [], 1
+  layouts = []
+  stride = 1
   for (_, step, _), grid in zip(t2t.SOFT_SPLITS[:2], t2t.stage_grids(height, width)):
     stride *= step
     layouts.append(TokenLayout(0, grid, (stride, stride)))
@@ -121,10 +122,15 @@ def unpack(model: Any, intermediates: Any) -> dict:
   layouts), depth order. TypeError: another model class; ValueError: nothing sown."""
   _check_model(model)
   if isinstance(model, t2t.T2TViT):
-    root, prefix, attn, depth = intermediates, 'blocks', ('attn',), model.depth
+    root = intermediates
+    prefix = 'blocks'
+    attn = ('attn',)
+    depth = model.depth
   else:
     root = intermediates.get('Transformer') if isinstance(intermediates, Mapping) else None
-    prefix, attn, depth = 'encoderblock', ('MultiHeadDotProductAttention_0',), model.num_layers
+    prefix = 'encoderblock'
+    attn = ('MultiHeadDotProductAttention_0',)
+    depth = model.num_layers
   out = dict(
       attention=_per_block(root, prefix, attn + (ATTENTION_WEIGHTS,), depth, 'attention weights'),
       tokens=_per_block(root, prefix, (TOKENS,), depth, 'block outputs (tokens)'),
@@ -156,7 +162,8 @@ def capture(model: Any, variables: Any, images: Any) -> Captured:
   if getattr(images, 'ndim', None) != 4:
     raise ValueError(f'images must be [batch, height, width, channels] (NHWC), got shape '
                      f'{getattr(images, "shape", type(images).__name__)}.')
-  height, width = int(images.shape[1]), int(images.shape[2])
+  height = int(images.shape[1])
+  width = int(images.shape[2])
   logits, state = _forward(model)(variables, images)
   parts = unpack(model, state[COLLECTION])
   return Captured(logits=logits, layout=token_layout(model, height, width),

@@ -63,11 +63,11 @@ class StdConv(nn.Module):
 
 
 def _group_norm(name: str, dtype: Dtype, param_dtype: Dtype, zero_scale: bool = False):
+  scale_init = nn.initializers.zeros if zero_scale else nn.initializers.ones
   return nn.GroupNorm(
       num_groups=GROUPNORM_GROUPS, epsilon=GROUPNORM_EPSILON, dtype=dtype,
       param_dtype=param_dtype,
-      scale_init=nn.with_logical_partitioning(
-          nn.initializers.zeros if zero_scale else nn.initializers.ones, ('norm',)),
+      scale_init=nn.with_logical_partitioning(scale_init, ('norm',)),
       bias_init=nn.with_logical_partitioning(nn.initializers.zeros, ('norm',)), name=name)
 
 
@@ -113,9 +113,9 @@ class ResNetStage(nn.Module):
   @nn.compact
   def __call__(self, x: Array) -> Array:
     for u in range(self.num_units):
-      x = BottleneckUnit(features=self.features,
-                         strides=tuple(self.first_stride) if u == 0 else (1, 1),
-                         dtype=self.dtype, param_dtype=self.param_dtype, name=f'unit{u + 1}')(x)
+      strides = tuple(self.first_stride) if u == 0 else (1, 1)
+      x = BottleneckUnit(features=self.features, strides=strides, dtype=self.dtype,
+                         param_dtype=self.param_dtype, name=f'unit{u + 1}')(x)
     return x
 
 
@@ -144,9 +144,9 @@ def resnet_stem(x: Array, *, num_layers: Sequence[int], width_factor: float = 1,
   x = nn.max_pool(x, window_shape=(3, 3), strides=(2, 2), padding='SAME')
   x = nn.with_logical_constraint(x, FEATURE_AXES)
   for s, units in enumerate(tuple(num_layers)):
-    x = ResNetStage(num_units=int(units), features=width * 2 ** s,
-                    first_stride=(1, 1) if s == 0 else (2, 2), dtype=dtype,
-                    param_dtype=param_dtype, name=f'block{s + 1}')(x)
+    first_stride = (1, 1) if s == 0 else (2, 2)
+    x = ResNetStage(num_units=int(units), features=width * 2 ** s, first_stride=first_stride,
+                    dtype=dtype, param_dtype=param_dtype, name=f'block{s + 1}')(x)
   return x
 
 

@@ -304,7 +304,8 @@ class Attention(nn.Module):
 
   @nn.compact
   def __call__(self, x: Array) -> Array:
-    c, (b, n, d) = self.config, x.shape
+    c = self.config
+    b, n, d = x.shape
     head_dim = d // c.num_heads
     scale = c.qk_scale if c.qk_scale is not None else head_dim ** -0.5
     kernel = _QkvKernel(3 * d, c.param_dtype, name='qkv')(d)
@@ -331,7 +332,8 @@ class Block(nn.Module):
 
   @nn.compact
   def __call__(self, x: Array, deterministic: bool, drop_path_rate: Optional[Array] = None):
-    c, d = self.config, x.shape[-1]
+    c = self.config
+    d = x.shape[-1]
     drop = functools.partial(DropPath(self.drop_path, name='drop_path'),
                              deterministic=deterministic, rate=drop_path_rate)
     x = execution.constrain(x, execution.TOKENS_AXES)
@@ -415,8 +417,8 @@ def _positive_number(optional: bool = False) -> fields.Check:
   def check(name: str, value: Any) -> None:
     if not (value is None and optional) and (
         isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0):
-      raise ValueError(f'{name} must be a positive number{" or None" if optional else ""}, '
-                       f'got {value!r}')
+      or_none = ' or None' if optional else ''
+      raise ValueError(f'{name} must be a positive number{or_none}, got {value!r}')
 
   return check
 
@@ -452,7 +454,8 @@ def validate_config(*, num_classes: Any = None, **config: Any) -> None:
   ``check``, then together; extras ignored); ValueError naming the field, TypeError for a
   missing required one."""
   fields.validate(T2T_FIELDS, config, num_classes)
-  embed_dim, num_heads = config['embed_dim'], config['num_heads']
+  embed_dim = config['embed_dim']
+  num_heads = config['num_heads']
   if embed_dim % num_heads:
     raise ValueError(f'embed_dim ({embed_dim}) must be divisible by num_heads ({num_heads})')
   token_dim = config.get('token_dim', 64)

@@ -147,7 +147,8 @@ class AddPositionEmbs(nn.Module):
               f'pos_embedding has shape {existing}: its {rows} grid rows (after {prefix} '
               f'class-token / register rows) are not {what}. Build the model with '
               f'posemb_grid=(rows, columns), the token grid the table was made for.')
-        table_grid, shape = (side, side), existing
+        table_grid = (side, side)
+        shape = existing
     pos_embedding = self.param('pos_embedding',
                                _partitioned(self.posemb_init, (None, 'length', 'embed')),
                                shape, self.param_dtype)

@@ -184,7 +184,8 @@ def validate_config(*, num_classes: Any = None, **config: Any) -> None:
   if values['fc_norm'] and values['classifier'] != 'gap':
     raise ValueError(f"fc_norm=True (the final LayerNorm after the average pooling, timm's "
                      f"fc_norm) needs classifier='gap', got classifier={values['classifier']!r}.")
-  hidden, heads = values['hidden_size'], values['num_heads']
+  hidden = values['hidden_size']
+  heads = values['num_heads']
   if hidden % heads:
     raise ValueError(f'hidden_size ({hidden}) must be divisible by num_heads ({heads})')
   if values['posemb'] == 'sincos2d' and (hidden % 4 or hidden < 8):
