@@ -425,9 +425,13 @@ def test_a_slow_server_that_fails_requests_is_retried_and_the_run_finishes(gcs, 
   gcs.set_faults(delay_s=0.01, fail_every=7)
   try:
     start = time.monotonic()
+    # Retries after 10 to 20 ms: every 7th request fails, so a retry never meets a second 503
+    # in a row for long.
     run = subprocess.run(_main_args(f"{bucket}/run", overrides), cwd=ROOT,
-                         env=dict(_env(gcs), **FAST_RETRIES), capture_output=True, text=True,
-                         timeout=600)
+                         env={**_env(gcs), **FAST_RETRIES,
+                              "GCS_RETRY_CONFIG_INIT_DELAY_TIME_US": "10000",
+                              "GCS_RETRY_CONFIG_MAX_DELAY_TIME_US": "20000"},
+                         capture_output=True, text=True, timeout=600)
     took = time.monotonic() - start
   finally:
     gcs.set_faults()
