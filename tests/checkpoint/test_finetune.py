@@ -77,7 +77,7 @@ def test_t2t_finetuning_init_new_classes_and_resolution():
 def test_same_task_finetuning_init_keeps_head_and_logits():
   model = models.create('T2T-ViT-custom', num_classes=10, **_fixture_overrides())
   variables = checkpoint.load_for_finetuning(PERFORMER / 'checkpoint.pth.tar', model,
-                                             _init(model, 64), reset_head=False)
+                                             _random(model, 64), reset_head=False)
   np.testing.assert_allclose(_fixture_logits(model, variables),
                              np.load(PERFORMER / 'logits.npy'), rtol=1e-5, atol=1e-5)
 
@@ -88,8 +88,8 @@ def test_finetuning_init_lists_every_mismatch():
   model = models.create('T2T-ViT-custom', num_classes=3, **overrides)
   with pytest.raises(ValueError) as info:
     checkpoint.load_for_finetuning(PERFORMER / 'checkpoint.pth.tar', model,
-                                   _init(models.create('T2T-ViT-custom', num_classes=3,
-                                                       **overrides), 64))
+                                   _random(models.create('T2T-ViT-custom', num_classes=3,
+                                                         **overrides), 64))
   message = str(info.value)  # A PyTorch file: its own names and shapes.
   assert 'missing keys' in message and 'blocks.2.attn.qkv.weight' in message
   assert 'tokens_to_token.attention1.proj.weight: checkpoint (16, 16), model (8, 8)' in message
@@ -166,11 +166,9 @@ def test_resize_posemb_corners_aligned_gap_and_non_square():
 def test_non_square_finetuning_224x320():
   """A square 2x2-grid checkpoint into a 2x3 grid model (the official code asserts here)."""
   fields = dict(_vit_tiny_fields(), patch_size=16)
-  saved = models.unbox(jax.device_get(models.create('ViT-custom', num_classes=4, **fields).init(
-      jax.random.PRNGKey(0), jnp.ones((1, 32, 32, 3)), train=False)))
+  saved = _random(models.create('ViT-custom', num_classes=4, **fields), 32)
   model = models.create('ViT-custom', num_classes=3, **fields)
-  fresh = jax.device_get(model.init(jax.random.PRNGKey(1), jnp.ones((1, 32, 48, 3)),
-                                    train=False))
+  fresh = _random(model, (32, 48), seed=1)
   variables = checkpoint.init_for_finetuning(saved, fresh, grid=(2, 3))
   posemb = variables['params']['Transformer']['posembed_input']['pos_embedding']
   old = saved['params']['Transformer']['posembed_input']['pos_embedding']
@@ -186,7 +184,7 @@ def test_vit_finetuning_init_resets_head_and_converts_layout():
   config = models.model_config('ViT-custom', **_vit_tiny_fields())
   model = models.create('ViT-custom', num_classes=num_classes + 2, **dict(config, scan=True))
   size = _vit_tiny_image_size()
-  fresh = _init(model, size)
+  fresh = _random(model, size)
   variables = checkpoint.init_for_finetuning(saved, fresh)
   assert models.is_scanned(variables['params'])
   np.testing.assert_array_equal(variables['params']['head']['kernel'],
@@ -199,7 +197,7 @@ def test_vit_finetuning_init_resets_head_and_converts_layout():
   del saved['params']['Transformer']['encoder_norm']
   wide = models.create('ViT-custom', num_classes=3, **dict(_vit_tiny_fields(), hidden_size=48))
   with pytest.raises(ValueError) as info:
-    checkpoint.init_for_finetuning(saved, _init(wide, size))
+    checkpoint.init_for_finetuning(saved, _random(wide, size))
   message = str(info.value)
   assert 'shape mismatches (' in message and '... and ' in message  # Long lists are cut.
   assert 'The checkpoint is a ViT with patch_size=4, hidden_size=32, num_layers=2' in message
@@ -230,7 +228,7 @@ def test_patch_size_change_by_flexivit_resize(new_patch, size, caplog):
   model = models.create('ViT-custom', num_classes=10, **dict(_vit_tiny_fields(),
                                                              patch_size=new_patch))
   caplog.set_level(logging.INFO, logger='absl')
-  variables = checkpoint.init_for_finetuning(saved, _init(model, size), reset_head=False)
+  variables = checkpoint.init_for_finetuning(saved, _random(model, size), reset_head=False)
   lines = [r.getMessage() for r in caplog.records if 'resampled by the FlexiViT' in r.getMessage()]
   assert lines == [f'Fine-tuning init: patch size 4x4 (checkpoint) -> {new_patch}x{new_patch} '
                    '(model): params/embedding/kernel resampled by the FlexiViT pseudo-inverse.']
@@ -274,10 +272,12 @@ def _tiny_vit(patch_size, **fields):
 
 
 def _random(model, size=8, seed=0):
-  """Random plain variables of ``model`` for ``size`` px images, from the shapes alone (nothing
-  compiled)."""
+  """Random plain variables of ``model`` for ``size`` px images (or ``(height, width)``), from
+  the shapes alone (nothing compiled): a fresh tree for the fine-tuning init where its values are
+  not what a test checks (the head is compared with the tree's own)."""
+  height, width = (size, size) if isinstance(size, int) else size
   abstract = models.unbox(jax.eval_shape(
-      lambda: model.init(jax.random.key(0), jnp.zeros((1, size, size, 3)), train=False)))
+      lambda: model.init(jax.random.key(0), jnp.zeros((1, height, width, 3)), train=False)))
   rng = np.random.default_rng(seed)
   return jax.tree.map(lambda x: rng.normal(0, 0.5, x.shape).astype(np.float32), abstract)
 
@@ -368,7 +368,7 @@ def test_timm_variants_finetune_at_another_size_with_timms_resize(name, num_head
   re-initialised. The same logits as the saved table resampled in the model (posemb_grid)."""
   path, model = _timm_model(name, num_heads)
   saved = checkpoint.open(path).read_for_finetuning(model)  # As saved (5 classes, 32 px).
-  fresh = _init(model, size)
+  fresh = _random(model, size)
   caplog.set_level(logging.INFO, logger='absl')
   variables = checkpoint.load_for_finetuning(path, model, fresh)
   flat, flat_saved = (checkpoint.flatten_params(v) for v in (variables, saved))
@@ -402,7 +402,7 @@ def test_the_configs_posemb_resize_wins_over_timms():
   path, model = _timm_model('timm_vit_reg', 4, posemb_resize='bicubic')
   saved = checkpoint.flatten_params(checkpoint.open(path).read_for_finetuning(model))[POSEMB]
   table = checkpoint.flatten_params(checkpoint.load_for_finetuning(path, model,
-                                                                   _init(model, 48)))[POSEMB]
+                                                                   _random(model, 48)))[POSEMB]
   np.testing.assert_allclose(table, resample.resample_posemb(saved, (6, 6), num_prefix_tokens=2,
                                                              method='bicubic'), rtol=0, atol=1e-7)
   assert checkpoint.posemb_resize(checkpoint.open(path), model) == 'bicubic'
@@ -416,7 +416,7 @@ def test_a_table_without_the_prefix_rows_into_a_model_with_them_is_named():
   """DeiT III's table covers the patches only: a model without no_embed_class is told so."""
   path, model = _timm_model('timm_deit3', 2, no_embed_class=False)
   with pytest.raises(finetune.ModelMismatchError) as e:
-    checkpoint.load_for_finetuning(path, model, _init(model, 48))
+    checkpoint.load_for_finetuning(path, model, _random(model, 48))
   message = str(e.value)
   assert ('pos_embedding: checkpoint (1, 16, 16), model (1, 37, 16)' in message
           and 'The position tables have 0 (checkpoint) and 1 (model) rows before the grid' in
@@ -456,7 +456,8 @@ def test_training_from_init_from_with_ema(tmp_path):
   results = train.train_and_evaluate(config, workdir)
   assert {'test/accuracy', 'test_ema/accuracy', 'test_ema/loss'} <= set(results)
   model = models.create('T2T-ViT-custom', num_classes=3, **_fixture_overrides())
-  p0 = checkpoint.load_for_finetuning(PERFORMER / 'checkpoint.pth.tar', model, _init(model, 32))
+  p0 = checkpoint.load_for_finetuning(PERFORMER / 'checkpoint.pth.tar', model,
+                                       _random(model, 32))
   p1 = checkpoint.load(workdir, use_ema=False)
   ema = checkpoint.load(workdir)  # use_ema=True by default.
   kqv = ('tokens_to_token', 'attention1', 'kqv', 'kernel')
@@ -501,7 +502,7 @@ def test_convert_pth_to_orbax_reproduces_logits(tmp_path):
   np.testing.assert_allclose(_fixture_logits(model, variables), np.load(PERFORMER / 'logits.npy'),
                              rtol=1e-5, atol=1e-5)
   # The written directory is a valid init_from: same task, same weights.
-  again = checkpoint.load_for_finetuning(dst, model, _init(model, 64))
+  again = checkpoint.load_for_finetuning(dst, model, _random(model, 64))
   np.testing.assert_array_equal(checkpoint.flatten_params(again)['params/cls_token'],
                                 checkpoint.flatten_params(variables)['params/cls_token'])
 
