@@ -470,7 +470,8 @@ def test_training_from_init_from_with_ema(tmp_path):
 
 
 @pytest.mark.slow
-def test_init_from_that_does_not_fit_is_a_config_error(tmp_path):
+def test_init_from_that_does_not_fit_is_a_config_error(tmp_path, monkeypatch):
+  data_utils.skip_cpu_peak_measurement(monkeypatch)  # Refused before any work.
   config = _folder_config(tmp_path, init_from=str(PERFORMER / 'checkpoint.pth.tar'))
   config.model.depth = 3
   with pytest.raises(train.ConfigError, match=r'(?s)missing keys.*depth=2, mlp_ratio=2.0'):
