@@ -8,6 +8,7 @@ skipped without it; the others run everywhere."""
 
 import functools
 import importlib.util
+import io
 import json
 import os
 import re
@@ -453,12 +454,18 @@ def test_accumulation_around_the_layers_is_counted_as_it_runs():
 
 @requires_libtpu
 @pytest.mark.slow
-def test_the_json_report_gives_the_estimate_that_the_cost_tool_takes(tmp_path, capsys):
+def test_the_json_report_gives_the_estimate_that_the_cost_tool_takes(tmp_path, capsys,
+                                                                     monkeypatch):
+  """The pre-flight's main in this process (its exit codes as a program: the test below)."""
   path = tmp_path / "out.json"
   flags = _flags(TINY_VIT, **LAYERED)
-  proc = _preflight([*flags, "--accelerator", "v4-8", "--json", str(path)])
-  assert proc.returncode == 0, proc.stdout + proc.stderr
-  assert f"\nWrote {path}\n" in proc.stdout
+  flags = ["--config", os.path.join(ROOT, TINY_VIT[0]), *flags[2:]]
+  printed = io.StringIO()  # `run` prints to the sys.stdout of its import, not capsys's.
+  monkeypatch.setattr(preflight_cli, "run", functools.partial(preflight_cli.run, out=printed))
+  code = preflight_cli.main([*flags, "--accelerator", "v4-8", "--json", str(path)])
+  stdout = printed.getvalue()
+  assert code == 0, stdout
+  assert f"\nWrote {path}\n" in stdout
   report = json.loads(path.read_text())
   assert (report["accelerator"], report["devices"], report["chips"], report["cores"]) == (
       "v4-8", 4, 4, 8)
@@ -482,10 +489,9 @@ def test_the_json_report_gives_the_estimate_that_the_cost_tool_takes(tmp_path, c
   assert faster["overrides"]["model.remat"] is False
   assert faster["scan"] == ("model.scan" not in faster["overrides"])
   assert faster["fits"] and faster["estimated_step_seconds"] < seconds
-  assert f"\n  {faster['flags']}\nWrote {path}" in proc.stdout
-  assert "\nFaster: without remat the train step fits" in proc.stdout
+  assert f"\n  {faster['flags']}\nWrote {path}" in stdout
+  assert "\nFaster: without remat the train step fits" in stdout
   # The cost of a planned run on a v4-32 at that MFU; another TPU kind's report is refused.
-  flags = ["--config", os.path.join(ROOT, TINY_VIT[0]), *flags[2:]]
   assert cost.main([*flags, "--accelerator", "v4-32", "--preflight", str(path)]) == 0
   out = capsys.readouterr().out
   assert (f"MFU            {report['mfu']:.1%} (the TPU compiler's estimate of the train step on "
