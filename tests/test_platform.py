@@ -259,6 +259,34 @@ def test_a_second_copy_of_the_signal_during_the_exit_does_not_raise_in_it():
   assert "Traceback" not in proc.stderr
 
 
+_EXIT_WHILE_ANOTHER_THREAD_LOGS = """
+import threading, time
+from absl import logging
+from vit_jax import stops
+logging.use_absl_handler()
+def log_forever():
+  line = 0
+  while True:
+    line += 1
+    logging.warning("a log line of the main thread, %d\\ngroup  layer  tensors", line)
+threading.Thread(target=log_forever, daemon=True).start()
+time.sleep(0.3)
+stops.exit_process(75, "Process 0 of 2: process 1 stopped.")
+"""
+
+
+def test_no_other_threads_log_line_follows_the_exit_message():
+  """A pod's watcher thread ends the process while the main thread logs: the exit's message is
+  the last line (was: a log line of the main thread, even a table, could follow it)."""
+  for _ in range(8):  # A race: each run could show it.
+    proc = subprocess.run([sys.executable, "-c", _EXIT_WHILE_ANOTHER_THREAD_LOGS], cwd=ROOT,
+                          env=_environ(), capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 75, proc.stderr[-3000:]
+    assert "a log line of the main thread, 1\n" in proc.stderr
+    assert proc.stderr.splitlines()[-1] == "Process 0 of 2: process 1 stopped.", (
+        proc.stderr[-500:])
+
+
 def test_stop_in_finds_a_stop_that_a_library_wrapped():
   stop = stops.StopRequested("SIGTERM")
   try:

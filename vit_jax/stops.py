@@ -9,6 +9,7 @@ import _thread
 import contextlib
 import ctypes
 import importlib.machinery
+import logging as std_logging
 import os
 import signal
 import sys
@@ -228,6 +229,7 @@ def exit_process(code: int, message: Optional[str] = None, *, shutdown: bool = F
   """``os._exit(code)`` (the teardown can hang on tf.data threads or a lost peer): ``message`` on
   stderr, logs flushed, with ``shutdown`` ``jax.distributed.shutdown()`` first. Never returns."""
   _Stops.exiting = True
+  _hold_the_log()
   try:
     if message:
       sys.stderr.flush()
@@ -246,6 +248,25 @@ def exit_process(code: int, message: Optional[str] = None, *, shutdown: bool = F
       except (OSError, ValueError):
         pass
     os._exit(code)  # pylint: disable=protected-access
+
+
+def _hold_the_log(wait_s: float = 1.0) -> None:
+  """Flushes every log handler and keeps its lock (waiting at most ``wait_s`` for each), so that
+  no other thread's log line follows the exit's message: a pod's watcher thread ends the process
+  while the main thread may still be logging."""
+  loggers = [std_logging.getLogger(), *(
+      logger for logger in std_logging.Logger.manager.loggerDict.values()
+      if isinstance(logger, std_logging.Logger))]
+  handlers = {handler for logger in loggers for handler in logger.handlers}
+  handlers |= {handler.python_handler for handler in handlers  # absl's handles through it.
+               if isinstance(handler, logging.ABSLHandler)}
+  for handler in handlers:
+    if handler.lock is not None and not handler.lock.acquire(timeout=wait_s):
+      continue  # Held by a thread stuck in a write: its line may still follow.
+    try:
+      handler.flush()
+    except Exception:  # pylint: disable=broad-except  (a closed stream: nothing to flush)
+      pass
 
 
 def peer_lost_message(error: BaseException, workdir: str, latest_step: Optional[int]) -> str:
