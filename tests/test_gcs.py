@@ -415,23 +415,19 @@ def test_a_server_stopped_mid_save_fails_the_run_in_one_fatal_line_and_a_rerun_r
 @pytest.mark.slow
 def test_a_slow_server_that_fails_requests_is_retried_and_the_run_finishes(gcs, bucket,
                                                                            tmp_path):
-  """Every request delayed 10 ms and every 7th answered 503 (but a resumable upload's data: see
+  """Every request delayed 50 ms and every 7th answered 503 (but a resumable upload's data: see
   `gcs_emulator`): the libraries retry (TensorFlow's gfile for the JSON files, events, lock and
   compilation cache; TensorStore for the arrays) and the run ends as one on a healthy server
   would, its checkpoints equal bit for bit."""
   overrides = _main_overrides(_folder(tmp_path), log_every_steps=5, checkpoint_every_steps=5,
                               total_steps=10)
   train.train_and_evaluate(_main_config(overrides), str(tmp_path / "healthy"))
-  gcs.set_faults(delay_s=0.01, fail_every=7)
+  gcs.set_faults(delay_s=0.05, fail_every=7)
   try:
     start = time.monotonic()
-    # Retries after 10 to 20 ms: every 7th request fails, so a retry never meets a second 503
-    # in a row for long.
     run = subprocess.run(_main_args(f"{bucket}/run", overrides), cwd=ROOT,
-                         env={**_env(gcs), **FAST_RETRIES,
-                              "GCS_RETRY_CONFIG_INIT_DELAY_TIME_US": "10000",
-                              "GCS_RETRY_CONFIG_MAX_DELAY_TIME_US": "20000"},
-                         capture_output=True, text=True, timeout=600)
+                         env=dict(_env(gcs), **FAST_RETRIES), capture_output=True, text=True,
+                         timeout=600)
     took = time.monotonic() - start
   finally:
     gcs.set_faults()
