@@ -76,22 +76,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
     held.enter_context(step_lib.compilation_cache(_compilation_cache_dir(config, workdir)))
 
     # 2. State: the latest checkpoint, else the fine-tuning initialisation, else a fresh one.
-    with stops.deferred_stop():
-      run_dir.write_config(config.to_dict())
-      run_dir.write_dataset(run.dataset)
-      checkpoints = run_dir.checkpoints(keep=config.keep_checkpoints,
-                                        asynchronous=config.async_checkpointing)
-      held.push(_closing(checkpoints.wait_until_finished, checkpoints.close, always=False))
-    state = _initial_state(run, checkpoints)
+    checkpoints, state, writer = _open_run(run, held)
     start_step = int(state["step"])
     total_steps = config.total_steps
-    # After the restore, so that a refused run leaves no events file.
-    with stops.deferred_stop():
-      writer = run_dir.metric_writer(checkpoint.flatten_params(config.to_dict(), sep="."))
-      held.push(_closing(writer.close, always=True))  # Before a failure is reported.
-    num_params = sum(x.size for x in jax.tree.leaves(state["params"]))
-    logging.info("Model %s: %s parameters; %d of %d steps done.", config.model_name,
-                 f"{num_params:,}", start_step, total_steps)
 
     # 3. Steps: jitted over the mesh, compiled ahead of time and cached (`step.Compiler`).
     compiler = run.compiler
@@ -203,6 +190,29 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
     if preempted:
       raise Preempted(last_step, workdir, interrupted=notice.signal == "SIGINT")
     return dict(results, step=last_step)
+
+
+def _open_run(run: _Run, held: contextlib.ExitStack
+              ) -> tuple[checkpoint.Checkpoints, step_lib.State, Any]:
+  """`(checkpoints, state, metric writer)` of `run`, each closed by `held`: the config and dataset
+  records written, the state restored (`_initial_state`), then the writer opened."""
+  config = run.config
+  run_dir = run.run_dir
+  with stops.deferred_stop():
+    run_dir.write_config(config.to_dict())
+    run_dir.write_dataset(run.dataset)
+    checkpoints = run_dir.checkpoints(keep=config.keep_checkpoints,
+                                      asynchronous=config.async_checkpointing)
+    held.push(_closing(checkpoints.wait_until_finished, checkpoints.close, always=False))
+  state = _initial_state(run, checkpoints)
+  # After the restore, so that a refused run leaves no events file.
+  with stops.deferred_stop():
+    writer = run_dir.metric_writer(checkpoint.flatten_params(config.to_dict(), sep="."))
+    held.push(_closing(writer.close, always=True))  # Before a failure is reported.
+  num_params = sum(x.size for x in jax.tree.leaves(state["params"]))
+  logging.info("Model %s: %s parameters; %d of %d steps done.", config.model_name,
+               f"{num_params:,}", int(state["step"]), config.total_steps)
+  return checkpoints, state, writer
 
 
 def _compilation_cache_dir(config: ml_collections.ConfigDict, workdir: str) -> Optional[str]:

@@ -12,6 +12,7 @@ from typing import Any, Dict, List, Mapping, Tuple
 
 import numpy as np
 
+from vit_jax.checkpoint import vit_shapes
 from vit_jax.checkpoint.tree import flatten_params, unflatten_params
 
 _ATTENTION = 'MultiHeadDotProductAttention_0'
@@ -158,12 +159,8 @@ def shapes_to_fields(shapes: Mapping[str, Tuple[int, ...]]) -> Dict[str, Any]:
   width, _, ph, pw = shapes['patch_embed.proj.weight']
   head = shapes.get('head.weight')
   pre_logits = shapes.get('pre_logits.weight')
-  if 'attn_pool.latent' in shapes:
-    classifier = 'map'
-  elif 'cls_token' in shapes:
-    classifier = 'token'
-  else:
-    classifier = 'gap'
+  classifier = vit_shapes.classifier_from(shapes, probe='attn_pool.latent',
+                                          class_token='cls_token')
   patch_size = ph if ph == pw else (ph, pw)
   representation_size = pre_logits[0] if pre_logits else None
   num_classes = head[0] if head else None

@@ -51,6 +51,16 @@ def from_kept(record: Any) -> Dict[str, Any]:
   return {k: tupled(record[k]) for k in KEPT_FIELDS if k in record}
 
 
+def classifier_from(shapes: Any, *, probe: str, class_token: str) -> str:
+  """The classifier the parameter names in ``shapes`` imply: 'map' with the attention-pooling
+  ``probe``, 'token' with the ``class_token``, else 'gap' (each format passes its names)."""
+  if probe in shapes:
+    return 'map'
+  if class_token in shapes:
+    return 'token'
+  return 'gap'
+
+
 def architecture_fields(shapes: dict, image_size: Optional[int] = None,
                         strict: bool = True) -> Optional[Dict[str, Any]]:
   """The :class:`~vit_jax.models.vit.VisionTransformer` fields that ``shapes`` (``'/'``-joined
@@ -73,12 +83,7 @@ def architecture_fields(shapes: dict, image_size: Optional[int] = None,
   else:
     layers = len(blocks)
   pre_logits = shapes.get('params/pre_logits/kernel')
-  if 'params/MAPHead_0/probe' in shapes:
-    classifier = 'map'
-  elif 'params/cls' in shapes:
-    classifier = 'token'
-  else:
-    classifier = 'gap'
+  classifier = classifier_from(shapes, probe='params/MAPHead_0/probe', class_token='params/cls')
   patch_size = kh if kh == kw else (kh, kw)
   num_heads = query[-2] if query is not None else None
   representation_size = pre_logits[-1] if pre_logits else None
