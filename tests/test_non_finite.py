@@ -77,6 +77,7 @@ def test_a_poisoned_latest_step_is_refused_by_resume_predict_and_evaluate(poison
   workdir, folder = poisoned
   config = config_lib.from_json((workdir / "config.json").read_text())
   config.total_steps = 14
+  config.resume_with_changes = True
   with pytest.raises(train.ConfigError) as error:
     train.train_and_evaluate(config, str(workdir))
   assert "step 12" in str(error.value) and "params/head/kernel (1 array)" in str(error.value)

@@ -17,8 +17,9 @@ from vit_jax.data import fashion_mnist_local
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 NOTEBOOK = ROOT / "docs" / "notebook.ipynb"
 
-#: tests/conftest.py's XLA flag for every process the tests start.
-CONFTEST_FAST_COMPILE = "--xla_backend_optimization_level=0"
+#: tests/conftest.py's XLA flags for every process the tests start.
+CONFTEST_FAST_COMPILE = ("--xla_backend_optimization_level=0",
+                         "--xla_cpu_use_fusion_emitters=false")
 
 
 def _make_notebook():
@@ -74,10 +75,10 @@ def test_the_notebook_runs_top_to_bottom(fashion_mnist_dir, tmp_path, monkeypatc
   """In a kernel of this Python (`make_notebook.execute`), offline, on the prepared
   Fashion-MNIST; the training runs in tmp_path (the notebook's tempfile)."""
   monkeypatch.setenv("TFDS_DATA_DIR", fashion_mnist_dir)
-  # The kernel compiles as a user's would: conftest's faster-compiling, slower-running LLVM
-  # setting made the notebook's first training 30 -> 47 s (measured on 2 cores).
+  # The kernel compiles as a user's would: conftest's faster-compiling, slower-running
+  # settings made the notebook's first training 30 -> 47 s (measured on 2 cores).
   monkeypatch.setenv("XLA_FLAGS", " ".join(
-      f for f in os.environ.get("XLA_FLAGS", "").split() if f != CONFTEST_FAST_COMPILE))
+      f for f in os.environ.get("XLA_FLAGS", "").split() if f not in CONFTEST_FAST_COMPILE))
   monkeypatch.setenv("TMPDIR", str(tmp_path))
   notebook = nbformat.read(NOTEBOOK, as_version=4)
   for cell in _code_cells(notebook):

@@ -188,26 +188,37 @@ def test_main_trains_writes_metrics_and_resumes(tmp_path, caplog):
   distance = scalars["analysis/attention_distance/layer_1"]  # 2x2 patches of 4 px: 0 to 5.7 px.
   assert sorted(distance) == [2, 4] and all(0 < d < np.hypot(4, 4) for d in distance.values())
 
-  def rerun(total_steps):
+  def rerun(total_steps, **changes):
     config = data_utils.override(cli.load_config_file("configs/fashion_mnist.py"),
-                  dict(overrides, total_steps=total_steps))
+                                 dict(overrides, total_steps=total_steps, **changes))
     caplog.clear()
     with caplog.at_level(logging.INFO):
       results = train.train_and_evaluate(config, workdir)
     return results, caplog.text
 
-  results, log = rerun(6)
+  # A longer schedule changes what the run trains: refused unless asked for, config.json kept.
+  with pytest.raises(train.ConfigError) as refused:
+    rerun(6, **{"optim.lr": 0.5})
+  assert cli.error_text(refused.value) == (
+      f"config.optim.lr=0.5 differs from the run resumed in {workdir}, which recorded 0.002 in "
+      "its config.json (also changed: total_steps: 4 -> 6); to resume that run, set "
+      "--config.optim.lr=0.002 and --config.total_steps=4 as recorded; for a new run, use "
+      "another --workdir; to resume with the changes, set --config.resume_with_changes=True")
+  assert config_lib.from_json(open(os.path.join(workdir, "config.json")).read()).total_steps == 4
+  results, log = rerun(6, resume_with_changes=True, log_every_steps=1)
   assert "Resuming from the checkpoint at step 4" in log and results["step"] == 6
+  assert f"Resuming {workdir} with config.total_steps=6 (it recorded 4)." in log
+  assert f"Resuming {workdir} with config.log_every_steps=1 (it recorded 2)." in log
   scalars = _scalars(workdir)
-  assert sorted(scalars["train/loss"]) == [2, 4, 6]  # Steps 1-4 were not trained again.
+  assert sorted(scalars["train/loss"]) == [2, 4, 5, 6]  # Steps 1-4 were not trained again.
   assert sorted(os.listdir(os.path.join(workdir, "checkpoints")))[-1] == "6"
   assert sorted(scalars["fewshot/images_2shot"]) == [4, 6]
   assert sorted(_images(workdir)["analysis/training_images"]) == [0, 4]  # Where it resumed.
   assert "fewshot/images_2shot_std" in results
 
-  results, log = rerun(6)  # Finished: no more training.
+  results, log = rerun(6)  # Finished: no more training; config.json recorded the change.
   assert "already finished its 6 steps" in log and results["step"] == 6
-  assert sorted(_scalars(workdir)["train/loss"]) == [2, 4, 6]
+  assert sorted(_scalars(workdir)["train/loss"]) == [2, 4, 5, 6]
 
 
 def _tiny_folder_config(folder, **overrides):

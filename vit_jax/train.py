@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import os
 from typing import Any, Callable, Optional
 
@@ -306,7 +307,8 @@ def _prepare(config: ml_collections.ConfigDict, workdir: str,
   if config.fewshot.every_steps:  # Its datasets and splits are checked now, before any write.
     fewshot_eval = fewshot.Evaluator.from_config(config, setup, compiler=compiler)
   resuming = bool(run_dir.saved_steps())
-  if resuming:  # A checkpoint of another model is refused now, from its metadata.
+  if resuming:  # A changed config, a checkpoint of another model: refused now.
+    _check_resume(config, run_dir)
     run_dir.check_state_fits(setup.abstract_state)
   read = _read_mode(config, run_dir, resuming)
   finetune = None
@@ -323,6 +325,27 @@ def _prepare(config: ml_collections.ConfigDict, workdir: str,
   logging.vlog(1, "Config (resolved):\n%s", config)
   return _Run(config, accountant, run_dir, setup, evals, finetune,
               dataset_record(config, info, read), compiler, train_step, fewshot_eval)
+
+
+def _check_resume(config: ml_collections.ConfigDict, run_dir: checkpoint.Workdir) -> None:
+  """Refuses to resume `run_dir` when `config` changes a key of what its run trains (its
+  config.json's; `config_lib.resume_changes`) unless `config.resume_with_changes`; logs the
+  changes it resumes with."""
+  recorded = run_dir.read_config()
+  changes = config_lib.resume_changes(recorded or {}, config)
+  refused = [c for c in changes if c[3]]
+  if refused and not config.resume_with_changes:
+    key, old, value, _ = refused[0]
+    others = ", ".join(f"{k}: {o!r} -> {v!r}" for k, o, v, _ in refused[1:])
+    recorded = " and ".join(f"config.{k}={json.dumps(o)}" for k, o, _, _ in refused)
+    raise config_lib.ConfigError(
+        key, value, f"differs from the run resumed in {run_dir.path}, which recorded {old!r} "
+        f"in its config.json" + (f" (also changed: {others})" if others else ""),
+        f"to resume that run, set {recorded} as recorded; for a new run, use another --workdir; "
+        "to resume with the changes, set config.resume_with_changes=True")
+  for key, old, value, trained in changes:
+    logging.log(logging.WARNING if trained else logging.INFO, "Resuming %s with config.%s=%r "
+                "(it recorded %r).", run_dir.path, key, value, old)
 
 
 def _read_mode(config: ml_collections.ConfigDict, run_dir: checkpoint.Workdir,

@@ -523,8 +523,30 @@ def test_every_key_is_declared_once_and_its_default_passes_its_check():
     for key in keys:
       assert section[key.name] == key.default or name == "data" and key.name == "name"
       assert key.refuse(key.default, name) is None or key.filled, (name, key.name)
-  assert len(set().union(*[{(n, k.name) for k in keys} for n, keys in declared.items()])) == 95
+  assert len(set().union(*[{(n, k.name) for k in keys} for n, keys in declared.items()])) == 96
   controls = config_lib.defaults.FINETUNE_KEYS
   assert [k.name for k in controls] == [f.name for f in dataclasses.fields(
       param_groups.FinetuneControls)]
   assert set(controls) <= set(config_lib.defaults.OPTIM_KEYS)
+
+
+def test_resume_changes_name_each_changed_key_and_whether_it_changes_what_is_trained():
+  """A resumed run's config against its config.json: model fields, sections and top-level keys
+  are compared in JSON terms; how a run executes, logs or evaluates is not what it trains."""
+  recorded = json.loads(config_lib.to_json(_tiny_config()))
+  assert config_lib.resume_changes(recorded, _tiny_config()) == []  # Tuples equal their lists.
+  config = _tiny_config()
+  config.total_steps = 30
+  config.model.mlp_dim = 32
+  config.model.remat = False
+  config.optim.lr = 0.5
+  config.mesh.fsdp = 2
+  config.eval_every_steps = 10
+  config.fewshot.shots = (2,)
+  del recorded["data"]["cache"]  # A key an older version did not record.
+  recorded["gone"] = 1  # A key this version no longer has.
+  assert sorted(config_lib.resume_changes(recorded, config)) == [
+      ("eval_every_steps", 1000, 10, False), ("fewshot.shots", [1, 5, 10, 25], [2], False),
+      ("mesh.fsdp", 1, 2, False), ("model.mlp_dim", 16, 32, True),
+      ("model.remat", True, False, False), ("optim.lr", None, 0.5, True),
+      ("total_steps", None, 30, True)]

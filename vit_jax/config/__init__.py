@@ -24,13 +24,14 @@ from vit_jax.config.defaults import BAD_IMAGES, REGIME_DEFAULTS, get_config
 from vit_jax.config.keys import ConfigError
 from vit_jax.config.resolution import (attention_choice, check_batch_size, check_host_limits,
                                        check_paths, fill_regime, for_counting, num_train_steps,
-                                       remat_choice, resolve, switch_regime, validate_data)
+                                       remat_choice, resolve, resume_changes, switch_regime,
+                                       validate_data)
 
 __all__ = [
     'BAD_IMAGES', 'ConfigError', 'REGIME_DEFAULTS', 'args', 'attention_choice', 'check_batch_size',
     'check_host_limits', 'check_paths', 'fill_regime', 'for_counting', 'from_json', 'get_config',
-    'keys', 'num_train_steps', 'remat_choice', 'resolve', 'slices', 'switch_regime', 'to_json',
-    'validate_data',
+    'keys', 'num_train_steps', 'remat_choice', 'resolve', 'resume_changes', 'slices',
+    'switch_regime', 'to_json', 'validate_data',
 ]
 
 

@@ -4,6 +4,7 @@ section; docs/configs.md), and :func:`get_config`, the locked config they make.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Dict, Tuple
 
 import ml_collections
@@ -27,6 +28,9 @@ REGIME_DEFAULTS = {
 #: How the blocks run in training unless overridden (docs/configs.md); the models' own defaults
 #: are the plain unrolled encoder with the official per-layer names.
 TRAINING_DEFAULTS = dict(scan=True, remat=True, remat_policy="auto")
+#: The fields of `config.model` that change how the steps run, not what they compute (a resumed run
+#: may change them; `vit_jax.config.keys.Key.trained`).
+UNTRAINED_MODEL_KEYS = ("attention", "remat", "remat_policy")
 
 #: Values of `config.data.augment`, `config.data.normalization`, `config.data.bad_images`.
 AUGMENTATIONS = ("inception_crop", "pad_crop", "flip", "none")
@@ -36,6 +40,11 @@ BAD_IMAGES = ("fail", "skip")
 SCHEDULES = ("linear", "cosine", "constant")
 OPTIMIZERS = ("adamw", "sgd")
 LOSSES = ("softmax_xent", "sigmoid_xent")
+
+
+def _untrained(declared: Tuple[Key, ...]) -> Tuple[Key, ...]:
+  """``declared``, each key marked as not changing what a run trains (``Key.trained``)."""
+  return tuple(dataclasses.replace(key, trained=False) for key in declared)
 
 
 def _regime(name: str, kind: type, text: str, check: keys.Check) -> Key:
@@ -66,7 +75,8 @@ SCHEDULE_KEYS: Tuple[Key, ...] = (
     _regime("grad_clip_norm", float, "global-norm clipping, 0 disables it", keys.NON_NEGATIVE),
     Key("max_skipped_updates", 0, int,
         "updates with NaN/Inf gradients skipped in a row (train/skipped_updates) before the next "
-        "stops the run; 0: the first non-finite loss stops it", keys.NON_NEGATIVE_INT),
+        "stops the run; 0: the first non-finite loss stops it", keys.NON_NEGATIVE_INT,
+        trained=False),
 )
 
 
@@ -110,14 +120,14 @@ DATA_KEYS: Tuple[Key, ...] = (
         "root of an image-folder dataset, root/<split>/<class>/*.{jpg,jpeg,png} (classes "
         "sorted); replaces name"),
     Key("data_dir", None, str, "tfds data_dir (local or gs://); None: $TFDS_DATA_DIR or "
-        "~/tensorflow_datasets"),
+        "~/tensorflow_datasets", trained=False),
     Key("manual_dir", None, str, "tfds manual_dir for preparing (e.g. the ImageNet tars; "
-        "fashion_mnist_local's IDX files)"),
+        "fashion_mnist_local's IDX files)", trained=False),
     Key("prepare", True, bool, "prepare an unprepared dataset from local files (nothing is ever "
-        "downloaded)"),
+        "downloaded)", trained=False),
     Key("train_split", "train", str, "tfds split, with slicing ('train[:98%]', "
         "'train+validation')"),
-    Key("eval_split", "test", str, "tfds split, with slicing"),
+    Key("eval_split", "test", str, "tfds split, with slicing", trained=False),
     Key("image_size", 224, int, "the side of the square images the model sees", keys.POSITIVE_INT),
     Key("augment", "inception_crop", str,
         "training augmentation: 'inception_crop' (ViT fine-tuning) or 'pad_crop', each + resize "
@@ -146,18 +156,19 @@ DATA_KEYS: Tuple[Key, ...] = (
     Key("mix_prob", 1.0, float, "the probability a batch is mixed", keys.PROBABILITY),
     Key("eval_crop_pct", None, float,
         "eval resizing: None resizes the whole image (official ViT); p resizes the shorter side "
-        "to floor(S / p) and takes the central crop (timm; T2T-ViT: 0.9)", keys.FRACTION),
+        "to floor(S / p) and takes the central crop (timm; T2T-ViT: 0.9)", keys.FRACTION,
+        trained=False),
     Key("normalization", "minus_one_to_one", str,
         "'minus_one_to_one' (ViT) or the 'imagenet' mean/std (T2T-ViT, timm)",
         keys.one_of(NORMALIZATIONS)),
     Key("shuffle_buffer", 50_000, int, "examples in the training shuffle buffer per process "
         "(docs/data.md)", keys.Check("an int >= 1", lambda v: keys.integer(v) and v >= 1)),
-    Key("prefetch", 2, int, "batches prefetched by tf.data", keys.NON_NEGATIVE_INT),
+    Key("prefetch", 2, int, "batches prefetched by tf.data", keys.NON_NEGATIVE_INT, trained=False),
     Key("cache", False, bool, "keep the decoded, un-augmented images in host memory (small "
-        "datasets)"),
+        "datasets)", trained=False),
     Key("num_parallel_calls", -1, int, "parallelism of the decode / augment maps",
         keys.Check("-1 (AUTOTUNE) or an int >= 1",
-                   lambda v: keys.integer(v) and (v == -1 or v >= 1))),
+                   lambda v: keys.integer(v) and (v == -1 or v >= 1)), trained=False),
     Key("bad_images", "fail", str, "undecodable images: 'fail' names them "
         "(vit_jax.data.BadImageError), 'skip' leaves them out (docs/failures.md)",
         keys.one_of(BAD_IMAGES)),
@@ -168,14 +179,14 @@ DATA_KEYS: Tuple[Key, ...] = (
 )
 
 #: `config.extra_eval`: an optional second eval set of the same classes, '<name>_<split>/...'.
-EXTRA_EVAL_KEYS: Tuple[Key, ...] = (
+EXTRA_EVAL_KEYS: Tuple[Key, ...] = _untrained((
     Key("name", None, str, "tfds name or prepared directory (e.g. 'imagenet2012_real' for the "
         "ImageNet ReaL labels); None: none"),
     Key("split", "validation", str, "its split"),
-)
+))
 
 #: `config.mesh`: the device mesh and the logical-axis rules (`vit_jax.sharding`, which checks).
-MESH_KEYS: Tuple[Key, ...] = (
+MESH_KEYS: Tuple[Key, ...] = _untrained((
     Key("data", -1, int, "data-parallel axis size; -1: all the devices the other axes leave"),
     Key("fsdp", 1, int, "fully sharded data-parallel axis size (-1: the rest)"),
     Key("tensor", 1, int, "tensor-parallel axis size (-1: the rest)"),
@@ -186,10 +197,10 @@ MESH_KEYS: Tuple[Key, ...] = (
         "'embed=,mlp=fsdp'"),
     Key("max_replicated_fraction", 0.5, float, "with fsdp > 1, the run stops when more than this "
         "fraction of the parameter bytes stays replicated", keys.PROBABILITY),
-)
+))
 
 #: `config.fewshot`: few-shot linear evaluation during training (docs/evaluation.md).
-FEWSHOT_KEYS: Tuple[Key, ...] = (
+FEWSHOT_KEYS: Tuple[Key, ...] = _untrained((
     Key("every_steps", 0, int, "every this many steps, and at the end of training; 0 turns "
         "few-shot evaluation off", keys.NON_NEGATIVE_INT),
     Key("datasets", (), tuple,
@@ -217,10 +228,10 @@ FEWSHOT_KEYS: Tuple[Key, ...] = (
         "max(shots) * seeds (+ 10)", keys.POSITIVE_INT),
     Key("max_eval_examples", None, int, "eval examples used, the first ones of the eval split; "
         "None: the whole eval split", keys.POSITIVE_INT),
-)
+))
 
 #: `config.analysis`: pictures in TensorBoard during training (docs/analysis.md); off.
-ANALYSIS_KEYS: Tuple[Key, ...] = (
+ANALYSIS_KEYS: Tuple[Key, ...] = _untrained((
     Key("attention_images", 0, int,
         "at every evaluation, the mean attention distance per head against depth (ViT Fig. 7) of "
         "the first this many eval images; 0 turns the attention figures off",
@@ -229,7 +240,7 @@ ANALYSIS_KEYS: Tuple[Key, ...] = (
         "maps; 0: no rollout maps", keys.NON_NEGATIVE_INT),
     Key("train_images", 0, int, "when the run starts, this many augmented training images; 0 "
         "turns the training-image grid off", keys.NON_NEGATIVE_INT),
-)
+))
 
 #: The top level's keys (the sections, `SECTIONS`, besides).
 RUN_KEYS: Tuple[Key, ...] = (
@@ -247,11 +258,12 @@ RUN_KEYS: Tuple[Key, ...] = (
     Key("batch_size", 4096, int, "the global batch over all devices and hosts, images per update",
         keys.POSITIVE_INT),
     Key("grad_accum_steps", 1, int, "micro-batches per update, run one after the other",
-        keys.POSITIVE_INT),
+        keys.POSITIVE_INT, trained=False),
     Key("slice", None, str, "the Cloud TPU slice (e.g. 'v3-32') the settings were fitted to "
-        "(vit_jax.config.slices); resolve refuses another number of devices; None: not fitted"),
+        "(vit_jax.config.slices); resolve refuses another number of devices; None: not fitted",
+        trained=False),
     Key("eval_batch_size", None, int, "the eval step's global batch; None: batch_size",
-        keys.POSITIVE_INT),
+        keys.POSITIVE_INT, trained=False),
     Key("total_steps", None, int, "optimizer updates of the run; None: from num_epochs",
         keys.STEP_COUNT),
     Key("num_epochs", None, float, "epochs of data.train_split, when total_steps is None",
@@ -261,29 +273,35 @@ RUN_KEYS: Tuple[Key, ...] = (
     Key("ema_decay", 0.0, float, "decay of the parameters' EMA (timm ModelEmaV2), evaluated as "
         "'<split>_ema/...'; 0 disables it; the T2T-ViT recipe uses 0.99996", keys.UNIT),
     Key("init_from", None, str, "fine-tuning: the checkpoint (any vit_jax.checkpoint format) to "
-        "initialise from when the workdir has none yet"),
+        "initialise from when the workdir has none yet", trained=False),
     Key("pretrained_dir", None, str, "the official convention instead: init_from = "
-        "'{pretrained_dir}/{model_name}.npz' (e.g. gs://vit_models/imagenet21k)"),
+        "'{pretrained_dir}/{model_name}.npz' (e.g. gs://vit_models/imagenet21k)", trained=False),
     Key("init_from_ema", True, bool, "take the checkpoint's EMA weights when it has them",
-        keys.BOOL),
+        keys.BOOL, trained=False),
     Key("init_reset_head", True, bool, "True: a new head always (official ViT); False: keep the "
-        "checkpoint's head when the class count is the same (T2T-ViT reference)", keys.BOOL),
+        "checkpoint's head when the class count is the same (T2T-ViT reference)", keys.BOOL,
+        trained=False),
     Key("log_every_steps", 50, int, "optimizer steps between training metrics",
-        keys.POSITIVE_INT),
+        keys.POSITIVE_INT, trained=False),
     Key("eval_every_steps", 1000, int, "optimizer steps between evaluations (also at the end)",
-        keys.POSITIVE_INT),
+        keys.POSITIVE_INT, trained=False),
     Key("checkpoint_every_steps", 1000, int, "optimizer steps between checkpoints (also at the "
-        "end)", keys.POSITIVE_INT),
-    Key("keep_checkpoints", 3, int, "the most recent checkpoints kept", keys.POSITIVE_INT),
+        "end)", keys.POSITIVE_INT, trained=False),
+    Key("keep_checkpoints", 3, int, "the most recent checkpoints kept", keys.POSITIVE_INT,
+        trained=False),
     Key("input_wait_warning", 0.1, float, "warn when a log window's steps wait on input for more "
         "than this share of their time (docs/compute_cost.md); 0 turns the warning off",
-        keys.UNIT),
-    Key("async_checkpointing", True, bool, "save checkpoints while training goes on", keys.BOOL),
+        keys.UNIT, trained=False),
+    Key("async_checkpointing", True, bool, "save checkpoints while training goes on", keys.BOOL,
+        trained=False),
     Key("workdir_lock_timeout", 600, int, "seconds without a heartbeat before a gs:// workdir's "
-        "lock is stale and taken over (docs/configs.md)", keys.POSITIVE),
+        "lock is stale and taken over (docs/configs.md)", keys.POSITIVE, trained=False),
     Key("compilation_cache_dir", "", str, "JAX's persistent compilation cache: '' is "
         "$JAX_COMPILATION_CACHE_DIR if set, else WORKDIR/compilation_cache; 'none' turns it off; "
-        "else a directory (local or gs://)"),
+        "else a directory (local or gs://)", trained=False),
+    Key("resume_with_changes", False, bool, "resume a run whose WORKDIR/config.json differs in "
+        "keys that change what it trains (e.g. a longer total_steps); False refuses such a "
+        "resume, naming the keys", keys.BOOL, trained=False),
 )
 
 #: Every section below the top level with its keys and one line of help; `config.model`'s keys

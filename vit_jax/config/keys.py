@@ -79,8 +79,10 @@ SPLIT = Check("a non-empty split name", lambda v: isinstance(v, str) and bool(v.
 class Key:
   """One key of a config section: its ``name``, ``default`` (None: a placeholder of ``type``,
   which then also passes the ``check``), the ``type`` a command-line value parses to, one line of
-  ``help``, the ``check`` ``resolve`` applies (None: any value of the type), and whether it is
-  ``filled`` before the check when None (the regime's value): then None fails it."""
+  ``help``, the ``check`` ``resolve`` applies (None: any value of the type), whether it is
+  ``filled`` before the check when None (the regime's value): then None fails it, and whether it
+  changes what a run ``trained`` (False: how it runs, logs, evaluates or saves; a resumed run
+  refuses a change of the others, `vit_jax.config.resolution.resume_changes`)."""
 
   name: str
   default: Any
@@ -88,6 +90,7 @@ class Key:
   help: str
   check: Optional[Check] = None
   filled: bool = False
+  trained: bool = True
 
   def refuse(self, value: Any, prefix: str = "") -> Optional[ConfigError]:
     """The ConfigError of ``value`` under this key (``prefix``: its section, 'optim.'), or None

@@ -6,9 +6,10 @@ refusal is a `vit_jax.config.keys.ConfigError` naming the key, its value and the
 
 from __future__ import annotations
 
+import json
 import math
 import os
-from typing import Any, Callable, Iterable, Mapping, Optional, Sequence, Set, Tuple
+from typing import Any, Callable, Iterable, List, Mapping, Optional, Sequence, Set, Tuple
 
 from absl import logging
 import jax
@@ -407,6 +408,33 @@ def _check_slice(config: ml_collections.ConfigDict, num_devices: int) -> None:
         "use the config file's <slice> argument for these devices (e.g. "
         "configs/vit.py:b16,imagenet2012,v3-8), or config.slice= to run the settings as they "
         "are.")
+
+
+def resume_changes(recorded: Mapping[str, Any], config: ml_collections.ConfigDict
+                   ) -> List[Tuple[str, Any, Any, bool]]:
+  """``(key, recorded value, value, trained)`` of each key (dotted, 'optim.lr') whose resolved
+  value in ``config`` differs from ``recorded`` (the resumed run's WORKDIR/config.json), in JSON
+  terms (tuples as lists); ``trained``: it changes what the run trains (`keys.Key.trained`). A key
+  only one side has (another version's) is skipped."""
+  declared = {key.name: key for key in defaults.RUN_KEYS}
+  for name, (section_keys, _) in defaults.SECTIONS.items():
+    declared.update({f"{name}.{key.name}": key for key in section_keys})
+  changes = []
+
+  def compare(old: Mapping[str, Any], new: Mapping[str, Any], prefix: str) -> None:
+    for name, value in new.items():
+      key = prefix + name
+      if name not in old or old[name] == value:
+        continue
+      if isinstance(value, dict) and isinstance(old[name], dict):
+        compare(old[name], value, f"{key}.")
+      elif key in declared:
+        changes.append((key, old[name], value, declared[key].trained))
+      else:  # A model field.
+        changes.append((key, old[name], value, name not in defaults.UNTRAINED_MODEL_KEYS))
+
+  compare(recorded, json.loads(json.dumps(config.to_dict(), default=str)), "")
+  return changes
 
 
 def resolve(config: ml_collections.ConfigDict, *, num_train_examples: int, num_classes: int,
