@@ -395,6 +395,20 @@ def test_the_slice_estimate_is_the_compilers_figure_within_its_margin():
   assert 2.27 * GIB < f32 + 0.32 * GIB < 1.25 * 2.27 * GIB
 
 
+def test_the_estimates_count_the_tokens_the_models_run():
+  """Register tokens join the class token; T2T-ViT's sequences are its soft splits' grids
+  (230 px: 57^2, 29^2, 15^2 tokens, where S/4, S/8, S/16 rounded up would say 58, 29, 15)."""
+  sequences = config_lib.slices._sequences  # pylint: disable=protected-access
+  vit = config_lib.get_config("ViT-custom", "imagenet2012", hidden_size=8, mlp_dim=16,
+                              num_heads=2, num_layers=3, patch_size=4, num_registers=4)
+  fields = dict(vit.model.to_dict(), remat_policy="nothing_saveable")
+  assert sequences("ViT-custom", fields, 32) == [(3, 64 + 1 + 4, 8, 2)]
+  t2t = config_lib.get_config("T2T-ViT-7", "imagenet2012").model.to_dict()
+  t2t["remat_policy"] = "nothing_saveable"
+  assert sequences("T2T-ViT-7", t2t, 230) == [(7, 15**2 + 1, 256, 4), (1, 57**2, 64, 0),
+                                               (1, 29**2, 64, 0)]
+
+
 def test_a_slice_that_cannot_take_the_batch_or_the_model_is_refused():
   with pytest.raises(ValueError, match=r"config.batch_size=4096 \(the global batch\) cannot be "
                      r"split over the 24 devices of v4-48.*config.batch_size=4080"):

@@ -47,18 +47,18 @@ FORWARD_FACTOR = 14.0
 def _sequences(model_name: str, fields: dict[str, Any],
                image_size: int) -> list[tuple[int, int, int, int]]:
   """(blocks, tokens, width, heads) of the token sequences one image flows through (a hybrid's
-  ResNet stem not counted, its stride is; T2T-ViT's T2T module: (S/4)^2 and (S/8)^2 tokens,
+  ResNet stem not counted, its stride is; T2T-ViT's T2T module: its first two soft splits' grids,
   Performer heads 0)."""
   config = models.model_config(model_name, **dict(fields, attention="xla"))
   if "embed_dim" in config:  # T2T-ViT.
-    grid = math.ceil(image_size / 16) ** 2
+    first, second, last = (h * w for h, w in models.t2t.stage_grids(image_size, image_size))
     t2t_heads = 1 if config["tokens_type"] == "transformer" else 0
-    return [(config["depth"], grid + 1, config["embed_dim"], config["num_heads"]),
-            (1, math.ceil(image_size / 4) ** 2, config["token_dim"], t2t_heads),
-            (1, math.ceil(image_size / 8) ** 2, config["token_dim"], t2t_heads)]
+    return [(config["depth"], last + 1, config["embed_dim"], config["num_heads"]),
+            (1, first, config["token_dim"], t2t_heads),
+            (1, second, config["token_dim"], t2t_heads)]
   stem = config.get("resnet_num_layers")
   stride = config["patch_size"][0] * (1 if stem is None else models.resnet.resnet_stride(stem))
-  tokens = (image_size // stride) ** 2 + (1 if config["classifier"] == "token" else 0)
+  tokens = (image_size // stride) ** 2 + models.vit_fields.prefix_tokens(config)
   return [(config["num_layers"], tokens, config["hidden_size"], config["num_heads"])]
 
 
