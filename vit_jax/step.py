@@ -182,41 +182,23 @@ def make_features_step(model: nn.Module, *, head: bool = False) -> Callable[...,
   return features_step
 
 
-def final_norm(model: nn.Module) -> Optional[tuple[nn.LayerNorm, tuple[str, ...]]]:
-  """`(module, path)`: the LayerNorm `model` applies to its encoder's output (the one timm calls
-  `norm`) and where its parameters are: ViT's `Transformer/encoder_norm`, T2T-ViT's `norm`; None
-  for a ViT with `fc_norm` (its LayerNorm follows the pooling; timm's `norm` is an Identity)."""
-  dtypes = dict(dtype=jnp.dtype(model.dtype or jnp.float32),
-                param_dtype=jnp.dtype(model.param_dtype or jnp.float32))
-  if isinstance(model, models.T2TViT):
-    return (nn.LayerNorm(epsilon=models.t2t.LAYERNORM_EPSILON, use_fast_variance=False,
-                         **dtypes), ("norm",))
-  if model.fc_norm:
-    return None
-  return nn.LayerNorm(epsilon=model.layer_norm_epsilon, **dtypes), ("Transformer", "encoder_norm")
-
-
 def make_tokens_step(model: nn.Module, blocks: Sequence[int], *,
                      norm: bool) -> Callable[..., tuple[jax.Array, ...]]:
   """`step(state, images [B, H, W, C]) -> ([B, N, D] float32, ...)`: the output tokens of each
   of `blocks` (0 the first, -1 the last), in `intermediates.TokenLayout`'s order; with `norm`,
-  through `final_norm`. IndexError: a block the model does not have."""
+  through `intermediates.final_norm`. IndexError: a block the model does not have."""
   depth = model.depth if isinstance(model, models.T2TViT) else model.num_layers
   for b in blocks:
     if not -depth <= b < depth:
       raise IndexError(f"Block {b}: the model has {depth} blocks (0 to {depth - 1}, or -{depth} "
                        "to -1 counted from the last).")
-  final = final_norm(model) if norm else None
-
   def tokens_step(state: State, images: jax.Array) -> tuple[jax.Array, ...]:
     _, sown = model.apply(variables_of(state), images, train=False,
                           mutable=[intermediates.COLLECTION])
     tokens = intermediates.unpack(model, sown[intermediates.COLLECTION])["tokens"]
     out = [tokens[b] for b in blocks]
-    if final is not None:
-      module, path = final
-      params = functools.reduce(lambda node, key: node[key], path, state["params"])
-      out = [module.apply({"params": params}, x) for x in out]
+    if norm:
+      out = [intermediates.final_norm(model, state["params"], x) for x in out]
     return tuple(x.astype(jnp.float32) for x in out)
 
   return tokens_step

@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from typing import Any, List, Optional, Tuple
 
 import jax
+import jax.numpy as jnp
 
 from vit_jax.models import attention as attention_lib
 from vit_jax.models import layout as layout_lib
@@ -186,3 +187,18 @@ def t2t_attention_maps(model: Any, variables: Any, images: Any) -> List[Array]:
     raise TypeError(f'T2T-module attention exists for T2TViT models only, got '
                     f'{type(model).__name__}; use attention_maps for the encoder.')
   return list(capture(model, variables, images).t2t_attention)
+
+
+def final_norm(model: Any, params: Mapping[str, Any], tokens: Array) -> Array:
+  """``tokens`` ``[B, N, D]`` through the LayerNorm ``model`` applies to its encoder's output
+  (timm's ``norm``), with its parameters in ``params``: ViT's ``Transformer/encoder_norm``,
+  T2T-ViT's ``norm``; unchanged for a ViT with ``fc_norm`` (its LayerNorm follows the pooling;
+  timm's ``norm`` is an Identity)."""
+  dtype = jnp.dtype(model.dtype or jnp.float32)
+  param_dtype = jnp.dtype(model.param_dtype or jnp.float32)
+  if isinstance(model, t2t.T2TViT):
+    return t2t.layer_norm('norm', dtype, param_dtype).apply({'params': params['norm']}, tokens)
+  if model.fc_norm:
+    return tokens
+  norm = vit.layer_norm(dtype, param_dtype, epsilon=model.layer_norm_epsilon)
+  return norm.apply({'params': params['Transformer']['encoder_norm']}, tokens)

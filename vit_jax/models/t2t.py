@@ -55,7 +55,8 @@ _T2T_QKV_AXES: Axes = (None, 'qkv')
 _T2T_AXES: Axes = (None, 'tokens')
 
 
-def _layer_norm(name: str, dtype: Dtype, param_dtype: Dtype) -> nn.LayerNorm:
+def layer_norm(name: str, dtype: Dtype, param_dtype: Dtype) -> nn.LayerNorm:
+  """T2T-ViT's LayerNorm (PyTorch's epsilon and variance; parameters on the logical axis 'norm')."""
   return nn.LayerNorm(epsilon=LAYERNORM_EPSILON, use_fast_variance=False, dtype=dtype,
                       param_dtype=param_dtype,
                       scale_init=_partitioned(nn.initializers.ones, ('norm',)),
@@ -214,9 +215,9 @@ class TokenTransformer(nn.Module):
 
   @nn.compact
   def __call__(self, x: Array) -> Array:
-    y = _layer_norm('norm1', self.dtype, self.param_dtype)(x)
+    y = layer_norm('norm1', self.dtype, self.param_dtype)(x)
     y = TokenTransformerAttention(self.token_dim, self.dtype, self.param_dtype, name='attn')(y)
-    z = _layer_norm('norm2', self.dtype, self.param_dtype)(y)
+    z = layer_norm('norm2', self.dtype, self.param_dtype)(y)
     return y + Mlp(self.token_dim, self.token_dim, self.dtype, self.param_dtype,
                    fc1_axes=_T2T_AXES, fc2_axes=_T2T_AXES, name='mlp')(z)
 
@@ -238,7 +239,7 @@ class TokenPerformer(nn.Module):
         self.make_rng('params'), m, self.token_dim)).value
     if tuple(w.shape) != (m, self.token_dim):
       raise ValueError(f'Performer w has shape {tuple(w.shape)}, expected {(m, self.token_dim)}')
-    h = _layer_norm('norm1', self.dtype, self.param_dtype)(x)
+    h = layer_norm('norm1', self.dtype, self.param_dtype)(x)
     kqv = _dense(3 * self.token_dim, 'kqv', self.dtype, self.param_dtype, _T2T_QKV_AXES)(h)
     k, q, v = jnp.split(kqv, 3, axis=-1)
     kp = performer_features(k, w)  # [B, T, m] float32
@@ -254,7 +255,7 @@ class TokenPerformer(nn.Module):
     y = _dense(self.token_dim, 'proj', self.dtype, self.param_dtype,
                _T2T_AXES)(y.astype(self.dtype))
     y = v + y
-    z = _layer_norm('norm2', self.dtype, self.param_dtype)(y)
+    z = layer_norm('norm2', self.dtype, self.param_dtype)(y)
     z = _dense(self.token_dim, 'mlp_0', self.dtype, self.param_dtype, _T2T_AXES)(z)
     z = execution.constrain(z, ('batch', 'length', 'tokens'))
     z = nn.gelu(z, approximate=False)
@@ -337,10 +338,10 @@ class Block(nn.Module):
     drop = functools.partial(DropPath(self.drop_path, name='drop_path'),
                              deterministic=deterministic, rate=drop_path_rate)
     x = execution.constrain(x, execution.TOKENS_AXES)
-    y = _layer_norm('norm1', c.dtype, c.param_dtype)(x)
+    y = layer_norm('norm1', c.dtype, c.param_dtype)(x)
     y = Attention(c, name='attn')(y)
     x = execution.constrain(x + drop(y), execution.TOKENS_AXES)
-    y = _layer_norm('norm2', c.dtype, c.param_dtype)(x)
+    y = layer_norm('norm2', c.dtype, c.param_dtype)(x)
     y = Mlp(int(d * c.mlp_ratio), d, c.dtype, c.param_dtype, name='mlp')(y)
     x = execution.constrain(x + drop(y), execution.TOKENS_AXES)
     self.sow(attention_lib.INTERMEDIATES, attention_lib.TOKENS, x)  # A no-op unless mutable.
@@ -405,7 +406,7 @@ class T2TViT(nn.Module):
         Block, x, not train, depth=self.depth, name='blocks', remat=self.remat,
         remat_policy=self.remat_policy, scan=self.scan, scanned_args=scanned_rates,
         layer_kwargs=lambda i: {'drop_path': float(rates[i])}, config=config)
-    x = _layer_norm('norm', dtype, param_dtype)(x)[:, 0]
+    x = layer_norm('norm', dtype, param_dtype)(x)[:, 0]
     if self.num_classes is not None:
       x = _dense(self.num_classes, 'head', dtype, param_dtype, ('embed', 'classes'))(x)
     return x.astype(jnp.float32)
