@@ -26,6 +26,9 @@ def test_paths_local_and_remote():
   assert storage.parents('/a/b') == [os.path.realpath('/a/b'), os.path.realpath('/a'), '/']
   assert str(storage.Path('gs://b/run') / 'checkpoints') == 'gs://b/run/checkpoints'
   assert str(storage.Path('run')) == os.path.join(os.getcwd(), 'run')
+  assert [storage.overlap(a, b) for a, b in (('gs://b/run/', 'gs://b/run'), ('gs://b/run/x',
+          'gs://b/run'), ('gs://b/run', 'gs://b/run/x'), ('gs://b/run2', 'gs://b/run'),
+          ('/a/b/', '/a/b/../b'), ('/a/bc', '/a/b'))] == [True, True, True, False, True, False]
 
 
 def test_local_files(tmp_path):

@@ -109,6 +109,13 @@ def resolve(path: str) -> str:
   return path.rstrip('/') if is_remote(path) else os.path.realpath(path)
 
 
+def overlap(a: str, b: str) -> bool:
+  """Whether ``a`` is, contains or is inside ``b`` (as :func:`resolve` spells them)."""
+  a, b = resolve(a), resolve(b)
+  sep = '/' if is_remote(a) else os.sep
+  return a == b or a.startswith(b + sep) or b.startswith(a + sep)
+
+
 def parents(path: str) -> List[str]:
   """:func:`resolve` of ``path`` and each folder above it (up to a bucket), innermost first."""
   if is_remote(path):

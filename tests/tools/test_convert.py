@@ -79,6 +79,17 @@ def test_step_picks_a_step_of_a_workdir_and_is_refused_for_a_file(tiny_workdir, 
   assert "--step applies to training workdirs" in capsys.readouterr().err
 
 
+def test_a_destination_that_is_holds_or_is_in_the_source_is_refused(tmp_path, capsys):
+  source = tmp_path / "orbax"
+  source.mkdir()
+  for dst in (source, source / "inside.npz", tmp_path):
+    assert convert.main([str(source), str(dst)]) == 2
+    assert capsys.readouterr().err == (f"FATAL: {dst} is (or contains, or is inside) the source "
+                                       f"{source}: write to a new path, the source is never "
+                                       "replaced.\n")
+  assert sorted(p.name for p in tmp_path.iterdir()) == ["orbax"] and not any(source.iterdir())
+
+
 def test_the_workdir_of_a_running_run_is_never_written(tmp_path, capsys, monkeypatch):
   """Issue 50: `convert SRC WORKDIR --overwrite` deleted a running run's checkpoints, config
   and lock.json (Orbax's forced save) and the run wrote on into the export. While a live run

@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import math
-import os
 import sys
 from typing import Any, Dict, Mapping, Optional, Sequence, Tuple
 
@@ -190,8 +189,7 @@ def _main(argv: Optional[Sequence[str]]) -> int:
                       help="with --to: the square image size of the written model (needed for "
                       "a source that records none, e.g. posemb='sincos2d')")
   args = parser.parse_args(argv)
-  src, dst = storage.resolve(args.src), storage.resolve(args.dst)
-  if src == dst or dst.startswith(src + os.sep) or src.startswith(dst + os.sep):
+  if storage.overlap(args.dst, args.src):
     raise ValueError(f'{args.dst} is (or contains, or is inside) the source {args.src}: '
                      'write to a new path, the source is never replaced.')
   if args.dst.lower().endswith(('.pth', '.pt', '.tar', '.npy', '.pkl', '.msgpack')):

@@ -74,9 +74,7 @@ def _refused_out(args) -> Optional[Exception]:
   out = args.out
   if storage.is_remote(out) or storage.is_remote(args.source):
     return None  # Checked by write() (gs://: after the set-up, which can read a bucket).
-  source, target = os.path.realpath(args.source), os.path.realpath(out)
-  if source == target or source.startswith(target + os.sep) or target.startswith(
-      source + os.sep):
+  if storage.overlap(out, args.source):
     return ValueError(f'{out} is (or contains, or is inside) the source {args.source}: write '
                       'the export to a new path outside it.')
   if os.path.lexists(out) and not args.overwrite:
