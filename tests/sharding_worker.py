@@ -5,6 +5,9 @@
   python tests/sharding_worker.py restore --devices 4 --family vit --folder F --out DIR \
       --workdir W --meshes 'data=2,fsdp=2'
 
+`--family`, `--out` and `--meshes` may be repeated (as many of each): the runs of several
+families in one process (one start-up: jax, TensorFlow and the trainer imported once).
+
 The device count must be fixed before jax is imported, hence a separate process. For each mesh
 it writes DIR/<mesh>.npz (the parameters, flattened) and DIR/<mesh>.json (the train loss of
 every step, and the shard shape of a large kernel as it lives on the mesh).
@@ -111,12 +114,14 @@ def main(argv):
   parser = argparse.ArgumentParser()
   parser.add_argument("mode", choices=("train", "restore"))
   parser.add_argument("--devices", type=int, required=True)
-  parser.add_argument("--family", required=True)
+  parser.add_argument("--family", required=True, action="append")
   parser.add_argument("--folder", required=True)
-  parser.add_argument("--out", required=True)
-  parser.add_argument("--meshes", required=True)
+  parser.add_argument("--out", required=True, action="append")
+  parser.add_argument("--meshes", required=True, action="append")
   parser.add_argument("--workdir")
   args = parser.parse_args(argv)
+  if not len(args.family) == len(args.out) == len(args.meshes):
+    parser.error("--family, --out and --meshes: as many of each")
   # Appended: the flags inherited from tests/conftest.py (fast compilation) stay in force.
   os.environ["XLA_FLAGS"] = (f"{os.environ.get('XLA_FLAGS', '')} "
                              f"--xla_force_host_platform_device_count={args.devices}").strip()
@@ -129,16 +134,16 @@ def main(argv):
     # The MFU's CPU peak is not what these runs check: not measured (as
     # tests/data_utils.skip_cpu_peak_measurement does in the test processes).
     accounting.measure_cpu_peak = lambda *args, **kwargs: 1e11
-  for mesh in args.meshes.split(";"):
-    config = tiny_config(args.family, args.folder, mesh)
-    name = mesh.replace(",", "_").replace("=", "")
-    if args.mode == "train":
-      workdir = os.path.join(args.out, f"run_{name}")
-      train.train_and_evaluate(config, workdir)
-      dump(restore_on_mesh(workdir, config), args.out, name,
-           {"losses": train_losses(workdir)})
-    else:
-      dump(restore_on_mesh(args.workdir, config), args.out, name, {})
+  for family, out, meshes in zip(args.family, args.out, args.meshes):
+    for mesh in meshes.split(";"):
+      config = tiny_config(family, args.folder, mesh)
+      name = mesh.replace(",", "_").replace("=", "")
+      if args.mode == "train":
+        workdir = os.path.join(out, f"run_{name}")
+        train.train_and_evaluate(config, workdir)
+        dump(restore_on_mesh(workdir, config), out, name, {"losses": train_losses(workdir)})
+      else:
+        dump(restore_on_mesh(args.workdir, config), out, name, {})
 
 
 if __name__ == "__main__":

@@ -174,14 +174,22 @@ def folder(shared_dir):
       str(path), num_classes=3, per_class=8, size=16)))
 
 
+def _train_on_eight_devices(out, folder):
+  args = []
+  for family, meshes in MESHES.items():
+    (out / family).mkdir()
+    args += ["--family", family, "--out", str(out / family), "--meshes", ";".join(meshes)]
+  _run_worker("train", "--devices", "8", "--folder", folder, *args)
+
+
 @pytest.fixture(scope="module")
 def on_eight_devices(shared_dir, folder):
   """`on_eight_devices(family)`: the directory where tests/sharding_worker.py trained the tiny
-  run of `family` on each mesh of MESHES[family] (8 simulated CPU devices), in one process:
-  `<mesh>.npz`, `<mesh>.json` and the run's workdir `run_<mesh>` per mesh."""
-  return lambda family: shared_dir(f"sharding_{family}_eight_devices", lambda out: _run_worker(
-      "train", "--devices", "8", "--family", family, "--folder", folder, "--out", str(out),
-      "--meshes", ";".join(MESHES[family])))
+  run of `family` on each mesh of MESHES[family] (8 simulated CPU devices): `<mesh>.npz`,
+  `<mesh>.json` and the run's workdir `run_<mesh>` per mesh. One process trains every family
+  (one start-up of jax, TensorFlow and the trainer for both)."""
+  root = shared_dir("sharding_eight_devices", lambda out: _train_on_eight_devices(out, folder))
+  return lambda family: root / family
 
 
 @pytest.mark.slow
