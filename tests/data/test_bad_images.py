@@ -1,7 +1,8 @@
 """Bad input data: undecodable files fail with their names or are skipped
 (`config.data.bad_images`); valid but unusual images decode to the right pixels.
 
-Fast, CPU only (tiny images); the end-to-end runs are marked slow.
+Fast, CPU only (tiny images); the end-to-end runs and most of the sweeps over kinds of bad
+files (a representative few stay in the fast tier) are marked slow.
 """
 
 import contextlib
@@ -132,8 +133,17 @@ def _check_error(error: data.BadImageError, path: str, split: str,
   assert '{{function_node' not in message
 
 
-@pytest.mark.parametrize('name', sorted(BROKEN))
-@pytest.mark.parametrize('augment', ['inception_crop', 'none'])
+def _sweep(cases, fast):
+  """`cases` for pytest.mark.parametrize, those not in `fast` marked slow: each case builds its
+  own tf.data pipelines (about half a second), the fast tier keeps a representative few."""
+  return [c if c in fast else pytest.param(*(c if isinstance(c, tuple) else (c,)),
+                                           marks=pytest.mark.slow) for c in cases]
+
+
+# The crop path decodes JPEGs its own way: every kind of file with it; a JPEG without it.
+@pytest.mark.parametrize('augment,name', _sweep(
+    [(augment, name) for augment in ('inception_crop', 'none') for name in sorted(BROKEN)],
+    fast=[*(('inception_crop', name) for name in BROKEN), ('none', 'truncated.jpg')]))
 def test_fail_names_the_bad_file_in_training(tmp_path, name, augment):
   root, paths = _folder(tmp_path, {f'train/class_1/{name}': BROKEN[name]})
   cfg = _cfg(image_folder=root, augment=augment)
@@ -144,7 +154,7 @@ def test_fail_names_the_bad_file_in_training(tmp_path, name, augment):
   assert type(e.value.__cause__).__name__ == 'InvalidArgumentError'
 
 
-@pytest.mark.parametrize('name', sorted(BROKEN))
+@pytest.mark.parametrize('name', _sweep(sorted(BROKEN), fast=['truncated.jpg', 'text.png']))
 def test_fail_names_the_bad_file_in_eval(tmp_path, name):
   root, paths = _folder(tmp_path, {
       f'test/class_0/{name}': BROKEN[name],

@@ -367,14 +367,22 @@ def test_fashion_mnist_local_from_fake_idx(fake_fmnist):
                                 data_utils.pixel_ids(b['image']) % 10)
 
 
-@pytest.mark.parametrize('cache', [False, True])
-def test_vectorized_flip_deterministic_and_resumable(tmp_path_factory, cache):
-  # Static-size images (fashion_mnist_local) take the batched resize/flip path.
+@pytest.fixture(scope='module')
+def fake_fmnist_marker(tmp_path_factory):
+  """fashion_mnist_local of 20 + 4 marked IDX images, prepared once for the module."""
   manual = data_utils.make_fake_idx(str(tmp_path_factory.mktemp('idxm')),
                                     num_train=20, num_test=4, marker=True)
   cfg = _cfg(name='fashion_mnist_local', manual_dir=manual, image_size=28,
-             data_dir=str(tmp_path_factory.mktemp('tfds_fm_marker')),
-             augment='flip', cache=cache)
+             data_dir=str(tmp_path_factory.mktemp('tfds_fm_marker')))
+  data.get_info(cfg)  # Prepares it.
+  return cfg
+
+
+@pytest.mark.parametrize('cache', [False, True])
+def test_vectorized_flip_deterministic_and_resumable(fake_fmnist_marker, cache):
+  # Static-size images (fashion_mnist_local) take the batched resize/flip path.
+  cfg = fake_fmnist_marker.copy_and_resolve_references()
+  cfg.augment, cfg.cache = 'flip', cache
   def batches(seed, start_step=0, n=4):
     it = data.create_train_iterator(cfg, 10, seed=seed, start_step=start_step,
                                     process_index=0, process_count=1)

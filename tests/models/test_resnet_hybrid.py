@@ -41,8 +41,11 @@ def _fixture_model(**extra):
   return models.create('R+ViT-custom', num_classes=kwargs['num_classes'], **overrides)
 
 
+@functools.lru_cache(maxsize=None)
 def _abstract_variables(model, size):
-  # Unboxed: init gives the parameters boxed with their logical axis names.
+  # Unboxed: init gives the parameters boxed with their logical axis names. Cached: tracing a
+  # full-size hybrid's init takes seconds; the tests that read the same (hashable) model's
+  # shapes share one trace (read-only).
   return models.unbox(jax.eval_shape(
       lambda: model.init(jax.random.key(0), jnp.zeros((1, size, size, 3)), train=False)))
 
@@ -225,10 +228,12 @@ def test_stem_strides_and_widths():
 
 
 @pytest.mark.parametrize('name,expected', [
-    ('R50+ViT-B_16', 98_659_112),
-    ('R26+ViT-B_32', 101_383_976),
+    ('R50+ViT-B_16', 98_659_112),  # Its shapes are test_r50_b16_parameter_names_and_shapes'.
+    # The same code as R26+ViT-S_32 and R50+ViT-B_16 (each count traces a full-size init):
+    # full suite.
+    pytest.param('R26+ViT-B_32', 101_383_976, marks=pytest.mark.slow),
     ('R26+ViT-S_32', 36_431_912),
-    ('R50+ViT-L_32', 328_994_856),
+    pytest.param('R50+ViT-L_32', 328_994_856, marks=pytest.mark.slow),
     ('R+ViT-Ti_16', 6_337_704),
 ])
 def test_official_hybrid_parameter_counts(name, expected):

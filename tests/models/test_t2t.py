@@ -106,7 +106,13 @@ def _golden_run(name):
 # ------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize('name,total,trainable', PARAM_COUNTS)
+#: Fast tier: the small and a large performer model and the transformer one (each count traces a
+#: full-size init: about a second); the other sizes of the same code run in the full suite.
+FAST_COUNTS = ('T2T-ViT-7', 'T2T-ViT-14', 'T2T-ViT_t-14')
+
+
+@pytest.mark.parametrize('name,total,trainable', [
+    c if c[0] in FAST_COUNTS else pytest.param(*c, marks=pytest.mark.slow) for c in PARAM_COUNTS])
 def test_parameter_counts(name, total, trainable):
   shapes = _init_shapes(models.create(name, num_classes=1000), 224)
   assert set(shapes) == {'params', 'constants'}

@@ -84,6 +84,13 @@ def _init_and_apply(model, init_inputs, inputs):
 
 
 def _param_shapes(model, size):
+  return dict(_cached_param_shapes(model, size))  # A copy: the caller may change it.
+
+
+@functools.lru_cache(maxsize=None)
+def _cached_param_shapes(model, size):
+  # Tracing a full-size init takes seconds (ViT-H/14: 1.3 s of CPU): the tests that read the
+  # same (hashable) model's shapes share one trace.
   abstract = jax.eval_shape(
       lambda: model.init(jax.random.key(0), jnp.zeros((1, size, size, 3)), train=False))
   return {k: v.shape for k, v in checkpoint.flatten_params(abstract['params']).items()}
@@ -100,12 +107,14 @@ def _count(shapes):
 
 @pytest.mark.parametrize('name,size,overrides,expected', [
     ('ViT-Ti_16', 224, {}, 5_717_416),
-    ('ViT-S_16', 224, {}, 22_050_664),
+    # S/16 and the 24-layer L models: the same code as the others (each count traces a
+    # full-size init, about a second): full suite.
+    pytest.param('ViT-S_16', 224, {}, 22_050_664, marks=pytest.mark.slow),
     ('ViT-B_16', 224, {}, 86_567_656),
     ('ViT-B_32', 224, {}, 88_224_232),
-    ('ViT-L_16', 224, {}, 304_326_632),
-    ('ViT-L_32', 224, {}, 306_535_400),
-    ('ViT-H_14', 224, {}, 632_045_800),
+    pytest.param('ViT-L_16', 224, {}, 304_326_632, marks=pytest.mark.slow),
+    pytest.param('ViT-L_32', 224, {}, 306_535_400, marks=pytest.mark.slow),
+    ('ViT-H_14', 224, {}, 632_045_800),  # Its shapes are test_larger_sizes_shapes' (cached).
     ('ViT-B_16', 384, {}, 86_859_496),
     ('ViT-B_16', 224, {'representation_size': 768, 'num_classes': 21_843}, 103_186_515),
 ])
