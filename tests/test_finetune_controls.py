@@ -8,6 +8,7 @@ vit_tiny_patch16_224(depth=2) gives cls_token, pos_embed, patch_embed.*, reg_tok
 blocks.0.*: 1; blocks.1.* and norm.*: 2; head.*, fc_norm.* (global_pool='avg'), attn_pool.*
 (global_pool='map'): 3, scaled by layer_decay^(3 - id))."""
 
+import functools
 import os
 import re
 import time
@@ -44,7 +45,13 @@ HEAD_SIZE = 8 * 3 + 3  # ViT head kernel [8, 3] and bias [3].
 
 
 def _abstract(family: str, scan: bool):
-  """The parameters of a tiny ViT or T2T-ViT (2 blocks, 3 classes), as ShapeDtypeStructs."""
+  """The parameters of a tiny ViT or T2T-ViT (2 blocks, 3 classes), as ShapeDtypeStructs (a
+  fresh tree of the ones traced once)."""
+  return jax.tree.map(lambda s: s, _traced_abstract(family, scan))
+
+
+@functools.lru_cache(maxsize=None)
+def _traced_abstract(family: str, scan: bool):
   name, fields, size = (("ViT-custom", VIT, 8) if family == "vit" else
                         ("T2T-ViT-custom", T2T, 32))
   model = models.create(name, num_classes=3, scan=scan, **fields)
@@ -105,7 +112,7 @@ def test_layer_decay_scales_each_layers_sgd_update_exactly(family, scan):
   params, grads = _random(abstract, 0), _random(abstract, 1)
   config = _optim(layer_decay=0.5)
   tx = optim.make_optimizer(config, lambda count: 0.5, abstract)
-  updates, _ = tx.update(grads, tx.init(params), params)
+  updates, _ = jax.jit(tx.update)(grads, tx.init(params), params)  # One program, not op by op.
   table = VIT_LAYERS if family == "vit" else T2T_LAYERS
   flat_updates, flat_grads = _per_layer(updates), _per_layer(grads)
   assert len(flat_updates) == (40 if family == "vit" else 53)
@@ -174,8 +181,9 @@ def test_linear_probe_freezes_all_but_the_head_with_no_optimizer_state(scan):
   assert _array_bytes(state) == 2 * 4 * HEAD_SIZE + 2 * 4
   plain = optim.make_optimizer(_optim(optimizer="adamw", weight_decay=0.1), lambda count: 0.1)
   assert _array_bytes(plain.init(params)) == 2 * 4 * 1683 + 2 * 4  # Adam's and the schedule's
+  update_fn = jax.jit(tx.update)  # One program, not op by op.
   for seed in (1, 2):
-    updates, state = tx.update(_random(abstract, seed), state, params)
+    updates, state = update_fn(_random(abstract, seed), state, params)
     for name, update in checkpoint.flatten_params(updates).items():
       if name.startswith("head/"):
         assert np.all(np.asarray(update) != 0), name
@@ -192,7 +200,7 @@ def test_frozen_gradients_are_left_out_of_the_clipping_norm():
   assert float(optax.tree.norm(grads["head"])) < 1.0
   config = _optim(grad_clip_norm=1.0, freeze=("(?!head/).*",))
   tx = optim.make_optimizer(config, lambda count: 0.5, abstract)
-  updates, _ = tx.update(grads, tx.init(params), params)
+  updates, _ = jax.jit(tx.update)(grads, tx.init(params), params)  # One program, not op by op.
   np.testing.assert_array_equal(updates["head"]["kernel"], np.full((8, 3), -0.025, np.float32))
 
 
@@ -207,7 +215,7 @@ def test_freezing_some_layers_of_a_stacked_encoder_zeroes_their_slices():
     tx = optim.make_optimizer(config, lambda count: 0.1, abstract)
     state = tx.init(params)
     assert _array_bytes(state) == 2 * 4 * state_params + 2 * 4, scan
-    updates, _ = tx.update(_random(abstract, 1), state, params)
+    updates, _ = jax.jit(tx.update)(_random(abstract, 1), state, params)  # Not op by op.
     for name, update in _per_layer(updates).items():
       assert np.any(update != 0) != name.startswith("Transformer/encoderblock_0/"), name
 
@@ -228,7 +236,7 @@ def test_wd_mults_scale_each_groups_decay_term(optimizer):
   config = _optim(optimizer=optimizer, weight_decay=0.25, wd_mults=(
       ("head/.*", 0.0), ("Transformer/encoderblock_1/.*", 3.0), (".*/bias", 2.0)))
   tx = optim.make_optimizer(config, lambda count: 0.5, abstract)
-  updates, _ = tx.update(zeros, tx.init(params), params)
+  updates, _ = jax.jit(tx.update)(zeros, tx.init(params), params)  # One program, not op by op.
   flat_params = _per_layer(params)
   for name, update in _per_layer(updates).items():
     mult = (0.0 if name.startswith("head/") else 3.0 if "encoderblock_1/" in name else
@@ -254,8 +262,9 @@ def test_head_warmup_trains_the_head_alone_then_everything_with_fresh_momentum()
   config = _optim(momentum=0.9, grad_clip_norm=1.0, head_warmup_steps=2)
   tx = optim.make_optimizer(config, lambda count: 0.1 * (count + 1), abstract)
   state = tx.init(params)
+  update_fn = jax.jit(tx.update)  # One program, not op by op.
   for step in range(3):
-    updates, state = tx.update(grads, state, params)
+    updates, state = update_fn(grads, state, params)
     trunk = {k: v for k, v in checkpoint.flatten_params(updates).items()
              if not k.startswith("head/")}
     if step < 2:

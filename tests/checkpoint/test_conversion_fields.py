@@ -4,6 +4,7 @@ item 2), and a position table that fits two layouts is never guessed (item 3). T
 official ``.npz`` with its ``.vit_jax.json``, Orbax, timm, transformers) and their logits are
 compared, in this project's ViT, with their library's golden ones."""
 
+import functools
 import json
 import pathlib
 
@@ -13,6 +14,7 @@ import pytest
 
 from vit_jax import checkpoint
 from vit_jax import inference
+from vit_jax import models
 from vit_jax.checkpoint import archive
 from vit_jax.checkpoint import hf_vit
 from vit_jax.checkpoint import npz
@@ -68,6 +70,25 @@ CIRCUITS = {2: (0, 1, 0), 3: (0, 1, 2, 0, 2, 1, 0), 4: (0, 1, 2, 3, 0, 2, 1, 3, 
 COMPARED = tuple(k for k in vit_shapes.KEPT_FIELDS if k != 'posemb')
 
 
+@pytest.fixture(autouse=True, scope='module')
+def _one_trace_per_model():
+  """``models.abstract_variables`` (the ``eval_shape`` of ``model.init`` that every load and
+  conversion checks the weights against, ~0.5 s of tracing) once per model and image shape: a
+  chain reads the same model back at every step. Pure, so a cached tree is the same tree."""
+  original = models.abstract_variables
+  traced = functools.lru_cache(maxsize=None)(original)
+
+  def abstract_variables(model, image_shape=(224, 224)):
+    try:
+      return traced(model, tuple(image_shape))
+    except TypeError:  # An unhashable model: traced each time.
+      return original(model, image_shape)
+
+  with pytest.MonkeyPatch.context() as patch:
+    patch.setattr(models, 'abstract_variables', abstract_variables)
+    yield
+
+
 def _golden(name):
   if name.startswith('vit_tiny'):
     return np.load(FIXTURES / name / 'inputs.npy'), np.load(FIXTURES / name / 'logits.npy')
@@ -93,36 +114,84 @@ def _load(path, headless, size=None):
   return inference.load(path, num_classes=0 if headless else None, image_size=size)
 
 
+@functools.lru_cache(maxsize=None)
+def _compiled(model):
+  return jax.jit(functools.partial(model.apply, train=False))
+
+
+def _apply(trained, images, variables=None):
+  """``trained.apply(images)`` (``model.apply(variables, images, train=False)``) compiled as one
+  program, once per model (~0.5 s; unjitted, op by op, 2-3 s)."""
+  return _compiled(trained.model)(trained.variables if variables is None else variables, images)
+
+
 def _fields(trained):
   return {k: trained.config.model.get(k) for k in COMPARED}
 
 
-@pytest.mark.parametrize('name', sorted(CASES))
-def test_every_fixture_keeps_its_logits_through_every_pair_of_formats(name, tmp_path, capsys):
+def _kept(name):
+  return [f for f in FORMATS if f not in CASES[name][2]]
+
+
+def _segments(kept):
+  """``CIRCUITS[len(kept)]`` cut where it first comes back to the ``.npz``: a round trip through
+  every kept format, then the other ordered pairs (another circuit from the ``.npz``; none for
+  two formats)."""
+  circuit = CIRCUITS[len(kept)]
+  cut = circuit.index(0, 1)
+  return circuit[:cut + 1], circuit[cut:]
+
+
+def _through(name, segment, tmp_path, capsys):
+  """``name``'s source into the official .npz (every chain starts there), then through the
+  formats of ``_segments``' ``segment`` (0: the round trip, after the refusals; 1: the other
+  pairs), its kept fields compared after every step and its logits at the end with the
+  golden ones."""
   source, sets, refused = CASES[name]
   images, logits = _golden(name)
   headless = name in HEADLESS
-  # Into the official .npz first (every chain starts there).
   first = _dst(tmp_path, 0, 'npz')
   assert _convert(str(ECOSYSTEM / source), first, 'npz', sets) == 0
   size = IMAGE_SIZE.get(name)
   reference = _fields(_load(first, headless, size))
   capsys.readouterr()
-  for fmt, words in refused.items():  # Refused by name, naming the field and who keeps it.
+  for fmt, words in refused.items() if segment == 0 else ():
+    # Refused by name, naming the field and who keeps it.
     assert _convert(first, _dst(tmp_path, 'refused', fmt), fmt, size=size) == 2
     err = capsys.readouterr().err
     assert err.startswith('FATAL: The model cannot be written as a'), err
     for word in words + ['Orbax directory or an .npz']:
       assert word in err, (word, err)
-  kept = [f for f in FORMATS if f not in refused]
+  kept = _kept(name)
   path, fmt = first, 'npz'
-  for step, index in enumerate(CIRCUITS[len(kept)][1:], 1):
+  for step, index in enumerate(_segments(kept)[segment][1:], 1):
     target = _dst(tmp_path, step, kept[index])
     assert _convert(path, target, kept[index], size=size) == 0, capsys.readouterr().err
     trained = _load(target, headless, size)
     assert _fields(trained) == reference, (fmt, '->', kept[index])
     path, fmt = target, kept[index]
-  np.testing.assert_allclose(np.asarray(trained.apply(images)), logits, rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(np.asarray(_apply(trained, images)), logits, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize('name', sorted(CASES))
+def test_every_fixture_keeps_its_logits_through_a_round_trip_of_its_formats(
+    name, tmp_path, capsys):
+  """.npz -> each other kept format in turn -> .npz (with two kept formats: every pair), the
+  others refused by name."""
+  _through(name, 0, tmp_path, capsys)
+
+
+#: Fixtures whose every pair of formats the fast tier takes (four formats, and three with a
+#: refusal); the other fixtures' other pairs are the full suite's.
+EVERY_PAIR_FAST = ('timm_vit', 'big_vision_map_scanned')
+
+
+@pytest.mark.parametrize('name', [
+    pytest.param(name, marks=() if name in EVERY_PAIR_FAST else pytest.mark.slow)
+    for name in sorted(CASES) if len(_segments(_kept(name))[1]) > 1])
+def test_every_fixture_keeps_its_logits_through_every_pair_of_formats(name, tmp_path, capsys):
+  """With the round trip above, every ordered pair of the kept formats (an Euler circuit)."""
+  _through(name, 1, tmp_path, capsys)
 
 
 def _ambiguous_timm_file(directory):
@@ -159,7 +228,7 @@ def test_a_table_that_fits_two_layouts_is_refused_naming_both(tmp_path):
   golden = np.load(ECOSYSTEM / 'timm_dinov2_reg4' / 'golden.npz')
   trained = inference.load(path, num_classes=0, overrides={'num_heads': 2, 'no_embed_class': True})
   assert trained.image_size == 42
-  np.testing.assert_allclose(np.asarray(trained.apply(golden['images_42'])),
+  np.testing.assert_allclose(np.asarray(_apply(trained, golden['images_42'])),
                              golden['logits_42'], rtol=1e-5, atol=1e-5)
   # A transformers config.json (no timm 'architecture') settles nothing.
   (tmp_path / 'config.json').write_text(json.dumps({'model_type': 'vit', 'image_size': 42}))
@@ -186,7 +255,7 @@ def test_a_config_json_beside_the_weights_settles_the_layout(tmp_path, size):
   golden = np.load(ECOSYSTEM / 'timm_dinov2_reg4' / 'golden.npz')
   trained = inference.load(path, num_classes=0, overrides={'num_heads': 2})
   assert trained.image_size == 42 and trained.config.model.no_embed_class
-  np.testing.assert_allclose(np.asarray(trained.apply(golden['images_42'])),
+  np.testing.assert_allclose(np.asarray(_apply(trained, golden['images_42'])),
                              golden['logits_42'], rtol=1e-5, atol=1e-5)
 
 
@@ -201,25 +270,25 @@ def test_transformers_resize_is_recorded_and_kept_through_every_format(tmp_path,
   trained = inference.load(source, image_size=48)
   assert trained.config.model.posemb_resize == 'bicubic'
   images = np.random.default_rng(0).uniform(-1, 1, (2, 48, 48, 3)).astype(np.float32)
-  logits = np.asarray(trained.apply(images))
+  logits = np.asarray(_apply(trained, images))
   # The same as the table resampled once by torch's bicubic, applied at 48 px.
   native = inference.load(source)
   variables = jax.tree.map(np.array, native.variables)
   entry = variables['params']['Transformer']['posembed_input']
   entry['pos_embedding'] = resample.resample_posemb(entry['pos_embedding'], (6, 6),
                                                     num_prefix_tokens=1, method='bicubic')
-  np.testing.assert_allclose(logits, np.asarray(native.model.apply(variables, images, train=False)),
+  np.testing.assert_allclose(logits, np.asarray(_apply(native, images, variables)),
                              rtol=0, atol=1e-5)
   bilinear = inference.load(source, image_size=48,
                             overrides={'posemb_resize': 'linear_corners'})
-  assert np.abs(np.asarray(bilinear.apply(images)) - logits).max() > 1e-3
+  assert np.abs(np.asarray(_apply(bilinear, images)) - logits).max() > 1e-3
   # Every format keeps it: .npz, Orbax, transformers, and each read back.
   path = str(source)
   for step, fmt in enumerate(('npz', 'orbax', 'hf', 'npz')):
     target = _dst(tmp_path, step, fmt)
     assert _convert(path, target, fmt) == 0, capsys.readouterr().err
     assert checkpoint.model_fields(target)['posemb_resize'] == 'bicubic', (step, fmt)
-    np.testing.assert_allclose(np.asarray(inference.load(target, image_size=48).apply(images)),
+    np.testing.assert_allclose(np.asarray(_apply(inference.load(target, image_size=48), images)),
                                logits, rtol=0, atol=1e-5)
     path = target
   assert 'note:' not in capsys.readouterr().err  # transformers resizes as the model does.

@@ -252,10 +252,17 @@ def _init(model, size):
       jax.random.key(0))
 
 
+@functools.lru_cache(maxsize=None)
+def _tiny_init(key):
+  """``_tiny(key)`` and its boxed variables (``_init``, without a mesh), initialised once for
+  the tests that read them (~1 s of compiling each)."""
+  model, size = _tiny(key)
+  return model, size, _init(model, size)
+
+
 @pytest.mark.parametrize('key', list(TINY))
 def test_init_values_are_those_of_the_plain_model(key):
-  model, size = _tiny(key)
-  boxed = _init(model, size)
+  _, _, boxed = _tiny_init(key)
   assert any(isinstance(x, nn.LogicallyPartitioned) for x in jax.tree.leaves(
       boxed['params'], is_leaf=lambda x: isinstance(x, nn.LogicallyPartitioned)))
   plain = models.unbox(boxed)
@@ -272,22 +279,25 @@ def test_init_values_are_those_of_the_plain_model(key):
 
 @pytest.mark.parametrize('key', list(TINY))
 def test_apply_boxed_and_plain_variables_alike(key):
-  model, size = _tiny(key)
-  boxed = _init(model, size)
+  model, size, boxed = _tiny_init(key)
   plain = models.unbox(boxed)
   images = jax.random.uniform(jax.random.key(1), (2, size, size, 3), minval=-1, maxval=1)
-  apply = jax.jit(lambda v, x: model.apply(v, x, train=False, capture_intermediates=True))
-  (logits_boxed, state_boxed), (logits_plain, state_plain) = apply(boxed, images), apply(
-      plain, images)
+  with_grads = key in ('vit_scan', 't2t_performer')
+  loss = lambda p, v, x: model.apply({**v, 'params': p}, x, train=False).sum()
+
+  @jax.jit
+  def apply(v, x):  # And the gradients, in the same program (one compile per kind of tree).
+    outputs = model.apply(v, x, train=False, capture_intermediates=True)
+    return outputs, (jax.grad(loss)(v['params'], v, x) if with_grads else None)
+
+  ((logits_boxed, state_boxed), grads_boxed), ((logits_plain, state_plain), grads_plain) = (
+      apply(boxed, images), apply(plain, images))
   np.testing.assert_array_equal(logits_boxed, logits_plain)
   for a, b in zip(jax.tree.leaves(state_boxed), jax.tree.leaves(state_plain)):
     np.testing.assert_array_equal(a, b)
-  if key not in ('vit_scan', 't2t_performer'):
+  if not with_grads:
     return
   # Gradients w.r.t. boxed parameters come back boxed, with the same values.
-  loss = lambda p, v: model.apply({**v, 'params': p}, images, train=False).sum()
-  grads_boxed = jax.jit(jax.grad(loss))(boxed['params'], boxed)
-  grads_plain = jax.jit(jax.grad(loss))(plain['params'], plain)
   for a, b in zip(jax.tree.leaves(models.unbox(grads_boxed)), jax.tree.leaves(grads_plain)):
     np.testing.assert_array_equal(a, b)
 
@@ -299,8 +309,8 @@ def test_apply_boxed_and_plain_variables_alike(key):
 
 @pytest.mark.parametrize('key', ['vit_scan', 'hybrid', 't2t_performer'])
 def test_activation_constraints(key):
-  model, size = _tiny(key)
-  variables = models.unbox(_init(model, size))
+  model, size, boxed = _tiny_init(key)
+  variables = models.unbox(boxed)
   images = jnp.zeros((2, size, size, 3))
   trace = lambda: str(jax.make_jaxpr(lambda v, x: model.apply(v, x, train=False))(
       variables, images))
@@ -315,9 +325,8 @@ def test_activation_constraints(key):
 @pytest.mark.parametrize('key', ['vit', 'vit_scan', 'hybrid', 't2t_performer'])
 def test_init_and_apply_under_a_mesh(key):
   """Also the attention kernels, which nn.DenseGeneral initialises flat (flax issue #3676)."""
-  model, size = _tiny(key)
+  model, size, reference = _tiny_init(key)
   images = jax.random.uniform(jax.random.key(1), (2, size, size, 3), minval=-1, maxval=1)
-  reference = _init(model, size)
   with jax.set_mesh(_mesh()), nn.logical_axis_rules(RULES):
     boxed = _init(model, size)
     logits = jax.jit(lambda v, x: model.apply(v, x, train=False))(boxed, images)
@@ -336,8 +345,7 @@ def test_init_and_apply_under_a_mesh(key):
 
 
 def test_unbox_keeps_structure_and_order():
-  model, size = _tiny('vit')
-  boxed = _init(model, size)
+  _, _, boxed = _tiny_init('vit')
   plain = models.unbox(boxed)
   assert list(plain['params']) == list(boxed['params'])  # Key order kept.
   assert jax.tree.structure(plain) == jax.tree.structure(jax.tree.map(lambda x: x, plain))
@@ -351,8 +359,7 @@ def test_unbox_keeps_structure_and_order():
 
 
 def test_checkpoint_helpers_accept_boxed_trees(tmp_path):
-  model, size = _tiny('vit')
-  boxed = _init(model, size)
+  model, size, boxed = _tiny_init('vit')
   plain = jax.device_get(models.unbox(boxed))
   checkpoint.check_fits(plain, boxed)
   checkpoint.check_fits(plain, models.abstract_variables(model, (size, size)))
