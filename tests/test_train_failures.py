@@ -118,7 +118,8 @@ def test_sigterm_saves_the_current_step_exits_75_and_the_rerun_resumes(tmp_path,
   assert json.loads((workdir / "cost.json").read_text())["step"] == step
 
   # The rerun (here in this process) resumes from the saved step.
-  results, log = _resume(dict(overrides, total_steps=step + 3), workdir, caplog)
+  results, log = _resume(dict(overrides, total_steps=step + 3, resume_with_changes=True), workdir,
+                         caplog)
   assert f"Resuming from the checkpoint at step {step}" in log
   assert results["step"] == step + 3
 
@@ -224,7 +225,7 @@ def test_a_partial_checkpoint_is_ignored_and_removed(trained, tmp_path):
   os.makedirs(os.path.join(partial, "state.orbax-checkpoint-tmp"))
   with open(os.path.join(partial, "state.orbax-checkpoint-tmp", "half_written"), "wb") as f:
     f.write(b"\0" * 100)
-  results = train.train_and_evaluate(_tiny(folder, 6), workdir)
+  results = train.train_and_evaluate(_tiny(folder, 6, resume_with_changes=True), workdir)
   assert results["step"] == 6
   assert sorted(os.listdir(os.path.join(workdir, "checkpoints"))) == ["2", "4", "6"]
 
@@ -279,7 +280,8 @@ def test_a_full_disk_keeps_the_last_checkpoint(tmp_path, caplog):
     assert 2 <= intact < 6 and (workdir / "checkpoints" / str(intact) / "state").exists()
     # The user frees disk space, as the message says, and reruns.
     subprocess.run(["mount", "-o", "remount,size=8m", str(mount)], check=True)
-    _, log = _resume(dict(overrides, total_steps=intact), workdir, caplog)
+    _, log = _resume(dict(overrides, total_steps=intact, resume_with_changes=True), workdir,
+                     caplog)
     assert f"Resuming from the checkpoint at step {intact}" in log
     assert not [p for p in os.listdir(workdir / "checkpoints") if "tmp" in p]
   finally:
@@ -314,7 +316,8 @@ def test_a_workdir_of_another_model_is_refused(trained):
   folder, workdir = trained  # Only read: the refused runs write nothing.
   before = sorted(os.listdir(workdir))
   with pytest.raises(train.ConfigError) as error:
-    train.train_and_evaluate(_tiny(folder, 4, **{"model.hidden_size": 16}), workdir)
+    train.train_and_evaluate(_tiny(folder, 4, **{"model.hidden_size": 16,
+                                                 "resume_with_changes": True}), workdir)
   message = str(error.value)
   assert "checkpoints/4/state does not fit this model:\n  shape mismatches (22): " in message
   assert "params/Transformer/encoder_norm/bias: saved (8,), this run (16,)" in message
@@ -324,7 +327,8 @@ def test_a_workdir_of_another_model_is_refused(trained):
   # The same model in the other encoder layout (the training default is scanned).
   with pytest.raises(train.ConfigError, match=r"written with the scanned block layout: resume "
                      r"with --config\.model\.scan=True"):
-    train.train_and_evaluate(_tiny(folder, 4, **{"model.scan": False}), workdir)
+    train.train_and_evaluate(_tiny(folder, 4, **{"model.scan": False,
+                                                 "resume_with_changes": True}), workdir)
   assert sorted(os.listdir(workdir)) == before
 
 
