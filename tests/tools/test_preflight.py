@@ -395,6 +395,7 @@ def _layers_on_v4_8(layers: int, scan: bool) -> fit.Result:
                    topology.tpu_slice("v4-8"), eval_step=False, estimate=True)
 
 
+@pytest.mark.slow  # Four TPU compiles: 28-42 core-s.
 @requires_libtpu
 def test_the_estimate_of_4_scanned_layers_is_twice_2_layers():
   """The scanned layers' body (forward and backward) measured by a second compile (the layers
