@@ -331,17 +331,16 @@ def _check_resume(config: ml_collections.ConfigDict, run_dir: checkpoint.Workdir
   """Refuses to resume `run_dir` when `config` changes a key of what its run trains (its
   config.json's; `config_lib.resume_changes`) unless `config.resume_with_changes`; logs the
   changes it resumes with."""
-  recorded = run_dir.read_config()
-  changes = config_lib.resume_changes(recorded or {}, config)
+  changes = config_lib.resume_changes(run_dir.read_config() or {}, config)
   refused = [c for c in changes if c[3]]
   if refused and not config.resume_with_changes:
     key, old, value, _ = refused[0]
     others = ", ".join(f"{k}: {o!r} -> {v!r}" for k, o, v, _ in refused[1:])
-    recorded = " and ".join(f"config.{k}={json.dumps(o)}" for k, o, _, _ in refused)
+    as_recorded = " and ".join(f"config.{k}={json.dumps(o)}" for k, o, _, _ in refused)
     raise config_lib.ConfigError(
         key, value, f"differs from the run resumed in {run_dir.path}, which recorded {old!r} "
         f"in its config.json" + (f" (also changed: {others})" if others else ""),
-        f"to resume that run, set {recorded} as recorded; for a new run, use another --workdir; "
+        f"to resume that run, set {as_recorded} as recorded; for a new run, use another --workdir; "
         "to resume with the changes, set config.resume_with_changes=True")
   for key, old, value, trained in changes:
     logging.log(logging.WARNING if trained else logging.INFO, "Resuming %s with config.%s=%r "
