@@ -146,9 +146,6 @@ class _Handler(socketserver.StreamRequestHandler):
 
   def handle(self):
     client, reader = self.request, self.rfile
-    # No Nagle delay: an answer passed on in pieces (headers, then body) otherwise waits for the
-    # client's delayed ACK, ~40 ms a request (a gs:// call took 100-350 ms instead of 10-25).
-    client.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     first = reader.readline()
     if first.startswith(b"CONNECT "):
       while reader.readline() not in (b"\r\n", b"\n", b""):
@@ -170,7 +167,6 @@ class _Handler(socketserver.StreamRequestHandler):
       reader = _Prefixed(first, reader)
     try:
       upstream = socket.create_connection(("127.0.0.1", self.server.server_port))
-      upstream.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     except OSError:  # The server is stopped: the connection is refused, as by a gone server.
       return
     with upstream:
