@@ -44,7 +44,7 @@ def _batches(cfg, steps, start_step=0, process_index=0, process_count=1):
   return np.stack([data_utils.pixel_ids(next(it)["image"]) for _ in range(steps)])
 
 
-def _dataset_in_bucket(tmp_path, bucket, array_record=True, num_train=48):  # noqa: F811
+def _dataset_in_bucket(gcs, tmp_path, bucket, array_record=True, num_train=48):  # noqa: F811
   """tiny_multi_label (2 shards per split) prepared locally, with ArrayRecord files added, and
   uploaded to `bucket`/tfds: (local directory, gs:// directory)."""
   local = data_utils.make_multilabel_dataset(str(tmp_path / "tfds"), num_train=num_train,
@@ -52,7 +52,7 @@ def _dataset_in_bucket(tmp_path, bucket, array_record=True, num_train=48):  # no
   if array_record:
     assert to_array_record.main([local, "--workers", "2"]) == 0
   remote = f"{bucket}/tfds/{os.path.relpath(local, tmp_path / 'tfds')}"
-  _upload(local, remote)
+  _upload(gcs, local, remote)
   return local, remote
 
 
@@ -61,7 +61,7 @@ def test_a_bucket_dataset_named_with_its_data_dir_is_read_by_index_as_from_local
   """By name with `data_dir=gs://...` (as on a pod): the ArrayRecord files are read by index
   from the bucket, each process's batches and a resume at any step are those of the same files
   on a local disk, and evaluation reads every example once."""
-  local, _ = _dataset_in_bucket(tmp_path, bucket)
+  local, _ = _dataset_in_bucket(gcs, tmp_path, bucket)
   sources._SOURCES.clear()  # pylint: disable=protected-access
   remote_cfg, local_cfg = _data_cfg(NAME, f"{bucket}/tfds"), _data_cfg(local)
   source = sources.get_source(remote_cfg)
@@ -98,7 +98,7 @@ def test_to_array_record_into_a_bucket_killed_midway_then_rerun_completes_every_
   shard is left under its final name nor a dataset_info.json listing ArrayRecord; the rerun
   finishes (and removes the killed run's staging folder), and every shard opens and holds its
   TFRecord shard's records."""
-  _, remote = _dataset_in_bucket(tmp_path, bucket, array_record=False, num_train=96)
+  _, remote = _dataset_in_bucket(gcs, tmp_path, bucket, array_record=False, num_train=96)
   staging = tmp_path / "staging"
   staging.mkdir()
   args = [sys.executable, "-m", "vit_jax.to_array_record", remote, "--workers", "1",
@@ -166,7 +166,7 @@ def test_a_run_reading_a_bucket_is_stopped_near_half_an_epoch_and_resumes_by_ind
   """`python -m vit_jax.main` with the dataset by name in a bucket (`data_dir=gs://`): SIGTERM
   after half an epoch saves and exits 75; the rerun says its input resumed by index, and ends
   with the parameters of a run never stopped (reading the same files from a local disk)."""
-  local, _ = _dataset_in_bucket(tmp_path, bucket, num_train=96)
+  local, _ = _dataset_in_bucket(gcs, tmp_path, bucket, num_train=96)
   total = 48  # 24 steps an epoch.
   overrides = {"data.name": NAME, "data.data_dir": f"{bucket}/tfds", "data.image_size": 8,
                "data.augment": "flip", "data.cache": False, "model.hidden_size": 8,
