@@ -272,6 +272,7 @@ def test_a_run_reads_its_tfds_data_dir_on_gs_and_writes_a_gs_workdir(gcs, bucket
   assert tf.io.gfile.exists(f"{bucket}/run/checkpoints/3")
 
 
+@pytest.mark.slow  # Tools end to end against the emulated bucket.
 def test_convert_writes_each_target_format_to_gs_and_it_loads_back(gcs, bucket, capsys):
   """`python -m vit_jax.convert` from a gs:// source to gs:// targets (an Orbax directory, an
   official .npz, a transformers directory): each loads back to the source's arrays (was: the
@@ -308,6 +309,7 @@ def test_analyze_writes_its_figures_and_numbers_to_gs(gcs, bucket, tmp_path, cap
   assert not os.path.exists(os.path.join(os.getcwd(), "gs:"))
 
 
+@pytest.mark.slow  # Tools end to end against the emulated bucket.
 def test_predict_evaluate_and_fewshot_read_gs_and_evaluate_writes_gs(gcs, bucket, tmp_path,
                                                                       capsys):
   """Weights and images on gs:// give the numbers of the local copies: `predict`'s
