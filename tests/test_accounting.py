@@ -549,8 +549,10 @@ def test_a_run_writes_its_cost_and_a_resumed_run_continues_it(tmp_path, caplog):
   # the checkpoint's account is continued (was: a RecursionError traceback at every rerun).
   with open(os.path.join(workdir, "cost.json"), "w") as f:
     f.write("[" * 300_000)
+  longer = _tiny_run(folder, 6)
+  longer.resume_with_changes = True  # 2 more steps.
   with caplog.at_level(logging.WARNING):
-    train.train_and_evaluate(_tiny_run(folder, 6), workdir)
+    train.train_and_evaluate(longer, workdir)
   assert f"Ignoring {workdir}/cost.json ({workdir}/cost.json is nested more than 64" in caplog.text
   second = json.loads(open(os.path.join(workdir, "cost.json")).read())
   assert second["restarts"] == 1 and second["images_seen"] == 16 + 8
