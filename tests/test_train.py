@@ -218,6 +218,8 @@ def test_main_trains_writes_metrics_and_resumes(tmp_path, caplog):
 
   results, log = rerun(6)  # Finished: no more training; config.json recorded the change.
   assert "already finished its 6 steps" in log and results["step"] == 6
+  assert f"Resuming {workdir} with config.log_every_steps=2 (it recorded 1)." in log
+  assert "with config.resume_with_changes" not in log  # The option is no change of the run.
   assert sorted(_scalars(workdir)["train/loss"]) == [2, 4, 5, 6]
 
 
@@ -316,7 +318,6 @@ def test_t2t_trains_and_keeps_its_fixed_tables_out_of_training(tmp_path):
   # message describes the checkpoint from its parameters and fixed tables (a Performer).
   assert "blocks" in variables["params"] and config.model.scan
   config.model.scan = False
-  config.resume_with_changes = True  # Past the config check: the checkpoint's own refusal.
   with pytest.raises(train.ConfigError, match=r"(?s)written with the scanned block layout: resume "
                      r"with --config\.model\.scan=True.*depth=1.*tokens_type='performer'"):
     train.train_and_evaluate(config, workdir)

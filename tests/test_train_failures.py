@@ -316,8 +316,7 @@ def test_a_workdir_of_another_model_is_refused(trained):
   folder, workdir = trained  # Only read: the refused runs write nothing.
   before = sorted(os.listdir(workdir))
   with pytest.raises(train.ConfigError) as error:
-    train.train_and_evaluate(_tiny(folder, 4, **{"model.hidden_size": 16,
-                                                 "resume_with_changes": True}), workdir)
+    train.train_and_evaluate(_tiny(folder, 4, **{"model.hidden_size": 16}), workdir)
   message = str(error.value)
   assert "checkpoints/4/state does not fit this model:\n  shape mismatches (22): " in message
   assert "params/Transformer/encoder_norm/bias: saved (8,), this run (16,)" in message
@@ -327,8 +326,7 @@ def test_a_workdir_of_another_model_is_refused(trained):
   # The same model in the other encoder layout (the training default is scanned).
   with pytest.raises(train.ConfigError, match=r"written with the scanned block layout: resume "
                      r"with --config\.model\.scan=True"):
-    train.train_and_evaluate(_tiny(folder, 4, **{"model.scan": False,
-                                                 "resume_with_changes": True}), workdir)
+    train.train_and_evaluate(_tiny(folder, 4, **{"model.scan": False}), workdir)
   assert sorted(os.listdir(workdir)) == before
 
 

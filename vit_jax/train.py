@@ -307,9 +307,9 @@ def _prepare(config: ml_collections.ConfigDict, workdir: str,
   if config.fewshot.every_steps:  # Its datasets and splits are checked now, before any write.
     fewshot_eval = fewshot.Evaluator.from_config(config, setup, compiler=compiler)
   resuming = bool(run_dir.saved_steps())
-  if resuming:  # A changed config, a checkpoint of another model: refused now.
-    _check_resume(config, run_dir)
+  if resuming:  # A checkpoint of another model, a changed config: refused now.
     run_dir.check_state_fits(setup.abstract_state)
+    _check_resume(config, run_dir)
   read = _read_mode(config, run_dir, resuming)
   finetune = None
   if config.init_from and resuming:

@@ -415,7 +415,7 @@ def resume_changes(recorded: Mapping[str, Any], config: ml_collections.ConfigDic
   """``(key, recorded value, value, trained)`` of each key (dotted, 'optim.lr') whose resolved
   value in ``config`` differs from ``recorded`` (the resumed run's WORKDIR/config.json), in JSON
   terms (tuples as lists); ``trained``: it changes what the run trains (`keys.Key.trained`). A key
-  only one side has (another version's) is skipped."""
+  only one side has (another version's) and ``resume_with_changes`` itself are skipped."""
   declared = {key.name: key for key in defaults.RUN_KEYS}
   for name, (section_keys, _) in defaults.SECTIONS.items():
     declared.update({f"{name}.{key.name}": key for key in section_keys})
@@ -424,7 +424,7 @@ def resume_changes(recorded: Mapping[str, Any], config: ml_collections.ConfigDic
   def compare(old: Mapping[str, Any], new: Mapping[str, Any], prefix: str) -> None:
     for name, value in new.items():
       key = prefix + name
-      if name not in old or old[name] == value:
+      if name not in old or old[name] == value or key == "resume_with_changes":
         continue
       if isinstance(value, dict) and isinstance(old[name], dict):
         compare(old[name], value, f"{key}.")
