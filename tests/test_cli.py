@@ -116,3 +116,11 @@ def test_a_config_refusal_is_spelled_with_the_flags_on_the_command_line():
   except train.ConfigError as wrapped:
     assert cli.error_text(wrapped) == f"In the set-up: {flagged}"
   assert cli.error_text(ValueError("config.x is not a key")) == "config.x is not a key"
+
+
+def test_a_word_for_a_boolean_key_is_named_with_the_values_it_takes():
+  """absl's own message is its args tuple: `('Non-boolean argument to boolean flag', 'maybe')`."""
+  with pytest.raises(ValueError) as error:
+    cli.load_config(["--config", "configs/fashion_mnist.py", "--config.async_checkpointing=maybe"])
+  assert str(error.value) == ("flag --config.async_checkpointing=maybe: 'maybe' is not a boolean: "
+                              "give True or False")

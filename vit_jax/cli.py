@@ -52,8 +52,13 @@ def unknown_override_message(argv: list[str]) -> str | None:
   return None
 
 
+#: absl's message for a boolean flag given another word, an args tuple as it prints it.
+_NOT_BOOLEAN = re.compile(r"\('Non-boolean argument to boolean flag', (.+)\)$")
+
+
 def _without_traceback(message: str) -> str:
   """ml_collections' flag error without the config file's traceback: which flag, what is wrong."""
+  message = _NOT_BOOLEAN.sub(r"\1 is not a boolean: give True or False", message)
   if "Traceback (most recent call last)" not in message:
     return message
   head = message.split("Traceback (most recent call last)")[0].strip()
