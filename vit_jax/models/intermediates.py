@@ -193,7 +193,8 @@ def final_norm(model: Any, params: Mapping[str, Any], tokens: Array) -> Array:
   """``tokens`` ``[B, N, D]`` through the LayerNorm ``model`` applies to its encoder's output
   (timm's ``norm``), with its parameters in ``params``: ViT's ``Transformer/encoder_norm``,
   T2T-ViT's ``norm``; unchanged for a ViT with ``fc_norm`` (its LayerNorm follows the pooling;
-  timm's ``norm`` is an Identity)."""
+  timm's ``norm`` is an Identity). Returns ``[B, N, D]`` in the model's ``dtype`` (default
+  float32); KeyError: ``params`` lacks that LayerNorm."""
   dtype = jnp.dtype(model.dtype or jnp.float32)
   param_dtype = jnp.dtype(model.param_dtype or jnp.float32)
   if isinstance(model, t2t.T2TViT):
