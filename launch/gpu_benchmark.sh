@@ -7,7 +7,7 @@
 #   launch/gpu_benchmark.sh [OUT_DIR]        (default: $OUT if set, else ./gpu_benchmark)
 #   launch/gpu_benchmark.sh -h | --help      (the usage; a directory named like an option: -- DIR)
 #
-# Each batch size is one `python -m vit_jax.benchmark` run (training step only: the trainer's own
+# Each batch size is one `python -m benchmarks` run (training step only: the trainer's own
 # step, vit_jax.step, in the pretraining regime: forward, backward, AdamW, bfloat16 compute with
 # float32 parameters and a float32 loss, the training defaults scan=True + remat
 # 'dots_and_attention_saveable', the attention 'auto' picks for the GPU, cuDNN's fused attention
@@ -19,13 +19,16 @@
 set -euo pipefail
 
 PROG="launch/gpu_benchmark.sh"
+# benchmarks/ is the repository's, not installed: its root first on the path, whatever the cwd.
+REPO="$(cd -- "$(dirname -- "${BASH_SOURCE[0]}")/.." && pwd)"
+export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
 
 usage() {
   cat <<EOF
 Usage: $PROG [OUT_DIR]
 
 bfloat16 training throughput and MFU of ViT-B/16 and ViT-L/16 at 224 px, batch 64 and 256, on
-one GPU (python -m vit_jax.benchmark). Writes OUT_DIR/bf16_b{64,256}.{txt,json}; OUT_DIR
+one GPU (python -m benchmarks). Writes OUT_DIR/bf16_b{64,256}.{txt,json}; OUT_DIR
 defaults to \$OUT if set, else ./gpu_benchmark. A directory whose name starts with '-' goes
 after --: $PROG -- -dir.
 
@@ -67,7 +70,7 @@ mkdir -p -- "$out"
 python -c 'import jax; print("devices:", jax.devices())'
 
 for batch in 64 256; do
-  python -m vit_jax.benchmark ViT-B_16 ViT-L_16 --dtype bfloat16 --mode train \
+  python -m benchmarks ViT-B_16 ViT-L_16 --dtype bfloat16 --mode train \
     --batch "$batch" --warmup 3 --steps 10 --timeout 240 \
     --json="$out/bf16_b${batch}.json" | tee -- "$out/bf16_b${batch}.txt"
 done

@@ -15,9 +15,12 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PACKAGE = 'vit_jax'
 #: The command-line tools: library modules must not import them.
-TOOLS = ('vit_jax.benchmark', 'vit_jax.cost', 'vit_jax.convert', 'vit_jax.preflight',
-         'vit_jax.tools', 'vit_jax.main', 'vit_jax.predict', 'vit_jax.evaluate',
-         'vit_jax.fewshot', 'vit_jax.analyze', 'vit_jax.to_array_record', 'vit_jax.export')
+TOOLS = ('vit_jax.cost', 'vit_jax.convert', 'vit_jax.preflight', 'vit_jax.tools', 'vit_jax.main',
+         'vit_jax.predict', 'vit_jax.evaluate', 'vit_jax.fewshot', 'vit_jax.analyze',
+         'vit_jax.to_array_record', 'vit_jax.export')
+#: The repository's development tools outside the package (not installed with it): nothing of
+#: the package may import them.
+OUTSIDE = ('benchmarks',)
 #: What the models package may import from vit_jax besides itself.
 MODELS_MAY_IMPORT = ('vit_jax.models', 'vit_jax.kernels')
 
@@ -124,6 +127,43 @@ def test_library_modules_do_not_import_the_tools(graph):
   bad = {name: sorted(t for t in targets if _within(t, TOOLS))
          for name, targets in graph.items() if not _within(name, TOOLS)}
   assert not {k: v for k, v in bad.items() if v}
+
+
+def _outside_imports(source):
+  """``[(line, module)]``: each import of a module of OUTSIDE in the module text ``source``
+  (anywhere in its code; relative imports stay inside the package)."""
+  found = []
+  for node in ast.walk(ast.parse(source)):
+    if isinstance(node, ast.Import):
+      names = [alias.name for alias in node.names]
+    elif isinstance(node, ast.ImportFrom) and not node.level:
+      names = [node.module or '']
+    else:
+      continue
+    found += [(node.lineno, n) for n in names if _within(n, OUTSIDE)]
+  return sorted(found)
+
+
+def test_the_outside_check_finds_every_form_of_import():
+  source = """import benchmarks
+from benchmarks import ours
+def f():
+  import benchmarks.runner as runner
+  from benchmarks.common import BenchmarkError
+from . import benchmarks
+import benchmarks_extra
+"""
+  assert _outside_imports(source) == [(1, 'benchmarks'), (2, 'benchmarks'),
+                                      (4, 'benchmarks.runner'), (5, 'benchmarks.common')]
+
+
+def test_the_package_never_imports_the_benchmarks():
+  """benchmarks/ (`python -m benchmarks`) is a development tool of the repository, not installed
+  with the package: a package module that imported it would fail after `pip install .`."""
+  assert (ROOT / 'benchmarks' / '__init__.py').exists()
+  found = [f'{path.relative_to(ROOT)}:{line}: imports {module}'
+           for path in _modules().values() for line, module in _outside_imports(path.read_text())]
+  assert not found, '\n'.join(found)
 
 
 def test_checkpoint_code_lives_in_checkpoint(graph):

@@ -106,8 +106,8 @@ def test_the_input_wait_fix_names_what_this_config_can_change():
   data = config_lib.get_config("ViT-B_16", "imagenet2012").data
   assert progress.input_wait_fix(data) == (
       "Fix: config.data.cache=True when the decoded training images fit in host memory; or a "
-      "host with more CPU cores per accelerator. `python -m vit_jax.benchmark --input-pipeline` "
-      "measures the pipeline's images/s alone.")
+      "host with more CPU cores per accelerator. `python -m benchmarks --input-pipeline` (in the "
+      "repository's root) measures the pipeline's images/s alone.")
   data.num_parallel_calls, data.cache, data.mixup_alpha = 4, True, 0.8
   assert progress.input_wait_fix(data).startswith(
       "Fix: config.data.num_parallel_calls=-1 (tf.data's AUTOTUNE uses every core; now 4); or "

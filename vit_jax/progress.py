@@ -24,8 +24,8 @@ def input_wait_fix(data: Any) -> str:
     fixes.append("lighter augmentation (RandAugment, random erasing and Mixup/CutMix cost the "
                  "most CPU per image)")
   fixes.append("a host with more CPU cores per accelerator")
-  return ("Fix: " + "; or ".join(fixes) + ". `python -m vit_jax.benchmark --input-pipeline` "
-          "measures the pipeline's images/s alone.")
+  return ("Fix: " + "; or ".join(fixes) + ". `python -m benchmarks --input-pipeline` (in the "
+          "repository's root) measures the pipeline's images/s alone.")
 
 
 class Progress:

@@ -2,7 +2,8 @@
 
 The script runs against a fake `python` placed first on PATH: it appends its arguments to a log
 (NUL-separated), answers `jax.default_backend()` with $FAKE_BACKEND, and for
-`-m vit_jax.benchmark` prints one line and writes the `--json` file, as the real one does.
+`-m benchmarks` prints one line and writes the `--json` file, as the real one does (and records
+its PYTHONPATH).
 """
 
 import os
@@ -21,6 +22,7 @@ case "$2" in
   *default_backend*) echo "$FAKE_BACKEND"; exit 0 ;;
   *devices*) echo "devices: [CudaDevice(id=0)]"; exit 0 ;;
 esac
+printf '%s\n' "$PYTHONPATH" >"$FAKE_PY_LOG.pythonpath"
 json=""
 for arg in "$@"; do
   case "$arg" in --json=*) json="${arg#--json=}" ;; esac
@@ -59,6 +61,7 @@ def bench(tmp_path):
     return out
 
   run.calls, run.cwd = calls, cwd
+  run.pythonpath = lambda: (tmp_path / "python.log.pythonpath").read_text()
   return run
 
 
@@ -89,7 +92,7 @@ def test_bad_arguments_exit_2_with_one_line(bench, args, message):
 
 
 def _benchmark_calls(out):
-  return [["-m", "vit_jax.benchmark", "ViT-B_16", "ViT-L_16", "--dtype", "bfloat16", "--mode",
+  return [["-m", "benchmarks", "ViT-B_16", "ViT-L_16", "--dtype", "bfloat16", "--mode",
            "train", "--batch", str(b), "--warmup", "3", "--steps", "10", "--timeout", "240",
            f"--json={out}/bf16_b{b}.json"] for b in (64, 256)]
 
@@ -108,6 +111,14 @@ def test_out_dir_receives_the_reports(bench, args, env, out):
   assert sorted(p.name for p in (bench.cwd / out).iterdir()) == [
       "bf16_b256.json", "bf16_b256.txt", "bf16_b64.json", "bf16_b64.txt"]
   assert (bench.cwd / out / "bf16_b64.txt").read_text() == "fake benchmark table\n"
+
+
+def test_the_benchmark_imports_this_checkout_from_any_directory(bench):
+  """benchmarks/ is not installed: the script puts the repository root first on PYTHONPATH."""
+  assert bench("results", PYTHONPATH="/elsewhere").returncode == 0
+  assert bench.pythonpath() == f"{REPO}{os.pathsep}/elsewhere\n"
+  assert bench("results").returncode == 0
+  assert bench.pythonpath() == f"{REPO}\n"
 
 
 def test_a_machine_without_gpu_is_refused(bench):

@@ -230,12 +230,7 @@ def test_execution_fields_must_be_booleans_and_known_policies(name):
       models.create(name, num_classes=3, **{field: value})
   with pytest.raises(ValueError, match="remat_policy must be one of .*got 'dots'"):
     models.create(name, num_classes=3, remat_policy="dots")
-  # The benchmark's --set goes through the same check (it once measured 'maybe' as True).
-  from vit_jax.tools import common as tools_common  # pylint: disable=g-import-not-at-top
-  from vit_jax.tools.benchmark import common, ours  # pylint: disable=g-import-not-at-top
-  with pytest.raises(common.BenchmarkError, match="scan must be True or False"):
-    ours.benchmark_config(name, batch=1, resolution=224,
-                          overrides=dict([tools_common.parse_setting("scan=maybe")]))
+  # The benchmark's --set goes through the same check: tests/benchmarks/test_benchmark.py.
   model = models.create(name, num_classes=3, scan=True, remat=True,
                         remat_policy="dots_saveable")
   assert (model.scan, model.remat, model.remat_policy) == (True, True, "dots_saveable")

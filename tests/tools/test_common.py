@@ -183,11 +183,11 @@ def test_the_runner_answers_each_kind_of_error_with_one_line_and_its_status(caps
 
 
 @pytest.mark.parametrize("tool", ["analyze", "convert", "cost", "evaluate", "export_images",
-                                  "fewshot", "measure_attention", "predict", "to_array_record",
-                                  "benchmark.cli", "preflight.cli"])
+                                  "fewshot", "predict", "to_array_record", "preflight.cli"])
 def test_every_tool_follows_one_convention(tool):
   """Each tool's main is wrapped by common.exit_status (it raises, the runner answers) and its
-  run_main is the program, which `python -m vit_jax.<tool>` runs."""
+  run_main is the program, which `python -m vit_jax.<tool>` runs (benchmarks/'s tools:
+  tests/benchmarks/test_measure_attention.py)."""
   import importlib  # pylint: disable=g-import-not-at-top
   import inspect  # pylint: disable=g-import-not-at-top
   module = importlib.import_module(f"vit_jax.tools.{tool}")
@@ -196,13 +196,3 @@ def test_every_tool_follows_one_convention(tool):
   entry = ROOT / "vit_jax" / (tool.split(".")[0] + ".py")
   if entry.exists():
     assert "run_main()" in entry.read_text() and "common" not in entry.read_text()
-
-
-def test_measure_attention_refuses_a_json_folder_that_is_missing_before_measuring(
-    monkeypatch, capsys):
-  """Exit 2 naming the folder, before the minutes of measuring (no process started)."""
-  from vit_jax.tools import measure_attention  # pylint: disable=g-import-not-at-top
-  monkeypatch.setattr(measure_attention, "measure", lambda *a, **k: pytest.fail("measured"))
-  assert measure_attention.main(["--core", "--json", "/no/such/dir/core.json"]) == 2
-  assert capsys.readouterr().err == (
-      "FATAL: --json /no/such/dir/core.json: the directory /no/such/dir does not exist.\n")

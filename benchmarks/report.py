@@ -9,12 +9,12 @@ import platform
 import statistics
 from typing import Any, Optional, Sequence
 
+from benchmarks.common import available_cores
+from benchmarks.inputs import INPUT_LABELS
+from benchmarks.inputs import RECIPE_IMAGES
+from benchmarks.inputs import RECIPE_LABELS
 from vit_jax import platform as vit_jax_platform
 from vit_jax.tools import common
-from vit_jax.tools.benchmark.common import available_cores
-from vit_jax.tools.benchmark.inputs import INPUT_LABELS
-from vit_jax.tools.benchmark.inputs import RECIPE_IMAGES
-from vit_jax.tools.benchmark.inputs import RECIPE_LABELS
 
 MEDIAN_KEYS = ("images_per_sec", "step_seconds", "lower_seconds", "compile_seconds",
                "first_step_seconds", "peak_rss_mib", "device_peak_mib",

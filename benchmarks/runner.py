@@ -1,5 +1,5 @@
 """The benchmark's rounds: `run` checks the whole request, then measures each configuration
-(model x mode x framework x round) in a fresh `python -m vit_jax.benchmark --worker SPEC OUT`
+(model x mode x framework x round) in a fresh `python -m benchmarks --worker SPEC OUT`
 pinned to the requested cores, ours and timm's alternating, and aggregates the rounds."""
 
 from __future__ import annotations
@@ -11,19 +11,19 @@ import sys
 import tempfile
 from typing import Any, Callable, Optional, Sequence
 
-import vit_jax
-from vit_jax.tools.benchmark import inputs as inputs_lib
-from vit_jax.tools.benchmark import report as report_lib
-from vit_jax.tools.benchmark import timm as timm_lib
-from vit_jax.tools.benchmark.common import available_cores
-from vit_jax.tools.benchmark.common import BenchmarkError
-from vit_jax.tools.benchmark.common import check_sizes
-from vit_jax.tools.benchmark.common import MeasurementFailed
-from vit_jax.tools.benchmark.common import MODES
-from vit_jax.tools.benchmark.common import NoTimmModel
-from vit_jax.tools.benchmark.common import UNITS
+from benchmarks import inputs as inputs_lib
+from benchmarks import report as report_lib
+from benchmarks import timm as timm_lib
+from benchmarks.common import available_cores
+from benchmarks.common import BenchmarkError
+from benchmarks.common import check_sizes
+from benchmarks.common import MeasurementFailed
+from benchmarks.common import MODES
+from benchmarks.common import NoTimmModel
+from benchmarks.common import UNITS
+from benchmarks.common import worker_environment
 
-WORKER_MODULE = "vit_jax.benchmark"
+WORKER_MODULE = "benchmarks"
 
 
 def worker(spec_path: str, out_path: str) -> int:
@@ -41,7 +41,7 @@ def worker(spec_path: str, out_path: str) -> int:
     elif framework == "timm_input":
       result = inputs_lib.measure_timm_input(**spec)
     elif framework == "ours":
-      from vit_jax.tools.benchmark import ours  # pylint: disable=g-import-not-at-top  (_plan)
+      from benchmarks import ours  # pylint: disable=g-import-not-at-top  (_plan)
       for key in ("threads", "analytic_flops", "device"):
         spec.pop(key, None)
       result = ours.measure_ours(**spec)
@@ -60,11 +60,9 @@ def run_in_subprocess(spec: dict[str, Any], timeout: Optional[float] = None) -> 
   fresh process: its result. Raises MeasurementFailed: it failed, timed out or reported an
   error (the process's last lines on stderr first)."""
   threads = spec.get("threads")
-  env = dict(os.environ)
+  env = worker_environment()
   if threads:
     env.update(NPROC=str(threads), OMP_NUM_THREADS=str(threads))
-  root = os.path.dirname(os.path.dirname(os.path.abspath(vit_jax.__file__)))
-  env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
   with tempfile.TemporaryDirectory(prefix="vit_jax_bench_") as tmp:
     spec_path = os.path.join(tmp, "spec.json")
     out_path = os.path.join(tmp, "result.json")
@@ -129,7 +127,7 @@ def _plan(models_: Sequence[str], *, resolution: int, dtype: str, overrides: dic
   traced on abstract shapes here, so that bad input fails before anything runs."""
   # `ours` (JAX) is imported here and in `worker`: timm's processes, whose peak RSS is reported,
   # must not load JAX.
-  from vit_jax.tools.benchmark import ours  # pylint: disable=g-import-not-at-top
+  from benchmarks import ours  # pylint: disable=g-import-not-at-top
   notes, plans = [], []
   scanned = False
   for model in models_:
@@ -254,7 +252,7 @@ def run(models_: Sequence[str], *, batch: int = 8, resolution: int = 224,
   notes += report_lib.result_notes(results, compile_only=compile_only, peak_flops=peak["flops"],
                                    platform_name=peak["platform"])
   return {
-      "benchmark": "vit_jax.benchmark",
+      "benchmark": "benchmarks",
       "args": {"models": list(models_), "batch": batch, "resolution": resolution,
                "dtype": dtype, "modes": list(modes), "warmup": warmup, "steps": steps,
                "overrides": overrides, "num_classes": num_classes, "threads": threads,

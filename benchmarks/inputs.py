@@ -10,11 +10,11 @@ import tempfile
 import time
 from typing import Any, Optional
 
-from vit_jax.tools.benchmark.common import available_cores
-from vit_jax.tools.benchmark.common import BenchmarkError
-from vit_jax.tools.benchmark.common import check_sizes
-from vit_jax.tools.benchmark.common import peak_rss_mib
-from vit_jax.tools.benchmark.common import thread_facts
+from benchmarks.common import available_cores
+from benchmarks.common import BenchmarkError
+from benchmarks.common import check_sizes
+from benchmarks.common import peak_rss_mib
+from benchmarks.common import thread_facts
 
 INPUTS = ("fashion_mnist", "jpeg")
 INPUT_LABELS = {"fashion_mnist": "Fashion-MNIST (28x28 PNG)",
@@ -150,7 +150,7 @@ def timm_transform(recipe: str, resolution: int):
   """timm's training transform doing what `recipe_config(recipe)` does: RandomResizedCrop (the
   recipe's area range, bilinear as ours), flip, for 't2t' RandAugment 'rand-m9-mstd0.5-inc1' and
   RandomErasing(0.25, 'pixel'), ToTensor, the recipe's normalization."""
-  from vit_jax.tools.benchmark import timm as timm_lib  # pylint: disable=g-import-not-at-top
+  from benchmarks import timm as timm_lib  # pylint: disable=g-import-not-at-top
   timm = timm_lib.import_timm()[0]
   cfg = recipe_config(recipe, resolution)
   mean, std = (((0.485, 0.456, 0.406), (0.229, 0.224, 0.225)) if cfg.normalization == "imagenet"

@@ -1,4 +1,4 @@
-"""The benchmark's command line, `python -m vit_jax.benchmark`; `--help` prints the package
+"""The benchmark's command line, `python -m benchmarks`; `--help` prints the package
 docstring."""
 
 from __future__ import annotations
@@ -8,15 +8,15 @@ import json
 import sys
 from typing import Optional, Sequence
 
+import benchmarks as package
+from benchmarks import inputs as inputs_lib
+from benchmarks import report as report_lib
+from benchmarks import runner
+from benchmarks.common import BenchmarkError
+from benchmarks.common import DTYPES
+from benchmarks.common import MODES
 from vit_jax import platform
-import vit_jax.tools.benchmark as package
 from vit_jax.tools import common
-from vit_jax.tools.benchmark import inputs as inputs_lib
-from vit_jax.tools.benchmark import report as report_lib
-from vit_jax.tools.benchmark import runner
-from vit_jax.tools.benchmark.common import BenchmarkError
-from vit_jax.tools.benchmark.common import DTYPES
-from vit_jax.tools.benchmark.common import MODES
 
 
 def _int_at_least(least: int):
@@ -32,7 +32,7 @@ def _int_at_least(least: int):
 
 
 def _parser() -> argparse.ArgumentParser:
-  parser = common.Parser(prog="python -m vit_jax.benchmark", description=package.__doc__)
+  parser = common.Parser(prog="python -m benchmarks", description=package.__doc__)
   count = _int_at_least(1)
   parser.add_argument("models", nargs="*", metavar="MODEL",
                       help="model names of vit_jax.models, e.g. ViT-B_16, ViT-Ti_16, T2T-ViT-14, "
@@ -83,7 +83,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   if args.worker:
     return runner.worker(*args.worker)
   if not args.models and not args.input_pipeline:
-    raise BenchmarkError("Name at least one model, e.g. python -m vit_jax.benchmark ViT-B_16 "
+    raise BenchmarkError("Name at least one model, e.g. python -m benchmarks ViT-B_16 "
                          "(or measure only the input pipeline: --input-pipeline)")
   common.check_output_folder(args.json, "--json")
   report = runner.run(args.models, batch=args.batch, resolution=args.resolution,

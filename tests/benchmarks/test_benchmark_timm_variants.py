@@ -8,8 +8,8 @@ import jax
 import numpy as np
 import pytest
 
+from benchmarks import timm as timm_lib
 from vit_jax import models
-from vit_jax.tools.benchmark import timm as timm_lib
 
 TINY = dict(hidden_size=64, mlp_dim=128, num_heads=2, num_layers=2, patch_size=8)
 VARIANTS = dict(num_registers=4, layerscale_init=1e-5, no_embed_class=True)

@@ -8,13 +8,13 @@ import importlib.util
 import sys
 from typing import Any, Optional
 
-from vit_jax.tools.benchmark.common import check_sizes
-from vit_jax.tools.benchmark.common import fill_rates
-from vit_jax.tools.benchmark.common import NoTimmModel
-from vit_jax.tools.benchmark.common import peak_rss_mib
-from vit_jax.tools.benchmark.common import rss_now_mib
-from vit_jax.tools.benchmark.common import thread_facts
-from vit_jax.tools.benchmark.common import timed
+from benchmarks.common import check_sizes
+from benchmarks.common import fill_rates
+from benchmarks.common import NoTimmModel
+from benchmarks.common import peak_rss_mib
+from benchmarks.common import rss_now_mib
+from benchmarks.common import thread_facts
+from benchmarks.common import timed
 
 TIMM_SIZES = {"Ti": "tiny", "S": "small", "B": "base", "L": "large", "H": "huge"}
 #: (size, patch) pairs timm registers under their own name; others go through keyword arguments.

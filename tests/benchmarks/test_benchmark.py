@@ -1,4 +1,4 @@
-"""vit_jax.tools.benchmark (`python -m vit_jax.benchmark`): the measurements of a tiny ViT, the
+"""benchmarks/ (`python -m benchmarks`): the measurements of a tiny ViT, the
 command line and its JSON, the orchestration (fresh processes, alternating frameworks, medians,
 ratios), bad input, the attention report, and the timm comparison (only where torch and timm are
 installed: the optional 'bench' extra)."""
@@ -13,17 +13,17 @@ import time
 import jax
 import pytest
 
+from benchmarks import cli
+from benchmarks import common
+from benchmarks import inputs
+from benchmarks import ours
+from benchmarks import report
+from benchmarks import runner
+from benchmarks import timm as timm_lib
 from vit_jax import flops
 from vit_jax import models
 from vit_jax.kernels import cpu_attention
 from vit_jax.tools import common as tools_common
-from vit_jax.tools.benchmark import cli
-from vit_jax.tools.benchmark import common
-from vit_jax.tools.benchmark import inputs
-from vit_jax.tools.benchmark import ours
-from vit_jax.tools.benchmark import report
-from vit_jax.tools.benchmark import runner
-from vit_jax.tools.benchmark import timm as timm_lib
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # 2 layers of width 128 on 8x8 patches of 64 px images (65 tokens): the matrix products
@@ -39,7 +39,7 @@ def _macs(overrides, resolution):
 
 
 def _cli(*args, timeout=600):
-  return subprocess.run([sys.executable, "-m", "vit_jax.benchmark", *args], cwd=ROOT,
+  return subprocess.run([sys.executable, "-m", "benchmarks", *args], cwd=ROOT,
                         capture_output=True, text=True, timeout=timeout, check=False)
 
 
@@ -258,6 +258,15 @@ def test_timm_equivalents():
   for model in ("T2T-ViT-14", "R50+ViT-B_16"):
     with pytest.raises(common.NoTimmModel, match="timm has no"):
       timm_lib.timm_equivalent(model)
+
+
+@pytest.mark.parametrize("name", ["ViT-Ti_16", "T2T-ViT-7"])
+def test_execution_fields_of_set_are_checked_as_the_models_check_them(name):
+  # The benchmark's --set goes through the models' check (it once measured 'maybe' as True;
+  # the models' own: tests/models/test_attention.py).
+  with pytest.raises(common.BenchmarkError, match="scan must be True or False"):
+    ours.benchmark_config(name, batch=1, resolution=224,
+                          overrides=dict([tools_common.parse_setting("scan=maybe")]))
 
 
 def test_overrides_are_python_literals():

@@ -4,7 +4,7 @@ Each variant (``cpu_attention.ISAS``) this CPU can run is compiled from ``cpu_at
 into a temporary folder and loaded in a fresh process (``cpu_attention.load``), which measures
 --core: the attention core alone, forward + backward at each model's shapes (197 tokens, head
 size 64), the kernel on ``[B, N, 3, heads, Dh]`` against XLA's on ``[B, heads, N, Dh]``; or
---step: the benchmark's training step (``benchmark.ours``) with ``attention='cpu_kernel'`` and
+--step: the benchmark's training step (``benchmarks.ours``) with ``attention='cpu_kernel'`` and
 with ``'xla'``, under the huge-page malloc, alternating. Wall and process CPU time (all
 threads); medians over the calls of a process, then over --rounds processes. The evidence for
 ``cpu_attention.MEASURED`` (docs/kernels.md).
@@ -26,13 +26,14 @@ from typing import Any, Optional, Sequence
 import jax
 import jax.numpy as jnp
 
+from benchmarks import common as bench_common
+from benchmarks import ours
 from vit_jax import platform
 from vit_jax import step as step_lib
 from vit_jax.kernels import build
 from vit_jax.kernels import cpu_attention
 from vit_jax.models import attention as attention_lib
 from vit_jax.tools import common
-from vit_jax.tools.benchmark import ours
 
 HEADS = {'ViT-Ti_16': 3, 'ViT-S_16': 6, 'ViT-B_16': 12}
 TOKENS, HEAD_DIM = 197, 64
@@ -121,9 +122,9 @@ def _worker(spec: dict[str, Any]) -> dict[str, Any]:
 
 def _run_worker(spec: dict[str, Any], environ: Optional[dict[str, str]] = None
                 ) -> dict[str, Any]:
-  out = subprocess.run([sys.executable, '-m', 'vit_jax.tools.measure_attention', '--worker',
+  out = subprocess.run([sys.executable, '-m', 'benchmarks.measure_attention', '--worker',
                         json.dumps(spec)], capture_output=True, text=True, check=False,
-                       env=environ)
+                       env=bench_common.worker_environment(environ))
   if out.returncode:
     raise RuntimeError(f'measurement {spec} failed:\n{out.stderr[-3000:]}')
   return json.loads(out.stdout.strip().splitlines()[-1])
@@ -199,7 +200,7 @@ def format_summary(report: dict[str, Any]) -> str:
 
 
 def _parser() -> common.Parser:
-  parser = common.Parser(prog='python -m vit_jax.tools.measure_attention', description=__doc__)
+  parser = common.Parser(prog='python -m benchmarks.measure_attention', description=__doc__)
   parser.add_argument('--isa', nargs='+', choices=cpu_attention.ISAS,
                       default=list(cpu_attention.ISAS))
   parser.add_argument('--models', nargs='+', choices=sorted(HEADS),

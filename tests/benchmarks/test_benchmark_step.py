@@ -1,5 +1,5 @@
 """The benchmark measures the trainer's very step: for the same config and image shape, the
-training step that `python -m vit_jax.benchmark` compiles is the program `vit_jax.train` compiles
+training step that `python -m benchmarks` compiles is the program `vit_jax.train` compiles
 (equal HLO text), for a tiny ViT on a generated image folder."""
 
 import re
@@ -7,10 +7,10 @@ import re
 import jax
 import pytest
 
+from benchmarks import ours
 from tests import data_utils
 from vit_jax import step
 from vit_jax import train
-from vit_jax.tools.benchmark import ours
 
 TINY_VIT = ("ViT-custom", dict(hidden_size=16, mlp_dim=32, num_heads=2, num_layers=2,
                                patch_size=8), 16)

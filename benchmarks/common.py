@@ -33,6 +33,16 @@ UNITS = {
 }
 
 
+def worker_environment(env: Optional[dict[str, str]] = None) -> dict[str, str]:
+  """A copy of `env` (default: os.environ) with the repository root first on PYTHONPATH: the
+  measuring processes (`python -m benchmarks ...`) import this checkout's benchmarks/ and
+  vit_jax/ whatever their working directory (benchmarks/ is not installed)."""
+  env = dict(os.environ if env is None else env)
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+  return env
+
+
 class BenchmarkError(ValueError):
   """Bad input: one FATAL line, exit status 2."""
 

@@ -13,18 +13,18 @@ from typing import Any, Optional, Sequence
 import jax
 import jax.numpy as jnp
 
+from benchmarks.common import BenchmarkError
+from benchmarks.common import check_sizes
+from benchmarks.common import fill_rates
+from benchmarks.common import peak_rss_mib
+from benchmarks.common import rss_now_mib
+from benchmarks.common import thread_facts
+from benchmarks.common import timed
 from vit_jax import accounting
 from vit_jax import config as config_lib
 from vit_jax import flops
 from vit_jax import kernels
 from vit_jax import step
-from vit_jax.tools.benchmark.common import BenchmarkError
-from vit_jax.tools.benchmark.common import check_sizes
-from vit_jax.tools.benchmark.common import fill_rates
-from vit_jax.tools.benchmark.common import peak_rss_mib
-from vit_jax.tools.benchmark.common import rss_now_mib
-from vit_jax.tools.benchmark.common import thread_facts
-from vit_jax.tools.benchmark.common import timed
 
 DATASET = "imagenet2012"  # The config's data.name: nothing is read.
 NUM_TRAIN_EXAMPLES = 1_281_167  # ImageNet's training split, for config.resolve.
