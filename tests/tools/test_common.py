@@ -187,7 +187,7 @@ def test_the_runner_answers_each_kind_of_error_with_one_line_and_its_status(caps
 def test_every_tool_follows_one_convention(tool):
   """Each tool's main is wrapped by common.exit_status (it raises, the runner answers) and its
   run_main is the program, which `python -m vit_jax.<tool>` runs (benchmarks/'s tools:
-  tests/benchmarks/test_measure_attention.py)."""
+  tests/benchmarks/test_commands.py)."""
   import importlib  # pylint: disable=g-import-not-at-top
   import inspect  # pylint: disable=g-import-not-at-top
   module = importlib.import_module(f"vit_jax.tools.{tool}")

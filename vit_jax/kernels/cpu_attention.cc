@@ -31,7 +31,7 @@
 // "arch=x86-64-v4", "arch=x86-64-v3", "default" (__builtin_cpu_supports("x86-64-v4"), then
 // "x86-64-v3"); VitJaxAttentionIsa() names it. Defining VIT_JAX_ISA to 0 (baseline), 1 (avx2)
 // or 2 (avx512) at compile time builds that one variant alone, for measurements
-// (vit_jax/tools/measure_attention.py); such a build runs only on a CPU that has the instruction set.
+// (benchmarks/measure_attention.py); such a build runs only on a CPU that has the instruction set.
 // Other compilers and architectures get the baseline variant (generic 4-lane vectors).
 //
 // Work is spread over the items with XLA's intra-op thread pool (the caller takes items too, so
