@@ -56,11 +56,8 @@ _T2T_AXES: Axes = (None, 'tokens')
 
 
 def layer_norm(name: str, dtype: Dtype, param_dtype: Dtype) -> nn.LayerNorm:
-  """T2T-ViT's LayerNorm (PyTorch's epsilon and variance; parameters on the logical axis 'norm')."""
-  return nn.LayerNorm(epsilon=LAYERNORM_EPSILON, use_fast_variance=False, dtype=dtype,
-                      param_dtype=param_dtype,
-                      scale_init=_partitioned(nn.initializers.ones, ('norm',)),
-                      bias_init=_partitioned(nn.initializers.zeros, ('norm',)), name=name)
+  """T2T-ViT's LayerNorm: PyTorch's epsilon and two-pass variance."""
+  return execution.layer_norm(dtype, param_dtype, LAYERNORM_EPSILON, name, fast_variance=False)
 
 
 def _dense(features: int, name: str, dtype: Dtype, param_dtype: Dtype, axes: Axes,

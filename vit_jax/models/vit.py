@@ -42,14 +42,6 @@ MLP_HIDDEN_AXES = ('batch', 'length', 'mlp')
 _partitioned = nn.with_logical_partitioning
 
 
-def layer_norm(dtype: Dtype, param_dtype: Dtype, name: Optional[str] = None,
-               epsilon: float = LAYERNORM_EPSILON) -> nn.LayerNorm:
-  """The ViT's LayerNorm (parameters on the logical axis 'norm')."""
-  return nn.LayerNorm(epsilon=epsilon, dtype=dtype, param_dtype=param_dtype,
-                     scale_init=_partitioned(nn.initializers.ones, ('norm',)),
-                     bias_init=_partitioned(nn.initializers.zeros, ('norm',)), name=name)
-
-
 def posemb_sincos_2d(height: int, width: int, features: int, temperature: float = 10_000.0,
                      dtype: Dtype = jnp.float32) -> Array:
   """big_vision's fixed 2-D sin-cos table (MoCo v3), ``[1, height * width, features]`` in ``dtype``.
@@ -212,7 +204,7 @@ class EncoderBlock(nn.Module):
   def __call__(self, inputs: Array, deterministic: bool):
     c = self.config
     inputs = execution.constrain(inputs, execution.TOKENS_AXES)
-    x = layer_norm(c.dtype, c.param_dtype, epsilon=c.layer_norm_epsilon)(inputs)
+    x = execution.layer_norm(c.dtype, c.param_dtype, c.layer_norm_epsilon)(inputs)
     attention_cls = attention_lib.MultiHeadDotProductAttention
     x = attention_cls(name='MultiHeadDotProductAttention_0', **execution.shared_fields(
         c, attention_cls, dropout_rate=c.attention_dropout_rate))(x, deterministic=deterministic)
@@ -220,7 +212,7 @@ class EncoderBlock(nn.Module):
     if c.layerscale_init is not None:
       x = LayerScale(c.layerscale_init, c.param_dtype)(x)
     x = execution.constrain(x + inputs, execution.TOKENS_AXES)
-    y = layer_norm(c.dtype, c.param_dtype, epsilon=c.layer_norm_epsilon)(x)
+    y = execution.layer_norm(c.dtype, c.param_dtype, c.layer_norm_epsilon)(x)
     y = MlpBlock(**execution.shared_fields(c, MlpBlock))(y, deterministic=deterministic)
     if c.layerscale_init is not None:
       y = LayerScale(c.layerscale_init, c.param_dtype)(y)
@@ -257,8 +249,7 @@ class Encoder(nn.Module):
                          remat=c.remat, remat_policy=c.remat_policy, scan=c.scan, config=c)
     if c.fc_norm:  # timm's fc_norm: the LayerNorm comes after the pooling.
       return x
-    return layer_norm(c.dtype, c.param_dtype, name='encoder_norm',
-                       epsilon=c.layer_norm_epsilon)(x)
+    return execution.layer_norm(c.dtype, c.param_dtype, c.layer_norm_epsilon, 'encoder_norm')(x)
 
 
 class MAPHead(nn.Module):
@@ -282,7 +273,7 @@ class MAPHead(nn.Module):
         num_heads=self.num_heads, dtype=self.dtype, param_dtype=self.param_dtype,
         attention='xla', name='MultiHeadDotProductAttention_0',
     )(probe, inputs_kv=x, deterministic=True)
-    y = layer_norm(self.dtype, self.param_dtype, epsilon=self.layer_norm_epsilon)(x)
+    y = execution.layer_norm(self.dtype, self.param_dtype, self.layer_norm_epsilon)(x)
     x = x + MlpBlock(**execution.shared_fields(self, MlpBlock))(y, deterministic=True)
     return x[:, 0]
 
@@ -381,7 +372,7 @@ class VisionTransformer(nn.Module):
     elif self.classifier == 'gap':  # timm's 'avg': the registers are not averaged.
       x = jnp.mean(x[:, num_prefix:], axis=1)
       if self.fc_norm:
-        x = layer_norm(dtype, param_dtype, name='fc_norm', epsilon=self.layer_norm_epsilon)(x)
+        x = execution.layer_norm(dtype, param_dtype, self.layer_norm_epsilon, 'fc_norm')(x)
     else:  # 'map'
       x = MAPHead(name='MAPHead_0', **execution.shared_fields(config, MAPHead))(x[:, num_prefix:])
 
