@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import math
 import os
-from typing import Any, Callable, Iterable, List, Mapping, Optional, Sequence, Set, Tuple
+from typing import Any, Callable, Iterable, List, Mapping, Optional, Sequence, Tuple
 
 from absl import logging
 import jax
@@ -109,19 +109,11 @@ def fill_regime(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   """A copy of `config` (`switch_regime`'s), every None regime field (`loss`,
   `model.head_bias_init`, `optim.*`) set from `REGIME_DEFAULTS[config.regime]`. ConfigError: an
   unknown regime."""
-  return _fill_regime(config)[0]
-
-
-def _fill_regime(config: ml_collections.ConfigDict) -> Tuple[ml_collections.ConfigDict,
-                                                            Set[str]]:
-  """`fill_regime`, and the names of the fields it filled."""
   config = switch_regime(config)
-  filled = set()
   for key, section, _, value in _regime_fields(config):
     if section.get(key) is None:
       section[key] = value
-      filled.add(key)
-  return config, filled
+  return config
 
 
 def num_train_steps(config: ml_collections.ConfigDict, num_train_examples: int) -> int:
@@ -462,7 +454,10 @@ def resolve(config: ml_collections.ConfigDict, *, num_train_examples: int, num_c
   devices = list(jax.devices() if devices is None else devices)
   _check_slice(config, len(devices))
   sharding.check_slices(config.mesh, devices)  # config.mesh.dcn_data: the slices found.
-  config, filled = _fill_regime(config)
+  config = switch_regime(config)  # A warm-up the regime fills may be shortened (_resolve_schedule).
+  optim_config = config.optim
+  regime_warmup = optim_config.get("warmup_steps", 0) is None and optim_config.warmup_epochs is None
+  config = fill_regime(config)
   keys.check(config, defaults.RUN_KEYS)
   for name, (section_keys, _) in defaults.SECTIONS.items():
     if name != "fewshot" and name in config:  # `resolve_fewshot` checks and normalises.
@@ -486,8 +481,7 @@ def resolve(config: ml_collections.ConfigDict, *, num_train_examples: int, num_c
   if host:  # Before the schedule, whose length the batch sets.
     check_host_limits(config, num_train_examples=num_train_examples,
                       process_count=jax.process_count(), unit=config.grad_accum_steps * shards)
-  _resolve_schedule(config, num_train_examples,
-                    regime_warmup="warmup_steps" in filled and config.optim.warmup_epochs is None)
+  _resolve_schedule(config, num_train_examples, regime_warmup)
   _resolve_finetune_controls(config)
   if config.eval_batch_size is None:
     config.eval_batch_size = config.batch_size
