@@ -145,12 +145,9 @@ def self_attention(x: Array, projections: Sequence[Tuple[Array, Optional[Array]]
   x_kv = x if x_kv is None else x_kv.astype(dtype)
   projected = []
   for t, (k, b) in zip((x, x_kv, x_kv), projections):
-    if b is None:
-      bias = 0
-    elif layout == 'bhnk':
-      bias = b.astype(dtype)[:, None, :]
-    else:
-      bias = b.astype(dtype)
+    bias = 0 if b is None else b.astype(dtype)
+    if b is not None and layout == 'bhnk':  # [heads, 1, Dh]: broadcast over the tokens.
+      bias = bias[:, None]
     projected.append(jnp.einsum(f'bnd,dhk->{layout}', t, k.astype(dtype)) + bias)
   query, key, value = projected
   if qk_norm is not None:
@@ -213,11 +210,10 @@ class MultiHeadDotProductAttention(nn.Module):
     dropout = self.dropout_rate > 0.0 and not deterministic
     rng = self.make_rng('dropout') if dropout else None  # None: no dropout.
     weights_fn = sow_weights(self) if capturing(self) else None
-    x_kv = None if inputs_kv is None else inputs_kv.astype(self.dtype)
     y, layout = self_attention(
         x, projections, implementation=self.attention, logits_scale=1.0 / math.sqrt(head_dim),
         scale_query=True, dropout_rate=self.dropout_rate, dropout_rng=rng,
-        weights_fn=weights_fn, x_kv=x_kv, qk_norm=self._qk_norm())
+        weights_fn=weights_fn, x_kv=inputs_kv, qk_norm=self._qk_norm())
     kernel, bias = _Projection((heads, head_dim, width), ('heads', 'kv', 'embed'), (width,),
                                ('embed',), fan_in_axes=2, param_dtype=self.param_dtype,
                                name='out')()

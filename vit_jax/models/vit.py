@@ -16,7 +16,6 @@ The variants' parameters (hybrid stem, 'map' head, timm's fields, ``scan=True``'
 
 from __future__ import annotations
 
-import math
 from typing import Any, Optional, Tuple, Union
 
 import flax.linen as nn
@@ -132,8 +131,8 @@ class AddPositionEmbs(nn.Module):
             f'embedding when loading for fine-tuning.')
       if existing[1] != shape[1]:
         rows = existing[1] - prefix
-        side = math.isqrt(max(rows, 0))
-        if self.table_grid or not side or side * side != rows:
+        side = resample.square_side(rows)
+        if self.table_grid or side is None:
           what = (f'posemb_grid={tuple(self.table_grid)}' if self.table_grid else
                   f'the {gh}x{gw} grid of the input, nor a square')
           raise ValueError(
