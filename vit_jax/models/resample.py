@@ -87,21 +87,15 @@ def resize_grid(grid, new_hw: Sequence[int], method: str):
   h, w = grid.shape[:2]
   wy = resize_matrix(h, new_h, method)
   wx = resize_matrix(w, new_w, method)
-  if isinstance(grid, np.ndarray):
-    out = grid.astype(np.float64)
-    if new_h != h:
-      out = np.tensordot(wy, out, axes=(1, 0))
-    if new_w != w:
-      out = np.moveaxis(np.tensordot(wx, out, axes=(1, 1)), 0, 1)
-    return out.astype(grid.dtype)
-  dtype = jnp.promote_types(grid.dtype, jnp.float32)
+  numpy = isinstance(grid, np.ndarray)
+  xp = np if numpy else jnp
+  dtype = np.float64 if numpy else jnp.promote_types(grid.dtype, jnp.float32)
+  precision = {} if numpy else {'precision': jax.lax.Precision.HIGHEST}
   out = grid.astype(dtype)
-  highest = jax.lax.Precision.HIGHEST
   if new_h != h:
-    out = jnp.tensordot(jnp.asarray(wy, dtype), out, axes=(1, 0), precision=highest)
+    out = xp.tensordot(wy.astype(dtype), out, axes=(1, 0), **precision)
   if new_w != w:
-    out = jnp.moveaxis(jnp.tensordot(jnp.asarray(wx, dtype), out, axes=(1, 1),
-                                     precision=highest), 0, 1)
+    out = xp.moveaxis(xp.tensordot(wx.astype(dtype), out, axes=(1, 1), **precision), 0, 1)
   return out.astype(grid.dtype)
 
 
