@@ -201,14 +201,13 @@ def check_host_limits(config: ml_collections.ConfigDict, *, num_train_examples: 
   needed = local_batch * per_image * copies
   allowed = BATCH_MEMORY_SHARE * available_bytes
   if needed > allowed:
-    gib = 2.0**30
     size = config.data.image_size
     raise ConfigError(
-        "batch_size", batch, f"needs ~{needed / gib:.1f} GiB of host memory per process for its "
-        f"{copies} float32 batches of {size}x{size} images in flight (config.data.prefetch="
-        f"{config.data.prefetch} + {BATCHES_IN_FLIGHT}), more than {BATCH_MEMORY_SHARE:.0%} of "
-        f"the {available_bytes / gib:.1f} GiB available: the run would be killed for lack of "
-        "memory",
+        "batch_size", batch, f"needs ~{needed / hardware.GIB:.1f} GiB of host memory per "
+        f"process for its {copies} float32 batches of {size}x{size} images in flight "
+        f"(config.data.prefetch={config.data.prefetch} + {BATCHES_IN_FLIGHT}), more than "
+        f"{BATCH_MEMORY_SHARE:.0%} of the {available_bytes / hardware.GIB:.1f} GiB available: the "
+        "run would be killed for lack of memory",
         f"set config.batch_size={fitting(int(allowed // (per_image * copies)))} or less, or "
         "lower config.data.prefetch.")
   _check_position_table(config.model, config.ema_decay, available_bytes)
@@ -236,14 +235,13 @@ def _check_position_table(model: ml_collections.ConfigDict, ema_decay: float,
     return
   prefix = rows - math.prod(grid)
   side = math.isqrt(max(available_bytes // (width * per_param) - prefix, 0))
-  gib = 2.0**30
   ema = " and the EMA" if ema_decay else ""
   raise ConfigError(
       "model.posemb_grid", tuple(grid),
       f"makes a learned position table of {rows:,} x {width} parameters whose training state "
       f"({per_param} B each: the float32 parameter, its gradient, the optimizer's moments"
-      f"{ema}) needs ~{needed / gib:,.1f} GiB, more than the "
-      f"{available_bytes / gib:.1f} GiB of memory available on this host",
+      f"{ema}) needs ~{needed / hardware.GIB:,.1f} GiB, more than the "
+      f"{available_bytes / hardware.GIB:.1f} GiB of memory available on this host",
       f"set config.model.posemb_grid to the token grid of the table to load (at most ({side}, "
       f"{side}) here; e.g. (14, 14) for 224 px at patch 16), or leave it out (the images' grid).")
 
