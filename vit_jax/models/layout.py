@@ -17,8 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 #: The scanned block subtrees (unrolled: ``f'{prefix}_{i}'``) of ViT and T2T-ViT.
-BLOCK_PREFIX = 'encoderblock'
-BLOCK_PREFIXES = (BLOCK_PREFIX, 'blocks')
+BLOCK_PREFIXES = ('encoderblock', 'blocks')
 
 
 def dict_keys(path) -> tuple[str, ...]:

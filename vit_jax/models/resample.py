@@ -13,11 +13,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-#: Interpolations of :func:`resize_matrix`: 'linear_corners' the official fine-tuning resize
-#: (``scipy.ndimage.zoom(order=1)``: bilinear, the corner samples aligned); 'bicubic' and
-#: 'bicubic_antialias' torch's ``F.interpolate(mode='bicubic', align_corners=False,
-#: antialias=False / True)``, timm's ``resample_abs_pos_embed`` and ``resample_patch_embed``
-#: (their default: antialias).
+#: Interpolations of :func:`resize_matrix` (each one's source there): the official fine-tuning
+#: resize, and torch's bicubic without and with antialias (timm's resampling; its default: with).
 RESIZE_METHODS = ('linear_corners', 'bicubic', 'bicubic_antialias')
 
 
@@ -34,12 +31,13 @@ def resize_matrix(old: int, new: int, method: str) -> np.ndarray:
   ``[new]`` by ``method`` (:data:`RESIZE_METHODS`); each row sums to 1.
 
   'linear_corners': sample ``i`` at ``i (old - 1) / (new - 1)`` (0 for ``new=1``), linear
-  between the two nearest (scipy's zoom, which in its default mode returns 0 where the product
-  rounds past the last sample, e.g. 32 -> 16: clamped here). 'bicubic': torch's kernel (``a =
-  -0.75``) at the half-pixel centres ``(i + 0.5) old / new - 0.5``, indices clamped at the edges.
-  'bicubic_antialias': torch's antialiased (PIL) filter: ``a = -0.5``, widened by ``old / new``
-  when downsampling, the taps outside the input dropped and the rest renormalised. ValueError:
-  an unknown method or a size < 1.
+  between the two nearest (``scipy.ndimage.zoom(order=1)``, which in its default mode returns 0
+  where the product rounds past the last sample, e.g. 32 -> 16: clamped here). 'bicubic':
+  torch's ``F.interpolate(mode='bicubic', align_corners=False)``: its kernel (``a = -0.75``) at
+  the half-pixel centres ``(i + 0.5) old / new - 0.5``, indices clamped at the edges.
+  'bicubic_antialias': the same with ``antialias=True`` (PIL's filter): ``a = -0.5``, widened by
+  ``old / new`` when downsampling, the taps outside the input dropped and the rest renormalised.
+  ValueError: an unknown method or a size < 1.
   """
   if method not in RESIZE_METHODS:
     raise ValueError(f'Unknown resize method {method!r}: use one of {RESIZE_METHODS}.')
