@@ -52,9 +52,7 @@ TOKENS_AXES = ('batch', 'length', 'embed')
 
 def constrain(x: Array, names: Tuple[Optional[str], ...]) -> Array:
   """``nn.with_logical_constraint(x, names)`` when the ranks agree (a no-op without rules)."""
-  if x.ndim != len(names):
-    return x
-  return nn.with_logical_constraint(x, names)
+  return nn.with_logical_constraint(x, names) if x.ndim == len(names) else x
 
 
 def layer_norm(dtype: Any, param_dtype: Any, epsilon: float, name: Optional[str] = None,
