@@ -1,5 +1,5 @@
-"""How the blocks of both families run (remat, scan, logical constraints), and the input checks
-and errors both families share."""
+"""How the blocks of both families run (remat, scan, logical constraints), and the input checks,
+errors and LayerNorm both families share."""
 
 from __future__ import annotations
 
