@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import math
 import os
-from typing import Any, Callable, Iterable, List, Mapping, Optional, Sequence, Set, Tuple
+from typing import Any, Callable, Iterable, List, Mapping, Optional, Sequence, Tuple
 
 from absl import logging
 import jax
@@ -109,19 +109,11 @@ def fill_regime(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   """A copy of `config` (`switch_regime`'s), every None regime field (`loss`,
   `model.head_bias_init`, `optim.*`) set from `REGIME_DEFAULTS[config.regime]`. ConfigError: an
   unknown regime."""
-  return _fill_regime(config)[0]
-
-
-def _fill_regime(config: ml_collections.ConfigDict) -> Tuple[ml_collections.ConfigDict,
-                                                            Set[str]]:
-  """`fill_regime`, and the names of the fields it filled."""
   config = switch_regime(config)
-  filled = set()
   for key, section, _, value in _regime_fields(config):
     if section.get(key) is None:
       section[key] = value
-      filled.add(key)
-  return config, filled
+  return config
 
 
 def num_train_steps(config: ml_collections.ConfigDict, num_train_examples: int) -> int:
@@ -209,14 +201,13 @@ def check_host_limits(config: ml_collections.ConfigDict, *, num_train_examples: 
   needed = local_batch * per_image * copies
   allowed = BATCH_MEMORY_SHARE * available_bytes
   if needed > allowed:
-    gib = 2.0**30
     size = config.data.image_size
     raise ConfigError(
-        "batch_size", batch, f"needs ~{needed / gib:.1f} GiB of host memory per process for its "
-        f"{copies} float32 batches of {size}x{size} images in flight (config.data.prefetch="
-        f"{config.data.prefetch} + {BATCHES_IN_FLIGHT}), more than {BATCH_MEMORY_SHARE:.0%} of "
-        f"the {available_bytes / gib:.1f} GiB available: the run would be killed for lack of "
-        "memory",
+        "batch_size", batch, f"needs ~{needed / hardware.GIB:.1f} GiB of host memory per "
+        f"process for its {copies} float32 batches of {size}x{size} images in flight "
+        f"(config.data.prefetch={config.data.prefetch} + {BATCHES_IN_FLIGHT}), more than "
+        f"{BATCH_MEMORY_SHARE:.0%} of the {available_bytes / hardware.GIB:.1f} GiB available: the "
+        "run would be killed for lack of memory",
         f"set config.batch_size={fitting(int(allowed // (per_image * copies)))} or less, or "
         "lower config.data.prefetch.")
   _check_position_table(config.model, config.ema_decay, available_bytes)
@@ -244,14 +235,13 @@ def _check_position_table(model: ml_collections.ConfigDict, ema_decay: float,
     return
   prefix = rows - math.prod(grid)
   side = math.isqrt(max(available_bytes // (width * per_param) - prefix, 0))
-  gib = 2.0**30
   ema = " and the EMA" if ema_decay else ""
   raise ConfigError(
       "model.posemb_grid", tuple(grid),
       f"makes a learned position table of {rows:,} x {width} parameters whose training state "
       f"({per_param} B each: the float32 parameter, its gradient, the optimizer's moments"
-      f"{ema}) needs ~{needed / gib:,.1f} GiB, more than the "
-      f"{available_bytes / gib:.1f} GiB of memory available on this host",
+      f"{ema}) needs ~{needed / hardware.GIB:,.1f} GiB, more than the "
+      f"{available_bytes / hardware.GIB:.1f} GiB of memory available on this host",
       f"set config.model.posemb_grid to the token grid of the table to load (at most ({side}, "
       f"{side}) here; e.g. (14, 14) for 224 px at patch 16), or leave it out (the images' grid).")
 
@@ -462,7 +452,10 @@ def resolve(config: ml_collections.ConfigDict, *, num_train_examples: int, num_c
   devices = list(jax.devices() if devices is None else devices)
   _check_slice(config, len(devices))
   sharding.check_slices(config.mesh, devices)  # config.mesh.dcn_data: the slices found.
-  config, filled = _fill_regime(config)
+  config = switch_regime(config)  # A warm-up the regime fills may be shortened (_resolve_schedule).
+  optim_config = config.optim
+  regime_warmup = optim_config.get("warmup_steps", 0) is None and optim_config.warmup_epochs is None
+  config = fill_regime(config)
   keys.check(config, defaults.RUN_KEYS)
   for name, (section_keys, _) in defaults.SECTIONS.items():
     if name != "fewshot" and name in config:  # `resolve_fewshot` checks and normalises.
@@ -486,8 +479,7 @@ def resolve(config: ml_collections.ConfigDict, *, num_train_examples: int, num_c
   if host:  # Before the schedule, whose length the batch sets.
     check_host_limits(config, num_train_examples=num_train_examples,
                       process_count=jax.process_count(), unit=config.grad_accum_steps * shards)
-  _resolve_schedule(config, num_train_examples,
-                    regime_warmup="warmup_steps" in filled and config.optim.warmup_epochs is None)
+  _resolve_schedule(config, num_train_examples, regime_warmup)
   _resolve_finetune_controls(config)
   if config.eval_batch_size is None:
     config.eval_batch_size = config.batch_size

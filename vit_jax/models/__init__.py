@@ -146,11 +146,9 @@ T2T_SIZES: Dict[int, Tuple[int, int, int, float]] = {
 
 
 def _t2t_config(match: re.Match) -> Dict[str, Any]:
-  transformer = match.group('t') is not None
-  depth_group = 't_depth' if transformer else 'depth'
-  size = int(match.group(depth_group))
+  size = int(match.group('t_depth') or match.group('depth'))  # T2T-ViT_t-{t_depth}, T2T-ViT-{depth}
   embed_dim, depth, heads, mlp_ratio = T2T_SIZES[size]
-  tokens_type = 'transformer' if transformer else 'performer'
+  tokens_type = 'performer' if match.group('t') is None else 'transformer'
   return dict(fields.defaults(t2t.T2T_FIELDS), embed_dim=embed_dim, depth=depth,
               num_heads=heads, mlp_ratio=mlp_ratio, tokens_type=tokens_type)
 

@@ -16,15 +16,13 @@ import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
 from vit_jax import kernels
+from vit_jax.models import execution
 
 Array = jax.Array
 Dtype = Any
 
 #: Values of the models' ``attention`` field.
 IMPLEMENTATIONS = ('xla', 'cudnn', *(k.NAME for k in kernels.ATTENTION))
-
-#: ``checkpoint_name``s of the projections (a fused kernel's stacked input: 'qkv'), for remat.
-QKV_NAMES = ('query', 'key', 'value', 'qkv')
 
 #: The Flax collection the models sow into, and the names they sow under.
 INTERMEDIATES = 'intermediates'
@@ -141,24 +139,22 @@ def self_attention(x: Array, projections: Sequence[Tuple[Array, Optional[Array]]
       qkv = qkv + jnp.stack([b.astype(dtype) for _, b in projections], axis=0)
     if qk_norm is not None:
       qkv = jnp.stack([qk_norm[0](qkv[:, :, 0]), qk_norm[1](qkv[:, :, 1]), qkv[:, :, 2]], axis=2)
-    qkv = checkpoint_name(qkv, QKV_NAMES[-1])
+    qkv = checkpoint_name(qkv, execution.QKV_NAMES[-1])
     return fused.attention(qkv, logits_scale=logits_scale), 'bnhk'
   layout = 'bnhk' if implementation == 'cudnn' else 'bhnk'
   x_kv = x if x_kv is None else x_kv.astype(dtype)
   projected = []
   for t, (k, b) in zip((x, x_kv, x_kv), projections):
-    if b is None:
-      bias = 0
-    elif layout == 'bhnk':
-      bias = b.astype(dtype)[:, None, :]
-    else:
-      bias = b.astype(dtype)
+    bias = 0 if b is None else b.astype(dtype)
+    if b is not None and layout == 'bhnk':  # [heads, 1, Dh]: broadcast over the tokens.
+      bias = bias[:, None]
     projected.append(jnp.einsum(f'bnd,dhk->{layout}', t, k.astype(dtype)) + bias)
   query, key, value = projected
   if qk_norm is not None:
     query, key = qk_norm[0](query), qk_norm[1](key)
-  # Named for the remat policy 'qkv_saveable' (vit_jax.models.execution), which keeps only these.
-  query, key, value = (checkpoint_name(t, n) for t, n in zip((query, key, value), QKV_NAMES))
+  # Named for the remat policy 'qkv_saveable', which keeps only these.
+  names = execution.QKV_NAMES
+  query, key, value = (checkpoint_name(t, n) for t, n in zip((query, key, value), names))
   if implementation == 'cudnn':
     return jax.nn.dot_product_attention(query, key, value, scale=logits_scale,
                                         implementation='cudnn'), layout
@@ -191,11 +187,7 @@ class MultiHeadDotProductAttention(nn.Module):
     """The ``query_ln`` and ``key_ln`` LayerNorms (with a bias, as timm's), or None."""
     if not self.qk_norm:
       return None
-    init = lambda f: nn.with_logical_partitioning(f, ('norm',))  # pylint: disable=g-long-lambda
-    return tuple(nn.LayerNorm(epsilon=self.layer_norm_epsilon, dtype=self.dtype,
-                              param_dtype=self.param_dtype,
-                              scale_init=init(nn.initializers.ones),
-                              bias_init=init(nn.initializers.zeros), name=name)
+    return tuple(execution.layer_norm(self.dtype, self.param_dtype, self.layer_norm_epsilon, name)
                  for name in ('query_ln', 'key_ln'))
 
   @nn.compact
@@ -218,11 +210,10 @@ class MultiHeadDotProductAttention(nn.Module):
     dropout = self.dropout_rate > 0.0 and not deterministic
     rng = self.make_rng('dropout') if dropout else None  # None: no dropout.
     weights_fn = sow_weights(self) if capturing(self) else None
-    x_kv = None if inputs_kv is None else inputs_kv.astype(self.dtype)
     y, layout = self_attention(
         x, projections, implementation=self.attention, logits_scale=1.0 / math.sqrt(head_dim),
         scale_query=True, dropout_rate=self.dropout_rate, dropout_rng=rng,
-        weights_fn=weights_fn, x_kv=x_kv, qk_norm=self._qk_norm())
+        weights_fn=weights_fn, x_kv=inputs_kv, qk_norm=self._qk_norm())
     kernel, bias = _Projection((heads, head_dim, width), ('heads', 'kv', 'embed'), (width,),
                                ('embed',), fan_in_axes=2, param_dtype=self.param_dtype,
                                name='out')()

@@ -1,5 +1,5 @@
-"""How the blocks of both families run (remat, scan, logical constraints), and the input checks
-and errors both families share."""
+"""How the blocks of both families run (remat, scan, logical constraints), and the input checks,
+errors and LayerNorm both families share."""
 
 from __future__ import annotations
 
@@ -11,7 +11,6 @@ import jax
 import jax.numpy as jnp
 
 from vit_jax import kernels
-from vit_jax.models import attention as attention_lib
 
 Array = jax.Array
 
@@ -21,6 +20,9 @@ Array = jax.Array
 #: those residuals). Memory and FLOPs of each: docs/pods.md.
 REMAT_POLICIES = ('nothing_saveable', 'qkv_saveable', 'dots_with_no_batch_dims_saveable',
                   'dots_and_attention_saveable', 'dots_saveable', 'everything_saveable')
+
+#: ``checkpoint_name``s of the attention's projections (a fused kernel's stacked input: 'qkv').
+QKV_NAMES = ('query', 'key', 'value', 'qkv')
 
 _KERNEL_RESIDUALS = tuple(name for k in kernels.ATTENTION for name in k.RESIDUAL_NAMES)
 
@@ -40,7 +42,7 @@ def _remat_policy(name: str) -> Callable[..., bool]:
         policies.dots_with_no_batch_dims_saveable,
         policies.save_only_these_names(*_KERNEL_RESIDUALS))
   if name == 'qkv_saveable':
-    return policies.save_only_these_names(*attention_lib.QKV_NAMES, *_KERNEL_RESIDUALS)
+    return policies.save_only_these_names(*QKV_NAMES, *_KERNEL_RESIDUALS)
   return getattr(policies, name)
 
 
@@ -50,9 +52,18 @@ TOKENS_AXES = ('batch', 'length', 'embed')
 
 def constrain(x: Array, names: Tuple[Optional[str], ...]) -> Array:
   """``nn.with_logical_constraint(x, names)`` when the ranks agree (a no-op without rules)."""
-  if x.ndim != len(names):
-    return x
-  return nn.with_logical_constraint(x, names)
+  return nn.with_logical_constraint(x, names) if x.ndim == len(names) else x
+
+
+def layer_norm(dtype: Any, param_dtype: Any, epsilon: float, name: Optional[str] = None,
+               fast_variance: bool = True) -> nn.LayerNorm:
+  """A LayerNorm in ``dtype`` (``fast_variance`` False: the two-pass variance, as PyTorch), its
+  parameters on the logical axis 'norm'."""
+  return nn.LayerNorm(epsilon=epsilon, use_fast_variance=fast_variance, dtype=dtype,
+                      param_dtype=param_dtype,
+                      scale_init=nn.with_logical_partitioning(nn.initializers.ones, ('norm',)),
+                      bias_init=nn.with_logical_partitioning(nn.initializers.zeros, ('norm',)),
+                      name=name)
 
 
 def check_images(model: nn.Module, inputs: Array) -> Tuple[Any, Any]:

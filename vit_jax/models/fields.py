@@ -68,15 +68,17 @@ def one_of(choices: Tuple[Any, ...]) -> Check:
   return check
 
 
-def positive_int(allow_none: bool = False) -> Check:
-  """The check that a value is an int > 0 (not a bool), or None with ``allow_none``."""
+def positive(kind: type = int, allow_none: bool = False) -> Check:
+  """The check that a value is > 0 and an int (``kind`` float: an int or a float), never a bool;
+  or None with ``allow_none``."""
+  types, word = ((int, float), 'number') if kind is float else ((int,), 'int')
 
   def check(name: str, value: Any) -> None:
     if value is None and allow_none:
       return
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+    if isinstance(value, bool) or not isinstance(value, types) or value <= 0:
       extra = ' or None' if allow_none else ''
-      raise ValueError(f'{name} must be a positive int{extra}, got {value!r}')
+      raise ValueError(f'{name} must be a positive {word}{extra}, got {value!r}')
 
   return check
 
@@ -100,21 +102,16 @@ def float_dtype(name: str, value: Any) -> None:
                      f'got {value!r}')
 
 
-def check(declared: Iterable[Field], values: Mapping[str, Any]) -> None:
-  """Each declared field's ``check`` of its value in ``values`` (its default where absent)."""
-  for field in declared:
-    if field.check is not None:
-      field.check(field.name, values.get(field.name, field.default))
-
-
 def validate(declared: Tuple[Field, ...], config: Mapping[str, Any], num_classes: Any) -> None:
   """TypeError naming the ``declared`` required fields ``config`` lacks; ValueError: a bad
-  ``num_classes`` or field value (:func:`check`)."""
+  ``num_classes`` or field value (each field's ``check``, of its default where absent)."""
   missing = [k for k in required(declared) if k not in config]
   if missing:
     raise TypeError(f'validate_config() needs the fields {missing}')
-  positive_int(allow_none=True)('num_classes', num_classes)
-  check(declared, config)
+  positive(allow_none=True)('num_classes', num_classes)
+  for field in declared:
+    if field.check is not None:
+      field.check(field.name, config.get(field.name, field.default))
 
 
 #: How the blocks run, in every family: not in the weights, never in a checkpoint's fields.

@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from vit_jax.models import attention as attention_lib
+from vit_jax.models import execution
 from vit_jax.models import layout as layout_lib
 from vit_jax.models import t2t
 from vit_jax.models import vit
@@ -201,5 +202,5 @@ def final_norm(model: Any, params: Mapping[str, Any], tokens: Array) -> Array:
     return t2t.layer_norm('norm', dtype, param_dtype).apply({'params': params['norm']}, tokens)
   if model.fc_norm:
     return tokens
-  norm = vit.layer_norm(dtype, param_dtype, epsilon=model.layer_norm_epsilon)
+  norm = execution.layer_norm(dtype, param_dtype, model.layer_norm_epsilon)
   return norm.apply({'params': params['Transformer']['encoder_norm']}, tokens)

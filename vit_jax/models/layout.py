@@ -17,8 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 #: The scanned block subtrees (unrolled: ``f'{prefix}_{i}'``) of ViT and T2T-ViT.
-BLOCK_PREFIX = 'encoderblock'
-BLOCK_PREFIXES = (BLOCK_PREFIX, 'blocks')
+BLOCK_PREFIXES = ('encoderblock', 'blocks')
 
 
 def dict_keys(path) -> tuple[str, ...]:
@@ -149,10 +148,9 @@ def unscan_params(params: Any, *, prefix: Optional[str] = None) -> dict:
     return out
 
   def split_blocks(node, out, prefix):
-    stacked = node[prefix]
     if block_indices(node, prefix):
       raise ValueError(f'Tree has both {prefix!r} and {prefix}_{{i}} entries; cannot unscan it')
-    stacked = to_dict(stacked)
+    stacked = to_dict(node[prefix])
     leaves = jax.tree.leaves(stacked)
     lengths = {np.shape(x)[0] if np.ndim(x) else None for x in leaves}
     if len(lengths) != 1 or None in lengths:

@@ -13,11 +13,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-#: Interpolations of :func:`resize_matrix`: 'linear_corners' the official fine-tuning resize
-#: (``scipy.ndimage.zoom(order=1)``: bilinear, the corner samples aligned); 'bicubic' and
-#: 'bicubic_antialias' torch's ``F.interpolate(mode='bicubic', align_corners=False,
-#: antialias=False / True)``, timm's ``resample_abs_pos_embed`` and ``resample_patch_embed``
-#: (their default: antialias).
+#: Interpolations of :func:`resize_matrix` (each one's source there): the official fine-tuning
+#: resize, and torch's bicubic without and with antialias (timm's resampling; its default: with).
 RESIZE_METHODS = ('linear_corners', 'bicubic', 'bicubic_antialias')
 
 
@@ -34,12 +31,13 @@ def resize_matrix(old: int, new: int, method: str) -> np.ndarray:
   ``[new]`` by ``method`` (:data:`RESIZE_METHODS`); each row sums to 1.
 
   'linear_corners': sample ``i`` at ``i (old - 1) / (new - 1)`` (0 for ``new=1``), linear
-  between the two nearest (scipy's zoom, which in its default mode returns 0 where the product
-  rounds past the last sample, e.g. 32 -> 16: clamped here). 'bicubic': torch's kernel (``a =
-  -0.75``) at the half-pixel centres ``(i + 0.5) old / new - 0.5``, indices clamped at the edges.
-  'bicubic_antialias': torch's antialiased (PIL) filter: ``a = -0.5``, widened by ``old / new``
-  when downsampling, the taps outside the input dropped and the rest renormalised. ValueError:
-  an unknown method or a size < 1.
+  between the two nearest (``scipy.ndimage.zoom(order=1)``, which in its default mode returns 0
+  where the product rounds past the last sample, e.g. 32 -> 16: clamped here). 'bicubic':
+  torch's ``F.interpolate(mode='bicubic', align_corners=False)``: its kernel (``a = -0.75``) at
+  the half-pixel centres ``(i + 0.5) old / new - 0.5``, indices clamped at the edges.
+  'bicubic_antialias': the same with ``antialias=True`` (PIL's filter): ``a = -0.5``, widened by
+  ``old / new`` when downsampling, the taps outside the input dropped and the rest renormalised.
+  ValueError: an unknown method or a size < 1.
   """
   if method not in RESIZE_METHODS:
     raise ValueError(f'Unknown resize method {method!r}: use one of {RESIZE_METHODS}.')
@@ -87,21 +85,15 @@ def resize_grid(grid, new_hw: Sequence[int], method: str):
   h, w = grid.shape[:2]
   wy = resize_matrix(h, new_h, method)
   wx = resize_matrix(w, new_w, method)
-  if isinstance(grid, np.ndarray):
-    out = grid.astype(np.float64)
-    if new_h != h:
-      out = np.tensordot(wy, out, axes=(1, 0))
-    if new_w != w:
-      out = np.moveaxis(np.tensordot(wx, out, axes=(1, 1)), 0, 1)
-    return out.astype(grid.dtype)
-  dtype = jnp.promote_types(grid.dtype, jnp.float32)
+  numpy = isinstance(grid, np.ndarray)
+  xp = np if numpy else jnp
+  dtype = np.float64 if numpy else jnp.promote_types(grid.dtype, jnp.float32)
+  precision = {} if numpy else {'precision': jax.lax.Precision.HIGHEST}
   out = grid.astype(dtype)
-  highest = jax.lax.Precision.HIGHEST
   if new_h != h:
-    out = jnp.tensordot(jnp.asarray(wy, dtype), out, axes=(1, 0), precision=highest)
+    out = xp.tensordot(wy.astype(dtype), out, axes=(1, 0), **precision)
   if new_w != w:
-    out = jnp.moveaxis(jnp.tensordot(jnp.asarray(wx, dtype), out, axes=(1, 1),
-                                     precision=highest), 0, 1)
+    out = xp.moveaxis(xp.tensordot(wx.astype(dtype), out, axes=(1, 1), **precision), 0, 1)
   return out.astype(grid.dtype)
 
 

@@ -56,11 +56,8 @@ _T2T_AXES: Axes = (None, 'tokens')
 
 
 def layer_norm(name: str, dtype: Dtype, param_dtype: Dtype) -> nn.LayerNorm:
-  """T2T-ViT's LayerNorm (PyTorch's epsilon and variance; parameters on the logical axis 'norm')."""
-  return nn.LayerNorm(epsilon=LAYERNORM_EPSILON, use_fast_variance=False, dtype=dtype,
-                      param_dtype=param_dtype,
-                      scale_init=_partitioned(nn.initializers.ones, ('norm',)),
-                      bias_init=_partitioned(nn.initializers.zeros, ('norm',)), name=name)
+  """T2T-ViT's LayerNorm: PyTorch's epsilon and two-pass variance."""
+  return execution.layer_norm(dtype, param_dtype, LAYERNORM_EPSILON, name, fast_variance=False)
 
 
 def _dense(features: int, name: str, dtype: Dtype, param_dtype: Dtype, axes: Axes,
@@ -412,34 +409,19 @@ class T2TViT(nn.Module):
     return x.astype(jnp.float32)
 
 
-def _positive_number(optional: bool = False) -> fields.Check:
-  """The check that a value is a number > 0 (or None with ``optional``)."""
-
-  def check(name: str, value: Any) -> None:
-    if not (value is None and optional) and (
-        isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0):
-      or_none = ' or None' if optional else ''
-      raise ValueError(f'{name} must be a positive number{or_none}, got {value!r}')
-
-  return check
-
-
 #: T2T-ViT's fields (:mod:`vit_jax.models.fields`), the reference's constructor names; the
 #: registry's defaults (drop_path_rate 0.1, the reference's training default).
 T2T_FIELDS: Tuple[Field, ...] = (
-    Field('embed_dim', REQUIRED, int, 'D, the backbone width', True,
-          check=fields.positive_int()),
-    Field('depth', REQUIRED, int, 'the backbone blocks', True, check=fields.positive_int()),
-    Field('num_heads', REQUIRED, int, "the backbone's attention heads",
-          check=fields.positive_int()),
+    Field('embed_dim', REQUIRED, int, 'D, the backbone width', True, check=fields.positive()),
+    Field('depth', REQUIRED, int, 'the backbone blocks', True, check=fields.positive()),
+    Field('num_heads', REQUIRED, int, "the backbone's attention heads", check=fields.positive()),
     Field('mlp_ratio', REQUIRED, float, "the backbone MLP's width over D", True,
-          check=_positive_number()),
-    Field('token_dim', 64, int, "the T2T module's token width", True,
-          check=fields.positive_int()),
+          check=fields.positive(float)),
+    Field('token_dim', 64, int, "the T2T module's token width", True, check=fields.positive()),
     Field('tokens_type', 'performer', str, f'the T2T module: one of {TOKENS_TYPES}', True,
           check=fields.one_of(TOKENS_TYPES)),
     Field('qk_scale', None, float, "the attention's scale (None: head size ** -0.5)",
-          check=_positive_number(optional=True)),
+          check=fields.positive(float, allow_none=True)),
     Field('drop_path_rate', 0.1, float, 'stochastic depth, rising linearly over the blocks',
           check=fields.rate),
     *fields.EXECUTION_FIELDS,

@@ -16,7 +16,6 @@ The variants' parameters (hybrid stem, 'map' head, timm's fields, ``scan=True``'
 
 from __future__ import annotations
 
-import math
 from typing import Any, Optional, Tuple, Union
 
 import flax.linen as nn
@@ -40,14 +39,6 @@ Dtype = Any
 MLP_HIDDEN_AXES = ('batch', 'length', 'mlp')
 
 _partitioned = nn.with_logical_partitioning
-
-
-def layer_norm(dtype: Dtype, param_dtype: Dtype, name: Optional[str] = None,
-               epsilon: float = LAYERNORM_EPSILON) -> nn.LayerNorm:
-  """The ViT's LayerNorm (parameters on the logical axis 'norm')."""
-  return nn.LayerNorm(epsilon=epsilon, dtype=dtype, param_dtype=param_dtype,
-                     scale_init=_partitioned(nn.initializers.ones, ('norm',)),
-                     bias_init=_partitioned(nn.initializers.zeros, ('norm',)), name=name)
 
 
 def posemb_sincos_2d(height: int, width: int, features: int, temperature: float = 10_000.0,
@@ -140,8 +131,8 @@ class AddPositionEmbs(nn.Module):
             f'embedding when loading for fine-tuning.')
       if existing[1] != shape[1]:
         rows = existing[1] - prefix
-        side = math.isqrt(max(rows, 0))
-        if self.table_grid or not side or side * side != rows:
+        side = resample.square_side(rows)
+        if self.table_grid or side is None:
           what = (f'posemb_grid={tuple(self.table_grid)}' if self.table_grid else
                   f'the {gh}x{gw} grid of the input, nor a square')
           raise ValueError(
@@ -212,7 +203,7 @@ class EncoderBlock(nn.Module):
   def __call__(self, inputs: Array, deterministic: bool):
     c = self.config
     inputs = execution.constrain(inputs, execution.TOKENS_AXES)
-    x = layer_norm(c.dtype, c.param_dtype, epsilon=c.layer_norm_epsilon)(inputs)
+    x = execution.layer_norm(c.dtype, c.param_dtype, c.layer_norm_epsilon)(inputs)
     attention_cls = attention_lib.MultiHeadDotProductAttention
     x = attention_cls(name='MultiHeadDotProductAttention_0', **execution.shared_fields(
         c, attention_cls, dropout_rate=c.attention_dropout_rate))(x, deterministic=deterministic)
@@ -220,7 +211,7 @@ class EncoderBlock(nn.Module):
     if c.layerscale_init is not None:
       x = LayerScale(c.layerscale_init, c.param_dtype)(x)
     x = execution.constrain(x + inputs, execution.TOKENS_AXES)
-    y = layer_norm(c.dtype, c.param_dtype, epsilon=c.layer_norm_epsilon)(x)
+    y = execution.layer_norm(c.dtype, c.param_dtype, c.layer_norm_epsilon)(x)
     y = MlpBlock(**execution.shared_fields(c, MlpBlock))(y, deterministic=deterministic)
     if c.layerscale_init is not None:
       y = LayerScale(c.layerscale_init, c.param_dtype)(y)
@@ -257,8 +248,7 @@ class Encoder(nn.Module):
                          remat=c.remat, remat_policy=c.remat_policy, scan=c.scan, config=c)
     if c.fc_norm:  # timm's fc_norm: the LayerNorm comes after the pooling.
       return x
-    return layer_norm(c.dtype, c.param_dtype, name='encoder_norm',
-                       epsilon=c.layer_norm_epsilon)(x)
+    return execution.layer_norm(c.dtype, c.param_dtype, c.layer_norm_epsilon, 'encoder_norm')(x)
 
 
 class MAPHead(nn.Module):
@@ -282,7 +272,7 @@ class MAPHead(nn.Module):
         num_heads=self.num_heads, dtype=self.dtype, param_dtype=self.param_dtype,
         attention='xla', name='MultiHeadDotProductAttention_0',
     )(probe, inputs_kv=x, deterministic=True)
-    y = layer_norm(self.dtype, self.param_dtype, epsilon=self.layer_norm_epsilon)(x)
+    y = execution.layer_norm(self.dtype, self.param_dtype, self.layer_norm_epsilon)(x)
     x = x + MlpBlock(**execution.shared_fields(self, MlpBlock))(y, deterministic=True)
     return x[:, 0]
 
@@ -381,7 +371,7 @@ class VisionTransformer(nn.Module):
     elif self.classifier == 'gap':  # timm's 'avg': the registers are not averaged.
       x = jnp.mean(x[:, num_prefix:], axis=1)
       if self.fc_norm:
-        x = layer_norm(dtype, param_dtype, name='fc_norm', epsilon=self.layer_norm_epsilon)(x)
+        x = execution.layer_norm(dtype, param_dtype, self.layer_norm_epsilon, 'fc_norm')(x)
     else:  # 'map'
       x = MAPHead(name='MAPHead_0', **execution.shared_fields(config, MAPHead))(x[:, num_prefix:])
 
