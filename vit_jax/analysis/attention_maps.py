@@ -165,9 +165,8 @@ def layer_class_token_maps(attentions: AttentionStack, grid: Any, *, num_prefix_
   :func:`rollout`, rows as :func:`class_token_map`)."""
   grid = as_pair(grid, 'grid')
   num_prefix_tokens = as_prefix(num_prefix_tokens)
-  layers = _layers(attentions)
   return np.stack([_token_maps(_fuse(layer, head_fusion), grid, num_prefix_tokens, num_registers,
-                               f'attentions[{i}]') for i, layer in enumerate(layers)])
+                               f'attentions[{i}]') for i, layer in enumerate(_layers(attentions))])
 
 
 def upsample(maps: Any, size: Any) -> np.ndarray:

@@ -193,17 +193,11 @@ def attention_distance_figure(distances: Any, *, image_size: Any, patch_size: An
   layers, heads = distances.shape
   fig = _new_figure(7.0, 4.5, dpi)
   ax = fig.add_subplot()
-  if heads <= 10:
-    palette = colormaps['tab10']
-  elif heads <= 20:
-    palette = colormaps['tab20']
-  else:
-    palette = colormaps['viridis']
+  palette = colormaps['tab10' if heads <= 10 else 'tab20' if heads <= 20 else 'viridis']
   depth = np.arange(1, layers + 1)
   for h in range(heads):
     shade = h if heads <= 20 else h / max(1, heads - 1)  # A listed colour, or along the map.
-    colour = palette(shade)
-    ax.scatter(depth, distances[:, h], s=14, color=colour, label=f'head {h + 1}')
+    ax.scatter(depth, distances[:, h], s=14, color=palette(shade), label=f'head {h + 1}')
   ax.set_xlabel('network depth (layer)')
   ax.set_ylabel('mean attention distance (pixels)')
   ax.set_xlim(0.5, layers + 0.5)

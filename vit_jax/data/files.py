@@ -29,12 +29,11 @@ def walk(folder: str, skipped_links: Optional[list] = None
       dirs[:] = sorted(d for d in dirs if not d.startswith('.'))
       yield root, dirs, names
     return
-  seen = set()
   try:
     info = os.stat(folder)
-    seen.add((info.st_dev, info.st_ino))
   except OSError:
     return
+  seen = {(info.st_dev, info.st_ino)}
   inside = os.path.join(os.path.realpath(folder), '')
   for root, dirs, names in os.walk(folder, followlinks=True):
     kept = []

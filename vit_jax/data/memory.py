@@ -4,7 +4,7 @@ buffers), estimated and logged at the start (the constants' measurements: docs/d
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional, Tuple
+from typing import Callable, Optional, Tuple
 
 from absl import logging
 import numpy as np
@@ -61,24 +61,14 @@ def estimate_shuffle_memory(data_cfg, source: sources.Source, split, num_example
   if decoded and hw is not None:
     image_bytes = hw[0] * hw[1] * 3
     sampled = 0
-  else:  # The bytes of the first `sample` images, decoded (uint8 H*W*3) or encoded.
-    ds = source.read(split, decode=decoded).take(sample).ignore_errors()
-    try:
-      sizes = [ex['image'].nbytes if decoded else len(ex['image'])
-               for ex in ds.as_numpy_iterator()]
-    except tf.errors.OpError:  # Unreadable: the pipeline itself will say why.
-      sizes = []
-    if sizes:
-      image_bytes = round(float(np.mean(sizes)))
-      sampled = len(sizes)
-    else:
-      image_bytes = 0
-      sampled = None
-  cache_elements = num_examples if cache else 0
+  else:  # Decoded (uint8 H*W*3) or encoded bytes.
+    mean, sampled = _mean_bytes(source, split, decoded, sample,
+                                lambda ex: ex['image'].nbytes if decoded else len(ex['image']))
+    image_bytes = round(mean)
   return ShuffleMemory(
       buffer_elements=min(int(data_cfg.shuffle_buffer), num_examples),
       bytes_per_element=image_bytes + ELEMENT_OVERHEAD_BYTES, decoded=decoded,
-      cache_elements=cache_elements, sampled=sampled)
+      cache_elements=num_examples if cache else 0, sampled=sampled)
 
 
 def estimate_in_memory(source: sources.Source, split, num_examples: int, *,
@@ -89,12 +79,21 @@ def estimate_in_memory(source: sources.Source, split, num_examples: int, *,
   hw = source.static_image_hw
   if hw is not None and not source.label.multi_label:
     return num_examples * (hw[0] * hw[1] * 3 + 8), 0
-  ds = source.read(split, decode=True).take(sample).ignore_errors()
+  mean, sampled = _mean_bytes(source, split, True, sample,
+                              lambda ex: ex['image'].nbytes + ex['label'].nbytes)
+  return round(num_examples * mean), sampled
+
+
+def _mean_bytes(source: sources.Source, split, decode: bool, sample: int,
+                size: Callable[[dict], int]) -> Tuple[float, Optional[int]]:
+  """``(mean size(example), examples read)`` over the first ``sample`` examples of ``split``;
+  ``(0, None)`` when none can be read (the pipeline itself will say why)."""
+  ds = source.read(split, decode=decode).take(sample).ignore_errors()
   try:
-    sizes = [ex['image'].nbytes + ex['label'].nbytes for ex in ds.as_numpy_iterator()]
-  except tf.errors.OpError:  # Unreadable: the pipeline itself will say why.
+    sizes = [size(ex) for ex in ds.as_numpy_iterator()]
+  except tf.errors.OpError:
     sizes = []
-  return (round(num_examples * float(np.mean(sizes))), len(sizes)) if sizes else (0, None)
+  return (float(np.mean(sizes)), len(sizes)) if sizes else (0., None)
 
 
 def _size(n: float) -> str:

@@ -141,7 +141,6 @@ def _close_live_iterators() -> None:
 #: How the training split is read (:func:`train_read_mode`); a run's dataset record keeps it.
 BY_INDEX = 'by_index'
 IN_ORDER = 'in_order'
-_MODES = (BY_INDEX, IN_ORDER)
 
 
 def _train_split(data_cfg, pi: int, pc: int) -> sources.SplitArg:
@@ -159,7 +158,7 @@ def train_read_mode(data_cfg, recorded: Optional[str] = None, *,
   pi = jax.process_index() if process_index is None else process_index
   pc = jax.process_count() if process_count is None else process_count
   source = sources.get_source(data_cfg)
-  if recorded is not None and recorded not in _MODES:
+  if recorded is not None and recorded not in (BY_INDEX, IN_ORDER):
     raise ValueError(f'The dataset record of the checkpoint to resume says "read": '
                      f'{json.dumps(recorded)}; the modes are "{BY_INDEX}" and "{IN_ORDER}". '
                      "Restore the record (the step's dataset item, or dataset.json), or start a "

@@ -83,11 +83,10 @@ def normalize(image: tf.Tensor, normalization: str) -> tf.Tensor:
     return image / 127.5 - 1.
   if normalization == 'imagenet':
     image = tf.convert_to_tensor(image)
-    mean = tf.constant(IMAGENET_MEAN)
-    std = tf.constant(IMAGENET_STD)
-    if image.shape[-3:].is_fully_defined():  # Full-size constants: TF broadcasts [3] slowly.
-      mean = tf.constant(np.broadcast_to(np.float32(IMAGENET_MEAN), image.shape[-3:]))
-      std = tf.constant(np.broadcast_to(np.float32(IMAGENET_STD), image.shape[-3:]))
+    # Full-size constants where the shape is known: TF broadcasts [3] slowly.
+    shape = image.shape[-3:] if image.shape[-3:].is_fully_defined() else [3]
+    mean = tf.constant(np.broadcast_to(np.float32(IMAGENET_MEAN), shape))
+    std = tf.constant(np.broadcast_to(np.float32(IMAGENET_STD), shape))
     return (image / 255. - mean) / std
   raise ValueError(f'Unknown config.data.normalization={normalization!r}; '
                    "use 'minus_one_to_one' or 'imagenet'.")

@@ -33,9 +33,8 @@ class TrainMaps:
       image = self.source.decode(ex['image'], self.encoded) if self.encoded else ex['image']
     else:
       seed = preprocess.fold_in(self.augment_key, i)
-      augment_seed = seed if self.data_cfg.augment != 'none' else None
       image = preprocess.train_image(
-          ex['image'], encoded=self.encoded, seed=augment_seed,
+          ex['image'], encoded=self.encoded, seed=seed,
           size=self.data_cfg.image_size, augment=self.data_cfg.augment,
           min_area=self.data_cfg.inception_crop_min_area, normalization=None,
           pad_pixels=self.data_cfg.pad_crop_pixels)

@@ -375,16 +375,14 @@ class Evaluator:
     l2 values and no held-out example) or `evaluation.Stopped` (`stop()` was true).
     """
     results = []
+    stop = stop or (lambda: False)
     for task in self.tasks:
-      train_ds = task.train
-      test_ds = task.test
-      if stop is not None:
-        train_ds = evaluation.Stoppable(train_ds, stop)
-        test_ds = evaluation.Stoppable(test_ds, stop)
-      pool = features_lib.collect(self.featurizer, variables, train_ds,
-                                  num_classes=task.num_classes, per_class=self.train_per_class)
-      test = features_lib.collect(self.featurizer, variables, test_ds,
-                                  num_classes=task.num_classes, max_examples=self.max_eval_examples)
+      pool = features_lib.collect(
+          self.featurizer, variables, evaluation.Stoppable(task.train, stop),
+          num_classes=task.num_classes, per_class=self.train_per_class)
+      test = features_lib.collect(
+          self.featurizer, variables, evaluation.Stoppable(task.test, stop),
+          num_classes=task.num_classes, max_examples=self.max_eval_examples)
       try:
         shots = evaluate_features(pool.features, pool.labels, test.features, test.labels,
                                   num_classes=task.num_classes, shots=self.shots,

@@ -386,11 +386,9 @@ _OPS.update({f'{name}Increasing': (level, _OPS[name][1]) for name, level in (
 OP_NAMES = tuple(_OPS)  # Every op `apply_op` knows (the union of both RandAugment lists).
 
 
-def _level(name: str, magnitude: tf.Tensor, sign: tf.Tensor) -> tf.Tensor:
+def _level(name: str, magnitude: tf.Tensor, sign: tf.Tensor) -> Optional[tf.Tensor]:
   level_fn = _OPS[name][0]
-  if level_fn is None:
-    return tf.zeros([], tf.float64)  # Unused.
-  return level_fn(magnitude, sign)
+  return None if level_fn is None else level_fn(magnitude, sign)
 
 
 @stateless.no_autograph
@@ -399,8 +397,6 @@ def level_to_arg(name: str, magnitude: Number, seed: tf.Tensor) -> Optional[tf.T
   their sign from ``seed``), None for AutoContrast, Equalize, Invert. ValueError: unknown op."""
   if name not in _OPS:
     raise ValueError(f'Unknown augmentation op {name!r}; known: {OP_NAMES}.')
-  if _OPS[name][0] is None:
-    return None
   return _level(name, tf.cast(magnitude, tf.float64), _sign(stateless.uniform(seed)))
 
 

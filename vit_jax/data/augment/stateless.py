@@ -22,9 +22,9 @@ def split(seed: tf.Tensor, num: int):
   return tf.unstack(tf.random.experimental.stateless_split(seed, num))
 
 
-def uniform(seed: tf.Tensor, dtype=tf.float64) -> tf.Tensor:
-  """Scalar uniform in [0, 1)."""
-  return tf.random.stateless_uniform([], seed=seed, dtype=dtype)
+def uniform(seed: tf.Tensor) -> tf.Tensor:
+  """Scalar float64 uniform in [0, 1)."""
+  return tf.random.stateless_uniform([], seed=seed, dtype=tf.float64)
 
 
 def randint(seed: tf.Tensor, low, high) -> tf.Tensor:
