@@ -16,6 +16,7 @@ cannot be exported); 1 a failure while writing. OUT is written beside and moved 
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import shutil
@@ -24,7 +25,9 @@ from typing import Any, Dict, Optional, Sequence, Tuple
 
 import numpy as np
 
+from vit_jax import storage
 from vit_jax.tools import common
+from vit_jax.tools import eval_report
 
 #: The files of OUT: the serialized ``jax.export.Exported`` and its serving description.
 ARTIFACT = 'model.jax_export'
@@ -70,7 +73,6 @@ def parse_platforms(text: str) -> Tuple[str, ...]:
 
 def _refused_out(args) -> Optional[Exception]:
   """The error for an OUT that exists (without --overwrite) or is, holds or is in SOURCE."""
-  from vit_jax import storage  # pylint: disable=g-import-not-at-top
   out = args.out
   if storage.is_remote(out) or storage.is_remote(args.source):
     return None  # Checked by write() (gs://: after the set-up, which can read a bucket).
@@ -167,7 +169,6 @@ def describe(trained: Any, exported: Any, config: Any, input_dtype: str) -> Dict
   and the model (its name and fields as exported)."""
   import jax  # pylint: disable=g-import-not-at-top
   from vit_jax.data import preprocess  # pylint: disable=g-import-not-at-top
-  from vit_jax.tools import eval_report  # pylint: disable=g-import-not-at-top
   data, size = config.data, trained.image_size
   batch = exported.in_avals[0].shape[0]
   batch = batch if isinstance(batch, int) else str(batch)  # 'B': symbolic.
@@ -216,8 +217,6 @@ def describe(trained: Any, exported: Any, config: Any, input_dtype: str) -> Dict
 def write(out: str, blob: bytes, spec: Dict[str, Any]) -> None:
   """Writes OUT (a directory: :data:`ARTIFACT`, :data:`SPEC`) beside and moves it into place,
   replacing one there; ``gs://``: each object whole, the artifact first. Raises OSError."""
-  import json  # pylint: disable=g-import-not-at-top
-  from vit_jax import storage  # pylint: disable=g-import-not-at-top
   from vit_jax.checkpoint import durable  # pylint: disable=g-import-not-at-top
   text = json.dumps(spec, indent=1) + '\n'
   if storage.is_remote(out):
@@ -262,7 +261,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                             input_dtype=args.input_dtype, batch_size=args.batch_size)
   blob = exported.serialize()
   spec = describe(trained, exported, config, args.input_dtype)
-  from vit_jax import storage  # pylint: disable=g-import-not-at-top
   if storage.exists(args.out) and not args.overwrite:  # Made while exporting.
     raise _exists(args.out)
   with common.output_errors():
