@@ -251,10 +251,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   error = _precheck(args)
   if error is not None:
     raise error
-  from vit_jax import checkpoint  # pylint: disable=g-import-not-at-top  (JAX: after --help)
-  from vit_jax.tools import convert  # pylint: disable=g-import-not-at-top
-  with common.input_errors(checkpoint.WorkdirInUseError):
-    convert.refuse_running_workdir(args.out)  # --overwrite would replace a live run's files.
+  from vit_jax.tools import convert  # pylint: disable=g-import-not-at-top  (JAX: after --help)
+  convert.refuse_running_workdir(args.out)  # --overwrite would replace a live run's files.
   trained = common.load_source(args)
   check_size(trained)
   exported, config = export(trained, platforms=parse_platforms(args.platforms),

@@ -285,16 +285,14 @@ def run(config, accelerator: str, *, suggest: bool = True, eval_step: bool = Tru
     return 0
   result = checker(config)
   say(format_result(result))
-  if result.fits:
-    say(f"FITS: peak {_size(result.peak)} per device of {_size(result.slice.hbm_bytes)}.")
-  else:
-    say(f"DOES NOT FIT: {result.refused.verdict}")
   report = report_json(result)
   if result.fits:
+    say(f"FITS: peak {_size(result.peak)} per device of {_size(result.slice.hbm_bytes)}.")
     if faster and estimate:
       _faster(config, result, checker, report, say)
     _write_json(json_path, report, out)
     return 0
+  say(f"DOES NOT FIT: {result.refused.verdict}")
   if suggest:
     say("Compiling smaller changes, in order (bfloat16, accumulation, FSDP, remat, batch; then "
         "the eval batch):")
