@@ -148,8 +148,7 @@ def written_arrays(variables: Dict[str, Any], dst: str) -> Dict[str, Dict[str, T
 
 def refuse_running_workdir(dst: str) -> None:
   """Raises ValueError when ``dst`` is, or is inside, the workdir of a live training run
-  (``WorkdirLock.live_holder``: a killed run's lock holds nothing): only that run writes there;
-  a workdir replaced under it loses its checkpoints while it goes on."""
+  (``WorkdirLock.live_holder``: a killed run's lock holds nothing)."""
   directories = storage.parents(dst)
   for directory in directories:
     holder = checkpoint.WorkdirLock(directory).live_holder()
