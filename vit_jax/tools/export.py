@@ -71,26 +71,14 @@ def parse_platforms(text: str) -> Tuple[str, ...]:
   return names
 
 
-def _refused_out(args) -> Optional[Exception]:
-  """The error for an OUT that exists (without --overwrite) or is, holds or is in SOURCE."""
-  out = args.out
-  if storage.is_remote(out) or storage.is_remote(args.source):
-    return None  # Checked by write() (gs://: after the set-up, which can read a bucket).
-  if storage.overlap(out, args.source):
-    return ValueError(f'{out} is (or contains, or is inside) the source {args.source}: write '
-                      'the export to a new path outside it.')
-  if os.path.lexists(out) and not args.overwrite:
-    return _exists(out)
-  return None
-
-
 def _exists(out: str) -> FileExistsError:
   return FileExistsError(f'{out} exists; choose a new OUT or pass --overwrite (it is replaced '
                          'whole).')
 
 
 def _precheck(args) -> Optional[Exception]:
-  """Refusals before the set-up (JAX): bad flags, an existing OUT."""
+  """Refusals before the set-up (JAX): bad flags; a local OUT that exists (without --overwrite)
+  or is, holds or is in SOURCE."""
   try:
     parse_platforms(args.platforms)
   except ValueError as e:
@@ -98,7 +86,14 @@ def _precheck(args) -> Optional[Exception]:
   if args.batch_size is not None and args.batch_size < 1:
     return ValueError(f'--batch-size {args.batch_size}: give 1 or more images (or leave it out '
                       'for any batch size).')
-  return _refused_out(args)
+  if storage.is_remote(args.out) or storage.is_remote(args.source):
+    return None  # A bucket's OUT: main checks it after the set-up, which can read a bucket.
+  if storage.overlap(args.out, args.source):
+    return ValueError(f'{args.out} is (or contains, or is inside) the source {args.source}: '
+                      'write the export to a new path outside it.')
+  if os.path.lexists(args.out) and not args.overwrite:
+    return _exists(args.out)
+  return None
 
 
 def serving_function(trained: Any):
