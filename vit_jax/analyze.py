@@ -1,5 +1,4 @@
-"""`python -m vit_jax.analyze`: the ViT paper's analysis figures of a trained model; the command
-lives in `vit_jax.tools.analyze`, the computations in `vit_jax.analysis`."""
+"""`python -m vit_jax.analyze`: a model's analysis figures (`vit_jax.tools.analyze`)."""
 from vit_jax.tools import analyze
 
 if __name__ == "__main__":

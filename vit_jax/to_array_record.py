@@ -1,5 +1,4 @@
-"""`python -m vit_jax.to_array_record`: adds ArrayRecord files to a prepared tfds dataset
-(`vit_jax.tools.to_array_record`)."""
+"""`python -m vit_jax.to_array_record`: ArrayRecord files (`vit_jax.tools.to_array_record`)."""
 from vit_jax.tools import to_array_record
 
 if __name__ == "__main__":

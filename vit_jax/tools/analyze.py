@@ -65,14 +65,6 @@ def _from_data(trained: Any, data_arg: Optional[str], count: int
   return np.concatenate(inputs)[:count].astype(np.float32), labels[:count]
 
 
-def _param(params: Dict[str, Any], *path: str) -> Optional[np.ndarray]:
-  for key in path:
-    if not isinstance(params, dict) or key not in params:
-      return None
-    params = params[key]
-  return np.asarray(params)
-
-
 def analyze(trained: Any, inputs: np.ndarray, *, overlays: int = 8) -> Dict[str, Any]:
   """The numbers behind the figures for ``inputs`` (float32 ``[B, S, S, 3]``, preprocessed): a
   dict of NumPy arrays: ``attention_distance`` ``[L][heads]`` pixels, ``rollout``
@@ -117,12 +109,12 @@ def analyze(trained: Any, inputs: np.ndarray, *, overlays: int = 8) -> Dict[str,
              rollout=np.stack(rollouts[:overlays]), predicted=predicted[:overlays],
              layer_maps=layer_maps,
              posemb_similarity=None, filter_components=None, explained_variance=None)
-  table = _param(params, 'Transformer', 'posembed_input', 'pos_embedding')
+  table = params.get('Transformer', {}).get('posembed_input', {}).get('pos_embedding')
   if table is not None:  # The table's own grid (resampled in the model at another size).
     table_grid = trained.config.model.get('posemb_grid') or layout.grid
     out['posemb_similarity'] = analysis.posemb_similarity(
         table, tuple(table_grid), models.vit.posemb_prefix_rows(model))
-  kernel = _param(params, 'embedding', 'kernel')
+  kernel = params.get('embedding', {}).get('kernel')
   if kernel is not None and 'conv_root' not in params:
     count = min(28, int(np.prod(kernel.shape[:3])), int(kernel.shape[-1]))
     out['filter_components'], out['explained_variance'] = (

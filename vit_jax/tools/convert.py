@@ -86,8 +86,8 @@ def source_fields(ckpt: Any, contents: Any, num_heads: Optional[int] = None
 def write(variables: Dict[str, Any], dst: str, *, overwrite: bool = False,
           facts: Optional[Dict[str, Any]] = None) -> str:
   """Writes ``variables`` to ``dst`` (an ``.npz`` file, or an Orbax directory that keeps
-  ``facts``); returns the format. Raises FileExistsError, ValueError (an ``.npz`` of other
-  collections than ``params``), or WorkdirInUseError (:func:`refuse_running_workdir`)."""
+  ``facts``); returns the format. Raises FileExistsError, or ValueError (an ``.npz`` of other
+  collections than ``params``, :func:`refuse_running_workdir`)."""
   refuse_running_workdir(dst)
   if storage.exists(dst) and not overwrite:
     raise FileExistsError(f'{dst} exists; choose a new destination or pass --overwrite.')
@@ -113,7 +113,7 @@ def export(src: str, dst: str, to: str, *, model_name: Optional[str] = None,
   """Writes the ViT at ``src`` (:func:`vit_jax.inference.load`) as timm (``to='timm'``) or
   transformers (``to='hf'``) weights (without a head: a feature extractor); returns the Python
   that loads them. Raises ValueError (what ``load`` raises, a T2T-ViT, what the target cannot
-  express) or WorkdirInUseError."""
+  express, :func:`refuse_running_workdir`)."""
   headless = False  # A ViT without a head is written as a feature extractor.
   with contextlib.suppress(ValueError):  # (Reported by the load: a T2T-ViT, unknown heads.)
     fields = checkpoint.open(src).fields((overrides or {}).get('num_heads'))
@@ -147,16 +147,15 @@ def written_arrays(variables: Dict[str, Any], dst: str) -> Dict[str, Dict[str, T
 
 
 def refuse_running_workdir(dst: str) -> None:
-  """Raises WorkdirInUseError when ``dst`` is, or is inside, the workdir of a live training run
-  (``WorkdirLock.live_holder``: a killed run's lock holds nothing): only that run writes there;
-  a workdir replaced under it loses its checkpoints while it goes on."""
+  """Raises ValueError when ``dst`` is, or is inside, the workdir of a live training run
+  (``WorkdirLock.live_holder``: a killed run's lock holds nothing)."""
   directories = storage.parents(dst)
   for directory in directories:
     holder = checkpoint.WorkdirLock(directory).live_holder()
     if holder is not None:
       where = ('is the workdir' if directory == directories[0] else
                f'is inside the workdir {directory}')
-      raise checkpoint.WorkdirInUseError(
+      raise ValueError(
           f'{dst} {where} of a running training run ({lock_lib.describe(holder)}), which only that '
           'run writes (a replaced workdir loses its checkpoints while the run goes on): wait for '
           'the run to end or stop it, or choose a destination outside its workdir.')
@@ -164,11 +163,6 @@ def refuse_running_workdir(dst: str) -> None:
 
 @common.exit_status
 def main(argv: Optional[Sequence[str]] = None) -> int:
-  with common.input_errors(checkpoint.WorkdirInUseError):  # Another run's workdir.
-    return _main(argv)
-
-
-def _main(argv: Optional[Sequence[str]]) -> int:
   parser = common.Parser(prog='python -m vit_jax.convert', description=__doc__)
   parser.add_argument('src', help=checkpoint.ACCEPTED_FORMATS)
   parser.add_argument('dst', help='a new directory (Orbax checkpoint) or a path ending in .npz; '

@@ -26,7 +26,6 @@ Details: docs/compute_cost.md.
 
 from __future__ import annotations
 
-import io
 import socket
 import time
 from typing import Any, Optional
@@ -277,12 +276,13 @@ def write_figure(report: dict[str, Any], path: str) -> None:
   device- or core-time, as a PNG at `path` (local or gs://). Raises OSError."""
   from matplotlib.figure import Figure  # pylint: disable=g-import-not-at-top  (optional, slow)
   from vit_jax import ledger as ledger_lib  # pylint: disable=g-import-not-at-top
+  from vit_jax.analysis import figures  # pylint: disable=g-import-not-at-top
   rows = ledger_lib.ledger(report)
   unit, kind = report["hardware"]["unit"], report["hardware"]["device_kind"]
   largest = max([r["program_s"] * r["units"] for r in rows] + [1.0])
   name, scale = next((n, s) for n, s in (("days", 86_400.0), ("hours", 3600.0),
                                          ("minutes", 60.0), ("seconds", 1.0)) if largest >= s)
-  figure = Figure(figsize=(max(5.0, 1.4 * len(rows) + 3.5), 4.5), layout="constrained")
+  figure = Figure(figsize=(max(5.0, 1.4 * len(rows) + 3.5), 4.5), dpi=100, layout="constrained")
   axes = figure.add_subplot()
   x = list(range(len(rows)))
   bottom = [0.0] * len(rows)
@@ -301,9 +301,7 @@ def write_figure(report: dict[str, Any], path: str) -> None:
   handles, labels = axes.get_legend_handles_labels()
   axes.legend(handles[::-1], labels[::-1], loc="upper left", bbox_to_anchor=(1.0, 1.0),
               fontsize="small")
-  buffer = io.BytesIO()
-  figure.savefig(buffer, format="png", dpi=100)
-  storage.write_bytes(path, buffer.getvalue())
+  figures.write_png(figure, path)
 
 
 def show_workdir(workdir: str, figure: Optional[str]) -> int:

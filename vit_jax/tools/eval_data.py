@@ -138,23 +138,22 @@ def choose_data(trained, *, data: Optional[str] = None, image_folder: Optional[s
   if real:
     cfg = _real_config(trained, split, data_dir)
     what = f'--real ({REAL_DATASET})'
+  elif image_folder:
+    cfg = trained.data_config(image_folder=image_folder)
+    what = f'--image-folder {image_folder}'
+  elif data:
+    name, data_split = parse_data(data)
+    split = split or data_split
+    cfg = trained.data_config(name=name)
+    what = f'--data {name}'
+  elif trained.step is None:
+    raise ValueError(f'{trained.description} is not a training workdir, so it has no dataset '
+                     'of its own: give --data NAME[:SPLIT] or --image-folder DIR.')
   else:
-    if image_folder:
-      cfg = trained.data_config(image_folder=image_folder)
-      what = f'--image-folder {image_folder}'
-    elif data:
-      name, data_split = parse_data(data)
-      split = split or data_split
-      cfg = trained.data_config(name=name)
-      what = f'--data {name}'
-    elif trained.step is None:
-      raise ValueError(f'{trained.description} is not a training workdir, so it has no dataset '
-                       'of its own: give --data NAME[:SPLIT] or --image-folder DIR.')
-    else:
-      cfg = trained.data_config()
-      what = f'the training data ({own.image_folder or own.name})'
-    if data_dir:
-      cfg.data_dir = data_dir
+    cfg = trained.data_config()
+    what = f'the training data ({own.image_folder or own.name})'
+  if data_dir:  # --real's is set already (its preparation is checked with it).
+    cfg.data_dir = data_dir
   if skip_bad_images:
     cfg.bad_images = 'skip'
   source = _get_source(cfg, what)

@@ -80,8 +80,7 @@ def evaluate(trained, eval_data: EvalData, *, batch_size: Optional[int] = None,
   if count == 0:
     raise ValueError(f'{eval_data.label} has no labelled examples: choose another split.')
   top5 = totals.get('correct_top5')
-  if top5 is not None:
-    top5 = int(top5)
+  top5 = None if top5 is None else int(top5)
   return eval_report.Result(count, int(totals['correct']), top5, float(totals['loss'] / count),
                             confusion, runner.batch_size)
 

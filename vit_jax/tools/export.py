@@ -16,6 +16,7 @@ cannot be exported); 1 a failure while writing. OUT is written beside and moved 
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import shutil
@@ -24,7 +25,9 @@ from typing import Any, Dict, Optional, Sequence, Tuple
 
 import numpy as np
 
+from vit_jax import storage
 from vit_jax.tools import common
+from vit_jax.tools import eval_report
 
 #: The files of OUT: the serialized ``jax.export.Exported`` and its serving description.
 ARTIFACT = 'model.jax_export'
@@ -68,27 +71,14 @@ def parse_platforms(text: str) -> Tuple[str, ...]:
   return names
 
 
-def _refused_out(args) -> Optional[Exception]:
-  """The error for an OUT that exists (without --overwrite) or is, holds or is in SOURCE."""
-  from vit_jax import storage  # pylint: disable=g-import-not-at-top
-  out = args.out
-  if storage.is_remote(out) or storage.is_remote(args.source):
-    return None  # Checked by write() (gs://: after the set-up, which can read a bucket).
-  if storage.overlap(out, args.source):
-    return ValueError(f'{out} is (or contains, or is inside) the source {args.source}: write '
-                      'the export to a new path outside it.')
-  if os.path.lexists(out) and not args.overwrite:
-    return _exists(out)
-  return None
-
-
 def _exists(out: str) -> FileExistsError:
   return FileExistsError(f'{out} exists; choose a new OUT or pass --overwrite (it is replaced '
                          'whole).')
 
 
 def _precheck(args) -> Optional[Exception]:
-  """Refusals before the set-up (JAX): bad flags, an existing OUT."""
+  """Refusals before the set-up (JAX): bad flags; a local OUT that exists (without --overwrite)
+  or is, holds or is in SOURCE."""
   try:
     parse_platforms(args.platforms)
   except ValueError as e:
@@ -96,7 +86,14 @@ def _precheck(args) -> Optional[Exception]:
   if args.batch_size is not None and args.batch_size < 1:
     return ValueError(f'--batch-size {args.batch_size}: give 1 or more images (or leave it out '
                       'for any batch size).')
-  return _refused_out(args)
+  if storage.is_remote(args.out) or storage.is_remote(args.source):
+    return None  # A bucket's OUT: main checks it after the set-up, which can read a bucket.
+  if storage.overlap(args.out, args.source):
+    return ValueError(f'{args.out} is (or contains, or is inside) the source {args.source}: '
+                      'write the export to a new path outside it.')
+  if os.path.lexists(args.out) and not args.overwrite:
+    return _exists(args.out)
+  return None
 
 
 def serving_function(trained: Any):
@@ -167,7 +164,6 @@ def describe(trained: Any, exported: Any, config: Any, input_dtype: str) -> Dict
   and the model (its name and fields as exported)."""
   import jax  # pylint: disable=g-import-not-at-top
   from vit_jax.data import preprocess  # pylint: disable=g-import-not-at-top
-  from vit_jax.tools import eval_report  # pylint: disable=g-import-not-at-top
   data, size = config.data, trained.image_size
   batch = exported.in_avals[0].shape[0]
   batch = batch if isinstance(batch, int) else str(batch)  # 'B': symbolic.
@@ -216,8 +212,6 @@ def describe(trained: Any, exported: Any, config: Any, input_dtype: str) -> Dict
 def write(out: str, blob: bytes, spec: Dict[str, Any]) -> None:
   """Writes OUT (a directory: :data:`ARTIFACT`, :data:`SPEC`) beside and moves it into place,
   replacing one there; ``gs://``: each object whole, the artifact first. Raises OSError."""
-  import json  # pylint: disable=g-import-not-at-top
-  from vit_jax import storage  # pylint: disable=g-import-not-at-top
   from vit_jax.checkpoint import durable  # pylint: disable=g-import-not-at-top
   text = json.dumps(spec, indent=1) + '\n'
   if storage.is_remote(out):
@@ -252,17 +246,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   error = _precheck(args)
   if error is not None:
     raise error
-  from vit_jax import checkpoint  # pylint: disable=g-import-not-at-top  (JAX: after --help)
-  from vit_jax.tools import convert  # pylint: disable=g-import-not-at-top
-  with common.input_errors(checkpoint.WorkdirInUseError):
-    convert.refuse_running_workdir(args.out)  # --overwrite would replace a live run's files.
+  from vit_jax.tools import convert  # pylint: disable=g-import-not-at-top  (JAX: after --help)
+  convert.refuse_running_workdir(args.out)  # --overwrite would replace a live run's files.
   trained = common.load_source(args)
   check_size(trained)
   exported, config = export(trained, platforms=parse_platforms(args.platforms),
                             input_dtype=args.input_dtype, batch_size=args.batch_size)
   blob = exported.serialize()
   spec = describe(trained, exported, config, args.input_dtype)
-  from vit_jax import storage  # pylint: disable=g-import-not-at-top
   if storage.exists(args.out) and not args.overwrite:  # Made while exporting.
     raise _exists(args.out)
   with common.output_errors():

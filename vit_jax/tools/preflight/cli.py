@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import sys
 from typing import Any, Optional
 
 from absl import logging
@@ -231,11 +230,11 @@ def report_json(result: fit.Result) -> dict[str, Any]:
   }
 
 
-def _write_json(path: Optional[str], report: dict[str, Any], out) -> None:
+def _write_json(path: Optional[str], report: dict[str, Any]) -> None:
   if path:
     with open(path, "w", encoding="utf-8") as f:
       json.dump(report, f, indent=1)
-    print(f"Wrote {path}", file=out)
+    print(f"Wrote {path}")
 
 
 def _attempt_line(attempt: search.Attempt) -> str:
@@ -258,13 +257,13 @@ def _attempt_line(attempt: search.Attempt) -> str:
 def run(config, accelerator: str, *, suggest: bool = True, eval_step: bool = True,
         largest_batch: bool = False, num_train_examples: Optional[int] = None,
         num_classes: Optional[int] = None, estimate: bool = True, faster: bool = True,
-        json_path: Optional[str] = None, out=sys.stdout) -> int:
+        json_path: Optional[str] = None) -> int:
   """Checks and prints `config` on `accelerator` (the flags of the same names); returns the exit
   code (0 fits, 1 does not). `json_path`: also writes `report_json` there, a suggestion's under
   'suggestion', `search.faster`'s under 'faster'. Raises ValueError,
   topology.MissingLibtpuError, or OSError when the JSON cannot be written."""
   tpu = topology.tpu_slice(accelerator, num_slices=int(config.mesh.dcn_data))
-  say = functools.partial(print, file=out, flush=True)
+  say = functools.partial(print, flush=True)
   say(f"Pre-flight for {tpu.describe()}; compiling with libtpu's TPU compiler...")
   checker = functools.partial(fit.check, tpu=tpu, eval_step=eval_step,
                               num_train_examples=num_train_examples, num_classes=num_classes,
@@ -281,20 +280,18 @@ def run(config, accelerator: str, *, suggest: bool = True, eval_step: bool = Tru
            if per_device == search.LARGEST_BATCH_LIMIT else "")
     say(f"Largest batch per device (power of two): {per_device}{cap}, global "
         f"{result.config.batch_size:,}.\n{format_result(result)}")
-    _write_json(json_path, {**report_json(result), "largest_batch_per_device": per_device}, out)
+    _write_json(json_path, {**report_json(result), "largest_batch_per_device": per_device})
     return 0
   result = checker(config)
   say(format_result(result))
-  if result.fits:
-    say(f"FITS: peak {_size(result.peak)} per device of {_size(result.slice.hbm_bytes)}.")
-  else:
-    say(f"DOES NOT FIT: {result.refused.verdict}")
   report = report_json(result)
   if result.fits:
+    say(f"FITS: peak {_size(result.peak)} per device of {_size(result.slice.hbm_bytes)}.")
     if faster and estimate:
       _faster(config, result, checker, report, say)
-    _write_json(json_path, report, out)
+    _write_json(json_path, report)
     return 0
+  say(f"DOES NOT FIT: {result.refused.verdict}")
   if suggest:
     say("Compiling smaller changes, in order (bfloat16, accumulation, FSDP, remat, batch; then "
         "the eval batch):")
@@ -305,7 +302,7 @@ def run(config, accelerator: str, *, suggest: bool = True, eval_step: bool = Tru
       say(f"\nFits with these overrides:\n  {fit.flags_of(found.overrides)}\n"
           f"{format_result(found.result)}")
       report["suggestion"] = _found_json(found)
-  _write_json(json_path, report, out)
+  _write_json(json_path, report)
   return 1
 
 

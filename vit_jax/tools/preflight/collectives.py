@@ -1,13 +1,10 @@
 """The collectives of a compiled step that cross slices (multi-slice over DCN), read from its
-optimized HLO text (`compiled.as_text()`).
-
-For N slices libtpu compiles one slice's program, its replica groups numbering that slice's
-devices, so no ordinary collective crosses; what crosses is the megascale runtime's transfers: a
-`send` marked `_xla_megascale_transfer_type` (ALL_REDUCE, ...) whose operand is the buffer a
-device hands the DCN. Compiled for every slice's devices, an ordinary collective whose groups
-hold devices of different slices would cross; both are counted. A loop's collectives count once
-per trip (read from its condition `counter < N` and the counter's start; else once, and `exact`
-is False); a conditional's branches as if each ran.
+optimized HLO text (`compiled.as_text()`): the megascale runtime's transfers (a `send` marked
+`_xla_megascale_transfer_type`, its operand the buffer a device hands the DCN) and, in a program
+compiled for every slice's devices, the collectives whose groups span slices (why these:
+docs/pods.md, "What crosses the DCN"). A loop's collectives count once per trip (read from its
+condition `counter < N` and the counter's start; else once, and `exact` is False); a
+conditional's branches as if each ran.
 """
 
 from __future__ import annotations
