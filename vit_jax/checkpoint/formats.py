@@ -48,8 +48,7 @@ class Probe:
 
 def _probe(source: Any) -> Probe:
   path, names, head = storage.probe(source, 9)
-  listing = None if names is None else tuple(names)
-  probe = Probe(path, listing, head)
+  probe = Probe(path, None if names is None else tuple(names), head)
   if names is not None:
     probe.hf_directory, probe.hf_names = hf_vit.find(path, names)
   elif archive.kind(head) == 'zip':

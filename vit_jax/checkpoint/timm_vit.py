@@ -70,7 +70,7 @@ def _canonical(tensors: Mapping[str, Any], path: str, chunk: Any) -> Dict[str, A
     for canonical, where in _rename(name).items():
       out[canonical] = chunk(value, *where)
   for marker, what in REFUSED:
-    hit = next((n for n in out if marker in n or n.startswith(marker)), None)
+    hit = next((n for n in out if marker in n), None)
     if hit is not None:
       raise ValueError(f'{path} is a timm ViT with {what} (its tensor {hit!r}). This ViT has no '
                        'equivalent, so these weights cannot be read; take a timm model without '

@@ -116,10 +116,6 @@ def _prefix_rows_hint(have: Mapping[str, Any], want: Mapping[str, Any]) -> Optio
           f'Build the model with no_embed_class={rows < model_rows}.')
 
 
-def _name(path) -> str:
-  return '/'.join(str(getattr(k, 'key', getattr(k, 'name', getattr(k, 'idx', k)))) for k in path)
-
-
 def non_finite(tree: Any) -> List[str]:
   """The names (``'params/head/kernel'``) of the floating-point leaves of ``tree`` holding a
   NaN or an Inf, in tree order (JAX arrays checked on their devices, in one jitted call)."""
@@ -127,7 +123,7 @@ def non_finite(tree: Any) -> List[str]:
   for p, x in jax.tree_util.tree_flatten_with_path(layout.unbox(tree))[0]:
     dtype = x.dtype if hasattr(x, 'dtype') else np.asarray(x).dtype
     if jnp.issubdtype(dtype, jnp.inexact):
-      leaves.append((_name(p), x))
+      leaves.append((jax.tree_util.keystr(p, simple=True, separator='/'), x))
   on_devices = [(n, x) for n, x in leaves if isinstance(x, jax.Array)]
   bad = {n for n, x in leaves if not isinstance(x, jax.Array) and not np.isfinite(x).all()}
   if on_devices:
