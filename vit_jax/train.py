@@ -70,9 +70,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
     with _config_errors():
       run = _prepare(config, workdir, program_start, held)
     config = run.config
-    setup = run.setup
     accountant = run.accountant
-    run_dir = run.run_dir
     # JAX's persistent cache (it writes as it compiles): from here on, once nothing is refused.
     held.enter_context(step_lib.compilation_cache(_compilation_cache_dir(config, workdir)))
 
@@ -81,9 +79,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
     start_step = int(state["step"])
     total_steps = config.total_steps
 
-    # 3. Steps: jitted over the mesh, compiled ahead of time and cached (`step.Compiler`).
-    compiler = run.compiler
-    train_step = run.train_step
+    # 3. Steps: jitted over the mesh, compiled ahead of time and cached (`run.compiler`).
     pictures, evaluate, evaluate_fewshot = _evaluations(run, accountant, writer, notice.agreed)
 
     def save_cost(step: int, final: bool = False) -> dict[str, Any]:
@@ -92,7 +88,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
       writer.write_scalars(step, accounting.scalars(report))
       level = logging.INFO if final else 1
       logging.log(level, "Step %d: %s", step, accounting.summary(report))
-      run_dir.write_cost(report)
+      run.run_dir.write_cost(report)
       return report
 
     # 4. Loop: step s's metrics are fetched after step s+1 was dispatched (the host never
@@ -140,8 +136,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
         with jax.profiler.StepTraceAnnotation("train", step_num=step):
           with accountant.timed("input"):
             local_batch = next(train_iter)
-            batch = setup.to_global(local_batch)
-          state, metrics = compiler(train_step, state, batch)
+            batch = run.setup.to_global(local_batch)
+          state, metrics = run.compiler(run.train_step, state, batch)
           accountant.count_step()
         if step == start_step + 1:  # Compiled now: the throughput is measured from here.
           notice.training()  # A stop notice now saves the current step (before: stops at once).
@@ -463,7 +459,7 @@ def _check_finite(step: int, metrics: dict[str, jax.Array], checkpoints: checkpo
     raise FloatingPointError(
         f"Training diverged at step {step}{skipped}: loss={metrics['loss']}, "
         f"grad_norm={metrics['grad_norm']}, param_norm={metrics['param_norm']}. {kept}; "
-        "lower --config.optim.lr, "
-        "lengthen --config.optim.warmup_steps, set --config.optim.grad_clip_norm or allow "
-        "skipping with --config.optim.max_skipped_updates=N, then rerun.")
+        "lower --config.optim.lr, lengthen --config.optim.warmup_steps, set "
+        "--config.optim.grad_clip_norm or allow skipping with "
+        "--config.optim.max_skipped_updates=N, then rerun.")
   return metrics
