@@ -359,7 +359,7 @@ class Compiler:
                on_compile: Optional[Callable[[Any, jax.stages.Compiled], None]] = None):
     self.setup = setup
     self._timer = timer or contextlib.nullcontext
-    self._on_compile = on_compile
+    self._on_compile = on_compile or (lambda jitted, compiled: None)
     self._cache: dict[Any, jax.stages.Compiled] = {}
 
   def compiled(self, jitted, state, *args) -> jax.stages.Compiled:
@@ -379,8 +379,7 @@ class Compiler:
                      "saved).", name, seconds, max(0.0, _PERSISTENT["saved_s"] - saved))
       else:
         logging.info("Compiled %s in %.1f s.", name, seconds)
-      if self._on_compile is not None:
-        self._on_compile(jitted, self._cache[key])
+      self._on_compile(jitted, self._cache[key])
     return self._cache[key]
 
   def __call__(self, jitted, state, *args):
