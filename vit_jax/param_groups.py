@@ -214,12 +214,10 @@ class ParamGroups:
 
 def param_groups(optim: ml_collections.ConfigDict, params: Any) -> ParamGroups:
   """`config.optim`'s fine-tuning controls applied to `params` (arrays or ShapeDtypeStructs;
-  the names as stored, a stacked block seen as its per-layer names). Layer ids follow timm's
-  `param_groups_layer_decay` for its ViT: 0 the stem (patch embedding, class token, registers,
-  position embedding, a hybrid's ResNet, T2T-ViT's tokens_to_token), i + 1 block i, L the last
-  block and the final norm, L + 1 the head (and pre_logits, MAP head, fc_norm); layer i's
-  learning rate is scaled by layer_decay^(L + 1 - i). ConfigError, naming the key and the fix,
-  for controls this model cannot follow (a pattern that matches nothing, everything frozen)."""
+  the names as stored, a stacked block seen as its per-layer names), layer ids as timm's
+  `param_groups_layer_decay` (docs/configs.md, "Fine-tuning controls"). ConfigError, naming the
+  key and the fix, for controls this model cannot follow (a pattern that matches nothing,
+  everything frozen)."""
   controls = finetune_controls(optim)
   tensors, num_layers = _tensors(params)
   names = [n for t in tensors for n in t.names]
