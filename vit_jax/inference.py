@@ -462,7 +462,8 @@ class Runner:
     """``[B, S, S, 3]`` -> float32 ``[B, N, D]``: every token (in ``layout``'s order) as block
     ``blocks`` (0 the first, -1 the last) outputs it; a sequence of blocks gives
     ``[K, B, N, D]``. ``norm``: through the final LayerNorm
-    (``vit_jax.models.intermediates.final_norm``); the default is timm's ``forward_features``. ValueError: a block the model does not have."""
+    (``vit_jax.models.intermediates.final_norm``); the default is timm's ``forward_features``.
+    ValueError: a block the model does not have."""
     try:
       chosen = (blocks,) if isinstance(blocks, (int, np.integer)) else tuple(blocks)
       if not chosen or any(isinstance(b, bool) or b != int(b) for b in chosen):
