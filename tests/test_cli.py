@@ -12,6 +12,8 @@ import pytest
 from vit_jax import cli
 from vit_jax import config as config_lib
 from vit_jax import train
+from vit_jax.tools import cost
+from vit_jax.tools.preflight import cli as preflight_cli
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -80,21 +82,34 @@ def test_print_config_lists_every_key_as_a_flag_that_sets_it(argv, monkeypatch):
     assert re.search(r"^--config\.model\.num_layers=4 +L, the encoder blocks$", text, re.M)
 
 
-def test_help_points_to_print_config_and_it_prints_the_keys():
+def test_help_points_to_print_config_and_it_prints_the_keys(monkeypatch, capsys):
   """`vit_jax.main --help` (and cost's, preflight's) names --print_config, which prints every key
-  with its help and exits 0 before any work (no --workdir needed)."""
-  for command in (["vit_jax.main", "--help"], ["vit_jax.cost", "--help"],
-                  ["vit_jax.preflight", "--help"]):
+  with its help and exits 0 before any work (no --workdir needed).
+
+  main's answers and cost's --help are its processes' (absl's exit code, before JAX loads);
+  preflight's --help and the tools' --print_config are their `main(argv)` in this process (the
+  same argparse code; a process of theirs imports JAX: 2.5 s of CPU each)."""
+  for command in (["vit_jax.main", "--help"], ["vit_jax.cost", "--help"]):
     proc = subprocess.run([sys.executable, "-m", *command], cwd=ROOT, capture_output=True,
                           text=True, timeout=120)
     assert proc.returncode == 0 and "--print_config" in proc.stdout, (command, proc.stderr)
-  for command in ("vit_jax.main", "vit_jax.cost", "vit_jax.preflight"):
-    proc = subprocess.run([sys.executable, "-m", command, "--config", "configs/fashion_mnist.py",
-                           "--config.batch_size=7", "--print_config"], cwd=ROOT,
-                          capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, (command, proc.stderr[-2000:])
-    assert proc.stdout.startswith("Every key of the config file configs/fashion_mnist.py")
-    assert re.search(r"^--config\.batch_size=7 +the global batch over all devices", proc.stdout,
+  with pytest.raises(SystemExit) as exited:
+    preflight_cli.main(["--help"])
+  assert exited.value.code == 0 and "--print_config" in capsys.readouterr().out
+  argv = ["--config", "configs/fashion_mnist.py", "--config.batch_size=7", "--print_config"]
+  proc = subprocess.run([sys.executable, "-m", "vit_jax.main", *argv], cwd=ROOT,
+                        capture_output=True, text=True, timeout=120)
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  monkeypatch.chdir(ROOT)
+  monkeypatch.setenv("COLUMNS", "100")  # The width a process without a terminal wraps to.
+  outputs = {"vit_jax.main": proc.stdout}
+  for command, tool_main in (("vit_jax.cost", cost.main), ("vit_jax.preflight",
+                                                           preflight_cli.main)):
+    assert tool_main(argv) == 0, command
+    outputs[command] = capsys.readouterr().out
+  for command, stdout in outputs.items():
+    assert stdout.startswith("Every key of the config file configs/fashion_mnist.py"), command
+    assert re.search(r"^--config\.batch_size=7 +the global batch over all devices", stdout,
                      re.M), command
 
 
