@@ -27,36 +27,66 @@ PTH = str(FIXTURES / "t2t_tiny_performer" / "checkpoint.pth.tar")
 T2T_SET = ["embed_dim=64", "depth=2", "num_heads=2", "mlp_ratio=2.0", "token_dim=16",
            "tokens_type='performer'", "qk_scale=0.125"]
 
-#: Runs OUT's artifact on each .npy of pixels (jax and numpy only); saves the logits to
-#: RESULT.npz; prints the serving.json input dtype and the vit_jax/flax/TF modules imported.
+#: Serves requests, one JSON line each on stdin, [OUT, RESULT, *BATCHES]: runs OUT's artifact
+#: on each .npy of pixels (jax and numpy only), saves the logits to RESULT.npz and answers one
+#: JSON line: the serving.json input dtype and the vit_jax/flax/TF modules imported so far (or
+#: the traceback of a failure).
 LOADER = r"""
-import json, sys
+import json, sys, traceback
 import numpy as np
 import jax
-out, result, *batches = sys.argv[1:]
-with open(out + '/model.jax_export', 'rb') as f:
-  exported = jax.export.deserialize(bytearray(f.read()))
-with open(out + '/serving.json') as f:
-  spec = json.load(f)
-logits = [np.asarray(exported.call(np.load(b).astype(spec['input']['dtype']))) for b in batches]
-np.savez(result, *logits)
-print(json.dumps([spec['input']['dtype'], sorted(
-    m for m in sys.modules if m.split('.')[0] in ('vit_jax', 'flax', 'tensorflow'))]))
+for line in sys.stdin:
+  try:
+    out, result, *batches = json.loads(line)
+    with open(out + '/model.jax_export', 'rb') as f:
+      exported = jax.export.deserialize(bytearray(f.read()))
+    with open(out + '/serving.json') as f:
+      spec = json.load(f)
+    logits = [np.asarray(exported.call(np.load(b).astype(spec['input']['dtype'])))
+              for b in batches]
+    np.savez(result, *logits)
+    answer = [spec['input']['dtype'], sorted(
+        m for m in sys.modules if m.split('.')[0] in ('vit_jax', 'flax', 'tensorflow'))]
+  except Exception:  # pylint: disable=broad-except
+    answer = {'error': traceback.format_exc()}
+  print(json.dumps(answer), flush=True)
 """
 
 
-def _run_artifact(out, tmp_path, *batches):
-  """The logits of OUT's artifact on each batch of pixels, in a new process (jax, numpy)."""
+@pytest.fixture(scope="module")
+def loader(tmp_path_factory):
+  """The LOADER process, shared by this module's tests (on each xdist worker): starting one
+  (importing jax) takes 1.9 s of CPU."""
+  cwd = tmp_path_factory.mktemp("loader")
+  with open(cwd / "stderr.txt", "w+") as stderr:
+    with subprocess.Popen([sys.executable, "-c", LOADER], cwd=cwd, stdin=subprocess.PIPE,
+                          stdout=subprocess.PIPE, stderr=stderr, text=True,
+                          env=dict(os.environ, JAX_PLATFORMS="cpu")) as process:
+
+      def run(*request):
+        process.stdin.write(json.dumps(request) + "\n")
+        process.stdin.flush()
+        line = process.stdout.readline()
+        stderr.seek(0)
+        assert line, f"the loader ended ({process.poll()}): {stderr.read()[-3000:]}"
+        return json.loads(line)
+
+      yield run
+      process.stdin.close()
+      process.wait(timeout=60)
+
+
+def _run_artifact(loader, out, tmp_path, *batches):
+  """The logits of OUT's artifact on each batch of pixels, in the `loader` process (jax, numpy
+  alone)."""
   paths = []
   for i, pixels in enumerate(batches):
     paths.append(str(tmp_path / f"pixels{i}.npy"))
     np.save(paths[-1], pixels)
   result = tmp_path / "logits.npz"
-  env = dict(os.environ, JAX_PLATFORMS="cpu")
-  done = subprocess.run([sys.executable, "-c", LOADER, str(out), str(result), *paths],
-                        cwd=tmp_path, env=env, capture_output=True, text=True, check=False)
-  assert done.returncode == 0, done.stderr[-3000:]
-  dtype, modules = json.loads(done.stdout.strip().splitlines()[-1])
+  answer = loader(str(out), str(result), *paths)
+  assert "error" not in answer, answer["error"][-3000:]
+  dtype, modules = answer
   assert modules == [], f"the loader imported {modules}"
   with np.load(result) as logits:
     return dtype, [logits[f"arr_{i}"] for i in range(len(batches))]
@@ -88,7 +118,8 @@ def _export(capsys, *argv):
   return capsys.readouterr().out
 
 
-def test_an_npz_serves_predicts_logits_at_two_batch_sizes_with_jax_alone(tmp_path, capsys):
+def test_an_npz_serves_predicts_logits_at_two_batch_sizes_with_jax_alone(tmp_path, capsys,
+                                                                          loader):
   out = tmp_path / "serving"
   printed = _export(capsys, NPZ, out)
   assert sorted(os.listdir(out)) == [export.ARTIFACT, export.SPEC]
@@ -107,7 +138,7 @@ def test_an_npz_serves_predicts_logits_at_two_batch_sizes_with_jax_alone(tmp_pat
   predictor = predict.Predictor(NPZ, batch_size=2)
   expected = _predict_logits(predictor, paths)
   pixels = _pixels(predictor.trained, paths)
-  dtype, (three, five) = _run_artifact(out, tmp_path, pixels[:3], pixels)
+  dtype, (three, five) = _run_artifact(loader, out, tmp_path, pixels[:3], pixels)
   assert dtype == "float32" and three.shape == (3, 10) and five.shape == (5, 10)
   np.testing.assert_allclose(three, expected[:3], rtol=0, atol=1e-5)
   np.testing.assert_allclose(five, expected, rtol=0, atol=1e-5)
@@ -115,18 +146,18 @@ def test_an_npz_serves_predicts_logits_at_two_batch_sizes_with_jax_alone(tmp_pat
 
 
 @pytest.mark.golden
-def test_the_artifact_gives_the_official_reference_logits(tmp_path, capsys):
+def test_the_artifact_gives_the_official_reference_logits(tmp_path, capsys, loader):
   out = tmp_path / "serving"
   _export(capsys, NPZ, out, "--platforms", "cpu", "--batch-size", "2")
   spec = json.loads((out / export.SPEC).read_text())
   assert spec["platforms"] == ["cpu"] and spec["input"]["shape"] == [2, 32, 32, 3]
   inputs = np.load(FIXTURES / "vit_tiny" / "inputs.npy")[:2]  # In [-1, 1].
-  _, (logits,) = _run_artifact(out, tmp_path, (inputs + 1.) * 127.5)
+  _, (logits,) = _run_artifact(loader, out, tmp_path, (inputs + 1.) * 127.5)
   np.testing.assert_allclose(logits, np.load(FIXTURES / "vit_tiny" / "logits.npy")[:2],
                              rtol=0, atol=1e-5)
 
 
-def test_a_t2t_vit_serves_with_its_crop_and_the_imagenet_mean_std(tmp_path, capsys):
+def test_a_t2t_vit_serves_with_its_crop_and_the_imagenet_mean_std(tmp_path, capsys, loader):
   out = tmp_path / "t2t"
   _export(capsys, PTH, out, "--model", "T2T-ViT-custom",
           *(a for s in T2T_SET for a in ("--set", s)))
@@ -143,12 +174,13 @@ def test_a_t2t_vit_serves_with_its_crop_and_the_imagenet_mean_std(tmp_path, caps
                                 overrides=dict(common.parse_setting(s) for s in T2T_SET))
   expected = _predict_logits(predictor, paths)
   pixels = _pixels(predictor.trained, paths)  # Bicubic: fractional values.
-  _, (one, three) = _run_artifact(out, tmp_path, pixels[:1], pixels)
+  _, (one, three) = _run_artifact(loader, out, tmp_path, pixels[:1], pixels)
   np.testing.assert_allclose(one, expected[:1], rtol=0, atol=1e-5)
   np.testing.assert_allclose(three, expected, rtol=0, atol=1e-5)
 
 
-def test_a_timm_file_serves_with_the_preprocessing_of_its_config_json(tmp_path, capsys):
+def test_a_timm_file_serves_with_the_preprocessing_of_its_config_json(tmp_path, capsys,
+                                                                       loader):
   """timm's Hub config.json beside a DeiT III file states ImageNet's mean and std and
   crop_pct 1.0 (before: the ViT paper's pixels in [-1, 1], a plain resize)."""
   source = tmp_path / "deit3"
@@ -172,12 +204,12 @@ def test_a_timm_file_serves_with_the_preprocessing_of_its_config_json(tmp_path, 
   predictor = predict.Predictor(str(weights), batch_size=2, overrides={"num_heads": 2})
   assert predictor.trained.config.data.normalization == "imagenet"
   expected = _predict_logits(predictor, paths)
-  _, (logits,) = _run_artifact(out, tmp_path, _pixels(predictor.trained, paths))
+  _, (logits,) = _run_artifact(loader, out, tmp_path, _pixels(predictor.trained, paths))
   np.testing.assert_allclose(logits, expected, rtol=0, atol=1e-5)
 
 
 def test_a_trained_workdir_serves_uint8_pixels_with_its_class_names(tiny_workdir, tmp_path,
-                                                                      capsys):
+                                                                      capsys, loader):
   workdir, _, _ = tiny_workdir
   out = tmp_path / "run"
   printed = _export(capsys, workdir, out, "--input-dtype", "uint8", "--platforms", "cpu")
@@ -191,7 +223,7 @@ def test_a_trained_workdir_serves_uint8_pixels_with_its_class_names(tiny_workdir
   rng = np.random.default_rng(2)
   images = rng.integers(0, 256, (4, 8, 8, 3), dtype=np.uint8)  # The model's size: no resize.
   expected = predictor.runner.logits(np.stack([predictor.preprocess(x) for x in images]))
-  dtype, (two, four) = _run_artifact(out, tmp_path, images[:2], images)
+  dtype, (two, four) = _run_artifact(loader, out, tmp_path, images[:2], images)
   assert dtype == "uint8"
   np.testing.assert_allclose(two, expected[:2], rtol=0, atol=1e-5)
   np.testing.assert_allclose(four, expected, rtol=0, atol=1e-5)
