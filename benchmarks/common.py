@@ -3,6 +3,7 @@ torch: the command line checks its input before any backend starts)."""
 
 from __future__ import annotations
 
+import itertools
 import os
 import resource
 import statistics
@@ -126,3 +127,13 @@ def available_cores() -> list[int]:
   """The cores this process may run on (all of them where affinity is unknown)."""
   return (sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
           else list(range(os.cpu_count() or 1)))
+
+
+def cpu_info() -> dict:
+  """The first processor's fields of /proc/cpuinfo ({} where it cannot be read)."""
+  try:
+    with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+      fields = (line.partition(":") for line in itertools.takewhile(str.strip, f))
+      return {key.strip(): value.strip() for key, _, value in fields}
+  except OSError:
+    return {}

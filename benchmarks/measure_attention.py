@@ -147,7 +147,7 @@ def measure(isas: Sequence[str], models: Sequence[str], *, core: bool, step: boo
     raise RuntimeError(f'the kernel is not built: {cpu_attention.library()[1]}')
   runnable = cpu_attention.ISAS[cpu_attention.ISAS.index(best):]
   report: dict[str, Any] = {'cannot_run_here': [i for i in isas if i not in runnable],
-                            'rounds': [], 'cpu': common.cpu_info().get('model name', 'unknown'),
+                            'rounds': [], 'cpu': bench_common.cpu_info().get('model name', 'unknown'),
                             'threads': threads or len(os.sched_getaffinity(0))}
   isas = [i for i in isas if i in runnable]
   step_environ = platform.huge_pages_environment() or dict(os.environ)

@@ -10,11 +10,11 @@ import statistics
 from typing import Any, Optional, Sequence
 
 from benchmarks.common import available_cores
+from benchmarks.common import cpu_info
 from benchmarks.inputs import INPUT_LABELS
 from benchmarks.inputs import RECIPE_IMAGES
 from benchmarks.inputs import RECIPE_LABELS
 from vit_jax import platform as vit_jax_platform
-from vit_jax.tools import common
 
 MEDIAN_KEYS = ("images_per_sec", "step_seconds", "lower_seconds", "compile_seconds",
                "first_step_seconds", "peak_rss_mib", "device_peak_mib",
@@ -29,7 +29,7 @@ def environment(threads: int) -> dict[str, Any]:
       versions[package] = importlib.metadata.version(package)
     except importlib.metadata.PackageNotFoundError:
       versions[package] = None
-  cpu = common.cpu_info()
+  cpu = cpu_info()
   memory = vit_jax_platform.host_memory_bytes()  # The cgroup's limit where lower.
   memory_gib = None if memory is None else round(memory / 2**30, 1)
   simd = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "amx_tile", "amx_bf16")

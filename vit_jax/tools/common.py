@@ -12,7 +12,6 @@ import argparse
 import ast
 import contextlib
 import functools
-import itertools
 import os
 import signal
 import sys
@@ -199,16 +198,6 @@ def pid_alive(pid: int) -> bool:
   """Whether process ``pid`` of this host exists (``vit_jax.checkpoint.lock.process_alive``)."""
   from vit_jax.checkpoint import lock  # pylint: disable=g-import-not-at-top  (JAX, for a tool)
   return lock.process_alive(pid)
-
-
-def cpu_info() -> dict:
-  """The first processor's fields of /proc/cpuinfo ({} where it cannot be read)."""
-  try:
-    with open('/proc/cpuinfo', encoding='utf-8', errors='replace') as f:
-      fields = (line.partition(':') for line in itertools.takewhile(str.strip, f))
-      return {key.strip(): value.strip() for key, _, value in fields}
-  except OSError:
-    return {}
 
 
 def missing_source(args: argparse.Namespace):
