@@ -279,6 +279,15 @@ def test_bad_input_is_one_fatal_line_and_writes_nothing(tmp_path):
   assert not os.listdir(tmp_path)
 
 
+def test_an_out_in_a_bucket_source_is_refused_before_the_setup():
+  """The overlap is read from the names: a gs:// OUT inside a gs:// SOURCE is refused too."""
+  parse = export._parser().parse_args
+  error = export._precheck(parse(["gs://bkt/run", "gs://bkt/run/serving"]))
+  assert str(error) == ("gs://bkt/run/serving is (or contains, or is inside) the source "
+                        "gs://bkt/run: write the export to a new path outside it.")
+  assert export._precheck(parse(["gs://bkt/run", "gs://bkt/run2"])) is None
+
+
 def test_an_invalid_source_gets_predicts_error(tmp_path, capsys):
   bad = tmp_path / "weights.npz"
   bad.write_bytes(b"not a zip file")

@@ -77,8 +77,8 @@ def _exists(out: str) -> FileExistsError:
 
 
 def _precheck(args) -> Optional[Exception]:
-  """Refusals before the set-up (JAX): bad flags; a local OUT that exists (without --overwrite)
-  or is, holds or is in SOURCE."""
+  """Refusals before the set-up (JAX): bad flags; an OUT that is, holds or is in SOURCE; a local
+  OUT that exists (without --overwrite)."""
   try:
     parse_platforms(args.platforms)
   except ValueError as e:
@@ -86,11 +86,11 @@ def _precheck(args) -> Optional[Exception]:
   if args.batch_size is not None and args.batch_size < 1:
     return ValueError(f'--batch-size {args.batch_size}: give 1 or more images (or leave it out '
                       'for any batch size).')
-  if storage.is_remote(args.out) or storage.is_remote(args.source):
-    return None  # A bucket's OUT: main checks it after the set-up, which can read a bucket.
-  if storage.overlap(args.out, args.source):
+  if storage.overlap(args.out, args.source):  # Read from the names alone, gs:// too.
     return ValueError(f'{args.out} is (or contains, or is inside) the source {args.source}: '
                       'write the export to a new path outside it.')
+  if storage.is_remote(args.out) or storage.is_remote(args.source):
+    return None  # A bucket's OUT: main checks it after the set-up, which can read a bucket.
   if os.path.lexists(args.out) and not args.overwrite:
     return _exists(args.out)
   return None
