@@ -270,8 +270,8 @@ def test_events_failing_in_the_writer_thread_fail_the_next_call_without_a_traceb
     tmp_path, monkeypatch, caplog):
   """The storage stops answering while clu's writer thread flushes the events: nothing logged
   there (was: clu's 'Error in producer thread' with TensorFlow's traceback, beside the run's
-  FATAL line); the next call raises CheckpointSaveError naming the cause; later writes are not
-  attempted."""
+  FATAL line); the next call raises CheckpointSaveError naming the cause, after `settle` (the
+  save in flight: its failure is raised instead); later writes are not attempted."""
   from clu.metric_writers import utils  # pylint: disable=g-import-not-at-top
   stopped = ('All 5 retry attempts failed. The last failure: Error executing an HTTP request: '
              "libcurl code 7 meaning 'Couldn't connect to server'\n\tCould not flush events file.")
@@ -296,7 +296,15 @@ def test_events_failing_in_the_writer_thread_fail_the_next_call_without_a_traceb
       pass
 
   monkeypatch.setattr(utils, 'SummaryWriter', Stopped)  # In clu's create_default_writer.
-  writer = checkpoint.Workdir(str(tmp_path)).metric_writer({'lr': 0.5, 'name': 'x', 'd': {}})
+  settled = []
+
+  def settle():  # Checkpoints.wait_until_finished in a run.
+    settled.append(len(written))
+    if len(settled) == 3:
+      raise checkpoint.CheckpointSaveError('Saving a checkpoint ... failed (step 2, ...')
+
+  writer = checkpoint.Workdir(str(tmp_path)).metric_writer({'lr': 0.5, 'name': 'x', 'd': {}},
+                                                           settle=settle)
   writer.write_scalars(1, {'loss': 1.0})
   writer.flush()
   caplog.set_level(logging.DEBUG)
@@ -311,9 +319,9 @@ def test_events_failing_in_the_writer_thread_fail_the_next_call_without_a_traceb
       'rerun the same command to resume.')
   with pytest.raises(checkpoint.CheckpointSaveError):
     writer.write_scalars(3, {'loss': 1.0})
-  with pytest.raises(checkpoint.CheckpointSaveError):
+  with pytest.raises(checkpoint.CheckpointSaveError, match=r'^Saving a checkpoint .* \(step 2, '):
     writer.close()
-  assert written == [{'lr': 0.5, 'name': 'x'}, 1]
+  assert written == [{'lr': 0.5, 'name': 'x'}, 1] and settled == [2, 2, 2]
   assert [r.getMessage() for r in caplog.records if r.exc_info or r.levelno >= logging.ERROR] == []
 
 
