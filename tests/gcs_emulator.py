@@ -13,7 +13,8 @@ library here reaches Cloud Storage.
   TensorFlow's gs:// filesystem caches that a folder exists for `GCS_STAT_CACHE_MAX_AGE` (5 s)
   and forgets it when its marker is deleted: without the marker, a folder just removed (an
   unfinished step that Orbax deletes before saving it again) would still exist for 5 s, which
-  Cloud Storage never shows. `env` sets that cache off (`GCS_STAT_CACHE_MAX_AGE=0`).
+  Cloud Storage never shows. `env` sets that cache off (`GCS_STAT_CACHE_MAX_AGE=0`), for
+  processes that import TensorFlow after it (tests/conftest.py sets it for the tests').
 - TensorStore (Orbax's checkpoints) reads `TENSORSTORE_GCS_HTTP_URL`; gcsfs and the Google client
   libraries `STORAGE_EMULATOR_HOST`: both point at the proxy too, in plain HTTP, so that every
   request passes the faults a test sets (`Emulator.set_faults`).
@@ -323,7 +324,8 @@ class Emulator:
       urllib.request.urlopen(request, timeout=600).read()
 
   def apply(self) -> None:
-    """Points this process's libraries at the emulator (before their first gs:// use)."""
+    """Points this process's libraries at the emulator (before their first gs:// use; TensorFlow
+    reads `GCS_STAT_CACHE_MAX_AGE` when it loads)."""
     os.environ.update(self.env)
 
 

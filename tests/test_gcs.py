@@ -103,6 +103,7 @@ def test_a_run_on_a_gs_workdir_is_refused_to_a_second_run_stopped_and_resumed_ex
     while not tf.io.gfile.exists(f"{workdir}/checkpoints/10") and time.monotonic() < deadline:
       assert proc.poll() is None, proc.communicate()[1][-3000:]
       time.sleep(0.2)
+    gcs.set_faults(delay_s=0.5)  # The saves take seconds: the run goes on past the second's.
     second = subprocess.run(_main_args(workdir, dict(overrides, **{"optim.lr": 0.5})), cwd=ROOT,
                             env=env, capture_output=True, text=True, timeout=300)
     assert second.returncode == 2, second.stderr[-3000:]
@@ -113,6 +114,7 @@ def test_a_run_on_a_gs_workdir_is_refused_to_a_second_run_stopped_and_resumed_ex
     _, stderr = proc.communicate(timeout=120)
   finally:
     proc.kill()
+    gcs.set_faults()
   assert proc.returncode == stops.PREEMPTED_EXIT_CODE, stderr[-3000:]
   line = next(l for l in stderr.splitlines() if "Preempted: saved the checkpoint of step" in l)
   step = int(line.split("of step ")[1].split()[0])
