@@ -41,6 +41,9 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:  # The first process (xdist's 
   atexit.register(shutil.rmtree, _CACHE, ignore_errors=True)
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+# TensorFlow's gs:// stat cache off, before TensorFlow loads (it reads the variable then): the
+# emulator keeps no directory markers (tests/gcs_emulator.py says why that matters).
+os.environ.setdefault("GCS_STAT_CACHE_MAX_AGE", "0")
 
 import jax  # pylint: disable=g-import-not-at-top,wrong-import-position
 import pytest  # pylint: disable=g-import-not-at-top,wrong-import-position

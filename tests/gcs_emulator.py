@@ -8,6 +8,13 @@ library here reaches Cloud Storage.
   passes plain HTTP to the server, mending two answers fake-gcs-server gives differently from
   Cloud Storage: it refuses `Transfer-Encoding: identity` (501), and gives an upload's session
   `Location` in http://.
+- fake-gcs-server's filesystem backend answers a directory marker's upload (an empty object
+  `DIR/`, which `tf.io.gfile.makedirs` writes and Cloud Storage keeps) but keeps no such object.
+  TensorFlow's gs:// filesystem caches that a folder exists for `GCS_STAT_CACHE_MAX_AGE` (5 s)
+  and forgets it when its marker is deleted: without the marker, a folder just removed (an
+  unfinished step that Orbax deletes before saving it again) would still exist for 5 s, which
+  Cloud Storage never shows. `env` sets that cache off (`GCS_STAT_CACHE_MAX_AGE=0`), for
+  processes that import TensorFlow after it (tests/conftest.py sets it for the tests').
 - TensorStore (Orbax's checkpoints) reads `TENSORSTORE_GCS_HTTP_URL`; gcsfs and the Google client
   libraries `STORAGE_EMULATOR_HOST`: both point at the proxy too, in plain HTTP, so that every
   request passes the faults a test sets (`Emulator.set_faults`).
@@ -146,6 +153,7 @@ class _Handler(socketserver.StreamRequestHandler):
 
   def handle(self):
     client, reader = self.request, self.rfile
+    client.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # No 40 ms waits per answer.
     first = reader.readline()
     if first.startswith(b"CONNECT "):
       while reader.readline() not in (b"\r\n", b"\n", b""):
@@ -169,6 +177,7 @@ class _Handler(socketserver.StreamRequestHandler):
       upstream = socket.create_connection(("127.0.0.1", self.server.server_port))
     except OSError:  # The server is stopped: the connection is refused, as by a gone server.
       return
+    upstream.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     with upstream:
       answers = threading.Thread(target=_mend_answers, daemon=True,
                                  args=(upstream, client, self.server.count_answer))
@@ -237,6 +246,7 @@ class Emulator:
         "no_proxy": "127.0.0.1,localhost", "NO_PROXY": "127.0.0.1,localhost",
         "CURL_CA_BUNDLE": self.ca_file,
         "NO_GCE_CHECK": "true",  # TensorFlow: no metadata-server probe; an empty token.
+        "GCS_STAT_CACHE_MAX_AGE": "0",  # No directory markers here: see the module's docstring.
         "TENSORSTORE_GCS_HTTP_URL": self.url,
         "GOOGLE_AUTH_TOKEN_FOR_TESTING": "emulator",
         "STORAGE_EMULATOR_HOST": self.url,
@@ -314,7 +324,8 @@ class Emulator:
       urllib.request.urlopen(request, timeout=600).read()
 
   def apply(self) -> None:
-    """Points this process's libraries at the emulator (before their first gs:// use)."""
+    """Points this process's libraries at the emulator (before their first gs:// use; TensorFlow
+    reads `GCS_STAT_CACHE_MAX_AGE` when it loads)."""
     os.environ.update(self.env)
 
 

@@ -103,6 +103,7 @@ def test_a_run_on_a_gs_workdir_is_refused_to_a_second_run_stopped_and_resumed_ex
     while not tf.io.gfile.exists(f"{workdir}/checkpoints/10") and time.monotonic() < deadline:
       assert proc.poll() is None, proc.communicate()[1][-3000:]
       time.sleep(0.2)
+    gcs.set_faults(delay_s=0.5)  # The saves take seconds: the run goes on past the second's.
     second = subprocess.run(_main_args(workdir, dict(overrides, **{"optim.lr": 0.5})), cwd=ROOT,
                             env=env, capture_output=True, text=True, timeout=300)
     assert second.returncode == 2, second.stderr[-3000:]
@@ -113,6 +114,7 @@ def test_a_run_on_a_gs_workdir_is_refused_to_a_second_run_stopped_and_resumed_ex
     _, stderr = proc.communicate(timeout=120)
   finally:
     proc.kill()
+    gcs.set_faults()
   assert proc.returncode == stops.PREEMPTED_EXIT_CODE, stderr[-3000:]
   line = next(l for l in stderr.splitlines() if "Preempted: saved the checkpoint of step" in l)
   step = int(line.split("of step ")[1].split()[0])
@@ -411,6 +413,37 @@ def test_a_server_stopped_mid_save_fails_the_run_in_one_fatal_line_and_a_rerun_r
   assert "Taking over the stale lock of host " in caplog.text, caplog.text[-3000:]
   assert "Resuming from the checkpoint at step 10 in " in caplog.text, caplog.text[-3000:]
   assert checkpoint.Workdir(workdir).saved_steps()[-1] == 30
+
+
+def test_a_gs_step_without_its_commit_marker_is_removed_at_the_next_start_and_saved_again(
+    gcs, bucket, tmp_path):
+  """On gs:// Orbax writes a step in place and marks it finished with commit_success.txt: a step
+  cut by an outage (objects, no marker) is removed when the checkpoints are opened, and the same
+  step saves again at once; a finished step is kept (was, on the emulator: 'checkpoints/20
+  already exists', TensorFlow's stat cache still holding the removed step: `gcs_emulator`)."""
+  directory = f"{bucket}/run/checkpoints"
+  state = lambda step: {"step": np.array(step, np.int32), "w": np.full([4], step, np.float32)}
+  first = checkpoint.Workdir(f"{bucket}/run").checkpoints(keep=None, asynchronous=False)
+  first.save(10, state(10), cost={"step": 10})
+  first.close()
+  # Step 20 as a stopped server leaves it: some of its objects, written without the commit marker
+  # (nor a directory marker object: straight to the server, as TensorStore writes them).
+  (tmp_path / "part").write_bytes(b"cut")
+  for name in ("_CHECKPOINT_METADATA", "state/manifest.ocdbt", "state/d/0123"):
+    gcs.upload(str(tmp_path / "part"), f"{directory}/20/{name}")
+  assert checkpoint.Workdir(f"{bucket}/run").saved_steps() == [10]
+
+  checkpoints = checkpoint.Workdir(f"{bucket}/run").checkpoints(keep=None, asynchronous=False)
+  assert checkpoints.all_steps() == [10]
+  checkpoints.save(20, state(20), cost={"step": 20})
+  checkpoints.close()
+  saved = _objects(gcs, bucket, "run/checkpoints")
+  assert "20/state/d/0123" not in saved and "20/commit_success.txt" in saved, saved
+  assert checkpoint.Workdir(f"{bucket}/run").saved_steps() == [10, 20]
+  for step in (10, 20):
+    restored, cost = checkpoints.restore(step, state(0))
+    assert cost == {"step": step} and int(restored["step"]) == step
+    np.testing.assert_array_equal(restored["w"], np.full([4], step, np.float32))
 
 
 @pytest.mark.slow

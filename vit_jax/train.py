@@ -204,7 +204,8 @@ def _open_run(run: _Run, held: contextlib.ExitStack
   state = _initial_state(run, checkpoints)
   # After the restore, so that a refused run leaves no events file.
   with stops.deferred_stop():
-    writer = run_dir.metric_writer(checkpoint.flatten_params(config.to_dict(), sep="."))
+    writer = run_dir.metric_writer(checkpoint.flatten_params(config.to_dict(), sep="."),
+                                   settle=checkpoints.wait_until_finished)
     held.push(_closing(writer.close, always=True))  # Before a failure is reported.
   num_params = sum(x.size for x in jax.tree.leaves(state["params"]))
   logging.info("Model %s: %s parameters; %d of %d steps done.", config.model_name,

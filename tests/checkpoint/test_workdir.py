@@ -266,6 +266,65 @@ def test_events_that_cannot_be_written_are_a_checkpoint_save_error(tmp_path):
     writer.flush()
 
 
+def test_events_failing_in_the_writer_thread_fail_the_next_call_without_a_traceback(
+    tmp_path, monkeypatch, caplog):
+  """The storage stops answering while clu's writer thread flushes the events: nothing logged
+  there (was: clu's 'Error in producer thread' with TensorFlow's traceback, beside the run's
+  FATAL line); the next call raises CheckpointSaveError naming the cause, after `settle` (the
+  save in flight: its failure is raised instead); later writes are not attempted."""
+  from clu.metric_writers import utils  # pylint: disable=g-import-not-at-top
+  stopped = ('All 5 retry attempts failed. The last failure: Error executing an HTTP request: '
+             "libcurl code 7 meaning 'Couldn't connect to server'\n\tCould not flush events file.")
+  written = []
+
+  class Stopped:  # clu's SummaryWriter once the storage stopped answering at step 2.
+    def __init__(self, logdir):
+      assert logdir == str(tmp_path)
+
+    def write_hparams(self, hparams):
+      written.append(hparams)
+
+    def write_scalars(self, step, scalars):
+      if step >= 2:
+        raise RuntimeError(stopped)
+      written.append(step)
+
+    def flush(self):
+      pass
+
+    def close(self):
+      pass
+
+  monkeypatch.setattr(utils, 'SummaryWriter', Stopped)  # In clu's create_default_writer.
+  settled = []
+
+  def settle():  # Checkpoints.wait_until_finished in a run.
+    settled.append(len(written))
+    if len(settled) == 3:
+      raise checkpoint.CheckpointSaveError('Saving a checkpoint ... failed (step 2, ...')
+
+  writer = checkpoint.Workdir(str(tmp_path)).metric_writer({'lr': 0.5, 'name': 'x', 'd': {}},
+                                                           settle=settle)
+  writer.write_scalars(1, {'loss': 1.0})
+  writer.flush()
+  caplog.set_level(logging.DEBUG)
+  with pytest.raises(checkpoint.CheckpointSaveError) as info:
+    writer.write_scalars(2, {'loss': 1.0})  # Fails in the thread: raised here or by the flush.
+    writer.flush()
+  assert str(info.value) == (
+      f'Writing the TensorBoard events to {tmp_path} failed: All 5 retry attempts failed. The '
+      "last failure: Error executing an HTTP request: libcurl code 7 meaning 'Couldn't connect "
+      "to server'. The checkpoints already saved are intact; wait until the storage answers "
+      'again (each request was retried as GCS_RETRY_CONFIG_MAX_RETRIES says; docs/pods.md) and '
+      'rerun the same command to resume.')
+  with pytest.raises(checkpoint.CheckpointSaveError):
+    writer.write_scalars(3, {'loss': 1.0})
+  with pytest.raises(checkpoint.CheckpointSaveError, match=r'^Saving a checkpoint .* \(step 2, '):
+    writer.close()
+  assert written == [{'lr': 0.5, 'name': 'x'}, 1] and settled == [2, 2, 2]
+  assert [r.getMessage() for r in caplog.records if r.exc_info or r.levelno >= logging.ERROR] == []
+
+
 # tensorstore's threads report the failed restore's pending callbacks as bare "Event loop is
 # closed" errors that no Python object raises; the program logs them at DEBUG
 # (vit_jax.platform.quiet_unraisable_hook), pytest's own hook would warn.

@@ -227,18 +227,22 @@ class Workdir:
       logging.getLogger('absl').warning("Ignoring %s (%s).", self.cost_json, e)
       return None
 
-  def metric_writer(self, hparams: Dict[str, Any]):
-    """clu's asynchronous TensorBoard writer (process 0 writes) with the scalar ``hparams``;
-    CheckpointSaveError (also from its methods) when the events cannot be written."""
+  def metric_writer(self, hparams: Dict[str, Any], settle: Optional[Callable[[], None]] = None):
+    """clu's TensorBoard writer (process 0 writes; clu's ``AsyncWriter`` thread writes) with the
+    scalar ``hparams``; CheckpointSaveError (also from its methods) when the events cannot be
+    written, a failure of that thread at the next call (:class:`_Background`), after ``settle()``
+    (``Checkpoints.wait_until_finished``: a failed save's error, naming the intact step, first)."""
     from clu import metric_writers  # pylint: disable=g-import-not-at-top  (TensorFlow)
     try:
       writer = metric_writers.create_default_writer(
-          self.path, just_logging=jax.process_index() > 0, asynchronous=True)
+          self.path, just_logging=jax.process_index() > 0, asynchronous=False)
     except Exception as e:  # pylint: disable=broad-except  (TensorFlow's are not OSErrors)
       raise CheckpointSaveError(
           f'Cannot write the TensorBoard events to {self.path}: {storage.first_line(e)}. Free disk '
           'space or fix the permissions there, then rerun the same command.') from e
-    writer = _EventsWriter(writer, self.path)
+    background = _Background(writer)
+    writer = _EventsWriter(metric_writers.AsyncWriter(background), self.path, background,
+                           settle)
     writer.write_hparams({k: v for k, v in hparams.items()
                           if isinstance(v, (int, float, str, bool))})
     return writer
@@ -267,21 +271,57 @@ def damaged_step_error(directory: Any, steps: List[int], error: Optional[Excepti
       'then rerun the same command.')
 
 
-class _EventsWriter:
-  """A clu metric writer whose disk/permission failures become :class:`CheckpointSaveError`."""
+class _Background:
+  """A clu metric writer called in clu's ``AsyncWriter`` thread that keeps its first failure for
+  :class:`_EventsWriter` to raise in the caller's thread (raised here, clu's pool would log it
+  with a traceback: e.g. a stopped storage's 'Could not flush events file'); the calls after it
+  do nothing."""
 
-  def __init__(self, writer: Any, path: str):
+  def __init__(self, writer: Any):
+    self._writer = writer
+    self.failure: Optional[Exception] = None
+
+  def __getattr__(self, name: str) -> Any:
+    method = getattr(self._writer, name)
+
+    def call(*args, **kwargs):
+      if self.failure is None:
+        try:
+          method(*args, **kwargs)
+        except Exception as e:  # pylint: disable=broad-except  (raised by _EventsWriter)
+          self.failure = e
+
+    return call
+
+
+class _EventsWriter:
+  """A clu metric writer whose disk/permission/storage failures become
+  :class:`CheckpointSaveError`, also those ``background`` kept (raised at the next call, after
+  ``settle()``)."""
+
+  def __init__(self, writer: Any, path: str, background: Optional[_Background] = None,
+               settle: Optional[Callable[[], None]] = None):
     self._writer = writer
     self._path = path
+    self._background = background
+    self._settle = settle
 
   def __getattr__(self, name: str) -> Any:
     method = getattr(self._writer, name)
     if not callable(method):
       return method
+    what = f'the TensorBoard events to {self._path}'
 
     def call(*args, **kwargs):
-      with _writing(f'the TensorBoard events to {self._path}'):
-        return method(*args, **kwargs)
+      with _writing(what):
+        result = method(*args, **kwargs)
+      failure = self._background.failure if self._background is not None else None
+      if failure is None:
+        return result
+      if self._settle is not None:  # The storage failed the save in flight too: its error.
+        self._settle()
+      with _writing(what):
+        raise failure
 
     return call
 
@@ -423,7 +463,8 @@ class Checkpoints:
       if (self._saving not in (None, step) and not storage.is_remote(directory)
           and self._saving in rundir.saved_steps(directory)):
         kept.append(self._saving)
-      which = 'the last save' if step is None else f'step {step}'
+      failed = step if step is not None or self._saving in kept else self._saving
+      which = 'the last save' if failed is None else f'step {failed}'
       intact = (f'the checkpoint of step {max(kept)} is intact' if kept else
                 'there is no earlier checkpoint')
       cause = 'No space left on device' if why == 'full' else storage.first_line(error)
