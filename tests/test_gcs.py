@@ -110,6 +110,7 @@ def test_a_run_on_a_gs_workdir_is_refused_to_a_second_run_stopped_and_resumed_ex
     assert _fatal(second.stderr)[0].startswith(
         f"FATAL: --workdir {workdir} is in use by another run (host "), second.stderr[-3000:]
     assert proc.poll() is None, "the first run should go on"
+    gcs.set_faults()  # The save on SIGTERM at full speed (0.5 s a request: minutes).
     proc.send_signal(signal.SIGTERM)
     _, stderr = proc.communicate(timeout=120)
   finally:

@@ -8,7 +8,6 @@ skipped without it; the others run everywhere."""
 
 import functools
 import importlib.util
-import io
 import json
 import os
 import re
@@ -455,16 +454,13 @@ def test_accumulation_around_the_layers_is_counted_as_it_runs():
 
 @requires_libtpu
 @pytest.mark.slow
-def test_the_json_report_gives_the_estimate_that_the_cost_tool_takes(tmp_path, capsys,
-                                                                     monkeypatch):
+def test_the_json_report_gives_the_estimate_that_the_cost_tool_takes(tmp_path, capsys):
   """The pre-flight's main in this process (its exit codes as a program: the test below)."""
   path = tmp_path / "out.json"
   flags = _flags(TINY_VIT, **LAYERED)
   flags = ["--config", os.path.join(ROOT, TINY_VIT[0]), *flags[2:]]
-  printed = io.StringIO()  # `run` prints to the sys.stdout of its import, not capsys's.
-  monkeypatch.setattr(preflight_cli, "run", functools.partial(preflight_cli.run, out=printed))
   code = preflight_cli.main([*flags, "--accelerator", "v4-8", "--json", str(path)])
-  stdout = printed.getvalue()
+  stdout = capsys.readouterr().out
   assert code == 0, stdout
   assert f"\nWrote {path}\n" in stdout
   report = json.loads(path.read_text())
