@@ -209,6 +209,13 @@ def test_main_trains_writes_metrics_and_resumes(tmp_path, caplog):
   assert "Resuming from the checkpoint at step 4" in log and results["step"] == 6
   assert f"Resuming {workdir} with config.total_steps=6 (it recorded 4)." in log
   assert f"Resuming {workdir} with config.log_every_steps=1 (it recorded 2)." in log
+  # The cosine that ended at step 4 now has 2 steps more: step 5's rate rises from ~0 again.
+  rates = re.search(r"The learning rate of step 5 is (\S+) with the changes \((\S+) as "
+                    r"recorded\): the schedule is a function of the step and of the changed "
+                    r"keys\.", log)
+  assert rates, log
+  cosine = 0.002 * 0.5 * (1 + np.cos(np.pi * (5 - 1) / (6 - 1)))  # Warm-up 1 step, then 5.
+  assert float(rates[1]) == pytest.approx(cosine, rel=1e-3) and float(rates[2]) < 1e-9
   scalars = _scalars(workdir)
   assert sorted(scalars["train/loss"]) == [2, 4, 5, 6]  # Steps 1-4 were not trained again.
   assert sorted(os.listdir(os.path.join(workdir, "checkpoints")))[-1] == "6"

@@ -392,6 +392,14 @@ def batch_shards(mesh_config: ml_collections.ConfigDict, num_devices: int) -> in
   return math.prod(sizes[a] for a in sharding.batch_axes(sharding.parse_rules(mesh_config.rules)))
 
 
+def learning_rate(config: ml_collections.ConfigDict, step: int) -> float:
+  """The learning rate of training step ``step + 1`` (after ``step`` updates) under the schedule
+  of a resolved ``config`` (`optim.schedule_from_config`); raises as that."""
+  schedule = optim.schedule_from_config(config.optim, batch_size=config.batch_size,
+                                        total_steps=config.total_steps)
+  return float(schedule(step))
+
+
 def build(config: ml_collections.ConfigDict, *, image_shape: Sequence[int],
           devices: Optional[Sequence[Any]] = None) -> Setup:
   """The `Setup` of a config resolved for `devices` (default `jax.devices()`; a TPU topology's

@@ -306,7 +306,7 @@ def _prepare(config: ml_collections.ConfigDict, workdir: str,
   resuming = bool(run_dir.saved_steps())
   if resuming:  # A checkpoint of another model, a changed config: refused now.
     run_dir.check_state_fits(setup.abstract_state)
-    _check_resume(config, run_dir)
+    _check_resume(config, run_dir, run_dir.saved_steps()[-1])
   read = _read_mode(config, run_dir, resuming)
   finetune = None
   if config.init_from and resuming:
@@ -324,11 +324,13 @@ def _prepare(config: ml_collections.ConfigDict, workdir: str,
               dataset_record(config, info, read), compiler, train_step, fewshot_eval)
 
 
-def _check_resume(config: ml_collections.ConfigDict, run_dir: checkpoint.Workdir) -> None:
+def _check_resume(config: ml_collections.ConfigDict, run_dir: checkpoint.Workdir,
+                  step: int) -> None:
   """Refuses to resume `run_dir` when `config` changes a key of what its run trains (its
   config.json's; `config_lib.resume_changes`) unless `config.resume_with_changes`; logs the
-  changes it resumes with."""
-  changes = config_lib.resume_changes(run_dir.read_config() or {}, config)
+  changes it resumes with, and the learning rate at `step` where the schedule changed it."""
+  recorded = run_dir.read_config() or {}
+  changes = config_lib.resume_changes(recorded, config)
   refused = [c for c in changes if c[3]]
   if refused and not config.resume_with_changes:
     key, old, value, _ = refused[0]
@@ -342,6 +344,23 @@ def _check_resume(config: ml_collections.ConfigDict, run_dir: checkpoint.Workdir
   for key, old, value, trained in changes:
     logging.log(logging.WARNING if trained else logging.INFO, "Resuming %s with config.%s=%r "
                 "(it recorded %r).", run_dir.path, key, value, old)
+  if refused:
+    _log_learning_rate_change(recorded, config, step)
+
+
+def _log_learning_rate_change(recorded: dict[str, Any], config: ml_collections.ConfigDict,
+                              step: int) -> None:
+  """Warns when the schedule of `config` gives step `step + 1` another learning rate than the
+  `recorded` config's (e.g. a longer cosine: it rises again from near 0)."""
+  try:
+    before = step_lib.learning_rate(config_lib.from_json(recorded), step)
+  except (KeyError, TypeError, ValueError):  # Another version's config.json: no comparison.
+    return
+  after = step_lib.learning_rate(config, step)
+  if not np.isclose(before, after, rtol=1e-6, atol=0.0):
+    logging.warning("The learning rate of step %d is %.4g with the changes (%.4g as recorded): "
+                    "the schedule is a function of the step and of the changed keys.", step + 1,
+                    after, before)
 
 
 def _read_mode(config: ml_collections.ConfigDict, run_dir: checkpoint.Workdir,
