@@ -139,3 +139,14 @@ def test_a_word_for_a_boolean_key_is_named_with_the_values_it_takes():
     cli.load_config(["--config", "configs/fashion_mnist.py", "--config.async_checkpointing=maybe"])
   assert str(error.value) == ("flag --config.async_checkpointing=maybe: 'maybe' is not a boolean: "
                               "give True or False")
+
+
+@pytest.mark.parametrize("flag,expected", [
+    ("--config.batch_size=abc", "'abc' is not an integer: give a whole number, e.g. 128"),
+    ("--config.batch_size=12.5", "'12.5' is not an integer: give a whole number, e.g. 128"),
+    ("--config.optim.lr=fast", "'fast' is not a number: give one such as 0.5 or 1e-3")])
+def test_a_word_for_a_number_key_says_what_the_key_takes(flag, expected):
+  """Python's own messages (`invalid literal for int() with base 10: 'abc'`) name no fix."""
+  with pytest.raises(ValueError) as error:
+    cli.load_config(["--config", "configs/fashion_mnist.py", flag])
+  assert str(error.value) == f"flag {flag}: {expected}"

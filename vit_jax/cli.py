@@ -54,11 +54,16 @@ def unknown_override_message(argv: list[str]) -> str | None:
 
 #: absl's message for a boolean flag given another word, an args tuple as it prints it.
 _NOT_BOOLEAN = re.compile(r"\('Non-boolean argument to boolean flag', (.+)\)$")
+#: Python's messages for an integer or float key given another word (ml_collections parses).
+_NOT_INTEGER = re.compile(r"invalid literal for int\(\) with base 10: (.+)$")
+_NOT_NUMBER = re.compile(r"could not convert string to float: (.+)$")
 
 
 def _without_traceback(message: str) -> str:
   """ml_collections' flag error without the config file's traceback: which flag, what is wrong."""
   message = _NOT_BOOLEAN.sub(r"\1 is not a boolean: give True or False", message)
+  message = _NOT_INTEGER.sub(r"\1 is not an integer: give a whole number, e.g. 128", message)
+  message = _NOT_NUMBER.sub(r"\1 is not a number: give one such as 0.5 or 1e-3", message)
   if "Traceback (most recent call last)" not in message:
     return message
   head = message.split("Traceback (most recent call last)")[0].strip()

@@ -5,6 +5,8 @@ measuring."""
 import importlib
 import inspect
 import pathlib
+import subprocess
+import sys
 
 import pytest
 
@@ -31,3 +33,13 @@ def test_measure_attention_refuses_a_json_folder_that_is_missing_before_measurin
   assert measure_attention.main(["--core", "--json", "/no/such/dir/core.json"]) == 2
   assert capsys.readouterr().err == (
       "FATAL: --json /no/such/dir/core.json: the directory /no/such/dir does not exist.\n")
+
+
+def test_the_old_command_names_the_new_one():
+  """`python -m vit_jax.benchmark` (the harness's command until it left the package)."""
+  done = subprocess.run([sys.executable, "-m", "vit_jax.benchmark", "ViT-Ti_16"], cwd=ROOT,
+                        capture_output=True, text=True, check=False)
+  assert (done.returncode, done.stdout) == (2, "")
+  assert done.stderr == ("FATAL: the benchmark is no longer part of the package: run `python -m "
+                         "benchmarks` from the root of the vit_jax repository "
+                         "(benchmarks/README.md).\n")

@@ -110,6 +110,19 @@ def test_a_refused_run_removes_the_directories_its_lock_created(tmp_path):
   assert sorted(os.listdir(tmp_path / "kept")) == ["config.json"]
 
 
+def test_folders_made_above_the_workdir_are_named_in_a_warning(tmp_path, caplog):
+  """A mistyped parent is made, as `mkdir -p` would, but not silently."""
+  with caplog.at_level(logging.WARNING, logger="absl"):
+    with lock_lib.WorkdirLock(str(tmp_path / "runs")):
+      pass
+    assert not caplog.records  # Only the workdir itself was made.
+    with lock_lib.WorkdirLock(str(tmp_path / "typo" / "x" / "run")):
+      pass
+  assert caplog.messages == [
+      f"Created the workdir {tmp_path / 'typo' / 'x' / 'run'} and the folders above it, which "
+      f"did not exist: {tmp_path / 'typo'}, {tmp_path / 'typo' / 'x'}."]
+
+
 def test_a_lock_json_that_is_a_directory_is_named_with_the_fix(tmp_path):
   """Issue 37: an IsADirectoryError traceback (exit 1). Now a PermissionError, which the
   trainer's config phase reports as one FATAL line (exit 2); the directory is left alone."""

@@ -208,6 +208,10 @@ class WorkdirLock:
       with contextlib.suppress(FileExistsError):
         os.mkdir(directory)
         self._created.append(directory)
+    above = self._created[:-1]  # Folders above the workdir: a mistyped path, perhaps.
+    if above:
+      _log.warning("Created the workdir %s and the folders above it, which did not exist: %s.",
+                   self._created[-1], ", ".join(above))
 
   def _acquire_local(self) -> None:
     import fcntl  # pylint: disable=g-import-not-at-top  (POSIX only)
