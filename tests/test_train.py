@@ -86,7 +86,7 @@ def test_main_stops_on_bad_flags_and_configs_with_one_line_and_exit_code_2(tmp_p
       ([*fashion_mnist, "--config.unknown_key=1"],
        "FATAL: Unknown config key 'unknown_key' in '--config.unknown_key=1'"),
       ([*fashion_mnist, "--config.batch_size=abc"],  # A wrong type.
-       "FATAL: flag --config.batch_size=abc: invalid literal for int()"),
+       "FATAL: flag --config.batch_size=abc: 'abc' is not an integer: give a whole number"),
       # A config file that refuses its argument: the file's own message.
       (["--config", "configs/t2t.py:99", "--workdir", str(workdir)],
        "configs/t2t.py: unknown model '99'; use one of 7, 10, 12"),

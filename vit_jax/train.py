@@ -303,10 +303,11 @@ def _prepare(config: ml_collections.ConfigDict, workdir: str,
   fewshot_eval = None
   if config.fewshot.every_steps:  # Its datasets and splits are checked now, before any write.
     fewshot_eval = fewshot.Evaluator.from_config(config, setup, compiler=compiler)
-  resuming = bool(run_dir.saved_steps())
+  saved = run_dir.saved_steps()
+  resuming = bool(saved)
   if resuming:  # A checkpoint of another model, a changed config: refused now.
     run_dir.check_state_fits(setup.abstract_state)
-    _check_resume(config, run_dir, run_dir.saved_steps()[-1])
+    _check_resume(config, run_dir, saved[-1])
   read = _read_mode(config, run_dir, resuming)
   finetune = None
   if config.init_from and resuming:
